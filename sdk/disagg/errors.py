@@ -1,0 +1,144 @@
+"""The SDK's error types: the only exceptions a driver or the composer may raise to a caller.
+
+Each carries a stable ``reason`` (an UPPER_SNAKE identifier, sent as google.rpc ErrorInfo reason at the
+gRPC edge) and is marked ``retryable`` when the same call may succeed later without any change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class DisaggError(Exception):
+    """Base of every SDK error."""
+
+    reason = "DISAGG_ERROR"
+    retryable = False
+
+    def __init__(self, message: str, *, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+
+class InvalidRequestError(DisaggError):
+    """The caller's input is malformed or inconsistent; ``field`` names the offending part."""
+
+    reason = "INVALID_REQUEST"
+
+    def __init__(self, message: str, *, field: str = "", metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, metadata=metadata)
+        self.field = field
+
+
+class ConfigError(InvalidRequestError):
+    """A configuration file or driver option is wrong."""
+
+    reason = "INVALID_CONFIG"
+
+
+class NotFoundError(DisaggError):
+    """A named resource does not exist; ``resource_type`` and ``name`` say which."""
+
+    reason = "NOT_FOUND"
+
+    def __init__(self, resource_type: str, name: str, message: str = "") -> None:
+        super().__init__(message or f"{resource_type} {name!r} not found")
+        self.resource_type = resource_type
+        self.name = name
+
+
+class UnknownDeviceError(NotFoundError):
+    reason = "UNKNOWN_DEVICE"
+
+    def __init__(self, name: str, message: str = "") -> None:
+        super().__init__("device", name, message)
+
+
+class UnknownHostError(NotFoundError):
+    reason = "UNKNOWN_HOST"
+
+    def __init__(self, name: str, message: str = "") -> None:
+        super().__init__("host", name, message)
+
+
+class DeviceBusyError(DisaggError):
+    """The device is bound to another host, reserved, or not healthy enough to bind."""
+
+    reason = "DEVICE_BUSY"
+
+
+class HostUnreachableError(DisaggError):
+    """No working fabric path joins the host and the device."""
+
+    reason = "HOST_UNREACHABLE"
+
+
+class StaleEpochError(DisaggError):
+    """A mutating call carried a fencing epoch older than one the driver has already seen."""
+
+    reason = "STALE_EPOCH"
+
+
+class NoFitError(DisaggError):
+    """Placement found no way to meet a request; the message says which constraint failed and by how much."""
+
+    reason = "NO_FIT"
+
+
+class CapacityExhaustedError(DisaggError):
+    """A pool has too little free capacity for an allocation."""
+
+    reason = "CAPACITY_EXHAUSTED"
+
+
+class ConflictError(DisaggError):
+    """An etag or state precondition did not hold; nothing was changed."""
+
+    reason = "CONFLICT"
+
+
+class UnsupportedError(DisaggError):
+    """The driver did not declare the capability the call needs."""
+
+    reason = "UNSUPPORTED"
+
+
+class FabricUnavailableError(DisaggError):
+    """The driver or its hardware could not be reached; the call changed nothing and may be retried."""
+
+    reason = "FABRIC_UNAVAILABLE"
+    retryable = True
+
+
+class DeadlineExceededError(DisaggError):
+    """The call's deadline passed before it finished; its effect is unknown until the next discovery."""
+
+    reason = "DEADLINE_EXCEEDED"
+    retryable = True
+
+
+class PluginError(DisaggError):
+    """A plugin failed to load or registered something invalid."""
+
+    reason = "PLUGIN_ERROR"
+
+
+__all__ = [
+    "CapacityExhaustedError",
+    "ConfigError",
+    "ConflictError",
+    "DeadlineExceededError",
+    "DeviceBusyError",
+    "DisaggError",
+    "FabricUnavailableError",
+    "HostUnreachableError",
+    "InvalidRequestError",
+    "NoFitError",
+    "NotFoundError",
+    "PluginError",
+    "StaleEpochError",
+    "UnknownDeviceError",
+    "UnknownHostError",
+    "UnsupportedError",
+]

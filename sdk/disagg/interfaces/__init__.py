@@ -1,0 +1,18 @@
+"""The abstract interfaces: `Fabric`, `Pool` and `Device` for drivers, `Composer` for clients."""
+
+from disagg.interfaces.composer import Composer, ComposeResult
+from disagg.interfaces.context import CallContext
+from disagg.interfaces.fabric import Device, EventHandler, Fabric, Pool, Subscription
+from disagg.interfaces.faults import FaultInjection
+
+__all__ = [
+    "CallContext",
+    "ComposeResult",
+    "Composer",
+    "Device",
+    "EventHandler",
+    "Fabric",
+    "FaultInjection",
+    "Pool",
+    "Subscription",
+]

@@ -1,0 +1,38 @@
+"""The context every mutating driver call carries: the fencing epoch, the deadline, the request id."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from disagg.errors import DeadlineExceededError
+
+
+@attrs.frozen
+class CallContext:
+    """Passed to every mutating call of a `Fabric` or `Pool`.
+
+    ``epoch`` is the fabric manager's fencing epoch: a driver remembers the highest it has seen and refuses
+    a call with an older one (`StaleEpochError`), so a deposed manager cannot undo the work of its successor.
+    ``deadline`` is a ``time.monotonic()`` instant after which the caller no longer waits; a driver that
+    blocks checks it and raises `DeadlineExceededError` rather than carrying on past it.
+    """
+
+    epoch: int = 0
+    deadline: float | None = None
+    request_id: str = ""
+
+    @classmethod
+    def with_timeout(cls, seconds: float, *, epoch: int = 0, request_id: str = "") -> CallContext:
+        return cls(epoch=epoch, deadline=time.monotonic() + seconds, request_id=request_id)
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline, or None when there is no deadline."""
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
+
+    def check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise DeadlineExceededError("the call's deadline passed")

@@ -1,0 +1,151 @@
+"""What a driver implements: `Fabric`, and for carved capacity `Pool`, and per device `Device`.
+
+The driver interface is synchronous and thread-safe, on purpose. Drivers do blocking I/O (QMP, sockets,
+HTTP) and are called from the fabric manager's thread-pool gRPC server, which answered more calls per second
+than ``grpc.aio`` on the 2-core machines we target (``docs/driver-interface.md`` gives the measurement and
+``bench/grpc_models.py`` repeats it). A driver that prefers asyncio inside runs its own loop in a thread.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+
+from disagg.errors import UnsupportedError
+from disagg.interfaces.context import CallContext
+from disagg.model import Allocation, Binding, Capabilities, FabricEvent, Health, PoolInfo, Topology
+from disagg.model import Device as DeviceInfo
+
+EventHandler = Callable[[FabricEvent], None]
+
+
+class Subscription(abc.ABC):
+    """A registration of an event handler; `cancel` is idempotent."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None: ...
+
+
+class Device(abc.ABC):
+    """A live handle on one device, for operations that concern the device alone."""
+
+    @property
+    @abc.abstractmethod
+    def id(self) -> str: ...
+
+    @abc.abstractmethod
+    def describe(self) -> DeviceInfo:
+        """The device as discovered now. Raises `UnknownDeviceError` once it is gone."""
+
+    def health(self) -> Health:
+        return self.describe().health
+
+    def sanitize(self, ctx: CallContext) -> None:
+        """Erase what the last host left (CXL sanitize, NVMe format); only with the SANITIZE feature.
+
+        Blocks until done or until ``ctx.deadline``. Idempotent.
+        """
+        raise UnsupportedError(f"device {self.id} cannot be sanitized")
+
+
+class Pool(abc.ABC):
+    """Capacity that is carved for hosts: an MLD's logical devices or a DCD's extents.
+
+    Allocation ids are chosen by the caller. ``allocate`` with an id that exists for the same host and
+    amount returns the existing allocation and carves nothing more; with a different host or amount it
+    raises `ConflictError`. ``release`` of an unknown id does nothing. Extents never overlap, and every
+    allocation is a whole number of ``info().capacity.block_bytes``.
+    """
+
+    @property
+    @abc.abstractmethod
+    def id(self) -> str: ...
+
+    @abc.abstractmethod
+    def info(self) -> PoolInfo: ...
+
+    @abc.abstractmethod
+    def allocations(self) -> Sequence[Allocation]:
+        """What the hardware holds now; the truth that reconciliation compares the ledger with."""
+
+    @abc.abstractmethod
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        """Carve ``amount_bytes`` (rounded up to whole blocks) for ``host``.
+
+        Raises `CapacityExhaustedError`, `UnknownHostError`, `HostUnreachableError`, `StaleEpochError`,
+        `ConflictError`, `FabricUnavailableError` or `DeadlineExceededError`; on any error nothing is carved.
+        """
+
+    @abc.abstractmethod
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        """Give an allocation's extents back. Idempotent; raises only `StaleEpochError`,
+        `FabricUnavailableError` or `DeadlineExceededError`."""
+
+    def free_bytes(self) -> int:
+        return self.info().capacity.total_bytes - sum(a.amount_bytes for a in self.allocations())
+
+
+class Fabric(abc.ABC):
+    """One fabric instance managed by a driver: a PCIe/CXL switch domain, an appliance, a simulator.
+
+    The contract for driver authors:
+
+    - Thread safety: any method may be called from several threads at once.
+    - Identity: device ids are ``<fabric name>/<local id>`` and stable across `discover` calls and driver
+      restarts; serials are unique within the fabric.
+    - Idempotency: `bind` of a device already bound to the same host returns the existing binding; `unbind`
+      of a binding that no longer exists does nothing. A retried call never doubles an effect.
+    - Fencing: every mutating call carries a `CallContext`. A driver that declares FENCING keeps the highest
+      epoch seen and refuses an older one with `StaleEpochError` before it touches anything.
+    - Errors: only `disagg.errors` types escape. A failed call leaves the hardware as it was.
+    - Blocking: `bind`, `unbind`, `Pool.allocate` and `Pool.release` may block on hardware but honour
+      ``ctx.deadline``; `discover`, `bindings` and `capabilities` should answer from the driver's view
+      without long waits.
+    - Events: handlers passed to `subscribe` are called from the driver's own thread, in order, and must not
+      block; a driver declaring HEALTH_EVENTS reports a failure within ``capabilities().event_latency_s``.
+    """
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The fabric instance name from the configuration; the prefix of its device ids."""
+
+    @abc.abstractmethod
+    def capabilities(self) -> Capabilities: ...
+
+    @abc.abstractmethod
+    def discover(self) -> Topology:
+        """The fabric as it is now. Raises `FabricUnavailableError` when it cannot be reached."""
+
+    @abc.abstractmethod
+    def bindings(self) -> Sequence[Binding]:
+        """Every whole-device binding the hardware holds now."""
+
+    @abc.abstractmethod
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        """Bind a whole device to a host (hot-add).
+
+        Raises `UnknownDeviceError`, `UnknownHostError`, `DeviceBusyError` (bound elsewhere or failed),
+        `HostUnreachableError`, `StaleEpochError`, `UnsupportedError`, `FabricUnavailableError` or
+        `DeadlineExceededError`.
+        """
+
+    @abc.abstractmethod
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        """Take a device away from a host. Idempotent: an absent binding is not an error."""
+
+    def device(self, device: str) -> Device:
+        """A live handle on one device; raises `UnknownDeviceError`."""
+        raise UnsupportedError(f"fabric {self.name} gives no device handles")
+
+    def pool(self, pool: str) -> Pool:
+        """The carving interface of one pool; raises `NotFoundError` or `UnsupportedError`."""
+        raise UnsupportedError(f"fabric {self.name} has no carved pools")
+
+    @abc.abstractmethod
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        """Call ``handler`` for every fabric event from now on."""
+
+    def close(self) -> None:
+        """Release what the driver holds (processes, sockets). Idempotent; the default holds nothing."""
+        return None

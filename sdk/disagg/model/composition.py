@@ -1,0 +1,231 @@
+"""Composition requests, plans and composed systems, after Redfish's CompositionService."""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from disagg.model.devices import AttributeValue, DeviceKind
+
+
+@attrs.frozen
+class Binding:
+    """A whole device bound to a host (a vPPB bound to a port, in CXL FM API terms)."""
+
+    device: str
+    host: str
+
+
+@attrs.frozen
+class Extent:
+    """A carved range of a pool's device physical address space (a DC extent or an LD range)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@attrs.frozen
+class Allocation:
+    """Memory carved from a pool for a host. ``id`` is chosen by the caller so that retries are idempotent."""
+
+    id: str
+    pool: str
+    host: str
+    amount_bytes: int
+    extents: tuple[Extent, ...] = ()
+
+
+class SelectorOp(enum.Enum):
+    EQ = "="
+    NE = "!="
+    GE = ">="
+    LE = "<="
+    GT = ">"
+    LT = "<"
+
+
+_COMPARE: dict[SelectorOp, Callable[[Any, Any], Any]] = {
+    SelectorOp.EQ: operator.eq,
+    SelectorOp.NE: operator.ne,
+    SelectorOp.GE: operator.ge,
+    SelectorOp.LE: operator.le,
+    SelectorOp.GT: operator.gt,
+    SelectorOp.LT: operator.lt,
+}
+
+
+@attrs.frozen
+class Selector:
+    """A test on one attribute: ``model = H200``, ``gpu_memory >= 80 GiB``."""
+
+    key: str
+    op: SelectorOp
+    value: AttributeValue
+
+    def matches(self, actual: AttributeValue | None) -> bool:
+        if actual is None:
+            return self.op is SelectorOp.NE
+        if isinstance(self.value, str) != isinstance(actual, str):
+            return self.op is SelectorOp.NE
+        if isinstance(actual, str) and isinstance(self.value, str) and self.op in (SelectorOp.EQ, SelectorOp.NE):
+            return bool(_COMPARE[self.op](actual.lower(), self.value.lower()))
+        try:
+            return bool(_COMPARE[self.op](actual, self.value))
+        except TypeError:
+            return False
+
+    def __str__(self) -> str:
+        return f"{self.key}{self.op.value}{self.value}"
+
+
+class Affinity(enum.Enum):
+    """Topology affinity of the devices of one resource request."""
+
+    NONE = "none"
+    SAME_SWITCH = "same-switch"
+
+
+@attrs.frozen
+class ResourceRequest:
+    """One line of a request: ``count`` whole devices, or ``amount_bytes`` of memory carved from pools."""
+
+    kind: DeviceKind
+    count: int = 0
+    amount_bytes: int = 0
+    selectors: tuple[Selector, ...] = ()
+    max_latency_ns: int | None = None
+    affinity: Affinity = Affinity.NONE
+    spread: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.count > 0) == (self.amount_bytes > 0):
+            raise ValueError(f"a {self.kind.value} request needs exactly one of a count or an amount")
+        if self.count < 0 or self.amount_bytes < 0:
+            raise ValueError("count and amount must not be negative")
+        if self.amount_bytes and self.kind is not DeviceKind.CXL_MEMORY:
+            raise ValueError(f"an amount of bytes can only be carved from cxl-memory, not {self.kind.value}")
+        if self.max_latency_ns is not None and self.max_latency_ns < 0:
+            raise ValueError("max latency must not be negative")
+
+    @property
+    def carved(self) -> bool:
+        return self.amount_bytes > 0
+
+    def matches(self, attribute: Callable[[str], AttributeValue | None]) -> bool:
+        return all(sel.matches(attribute(sel.key)) for sel in self.selectors)
+
+
+@attrs.frozen
+class HostRequest:
+    """The host of a composition: named outright, or chosen by minimum cores, memory and selectors."""
+
+    name: str | None = None
+    min_cores: int = 0
+    min_memory_bytes: int = 0
+    selectors: tuple[Selector, ...] = ()
+
+
+@attrs.frozen
+class CompositionRequest:
+    """What a client asks for: one host and the resources to bind to it, all or nothing."""
+
+    name: str
+    resources: tuple[ResourceRequest, ...]
+    host: HostRequest = HostRequest()
+
+    def __attrs_post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a composition needs a name")
+        if not self.resources:
+            raise ValueError("a composition needs at least one resource")
+
+
+class ComposeMode(enum.Enum):
+    """Redfish's Compose ``RequestType``: Preview, PreviewReserve, Apply."""
+
+    PREVIEW = "preview"
+    RESERVE = "reserve"
+    APPLY = "apply"
+
+
+class CompositionState(enum.Enum):
+    """After Redfish ``CompositionState``."""
+
+    COMPOSING = "COMPOSING"
+    COMPOSED = "COMPOSED"
+    DEGRADED = "DEGRADED"
+    DECOMPOSING = "DECOMPOSING"
+    FAILED = "FAILED"
+
+
+@attrs.frozen
+class DevicePick:
+    """A device chosen for a resource request, with the fabric latency from the host."""
+
+    device: str
+    resource: int
+    latency_ns: int
+
+
+@attrs.frozen
+class MemoryPick:
+    """Memory to carve from one pool for a resource request."""
+
+    pool: str
+    amount_bytes: int
+    resource: int
+    latency_ns: int
+
+
+@attrs.frozen
+class Plan:
+    """The outcome of placement: a host and what to bind or carve for it, in execution order."""
+
+    host: str
+    devices: tuple[DevicePick, ...] = ()
+    memory: tuple[MemoryPick, ...] = ()
+
+
+@attrs.frozen
+class Composition:
+    """A composed system: a host with devices bound and memory carved.
+
+    ``generation`` rises on every change and serves as the etag for guarded updates.
+    ``resources`` remembers each request line so that recomposition and healing keep its constraints.
+    """
+
+    id: str
+    name: str
+    host: str
+    state: CompositionState
+    resources: tuple[ResourceRequest, ...]
+    devices: tuple[DevicePick, ...] = ()
+    allocations: tuple[Allocation, ...] = ()
+    generation: int = 1
+    message: str = ""
+
+    @property
+    def etag(self) -> str:
+        return f'W/"{self.generation}"'
+
+    @property
+    def device_ids(self) -> tuple[str, ...]:
+        return tuple(p.device for p in self.devices)
+
+
+@attrs.frozen
+class Reservation:
+    """A plan held for a time to live (Redfish ``CompositionReservation``)."""
+
+    id: str
+    request: CompositionRequest
+    plan: Plan
+    expires_at: float

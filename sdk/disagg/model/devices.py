@@ -1,0 +1,128 @@
+"""Devices in a pool: what they are, how healthy, how much capacity they carry."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import attrs
+
+AttributeValue = str | int | float | bool
+"""An attribute is a scalar; selectors compare against it."""
+
+CXL_DC_BLOCK_BYTES = 256 * 1024 * 1024
+"""Block size of CXL dynamic capacity (256 MiB): the unit memory is carved in."""
+
+
+class DeviceKind(enum.Enum):
+    """What a device is, in the field's words."""
+
+    GPU = "gpu"
+    CXL_MEMORY = "cxl-memory"
+    NVME = "nvme"
+    NIC = "nic"
+    FPGA = "fpga"
+    DPU = "dpu"
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceKind:
+        """Accept the value (``cxl-memory``), the name (``CXL_MEMORY``) or a short alias (``cxl``)."""
+        key = text.strip().lower().replace("_", "-")
+        aliases = {"cxl": "cxl-memory", "mem": "cxl-memory", "memory": "cxl-memory", "ssd": "nvme"}
+        key = aliases.get(key, key)
+        for kind in cls:
+            if kind.value == key:
+                return kind
+        known = ", ".join(k.value for k in cls)
+        raise ValueError(f"unknown device kind {text!r}; known kinds: {known}")
+
+
+class Health(enum.Enum):
+    """Device health, after Redfish ``Status.Health`` plus UNKNOWN for an unreachable driver."""
+
+    OK = "OK"
+    DEGRADED = "DEGRADED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+
+
+def _freeze_mapping(value: Mapping[str, AttributeValue] | None) -> Mapping[str, AttributeValue]:
+    return MappingProxyType(dict(value or {}))
+
+
+def _freeze_labels(value: Mapping[str, str] | None) -> Mapping[str, str]:
+    return MappingProxyType(dict(value or {}))
+
+
+@attrs.frozen
+class Capacity:
+    """Memory a device can carve for hosts: total bytes in blocks of ``block_bytes``."""
+
+    total_bytes: int
+    block_bytes: int = CXL_DC_BLOCK_BYTES
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_bytes <= 0:
+            raise ValueError("block_bytes must be positive")
+        if self.total_bytes < 0 or self.total_bytes % self.block_bytes:
+            raise ValueError(
+                f"capacity {self.total_bytes} is not a non-negative multiple of the block size {self.block_bytes}"
+            )
+
+    @property
+    def blocks(self) -> int:
+        return self.total_bytes // self.block_bytes
+
+    def round_up(self, amount: int) -> int:
+        """The bytes actually carved for a request of ``amount`` bytes."""
+        return -(-amount // self.block_bytes) * self.block_bytes
+
+
+@attrs.frozen
+class Device:
+    """A composable device as a driver reports it.
+
+    ``id`` is fabric-scoped (``<fabric>/<local-id>``) and stable across discoveries; ``serial`` is what
+    matches a device across reboots and re-enumeration (never an OS name such as ``mem0``).
+    ``switch`` is the switch the device hangs off, ``link_latency_ns`` the latency of that last hop.
+    ``failure_domains`` are labels such as ``chassis``, ``power-feed``, ``rack``.
+    """
+
+    id: str
+    fabric: str
+    kind: DeviceKind
+    serial: str
+    vendor: str = ""
+    model: str = ""
+    switch: str = ""
+    link_latency_ns: int = 0
+    attributes: Mapping[str, AttributeValue] = attrs.field(factory=dict, converter=_freeze_mapping)
+    capacity: Capacity | None = None
+    health: Health = Health.OK
+    failure_domains: Mapping[str, str] = attrs.field(factory=dict, converter=_freeze_labels)
+
+    @property
+    def local_id(self) -> str:
+        return self.id.split("/", 1)[1] if "/" in self.id else self.id
+
+    def attribute(self, key: str) -> AttributeValue | None:
+        """Look a selector key up: the fixed fields first (``vendor``, ``model``, ``serial``), then attributes."""
+        if key == "vendor":
+            return self.vendor
+        if key == "model":
+            return self.model
+        if key == "serial":
+            return self.serial
+        if key == "kind":
+            return self.kind.value
+        return self.attributes.get(key)
+
+
+def device_id(fabric: str, local_id: str) -> str:
+    """The stable, fabric-scoped id of a device."""
+    if not fabric or "/" in fabric:
+        raise ValueError(f"invalid fabric name {fabric!r}")
+    if not local_id:
+        raise ValueError("empty device id")
+    return f"{fabric}/{local_id}"

@@ -1,0 +1,61 @@
+"""Events: what drivers report about hardware, and the composer's ordered, revisioned log."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+import attrs
+
+from disagg.model.devices import Health, _freeze_labels
+
+
+class FabricEventKind(enum.Enum):
+    """What a driver reports, after CXL event records (hot plug, surprise removal, link down)."""
+
+    DEVICE_HEALTH = "device-health"
+    DEVICE_ADDED = "device-added"
+    DEVICE_REMOVED = "device-removed"
+    LINK_DOWN = "link-down"
+    LINK_UP = "link-up"
+
+
+@attrs.frozen
+class FabricEvent:
+    """A hardware event from one fabric; ``subject`` is a device id or a link (``a|b``)."""
+
+    fabric: str
+    kind: FabricEventKind
+    subject: str
+    health: Health | None = None
+    message: str = ""
+
+
+class EventType(enum.Enum):
+    """Entries in the composer's event log."""
+
+    DEVICE_HEALTH_CHANGED = "DeviceHealthChanged"
+    DEVICE_ADDED = "DeviceAdded"
+    DEVICE_REMOVED = "DeviceRemoved"
+    LINK_STATE_CHANGED = "LinkStateChanged"
+    COMPOSITION_CREATED = "CompositionCreated"
+    COMPOSITION_STATE_CHANGED = "CompositionStateChanged"
+    COMPOSITION_UPDATED = "CompositionUpdated"
+    COMPOSITION_DELETED = "CompositionDeleted"
+    COMPOSITION_HEALED = "CompositionHealed"
+    RESERVATION_CREATED = "ReservationCreated"
+    RESERVATION_EXPIRED = "ReservationExpired"
+    RESERVATION_RELEASED = "ReservationReleased"
+    ROLLBACK_INCOMPLETE = "RollbackIncomplete"
+
+
+@attrs.frozen
+class Event:
+    """One entry of the event log. ``revision`` is strictly increasing; watchers resume from it."""
+
+    revision: int
+    type: EventType
+    subject: str
+    message: str = ""
+    time: float = 0.0
+    data: Mapping[str, str] = attrs.field(factory=dict, converter=_freeze_labels)

@@ -1,0 +1,58 @@
+"""Parsing and printing of sizes and latencies, for the request language, configuration and tables."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "pib": 1 << 50,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+}
+_LATENCY_UNITS = {"": 1, "ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000}
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Zµ]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``512GiB``, ``1.5TiB``, ``80 GB`` or a plain integer."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative: {text}")
+        return text
+    match = _NUMBER.match(text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use a number with B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def parse_latency(text: str | int) -> int:
+    """Nanoseconds from ``600ns``, ``1.2us``, ``2ms`` or a plain integer (nanoseconds)."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"latency must not be negative: {text}")
+        return text
+    match = _NUMBER.match(text)
+    if not match or match.group(2).lower() not in _LATENCY_UNITS:
+        raise ValueError(f"not a latency: {text!r} (use a number with ns, us or ms)")
+    return round(float(match.group(1)) * _LATENCY_UNITS[match.group(2).lower()])
+
+
+def format_size(nbytes: int) -> str:
+    """The largest binary unit that shows ``nbytes`` without a fraction beyond two digits."""
+    for unit, factor in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= factor:
+            value = nbytes / factor
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{nbytes} B"

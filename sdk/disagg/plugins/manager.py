@@ -1,0 +1,152 @@
+"""Loads plugins: built-in modules first, then the entry-point group ``disagg.drivers``.
+
+Operators can block plugins by name with ``DISAGG_DISABLE_PLUGINS=a,b`` and see every hook call logged at
+DEBUG level on the ``disagg.plugins`` logger.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import pluggy
+
+from disagg.errors import PluginError
+from disagg.interfaces.placement import PlacementPolicy
+from disagg.plugins import hookspecs
+from disagg.plugins.registry import DriverRegistry, DriverSpec, PolicyRegistry
+
+ENTRY_POINT_GROUP = "disagg.drivers"
+DISABLE_ENV = "DISAGG_DISABLE_PLUGINS"
+BUILTIN_PLUGINS = ("disagg.policies",)
+
+log = logging.getLogger("disagg.plugins")
+
+
+@attrs.frozen
+class PluginInfo:
+    """One loaded plugin, for ``disagg plugins``."""
+
+    name: str
+    distribution: str
+    version: str
+    drivers: tuple[str, ...]
+    policies: tuple[str, ...]
+
+
+@attrs.frozen
+class Plugins:
+    """What the loaded plugins offer."""
+
+    drivers: dict[str, DriverSpec]
+    policies: dict[str, PlacementPolicy]
+    plugins: tuple[PluginInfo, ...]
+    blocked: tuple[str, ...]
+
+    def driver(self, name: str) -> DriverSpec:
+        try:
+            return self.drivers[name]
+        except KeyError:
+            known = ", ".join(sorted(self.drivers)) or "none"
+            hint = f"; it is blocked by {DISABLE_ENV}" if name in self.blocked else ""
+            raise PluginError(
+                f"no driver {name!r} is installed (installed: {known}){hint}. "
+                f"A driver is a package that declares an entry point in the group {ENTRY_POINT_GROUP!r}."
+            ) from None
+
+    def policy(self, name: str) -> PlacementPolicy:
+        try:
+            return self.policies[name]
+        except KeyError:
+            known = ", ".join(sorted(self.policies)) or "none"
+            raise PluginError(f"no placement policy {name!r} (known: {known})") from None
+
+
+def blocked_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    raw = (environ if environ is not None else dict(os.environ)).get(DISABLE_ENV, "")
+    return tuple(sorted({name.strip() for name in raw.split(",") if name.strip()}))
+
+
+def _call_each(pm: pluggy.PluginManager, hook_name: str, registry: Any) -> None:
+    """Call every implementation of a registration hook, telling the registry whose call it is.
+
+    The registry records the plugin that added each part, and a plugin that raises is named in the error.
+    """
+    caller = getattr(pm.hook, hook_name)
+    for impl in reversed(caller.get_hookimpls()):
+        name = impl.plugin_name
+        registry.plugin = name
+        log.debug("calling %s.%s", name, hook_name)
+        kwargs = {arg: registry for arg in impl.argnames}
+        try:
+            impl.function(**kwargs)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin {name!r} failed in {hook_name}: {exc!r}") from exc
+
+
+def load_plugins(
+    *,
+    entry_points: bool = True,
+    extra: Iterable[tuple[str, object]] = (),
+    blocked: Iterable[str] | None = None,
+) -> Plugins:
+    """Build a plugin manager, register built-ins, ``extra`` (name, module) pairs and entry points, then
+    collect drivers and policies."""
+    pm = pluggy.PluginManager("disagg")
+    pm.add_hookspecs(hookspecs)
+    blocked_names = tuple(blocked) if blocked is not None else blocked_from_env()
+    for name in blocked_names:
+        pm.set_blocked(name)
+    for module_name in BUILTIN_PLUGINS:
+        if not pm.is_blocked(module_name):
+            pm.register(importlib.import_module(module_name), name=module_name)
+    for name, plugin in extra:
+        if not pm.is_blocked(name):
+            pm.register(plugin, name=name)
+    if entry_points:
+        try:
+            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        except Exception as exc:
+            raise PluginError(f"loading plugins from entry points {ENTRY_POINT_GROUP!r} failed: {exc!r}") from exc
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"a plugin implements an unknown hook: {exc}") from exc
+
+    drivers = DriverRegistry()
+    _call_each(pm, "disagg_register_drivers", drivers)
+    policies = PolicyRegistry()
+    _call_each(pm, "disagg_register_policies", policies)
+
+    dists = {pm.get_name(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
+    infos = []
+    for plugin in pm.get_plugins():
+        name = pm.get_name(plugin) or ""
+        dist = dists.get(name)
+        infos.append(
+            PluginInfo(
+                name=name,
+                distribution=dist.project_name if dist is not None else "disagg (built-in)",
+                version=dist.version if dist is not None else _own_version(),
+                drivers=tuple(sorted(n for n, d in drivers.drivers.items() if d.plugin == name)),
+                policies=tuple(sorted(n for n, o in policies.owners.items() if o == name)),
+            )
+        )
+    return Plugins(
+        drivers=drivers.drivers,
+        policies=policies.policies,
+        plugins=tuple(sorted(infos, key=lambda i: i.name)),
+        blocked=blocked_names,
+    )
+
+
+def _own_version() -> str:
+    from disagg import __version__
+
+    return __version__

@@ -1,0 +1,85 @@
+"""Registries handed to registration hooks; they validate what plugins add."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from disagg.errors import PluginError
+from disagg.interfaces import Fabric
+from disagg.interfaces.placement import PlacementPolicy
+from disagg.model import Capabilities
+
+FabricFactory = Callable[[str, Mapping[str, Any]], Fabric]
+"""Builds a fabric instance from its configured name and its driver options."""
+
+_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+@attrs.frozen
+class DriverSpec:
+    """A fabric type offered by a plugin."""
+
+    name: str
+    factory: FabricFactory
+    capabilities: Capabilities
+    description: str
+    plugin: str
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.plugin = ""
+
+    def _check_name(self, what: str, name: str) -> None:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise PluginError(
+                f"plugin {self.plugin!r} registered a {what} named {name!r}: "
+                "names are lower-case letters, digits and dashes, starting with a letter"
+            )
+
+
+class DriverRegistry(_Registry):
+    """Collects fabric types; a name may be registered once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drivers: dict[str, DriverSpec] = {}
+
+    def add_driver(
+        self, name: str, factory: FabricFactory, *, capabilities: Capabilities, description: str = ""
+    ) -> None:
+        self._check_name("driver", name)
+        if not callable(factory):
+            raise PluginError(f"plugin {self.plugin!r}: the factory of driver {name!r} is not callable")
+        if not isinstance(capabilities, Capabilities):
+            raise PluginError(f"plugin {self.plugin!r}: driver {name!r} must declare Capabilities")
+        if name in self.drivers:
+            raise PluginError(
+                f"driver {name!r} is registered by both {self.drivers[name].plugin!r} and {self.plugin!r}"
+            )
+        self.drivers[name] = DriverSpec(name, factory, capabilities, description, self.plugin)
+
+
+class PolicyRegistry(_Registry):
+    """Collects placement policies; a name may be registered once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policies: dict[str, PlacementPolicy] = {}
+        self.owners: dict[str, str] = {}
+
+    def add_placement_policy(self, policy: PlacementPolicy) -> None:
+        if not isinstance(policy, PlacementPolicy):
+            raise PluginError(f"plugin {self.plugin!r} registered {policy!r}, which is not a PlacementPolicy")
+        self._check_name("placement policy", policy.name)
+        if policy.name in self.policies:
+            raise PluginError(
+                f"placement policy {policy.name!r} is registered by both "
+                f"{self.owners[policy.name]!r} and {self.plugin!r}"
+            )
+        self.policies[policy.name] = policy
+        self.owners[policy.name] = self.plugin

@@ -1,0 +1,65 @@
+"""Built-in placement policies, registered through the same plugin manager as third-party ones."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from disagg import hookimpl
+from disagg.interfaces.placement import DeviceGroup, PlacementPolicy, PoolCandidate
+from disagg.plugins.registry import PolicyRegistry
+
+
+def _switch_totals(groups: Sequence[DeviceGroup]) -> dict[str, tuple[int, int]]:
+    """Per switch: (total free, least latency)."""
+    totals: dict[str, tuple[int, int]] = {}
+    for g in groups:
+        free, latency = totals.get(g.switch, (0, g.latency_ns))
+        totals[g.switch] = (free + g.free, min(latency, g.latency_ns))
+    return totals
+
+
+class BestFit(PlacementPolicy):
+    """Packs: the switch, group and pool with the least free capacity that still fits, nearest first on ties.
+
+    Leaving large free blocks intact keeps room for the next large request.
+    """
+
+    name = "best-fit"
+    description = "pack onto the fullest switch and pool that still fit"
+
+    def choose_switch(self, groups: Sequence[DeviceGroup], need: int) -> str | None:
+        fits = [(free, lat, sw) for sw, (free, lat) in _switch_totals(groups).items() if free >= need]
+        return min(fits)[2] if fits else None
+
+    def order_groups(self, groups: Sequence[DeviceGroup]) -> Sequence[DeviceGroup]:
+        return sorted(groups, key=lambda g: (g.free, g.latency_ns, g.switch, g.key))
+
+    def order_pools(self, pools: Sequence[PoolCandidate], amount_bytes: int) -> Sequence[PoolCandidate]:
+        whole = [p for p in pools if p.free_bytes >= amount_bytes]
+        split = [p for p in pools if p.free_bytes < amount_bytes]
+        whole.sort(key=lambda p: (p.free_bytes, p.latency_ns, p.pool))
+        split.sort(key=lambda p: (-p.free_bytes, p.latency_ns, p.pool))
+        return [*whole, *split]
+
+
+class Closest(PlacementPolicy):
+    """Nearest first: the lowest fabric latency from the host wins, then the most free capacity."""
+
+    name = "closest"
+    description = "take the devices and pools nearest the host"
+
+    def choose_switch(self, groups: Sequence[DeviceGroup], need: int) -> str | None:
+        fits = [(lat, -free, sw) for sw, (free, lat) in _switch_totals(groups).items() if free >= need]
+        return min(fits)[2] if fits else None
+
+    def order_groups(self, groups: Sequence[DeviceGroup]) -> Sequence[DeviceGroup]:
+        return sorted(groups, key=lambda g: (g.latency_ns, -g.free, g.switch, g.key))
+
+    def order_pools(self, pools: Sequence[PoolCandidate], amount_bytes: int) -> Sequence[PoolCandidate]:
+        return sorted(pools, key=lambda p: (p.latency_ns, -p.free_bytes, p.pool))
+
+
+@hookimpl
+def disagg_register_policies(registry: PolicyRegistry) -> None:
+    registry.add_placement_policy(BestFit())
+    registry.add_placement_policy(Closest())
