@@ -1,0 +1,1 @@
+"""The ``disagg`` command line."""

@@ -1,0 +1,284 @@
+"""The ``disagg`` command line: tables for people, ``--json`` for scripts.
+
+Exit codes: 0 done; 1 a fabric or driver failed; 2 bad input or configuration; 3 the request does not fit;
+4 not found; 5 conflict (name taken, stale etag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from disagg import __version__
+from disagg.cli import render
+from disagg.composer import FabricComposer
+from disagg.config import build_composer, load_config
+from disagg.errors import ConflictError, DisaggError, InvalidRequestError, NoFitError, NotFoundError
+from disagg.model import ComposeMode, CompositionRequest, format_size
+from disagg.plugins import load_plugins
+from disagg.requestlang import parse_request, parse_resource, request_from_document
+
+EXIT_CODES: tuple[tuple[type[DisaggError], int], ...] = (
+    (InvalidRequestError, 2),
+    (NoFitError, 3),
+    (NotFoundError, 4),
+    (ConflictError, 5),
+)
+
+
+def exit_code(error: DisaggError) -> int:
+    for cls, code in EXIT_CODES:
+        if isinstance(error, cls):
+            return code
+    return 1
+
+
+def _composer(args: argparse.Namespace) -> FabricComposer:
+    composer = build_composer(load_config(args.config))
+    composer.start()
+    return composer
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    plugins = load_plugins()
+    if args.json:
+        render.emit_json(
+            {
+                "plugins": list(plugins.plugins),
+                "drivers": {
+                    n: {"plugin": d.plugin, "capabilities": d.capabilities, "description": d.description}
+                    for n, d in plugins.drivers.items()
+                },
+                "blocked": list(plugins.blocked),
+            }
+        )
+        return 0
+    render.table(
+        ("PLUGIN", "DISTRIBUTION", "VERSION", "DRIVERS", "POLICIES"),
+        [
+            [p.name, p.distribution, p.version, ",".join(p.drivers) or "-", ",".join(p.policies) or "-"]
+            for p in plugins.plugins
+        ],
+    )
+    print()
+    render.table(
+        ("DRIVER", "PLUGIN", "CAPABILITIES"),
+        [[n, d.plugin, d.capabilities.describe()] for n, d in sorted(plugins.drivers.items())],
+    )
+    if plugins.blocked:
+        print(f"\nblocked by DISAGG_DISABLE_PLUGINS: {', '.join(plugins.blocked)}")
+    return 0
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    composer = _composer(args)
+    try:
+        topologies = composer.topologies()
+        kinds, pools = composer.usage()
+        if args.json:
+            render.emit_json({"fabrics": topologies, "usage": {"kinds": kinds, "pools": pools}})
+            return 0
+        for topo in topologies:
+            print(
+                f"fabric {topo.fabric}: {len(topo.hosts)} hosts, {len(topo.switches)} switches, "
+                f"{len(topo.devices)} devices, {len(topo.links)} links"
+            )
+        print("\nhosts")
+        hosts = {h.id: h for t in topologies for h in t.hosts}
+        render.table(
+            ("HOST", "CORES", "MEMORY", "COMPOSITION"),
+            [
+                [h.id, h.cores, format_size(h.memory_bytes), _host_owner(composer, h.id)]
+                for h in sorted(hosts.values(), key=lambda h: h.id)
+            ],
+        )
+        print("\ndevices and pools")
+        render.show_usage(kinds, pools)
+        return 0
+    finally:
+        composer.close()
+
+
+def _host_owner(composer: FabricComposer, host: str) -> str:
+    for comp in composer.compositions():
+        if comp.host == host:
+            return comp.name
+    return "-"
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    composer = _composer(args)
+    try:
+        devices = [d for d in composer.devices() if not args.kind or d.kind.value == args.kind]
+        if args.json:
+            render.emit_json(devices)
+            return 0
+        render.table(
+            ("DEVICE", "KIND", "MODEL", "SERIAL", "SWITCH", "HEALTH", "HELD BY"),
+            [
+                [d.id, d.kind.value, d.model, d.serial, d.switch, d.health.value, composer.owner_of(d.id) or "-"]
+                for d in devices
+            ],
+        )
+        return 0
+    finally:
+        composer.close()
+
+
+def _request(args: argparse.Namespace) -> CompositionRequest:
+    if args.file:
+        path = Path(args.file)
+        try:
+            text = path.read_text()
+            doc = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except FileNotFoundError:
+            raise InvalidRequestError(f"request file {path} does not exist", field="file") from None
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(f"cannot read request file {path}: {exc}", field="file") from exc
+        if args.name:
+            doc = {**doc, "name": args.name}
+        return request_from_document(doc)
+    if not args.name:
+        raise InvalidRequestError("give a composition name and its resources, or --file", field="name")
+    return parse_request(args.name, args.clauses)
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    request = _request(args)
+    mode = ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve else ComposeMode.APPLY
+    composer = _composer(args)
+    try:
+        result = composer.compose(request, mode, reservation_ttl_s=args.reserve or 60.0)
+        if args.json:
+            render.emit_json(result)
+            return 0
+        if result.composition is not None:
+            print(f"composed {result.composition.name} ({result.composition.id}) on {result.plan.host}")
+            render.show_composition_devices(result.composition)
+        else:
+            verb = "reserved as " + result.reservation.id if result.reservation else "would compose"
+            print(f"{verb} on host {result.plan.host}")
+            render.table(
+                ("DEVICE / POOL", "LATENCY", "AMOUNT"),
+                [[p.device, f"{p.latency_ns} ns", "-"] for p in result.plan.devices]
+                + [[m.pool, f"{m.latency_ns} ns", format_size(m.amount_bytes)] for m in result.plan.memory],
+            )
+        return 0
+    finally:
+        composer.close()
+
+
+def cmd_recompose(args: argparse.Namespace) -> int:
+    add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(args.add)]
+    composer = _composer(args)
+    try:
+        comp = composer.recompose(args.composition, add=add, remove=args.remove, expected_etag=args.etag)
+        if args.json:
+            render.emit_json(comp)
+        else:
+            print(f"recomposed {comp.name} ({comp.id}), now {comp.etag}")
+            render.show_composition_devices(comp)
+        return 0
+    finally:
+        composer.close()
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    composer = _composer(args)
+    try:
+        comps = composer.compositions()
+        if args.json:
+            render.emit_json(comps)
+        else:
+            render.show_compositions(comps)
+        return 0
+    finally:
+        composer.close()
+
+
+def cmd_decompose(args: argparse.Namespace) -> int:
+    composer = _composer(args)
+    try:
+        for key in args.compositions:
+            try:
+                comp_id = composer.find(key).id
+            except NotFoundError:
+                if not args.ignore_missing:
+                    raise
+                continue
+            composer.decompose(comp_id)
+            if not args.json:
+                print(f"decomposed {key}")
+        if args.json:
+            print(json.dumps({"decomposed": args.compositions}))
+        return 0
+    finally:
+        composer.close()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from disagg.cli.demo import run_demo
+
+    return run_demo(json_output=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disagg", description="Compose systems from pooled GPUs, CXL memory and more."
+    )
+    parser.add_argument("--version", action="version", version=f"disagg {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config", help="configuration file (default: $DISAGG_CONFIG, ./disagg.toml, built-in demo rack)"
+    )
+    common.add_argument("--json", action="store_true", help="print JSON for scripts")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        p.set_defaults(func=func)
+        return p
+
+    add("demo", cmd_demo, "compose, fail, heal, recompose and decompose on the simulated demo rack")
+    add("plugins", cmd_plugins, "list plugins, their versions, drivers and capabilities")
+    add("topology", cmd_topology, "show the fabrics, hosts, devices and pools")
+    p = add("devices", cmd_devices, "list devices with their health and holder")
+    p.add_argument("--kind", help="only devices of this kind (gpu, cxl-memory, nvme, nic, fpga, dpu)")
+    add("ls", cmd_ls, "list compositions")
+    p = add("compose", cmd_compose, "compose a system: NAME then clauses such as 'gpu x8 model=H200 same-switch'")
+    p.add_argument("name", nargs="?", help="composition name")
+    p.add_argument("clauses", nargs="*", help="'host ...' and resource clauses (see docs/request-language.md)")
+    p.add_argument("--file", help="a request document (TOML or .json) instead of clauses")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--preview", action="store_true", help="show the plan, change nothing")
+    group.add_argument("--reserve", type=float, metavar="SECONDS", help="hold the plan for SECONDS")
+    p = add("recompose", cmd_recompose, "add resources to or remove devices from a composition")
+    p.add_argument("composition", help="composition name or id")
+    p.add_argument("--add", action="append", default=[], help="a resource clause to add (repeatable)")
+    p.add_argument("--remove", action="append", default=[], help="a device or allocation id to remove (repeatable)")
+    p.add_argument("--etag", help="refuse unless the composition is still at this etag")
+    p = add("decompose", cmd_decompose, "release compositions by name or id")
+    p.add_argument("compositions", nargs="+")
+    p.add_argument("--ignore-missing", action="store_true", help="an unknown composition is not an error")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except DisaggError as exc:
+        print(f"disagg: error: {exc.message}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

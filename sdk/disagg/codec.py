@@ -1,0 +1,48 @@
+"""Model values to and from plain JSON-ready data, for the ledger and ``--json`` output."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import cattrs
+
+from disagg.model import AttributeValue
+
+T = TypeVar("T")
+
+_converter = cattrs.Converter()
+_converter.register_unstructure_hook(MappingProxyType, dict)
+
+
+def _scalar(value: Any, _: Any) -> AttributeValue:
+    if isinstance(value, str | int | float | bool):
+        return value
+    raise TypeError(f"attribute values are str, int, float or bool, not {type(value).__name__}")
+
+
+_converter.register_structure_hook(AttributeValue, _scalar)
+
+
+def to_data(value: Any) -> Any:
+    """A model value (or a list or dict of them) as dicts, lists and scalars; enums become their values."""
+    return _converter.unstructure(value)
+
+
+def from_data(data: Any, cls: type[T]) -> T:
+    """Rebuild a model value from `to_data` output."""
+    return _converter.structure(data, cls)
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(to_data(value), sort_keys=True, separators=(",", ":"))
+
+
+def loads(text: str | bytes, cls: type[T]) -> T:
+    return from_data(json.loads(text), cls)
+
+
+def mapping(value: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: to_data(v) for k, v in value.items()}

@@ -1,0 +1,653 @@
+"""`FabricComposer`: places, binds, recomposes, heals and decomposes across one or more fabrics.
+
+Planning and claiming happen under one lock, so two requests never plan the same device; driver calls
+happen outside it, so a slow bind does not stall placement for everyone else. A claim is taken before
+execution and given back if execution fails, so a device is never offered twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import attrs
+
+from disagg.composer.execution import ExecutionFailedError, Executor, MemoryStep
+from disagg.composer.index import Inventory
+from disagg.composer.placement import Line, Pin, Placer, describe_line
+from disagg.errors import (
+    ConflictError,
+    DisaggError,
+    InvalidRequestError,
+    NoFitError,
+    NotFoundError,
+)
+from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription
+from disagg.interfaces.placement import PlacementPolicy
+from disagg.model import (
+    Affinity,
+    Allocation,
+    Binding,
+    ComposeMode,
+    Composition,
+    CompositionRequest,
+    CompositionState,
+    Device,
+    DeviceKind,
+    DevicePick,
+    Event,
+    EventType,
+    FabricEvent,
+    FabricEventKind,
+    Health,
+    Plan,
+    Reservation,
+    ResourceRequest,
+    Topology,
+)
+from disagg.policies import BestFit
+from disagg.store import MemoryStore, Store
+
+log = logging.getLogger("disagg.composer")
+
+EventListener = Callable[[Event], None]
+
+
+@attrs.frozen
+class KindUsage:
+    """How many devices of one kind exist, are free, are in use, and are unhealthy."""
+
+    kind: DeviceKind
+    total: int
+    free: int
+    used: int
+    unhealthy: int
+
+
+@attrs.frozen
+class PoolUsage:
+    pool: str
+    device: str
+    total_bytes: int
+    free_bytes: int
+
+
+class FabricComposer(Composer):
+    """The composer over a set of loaded fabrics. Call `start` before use and `close` at the end."""
+
+    def __init__(
+        self,
+        fabrics: Mapping[str, Fabric],
+        *,
+        policy: PlacementPolicy | None = None,
+        store: Store | None = None,
+        epoch: int = 1,
+        auto_heal: bool = True,
+        call_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[str], str] | None = None,
+    ) -> None:
+        if not fabrics:
+            raise InvalidRequestError("a composer needs at least one fabric")
+        self.fabrics = dict(fabrics)
+        self.policy = policy or BestFit()
+        self.store = store or MemoryStore()
+        self.epoch = epoch
+        self.auto_heal = auto_heal
+        self.call_timeout_s = call_timeout_s
+        self.clock = clock
+        self._new_id = new_id or (lambda prefix: f"{prefix}-{uuid.uuid4().hex[:12]}")
+        self._lock = threading.RLock()
+        self._compositions: dict[str, Composition] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._listeners: list[EventListener] = []
+        self._subscriptions: list[Subscription] = []
+        self._revision = 0
+        self._inv = Inventory([])
+        self._placer = Placer(self._inv, self.policy)
+        self._executor = Executor(self.fabrics, self._context)
+        self._started = False
+
+    # ----------------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        """Discover every fabric, rebuild the index, reload the ledger and subscribe to fabric events."""
+        with self._lock:
+            state = self.store.load()
+            self._revision = state.last_revision
+            self._compositions = {c.id: c for c in state.compositions}
+            self._reservations = {r.id: r for r in state.reservations}
+            self._rebuild()
+            self._expire_locked()
+            self._started = True
+        for fabric in self.fabrics.values():
+            self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
+
+    def close(self) -> None:
+        for sub in self._subscriptions:
+            sub.cancel()
+        self._subscriptions.clear()
+        for fabric in self.fabrics.values():
+            fabric.close()
+        self.store.close()
+
+    def __enter__(self) -> FabricComposer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _context(self) -> CallContext:
+        return CallContext.with_timeout(self.call_timeout_s, epoch=self.epoch)
+
+    def _rebuild(self) -> None:
+        """Build a fresh index from discovery and take the ledger's claims again."""
+        self._inv = Inventory([f.discover() for f in self.fabrics.values()])
+        self._placer = Placer(self._inv, self.policy)
+        for comp in self._compositions.values():
+            self._claim_composition(comp)
+        for res in self._reservations.values():
+            self._claim_plan(res.plan, res.id)
+
+    def _claim_composition(self, comp: Composition) -> None:
+        if comp.host in self._inv.hosts:
+            self._inv.claim_host(comp.host, comp.id)
+        for pick in comp.devices:
+            if pick.device in self._inv.devices:
+                self._inv.claim_device(pick.device, comp.id)
+        for alloc in comp.allocations:
+            if alloc.pool in self._inv.pools:
+                self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+
+    def _claim_plan(self, plan: Plan, owner: str, *, host: bool = True) -> None:
+        if host:
+            self._inv.claim_host(plan.host, owner)
+        for pick in plan.devices:
+            self._inv.claim_device(pick.device, owner)
+        for mem in plan.memory:
+            self._inv.claim_memory(mem.pool, mem.amount_bytes)
+
+    def _unclaim_plan(self, plan: Plan, *, host: bool = True) -> None:
+        for pick in plan.devices:
+            self._inv.release_device(pick.device)
+        for mem in plan.memory:
+            self._inv.release_memory(mem.pool, mem.amount_bytes)
+        if host:
+            self._inv.release_host(plan.host)
+
+    # ----------------------------------------------------------------- events
+
+    def _emit(self, type_: EventType, subject: str, message: str = "", **data: str) -> Event:
+        self._revision += 1
+        event = Event(self._revision, type_, subject, message, self.clock(), data)
+        self.store.append_event(event)
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("event listener failed")
+        return event
+
+    def add_listener(self, listener: EventListener) -> Callable[[], None]:
+        """Call ``listener`` for every new event, under the composer's lock: it must not block."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def remove() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return remove
+
+    def events(self, after: int = 0, limit: int = 1000) -> Sequence[Event]:
+        return self.store.events_after(after, limit)
+
+    @property
+    def revision(self) -> int:
+        return self._revision
+
+    def _set(self, comp: Composition, **changes: object) -> Composition:
+        new = attrs.evolve(comp, generation=comp.generation + 1, **changes)  # type: ignore[arg-type]
+        self._compositions[new.id] = new
+        self.store.put_composition(new)
+        if new.state is not comp.state:
+            self._emit(
+                EventType.COMPOSITION_STATE_CHANGED,
+                new.id,
+                new.message,
+                old=comp.state.value,
+                new=new.state.value,
+            )
+        return new
+
+    # ----------------------------------------------------------------- reservations
+
+    def _expire_locked(self) -> None:
+        now = self.clock()
+        for res in [r for r in self._reservations.values() if r.expires_at <= now]:
+            self._drop_reservation(res, EventType.RESERVATION_EXPIRED)
+
+    def _drop_reservation(self, res: Reservation, why: EventType) -> None:
+        self._unclaim_plan(res.plan)
+        del self._reservations[res.id]
+        self.store.delete_reservation(res.id)
+        self._emit(why, res.id, f"reservation for {res.request.name!r} given back")
+
+    def tick(self) -> None:
+        """Expire reservations whose time to live has passed; a server calls it on a timer."""
+        with self._lock:
+            self._expire_locked()
+
+    def reservations(self) -> Sequence[Reservation]:
+        with self._lock:
+            self._expire_locked()
+            return sorted(self._reservations.values(), key=lambda r: r.id)
+
+    def release_reservation(self, reservation_id: str) -> None:
+        with self._lock:
+            res = self._reservations.get(reservation_id)
+            if res is not None:
+                self._drop_reservation(res, EventType.RESERVATION_RELEASED)
+
+    def apply_reservation(self, reservation_id: str) -> Composition:
+        with self._lock:
+            self._expire_locked()
+            res = self._reservations.get(reservation_id)
+            if res is None:
+                raise NotFoundError(
+                    "reservation", reservation_id, f"reservation {reservation_id!r} expired or never existed"
+                )
+            del self._reservations[res.id]
+            self.store.delete_reservation(res.id)
+            self._unclaim_plan(res.plan)
+            comp = self._begin(res.request, res.plan)
+        return self._execute(comp, res.plan)
+
+    # ----------------------------------------------------------------- compose
+
+    def _check_name(self, name: str) -> None:
+        taken = [c.id for c in self._compositions.values() if c.name == name]
+        taken += [r.id for r in self._reservations.values() if r.request.name == name]
+        if taken:
+            raise ConflictError(f"the name {name!r} is taken by {taken[0]}", metadata={"holder": taken[0]})
+
+    def preview(self, request: CompositionRequest) -> Plan:
+        with self._lock:
+            self._expire_locked()
+            return self._placer.place(request)
+
+    def compose(
+        self,
+        request: CompositionRequest,
+        mode: ComposeMode = ComposeMode.APPLY,
+        *,
+        reservation_ttl_s: float = 60.0,
+    ) -> ComposeResult:
+        if reservation_ttl_s <= 0:
+            raise InvalidRequestError("the reservation time to live must be positive", field="reservation_ttl_s")
+        with self._lock:
+            self._expire_locked()
+            if mode is not ComposeMode.PREVIEW:
+                self._check_name(request.name)
+            plan = self._placer.place(request)
+            if mode is ComposeMode.PREVIEW:
+                return ComposeResult(mode, plan)
+            if mode is ComposeMode.RESERVE:
+                res = Reservation(self._new_id("r"), request, plan, self.clock() + reservation_ttl_s)
+                self._claim_plan(plan, res.id)
+                self._reservations[res.id] = res
+                self.store.put_reservation(res)
+                self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
+                return ComposeResult(mode, plan, reservation=res)
+            comp = self._begin(request, plan)
+        return ComposeResult(mode, plan, composition=self._execute(comp, plan))
+
+    def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
+        comp = Composition(
+            id=self._new_id("c"),
+            name=request.name,
+            host=plan.host,
+            state=CompositionState.COMPOSING,
+            resources=request.resources,
+            devices=plan.devices,
+        )
+        self._claim_plan(plan, comp.id)
+        self._compositions[comp.id] = comp
+        self.store.put_composition(comp)
+        self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
+        return comp
+
+    def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
+        return [
+            MemoryStep(f"{comp_id}-m{start + n}", self._inv.pools[m.pool].info.fabric, m)
+            for n, m in enumerate(plan.memory)
+        ]
+
+    def _device_steps(self, picks: Iterable[DevicePick]) -> list[tuple[str, DevicePick]]:
+        return [(self._inv.devices[p.device].fabric, p) for p in picks]
+
+    def _execute(self, comp: Composition, plan: Plan) -> Composition:
+        try:
+            allocations = self._executor.apply(
+                comp.host, self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
+            )
+        except ExecutionFailedError as failed:
+            with self._lock:
+                self._fail_new(comp, plan, failed)
+            raise failed.error from None
+        with self._lock:
+            return self._set(comp, state=CompositionState.COMPOSED, allocations=allocations)
+
+    def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
+        if failed.leftovers:
+            self._emit(
+                EventType.ROLLBACK_INCOMPLETE,
+                comp.id,
+                f"could not undo {', '.join(failed.leftovers)}: {failed.error.message}",
+            )
+            self._set(comp, state=CompositionState.FAILED, message=f"rollback incomplete: {failed.error.message}")
+            return
+        self._unclaim_plan(plan)
+        del self._compositions[comp.id]
+        self.store.delete_composition(comp.id)
+        self._emit(EventType.COMPOSITION_DELETED, comp.id, f"rolled back: {failed.error.message}")
+
+    # ----------------------------------------------------------------- queries
+
+    def find(self, key: str) -> Composition:
+        """A composition by id or by name."""
+        with self._lock:
+            comp = self._compositions.get(key)
+            if comp is None:
+                comp = next((c for c in self._compositions.values() if c.name == key), None)
+            if comp is None:
+                raise NotFoundError("composition", key)
+            return comp
+
+    def get(self, composition_id: str) -> Composition:
+        return self.find(composition_id)
+
+    def compositions(self) -> Sequence[Composition]:
+        with self._lock:
+            return sorted(self._compositions.values(), key=lambda c: (c.name, c.id))
+
+    def topologies(self) -> Sequence[Topology]:
+        with self._lock:
+            return list(self._inv.topologies.values())
+
+    def device(self, device_id: str) -> Device:
+        with self._lock:
+            dev = self._inv.devices.get(device_id)
+            if dev is None:
+                raise NotFoundError("device", device_id)
+            return dev
+
+    def devices(self) -> Sequence[Device]:
+        with self._lock:
+            return sorted(self._inv.devices.values(), key=lambda d: d.id)
+
+    def owner_of(self, device_id: str) -> str | None:
+        with self._lock:
+            return self._inv.owner.get(device_id)
+
+    def usage(self) -> tuple[list[KindUsage], list[PoolUsage]]:
+        """Per kind: devices in all, free, used and unhealthy; per pool: bytes in all and free."""
+        with self._lock:
+            carved = {p.info.device for p in self._inv.pools.values()}
+            counts: dict[DeviceKind, list[int]] = {}
+            for dev in self._inv.devices.values():
+                if dev.id in carved:
+                    continue
+                c = counts.setdefault(dev.kind, [0, 0, 0, 0])
+                c[0] += 1
+                c[1] += self._inv.is_free(dev.id)
+                c[2] += dev.id in self._inv.owner
+                c[3] += dev.health is not Health.OK
+            kinds = [KindUsage(k, *v) for k, v in sorted(counts.items(), key=lambda kv: kv[0].value)]
+            pools = [
+                PoolUsage(p.info.id, p.info.device, p.info.capacity.total_bytes, p.free_bytes)
+                for p in sorted(self._inv.pools.values(), key=lambda p: p.info.id)
+            ]
+            return kinds, pools
+
+    # ----------------------------------------------------------------- recompose / decompose
+
+    def recompose(
+        self,
+        composition_id: str,
+        *,
+        add: Sequence[ResourceRequest] = (),
+        remove: Sequence[str] = (),
+        expected_etag: str | None = None,
+    ) -> Composition:
+        if not add and not remove:
+            raise InvalidRequestError("a recomposition needs something to add or remove")
+        with self._lock:
+            comp = self.find(composition_id)
+            if expected_etag is not None and expected_etag != comp.etag:
+                raise ConflictError(
+                    f"composition {comp.id} is at {comp.etag}, not {expected_etag}", metadata={"etag": comp.etag}
+                )
+            if comp.state not in (CompositionState.COMPOSED, CompositionState.DEGRADED):
+                raise ConflictError(f"composition {comp.id} is {comp.state.value}; it cannot be changed now")
+            known = set(comp.device_ids) | {a.id for a in comp.allocations}
+            unknown = [r for r in remove if r not in known]
+            if unknown:
+                raise InvalidRequestError(
+                    f"composition {comp.id} holds no device or allocation {', '.join(unknown)}", field="remove"
+                )
+            base = len(comp.resources)
+            lines: list[Line] = [(base + i, r, Pin()) for i, r in enumerate(add)]
+            for _, r, _ in lines:
+                self._placer.check(CompositionRequest(comp.name, (r,)))
+            plan = Plan(comp.host)
+            if lines:
+                found, why = self._placer.try_host(comp.host, lines)
+                if found is None:
+                    raise NoFitError(why)
+                plan = found
+                self._claim_plan(plan, comp.id, host=False)
+            previous_state = comp.state
+            comp = self._set(comp, state=CompositionState.COMPOSING)
+        try:
+            new_allocs = self._executor.apply(
+                comp.host,
+                self._device_steps(plan.devices),
+                self._memory_steps(comp.id, plan, start=self._next_alloc_index(comp)),
+            )
+        except ExecutionFailedError as failed:
+            with self._lock:
+                self._unclaim_plan(plan, host=False)
+                self._set(comp, state=previous_state)
+            raise failed.error from None
+        with self._lock:
+            comp = self._set(
+                comp,
+                resources=comp.resources + tuple(add),
+                devices=comp.devices + plan.devices,
+                allocations=comp.allocations + new_allocs,
+            )
+            self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
+        if remove:
+            comp = self._remove(comp, set(remove))
+        with self._lock:
+            state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+            return self._set(comp, state=state)
+
+    def _next_alloc_index(self, comp: Composition) -> int:
+        return max((int(a.id.rsplit("-m", 1)[1]) + 1 for a in comp.allocations if "-m" in a.id), default=0)
+
+    def _remove(self, comp: Composition, remove: set[str]) -> Composition:
+        picks = [p for p in comp.devices if p.device in remove]
+        allocs = [a for a in comp.allocations if a.id in remove]
+        leftovers = self._release(comp.host, picks, allocs)
+        with self._lock:
+            gone_devices = {p.device for p in picks} - set(leftovers)
+            gone_allocs = {a.id for a in allocs} - set(leftovers)
+            for device in gone_devices:
+                self._inv.release_device(device)
+            for alloc in allocs:
+                if alloc.id in gone_allocs:
+                    self._inv.release_memory(alloc.pool, alloc.amount_bytes)
+            comp = self._set(
+                comp,
+                devices=tuple(p for p in comp.devices if p.device not in gone_devices),
+                allocations=tuple(a for a in comp.allocations if a.id not in gone_allocs),
+            )
+            self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {len(gone_devices)} devices", etag=comp.etag)
+            if leftovers:
+                raise DisaggError(f"could not remove {', '.join(leftovers)} from {comp.id}; retry")
+            return comp
+
+    def _release(self, host: str, picks: Sequence[DevicePick], allocs: Sequence[Allocation]) -> list[str]:
+        carved = [(self._inv.pools[a.pool].info.fabric, a.pool, a.id) for a in allocs if a.pool in self._inv.pools]
+        bound = [
+            (self._inv.devices[p.device].fabric, Binding(p.device, host))
+            for p in picks
+            if p.device in self._inv.devices
+        ]
+        return self._executor.undo(bound, carved)
+
+    def decompose(self, composition_id: str) -> None:
+        with self._lock:
+            try:
+                comp = self.find(composition_id)
+            except NotFoundError:
+                return
+            comp = self._set(comp, state=CompositionState.DECOMPOSING)
+        leftovers = self._release(comp.host, comp.devices, comp.allocations)
+        with self._lock:
+            if leftovers:
+                self._set(
+                    comp,
+                    state=CompositionState.FAILED,
+                    message=f"could not release {', '.join(leftovers)}; decompose again to retry",
+                )
+                raise DisaggError(f"decompose of {comp.id} left {', '.join(leftovers)} bound; retry")
+            for pick in comp.devices:
+                self._inv.release_device(pick.device)
+            for alloc in comp.allocations:
+                self._inv.release_memory(alloc.pool, alloc.amount_bytes)
+            self._inv.release_host(comp.host)
+            del self._compositions[comp.id]
+            self.store.delete_composition(comp.id)
+            self._emit(EventType.COMPOSITION_DELETED, comp.id, f"{comp.name!r} decomposed")
+
+    # ----------------------------------------------------------------- health
+
+    def _unhealthy(self, comp: Composition) -> list[DevicePick]:
+        return [
+            p for p in comp.devices if (dev := self._inv.devices.get(p.device)) is None or dev.health is not Health.OK
+        ]
+
+    def _on_fabric_event(self, event: FabricEvent) -> None:
+        if not self._started:
+            return
+        if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
+            affected = self._health_changed(event.subject, event.health, event.message)
+            if self.auto_heal and event.health is not Health.OK:
+                for comp_id in affected:
+                    try:
+                        self.heal(comp_id)
+                    except DisaggError as exc:
+                        log.warning("healing %s failed: %s", comp_id, exc)
+            return
+        with self._lock:
+            self._rebuild()
+            self._emit(
+                EventType.LINK_STATE_CHANGED
+                if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP)
+                else EventType.DEVICE_ADDED
+                if event.kind is FabricEventKind.DEVICE_ADDED
+                else EventType.DEVICE_REMOVED,
+                event.subject,
+                event.message,
+                fabric=event.fabric,
+            )
+            for comp in list(self._compositions.values()):
+                self._reassess(comp)
+
+    def _reassess(self, comp: Composition) -> None:
+        reach = self._inv.reach_map.get(comp.host, {})
+        lost = [
+            p
+            for p in comp.devices
+            if (dev := self._inv.devices.get(p.device)) is None
+            or dev.switch not in reach
+            or dev.health is not Health.OK
+        ]
+        if comp.state is CompositionState.COMPOSED and lost:
+            self._set(comp, state=CompositionState.DEGRADED, message=f"{len(lost)} devices unreachable or unhealthy")
+        elif comp.state is CompositionState.DEGRADED and not lost:
+            self._set(comp, state=CompositionState.COMPOSED, message="")
+
+    def _health_changed(self, device: str, health: Health, message: str) -> list[str]:
+        """Record a device's health; degrade or restore the compositions using it. Returns their ids."""
+        with self._lock:
+            old = self._inv.set_health(device, health)
+            if old is None or old.health is health:
+                return []
+            self._emit(EventType.DEVICE_HEALTH_CHANGED, device, message, old=old.health.value, new=health.value)
+            owner = self._inv.owner.get(device)
+            comp = self._compositions.get(owner) if owner else None
+            if comp is None:
+                return []
+            self._reassess(comp)
+            return [comp.id]
+
+    def heal(self, composition_id: str) -> Composition:
+        """Replace each unhealthy device of a composition with one that meets the same request line."""
+        with self._lock:
+            comp = self.find(composition_id)
+            if comp.state is not CompositionState.DEGRADED:
+                return comp
+            bad = self._unhealthy(comp)
+            if not bad:
+                return self._set(comp, state=CompositionState.COMPOSED, message="")
+            lines: list[Line] = []
+            for pick in bad:
+                r = comp.resources[pick.resource]
+                peers = [p for p in comp.devices if p.resource == pick.resource and p not in bad]
+                peer_devs = [self._inv.devices[p.device] for p in peers if p.device in self._inv.devices]
+                switch = peer_devs[0].switch if r.affinity is Affinity.SAME_SWITCH and peer_devs else None
+                used = (
+                    frozenset(d.failure_domains[r.spread] for d in peer_devs if r.spread in d.failure_domains)
+                    if r.spread
+                    else frozenset()
+                )
+                lines.append((pick.resource, attrs.evolve(r, count=1), Pin(switch=switch, used_domains=used)))
+            plan, why = self._placer.try_host(comp.host, lines)
+            if plan is None:
+                self._set(comp, message=f"no replacement: {why}")
+                raise NoFitError(f"cannot heal {comp.id}: {why}")
+            self._claim_plan(plan, comp.id, host=False)
+        try:
+            self._executor.apply(comp.host, self._device_steps(plan.devices), [])
+        except ExecutionFailedError as failed:
+            with self._lock:
+                self._unclaim_plan(plan, host=False)
+            raise failed.error from None
+        leftovers = self._release(comp.host, bad, [])
+        with self._lock:
+            replaced = {b.device: n for b, n in zip(bad, plan.devices, strict=True)}
+            for device in replaced:
+                if device not in leftovers:
+                    self._inv.release_device(device)
+            devices = tuple(replaced.get(p.device, p) for p in comp.devices)
+            comp = self._set(self._compositions[comp.id], devices=devices, message="")
+            self._emit(
+                EventType.COMPOSITION_HEALED,
+                comp.id,
+                ", ".join(f"{old} -> {new.device}" for old, new in replaced.items()),
+            )
+            state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+            return self._set(comp, state=state)
+
+
+def request_summary(request: CompositionRequest) -> str:
+    return ", ".join(describe_line(r) for r in request.resources)

@@ -1,0 +1,87 @@
+"""Execution: apply a plan's binds and allocations in order, and roll back in reverse on any failure."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+from disagg.errors import DisaggError, FabricUnavailableError
+from disagg.interfaces import CallContext, Fabric
+from disagg.model import Allocation, Binding, DevicePick, MemoryPick
+
+log = logging.getLogger("disagg.composer")
+
+
+@attrs.frozen
+class MemoryStep:
+    """A pool allocation to make, with the id that makes it idempotent."""
+
+    allocation_id: str
+    fabric: str
+    pick: MemoryPick
+
+
+class ExecutionFailedError(Exception):
+    """Execution stopped at ``error``; ``leftovers`` lists what rollback could not undo."""
+
+    def __init__(self, error: DisaggError, leftovers: tuple[str, ...] = ()) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.leftovers = leftovers
+
+
+class Executor:
+    """Drives fabrics for the composer. Holds no state of its own."""
+
+    def __init__(self, fabrics: Mapping[str, Fabric], context: Callable[[], CallContext]) -> None:
+        self.fabrics = fabrics
+        self.context = context
+
+    def _fabric(self, name: str) -> Fabric:
+        fabric = self.fabrics.get(name)
+        if fabric is None:
+            raise FabricUnavailableError(f"fabric {name!r} is not loaded")
+        return fabric
+
+    def apply(
+        self, host: str, devices: Sequence[tuple[str, DevicePick]], memory: Sequence[MemoryStep]
+    ) -> tuple[Allocation, ...]:
+        """Bind every device, then carve every allocation; all or nothing.
+
+        ``devices`` pairs each pick with its fabric name. Raises `ExecutionFailedError` after rolling back.
+        """
+        bound: list[tuple[str, Binding]] = []
+        carved: list[tuple[str, str, str]] = []
+        allocations: list[Allocation] = []
+        try:
+            for fabric, pick in devices:
+                bound.append((fabric, self._fabric(fabric).bind(pick.device, host, self.context())))
+            for step in memory:
+                pool = self._fabric(step.fabric).pool(step.pick.pool)
+                allocation = pool.allocate(step.allocation_id, host, step.pick.amount_bytes, self.context())
+                carved.append((step.fabric, step.pick.pool, step.allocation_id))
+                allocations.append(allocation)
+        except Exception as exc:
+            error = exc if isinstance(exc, DisaggError) else FabricUnavailableError(f"driver failed: {exc!r}")
+            leftovers = self.undo(bound, carved)
+            raise ExecutionFailedError(error, tuple(leftovers)) from exc
+        return tuple(allocations)
+
+    def undo(self, bound: Sequence[tuple[str, Binding]], carved: Sequence[tuple[str, str, str]]) -> list[str]:
+        """Release allocations, then unbind devices, newest first. Returns what could not be undone."""
+        leftovers: list[str] = []
+        for fabric, pool, allocation_id in reversed(carved):
+            try:
+                self._fabric(fabric).pool(pool).release(allocation_id, self.context())
+            except Exception as exc:
+                log.error("could not release allocation %s of pool %s: %r", allocation_id, pool, exc)
+                leftovers.append(allocation_id)
+        for fabric, binding in reversed(bound):
+            try:
+                self._fabric(fabric).unbind(binding, self.context())
+            except Exception as exc:
+                log.error("could not unbind %s from %s: %r", binding.device, binding.host, exc)
+                leftovers.append(binding.device)
+        return leftovers

@@ -1,0 +1,254 @@
+"""The inventory index: every fabric's devices grouped so that placement never scans single devices.
+
+Devices of one kind with the same vendor, model, attributes, failure domains and last-hop latency on one
+switch are interchangeable: they form a *bucket* whose free members sit in a sorted list. Each host knows
+the switches it reaches, sorted by fabric latency. Placement walks a host's switches nearest first and
+looks at buckets only, so its cost follows the size of the host's fabric domain, not of the whole fabric.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+from sortedcontainers import SortedList
+
+from disagg.errors import ConfigError
+from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology
+
+
+@attrs.define
+class Bucket:
+    """Interchangeable devices on one switch; ``free`` holds the ids not claimed and healthy."""
+
+    key: int
+    switch: str
+    kind: DeviceKind
+    exemplar: Device
+    free: Any = attrs.field(factory=SortedList)
+
+    @property
+    def link_latency_ns(self) -> int:
+        return self.exemplar.link_latency_ns
+
+    @property
+    def failure_domains(self) -> Mapping[str, str]:
+        return self.exemplar.failure_domains
+
+
+@attrs.define
+class PoolState:
+    """A carved pool: its static description, the switch it hangs off, and its free bytes."""
+
+    info: PoolInfo
+    device: Device
+    free_bytes: int
+
+
+def _signature(device: Device) -> tuple[object, ...]:
+    return (
+        device.switch,
+        device.kind,
+        device.vendor,
+        device.model,
+        tuple(sorted(device.attributes.items())),
+        tuple(sorted(device.failure_domains.items())),
+        device.link_latency_ns,
+    )
+
+
+def _merge_hosts(topologies: Iterable[Topology]) -> dict[str, Host]:
+    hosts: dict[str, Host] = {}
+    for topo in topologies:
+        for host in topo.hosts:
+            seen = hosts.get(host.id)
+            if seen is None:
+                hosts[host.id] = attrs.evolve(host, switch="")
+            elif (seen.cores, seen.memory_bytes) != (host.cores, host.memory_bytes) and host.cores and seen.cores:
+                raise ConfigError(
+                    f"host {host.id!r} is described differently by two fabrics "
+                    f"({seen.cores} cores/{seen.memory_bytes} B vs {host.cores} cores/{host.memory_bytes} B)"
+                )
+    return hosts
+
+
+def _reach(topo: Topology) -> dict[str, dict[str, int]]:
+    """Per host of ``topo``: the fabric latency to each switch it reaches over links that are up."""
+    graph: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    explicit: set[tuple[str, str]] = set()
+    for link in topo.links:
+        if link.up:
+            graph[link.a].append((link.b, link.latency_ns))
+            graph[link.b].append((link.a, link.latency_ns))
+        explicit.add((link.a, link.b))
+        explicit.add((link.b, link.a))
+    for host in topo.hosts:
+        if host.switch and (host.id, host.switch) not in explicit:
+            graph[host.id].append((host.switch, 0))
+            graph[host.switch].append((host.id, 0))
+    switches = {s.id for s in topo.switches}
+    host_ids = {h.id for h in topo.hosts}
+    reach: dict[str, dict[str, int]] = {}
+    for host in topo.hosts:
+        dist: dict[str, int] = {host.id: 0}
+        heap = [(0, host.id)]
+        while heap:
+            d, node = heapq.heappop(heap)
+            if d > dist.get(node, d):
+                continue
+            for nxt, lat in graph.get(node, ()):
+                if nxt in host_ids and nxt != host.id:
+                    continue  # hosts do not forward traffic
+                nd = d + lat
+                if nd < dist.get(nxt, nd + 1):
+                    dist[nxt] = nd
+                    heapq.heappush(heap, (nd, nxt))
+        reach[host.id] = {node: d for node, d in dist.items() if node in switches}
+    return reach
+
+
+class Inventory:
+    """The indexed view of all fabrics plus who holds what. Not thread-safe: the composer locks around it."""
+
+    def __init__(self, topologies: Sequence[Topology]) -> None:
+        self.topologies = {t.fabric: t for t in topologies}
+        self.hosts = _merge_hosts(topologies)
+        self.devices: dict[str, Device] = {}
+        self.pools: dict[str, PoolState] = {}
+        self.reach: dict[str, list[tuple[int, str]]] = {}
+        self.reach_map: dict[str, dict[str, int]] = {}
+        self.switch_hosts: dict[str, set[str]] = defaultdict(set)
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[str, Bucket] = {}
+        self.by_switch_kind: dict[tuple[str, DeviceKind], list[Bucket]] = defaultdict(list)
+        self.by_kind: dict[DeviceKind, list[Bucket]] = defaultdict(list)
+        self.pools_by_switch: dict[str, list[PoolState]] = defaultdict(list)
+        self.owner: dict[str, str] = {}
+        self.host_owner: dict[str, str] = {}
+        self.host_free: dict[str, dict[DeviceKind, int]] = {h: defaultdict(int) for h in self.hosts}
+        self.free_hosts: Any = SortedList()
+
+        merged: dict[str, dict[str, int]] = defaultdict(dict)
+        for topo in topologies:
+            for host, switches in _reach(topo).items():
+                merged[host].update(switches)
+        for host, switches in merged.items():
+            self.reach[host] = sorted((lat, sw) for sw, lat in switches.items())
+            self.reach_map[host] = switches
+            for sw in switches:
+                self.switch_hosts[sw].add(host)
+
+        carved = {p.device for t in topologies for p in t.pools}
+        signatures: dict[tuple[object, ...], Bucket] = {}
+        for topo in topologies:
+            for device in topo.devices:
+                if device.id in self.devices:
+                    raise ConfigError(f"device id {device.id!r} is reported twice")
+                self.devices[device.id] = device
+                if device.id in carved:
+                    continue
+                sig = _signature(device)
+                bucket = signatures.get(sig)
+                if bucket is None:
+                    bucket = Bucket(len(self.buckets), device.switch, device.kind, device)
+                    signatures[sig] = bucket
+                    self.buckets.append(bucket)
+                    self.by_switch_kind[(device.switch, device.kind)].append(bucket)
+                    self.by_kind[device.kind].append(bucket)
+                self.bucket_of[device.id] = bucket
+                if device.health is Health.OK:
+                    self._set_free(device.id, True)
+            for pool in topo.pools:
+                dev = self.devices.get(pool.device)
+                if dev is None:
+                    raise ConfigError(f"pool {pool.id!r} names unknown device {pool.device!r}")
+                state = PoolState(pool, dev, pool.capacity.total_bytes)
+                self.pools[pool.id] = state
+                self.pools_by_switch[dev.switch].append(state)
+        for h in self.hosts.values():
+            self.free_hosts.add((h.cores, h.memory_bytes, h.id))
+
+    def _set_free(self, device: str, free: bool) -> None:
+        bucket = self.bucket_of[device]
+        if free:
+            bucket.free.add(device)
+        else:
+            bucket.free.remove(device)
+        delta = 1 if free else -1
+        for host in self.switch_hosts.get(bucket.switch, ()):
+            self.host_free[host][bucket.kind] += delta
+
+    def is_free(self, device: str) -> bool:
+        bucket = self.bucket_of.get(device)
+        return bucket is not None and device in bucket.free
+
+    def claim_device(self, device: str, owner: str) -> None:
+        """Take a device out of the free pool for ``owner``; a failed device may be claimed (on reload)."""
+        current = self.owner.get(device)
+        if current == owner:
+            return
+        if current is not None:
+            raise ValueError(f"device {device} is held by {current}, not free for {owner}")
+        if self.is_free(device):
+            self._set_free(device, False)
+        self.owner[device] = owner
+
+    def release_device(self, device: str) -> None:
+        if self.owner.pop(device, None) is None:
+            return
+        dev = self.devices.get(device)
+        if dev is not None and dev.health is Health.OK and device in self.bucket_of:
+            self._set_free(device, True)
+
+    def claim_memory(self, pool: str, amount: int) -> None:
+        state = self.pools[pool]
+        if amount > state.free_bytes:
+            raise ValueError(f"pool {pool} has {state.free_bytes} B free, {amount} B claimed")
+        state.free_bytes -= amount
+
+    def release_memory(self, pool: str, amount: int) -> None:
+        state = self.pools.get(pool)
+        if state is not None:
+            state.free_bytes = min(state.info.capacity.total_bytes, state.free_bytes + amount)
+
+    def claim_host(self, host: str, owner: str) -> None:
+        current = self.host_owner.get(host)
+        if current == owner:
+            return
+        if current is not None:
+            raise ValueError(f"host {host} is held by {current}")
+        h = self.hosts[host]
+        self.free_hosts.discard((h.cores, h.memory_bytes, h.id))
+        self.host_owner[host] = owner
+
+    def release_host(self, host: str) -> None:
+        if self.host_owner.pop(host, None) is not None and host in self.hosts:
+            h = self.hosts[host]
+            self.free_hosts.add((h.cores, h.memory_bytes, h.id))
+
+    def set_health(self, device: str, health: Health) -> Device | None:
+        """Record a device's new health; a device that is not OK leaves the free pool. Returns the old record."""
+        old = self.devices.get(device)
+        if old is None:
+            return None
+        self.devices[device] = attrs.evolve(old, health=health)
+        if device in self.bucket_of and device not in self.owner:
+            was_free = self.is_free(device)
+            if health is Health.OK and not was_free:
+                self._set_free(device, True)
+            elif health is not Health.OK and was_free:
+                self._set_free(device, False)
+        return old
+
+    def hosts_from(self, min_cores: int, min_memory: int) -> Iterator[Host]:
+        """Free hosts with at least ``min_cores``, smallest first (cores, then memory, then id)."""
+        for _cores, memory, host_id in self.free_hosts.irange((min_cores, -1, "")):
+            if memory >= min_memory:
+                yield self.hosts[host_id]
+
+    def latency(self, host: str, device: Device) -> int | None:
+        lat = self.reach_map.get(host, {}).get(device.switch)
+        return None if lat is None else lat + device.link_latency_ns

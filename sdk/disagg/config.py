@@ -1,0 +1,184 @@
+"""Configuration: ``disagg.toml`` names the fabrics to load, the ledger and the listeners.
+
+Found at ``--config``, else ``$DISAGG_CONFIG``, else ``./disagg.toml``; with none, the embedded default (the
+simulated demo rack) is used. ``{state_dir}`` in a string is replaced by ``$DISAGG_STATE_DIR`` or the XDG
+state directory (``~/.local/state/disagg``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from disagg.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from disagg.composer import FabricComposer
+    from disagg.plugins import Plugins
+
+CONFIG_ENV = "DISAGG_CONFIG"
+STATE_DIR_ENV = "DISAGG_STATE_DIR"
+LEDGERS = ("sqlite", "memory")
+
+
+@attrs.frozen
+class FabricConfig:
+    name: str
+    driver: str
+    options: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Config:
+    fabrics: tuple[FabricConfig, ...]
+    ledger: str = "sqlite"
+    ledger_path: str = ""
+    policy: str = "best-fit"
+    auto_heal: bool = True
+    call_timeout_s: float = 30.0
+    listeners: tuple[str, ...] = ()
+    source: str = "embedded default"
+
+
+def state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV])
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "disagg"
+
+
+def _expand(value: Any, sdir: Path) -> Any:
+    if isinstance(value, str):
+        return value.replace("{state_dir}", str(sdir))
+    if isinstance(value, Mapping):
+        return {k: _expand(v, sdir) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v, sdir) for v in value]
+    return value
+
+
+def _table(doc: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
+    value = doc.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: [{key}] must be a table", field=key)
+    return value
+
+
+def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{source}: unknown keys in {where}: {', '.join(unknown)}", field=f"{where}.{unknown[0]}")
+
+
+def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
+    """Validate a parsed TOML document; every error names the file and the key."""
+    doc = _expand(doc, state_dir(environ))
+    _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
+    state = _table(doc, "state", source)
+    _known(state, {"ledger", "path"}, "[state]", source)
+    ledger = state.get("ledger", "sqlite")
+    if ledger not in LEDGERS:
+        raise ConfigError(
+            f"{source}: [state] ledger must be one of {', '.join(LEDGERS)}, not {ledger!r}", field="state.ledger"
+        )
+    path = state.get("path", str(state_dir(environ) / "ledger.db"))
+    composer = _table(doc, "composer", source)
+    _known(composer, {"policy", "auto_heal", "call_timeout_s"}, "[composer]", source)
+    timeout = composer.get("call_timeout_s", 30.0)
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(
+            f"{source}: [composer] call_timeout_s must be a positive number", field="composer.call_timeout_s"
+        )
+    auto_heal = composer.get("auto_heal", True)
+    if not isinstance(auto_heal, bool):
+        raise ConfigError(f"{source}: [composer] auto_heal must be true or false", field="composer.auto_heal")
+    fabrics_doc = doc.get("fabric", [])
+    if not isinstance(fabrics_doc, list) or not fabrics_doc:
+        raise ConfigError(f"{source}: at least one [[fabric]] is needed", field="fabric")
+    fabrics = []
+    seen: set[str] = set()
+    for n, fab in enumerate(fabrics_doc):
+        where = f"[[fabric]] #{n + 1}"
+        if not isinstance(fab, Mapping):
+            raise ConfigError(f"{source}: {where} must be a table", field="fabric")
+        _known(fab, {"name", "driver", "options"}, where, source)
+        name, driver, options = fab.get("name"), fab.get("driver"), fab.get("options", {})
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"{source}: {where} needs a name without '/'", field=f"fabric[{n}].name")
+        if name in seen:
+            raise ConfigError(f"{source}: two fabrics are named {name!r}", field=f"fabric[{n}].name")
+        seen.add(name)
+        if not isinstance(driver, str) or not driver:
+            raise ConfigError(f"{source}: fabric {name!r} needs a driver", field=f"fabric[{n}].driver")
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{source}: options of fabric {name!r} must be a table", field=f"fabric[{n}].options")
+        fabrics.append(FabricConfig(name, driver, dict(options)))
+    listeners = []
+    for n, lis in enumerate(doc.get("listener", [])):
+        if not isinstance(lis, Mapping) or not isinstance(lis.get("address"), str):
+            raise ConfigError(f"{source}: [[listener]] #{n + 1} needs an address", field=f"listener[{n}].address")
+        listeners.append(lis["address"])
+    return Config(
+        fabrics=tuple(fabrics),
+        ledger=ledger,
+        ledger_path=str(path),
+        policy=str(composer.get("policy", "best-fit")),
+        auto_heal=auto_heal,
+        call_timeout_s=float(timeout),
+        listeners=tuple(listeners),
+        source=source,
+    )
+
+
+def default_document() -> dict[str, Any]:
+    text = resources.files("disagg").joinpath("defaults/default.toml").read_text()
+    return tomllib.loads(text)
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    env = os.environ if environ is None else environ
+    candidate = Path(path) if path else Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else Path("disagg.toml")
+    if path or env.get(CONFIG_ENV) or candidate.exists():
+        try:
+            doc = tomllib.loads(candidate.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"configuration file {candidate} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {candidate}: {exc}") from exc
+        return parse_config(doc, str(candidate), env)
+    return parse_config(default_document(), "embedded default", env)
+
+
+def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugins | None = None) -> FabricComposer:
+    """Load plugins, create each fabric through its driver, open the ledger; the composer is not started."""
+    from disagg.composer import FabricComposer
+    from disagg.plugins import load_plugins
+    from disagg.store import MemoryStore, SqliteStore, Store
+
+    loaded = plugins if plugins is not None else load_plugins()
+    policy = loaded.policy(config.policy)
+    fabrics = {}
+    try:
+        for fab in config.fabrics:
+            spec = loaded.driver(fab.driver)
+            fabrics[fab.name] = spec.factory(fab.name, fab.options)
+    except PluginError as exc:
+        for f in fabrics.values():
+            f.close()
+        raise ConfigError(f"{config.source}: {exc.message}") from exc
+    except BaseException:
+        for f in fabrics.values():
+            f.close()
+        raise
+    kind = ledger or config.ledger
+    store: Store = MemoryStore() if kind == "memory" else SqliteStore(config.ledger_path)
+    return FabricComposer(
+        fabrics, policy=policy, store=store, auto_heal=config.auto_heal, call_timeout_s=config.call_timeout_s
+    )

@@ -1,0 +1,261 @@
+"""The request language: composition requests as short text, or as a TOML/JSON document.
+
+Text, one clause list per resource, resources separated by ``;``::
+
+    host cores>=16 memory>=256GiB; gpu x8 model=H200 gpu_memory>=80GiB latency<=600ns same-switch spread=chassis;
+    cxl-memory 512GiB
+
+A document carries the same fields by name (see ``docs/request-language.md``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from disagg.errors import InvalidRequestError
+from disagg.model import (
+    Affinity,
+    AttributeValue,
+    CompositionRequest,
+    DeviceKind,
+    HostRequest,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+    parse_latency,
+    parse_size,
+)
+
+_CLAUSE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)\s*(!=|>=|<=|=|>|<)\s*(.+)$")
+_OPS = {op.value: op for op in SelectorOp}
+_COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
+
+
+def parse_value(text: str) -> AttributeValue:
+    """An attribute value: a boolean, an integer, a number, a size with a unit (bytes), or a string."""
+    raw = text.strip()
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if re.fullmatch(r"-?\d+", raw):
+        return int(raw)
+    if re.fullmatch(r"-?\d+\.\d*", raw):
+        return float(raw)
+    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
+        return parse_size(raw)
+    return raw
+
+
+def parse_selector(text: str, field: str = "selector") -> Selector:
+    match = _CLAUSE.match(text.strip())
+    if not match:
+        raise InvalidRequestError(f"{text!r} is not a selector (write key=value, key>=value, ...)", field=field)
+    key, op, value = match.groups()
+    return Selector(key, _OPS[op], parse_value(value))
+
+
+def _tokens(text: str, field: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise InvalidRequestError(f"cannot read {text!r}: {exc}", field=field) from exc
+
+
+def parse_host(text: str, field: str = "host") -> HostRequest:
+    """``host h3`` or ``host cores>=16 memory>=256GiB rack=r1``; the leading word ``host`` is optional."""
+    tokens = _tokens(text, field)
+    if tokens and tokens[0] == "host":
+        tokens = tokens[1:]
+    if len(tokens) == 1 and not _CLAUSE.match(tokens[0]):
+        return HostRequest(name=tokens[0])
+    cores = memory = 0
+    selectors = []
+    for tok in tokens:
+        sel = parse_selector(tok, field)
+        if sel.key in ("cores", "memory") and sel.op is not SelectorOp.GE:
+            raise InvalidRequestError(f"{tok!r}: write {sel.key}>=VALUE for a host minimum", field=field)
+        if sel.key == "cores":
+            if not isinstance(sel.value, int) or isinstance(sel.value, bool) or sel.value < 0:
+                raise InvalidRequestError(f"{tok!r}: cores must be a whole number", field=field)
+            cores = sel.value
+        elif sel.key == "memory":
+            memory = _size(sel.value, tok, field)
+        else:
+            selectors.append(sel)
+    return HostRequest(min_cores=cores, min_memory_bytes=memory, selectors=tuple(selectors))
+
+
+def _size(value: AttributeValue, token: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidRequestError(f"{token!r} is not a size (write e.g. 512GiB)", field=field)
+    return value
+
+
+def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
+    """``gpu x8 model=H200 latency<=600ns same-switch spread=chassis`` or ``cxl-memory 512GiB``."""
+    tokens = _tokens(text, field)
+    if not tokens:
+        raise InvalidRequestError("an empty resource", field=field)
+    try:
+        kind = DeviceKind.parse(tokens[0])
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field=field) from exc
+    count = amount = 0
+    latency: int | None = None
+    affinity = Affinity.NONE
+    spread: str | None = None
+    selectors: list[Selector] = []
+    for tok in tokens[1:]:
+        count_match = _COUNT.match(tok)
+        if count_match and not (count or amount):
+            count = int(count_match.group(1))
+        elif tok in ("same-switch", "affinity=same-switch"):
+            affinity = Affinity.SAME_SWITCH
+        elif tok.startswith("spread="):
+            spread = tok.split("=", 1)[1]
+            if not spread:
+                raise InvalidRequestError("spread= needs a failure-domain label", field=field)
+        elif tok.startswith(("latency<=", "latency<")):
+            try:
+                latency = parse_latency(tok.split("<", 1)[1].lstrip("="))
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), field=field) from exc
+        elif not (count or amount) and not _CLAUSE.match(tok):
+            try:
+                amount = parse_size(tok)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"{tok!r} is neither a count (x8) nor an amount (512GiB)", field=field
+                ) from exc
+        else:
+            selectors.append(parse_selector(tok, field))
+    if not count and not amount:
+        count = 1
+    return _build(
+        kind,
+        count=count,
+        amount=amount,
+        selectors=tuple(selectors),
+        latency=latency,
+        affinity=affinity,
+        spread=spread,
+        field=field,
+    )
+
+
+def _build(
+    kind: DeviceKind,
+    *,
+    count: int,
+    amount: int,
+    selectors: tuple[Selector, ...],
+    latency: int | None,
+    affinity: Affinity,
+    spread: str | None,
+    field: str,
+) -> ResourceRequest:
+    try:
+        return ResourceRequest(
+            kind=kind,
+            count=count,
+            amount_bytes=amount,
+            selectors=selectors,
+            max_latency_ns=latency,
+            affinity=affinity,
+            spread=spread,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field=field) from exc
+
+
+def parse_request(name: str, clauses: Sequence[str]) -> CompositionRequest:
+    """A request from text clauses; a clause starting with ``host`` names or constrains the host."""
+    host = HostRequest()
+    resources: list[ResourceRequest] = []
+    parts = [p.strip() for clause in clauses for p in clause.split(";") if p.strip()]
+    for n, part in enumerate(parts):
+        if part.split()[0] == "host":
+            host = parse_host(part, field=f"clauses[{n}]")
+        else:
+            resources.append(parse_resource(part, field=f"clauses[{n}]"))
+    return _request(name, resources, host)
+
+
+def _request(name: str, resources: Sequence[ResourceRequest], host: HostRequest) -> CompositionRequest:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", name or ""):
+        raise InvalidRequestError(
+            f"invalid composition name {name!r}: 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            field="name",
+        )
+    if not resources:
+        raise InvalidRequestError("a composition needs at least one resource", field="resources")
+    return CompositionRequest(name=name, resources=tuple(resources), host=host)
+
+
+def request_from_document(doc: Mapping[str, Any]) -> CompositionRequest:
+    """A request from a parsed TOML or JSON document (``name``, ``[host]``, ``[[resource]]``)."""
+    unknown = set(doc) - {"name", "host", "resource", "resources"}
+    if unknown:
+        raise InvalidRequestError(f"unknown request fields: {', '.join(sorted(unknown))}", field=sorted(unknown)[0])
+    host_doc = doc.get("host", {})
+    if isinstance(host_doc, str):
+        host = parse_host(host_doc)
+    elif isinstance(host_doc, Mapping):
+        host = _host_from_document(host_doc)
+    else:
+        raise InvalidRequestError("host must be a name or a table", field="host")
+    items = doc.get("resource", doc.get("resources", []))
+    if not isinstance(items, list):
+        raise InvalidRequestError("resource must be a list of tables", field="resource")
+    resources = [_resource_from_document(item, f"resource[{n}]") for n, item in enumerate(items)]
+    return _request(str(doc.get("name", "")), resources, host)
+
+
+def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
+    unknown = set(doc) - {"name", "min_cores", "min_memory", "selectors"}
+    if unknown:
+        raise InvalidRequestError(f"unknown host fields: {', '.join(sorted(unknown))}", field="host")
+    try:
+        memory = parse_size(doc.get("min_memory", 0))
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field="host.min_memory") from exc
+    cores = doc.get("min_cores", 0)
+    if not isinstance(cores, int) or cores < 0:
+        raise InvalidRequestError("min_cores must be a whole number", field="host.min_cores")
+    selectors = tuple(parse_selector(s, "host.selectors") for s in doc.get("selectors", []))
+    return HostRequest(name=doc.get("name"), min_cores=cores, min_memory_bytes=memory, selectors=selectors)
+
+
+def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
+    if not isinstance(doc, Mapping):
+        raise InvalidRequestError("each resource must be a table", field=field)
+    unknown = set(doc) - {"kind", "count", "amount", "selectors", "max_latency", "affinity", "spread"}
+    if unknown:
+        raise InvalidRequestError(f"unknown resource fields: {', '.join(sorted(unknown))}", field=field)
+    try:
+        kind = DeviceKind.parse(str(doc.get("kind", "")))
+        amount = parse_size(doc.get("amount", 0))
+        latency = None if doc.get("max_latency") is None else parse_latency(doc["max_latency"])
+        affinity = Affinity(doc.get("affinity", "none"))
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field=field) from exc
+    count = doc.get("count", 0)
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise InvalidRequestError("count must be a whole number", field=f"{field}.count")
+    selectors = tuple(parse_selector(s, f"{field}.selectors") for s in doc.get("selectors", []))
+    return _build(
+        kind,
+        count=count,
+        amount=amount,
+        selectors=selectors,
+        latency=latency,
+        affinity=affinity,
+        spread=doc.get("spread"),
+        field=field,
+    )

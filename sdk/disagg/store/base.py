@@ -1,0 +1,48 @@
+"""The ledger interface: what the composer must find again after a restart."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+
+from disagg.model import Composition, Event, Reservation
+
+
+@attrs.frozen
+class LedgerState:
+    """Everything a composer reloads at start-up."""
+
+    compositions: tuple[Composition, ...] = ()
+    reservations: tuple[Reservation, ...] = ()
+    last_revision: int = 0
+
+
+class Store(abc.ABC):
+    """Durable records of compositions, reservations and the event log. Implementations are thread-safe."""
+
+    @abc.abstractmethod
+    def load(self) -> LedgerState: ...
+
+    @abc.abstractmethod
+    def put_composition(self, composition: Composition) -> None: ...
+
+    @abc.abstractmethod
+    def delete_composition(self, composition_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def put_reservation(self, reservation: Reservation) -> None: ...
+
+    @abc.abstractmethod
+    def delete_reservation(self, reservation_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def append_event(self, event: Event) -> None: ...
+
+    @abc.abstractmethod
+    def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]: ...
+
+    def close(self) -> None:
+        """Release files and connections; the default holds none."""
+        return None

@@ -1,0 +1,54 @@
+"""An in-memory ledger, for tests, benchmarks and the self-contained demo. Lost when the process ends."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Sequence
+
+from disagg.model import Composition, Event, Reservation
+from disagg.store.base import LedgerState, Store
+
+
+class MemoryStore(Store):
+    def __init__(self, event_retention: int = 100_000) -> None:
+        self._lock = threading.Lock()
+        self._compositions: dict[str, Composition] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._events: list[Event] = []
+        self._retention = event_retention
+
+    def load(self) -> LedgerState:
+        with self._lock:
+            return LedgerState(
+                tuple(self._compositions.values()),
+                tuple(self._reservations.values()),
+                self._events[-1].revision if self._events else 0,
+            )
+
+    def put_composition(self, composition: Composition) -> None:
+        with self._lock:
+            self._compositions[composition.id] = composition
+
+    def delete_composition(self, composition_id: str) -> None:
+        with self._lock:
+            self._compositions.pop(composition_id, None)
+
+    def put_reservation(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._reservations[reservation.id] = reservation
+
+    def delete_reservation(self, reservation_id: str) -> None:
+        with self._lock:
+            self._reservations.pop(reservation_id, None)
+
+    def append_event(self, event: Event) -> None:
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) > self._retention:
+                del self._events[: len(self._events) - self._retention]
+
+    def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
+        with self._lock:
+            start = bisect.bisect_right([e.revision for e in self._events], revision)
+            return list(self._events[start : start + limit])

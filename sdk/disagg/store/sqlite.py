@@ -1,0 +1,87 @@
+"""The embedded default ledger: SQLite in WAL mode with synchronous=FULL, writes under BEGIN IMMEDIATE.
+
+Records are stored as JSON documents of the model values, so the schema follows the model without migrations
+of every field.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from disagg import codec
+from disagg.errors import ConfigError
+from disagg.model import Composition, Event, Reservation
+from disagg.store.base import LedgerState, Store
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS compositions (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS reservations (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (revision INTEGER PRIMARY KEY, doc TEXT NOT NULL);
+"""
+
+
+class SqliteStore(Store):
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def load(self) -> LedgerState:
+        with self._lock:
+            comps = tuple(codec.loads(d, Composition) for (d,) in self._db.execute("SELECT doc FROM compositions"))
+            res = tuple(codec.loads(d, Reservation) for (d,) in self._db.execute("SELECT doc FROM reservations"))
+            (last,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
+        return LedgerState(comps, res, int(last))
+
+    def put_composition(self, composition: Composition) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO compositions VALUES (?, ?)", (composition.id, codec.dumps(composition)))
+
+    def delete_composition(self, composition_id: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM compositions WHERE id = ?", (composition_id,))
+
+    def put_reservation(self, reservation: Reservation) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO reservations VALUES (?, ?)", (reservation.id, codec.dumps(reservation)))
+
+    def delete_reservation(self, reservation_id: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM reservations WHERE id = ?", (reservation_id,))
+
+    def append_event(self, event: Event) -> None:
+        with self._write() as db:
+            db.execute("INSERT INTO events VALUES (?, ?)", (event.revision, codec.dumps(event)))
+
+    def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT doc FROM events WHERE revision > ? ORDER BY revision LIMIT ?", (revision, limit)
+            ).fetchall()
+        return [codec.loads(d, Event) for (d,) in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
