@@ -142,6 +142,15 @@ def default_document() -> dict[str, Any]:
     return tomllib.loads(text)
 
 
+def demo_config() -> Config:
+    """The embedded default with an in-memory ledger and no state files: nothing outlives the process."""
+    doc = default_document()
+    doc["state"] = {"ledger": "memory"}
+    for fabric in doc["fabric"]:
+        fabric["options"] = {k: v for k, v in fabric.get("options", {}).items() if k != "state_file"}
+    return parse_config(doc, "embedded default (in memory)")
+
+
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
     env = os.environ if environ is None else environ
     candidate = Path(path) if path else Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else Path("disagg.toml")

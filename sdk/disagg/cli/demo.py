@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from disagg.cli import render
 from disagg.composer import FabricComposer, request_summary
-from disagg.config import build_composer, default_document, parse_config
+from disagg.config import build_composer, demo_config
 from disagg.errors import DisaggError
 from disagg.interfaces import FaultInjection
 from disagg.model import ComposeMode, Composition, Event, format_size
@@ -25,11 +25,7 @@ GROW = "gpu x2 model=H200 latency<=600ns"
 
 def demo_composer() -> FabricComposer:
     """The embedded default with an in-memory ledger and simulated hardware that lives only in this process."""
-    doc: dict[str, Any] = default_document()
-    doc["state"] = {"ledger": "memory"}
-    for fabric in doc["fabric"]:
-        fabric["options"] = {k: v for k, v in fabric.get("options", {}).items() if k != "state_file"}
-    return build_composer(parse_config(doc, "embedded default (demo)"))
+    return build_composer(demo_config())
 
 
 class _Story:
@@ -135,9 +131,8 @@ def run_demo(json_output: bool = False, out: TextIO | None = None) -> int:
         story.step(f"Recompose inference to 4 GPUs: add {GROW}")
         inference = composer.find("inference")
         grown = composer.recompose(inference.id, add=[parse_resource(GROW)], expected_etag=inference.etag)
-        story.say(
-            f"inference now has {len(grown.devices)} GPUs and {format_size(sum(a.amount_bytes for a in grown.allocations))} of CXL memory ({grown.etag})"
-        )
+        memory = format_size(sum(a.amount_bytes for a in grown.allocations))
+        story.say(f"inference now has {len(grown.devices)} GPUs and {memory} of CXL memory ({grown.etag})")
         if not json_output:
             render.show_composition_devices(grown, stream)
         story.record("recompose inference", composition=grown)

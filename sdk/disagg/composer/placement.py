@@ -6,7 +6,8 @@ first, and the policy orders groups by total keys.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -94,7 +95,7 @@ class Placer:
             return plan
         candidates = 0
         skipped = 0
-        reasons: list[str] = []
+        first_failure: Callable[[], str] | None = None
         for host in self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes):
             if not all(sel.matches(host.attributes.get(sel.key)) for sel in hr.selectors):
                 continue
@@ -102,17 +103,17 @@ class Placer:
             if not self._precheck(host.id, request.resources):
                 skipped += 1
                 continue
-            plan, why = self.try_host(host.id, lines)
+            plan, failure = self._attempt(host.id, lines)
             if plan is not None:
                 return plan
-            reasons.append(why)
+            first_failure = first_failure or failure
         if candidates == 0:
             raise NoFitError(
                 f"no free host has at least {hr.min_cores} cores and {format_size(hr.min_memory_bytes)} of memory"
                 f"{describe_selectors(hr.selectors)}: {len(self.inv.free_hosts)} of {len(self.inv.hosts)} hosts "
                 "are free"
             )
-        detail = f"; first candidate: {reasons[0]}" if reasons else ""
+        detail = f"; first candidate: {first_failure()}" if first_failure is not None else ""
         raise NoFitError(
             f"no host can take {', '.join(describe_line(r) for r in request.resources)}: {candidates} candidate "
             f"hosts, {skipped} of them reach too few free devices of a requested kind{detail}"
@@ -138,7 +139,15 @@ class Placer:
         return all(free.get(kind, 0) >= n for kind, n in need.items())  # type: ignore[call-overload]
 
     def try_host(self, host: str, lines: Sequence[Line]) -> tuple[Plan | None, str]:
-        """Place ``lines`` for ``host``; earlier lines' picks are not offered to later ones."""
+        """Place ``lines`` for ``host``; earlier lines' picks are not offered to later ones.
+
+        Returns the plan, or None and the reason it failed.
+        """
+        plan, failure = self._attempt(host, lines)
+        return plan, (failure() if failure is not None else "")
+
+    def _attempt(self, host: str, lines: Sequence[Line]) -> tuple[Plan | None, Callable[[], str] | None]:
+        """Like `try_host`, but the reason is left for the caller to compute: explaining scans the fabric."""
         taken: dict[int, int] = {}
         taken_pool: dict[str, int] = {}
         devices: list[DevicePick] = []
@@ -147,14 +156,14 @@ class Placer:
             if r.carved:
                 carved = self._carve(host, idx, r, pin, taken_pool)
                 if carved is None:
-                    return None, self._explain_memory(host, r, taken_pool)
+                    return None, functools.partial(self._explain_memory, host, r, dict(taken_pool))
                 memory.extend(carved)
             else:
                 picked = self._pick(host, idx, r, pin, taken)
                 if picked is None:
-                    return None, self._explain_devices(host, r, pin, taken)
+                    return None, functools.partial(self._explain_devices, host, r, pin, dict(taken))
                 devices.extend(picked)
-        return Plan(host=host, devices=tuple(devices), memory=tuple(memory)), ""
+        return Plan(host=host, devices=tuple(devices), memory=tuple(memory)), None
 
     def _matches(self, bucket: Bucket, selectors: tuple[Selector, ...]) -> bool:
         key = (bucket.key, selectors)
