@@ -54,6 +54,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                     for n, d in plugins.drivers.items()
                 },
                 "blocked": list(plugins.blocked),
+                "broken": plugins.broken,
             }
         )
         return 0
@@ -71,6 +72,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     )
     if plugins.blocked:
         print(f"\nblocked by DISAGG_DISABLE_PLUGINS: {', '.join(plugins.blocked)}")
+    for name, why in sorted(plugins.broken.items()):
+        print(f"\nplugin {name} failed to load: {why}")
     return 0
 
 

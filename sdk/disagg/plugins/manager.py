@@ -1,5 +1,8 @@
 """Loads plugins: built-in modules first, then the entry-point group ``disagg.drivers``.
 
+An entry point that fails to import is reported (``Plugins.broken``, ``disagg plugins``) and the others still
+load, so one broken driver package does not take every fabric down with it.
+
 Operators can block plugins by name with ``DISAGG_DISABLE_PLUGINS=a,b`` and see every hook call logged at
 DEBUG level on the ``disagg.plugins`` logger.
 """
@@ -10,6 +13,7 @@ import importlib
 import logging
 import os
 from collections.abc import Iterable
+from importlib import metadata
 from typing import Any
 
 import attrs
@@ -46,6 +50,8 @@ class Plugins:
     policies: dict[str, PlacementPolicy]
     plugins: tuple[PluginInfo, ...]
     blocked: tuple[str, ...]
+    broken: dict[str, str] = attrs.field(factory=dict)
+    """Entry points that failed to load, with the reason; the others still work."""
 
     def driver(self, name: str) -> DriverSpec:
         try:
@@ -53,6 +59,8 @@ class Plugins:
         except KeyError:
             known = ", ".join(sorted(self.drivers)) or "none"
             hint = f"; it is blocked by {DISABLE_ENV}" if name in self.blocked else ""
+            if name in self.broken:
+                hint = f"; its plugin failed to load: {self.broken[name]}"
             raise PluginError(
                 f"no driver {name!r} is installed (installed: {known}){hint}. "
                 f"A driver is a package that declares an entry point in the group {ENTRY_POINT_GROUP!r}."
@@ -109,11 +117,20 @@ def load_plugins(
     for name, plugin in extra:
         if not pm.is_blocked(name):
             pm.register(plugin, name=name)
+    dists: dict[str, tuple[str, str]] = {}
+    broken: dict[str, str] = {}
     if entry_points:
-        try:
-            pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
-        except Exception as exc:
-            raise PluginError(f"loading plugins from entry points {ENTRY_POINT_GROUP!r} failed: {exc!r}") from exc
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                pm.register(ep.load(), name=ep.name)
+            except Exception as exc:
+                log.debug("plugin %s (%s) failed to load: %r", ep.name, ep.value, exc)
+                broken[ep.name] = f"{ep.value}: {exc!r}"
+                continue
+            if ep.dist is not None:
+                dists[ep.name] = (ep.dist.name, ep.dist.version)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -124,16 +141,15 @@ def load_plugins(
     policies = PolicyRegistry()
     _call_each(pm, "disagg_register_policies", policies)
 
-    dists = {pm.get_name(plugin): dist for plugin, dist in pm.list_plugin_distinfo()}
     infos = []
     for plugin in pm.get_plugins():
         name = pm.get_name(plugin) or ""
-        dist = dists.get(name)
+        dist_name, dist_version = dists.get(name, ("disagg (built-in)", _own_version()))
         infos.append(
             PluginInfo(
                 name=name,
-                distribution=dist.project_name if dist is not None else "disagg (built-in)",
-                version=dist.version if dist is not None else _own_version(),
+                distribution=dist_name,
+                version=dist_version,
                 drivers=tuple(sorted(n for n, d in drivers.drivers.items() if d.plugin == name)),
                 policies=tuple(sorted(n for n, o in policies.owners.items() if o == name)),
             )
@@ -143,6 +159,7 @@ def load_plugins(
         policies=policies.policies,
         plugins=tuple(sorted(infos, key=lambda i: i.name)),
         blocked=blocked_names,
+        broken=broken,
     )
 
 

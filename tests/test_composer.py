@@ -1,0 +1,405 @@
+"""The composer on the simulated demo rack: compose, reserve, roll back, recompose, heal, decompose, restart."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from composer_helpers import (
+    BrokenPools,
+    composer,
+    hardware_allocations,
+    hardware_bindings,
+    ledger_allocations,
+    ledger_bindings,
+    rack,
+)
+from disagg.composer import FabricComposer
+from disagg.errors import (
+    ConflictError,
+    DeviceBusyError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    NoFitError,
+    NotFoundError,
+    StaleEpochError,
+)
+from disagg.interfaces import CallContext
+from disagg.model import ComposeMode, CompositionState, EventType, Health
+from disagg.requestlang import parse_request, parse_resource
+from disagg.store import SqliteStore
+from disagg_sim import SimFabric, create_fabric, load_topology
+
+TRAINING = parse_request("training", ["host cores>=8", "gpu x8 model=H200 same-switch"])
+INFERENCE = parse_request("inference", ["host memory>=512GiB", "gpu x2 model=H200", "cxl-memory 512GiB"])
+
+
+def events_of(comp: FabricComposer) -> list[EventType]:
+    return [e.type for e in comp.events()]
+
+
+class TestCompose:
+    """APPLY binds every device and carves every allocation, across fabrics, and records it."""
+
+    def test_apply_binds_on_the_hardware(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        result = comp.compose(INFERENCE)
+        c = result.composition
+        assert c is not None and c.state is CompositionState.COMPOSED
+        assert c.host == "h3"
+        assert len(c.devices) == 2 and all(d.startswith("pcie0/") for d in c.device_ids)
+        assert sum(a.amount_bytes for a in c.allocations) == 512 << 30
+        assert hardware_bindings(fabrics) == {d: "h3" for d in c.device_ids}
+        assert hardware_allocations(fabrics) == {a.id: a for a in c.allocations}
+        assert events_of(comp)[:2] == [EventType.COMPOSITION_CREATED, EventType.COMPOSITION_STATE_CHANGED]
+
+    def test_same_switch_lands_on_one_switch(self) -> None:
+        comp = composer()
+        c = comp.compose(TRAINING).composition
+        assert c is not None
+        assert len({comp.device(d).switch for d in c.device_ids}) == 1
+        assert c.host == "h1"
+
+    def test_preview_changes_nothing(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        before = comp.usage()
+        result = comp.compose(INFERENCE, ComposeMode.PREVIEW)
+        assert result.composition is None and result.reservation is None
+        assert len(result.plan.devices) == 2
+        assert comp.usage() == before
+        assert hardware_bindings(fabrics) == {}
+        assert comp.compositions() == []
+
+    def test_name_taken_is_a_conflict(self) -> None:
+        comp = composer()
+        comp.compose(INFERENCE)
+        with pytest.raises(ConflictError, match="taken"):
+            comp.compose(INFERENCE)
+
+    def test_no_fit_says_why(self) -> None:
+        comp = composer()
+        request = parse_request("big", ["host h3", "gpu x8 model=H200 latency<=300ns"])
+        with pytest.raises(NoFitError, match=r"8 gpu \(model=H200\) within 300 ns of host h3 asked: 20 free"):
+            comp.compose(request)
+        assert comp.compositions() == []
+
+    def test_busy_host_is_refused(self) -> None:
+        comp = composer()
+        comp.compose(parse_request("a", ["host h2", "gpu x1"]))
+        with pytest.raises(NoFitError, match="host h2 already belongs"):
+            comp.compose(parse_request("b", ["host h2", "gpu x1"]))
+
+    def test_ttl_must_be_positive(self) -> None:
+        with pytest.raises(InvalidRequestError):
+            composer().compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=0)
+
+
+class TestRollback:
+    """A failure anywhere in execution undoes every earlier step, in reverse, across fabrics."""
+
+    def test_flaky_bind_rolls_back_earlier_binds(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        plan = comp.compose(TRAINING, ComposeMode.PREVIEW).plan
+        fabrics["pcie0"].flaky_bind(plan.devices[5].device, 1)
+        with pytest.raises(FabricUnavailableError):
+            comp.compose(TRAINING)
+        assert hardware_bindings(fabrics) == {}
+        assert comp.compositions() == []
+        kinds, _ = comp.usage()
+        assert next(k for k in kinds if k.kind.value == "gpu").free == 20
+        assert events_of(comp)[-1] is EventType.COMPOSITION_DELETED
+        assert comp.compose(TRAINING).composition is not None
+
+    def test_memory_failure_on_another_fabric_unbinds_the_gpus(self) -> None:
+        cxl = BrokenPools(load_topology("cxl0", "demo-cxl"))
+        cxl.error = FabricUnavailableError("appliance manager down")
+        fabrics = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"}), "cxl0": cxl}
+        comp = composer(fabrics)
+        with pytest.raises(FabricUnavailableError, match="appliance manager down"):
+            comp.compose(INFERENCE)
+        assert hardware_bindings(fabrics) == {}
+        assert hardware_allocations(fabrics) == {}
+        assert comp.compositions() == []
+
+    def test_stale_epoch_rolls_back(self) -> None:
+        fabrics = rack()
+        newer = CallContext(epoch=7)
+        fabrics["pcie0"].bind("pcie0/gpu-b9", "h4", newer)
+        fabrics["pcie0"].unbind(fabrics["pcie0"].bindings()[0], newer)
+        comp = composer(fabrics, epoch=3)
+        with pytest.raises(StaleEpochError):
+            comp.compose(INFERENCE)
+        assert hardware_bindings(fabrics) == {} and hardware_allocations(fabrics) == {}
+
+    def test_unexpected_driver_exception_is_rolled_back_as_sdk_error(self) -> None:
+        cxl = BrokenPools(load_topology("cxl0", "demo-cxl"))
+        cxl.error = RuntimeError("driver bug")
+        fabrics = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"}), "cxl0": cxl}
+        comp = composer(fabrics)
+        with pytest.raises(FabricUnavailableError, match="driver bug"):
+            comp.compose(INFERENCE)
+        assert hardware_bindings(fabrics) == {}
+
+
+class TestReservations:
+    """RESERVE holds a plan for its time to live; applying binds exactly that plan."""
+
+    def test_reserve_holds_then_apply_binds_the_plan(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = comp.compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=30).reservation
+        assert res is not None
+        assert hardware_bindings(fabrics) == {}
+        kinds, _ = comp.usage()
+        assert next(k for k in kinds if k.kind.value == "gpu").free == 18
+        c = comp.apply_reservation(res.id)
+        assert c.state is CompositionState.COMPOSED
+        assert c.device_ids == tuple(p.device for p in res.plan.devices)
+        assert set(hardware_bindings(fabrics)) == set(c.device_ids)
+
+    def test_expiry_gives_devices_back(self) -> None:
+        now = [1000.0]
+        comp = composer(clock=lambda: now[0])
+        res = comp.compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=10).reservation
+        assert res is not None
+        now[0] += 11
+        comp.tick()
+        assert comp.reservations() == []
+        kinds, _ = comp.usage()
+        assert next(k for k in kinds if k.kind.value == "gpu").free == 20
+        assert EventType.RESERVATION_EXPIRED in events_of(comp)
+        with pytest.raises(NotFoundError, match="expired or never existed"):
+            comp.apply_reservation(res.id)
+
+    def test_release_is_idempotent(self) -> None:
+        comp = composer()
+        res = comp.compose(INFERENCE, ComposeMode.RESERVE).reservation
+        assert res is not None
+        comp.release_reservation(res.id)
+        comp.release_reservation(res.id)
+        comp.release_reservation("r-unknown")
+        assert comp.reservations() == []
+        assert comp.compose(INFERENCE).composition is not None
+
+
+class TestRecompose:
+    """Recomposition grows and shrinks a live composition under its etag."""
+
+    def test_add_and_remove(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        grown = comp.recompose(
+            c.id, add=[parse_resource("gpu x2 model=H200"), parse_resource("nvme")], expected_etag=c.etag
+        )
+        assert len(grown.devices) == 5
+        assert grown.state is CompositionState.COMPOSED
+        assert set(hardware_bindings(fabrics)) == set(grown.device_ids)
+        gone = grown.device_ids[0]
+        shrunk = comp.recompose(c.id, remove=[gone, grown.allocations[0].id])
+        assert gone not in shrunk.device_ids and shrunk.allocations == ()
+        assert gone not in hardware_bindings(fabrics)
+        assert hardware_allocations(fabrics) == {}
+
+    def test_stale_etag_changes_nothing(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        comp.recompose(c.id, add=[parse_resource("nic")])
+        with pytest.raises(ConflictError):
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag)
+        assert len(comp.get(c.id).devices) == 3
+        assert len(hardware_bindings(fabrics)) == 3
+
+    def test_bad_removals_and_empty_changes(self) -> None:
+        comp = composer()
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        with pytest.raises(InvalidRequestError, match="holds no device"):
+            comp.recompose(c.id, remove=["pcie0/gpu-b9"])
+        with pytest.raises(InvalidRequestError):
+            comp.recompose(c.id)
+        with pytest.raises(NotFoundError):
+            comp.recompose("c-missing", add=[parse_resource("nic")])
+
+    def test_add_that_does_not_fit_leaves_composition_as_it_was(self) -> None:
+        comp = composer()
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        with pytest.raises(NoFitError):
+            comp.recompose(c.id, add=[parse_resource("gpu x30")])
+        after = comp.get(c.id)
+        assert after.device_ids == c.device_ids and after.state is CompositionState.COMPOSED
+
+    def test_failed_add_rolls_back_and_restores_state(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        fabrics["pcie0"].flaky_bind(None, 5)
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=[parse_resource("nic x2")])
+        after = comp.get(c.id)
+        assert after.state is CompositionState.COMPOSED and after.device_ids == c.device_ids
+        assert set(hardware_bindings(fabrics)) == set(c.device_ids)
+
+
+class TestDecompose:
+    """Decomposition releases everything and is idempotent."""
+
+    def test_releases_everything(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        comp.decompose(c.id)
+        comp.decompose(c.id)
+        assert hardware_bindings(fabrics) == {} and hardware_allocations(fabrics) == {}
+        kinds, pools = comp.usage()
+        assert all(k.free == k.total for k in kinds)
+        assert all(p.free_bytes == p.total_bytes for p in pools)
+        with pytest.raises(NotFoundError):
+            comp.get(c.id)
+
+    def test_by_name(self) -> None:
+        comp = composer()
+        comp.compose(INFERENCE)
+        comp.decompose("inference")
+        assert comp.compositions() == []
+
+
+class TestHealth:
+    """A failed device degrades its composition, leaves the free pool, and is replaced by the heal policy."""
+
+    def test_failure_is_healed_on_the_same_switch(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(TRAINING).composition
+        assert c is not None
+        victim = c.device_ids[0]
+        switch = comp.device(victim).switch
+        fabrics["pcie0"].fail_device(victim, "ECC")
+        healed = comp.get(c.id)
+        assert healed.state is CompositionState.COMPOSED
+        assert victim not in healed.device_ids and len(healed.devices) == 8
+        assert {comp.device(d).switch for d in healed.device_ids} == {switch}
+        assert victim not in hardware_bindings(fabrics)
+        kinds, _ = comp.usage()
+        gpu = next(k for k in kinds if k.kind.value == "gpu")
+        assert gpu.unhealthy == 1 and gpu.free == 20 - 8 - 1
+        types = events_of(comp)
+        assert EventType.DEVICE_HEALTH_CHANGED in types and EventType.COMPOSITION_HEALED in types
+        states = [e.data.get("new") for e in comp.events() if e.type is EventType.COMPOSITION_STATE_CHANGED]
+        assert states[-2:] == ["DEGRADED", "COMPOSED"]
+
+    def test_without_a_spare_it_stays_degraded(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert c is not None
+        fabrics["pcie0"].fail_device(c.device_ids[3])
+        after = comp.get(c.id)
+        assert after.state is CompositionState.DEGRADED
+        assert "no replacement" in after.message
+
+    def test_manual_heal_and_repair(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        fabrics["pcie0"].fail_device(c.device_ids[0])
+        assert comp.get(c.id).state is CompositionState.DEGRADED
+        fabrics["pcie0"].repair_device(c.device_ids[0])
+        assert comp.get(c.id).state is CompositionState.COMPOSED
+        fabrics["pcie0"].fail_device(c.device_ids[1])
+        healed = comp.heal(c.id)
+        assert healed.state is CompositionState.COMPOSED and c.device_ids[1] not in healed.device_ids
+
+    def test_failed_free_device_is_not_offered(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        for n in range(10):
+            fabrics["pcie0"].fail_device(f"pcie0/gpu-a{n}")
+        with pytest.raises(NoFitError):
+            comp.compose(parse_request("x", ["gpu x11 model=H200"]))
+        c = comp.compose(parse_request("y", ["gpu x10 model=H200"])).composition
+        assert c is not None and all("gpu-b" in d for d in c.device_ids)
+        assert comp.device("pcie0/gpu-a0").health is Health.FAILED
+
+    def test_link_down_degrades_and_link_up_restores(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(TRAINING).composition
+        assert c is not None
+        switch = comp.device(c.device_ids[0]).switch
+        top = next(link for link in fabrics["pcie0"].discover().links if switch in (link.a, link.b))
+        fabrics["pcie0"].set_link(top.a, top.b, False)
+        assert EventType.LINK_STATE_CHANGED in events_of(comp)
+        assert comp.get(c.id).state is CompositionState.DEGRADED
+        fabrics["pcie0"].set_link(top.a, top.b, True)
+        assert comp.get(c.id).state is CompositionState.COMPOSED
+
+
+class TestConcurrency:
+    """Concurrent composes never share a device; exactly as many succeed as there are devices."""
+
+    def test_racing_for_the_last_devices(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        comp.compose(parse_request("most", ["host h1", "gpu x17"]))
+        results: list[object] = []
+        lock = threading.Lock()
+
+        def worker(n: int) -> None:
+            try:
+                c = comp.compose(parse_request(f"w{n}", ["gpu x1"])).composition
+                out: object = c
+            except (NoFitError, DeviceBusyError) as exc:
+                out = exc
+            with lock:
+                results.append(out)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        winners = [r for r in results if not isinstance(r, Exception)]
+        assert len(results) == 3
+        assert len(winners) == 3 - sum(isinstance(r, NoFitError) for r in results)
+        assert ledger_bindings(comp) == hardware_bindings(fabrics)
+        assert len(ledger_bindings(comp)) == len(set(ledger_bindings(comp)))
+
+
+class TestRestart:
+    """A new composer over the same ledger and hardware finds its compositions and their claims."""
+
+    def test_sqlite_ledger_and_sim_state_survive(self, tmp_path: Path) -> None:
+        def fabrics() -> dict[str, SimFabric]:
+            return rack(
+                pcie0={"state_file": str(tmp_path / "pcie0.json")}, cxl0={"state_file": str(tmp_path / "cxl0.json")}
+            )
+
+        first = composer(fabrics(), store=SqliteStore(tmp_path / "ledger.db"))
+        c = first.compose(INFERENCE).composition
+        assert c is not None
+        first.close()
+        hw = fabrics()
+        second = composer(hw, store=SqliteStore(tmp_path / "ledger.db"))
+        assert [x.id for x in second.compositions()] == [c.id]
+        assert ledger_bindings(second) == hardware_bindings(hw)
+        assert ledger_allocations(second) == hardware_allocations(hw)
+        assert second.revision >= 2
+        with pytest.raises(ConflictError):
+            second.compose(INFERENCE)
+        other = second.compose(parse_request("other", ["gpu x18"])).composition
+        assert other is not None and not set(other.device_ids) & set(c.device_ids)
+        second.decompose(c.id)
+        second.decompose(other.id)
+        assert hardware_bindings(hw) == {}
