@@ -7,6 +7,8 @@ pool capacity is conserved; a compose that raised changed nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 from composer_helpers import (
     composer,
     hardware_allocations,
@@ -73,10 +75,8 @@ class ComposerMachine(RuleBasedStateMachine):
     @rule(lines=st.lists(LINES, min_size=1, max_size=2))
     def preview_changes_nothing(self, lines: list[str]) -> None:
         before = (hardware_bindings(self.fabrics), self.composer.usage())
-        try:
+        with contextlib.suppress(NoFitError):
             self.composer.compose(parse_request(self._name(), lines), ComposeMode.PREVIEW)
-        except NoFitError:
-            pass
         assert (hardware_bindings(self.fabrics), self.composer.usage()) == before
 
     @precondition(lambda self: bool(self.model))

@@ -17,6 +17,15 @@ _converter = cattrs.Converter()
 _converter.register_unstructure_hook(MappingProxyType, dict)
 
 
+def _is_frozenset(cls: Any) -> bool:
+    return cls is frozenset or getattr(cls, "__origin__", None) is frozenset
+
+
+_converter.register_unstructure_hook_func(
+    _is_frozenset, lambda values: sorted((_converter.unstructure(v) for v in values), key=repr)
+)
+
+
 def _scalar(value: Any, _: Any) -> AttributeValue:
     if isinstance(value, str | int | float | bool):
         return value

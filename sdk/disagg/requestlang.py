@@ -226,7 +226,7 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
     except ValueError as exc:
         raise InvalidRequestError(str(exc), field="host.min_memory") from exc
     cores = doc.get("min_cores", 0)
-    if not isinstance(cores, int) or cores < 0:
+    if not isinstance(cores, int) or isinstance(cores, bool) or cores < 0:
         raise InvalidRequestError("min_cores must be a whole number", field="host.min_cores")
     selectors = tuple(parse_selector(s, "host.selectors") for s in doc.get("selectors", []))
     return HostRequest(name=doc.get("name"), min_cores=cores, min_memory_bytes=memory, selectors=selectors)

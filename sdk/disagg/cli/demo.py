@@ -112,7 +112,7 @@ def run_demo(json_output: bool = False, out: TextIO | None = None) -> int:
             if not json_output:
                 render.show_composition_devices(comp, stream)
             story.record(f"compose {name}", plan=plan)
-        story.step("Pools in use")
+        story.step("Compositions and pools in use")
         story.show_state()
         story.new_events()
 
@@ -147,5 +147,9 @@ def run_demo(json_output: bool = False, out: TextIO | None = None) -> int:
         if json_output:
             render.emit_json({"steps": story.steps}, stream)
         else:
-            stream.write("\nAll devices and memory are back in the free pools.\n")
+            pools = composer.usage()[1]
+            unhealthy = [d.id for d in composer.devices() if d.health.value != "OK"]
+            but = f" but the failed {', '.join(unhealthy)}" if unhealthy else ""
+            memory = "all free" if all(p.free_bytes == p.total_bytes for p in pools) else "NOT all free"
+            stream.write(f"\nEverything is back in the free pools{but}; CXL memory {memory}.\n")
     return 0

@@ -219,7 +219,7 @@ class FabricComposer(Composer):
             self._emit(
                 EventType.COMPOSITION_STATE_CHANGED,
                 new.id,
-                new.message,
+                f"{comp.state.value} -> {new.state.value}" + (f": {new.message}" if new.message else ""),
                 old=comp.state.value,
                 new=new.state.value,
             )
@@ -582,7 +582,8 @@ class FabricComposer(Composer):
             or dev.health is not Health.OK
         ]
         if comp.state is CompositionState.COMPOSED and lost:
-            self._set(comp, state=CompositionState.DEGRADED, message=f"{len(lost)} devices unreachable or unhealthy")
+            names = ", ".join(p.device for p in lost)
+            self._set(comp, state=CompositionState.DEGRADED, message=f"unreachable or unhealthy: {names}")
         elif comp.state is CompositionState.DEGRADED and not lost:
             self._set(comp, state=CompositionState.COMPOSED, message="")
 

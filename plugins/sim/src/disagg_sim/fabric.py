@@ -1,0 +1,806 @@
+"""`SimFabric`: a simulated PCIe/CXL fabric that keeps the driver contract exactly, for tests and demos.
+
+The simulator is the reference the other drivers and the conformance suite are measured against, so it errs
+on the side of strictness: every rule of `disagg.interfaces.Fabric` and `Pool` holds, including the ones a
+sloppy driver gets away with (fencing before any change, idempotent retries, nothing changed on error).
+
+Design: the static topology is indexed once; the mutable state (bindings, allocations, health, link state,
+the fencing epoch, injected faults) lives in dicts beside it under one lock. `discover` re-derives only what
+changed since it last ran, so it stays cheap at 100,000 devices. An operation that takes simulated time
+(``bind_delay_s``) validates under the lock, marks its subject busy, sleeps without the lock, and commits
+under the lock again; another operation on the same subject waits for it, one on anything else does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import attrs
+from disagg.errors import (
+    CapacityExhaustedError,
+    ConfigError,
+    ConflictError,
+    DeadlineExceededError,
+    DeviceBusyError,
+    FabricUnavailableError,
+    HostUnreachableError,
+    InvalidRequestError,
+    NotFoundError,
+    StaleEpochError,
+    UnknownDeviceError,
+    UnknownHostError,
+)
+from disagg.interfaces import CallContext, Device, EventHandler, Fabric, FaultInjection, Pool, Subscription
+from disagg.model import (
+    Allocation,
+    Binding,
+    Capabilities,
+    DeviceKind,
+    Extent,
+    FabricEvent,
+    FabricEventKind,
+    Feature,
+    Health,
+    Host,
+    Link,
+    PoolInfo,
+    PoolKind,
+    PortKind,
+    Switch,
+    Topology,
+    format_size,
+)
+from disagg.model import Device as DeviceInfo
+
+from disagg_sim.carving import BlockAllocator
+from disagg_sim.dispatch import EventDispatcher
+from disagg_sim.state import SimState, StateFile
+from disagg_sim.topology import MLD_MAX_LOGICAL_DEVICES
+
+SIM_CAPABILITIES = Capabilities(
+    kinds=frozenset(DeviceKind),
+    features=frozenset(
+        {
+            Feature.BIND,
+            Feature.UNBIND,
+            Feature.CARVE,
+            Feature.HEALTH_EVENTS,
+            Feature.SANITIZE,
+            Feature.FENCING,
+            Feature.FAULT_INJECTION,
+        }
+    ),
+    event_latency_s=0.1,
+)
+"""Every device kind and every feature; events are delivered before the call that caused them returns."""
+
+T = TypeVar("T")
+
+
+def _nothing() -> None:
+    return None
+
+
+@attrs.frozen
+class _Change(Generic[T]):
+    """A validated mutation: ``result`` to answer, ``commit`` to apply it (None when it is a repeat that
+    changes nothing), ``abort`` to undo what validation reserved if the operation never commits."""
+
+    result: T
+    commit: Callable[[], None] | None = None
+    abort: Callable[[], None] = _nothing
+
+
+class SimFabric(Fabric, FaultInjection):
+    """A simulated fabric built from a `Topology`; see the module docstring for how it works.
+
+    Beyond the `Fabric` contract:
+
+    - Handlers run on the thread that made the change, after the fabric's lock is released and before that
+      call returns, in the order the changes happened; a handler may call back into the fabric. Fault
+      injection reports a change only when there is one (failing a FAILED device reports nothing).
+    - A device that backs a pool is carved through the pool and cannot be bound whole (`DeviceBusyError`),
+      nor can a FAILED device be bound or carved.
+    - `unbind` and `Pool.release` raise only `StaleEpochError`, `FabricUnavailableError` and
+      `DeadlineExceededError`; a binding or allocation that does not exist, including one naming an unknown
+      device or host, is already released.
+    - The fencing epoch is remembered as soon as a call carrying it arrives, even if that call then fails:
+      the first word from a new fabric manager fences the old one.
+    - With ``bind_delay_s``, a call whose deadline leaves less than the delay fails with
+      `DeadlineExceededError` at once, having changed nothing.
+    - With ``state_file``, the state is loaded at construction and saved after every change; a save that
+      fails undoes the change and raises `FabricUnavailableError`.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        state_file: str | os.PathLike[str] | None = None,
+        bind_delay_s: float = 0.0,
+    ) -> None:
+        if isinstance(bind_delay_s, bool) or not math.isfinite(bind_delay_s) or bind_delay_s < 0:
+            raise ConfigError(f"fabric {topology.fabric!r}: bind_delay_s must be a number >= 0", field="bind_delay_s")
+        self._name = topology.fabric
+        self._delay = float(bind_delay_s)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._events = EventDispatcher()
+
+        # The static index, built once.
+        self._hosts: dict[str, Host] = {h.id: h for h in topology.hosts}
+        self._devices: list[DeviceInfo] = list(topology.devices)
+        self._device_index = {d.id: i for i, d in enumerate(self._devices)}
+        self._switches: list[Switch] = list(topology.switches)
+        self._switch_index = {s.id: i for i, s in enumerate(self._switches)}
+        self._links: list[Link] = list(topology.links)
+        self._link_index = {frozenset((link.a, link.b)): i for i, link in enumerate(self._links)}
+        self._check_topology(topology)
+        self._adjacency: dict[str, list[tuple[str, int]]] = {}
+        for i, link in enumerate(self._links):
+            self._adjacency.setdefault(link.a, []).append((link.b, i))
+            self._adjacency.setdefault(link.b, []).append((link.a, i))
+        self._link_ports: list[list[tuple[int, int]]] = [[] for _ in self._links]
+        for si, switch in enumerate(self._switches):
+            for pi, port in enumerate(switch.ports):
+                if port.kind is not PortKind.DOWNSTREAM:
+                    li = self._link_index.get(frozenset((switch.id, port.connected)))
+                    if li is not None:
+                        self._link_ports[li].append((si, pi))
+        self._pools = {p.id: SimPool(self, p) for p in topology.pools}
+        self._pool_of_device = {p.device: p.id for p in topology.pools}
+        self._static_hosts = topology.hosts
+        self._static_pools = topology.pools
+
+        # The mutable state.
+        self._bindings: dict[str, str] = {}
+        self._failed: dict[str, str] = {d.id: "" for d in self._devices if d.health is Health.FAILED}
+        self._flaky_any = 0
+        self._flaky: dict[str, int] = {}
+        self._epoch = 0
+        self._busy: set[tuple[str, ...]] = set()
+        self._sanitized: dict[str, int] = {}
+        self._reach: dict[str, frozenset[str]] = {}
+        self._topology: Topology | None = topology
+
+        self._store: StateFile | None = None
+        if state_file is not None:
+            self._store = StateFile(state_file)
+            try:  # a state directory such as ~/.local/state/disagg may not exist on a fresh machine
+                self._store.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(
+                    f"fabric {self._name!r}: cannot create the directory of state_file {str(self._store.path)!r}: "
+                    f"{exc}",
+                    field="state_file",
+                ) from None
+            saved = self._store.load()
+            if saved is not None:
+                self._restore(saved)
+
+    # -- Fabric ------------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def epoch(self) -> int:
+        """The highest fencing epoch seen."""
+        with self._lock:
+            return self._epoch
+
+    @property
+    def bind_delay_s(self) -> float:
+        return self._delay
+
+    def capabilities(self) -> Capabilities:
+        return SIM_CAPABILITIES
+
+    def discover(self) -> Topology:
+        with self._lock:
+            if self._topology is None:
+                self._topology = Topology(
+                    fabric=self._name,
+                    hosts=self._static_hosts,
+                    switches=tuple(self._switches),
+                    devices=tuple(self._devices),
+                    links=tuple(self._links),
+                    pools=self._static_pools,
+                )
+            return self._topology
+
+    def bindings(self) -> Sequence[Binding]:
+        with self._lock:
+            return tuple(Binding(device=d, host=h) for d, h in self._bindings.items())
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        def prepare() -> _Change[Binding]:
+            info = self._device(device)
+            self._host(host)
+            binding = Binding(device=device, host=host)
+            current = self._bindings.get(device)
+            if current == host:
+                return _Change(binding)
+            if current is not None:
+                raise DeviceBusyError(f"device {device} is bound to host {current}")
+            if info.health is Health.FAILED:
+                raise DeviceBusyError(f"device {device} has FAILED{self._reason(device)} and cannot be bound")
+            pool = self._pool_of_device.get(device)
+            if pool is not None:
+                raise DeviceBusyError(f"device {device} backs pool {pool}: carve memory from the pool instead")
+            self._check_reach(host, info)
+            self._take_flaky(device)
+
+            def commit() -> None:
+                self._bindings[device] = host
+
+                def undo() -> None:
+                    del self._bindings[device]
+
+                self._persist(undo)
+
+            return _Change(binding, commit)
+
+        return self._mutate(ctx, ("device", device), prepare)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        device, host = binding.device, binding.host
+
+        def prepare() -> _Change[None]:
+            if self._bindings.get(device) != host:
+                return _Change(None)
+
+            def commit() -> None:
+                del self._bindings[device]
+                self._persist(lambda: self._bindings.__setitem__(device, host))
+
+            return _Change(None, commit)
+
+        self._mutate(ctx, ("device", device), prepare)
+
+    def device(self, device: str) -> SimDevice:
+        with self._lock:
+            self._device(device)
+        return SimDevice(self, device)
+
+    def pool(self, pool: str) -> SimPool:
+        try:
+            return self._pools[pool]
+        except KeyError:
+            known = ", ".join(sorted(self._pools)) or "none"
+            raise NotFoundError("pool", pool, f"fabric {self._name!r} has no pool {pool!r} (pools: {known})") from None
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        return self._events.subscribe(handler)
+
+    # -- FaultInjection ----------------------------------------------------------------------------------
+
+    def fail_device(self, device: str, message: str = "") -> None:
+        with self._lock:
+            info = self._device(device)
+            if info.health is not Health.FAILED:
+                old_message = self._failed.get(device)
+                self._set_health(device, Health.FAILED, message)
+                self._persist(lambda: self._set_health(device, info.health, old_message))
+                self._events.post(
+                    FabricEvent(
+                        fabric=self._name,
+                        kind=FabricEventKind.DEVICE_HEALTH,
+                        subject=device,
+                        health=Health.FAILED,
+                        message=message or "device failed",
+                    )
+                )
+        self._events.deliver()
+
+    def repair_device(self, device: str) -> None:
+        with self._lock:
+            info = self._device(device)
+            if info.health is not Health.OK:
+                old_message = self._failed.get(device)
+                self._set_health(device, Health.OK, None)
+                self._persist(lambda: self._set_health(device, info.health, old_message))
+                self._events.post(
+                    FabricEvent(
+                        fabric=self._name,
+                        kind=FabricEventKind.DEVICE_HEALTH,
+                        subject=device,
+                        health=Health.OK,
+                        message="device repaired",
+                    )
+                )
+        self._events.deliver()
+
+    def set_link(self, a: str, b: str, up: bool) -> None:
+        """Take a link down or up; ends are host ids or switch ids, full (``pcie/top``) or local (``top``).
+
+        The event's subject is ``a|b`` in the order the link is listed by `discover`.
+        """
+        with self._lock:
+            key = frozenset((self._node(a), self._node(b)))
+            index = self._link_index.get(key)
+            if index is None:
+                raise NotFoundError("link", f"{a}|{b}", f"fabric {self._name!r} has no link between {a!r} and {b!r}")
+            link = self._links[index]
+            if link.up != up:
+                self._set_link(index, up)
+                self._persist(lambda: self._set_link(index, not up))
+                self._events.post(
+                    FabricEvent(
+                        fabric=self._name,
+                        kind=FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN,
+                        subject=f"{link.a}|{link.b}",
+                        message=f"link {link.a}|{link.b} {'up' if up else 'down'}",
+                    )
+                )
+        self._events.deliver()
+
+    def flaky_bind(self, device: str | None, failures: int) -> None:
+        """The next ``failures`` binds of ``device`` (of any device when None) fail; 0 clears. Replaces, not adds.
+
+        Only a bind that would otherwise change the hardware counts: a repeat of an existing binding, or a bind
+        refused for another reason (busy, failed, unreachable), neither fails nor uses up a failure.
+        """
+        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+            raise InvalidRequestError("failures must be an integer >= 0", field="failures")
+        with self._lock:
+            if device is None:
+                old_any = self._flaky_any
+                self._flaky_any = failures
+
+                def undo() -> None:
+                    self._flaky_any = old_any
+
+            else:
+                self._device(device)
+                old = self._flaky.get(device, 0)
+                self._set_flaky(device, failures)
+
+                def undo() -> None:
+                    self._set_flaky(device, old)
+
+            self._persist(undo)
+
+    # -- inspection for tests ----------------------------------------------------------------------------
+
+    def sanitized(self, device: str) -> int:
+        """How many times ``device`` has been sanitized."""
+        with self._lock:
+            self._device(device)
+            return self._sanitized.get(device, 0)
+
+    def __repr__(self) -> str:
+        return f"SimFabric({self._name!r}, devices={len(self._devices)}, hosts={len(self._hosts)})"
+
+    # -- internals: run under self._lock unless said otherwise -------------------------------------------
+
+    def _mutate(
+        self, ctx: CallContext, key: tuple[str, ...], prepare: Callable[[], _Change[T]], *, timed: bool = True
+    ) -> T:
+        """Run a mutating call: wait for other work on ``key``, check time and epoch, validate, then commit,
+        sleeping ``bind_delay_s`` without the lock in between when ``timed``. Takes the lock itself."""
+        delay = self._delay if timed else 0.0
+        with self._lock:
+            while key in self._busy:
+                remaining = ctx.remaining()
+                if remaining is not None and remaining <= 0:
+                    raise DeadlineExceededError(f"fabric {self._name}: the deadline passed waiting for {key[-1]}")
+                self._idle.wait(remaining)
+            ctx.check_deadline()
+            remaining = ctx.remaining()
+            if delay and remaining is not None and remaining < delay:
+                raise DeadlineExceededError(
+                    f"fabric {self._name}: the call takes {delay:.3f}s but its deadline is {remaining:.3f}s away"
+                )
+            self._fence(ctx)
+            change = prepare()
+            if change.commit is None:
+                return change.result
+            if not delay:
+                change.commit()
+                return change.result
+            self._busy.add(key)
+        slept = False
+        try:
+            time.sleep(delay)
+            slept = True
+        finally:
+            with self._lock:
+                self._busy.discard(key)
+                self._idle.notify_all()
+                if slept:
+                    change.commit()
+                else:
+                    change.abort()
+        return change.result
+
+    def _fence(self, ctx: CallContext) -> None:
+        if ctx.epoch < self._epoch:
+            raise StaleEpochError(
+                f"fabric {self._name}: epoch {ctx.epoch} is older than {self._epoch}, the highest seen; "
+                "a newer fabric manager is active"
+            )
+        if ctx.epoch > self._epoch:
+            old = self._epoch
+            self._epoch = ctx.epoch
+            self._persist(lambda: setattr(self, "_epoch", old))
+
+    def _persist(self, undo: Callable[[], None]) -> None:
+        """Save the state after a change; if that fails, ``undo`` the change and report the fabric unavailable."""
+        if self._store is None:
+            return
+        try:
+            self._store.save(self._snapshot())
+        except OSError as exc:
+            undo()
+            raise FabricUnavailableError(
+                f"fabric {self._name}: cannot save state file {self._store.path}: {exc}; nothing was changed"
+            ) from None
+
+    def _snapshot(self) -> SimState:
+        return SimState(
+            fabric=self._name,
+            epoch=self._epoch,
+            bindings=dict(self._bindings),
+            allocations=tuple(a for p in self._pools.values() for a in p._allocations.values()),
+            failed=dict(self._failed),
+            links_down=tuple((link.a, link.b) for link in self._links if not link.up),
+            flaky_any=self._flaky_any,
+            flaky=dict(self._flaky),
+        )
+
+    def _device(self, device: str) -> DeviceInfo:
+        index = self._device_index.get(device)
+        if index is None:
+            hint = ""
+            if "/" not in device and f"{self._name}/{device}" in self._device_index:
+                hint = f"; device ids carry the fabric name: {self._name}/{device}"
+            raise UnknownDeviceError(device, f"fabric {self._name!r} has no device {device!r}{hint}")
+        return self._devices[index]
+
+    def _host(self, host: str) -> Host:
+        try:
+            return self._hosts[host]
+        except KeyError:
+            raise UnknownHostError(host, f"host {host!r} is not attached to fabric {self._name!r}") from None
+
+    def _node(self, node: str) -> str:
+        """A link end by host id, full switch id or local switch id."""
+        if node in self._hosts or node in self._switch_index:
+            return node
+        full = f"{self._name}/{node}"
+        if full in self._switch_index:
+            return full
+        raise NotFoundError("node", node, f"fabric {self._name!r} has no host or switch {node!r}")
+
+    def _reason(self, device: str) -> str:
+        message = self._failed.get(device)
+        return f" ({message})" if message else ""
+
+    def _reachable(self, host: str) -> frozenset[str]:
+        """The nodes ``host`` reaches over links that are up. Hosts are ends, never a way through."""
+        reach = self._reach.get(host)
+        if reach is None:
+            seen = {host}
+            stack = [host]
+            while stack:
+                node = stack.pop()
+                for neighbour, index in self._adjacency.get(node, ()):
+                    if neighbour not in seen and self._links[index].up:
+                        seen.add(neighbour)
+                        if neighbour not in self._hosts:
+                            stack.append(neighbour)
+            reach = frozenset(seen)
+            self._reach[host] = reach
+        return reach
+
+    def _check_reach(self, host: str, device: DeviceInfo) -> None:
+        if device.switch not in self._reachable(host):
+            raise HostUnreachableError(
+                f"host {host} cannot reach device {device.id} (on switch {device.switch}) over links that are up"
+            )
+
+    def _take_flaky(self, device: str) -> None:
+        """Fail this bind if a flaky fault is pending for the device or for any device."""
+        if self._flaky.get(device):
+            old = self._flaky[device]
+            self._set_flaky(device, old - 1)
+            left = old - 1
+
+            def undo() -> None:
+                self._set_flaky(device, old)
+
+        elif self._flaky_any:
+            old_any = self._flaky_any
+            self._flaky_any -= 1
+            left = self._flaky_any
+
+            def undo() -> None:
+                self._flaky_any = old_any
+
+        else:
+            return
+        with contextlib.suppress(FabricUnavailableError):  # the bind fails either way
+            self._persist(undo)
+        raise FabricUnavailableError(
+            f"fabric {self._name}: bind of {device} failed (injected fault; {left} more to come); nothing changed"
+        )
+
+    def _set_flaky(self, device: str, failures: int) -> None:
+        if failures:
+            self._flaky[device] = failures
+        else:
+            self._flaky.pop(device, None)
+
+    def _set_health(self, device: str, health: Health, message: str | None) -> None:
+        index = self._device_index[device]
+        self._devices[index] = attrs.evolve(self._devices[index], health=health)
+        if message is None:
+            self._failed.pop(device, None)
+        else:
+            self._failed[device] = message
+        self._topology = None
+
+    def _set_link(self, index: int, up: bool) -> None:
+        self._links[index] = attrs.evolve(self._links[index], up=up)
+        for si, pi in self._link_ports[index]:
+            switch = self._switches[si]
+            ports = list(switch.ports)
+            ports[pi] = attrs.evolve(ports[pi], up=up)
+            self._switches[si] = attrs.evolve(switch, ports=tuple(ports))
+        self._reach.clear()
+        self._topology = None
+
+    def _sanitize(self, device: str, ctx: CallContext) -> None:
+        def prepare() -> _Change[None]:
+            self._device(device)
+            host = self._bindings.get(device)
+            if host is not None:
+                raise DeviceBusyError(f"device {device} is bound to host {host}; unbind it before sanitizing")
+            pool = self._pool_of_device.get(device)
+            if pool is not None and self._pools[pool]._allocations:
+                raise DeviceBusyError(f"device {device} has memory carved for hosts from pool {pool}")
+
+            def commit() -> None:
+                self._sanitized[device] = self._sanitized.get(device, 0) + 1
+
+            return _Change(None, commit)
+
+        self._mutate(ctx, ("device", device), prepare, timed=False)
+
+    def _check_topology(self, topology: Topology) -> None:
+        """Reject a hand-built topology that the index cannot represent; loaders never produce one."""
+
+        def bad(message: str) -> ConfigError:
+            return ConfigError(f"fabric {self._name!r}: inconsistent topology: {message}", field="topology")
+
+        if len(self._device_index) != len(self._devices):
+            raise bad("duplicate device ids")
+        if len(self._hosts) != len(topology.hosts) or len(self._switch_index) != len(self._switches):
+            raise bad("duplicate host or switch ids")
+        if len(self._link_index) != len(self._links):
+            raise bad("two links join the same pair of nodes")
+        for d in self._devices:
+            if d.switch not in self._switch_index:
+                raise bad(f"device {d.id} is on unknown switch {d.switch!r}")
+        for link in self._links:
+            for end in (link.a, link.b):
+                if end not in self._hosts and end not in self._switch_index:
+                    raise bad(f"link {link.a}|{link.b} ends at unknown node {end!r}")
+        for p in topology.pools:
+            if p.device not in self._device_index:
+                raise bad(f"pool {p.id} is on unknown device {p.device!r}")
+
+    def _restore(self, state: SimState) -> None:
+        """Load saved state, checking that it fits this topology."""
+        assert self._store is not None
+        origin = f"state file {self._store.path}"
+
+        def bad(message: str) -> ConfigError:
+            return ConfigError(
+                f"fabric {self._name!r}: {origin} does not fit the topology: {message}. "
+                "Was the topology changed? Delete the state file to start from a powered-on fabric.",
+                field="state_file",
+            )
+
+        if state.fabric != self._name:
+            raise bad(f"it was saved by fabric {state.fabric!r}")
+        self._epoch = state.epoch
+        for device, host in state.bindings.items():
+            if device not in self._device_index:
+                raise bad(f"unknown device {device!r}")
+            if host not in self._hosts:
+                raise bad(f"device {device!r} is bound to unknown host {host!r}")
+            if device in self._pool_of_device:
+                raise bad(f"device {device!r} backs a pool and cannot be bound whole")
+            self._bindings[device] = host
+        for allocation in state.allocations:
+            pool = self._pools.get(allocation.pool)
+            if pool is None:
+                raise bad(f"allocation {allocation.id!r} is in unknown pool {allocation.pool!r}")
+            if allocation.host not in self._hosts:
+                raise bad(f"allocation {allocation.id!r} is for unknown host {allocation.host!r}")
+            try:
+                pool._restore(allocation)
+            except ValueError as exc:
+                raise bad(f"allocation {allocation.id!r} in pool {allocation.pool!r}: {exc}") from None
+        for device, message in state.failed.items():
+            if device not in self._device_index:
+                raise bad(f"unknown device {device!r}")
+            self._set_health(device, Health.FAILED, message)
+        for a, b in state.links_down:
+            index = self._link_index.get(frozenset((a, b)))
+            if index is None:
+                raise bad(f"unknown link {a}|{b}")
+            self._set_link(index, False)
+        for device, count in state.flaky.items():
+            if device not in self._device_index:
+                raise bad(f"unknown device {device!r}")
+            self._set_flaky(device, count)
+        self._flaky_any = state.flaky_any
+
+
+class SimPool(Pool):
+    """A carved pool of a `SimFabric`: a DCD (extents, first fit, split when fragmented) or an MLD (one
+    contiguous range per allocation, at most 16 logical devices). Shares its fabric's lock."""
+
+    def __init__(self, fabric: SimFabric, info: PoolInfo) -> None:
+        self._fabric = fabric
+        self._info = info
+        self._block = info.capacity.block_bytes
+        self._carver = BlockAllocator(info.capacity.blocks)
+        self._allocations: dict[str, Allocation] = {}
+        self._in_flight = 0
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    def info(self) -> PoolInfo:
+        return self._info
+
+    def allocations(self) -> Sequence[Allocation]:
+        with self._fabric._lock:
+            return tuple(self._allocations.values())
+
+    def free_bytes(self) -> int:
+        """Capacity not carved, counting capacity reserved by an allocation still in progress as carved."""
+        with self._fabric._lock:
+            return self._carver.free_blocks * self._block
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        fabric = self._fabric
+
+        def prepare() -> _Change[Allocation]:
+            if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
+                raise InvalidRequestError(f"amount_bytes must be a positive integer, not {amount_bytes!r}")
+            if not allocation_id:
+                raise InvalidRequestError("an allocation needs an id", field="allocation_id")
+            fabric._host(host)
+            blocks = -(-amount_bytes // self._block)
+            amount = blocks * self._block
+            existing = self._allocations.get(allocation_id)
+            if existing is not None:
+                if existing.host == host and existing.amount_bytes == amount:
+                    return _Change(existing)
+                raise ConflictError(
+                    f"allocation {allocation_id} in pool {self.id} exists for host {existing.host} with "
+                    f"{format_size(existing.amount_bytes)}; asked for host {host} with {format_size(amount)}"
+                )
+            device = fabric._device(self._info.device)
+            if device.health is Health.FAILED:
+                raise DeviceBusyError(
+                    f"pool {self.id} cannot carve: its device {device.id} has FAILED{fabric._reason(device.id)}"
+                )
+            fabric._check_reach(host, device)
+            if self._info.kind is PoolKind.MLD and len(self._allocations) + self._in_flight >= MLD_MAX_LOGICAL_DEVICES:
+                raise CapacityExhaustedError(
+                    f"pool {self.id} is an MLD and all its {MLD_MAX_LOGICAL_DEVICES} logical devices are allocated"
+                )
+            ranges = self._carver.carve(blocks, contiguous=self._info.kind is PoolKind.MLD)
+            if ranges is None:
+                free = self._carver.free_blocks * self._block
+                shape = " in one contiguous range" if self._info.kind is PoolKind.MLD else ""
+                raise CapacityExhaustedError(
+                    f"pool {self.id} has {format_size(free)} free of {format_size(self._info.capacity.total_bytes)}; "
+                    f"{format_size(amount)} asked{shape}"
+                )
+            allocation = Allocation(
+                id=allocation_id,
+                pool=self.id,
+                host=host,
+                amount_bytes=amount,
+                extents=tuple(Extent(offset=s * self._block, length=n * self._block) for s, n in ranges),
+            )
+            self._in_flight += 1
+
+            def give_back() -> None:
+                for start, count in ranges:
+                    self._carver.release(start, count)
+
+            def commit() -> None:
+                self._in_flight -= 1
+                self._allocations[allocation_id] = allocation
+
+                def undo() -> None:
+                    del self._allocations[allocation_id]
+                    give_back()
+
+                fabric._persist(undo)
+
+            def abort() -> None:
+                self._in_flight -= 1
+                give_back()
+
+            return _Change(allocation, commit, abort)
+
+        return fabric._mutate(ctx, ("allocation", self.id, allocation_id), prepare)
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        fabric = self._fabric
+
+        def prepare() -> _Change[None]:
+            allocation = self._allocations.get(allocation_id)
+            if allocation is None:
+                return _Change(None)
+
+            def commit() -> None:
+                del self._allocations[allocation_id]
+                for extent in allocation.extents:
+                    self._carver.release(extent.offset // self._block, extent.length // self._block)
+
+                def undo() -> None:
+                    self._restore(allocation)
+
+                fabric._persist(undo)
+
+            return _Change(None, commit)
+
+        fabric._mutate(ctx, ("allocation", self.id, allocation_id), prepare)
+
+    def _restore(self, allocation: Allocation) -> None:
+        """Re-carve a saved allocation at exactly its extents; ValueError if it does not fit."""
+        if allocation.id in self._allocations:
+            raise ValueError("duplicate allocation id")
+        if allocation.amount_bytes != sum(e.length for e in allocation.extents) or not allocation.extents:
+            raise ValueError("its extents do not add up to its amount")
+        claimed: list[tuple[int, int]] = []
+        try:
+            for extent in allocation.extents:
+                if extent.offset % self._block or extent.length % self._block or extent.length <= 0:
+                    raise ValueError(f"extent {extent.offset}+{extent.length} is not whole blocks of {self._block}")
+                start, count = extent.offset // self._block, extent.length // self._block
+                self._carver.claim(start, count)
+                claimed.append((start, count))
+        except ValueError:
+            for start, count in claimed:
+                self._carver.release(start, count)
+            raise
+        self._allocations[allocation.id] = allocation
+
+
+class SimDevice(Device):
+    """A live handle on one simulated device. Sanitize is instant and counted (`SimFabric.sanitized`)."""
+
+    def __init__(self, fabric: SimFabric, device: str) -> None:
+        self._fabric = fabric
+        self._id = device
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def describe(self) -> DeviceInfo:
+        with self._fabric._lock:
+            return self._fabric._device(self._id)
+
+    def sanitize(self, ctx: CallContext) -> None:
+        """Erase the device; refused (`DeviceBusyError`) while it is bound or has memory carved for a host."""
+        self._fabric._sanitize(self._id, ctx)

@@ -1,0 +1,107 @@
+"""The ``sim`` driver's options: checked one by one, so that a mistake names the option and the fabric.
+
+Options come from the fabric manager's configuration (a TOML table per fabric), so values are what TOML
+gives: strings, numbers, tables. Unknown options are errors, not ignored: a misspelt ``state_flie`` would
+otherwise silently give a fabric that forgets everything between runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from disagg.errors import ConfigError
+
+OPTIONS = ("topology", "generate", "state_file", "bind_delay_s")
+GENERATE_OPTIONS = ("devices", "hosts_per_domain", "gpus_per_chassis", "seed")
+MAX_GENERATED_DEVICES = 10_000_000
+
+
+@attrs.frozen
+class GenerateOptions:
+    """Arguments of `disagg_sim.generator.generate_topology`."""
+
+    devices: int
+    hosts_per_domain: int = 8
+    gpus_per_chassis: int = 10
+    seed: int = 0
+
+
+@attrs.frozen
+class SimOptions:
+    """Validated options: exactly one of ``topology`` and ``generate`` is set."""
+
+    topology: str | None = None
+    generate: GenerateOptions | None = None
+    state_file: Path | None = None
+    bind_delay_s: float = 0.0
+
+
+def parse_options(fabric: str, options: Mapping[str, Any]) -> SimOptions:
+    """Check the options of fabric ``fabric``; raises ConfigError naming the option and the fabric."""
+
+    def bad(option: str, message: str) -> ConfigError:
+        return ConfigError(f"fabric {fabric!r} (driver sim): option {option!r}: {message}", field=option)
+
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"fabric {fabric!r} (driver sim): options must be a table, not {options!r}")
+    for key in options:
+        if key not in OPTIONS:
+            raise bad(str(key), f"unknown option (known: {', '.join(OPTIONS)})")
+    has_topology = "topology" in options
+    has_generate = "generate" in options
+    if has_topology == has_generate:
+        which = "both are given" if has_topology else "neither is given"
+        raise ConfigError(
+            f"fabric {fabric!r} (driver sim): exactly one of 'topology' and 'generate' is required; {which}",
+            field="topology",
+        )
+
+    topology = None
+    if has_topology:
+        value = options["topology"]
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value:
+            raise bad("topology", f"must be a built-in name (demo-pcie, demo-cxl) or a file path, not {value!r}")
+        topology = value
+
+    generate = None
+    if has_generate:
+        table = options["generate"]
+        if not isinstance(table, Mapping):
+            raise bad("generate", f"must be a table such as {{ devices = 100000, seed = 0 }}, not {table!r}")
+        values: dict[str, int] = {}
+        for key, item in table.items():
+            name = f"generate.{key}"
+            if key not in GENERATE_OPTIONS:
+                raise bad(name, f"unknown option (known: {', '.join(GENERATE_OPTIONS)})")
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise bad(name, f"must be an integer, not {item!r}")
+            if key != "seed" and item < 1:
+                raise bad(name, f"must be at least 1, not {item}")
+            values[key] = item
+        if "devices" not in values:
+            raise bad("generate.devices", "is required: how many devices to generate")
+        if values["devices"] > MAX_GENERATED_DEVICES:
+            raise bad("generate.devices", f"must be at most {MAX_GENERATED_DEVICES}, not {values['devices']}")
+        generate = GenerateOptions(**values)
+
+    state_file = None
+    if "state_file" in options:
+        value = options["state_file"]
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value:
+            raise bad("state_file", f"must be a file path, not {value!r}")
+        state_file = Path(value)
+
+    delay = options.get("bind_delay_s", 0.0)
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay) or delay < 0:
+        raise bad("bind_delay_s", f"must be a number of seconds >= 0, not {delay!r}")
+
+    return SimOptions(topology=topology, generate=generate, state_file=state_file, bind_delay_s=float(delay))

@@ -1,0 +1,166 @@
+"""The simulated hardware's mutable state, saved to a JSON file so that separate processes see one fabric.
+
+A CLI run is one process and the next run another; with a state file both drive the same "hardware". The
+file holds only what differs from a freshly powered-on fabric: bindings, carved allocations, injected faults
+(failed devices, links down, pending flaky binds) and the highest fencing epoch seen. It is written whole
+after every change, to a temporary file that then replaces the old one (``os.replace``), so that a crash
+leaves either the old state or the new, never half of one.
+
+This module checks the file's shape; whether its contents fit the topology (known devices, hosts, pools,
+links) is for the fabric to check, because only it knows the topology.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from disagg.errors import ConfigError
+from disagg.model import Allocation, Extent
+
+FORMAT = "disagg-sim-state/1"
+
+
+@attrs.frozen
+class SimState:
+    """A snapshot of the simulated hardware; ``failed`` maps a device to its failure message."""
+
+    fabric: str
+    epoch: int = 0
+    bindings: Mapping[str, str] = attrs.field(factory=dict)
+    allocations: tuple[Allocation, ...] = ()
+    failed: Mapping[str, str] = attrs.field(factory=dict)
+    links_down: tuple[tuple[str, str], ...] = ()
+    flaky_any: int = 0
+    flaky: Mapping[str, int] = attrs.field(factory=dict)
+
+
+class StateFile:
+    """Loads and atomically saves a `SimState` at one path."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def load(self) -> SimState | None:
+        """The saved state, or None when there is no file yet. Raises ConfigError for a corrupt file."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise self._error(f"cannot be read: {exc}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise self._error(f"is not valid JSON ({exc}); delete it to start from a powered-on fabric") from None
+        try:
+            return _decode(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._error(f"is corrupt ({exc}); delete it to start from a powered-on fabric") from None
+
+    def save(self, state: SimState) -> None:
+        """Write ``state`` atomically. OSError propagates: the caller decides what a failed save means."""
+        text = json.dumps(_encode(state), indent=1, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _error(self, message: str) -> ConfigError:
+        return ConfigError(f"state file {self.path} {message}", field="state_file")
+
+
+def _encode(state: SimState) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "fabric": state.fabric,
+        "epoch": state.epoch,
+        "bindings": dict(state.bindings),
+        "allocations": [
+            {
+                "id": a.id,
+                "pool": a.pool,
+                "host": a.host,
+                "amount_bytes": a.amount_bytes,
+                "extents": [[e.offset, e.length] for e in a.extents],
+            }
+            for a in state.allocations
+        ],
+        "failed": dict(state.failed),
+        "links_down": [list(pair) for pair in state.links_down],
+        "flaky_any": state.flaky_any,
+        "flaky": dict(state.flaky),
+    }
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, not {value!r}")
+    return value
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{what} must be a non-negative integer, not {value!r}")
+    return value
+
+
+def _table(value: object, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be an object, not {value!r}")
+    return value
+
+
+def _list(value: object, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} must be a list, not {value!r}")
+    return value
+
+
+def _decode(data: object) -> SimState:
+    top = _table(data, "the file")
+    if top.get("format") != FORMAT:
+        raise ValueError(f"format is {top.get('format')!r}, expected {FORMAT!r}")
+    allocations = []
+    for i, raw in enumerate(_list(top.get("allocations", []), "allocations")):
+        item = _table(raw, f"allocations[{i}]")
+        extents = []
+        for pair in _list(item["extents"], f"allocations[{i}].extents"):
+            offset, length = _list(pair, f"allocations[{i}] extent")
+            extents.append(Extent(_int(offset, "extent offset"), _int(length, "extent length")))
+        allocations.append(
+            Allocation(
+                id=_str(item["id"], "allocation id"),
+                pool=_str(item["pool"], "allocation pool"),
+                host=_str(item["host"], "allocation host"),
+                amount_bytes=_int(item["amount_bytes"], "allocation amount_bytes"),
+                extents=tuple(extents),
+            )
+        )
+    links_down = []
+    for pair in _list(top.get("links_down", []), "links_down"):
+        a, b = _list(pair, "a down link")
+        links_down.append((_str(a, "link end"), _str(b, "link end")))
+    return SimState(
+        fabric=_str(top["fabric"], "fabric"),
+        epoch=_int(top.get("epoch", 0), "epoch"),
+        bindings={
+            _str(k, "device"): _str(v, "bound host") for k, v in _table(top.get("bindings", {}), "bindings").items()
+        },
+        allocations=tuple(allocations),
+        failed={_str(k, "device"): _str(v, "message") for k, v in _table(top.get("failed", {}), "failed").items()},
+        links_down=tuple(links_down),
+        flaky_any=_int(top.get("flaky_any", 0), "flaky_any"),
+        flaky={_str(k, "device"): _int(v, "flaky count") for k, v in _table(top.get("flaky", {}), "flaky").items()},
+    )

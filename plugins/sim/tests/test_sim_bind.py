@@ -1,0 +1,267 @@
+"""Whole-device binding: idempotent, fenced, and refused with the SDK's error for every bad case."""
+
+from __future__ import annotations
+
+import pytest
+from disagg.errors import (
+    DeviceBusyError,
+    FabricUnavailableError,
+    HostUnreachableError,
+    InvalidRequestError,
+    StaleEpochError,
+    UnknownDeviceError,
+    UnknownHostError,
+)
+from disagg.interfaces import CallContext, Fabric, FaultInjection
+from disagg.interfaces import Device as DeviceHandle
+from disagg.model import Binding, DeviceKind, Feature, Health
+from disagg_sim import SIM_CAPABILITIES, SimFabric
+
+GPU = "pcie/gpu-a0"
+
+
+class TestInterfaces:
+    """A SimFabric is a Fabric with fault injection and declares every kind and feature."""
+
+    def test_implements_the_interfaces(self, pcie: SimFabric) -> None:
+        assert isinstance(pcie, Fabric) and isinstance(pcie, FaultInjection)
+        assert pcie.name == "pcie"
+        assert pcie.capabilities() == SIM_CAPABILITIES
+        assert SIM_CAPABILITIES.kinds == frozenset(DeviceKind)
+        assert SIM_CAPABILITIES.features == {
+            Feature.BIND,
+            Feature.UNBIND,
+            Feature.CARVE,
+            Feature.HEALTH_EVENTS,
+            Feature.SANITIZE,
+            Feature.FENCING,
+            Feature.FAULT_INJECTION,
+        }
+        assert SIM_CAPABILITIES.event_latency_s == 0.1
+
+
+class TestBind:
+    """bind attaches a device to a host once; repeating it returns the same binding and changes nothing."""
+
+    def test_bind_and_bindings(self, pcie: SimFabric, ctx: CallContext) -> None:
+        assert pcie.bindings() == ()
+        assert pcie.bind(GPU, "h1", ctx) == Binding(GPU, "h1")
+        assert pcie.bind("pcie/gpu-a1", "h2", ctx) == Binding("pcie/gpu-a1", "h2")
+        assert list(pcie.bindings()) == [Binding(GPU, "h1"), Binding("pcie/gpu-a1", "h2")]
+
+    def test_bind_is_idempotent(self, pcie: SimFabric, ctx: CallContext) -> None:
+        first = pcie.bind(GPU, "h1", ctx)
+        assert pcie.bind(GPU, "h1", ctx) == first
+        assert list(pcie.bindings()) == [first]
+
+    def test_a_repeat_succeeds_even_after_the_device_failed(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.bind(GPU, "h1", ctx)
+        pcie.fail_device(GPU)
+        assert pcie.bind(GPU, "h1", ctx) == Binding(GPU, "h1")
+
+    def test_a_failed_device_stays_bound(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.bind(GPU, "h1", ctx)
+        pcie.fail_device(GPU)
+        assert list(pcie.bindings()) == [Binding(GPU, "h1")]
+
+
+class TestBindErrors:
+    """Each refusal raises its own error type and binds nothing."""
+
+    def test_bound_to_another_host(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.bind(GPU, "h1", ctx)
+        with pytest.raises(DeviceBusyError, match="pcie/gpu-a0 is bound to host h1"):
+            pcie.bind(GPU, "h2", ctx)
+        assert list(pcie.bindings()) == [Binding(GPU, "h1")]
+
+    def test_failed_device(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.fail_device(GPU, "uncorrectable ECC")
+        with pytest.raises(DeviceBusyError, match=r"FAILED \(uncorrectable ECC\)"):
+            pcie.bind(GPU, "h1", ctx)
+        assert pcie.bindings() == ()
+        pcie.repair_device(GPU)
+        assert pcie.bind(GPU, "h1", ctx) == Binding(GPU, "h1")
+
+    def test_unknown_device(self, pcie: SimFabric, ctx: CallContext) -> None:
+        with pytest.raises(UnknownDeviceError) as info:
+            pcie.bind("pcie/gpu-z9", "h1", ctx)
+        assert info.value.name == "pcie/gpu-z9"
+
+    def test_local_id_gets_a_hint(self, pcie: SimFabric, ctx: CallContext) -> None:
+        with pytest.raises(UnknownDeviceError, match="device ids carry the fabric name: pcie/gpu-a0"):
+            pcie.bind("gpu-a0", "h1", ctx)
+
+    def test_unknown_host(self, pcie: SimFabric, ctx: CallContext) -> None:
+        with pytest.raises(UnknownHostError, match="host 'h9' is not attached to fabric 'pcie'"):
+            pcie.bind(GPU, "h9", ctx)
+        assert pcie.bindings() == ()
+
+    def test_unreachable_over_a_down_link(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.set_link("pcie/top-a", "pcie/chassis-a", False)
+        with pytest.raises(HostUnreachableError, match="host h1 cannot reach device pcie/gpu-a0"):
+            pcie.bind(GPU, "h1", ctx)
+        assert pcie.bind("pcie/gpu-b0", "h1", ctx).host == "h1"
+        pcie.set_link("pcie/top-a", "pcie/chassis-a", True)
+        assert pcie.bind(GPU, "h1", ctx).host == "h1"
+
+    def test_unreachable_when_the_host_link_is_down(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.set_link("h2", "top-a", False)
+        with pytest.raises(HostUnreachableError):
+            pcie.bind(GPU, "h2", ctx)
+        assert pcie.bind(GPU, "h1", ctx).host == "h1"
+
+    def test_a_pool_device_is_carved_not_bound(self, cxl: SimFabric, ctx: CallContext) -> None:
+        with pytest.raises(DeviceBusyError, match="backs pool cxl/mem0"):
+            cxl.bind("cxl/cxlmem0", "h1", ctx)
+
+    def test_flaky_bind_fails_the_next_binds(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.flaky_bind(GPU, 2)
+        for _ in range(2):
+            with pytest.raises(FabricUnavailableError) as info:
+                pcie.bind(GPU, "h1", ctx)
+            assert info.value.retryable
+            assert pcie.bindings() == ()
+        assert pcie.bind(GPU, "h1", ctx) == Binding(GPU, "h1")
+
+    def test_flaky_bind_of_one_device_spares_the_others(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.flaky_bind(GPU, 1)
+        assert pcie.bind("pcie/gpu-a1", "h1", ctx).host == "h1"
+        with pytest.raises(FabricUnavailableError):
+            pcie.bind(GPU, "h1", ctx)
+
+    def test_flaky_bind_of_any_device(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.flaky_bind(None, 2)
+        with pytest.raises(FabricUnavailableError):
+            pcie.bind(GPU, "h1", ctx)
+        with pytest.raises(FabricUnavailableError):
+            pcie.bind("pcie/gpu-a1", "h1", ctx)
+        assert pcie.bind("pcie/gpu-a2", "h1", ctx).host == "h1"
+
+    def test_flaky_bind_zero_clears(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.flaky_bind(GPU, 5)
+        pcie.flaky_bind(GPU, 0)
+        assert pcie.bind(GPU, "h1", ctx).host == "h1"
+
+    def test_flaky_bind_checks_its_arguments(self, pcie: SimFabric) -> None:
+        with pytest.raises(UnknownDeviceError):
+            pcie.flaky_bind("pcie/nope", 1)
+        with pytest.raises(InvalidRequestError):
+            pcie.flaky_bind(GPU, -1)
+
+
+class TestUnbind:
+    """unbind removes a binding; an absent binding is already unbound and not an error."""
+
+    def test_unbind(self, pcie: SimFabric, ctx: CallContext) -> None:
+        binding = pcie.bind(GPU, "h1", ctx)
+        pcie.unbind(binding, ctx)
+        assert pcie.bindings() == ()
+        assert pcie.bind(GPU, "h2", ctx).host == "h2"
+
+    def test_unbind_is_idempotent(self, pcie: SimFabric, ctx: CallContext) -> None:
+        binding = pcie.bind(GPU, "h1", ctx)
+        pcie.unbind(binding, ctx)
+        pcie.unbind(binding, ctx)
+        assert pcie.bindings() == ()
+
+    def test_unbind_from_the_wrong_host_leaves_the_device_bound(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.bind(GPU, "h1", ctx)
+        pcie.unbind(Binding(GPU, "h2"), ctx)
+        assert list(pcie.bindings()) == [Binding(GPU, "h1")]
+
+    def test_unbind_of_unknown_names_is_a_no_op(self, pcie: SimFabric, ctx: CallContext) -> None:
+        pcie.unbind(Binding("pcie/ghost", "h1"), ctx)
+        pcie.unbind(Binding(GPU, "h99"), ctx)
+        assert pcie.bindings() == ()
+
+    def test_unbind_works_over_a_down_link(self, pcie: SimFabric, ctx: CallContext) -> None:
+        binding = pcie.bind(GPU, "h1", ctx)
+        pcie.set_link("h1", "pcie/top-a", False)
+        pcie.unbind(binding, ctx)
+        assert pcie.bindings() == ()
+
+
+class TestFencing:
+    """The highest epoch seen wins; an older one is refused before anything changes."""
+
+    def test_stale_epoch_refused_for_every_mutation(self, pcie: SimFabric, cxl: SimFabric) -> None:
+        new, old = CallContext(epoch=5), CallContext(epoch=4)
+        binding = pcie.bind(GPU, "h1", new)
+        with pytest.raises(StaleEpochError, match="epoch 4 is older than 5"):
+            pcie.bind("pcie/gpu-a1", "h1", old)
+        with pytest.raises(StaleEpochError):
+            pcie.bind(GPU, "h1", old)  # even a repeat
+        with pytest.raises(StaleEpochError):
+            pcie.unbind(binding, old)
+        with pytest.raises(StaleEpochError):
+            pcie.device("pcie/gpu-a5").sanitize(old)
+        assert list(pcie.bindings()) == [binding]
+        assert pcie.sanitized("pcie/gpu-a5") == 0
+
+        pool = cxl.pool("cxl/mem0")
+        allocation = pool.allocate("a1", "h1", 1 << 30, new)
+        with pytest.raises(StaleEpochError):
+            pool.allocate("a2", "h1", 1 << 30, old)
+        with pytest.raises(StaleEpochError):
+            pool.release("a1", old)
+        assert list(pool.allocations()) == [allocation]
+
+    def test_a_newer_epoch_is_remembered(self, pcie: SimFabric) -> None:
+        pcie.bind(GPU, "h1", CallContext(epoch=2))
+        assert pcie.epoch == 2
+        pcie.bind("pcie/gpu-a1", "h1", CallContext(epoch=3))
+        assert pcie.epoch == 3
+        with pytest.raises(StaleEpochError):
+            pcie.bind("pcie/gpu-a2", "h1", CallContext(epoch=2))
+        assert pcie.bind("pcie/gpu-a2", "h1", CallContext(epoch=3)).host == "h1"
+
+    def test_a_failing_call_still_fences(self, pcie: SimFabric) -> None:
+        with pytest.raises(UnknownHostError):
+            pcie.bind(GPU, "nobody", CallContext(epoch=9))
+        assert pcie.epoch == 9
+        with pytest.raises(StaleEpochError):
+            pcie.bind(GPU, "h1", CallContext(epoch=8))
+
+    def test_stale_check_comes_before_validation(self, pcie: SimFabric) -> None:
+        pcie.bind(GPU, "h1", CallContext(epoch=3))
+        with pytest.raises(StaleEpochError):
+            pcie.bind("pcie/ghost", "nobody", CallContext(epoch=1))
+
+
+class TestDeviceHandle:
+    """device() gives a live handle: current description, health, and an instant, recorded sanitize."""
+
+    def test_describe_and_health(self, pcie: SimFabric) -> None:
+        handle = pcie.device(GPU)
+        assert isinstance(handle, DeviceHandle)
+        assert handle.id == GPU
+        assert handle.describe().model == "H200"
+        assert handle.health() is Health.OK
+        pcie.fail_device(GPU)
+        assert handle.health() is Health.FAILED
+
+    def test_unknown_device(self, pcie: SimFabric) -> None:
+        with pytest.raises(UnknownDeviceError):
+            pcie.device("pcie/ghost")
+
+    def test_sanitize_is_recorded(self, pcie: SimFabric, ctx: CallContext) -> None:
+        handle = pcie.device(GPU)
+        handle.sanitize(ctx)
+        handle.sanitize(ctx)
+        assert pcie.sanitized(GPU) == 2
+        assert pcie.sanitized("pcie/gpu-a1") == 0
+
+    def test_sanitize_refused_while_bound(self, pcie: SimFabric, ctx: CallContext) -> None:
+        binding = pcie.bind(GPU, "h1", ctx)
+        with pytest.raises(DeviceBusyError, match="unbind it before sanitizing"):
+            pcie.device(GPU).sanitize(ctx)
+        pcie.unbind(binding, ctx)
+        pcie.device(GPU).sanitize(ctx)
+        assert pcie.sanitized(GPU) == 1
+
+    def test_sanitize_refused_while_memory_is_carved(self, cxl: SimFabric, ctx: CallContext) -> None:
+        cxl.pool("cxl/mem0").allocate("a", "h1", 1 << 30, ctx)
+        with pytest.raises(DeviceBusyError, match="carved"):
+            cxl.device("cxl/cxlmem0").sanitize(ctx)
+        cxl.device("cxl/cxlmem1").sanitize(ctx)
+        assert cxl.sanitized("cxl/cxlmem1") == 1

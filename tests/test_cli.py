@@ -1,0 +1,152 @@
+"""The `disagg` command: the demo, the commands over the persistent default, JSON output and exit codes."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from disagg.cli.demo import run_demo
+from disagg.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets its own ledger and simulated hardware state, and no stray disagg.toml."""
+    monkeypatch.setenv("DISAGG_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("DISAGG_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "state"
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class TestDemo:
+    """`disagg demo` composes both systems, fails and heals a GPU, recomposes and releases everything."""
+
+    def test_story(self) -> None:
+        out = io.StringIO()
+        assert run_demo(out=out) == 0
+        text = out.getvalue()
+        assert "composed training" in text and "on host h1: COMPOSED" in text
+        assert "composed inference" in text and "on host h3: COMPOSED" in text
+        assert "COMPOSED -> DEGRADED" in text
+        assert "CompositionHealed" in text
+        assert "training went DEGRADED and was healed: COMPOSED" in text
+        assert "inference now has 4 GPUs and 512 GiB of CXL memory" in text
+        assert "decomposed inference" in text and "decomposed training" in text
+        assert "CXL memory all free" in text
+
+    def test_json(self) -> None:
+        out = io.StringIO()
+        assert run_demo(json_output=True, out=out) == 0
+        steps = json.loads(out.getvalue())["steps"]
+        names = [s["step"] for s in steps]
+        assert names == [
+            "rack",
+            "compose training",
+            "compose inference",
+            "fail and heal",
+            "recompose inference",
+            "decompose",
+        ]
+        by_name = {s["step"]: s for s in steps}
+        training = next(c for c in by_name["fail and heal"]["compositions"] if c["name"] == "training")
+        assert training["state"] == "COMPOSED" and by_name["fail and heal"]["failed"] not in [
+            d["device"] for d in training["devices"]
+        ]
+        assert by_name["decompose"]["compositions"] == []
+        assert all(p["free_bytes"] == p["total_bytes"] for p in by_name["decompose"]["pools"])
+
+
+class TestCommands:
+    """compose, ls, recompose and decompose share state across invocations through the default ledger."""
+
+    def test_round_trip(self, capsys: pytest.CaptureFixture[str], state_dir: Path) -> None:
+        code, out, err = cli(capsys, "compose", "job", "host h2", "gpu x2 model=H200", "cxl-memory 256GiB")
+        assert code == 0, err
+        assert "composed job" in out
+        assert (state_dir / "ledger.db").exists() and (state_dir / "sim-pcie0.json").exists()
+        code, out, _ = cli(capsys, "ls", "--json")
+        comps = json.loads(out)
+        assert [(c["name"], c["host"], c["state"]) for c in comps] == [("job", "h2", "COMPOSED")]
+        code, out, err = cli(capsys, "recompose", "job", "--add", "nvme", "--json")
+        assert code == 0, err
+        assert len(json.loads(out)["devices"]) == 3
+        code, out, _ = cli(capsys, "devices", "--kind", "gpu", "--json")
+        held = [d for d in json.loads(out) if d["kind"] == "gpu"]
+        assert len(held) == 20
+        code, out, _ = cli(capsys, "topology")
+        assert "fabric pcie0" in out and "job" in out
+        code, out, err = cli(capsys, "decompose", "job")
+        assert code == 0, err
+        code, out, _ = cli(capsys, "ls", "--json")
+        assert json.loads(out) == []
+
+    def test_preview_and_reserve(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, _ = cli(capsys, "compose", "p", "gpu x1", "--preview")
+        assert code == 0 and "would compose on host" in out
+        code, out, _ = cli(capsys, "compose", "r", "gpu x1", "--reserve", "30", "--json")
+        assert code == 0 and json.loads(out)["reservation"]["id"].startswith("r-")
+
+    def test_request_file(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        path = tmp_path / "req.toml"
+        path.write_text('name = "doc"\n[[resource]]\nkind = "gpu"\ncount = 1\nselectors = ["model=H200"]\n')
+        code, out, err = cli(capsys, "compose", "--file", str(path), "--json")
+        assert code == 0, err
+        assert json.loads(out)["composition"]["name"] == "doc"
+
+    def test_plugins_lists_sim(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, _ = cli(capsys, "plugins")
+        assert code == 0
+        assert "disagg-sim" in out and "best-fit" in out and "fault-injection" in out
+
+
+class TestErrors:
+    """Every mistake a user can make gets a clear message and its own exit code; nothing changes."""
+
+    @pytest.mark.parametrize(
+        ("args", "code", "message"),
+        [
+            (("compose", "x", "gpux8"), 2, "unknown device kind"),
+            (("compose", "x", "gpu x2 spread="), 2, "spread= needs"),
+            (("compose", "x", "gpu 512GiB"), 2, "only be carved from cxl-memory"),
+            (("compose",), 2, "give a composition name"),
+            (("compose", "bad name!", "gpu"), 2, "invalid composition name"),
+            (("compose", "--file", "/nonexistent.toml"), 2, "does not exist"),
+            (("compose", "x", "gpu x99"), 3, "99 gpu"),
+            (("compose", "x", "host h9", "gpu"), 4, "host 'h9'"),
+            (("decompose", "nothing"), 4, "composition 'nothing' not found"),
+            (("recompose", "nothing", "--add", "gpu"), 4, "not found"),
+            (("ls", "--config", "/nonexistent/disagg.toml"), 2, "does not exist"),
+        ],
+    )
+    def test_exit_codes(
+        self, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], code: int, message: str
+    ) -> None:
+        got, out, err = cli(capsys, *args)
+        assert got == code
+        assert err.startswith("disagg: error: ") and message in err
+        assert out == ""
+
+    def test_name_taken_and_nothing_changes(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert cli(capsys, "compose", "a", "gpu x1")[0] == 0
+        code, _, err = cli(capsys, "compose", "a", "gpu x1")
+        assert code == 5 and "taken" in err
+        _, out, _ = cli(capsys, "ls", "--json")
+        assert len(json.loads(out)) == 1
+
+    def test_unknown_driver_in_config(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        cfg = tmp_path / "disagg.toml"
+        cfg.write_text('[[fabric]]\nname = "x"\ndriver = "nope"\n')
+        code, _, err = cli(capsys, "ls")
+        assert code == 2 and "no driver 'nope' is installed" in err
+
+    def test_decompose_ignore_missing(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, _, _ = cli(capsys, "decompose", "nothing", "--ignore-missing")
+        assert code == 0
