@@ -71,10 +71,12 @@ def _table(doc: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
     return value
 
 
-def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str) -> None:
+def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str, path: str = "") -> None:
+    """Refuse unknown keys; ``path`` is the dotted prefix of the error's field (``state``, ``fabric[0]``)."""
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise ConfigError(f"{source}: unknown keys in {where}: {', '.join(unknown)}", field=f"{where}.{unknown[0]}")
+        field = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(f"{source}: unknown keys in {where}: {', '.join(unknown)}", field=field)
 
 
 def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
@@ -82,7 +84,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     doc = _expand(doc, state_dir(environ))
     _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
     state = _table(doc, "state", source)
-    _known(state, {"ledger", "path"}, "[state]", source)
+    _known(state, {"ledger", "path"}, "[state]", source, "state")
     ledger = state.get("ledger", "sqlite")
     if ledger not in LEDGERS:
         raise ConfigError(
@@ -90,7 +92,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         )
     path = state.get("path", str(state_dir(environ) / "ledger.db"))
     composer = _table(doc, "composer", source)
-    _known(composer, {"policy", "auto_heal", "call_timeout_s"}, "[composer]", source)
+    _known(composer, {"policy", "auto_heal", "call_timeout_s"}, "[composer]", source, "composer")
     timeout = composer.get("call_timeout_s", 30.0)
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
         raise ConfigError(
@@ -108,7 +110,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         where = f"[[fabric]] #{n + 1}"
         if not isinstance(fab, Mapping):
             raise ConfigError(f"{source}: {where} must be a table", field="fabric")
-        _known(fab, {"name", "driver", "options"}, where, source)
+        _known(fab, {"name", "driver", "options"}, where, source, f"fabric[{n}]")
         name, driver, options = fab.get("name"), fab.get("driver"), fab.get("options", {})
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"{source}: {where} needs a name without '/'", field=f"fabric[{n}].name")
@@ -121,9 +123,13 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
             raise ConfigError(f"{source}: options of fabric {name!r} must be a table", field=f"fabric[{n}].options")
         fabrics.append(FabricConfig(name, driver, dict(options)))
     listeners = []
-    for n, lis in enumerate(doc.get("listener", [])):
-        if not isinstance(lis, Mapping) or not isinstance(lis.get("address"), str):
+    listener_docs = doc.get("listener", [])
+    if not isinstance(listener_docs, list):
+        raise ConfigError(f"{source}: [[listener]] must be a list of tables", field="listener")
+    for n, lis in enumerate(listener_docs):
+        if not isinstance(lis, Mapping) or not isinstance(lis.get("address"), str) or not lis["address"]:
             raise ConfigError(f"{source}: [[listener]] #{n + 1} needs an address", field=f"listener[{n}].address")
+        _known(lis, {"address"}, f"[[listener]] #{n + 1}", source, f"listener[{n}]")
         listeners.append(lis["address"])
     return Config(
         fabrics=tuple(fabrics),

@@ -56,7 +56,10 @@ def parse_selector(text: str, field: str = "selector") -> Selector:
     if not match:
         raise InvalidRequestError(f"{text!r} is not a selector (write key=value, key>=value, ...)", field=field)
     key, op, value = match.groups()
-    return Selector(key, _OPS[op], parse_value(value))
+    try:
+        return Selector(key, _OPS[op], parse_value(value))
+    except ValueError as exc:
+        raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
 
 
 def _tokens(text: str, field: str) -> list[str]:
@@ -105,15 +108,18 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
         kind = DeviceKind.parse(tokens[0])
     except ValueError as exc:
         raise InvalidRequestError(str(exc), field=field) from exc
-    count = amount = 0
+    count: int | None = None
+    amount: int | None = None
     latency: int | None = None
     affinity = Affinity.NONE
     spread: str | None = None
     selectors: list[Selector] = []
     for tok in tokens[1:]:
         count_match = _COUNT.match(tok)
-        if count_match and not (count or amount):
+        if count_match and count is None and amount is None:
             count = int(count_match.group(1))
+            if count == 0:
+                raise InvalidRequestError(f"{tok!r}: a count must be at least 1", field=field)
         elif tok in ("same-switch", "affinity=same-switch"):
             affinity = Affinity.SAME_SWITCH
         elif tok.startswith("spread="):
@@ -121,25 +127,30 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             if not spread:
                 raise InvalidRequestError("spread= needs a failure-domain label", field=field)
         elif tok.startswith(("latency<=", "latency<")):
+            strict = not tok.startswith("latency<=")
             try:
-                latency = parse_latency(tok.split("<", 1)[1].lstrip("="))
+                latency = parse_latency(tok.split("<", 1)[1].lstrip("=")) - strict
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), field=field) from exc
-        elif not (count or amount) and not _CLAUSE.match(tok):
+            if latency < 0:
+                raise InvalidRequestError(f"{tok!r}: no latency is below zero", field=field)
+        elif count is None and amount is None and not _CLAUSE.match(tok):
             try:
                 amount = parse_size(tok)
             except ValueError as exc:
                 raise InvalidRequestError(
                     f"{tok!r} is neither a count (x8) nor an amount (512GiB)", field=field
                 ) from exc
+            if amount == 0:
+                raise InvalidRequestError(f"{tok!r}: an amount must be more than zero", field=field)
         else:
             selectors.append(parse_selector(tok, field))
-    if not count and not amount:
+    if count is None and amount is None:
         count = 1
     return _build(
         kind,
-        count=count,
-        amount=amount,
+        count=count or 0,
+        amount=amount or 0,
         selectors=tuple(selectors),
         latency=latency,
         affinity=affinity,
@@ -177,8 +188,8 @@ def parse_request(name: str, clauses: Sequence[str]) -> CompositionRequest:
     """A request from text clauses; a clause starting with ``host`` names or constrains the host."""
     host = HostRequest()
     resources: list[ResourceRequest] = []
-    parts = [p.strip() for clause in clauses for p in clause.split(";") if p.strip()]
-    for n, part in enumerate(parts):
+    parts = [(n, p.strip()) for n, clause in enumerate(clauses) for p in clause.split(";") if p.strip()]
+    for n, part in parts:
         if part.split()[0] == "host":
             host = parse_host(part, field=f"clauses[{n}]")
         else:
@@ -246,8 +257,11 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
     except ValueError as exc:
         raise InvalidRequestError(str(exc), field=field) from exc
     count = doc.get("count", 0)
-    if not isinstance(count, int) or isinstance(count, bool):
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise InvalidRequestError("count must be a whole number", field=f"{field}.count")
+    spread = doc.get("spread")
+    if spread is not None and (not isinstance(spread, str) or not spread):
+        raise InvalidRequestError("spread needs a failure-domain label", field=f"{field}.spread")
     selectors = tuple(parse_selector(s, f"{field}.selectors") for s in doc.get("selectors", []))
     return _build(
         kind,
@@ -256,6 +270,6 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
         selectors=selectors,
         latency=latency,
         affinity=affinity,
-        spread=doc.get("spread"),
+        spread=spread,
         field=field,
     )

@@ -65,9 +65,12 @@ def _merge_hosts(topologies: Iterable[Topology]) -> dict[str, Host]:
     for topo in topologies:
         for host in topo.hosts:
             seen = hosts.get(host.id)
-            if seen is None:
+            if seen is None or (not seen.cores and not seen.memory_bytes):
                 hosts[host.id] = attrs.evolve(host, switch="")
-            elif (seen.cores, seen.memory_bytes) != (host.cores, host.memory_bytes) and host.cores and seen.cores:
+            elif (host.cores or host.memory_bytes) and (seen.cores, seen.memory_bytes) != (
+                host.cores,
+                host.memory_bytes,
+            ):
                 raise ConfigError(
                     f"host {host.id!r} is described differently by two fabrics "
                     f"({seen.cores} cores/{seen.memory_bytes} B vs {host.cores} cores/{host.memory_bytes} B)"
@@ -142,25 +145,27 @@ class Inventory:
                 self.switch_hosts[sw].add(host)
 
         carved = {p.device for t in topologies for p in t.pools}
-        signatures: dict[tuple[object, ...], Bucket] = {}
+        members: dict[tuple[object, ...], list[Device]] = defaultdict(list)
         for topo in topologies:
             for device in topo.devices:
                 if device.id in self.devices:
                     raise ConfigError(f"device id {device.id!r} is reported twice")
                 self.devices[device.id] = device
-                if device.id in carved:
-                    continue
-                sig = _signature(device)
-                bucket = signatures.get(sig)
-                if bucket is None:
-                    bucket = Bucket(len(self.buckets), device.switch, device.kind, device)
-                    signatures[sig] = bucket
-                    self.buckets.append(bucket)
-                    self.by_switch_kind[(device.switch, device.kind)].append(bucket)
-                    self.by_kind[device.kind].append(bucket)
+                if device.id not in carved:
+                    members[_signature(device)].append(device)
+        # Bucket keys follow the smallest device id of each bucket, so that ties between buckets break the
+        # same way whatever order the drivers list their devices in.
+        for group in sorted(members.values(), key=lambda devs: min(d.id for d in devs)):
+            exemplar = min(group, key=lambda d: d.id)
+            bucket = Bucket(len(self.buckets), exemplar.switch, exemplar.kind, exemplar)
+            self.buckets.append(bucket)
+            self.by_switch_kind[(exemplar.switch, exemplar.kind)].append(bucket)
+            self.by_kind[exemplar.kind].append(bucket)
+            for device in group:
                 self.bucket_of[device.id] = bucket
                 if device.health is Health.OK:
                     self._set_free(device.id, True)
+        for topo in topologies:
             for pool in topo.pools:
                 dev = self.devices.get(pool.device)
                 if dev is None:
@@ -234,7 +239,10 @@ class Inventory:
         old = self.devices.get(device)
         if old is None:
             return None
-        self.devices[device] = attrs.evolve(old, health=health)
+        self.devices[device] = new = attrs.evolve(old, health=health)
+        for state in self.pools_by_switch.get(old.switch, ()):
+            if state.device.id == device:
+                state.device = new
         if device in self.bucket_of and device not in self.owner:
             was_free = self.is_free(device)
             if health is Health.OK and not was_free:

@@ -43,7 +43,8 @@ class Device(abc.ABC):
     def sanitize(self, ctx: CallContext) -> None:
         """Erase what the last host left (CXL sanitize, NVMe format); only with the SANITIZE feature.
 
-        Blocks until done or until ``ctx.deadline``. Idempotent.
+        Blocks until done or until ``ctx.deadline``. Idempotent. A device still bound or carved is refused
+        with `DeviceBusyError`.
         """
         raise UnsupportedError(f"device {self.id} cannot be sanitized")
 
@@ -72,8 +73,10 @@ class Pool(abc.ABC):
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """Carve ``amount_bytes`` (rounded up to whole blocks) for ``host``.
 
-        Raises `CapacityExhaustedError`, `UnknownHostError`, `HostUnreachableError`, `StaleEpochError`,
-        `ConflictError`, `FabricUnavailableError` or `DeadlineExceededError`; on any error nothing is carved.
+        Raises `InvalidRequestError` (an amount that is not positive), `CapacityExhaustedError`,
+        `UnknownHostError`, `HostUnreachableError`, `DeviceBusyError` (the pool's device is failed),
+        `StaleEpochError`, `ConflictError`, `FabricUnavailableError` or `DeadlineExceededError`; on any error
+        nothing is carved.
         """
 
     @abc.abstractmethod
@@ -96,13 +99,19 @@ class Fabric(abc.ABC):
     - Idempotency: `bind` of a device already bound to the same host returns the existing binding; `unbind`
       of a binding that no longer exists does nothing. A retried call never doubles an effect.
     - Fencing: every mutating call carries a `CallContext`. A driver that declares FENCING keeps the highest
-      epoch seen and refuses an older one with `StaleEpochError` before it touches anything.
+      epoch seen and refuses an older one with `StaleEpochError` before it touches anything. The epoch is
+      remembered as soon as a call carrying it arrives, even if that call then fails: the first word of a
+      new fabric manager fences the old one.
     - Errors: only `disagg.errors` types escape. A failed call leaves the hardware as it was.
     - Blocking: `bind`, `unbind`, `Pool.allocate` and `Pool.release` may block on hardware but honour
       ``ctx.deadline``; `discover`, `bindings` and `capabilities` should answer from the driver's view
       without long waits.
-    - Events: handlers passed to `subscribe` are called from the driver's own thread, in order, and must not
-      block; a driver declaring HEALTH_EVENTS reports a failure within ``capabilities().event_latency_s``.
+    - Events: handlers passed to `subscribe` are called in the order the changes happened, never while the
+      driver holds its own locks (a handler may call back into the fabric), either on the thread that made
+      the change or on a thread of the driver's; they must not block for long. A driver declaring
+      HEALTH_EVENTS reports a failure within ``capabilities().event_latency_s``.
+    - Pools: a device listed as a pool's ``device`` is carved through `pool`, never bound whole; `bind`
+      refuses it with `DeviceBusyError`.
     """
 
     @property
@@ -132,7 +141,9 @@ class Fabric(abc.ABC):
 
     @abc.abstractmethod
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
-        """Take a device away from a host. Idempotent: an absent binding is not an error."""
+        """Take a device away from a host. Idempotent: an absent binding, including one that names an unknown
+        device or host, is already unbound. Raises only `StaleEpochError`, `FabricUnavailableError` or
+        `DeadlineExceededError`; a failed or unreachable device can still be unbound."""
 
     def device(self, device: str) -> Device:
         """A live handle on one device; raises `UnknownDeviceError`."""

@@ -22,8 +22,24 @@ _LATENCY_UNITS = {"": 1, "ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000}
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Zµ]*)\s*$")
 
 
+def _whole(number: str, factor: int, text: object, what: str) -> int:
+    """``number`` times ``factor`` exactly (no float rounding), or ValueError if it is not whole."""
+    whole, _, frac = number.partition(".")
+    scale = int(10 ** len(frac))
+    value, rest = divmod((int(whole) * scale + int(frac or "0")) * factor, scale)
+    if rest:
+        raise ValueError(f"{what} {text!r} is not a whole number of {'bytes' if what == 'size' else 'ns'}")
+    return value
+
+
+def _check_type(text: object, what: str) -> None:
+    if isinstance(text, bool) or not isinstance(text, str | int):
+        raise ValueError(f"{what} must be a whole number or a string with a unit, not {text!r}")
+
+
 def parse_size(text: str | int) -> int:
     """Bytes from ``512GiB``, ``1.5TiB``, ``80 GB`` or a plain integer."""
+    _check_type(text, "size")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
@@ -31,14 +47,12 @@ def parse_size(text: str | int) -> int:
     match = _NUMBER.match(text)
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (use a number with B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    if value != int(value):
-        raise ValueError(f"size {text!r} is not a whole number of bytes")
-    return int(value)
+    return _whole(match.group(1), _SIZE_UNITS[match.group(2).lower()], text, "size")
 
 
 def parse_latency(text: str | int) -> int:
     """Nanoseconds from ``600ns``, ``1.2us``, ``2ms`` or a plain integer (nanoseconds)."""
+    _check_type(text, "latency")
     if isinstance(text, int):
         if text < 0:
             raise ValueError(f"latency must not be negative: {text}")

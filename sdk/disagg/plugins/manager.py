@@ -58,7 +58,7 @@ class Plugins:
             return self.drivers[name]
         except KeyError:
             known = ", ".join(sorted(self.drivers)) or "none"
-            hint = f"; it is blocked by {DISABLE_ENV}" if name in self.blocked else ""
+            hint = f"; plugins blocked by {DISABLE_ENV}: {', '.join(self.blocked)}" if self.blocked else ""
             if name in self.broken:
                 hint = f"; its plugin failed to load: {self.broken[name]}"
             raise PluginError(
@@ -116,7 +116,10 @@ def load_plugins(
             pm.register(importlib.import_module(module_name), name=module_name)
     for name, plugin in extra:
         if not pm.is_blocked(name):
-            pm.register(plugin, name=name)
+            try:
+                pm.register(plugin, name=name)
+            except pluggy.PluginValidationError as exc:
+                raise PluginError(f"plugin {name!r} does not match the hook specifications: {exc}") from exc
     dists: dict[str, tuple[str, str]] = {}
     broken: dict[str, str] = {}
     if entry_points:
@@ -125,7 +128,7 @@ def load_plugins(
                 continue
             try:
                 pm.register(ep.load(), name=ep.name)
-            except Exception as exc:
+            except Exception as exc:  # an import error or a hook that does not match its spec
                 log.debug("plugin %s (%s) failed to load: %r", ep.name, ep.value, exc)
                 broken[ep.name] = f"{ep.value}: {exc!r}"
                 continue

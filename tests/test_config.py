@@ -1,0 +1,310 @@
+"""Unit tests of configuration loading (`disagg.config`), as described in docs/configuration.md."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from disagg.config import Config, FabricConfig, load_config, parse_config
+from disagg.errors import ConfigError
+
+MINIMAL = """
+[[fabric]]
+name = "f0"
+driver = "sim"
+"""
+
+
+@pytest.fixture
+def cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in an empty directory, so that no ./disagg.toml is found by accident."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _load_text(tmp_path: Path, text: str) -> Config:
+    path = _write(tmp_path / "disagg.toml", text)
+    return load_config(path, environ={"DISAGG_STATE_DIR": str(tmp_path / "state")})
+
+
+def _error(tmp_path: Path, text: str) -> ConfigError:
+    path = _write(tmp_path / "bad.toml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={"DISAGG_STATE_DIR": str(tmp_path / "state")})
+    assert str(path) in info.value.message
+    return info.value
+
+
+class TestEmbeddedDefault:
+    """With no file, load_config returns the embedded demo rack with {state_dir} expanded from the environment."""
+
+    def test_fabrics(self, cwd: Path, tmp_path: Path) -> None:
+        config = load_config(environ={"DISAGG_STATE_DIR": str(tmp_path / "st")})
+        assert config.source == "embedded default"
+        assert [(f.name, f.driver) for f in config.fabrics] == [("pcie0", "sim"), ("cxl0", "sim")]
+        assert config.fabrics[0].options["topology"] == "demo-pcie"
+        assert config.fabrics[1].options["topology"] == "demo-cxl"
+
+    def test_state_dir_from_environment(self, cwd: Path, tmp_path: Path) -> None:
+        state = tmp_path / "st"
+        config = load_config(environ={"DISAGG_STATE_DIR": str(state)})
+        assert config.ledger == "sqlite"
+        assert config.ledger_path == str(state / "ledger.db")
+        assert config.fabrics[0].options["state_file"] == str(state / "sim-pcie0.json")
+        assert config.fabrics[1].options["state_file"] == str(state / "sim-cxl0.json")
+
+    def test_state_dir_from_xdg(self, cwd: Path, tmp_path: Path) -> None:
+        config = load_config(environ={"XDG_STATE_HOME": str(tmp_path / "xdg")})
+        assert config.ledger_path == str(tmp_path / "xdg" / "disagg" / "ledger.db")
+
+    def test_composer_and_listener(self, cwd: Path, tmp_path: Path) -> None:
+        config = load_config(environ={"DISAGG_STATE_DIR": str(tmp_path)})
+        assert (config.policy, config.auto_heal, config.call_timeout_s) == ("best-fit", True, 30.0)
+        assert config.listeners == ("127.0.0.1:50051",)
+
+    def test_nothing_is_left_unexpanded(self, cwd: Path, tmp_path: Path) -> None:
+        config = load_config(environ={"DISAGG_STATE_DIR": str(tmp_path)})
+        assert "{state_dir}" not in repr(config)
+
+
+class TestFileLookup:
+    """load_config reads the path given, else $DISAGG_CONFIG, else ./disagg.toml."""
+
+    def test_explicit_path(self, cwd: Path, tmp_path: Path) -> None:
+        path = _write(tmp_path / "mine.toml", MINIMAL)
+        for given in (path, str(path)):
+            config = load_config(given, environ={})
+            assert config.source == str(path)
+            assert config.fabrics == (FabricConfig("f0", "sim", {}),)
+
+    def test_environment_variable(self, cwd: Path, tmp_path: Path) -> None:
+        path = _write(tmp_path / "env.toml", MINIMAL)
+        config = load_config(environ={"DISAGG_CONFIG": str(path)})
+        assert config.source == str(path)
+        assert [f.name for f in config.fabrics] == ["f0"]
+
+    def test_explicit_path_wins_over_environment(self, cwd: Path, tmp_path: Path) -> None:
+        mine = _write(tmp_path / "mine.toml", MINIMAL)
+        other = _write(tmp_path / "other.toml", MINIMAL.replace("f0", "f1"))
+        config = load_config(mine, environ={"DISAGG_CONFIG": str(other)})
+        assert [f.name for f in config.fabrics] == ["f0"]
+
+    def test_file_in_working_directory(self, cwd: Path) -> None:
+        _write(cwd / "disagg.toml", MINIMAL.replace("f0", "local"))
+        config = load_config(environ={})
+        assert config.source == "disagg.toml"
+        assert [f.name for f in config.fabrics] == ["local"]
+
+    def test_defaults_of_a_minimal_file(self, cwd: Path, tmp_path: Path) -> None:
+        config = load_config(_write(tmp_path / "m.toml", MINIMAL), environ={"DISAGG_STATE_DIR": str(tmp_path)})
+        assert config.ledger == "sqlite"
+        assert config.ledger_path == str(tmp_path / "ledger.db")
+        assert (config.policy, config.auto_heal, config.call_timeout_s, config.listeners) == (
+            "best-fit",
+            True,
+            30.0,
+            (),
+        )
+
+    def test_full_file(self, tmp_path: Path) -> None:
+        config = _load_text(
+            tmp_path,
+            """
+            [state]
+            ledger = "memory"
+            path = "{state_dir}/x.db"
+
+            [composer]
+            policy = "closest"
+            auto_heal = false
+            call_timeout_s = 5
+
+            [[fabric]]
+            name = "a"
+            driver = "sim"
+            options = { dir = "{state_dir}/a", list = ["{state_dir}/1", 2], nested = { p = "{state_dir}" } }
+
+            [[fabric]]
+            name = "b"
+            driver = "other"
+
+            [[listener]]
+            address = "unix:///run/disagg.sock"
+
+            [[listener]]
+            address = "0.0.0.0:50051"
+            """,
+        )
+        state = str(tmp_path / "state")
+        assert config.ledger == "memory"
+        assert config.ledger_path == f"{state}/x.db"
+        assert (config.policy, config.auto_heal, config.call_timeout_s) == ("closest", False, 5.0)
+        assert isinstance(config.call_timeout_s, float)
+        assert config.fabrics[0].options == {
+            "dir": f"{state}/a",
+            "list": [f"{state}/1", 2],
+            "nested": {"p": state},
+        }
+        assert config.fabrics[1] == FabricConfig("b", "other", {})
+        assert config.listeners == ("unix:///run/disagg.sock", "0.0.0.0:50051")
+
+
+class TestFileErrors:
+    """A missing or unreadable file, or bad TOML, is a ConfigError naming the file."""
+
+    def test_missing_explicit_file(self, cwd: Path, tmp_path: Path) -> None:
+        path = tmp_path / "nope.toml"
+        with pytest.raises(ConfigError, match="does not exist") as info:
+            load_config(path, environ={})
+        assert str(path) in info.value.message
+
+    def test_missing_file_from_environment(self, cwd: Path, tmp_path: Path) -> None:
+        path = tmp_path / "nope.toml"
+        with pytest.raises(ConfigError, match="does not exist") as info:
+            load_config(environ={"DISAGG_CONFIG": str(path)})
+        assert str(path) in info.value.message
+
+    def test_bad_toml(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, "[[fabric]\nname = ")
+        assert "cannot read" in error.message
+
+    def test_directory(self, cwd: Path, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError, match="cannot read") as info:
+            load_config(tmp_path, environ={})
+        assert str(tmp_path) in info.value.message
+
+
+class TestValueErrors:
+    """Every unknown key or bad value is a ConfigError whose message names the file and the key."""
+
+    @pytest.mark.parametrize(
+        ("text", "key"),
+        [
+            ("colour = 1\n" + MINIMAL, "colour"),
+            (MINIMAL + "[state]\nledger = 'memory'\nbackup = true\n", "backup"),
+            (MINIMAL + "[composer]\ntimeout = 3\n", "timeout"),
+            ("[[fabric]]\nname = 'f'\ndriver = 'sim'\nport = 3\n", "port"),
+            (MINIMAL + "[[listener]]\naddress = 'x:1'\ntls = true\n", "tls"),
+        ],
+        ids=["top", "state", "composer", "fabric", "listener"],
+    )
+    def test_unknown_key(self, tmp_path: Path, text: str, key: str) -> None:
+        error = _error(tmp_path, text)
+        assert "unknown keys" in error.message
+        assert key in error.message
+        assert error.field.endswith(key)
+
+    @pytest.mark.parametrize(
+        ("text", "field"),
+        [
+            ("colour = 1\n" + MINIMAL, "colour"),
+            (MINIMAL + "[state]\nbackup = true\n", "state.backup"),
+            (MINIMAL + "[composer]\ntimeout = 3\n", "composer.timeout"),
+            ("[[fabric]]\nname = 'f'\ndriver = 'sim'\nport = 3\n", "fabric[0].port"),
+        ],
+        ids=["top", "state", "composer", "fabric"],
+    )
+    def test_unknown_key_field_is_a_path(self, tmp_path: Path, text: str, field: str) -> None:
+        """The field of an unknown key is written like the field of every other error (``state.ledger``)."""
+        assert _error(tmp_path, text).field == field
+
+    def test_bad_ledger(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, MINIMAL + "[state]\nledger = 'postgres'\n")
+        assert error.field == "state.ledger"
+        assert "'postgres'" in error.message
+        assert "sqlite, memory" in error.message
+
+    @pytest.mark.parametrize("value", ["0", "-1", "-0.5", "'30'", "true"])
+    def test_timeout_not_positive(self, tmp_path: Path, value: str) -> None:
+        error = _error(tmp_path, MINIMAL + f"[composer]\ncall_timeout_s = {value}\n")
+        assert error.field == "composer.call_timeout_s"
+        assert "call_timeout_s must be a positive number" in error.message
+
+    def test_auto_heal_not_boolean(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, MINIMAL + "[composer]\nauto_heal = 'yes'\n")
+        assert error.field == "composer.auto_heal"
+        assert "auto_heal" in error.message
+
+    @pytest.mark.parametrize("key", ["state", "composer"])
+    def test_section_not_a_table(self, tmp_path: Path, key: str) -> None:
+        error = _error(tmp_path, f"{key} = 1\n" + MINIMAL)
+        assert error.field == key
+        assert f"[{key}] must be a table" in error.message
+
+    @pytest.mark.parametrize("text", ["", "fabric = []\n", "fabric = 'x'\n"])
+    def test_no_fabric(self, tmp_path: Path, text: str) -> None:
+        error = _error(tmp_path, text)
+        assert error.field == "fabric"
+        assert "[[fabric]]" in error.message
+
+    def test_fabric_not_a_table(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, "fabric = ['x']\n")
+        assert error.field == "fabric"
+        assert "must be a table" in error.message
+
+    def test_duplicate_fabric_names(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, MINIMAL + MINIMAL)
+        assert error.field == "fabric[1].name"
+        assert "two fabrics are named 'f0'" in error.message
+
+    @pytest.mark.parametrize("name", ["", "a/b", "3"])
+    def test_bad_fabric_name(self, tmp_path: Path, name: str) -> None:
+        value = name if name == "3" else repr(name)
+        error = _error(tmp_path, MINIMAL + f"[[fabric]]\nname = {value}\ndriver = 'sim'\n")
+        assert error.field == "fabric[1].name"
+        assert "needs a name" in error.message
+
+    def test_fabric_without_name(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, "[[fabric]]\ndriver = 'sim'\n")
+        assert error.field == "fabric[0].name"
+
+    @pytest.mark.parametrize("driver", [None, "''", "3"])
+    def test_fabric_without_driver(self, tmp_path: Path, driver: str | None) -> None:
+        line = "" if driver is None else f"driver = {driver}\n"
+        error = _error(tmp_path, f"[[fabric]]\nname = 'f9'\n{line}")
+        assert error.field == "fabric[0].driver"
+        assert "fabric 'f9' needs a driver" in error.message
+
+    @pytest.mark.parametrize("options", ["'topology=demo'", "[1, 2]", "3"])
+    def test_options_not_a_table(self, tmp_path: Path, options: str) -> None:
+        error = _error(tmp_path, f"[[fabric]]\nname = 'f9'\ndriver = 'sim'\noptions = {options}\n")
+        assert error.field == "fabric[0].options"
+        assert "options of fabric 'f9' must be a table" in error.message
+
+    @pytest.mark.parametrize(
+        "listener", ["[[listener]]\nport = 1\n", "[[listener]]\naddress = 50051\n"], ids=["missing", "not-text"]
+    )
+    def test_listener_without_address(self, tmp_path: Path, listener: str) -> None:
+        error = _error(tmp_path, MINIMAL + "[[listener]]\naddress = 'a:1'\n" + listener)
+        assert error.field == "listener[1].address"
+        assert "[[listener]] #2 needs an address" in error.message
+
+
+class TestParseConfig:
+    """parse_config validates an already parsed document and names the given source in errors."""
+
+    def test_source_in_errors(self) -> None:
+        with pytest.raises(ConfigError, match=r"^inline: ") as info:
+            parse_config({"fabric": [{"name": "a"}]}, "inline", environ={})
+        assert info.value.field == "fabric[0].driver"
+
+    def test_error_is_an_invalid_request(self) -> None:
+        with pytest.raises(ConfigError) as info:
+            parse_config({}, "inline", environ={})
+        assert info.value.reason == "INVALID_CONFIG"
+        assert not info.value.retryable
+
+    def test_expands_from_environ(self, tmp_path: Path) -> None:
+        doc = {"fabric": [{"name": "a", "driver": "sim", "options": {"f": "{state_dir}/x"}}]}
+        config = parse_config(doc, "inline", environ={"DISAGG_STATE_DIR": str(tmp_path)})
+        assert config.fabrics[0].options == {"f": f"{tmp_path}/x"}
+        assert config.ledger_path == str(tmp_path / "ledger.db")
+        assert config.source == "inline"

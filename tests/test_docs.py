@@ -1,0 +1,66 @@
+"""The plugin API's documentation is tested: every hook is in docs/plugins.md with its exact signature, and tested."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from disagg.plugins import hookspecs
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS_DOC = ROOT / "docs" / "plugins.md"
+PLUGIN_TESTS = Path(__file__).resolve().parent / "test_plugins.py"
+
+
+def _hooks() -> list[tuple[str, Callable[..., Any]]]:
+    return [
+        (name, fn)
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if name.startswith("disagg_") and fn.__module__ == hookspecs.__name__
+    ]
+
+
+def _documented_signature(name: str, fn: Callable[..., Any]) -> str:
+    """``name(arg: Type) -> None``; the annotations are strings under ``from __future__ import annotations``."""
+    sig = inspect.signature(fn)
+    params = ", ".join(f"{p.name}: {p.annotation}" for p in sig.parameters.values())
+    return f"{name}({params}) -> {sig.return_annotation}"
+
+
+HOOKS = _hooks()
+
+
+class TestHookDocs:
+    """Every hook in disagg.plugins.hookspecs appears in docs/plugins.md with its exact signature."""
+
+    def test_there_are_hooks(self) -> None:
+        assert {name for name, _ in HOOKS} >= {"disagg_register_drivers", "disagg_register_policies"}
+
+    @pytest.mark.parametrize(("name", "fn"), HOOKS, ids=[name for name, _ in HOOKS])
+    def test_signature_in_reference(self, name: str, fn: Callable[..., Any]) -> None:
+        expected = _documented_signature(name, fn)
+        assert f"`{expected}`" in PLUGINS_DOC.read_text(), f"docs/plugins.md lacks `{expected}`"
+
+    def test_signature_format(self) -> None:
+        fn = dict(HOOKS)["disagg_register_drivers"]
+        assert _documented_signature("disagg_register_drivers", fn) == (
+            "disagg_register_drivers(registry: DriverRegistry) -> None"
+        )
+
+    @pytest.mark.parametrize(("name", "fn"), HOOKS, ids=[name for name, _ in HOOKS])
+    def test_hook_is_marked_and_documented(self, name: str, fn: Callable[..., Any]) -> None:
+        assert getattr(fn, "disagg_spec", None) is not None, f"{name} lacks the hookspec marker"
+        assert inspect.getdoc(fn), f"{name} has no docstring"
+
+
+class TestHookTests:
+    """Every hook has a test: tests/test_plugins.py implements it and a test of TestHooksAreCalled names it."""
+
+    @pytest.mark.parametrize("name", [name for name, _ in HOOKS])
+    def test_implemented_and_called(self, name: str) -> None:
+        source = PLUGIN_TESTS.read_text()
+        assert f"def {name}(" in source, f"tests/test_plugins.py implements no {name}"
+        assert f"def test_{name}(" in source, f"tests/test_plugins.py has no test_{name}"

@@ -1,0 +1,526 @@
+"""Unit tests of the request language (`disagg.requestlang`), as described in docs/request-language.md."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from typing import Any
+
+import pytest
+from disagg.errors import InvalidRequestError
+from disagg.model import (
+    Affinity,
+    CompositionRequest,
+    DeviceKind,
+    HostRequest,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+)
+from disagg.requestlang import (
+    parse_host,
+    parse_request,
+    parse_resource,
+    parse_selector,
+    parse_value,
+    request_from_document,
+)
+
+KiB, MiB, GiB, TiB = (1 << 10), (1 << 20), (1 << 30), (1 << 40)
+
+
+class TestParseValue:
+    """parse_value reads booleans, integers, decimals and sizes (as bytes); anything else stays a string."""
+
+    @pytest.mark.parametrize(
+        ("text", "value"),
+        [
+            ("true", True),
+            ("TRUE", True),
+            ("false", False),
+            ("42", 42),
+            ("-3", -3),
+            ("0", 0),
+            ("1.5", 1.5),
+            ("-2.25", -2.25),
+            ("80GiB", 80 * GiB),
+            ("80gib", 80 * GiB),
+            ("80 GiB", 80 * GiB),
+            ("1.5TiB", 3 * TiB // 2),
+            ("500GB", 500 * 10**9),
+            ("4KiB", 4 * KiB),
+            ("H200", "H200"),
+            ("hopper-sxm", "hopper-sxm"),
+            ('"42"', "42"),
+            ("'true'", "true"),
+            ('"H 200"', "H 200"),
+            ("  r1  ", "r1"),
+        ],
+    )
+    def test_values(self, text: str, value: object) -> None:
+        parsed = parse_value(text)
+        assert parsed == value
+        assert type(parsed) is type(value)
+
+
+class TestParseSelector:
+    """parse_selector reads key, operator and value, and refuses text that is not a selector."""
+
+    @pytest.mark.parametrize("op", list(SelectorOp))
+    def test_every_operator(self, op: SelectorOp) -> None:
+        assert parse_selector(f"gpu_memory{op.value}80GiB") == Selector("gpu_memory", op, 80 * GiB)
+
+    def test_spaces_around_operator(self) -> None:
+        assert parse_selector("model = H200") == Selector("model", SelectorOp.EQ, "H200")
+
+    @pytest.mark.parametrize(("text", "value"), [("model==H200", "=H200"), ("model=>3", ">3")])
+    def test_operator_characters_in_the_value(self, text: str, value: str) -> None:
+        assert parse_selector(text) == Selector("model", SelectorOp.EQ, value)
+
+    @pytest.mark.parametrize("text", ["model", "=H200", "1abc=2", "model=", "model =  ", "-x=1"])
+    def test_not_a_selector(self, text: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_selector(text, field="resource[0].selectors")
+        assert info.value.field == "resource[0].selectors"
+        assert "is not a selector" in info.value.message
+
+
+class TestParseHost:
+    """parse_host reads a host name, or minimum cores and memory plus selectors on host attributes."""
+
+    @pytest.mark.parametrize("text", ["host h3", "h3", "  host   h3 "])
+    def test_named(self, text: str) -> None:
+        assert parse_host(text) == HostRequest(name="h3")
+
+    def test_constraints(self) -> None:
+        assert parse_host("host cores>=16 memory>=256GiB rack=r1") == HostRequest(
+            min_cores=16,
+            min_memory_bytes=256 * GiB,
+            selectors=(Selector("rack", SelectorOp.EQ, "r1"),),
+        )
+
+    def test_single_selector_is_not_a_name(self) -> None:
+        assert parse_host("host rack=r1") == HostRequest(selectors=(Selector("rack", SelectorOp.EQ, "r1"),))
+
+    def test_bare_host_is_any_host(self) -> None:
+        assert parse_host("host") == HostRequest()
+
+    def test_quoted_selector_value(self) -> None:
+        assert parse_host("host \"row='a b'\"").selectors == (Selector("row", SelectorOp.EQ, "a b"),)
+
+    @pytest.mark.parametrize(
+        ("text", "message"),
+        [
+            ("host cores=16", "write cores>=VALUE"),
+            ("host memory<=1TiB", "write memory>=VALUE"),
+            ("host cores>=lots", "cores must be a whole number"),
+            ("host cores>=-1", "cores must be a whole number"),
+            ("host cores>=1.5", "cores must be a whole number"),
+            ("host cores>=true", "cores must be a whole number"),
+            ("host memory>=lots", "is not a size"),
+            ("host memory>=0", "is not a size"),
+            ("host memory>=true", "is not a size"),
+            ("host h3 cores>=4", "is not a selector"),
+            ("host rack='r1", "cannot read"),
+        ],
+    )
+    def test_errors_name_the_field(self, text: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            parse_host(text, field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    def test_default_field(self) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_host("host cores=1")
+        assert info.value.field == "host"
+
+
+class TestParseResource:
+    """parse_resource reads every clause form of a resource line in docs/request-language.md."""
+
+    @pytest.mark.parametrize(
+        ("text", "kind"),
+        [
+            ("gpu", DeviceKind.GPU),
+            ("cxl-memory x2", DeviceKind.CXL_MEMORY),
+            ("cxl x2", DeviceKind.CXL_MEMORY),
+            ("memory x2", DeviceKind.CXL_MEMORY),
+            ("nvme", DeviceKind.NVME),
+            ("ssd", DeviceKind.NVME),
+            ("nic", DeviceKind.NIC),
+            ("fpga", DeviceKind.FPGA),
+            ("dpu", DeviceKind.DPU),
+        ],
+    )
+    def test_kinds(self, text: str, kind: DeviceKind) -> None:
+        assert parse_resource(text).kind is kind
+
+    @pytest.mark.parametrize(("text", "count"), [("gpu", 1), ("gpu x8", 8), ("gpu 8", 8), ("nic x1", 1)])
+    def test_count(self, text: str, count: int) -> None:
+        r = parse_resource(text)
+        assert (r.count, r.amount_bytes) == (count, 0)
+
+    @pytest.mark.parametrize(
+        ("text", "amount"),
+        [("cxl-memory 512GiB", 512 * GiB), ("cxl 1.5TiB", 3 * TiB // 2), ("memory 500GB", 500 * 10**9)],
+    )
+    def test_amount(self, text: str, amount: int) -> None:
+        r = parse_resource(text)
+        assert (r.count, r.amount_bytes, r.carved) == (0, amount, True)
+
+    @pytest.mark.parametrize("op", list(SelectorOp))
+    def test_selector_operators(self, op: SelectorOp) -> None:
+        assert parse_resource(f"gpu x2 model{op.value}H200").selectors == (Selector("model", op, "H200"),)
+
+    def test_size_selector_compares_bytes(self) -> None:
+        r = parse_resource("gpu x2 model=H200 gpu_memory>=80GiB")
+        assert r.selectors == (
+            Selector("model", SelectorOp.EQ, "H200"),
+            Selector("gpu_memory", SelectorOp.GE, 80 * GiB),
+        )
+
+    def test_quoted_selector(self) -> None:
+        assert parse_resource("gpu \"model='H 200'\"").selectors == (Selector("model", SelectorOp.EQ, "H 200"),)
+
+    @pytest.mark.parametrize(
+        ("clause", "ns"),
+        [("latency<=600ns", 600), ("latency<=1.2us", 1200), ("latency<=2ms", 2_000_000), ("latency<=750", 750)],
+    )
+    def test_latency(self, clause: str, ns: int) -> None:
+        r = parse_resource(f"gpu x2 {clause}")
+        assert r.max_latency_ns == ns
+        assert r.selectors == ()
+
+    def test_strict_latency_bound_excludes_the_bound(self) -> None:
+        # ``latency<600ns`` is accepted; a device exactly 600 ns away must then not qualify.
+        r = parse_resource("gpu x2 latency<600ns")
+        assert r.max_latency_ns == 599
+
+    @pytest.mark.parametrize("clause", ["same-switch", "affinity=same-switch"])
+    def test_same_switch(self, clause: str) -> None:
+        r = parse_resource(f"gpu x4 {clause}")
+        assert r.affinity is Affinity.SAME_SWITCH
+        assert r.selectors == ()
+
+    def test_spread(self) -> None:
+        r = parse_resource("gpu x4 spread=chassis")
+        assert r.spread == "chassis"
+        assert r.selectors == ()
+
+    def test_defaults(self) -> None:
+        r = parse_resource("gpu x2")
+        assert (r.affinity, r.spread, r.max_latency_ns, r.selectors) == (Affinity.NONE, None, None, ())
+
+    def test_full_line(self) -> None:
+        r = parse_resource("gpu x8 model=H200 gpu_memory>=80GiB latency<=600ns same-switch spread=chassis")
+        assert r == ResourceRequest(
+            kind=DeviceKind.GPU,
+            count=8,
+            selectors=(
+                Selector("model", SelectorOp.EQ, "H200"),
+                Selector("gpu_memory", SelectorOp.GE, 80 * GiB),
+            ),
+            max_latency_ns=600,
+            affinity=Affinity.SAME_SWITCH,
+            spread="chassis",
+        )
+
+    @pytest.mark.parametrize(
+        ("text", "message"),
+        [
+            ("tpu x2", "unknown device kind 'tpu'; known kinds: gpu, cxl-memory"),
+            ("gpu x-1", "is neither a count"),
+            ("gpu xx8", "is neither a count"),
+            ("cxl-memory 12QB", "is neither a count"),
+            ("cxl-memory 0.1KiB", "is neither a count"),
+            ("gpu x2 spread=", "spread= needs a failure-domain label"),
+            ("gpu 80GiB", "only be carved from cxl-memory, not gpu"),
+            ("nvme 1TiB", "only be carved from cxl-memory, not nvme"),
+            ("gpu x2 latency<=fast", "not a latency"),
+            ("gpu x2 latency<=-5ns", "not a latency"),
+            ("gpu x8 x4", "is not a selector"),
+            ("cxl 1GiB 2GiB", "is not a selector"),
+            ("", "an empty resource"),
+            ("   ", "an empty resource"),
+            ("gpu model='H200", "cannot read"),
+            ('gpu "model=H200', "cannot read"),
+        ],
+    )
+    def test_errors_name_the_field(self, text: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            parse_resource(text, field="clauses[2]")
+        assert info.value.field == "clauses[2]"
+
+    def test_default_field(self) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_resource("tpu")
+        assert info.value.field == "resource"
+
+    @pytest.mark.parametrize("text", ["gpu x0", "gpu 0", "nic x00"])
+    def test_zero_count_is_refused(self, text: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_resource(text, field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    @pytest.mark.parametrize("text", ["cxl-memory 0GiB", "cxl 0B"])
+    def test_zero_amount_is_refused(self, text: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_resource(text, field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    def test_fractional_size_in_a_selector(self) -> None:
+        with pytest.raises(InvalidRequestError, match="not a whole number of bytes") as info:
+            parse_resource("gpu x2 gpu_memory>=0.1KiB", field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+
+class TestParseRequest:
+    """parse_request joins text clauses into one request, naming the clause of any error."""
+
+    def test_docs_example_in_one_argument(self) -> None:
+        req = parse_request("inference", ["host memory>=512GiB; gpu x2 model=H200 latency<=600ns; cxl-memory 512GiB"])
+        assert req == CompositionRequest(
+            name="inference",
+            host=HostRequest(min_memory_bytes=512 * GiB),
+            resources=(
+                ResourceRequest(
+                    DeviceKind.GPU, count=2, selectors=(Selector("model", SelectorOp.EQ, "H200"),), max_latency_ns=600
+                ),
+                ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=512 * GiB),
+            ),
+        )
+
+    def test_docs_example_in_separate_arguments(self) -> None:
+        req = parse_request("training", ["host cores>=8", "gpu x8 model=H200 same-switch"])
+        assert req.host == HostRequest(min_cores=8)
+        assert req.resources == (
+            ResourceRequest(
+                DeviceKind.GPU,
+                count=8,
+                selectors=(Selector("model", SelectorOp.EQ, "H200"),),
+                affinity=Affinity.SAME_SWITCH,
+            ),
+        )
+
+    def test_host_clause_anywhere(self) -> None:
+        req = parse_request("a", ["gpu x1", "host h3", "nic"])
+        assert req.host == HostRequest(name="h3")
+        assert [r.kind for r in req.resources] == [DeviceKind.GPU, DeviceKind.NIC]
+
+    def test_no_host_clause_means_any_host(self) -> None:
+        assert parse_request("a", ["gpu"]).host == HostRequest()
+
+    def test_empty_parts_are_ignored(self) -> None:
+        assert len(parse_request("a", [";; gpu ;", "", "nic;"]).resources) == 2
+
+    def test_resource_order_is_kept(self) -> None:
+        req = parse_request("a", ["nic", "gpu x2", "cxl 1GiB", "nvme"])
+        assert [r.kind for r in req.resources] == [
+            DeviceKind.NIC,
+            DeviceKind.GPU,
+            DeviceKind.CXL_MEMORY,
+            DeviceKind.NVME,
+        ]
+
+    @pytest.mark.parametrize(
+        ("clauses", "field"),
+        [
+            (["tpu"], "clauses[0]"),
+            (["host h3", "gpu x2", "tpu"], "clauses[2]"),
+            (["gpu x2", "host cores=4"], "clauses[1]"),
+            (["gpu 80GiB"], "clauses[0]"),
+        ],
+    )
+    def test_error_names_the_clause(self, clauses: list[str], field: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request("a", clauses)
+        assert info.value.field == field
+
+    @pytest.mark.parametrize("name", ["a", "0", "train-1", "A.b_c-1", "x" * 63])
+    def test_valid_names(self, name: str) -> None:
+        assert parse_request(name, ["gpu"]).name == name
+
+    @pytest.mark.parametrize("name", ["", "-a", ".a", "_a", "a b", "a/b", "x" * 64, "é"])
+    def test_invalid_names(self, name: str) -> None:
+        with pytest.raises(InvalidRequestError, match="invalid composition name") as info:
+            parse_request(name, ["gpu"])
+        assert info.value.field == "name"
+
+    @pytest.mark.parametrize("clauses", [[], [""], [" ; ; "], ["host h3"]])
+    def test_empty_request(self, clauses: list[str]) -> None:
+        with pytest.raises(InvalidRequestError, match="at least one resource") as info:
+            parse_request("a", clauses)
+        assert info.value.field == "resources"
+
+
+DOC_EXAMPLE = """
+name = "inference"
+
+[host]
+min_memory = "512GiB"
+
+[[resource]]
+kind = "gpu"
+count = 2
+selectors = ["model=H200", "gpu_memory>=80GiB"]
+max_latency = "600ns"
+affinity = "same-switch"
+spread = "chassis"
+
+[[resource]]
+kind = "cxl-memory"
+amount = "512GiB"
+"""
+
+DOC_EXPECTED = CompositionRequest(
+    name="inference",
+    host=HostRequest(min_memory_bytes=512 * GiB),
+    resources=(
+        ResourceRequest(
+            DeviceKind.GPU,
+            count=2,
+            selectors=(Selector("model", SelectorOp.EQ, "H200"), Selector("gpu_memory", SelectorOp.GE, 80 * GiB)),
+            max_latency_ns=600,
+            affinity=Affinity.SAME_SWITCH,
+            spread="chassis",
+        ),
+        ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=512 * GiB),
+    ),
+)
+
+
+def _doc(**host: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": "a", "resource": [{"kind": "gpu", "count": 1}]}
+    if host:
+        doc["host"] = host
+    return doc
+
+
+class TestRequestFromDocument:
+    """request_from_document reads the TOML/JSON form; unknown fields and bad values name the offending field."""
+
+    def test_docs_toml_example(self) -> None:
+        assert request_from_document(tomllib.loads(DOC_EXAMPLE)) == DOC_EXPECTED
+
+    def test_json_with_the_same_fields(self) -> None:
+        text = json.dumps(tomllib.loads(DOC_EXAMPLE))
+        assert request_from_document(json.loads(text)) == DOC_EXPECTED
+
+    def test_host_by_name_in_table(self) -> None:
+        assert request_from_document(_doc(name="h3")).host == HostRequest(name="h3")
+
+    def test_host_as_text(self) -> None:
+        doc = _doc()
+        doc["host"] = "h3"
+        assert request_from_document(doc).host == HostRequest(name="h3")
+
+    def test_host_constraints(self) -> None:
+        host = request_from_document(_doc(min_cores=16, min_memory=256 * GiB, selectors=["rack=r1"])).host
+        assert host == HostRequest(
+            min_cores=16, min_memory_bytes=256 * GiB, selectors=(Selector("rack", SelectorOp.EQ, "r1"),)
+        )
+
+    def test_numbers_as_numbers(self) -> None:
+        doc = {
+            "name": "a",
+            "resource": [{"kind": "cxl", "amount": GiB}, {"kind": "gpu", "count": 1, "max_latency": 500}],
+        }
+        req = request_from_document(doc)
+        assert req.resources[0].amount_bytes == GiB
+        assert req.resources[1].max_latency_ns == 500
+
+    def test_affinity_none(self) -> None:
+        doc = {"name": "a", "resource": [{"kind": "gpu", "count": 1, "affinity": "none"}]}
+        assert request_from_document(doc).resources[0].affinity is Affinity.NONE
+
+    def test_resources_spelled_plural(self) -> None:
+        doc = {"name": "a", "resources": [{"kind": "nic", "count": 2}]}
+        assert request_from_document(doc).resources == (ResourceRequest(DeviceKind.NIC, count=2),)
+
+    @pytest.mark.parametrize(
+        ("doc", "field", "message"),
+        [
+            ({"name": "a", "resource": [], "names": "x"}, "names", "unknown request fields: names"),
+            ({"name": "a", "resource": [], "zz": 1, "aa": 2}, "aa", "unknown request fields: aa, zz"),
+            ({"resource": [{"kind": "gpu", "count": 1}]}, "name", "invalid composition name"),
+            ({"name": "a b", "resource": [{"kind": "gpu", "count": 1}]}, "name", "invalid composition name"),
+            ({"name": "a", "resource": []}, "resources", "at least one resource"),
+            ({"name": "a"}, "resources", "at least one resource"),
+            ({"name": "a", "host": 3, "resource": []}, "host", "host must be a name or a table"),
+            ({"name": "a", "resource": {"kind": "gpu"}}, "resource", "resource must be a list of tables"),
+            ({"name": "a", "resource": ["gpu x1"]}, "resource[0]", "each resource must be a table"),
+        ],
+    )
+    def test_top_level_errors(self, doc: dict[str, Any], field: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            request_from_document(doc)
+        assert info.value.field == field
+
+    @pytest.mark.parametrize(
+        ("host", "field", "message"),
+        [
+            ({"cores": 4}, "host", "unknown host fields: cores"),
+            ({"min_memory": "lots"}, "host.min_memory", "not a size"),
+            ({"min_memory": -1}, "host.min_memory", "must not be negative"),
+            ({"min_cores": -1}, "host.min_cores", "min_cores must be a whole number"),
+            ({"min_cores": "8"}, "host.min_cores", "min_cores must be a whole number"),
+            ({"min_cores": 1.5}, "host.min_cores", "min_cores must be a whole number"),
+            ({"selectors": ["rack"]}, "host.selectors", "is not a selector"),
+        ],
+    )
+    def test_bad_host_fields(self, host: dict[str, Any], field: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            request_from_document(_doc(**host))
+        assert info.value.field == field
+
+    def test_min_cores_true_is_not_a_number(self) -> None:
+        with pytest.raises(InvalidRequestError, match="min_cores must be a whole number") as info:
+            request_from_document(_doc(min_cores=True))
+        assert info.value.field == "host.min_cores"
+
+    @pytest.mark.parametrize("value", [1.5, 1024.0])
+    def test_float_amount_is_an_invalid_request(self, value: float) -> None:
+        doc = {"name": "a", "resource": [{"kind": "cxl", "amount": value}]}
+        with pytest.raises(InvalidRequestError) as info:
+            request_from_document(doc)
+        assert info.value.field == "resource[0]"
+
+    def test_empty_spread_is_refused_as_in_text(self) -> None:
+        doc = {"name": "a", "resource": [{"kind": "gpu", "count": 2, "spread": ""}]}
+        with pytest.raises(InvalidRequestError, match="spread") as info:
+            request_from_document(doc)
+        assert info.value.field == "resource[0].spread"
+
+    def test_host_text_error(self) -> None:
+        doc = _doc()
+        doc["host"] = "cores=4"
+        with pytest.raises(InvalidRequestError) as info:
+            request_from_document(doc)
+        assert info.value.field == "host"
+
+    @pytest.mark.parametrize(
+        ("resource", "field", "message"),
+        [
+            ({"kind": "gpu", "count": 1, "model": "H200"}, "resource[1]", "unknown resource fields: model"),
+            ({"kind": "tpu", "count": 1}, "resource[1]", "unknown device kind 'tpu'"),
+            ({"count": 1}, "resource[1]", "unknown device kind ''"),
+            ({"kind": "gpu", "count": "2"}, "resource[1].count", "count must be a whole number"),
+            ({"kind": "gpu", "count": True}, "resource[1].count", "count must be a whole number"),
+            ({"kind": "gpu", "count": 1.5}, "resource[1].count", "count must be a whole number"),
+            ({"kind": "gpu", "count": -2}, "resource[1].count", "count must be a whole number"),
+            ({"kind": "gpu"}, "resource[1]", "exactly one of a count or an amount"),
+            ({"kind": "gpu", "amount": "80GiB"}, "resource[1]", "only be carved from cxl-memory, not gpu"),
+            ({"kind": "cxl", "count": 1, "amount": "1GiB"}, "resource[1]", "exactly one of a count or an amount"),
+            ({"kind": "cxl", "amount": "lots"}, "resource[1]", "not a size"),
+            ({"kind": "cxl", "amount": "0.1KiB"}, "resource[1]", "not a whole number of bytes"),
+            ({"kind": "gpu", "count": 1, "max_latency": "soon"}, "resource[1]", "not a latency"),
+            ({"kind": "gpu", "count": 1, "max_latency": -1}, "resource[1]", "must not be negative"),
+            ({"kind": "gpu", "count": 1, "affinity": "near"}, "resource[1]", "'near' is not a valid Affinity"),
+            ({"kind": "gpu", "count": 1, "selectors": ["model"]}, "resource[1].selectors", "is not a selector"),
+        ],
+    )
+    def test_bad_resource_fields(self, resource: dict[str, Any], field: str, message: str | None) -> None:
+        doc = {"name": "a", "resource": [{"kind": "nic", "count": 1}, resource]}
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            request_from_document(doc)
+        assert info.value.field == field
