@@ -8,6 +8,7 @@ pool capacity is conserved; a compose that raised changed nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 from composer_helpers import (
     composer,
@@ -45,7 +46,9 @@ class ComposerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.fabrics = rack()
-        self.composer = composer(self.fabrics)
+        ids = itertools.count(1)
+        # Deterministic ids: Hypothesis replays draw from lists of them, which must not change between runs.
+        self.composer = composer(self.fabrics, new_id=lambda prefix: f"{prefix}-{next(ids)}")
         self.model: dict[str, tuple[str, ...]] = {}
         self.counter = 0
         self.gpus = sorted(d.id for d in self.fabrics["pcie0"].discover().devices if d.kind.value == "gpu")

@@ -38,9 +38,8 @@ def exit_code(error: DisaggError) -> int:
 
 
 def _composer(args: argparse.Namespace) -> FabricComposer:
-    composer = build_composer(load_config(args.config))
-    composer.start()
-    return composer
+    """The configured composer; use it as a context manager, which starts and closes it."""
+    return build_composer(load_config(args.config))
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -78,8 +77,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_topology(args: argparse.Namespace) -> int:
-    composer = _composer(args)
-    try:
+    with _composer(args) as composer:
         topologies = composer.topologies()
         kinds, pools = composer.usage()
         if args.json:
@@ -102,8 +100,6 @@ def cmd_topology(args: argparse.Namespace) -> int:
         print("\ndevices and pools")
         render.show_usage(kinds, pools)
         return 0
-    finally:
-        composer.close()
 
 
 def _host_owner(composer: FabricComposer, host: str) -> str:
@@ -114,8 +110,7 @@ def _host_owner(composer: FabricComposer, host: str) -> str:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    composer = _composer(args)
-    try:
+    with _composer(args) as composer:
         devices = [d for d in composer.devices() if not args.kind or d.kind.value == args.kind]
         if args.json:
             render.emit_json(devices)
@@ -128,8 +123,6 @@ def cmd_devices(args: argparse.Namespace) -> int:
             ],
         )
         return 0
-    finally:
-        composer.close()
 
 
 def _request(args: argparse.Namespace) -> CompositionRequest:
@@ -153,8 +146,7 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
 def cmd_compose(args: argparse.Namespace) -> int:
     request = _request(args)
     mode = ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve else ComposeMode.APPLY
-    composer = _composer(args)
-    try:
+    with _composer(args) as composer:
         result = composer.compose(request, mode, reservation_ttl_s=args.reserve or 60.0)
         if args.json:
             render.emit_json(result)
@@ -171,14 +163,11 @@ def cmd_compose(args: argparse.Namespace) -> int:
                 + [[m.pool, f"{m.latency_ns} ns", format_size(m.amount_bytes)] for m in result.plan.memory],
             )
         return 0
-    finally:
-        composer.close()
 
 
 def cmd_recompose(args: argparse.Namespace) -> int:
     add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(args.add)]
-    composer = _composer(args)
-    try:
+    with _composer(args) as composer:
         comp = composer.recompose(args.composition, add=add, remove=args.remove, expected_etag=args.etag)
         if args.json:
             render.emit_json(comp)
@@ -186,26 +175,20 @@ def cmd_recompose(args: argparse.Namespace) -> int:
             print(f"recomposed {comp.name} ({comp.id}), now {comp.etag}")
             render.show_composition_devices(comp)
         return 0
-    finally:
-        composer.close()
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    composer = _composer(args)
-    try:
+    with _composer(args) as composer:
         comps = composer.compositions()
         if args.json:
             render.emit_json(comps)
         else:
             render.show_compositions(comps)
         return 0
-    finally:
-        composer.close()
 
 
 def cmd_decompose(args: argparse.Namespace) -> int:
-    composer = _composer(args)
-    try:
+    with _composer(args) as composer:
         for key in args.compositions:
             try:
                 comp_id = composer.find(key).id
@@ -219,8 +202,6 @@ def cmd_decompose(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"decomposed": args.compositions}))
         return 0
-    finally:
-        composer.close()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

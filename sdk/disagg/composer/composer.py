@@ -135,7 +135,11 @@ class FabricComposer(Composer):
         self.store.close()
 
     def __enter__(self) -> FabricComposer:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
