@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,3 +66,45 @@ class TestHookTests:
         source = PLUGIN_TESTS.read_text()
         assert f"def {name}(" in source, f"tests/test_plugins.py implements no {name}"
         assert f"def test_{name}(" in source, f"tests/test_plugins.py has no test_{name}"
+
+
+class TestReadme:
+    """The README's Python example runs as written, and its quickstart names the two commands that exist."""
+
+    def test_python_example_runs(self, capsys: pytest.CaptureFixture[str]) -> None:
+        readme = (Path(__file__).parent.parent / "README.md").read_text()
+        blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+        assert len(blocks) == 1
+        exec(compile(blocks[0], "README.md", "exec"), {})
+        out = capsys.readouterr().out
+        assert "CompositionState.COMPOSED" in out
+
+    def test_quickstart_commands(self) -> None:
+        readme = (Path(__file__).parent.parent / "README.md").read_text()
+        quickstart = readme.split("## Quickstart", 1)[1].split("##", 1)[0]
+        commands = re.findall(r"^(\./dev \w+)", quickstart, flags=re.M)
+        assert commands == ["./dev demo", "./dev test"]
+        ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
+        assert ci.rstrip().endswith("./dev test")
+
+
+class TestPlacementBenchmark:
+    """bench/placement.py runs end to end and writes its figures (timings are reported, never asserted)."""
+
+    def test_small_run(self, tmp_path: Path) -> None:
+        import runpy
+        import sys
+
+        out = tmp_path / "placement.json"
+        argv = sys.argv
+        sys.argv = ["placement.py", "--sizes", "200,2000", "--repeats", "20", "--out", str(out)]
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                runpy.run_path(str(Path(__file__).parent.parent / "bench" / "placement.py"), run_name="__main__")
+        finally:
+            sys.argv = argv
+        assert exit_info.value.code == 0
+        report = json.loads(out.read_text())
+        assert set(report["runs"]) == {"200", "2000"}
+        assert all(s["samples"] == 20 for s in report["runs"]["2000"]["shapes"].values())
+        assert "2000" in report["median_ratio_to_base"]

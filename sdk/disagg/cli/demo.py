@@ -63,6 +63,7 @@ class _Story:
         comps = self.composer.compositions()
         if self.json:
             return
+        self.out.write("  compositions\n")
         render.show_compositions(comps, self.out)
         self.out.write("\n")
         render.show_usage(kinds, pools, self.out)
