@@ -98,6 +98,24 @@ class ConflictError(DisaggError):
     reason = "CONFLICT"
 
 
+class AlreadyExistsError(ConflictError):
+    """A resource with that name or id already exists (a composition name, a request id)."""
+
+    reason = "ALREADY_EXISTS"
+
+
+class RequestIdReusedError(AlreadyExistsError):
+    """A request id was used before for a different request."""
+
+    reason = "REQUEST_ID_REUSED"
+
+
+class RevisionCompactedError(DisaggError):
+    """An event revision older than the retention window was asked for; resume from a newer one."""
+
+    reason = "REVISION_COMPACTED"
+
+
 class UnsupportedError(DisaggError):
     """The driver did not declare the capability the call needs."""
 
@@ -125,6 +143,7 @@ class PluginError(DisaggError):
 
 
 __all__ = [
+    "AlreadyExistsError",
     "CapacityExhaustedError",
     "ConfigError",
     "ConflictError",
@@ -137,6 +156,8 @@ __all__ = [
     "NoFitError",
     "NotFoundError",
     "PluginError",
+    "RequestIdReusedError",
+    "RevisionCompactedError",
     "StaleEpochError",
     "UnknownDeviceError",
     "UnknownHostError",

@@ -19,6 +19,7 @@ from disagg.composer.execution import ExecutionFailedError, Executor, MemoryStep
 from disagg.composer.index import Inventory
 from disagg.composer.placement import Line, Pin, Placer, describe_line
 from disagg.errors import (
+    AlreadyExistsError,
     ConflictError,
     DisaggError,
     InvalidRequestError,
@@ -278,7 +279,7 @@ class FabricComposer(Composer):
         taken = [c.id for c in self._compositions.values() if c.name == name]
         taken += [r.id for r in self._reservations.values() if r.request.name == name]
         if taken:
-            raise ConflictError(f"the name {name!r} is taken by {taken[0]}", metadata={"holder": taken[0]})
+            raise AlreadyExistsError(f"the name {name!r} is taken by {taken[0]}", metadata={"holder": taken[0]})
 
     def preview(self, request: CompositionRequest) -> Plan:
         with self._lock:

@@ -1,0 +1,141 @@
+"""SDK errors to and from gRPC status codes with google.rpc error details.
+
+Every error carries an ``ErrorInfo`` (domain ``disagg``, the SDK's stable reason, metadata); invalid input adds
+``BadRequest`` field violations, unknown resources ``ResourceInfo``, failed preconditions
+``PreconditionFailure``. A client rebuilds the same SDK error type from the reason, so code that catches
+`NoFitError` works the same against a remote fabric manager or driver as in process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from disagg import errors as e
+
+DOMAIN = "disagg"
+
+_CODES: tuple[tuple[type[e.DisaggError], grpc.StatusCode], ...] = (
+    (e.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (e.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (e.ConflictError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.DeviceBusyError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.HostUnreachableError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.StaleEpochError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.PluginError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.NoFitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.CapacityExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.UnsupportedError, grpc.StatusCode.UNIMPLEMENTED),
+    (e.FabricUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (e.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (e.RevisionCompactedError, grpc.StatusCode.OUT_OF_RANGE),
+)
+
+
+def status_code(error: e.DisaggError) -> grpc.StatusCode:
+    """The gRPC code of an SDK error; an SDK error of no more precise kind is ABORTED (try again later)."""
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.ABORTED
+
+
+def _pack(message: object) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)  # type: ignore[arg-type]
+    return packed
+
+
+def to_status(error: e.DisaggError) -> grpc.Status:
+    """A status with the rich details for ``error``, for ``context.abort_with_status``."""
+    code = status_code(error)
+    details = [
+        _pack(
+            error_details_pb2.ErrorInfo(
+                reason=error.reason, domain=DOMAIN, metadata={k: str(v) for k, v in error.metadata.items()}
+            )
+        )
+    ]
+    if isinstance(error, e.InvalidRequestError):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+    if isinstance(error, e.NotFoundError):
+        details.append(
+            _pack(error_details_pb2.ResourceInfo(resource_type=error.resource_type, resource_name=error.name))
+        )
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        violation_pf = error_details_pb2.PreconditionFailure.Violation(
+            type=error.reason, subject=error.metadata.get("subject", ""), description=error.message
+        )
+        details.append(_pack(error_details_pb2.PreconditionFailure(violations=[violation_pf])))
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=error.message, details=details)
+    result: grpc.Status = rpc_status.to_status(status)
+    return result
+
+
+def _subclasses(cls: type[e.DisaggError]) -> Iterator[type[e.DisaggError]]:
+    yield cls
+    for sub in cls.__subclasses__():
+        yield from _subclasses(sub)
+
+
+_BY_REASON = {cls.reason: cls for cls in _subclasses(e.DisaggError)}
+_BY_CODE = {code: cls for cls, code in reversed(_CODES)}
+
+
+def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
+    """The SDK error a failed call stands for, rebuilt from its ErrorInfo reason, else from its code."""
+    code: grpc.StatusCode = error.code()
+    message: str = error.details() or code.name
+    status = rpc_status.from_call(error)
+    reason, metadata, field, resource = "", {}, "", ("", "")
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == DOMAIN:
+                reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            if bad.field_violations:
+                field = bad.field_violations[0].field
+        elif detail.Is(error_details_pb2.ResourceInfo.DESCRIPTOR):
+            res = error_details_pb2.ResourceInfo()
+            detail.Unpack(res)
+            resource = (res.resource_type, res.resource_name)
+    cls = _BY_REASON.get(reason)
+    if cls is None:
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            cls = e.DeadlineExceededError
+        elif code is grpc.StatusCode.UNAVAILABLE:
+            cls = e.FabricUnavailableError
+        else:
+            cls = _BY_CODE.get(code, e.DisaggError)
+        message = f"{code.name}: {message}" if cls is e.DisaggError else message
+    return build(cls, message, metadata=metadata, field=field, resource=resource)
+
+
+def build(
+    cls: type[e.DisaggError],
+    message: str,
+    *,
+    metadata: dict[str, str] | None = None,
+    field: str = "",
+    resource: tuple[str, str] = ("", ""),
+) -> e.DisaggError:
+    """An instance of ``cls`` whatever its constructor's signature."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.message = message
+    error.metadata = dict(metadata or {})
+    if isinstance(error, e.InvalidRequestError):
+        error.field = field
+    if isinstance(error, e.NotFoundError):
+        error.resource_type, error.name = resource
+    return error
