@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
@@ -25,6 +26,7 @@ from disagg.errors import (
     InvalidRequestError,
     NoFitError,
     NotFoundError,
+    RequestIdReusedError,
 )
 from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription
 from disagg.interfaces.placement import PlacementPolicy
@@ -55,6 +57,8 @@ from disagg.store import MemoryStore, Store
 log = logging.getLogger("disagg.composer")
 
 EventListener = Callable[[Event], None]
+REQUEST_ID_MEMORY = 10_000
+"""How many request ids the composer remembers (in memory until the durable ledger keeps them)."""
 
 
 @attrs.frozen
@@ -107,6 +111,8 @@ class FabricComposer(Composer):
         self._listeners: list[EventListener] = []
         self._subscriptions: list[Subscription] = []
         self._revision = 0
+        self._cordoned: set[str] = set()
+        self._requests: OrderedDict[str, tuple[object, ComposeResult | None, threading.Event]] = OrderedDict()
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
@@ -157,6 +163,9 @@ class FabricComposer(Composer):
             self._claim_composition(comp)
         for res in self._reservations.values():
             self._claim_plan(res.plan, res.id)
+        for device in self._cordoned:
+            if device in self._inv.devices:
+                self._inv.cordon(device)
 
     def _claim_composition(self, comp: Composition) -> None:
         if comp.host in self._inv.hosts:
@@ -292,7 +301,46 @@ class FabricComposer(Composer):
         mode: ComposeMode = ComposeMode.APPLY,
         *,
         reservation_ttl_s: float = 60.0,
+        request_id: str | None = None,
     ) -> ComposeResult:
+        """See `Composer.compose`. With a ``request_id``, a retry of the same request returns the first answer
+        and binds nothing again, and the same id with another request raises `RequestIdReusedError`."""
+        if request_id is None or mode is ComposeMode.PREVIEW:
+            return self._compose(request, mode, reservation_ttl_s)
+        fingerprint = (request, mode, reservation_ttl_s)
+        while True:
+            with self._lock:
+                entry = self._requests.get(request_id)
+                if entry is None:
+                    done = threading.Event()
+                    self._requests[request_id] = (fingerprint, None, done)
+                    while len(self._requests) > REQUEST_ID_MEMORY:
+                        self._requests.popitem(last=False)
+                    break
+            seen, result, done = entry
+            if seen != fingerprint:
+                raise RequestIdReusedError(
+                    f"request id {request_id!r} was used for another request", metadata={"request_id": request_id}
+                )
+            if result is not None:
+                return result
+            done.wait(self.call_timeout_s)
+            with self._lock:
+                if self._requests.get(request_id) is entry:
+                    del self._requests[request_id]
+        try:
+            result = self._compose(request, mode, reservation_ttl_s)
+        except BaseException:
+            with self._lock:
+                self._requests.pop(request_id, None)
+            done.set()
+            raise
+        with self._lock:
+            self._requests[request_id] = (fingerprint, result, done)
+        done.set()
+        return result
+
+    def _compose(self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float) -> ComposeResult:
         if reservation_ttl_s <= 0:
             raise InvalidRequestError("the reservation time to live must be positive", field="reservation_ttl_s")
         with self._lock:
@@ -419,6 +467,30 @@ class FabricComposer(Composer):
                 for p in sorted(self._inv.pools.values(), key=lambda p: p.info.id)
             ]
             return kinds, pools
+
+    def cordon(self, device_id: str) -> Device:
+        """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
+        with self._lock:
+            dev = self.device(device_id)
+            if device_id not in self._cordoned:
+                self._cordoned.add(device_id)
+                self._inv.cordon(device_id)
+                self._emit(EventType.DEVICE_CORDONED, device_id)
+            return dev
+
+    def uncordon(self, device_id: str) -> Device:
+        """Offer a cordoned device to placement again. Idempotent."""
+        with self._lock:
+            dev = self.device(device_id)
+            if device_id in self._cordoned:
+                self._cordoned.discard(device_id)
+                self._inv.uncordon(device_id)
+                self._emit(EventType.DEVICE_UNCORDONED, device_id)
+            return dev
+
+    def is_cordoned(self, device_id: str) -> bool:
+        with self._lock:
+            return device_id in self._cordoned
 
     # ----------------------------------------------------------------- recompose / decompose
 

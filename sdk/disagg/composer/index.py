@@ -130,6 +130,7 @@ class Inventory:
         self.by_kind: dict[DeviceKind, list[Bucket]] = defaultdict(list)
         self.pools_by_switch: dict[str, list[PoolState]] = defaultdict(list)
         self.owner: dict[str, str] = {}
+        self.cordoned: set[str] = set()
         self.host_owner: dict[str, str] = {}
         self.host_free: dict[str, dict[DeviceKind, int]] = {h: defaultdict(int) for h in self.hosts}
         self.free_hosts: Any = SortedList()
@@ -178,6 +179,8 @@ class Inventory:
 
     def _set_free(self, device: str, free: bool) -> None:
         bucket = self.bucket_of[device]
+        if free and device in self.cordoned:
+            return
         if free:
             bucket.free.add(device)
         else:
@@ -185,6 +188,20 @@ class Inventory:
         delta = 1 if free else -1
         for host in self.switch_hosts.get(bucket.switch, ()):
             self.host_free[host][bucket.kind] += delta
+
+    def cordon(self, device: str) -> None:
+        """Keep a device out of placement; whoever holds it keeps it."""
+        if self.is_free(device):
+            self._set_free(device, False)
+        self.cordoned.add(device)
+
+    def uncordon(self, device: str) -> None:
+        if device not in self.cordoned:
+            return
+        self.cordoned.discard(device)
+        dev = self.devices.get(device)
+        if dev is not None and dev.health is Health.OK and device not in self.owner and device in self.bucket_of:
+            self._set_free(device, True)
 
     def is_free(self, device: str) -> bool:
         bucket = self.bucket_of.get(device)

@@ -47,6 +47,8 @@ class EventType(enum.Enum):
     RESERVATION_EXPIRED = "ReservationExpired"
     RESERVATION_RELEASED = "ReservationReleased"
     ROLLBACK_INCOMPLETE = "RollbackIncomplete"
+    DEVICE_CORDONED = "DeviceCordoned"
+    DEVICE_UNCORDONED = "DeviceUncordoned"
 
 
 @attrs.frozen

@@ -8,7 +8,7 @@ composer or a driver.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import types_pb2 as pb
@@ -80,7 +80,7 @@ POOL_FROM_WIRE = _invert(POOL_TO_WIRE)
 FEATURE_FROM_WIRE = _invert(FEATURE_TO_WIRE)
 
 
-def enum_from_wire(table: Mapping[int, E], value: int, field: str, what: str) -> E:
+def enum_from_wire(table: Mapping[Any, E], value: int, field: str, what: str) -> E:
     """The model enum for a wire value; UNSPECIFIED and unknown values are an `InvalidRequestError`."""
     try:
         return table[value]

@@ -1,0 +1,314 @@
+"""Model values to and from the messages of ``disagg.fabric.v1.FabricManagerService``.
+
+``*_from_wire`` functions validate the request fields they read (names, sizes, enums, limits) and raise
+`InvalidRequestError` with the field's path, so the server refuses bad input at the edge.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from disagg.errors import InvalidRequestError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.model import (
+    Affinity,
+    ComposeMode,
+    Composition,
+    CompositionRequest,
+    CompositionState,
+    DevicePick,
+    Event,
+    EventType,
+    HostRequest,
+    MemoryPick,
+    Plan,
+    Reservation,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+)
+from disagg.wire.types import (
+    KIND_TO_WIRE,
+    allocation_from_wire,
+    allocation_to_wire,
+    attribute_from_wire,
+    attribute_to_wire,
+    enum_from_wire,
+    kind_from_wire,
+)
+
+MAX_RESOURCES = 64
+MAX_SELECTORS = 32
+MAX_NAME = 63
+MAX_ID = 128
+MAX_TTL_S = 86_400.0
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+OP_TO_WIRE = {
+    SelectorOp.EQ: fm.SELECTOR_OP_EQ,
+    SelectorOp.NE: fm.SELECTOR_OP_NE,
+    SelectorOp.GE: fm.SELECTOR_OP_GE,
+    SelectorOp.LE: fm.SELECTOR_OP_LE,
+    SelectorOp.GT: fm.SELECTOR_OP_GT,
+    SelectorOp.LT: fm.SELECTOR_OP_LT,
+}
+OP_FROM_WIRE = {v: k for k, v in OP_TO_WIRE.items()}
+AFFINITY_TO_WIRE = {Affinity.NONE: fm.AFFINITY_NONE, Affinity.SAME_SWITCH: fm.AFFINITY_SAME_SWITCH}
+AFFINITY_FROM_WIRE = {v: k for k, v in AFFINITY_TO_WIRE.items()}
+MODE_TO_WIRE = {
+    ComposeMode.PREVIEW: fm.COMPOSE_MODE_PREVIEW,
+    ComposeMode.RESERVE: fm.COMPOSE_MODE_RESERVE,
+    ComposeMode.APPLY: fm.COMPOSE_MODE_APPLY,
+}
+MODE_FROM_WIRE = {v: k for k, v in MODE_TO_WIRE.items()}
+STATE_TO_WIRE = {
+    CompositionState.COMPOSING: fm.COMPOSITION_STATE_COMPOSING,
+    CompositionState.COMPOSED: fm.COMPOSITION_STATE_COMPOSED,
+    CompositionState.DEGRADED: fm.COMPOSITION_STATE_DEGRADED,
+    CompositionState.DECOMPOSING: fm.COMPOSITION_STATE_DECOMPOSING,
+    CompositionState.FAILED: fm.COMPOSITION_STATE_FAILED,
+}
+STATE_FROM_WIRE = {v: k for k, v in STATE_TO_WIRE.items()}
+EVENT_TO_WIRE = {
+    EventType.DEVICE_HEALTH_CHANGED: fm.EVENT_TYPE_DEVICE_HEALTH_CHANGED,
+    EventType.DEVICE_ADDED: fm.EVENT_TYPE_DEVICE_ADDED,
+    EventType.DEVICE_REMOVED: fm.EVENT_TYPE_DEVICE_REMOVED,
+    EventType.LINK_STATE_CHANGED: fm.EVENT_TYPE_LINK_STATE_CHANGED,
+    EventType.COMPOSITION_CREATED: fm.EVENT_TYPE_COMPOSITION_CREATED,
+    EventType.COMPOSITION_STATE_CHANGED: fm.EVENT_TYPE_COMPOSITION_STATE_CHANGED,
+    EventType.COMPOSITION_UPDATED: fm.EVENT_TYPE_COMPOSITION_UPDATED,
+    EventType.COMPOSITION_DELETED: fm.EVENT_TYPE_COMPOSITION_DELETED,
+    EventType.COMPOSITION_HEALED: fm.EVENT_TYPE_COMPOSITION_HEALED,
+    EventType.RESERVATION_CREATED: fm.EVENT_TYPE_RESERVATION_CREATED,
+    EventType.RESERVATION_EXPIRED: fm.EVENT_TYPE_RESERVATION_EXPIRED,
+    EventType.RESERVATION_RELEASED: fm.EVENT_TYPE_RESERVATION_RELEASED,
+    EventType.ROLLBACK_INCOMPLETE: fm.EVENT_TYPE_ROLLBACK_INCOMPLETE,
+    EventType.DEVICE_CORDONED: fm.EVENT_TYPE_DEVICE_CORDONED,
+    EventType.DEVICE_UNCORDONED: fm.EVENT_TYPE_DEVICE_UNCORDONED,
+}
+EVENT_FROM_WIRE = {v: k for k, v in EVENT_TO_WIRE.items()}
+
+
+def check_name(value: str, field: str) -> str:
+    if not NAME.fullmatch(value):
+        raise InvalidRequestError(
+            f"{field}: {value!r} is not a valid name (1-{MAX_NAME} letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit)",
+            field=field,
+        )
+    return value
+
+
+def check_id(value: str, field: str, *, required: bool = True) -> str:
+    if (required and not value) or len(value) > MAX_ID or any(c.isspace() or not c.isprintable() for c in value):
+        raise InvalidRequestError(f"{field}: give an id of 1 to {MAX_ID} printable characters", field=field)
+    return value
+
+
+def selector_to_wire(sel: Selector) -> fm.Selector:
+    return fm.Selector(key=sel.key, op=OP_TO_WIRE[sel.op], value=attribute_to_wire(sel.value))
+
+
+def selector_from_wire(msg: fm.Selector, field: str) -> Selector:
+    if not msg.key or len(msg.key) > MAX_NAME:
+        raise InvalidRequestError(
+            f"{field}.key: a selector needs a key of 1 to {MAX_NAME} characters", field=f"{field}.key"
+        )
+    op = enum_from_wire(OP_FROM_WIRE, msg.op, f"{field}.op", "selector operator")
+    return Selector(msg.key, op, attribute_from_wire(msg.value, f"{field}.value"))
+
+
+def _selectors_from_wire(msgs: Sequence[fm.Selector], field: str) -> tuple[Selector, ...]:
+    if len(msgs) > MAX_SELECTORS:
+        raise InvalidRequestError(f"{field}: at most {MAX_SELECTORS} selectors", field=field)
+    return tuple(selector_from_wire(s, f"{field}[{n}]") for n, s in enumerate(msgs))
+
+
+def resource_to_wire(r: ResourceRequest) -> fm.ResourceRequest:
+    msg = fm.ResourceRequest(
+        kind=KIND_TO_WIRE[r.kind],
+        count=r.count,
+        amount_bytes=r.amount_bytes,
+        selectors=[selector_to_wire(s) for s in r.selectors],
+        affinity=AFFINITY_TO_WIRE[r.affinity],
+        spread=r.spread or "",
+    )
+    if r.max_latency_ns is not None:
+        msg.max_latency_ns = r.max_latency_ns
+    return msg
+
+
+def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
+    affinity = Affinity.NONE
+    if msg.affinity != fm.AFFINITY_UNSPECIFIED:
+        affinity = enum_from_wire(AFFINITY_FROM_WIRE, msg.affinity, f"{field}.affinity", "affinity")
+    if msg.spread and not NAME.fullmatch(msg.spread):
+        raise InvalidRequestError(
+            f"{field}.spread: {msg.spread!r} is not a failure-domain label", field=f"{field}.spread"
+        )
+    try:
+        return ResourceRequest(
+            kind=kind_from_wire(msg.kind, f"{field}.kind"),
+            count=msg.count,
+            amount_bytes=msg.amount_bytes,
+            selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors"),
+            max_latency_ns=msg.max_latency_ns if msg.HasField("max_latency_ns") else None,
+            affinity=affinity,
+            spread=msg.spread or None,
+        )
+    except ValueError as exc:
+        raise InvalidRequestError(f"{field}: {exc}", field=field) from None
+
+
+def resources_from_wire(
+    msgs: Sequence[fm.ResourceRequest], field: str, *, required: bool
+) -> tuple[ResourceRequest, ...]:
+    if required and not msgs:
+        raise InvalidRequestError(f"{field}: at least one resource is needed", field=field)
+    if len(msgs) > MAX_RESOURCES:
+        raise InvalidRequestError(f"{field}: at most {MAX_RESOURCES} resources", field=field)
+    return tuple(resource_from_wire(r, f"{field}[{n}]") for n, r in enumerate(msgs))
+
+
+def host_request_to_wire(h: HostRequest) -> fm.HostRequest:
+    return fm.HostRequest(
+        name=h.name or "",
+        min_cores=h.min_cores,
+        min_memory_bytes=h.min_memory_bytes,
+        selectors=[selector_to_wire(s) for s in h.selectors],
+    )
+
+
+def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequest:
+    if msg.name:
+        check_id(msg.name, f"{field}.name")
+    return HostRequest(
+        name=msg.name or None,
+        min_cores=msg.min_cores,
+        min_memory_bytes=msg.min_memory_bytes,
+        selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors"),
+    )
+
+
+def compose_request_to_wire(
+    request: CompositionRequest,
+    mode: ComposeMode = ComposeMode.APPLY,
+    *,
+    reservation_ttl_s: float = 0.0,
+    request_id: str = "",
+) -> fm.ComposeRequest:
+    return fm.ComposeRequest(
+        name=request.name,
+        host=host_request_to_wire(request.host),
+        resources=[resource_to_wire(r) for r in request.resources],
+        mode=MODE_TO_WIRE[mode],
+        reservation_ttl_s=reservation_ttl_s,
+        request_id=request_id,
+    )
+
+
+def compose_mode_from_wire(value: int) -> ComposeMode:
+    if value == fm.COMPOSE_MODE_UNSPECIFIED:
+        return ComposeMode.APPLY
+    return enum_from_wire(MODE_FROM_WIRE, value, "mode", "compose mode")
+
+
+def ttl_from_wire(value: float) -> float:
+    if value == 0:
+        return 60.0
+    if not 0 < value <= MAX_TTL_S:
+        raise InvalidRequestError(
+            f"reservation_ttl_s: must be above 0 and at most {MAX_TTL_S:g}", field="reservation_ttl_s"
+        )
+    return value
+
+
+def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
+    return CompositionRequest(
+        name=check_name(msg.name, "name"),
+        resources=resources_from_wire(msg.resources, "resources", required=True),
+        host=host_request_from_wire(msg.host),
+    )
+
+
+def plan_to_wire(plan: Plan) -> fm.Plan:
+    return fm.Plan(
+        host=plan.host,
+        devices=[fm.DevicePick(device=p.device, resource=p.resource, latency_ns=p.latency_ns) for p in plan.devices],
+        memory=[
+            fm.MemoryPick(pool=m.pool, amount_bytes=m.amount_bytes, resource=m.resource, latency_ns=m.latency_ns)
+            for m in plan.memory
+        ],
+    )
+
+
+def plan_from_wire(msg: fm.Plan) -> Plan:
+    return Plan(
+        host=msg.host,
+        devices=tuple(DevicePick(p.device, p.resource, p.latency_ns) for p in msg.devices),
+        memory=tuple(MemoryPick(m.pool, m.amount_bytes, m.resource, m.latency_ns) for m in msg.memory),
+    )
+
+
+def composition_to_wire(c: Composition) -> fm.Composition:
+    return fm.Composition(
+        id=c.id,
+        name=c.name,
+        host=c.host,
+        state=STATE_TO_WIRE[c.state],
+        resources=[resource_to_wire(r) for r in c.resources],
+        devices=[fm.DevicePick(device=p.device, resource=p.resource, latency_ns=p.latency_ns) for p in c.devices],
+        allocations=[allocation_to_wire(a) for a in c.allocations],
+        generation=c.generation,
+        etag=c.etag,
+        message=c.message,
+    )
+
+
+def composition_from_wire(msg: fm.Composition) -> Composition:
+    return Composition(
+        id=msg.id,
+        name=msg.name,
+        host=msg.host,
+        state=enum_from_wire(STATE_FROM_WIRE, msg.state, "composition.state", "composition state"),
+        resources=tuple(resource_from_wire(r, f"composition.resources[{n}]") for n, r in enumerate(msg.resources)),
+        devices=tuple(DevicePick(p.device, p.resource, p.latency_ns) for p in msg.devices),
+        allocations=tuple(allocation_from_wire(a) for a in msg.allocations),
+        generation=msg.generation,
+        message=msg.message,
+    )
+
+
+def reservation_to_wire(r: Reservation) -> fm.Reservation:
+    return fm.Reservation(id=r.id, name=r.request.name, plan=plan_to_wire(r.plan), expires_at=r.expires_at)
+
+
+def event_to_wire(ev: Event) -> fm.Event:
+    return fm.Event(
+        revision=ev.revision,
+        type=EVENT_TO_WIRE[ev.type],
+        subject=ev.subject,
+        message=ev.message,
+        time=ev.time,
+        data=dict(ev.data),
+    )
+
+
+def event_from_wire(msg: fm.Event) -> Event:
+    return Event(
+        revision=msg.revision,
+        type=enum_from_wire(EVENT_FROM_WIRE, msg.type, "event.type", "event type"),
+        subject=msg.subject,
+        message=msg.message,
+        time=msg.time,
+        data=dict(msg.data),
+    )
+
+
+def page_size_from_wire(value: int, field: str = "page_size") -> int:
+    if value == 0:
+        return 100
+    if not 1 <= value <= 1000:
+        raise InvalidRequestError(f"{field}: must be from 1 to 1000", field=field)
+    return value
