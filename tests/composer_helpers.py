@@ -1,23 +1,106 @@
-"""Builders shared by the composer tests: the demo rack on sim fabrics, and checks against the hardware."""
+"""Builders shared by the composer tests: the demo rack on sim fabrics, and checks against the hardware.
+
+The fabrics are in process, or served out of process as a `remote` driver would reach them: each sim fabric
+behind its own `DriverServer` (on a unix socket, or on a loopback TCP port) and used through a
+`RemoteFabric`. `serving(transport)` picks the transport for everything `rack` and `serve` build until it
+exits, and then stops every server and closes every channel it started.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import itertools
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from disagg.composer import FabricComposer
 from disagg.interfaces import CallContext, Fabric, Pool
 from disagg.model import Allocation
+from disagg.remote import DriverServer, RemoteFabric
 from disagg.store import Store
 from disagg_sim import SimFabric, create_fabric
 
+TRANSPORTS = ("local", "unix", "tcp")
 
-def rack(**options: Any) -> dict[str, SimFabric]:
-    """The demo rack: pcie0 (20 H200 in two chassis, NVMe, NICs) and cxl0 (two 2 TiB DCD pools)."""
-    return {
-        "pcie0": create_fabric("pcie0", {"topology": "demo-pcie", **options.get("pcie0", {})}),
-        "cxl0": create_fabric("cxl0", {"topology": "demo-cxl", **options.get("cxl0", {})}),
-    }
+
+class Served:
+    """Presents fabrics over one transport (local, unix or tcp) and stops all it started on `close`."""
+
+    def __init__(self, transport: str = "local") -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}")
+        self.transport = transport
+        self.servers: list[DriverServer] = []
+        self.remotes: list[RemoteFabric] = []
+        self._dir: str | None = None
+        self._ids = itertools.count()
+
+    def _address(self, name: str) -> str:
+        if self.transport == "tcp":
+            return "127.0.0.1:0"
+        if self._dir is None:  # short, so that the socket path stays under the 108-byte limit
+            self._dir = tempfile.mkdtemp(prefix="dg-")
+        return f"unix:{self._dir}/{name}-{next(self._ids)}.sock"
+
+    def __call__(self, fabrics: Mapping[str, Any]) -> dict[str, Any]:
+        if self.transport == "local":
+            return dict(fabrics)
+        out: dict[str, Any] = {}
+        for name, fabric in fabrics.items():
+            server = DriverServer(fabric, self._address(name), driver="sim").start()
+            self.servers.append(server)
+            remote = RemoteFabric(name, server.address, connect_timeout_s=5)
+            self.remotes.append(remote)
+            out[name] = remote
+        return out
+
+    def close(self) -> None:
+        for remote in self.remotes:
+            remote.close()
+        for server in self.servers:
+            server.stop(grace=0)
+        self.remotes.clear()
+        self.servers.clear()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+_current = Served("local")
+
+
+@contextlib.contextmanager
+def serving(transport: str) -> Iterator[Served]:
+    """Make `rack` and `serve` present fabrics over ``transport`` until exit; then stop all they started."""
+    global _current
+    served, previous = Served(transport), _current
+    _current = served
+    try:
+        yield served
+    finally:
+        _current = previous
+        served.close()
+
+
+def serve(fabrics: Mapping[str, Fabric], *, via: Served | None = None) -> dict[str, Any]:
+    """``fabrics`` as the current transport presents them: as they are, or each behind its own server."""
+    return (via or _current)(fabrics)
+
+
+def rack(*, via: Served | None = None, **options: Any) -> dict[str, Any]:
+    """The demo rack: pcie0 (20 H200 in two chassis, NVMe, NICs) and cxl0 (two 2 TiB DCD pools).
+
+    The values are `SimFabric`s, or `RemoteFabric`s in front of them; both offer fault injection.
+    """
+    return serve(
+        {
+            "pcie0": create_fabric("pcie0", {"topology": "demo-pcie", **options.get("pcie0", {})}),
+            "cxl0": create_fabric("cxl0", {"topology": "demo-cxl", **options.get("cxl0", {})}),
+        },
+        via=via,
+    )
 
 
 def composer(

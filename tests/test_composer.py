@@ -1,12 +1,19 @@
-"""The composer on the simulated demo rack: compose, reserve, roll back, recompose, heal, decompose, restart."""
+"""The composer on the simulated demo rack: compose, reserve, roll back, recompose, heal, decompose, restart.
+
+Every test runs three ways (the ``transport`` fixture): on in-process sim fabrics, and on the same fabrics
+served by `FabricDriverServicer` and reached through the `remote` driver over a unix socket and over TCP. The
+composer must not be able to tell them apart.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from composer_helpers import (
+    TRANSPORTS,
     BrokenPools,
     composer,
     hardware_allocations,
@@ -14,11 +21,14 @@ from composer_helpers import (
     ledger_allocations,
     ledger_bindings,
     rack,
+    serve,
+    serving,
 )
 from disagg.composer import FabricComposer
 from disagg.errors import (
     ConflictError,
     DeviceBusyError,
+    DriverError,
     FabricUnavailableError,
     InvalidRequestError,
     NoFitError,
@@ -37,6 +47,13 @@ INFERENCE = parse_request("inference", ["host memory>=512GiB", "gpu x2 model=H20
 
 def events_of(comp: FabricComposer) -> list[EventType]:
     return [e.type for e in comp.events()]
+
+
+@pytest.fixture(autouse=True, params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> Iterator[str]:
+    """In process, or served over a unix socket or TCP; every server and channel is stopped afterwards."""
+    with serving(request.param):
+        yield request.param
 
 
 class TestCompose:
@@ -117,7 +134,7 @@ class TestRollback:
     def test_memory_failure_on_another_fabric_unbinds_the_gpus(self) -> None:
         cxl = BrokenPools(load_topology("cxl0", "demo-cxl"))
         cxl.error = FabricUnavailableError("appliance manager down")
-        fabrics = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"}), "cxl0": cxl}
+        fabrics = serve({"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"}), "cxl0": cxl})
         comp = composer(fabrics)
         with pytest.raises(FabricUnavailableError, match="appliance manager down"):
             comp.compose(INFERENCE)
@@ -135,13 +152,16 @@ class TestRollback:
             comp.compose(INFERENCE)
         assert hardware_bindings(fabrics) == {} and hardware_allocations(fabrics) == {}
 
-    def test_unexpected_driver_exception_is_rolled_back_as_sdk_error(self) -> None:
+    def test_unexpected_driver_exception_is_rolled_back_as_sdk_error(self, caplog: pytest.LogCaptureFixture) -> None:
         cxl = BrokenPools(load_topology("cxl0", "demo-cxl"))
         cxl.error = RuntimeError("driver bug")
-        fabrics = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"}), "cxl0": cxl}
+        fabrics = serve({"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"}), "cxl0": cxl})
         comp = composer(fabrics)
-        with pytest.raises(FabricUnavailableError, match="driver bug"):
+        with pytest.raises(DriverError, match=r"fabric 'cxl0'.*RuntimeError") as info:
             comp.compose(INFERENCE)
+        assert "driver bug" not in info.value.message
+        assert "driver bug" not in " ".join(e.message for e in comp.events())
+        assert "driver bug" in caplog.text
         assert hardware_bindings(fabrics) == {}
 
 

@@ -3,6 +3,9 @@
 The model is the set of compositions the composer acknowledged, with their devices and memory. After every
 step: no device is in two compositions; the hardware holds exactly what the ledger says (nothing half-bound);
 pool capacity is conserved; a compose that raised changed nothing.
+
+The machine runs on in-process sim fabrics, and again on the same fabrics served out of process (a unix
+socket, and loopback TCP) through the `remote` driver, with fewer examples: each step costs a few RPCs.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import itertools
 
 from composer_helpers import (
+    Served,
     composer,
     hardware_allocations,
     hardware_bindings,
@@ -43,9 +47,12 @@ HOSTS = st.sampled_from(["", "host h1", "host h3", "host cores>=64", "host memor
 
 
 class ComposerMachine(RuleBasedStateMachine):
+    transport = "local"
+
     def __init__(self) -> None:
         super().__init__()
-        self.fabrics = rack()
+        self.served = Served(self.transport)
+        self.fabrics = rack(via=self.served)
         ids = itertools.count(1)
         # Deterministic ids: Hypothesis replays draw from lists of them, which must not change between runs.
         self.composer = composer(self.fabrics, new_id=lambda prefix: f"{prefix}-{next(ids)}")
@@ -118,6 +125,10 @@ class ComposerMachine(RuleBasedStateMachine):
     def repair_gpu(self, index: int) -> None:
         self.fabrics["pcie0"].repair_device(self.gpus[index])
 
+    def teardown(self) -> None:
+        self.composer.close()
+        self.served.close()
+
     @invariant()
     def no_device_in_two_compositions(self) -> None:
         seen = [d for c in self.composer.compositions() for d in c.device_ids]
@@ -155,3 +166,20 @@ ComposerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestComposerStateMachine = ComposerMachine.TestCase
+
+
+class UnixComposerMachine(ComposerMachine):
+    transport = "unix"
+
+
+class TcpComposerMachine(ComposerMachine):
+    transport = "tcp"
+
+
+REMOTE_SETTINGS = settings(
+    max_examples=20, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+UnixComposerMachine.TestCase.settings = REMOTE_SETTINGS
+TcpComposerMachine.TestCase.settings = REMOTE_SETTINGS
+TestComposerStateMachineUnix = UnixComposerMachine.TestCase
+TestComposerStateMachineTcp = TcpComposerMachine.TestCase

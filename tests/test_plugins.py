@@ -130,7 +130,12 @@ class TestHooksAreCalled:
 
     def test_several_plugins_and_drivers(self) -> None:
         plugins = _load(("p1", DriverPlugin("a", "b")), ("p2", DriverPlugin("c")))
-        assert {n: d.plugin for n, d in plugins.drivers.items()} == {"a": "p1", "b": "p1", "c": "p2"}
+        assert {n: d.plugin for n, d in plugins.drivers.items()} == {
+            "a": "p1",
+            "b": "p1",
+            "c": "p2",
+            "remote": "disagg.remote.plugin",
+        }
         info = {p.name: p for p in plugins.plugins}
         assert info["p1"].drivers == ("a", "b")
         assert info["p2"].drivers == ("c",)
@@ -306,7 +311,7 @@ class TestBlocking:
 
     def test_no_driver_at_all(self) -> None:
         with pytest.raises(PluginError, match=r"installed: none"):
-            _load().driver("sim")
+            _load(blocked=["disagg.remote.plugin"]).driver("sim")
 
     def test_blocking_the_built_in_policies(self) -> None:
         plugins = _load(blocked=["disagg.policies"])
@@ -353,18 +358,26 @@ class TestBlockedFromEnv:
 
 
 class TestBuiltIn:
-    """The built-in policies best-fit and closest load through the plugin manager and are listed as built-in."""
+    """The built-in policies best-fit and closest, and the remote driver, load through the plugin manager and are
+    listed as built-in."""
 
     def test_policies(self) -> None:
         plugins = _load()
         assert set(plugins.policies) == {"best-fit", "closest"}
         assert isinstance(plugins.policy("best-fit"), BestFit)
         assert isinstance(plugins.policy("closest"), Closest)
-        assert plugins.drivers == {}
+        assert set(plugins.drivers) == {"remote"}
 
     def test_plugin_info(self) -> None:
-        (info,) = _load().plugins
-        assert info == PluginInfo(
+        policies, remote = _load().plugins
+        assert remote == PluginInfo(
+            name="disagg.remote.plugin",
+            distribution="disagg (built-in)",
+            version=disagg.__version__,
+            drivers=("remote",),
+            policies=(),
+        )
+        assert policies == PluginInfo(
             name="disagg.policies",
             distribution="disagg (built-in)",
             version=disagg.__version__,
@@ -374,7 +387,7 @@ class TestBuiltIn:
 
     def test_plugins_sorted_by_name(self) -> None:
         plugins = _load(("zz", DriverPlugin("z")), ("aa", DriverPlugin("a")))
-        assert [p.name for p in plugins.plugins] == ["aa", "disagg.policies", "zz"]
+        assert [p.name for p in plugins.plugins] == ["aa", "disagg.policies", "disagg.remote.plugin", "zz"]
 
     def test_unknown_policy(self) -> None:
         with pytest.raises(PluginError, match=r"no placement policy 'tightest' \(known: best-fit, closest\)"):

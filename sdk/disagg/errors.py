@@ -129,11 +129,36 @@ class FabricUnavailableError(DisaggError):
     retryable = True
 
 
+class DriverError(FabricUnavailableError):
+    """A driver raised an exception that is not an SDK error (a bug in the driver); the call was rolled back.
+
+    The message names the fabric and the exception's type only; its text goes to the fabric manager's log, and
+    a gRPC client sees INTERNAL.
+    """
+
+    reason = "DRIVER_ERROR"
+    retryable = False
+
+
 class DeadlineExceededError(DisaggError):
     """The call's deadline passed before it finished; its effect is unknown until the next discovery."""
 
     reason = "DEADLINE_EXCEEDED"
     retryable = True
+
+
+class OverloadedError(DisaggError):
+    """The fabric manager is at a limit of concurrent work (such as open event watches); retry later."""
+
+    reason = "OVERLOADED"
+    retryable = True
+
+
+class InternalError(DisaggError):
+    """The fabric manager failed unexpectedly; the message carries an incident id that its log names, never
+    the failure's text."""
+
+    reason = "INTERNAL"
 
 
 class PluginError(DisaggError):
@@ -150,11 +175,14 @@ __all__ = [
     "DeadlineExceededError",
     "DeviceBusyError",
     "DisaggError",
+    "DriverError",
     "FabricUnavailableError",
     "HostUnreachableError",
+    "InternalError",
     "InvalidRequestError",
     "NoFitError",
     "NotFoundError",
+    "OverloadedError",
     "PluginError",
     "RequestIdReusedError",
     "RevisionCompactedError",

@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from disagg import __version__
+from disagg.cli import driver as driver_cli
 from disagg.cli import render
-from disagg.composer import FabricComposer
+from disagg.cli import serve as serve_cli
+from disagg.cli.backend import REMOTE_COMMANDS, Backend, RemoteBackend, server_address
 from disagg.config import build_composer, load_config
 from disagg.errors import ConflictError, DisaggError, InvalidRequestError, NoFitError, NotFoundError
 from disagg.model import ComposeMode, CompositionRequest, format_size
@@ -37,8 +39,12 @@ def exit_code(error: DisaggError) -> int:
     return 1
 
 
-def _composer(args: argparse.Namespace) -> FabricComposer:
-    """The configured composer; use it as a context manager, which starts and closes it."""
+def _composer(args: argparse.Namespace) -> Backend:
+    """The configured composer, or a client of the fabric manager at ``--server`` / ``$DISAGG_SERVER``; use it
+    as a context manager, which starts and closes it."""
+    address = server_address(args)
+    if address is not None:
+        return RemoteBackend(address)
     return build_composer(load_config(args.config))
 
 
@@ -67,7 +73,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print()
     render.table(
         ("DRIVER", "PLUGIN", "CAPABILITIES"),
-        [[n, d.plugin, d.capabilities.describe()] for n, d in sorted(plugins.drivers.items())],
+        [
+            # A type that declares nothing (the remote driver) leaves it to each instance.
+            [n, d.plugin, d.capabilities.describe() if d.capabilities.kinds else "declared by each instance"]
+            for n, d in sorted(plugins.drivers.items())
+        ],
     )
     if plugins.blocked:
         print(f"\nblocked by DISAGG_DISABLE_PLUGINS: {', '.join(plugins.blocked)}")
@@ -90,10 +100,11 @@ def cmd_topology(args: argparse.Namespace) -> int:
             )
         print("\nhosts")
         hosts = {h.id: h for t in topologies for h in t.hosts}
+        owners = _host_owners(composer)
         render.table(
             ("HOST", "CORES", "MEMORY", "COMPOSITION"),
             [
-                [h.id, h.cores, format_size(h.memory_bytes), _host_owner(composer, h.id)]
+                [h.id, h.cores, format_size(h.memory_bytes), owners.get(h.id, "-")]
                 for h in sorted(hosts.values(), key=lambda h: h.id)
             ],
         )
@@ -102,11 +113,12 @@ def cmd_topology(args: argparse.Namespace) -> int:
         return 0
 
 
-def _host_owner(composer: FabricComposer, host: str) -> str:
+def _host_owners(composer: Backend) -> dict[str, str]:
+    """Host id to the name of the composition on it; one listing, not one per host (a remote call each)."""
+    owners: dict[str, str] = {}
     for comp in composer.compositions():
-        if comp.host == host:
-            return comp.name
-    return "-"
+        owners.setdefault(comp.host, comp.name)
+    return owners
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
@@ -215,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="disagg", description="Compose systems from pooled GPUs, CXL memory and more."
     )
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
+    server_help = "drive the fabric manager at ADDRESS (unix:/path or host:port) instead of a local composer"
+    parser.add_argument("--server", metavar="ADDRESS", help=server_help + " (default: $DISAGG_SERVER)")
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--server", metavar="ADDRESS", default=argparse.SUPPRESS, help=server_help)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config", help="configuration file (default: $DISAGG_CONFIG, ./disagg.toml, built-in demo rack)"
@@ -223,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        parents = [common, remote] if name in REMOTE_COMMANDS else [common]
+        p = sub.add_parser(name, parents=parents, help=help_, description=help_)
         p.set_defaults(func=func)
         return p
 
@@ -248,12 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("decompose", cmd_decompose, "release compositions by name or id")
     p.add_argument("compositions", nargs="+")
     p.add_argument("--ignore-missing", action="store_true", help="an unknown composition is not an error")
+    serve_cli.register(add)
+    driver_cli.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.server is not None and args.command not in REMOTE_COMMANDS:
+        parser.error(f"--server does not apply to {args.command}, which runs locally")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

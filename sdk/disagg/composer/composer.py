@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar, cast
 
 import attrs
 
@@ -57,6 +58,7 @@ from disagg.store import MemoryStore, Store
 log = logging.getLogger("disagg.composer")
 
 EventListener = Callable[[Event], None]
+T = TypeVar("T")
 REQUEST_ID_MEMORY = 10_000
 """How many request ids the composer remembers (in memory until the durable ledger keeps them)."""
 
@@ -112,7 +114,9 @@ class FabricComposer(Composer):
         self._subscriptions: list[Subscription] = []
         self._revision = 0
         self._cordoned: set[str] = set()
-        self._requests: OrderedDict[str, tuple[object, ComposeResult | None, threading.Event]] = OrderedDict()
+        self._names: dict[str, str] = {}
+        """Name to the id of the composition or reservation that holds it; names are unique among both."""
+        self._requests: OrderedDict[str, tuple[object, object, threading.Event]] = OrderedDict()
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
@@ -127,6 +131,8 @@ class FabricComposer(Composer):
             self._revision = state.last_revision
             self._compositions = {c.id: c for c in state.compositions}
             self._reservations = {r.id: r for r in state.reservations}
+            self._names = {c.name: c.id for c in state.compositions}
+            self._names.update({r.request.name: r.id for r in state.reservations})
             self._rebuild()
             self._expire_locked()
             self._started = True
@@ -152,8 +158,12 @@ class FabricComposer(Composer):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _context(self) -> CallContext:
-        return CallContext.with_timeout(self.call_timeout_s, epoch=self.epoch)
+    def _context(self, deadline: float | None = None) -> CallContext:
+        """The context of one driver call: the call timeout, cut short by the caller's ``deadline``."""
+        ctx = CallContext.with_timeout(self.call_timeout_s, epoch=self.epoch)
+        if deadline is not None and ctx.deadline is not None and deadline < ctx.deadline:
+            return attrs.evolve(ctx, deadline=deadline)
+        return ctx
 
     def _rebuild(self) -> None:
         """Build a fresh index from discovery and take the ledger's claims again."""
@@ -249,6 +259,7 @@ class FabricComposer(Composer):
     def _drop_reservation(self, res: Reservation, why: EventType) -> None:
         self._unclaim_plan(res.plan)
         del self._reservations[res.id]
+        self._names.pop(res.request.name, None)
         self.store.delete_reservation(res.id)
         self._emit(why, res.id, f"reservation for {res.request.name!r} given back")
 
@@ -268,7 +279,26 @@ class FabricComposer(Composer):
             if res is not None:
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED)
 
-    def apply_reservation(self, reservation_id: str) -> Composition:
+    def apply_reservation(
+        self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
+    ) -> Composition:
+        """Bind a reserved plan; see `apply_reserved`."""
+        composition = self.apply_reserved(reservation_id, request_id=request_id, deadline=deadline).composition
+        assert composition is not None
+        return composition
+
+    def apply_reserved(
+        self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
+    ) -> ComposeResult:
+        """Bind a reserved plan, all or nothing; the result carries the plan and the composition.
+
+        With a ``request_id``, a retry returns the first answer (the reservation is gone by then); driver calls
+        stop at ``deadline`` (a ``time.monotonic()`` instant). Raises `NotFoundError` when the reservation
+        expired or never existed.
+        """
+        return self._once(request_id, ("apply", reservation_id), lambda: self._apply(reservation_id, deadline))
+
+    def _apply(self, reservation_id: str, deadline: float | None) -> ComposeResult:
         with self._lock:
             self._expire_locked()
             res = self._reservations.get(reservation_id)
@@ -277,18 +307,18 @@ class FabricComposer(Composer):
                     "reservation", reservation_id, f"reservation {reservation_id!r} expired or never existed"
                 )
             del self._reservations[res.id]
+            self._names.pop(res.request.name, None)
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
             comp = self._begin(res.request, res.plan)
-        return self._execute(comp, res.plan)
+        return ComposeResult(ComposeMode.APPLY, res.plan, composition=self._execute(comp, res.plan, deadline))
 
     # ----------------------------------------------------------------- compose
 
     def _check_name(self, name: str) -> None:
-        taken = [c.id for c in self._compositions.values() if c.name == name]
-        taken += [r.id for r in self._reservations.values() if r.request.name == name]
-        if taken:
-            raise AlreadyExistsError(f"the name {name!r} is taken by {taken[0]}", metadata={"holder": taken[0]})
+        holder = self._names.get(name)
+        if holder is not None:
+            raise AlreadyExistsError(f"the name {name!r} is taken by {holder}", metadata={"holder": holder})
 
     def preview(self, request: CompositionRequest) -> Plan:
         with self._lock:
@@ -302,12 +332,24 @@ class FabricComposer(Composer):
         *,
         reservation_ttl_s: float = 60.0,
         request_id: str | None = None,
+        deadline: float | None = None,
     ) -> ComposeResult:
         """See `Composer.compose`. With a ``request_id``, a retry of the same request returns the first answer
-        and binds nothing again, and the same id with another request raises `RequestIdReusedError`."""
-        if request_id is None or mode is ComposeMode.PREVIEW:
-            return self._compose(request, mode, reservation_ttl_s)
-        fingerprint = (request, mode, reservation_ttl_s)
+        and binds nothing again, and the same id with another request raises `RequestIdReusedError`. Driver
+        calls stop at ``deadline``, a ``time.monotonic()`` instant (the rollback of a failed plan does not)."""
+        if mode is ComposeMode.PREVIEW:
+            request_id = None
+        return self._once(
+            request_id,
+            (request, mode, reservation_ttl_s),
+            lambda: self._compose(request, mode, reservation_ttl_s, deadline),
+        )
+
+    def _once(self, request_id: str | None, fingerprint: object, run: Callable[[], T]) -> T:
+        """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
+        for it while it is in progress), another fingerprint `RequestIdReusedError`. A failure forgets the id."""
+        if request_id is None:
+            return run()
         while True:
             with self._lock:
                 entry = self._requests.get(request_id)
@@ -323,24 +365,26 @@ class FabricComposer(Composer):
                     f"request id {request_id!r} was used for another request", metadata={"request_id": request_id}
                 )
             if result is not None:
-                return result
+                return cast(T, result)
             done.wait(self.call_timeout_s)
             with self._lock:
                 if self._requests.get(request_id) is entry:
                     del self._requests[request_id]
         try:
-            result = self._compose(request, mode, reservation_ttl_s)
+            answer = run()
         except BaseException:
             with self._lock:
                 self._requests.pop(request_id, None)
             done.set()
             raise
         with self._lock:
-            self._requests[request_id] = (fingerprint, result, done)
+            self._requests[request_id] = (fingerprint, answer, done)
         done.set()
-        return result
+        return answer
 
-    def _compose(self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float) -> ComposeResult:
+    def _compose(
+        self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
+    ) -> ComposeResult:
         if reservation_ttl_s <= 0:
             raise InvalidRequestError("the reservation time to live must be positive", field="reservation_ttl_s")
         with self._lock:
@@ -354,11 +398,12 @@ class FabricComposer(Composer):
                 res = Reservation(self._new_id("r"), request, plan, self.clock() + reservation_ttl_s)
                 self._claim_plan(plan, res.id)
                 self._reservations[res.id] = res
+                self._names[request.name] = res.id
                 self.store.put_reservation(res)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
             comp = self._begin(request, plan)
-        return ComposeResult(mode, plan, composition=self._execute(comp, plan))
+        return ComposeResult(mode, plan, composition=self._execute(comp, plan, deadline))
 
     def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
         comp = Composition(
@@ -371,6 +416,7 @@ class FabricComposer(Composer):
         )
         self._claim_plan(plan, comp.id)
         self._compositions[comp.id] = comp
+        self._names[comp.name] = comp.id
         self.store.put_composition(comp)
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
@@ -384,10 +430,10 @@ class FabricComposer(Composer):
     def _device_steps(self, picks: Iterable[DevicePick]) -> list[tuple[str, DevicePick]]:
         return [(self._inv.devices[p.device].fabric, p) for p in picks]
 
-    def _execute(self, comp: Composition, plan: Plan) -> Composition:
+    def _execute(self, comp: Composition, plan: Plan, deadline: float | None = None) -> Composition:
         try:
             allocations = self._executor.apply(
-                comp.host, self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
+                comp.host, self._device_steps(plan.devices), self._memory_steps(comp.id, plan), deadline=deadline
             )
         except ExecutionFailedError as failed:
             with self._lock:
@@ -407,6 +453,7 @@ class FabricComposer(Composer):
             return
         self._unclaim_plan(plan)
         del self._compositions[comp.id]
+        self._names.pop(comp.name, None)
         self.store.delete_composition(comp.id)
         self._emit(EventType.COMPOSITION_DELETED, comp.id, f"rolled back: {failed.error.message}")
 
@@ -415,9 +462,7 @@ class FabricComposer(Composer):
     def find(self, key: str) -> Composition:
         """A composition by id or by name."""
         with self._lock:
-            comp = self._compositions.get(key)
-            if comp is None:
-                comp = next((c for c in self._compositions.values() if c.name == key), None)
+            comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
             if comp is None:
                 raise NotFoundError("composition", key)
             return comp
@@ -501,17 +546,23 @@ class FabricComposer(Composer):
         add: Sequence[ResourceRequest] = (),
         remove: Sequence[str] = (),
         expected_etag: str | None = None,
+        deadline: float | None = None,
     ) -> Composition:
+        """See `Composer.recompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant."""
         if not add and not remove:
             raise InvalidRequestError("a recomposition needs something to add or remove")
         with self._lock:
             comp = self.find(composition_id)
             if expected_etag is not None and expected_etag != comp.etag:
                 raise ConflictError(
-                    f"composition {comp.id} is at {comp.etag}, not {expected_etag}", metadata={"etag": comp.etag}
+                    f"composition {comp.id} is at {comp.etag}, not {expected_etag}",
+                    metadata={"etag": comp.etag, "subject": comp.id},
                 )
             if comp.state not in (CompositionState.COMPOSED, CompositionState.DEGRADED):
-                raise ConflictError(f"composition {comp.id} is {comp.state.value}; it cannot be changed now")
+                raise ConflictError(
+                    f"composition {comp.id} is {comp.state.value}; it cannot be changed now",
+                    metadata={"subject": comp.id},
+                )
             known = set(comp.device_ids) | {a.id for a in comp.allocations}
             unknown = [r for r in remove if r not in known]
             if unknown:
@@ -536,6 +587,7 @@ class FabricComposer(Composer):
                 comp.host,
                 self._device_steps(plan.devices),
                 self._memory_steps(comp.id, plan, start=self._next_alloc_index(comp)),
+                deadline=deadline,
             )
         except ExecutionFailedError as failed:
             with self._lock:
@@ -551,7 +603,7 @@ class FabricComposer(Composer):
             )
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
         if remove:
-            comp = self._remove(comp, set(remove))
+            comp = self._remove(comp, set(remove), deadline)
         with self._lock:
             state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
             return self._set(comp, state=state)
@@ -559,10 +611,10 @@ class FabricComposer(Composer):
     def _next_alloc_index(self, comp: Composition) -> int:
         return max((int(a.id.rsplit("-m", 1)[1]) + 1 for a in comp.allocations if "-m" in a.id), default=0)
 
-    def _remove(self, comp: Composition, remove: set[str]) -> Composition:
+    def _remove(self, comp: Composition, remove: set[str], deadline: float | None) -> Composition:
         picks = [p for p in comp.devices if p.device in remove]
         allocs = [a for a in comp.allocations if a.id in remove]
-        leftovers = self._release(comp.host, picks, allocs)
+        leftovers = self._release(comp.host, picks, allocs, deadline)
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers)
             gone_allocs = {a.id for a in allocs} - set(leftovers)
@@ -581,23 +633,26 @@ class FabricComposer(Composer):
                 raise DisaggError(f"could not remove {', '.join(leftovers)} from {comp.id}; retry")
             return comp
 
-    def _release(self, host: str, picks: Sequence[DevicePick], allocs: Sequence[Allocation]) -> list[str]:
+    def _release(
+        self, host: str, picks: Sequence[DevicePick], allocs: Sequence[Allocation], deadline: float | None = None
+    ) -> list[str]:
         carved = [(self._inv.pools[a.pool].info.fabric, a.pool, a.id) for a in allocs if a.pool in self._inv.pools]
         bound = [
             (self._inv.devices[p.device].fabric, Binding(p.device, host))
             for p in picks
             if p.device in self._inv.devices
         ]
-        return self._executor.undo(bound, carved)
+        return self._executor.undo(bound, carved, deadline=deadline)
 
-    def decompose(self, composition_id: str) -> None:
+    def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
+        """See `Composer.decompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant."""
         with self._lock:
             try:
                 comp = self.find(composition_id)
             except NotFoundError:
                 return
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
-        leftovers = self._release(comp.host, comp.devices, comp.allocations)
+        leftovers = self._release(comp.host, comp.devices, comp.allocations, deadline)
         with self._lock:
             if leftovers:
                 self._set(
@@ -612,6 +667,7 @@ class FabricComposer(Composer):
                 self._inv.release_memory(alloc.pool, alloc.amount_bytes)
             self._inv.release_host(comp.host)
             del self._compositions[comp.id]
+            self._names.pop(comp.name, None)
             self.store.delete_composition(comp.id)
             self._emit(EventType.COMPOSITION_DELETED, comp.id, f"{comp.name!r} decomposed")
 

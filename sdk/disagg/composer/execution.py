@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from disagg.errors import DisaggError, FabricUnavailableError
+from disagg.errors import DisaggError, DriverError, FabricUnavailableError
 from disagg.interfaces import CallContext, Fabric
 from disagg.model import Allocation, Binding, DevicePick, MemoryPick
 
@@ -32,10 +33,27 @@ class ExecutionFailedError(Exception):
         self.leftovers = leftovers
 
 
-class Executor:
-    """Drives fabrics for the composer. Holds no state of its own."""
+def driver_error(fabric: str, exc: Exception) -> DriverError:
+    """The SDK error for an exception a driver should never have raised; its text goes to the log only, under
+    an incident id that the error names."""
+    incident = uuid.uuid4().hex[:12]
+    log.error("incident %s: fabric %s: the driver raised %r, not an SDK error", incident, fabric, exc, exc_info=exc)
+    return DriverError(
+        f"fabric {fabric!r}: the driver failed unexpectedly ({type(exc).__name__}); "
+        f"incident {incident} in the fabric manager's log",
+        metadata={"fabric": fabric, "incident": incident},
+    )
 
-    def __init__(self, fabrics: Mapping[str, Fabric], context: Callable[[], CallContext]) -> None:
+
+class Executor:
+    """Drives fabrics for the composer. Holds no state of its own.
+
+    ``context(deadline)`` gives the `CallContext` of one driver call; ``deadline`` is the caller's
+    ``time.monotonic()`` instant or None. Forward steps carry the caller's deadline; a rollback never does,
+    because undoing a half-done plan must not stop when the caller stops waiting.
+    """
+
+    def __init__(self, fabrics: Mapping[str, Fabric], context: Callable[[float | None], CallContext]) -> None:
         self.fabrics = fabrics
         self.context = context
 
@@ -46,7 +64,12 @@ class Executor:
         return fabric
 
     def apply(
-        self, host: str, devices: Sequence[tuple[str, DevicePick]], memory: Sequence[MemoryStep]
+        self,
+        host: str,
+        devices: Sequence[tuple[str, DevicePick]],
+        memory: Sequence[MemoryStep],
+        *,
+        deadline: float | None = None,
     ) -> tuple[Allocation, ...]:
         """Bind every device, then carve every allocation; all or nothing.
 
@@ -55,32 +78,40 @@ class Executor:
         bound: list[tuple[str, Binding]] = []
         carved: list[tuple[str, str, str]] = []
         allocations: list[Allocation] = []
+        fabric = ""
         try:
             for fabric, pick in devices:
-                bound.append((fabric, self._fabric(fabric).bind(pick.device, host, self.context())))
+                bound.append((fabric, self._fabric(fabric).bind(pick.device, host, self.context(deadline))))
             for step in memory:
+                fabric = step.fabric
                 pool = self._fabric(step.fabric).pool(step.pick.pool)
-                allocation = pool.allocate(step.allocation_id, host, step.pick.amount_bytes, self.context())
+                allocation = pool.allocate(step.allocation_id, host, step.pick.amount_bytes, self.context(deadline))
                 carved.append((step.fabric, step.pick.pool, step.allocation_id))
                 allocations.append(allocation)
         except Exception as exc:
-            error = exc if isinstance(exc, DisaggError) else FabricUnavailableError(f"driver failed: {exc!r}")
+            error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
             leftovers = self.undo(bound, carved)
             raise ExecutionFailedError(error, tuple(leftovers)) from exc
         return tuple(allocations)
 
-    def undo(self, bound: Sequence[tuple[str, Binding]], carved: Sequence[tuple[str, str, str]]) -> list[str]:
+    def undo(
+        self,
+        bound: Sequence[tuple[str, Binding]],
+        carved: Sequence[tuple[str, str, str]],
+        *,
+        deadline: float | None = None,
+    ) -> list[str]:
         """Release allocations, then unbind devices, newest first. Returns what could not be undone."""
         leftovers: list[str] = []
         for fabric, pool, allocation_id in reversed(carved):
             try:
-                self._fabric(fabric).pool(pool).release(allocation_id, self.context())
+                self._fabric(fabric).pool(pool).release(allocation_id, self.context(deadline))
             except Exception as exc:
                 log.error("could not release allocation %s of pool %s: %r", allocation_id, pool, exc)
                 leftovers.append(allocation_id)
         for fabric, binding in reversed(bound):
             try:
-                self._fabric(fabric).unbind(binding, self.context())
+                self._fabric(fabric).unbind(binding, self.context(deadline))
             except Exception as exc:
                 log.error("could not unbind %s from %s: %r", binding.device, binding.host, exc)
                 leftovers.append(binding.device)

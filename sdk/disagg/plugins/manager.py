@@ -26,7 +26,7 @@ from disagg.plugins.registry import DriverRegistry, DriverSpec, PolicyRegistry
 
 ENTRY_POINT_GROUP = "disagg.drivers"
 DISABLE_ENV = "DISAGG_DISABLE_PLUGINS"
-BUILTIN_PLUGINS = ("disagg.policies",)
+BUILTIN_PLUGINS = ("disagg.policies", "disagg.remote.plugin")
 
 log = logging.getLogger("disagg.plugins")
 

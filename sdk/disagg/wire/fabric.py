@@ -6,23 +6,31 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import (
     Affinity,
+    Capabilities,
     ComposeMode,
     Composition,
     CompositionRequest,
     CompositionState,
+    DeviceKind,
     DevicePick,
     Event,
     EventType,
+    Health,
     HostRequest,
     MemoryPick,
     Plan,
+    PoolInfo,
     Reservation,
     ResourceRequest,
     Selector,
@@ -34,15 +42,22 @@ from disagg.wire.types import (
     allocation_to_wire,
     attribute_from_wire,
     attribute_to_wire,
+    capabilities_to_wire,
     enum_from_wire,
+    health_from_wire,
     kind_from_wire,
+    pool_info_to_wire,
 )
+
+if TYPE_CHECKING:
+    from disagg.composer import KindUsage
 
 MAX_RESOURCES = 64
 MAX_SELECTORS = 32
 MAX_NAME = 63
 MAX_ID = 128
 MAX_TTL_S = 86_400.0
+MAX_REMOVE = 1024
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 OP_TO_WIRE = {
@@ -284,6 +299,11 @@ def reservation_to_wire(r: Reservation) -> fm.Reservation:
     return fm.Reservation(id=r.id, name=r.request.name, plan=plan_to_wire(r.plan), expires_at=r.expires_at)
 
 
+def reservation_from_wire(msg: fm.Reservation, request: CompositionRequest) -> Reservation:
+    """The wire keeps only the request's name; the caller supplies the request it reserved for."""
+    return Reservation(id=msg.id, request=request, plan=plan_from_wire(msg.plan), expires_at=msg.expires_at)
+
+
 def event_to_wire(ev: Event) -> fm.Event:
     return fm.Event(
         revision=ev.revision,
@@ -312,3 +332,74 @@ def page_size_from_wire(value: int, field: str = "page_size") -> int:
     if not 1 <= value <= 1000:
         raise InvalidRequestError(f"{field}: must be from 1 to 1000", field=field)
     return value
+
+
+def page_token_to_wire(collection: str, last_key: str) -> str:
+    """An opaque cursor for the page after ``last_key`` of ``collection`` (``devices``, ``compositions``)."""
+    return base64.urlsafe_b64encode(f"{collection}:{last_key}".encode()).decode().rstrip("=")
+
+
+def page_token_from_wire(token: str, collection: str, field: str = "page_token") -> str | None:
+    """The last key of the previous page, or None for the first page; a token this server did not give for
+    ``collection`` is an `InvalidRequestError`."""
+    if not token:
+        return None
+    bad = InvalidRequestError(f"{field}: not a page token of this listing; pass next_page_token as given", field=field)
+    if len(token) > 4 * MAX_ID:
+        raise bad
+    try:
+        text = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise bad from None
+    prefix, _, key = text.partition(":")
+    if prefix != collection or not key or not key.isprintable():
+        raise bad
+    return key
+
+
+def kind_filter_from_wire(value: int, field: str = "kind") -> DeviceKind | None:
+    """A device-kind filter: None for UNSPECIFIED (every kind)."""
+    return None if value == pb.DEVICE_KIND_UNSPECIFIED else kind_from_wire(value, field)
+
+
+def health_filter_from_wire(value: int, field: str = "health") -> Health | None:
+    """A health filter: None for UNSPECIFIED (any health)."""
+    return None if value == pb.HEALTH_UNSPECIFIED else health_from_wire(value, field)
+
+
+def remove_from_wire(values: Sequence[str], field: str = "remove") -> tuple[str, ...]:
+    if len(values) > MAX_REMOVE:
+        raise InvalidRequestError(f"{field}: at most {MAX_REMOVE} ids", field=field)
+    return tuple(check_id(v, f"{field}[{n}]") for n, v in enumerate(values))
+
+
+def etag_from_wire(value: str, field: str = "etag") -> str | None:
+    """An etag guard: None when empty (no guard)."""
+    return check_id(value, field) if value else None
+
+
+def kind_usage_to_wire(usage: KindUsage) -> fm.KindUsage:
+    return fm.KindUsage(
+        kind=KIND_TO_WIRE[usage.kind],
+        total=usage.total,
+        free=usage.free,
+        used=usage.used,
+        unhealthy=usage.unhealthy,
+    )
+
+
+def pool_usage_to_wire(pool: PoolInfo, free_bytes: int) -> fm.PoolUsage:
+    return fm.PoolUsage(pool=pool_info_to_wire(pool), free_bytes=free_bytes)
+
+
+def fabric_info_to_wire(
+    name: str, *, driver: str, plugin: str, distribution: str, version: str, capabilities: Capabilities
+) -> fm.FabricInfo:
+    return fm.FabricInfo(
+        name=name,
+        driver=driver,
+        plugin=plugin,
+        distribution=distribution,
+        version=version,
+        capabilities=capabilities_to_wire(capabilities),
+    )

@@ -7,7 +7,7 @@ composer or a driver.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
@@ -250,12 +250,16 @@ def pool_info_from_wire(msg: pb.PoolInfo, field: str = "pool") -> PoolInfo:
     )
 
 
-def topology_to_wire(topo: Topology) -> pb.Topology:
+def topology_to_wire(
+    topo: Topology, *, held_by: Mapping[str, str] | None = None, cordoned: Container[str] = ()
+) -> pb.Topology:
+    """``held_by`` (device id to holder) and ``cordoned`` fill the fields only the fabric manager knows."""
+    holders = held_by or {}
     return pb.Topology(
         fabric=topo.fabric,
         hosts=[host_to_wire(h) for h in topo.hosts],
         switches=[switch_to_wire(s) for s in topo.switches],
-        devices=[device_to_wire(d) for d in topo.devices],
+        devices=[device_to_wire(d, held_by=holders.get(d.id, ""), cordoned=d.id in cordoned) for d in topo.devices],
         links=[link_to_wire(link) for link in topo.links],
         pools=[pool_info_to_wire(p) for p in topo.pools],
     )

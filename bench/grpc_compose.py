@@ -1,0 +1,203 @@
+"""Compose over gRPC against a no-op RPC on the same server, at 1 and 32 concurrent clients, in one run.
+
+Targets (issue 3): at 1 client the median Compose latency is at most 1.5x the median no-op latency; at 32
+clients Compose throughput is at least half the no-op throughput. The no-op is ``grpc.health.v1.Health/Check``
+on the same ``disagg serve`` process. The fabric is a generated sim fabric of 100,000 devices; each client
+composes ``host cores>=32`` with ``gpu x1`` under a name of its own for the measured time, then the
+compositions are decomposed (timed too), so every Compose places, binds and records a real composition.
+The ledger is the in-memory one: the durable ledger's cost is measured by the state benchmarks. Both
+figures come from the same run on the same server, so the ratios hold on a shared, noisy machine.
+
+Run: ``python bench/grpc_compose.py --out bench/out/grpc_compose.json`` (``tox -e bench`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.fabric.v1 import types_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+CONFIG = """
+[state]
+ledger = "memory"
+
+[[fabric]]
+name = "bench"
+driver = "sim"
+options = {{ generate = {{ devices = {devices} }} }}
+"""
+STARTUP_TIMEOUT_S = 180.0
+
+
+def start_server(devices: int, tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    config = tmp / "disagg.toml"
+    config.write_text(CONFIG.format(devices=devices))
+    address = f"unix:{tmp / 'fm.sock'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "DISAGG_STATE_DIR": str(tmp / "state")},
+    )
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"disagg serve exited with {proc.returncode}")
+        if "serving on" in line:
+            return proc, address
+    proc.kill()
+    raise RuntimeError("disagg serve did not become ready")
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def compose_request(name: str) -> fm.ComposeRequest:
+    return fm.ComposeRequest(
+        name=name,
+        host=fm.HostRequest(min_cores=32),
+        resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=1)],
+        mode=fm.COMPOSE_MODE_APPLY,
+    )
+
+
+async def drive(
+    clients: int, seconds: float, max_calls: int, call: Callable[[int, int], Awaitable[float]]
+) -> dict[str, float]:
+    """Run ``clients`` loops of ``call`` until ``seconds`` pass or ``max_calls`` complete; latencies in µs."""
+    latencies: list[float] = []
+    stop_at = time.monotonic() + seconds
+
+    async def worker(w: int) -> None:
+        n = 0
+        while time.monotonic() < stop_at and len(latencies) < max_calls:
+            latencies.append(await call(w, n))
+            n += 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(worker(w) for w in range(clients)))
+    wall = time.monotonic() - start
+    latencies.sort()
+    return {
+        "calls": len(latencies),
+        "calls_per_s": len(latencies) / wall,
+        "p50_us": statistics.median(latencies),
+        "p99_us": latencies[int(0.99 * (len(latencies) - 1))],
+    }
+
+
+async def measure(address: str, seconds: float, max_calls: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        stub = fm_grpc.FabricManagerServiceStub(channel)
+
+        async def noop(w: int, n: int) -> float:
+            t = time.perf_counter()
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            return (time.perf_counter() - t) * 1e6
+
+        composed: list[str] = []
+
+        async def compose(w: int, n: int) -> float:
+            t = time.perf_counter()
+            reply = await stub.Compose(compose_request(f"b{w}-{n}-{len(composed)}"), timeout=30)
+            took = (time.perf_counter() - t) * 1e6
+            composed.append(reply.composition.id)
+            return took
+
+        async def decompose(w: int, n: int) -> float:
+            if not composed:
+                return 0.0
+            comp_id = composed.pop()
+            t = time.perf_counter()
+            await stub.Decompose(fm.DecomposeRequest(id=comp_id), timeout=30)
+            return (time.perf_counter() - t) * 1e6
+
+        for clients in (1, 32):
+            await drive(clients, 0.5, 200, noop)
+            rows.append({"rpc": "noop", "clients": clients, **await drive(clients, seconds, max_calls, noop)})
+            rows.append({"rpc": "compose", "clients": clients, **await drive(clients, seconds, max_calls, compose)})
+            count = len(composed)
+            rows.append({"rpc": "decompose", "clients": clients, **await drive(clients, seconds * 4, count, decompose)})
+            while composed:
+                await stub.Decompose(fm.DecomposeRequest(id=composed.pop()), timeout=30)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/out/grpc_compose.json")
+    parser.add_argument("--devices", type=int, default=100_000)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--max-calls", type=int, default=8_000, help="per point; each Compose holds a host")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_server(args.devices, Path(tmp))
+        try:
+            rows = asyncio.run(measure(address, args.seconds, args.max_calls))
+        finally:
+            stop_server(proc)
+    by = {(r["rpc"], r["clients"]): r for r in rows}
+    latency_ratio = by[("compose", 1)]["p50_us"] / by[("noop", 1)]["p50_us"]
+    throughput_ratio = by[("compose", 32)]["calls_per_s"] / by[("noop", 32)]["calls_per_s"]
+    report = {
+        "benchmark": "grpc_compose",
+        "machine": {"nproc": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+        "settings": {"devices": args.devices, "seconds": args.seconds, "ledger": "memory", "noop": "Health/Check"},
+        "rows": rows,
+        "compose_p50_over_noop_p50_at_1_client": latency_ratio,
+        "compose_throughput_over_noop_at_32_clients": throughput_ratio,
+        "targets": {"latency_ratio_max": 1.5, "throughput_ratio_min": 0.5},
+        "targets_met": latency_ratio <= 1.5 and throughput_ratio >= 0.5,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print("| rpc | clients | calls | calls/s | p50 µs | p99 µs |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cells = (
+            r["rpc"],
+            r["clients"],
+            r["calls"],
+            f"{r['calls_per_s']:.0f}",
+            f"{r['p50_us']:.0f}",
+            f"{r['p99_us']:.0f}",
+        )
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    print(
+        f"Compose p50 / no-op p50 at 1 client: {latency_ratio:.2f} (target <= 1.5); "
+        f"Compose / no-op throughput at 32 clients: {throughput_ratio:.2f} (target >= 0.5); wrote {out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

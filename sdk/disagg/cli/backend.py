@@ -1,0 +1,112 @@
+"""What the composition commands drive: the local composer, or a remote fabric manager through the client.
+
+Both offer the methods the commands call under the same names (`FabricManagerClient` mirrors
+`FabricComposer`), so each command is written once. `--server ADDRESS` (else ``$DISAGG_SERVER``) picks the
+remote one; an explicit ``--config`` wins over ``$DISAGG_SERVER``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from typing import Protocol, Self
+
+from disagg.client import FabricManagerClient
+from disagg.composer import KindUsage, PoolUsage
+from disagg.errors import InvalidRequestError
+from disagg.interfaces import ComposeResult
+from disagg.model import (
+    ComposeMode,
+    Composition,
+    CompositionRequest,
+    Device,
+    DeviceKind,
+    Health,
+    ResourceRequest,
+    Topology,
+)
+
+SERVER_ENV = "DISAGG_SERVER"
+REMOTE_COMMANDS = frozenset({"compose", "recompose", "ls", "decompose", "devices", "topology"})
+"""The commands that can drive a remote fabric manager; the others always run locally."""
+
+
+class Backend(Protocol):
+    """The part of `FabricComposer` the commands use; a context manager that starts and closes it."""
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def topologies(self) -> Sequence[Topology]: ...
+
+    def usage(self) -> tuple[list[KindUsage], list[PoolUsage]]: ...
+
+    def devices(self) -> Sequence[Device]: ...
+
+    def owner_of(self, device_id: str) -> str | None: ...
+
+    def compose(
+        self, request: CompositionRequest, mode: ComposeMode = ..., *, reservation_ttl_s: float = ...
+    ) -> ComposeResult: ...
+
+    def recompose(
+        self,
+        composition_id: str,
+        *,
+        add: Sequence[ResourceRequest] = ...,
+        remove: Sequence[str] = ...,
+        expected_etag: str | None = ...,
+    ) -> Composition: ...
+
+    def find(self, key: str) -> Composition: ...
+
+    def decompose(self, composition_id: str) -> None: ...
+
+    def compositions(self) -> Sequence[Composition]: ...
+
+
+class RemoteBackend(FabricManagerClient):
+    """The client, plus what the commands expect of a composer: `find`, and `owner_of` answered from the
+    holders of the last `devices` listing (one call for a whole table instead of one per device)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
+        super().__init__(address, timeout_s=timeout_s)
+        self._holders: dict[str, str | None] = {}
+
+    def devices(
+        self,
+        *,
+        kind: DeviceKind | None = None,
+        fabric: str | None = None,
+        health: Health | None = None,
+        free_only: bool = False,
+    ) -> list[Device]:
+        statuses = self.device_statuses(kind=kind, fabric=fabric, health=health, free_only=free_only)
+        self._holders.update((s.device.id, s.held_by) for s in statuses)
+        return [s.device for s in statuses]
+
+    def owner_of(self, device_id: str) -> str | None:
+        if device_id in self._holders:
+            return self._holders[device_id]
+        return super().owner_of(device_id)
+
+    def find(self, key: str) -> Composition:
+        return self.get(key)
+
+
+def server_address(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
+    """The fabric manager to drive: ``--server``, else ``$DISAGG_SERVER`` unless ``--config`` was given;
+    None to compose locally."""
+    env = os.environ if environ is None else environ
+    explicit: str | None = getattr(args, "server", None)
+    if explicit is not None:
+        if not explicit.strip():
+            raise InvalidRequestError("--server needs an address such as unix:/run/disagg.sock", field="server")
+        if getattr(args, "config", None):
+            raise InvalidRequestError("give --server or --config, not both", field="server")
+        return explicit
+    if getattr(args, "config", None):
+        return None
+    return env.get(SERVER_ENV) or None

@@ -1,0 +1,100 @@
+"""``disagg serve``: run the fabric manager's gRPC server until SIGTERM or SIGINT.
+
+Prints ``serving on ADDRESS`` once per listener when the server is ready (health SERVING), so that scripts
+and tests can wait for that line; logs go to standard error. On SIGTERM or SIGINT it shuts down gracefully
+(see `disagg.server.FabricManagerServer.stop`) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from disagg.config import build_composer, load_config
+from disagg.errors import ConfigError
+from disagg.plugins import load_plugins
+from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
+
+AddCommand = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM or SIGINT arrived before the server was serving."""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config)
+    plugins = load_plugins()
+    if args.grace < 0:
+        raise ConfigError("--grace must be a number of seconds >= 0", field="grace")
+    listeners = args.listen or list(config.listeners)
+    if not listeners:
+        raise ConfigError(
+            f"no address to listen on: give --listen or a [[listener]] address in {config.source}", field="listener"
+        )
+    for address in listeners:  # before any fabric is built
+        parse_listener(address, allow_remote=args.allow_remote)
+    composer = build_composer(config, plugins=plugins)
+    try:
+        server = FabricManagerServer(
+            composer,
+            listeners,
+            drivers=fabric_drivers(config, plugins),
+            allow_remote=args.allow_remote,
+        )
+    except BaseException:
+        composer.close()
+        raise
+    stop = threading.Event()
+    starting = [True]
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        if starting[0]:  # break out of a discovery that may never end; start() cleans up after itself
+            raise _StoppedWhileStarting
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            addresses = server.start()
+            starting[0] = False
+        except _StoppedWhileStarting:
+            return 0
+        for address in addresses:
+            print(f"serving on {address}", flush=True)
+        while not stop.wait(1.0):
+            pass
+        server.stop(args.grace)
+    finally:
+        server.stop(0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def register(add: AddCommand) -> None:
+    """Add ``serve`` to the command line through ``main.build_parser``'s ``add``."""
+    p = add("serve", cmd_serve, "run the fabric manager's gRPC server (health, reflection) until SIGTERM")
+    p.add_argument(
+        "--listen",
+        action="append",
+        metavar="ADDRESS",
+        help="host:port or unix:/path (repeatable; default: the configuration's [[listener]] addresses)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_S,
+        metavar="SECONDS",
+        help=f"how long calls in flight may take to finish at shutdown (default {GRACE_S:g})",
+    )
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow TCP listeners on non-loopback addresses (the server has no authentication or TLS yet)",
+    )

@@ -1,0 +1,457 @@
+"""`FabricManagerClient`: the fabric-manager protocol as typed Python calls that take and return the model."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, Self, TypeVar
+
+import attrs
+import grpc
+from grpc_status import rpc_status
+
+from disagg.client._retry import RetryPolicy, call_with_retry
+from disagg.composer import KindUsage, PoolUsage
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces import ComposeResult
+from disagg.model import (
+    Capabilities,
+    ComposeMode,
+    Composition,
+    CompositionRequest,
+    Device,
+    DeviceKind,
+    Event,
+    Health,
+    ResourceRequest,
+    Topology,
+)
+from disagg.wire.errors import from_rpc_error
+from disagg.wire.fabric import (
+    MODE_TO_WIRE,
+    compose_mode_from_wire,
+    compose_request_to_wire,
+    composition_from_wire,
+    event_from_wire,
+    plan_from_wire,
+    reservation_from_wire,
+    resource_to_wire,
+)
+from disagg.wire.types import (
+    HEALTH_TO_WIRE,
+    KIND_TO_WIRE,
+    capabilities_from_wire,
+    device_from_wire,
+    kind_from_wire,
+    pool_info_from_wire,
+    topology_from_wire,
+)
+
+T = TypeVar("T")
+
+PAGE_SIZE = 1000
+"""Devices and compositions are listed in pages of this size (the protocol's largest)."""
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    # Reconnect soon after a refused connection, so that a retry meets a restarted server instead of the
+    # channel's own backoff (1 s at first by default).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+@attrs.frozen
+class DeviceStatus:
+    """A device with what only the fabric manager knows: the composition or reservation holding it, and
+    whether an operator cordoned it."""
+
+    device: Device
+    held_by: str | None
+    cordoned: bool
+
+
+@attrs.frozen
+class FabricInfo:
+    """A loaded fabric instance: its driver (fabric type), the plugin that registered it, and what it declares."""
+
+    name: str
+    driver: str
+    plugin: str
+    distribution: str
+    version: str
+    capabilities: Capabilities
+
+
+class _StreamCall(Protocol):
+    def __next__(self) -> fm.WatchEventsResponse: ...
+
+    def cancel(self) -> bool: ...
+
+
+def _status(msg: pb.Device) -> DeviceStatus:
+    return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
+
+
+class FabricManagerClient:
+    """A client of ``disagg.fabric.v1.FabricManagerService`` at ``address`` (``unix:/path`` or ``host:port``).
+
+    Methods take and return model values and raise the SDK's errors (`NoFitError`, `NotFoundError`, ...)
+    rebuilt from the server's error details, so code written against `FabricComposer` works against a remote
+    fabric manager. Where the composer has a method of the same purpose, the client's has its name.
+
+    ``timeout_s`` is each call's deadline, retries included. Calls that are safe to repeat (reads,
+    Decompose, Cordon/Uncordon, and Compose with a request id) are retried on UNAVAILABLE as ``retries``
+    says; others get one attempt. Thread-safe; use it as a context manager or call `close`.
+
+    ``channel`` replaces the plaintext channel the client opens by default (for TLS or interceptors); the client
+    closes it.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: RetryPolicy | None = None,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        if not address or any(c.isspace() or not c.isprintable() for c in address):
+            raise InvalidRequestError(f"{address!r} is not a server address", field="address")
+        if timeout_s <= 0:
+            raise InvalidRequestError("the timeout must be positive", field="timeout_s")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries or RetryPolicy()
+        self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = fm_grpc.FabricManagerServiceStub(self._channel)
+        self._rng = random.Random()
+        self._sleep: Callable[[float], None] = time.sleep
+
+    # ----------------------------------------------------------------- life cycle
+
+    def close(self) -> None:
+        """Close the channel; calls and watches in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FabricManagerClient({self.address!r})"
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _error(self, exc: grpc.RpcError) -> DisaggError:
+        """The SDK error of a failed call; a server that cannot be reached at all says where it was sought."""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and rpc_status.from_call(exc) is None:
+            return FabricUnavailableError(
+                f"cannot reach the fabric manager at {self.address}: {exc.details() or 'unavailable'}",
+                metadata={"address": self.address},
+            )
+        return from_rpc_error(exc)
+
+    def _call(self, rpc: Callable[[float], T], *, idempotent: bool) -> T:
+        try:
+            return call_with_retry(
+                rpc,
+                policy=self.retries,
+                retryable=idempotent,
+                timeout_s=self.timeout_s,
+                sleep=self._sleep,
+                rng=self._rng,
+            )
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+
+    # ----------------------------------------------------------------- inventory
+
+    def topologies(self) -> list[Topology]:
+        """Every fabric's discovered topology."""
+        resp = self._call(lambda t: self._stub.GetTopology(fm.GetTopologyRequest(), timeout=t), idempotent=True)
+        return [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)]
+
+    def device_statuses(
+        self,
+        *,
+        kind: DeviceKind | None = None,
+        fabric: str | None = None,
+        health: Health | None = None,
+        free_only: bool = False,
+    ) -> list[DeviceStatus]:
+        """Devices in id order with their holder and cordon, filtered; every page is fetched."""
+        request = fm.ListDevicesRequest(
+            kind=KIND_TO_WIRE[kind] if kind is not None else pb.DEVICE_KIND_UNSPECIFIED,
+            fabric=fabric or "",
+            health=HEALTH_TO_WIRE[health] if health is not None else pb.HEALTH_UNSPECIFIED,
+            free_only=free_only,
+            page_size=PAGE_SIZE,
+        )
+        found: list[DeviceStatus] = []
+        seen: set[str] = set()
+        while True:
+            resp = self._call(lambda t: self._stub.ListDevices(request, timeout=t), idempotent=True)
+            found += [_status(d) for d in resp.devices]
+            if not resp.next_page_token or resp.next_page_token in seen:
+                return found
+            seen.add(resp.next_page_token)
+            request.page_token = resp.next_page_token
+
+    def devices(
+        self,
+        *,
+        kind: DeviceKind | None = None,
+        fabric: str | None = None,
+        health: Health | None = None,
+        free_only: bool = False,
+    ) -> list[Device]:
+        """Devices in id order, filtered by kind, fabric, health and (``free_only``) not held, healthy and not
+        cordoned; every page is fetched."""
+        return [s.device for s in self.device_statuses(kind=kind, fabric=fabric, health=health, free_only=free_only)]
+
+    def device_status(self, device_id: str) -> DeviceStatus:
+        """One device with its holder and cordon. Raises `NotFoundError` for an unknown id."""
+        resp = self._call(lambda t: self._stub.GetDevice(fm.GetDeviceRequest(id=device_id), timeout=t), idempotent=True)
+        return _status(resp.device)
+
+    def device(self, device_id: str) -> Device:
+        """One device. Raises `NotFoundError` for an unknown id."""
+        return self.device_status(device_id).device
+
+    def owner_of(self, device_id: str) -> str | None:
+        """The composition or reservation holding a device, or None when it is free."""
+        return self.device_status(device_id).held_by
+
+    def is_cordoned(self, device_id: str) -> bool:
+        return self.device_status(device_id).cordoned
+
+    def usage(self) -> tuple[list[KindUsage], list[PoolUsage]]:
+        """Per kind: devices in all, free, used and unhealthy; per pool: bytes in all and free."""
+        resp = self._call(lambda t: self._stub.ListPools(fm.ListPoolsRequest(), timeout=t), idempotent=True)
+        kinds = [
+            KindUsage(kind_from_wire(k.kind, f"kinds[{n}].kind"), k.total, k.free, k.used, k.unhealthy)
+            for n, k in enumerate(resp.kinds)
+        ]
+        pools = []
+        for n, p in enumerate(resp.pools):
+            info = pool_info_from_wire(p.pool, f"pools[{n}].pool")
+            pools.append(PoolUsage(info.id, info.device, info.capacity.total_bytes, p.free_bytes))
+        return kinds, pools
+
+    def cordon(self, device_id: str) -> Device:
+        """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
+        resp = self._call(
+            lambda t: self._stub.CordonDevice(fm.CordonDeviceRequest(id=device_id), timeout=t), idempotent=True
+        )
+        return device_from_wire(resp.device)
+
+    def uncordon(self, device_id: str) -> Device:
+        """Offer a cordoned device to placement again. Idempotent."""
+        resp = self._call(
+            lambda t: self._stub.UncordonDevice(fm.UncordonDeviceRequest(id=device_id), timeout=t),
+            idempotent=True,
+        )
+        return device_from_wire(resp.device)
+
+    def drivers(self) -> list[FabricInfo]:
+        """The loaded fabrics, their drivers and declared capabilities."""
+        resp = self._call(lambda t: self._stub.ListDrivers(fm.ListDriversRequest(), timeout=t), idempotent=True)
+        return [
+            FabricInfo(
+                f.name,
+                f.driver,
+                f.plugin,
+                f.distribution,
+                f.version,
+                capabilities_from_wire(f.capabilities, f"fabrics[{n}].capabilities"),
+            )
+            for n, f in enumerate(resp.fabrics)
+        ]
+
+    # ----------------------------------------------------------------- compositions
+
+    def compose(
+        self,
+        request: CompositionRequest | None,
+        mode: ComposeMode = ComposeMode.APPLY,
+        *,
+        reservation_ttl_s: float = 60.0,
+        request_id: str | None = None,
+        reservation_id: str | None = None,
+    ) -> ComposeResult:
+        """PREVIEW changes nothing; RESERVE holds the plan for ``reservation_ttl_s``; APPLY binds it all or
+        nothing, or, with ``reservation_id``, binds that reservation (``request`` may then be None).
+
+        APPLY and RESERVE carry a request id, a fresh uuid4 unless one is given, so that the server binds once
+        however often the call is retried; ``request_id=""`` sends none, and such a call is never retried.
+        """
+        if request is None and not reservation_id:
+            raise InvalidRequestError("give a request, or a reservation id to apply", field="request")
+        if reservation_id and mode is not ComposeMode.APPLY:
+            raise InvalidRequestError("a reservation can only be applied (mode APPLY)", field="reservation_id")
+        if mode is not ComposeMode.PREVIEW and request_id is None:
+            request_id = uuid.uuid4().hex
+        request_id = request_id or ""
+        if request is not None:
+            msg = compose_request_to_wire(request, mode, reservation_ttl_s=reservation_ttl_s, request_id=request_id)
+        else:
+            msg = fm.ComposeRequest(mode=MODE_TO_WIRE[mode], request_id=request_id)
+        msg.reservation_id = reservation_id or ""
+        safe = mode is ComposeMode.PREVIEW or bool(request_id)
+        resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe)
+        result_mode = compose_mode_from_wire(resp.mode)
+        plan = plan_from_wire(resp.plan)
+        return ComposeResult(
+            result_mode,
+            plan,
+            composition=composition_from_wire(resp.composition) if resp.HasField("composition") else None,
+            reservation=(
+                reservation_from_wire(resp.reservation, request)
+                if resp.HasField("reservation") and request is not None
+                else None
+            ),
+        )
+
+    def preview(self, request: CompositionRequest) -> ComposeResult:
+        """What APPLY would bind; changes nothing."""
+        return self.compose(request, ComposeMode.PREVIEW)
+
+    def apply_reservation(self, reservation_id: str, *, request_id: str | None = None) -> Composition:
+        """Bind a reserved plan. Raises `NotFoundError` when it expired or never existed."""
+        comp = self.compose(None, ComposeMode.APPLY, reservation_id=reservation_id, request_id=request_id).composition
+        if comp is None:
+            raise DisaggError(f"the server answered the apply of reservation {reservation_id} with no composition")
+        return comp
+
+    def get(self, composition_id: str) -> Composition:
+        """A composition by id or name. Raises `NotFoundError` for an unknown one."""
+        resp = self._call(
+            lambda t: self._stub.GetComposition(fm.GetCompositionRequest(id=composition_id), timeout=t),
+            idempotent=True,
+        )
+        return composition_from_wire(resp.composition)
+
+    def compositions(self) -> list[Composition]:
+        """Every composition, in name order; every page is fetched."""
+        request = fm.ListCompositionsRequest(page_size=PAGE_SIZE)
+        found: list[Composition] = []
+        seen: set[str] = set()
+        while True:
+            resp = self._call(lambda t: self._stub.ListCompositions(request, timeout=t), idempotent=True)
+            found += [composition_from_wire(c) for c in resp.compositions]
+            if not resp.next_page_token or resp.next_page_token in seen:
+                return found
+            seen.add(resp.next_page_token)
+            request.page_token = resp.next_page_token
+
+    def recompose(
+        self,
+        composition_id: str,
+        *,
+        add: Sequence[ResourceRequest] = (),
+        remove: Sequence[str] = (),
+        expected_etag: str | None = None,
+    ) -> Composition:
+        """Add resource lines to, or remove devices and allocations (by id) from, a live composition; with
+        ``expected_etag``, only if it is still at that etag (else `ConflictError`). Never retried."""
+        msg = fm.UpdateCompositionRequest(
+            id=composition_id,
+            add=[resource_to_wire(r) for r in add],
+            remove=list(remove),
+            etag=expected_etag or "",
+        )
+        resp = self._call(lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=False)
+        return composition_from_wire(resp.composition)
+
+    def decompose(self, composition_id: str) -> None:
+        """Unbind and release everything of a composition. Idempotent: an unknown id is not an error."""
+        self._call(lambda t: self._stub.Decompose(fm.DecomposeRequest(id=composition_id), timeout=t), idempotent=True)
+
+    # ----------------------------------------------------------------- events
+
+    def watch(self, after_revision: int = 0, *, resume: bool = True) -> EventStream:
+        """Events with a revision above ``after_revision``, then live ones as they happen, in order.
+
+        Iterate the returned stream; `EventStream.close` (from any thread, or leaving its ``with`` block)
+        cancels it. With ``resume``, a stream broken by UNAVAILABLE is reopened from the last revision seen,
+        as the retry policy allows, so no event is lost or repeated.
+        """
+        if after_revision < 0:
+            raise InvalidRequestError("after_revision must not be negative", field="after_revision")
+        return EventStream(self, after_revision, resume=resume)
+
+    def _open_watch(self, after_revision: int) -> _StreamCall:
+        call: _StreamCall = self._stub.WatchEvents(fm.WatchEventsRequest(after_revision=after_revision))
+        return call
+
+
+class EventStream(Iterator[Event]):
+    """An iterator over a watch of the event log; `close` cancels it, and iteration then ends."""
+
+    def __init__(self, client: FabricManagerClient, after_revision: int, *, resume: bool = True) -> None:
+        self._client = client
+        self._resume = resume
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_revision = after_revision
+        """The revision of the last event delivered (``after_revision`` before the first)."""
+        self._call: _StreamCall = client._open_watch(after_revision)
+
+    def __iter__(self) -> EventStream:
+        return self
+
+    def __next__(self) -> Event:
+        failures = 0
+        while True:
+            if self._closed:
+                raise StopIteration
+            try:
+                msg = next(self._call)
+            except StopIteration:
+                self.close()
+                raise
+            except grpc.RpcError as exc:
+                if self._closed or exc.code() is grpc.StatusCode.CANCELLED:
+                    self.close()
+                    raise StopIteration from None
+                failures += 1
+                if not self._resume or exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    self.close()
+                    raise self._client._error(exc) from None
+                if failures >= self._client.retries.max_attempts:
+                    self.close()
+                    raise self._client._error(exc) from None
+                self._client._sleep(self._client.retries.backoff(failures, self._client._rng))
+                self._reopen()
+                continue
+            if msg.event.revision <= self.last_revision:
+                continue
+            event = event_from_wire(msg.event)
+            self.last_revision = event.revision
+            return event
+
+    def _reopen(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._call = self._client._open_watch(self.last_revision)
+
+    def close(self) -> None:
+        """Cancel the stream; safe from any thread and more than once."""
+        with self._lock:
+            self._closed = True
+            self._call.cancel()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

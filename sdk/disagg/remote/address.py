@@ -1,0 +1,77 @@
+"""Addresses of driver endpoints: a unix socket, or a loopback TCP port.
+
+The driver channel carries no TLS and no authentication yet, so it is local by design: ``unix:PATH`` (file
+permissions guard it) or ``127.0.0.1:PORT``, ``localhost:PORT``, ``[::1]:PORT``. Anything else is refused
+with a message that says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import stat
+
+from disagg.errors import ConfigError
+
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+
+def check_address(address: object, *, field: str = "address", listening: bool = False) -> str:
+    """``address`` when it is ``unix:PATH`` or a loopback ``HOST:PORT``; else `ConfigError` naming ``field``.
+
+    Port 0 (any free port) is allowed only when ``listening``.
+    """
+    if not isinstance(address, str) or not address:
+        raise ConfigError(f"{field}: give unix:/path/to/socket or 127.0.0.1:PORT, not {address!r}", field=field)
+    if address.startswith("unix:"):
+        if not unix_path(address):
+            raise ConfigError(f"{field}: {address!r} names no socket path", field=field)
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in LOOPBACK:
+        raise ConfigError(
+            f"{field}: {address!r} is not a unix socket or a loopback address; the driver channel has no TLS or "
+            "authentication, so it is unix:/path or 127.0.0.1:PORT (localhost, [::1]) only",
+            field=field,
+        )
+    lowest = 0 if listening else 1
+    if not port.isdigit() or not lowest <= int(port) <= 65535:
+        raise ConfigError(f"{field}: {address!r} needs a port from {lowest} to 65535", field=field)
+    return address
+
+
+def unix_path(address: str) -> str:
+    """The file system path of a ``unix:`` address (``unix:rel``, ``unix:/abs`` or ``unix:///abs``)."""
+    path = address.removeprefix("unix:")
+    if path.startswith("//"):
+        path = path[2:]
+    return path
+
+
+def check_unix_listener(address: str) -> None:
+    """Refuse to take over a unix socket another server still listens on, or a path that is not a socket.
+
+    gRPC removes a stale socket file by itself, so only a live one or a non-socket needs a word.
+    """
+    path = unix_path(address)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"listen: cannot use {address!r}: {exc}", field="listen") from None
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(
+            f"listen: {path} exists and is not a socket; remove it or choose another path", field="listen"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nobody listens: a stale socket, which gRPC replaces
+    finally:
+        with contextlib.suppress(OSError):
+            probe.close()
+    raise ConfigError(f"listen: another server is already listening on {address!r}", field="listen")

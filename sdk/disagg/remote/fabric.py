@@ -1,0 +1,460 @@
+"""`RemoteFabric`: a ``disagg.driver.v1.FabricDriverService`` endpoint seen through the `Fabric` interface.
+
+The composer cannot tell it from an in-process driver:
+
+- each call's gRPC timeout is ``ctx.remaining()`` (or the default call timeout), and it carries the
+  context's epoch and request id;
+- a failed call raises the SDK error the driver raised, rebuilt from the status details
+  (`disagg.wire.errors.from_rpc_error`); an endpoint that cannot be reached is `FabricUnavailableError`,
+  and a driver that failed unexpectedly (INTERNAL) is a `DriverError`, as the composer reports an unexpected
+  exception of an in-process driver;
+- `subscribe` delivers events in order from one watcher thread (`disagg.remote.watch`), which reconnects
+  when the stream breaks and reports what changed meanwhile;
+- a fault injected through it returns once its events have been handled, when the driver numbers its
+  events (see `disagg.wire.driver`), as the simulator delivers them before it returns.
+
+`discover` answers from a cache while a watch stream is open, for at most `DISCOVER_TTL_S`; every event,
+injected fault and reconnection empties it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import attrs
+import grpc
+from grpc_status import rpc_status
+
+from disagg.driver.v1 import fabric_driver_pb2 as pb
+from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
+from disagg.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    DisaggError,
+    DriverError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    UnknownDeviceError,
+)
+from disagg.interfaces import CallContext, Device, EventHandler, Fabric, FaultInjection, Pool, Subscription
+from disagg.model import (
+    Allocation,
+    Binding,
+    Capabilities,
+    FabricEvent,
+    FabricEventKind,
+    Health,
+    PoolInfo,
+    Topology,
+)
+from disagg.model import Device as DeviceInfo
+from disagg.remote.watch import EventCall, EventWatcher
+from disagg.wire import driver as wire
+from disagg.wire.errors import build, from_rpc_error
+from disagg.wire.types import allocation_from_wire, binding_from_wire, capabilities_from_wire, topology_from_wire
+
+log = logging.getLogger("disagg.remote")
+
+DEFAULT_CALL_TIMEOUT_S = 30.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DISCOVER_TTL_S = 1.0
+FAULT_EVENTS_WAIT_S = 5.0
+"""The longest a fault injection waits for its events to be handled."""
+MAX_MESSAGE_BYTES = 1 << 30
+"""Discover answers the whole fabric in one message: tens of MB at 100,000 devices."""
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+T = TypeVar("T")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+@attrs.frozen
+class _Snapshot:
+    """What the watcher last knew of the fabric, to report what changed while it was disconnected."""
+
+    health: dict[str, Health]
+    links: dict[str, bool]
+    """Link subject (``a|b``) to up."""
+
+    @classmethod
+    def of(cls, topology: Topology) -> _Snapshot:
+        return cls(
+            {d.id: d.health for d in topology.devices}, {f"{link.a}|{link.b}": link.up for link in topology.links}
+        )
+
+    def apply(self, event: FabricEvent) -> None:
+        if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
+            self.health[event.subject] = event.health
+        elif event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP) and event.subject in self.links:
+            self.links[event.subject] = event.kind is FabricEventKind.LINK_UP
+
+    def changes(self, fabric: str, now: _Snapshot, why: str) -> list[FabricEvent]:
+        """Events that take this snapshot to ``now``: removed and added devices, health, then links."""
+        out = [
+            FabricEvent(fabric, FabricEventKind.DEVICE_REMOVED, d, message=why)
+            for d in self.health
+            if d not in now.health
+        ]
+        for device, health in now.health.items():
+            old = self.health.get(device)
+            if old is None:
+                out.append(FabricEvent(fabric, FabricEventKind.DEVICE_ADDED, device, message=why))
+            elif old is not health:
+                out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
+        for link, up in now.links.items():
+            if self.links.get(link, up) is not up:
+                kind = FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN
+                out.append(FabricEvent(fabric, kind, link, message=why))
+        return out
+
+
+class _Subscription(Subscription):
+    def __init__(self, fabric: RemoteFabric, handler: EventHandler) -> None:
+        self.fabric = fabric
+        self.handler = handler
+
+    def cancel(self) -> None:
+        self.fabric._unsubscribe(self)
+
+
+class RemoteFabric(Fabric, FaultInjection):
+    """The fabric served at ``address`` (``unix:PATH`` or ``127.0.0.1:PORT``), configured as ``name``.
+
+    The constructor waits up to ``connect_timeout_s`` for the endpoint (`FabricUnavailableError` naming the
+    address if none answers), then reads the served fabric's name and capabilities; a served fabric of
+    another name is a `ConfigError` naming both.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        *,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ) -> None:
+        self._name = name
+        self.address = address
+        self.call_timeout_s = call_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._handlers: list[_Subscription] = []
+        self._watcher: EventWatcher | None = None
+        self._snapshot: _Snapshot | None = None
+        self._generation = 0
+        self._cache: tuple[float, Topology, dict[str, DeviceInfo]] | None = None
+        self._pools: dict[str, PoolInfo] = {}
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.FabricDriverServiceStub(self._channel)
+        try:
+            answer = self._connect()
+            if answer.fabric != name:
+                raise ConfigError(
+                    f"fabric {name!r} (driver remote): the driver at {address} serves fabric {answer.fabric!r}, "
+                    f"not {name!r}; name the fabric {answer.fabric!r} in the configuration or serve it as {name!r}",
+                    field="name",
+                )
+            self.driver = answer.driver
+            """The fabric type the endpoint serves (its `disagg driver serve DRIVER`), as it reports it."""
+            self._capabilities = self._read(lambda: capabilities_from_wire(answer.capabilities), "capabilities")
+        except BaseException:
+            self._channel.close()
+            raise
+
+    def _connect(self) -> pb.GetCapabilitiesResponse:
+        """Ask for the capabilities, waiting up to the connect timeout for the endpoint to be there."""
+        try:
+            answer: pb.GetCapabilitiesResponse = self._stub.GetCapabilities(
+                pb.GetCapabilitiesRequest(), timeout=self.connect_timeout_s, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise self._error(exc) from None
+            raise FabricUnavailableError(
+                f"fabric {self._name!r} (driver remote): no driver answered at {self.address} within "
+                f"{self.connect_timeout_s:g}s; is `disagg driver serve ... --listen {self.address}` running there?"
+            ) from None
+        return answer
+
+    def __repr__(self) -> str:
+        return f"RemoteFabric({self._name!r}, {self.address!r})"
+
+    # -- Fabric ----------------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    def discover(self) -> Topology:
+        return self._discover()[0]
+
+    def bindings(self) -> Sequence[Binding]:
+        answer = self._call(self._stub.ListBindings, pb.ListBindingsRequest(), None)
+        return tuple(binding_from_wire(b) for b in answer.bindings)
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        answer = self._call(self._stub.Bind, wire.bind_request_to_wire(device, host, ctx), ctx)
+        return binding_from_wire(answer.binding) if answer.HasField("binding") else Binding(device, host)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        self._call(self._stub.Unbind, wire.unbind_request_to_wire(binding, ctx), ctx)
+
+    def device(self, device: str) -> RemoteDevice:
+        self._device_info(device)
+        return RemoteDevice(self, device)
+
+    def pool(self, pool: str) -> RemotePool:
+        """A pool as last discovered (pools seldom change; the driver refuses calls on one that is gone)."""
+        info = self._pools.get(pool)
+        if info is None:
+            self._invalidate()
+            pools = self.discover().pools
+            info = next((p for p in pools if p.id == pool), None)
+            if info is None:
+                known = ", ".join(sorted(p.id for p in pools)) or "none"
+                raise NotFoundError("pool", pool, f"fabric {self._name!r} has no pool {pool!r} (pools: {known})")
+        return RemotePool(self, info)
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        """Deliver events to ``handler`` from the watcher thread; waits (up to the connect timeout) until the
+        stream is open, so that every change after this returns is reported."""
+        if not callable(handler):
+            raise TypeError("an event handler must be callable")
+        subscription = _Subscription(self, handler)
+        with self._lock:
+            if self._closed:
+                raise FabricUnavailableError(f"fabric {self._name!r} (driver remote) is closed")
+            self._handlers.append(subscription)
+            if self._watcher is None:
+                self._watcher = EventWatcher(self._name, self._open_stream, self._resync, self._deliver)
+            watcher = self._watcher
+        if not watcher.on_watcher_thread() and not watcher.wait_connected(self.connect_timeout_s):
+            log.warning(
+                "fabric %s: no event stream from %s yet; events are delivered once it connects",
+                self._name,
+                self.address,
+            )
+        return subscription
+
+    def close(self) -> None:
+        """Stop the watcher thread and close the channel. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            watcher, self._watcher = self._watcher, None
+            self._handlers.clear()
+        if watcher is not None:
+            watcher.stop()
+        self._channel.close()
+
+    # -- FaultInjection ----------------------------------------------------------------------------------------
+
+    def fail_device(self, device: str, message: str = "") -> None:
+        self._inject(wire.Fault(wire.FaultKind.FAIL_DEVICE, device, message=message))
+
+    def repair_device(self, device: str) -> None:
+        self._inject(wire.Fault(wire.FaultKind.REPAIR_DEVICE, device))
+
+    def set_link(self, a: str, b: str, up: bool) -> None:
+        self._inject(wire.Fault(wire.FaultKind.LINK_UP if up else wire.FaultKind.LINK_DOWN, a, b))
+
+    def flaky_bind(self, device: str | None, failures: int) -> None:
+        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+            raise InvalidRequestError("failures must be an integer >= 0", field="failures")
+        self._inject(wire.Fault(wire.FaultKind.FLAKY_BIND, device or "", count=failures))
+
+    def _inject(self, fault: wire.Fault) -> None:
+        """Inject ``fault``; then wait until the events it caused are handled, if the driver numbers them."""
+        request = wire.fault_to_wire(fault)
+        try:
+            _, call = self._stub.InjectFault.with_call(request, timeout=self.call_timeout_s)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        except ValueError:  # the channel was closed
+            raise self._closed_error() from None
+        finally:
+            self._invalidate()
+        sequence = wire.event_sequence(wire.metadata_value(call.trailing_metadata(), wire.EVENT_SEQUENCE_KEY))
+        with self._lock:
+            watcher = self._watcher
+        if sequence is not None and watcher is not None and not watcher.on_watcher_thread():
+            watcher.wait_for(*sequence, timeout=min(self.call_timeout_s, FAULT_EVENTS_WAIT_S))
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _timeout(self, ctx: CallContext | None) -> float:
+        remaining = ctx.remaining() if ctx is not None else None
+        if remaining is None:
+            return self.call_timeout_s
+        if remaining <= 0:
+            raise DeadlineExceededError(f"fabric {self._name}: the call's deadline passed before it was sent")
+        return remaining
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable[Req, Resp], request: Req, ctx: CallContext | None) -> Resp:
+        timeout = self._timeout(ctx)
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        except ValueError:  # grpcio's answer on a closed channel
+            if self._closed:
+                raise self._closed_error() from None
+            raise
+
+    def _closed_error(self) -> FabricUnavailableError:
+        return FabricUnavailableError(f"fabric {self._name!r} (driver remote at {self.address}) is closed")
+
+    def _error(self, exc: grpc.RpcError) -> DisaggError:
+        """The SDK error for a failed call, as the driver raised it; a failure of the transport, or a crash of
+        a driver that sent no SDK error, names the endpoint."""
+        error = from_rpc_error(exc)
+        if not isinstance(exc, grpc.Call) or rpc_status.from_call(exc) is not None:
+            return error
+        code = exc.code()
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            return DriverError(
+                f"fabric {self._name!r}: the driver at {self.address} failed unexpectedly "
+                f"({code.name}: {error.message})"
+            )
+        return build(type(error), f"fabric {self._name!r} (driver remote at {self.address}): {error.message}")
+
+    def _read(self, convert: Callable[[], T], what: str) -> T:
+        """Convert an answer; a malformed one is the driver's fault, reported as the fabric unavailable."""
+        try:
+            return convert()
+        except InvalidRequestError as exc:
+            raise FabricUnavailableError(
+                f"fabric {self._name!r}: the driver at {self.address} sent malformed {what}: {exc.message}"
+            ) from None
+
+    def _invalidate(self) -> None:
+        with self._lock:
+            self._generation += 1
+            self._cache = None
+
+    def _discover(self) -> tuple[Topology, dict[str, DeviceInfo]]:
+        with self._lock:
+            cache = self._cache
+            generation = self._generation
+            caching = self._watcher is not None and self._watcher.connected
+        if cache is not None and caching and time.monotonic() < cache[0]:
+            return cache[1], cache[2]
+        answer = self._call(self._stub.Discover, pb.DiscoverRequest(), None)
+        topology = self._read(lambda: topology_from_wire(answer.topology), "topology")
+        index = {d.id: d for d in topology.devices}
+        with self._lock:
+            self._pools = {p.id: p for p in topology.pools}
+            if self._generation == generation:
+                self._cache = (time.monotonic() + DISCOVER_TTL_S, topology, index)
+        return topology, index
+
+    def _device_info(self, device: str) -> DeviceInfo:
+        info = self._discover()[1].get(device)
+        if info is None:
+            raise UnknownDeviceError(device, f"fabric {self._name!r} has no device {device!r}")
+        return info
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def _unsubscribe(self, subscription: _Subscription) -> None:
+        with self._lock:
+            if subscription in self._handlers:
+                self._handlers.remove(subscription)
+
+    def _open_stream(self) -> EventCall:
+        call: EventCall = self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest())
+        return call
+
+    def _resync(self, first: bool) -> Sequence[FabricEvent]:
+        """After (re)connecting: rediscover, and on a reconnection report what changed while disconnected."""
+        self._invalidate()
+        topology = self._discover()[0]
+        now = _Snapshot.of(topology)
+        before, self._snapshot = self._snapshot, now
+        if first or before is None:
+            return ()
+        return before.changes(self._name, now, f"seen on reconnecting to the driver at {self.address}")
+
+    def _deliver(self, event: FabricEvent) -> None:
+        self._invalidate()
+        if self._snapshot is not None:
+            self._snapshot.apply(event)
+        with self._lock:
+            handlers = tuple(self._handlers)
+        for subscription in handlers:
+            with self._lock:
+                active = subscription in self._handlers
+            if not active:
+                continue
+            try:
+                subscription.handler(event)
+            except Exception:
+                log.exception("event handler %r failed on %s", subscription.handler, event)
+
+
+class RemotePool(Pool):
+    """A pool of a `RemoteFabric`; ``info`` is the pool as discovered when the handle was made."""
+
+    def __init__(self, fabric: RemoteFabric, info: PoolInfo) -> None:
+        self._fabric = fabric
+        self._info = info
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    def info(self) -> PoolInfo:
+        return self._info
+
+    def allocations(self) -> Sequence[Allocation]:
+        fabric = self._fabric
+        answer = fabric._call(fabric._stub.ListAllocations, pb.ListAllocationsRequest(pool=self.id), None)
+        return tuple(allocation_from_wire(a) for a in answer.allocations)
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
+            raise InvalidRequestError(f"amount_bytes must be a positive integer, not {amount_bytes!r}")
+        fabric = self._fabric
+        request = wire.allocate_request_to_wire(self.id, allocation_id, host, amount_bytes, ctx)
+        answer = fabric._call(fabric._stub.Allocate, request, ctx)
+        return allocation_from_wire(answer.allocation)
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        fabric = self._fabric
+        fabric._call(fabric._stub.Release, wire.release_request_to_wire(self.id, allocation_id, ctx), ctx)
+
+
+class RemoteDevice(Device):
+    """A handle on one device of a `RemoteFabric`; `describe` answers from discovery."""
+
+    def __init__(self, fabric: RemoteFabric, device: str) -> None:
+        self._fabric = fabric
+        self._id = device
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def describe(self) -> DeviceInfo:
+        return self._fabric._device_info(self._id)
+
+    def sanitize(self, ctx: CallContext) -> None:
+        fabric = self._fabric
+        fabric._call(fabric._stub.SanitizeDevice, wire.sanitize_request_to_wire(self._id, ctx), ctx)

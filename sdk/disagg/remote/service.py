@@ -1,0 +1,310 @@
+"""`FabricDriverServicer`: one in-process `Fabric` served over ``disagg.driver.v1.FabricDriverService``.
+
+Every RPC is one call of the fabric (or of its pool, device handle or fault injection). The request's epoch
+and request id and the call's gRPC deadline become the `CallContext`. SDK errors become their gRPC status
+with google.rpc details (`disagg.wire.errors.to_status`). Any other exception is a bug in the driver: it is
+logged here under an incident id and answered INTERNAL as a `DriverError` that names the exception's type and
+the incident, never its text, so neither UNKNOWN nor what the exception said ever reaches a caller.
+
+`DriverServer` puts the servicer on grpcio's synchronous thread-pool server (the model the driver interface
+was chosen for, see ``docs/benchmarks.md``) with ``grpc.health.v1`` and server reflection.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from disagg.driver.v1 import fabric_driver_pb2 as pb
+from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
+from disagg.errors import ConfigError, DisaggError, DriverError, UnsupportedError
+from disagg.interfaces import Fabric, FaultInjection
+from disagg.model import Topology
+from disagg.remote.address import check_address, check_unix_listener
+from disagg.remote.feed import EventFeed, Signal, TooManyStreamsError
+from disagg.wire import driver as wire
+from disagg.wire.errors import to_status
+from disagg.wire.types import (
+    allocation_to_wire,
+    binding_to_wire,
+    capabilities_to_wire,
+    topology_to_wire,
+)
+
+log = logging.getLogger("disagg.remote")
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["FabricDriverService"].full_name
+HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+NO_DEADLINE_S = 1e9
+"""grpcio reports a call without a deadline as one this far away, or further."""
+POLL_S = 0.5
+"""How often a watch stream with nothing to send checks that its client is still there."""
+DEFAULT_WORKERS = 16
+
+S = TypeVar("S", bound="FabricDriverServicer")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+class _RefusalError(Exception):
+    """A status to answer with, raised inside a handler (``context.abort`` itself raises a bare Exception)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _answer(context: grpc.ServicerContext, exc: Exception, fabric: str, method: str) -> None:
+    """Abort the call with the status ``exc`` stands for. Raises (as ``context.abort`` does)."""
+    if isinstance(exc, _RefusalError):
+        context.abort(exc.code, exc.message)
+    if not isinstance(exc, DisaggError):
+        incident = uuid.uuid4().hex[:12]
+        log.error("incident %s: %s of fabric %s raised %r", incident, method, fabric, exc, exc_info=exc)
+        exc = DriverError(
+            f"fabric {fabric!r}: the driver failed unexpectedly ({type(exc).__name__}) in {method}; "
+            f"incident {incident} in the driver's log",
+            metadata={"fabric": fabric, "incident": incident},
+        )
+    context.abort_with_status(to_status(exc))
+
+
+def _unary(
+    handler: Callable[[S, Req, grpc.ServicerContext], Resp],
+) -> Callable[[S, Req, grpc.ServicerContext], Resp]:
+    """Answer SDK errors with their status and anything else with INTERNAL, never UNKNOWN."""
+
+    @functools.wraps(handler)
+    def wrapper(self: S, request: Req, context: grpc.ServicerContext) -> Resp:
+        try:
+            return handler(self, request, context)
+        except Exception as exc:
+            error = exc
+        _answer(context, error, self.fabric.name, handler.__name__)
+        raise AssertionError("unreachable: abort raises")  # pragma: no cover
+
+    return wrapper
+
+
+def _streaming(
+    handler: Callable[[S, Req, grpc.ServicerContext], Iterator[Resp]],
+) -> Callable[[S, Req, grpc.ServicerContext], Iterator[Resp]]:
+    """`_unary` for a response stream."""
+
+    @functools.wraps(handler)
+    def wrapper(self: S, request: Req, context: grpc.ServicerContext) -> Iterator[Resp]:
+        try:
+            yield from handler(self, request, context)
+            return
+        except Exception as exc:
+            error = exc
+        _answer(context, error, self.fabric.name, handler.__name__)
+
+    return wrapper
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """The call's gRPC deadline as a ``time.monotonic()`` instant, or None when it has none."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining >= NO_DEADLINE_S:
+        return None
+    return time.monotonic() + max(0.0, remaining)
+
+
+class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
+    """Serves one `Fabric` instance; ``driver`` is the fabric type named in GetCapabilities.
+
+    Call `stop` when the server stops, to end the watch streams and unsubscribe from the fabric.
+    """
+
+    def __init__(self, fabric: Fabric, *, driver: str = "", feed: EventFeed | None = None) -> None:
+        self.fabric = fabric
+        self.driver = driver
+        self.feed = feed if feed is not None else EventFeed(fabric)
+        self._topology_lock = threading.Lock()
+        self._topology: tuple[Topology, pb.DiscoverResponse] | None = None
+
+    def stop(self) -> None:
+        self.feed.stop()
+
+    @_unary
+    def GetCapabilities(  # noqa: N802
+        self, request: pb.GetCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> pb.GetCapabilitiesResponse:
+        return pb.GetCapabilitiesResponse(
+            fabric=self.fabric.name,
+            driver=self.driver,
+            capabilities=capabilities_to_wire(self.fabric.capabilities()),
+        )
+
+    @_unary
+    def Discover(self, request: pb.DiscoverRequest, context: grpc.ServicerContext) -> pb.DiscoverResponse:  # noqa: N802
+        topology = self.fabric.discover()
+        with self._topology_lock:  # a fabric that answers the same Topology object is converted once
+            if self._topology is not None and self._topology[0] is topology:
+                return self._topology[1]
+        response = pb.DiscoverResponse(topology=topology_to_wire(topology))
+        with self._topology_lock:
+            self._topology = (topology, response)
+        return response
+
+    @_unary
+    def ListBindings(self, request: pb.ListBindingsRequest, context: grpc.ServicerContext) -> pb.ListBindingsResponse:  # noqa: N802
+        return pb.ListBindingsResponse(bindings=[binding_to_wire(b) for b in self.fabric.bindings()])
+
+    @_unary
+    def Bind(self, request: pb.BindRequest, context: grpc.ServicerContext) -> pb.BindResponse:  # noqa: N802
+        device, host, ctx = wire.bind_request_from_wire(request, _deadline(context))
+        return pb.BindResponse(binding=binding_to_wire(self.fabric.bind(device, host, ctx)))
+
+    @_unary
+    def Unbind(self, request: pb.UnbindRequest, context: grpc.ServicerContext) -> pb.UnbindResponse:  # noqa: N802
+        binding, ctx = wire.unbind_request_from_wire(request, _deadline(context))
+        self.fabric.unbind(binding, ctx)
+        return pb.UnbindResponse()
+
+    @_unary
+    def ListAllocations(  # noqa: N802
+        self, request: pb.ListAllocationsRequest, context: grpc.ServicerContext
+    ) -> pb.ListAllocationsResponse:
+        pool = self.fabric.pool(wire.check_id(request.pool, "pool"))
+        return pb.ListAllocationsResponse(allocations=[allocation_to_wire(a) for a in pool.allocations()])
+
+    @_unary
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
+        pool, allocation_id, host, amount, ctx = wire.allocate_request_from_wire(request, _deadline(context))
+        allocation = self.fabric.pool(pool).allocate(allocation_id, host, amount, ctx)
+        return pb.AllocateResponse(allocation=allocation_to_wire(allocation))
+
+    @_unary
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:  # noqa: N802
+        pool, allocation_id, ctx = wire.release_request_from_wire(request, _deadline(context))
+        self.fabric.pool(pool).release(allocation_id, ctx)
+        return pb.ReleaseResponse()
+
+    @_unary
+    def SanitizeDevice(  # noqa: N802
+        self, request: pb.SanitizeDeviceRequest, context: grpc.ServicerContext
+    ) -> pb.SanitizeDeviceResponse:
+        device, ctx = wire.sanitize_request_from_wire(request, _deadline(context))
+        self.fabric.device(device).sanitize(ctx)
+        return pb.SanitizeDeviceResponse()
+
+    @_streaming
+    def WatchFabricEvents(  # noqa: N802
+        self, request: pb.WatchFabricEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchFabricEventsResponse]:
+        try:
+            stream = self.feed.open()
+        except TooManyStreamsError as exc:
+            raise _RefusalError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"fabric {self.fabric.name}: {exc}") from None
+        try:
+            context.add_callback(stream.close)  # wakes the loop below as soon as the client goes away
+            context.send_initial_metadata(((wire.EVENT_SEQUENCE_KEY, f"{self.feed.instance}:{stream.start}"),))
+            while True:
+                item = stream.get(POLL_S)
+                if item is None:
+                    if not context.is_active():
+                        return
+                elif item is Signal.END:
+                    return
+                elif item is Signal.OVERFLOW:
+                    raise _RefusalError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"fabric {self.fabric.name}: the watcher fell {self.feed.queue_size} events behind; "
+                        "watch again and rediscover",
+                    )
+                else:
+                    yield pb.WatchFabricEventsResponse(event=wire.fabric_event_to_wire(item))
+        finally:
+            self.feed.close(stream)
+
+    @_unary
+    def InjectFault(self, request: pb.InjectFaultRequest, context: grpc.ServicerContext) -> pb.InjectFaultResponse:  # noqa: N802
+        fault = wire.fault_from_wire(request)
+        if not isinstance(self.fabric, FaultInjection):
+            raise UnsupportedError(f"fabric {self.fabric.name} does not take injected faults")
+        fault.apply(self.fabric)
+        context.set_trailing_metadata(((wire.EVENT_SEQUENCE_KEY, f"{self.feed.instance}:{self.feed.published}"),))
+        return pb.InjectFaultResponse()
+
+
+class DriverServer:
+    """A thread-pool gRPC server for one fabric: FabricDriverService, health and reflection.
+
+    ``address`` is ``unix:PATH`` or a loopback ``HOST:PORT`` (port 0 picks a free one); after `start`,
+    `address` is the one bound. Health reports SERVING for the driver service from `start` until `stop`.
+    The server does not own the fabric: whoever built it closes it.
+    """
+
+    def __init__(self, fabric: Fabric, address: str, *, driver: str = "", max_workers: int = DEFAULT_WORKERS) -> None:
+        self.address = check_address(address, field="listen", listening=True)
+        self.fabric = fabric
+        self.servicer = FabricDriverServicer(fabric, driver=driver)
+        self.health = health.HealthServicer()
+        self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"driver-{fabric.name}")
+        # No SO_REUSEPORT: a second driver on a taken port must fail, not share the port with the first.
+        self._server = grpc.server(self._executor, options=(("grpc.so_reuseport", 0),))
+        pb_grpc.add_FabricDriverServiceServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        self._started = False
+        self._stopped = False
+
+    def start(self) -> DriverServer:
+        """Listen and serve; `ConfigError` when the address cannot be listened on (then nothing is left running)."""
+        try:
+            if self.address.startswith("unix:"):
+                check_unix_listener(self.address)
+            try:
+                port = self._server.add_insecure_port(self.address)
+            except RuntimeError:
+                raise ConfigError(
+                    f"listen: cannot listen on {self.address}: the port is taken or the path cannot be created",
+                    field="listen",
+                ) from None
+        except BaseException:
+            self._stopped = True
+            self.servicer.stop()
+            self._executor.shutdown(wait=False)
+            raise
+        if not self.address.startswith("unix:") and self.address.endswith(":0"):
+            self.address = f"{self.address[:-2]}:{port}"
+        self._server.start()
+        self._started = True
+        serving = health_pb2.HealthCheckResponse.SERVING
+        self.health.set(SERVICE_NAME, serving)
+        self.health.set("", serving)
+        return self
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """End the watch streams, report NOT_SERVING, and stop within ``grace`` seconds. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.health.enter_graceful_shutdown()
+        stopped = self._server.stop(grace)  # refuses new calls at once
+        self.servicer.stop()  # ends the watch streams now rather than at the end of the grace period
+        stopped.wait(timeout=(grace or 0) + 5)
+        self._executor.shutdown(wait=False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops or ``timeout`` passes; True when it stopped."""
+        return bool(self._server.wait_for_termination(timeout))
+
+    def __enter__(self) -> DriverServer:
+        return self.start() if not self._started else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,101 @@
+"""Listener addresses: ``host:port`` on TCP, ``unix:/path`` for a unix socket.
+
+The server speaks plaintext and has no authentication yet, so TCP listeners are refused on anything but a
+loopback address unless the operator allows remote clients explicitly (``--allow-remote``). A unix socket's
+parent directory is created, and a stale socket file (left by a server that died) is removed; a live one,
+or a file that is not a socket, is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import stat
+from pathlib import Path
+
+import attrs
+
+from disagg.errors import ConfigError
+
+UNIX_PREFIX = "unix:"
+MAX_UNIX_PATH = 107
+"""sun_path holds 108 bytes with the terminating NUL."""
+
+
+@attrs.frozen
+class Listener:
+    """A parsed listener address; ``target`` is what grpcio binds."""
+
+    address: str
+    target: str
+    unix_path: Path | None = None
+    host: str = ""
+    port: int = 0
+
+    def bound(self, port: int) -> str:
+        """The address as served: a TCP port of 0 becomes the port the system chose."""
+        if self.unix_path is not None:
+            return self.address
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_listener(address: str, *, allow_remote: bool = False) -> Listener:
+    """Check one address; raises `ConfigError` naming it."""
+    field = "listen"
+    if address.startswith(UNIX_PREFIX):
+        raw = address[len(UNIX_PREFIX) :]
+        if not raw.startswith("/"):
+            raise ConfigError(f"listener {address!r}: give an absolute path, unix:/path/to/socket", field=field)
+        if len(raw.encode()) > MAX_UNIX_PATH:
+            raise ConfigError(f"listener {address!r}: a unix socket path is at most {MAX_UNIX_PATH} bytes", field=field)
+        return Listener(address, address, unix_path=Path(raw))
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"listener {address!r}: write an IPv6 address in brackets, [::1]:50051", field=field)
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"listener {address!r}: expected host:port (port 0-65535) or unix:/path", field=field)
+    if not allow_remote and not _is_loopback(host):
+        raise ConfigError(
+            f"listener {address!r}: the server has no authentication or TLS yet, so it listens on loopback "
+            "addresses (127.0.0.1, [::1], localhost) and unix sockets only; pass --allow-remote to listen on "
+            f"{host}",
+            field=field,
+        )
+    target = f"[{host}]:{port_text}" if ":" in host else f"{host}:{port_text}"
+    return Listener(address, target, host=host, port=int(port_text))
+
+
+def prepare_unix_socket(path: Path) -> None:
+    """Create the parent directory and remove a stale socket file; refuse a live socket or another file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it", field="listen")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return
+        except OSError as exc:
+            raise ConfigError(f"cannot check the unix socket {path}: {exc}", field="listen") from exc
+    raise ConfigError(f"another server is listening on {path}", field="listen")

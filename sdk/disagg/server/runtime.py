@@ -1,0 +1,163 @@
+"""The fabric manager on gRPC: the servicer, health and reflection on grpcio's thread-pool server.
+
+Why the thread-pool server and not ``grpc.aio``: the driver interface is synchronous, and
+``bench/grpc_models.py`` measured the thread-pool server equal to or ahead of aio for no-op calls and no gain
+from aio when handlers call blocking code (see docs/protocol.md). Each call holds a worker thread while it
+runs, so an event watch holds one for as long as it is open: watches are capped below the pool size, so that
+watchers can never starve the other RPCs.
+
+Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAILABLE) while the composer
+discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health NOT_SERVING, end the event and
+health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish within the grace period, then
+close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from disagg.composer import FabricComposer
+from disagg.errors import ConfigError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.server.drivers import FabricDriver
+from disagg.server.errors import ErrorInterceptor
+from disagg.server.health import HealthService
+from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
+from disagg.server.servicer import FabricManagerServicer
+
+log = logging.getLogger("disagg.server")
+
+SERVICE_NAME: str = fm.DESCRIPTOR.services_by_name["FabricManagerService"].full_name
+WORKERS = 32
+MAX_WATCHES = 16
+GRACE_S = 10.0
+TICK_S = 1.0
+
+
+class FabricManagerServer:
+    """Serves a composer on the given listener addresses (``host:port`` or ``unix:/path``)."""
+
+    def __init__(
+        self,
+        composer: FabricComposer,
+        listeners: Sequence[str],
+        *,
+        drivers: Sequence[FabricDriver] = (),
+        allow_remote: bool = False,
+        workers: int = WORKERS,
+        max_watches: int = MAX_WATCHES,
+        tick_s: float = TICK_S,
+    ) -> None:
+        if not listeners:
+            raise ConfigError("no address to listen on: give --listen or a [[listener]] address", field="listener")
+        if not 0 < max_watches < workers:
+            raise ConfigError(f"max_watches must be from 1 to {workers - 1} (below the worker threads)")
+        self._listeners: list[Listener] = [parse_listener(a, allow_remote=allow_remote) for a in listeners]
+        self.composer = composer
+        self.servicer = FabricManagerServicer(composer, drivers, max_watches=max_watches)
+        self.health = HealthService()
+        self.addresses: list[str] = []
+        self._tick_s = tick_s
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
+        # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
+        self._server = grpc.server(
+            self._executor, interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)]
+        )
+        self._ticking = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._state = "new"
+
+    def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, status)
+
+    def start(self) -> list[str]:
+        """Listen, start the composer (discovery, ledger), then serve. Returns the addresses served, with the
+        real port where a listener asked for port 0."""
+        with self._lock:
+            if self._state != "new":
+                raise RuntimeError(f"the server is {self._state}; a server starts once")
+            self._state = "starting"
+        try:
+            self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            fm_grpc.add_FabricManagerServiceServicer_to_server(self.servicer, self._server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+            )
+            for listener in self._listeners:
+                self.addresses.append(self._bind(listener))
+            self._server.start()
+            log.info("starting the composer: discovering %d fabrics", len(self.composer.fabrics))
+            self.composer.start()
+        except BaseException:
+            self._server.stop(None).wait()
+            self._executor.shutdown(wait=False)
+            self.composer.close()
+            with self._lock:
+                self._state = "stopped"
+            raise
+        self.servicer.mark_ready()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._ticker = threading.Thread(target=self._tick, name="disagg-tick", daemon=True)
+        self._ticker.start()
+        with self._lock:
+            self._state = "serving"
+        log.info("serving on %s", ", ".join(self.addresses))
+        return list(self.addresses)
+
+    def _bind(self, listener: Listener) -> str:
+        if listener.unix_path is not None:
+            prepare_unix_socket(listener.unix_path)
+        try:
+            port = self._server.add_insecure_port(listener.target)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {listener.address}: {exc}", field="listen") from exc
+        return listener.bound(port)
+
+    def _tick(self) -> None:
+        """Expire reservations once a second until the server stops."""
+        while not self._ticking.wait(self._tick_s):
+            try:
+                self.composer.tick()
+            except Exception:
+                log.exception("expiring reservations failed")
+
+    def stop(self, grace: float | None = GRACE_S) -> None:
+        """Health NOT_SERVING, end the watches, refuse new calls, wait up to ``grace`` seconds for the calls in
+        flight (None: cancel them at once), then close the composer. Idempotent."""
+        with self._lock:
+            if self._state in ("stopping", "stopped", "new"):
+                if self._state == "new":
+                    self.composer.close()
+                    self._state = "stopped"
+                return
+            self._state = "stopping"
+        log.info("stopping: calls in flight have %s s to finish", grace)
+        self.health.end_watches()
+        self.servicer.stop()
+        self._server.stop(grace).wait()
+        self._ticking.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        self._executor.shutdown(wait=False)
+        self.composer.close()
+        with self._lock:
+            self._state = "stopped"
+        log.info("stopped")
+
+    def __enter__(self) -> FabricManagerServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

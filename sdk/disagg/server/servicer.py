@@ -1,0 +1,293 @@
+"""The ``disagg.fabric.v1.FabricManagerService`` servicer over a `FabricComposer`.
+
+Each RPC validates its request at the edge (`disagg.wire.fabric`), calls the composer with the client's
+deadline, and converts the answer back; an SDK error ends the call with its status and google.rpc details.
+Until `mark_ready` (the composer has started) every RPC answers UNAVAILABLE.
+"""
+
+# ruff: noqa: N802  (the RPC methods carry the service's names, as grpcio calls them)
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import attrs
+import grpc
+
+from disagg.composer import FabricComposer
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.fabric.v1 import types_pb2 as pb
+from disagg.model import ComposeMode, Device, Health
+from disagg.server.deadlines import deadline_of
+from disagg.server.drivers import FabricDriver, by_fabric
+from disagg.server.paging import page
+from disagg.server.watch import Watches, watch_events
+from disagg.wire.errors import to_status
+from disagg.wire.fabric import (
+    MODE_TO_WIRE,
+    check_id,
+    compose_mode_from_wire,
+    compose_request_from_wire,
+    composition_to_wire,
+    etag_from_wire,
+    event_to_wire,
+    fabric_info_to_wire,
+    health_filter_from_wire,
+    kind_filter_from_wire,
+    kind_usage_to_wire,
+    page_size_from_wire,
+    page_token_from_wire,
+    page_token_to_wire,
+    plan_to_wire,
+    pool_usage_to_wire,
+    remove_from_wire,
+    reservation_to_wire,
+    resources_from_wire,
+    ttl_from_wire,
+)
+from disagg.wire.types import device_to_wire, topology_to_wire
+
+S = TypeVar("S", bound="FabricManagerServicer")
+Q = TypeVar("Q")
+R = TypeVar("R")
+
+
+def _unary(fn: Callable[[S, Q, grpc.ServicerContext], R]) -> Callable[[S, Q, grpc.ServicerContext], R]:
+    @functools.wraps(fn)
+    def rpc(self: S, request: Q, context: grpc.ServicerContext) -> R:
+        try:
+            self.check_ready()
+            return fn(self, request, context)
+        except DisaggError as err:
+            status = to_status(err)
+        context.abort_with_status(status)
+
+    return rpc
+
+
+def _stream(
+    fn: Callable[[S, Q, grpc.ServicerContext], Iterator[R]],
+) -> Callable[[S, Q, grpc.ServicerContext], Iterator[R]]:
+    @functools.wraps(fn)
+    def rpc(self: S, request: Q, context: grpc.ServicerContext) -> Iterator[R]:
+        try:
+            self.check_ready()
+            yield from fn(self, request, context)
+            return
+        except DisaggError as err:
+            status = to_status(err)
+        context.abort_with_status(status)
+
+    return rpc
+
+
+class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
+    """Serves one composer. ``drivers`` says which driver and plugin serve each fabric (for ListDrivers)."""
+
+    def __init__(
+        self,
+        composer: FabricComposer,
+        drivers: Sequence[FabricDriver] = (),
+        *,
+        max_watches: int = 16,
+        watch_buffer: int = 1024,
+    ) -> None:
+        self.composer = composer
+        self.watches = Watches(max_watches)
+        self._drivers = by_fabric(drivers)
+        self._watch_buffer = watch_buffer
+        self._ready = threading.Event()
+
+    # ----------------------------------------------------------------- life cycle
+
+    def mark_ready(self) -> None:
+        """The composer has started: serve."""
+        self._ready.set()
+
+    def check_ready(self) -> None:
+        if not self._ready.is_set():
+            raise FabricUnavailableError(
+                "the fabric manager is starting (discovering the fabrics, reloading the ledger); retry shortly"
+            )
+
+    def stop(self) -> None:
+        """End every event watch with UNAVAILABLE and refuse new ones; the server stops next."""
+        self.watches.stop()
+
+    # ----------------------------------------------------------------- inventory
+
+    def _device(self, dev: Device) -> pb.Device:
+        return device_to_wire(
+            dev, held_by=self.composer.owner_of(dev.id) or "", cordoned=self.composer.is_cordoned(dev.id)
+        )
+
+    @_unary
+    def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:
+        composer = self.composer
+        current = {d.id: d for d in composer.devices()}
+        held = {d: owner for d in current if (owner := composer.owner_of(d)) is not None}
+        cordoned = {d for d in current if composer.is_cordoned(d)}
+        fabrics = [
+            topology_to_wire(
+                attrs.evolve(topo, devices=tuple(current.get(d.id, d) for d in topo.devices)),
+                held_by=held,
+                cordoned=cordoned,
+            )
+            for topo in composer.topologies()
+        ]
+        return fm.GetTopologyResponse(fabrics=fabrics)
+
+    @_unary
+    def ListDevices(self, request: fm.ListDevicesRequest, context: grpc.ServicerContext) -> fm.ListDevicesResponse:
+        kind = kind_filter_from_wire(request.kind)
+        health = health_filter_from_wire(request.health)
+        fabric = check_id(request.fabric, "fabric") if request.fabric else None
+        size = page_size_from_wire(request.page_size)
+        after = page_token_from_wire(request.page_token, "devices")
+        if fabric is not None and fabric not in self.composer.fabrics:
+            raise NotFoundError("fabric", fabric)
+        composer = self.composer
+        carved = {p.device for t in composer.topologies() for p in t.pools} if request.free_only else set()
+
+        def keep(dev: Device) -> bool:
+            if (kind is not None and dev.kind is not kind) or (fabric is not None and dev.fabric != fabric):
+                return False
+            if health is not None and dev.health is not health:
+                return False
+            if request.free_only:
+                return (
+                    dev.health is Health.OK
+                    and dev.id not in carved
+                    and composer.owner_of(dev.id) is None
+                    and not composer.is_cordoned(dev.id)
+                )
+            return True
+
+        devices, last = page(composer.devices(), lambda d: d.id, after=after, size=size, keep=keep)
+        return fm.ListDevicesResponse(
+            devices=[self._device(d) for d in devices],
+            next_page_token=page_token_to_wire("devices", last) if last is not None else "",
+        )
+
+    @_unary
+    def GetDevice(self, request: fm.GetDeviceRequest, context: grpc.ServicerContext) -> fm.GetDeviceResponse:
+        return fm.GetDeviceResponse(device=self._device(self.composer.device(check_id(request.id, "id"))))
+
+    @_unary
+    def ListPools(self, request: fm.ListPoolsRequest, context: grpc.ServicerContext) -> fm.ListPoolsResponse:
+        kinds, pools = self.composer.usage()
+        infos = {p.id: p for t in self.composer.topologies() for p in t.pools}
+        return fm.ListPoolsResponse(
+            pools=[pool_usage_to_wire(infos[p.pool], p.free_bytes) for p in pools if p.pool in infos],
+            kinds=[kind_usage_to_wire(k) for k in kinds],
+        )
+
+    @_unary
+    def CordonDevice(self, request: fm.CordonDeviceRequest, context: grpc.ServicerContext) -> fm.CordonDeviceResponse:
+        return fm.CordonDeviceResponse(device=self._device(self.composer.cordon(check_id(request.id, "id"))))
+
+    @_unary
+    def UncordonDevice(
+        self, request: fm.UncordonDeviceRequest, context: grpc.ServicerContext
+    ) -> fm.UncordonDeviceResponse:
+        return fm.UncordonDeviceResponse(device=self._device(self.composer.uncordon(check_id(request.id, "id"))))
+
+    @_unary
+    def ListDrivers(self, request: fm.ListDriversRequest, context: grpc.ServicerContext) -> fm.ListDriversResponse:
+        out = []
+        for name, fabric in self.composer.fabrics.items():
+            info = self._drivers.get(name, FabricDriver(name, ""))
+            out.append(
+                fabric_info_to_wire(
+                    name,
+                    driver=info.driver,
+                    plugin=info.plugin,
+                    distribution=info.distribution,
+                    version=info.version,
+                    capabilities=fabric.capabilities(),
+                )
+            )
+        return fm.ListDriversResponse(fabrics=out)
+
+    # ----------------------------------------------------------------- compositions
+
+    @_unary
+    def Compose(self, request: fm.ComposeRequest, context: grpc.ServicerContext) -> fm.ComposeResponse:
+        mode = compose_mode_from_wire(request.mode)
+        ttl = ttl_from_wire(request.reservation_ttl_s)
+        request_id = check_id(request.request_id, "request_id", required=False) or None
+        deadline = deadline_of(context)
+        if request.reservation_id:
+            reservation = check_id(request.reservation_id, "reservation_id")
+            if mode is not ComposeMode.APPLY:
+                raise InvalidRequestError("mode: a reservation_id is applied with mode APPLY", field="mode")
+            result = self.composer.apply_reserved(reservation, request_id=request_id, deadline=deadline)
+        else:
+            result = self.composer.compose(
+                compose_request_from_wire(request),
+                mode,
+                reservation_ttl_s=ttl,
+                request_id=request_id,
+                deadline=deadline,
+            )
+        response = fm.ComposeResponse(mode=MODE_TO_WIRE[result.mode], plan=plan_to_wire(result.plan))
+        if result.composition is not None:
+            response.composition.CopyFrom(composition_to_wire(result.composition))
+        if result.reservation is not None:
+            response.reservation.CopyFrom(reservation_to_wire(result.reservation))
+        return response
+
+    @_unary
+    def GetComposition(
+        self, request: fm.GetCompositionRequest, context: grpc.ServicerContext
+    ) -> fm.GetCompositionResponse:
+        comp = self.composer.find(check_id(request.id, "id"))
+        return fm.GetCompositionResponse(composition=composition_to_wire(comp))
+
+    @_unary
+    def ListCompositions(
+        self, request: fm.ListCompositionsRequest, context: grpc.ServicerContext
+    ) -> fm.ListCompositionsResponse:
+        size = page_size_from_wire(request.page_size)
+        after = page_token_from_wire(request.page_token, "compositions")
+        comps, last = page(self.composer.compositions(), lambda c: c.name, after=after, size=size)
+        return fm.ListCompositionsResponse(
+            compositions=[composition_to_wire(c) for c in comps],
+            next_page_token=page_token_to_wire("compositions", last) if last is not None else "",
+        )
+
+    @_unary
+    def UpdateComposition(
+        self, request: fm.UpdateCompositionRequest, context: grpc.ServicerContext
+    ) -> fm.UpdateCompositionResponse:
+        key = check_id(request.id, "id")
+        add = resources_from_wire(request.add, "add", required=False)
+        remove = remove_from_wire(request.remove)
+        etag = etag_from_wire(request.etag)
+        if not add and not remove:
+            raise InvalidRequestError("add: give resource lines to add or ids to remove", field="add")
+        comp = self.composer.recompose(key, add=add, remove=remove, expected_etag=etag, deadline=deadline_of(context))
+        return fm.UpdateCompositionResponse(composition=composition_to_wire(comp))
+
+    @_unary
+    def Decompose(self, request: fm.DecomposeRequest, context: grpc.ServicerContext) -> fm.DecomposeResponse:
+        self.composer.decompose(check_id(request.id, "id"), deadline=deadline_of(context))
+        return fm.DecomposeResponse()
+
+    # ----------------------------------------------------------------- events
+
+    @_stream
+    def WatchEvents(
+        self, request: fm.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[fm.WatchEventsResponse]:
+        events = watch_events(self.composer, request.after_revision, context, self.watches, capacity=self._watch_buffer)
+        try:
+            for event in events:
+                yield fm.WatchEventsResponse(event=event_to_wire(event))
+        finally:
+            events.close()

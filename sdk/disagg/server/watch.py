@@ -1,0 +1,192 @@
+"""WatchEvents: the retained log after a revision, then live events, in revision order with no gap and no
+duplicate.
+
+The store is the truth and a watcher's live buffer only a fast path. A watcher registers its buffer with the
+composer *before* it reads the log, so every event is in the log, the buffer, or both; an event already sent
+is skipped by revision. The composer calls listeners under its lock, so a buffer never blocks: when it is
+full it drops events and says so, and the watcher reads the missed ones from the log instead.
+
+Revisions rise by exactly one per event, so a hole in what the log returns means the store no longer holds
+those events (the in-memory ledger keeps the newest N): the watch then ends with OUT_OF_RANGE
+(`RevisionCompactedError`) rather than skip silently. A revision ahead of the newest one (the log was reset,
+for example an in-memory ledger after a restart) is refused the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Generator
+
+import grpc
+
+from disagg.composer import FabricComposer
+from disagg.errors import FabricUnavailableError, OverloadedError, RevisionCompactedError
+from disagg.model import Event
+
+LOG_PAGE = 1000
+"""Events read from the log at once."""
+POLL_S = 1.0
+"""The longest a watcher sleeps before it looks at its call again."""
+
+
+class EventBuffer:
+    """Live events for one watcher, bounded; `offer` never blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._cond = threading.Condition()
+        self._events: collections.deque[Event] = collections.deque()
+        self._overflowed = False
+        self._ended = False
+        self._stopping = False
+
+    def offer(self, event: Event) -> None:
+        """Called by the composer under its lock."""
+        with self._cond:
+            if self._ended:
+                return
+            if len(self._events) >= self._capacity:
+                self._overflowed = True
+            else:
+                self._events.append(event)
+            self._cond.notify()
+
+    def end(self, *, stopping: bool = False) -> None:
+        """Wake the watcher for the last time: its call ended, or the server is stopping."""
+        with self._cond:
+            self._ended = True
+            self._stopping = self._stopping or stopping
+            self._cond.notify()
+
+    def take(self, timeout: float) -> tuple[list[Event], bool]:
+        """Wait up to ``timeout`` for events; returns them and whether some were dropped since the last take."""
+        with self._cond:
+            if not (self._events or self._overflowed or self._ended):
+                self._cond.wait(timeout)
+            events = list(self._events)
+            self._events.clear()
+            overflowed, self._overflowed = self._overflowed, False
+            return events, overflowed
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+
+class Watches:
+    """The open watches of a server: at most ``limit`` at once, each holding a worker thread; all are ended
+    when the server stops."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: set[EventBuffer] = set()
+        self._stopping = False
+
+    def open(self, capacity: int) -> EventBuffer:
+        with self._lock:
+            if self._stopping:
+                raise FabricUnavailableError("the fabric manager is shutting down")
+            if len(self._open) >= self.limit:
+                raise OverloadedError(
+                    f"the fabric manager serves at most {self.limit} event watches at once; retry later",
+                    metadata={"limit": str(self.limit)},
+                )
+            buffer = EventBuffer(capacity)
+            self._open.add(buffer)
+            return buffer
+
+    def close(self, buffer: EventBuffer) -> None:
+        with self._lock:
+            self._open.discard(buffer)
+
+    def stop(self) -> None:
+        """End every open watch (with UNAVAILABLE) and refuse new ones."""
+        with self._lock:
+            self._stopping = True
+            buffers = list(self._open)
+        for buffer in buffers:
+            buffer.end(stopping=True)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+def watch_events(
+    composer: FabricComposer,
+    after: int,
+    context: grpc.ServicerContext,
+    watches: Watches,
+    *,
+    capacity: int = 1024,
+) -> Generator[Event, None, None]:
+    """Events with a revision above ``after`` (0: the whole retained log), then live ones, until the call
+    ends. Raises `RevisionCompactedError` for a gap and `FabricUnavailableError` when the server stops."""
+    newest = composer.revision
+    if after > newest:
+        raise RevisionCompactedError(
+            f"revision {after} is ahead of the event log, whose newest revision is {newest}: the log was reset; "
+            f"list again and watch from {newest}",
+            metadata={"newest": str(newest)},
+        )
+    buffer = watches.open(capacity)
+    remove = composer.add_listener(buffer.offer)
+    try:
+        context.add_callback(buffer.end)
+        cursor = yield from _replay(composer, after, buffer, first=after == 0)
+        if cursor == 0:
+            cursor = newest  # nothing retained at all: the next event follows the newest revision
+        while not buffer.ended:
+            events, overflowed = buffer.take(POLL_S)
+            if buffer.stopping:
+                break
+            if not context.is_active():
+                return
+            if overflowed:
+                cursor = yield from _replay(composer, cursor, buffer)
+                continue
+            for event in events:
+                if event.revision <= cursor:
+                    continue
+                if event.revision != cursor + 1:
+                    cursor = yield from _replay(composer, cursor, buffer)
+                    continue
+                yield event
+                cursor = event.revision
+        if buffer.stopping:
+            raise FabricUnavailableError(
+                f"the fabric manager is shutting down; watch again from revision {cursor}",
+                metadata={"revision": str(cursor)},
+            )
+    finally:
+        remove()
+        watches.close(buffer)
+
+
+def _replay(
+    composer: FabricComposer, cursor: int, buffer: EventBuffer, *, first: bool = False
+) -> Generator[Event, None, int]:
+    """Send the log after ``cursor``, checking that revisions follow on; returns the last revision sent.
+
+    With ``first``, the log's oldest retained event may be any revision (a watch of the whole log)."""
+    while not buffer.ended:
+        batch = composer.events(cursor, LOG_PAGE)
+        for event in batch:
+            if not first and event.revision != cursor + 1:
+                raise RevisionCompactedError(
+                    f"events {cursor + 1} to {event.revision - 1} are no longer retained; the oldest is "
+                    f"{event.revision}: list again and watch from the current revision",
+                    metadata={"oldest": str(event.revision), "after": str(cursor)},
+                )
+            first = False
+            yield event
+            cursor = event.revision
+        if len(batch) < LOG_PAGE:
+            break
+    return cursor

@@ -1,0 +1,87 @@
+"""A real `disagg serve` in a child process, for the client, CLI and other-language tests."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+READY = "serving on"
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+def server_env(tmp_path: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a server or CLI child: its own state directory, no configuration or server from the
+    caller's environment."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISAGG_CONFIG", "DISAGG_SERVER")}
+    env["DISAGG_STATE_DIR"] = str(tmp_path / "state")
+    env.update(extra or {})
+    return env
+
+
+@contextmanager
+def disagg_serve(tmp_path: Path, *args: str) -> Iterator[str]:
+    """Run ``disagg serve --listen unix:<tmp_path>/fm.sock ARGS`` until the block ends; yields the address.
+
+    Waits for the "serving on" line (at most 30 s); stops the server with SIGTERM, then SIGKILL after 10 s.
+    """
+    address = f"unix:{tmp_path}/fm.sock"
+    cmd = [sys.executable, "-m", "disagg.cli.main", "serve", "--listen", address, *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=server_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    output: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"disagg serve printed no {READY!r} line in {START_TIMEOUT_S:g} s: {output}")
+            try:
+                line = lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"disagg serve exited with {proc.wait(5)} before serving: {''.join(output)}")
+            output.append(line)
+            if READY in line:
+                break
+        yield address
+    finally:
+        stop(proc)
+        reader.join(STOP_TIMEOUT_S)
+
+
+def stop(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM, then SIGKILL if the process is still there after 10 s; returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(STOP_TIMEOUT_S)

@@ -1,0 +1,257 @@
+"""Shared by the server tests: a real server on a unix socket, a client channel guarded against UNKNOWN, rich
+error details parsed from a failed call, and test fabrics that misbehave on purpose.
+
+Every call made through `Served.stub` passes `NeverUnknown`, which fails the test if any call ends with
+UNKNOWN: the fabric manager must always answer with a code a client can act on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+import pytest
+from composer_helpers import hardware_bindings, rack
+from disagg.composer import FabricComposer
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces import CallContext, Fabric
+from disagg.model import Binding, Capabilities, Topology
+from disagg.server import FabricDriver, FabricManagerServer
+from disagg.store import MemoryStore, Store
+from disagg_sim import SimFabric, create_fabric, load_topology
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+WAIT_S = 10.0
+"""The longest any test waits for a server to do something."""
+
+
+class UnknownStatusError(AssertionError):
+    pass
+
+
+def check_code(code: grpc.StatusCode | None, method: str) -> None:
+    if code is grpc.StatusCode.UNKNOWN:
+        raise UnknownStatusError(f"{method} answered UNKNOWN")
+    CODES_SEEN.append(code)
+
+
+CODES_SEEN: list[grpc.StatusCode | None] = []
+
+
+class _CheckedStream:
+    """A response stream that checks the code of the error that ends it."""
+
+    def __init__(self, call: Any, method: str) -> None:
+        self._call = call
+        self._method = method
+
+    def __iter__(self) -> _CheckedStream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._call)
+        except grpc.RpcError as err:
+            check_code(err.code(), self._method)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+class NeverUnknown(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """A client interceptor that fails the test when a call ends with UNKNOWN."""
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        check_code(outcome.code(), details.method)
+        return outcome
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return _CheckedStream(continuation(details, request), details.method)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        outcome = continuation(details, requests)
+        check_code(outcome.code(), details.method)
+        return outcome
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return _CheckedStream(continuation(details, requests), details.method)
+
+
+def guarded_channel(address: str) -> grpc.Channel:
+    return grpc.intercept_channel(grpc.insecure_channel(address), NeverUnknown())
+
+
+@attrs.frozen
+class Failure:
+    """What a failed call carries: the code, the message and the google.rpc details."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str = ""
+    metadata: Mapping[str, str] = attrs.field(factory=dict)
+    fields: tuple[str, ...] = ()
+    resource: tuple[str, str] | None = None
+    preconditions: tuple[tuple[str, str], ...] = ()
+
+
+def failure_of(err: grpc.RpcError) -> Failure:
+    status = rpc_status.from_call(err)
+    assert status is not None, f"{err.code()} without google.rpc status details: {err.details()}"
+    reason, metadata, fields, resource, preconditions = "", {}, (), None, ()
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            assert info.domain == "disagg"
+            reason, metadata = info.reason, dict(info.metadata)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields = tuple(v.field for v in bad.field_violations)
+        elif detail.Is(error_details_pb2.ResourceInfo.DESCRIPTOR):
+            res = error_details_pb2.ResourceInfo()
+            detail.Unpack(res)
+            resource = (res.resource_type, res.resource_name)
+        elif detail.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+            pre = error_details_pb2.PreconditionFailure()
+            detail.Unpack(pre)
+            preconditions = tuple((v.type, v.subject) for v in pre.violations)
+    return Failure(err.code(), err.details() or "", reason, metadata, fields, resource, preconditions)
+
+
+def fails(call: Callable[..., Any], request: Any, **kwargs: Any) -> Failure:
+    """Make a unary call that must fail; returns what it failed with."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, **kwargs)
+    return failure_of(info.value)
+
+
+def stream_fails(call: Callable[..., Any], request: Any, **kwargs: Any) -> Failure:
+    """Start a server stream that must fail before or at its first message."""
+    stream = call(request, timeout=WAIT_S, **kwargs)
+    with pytest.raises(grpc.RpcError) as info:
+        next(stream)
+    return failure_of(info.value)
+
+
+def gpu(count: int = 1, **extra: Any) -> fm.ResourceRequest:
+    return fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=count, **extra)
+
+
+def compose_request(
+    name: str, *lines: fm.ResourceRequest, mode: int = fm.COMPOSE_MODE_APPLY, **extra: Any
+) -> fm.ComposeRequest:
+    return fm.ComposeRequest(name=name, resources=list(lines) or [gpu()], mode=mode, **extra)
+
+
+@attrs.define
+class Served:
+    """A running server with its composer, fabrics and a guarded client stub."""
+
+    server: FabricManagerServer
+    composer: FabricComposer
+    fabrics: Mapping[str, Fabric]
+    address: str
+    channel: grpc.Channel
+    stub: fm_grpc.FabricManagerServiceStub
+
+    def bindings(self) -> dict[str, str]:
+        return hardware_bindings(self.fabrics)
+
+
+DRIVERS = (
+    FabricDriver("pcie0", "sim", "sim", "disagg-sim", "test"),
+    FabricDriver("cxl0", "sim", "sim", "disagg-sim", "test"),
+)
+
+
+@contextlib.contextmanager
+def serving(
+    socket: Path,
+    fabrics: Mapping[str, Fabric] | None = None,
+    *,
+    store: Store | None = None,
+    grace: float = 2.0,
+    **server_options: Any,
+) -> Iterator[Served]:
+    """A started server on ``unix:<socket>`` over the demo rack (or ``fabrics``); always stopped at the end."""
+    fabrics = fabrics if fabrics is not None else rack()
+    composer = FabricComposer(fabrics, store=store or MemoryStore())
+    address = f"unix:{socket}"
+    server = FabricManagerServer(composer, [address], drivers=DRIVERS, **server_options)
+    try:
+        server.start()
+        channel = guarded_channel(address)
+        try:
+            yield Served(server, composer, fabrics, address, channel, fm_grpc.FabricManagerServiceStub(channel))
+        finally:
+            channel.close()
+    finally:
+        server.stop(grace)
+
+
+def socket_path(tmp_path: Path) -> Path:
+    return tmp_path / "fm.sock"
+
+
+# ------------------------------------------------------------------------------------------ test fabrics
+
+
+class SecretBind(SimFabric):
+    """A sim fabric whose bind fails with a bare exception carrying text a client must never see."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        raise RuntimeError("secret text")
+
+
+class SecretCapabilities(SimFabric):
+    """A sim fabric whose capabilities() fails with a bare exception."""
+
+    def capabilities(self) -> Capabilities:
+        raise RuntimeError("secret capability text")
+
+
+class GatedDiscovery(SimFabric):
+    """A sim fabric whose discovery waits until `gate` is set (bounded), to hold the server in start-up."""
+
+    gate: threading.Event
+
+    def discover(self) -> Topology:
+        self.gate.wait(WAIT_S)
+        return super().discover()
+
+
+def sim(cls: type[SimFabric], name: str = "pcie0", topology: str = "demo-pcie") -> SimFabric:
+    return cls(load_topology(name, topology))
+
+
+def slow_rack(bind_delay_s: float) -> dict[str, Fabric]:
+    return {
+        "pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "bind_delay_s": bind_delay_s}),
+        "cxl0": create_fabric("cxl0", {"topology": "demo-cxl"}),
+    }
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``predicate`` every 20 ms for at most ``timeout`` seconds."""
+    done = threading.Event()
+    for _ in range(int(timeout / 0.02) + 1):
+        if predicate():
+            return
+        done.wait(0.02)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -1,0 +1,289 @@
+"""`FabricManagerClient` against a real in-process fabric manager on a unix socket: model values out, SDK errors."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from disagg.client import FabricManagerClient, RetryPolicy
+from disagg.client import _client as client_module
+from disagg.composer import FabricComposer
+from disagg.errors import (
+    AlreadyExistsError,
+    ConflictError,
+    DriverError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    NoFitError,
+    NotFoundError,
+    RequestIdReusedError,
+    RevisionCompactedError,
+)
+from disagg.interfaces import FaultInjection
+from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, Health
+from disagg.requestlang import parse_request, parse_resource
+from disagg_sim import create_fabric
+from server_helpers import SecretBind, Served, serving, sim, socket_path
+
+FAST = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    with serving(socket_path(tmp_path)) as running:
+        yield running
+
+
+@pytest.fixture
+def composer(served: Served) -> FabricComposer:
+    return served.composer
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[FabricManagerClient]:
+    with FabricManagerClient(served.address, timeout_s=10, retries=FAST) as c:
+        yield c
+
+
+class TestInventory:
+    """Topologies, devices, usage and drivers arrive as the same model values the composer holds."""
+
+    def test_topologies(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        got = client.topologies()
+        assert {t.fabric for t in got} == {"pcie0", "cxl0"}
+        assert sorted(got, key=lambda t: t.fabric) == sorted(composer.topologies(), key=lambda t: t.fabric)
+
+    def test_devices(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        assert client.devices() == list(composer.devices())
+        gpus = client.devices(kind=DeviceKind.GPU)
+        assert gpus and all(d.kind is DeviceKind.GPU for d in gpus)
+        assert all(d.fabric == "cxl0" for d in client.devices(fabric="cxl0"))
+        assert client.devices(health=Health.FAILED) == []
+
+    def test_devices_are_read_page_by_page(
+        self, client: FabricManagerClient, composer: FabricComposer, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(client_module, "PAGE_SIZE", 7)
+        assert client.devices() == list(composer.devices())
+        assert len(client.devices()) > 7
+
+    def test_free_only_holder_and_cordon(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        comp = client.compose(parse_request("held", ["gpu x1"])).composition
+        assert comp is not None
+        held = comp.device_ids[0]
+        assert client.owner_of(held) == comp.id and client.device_status(held).held_by == comp.id
+        free = client.devices(free_only=True)
+        assert held not in {d.id for d in free}
+        spare = free[0].id
+        assert client.cordon(spare) == composer.device(spare)
+        assert client.is_cordoned(spare) and composer.is_cordoned(spare)
+        assert spare not in {d.id for d in client.devices(free_only=True)}
+        client.uncordon(spare)
+        assert not client.is_cordoned(spare)
+        statuses = {s.device.id: s for s in client.device_statuses()}
+        assert statuses[held].held_by == comp.id and statuses[spare].held_by is None
+
+    def test_device(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        first = composer.devices()[0]
+        assert client.device(first.id) == first
+        with pytest.raises(NotFoundError) as info:
+            client.device("pcie0/nothing")
+        assert info.value.name == "pcie0/nothing"
+
+    def test_usage(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        client.compose(parse_request("mem", ["cxl-memory 256GiB"]))
+        kinds, pools = client.usage()
+        assert (kinds, pools) == composer.usage()
+        assert any(p.free_bytes < p.total_bytes for p in pools)
+
+    def test_drivers(self, client: FabricManagerClient) -> None:
+        fabrics = {f.name: f for f in client.drivers()}
+        assert set(fabrics) == {"pcie0", "cxl0"}
+        assert fabrics["pcie0"].driver == "sim" and fabrics["pcie0"].distribution == "disagg-sim"
+        assert DeviceKind.GPU in fabrics["pcie0"].capabilities.kinds
+
+
+class TestCompositions:
+    """Compose in each mode, get, list, recompose and decompose, as the in-process composer does."""
+
+    def test_preview_changes_nothing(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        result = client.preview(parse_request("p", ["gpu x2 model=H200"]))
+        assert result.mode is ComposeMode.PREVIEW and len(result.plan.devices) == 2
+        assert result.composition is None and composer.compositions() == []
+
+    def test_reserve_then_apply(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        request = parse_request("r", ["gpu x1"])
+        result = client.compose(request, ComposeMode.RESERVE, reservation_ttl_s=30)
+        res = result.reservation
+        assert res is not None and res.request == request and res.plan == result.plan
+        assert [r.id for r in composer.reservations()] == [res.id]
+        comp = client.apply_reservation(res.id)
+        assert comp.name == "r" and comp.device_ids == tuple(p.device for p in res.plan.devices)
+        with pytest.raises(NotFoundError):
+            client.apply_reservation(res.id)
+
+    def test_apply_get_list(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        result = client.compose(parse_request("job", ["host h2", "gpu x2 model=H200", "cxl-memory 256GiB"]))
+        comp = result.composition
+        assert comp is not None and comp.state is CompositionState.COMPOSED and comp.host == "h2"
+        assert comp == composer.get(comp.id)
+        assert client.get(comp.id) == comp == client.get("job")
+        client.compose(parse_request("another", ["nvme"]))
+        assert [c.name for c in client.compositions()] == ["another", "job"]
+        assert client.compositions() == list(composer.compositions())
+
+    def test_compositions_are_read_page_by_page(
+        self, client: FabricManagerClient, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        for n in range(3):
+            client.compose(parse_request(f"n{n}", ["nvme"]))
+        monkeypatch.setattr(client_module, "PAGE_SIZE", 2)
+        assert [c.name for c in client.compositions()] == ["n0", "n1", "n2"]
+
+    def test_recompose(self, client: FabricManagerClient) -> None:
+        comp = client.compose(parse_request("grow", ["gpu x1"])).composition
+        assert comp is not None
+        grown = client.recompose("grow", add=[parse_resource("gpu x1")], expected_etag=comp.etag)
+        assert len(grown.devices) == 2 and grown.generation > comp.generation
+        with pytest.raises(ConflictError):
+            client.recompose(comp.id, remove=[comp.device_ids[0]], expected_etag=comp.etag)
+        shrunk = client.recompose(comp.id, remove=[comp.device_ids[0]], expected_etag=grown.etag)
+        assert shrunk.device_ids == grown.device_ids[1:]
+
+    def test_decompose(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        client.compose(parse_request("gone", ["gpu x1"]))
+        client.decompose("gone")
+        assert composer.compositions() == []
+        client.decompose("gone")  # idempotent
+        with pytest.raises(NotFoundError):
+            client.get("gone")
+
+    def test_request_id(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        request = parse_request("once", ["gpu x1"])
+        first = client.compose(request, request_id="once-1")
+        assert client.compose(request, request_id="once-1") == first
+        assert len(composer.compositions()) == 1
+        with pytest.raises(RequestIdReusedError):
+            client.compose(parse_request("twice", ["gpu x1"]), request_id="once-1")
+
+
+class TestErrors:
+    """Each failure arrives as the SDK error type the composer would raise, with its message and details."""
+
+    def test_no_fit(self, client: FabricManagerClient) -> None:
+        with pytest.raises(NoFitError) as info:
+            client.compose(parse_request("big", ["gpu x99"]))
+        assert "99 gpu" in info.value.message
+
+    def test_invalid_request_names_the_field(self, client: FabricManagerClient) -> None:
+        request = parse_request("ok", ["gpu"])
+        with pytest.raises(InvalidRequestError) as info:
+            client.compose(request, ComposeMode.RESERVE, reservation_ttl_s=10**6)
+        assert info.value.field == "reservation_ttl_s"
+
+    def test_name_taken(self, client: FabricManagerClient) -> None:
+        client.compose(parse_request("a", ["gpu"]))
+        with pytest.raises(AlreadyExistsError) as info:
+            client.compose(parse_request("a", ["gpu"]))
+        assert "taken" in info.value.message
+
+    def test_not_found(self, client: FabricManagerClient) -> None:
+        with pytest.raises(NotFoundError) as info:
+            client.get("nothing")
+        assert (info.value.resource_type, info.value.name) == ("composition", "nothing")
+        with pytest.raises(NotFoundError):
+            client.compose(parse_request("x", ["host h9", "gpu"]))
+
+    def test_unreachable_server(self, tmp_path: Path) -> None:
+        fast = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.01)
+        client = FabricManagerClient(f"unix:{tmp_path}/none.sock", timeout_s=5, retries=fast)
+        with client, pytest.raises(FabricUnavailableError) as info:
+            client.compositions()
+        assert "none.sock" in info.value.message
+
+    def test_driver_bug_is_not_retried_and_keeps_its_secret(self, tmp_path: Path) -> None:
+        fabrics = {"pcie0": sim(SecretBind), "cxl0": create_fabric("cxl0", {"topology": "demo-cxl"})}
+        with serving(socket_path(tmp_path), fabrics) as running:
+            client = FabricManagerClient(running.address, timeout_s=10, retries=FAST)
+            with client, pytest.raises(DriverError) as info:
+                client.compose(parse_request("bug", ["gpu"]))
+            assert "secret" not in info.value.message and running.composer.compositions() == []
+
+    @pytest.mark.parametrize("address", ["", " unix:/x", "INFO\n127.0.0.1:1"])
+    def test_bad_address(self, address: str) -> None:
+        with pytest.raises(InvalidRequestError):
+            FabricManagerClient(address)
+
+    def test_bad_compose_arguments(self, client: FabricManagerClient) -> None:
+        with pytest.raises(InvalidRequestError):
+            client.compose(None)
+        with pytest.raises(InvalidRequestError):
+            client.compose(None, ComposeMode.RESERVE, reservation_id="r-1")
+
+
+class TestWatch:
+    """The event log from a revision, then live events, in order; closing the stream cancels it."""
+
+    def test_from_a_revision_then_live(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        client.compose(parse_request("w", ["gpu"]))
+        start = composer.revision
+        assert start >= 2
+        with client.watch(after_revision=1) as events:
+            past = [next(events) for _ in range(start - 1)]
+            assert [e.revision for e in past] == list(range(2, start + 1))
+            assert past == list(composer.events(1))
+            client.decompose("w")
+            live = next(events)
+            while live.type is not EventType.COMPOSITION_DELETED:
+                live = next(events)
+            assert live.revision > start and events.last_revision == live.revision
+
+    def test_resume_where_it_stopped(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        for name in ("a", "b"):
+            client.compose(parse_request(name, ["gpu"]))
+        with client.watch() as events:
+            seen = [next(events) for _ in range(2)]
+            last = events.last_revision
+        with client.watch(after_revision=last) as events:
+            rest = [next(events) for _ in range(composer.revision - last)]
+        assert [e.revision for e in seen + rest] == list(range(1, composer.revision + 1))
+
+    def test_health_events(self, client: FabricManagerClient, served: Served) -> None:
+        comp = client.compose(parse_request("h", ["gpu x1"])).composition
+        assert comp is not None
+        fabric = served.fabrics["pcie0"]
+        assert isinstance(fabric, FaultInjection)
+        with client.watch(after_revision=served.composer.revision) as events:
+            fabric.fail_device(comp.device_ids[0])
+            first = next(events)
+        assert first.type is EventType.DEVICE_HEALTH_CHANGED and first.subject == comp.device_ids[0]
+
+    def test_close_from_another_thread(self, client: FabricManagerClient) -> None:
+        stream = client.watch()
+        got: list[object] = []
+        reader = threading.Thread(target=lambda: got.extend(stream))
+        reader.start()
+        stream.close()
+        reader.join(10)
+        assert not reader.is_alive() and got == []
+        assert list(stream) == []
+
+    def test_revision_ahead_is_refused(self, client: FabricManagerClient) -> None:
+        with client.watch(after_revision=10**9) as events, pytest.raises(RevisionCompactedError):
+            next(events)
+
+
+class TestDocs:
+    """The usage example of docs/client.md runs as written against a real server."""
+
+    def test_usage_example(self, served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+        doc = (Path(__file__).resolve().parent.parent / "docs" / "client.md").read_text()
+        example = re.findall(r"```python\n(.*?)```", doc, flags=re.S)[0]
+        assert '"unix:/run/disagg/fm.sock"' in example
+        exec(compile(example.replace("unix:/run/disagg/fm.sock", served.address), "docs/client.md", "exec"), {})
+        out = capsys.readouterr().out
+        assert "CompositionState.COMPOSED" in out and "does not fit" not in out
+        assert served.composer.compositions() == []

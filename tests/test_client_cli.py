@@ -1,0 +1,203 @@
+"""`disagg --server`: the composition commands drive a remote fabric manager with the same output and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from client_helpers import disagg_serve, server_env
+from disagg import codec
+from disagg.cli.backend import server_address
+from disagg.cli.main import build_parser, main
+from server_helpers import Served, serving
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    """A fabric manager in this process; the CLI's own state directory is elsewhere, to show it is not used."""
+    monkeypatch.setenv("DISAGG_STATE_DIR", str(tmp_path / "cli-state"))
+    monkeypatch.delenv("DISAGG_CONFIG", raising=False)
+    monkeypatch.delenv("DISAGG_SERVER", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with serving(tmp_path / "fm.sock") as running:
+        yield running
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class TestRoundTrip:
+    """compose, ls, recompose, devices, topology and decompose change and show the server's state, not a local one."""
+
+    def test_round_trip(self, capsys: pytest.CaptureFixture[str], served: Served, tmp_path: Path) -> None:
+        s = ["--server", served.address]
+        code, out, err = cli(capsys, *s, "compose", "job", "host h2", "gpu x2 model=H200", "cxl-memory 256GiB")
+        assert code == 0, err
+        assert "composed job" in out and "pcie0/gpu" in out
+        assert [c.name for c in served.composer.compositions()] == ["job"]
+        code, out, _ = cli(capsys, "ls", "--json", *s)
+        assert [(c["name"], c["host"], c["state"]) for c in json.loads(out)] == [("job", "h2", "COMPOSED")]
+        code, out, _ = cli(capsys, *s, "ls")
+        assert code == 0 and "job" in out and "COMPOSED" in out and "256 GiB" in out
+        code, out, err = cli(capsys, *s, "recompose", "job", "--add", "nvme", "--json")
+        assert code == 0, err
+        assert len(json.loads(out)["devices"]) == 3
+        job = served.composer.find("job")
+        code, out, _ = cli(capsys, *s, "devices", "--kind", "gpu")
+        held = [line for line in out.splitlines() if job.id in line]
+        assert code == 0 and len(held) == 2
+        code, out, _ = cli(capsys, *s, "devices", "--json")
+        assert len(json.loads(out)) == len(served.composer.devices())
+        code, out, _ = cli(capsys, *s, "topology")
+        assert "fabric pcie0" in out and "job" in out
+        code, out, _ = cli(capsys, *s, "topology", "--json")
+        assert {f["fabric"] for f in json.loads(out)["fabrics"]} == {"pcie0", "cxl0"}
+        code, out, err = cli(capsys, *s, "decompose", "job")
+        assert code == 0 and "decomposed job" in out, err
+        assert served.composer.compositions() == []
+        assert not (tmp_path / "cli-state").exists()
+
+    def test_server_from_the_environment(
+        self, capsys: pytest.CaptureFixture[str], served: Served, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("DISAGG_SERVER", served.address)
+        code, out, err = cli(capsys, "compose", "env", "gpu x1", "--json")
+        assert code == 0, err
+        assert json.loads(out)["composition"]["name"] == "env"
+        assert [c.name for c in served.composer.compositions()] == ["env"]
+
+    def test_preview_and_reserve(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        s = ["--server", served.address]
+        code, out, _ = cli(capsys, *s, "compose", "p", "gpu x1", "--preview")
+        assert code == 0 and "would compose on host" in out
+        code, out, _ = cli(capsys, *s, "compose", "r", "gpu x1", "--reserve", "30", "--json")
+        reservation = json.loads(out)["reservation"]
+        assert code == 0 and reservation["request"]["name"] == "r"
+        assert [r.id for r in served.composer.reservations()] == [reservation["id"]]
+
+    def test_same_json_as_local(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        """A composition printed by the remote path is the composer's own, field for field."""
+        code, out, _ = cli(capsys, "--server", served.address, "compose", "same", "gpu x1", "--json")
+        remote = json.loads(out)["composition"]
+        assert code == 0 and remote == codec.to_data(served.composer.find("same"))
+
+
+class TestExitCodes:
+    """Remote failures keep the local exit codes and messages; nothing changes on the server."""
+
+    @pytest.mark.parametrize(
+        ("args", "code", "message"),
+        [
+            (("compose", "x", "gpux8"), 2, "unknown device kind"),
+            (("compose", "x", "gpu x99"), 3, "99 gpu"),
+            (("compose", "x", "host h9", "gpu"), 4, "h9"),
+            (("decompose", "nothing"), 4, "composition 'nothing' not found"),
+            (("recompose", "nothing", "--add", "gpu"), 4, "not found"),
+            (("compose", "x", "gpu", "--reserve", "1000000"), 2, "reservation_ttl_s"),
+        ],
+    )
+    def test_exit_codes(
+        self,
+        capsys: pytest.CaptureFixture[str],
+        served: Served,
+        args: tuple[str, ...],
+        code: int,
+        message: str,
+    ) -> None:
+        got, out, err = cli(capsys, "--server", served.address, *args)
+        assert got == code, err
+        assert err.startswith("disagg: error: ") and message in err
+        assert out == ""
+        assert served.composer.compositions() == []
+
+    def test_name_taken(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        assert cli(capsys, "--server", served.address, "compose", "a", "gpu x1")[0] == 0
+        code, _, err = cli(capsys, "--server", served.address, "compose", "a", "gpu x1")
+        assert code == 5 and "taken" in err
+        assert len(served.composer.compositions()) == 1
+
+    def test_stale_etag(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        assert cli(capsys, "--server", served.address, "compose", "e", "gpu x1")[0] == 0
+        code, _, err = cli(capsys, "--server", served.address, "recompose", "e", "--add", "gpu", "--etag", 'W/"0"')
+        assert code == 5, err
+
+    def test_decompose_ignore_missing(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        code, _, _ = cli(capsys, "--server", served.address, "decompose", "nothing", "--ignore-missing")
+        assert code == 0
+
+    def test_unreachable_server(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        code, out, err = cli(capsys, "--server", f"unix:{tmp_path}/nobody.sock", "ls")
+        assert code == 1 and out == ""
+        assert "cannot reach the fabric manager" in err and "nobody.sock" in err
+
+
+class TestServerOption:
+    """--server goes before or after the command, beats $DISAGG_SERVER, excludes --config, and only where it applies."""
+
+    def _args(self, *argv: str) -> argparse.Namespace:
+        return build_parser().parse_args(list(argv))
+
+    def test_positions(self) -> None:
+        env: dict[str, str] = {}
+        assert server_address(self._args("--server", "unix:/a", "ls"), env) == "unix:/a"
+        assert server_address(self._args("ls", "--server", "unix:/b"), env) == "unix:/b"
+        assert server_address(self._args("ls"), env) is None
+
+    def test_environment(self) -> None:
+        env = {"DISAGG_SERVER": "unix:/env"}
+        assert server_address(self._args("ls"), env) == "unix:/env"
+        assert server_address(self._args("ls", "--server", "unix:/flag"), env) == "unix:/flag"
+        assert server_address(self._args("ls", "--config", "x.toml"), env) is None
+        assert server_address(self._args("ls"), {"DISAGG_SERVER": ""}) is None
+
+    def test_both_server_and_config(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, _, err = cli(capsys, "--server", "unix:/a", "ls", "--config", "x.toml")
+        assert code == 2 and "not both" in err
+
+    def test_empty_server(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, _, err = cli(capsys, "--server", "", "ls")
+        assert code == 2 and "--server needs an address" in err
+
+    @pytest.mark.parametrize("command", ["demo", "plugins"])
+    def test_not_for_local_commands(self, capsys: pytest.CaptureFixture[str], command: str) -> None:
+        with pytest.raises(SystemExit) as info:
+            main(["--server", "unix:/a", command])
+        assert info.value.code == 2
+        assert "runs locally" in capsys.readouterr().err
+
+
+class TestAgainstDisaggServe:
+    """The installed command, as a user runs it, against `disagg serve` in another process."""
+
+    def test_compose_ls_decompose(self, tmp_path: Path) -> None:
+        with disagg_serve(tmp_path) as address:
+            env = server_env(tmp_path, {"DISAGG_SERVER": address, "DISAGG_STATE_DIR": str(tmp_path / "cli")})
+
+            def run(*args: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run(
+                    [sys.executable, "-m", "disagg.cli.main", *args],
+                    env=env,
+                    cwd=tmp_path,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+
+            composed = run("compose", "e2e", "gpu x2 model=H200", "--json")
+            assert composed.returncode == 0, composed.stderr
+            listed = run("ls", "--json")
+            assert [c["name"] for c in json.loads(listed.stdout)] == ["e2e"]
+            missing = run("decompose", "nothing")
+            assert missing.returncode == 4 and "not found" in missing.stderr
+            assert run("decompose", "e2e").returncode == 0
+            assert json.loads(run("ls", "--json").stdout) == []
+        assert not (tmp_path / "cli").exists()

@@ -1,0 +1,327 @@
+"""The client's retries: only UNAVAILABLE, only calls safe to repeat, bounded in attempts and time; watch resumes."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from composer_helpers import composer as build_composer
+from composer_helpers import hardware_bindings
+from disagg.client import FabricManagerClient, RetryPolicy
+from disagg.client._retry import call_with_retry
+from disagg.composer import FabricComposer
+from disagg.errors import FabricUnavailableError, NotFoundError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.model import ComposeMode, EventType, ResourceRequest
+from disagg.requestlang import parse_request
+from disagg.wire.errors import to_status
+from disagg.wire.fabric import (
+    compose_mode_from_wire,
+    compose_request_from_wire,
+    composition_to_wire,
+    event_to_wire,
+    plan_to_wire,
+)
+
+FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name
+
+
+class Flaky(fm_grpc.FabricManagerServiceServicer):
+    """Fails each RPC with UNAVAILABLE the first ``failures`` times it is called, then answers.
+
+    Compose runs on a real composer and, on a failing attempt, composes *before* failing, as a server whose
+    answer is lost on the way back would.
+    """
+
+    def __init__(self, composer: FabricComposer, failures: int = 2) -> None:
+        self.composer = composer
+        self.failures = failures
+        self.calls: dict[str, int] = {}
+        self.request_ids: list[str] = []
+        self.watch_requests: list[int] = []
+        self.watch_cancelled = threading.Event()
+        self.watch_started = threading.Event()
+
+    def _attempt(self, method: str, context: grpc.ServicerContext) -> None:
+        n = self.calls[method] = self.calls.get(method, 0) + 1
+        if n <= self.failures:
+            context.abort_with_status(to_status(FabricUnavailableError(f"{method} attempt {n} lost")))
+
+    def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:  # noqa: N802
+        self._attempt("GetTopology", context)
+        return fm.GetTopologyResponse()
+
+    def GetComposition(  # noqa: N802
+        self, request: fm.GetCompositionRequest, context: grpc.ServicerContext
+    ) -> fm.GetCompositionResponse:
+        self.calls["GetComposition"] = self.calls.get("GetComposition", 0) + 1
+        context.abort_with_status(to_status(NotFoundError("composition", request.id)))
+        raise AssertionError("abort returns never")
+
+    def UpdateComposition(  # noqa: N802
+        self, request: fm.UpdateCompositionRequest, context: grpc.ServicerContext
+    ) -> fm.UpdateCompositionResponse:
+        self._attempt("UpdateComposition", context)
+        return fm.UpdateCompositionResponse()
+
+    def Decompose(self, request: fm.DecomposeRequest, context: grpc.ServicerContext) -> fm.DecomposeResponse:  # noqa: N802
+        self._attempt("Decompose", context)
+        return fm.DecomposeResponse()
+
+    def Compose(self, request: fm.ComposeRequest, context: grpc.ServicerContext) -> fm.ComposeResponse:  # noqa: N802
+        self.request_ids.append(request.request_id)
+        mode = compose_mode_from_wire(request.mode)
+        result = self.composer.compose(compose_request_from_wire(request), mode, request_id=request.request_id or None)
+        self._attempt("Compose", context)
+        resp = fm.ComposeResponse(mode=request.mode, plan=plan_to_wire(result.plan))
+        if result.composition is not None:
+            resp.composition.CopyFrom(composition_to_wire(result.composition))
+        return resp
+
+    def WatchEvents(  # noqa: N802
+        self, request: fm.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[fm.WatchEventsResponse]:
+        self.watch_requests.append(request.after_revision)
+        context.add_callback(self.watch_cancelled.set)
+        events = self.composer.events(request.after_revision)
+        first = len(self.watch_requests) == 1
+        for n, event in enumerate(events):
+            # The first stream also repeats an event, which the client must drop, then breaks after three.
+            if first and n == 3:
+                context.abort_with_status(to_status(FabricUnavailableError("stream lost")))
+            yield fm.WatchEventsResponse(event=event_to_wire(event))
+            if first and n == 1:
+                yield fm.WatchEventsResponse(event=event_to_wire(event))
+        self.watch_started.set()
+        if self.failures < 0:  # a stream that stays open until the client cancels it (at most 10 s)
+            self.watch_cancelled.wait(10)
+
+
+@pytest.fixture
+def composer() -> Iterator[FabricComposer]:
+    comp = build_composer()
+    yield comp
+    comp.close()
+
+
+@pytest.fixture
+def serve(tmp_path: Path, composer: FabricComposer) -> Iterator[Any]:
+    servers: list[grpc.Server] = []
+
+    def start(servicer: Flaky | None = None) -> tuple[Flaky, str]:
+        servicer = servicer or Flaky(composer)
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        fm_grpc.add_FabricManagerServiceServicer_to_server(servicer, server)
+        address = f"unix:{tmp_path}/fm{len(servers)}.sock"
+        server.add_insecure_port(address)
+        server.start()
+        servers.append(server)
+        return servicer, address
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+class TestRetryPolicy:
+    """Pauses grow exponentially up to a cap, are jittered below it, and nonsense settings are refused."""
+
+    def test_caps(self) -> None:
+        policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0, multiplier=2.0)
+        assert [policy.backoff_cap(n) for n in (1, 2, 3, 4, 5, 6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+
+    def test_jitter_stays_below_the_cap(self) -> None:
+        policy = RetryPolicy()
+        rng = random.Random(7)
+        pauses = [policy.backoff(3, rng) for _ in range(200)]
+        assert all(0 <= p <= policy.backoff_cap(3) for p in pauses)
+        assert len(set(pauses)) > 100
+
+    @pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"initial_backoff_s": 0}, {"multiplier": -1}])
+    def test_refuses_nonsense(self, kwargs: dict[str, float]) -> None:
+        with pytest.raises(ValueError):
+            RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+class TestCallWithRetry:
+    """`call_with_retry` repeats UNAVAILABLE only, only when allowed, and never sleeps past the deadline."""
+
+    def _run(self, errors: list[grpc.StatusCode], **kwargs: Any) -> tuple[int, list[float]]:
+        attempts: list[float] = []
+        sleeps: list[float] = []
+
+        def attempt(remaining: float) -> str:
+            attempts.append(remaining)
+            if len(attempts) <= len(errors):
+                raise FakeRpcError(errors[len(attempts) - 1])
+            return "ok"
+
+        options: dict[str, Any] = {"policy": FAST, "retryable": True, "timeout_s": 5.0, "sleep": sleeps.append}
+        options.update(kwargs)
+        with contextlib.suppress(FakeRpcError):
+            call_with_retry(attempt, **options)
+        return len(attempts), sleeps
+
+    def test_unavailable_is_retried(self) -> None:
+        attempts, sleeps = self._run([grpc.StatusCode.UNAVAILABLE] * 2)
+        assert attempts == 3 and len(sleeps) == 2
+
+    def test_attempts_are_bounded(self) -> None:
+        attempts, sleeps = self._run([grpc.StatusCode.UNAVAILABLE] * 10)
+        assert attempts == FAST.max_attempts and len(sleeps) == FAST.max_attempts - 1
+
+    @pytest.mark.parametrize(
+        "code",
+        [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL],
+    )
+    def test_other_codes_are_not(self, code: grpc.StatusCode) -> None:
+        assert self._run([code]) == (1, [])
+
+    def test_unsafe_calls_get_one_attempt(self) -> None:
+        assert self._run([grpc.StatusCode.UNAVAILABLE], retryable=False) == (1, [])
+
+    def test_no_pause_runs_past_the_deadline(self) -> None:
+        now = [0.0]
+        slow = RetryPolicy(max_attempts=100, initial_backoff_s=0.5, max_backoff_s=0.5)
+
+        def sleep(s: float) -> None:
+            now[0] += s
+
+        attempts, _ = self._run(
+            [grpc.StatusCode.UNAVAILABLE] * 100,
+            policy=slow,
+            timeout_s=2.0,
+            clock=lambda: now[0],
+            sleep=sleep,
+            rng=random.Random(1),
+        )
+        assert 1 < attempts < 100 and now[0] < 2.0
+
+
+class TestRetriesOverGrpc:
+    """Against a server that loses the first answers: safe calls succeed on a later attempt, others fail."""
+
+    def test_reads_are_retried(self, serve: Any) -> None:
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client:
+            assert client.topologies() == []
+        assert servicer.calls["GetTopology"] == 3
+
+    def test_attempts_are_bounded(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Flaky(composer, failures=100))
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(FabricUnavailableError):
+            client.topologies()
+        assert servicer.calls["GetTopology"] == FAST.max_attempts
+
+    def test_decompose_is_retried(self, serve: Any) -> None:
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client:
+            client.decompose("c-1")
+        assert servicer.calls["Decompose"] == 3
+
+    def test_recompose_is_not(self, serve: Any) -> None:
+        servicer, address = serve()
+        add = [ResourceRequest(parse_request("x", ["gpu"]).resources[0].kind, count=1)]
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(FabricUnavailableError):
+            client.recompose("c-1", add=add)
+        assert servicer.calls["UpdateComposition"] == 1
+
+    def test_errors_other_than_unavailable_are_not(self, serve: Any) -> None:
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(NotFoundError):
+            client.get("nothing")
+        assert servicer.calls["GetComposition"] == 1
+
+    def test_apply_gets_a_request_id_and_binds_once(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve()
+        request = parse_request("job", ["gpu x2 model=H200"])
+        with FabricManagerClient(address, retries=FAST) as client:
+            result = client.compose(request)
+        assert servicer.calls["Compose"] == 3
+        assert len(set(servicer.request_ids)) == 1 and len(servicer.request_ids[0]) >= 16
+        assert result.composition is not None and result.composition.name == "job"
+        assert [c.id for c in composer.compositions()] == [result.composition.id]
+        assert len(hardware_bindings(composer.fabrics)) == 2
+        created = [e for e in composer.events() if e.type is EventType.COMPOSITION_CREATED]
+        assert len(created) == 1
+
+    def test_given_request_id_is_sent(self, serve: Any) -> None:
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client:
+            client.compose(parse_request("job", ["gpu"]), ComposeMode.APPLY, request_id="job-attempt-1")
+        assert servicer.request_ids == ["job-attempt-1"] * 3
+
+    def test_apply_without_request_id_is_not_retried(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(FabricUnavailableError):
+            client.compose(parse_request("job", ["gpu"]), request_id="")
+        assert servicer.request_ids == [""]
+        assert len(composer.compositions()) == 1  # the lost answer's composition: exactly one, never two
+
+    def test_preview_is_retried_without_request_id(self, serve: Any) -> None:
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client:
+            result = client.compose(parse_request("job", ["gpu"]), ComposeMode.PREVIEW)
+        assert result.composition is None and result.plan.devices
+        assert servicer.request_ids == ["", "", ""]
+
+
+class TestWatchResumption:
+    """A watch broken by UNAVAILABLE reopens from the last revision seen: nothing lost, nothing repeated."""
+
+    def test_resumes(self, serve: Any, composer: FabricComposer) -> None:
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+            composer.decompose(f"j{n}")
+        total = len(composer.events())
+        assert total >= 6
+        servicer, address = serve(Flaky(composer, failures=0))
+        with FabricManagerClient(address, retries=FAST) as client:
+            stream = client.watch()
+            revisions = [next(stream).revision for _ in range(total)]
+            stream.close()
+        assert revisions == list(range(1, total + 1))
+        assert servicer.watch_requests == [0, 3]
+
+    def test_close_cancels_the_stream(self, serve: Any, composer: FabricComposer) -> None:
+        composer.compose(parse_request("j", ["gpu"]))
+        total = len(composer.events())
+        servicer, address = serve(Flaky(composer, failures=-1))
+        with FabricManagerClient(address, retries=FAST) as client:
+            stream = client.watch(after_revision=total - 1)
+            seen: list[int] = []
+            first = threading.Event()
+
+            def consume() -> None:
+                for event in stream:
+                    seen.append(event.revision)
+                    first.set()
+
+            reader = threading.Thread(target=consume)
+            reader.start()
+            assert first.wait(10) and servicer.watch_started.wait(10)
+            stream.close()
+            reader.join(10)
+            assert not reader.is_alive()
+        assert seen == [total]
+        assert servicer.watch_cancelled.wait(10)

@@ -1,0 +1,261 @@
+"""`disagg driver serve` as a real process, the `remote` driver in a configuration, and their options."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from disagg.cli.driver import option_value, parse_options
+from disagg.cli.main import main
+from disagg.errors import ConfigError
+from disagg.model import Binding
+from disagg.plugins import load_plugins
+from disagg.remote import RemoteFabric, check_address
+from disagg.remote.plugin import create_fabric
+from remote_helpers import pcie, served
+
+SERVE_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("DISAGG_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("DISAGG_CONFIG", raising=False)
+    monkeypatch.delenv("DISAGG_SERVER", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="dg-"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def disagg(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "disagg.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=SERVE_TIMEOUT_S,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture
+def driver_process(socket_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`disagg driver serve sim --name pcie0 ...` on a unix socket, up and announced; killed if still running."""
+    address = f"unix:{socket_dir}/pcie0.sock"
+    command = [sys.executable, "-m", "disagg.cli.main", "driver", "serve", "sim", "--name", "pcie0"]
+    command += ["--option", "topology=demo-pcie", "--listen", address]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], SERVE_TIMEOUT_S)
+        assert ready, "the driver did not announce itself"
+        assert process.stdout.readline() == f"serving pcie0 (sim) on {address}\n"
+        yield process, address
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=SERVE_TIMEOUT_S)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+class TestServe:
+    """A driver served by `disagg driver serve` composes through `driver = "remote"` and stops on SIGTERM."""
+
+    def test_compose_through_a_served_driver(
+        self, driver_process: tuple[subprocess.Popen[str], str], tmp_path: Path, state_dir: Path
+    ) -> None:
+        process, address = driver_process
+        config = tmp_path / "disagg.toml"
+        config.write_text(
+            "[[fabric]]\n"
+            'name = "pcie0"\n'
+            'driver = "remote"\n'
+            f'options = {{ address = "{address}", connect_timeout_s = 5 }}\n'
+            "[[fabric]]\n"
+            'name = "cxl0"\n'
+            'driver = "sim"\n'
+            'options = { topology = "demo-cxl" }\n'
+        )
+        env = {**os.environ, "DISAGG_STATE_DIR": str(state_dir)}
+        composed = disagg("compose", "train", "host h1", "gpu x2 model=H200", "--config", str(config), env=env)
+        assert composed.returncode == 0, composed.stderr
+        assert "composed train" in composed.stdout and "pcie0/gpu-a0" in composed.stdout
+        listed = disagg("ls", "--json", "--config", str(config), env=env)
+        assert [c["name"] for c in json.loads(listed.stdout)] == ["train"]
+        hardware = RemoteFabric("pcie0", address)
+        try:
+            assert sorted(hardware.bindings(), key=lambda b: b.device) == [
+                Binding("pcie0/gpu-a0", "h1"),
+                Binding("pcie0/gpu-a1", "h1"),
+            ]
+        finally:
+            hardware.close()
+        decomposed = disagg("decompose", "train", "--config", str(config), env=env)
+        assert decomposed.returncode == 0, decomposed.stderr
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=SERVE_TIMEOUT_S) == 0
+        assert not Path(address.removeprefix("unix:")).exists()
+
+    def test_sigint_also_stops_it_cleanly(self, driver_process: tuple[subprocess.Popen[str], str]) -> None:
+        process, _ = driver_process
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=SERVE_TIMEOUT_S) == 0
+
+    def test_a_second_server_on_a_live_socket_is_refused(
+        self, driver_process: tuple[subprocess.Popen[str], str]
+    ) -> None:
+        _, address = driver_process
+        second = disagg(
+            "driver", "serve", "sim", "--name", "pcie0", "--option", "topology=demo-pcie", "--listen", address
+        )
+        assert second.returncode == 2 and "already listening" in second.stderr
+
+    @pytest.mark.parametrize(
+        ("args", "message"),
+        [
+            (["nope", "--name", "x", "--listen", "127.0.0.1:0"], "no driver 'nope' is installed"),
+            (["sim", "--name", "x", "--listen", "10.1.2.3:7000"], "not a unix socket or a loopback address"),
+            (["sim", "--name", "x", "--listen", "127.0.0.1:0"], "exactly one of 'topology' and 'generate'"),
+            (["sim", "--name", "x", "--option", "bogus", "--listen", "127.0.0.1:0"], "give KEY=VALUE"),
+            (["sim", "--name", "a/b", "--listen", "127.0.0.1:0"], "not a fabric name"),
+        ],
+    )
+    def test_bad_input_exits_2(self, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+        assert main(["driver", "serve", *args]) == 2
+        assert message in capsys.readouterr().err
+
+
+class TestRemotePlugin:
+    """The built-in `remote` driver is listed like any other and validates its options."""
+
+    def test_listed_by_disagg_plugins(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(["plugins"]) == 0
+        out = capsys.readouterr().out
+        remote_line = next(line for line in out.splitlines() if line.strip().startswith("remote "))
+        assert "disagg.remote.plugin" in remote_line and "declared by each instance" in remote_line
+        assert main(["plugins", "--json"]) == 0
+        driver = json.loads(capsys.readouterr().out)["drivers"]["remote"]
+        assert "whatever the remote driver declares" in driver["description"]
+
+    def test_registered_through_the_plugin_manager(self) -> None:
+        plugins = load_plugins(entry_points=False)
+        assert plugins.drivers["remote"].plugin == "disagg.remote.plugin"
+        assert plugins.drivers["remote"].capabilities.kinds == frozenset()
+        assert "remote" not in load_plugins(entry_points=False, blocked=["disagg.remote.plugin"]).drivers
+
+    @pytest.mark.parametrize(
+        ("options", "message"),
+        [
+            ({}, "option 'address' is required"),
+            ({"address": "pcie0.example.com:50051"}, "no TLS or authentication"),
+            ({"address": "127.0.0.1:0"}, "needs a port from 1 to 65535"),
+            ({"address": "unix:"}, "names no socket path"),
+            ({"address": 5}, "give unix:/path/to/socket or 127.0.0.1:PORT"),
+            ({"address": "127.0.0.1:1", "call_timeout_s": 0}, "option 'call_timeout_s'"),
+            ({"address": "127.0.0.1:1", "connect_timeout_s": True}, "option 'connect_timeout_s'"),
+            ({"address": "127.0.0.1:1", "adress": "x"}, "option 'adress': unknown option"),
+        ],
+    )
+    def test_bad_options_name_the_fabric_and_option(self, options: dict[str, object], message: str) -> None:
+        with pytest.raises(ConfigError, match="fabric 'pcie0' \\(driver remote\\)") as info:
+            create_fabric("pcie0", options)
+        assert message in info.value.message
+
+    def test_options_reach_the_fabric(self) -> None:
+        with served(pcie(), "unix") as server:
+            fabric = create_fabric("pcie0", {"address": server.address, "call_timeout_s": 3, "connect_timeout_s": 2})
+            try:
+                assert (fabric.call_timeout_s, fabric.connect_timeout_s) == (3.0, 2.0)
+            finally:
+                fabric.close()
+
+    def test_unreachable_driver_in_a_configuration(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        address = f"unix:{tmp_path}/nobody.sock"
+        config = tmp_path / "disagg.toml"
+        config.write_text(
+            f'[[fabric]]\nname = "pcie0"\ndriver = "remote"\n'
+            f'options = {{ address = "{address}", connect_timeout_s = 0.3 }}\n'
+        )
+        started = time.monotonic()
+        assert main(["ls", "--config", str(config)]) == 1
+        assert time.monotonic() - started < 3
+        err = capsys.readouterr().err
+        assert address in err and "no driver answered" in err
+
+
+class TestOptions:
+    """`--option KEY=VALUE` values are TOML when they parse as TOML, else strings; dotted keys nest."""
+
+    @pytest.mark.parametrize(
+        ("raw", "value"),
+        [
+            ("demo-pcie", "demo-pcie"),
+            ("0.5", 0.5),
+            ("100000", 100000),
+            ("true", True),
+            ('"quoted"', "quoted"),
+            ("{ devices = 10, seed = 1 }", {"devices": 10, "seed": 1}),
+            ("/var/lib/disagg/pcie0.json", "/var/lib/disagg/pcie0.json"),
+            ("1\nx = 2", "1\nx = 2"),
+            ("", ""),
+        ],
+    )
+    def test_value(self, raw: str, value: object) -> None:
+        assert option_value(raw) == value
+
+    def test_file_then_options_with_dotted_keys(self, tmp_path: Path) -> None:
+        options_file = tmp_path / "pcie0.toml"
+        options_file.write_text("bind_delay_s = 0.1\n[generate]\ndevices = 100\nseed = 3\n")
+        options = parse_options(["generate.devices=200", "bind_delay_s=0"], str(options_file))
+        assert options == {"bind_delay_s": 0, "generate": {"devices": 200, "seed": 3}}
+
+    @pytest.mark.parametrize(
+        ("pairs", "message"),
+        [(["novalue"], "give KEY=VALUE"), (["=1"], "give KEY=VALUE"), (["a=1", "a.b=2"], "a is not a table")],
+    )
+    def test_bad_options(self, pairs: list[str], message: str) -> None:
+        with pytest.raises(ConfigError, match=message):
+            parse_options(pairs)
+
+    def test_missing_file(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError, match="does not exist"):
+            parse_options([], str(tmp_path / "none.toml"))
+
+
+class TestAddress:
+    """Driver endpoints are unix sockets or loopback ports: the channel has no TLS or authentication yet."""
+
+    @pytest.mark.parametrize(
+        "address", ["unix:/run/d.sock", "unix:///run/d.sock", "unix:rel.sock", "127.0.0.1:5", "localhost:5", "[::1]:5"]
+    )
+    def test_accepted(self, address: str) -> None:
+        assert check_address(address) == address
+
+    @pytest.mark.parametrize("address", ["0.0.0.0:5", "10.0.0.1:5", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:70000", ""])
+    def test_refused(self, address: str) -> None:
+        with pytest.raises(ConfigError):
+            check_address(address)
+
+    def test_port_zero_only_for_listening(self) -> None:
+        assert check_address("127.0.0.1:0", listening=True) == "127.0.0.1:0"
+        with pytest.raises(ConfigError):
+            check_address("127.0.0.1:0")

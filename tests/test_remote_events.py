@@ -1,0 +1,171 @@
+"""Fabric events across the process boundary: in order, after a driver restart, and with nothing lost unseen."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from disagg.errors import FabricUnavailableError
+from disagg.model import FabricEvent, FabricEventKind, Health
+from disagg.remote import DriverServer, RemoteFabric
+from disagg_sim import SimFabric
+from remote_helpers import Recorder, eventually, pcie, served
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="dg-")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def faults(fabric: SimFabric | RemoteFabric) -> None:
+    """A burst of changes of every kind, some of which report nothing (failing a device twice)."""
+    for n in range(10):
+        fabric.fail_device(f"pcie0/gpu-a{n}", f"ECC {n}")
+        fabric.fail_device(f"pcie0/gpu-a{n}", "again")
+        fabric.set_link("top-a", "chassis-a", n % 2 == 1)
+    for n in range(10):
+        fabric.repair_device(f"pcie0/gpu-a{n}")
+
+
+class TestOrder:
+    """A remote subscriber sees exactly the events, in the order, that a local subscriber of the driver sees."""
+
+    @pytest.mark.parametrize("transport", ["unix", "tcp"])
+    def test_same_sequence_as_in_process(self, transport: str) -> None:
+        sim = pcie()
+        local = Recorder()
+        sim.subscribe(local)
+        with served(sim, transport) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                seen = Recorder()
+                remote.subscribe(seen)
+                faults(remote)  # each call returns once its events are handled: no waiting needed
+                assert len(local.events) == 30
+                assert seen.events == local.events
+                faults(sim)  # changes made behind the remote's back arrive too, later
+                assert eventually(lambda: len(seen.events) == 60)
+                assert seen.events == local.events
+            finally:
+                remote.close()
+
+    def test_handlers_in_subscription_order_and_cancel(self) -> None:
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                calls: list[tuple[str, str]] = []
+                first = remote.subscribe(lambda e: calls.append(("first", e.subject)))
+                remote.subscribe(lambda e: calls.append(("second", e.subject)))
+                remote.fail_device("pcie0/gpu-a0")
+                first.cancel()
+                first.cancel()
+                remote.fail_device("pcie0/gpu-a1")
+                assert calls == [
+                    ("first", "pcie0/gpu-a0"),
+                    ("second", "pcie0/gpu-a0"),
+                    ("second", "pcie0/gpu-a1"),
+                ]
+            finally:
+                remote.close()
+
+    def test_a_failing_handler_does_not_stop_the_others(self) -> None:
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                seen = Recorder()
+
+                def broken(event: FabricEvent) -> None:
+                    raise RuntimeError("handler bug")
+
+                remote.subscribe(broken)
+                remote.subscribe(seen)
+                remote.fail_device("pcie0/gpu-a0")
+                remote.repair_device("pcie0/gpu-a0")
+                assert [e.health for e in seen.events] == [Health.FAILED, Health.OK]
+            finally:
+                remote.close()
+
+    def test_a_handler_may_call_back_into_the_fabric(self) -> None:
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                healths: list[Health] = []
+
+                def handler(event: FabricEvent) -> None:
+                    healths.append(remote.device(event.subject).health())
+                    if event.health is Health.FAILED:
+                        remote.repair_device(event.subject)  # from the watcher's own thread: must not wait on itself
+
+                remote.subscribe(handler)
+                remote.fail_device("pcie0/gpu-a0")
+                assert eventually(lambda: len(healths) == 2)
+                assert healths == [Health.FAILED, Health.OK]
+            finally:
+                remote.close()
+
+
+class TestRestart:
+    """When the driver endpoint restarts, the remote fabric reconnects and events flow again."""
+
+    def test_reconnects_and_reports_what_changed_meanwhile(self, socket_dir: str) -> None:
+        sim = pcie()
+        address = f"unix:{socket_dir}/pcie0.sock"
+        server = DriverServer(sim, address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        try:
+            seen = Recorder()
+            remote.subscribe(seen)
+            remote.fail_device("pcie0/gpu-a0")
+            server.stop(grace=0)
+            sim.fail_device("pcie0/gpu-a1")  # while nobody watches
+            sim.set_link("top-b", "chassis-b", False)
+            server = DriverServer(sim, address, driver="sim").start()
+            assert eventually(lambda: len(seen.events) == 3)
+            kinds = [(e.kind, e.subject, e.health) for e in seen.events]
+            assert kinds == [
+                (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", Health.FAILED),
+                (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a1", Health.FAILED),
+                (FabricEventKind.LINK_DOWN, "pcie0/top-b|pcie0/chassis-b", None),
+            ]
+            assert "reconnecting" in seen.events[1].message
+            remote.repair_device("pcie0/gpu-a0")  # events flow again, and calls work
+            assert seen.events[-1].subject == "pcie0/gpu-a0" and len(seen.events) == 4
+            assert remote.device("pcie0/gpu-a1").health() is Health.FAILED
+        finally:
+            remote.close()
+            server.stop(grace=0)
+
+    def test_restart_with_a_fresh_driver(self, socket_dir: str) -> None:
+        address = f"unix:{socket_dir}/pcie0.sock"
+        first = pcie()
+        server = DriverServer(first, address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        try:
+            seen = Recorder()
+            remote.subscribe(seen)
+            remote.fail_device("pcie0/gpu-b3")
+            server.stop(grace=0)
+            server = DriverServer(pcie(), address, driver="sim").start()  # powered on again: all healthy
+            assert eventually(lambda: len(seen.events) == 2)
+            assert seen.events[-1].health is Health.OK
+            remote.fail_device("pcie0/gpu-b4")
+            assert seen.events[-1].subject == "pcie0/gpu-b4"
+        finally:
+            remote.close()
+            server.stop(grace=0)
+
+    def test_calls_fail_cleanly_while_the_driver_is_down(self, socket_dir: str) -> None:
+        address = f"unix:{socket_dir}/pcie0.sock"
+        server = DriverServer(pcie(), address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        try:
+            remote.subscribe(lambda event: None)
+            server.stop(grace=0)
+            with pytest.raises(FabricUnavailableError, match=address):
+                remote.bindings()
+        finally:
+            remote.close()

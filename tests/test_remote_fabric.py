@@ -1,0 +1,231 @@
+"""RemoteFabric: the Fabric interface over FabricDriverService, with the SDK's own errors, deadlines and epochs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from disagg.errors import (
+    CapacityExhaustedError,
+    ConfigError,
+    ConflictError,
+    DeadlineExceededError,
+    DeviceBusyError,
+    DriverError,
+    FabricUnavailableError,
+    HostUnreachableError,
+    NotFoundError,
+    StaleEpochError,
+    UnknownDeviceError,
+    UnknownHostError,
+    UnsupportedError,
+)
+from disagg.interfaces import CallContext
+from disagg.model import Binding, Health
+from disagg.remote import RemoteFabric
+from disagg.remote.plugin import create_fabric
+from disagg_sim import SIM_CAPABILITIES, SimFabric
+from remote_helpers import Plain, Secretive, cxl, pcie, served
+
+GPU = "pcie0/gpu-a0"
+CTX = CallContext(epoch=1)
+
+
+@pytest.fixture
+def sim() -> SimFabric:
+    return pcie()
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def remote(request: pytest.FixtureRequest, sim: SimFabric) -> Iterator[RemoteFabric]:
+    with served(sim, request.param) as server:
+        fabric = RemoteFabric("pcie0", server.address, connect_timeout_s=5)
+        try:
+            yield fabric
+        finally:
+            fabric.close()
+
+
+class TestConnect:
+    """Construction reads the served fabric's name and capabilities, and refuses a mismatch or no answer."""
+
+    def test_capabilities_are_the_remote_drivers(self, remote: RemoteFabric) -> None:
+        assert remote.name == "pcie0" and remote.driver == "sim"
+        assert remote.capabilities() == SIM_CAPABILITIES
+
+    def test_name_mismatch_names_both(self, sim: SimFabric) -> None:
+        with served(sim) as server, pytest.raises(ConfigError) as info:
+            RemoteFabric("gpus", server.address, connect_timeout_s=5)
+        assert "'gpus'" in info.value.message and "'pcie0'" in info.value.message
+        assert server.address in info.value.message
+
+    @pytest.mark.parametrize("address", ["unix:/nonexistent/disagg/driver.sock", "127.0.0.1:9"])
+    def test_unreachable_names_the_address_within_the_connect_timeout(self, address: str) -> None:
+        started = time.monotonic()
+        with pytest.raises(FabricUnavailableError) as info:
+            create_fabric("pcie0", {"address": address, "connect_timeout_s": 0.3})
+        assert time.monotonic() - started < 2.0
+        assert address in info.value.message and "0.3s" in info.value.message
+
+    def test_close_is_idempotent_and_final(self, remote: RemoteFabric) -> None:
+        remote.subscribe(lambda event: None)
+        remote.close()
+        remote.close()
+        with pytest.raises(FabricUnavailableError, match="closed"):
+            remote.bindings()
+        with pytest.raises(FabricUnavailableError, match="closed"):
+            remote.subscribe(lambda event: None)
+
+
+class TestCalls:
+    """Each method is one RPC that answers as the in-process fabric does."""
+
+    def test_bind_bindings_unbind(self, remote: RemoteFabric, sim: SimFabric) -> None:
+        assert remote.bind(GPU, "h1", CTX) == Binding(GPU, "h1")
+        assert remote.bind(GPU, "h1", CTX) == Binding(GPU, "h1")
+        assert list(remote.bindings()) == list(sim.bindings()) == [Binding(GPU, "h1")]
+        remote.unbind(Binding(GPU, "h1"), CTX)
+        remote.unbind(Binding(GPU, "h1"), CTX)
+        remote.unbind(Binding("pcie0/unknown", "h9"), CTX)
+        assert list(remote.bindings()) == []
+
+    def test_discover_matches(self, remote: RemoteFabric, sim: SimFabric) -> None:
+        assert remote.discover() == sim.discover()
+
+    def test_pools(self) -> None:
+        with served(cxl()) as server:
+            remote = RemoteFabric("cxl0", server.address)
+            try:
+                pool = remote.pool("cxl0/mem0")
+                assert pool.info() == remote.discover().pools[0]
+                allocation = pool.allocate("a1", "h1", 1 << 30, CTX)
+                assert pool.allocate("a1", "h1", 1 << 30, CTX) == allocation
+                assert list(pool.allocations()) == [allocation]
+                assert pool.free_bytes() == (2 << 40) - (1 << 30)
+                with pytest.raises(ConflictError):
+                    pool.allocate("a1", "h2", 1 << 30, CTX)
+                with pytest.raises(CapacityExhaustedError):
+                    pool.allocate("a2", "h1", 3 << 40, CTX)
+                pool.release("a1", CTX)
+                pool.release("a1", CTX)
+                assert list(pool.allocations()) == []
+                with pytest.raises(NotFoundError, match="pools: cxl0/mem0, cxl0/mem1"):
+                    remote.pool("cxl0/mem9")
+            finally:
+                remote.close()
+
+    def test_device_handle(self, remote: RemoteFabric, sim: SimFabric) -> None:
+        device = remote.device(GPU)
+        assert device.describe() == sim.device(GPU).describe()
+        assert device.health() is Health.OK
+        device.sanitize(CTX)
+        assert sim.sanitized(GPU) == 1
+        remote.bind(GPU, "h1", CTX)
+        with pytest.raises(DeviceBusyError):
+            device.sanitize(CTX)
+        with pytest.raises(UnknownDeviceError):
+            remote.device("pcie0/gpu-z9")
+
+    def test_epoch_request_id_and_deadline_reach_the_driver(self) -> None:
+        plain = Plain(pcie())
+        with served(plain) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                remote.bind(GPU, "h1", CallContext.with_timeout(7.0, epoch=42, request_id="req-1"))
+                remote.unbind(Binding(GPU, "h1"), CallContext(epoch=43))
+            finally:
+                remote.close()
+        (_, bind), (_, unbind) = plain.contexts
+        assert (bind.epoch, bind.request_id, unbind.epoch) == (42, "req-1", 43)
+        assert bind.deadline is not None and 6.0 < bind.deadline - time.monotonic() < 7.1
+        assert unbind.deadline is not None and unbind.deadline - time.monotonic() > 25  # the default call timeout
+
+
+class TestErrors:
+    """A failed call raises the same SDK error type as in process, so the composer cannot tell the difference."""
+
+    def test_driver_errors(self, remote: RemoteFabric) -> None:
+        remote.bind(GPU, "h1", CallContext(epoch=5))
+        cases = [
+            (DeviceBusyError, lambda: remote.bind(GPU, "h2", CallContext(epoch=5))),
+            (StaleEpochError, lambda: remote.bind("pcie0/gpu-a1", "h1", CallContext(epoch=4))),
+            (UnknownDeviceError, lambda: remote.bind("pcie0/nope", "h1", CallContext(epoch=5))),
+            (UnknownHostError, lambda: remote.bind("pcie0/gpu-a1", "h9", CallContext(epoch=5))),
+            (NotFoundError, lambda: remote.set_link("h1", "h2", False)),
+        ]
+        for error, call in cases:
+            with pytest.raises(error):
+                call()
+        remote.set_link("h3", "top-b", False)
+        with pytest.raises(HostUnreachableError):
+            remote.bind("pcie0/gpu-b0", "h3", CallContext(epoch=5))
+
+    def test_flaky_bind_is_fabric_unavailable(self, remote: RemoteFabric) -> None:
+        remote.flaky_bind(None, 1)
+        with pytest.raises(FabricUnavailableError, match="injected fault"):
+            remote.bind(GPU, "h1", CTX)
+        assert remote.bind(GPU, "h1", CTX) == Binding(GPU, "h1")
+
+    def test_deadline_from_the_context(self) -> None:
+        sim = pcie(bind_delay_s=1.0)
+        with served(sim) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                started = time.monotonic()
+                with pytest.raises(DeadlineExceededError):
+                    remote.bind(GPU, "h1", CallContext.with_timeout(0.2, epoch=1))
+                assert time.monotonic() - started < 0.8
+                with pytest.raises(DeadlineExceededError):
+                    remote.bind(GPU, "h1", CallContext(epoch=1, deadline=time.monotonic() - 1))
+                assert list(sim.bindings()) == []
+            finally:
+                remote.close()
+
+    def test_endpoint_gone_is_fabric_unavailable_naming_it(self, sim: SimFabric) -> None:
+        with served(sim) as server:
+            remote = RemoteFabric("pcie0", server.address)
+        try:
+            with pytest.raises(FabricUnavailableError) as info:
+                remote.bind(GPU, "h1", CTX)
+            assert server.address in info.value.message
+            with pytest.raises(FabricUnavailableError):
+                remote.discover()
+        finally:
+            remote.close()
+
+    def test_driver_bug_is_a_driver_error_without_its_text(self) -> None:
+        with served(Secretive(pcie())) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(DriverError) as info:
+                    remote.bind(GPU, "h1", CTX)
+                assert "secret" not in info.value.message and "RuntimeError" in info.value.message
+            finally:
+                remote.close()
+
+    def test_fault_injection_needs_a_fault_injectable_driver(self) -> None:
+        with served(Plain(pcie())) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(UnsupportedError):
+                    remote.fail_device(GPU)
+            finally:
+                remote.close()
+
+
+class TestDiscoverCache:
+    """Discovery may be cached while the event stream is open, but every event and fault empties the cache."""
+
+    def test_health_and_links_show_at_once(self, remote: RemoteFabric, sim: SimFabric) -> None:
+        remote.subscribe(lambda event: None)
+        assert remote.discover() is remote.discover()
+        remote.fail_device(GPU)
+        assert remote.device(GPU).health() is Health.FAILED
+        remote.set_link("h1", "top-a", False)
+        assert not next(link for link in remote.discover().links if link.a == "h1").up
+        sim.repair_device(GPU)  # behind the remote's back: reported by an event, which empties the cache
+        deadline = time.monotonic() + 5
+        while remote.device(GPU).health() is not Health.OK and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert remote.device(GPU).health() is Health.OK

@@ -1,0 +1,132 @@
+"""Conversions of the FabricDriverService messages (`disagg.wire.driver`): round trips and edge validation."""
+
+from __future__ import annotations
+
+import pytest
+from disagg.driver.v1 import fabric_driver_pb2 as pb
+from disagg.errors import InvalidRequestError
+from disagg.fabric.v1 import types_pb2 as tpb
+from disagg.interfaces import CallContext
+from disagg.model import Binding, FabricEvent, FabricEventKind, Health
+from disagg.wire import driver as wire
+from hypothesis import given
+from hypothesis import strategies as st
+
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=20)
+
+
+class TestFabricEvents:
+    """Every fabric event survives the wire; a malformed one is refused naming its field."""
+
+    @given(
+        kind=st.sampled_from(FabricEventKind),
+        health=st.none() | st.sampled_from(Health),
+        subject=TEXT.filter(bool),
+        message=TEXT,
+    )
+    def test_round_trip(self, kind: FabricEventKind, health: Health | None, subject: str, message: str) -> None:
+        if kind is FabricEventKind.DEVICE_HEALTH and health is None:
+            health = Health.OK
+        event = FabricEvent("pcie0", kind, subject, health, message)
+        assert wire.fabric_event_from_wire(wire.fabric_event_to_wire(event)) == event
+
+    @pytest.mark.parametrize(
+        ("msg", "field"),
+        [
+            (pb.FabricEvent(subject="d"), "event.kind"),
+            (pb.FabricEvent(kind=pb.FABRIC_EVENT_KIND_DEVICE_HEALTH, subject="d"), "event.health"),
+            (pb.FabricEvent(kind=pb.FABRIC_EVENT_KIND_LINK_UP), "event.subject"),
+            (pb.FabricEvent(kind=17, subject="d"), "event.kind"),
+        ],
+    )
+    def test_malformed(self, msg: pb.FabricEvent, field: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            wire.fabric_event_from_wire(msg)
+        assert info.value.field == field
+
+
+class TestFaults:
+    """Faults round-trip and apply as the FaultInjection call they stand for."""
+
+    @pytest.mark.parametrize(
+        "fault",
+        [
+            wire.Fault(wire.FaultKind.FAIL_DEVICE, "pcie0/gpu-a0", message="ECC"),
+            wire.Fault(wire.FaultKind.REPAIR_DEVICE, "pcie0/gpu-a0"),
+            wire.Fault(wire.FaultKind.LINK_DOWN, "h1", "top-a"),
+            wire.Fault(wire.FaultKind.LINK_UP, "h1", "top-a"),
+            wire.Fault(wire.FaultKind.FLAKY_BIND, "", count=3),
+            wire.Fault(wire.FaultKind.FLAKY_BIND, "pcie0/gpu-a0", count=0),
+        ],
+    )
+    def test_round_trip(self, fault: wire.Fault) -> None:
+        assert wire.fault_from_wire(wire.fault_to_wire(fault)) == fault
+
+    def test_apply(self) -> None:
+        calls: list[tuple[object, ...]] = []
+
+        class Faults:
+            def fail_device(self, device: str, message: str = "") -> None:
+                calls.append(("fail", device, message))
+
+            def repair_device(self, device: str) -> None:
+                calls.append(("repair", device))
+
+            def set_link(self, a: str, b: str, up: bool) -> None:
+                calls.append(("link", a, b, up))
+
+            def flaky_bind(self, device: str | None, failures: int) -> None:
+                calls.append(("flaky", device, failures))
+
+        for fault in (
+            wire.Fault(wire.FaultKind.FAIL_DEVICE, "d", message="m"),
+            wire.Fault(wire.FaultKind.REPAIR_DEVICE, "d"),
+            wire.Fault(wire.FaultKind.LINK_DOWN, "a", "b"),
+            wire.Fault(wire.FaultKind.LINK_UP, "a", "b"),
+            wire.Fault(wire.FaultKind.FLAKY_BIND, "", count=2),
+        ):
+            fault.apply(Faults())
+        assert calls == [
+            ("fail", "d", "m"),
+            ("repair", "d"),
+            ("link", "a", "b", False),
+            ("link", "a", "b", True),
+            ("flaky", None, 2),
+        ]
+
+
+class TestRequests:
+    """Requests carry the context's epoch and request id; the service side gets them back with the deadline."""
+
+    def test_bind_unbind(self) -> None:
+        ctx = CallContext(epoch=9, request_id="r")
+        device, host, back = wire.bind_request_from_wire(wire.bind_request_to_wire("d", "h", ctx), 12.5)
+        assert (device, host, back) == ("d", "h", CallContext(epoch=9, deadline=12.5, request_id="r"))
+        binding, back = wire.unbind_request_from_wire(wire.unbind_request_to_wire(Binding("d", "h"), ctx), None)
+        assert (binding, back) == (Binding("d", "h"), CallContext(epoch=9, request_id="r"))
+
+    def test_allocate_release_sanitize(self) -> None:
+        ctx = CallContext(epoch=2**64 - 1)
+        request = wire.allocate_request_to_wire("p", "a", "h", 5, ctx)
+        assert wire.allocate_request_from_wire(request, None) == ("p", "a", "h", 5, ctx)
+        assert wire.release_request_from_wire(wire.release_request_to_wire("p", "a", ctx), None) == ("p", "a", ctx)
+        assert wire.sanitize_request_from_wire(wire.sanitize_request_to_wire("d", ctx), None) == ("d", ctx)
+
+    def test_unbind_needs_a_binding(self) -> None:
+        with pytest.raises(InvalidRequestError, match="binding"):
+            wire.unbind_request_from_wire(pb.UnbindRequest(binding=tpb.Binding(host="h")), None)
+
+
+class TestEventSequence:
+    """The event-sequence metadata parses as instance and count, and anything else as absent."""
+
+    @pytest.mark.parametrize(
+        ("value", "parsed"),
+        [("abc:3", ("abc", 3)), ("a:b:0", ("a:b", 0)), ("", None), ("abc", None), (":3", None), ("abc:-1", None)],
+    )
+    def test_parse(self, value: str, parsed: tuple[str, int] | None) -> None:
+        assert wire.event_sequence(value) == parsed
+
+    def test_metadata_value(self) -> None:
+        assert wire.metadata_value((("x", "1"), (wire.EVENT_SEQUENCE_KEY, b"i:2")), wire.EVENT_SEQUENCE_KEY) == "i:2"
+        assert wire.metadata_value(None, "x") == ""

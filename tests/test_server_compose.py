@@ -1,0 +1,373 @@
+"""The composition RPCs over a real server on a unix socket: Compose, Get/List/Update and Decompose, with every
+error code they answer, deadlines carried to the drivers, and concurrent composes for the last device."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from composer_helpers import rack
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces import CallContext
+from disagg_sim import create_fabric
+from server_helpers import (
+    WAIT_S,
+    SecretBind,
+    Served,
+    compose_request,
+    fails,
+    failure_of,
+    gpu,
+    serving,
+    sim,
+    slow_rack,
+    socket_path,
+    wait_until,
+)
+
+MEMORY = fm.ResourceRequest(kind=pb.DEVICE_KIND_CXL_MEMORY, amount_bytes=2**39)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """A server over the demo rack on a unix socket in the test's directory."""
+    with serving(socket_path(tmp_path)) as running:
+        yield running
+
+
+def nothing_left(served: Served) -> bool:
+    return not served.composer.compositions() and not served.bindings()
+
+
+class TestCompose:
+    """Compose previews, reserves and applies plans all or nothing; request ids make retries safe."""
+
+    def test_preview_changes_nothing(self, served: Served) -> None:
+        reply = served.stub.Compose(compose_request("p", gpu(2), mode=fm.COMPOSE_MODE_PREVIEW))
+        assert reply.mode == fm.COMPOSE_MODE_PREVIEW and len(reply.plan.devices) == 2 and reply.plan.host
+        assert not reply.HasField("composition") and not reply.HasField("reservation")
+        assert nothing_left(served)
+
+    def test_apply_binds_across_fabrics(self, served: Served) -> None:
+        reply = served.stub.Compose(compose_request("inference", gpu(2), MEMORY))
+        comp = reply.composition
+        assert reply.mode == fm.COMPOSE_MODE_APPLY and comp.state == fm.COMPOSITION_STATE_COMPOSED
+        assert comp.name == "inference" and comp.host == reply.plan.host and comp.etag
+        assert served.bindings() == {p.device: comp.host for p in comp.devices}
+        assert sum(a.amount_bytes for a in comp.allocations) == 2**39
+
+    def test_unspecified_mode_applies(self, served: Served) -> None:
+        reply = served.stub.Compose(compose_request("u", mode=fm.COMPOSE_MODE_UNSPECIFIED))
+        assert reply.mode == fm.COMPOSE_MODE_APPLY and reply.composition.state == fm.COMPOSITION_STATE_COMPOSED
+
+    def test_reserve_then_apply_the_reservation(self, served: Served) -> None:
+        reserved = served.stub.Compose(compose_request("r", gpu(2), mode=fm.COMPOSE_MODE_RESERVE, reservation_ttl_s=30))
+        reservation = reserved.reservation
+        assert reservation.id and reservation.name == "r" and not served.bindings()
+        assert time.time() + 20 < reservation.expires_at <= time.time() + 31
+        applied = served.stub.Compose(fm.ComposeRequest(reservation_id=reservation.id, mode=fm.COMPOSE_MODE_APPLY))
+        assert applied.plan == reservation.plan
+        assert [p.device for p in applied.composition.devices] == [p.device for p in reservation.plan.devices]
+        assert applied.composition.name == "r" and len(served.bindings()) == 2
+
+    def test_retry_with_request_id_returns_the_first_answer(self, served: Served) -> None:
+        request = compose_request("idem", gpu(2), request_id="req-1")
+        first = served.stub.Compose(request)
+        again = served.stub.Compose(request)
+        assert again.composition.id == first.composition.id
+        assert len(served.composer.compositions()) == 1 and len(served.bindings()) == 2
+
+    def test_retry_of_a_reservation_apply_with_request_id(self, served: Served) -> None:
+        reserved = served.stub.Compose(compose_request("r", mode=fm.COMPOSE_MODE_RESERVE)).reservation
+        request = fm.ComposeRequest(reservation_id=reserved.id, request_id="apply-1")
+        first = served.stub.Compose(request)
+        assert served.stub.Compose(request).composition.id == first.composition.id
+        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id=reserved.id))
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("reservation", reserved.id)
+
+    def test_request_id_reused_for_another_request(self, served: Served) -> None:
+        served.stub.Compose(compose_request("one", request_id="req-1"))
+        failed = fails(served.stub.Compose, compose_request("two", request_id="req-1"))
+        assert failed.code is grpc.StatusCode.ALREADY_EXISTS and failed.reason == "REQUEST_ID_REUSED"
+        assert failed.metadata["request_id"] == "req-1"
+
+    def test_name_taken(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("taken")).composition
+        failed = fails(served.stub.Compose, compose_request("taken"))
+        assert failed.code is grpc.StatusCode.ALREADY_EXISTS and failed.reason == "ALREADY_EXISTS"
+        assert failed.metadata["holder"] == comp.id
+
+    @pytest.mark.parametrize(
+        ("fields", "field"),
+        [
+            ({"name": ""}, "name"),
+            ({"name": "two words"}, "name"),
+            ({"resources": []}, "resources"),
+            ({"resources": [gpu()] * 65}, "resources"),
+            ({"resources": [fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU)]}, "resources[0]"),
+            ({"resources": [gpu(), fm.ResourceRequest(kind=77, count=1)]}, "resources[1].kind"),
+            ({"resources": [gpu(1, selectors=[fm.Selector(op=fm.SELECTOR_OP_EQ)])]}, "resources[0].selectors[0].key"),
+            ({"resources": [gpu(1, affinity=9)]}, "resources[0].affinity"),
+            ({"mode": 9}, "mode"),
+            ({"reservation_ttl_s": -1.0}, "reservation_ttl_s"),
+            ({"reservation_ttl_s": 1e6}, "reservation_ttl_s"),
+            ({"request_id": "r" * 129}, "request_id"),
+            ({"host": fm.HostRequest(name="h 1")}, "host.name"),
+            ({"reservation_id": "r-1", "mode": fm.COMPOSE_MODE_PREVIEW}, "mode"),
+            ({"reservation_id": "r 1"}, "reservation_id"),
+        ],
+    )
+    def test_invalid_argument(self, served: Served, fields: dict[str, Any], field: str) -> None:
+        request = compose_request("ok")
+        for key, value in fields.items():
+            if isinstance(value, list):
+                del getattr(request, key)[:]
+                getattr(request, key).extend(value)
+            elif isinstance(value, fm.HostRequest):
+                request.host.CopyFrom(value)
+            else:
+                setattr(request, key, value)
+        failed = fails(served.stub.Compose, request)
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == (field,)
+        assert nothing_left(served)
+
+    def test_unknown_reservation(self, served: Served) -> None:
+        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id="r-nope"))
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("reservation", "r-nope")
+
+    def test_unknown_host(self, served: Served) -> None:
+        failed = fails(served.stub.Compose, compose_request("x", host=fm.HostRequest(name="h9")))
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("host", "h9")
+
+    def test_no_fit_says_why_with_numbers(self, served: Served) -> None:
+        failed = fails(served.stub.Compose, compose_request("big", gpu(21)))
+        assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "NO_FIT"
+        assert "21 gpu" in failed.message and "4 candidate hosts" in failed.message
+        assert nothing_left(served)
+
+    def test_unreachable_driver_is_unavailable_and_rolled_back(self, served: Served) -> None:
+        plan = served.stub.Compose(compose_request("f", gpu(3), mode=fm.COMPOSE_MODE_PREVIEW)).plan
+        served.fabrics["pcie0"].flaky_bind(plan.devices[2].device, 1)  # type: ignore[attr-defined]
+        failed = fails(served.stub.Compose, compose_request("f", gpu(3)))
+        assert failed.code is grpc.StatusCode.UNAVAILABLE and failed.reason == "FABRIC_UNAVAILABLE"
+        assert nothing_left(served)
+
+    def test_stale_epoch_is_failed_precondition(self, tmp_path: Path) -> None:
+        fabrics = rack()
+        newer = CallContext(epoch=7)
+        binding = fabrics["pcie0"].bind("pcie0/gpu-b9", "h4", newer)
+        fabrics["pcie0"].unbind(binding, newer)
+        with serving(socket_path(tmp_path), fabrics) as served:
+            failed = fails(served.stub.Compose, compose_request("old"))
+            assert failed.code is grpc.StatusCode.FAILED_PRECONDITION and failed.reason == "STALE_EPOCH"
+            assert [t for t, _ in failed.preconditions] == ["STALE_EPOCH"]
+            assert nothing_left(served)
+
+    def test_client_deadline_reaches_the_driver(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(0.5)) as served:
+            failed = fails(served.stub.Compose, compose_request("slow"), timeout=0.2)
+            assert failed.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_until(lambda: nothing_left(served), "the rollback")
+
+    def test_deadline_mid_plan_rolls_back_past_the_deadline(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
+            with pytest.raises(grpc.RpcError) as info:
+                served.stub.Compose(compose_request("slow", gpu(2)), timeout=0.5)
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_until(lambda: nothing_left(served), "the rollback")
+            assert served.stub.Compose(compose_request("slow", gpu(2))).composition.state == (
+                fm.COMPOSITION_STATE_COMPOSED
+            )
+
+    def test_bare_driver_exception_is_internal_without_its_text(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        fabrics = {"pcie0": sim(SecretBind), "cxl0": create_fabric("cxl0", {"topology": "demo-cxl"})}
+        with serving(socket_path(tmp_path), fabrics) as served:
+            failed = fails(served.stub.Compose, compose_request("bug", gpu(1), MEMORY))
+            assert failed.code is grpc.StatusCode.INTERNAL and failed.reason == "DRIVER_ERROR"
+            assert "secret text" not in failed.message and failed.metadata["incident"] in failed.message
+            assert nothing_left(served)
+            assert all("secret text" not in e.message for e in served.composer.events())
+        assert "secret text" in caplog.text
+
+    def test_32_concurrent_composes_for_the_last_free_device(self, served: Served) -> None:
+        gpus = [d.id for d in served.composer.devices() if d.kind.value == "gpu"]
+        for device in gpus[1:]:
+            served.stub.CordonDevice(fm.CordonDeviceRequest(id=device))
+        start = threading.Barrier(32, timeout=WAIT_S)
+
+        def compose(n: int) -> grpc.StatusCode:
+            start.wait()
+            try:
+                served.stub.Compose(compose_request(f"race-{n}"), timeout=WAIT_S)
+            except grpc.RpcError as err:
+                failed = failure_of(err)
+                assert failed.reason == "NO_FIT", failed
+                return err.code()
+            return grpc.StatusCode.OK
+
+        with ThreadPoolExecutor(32) as pool:
+            codes = list(pool.map(compose, range(32)))
+        assert codes.count(grpc.StatusCode.OK) == 1
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 31
+        assert list(served.bindings()) == [gpus[0]]
+
+
+class TestGetComposition:
+    """GetComposition answers one composition by id or by name; an unknown one is NOT_FOUND."""
+
+    def test_by_id_and_by_name(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("named", gpu(2))).composition
+        assert served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition == comp
+        assert served.stub.GetComposition(fm.GetCompositionRequest(id="named")).composition == comp
+
+    def test_invalid_id(self, served: Served) -> None:
+        failed = fails(served.stub.GetComposition, fm.GetCompositionRequest(id=""))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("id",)
+
+    def test_unknown(self, served: Served) -> None:
+        failed = fails(served.stub.GetComposition, fm.GetCompositionRequest(id="ghost"))
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("composition", "ghost")
+
+
+class TestListCompositions:
+    """ListCompositions pages every composition in name order with opaque tokens."""
+
+    def test_pages_in_name_order(self, served: Served) -> None:
+        for name in ("delta", "alpha", "charlie", "bravo"):
+            served.stub.Compose(compose_request(name))
+        first = served.stub.ListCompositions(fm.ListCompositionsRequest(page_size=3))
+        assert [c.name for c in first.compositions] == ["alpha", "bravo", "charlie"] and first.next_page_token
+        rest = served.stub.ListCompositions(fm.ListCompositionsRequest(page_size=3, page_token=first.next_page_token))
+        assert [c.name for c in rest.compositions] == ["delta"] and rest.next_page_token == ""
+        assert len(served.stub.ListCompositions(fm.ListCompositionsRequest()).compositions) == 4
+
+    def test_empty(self, served: Served) -> None:
+        reply = served.stub.ListCompositions(fm.ListCompositionsRequest())
+        assert list(reply.compositions) == [] and reply.next_page_token == ""
+
+    @pytest.mark.parametrize(
+        ("fields", "field"),
+        [
+            ({"page_size": 1001}, "page_size"),
+            ({"page_token": "%%%"}, "page_token"),
+            ({"page_token": "ZGV2aWNlczpwY2llMC9ncHUtYTA"}, "page_token"),  # a ListDevices token
+        ],
+    )
+    def test_invalid_argument(self, served: Served, fields: dict[str, Any], field: str) -> None:
+        failed = fails(served.stub.ListCompositions, fm.ListCompositionsRequest(**fields))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == (field,)
+
+
+class TestUpdateComposition:
+    """UpdateComposition adds and removes resources of a live composition, guarded by its etag when one is given."""
+
+    def test_add_and_remove(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("grow", gpu(2))).composition
+        grown = served.stub.UpdateComposition(fm.UpdateCompositionRequest(id="grow", add=[gpu(2)], etag=comp.etag))
+        assert len(grown.composition.devices) == 4 and grown.composition.etag != comp.etag
+        assert grown.composition.generation > comp.generation and len(served.bindings()) == 4
+        gone = comp.devices[0].device
+        shrunk = served.stub.UpdateComposition(fm.UpdateCompositionRequest(id=comp.id, remove=[gone]))
+        assert gone not in {p.device for p in shrunk.composition.devices} and gone not in served.bindings()
+        assert shrunk.composition.state == fm.COMPOSITION_STATE_COMPOSED
+
+    def test_stale_etag_changes_nothing(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("guarded")).composition
+        served.stub.UpdateComposition(fm.UpdateCompositionRequest(id=comp.id, add=[gpu()]))
+        failed = fails(
+            served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=comp.id, add=[gpu()], etag=comp.etag)
+        )
+        assert failed.code is grpc.StatusCode.FAILED_PRECONDITION and failed.reason == "CONFLICT"
+        assert failed.preconditions == (("CONFLICT", comp.id),)
+        assert comp.etag in failed.message and len(served.bindings()) == 2
+
+    @pytest.mark.parametrize(
+        ("fields", "field"),
+        [
+            ({"id": "c-1"}, "add"),
+            ({"id": ""}, "id"),
+            ({"id": "c-1", "add": [fm.ResourceRequest(count=1)]}, "add[0].kind"),
+            ({"id": "c-1", "remove": ["ok", ""]}, "remove[1]"),
+            ({"id": "c-1", "remove": ["x"] * 1025}, "remove"),
+            ({"id": "c-1", "remove": ["x"], "etag": "e" * 129}, "etag"),
+        ],
+    )
+    def test_invalid_argument(self, served: Served, fields: dict[str, Any], field: str) -> None:
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(**fields))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == (field,)
+
+    def test_removing_what_it_does_not_hold(self, served: Served) -> None:
+        served.stub.Compose(compose_request("small"))
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="small", remove=["pcie0/nic0"]))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("remove",)
+
+    def test_unknown(self, served: Served) -> None:
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="ghost", add=[gpu()]))
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("composition", "ghost")
+
+    def test_no_fit(self, served: Served) -> None:
+        served.stub.Compose(compose_request("small"))
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="small", add=[gpu(30)]))
+        assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "30 gpu" in failed.message
+        assert "19 free" in failed.message and len(served.bindings()) == 1
+
+    def test_client_deadline_reaches_the_driver(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
+            comp = served.stub.Compose(compose_request("slow")).composition
+            failed = fails(
+                served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=comp.id, add=[gpu()]), timeout=0.1
+            )
+            assert failed.code is grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_until(lambda: len(served.bindings()) == 1, "the rollback")
+            now = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition
+            assert [p.device for p in now.devices] == [p.device for p in comp.devices]
+            assert now.state == fm.COMPOSITION_STATE_COMPOSED
+
+    def test_composition_in_the_wrong_state(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
+            comp = served.stub.Compose(compose_request("stuck")).composition
+            fails(served.stub.Decompose, fm.DecomposeRequest(id=comp.id), timeout=0.15)  # leaves it FAILED
+            failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=comp.id, add=[gpu()]))
+            assert failed.code is grpc.StatusCode.FAILED_PRECONDITION and "FAILED" in failed.message
+            assert failed.preconditions == (("CONFLICT", comp.id),)
+
+
+class TestDecompose:
+    """Decompose releases everything of a composition and is idempotent; an unknown one succeeds."""
+
+    def test_decompose_by_name(self, served: Served) -> None:
+        served.stub.Compose(compose_request("gone", gpu(2), MEMORY))
+        served.stub.Decompose(fm.DecomposeRequest(id="gone"))
+        assert nothing_left(served)
+        kinds = {k.kind: k for k in served.stub.ListPools(fm.ListPoolsRequest()).kinds}
+        assert kinds[pb.DEVICE_KIND_GPU].free == 20
+
+    def test_unknown_and_repeated_succeed(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("twice")).composition
+        served.stub.Decompose(fm.DecomposeRequest(id=comp.id))
+        served.stub.Decompose(fm.DecomposeRequest(id=comp.id))
+        served.stub.Decompose(fm.DecomposeRequest(id="never-was"))
+        assert nothing_left(served)
+
+    def test_invalid_id(self, served: Served) -> None:
+        failed = fails(served.stub.Decompose, fm.DecomposeRequest(id=""))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("id",)
+
+    def test_deadline_leaves_it_failed_and_a_retry_finishes(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
+            comp = served.stub.Compose(compose_request("slow")).composition
+            failed = fails(served.stub.Decompose, fm.DecomposeRequest(id=comp.id), timeout=0.15)
+            assert failed.code is grpc.StatusCode.ABORTED and "retry" in failed.message
+            state = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition.state
+            assert state == fm.COMPOSITION_STATE_FAILED
+            served.stub.Decompose(fm.DecomposeRequest(id=comp.id))
+            assert nothing_left(served)

@@ -1,0 +1,286 @@
+"""The server's life: UNAVAILABLE and health NOT_SERVING during start-up, health and reflection, listeners, the
+reservation timer, and a graceful shutdown that lets calls in flight finish while new ones are refused."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from composer_helpers import rack
+from disagg.composer import FabricComposer
+from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.model import EventType, Topology
+from disagg.server import SERVICE_NAME, FabricManagerServer, parse_listener
+from disagg.store import MemoryStore
+from disagg_sim import SimFabric, load_topology
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from server_helpers import (
+    WAIT_S,
+    GatedDiscovery,
+    Served,
+    compose_request,
+    fails,
+    gpu,
+    guarded_channel,
+    serving,
+    slow_rack,
+    socket_path,
+    stream_fails,
+    wait_until,
+)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+EVERY_UNARY_CALL = [
+    ("GetTopology", fm.GetTopologyRequest()),
+    ("ListDevices", fm.ListDevicesRequest()),
+    ("GetDevice", fm.GetDeviceRequest(id="pcie0/gpu-a0")),
+    ("ListPools", fm.ListPoolsRequest()),
+    ("Compose", compose_request("early")),
+    ("GetComposition", fm.GetCompositionRequest(id="early")),
+    ("ListCompositions", fm.ListCompositionsRequest()),
+    ("UpdateComposition", fm.UpdateCompositionRequest(id="early", add=[gpu()])),
+    ("Decompose", fm.DecomposeRequest(id="early")),
+    ("CordonDevice", fm.CordonDeviceRequest(id="pcie0/gpu-a0")),
+    ("UncordonDevice", fm.UncordonDeviceRequest(id="pcie0/gpu-a0")),
+    ("ListDrivers", fm.ListDriversRequest()),
+]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """A server over the demo rack on a unix socket in the test's directory."""
+    with serving(socket_path(tmp_path)) as running:
+        yield running
+
+
+def health_of(channel: grpc.Channel, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=WAIT_S, wait_for_ready=True)
+    return int(reply.status)
+
+
+class TestStartup:
+    """Until the composer has started, health is NOT_SERVING and every fabric-manager RPC answers UNAVAILABLE."""
+
+    def test_unavailable_until_started(self, tmp_path: Path) -> None:
+        gated = GatedDiscovery(load_topology("pcie0", "demo-pcie"))
+        gated.gate = threading.Event()
+        address = f"unix:{socket_path(tmp_path)}"
+        server = FabricManagerServer(FabricComposer({"pcie0": gated}, store=MemoryStore()), [address])
+        starter = threading.Thread(target=server.start)
+        starter.start()
+        channel = guarded_channel(address)
+        try:
+            assert health_of(channel) == NOT_SERVING and health_of(channel, SERVICE_NAME) == NOT_SERVING
+            stub = fm_grpc.FabricManagerServiceStub(channel)
+            for method, request in EVERY_UNARY_CALL:
+                failed = fails(getattr(stub, method), request)
+                assert failed.code is grpc.StatusCode.UNAVAILABLE, method
+                assert failed.reason == "FABRIC_UNAVAILABLE" and "starting" in failed.message
+            failed = stream_fails(stub.WatchEvents, fm.WatchEventsRequest())
+            assert failed.code is grpc.StatusCode.UNAVAILABLE
+            gated.gate.set()
+            starter.join(WAIT_S)
+            assert health_of(channel) == SERVING and health_of(channel, SERVICE_NAME) == SERVING
+            assert stub.ListDevices(fm.ListDevicesRequest()).devices
+        finally:
+            gated.gate.set()
+            starter.join(WAIT_S)
+            channel.close()
+            server.stop(0)
+
+    def test_failed_start_closes_everything(self, tmp_path: Path) -> None:
+        class Unreachable(SimFabric):
+            def discover(self) -> Topology:
+                raise FabricUnavailableError("switch management port does not answer")
+
+        sock = socket_path(tmp_path)
+        server = FabricManagerServer(
+            FabricComposer({"pcie0": Unreachable(load_topology("pcie0", "demo-pcie"))}), [f"unix:{sock}"]
+        )
+        with pytest.raises(FabricUnavailableError, match="does not answer"):
+            server.start()
+        server.stop()
+        assert not sock.exists()
+        with serving(sock) as served:  # the address is free again
+            assert served.stub.ListPools(fm.ListPoolsRequest()).pools
+
+
+class TestHealth:
+    """grpc.health.v1 answers SERVING for the server and the fabric-manager service once started."""
+
+    def test_serving(self, served: Served) -> None:
+        assert health_of(served.channel) == SERVING
+        assert health_of(served.channel, SERVICE_NAME) == SERVING
+        assert SERVICE_NAME == "disagg.fabric.v1.FabricManagerService"
+
+    def test_unknown_service(self, served: Served) -> None:
+        stub = health_pb2_grpc.HealthStub(served.channel)
+        with pytest.raises(grpc.RpcError) as info:  # the standard health protocol, without rich details
+            stub.Check(health_pb2.HealthCheckRequest(service="nope.Service"))
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+class TestReflection:
+    """Server reflection lists the fabric-manager and health services and serves their descriptors."""
+
+    def test_services(self, served: Served) -> None:
+        database = ProtoReflectionDescriptorDatabase(served.channel)
+        services = set(database.get_services())
+        assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
+        found = database.FindFileContainingSymbol(SERVICE_NAME)
+        assert found.name == "disagg/fabric/v1/fabric_manager.proto"
+
+
+class TestShutdown:
+    """Stopping sets health NOT_SERVING first, refuses new calls with UNAVAILABLE, lets calls in flight finish."""
+
+    def test_graceful(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(1.0)) as served:
+            health = health_pb2_grpc.HealthStub(served.channel).Watch(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=WAIT_S
+            )
+            assert next(health).status == SERVING
+            outcome: dict[str, Any] = {}
+
+            def compose() -> None:
+                try:
+                    outcome["reply"] = served.stub.Compose(compose_request("slow"), timeout=WAIT_S)
+                except grpc.RpcError as err:
+                    outcome["error"] = err.code()
+
+            composing = threading.Thread(target=compose)
+            composing.start()
+            wait_until(lambda: bool(served.composer.compositions()), "the compose to begin")
+            stopper = threading.Thread(target=served.server.stop, args=(WAIT_S,))
+            stopper.start()
+            try:
+                assert next(health).status == NOT_SERVING
+                with pytest.raises(StopIteration):
+                    next(health)  # the health watch ends rather than hold up the shutdown
+
+                def refused() -> bool:
+                    try:
+                        served.stub.GetTopology(fm.GetTopologyRequest(), timeout=1.0)
+                    except grpc.RpcError as err:
+                        return err.code() is grpc.StatusCode.UNAVAILABLE
+                    return False
+
+                wait_until(refused, "new calls to be refused")
+                assert composing.is_alive(), "the compose in flight should still be running"
+            finally:
+                composing.join(WAIT_S)
+                stopper.join(WAIT_S)
+            assert "error" not in outcome and outcome["reply"].composition.state == fm.COMPOSITION_STATE_COMPOSED
+            assert not stopper.is_alive()
+
+
+class TestReservationTimer:
+    """A timer expires reservations whose time to live has passed, without any call to the server."""
+
+    def test_reservation_expires(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), tick_s=0.05) as served:
+            reply = served.stub.Compose(compose_request("r", mode=fm.COMPOSE_MODE_RESERVE, reservation_ttl_s=0.2))
+
+            def expired() -> bool:
+                return any(e.type is EventType.RESERVATION_EXPIRED for e in served.composer.events())
+
+            wait_until(expired, "the reservation to expire")
+            failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id=reply.reservation.id))
+            assert failed.code is grpc.StatusCode.NOT_FOUND
+
+
+class TestListeners:
+    """Listener addresses: loopback TCP or unix sockets by default; stale sockets are replaced, live ones not."""
+
+    @pytest.mark.parametrize(
+        ("address", "target"),
+        [
+            ("127.0.0.1:50051", "127.0.0.1:50051"),
+            ("localhost:0", "localhost:0"),
+            ("[::1]:7000", "[::1]:7000"),
+            ("unix:/run/disagg/fm.sock", "unix:/run/disagg/fm.sock"),
+        ],
+    )
+    def test_accepted(self, address: str, target: str) -> None:
+        assert parse_listener(address).target == target
+
+    @pytest.mark.parametrize(
+        "address",
+        ["0.0.0.0:50051", "[::]:50051", "10.1.2.3:1", "example.org:50051"],
+    )
+    def test_remote_needs_allow_remote(self, address: str) -> None:
+        with pytest.raises(ConfigError, match="--allow-remote") as info:
+            parse_listener(address)
+        assert info.value.field == "listen"
+        assert parse_listener(address, allow_remote=True).port > 0
+
+    @pytest.mark.parametrize(
+        "address", ["50051", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:70000", "::1:5", "unix:relative.sock", ":5"]
+    )
+    def test_malformed(self, address: str) -> None:
+        with pytest.raises(ConfigError):
+            parse_listener(address)
+
+    def test_unix_path_too_long(self) -> None:
+        with pytest.raises(ConfigError, match="at most 107 bytes"):
+            parse_listener("unix:/" + "d" * 120)
+
+    def test_parent_created_and_stale_socket_replaced(self, tmp_path: Path) -> None:
+        sock = tmp_path / "run" / "disagg" / "fm.sock"
+        sock.parent.mkdir(parents=True)
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(sock))
+        stale.close()  # the file stays: a server that died
+        with serving(sock) as served:
+            assert served.stub.ListPools(fm.ListPoolsRequest()).kinds
+        with serving(tmp_path / "new" / "dir" / "fm.sock") as served:
+            assert served.stub.ListPools(fm.ListPoolsRequest()).kinds
+
+    def test_live_socket_is_refused(self, tmp_path: Path) -> None:
+        sock = socket_path(tmp_path)
+        with serving(sock), pytest.raises(ConfigError, match="another server is listening"):
+            FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"]).start()
+
+    def test_other_file_is_refused(self, tmp_path: Path) -> None:
+        path = socket_path(tmp_path)
+        path.write_text("not a socket")
+        with pytest.raises(ConfigError, match="not a socket"):
+            FabricManagerServer(FabricComposer(rack()), [f"unix:{path}"]).start()
+        assert path.read_text() == "not a socket"
+
+    def test_port_in_use_is_refused(self) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            with pytest.raises(ConfigError, match="cannot listen"):
+                FabricManagerServer(FabricComposer(rack()), [f"127.0.0.1:{port}"]).start()
+
+    def test_tcp_port_zero_reports_the_chosen_port(self) -> None:
+        server = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
+        try:
+            (address,) = server.start()
+            host, port = address.rsplit(":", 1)
+            assert host == "127.0.0.1" and int(port) > 0
+            channel = guarded_channel(address)
+            try:
+                assert health_of(channel) == SERVING
+            finally:
+                channel.close()
+        finally:
+            server.stop(0)
+
+    def test_no_listener(self) -> None:
+        with pytest.raises(ConfigError, match="no address to listen on"):
+            FabricManagerServer(FabricComposer(rack()), [])

@@ -1,0 +1,225 @@
+"""WatchEvents over a real server: the retained log, then live events, in revision order with no gap or
+duplicate; OUT_OF_RANGE for a revision the log no longer holds; watches end when the server stops."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from composer_helpers import composer
+from disagg.errors import FabricUnavailableError, RevisionCompactedError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.server.watch import Watches, watch_events
+from disagg.store import MemoryStore
+from server_helpers import (
+    WAIT_S,
+    Served,
+    compose_request,
+    failure_of,
+    serving,
+    socket_path,
+    stream_fails,
+    wait_until,
+)
+
+GPUS = [f"pcie0/gpu-a{n}" for n in range(10)]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    """A server over the demo rack on a unix socket in the test's directory."""
+    with serving(socket_path(tmp_path)) as running:
+        yield running
+
+
+def churn(served: Served, count: int) -> None:
+    """Make ``count`` events (cordons and uncordons)."""
+    for n in range(count):
+        device = GPUS[(n // 2) % len(GPUS)]
+        (served.composer.cordon if n % 2 == 0 else served.composer.uncordon)(device)
+
+
+def take(stream: Any, count: int) -> list[int]:
+    """The revisions of the next ``count`` events of a stream."""
+    return [next(stream).event.revision for _ in range(count)]
+
+
+def watch(served: Served, after: int = 0) -> Any:
+    return served.stub.WatchEvents(fm.WatchEventsRequest(after_revision=after), timeout=WAIT_S)
+
+
+class TestWatchEvents:
+    """WatchEvents sends the log after a revision, then live events, in revision order with no gap or duplicate."""
+
+    def test_whole_log_then_live(self, served: Served) -> None:
+        churn(served, 6)
+        stream = watch(served)
+        try:
+            assert take(stream, 6) == [1, 2, 3, 4, 5, 6]
+            comp = served.stub.Compose(compose_request("live")).composition
+            events = [next(stream).event for _ in range(2)]
+            assert [e.revision for e in events] == [7, 8]
+            assert events[0].type == fm.EVENT_TYPE_COMPOSITION_CREATED and events[0].subject == comp.id
+            assert events[1].type == fm.EVENT_TYPE_COMPOSITION_STATE_CHANGED and events[1].time > 0
+            assert dict(events[1].data) == {"old": "COMPOSING", "new": "COMPOSED"}
+        finally:
+            stream.cancel()
+
+    def test_resume_from_a_revision(self, served: Served) -> None:
+        churn(served, 10)
+        stream = watch(served, after=4)
+        try:
+            assert take(stream, 6) == list(range(5, 11))
+            churn(served, 2)
+            assert take(stream, 2) == [11, 12]
+        finally:
+            stream.cancel()
+
+    def test_resume_at_the_newest_revision_waits_for_live_events(self, served: Served) -> None:
+        churn(served, 3)
+        stream = watch(served, after=3)
+        try:
+            churn(served, 1)
+            assert take(stream, 1) == [4]
+        finally:
+            stream.cancel()
+
+    def test_events_made_while_the_log_is_read_arrive_once(self, served: Served) -> None:
+        churn(served, 50)
+        stream = watch(served)
+        maker = threading.Thread(target=churn, args=(served, 300))
+        maker.start()
+        try:
+            assert take(stream, 350) == list(range(1, 351))
+        finally:
+            maker.join(WAIT_S)
+            stream.cancel()
+
+    def test_compacted_revision_is_out_of_range(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), store=MemoryStore(event_retention=5)) as served:
+            churn(served, 10)
+            failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=2))
+            assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.reason == "REVISION_COMPACTED"
+            assert failed.metadata["oldest"] == "6"
+            whole = watch(served)
+            try:
+                assert take(whole, 5) == [6, 7, 8, 9, 10]
+            finally:
+                whole.cancel()
+            resumed = watch(served, after=5)
+            try:
+                assert take(resumed, 1) == [6]
+            finally:
+                resumed.cancel()
+
+    def test_revision_ahead_of_the_log_is_out_of_range(self, served: Served) -> None:
+        churn(served, 2)
+        failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=99))
+        assert failed.code is grpc.StatusCode.OUT_OF_RANGE and "ahead" in failed.message
+        assert failed.metadata["newest"] == "2"
+
+    def test_too_many_watches_is_resource_exhausted(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), max_watches=2) as served:
+            churn(served, 1)
+            open_streams = [watch(served) for _ in range(2)]
+            try:
+                for stream in open_streams:
+                    assert take(stream, 1) == [1]
+                failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest())
+                assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "OVERLOADED"
+                open_streams.pop().cancel()
+                wait_until(lambda: len(served.server.servicer.watches) == 1, "the cancelled watch to close")
+                again = watch(served)
+                assert take(again, 1) == [1]
+                again.cancel()
+            finally:
+                for stream in open_streams:
+                    stream.cancel()
+
+    def test_cancel_releases_the_watch(self, served: Served) -> None:
+        churn(served, 1)
+        stream = watch(served)
+        assert take(stream, 1) == [1]
+        stream.cancel()
+        wait_until(lambda: len(served.server.servicer.watches) == 0, "the watch to close")
+        churn(served, 1)  # the composer no longer calls the closed watch's buffer
+
+    def test_server_stop_ends_the_watch_with_unavailable(self, served: Served) -> None:
+        churn(served, 1)
+        stream = watch(served)
+        assert take(stream, 1) == [1]
+        stopper = threading.Thread(target=served.server.stop, args=(WAIT_S,))
+        stopper.start()
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                next(stream)
+            failed = failure_of(info.value)
+            assert failed.code is grpc.StatusCode.UNAVAILABLE and "revision 1" in failed.message
+        finally:
+            stopper.join(WAIT_S)
+        assert not stopper.is_alive()
+
+
+class FakeContext:
+    """Just what `watch_events` asks of a grpc context."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+        self.active = True
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def cancel(self) -> None:
+        self.active = False
+        for callback in self.callbacks:
+            callback()
+
+
+class TestWatchBuffer:
+    """A watcher that falls behind loses nothing: what its full buffer dropped is read from the log."""
+
+    def test_overflow_is_read_from_the_log(self) -> None:
+        comp = composer()
+        comp.cordon(GPUS[0])
+        context = FakeContext()
+        watches = Watches(4)
+        events = watch_events(comp, 0, context, watches, capacity=2)  # type: ignore[arg-type]
+        assert next(events).revision == 1
+        for n in range(40):
+            (comp.uncordon if n % 2 == 0 else comp.cordon)(GPUS[0])
+        revisions = [next(events).revision for _ in range(40)]
+        assert revisions == list(range(2, 42))
+        context.cancel()
+        assert list(events) == [] and len(watches) == 0
+
+    def test_gap_in_the_log_is_refused(self) -> None:
+        comp = composer(store=MemoryStore(event_retention=3))
+        context = FakeContext()
+        events = watch_events(comp, 0, context, Watches(4), capacity=2)  # type: ignore[arg-type]
+        comp.cordon(GPUS[0])
+        assert next(events).revision == 1
+        for n in range(10):  # the buffer overflows and the log keeps only the last three
+            (comp.uncordon if n % 2 == 0 else comp.cordon)(GPUS[0])
+        with pytest.raises(RevisionCompactedError, match="events 2 to 8 are no longer retained"):
+            list(events)
+
+    def test_stopping_ends_watches_and_refuses_new_ones(self) -> None:
+        comp = composer()
+        watches = Watches(4)
+        events = watch_events(comp, 0, FakeContext(), watches)  # type: ignore[arg-type]
+        comp.cordon(GPUS[0])
+        assert next(events).revision == 1
+        watches.stop()
+        with pytest.raises(FabricUnavailableError, match="shutting down; watch again from revision 1"):
+            next(events)
+        with pytest.raises(FabricUnavailableError, match="shutting down"):
+            next(watch_events(comp, 0, FakeContext(), watches))  # type: ignore[arg-type]
