@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,13 @@ import grpc
 import pytest
 from composer_helpers import hardware_bindings, rack
 from disagg.composer import FabricComposer
+from disagg.errors import DisaggError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext, Fabric
-from disagg.model import Binding, Capabilities, Topology
+from disagg.model import Binding, Capabilities, Event, EventType, Topology
+from disagg.requestlang import parse_request
 from disagg.server import FabricDriver, FabricManagerServer
 from disagg.store import MemoryStore, Store
 from disagg_sim import SimFabric, create_fabric, load_topology
@@ -255,3 +257,85 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S
             return
         done.wait(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# ------------------------------------------------------------------------------------------ concurrent changes
+
+
+class Churn:
+    """Changes a composer from a thread until the block ends: composes, decomposes, cordons and uncordons.
+
+    At most three of its compositions (``churn-N``) live at once; every step emits events.
+    """
+
+    GPUS = tuple(f"pcie0/gpu-b{n}" for n in range(5))
+    PAUSE_S = 0.001
+    """Between steps, so that a watcher keeps up (unpaced, it outruns the ledger's retention in seconds)."""
+
+    def __init__(self, composer: FabricComposer) -> None:
+        self.composer = composer
+        self.steps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="churn", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        composer, n = self.composer, 0
+        try:
+            while not self._stop.is_set():
+                with contextlib.suppress(DisaggError):
+                    composer.compose(parse_request(f"churn-{n}", ["gpu x1"]))
+                if n >= 3:
+                    composer.decompose(f"churn-{n - 3}")
+                device = self.GPUS[n % len(self.GPUS)]
+                (composer.cordon if n % 2 == 0 else composer.uncordon)(device)
+                n += 1
+                self.steps = n
+                self._stop.wait(self.PAUSE_S)
+        except BaseException as exc:  # reported by __exit__
+            self.error = exc
+
+    def __enter__(self) -> Churn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), "the churn thread did not stop"
+        if self.error is not None:
+            raise AssertionError(f"the churn thread failed: {self.error!r}")
+
+    def wait_for_events(self, count: int) -> None:
+        """Until the composer's revision has risen ``count`` above what it is now."""
+        start = self.composer.revision
+        wait_until(lambda: self.composer.revision >= start + count, f"{count} more events")
+
+
+def replay(states: Mapping[str, str], events: Iterable[Event]) -> dict[str, str]:
+    """Composition states (id to state value) after ``events``, from the states of a listing."""
+    out = dict(states)
+    for event in events:
+        if event.type is EventType.COMPOSITION_CREATED:
+            assert event.subject not in out, f"{event.subject} created twice: an event was repeated"
+            out[event.subject] = "COMPOSING"
+        elif event.type is EventType.COMPOSITION_STATE_CHANGED:
+            assert out.get(event.subject) == event.data["old"], f"{event}: an event was missed or repeated"
+            out[event.subject] = event.data["new"]
+        elif event.type is EventType.COMPOSITION_DELETED:
+            assert event.subject in out, f"{event.subject} deleted but never seen: an event was missed"
+            del out[event.subject]
+    return out
+
+
+def cordons(cordoned: Iterable[str], events: Iterable[Event]) -> set[str]:
+    """Cordoned device ids after ``events``, from the cordons of a listing."""
+    out = set(cordoned)
+    for event in events:
+        if event.type is EventType.DEVICE_CORDONED:
+            assert event.subject not in out, f"{event.subject} cordoned twice: an event was repeated"
+            out.add(event.subject)
+        elif event.type is EventType.DEVICE_UNCORDONED:
+            assert event.subject in out, f"{event.subject} uncordoned but never cordoned: an event was missed"
+            out.discard(event.subject)
+    return out

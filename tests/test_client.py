@@ -6,7 +6,9 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from disagg.client import FabricManagerClient, RetryPolicy
 from disagg.client import _client as client_module
@@ -14,6 +16,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import (
     AlreadyExistsError,
     ConflictError,
+    DeadlineExceededError,
     DriverError,
     FabricUnavailableError,
     InvalidRequestError,
@@ -22,11 +25,12 @@ from disagg.errors import (
     RequestIdReusedError,
     RevisionCompactedError,
 )
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.interfaces import FaultInjection
 from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, Health
 from disagg.requestlang import parse_request, parse_resource
 from disagg_sim import create_fabric
-from server_helpers import SecretBind, Served, serving, sim, socket_path
+from server_helpers import Churn, SecretBind, Served, cordons, replay, serving, sim, slow_rack, socket_path
 
 FAST = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -115,11 +119,11 @@ class TestCompositions:
         assert result.composition is None and composer.compositions() == []
 
     def test_reserve_then_apply(self, client: FabricManagerClient, composer: FabricComposer) -> None:
-        request = parse_request("r", ["gpu x1"])
+        request = parse_request("r", ["host cores>=32 memory>=64GiB", "gpu x1 model=H200 latency<=900ns", "nvme"])
         result = client.compose(request, ComposeMode.RESERVE, reservation_ttl_s=30)
         res = result.reservation
         assert res is not None and res.request == request and res.plan == result.plan
-        assert [r.id for r in composer.reservations()] == [res.id]
+        assert list(composer.reservations()) == [res]
         comp = client.apply_reservation(res.id)
         assert comp.name == "r" and comp.device_ids == tuple(p.device for p in res.plan.devices)
         with pytest.raises(NotFoundError):
@@ -161,6 +165,30 @@ class TestCompositions:
         with pytest.raises(NotFoundError):
             client.get("gone")
 
+    def test_recompose_request_id(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        comp = client.compose(parse_request("grow", ["gpu x1"])).composition
+        assert comp is not None
+        first = client.recompose("grow", add=[parse_resource("gpu x1")], request_id="grow-1")
+        assert client.recompose("grow", add=[parse_resource("gpu x1")], request_id="grow-1") == first
+        assert len(composer.get(comp.id).devices) == 2
+        with pytest.raises(RequestIdReusedError):
+            client.recompose("grow", add=[parse_resource("gpu x2")], request_id="grow-1")
+        assert len(client.recompose("grow", add=[parse_resource("gpu x1")]).devices) == 3  # a fresh id each call
+
+    def test_decompose_stopped_by_the_deadline(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path / "slow"), slow_rack(0.3)) as running:
+            with FabricManagerClient(running.address, timeout_s=10, retries=FAST) as normal:
+                comp = normal.compose(parse_request("slow", ["gpu x1"])).composition
+            assert comp is not None
+            hasty = FabricManagerClient(running.address, timeout_s=0.15, retries=FAST)
+            with hasty, pytest.raises(DeadlineExceededError) as info:
+                hasty.decompose(comp.id)
+            assert info.value.metadata == {"composition": comp.id, "bound": comp.device_ids[0]}
+            with FabricManagerClient(running.address, timeout_s=10, retries=FAST) as normal:
+                assert normal.get(comp.id).state is CompositionState.FAILED
+                normal.decompose(comp.id)
+                assert normal.compositions() == []
+
     def test_request_id(self, client: FabricManagerClient, composer: FabricComposer) -> None:
         request = parse_request("once", ["gpu x1"])
         first = client.compose(request, request_id="once-1")
@@ -168,6 +196,82 @@ class TestCompositions:
         assert len(composer.compositions()) == 1
         with pytest.raises(RequestIdReusedError):
             client.compose(parse_request("twice", ["gpu x1"]), request_id="once-1")
+
+
+class TestReservations:
+    """Reservations list as full model values, with the request they hold; releasing one is idempotent."""
+
+    def test_list_and_release(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        requests = [parse_request(f"r{n}", ["host cores>=32", f"gpu x{n + 1} model=H200", "nvme"]) for n in range(3)]
+        made = [res for r in requests if (res := client.compose(r, ComposeMode.RESERVE).reservation) is not None]
+        assert client.reservations() == list(composer.reservations()) == sorted(made, key=lambda r: r.id)
+        assert {r.request for r in client.reservations()} == set(requests)
+        gone = made[1]
+        client.release_reservation(gone.id)
+        client.release_reservation(gone.id)
+        client.release_reservation("r-never-was")
+        assert gone not in client.reservations() and len(client.reservations()) == 2
+        with pytest.raises(NotFoundError):
+            client.apply_reservation(gone.id)
+        assert client.compose(parse_request("r1", ["gpu"])).composition is not None  # the name is free again
+
+    def test_read_page_by_page(self, client: FabricManagerClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        for n in range(3):
+            client.compose(parse_request(f"r{n}", ["nvme"]), ComposeMode.RESERVE)
+        monkeypatch.setattr(client_module, "PAGE_SIZE", 2)
+        assert sorted(r.request.name for r in client.reservations()) == ["r0", "r1", "r2"]
+
+
+class TestRevisions:
+    """Each listing's ``*_at`` twin answers the revision it was read at; a watch from it misses nothing."""
+
+    def test_every_listing(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        client.compose(parse_request("a", ["gpu"]))
+        client.compose(parse_request("b", ["nvme"]), ComposeMode.RESERVE)
+        revision = composer.revision
+        assert revision == 3
+        assert client.compositions_at() == (client.compositions(), revision)
+        assert client.reservations_at() == (client.reservations(), revision)
+        assert client.devices_at(kind=DeviceKind.GPU) == (client.devices(kind=DeviceKind.GPU), revision)
+        assert client.device_statuses_at() == (client.device_statuses(), revision)
+        assert client.topologies_at() == (client.topologies(), revision)
+        assert client.usage_at() == (client.usage(), revision)
+
+    def test_pages_answer_the_first_pages_revision(
+        self, client: FabricManagerClient, composer: FabricComposer, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        for name in ("a", "b", "c"):
+            client.compose(parse_request(name, ["nvme"]))
+        start = composer.revision
+        real = client._stub.ListCompositions
+
+        def then_change(request: fm.ListCompositionsRequest, **kwargs: Any) -> fm.ListCompositionsResponse:
+            reply: fm.ListCompositionsResponse = real(request, **kwargs)
+            composer.cordon("pcie0/gpu-a0" if not request.page_token else "pcie0/gpu-a1")  # between the pages
+            return reply
+
+        monkeypatch.setattr(client._stub, "ListCompositions", then_change)
+        monkeypatch.setattr(client_module, "PAGE_SIZE", 2)
+        comps, revision = client.compositions_at()
+        assert [c.name for c in comps] == ["a", "b", "c"] and revision == start < composer.revision
+
+    def test_list_then_watch_under_concurrent_changes(self, client: FabricManagerClient, served: Served) -> None:
+        with Churn(served.composer) as churn:
+            for _ in range(3):
+                churn.wait_for_events(5)
+                comps, revision = client.compositions_at()
+                statuses, device_revision = client.device_statuses_at(kind=DeviceKind.GPU)
+                start = min(revision, device_revision)
+                with client.watch(after_revision=start) as events:
+                    churn.wait_for_events(20)
+                    later, later_revision = client.compositions_at()
+                    seen = [next(events) for _ in range(later_revision - start)]
+                assert [e.revision for e in seen] == list(range(start + 1, later_revision + 1))
+                after = [e for e in seen if e.revision > revision]
+                assert replay({c.id: c.state.value for c in comps}, after) == {c.id: c.state.value for c in later}
+                cordons(
+                    {s.device.id for s in statuses if s.cordoned}, [e for e in seen if e.revision > device_revision]
+                )
 
 
 class TestErrors:
@@ -216,6 +320,29 @@ class TestErrors:
     def test_bad_address(self, address: str) -> None:
         with pytest.raises(InvalidRequestError):
             FabricManagerClient(address)
+
+    def test_every_compose_sends_a_mode(self, served: Served) -> None:
+        sent: list[fm.ComposeRequest] = []
+
+        class Record(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+            def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+                if isinstance(request, fm.ComposeRequest):
+                    sent.append(request)
+                return continuation(details, request)
+
+        channel = grpc.intercept_channel(grpc.insecure_channel(served.address), Record())
+        with FabricManagerClient(served.address, channel=channel) as client:
+            client.preview(parse_request("m", ["gpu"]))
+            reservation = client.compose(parse_request("m", ["gpu"]), ComposeMode.RESERVE).reservation
+            assert reservation is not None
+            client.apply_reservation(reservation.id)
+            client.compose(parse_request("n", ["gpu"]))
+        assert [r.mode for r in sent] == [
+            fm.COMPOSE_MODE_PREVIEW,
+            fm.COMPOSE_MODE_RESERVE,
+            fm.COMPOSE_MODE_APPLY,
+            fm.COMPOSE_MODE_APPLY,
+        ]
 
     def test_bad_compose_arguments(self, client: FabricManagerClient) -> None:
         with pytest.raises(InvalidRequestError):

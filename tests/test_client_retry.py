@@ -21,7 +21,7 @@ from disagg.errors import FabricUnavailableError, NotFoundError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.model import ComposeMode, EventType, ResourceRequest
-from disagg.requestlang import parse_request
+from disagg.requestlang import parse_request, parse_resource
 from disagg.wire.errors import to_status
 from disagg.wire.fabric import (
     compose_mode_from_wire,
@@ -29,6 +29,7 @@ from disagg.wire.fabric import (
     composition_to_wire,
     event_to_wire,
     plan_to_wire,
+    resources_from_wire,
 )
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
@@ -58,6 +59,7 @@ class Flaky(fm_grpc.FabricManagerServiceServicer):
         self.failures = failures
         self.calls: dict[str, int] = {}
         self.request_ids: list[str] = []
+        self.update_ids: list[str] = []
         self.watch_requests: list[int] = []
         self.watch_cancelled = threading.Event()
         self.watch_started = threading.Event()
@@ -81,8 +83,27 @@ class Flaky(fm_grpc.FabricManagerServiceServicer):
     def UpdateComposition(  # noqa: N802
         self, request: fm.UpdateCompositionRequest, context: grpc.ServicerContext
     ) -> fm.UpdateCompositionResponse:
+        self.update_ids.append(request.request_id)
+        comp = self.composer.recompose(
+            request.id,
+            add=resources_from_wire(request.add, "add", required=False),
+            remove=tuple(request.remove),
+            request_id=request.request_id or None,
+        )
         self._attempt("UpdateComposition", context)
-        return fm.UpdateCompositionResponse()
+        return fm.UpdateCompositionResponse(composition=composition_to_wire(comp))
+
+    def ReleaseReservation(  # noqa: N802
+        self, request: fm.ReleaseReservationRequest, context: grpc.ServicerContext
+    ) -> fm.ReleaseReservationResponse:
+        self._attempt("ReleaseReservation", context)
+        return fm.ReleaseReservationResponse()
+
+    def ListReservations(  # noqa: N802
+        self, request: fm.ListReservationsRequest, context: grpc.ServicerContext
+    ) -> fm.ListReservationsResponse:
+        self._attempt("ListReservations", context)
+        return fm.ListReservationsResponse(revision=7)
 
     def Decompose(self, request: fm.DecomposeRequest, context: grpc.ServicerContext) -> fm.DecomposeResponse:  # noqa: N802
         self._attempt("Decompose", context)
@@ -239,12 +260,42 @@ class TestRetriesOverGrpc:
             client.decompose("c-1")
         assert servicer.calls["Decompose"] == 3
 
-    def test_recompose_is_not(self, serve: Any) -> None:
+    def test_reservation_calls_are_retried(self, serve: Any) -> None:
         servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client:
+            client.release_reservation("r-1")
+            assert client.reservations_at() == ([], 7)
+        assert servicer.calls["ReleaseReservation"] == 3 and servicer.calls["ListReservations"] == 3
+
+    def test_recompose_gets_a_request_id_and_changes_once(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve()
+        comp = composer.compose(parse_request("job", ["gpu x1"])).composition
+        assert comp is not None
+        with FabricManagerClient(address, retries=FAST) as client:
+            grown = client.recompose("job", add=[parse_resource("gpu x1")])
+        assert servicer.calls["UpdateComposition"] == 3
+        assert len(set(servicer.update_ids)) == 1 and len(servicer.update_ids[0]) >= 16
+        assert grown == composer.get(comp.id) and len(grown.devices) == 2
+        assert len(hardware_bindings(composer.fabrics)) == 2
+        updated = [e for e in composer.events() if e.type is EventType.COMPOSITION_UPDATED]
+        assert len(updated) == 1
+
+    def test_given_recompose_request_id_is_sent(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve()
+        composer.compose(parse_request("job", ["gpu x1"]))
+        with FabricManagerClient(address, retries=FAST) as client:
+            client.recompose("job", add=[parse_resource("gpu x1")], request_id="grow-1")
+        assert servicer.update_ids == ["grow-1"] * 3
+
+    def test_recompose_without_request_id_is_not_retried(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve()
+        comp = composer.compose(parse_request("job", ["gpu x1"])).composition
+        assert comp is not None
         add = [ResourceRequest(parse_request("x", ["gpu"]).resources[0].kind, count=1)]
         with FabricManagerClient(address, retries=FAST) as client, pytest.raises(FabricUnavailableError):
-            client.recompose("c-1", add=add)
-        assert servicer.calls["UpdateComposition"] == 1
+            client.recompose("job", add=add, request_id="")
+        assert servicer.calls["UpdateComposition"] == 1 and servicer.update_ids == [""]
+        assert len(composer.get(comp.id).devices) == 2  # the lost answer's change: exactly once, never twice
 
     def test_errors_other_than_unavailable_are_not(self, serve: Any) -> None:
         servicer, address = serve()

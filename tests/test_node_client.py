@@ -35,7 +35,8 @@ def _node() -> str:
 
 
 class TestNodeClient:
-    """A Node.js client composes, watches, gets and decomposes over the wire, and sees NOT_FOUND as code 5."""
+    """A Node.js client lists and watches from the listing's revision, is refused a Compose without a mode,
+    composes, gets and decomposes over the wire, and sees NOT_FOUND as code 5."""
 
     def test_compose_watch_decompose(self, tmp_path: Path) -> None:
         node = _node()
@@ -58,7 +59,9 @@ class TestNodeClient:
         assert types[0] == "EVENT_TYPE_COMPOSITION_CREATED" and types[-1] == "EVENT_TYPE_COMPOSITION_DELETED"
         assert "EVENT_TYPE_COMPOSITION_STATE_CHANGED" in types
         revisions = summary["revisions"]
+        assert int(revisions["listed"]) + 1 == int(revisions["first_watched"]) <= int(revisions["created"])
         assert int(revisions["created"]) < int(revisions["composed"]) < int(revisions["deleted"])
+        assert summary["unspecified_mode"]["code"] == 3 and "mode" in summary["unspecified_mode"]["details"]
         assert summary["not_found"]["code"] == 5 and summary["not_found"]["has_error_details"] is True
 
     def test_fails_without_a_server(self, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The composition RPCs over a real server on a unix socket: Compose, Get/List/Update and Decompose, with every
-error code they answer, deadlines carried to the drivers, and concurrent composes for the last device."""
+error code they answer, deadlines carried to the drivers, request ids, list-then-watch, and concurrent composes
+for the last device."""
 
 from __future__ import annotations
 
@@ -13,18 +14,23 @@ from typing import Any
 import grpc
 import pytest
 from composer_helpers import rack
+from disagg.errors import FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext
-from disagg_sim import create_fabric
+from disagg.model import Binding, Event
+from disagg.wire.fabric import STATE_FROM_WIRE, event_from_wire
+from disagg_sim import SimFabric, create_fabric, load_topology
 from server_helpers import (
     WAIT_S,
+    Churn,
     SecretBind,
     Served,
     compose_request,
     fails,
     failure_of,
     gpu,
+    replay,
     serving,
     sim,
     slow_rack,
@@ -33,6 +39,23 @@ from server_helpers import (
 )
 
 MEMORY = fm.ResourceRequest(kind=pb.DEVICE_KIND_CXL_MEMORY, amount_bytes=2**39)
+
+
+class StuckUnbind(SimFabric):
+    """A sim fabric whose unbind of a device in ``stuck`` fails as an unreachable driver would."""
+
+    stuck: set[str]
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if binding.device in self.stuck:
+            raise FabricUnavailableError(f"{binding.device}: the switch does not answer")
+        super().unbind(binding, ctx)
+
+
+def stuck_rack() -> tuple[dict[str, Any], StuckUnbind]:
+    pcie = StuckUnbind(load_topology("pcie0", "demo-pcie"))
+    pcie.stuck = set()
+    return {"pcie0": pcie, "cxl0": create_fabric("cxl0", {"topology": "demo-cxl"})}, pcie
 
 
 @pytest.fixture
@@ -44,6 +67,18 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 def nothing_left(served: Served) -> bool:
     return not served.composer.compositions() and not served.bindings()
+
+
+def events_through(stream: Any, revision: int) -> list[Event]:
+    """The events of a WatchEvents stream up to and including ``revision``."""
+    out: list[Event] = []
+    while not out or out[-1].revision < revision:
+        out.append(event_from_wire(next(stream).event))
+    return out
+
+
+def states(reply: fm.ListCompositionsResponse) -> dict[str, str]:
+    return {c.id: STATE_FROM_WIRE[c.state].value for c in reply.compositions}
 
 
 class TestCompose:
@@ -63,9 +98,17 @@ class TestCompose:
         assert served.bindings() == {p.device: comp.host for p in comp.devices}
         assert sum(a.amount_bytes for a in comp.allocations) == 2**39
 
-    def test_unspecified_mode_applies(self, served: Served) -> None:
-        reply = served.stub.Compose(compose_request("u", mode=fm.COMPOSE_MODE_UNSPECIFIED))
-        assert reply.mode == fm.COMPOSE_MODE_APPLY and reply.composition.state == fm.COMPOSITION_STATE_COMPOSED
+    def test_unspecified_mode_is_refused(self, served: Served) -> None:
+        failed = fails(served.stub.Compose, compose_request("u", mode=fm.COMPOSE_MODE_UNSPECIFIED))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("mode",)
+        assert failed.reason == "INVALID_REQUEST" and "APPLY" in failed.message
+        assert nothing_left(served) and served.composer.events() == []
+
+    def test_unspecified_mode_does_not_apply_a_reservation(self, served: Served) -> None:
+        reserved = served.stub.Compose(compose_request("r", mode=fm.COMPOSE_MODE_RESERVE)).reservation
+        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id=reserved.id))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("mode",)
+        assert [r.id for r in served.composer.reservations()] == [reserved.id] and nothing_left(served)
 
     def test_reserve_then_apply_the_reservation(self, served: Served) -> None:
         reserved = served.stub.Compose(compose_request("r", gpu(2), mode=fm.COMPOSE_MODE_RESERVE, reservation_ttl_s=30))
@@ -86,10 +129,10 @@ class TestCompose:
 
     def test_retry_of_a_reservation_apply_with_request_id(self, served: Served) -> None:
         reserved = served.stub.Compose(compose_request("r", mode=fm.COMPOSE_MODE_RESERVE)).reservation
-        request = fm.ComposeRequest(reservation_id=reserved.id, request_id="apply-1")
+        request = fm.ComposeRequest(reservation_id=reserved.id, request_id="apply-1", mode=fm.COMPOSE_MODE_APPLY)
         first = served.stub.Compose(request)
         assert served.stub.Compose(request).composition.id == first.composition.id
-        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id=reserved.id))
+        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id=reserved.id, mode=fm.COMPOSE_MODE_APPLY))
         assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("reservation", reserved.id)
 
     def test_request_id_reused_for_another_request(self, served: Served) -> None:
@@ -116,6 +159,7 @@ class TestCompose:
             ({"resources": [gpu(1, selectors=[fm.Selector(op=fm.SELECTOR_OP_EQ)])]}, "resources[0].selectors[0].key"),
             ({"resources": [gpu(1, affinity=9)]}, "resources[0].affinity"),
             ({"mode": 9}, "mode"),
+            ({"mode": fm.COMPOSE_MODE_UNSPECIFIED}, "mode"),
             ({"reservation_ttl_s": -1.0}, "reservation_ttl_s"),
             ({"reservation_ttl_s": 1e6}, "reservation_ttl_s"),
             ({"request_id": "r" * 129}, "request_id"),
@@ -139,7 +183,7 @@ class TestCompose:
         assert nothing_left(served)
 
     def test_unknown_reservation(self, served: Served) -> None:
-        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id="r-nope"))
+        failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id="r-nope", mode=fm.COMPOSE_MODE_APPLY))
         assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("reservation", "r-nope")
 
     def test_unknown_host(self, served: Served) -> None:
@@ -252,7 +296,32 @@ class TestListCompositions:
 
     def test_empty(self, served: Served) -> None:
         reply = served.stub.ListCompositions(fm.ListCompositionsRequest())
-        assert list(reply.compositions) == [] and reply.next_page_token == ""
+        assert list(reply.compositions) == [] and reply.next_page_token == "" and reply.revision == 0
+
+    def test_each_page_has_the_revision_it_was_read_at(self, served: Served) -> None:
+        for name in ("a", "b"):
+            served.stub.Compose(compose_request(name))
+        first = served.stub.ListCompositions(fm.ListCompositionsRequest(page_size=1))
+        assert first.revision == served.composer.revision == 4  # per compose: created, COMPOSING -> COMPOSED
+        served.stub.Compose(compose_request("c"))
+        rest = served.stub.ListCompositions(fm.ListCompositionsRequest(page_size=1, page_token=first.next_page_token))
+        assert [c.name for c in rest.compositions] == ["b"] and rest.revision == 6
+
+    def test_list_then_watch_misses_nothing_and_repeats_nothing(self, served: Served) -> None:
+        with Churn(served.composer) as churn:
+            for _ in range(5):
+                churn.wait_for_events(5)
+                listed = served.stub.ListCompositions(fm.ListCompositionsRequest())
+                stream = served.stub.WatchEvents(fm.WatchEventsRequest(after_revision=listed.revision), timeout=WAIT_S)
+                try:
+                    churn.wait_for_events(20)
+                    later = served.stub.ListCompositions(fm.ListCompositionsRequest())
+                    events = events_through(stream, later.revision)
+                finally:
+                    stream.cancel()
+                assert events[0].revision == listed.revision + 1 and events[-1].revision == later.revision
+                assert replay(states(listed), events) == states(later)
+        assert churn.steps > 10
 
     @pytest.mark.parametrize(
         ("fields", "field"),
@@ -299,6 +368,8 @@ class TestUpdateComposition:
             ({"id": "c-1", "remove": ["ok", ""]}, "remove[1]"),
             ({"id": "c-1", "remove": ["x"] * 1025}, "remove"),
             ({"id": "c-1", "remove": ["x"], "etag": "e" * 129}, "etag"),
+            ({"id": "c-1", "remove": ["x"], "request_id": "r" * 129}, "request_id"),
+            ({"id": "c-1", "remove": ["x"], "request_id": "two words"}, "request_id"),
         ],
     )
     def test_invalid_argument(self, served: Served, fields: dict[str, Any], field: str) -> None:
@@ -331,6 +402,77 @@ class TestUpdateComposition:
             now = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition
             assert [p.device for p in now.devices] == [p.device for p in comp.devices]
             assert now.state == fm.COMPOSITION_STATE_COMPOSED
+
+    def test_retry_with_request_id_returns_the_first_answer(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("idem")).composition
+        request = fm.UpdateCompositionRequest(id="idem", add=[gpu()], etag=comp.etag, request_id="grow-1")
+        first = served.stub.UpdateComposition(request)
+        events = len(served.composer.events())
+        again = served.stub.UpdateComposition(request)
+        assert again.composition == first.composition and len(first.composition.devices) == 2
+        assert len(served.bindings()) == 2 and len(served.composer.events()) == events
+
+    def test_request_id_reused_for_another_change(self, served: Served) -> None:
+        served.stub.Compose(compose_request("idem"))
+        served.stub.UpdateComposition(fm.UpdateCompositionRequest(id="idem", add=[gpu()], request_id="grow-1"))
+        for other in (
+            fm.UpdateCompositionRequest(id="idem", add=[gpu(2)], request_id="grow-1"),
+            fm.UpdateCompositionRequest(id="idem", add=[gpu()], etag='W/"9"', request_id="grow-1"),
+        ):
+            failed = fails(served.stub.UpdateComposition, other)
+            assert failed.code is grpc.StatusCode.ALREADY_EXISTS and failed.reason == "REQUEST_ID_REUSED"
+            assert failed.metadata["request_id"] == "grow-1"
+        assert len(served.bindings()) == 2
+
+    def test_request_ids_are_shared_with_compose(self, served: Served) -> None:
+        served.stub.Compose(compose_request("idem", request_id="shared-1"))
+        failed = fails(
+            served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="idem", add=[gpu()], request_id="shared-1")
+        )
+        assert failed.code is grpc.StatusCode.ALREADY_EXISTS and failed.reason == "REQUEST_ID_REUSED"
+
+    def test_a_failure_that_changed_nothing_forgets_the_request_id(self, served: Served) -> None:
+        comp = served.stub.Compose(compose_request("idem")).composition
+        request = fm.UpdateCompositionRequest(id="idem", add=[gpu(30)], request_id="grow-1")
+        assert fails(served.stub.UpdateComposition, request).code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        served.stub.Decompose(fm.DecomposeRequest(id=comp.id))
+        served.stub.Compose(compose_request("idem", gpu(20), mode=fm.COMPOSE_MODE_PREVIEW))
+        failed = fails(served.stub.UpdateComposition, request)
+        assert failed.code is grpc.StatusCode.NOT_FOUND  # run again, not answered from memory
+
+    def test_a_retry_after_a_partial_failure_adds_nothing_again(self, tmp_path: Path) -> None:
+        fabrics, pcie = stuck_rack()
+        with serving(socket_path(tmp_path), fabrics) as served:
+            comp = served.stub.Compose(compose_request("part", gpu(2))).composition
+            stuck, gone = comp.devices[0].device, comp.devices[1].device
+            pcie.stuck.add(stuck)
+            request = fm.UpdateCompositionRequest(id=comp.id, add=[gpu()], remove=[stuck, gone], request_id="u-1")
+            failed = fails(served.stub.UpdateComposition, request)
+            assert failed.code is grpc.StatusCode.ABORTED and stuck in failed.message
+            assert failed.metadata["bound"] == stuck and failed.metadata["composition"] == comp.id
+            now = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition
+            assert now.state == fm.COMPOSITION_STATE_COMPOSED and len(now.devices) == 2
+            assert stuck in {p.device for p in now.devices} and gone not in served.bindings()
+            pcie.stuck.clear()
+            again = fails(served.stub.UpdateComposition, request)  # the first answer, not a second add
+            assert again.code is grpc.StatusCode.ABORTED and again.message == failed.message
+            assert served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition == now
+            done = served.stub.UpdateComposition(fm.UpdateCompositionRequest(id=comp.id, remove=[stuck]))
+            assert stuck not in {p.device for p in done.composition.devices} and len(served.bindings()) == 1
+
+    def test_removal_stopped_by_the_deadline(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
+            comp = served.stub.Compose(compose_request("slow", gpu(2))).composition
+            gone = comp.devices[0].device
+            failed = fails(
+                served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=comp.id, remove=[gone]), timeout=0.15
+            )
+            assert failed.code is grpc.StatusCode.DEADLINE_EXCEEDED and failed.reason == "DEADLINE_EXCEEDED"
+            assert gone in failed.message and failed.metadata["bound"] == gone
+            now = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition
+            assert now.state == fm.COMPOSITION_STATE_COMPOSED and len(now.devices) == 2
+            served.stub.UpdateComposition(fm.UpdateCompositionRequest(id=comp.id, remove=[gone]))
+            assert gone not in served.bindings() and len(served.bindings()) == 1
 
     def test_composition_in_the_wrong_state(self, tmp_path: Path) -> None:
         with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
@@ -365,9 +507,29 @@ class TestDecompose:
     def test_deadline_leaves_it_failed_and_a_retry_finishes(self, tmp_path: Path) -> None:
         with serving(socket_path(tmp_path), slow_rack(0.3)) as served:
             comp = served.stub.Compose(compose_request("slow")).composition
+            device = comp.devices[0].device
             failed = fails(served.stub.Decompose, fm.DecomposeRequest(id=comp.id), timeout=0.15)
-            assert failed.code is grpc.StatusCode.ABORTED and "retry" in failed.message
-            state = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition.state
-            assert state == fm.COMPOSITION_STATE_FAILED
+            assert failed.code is grpc.StatusCode.DEADLINE_EXCEEDED and failed.reason == "DEADLINE_EXCEEDED"
+            assert "retry" in failed.message and device in failed.message
+            assert failed.metadata == {"composition": comp.id, "bound": device}
+            now = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition
+            assert now.state == fm.COMPOSITION_STATE_FAILED and device in now.message
+            assert served.bindings() == {device: comp.host}
+            served.stub.Decompose(fm.DecomposeRequest(id=comp.id))
+            assert nothing_left(served)
+
+    def test_driver_failure_leaves_it_failed_and_aborted(self, tmp_path: Path) -> None:
+        fabrics, pcie = stuck_rack()
+        with serving(socket_path(tmp_path), fabrics) as served:
+            comp = served.stub.Compose(compose_request("stuck", gpu(2))).composition
+            stuck = comp.devices[1].device
+            pcie.stuck.add(stuck)
+            failed = fails(served.stub.Decompose, fm.DecomposeRequest(id=comp.id))
+            assert failed.code is grpc.StatusCode.ABORTED and failed.reason == "DISAGG_ERROR"
+            assert failed.metadata == {"composition": comp.id, "bound": stuck} and "retry" in failed.message
+            now = served.stub.GetComposition(fm.GetCompositionRequest(id=comp.id)).composition
+            assert now.state == fm.COMPOSITION_STATE_FAILED and stuck in now.message
+            assert served.bindings() == {stuck: comp.host}
+            pcie.stuck.clear()
             served.stub.Decompose(fm.DecomposeRequest(id=comp.id))
             assert nothing_left(served)

@@ -1,4 +1,5 @@
-"""The inventory RPCs over a real server on a unix socket: topology, devices, pools, cordons and drivers."""
+"""The inventory RPCs over a real server on a unix socket: topology, devices, pools, cordons and drivers, and
+the revision each listing is read at."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import grpc
 import pytest
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg.wire.fabric import event_from_wire
 from server_helpers import (
+    WAIT_S,
+    Churn,
     SecretCapabilities,
     Served,
     compose_request,
+    cordons,
     fails,
     gpu,
     serving,
@@ -67,6 +72,11 @@ class TestGetTopology:
         assert devices["pcie0/gpu-b6"].health == pb.HEALTH_FAILED
         assert devices["pcie0/gpu-b7"].health == pb.HEALTH_OK and not devices["pcie0/gpu-b7"].cordoned
 
+    def test_revision(self, served: Served) -> None:
+        assert served.stub.GetTopology(fm.GetTopologyRequest()).revision == 0
+        served.stub.CordonDevice(fm.CordonDeviceRequest(id=GPU))
+        assert served.stub.GetTopology(fm.GetTopologyRequest()).revision == served.composer.revision == 1
+
 
 class TestListDevices:
     """ListDevices filters by kind, fabric, health and freedom, and pages in id order with opaque tokens."""
@@ -116,6 +126,28 @@ class TestListDevices:
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT
         assert failed.fields == (field,) and failed.reason == "INVALID_REQUEST"
 
+    def test_revision(self, served: Served) -> None:
+        first = served.stub.ListDevices(fm.ListDevicesRequest(page_size=5))
+        served.stub.CordonDevice(fm.CordonDeviceRequest(id=GPU))
+        rest = served.stub.ListDevices(fm.ListDevicesRequest(page_size=5, page_token=first.next_page_token))
+        assert (first.revision, rest.revision) == (0, 1) == (0, served.composer.revision)
+
+    def test_list_then_watch_misses_nothing_and_repeats_nothing(self, served: Served) -> None:
+        with Churn(served.composer) as churn:
+            for _ in range(5):
+                churn.wait_for_events(5)
+                listed = served.stub.ListDevices(fm.ListDevicesRequest(kind=pb.DEVICE_KIND_GPU))
+                stream = served.stub.WatchEvents(fm.WatchEventsRequest(after_revision=listed.revision), timeout=WAIT_S)
+                try:
+                    churn.wait_for_events(20)
+                    later = served.stub.ListDevices(fm.ListDevicesRequest(kind=pb.DEVICE_KIND_GPU))
+                    events = [event_from_wire(next(stream).event) for _ in range(later.revision - listed.revision)]
+                finally:
+                    stream.cancel()
+                assert [e.revision for e in events] == list(range(listed.revision + 1, later.revision + 1))
+                before = {d.id for d in listed.devices if d.cordoned}
+                assert cordons(before, events) == {d.id for d in later.devices if d.cordoned}
+
     def test_unknown_fabric_is_not_found(self, served: Served) -> None:
         failed = fails(served.stub.ListDevices, fm.ListDevicesRequest(fabric="nope0"))
         assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("fabric", "nope0")
@@ -154,6 +186,10 @@ class TestListPools:
         kinds = {k.kind: k for k in reply.kinds}
         assert (kinds[pb.DEVICE_KIND_GPU].total, kinds[pb.DEVICE_KIND_GPU].used) == (20, 2)
         assert kinds[pb.DEVICE_KIND_GPU].free == 18 and kinds[pb.DEVICE_KIND_NVME].free == 4
+        assert reply.revision == served.composer.revision == 2
+
+    def test_revision_of_an_untouched_rack(self, served: Served) -> None:
+        assert served.stub.ListPools(fm.ListPoolsRequest()).revision == 0
 
 
 class TestCordonDevice:

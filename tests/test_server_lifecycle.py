@@ -53,6 +53,8 @@ EVERY_UNARY_CALL = [
     ("CordonDevice", fm.CordonDeviceRequest(id="pcie0/gpu-a0")),
     ("UncordonDevice", fm.UncordonDeviceRequest(id="pcie0/gpu-a0")),
     ("ListDrivers", fm.ListDriversRequest()),
+    ("ListReservations", fm.ListReservationsRequest()),
+    ("ReleaseReservation", fm.ReleaseReservationRequest(id="r-1")),
 ]
 
 
@@ -71,6 +73,12 @@ def health_of(channel: grpc.Channel, service: str = "") -> int:
 
 class TestStartup:
     """Until the composer has started, health is NOT_SERVING and every fabric-manager RPC answers UNAVAILABLE."""
+
+    def test_every_unary_rpc_is_checked_and_documented(self) -> None:
+        methods = fm.DESCRIPTOR.services_by_name["FabricManagerService"].methods
+        assert {m.name for m in methods if not m.server_streaming} == {name for name, _ in EVERY_UNARY_CALL}
+        protocol = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+        assert [m.name for m in methods if f"`{m.name}`" not in protocol] == []
 
     def test_unavailable_until_started(self, tmp_path: Path) -> None:
         gated = GatedDiscovery(load_topology("pcie0", "demo-pcie"))
@@ -196,7 +204,8 @@ class TestReservationTimer:
                 return any(e.type is EventType.RESERVATION_EXPIRED for e in served.composer.events())
 
             wait_until(expired, "the reservation to expire")
-            failed = fails(served.stub.Compose, fm.ComposeRequest(reservation_id=reply.reservation.id))
+            request = fm.ComposeRequest(reservation_id=reply.reservation.id, mode=fm.COMPOSE_MODE_APPLY)
+            failed = fails(served.stub.Compose, request)
             assert failed.code is grpc.StatusCode.NOT_FOUND
 
 

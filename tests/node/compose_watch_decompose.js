@@ -1,7 +1,9 @@
 #!/usr/bin/env node
 // A Node.js client of disagg.fabric.v1.FabricManagerService, from the .proto files alone (no generated code):
-// watch the event log, compose "gpu x2 model=H200", get it, see it created and COMPOSED on the watch,
-// decompose it and see it deleted, and check that an unknown composition is NOT_FOUND (not UNKNOWN).
+// list the compositions and watch the event log from the listing's revision, check that a Compose without a
+// mode is INVALID_ARGUMENT and binds nothing, compose "gpu x2 model=H200" (always with a mode), get it, see it
+// created and COMPOSED on the watch, decompose it and see it deleted, and check that an unknown composition is
+// NOT_FOUND (not UNKNOWN).
 // Prints a JSON summary on stdout and exits 0; any failure, or 60 s passing, exits non-zero.
 //
 //   DISAGG_SERVER=unix:/tmp/disagg.sock node tests/node/compose_watch_decompose.js
@@ -52,11 +54,11 @@ function unary(client, method, request) {
 
 // Collects the events of a WatchEvents stream and lets the script wait for one that matches.
 class Watch {
-  constructor(client) {
+  constructor(client, afterRevision) {
     this.events = [];
     this.waiters = [];
     this.error = null;
-    this.call = client.WatchEvents({ after_revision: "0" });
+    this.call = client.WatchEvents({ after_revision: afterRevision });
     this.call.on("data", (msg) => {
       this.events.push(msg.event);
       this.poll();
@@ -119,7 +121,10 @@ async function main() {
     client.waitForReady(deadline(), (err) => (err ? reject(new Error(`cannot connect to ${address}: ${err.message}`)) : resolve())),
   );
 
-  const watch = new Watch(client);
+  // List, then watch from the listing's revision: every change after the listing, none missed or repeated.
+  const listed = await unary(client, "ListCompositions", {});
+  check(/^[0-9]+$/.test(listed.revision), `ListCompositions answered no revision: ${JSON.stringify(listed)}`);
+  const watch = new Watch(client, listed.revision);
   const name = `node-${process.pid}`;
   const request = {
     name,
@@ -136,6 +141,24 @@ async function main() {
     request_id: crypto.randomUUID(),
   };
   try {
+    // A Compose that forgets its mode is refused, so that it never binds hardware by accident.
+    const { mode, ...modeless } = request;
+    let refused = null;
+    try {
+      await unary(client, "Compose", { ...modeless, request_id: crypto.randomUUID() });
+    } catch (err) {
+      refused = err;
+    }
+    check(refused !== null, "a Compose without a mode succeeded");
+    check(
+      refused.code === grpc.status.INVALID_ARGUMENT,
+      `a Compose without a mode is code ${refused.code}, not INVALID_ARGUMENT: ${refused.details}`,
+    );
+    check(/mode/.test(refused.details), `the refusal does not name the mode: ${refused.details}`);
+    const after = await unary(client, "ListCompositions", {});
+    check(!after.compositions.some((c) => c.name === name), "a Compose without a mode composed something");
+
+    check(mode === "COMPOSE_MODE_APPLY", `the request's mode is ${mode}`);
     const composed = await unary(client, "Compose", request);
     const comp = composed.composition;
     check(comp && comp.id, `Compose answered no composition: ${JSON.stringify(composed)}`);
@@ -159,6 +182,11 @@ async function main() {
       (e) => e.type === "EVENT_TYPE_COMPOSITION_STATE_CHANGED" && e.subject === comp.id && e.data.new === "COMPOSED",
     );
     check(BigInt(composedEvent.revision) > BigInt(created.revision), "COMPOSED came before COMPOSITION_CREATED");
+    check(BigInt(created.revision) > BigInt(listed.revision), "the watch sent an event from before the listing");
+    check(
+      BigInt(watch.events[0].revision) === BigInt(listed.revision) + 1n,
+      `the watch from ${listed.revision} began at ${watch.events[0].revision}`,
+    );
 
     await unary(client, "Decompose", { id: comp.id });
     const deleted = await watch.waitFor(
@@ -189,7 +217,14 @@ async function main() {
       events: watch.events
         .filter((e) => e.subject === comp.id)
         .map((e) => ({ revision: e.revision, type: e.type, message: e.message })),
-      revisions: { created: created.revision, composed: composedEvent.revision, deleted: deleted.revision },
+      revisions: {
+        listed: listed.revision,
+        first_watched: watch.events[0].revision,
+        created: created.revision,
+        composed: composedEvent.revision,
+        deleted: deleted.revision,
+      },
+      unspecified_mode: { code: refused.code, details: refused.details },
       not_found: {
         code: notFound.code,
         name: "NOT_FOUND",

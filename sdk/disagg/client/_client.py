@@ -29,6 +29,7 @@ from disagg.model import (
     DeviceKind,
     Event,
     Health,
+    Reservation,
     ResourceRequest,
     Topology,
 )
@@ -56,7 +57,7 @@ from disagg.wire.types import (
 T = TypeVar("T")
 
 PAGE_SIZE = 1000
-"""Devices and compositions are listed in pages of this size (the protocol's largest)."""
+"""Devices, compositions and reservations are listed in pages of this size (the protocol's largest)."""
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     # Reconnect soon after a refused connection, so that a retry meets a restarted server instead of the
@@ -89,6 +90,23 @@ class FabricInfo:
     capabilities: Capabilities
 
 
+class _Page(Protocol):
+    """What every paginated response has."""
+
+    @property
+    def next_page_token(self) -> str: ...
+
+    @property
+    def revision(self) -> int: ...
+
+
+P = TypeVar("P", bound=_Page)
+
+
+class _PageRequest(Protocol):
+    page_token: str
+
+
 class _StreamCall(Protocol):
     def __next__(self) -> fm.WatchEventsResponse: ...
 
@@ -107,8 +125,13 @@ class FabricManagerClient:
     fabric manager. Where the composer has a method of the same purpose, the client's has its name.
 
     ``timeout_s`` is each call's deadline, retries included. Calls that are safe to repeat (reads,
-    Decompose, Cordon/Uncordon, and Compose with a request id) are retried on UNAVAILABLE as ``retries``
-    says; others get one attempt. Thread-safe; use it as a context manager or call `close`.
+    Decompose, Cordon/Uncordon, ReleaseReservation, and Compose or UpdateComposition with a request id) are
+    retried on UNAVAILABLE as ``retries`` says; others get one attempt. Thread-safe; use it as a context
+    manager or call `close`.
+
+    Each listing has an ``*_at`` twin that also answers the event revision it was read at (`compositions_at`,
+    `reservations_at`, `devices_at`, `device_statuses_at`, `topologies_at`, `usage_at`): `watch` from that
+    revision follows every later change, none missed and none repeated.
 
     ``channel`` replaces the plaintext channel the client opens by default (for TLS or interceptors); the client
     closes it.
@@ -160,6 +183,19 @@ class FabricManagerClient:
             )
         return from_rpc_error(exc)
 
+    def _pages(self, rpc: Callable[[float], P], request: _PageRequest) -> tuple[list[P], int]:
+        """Every page of a listing (``rpc`` reads ``request``, whose token this advances) and the lowest
+        revision among them, the first page's: a watch from it misses no change made while paging."""
+        pages: list[P] = []
+        seen: set[str] = set()
+        while True:
+            resp = self._call(rpc, idempotent=True)
+            pages.append(resp)
+            if not resp.next_page_token or resp.next_page_token in seen:
+                return pages, min(p.revision for p in pages)
+            seen.add(resp.next_page_token)
+            request.page_token = resp.next_page_token
+
     def _call(self, rpc: Callable[[float], T], *, idempotent: bool) -> T:
         try:
             return call_with_retry(
@@ -177,8 +213,12 @@ class FabricManagerClient:
 
     def topologies(self) -> list[Topology]:
         """Every fabric's discovered topology."""
+        return self.topologies_at()[0]
+
+    def topologies_at(self) -> tuple[list[Topology], int]:
+        """`topologies`, and the event revision they were read at."""
         resp = self._call(lambda t: self._stub.GetTopology(fm.GetTopologyRequest(), timeout=t), idempotent=True)
-        return [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)]
+        return [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)], resp.revision
 
     def device_statuses(
         self,
@@ -189,6 +229,17 @@ class FabricManagerClient:
         free_only: bool = False,
     ) -> list[DeviceStatus]:
         """Devices in id order with their holder and cordon, filtered; every page is fetched."""
+        return self.device_statuses_at(kind=kind, fabric=fabric, health=health, free_only=free_only)[0]
+
+    def device_statuses_at(
+        self,
+        *,
+        kind: DeviceKind | None = None,
+        fabric: str | None = None,
+        health: Health | None = None,
+        free_only: bool = False,
+    ) -> tuple[list[DeviceStatus], int]:
+        """`device_statuses`, and the event revision they were read at (the first page's, when there are more)."""
         request = fm.ListDevicesRequest(
             kind=KIND_TO_WIRE[kind] if kind is not None else pb.DEVICE_KIND_UNSPECIFIED,
             fabric=fabric or "",
@@ -196,15 +247,20 @@ class FabricManagerClient:
             free_only=free_only,
             page_size=PAGE_SIZE,
         )
-        found: list[DeviceStatus] = []
-        seen: set[str] = set()
-        while True:
-            resp = self._call(lambda t: self._stub.ListDevices(request, timeout=t), idempotent=True)
-            found += [_status(d) for d in resp.devices]
-            if not resp.next_page_token or resp.next_page_token in seen:
-                return found
-            seen.add(resp.next_page_token)
-            request.page_token = resp.next_page_token
+        pages, revision = self._pages(lambda t: self._stub.ListDevices(request, timeout=t), request)
+        return [_status(d) for resp in pages for d in resp.devices], revision
+
+    def devices_at(
+        self,
+        *,
+        kind: DeviceKind | None = None,
+        fabric: str | None = None,
+        health: Health | None = None,
+        free_only: bool = False,
+    ) -> tuple[list[Device], int]:
+        """`devices`, and the event revision they were read at (the first page's, when there are more)."""
+        statuses, revision = self.device_statuses_at(kind=kind, fabric=fabric, health=health, free_only=free_only)
+        return [s.device for s in statuses], revision
 
     def devices(
         self,
@@ -236,6 +292,10 @@ class FabricManagerClient:
 
     def usage(self) -> tuple[list[KindUsage], list[PoolUsage]]:
         """Per kind: devices in all, free, used and unhealthy; per pool: bytes in all and free."""
+        return self.usage_at()[0]
+
+    def usage_at(self) -> tuple[tuple[list[KindUsage], list[PoolUsage]], int]:
+        """`usage`, and the event revision it was read at: ``(kinds, pools), revision = fm.usage_at()``."""
         resp = self._call(lambda t: self._stub.ListPools(fm.ListPoolsRequest(), timeout=t), idempotent=True)
         kinds = [
             KindUsage(kind_from_wire(k.kind, f"kinds[{n}].kind"), k.total, k.free, k.used, k.unhealthy)
@@ -245,7 +305,7 @@ class FabricManagerClient:
         for n, p in enumerate(resp.pools):
             info = pool_info_from_wire(p.pool, f"pools[{n}].pool")
             pools.append(PoolUsage(info.id, info.device, info.capacity.total_bytes, p.free_bytes))
-        return kinds, pools
+        return (kinds, pools), resp.revision
 
     def cordon(self, device_id: str) -> Device:
         """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
@@ -308,17 +368,11 @@ class FabricManagerClient:
         msg.reservation_id = reservation_id or ""
         safe = mode is ComposeMode.PREVIEW or bool(request_id)
         resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe)
-        result_mode = compose_mode_from_wire(resp.mode)
-        plan = plan_from_wire(resp.plan)
         return ComposeResult(
-            result_mode,
-            plan,
+            compose_mode_from_wire(resp.mode),
+            plan_from_wire(resp.plan),
             composition=composition_from_wire(resp.composition) if resp.HasField("composition") else None,
-            reservation=(
-                reservation_from_wire(resp.reservation, request)
-                if resp.HasField("reservation") and request is not None
-                else None
-            ),
+            reservation=reservation_from_wire(resp.reservation) if resp.HasField("reservation") else None,
         )
 
     def preview(self, request: CompositionRequest) -> ComposeResult:
@@ -342,16 +396,17 @@ class FabricManagerClient:
 
     def compositions(self) -> list[Composition]:
         """Every composition, in name order; every page is fetched."""
+        return self.compositions_at()[0]
+
+    def compositions_at(self) -> tuple[list[Composition], int]:
+        """`compositions`, and the event revision they were read at (the first page's, when there are more).
+
+        ``comps, revision = fm.compositions_at()``, then ``fm.watch(after_revision=revision)`` follows every
+        change made after the listing.
+        """
         request = fm.ListCompositionsRequest(page_size=PAGE_SIZE)
-        found: list[Composition] = []
-        seen: set[str] = set()
-        while True:
-            resp = self._call(lambda t: self._stub.ListCompositions(request, timeout=t), idempotent=True)
-            found += [composition_from_wire(c) for c in resp.compositions]
-            if not resp.next_page_token or resp.next_page_token in seen:
-                return found
-            seen.add(resp.next_page_token)
-            request.page_token = resp.next_page_token
+        pages, revision = self._pages(lambda t: self._stub.ListCompositions(request, timeout=t), request)
+        return [composition_from_wire(c) for resp in pages for c in resp.compositions], revision
 
     def recompose(
         self,
@@ -360,21 +415,54 @@ class FabricManagerClient:
         add: Sequence[ResourceRequest] = (),
         remove: Sequence[str] = (),
         expected_etag: str | None = None,
+        request_id: str | None = None,
     ) -> Composition:
         """Add resource lines to, or remove devices and allocations (by id) from, a live composition; with
-        ``expected_etag``, only if it is still at that etag (else `ConflictError`). Never retried."""
+        ``expected_etag``, only if it is still at that etag (else `ConflictError`).
+
+        Carries a request id, a fresh uuid4 unless one is given, so that the server changes the composition
+        once however often the call is retried on UNAVAILABLE; ``request_id=""`` sends none, and such a call
+        gets one attempt.
+        """
+        if request_id is None:
+            request_id = uuid.uuid4().hex
         msg = fm.UpdateCompositionRequest(
             id=composition_id,
             add=[resource_to_wire(r) for r in add],
             remove=list(remove),
             etag=expected_etag or "",
+            request_id=request_id,
         )
-        resp = self._call(lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=False)
+        resp = self._call(lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=bool(request_id))
         return composition_from_wire(resp.composition)
 
     def decompose(self, composition_id: str) -> None:
         """Unbind and release everything of a composition. Idempotent: an unknown id is not an error."""
         self._call(lambda t: self._stub.Decompose(fm.DecomposeRequest(id=composition_id), timeout=t), idempotent=True)
+
+    # ----------------------------------------------------------------- reservations
+
+    def reservations(self) -> list[Reservation]:
+        """Reservations still holding their plan, in id order, each with the whole request it was made for;
+        every page is fetched."""
+        return self.reservations_at()[0]
+
+    def reservations_at(self) -> tuple[list[Reservation], int]:
+        """`reservations`, and the event revision they were read at (the first page's, when there are more)."""
+        request = fm.ListReservationsRequest(page_size=PAGE_SIZE)
+        pages, revision = self._pages(lambda t: self._stub.ListReservations(request, timeout=t), request)
+        found = [
+            reservation_from_wire(r, f"reservations[{n}]") for resp in pages for n, r in enumerate(resp.reservations)
+        ]
+        return found, revision
+
+    def release_reservation(self, reservation_id: str) -> None:
+        """Give a reservation's plan back. Idempotent: an unknown (expired, applied, released) id is not an
+        error."""
+        self._call(
+            lambda t: self._stub.ReleaseReservation(fm.ReleaseReservationRequest(id=reservation_id), timeout=t),
+            idempotent=True,
+        )
 
     # ----------------------------------------------------------------- events
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from disagg.errors import DisaggError, DriverError, FabricUnavailableError
+from disagg.errors import DeadlineExceededError, DisaggError, DriverError, FabricUnavailableError
 from disagg.interfaces import CallContext, Fabric
 from disagg.model import Allocation, Binding, DevicePick, MemoryPick
 
@@ -22,6 +22,18 @@ class MemoryStep:
     allocation_id: str
     fabric: str
     pick: MemoryPick
+
+
+@attrs.frozen
+class Leftovers:
+    """What an undo could not undo: allocation and device ids, newest first, and whether any of those steps
+    failed because the caller's deadline passed (`DeadlineExceededError`) rather than for another reason."""
+
+    ids: tuple[str, ...] = ()
+    timed_out: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
 
 
 class ExecutionFailedError(Exception):
@@ -91,7 +103,7 @@ class Executor:
         except Exception as exc:
             error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
             leftovers = self.undo(bound, carved)
-            raise ExecutionFailedError(error, tuple(leftovers)) from exc
+            raise ExecutionFailedError(error, leftovers.ids) from exc
         return tuple(allocations)
 
     def undo(
@@ -100,19 +112,22 @@ class Executor:
         carved: Sequence[tuple[str, str, str]],
         *,
         deadline: float | None = None,
-    ) -> list[str]:
+    ) -> Leftovers:
         """Release allocations, then unbind devices, newest first. Returns what could not be undone."""
         leftovers: list[str] = []
+        timed_out = False
         for fabric, pool, allocation_id in reversed(carved):
             try:
                 self._fabric(fabric).pool(pool).release(allocation_id, self.context(deadline))
             except Exception as exc:
                 log.error("could not release allocation %s of pool %s: %r", allocation_id, pool, exc)
                 leftovers.append(allocation_id)
+                timed_out = timed_out or isinstance(exc, DeadlineExceededError)
         for fabric, binding in reversed(bound):
             try:
                 self._fabric(fabric).unbind(binding, self.context(deadline))
             except Exception as exc:
                 log.error("could not unbind %s from %s: %r", binding.device, binding.host, exc)
                 leftovers.append(binding.device)
-        return leftovers
+                timed_out = timed_out or isinstance(exc, DeadlineExceededError)
+        return Leftovers(tuple(leftovers), timed_out)

@@ -63,7 +63,7 @@ class Placer:
     def __init__(self, inventory: Inventory, policy: PlacementPolicy) -> None:
         self.inv = inventory
         self.policy = policy
-        self._match_cache: dict[tuple[int, tuple[Selector, ...]], bool] = {}
+        self._match_cache: dict[tuple[Selector, ...], dict[int, bool]] = {}
 
     def check(self, request: CompositionRequest) -> None:
         for i, r in enumerate(request.resources):
@@ -165,28 +165,38 @@ class Placer:
                 devices.extend(picked)
         return Plan(host=host, devices=tuple(devices), memory=tuple(memory)), None
 
+    def _matcher(self, selectors: tuple[Selector, ...]) -> Callable[[Bucket], bool]:
+        """Whether a bucket matches ``selectors``, remembered per bucket: selectors are hashed once per line."""
+        cache = self._match_cache.setdefault(selectors, {})
+
+        def matches(bucket: Bucket) -> bool:
+            hit = cache.get(bucket.key)
+            if hit is None:
+                hit = cache[bucket.key] = all(sel.matches(bucket.exemplar.attribute(sel.key)) for sel in selectors)
+            return hit
+
+        return matches
+
     def _matches(self, bucket: Bucket, selectors: tuple[Selector, ...]) -> bool:
-        key = (bucket.key, selectors)
-        hit = self._match_cache.get(key)
-        if hit is None:
-            hit = all(sel.matches(bucket.exemplar.attribute(sel.key)) for sel in selectors)
-            self._match_cache[key] = hit
-        return hit
+        return self._matcher(selectors)(bucket)
 
     def _groups(self, host: str, r: ResourceRequest, pin: Pin, taken: Mapping[int, int]) -> list[DeviceGroup]:
         groups = []
         limit = r.max_latency_ns
+        matches = self._matcher(r.selectors)
+        by_switch_kind = self.inv.by_switch_kind
+        kind = r.kind
         for lat_sw, sw in self.inv.reach.get(host, ()):
             if limit is not None and lat_sw > limit:
                 break
             if pin.switch is not None and sw != pin.switch:
                 continue
-            for b in self.inv.by_switch_kind.get((sw, r.kind), ()):
+            for b in by_switch_kind.get((sw, kind), ()):
                 free = len(b.free) - taken.get(b.key, 0)
-                lat = lat_sw + b.link_latency_ns
-                if free <= 0 or (limit is not None and lat > limit) or not self._matches(b, r.selectors):
+                lat = lat_sw + b.exemplar.link_latency_ns
+                if free <= 0 or (limit is not None and lat > limit) or not matches(b):
                     continue
-                groups.append(DeviceGroup(b.key, sw, lat, free, b.failure_domains))
+                groups.append(DeviceGroup(b.key, sw, lat, free, b.exemplar.failure_domains))
         return groups
 
     def _pick(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import enum
-
 import attrs
 
+from disagg.model._enum import ModelEnum
 from disagg.model.devices import DeviceKind
 
 
-class Feature(enum.Enum):
+class Feature(ModelEnum):
     """A capability a fabric type may declare."""
 
     BIND = "bind"

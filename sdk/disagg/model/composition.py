@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from disagg.model._enum import ModelEnum
 from disagg.model.devices import AttributeValue, DeviceKind
 
 
@@ -43,7 +43,7 @@ class Allocation:
     extents: tuple[Extent, ...] = ()
 
 
-class SelectorOp(enum.Enum):
+class SelectorOp(ModelEnum):
     EQ = "="
     NE = "!="
     GE = ">="
@@ -86,7 +86,7 @@ class Selector:
         return f"{self.key}{self.op.value}{self.value}"
 
 
-class Affinity(enum.Enum):
+class Affinity(ModelEnum):
     """Topology affinity of the devices of one resource request."""
 
     NONE = "none"
@@ -148,7 +148,7 @@ class CompositionRequest:
             raise ValueError("a composition needs at least one resource")
 
 
-class ComposeMode(enum.Enum):
+class ComposeMode(ModelEnum):
     """Redfish's Compose ``RequestType``: Preview, PreviewReserve, Apply."""
 
     PREVIEW = "preview"
@@ -156,7 +156,7 @@ class ComposeMode(enum.Enum):
     APPLY = "apply"
 
 
-class CompositionState(enum.Enum):
+class CompositionState(ModelEnum):
     """After Redfish ``CompositionState``."""
 
     COMPOSING = "COMPOSING"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 
 import attrs
+
+from disagg.model._enum import ModelEnum
 
 AttributeValue = str | int | float | bool
 """An attribute is a scalar; selectors compare against it."""
@@ -15,7 +16,7 @@ CXL_DC_BLOCK_BYTES = 256 * 1024 * 1024
 """Block size of CXL dynamic capacity (256 MiB): the unit memory is carved in."""
 
 
-class DeviceKind(enum.Enum):
+class DeviceKind(ModelEnum):
     """What a device is, in the field's words."""
 
     GPU = "gpu"
@@ -38,7 +39,7 @@ class DeviceKind(enum.Enum):
         raise ValueError(f"unknown device kind {text!r}; known kinds: {known}")
 
 
-class Health(enum.Enum):
+class Health(ModelEnum):
     """Device health, after Redfish ``Status.Health`` plus UNKNOWN for an unreachable driver."""
 
     OK = "OK"

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 
 import attrs
 
+from disagg.model._enum import ModelEnum
 from disagg.model.devices import Health, _freeze_labels
 
 
-class FabricEventKind(enum.Enum):
+class FabricEventKind(ModelEnum):
     """What a driver reports, after CXL event records (hot plug, surprise removal, link down)."""
 
     DEVICE_HEALTH = "device-health"
@@ -31,7 +31,7 @@ class FabricEvent:
     message: str = ""
 
 
-class EventType(enum.Enum):
+class EventType(ModelEnum):
     """Entries in the composer's event log."""
 
     DEVICE_HEALTH_CHANGED = "DeviceHealthChanged"

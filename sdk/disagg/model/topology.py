@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 
 import attrs
 
+from disagg.model._enum import ModelEnum
 from disagg.model.devices import AttributeValue, Capacity, Device, _freeze_labels, _freeze_mapping
 
 
-class PortKind(enum.Enum):
+class PortKind(ModelEnum):
     """A switch port's role, after the CXL FM API's upstream / downstream switch ports."""
 
     UPSTREAM = "upstream"
@@ -18,7 +18,7 @@ class PortKind(enum.Enum):
     FABRIC = "fabric"
 
 
-class SwitchKind(enum.Enum):
+class SwitchKind(ModelEnum):
     PCIE = "pcie"
     CXL = "cxl"
 
@@ -73,7 +73,7 @@ class Link:
     up: bool = True
 
 
-class PoolKind(enum.Enum):
+class PoolKind(ModelEnum):
     """How a pool carves capacity: a multi-logical device's LDs, or a dynamic-capacity device's extents."""
 
     MLD = "mld"

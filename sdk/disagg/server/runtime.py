@@ -14,6 +14,7 @@ close the composer. The server owns the composer: `stop`, or a `start` that fail
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Sequence
@@ -106,6 +107,9 @@ class FabricManagerServer:
             with self._lock:
                 self._state = "stopped"
             raise
+        # Everything discovery built (100,000 devices and their index) lives as long as the server: keep it out
+        # of the garbage collector's generations, or every full collection walks it again.
+        gc.freeze()
         self.servicer.mark_ready()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._ticker = threading.Thread(target=self._tick, name="disagg-tick", daemon=True)

@@ -2,7 +2,8 @@
 
 Each RPC validates its request at the edge (`disagg.wire.fabric`), calls the composer with the client's
 deadline, and converts the answer back; an SDK error ends the call with its status and google.rpc details.
-Until `mark_ready` (the composer has started) every RPC answers UNAVAILABLE.
+Until `mark_ready` (the composer has started) every RPC answers UNAVAILABLE. A listing reads its data and the
+event revision together (`FabricComposer.snapshot`) and converts it to messages after, outside the lock.
 """
 
 # ruff: noqa: N802  (the RPC methods carry the service's names, as grpcio calls them)
@@ -17,12 +18,12 @@ from typing import TypeVar
 import attrs
 import grpc
 
-from disagg.composer import FabricComposer
+from disagg.composer import FabricComposer, KindUsage, PoolUsage
 from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
-from disagg.model import ComposeMode, Device, Health
+from disagg.model import ComposeMode, Device, Health, Topology
 from disagg.server.deadlines import deadline_of
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
@@ -86,6 +87,18 @@ def _stream(
     return rpc
 
 
+@attrs.frozen
+class _Devices:
+    """Devices read together with their holders and cordons."""
+
+    devices: Sequence[Device]
+    held: dict[str, str]
+    cordoned: set[str]
+
+    def to_wire(self, dev: Device) -> pb.Device:
+        return device_to_wire(dev, held_by=self.held.get(dev.id, ""), cordoned=dev.id in self.cordoned)
+
+
 class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     """Serves one composer. ``drivers`` says which driver and plugin serve each fabric (for ListDrivers)."""
 
@@ -126,21 +139,27 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             dev, held_by=self.composer.owner_of(dev.id) or "", cordoned=self.composer.is_cordoned(dev.id)
         )
 
+    def _devices(self) -> _Devices:
+        """Every device (current health) with its holder and cordon; call it under the composer's lock."""
+        composer = self.composer
+        return _Devices(composer.devices(), composer.holders(), composer.cordoned_devices())
+
     @_unary
     def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:
-        composer = self.composer
-        current = {d.id: d for d in composer.devices()}
-        held = {d: owner for d in current if (owner := composer.owner_of(d)) is not None}
-        cordoned = {d for d in current if composer.is_cordoned(d)}
+        def read() -> tuple[Sequence[Topology], _Devices]:
+            return self.composer.topologies(), self._devices()
+
+        (topologies, devices), revision = self.composer.snapshot(read)
+        current = {d.id: d for d in devices.devices}
         fabrics = [
             topology_to_wire(
                 attrs.evolve(topo, devices=tuple(current.get(d.id, d) for d in topo.devices)),
-                held_by=held,
-                cordoned=cordoned,
+                held_by=devices.held,
+                cordoned=devices.cordoned,
             )
-            for topo in composer.topologies()
+            for topo in topologies
         ]
-        return fm.GetTopologyResponse(fabrics=fabrics)
+        return fm.GetTopologyResponse(fabrics=fabrics, revision=revision)
 
     @_unary
     def ListDevices(self, request: fm.ListDevicesRequest, context: grpc.ServicerContext) -> fm.ListDevicesResponse:
@@ -151,8 +170,12 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         after = page_token_from_wire(request.page_token, "devices")
         if fabric is not None and fabric not in self.composer.fabrics:
             raise NotFoundError("fabric", fabric)
-        composer = self.composer
-        carved = {p.device for t in composer.topologies() for p in t.pools} if request.free_only else set()
+
+        def read() -> tuple[_Devices, set[str]]:
+            carved = {p.device for t in self.composer.topologies() for p in t.pools} if request.free_only else set()
+            return self._devices(), carved
+
+        (devices, carved), revision = self.composer.snapshot(read)
 
         def keep(dev: Device) -> bool:
             if (kind is not None and dev.kind is not kind) or (fabric is not None and dev.fabric != fabric):
@@ -163,15 +186,16 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
                 return (
                     dev.health is Health.OK
                     and dev.id not in carved
-                    and composer.owner_of(dev.id) is None
-                    and not composer.is_cordoned(dev.id)
+                    and dev.id not in devices.held
+                    and dev.id not in devices.cordoned
                 )
             return True
 
-        devices, last = page(composer.devices(), lambda d: d.id, after=after, size=size, keep=keep)
+        found, last = page(devices.devices, lambda d: d.id, after=after, size=size, keep=keep)
         return fm.ListDevicesResponse(
-            devices=[self._device(d) for d in devices],
+            devices=[devices.to_wire(d) for d in found],
             next_page_token=page_token_to_wire("devices", last) if last is not None else "",
+            revision=revision,
         )
 
     @_unary
@@ -180,11 +204,15 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @_unary
     def ListPools(self, request: fm.ListPoolsRequest, context: grpc.ServicerContext) -> fm.ListPoolsResponse:
-        kinds, pools = self.composer.usage()
-        infos = {p.id: p for t in self.composer.topologies() for p in t.pools}
+        def read() -> tuple[tuple[list[KindUsage], list[PoolUsage]], Sequence[Topology]]:
+            return self.composer.usage(), self.composer.topologies()
+
+        ((kinds, pools), topologies), revision = self.composer.snapshot(read)
+        infos = {p.id: p for t in topologies for p in t.pools}
         return fm.ListPoolsResponse(
             pools=[pool_usage_to_wire(infos[p.pool], p.free_bytes) for p in pools if p.pool in infos],
             kinds=[kind_usage_to_wire(k) for k in kinds],
+            revision=revision,
         )
 
     @_unary
@@ -255,10 +283,12 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     ) -> fm.ListCompositionsResponse:
         size = page_size_from_wire(request.page_size)
         after = page_token_from_wire(request.page_token, "compositions")
-        comps, last = page(self.composer.compositions(), lambda c: c.name, after=after, size=size)
+        every, revision = self.composer.snapshot(self.composer.compositions)
+        comps, last = page(every, lambda c: c.name, after=after, size=size)
         return fm.ListCompositionsResponse(
             compositions=[composition_to_wire(c) for c in comps],
             next_page_token=page_token_to_wire("compositions", last) if last is not None else "",
+            revision=revision,
         )
 
     @_unary
@@ -269,15 +299,41 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         add = resources_from_wire(request.add, "add", required=False)
         remove = remove_from_wire(request.remove)
         etag = etag_from_wire(request.etag)
+        request_id = check_id(request.request_id, "request_id", required=False) or None
         if not add and not remove:
             raise InvalidRequestError("add: give resource lines to add or ids to remove", field="add")
-        comp = self.composer.recompose(key, add=add, remove=remove, expected_etag=etag, deadline=deadline_of(context))
+        comp = self.composer.recompose(
+            key, add=add, remove=remove, expected_etag=etag, request_id=request_id, deadline=deadline_of(context)
+        )
         return fm.UpdateCompositionResponse(composition=composition_to_wire(comp))
 
     @_unary
     def Decompose(self, request: fm.DecomposeRequest, context: grpc.ServicerContext) -> fm.DecomposeResponse:
         self.composer.decompose(check_id(request.id, "id"), deadline=deadline_of(context))
         return fm.DecomposeResponse()
+
+    # ----------------------------------------------------------------- reservations
+
+    @_unary
+    def ListReservations(
+        self, request: fm.ListReservationsRequest, context: grpc.ServicerContext
+    ) -> fm.ListReservationsResponse:
+        size = page_size_from_wire(request.page_size)
+        after = page_token_from_wire(request.page_token, "reservations")
+        every, revision = self.composer.snapshot(self.composer.reservations)
+        found, last = page(every, lambda r: r.id, after=after, size=size)
+        return fm.ListReservationsResponse(
+            reservations=[reservation_to_wire(r) for r in found],
+            next_page_token=page_token_to_wire("reservations", last) if last is not None else "",
+            revision=revision,
+        )
+
+    @_unary
+    def ReleaseReservation(
+        self, request: fm.ReleaseReservationRequest, context: grpc.ServicerContext
+    ) -> fm.ReleaseReservationResponse:
+        self.composer.release_reservation(check_id(request.id, "id"))
+        return fm.ReleaseReservationResponse()
 
     # ----------------------------------------------------------------- events
 

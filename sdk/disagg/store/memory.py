@@ -45,10 +45,12 @@ class MemoryStore(Store):
     def append_event(self, event: Event) -> None:
         with self._lock:
             self._events.append(event)
-            if len(self._events) > self._retention:
+            # Trim in halves, not one by one: appending stays O(1) amortised at the retention limit.
+            if len(self._events) >= 2 * self._retention:
                 del self._events[: len(self._events) - self._retention]
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
         with self._lock:
-            start = bisect.bisect_right([e.revision for e in self._events], revision)
-            return list(self._events[start : start + limit])
+            first = max(0, len(self._events) - self._retention)
+            start = bisect.bisect_right(self._events, revision, lo=first, key=lambda e: e.revision)
+            return self._events[start : start + limit]

@@ -223,10 +223,13 @@ def compose_request_to_wire(
     )
 
 
-def compose_mode_from_wire(value: int) -> ComposeMode:
+def compose_mode_from_wire(value: int, field: str = "mode") -> ComposeMode:
+    """The compose mode; UNSPECIFIED is refused, so that a request that forgets it never binds hardware."""
     if value == fm.COMPOSE_MODE_UNSPECIFIED:
-        return ComposeMode.APPLY
-    return enum_from_wire(MODE_FROM_WIRE, value, "mode", "compose mode")
+        raise InvalidRequestError(
+            f"{field}: give the compose mode (PREVIEW, RESERVE or APPLY); it has no default", field=field
+        )
+    return enum_from_wire(MODE_FROM_WIRE, value, field, "compose mode")
 
 
 def ttl_from_wire(value: float) -> float:
@@ -296,12 +299,26 @@ def composition_from_wire(msg: fm.Composition) -> Composition:
 
 
 def reservation_to_wire(r: Reservation) -> fm.Reservation:
-    return fm.Reservation(id=r.id, name=r.request.name, plan=plan_to_wire(r.plan), expires_at=r.expires_at)
+    return fm.Reservation(
+        id=r.id,
+        name=r.request.name,
+        plan=plan_to_wire(r.plan),
+        expires_at=r.expires_at,
+        host=host_request_to_wire(r.request.host),
+        resources=[resource_to_wire(line) for line in r.request.resources],
+    )
 
 
-def reservation_from_wire(msg: fm.Reservation, request: CompositionRequest) -> Reservation:
-    """The wire keeps only the request's name; the caller supplies the request it reserved for."""
-    return Reservation(id=msg.id, request=request, plan=plan_from_wire(msg.plan), expires_at=msg.expires_at)
+def reservation_from_wire(msg: fm.Reservation, field: str = "reservation") -> Reservation:
+    """A reservation with the whole request it holds a plan for (name, host request and resource lines)."""
+    request = CompositionRequest(
+        name=check_name(msg.name, f"{field}.name"),
+        resources=resources_from_wire(msg.resources, f"{field}.resources", required=True),
+        host=host_request_from_wire(msg.host, f"{field}.host"),
+    )
+    return Reservation(
+        id=check_id(msg.id, f"{field}.id"), request=request, plan=plan_from_wire(msg.plan), expires_at=msg.expires_at
+    )
 
 
 def event_to_wire(ev: Event) -> fm.Event:
@@ -335,7 +352,8 @@ def page_size_from_wire(value: int, field: str = "page_size") -> int:
 
 
 def page_token_to_wire(collection: str, last_key: str) -> str:
-    """An opaque cursor for the page after ``last_key`` of ``collection`` (``devices``, ``compositions``)."""
+    """An opaque cursor for the page after ``last_key`` of ``collection`` (``devices``, ``compositions``,
+    ``reservations``)."""
     return base64.urlsafe_b64encode(f"{collection}:{last_key}".encode()).decode().rstrip("=")
 
 

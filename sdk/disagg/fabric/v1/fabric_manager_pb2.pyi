@@ -180,16 +180,20 @@ class GetTopologyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FABRICS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The event revision the topology was read at; watch from it to follow every later change."""
     @_builtins.property
     def fabrics(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Topology]: ...
     def __init__(
         self,
         *,
         fabrics: _abc.Iterable[_types_pb2.Topology] | None = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fabrics", b"fabrics"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fabrics", b"fabrics", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -241,8 +245,11 @@ class ListDevicesResponse(_message.Message):
 
     DEVICES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty on the last page."""
+    revision: _builtins.int
+    """The event revision this page was read at (each page has its own; the first page's is the lowest)."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
@@ -250,10 +257,11 @@ class ListDevicesResponse(_message.Message):
         *,
         devices: _abc.Iterable[_types_pb2.Device] | None = ...,
         next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -377,6 +385,9 @@ class ListPoolsResponse(_message.Message):
 
     POOLS_FIELD_NUMBER: _builtins.int
     KINDS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """The event revision the pools and counts were read at."""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolUsage]: ...
     @_builtins.property
@@ -386,10 +397,11 @@ class ListPoolsResponse(_message.Message):
         *,
         pools: _abc.Iterable[Global___PoolUsage] | None = ...,
         kinds: _abc.Iterable[Global___KindUsage] | None = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kinds", b"kinds", "pools", b"pools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kinds", b"kinds", "pools", b"pools", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -512,8 +524,11 @@ class ComposeRequest(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The composition's name: 1-63 letters, digits, '.', '_' or '-'; unique among live compositions."""
+    """The composition's name: 1-63 letters, digits, '.', '_' or '-'; unique among live compositions and
+    reservations.
+    """
     mode: Global___ComposeMode.ValueType
+    """Required: UNSPECIFIED is INVALID_ARGUMENT (field "mode")."""
     reservation_ttl_s: _builtins.float
     """For RESERVE: seconds to hold the plan (0 means 60; at most 86400)."""
     reservation_id: _builtins.str
@@ -690,7 +705,7 @@ Global___Composition: _TypeAlias = Composition  # noqa: Y015
 
 @_typing.final
 class Reservation(_message.Message):
-    """A plan held for a time to live (Redfish CompositionReservation)."""
+    """A plan held for a time to live (Redfish CompositionReservation), with the whole request it was made for."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -698,12 +713,23 @@ class Reservation(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
+    RESOURCES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     name: _builtins.str
+    """The name of the composition it was reserved for; held (unique) while the reservation lives."""
     expires_at: _builtins.float
     """Unix time, seconds."""
     @_builtins.property
     def plan(self) -> Global___Plan: ...
+    @_builtins.property
+    def host(self) -> Global___HostRequest:
+        """The host request of the Compose that made the reservation."""
+
+    @_builtins.property
+    def resources(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResourceRequest]:
+        """The resource lines of the Compose that made the reservation; the composition applied from it keeps them."""
+
     def __init__(
         self,
         *,
@@ -711,10 +737,12 @@ class Reservation(_message.Message):
         name: _builtins.str = ...,
         plan: Global___Plan | None = ...,
         expires_at: _builtins.float = ...,
+        host: Global___HostRequest | None = ...,
+        resources: _abc.Iterable[Global___ResourceRequest] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "id", b"id", "name", b"name", "plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "host", b"host", "id", b"id", "name", b"name", "plan", b"plan", "resources", b"resources"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -804,6 +832,7 @@ class ListCompositionsRequest(_message.Message):
     page_size: _builtins.int
     """At most this many (1 to 1000; 0 means 100)."""
     page_token: _builtins.str
+    """From a previous response's next_page_token; empty for the first page."""
     def __init__(
         self,
         *,
@@ -824,7 +853,11 @@ class ListCompositionsResponse(_message.Message):
 
     COMPOSITIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """Empty on the last page."""
+    revision: _builtins.int
+    """The event revision this page was read at (each page has its own; the first page's is the lowest)."""
     @_builtins.property
     def compositions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Composition]: ...
     def __init__(
@@ -832,10 +865,11 @@ class ListCompositionsResponse(_message.Message):
         *,
         compositions: _abc.Iterable[Global___Composition] | None = ...,
         next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compositions", b"compositions", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compositions", b"compositions", "next_page_token", b"next_page_token", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -849,10 +883,18 @@ class UpdateCompositionRequest(_message.Message):
     ADD_FIELD_NUMBER: _builtins.int
     REMOVE_FIELD_NUMBER: _builtins.int
     ETAG_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """A composition id or name."""
     etag: _builtins.str
     """Refuse unless the composition is still at this etag; empty for no guard."""
+    request_id: _builtins.str
+    """Client-chosen id (1-128 characters) that makes a retried UpdateComposition safe: a request with this
+    request_id and the same id, add, remove and etag returns the first answer and changes nothing again; one
+    with any other change is ALREADY_EXISTS (reason REQUEST_ID_REUSED). Ids share one space with Compose's.
+    A failure that changed nothing forgets the request_id; one that changed something (lines added, then a
+    removal that left a device bound) stays its answer. Empty for none.
+    """
     @_builtins.property
     def add(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResourceRequest]:
         """Resource lines to add."""
@@ -868,10 +910,11 @@ class UpdateCompositionRequest(_message.Message):
         add: _abc.Iterable[Global___ResourceRequest] | None = ...,
         remove: _abc.Iterable[_builtins.str] | None = ...,
         etag: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add", b"add", "etag", b"etag", "id", b"id", "remove", b"remove"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add", b"add", "etag", b"etag", "id", b"id", "remove", b"remove", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -931,6 +974,95 @@ class DecomposeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecomposeResponse: _TypeAlias = DecomposeResponse  # noqa: Y015
+
+@_typing.final
+class ListReservationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many (1 to 1000; 0 means 100)."""
+    page_token: _builtins.str
+    """From a previous response's next_page_token; empty for the first page."""
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReservationsRequest: _TypeAlias = ListReservationsRequest  # noqa: Y015
+
+@_typing.final
+class ListReservationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESERVATIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Empty on the last page."""
+    revision: _builtins.int
+    """The event revision this page was read at (each page has its own; the first page's is the lowest)."""
+    @_builtins.property
+    def reservations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reservation]:
+        """In id order, each with its whole request; expired, applied and released ones are gone."""
+
+    def __init__(
+        self,
+        *,
+        reservations: _abc.Iterable[Global___Reservation] | None = ...,
+        next_page_token: _builtins.str = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "reservations", b"reservations", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReservationsResponse: _TypeAlias = ListReservationsResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseReservationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """A reservation id."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseReservationRequest: _TypeAlias = ReleaseReservationRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseReservationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseReservationResponse: _TypeAlias = ReleaseReservationResponse  # noqa: Y015
 
 @_typing.final
 class CordonDeviceRequest(_message.Message):
@@ -1076,7 +1208,9 @@ class WatchEventsRequest(_message.Message):
 
     AFTER_REVISION_FIELD_NUMBER: _builtins.int
     after_revision: _builtins.int
-    """Send events with a revision above this one first, then live ones; 0 for the whole retained log."""
+    """Send events with a revision above this one first, then live ones; 0 for the whole retained log. A
+    listing's revision here follows every change made after that listing was read.
+    """
     def __init__(
         self,
         *,

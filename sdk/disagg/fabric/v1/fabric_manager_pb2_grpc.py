@@ -33,6 +33,10 @@ class FabricManagerServiceStub:
     with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
+
+    Every listing (GetTopology, ListDevices, ListPools, ListCompositions, ListReservations) answers the event
+    revision its data was read at, taken together with the data: WatchEvents(after_revision = that revision)
+    then sends exactly the changes made after the read, none missed and none repeated.
     """
 
     def __init__(self, channel):
@@ -86,6 +90,16 @@ class FabricManagerServiceStub:
                 request_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.DecomposeRequest.SerializeToString,
                 response_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.DecomposeResponse.FromString,
                 _registered_method=True)
+        self.ListReservations = channel.unary_unary(
+                '/disagg.fabric.v1.FabricManagerService/ListReservations',
+                request_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ListReservationsRequest.SerializeToString,
+                response_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ListReservationsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseReservation = channel.unary_unary(
+                '/disagg.fabric.v1.FabricManagerService/ReleaseReservation',
+                request_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ReleaseReservationRequest.SerializeToString,
+                response_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ReleaseReservationResponse.FromString,
+                _registered_method=True)
         self.CordonDevice = channel.unary_unary(
                 '/disagg.fabric.v1.FabricManagerService/CordonDevice',
                 request_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.CordonDeviceRequest.SerializeToString,
@@ -116,17 +130,21 @@ class FabricManagerServiceServicer:
     with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
+
+    Every listing (GetTopology, ListDevices, ListPools, ListCompositions, ListReservations) answers the event
+    revision its data was read at, taken together with the data: WatchEvents(after_revision = that revision)
+    then sends exactly the changes made after the read, none missed and none repeated.
     """
 
     def GetTopology(self, request, context):
-        """Every fabric's discovered topology.
+        """Every fabric's discovered topology, with the revision it was read at.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListDevices(self, request, context):
-        """Devices, filtered and paginated in id order.
+        """Devices, filtered and paginated in id order, with the revision each page was read at.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,7 +158,8 @@ class FabricManagerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListPools(self, request, context):
-        """Carved memory pools with their free bytes, and device counts per kind.
+        """Carved memory pools with their free bytes, and device counts per kind, with the revision they were read
+        at.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,8 +167,10 @@ class FabricManagerServiceServicer:
 
     def Compose(self, request, context):
         """Redfish Compose: PREVIEW changes nothing, RESERVE holds the plan for a time to live, APPLY binds it all or
-        nothing. A request_id makes retries safe: the same id returns the first answer and binds nothing again;
-        the same id with a different request is refused with ALREADY_EXISTS (reason REQUEST_ID_REUSED).
+        nothing; the mode is required (UNSPECIFIED is INVALID_ARGUMENT), so that a client that forgets it never
+        binds hardware by accident. A request_id makes retries safe: the same id returns the first answer and
+        binds nothing again; the same id with a different request is refused with ALREADY_EXISTS (reason
+        REQUEST_ID_REUSED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,7 +184,7 @@ class FabricManagerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListCompositions(self, request, context):
-        """Every composition, in name order, paginated.
+        """Every composition, in name order, paginated, with the revision each page was read at.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -172,14 +193,35 @@ class FabricManagerServiceServicer:
     def UpdateComposition(self, request, context):
         """Add resources to or remove devices and allocations from a live composition (Redfish AddResourceBlock /
         RemoveResourceBlock), guarded by its etag: a stale etag is refused with FAILED_PRECONDITION and changes
-        nothing.
+        nothing. A request_id makes retries safe as for Compose: the same id and the same change returns the
+        first answer and changes nothing again; the same id with a different change is ALREADY_EXISTS (reason
+        REQUEST_ID_REUSED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Decompose(self, request, context):
-        """Unbind and release everything of a composition. Idempotent: an unknown id succeeds.
+        """Unbind and release everything of a composition. Idempotent: an unknown id succeeds. DEADLINE_EXCEEDED
+        when the client's deadline stopped it and ABORTED when a driver did: either way the composition is left
+        FAILED naming what is still bound, and another Decompose finishes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReservations(self, request, context):
+        """Reservations that still hold their plan (RESERVE answers), in id order, paginated, with the revision
+        each page was read at. Each carries the whole request it was made for, so any client can see what is
+        held and for what.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseReservation(self, request, context):
+        """Give a reservation's plan back before its time to live ends. Idempotent: an unknown id (never made,
+        expired, applied or already released) succeeds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -261,6 +303,16 @@ def add_FabricManagerServiceServicer_to_server(servicer, server):
                     request_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.DecomposeRequest.FromString,
                     response_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.DecomposeResponse.SerializeToString,
             ),
+            'ListReservations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReservations,
+                    request_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ListReservationsRequest.FromString,
+                    response_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ListReservationsResponse.SerializeToString,
+            ),
+            'ReleaseReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseReservation,
+                    request_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ReleaseReservationRequest.FromString,
+                    response_serializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ReleaseReservationResponse.SerializeToString,
+            ),
             'CordonDevice': grpc.unary_unary_rpc_method_handler(
                     servicer.CordonDevice,
                     request_deserializer=disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.CordonDeviceRequest.FromString,
@@ -297,6 +349,10 @@ class FabricManagerService:
     with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
+
+    Every listing (GetTopology, ListDevices, ListPools, ListCompositions, ListReservations) answers the event
+    revision its data was read at, taken together with the data: WatchEvents(after_revision = that revision)
+    then sends exactly the changes made after the read, none missed and none repeated.
     """
 
     @staticmethod
@@ -532,6 +588,60 @@ class FabricManagerService:
             '/disagg.fabric.v1.FabricManagerService/Decompose',
             disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.DecomposeRequest.SerializeToString,
             disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.DecomposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReservations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disagg.fabric.v1.FabricManagerService/ListReservations',
+            disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ListReservationsRequest.SerializeToString,
+            disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ListReservationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/disagg.fabric.v1.FabricManagerService/ReleaseReservation',
+            disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ReleaseReservationRequest.SerializeToString,
+            disagg_dot_fabric_dot_v1_dot_fabric__manager__pb2.ReleaseReservationResponse.FromString,
             options,
             channel_credentials,
             insecure,

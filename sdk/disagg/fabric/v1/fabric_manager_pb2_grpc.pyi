@@ -34,6 +34,10 @@ class FabricManagerServiceStub:
     with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
+
+    Every listing (GetTopology, ListDevices, ListPools, ListCompositions, ListReservations) answers the event
+    revision its data was read at, taken together with the data: WatchEvents(after_revision = that revision)
+    then sends exactly the changes made after the read, none missed and none repeated.
     """
 
     @_typing.overload
@@ -41,29 +45,47 @@ class FabricManagerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> FabricManagerServiceAsyncStub: ...
     GetTopology: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.GetTopologyRequest, _fabric_manager_pb2.GetTopologyResponse]
-    """Every fabric's discovered topology."""
+    """Every fabric's discovered topology, with the revision it was read at."""
     ListDevices: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListDevicesRequest, _fabric_manager_pb2.ListDevicesResponse]
-    """Devices, filtered and paginated in id order."""
+    """Devices, filtered and paginated in id order, with the revision each page was read at."""
     GetDevice: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.GetDeviceRequest, _fabric_manager_pb2.GetDeviceResponse]
     """One device. NOT_FOUND for an unknown id."""
     ListPools: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListPoolsRequest, _fabric_manager_pb2.ListPoolsResponse]
-    """Carved memory pools with their free bytes, and device counts per kind."""
+    """Carved memory pools with their free bytes, and device counts per kind, with the revision they were read
+    at.
+    """
     Compose: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.ComposeRequest, _fabric_manager_pb2.ComposeResponse]
     """Redfish Compose: PREVIEW changes nothing, RESERVE holds the plan for a time to live, APPLY binds it all or
-    nothing. A request_id makes retries safe: the same id returns the first answer and binds nothing again;
-    the same id with a different request is refused with ALREADY_EXISTS (reason REQUEST_ID_REUSED).
+    nothing; the mode is required (UNSPECIFIED is INVALID_ARGUMENT), so that a client that forgets it never
+    binds hardware by accident. A request_id makes retries safe: the same id returns the first answer and
+    binds nothing again; the same id with a different request is refused with ALREADY_EXISTS (reason
+    REQUEST_ID_REUSED).
     """
     GetComposition: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.GetCompositionRequest, _fabric_manager_pb2.GetCompositionResponse]
     """One composition by id or name. NOT_FOUND for an unknown one."""
     ListCompositions: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListCompositionsRequest, _fabric_manager_pb2.ListCompositionsResponse]
-    """Every composition, in name order, paginated."""
+    """Every composition, in name order, paginated, with the revision each page was read at."""
     UpdateComposition: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.UpdateCompositionRequest, _fabric_manager_pb2.UpdateCompositionResponse]
     """Add resources to or remove devices and allocations from a live composition (Redfish AddResourceBlock /
     RemoveResourceBlock), guarded by its etag: a stale etag is refused with FAILED_PRECONDITION and changes
-    nothing.
+    nothing. A request_id makes retries safe as for Compose: the same id and the same change returns the
+    first answer and changes nothing again; the same id with a different change is ALREADY_EXISTS (reason
+    REQUEST_ID_REUSED).
     """
     Decompose: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.DecomposeRequest, _fabric_manager_pb2.DecomposeResponse]
-    """Unbind and release everything of a composition. Idempotent: an unknown id succeeds."""
+    """Unbind and release everything of a composition. Idempotent: an unknown id succeeds. DEADLINE_EXCEEDED
+    when the client's deadline stopped it and ABORTED when a driver did: either way the composition is left
+    FAILED naming what is still bound, and another Decompose finishes it.
+    """
+    ListReservations: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListReservationsRequest, _fabric_manager_pb2.ListReservationsResponse]
+    """Reservations that still hold their plan (RESERVE answers), in id order, paginated, with the revision
+    each page was read at. Each carries the whole request it was made for, so any client can see what is
+    held and for what.
+    """
+    ReleaseReservation: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.ReleaseReservationRequest, _fabric_manager_pb2.ReleaseReservationResponse]
+    """Give a reservation's plan back before its time to live ends. Idempotent: an unknown id (never made,
+    expired, applied or already released) succeeds.
+    """
     CordonDevice: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.CordonDeviceRequest, _fabric_manager_pb2.CordonDeviceResponse]
     """Take a device out of placement without touching the compositions using it."""
     UncordonDevice: _grpc.UnaryUnaryMultiCallable[_fabric_manager_pb2.UncordonDeviceRequest, _fabric_manager_pb2.UncordonDeviceResponse]
@@ -82,33 +104,55 @@ class FabricManagerServiceAsyncStub(FabricManagerServiceStub):
     with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
+
+    Every listing (GetTopology, ListDevices, ListPools, ListCompositions, ListReservations) answers the event
+    revision its data was read at, taken together with the data: WatchEvents(after_revision = that revision)
+    then sends exactly the changes made after the read, none missed and none repeated.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetTopology: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.GetTopologyRequest, _fabric_manager_pb2.GetTopologyResponse]  # type: ignore[assignment]
-    """Every fabric's discovered topology."""
+    """Every fabric's discovered topology, with the revision it was read at."""
     ListDevices: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListDevicesRequest, _fabric_manager_pb2.ListDevicesResponse]  # type: ignore[assignment]
-    """Devices, filtered and paginated in id order."""
+    """Devices, filtered and paginated in id order, with the revision each page was read at."""
     GetDevice: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.GetDeviceRequest, _fabric_manager_pb2.GetDeviceResponse]  # type: ignore[assignment]
     """One device. NOT_FOUND for an unknown id."""
     ListPools: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListPoolsRequest, _fabric_manager_pb2.ListPoolsResponse]  # type: ignore[assignment]
-    """Carved memory pools with their free bytes, and device counts per kind."""
+    """Carved memory pools with their free bytes, and device counts per kind, with the revision they were read
+    at.
+    """
     Compose: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.ComposeRequest, _fabric_manager_pb2.ComposeResponse]  # type: ignore[assignment]
     """Redfish Compose: PREVIEW changes nothing, RESERVE holds the plan for a time to live, APPLY binds it all or
-    nothing. A request_id makes retries safe: the same id returns the first answer and binds nothing again;
-    the same id with a different request is refused with ALREADY_EXISTS (reason REQUEST_ID_REUSED).
+    nothing; the mode is required (UNSPECIFIED is INVALID_ARGUMENT), so that a client that forgets it never
+    binds hardware by accident. A request_id makes retries safe: the same id returns the first answer and
+    binds nothing again; the same id with a different request is refused with ALREADY_EXISTS (reason
+    REQUEST_ID_REUSED).
     """
     GetComposition: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.GetCompositionRequest, _fabric_manager_pb2.GetCompositionResponse]  # type: ignore[assignment]
     """One composition by id or name. NOT_FOUND for an unknown one."""
     ListCompositions: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListCompositionsRequest, _fabric_manager_pb2.ListCompositionsResponse]  # type: ignore[assignment]
-    """Every composition, in name order, paginated."""
+    """Every composition, in name order, paginated, with the revision each page was read at."""
     UpdateComposition: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.UpdateCompositionRequest, _fabric_manager_pb2.UpdateCompositionResponse]  # type: ignore[assignment]
     """Add resources to or remove devices and allocations from a live composition (Redfish AddResourceBlock /
     RemoveResourceBlock), guarded by its etag: a stale etag is refused with FAILED_PRECONDITION and changes
-    nothing.
+    nothing. A request_id makes retries safe as for Compose: the same id and the same change returns the
+    first answer and changes nothing again; the same id with a different change is ALREADY_EXISTS (reason
+    REQUEST_ID_REUSED).
     """
     Decompose: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.DecomposeRequest, _fabric_manager_pb2.DecomposeResponse]  # type: ignore[assignment]
-    """Unbind and release everything of a composition. Idempotent: an unknown id succeeds."""
+    """Unbind and release everything of a composition. Idempotent: an unknown id succeeds. DEADLINE_EXCEEDED
+    when the client's deadline stopped it and ABORTED when a driver did: either way the composition is left
+    FAILED naming what is still bound, and another Decompose finishes it.
+    """
+    ListReservations: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.ListReservationsRequest, _fabric_manager_pb2.ListReservationsResponse]  # type: ignore[assignment]
+    """Reservations that still hold their plan (RESERVE answers), in id order, paginated, with the revision
+    each page was read at. Each carries the whole request it was made for, so any client can see what is
+    held and for what.
+    """
+    ReleaseReservation: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.ReleaseReservationRequest, _fabric_manager_pb2.ReleaseReservationResponse]  # type: ignore[assignment]
+    """Give a reservation's plan back before its time to live ends. Idempotent: an unknown id (never made,
+    expired, applied or already released) succeeds.
+    """
     CordonDevice: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.CordonDeviceRequest, _fabric_manager_pb2.CordonDeviceResponse]  # type: ignore[assignment]
     """Take a device out of placement without touching the compositions using it."""
     UncordonDevice: _aio.UnaryUnaryMultiCallable[_fabric_manager_pb2.UncordonDeviceRequest, _fabric_manager_pb2.UncordonDeviceResponse]  # type: ignore[assignment]
@@ -126,6 +170,10 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
     with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
+
+    Every listing (GetTopology, ListDevices, ListPools, ListCompositions, ListReservations) answers the event
+    revision its data was read at, taken together with the data: WatchEvents(after_revision = that revision)
+    then sends exactly the changes made after the read, none missed and none repeated.
     """
 
     @_abc_1.abstractmethod
@@ -134,7 +182,7 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _fabric_manager_pb2.GetTopologyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fabric_manager_pb2.GetTopologyResponse, _abc.Awaitable[_fabric_manager_pb2.GetTopologyResponse]]:
-        """Every fabric's discovered topology."""
+        """Every fabric's discovered topology, with the revision it was read at."""
 
     @_abc_1.abstractmethod
     def ListDevices(
@@ -142,7 +190,7 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _fabric_manager_pb2.ListDevicesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fabric_manager_pb2.ListDevicesResponse, _abc.Awaitable[_fabric_manager_pb2.ListDevicesResponse]]:
-        """Devices, filtered and paginated in id order."""
+        """Devices, filtered and paginated in id order, with the revision each page was read at."""
 
     @_abc_1.abstractmethod
     def GetDevice(
@@ -158,7 +206,9 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _fabric_manager_pb2.ListPoolsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fabric_manager_pb2.ListPoolsResponse, _abc.Awaitable[_fabric_manager_pb2.ListPoolsResponse]]:
-        """Carved memory pools with their free bytes, and device counts per kind."""
+        """Carved memory pools with their free bytes, and device counts per kind, with the revision they were read
+        at.
+        """
 
     @_abc_1.abstractmethod
     def Compose(
@@ -167,8 +217,10 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_fabric_manager_pb2.ComposeResponse, _abc.Awaitable[_fabric_manager_pb2.ComposeResponse]]:
         """Redfish Compose: PREVIEW changes nothing, RESERVE holds the plan for a time to live, APPLY binds it all or
-        nothing. A request_id makes retries safe: the same id returns the first answer and binds nothing again;
-        the same id with a different request is refused with ALREADY_EXISTS (reason REQUEST_ID_REUSED).
+        nothing; the mode is required (UNSPECIFIED is INVALID_ARGUMENT), so that a client that forgets it never
+        binds hardware by accident. A request_id makes retries safe: the same id returns the first answer and
+        binds nothing again; the same id with a different request is refused with ALREADY_EXISTS (reason
+        REQUEST_ID_REUSED).
         """
 
     @_abc_1.abstractmethod
@@ -185,7 +237,7 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _fabric_manager_pb2.ListCompositionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fabric_manager_pb2.ListCompositionsResponse, _abc.Awaitable[_fabric_manager_pb2.ListCompositionsResponse]]:
-        """Every composition, in name order, paginated."""
+        """Every composition, in name order, paginated, with the revision each page was read at."""
 
     @_abc_1.abstractmethod
     def UpdateComposition(
@@ -195,7 +247,9 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_fabric_manager_pb2.UpdateCompositionResponse, _abc.Awaitable[_fabric_manager_pb2.UpdateCompositionResponse]]:
         """Add resources to or remove devices and allocations from a live composition (Redfish AddResourceBlock /
         RemoveResourceBlock), guarded by its etag: a stale etag is refused with FAILED_PRECONDITION and changes
-        nothing.
+        nothing. A request_id makes retries safe as for Compose: the same id and the same change returns the
+        first answer and changes nothing again; the same id with a different change is ALREADY_EXISTS (reason
+        REQUEST_ID_REUSED).
         """
 
     @_abc_1.abstractmethod
@@ -204,7 +258,31 @@ class FabricManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _fabric_manager_pb2.DecomposeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_fabric_manager_pb2.DecomposeResponse, _abc.Awaitable[_fabric_manager_pb2.DecomposeResponse]]:
-        """Unbind and release everything of a composition. Idempotent: an unknown id succeeds."""
+        """Unbind and release everything of a composition. Idempotent: an unknown id succeeds. DEADLINE_EXCEEDED
+        when the client's deadline stopped it and ABORTED when a driver did: either way the composition is left
+        FAILED naming what is still bound, and another Decompose finishes it.
+        """
+
+    @_abc_1.abstractmethod
+    def ListReservations(
+        self,
+        request: _fabric_manager_pb2.ListReservationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fabric_manager_pb2.ListReservationsResponse, _abc.Awaitable[_fabric_manager_pb2.ListReservationsResponse]]:
+        """Reservations that still hold their plan (RESERVE answers), in id order, paginated, with the revision
+        each page was read at. Each carries the whole request it was made for, so any client can see what is
+        held and for what.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseReservation(
+        self,
+        request: _fabric_manager_pb2.ReleaseReservationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_fabric_manager_pb2.ReleaseReservationResponse, _abc.Awaitable[_fabric_manager_pb2.ReleaseReservationResponse]]:
+        """Give a reservation's plan back before its time to live ends. Idempotent: an unknown id (never made,
+        expired, applied or already released) succeeds.
+        """
 
     @_abc_1.abstractmethod
     def CordonDevice(
