@@ -258,7 +258,7 @@ class TestListeners:
 
     def test_live_socket_is_refused(self, tmp_path: Path) -> None:
         sock = socket_path(tmp_path)
-        with serving(sock), pytest.raises(ConfigError, match="another server is listening"):
+        with serving(sock), pytest.raises(ConfigError, match="another server is already listening"):
             FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"]).start()
 
     def test_other_file_is_refused(self, tmp_path: Path) -> None:

@@ -537,7 +537,8 @@ class FabricComposer(Composer):
 
     def devices(self) -> Sequence[Device]:
         with self._lock:
-            return sorted(self._inv.devices.values(), key=lambda d: d.id)
+            devices = self._inv.devices
+            return [devices[d] for d in self._inv.device_ids]
 
     def owner_of(self, device_id: str) -> str | None:
         with self._lock:

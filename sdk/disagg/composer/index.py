@@ -176,6 +176,8 @@ class Inventory:
                 self.pools_by_switch[dev.switch].append(state)
         for h in self.hosts.values():
             self.free_hosts.add((h.cores, h.memory_bytes, h.id))
+        self.device_ids: list[str] = sorted(self.devices)
+        """Every device id in order, sorted once here so that listings do not sort on every call."""
 
     def _set_free(self, device: str, free: bool) -> None:
         bucket = self.bucket_of[device]

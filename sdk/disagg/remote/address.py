@@ -7,11 +7,6 @@ with a message that says why.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import stat
-
 from disagg.errors import ConfigError
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
@@ -47,31 +42,3 @@ def unix_path(address: str) -> str:
     if path.startswith("//"):
         path = path[2:]
     return path
-
-
-def check_unix_listener(address: str) -> None:
-    """Refuse to take over a unix socket another server still listens on, or a path that is not a socket.
-
-    gRPC removes a stale socket file by itself, so only a live one or a non-socket needs a word.
-    """
-    path = unix_path(address)
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise ConfigError(f"listen: cannot use {address!r}: {exc}", field="listen") from None
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(
-            f"listen: {path} exists and is not a socket; remove it or choose another path", field="listen"
-        )
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except OSError:
-        return  # nobody listens: a stale socket, which gRPC replaces
-    finally:
-        with contextlib.suppress(OSError):
-            probe.close()
-    raise ConfigError(f"listen: another server is already listening on {address!r}", field="listen")

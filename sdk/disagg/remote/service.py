@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -30,10 +30,12 @@ from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import ConfigError, DisaggError, DriverError, UnsupportedError
 from disagg.interfaces import Fabric, FaultInjection
 from disagg.model import Topology
-from disagg.remote.address import check_address, check_unix_listener
+from disagg.remote.address import check_address, unix_path
 from disagg.remote.feed import EventFeed, Signal, TooManyStreamsError
 from disagg.wire import driver as wire
+from disagg.wire.deadlines import deadline_of
 from disagg.wire.errors import to_status
+from disagg.wire.sockets import prepare_unix_socket
 from disagg.wire.types import (
     allocation_to_wire,
     binding_to_wire,
@@ -45,8 +47,6 @@ log = logging.getLogger("disagg.remote")
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["FabricDriverService"].full_name
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-NO_DEADLINE_S = 1e9
-"""grpcio reports a call without a deadline as one this far away, or further."""
 POLL_S = 0.5
 """How often a watch stream with nothing to send checks that its client is still there."""
 DEFAULT_WORKERS = 16
@@ -114,14 +114,6 @@ def _streaming(
     return wrapper
 
 
-def _deadline(context: grpc.ServicerContext) -> float | None:
-    """The call's gRPC deadline as a ``time.monotonic()`` instant, or None when it has none."""
-    remaining = context.time_remaining()
-    if remaining is None or remaining >= NO_DEADLINE_S:
-        return None
-    return time.monotonic() + max(0.0, remaining)
-
-
 class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
     """Serves one `Fabric` instance; ``driver`` is the fabric type named in GetCapabilities.
 
@@ -165,12 +157,12 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
 
     @_unary
     def Bind(self, request: pb.BindRequest, context: grpc.ServicerContext) -> pb.BindResponse:  # noqa: N802
-        device, host, ctx = wire.bind_request_from_wire(request, _deadline(context))
+        device, host, ctx = wire.bind_request_from_wire(request, deadline_of(context))
         return pb.BindResponse(binding=binding_to_wire(self.fabric.bind(device, host, ctx)))
 
     @_unary
     def Unbind(self, request: pb.UnbindRequest, context: grpc.ServicerContext) -> pb.UnbindResponse:  # noqa: N802
-        binding, ctx = wire.unbind_request_from_wire(request, _deadline(context))
+        binding, ctx = wire.unbind_request_from_wire(request, deadline_of(context))
         self.fabric.unbind(binding, ctx)
         return pb.UnbindResponse()
 
@@ -183,13 +175,13 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
 
     @_unary
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
-        pool, allocation_id, host, amount, ctx = wire.allocate_request_from_wire(request, _deadline(context))
+        pool, allocation_id, host, amount, ctx = wire.allocate_request_from_wire(request, deadline_of(context))
         allocation = self.fabric.pool(pool).allocate(allocation_id, host, amount, ctx)
         return pb.AllocateResponse(allocation=allocation_to_wire(allocation))
 
     @_unary
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:  # noqa: N802
-        pool, allocation_id, ctx = wire.release_request_from_wire(request, _deadline(context))
+        pool, allocation_id, ctx = wire.release_request_from_wire(request, deadline_of(context))
         self.fabric.pool(pool).release(allocation_id, ctx)
         return pb.ReleaseResponse()
 
@@ -197,7 +189,7 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
     def SanitizeDevice(  # noqa: N802
         self, request: pb.SanitizeDeviceRequest, context: grpc.ServicerContext
     ) -> pb.SanitizeDeviceResponse:
-        device, ctx = wire.sanitize_request_from_wire(request, _deadline(context))
+        device, ctx = wire.sanitize_request_from_wire(request, deadline_of(context))
         self.fabric.device(device).sanitize(ctx)
         return pb.SanitizeDeviceResponse()
 
@@ -266,7 +258,7 @@ class DriverServer:
         """Listen and serve; `ConfigError` when the address cannot be listened on (then nothing is left running)."""
         try:
             if self.address.startswith("unix:"):
-                check_unix_listener(self.address)
+                prepare_unix_socket(Path(unix_path(self.address)))
             try:
                 port = self._server.add_insecure_port(self.address)
             except RuntimeError:

@@ -8,15 +8,13 @@ or a file that is not a socket, is an error.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import socket
-import stat
 from pathlib import Path
 
 import attrs
 
 from disagg.errors import ConfigError
+from disagg.wire.sockets import prepare_unix_socket
 
 UNIX_PREFIX = "unix:"
 MAX_UNIX_PATH = 107
@@ -78,24 +76,4 @@ def parse_listener(address: str, *, allow_remote: bool = False) -> Listener:
     return Listener(address, target, host=host, port=int(port_text))
 
 
-def prepare_unix_socket(path: Path) -> None:
-    """Create the parent directory and remove a stale socket file; refuse a live socket or another file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it", field="listen")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            return
-        except OSError as exc:
-            raise ConfigError(f"cannot check the unix socket {path}: {exc}", field="listen") from exc
-    raise ConfigError(f"another server is listening on {path}", field="listen")
+__all__ = ["Listener", "parse_listener", "prepare_unix_socket"]

@@ -24,10 +24,10 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import ComposeMode, Device, Health, Topology
-from disagg.server.deadlines import deadline_of
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
 from disagg.server.watch import Watches, watch_events
+from disagg.wire.deadlines import deadline_of
 from disagg.wire.errors import to_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,

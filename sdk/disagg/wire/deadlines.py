@@ -1,4 +1,4 @@
-"""The client's deadline, carried on to the drivers as a ``time.monotonic()`` instant."""
+"""A call's gRPC deadline as a ``time.monotonic()`` instant, carried on to the composer and the drivers."""
 
 from __future__ import annotations
 
@@ -15,4 +15,4 @@ def deadline_of(context: grpc.ServicerContext) -> float | None:
     remaining = context.time_remaining()
     if remaining is None or remaining > NO_DEADLINE_S:
         return None
-    return time.monotonic() + remaining
+    return time.monotonic() + max(0.0, remaining)

@@ -1,0 +1,35 @@
+"""Unix-socket listeners, shared by the fabric-manager server and the driver server."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import stat
+from pathlib import Path
+
+from disagg.errors import ConfigError
+
+
+def prepare_unix_socket(path: Path) -> None:
+    """Create the parent directory and remove a stale socket file (left by a server that died); refuse a
+    socket another server still listens on, or a file that is not a socket, with `ConfigError`."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"{path} exists and is not a socket; refusing to replace it", field="listen")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return
+        except OSError as exc:
+            raise ConfigError(f"cannot check the unix socket {path}: {exc}", field="listen") from exc
+    raise ConfigError(f"another server is already listening on {path}", field="listen")
