@@ -12,9 +12,11 @@ What is measured, all on loopback (127.0.0.1, ephemeral ports):
   ``sync`` = ``grpc.server(ThreadPoolExecutor(max_workers=16))``, ``sync-64`` the same with 64 threads,
   ``aio`` = ``grpc.aio.server()`` with async handlers, ``aio-threads`` the aio server calling blocking handlers
   in a 16-thread executor (what serving synchronous drivers from aio would take);
-* two handlers, registered through generic handlers with identity (raw bytes) serialisation, so no
+* three handlers, registered through generic handlers with identity (raw bytes) serialisation, so no
   .proto or codegen is involved: ``noop`` returns at once, ``sleep_1ms`` blocks 1 ms like a driver
-  talking to a device (``time.sleep`` in the sync servers and aio-threads, ``await asyncio.sleep`` in aio);
+  talking to a device (``time.sleep`` in the sync servers and aio-threads, ``await asyncio.sleep`` in aio),
+  and ``cpu_100us`` computes for 100 µs holding the GIL, as placement and the ledger do (run on the loop in
+  aio, in the executor in aio-threads);
 * client concurrency 1 and 32: one ``grpc.aio`` channel in the parent process with N coroutines
   (the lighter of the two Python clients).
 
@@ -54,18 +56,28 @@ import grpc
 import grpc.aio
 
 SERVICE = "disagg.bench.Bench"
-HANDLERS = ("noop", "sleep_1ms")
+HANDLERS = ("noop", "sleep_1ms", "cpu_100us")
 MODELS = ("sync", "sync-64", "aio", "aio-threads")
 """sync: 16 pool threads; sync-64: 64; aio: async handlers; aio-threads: blocking handlers run off the loop."""
 CONCURRENCIES = (1, 32)
 SYNC_WORKERS = 16
 DEVICE_IO_S = 0.001
+HANDLER_CPU_S = 100e-6
 CALL_TIMEOUT_S = 10.0
 STARTUP_TIMEOUT_S = 20.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------------------------- servers
+
+
+def _compute(seconds: float = HANDLER_CPU_S) -> bytes:
+    """Interpreter work for ``seconds`` of thread CPU time, never releasing the GIL on purpose."""
+    end = time.thread_time() + seconds
+    n = 0
+    while time.thread_time() < end:
+        n += sum(range(50))
+    return b"" if n >= 0 else b"?"
 
 
 def _exit_when_parent_goes(on_eof: Callable[[], None]) -> None:
@@ -94,12 +106,16 @@ def serve_sync(max_lifetime_s: float, workers: int = SYNC_WORKERS) -> None:
         time.sleep(DEVICE_IO_S)
         return b""
 
+    def cpu_100us(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return _compute()
+
     # No (de)serializer = bytes pass through unchanged, so no .proto is needed.
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "noop": grpc.unary_unary_rpc_method_handler(noop),
             "sleep_1ms": grpc.unary_unary_rpc_method_handler(sleep_1ms),
+            "cpu_100us": grpc.unary_unary_rpc_method_handler(cpu_100us),
         },
     )
     server = grpc.server(ThreadPoolExecutor(max_workers=workers))
@@ -128,11 +144,17 @@ async def _serve_aio(max_lifetime_s: float, blocking_driver: bool = False) -> No
             await asyncio.sleep(DEVICE_IO_S)
         return b""
 
+    async def cpu_100us(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        if blocking_driver:
+            return await asyncio.get_running_loop().run_in_executor(pool, _compute)
+        return _compute()
+
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
             "noop": grpc.unary_unary_rpc_method_handler(noop),
             "sleep_1ms": grpc.unary_unary_rpc_method_handler(sleep_1ms),
+            "cpu_100us": grpc.unary_unary_rpc_method_handler(cpu_100us),
         },
     )
     server = grpc.aio.server()

@@ -104,6 +104,15 @@ class TestBindErrors:
         pcie.set_link("pcie/top-a", "pcie/chassis-a", True)
         assert pcie.bind(GPU, "h1", ctx).host == "h1"
 
+    def test_a_link_going_down_cuts_off_every_host_of_the_switch(self, pcie: SimFabric, ctx: CallContext) -> None:
+        """Reachability is remembered per switch, so a link that fails after binds were answered must still
+        cut off a host that shares the switch with one already served."""
+        assert pcie.bind(GPU, "h1", ctx).host == "h1"
+        pcie.set_link("pcie/top-a", "pcie/chassis-a", False)
+        with pytest.raises(HostUnreachableError, match="host h2 cannot reach device pcie/gpu-a1"):
+            pcie.bind("pcie/gpu-a1", "h2", ctx)
+        assert pcie.bindings() == (Binding(GPU, "h1"),)
+
     def test_unreachable_when_the_host_link_is_down(self, pcie: SimFabric, ctx: CallContext) -> None:
         pcie.set_link("h2", "top-a", False)
         with pytest.raises(HostUnreachableError):

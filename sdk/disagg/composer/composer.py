@@ -187,10 +187,8 @@ class FabricComposer(Composer):
 
     def _context(self, deadline: float | None = None) -> CallContext:
         """The context of one driver call: the call timeout, cut short by the caller's ``deadline``."""
-        ctx = CallContext.with_timeout(self.call_timeout_s, epoch=self.epoch)
-        if deadline is not None and ctx.deadline is not None and deadline < ctx.deadline:
-            return attrs.evolve(ctx, deadline=deadline)
-        return ctx
+        limit = time.monotonic() + self.call_timeout_s
+        return CallContext(epoch=self.epoch, deadline=deadline if deadline is not None and deadline < limit else limit)
 
     def _rebuild(self) -> None:
         """Build a fresh index from discovery and take the ledger's claims again."""

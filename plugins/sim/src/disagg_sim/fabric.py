@@ -484,25 +484,34 @@ class SimFabric(Fabric, FaultInjection):
         message = self._failed.get(device)
         return f" ({message})" if message else ""
 
-    def _reachable(self, host: str) -> frozenset[str]:
-        """The nodes ``host`` reaches over links that are up. Hosts are ends, never a way through."""
-        reach = self._reach.get(host)
+    def _switch_reach(self, switch: str) -> frozenset[str]:
+        """The switches ``switch`` reaches over links that are up, itself included; hosts never forward.
+
+        Kept per switch rather than per host: the hosts of one domain share their switches, so the first bind
+        to a new host finds the answer already built."""
+        reach = self._reach.get(switch)
         if reach is None:
-            seen = {host}
-            stack = [host]
+            seen = {switch}
+            stack = [switch]
             while stack:
                 node = stack.pop()
                 for neighbour, index in self._adjacency.get(node, ()):
-                    if neighbour not in seen and self._links[index].up:
+                    if neighbour not in seen and neighbour not in self._hosts and self._links[index].up:
                         seen.add(neighbour)
-                        if neighbour not in self._hosts:
-                            stack.append(neighbour)
+                        stack.append(neighbour)
             reach = frozenset(seen)
-            self._reach[host] = reach
+            self._reach[switch] = reach
         return reach
 
+    def _reaches(self, host: str, switch: str) -> bool:
+        """Whether ``host`` reaches ``switch`` over links that are up."""
+        for neighbour, index in self._adjacency.get(host, ()):
+            if self._links[index].up and neighbour not in self._hosts and switch in self._switch_reach(neighbour):
+                return True
+        return False
+
     def _check_reach(self, host: str, device: DeviceInfo) -> None:
-        if device.switch not in self._reachable(host):
+        if not self._reaches(host, device.switch):
             raise HostUnreachableError(
                 f"host {host} cannot reach device {device.id} (on switch {device.switch}) over links that are up"
             )
