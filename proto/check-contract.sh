@@ -10,5 +10,13 @@ if [ "$base" = none ]; then
     echo "buf breaking: proto/BASELINE is 'none' (no earlier contract on main); nothing to compare"
     exit 0
 fi
-"$buf" breaking --against "../.git#ref=${base},subdir=proto"
+if ! git cat-file -e "${base}^{commit}" 2>/dev/null; then
+    timeout 60 git fetch --quiet origin "$base" 2>/dev/null || true
+fi
+if ! git cat-file -e "${base}^{commit}" 2>/dev/null; then
+    echo "buf breaking: the baseline commit ${base} (proto/BASELINE) is not in this clone;" \
+        "clone the full history (git fetch --unshallow) to compare the contract with it" >&2
+    exit 1
+fi
+"$buf" breaking --against "$(git rev-parse --show-toplevel)/.git#ref=${base},subdir=proto"
 echo "buf breaking: no breaking change against ${base}"

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
 from disagg.errors import DeadlineExceededError, DisaggError, DriverError, FabricUnavailableError
+from disagg.incidents import log_incident
 from disagg.interfaces import CallContext, Fabric
 from disagg.model import Allocation, Binding, DevicePick, MemoryPick
 
@@ -48,8 +48,7 @@ class ExecutionFailedError(Exception):
 def driver_error(fabric: str, exc: Exception) -> DriverError:
     """The SDK error for an exception a driver should never have raised; its text goes to the log only, under
     an incident id that the error names."""
-    incident = uuid.uuid4().hex[:12]
-    log.error("incident %s: fabric %s: the driver raised %r, not an SDK error", incident, fabric, exc, exc_info=exc)
+    incident = log_incident(log, exc, f"fabric {fabric}: the driver raised {exc!r}, not an SDK error")
     return DriverError(
         f"fabric {fabric!r}: the driver failed unexpectedly ({type(exc).__name__}); "
         f"incident {incident} in the fabric manager's log",

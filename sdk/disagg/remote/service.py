@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -28,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import ConfigError, DisaggError, DriverError, UnsupportedError
+from disagg.incidents import log_incident
 from disagg.interfaces import Fabric, FaultInjection
 from disagg.model import Topology
 from disagg.remote.address import check_address, unix_path
@@ -70,8 +70,7 @@ def _answer(context: grpc.ServicerContext, exc: Exception, fabric: str, method: 
     if isinstance(exc, _RefusalError):
         context.abort(exc.code, exc.message)
     if not isinstance(exc, DisaggError):
-        incident = uuid.uuid4().hex[:12]
-        log.error("incident %s: %s of fabric %s raised %r", incident, method, fabric, exc, exc_info=exc)
+        incident = log_incident(log, exc, f"{method} of fabric {fabric} raised {exc!r}")
         exc = DriverError(
             f"fabric {fabric!r}: the driver failed unexpectedly ({type(exc).__name__}) in {method}; "
             f"incident {incident} in the driver's log",

@@ -9,13 +9,13 @@ answer UNKNOWN with ``Exception calling application: <the text>``.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
 from disagg.errors import DisaggError, InternalError
+from disagg.incidents import log_incident
 from disagg.wire.errors import to_status
 
 log = logging.getLogger("disagg.server")
@@ -29,8 +29,7 @@ def status_for(method: str, exc: BaseException) -> grpc.Status:
     """The status to end a call with: an SDK error's own, else INTERNAL under a logged incident id."""
     if isinstance(exc, DisaggError):
         return to_status(exc)
-    incident = uuid.uuid4().hex[:12]
-    log.error("incident %s: %s failed unexpectedly", incident, method, exc_info=exc)
+    incident = log_incident(log, exc, f"{method} failed unexpectedly")
     return to_status(
         InternalError(
             f"the fabric manager failed unexpectedly (incident {incident}); its log has the details",
