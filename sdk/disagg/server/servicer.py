@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import attrs
 import grpc
@@ -99,6 +99,33 @@ class _Devices:
         return device_to_wire(dev, held_by=self.held.get(dev.id, ""), cordoned=dev.id in self.cordoned)
 
 
+class _PageRequest(Protocol):
+    page_size: int
+    page_token: str
+
+
+@attrs.frozen
+class _Paging:
+    """A listing request's page size and resume point, validated before the listing is read."""
+
+    collection: str
+    size: int
+    after: str | None
+
+    @classmethod
+    def of(cls, request: _PageRequest, collection: str) -> _Paging:
+        return cls(
+            collection, page_size_from_wire(request.page_size), page_token_from_wire(request.page_token, collection)
+        )
+
+    def take(
+        self, items: Sequence[Q], key: Callable[[Q], str], keep: Callable[[Q], bool] = lambda _: True
+    ) -> tuple[list[Q], str]:
+        """This page of ``items`` (sorted by ``key``) and the token of the next ("" on the last page)."""
+        found, last = page(items, key, after=self.after, size=self.size, keep=keep)
+        return found, page_token_to_wire(self.collection, last) if last is not None else ""
+
+
 class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     """Serves one composer. ``drivers`` says which driver and plugin serve each fabric (for ListDrivers)."""
 
@@ -166,8 +193,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         kind = kind_filter_from_wire(request.kind)
         health = health_filter_from_wire(request.health)
         fabric = check_id(request.fabric, "fabric") if request.fabric else None
-        size = page_size_from_wire(request.page_size)
-        after = page_token_from_wire(request.page_token, "devices")
+        paging = _Paging.of(request, "devices")
         if fabric is not None and fabric not in self.composer.fabrics:
             raise NotFoundError("fabric", fabric)
 
@@ -191,10 +217,10 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
                 )
             return True
 
-        found, last = page(devices.devices, lambda d: d.id, after=after, size=size, keep=keep)
+        found, token = paging.take(devices.devices, lambda d: d.id, keep)
         return fm.ListDevicesResponse(
             devices=[devices.to_wire(d) for d in found],
-            next_page_token=page_token_to_wire("devices", last) if last is not None else "",
+            next_page_token=token,
             revision=revision,
         )
 
@@ -281,13 +307,12 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     def ListCompositions(
         self, request: fm.ListCompositionsRequest, context: grpc.ServicerContext
     ) -> fm.ListCompositionsResponse:
-        size = page_size_from_wire(request.page_size)
-        after = page_token_from_wire(request.page_token, "compositions")
+        paging = _Paging.of(request, "compositions")
         every, revision = self.composer.snapshot(self.composer.compositions)
-        comps, last = page(every, lambda c: c.name, after=after, size=size)
+        comps, token = paging.take(every, lambda c: c.name)
         return fm.ListCompositionsResponse(
             compositions=[composition_to_wire(c) for c in comps],
-            next_page_token=page_token_to_wire("compositions", last) if last is not None else "",
+            next_page_token=token,
             revision=revision,
         )
 
@@ -318,13 +343,12 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     def ListReservations(
         self, request: fm.ListReservationsRequest, context: grpc.ServicerContext
     ) -> fm.ListReservationsResponse:
-        size = page_size_from_wire(request.page_size)
-        after = page_token_from_wire(request.page_token, "reservations")
+        paging = _Paging.of(request, "reservations")
         every, revision = self.composer.snapshot(self.composer.reservations)
-        found, last = page(every, lambda r: r.id, after=after, size=size)
+        found, token = paging.take(every, lambda r: r.id)
         return fm.ListReservationsResponse(
             reservations=[reservation_to_wire(r) for r in found],
-            next_page_token=page_token_to_wire("reservations", last) if last is not None else "",
+            next_page_token=token,
             revision=revision,
         )
 
