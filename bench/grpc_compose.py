@@ -169,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server(proc)
 
+    by = {(row["rpc"], row["clients"], row["round"]): row for row in rows}
+
     def ratio(rpc: str, clients: int, key: str, r: int) -> float:
-        by = {(row["rpc"], row["clients"], row["round"]): row for row in rows}
         return float(by[(rpc, clients, r)][key] / by[("noop", clients, r)][key])
 
     latency_ratios = [ratio("compose", 1, "p50_us", r) for r in range(args.rounds)]
@@ -189,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
-        "per_round": {"latency_ratio_at_1_client": latency_ratios, "throughput_ratio_at_32_clients": throughput_ratios},
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
+        "per_round": {"latency_ratio_at_1_client": latency_ratios, "throughput_ratio_at_32_clients": throughput_ratios},
         "targets": {"latency_ratio_max": 1.5, "throughput_ratio_min": 0.5},
         "targets_met": latency_ratio <= 1.5 and throughput_ratio >= 0.5,
     }
