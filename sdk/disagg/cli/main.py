@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from disagg import __version__
+from disagg.cli import certify as certify_cli
 from disagg.cli import driver as driver_cli
 from disagg.cli import render
 from disagg.cli import serve as serve_cli
@@ -267,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-missing", action="store_true", help="an unknown composition is not an error")
     serve_cli.register(add)
     driver_cli.register(sub)
+    certify_cli.register(sub)
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -15,6 +16,9 @@ from disagg.model import Capabilities
 
 FabricFactory = Callable[[str, Mapping[str, Any]], Fabric]
 """Builds a fabric instance from its configured name and its driver options."""
+CertifyOptions = Callable[[Path], Mapping[str, Any]]
+"""The driver options `disagg certify` uses when given no configuration, for a fresh work directory: a small
+fabric of the driver's own whose state lives in that directory."""
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 
@@ -28,6 +32,7 @@ class DriverSpec:
     capabilities: Capabilities
     description: str
     plugin: str
+    certify_options: CertifyOptions | None = None
 
 
 class _Registry:
@@ -50,7 +55,13 @@ class DriverRegistry(_Registry):
         self.drivers: dict[str, DriverSpec] = {}
 
     def add_driver(
-        self, name: str, factory: FabricFactory, *, capabilities: Capabilities, description: str = ""
+        self,
+        name: str,
+        factory: FabricFactory,
+        *,
+        capabilities: Capabilities,
+        description: str = "",
+        certify_options: CertifyOptions | None = None,
     ) -> None:
         self._check_name("driver", name)
         if not callable(factory):
@@ -61,7 +72,9 @@ class DriverRegistry(_Registry):
             raise PluginError(
                 f"driver {name!r} is registered by both {self.drivers[name].plugin!r} and {self.plugin!r}"
             )
-        self.drivers[name] = DriverSpec(name, factory, capabilities, description, self.plugin)
+        if certify_options is not None and not callable(certify_options):
+            raise PluginError(f"plugin {self.plugin!r}: the certify_options of driver {name!r} is not callable")
+        self.drivers[name] = DriverSpec(name, factory, capabilities, description, self.plugin, certify_options)
 
 
 class PolicyRegistry(_Registry):

@@ -6,6 +6,7 @@ The entry point is the plugin's only link to the core; the core never imports ``
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from disagg import hookimpl
@@ -48,6 +49,15 @@ def create_fabric(name: str, options: Mapping[str, Any]) -> SimFabric:
         raise ConfigError(f"fabric {name!r} (driver sim): {exc.message}", field=exc.field) from None
 
 
+def certify_options(workdir: Path) -> dict[str, Any]:
+    """For `disagg certify sim`: four domains of four hosts (so each device is reached by some hosts and not
+    others) with GPUs, NVMe, NICs and a CXL pool each, and a state file so that a restarted driver finds its
+    bindings."""
+    return {"generate": {"devices": 120, "hosts_per_domain": 4}, "state_file": str(workdir / "sim-state.json")}
+
+
 @hookimpl
 def disagg_register_drivers(registry: DriverRegistry) -> None:
-    registry.add_driver("sim", create_fabric, capabilities=SIM_CAPABILITIES, description=DESCRIPTION)
+    registry.add_driver(
+        "sim", create_fabric, capabilities=SIM_CAPABILITIES, description=DESCRIPTION, certify_options=certify_options
+    )

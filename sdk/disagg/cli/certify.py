@@ -1,0 +1,252 @@
+"""``disagg certify DRIVER``: run the conformance suite against a driver and write the certification report.
+
+In process (the default) the driver is an installed plugin, built with the options of ``--config`` or, with
+none, the small fabric its plugin offers for certification (``certify_options``), in a scratch directory that
+is removed afterwards. With ``--remote ADDRESS`` the suite drives a FabricDriver endpoint in another process
+or language, which must serve DRIVER; certify cannot restart that process, so RESTART-BINDINGS is NOT TESTED.
+
+Exit codes: 0 certified; 1 a clause failed; 2 bad input; 3 not certified because the expected-failures file
+still lists clauses (every failure was expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import math
+import subprocess
+import tempfile
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from disagg.driver.v1 import fabric_driver_pb2 as dpb
+from disagg.driver.v1 import fabric_driver_pb2_grpc as dpb_grpc
+from disagg.errors import ConfigError, FabricUnavailableError, PluginError
+from disagg.interfaces import Fabric
+from disagg.plugins import load_plugins
+from disagg.remote.address import check_address
+
+EXIT_FOR = {"CERTIFIED": 0, "FAILED": 1, "NOT CERTIFIED": 3}
+CONFIG_KEYS = ("fabric", "options", "call_timeout_s")
+DEFAULT_FABRIC = "cert"
+PROBE_TIMEOUT_S = 10.0
+RESTART_TIMEOUT_S = 60.0
+NO_RESTART = (
+    "the driver runs in a process that disagg certify did not start: give --restart-command to let it restart "
+    "the driver, or certify the driver in process"
+)
+
+
+def read_config(path: str | None) -> tuple[str, Mapping[str, Any] | None, float]:
+    """The fabric name, the driver options (None: not given) and the call timeout from a TOML file."""
+    if path is None:
+        return DEFAULT_FABRIC, None, 30.0
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config: {path} does not exist", field="config") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config: cannot read {path}: {exc}", field="config") from None
+    for key in doc:
+        if key not in CONFIG_KEYS:
+            raise ConfigError(f"--config: {path}: unknown key {key!r} (known: {', '.join(CONFIG_KEYS)})", field=key)
+    fabric = doc.get("fabric", DEFAULT_FABRIC)
+    if not isinstance(fabric, str) or not fabric or "/" in fabric:
+        raise ConfigError(f"--config: {path}: fabric must be a name without '/', not {fabric!r}", field="fabric")
+    options = doc.get("options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"--config: {path}: options must be a table of driver options", field="options")
+    timeout = doc.get("call_timeout_s", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+        raise ConfigError(
+            f"--config: {path}: call_timeout_s must be a number of seconds above 0", field="call_timeout_s"
+        )
+    return fabric, options, float(timeout)
+
+
+def served(address: str) -> tuple[str, str]:
+    """The fabric name and driver that the endpoint at ``address`` serves."""
+    if address.startswith("unix:") and not Path(address.removeprefix("unix:")).exists():
+        raise ConfigError(f"--remote: there is no socket at {address.removeprefix('unix:')}", field="remote")
+    with grpc.insecure_channel(address) as channel:
+        try:
+            answer = dpb_grpc.FabricDriverServiceStub(channel).GetCapabilities(
+                dpb.GetCapabilitiesRequest(), timeout=PROBE_TIMEOUT_S, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            raise ConfigError(
+                f"--remote: no FabricDriver endpoint answered at {address} within {PROBE_TIMEOUT_S:g}s "
+                f"({exc.code().name if isinstance(exc, grpc.Call) else exc}); is `disagg driver serve` running?",
+                field="remote",
+            ) from None
+    return answer.fabric, answer.driver
+
+
+def _restart_by(command: str, connect: Callable[[], Fabric]) -> Callable[[Fabric], Fabric]:
+    """Restart a remote driver with the operator's shell command, then reconnect (waiting for it)."""
+
+    def restart(old: Fabric) -> Fabric:
+        old.close()
+        try:
+            subprocess.run(command, shell=True, check=True, timeout=RESTART_TIMEOUT_S, capture_output=True)
+        except subprocess.CalledProcessError as exc:
+            said = exc.stderr.decode(errors="replace")[-300:]
+            raise FabricUnavailableError(
+                f"--restart-command {command!r} exited with {exc.returncode}: {said}"
+            ) from None
+        except subprocess.TimeoutExpired:
+            raise FabricUnavailableError(f"--restart-command {command!r} ran past {RESTART_TIMEOUT_S:g}s") from None
+        return connect()
+
+    return restart
+
+
+def cmd_certify(args: argparse.Namespace) -> int:
+    try:
+        import pytest
+
+        from disagg.testing.expected import read_expected_failures
+        from disagg.testing.report import Report, Subject
+        from disagg.testing.state import REPORT, SUBJECT, TARGET, Target
+    except ImportError as exc:
+        raise ConfigError(f"disagg certify needs pytest ({exc}): pip install 'disagg[testing]'") from None
+    from disagg.remote.fabric import RemoteFabric
+
+    if args.restart_command and not args.remote:
+        raise ConfigError("--restart-command applies only with --remote", field="restart_command")
+    if args.expected_failures:
+        read_expected_failures(Path(args.expected_failures))  # bad ids are bad input, before anything runs
+    fabric_name, options, timeout = read_config(args.config)
+    extra = []
+    for module in args.plugin:
+        try:
+            extra.append((module, importlib.import_module(module)))
+        except ImportError as exc:
+            raise ConfigError(f"--plugin: cannot import {module!r}: {exc}", field="plugin") from None
+    plugins = load_plugins(extra=extra)
+
+    with tempfile.TemporaryDirectory(prefix="disagg-certify-") as tmp:
+        work = Path(tmp)
+        if args.remote:
+            address = check_address(args.remote, field="remote")
+            fabric_name, driver = served(address)
+            if driver and driver != args.driver:
+                raise ConfigError(f"--remote: {address} serves driver {driver!r}, not {args.driver!r}", field="remote")
+
+            def factory() -> Fabric:
+                return RemoteFabric(fabric_name, address, call_timeout_s=timeout, connect_timeout_s=RESTART_TIMEOUT_S)
+
+            target = Target(
+                factory, _restart_by(args.restart_command, factory) if args.restart_command else None, NO_RESTART
+            )
+            subject = Subject(args.driver, fabric=fabric_name, mode="remote", address=address)
+        else:
+            try:
+                spec = plugins.driver(args.driver)
+            except PluginError as exc:
+                raise ConfigError(exc.message, field="driver") from None
+            if options is None:
+                options = dict(spec.certify_options(work)) if spec.certify_options is not None else {}
+            chosen = options
+
+            def factory() -> Fabric:
+                return spec.factory(fabric_name, chosen)
+
+            factory().close()  # a configuration error is bad input, reported before the suite runs
+
+            def restart(old: Fabric) -> Fabric:
+                old.close()
+                return factory()
+
+            target = Target(factory, restart)
+            info = next((p for p in plugins.plugins if p.name == spec.plugin), None)
+            subject = Subject(
+                args.driver,
+                version=info.version if info else "",
+                plugin=spec.plugin,
+                distribution=info.distribution if info else "",
+                fabric=fabric_name,
+            )
+        captured: list[Report] = []
+
+        class Setup:
+            """Hands the target to the suite's fixtures and takes the report back."""
+
+            @pytest.hookimpl(tryfirst=True)
+            def pytest_configure(self, config: pytest.Config) -> None:
+                config.stash[TARGET] = target
+                config.stash[SUBJECT] = subject
+
+            @pytest.hookimpl(trylast=True)
+            def pytest_sessionfinish(self, session: pytest.Session) -> None:
+                report = session.config.stash.get(REPORT, None)
+                if report is not None:
+                    captured.append(report)
+
+        ini = work / "pytest.ini"
+        ini.write_text("[pytest]\n")
+        suite = importlib.util.find_spec("disagg.testing.certified")
+        assert suite is not None and suite.origin is not None
+        argv = [
+            suite.origin,
+            "-p",
+            "disagg.testing.plugin",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ini),
+            "--rootdir",
+            str(work),
+            "-q" if not args.verbose else "-v",
+            "--disagg-report",
+            str(Path(args.out).resolve()),
+        ]
+        if args.expected_failures:
+            argv += ["--disagg-expected-failures", str(Path(args.expected_failures).resolve())]
+        code = pytest.main(argv, plugins=[Setup()])
+    if not captured:
+        print(f"disagg: error: the conformance suite did not run (pytest exit code {int(code)})")
+        return 2 if code == pytest.ExitCode.USAGE_ERROR else 1
+    report = captured[0]
+    counts = report.to_json()["counts"]
+    print(
+        f"certify {args.driver}: {report.verdict} ({counts['PASS']} pass, {counts['FAIL']} fail, "
+        f"{counts['NOT TESTED']} not tested); reports in {args.out}"
+    )
+    return EXIT_FOR[report.verdict]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``certify`` to the subcommands of the ``disagg`` parser."""
+    about = "run the driver conformance suite and write a certification report (JSON, JUnit XML, Markdown)"
+    p = sub.add_parser("certify", help=about, description=about)
+    p.add_argument("driver", metavar="DRIVER", help="the driver (fabric type), as `disagg plugins` lists it")
+    p.add_argument(
+        "--remote",
+        metavar="ADDRESS",
+        help="certify the FabricDriver endpoint at ADDRESS (unix:/path or 127.0.0.1:PORT)",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="fabric (name), [options] (driver options), call_timeout_s")
+    p.add_argument(
+        "--out", default="certification", metavar="DIR", help="where the reports go (default: ./certification)"
+    )
+    p.add_argument(
+        "--expected-failures", metavar="FILE", help="clause ids expected to fail, one per line, while developing"
+    )
+    p.add_argument(
+        "--plugin", action="append", default=[], metavar="MODULE", help="also load this plugin module (repeatable)"
+    )
+    p.add_argument(
+        "--restart-command",
+        metavar="CMD",
+        help="with --remote: a shell command that restarts the driver process (for RESTART-BINDINGS)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="list each test as it runs")
+    p.set_defaults(func=cmd_certify)

@@ -1,0 +1,169 @@
+"""The clauses of the driver conformance suite: a stable id, a one-sentence statement, and the features a
+driver must declare for the clause to be tested.
+
+Ids never change meaning once released; a clause that changes gets a new id. ``docs/conformance.md`` lists
+every clause with its statement (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+import pytest
+
+from disagg.model import Feature
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+MARKER = "disagg_clause"
+
+
+@attrs.frozen
+class Clause:
+    id: str
+    statement: str
+    requires: frozenset[Feature] = frozenset()
+    needs: str = ""
+    """What else the clause needs from the fabric (two hosts that reach one device, ...), for the record."""
+
+
+_ALL = (
+    Clause(
+        "DISC-WELL-FORMED",
+        "Every discovered device has the id `<fabric>/<local id>`, a kind the driver declares, and names only "
+        "switches, hosts and pools that discovery also reports.",
+    ),
+    Clause("DISC-STABLE", "Two discoveries report the same device ids with the same serials."),
+    Clause("DISC-UNIQUE-SERIALS", "No two devices of a fabric share a serial."),
+    Clause(
+        "BIND-IDEMPOTENT",
+        "Binding a device to the same host N times returns the same binding each time and leaves exactly one binding.",
+        frozenset({Feature.BIND}),
+    ),
+    Clause(
+        "UNBIND-IDEMPOTENT",
+        "Unbinding a binding N times succeeds every time and leaves the device free to bind again, and unbinding "
+        "an unknown device or host succeeds as already unbound.",
+        frozenset({Feature.BIND, Feature.UNBIND}),
+    ),
+    Clause(
+        "BIND-FAILED-LEAVES-NOTHING",
+        "A bind that fails leaves the device unbound, and the next bind of it succeeds.",
+        frozenset({Feature.BIND, Feature.FAULT_INJECTION}),
+    ),
+    Clause(
+        "ERR-UNKNOWN-DEVICE",
+        "Binding a device the fabric does not have raises UnknownDeviceError (gRPC NOT_FOUND, reason UNKNOWN_DEVICE).",
+        frozenset({Feature.BIND}),
+    ),
+    Clause(
+        "ERR-UNKNOWN-HOST",
+        "Binding a device to a host the fabric does not have raises UnknownHostError (gRPC NOT_FOUND, reason "
+        "UNKNOWN_HOST) and binds nothing.",
+        frozenset({Feature.BIND}),
+    ),
+    Clause(
+        "ERR-DEVICE-BUSY",
+        "Binding a device that is bound to another host raises DeviceBusyError (gRPC FAILED_PRECONDITION, "
+        "reason DEVICE_BUSY) and leaves the first binding as it was.",
+        frozenset({Feature.BIND}),
+        needs="a device that two hosts reach",
+    ),
+    Clause(
+        "ERR-HOST-UNREACHABLE",
+        "Binding a device to a host that no working path joins to it raises HostUnreachableError (gRPC "
+        "FAILED_PRECONDITION, reason HOST_UNREACHABLE) and binds nothing.",
+        frozenset({Feature.BIND}),
+        needs="a host that cannot reach some device, or fault injection to take a link down",
+    ),
+    Clause(
+        "FENCE-STALE-EPOCH",
+        "A bind, unbind, allocate or release with a fencing epoch older than one the driver has seen, even on a "
+        "call that then failed, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason STALE_EPOCH) and changes "
+        "nothing.",
+        frozenset({Feature.BIND, Feature.FENCING}),
+    ),
+    Clause(
+        "CONC-PARALLEL-BINDS",
+        "Binds of different devices made at the same moment from several threads all succeed.",
+        frozenset({Feature.BIND}),
+        needs="at least two free devices",
+    ),
+    Clause(
+        "CONC-RACE-ONE-WINNER",
+        "Of binds of one device to different hosts racing from several threads, those to exactly one host "
+        "succeed, the others raise DeviceBusyError, and one binding is left.",
+        frozenset({Feature.BIND}),
+        needs="a device that two hosts reach",
+    ),
+    Clause(
+        "CARVE-CONSERVES",
+        "Allocating takes exactly the rounded-up amount from the pool's free capacity and releasing gives all of "
+        "it back.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-IDEMPOTENT",
+        "Allocating an existing allocation id again with the same host and amount returns it and carves nothing "
+        "more; with another amount it raises ConflictError.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-NO-OVERLAP",
+        "The extents of a pool's allocations never overlap, lie within the pool, and add up to each "
+        "allocation's amount.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-EXHAUSTED",
+        "An allocation larger than the free capacity raises CapacityExhaustedError and carves nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-RELEASE-UNKNOWN",
+        "Releasing an allocation id the pool does not hold raises nothing and changes nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "EVENT-FAILURE-REPORTED",
+        "A device failure is reported to subscribers as a DEVICE_HEALTH event for that device within the "
+        "declared event latency.",
+        frozenset({Feature.HEALTH_EVENTS, Feature.FAULT_INJECTION}),
+    ),
+    Clause(
+        "SANITIZE-BEFORE-REUSE",
+        "A device that is not bound can be sanitized (idempotently), and sanitizing a bound device raises "
+        "DeviceBusyError.",
+        frozenset({Feature.BIND, Feature.UNBIND, Feature.SANITIZE}),
+    ),
+    Clause(
+        "RESTART-BINDINGS",
+        "A restarted driver reports the same devices and the same bindings as before the restart.",
+        frozenset({Feature.BIND}),
+        needs="a way to restart the driver",
+    ),
+    Clause(
+        "CLEANUP-NOTHING-LEFT",
+        "After every test, passed or failed, the suite has unbound and released everything it bound or carved, "
+        "and the driver confirms it.",
+    ),
+)
+
+CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
+SUITE_VERSION = "1.0"
+"""The suite's version, in every report: a new clause or a changed statement raises it."""
+
+
+def clause(clause_id: str) -> Callable[[F], F]:
+    """Mark a test of the suite as checking ``clause_id``."""
+    if clause_id not in CLAUSES:
+        raise KeyError(f"no clause {clause_id!r}")
+    mark: Callable[[F], F] = getattr(pytest.mark, MARKER)(clause_id)
+    return mark

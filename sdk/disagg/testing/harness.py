@@ -1,0 +1,203 @@
+"""What the conformance tests stand on: rising fencing epochs, reachability read from a topology, and a
+tracker that undoes everything a test bound, carved or broke, then checks with the driver that it is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import attrs
+
+from disagg.composer.index import switch_reach
+from disagg.errors import DisaggError
+from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool
+from disagg.model import Allocation, Binding, Health, Topology
+from disagg.model import Device as DeviceInfo
+
+FabricFactory = Callable[[], Fabric]
+"""Builds the fabric under test; called again after a restart, it must reach the same (persisted) state."""
+Restart = Callable[[Fabric], Fabric]
+"""Restarts the driver behind a fabric and returns a fabric on the restarted driver."""
+
+
+class Epochs:
+    """The fencing epoch the suite's calls carry, shared by a whole run.
+
+    It starts at the wall clock in milliseconds, so that a run never carries an epoch older than one a driver
+    remembers from an earlier run, and only rises (`advance`), so no test is refused for another's epoch.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current = time.time_ns() // 1_000_000
+
+    @property
+    def current(self) -> int:
+        with self._lock:
+            return self._current
+
+    def advance(self) -> int:
+        with self._lock:
+            self._current = max(self._current + 1, time.time_ns() // 1_000_000)
+            return self._current
+
+
+def reachable_switches(topology: Topology) -> dict[str, frozenset[str]]:
+    """For each host, the switches it reaches, as the composer reckons it (`switch_reach`)."""
+    return {host: frozenset(switches) for host, switches in switch_reach(topology).items()}
+
+
+@attrs.frozen
+class View:
+    """The fabric as one test found it: free bindable devices and the hosts that reach each."""
+
+    topology: Topology
+    bound: frozenset[str]
+    reach: dict[str, frozenset[str]]
+
+    @classmethod
+    def of(cls, fabric: Fabric) -> View:
+        topology = fabric.discover()
+        return cls(topology, frozenset(b.device for b in fabric.bindings()), reachable_switches(topology))
+
+    def hosts_reaching(self, device: DeviceInfo) -> list[str]:
+        return sorted(h for h, switches in self.reach.items() if device.switch in switches)
+
+    def hosts_not_reaching(self, device: DeviceInfo) -> list[str]:
+        return sorted(h for h, switches in self.reach.items() if device.switch not in switches)
+
+    def free_devices(self, *, min_hosts: int = 1) -> list[DeviceInfo]:
+        """Devices bound whole, healthy, unbound, and reached by at least ``min_hosts`` hosts."""
+        carved = {p.device for p in self.topology.pools}
+        return [
+            d
+            for d in sorted(self.topology.devices, key=lambda d: d.id)
+            if d.id not in carved
+            and d.id not in self.bound
+            and d.health is Health.OK
+            and len(self.hosts_reaching(d)) >= min_hosts
+        ]
+
+
+@attrs.frozen
+class Leftover:
+    """Something a test made that its clean-up could not take away."""
+
+    test: str
+    what: str
+
+
+class Tracker:
+    """The fabric of one test and everything the test changed on it.
+
+    Binds and allocations are recorded before they are attempted, so that one which failed but left something
+    behind is cleaned up too. `cleanup` undoes faults, unbinds and releases with the newest epoch, then asks
+    the driver (a fresh `bindings` and `allocations`) whether anything is left.
+    """
+
+    def __init__(self, factory: FabricFactory, epochs: Epochs, *, call_timeout_s: float) -> None:
+        self.factory = factory
+        self.epochs = epochs
+        self.call_timeout_s = call_timeout_s
+        self.fabric = factory()
+        self._lock = threading.Lock()
+        self._binds: dict[tuple[str, str], None] = {}
+        self._allocations: dict[tuple[str, str], None] = {}
+        self._undo_faults: list[Callable[[], None]] = []
+
+    def ctx(self, epoch: int | None = None) -> CallContext:
+        return CallContext.with_timeout(
+            self.call_timeout_s, epoch=self.epochs.current if epoch is None else epoch, request_id="conformance"
+        )
+
+    def view(self) -> View:
+        return View.of(self.fabric)
+
+    def bind(self, device: str, host: str, *, epoch: int | None = None) -> Binding:
+        with self._lock:
+            self._binds[(device, host)] = None
+        return self.fabric.bind(device, host, self.ctx(epoch))
+
+    def unbind(self, device: str, host: str, *, epoch: int | None = None) -> None:
+        self.fabric.unbind(Binding(device, host), self.ctx(epoch))
+
+    def pool(self, pool: str) -> Pool:
+        return self.fabric.pool(pool)
+
+    def allocate(self, pool: str, allocation: str, host: str, amount: int, *, epoch: int | None = None) -> Allocation:
+        with self._lock:
+            self._allocations[(pool, allocation)] = None
+        return self.fabric.pool(pool).allocate(allocation, host, amount, self.ctx(epoch))
+
+    def faults(self) -> FaultInjection | None:
+        return self.fabric if isinstance(self.fabric, FaultInjection) else None
+
+    def on_cleanup(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` first at clean-up (repair an injected fault, bring a link back)."""
+        self._undo_faults.append(undo)
+
+    def restart(self, restart: Restart) -> Fabric:
+        self.fabric = restart(self.fabric)
+        return self.fabric
+
+    def cleanup(self, test: str) -> list[Leftover]:
+        for undo in reversed(self._undo_faults):
+            with contextlib.suppress(DisaggError):
+                undo()
+        ctx = self.ctx(self.epochs.current)
+        for device, host in self._binds:
+            with contextlib.suppress(DisaggError):
+                self.fabric.unbind(Binding(device, host), ctx)
+        for pool, allocation in self._allocations:
+            with contextlib.suppress(DisaggError):
+                self.fabric.pool(pool).release(allocation, ctx)
+        left: list[Leftover] = []
+        try:
+            still = {(b.device, b.host) for b in self.fabric.bindings()}
+            left += [Leftover(test, f"{d} bound to {h}") for d, h in self._binds if (d, h) in still]
+            for pool in sorted({p for p, _ in self._allocations}):
+                held = {a.id for a in self.fabric.pool(pool).allocations()}
+                left += [
+                    Leftover(test, f"allocation {a} in {p}") for p, a in self._allocations if p == pool and a in held
+                ]
+        except DisaggError as exc:
+            left.append(Leftover(test, f"could not check what is left: {exc.message}"))
+        return left
+
+    def close(self) -> None:
+        with contextlib.suppress(DisaggError):
+            self.fabric.close()
+
+
+def run_together(calls: Sequence[Callable[[], object]], *, timeout_s: float) -> list[object | BaseException]:
+    """Run ``calls`` on their own threads, released at one instant; each result or the exception it raised."""
+    barrier = threading.Barrier(len(calls))
+    results: list[object | BaseException] = [TimeoutError("the call did not finish")] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout_s)
+            results[i] = calls[i]()
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return results
+
+
+@contextlib.contextmanager
+def collecting(fabric: Fabric) -> Iterator[list[tuple[float, object]]]:
+    """Subscribe to ``fabric``'s events for the block; yields a list of (monotonic time, event)."""
+    seen: list[tuple[float, object]] = []
+    sub = fabric.subscribe(lambda event: seen.append((time.monotonic(), event)))
+    try:
+        yield seen
+    finally:
+        sub.cancel()

@@ -1,0 +1,176 @@
+"""The pytest plugin of the conformance suite. Opt in with ``pytest_plugins = ["disagg.testing.plugin"]`` in a
+conftest.py or ``pytest -p disagg.testing.plugin``; installing disagg never loads it into other test runs.
+
+It maps test results to clauses, turns the clauses of an expected-failures file into strict expected failures
+(a clause that passes while listed fails the run, so the list cannot go stale), checks after every test that
+nothing it bound or carved is left (the clean-up clause), prints the clause table, and with
+``--disagg-report DIR`` writes the certification report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import attrs
+import pytest
+
+from disagg.errors import ConfigError
+from disagg.testing.clauses import CLAUSES, MARKER
+from disagg.testing.expected import read_expected_failures
+from disagg.testing.harness import Epochs
+from disagg.testing.report import (
+    FAIL,
+    NOT_TESTED,
+    PASS,
+    ClauseResult,
+    Report,
+    Subject,
+    TestOutcome,
+    clause_results,
+)
+from disagg.testing.state import EPOCHS, LEFTOVERS, REPORT, SEEN_CAPABILITIES, SUBJECT
+
+CLEANUP = "CLEANUP-NOTHING-LEFT"
+_EXPECTED = pytest.StashKey[tuple[str, ...]]()
+_CLAUSE_OF = pytest.StashKey[dict[str, str]]()
+_OUTCOMES = pytest.StashKey[dict[str, dict[str, list[pytest.TestReport]]]]()
+_STARTED = pytest.StashKey[tuple[str, float]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("disagg", "disagg driver conformance")
+    group.addoption("--disagg-report", metavar="DIR", help="write the certification report (JSON, JUnit, Markdown)")
+    group.addoption(
+        "--disagg-expected-failures",
+        metavar="FILE",
+        help="clause ids expected to fail while a driver is developed; certification is withheld while any is listed",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}(id): the conformance clause a test checks")
+    config.stash[EPOCHS] = Epochs()
+    config.stash[LEFTOVERS] = []
+    config.stash[SEEN_CAPABILITIES] = []
+    config.stash[_CLAUSE_OF] = {}
+    outcomes: dict[str, dict[str, list[pytest.TestReport]]] = defaultdict(lambda: defaultdict(list))
+    config.stash[_OUTCOMES] = outcomes
+    config.stash[_STARTED] = (datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), time.monotonic())
+    path = config.getoption("disagg_expected_failures")
+    try:
+        config.stash[_EXPECTED] = read_expected_failures(Path(path)) if path else ()
+    except ConfigError as exc:
+        raise pytest.UsageError(exc.message) from None
+    config.pluginmanager.register(_Collector(config), "disagg-conformance-collector")
+
+
+class _Collector:
+    """Collects each clause's test reports for one session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        listed: tuple[str, ...] = self.config.stash[_EXPECTED]
+        expected = set(listed)
+        for item in items:
+            marker = item.get_closest_marker(MARKER)
+            if marker is None:
+                continue
+            clause_id = marker.args[0]
+            self.config.stash[_CLAUSE_OF][item.nodeid] = clause_id
+            if clause_id in expected:
+                item.add_marker(pytest.mark.xfail(strict=True, reason=f"expected failure: {clause_id}"))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        clause_id = self.config.stash[_CLAUSE_OF].get(report.nodeid)
+        if clause_id is not None:
+            self.config.stash[_OUTCOMES][clause_id][report.nodeid].append(report)
+
+
+def _message(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0] if crash.message else ""
+    return str(longrepr).strip().splitlines()[-1] if longrepr else ""
+
+
+def _outcome(nodeid: str, reports: list[pytest.TestReport]) -> TestOutcome:
+    name = nodeid.rpartition("::")[2]
+    for r in reports:
+        if r.failed:
+            if r.when == "call" and str(r.longrepr).startswith("[XPASS(strict)]"):
+                return TestOutcome(
+                    name,
+                    "failed",
+                    "passed, but the clause is listed as an expected failure: "
+                    "remove it from the expected-failures file",
+                )
+            return TestOutcome(name, "failed", _message(r) if r.when == "call" else f"{r.when}: {_message(r)}")
+    for r in reports:
+        if r.skipped and hasattr(r, "wasxfail"):
+            return TestOutcome(name, "xfailed", _message(r) or "failed as expected")
+        if r.skipped:
+            return TestOutcome(name, "skipped", _message(r))
+    return TestOutcome(name, "passed")
+
+
+def build_report(config: pytest.Config) -> Report:
+    outcomes = {
+        clause_id: [_outcome(nodeid, reports) for nodeid, reports in sorted(by_test.items())]
+        for clause_id, by_test in config.stash[_OUTCOMES].items()
+    }
+    ran = any(outcomes.values())
+    leftovers = config.stash[LEFTOVERS]
+    cleanup = CLAUSES[CLEANUP]
+    if leftovers:
+        what = "; ".join(f"{lo.test.rpartition('::')[2]}: {lo.what}" for lo in leftovers[:10])
+        cleanup_result = ClauseResult(cleanup, FAIL, f"left behind: {what}")
+    elif ran:
+        cleanup_result = ClauseResult(cleanup, PASS)
+    else:
+        cleanup_result = ClauseResult(cleanup, NOT_TESTED, "no test ran")
+    subject = config.stash.get(SUBJECT, Subject())
+    if subject.capabilities is None and config.stash[SEEN_CAPABILITIES]:
+        fabric, caps = config.stash[SEEN_CAPABILITIES][0]
+        subject = attrs.evolve(subject, fabric=subject.fabric or fabric, capabilities=caps)
+    started, t0 = config.stash[_STARTED]
+    expected: tuple[str, ...] = config.stash[_EXPECTED]
+    return Report(
+        subject,
+        clause_results(outcomes, expected, cleanup_result),
+        expected,
+        started,
+        time.monotonic() - t0,
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not config.stash[_CLAUSE_OF]:
+        return
+    report = build_report(config)
+    config.stash[REPORT] = report
+    if config.stash[LEFTOVERS] and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    out = config.getoption("disagg_report")
+    if out:
+        report.write(Path(out))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    report = config.stash.get(REPORT, None)
+    if report is None:
+        return
+    tr = terminalreporter
+    tr.section("disagg conformance")
+    for c in report.clauses:
+        status = f"{c.status} (expected)" if c.expected_failure else c.status
+        tr.write_line(f"{status:<16} {c.clause.id:<28} {c.reason}"[:200])
+    tr.write_line(f"verdict: {report.verdict}")

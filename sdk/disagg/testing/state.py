@@ -1,0 +1,35 @@
+"""What `disagg certify`, the suite's fixtures and its pytest plugin share through ``config.stash``.
+
+Kept apart from the plugin and the test classes so that certify can set them up before pytest imports (and
+rewrites the assertions of) those modules.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from disagg.model import Capabilities
+from disagg.testing.harness import Epochs, FabricFactory, Leftover, Restart
+from disagg.testing.report import Report, Subject
+
+EPOCHS = pytest.StashKey[Epochs]()
+LEFTOVERS = pytest.StashKey[list[Leftover]]()
+SEEN_CAPABILITIES = pytest.StashKey[list[tuple[str, Capabilities]]]()
+"""The fabric name and capabilities each test found, for a report that no `disagg certify` names."""
+SUBJECT = pytest.StashKey[Subject]()
+"""Set by `disagg certify` to name what is certified."""
+REPORT = pytest.StashKey[Report]()
+"""The report of the session, once it has finished."""
+
+
+@attrs.frozen
+class Target:
+    """The fabric under certification: how to build it, and how to restart its driver (None: certify cannot)."""
+
+    factory: FabricFactory
+    restart: Restart | None
+    no_restart_reason: str = ""
+
+
+TARGET = pytest.StashKey[Target]()

@@ -1,0 +1,480 @@
+"""The conformance tests: base classes a driver's test module subclasses, overriding `fabric_factory`.
+
+Every test names the clause it checks (`disagg.testing.clauses`); a clause whose features the driver does not
+declare, or whose set-up the fabric cannot give (two hosts that reach one device, a pool), is skipped with
+the reason and reported NOT TESTED, never failed. Tests take only free devices, so they may run in any order
+against a fabric that is in use, and each undoes what it did (`Tracker`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import time
+from collections.abc import Iterator
+from typing import NoReturn
+
+import pytest
+
+from disagg.errors import (
+    CapacityExhaustedError,
+    ConflictError,
+    DeviceBusyError,
+    DisaggError,
+    HostUnreachableError,
+    StaleEpochError,
+    UnknownDeviceError,
+    UnknownHostError,
+)
+from disagg.interfaces import Fabric
+from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health, PoolInfo
+from disagg.model import Device as DeviceInfo
+from disagg.testing.clauses import CLAUSES, MARKER, clause
+from disagg.testing.harness import Epochs, FabricFactory, Restart, Tracker, View, collecting, run_together
+from disagg.testing.state import EPOCHS, LEFTOVERS, SEEN_CAPABILITIES
+
+REPEATS = 5
+"""How many times the idempotency clauses repeat a call."""
+RACERS = 8
+"""Threads in the concurrency clauses."""
+EVENT_GRACE_S = 0.25
+"""Scheduling slack on top of a driver's declared event latency, for loaded CI machines."""
+_LOCAL_ID = re.compile(r"^[^/\s]+$")
+
+
+def _skip(reason: str) -> NoReturn:
+    pytest.skip(f"not tested: {reason}")
+
+
+def _one_free(view: View, *, min_hosts: int = 1) -> DeviceInfo:
+    free = view.free_devices(min_hosts=min_hosts)
+    if not free:
+        what = "free device" if min_hosts == 1 else f"free device that {min_hosts} hosts reach"
+        _skip(f"the fabric has no {what} to bind whole")
+    return free[0]
+
+
+def _bindings_of(fabric: Fabric, device: str) -> list[Binding]:
+    return [b for b in fabric.bindings() if b.device == device]
+
+
+class FabricConformance:
+    """The driver contract of ``disagg.interfaces.Fabric``; subclass it and override `fabric_factory`."""
+
+    call_timeout_s: float = 30.0
+    """The deadline of each driver call the suite makes."""
+
+    # ------------------------------------------------------------------ fixtures a driver author overrides
+
+    @pytest.fixture
+    def fabric_factory(self) -> FabricFactory:
+        """A callable that builds the fabric under test; each call must reach the same persisted state."""
+        raise NotImplementedError(
+            "override the fabric_factory fixture: return a callable that builds the Fabric under test"
+        )
+
+    @pytest.fixture
+    def restart(self, fabric_factory: FabricFactory) -> Restart:
+        """How to restart the driver: by default close the fabric and build it again."""
+
+        def restart(old: Fabric) -> Fabric:
+            old.close()
+            return fabric_factory()
+
+        return restart
+
+    # ------------------------------------------------------------------ the suite's own fixtures
+
+    @pytest.fixture
+    def tracker(self, fabric_factory: FabricFactory, request: pytest.FixtureRequest) -> Iterator[Tracker]:
+        config = request.config
+        if EPOCHS not in config.stash:
+            raise pytest.UsageError(
+                "the disagg conformance suite needs its pytest plugin: add "
+                "pytest_plugins = ['disagg.testing.plugin'] to your conftest.py, or run pytest -p disagg.testing.plugin"
+            )
+        tracker = Tracker(fabric_factory, config.stash[EPOCHS], call_timeout_s=self.call_timeout_s)
+        try:
+            yield tracker
+        finally:
+            config.stash[LEFTOVERS].extend(tracker.cleanup(request.node.nodeid))
+            tracker.close()
+
+    @pytest.fixture
+    def fabric(self, tracker: Tracker) -> Fabric:
+        return tracker.fabric
+
+    @pytest.fixture
+    def capabilities(self, fabric: Fabric, request: pytest.FixtureRequest) -> Capabilities:
+        caps = fabric.capabilities()
+        request.config.stash[SEEN_CAPABILITIES].append((fabric.name, caps))
+        return caps
+
+    @pytest.fixture(autouse=True)
+    def _clause_gate(self, request: pytest.FixtureRequest) -> None:
+        """Skip a test whose clause needs a feature the driver does not declare."""
+        marker = request.node.get_closest_marker(MARKER)
+        if marker is None:
+            return
+        required = CLAUSES[marker.args[0]].requires
+        if not required:
+            return
+        caps: Capabilities = request.getfixturevalue("capabilities")
+        missing = sorted(f.value for f in required if not caps.supports(f))
+        if missing:
+            _skip(f"the driver does not declare {', '.join(missing)}")
+
+    @pytest.fixture
+    def epochs(self, request: pytest.FixtureRequest) -> Epochs:
+        return request.config.stash[EPOCHS]
+
+    # ------------------------------------------------------------------ discovery
+
+    @clause("DISC-WELL-FORMED")
+    def test_discovery_is_well_formed(self, fabric: Fabric, capabilities: Capabilities) -> None:
+        topo = fabric.discover()
+        assert topo.fabric == fabric.name, f"discover() reports fabric {topo.fabric!r}, not {fabric.name!r}"
+        switches = {s.id for s in topo.switches}
+        hosts = {h.id for h in topo.hosts}
+        devices = {d.id: d for d in topo.devices}
+        assert len(devices) == len(topo.devices), "a device id is reported twice"
+        for dev in topo.devices:
+            prefix, _, local = dev.id.partition("/")
+            assert prefix == fabric.name and _LOCAL_ID.match(local), f"device id {dev.id!r} is not {fabric.name}/<id>"
+            assert dev.fabric == fabric.name, f"device {dev.id} names fabric {dev.fabric!r}"
+            assert dev.kind in capabilities.kinds, f"device {dev.id} is a {dev.kind.value}, a kind not declared"
+            assert not dev.switch or dev.switch in switches, f"device {dev.id} hangs off unknown switch {dev.switch}"
+        for host in topo.hosts:
+            assert not host.switch or host.switch in switches, f"host {host.id} enters unknown switch {host.switch}"
+        nodes = switches | hosts
+        for link in topo.links:
+            assert link.a in nodes and link.b in nodes, f"link {link.a}|{link.b} joins an unknown node"
+        for pool in topo.pools:
+            assert pool.device in devices, f"pool {pool.id} is carved from unknown device {pool.device}"
+            assert pool.capacity.block_bytes > 0, f"pool {pool.id} has no block size"
+        for binding in fabric.bindings():
+            assert binding.device in devices, f"binding of unknown device {binding.device}"
+            assert binding.host in hosts, f"binding to unknown host {binding.host}"
+
+    @clause("DISC-STABLE")
+    def test_discovery_is_stable(self, fabric: Fabric) -> None:
+        first = {d.id: d.serial for d in fabric.discover().devices}
+        second = {d.id: d.serial for d in fabric.discover().devices}
+        assert first == second, "two discoveries report different device ids or serials"
+
+    @clause("DISC-UNIQUE-SERIALS")
+    def test_serials_are_unique(self, fabric: Fabric) -> None:
+        seen: dict[str, str] = {}
+        for dev in fabric.discover().devices:
+            assert dev.serial, f"device {dev.id} has no serial"
+            assert dev.serial not in seen, f"devices {seen.get(dev.serial)} and {dev.id} share serial {dev.serial}"
+            seen[dev.serial] = dev.id
+
+    # ------------------------------------------------------------------ bind and unbind
+
+    @clause("BIND-IDEMPOTENT")
+    def test_bind_is_idempotent(self, tracker: Tracker) -> None:
+        dev = _one_free(tracker.view())
+        host = tracker.view().hosts_reaching(dev)[0]
+        for n in range(REPEATS):
+            got = tracker.bind(dev.id, host)
+            assert got == Binding(dev.id, host), f"bind #{n + 1} returned {got}, not the binding"
+        assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, host)]
+
+    @clause("UNBIND-IDEMPOTENT")
+    def test_unbind_is_idempotent(self, tracker: Tracker) -> None:
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        tracker.bind(dev.id, host)
+        for _ in range(REPEATS):
+            tracker.unbind(dev.id, host)
+        assert _bindings_of(tracker.fabric, dev.id) == []
+        tracker.unbind(f"{tracker.fabric.name}/conformance-no-such-device", host)
+        tracker.unbind(dev.id, "conformance-no-such-host")
+        assert tracker.bind(dev.id, host) == Binding(dev.id, host)
+
+    @clause("BIND-FAILED-LEAVES-NOTHING")
+    def test_a_failed_bind_leaves_nothing(self, tracker: Tracker) -> None:
+        faults = tracker.faults()
+        if faults is None:
+            _skip("the fabric object offers no fault injection")
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        faults.flaky_bind(dev.id, 1)
+        tracker.on_cleanup(functools.partial(faults.flaky_bind, dev.id, 0))
+        with pytest.raises(DisaggError):
+            tracker.bind(dev.id, host)
+        assert _bindings_of(tracker.fabric, dev.id) == [], "a bind that failed left the device bound"
+        assert tracker.bind(dev.id, host) == Binding(dev.id, host)
+
+    # ------------------------------------------------------------------ errors
+
+    @clause("ERR-UNKNOWN-DEVICE")
+    def test_unknown_device(self, tracker: Tracker) -> None:
+        host = sorted(h.id for h in tracker.view().topology.hosts)
+        if not host:
+            _skip("the fabric has no host")
+        with pytest.raises(UnknownDeviceError):
+            tracker.bind(f"{tracker.fabric.name}/conformance-no-such-device", host[0])
+
+    @clause("ERR-UNKNOWN-HOST")
+    def test_unknown_host(self, tracker: Tracker) -> None:
+        dev = _one_free(tracker.view())
+        with pytest.raises(UnknownHostError):
+            tracker.bind(dev.id, "conformance-no-such-host")
+        assert _bindings_of(tracker.fabric, dev.id) == []
+
+    @clause("ERR-DEVICE-BUSY")
+    def test_busy_device(self, tracker: Tracker) -> None:
+        view = tracker.view()
+        dev = _one_free(view, min_hosts=2)
+        first, second = view.hosts_reaching(dev)[:2]
+        tracker.bind(dev.id, first)
+        with pytest.raises(DeviceBusyError):
+            tracker.bind(dev.id, second)
+        assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, first)]
+
+    @clause("ERR-HOST-UNREACHABLE")
+    def test_unreachable_host(self, tracker: Tracker) -> None:
+        view = tracker.view()
+        pairs = [(d, h) for d in view.free_devices(min_hosts=0) for h in view.hosts_not_reaching(d)]
+        if pairs:
+            dev, host = pairs[0][0], pairs[0][1]
+        else:
+            faults = tracker.faults()
+            dev = _one_free(view)
+            host = view.hosts_reaching(dev)[0]
+            entry = next((h.switch for h in view.topology.hosts if h.id == host), "")
+            link = next((lk for lk in view.topology.links if {lk.a, lk.b} == {host, entry}), None)
+            if faults is None or link is None:
+                _skip("every host reaches every device and no link can be taken down to cut one off")
+            faults.set_link(link.a, link.b, False)
+            tracker.on_cleanup(functools.partial(faults.set_link, link.a, link.b, True))
+        with pytest.raises(HostUnreachableError):
+            tracker.bind(dev.id, host)
+        assert _bindings_of(tracker.fabric, dev.id) == []
+
+    @clause("FENCE-STALE-EPOCH")
+    def test_stale_epoch(self, tracker: Tracker, epochs: Epochs) -> None:
+        view = tracker.view()
+        free = view.free_devices()
+        if len(free) < 2:
+            _skip("the fabric has fewer than two free devices")
+        kept, refused = free[0], free[1]
+        new = epochs.advance()
+        host = view.hosts_reaching(kept)[0]
+        tracker.bind(kept.id, host, epoch=new)
+        with pytest.raises(StaleEpochError):
+            tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=new - 1)
+        assert _bindings_of(tracker.fabric, refused.id) == [], "a bind with a stale epoch bound the device"
+        with pytest.raises(StaleEpochError):
+            tracker.unbind(kept.id, host, epoch=new - 1)
+        assert _bindings_of(tracker.fabric, kept.id) == [Binding(kept.id, host)], "a stale unbind took effect"
+        # The first word of a new manager fences the old one, even when that call itself fails.
+        newer = epochs.advance()
+        with pytest.raises(UnknownDeviceError):
+            tracker.bind(f"{tracker.fabric.name}/conformance-no-such-device", host, epoch=newer)
+        with pytest.raises(StaleEpochError):
+            tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=new)
+        assert _bindings_of(tracker.fabric, refused.id) == []
+
+    @clause("FENCE-STALE-EPOCH")
+    def test_stale_epoch_on_a_pool(self, tracker: Tracker, epochs: Epochs, capabilities: Capabilities) -> None:
+        if not capabilities.supports(Feature.CARVE):
+            _skip("the driver does not declare carve")
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        before = pool.free_bytes()
+        new = epochs.advance()
+        tracker.allocate(info.id, "conformance-fenced", host, info.capacity.block_bytes, epoch=new)
+        with pytest.raises(StaleEpochError):
+            tracker.allocate(info.id, "conformance-stale", host, info.capacity.block_bytes, epoch=new - 1)
+        with pytest.raises(StaleEpochError):
+            pool.release("conformance-fenced", tracker.ctx(new - 1))
+        assert pool.free_bytes() == before - info.capacity.block_bytes, "a stale pool call took effect"
+
+    # ------------------------------------------------------------------ concurrency
+
+    @clause("CONC-PARALLEL-BINDS")
+    def test_parallel_binds_of_different_devices(self, tracker: Tracker) -> None:
+        view = tracker.view()
+        free = view.free_devices()[:RACERS]
+        if len(free) < 2:
+            _skip("the fabric has fewer than two free devices")
+        pairs = [(d.id, view.hosts_reaching(d)[0]) for d in free]
+        results = run_together([functools.partial(tracker.bind, d, h) for d, h in pairs], timeout_s=self.call_timeout_s)
+        for (d, h), result in zip(pairs, results, strict=True):
+            assert result == Binding(d, h), f"the parallel bind of {d} to {h} gave {result!r}"
+        held = set(tracker.fabric.bindings())
+        assert all(Binding(d, h) in held for d, h in pairs)
+
+    @clause("CONC-RACE-ONE-WINNER")
+    def test_racing_binds_of_one_device(self, tracker: Tracker) -> None:
+        view = tracker.view()
+        dev = _one_free(view, min_hosts=2)
+        hosts = view.hosts_reaching(dev)
+        racers = [hosts[i % len(hosts)] for i in range(RACERS)]
+        results = run_together(
+            [functools.partial(tracker.bind, dev.id, h) for h in racers], timeout_s=self.call_timeout_s
+        )
+        winners = {h for h, r in zip(racers, results, strict=True) if isinstance(r, Binding)}
+        assert len(winners) == 1, f"binds of {dev.id} to {sorted(winners)} all succeeded" if winners else "none won"
+        (winner,) = winners
+        for h, r in zip(racers, results, strict=True):
+            if h == winner:
+                assert r == Binding(dev.id, winner), f"a bind to the winning host gave {r!r}"
+            else:
+                assert isinstance(r, DeviceBusyError), f"the losing bind to {h} gave {r!r}, not DeviceBusyError"
+        assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, winner)]
+
+    # ------------------------------------------------------------------ carving
+
+    def _pool(self, tracker: Tracker) -> tuple[PoolInfo, str]:
+        view = tracker.view()
+        devices = {d.id: d for d in view.topology.devices}
+        for info in sorted(view.topology.pools, key=lambda p: p.id):
+            dev = devices.get(info.device)
+            if dev is not None and dev.health is Health.OK and view.hosts_reaching(dev):
+                return info, view.hosts_reaching(dev)[0]
+        _skip("the fabric has no healthy pool that a host reaches")
+        raise AssertionError("unreachable")
+
+    @clause("CARVE-CONSERVES")
+    def test_allocate_and_release_conserve_capacity(self, tracker: Tracker) -> None:
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        before = pool.free_bytes()
+        if before < 3 * block:
+            _skip(f"pool {info.id} has fewer than three free blocks")
+        tracker.allocate(info.id, "conformance-conserve-a", host, block)
+        tracker.allocate(info.id, "conformance-conserve-b", host, block + 1)
+        assert pool.free_bytes() == before - 3 * block, "allocating did not take the rounded-up amount"
+        ctx = tracker.ctx()
+        pool.release("conformance-conserve-a", ctx)
+        pool.release("conformance-conserve-b", ctx)
+        assert pool.free_bytes() == before, "releasing did not give back all that was taken"
+
+    @clause("CARVE-IDEMPOTENT")
+    def test_allocate_is_idempotent(self, tracker: Tracker) -> None:
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < 2 * block:
+            _skip(f"pool {info.id} has fewer than two free blocks")
+        first = tracker.allocate(info.id, "conformance-idem", host, block)
+        free = pool.free_bytes()
+        for _ in range(REPEATS):
+            assert tracker.allocate(info.id, "conformance-idem", host, block) == first
+        assert pool.free_bytes() == free, "a repeated allocation carved more"
+        with pytest.raises(ConflictError):
+            tracker.allocate(info.id, "conformance-idem", host, 2 * block)
+        assert pool.free_bytes() == free
+
+    @clause("CARVE-NO-OVERLAP")
+    def test_extents_never_overlap(self, tracker: Tracker) -> None:
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < (2 + RACERS) * block:
+            _skip(f"pool {info.id} has fewer than {2 + RACERS} free blocks")
+        tracker.allocate(info.id, "conformance-extent-0", host, block)
+        tracker.allocate(info.id, "conformance-extent-1", host, block)
+        pool.release("conformance-extent-0", tracker.ctx())
+        results = run_together(
+            [
+                functools.partial(tracker.allocate, info.id, f"conformance-extent-race-{n}", host, block)
+                for n in range(RACERS)
+            ],
+            timeout_s=self.call_timeout_s,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert not failed, f"parallel allocations failed: {failed[0]!r}" if failed else ""
+        spans: list[tuple[int, int, str]] = []
+        for alloc in pool.allocations():
+            assert sum(e.length for e in alloc.extents) == alloc.amount_bytes, f"{alloc.id}: extents != amount"
+            for e in alloc.extents:
+                assert e.offset >= 0 and e.end <= info.capacity.total_bytes, f"{alloc.id}: {e} lies outside the pool"
+                spans.append((e.offset, e.end, alloc.id))
+        spans.sort()
+        for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+            assert end <= start, f"extents of {a} and {b} overlap"
+
+    @clause("CARVE-EXHAUSTED")
+    def test_allocation_beyond_free_capacity(self, tracker: Tracker) -> None:
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        before = pool.free_bytes()
+        held = {a.id for a in pool.allocations()}
+        with pytest.raises(CapacityExhaustedError):
+            tracker.allocate(info.id, "conformance-too-big", host, before + info.capacity.block_bytes)
+        assert pool.free_bytes() == before
+        assert {a.id for a in pool.allocations()} == held
+
+    @clause("CARVE-RELEASE-UNKNOWN")
+    def test_release_of_unknown_allocation(self, tracker: Tracker) -> None:
+        info, _ = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        before = sorted(pool.allocations(), key=lambda a: a.id)
+        pool.release("conformance-no-such-allocation", tracker.ctx())
+        assert sorted(pool.allocations(), key=lambda a: a.id) == before
+
+    # ------------------------------------------------------------------ events
+
+    @clause("EVENT-FAILURE-REPORTED")
+    def test_device_failure_is_reported(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        faults = tracker.faults()
+        if faults is None:
+            _skip("the fabric object offers no fault injection")
+        dev = _one_free(tracker.view())
+        limit = capabilities.event_latency_s + EVENT_GRACE_S
+        with collecting(tracker.fabric) as seen:
+            start = time.monotonic()
+            faults.fail_device(dev.id, "conformance: injected failure")
+            tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
+
+            def reported() -> float | None:
+                for at, event in list(seen):
+                    kind, subject = getattr(event, "kind", None), getattr(event, "subject", None)
+                    if kind is FabricEventKind.DEVICE_HEALTH and subject == dev.id:
+                        return at - start
+                return None
+
+            while reported() is None and time.monotonic() - start < limit:
+                time.sleep(0.01)
+        took = reported()
+        assert took is not None, f"no DEVICE_HEALTH event for {dev.id} within {limit:.2f}s"
+        assert took <= limit, f"the failure of {dev.id} was reported after {took:.2f}s (declared {limit:.2f}s)"
+
+    # ------------------------------------------------------------------ sanitize
+
+    @clause("SANITIZE-BEFORE-REUSE")
+    def test_sanitize(self, tracker: Tracker) -> None:
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        handle = tracker.fabric.device(dev.id)
+        tracker.bind(dev.id, host)
+        with pytest.raises(DeviceBusyError):
+            handle.sanitize(tracker.ctx())
+        tracker.unbind(dev.id, host)
+        handle.sanitize(tracker.ctx())
+        handle.sanitize(tracker.ctx())
+        assert tracker.bind(dev.id, host) == Binding(dev.id, host), "a sanitized device could not be bound again"
+
+    # ------------------------------------------------------------------ restart
+
+    @clause("RESTART-BINDINGS")
+    def test_restart_keeps_bindings(self, tracker: Tracker, restart: Restart) -> None:
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        tracker.bind(dev.id, host)
+        before = set(tracker.fabric.bindings())
+        devices = {d.id: d.serial for d in view.topology.devices}
+        fabric = tracker.restart(restart)
+        assert set(fabric.bindings()) == before, "the restarted driver reports other bindings"
+        assert {d.id: d.serial for d in fabric.discover().devices} == devices, "the restarted driver's devices differ"

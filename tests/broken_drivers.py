@@ -1,0 +1,243 @@
+"""Deliberately broken drivers: each is the ``sim`` driver with exactly one defect, to prove that the
+conformance suite (``disagg certify``) catches it.
+
+A plugin module for ``disagg certify DRIVER --plugin broken_drivers``. Every driver takes the ``sim`` driver's
+options, declares the sim's capabilities, and certifies by default on a small generated fabric: four
+domains, each with GPUs that its four hosts reach and the other domains' hosts do not, and a CXL pool.
+``BROKEN`` maps each driver to the clause its defect breaks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from disagg import hookimpl
+from disagg.errors import DeviceBusyError, FabricUnavailableError, NotFoundError, UnknownDeviceError
+from disagg.interfaces import CallContext
+from disagg.model import Binding, FabricEvent, FabricEventKind, Topology
+from disagg.plugins import DriverRegistry
+from disagg_sim.dispatch import EventDispatcher
+from disagg_sim.fabric import SIM_CAPABILITIES, SimFabric
+from disagg_sim.generator import generate_topology
+from disagg_sim.options import parse_options
+from disagg_sim.state import SimState
+from disagg_sim.topology import load_topology
+
+RACE_WINDOW_S = 0.01
+"""How long `RacyBind` lets go of its lock between checking that a device is free and binding it."""
+
+
+class BindNotIdempotent(SimFabric):
+    """A repeated bind to the same host is refused as busy: a retry after a lost reply then fails a bind
+    that had succeeded."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        with self._lock:
+            current = self._bindings.get(device)
+        if current == host:
+            raise DeviceBusyError(f"device {device} is bound to host {host}")
+        return super().bind(device, host, ctx)
+
+
+class UnbindNotIdempotent(SimFabric):
+    """Unbinding a binding that is absent raises: a retried unbind, or a cleanup after a crash, fails."""
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            current = self._bindings.get(binding.device)
+        if current != binding.host:
+            raise UnknownDeviceError(binding.device, f"device {binding.device} is not bound to {binding.host}")
+        super().unbind(binding, ctx)
+
+
+class LeaksFailedBind(SimFabric):
+    """A bind failed by an injected fault reports the failure but leaves the device bound: the caller thinks
+    the device is free while a host holds it."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._injected: set[str] = set()
+
+    def _take_flaky(self, device: str) -> None:
+        try:
+            super()._take_flaky(device)
+        except FabricUnavailableError:
+            self._injected.add(device)
+            raise
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        try:
+            return super().bind(device, host, ctx)
+        except FabricUnavailableError:
+            with self._lock:
+                if device in self._injected:
+                    self._injected.discard(device)
+                    self._bindings[device] = host  # the hot-add went through; only the answer says otherwise
+                    self._persist(lambda: None)
+            raise
+
+
+class RacyBind(SimFabric):
+    """Bind checks that the device is free, lets go of the lock for the slow hot-add, then binds without
+    looking again: racing binds to different hosts all succeed and the last one wins the device."""
+
+    def _take_flaky(self, device: str) -> None:
+        super()._take_flaky(device)  # the last check of a bind's validation; the commit follows it
+        self._lock.release()
+        try:
+            time.sleep(RACE_WINDOW_S)
+        finally:
+            self._lock.acquire()
+
+
+class WrongError(SimFabric):
+    """Binding an unknown device raises the generic NotFoundError, not UnknownDeviceError: a client cannot
+    tell a wrong device id from a wrong host or pool."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if device not in self._device_index:
+            raise NotFoundError("device", device)
+        return super().bind(device, host, ctx)
+
+
+class IgnoresEpoch(SimFabric):
+    """Remembers the highest fencing epoch but never refuses an older one: a deposed fabric manager can
+    still undo its successor's work."""
+
+    def _fence(self, ctx: CallContext) -> None:
+        if ctx.epoch > self._epoch:
+            super()._fence(ctx)
+
+
+class _OffsetZeroCarver:
+    """Counts free blocks but not where they are: every allocation is carved from block 0."""
+
+    def __init__(self, blocks: int) -> None:
+        self.total_blocks = blocks
+        self.free_blocks = blocks
+
+    def carve(self, blocks: int, *, contiguous: bool) -> list[tuple[int, int]] | None:
+        if blocks > self.free_blocks:
+            return None
+        self.free_blocks -= blocks
+        return [(0, blocks)]
+
+    def claim(self, start: int, blocks: int) -> None:
+        if blocks > self.free_blocks:
+            raise ValueError("no room")
+        self.free_blocks -= blocks
+
+    def release(self, start: int, blocks: int) -> None:
+        self.free_blocks += blocks
+
+
+class OverlappingExtents(SimFabric):
+    """Pools count their free capacity right but carve every allocation at offset 0: two hosts get the same
+    memory."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._blind_carvers()
+
+    def _restore(self, state: SimState) -> None:
+        self._blind_carvers()  # before saved allocations are re-carved
+        super()._restore(state)
+
+    def _blind_carvers(self) -> None:
+        for pool in self._pools.values():
+            if not isinstance(pool._carver, _OffsetZeroCarver):
+                pool._carver = _OffsetZeroCarver(pool._carver.total_blocks)  # type: ignore[assignment]
+
+
+class ForgetsBindings(SimFabric):
+    """Saves everything but the bindings: after a restart it reports every device free, though hosts still
+    hold them."""
+
+    def _snapshot(self) -> SimState:
+        return attrs.evolve(super()._snapshot(), bindings={})
+
+
+class _DropsHealthEvents(EventDispatcher):
+    def post(self, event: FabricEvent) -> None:
+        if event.kind is not FabricEventKind.DEVICE_HEALTH:
+            super().post(event)
+
+
+class SilentFailures(SimFabric):
+    """A device that fails is marked FAILED but no subscriber is told: the fabric manager never moves the
+    work off it."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._events = _DropsHealthEvents()
+
+
+class UnstableSerials(SimFabric):
+    """Every discovery reports new serials (unique within it): the fabric manager sees every device replaced
+    by a new one each time it looks."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._discoveries = 0
+        self._count_lock = threading.Lock()
+
+    def discover(self) -> Topology:
+        topology = super().discover()
+        with self._count_lock:
+            self._discoveries += 1
+            n = self._discoveries
+        devices = tuple(attrs.evolve(d, serial=f"{d.serial}-{n}") for d in topology.devices)
+        return attrs.evolve(topology, devices=devices)
+
+
+BROKEN: dict[str, tuple[type[SimFabric], str]] = {
+    "broken-bind-not-idempotent": (BindNotIdempotent, "BIND-IDEMPOTENT"),
+    "broken-unbind-not-idempotent": (UnbindNotIdempotent, "UNBIND-IDEMPOTENT"),
+    "broken-leaks-failed-bind": (LeaksFailedBind, "BIND-FAILED-LEAVES-NOTHING"),
+    "broken-race": (RacyBind, "CONC-RACE-ONE-WINNER"),
+    "broken-wrong-error": (WrongError, "ERR-UNKNOWN-DEVICE"),
+    "broken-ignores-epoch": (IgnoresEpoch, "FENCE-STALE-EPOCH"),
+    "broken-overlapping-extents": (OverlappingExtents, "CARVE-NO-OVERLAP"),
+    "broken-forgets-bindings": (ForgetsBindings, "RESTART-BINDINGS"),
+    "broken-silent-failures": (SilentFailures, "EVENT-FAILURE-REPORTED"),
+    "broken-unstable-serials": (UnstableSerials, "DISC-STABLE"),
+}
+"""Driver name: (fabric class, the clause its defect breaks)."""
+
+
+def certify_options(workdir: Path) -> dict[str, Any]:
+    """Four domains of four hosts, two GPU chassis and one CXL pool each; state kept in ``workdir``."""
+    return {"generate": {"devices": 120, "hosts_per_domain": 4}, "state_file": str(workdir / "state.json")}
+
+
+def factory(cls: type[SimFabric]) -> Any:
+    """A driver factory building ``cls`` from the ``sim`` driver's options."""
+
+    def create(name: str, options: Mapping[str, Any]) -> SimFabric:
+        opts = parse_options(name, options)
+        if opts.generate is not None:
+            topology = generate_topology(name, **attrs.asdict(opts.generate))
+        else:
+            assert opts.topology is not None
+            topology = load_topology(name, opts.topology)
+        return cls(topology, state_file=opts.state_file, bind_delay_s=opts.bind_delay_s)
+
+    return create
+
+
+@hookimpl
+def disagg_register_drivers(registry: DriverRegistry) -> None:
+    for name, (cls, _clause) in BROKEN.items():
+        description = " ".join((cls.__doc__ or "").split())
+        registry.add_driver(
+            name,
+            factory(cls),
+            capabilities=SIM_CAPABILITIES,
+            description=f"sim with a defect: {description}",
+            certify_options=certify_options,
+        )

@@ -1,0 +1,98 @@
+"""A driver served out of process for the conformance tests: `disagg driver serve` as a child process that a
+test can restart on the same address and state file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from disagg.interfaces import Fabric
+from disagg.remote.fabric import RemoteFabric
+
+START_TIMEOUT_S = 60.0
+CERTIFY_TIMEOUT_S = 180
+TESTS = Path(__file__).parent
+SIM_OPTIONS = ("generate.devices=120", "generate.hosts_per_domain=4")
+
+
+class ServedDriver:
+    """``disagg driver serve DRIVER`` listening on ``listen``; `restart` kills it (SIGKILL) and starts it again."""
+
+    def __init__(self, driver: str, fabric: str, listen: str, options: tuple[str, ...], env: dict[str, str]) -> None:
+        self.driver = driver
+        self.fabric = fabric
+        self.listen = listen
+        self.options = options
+        self.env = env
+        self.address = ""
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> str:
+        argv = [sys.executable, "-m", "disagg.cli.main", "driver", "serve", self.driver, "--name", self.fabric]
+        for option in self.options:
+            argv += ["--option", option]
+        argv += ["--listen", self.address or self.listen]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **self.env}
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"disagg driver serve exited with {self.proc.returncode}")
+            if line.startswith("serving "):
+                self.address = line.rsplit(" on ", 1)[1].strip()
+                return self.address
+        self.proc.kill()
+        raise RuntimeError("disagg driver serve did not start")
+
+    def connect(self) -> Fabric:
+        return RemoteFabric(self.fabric, self.address, connect_timeout_s=START_TIMEOUT_S)
+
+    def restart(self, old: Fabric) -> Fabric:
+        """Kill the driver process with no warning, start it again on the same address, reconnect."""
+        old.close()
+        self.kill()
+        if self.listen.startswith("unix:"):
+            Path(self.listen.removeprefix("unix:")).unlink(missing_ok=True)
+        self.start()
+        return self.connect()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def certify(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    """Run ``disagg certify ARGS --out TMP/out`` in a child process that can import the modules of tests/ (for
+    ``--plugin broken_drivers``); the result and the JSON report, if one was written."""
+    out = tmp / "out"
+    path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "DISAGG_STATE_DIR": str(tmp / "state")}
+    env.pop("DISAGG_DISABLE_PLUGINS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "disagg.cli.main", "certify", *args, "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp,
+        timeout=CERTIFY_TIMEOUT_S,
+    )
+    report = out / "certification.json"
+    return proc, json.loads(report.read_text()) if report.exists() else None

@@ -1,0 +1,189 @@
+"""`disagg certify`: the suite run against an installed driver or an endpoint, its three reports, the
+expected-failures file, and every mistake a user can make on its command line."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conformance_helpers import SIM_OPTIONS, ServedDriver, certify
+from disagg.cli.main import main
+from disagg.testing import CLAUSES
+
+
+def statuses(report: dict[str, Any]) -> dict[str, str]:
+    return {c["id"]: c["status"] for c in report["clauses"]}
+
+
+def clause_of(report: dict[str, Any], clause_id: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(c for c in report["clauses"] if c["id"] == clause_id)
+    return found
+
+
+@pytest.fixture
+def served_sim(tmp_path: Path) -> Iterator[ServedDriver]:
+    options = (*SIM_OPTIONS, f"state_file={tmp_path / 'served.json'}")
+    served = ServedDriver("sim", "cert", f"unix:{tmp_path / 'sim.sock'}", options, {})
+    served.start()
+    yield served
+    served.stop()
+
+
+class TestCertifyInProcess:
+    """The sim driver certifies in process, and the report says so in JSON, JUnit XML and Markdown."""
+
+    def test_the_sim_driver_certifies_with_three_reports(self, tmp_path: Path) -> None:
+        proc, report = certify(tmp_path, "sim")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert report is not None
+        assert report["verdict"] == "CERTIFIED"
+        assert report["driver"]["name"] == "sim" and report["driver"]["version"]
+        assert report["mode"] == "in-process"
+        assert "fencing" in report["capabilities"]["features"]
+        assert statuses(report) == {clause_id: "PASS" for clause_id in CLAUSES}
+        assert "certify sim: CERTIFIED" in proc.stdout
+
+        junit = ET.parse(tmp_path / "out" / "certification.xml").getroot()
+        suite = junit.find("testsuite")
+        assert suite is not None
+        assert suite.get("tests") == str(len(CLAUSES)) and suite.get("failures") == "0"
+        assert {case.get("name") for case in suite.iter("testcase")} == set(CLAUSES)
+
+        markdown = (tmp_path / "out" / "certification.md").read_text()
+        assert markdown.splitlines()[0].endswith("CERTIFIED")
+        assert all(f"| {clause_id} | PASS |" in markdown for clause_id in CLAUSES)
+
+    def test_a_config_file_gives_the_fabric_name_and_options(self, tmp_path: Path) -> None:
+        config = tmp_path / "cert.toml"
+        config.write_text(
+            'fabric = "lab"\ncall_timeout_s = 10\n[options]\ntopology = "demo-cxl"\n'
+            f'state_file = "{tmp_path / "lab.json"}"\n'
+        )
+        proc, report = certify(tmp_path, "sim", "--config", str(config))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert report is not None and report["fabric"] == "lab"
+        # demo-cxl has no whole devices to bind: the binding clauses are not tested, and say why.
+        assert clause_of(report, "BIND-IDEMPOTENT")["status"] == "NOT TESTED"
+        assert (
+            clause_of(report, "BIND-IDEMPOTENT")["reason"] == "not tested: the fabric has no free device to bind whole"
+        )
+        assert clause_of(report, "CARVE-NO-OVERLAP")["status"] == "PASS"
+
+
+class TestCertifyRemote:
+    """An endpoint served by `disagg driver serve` certifies over its socket; certify restarts it only when told
+    how."""
+
+    def test_over_a_unix_socket(self, tmp_path: Path, served_sim: ServedDriver) -> None:
+        proc, report = certify(tmp_path, "sim", "--remote", served_sim.address)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert report is not None and report["mode"] == "remote" and report["address"] == served_sim.address
+        restart = clause_of(report, "RESTART-BINDINGS")
+        assert restart["status"] == "NOT TESTED" and "--restart-command" in restart["reason"]
+        assert {s for c, s in statuses(report).items() if c != "RESTART-BINDINGS"} == {"PASS"}
+
+    def test_over_tcp(self, tmp_path: Path) -> None:
+        options = (*SIM_OPTIONS, f"state_file={tmp_path / 'tcp.json'}")
+        served = ServedDriver("sim", "cert", "127.0.0.1:0", options, {})
+        served.start()
+        try:
+            proc, report = certify(tmp_path, "sim", "--remote", served.address)
+        finally:
+            served.stop()
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert report is not None and report["verdict"] == "CERTIFIED"
+
+    def test_a_failing_restart_command_fails_the_restart_clause(self, tmp_path: Path, served_sim: ServedDriver) -> None:
+        proc, report = certify(tmp_path, "sim", "--remote", served_sim.address, "--restart-command", "exit 7")
+        assert proc.returncode == 1
+        assert report is not None and report["verdict"] == "FAILED"
+        restart = clause_of(report, "RESTART-BINDINGS")
+        assert restart["status"] == "FAIL" and "exited with 7" in restart["reason"]
+
+    def test_an_endpoint_of_another_driver_is_refused(self, tmp_path: Path, served_sim: ServedDriver) -> None:
+        proc, report = certify(tmp_path, "acme", "--remote", served_sim.address)
+        assert proc.returncode == 2 and report is None
+        assert "serves driver 'sim', not 'acme'" in proc.stderr
+
+
+class TestExpectedFailures:
+    """An expected-failures file lets a developing driver's run pass, but withholds certification; a listed
+    clause that passes fails the run, so the list cannot go stale."""
+
+    def test_expected_failures_withhold_certification(self, tmp_path: Path) -> None:
+        listed = tmp_path / "xfail.txt"
+        listed.write_text("# the epoch is ignored until fencing lands\nFENCE-STALE-EPOCH\n")
+        proc, report = certify(
+            tmp_path, "broken-ignores-epoch", "--plugin", "broken_drivers", "--expected-failures", str(listed)
+        )
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert report is not None and report["verdict"] == "NOT CERTIFIED"
+        fence = clause_of(report, "FENCE-STALE-EPOCH")
+        assert fence["status"] == "FAIL" and fence["expected_failure"] is True
+        assert report["expected_failures"] == ["FENCE-STALE-EPOCH"]
+
+    def test_a_listed_clause_that_passes_fails_the_run(self, tmp_path: Path) -> None:
+        listed = tmp_path / "xfail.txt"
+        listed.write_text("DISC-STABLE\n")
+        proc, report = certify(tmp_path, "sim", "--expected-failures", str(listed))
+        assert proc.returncode == 1
+        assert report is not None and report["verdict"] == "FAILED"
+        stable = clause_of(report, "DISC-STABLE")
+        assert stable["status"] == "FAIL" and "remove it from the expected-failures file" in stable["reason"]
+
+
+class TestCertifyBadInput:
+    """Every mistake on certify's command line is refused with exit 2 and a message that names it, before the
+    suite runs."""
+
+    def run(self, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+        assert main(["certify", *args]) == 2
+        return capsys.readouterr().err
+
+    def test_an_unknown_driver(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert "no driver 'nope' is installed" in self.run(capsys, "nope")
+
+    def test_a_missing_config_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert "does not exist" in self.run(capsys, "sim", "--config", str(tmp_path / "absent.toml"))
+
+    def test_an_unknown_config_key(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        config = tmp_path / "c.toml"
+        config.write_text('fabrik = "x"\n')
+        assert "unknown key 'fabrik'" in self.run(capsys, "sim", "--config", str(config))
+
+    def test_a_bad_fabric_name(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        config = tmp_path / "c.toml"
+        config.write_text('fabric = "a/b"\n')
+        assert "fabric must be a name without '/'" in self.run(capsys, "sim", "--config", str(config))
+
+    def test_a_bad_call_timeout(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        config = tmp_path / "c.toml"
+        config.write_text("call_timeout_s = -1\n")
+        assert "call_timeout_s must be a number" in self.run(capsys, "sim", "--config", str(config))
+
+    def test_driver_options_the_driver_refuses(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        config = tmp_path / "c.toml"
+        config.write_text("[options]\ntopology = 'demo-pcie'\nstate_flie = 'x'\n")
+        assert "state_flie" in self.run(capsys, "sim", "--config", str(config))
+
+    def test_an_unknown_clause_in_the_expected_failures(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        listed = tmp_path / "x.txt"
+        listed.write_text("DISC-STABLE\nNO-SUCH-CLAUSE  # typo\n")
+        assert "x.txt:2: no clause 'NO-SUCH-CLAUSE'" in self.run(capsys, "sim", "--expected-failures", str(listed))
+
+    def test_a_restart_command_without_remote(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert "only with --remote" in self.run(capsys, "sim", "--restart-command", "true")
+
+    def test_a_plugin_that_does_not_import(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert "cannot import 'no_such_module'" in self.run(capsys, "sim", "--plugin", "no_such_module")
+
+    def test_a_socket_that_is_not_there(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert "no socket at" in self.run(capsys, "sim", "--remote", f"unix:{tmp_path / 'absent.sock'}")
+
+    def test_a_remote_address_that_is_not_loopback(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert "is not a unix socket or a loopback address" in self.run(capsys, "sim", "--remote", "10.1.2.3:50051")

@@ -1,0 +1,157 @@
+"""The conformance suite itself: opt-in, explicit about what a driver author must override, NOT TESTED (never
+FAIL) for what a driver does not declare, and it notices what a test left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from disagg.testing import CLAUSES
+
+HEADER = """
+import pytest
+from disagg.testing import FabricConformance
+from disagg_sim.plugin import create_fabric
+from disagg.model import Capabilities, Feature
+from remote_helpers import Plain
+"""
+
+
+def run_suite(tmp: Path, body: str, *, plugin: bool = True) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run a driver author's test module (``body``) with pytest in a fresh project; the result and its report."""
+    (tmp / "pytest.ini").write_text("[pytest]\n")
+    if plugin:
+        (tmp / "conftest.py").write_text('pytest_plugins = ["disagg.testing.plugin"]\n')
+    (tmp / "test_driver.py").write_text(HEADER + textwrap.dedent(body))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--disagg-report", "out"]
+        if plugin
+        else [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    report = tmp / "out" / "certification.json"
+    return proc, json.loads(report.read_text()) if report.exists() else {}
+
+
+def statuses(report: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["id"]: (c["status"], c["reason"]) for c in report["clauses"]}
+
+
+class TestOptIn:
+    """Installing disagg loads the suite into nobody's test run: the plugin is enabled only by name."""
+
+    def test_disagg_declares_no_pytest11_entry_point(self) -> None:
+        groups = {ep.group for ep in metadata.distribution("disagg").entry_points}
+        assert "pytest11" not in groups
+
+    def test_the_suite_says_how_to_enable_its_plugin(self, tmp_path: Path) -> None:
+        proc, _ = run_suite(
+            tmp_path,
+            """
+            class TestMine(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self):
+                    return lambda: create_fabric("f", {"topology": "demo-pcie"})
+            """,
+            plugin=False,
+        )
+        assert proc.returncode != 0
+        assert "pytest_plugins = ['disagg.testing.plugin']" in proc.stdout
+
+
+class TestMustOverride:
+    """A test class that does not override fabric_factory fails every test with what to override."""
+
+    def test_the_missing_factory_is_named(self, tmp_path: Path) -> None:
+        proc, report = run_suite(tmp_path, "class TestMine(FabricConformance):\n    pass\n")
+        assert proc.returncode == 1
+        assert "override the fabric_factory fixture" in proc.stdout
+        assert report["verdict"] == "FAILED"
+
+
+class TestUndeclaredCapabilities:
+    """A driver that declares only bind and unbind, with no fault injection, has the other clauses reported NOT
+    TESTED with the reason, and is certified on the rest."""
+
+    def test_undeclared_features_are_not_tested(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            class Narrow(Plain):
+                def capabilities(self):
+                    caps = self.inner.capabilities()
+                    return Capabilities(kinds=caps.kinds, features={Feature.BIND, Feature.UNBIND})
+
+            class TestNarrow(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: Narrow(create_fabric("f", opts))
+            """,
+        )
+        assert proc.returncode == 0, proc.stdout
+        found = statuses(report)
+        assert not [c for c, (status, _) in found.items() if status == "FAIL"]
+        assert found["FENCE-STALE-EPOCH"] == ("NOT TESTED", "not tested: the driver does not declare fencing")
+        assert found["CARVE-NO-OVERLAP"] == ("NOT TESTED", "not tested: the driver does not declare carve")
+        assert found["EVENT-FAILURE-REPORTED"][1] == (
+            "not tested: the driver does not declare fault-injection, health-events"
+        )
+        assert found["ERR-HOST-UNREACHABLE"][0] == "NOT TESTED"
+        assert "no link can be taken down" in found["ERR-HOST-UNREACHABLE"][1]
+        assert found["BIND-IDEMPOTENT"] == ("PASS", "")
+        assert report["verdict"] == "CERTIFIED"
+        assert set(found) == set(CLAUSES)
+
+
+class TestCleanup:
+    """What a test left bound is found by the driver's own answer, fails the clean-up clause and the run."""
+
+    def test_a_driver_whose_unbind_does_nothing(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            class Sticky(Plain):
+                def unbind(self, binding, ctx):
+                    return None
+
+            class TestSticky(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: Sticky(create_fabric("f", opts))
+            """,
+        )
+        assert proc.returncode == 1
+        status, reason = statuses(report)["CLEANUP-NOTHING-LEFT"]
+        assert status == "FAIL" and "bound to" in reason
+        assert statuses(report)["UNBIND-IDEMPOTENT"][0] == "FAIL"
+
+
+@pytest.mark.parametrize("clause_id", sorted(CLAUSES))
+def test_every_clause_is_checked_by_a_test(clause_id: str) -> None:
+    """No clause is only a statement: the suite has a test marked with it (the clean-up clause is the tracker's)."""
+    from disagg.testing.clauses import MARKER
+    from disagg.testing.suite import FabricConformance
+
+    marked = {
+        mark.args[0]
+        for name in dir(FabricConformance)
+        if name.startswith("test_")
+        for mark in getattr(getattr(FabricConformance, name), "pytestmark", [])
+        if mark.name == MARKER
+    }
+    assert clause_id in marked or clause_id == "CLEANUP-NOTHING-LEFT"
