@@ -16,6 +16,7 @@ from pathlib import Path
 from disagg import __version__
 from disagg.cli import certify as certify_cli
 from disagg.cli import driver as driver_cli
+from disagg.cli import newdriver as newdriver_cli
 from disagg.cli import render
 from disagg.cli import serve as serve_cli
 from disagg.cli.backend import REMOTE_COMMANDS, Backend, RemoteBackend, server_address
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.register(add)
     driver_cli.register(sub)
     certify_cli.register(sub)
+    newdriver_cli.register(sub)
     return parser
 
 
