@@ -87,7 +87,7 @@ class TestRoundTrip:
         """A composition printed by the remote path is the composer's own, field for field."""
         code, out, _ = cli(capsys, "--server", served.address, "compose", "same", "gpu x1", "--json")
         remote = json.loads(out)["composition"]
-        assert code == 0 and remote == codec.to_data(served.composer.find("same"))
+        assert code == 0 and remote == codec.to_public_data(served.composer.find("same"))
 
 
 class TestExitCodes:

@@ -27,7 +27,7 @@ from disagg.model import (
     Selector,
     SelectorOp,
 )
-from disagg.store import LedgerState, MemoryStore, SqliteStore, Store
+from disagg.store import LedgerState, MemoryStore, RequestRecord, SqliteStore, Store
 
 GiB = 1 << 30
 
@@ -252,3 +252,27 @@ class TestSqliteStore:
             assert [c.id for c in store.load().compositions] == ["c1"]
         finally:
             store.close()
+
+
+class TestRequests:
+    """First answers to request ids are kept, replaced by id, deleted, and survive reopening the ledger."""
+
+    def test_put_load_replace_delete(self, store: Store) -> None:
+        store.put_request(RequestRecord("q1", "f1", '{"composition":{}}', 1.0))
+        store.put_request(RequestRecord("q2", "f2", '{"compose":{}}', 2.0))
+        store.put_request(RequestRecord("q1", "f1", '{"error":"ConflictError"}', 3.0))
+        assert [(r.id, r.answer) for r in store.load().requests] == [
+            ("q2", '{"compose":{}}'),
+            ("q1", '{"error":"ConflictError"}'),
+        ]
+        store.delete_request("q2")
+        store.delete_request("never-there")
+        assert [r.id for r in store.load().requests] == ["q1"]
+
+    def test_sqlite_keeps_them_across_reopening(self, tmp_path: Path) -> None:
+        first = SqliteStore(tmp_path / "l.db")
+        first.put_request(RequestRecord("q", "f", "{}", 5.0))
+        first.close()
+        again = SqliteStore(tmp_path / "l.db")
+        assert again.load().requests == (RequestRecord("q", "f", "{}", 5.0),)
+        again.close()

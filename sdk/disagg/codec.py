@@ -8,8 +8,9 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import cattrs
+import cattrs.gen
 
-from disagg.model import AttributeValue
+from disagg.model import AttributeValue, Composition
 
 T = TypeVar("T")
 
@@ -33,6 +34,21 @@ def _scalar(value: Any, _: Any) -> AttributeValue:
 
 
 _converter.register_structure_hook(AttributeValue, _scalar)
+
+
+_public = _converter.copy()
+_public.register_unstructure_hook(
+    Composition,
+    cattrs.gen.make_dict_unstructure_fn(
+        Composition, _public, pending=cattrs.gen.override(omit=True), request_id=cattrs.gen.override(omit=True)
+    ),
+)
+
+
+def to_public_data(value: Any) -> Any:
+    """`to_data` without what only the ledger keeps (a composition's change in flight and its request id):
+    what the CLI prints and scripts read, the same from a local composer and from a remote one."""
+    return _public.unstructure(value)
 
 
 def to_data(value: Any) -> Any:

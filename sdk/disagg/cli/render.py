@@ -27,7 +27,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO 
 
 
 def emit_json(value: Any, out: TextIO | None = None) -> None:
-    (out or sys.stdout).write(json.dumps(codec.to_data(value), indent=2, sort_keys=True) + "\n")
+    (out or sys.stdout).write(json.dumps(codec.to_public_data(value), indent=2, sort_keys=True) + "\n")
 
 
 def composition_rows(comps: Sequence[Composition]) -> list[list[object]]:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+from disagg import failpoints
 from disagg.config import build_composer, load_config
 from disagg.errors import ConfigError
 from disagg.plugins import load_plugins
@@ -28,6 +29,7 @@ class _StoppedWhileStarting(BaseException):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    failpoints.check()
     config = load_config(args.config)
     plugins = load_plugins()
     if args.grace < 0:

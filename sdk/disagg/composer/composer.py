@@ -18,6 +18,8 @@ from typing import TypeVar, cast
 
 import attrs
 
+from disagg import failpoints
+from disagg.composer import requests
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep
 from disagg.composer.index import Inventory
 from disagg.composer.placement import Line, Pin, Placer, describe_line
@@ -37,6 +39,7 @@ from disagg.model import (
     Affinity,
     Allocation,
     Binding,
+    ChangeKind,
     ComposeMode,
     Composition,
     CompositionRequest,
@@ -49,13 +52,14 @@ from disagg.model import (
     FabricEvent,
     FabricEventKind,
     Health,
+    PendingChange,
     Plan,
     Reservation,
     ResourceRequest,
     Topology,
 )
 from disagg.policies import BestFit
-from disagg.store import MemoryStore, Store
+from disagg.store import MemoryStore, RequestRecord, Store
 
 log = logging.getLogger("disagg.composer")
 
@@ -70,6 +74,7 @@ def _random_id(prefix: str) -> str:
 
 T = TypeVar("T")
 REQUEST_ID_MEMORY = 10_000
+_IN_FLIGHT = (CompositionState.COMPOSING, CompositionState.DECOMPOSING)
 """How many request ids the composer remembers (in memory until the durable ledger keeps them)."""
 
 
@@ -141,9 +146,17 @@ class FabricComposer(Composer):
         self._subscriptions: list[Subscription] = []
         self._revision = 0
         self._cordoned: set[str] = set()
+        self._busy: dict[str, threading.Lock] = {}
+        """Per composition, held by the change in flight (`_held`)."""
+        self._quarantined: set[str] = set()
+        """Devices reconciliation found bound with no record; cordoned and reported once."""
+        self._quarantined_memory: set[tuple[str, str]] = set()
+        """(pool, allocation id) carved with no record; kept out of placement and reported once."""
         self._names: dict[str, str] = {}
         """Name to the id of the composition or reservation that holds it; names are unique among both."""
-        self._requests: OrderedDict[str, tuple[object, object, threading.Event]] = OrderedDict()
+        self._requests: OrderedDict[str, tuple[str, object, threading.Event]] = OrderedDict()
+        """Request id to (digest of the request, first answer or None while running, set when answered)."""
+        self._asking = threading.local()
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
@@ -160,11 +173,197 @@ class FabricComposer(Composer):
             self._reservations = {r.id: r for r in state.reservations}
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
+            for record in state.requests:
+                known = threading.Event()
+                known.set()
+                answer = requests.decode(record.answer)
+                value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
+                self._requests[record.id] = (record.fingerprint, value, known)
             self._rebuild()
             self._expire_locked()
+        self._recover()
+        self.reconcile()
+        with self._lock:
             self._started = True
         for fabric in self.fabrics.values():
             self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
+
+    # ----------------------------------------------------------------- one change of a composition at a time
+
+    def _held(self, key: str, run: Callable[[], T]) -> T:
+        """Run ``run`` holding composition ``key`` (an id or a name) against every other change of it, driver
+        calls included, so that concurrent changes of one composition end as some serial order would. A key
+        that names no composition is not held: ``run`` answers for it. Raises `ConflictError` when another
+        change holds it for longer than the call timeout."""
+        with self._lock:
+            comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
+            lock = self._busy.setdefault(comp.id, threading.Lock()) if comp is not None else None
+        if comp is None or lock is None:
+            return run()
+        if not lock.acquire(timeout=self.call_timeout_s):
+            raise ConflictError(
+                f"composition {comp.id} is busy with another change; retry", metadata={"subject": comp.id}
+            )
+        try:
+            return run()
+        finally:
+            self._let_go(comp.id, lock)
+
+    def _let_go(self, comp_id: str, lock: threading.Lock) -> None:
+        lock.release()
+        with self._lock:
+            if comp_id not in self._compositions and self._busy.get(comp_id) is lock:
+                del self._busy[comp_id]
+
+    # ----------------------------------------------------------------- recovery and reconciliation
+
+    def _recover(self) -> None:
+        """Finish or undo what a crash interrupted, from the ledger alone: a pending ADD is undone (a new
+        composition deleted, a changed one put back as it was), a pending REMOVE and a DECOMPOSING
+        composition are finished. What cannot be undone leaves the composition FAILED, naming it."""
+        for comp in list(self._compositions.values()):
+            if comp.pending is not None:
+                self._recover_change(comp, comp.pending)
+            elif comp.state is CompositionState.DECOMPOSING:
+                log.warning("finishing the decompose of %s that a restart interrupted", comp.id)
+                try:
+                    self.decompose(comp.id)
+                except DisaggError as exc:
+                    log.error("could not finish the decompose of %s: %s", comp.id, exc.message)
+            elif comp.state is CompositionState.COMPOSING:
+                # A recompose between its steps: nothing was in flight on the hardware.
+                with self._lock:
+                    state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+                    self._set(comp, state=state)
+
+    def _recover_change(self, comp: Composition, change: PendingChange) -> None:
+        verb = "undo" if change.kind is ChangeKind.ADD else "finish"
+        log.warning("a restart interrupted a change of %s: %s it", comp.id, verb)
+        leftovers = self._release(comp.host, change.devices, change.allocations)
+        with self._lock:
+            if leftovers:
+                names = ", ".join(leftovers.ids)
+                self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"after a restart, could not {verb} {names}")
+                self._set(comp, state=CompositionState.FAILED, message=f"interrupted change: {names} still held")
+                return
+            if change.kind is ChangeKind.ADD and change.request_id:
+                self._requests.pop(change.request_id, None)  # undone: a retry runs again
+                self.store.delete_request(change.request_id)
+            if change.kind is ChangeKind.ADD and change.restore is None:
+                for pick in comp.devices:
+                    self._inv.release_device(pick.device)
+                self._inv.release_host(comp.host)
+                del self._compositions[comp.id]
+                self._names.pop(comp.name, None)
+                self.store.delete_composition(comp.id)
+                self._emit(EventType.COMPOSITION_DELETED, comp.id, "rolled back after a restart interrupted it")
+                return
+            if change.kind is ChangeKind.ADD:
+                assert change.restore is not None
+                self._set(comp, state=change.restore, pending=None)
+                return
+            comp = self._without(comp, {p.device for p in change.devices}, change.allocations)
+            state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+            comp = self._set(comp, state=state)
+            if change.request_id:
+                self._answered(change.request_id, change.fingerprint, comp)  # finished: a retry gets it
+
+    def reconcile(self) -> int:
+        """Hold the ledger against the hardware, which is the truth; returns how many things it changed.
+
+        A binding or allocation that no composition records is quarantined (the device cordoned, the memory
+        kept out of placement) and reported, never silently removed; a composition whose device or memory the
+        hardware no longer holds becomes DEGRADED. Compositions with a change in flight are left alone, and so
+        are fabrics that cannot be read now. A pass during which anything else changed gives up (the next one
+        judges it), so that a change racing with the read is never mistaken for an orphan. A second pass over a
+        converged system changes nothing.
+        """
+        with self._lock:
+            revision = self._revision
+            pools: dict[str, list[str]] = {}
+            for entry in self._inv.pools.values():
+                pools.setdefault(entry.info.fabric, []).append(entry.info.id)
+        bound: dict[str, str] = {}
+        carved: dict[tuple[str, str], Allocation] = {}
+        read: set[str] = set()
+        for name, fabric in self.fabrics.items():
+            try:
+                for b in fabric.bindings():
+                    bound[b.device] = b.host
+                for pool_id in pools.get(name, ()):
+                    for a in fabric.pool(pool_id).allocations():
+                        carved[(a.pool, a.id)] = a
+            except DisaggError as exc:
+                log.warning("reconcile: cannot read fabric %s: %s", name, exc.message)
+                continue
+            read.add(name)
+        changes = 0
+        with self._lock:
+            if self._revision != revision:
+                return 0  # something changed while the hardware was read: judge it on the next pass
+            busy = [c for c in self._compositions.values() if c.pending is not None or c.state in _IN_FLIGHT]
+            busy_ids = {c.id for c in busy}
+            expected = {p.device: c.host for c in self._compositions.values() for p in c.devices}
+            expected.update({p.device: c.host for c in busy if c.pending for p in c.pending.devices})
+            recorded = {(a.pool, a.id) for c in self._compositions.values() for a in c.allocations}
+            recorded.update((a.pool, a.id) for c in busy if c.pending for a in c.pending.allocations)
+            for device, host in sorted(bound.items()):
+                if expected.get(device) != host and device not in self._quarantined:
+                    self._quarantined.add(device)
+                    self._cordoned.add(device)
+                    if device in self._inv.devices:
+                        self._inv.cordon(device)
+                    self._emit(
+                        EventType.BINDING_QUARANTINED,
+                        device,
+                        f"bound to {host} on the hardware, but no composition records it; cordoned until an "
+                        "operator unbinds it or composes it",
+                        host=host,
+                    )
+                    changes += 1
+            for key, alloc in sorted(carved.items()):
+                if key not in recorded and key not in self._quarantined_memory:
+                    self._quarantined_memory.add(key)
+                    if alloc.pool in self._inv.pools:
+                        self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+                    self._emit(
+                        EventType.ALLOCATION_QUARANTINED,
+                        alloc.id,
+                        f"{alloc.amount_bytes} bytes of pool {alloc.pool} carved for {alloc.host} on the hardware, "
+                        "but no composition records them; kept out of placement",
+                        pool=alloc.pool,
+                        host=alloc.host,
+                    )
+                    changes += 1
+            for comp in list(self._compositions.values()):
+                if comp.id in busy_ids or comp.state is not CompositionState.COMPOSED:
+                    continue
+                lost = [
+                    p.device
+                    for p in comp.devices
+                    if self._fabric_of(p.device) in read and bound.get(p.device) != comp.host
+                ]
+                lost += [
+                    a.id
+                    for a in comp.allocations
+                    if self._fabric_of_pool(a.pool) in read and (a.pool, a.id) not in carved
+                ]
+                if lost:
+                    self._set(
+                        comp,
+                        state=CompositionState.DEGRADED,
+                        message=f"the hardware no longer holds {', '.join(lost)}",
+                    )
+                    changes += 1
+        return changes
+
+    def _fabric_of(self, device: str) -> str:
+        dev = self._inv.devices.get(device)
+        return dev.fabric if dev is not None else device.partition("/")[0]
+
+    def _fabric_of_pool(self, pool: str) -> str:
+        entry = self._inv.pools.get(pool)
+        return entry.info.fabric if entry is not None else ""
 
     def close(self) -> None:
         for sub in self._subscriptions:
@@ -347,6 +546,7 @@ class FabricComposer(Composer):
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
             comp = self._begin(res.request, res.plan)
+        failpoints.hit("compose.after_reserve")
         return ComposeResult(ComposeMode.APPLY, res.plan, composition=self._execute(comp, res.plan, deadline))
 
     # ----------------------------------------------------------------- compose
@@ -385,23 +585,25 @@ class FabricComposer(Composer):
         """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
         for it while it is in progress), another fingerprint `RequestIdReusedError`. A failure forgets the id,
         so that a retry runs again, unless ``run`` raised it as `_SettledError` (it failed after changing
-        something): then the error is the answer a retry gets."""
+        something): then the error is the answer a retry gets. Answers are written to the ledger, so a retry
+        after a restart gets them too."""
         if request_id is None:
             try:
                 return run()
             except _SettledError as settled:
                 raise settled.error from None
+        fp = requests.digest(fingerprint)
         while True:
             with self._lock:
                 entry = self._requests.get(request_id)
                 if entry is None:
                     done = threading.Event()
-                    self._requests[request_id] = (fingerprint, None, done)
+                    self._requests[request_id] = (fp, None, done)
                     while len(self._requests) > REQUEST_ID_MEMORY:
                         self._requests.popitem(last=False)
                     break
             seen, result, done = entry
-            if seen != fingerprint:
+            if seen != fp:
                 raise RequestIdReusedError(
                     f"request id {request_id!r} was used for another request", metadata={"request_id": request_id}
                 )
@@ -413,11 +615,12 @@ class FabricComposer(Composer):
             with self._lock:
                 if self._requests.get(request_id) is entry:
                     del self._requests[request_id]
+        self._asking.request = (request_id, fp)
         try:
             answer = run()
         except _SettledError as settled:
             with self._lock:
-                self._requests[request_id] = (fingerprint, settled, done)
+                self._answered(request_id, fp, settled)
             done.set()
             raise settled.error from None
         except BaseException:
@@ -425,10 +628,26 @@ class FabricComposer(Composer):
                 self._requests.pop(request_id, None)
             done.set()
             raise
+        finally:
+            self._asking.request = None
         with self._lock:
-            self._requests[request_id] = (fingerprint, answer, done)
+            self._answered(request_id, fp, answer)
         done.set()
         return answer
+
+    def _answered(self, request_id: str, fp: str, answer: object) -> None:
+        """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock."""
+        done = threading.Event()
+        done.set()
+        self._requests[request_id] = (fp, answer, done)
+        value = answer.error if isinstance(answer, _SettledError) else answer
+        assert isinstance(value, ComposeResult | Composition | DisaggError)
+        self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
+
+    def _request_mark(self) -> tuple[str, str]:
+        """The request id and digest of the call this thread is running, or empty strings."""
+        mark: tuple[str, str] | None = getattr(self._asking, "request", None)
+        return mark if mark is not None else ("", "")
 
     def _compose(
         self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
@@ -437,6 +656,9 @@ class FabricComposer(Composer):
             raise InvalidRequestError("the reservation time to live must be positive", field="reservation_ttl_s")
         with self._lock:
             self._expire_locked()
+            made = self._made_by_request(request)
+            if made is not None and mode is ComposeMode.APPLY:
+                return ComposeResult(mode, Plan(made.host, made.devices), composition=made)
             if mode is not ComposeMode.PREVIEW:
                 self._check_name(request.name)
             plan = self._placer.place(request)
@@ -451,23 +673,46 @@ class FabricComposer(Composer):
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
             comp = self._begin(request, plan)
+        failpoints.hit("compose.after_reserve")
         return ComposeResult(mode, plan, composition=self._execute(comp, plan, deadline))
 
+    def _made_by_request(self, request: CompositionRequest) -> Composition | None:
+        """The finished composition that this thread's request id already made, when its answer was lost (a
+        crash after the commit and before the answer was recorded)."""
+        request_id = self._request_mark()[0]
+        comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
+        if comp is None or comp.request_id != request_id or comp.pending is not None:
+            return None
+        return comp if comp.resources == request.resources else None
+
     def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
+        comp_id = self._new_id("c")
         comp = Composition(
-            id=self._new_id("c"),
+            id=comp_id,
             name=request.name,
             host=plan.host,
             state=CompositionState.COMPOSING,
             resources=request.resources,
             devices=plan.devices,
+            pending=self._adding(comp_id, plan, restore=None),
+            request_id=self._request_mark()[0],
         )
         self._claim_plan(plan, comp.id)
+        held = self._busy[comp.id] = threading.Lock()
+        held.acquire()  # new, so free: the compose holds it until _execute ends
         self._compositions[comp.id] = comp
         self._names[comp.name] = comp.id
         self.store.put_composition(comp)
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
+
+    def _adding(self, comp_id: str, plan: Plan, *, restore: CompositionState | None, start: int = 0) -> PendingChange:
+        """The record of binding ``plan``, written before the first driver call (see `PendingChange`)."""
+        planned = tuple(
+            Allocation(s.allocation_id, s.pick.pool, plan.host, s.pick.amount_bytes)
+            for s in self._memory_steps(comp_id, plan, start)
+        )
+        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark())
 
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
         return [
@@ -480,15 +725,26 @@ class FabricComposer(Composer):
 
     def _execute(self, comp: Composition, plan: Plan, deadline: float | None = None) -> Composition:
         try:
+            return self._bind_new(comp, plan, deadline)
+        finally:
+            self._let_go(comp.id, self._busy[comp.id])
+
+    def _bind_new(self, comp: Composition, plan: Plan, deadline: float | None) -> Composition:
+        try:
             allocations = self._executor.apply(
-                comp.host, self._device_steps(plan.devices), self._memory_steps(comp.id, plan), deadline=deadline
+                comp.host,
+                self._device_steps(plan.devices),
+                self._memory_steps(comp.id, plan),
+                deadline=deadline,
+                stage="compose",
             )
         except ExecutionFailedError as failed:
             with self._lock:
                 self._fail_new(comp, plan, failed)
             raise failed.error from None
+        failpoints.hit("compose.before_commit")
         with self._lock:
-            return self._set(comp, state=CompositionState.COMPOSED, allocations=allocations)
+            return self._set(comp, state=CompositionState.COMPOSED, allocations=allocations, pending=None)
 
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
         if failed.leftovers:
@@ -620,7 +876,9 @@ class FabricComposer(Composer):
         return self._once(
             request_id,
             ("recompose", composition_id, add, remove, expected_etag),
-            lambda: self._recompose(composition_id, add, remove, expected_etag, deadline),
+            lambda: self._held(
+                composition_id, lambda: self._recompose(composition_id, add, remove, expected_etag, deadline)
+            ),
         )
 
     def _recompose(
@@ -663,25 +921,30 @@ class FabricComposer(Composer):
                 plan = found
                 self._claim_plan(plan, comp.id, host=False)
             previous_state = comp.state
-            comp = self._set(comp, state=CompositionState.COMPOSING)
+            start = self._next_alloc_index(comp)
+            adding = self._adding(comp.id, plan, restore=previous_state, start=start) if lines else None
+            comp = self._set(comp, state=CompositionState.COMPOSING, pending=adding)
         try:
             new_allocs = self._executor.apply(
                 comp.host,
                 self._device_steps(plan.devices),
-                self._memory_steps(comp.id, plan, start=self._next_alloc_index(comp)),
+                self._memory_steps(comp.id, plan, start=start),
                 deadline=deadline,
+                stage="recompose",
             )
         except ExecutionFailedError as failed:
             with self._lock:
                 self._unclaim_plan(plan, host=False)
-                self._set(comp, state=previous_state)
+                self._set(comp, state=previous_state, pending=None)
             raise failed.error from None
+        failpoints.hit("recompose.before_commit")
         with self._lock:
             comp = self._set(
                 comp,
                 resources=comp.resources + add,
                 devices=comp.devices + plan.devices,
                 allocations=comp.allocations + new_allocs,
+                pending=None,
             )
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
         leftovers = Leftovers()
@@ -717,25 +980,38 @@ class FabricComposer(Composer):
         """Unbind and release what ``remove`` names; what could not be undone stays part of the composition."""
         picks = [p for p in comp.devices if p.device in remove]
         allocs = [a for a in comp.allocations if a.id in remove]
-        leftovers = self._release(comp.host, picks, allocs, deadline)
+        with self._lock:
+            removing = PendingChange(ChangeKind.REMOVE, tuple(picks), tuple(allocs), None, *self._request_mark())
+            comp = self._set(comp, pending=removing)
+        leftovers = self._release(comp.host, picks, allocs, deadline, stage="recompose")
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers.ids)
-            gone_allocs = {a.id for a in allocs} - set(leftovers.ids)
-            for device in gone_devices:
-                self._inv.release_device(device)
-            for alloc in allocs:
-                if alloc.id in gone_allocs:
-                    self._inv.release_memory(alloc.pool, alloc.amount_bytes)
-            comp = self._set(
-                comp,
-                devices=tuple(p for p in comp.devices if p.device not in gone_devices),
-                allocations=tuple(a for a in comp.allocations if a.id not in gone_allocs),
-            )
+            comp = self._without(comp, gone_devices, [a for a in allocs if a.id not in leftovers.ids])
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {len(gone_devices)} devices", etag=comp.etag)
             return comp, leftovers
 
+    def _without(self, comp: Composition, devices: set[str], allocs: Sequence[Allocation]) -> Composition:
+        """``comp`` without ``devices`` and ``allocs``, which the hardware no longer holds; under the lock."""
+        for device in devices:
+            self._inv.release_device(device)
+        for alloc in allocs:
+            self._inv.release_memory(alloc.pool, alloc.amount_bytes)
+        gone = {a.id for a in allocs}
+        return self._set(
+            comp,
+            devices=tuple(p for p in comp.devices if p.device not in devices),
+            allocations=tuple(a for a in comp.allocations if a.id not in gone),
+            pending=None,
+        )
+
     def _release(
-        self, host: str, picks: Sequence[DevicePick], allocs: Sequence[Allocation], deadline: float | None = None
+        self,
+        host: str,
+        picks: Sequence[DevicePick],
+        allocs: Sequence[Allocation],
+        deadline: float | None = None,
+        *,
+        stage: str = "",
     ) -> Leftovers:
         carved = [(self._inv.pools[a.pool].info.fabric, a.pool, a.id) for a in allocs if a.pool in self._inv.pools]
         bound = [
@@ -743,21 +1019,26 @@ class FabricComposer(Composer):
             for p in picks
             if p.device in self._inv.devices
         ]
-        return self._executor.undo(bound, carved, deadline=deadline)
+        return self._executor.undo(bound, carved, deadline=deadline, stage=stage)
 
     def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
         """See `Composer.decompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant.
 
         When something stays bound the composition is left FAILED, naming it, and another decompose finishes
         the job: raises `DeadlineExceededError` when the deadline stopped a driver call, else `DisaggError`.
+        A change of the composition in flight finishes first (`_held`).
         """
+        self._held(composition_id, lambda: self._decompose(composition_id, deadline))
+
+    def _decompose(self, composition_id: str, deadline: float | None) -> None:
         with self._lock:
             try:
                 comp = self.find(composition_id)
             except NotFoundError:
                 return
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
-        leftovers = self._release(comp.host, comp.devices, comp.allocations, deadline)
+        leftovers = self._release(comp.host, comp.devices, comp.allocations, deadline, stage="decompose")
+        failpoints.hit("decompose.before_commit")
         with self._lock:
             if leftovers:
                 names = ", ".join(leftovers.ids)
@@ -852,6 +1133,9 @@ class FabricComposer(Composer):
 
     def heal(self, composition_id: str) -> Composition:
         """Replace each unhealthy device of a composition with one that meets the same request line."""
+        return self._held(composition_id, lambda: self._heal(composition_id))
+
+    def _heal(self, composition_id: str) -> Composition:
         with self._lock:
             comp = self.find(composition_id)
             if comp.state is not CompositionState.DEGRADED:
@@ -876,11 +1160,13 @@ class FabricComposer(Composer):
                 self._set(comp, message=f"no replacement: {why}")
                 raise NoFitError(f"cannot heal {comp.id}: {why}")
             self._claim_plan(plan, comp.id, host=False)
+            comp = self._set(comp, pending=self._adding(comp.id, plan, restore=comp.state))
         try:
             self._executor.apply(comp.host, self._device_steps(plan.devices), [])
         except ExecutionFailedError as failed:
             with self._lock:
                 self._unclaim_plan(plan, host=False)
+                self._set(self._compositions[comp.id], pending=None)
             raise failed.error from None
         leftovers = self._release(comp.host, bad, [])
         with self._lock:
@@ -889,7 +1175,7 @@ class FabricComposer(Composer):
                 if device not in leftovers.ids:
                     self._inv.release_device(device)
             devices = tuple(replaced.get(p.device, p) for p in comp.devices)
-            comp = self._set(self._compositions[comp.id], devices=devices, message="")
+            comp = self._set(self._compositions[comp.id], devices=devices, message="", pending=None)
             self._emit(
                 EventType.COMPOSITION_HEALED,
                 comp.id,

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
+from disagg import failpoints
 from disagg.errors import DeadlineExceededError, DisaggError, DriverError, FabricUnavailableError
 from disagg.incidents import log_incident
 from disagg.interfaces import CallContext, Fabric
@@ -81,10 +82,12 @@ class Executor:
         memory: Sequence[MemoryStep],
         *,
         deadline: float | None = None,
+        stage: str = "",
     ) -> tuple[Allocation, ...]:
         """Bind every device, then carve every allocation; all or nothing.
 
         ``devices`` pairs each pick with its fabric name. Raises `ExecutionFailedError` after rolling back.
+        ``stage`` (compose, recompose) names the failpoints hit after each step.
         """
         bound: list[tuple[str, Binding]] = []
         carved: list[tuple[str, str, str]] = []
@@ -93,12 +96,14 @@ class Executor:
         try:
             for fabric, pick in devices:
                 bound.append((fabric, self._fabric(fabric).bind(pick.device, host, self.context(deadline))))
+                failpoints.hit(f"{stage}.after_bind")
             for step in memory:
                 fabric = step.fabric
                 pool = self._fabric(step.fabric).pool(step.pick.pool)
                 allocation = pool.allocate(step.allocation_id, host, step.pick.amount_bytes, self.context(deadline))
                 carved.append((step.fabric, step.pick.pool, step.allocation_id))
                 allocations.append(allocation)
+                failpoints.hit(f"{stage}.after_allocate")
         except Exception as exc:
             error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
             leftovers = self.undo(bound, carved)
@@ -111,13 +116,17 @@ class Executor:
         carved: Sequence[tuple[str, str, str]],
         *,
         deadline: float | None = None,
+        stage: str = "",
     ) -> Leftovers:
-        """Release allocations, then unbind devices, newest first. Returns what could not be undone."""
+        """Release allocations, then unbind devices, newest first. Returns what could not be undone.
+
+        ``stage`` (recompose, decompose) names the failpoint hit after each step."""
         leftovers: list[str] = []
         timed_out = False
         for fabric, pool, allocation_id in reversed(carved):
             try:
                 self._fabric(fabric).pool(pool).release(allocation_id, self.context(deadline))
+                failpoints.hit(f"{stage}.during_release")
             except Exception as exc:
                 log.error("could not release allocation %s of pool %s: %r", allocation_id, pool, exc)
                 leftovers.append(allocation_id)
@@ -125,6 +134,7 @@ class Executor:
         for fabric, binding in reversed(bound):
             try:
                 self._fabric(fabric).unbind(binding, self.context(deadline))
+                failpoints.hit(f"{stage}.during_release")
             except Exception as exc:
                 log.error("could not unbind %s from %s: %r", binding.device, binding.host, exc)
                 leftovers.append(binding.device)

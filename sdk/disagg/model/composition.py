@@ -194,12 +194,39 @@ class Plan:
     memory: tuple[MemoryPick, ...] = ()
 
 
+class ChangeKind(ModelEnum):
+    ADD = "add"
+    """Devices being bound and memory carved for a composition: undone after a crash."""
+    REMOVE = "remove"
+    """Devices being unbound and memory released from a composition: finished after a crash."""
+
+
+@attrs.frozen
+class PendingChange:
+    """A change to a composition's hardware that was started and not yet recorded as done.
+
+    It is written to the ledger before the first driver call, so that after a crash the fabric manager knows
+    what it may have bound or released: an ADD is undone and a REMOVE finished, and the composition goes back
+    to ``restore`` (None: it was being created, and is deleted).
+    """
+
+    kind: ChangeKind
+    devices: tuple[DevicePick, ...] = ()
+    allocations: tuple[Allocation, ...] = ()
+    restore: CompositionState | None = None
+    request_id: str = ""
+    """The client's request id for the change, if it gave one, with the digest of the request: recovery
+    settles what a retry of it gets."""
+    fingerprint: str = ""
+
+
 @attrs.frozen
 class Composition:
     """A composed system: a host with devices bound and memory carved.
 
     ``generation`` rises on every change and serves as the etag for guarded updates.
     ``resources`` remembers each request line so that recomposition and healing keep its constraints.
+    ``pending`` is the change in flight, if any (see `PendingChange`).
     """
 
     id: str
@@ -211,6 +238,10 @@ class Composition:
     allocations: tuple[Allocation, ...] = ()
     generation: int = 1
     message: str = ""
+    pending: PendingChange | None = attrs.field(default=None, eq=False)
+    request_id: str = attrs.field(default="", eq=False)
+    """The request id of the compose that made it, so that a retry finds it even when its answer was lost.
+    This and ``pending`` are the ledger's bookkeeping: they are not on the wire, nor in comparisons."""
 
     @property
     def etag(self) -> str:

@@ -49,6 +49,8 @@ class EventType(ModelEnum):
     ROLLBACK_INCOMPLETE = "RollbackIncomplete"
     DEVICE_CORDONED = "DeviceCordoned"
     DEVICE_UNCORDONED = "DeviceUncordoned"
+    BINDING_QUARANTINED = "BindingQuarantined"
+    ALLOCATION_QUARANTINED = "AllocationQuarantined"
 
 
 @attrs.frozen

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +42,8 @@ WORKERS = 32
 MAX_WATCHES = 16
 GRACE_S = 10.0
 TICK_S = 1.0
+RECONCILE_S = 60.0
+"""How often a serving fabric manager holds its ledger against the hardware (it also does at start-up)."""
 
 
 class FabricManagerServer:
@@ -56,6 +59,7 @@ class FabricManagerServer:
         workers: int = WORKERS,
         max_watches: int = MAX_WATCHES,
         tick_s: float = TICK_S,
+        reconcile_s: float = RECONCILE_S,
     ) -> None:
         if not listeners:
             raise ConfigError("no address to listen on: give --listen or a [[listener]] address", field="listener")
@@ -67,6 +71,7 @@ class FabricManagerServer:
         self.health = HealthService()
         self.addresses: list[str] = []
         self._tick_s = tick_s
+        self._reconcile_s = reconcile_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
         # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
         self._server = grpc.server(
@@ -129,12 +134,23 @@ class FabricManagerServer:
         return listener.bound(port)
 
     def _tick(self) -> None:
-        """Expire reservations once a second until the server stops."""
+        """Expire reservations once a second, and reconcile with the hardware every ``reconcile_s``, until the
+        server stops."""
+        next_reconcile = time.monotonic() + self._reconcile_s
         while not self._ticking.wait(self._tick_s):
             try:
                 self.composer.tick()
             except Exception:
                 log.exception("expiring reservations failed")
+            if time.monotonic() >= next_reconcile:
+                next_reconcile = time.monotonic() + self._reconcile_s
+                try:
+                    changed = self.composer.reconcile()
+                except Exception:
+                    log.exception("reconciling with the hardware failed")
+                else:
+                    if changed:
+                        log.warning("reconciliation changed %d things; the event log has them", changed)
 
     def stop(self, grace: float | None = GRACE_S) -> None:
         """Health NOT_SERVING, end the watches, refuse new calls, wait up to ``grace`` seconds for the calls in

@@ -9,6 +9,22 @@ import attrs
 
 from disagg.model import Composition, Event, Reservation
 
+REQUEST_RETENTION = 10_000
+"""Request ids remembered, newest first: a retry is expected within minutes, not after ten thousand others."""
+
+
+@attrs.frozen
+class RequestRecord:
+    """The first answer to a request id: a retry with the same ``fingerprint`` gets ``answer`` back.
+
+    ``answer`` is a JSON document (see `disagg.composer.requests`); ``at`` the wall-clock time it was given.
+    """
+
+    id: str
+    fingerprint: str
+    answer: str
+    at: float
+
 
 @attrs.frozen
 class LedgerState:
@@ -17,6 +33,8 @@ class LedgerState:
     compositions: tuple[Composition, ...] = ()
     reservations: tuple[Reservation, ...] = ()
     last_revision: int = 0
+    requests: tuple[RequestRecord, ...] = ()
+    """The newest `REQUEST_RETENTION`, oldest first."""
 
 
 class Store(abc.ABC):
@@ -36,6 +54,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_reservation(self, reservation_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def put_request(self, record: RequestRecord) -> None: ...
+
+    @abc.abstractmethod
+    def delete_request(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
     def append_event(self, event: Event) -> None: ...

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 
 from disagg.model import Composition, Event, Reservation
-from disagg.store.base import LedgerState, Store
+from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
 
 
 class MemoryStore(Store):
@@ -16,6 +16,7 @@ class MemoryStore(Store):
         self._compositions: dict[str, Composition] = {}
         self._reservations: dict[str, Reservation] = {}
         self._events: list[Event] = []
+        self._requests: dict[str, RequestRecord] = {}
         self._retention = event_retention
 
     def load(self) -> LedgerState:
@@ -24,6 +25,7 @@ class MemoryStore(Store):
                 tuple(self._compositions.values()),
                 tuple(self._reservations.values()),
                 self._events[-1].revision if self._events else 0,
+                tuple(self._requests.values()),
             )
 
     def put_composition(self, composition: Composition) -> None:
@@ -41,6 +43,17 @@ class MemoryStore(Store):
     def delete_reservation(self, reservation_id: str) -> None:
         with self._lock:
             self._reservations.pop(reservation_id, None)
+
+    def put_request(self, record: RequestRecord) -> None:
+        with self._lock:
+            self._requests.pop(record.id, None)
+            self._requests[record.id] = record
+            while len(self._requests) > REQUEST_RETENTION:
+                del self._requests[next(iter(self._requests))]
+
+    def delete_request(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
 
     def append_event(self, event: Event) -> None:
         with self._lock:

@@ -15,12 +15,16 @@ from pathlib import Path
 from disagg import codec
 from disagg.errors import ConfigError
 from disagg.model import Composition, Event, Reservation
-from disagg.store.base import LedgerState, Store
+from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS compositions (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reservations (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (revision INTEGER PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS requests (
+    id TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, answer TEXT NOT NULL, at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS requests_at ON requests (at);
 """
 
 
@@ -36,6 +40,7 @@ class SqliteStore(Store):
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
         self._lock = threading.Lock()
+        self._put_requests = 0
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -53,7 +58,15 @@ class SqliteStore(Store):
             comps = tuple(codec.loads(d, Composition) for (d,) in self._db.execute("SELECT doc FROM compositions"))
             res = tuple(codec.loads(d, Reservation) for (d,) in self._db.execute("SELECT doc FROM reservations"))
             (last,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
-        return LedgerState(comps, res, int(last))
+            requests = tuple(
+                RequestRecord(i, f, a, t)
+                for i, f, a, t in self._db.execute(
+                    "SELECT id, fingerprint, answer, at FROM "
+                    "(SELECT * FROM requests ORDER BY at DESC LIMIT ?) ORDER BY at",
+                    (REQUEST_RETENTION,),
+                )
+            )
+        return LedgerState(comps, res, int(last), requests)
 
     def put_composition(self, composition: Composition) -> None:
         with self._write() as db:
@@ -70,6 +83,23 @@ class SqliteStore(Store):
     def delete_reservation(self, reservation_id: str) -> None:
         with self._write() as db:
             db.execute("DELETE FROM reservations WHERE id = ?", (reservation_id,))
+
+    def put_request(self, record: RequestRecord) -> None:
+        with self._write() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?)",
+                (record.id, record.fingerprint, record.answer, record.at),
+            )
+            self._put_requests += 1
+            if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
+                db.execute(
+                    "DELETE FROM requests WHERE id NOT IN (SELECT id FROM requests ORDER BY at DESC LIMIT ?)",
+                    (REQUEST_RETENTION,),
+                )
+
+    def delete_request(self, request_id: str) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM requests WHERE id = ?", (request_id,))
 
     def append_event(self, event: Event) -> None:
         with self._write() as db:

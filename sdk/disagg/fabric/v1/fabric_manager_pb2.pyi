@@ -138,6 +138,14 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     EVENT_TYPE_ROLLBACK_INCOMPLETE: _EventType.ValueType  # 13
     EVENT_TYPE_DEVICE_CORDONED: _EventType.ValueType  # 14
     EVENT_TYPE_DEVICE_UNCORDONED: _EventType.ValueType  # 15
+    EVENT_TYPE_BINDING_QUARANTINED: _EventType.ValueType  # 16
+    """Reconciliation found a device bound on the hardware that no composition records: it is cordoned, not
+    unbound, until an operator decides.
+    """
+    EVENT_TYPE_ALLOCATION_QUARANTINED: _EventType.ValueType  # 17
+    """Reconciliation found memory carved on the hardware that no composition records: it is kept out of
+    placement, not released, until an operator decides.
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kinds of entries in the event log."""
@@ -158,6 +166,14 @@ EVENT_TYPE_RESERVATION_RELEASED: EventType.ValueType  # 12
 EVENT_TYPE_ROLLBACK_INCOMPLETE: EventType.ValueType  # 13
 EVENT_TYPE_DEVICE_CORDONED: EventType.ValueType  # 14
 EVENT_TYPE_DEVICE_UNCORDONED: EventType.ValueType  # 15
+EVENT_TYPE_BINDING_QUARANTINED: EventType.ValueType  # 16
+"""Reconciliation found a device bound on the hardware that no composition records: it is cordoned, not
+unbound, until an operator decides.
+"""
+EVENT_TYPE_ALLOCATION_QUARANTINED: EventType.ValueType  # 17
+"""Reconciliation found memory carved on the hardware that no composition records: it is kept out of
+placement, not released, until an operator decides.
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final

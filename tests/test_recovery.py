@@ -1,0 +1,172 @@
+"""Durable state in process: request ids answered once across a restart, reconciliation with the hardware
+(quarantine, never silent removal; DEGRADED when the hardware lost something), and the failpoint setting.
+
+The "hardware" is a sim fabric with a state file, so it keeps its bindings while the composer restarts; the
+ledger is SQLite. The crash tests proper (SIGKILL at every failpoint) are in test_crash_recovery.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from disagg import failpoints
+from disagg.composer import FabricComposer
+from disagg.errors import ConfigError, RequestIdReusedError
+from disagg.interfaces import CallContext
+from disagg.model import Binding, CompositionState, DeviceKind, EventType
+from disagg.requestlang import parse_request
+from disagg.store import SqliteStore
+from disagg_sim import SimFabric, create_fabric
+
+GiB = 1 << 30
+
+
+def fabrics(tmp: Path) -> dict[str, SimFabric]:
+    return {
+        "pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp / "pcie0.json")}),
+        "cxl0": create_fabric("cxl0", {"topology": "demo-cxl", "state_file": str(tmp / "cxl0.json")}),
+    }
+
+
+def opened(tmp: Path) -> FabricComposer:
+    """A started composer on the same ledger and the same hardware as every other one opened on ``tmp``."""
+    composer = FabricComposer(fabrics(tmp), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
+    composer.start()
+    return composer
+
+
+def events_of(composer: FabricComposer, kind: EventType) -> list[str]:
+    return [e.subject for e in composer.events(0, 10_000) if e.type is kind]
+
+
+def free_gpu(composer: FabricComposer) -> str:
+    held = composer.holders()
+    return next(d.id for d in composer.devices() if d.kind is DeviceKind.GPU and d.id not in held)
+
+
+class TestRequestIdsSurviveARestart:
+    """A retry after a restart gets the first answer and binds nothing again; another request under the same
+    id is refused."""
+
+    def test_compose_retried_after_a_restart(self, tmp_path: Path) -> None:
+        request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+        first = opened(tmp_path)
+        answer = first.compose(request, request_id="req-1").composition
+        assert answer is not None
+        first.close()
+        again = opened(tmp_path)
+        retried = again.compose(request, request_id="req-1").composition
+        assert retried is not None and retried.id == answer.id and retried.device_ids == answer.device_ids
+        assert [c.id for c in again.compositions()] == [answer.id]
+        assert sorted(b.device for b in again.fabrics["pcie0"].bindings()) == sorted(answer.device_ids)
+        again.close()
+
+    def test_another_request_under_the_same_id_is_refused(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        first.compose(parse_request("job", ["gpu x1"]), request_id="req-2")
+        first.close()
+        again = opened(tmp_path)
+        with pytest.raises(RequestIdReusedError):
+            again.compose(parse_request("other", ["gpu x1"]), request_id="req-2")
+        assert [c.name for c in again.compositions()] == ["job"]
+        again.close()
+
+    def test_recompose_retried_after_a_restart_adds_once(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert comp is not None
+        add = parse_request("x", ["gpu x1"]).resources
+        grown = first.recompose(comp.id, add=add, request_id="grow-1")
+        first.close()
+        again = opened(tmp_path)
+        retried = again.recompose(comp.id, add=add, request_id="grow-1")
+        assert retried.device_ids == grown.device_ids and len(retried.devices) == 2
+        assert len(again.fabrics["pcie0"].bindings()) == 2
+        again.close()
+
+
+class TestReconcile:
+    """The hardware is the truth: what the ledger lacks is quarantined and reported, what the hardware lost
+    degrades its composition, and a second pass changes nothing."""
+
+    def test_a_binding_the_ledger_lacks_is_quarantined_not_removed(self, tmp_path: Path) -> None:
+        composer = opened(tmp_path)
+        device = free_gpu(composer)
+        composer.fabrics["pcie0"].bind(device, "h2", CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        assert composer.is_cordoned(device)
+        assert events_of(composer, EventType.BINDING_QUARANTINED) == [device]
+        assert Binding(device, "h2") in composer.fabrics["pcie0"].bindings()
+        assert composer.reconcile() == 0
+        composer.close()
+
+    def test_an_orphan_found_at_start_up(self, tmp_path: Path) -> None:
+        hardware = fabrics(tmp_path)
+        gpu = next(d.id for d in hardware["pcie0"].discover().devices if d.kind is DeviceKind.GPU)
+        hardware["pcie0"].bind(gpu, "h3", CallContext())
+        for fabric in hardware.values():
+            fabric.close()
+        composer = opened(tmp_path)
+        assert events_of(composer, EventType.BINDING_QUARANTINED) == [gpu]
+        assert composer.is_cordoned(gpu)
+        composer.close()
+
+    def test_a_device_the_hardware_lost_degrades_its_composition(self, tmp_path: Path) -> None:
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        lost = comp.device_ids[0]
+        composer.fabrics["pcie0"].unbind(Binding(lost, "h1"), CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        found = composer.find("job")
+        assert found.state is CompositionState.DEGRADED and lost in found.message
+        assert composer.reconcile() == 0
+        composer.close()
+
+    def test_memory_the_ledger_lacks_is_kept_out_of_placement(self, tmp_path: Path) -> None:
+        composer = opened(tmp_path)
+        pool = composer.fabrics["cxl0"].pool("cxl0/mem0")
+        free = {p.pool: p.free_bytes for p in composer.usage()[1]}["cxl0/mem0"]
+        pool.allocate("stray", "h1", 64 * GiB, CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == ["stray"]
+        assert {p.pool: p.free_bytes for p in composer.usage()[1]}["cxl0/mem0"] == free - 64 * GiB
+        assert [a.id for a in pool.allocations()] == ["stray"]
+        assert composer.reconcile() == 0
+        composer.close()
+
+
+class TestFailpointSetting:
+    """DISAGG_FAILPOINTS names known failpoints only, and a mistake stops `disagg serve` before it starts."""
+
+    def test_parse(self) -> None:
+        assert failpoints.parse("compose.after_bind@2, decompose.before_commit") == {
+            "compose.after_bind": 2,
+            "decompose.before_commit": 1,
+        }
+        assert failpoints.parse("") == {}
+
+    @pytest.mark.parametrize(
+        ("value", "says"),
+        [("compose.after_bnd", "no failpoint 'compose.after_bnd'"), ("compose.after_bind@0", "above 0")],
+    )
+    def test_mistakes(self, value: str, says: str) -> None:
+        with pytest.raises(ConfigError, match=says):
+            failpoints.parse(value)
+
+    def test_serve_refuses_a_misspelt_failpoint(self, tmp_path: Path) -> None:
+        env = {**os.environ, failpoints.ENV: "compose.before_comit", "DISAGG_STATE_DIR": str(tmp_path)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", "serve", "--listen", f"unix:{tmp_path / 's.sock'}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2
+        assert "no failpoint 'compose.before_comit'" in proc.stderr
