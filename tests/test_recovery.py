@@ -10,17 +10,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from disagg import failpoints
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, RequestIdReusedError
+from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, CompositionState, DeviceKind, EventType
+from disagg.model import Binding, CompositionState, DeviceKind, EventType, Topology
 from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
-from disagg_sim import SimFabric, create_fabric
+from disagg_sim import SimFabric, create_fabric, load_topology
 
 GiB = 1 << 30
 
@@ -170,3 +171,47 @@ class TestFailpointSetting:
         )
         assert proc.returncode == 2
         assert "no failpoint 'compose.before_comit'" in proc.stderr
+
+
+class Unreachable(SimFabric):
+    """A sim fabric whose management cannot be reached until ``reachable`` is set."""
+
+    reachable = False
+
+    def discover(self) -> Topology:
+        if not self.reachable:
+            raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
+        return super().discover()
+
+    def bindings(self) -> Sequence[Binding]:
+        if not self.reachable:
+            raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
+        return super().bindings()
+
+
+class TestUnreachableAtStartUp:
+    """A driver that cannot be reached at start-up leaves its compositions UNKNOWN, releases nothing of
+    them, and they come back when it answers; the other fabrics are served meanwhile."""
+
+    def test_unknown_then_back(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        both = first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        gpus_only = first.compose(parse_request("training", ["host h2", "gpu x2"])).composition
+        assert both is not None and gpus_only is not None
+        first.close()
+
+        hardware = fabrics(tmp_path)
+        cxl = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        hardware["cxl0"].close()
+        composer = FabricComposer({"pcie0": hardware["pcie0"], "cxl0": cxl}, store=SqliteStore(tmp_path / "ledger.db"))
+        composer.start()
+        assert composer.find("inference").state is CompositionState.UNKNOWN
+        assert "cxl0" in composer.find("inference").message
+        assert composer.find("training").state is CompositionState.COMPOSED
+        assert Binding(both.device_ids[0], "h1") in hardware["pcie0"].bindings()
+        cxl.reachable = True
+        assert [a.id for a in cxl.pool(both.allocations[0].pool).allocations()] == [both.allocations[0].id]
+        assert composer.retry_unreachable() is True
+        assert composer.find("inference").state is CompositionState.COMPOSED
+        assert composer.retry_unreachable() is False
+        composer.close()

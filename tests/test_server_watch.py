@@ -14,7 +14,8 @@ from composer_helpers import composer
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server.watch import Watches, watch_events
-from disagg.store import MemoryStore
+from disagg.store import MemoryStore, SqliteStore
+from disagg_sim import create_fabric
 from server_helpers import (
     WAIT_S,
     Served,
@@ -223,3 +224,39 @@ class TestWatchBuffer:
             next(events)
         with pytest.raises(FabricUnavailableError, match="shutting down"):
             next(watch_events(comp, 0, FakeContext(), watches))  # type: ignore[arg-type]
+
+
+class TestWatchAcrossARestart:
+    """With the durable ledger, a watch resumes from a revision across a server restart with no gap and no
+    duplicate, and a revision the ledger has compacted away is refused with OUT_OF_RANGE."""
+
+    def test_resume_after_a_restart(self, tmp_path: Path) -> None:
+        hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
+        with serving(socket_path(tmp_path), hardware, store=SqliteStore(tmp_path / "l.db")) as served:
+            churn(served, 3)
+            seen = served.composer.revision
+        hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
+        with serving(socket_path(tmp_path), hardware, store=SqliteStore(tmp_path / "l.db")) as served:
+            assert served.composer.revision == seen
+            resumed = watch(served, after=seen - 2)
+            try:
+                assert take(resumed, 2) == [seen - 1, seen]
+                churn(served, 1)
+                assert take(resumed, 1) == [seen + 1]
+            finally:
+                resumed.cancel()
+
+    def test_compacted_after_a_restart(self, tmp_path: Path) -> None:
+        ledger = tmp_path / "l.db"
+        hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
+        with serving(socket_path(tmp_path), hardware, store=SqliteStore(ledger, event_retention=4)) as s:
+            churn(s, 9)
+        kept = SqliteStore(ledger)
+        oldest = kept.events_after(0, 1)[0].revision
+        kept.close()
+        assert oldest > 2  # the log was pruned to about the retention
+        hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
+        with serving(socket_path(tmp_path), hardware, store=SqliteStore(ledger, event_retention=4)) as s:
+            failed = stream_fails(s.stub.WatchEvents, fm.WatchEventsRequest(after_revision=1))
+            assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.reason == "REVISION_COMPACTED"
+            assert failed.metadata["oldest"] == str(oldest)

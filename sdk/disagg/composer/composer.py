@@ -146,6 +146,8 @@ class FabricComposer(Composer):
         self._subscriptions: list[Subscription] = []
         self._revision = 0
         self._cordoned: set[str] = set()
+        self._unreachable: set[str] = set()
+        """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
         self._quarantined: set[str] = set()
@@ -180,6 +182,7 @@ class FabricComposer(Composer):
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
                 self._requests[record.id] = (record.fingerprint, value, known)
             self._rebuild()
+            self._mark_unknown()
             self._expire_locked()
         self._recover()
         self.reconcile()
@@ -217,11 +220,16 @@ class FabricComposer(Composer):
 
     # ----------------------------------------------------------------- recovery and reconciliation
 
-    def _recover(self) -> None:
+    def _recover(self, only: set[str] | None = None) -> None:
         """Finish or undo what a crash interrupted, from the ledger alone: a pending ADD is undone (a new
         composition deleted, a changed one put back as it was), a pending REMOVE and a DECOMPOSING
-        composition are finished. What cannot be undone leaves the composition FAILED, naming it."""
+        composition are finished. What cannot be undone leaves the composition FAILED, naming it.
+
+        ``only``: just these compositions (those of a fabric that answers again, while every other change
+        may be in flight)."""
         for comp in list(self._compositions.values()):
+            if (only is not None and comp.id not in only) or self._touches_unreachable(comp):
+                continue  # settled once its fabric answers (`retry_unreachable`)
             if comp.pending is not None:
                 self._recover_change(comp, comp.pending)
             elif comp.state is CompositionState.DECOMPOSING:
@@ -391,7 +399,7 @@ class FabricComposer(Composer):
 
     def _rebuild(self) -> None:
         """Build a fresh index from discovery and take the ledger's claims again."""
-        self._inv = Inventory([f.discover() for f in self.fabrics.values()])
+        self._inv = Inventory(self._discover_all())
         self._placer = Placer(self._inv, self.policy)
         for comp in self._compositions.values():
             self._claim_composition(comp)
@@ -400,6 +408,65 @@ class FabricComposer(Composer):
         for device in self._cordoned:
             if device in self._inv.devices:
                 self._inv.cordon(device)
+
+    def _discover_all(self) -> list[Topology]:
+        """Every fabric's topology; one that cannot be reached counts as empty and is remembered as
+        unreachable (its compositions become UNKNOWN, `retry_unreachable` tries it again). When no fabric
+        answers at all, the first error is raised: there is nothing to serve."""
+        topologies: list[Topology] = []
+        first: DisaggError | None = None
+        for name, fabric in self.fabrics.items():
+            try:
+                topologies.append(fabric.discover())
+            except DisaggError as exc:
+                if name not in self._unreachable:
+                    log.warning("fabric %s cannot be reached: %s; its compositions are UNKNOWN", name, exc.message)
+                self._unreachable.add(name)
+                topologies.append(Topology(fabric=name))
+                first = first or exc
+            else:
+                self._unreachable.discard(name)
+        if first is not None and len(self._unreachable) == len(self.fabrics):
+            raise first
+        return topologies
+
+    def _touches_unreachable(self, comp: Composition) -> bool:
+        names = {p.device.partition("/")[0] for p in comp.devices}
+        names.update(a.pool.partition("/")[0] for a in comp.allocations)
+        if comp.pending is not None:
+            names.update(p.device.partition("/")[0] for p in comp.pending.devices)
+            names.update(a.pool.partition("/")[0] for a in comp.pending.allocations)
+        return bool(names & self._unreachable)
+
+    def _mark_unknown(self) -> None:
+        """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. Under the lock."""
+        for comp in list(self._compositions.values()):
+            if comp.state is not CompositionState.UNKNOWN and self._touches_unreachable(comp):
+                fabrics = ", ".join(sorted(self._unreachable))
+                self._set(comp, state=CompositionState.UNKNOWN, message=f"fabric {fabrics} cannot be reached")
+
+    def retry_unreachable(self) -> bool:
+        """Try the unreachable fabrics again; when one answers, rebuild, settle its compositions (recovery,
+        then COMPOSED or DEGRADED) and reconcile. Returns whether any answered. A server calls it on a timer."""
+        with self._lock:
+            if not self._unreachable:
+                return False
+            before = set(self._unreachable)
+            self._rebuild()
+            back = before - self._unreachable
+            if not back:
+                return False
+            log.info("fabric %s answers again", ", ".join(sorted(back)))
+            settle: set[str] = set()
+            for comp in list(self._compositions.values()):
+                if comp.state is CompositionState.UNKNOWN and not self._touches_unreachable(comp):
+                    settle.add(comp.id)
+                    back_again = self._set(comp, state=CompositionState.COMPOSED, message="")
+                    if back_again.pending is None:
+                        self._reassess(back_again)
+        self._recover(settle)
+        self.reconcile()
+        return True
 
     def _claim_composition(self, comp: Composition) -> None:
         if comp.host in self._inv.hosts:
@@ -1089,6 +1156,7 @@ class FabricComposer(Composer):
             return
         with self._lock:
             self._rebuild()
+            self._mark_unknown()
             self._emit(
                 EventType.LINK_STATE_CHANGED
                 if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP)

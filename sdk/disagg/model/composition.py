@@ -164,6 +164,8 @@ class CompositionState(ModelEnum):
     DEGRADED = "DEGRADED"
     DECOMPOSING = "DECOMPOSING"
     FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+    """A driver it uses has not answered since the fabric manager started: nothing of it is released."""
 
 
 @attrs.frozen

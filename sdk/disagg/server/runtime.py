@@ -42,6 +42,8 @@ WORKERS = 32
 MAX_WATCHES = 16
 GRACE_S = 10.0
 TICK_S = 1.0
+RETRY_UNREACHABLE_S = 5.0
+"""How often fabrics that could not be reached are tried again (their compositions are UNKNOWN meanwhile)."""
 RECONCILE_S = 60.0
 """How often a serving fabric manager holds its ledger against the hardware (it also does at start-up)."""
 
@@ -134,14 +136,21 @@ class FabricManagerServer:
         return listener.bound(port)
 
     def _tick(self) -> None:
-        """Expire reservations once a second, and reconcile with the hardware every ``reconcile_s``, until the
-        server stops."""
+        """Expire reservations once a second, try unreachable fabrics again every few seconds, and reconcile
+        with the hardware every ``reconcile_s``, until the server stops."""
         next_reconcile = time.monotonic() + self._reconcile_s
+        next_retry = time.monotonic() + RETRY_UNREACHABLE_S
         while not self._ticking.wait(self._tick_s):
             try:
                 self.composer.tick()
             except Exception:
                 log.exception("expiring reservations failed")
+            if time.monotonic() >= next_retry:
+                next_retry = time.monotonic() + RETRY_UNREACHABLE_S
+                try:
+                    self.composer.retry_unreachable()
+                except Exception:
+                    log.exception("trying the unreachable fabrics again failed")
             if time.monotonic() >= next_reconcile:
                 next_reconcile = time.monotonic() + self._reconcile_s
                 try:

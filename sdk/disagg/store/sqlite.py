@@ -28,9 +28,17 @@ CREATE INDEX IF NOT EXISTS requests_at ON requests (at);
 """
 
 
+EVENT_RETENTION = 100_000
+"""Events kept; a watch from an older revision is told the log was compacted (OUT_OF_RANGE)."""
+PRUNE_EVERY = 1_000
+"""Appends between two prunes of the event log: pruning in steps keeps appending cheap."""
+
+
 class SqliteStore(Store):
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
         self.path = Path(path)
+        self._retention = event_retention
+        self._appended = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -104,6 +112,9 @@ class SqliteStore(Store):
     def append_event(self, event: Event) -> None:
         with self._write() as db:
             db.execute("INSERT INTO events VALUES (?, ?)", (event.revision, codec.dumps(event)))
+            self._appended += 1
+            if self._appended % min(PRUNE_EVERY, self._retention) == 0:
+                db.execute("DELETE FROM events WHERE revision <= ?", (event.revision - self._retention,))
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
         with self._lock:

@@ -104,6 +104,10 @@ class _CompositionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Comp
     COMPOSITION_STATE_DEGRADED: _CompositionState.ValueType  # 3
     COMPOSITION_STATE_DECOMPOSING: _CompositionState.ValueType  # 4
     COMPOSITION_STATE_FAILED: _CompositionState.ValueType  # 5
+    COMPOSITION_STATE_UNKNOWN: _CompositionState.ValueType  # 6
+    """A driver it uses could not be reached since the fabric manager started: its devices are neither trusted
+    nor released; it returns to COMPOSED or DEGRADED once the driver answers.
+    """
 
 class CompositionState(_CompositionState, metaclass=_CompositionStateEnumTypeWrapper):
     """After Redfish CompositionState."""
@@ -114,6 +118,10 @@ COMPOSITION_STATE_COMPOSED: CompositionState.ValueType  # 2
 COMPOSITION_STATE_DEGRADED: CompositionState.ValueType  # 3
 COMPOSITION_STATE_DECOMPOSING: CompositionState.ValueType  # 4
 COMPOSITION_STATE_FAILED: CompositionState.ValueType  # 5
+COMPOSITION_STATE_UNKNOWN: CompositionState.ValueType  # 6
+"""A driver it uses could not be reached since the fabric manager started: its devices are neither trusted
+nor released; it returns to COMPOSED or DEGRADED once the driver answers.
+"""
 Global___CompositionState: _TypeAlias = CompositionState  # noqa: Y015
 
 class _EventType:
