@@ -220,7 +220,27 @@ class TestValueErrors:
         error = _error(tmp_path, MINIMAL + "[state]\nledger = 'postgres'\n")
         assert error.field == "state.ledger"
         assert "'postgres'" in error.message
-        assert "sqlite, memory" in error.message
+        assert "sqlite, memory, etcd" in error.message
+
+    @pytest.mark.parametrize(
+        ("state", "field", "says"),
+        [
+            ("ledger = 'etcd'", "state.endpoints", "needs endpoints"),
+            ("ledger = 'etcd'\nendpoints = '127.0.0.1:2379'", "state.endpoints", "a list of HOST:PORT"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nprefix = 'disagg'", "state.prefix", "start and end"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nlease_ttl_s = 1", "state.lease_ttl_s", "from 2 to 60"),
+        ],
+    )
+    def test_etcd_settings(self, tmp_path: Path, state: str, field: str, says: str) -> None:
+        error = _error(tmp_path, MINIMAL + f"[state]\n{state}\n")
+        assert error.field == field and says in error.message
+
+    def test_etcd_ledger(self, tmp_path: Path) -> None:
+        config = _load_text(
+            tmp_path, MINIMAL + "[state]\nledger = 'etcd'\nendpoints = ['127.0.0.1:2379', '127.0.0.1:2479']\n"
+        )
+        assert config.ledger == "etcd" and config.etcd_endpoints == ("127.0.0.1:2379", "127.0.0.1:2479")
+        assert config.etcd_prefix == "/disagg/" and config.lease_ttl_s == 3
 
     @pytest.mark.parametrize("value", ["0", "-1", "-0.5", "'30'", "true"])
     def test_timeout_not_positive(self, tmp_path: Path, value: str) -> None:

@@ -1,14 +1,25 @@
-"""Unit tests of the ledger stores (`disagg.store`): the in-memory one and SQLite share one contract."""
+"""Unit tests of the ledger stores (`disagg.store`): the in-memory one, SQLite and etcd share one contract.
+
+The etcd ones run against real `etcd` processes (`etcd_helpers`), one member for the whole module, each test
+under its own key prefix; without etcd they are skipped (failed on CI).
+"""
 
 from __future__ import annotations
 
+import http.server
+import shutil
+import socket
 import sqlite3
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+import etcd3gw
 import pytest
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
 from disagg.model import (
     Allocation,
     Composition,
@@ -27,7 +38,10 @@ from disagg.model import (
     Selector,
     SelectorOp,
 )
-from disagg.store import LedgerState, MemoryStore, RequestRecord, SqliteStore, Store
+from disagg.store import EtcdStore, LedgerState, MemoryStore, RequestRecord, SqliteStore, Store
+from disagg.store import etcd as etcd_store
+from disagg.store.etcd import LeadershipLostError
+from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
 
 GiB = 1 << 30
 
@@ -63,9 +77,29 @@ def _event(revision: int) -> Event:
     return Event(revision, EventType.COMPOSITION_UPDATED, f"c{revision}", f"event {revision}", revision / 2, {"n": "1"})
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(scope="module")
+def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One etcd member for the module's tests; each keeps to its own prefix (`etcd_prefix`)."""
+    cluster = start_etcd_cluster(tmp_path_factory.mktemp("etcd"), members=1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def etcd_prefix() -> str:
+    return f"/test/{uuid.uuid4().hex}/"
+
+
+@pytest.fixture(params=["memory", "sqlite", "etcd"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    s: Store = MemoryStore() if request.param == "memory" else SqliteStore(tmp_path / "ledger.db")
+    s: Store
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "sqlite":
+        s = SqliteStore(tmp_path / "ledger.db")
+    else:
+        cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+        s = EtcdStore(cluster.endpoints, prefix=request.getfixturevalue("etcd_prefix"))
     yield s
     s.close()
 
@@ -276,3 +310,308 @@ class TestRequests:
         again = SqliteStore(tmp_path / "l.db")
         assert again.load().requests == (RequestRecord("q", "f", "{}", 5.0),)
         again.close()
+
+
+def _raw(cluster: EtcdCluster) -> etcd3gw.Etcd3Client:
+    """A plain etcd client on the first member, to look at and change keys behind the store's back."""
+    host, port = cluster.endpoints[0].rsplit(":", 1)
+    return etcd3gw.client(host=host, port=int(port), timeout=5.0, api_path="/v3/")
+
+
+def _keys(client: etcd3gw.Etcd3Client, prefix: str) -> list[str]:
+    return sorted(meta["key"].decode() for _, meta in client.get_prefix(prefix))
+
+
+@pytest.fixture
+def etcd(etcd_cluster: EtcdCluster, etcd_prefix: str) -> Iterator[EtcdStore]:
+    s = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix)
+    yield s
+    s.close()
+
+
+class TestEtcdStore:
+    """EtcdStore keeps one JSON document per key under its prefix, reads in bounded pages, prunes events and
+    request ids in steps, and finds the last revision across gaps without reading the log."""
+
+    def test_key_layout(self, etcd: EtcdStore, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
+        etcd.put_composition(_composition("c1"))
+        etcd.put_reservation(_reservation("r1"))
+        etcd.put_request(RequestRecord("q1", "f", "{}", 1.0))
+        etcd.append_event(_event(7))
+        p = etcd_prefix
+        assert _keys(_raw(etcd_cluster), p) == [
+            f"{p}compositions/c1",
+            f"{p}events/00000000000000000007",
+            f"{p}requests/q1",
+            f"{p}reservations/r1",
+        ]
+
+    def test_reads_in_pages(self, etcd: EtcdStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(etcd_store, "PAGE", 2)
+        for i in range(5):
+            etcd.put_composition(_composition(f"c{i}"))
+            etcd.put_reservation(_reservation(f"r{i}"))
+            etcd.put_request(RequestRecord(f"q{i}", "f", "{}", float(i)))
+        for rev in range(1, 8):
+            etcd.append_event(_event(rev))
+        state = etcd.load()
+        assert sorted(c.id for c in state.compositions) == [f"c{i}" for i in range(5)]
+        assert sorted(r.id for r in state.reservations) == [f"r{i}" for i in range(5)]
+        assert [r.id for r in state.requests] == [f"q{i}" for i in range(5)]
+        assert state.last_revision == 7
+        assert [e.revision for e in etcd.events_after(0)] == list(range(1, 8))
+        assert [e.revision for e in etcd.events_after(1, limit=5)] == [2, 3, 4, 5, 6]
+
+    def test_event_retention(self, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
+        store = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, event_retention=3)
+        try:
+            for rev in range(1, 8):
+                store.append_event(_event(rev))
+            # Pruned every third append, as SqliteStore does: at 6, events up to 3 went.
+            assert [e.revision for e in store.events_after(0)] == [4, 5, 6, 7]
+            assert store.load().last_revision == 7
+        finally:
+            store.close()
+
+    @pytest.mark.parametrize(
+        "revisions",
+        [(1,), (5,), (1, 2, 3), (2, 3, 50, 51, 1000, 123_457), (10, 11, 12, 13, 400), (1, 2, 3, 4, 9, 10)],
+    )
+    def test_last_revision_across_gaps(self, etcd: EtcdStore, revisions: tuple[int, ...]) -> None:
+        for rev in revisions:
+            etcd.append_event(_event(rev))
+        assert etcd.load().last_revision == revisions[-1]
+
+    def test_forgets_old_request_ids(
+        self, etcd: EtcdStore, etcd_cluster: EtcdCluster, etcd_prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(etcd_store, "REQUEST_RETENTION", 3)
+        monkeypatch.setattr(etcd_store, "TXN_OPS", 2)
+        for i in range(1, 9):
+            etcd.put_request(RequestRecord(f"q{i}", "f", "{}", float(i)))
+        # Forgotten every third put: at 6, all but 4..6 went; 7 and 8 came after.
+        assert _keys(_raw(etcd_cluster), f"{etcd_prefix}requests/") == [
+            f"{etcd_prefix}requests/q{i}" for i in (4, 5, 6, 7, 8)
+        ]
+        assert [r.id for r in etcd.load().requests] == ["q6", "q7", "q8"]
+
+    def test_threads_share_it(self, etcd: EtcdStore) -> None:
+        def work(n: int) -> None:
+            for i in range(10):
+                etcd.put_composition(_composition(f"c{n}-{i}"))
+                etcd.append_event(_event(100 * n + i + 1))
+                etcd.events_after(0, limit=5)
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        state = etcd.load()
+        assert len(state.compositions) == 40
+        assert state.last_revision == 310
+        assert len(etcd.events_after(0, limit=100)) == 40
+
+    def test_any_request_id(self, etcd: EtcdStore) -> None:
+        record = RequestRecord("ré/q 1", "f", '{"name":"ünï"}', 2.5)
+        etcd.put_request(record)
+        assert etcd.load().requests == (record,)
+        etcd.delete_request(record.id)
+        assert etcd.load().requests == ()
+
+
+class TestEtcdFencing:
+    """A fenced EtcdStore writes only while the leader key has the fencing epoch; after another replica took
+    the key every write raises LeadershipLostError and changes nothing."""
+
+    def _lead(self, client: etcd3gw.Etcd3Client, key: str, holder: str) -> int:
+        client.delete(key)
+        client.put(key, holder)
+        ((_, meta),) = client.get(key, metadata=True)
+        return int(meta["create_revision"])
+
+    def test_writes_while_leading(self, etcd: EtcdStore, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
+        key = f"{etcd_prefix}leader"
+        etcd.fence(key, self._lead(_raw(etcd_cluster), key, "me"))
+        etcd.put_composition(_composition("c1"))
+        etcd.append_event(_event(1))
+        etcd.delete_composition("c1")
+        assert etcd.load() == LedgerState(last_revision=1)
+
+    def test_write_after_another_leads(self, etcd: EtcdStore, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
+        client = _raw(etcd_cluster)
+        key = f"{etcd_prefix}leader"
+        etcd.fence(key, self._lead(client, key, "me"))
+        etcd.put_composition(_composition("c1"))
+        etcd.put_request(RequestRecord("q1", "f", "{}", 1.0))
+        etcd.append_event(_event(1))
+        before = etcd.load()
+        self._lead(client, key, "another replica")
+        writes = [
+            lambda: etcd.put_composition(_composition("c2")),
+            lambda: etcd.delete_composition("c1"),
+            lambda: etcd.put_reservation(_reservation("r1")),
+            lambda: etcd.delete_reservation("r1"),
+            lambda: etcd.put_request(RequestRecord("q2", "f", "{}", 2.0)),
+            lambda: etcd.delete_request("q1"),
+            lambda: etcd.append_event(_event(2)),
+        ]
+        for write in writes:
+            with pytest.raises(LeadershipLostError, match="another replica leads now") as info:
+                write()
+            assert info.value.reason == "LEADERSHIP_LOST"
+            assert isinstance(info.value, FabricUnavailableError)
+            assert info.value.metadata["leader_key"] == key
+        assert etcd.load() == before
+
+    def test_leader_key_gone(self, etcd: EtcdStore, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
+        client = _raw(etcd_cluster)
+        key = f"{etcd_prefix}leader"
+        etcd.fence(key, self._lead(client, key, "me"))
+        client.delete(key)  # the lease expired
+        with pytest.raises(LeadershipLostError):
+            etcd.put_composition(_composition("c1"))
+        assert etcd.load().compositions == ()
+
+    def test_epoch_is_a_create_revision(self, etcd: EtcdStore) -> None:
+        with pytest.raises(InvalidRequestError, match="create revision"):
+            etcd.fence("/disagg/leader", 0)
+
+
+@pytest.fixture
+def etcd_trio(tmp_path: Path) -> Iterator[EtcdCluster]:
+    cluster = start_etcd_cluster(tmp_path, members=3)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A loopback port that accepts connections and never answers."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class TestEtcdFailover:
+    """A call that cannot reach one endpoint, refused or timed out, is tried on the next, and the next calls
+    start at the endpoint that answered."""
+
+    def test_member_killed(self, etcd_trio: EtcdCluster, etcd_prefix: str) -> None:
+        store = EtcdStore(etcd_trio.endpoints, prefix=etcd_prefix, timeout_s=2.0)
+        try:
+            store.put_composition(_composition("c1"))
+            store.append_event(_event(1))
+            etcd_trio.kill(0)
+            etcd_trio.wait_leader()
+            store.put_composition(_composition("c2"))
+            store.append_event(_event(2))
+            state = store.load()
+            assert sorted(c.id for c in state.compositions) == ["c1", "c2"]
+            assert state.last_revision == 2
+            assert [e.revision for e in store.events_after(0)] == [1, 2]
+        finally:
+            store.close()
+        # A store opened after the member died starts at its endpoint, and moves on too.
+        again = EtcdStore(etcd_trio.endpoints, prefix=etcd_prefix, timeout_s=2.0)
+        try:
+            assert [e.revision for e in again.events_after(1)] == [2]
+        finally:
+            again.close()
+
+    def test_timeout_moves_on(self, etcd_cluster: EtcdCluster, etcd_prefix: str, silent_endpoint: str) -> None:
+        store = EtcdStore([silent_endpoint, *etcd_cluster.endpoints], prefix=etcd_prefix, timeout_s=0.3)
+        try:
+            store.put_composition(_composition("c1"))
+            started = time.monotonic()
+            assert [c.id for c in store.load().compositions] == ["c1"]
+            assert time.monotonic() - started < 0.3  # no second wait on the silent endpoint
+        finally:
+            store.close()
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = b'{"error":"etcdserver: something refused","code":3}'
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class TestEtcdUnavailable:
+    """With no endpoint answering every call raises FabricUnavailableError naming them all; a member that answers
+    with an error raises it naming that member; never an exception of requests or etcd3gw."""
+
+    def test_no_endpoint_answers(self) -> None:
+        endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
+        store = EtcdStore(endpoints, timeout_s=1.0)
+        calls = [store.load, lambda: store.put_composition(_composition("c1")), lambda: store.events_after(0)]
+        try:
+            for call in calls:
+                with pytest.raises(FabricUnavailableError, match="no etcd endpoint answered") as info:
+                    call()
+                assert type(info.value) is FabricUnavailableError and info.value.retryable
+                assert all(e in info.value.message for e in endpoints)
+        finally:
+            store.close()
+
+    def test_refused(self) -> None:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+        thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+        thread.start()
+        endpoint = f"127.0.0.1:{server.server_address[1]}"
+        store = EtcdStore([endpoint])
+        try:
+            with pytest.raises(FabricUnavailableError, match="something refused") as info:
+                store.load()
+            assert endpoint in info.value.message
+        finally:
+            store.close()
+            server.shutdown()
+            server.server_close()
+
+
+class TestEtcdConfig:
+    """Endpoints are HOST:PORT (an IPv6 host in brackets); anything else, and a bad option, is a ConfigError."""
+
+    @pytest.mark.parametrize(
+        "endpoint", ["", "localhost", ":2379", "h:", "h:port", "h:0", "h:65536", "http://h:2379", "::1:2379", "a b:1"]
+    )
+    def test_bad_endpoint(self, endpoint: str) -> None:
+        with pytest.raises(ConfigError, match="is not HOST:PORT") as info:
+            EtcdStore(["127.0.0.1:2379", endpoint])
+        assert info.value.field == "state.endpoints"
+
+    def test_good_endpoints(self) -> None:
+        EtcdStore(["127.0.0.1:2379", "etcd-0.example:2379", "[::1]:2379"]).close()
+
+    @pytest.mark.parametrize(
+        ("endpoints", "options", "message"),
+        [
+            ([], {}, "at least one endpoint"),
+            ("127.0.0.1:2379", {}, "not the string"),
+            (["127.0.0.1:2379"], {"event_retention": 0}, "event_retention"),
+            (["127.0.0.1:2379"], {"timeout_s": 0.0}, "timeout"),
+        ],
+    )
+    def test_bad_options(self, endpoints: list[str], options: dict[str, float], message: str) -> None:
+        with pytest.raises(ConfigError, match=message):
+            EtcdStore(endpoints, **options)  # type: ignore[arg-type]
+
+
+class TestEtcdMissing:
+    """Without the etcd binary the etcd tests are skipped saying what to install, and fail on CI."""
+
+    @pytest.mark.parametrize(("ci", "outcome"), [("true", pytest.fail.Exception), ("", pytest.skip.Exception)])
+    def test_missing_etcd(self, monkeypatch: pytest.MonkeyPatch, ci: str, outcome: type[BaseException]) -> None:
+        monkeypatch.setattr(shutil, "which", lambda _: None)
+        monkeypatch.setenv("CI", ci)
+        with pytest.raises(outcome) as info:
+            etcd_binary()
+        assert "install etcd-server (apt-get install etcd-server)" in str(info.value)

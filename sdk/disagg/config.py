@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "DISAGG_CONFIG"
 STATE_DIR_ENV = "DISAGG_STATE_DIR"
-LEDGERS = ("sqlite", "memory")
+LEDGERS = ("sqlite", "memory", "etcd")
 
 
 @attrs.frozen
@@ -39,6 +39,10 @@ class Config:
     fabrics: tuple[FabricConfig, ...]
     ledger: str = "sqlite"
     ledger_path: str = ""
+    etcd_endpoints: tuple[str, ...] = ()
+    """With ``ledger = "etcd"``: the cluster's client endpoints (HOST:PORT); replicas on it elect a leader."""
+    etcd_prefix: str = "/disagg/"
+    lease_ttl_s: int = 3
     policy: str = "best-fit"
     auto_heal: bool = True
     call_timeout_s: float = 30.0
@@ -84,13 +88,28 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     doc = _expand(doc, state_dir(environ))
     _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
     state = _table(doc, "state", source)
-    _known(state, {"ledger", "path"}, "[state]", source, "state")
+    _known(state, {"ledger", "path", "endpoints", "prefix", "lease_ttl_s"}, "[state]", source, "state")
     ledger = state.get("ledger", "sqlite")
     if ledger not in LEDGERS:
         raise ConfigError(
             f"{source}: [state] ledger must be one of {', '.join(LEDGERS)}, not {ledger!r}", field="state.ledger"
         )
     path = state.get("path", str(state_dir(environ) / "ledger.db"))
+    endpoints = state.get("endpoints", [])
+    if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
+        raise ConfigError(f"{source}: [state] endpoints must be a list of HOST:PORT strings", field="state.endpoints")
+    if ledger == "etcd" and not endpoints:
+        raise ConfigError(
+            f'{source}: [state] ledger = "etcd" needs endpoints = ["HOST:PORT", ...]', field="state.endpoints"
+        )
+    prefix = state.get("prefix", "/disagg/")
+    if not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.endswith("/"):
+        raise ConfigError(f"{source}: [state] prefix must start and end with '/'", field="state.prefix")
+    ttl = state.get("lease_ttl_s", 3)
+    if not isinstance(ttl, int) or isinstance(ttl, bool) or not 2 <= ttl <= 60:
+        raise ConfigError(
+            f"{source}: [state] lease_ttl_s must be a whole number of seconds from 2 to 60", field="state.lease_ttl_s"
+        )
     composer = _table(doc, "composer", source)
     _known(composer, {"policy", "auto_heal", "call_timeout_s"}, "[composer]", source, "composer")
     timeout = composer.get("call_timeout_s", 30.0)
@@ -135,6 +154,9 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         fabrics=tuple(fabrics),
         ledger=ledger,
         ledger_path=str(path),
+        etcd_endpoints=tuple(endpoints),
+        etcd_prefix=prefix,
+        lease_ttl_s=ttl,
         policy=str(composer.get("policy", "best-fit")),
         auto_heal=auto_heal,
         call_timeout_s=float(timeout),
@@ -193,7 +215,15 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
             f.close()
         raise
     kind = ledger or config.ledger
-    store: Store = MemoryStore() if kind == "memory" else SqliteStore(config.ledger_path)
+    store: Store
+    if kind == "memory":
+        store = MemoryStore()
+    elif kind == "etcd":
+        from disagg.store.etcd import EtcdStore
+
+        store = EtcdStore(config.etcd_endpoints, prefix=config.etcd_prefix)
+    else:
+        store = SqliteStore(config.ledger_path)
     return FabricComposer(
         fabrics, policy=policy, store=store, auto_heal=config.auto_heal, call_timeout_s=config.call_timeout_s
     )

@@ -3,13 +3,19 @@
 Prints ``serving on ADDRESS`` once per listener when the server is ready (health SERVING), so that scripts
 and tests can wait for that line; logs go to standard error. On SIGTERM or SIGINT it shuts down gracefully
 (see `disagg.server.FabricManagerServer.stop`) and exits 0.
+
+With ``[state] ledger = "etcd"`` it is one replica of several: it prints ``standby on ADDRESS`` once
+listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lead.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -21,6 +27,10 @@ from disagg.plugins import load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
 
 AddCommand = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
+
+
+EXIT_LOST_LEAD = 3
+"""The exit code of a replica that lost the lead: its supervisor restarts it, as a standby."""
 
 
 class _StoppedWhileStarting(BaseException):
@@ -42,17 +52,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for address in listeners:  # before any fabric is built
         parse_listener(address, allow_remote=args.allow_remote)
     composer = build_composer(config, plugins=plugins)
+    stop = threading.Event()
+    lost = threading.Event()
+    leadership = None
+    if config.ledger == "etcd":
+        from disagg.ha import Leadership
+
+        identity = f"{socket.gethostname()}:{os.getpid()}:{','.join(listeners)}"
+        leadership = Leadership(
+            config.etcd_endpoints, identity, key=f"{config.etcd_prefix}leader", ttl_s=config.lease_ttl_s
+        )
+
+    def on_serving(addresses: list[str]) -> None:
+        for address in addresses:
+            print(f"serving on {address}", flush=True)
+
+    def on_lost() -> None:
+        lost.set()
+        stop.set()
+
     try:
         server = FabricManagerServer(
             composer,
             listeners,
             drivers=fabric_drivers(config, plugins),
             allow_remote=args.allow_remote,
+            leadership=leadership,
+            on_serving=on_serving,
+            on_lost=on_lost,
         )
     except BaseException:
         composer.close()
         raise
-    stop = threading.Event()
     starting = [True]
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -67,15 +98,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             starting[0] = False
         except _StoppedWhileStarting:
             return 0
-        for address in addresses:
-            print(f"serving on {address}", flush=True)
+        if leadership is not None:
+            for address in addresses:
+                print(f"standby on {address}", flush=True)
         while not stop.wait(1.0):
             pass
-        server.stop(args.grace)
+        server.stop(0 if lost.is_set() else args.grace)
     finally:
         server.stop(0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if lost.is_set():
+        print("disagg: error: this replica lost the lead; it stopped serving", file=sys.stderr)
+        return EXIT_LOST_LEAD
     return 0
 
 

@@ -14,6 +14,7 @@ import grpc
 from grpc_status import rpc_status
 
 from disagg.client._retry import RetryPolicy, call_with_retry
+from disagg.client.replicas import replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
@@ -59,7 +60,7 @@ T = TypeVar("T")
 PAGE_SIZE = 1000
 """Devices, compositions and reservations are listed in pages of this size (the protocol's largest)."""
 
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     # Reconnect soon after a refused connection, so that a retry meets a restarted server instead of the
     # channel's own backoff (1 s at first by default).
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -152,7 +153,10 @@ class FabricManagerClient:
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries or RetryPolicy()
-        self._channel = channel or grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if channel is None:
+            target, extra = replica_target(address)
+            channel = grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, *extra))
+        self._channel = channel
         self._stub = fm_grpc.FabricManagerServiceStub(self._channel)
         self._rng = random.Random()
         self._sleep: Callable[[float], None] = time.sleep

@@ -51,6 +51,7 @@ from disagg.model import (
     EventType,
     FabricEvent,
     FabricEventKind,
+    Feature,
     Health,
     PendingChange,
     Plan,
@@ -217,6 +218,19 @@ class FabricComposer(Composer):
         with self._lock:
             if comp_id not in self._compositions and self._busy.get(comp_id) is lock:
                 del self._busy[comp_id]
+
+    def fence_drivers(self) -> None:
+        """Tell every driver that declares FENCING this manager's epoch at once, before any real call: an
+        unbind of a binding that does not exist, which changes nothing but is a mutating call, and a driver
+        remembers the highest epoch of every mutating call it receives. A replica that just took the lead calls
+        it, so that the replica it replaced is refused from that moment, not from this one's first bind."""
+        ctx = self._context()
+        for name, fabric in self.fabrics.items():
+            try:
+                if fabric.capabilities().supports(Feature.FENCING):
+                    fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
+            except DisaggError as exc:
+                log.warning("could not announce epoch %d to fabric %s: %s", self.epoch, name, exc.message)
 
     # ----------------------------------------------------------------- recovery and reconciliation
 

@@ -10,6 +10,11 @@ Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAI
 discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health NOT_SERVING, end the event and
 health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish within the grace period, then
 close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it.
+
+With a `Leadership` (the etcd ledger), `start` returns once listening, as a standby: health NOT_SERVING, every
+RPC UNAVAILABLE, so clients that balance over the replicas with health checks send nothing here. Winning the
+lead fences the ledger and the drivers with the new epoch, starts the composer and serves; losing it stops
+serving at once and calls ``on_lost`` (`disagg serve` then exits, to come back as a standby).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +40,9 @@ from disagg.server.errors import ErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
 from disagg.server.servicer import FabricManagerServicer
+
+if TYPE_CHECKING:
+    from disagg.ha import Leadership
 
 log = logging.getLogger("disagg.server")
 
@@ -62,6 +71,9 @@ class FabricManagerServer:
         max_watches: int = MAX_WATCHES,
         tick_s: float = TICK_S,
         reconcile_s: float = RECONCILE_S,
+        leadership: Leadership | None = None,
+        on_serving: Callable[[list[str]], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         if not listeners:
             raise ConfigError("no address to listen on: give --listen or a [[listener]] address", field="listener")
@@ -73,6 +85,9 @@ class FabricManagerServer:
         self.health = HealthService()
         self.addresses: list[str] = []
         self._tick_s = tick_s
+        self.leadership = leadership
+        self._on_serving = on_serving or (lambda addresses: None)
+        self._on_lost = on_lost or (lambda: None)
         self._reconcile_s = reconcile_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
         # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
@@ -105,6 +120,12 @@ class FabricManagerServer:
             for listener in self._listeners:
                 self.addresses.append(self._bind(listener))
             self._server.start()
+            if self.leadership is not None:
+                with self._lock:
+                    self._state = "standby"
+                threading.Thread(target=self._lead, name="disagg-campaign", daemon=True).start()
+                log.info("standby on %s: campaigning for the lead", ", ".join(self.addresses))
+                return list(self.addresses)
             log.info("starting the composer: discovering %d fabrics", len(self.composer.fabrics))
             self.composer.start()
         except BaseException:
@@ -114,6 +135,11 @@ class FabricManagerServer:
             with self._lock:
                 self._state = "stopped"
             raise
+        self._serve()
+        return list(self.addresses)
+
+    def _serve(self) -> None:
+        """The composer has started: answer RPCs, report SERVING, start the timers."""
         # Everything discovery built (100,000 devices and their index) lives as long as the server: keep it out
         # of the garbage collector's generations, or every full collection walks it again.
         gc.freeze()
@@ -124,7 +150,42 @@ class FabricManagerServer:
         with self._lock:
             self._state = "serving"
         log.info("serving on %s", ", ".join(self.addresses))
-        return list(self.addresses)
+        self._on_serving(list(self.addresses))
+
+    def _lead(self) -> None:
+        """Standby until this replica leads; then fence the ledger with the epoch, start the composer and serve;
+        step down (NOT_SERVING, every RPC UNAVAILABLE, `on_lost`) the moment the lead is lost."""
+        assert self.leadership is not None
+        epoch = self.leadership.campaign(self._ticking)
+        if not epoch:
+            return
+        try:
+            self.composer.epoch = epoch
+            fence = getattr(self.composer.store, "fence", None)
+            if fence is not None:
+                fence(self.leadership.key, epoch)
+            log.info("leading with fencing epoch %d: starting the composer", epoch)
+            self.composer.fence_drivers()
+            self.composer.start()
+        except Exception:
+            log.exception("the composer failed to start after winning the lead")
+            self._step_down()
+            return
+        self._serve()
+        threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
+
+    def _watch_lead(self) -> None:
+        assert self.leadership is not None
+        while not self.leadership.lost.wait(0.5):
+            if self._ticking.is_set():
+                return
+        self._step_down()
+
+    def _step_down(self) -> None:
+        self.servicer.mark_unready()
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.critical("not the leader any more: refusing every call")
+        self._on_lost()
 
     def _bind(self, listener: Listener) -> str:
         if listener.unix_path is not None:
@@ -176,6 +237,8 @@ class FabricManagerServer:
         self.servicer.stop()
         self._server.stop(grace).wait()
         self._ticking.set()
+        if self.leadership is not None:
+            self.leadership.resign()
         if self._ticker is not None:
             self._ticker.join()
         self._executor.shutdown(wait=False)

@@ -149,6 +149,10 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         """The composer has started: serve."""
         self._ready.set()
 
+    def mark_unready(self) -> None:
+        """Stop serving (this replica lost the lead): every RPC answers UNAVAILABLE from now on."""
+        self._ready.clear()
+
     def check_ready(self) -> None:
         if not self._ready.is_set():
             raise FabricUnavailableError(

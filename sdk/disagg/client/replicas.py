@@ -1,0 +1,49 @@
+"""Addresses of several fabric-manager replicas, one of which leads: a channel that sends only to the one that
+reports SERVING.
+
+The replicas that do not lead answer health NOT_SERVING. gRPC's own client-side health checking (the
+``healthCheckConfig`` of the service config) watches every replica's health and balances, round robin, over
+those that serve, so the client follows the lead from one replica to the next without a call of its own.
+Clients in other languages get the same from the same service config.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+from disagg.errors import InvalidRequestError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+
+SERVICE = fm.DESCRIPTOR.services_by_name["FabricManagerService"].full_name
+SERVICE_CONFIG = json.dumps(
+    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE}}
+)
+
+
+def replica_target(address: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The channel target and options for ``address``: one address as it is; ``IP:PORT,IP:PORT,...`` as a
+    health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
+    rather than IP addresses (gRPC resolves a list of literal addresses only)."""
+    if "," not in address:
+        return address, ()
+    hosts: list[str] = []
+    family = ""
+    for part in address.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if not sep or not port.isdigit() or ip is None:
+            raise InvalidRequestError(
+                f"{part!r} in {address!r}: a list of replicas is IP:PORT,IP:PORT,... (literal addresses)",
+                field="address",
+            )
+        this = "ipv4" if ip.version == 4 else "ipv6"
+        if family and this != family:
+            raise InvalidRequestError(f"{address!r} mixes IPv4 and IPv6 replicas", field="address")
+        family = this
+        hosts.append(f"{host}:{port}" if ip.version == 4 else f"[{host}]:{port}")
+    return f"{family}:{','.join(hosts)}", (("grpc.service_config", SERVICE_CONFIG),)

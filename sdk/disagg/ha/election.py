@@ -1,0 +1,139 @@
+"""Leader election on an etcd lease, and the fencing epoch that comes with leading.
+
+A replica campaigns by creating the leader key bound to its own lease, only if the key does not exist; the
+key's ``create_revision``, which etcd makes strictly greater for every new holder, is the replica's fencing
+epoch. Every driver call carries it (a driver refuses an older one) and every ledger write is a transaction
+on it (`EtcdStore.fence`), so a replica that lost the lead, even one that was paused and does not know yet,
+can change neither the hardware nor the ledger.
+
+The lease is refreshed every third of its time to live. A refresh that fails, or a leader key that another
+replica now holds, ends the lead: `lost` is set and the replica must stop serving at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import etcd3gw
+import requests
+from etcd3gw.exceptions import Etcd3Exception
+
+from disagg.errors import ConfigError
+
+log = logging.getLogger("disagg.ha")
+
+LEADER_KEY = "/disagg/leader"
+LEASE_TTL_S = 3
+CAMPAIGN_POLL_S = 0.5
+_CONNECTION_ERRORS: tuple[type[BaseException], ...] = (Etcd3Exception, OSError, requests.RequestException)
+
+
+def _endpoint(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"etcd endpoint {address!r} is not HOST:PORT", field="state.endpoints")
+    return host, int(port)
+
+
+class Leadership:
+    """This replica's campaign for the lead, named ``identity`` in the leader key's value."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        identity: str,
+        *,
+        key: str = LEADER_KEY,
+        ttl_s: int = LEASE_TTL_S,
+        timeout_s: float = 2.0,
+    ) -> None:
+        if not endpoints:
+            raise ConfigError("high availability needs at least one etcd endpoint", field="state.endpoints")
+        if ttl_s < 2:
+            raise ConfigError("the leader lease must live at least 2 seconds", field="state.lease_ttl_s")
+        self._endpoints = [_endpoint(e) for e in endpoints]
+        self.identity = identity
+        self.key = key
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.epoch = 0
+        """The leader key's create revision while this replica leads; 0 before."""
+        self.lost = threading.Event()
+        """Set when this replica, having led, no longer does."""
+        self._stop = threading.Event()
+        self._lease: etcd3gw.Lease | None = None
+        self._keeper: threading.Thread | None = None
+        self._next = 0
+        self._clients: dict[int, etcd3gw.Etcd3Client] = {}
+
+    def _client(self) -> etcd3gw.Etcd3Client:
+        """The client of the current endpoint; `_rotate` moves to the next when a member does not answer."""
+        n = self._next % len(self._endpoints)
+        if n not in self._clients:
+            host, port = self._endpoints[n]
+            self._clients[n] = etcd3gw.client(host=host, port=port, timeout=self.timeout_s)
+        return self._clients[n]
+
+    def _rotate(self) -> None:
+        self._next += 1
+
+    def campaign(self, stop: threading.Event | None = None) -> int:
+        """Block until this replica leads (or ``stop`` is set: returns 0); returns the fencing epoch."""
+        stop = stop or self._stop
+        while not stop.is_set():
+            try:
+                client = self._client()
+                if self._lease is None:
+                    self._lease = client.lease(self.ttl_s)
+                if client.create(self.key, self.identity, lease=self._lease):
+                    value = client.get(self.key, metadata=True)
+                    self.epoch = int(value[0][1]["create_revision"])
+                    log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
+                    self._keeper = threading.Thread(target=self._keep, name="disagg-lease", daemon=True)
+                    self._keeper.start()
+                    return self.epoch
+            except _CONNECTION_ERRORS as exc:
+                log.warning("campaign: etcd did not answer (%s); trying the next endpoint", exc)
+                self._rotate()
+                self._lease = None
+            stop.wait(CAMPAIGN_POLL_S)
+        return 0
+
+    def _keep(self) -> None:
+        """Refresh the lease until it cannot be, or the key is no longer ours: then the lead is lost."""
+        assert self._lease is not None
+        deadline = time.monotonic() + self.ttl_s
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                client = self._client()
+                self._lease.client = client  # a lease is an id: any member refreshes it
+                if self._lease.refresh() <= 0:
+                    break
+                held = client.get(self.key, metadata=True)
+                if not held or int(held[0][1]["create_revision"]) != self.epoch:
+                    break
+                deadline = time.monotonic() + self.ttl_s
+            except _CONNECTION_ERRORS as exc:
+                log.warning("lease refresh: etcd did not answer (%s)", exc)
+                self._rotate()
+                if time.monotonic() < deadline:
+                    continue
+                break
+        if not self._stop.is_set():
+            log.critical("lost the lead (epoch %d): another replica may lead now", self.epoch)
+            self.lost.set()
+
+    def resign(self) -> None:
+        """Give the lead up (revoke the lease, which deletes the key) so a standby takes over at once."""
+        self._stop.set()
+        if self._lease is not None:
+            try:
+                self._lease.client = self._client()
+                self._lease.revoke()
+            except _CONNECTION_ERRORS as exc:
+                log.warning("could not revoke the lease (%s); it expires in %d s", exc, self.ttl_s)
+        if self._keeper is not None:
+            self._keeper.join(self.ttl_s)

@@ -1,0 +1,390 @@
+"""The ledger on an etcd cluster (v3 API, through its JSON gateway), shared by the fabric-manager replicas.
+
+Every record is one key holding the JSON document of its model value (`disagg.codec`, as in SQLite)::
+
+    {prefix}compositions/{id}   {prefix}reservations/{id}   {prefix}requests/{id}   {prefix}events/{revision:020d}
+
+Event keys carry the revision zero-padded, so etcd's key order is revision order: `events_after` is one range
+read from the key after ``revision``, with a limit. No read sorts on the server: etcd (3.4 and later) answers a
+sorted range, even one with a limit, by reading the whole range first.
+
+Writes are transactions of one record each (an append and its prune of old events are one; forgetting old
+request ids deletes up to `TXN_OPS` keys in one). After `fence`, each
+transaction succeeds only if the leader key still has the leader's ``create_revision``, so a replica that lost
+the lead, even one that was paused and does not know it yet, writes nothing and gets `LeadershipLostError`.
+
+A call goes to the endpoint that answered last; one that cannot be reached or does not answer within
+``timeout_s`` is tried on the next. Every write is idempotent (a put of a whole record, a delete), so a write
+that timed out after etcd applied it is safe to send again. Needs etcd 3.4 or later (the ``/v3/`` gateway).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import etcd3gw
+import requests
+from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
+
+from disagg import codec
+from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
+from disagg.model import Composition, Event, Reservation
+from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
+
+log = logging.getLogger("disagg.store")
+
+T = TypeVar("T")
+
+EVENT_RETENTION = 100_000
+"""Events kept; a watch from an older revision is told the log was compacted (OUT_OF_RANGE)."""
+PRUNE_EVERY = 1_000
+"""Appends between two prunes of the event log: pruning in steps keeps appending cheap."""
+PAGE = 500
+"""Keys per range read: a load of many records is several bounded answers, not one huge one."""
+TXN_OPS = 100
+"""Deletes per transaction when old request ids are forgotten: etcd refuses more than 128 by default."""
+API_PATH = "/v3/"
+"""The gateway's path in etcd 3.4 and later; fixed, so no call waits for a version discovery first."""
+
+COMPOSITIONS = "compositions"
+RESERVATIONS = "reservations"
+REQUESTS = "requests"
+EVENTS = "events"
+
+_UNREACHABLE: tuple[type[BaseException], ...] = (
+    ConnectionFailedError,  # refused, reset, or HTTP 503 (Unavailable: no leader, leader changed)
+    ConnectionTimeoutError,  # no answer within timeout_s, or HTTP 408/504
+    requests.RequestException,  # a broken answer: truncated, not JSON
+    OSError,
+)
+
+
+class LeadershipLostError(FabricUnavailableError):
+    """A ledger write was refused because the leader key is no longer this replica's: another replica leads
+    now. Nothing was written; the call may succeed on the replica that leads."""
+
+    reason = "LEADERSHIP_LOST"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's range_end of a prefix)."""
+    end = bytearray(prefix.rstrip(b"\xff"))
+    if not end:
+        return b"\0"  # every key
+    end[-1] += 1
+    return bytes(end)
+
+
+def _endpoint(address: object) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
+    if not isinstance(address, str):
+        raise ConfigError(f"etcd endpoint {address!r} is not a HOST:PORT string", field="state.endpoints")
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    bad_host = not host or any(c in host for c in "/[] \t") or (":" in host and not address.startswith("["))
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"etcd endpoint {address!r} is not HOST:PORT", field="state.endpoints")
+    return host, int(port)
+
+
+class EtcdStore(Store):
+    """The ledger under ``prefix`` on the etcd cluster at ``endpoints`` (``HOST:PORT`` each, tried in order)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        prefix: str = "/disagg/",
+        event_retention: int = EVENT_RETENTION,
+        timeout_s: float = 5.0,
+    ) -> None:
+        if isinstance(endpoints, str):
+            raise ConfigError(
+                f"etcd endpoints are a list of HOST:PORT, not the string {endpoints!r}", field="state.endpoints"
+            )
+        if not endpoints:
+            raise ConfigError("the etcd ledger needs at least one endpoint", field="state.endpoints")
+        addresses = [_endpoint(e) for e in endpoints]
+        if event_retention < 1:
+            raise ConfigError(f"event_retention must be at least 1, not {event_retention}")
+        if not timeout_s > 0:
+            raise ConfigError(f"the etcd timeout must be positive, not {timeout_s}")
+        self.endpoints: tuple[str, ...] = tuple(endpoints)
+        self.prefix = prefix
+        self._key_prefix = prefix.encode()
+        self._retention = event_retention
+        self._session = requests.Session()
+        self._clients = [
+            etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path=API_PATH, session=self._session)
+            for host, port in addresses
+        ]
+        self._current = 0
+        """The endpoint that answered last: the next call starts there."""
+        self._state_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        """Held over each write, so that a prune sees no write of this process between its read and its deletes."""
+        self._fence: dict[str, Any] | None = None
+        """The compare of every write once `fence` was called."""
+        self._fence_key = ""
+        self._fence_name = ""
+        self._appended = 0
+        self._put_requests = 0
+
+    # ----------------------------------------------------------------- keys
+
+    def _key(self, kind: str, name: str) -> bytes:
+        return self._key_prefix + f"{kind}/{name}".encode()
+
+    def _event_key(self, revision: int) -> bytes:
+        return self._key(EVENTS, f"{revision:020d}")
+
+    def _bounds(self, kind: str) -> tuple[bytes, bytes]:
+        start = self._key_prefix + f"{kind}/".encode()
+        return start, _prefix_end(start)
+
+    # ----------------------------------------------------------------- fencing
+
+    def fence(self, key: str, create_revision: int) -> None:
+        """From now on, write only while ``key`` (the leader key, outside the prefix) has ``create_revision``:
+        the fencing epoch this replica got when it won the lead."""
+        if create_revision < 1:
+            raise InvalidRequestError(
+                f"a fencing epoch is a key's create revision (1 or more), not {create_revision}",
+                field="create_revision",
+            )
+        compare = {"key": _b64(key.encode()), "target": "CREATE", "result": "EQUAL", "create_revision": create_revision}
+        with self._write_lock:
+            self._fence = compare
+            self._fence_key = key
+            self._fence_name = f"{key} at create revision {create_revision}"
+
+    # ----------------------------------------------------------------- calls, with failover
+
+    def _call(self, what: str, call: Callable[[etcd3gw.Etcd3Client], T]) -> T:
+        """``call`` on the current endpoint, then on each next one that cannot be reached; `_UNREACHABLE` from all
+        of them is a `FabricUnavailableError` naming every endpoint, any other refusal one naming that member."""
+        with self._state_lock:
+            first = self._current
+        failures = []
+        for step in range(len(self._clients)):
+            index = (first + step) % len(self._clients)
+            endpoint = self.endpoints[index]
+            try:
+                result = call(self._clients[index])
+            except _UNREACHABLE as exc:
+                failures.append(f"{endpoint}: {_describe(exc)}")
+                if step + 1 < len(self._clients):
+                    log.warning("etcd did not answer (%s); trying the next endpoint", failures[-1])
+                continue
+            except Etcd3Exception as exc:
+                raise FabricUnavailableError(
+                    f"etcd at {endpoint} refused to {what}: {_describe(exc)}", metadata={"endpoint": endpoint}
+                ) from exc
+            if index != first:
+                with self._state_lock:
+                    self._current = index
+            return result
+        raise FabricUnavailableError(
+            f"no etcd endpoint answered ({', '.join(self.endpoints)}), so the ledger could not {what}: "
+            + "; ".join(failures),
+            metadata={"endpoints": ",".join(self.endpoints)},
+        )
+
+    def _range(
+        self,
+        start: bytes,
+        end: bytes,
+        *,
+        limit: int = 0,
+        revision: int = 0,
+        keys_only: bool = False,
+        count_only: bool = False,
+    ) -> Mapping[str, Any]:
+        payload: dict[str, Any] = {"key": _b64(start)}
+        if end:
+            payload["range_end"] = _b64(end)
+        if limit:
+            payload["limit"] = limit
+        if revision:
+            payload["revision"] = revision
+        if keys_only:
+            payload["keys_only"] = True
+        if count_only:
+            payload["count_only"] = True
+        answer: Mapping[str, Any] = self._call("read", lambda c: c.post(c.get_url("/kv/range"), json=payload))
+        return answer
+
+    def _scan(self, kind: str, revision: int, *, keys_only: bool = False) -> Iterator[Mapping[str, Any]]:
+        """Every key-value of ``kind`` at ``revision`` (0: as the first read finds them), in key order, `PAGE`
+        keys per read."""
+        start, end = self._bounds(kind)
+        while True:
+            answer = self._range(start, end, limit=PAGE, revision=revision, keys_only=keys_only)
+            kvs: list[Mapping[str, Any]] = answer.get("kvs", [])
+            yield from kvs
+            if not answer.get("more") or not kvs:
+                return
+            revision = revision or int(answer["header"]["revision"])
+            start = _unb64(kvs[-1]["key"]) + b"\0"
+
+    def _snapshot(self) -> int:
+        """The cluster's current revision: reads at it see one consistent ledger."""
+        key, _ = self._bounds(EVENTS)
+        answer = self._range(key, b"", count_only=True)  # one key, not a range: quick however big the ledger
+        return int(answer["header"]["revision"])
+
+    def _commit(self, ops: list[dict[str, Any]]) -> None:
+        """One transaction of ``ops``; fenced, it raises `LeadershipLostError` and changes nothing when the
+        leader key is no longer this replica's. Call it holding `_write_lock`."""
+        fence = self._fence
+        txn = {"compare": [] if fence is None else [fence], "success": ops, "failure": []}
+        answer = self._call("write", lambda c: c.transaction(txn))
+        if fence is not None and not answer.get("succeeded"):
+            raise LeadershipLostError(
+                f"the ledger refused a write: another replica leads now (the leader key is no longer "
+                f"{self._fence_name})",
+                metadata={"leader_key": self._fence_key},
+            )
+
+    def _put(self, key: bytes, doc: str) -> dict[str, Any]:
+        return {"request_put": {"key": _b64(key), "value": _b64(doc.encode())}}
+
+    def _delete(self, key: bytes, end: bytes | None = None) -> dict[str, Any]:
+        op: dict[str, Any] = {"key": _b64(key)}
+        if end is not None:
+            op["range_end"] = _b64(end)
+        return {"request_delete_range": op}
+
+    # ----------------------------------------------------------------- the ledger
+
+    def load(self) -> LedgerState:
+        revision = self._snapshot()
+        comps = tuple(codec.loads(_unb64(kv["value"]), Composition) for kv in self._scan(COMPOSITIONS, revision))
+        res = tuple(codec.loads(_unb64(kv["value"]), Reservation) for kv in self._scan(RESERVATIONS, revision))
+        # Oldest first in the order they were written (their mod revisions, whichever replica wrote them), as
+        # MemoryStore keeps them; SqliteStore's order by answer time agrees while the clocks do.
+        kvs = sorted(self._scan(REQUESTS, revision), key=lambda kv: int(kv["mod_revision"]))
+        requests_ = tuple(codec.loads(_unb64(kv["value"]), RequestRecord) for kv in kvs[-REQUEST_RETENTION:])
+        return LedgerState(comps, res, self._last_event(revision), requests_)
+
+    def _first_event_from(self, revision: int, at: int) -> int | None:
+        """The lowest event revision at or above ``revision``, read at etcd revision ``at``; None if none."""
+        start, end = self._bounds(EVENTS)
+        answer = self._range(self._event_key(max(revision, 0)), end, limit=1, revision=at, keys_only=True)
+        kvs = answer.get("kvs", [])
+        return int(_unb64(kvs[0]["key"])[len(start) :]) if kvs else None
+
+    def _last_event(self, at: int) -> int:
+        """The highest event revision, without reading the log: range reads of one key each find the lowest
+        revision and count the log, so contiguous revisions take four reads; gaps are found by galloping up and
+        bisecting back (``2 log2`` more reads)."""
+        low = self._first_event_from(0, at)
+        if low is None:
+            return 0
+        start, end = self._bounds(EVENTS)
+        count = int(self._range(start, end, revision=at, count_only=True).get("count", 0))
+        # ``count`` distinct revisions from ``low`` on: the highest is at least low + count - 1.
+        found = self._first_event_from(low + count - 1, at)
+        low = low if found is None else found
+        step = 1
+        while (found := self._first_event_from(low + step, at)) is not None:
+            low, step = found, step * 2
+        high = low + step  # an event at low, none at or above high
+        while high - low > 1:
+            mid = (low + high) // 2
+            found = self._first_event_from(mid, at)
+            if found is None:
+                high = mid
+            else:
+                low = found
+        return low
+
+    def put_composition(self, composition: Composition) -> None:
+        with self._write_lock:
+            self._commit([self._put(self._key(COMPOSITIONS, composition.id), codec.dumps(composition))])
+
+    def delete_composition(self, composition_id: str) -> None:
+        with self._write_lock:
+            self._commit([self._delete(self._key(COMPOSITIONS, composition_id))])
+
+    def put_reservation(self, reservation: Reservation) -> None:
+        with self._write_lock:
+            self._commit([self._put(self._key(RESERVATIONS, reservation.id), codec.dumps(reservation))])
+
+    def delete_reservation(self, reservation_id: str) -> None:
+        with self._write_lock:
+            self._commit([self._delete(self._key(RESERVATIONS, reservation_id))])
+
+    def put_request(self, record: RequestRecord) -> None:
+        with self._write_lock:
+            self._commit([self._put(self._key(REQUESTS, record.id), codec.dumps(record))])
+            self._put_requests += 1
+            if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
+                self._forget_old_requests()
+
+    def _forget_old_requests(self) -> None:
+        """Delete every request id but the newest `REQUEST_RETENTION` (by etcd's mod revision, as `load`)."""
+        kvs = sorted(self._scan(REQUESTS, 0, keys_only=True), key=lambda kv: int(kv["mod_revision"]))
+        old = [_unb64(kv["key"]) for kv in kvs[: max(0, len(kvs) - REQUEST_RETENTION)]]
+        for i in range(0, len(old), TXN_OPS):
+            self._commit([self._delete(key) for key in old[i : i + TXN_OPS]])
+
+    def delete_request(self, request_id: str) -> None:
+        with self._write_lock:
+            self._commit([self._delete(self._key(REQUESTS, request_id))])
+
+    def append_event(self, event: Event) -> None:
+        with self._write_lock:
+            ops = [self._put(self._event_key(event.revision), codec.dumps(event))]
+            appended = self._appended + 1
+            cutoff = event.revision - self._retention  # events at or below it are forgotten
+            if appended % min(PRUNE_EVERY, self._retention) == 0 and cutoff > 0:
+                start, _ = self._bounds(EVENTS)
+                ops.append(self._delete(start, self._event_key(cutoff + 1)))
+            self._commit(ops)
+            self._appended = appended
+
+    def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
+        events: list[Event] = []
+        start = self._event_key(max(revision + 1, 0))
+        _, end = self._bounds(EVENTS)
+        at = 0
+        while len(events) < limit:
+            answer = self._range(start, end, limit=min(PAGE, limit - len(events)), revision=at)
+            kvs = answer.get("kvs", [])
+            events.extend(codec.loads(_unb64(kv["value"]), Event) for kv in kvs)
+            if not answer.get("more") or not kvs:
+                break
+            at = int(answer["header"]["revision"])  # later pages read the log as the first one saw it
+            start = _unb64(kvs[-1]["key"]) + b"\0"
+        return events
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def _describe(exc: BaseException) -> str:
+    """The gist of an etcd3gw or requests exception: the gateway's error text, else the exception's own."""
+    text = (exc.detail_text if isinstance(exc, Etcd3Exception) else None) or str(exc) or type(exc).__name__
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text
+    return str(doc.get("error", text)) if isinstance(doc, dict) else text
+
+
+__all__ = ["EtcdStore", "LeadershipLostError"]

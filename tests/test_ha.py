@@ -1,0 +1,203 @@
+"""High availability on etcd, end to end: a 3-member etcd cluster on loopback, one sim driver served out of
+process, and two `disagg serve` replicas sharing them. Killing the active replica mid-load hands the lead to
+the standby within 10 seconds; every acknowledged composition is still there; the old replica's epoch is
+refused by the driver; a client given both addresses follows the lead on its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conformance_helpers import ServedDriver
+from disagg.client import FabricManagerClient
+from disagg.errors import DisaggError, StaleEpochError
+from disagg.interfaces import CallContext
+from disagg.remote import RemoteFabric
+from disagg.requestlang import parse_request
+
+TAKEOVER_S = 10.0
+START_S = 60.0
+
+
+def _need_etcd() -> None:
+    if shutil.which("etcd") is None:
+        message = "etcd is not installed: apt-get install etcd-server (.ci/run does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Replica:
+    """One `disagg serve` process; its output is read on a thread so that its lines can be waited for."""
+
+    def __init__(self, config: Path, port: int, state: Path) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", self.address],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "DISAGG_STATE_DIR": str(state)},
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines:
+                    if m := re.search(pattern, line):
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if self.proc.poll() is not None and not self._changed.wait(0.2):
+                    return None  # it exited and said nothing more
+                self._changed.wait(min(left, 0.5))
+
+    def epoch(self) -> int:
+        m = self.wait_for(r"leading with fencing epoch (\d+)", 0)
+        assert m is not None, "".join(self.lines)
+        return int(m.group(1))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]:
+    _need_etcd()
+    from etcd_helpers import start_etcd_cluster
+
+    etcd = start_etcd_cluster(tmp_path / "etcd", members=3)
+    options = ("generate.devices=120", "generate.hosts_per_domain=4", f"state_file={tmp_path / 'sim.json'}")
+    driver = ServedDriver("sim", "sim0", f"unix:{tmp_path / 'sim0.sock'}", options, {})
+    driver.start()
+    config = tmp_path / "disagg.toml"
+    endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
+    config.write_text(
+        f'[state]\nledger = "etcd"\nendpoints = [{endpoints}]\nprefix = "/ha-test/"\nlease_ttl_s = 2\n\n'
+        f'[[fabric]]\nname = "sim0"\ndriver = "remote"\noptions = {{ address = "{driver.address}" }}\n'
+    )
+    replicas = [Replica(config, _free_port(), tmp_path / f"state{n}") for n in range(2)]
+    try:
+        yield driver, replicas, driver.address
+    finally:
+        for r in replicas:
+            r.stop()
+        driver.stop()
+        etcd.stop()
+
+
+def _leader(replicas: list[Replica], timeout: float) -> Replica:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in replicas:
+            if r.wait_for(r"^serving on ", 0):
+                return r
+        time.sleep(0.1)
+    raise AssertionError("no replica leads:\n" + "\n---\n".join("".join(r.lines) for r in replicas))
+
+
+class TestFailover:
+    """The standby takes over within 10 s of the active replica's death, loses nothing acknowledged, and the
+    dead replica's epoch can no longer change the hardware."""
+
+    def test_kill_the_active_replica_mid_load(self, cluster: tuple[ServedDriver, list[Replica], str]) -> None:
+        _, replicas, driver_address = cluster
+        first = _leader(replicas, START_S)
+        standby = next(r for r in replicas if r is not first)
+        assert standby.wait_for(r"^standby on ", START_S), "".join(standby.lines)
+        client = FabricManagerClient(",".join(r.address for r in replicas), timeout_s=10)
+        acknowledged: dict[str, str] = {}
+        killed_at: list[float] = []
+
+        def compose(n: int) -> None:
+            """Compose job-n, retrying with its request id until it is answered (bounded)."""
+            request = parse_request(f"job-{n}", ["gpu x1"])
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    comp = client.compose(request, request_id=f"job-{n}").composition
+                    assert comp is not None
+                    acknowledged[comp.name] = comp.id
+                    return
+                except DisaggError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+        for n in range(5):
+            compose(n)
+        old_epoch = first.epoch()
+        loader_error: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                for n in range(5, 15):
+                    compose(n)
+            except BaseException as exc:
+                loader_error.append(exc)
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        time.sleep(0.3)
+        first.proc.send_signal(signal.SIGKILL)
+        killed_at.append(time.monotonic())
+        assert standby.wait_for(r"^serving on ", TAKEOVER_S), "the standby did not take over:\n" + "".join(
+            standby.lines
+        )
+        took = time.monotonic() - killed_at[0]
+        loader.join(60)
+        assert not loader_error, loader_error
+        assert took <= TAKEOVER_S
+
+        listed = {c.name: c.id for c in client.compositions()}
+        assert listed == acknowledged, "an acknowledged composition was lost or duplicated"
+        new_epoch = standby.epoch()
+        assert new_epoch > old_epoch
+
+        hardware = RemoteFabric("sim0", driver_address)
+        try:
+            held = {b.device for b in hardware.bindings()}
+            assert held == {d for c in client.compositions() for d in c.device_ids}
+            free = next(d.id for d in hardware.discover().devices if d.id not in held and "-g" in d.id)
+            host = client.get("job-0").host
+            with pytest.raises(StaleEpochError):
+                hardware.bind(free, host, CallContext(epoch=old_epoch))
+            assert free not in {b.device for b in hardware.bindings()}
+        finally:
+            hardware.close()
+            client.close()
