@@ -5,7 +5,7 @@ clients Compose throughput is at least half the no-op throughput. The no-op is `
 on the same ``disagg serve`` process. The fabric is a generated sim fabric of 100,000 devices; each client
 composes ``host cores>=32`` with ``gpu x1`` under a name of its own for the measured time, then the
 compositions are decomposed (timed too), so every Compose places, binds and records a real composition.
-The ledger is the in-memory one: the durable ledger's cost is measured by the state benchmarks. No-op and
+The ledger is the in-memory one, or with ``--ledger sqlite`` the durable default (grouped commits). No-op and
 Compose alternate in rounds on the same server, each ratio is taken within one round and the median of the
 rounds is reported: on these shared machines the speed of a no-op drifts by tens of percent within a minute.
 
@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 CONFIG = """
 [state]
-ledger = "memory"
+ledger = "{ledger}"
 
 [[fabric]]
 name = "bench"
@@ -47,9 +47,9 @@ options = {{ generate = {{ devices = {devices} }} }}
 STARTUP_TIMEOUT_S = 180.0
 
 
-def start_server(devices: int, tmp: Path) -> tuple[subprocess.Popen[str], str]:
+def start_server(devices: int, tmp: Path, ledger: str = "memory") -> tuple[subprocess.Popen[str], str]:
     config = tmp / "disagg.toml"
-    config.write_text(CONFIG.format(devices=devices))
+    config.write_text(CONFIG.format(devices=devices, ledger=ledger))
     address = f"unix:{tmp / 'fm.sock'}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", address],
@@ -161,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=1.5, help="per point and round")
     parser.add_argument("--rounds", type=int, default=3, help="no-op and Compose alternate this many times")
     parser.add_argument("--max-calls", type=int, default=8_000, help="per point; each Compose holds a host")
+    parser.add_argument(
+        "--ledger", choices=("memory", "sqlite"), default="memory", help="sqlite: the durable default ledger"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server(args.devices, Path(tmp))
+        proc, address = start_server(args.devices, Path(tmp), args.ledger)
         try:
             rows = asyncio.run(measure(address, args.seconds, args.max_calls, args.rounds))
         finally:
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "devices": args.devices,
             "seconds": args.seconds,
             "rounds": args.rounds,
-            "ledger": "memory",
+            "ledger": args.ledger,
             "noop": "Health/Check",
         },
         "rows": rows,

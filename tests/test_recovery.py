@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,11 +20,14 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError
 from disagg.interfaces import CallContext
 from disagg.model import Binding, CompositionState, DeviceKind, EventType, Topology
+from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
+from remote_helpers import served
 
 GiB = 1 << 30
+WAIT_S = 10.0
 
 
 def fabrics(tmp: Path) -> dict[str, SimFabric]:
@@ -215,3 +219,30 @@ class TestUnreachableAtStartUp:
         assert composer.find("inference").state is CompositionState.COMPOSED
         assert composer.retry_unreachable() is False
         composer.close()
+
+
+class TestFailureDegrades:
+    """A device failure that a driver reports, in process or from another process, marks the composition
+    using it DEGRADED, and only that one. (The promise is within one second; the wait here is bounded more
+    loosely, since a test asserts behaviour, not speed: the latency itself is measured in docs/durability.md.)"""
+
+    @pytest.mark.parametrize("remote", [False, True], ids=["in-process", "out-of-process"])
+    def test_degraded_within_a_second(self, tmp_path: Path, remote: bool) -> None:
+        sim = create_fabric("pcie0", {"topology": "demo-pcie"})
+        with served(sim, "unix") as server:
+            fabric = RemoteFabric("pcie0", server.address) if remote else sim
+            composer = FabricComposer({"pcie0": fabric}, auto_heal=False)
+            composer.start()
+            try:
+                comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+                other = composer.compose(parse_request("other", ["host h2", "gpu x1"])).composition
+                assert comp is not None and other is not None
+                failed_at = time.monotonic()
+                sim.fail_device(comp.device_ids[0], "xid 79")
+                while composer.find("job").state is not CompositionState.DEGRADED:
+                    assert time.monotonic() - failed_at < WAIT_S, f"not DEGRADED within {WAIT_S} s"
+                    time.sleep(0.01)
+                assert comp.device_ids[0] in composer.find("job").message
+                assert composer.find("other").state is CompositionState.COMPOSED
+            finally:
+                composer.close()

@@ -7,6 +7,7 @@ execution and given back if execution fails, so a device is never offered twice.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -14,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import attrs
 
@@ -115,6 +116,22 @@ class PoolUsage:
     free_bytes: int
 
 
+C = TypeVar("C", bound=Callable[..., Any])
+
+
+def _durably(method: C) -> C:
+    """Answer only once everything the call wrote to the ledger is durable (the ledger may group commits)."""
+
+    @functools.wraps(method)
+    def durable(self: FabricComposer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.store.sync()
+
+    return cast(C, durable)
+
+
 class FabricComposer(Composer):
     """The composer over a set of loaded fabrics. Call `start` before use and `close` at the end."""
 
@@ -167,6 +184,7 @@ class FabricComposer(Composer):
 
     # ----------------------------------------------------------------- life cycle
 
+    @_durably
     def start(self) -> None:
         """Discover every fabric, rebuild the index, reload the ledger and subscribe to fabric events."""
         with self._lock:
@@ -290,6 +308,7 @@ class FabricComposer(Composer):
             if change.request_id:
                 self._answered(change.request_id, change.fingerprint, comp)  # finished: a retry gets it
 
+    @_durably
     def reconcile(self) -> int:
         """Hold the ledger against the hardware, which is the truth; returns how many things it changed.
 
@@ -459,6 +478,7 @@ class FabricComposer(Composer):
                 fabrics = ", ".join(sorted(self._unreachable))
                 self._set(comp, state=CompositionState.UNKNOWN, message=f"fabric {fabrics} cannot be reached")
 
+    @_durably
     def retry_unreachable(self) -> bool:
         """Try the unreachable fabrics again; when one answers, rebuild, settle its compositions (recovery,
         then COMPOSED or DEGRADED) and reconcile. Returns whether any answered. A server calls it on a timer."""
@@ -579,6 +599,7 @@ class FabricComposer(Composer):
         self.store.delete_reservation(res.id)
         self._emit(why, res.id, f"reservation for {res.request.name!r} given back")
 
+    @_durably
     def tick(self) -> None:
         """Expire reservations whose time to live has passed; a server calls it on a timer."""
         with self._lock:
@@ -589,6 +610,7 @@ class FabricComposer(Composer):
             self._expire_locked()
             return sorted(self._reservations.values(), key=lambda r: r.id)
 
+    @_durably
     def release_reservation(self, reservation_id: str) -> None:
         with self._lock:
             res = self._reservations.get(reservation_id)
@@ -603,6 +625,7 @@ class FabricComposer(Composer):
         assert composition is not None
         return composition
 
+    @_durably
     def apply_reserved(
         self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
     ) -> ComposeResult:
@@ -627,6 +650,7 @@ class FabricComposer(Composer):
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
             comp = self._begin(res.request, res.plan)
+        self.store.sync()
         failpoints.hit("compose.after_reserve")
         return ComposeResult(ComposeMode.APPLY, res.plan, composition=self._execute(comp, res.plan, deadline))
 
@@ -642,6 +666,7 @@ class FabricComposer(Composer):
             self._expire_locked()
             return self._placer.place(request)
 
+    @_durably
     def compose(
         self,
         request: CompositionRequest,
@@ -702,6 +727,7 @@ class FabricComposer(Composer):
         except _SettledError as settled:
             with self._lock:
                 self._answered(request_id, fp, settled)
+            self.store.sync()
             done.set()
             raise settled.error from None
         except BaseException:
@@ -713,6 +739,7 @@ class FabricComposer(Composer):
             self._asking.request = None
         with self._lock:
             self._answered(request_id, fp, answer)
+        self.store.sync()
         done.set()
         return answer
 
@@ -754,6 +781,7 @@ class FabricComposer(Composer):
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
             comp = self._begin(request, plan)
+        self.store.sync()  # write-ahead: the ledger knows the plan before any driver call
         failpoints.hit("compose.after_reserve")
         return ComposeResult(mode, plan, composition=self._execute(comp, plan, deadline))
 
@@ -909,6 +937,7 @@ class FabricComposer(Composer):
             ]
             return kinds, pools
 
+    @_durably
     def cordon(self, device_id: str) -> Device:
         """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
         with self._lock:
@@ -919,6 +948,7 @@ class FabricComposer(Composer):
                 self._emit(EventType.DEVICE_CORDONED, device_id)
             return dev
 
+    @_durably
     def uncordon(self, device_id: str) -> Device:
         """Offer a cordoned device to placement again. Idempotent."""
         with self._lock:
@@ -935,6 +965,7 @@ class FabricComposer(Composer):
 
     # ----------------------------------------------------------------- recompose / decompose
 
+    @_durably
     def recompose(
         self,
         composition_id: str,
@@ -1005,6 +1036,7 @@ class FabricComposer(Composer):
             start = self._next_alloc_index(comp)
             adding = self._adding(comp.id, plan, restore=previous_state, start=start) if lines else None
             comp = self._set(comp, state=CompositionState.COMPOSING, pending=adding)
+        self.store.sync()
         try:
             new_allocs = self._executor.apply(
                 comp.host,
@@ -1064,6 +1096,7 @@ class FabricComposer(Composer):
         with self._lock:
             removing = PendingChange(ChangeKind.REMOVE, tuple(picks), tuple(allocs), None, *self._request_mark())
             comp = self._set(comp, pending=removing)
+        self.store.sync()
         leftovers = self._release(comp.host, picks, allocs, deadline, stage="recompose")
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers.ids)
@@ -1102,6 +1135,7 @@ class FabricComposer(Composer):
         ]
         return self._executor.undo(bound, carved, deadline=deadline, stage=stage)
 
+    @_durably
     def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
         """See `Composer.decompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant.
 
@@ -1118,6 +1152,7 @@ class FabricComposer(Composer):
             except NotFoundError:
                 return
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
+        self.store.sync()
         leftovers = self._release(comp.host, comp.devices, comp.allocations, deadline, stage="decompose")
         failpoints.hit("decompose.before_commit")
         with self._lock:
@@ -1213,6 +1248,7 @@ class FabricComposer(Composer):
             self._reassess(comp)
             return [comp.id]
 
+    @_durably
     def heal(self, composition_id: str) -> Composition:
         """Replace each unhealthy device of a composition with one that meets the same request line."""
         return self._held(composition_id, lambda: self._heal(composition_id))
@@ -1243,6 +1279,7 @@ class FabricComposer(Composer):
                 raise NoFitError(f"cannot heal {comp.id}: {why}")
             self._claim_plan(plan, comp.id, host=False)
             comp = self._set(comp, pending=self._adding(comp.id, plan, restore=comp.state))
+        self.store.sync()
         try:
             self._executor.apply(comp.host, self._device_steps(plan.devices), [])
         except ExecutionFailedError as failed:

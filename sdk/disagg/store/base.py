@@ -67,6 +67,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]: ...
 
+    def sync(self) -> None:
+        """Wait until every write made so far is durable. A store whose writes are durable when they return
+        (the default) has nothing to wait for; one that groups commits waits for its committer."""
+        return None
+
     def close(self) -> None:
         """Release files and connections; the default holds none."""
         return None
