@@ -94,6 +94,34 @@ class TestRequestIdsSurviveARestart:
         again.close()
 
 
+class TestCordonsSurviveARestart:
+    """An operator's cordon, and a quarantine, are still in force after a restart, and a quarantine is not
+    reported twice."""
+
+    def test_cordon_and_quarantine_after_a_restart(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        cordoned = free_gpu(first)
+        first.cordon(cordoned)
+        stray = next(
+            d.id
+            for d in first.devices()
+            if d.kind is DeviceKind.GPU and d.id != cordoned and d.id not in first.holders()
+        )
+        first.fabrics["pcie0"].bind(stray, "h4", CallContext(epoch=first.epoch))
+        assert first.reconcile() == 1
+        first.close()
+        again = opened(tmp_path)
+        assert again.is_cordoned(cordoned) and again.is_cordoned(stray)
+        assert events_of(again, EventType.BINDING_QUARANTINED) == [stray]  # once, from before the restart
+        again.uncordon(stray)
+        again.close()
+        third = opened(tmp_path)  # uncordoned but still bound with no record: quarantined again, and said so
+        assert third.is_cordoned(stray)
+        assert events_of(third, EventType.BINDING_QUARANTINED) == [stray, stray]
+        assert third.is_cordoned(cordoned)
+        third.close()
+
+
 class TestReconcile:
     """The hardware is the truth: what the ledger lacks is quarantined and reported, what the hardware lost
     degrades its composition, and a second pass changes nothing."""

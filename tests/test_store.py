@@ -615,3 +615,16 @@ class TestEtcdMissing:
         with pytest.raises(outcome) as info:
             etcd_binary()
         assert "install etcd-server (apt-get install etcd-server)" in str(info.value)
+
+
+class TestCordons:
+    """Cordoned devices are kept, removed by id, and come back with the rest of the ledger."""
+
+    def test_put_delete_load(self, store: Store) -> None:
+        store.put_cordon("pcie0/gpu1")
+        store.put_cordon("pcie0/gpu0")
+        store.put_cordon("pcie0/gpu1")
+        store.delete_cordon("pcie0/gpu9")
+        assert sorted(store.load().cordons) == ["pcie0/gpu0", "pcie0/gpu1"]
+        store.delete_cordon("pcie0/gpu1")
+        assert store.load().cordons == ("pcie0/gpu0",)

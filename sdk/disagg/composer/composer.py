@@ -194,6 +194,7 @@ class FabricComposer(Composer):
             self._reservations = {r.id: r for r in state.reservations}
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
+            self._cordoned = set(state.cordons)
             for record in state.requests:
                 known = threading.Event()
                 known.set()
@@ -351,7 +352,10 @@ class FabricComposer(Composer):
             for device, host in sorted(bound.items()):
                 if expected.get(device) != host and device not in self._quarantined:
                     self._quarantined.add(device)
+                    if device in self._cordoned:
+                        continue  # cordoned already (a quarantine found before a restart): reported then
                     self._cordoned.add(device)
+                    self.store.put_cordon(device)
                     if device in self._inv.devices:
                         self._inv.cordon(device)
                     self._emit(
@@ -945,6 +949,7 @@ class FabricComposer(Composer):
             if device_id not in self._cordoned:
                 self._cordoned.add(device_id)
                 self._inv.cordon(device_id)
+                self.store.put_cordon(device_id)
                 self._emit(EventType.DEVICE_CORDONED, device_id)
             return dev
 
@@ -955,7 +960,9 @@ class FabricComposer(Composer):
             dev = self.device(device_id)
             if device_id in self._cordoned:
                 self._cordoned.discard(device_id)
+                self._quarantined.discard(device_id)
                 self._inv.uncordon(device_id)
+                self.store.delete_cordon(device_id)
                 self._emit(EventType.DEVICE_UNCORDONED, device_id)
             return dev
 

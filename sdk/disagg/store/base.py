@@ -35,6 +35,8 @@ class LedgerState:
     last_revision: int = 0
     requests: tuple[RequestRecord, ...] = ()
     """The newest `REQUEST_RETENTION`, oldest first."""
+    cordons: tuple[str, ...] = ()
+    """Devices kept out of placement, by an operator or by reconciliation (a quarantine)."""
 
 
 class Store(abc.ABC):
@@ -54,6 +56,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_reservation(self, reservation_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def put_cordon(self, device: str) -> None: ...
+
+    @abc.abstractmethod
+    def delete_cordon(self, device: str) -> None: ...
 
     @abc.abstractmethod
     def put_request(self, record: RequestRecord) -> None: ...

@@ -54,6 +54,7 @@ API_PATH = "/v3/"
 COMPOSITIONS = "compositions"
 RESERVATIONS = "reservations"
 REQUESTS = "requests"
+CORDONS = "cordons"
 EVENTS = "events"
 
 _UNREACHABLE: tuple[type[BaseException], ...] = (
@@ -279,7 +280,8 @@ class EtcdStore(Store):
         # MemoryStore keeps them; SqliteStore's order by answer time agrees while the clocks do.
         kvs = sorted(self._scan(REQUESTS, revision), key=lambda kv: int(kv["mod_revision"]))
         requests_ = tuple(codec.loads(_unb64(kv["value"]), RequestRecord) for kv in kvs[-REQUEST_RETENTION:])
-        return LedgerState(comps, res, self._last_event(revision), requests_)
+        cordons = tuple(sorted(_unb64(kv["value"]).decode() for kv in self._scan(CORDONS, revision)))
+        return LedgerState(comps, res, self._last_event(revision), requests_, cordons)
 
     def _first_event_from(self, revision: int, at: int) -> int | None:
         """The lowest event revision at or above ``revision``, read at etcd revision ``at``; None if none."""
@@ -328,6 +330,14 @@ class EtcdStore(Store):
     def delete_reservation(self, reservation_id: str) -> None:
         with self._write_lock:
             self._commit([self._delete(self._key(RESERVATIONS, reservation_id))])
+
+    def put_cordon(self, device: str) -> None:
+        with self._write_lock:
+            self._commit([self._put(self._key(CORDONS, device), device)])
+
+    def delete_cordon(self, device: str) -> None:
+        with self._write_lock:
+            self._commit([self._delete(self._key(CORDONS, device))])
 
     def put_request(self, record: RequestRecord) -> None:
         with self._write_lock:

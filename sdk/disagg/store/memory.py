@@ -17,6 +17,7 @@ class MemoryStore(Store):
         self._reservations: dict[str, Reservation] = {}
         self._events: list[Event] = []
         self._requests: dict[str, RequestRecord] = {}
+        self._cordons: dict[str, None] = {}
         self._retention = event_retention
 
     def load(self) -> LedgerState:
@@ -26,6 +27,7 @@ class MemoryStore(Store):
                 tuple(self._reservations.values()),
                 self._events[-1].revision if self._events else 0,
                 tuple(self._requests.values()),
+                tuple(self._cordons),
             )
 
     def put_composition(self, composition: Composition) -> None:
@@ -43,6 +45,14 @@ class MemoryStore(Store):
     def delete_reservation(self, reservation_id: str) -> None:
         with self._lock:
             self._reservations.pop(reservation_id, None)
+
+    def put_cordon(self, device: str) -> None:
+        with self._lock:
+            self._cordons[device] = None
+
+    def delete_cordon(self, device: str) -> None:
+        with self._lock:
+            self._cordons.pop(device, None)
 
     def put_request(self, record: RequestRecord) -> None:
         with self._lock:

@@ -31,6 +31,7 @@ CREATE TABLE IF NOT EXISTS requests (
     id TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, answer TEXT NOT NULL, at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS requests_at ON requests (at);
+CREATE TABLE IF NOT EXISTS cordons (device TEXT PRIMARY KEY);
 """
 
 EVENT_RETENTION = 100_000
@@ -142,7 +143,8 @@ class SqliteStore(Store):
                     (REQUEST_RETENTION,),
                 )
             )
-        return LedgerState(comps, res, int(last), requests)
+            cordons = tuple(d for (d,) in self._db.execute("SELECT device FROM cordons ORDER BY device"))
+        return LedgerState(comps, res, int(last), requests, cordons)
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
         with self._cond:
@@ -169,6 +171,12 @@ class SqliteStore(Store):
 
     def delete_reservation(self, reservation_id: str) -> None:
         self._enqueue(("DELETE FROM reservations WHERE id = ?", (reservation_id,)))
+
+    def put_cordon(self, device: str) -> None:
+        self._enqueue(("INSERT OR REPLACE INTO cordons VALUES (?)", (device,)))
+
+    def delete_cordon(self, device: str) -> None:
+        self._enqueue(("DELETE FROM cordons WHERE device = ?", (device,)))
 
     def put_request(self, record: RequestRecord) -> None:
         statements: list[Statement] = [
