@@ -58,6 +58,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.ledger == "etcd":
         from disagg.ha import Leadership
 
+        local = [f.name for f in config.fabrics if f.driver != "remote"]
+        if local:
+            logging.getLogger("disagg.server").warning(
+                "fabrics %s run in this process: replicas do not share them, so a standby that takes the lead "
+                "finds other hardware; serve them with `disagg driver serve` and use the remote driver",
+                ", ".join(local),
+            )
+
         identity = f"{socket.gethostname()}:{os.getpid()}:{','.join(listeners)}"
         leadership = Leadership(
             config.etcd_endpoints, identity, key=f"{config.etcd_prefix}leader", ttl_s=config.lease_ttl_s
