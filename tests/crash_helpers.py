@@ -58,10 +58,12 @@ HITS_PER_CYCLE = {
     "compose.after_bind": 4,
     "compose.after_allocate": 3,
     "compose.before_commit": 2,
+    "compose.after_commit": 2,
     "recompose.after_bind": 1,
     "recompose.after_allocate": 1,
     "recompose.before_commit": 2,
     "recompose.during_release": 2,
+    "recompose.after_commit": 4,
     "decompose.during_release": 4,
     "decompose.before_commit": 1,
 }

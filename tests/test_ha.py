@@ -108,7 +108,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]
     config = tmp_path / "disagg.toml"
     endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
     config.write_text(
-        f'[state]\nledger = "etcd"\nendpoints = [{endpoints}]\nprefix = "/ha-test/"\nlease_ttl_s = 2\n\n'
+        f'[state]\nledger = "etcd"\nendpoints = [{endpoints}]\nprefix = "/ha-test/"\nlease_ttl_s = 4\n\n'
         f'[[fabric]]\nname = "sim0"\ndriver = "remote"\noptions = {{ address = "{driver.address}" }}\n'
     )
     replicas = [Replica(config, _free_port(), tmp_path / f"state{n}") for n in range(2)]
@@ -181,7 +181,8 @@ class TestFailover:
         )
         took = time.monotonic() - killed_at[0]
         loader.join(60)
-        assert not loader_error, loader_error
+        logs = "\n---\n".join("".join(r.lines) for r in replicas)
+        assert not loader_error, f"{loader_error}\n{logs}"
         assert took <= TAKEOVER_S
 
         listed = {c.name: c.id for c in client.compositions()}

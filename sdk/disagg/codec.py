@@ -40,7 +40,11 @@ _public = _converter.copy()
 _public.register_unstructure_hook(
     Composition,
     cattrs.gen.make_dict_unstructure_fn(
-        Composition, _public, pending=cattrs.gen.override(omit=True), request_id=cattrs.gen.override(omit=True)
+        Composition,
+        _public,
+        pending=cattrs.gen.override(omit=True),
+        request_id=cattrs.gen.override(omit=True),
+        request_fingerprint=cattrs.gen.override(omit=True),
     ),
 )
 

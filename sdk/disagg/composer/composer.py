@@ -792,11 +792,11 @@ class FabricComposer(Composer):
     def _made_by_request(self, request: CompositionRequest) -> Composition | None:
         """The finished composition that this thread's request id already made, when its answer was lost (a
         crash after the commit and before the answer was recorded)."""
-        request_id = self._request_mark()[0]
+        request_id, fp = self._request_mark()
         comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
-        if comp is None or comp.request_id != request_id or comp.pending is not None:
+        if comp is None or (comp.request_id, comp.request_fingerprint) != (request_id, fp) or comp.pending:
             return None
-        return comp if comp.resources == request.resources else None
+        return comp
 
     def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
         comp_id = self._new_id("c")
@@ -809,6 +809,7 @@ class FabricComposer(Composer):
             devices=plan.devices,
             pending=self._adding(comp_id, plan, restore=None),
             request_id=self._request_mark()[0],
+            request_fingerprint=self._request_mark()[1],
         )
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
@@ -857,7 +858,10 @@ class FabricComposer(Composer):
             raise failed.error from None
         failpoints.hit("compose.before_commit")
         with self._lock:
-            return self._set(comp, state=CompositionState.COMPOSED, allocations=allocations, pending=None)
+            comp = self._set(comp, state=CompositionState.COMPOSED, allocations=allocations, pending=None)
+        self.store.sync()
+        failpoints.hit("compose.after_commit")
+        return comp
 
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
         if failed.leftovers:
@@ -1010,8 +1014,11 @@ class FabricComposer(Composer):
     ) -> Composition:
         if not add and not remove:
             raise InvalidRequestError("a recomposition needs something to add or remove")
+        request_id, fp = self._request_mark()
         with self._lock:
             comp = self.find(composition_id)
+            if request_id and (comp.request_id, comp.request_fingerprint) == (request_id, fp) and not comp.pending:
+                return comp  # this very change finished before a crash lost its answer
             if expected_etag is not None and expected_etag != comp.etag:
                 raise ConflictError(
                     f"composition {comp.id} is at {comp.etag}, not {expected_etag}",
@@ -1072,7 +1079,11 @@ class FabricComposer(Composer):
             comp, leftovers = self._remove(comp, set(remove), deadline)
         with self._lock:
             state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
-            comp = self._set(comp, state=state)
+            # Only a change that fully happened is found again by its request id: a failed one may be retried.
+            mark = {"request_id": request_id, "request_fingerprint": fp} if request_id and not leftovers else {}
+            comp = self._set(comp, state=state, **mark)
+        self.store.sync()
+        failpoints.hit("recompose.after_commit")
         if not leftovers:
             return comp
         names = ", ".join(leftovers.ids)

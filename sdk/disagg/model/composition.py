@@ -242,8 +242,10 @@ class Composition:
     message: str = ""
     pending: PendingChange | None = attrs.field(default=None, eq=False)
     request_id: str = attrs.field(default="", eq=False)
-    """The request id of the compose that made it, so that a retry finds it even when its answer was lost.
-    This and ``pending`` are the ledger's bookkeeping: they are not on the wire, nor in comparisons."""
+    """The request id of the last change that finished on it (its compose, or a recompose), with the digest
+    of that request: a retry whose answer a crash lost finds the change done. This, ``request_fingerprint``
+    and ``pending`` are the ledger's bookkeeping: they are not on the wire, nor in comparisons."""
+    request_fingerprint: str = attrs.field(default="", eq=False)
 
     @property
     def etag(self) -> str:
