@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import math
 import subprocess
+import sys
 import tempfile
 import tomllib
 from collections.abc import Callable, Mapping
@@ -212,7 +213,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
             argv += ["--disagg-expected-failures", str(Path(args.expected_failures).resolve())]
         code = pytest.main(argv, plugins=[Setup()])
     if not captured:
-        print(f"disagg: error: the conformance suite did not run (pytest exit code {int(code)})")
+        print(f"disagg: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 2 if code == pytest.ExitCode.USAGE_ERROR else 1
     report = captured[0]
     counts = report.to_json()["counts"]
