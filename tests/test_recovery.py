@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from disagg import failpoints
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError
+from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError, StaleEpochError
 from disagg.interfaces import CallContext
 from disagg.model import Binding, CompositionState, DeviceKind, EventType, Topology
 from disagg.remote import RemoteFabric
@@ -274,3 +274,21 @@ class TestFailureDegrades:
                 assert composer.find("other").state is CompositionState.COMPOSED
             finally:
                 composer.close()
+
+
+class TestLeaderAnnouncesItsEpoch:
+    """`fence_drivers` tells every fencing driver the composer's epoch before any real call, so the manager it
+    replaced is refused from that moment."""
+
+    def test_the_old_epoch_is_refused_at_once(self, tmp_path: Path) -> None:
+        hardware = fabrics(tmp_path)
+        composer = FabricComposer(hardware, store=SqliteStore(tmp_path / "ledger.db"), epoch=7)
+        composer.fence_drivers()
+        with pytest.raises(StaleEpochError):
+            hardware["pcie0"].bind(free_gpu_of(hardware["pcie0"]), "h1", CallContext(epoch=6))
+        assert list(hardware["pcie0"].bindings()) == []
+        composer.close()
+
+
+def free_gpu_of(fabric: SimFabric) -> str:
+    return next(d.id for d in fabric.discover().devices if d.kind is DeviceKind.GPU)

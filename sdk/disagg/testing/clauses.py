@@ -81,8 +81,8 @@ _ALL = (
     Clause(
         "FENCE-STALE-EPOCH",
         "A bind, unbind, allocate or release with a fencing epoch older than one the driver has seen, even on a "
-        "call that then failed, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason STALE_EPOCH) and changes "
-        "nothing.",
+        "call that then failed or changed nothing, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason "
+        "STALE_EPOCH) and changes nothing.",
         frozenset({Feature.BIND, Feature.FENCING}),
     ),
     Clause(
@@ -157,7 +157,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.0"
+SUITE_VERSION = "1.1"
 """The suite's version, in every report: a new clause or a changed statement raises it."""
 
 

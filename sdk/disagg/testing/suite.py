@@ -280,6 +280,12 @@ class FabricConformance:
         with pytest.raises(StaleEpochError):
             tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=new)
         assert _bindings_of(tracker.fabric, refused.id) == []
+        # An unbind of nothing changes nothing, yet fences too: it is how a new leader announces its epoch.
+        announced = epochs.advance()
+        tracker.unbind(f"{tracker.fabric.name}/disagg-fence", "disagg-fence", epoch=announced)
+        with pytest.raises(StaleEpochError):
+            tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=newer)
+        assert _bindings_of(tracker.fabric, refused.id) == []
 
     @clause("FENCE-STALE-EPOCH")
     def test_stale_epoch_on_a_pool(self, tracker: Tracker, epochs: Epochs, capabilities: Capabilities) -> None:
