@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import queue
+import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+
+from process_helpers import ChildOutput
 
 READY = "serving on"
 START_TIMEOUT_S = 30.0
@@ -44,36 +44,11 @@ def disagg_serve(tmp_path: Path, *args: str) -> Iterator[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
-    lines: queue.Queue[str | None] = queue.Queue()
-    output: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"disagg serve printed no {READY!r} line in {START_TIMEOUT_S:g} s: {output}")
-            try:
-                line = lines.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise AssertionError(f"disagg serve exited with {proc.wait(5)} before serving: {''.join(output)}")
-            output.append(line)
-            if READY in line:
-                break
+        ChildOutput(proc).wait_ready(re.escape(READY), START_TIMEOUT_S, "disagg serve")
         yield address
     finally:
         stop(proc)
-        reader.join(STOP_TIMEOUT_S)
 
 
 def stop(proc: subprocess.Popen[str]) -> int:

@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from disagg.interfaces import Fabric
 from disagg.remote.fabric import RemoteFabric
+from process_helpers import ChildOutput
 
 START_TIMEOUT_S = 60.0
 CERTIFY_TIMEOUT_S = 180
@@ -40,17 +40,13 @@ class ServedDriver:
         self.proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **self.env}
         )
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                raise RuntimeError(f"disagg driver serve exited with {self.proc.returncode}")
-            if line.startswith("serving "):
-                self.address = line.rsplit(" on ", 1)[1].strip()
-                return self.address
-        self.proc.kill()
-        raise RuntimeError("disagg driver serve did not start")
+        try:
+            ready = ChildOutput(self.proc).wait_ready(r"^serving .* on (\S+)$", START_TIMEOUT_S, "disagg driver serve")
+        except BaseException:
+            self.kill()
+            raise
+        self.address = ready.group(1)
+        return self.address
 
     def connect(self) -> Fabric:
         return RemoteFabric(self.fabric, self.address, connect_timeout_s=START_TIMEOUT_S)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +39,7 @@ from disagg.model import Allocation, Composition, CompositionState
 from disagg.store import SqliteStore
 from disagg.wire.fabric import composition_from_wire
 from disagg_sim import create_fabric
+from process_helpers import ChildOutput
 
 READY = "serving on"
 START_TIMEOUT_S = 30.0
@@ -179,40 +179,18 @@ class ServeProcess:
         self.proc = proc
         self.address = address
         self.armed = armed
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, daemon=True)
-        self._reader.start()
+        self._output = ChildOutput(proc)
         self.channel: grpc.Channel | None = None
         self.stub: fm_grpc.FabricManagerServiceStub | None = None
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
     @property
     def output(self) -> str:
-        return "".join(self.lines)
+        return self._output.text
 
     def wait_ready(self, timeout: float) -> None:
         """Wait for the ``serving on`` line, then open the channel; raises AssertionError with the output."""
         deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"disagg serve printed no {READY!r} line in {timeout:g} s:\n{self.output}")
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.proc.wait(EXIT_TIMEOUT_S)
-                raise AssertionError(f"disagg serve exited with {code} before serving:\n{self.output}")
-            if READY in line:
-                break
+        self._output.wait_ready(re.escape(READY), timeout, "disagg serve")
         self.channel = grpc.insecure_channel(self.address)
         grpc.channel_ready_future(self.channel).result(timeout=max(0.1, deadline - time.monotonic()))
         self.stub = fm_grpc.FabricManagerServiceStub(self.channel)
@@ -225,9 +203,11 @@ class ServeProcess:
     def wait_exit(self, timeout: float = EXIT_TIMEOUT_S) -> int | None:
         """The exit status once the process ends within ``timeout`` seconds, else None."""
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+        self._output.wait_ended(STOP_TIMEOUT_S)  # all it said, the failpoint's last words included
+        return code
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after `STOP_TIMEOUT_S`; returns the exit status (0 after a clean shutdown)."""
@@ -241,7 +221,7 @@ class ServeProcess:
                 code = self.proc.wait(STOP_TIMEOUT_S)
         else:
             code = self.proc.returncode
-        self._reader.join(STOP_TIMEOUT_S)
+        self._output.wait_ended(STOP_TIMEOUT_S)
         return code
 
     def kill(self) -> None:
@@ -250,7 +230,7 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(STOP_TIMEOUT_S)
-        self._reader.join(STOP_TIMEOUT_S)
+        self._output.wait_ended(STOP_TIMEOUT_S)
 
     def _close_channel(self) -> None:
         if self.channel is not None:

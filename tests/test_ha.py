@@ -6,7 +6,6 @@ refused by the driver; a client given both addresses follows the lead on its own
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -24,6 +23,7 @@ from disagg.errors import DisaggError, StaleEpochError
 from disagg.interfaces import CallContext
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
+from process_helpers import ChildOutput
 
 TAKEOVER_S = 10.0
 START_S = 60.0
@@ -45,12 +45,10 @@ def _free_port() -> int:
 
 
 class Replica:
-    """One `disagg serve` process; its output is read on a thread so that its lines can be waited for."""
+    """One `disagg serve` process, whose output is read as it comes (`ChildOutput`)."""
 
     def __init__(self, config: Path, port: int, state: Path) -> None:
         self.address = f"127.0.0.1:{port}"
-        self.lines: list[str] = []
-        self._changed = threading.Condition()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", self.address],
             stdout=subprocess.PIPE,
@@ -58,32 +56,11 @@ class Replica:
             text=True,
             env={**os.environ, "DISAGG_STATE_DIR": str(state)},
         )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._changed:
-                self.lines.append(line)
-                self._changed.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str] | None:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while True:
-                for line in self.lines:
-                    if m := re.search(pattern, line):
-                        return m
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                if self.proc.poll() is not None and not self._changed.wait(0.2):
-                    return None  # it exited and said nothing more
-                self._changed.wait(min(left, 0.5))
+        self.output = ChildOutput(self.proc)
 
     def epoch(self) -> int:
-        m = self.wait_for(r"leading with fencing epoch (\d+)", 0)
-        assert m is not None, "".join(self.lines)
+        m = self.output.wait_for(r"leading with fencing epoch (\d+)", 0)
+        assert m is not None, self.output.text
         return int(m.group(1))
 
     def stop(self) -> None:
@@ -125,10 +102,10 @@ def _leader(replicas: list[Replica], timeout: float) -> Replica:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for r in replicas:
-            if r.wait_for(r"^serving on ", 0):
+            if r.output.wait_for(r"^serving on ", 0):
                 return r
         time.sleep(0.1)
-    raise AssertionError("no replica leads:\n" + "\n---\n".join("".join(r.lines) for r in replicas))
+    raise AssertionError("no replica leads:\n" + "\n---\n".join(r.output.text for r in replicas))
 
 
 class TestFailover:
@@ -139,7 +116,7 @@ class TestFailover:
         _, replicas, driver_address = cluster
         first = _leader(replicas, START_S)
         standby = next(r for r in replicas if r is not first)
-        assert standby.wait_for(r"^standby on ", START_S), "".join(standby.lines)
+        assert standby.output.wait_for(r"^standby on ", START_S), standby.output.text
         client = FabricManagerClient(",".join(r.address for r in replicas), timeout_s=10)
         acknowledged: dict[str, str] = {}
         killed_at: list[float] = []
@@ -176,12 +153,12 @@ class TestFailover:
         time.sleep(0.3)
         first.proc.send_signal(signal.SIGKILL)
         killed_at.append(time.monotonic())
-        assert standby.wait_for(r"^serving on ", TAKEOVER_S), "the standby did not take over:\n" + "".join(
-            standby.lines
+        assert standby.output.wait_for(r"^serving on ", TAKEOVER_S), (
+            "the standby did not take over:\n" + standby.output.text
         )
         took = time.monotonic() - killed_at[0]
         loader.join(60)
-        logs = "\n---\n".join("".join(r.lines) for r in replicas)
+        logs = "\n---\n".join(r.output.text for r in replicas)
         assert not loader_error, f"{loader_error}\n{logs}"
         assert took <= TAKEOVER_S
 
