@@ -112,6 +112,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         import pytest
 
         from disagg.testing.expected import read_expected_failures
+        from disagg.testing.harness import reopening
         from disagg.testing.report import Report, Subject
         from disagg.testing.state import REPORT, SUBJECT, TARGET, Target
     except ImportError as exc:
@@ -160,11 +161,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
             factory().close()  # a configuration error is bad input, reported before the suite runs
 
-            def restart(old: Fabric) -> Fabric:
-                old.close()
-                return factory()
-
-            target = Target(factory, restart)
+            target = Target(factory, reopening(factory))
             info = next((p for p in plugins.plugins if p.name == spec.plugin), None)
             subject = Subject(
                 args.driver,

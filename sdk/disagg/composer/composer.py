@@ -76,8 +76,8 @@ def _random_id(prefix: str) -> str:
 
 T = TypeVar("T")
 REQUEST_ID_MEMORY = 10_000
+"""How many request ids the composer remembers in memory (the ledger keeps as many)."""
 _IN_FLIGHT = (CompositionState.COMPOSING, CompositionState.DECOMPOSING)
-"""How many request ids the composer remembers (in memory until the durable ledger keeps them)."""
 
 
 class _SettledError(Exception):
@@ -274,7 +274,7 @@ class FabricComposer(Composer):
             elif comp.state is CompositionState.COMPOSING:
                 # A recompose between its steps: nothing was in flight on the hardware.
                 with self._lock:
-                    state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+                    state = self._standing(comp)
                     self._set(comp, state=state)
 
     def _recover_change(self, comp: Composition, change: PendingChange) -> None:
@@ -291,20 +291,15 @@ class FabricComposer(Composer):
                 self._requests.pop(change.request_id, None)  # undone: a retry runs again
                 self.store.delete_request(change.request_id)
             if change.kind is ChangeKind.ADD and change.restore is None:
-                for pick in comp.devices:
-                    self._inv.release_device(pick.device)
-                self._inv.release_host(comp.host)
-                del self._compositions[comp.id]
-                self._names.pop(comp.name, None)
-                self.store.delete_composition(comp.id)
-                self._emit(EventType.COMPOSITION_DELETED, comp.id, "rolled back after a restart interrupted it")
+                self._unclaim_composition(comp)
+                self._forget(comp, "rolled back after a restart interrupted it")
                 return
             if change.kind is ChangeKind.ADD:
                 assert change.restore is not None
                 self._set(comp, state=change.restore, pending=None)
                 return
             comp = self._without(comp, {p.device for p in change.devices}, change.allocations)
-            state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+            state = self._standing(comp)
             comp = self._set(comp, state=state)
             if change.request_id:
                 self._answered(change.request_id, change.fingerprint, comp)  # finished: a retry gets it
@@ -403,12 +398,13 @@ class FabricComposer(Composer):
         return changes
 
     def _fabric_of(self, device: str) -> str:
+        """The fabric of a device: from the index, else from its id (one of a fabric that is not discovered)."""
         dev = self._inv.devices.get(device)
         return dev.fabric if dev is not None else device.partition("/")[0]
 
     def _fabric_of_pool(self, pool: str) -> str:
         entry = self._inv.pools.get(pool)
-        return entry.info.fabric if entry is not None else ""
+        return entry.info.fabric if entry is not None else pool.partition("/")[0]
 
     def close(self) -> None:
         for sub in self._subscriptions:
@@ -468,11 +464,9 @@ class FabricComposer(Composer):
         return topologies
 
     def _touches_unreachable(self, comp: Composition) -> bool:
-        names = {p.device.partition("/")[0] for p in comp.devices}
-        names.update(a.pool.partition("/")[0] for a in comp.allocations)
-        if comp.pending is not None:
-            names.update(p.device.partition("/")[0] for p in comp.pending.devices)
-            names.update(a.pool.partition("/")[0] for a in comp.pending.allocations)
+        picks = [*comp.devices, *(comp.pending.devices if comp.pending else ())]
+        allocs = [*comp.allocations, *(comp.pending.allocations if comp.pending else ())]
+        names = {self._fabric_of(p.device) for p in picks} | {self._fabric_of_pool(a.pool) for a in allocs}
         return bool(names & self._unreachable)
 
     def _mark_unknown(self) -> None:
@@ -515,6 +509,21 @@ class FabricComposer(Composer):
         for alloc in comp.allocations:
             if alloc.pool in self._inv.pools:
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+
+    def _unclaim_composition(self, comp: Composition) -> None:
+        """Give back what `_claim_composition` took: its devices, its memory, its host."""
+        for pick in comp.devices:
+            self._inv.release_device(pick.device)
+        for alloc in comp.allocations:
+            self._inv.release_memory(alloc.pool, alloc.amount_bytes)
+        self._inv.release_host(comp.host)
+
+    def _forget(self, comp: Composition, why: str) -> None:
+        """Delete a composition whose claims are given back, and say so; under the lock."""
+        del self._compositions[comp.id]
+        self._names.pop(comp.name, None)
+        self.store.delete_composition(comp.id)
+        self._emit(EventType.COMPOSITION_DELETED, comp.id, why)
 
     def _claim_plan(self, plan: Plan, owner: str, *, host: bool = True) -> None:
         if host:
@@ -800,6 +809,7 @@ class FabricComposer(Composer):
 
     def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
         comp_id = self._new_id("c")
+        request_id, fp = self._request_mark()
         comp = Composition(
             id=comp_id,
             name=request.name,
@@ -808,8 +818,8 @@ class FabricComposer(Composer):
             resources=request.resources,
             devices=plan.devices,
             pending=self._adding(comp_id, plan, restore=None),
-            request_id=self._request_mark()[0],
-            request_fingerprint=self._request_mark()[1],
+            request_id=request_id,
+            request_fingerprint=fp,
         )
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
@@ -873,10 +883,7 @@ class FabricComposer(Composer):
             self._set(comp, state=CompositionState.FAILED, message=f"rollback incomplete: {failed.error.message}")
             return
         self._unclaim_plan(plan)
-        del self._compositions[comp.id]
-        self._names.pop(comp.name, None)
-        self.store.delete_composition(comp.id)
-        self._emit(EventType.COMPOSITION_DELETED, comp.id, f"rolled back: {failed.error.message}")
+        self._forget(comp, f"rolled back: {failed.error.message}")
 
     # ----------------------------------------------------------------- queries
 
@@ -1078,7 +1085,7 @@ class FabricComposer(Composer):
         if remove:
             comp, leftovers = self._remove(comp, set(remove), deadline)
         with self._lock:
-            state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+            state = self._standing(comp)
             # Only a change that fully happened is found again by its request id: a failed one may be retried.
             mark = {"request_id": request_id, "request_fingerprint": fp} if request_id and not leftovers else {}
             comp = self._set(comp, state=state, **mark)
@@ -1192,17 +1199,14 @@ class FabricComposer(Composer):
                     f"decompose of {comp.id} left {names} bound; it is FAILED: decompose again to retry",
                     metadata=metadata,
                 )
-            for pick in comp.devices:
-                self._inv.release_device(pick.device)
-            for alloc in comp.allocations:
-                self._inv.release_memory(alloc.pool, alloc.amount_bytes)
-            self._inv.release_host(comp.host)
-            del self._compositions[comp.id]
-            self._names.pop(comp.name, None)
-            self.store.delete_composition(comp.id)
-            self._emit(EventType.COMPOSITION_DELETED, comp.id, f"{comp.name!r} decomposed")
+            self._unclaim_composition(comp)
+            self._forget(comp, f"{comp.name!r} decomposed")
 
     # ----------------------------------------------------------------- health
+
+    def _standing(self, comp: Composition) -> CompositionState:
+        """The state of a composition with no change in flight: DEGRADED when a device is unhealthy."""
+        return CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
 
     def _unhealthy(self, comp: Composition) -> list[DevicePick]:
         return [
@@ -1318,7 +1322,7 @@ class FabricComposer(Composer):
                 comp.id,
                 ", ".join(f"{old} -> {new.device}" for old, new in replaced.items()),
             )
-            state = CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+            state = self._standing(comp)
             return self._set(comp, state=state)
 
 

@@ -22,6 +22,7 @@ import requests
 from etcd3gw.exceptions import Etcd3Exception
 
 from disagg.errors import ConfigError
+from disagg.store.etcd import parse_endpoint
 
 log = logging.getLogger("disagg.ha")
 
@@ -29,13 +30,6 @@ LEADER_KEY = "/disagg/leader"
 LEASE_TTL_S = 3
 CAMPAIGN_POLL_S = 0.5
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (Etcd3Exception, OSError, requests.RequestException)
-
-
-def _endpoint(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"etcd endpoint {address!r} is not HOST:PORT", field="state.endpoints")
-    return host, int(port)
 
 
 class Leadership:
@@ -54,7 +48,7 @@ class Leadership:
             raise ConfigError("high availability needs at least one etcd endpoint", field="state.endpoints")
         if ttl_s < 2:
             raise ConfigError("the leader lease must live at least 2 seconds", field="state.lease_ttl_s")
-        self._endpoints = [_endpoint(e) for e in endpoints]
+        self._endpoints = [parse_endpoint(e) for e in endpoints]
         self.identity = identity
         self.key = key
         self.ttl_s = ttl_s

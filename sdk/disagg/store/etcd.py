@@ -89,7 +89,7 @@ def _prefix_end(prefix: bytes) -> bytes:
     return bytes(end)
 
 
-def _endpoint(address: object) -> tuple[str, int]:
+def parse_endpoint(address: object) -> tuple[str, int]:
     """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
     if not isinstance(address, str):
         raise ConfigError(f"etcd endpoint {address!r} is not a HOST:PORT string", field="state.endpoints")
@@ -119,7 +119,7 @@ class EtcdStore(Store):
             )
         if not endpoints:
             raise ConfigError("the etcd ledger needs at least one endpoint", field="state.endpoints")
-        addresses = [_endpoint(e) for e in endpoints]
+        addresses = [parse_endpoint(e) for e in endpoints]
         if event_retention < 1:
             raise ConfigError(f"event_retention must be at least 1, not {event_retention}")
         if not timeout_s > 0:

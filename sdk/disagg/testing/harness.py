@@ -22,6 +22,16 @@ Restart = Callable[[Fabric], Fabric]
 """Restarts the driver behind a fabric and returns a fabric on the restarted driver."""
 
 
+def reopening(factory: FabricFactory) -> Restart:
+    """The restart of an in-process driver: close the fabric and build it again from ``factory``."""
+
+    def restart(old: Fabric) -> Fabric:
+        old.close()
+        return factory()
+
+    return restart
+
+
 class Epochs:
     """The fencing epoch the suite's calls carry, shared by a whole run.
 

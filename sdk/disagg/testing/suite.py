@@ -31,7 +31,16 @@ from disagg.interfaces import Fabric
 from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health, PoolInfo
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
-from disagg.testing.harness import Epochs, FabricFactory, Restart, Tracker, View, collecting, run_together
+from disagg.testing.harness import (
+    Epochs,
+    FabricFactory,
+    Restart,
+    Tracker,
+    View,
+    collecting,
+    reopening,
+    run_together,
+)
 from disagg.testing.state import EPOCHS, LEFTOVERS, SEEN_CAPABILITIES
 
 REPEATS = 5
@@ -77,12 +86,7 @@ class FabricConformance:
     @pytest.fixture
     def restart(self, fabric_factory: FabricFactory) -> Restart:
         """How to restart the driver: by default close the fabric and build it again."""
-
-        def restart(old: Fabric) -> Fabric:
-            old.close()
-            return fabric_factory()
-
-        return restart
+        return reopening(fabric_factory)
 
     # ------------------------------------------------------------------ the suite's own fixtures
 
@@ -346,7 +350,6 @@ class FabricConformance:
             if dev is not None and dev.health is Health.OK and view.hosts_reaching(dev):
                 return info, view.hosts_reaching(dev)[0]
         _skip("the fabric has no healthy pool that a host reaches")
-        raise AssertionError("unreachable")
 
     @clause("CARVE-CONSERVES")
     def test_allocate_and_release_conserve_capacity(self, tracker: Tracker) -> None:
