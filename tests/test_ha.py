@@ -6,9 +6,7 @@ refused by the driver; a client given both addresses follows the lead on its own
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,25 +21,11 @@ from disagg.errors import DisaggError, StaleEpochError
 from disagg.interfaces import CallContext
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
+from etcd_helpers import etcd_binary, free_ports, start_etcd_cluster
 from process_helpers import ChildOutput
 
 TAKEOVER_S = 10.0
 START_S = 60.0
-
-
-def _need_etcd() -> None:
-    if shutil.which("etcd") is None:
-        message = "etcd is not installed: apt-get install etcd-server (.ci/run does)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Replica:
@@ -75,9 +59,7 @@ class Replica:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]:
-    _need_etcd()
-    from etcd_helpers import start_etcd_cluster
-
+    etcd_binary()
     etcd = start_etcd_cluster(tmp_path / "etcd", members=3)
     options = ("generate.devices=120", "generate.hosts_per_domain=4", f"state_file={tmp_path / 'sim.json'}")
     driver = ServedDriver("sim", "sim0", f"unix:{tmp_path / 'sim0.sock'}", options, {})
@@ -88,7 +70,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]
         f'[state]\nledger = "etcd"\nendpoints = [{endpoints}]\nprefix = "/ha-test/"\nlease_ttl_s = 4\n\n'
         f'[[fabric]]\nname = "sim0"\ndriver = "remote"\noptions = {{ address = "{driver.address}" }}\n'
     )
-    replicas = [Replica(config, _free_port(), tmp_path / f"state{n}") for n in range(2)]
+    replicas = [Replica(config, port, tmp_path / f"state{n}") for n, port in enumerate(free_ports(2))]
     try:
         yield driver, replicas, driver.address
     finally:
