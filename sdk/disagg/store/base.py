@@ -76,9 +76,15 @@ class Store(abc.ABC):
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]: ...
 
     def sync(self) -> None:
-        """Wait until every write made so far is durable. A store whose writes are durable when they return
-        (the default) has nothing to wait for; one that groups commits waits for its committer."""
+        """Wait until every write this caller (a thread, or an asyncio task) made so far is durable. A store
+        whose writes are durable when they return (the default) has nothing to wait for; one that groups
+        commits waits for its committer."""
         return None
+
+    async def synced(self) -> None:
+        """`sync` for a caller on an event loop, waiting without blocking the loop. The default calls `sync`,
+        which is right for a store with nothing to wait for; a store that waits overrides both."""
+        self.sync()
 
     def close(self) -> None:
         """Release files and connections; the default holds none."""

@@ -2,9 +2,11 @@
 
 Commits are grouped. A write is queued and returns at once; one committer thread applies everything queued
 in one transaction, so that concurrent requests share one fsync instead of paying one each. `sync` waits
-until everything queued before it is on disk: the composer calls it before a driver call that the ledger
-must already know of (write-ahead), and before it answers. Reads see the queued writes as well: `load` syncs
-first, and `events_after` adds the queued events to what the database holds.
+until the caller's own writes are on disk (and so everything queued before them): the composer calls it
+before a driver call that the ledger must already know of (write-ahead), and before it answers; `synced`
+does the same for an asyncio task without blocking its loop. Each waiter is woken once, by the commit that
+holds its last write. Reads see the queued writes as well: `load` waits for everything queued, and
+`events_after` adds the queued events to what the database holds.
 
 Records are stored as JSON documents of the model values, so the schema follows the model without migrations
 of every field.
@@ -12,11 +14,17 @@ of every field.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
+import heapq
 import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError
@@ -41,6 +49,27 @@ PRUNE_EVERY = 1_000
 
 Statement = tuple[str, tuple[Any, ...]]
 
+_last_queued: contextvars.ContextVar[tuple[object, int]] = contextvars.ContextVar("disagg_ledger_last_queued")
+"""The ledger and sequence number of the last statement this thread or asyncio task queued: what its `sync`
+waits for. Writes other callers queue later are theirs to wait for; waiting for them too would cost a
+request one more commit."""
+
+
+@attrs.frozen
+class _LoopWaiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+
+
+def _settle(futures: list[asyncio.Future[None]], failure: BaseException | None) -> None:
+    for future in futures:
+        if future.done():
+            continue
+        if failure is None:
+            future.set_result(None)
+        else:
+            future.set_exception(failure)
+
 
 class SqliteStore(Store):
     def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
@@ -60,6 +89,10 @@ class SqliteStore(Store):
         self._newest_event = int(newest)
         self._db_lock = threading.Lock()
         self._cond = threading.Condition()
+        """Guards the queue and the counters; the committer, and only it, waits on it for work."""
+        self._waiting: list[tuple[int, int, threading.Lock | _LoopWaiter]] = []
+        """A heap of `sync` callers by the sequence number they wait for: each is woken once, when that number
+        is on disk. Waking every waiter on every commit cost more CPU than the rest of a Compose."""
         self._queue: list[Statement] = []
         self._queued_events: list[Event] = []
         self._queued = 0
@@ -81,9 +114,10 @@ class SqliteStore(Store):
                 raise FabricUnavailableError(f"the ledger at {self.path} is closed")
             self._queue.extend(statements)
             self._queued += len(statements)
+            _last_queued.set((self, self._queued))
             if event is not None:
                 self._queued_events.append(event)
-            self._cond.notify_all()
+            self._cond.notify()
 
     def _commit_loop(self) -> None:
         while True:
@@ -107,30 +141,77 @@ class SqliteStore(Store):
             except BaseException as exc:
                 with self._cond:
                     self._failure = exc
-                    self._cond.notify_all()
+                    self._wake(None)
                 return
             committed = {params[0] for sql, params in batch if sql.startswith("INSERT INTO events")}
             with self._cond:
                 self._durable = upto
                 self._queued_events = [e for e in self._queued_events if e.revision not in committed]
-                self._cond.notify_all()
+                self._wake(upto)
+
+    def _wake(self, upto: int | None) -> None:
+        """Wake the callers waiting for sequence numbers up to ``upto`` (None: all, the ledger failed); a
+        loop's waiters are woken together, with one call into the loop; call holding ``_cond``."""
+        waiting = self._waiting
+        loops: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        while waiting and (upto is None or waiting[0][0] <= upto):
+            waiter = heapq.heappop(waiting)[2]
+            if isinstance(waiter, _LoopWaiter):
+                loops.setdefault(waiter.loop, []).append(waiter.future)
+            else:
+                waiter.release()
+        failure = self._failed() if self._failure is not None else None
+        for loop, futures in loops.items():
+            with contextlib.suppress(RuntimeError):  # the loop was closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, futures, failure)
 
     def _failed(self) -> FabricUnavailableError:
         return FabricUnavailableError(f"the ledger at {self.path} cannot be written: {self._failure!r}")
 
     def sync(self) -> None:
-        """Wait until every write queued so far is on disk; raises `FabricUnavailableError` if it cannot be."""
+        """Wait until every write this thread or task queued is on disk, and so every write queued before it
+        (groups commit in queue order); raises `FabricUnavailableError` if it cannot be."""
+        self._wait_for(self._mine())
+
+    def _mine(self) -> int:
+        """The sequence number of the last statement this caller queued in this ledger (0: none)."""
+        ledger, last = _last_queued.get((None, 0))
+        return last if ledger is self else 0
+
+    async def synced(self) -> None:
+        """`sync` on an event loop: the task awaits the commit; the committer wakes the loop once per commit."""
+        loop = asyncio.get_running_loop()
         with self._cond:
-            target = self._queued
-            while self._durable < target:
-                if self._failure is not None:
-                    raise self._failed()
-                self._cond.wait()
+            target = self._mine()
+            if self._durable >= target:
+                return
+            if self._failure is not None:
+                raise self._failed()
+            future: asyncio.Future[None] = loop.create_future()
+            heapq.heappush(self._waiting, (target, id(future), _LoopWaiter(loop, future)))
+        await future
+
+    def _wait_for(self, target: int) -> None:
+        """Wait until the statements up to sequence number ``target`` are on disk."""
+        with self._cond:
+            if self._durable >= target:
+                return
+            if self._failure is not None:
+                raise self._failed()
+            woken = threading.Lock()
+            woken.acquire()
+            heapq.heappush(self._waiting, (target, id(woken), woken))
+        woken.acquire()
+        with self._cond:
+            if self._durable < target:
+                raise self._failed()
 
     # ----------------------------------------------------------------- reads
 
     def load(self) -> LedgerState:
-        self.sync()
+        with self._cond:
+            everything = self._queued
+        self._wait_for(everything)
         with self._db_lock:
             comps = tuple(codec.loads(d, Composition) for (d,) in self._db.execute("SELECT doc FROM compositions"))
             res = tuple(codec.loads(d, Reservation) for (d,) in self._db.execute("SELECT doc FROM reservations"))
