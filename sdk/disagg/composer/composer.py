@@ -7,6 +7,7 @@ execution and given back if execution fails, so a device is never offered twice.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -15,15 +16,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor as ThreadPool
 from typing import Any, TypeVar, cast
 
 import attrs
 
 from disagg import failpoints
-from disagg.composer import requests
+from disagg.composer import requests, steps
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep
 from disagg.composer.index import Inventory
 from disagg.composer.placement import Line, Pin, Placer, describe_line
+from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import (
     AlreadyExistsError,
     ConflictError,
@@ -67,6 +70,8 @@ log = logging.getLogger("disagg.composer")
 
 EventListener = Callable[[Event], None]
 _ID_RANDOM = random.Random(int.from_bytes(os.urandom(16), "big"))
+_ASKING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("disagg_request", default=None)
+"""The request id and digest of the change this thread or asyncio task is running (`_once`)."""
 
 
 def _random_id(prefix: str) -> str:
@@ -176,7 +181,6 @@ class FabricComposer(Composer):
         """Name to the id of the composition or reservation that holds it; names are unique among both."""
         self._requests: OrderedDict[str, tuple[str, object, threading.Event]] = OrderedDict()
         """Request id to (digest of the request, first answer or None while running, set when answered)."""
-        self._asking = threading.local()
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
@@ -214,23 +218,40 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- one change of a composition at a time
 
     def _held(self, key: str, run: Callable[[], T]) -> T:
-        """Run ``run`` holding composition ``key`` (an id or a name) against every other change of it, driver
-        calls included, so that concurrent changes of one composition end as some serial order would. A key
-        that names no composition is not held: ``run`` answers for it. Raises `ConflictError` when another
-        change holds it for longer than the call timeout."""
+        """`_holding` for a change that waits for nothing else, in this thread."""
+        return steps.run(self._holding(key, lambda: steps.finished(run())), self.store)
+
+    def _holding(self, key: str, change: Callable[[], Steps[T]]) -> Steps[T]:
+        """Run ``change`` holding composition ``key`` (an id or a name) against every other change of it,
+        driver calls included, so that concurrent changes of one composition end as some serial order would. A
+        key that names no composition is not held: ``change`` answers for it. Raises `ConflictError` when
+        another change holds it for longer than the call timeout."""
         with self._lock:
             comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
             lock = self._busy.setdefault(comp.id, threading.Lock()) if comp is not None else None
         if comp is None or lock is None:
-            return run()
-        if not lock.acquire(timeout=self.call_timeout_s):
+            return (yield from change())
+        if not (yield Acquire(lock, self.call_timeout_s)):
             raise ConflictError(
                 f"composition {comp.id} is busy with another change; retry", metadata={"subject": comp.id}
             )
         try:
-            return run()
+            return (yield from change())
         finally:
             self._let_go(comp.id, lock)
+
+    async def run_async(self, change: Steps[T], threads: ThreadPool) -> T:
+        """Run a change (`compose_steps`, `decompose_steps`) on the running event loop: it waits for the ledger
+        without a thread, and hands blocking driver calls to ``threads``. Answers once its writes are durable,
+        as the blocking methods do."""
+        try:
+            return await steps.run_async(change, self.store, threads)
+        finally:
+            await self.store.synced()
+
+    def _driver_call(self, fn: Callable[[], T], fabrics: Iterable[str]) -> Call:
+        """A step of driver calls on ``fabrics``: blocking unless every one of them says its calls never wait."""
+        return Call(fn, blocking=any(self.fabrics[f].calls_block for f in set(fabrics) if f in self.fabrics))
 
     def _let_go(self, comp_id: str, lock: threading.Lock) -> None:
         lock.release()
@@ -648,9 +669,15 @@ class FabricComposer(Composer):
         stop at ``deadline`` (a ``time.monotonic()`` instant). Raises `NotFoundError` when the reservation
         expired or never existed.
         """
+        return steps.run(self.apply_steps(reservation_id, request_id=request_id, deadline=deadline), self.store)
+
+    def apply_steps(
+        self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
+    ) -> Steps[ComposeResult]:
+        """`apply_reserved` as steps, for `run_async`."""
         return self._once(request_id, ("apply", reservation_id), lambda: self._apply(reservation_id, deadline))
 
-    def _apply(self, reservation_id: str, deadline: float | None) -> ComposeResult:
+    def _apply(self, reservation_id: str, deadline: float | None) -> Steps[ComposeResult]:
         with self._lock:
             self._expire_locked()
             res = self._reservations.get(reservation_id)
@@ -663,9 +690,10 @@ class FabricComposer(Composer):
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
             comp = self._begin(res.request, res.plan)
-        self.store.sync()
+        yield DURABLE
         failpoints.hit("compose.after_reserve")
-        return ComposeResult(ComposeMode.APPLY, res.plan, composition=self._execute(comp, res.plan, deadline))
+        composition = yield from self._execute(comp, res.plan, deadline)
+        return ComposeResult(ComposeMode.APPLY, res.plan, composition=composition)
 
     # ----------------------------------------------------------------- compose
 
@@ -692,6 +720,21 @@ class FabricComposer(Composer):
         """See `Composer.compose`. With a ``request_id``, a retry of the same request returns the first answer
         and binds nothing again, and the same id with another request raises `RequestIdReusedError`. Driver
         calls stop at ``deadline``, a ``time.monotonic()`` instant (the rollback of a failed plan does not)."""
+        change = self.compose_steps(
+            request, mode, reservation_ttl_s=reservation_ttl_s, request_id=request_id, deadline=deadline
+        )
+        return steps.run(change, self.store)
+
+    def compose_steps(
+        self,
+        request: CompositionRequest,
+        mode: ComposeMode = ComposeMode.APPLY,
+        *,
+        reservation_ttl_s: float = 60.0,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> Steps[ComposeResult]:
+        """`compose` as steps, for `run_async`."""
         if mode is ComposeMode.PREVIEW:
             request_id = None
         return self._once(
@@ -700,7 +743,7 @@ class FabricComposer(Composer):
             lambda: self._compose(request, mode, reservation_ttl_s, deadline),
         )
 
-    def _once(self, request_id: str | None, fingerprint: object, run: Callable[[], T]) -> T:
+    def _once(self, request_id: str | None, fingerprint: object, run: Callable[[], Steps[T]]) -> Steps[T]:
         """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
         for it while it is in progress), another fingerprint `RequestIdReusedError`. A failure forgets the id,
         so that a retry runs again, unless ``run`` raised it as `_SettledError` (it failed after changing
@@ -708,7 +751,7 @@ class FabricComposer(Composer):
         after a restart gets them too."""
         if request_id is None:
             try:
-                return run()
+                return (yield from run())
             except _SettledError as settled:
                 raise settled.error from None
         fp = requests.digest(fingerprint)
@@ -730,17 +773,17 @@ class FabricComposer(Composer):
                 raise _again(result.error)
             if result is not None:
                 return cast(T, result)
-            done.wait(self.call_timeout_s)
+            yield Until(done, self.call_timeout_s)
             with self._lock:
                 if self._requests.get(request_id) is entry:
                     del self._requests[request_id]
-        self._asking.request = (request_id, fp)
+        asking = _ASKING.set((request_id, fp))
         try:
-            answer = run()
+            answer = yield from run()
         except _SettledError as settled:
             with self._lock:
                 self._answered(request_id, fp, settled)
-            self.store.sync()
+            yield DURABLE
             done.set()
             raise settled.error from None
         except BaseException:
@@ -749,10 +792,10 @@ class FabricComposer(Composer):
             done.set()
             raise
         finally:
-            self._asking.request = None
+            _ASKING.reset(asking)
         with self._lock:
             self._answered(request_id, fp, answer)
-        self.store.sync()
+        yield DURABLE
         done.set()
         return answer
 
@@ -767,12 +810,12 @@ class FabricComposer(Composer):
 
     def _request_mark(self) -> tuple[str, str]:
         """The request id and digest of the call this thread is running, or empty strings."""
-        mark: tuple[str, str] | None = getattr(self._asking, "request", None)
+        mark = _ASKING.get()
         return mark if mark is not None else ("", "")
 
     def _compose(
         self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
-    ) -> ComposeResult:
+    ) -> Steps[ComposeResult]:
         if reservation_ttl_s <= 0:
             raise InvalidRequestError("the reservation time to live must be positive", field="reservation_ttl_s")
         with self._lock:
@@ -794,9 +837,10 @@ class FabricComposer(Composer):
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
             comp = self._begin(request, plan)
-        self.store.sync()  # write-ahead: the ledger knows the plan before any driver call
+        yield DURABLE  # write-ahead: the ledger knows the plan before any driver call
         failpoints.hit("compose.after_reserve")
-        return ComposeResult(mode, plan, composition=self._execute(comp, plan, deadline))
+        composition = yield from self._execute(comp, plan, deadline)
+        return ComposeResult(mode, plan, composition=composition)
 
     def _made_by_request(self, request: CompositionRequest) -> Composition | None:
         """The finished composition that this thread's request id already made, when its answer was lost (a
@@ -847,20 +891,18 @@ class FabricComposer(Composer):
     def _device_steps(self, picks: Iterable[DevicePick]) -> list[tuple[str, DevicePick]]:
         return [(self._inv.devices[p.device].fabric, p) for p in picks]
 
-    def _execute(self, comp: Composition, plan: Plan, deadline: float | None = None) -> Composition:
+    def _execute(self, comp: Composition, plan: Plan, deadline: float | None = None) -> Steps[Composition]:
         try:
-            return self._bind_new(comp, plan, deadline)
+            return (yield from self._bind_new(comp, plan, deadline))
         finally:
             self._let_go(comp.id, self._busy[comp.id])
 
-    def _bind_new(self, comp: Composition, plan: Plan, deadline: float | None) -> Composition:
+    def _bind_new(self, comp: Composition, plan: Plan, deadline: float | None) -> Steps[Composition]:
+        devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
         try:
-            allocations = self._executor.apply(
-                comp.host,
-                self._device_steps(plan.devices),
-                self._memory_steps(comp.id, plan),
-                deadline=deadline,
-                stage="compose",
+            allocations = yield self._driver_call(
+                lambda: self._executor.apply(comp.host, devices, memory, deadline=deadline, stage="compose"),
+                [f for f, _ in devices] + [m.fabric for m in memory],
             )
         except ExecutionFailedError as failed:
             with self._lock:
@@ -869,7 +911,7 @@ class FabricComposer(Composer):
         failpoints.hit("compose.before_commit")
         with self._lock:
             comp = self._set(comp, state=CompositionState.COMPOSED, allocations=allocations, pending=None)
-        self.store.sync()
+        yield DURABLE
         failpoints.hit("compose.after_commit")
         return comp
 
@@ -1003,13 +1045,15 @@ class FabricComposer(Composer):
         bound) stays the answer, so a retry cannot add twice.
         """
         add, remove = tuple(add), tuple(remove)
-        return self._once(
+        change = self._once(
             request_id,
             ("recompose", composition_id, add, remove, expected_etag),
-            lambda: self._held(
-                composition_id, lambda: self._recompose(composition_id, add, remove, expected_etag, deadline)
+            lambda: self._holding(
+                composition_id,
+                lambda: steps.finished(self._recompose(composition_id, add, remove, expected_etag, deadline)),
             ),
         )
+        return steps.run(change, self.store)
 
     def _recompose(
         self,
@@ -1166,19 +1210,28 @@ class FabricComposer(Composer):
 
         When something stays bound the composition is left FAILED, naming it, and another decompose finishes
         the job: raises `DeadlineExceededError` when the deadline stopped a driver call, else `DisaggError`.
-        A change of the composition in flight finishes first (`_held`).
+        A change of the composition in flight finishes first (`_holding`).
         """
-        self._held(composition_id, lambda: self._decompose(composition_id, deadline))
+        steps.run(self.decompose_steps(composition_id, deadline=deadline), self.store)
 
-    def _decompose(self, composition_id: str, deadline: float | None) -> None:
+    def decompose_steps(self, composition_id: str, *, deadline: float | None = None) -> Steps[None]:
+        """`decompose` as steps, for `run_async`."""
+        return self._holding(composition_id, lambda: self._decompose(composition_id, deadline))
+
+    def _decompose(self, composition_id: str, deadline: float | None) -> Steps[None]:
         with self._lock:
             try:
                 comp = self.find(composition_id)
             except NotFoundError:
                 return
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
-        self.store.sync()
-        leftovers = self._release(comp.host, comp.devices, comp.allocations, deadline, stage="decompose")
+        yield DURABLE
+        fabrics = [self._fabric_of(p.device) for p in comp.devices] + [
+            self._fabric_of_pool(a.pool) for a in comp.allocations
+        ]
+        leftovers: Leftovers = yield self._driver_call(
+            lambda: self._release(comp.host, comp.devices, comp.allocations, deadline, stage="decompose"), fabrics
+        )
         failpoints.hit("decompose.before_commit")
         with self._lock:
             if leftovers:

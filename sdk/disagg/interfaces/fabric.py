@@ -119,6 +119,14 @@ class Fabric(abc.ABC):
     def name(self) -> str:
         """The fabric instance name from the configuration; the prefix of its device ids."""
 
+    @property
+    def calls_block(self) -> bool:
+        """Whether `bind`, `unbind`, `Pool.allocate` and `Pool.release` may wait: on hardware, I/O, a sleep
+        or another thread. True unless the driver knows better. A driver whose calls never wait (an in-memory
+        simulator) answers False, and the fabric manager's server then makes them on its event loop instead of
+        handing them to a thread and back."""
+        return True
+
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 

@@ -200,6 +200,12 @@ class SimFabric(Fabric, FaultInjection):
     def bind_delay_s(self) -> float:
         return self._delay
 
+    @property
+    def calls_block(self) -> bool:
+        """In memory, a call waits only when ``bind_delay_s`` makes it sleep (and then for another call on
+        the same subject)."""
+        return self._delay > 0
+
     def capabilities(self) -> Capabilities:
         return SIM_CAPABILITIES
 

@@ -1,0 +1,216 @@
+"""Changes written as steps (`disagg.composer.steps`) run alike in a thread and on an event loop.
+
+The runners take each step the way its caller can wait; the composer's compose and decompose run on an event
+loop with the SQLite ledger and end exactly as the blocking methods do, with every driver call made where the
+driver's `calls_block` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from composer_helpers import composer, hardware_bindings, ledger_bindings, rack
+from disagg.composer import FabricComposer, steps
+from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
+from disagg.errors import ConflictError, NoFitError
+from disagg.model import ComposeMode, CompositionState
+from disagg.requestlang import parse_request
+from disagg.store import MemoryStore, SqliteStore
+from disagg_sim import create_fabric
+
+
+class _DriverSaidNoError(Exception):
+    pass
+
+
+def _change(log: list[Any], lock: threading.Lock, event: threading.Event) -> Steps[str]:
+    log.append("start")
+    yield DURABLE
+    log.append(("blocking", (yield Call(lambda: threading.current_thread().name, blocking=True))))
+    log.append(("inline", (yield Call(lambda: threading.current_thread().name, blocking=False))))
+    log.append(("until", (yield Until(event, 0.01))))
+    log.append(("acquire", (yield Acquire(lock, 0.01))))
+    try:
+        yield Call(lambda: (_ for _ in ()).throw(_DriverSaidNoError("driver said no")))
+    except _DriverSaidNoError as exc:
+        log.append(("caught", str(exc)))
+    return "done"
+
+
+@pytest.fixture
+def threads() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2, thread_name_prefix="calls") as pool:
+        yield pool
+
+
+class TestRunners:
+    def test_run_takes_every_step_in_this_thread(self) -> None:
+        log: list[Any] = []
+        lock = threading.Lock()
+        lock.acquire()  # held elsewhere: the acquire times out
+        assert steps.run(_change(log, lock, threading.Event()), MemoryStore()) == "done"
+        me = threading.current_thread().name
+        assert log == [
+            "start",
+            ("blocking", me),
+            ("inline", me),
+            ("until", False),
+            ("acquire", False),
+            ("caught", "driver said no"),
+        ]
+
+    def test_run_async_hands_blocking_steps_to_threads(self, threads: ThreadPoolExecutor) -> None:
+        log: list[Any] = []
+        event = threading.Event()
+        event.set()
+
+        async def main() -> tuple[str, str]:
+            result = await steps.run_async(_change(log, threading.Lock(), event), MemoryStore(), threads)
+            return result, threading.current_thread().name
+
+        result, loop_thread = asyncio.run(main())
+        assert result == "done"
+        assert log[1][1].startswith("calls"), "a blocking call ran on the event loop"
+        assert log[2] == ("inline", loop_thread)
+        assert log[3:] == [("until", True), ("acquire", True), ("caught", "driver said no")]
+
+    def test_run_async_waits_for_a_lock_held_by_a_thread(self, threads: ThreadPoolExecutor) -> None:
+        lock = threading.Lock()
+        lock.acquire()
+        threading.Timer(0.1, lock.release).start()
+
+        def change() -> Steps[bool]:
+            taken = yield Acquire(lock, 5)
+            lock.release()
+            return bool(taken)
+
+        assert asyncio.run(steps.run_async(change(), MemoryStore(), threads))
+
+    def test_an_error_the_change_does_not_catch_ends_it(self, threads: ThreadPoolExecutor) -> None:
+        def change() -> Steps[None]:
+            yield Call(lambda: (_ for _ in ()).throw(_DriverSaidNoError("unhandled")))
+
+        with pytest.raises(_DriverSaidNoError):
+            steps.run(change(), MemoryStore())
+        with pytest.raises(_DriverSaidNoError):
+            asyncio.run(steps.run_async(change(), MemoryStore(), threads))
+
+
+def _sqlite_composer(tmp_path: Path, **sim: Any) -> tuple[FabricComposer, dict[str, Any]]:
+    fabrics = {
+        "pcie0": create_fabric("pcie0", {"topology": "demo-pcie", **sim}),
+        "cxl0": create_fabric("cxl0", {"topology": "demo-cxl", **sim}),
+    }
+    return composer(fabrics, store=SqliteStore(tmp_path / "ledger.db")), fabrics
+
+
+class TestComposeOnALoop:
+    def test_composes_and_decomposes_concurrently(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
+        comp, fabrics = _sqlite_composer(tmp_path)
+        with comp:
+            requests = [parse_request(f"job{n}", ["gpu x1 model=H200", "cxl-memory 64GiB"]) for n in range(4)]
+
+            async def main() -> list[str]:
+                results = await asyncio.gather(
+                    *(comp.run_async(comp.compose_steps(r, ComposeMode.APPLY), threads) for r in requests)
+                )
+                return [r.composition.id for r in results if r.composition is not None]
+
+            ids = asyncio.run(main())
+            assert len(ids) == 4
+            assert {c.state for c in comp.compositions()} == {CompositionState.COMPOSED}
+            assert hardware_bindings(fabrics) == ledger_bindings(comp)
+            assert len(ledger_bindings(comp)) == 4
+
+            async def undo() -> None:
+                await asyncio.gather(*(comp.run_async(comp.decompose_steps(i), threads) for i in ids))
+
+            asyncio.run(undo())
+            assert comp.compositions() == []
+            assert hardware_bindings(fabrics) == {}
+        reopened = SqliteStore(tmp_path / "ledger.db")
+        try:
+            assert reopened.load().compositions == ()
+        finally:
+            reopened.close()
+
+    def test_answers_only_when_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
+        comp, _ = _sqlite_composer(tmp_path)
+        with comp:
+            request = parse_request("durable", ["gpu x2 model=H200"])
+            result = asyncio.run(comp.run_async(comp.compose_steps(request), threads))
+            assert result.composition is not None
+            on_disk = SqliteStore(tmp_path / "ledger.db")
+            try:
+                (stored,) = on_disk.load().compositions
+            finally:
+                on_disk.close()
+            assert stored.state is CompositionState.COMPOSED
+            assert stored.devices == result.composition.devices
+
+    def test_a_refusal_changes_nothing(self, threads: ThreadPoolExecutor) -> None:
+        fabrics = rack()
+        with composer(fabrics) as comp:
+            request = parse_request("huge", ["gpu x64 model=H200"])
+            with pytest.raises(NoFitError):
+                asyncio.run(comp.run_async(comp.compose_steps(request), threads))
+            assert comp.compositions() == []
+            assert hardware_bindings(fabrics) == {}
+
+    def test_a_request_id_is_answered_once(self, threads: ThreadPoolExecutor) -> None:
+        with composer(rack()) as comp:
+            request = parse_request("once", ["gpu x1 model=H200"])
+
+            async def twice() -> tuple[Any, Any]:
+                first = await comp.run_async(comp.compose_steps(request, request_id="r-1"), threads)
+                again = await comp.run_async(comp.compose_steps(request, request_id="r-1"), threads)
+                return first, again
+
+            first, again = asyncio.run(twice())
+            assert first == again
+            assert len(comp.compositions()) == 1
+
+    def test_decompose_waits_for_a_change_in_flight(self, threads: ThreadPoolExecutor) -> None:
+        with composer(rack()) as comp:
+            made = comp.compose(parse_request("busy", ["gpu x1 model=H200"])).composition
+            assert made is not None
+            comp.call_timeout_s = 0.2
+            lock = comp._busy.setdefault(made.id, threading.Lock())
+            lock.acquire()  # another change holds the composition for longer than the call timeout
+            try:
+                with pytest.raises(ConflictError, match="busy"):
+                    asyncio.run(comp.run_async(comp.decompose_steps(made.id), threads))
+            finally:
+                lock.release()
+            asyncio.run(comp.run_async(comp.decompose_steps(made.id), threads))
+            assert comp.compositions() == []
+
+    @pytest.mark.parametrize(("delay", "blocking"), [(0.0, False), (0.001, True)])
+    def test_driver_calls_run_where_the_driver_says(
+        self, tmp_path: Path, threads: ThreadPoolExecutor, delay: float, blocking: bool
+    ) -> None:
+        comp, fabrics = _sqlite_composer(tmp_path, bind_delay_s=delay)
+        assert fabrics["pcie0"].calls_block is blocking
+        seen: list[str] = []
+        bind = fabrics["pcie0"].bind
+
+        def spy(*args: Any) -> Any:
+            seen.append(threading.current_thread().name)
+            return bind(*args)
+
+        fabrics["pcie0"].bind = spy  # type: ignore[method-assign]
+        with comp:
+
+            async def main() -> str:
+                await comp.run_async(comp.compose_steps(parse_request("where", ["gpu x1 model=H200"])), threads)
+                return threading.current_thread().name
+
+            loop_thread = asyncio.run(main())
+        assert len(seen) == 1
+        assert (seen[0] != loop_thread) is blocking
