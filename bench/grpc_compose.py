@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -65,6 +66,8 @@ def start_server(devices: int, tmp: Path, ledger: str = "memory") -> tuple[subpr
         if not line and proc.poll() is not None:
             raise RuntimeError(f"disagg serve exited with {proc.returncode}")
         if "serving on" in line:
+            # Keep reading what the server logs, so that a full pipe can never stall it mid-measurement.
+            threading.Thread(target=proc.stdout.read, name="server-output", daemon=True).start()
             return proc, address
     proc.kill()
     raise RuntimeError("disagg serve did not become ready")
