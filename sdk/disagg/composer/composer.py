@@ -254,7 +254,11 @@ class FabricComposer(Composer):
         return Call(fn, blocking=any(self.fabrics[f].calls_block for f in set(fabrics) if f in self.fabrics))
 
     def _let_go(self, comp_id: str, lock: threading.Lock) -> None:
+        """Release a composition's lock, and forget it when the composition is gone. A composition that is
+        still there needs no composer lock: whichever change removes it later forgets its lock then."""
         lock.release()
+        if comp_id in self._compositions:
+            return
         with self._lock:
             if comp_id not in self._compositions and self._busy.get(comp_id) is lock:
                 del self._busy[comp_id]
