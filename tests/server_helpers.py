@@ -238,6 +238,22 @@ class GatedDiscovery(SimFabric):
         return super().discover()
 
 
+class GatedBind(SimFabric):
+    """A sim fabric whose bind says it has begun (`entered`) and then waits until `gate` is set (bounded)."""
+
+    entered: threading.Event
+    gate: threading.Event
+
+    @property
+    def calls_block(self) -> bool:
+        return True
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        self.entered.set()
+        self.gate.wait(WAIT_S)
+        return super().bind(device, host, ctx)
+
+
 def sim(cls: type[SimFabric], name: str = "pcie0", topology: str = "demo-pcie") -> SimFabric:
     return cls(load_topology(name, topology))
 

@@ -16,7 +16,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.model import EventType, Topology
+from disagg.model import CompositionState, EventType, Topology
 from disagg.server import SERVICE_NAME, FabricManagerServer, parse_listener
 from disagg.store import MemoryStore
 from disagg_sim import SimFabric, load_topology
@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from server_helpers import (
     WAIT_S,
+    GatedBind,
     GatedDiscovery,
     Served,
     compose_request,
@@ -191,6 +192,24 @@ class TestShutdown:
                 stopper.join(WAIT_S)
             assert "error" not in outcome and outcome["reply"].composition.state == fm.COMPOSITION_STATE_COMPOSED
             assert not stopper.is_alive()
+
+    def test_compose_whose_caller_left_finishes_before_the_server_stops(self, tmp_path: Path) -> None:
+        """The client cancels a Compose mid-bind: the change goes on to the end (the composer never stops a
+        change midway), and stopping the server waits for it within the grace period."""
+        gated = GatedBind(load_topology("pcie0", "demo-pcie"))
+        gated.entered, gated.gate = threading.Event(), threading.Event()
+        with serving(socket_path(tmp_path), {"pcie0": gated}) as served, grpc.insecure_channel(served.address) as raw:
+            # A plain channel: the guarded one waits for the answer to check its code, so it cannot cancel.
+            call = fm_grpc.FabricManagerServiceStub(raw).Compose.future(compose_request("left"), timeout=WAIT_S)
+            assert gated.entered.wait(WAIT_S)
+            assert call.cancel()
+            opening = threading.Timer(0.3, gated.gate.set)
+            opening.start()
+            served.server.stop(WAIT_S)
+            opening.join()
+            (comp,) = served.composer.compositions()
+            assert comp.state is CompositionState.COMPOSED
+            assert set(served.bindings()) == {d.device for d in comp.devices}
 
 
 class TestReservationTimer:

@@ -1,10 +1,12 @@
-"""The fabric manager on gRPC: the servicer, health and reflection on grpcio's thread-pool server.
+"""The fabric manager on gRPC: the servicer, health and reflection on grpcio's asyncio server.
 
-Why the thread-pool server and not ``grpc.aio``: the driver interface is synchronous, and
-``bench/grpc_models.py`` measured the thread-pool server equal to or ahead of aio for no-op calls and no gain
-from aio when handlers call blocking code (see docs/protocol.md). Each call holds a worker thread while it
-runs, so an event watch holds one for as long as it is open: watches are capped below the pool size, so that
-watchers can never starve the other RPCs.
+Why asyncio and not the thread-pool server: measured on one server in one run (``tox -e bench``,
+docs/protocol.md), a Compose on the thread-pool server cost a handoff between threads for every wait (its
+ledger commit, a busy composition), and at 32 clients its throughput fell to well under half a no-op call's.
+On the event loop a Compose waits without a thread (`disagg.server.aio`). The handlers that read large
+listings or may block still run in worker threads; an event watch holds one while it waits, so watches are
+capped below the number of workers, and watchers can never starve the other RPCs. The loop runs in a thread of
+its own (`LoopThread`), so that `start` and `stop` stay plain calls.
 
 Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAILABLE) while the composer
 discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health NOT_SERVING, end the event and
@@ -28,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -35,10 +38,12 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.server.aio import AsyncFabricManagerServicer
 from disagg.server.drivers import FabricDriver
-from disagg.server.errors import ErrorInterceptor
+from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
+from disagg.server.loop import LoopThread
 from disagg.server.servicer import FabricManagerServicer
 
 if TYPE_CHECKING:
@@ -90,10 +95,9 @@ class FabricManagerServer:
         self._on_lost = on_lost or (lambda: None)
         self._reconcile_s = reconcile_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
-        # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
-        self._server = grpc.server(
-            self._executor, interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)]
-        )
+        self.aio_servicer = AsyncFabricManagerServicer(self.servicer, self._executor)
+        self._loop: LoopThread | None = None
+        self._server: grpc.aio.Server | None = None
         self._ticking = threading.Event()
         self._ticker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -112,14 +116,8 @@ class FabricManagerServer:
             self._state = "starting"
         try:
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-            fm_grpc.add_FabricManagerServiceServicer_to_server(self.servicer, self._server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-            reflection.enable_server_reflection(
-                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-            )
-            for listener in self._listeners:
-                self.addresses.append(self._bind(listener))
-            self._server.start()
+            self._loop = LoopThread()
+            self.addresses.extend(self._loop.run(self._listen()))
             if self.leadership is not None:
                 with self._lock:
                     self._state = "standby"
@@ -129,7 +127,7 @@ class FabricManagerServer:
             log.info("starting the composer: discovering %d fabrics", len(self.composer.fabrics))
             self.composer.start()
         except BaseException:
-            self._server.stop(None).wait()
+            self._close_server()
             self._executor.shutdown(wait=False)
             self.composer.close()
             with self._lock:
@@ -187,14 +185,44 @@ class FabricManagerServer:
         log.critical("not the leader any more: refusing every call")
         self._on_lost()
 
-    def _bind(self, listener: Listener) -> str:
+    async def _listen(self) -> list[str]:
+        """Build the server on the loop (grpcio's asyncio server belongs to the loop it is made on), listen on
+        every address and start answering."""
+        # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
+        server = grpc.aio.server(interceptors=[AsyncErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+        self._server = server
+        fm_grpc.add_FabricManagerServiceServicer_to_server(self.aio_servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        addresses = [self._bind(server, listener) for listener in self._listeners]
+        await server.start()
+        return addresses
+
+    def _bind(self, server: grpc.aio.Server, listener: Listener) -> str:
         if listener.unix_path is not None:
             prepare_unix_socket(listener.unix_path)
         try:
-            port = self._server.add_insecure_port(listener.target)
+            port = server.add_insecure_port(listener.target)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {listener.address}: {exc}", field="listen") from exc
         return listener.bound(port)
+
+    async def _shutdown(self, grace: float | None) -> None:
+        """Refuse new calls, give those in flight ``grace`` seconds, then as long again at most for the changes
+        whose callers went away."""
+        if self._server is not None:
+            await self._server.stop(grace)
+        running = await self.aio_servicer.drain(grace or 0.0)
+        if running:
+            log.warning("%d changes still running after the grace period: the ledger's recovery finishes them", running)
+
+    def _close_server(self, grace: float | None = None) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.run(self._shutdown(grace))
+        finally:
+            self._loop.close()
 
     def _tick(self) -> None:
         """Expire reservations once a second, try unreachable fabrics again every few seconds, and reconcile
@@ -235,7 +263,7 @@ class FabricManagerServer:
         log.info("stopping: calls in flight have %s s to finish", grace)
         self.health.end_watches()
         self.servicer.stop()
-        self._server.stop(grace).wait()
+        self._close_server(grace)
         self._ticking.set()
         if self.leadership is not None:
             self.leadership.resign()

@@ -1,7 +1,8 @@
 """The ``disagg.fabric.v1.FabricManagerService`` servicer over a `FabricComposer`.
 
 Each RPC validates its request at the edge (`disagg.wire.fabric`), calls the composer with the client's
-deadline, and converts the answer back; an SDK error ends the call with its status and google.rpc details.
+deadline, and converts the answer back. An SDK error is raised to the server's error edge
+(`disagg.server.errors`), which ends the call with its status and google.rpc details.
 Until `mark_ready` (the composer has started) every RPC answers UNAVAILABLE. A listing reads its data and the
 event revision together (`FabricComposer.snapshot`) and converts it to messages after, outside the lock.
 """
@@ -16,19 +17,20 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
-import grpc
 
-from disagg.composer import FabricComposer, KindUsage, PoolUsage
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError
+from disagg.composer import FabricComposer, KindUsage, PoolUsage, steps
+from disagg.composer.steps import Steps
+from disagg.errors import FabricUnavailableError, InvalidRequestError, NotFoundError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces import ComposeResult
 from disagg.model import ComposeMode, Device, Health, Topology
+from disagg.server.context import RpcContext
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
 from disagg.server.watch import Watches, watch_events
 from disagg.wire.deadlines import deadline_of
-from disagg.wire.errors import to_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
     check_id,
@@ -58,31 +60,20 @@ Q = TypeVar("Q")
 R = TypeVar("R")
 
 
-def _unary(fn: Callable[[S, Q, grpc.ServicerContext], R]) -> Callable[[S, Q, grpc.ServicerContext], R]:
+def _unary(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], R]:
     @functools.wraps(fn)
-    def rpc(self: S, request: Q, context: grpc.ServicerContext) -> R:
-        try:
-            self.check_ready()
-            return fn(self, request, context)
-        except DisaggError as err:
-            status = to_status(err)
-        context.abort_with_status(status)
+    def rpc(self: S, request: Q, context: RpcContext) -> R:
+        self.check_ready()
+        return fn(self, request, context)
 
     return rpc
 
 
-def _stream(
-    fn: Callable[[S, Q, grpc.ServicerContext], Iterator[R]],
-) -> Callable[[S, Q, grpc.ServicerContext], Iterator[R]]:
+def _stream(fn: Callable[[S, Q, RpcContext], Iterator[R]]) -> Callable[[S, Q, RpcContext], Iterator[R]]:
     @functools.wraps(fn)
-    def rpc(self: S, request: Q, context: grpc.ServicerContext) -> Iterator[R]:
-        try:
-            self.check_ready()
-            yield from fn(self, request, context)
-            return
-        except DisaggError as err:
-            status = to_status(err)
-        context.abort_with_status(status)
+    def rpc(self: S, request: Q, context: RpcContext) -> Iterator[R]:
+        self.check_ready()
+        yield from fn(self, request, context)
 
     return rpc
 
@@ -176,7 +167,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return _Devices(composer.devices(), composer.holders(), composer.cordoned_devices())
 
     @_unary
-    def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:
+    def GetTopology(self, request: fm.GetTopologyRequest, context: RpcContext) -> fm.GetTopologyResponse:
         def read() -> tuple[Sequence[Topology], _Devices]:
             return self.composer.topologies(), self._devices()
 
@@ -193,7 +184,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return fm.GetTopologyResponse(fabrics=fabrics, revision=revision)
 
     @_unary
-    def ListDevices(self, request: fm.ListDevicesRequest, context: grpc.ServicerContext) -> fm.ListDevicesResponse:
+    def ListDevices(self, request: fm.ListDevicesRequest, context: RpcContext) -> fm.ListDevicesResponse:
         kind = kind_filter_from_wire(request.kind)
         health = health_filter_from_wire(request.health)
         fabric = check_id(request.fabric, "fabric") if request.fabric else None
@@ -229,11 +220,11 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         )
 
     @_unary
-    def GetDevice(self, request: fm.GetDeviceRequest, context: grpc.ServicerContext) -> fm.GetDeviceResponse:
+    def GetDevice(self, request: fm.GetDeviceRequest, context: RpcContext) -> fm.GetDeviceResponse:
         return fm.GetDeviceResponse(device=self._device(self.composer.device(check_id(request.id, "id"))))
 
     @_unary
-    def ListPools(self, request: fm.ListPoolsRequest, context: grpc.ServicerContext) -> fm.ListPoolsResponse:
+    def ListPools(self, request: fm.ListPoolsRequest, context: RpcContext) -> fm.ListPoolsResponse:
         def read() -> tuple[tuple[list[KindUsage], list[PoolUsage]], Sequence[Topology]]:
             return self.composer.usage(), self.composer.topologies()
 
@@ -246,17 +237,15 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         )
 
     @_unary
-    def CordonDevice(self, request: fm.CordonDeviceRequest, context: grpc.ServicerContext) -> fm.CordonDeviceResponse:
+    def CordonDevice(self, request: fm.CordonDeviceRequest, context: RpcContext) -> fm.CordonDeviceResponse:
         return fm.CordonDeviceResponse(device=self._device(self.composer.cordon(check_id(request.id, "id"))))
 
     @_unary
-    def UncordonDevice(
-        self, request: fm.UncordonDeviceRequest, context: grpc.ServicerContext
-    ) -> fm.UncordonDeviceResponse:
+    def UncordonDevice(self, request: fm.UncordonDeviceRequest, context: RpcContext) -> fm.UncordonDeviceResponse:
         return fm.UncordonDeviceResponse(device=self._device(self.composer.uncordon(check_id(request.id, "id"))))
 
     @_unary
-    def ListDrivers(self, request: fm.ListDriversRequest, context: grpc.ServicerContext) -> fm.ListDriversResponse:
+    def ListDrivers(self, request: fm.ListDriversRequest, context: RpcContext) -> fm.ListDriversResponse:
         out = []
         for name, fabric in self.composer.fabrics.items():
             info = self._drivers.get(name, FabricDriver(name, ""))
@@ -274,8 +263,10 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     # ----------------------------------------------------------------- compositions
 
-    @_unary
-    def Compose(self, request: fm.ComposeRequest, context: grpc.ServicerContext) -> fm.ComposeResponse:
+    def compose_change(self, request: fm.ComposeRequest, context: RpcContext) -> Steps[ComposeResult]:
+        """The change a Compose asks for, validated, as steps (run here by `Compose`, on the event loop by the
+        asyncio server)."""
+        self.check_ready()
         mode = compose_mode_from_wire(request.mode)
         ttl = ttl_from_wire(request.reservation_ttl_s)
         request_id = check_id(request.request_id, "request_id", required=False) or None
@@ -284,15 +275,17 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             reservation = check_id(request.reservation_id, "reservation_id")
             if mode is not ComposeMode.APPLY:
                 raise InvalidRequestError("mode: a reservation_id is applied with mode APPLY", field="mode")
-            result = self.composer.apply_reserved(reservation, request_id=request_id, deadline=deadline)
-        else:
-            result = self.composer.compose(
-                compose_request_from_wire(request),
-                mode,
-                reservation_ttl_s=ttl,
-                request_id=request_id,
-                deadline=deadline,
-            )
+            return self.composer.apply_steps(reservation, request_id=request_id, deadline=deadline)
+        return self.composer.compose_steps(
+            compose_request_from_wire(request),
+            mode,
+            reservation_ttl_s=ttl,
+            request_id=request_id,
+            deadline=deadline,
+        )
+
+    @staticmethod
+    def compose_response(result: ComposeResult) -> fm.ComposeResponse:
         response = fm.ComposeResponse(mode=MODE_TO_WIRE[result.mode], plan=plan_to_wire(result.plan))
         if result.composition is not None:
             response.composition.CopyFrom(composition_to_wire(result.composition))
@@ -300,17 +293,16 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             response.reservation.CopyFrom(reservation_to_wire(result.reservation))
         return response
 
+    def Compose(self, request: fm.ComposeRequest, context: RpcContext) -> fm.ComposeResponse:
+        return self.compose_response(steps.run(self.compose_change(request, context), self.composer.store))
+
     @_unary
-    def GetComposition(
-        self, request: fm.GetCompositionRequest, context: grpc.ServicerContext
-    ) -> fm.GetCompositionResponse:
+    def GetComposition(self, request: fm.GetCompositionRequest, context: RpcContext) -> fm.GetCompositionResponse:
         comp = self.composer.find(check_id(request.id, "id"))
         return fm.GetCompositionResponse(composition=composition_to_wire(comp))
 
     @_unary
-    def ListCompositions(
-        self, request: fm.ListCompositionsRequest, context: grpc.ServicerContext
-    ) -> fm.ListCompositionsResponse:
+    def ListCompositions(self, request: fm.ListCompositionsRequest, context: RpcContext) -> fm.ListCompositionsResponse:
         paging = _Paging.of(request, "compositions")
         every, revision = self.composer.snapshot(self.composer.compositions)
         comps, token = paging.take(every, lambda c: c.name)
@@ -322,7 +314,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @_unary
     def UpdateComposition(
-        self, request: fm.UpdateCompositionRequest, context: grpc.ServicerContext
+        self, request: fm.UpdateCompositionRequest, context: RpcContext
     ) -> fm.UpdateCompositionResponse:
         key = check_id(request.id, "id")
         add = resources_from_wire(request.add, "add", required=False)
@@ -336,17 +328,18 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         )
         return fm.UpdateCompositionResponse(composition=composition_to_wire(comp))
 
-    @_unary
-    def Decompose(self, request: fm.DecomposeRequest, context: grpc.ServicerContext) -> fm.DecomposeResponse:
-        self.composer.decompose(check_id(request.id, "id"), deadline=deadline_of(context))
+    def decompose_change(self, request: fm.DecomposeRequest, context: RpcContext) -> Steps[None]:
+        self.check_ready()
+        return self.composer.decompose_steps(check_id(request.id, "id"), deadline=deadline_of(context))
+
+    def Decompose(self, request: fm.DecomposeRequest, context: RpcContext) -> fm.DecomposeResponse:
+        steps.run(self.decompose_change(request, context), self.composer.store)
         return fm.DecomposeResponse()
 
     # ----------------------------------------------------------------- reservations
 
     @_unary
-    def ListReservations(
-        self, request: fm.ListReservationsRequest, context: grpc.ServicerContext
-    ) -> fm.ListReservationsResponse:
+    def ListReservations(self, request: fm.ListReservationsRequest, context: RpcContext) -> fm.ListReservationsResponse:
         paging = _Paging.of(request, "reservations")
         every, revision = self.composer.snapshot(self.composer.reservations)
         found, token = paging.take(every, lambda r: r.id)
@@ -358,7 +351,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @_unary
     def ReleaseReservation(
-        self, request: fm.ReleaseReservationRequest, context: grpc.ServicerContext
+        self, request: fm.ReleaseReservationRequest, context: RpcContext
     ) -> fm.ReleaseReservationResponse:
         self.composer.release_reservation(check_id(request.id, "id"))
         return fm.ReleaseReservationResponse()
@@ -366,9 +359,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     # ----------------------------------------------------------------- events
 
     @_stream
-    def WatchEvents(
-        self, request: fm.WatchEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[fm.WatchEventsResponse]:
+    def WatchEvents(self, request: fm.WatchEventsRequest, context: RpcContext) -> Iterator[fm.WatchEventsResponse]:
         events = watch_events(self.composer, request.after_revision, context, self.watches, capacity=self._watch_buffer)
         try:
             for event in events:

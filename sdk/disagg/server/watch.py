@@ -18,11 +18,10 @@ import collections
 import threading
 from collections.abc import Generator
 
-import grpc
-
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError, OverloadedError, RevisionCompactedError
 from disagg.model import Event
+from disagg.server.context import RpcContext
 
 LOG_PAGE = 1000
 """Events read from the log at once."""
@@ -121,7 +120,7 @@ class Watches:
 def watch_events(
     composer: FabricComposer,
     after: int,
-    context: grpc.ServicerContext,
+    context: RpcContext,
     watches: Watches,
     *,
     capacity: int = 1024,

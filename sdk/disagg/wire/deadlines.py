@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import time
-
-import grpc
+from typing import Protocol
 
 NO_DEADLINE_S = 1e9
 """grpcio reports a call without a deadline as about 9.2e18 seconds away; anything past this is no deadline."""
 
 
-def deadline_of(context: grpc.ServicerContext) -> float | None:
+class _Timed(Protocol):
+    def time_remaining(self) -> float | None: ...
+
+
+def deadline_of(context: _Timed) -> float | None:
     """The ``time.monotonic()`` instant the client stops waiting at, or None when it set no deadline."""
     remaining = context.time_remaining()
     if remaining is None or remaining > NO_DEADLINE_S:

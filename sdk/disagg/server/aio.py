@@ -1,0 +1,122 @@
+"""``disagg.fabric.v1.FabricManagerService`` on grpcio's asyncio server.
+
+Compose and Decompose run on the event loop as the composer's steps (`FabricComposer.run_async`): a change
+that waits for its ledger commit holds no thread, and driver calls that may block go to the worker threads.
+This is what lets a Python server answer Compose at close to the rate of a no-op call (docs/protocol.md has
+the measurements). A change runs to its end even when its caller goes away (a cancelled call, a deadline):
+the composer never stops a change midway, and the server waits for the changes in flight when it stops.
+
+The other RPCs are the same handlers as the thread-pool servicer (`FabricManagerServicer`), run in the worker
+threads: listings read 100,000 devices and would stall the loop, and the driver interface is synchronous.
+An event watch holds a worker thread while it waits for events, which is why watches are capped below the
+number of workers.
+"""
+
+# ruff: noqa: N802  (the RPC methods carry the service's names, as grpcio calls them)
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+import grpc.aio
+
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.server.context import ThreadedContext
+from disagg.server.servicer import FabricManagerServicer
+
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def _threaded(name: str) -> Any:
+    """The RPC ``name`` as the thread-pool servicer answers it, in a worker thread."""
+
+    async def rpc(self: AsyncFabricManagerServicer, request: Any, context: Context) -> Any:
+        handler = getattr(self.servicer, name)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.threads, handler, request, ThreadedContext(context, loop))
+
+    rpc.__name__ = rpc.__qualname__ = name
+    return rpc
+
+
+class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
+    """Serves ``servicer``'s composer on an event loop, with ``threads`` for whatever may block."""
+
+    def __init__(self, servicer: FabricManagerServicer, threads: Executor) -> None:
+        self.servicer = servicer
+        self.threads = threads
+        self._changes: set[asyncio.Task[Any]] = set()
+
+    async def _change(self, change: Coroutine[Any, Any, T]) -> T:
+        """Run a change to its end even if this call is cancelled: the call stops waiting, the change does
+        not."""
+        task = asyncio.ensure_future(change)
+        self._changes.add(task)
+        task.add_done_callback(self._forget)
+        return await asyncio.shield(task)
+
+    def _forget(self, task: asyncio.Task[Any]) -> None:
+        self._changes.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a change whose caller left failed, and the composer has logged why
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the changes in flight (the server stops next); returns how many
+        still run."""
+        if self._changes and timeout > 0:
+            await asyncio.wait(set(self._changes), timeout=timeout)
+        return len(self._changes)
+
+    async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
+        composer = self.servicer.composer
+        change = self.servicer.compose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
+        result = await self._change(composer.run_async(change, self.threads))
+        return self.servicer.compose_response(result)
+
+    async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
+        composer = self.servicer.composer
+        change = self.servicer.decompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
+        await self._change(composer.run_async(change, self.threads))
+        return fm.DecomposeResponse()
+
+    async def WatchEvents(
+        self, request: fm.WatchEventsRequest, context: Context
+    ) -> AsyncIterator[fm.WatchEventsResponse]:
+        """The thread-pool servicer's watch, each next event taken in a worker thread."""
+        loop = asyncio.get_running_loop()
+        events: Iterator[fm.WatchEventsResponse] = self.servicer.WatchEvents(request, ThreadedContext(context, loop))
+        waiting: asyncio.Future[fm.WatchEventsResponse | None] | None = None
+        try:
+            while True:
+                waiting = loop.run_in_executor(self.threads, next, events, None)
+                response = await asyncio.shield(waiting)
+                waiting = None
+                if response is None:
+                    return
+                yield response
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                if waiting is None or waiting.done():
+                    close()
+                else:  # cancelled while a thread waits for events: it wakes as the call ends, then close
+                    waiting.add_done_callback(lambda _: close())
+
+    # The RPCs whose handlers run in a worker thread.
+    GetTopology = _threaded("GetTopology")
+    ListDevices = _threaded("ListDevices")
+    GetDevice = _threaded("GetDevice")
+    ListPools = _threaded("ListPools")
+    CordonDevice = _threaded("CordonDevice")
+    UncordonDevice = _threaded("UncordonDevice")
+    ListDrivers = _threaded("ListDrivers")
+    GetComposition = _threaded("GetComposition")
+    ListCompositions = _threaded("ListCompositions")
+    UpdateComposition = _threaded("UpdateComposition")
+    ListReservations = _threaded("ListReservations")
+    ReleaseReservation = _threaded("ReleaseReservation")
