@@ -251,6 +251,22 @@ class TestRoundTrip:
     def test_dumps_is_stable(self, device: Device) -> None:
         assert codec.dumps(_round_trip(device)) == codec.dumps(device)
 
+    @pytest.mark.parametrize("value", EXAMPLES, ids=lambda v: type(v).__name__)
+    def test_ledger_record(self, value: Any) -> None:
+        """`codec.record` (the ledgers' fast encoder) reads back to the same value and the same data as the
+        canonical `dumps`."""
+        text = codec.record(value)
+        assert codec.loads(text, type(value)) == value
+        assert json.loads(text) == json.loads(codec.dumps(value))
+
+    @given(devices)
+    def test_ledger_record_of_any_device(self, device: Device) -> None:
+        assert codec.loads(codec.record(device), Device) == device
+
+    def test_ledger_record_keeps_infinite_floats(self) -> None:
+        device = attrs.evolve(GPU, attributes={"max": float("inf"), "min": float("-inf")})
+        assert codec.loads(codec.record(device), Device).attributes == {"max": float("inf"), "min": float("-inf")}
+
 
 class TestScalarAttributes:
     """Attribute values keep their scalar type (str, int, float, bool) through the codec."""

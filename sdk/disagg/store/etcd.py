@@ -317,7 +317,7 @@ class EtcdStore(Store):
 
     def put_composition(self, composition: Composition) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(COMPOSITIONS, composition.id), codec.dumps(composition))])
+            self._commit([self._put(self._key(COMPOSITIONS, composition.id), codec.record(composition))])
 
     def delete_composition(self, composition_id: str) -> None:
         with self._write_lock:
@@ -325,7 +325,7 @@ class EtcdStore(Store):
 
     def put_reservation(self, reservation: Reservation) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(RESERVATIONS, reservation.id), codec.dumps(reservation))])
+            self._commit([self._put(self._key(RESERVATIONS, reservation.id), codec.record(reservation))])
 
     def delete_reservation(self, reservation_id: str) -> None:
         with self._write_lock:
@@ -341,7 +341,7 @@ class EtcdStore(Store):
 
     def put_request(self, record: RequestRecord) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(REQUESTS, record.id), codec.dumps(record))])
+            self._commit([self._put(self._key(REQUESTS, record.id), codec.record(record))])
             self._put_requests += 1
             if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
                 self._forget_old_requests()
@@ -359,7 +359,7 @@ class EtcdStore(Store):
 
     def append_event(self, event: Event) -> None:
         with self._write_lock:
-            ops = [self._put(self._event_key(event.revision), codec.dumps(event))]
+            ops = [self._put(self._event_key(event.revision), codec.record(event))]
             appended = self._appended + 1
             cutoff = event.revision - self._retention  # events at or below it are forgotten
             if appended % min(PRUNE_EVERY, self._retention) == 0 and cutoff > 0:

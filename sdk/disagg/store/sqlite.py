@@ -242,13 +242,13 @@ class SqliteStore(Store):
     # ----------------------------------------------------------------- writes (queued)
 
     def put_composition(self, composition: Composition) -> None:
-        self._enqueue(("INSERT OR REPLACE INTO compositions VALUES (?, ?)", (composition.id, codec.dumps(composition))))
+        self._enqueue(("INSERT OR REPLACE INTO compositions VALUES (?, ?)", (composition.id, codec.record(composition))))
 
     def delete_composition(self, composition_id: str) -> None:
         self._enqueue(("DELETE FROM compositions WHERE id = ?", (composition_id,)))
 
     def put_reservation(self, reservation: Reservation) -> None:
-        self._enqueue(("INSERT OR REPLACE INTO reservations VALUES (?, ?)", (reservation.id, codec.dumps(reservation))))
+        self._enqueue(("INSERT OR REPLACE INTO reservations VALUES (?, ?)", (reservation.id, codec.record(reservation))))
 
     def delete_reservation(self, reservation_id: str) -> None:
         self._enqueue(("DELETE FROM reservations WHERE id = ?", (reservation_id,)))
@@ -285,7 +285,7 @@ class SqliteStore(Store):
                 # Refused here, not in the committer: one bad statement must not fail a whole group of commits.
                 raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
             self._newest_event = event.revision
-        statements: list[Statement] = [("INSERT INTO events VALUES (?, ?)", (event.revision, codec.dumps(event)))]
+        statements: list[Statement] = [("INSERT INTO events VALUES (?, ?)", (event.revision, codec.record(event)))]
         self._appended += 1
         if self._appended % min(PRUNE_EVERY, self._retention) == 0:
             statements.append(("DELETE FROM events WHERE revision <= ?", (event.revision - self._retention,)))
