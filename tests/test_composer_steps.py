@@ -19,7 +19,7 @@ from composer_helpers import composer, hardware_bindings, ledger_bindings, rack
 from disagg.composer import FabricComposer, steps
 from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import ConflictError, NoFitError
-from disagg.model import ComposeMode, CompositionState
+from disagg.model import ComposeMode, CompositionState, Event, EventType
 from disagg.requestlang import parse_request
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import create_fabric
@@ -100,6 +100,85 @@ class TestRunners:
             steps.run(change(), MemoryStore())
         with pytest.raises(_DriverSaidNoError):
             asyncio.run(steps.run_async(change(), MemoryStore(), threads))
+
+
+class TestTakeReady:
+    """`take_ready` takes the steps that need no waiting where it is called and stops at the first that does;
+    `run_async` carries on from there."""
+
+    def test_a_change_that_never_waits_ends_here(self) -> None:
+        log: list[Any] = []
+        event = threading.Event()
+        event.set()
+        done = steps.take_ready(_change_without_blocking_calls(log, event), MemoryStore())
+        assert isinstance(done, steps.Done) and done.result() == "done"
+        me = threading.current_thread().name
+        assert log == ["start", ("inline", me), ("until", True), ("acquire", True)]
+
+    @pytest.mark.parametrize("stop", ["blocking call", "unset event", "held lock"])
+    def test_stops_at_the_first_step_that_waits(self, stop: str, threads: ThreadPoolExecutor) -> None:
+        lock, event = threading.Lock(), threading.Event()
+        blocking = stop == "blocking call"
+        if stop != "unset event":
+            event.set()
+        if stop == "held lock":
+            lock.acquire()
+            threading.Timer(0.05, lock.release).start()
+
+        def change() -> Steps[list[Any]]:
+            seen: list[Any] = [(yield Call(lambda: "called", blocking=blocking))]
+            seen.append((yield Until(event, 5)))
+            taken = yield Acquire(lock, 5)
+            seen.append(taken)
+            lock.release()
+            return seen
+
+        running = change()
+        first = steps.take_ready(running, MemoryStore())
+        assert not isinstance(first, steps.Done)
+        expected = {"blocking call": Call, "unset event": Until, "held lock": Acquire}[stop]
+        assert isinstance(first, expected)
+        if stop == "unset event":
+            threading.Timer(0.05, event.set).start()
+        assert asyncio.run(steps.run_async(running, MemoryStore(), threads, first)) == ["called", True, True]
+
+    def test_stops_at_writes_not_yet_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
+        store = SqliteStore(tmp_path / "ledger.db")
+        try:
+            event = Event(1, EventType.COMPOSITION_CREATED, "c-1", "", 0.0, {})
+
+            def change() -> Steps[str]:
+                store.append_event(event)
+                yield DURABLE
+                return "written"
+
+            running = change()
+            first = steps.take_ready(running, store)
+            assert first == DURABLE or isinstance(first, steps.Done)  # the committer may have been quick
+            assert asyncio.run(steps.run_async(running, store, threads, first)) == "written"
+            assert store.is_synced() and store.events_after(0) == [event]
+        finally:
+            store.close()
+
+    def test_an_error_ends_it_with_the_error(self) -> None:
+        def change() -> Steps[None]:
+            yield Call(lambda: (_ for _ in ()).throw(_DriverSaidNoError("no")), blocking=False)
+
+        done = steps.take_ready(change(), MemoryStore())
+        assert isinstance(done, steps.Done) and isinstance(done.error, _DriverSaidNoError)
+        with pytest.raises(_DriverSaidNoError):
+            done.result()
+
+
+def _change_without_blocking_calls(log: list[Any], event: threading.Event) -> Steps[str]:
+    log.append("start")
+    yield DURABLE
+    log.append(("inline", (yield Call(lambda: threading.current_thread().name, blocking=False))))
+    log.append(("until", (yield Until(event, 0.01))))
+    lock = threading.Lock()
+    log.append(("acquire", (yield Acquire(lock, 0.01))))
+    lock.release()
+    return "done"
 
 
 def _sqlite_composer(tmp_path: Path, **sim: Any) -> tuple[FabricComposer, dict[str, Any]]:

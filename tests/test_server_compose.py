@@ -19,6 +19,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext
 from disagg.model import Binding, Event
+from disagg.store import SqliteStore
 from disagg.wire.fabric import STATE_FROM_WIRE, event_from_wire
 from disagg_sim import SimFabric, create_fabric, load_topology
 from server_helpers import (
@@ -126,6 +127,18 @@ class TestCompose:
         again = served.stub.Compose(request)
         assert again.composition.id == first.composition.id
         assert len(served.composer.compositions()) == 1 and len(served.bindings()) == 2
+
+    def test_retry_with_request_id_on_a_durable_ledger_and_a_driver_that_blocks(self, tmp_path: Path) -> None:
+        """The change waits (for the disk, for the driver in a thread) and so runs partly in a task of its own;
+        the request id it answers stays with it, and a retry sent while it runs waits for its answer."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        with serving(socket_path(tmp_path), slow_rack(0.2), store=store) as served:
+            request = compose_request("idem", gpu(2), request_id="req-1")
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda _: served.stub.Compose(request, timeout=WAIT_S), range(2)))
+            again = served.stub.Compose(request, timeout=WAIT_S)
+            assert {a.composition.id for a in [*answers, again]} == {answers[0].composition.id}
+            assert len(served.composer.compositions()) == 1 and len(served.bindings()) == 2
 
     def test_retry_of_a_reservation_apply_with_request_id(self, served: Served) -> None:
         reserved = served.stub.Compose(compose_request("r", mode=fm.COMPOSE_MODE_RESERVE)).reservation

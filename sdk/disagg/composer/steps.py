@@ -67,16 +67,24 @@ def finished(value: T) -> Steps[T]:
 
 
 @attrs.frozen
-class _Done:
-    value: Any
+class Done:
+    """A change that has ended, with its value or the error it raised."""
+
+    value: Any = None
+    error: Exception | None = None
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
-def _advance(steps: Steps[Any], value: Any, error: Exception | None) -> Step | _Done:
+def _advance(steps: Steps[Any], value: Any, error: Exception | None) -> Step | Done:
     """Resume the change with a step's result, or inside it at its yield with the step's error."""
     try:
         return steps.send(value) if error is None else steps.throw(error)
     except StopIteration as stop:
-        return _Done(stop.value)
+        return Done(stop.value)
 
 
 def run(steps: Steps[T], store: Store) -> T:
@@ -84,7 +92,7 @@ def run(steps: Steps[T], store: Store) -> T:
     inside the change, at its yield."""
     value: Any = None
     error: Exception | None = None
-    while not isinstance(step := _advance(steps, value, error), _Done):
+    while not isinstance(step := _advance(steps, value, error), Done):
         value, error = None, None
         try:
             if isinstance(step, Durable):
@@ -100,14 +108,50 @@ def run(steps: Steps[T], store: Store) -> T:
     return step.value  # type: ignore[no-any-return]
 
 
-async def run_async(steps: Steps[T], store: Store, threads: Executor) -> T:
-    """Take every step on the running event loop: ledger waits are awaited, blocking driver calls and waits on
-    other threads go to ``threads``, calls that never block are made here."""
-    loop = asyncio.get_running_loop()
+def take_ready(steps: Steps[Any], store: Store) -> Step | Done:
+    """Take the steps that need no waiting, in this thread: writes already durable, driver calls that never
+    block, a free lock, an answer already there. Returns how the change ended, or the first step it must wait
+    for (hand both to `run_async`). A change on the in-memory ledger with the sim driver ends here, so the
+    server answers it without starting a task."""
     value: Any = None
     error: Exception | None = None
-    while not isinstance(step := _advance(steps, value, error), _Done):
+    while True:
+        try:
+            step = _advance(steps, value, error)
+        except Exception as exc:
+            return Done(error=exc)
+        if isinstance(step, Done):
+            return step
         value, error = None, None
+        try:
+            if isinstance(step, Durable):
+                if not store.is_synced():
+                    return step
+            elif isinstance(step, Call):
+                if step.blocking:
+                    return step
+                value = step.fn()
+            elif isinstance(step, Until):
+                if not step.event.is_set():
+                    return step
+                value = True
+            elif not step.lock.acquire(blocking=False):
+                return step
+            else:
+                value = True
+        except Exception as exc:
+            error = exc
+
+
+async def run_async(steps: Steps[T], store: Store, threads: Executor, first: Step | Done | None = None) -> T:
+    """Take every step on the running event loop: ledger waits are awaited, blocking driver calls and waits on
+    other threads go to ``threads``, calls that never block are made here. ``first``: where `take_ready`
+    stopped."""
+    loop = asyncio.get_running_loop()
+    step = _advance(steps, None, None) if first is None else first
+    while not isinstance(step, Done):
+        value: Any = None
+        error: Exception | None = None
         try:
             if isinstance(step, Durable):
                 await store.synced()
@@ -119,7 +163,8 @@ async def run_async(steps: Steps[T], store: Store, threads: Executor) -> T:
                 value = step.lock.acquire(blocking=False) or await _acquire(loop, step, threads)
         except Exception as exc:
             error = exc
-    return step.value  # type: ignore[no-any-return]
+        step = _advance(steps, value, error)
+    return step.result()  # type: ignore[no-any-return]
 
 
 async def _acquire(loop: asyncio.AbstractEventLoop, step: Acquire, threads: Executor) -> bool:

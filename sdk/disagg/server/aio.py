@@ -17,12 +17,15 @@ number of workers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine, Iterator
+import contextvars
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc.aio
 
+from disagg.composer import steps
+from disagg.composer.steps import Steps
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.context import ThreadedContext
@@ -52,10 +55,18 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self.threads = threads
         self._changes: set[asyncio.Task[Any]] = set()
 
-    async def _change(self, change: Coroutine[Any, Any, T]) -> T:
-        """Run a change to its end even if this call is cancelled: the call stops waiting, the change does
-        not."""
-        task = asyncio.ensure_future(change)
+    async def _change(self, change: Steps[T]) -> T:
+        """Run a change to its end. What needs no waiting runs here at once (on the in-memory ledger with the
+        sim, all of it); the rest runs in a task of its own that a cancelled call does not stop: the call stops
+        waiting, the change does not. Both parts run in one context, as the change keeps context variables
+        (the ledger's record of its writes, the request id it answers)."""
+        composer = self.servicer.composer
+        context = contextvars.copy_context()
+        first = context.run(steps.take_ready, change, composer.store)
+        if isinstance(first, steps.Done) and context.run(composer.store.is_synced):
+            return cast(T, first.result())
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(composer.run_async(change, self.threads, first), context=context)
         self._changes.add(task)
         task.add_done_callback(self._forget)
         return await asyncio.shield(task)
@@ -73,15 +84,13 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return len(self._changes)
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
-        composer = self.servicer.composer
         change = self.servicer.compose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        result = await self._change(composer.run_async(change, self.threads))
+        result = await self._change(change)
         return self.servicer.compose_response(result)
 
     async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
-        composer = self.servicer.composer
         change = self.servicer.decompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        await self._change(composer.run_async(change, self.threads))
+        await self._change(change)
         return fm.DecomposeResponse()
 
     async def WatchEvents(

@@ -178,6 +178,11 @@ class SqliteStore(Store):
         ledger, last = _last_queued.get((None, 0))
         return last if ledger is self else 0
 
+    def is_synced(self) -> bool:
+        """Every write of this caller is on disk (False after a failed commit: `sync` raises then)."""
+        with self._cond:
+            return self._failure is None and self._durable >= self._mine()
+
     async def synced(self) -> None:
         """`sync` on an event loop: the task awaits the commit; the committer wakes the loop once per commit."""
         loop = asyncio.get_running_loop()
@@ -242,13 +247,17 @@ class SqliteStore(Store):
     # ----------------------------------------------------------------- writes (queued)
 
     def put_composition(self, composition: Composition) -> None:
-        self._enqueue(("INSERT OR REPLACE INTO compositions VALUES (?, ?)", (composition.id, codec.record(composition))))
+        self._enqueue(
+            ("INSERT OR REPLACE INTO compositions VALUES (?, ?)", (composition.id, codec.record(composition)))
+        )
 
     def delete_composition(self, composition_id: str) -> None:
         self._enqueue(("DELETE FROM compositions WHERE id = ?", (composition_id,)))
 
     def put_reservation(self, reservation: Reservation) -> None:
-        self._enqueue(("INSERT OR REPLACE INTO reservations VALUES (?, ?)", (reservation.id, codec.record(reservation))))
+        self._enqueue(
+            ("INSERT OR REPLACE INTO reservations VALUES (?, ?)", (reservation.id, codec.record(reservation)))
+        )
 
     def delete_reservation(self, reservation_id: str) -> None:
         self._enqueue(("DELETE FROM reservations WHERE id = ?", (reservation_id,)))
