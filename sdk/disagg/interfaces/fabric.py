@@ -1,9 +1,9 @@
 """What a driver implements: `Fabric`, and for carved capacity `Pool`, and per device `Device`.
 
 The driver interface is synchronous and thread-safe, on purpose. Drivers do blocking I/O (QMP, sockets,
-HTTP) and are called from the fabric manager's thread-pool gRPC server, which answered more calls per second
-than ``grpc.aio`` on the 2-core machines we target (``docs/driver-interface.md`` gives the measurement and
-``bench/grpc_models.py`` repeats it). A driver that prefers asyncio inside runs its own loop in a thread.
+HTTP), which most vendor SDKs and clients offer only as blocking calls; the fabric manager's server calls
+them from worker threads, off its event loop (``docs/driver-interface.md`` gives the reasons and the
+measurements). A driver that prefers asyncio inside runs its own loop in a thread.
 """
 
 from __future__ import annotations
