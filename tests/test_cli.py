@@ -64,6 +64,47 @@ class TestDemo:
         assert all(p["free_bytes"] == p["total_bytes"] for p in by_name["decompose"]["pools"])
 
 
+class TestDriverDemo:
+    """`disagg demo --fabric DRIVER` composes from one driver's fabric and shows what the driver itself reports,
+    composed and after the release."""
+
+    def test_certification_fabric(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, err = cli(capsys, "demo", "--fabric", "sim")
+        assert code == 0, err
+        assert "== fabric demo-sim (driver sim, plugin sim)" in out
+        assert "256 MiB of cxl-memory" in out and ": COMPOSED" in out
+        composed, released = out.split("== Decomposed")
+        assert "allocation  demo-sim/" in composed.split("What driver sim reports")[1]
+        assert "(none)" in released
+
+    def test_json(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, err = cli(capsys, "demo", "--fabric", "sim", "--memory", "512MiB", "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        ((what, pool, size),) = doc["driver_view_composed"]
+        assert what == "allocation" and pool.startswith(doc["composition"]["allocations"][0]["pool"])
+        assert size == "512 MiB" and doc["driver_view_released"] == []
+
+    def test_configured_fabric_of_that_driver(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        config = tmp_path / "rack.toml"
+        config.write_text('[[fabric]]\nname = "racka"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n')
+        code, out, err = cli(capsys, "demo", "--fabric", "sim", "--config", str(config))
+        assert code == 0, err
+        assert "== fabric racka (driver sim" in out and "gpu" in out and "binding  racka/" in out
+
+    @pytest.mark.parametrize(
+        ("args", "message"),
+        [
+            (("demo", "--fabric", "nope"), "no driver 'nope' is installed"),
+            (("demo", "--fabric", "remote"), "offers no demo fabric"),
+            (("demo", "--fabric", "sim", "--memory", "lots"), "neither a count"),
+        ],
+    )
+    def test_bad_input(self, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str) -> None:
+        code, out, err = cli(capsys, *args)
+        assert code == 2 and message in err and out == ""
+
+
 class TestCommands:
     """compose, ls, recompose and decompose share state across invocations through the default ledger."""
 

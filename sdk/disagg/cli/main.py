@@ -219,6 +219,11 @@ def cmd_decompose(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.fabric:
+        from disagg.cli.demo_driver import run_driver_demo
+
+        config = load_config(args.config) if args.config else None
+        return run_driver_demo(args.fabric, config=config, memory=args.memory, json_output=args.json)
     from disagg.cli.demo import run_demo
 
     return run_demo(json_output=args.json)
@@ -246,7 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    add("demo", cmd_demo, "compose, fail, heal, recompose and decompose on the simulated demo rack")
+    p = add("demo", cmd_demo, "compose, fail, heal, recompose and decompose on the simulated demo rack")
+    p.add_argument(
+        "--fabric",
+        metavar="DRIVER",
+        help="instead: compose from one driver's fabric (the one --config gives it, else its certification "
+        "fabric) and show what the driver reports",
+    )
+    p.add_argument("--memory", default="256MiB", help="with --fabric: the CXL memory to compose (default 256MiB)")
     add("plugins", cmd_plugins, "list plugins, their versions, drivers and capabilities")
     add("topology", cmd_topology, "show the fabrics, hosts, devices and pools")
     p = add("devices", cmd_devices, "list devices with their health and holder")
