@@ -4,7 +4,8 @@ The demo rack shows the composer; this shows a driver: the fabric it builds (the
 driver in ``--config``, else the small fabric its plugin offers for certification, in a scratch directory),
 a composition that takes what the driver offers (CXL memory from a pool, else one whole device), the
 driver's own view of the host afterwards (its bindings and its pools' allocations, asked of the driver, not
-of the ledger), and the same view after the composition is released.
+of the ledger), and the same view after the composition is released; with ``keep``, the composition is left
+on the hardware for the user to look at with the hardware's own tools (QMP for QEMU).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def run_driver_demo(
     *,
     config: Config | None = None,
     memory: str = DEFAULT_MEMORY,
+    keep: bool = False,
     json_output: bool = False,
     out: TextIO | None = None,
 ) -> int:
@@ -104,11 +106,15 @@ def run_driver_demo(
             say(f"\n== What driver {driver} reports for host {comp.host}")
             if not json_output:
                 render.table(("WHAT", "DEVICE / POOL", "SIZE"), composed_view, stream)
-            composer.decompose(comp.id)
-            released_view = _driver_view(fabric, topology, comp.host)
-            say(f"\n== Decomposed: driver {driver} reports for host {comp.host}")
-            if not json_output:
-                render.table(("WHAT", "DEVICE / POOL", "SIZE"), released_view, stream)
+            released_view: list[list[object]] | None = None
+            if keep:
+                say(f"\n== Kept: the hardware keeps {comp.name} (this demo's ledger was in memory and is gone)")
+            else:
+                composer.decompose(comp.id)
+                released_view = _driver_view(fabric, topology, comp.host)
+                say(f"\n== Decomposed: driver {driver} reports for host {comp.host}")
+                if not json_output:
+                    render.table(("WHAT", "DEVICE / POOL", "SIZE"), released_view, stream)
             if json_output:
                 render.emit_json(
                     {

@@ -223,7 +223,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from disagg.cli.demo_driver import run_driver_demo
 
         config = load_config(args.config) if args.config else None
-        return run_driver_demo(args.fabric, config=config, memory=args.memory, json_output=args.json)
+        return run_driver_demo(args.fabric, config=config, memory=args.memory, keep=args.keep, json_output=args.json)
     from disagg.cli.demo import run_demo
 
     return run_demo(json_output=args.json)
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fabric) and show what the driver reports",
     )
     p.add_argument("--memory", default="256MiB", help="with --fabric: the CXL memory to compose (default 256MiB)")
+    p.add_argument(
+        "--keep", action="store_true", help="with --fabric: leave the composition on the hardware, to look at"
+    )
     add("plugins", cmd_plugins, "list plugins, their versions, drivers and capabilities")
     add("topology", cmd_topology, "show the fabrics, hosts, devices and pools")
     p = add("devices", cmd_devices, "list devices with their health and holder")

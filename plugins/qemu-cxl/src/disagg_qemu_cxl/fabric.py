@@ -1,0 +1,231 @@
+"""The ``qemu-cxl`` fabric: one QEMU per configured host, each with a CXL switch, and one memory pool carved
+into Type-3 devices that are hot-added on the hosts' downstream ports.
+
+The topology reported mirrors the sim's CXL appliance: a pool device hangs off an appliance switch that every
+host's switch links to, so the composer places ``cxl-memory`` requests on any host. Each host switch lists
+its downstream ports, with the Type-3 that QEMU holds on each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+from disagg.errors import DisaggError, FabricUnavailableError, NotFoundError, UnsupportedError
+from disagg.interfaces import CallContext, EventHandler, Fabric, Pool, Subscription
+from disagg.model import (
+    Binding,
+    Capabilities,
+    DeviceKind,
+    Feature,
+    Host,
+    Link,
+    Port,
+    PortKind,
+    Switch,
+    SwitchKind,
+    Topology,
+)
+from disagg.model import Device as DeviceInfo
+
+from disagg_qemu_cxl.discovery import Features, probe
+from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured
+from disagg_qemu_cxl.options import QemuCxlOptions
+from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
+from disagg_qemu_cxl.qmp import Loop
+from disagg_qemu_cxl.state import StateFile
+
+QEMU_CXL_CAPABILITIES = Capabilities(
+    kinds=frozenset({DeviceKind.CXL_MEMORY}), features=frozenset({Feature.CARVE, Feature.FENCING})
+)
+"""No BIND (memory is carved, never bound whole) and no UNBIND: QEMU 7.2 never completes a CXL hot-remove."""
+HOST_LINK_NS = 120
+APPLIANCE_LINK_NS = 150
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def _memory_bytes(text: str) -> int:
+    unit = _UNITS.get(text[-1], 1)
+    return int(text.rstrip("KMGT")) * unit if unit != 1 else int(text) * 1024**2
+
+
+def _claim(fabric: str, state_dir: Path) -> IO[bytes]:
+    """Lock ``state_dir`` for this driver (flock, so the kernel drops it when the process dies, even by SIGKILL):
+    two drivers on one state_dir would fight over the same QEMUs, and QEMU serves one QMP client at a time."""
+    owner = open(state_dir / "driver.lock", "ab")  # noqa: SIM115 (held for the fabric's life, closed in close)
+    try:
+        fcntl.flock(owner.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner.close()
+        raise FabricUnavailableError(
+            f"fabric {fabric!r}: another qemu-cxl driver holds {state_dir}; one driver per state_dir"
+        ) from None
+    return owner
+
+
+class _NoEvents(Subscription):
+    def cancel(self) -> None:
+        return None
+
+
+class QemuCxlFabric(Fabric):
+    """Starts (or adopts) every configured host's QEMU on construction; `close` disconnects, and stops them too
+    with ``stop_hosts_on_close``."""
+
+    def __init__(self, name: str, options: QemuCxlOptions) -> None:
+        self._name = name
+        self._options = options
+        find_qemu(options.qemu)
+        try:
+            options.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise FabricUnavailableError(
+                f"fabric {name!r}: cannot create state_dir {options.state_dir}: {exc}"
+            ) from None
+        self._lock = threading.RLock()
+        self._owner = _claim(name, options.state_dir)
+        self._loop = Loop(name)
+        self._hosts: dict[str, HostProcess] = {}
+        started: list[HostProcess] = []
+        try:
+            self._ledger = Ledger(StateFile(options.state_dir / "state.json"))
+            self.reaped = reap_unconfigured(options.state_dir, [h.name for h in options.hosts])
+            for host in options.hosts:
+                process = HostProcess(options.qemu, host, options.state_dir, options.pool_bytes, self._loop)
+                records = [r for r in self._ledger.state.on_host(host.name) if not r.releasing]
+                process.adopt_or_start(records)
+                self._hosts[host.name] = process
+                if not process.adopted:
+                    started.append(process)
+            self._features = probe(next(iter(self._hosts.values())).monitor)
+        except BaseException:
+            for process in self._hosts.values():
+                with contextlib.suppress(DisaggError):
+                    if process in started:
+                        process.stop()
+                    else:
+                        process.disconnect()
+            self._loop.close()
+            self._owner.close()
+            raise
+        self._pool = QemuCxlPool(
+            name,
+            pool_bytes=options.pool_bytes,
+            hosts=self._hosts,
+            ledger=self._ledger,
+            lock=self._lock,
+            features=lambda: self._features,
+            state_dir=options.state_dir,
+        )
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def features(self) -> Features:
+        """What the QEMU binary offers (volatile Type-3 memory, ``cxl-*`` QMP commands), probed over QMP."""
+        return self._features
+
+    @property
+    def hosts(self) -> dict[str, HostProcess]:
+        return dict(self._hosts)
+
+    def capabilities(self) -> Capabilities:
+        return QEMU_CXL_CAPABILITIES
+
+    def discover(self) -> Topology:
+        views = self._pool.views()
+        fabric = self._name
+        appliance = f"{fabric}/cxl-appliance"
+        hosts: list[Host] = []
+        switches: list[Switch] = []
+        links: list[Link] = []
+        for name, process in sorted(self._hosts.items()):
+            switch = f"{fabric}/{name}-switch"
+            view = views[name]
+            ports = [Port("usp", PortKind.UPSTREAM, connected=name)]
+            for index in sorted(view.ports):
+                held = view.on_port(index)
+                ports.append(Port(f"dsp{index}", PortKind.DOWNSTREAM, connected=held[0].id if held else ""))
+            ports.append(Port("fabric", PortKind.FABRIC, connected=appliance))
+            switches.append(
+                Switch(switch, fabric, SwitchKind.CXL, vendor="QEMU", model="cxl-upstream", ports=tuple(ports))
+            )
+            hosts.append(
+                Host(
+                    name,
+                    memory_bytes=_memory_bytes(process.options.memory),
+                    switch=switch,
+                    attributes={"qemu_pid": process.pid or 0, "cxl_ports": process.options.ports},
+                )
+            )
+            links.append(Link(name, switch, HOST_LINK_NS))
+            links.append(Link(switch, appliance, APPLIANCE_LINK_NS))
+        fabric_ports = tuple(Port(f"p{i}", PortKind.FABRIC, connected=s.id) for i, s in enumerate(switches))
+        switches.append(
+            Switch(appliance, fabric, SwitchKind.CXL, vendor="QEMU", model="memory-backend-file", ports=fabric_ports)
+        )
+        info = self._pool.info()
+        device = DeviceInfo(
+            id=info.device,
+            fabric=fabric,
+            kind=DeviceKind.CXL_MEMORY,
+            serial=f"QEMU-CXL-{fabric}",
+            vendor="QEMU",
+            model="cxl-type3",
+            switch=appliance,
+            link_latency_ns=APPLIANCE_LINK_NS,
+            attributes={"cxl_type": 3, "media": "volatile" if self._features.volatile else "persistent"},
+            capacity=info.capacity,
+        )
+        return Topology(
+            fabric, hosts=tuple(hosts), switches=tuple(switches), devices=(device,), links=tuple(links), pools=(info,)
+        )
+
+    def bindings(self) -> Sequence[Binding]:
+        return ()
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        with self._lock:
+            self._ledger.fence(ctx)
+        raise UnsupportedError(f"fabric {self._name} carves CXL memory from its pool; nothing is bound whole")
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        """Nothing is ever bound, so every unbind is of an absent binding: a no-op that still fences."""
+        with self._lock:
+            self._ledger.fence(ctx)
+
+    def pool(self, pool: str) -> Pool:
+        if pool != self._pool.id:
+            raise NotFoundError("pool", pool)
+        return self._pool
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        return _NoEvents()
+
+    def stop_hosts(self) -> None:
+        """Quit every host's QEMU (their Type-3 devices go with them; the backend files and the state file
+        stay, so the next start cold-plugs them again)."""
+        with self._lock:
+            for process in self._hosts.values():
+                process.stop()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for process in self._hosts.values():
+                with contextlib.suppress(DisaggError):
+                    if self._options.stop_hosts_on_close:
+                        process.stop()
+                    else:
+                        process.disconnect()
+            self._loop.close()
+            self._owner.close()

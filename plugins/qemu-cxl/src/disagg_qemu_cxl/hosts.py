@@ -1,0 +1,222 @@
+"""The life of one host's QEMU process: start, adopt, stop, restart; and reaping the QEMUs of hosts that are
+no longer configured.
+
+QEMU runs in its own session, so it outlives a crashed fabric manager: its devices are the hardware, and the
+next driver on the same ``state_dir`` adopts it. A process is recognised as ours by its pidfile and by its
+working directory, which is the host's directory, so a reused pid is never mistaken for our QEMU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from disagg.errors import ConfigError, FabricUnavailableError
+
+from disagg_qemu_cxl.command import AUX_SOCKET, LOG, PIDFILE, QMP_SOCKET, command_line, host_dir
+from disagg_qemu_cxl.options import HostOptions
+from disagg_qemu_cxl.qmp import Loop, Monitor
+from disagg_qemu_cxl.state import Record
+
+_DETACHED: dict[int, subprocess.Popen[bytes]] = {}
+"""QEMUs this process started and then let go of (`HostProcess.disconnect`): still our children, so whoever
+stops them later (an adopting fabric in this process) must reap them, or they stay zombies."""
+START_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 5.0
+INSTALL_HINT = "install it with: apt-get install qemu-system-x86"
+
+
+def find_qemu(qemu: str) -> str:
+    """The QEMU executable, or a ConfigError that says what to install."""
+    found = shutil.which(qemu)
+    if found is None:
+        raise ConfigError(f"QEMU binary {qemu!r} was not found; {INSTALL_HINT}", field="qemu")
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+def _ours(pid: int, directory: Path) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd") == str(directory) and _alive(pid)
+    except OSError:
+        return False
+
+
+def _read_pid(directory: Path) -> int | None:
+    try:
+        return int((directory / PIDFILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_gone(pid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:
+    child = child or _DETACHED.get(pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child is not None and child.poll() is not None:
+            return True
+        if child is None and not _alive(pid):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def _terminate(pid: int, child: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL; returns once the process is gone."""
+    for sig, wait in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, STOP_TIMEOUT_S)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        if _wait_gone(pid, child, wait):
+            _DETACHED.pop(pid, None)
+            return
+    raise FabricUnavailableError(f"QEMU pid {pid} did not exit after SIGKILL")
+
+
+def reap_unconfigured(state_dir: Path, configured: Iterable[str]) -> list[str]:
+    """Kill the QEMUs that earlier runs started for hosts no longer configured; the names of those killed."""
+    keep = set(configured)
+    killed: list[str] = []
+    root = state_dir / "hosts"
+    if not root.is_dir():
+        return killed
+    for directory in sorted(root.iterdir()):
+        if directory.name in keep or not directory.is_dir():
+            continue
+        pid = _read_pid(directory)
+        if pid is not None and _ours(pid, directory):
+            _terminate(pid, None)
+            killed.append(directory.name)
+        with contextlib.suppress(OSError):
+            (directory / PIDFILE).unlink()
+    return killed
+
+
+class HostProcess:
+    """One configured host's QEMU and the driver's QMP monitor on it."""
+
+    def __init__(self, qemu: str, host: HostOptions, state_dir: Path, fmw_bytes: int, loop: Loop) -> None:
+        self.qemu = qemu
+        self.options = host
+        self.name = host.name
+        self.dir = host_dir(state_dir, host.name)
+        self.fmw_bytes = fmw_bytes
+        self.monitor = Monitor(loop, host.name)
+        self.pid: int | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self.adopted = False
+
+    def running_pid(self) -> int | None:
+        """The pid of this host's QEMU if one runs (ours or left by an earlier driver)."""
+        pid = _read_pid(self.dir)
+        return pid if pid is not None and _ours(pid, self.dir) else None
+
+    def adopt_or_start(self, records: Sequence[Record]) -> None:
+        """Reconnect to a running QEMU (its devices are the truth), or start one with ``records`` cold-plugged."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        pid = self.running_pid()
+        if pid is not None:
+            try:
+                self.monitor.connect(self.dir / QMP_SOCKET, timeout=5.0)
+            except FabricUnavailableError:
+                raise FabricUnavailableError(
+                    f"the QEMU of host {self.name} (pid {pid}) runs but its QMP monitor does not answer; "
+                    f"stop it by hand if it is stuck: kill {pid}"
+                ) from None
+            self.pid, self.adopted = pid, True
+            return
+        self.start(records)
+
+    def start(self, records: Sequence[Record]) -> None:
+        exe = find_qemu(self.qemu)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in (QMP_SOCKET, AUX_SOCKET, PIDFILE):
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / name).unlink()
+        argv = command_line(exe, self.options, self.fmw_bytes, records)
+        with open(self.dir / LOG, "wb") as log:
+            try:
+                child = subprocess.Popen(
+                    argv, cwd=self.dir, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            except OSError as exc:
+                raise FabricUnavailableError(f"cannot run {exe} for host {self.name}: {exc}") from None
+        self._child, self.pid, self.adopted = child, child.pid, False
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if child.poll() is not None:
+                self.pid = None
+                raise FabricUnavailableError(
+                    f"QEMU for host {self.name} exited with {child.returncode} at start: {self.log_tail()}"
+                )
+            if (self.dir / QMP_SOCKET).exists():
+                try:
+                    self.monitor.connect(self.dir / QMP_SOCKET, timeout=2.0)
+                    return
+                except FabricUnavailableError:
+                    pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise FabricUnavailableError(
+                    f"QEMU for host {self.name} did not answer QMP within {START_TIMEOUT_S:g}s: {self.log_tail()}"
+                )
+            time.sleep(0.005)
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = (self.dir / LOG).read_text(errors="replace")
+        except OSError:
+            return "(no output)"
+        return " | ".join(text.strip().splitlines()[-lines:]) or "(no output)"
+
+    def stop(self) -> None:
+        """Quit QEMU and return once the process is gone (a QMP ``quit``, then signals)."""
+        pid = self.pid if self.pid is not None else self.running_pid()
+        if self.monitor.connected:
+            with contextlib.suppress(Exception):
+                self.monitor.execute("quit", timeout=2.0)
+        self.monitor.disconnect()
+        if pid is not None:
+            if _wait_gone(pid, self._child, STOP_TIMEOUT_S):
+                _DETACHED.pop(pid, None)
+            else:
+                _terminate(pid, self._child)
+        self._forget()
+
+    def kill(self) -> None:
+        pid = self.pid
+        self.monitor.disconnect()
+        if pid is not None:
+            _terminate(pid, self._child)
+        self._forget()
+
+    def _forget(self) -> None:
+        self.pid, self._child = None, None
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / PIDFILE).unlink()
+
+    def restart(self, records: Sequence[Record]) -> None:
+        """Stop this QEMU and start a new one with exactly ``records`` cold-plugged."""
+        self.stop()
+        self.start(records)
+
+    def disconnect(self) -> None:
+        """Leave QEMU running (its devices stay allocated); the next driver adopts it."""
+        self.monitor.disconnect()
+        if self._child is not None:
+            _DETACHED[self._child.pid] = self._child
+        self._child = None

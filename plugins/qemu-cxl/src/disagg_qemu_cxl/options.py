@@ -1,0 +1,142 @@
+"""The ``qemu-cxl`` driver's options, checked one by one so that a mistake names the option and the fabric.
+
+Unknown options are errors, not ignored: a misspelt ``pool_byte`` would otherwise silently give a default pool.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from disagg.errors import ConfigError
+from disagg.model import CXL_DC_BLOCK_BYTES
+
+OPTIONS = ("state_dir", "pool_bytes", "qemu", "hosts", "stop_hosts_on_close")
+HOST_OPTIONS = ("name", "ports", "memory", "kernel", "initrd", "append", "serial")
+DEFAULT_POOL_BYTES = 4 * 1024**3
+DEFAULT_PORTS = 4
+MAX_PORTS = 32
+"""Downstream ports per switch: QEMU's RSS grows faster than linearly past a few tens of CXL devices."""
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
+
+
+@attrs.frozen
+class HostOptions:
+    """One emulated host: a QEMU process with ``ports`` hot-plug slots (switch downstream ports)."""
+
+    name: str
+    ports: int = DEFAULT_PORTS
+    memory: str = "1G"
+    kernel: str = ""
+    initrd: str = ""
+    append: str = ""
+    serial: tuple[str, ...] = ()
+
+    @property
+    def boots(self) -> bool:
+        """A host with a kernel runs a guest; one without is started paused, as a bare CXL topology."""
+        return bool(self.kernel)
+
+
+@attrs.frozen
+class QemuCxlOptions:
+    """Validated options of one ``qemu-cxl`` fabric."""
+
+    state_dir: Path
+    hosts: tuple[HostOptions, ...]
+    pool_bytes: int = DEFAULT_POOL_BYTES
+    qemu: str = "qemu-system-x86_64"
+    stop_hosts_on_close: bool = False
+
+    def host(self, name: str) -> HostOptions | None:
+        return next((h for h in self.hosts if h.name == name), None)
+
+
+def parse_options(fabric: str, options: Mapping[str, Any]) -> QemuCxlOptions:
+    """Check the options of fabric ``fabric``; raises ConfigError naming the option and the fabric."""
+
+    def bad(option: str, message: str) -> ConfigError:
+        return ConfigError(f"fabric {fabric!r} (driver qemu-cxl): option {option!r}: {message}", field=option)
+
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"fabric {fabric!r} (driver qemu-cxl): options must be a table, not {options!r}")
+    for key in options:
+        if key not in OPTIONS:
+            raise bad(str(key), f"unknown option (known: {', '.join(OPTIONS)})")
+
+    if "state_dir" not in options:
+        raise bad("state_dir", "is required: a directory for QMP sockets, pidfiles, memory backends and state")
+    state_dir = _path(options["state_dir"])
+    if state_dir is None:
+        raise bad("state_dir", f"must be a directory path, not {options['state_dir']!r}")
+
+    pool_bytes = options.get("pool_bytes", DEFAULT_POOL_BYTES)
+    if isinstance(pool_bytes, bool) or not isinstance(pool_bytes, int) or pool_bytes <= 0:
+        raise bad("pool_bytes", f"must be a positive integer of bytes, not {pool_bytes!r}")
+    if pool_bytes % CXL_DC_BLOCK_BYTES:
+        raise bad("pool_bytes", f"must be a multiple of 256 MiB ({CXL_DC_BLOCK_BYTES}), not {pool_bytes}")
+
+    qemu = options.get("qemu", "qemu-system-x86_64")
+    if not isinstance(qemu, str) or not qemu:
+        raise bad("qemu", f"must be the name or path of qemu-system-x86_64, not {qemu!r}")
+
+    stop = options.get("stop_hosts_on_close", False)
+    if not isinstance(stop, bool):
+        raise bad("stop_hosts_on_close", f"must be true or false, not {stop!r}")
+
+    tables = options.get("hosts")
+    if not isinstance(tables, list | tuple) or not tables:
+        raise bad("hosts", "is required: a list of tables such as [{ name = 'h1', ports = 4 }]")
+    hosts: list[HostOptions] = []
+    for i, table in enumerate(tables):
+        host = _host(table, lambda key, message, i=i: bad(f"hosts[{i}].{key}" if key else f"hosts[{i}]", message))
+        if any(h.name == host.name for h in hosts):
+            raise bad(f"hosts[{i}].name", f"host {host.name!r} is configured twice")
+        hosts.append(host)
+    return QemuCxlOptions(
+        state_dir=state_dir, hosts=tuple(hosts), pool_bytes=pool_bytes, qemu=qemu, stop_hosts_on_close=stop
+    )
+
+
+def _path(value: object) -> Path | None:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        return None
+    return Path(value).absolute()
+
+
+def _host(table: object, bad: Any) -> HostOptions:
+    if not isinstance(table, Mapping):
+        raise bad("", f"must be a table such as {{ name = 'h1', ports = 4 }}, not {table!r}")
+    for key in table:
+        if key not in HOST_OPTIONS:
+            raise bad(str(key), f"unknown option (known: {', '.join(HOST_OPTIONS)})")
+    name = table.get("name")
+    if not isinstance(name, str) or not _HOST_NAME.match(name):
+        raise bad("name", f"must be a host name of letters, digits, '-', '_' or '.', not {name!r}")
+    ports = table.get("ports", DEFAULT_PORTS)
+    if isinstance(ports, bool) or not isinstance(ports, int) or not 1 <= ports <= MAX_PORTS:
+        raise bad("ports", f"must be a number of downstream ports from 1 to {MAX_PORTS}, not {ports!r}")
+    memory = table.get("memory", "1G")
+    if not isinstance(memory, str) or not _MEMORY.match(memory):
+        raise bad("memory", f"must be guest RAM as QEMU's -m takes it (512M, 1G), not {memory!r}")
+    texts: dict[str, str] = {}
+    for key in ("kernel", "initrd", "append"):
+        value = table.get(key, "")
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise bad(key, f"must be a string, not {value!r}")
+        texts[key] = value
+    if (texts["initrd"] or texts["append"]) and not texts["kernel"]:
+        raise bad("kernel", "is required when initrd or append is given")
+    serial = table.get("serial", [])
+    if not isinstance(serial, list | tuple) or not all(isinstance(s, str) and s for s in serial):
+        raise bad("serial", f"must be a list of -serial values such as 'file:/x/console.log', not {serial!r}")
+    return HostOptions(name=name, ports=ports, memory=memory, serial=tuple(serial), **texts)

@@ -1,0 +1,115 @@
+"""Blocking QMP over ``qemu.qmp``: the driver interface is synchronous, ``qemu.qmp`` is asyncio.
+
+One event loop runs in a daemon thread per fabric; each `Monitor` is a ``QMPClient`` living on that loop, and
+every call is handed to it with a bounded wait. QMP errors come back as `QMPCommandError` (the caller knows
+what they mean); lost connections and timeouts as `FabricUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from disagg.errors import FabricUnavailableError
+from qemu.qmp import ExecuteError, QMPClient, QMPError
+
+T = TypeVar("T")
+CALL_TIMEOUT_S = 10.0
+_MAX_SOCKET_PATH = 100
+
+
+class QMPCommandError(Exception):
+    """QEMU answered a command with an error (``error_class``: GenericError, DeviceNotFound, ...)."""
+
+    def __init__(self, command: str, error_class: str, desc: str) -> None:
+        super().__init__(f"{command}: {error_class}: {desc}")
+        self.command = command
+        self.error_class = error_class
+        self.desc = desc
+
+
+class Loop:
+    """An asyncio loop in a daemon thread, for the QMP clients of one fabric."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"qmp-{name}", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+def socket_address(path: Path) -> tuple[str, int | None]:
+    """A connectable address for ``path``, and a directory fd to close afterwards.
+
+    A unix socket address holds 108 bytes; a deeper path is reached through ``/proc/self/fd`` of its
+    directory, opened with O_PATH, which names the same socket in a few bytes."""
+    text = str(path)
+    if len(text) < _MAX_SOCKET_PATH:
+        return text, None
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    return f"/proc/self/fd/{fd}/{path.name}", fd
+
+
+class Monitor:
+    """One QMP connection to one QEMU, with blocking calls."""
+
+    def __init__(self, loop: Loop, name: str) -> None:
+        self._loop = loop
+        self.name = name
+        self._client: QMPClient | None = None
+
+    def connect(self, path: Path, timeout: float) -> None:
+        address, fd = socket_address(path)
+        client = QMPClient(self.name)
+        try:
+            self._loop.run(asyncio.wait_for(client.connect(address), timeout), timeout + 1.0)
+        except (QMPError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+            raise FabricUnavailableError(f"cannot connect to QMP of {self.name} at {path}: {exc!r}") from None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        self._client = client
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float = CALL_TIMEOUT_S) -> Any:
+        client = self._client
+        if client is None:
+            raise FabricUnavailableError(f"QMP of {self.name} is not connected")
+        try:
+            return self._loop.run(asyncio.wait_for(client.execute(command, arguments), timeout), timeout + 1.0)
+        except ExecuteError as exc:
+            raise QMPCommandError(command, exc.error_class, str(exc)) from None
+        except (QMPError, OSError, EOFError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+            raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
+
+    def disconnect(self) -> None:
+        """Idempotent; after ``quit`` the peer is gone already, so errors are expected and ignored."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        with contextlib.suppress(Exception):
+            self._loop.run(asyncio.wait_for(client.disconnect(), 2.0), 3.0)

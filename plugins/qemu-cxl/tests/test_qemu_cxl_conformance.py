@@ -1,0 +1,30 @@
+"""The conformance suite against the qemu-cxl driver in process, with the options `disagg certify` uses, on
+one state directory shared by the module (so the tests also prove that each leaves the fabric as it found it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from disagg.testing import FabricConformance
+from disagg.testing.harness import FabricFactory
+from disagg_qemu_cxl.plugin import certify_options, create_fabric
+from qemu_cxl_helpers import kill_left_over, require_qemu
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("qemu-cxl")
+    yield path
+    kill_left_over(path / "qemu-cxl")
+
+
+class TestQemuCxlInProcess(FabricConformance):
+    """The qemu-cxl driver meets the disagg driver contract."""
+
+    @pytest.fixture
+    def fabric_factory(self, state_dir: Path) -> FabricFactory:
+        require_qemu()
+        options = certify_options(state_dir)
+        return lambda: create_fabric("cert", options)

@@ -1,0 +1,160 @@
+"""Against real QEMU: hot-add lands on the host's switch, release restarts the host without the device and
+keeps the others, a crashed driver's QEMUs are adopted (or reaped when no longer configured), and a QEMU that
+cannot start says why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from disagg.errors import FabricUnavailableError
+from disagg.interfaces import CallContext
+from disagg_qemu_cxl import QemuCxlFabric
+from disagg_qemu_cxl.command import host_dir
+from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, options, qemu_pid, require_qemu
+
+POOL = "qc/cxl-pool"
+
+
+class TestHotAdd:
+    """An allocation is a cxl-type3 on a free downstream port of that host, with its size and serial."""
+
+    def test_allocate_is_seen_by_an_independent_qmp_client(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext
+    ) -> None:
+        started = time.monotonic()
+        alloc = fabric.pool(POOL).allocate("a", "h2", 512 * MiB, ctx)
+        took = time.monotonic() - started
+        assert took < 2.0, f"allocate took {took:.3f}s"
+        with RawQMP(state_dir, "h2") as qmp:
+            found = qmp.type3()
+            assert qmp.execute("qom-get", path=f"/machine/peripheral/{next(iter(found))}", property="hotplugged")
+        (dev,) = found.values()
+        assert dev["port"] == "dsp0" and dev["size"] == 512 * MiB
+        record = fabric._ledger.state.record("a")
+        assert record is not None and dev["sn"] == record.sn
+        with RawQMP(state_dir, "h1") as qmp:
+            assert qmp.type3() == {}
+        assert fabric.pool(POOL).allocations() == [alloc]
+        switch = next(s for s in fabric.discover().switches if s.id == "qc/h2-switch")
+        assert [p.connected for p in switch.ports if p.id == "dsp0"] == [next(iter(found))]
+
+
+class TestRelease:
+    """Release restarts the host's QEMU without the device; the others keep ports, serials and backends."""
+
+    def test_release_by_restart(self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext) -> None:
+        pool = fabric.pool(POOL)
+        for name in ("a", "b", "c"):
+            pool.allocate(name, "h1", 256 * MiB, ctx)
+        with RawQMP(state_dir, "h1") as qmp:
+            before = qmp.type3()
+        marker = host_dir(state_dir, "h1") / before[fabric._ledger.state.record("c").device]["mem-path"]  # type: ignore[union-attr]
+        with open(marker, "r+b") as f:
+            f.write(b"still here")
+        old_pid = qemu_pid(state_dir, "h1")
+        assert old_pid is not None
+        started = time.monotonic()
+        pool.release("b", ctx)
+        took = time.monotonic() - started
+        assert not alive(old_pid), "release returned while the old QEMU still ran"
+        new_pid = qemu_pid(state_dir, "h1")
+        assert new_pid is not None and new_pid != old_pid
+        with RawQMP(state_dir, "h1") as qmp:
+            after = qmp.type3()
+        gone = fabric._ledger.state.record("b")
+        assert gone is None
+        assert len(after) == 2
+        for name, dev in after.items():
+            assert before[name] == dev, f"{name} moved or changed"
+        assert marker.read_bytes()[:10] == b"still here"
+        assert sorted(a.id for a in pool.allocations()) == ["a", "c"]
+        assert took < 5.0, f"release took {took:.3f}s"
+        pool.release("b", ctx)  # idempotent, and no restart
+        assert qemu_pid(state_dir, "h1") == new_pid
+
+
+DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    from disagg.interfaces import CallContext
+    from disagg_qemu_cxl import create_fabric
+    fabric = create_fabric("qc", json.loads(sys.argv[1]))
+    fabric.pool("qc/cxl-pool").allocate("kept", "h1", 256 * 1024**2, CallContext(epoch=1))
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def run_driver_and_kill(state_dir: Path, opts: dict[str, object]) -> None:
+    import json
+
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(opts)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", f"the driver subprocess said {line!r}"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+
+class TestAdoption:
+    """A driver started on the state_dir of a SIGKILLed one adopts its QEMUs and reaps unconfigured ones."""
+
+    def test_adopts_after_sigkill(self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path) -> None:
+        run_driver_and_kill(state_dir, options(state_dir, stop_hosts_on_close=False))
+        pids = {h: qemu_pid(state_dir, h) for h in ("h1", "h2")}
+        assert all(p is not None and alive(p) for p in pids.values()), "QEMU died with the driver"
+        fabric = make_fabric(hosts=[{"name": "h1", "ports": 4, "memory": "256M"}])
+        assert fabric.hosts["h1"].adopted and fabric.hosts["h1"].pid == pids["h1"]
+        assert [(a.id, a.host, a.amount_bytes) for a in fabric.pool(POOL).allocations()] == [("kept", "h1", 256 * MiB)]
+        h2 = pids["h2"]
+        assert h2 is not None and not alive(h2), "the QEMU of unconfigured host h2 was left running"
+        assert fabric.reaped == ["h2"]
+
+    def test_restarts_a_host_whose_qemu_died(self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path) -> None:
+        run_driver_and_kill(state_dir, options(state_dir, stop_hosts_on_close=False))
+        pid = qemu_pid(state_dir, "h1")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fabric = make_fabric()
+        assert not fabric.hosts["h1"].adopted and fabric.hosts["h2"].adopted
+        with RawQMP(state_dir, "h1") as qmp:
+            (dev,) = qmp.type3().values()
+        assert dev["port"] == "dsp0", "the recorded Type-3 was not cold-plugged again on its port"
+        assert [a.id for a in fabric.pool(POOL).allocations()] == ["kept"]
+
+
+class TestStartFailure:
+    """A QEMU that exits at start gives FabricUnavailableError with its own words, and leaves nothing running."""
+
+    def test_bad_kernel(self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path) -> None:
+        require_qemu()
+        hosts = [{"name": "h1"}, {"name": "g", "kernel": str(state_dir / "no-such-vmlinuz")}]
+        with pytest.raises(FabricUnavailableError, match="no-such-vmlinuz"):
+            make_fabric(hosts=hosts, pool_bytes=GiB)
+        assert qemu_pid(state_dir, "h1") is None, "the host started before the failure was left running"
+
+
+class TestOneDriverPerStateDir:
+    """A second driver on a state_dir in use is refused, before it touches the running QEMUs."""
+
+    def test_second_driver_refused(self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path) -> None:
+        fabric = make_fabric()
+        pid = qemu_pid(state_dir, "h1")
+        with pytest.raises(FabricUnavailableError, match="another qemu-cxl driver"):
+            make_fabric()
+        assert qemu_pid(state_dir, "h1") == pid and pid is not None and alive(pid)
+        assert fabric.pool(POOL).allocations() == []

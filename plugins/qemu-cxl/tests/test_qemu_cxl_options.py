@@ -1,0 +1,105 @@
+"""Option validation: every mistake is a ConfigError that names the fabric and the option (no QEMU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from disagg.errors import ConfigError
+from disagg_qemu_cxl import create_fabric, parse_options
+from disagg_qemu_cxl.command import command_line
+from disagg_qemu_cxl.options import HostOptions
+from disagg_qemu_cxl.state import Record
+from qemu_cxl_helpers import GiB, MiB
+
+
+def valid(**extra: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"state_dir": "/tmp/x", "hosts": [{"name": "h1"}]}
+    base.update(extra)
+    return base
+
+
+class TestParseOptions:
+    """Valid options parse to their values and defaults; each invalid one names itself and the fabric."""
+
+    def test_defaults(self) -> None:
+        opts = parse_options("f", valid())
+        assert opts.state_dir == Path("/tmp/x")
+        assert opts.pool_bytes == 4 * GiB
+        assert opts.qemu == "qemu-system-x86_64"
+        assert opts.stop_hosts_on_close is False
+        assert opts.hosts == (HostOptions("h1", ports=4, memory="1G"),)
+
+    def test_a_booting_host(self) -> None:
+        host = {"name": "g", "kernel": "/k", "initrd": "/i", "append": "console=ttyS0", "serial": ["file:/c.log"]}
+        (h,) = parse_options("f", valid(hosts=[host])).hosts
+        assert h.boots and h.serial == ("file:/c.log",) and h.append == "console=ttyS0"
+
+    @pytest.mark.parametrize(
+        ("options", "option"),
+        [
+            ({"hosts": [{"name": "h1"}]}, "state_dir"),
+            (valid(state_dir=""), "state_dir"),
+            (valid(pool_bytes=100 * MiB), "pool_bytes"),
+            (valid(pool_bytes=0), "pool_bytes"),
+            (valid(pool_bytes="1G"), "pool_bytes"),
+            (valid(qemu=""), "qemu"),
+            (valid(stop_hosts_on_close="yes"), "stop_hosts_on_close"),
+            (valid(hosts=[]), "hosts"),
+            (valid(hosts="h1"), "hosts"),
+            (valid(hosts=[{"name": "a/b"}]), "hosts[0].name"),
+            (valid(hosts=[{"name": "h1"}, {"name": "h1"}]), "hosts[1].name"),
+            (valid(hosts=[{"name": "h1", "ports": 0}]), "hosts[0].ports"),
+            (valid(hosts=[{"name": "h1", "ports": 33}]), "hosts[0].ports"),
+            (valid(hosts=[{"name": "h1", "memory": "lots"}]), "hosts[0].memory"),
+            (valid(hosts=[{"name": "h1", "initrd": "/i"}]), "hosts[0].kernel"),
+            (valid(hosts=[{"name": "h1", "serial": "file:/x"}]), "hosts[0].serial"),
+            (valid(hosts=[{"name": "h1", "cpus": 2}]), "hosts[0].cpus"),
+            (valid(pool_byte=GiB), "pool_byte"),
+        ],
+    )
+    def test_invalid(self, options: dict[str, Any], option: str) -> None:
+        with pytest.raises(ConfigError) as info:
+            parse_options("f", options)
+        assert info.value.field == option
+        assert "fabric 'f' (driver qemu-cxl)" in info.value.message and repr(option) in info.value.message
+
+
+class TestMissingQemu:
+    """Without the QEMU binary, building the fabric fails at once with what to install."""
+
+    def test_missing_binary(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError) as info:
+            create_fabric("f", valid(state_dir=str(tmp_path), qemu="/nonexistent/qemu-system-x86_64"))
+        assert "apt-get install qemu-system-x86" in info.value.message
+        assert "fabric 'f'" in info.value.message
+        assert not (tmp_path / "hosts").exists(), "nothing was started"
+
+
+class TestCommandLine:
+    """The static CXL topology: a host bridge, one root port, a switch, N downstream ports, a fixed window."""
+
+    def test_paused_topology_with_a_cold_plugged_type3(self) -> None:
+        record = Record("a", "h1", 2, 0x1234, 512 * MiB, ((0, 512 * MiB),))
+        argv = command_line("qemu", HostOptions("h1", ports=3), 2 * GiB, [record])
+        text = " ".join(argv)
+        assert "-S" in argv and "-kernel" not in argv
+        assert "q35,cxl=on" in text and "-accel tcg" in text
+        assert text.count("cxl-downstream,") == 3 and "cxl-rp," in text and "cxl-upstream," in text
+        assert "cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size=2147483648" in text
+        assert "cxl-type3,id=cxl-t3-1234,bus=dsp2,addr=0,sn=4660,memdev=cxl-mem-1234,lsa=cxl-lsa-1234" in text
+        assert "memory-backend-file,id=cxl-mem-1234,mem-path=mem-1234.img,size=536870912,share=on" in text
+
+    def test_a_booting_host_runs(self) -> None:
+        host = HostOptions("g", kernel="/k", initrd="/i", append="quiet", serial=("file:/c", "unix:/s,server=on"))
+        argv = command_line("qemu", host, GiB, [])
+        assert "-S" not in argv
+        text = " ".join(argv)
+        assert "-kernel /k -initrd /i -append quiet" in text and "-smp 2" in text
+        assert "-serial file:/c -serial unix:/s,server=on" in text
+
+    def test_volatile_type3_has_no_lsa(self) -> None:
+        record = Record("a", "h1", 0, 0x10, 256 * MiB, (), volatile=True)
+        text = " ".join(command_line("qemu", HostOptions("h1"), GiB, [record]))
+        assert "volatile-memdev=cxl-mem-10" in text and "cxl-lsa-10" not in text

@@ -1,0 +1,196 @@
+"""The checks QEMU 7.2 skips, made by the driver before QEMU is touched, against real QEMU processes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from disagg.errors import (
+    CapacityExhaustedError,
+    ConflictError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    StaleEpochError,
+    UnknownHostError,
+)
+from disagg.interfaces import CallContext
+from disagg_qemu_cxl import QemuCxlFabric
+from qemu_cxl_helpers import GiB, MiB, RawQMP
+
+POOL = "qc/cxl-pool"
+
+
+def hand_add(state_dir: Path, host: str, port: int, sn: int, name: str) -> None:
+    """device_add a Type-3 behind the driver's back, on the auxiliary QMP monitor."""
+    with RawQMP(state_dir, host) as qmp:
+        qmp.execute("object-add", **{"qom-type": "memory-backend-ram", "id": f"{name}-m", "size": 256 * MiB})
+        qmp.execute("object-add", **{"qom-type": "memory-backend-ram", "id": f"{name}-l", "size": MiB})
+        qmp.execute(
+            "device_add", driver="cxl-type3", id=name, bus=f"dsp{port}", addr="0", sn=sn,
+            memdev=f"{name}-m", lsa=f"{name}-l",
+        )  # fmt: skip
+
+
+class TestPorts:
+    """One Type-3 per downstream port, at function 0; a full host refuses with CapacityExhaustedError."""
+
+    def test_occupied_ports_are_refused(self, fabric: QemuCxlFabric, ctx: CallContext) -> None:
+        pool = fabric.pool(POOL)
+        for i in range(2):
+            pool.allocate(f"a{i}", "h2", 256 * MiB, ctx)
+        with pytest.raises(CapacityExhaustedError, match="no free CXL downstream port"):
+            pool.allocate("a2", "h2", 256 * MiB, ctx)
+        assert {a.id for a in pool.allocations()} == {"a0", "a1"}
+
+    def test_a_port_taken_behind_the_drivers_back_is_skipped(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext
+    ) -> None:
+        hand_add(state_dir, "h1", 0, 0x9000, "foreign")
+        fabric.pool(POOL).allocate("a", "h1", 256 * MiB, ctx)
+        with RawQMP(state_dir, "h1") as qmp:
+            found = qmp.type3()
+        assert found["foreign"]["port"] == "dsp0"
+        (ours,) = [v for k, v in found.items() if k != "foreign"]
+        assert ours["port"] == "dsp1"
+
+
+class TestUniqueness:
+    """Serials and backend ids never repeat, even when the state file's counter is wound back."""
+
+    def test_serials_and_backends_stay_unique(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, ctx: CallContext
+    ) -> None:
+        first = make_fabric(stop_hosts_on_close=False)
+        first.pool(POOL).allocate("a", "h1", 256 * MiB, ctx)
+        first.pool(POOL).allocate("b", "h2", 256 * MiB, ctx)
+        first.close()
+        hand_add(state_dir, "h1", 3, 0x1002, "foreign")  # the serial the counter would hand out next
+        state = state_dir / "state.json"
+        doc = json.loads(state.read_text())
+        doc["next_sn"] = 0x1000  # a state file from the past
+        state.write_text(json.dumps(doc))
+        make_fabric().pool(POOL).allocate("c", "h2", 256 * MiB, ctx)
+        serials: list[int] = []
+        backends: list[str] = []
+        for host in ("h1", "h2"):
+            with RawQMP(state_dir, host) as qmp:
+                for dev in qmp.type3().values():
+                    serials.append(dev["sn"])
+                    backends.append(dev["memdev"])
+        assert len(serials) == 4 and len(set(serials)) == 4, serials
+        assert len(set(backends)) == 4, backends
+
+
+class TestSizes:
+    """Amounts round up to whole 256 MiB blocks; a non-positive amount is invalid; the pool's size is a bound."""
+
+    def test_rounding(self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext) -> None:
+        alloc = fabric.pool(POOL).allocate("a", "h1", 300 * MiB, ctx)
+        assert alloc.amount_bytes == 512 * MiB
+        with RawQMP(state_dir, "h1") as qmp:
+            (dev,) = qmp.type3().values()
+        assert dev["size"] == 512 * MiB
+
+    @pytest.mark.parametrize("amount", [0, -1])
+    def test_non_positive(self, fabric: QemuCxlFabric, ctx: CallContext, amount: int) -> None:
+        with pytest.raises(InvalidRequestError):
+            fabric.pool(POOL).allocate("a", "h1", amount, ctx)
+
+    def test_capacity_exhausted(self, fabric: QemuCxlFabric, ctx: CallContext) -> None:
+        pool = fabric.pool(POOL)
+        pool.allocate("a", "h1", GiB + 512 * MiB, ctx)
+        with pytest.raises(CapacityExhaustedError):
+            pool.allocate("b", "h2", GiB, ctx)
+        assert pool.free_bytes() == 512 * MiB
+        assert [a.id for a in pool.allocations()] == ["a"]
+
+
+class TestContract:
+    """Unknown hosts, idempotency, conflicts and fencing, per the Pool contract."""
+
+    def test_unknown_host(self, fabric: QemuCxlFabric, ctx: CallContext) -> None:
+        with pytest.raises(UnknownHostError):
+            fabric.pool(POOL).allocate("a", "h9", 256 * MiB, ctx)
+        assert fabric.pool(POOL).allocations() == []
+
+    def test_idempotent_and_conflicts(self, fabric: QemuCxlFabric, ctx: CallContext) -> None:
+        pool = fabric.pool(POOL)
+        first = pool.allocate("a", "h1", 256 * MiB, ctx)
+        assert pool.allocate("a", "h1", 200 * MiB, ctx) == first
+        with pytest.raises(ConflictError):
+            pool.allocate("a", "h2", 256 * MiB, ctx)
+        with pytest.raises(ConflictError):
+            pool.allocate("a", "h1", 512 * MiB, ctx)
+        pool.release("nope", ctx)
+        assert pool.allocations() == [first]
+
+    def test_stale_epoch_changes_nothing(self, fabric: QemuCxlFabric, state_dir: Path) -> None:
+        pool = fabric.pool(POOL)
+        pool.allocate("a", "h1", 256 * MiB, CallContext(epoch=7))
+        with pytest.raises(StaleEpochError):
+            pool.allocate("b", "h1", 256 * MiB, CallContext(epoch=6))
+        with pytest.raises(StaleEpochError):
+            pool.release("a", CallContext(epoch=6))
+        assert [a.id for a in pool.allocations()] == ["a"]
+        assert json.loads((state_dir / "state.json").read_text())["epoch"] == 7
+
+
+class TestDrift:
+    """QEMU is the truth: a record without its device is not held, a device without a record is reported."""
+
+    def test_a_record_whose_device_never_came(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, ctx: CallContext
+    ) -> None:
+        make_fabric(stop_hosts_on_close=False).close()
+        ghost = {"host": "h1", "port": 2, "sn": 0x5000, "size": 256 * MiB, "extents": [[0, 256 * MiB]]}
+        doc = {"version": 1, "epoch": 0, "next_sn": 0x5001, "allocations": {"ghost": ghost}}
+        (state_dir / "state.json").write_text(json.dumps(doc))  # a crash between writing the intent and device_add
+        fabric = make_fabric()
+        assert fabric.hosts["h1"].adopted
+        pool = fabric.pool(POOL)
+        assert pool.allocations() == []
+        assert pool.free_bytes() == 2 * GiB
+        pool.allocate("ghost", "h1", 256 * MiB, ctx)  # the retry completes it as recorded
+        with RawQMP(state_dir, "h1") as qmp:
+            (dev,) = qmp.type3().values()
+        assert dev["port"] == "dsp2" and dev["sn"] == 0x5000
+
+    def test_a_device_without_a_record(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, ctx: CallContext
+    ) -> None:
+        first = make_fabric(stop_hosts_on_close=False)
+        first.pool(POOL).allocate("a", "h1", 256 * MiB, ctx)
+        first.pool(POOL).allocate("b", "h1", 256 * MiB, ctx)
+        first.close()
+        state = state_dir / "state.json"
+        doc = json.loads(state.read_text())
+        device = f"cxl-t3-{doc['allocations']['a']['sn']:x}"
+        del doc["allocations"]["a"]  # a lost state file entry
+        state.write_text(json.dumps(doc))
+        hand_add(state_dir, "h1", 3, 0x9000, "foreign")
+        pool = make_fabric().pool(POOL)
+        held = {a.id: a.amount_bytes for a in pool.allocations()}
+        assert held == {f"unrecorded:h1:{device}": 256 * MiB, "b": 256 * MiB, "unrecorded:h1:foreign": 256 * MiB}
+        with pytest.raises(FabricUnavailableError, match="not made by this driver"):
+            pool.release("unrecorded:h1:foreign", ctx)
+        with pytest.raises(FabricUnavailableError, match="did not make"):
+            pool.release("b", ctx)  # a restart would silently drop the foreign device
+        assert len(pool.allocations()) == 3, "a refused release changed something"
+
+    def test_releasing_a_device_whose_record_was_lost(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, ctx: CallContext
+    ) -> None:
+        first = make_fabric(stop_hosts_on_close=False)
+        first.pool(POOL).allocate("a", "h1", 256 * MiB, ctx)
+        first.pool(POOL).allocate("b", "h1", 512 * MiB, ctx)
+        first.close()
+        state = state_dir / "state.json"
+        doc = json.loads(state.read_text())
+        device = f"cxl-t3-{doc['allocations']['b']['sn']:x}"
+        del doc["allocations"]["b"]
+        state.write_text(json.dumps(doc))
+        pool = make_fabric().pool(POOL)
+        pool.release(f"unrecorded:h1:{device}", ctx)
+        assert [(a.id, a.amount_bytes) for a in pool.allocations()] == [("a", 256 * MiB)]
