@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from disagg.errors import FabricUnavailableError
+from disagg.errors import DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric
 from disagg_qemu_cxl.command import host_dir
@@ -29,10 +29,7 @@ class TestHotAdd:
     def test_allocate_is_seen_by_an_independent_qmp_client(
         self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext
     ) -> None:
-        started = time.monotonic()
         alloc = fabric.pool(POOL).allocate("a", "h2", 512 * MiB, ctx)
-        took = time.monotonic() - started
-        assert took < 2.0, f"allocate took {took:.3f}s"
         with RawQMP(state_dir, "h2") as qmp:
             found = qmp.type3()
             assert qmp.execute("qom-get", path=f"/machine/peripheral/{next(iter(found))}", property="hotplugged")
@@ -45,6 +42,25 @@ class TestHotAdd:
         assert fabric.pool(POOL).allocations() == [alloc]
         switch = next(s for s in fabric.discover().switches if s.id == "qc/h2-switch")
         assert [p.connected for p in switch.ports if p.id == "dsp0"] == [next(iter(found))]
+
+    def test_a_qemu_that_stops_answering_is_bounded_by_the_deadline(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext
+    ) -> None:
+        """QEMU stops answering (SIGSTOP): allocate gives up at the caller's deadline with DeadlineExceededError,
+        not at its own 10 s QMP limit (FabricUnavailableError); once QEMU answers again, a retry of the same id
+        completes, with one device."""
+        pid = qemu_pid(state_dir, "h1")
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceededError, match="deadline"):
+                fabric.pool(POOL).allocate("late", "h1", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        alloc = fabric.pool(POOL).allocate("late", "h1", 256 * MiB, ctx)
+        with RawQMP(state_dir, "h1") as qmp:
+            (dev,) = qmp.type3().values()
+        assert dev["size"] == 256 * MiB and fabric.pool(POOL).allocations() == [alloc]
 
 
 class TestRelease:
@@ -61,9 +77,7 @@ class TestRelease:
             f.write(b"still here")
         old_pid = qemu_pid(state_dir, "h1")
         assert old_pid is not None
-        started = time.monotonic()
         pool.release("b", ctx)
-        took = time.monotonic() - started
         assert not alive(old_pid), "release returned while the old QEMU still ran"
         new_pid = qemu_pid(state_dir, "h1")
         assert new_pid is not None and new_pid != old_pid
@@ -76,7 +90,6 @@ class TestRelease:
             assert before[name] == dev, f"{name} moved or changed"
         assert marker.read_bytes()[:10] == b"still here"
         assert sorted(a.id for a in pool.allocations()) == ["a", "c"]
-        assert took < 5.0, f"release took {took:.3f}s"
         pool.release("b", ctx)  # idempotent, and no restart
         assert qemu_pid(state_dir, "h1") == new_pid
 

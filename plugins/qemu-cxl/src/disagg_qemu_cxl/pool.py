@@ -30,7 +30,7 @@ from disagg.model import CXL_DC_BLOCK_BYTES, Allocation, Capacity, Extent, PoolI
 from disagg_qemu_cxl.command import backend_props, device_props, host_dir, lsa_file, memory_file
 from disagg_qemu_cxl.discovery import Features, HostView, Type3, walk
 from disagg_qemu_cxl.hosts import HostProcess
-from disagg_qemu_cxl.qmp import QMPCommandError
+from disagg_qemu_cxl.qmp import QMPCommandError, until
 from disagg_qemu_cxl.state import Record, State, StateFile
 
 UNRECORDED = "unrecorded"
@@ -155,23 +155,32 @@ class QemuCxlPool(Pool):
             if process is None:
                 raise UnknownHostError(host, f"host {host!r} is not configured in fabric {self._fabric!r}")
             ctx.check_deadline()
-            views = self.views()
-            if record is not None:
-                present = views[host].device(record.device) is not None
-                if record.releasing and present:
-                    raise ConflictError(f"allocation {allocation_id} is being released; release it again first")
-                if present:
-                    return self._allocation(record)
-                if record.releasing or views[host].on_port(record.port):
-                    self._forget(record)  # released by a restart that crashed before forgetting it, or never
-                    record = None  # added and its port taken since: carve it afresh
-            if record is None:
-                record = self._plan(allocation_id, host, size, views)
-                self._ledger.save(
-                    attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
-                )  # the intent first: a crash after device_add then leaves a named device, never an orphan
-            self._hot_add(process, record, views[host])
-            return self._allocation(record)
+            with until(ctx.deadline):
+                return self._allocate(allocation_id, host, size, record, process)
+
+    def _allocate(
+        self, allocation_id: str, host: str, size: int, record: Record | None, process: HostProcess
+    ) -> Allocation:
+        """`allocate` once its arguments are checked; every QMP call here is bounded by the caller's deadline. A
+        deadline that passes after the intent is saved leaves the record: a retry of the same id completes it,
+        a release forgets it."""
+        views = self.views()
+        if record is not None:
+            present = views[host].device(record.device) is not None
+            if record.releasing and present:
+                raise ConflictError(f"allocation {allocation_id} is being released; release it again first")
+            if present:
+                return self._allocation(record)
+            if record.releasing or views[host].on_port(record.port):
+                self._forget(record)  # released by a restart that crashed before forgetting it, or never
+                record = None  # added and its port taken since: carve it afresh
+        if record is None:
+            record = self._plan(allocation_id, host, size, views)
+            self._ledger.save(
+                attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
+            )  # the intent first: a crash after device_add then leaves a named device, never an orphan
+        self._hot_add(process, record, views[host])
+        return self._allocation(record)
 
     def _allocation(self, record: Record) -> Allocation:
         extents = tuple(Extent(o, n) for o, n in record.extents)
@@ -237,8 +246,8 @@ class QemuCxlPool(Pool):
             if process is None:
                 self._forget(record)
                 return
-            views = self.views()
-            view = views[record.host]
+            with until(ctx.deadline):  # the restart below, once begun, finishes whatever the deadline
+                view = self.views()[record.host]
             if view.device(record.device) is None:
                 self._forget(record)
                 return

@@ -10,18 +10,34 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import os
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from disagg.errors import FabricUnavailableError
+from disagg.errors import DeadlineExceededError, FabricUnavailableError
 from qemu.qmp import ExecuteError, QMPClient, QMPError
 
 T = TypeVar("T")
 CALL_TIMEOUT_S = 10.0
 _MAX_SOCKET_PATH = 100
+
+
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("qmp_deadline", default=None)
+
+
+@contextlib.contextmanager
+def until(deadline: float | None) -> Iterator[None]:
+    """Bound every QMP call made inside by ``deadline`` (a ``time.monotonic()`` instant, the caller's): a call
+    is not sent once it has passed, and one that QEMU has not answered by then raises DeadlineExceededError."""
+    token = _DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
 
 
 class QMPCommandError(Exception):
@@ -99,11 +115,24 @@ class Monitor:
         client = self._client
         if client is None:
             raise FabricUnavailableError(f"QMP of {self.name} is not connected")
+        deadline = _DEADLINE.get()
+        by_deadline = False
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(f"the deadline passed before QMP {command} was sent to {self.name}")
+            by_deadline, timeout = left < timeout, min(timeout, left)
         try:
             return self._loop.run(asyncio.wait_for(client.execute(command, arguments), timeout), timeout + 1.0)
         except ExecuteError as exc:
             raise QMPCommandError(command, exc.error_class, str(exc)) from None
-        except (QMPError, OSError, EOFError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+        except (TimeoutError, concurrent.futures.TimeoutError) as exc:
+            if by_deadline:
+                raise DeadlineExceededError(
+                    f"QEMU of {self.name} did not answer {command} before the deadline"
+                ) from None
+            raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
+        except (QMPError, OSError, EOFError) as exc:
             raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
 
     def disconnect(self) -> None:
