@@ -1,7 +1,8 @@
 """disagg-cxl-switch: the CXL Fabric Manager API on the wire, for an emulated CXL switch and its disagg driver.
 
-This layer is pure encoding: `cci` frames messages, `fmapi` types their payloads, `returncodes` names the
-results. No I/O, no driver yet; the emulator process and the ``disagg.drivers`` entry point come next.
+`cci` frames messages, `fmapi` types their payloads, `returncodes` names the results: pure encoding, no I/O.
+`emulator` is the emulated switch process that serves them. No driver yet; the ``disagg.drivers`` entry point
+comes next.
 """
 
 from importlib.metadata import PackageNotFoundError, version

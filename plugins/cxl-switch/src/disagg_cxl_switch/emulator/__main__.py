@@ -1,0 +1,59 @@
+"""``python -m disagg_cxl_switch.emulator --listen unix:/path|127.0.0.1:PORT [--config FILE | topology flags]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from disagg_cxl_switch.emulator.config import EmulatorConfig
+from disagg_cxl_switch.emulator.server import ListenAddress, serve
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m disagg_cxl_switch.emulator", description=__doc__)
+    parser.add_argument("--listen", required=True, help="unix:/path, or HOST:PORT on a loopback address")
+    parser.add_argument("--config", type=Path, help="a JSON or TOML file of settings (flags override it)")
+    for field in attrs.fields(EmulatorConfig):
+        kind = float if field.name == "bind_delay_ms" else int
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, dest=field.name)
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+async def _run(config: EmulatorConfig, address: ListenAddress) -> None:
+    task = asyncio.ensure_future(serve(config.build(), address))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        address = ListenAddress.parse(args.listen)
+        base = EmulatorConfig.from_file(args.config) if args.config else EmulatorConfig()
+        flags = {
+            f.name: getattr(args, f.name) for f in attrs.fields(EmulatorConfig) if getattr(args, f.name) is not None
+        }
+        config = attrs.evolve(base, **flags)
+        config.build()  # reject an impossible topology before listening
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_run(config, address))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
