@@ -1,8 +1,8 @@
 """disagg-cxl-switch: the CXL Fabric Manager API on the wire, for an emulated CXL switch and its disagg driver.
 
 `cci` frames messages, `fmapi` types their payloads, `returncodes` names the results: pure encoding, no I/O.
-`emulator` is the emulated switch process that serves them. No driver yet; the ``disagg.drivers`` entry point
-comes next.
+`emulator` is the emulated switch process that serves them; `driver` is the ``cxl-switch`` disagg driver that
+manages it (registered through the ``disagg.drivers`` entry point).
 """
 
 from importlib.metadata import PackageNotFoundError, version

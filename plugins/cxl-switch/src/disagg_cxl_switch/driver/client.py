@@ -1,0 +1,190 @@
+"""A blocking, thread-safe CCI client for the switch's FM API over a unix socket or loopback TCP.
+
+One connection and one request in flight at a time (the emulator answers a connection's requests in order, so
+a lock is the honest model), each request with its own Message Tag that the response must echo. Every wait is
+bounded by the caller's `CallContext` deadline and by an I/O timeout, and every failure leaves as a
+`disagg.errors` type: nothing from the socket or the wire layer escapes the driver.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Protocol
+
+from disagg.errors import (
+    DeadlineExceededError,
+    DisaggError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    UnsupportedError,
+)
+from disagg.interfaces import CallContext
+
+from disagg_cxl_switch.cci import CCIMessage, FrameDecoder, MessageCategory, encode_frame
+from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS, BackgroundOperationStatusResponse
+from disagg_cxl_switch.errors import CCIFormatError
+from disagg_cxl_switch.fmapi import Opcode, TunnelManagementCommandRequest, TunnelManagementCommandResponse
+from disagg_cxl_switch.returncodes import ReturnCode
+
+IO_TIMEOUT_S = 5.0
+"""The longest a single request may wait for its response when the caller gives no earlier deadline."""
+POLL_INTERVAL_S = 0.005
+"""How often Background Operation Status is polled while a Bind or Unbind vPPB runs."""
+_INNER_TAG = 0xA5
+
+
+class Encodable(Protocol):
+    def encode(self) -> bytes: ...
+
+
+class CommandFailedError(DisaggError):
+    """A command answered with a return code other than Success; the caller maps it to the contract's error."""
+
+    def __init__(self, opcode: int, return_code: int) -> None:
+        try:
+            name = ReturnCode(return_code).name
+        except ValueError:
+            name = f"{return_code:#06x}"
+        super().__init__(f"FM API command {opcode:04X}h failed: {name}")
+        self.opcode = opcode
+        self.return_code = return_code
+
+
+def parse_address(text: str) -> tuple[int, str | tuple[str, int]]:
+    """``unix:/path`` or ``127.0.0.1:PORT`` as a socket family and address; anything else is ValueError."""
+    if text.startswith("unix:"):
+        path = text[len("unix:") :]
+        if not path:
+            raise ValueError("unix: address without a path")
+        return socket.AF_UNIX, path
+    host, sep, port = text.rpartition(":")
+    if not sep or host not in ("127.0.0.1", "localhost") or not port.isdigit():
+        raise ValueError(f"{text!r} is neither unix:/path nor 127.0.0.1:PORT")
+    return socket.AF_INET, (host, int(port))
+
+
+def _seconds_left(ctx: CallContext | None) -> float:
+    left = ctx.remaining() if ctx is not None else None
+    if left is not None and left <= 0:
+        raise DeadlineExceededError("the call's deadline passed")
+    return IO_TIMEOUT_S if left is None else min(IO_TIMEOUT_S, left)
+
+
+class CCIClient:
+    """FM API requests by payload object; `tunnel` reaches the MLD's and DCD's command sets through 5300h."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._family, self._target = parse_address(address)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder()
+        self._tag = 0
+
+    def _connect(self, timeout: float) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(self._family, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(self._target)
+            except OSError as exc:
+                sock.close()
+                raise FabricUnavailableError(f"cannot reach the CXL switch at {self.address}: {exc}") from None
+            self._sock = sock
+            self._decoder = FrameDecoder()
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def request(self, opcode: int, payload: Encodable | bytes = b"", ctx: CallContext | None = None) -> CCIMessage:
+        """Send one request and wait for its response, whatever its return code."""
+        body = payload if isinstance(payload, bytes) else payload.encode()
+        with self._lock:
+            timeout = _seconds_left(ctx)
+            self._tag = (self._tag + 1) & 0xFF
+            message = CCIMessage.request(opcode, body, tag=self._tag)
+            try:
+                sock = self._connect(timeout)
+                sock.settimeout(timeout)
+                sock.sendall(encode_frame(message))
+                response = self._receive(sock, time.monotonic() + timeout)
+            except TimeoutError:
+                self._drop()  # a late answer would be read as the next request's
+                if ctx is not None and ctx.remaining() == 0:
+                    raise DeadlineExceededError(f"FM API command {opcode:04X}h outlived the deadline") from None
+                raise FabricUnavailableError(f"the CXL switch at {self.address} did not answer in time") from None
+            except (OSError, CCIFormatError) as exc:
+                self._drop()
+                raise FabricUnavailableError(f"the CXL switch at {self.address} failed: {exc}") from None
+        if response.category is not MessageCategory.RESPONSE or response.tag != message.tag:
+            raise FabricUnavailableError(f"the CXL switch answered {opcode:04X}h out of turn")
+        return response
+
+    def _receive(self, sock: socket.socket, deadline: float) -> CCIMessage:
+        while True:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise OSError("the switch closed the connection")
+            messages = self._decoder.feed(chunk)
+            if messages:
+                if len(messages) > 1:
+                    raise CCIFormatError("more than one response to one request")
+                return messages[0]
+
+    def call(self, opcode: int, payload: Encodable | bytes = b"", ctx: CallContext | None = None) -> bytes:
+        """A command that must succeed (or start in the background, which is waited for); its payload."""
+        response = self.request(opcode, payload, ctx)
+        if response.return_code == ReturnCode.BACKGROUND_COMMAND_STARTED:
+            self.wait_background(opcode, ctx)
+            return b""
+        if response.return_code != ReturnCode.SUCCESS:
+            raise CommandFailedError(opcode, response.return_code)
+        return response.payload
+
+    def tunnel(
+        self, port_id: int, opcode: int, payload: Encodable | bytes = b"", ctx: CallContext | None = None
+    ) -> bytes:
+        """A command of a device behind ``port_id`` (Tunnel Management Command); the inner response's payload."""
+        body = payload if isinstance(payload, bytes) else payload.encode()
+        inner = CCIMessage.request(opcode, body, tag=_INNER_TAG)
+        outer = self.call(Opcode.TUNNEL_MANAGEMENT_COMMAND, TunnelManagementCommandRequest(port_id, inner), ctx)
+        try:
+            response = TunnelManagementCommandResponse.decode(outer).response
+        except CCIFormatError as exc:
+            raise FabricUnavailableError(f"a malformed tunnel response: {exc}") from None
+        if response.return_code != ReturnCode.SUCCESS:
+            raise CommandFailedError(opcode, response.return_code)
+        return response.payload
+
+    def wait_background(self, opcode: int, ctx: CallContext | None) -> None:
+        """Poll Background Operation Status until the command is done; its failure as `CommandFailedError`."""
+        while True:
+            status = BackgroundOperationStatusResponse.decode(self.call(BACKGROUND_OPERATION_STATUS, b"", ctx))
+            if not status.running:
+                if status.command_opcode == opcode and status.return_code != ReturnCode.SUCCESS:
+                    raise CommandFailedError(opcode, status.return_code)
+                return
+            if ctx is not None and ctx.deadline is not None and time.monotonic() + POLL_INTERVAL_S >= ctx.deadline:
+                raise DeadlineExceededError(f"FM API command {opcode:04X}h did not finish before the deadline")
+            time.sleep(POLL_INTERVAL_S)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def contract_error(exc: CommandFailedError, what: str) -> DisaggError:
+    """The contract's error for a return code: Invalid Input is the caller's, Unsupported says so, and anything
+    else (Busy, Retry Required, Internal Error) is the fabric failing with nothing changed: retry later."""
+    code = exc.return_code
+    if code == ReturnCode.INVALID_INPUT:
+        return InvalidRequestError(f"{what}: {exc.message}")
+    if code == ReturnCode.UNSUPPORTED:
+        return UnsupportedError(f"{what}: {exc.message}")
+    return FabricUnavailableError(f"{what}: {exc.message}")

@@ -1,0 +1,53 @@
+"""The event poller: reads the switch's event log (vendor Get Event Records, C000h) on a thread of the driver's
+and hands each record, in order, to the fabric, which turns it into `FabricEvent`s for its subscribers.
+
+Polling rather than a notification because the FM API has none over this transport; the interval is well inside
+the driver's declared event latency. The poller has its own connection, so a long Bind vPPB never delays it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from disagg.errors import DisaggError
+
+from disagg_cxl_switch.driver.client import CCIClient
+from disagg_cxl_switch.emulator.events import EventRecord
+from disagg_cxl_switch.emulator.vendor import GetEventRecordsRequest, GetEventRecordsResponse, VendorOpcode
+
+POLL_INTERVAL_S = 0.05
+
+
+def next_sequence(client: CCIClient) -> int:
+    """The sequence number the switch's next event will carry: where a new reader starts."""
+    raw = client.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(0, 0))
+    return GetEventRecordsResponse.decode(raw).next_sequence
+
+
+class EventPoller:
+    def __init__(self, address: str, first_sequence: int, deliver: Callable[[EventRecord], None]) -> None:
+        self._client = CCIClient(address)
+        self._next = first_sequence
+        self._deliver = deliver
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"cxl-switch-events {address}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL_S):
+            try:
+                raw = self._client.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(self._next, 0xFF))
+                response = GetEventRecordsResponse.decode(raw)
+            except (DisaggError, ValueError):
+                continue  # the switch is away; the next poll tries again
+            for record in response.records:
+                self._next = record.sequence + 1
+                self._deliver(record)
+            self._next = max(self._next, response.oldest_sequence)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)
+        self._client.close()

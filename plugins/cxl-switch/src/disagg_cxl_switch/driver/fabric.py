@@ -1,0 +1,319 @@
+"""The ``cxl-switch`` Fabric: hosts are the switch's VCSs, devices the endpoints on its downstream ports, a bind
+is Bind vPPB of a free vPPB of the host's VCS to the device's port.
+
+The switch is the truth: `discover` and `bindings` read it (Get Physical Port State, Get Virtual CXL Switch
+Info) on every call, so a restarted driver finds what the switch holds. Bind and Unbind vPPB run in the
+background on the switch, one at a time, so the driver serialises them under one lock and waits for each
+(Background Operation Status) before answering.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from disagg.errors import (
+    DeviceBusyError,
+    DisaggError,
+    FabricUnavailableError,
+    HostUnreachableError,
+    NotFoundError,
+    UnknownDeviceError,
+    UnknownHostError,
+)
+from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool, Subscription
+from disagg.interfaces.fabric import EventHandler
+from disagg.model import (
+    Binding,
+    Capabilities,
+    DeviceKind,
+    FabricEvent,
+    FabricEventKind,
+    Feature,
+    Health,
+    Topology,
+)
+
+from disagg_cxl_switch.driver import layout, process
+from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, contract_error
+from disagg_cxl_switch.driver.events import EventPoller, next_sequence
+from disagg_cxl_switch.driver.layout import PortView, SwitchView
+from disagg_cxl_switch.driver.options import Options
+from disagg_cxl_switch.driver.pools import DCDPool
+from disagg_cxl_switch.driver.state import DriverState
+from disagg_cxl_switch.emulator.events import EventRecord, EventType
+from disagg_cxl_switch.emulator.vendor import (
+    HotAddDeviceKind,
+    InjectBindFailureRequest,
+    InjectHotAddRequest,
+    InjectLinkDownRequest,
+    VendorOpcode,
+)
+from disagg_cxl_switch.fmapi import (
+    BindVPPBRequest,
+    Opcode,
+    PhysicalPortControlRequest,
+    PortOpcode,
+    UnbindOption,
+    UnbindVPPBRequest,
+)
+
+CXL_SWITCH_CAPABILITIES = Capabilities(
+    kinds=frozenset({DeviceKind.GPU, DeviceKind.NVME, DeviceKind.NIC, DeviceKind.CXL_MEMORY}),
+    features=frozenset(
+        {Feature.BIND, Feature.UNBIND, Feature.CARVE, Feature.HEALTH_EVENTS, Feature.FENCING, Feature.FAULT_INJECTION}
+    ),
+    event_latency_s=0.5,
+)
+
+_HOT_ADD_KIND = {DeviceKind.GPU: HotAddDeviceKind.GPU, DeviceKind.NVME: HotAddDeviceKind.NVME}
+
+
+class _Subscription(Subscription):
+    def __init__(self, fabric: CxlSwitchFabric, handler: EventHandler) -> None:
+        self._fabric, self.handler = fabric, handler
+
+    def cancel(self) -> None:
+        self._fabric._unsubscribe(self)
+
+
+class CxlSwitchFabric(Fabric, FaultInjection):
+    """One emulated CXL switch; also `FaultInjection`, on the emulator's vendor commands."""
+
+    def __init__(self, name: str, options: Options) -> None:
+        self._name = name
+        self._opts = options
+        self._started = False
+        state_dir = options.state_dir
+        if options.address is not None:
+            self._address = options.address
+        else:
+            assert state_dir is not None
+            self._address = process.emulator_address(state_dir)
+        self._client = CCIClient(self._address)
+        if options.address is None and state_dir is not None:
+            if not process.running(state_dir):
+                process.start(state_dir, options.emulator_flags(), self._identify)
+            self._started = True
+        self._state = DriverState(state_dir)
+        self._op_lock = threading.Lock()  # one Bind/Unbind vPPB at a time, as the switch runs them
+        self._lock = threading.Lock()
+        self._subs: list[_Subscription] = []
+        self._links_down: set[str] = set()
+        self._flaky: dict[str | None, int] = {}
+        try:
+            self._view = SwitchView.read(self._client, name, options)
+            self._dcd = DCDPool(self, self._view.dcd_port) if self._view.dcd_port is not None else None
+            first = next_sequence(self._client)
+        except BaseException:
+            self._client.close()
+            if self._started and state_dir is not None:
+                process.stop(state_dir)  # an emulator this call started for a fabric that cannot be built
+            raise
+        self._poller = EventPoller(self._address, first, self._on_record)
+        self._closed = False
+
+    def _identify(self) -> None:
+        self._client.call(Opcode.IDENTIFY_SWITCH_DEVICE)
+
+    # ------------------------------------------------------------------ what the pool shares
+
+    @property
+    def address(self) -> str:
+        """Where the emulator listens (``unix:/path`` or ``127.0.0.1:PORT``)."""
+        return self._address
+
+    @property
+    def client(self) -> CCIClient:
+        return self._client
+
+    @property
+    def state(self) -> DriverState:
+        return self._state
+
+    def check_host(self, host: str) -> int:
+        """The VCS id of ``host``; `UnknownHostError`, or `HostUnreachableError` when its link is down."""
+        vcs = self._view.vcs_of.get(host)
+        if vcs is None:
+            raise UnknownHostError(host)
+        if host in self._links_down:
+            raise HostUnreachableError(f"the link of host {host} to {self._view.switch_id} is down")
+        return vcs
+
+    def hosts(self) -> dict[str, int]:
+        """Host name to VCS id (which is also the host's id on the DCD)."""
+        return dict(self._view.vcs_of)
+
+    def device_id_of(self, port: int) -> str:
+        return self._view.device_of[port]
+
+    def port_view(self, port: int) -> PortView:
+        return self._view.read_port(self._client, port)
+
+    # ------------------------------------------------------------------ Fabric
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def capabilities(self) -> Capabilities:
+        return CXL_SWITCH_CAPABILITIES
+
+    def discover(self) -> Topology:
+        return self._view.topology(self._client, self._links_down, self._dcd)
+
+    def bindings(self) -> Sequence[Binding]:
+        return [Binding(self._view.device_of[port], host) for host, _, port in self._view.bound(self._client)]
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        self._state.fence(ctx.epoch)
+        port = self._view.port_of.get(device)
+        if port is None:
+            raise UnknownDeviceError(device)
+        if port == self._view.dcd_port:
+            raise DeviceBusyError(f"{device} is carved through its pool, never bound whole")
+        vcs = self.check_host(host)
+        with layout.acquire(self._op_lock, ctx):
+            for owner, _, bound_port in self._view.bound(self._client, ctx):
+                if bound_port == port:
+                    if owner == host:
+                        return Binding(device, host)
+                    raise DeviceBusyError(f"{device} is bound to {owner}")
+            if self.port_view(port).health is not Health.OK:
+                raise DeviceBusyError(f"{device} is failed")
+            vppb = self._view.free_vppb(self._client, vcs, ctx)
+            if self._take_flaky(device):
+                self._client.call(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx)
+            try:
+                self._client.call(Opcode.BIND_VPPB, BindVPPBRequest(vcs, vppb, port), ctx)
+            except CommandFailedError as exc:
+                raise contract_error(exc, f"bind {device} to {host}") from None
+        return Binding(device, host)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        self._state.fence(ctx.epoch)
+        port = self._view.port_of.get(binding.device)
+        vcs = self._view.vcs_of.get(binding.host)
+        if port is None or vcs is None:
+            return
+        with layout.acquire(self._op_lock, ctx):
+            held = [vppb for host, vppb, p in self._view.bound(self._client, ctx) if host == binding.host and p == port]
+            failed = self.port_view(port).health is not Health.OK
+            option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
+            for vppb in held:
+                try:
+                    self._client.call(Opcode.UNBIND_VPPB, UnbindVPPBRequest(vcs, vppb, option), ctx)
+                except CommandFailedError as exc:
+                    raise FabricUnavailableError(
+                        f"unbind {binding.device} from {binding.host}: {exc.message}"
+                    ) from None
+
+    def pool(self, pool: str) -> Pool:
+        if self._dcd is None or pool != self._dcd.id:
+            raise NotFoundError("pool", pool)
+        return self._dcd
+
+    # ------------------------------------------------------------------ events
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        sub = _Subscription(self, handler)
+        with self._lock:
+            self._subs.append(sub)
+        return sub
+
+    def _unsubscribe(self, sub: _Subscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def _publish(self, events: Sequence[FabricEvent]) -> None:
+        with self._lock:
+            handlers = [s.handler for s in self._subs]
+        for event in events:
+            for handler in handlers:
+                handler(event)
+
+    def _on_record(self, record: EventRecord) -> None:
+        port = self._view.dcd_port if record.event_type is EventType.EXTENT_POISONED else record.port_id
+        device = self._view.device_of.get(port) if port is not None else None
+        if device is None:
+            return
+        kind, health, what = {
+            EventType.HOT_ADD: (FabricEventKind.DEVICE_ADDED, Health.OK, "hot-added"),
+            EventType.SURPRISE_REMOVAL: (FabricEventKind.DEVICE_HEALTH, Health.FAILED, "surprise removal"),
+            EventType.LINK_DOWN: (FabricEventKind.DEVICE_HEALTH, Health.FAILED, "link down"),
+            EventType.LINK_UP: (FabricEventKind.DEVICE_HEALTH, Health.OK, "link up"),
+            EventType.EXTENT_POISONED: (FabricEventKind.DEVICE_HEALTH, Health.DEGRADED, "extent poisoned"),
+        }[record.event_type]
+        if kind is FabricEventKind.DEVICE_ADDED and self.port_view(record.port_id).health is Health.OK:
+            self._publish([FabricEvent(self._name, kind, device, None, what)])
+            kind = FabricEventKind.DEVICE_HEALTH
+        self._publish([FabricEvent(self._name, kind, device, health, f"port {record.port_id}: {what}")])
+
+    # ------------------------------------------------------------------ FaultInjection
+
+    def _port(self, device: str) -> int:
+        port = self._view.port_of.get(device)
+        if port is None:
+            raise UnknownDeviceError(device)
+        return port
+
+    def fail_device(self, device: str, message: str = "") -> None:
+        """Inject Link Down on the device's port; the event log reports it, and the poller the failure."""
+        port = self._port(device)
+        if self.port_view(port).health is Health.OK:
+            self._client.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(port))
+
+    def repair_device(self, device: str) -> None:
+        """Reset the port's PPB (link up), or plug the device back in if it was pulled (Inject Hot-Add)."""
+        port = self._port(device)
+        view = self.port_view(port)
+        if not view.present:
+            kind = _HOT_ADD_KIND.get(self._view.kind_of[port], HotAddDeviceKind.NIC)
+            self._client.call(VendorOpcode.INJECT_HOT_ADD, InjectHotAddRequest(port, kind))
+        elif view.health is not Health.OK:
+            self._client.call(Opcode.PHYSICAL_PORT_CONTROL, PhysicalPortControlRequest(port, PortOpcode.RESET_PPB))
+
+    def set_link(self, a: str, b: str, up: bool) -> None:
+        """A host's link to the switch is taken out of service in the driver: the emulator has no USP fault."""
+        host = a if b == self._view.switch_id else b if a == self._view.switch_id else None
+        if host is None or host not in self._view.vcs_of:
+            raise NotFoundError("link", f"{a}|{b}")
+        with self._lock:
+            changed = (host in self._links_down) == up
+            (self._links_down.discard if up else self._links_down.add)(host)
+        if changed:
+            kind = FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN
+            self._publish([FabricEvent(self._name, kind, f"{a}|{b}")])
+
+    def flaky_bind(self, device: str | None, failures: int) -> None:
+        """Arm Inject Bind Failure before each of the next ``failures`` binds (of ``device``, or of any)."""
+        with self._lock:
+            self._flaky[device] = failures
+
+    def _take_flaky(self, device: str) -> bool:
+        with self._lock:
+            for key in (device, None):
+                if self._flaky.get(key, 0) > 0:
+                    self._flaky[key] -= 1
+                    return True
+        return False
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        """Stop the poller; stop an emulator this driver runs if asked to, or if the switch holds nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._poller.stop()
+        state_dir = self._opts.state_dir
+        if self._started and state_dir is not None:
+            try:
+                idle = not self.bindings() and (self._dcd is None or not self._dcd.allocations())
+            except DisaggError:
+                idle = True
+            if idle or self._opts.stop_emulator == "always":
+                self._client.close()
+                process.stop(state_dir)
+        self._client.close()

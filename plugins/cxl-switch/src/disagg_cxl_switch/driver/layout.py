@@ -1,0 +1,195 @@
+"""How the switch's ports and VCSs map to the model: which port is which device, which VCS is which host.
+
+Fixed when the driver starts: the ports a switch has do not change, only what is behind them. A PCIe endpoint
+does not say on the wire whether it is a GPU, an NVMe drive or a NIC (all are Connected Device Type PCIe), so
+the driver takes that from its options, in the emulator's port order (GPUs, then NVMe, then NICs); a CXL
+Type-3 single logical device is the DCD. MLD ports are not offered (their pool is not implemented).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+from disagg.errors import ConfigError, DeadlineExceededError, FabricUnavailableError
+from disagg.interfaces import CallContext
+from disagg.model import (
+    Device,
+    DeviceKind,
+    Health,
+    Host,
+    Link,
+    Port,
+    PortKind,
+    Switch,
+    SwitchKind,
+    Topology,
+    device_id,
+)
+
+from disagg_cxl_switch.driver.client import CCIClient
+from disagg_cxl_switch.driver.options import Options
+from disagg_cxl_switch.emulator.state import ConnectedDeviceType, LTSSMState
+from disagg_cxl_switch.fmapi import (
+    GetPhysicalPortStateRequest,
+    GetPhysicalPortStateResponse,
+    GetVirtualCxlSwitchInfoRequest,
+    GetVirtualCxlSwitchInfoResponse,
+    IdentifySwitchDeviceResponse,
+    Opcode,
+    PortConfigurationState,
+    PortInfo,
+    VCSInfo,
+    VPPBBindingStatus,
+)
+
+if TYPE_CHECKING:
+    from disagg_cxl_switch.driver.pools import DCDPool
+
+HOST_LINK_LATENCY_NS = 150
+DEVICE_LINK_LATENCY_NS = 100
+_MODELS = {
+    DeviceKind.GPU: "emulated PCIe GPU",
+    DeviceKind.NVME: "emulated NVMe drive",
+    DeviceKind.NIC: "emulated NIC",
+    DeviceKind.CXL_MEMORY: "emulated CXL Type-3 DCD",
+}
+
+
+@contextlib.contextmanager
+def acquire(lock: threading.Lock, ctx: CallContext) -> Iterator[None]:
+    """Hold ``lock``, waiting no longer than the call's deadline."""
+    left = ctx.remaining()
+    if not lock.acquire(timeout=-1 if left is None else left):
+        raise DeadlineExceededError("the call's deadline passed waiting for the switch")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@attrs.frozen
+class PortView:
+    """A downstream port now: whether a device is behind it and whether its link is up."""
+
+    info: PortInfo
+
+    @property
+    def present(self) -> bool:
+        return self.info.connected_device_type != ConnectedDeviceType.NONE
+
+    @property
+    def health(self) -> Health:
+        return Health.OK if self.present and self.info.ltssm_state == LTSSMState.L0 else Health.FAILED
+
+
+@attrs.frozen
+class SwitchView:
+    fabric: str
+    switch_id: str
+    vcs_of: dict[str, int]
+    host_of: dict[int, str]
+    kind_of: dict[int, DeviceKind]
+    port_of: dict[str, int]
+    device_of: dict[int, str]
+    dcd_port: int | None
+
+    @classmethod
+    def read(cls, client: CCIClient, fabric: str, options: Options) -> SwitchView:
+        ident = IdentifySwitchDeviceResponse.decode(client.call(Opcode.IDENTIFY_SWITCH_DEVICE))
+        ports = _port_states(client, range(ident.number_of_physical_ports), None)
+        vcs_ids = sorted(ident.active_vcs_ids)
+        if len(vcs_ids) != len(options.host_names):
+            raise ConfigError(
+                f"fabric {fabric!r} (driver cxl-switch): the switch has {len(vcs_ids)} VCSs but "
+                f"{len(options.host_names)} hosts are named",
+                field="hosts",
+            )
+        host_of = dict(zip(vcs_ids, options.host_names, strict=True))
+        slots = [DeviceKind.GPU] * options.gpus + [DeviceKind.NVME] * options.nvme + [DeviceKind.NIC] * options.nics
+        kind_of: dict[int, DeviceKind] = {}
+        dcd_port = None
+        dsps = [p for p in ports if p.current_port_configuration_state == PortConfigurationState.DSP]
+        for index, port in enumerate(dsps):
+            if port.connected_device_type == ConnectedDeviceType.CXL_TYPE_3_SLD and dcd_port is None:
+                kind_of[port.port_id] = DeviceKind.CXL_MEMORY
+                dcd_port = port.port_id
+            elif index < len(slots):
+                kind_of[port.port_id] = slots[index]
+        device_of = {port: device_id(fabric, f"port{port}") for port in kind_of}
+        return cls(
+            fabric,
+            device_id(fabric, "switch0"),
+            {h: v for v, h in host_of.items()},
+            host_of,
+            kind_of,
+            {d: p for p, d in device_of.items()},
+            device_of,
+            dcd_port,
+        )
+
+    def read_port(self, client: CCIClient, port: int, ctx: CallContext | None = None) -> PortView:
+        return PortView(_port_states(client, [port], ctx)[0])
+
+    def vcss(self, client: CCIClient, ctx: CallContext | None = None) -> tuple[VCSInfo, ...]:
+        request = GetVirtualCxlSwitchInfoRequest(0, 0xFF, tuple(self.host_of))
+        raw = client.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request, ctx)
+        return GetVirtualCxlSwitchInfoResponse.decode(raw).vcss
+
+    def bound(self, client: CCIClient, ctx: CallContext | None = None) -> list[tuple[str, int, int]]:
+        """(host, vPPB, port) of every vPPB bound whole to one of the driver's device ports."""
+        return [
+            (self.host_of[vcs.vcs_id], vppb_id, vppb.bound_port_id)
+            for vcs in self.vcss(client, ctx)
+            for vppb_id, vppb in enumerate(vcs.vppbs)
+            if vppb.binding_status == VPPBBindingStatus.BOUND_PHYSICAL_PORT and vppb.bound_port_id in self.device_of
+        ]
+
+    def free_vppb(self, client: CCIClient, vcs_id: int, ctx: CallContext) -> int:
+        for vcs in self.vcss(client, ctx):
+            if vcs.vcs_id == vcs_id:
+                for vppb_id, vppb in enumerate(vcs.vppbs):
+                    if vppb.binding_status == VPPBBindingStatus.UNBOUND:
+                        return vppb_id
+        raise FabricUnavailableError(f"VCS {vcs_id} of {self.host_of[vcs_id]} has no unbound vPPB left")
+
+    def topology(self, client: CCIClient, links_down: set[str], dcd: DCDPool | None) -> Topology:
+        states = {p.port_id: PortView(p) for p in _port_states(client, sorted(self.kind_of), None)}
+        devices = []
+        for port, kind in sorted(self.kind_of.items()):
+            view = states[port]
+            pool = dcd.info() if dcd is not None and port == self.dcd_port else None
+            devices.append(
+                Device(
+                    id=self.device_of[port],
+                    fabric=self.fabric,
+                    kind=kind,
+                    serial=f"{self.fabric}-port{port}",
+                    vendor="disagg",
+                    model=_MODELS[kind],
+                    switch=self.switch_id,
+                    link_latency_ns=DEVICE_LINK_LATENCY_NS,
+                    attributes={"port": port},
+                    capacity=pool.capacity if pool is not None else None,
+                    health=view.health,
+                )
+            )
+        hosts = tuple(Host(id=h, switch=self.switch_id) for h in self.vcs_of)
+        links = tuple(Link(h, self.switch_id, HOST_LINK_LATENCY_NS, 64.0, up=h not in links_down) for h in self.vcs_of)
+        ports = tuple(Port(f"usp{v}", PortKind.UPSTREAM, h, h not in links_down) for h, v in self.vcs_of.items())
+        ports += tuple(
+            Port(f"port{p}", PortKind.DOWNSTREAM, self.device_of[p], states[p].health is Health.OK)
+            for p in sorted(self.kind_of)
+        )
+        switch = Switch(self.switch_id, self.fabric, SwitchKind.CXL, "disagg", "emulated CXL switch", ports)
+        pools = (dcd.info(),) if dcd is not None else ()
+        return Topology(self.fabric, hosts, (switch,), tuple(devices), links, pools)
+
+
+def _port_states(client: CCIClient, ports: Iterable[int], ctx: CallContext | None) -> tuple[PortInfo, ...]:
+    ids = tuple(ports)
+    raw = client.call(Opcode.GET_PHYSICAL_PORT_STATE, GetPhysicalPortStateRequest(ids), ctx)
+    return GetPhysicalPortStateResponse.decode(raw).ports

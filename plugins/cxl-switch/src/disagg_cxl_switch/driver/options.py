@@ -1,0 +1,103 @@
+"""The ``cxl-switch`` driver's options, checked once at the edge: a ConfigError names the fabric and the field."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from disagg.errors import ConfigError
+
+from disagg_cxl_switch.driver.client import parse_address
+
+_EMULATOR_KEYS = ("gpus", "nvme", "nics", "ld_count", "mld_capacity_gib", "dc_capacity_gib", "dc_regions")
+_STOP = ("when-idle", "always")
+
+
+@attrs.frozen
+class Options:
+    """``address`` of a running emulator, or ``state_dir`` to start one (both: adopt that emulator and keep the
+    driver's state in ``state_dir``). ``hosts`` is a count (hosts ``h0, h1, ...``) or the host names, one per
+    VCS; ``gpus``, ``nvme`` and ``nics`` say which downstream port holds what (the emulator's port order), and
+    are passed, with the capacities, to an emulator the driver starts."""
+
+    address: str | None
+    state_dir: Path | None
+    host_names: tuple[str, ...]
+    emulator: Mapping[str, int]
+    bind_delay_ms: float
+    stop_emulator: str
+
+    @property
+    def gpus(self) -> int:
+        return self.emulator["gpus"]
+
+    @property
+    def nvme(self) -> int:
+        return self.emulator["nvme"]
+
+    @property
+    def nics(self) -> int:
+        return self.emulator["nics"]
+
+    def emulator_flags(self) -> list[str]:
+        flags = ["--hosts", str(len(self.host_names)), "--bind-delay-ms", str(self.bind_delay_ms)]
+        for key, value in self.emulator.items():
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+        return flags
+
+
+def _int(name: str, options: Mapping[str, Any], key: str, default: int, low: int) -> int:
+    value = options.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"fabric {name!r} (driver cxl-switch): {key} must be an integer >= {low}", field=key)
+    return value
+
+
+def parse_options(name: str, options: Mapping[str, Any]) -> Options:
+    def bad(field: str, why: str) -> ConfigError:
+        return ConfigError(f"fabric {name!r} (driver cxl-switch): {why}", field=field)
+
+    known = {"address", "state_dir", "hosts", "bind_delay_ms", "stop_emulator", *_EMULATOR_KEYS}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise bad(unknown[0], f"unknown option {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    address, state_dir = options.get("address"), options.get("state_dir")
+    if address is None and state_dir is None:
+        raise bad("address", "give address (a running emulator) or state_dir (to start one)")
+    if address is not None:
+        if not isinstance(address, str):
+            raise bad("address", "address must be a string")
+        try:
+            parse_address(address)
+        except ValueError as exc:
+            raise bad("address", str(exc)) from None
+    if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
+        raise bad("state_dir", "state_dir must be a path")
+    hosts = options.get("hosts", 2)
+    if isinstance(hosts, list) and hosts and all(isinstance(h, str) and h and "/" not in h for h in hosts):
+        names = tuple(hosts)
+        if len(set(names)) != len(names):
+            raise bad("hosts", "host names repeat")
+    elif isinstance(hosts, int) and not isinstance(hosts, bool) and 1 <= hosts <= 32:
+        names = tuple(f"h{i}" for i in range(hosts))
+    else:
+        raise bad("hosts", "hosts must be a count 1..32 or a list of host names")
+    defaults = {"gpus": 10, "nvme": 0, "nics": 0, "ld_count": 0, "mld_capacity_gib": 64, "dc_capacity_gib": 16}
+    defaults["dc_regions"] = 1
+    emulator = {key: _int(name, options, key, defaults[key], 1 if key == "dc_regions" else 0) for key in _EMULATOR_KEYS}
+    delay = options.get("bind_delay_ms", 20.0)
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
+        raise bad("bind_delay_ms", "bind_delay_ms must be a non-negative number")
+    stop = options.get("stop_emulator", "when-idle")
+    if stop not in _STOP:
+        raise bad("stop_emulator", f"stop_emulator must be one of {', '.join(_STOP)}")
+    return Options(
+        address=address,
+        state_dir=Path(state_dir) if state_dir is not None else None,
+        host_names=names,
+        emulator=emulator,
+        bind_delay_ms=float(delay),
+        stop_emulator=stop,
+    )

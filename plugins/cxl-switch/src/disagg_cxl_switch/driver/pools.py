@@ -1,0 +1,140 @@
+"""The DCD's dynamic capacity as a disagg `Pool`: Initiate Dynamic Capacity Add and Release, tunnelled to the
+DCD's port (5300h), and the hosts' extent lists (Get DC Region Extent Lists) as the truth.
+
+Each allocation is the set of extents of one host carrying the allocation's tag (`state.allocation_tag`), so
+the switch itself says what is carved for whom, and a release is a tag-based Initiate DC Release. The pool is
+the DCD's regions end to end; an allocation lies in one region (the first with room), and the block size is
+the regions' DC block size. The DCD's host ids are the VCS ids.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from disagg.errors import (
+    CapacityExhaustedError,
+    ConflictError,
+    DeviceBusyError,
+    FabricUnavailableError,
+    InvalidRequestError,
+)
+from disagg.interfaces import CallContext, Pool
+from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
+
+from disagg_cxl_switch.driver.client import CommandFailedError
+from disagg_cxl_switch.driver.layout import acquire
+from disagg_cxl_switch.fmapi import (
+    DCRegionConfig,
+    GetDCRegionExtentListsRequest,
+    GetDCRegionExtentListsResponse,
+    GetHostDCRegionConfigRequest,
+    GetHostDCRegionConfigResponse,
+    InitiateDCAddRequest,
+    InitiateDCReleaseRequest,
+    Opcode,
+    RemovalPolicy,
+    SelectionPolicy,
+)
+from disagg_cxl_switch.returncodes import ReturnCode
+
+if TYPE_CHECKING:
+    from disagg_cxl_switch.driver.fabric import CxlSwitchFabric
+
+_EXTENTS_PER_READ = 64
+
+
+class DCDPool(Pool):
+    def __init__(self, fabric: CxlSwitchFabric, port: int) -> None:
+        self._fabric = fabric
+        self._port = port
+        self._device = fabric.device_id_of(port)
+        self._id = f"{fabric.name}/dcd-port{port}"
+        self._lock = threading.Lock()
+        first_host = min(fabric.hosts().values())
+        raw = fabric.client.tunnel(port, Opcode.GET_HOST_DC_REGION_CONFIG, GetHostDCRegionConfigRequest(first_host))
+        self._regions: tuple[DCRegionConfig, ...] = GetHostDCRegionConfigResponse.decode(raw).regions
+        if not self._regions:
+            raise FabricUnavailableError(f"the DCD on port {port} has no DC region")
+        self._base = min(r.region_base for r in self._regions)
+        total = sum(r.region_length for r in self._regions)
+        block = max(r.region_block_size for r in self._regions)
+        self._info = PoolInfo(self._id, fabric.name, self._device, Capacity(total, block), PoolKind.DCD)
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def info(self) -> PoolInfo:
+        return self._info
+
+    def _extents(self, host_id: int, ctx: CallContext | None) -> list[tuple[int, int, bytes]]:
+        got: list[tuple[int, int, bytes]] = []
+        while True:
+            request = GetDCRegionExtentListsRequest(host_id, _EXTENTS_PER_READ, len(got))
+            raw = self._fabric.client.tunnel(self._port, Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
+            response = GetDCRegionExtentListsResponse.decode(raw)
+            got += [(e.start_dpa, e.length, e.tag) for e in response.extents]
+            if not response.extents or len(got) >= response.total_extents:
+                return got
+
+    def _held(self, ctx: CallContext | None = None) -> list[Allocation]:
+        allocations = []
+        for host, host_id in sorted(self._fabric.hosts().items()):
+            by_tag: dict[bytes, list[Extent]] = defaultdict(list)
+            for start, length, tag in self._extents(host_id, ctx):
+                by_tag[tag].append(Extent(start - self._base, length))
+            for tag, extents in by_tag.items():
+                extents.sort(key=lambda e: e.offset)
+                name = self._fabric.state.allocation_of(tag)
+                allocations.append(Allocation(name, self._id, host, sum(e.length for e in extents), tuple(extents)))
+        return sorted(allocations, key=lambda a: a.id)
+
+    def allocations(self) -> Sequence[Allocation]:
+        return self._held()
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        self._fabric.state.fence(ctx.epoch)
+        if amount_bytes <= 0:
+            raise InvalidRequestError(f"allocation {allocation_id}: amount {amount_bytes} is not positive")
+        host_id = self._fabric.check_host(host)
+        if self._fabric.port_view(self._port).health is not Health.OK:
+            raise DeviceBusyError(f"the DCD {self._device} is failed")
+        amount = self._info.capacity.round_up(amount_bytes)
+        with acquire(self._lock, ctx):
+            for existing in self._held(ctx):
+                if existing.id == allocation_id:
+                    if existing.host == host and existing.amount_bytes == amount:
+                        return existing
+                    raise ConflictError(
+                        f"allocation {allocation_id} exists for {existing.host} ({existing.amount_bytes} bytes)"
+                    )
+            tag = self._fabric.state.name_tag(allocation_id)
+            for region, config in enumerate(self._regions):
+                if config.region_length < amount:
+                    continue
+                request = InitiateDCAddRequest(host_id, SelectionPolicy.FREE, region, amount, tag)
+                try:
+                    self._fabric.client.tunnel(self._port, Opcode.INITIATE_DC_ADD, request, ctx)
+                except CommandFailedError as exc:
+                    if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
+                        continue
+                    raise FabricUnavailableError(f"allocation {allocation_id}: {exc.message}") from None
+                return next(a for a in self._held(ctx) if a.id == allocation_id)
+        raise CapacityExhaustedError(f"pool {self._id} has no region with {amount} bytes free for {allocation_id}")
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        self._fabric.state.fence(ctx.epoch)
+        with acquire(self._lock, ctx):
+            held = next((a for a in self._held(ctx) if a.id == allocation_id), None)
+            if held is None:
+                return
+            host_id = self._fabric.hosts()[held.host]
+            tag = self._fabric.state.name_tag(allocation_id)
+            request = InitiateDCReleaseRequest(host_id, RemovalPolicy.TAG_BASED, held.amount_bytes, tag)
+            try:
+                self._fabric.client.tunnel(self._port, Opcode.INITIATE_DC_RELEASE, request, ctx)
+            except CommandFailedError as exc:
+                raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None

@@ -1,0 +1,119 @@
+"""The emulator process the driver talks to: one given by ``address``, or one it starts in ``state_dir``.
+
+A started emulator outlives the fabric object that started it while the switch holds bindings or allocations,
+as hardware would, so that a restarted driver (the next `create_fabric` on the same ``state_dir``) adopts it
+and finds them; it is stopped when the fabric closes idle, or always with ``stop_emulator = "always"``. Its
+pid is in ``state_dir/emulator.pid`` so that whatever started the driver can kill it for certain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from disagg.errors import FabricUnavailableError
+
+START_TIMEOUT_S = 10.0
+SOCKET_NAME = "switch.sock"
+PID_NAME = "emulator.pid"
+LOG_NAME = "emulator.log"
+_MAX_UNIX_PATH = 100
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie child of ours counts as gone
+        if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z"):
+            return False
+    return True
+
+
+def read_pid(state_dir: Path) -> int | None:
+    try:
+        return int((state_dir / PID_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def socket_path(state_dir: Path) -> Path:
+    """``state_dir/switch.sock``; when that is too long for a unix socket (about 108 bytes), a name in /tmp
+    derived from the state directory, so that a restarted driver finds the same socket."""
+    path = state_dir.resolve() / SOCKET_NAME
+    if len(str(path)) <= _MAX_UNIX_PATH:
+        return path
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:20]
+    return Path("/tmp") / f"disagg-cxl-switch-{os.getuid()}-{digest}.sock"
+
+
+def emulator_address(state_dir: Path) -> str:
+    return f"unix:{socket_path(state_dir)}"
+
+
+def running(state_dir: Path) -> bool:
+    """Whether the emulator of ``state_dir`` is up (its pid alive and its socket present)."""
+    pid = read_pid(state_dir)
+    return pid is not None and _alive(pid) and socket_path(state_dir).exists()
+
+
+def start(state_dir: Path, flags: list[str], wait: Callable[[], None]) -> None:
+    """Start ``python -m disagg_cxl_switch.emulator`` on ``state_dir``'s socket; ``wait()`` returns once it
+    answers. Its own session, so that a signal to the driver's process group does not take the fabric down."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    sock = socket_path(state_dir)
+    with contextlib.suppress(FileNotFoundError):
+        sock.unlink()
+    with (state_dir / LOG_NAME).open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "disagg_cxl_switch.emulator", "--listen", emulator_address(state_dir), *flags],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    (state_dir / PID_NAME).write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not sock.exists():
+        if proc.poll() is not None:
+            tail = (state_dir / LOG_NAME).read_text(errors="replace")[-400:]
+            raise FabricUnavailableError(f"the CXL switch emulator exited with {proc.returncode}: {tail}")
+        if time.monotonic() > deadline:
+            stop(state_dir)
+            raise FabricUnavailableError("the CXL switch emulator did not start listening")
+        time.sleep(0.01)
+    while True:  # the socket file appears at bind(), a moment before listen()
+        try:
+            wait()
+            return
+        except FabricUnavailableError:
+            if time.monotonic() > deadline:
+                stop(state_dir)
+                raise
+            time.sleep(0.01)
+
+
+def stop(state_dir: Path) -> None:
+    """Kill the emulator of ``state_dir`` (bounded wait), and forget it."""
+    pid = read_pid(state_dir)
+    if pid is not None and _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while _alive(pid) and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.01)
+    for path in (state_dir / PID_NAME, socket_path(state_dir)):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

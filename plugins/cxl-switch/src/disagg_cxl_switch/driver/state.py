@@ -1,0 +1,64 @@
+"""What the driver keeps beside the switch: the highest fencing epoch, and which allocation id each DC extent
+tag stands for. In ``state_dir`` when there is one (written atomically), else in memory for the process.
+
+A DC extent carries a 16-byte tag; the driver puts the first 16 bytes of the SHA-256 of the allocation id in it,
+so the switch itself groups an allocation's extents and releases them by tag. A hash cannot be read back, so
+the id it came from is kept here, recorded before the extents are added so that a crash in between still names
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+from disagg.errors import StaleEpochError
+
+
+def allocation_tag(allocation_id: str) -> bytes:
+    return hashlib.sha256(allocation_id.encode()).digest()[:16]
+
+
+class DriverState:
+    def __init__(self, state_dir: Path | None) -> None:
+        self._path = state_dir / "driver-state.json" if state_dir is not None else None
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._tags: dict[str, str] = {}
+        if self._path is not None and self._path.exists():
+            data = json.loads(self._path.read_text())
+            self._epoch = int(data.get("epoch", 0))
+            self._tags = {str(k): str(v) for k, v in data.get("tags", {}).items()}
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"epoch": self._epoch, "tags": self._tags}, sort_keys=True))
+        os.replace(tmp, self._path)
+
+    def fence(self, epoch: int) -> None:
+        """Remember ``epoch`` if it is the highest yet; refuse an older one before anything is touched."""
+        with self._lock:
+            if epoch < self._epoch:
+                raise StaleEpochError(f"epoch {epoch} is older than {self._epoch}, already seen by this switch")
+            if epoch > self._epoch:
+                self._epoch = epoch
+                self._save()
+
+    def name_tag(self, allocation_id: str) -> bytes:
+        tag = allocation_tag(allocation_id)
+        with self._lock:
+            if self._tags.get(tag.hex()) != allocation_id:
+                self._tags[tag.hex()] = allocation_id
+                self._save()
+        return tag
+
+    def allocation_of(self, tag: bytes) -> str:
+        """The allocation id a tag stands for; a tag the driver did not set is shown as ``tag-<hex>``."""
+        with self._lock:
+            return self._tags.get(tag.hex(), f"tag-{tag.hex()}")

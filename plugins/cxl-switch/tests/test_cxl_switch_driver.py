@@ -1,0 +1,105 @@
+"""The cxl-switch driver's own behaviour beyond the conformance suite: options, an emulator given by address,
+adoption of a running emulator by a restarted driver, and the emulator's lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from cxl_switch_client import emulator_process
+from disagg.errors import ConfigError, DeadlineExceededError, DeviceBusyError, FabricUnavailableError
+from disagg.interfaces import CallContext
+from disagg.model import Binding, Health
+from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
+
+CTX = CallContext.with_timeout(30.0, epoch=1)
+
+
+class TestOptions:
+    """Bad options are ConfigErrors that name the fabric and the field, before any process starts."""
+
+    @pytest.mark.parametrize(
+        ("options", "field"),
+        [
+            ({}, "address"),
+            ({"address": "10.0.0.1:9000"}, "address"),
+            ({"state_dir": "/tmp/x", "hosts": 0}, "hosts"),
+            ({"state_dir": "/tmp/x", "hosts": ["a", "a"]}, "hosts"),
+            ({"state_dir": "/tmp/x", "gpus": -1}, "gpus"),
+            ({"state_dir": "/tmp/x", "stop_emulator": "never"}, "stop_emulator"),
+            ({"state_dir": "/tmp/x", "colour": "blue"}, "colour"),
+        ],
+    )
+    def test_rejected(self, options: dict[str, object], field: str) -> None:
+        with pytest.raises(ConfigError, match="fabric 'bad' \\(driver cxl-switch\\)") as raised:
+            create_fabric("bad", options)
+        assert raised.value.field == field
+
+    def test_unreachable_address(self, tmp_path: Path) -> None:
+        with pytest.raises(FabricUnavailableError):
+            create_fabric("gone", {"address": f"unix:{tmp_path / 'none.sock'}"})
+
+
+class TestAddress:
+    """A fabric on an emulator it did not start binds through it and leaves it running on close."""
+
+    def test_bind_through_a_given_emulator(self, tmp_path: Path) -> None:
+        sock = tmp_path / "e.sock"
+        with emulator_process(sock, "--gpus", "2", "--dc-capacity-gib", "0", "--ld-count", "0") as proc:
+            fabric = create_fabric("ext", {"address": f"unix:{sock}", "gpus": 2})
+            try:
+                assert [d.id for d in fabric.discover().devices] == ["ext/port2", "ext/port3"]
+                assert fabric.bind("ext/port3", "h1", CTX) == Binding("ext/port3", "h1")
+                assert fabric.bindings() == [Binding("ext/port3", "h1")]
+                fabric.unbind(Binding("ext/port3", "h1"), CTX)
+            finally:
+                fabric.close()
+            assert proc.poll() is None
+
+    def test_hosts_must_match_the_vcss(self, tmp_path: Path) -> None:
+        sock = tmp_path / "e.sock"
+        with emulator_process(sock, "--hosts", "2"), pytest.raises(ConfigError, match="2 VCSs but 3 hosts"):
+            create_fabric("ext", {"address": f"unix:{sock}", "hosts": 3})
+
+
+class TestLifetime:
+    """A started emulator survives a close that leaves bindings (a restarted driver finds them) and stops on
+    an idle close."""
+
+    def test_restart_adopts_the_emulator(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
+        first = make_switch()
+        first.bind("sw/port2", "h0", CTX)
+        first.close()
+        assert process.running(switch_dir)
+        again = make_switch()
+        assert again.bindings() == [Binding("sw/port2", "h0")]
+        again.unbind(Binding("sw/port2", "h0"), CTX)
+        again.close()
+        assert not process.running(switch_dir)
+
+    def test_stop_always(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
+        fabric = make_switch(stop_emulator="always")
+        fabric.bind("sw/port2", "h0", CTX)
+        fabric.close()
+        assert not process.running(switch_dir)
+
+
+class TestBind:
+    """Binds honour the deadline and refuse failed devices."""
+
+    def test_deadline_already_passed(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
+        fabric = make_switch()
+        with pytest.raises(DeadlineExceededError):
+            fabric.bind("sw/port2", "h0", CallContext(epoch=1, deadline=0.0))
+        assert fabric.bindings() == []
+
+    def test_a_failed_device_is_busy(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
+        fabric = make_switch()
+        fabric.fail_device("sw/port3")
+        assert next(d for d in fabric.discover().devices if d.id == "sw/port3").health is Health.FAILED
+        with pytest.raises(DeviceBusyError):
+            fabric.bind("sw/port3", "h0", CTX)
+        fabric.repair_device("sw/port3")
+        assert fabric.bind("sw/port3", "h0", CTX) == Binding("sw/port3", "h0")
+        fabric.unbind(Binding("sw/port3", "h0"), CTX)
