@@ -8,12 +8,17 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+from disagg.model import Feature
 from disagg.testing import CLAUSES
+from disagg.testing.clauses import MARKER
+from disagg.testing.selection import deselect_undeclared
 
 HEADER = """
 import pytest
@@ -155,3 +160,36 @@ def test_every_clause_is_checked_by_a_test(clause_id: str) -> None:
         if mark.name == MARKER
     }
     assert clause_id in marked or clause_id == "CLEANUP-NOTHING-LEFT"
+
+
+class TestDeselectUndeclared:
+    """A driver's own run deselects, rather than skips, the clauses of features it does not declare, and only
+    among the tests under its own directory."""
+
+    @attrs.define
+    class _Item:
+        path: Path
+        clause: str | None
+
+        def get_closest_marker(self, name: str) -> pytest.Mark | None:
+            if self.clause is None or name != MARKER:
+                return None
+            mark: pytest.Mark = getattr(pytest.mark, MARKER)(self.clause).mark
+            return mark
+
+    def test_only_undeclared_clauses_under_the_directory(self, tmp_path: Path) -> None:
+        deselected: list[Any] = []
+        config = types.SimpleNamespace(
+            hook=types.SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items))  # noqa: PLW0108 (called with items=)
+        )
+        mine, other = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
+        bind_mine = self._Item(mine, "BIND-IDEMPOTENT")
+        items: list[Any] = [
+            bind_mine,
+            self._Item(mine, "DISC-STABLE"),
+            self._Item(mine, None),
+            self._Item(other, "BIND-IDEMPOTENT"),
+        ]
+        kept = list(items[1:])
+        deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver")  # type: ignore[arg-type]
+        assert deselected == [bind_mine] and items == kept

@@ -9,26 +9,14 @@ from typing import Any
 
 import pytest
 from disagg.errors import DisaggError
-from disagg.testing.clauses import CLAUSES, MARKER
+from disagg.testing.selection import deselect_undeclared
 from disagg_cxl_switch.driver import CXL_SWITCH_CAPABILITIES, CxlSwitchFabric, create_fabric, process
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave out the conformance clauses for features the driver does not declare (sanitize): `disagg certify`
     reports them as not tested; here they would only be skips."""
-    declared = CXL_SWITCH_CAPABILITIES.features
-    here = Path(__file__).parent
-    kept, dropped = [], []
-    for item in items:
-        mark = item.get_closest_marker(MARKER)
-        ours = item.path.is_relative_to(here)  # a conftest hook sees the whole session's items
-        if ours and mark is not None and not CLAUSES[mark.args[0]].requires <= declared:
-            dropped.append(item)
-        else:
-            kept.append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+    deselect_undeclared(config, items, CXL_SWITCH_CAPABILITIES.features, Path(__file__).parent)
 
 
 @pytest.fixture
