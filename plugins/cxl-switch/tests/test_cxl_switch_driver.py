@@ -13,7 +13,10 @@ from disagg.interfaces import CallContext
 from disagg.model import Binding, Health
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
 
-CTX = CallContext.with_timeout(30.0, epoch=1)
+
+def fresh_ctx() -> CallContext:
+    """A context with 30 s to go from now (one made at import would expire in a long, randomly ordered run)."""
+    return CallContext.with_timeout(30.0, epoch=1)
 
 
 class TestOptions:
@@ -50,9 +53,9 @@ class TestAddress:
             fabric = create_fabric("ext", {"address": f"unix:{sock}", "gpus": 2})
             try:
                 assert [d.id for d in fabric.discover().devices] == ["ext/port2", "ext/port3"]
-                assert fabric.bind("ext/port3", "h1", CTX) == Binding("ext/port3", "h1")
+                assert fabric.bind("ext/port3", "h1", fresh_ctx()) == Binding("ext/port3", "h1")
                 assert fabric.bindings() == [Binding("ext/port3", "h1")]
-                fabric.unbind(Binding("ext/port3", "h1"), CTX)
+                fabric.unbind(Binding("ext/port3", "h1"), fresh_ctx())
             finally:
                 fabric.close()
             assert proc.poll() is None
@@ -69,18 +72,18 @@ class TestLifetime:
 
     def test_restart_adopts_the_emulator(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
         first = make_switch()
-        first.bind("sw/port2", "h0", CTX)
+        first.bind("sw/port2", "h0", fresh_ctx())
         first.close()
         assert process.running(switch_dir)
         again = make_switch()
         assert again.bindings() == [Binding("sw/port2", "h0")]
-        again.unbind(Binding("sw/port2", "h0"), CTX)
+        again.unbind(Binding("sw/port2", "h0"), fresh_ctx())
         again.close()
         assert not process.running(switch_dir)
 
     def test_stop_always(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
         fabric = make_switch(stop_emulator="always")
-        fabric.bind("sw/port2", "h0", CTX)
+        fabric.bind("sw/port2", "h0", fresh_ctx())
         fabric.close()
         assert not process.running(switch_dir)
 
@@ -99,7 +102,7 @@ class TestBind:
         fabric.fail_device("sw/port3")
         assert next(d for d in fabric.discover().devices if d.id == "sw/port3").health is Health.FAILED
         with pytest.raises(DeviceBusyError):
-            fabric.bind("sw/port3", "h0", CTX)
+            fabric.bind("sw/port3", "h0", fresh_ctx())
         fabric.repair_device("sw/port3")
-        assert fabric.bind("sw/port3", "h0", CTX) == Binding("sw/port3", "h0")
-        fabric.unbind(Binding("sw/port3", "h0"), CTX)
+        assert fabric.bind("sw/port3", "h0", fresh_ctx()) == Binding("sw/port3", "h0")
+        fabric.unbind(Binding("sw/port3", "h0"), fresh_ctx())
