@@ -3,7 +3,6 @@ test can restart on the same address and state file."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from disagg.interfaces import Fabric
+from disagg.plugins.manager import DISABLE_ENV
 from disagg.remote.fabric import RemoteFabric
+from disagg.testing.certify_run import CertifyRun, run_certify
 from process_helpers import ChildOutput
 
 START_TIMEOUT_S = 60.0
@@ -74,21 +75,10 @@ class ServedDriver:
                 self.kill()
 
 
-def certify(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+def certify(tmp: Path, *args: str) -> tuple[CertifyRun, dict[str, Any] | None]:
     """Run ``disagg certify ARGS --out TMP/out`` in a child process that can import the modules of tests/ (for
-    ``--plugin broken_drivers``); the result and the JSON report, if one was written."""
-    out = tmp / "out"
+    ``--plugin broken_drivers``) with no plugin blocked; the result and the JSON report, if one was written."""
     path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "DISAGG_STATE_DIR": str(tmp / "state")}
-    env.pop("DISAGG_DISABLE_PLUGINS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "disagg.cli.main", "certify", *args, "--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp,
-        timeout=CERTIFY_TIMEOUT_S,
-    )
-    report = out / "certification.json"
-    return proc, json.loads(report.read_text()) if report.exists() else None
+    env = {"PYTHONPATH": os.pathsep.join(path), DISABLE_ENV: ""}
+    run = run_certify(tmp, *args, env=env, timeout=CERTIFY_TIMEOUT_S)
+    return run, run.report

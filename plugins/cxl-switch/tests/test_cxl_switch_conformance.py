@@ -3,15 +3,13 @@ emulator shared by the module (so the tests also prove that each leaves the swit
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from disagg.testing import FabricConformance
+from disagg.testing.certify_run import processes_under, run_certify
 from disagg.testing.harness import FabricFactory
 from disagg_cxl_switch.driver import process
 from disagg_cxl_switch.driver.plugin import certify_options, create_fabric
@@ -24,6 +22,9 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     process.stop(path / "cxl-switch")
 
 
+EMULATOR = "disagg_cxl_switch.emulator"
+
+
 class TestCxlSwitchInProcess(FabricConformance):
     """The cxl-switch driver meets the disagg driver contract."""
 
@@ -33,42 +34,15 @@ class TestCxlSwitchInProcess(FabricConformance):
         return lambda: create_fabric("cert", options)
 
 
-def emulators_under(root: Path) -> list[int]:
-    """Pids of emulator processes started in a directory under ``root``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
-        except OSError:
-            continue
-        if b"disagg_cxl_switch.emulator" in cmdline and cwd.is_relative_to(root):
-            found.append(int(entry))
-    return found
-
-
 def test_disagg_certify_cxl_switch(tmp_path: Path) -> None:
     """`disagg certify cxl-switch`, as a driver author's CI runs it: CERTIFIED with the bind, fencing, carve,
     event and fault clauses passed, and no emulator left running."""
-    out = tmp_path / "out"
-    env = {**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "disagg.cli.main", "certify", "cxl-switch", "--out", str(out)],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=tmp_path,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "certify cxl-switch: CERTIFIED" in proc.stdout
-        report = json.loads((out / "certification.json").read_text())
-        passed = {c["id"] for c in report["clauses"] if c["status"] == "PASS"}
-        assert report["verdict"] == "CERTIFIED"
+        run = run_certify(tmp_path, "cxl-switch")
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "certify cxl-switch: CERTIFIED" in run.stdout
+        assert run.report is not None and run.report["verdict"] == "CERTIFIED"
+        passed = run.passed_clauses()
         assert {
             "BIND-FAILED-LEAVES-NOTHING",
             "FENCE-STALE-EPOCH",
@@ -77,7 +51,7 @@ def test_disagg_certify_cxl_switch(tmp_path: Path) -> None:
             "RESTART-BINDINGS",
             "CLEANUP-NOTHING-LEFT",
         } <= passed
-        assert emulators_under(tmp_path) == [], "an emulator was left running"
+        assert processes_under(tmp_path, EMULATOR) == [], "an emulator was left running"
     finally:
-        for pid in emulators_under(tmp_path):
+        for pid in processes_under(tmp_path, EMULATOR):
             os.kill(pid, 9)
