@@ -4,7 +4,8 @@ is Bind vPPB of a free vPPB of the host's VCS to the device's port.
 The switch is the truth: `discover` and `bindings` read it (Get Physical Port State, Get Virtual CXL Switch
 Info) on every call, so a restarted driver finds what the switch holds. Bind and Unbind vPPB run in the
 background on the switch, one at a time, so the driver serialises them under one lock and waits for each
-(Background Operation Status) before answering.
+(Background Operation Status) before answering. Memory is carved through pools, never bound whole: the DCD's
+extents (`pools`) and the MLD's logical devices (`mld_pool`), whose LD binds share that lock.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from disagg_cxl_switch.driver import layout, process
 from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, contract_error
 from disagg_cxl_switch.driver.events import EventPoller, next_sequence
 from disagg_cxl_switch.driver.layout import PortView, SwitchView
+from disagg_cxl_switch.driver.mld_pool import MLDPool
 from disagg_cxl_switch.driver.options import Options
 from disagg_cxl_switch.driver.pools import DCDPool
 from disagg_cxl_switch.driver.state import DriverState
@@ -103,7 +105,11 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         self._flaky: dict[str | None, int] = {}
         try:
             self._view = SwitchView.read(self._client, name, options)
-            self._dcd = DCDPool(self, self._view.dcd_port) if self._view.dcd_port is not None else None
+            self._pools: dict[int, Pool] = {}
+            if self._view.dcd_port is not None:
+                self._pools[self._view.dcd_port] = DCDPool(self, self._view.dcd_port)
+            if self._view.mld_port is not None:
+                self._pools[self._view.mld_port] = MLDPool(self, self._view.mld_port)
             first = next_sequence(self._client)
         except BaseException:
             self._client.close()
@@ -130,6 +136,22 @@ class CxlSwitchFabric(Fabric, FaultInjection):
     @property
     def state(self) -> DriverState:
         return self._state
+
+    @property
+    def view(self) -> SwitchView:
+        return self._view
+
+    @property
+    def vppb_lock(self) -> threading.Lock:
+        """Held from choosing a free vPPB until its Bind or Unbind vPPB is done: the switch runs one at a time."""
+        return self._op_lock
+
+    def bind_vppb(self, device: str, request: BindVPPBRequest, ctx: CallContext) -> None:
+        """Bind vPPB, waited for; the caller holds `vppb_lock`. A bind armed by `flaky_bind` is made to fail in
+        the switch (Inject Bind Failure) first. The switch's refusal or failure is `CommandFailedError`."""
+        if self._take_flaky(device):
+            self._client.call(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx)
+        self._client.call(Opcode.BIND_VPPB, request, ctx)
 
     def check_host(self, host: str) -> int:
         """The VCS id of ``host``; `UnknownHostError`, or `HostUnreachableError` when its link is down."""
@@ -160,7 +182,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         return CXL_SWITCH_CAPABILITIES
 
     def discover(self) -> Topology:
-        return self._view.topology(self._client, self._links_down, self._dcd)
+        return self._view.topology(self._client, self._links_down, self._pools)
 
     def bindings(self) -> Sequence[Binding]:
         return [Binding(self._view.device_of[port], host) for host, _, port in self._view.bound(self._client)]
@@ -170,7 +192,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         port = self._view.port_of.get(device)
         if port is None:
             raise UnknownDeviceError(device)
-        if port == self._view.dcd_port:
+        if port in self._view.carved_ports:
             raise DeviceBusyError(f"{device} is carved through its pool, never bound whole")
         vcs = self.check_host(host)
         with layout.acquire(self._op_lock, ctx):
@@ -182,10 +204,10 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             if self.port_view(port).health is not Health.OK:
                 raise DeviceBusyError(f"{device} is failed")
             vppb = self._view.free_vppb(self._client, vcs, ctx)
-            if self._take_flaky(device):
-                self._client.call(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx)
+            if vppb is None:
+                raise FabricUnavailableError(f"VCS {vcs} of {host} has no unbound vPPB left")
             try:
-                self._client.call(Opcode.BIND_VPPB, BindVPPBRequest(vcs, vppb, port), ctx)
+                self.bind_vppb(device, BindVPPBRequest(vcs, vppb, port), ctx)
             except CommandFailedError as exc:
                 raise contract_error(exc, f"bind {device} to {host}") from None
         return Binding(device, host)
@@ -209,9 +231,10 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                     ) from None
 
     def pool(self, pool: str) -> Pool:
-        if self._dcd is None or pool != self._dcd.id:
+        found = next((p for p in self._pools.values() if p.id == pool), None)
+        if found is None:
             raise NotFoundError("pool", pool)
-        return self._dcd
+        return found
 
     # ------------------------------------------------------------------ events
 
@@ -310,7 +333,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         state_dir = self._opts.state_dir
         if self._started and state_dir is not None:
             try:
-                idle = not self.bindings() and (self._dcd is None or not self._dcd.allocations())
+                idle = not self.bindings() and not any(p.allocations() for p in self._pools.values())
             except DisaggError:
                 idle = True
             if idle or self._opts.stop_emulator == "always":

@@ -3,7 +3,8 @@
 Fixed when the driver starts: the ports a switch has do not change, only what is behind them. A PCIe endpoint
 does not say on the wire whether it is a GPU, an NVMe drive or a NIC (all are Connected Device Type PCIe), so
 the driver takes that from its options, in the emulator's port order (GPUs, then NVMe, then NICs); a CXL
-Type-3 single logical device is the DCD. MLD ports are not offered (their pool is not implemented).
+Type-3 single logical device is the DCD and a multi-logical device the MLD, each carved through its pool and
+never bound whole.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
-from disagg.errors import ConfigError, DeadlineExceededError, FabricUnavailableError
+from disagg.errors import ConfigError, DeadlineExceededError
 from disagg.interfaces import CallContext
 from disagg.model import (
     Device,
@@ -47,7 +48,7 @@ from disagg_cxl_switch.fmapi import (
 )
 
 if TYPE_CHECKING:
-    from disagg_cxl_switch.driver.pools import DCDPool
+    from disagg.interfaces import Pool
 
 HOST_LINK_LATENCY_NS = 150
 DEVICE_LINK_LATENCY_NS = 100
@@ -55,8 +56,9 @@ _MODELS = {
     DeviceKind.GPU: "emulated PCIe GPU",
     DeviceKind.NVME: "emulated NVMe drive",
     DeviceKind.NIC: "emulated NIC",
-    DeviceKind.CXL_MEMORY: "emulated CXL Type-3 DCD",
 }
+_MEMORY = {ConnectedDeviceType.CXL_TYPE_3_SLD: "dcd", ConnectedDeviceType.CXL_TYPE_3_MLD: "mld"}
+"""Which pool a CXL Type-3 port's memory is carved through; also the ``pool_kind`` attribute of its device."""
 
 
 @contextlib.contextmanager
@@ -96,6 +98,12 @@ class SwitchView:
     port_of: dict[str, int]
     device_of: dict[int, str]
     dcd_port: int | None
+    mld_port: int | None
+
+    @property
+    def carved_ports(self) -> frozenset[int]:
+        """The ports whose memory is carved through a pool rather than bound whole."""
+        return frozenset(p for p in (self.dcd_port, self.mld_port) if p is not None)
 
     @classmethod
     def read(cls, client: CCIClient, fabric: str, options: Options) -> SwitchView:
@@ -111,12 +119,13 @@ class SwitchView:
         host_of = dict(zip(vcs_ids, options.host_names, strict=True))
         slots = [DeviceKind.GPU] * options.gpus + [DeviceKind.NVME] * options.nvme + [DeviceKind.NIC] * options.nics
         kind_of: dict[int, DeviceKind] = {}
-        dcd_port = None
+        memory: dict[str, int] = {}
         dsps = [p for p in ports if p.current_port_configuration_state == PortConfigurationState.DSP]
         for index, port in enumerate(dsps):
-            if port.connected_device_type == ConnectedDeviceType.CXL_TYPE_3_SLD and dcd_port is None:
+            pool_kind = _MEMORY.get(ConnectedDeviceType(port.connected_device_type))
+            if pool_kind is not None and pool_kind not in memory:
                 kind_of[port.port_id] = DeviceKind.CXL_MEMORY
-                dcd_port = port.port_id
+                memory[pool_kind] = port.port_id
             elif index < len(slots):
                 kind_of[port.port_id] = slots[index]
         device_of = {port: device_id(fabric, f"port{port}") for port in kind_of}
@@ -128,7 +137,8 @@ class SwitchView:
             kind_of,
             {d: p for p, d in device_of.items()},
             device_of,
-            dcd_port,
+            memory.get("dcd"),
+            memory.get("mld"),
         )
 
     def read_port(self, client: CCIClient, port: int, ctx: CallContext | None = None) -> PortView:
@@ -148,20 +158,26 @@ class SwitchView:
             if vppb.binding_status == VPPBBindingStatus.BOUND_PHYSICAL_PORT and vppb.bound_port_id in self.device_of
         ]
 
-    def free_vppb(self, client: CCIClient, vcs_id: int, ctx: CallContext) -> int:
+    def free_vppb(self, client: CCIClient, vcs_id: int, ctx: CallContext) -> int | None:
+        """The lowest unbound vPPB of the VCS, or None when every one is bound or being bound."""
         for vcs in self.vcss(client, ctx):
             if vcs.vcs_id == vcs_id:
                 for vppb_id, vppb in enumerate(vcs.vppbs):
                     if vppb.binding_status == VPPBBindingStatus.UNBOUND:
                         return vppb_id
-        raise FabricUnavailableError(f"VCS {vcs_id} of {self.host_of[vcs_id]} has no unbound vPPB left")
+        return None
 
-    def topology(self, client: CCIClient, links_down: set[str], dcd: DCDPool | None) -> Topology:
+    def topology(self, client: CCIClient, links_down: set[str], pools: dict[int, Pool]) -> Topology:
+        """The fabric now; ``pools`` are the pools by the port of the device they carve."""
         states = {p.port_id: PortView(p) for p in _port_states(client, sorted(self.kind_of), None)}
         devices = []
         for port, kind in sorted(self.kind_of.items()):
             view = states[port]
-            pool = dcd.info() if dcd is not None and port == self.dcd_port else None
+            pool = pools[port].info() if port in pools else None
+            model = _MODELS[kind] if pool is None else f"emulated CXL Type-3 {pool.kind.value.upper()}"
+            attributes: dict[str, int | str] = {"port": port}
+            if pool is not None:
+                attributes["pool_kind"] = pool.kind.value
             devices.append(
                 Device(
                     id=self.device_of[port],
@@ -169,10 +185,10 @@ class SwitchView:
                     kind=kind,
                     serial=f"{self.fabric}-port{port}",
                     vendor="disagg",
-                    model=_MODELS[kind],
+                    model=model,
                     switch=self.switch_id,
                     link_latency_ns=DEVICE_LINK_LATENCY_NS,
-                    attributes={"port": port},
+                    attributes=attributes,
                     capacity=pool.capacity if pool is not None else None,
                     health=view.health,
                 )
@@ -185,8 +201,8 @@ class SwitchView:
             for p in sorted(self.kind_of)
         )
         switch = Switch(self.switch_id, self.fabric, SwitchKind.CXL, "disagg", "emulated CXL switch", ports)
-        pools = (dcd.info(),) if dcd is not None else ()
-        return Topology(self.fabric, hosts, (switch,), tuple(devices), links, pools)
+        infos = tuple(pools[p].info() for p in sorted(pools))
+        return Topology(self.fabric, hosts, (switch,), tuple(devices), links, infos)
 
 
 def _port_states(client: CCIClient, ports: Iterable[int], ctx: CallContext | None) -> tuple[PortInfo, ...]:

@@ -84,7 +84,7 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
         names = tuple(f"h{i}" for i in range(hosts))
     else:
         raise bad("hosts", "hosts must be a count 1..32 or a list of host names")
-    defaults = {"gpus": 10, "nvme": 0, "nics": 0, "ld_count": 0, "mld_capacity_gib": 64, "dc_capacity_gib": 16}
+    defaults = {"gpus": 10, "nvme": 0, "nics": 0, "ld_count": 4, "mld_capacity_gib": 16, "dc_capacity_gib": 16}
     defaults["dc_regions"] = 1
     emulator = {key: _int(name, options, key, defaults[key], 1 if key == "dc_regions" else 0) for key in _EMULATOR_KEYS}
     delay = options.get("bind_delay_ms", 20.0)

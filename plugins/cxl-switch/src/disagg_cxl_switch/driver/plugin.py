@@ -13,7 +13,9 @@ from disagg.plugins import DriverRegistry
 from disagg_cxl_switch.driver.fabric import CXL_SWITCH_CAPABILITIES, CxlSwitchFabric
 from disagg_cxl_switch.driver.options import parse_options
 
-DESCRIPTION = "an emulated CXL switch managed over the CXL FM API (CCI messages): vPPB binds, DCD extents, events"
+DESCRIPTION = (
+    "an emulated CXL switch managed over the CXL FM API (CCI messages): vPPB binds, MLD LDs, DCD extents, events"
+)
 
 
 def create_fabric(name: str, options: Mapping[str, Any]) -> CxlSwitchFabric:
@@ -29,9 +31,18 @@ def create_fabric(name: str, options: Mapping[str, Any]) -> CxlSwitchFabric:
 
 
 def certify_options(workdir: Path) -> dict[str, Any]:
-    """For `disagg certify cxl-switch`: an emulator of two hosts, four GPUs, two NVMe drives and a 4 GiB DCD
-    (2 MiB blocks) in ``workdir``, stopped when the last fabric on it closes with nothing bound or carved."""
-    return {"state_dir": str(workdir / "cxl-switch"), "hosts": 2, "gpus": 4, "nvme": 2, "dc_capacity_gib": 4}
+    """For `disagg certify cxl-switch`: an emulator of two hosts, four GPUs, two NVMe drives, a 4 GiB MLD of four
+    LDs (256 MiB granularity) and a 4 GiB DCD (2 MiB blocks) in ``workdir``, stopped when the last fabric on it
+    closes with nothing bound or carved."""
+    return {
+        "state_dir": str(workdir / "cxl-switch"),
+        "hosts": 2,
+        "gpus": 4,
+        "nvme": 2,
+        "ld_count": 4,
+        "mld_capacity_gib": 4,
+        "dc_capacity_gib": 4,
+    }
 
 
 @hookimpl

@@ -14,16 +14,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from disagg.errors import (
-    CapacityExhaustedError,
-    ConflictError,
-    DeviceBusyError,
-    FabricUnavailableError,
-    InvalidRequestError,
-)
+from disagg.errors import CapacityExhaustedError, FabricUnavailableError
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
+from disagg.model import Allocation, Capacity, Extent, PoolInfo, PoolKind
 
+from disagg_cxl_switch.driver.carving import admit, already_held
 from disagg_cxl_switch.driver.client import CommandFailedError
 from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.fmapi import (
@@ -96,21 +91,11 @@ class DCDPool(Pool):
         return self._held()
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        self._fabric.state.fence(ctx.epoch)
-        if amount_bytes <= 0:
-            raise InvalidRequestError(f"allocation {allocation_id}: amount {amount_bytes} is not positive")
-        host_id = self._fabric.check_host(host)
-        if self._fabric.port_view(self._port).health is not Health.OK:
-            raise DeviceBusyError(f"the DCD {self._device} is failed")
-        amount = self._info.capacity.round_up(amount_bytes)
+        host_id, amount = admit(self._fabric, self._info, allocation_id, host, amount_bytes, ctx=ctx)
         with acquire(self._lock, ctx):
-            for existing in self._held(ctx):
-                if existing.id == allocation_id:
-                    if existing.host == host and existing.amount_bytes == amount:
-                        return existing
-                    raise ConflictError(
-                        f"allocation {allocation_id} exists for {existing.host} ({existing.amount_bytes} bytes)"
-                    )
+            existing = already_held(self._held(ctx), allocation_id, host, amount)
+            if existing is not None:
+                return existing
             tag = self._fabric.state.name_tag(allocation_id)
             for region, config in enumerate(self._regions):
                 if config.region_length < amount:

@@ -1,10 +1,11 @@
-"""What the driver keeps beside the switch: the highest fencing epoch, and which allocation id each DC extent
-tag stands for. In ``state_dir`` when there is one (written atomically), else in memory for the process.
+"""What the driver keeps beside the switch: the highest fencing epoch, which allocation id each DC extent
+tag stands for, and which allocation id each LD of an MLD was carved for. In ``state_dir`` when there is one
+(written atomically), else in memory for the process.
 
 A DC extent carries a 16-byte tag; the driver puts the first 16 bytes of the SHA-256 of the allocation id in it,
 so the switch itself groups an allocation's extents and releases them by tag. A hash cannot be read back, so
 the id it came from is kept here, recorded before the extents are added so that a crash in between still names
-them.
+them. An LD carries no tag at all, so its allocation id is kept here too, recorded before its allocation is set.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ class DriverState:
         self._lock = threading.Lock()
         self._epoch = 0
         self._tags: dict[str, str] = {}
+        self._lds: dict[str, str] = {}
         if self._path is not None and self._path.exists():
             data = json.loads(self._path.read_text())
             self._epoch = int(data.get("epoch", 0))
             self._tags = {str(k): str(v) for k, v in data.get("tags", {}).items()}
+            self._lds = {str(k): str(v) for k, v in data.get("lds", {}).items()}
 
     def _save(self) -> None:
         if self._path is None:
             return
         self._path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"epoch": self._epoch, "tags": self._tags}, sort_keys=True))
+        tmp.write_text(json.dumps({"epoch": self._epoch, "tags": self._tags, "lds": self._lds}, sort_keys=True))
         os.replace(tmp, self._path)
 
     def fence(self, epoch: int) -> None:
@@ -62,3 +65,22 @@ class DriverState:
         """The allocation id a tag stands for; a tag the driver did not set is shown as ``tag-<hex>``."""
         with self._lock:
             return self._tags.get(tag.hex(), f"tag-{tag.hex()}")
+
+    def name_ld(self, port: int, ld: int, allocation_id: str) -> None:
+        """Record that LD ``ld`` of the MLD on ``port`` is being carved for ``allocation_id``."""
+        key = f"{port}/{ld}"
+        with self._lock:
+            if self._lds.get(key) != allocation_id:
+                self._lds[key] = allocation_id
+                self._save()
+
+    def ld_allocation(self, port: int, ld: int) -> str | None:
+        """The allocation id an LD was last carved for, or None."""
+        with self._lock:
+            return self._lds.get(f"{port}/{ld}")
+
+    def forget_ld(self, port: int, ld: int) -> None:
+        key = f"{port}/{ld}"
+        with self._lock:
+            if self._lds.pop(key, None) is not None:
+                self._save()

@@ -1,0 +1,210 @@
+"""The MLD's logical devices as a disagg `Pool`: an allocation is one LD given memory with Set LD Allocations
+(5402h, tunnelled to the MLD's port through 5300h) and bound to a vPPB of the host's VCS with Bind vPPB (5201h).
+
+The switch is the truth: Get LD Allocations says how much each LD holds and Get Virtual CXL Switch Info which
+vPPB is bound to which LD, so an allocation is an LD bound to a host's VCS. An LD carries no tag, so the
+allocation id it was carved for is kept in `DriverState`, written before its allocation is set. An LD bound to
+no vPPB is free, whatever memory it still holds (the MLD's even split at power-on, a carve cut short by a
+crash): no host reaches that memory, and the next carve sets every such LD back to 0. The block size is the
+MLD's memory granularity; the extents are the LDs' ranges as the MLD lays them out, in LD order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+from disagg.errors import (
+    CapacityExhaustedError,
+    DisaggError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    UnsupportedError,
+)
+from disagg.interfaces import CallContext, Pool
+from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
+
+from disagg_cxl_switch.driver.carving import admit, already_held
+from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, contract_error
+from disagg_cxl_switch.driver.layout import acquire
+from disagg_cxl_switch.fmapi import (
+    BindVPPBRequest,
+    GetLDAllocationsRequest,
+    GetLDAllocationsResponse,
+    GetLDInfoRequest,
+    GetLDInfoResponse,
+    LDAllocation,
+    MemoryGranularity,
+    Opcode,
+    SetLDAllocationsRequest,
+    UnbindOption,
+    UnbindVPPBRequest,
+    VPPBBindingStatus,
+)
+from disagg_cxl_switch.returncodes import ReturnCode
+
+if TYPE_CHECKING:
+    from disagg_cxl_switch.driver.fabric import CxlSwitchFabric
+
+_NOTHING = LDAllocation(0, 0)
+
+
+@attrs.frozen
+class _LDBinding:
+    """The vPPB that holds an LD; ``done`` is False while its Bind or Unbind vPPB still runs."""
+
+    vcs: int
+    vppb: int
+    done: bool
+
+
+@attrs.frozen
+class _Snapshot:
+    """The MLD as the switch reports it now: each LD's allocation and the vPPB bound to it, if any."""
+
+    lds: tuple[LDAllocation, ...]
+    bound: dict[int, _LDBinding]
+
+    def units(self, ld: int) -> int:
+        return self.lds[ld].range_1_allocation_multiplier + self.lds[ld].range_2_allocation_multiplier
+
+
+class MLDPool(Pool):
+    def __init__(self, fabric: CxlSwitchFabric, port: int) -> None:
+        self._fabric = fabric
+        self._port = port
+        self._device = fabric.device_id_of(port)
+        self._id = f"{fabric.name}/mld-port{port}"
+        info = GetLDInfoResponse.decode(self._tunnel(Opcode.GET_LD_INFO, GetLDInfoRequest(), None))
+        first = GetLDAllocationsResponse.decode(
+            self._tunnel(Opcode.GET_LD_ALLOCATIONS, GetLDAllocationsRequest(), None)
+        )
+        try:
+            self._unit = MemoryGranularity(first.memory_granularity).unit_bytes
+        except ValueError:
+            raise FabricUnavailableError(f"the MLD on port {port} reports an unknown memory granularity") from None
+        if info.ld_count == 0:
+            raise FabricUnavailableError(f"the MLD on port {port} has no LD")
+        self._ld_count = info.ld_count
+        total = info.memory_size // self._unit * self._unit
+        self._info = PoolInfo(self._id, fabric.name, self._device, Capacity(total, self._unit), PoolKind.MLD)
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    def info(self) -> PoolInfo:
+        return self._info
+
+    # ------------------------------------------------------------------ reading the switch
+
+    def _tunnel(self, opcode: Opcode, payload: Encodable, ctx: CallContext | None) -> bytes:
+        try:
+            return self._fabric.client.tunnel(self._port, opcode, payload, ctx)
+        except CommandFailedError as exc:
+            if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
+                raise CapacityExhaustedError(f"pool {self._id}: {exc.message}") from None
+            raise contract_error(exc, f"pool {self._id}") from None
+
+    def _snapshot(self, ctx: CallContext | None) -> _Snapshot:
+        lds: list[LDAllocation] = []
+        while len(lds) < self._ld_count:
+            request = GetLDAllocationsRequest(len(lds), 0xFF)
+            got = GetLDAllocationsResponse.decode(self._tunnel(Opcode.GET_LD_ALLOCATIONS, request, ctx)).allocations
+            if not got:
+                raise FabricUnavailableError(f"pool {self._id}: Get LD Allocations stopped at LD {len(lds)}")
+            lds += got
+        bound = {
+            vppb.bound_ld_id: _LDBinding(vcs.vcs_id, vppb_id, vppb.binding_status == VPPBBindingStatus.BOUND_LD)
+            for vcs in self._fabric.view.vcss(self._fabric.client, ctx)
+            for vppb_id, vppb in enumerate(vcs.vppbs)
+            if vppb.binding_status != VPPBBindingStatus.UNBOUND and vppb.bound_port_id == self._port
+        }
+        return _Snapshot(tuple(lds[: self._ld_count]), bound)
+
+    def _held(self, snap: _Snapshot) -> list[Allocation]:
+        offsets = list(itertools.accumulate((snap.units(ld) for ld in range(self._ld_count)), initial=0))
+        allocations = []
+        for ld, binding in sorted(snap.bound.items()):
+            host = self._fabric.view.host_of.get(binding.vcs)
+            if not binding.done or host is None:
+                continue
+            amount = snap.units(ld) * self._unit
+            extents = (Extent(offsets[ld] * self._unit, amount),) if amount else ()
+            name = self._fabric.state.ld_allocation(self._port, ld) or f"ld-{ld}"
+            allocations.append(Allocation(name, self._id, host, amount, extents))
+        return sorted(allocations, key=lambda a: a.id)
+
+    def allocations(self) -> Sequence[Allocation]:
+        return self._held(self._snapshot(None))
+
+    # ------------------------------------------------------------------ carving
+
+    def _free_ld(self, snap: _Snapshot, allocation_id: str, amount: int) -> int:
+        used = sum(snap.units(ld) for ld in snap.bound) * self._unit
+        if used + amount > self._info.capacity.total_bytes:
+            raise CapacityExhaustedError(
+                f"pool {self._id} has {self._info.capacity.total_bytes - used} bytes free, {allocation_id} "
+                f"asks {amount}"
+            )
+        free = [ld for ld in range(self._ld_count) if ld not in snap.bound]
+        if not free:
+            raise CapacityExhaustedError(f"pool {self._id}: all {self._ld_count} LDs are bound ({allocation_id})")
+        return free[0]
+
+    def _set(self, start: int, lds: Sequence[LDAllocation], ctx: CallContext) -> None:
+        self._tunnel(Opcode.SET_LD_ALLOCATIONS, SetLDAllocationsRequest(start, tuple(lds)), ctx)
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        """Name a free LD for the allocation, give it the amount (every other unbound LD 0), bind it to a free
+        vPPB of the host's VCS; a failed bind sets the LDs back as they were."""
+        vcs, amount = admit(self._fabric, self._info, allocation_id, host, amount_bytes, ctx=ctx)
+        with acquire(self._fabric.vppb_lock, ctx):
+            snap = self._snapshot(ctx)
+            existing = already_held(self._held(snap), allocation_id, host, amount)
+            if existing is not None:
+                return existing
+            ld = self._free_ld(snap, allocation_id, amount)
+            vppb = self._fabric.view.free_vppb(self._fabric.client, vcs, ctx)
+            if vppb is None:
+                raise CapacityExhaustedError(f"host {host} has no unbound vPPB left to reach an LD of {self._device}")
+            self._fabric.state.name_ld(self._port, ld, allocation_id)
+            carved = [
+                LDAllocation(amount // self._unit, 0) if i == ld else a if i in snap.bound else _NOTHING
+                for i, a in enumerate(snap.lds)
+            ]
+            self._set(0, carved, ctx)
+            try:
+                self._fabric.bind_vppb(self._device, BindVPPBRequest(vcs, vppb, self._port, ld), ctx)
+            except CommandFailedError as exc:
+                with contextlib.suppress(DisaggError):  # an unbound LD's memory is free anyway; see the docstring
+                    self._set(0, snap.lds, ctx)
+                raise contract_error(exc, f"allocation {allocation_id}: bind LD {ld} to {host}") from None
+            return next(a for a in self._held(self._snapshot(ctx)) if a.id == allocation_id)
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        """Unbind the allocation's LD from its vPPB, then set the LD's allocation to 0."""
+        self._fabric.state.fence(ctx.epoch)
+        with acquire(self._fabric.vppb_lock, ctx):
+            snap = self._snapshot(ctx)
+            for ld in range(self._ld_count):
+                if self._fabric.state.ld_allocation(self._port, ld) != allocation_id:
+                    continue
+                binding = snap.bound.get(ld)
+                if binding is not None:
+                    failed = self._fabric.port_view(self._port).health is not Health.OK
+                    option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
+                    request = UnbindVPPBRequest(binding.vcs, binding.vppb, option)
+                    try:
+                        self._fabric.client.call(Opcode.UNBIND_VPPB, request, ctx)
+                    except CommandFailedError as exc:
+                        raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
+                if snap.units(ld):
+                    try:
+                        self._set(ld, [_NOTHING], ctx)
+                    except (InvalidRequestError, UnsupportedError, CapacityExhaustedError) as exc:
+                        raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
+                self._fabric.state.forget_ld(self._port, ld)
