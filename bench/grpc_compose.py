@@ -2,9 +2,11 @@
 
 Targets (issue 3): at 1 client the median Compose latency is at most 1.5x the median no-op latency; at 32
 clients Compose throughput is at least half the no-op throughput. The no-op is ``grpc.health.v1.Health/Check``
-on the same ``disagg serve`` process. The fabric is a generated sim fabric of 100,000 devices; each client
-composes ``host cores>=32`` with ``gpu x1`` under a name of its own for the measured time, then the
-compositions are decomposed (timed too), so every Compose places, binds and records a real composition.
+on the same ``disagg serve`` process. The fabric is a generated sim fabric of 100,000 devices, or of each size
+given with ``--devices`` (one server per size, measured one after the other in the same run, so the sizes
+compare; the top-level figures are the largest size's, ``sizes`` holds every size's). Each client composes
+``host cores>=32`` with ``gpu x1`` under a name of its own for the measured time, then the compositions are
+decomposed (timed too), so every Compose places, binds and records a real composition.
 The ledger is the in-memory one, or with ``--ledger sqlite`` the durable default (grouped commits). No-op and
 Compose alternate in rounds on the same server, each ratio is taken within one round and the median of the
 rounds is reported: on these shared machines the speed of a no-op drifts by tens of percent within a minute.
@@ -37,6 +39,7 @@ import grpc.aio
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg_sim.generator import generate_topology
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 CONFIG = """
@@ -97,14 +100,17 @@ def compose_request(name: str) -> fm.ComposeRequest:
 async def timed(
     clients: int, seconds: float, max_calls: int, call: Callable[[int, int], Awaitable[float]]
 ) -> tuple[list[float], float]:
-    """Run ``clients`` loops of ``call`` until ``seconds`` pass or ``max_calls`` complete: the latencies in µs
-    and the wall time."""
+    """Run ``clients`` loops of ``call`` until ``seconds`` pass or ``max_calls`` have started (never more, since
+    each Compose holds a host): the latencies in µs and the wall time."""
     latencies: list[float] = []
+    started = 0
     stop_at = time.monotonic() + seconds
 
     async def worker(w: int) -> None:
+        nonlocal started
         n = 0
-        while time.monotonic() < stop_at and len(latencies) < max_calls:
+        while time.monotonic() < stop_at and started < max_calls:
+            started += 1
             latencies.append(await call(w, n))
             n += 1
 
@@ -201,44 +207,28 @@ async def blocks(
     return summary(noops, walls[0]), summary(composes, walls[1]), ratios
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/out/grpc_compose.json")
-    parser.add_argument("--devices", type=int, default=100_000)
-    parser.add_argument("--seconds", type=float, default=1.5, help="per point and round")
-    parser.add_argument("--rounds", type=int, default=3, help="no-op and Compose alternate this many times")
-    parser.add_argument("--max-calls", type=int, default=8_000, help="per point; each Compose holds a host")
-    parser.add_argument(
-        "--ledger", choices=("memory", "sqlite"), default="memory", help="sqlite: the durable default ledger"
-    )
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server(args.devices, Path(tmp), args.ledger)
-        try:
-            rows = asyncio.run(measure(address, args.seconds, args.max_calls, args.rounds))
-        finally:
-            stop_server(proc)
+def device_counts(text: str) -> list[int]:
+    """``1000,100000`` -> ``[1000, 100000]``: the fabric sizes to measure, one server each."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated device counts, got {text!r}") from None
+    if not sizes or sizes[0] <= 0:
+        raise argparse.ArgumentTypeError(f"device counts must be positive, got {text!r}")
+    return sizes
 
+
+def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """The ratios of one fabric size, each taken within a round, and whether they meet the targets."""
     by = {(row["rpc"], row["clients"], row["round"]): row for row in rows}
-
-    def ratio(rpc: str, clients: int, key: str, r: int) -> float:
-        return float(by[(rpc, clients, r)][key] / by[("noop", clients, r)][key])
-
-    block_ratios = [x for r in range(args.rounds) for x in by[("compose", 1, r)]["block_p50_ratios"]]
-    latency_ratios = [statistics.median(by[("compose", 1, r)]["block_p50_ratios"]) for r in range(args.rounds)]
-    throughput_ratios = [ratio("compose", 32, "calls_per_s", r) for r in range(args.rounds)]
+    block_ratios = [x for r in range(rounds) for x in by[("compose", 1, r)]["block_p50_ratios"]]
+    latency_ratios = [statistics.median(by[("compose", 1, r)]["block_p50_ratios"]) for r in range(rounds)]
+    throughput_ratios = [
+        float(by[("compose", 32, r)]["calls_per_s"] / by[("noop", 32, r)]["calls_per_s"]) for r in range(rounds)
+    ]
     latency_ratio = statistics.median(block_ratios)
     throughput_ratio = statistics.median(throughput_ratios)
-    report = {
-        "benchmark": "grpc_compose",
-        "machine": {"nproc": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
-        "settings": {
-            "devices": args.devices,
-            "seconds": args.seconds,
-            "rounds": args.rounds,
-            "ledger": args.ledger,
-            "noop": "Health/Check",
-        },
+    return {
         "rows": rows,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
@@ -247,27 +237,91 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"latency_ratio_max": 1.5, "throughput_ratio_min": 0.5},
         "targets_met": latency_ratio <= 1.5 and throughput_ratio >= 0.5,
     }
+
+
+def measure_size(devices: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Serve a fabric of ``devices`` devices, measure no-op against Compose on it, and stop the server."""
+    max_calls = min(args.max_calls, compose_capacity(devices))
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, address = start_server(devices, Path(tmp), args.ledger)
+        try:
+            rows = asyncio.run(measure(address, args.seconds, max_calls, args.rounds))
+        finally:
+            stop_server(proc)
+    return {"devices": devices, "max_calls_per_point": max_calls, **figures(rows, args.rounds)}
+
+
+def compose_capacity(devices: int) -> int:
+    """How many of the benchmark's Composes the server's fabric holds at once: one per host with 32 cores or
+    more. A point takes at most that many calls (no-op points too, so both see the same window), which limits
+    a small fabric's points to a short window: 144 calls at 1,000 devices."""
+    topology = generate_topology("bench", devices=devices)
+    return sum(1 for host in topology.hosts if host.cores >= 32)
+
+
+def print_table(sizes: dict[str, dict[str, Any]]) -> None:
+    print("| devices | rpc | clients | round | calls | calls/s | p50 µs | p99 µs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for devices, fig in sizes.items():
+        for r in fig["rows"]:
+            cells = (
+                devices,
+                r["rpc"],
+                r["clients"],
+                r["round"],
+                r["calls"],
+                f"{r['calls_per_s']:.0f}",
+                f"{r['p50_us']:.0f}",
+                f"{r['p99_us']:.0f}",
+            )
+            print("| " + " | ".join(str(c) for c in cells) + " |")
+    for devices, fig in sizes.items():
+        print(
+            f"{devices} devices: Compose p50 / no-op p50 at 1 client, median of "
+            f"{len(fig['latency_ratio_per_block_at_1_client'])} blocks: "
+            f"{fig['compose_p50_over_noop_p50_at_1_client']:.2f} (target <= 1.5); "
+            f"Compose / no-op throughput at 32 clients: {fig['compose_throughput_over_noop_at_32_clients']:.2f} "
+            "(target >= 0.5)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/out/grpc_compose.json")
+    parser.add_argument(
+        "--devices",
+        type=device_counts,
+        default=[100_000],
+        help="comma-separated fabric sizes, each measured on a server of its own (default 100000)",
+    )
+    parser.add_argument("--seconds", type=float, default=1.5, help="per point and round")
+    parser.add_argument("--rounds", type=int, default=3, help="no-op and Compose alternate this many times")
+    parser.add_argument("--max-calls", type=int, default=8_000, help="per point; each Compose holds a host")
+    parser.add_argument(
+        "--ledger", choices=("memory", "sqlite"), default="memory", help="sqlite: the durable default ledger"
+    )
+    args = parser.parse_args(argv)
+    sizes = {str(devices): measure_size(devices, args) for devices in args.devices}
+    largest = sizes[str(args.devices[-1])]
+    report = {
+        "benchmark": "grpc_compose",
+        "machine": {"nproc": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+        "settings": {
+            "devices": args.devices[-1],
+            "sizes": args.devices,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "ledger": args.ledger,
+            "noop": "Health/Check",
+        },
+        **largest,
+        "sizes": sizes,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print("| rpc | clients | round | calls | calls/s | p50 µs | p99 µs |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        cells = (
-            r["rpc"],
-            r["clients"],
-            r["round"],
-            r["calls"],
-            f"{r['calls_per_s']:.0f}",
-            f"{r['p50_us']:.0f}",
-            f"{r['p99_us']:.0f}",
-        )
-        print("| " + " | ".join(str(c) for c in cells) + " |")
-    print(
-        f"Compose p50 / no-op p50 at 1 client, median of {len(block_ratios)} blocks: {latency_ratio:.2f} "
-        "(target <= 1.5); "
-        f"Compose / no-op throughput at 32 clients: {throughput_ratio:.2f} (target >= 0.5); wrote {out}"
-    )
+    print_table(sizes)
+    print(f"top-level figures are those of the largest size, {args.devices[-1]} devices; wrote {out}")
     return 0
 
 

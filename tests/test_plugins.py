@@ -190,13 +190,18 @@ class TestDriverRegistry:
             _load(("shouty", DriverPlugin("LOUD")))
 
 
+def _acme_policies() -> PolicyRegistry:
+    """A policy registry as the hook of plugin 'acme' receives it."""
+    registry = PolicyRegistry()
+    registry.plugin = "acme"
+    return registry
+
+
 class TestPolicyRegistry:
     """PolicyRegistry refuses objects that are not policies, bad names and duplicates."""
 
     def _registry(self) -> PolicyRegistry:
-        registry = PolicyRegistry()
-        registry.plugin = "acme"
-        return registry
+        return _acme_policies()
 
     def test_add(self) -> None:
         registry = self._registry()
@@ -225,6 +230,45 @@ class TestPolicyRegistry:
         assert "placement policy 'best-fit'" in info.value.message
         assert "'disagg.policies'" in info.value.message
         assert "'imposter'" in info.value.message
+
+
+class TestSharingPolicyRegistry:
+    """Sharing policies register as factories: a name once, a callable factory, loaded without numpy's cost."""
+
+    def _registry(self) -> PolicyRegistry:
+        return _acme_policies()
+
+    def test_add(self) -> None:
+        registry = self._registry()
+        registry.add_sharing_policy("pack", dict, description="packs")
+        spec = registry.sharing["pack"]
+        assert (spec.name, spec.factory, spec.description, spec.plugin) == ("pack", dict, "packs", "acme")
+
+    def test_factory_must_be_callable(self) -> None:
+        with pytest.raises(PluginError, match="the factory of sharing policy 'pack' is not callable"):
+            self._registry().add_sharing_policy("pack", "not a factory")  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("name", ["", "Pack", "pack_1"])
+    def test_bad_name(self, name: str) -> None:
+        with pytest.raises(PluginError, match="registered a sharing policy named"):
+            self._registry().add_sharing_policy(name, dict)
+
+    def test_duplicate_names_both_plugins(self) -> None:
+        registry = self._registry()
+        registry.add_sharing_policy("pack", dict)
+        registry.plugin = "other"
+        with pytest.raises(PluginError, match="sharing policy 'pack' is registered by both 'acme' and 'other'"):
+            registry.add_sharing_policy("pack", dict)
+
+    def test_built_ins_make_fresh_policies(self) -> None:
+        plugins = _load()
+        made = [plugins.sharing_policy(n).factory() for n in ("best-fit", "fgd", "frag-balance")]
+        assert [m.name for m in made] == ["best-fit", "fgd", "frag-balance"]
+        assert plugins.sharing_policy("fgd").factory() is not made[1]
+
+    def test_unknown(self) -> None:
+        with pytest.raises(PluginError, match=r"no sharing placement policy 'tightest' \(known: best-fit, fgd"):
+            _load().sharing_policy("tightest")
 
 
 class TestFailingPlugins:
@@ -383,6 +427,7 @@ class TestBuiltIn:
             version=disagg.__version__,
             drivers=(),
             policies=("best-fit", "closest"),
+            sharing_policies=("best-fit", "fgd", "frag-balance"),
         )
 
     def test_plugins_sorted_by_name(self) -> None:

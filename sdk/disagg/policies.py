@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from disagg import hookimpl
 from disagg.interfaces.placement import DeviceGroup, PlacementPolicy, PoolCandidate
 from disagg.plugins.registry import PolicyRegistry
+
+if TYPE_CHECKING:
+    from disagg.replay.policy import SharingPolicy
+
+SHARING = {
+    "best-fit": "the domain, GPU and host left with the least free GPU share, then CPU",
+    "fgd": "least growth of expected GPU fragmentation under the task mix (Weng et al., ATC 2023; the reference)",
+    "frag-balance": "least growth of GPU fragmentation plus GPU share stranded by CPU or memory (ours)",
+}
+"""The built-in sharing policies (`disagg.replay.policies`), described here so listing them imports nothing."""
 
 
 def _switch_totals(groups: Sequence[DeviceGroup]) -> dict[str, tuple[int, int]]:
@@ -59,7 +70,25 @@ class Closest(PlacementPolicy):
         return sorted(pools, key=lambda p: (p.latency_ns, -p.free_bytes, p.pool))
 
 
+def _sharing(name: str) -> Callable[[], SharingPolicy]:
+    """A factory of the built-in sharing policy ``name``, importing the replay (and numpy) only when called."""
+
+    def make() -> SharingPolicy:
+        from disagg.replay import policies
+
+        by_name: dict[str, type[SharingPolicy]] = {
+            cls.name: cls
+            for cls in (policies.BestFitSharing, policies.FragmentationGradient, policies.FragmentationBalance)
+        }
+        return by_name[name]()
+
+    return make
+
+
 @hookimpl
 def disagg_register_policies(registry: PolicyRegistry) -> None:
     registry.add_placement_policy(BestFit())
     registry.add_placement_policy(Closest())
+    registry.add_sharing_policy("best-fit", _sharing("best-fit"), description=SHARING["best-fit"])
+    registry.add_sharing_policy("fgd", _sharing("fgd"), description=SHARING["fgd"])
+    registry.add_sharing_policy("frag-balance", _sharing("frag-balance"), description=SHARING["frag-balance"])

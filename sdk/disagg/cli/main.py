@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from disagg import __version__
+from disagg.cli import bench as bench_cli
 from disagg.cli import certify as certify_cli
 from disagg.cli import driver as driver_cli
 from disagg.cli import newdriver as newdriver_cli
@@ -60,6 +61,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                     n: {"plugin": d.plugin, "capabilities": d.capabilities, "description": d.description}
                     for n, d in plugins.drivers.items()
                 },
+                "sharing_policies": {
+                    n: {"plugin": p.plugin, "description": p.description} for n, p in plugins.sharing_policies.items()
+                },
                 "blocked": list(plugins.blocked),
                 "broken": plugins.broken,
             }
@@ -68,7 +72,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     render.table(
         ("PLUGIN", "DISTRIBUTION", "VERSION", "DRIVERS", "POLICIES"),
         [
-            [p.name, p.distribution, p.version, ",".join(p.drivers) or "-", ",".join(p.policies) or "-"]
+            [
+                p.name,
+                p.distribution,
+                p.version,
+                ",".join(p.drivers) or "-",
+                ",".join([*p.policies, *(f"{s} (sharing)" for s in p.sharing_policies)]) or "-",
+            ]
             for p in plugins.plugins
         ],
     )
@@ -286,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     driver_cli.register(sub)
     certify_cli.register(sub)
     newdriver_cli.register(sub)
+    bench_cli.register(sub)
     return parser
 
 

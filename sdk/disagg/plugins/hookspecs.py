@@ -23,4 +23,5 @@ def disagg_register_drivers(registry: DriverRegistry) -> None:
 
 @hookspec
 def disagg_register_policies(registry: PolicyRegistry) -> None:
-    """Register placement policies with ``registry.add_placement_policy(policy)``."""
+    """Register placement policies with ``registry.add_placement_policy(policy)``, and policies for GPU-sharing
+    workloads (the trace replay's) with ``registry.add_sharing_policy(name, factory)``."""

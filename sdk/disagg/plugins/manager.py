@@ -22,7 +22,7 @@ import pluggy
 from disagg.errors import PluginError
 from disagg.interfaces.placement import PlacementPolicy
 from disagg.plugins import hookspecs
-from disagg.plugins.registry import DriverRegistry, DriverSpec, PolicyRegistry
+from disagg.plugins.registry import DriverRegistry, DriverSpec, PolicyRegistry, SharingPolicySpec
 
 ENTRY_POINT_GROUP = "disagg.drivers"
 DISABLE_ENV = "DISAGG_DISABLE_PLUGINS"
@@ -40,6 +40,7 @@ class PluginInfo:
     version: str
     drivers: tuple[str, ...]
     policies: tuple[str, ...]
+    sharing_policies: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -52,6 +53,7 @@ class Plugins:
     blocked: tuple[str, ...]
     broken: dict[str, str] = attrs.field(factory=dict)
     """Entry points that failed to load, with the reason; the others still work."""
+    sharing_policies: dict[str, SharingPolicySpec] = attrs.field(factory=dict)
 
     def driver(self, name: str) -> DriverSpec:
         try:
@@ -72,6 +74,13 @@ class Plugins:
         except KeyError:
             known = ", ".join(sorted(self.policies)) or "none"
             raise PluginError(f"no placement policy {name!r} (known: {known})") from None
+
+    def sharing_policy(self, name: str) -> SharingPolicySpec:
+        try:
+            return self.sharing_policies[name]
+        except KeyError:
+            known = ", ".join(sorted(self.sharing_policies)) or "none"
+            raise PluginError(f"no sharing placement policy {name!r} (known: {known})") from None
 
 
 def blocked_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -155,6 +164,7 @@ def load_plugins(
                 version=dist_version,
                 drivers=tuple(sorted(n for n, d in drivers.drivers.items() if d.plugin == name)),
                 policies=tuple(sorted(n for n, o in policies.owners.items() if o == name)),
+                sharing_policies=tuple(sorted(n for n, p in policies.sharing.items() if p.plugin == name)),
             )
         )
     return Plugins(
@@ -163,6 +173,7 @@ def load_plugins(
         plugins=tuple(sorted(infos, key=lambda i: i.name)),
         blocked=blocked_names,
         broken=broken,
+        sharing_policies=policies.sharing,
     )
 
 

@@ -77,13 +77,37 @@ class DriverRegistry(_Registry):
         self.drivers[name] = DriverSpec(name, factory, capabilities, description, self.plugin, certify_options)
 
 
+@attrs.frozen
+class SharingPolicySpec:
+    """A placement policy for GPU-sharing workloads (`disagg.replay.policy.SharingPolicy`), made on demand so
+    that registering it imports nothing heavy."""
+
+    name: str
+    factory: Callable[[], Any]
+    description: str
+    plugin: str
+
+
 class PolicyRegistry(_Registry):
-    """Collects placement policies; a name may be registered once."""
+    """Collects placement policies; a name may be registered once per kind."""
 
     def __init__(self) -> None:
         super().__init__()
         self.policies: dict[str, PlacementPolicy] = {}
         self.owners: dict[str, str] = {}
+        self.sharing: dict[str, SharingPolicySpec] = {}
+
+    def add_sharing_policy(self, name: str, factory: Callable[[], Any], *, description: str = "") -> None:
+        """Register a factory of a `SharingPolicy` (a host-choosing policy for GPU-sharing workloads, as the
+        trace replay compares); ``factory()`` must return a fresh instance named ``name``."""
+        self._check_name("sharing policy", name)
+        if not callable(factory):
+            raise PluginError(f"plugin {self.plugin!r}: the factory of sharing policy {name!r} is not callable")
+        if name in self.sharing:
+            raise PluginError(
+                f"sharing policy {name!r} is registered by both {self.sharing[name].plugin!r} and {self.plugin!r}"
+            )
+        self.sharing[name] = SharingPolicySpec(name, factory, description, self.plugin)
 
     def add_placement_policy(self, policy: PlacementPolicy) -> None:
         if not isinstance(policy, PlacementPolicy):

@@ -1,0 +1,1 @@
+"""Trace replay: placement policies replayed over a real GPU cluster trace, and the benchmark report."""

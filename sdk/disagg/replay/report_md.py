@@ -1,0 +1,168 @@
+"""The report as Markdown: the tables a reader compares by eye, beside the plots that show the same runs.
+
+Placement figures are fractions in the replay's dict and percentages here, each with its spread over the
+seeds, so that a difference smaller than the spread reads as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from disagg.replay.report_input import Placement, Run, Spread
+
+PLOTS = {
+    "unallocated.png": "Unallocated GPUs against arrived demand",
+    "gpus_needed.png": "GPUs needed to place the whole trace",
+    "control_plane.png": "No-op against Compose, in-memory and SQLite ledgers",
+}
+
+
+def markdown(placement: Placement, control: Mapping[str, Mapping[str, Any]], generated: str) -> str:
+    """The whole report: placement tables, control-plane tables, and links to the plots beside it."""
+    trace = placement.trace
+    seeds = placement.seeds
+    lines = [
+        "# Placement quality and the control plane",
+        "",
+        f"Generated {generated}. Every placement figure is the mean of {len(seeds)} seeds "
+        f"({seeds[0]}-{seeds[-1]}) with its standard deviation and range.",
+        "",
+        "## Placement on the trace",
+        "",
+        f"Trace: `{trace['nodes']}` ({trace['nodes_count']:,} nodes, {trace['gpus']:,} GPUs) and `{trace['pods']}` "
+        f"({trace['pods_count']:,} pods); demand arrives up to {placement.inflation:.0%} of the GPU capacity and is "
+        f"reported at {placement.report_at:.0%}.",
+        "",
+        f"### Unallocated GPUs at {placement.report_at:.0%} arrived demand",
+        "",
+        "Lower is better: the share of GPUs left idle because no pending task fits on them. The published figures "
+        "are those of the FGD paper's fixed servers.",
+        "",
+        *_table(
+            ["world", "policy", "mean", "std", "min-max", "published"],
+            (
+                [r.world_label, r.policy, *_percent_spread(r.unallocated), _published(placement, r)]
+                for r in placement.runs
+            ),
+        ),
+        "",
+        *_floor(placement),
+        "### GPUs needed to place the whole trace",
+        "",
+        "The GPUs installed when the whole pod list arrives in a random order and a server (from the node list, "
+        f"in a random order) is installed only when a pod finds no room (the trace's cluster has {trace['gpus']:,} "
+        "GPUs).",
+        "",
+        *_table(["world", "policy", "mean", "std", "min-max"], (_needed_row(r) for r in placement.runs)),
+        "",
+        *control_markdown(control),
+        "## Plots",
+        "",
+        *(f"![{title}]({name})\n" for name, title in PLOTS.items()),
+    ]
+    return "\n".join(lines)
+
+
+def _floor(placement: Placement) -> list[str]:
+    floor = placement.floor
+    if floor is None:
+        return []
+    return [
+        f"Floor: {floor.mean:.2%} (± {floor.std:.2%}) of the GPUs stay unallocated at "
+        f"{placement.report_at:.0%} whatever the policy and the fabric domains: pods taking more than half a GPU "
+        "leave slack only smaller pods fit (`disagg.replay.floor`, docs/placement.md).",
+        "",
+    ]
+
+
+def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Compose against a no-op per ledger and fabric size, then placement cost per fabric size."""
+    lines = ["## Control plane", "", "### Compose against a no-op RPC on the same server", ""]
+    compose_rows: list[list[str]] = []
+    for name, ledger in (("grpc_compose", "in-memory"), ("grpc_compose_sqlite", "SQLite")):
+        entry = control[name]
+        if entry["missing"]:
+            lines.append(_missing(entry, f"the {ledger} ledger"))
+            continue
+        compose_rows += [
+            [
+                ledger,
+                f"{s['devices']:,}",
+                f"{s['noop_p50_us_at_1_client']:,.0f}",
+                f"{s['compose_p50_us_at_1_client']:,.0f}",
+                f"{s['latency_ratio_at_1_client']:.2f}",
+                f"{s['noop_calls_per_s_at_32_clients']:,.0f}",
+                f"{s['compose_calls_per_s_at_32_clients']:,.0f}",
+                f"{s['throughput_ratio_at_32_clients']:.2f}",
+            ]
+            for s in entry["sizes"]
+        ]
+    if compose_rows:
+        lines += [
+            "Targets: latency ratio at most 1.5 at one client, throughput ratio at least 0.5 at 32 clients. "
+            "Latencies and calls/s are medians over the rounds; each ratio is taken within a round (at one client, "
+            "within a block of a round) and its median reported, so it need not equal the quotient of the medians.",
+            "",
+            *_table(
+                [
+                    "ledger",
+                    "devices",
+                    "no-op p50 µs, 1 client",
+                    "Compose p50 µs, 1 client",
+                    "latency ratio",
+                    "no-op calls/s, 32 clients",
+                    "Compose calls/s, 32 clients",
+                    "throughput ratio",
+                ],
+                compose_rows,
+            ),
+        ]
+    lines += ["", "### Placement against fabric size", ""]
+    entry = control["placement"]
+    if entry["missing"]:
+        lines.append(_missing(entry, "placement"))
+    else:
+        lines += _table(
+            ["devices", "shape", "median µs", "ratio to the smallest"],
+            (
+                [f"{size['devices']:,}", shape, f"{fig['median_us']:.1f}", f"{fig['ratio_to_base']:.2f}"]
+                for size in entry["sizes"]
+                for shape, fig in size["shapes"].items()
+            ),
+        )
+    return [*lines, ""]
+
+
+def _percent_spread(spread: Spread) -> list[str]:
+    return [f"{spread.mean:.2%}", f"± {spread.std:.2%}", f"{spread.low:.2%}-{spread.high:.2%}"]
+
+
+def _published(placement: Placement, run: Run) -> str:
+    value = placement.published.get(run.policy)
+    return f"{value:.2%}" if value is not None and run.world == "fixed" else "-"
+
+
+def _needed_row(run: Run) -> list[str]:
+    needed = run.gpus_needed
+    if needed is None:
+        return [run.world_label, run.policy, "not measured", "-", "-"]
+    return [
+        run.world_label,
+        run.policy,
+        f"{needed.mean:,.1f}",
+        f"± {needed.std:,.1f}",
+        f"{needed.low:,.0f}-{needed.high:,.0f}",
+    ]
+
+
+def _missing(entry: Mapping[str, Any], what: str) -> str:
+    return f"No figures for {what}: `{entry['file']}` is missing; `{entry['command']}` writes it.\n"
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]

@@ -1,0 +1,197 @@
+"""The placement study: every policy in every world over every seed, run in parallel, summed up for the report.
+
+One job is one (world, policy, seed): the published protocol's replay (pods drawn until 130% of capacity, the
+figure at 100%) and, when asked, the provisioning replay (the whole pod list, in an order drawn from the seed,
+onto servers installed one by one in an order drawn from the seed, until every pod found room). A fixed server
+is a fabric domain of one host, so the fixed world is the composable world with K = 1 and is run once.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from disagg.errors import InvalidRequestError
+from disagg.plugins import load_plugins
+from disagg.replay.engine import provision, replay
+from disagg.replay.floor import share_floor_milli
+from disagg.replay.policy import SharingPolicy
+from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, Node, Pod, load_nodes, load_pods
+from disagg.replay.workload import arrivals, task_types
+from disagg.replay.world import build_world
+
+PUBLISHED = {"fgd": 0.0477, "best-fit": 0.0714, "gpu-packing": 0.0822, "random": 0.1370}
+"""The published figures on the default trace (unallocated share at 100% arrived demand, 10 seeds), as
+recomputed from the simulator repository's stored results (see the trace's README in the shared directory)."""
+DEFAULT_POLICIES = ("best-fit", "fgd", "frag-balance")
+DEFAULT_KS = (1, 4, 8, 16)
+STEPS = 100
+PROVISION_COPIES = 2
+"""The provisioning replay may install each server of the node list this many times over."""
+
+
+@attrs.frozen
+class Study:
+    """What to replay; the defaults are the published protocol on the default trace."""
+
+    trace_dir: Path
+    nodes: str = DEFAULT_NODES
+    pods: str = DEFAULT_PODS
+    seeds: tuple[int, ...] = tuple(range(10))
+    ks: tuple[int, ...] = DEFAULT_KS
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    inflation: float = 1.3
+    report_at: float = 1.0
+    provision: bool = True
+    workers: int = 0
+    """Worker processes; 0 for one per CPU."""
+
+    def check(self) -> None:
+        if not self.seeds:
+            raise InvalidRequestError("at least one seed is needed", field="seeds")
+        if not self.ks or min(self.ks) < 1:
+            raise InvalidRequestError(f"hosts per fabric domain must be at least 1, got {self.ks}", field="k")
+        if not self.policies:
+            raise InvalidRequestError("at least one policy is needed", field="policies")
+        if not 0 < self.report_at <= self.inflation:
+            raise InvalidRequestError(
+                f"the report point ({self.report_at:.0%}) must lie within the arrivals (0 to {self.inflation:.0%})",
+                field="report_at",
+            )
+        known = load_plugins().sharing_policies
+        unknown = [p for p in self.policies if p not in known]
+        if unknown:
+            raise InvalidRequestError(
+                f"no sharing policy {', '.join(unknown)} (known: {', '.join(sorted(known))})", field="policies"
+            )
+
+
+@functools.cache
+def _trace(nodes_path: Path, pods_path: Path) -> tuple[tuple[Node, ...], tuple[Pod, ...]]:
+    return tuple(load_nodes(nodes_path)), tuple(load_pods(pods_path))
+
+
+def _policy(name: str) -> SharingPolicy:
+    made = load_plugins().sharing_policy(name).factory()
+    if not isinstance(made, SharingPolicy):
+        raise TypeError(f"the factory of sharing policy {name!r} made {made!r}, not a SharingPolicy")
+    return made
+
+
+def run_job(study: Study, k: int, policy: str, seed: int) -> dict[str, Any]:
+    """One (world, policy, seed): the protocol's curve, the floor of its arrivals and the GPUs provisioned."""
+    nodes, pods = _trace(study.trace_dir / study.nodes, study.trace_dir / study.pods)
+    types = task_types(pods)
+    world = build_world(nodes, k)
+    chosen = _policy(policy)
+    chosen.prepare(types, world)
+    drawn = arrivals(pods, world.capacity_milli, seed, study.inflation)
+    start = time.perf_counter()
+    result = replay(world, drawn, chosen, seed=seed, steps=STEPS)
+    seconds = time.perf_counter() - start
+    job: dict[str, Any] = {
+        "arrived": list(result.arrived),
+        "curve": list(result.curve),
+        "unallocated": result.unallocated_at(study.report_at),
+        "floor": _floor(drawn, world.capacity_milli, study.report_at),
+        "seconds": seconds,
+        "gpus_needed": None,
+    }
+    if study.provision:
+        rng = np.random.default_rng(seed)
+        order = [nodes[i] for i in rng.permutation(len(nodes))] * PROVISION_COPIES
+        growing = build_world(order, k, installed=False)
+        chosen = _policy(policy)
+        chosen.prepare(types, growing)
+        job["gpus_needed"] = provision(growing, [pods[i] for i in rng.permutation(len(pods))], chosen, seed=seed).gpus
+    return job
+
+
+def _floor(drawn: Sequence[Pod], capacity_milli: int, report_at: float) -> float:
+    """The share floor (`disagg.replay.floor`) of the pods arrived by the report point, as a share of capacity."""
+    goal = report_at * capacity_milli
+    demand = 0
+    for n, pod in enumerate(drawn):
+        demand += pod.gpu_demand_milli
+        if demand >= goal:
+            return share_floor_milli(drawn[: n + 1], int(demand - goal)) / capacity_milli
+    raise ValueError(f"the arrivals stop before {report_at:.0%} of capacity")
+
+
+def _spread(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "per_seed": list(values),
+    }
+
+
+def _summary(study: Study, k: int, policy: str, jobs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    curves = np.array([j["curve"] for j in jobs], dtype=np.float64)
+    needed = [j["gpus_needed"] for j in jobs]
+    return {
+        "world": "fixed" if k == 1 else "composable",
+        "k": k,
+        "policy": policy,
+        "unallocated": _spread([j["unallocated"] for j in jobs]),
+        "curve": {
+            "arrived": list(jobs[0]["arrived"]),
+            "mean": curves.mean(axis=0).tolist(),
+            "std": curves.std(axis=0).tolist(),
+        },
+        "gpus_needed": _spread(needed) if all(n is not None for n in needed) else None,
+        "seconds_per_seed": statistics.fmean(j["seconds"] for j in jobs),
+    }
+
+
+def run_study(study: Study, *, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every job of ``study``, in worker processes; the placement dict the report takes."""
+    study.check()
+    nodes, pods = _trace(study.trace_dir / study.nodes, study.trace_dir / study.pods)
+    ks = sorted(set(study.ks) | {1})
+    keys = [(k, policy, seed) for k in sorted(ks, reverse=True) for policy in study.policies for seed in study.seeds]
+    workers = study.workers or os.cpu_count() or 1
+    results: dict[tuple[int, str, int], dict[str, Any]] = {}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = {key: pool.submit(run_job, study, *key) for key in keys}
+        for n, (key, future) in enumerate(futures.items(), 1):
+            results[key] = future.result()
+            progress(f"[{n}/{len(keys)}] K={key[0]} {key[1]} seed {key[2]}: {results[key]['unallocated']:.2%}")
+    runs = []
+    for k in ks:
+        for policy in study.policies:
+            jobs = [results[(k, policy, seed)] for seed in study.seeds]
+            runs.append(_summary(study, k, policy, jobs))
+    first = [results[(1, study.policies[0], seed)] for seed in study.seeds]
+    return {
+        "trace": {
+            "dir": str(study.trace_dir),
+            "nodes": study.nodes,
+            "pods": study.pods,
+            "gpus": sum(n.gpus for n in nodes),
+            "nodes_count": len(nodes),
+            "pods_count": len(pods),
+        },
+        "protocol": {
+            "seeds": list(study.seeds),
+            "inflation": study.inflation,
+            "report_at": study.report_at,
+            "provision_copies": PROVISION_COPIES,
+        },
+        "published": dict(PUBLISHED),
+        "floor": _spread([j["floor"] for j in first]),
+        "runs": runs,
+    }

@@ -1,0 +1,385 @@
+"""The benchmark report (disagg.replay.report) from a replay fixture and the benchmarks' files."""
+
+from __future__ import annotations
+
+import copy
+import json
+import runpy
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from disagg.replay.report import ReportFiles, write_report
+from disagg.replay.report_control import BENCHMARKS
+from matplotlib.image import imread
+
+ROOT = Path(__file__).parent.parent
+SEEDS = list(range(10))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+WORLDS = [("fixed", 1), ("composable", 4), ("composable", 8), ("composable", 16)]
+POLICIES = {"best-fit": 0.073, "fgd": 0.049, "domain-pack": 0.045}
+"""Policy -> its unallocated share at 100% demand on fixed servers; a composable domain of K hosts halves the
+gap to zero as K doubles, roughly as pooling should."""
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.pstdev(values),
+        "min": min(values),
+        "max": max(values),
+        "per_seed": values,
+    }
+
+
+def run(world: str, k: int, policy: str) -> dict[str, Any]:
+    level = POLICIES[policy] / (1 if world == "fixed" else max(1.0, k / 2))
+    per_seed = [level + (s - 4.5) * 0.0004 for s in SEEDS]
+    arrived = [round(i / 100, 2) for i in range(131)]
+    mean = [0.0 if a < 0.6 else level * (a - 0.6) / 0.4 for a in arrived]
+    needed = [6212 + int(6212 * level) + 3 * s for s in SEEDS]
+    return {
+        "world": world,
+        "k": k,
+        "policy": policy,
+        "unallocated": spread(per_seed),
+        "curve": {"arrived": arrived, "mean": mean, "std": [0.1 * m for m in mean]},
+        "gpus_needed": {
+            **spread([float(n) for n in needed]),
+            "min": min(needed),
+            "max": max(needed),
+            "per_seed": needed,
+        },
+        "seconds_per_seed": 2.5,
+    }
+
+
+def placement_fixture() -> dict[str, Any]:
+    runs = [run(world, k, policy) for world, k in WORLDS for policy in POLICIES]
+    runs[-1]["gpus_needed"] = None  # the replay may not have searched every world's cluster size
+    return {
+        "trace": {
+            "dir": "/work/shared/traces/alibaba-gpu-2023",
+            "nodes": "openb_node_list_gpu_node.csv",
+            "pods": "openb_pod_list_default.csv",
+            "gpus": 6212,
+            "nodes_count": 1213,
+            "pods_count": 8152,
+        },
+        "protocol": {"seeds": SEEDS, "inflation": 1.3, "report_at": 1.0},
+        "published": {"fgd": 0.0477, "best-fit": 0.0714, "gpu-packing": 0.0822, "random": 0.1370},
+        "runs": runs,
+        "floor": spread([0.025 + s * 0.0001 for s in SEEDS]),
+    }
+
+
+def compose_bench(ledger: str, noop_us: float, compose_us: float) -> dict[str, Any]:
+    """grpc_compose.json as bench/grpc_compose.py --devices 1000,100000 writes it (the keys the report reads)."""
+
+    def size(devices: int, slower: float) -> dict[str, Any]:
+        rows = []
+        for r in range(3):
+            for clients, rate in ((1, 1_400.0), (32, 3_200.0)):
+                rows.append({"rpc": "noop", "clients": clients, "round": r, "calls_per_s": rate, "p50_us": noop_us})
+                rows.append(
+                    {
+                        "rpc": "compose",
+                        "clients": clients,
+                        "round": r,
+                        "calls_per_s": rate * 0.6 / slower,
+                        "p50_us": compose_us * slower + r,
+                    }
+                )
+        return {
+            "devices": devices,
+            "rows": rows,
+            "compose_p50_over_noop_p50_at_1_client": compose_us * slower / noop_us,
+            "compose_throughput_over_noop_at_32_clients": 0.6 / slower,
+            "targets_met": compose_us * slower / noop_us <= 1.5,
+        }
+
+    sizes = {"1000": size(1000, 1.0), "100000": size(100_000, 1.1)}
+    return {"settings": {"devices": 100_000, "ledger": ledger}, **sizes["100000"], "sizes": sizes}
+
+
+def placement_bench() -> dict[str, Any]:
+    shapes = {"named-host": 33.7, "chosen-host": 55.4}
+    return {
+        "runs": {
+            "1000": {"devices": 1026, "shapes": {s: {"median_us": m} for s, m in shapes.items()}},
+            "100000": {"devices": 99_978, "shapes": {s: {"median_us": m * 0.7} for s, m in shapes.items()}},
+        },
+        "median_ratio_to_base": {"100000": dict.fromkeys(shapes, 0.7)},
+        "worst_ratio": 0.7,
+        "target_met": True,
+    }
+
+
+def write_bench_out(out: Path) -> Path:
+    """bench/out with the compose (both ledgers) and placement figures, and no grpc_models.json."""
+    out.mkdir()
+    (out / "grpc_compose.json").write_text(json.dumps(compose_bench("memory", 650.0, 900.0)))
+    (out / "grpc_compose_sqlite.json").write_text(json.dumps(compose_bench("sqlite", 700.0, 2_100.0)))
+    (out / "placement.json").write_text(json.dumps(placement_bench()))
+    return out
+
+
+@pytest.fixture
+def bench_out(tmp_path: Path) -> Path:
+    return write_bench_out(tmp_path / "bench-out")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> ReportFiles:
+    """One report for the tests that only read it (drawing the plots takes a second or two)."""
+    tmp = tmp_path_factory.mktemp("report")
+    return write_report(placement_fixture(), tmp / "report", control_plane_dir=write_bench_out(tmp / "bench-out"))
+
+
+class TestResultsJson:
+    """results.json holds the placement dict as given and the collected control-plane figures."""
+
+    def test_round_trip(self, report: ReportFiles) -> None:
+        results = json.loads(report.results_json.read_text())
+        assert results["placement"] == placement_fixture()
+        memory = results["control_plane"]["grpc_compose"]
+        assert memory["missing"] is False
+        assert memory["ledger"] == "memory"
+        assert [s["devices"] for s in memory["sizes"]] == [1000, 100_000]
+        assert memory["sizes"][1]["compose_p50_us_at_1_client"] == pytest.approx(990.0 + 1)
+        assert memory["sizes"][0]["compose_calls_per_s_at_32_clients"] == pytest.approx(1_920.0)
+        assert results["control_plane"]["placement"]["sizes"][1]["shapes"]["chosen-host"]["ratio_to_base"] == 0.7
+        assert set(results["machine"]) == {"platform", "python", "cpu_count"}
+        assert results["generated"].endswith("+00:00")
+
+    def test_every_file_written(self, report: ReportFiles) -> None:
+        assert [p.name for p in report.all] == [
+            "results.json",
+            "results.md",
+            "unallocated.png",
+            "gpus_needed.png",
+            "control_plane.png",
+        ]
+        assert all(p.is_file() for p in report.all)
+
+
+class TestMarkdown:
+    """results.md tabulates the fixture's figures as percentages, beside the published ones."""
+
+    def test_unallocated_row(self, report: ReportFiles) -> None:
+        text = report.results_md.read_text()
+        fgd = next(r for r in placement_fixture()["runs"] if r["world"] == "fixed" and r["policy"] == "fgd")
+        u = fgd["unallocated"]
+        row = f"| fixed (K=1) | fgd | {u['mean']:.2%} | ± {u['std']:.2%} | {u['min']:.2%}-{u['max']:.2%} | 4.77% |"
+        assert row == "| fixed (K=1) | fgd | 4.90% | ± 0.11% | 4.72%-5.08% | 4.77% |"
+        assert row in text.splitlines()
+
+    def test_published_only_on_fixed_servers(self, report: ReportFiles) -> None:
+        rows = [line for line in report.results_md.read_text().splitlines() if line.startswith("| composable K=4 |")]
+        assert rows[0] == "| composable K=4 | best-fit | 3.65% | ± 0.11% | 3.47%-3.83% | - |"
+        assert "| fixed (K=1) | domain-pack | 4.50% |" in report.results_md.read_text()
+
+    def test_floor(self, report: ReportFiles) -> None:
+        lines = report.results_md.read_text().splitlines()
+        floor = [line for line in lines if line.startswith("Floor: ")]
+        assert len(floor) == 1 and floor[0].startswith("Floor: 2.54% (± 0.03%) of the GPUs stay unallocated at 100%")
+
+    def test_no_floor_no_line(self, tmp_path: Path) -> None:
+        placement = placement_fixture()
+        del placement["floor"]
+        files = write_report(placement, tmp_path, control_plane_dir=tmp_path / "none")
+        assert not [line for line in files.results_md.read_text().splitlines() if line.startswith("Floor: ")]
+
+    def test_gpus_needed(self, report: ReportFiles) -> None:
+        lines = report.results_md.read_text().splitlines()
+        needed = lines[lines.index("### GPUs needed to place the whole trace") :]
+        assert "| fixed (K=1) | best-fit | 6,678.5 | ± 8.6 | 6,665-6,692 |" in needed
+        assert "| composable K=16 | domain-pack | not measured | - | - |" in needed
+
+    def test_control_plane(self, report: ReportFiles) -> None:
+        lines = report.results_md.read_text().splitlines()
+        assert "| in-memory | 1,000 | 650 | 901 | 1.38 | 3,200 | 1,920 | 0.60 |" in lines
+        assert "| SQLite | 100,000 | 700 | 2,311 | 3.30 | 3,200 | 1,745 | 0.55 |" in lines
+        assert "| 99,978 | chosen-host | 38.8 | 0.70 |" in lines
+
+    def test_links_the_plots(self, report: ReportFiles) -> None:
+        text = report.results_md.read_text()
+        for png in (report.unallocated_png, report.gpus_needed_png, report.control_plane_png):
+            assert f"]({png.name})" in text
+
+
+class TestPlots:
+    """Each plot is a PNG of the expected size with something drawn on it."""
+
+    @pytest.mark.parametrize(
+        ("name", "size"),
+        [("unallocated_png", (800, 1500)), ("gpus_needed_png", (450, 960)), ("control_plane_png", (450, 1200))],
+    )
+    def test_png(self, report: ReportFiles, name: str, size: tuple[int, int]) -> None:
+        path: Path = getattr(report, name)
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        image = imread(path)
+        assert image.shape[:2] == size
+        colours = {tuple(px) for px in image.reshape(-1, image.shape[2])[::7].tolist()}
+        assert len(colours) > 50
+
+
+class TestControlPlaneFiles:
+    """The benchmarks' files: each absent one is an entry naming its command; a malformed one is an error."""
+
+    def test_missing_files_name_their_commands(self, tmp_path: Path) -> None:
+        empty = tmp_path / "nothing-here"
+        files = write_report(placement_fixture(), tmp_path / "report", control_plane_dir=empty)
+        control = json.loads(files.results_json.read_text())["control_plane"]
+        assert set(control) == set(BENCHMARKS)
+        assert all(entry["missing"] is True for entry in control.values())
+        assert control["grpc_compose_sqlite"]["command"] == (
+            "python bench/grpc_compose.py --ledger sqlite --devices 1000,10000,100000 "
+            f"--out {empty / 'grpc_compose_sqlite.json'}"
+        )
+        text = files.results_md.read_text()
+        assert f"`{control['grpc_compose']['command']}` writes it" in text
+        assert f"`{control['placement']['command']}` writes it" in text
+
+    def test_only_absent_files_are_missing(self, report: ReportFiles) -> None:
+        control = json.loads(report.results_json.read_text())["control_plane"]
+        assert {name for name, entry in control.items() if entry["missing"]} == {"grpc_models"}
+        absent = report.results_json.parent.parent / "bench-out" / "grpc_models.json"
+        assert control["grpc_models"]["command"] == f"python bench/grpc_models.py --out {absent}"
+
+    def test_commands_are_those_tox_runs(self) -> None:
+        tox = (ROOT / "tox.ini").read_text()
+        bench = tox.split("[testenv:bench]", 1)[1].split("\n[", 1)[0]
+        for name, (file_name, cmd) in BENCHMARKS.items():
+            assert f"{cmd} --out bench/out/{file_name}" in bench, name
+
+    def test_file_from_before_devices(self, tmp_path: Path, bench_out: Path) -> None:
+        """A grpc_compose.json without ``sizes`` is read as the one size in its settings."""
+        old = compose_bench("memory", 650.0, 900.0)["sizes"]["100000"]
+        (bench_out / "grpc_compose.json").write_text(
+            json.dumps({"settings": {"devices": 100_000, "ledger": "memory"}, **old})
+        )
+        files = write_report(placement_fixture(), tmp_path / "report", control_plane_dir=bench_out)
+        sizes = json.loads(files.results_json.read_text())["control_plane"]["grpc_compose"]["sizes"]
+        assert [s["devices"] for s in sizes] == [100_000]
+
+    def test_grpc_models(self, tmp_path: Path, bench_out: Path) -> None:
+        rows = [
+            {"server": server, "handler": "noop", "concurrency": c, "calls_per_s": rate * c}
+            for server, rate in (("sync", 1_000.0), ("aio", 1_100.0))
+            for c in (1, 32)
+        ]
+        (bench_out / "grpc_models.json").write_text(json.dumps({"rows": rows}))
+        files = write_report(placement_fixture(), tmp_path / "report", control_plane_dir=bench_out)
+        models = json.loads(files.results_json.read_text())["control_plane"]["grpc_models"]
+        assert models["calls_per_s"] == {
+            "noop": {"1": {"sync": 1_000.0, "aio": 1_100.0}, "32": {"sync": 32_000.0, "aio": 35_200.0}}
+        }
+
+    @pytest.mark.parametrize(
+        ("file_name", "content", "message"),
+        [
+            ("placement.json", '{"runs": {}}', "no key 'median_ratio_to_base'"),
+            ("grpc_compose.json", '{"settings": {"ledger": "memory"}}', "no key 'devices'"),
+            ("grpc_compose_sqlite.json", "not json", "JSONDecodeError"),
+        ],
+    )
+    def test_malformed_file(self, tmp_path: Path, bench_out: Path, file_name: str, content: str, message: str) -> None:
+        (bench_out / file_name).write_text(content)
+        with pytest.raises(ValueError, match=rf"{file_name}: not the figures .*{message}"):
+            write_report(placement_fixture(), tmp_path / "report", control_plane_dir=bench_out)
+        assert not (tmp_path / "report").exists()
+
+
+def mutate(path: list[str | int], value: object) -> dict[str, Any]:
+    """The fixture with the key at ``path`` set to ``value``, or deleted when ``value`` is DELETE."""
+    placement = copy.deepcopy(placement_fixture())
+    target: Any = placement
+    for key in path[:-1]:
+        target = target[key]
+    if value is DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return placement
+
+
+DELETE = object()
+
+
+class TestValidation:
+    """A replay dict with a missing key or a wrong shape is refused, naming the key, and nothing is written."""
+
+    @pytest.mark.parametrize(
+        ("path", "value", "message"),
+        [
+            (["trace"], DELETE, r"placement\.trace: missing"),
+            (["trace", "gpus"], "6212", r"placement\.trace\.gpus: expected an integer, got str"),
+            (["trace", "pods"], DELETE, r"placement\.trace\.pods: missing"),
+            (["protocol", "seeds"], [], r"placement\.protocol\.seeds: at least one seed"),
+            (["protocol", "seeds"], "0123", r"placement\.protocol\.seeds: expected a list, got str"),
+            (["protocol", "inflation"], True, r"placement\.protocol\.inflation: expected a number, got bool"),
+            (["published"], [0.0477], r"placement\.published: expected a mapping, got list"),
+            (["published", "fgd"], None, r"placement\.published\.fgd: expected a number, got NoneType"),
+            (["runs"], [], r"placement\.runs: at least one run"),
+            (["runs", 0], "fixed", r"placement\.runs\[0\]: expected a mapping, got str"),
+            (["runs", 2, "world"], "rack", r"placement\.runs\[2\]\.world: expected one of fixed, composable"),
+            (["runs", 3, "k"], 0, r"placement\.runs\[3\]\.k: .* at least 1, got 0"),
+            (["runs", 1, "policy"], DELETE, r"placement\.runs\[1\]\.policy: missing"),
+            (["runs", 4, "unallocated", "std"], DELETE, r"placement\.runs\[4\]\.unallocated\.std: missing"),
+            (
+                ["runs", 4, "unallocated", "per_seed"],
+                [0.05] * 9,
+                r"placement\.runs\[4\]\.unallocated\.per_seed: expected one value per seed \(10\), got 9",
+            ),
+            (["runs", 5, "curve", "std"], [0.0], r"placement\.runs\[5\]\.curve\.std: 1 points against 131"),
+            (["runs", 5, "curve", "arrived"], [], r"placement\.runs\[5\]\.curve\.arrived: the curve has no points"),
+            (["runs", 6, "curve", "mean", 7], "x", r"placement\.runs\[6\]\.curve\.mean\[7\]: expected a number"),
+            (["runs", 7, "gpus_needed", "max"], DELETE, r"placement\.runs\[7\]\.gpus_needed\.max: missing"),
+            (["runs", 8, "seconds_per_seed"], DELETE, r"placement\.runs\[8\]\.seconds_per_seed: missing"),
+        ],
+    )
+    def test_refused(self, tmp_path: Path, bench_out: Path, path: list[str | int], value: object, message: str) -> None:
+        out = tmp_path / "report"
+        with pytest.raises(ValueError, match=message):
+            write_report(mutate(path, value), out, control_plane_dir=bench_out)
+        assert not out.exists()
+
+    def test_not_a_mapping(self, tmp_path: Path, bench_out: Path) -> None:
+        with pytest.raises(ValueError, match=r"^placement: expected a mapping, got list$"):
+            write_report([], tmp_path / "report", control_plane_dir=bench_out)  # type: ignore[arg-type]
+
+
+class TestComposeBenchSizes:
+    """bench/grpc_compose.py --devices measures each size in one run and keeps the largest size's figures on top."""
+
+    def test_two_sizes(self, tmp_path: Path) -> None:
+        out = tmp_path / "bench-out" / "grpc_compose.json"
+        argv = sys.argv
+        sys.argv = ["grpc_compose.py", "--devices", "400,200", "--seconds", "0.2", "--rounds", "1", "--out", str(out)]
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="__main__")
+        finally:
+            sys.argv = argv
+        assert exit_info.value.code == 0
+        figures = json.loads(out.read_text())
+        assert figures["settings"]["sizes"] == [200, 400]
+        assert figures["settings"]["devices"] == 400
+        assert set(figures["sizes"]) == {"200", "400"}
+        assert figures["rows"] == figures["sizes"]["400"]["rows"]
+        hosts_at_200 = figures["sizes"]["200"]["max_calls_per_point"]
+        assert all(row["calls"] <= hosts_at_200 for row in figures["sizes"]["200"]["rows"])
+        files = write_report(placement_fixture(), tmp_path / "report", control_plane_dir=out.parent)
+        sizes = json.loads(files.results_json.read_text())["control_plane"]["grpc_compose"]["sizes"]
+        assert [s["devices"] for s in sizes] == [200, 400]
+
+    def test_bad_device_counts(self, capsys: pytest.CaptureFixture[str]) -> None:
+        main = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["main"]
+        for bad in ("1000,lots", "0,1000"):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["--devices", bad])
+            assert exit_info.value.code == 2
+            assert "--devices" in capsys.readouterr().err
