@@ -1,7 +1,12 @@
-"""Shared test settings: Hypothesis runs without deadlines so that a slow CI machine does not flake."""
+"""Shared test settings: Hypothesis runs without deadlines so that a slow CI machine does not flake; the
+``alibaba_trace`` fixture finds the GPU trace in the shared data directory."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -11,3 +16,18 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("disagg")
+
+
+@pytest.fixture
+def alibaba_trace() -> Path:
+    """The trace directory in the shared data directory. Without its files the test is skipped, saying what to
+    fetch, except on CI (``CI=true``), where it fails: there the data must be present."""
+    from disagg.replay.trace import missing_trace_reason, trace_dir
+
+    directory = trace_dir()
+    reason = missing_trace_reason(directory)
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return directory

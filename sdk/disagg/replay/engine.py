@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from disagg.errors import InvalidRequestError
 from disagg.replay.policy import SharingPolicy
 from disagg.replay.trace import WHOLE_GPU_MILLI, Pod
 from disagg.replay.workload import model_mask
@@ -98,6 +99,8 @@ def replay(
     steps: int = 100,
 ) -> Replay:
     """Place ``pods`` in order on ``world`` (which it changes); ties between equal scores go by ``seed``."""
+    if not world.capacity_milli:
+        raise InvalidRequestError("the cluster has no GPU, so no GPU demand can be measured against it", field="nodes")
     rng = np.random.default_rng(seed)
     masks = _Masks(world.models)
     arrived_milli = 0

@@ -8,7 +8,7 @@ In a fabric domain the free share lies in two places, measured apart and summed:
 - the shared GPUs bound to a host, usable only by a task that fits that host's free CPU and memory;
 - the domain's pool of whole free GPUs, usable by a task if some host of the domain fits it and the pool has
   as many GPUs as it needs.
-With one host per domain (fixed servers) the sum is exactly the published per-node measure.
+With one host per domain (fixed servers) the sum is exactly the per-node measure as the paper defines it.
 
 For the shared GPUs, task types are grouped by GPU need and the mix's weight of each group fitting a host's
 free CPU and memory is read from a cumulative table, so that cost grows with the GPU-need groups, not types.

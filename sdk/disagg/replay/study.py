@@ -9,6 +9,7 @@ is a fabric domain of one host, so the fixed world is the composable world with 
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 import os
 import statistics
@@ -103,7 +104,7 @@ def run_job(study: Study, k: int, policy: str, seed: int) -> dict[str, Any]:
         "arrived": list(result.arrived),
         "curve": list(result.curve),
         "unallocated": result.unallocated_at(study.report_at),
-        "floor": _floor(drawn, world.capacity_milli, study.report_at),
+        "floor": arrived_floor(drawn, world.capacity_milli, study.report_at),
         "seconds": seconds,
         "gpus_needed": None,
     }
@@ -117,14 +118,14 @@ def run_job(study: Study, k: int, policy: str, seed: int) -> dict[str, Any]:
     return job
 
 
-def _floor(drawn: Sequence[Pod], capacity_milli: int, report_at: float) -> float:
+def arrived_floor(drawn: Sequence[Pod], capacity_milli: int, report_at: float) -> float:
     """The share floor (`disagg.replay.floor`) of the pods arrived by the report point, as a share of capacity."""
     goal = report_at * capacity_milli
     demand = 0
     for n, pod in enumerate(drawn):
         demand += pod.gpu_demand_milli
         if demand >= goal:
-            return share_floor_milli(drawn[: n + 1], int(demand - goal)) / capacity_milli
+            return share_floor_milli(drawn[: n + 1], math.ceil(demand - goal)) / capacity_milli
     raise ValueError(f"the arrivals stop before {report_at:.0%} of capacity")
 
 
@@ -139,7 +140,8 @@ def _spread(values: Sequence[float]) -> dict[str, Any]:
 
 
 def _summary(study: Study, k: int, policy: str, jobs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    curves = np.array([j["curve"] for j in jobs], dtype=np.float64)
+    points = min(len(j["curve"]) for j in jobs)  # the last pod of a seed may cross more than one step
+    curves = np.array([j["curve"][:points] for j in jobs], dtype=np.float64)
     needed = [j["gpus_needed"] for j in jobs]
     return {
         "world": "fixed" if k == 1 else "composable",
@@ -147,7 +149,7 @@ def _summary(study: Study, k: int, policy: str, jobs: Sequence[dict[str, Any]]) 
         "policy": policy,
         "unallocated": _spread([j["unallocated"] for j in jobs]),
         "curve": {
-            "arrived": list(jobs[0]["arrived"]),
+            "arrived": list(jobs[0]["arrived"][:points]),
             "mean": curves.mean(axis=0).tolist(),
             "std": curves.std(axis=0).tolist(),
         },

@@ -25,7 +25,9 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 SHARED_SLOTS = 8
-"""Shared GPUs a host can hold with free share at once (a fixed server has at most 8 GPUs)."""
+"""Shared GPUs a host can hold with free share at once: a fixed server has at most 8 GPUs, and in a domain the
+same bound keeps a host from collecting half-used GPUs that no other host can use (the policies fill shared
+GPUs before they open new ones, so the bound is rarely reached: a few hosts out of 1,213 at K = 8)."""
 NO_MODEL = -1
 NOT_INSTALLED = -1
 """The free CPU and memory of a server not installed yet: no request fits it."""
@@ -128,8 +130,9 @@ class World:
         """Every feasible placement of ``pod``; ``allowed`` is a mask over model indices (None: any model)."""
         fits = (self.cpu >= pod.cpu_milli) & (self.mem >= pod.memory_mib)
         if pod.num_gpu:
-            has_model = self.model >= 0
-            fits &= has_model if allowed is None else has_model & allowed[np.maximum(self.model, 0)]
+            fits &= self.model >= 0
+            if allowed is not None:
+                fits &= np.append(allowed, False)[self.model]  # NO_MODEL (-1) reads the appended False
         if not pod.num_gpu or pod.gpu_milli == WHOLE_GPU_MILLI:
             if pod.num_gpu:
                 fits &= self.pool[self.domain] >= pod.num_gpu

@@ -1,0 +1,154 @@
+"""The placement study (disagg.replay.study) in worker processes, and ``disagg bench placement`` around it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from disagg.cli.main import main
+from disagg.errors import InvalidRequestError
+from disagg.replay.engine import replay
+from disagg.replay.policies import BestFitSharing
+from disagg.replay.report_input import parse_placement
+from disagg.replay.study import DEFAULT_POLICIES, PUBLISHED, Study, run_study
+from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, trace_dir
+from disagg.replay.workload import arrivals, task_types
+from disagg.replay.world import build_world
+from replay_helpers import small_cluster, write_trace
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    """A shared data directory holding the small synthetic trace."""
+    write_trace(tmp_path / "shared", *small_cluster())
+    return tmp_path / "shared"
+
+
+class TestRunStudy:
+    """Every (K, policy, seed) job runs in a worker process and sums up into the dict the report takes."""
+
+    def test_study(self, shared: Path) -> None:
+        lines: list[str] = []
+        study = Study(trace_dir=trace_dir(shared), seeds=(0, 1), ks=(1, 4), workers=1)
+        placement = run_study(study, progress=lines.append)
+        parsed = parse_placement(placement)
+        assert [(r.k, r.world, r.policy) for r in parsed.runs] == [
+            (k, world, policy) for k, world in ((1, "fixed"), (4, "composable")) for policy in DEFAULT_POLICIES
+        ]
+        for run in parsed.runs:
+            assert len(run.unallocated.per_seed) == 2
+            assert all(0.0 <= u <= 1.0 for u in run.unallocated.per_seed)
+            assert run.gpus_needed is not None and len(run.gpus_needed.per_seed) == 2
+            assert all(0 < g <= 2 * 80 for g in run.gpus_needed.per_seed)
+            assert run.curve.arrived[0] == 0.0 and run.curve.arrived[100] == 1.0
+        assert parsed.floor is not None and len(parsed.floor.per_seed) == 2
+        assert all(
+            f <= min(r.unallocated.per_seed[i] for r in parsed.runs) for i, f in enumerate(parsed.floor.per_seed)
+        )
+        assert parsed.seeds == (0, 1) and parsed.published == PUBLISHED
+        assert placement["trace"] | {"dir": ""} == {
+            "dir": "",
+            "nodes": DEFAULT_NODES,
+            "pods": DEFAULT_PODS,
+            "gpus": 80,
+            "nodes_count": 20,
+            "pods_count": 60,
+        }
+        assert len(lines) == 12 and lines[0].startswith("[1/12] K=4 ")
+
+    def test_fixed_world_always_runs(self, shared: Path) -> None:
+        study = Study(trace_dir=trace_dir(shared), seeds=(0,), ks=(2,), policies=("best-fit",), provision=False)
+        runs = run_study(study)["runs"]
+        assert [(r["k"], r["world"], r["gpus_needed"]) for r in runs] == [(1, "fixed", None), (2, "composable", None)]
+
+    def test_seeds_whose_curves_differ_in_length(self, shared: Path) -> None:
+        nodes, pods = small_cluster()
+        lengths = set()
+        for seed in (0, 1):
+            world = build_world(nodes, 1)
+            policy = BestFitSharing()
+            policy.prepare(task_types(pods), world)
+            drawn = arrivals(pods, world.capacity_milli, seed, 1.3)
+            lengths.add(len(replay(world, drawn, policy, seed=seed).curve))
+        # The last pod drawn may cross more than one 1% step on a small cluster: seed 0 ends at 131%, seed 1 at 130%.
+        assert lengths == {131, 132}
+        study = Study(trace_dir=trace_dir(shared), seeds=(0, 1), ks=(1,), policies=("best-fit",), provision=False)
+        curve = run_study(study)["runs"][0]["curve"]
+        assert len(curve["arrived"]) == len(curve["mean"]) == len(curve["std"]) == 131
+
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            ({"seeds": ()}, "at least one seed"),
+            ({"ks": (0, 4)}, "at least 1"),
+            ({"policies": ()}, "at least one policy"),
+            ({"policies": ("fgd", "nope")}, r"no sharing policy nope \(known: best-fit, fgd, frag-balance"),
+            ({"report_at": 1.5}, "must lie within the arrivals"),
+        ],
+    )
+    def test_check(self, tmp_path: Path, change: dict[str, object], message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message):
+            Study(trace_dir=tmp_path, **change).check()  # type: ignore[arg-type]
+
+
+class TestBenchPlacement:
+    """``disagg bench placement`` writes the report, and refuses bad input with exit code 2."""
+
+    def args(self, shared: Path, *more: str) -> list[str]:
+        out = shared.parent / "out"
+        return [
+            "bench",
+            "placement",
+            "--shared",
+            str(shared),
+            "--report-dir",
+            str(out),
+            "--control-plane-dir",
+            str(shared.parent / "none"),
+            "--quiet",
+            "--workers",
+            "2",
+            *more,
+        ]
+
+    def test_writes_the_report(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main([*self.args(shared, "--seeds", "2", "--k", "1,2"), "--json"]) == 0
+        captured = capsys.readouterr()
+        out = shared.parent / "out"
+        assert json.loads(captured.out) == {"results": str(out / "results.json"), "markdown": str(out / "results.md")}
+        assert captured.err == ""
+        results = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        placement = parse_placement(results["placement"])
+        assert placement.seeds == (0, 1)
+        assert {(r.k, r.policy) for r in placement.runs} == {(k, p) for k in (1, 2) for p in DEFAULT_POLICIES}
+        assert (out / "results.md").read_text(encoding="utf-8").strip()
+        pngs = sorted(out.glob("*.png"))
+        assert [p.name for p in pngs] == ["control_plane.png", "gpus_needed.png", "unallocated.png"]
+        assert all(p.read_bytes().startswith(PNG_MAGIC) for p in pngs)
+
+    def test_missing_trace(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(self.args(tmp_path / "empty")) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"disagg: error: {DEFAULT_NODES}, {DEFAULT_PODS} not found in {tmp_path / 'empty'}")
+        assert "github.com/alibaba/clusterdata" in err
+        assert not (tmp_path / "out").exists()
+
+    def test_unknown_policy(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(self.args(shared, "--policies", "fgd,nope")) == 2
+        assert "no sharing policy nope (known: best-fit, fgd, frag-balance" in capsys.readouterr().err
+
+    @pytest.mark.parametrize("option", [["--seeds", "0"], ["--seeds", "x"], ["--k", "x"], ["--k", ","]])
+    def test_bad_arguments(self, shared: Path, option: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as caught:
+            main(self.args(shared, *option))
+        assert caught.value.code == 2
+        assert f"argument {option[0]}" in capsys.readouterr().err
+
+    def test_seed_list(self, shared: Path) -> None:
+        assert main(self.args(shared, "--seeds", "3,7", "--k", "1", "--policies", "best-fit", "--no-provision")) == 0
+        placement = json.loads((shared.parent / "out" / "results.json").read_text(encoding="utf-8"))["placement"]
+        assert placement["protocol"]["seeds"] == [3, 7]
+        assert [r["gpus_needed"] for r in placement["runs"]] == [None]
