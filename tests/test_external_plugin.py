@@ -70,6 +70,7 @@ class TestExternalDriver:
                 "version": "3.1.4",
                 "drivers": ["tiny"],
                 "policies": [],
+                "sharing_policies": [],
             }
         ]
         assert data["drivers"]["tiny"]["capabilities"]["kinds"] == ["gpu"]
