@@ -98,7 +98,13 @@ def gpus_needed(placement: Placement, path: Path) -> None:
                 color=colours[policy],
                 label=policy,
             )
-    ax.axhline(placement.trace["gpus"], color="black", linestyle="--", linewidth=1, label="the trace's GPUs")
+    ax.axhline(
+        placement.trace["gpus"],
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label=f"the node list's {placement.trace['gpus']:,} GPUs",
+    )
     ax.set_xticks(range(len(worlds)), worlds)
     # The differences are a few percent of the trace's GPUs: an axis from zero would hide them.
     ax.set_ylim(bottom=0.95 * min(heights))
