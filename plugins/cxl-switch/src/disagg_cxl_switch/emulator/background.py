@@ -13,6 +13,7 @@ from typing import ClassVar, Self
 import attrs
 
 from disagg_cxl_switch._wire import Reader, Writer
+from disagg_cxl_switch.fmapi._base import NoPayload
 from disagg_cxl_switch.returncodes import ReturnCode
 
 BACKGROUND_OPERATION_STATUS = 0x0002
@@ -23,18 +24,10 @@ _RUNNING_BIT = 0x80
 
 
 @attrs.frozen
-class BackgroundOperationStatusRequest:
+class BackgroundOperationStatusRequest(NoPayload):
     """Background Operation Status takes no input payload."""
 
     OPCODE: ClassVar[int] = BACKGROUND_OPERATION_STATUS
-
-    def encode(self) -> bytes:
-        return b""
-
-    @classmethod
-    def decode(cls, data: bytes) -> Self:
-        Reader(data, cls.__name__).end()
-        return cls()
 
 
 @attrs.frozen

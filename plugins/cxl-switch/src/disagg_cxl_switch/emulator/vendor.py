@@ -16,6 +16,7 @@ import attrs
 from disagg_cxl_switch._wire import Reader, Writer
 from disagg_cxl_switch.emulator.events import EventRecord, EventType
 from disagg_cxl_switch.errors import CCIFormatError
+from disagg_cxl_switch.fmapi._base import NoPayload
 
 EVENT_RECORD_SIZE = 8
 
@@ -173,34 +174,18 @@ class InjectHotAddRequest:
 
 
 @attrs.frozen
-class InjectBindFailureRequest:
+class InjectBindFailureRequest(NoPayload):
     """Make the next Bind vPPB fail when its background operation completes (Internal Error). No payload."""
 
     OPCODE: ClassVar[int] = VendorOpcode.INJECT_BIND_FAILURE
 
-    def encode(self) -> bytes:
-        return b""
-
-    @classmethod
-    def decode(cls, data: bytes) -> Self:
-        Reader(data, cls.__name__).end()
-        return cls()
-
 
 @attrs.frozen
-class ResetRequest:
+class ResetRequest(NoPayload):
     """Put the switch back to the topology it started with: state, event log, background operation, armed
     faults. A test hook, so that one process serves many tests. No payload."""
 
     OPCODE: ClassVar[int] = VendorOpcode.RESET
-
-    def encode(self) -> bytes:
-        return b""
-
-    @classmethod
-    def decode(cls, data: bytes) -> Self:
-        Reader(data, cls.__name__).end()
-        return cls()
 
 
 @attrs.frozen

@@ -1,4 +1,5 @@
-"""What every FM API payload class shares: its opcode, and the empty payload of commands that carry none."""
+"""What every FM API payload class shares: its opcode, and the empty payload of commands that carry none (also
+used by the generic and vendor commands the emulator answers)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ class Payload(Protocol):
 
 
 @attrs.frozen
-class EmptyPayload:
-    """A payload the specification leaves empty; any byte in it is malformed (Invalid Payload Length)."""
-
-    OPCODE: ClassVar[Opcode]
+class NoPayload:
+    """A command payload that is empty; any byte in it is malformed (Invalid Payload Length). A subclass names
+    its opcode: an FM API one (`EmptyPayload`), a generic one or a vendor one."""
 
     def encode(self) -> bytes:
         return b""
@@ -34,3 +34,10 @@ class EmptyPayload:
     def decode(cls, data: bytes) -> Self:
         Reader(data, cls.__name__).end()
         return cls()
+
+
+@attrs.frozen
+class EmptyPayload(NoPayload):
+    """An FM API payload the specification leaves empty."""
+
+    OPCODE: ClassVar[Opcode]
