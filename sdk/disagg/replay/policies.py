@@ -17,7 +17,7 @@ from disagg.replay.fragmentation import DomainFits, Fragmentation
 from disagg.replay.policy import FloatArray, SharingPolicy
 from disagg.replay.trace import Pod
 from disagg.replay.workload import TaskType
-from disagg.replay.world import SHARED_SLOTS, Candidates, Views, World
+from disagg.replay.world import SHARED_SLOTS, Candidates, IntArray, Views, World
 
 _T = TypeVar("_T")
 
@@ -100,15 +100,19 @@ class _Gradient:
     def __init__(self, types: Sequence[TaskType], world: World) -> None:
         self._frag = Fragmentation(types, world.models)
         self._fits = DomainFits(self._frag, world)
-        self._before = _HostCache()
-        self._after: dict[tuple[int, int, int, int], _AfterCache] = {}
+        self._hosts = world.hosts
+        self._before = _StateCache(world.hosts, 1)
+        self._after: dict[tuple[int, int, int, int], _StateCache] = {}
 
     def __call__(self, pod: Pod, c: Candidates) -> FloatArray:
         frag, fits = self._frag, self._fits
         fits.refresh()
         key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli)
-        after = self._after.setdefault(key, _AfterCache())
-        shared = after.get(c, frag.shared) - self._before.get(c, frag.shared)
+        after = self._after.get(key)
+        if after is None:
+            after = self._after[key] = _StateCache(self._hosts, SHARED_SLOTS + 1)
+        before = self._before.get(c, c.before, np.zeros_like(c.host), frag.shared)
+        shared = after.get(c, c.after, c.slot % (SHARED_SLOTS + 1), frag.shared) - before
         count = fits.count[c.domain]
         reach_after = (count - fits.rows[c.host] > 0) | frag.fits(c.after.cpu, c.after.mem, c.after.model)
         pooled = frag.pooled(c.after.full, reach_after) - frag.pooled(c.before.full, count > 0)
@@ -141,47 +145,25 @@ class _Stranding:
         return result
 
 
-class _AfterCache:
-    """For one kind of pod: a value of each host's state after the pod went to each of its GPU slots (the last
-    column: a GPU from the pool, or none), kept while the host's version stays; a host changes with one
-    placement, so most of a pod's candidates are found here."""
+class _StateCache:
+    """Values of hosts' states, ``columns`` per host, each kept while the host's version stays, so a score
+    recomputes only the hosts that changed (one per placement).
 
-    def __init__(self) -> None:
-        self._value = np.zeros((0, SHARED_SLOTS + 1))
-        self._version = np.zeros((0, SHARED_SLOTS + 1), dtype=np.int64)
+    The state before a placement takes one column; the state after a pod of one kind went to a GPU slot takes
+    one column per slot, and the last for a GPU from the pool or none.
+    """
 
-    def get(self, candidates: Candidates, compute: Callable[[Views], FloatArray]) -> FloatArray:
-        top = int(candidates.host.max()) + 1 if len(candidates) else 0
-        if top > len(self._value):
-            grow = top - len(self._value)
-            self._value = np.concatenate([self._value, np.zeros((grow, SHARED_SLOTS + 1))])
-            self._version = np.concatenate([self._version, np.full((grow, SHARED_SLOTS + 1), -1)])
-        host, column = candidates.host, candidates.slot % (SHARED_SLOTS + 1)
-        stale = self._version[host, column] != candidates.version
+    def __init__(self, hosts: int, columns: int) -> None:
+        self._value = np.zeros((hosts, columns))
+        self._version = np.full((hosts, columns), -1, dtype=np.int64)
+
+    def get(self, c: Candidates, views: Views, column: IntArray, compute: Callable[[Views], FloatArray]) -> FloatArray:
+        """The value for each candidate: ``compute`` of its row of ``views``, cached at (host, ``column``)."""
+        host = c.host
+        stale = self._version[host, column] != c.version
         if stale.any():
             rows = np.flatnonzero(stale)
-            self._value[host[rows], column[rows]] = compute(candidates.after.take(rows))
-            self._version[host[rows], column[rows]] = candidates.version[rows]
+            self._value[host[rows], column[rows]] = compute(views.take(rows))
+            self._version[host[rows], column[rows]] = c.version[rows]
         values: FloatArray = self._value[host, column]
-        return values
-
-
-class _HostCache:
-    """A per-host value of the hosts' current state, recomputed only for hosts whose version moved."""
-
-    def __init__(self) -> None:
-        self._value = np.zeros(0)
-        self._version = np.zeros(0, dtype=np.int64)
-
-    def get(self, candidates: Candidates, compute: Callable[[Views], FloatArray]) -> FloatArray:
-        top = int(candidates.host.max()) + 1 if len(candidates) else 0
-        if top > len(self._value):
-            self._value = np.resize(self._value, top)
-            self._version = np.concatenate([self._version, np.full(top - len(self._version), -1)])
-        stale = self._version[candidates.host] != candidates.version
-        if stale.any():
-            rows = np.flatnonzero(stale)
-            self._value[candidates.host[rows]] = compute(candidates.before.take(rows))
-            self._version[candidates.host[rows]] = candidates.version[rows]
-        values: FloatArray = self._value[candidates.host]
         return values

@@ -47,10 +47,6 @@ class Views:
     def take(self, rows: IntArray) -> Views:
         return Views(self.cpu[rows], self.mem[rows], self.full[rows], self.model[rows], self.partial[rows])
 
-    def total_free(self) -> IntArray:
-        total: IntArray = self.full * WHOLE_GPU_MILLI + self.partial.sum(axis=1)
-        return total
-
 
 @attrs.define(eq=False)
 class Candidates:
