@@ -87,6 +87,7 @@ class TestRunStudy:
             ({"policies": ()}, "at least one policy"),
             ({"policies": ("fgd", "nope")}, r"no sharing policy nope \(known: best-fit, fgd, frag-balance"),
             ({"report_at": 1.5}, "must lie within the arrivals"),
+            ({"workers": -1}, r"worker processes must be 0 \(one per CPU\) or more, got -1"),
         ],
     )
     def test_check(self, tmp_path: Path, change: dict[str, object], message: str) -> None:
@@ -139,6 +140,16 @@ class TestBenchPlacement:
     def test_unknown_policy(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(self.args(shared, "--policies", "fgd,nope")) == 2
         assert "no sharing policy nope (known: best-fit, fgd, frag-balance" in capsys.readouterr().err
+
+    def test_report_dir_it_cannot_write(self, shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        args = self.args(shared)
+        args[args.index("--report-dir") + 1] = str(blocker / "out")
+        assert main(args) == 2
+        assert (
+            f"disagg: error: cannot write the report into {blocker / 'out'}: Not a directory" in capsys.readouterr().err
+        )
 
     @pytest.mark.parametrize("option", [["--seeds", "0"], ["--seeds", "x"], ["--k", "x"], ["--k", ","]])
     def test_bad_arguments(self, shared: Path, option: list[str], capsys: pytest.CaptureFixture[str]) -> None:

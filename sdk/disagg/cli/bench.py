@@ -62,9 +62,13 @@ def cmd_placement(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
-    placement = run_study(study, progress=progress)
+    study.check()
     report_dir = Path(args.report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    try:  # before the replay, so that a directory it cannot write does not cost the whole study
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write the report into {report_dir}: {e.strerror}", field="report-dir") from e
+    placement = run_study(study, progress=progress)
     files = write_report(placement, report_dir, control_plane_dir=Path(args.control_plane_dir))
     if args.json:
         print(json.dumps({"results": str(files.results_json), "markdown": str(files.results_md)}))

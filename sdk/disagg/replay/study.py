@@ -64,6 +64,10 @@ class Study:
             raise InvalidRequestError(f"hosts per fabric domain must be at least 1, got {self.ks}", field="k")
         if not self.policies:
             raise InvalidRequestError("at least one policy is needed", field="policies")
+        if self.workers < 0:
+            raise InvalidRequestError(
+                f"worker processes must be 0 (one per CPU) or more, got {self.workers}", field="workers"
+            )
         if not 0 < self.report_at <= self.inflation:
             raise InvalidRequestError(
                 f"the report point ({self.report_at:.0%}) must lie within the arrivals (0 to {self.inflation:.0%})",
