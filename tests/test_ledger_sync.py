@@ -118,7 +118,7 @@ class TestSync:
     def test_a_failed_commit_wakes_every_waiter_with_the_error(self, store: SqliteStore) -> None:
         errors: list[BaseException] = []
         with store._db_lock:
-            store._enqueue(("INSERT INTO no_such_table VALUES (1)", ()))
+            store._enqueue(lambda batch: batch.prune(("INSERT INTO no_such_table VALUES (1)", ())))
 
             def writer() -> None:
                 store.put_composition(_composition("w"))
@@ -171,7 +171,7 @@ class TestSynced:
     def test_a_failed_commit_raises_in_the_task(self, store: SqliteStore) -> None:
         async def main() -> None:
             with store._db_lock:
-                store._enqueue(("INSERT INTO no_such_table VALUES (1)", ()))
+                store._enqueue(lambda batch: batch.prune(("INSERT INTO no_such_table VALUES (1)", ())))
                 store.put_composition(_composition("w"))
                 waiting = asyncio.ensure_future(store.synced())
                 await asyncio.sleep(0.05)
@@ -180,6 +180,42 @@ class TestSynced:
                 await asyncio.wait_for(waiting, 10)
 
         asyncio.run(main())
+
+    def test_when_synced_calls_back_once_the_commit_holds_the_writes(self, store: SqliteStore) -> None:
+        async def main() -> list[Exception | None]:
+            called: list[Exception | None] = []
+            assert not store.when_synced(called.append), "nothing written yet, so nothing to wait for"
+            with store._db_lock:
+                store.put_composition(_composition("cb"))
+                assert store.when_synced(called.append)
+                await asyncio.sleep(0.05)
+                assert called == [], "called back before the commit"
+            for _ in range(500):
+                if called:
+                    break
+                await asyncio.sleep(0.01)
+            assert _on_disk(store.path) == {"cb"}
+            assert not store.when_synced(called.append)
+            return called
+
+        assert asyncio.run(main()) == [None]
+
+    def test_when_synced_calls_back_with_the_error_of_a_failed_commit(self, store: SqliteStore) -> None:
+        async def main() -> list[Exception | None]:
+            called: list[Exception | None] = []
+            with store._db_lock:
+                store._enqueue(lambda batch: batch.prune(("INSERT INTO no_such_table VALUES (1)", ())))
+                assert store.when_synced(called.append)
+            for _ in range(500):
+                if called:
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(FabricUnavailableError, match="cannot be written"):
+                store.when_synced(called.append)
+            return called
+
+        (failure,) = asyncio.run(main())
+        assert isinstance(failure, FabricUnavailableError)
 
     def test_nothing_written_returns_at_once(self, store: SqliteStore) -> None:
         async def main() -> None:

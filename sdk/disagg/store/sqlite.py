@@ -1,7 +1,8 @@
 """The embedded default ledger: SQLite in WAL mode with synchronous=FULL, writes under BEGIN IMMEDIATE.
 
 Commits are grouped. A write is queued and returns at once; one committer thread applies everything queued
-in one transaction, so that concurrent requests share one fsync instead of paying one each. `sync` waits
+in one transaction, so that concurrent requests share one fsync instead of paying one each, and folds the
+group into a statement or two per table (`disagg.store.batch` says why). `sync` waits
 until the caller's own writes are on disk (and so everything queued before them): the composer calls it
 before a driver call that the ledger must already know of (write-ahead), and before it answers; `synced`
 does the same for an asyncio task without blocking its loop. Each waiter is woken once, by the commit that
@@ -18,11 +19,11 @@ import asyncio
 import contextlib
 import contextvars
 import heapq
+import logging
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 
@@ -30,6 +31,7 @@ from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.model import Composition, Event, Reservation
 from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
+from disagg.store.batch import Batch, Table
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS compositions (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
@@ -47,7 +49,13 @@ EVENT_RETENTION = 100_000
 PRUNE_EVERY = 1_000
 """Appends between two prunes of the event log: pruning in steps keeps appending cheap."""
 
-Statement = tuple[str, tuple[Any, ...]]
+log = logging.getLogger("disagg.store")
+
+COMPOSITIONS = Table("compositions", "id", 2)
+RESERVATIONS = Table("reservations", "id", 2)
+EVENTS = Table("events", "revision", 2, insert="INSERT")
+REQUESTS = Table("requests", "id", 4)
+CORDONS = Table("cordons", "device", 1)
 
 _last_queued: contextvars.ContextVar[tuple[object, int]] = contextvars.ContextVar("disagg_ledger_last_queued")
 """The ledger and sequence number of the last statement this thread or asyncio task queued: what its `sync`
@@ -55,20 +63,31 @@ waits for. Writes other callers queue later are theirs to wait for; waiting for 
 request one more commit."""
 
 
+Synced = Callable[[Exception | None], None]
+
+
 @attrs.frozen
 class _LoopWaiter:
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[None]
+    callback: Synced
 
 
-def _settle(futures: list[asyncio.Future[None]], failure: BaseException | None) -> None:
-    for future in futures:
-        if future.done():
-            continue
-        if failure is None:
-            future.set_result(None)
-        else:
-            future.set_exception(failure)
+def _call_back(callbacks: list[Synced], failure: Exception | None) -> None:
+    """On the loop: tell each waiter its writes are durable (or why they cannot be)."""
+    for callback in callbacks:
+        try:
+            callback(failure)
+        except Exception:
+            log.exception("a ledger waiter failed")
+
+
+def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
+    if future.done():
+        return
+    if failure is None:
+        future.set_result(None)
+    else:
+        future.set_exception(failure)
 
 
 class SqliteStore(Store):
@@ -93,12 +112,14 @@ class SqliteStore(Store):
         self._waiting: list[tuple[int, int, threading.Lock | _LoopWaiter]] = []
         """A heap of `sync` callers by the sequence number they wait for: each is woken once, when that number
         is on disk. Waking every waiter on every commit cost more CPU than the rest of a Compose."""
-        self._queue: list[Statement] = []
+        self._waiters = 0
+        """Waiters ever queued: orders the heap's waiters for one sequence number."""
+        self._batch = Batch()
         self._queued_events: list[Event] = []
         self._queued = 0
-        """Sequence number of the last statement queued."""
+        """Sequence number of the last write queued."""
         self._durable = 0
-        """Sequence number of the last statement on disk."""
+        """Sequence number of the last write on disk."""
         self._failure: BaseException | None = None
         self._closing = False
         self._committer = threading.Thread(target=self._commit_loop, name="disagg-ledger", daemon=True)
@@ -106,14 +127,15 @@ class SqliteStore(Store):
 
     # ----------------------------------------------------------------- the committer
 
-    def _enqueue(self, *statements: Statement, event: Event | None = None) -> None:
+    def _enqueue(self, write: Callable[[Batch], None], event: Event | None = None) -> None:
+        """Queue ``write`` (applied to the batch the next commit takes) as this caller's latest write."""
         with self._cond:
             if self._failure is not None:
                 raise self._failed()
             if self._closing:
                 raise FabricUnavailableError(f"the ledger at {self.path} is closed")
-            self._queue.extend(statements)
-            self._queued += len(statements)
+            write(self._batch)
+            self._queued += 1
             _last_queued.set((self, self._queued))
             if event is not None:
                 self._queued_events.append(event)
@@ -122,17 +144,17 @@ class SqliteStore(Store):
     def _commit_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
+                while not self._batch and not self._closing:
                     self._cond.wait()
-                if not self._queue:
+                if not self._batch:
                     return
-                batch, self._queue = self._queue, []
+                batch, self._batch = self._batch, Batch()
                 upto = self._queued
             try:
                 with self._db_lock:
                     self._db.execute("BEGIN IMMEDIATE")
                     try:
-                        for sql, params in batch:
+                        for sql, params in batch.statements():
                             self._db.execute(sql, params)
                     except BaseException:
                         self._db.execute("ROLLBACK")
@@ -143,7 +165,7 @@ class SqliteStore(Store):
                     self._failure = exc
                     self._wake(None)
                 return
-            committed = {params[0] for sql, params in batch if sql.startswith("INSERT INTO events")}
+            committed = batch.keys(EVENTS)
             with self._cond:
                 self._durable = upto
                 self._queued_events = [e for e in self._queued_events if e.revision not in committed]
@@ -153,17 +175,17 @@ class SqliteStore(Store):
         """Wake the callers waiting for sequence numbers up to ``upto`` (None: all, the ledger failed); a
         loop's waiters are woken together, with one call into the loop; call holding ``_cond``."""
         waiting = self._waiting
-        loops: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        loops: dict[asyncio.AbstractEventLoop, list[Synced]] = {}
         while waiting and (upto is None or waiting[0][0] <= upto):
             waiter = heapq.heappop(waiting)[2]
             if isinstance(waiter, _LoopWaiter):
-                loops.setdefault(waiter.loop, []).append(waiter.future)
+                loops.setdefault(waiter.loop, []).append(waiter.callback)
             else:
                 waiter.release()
         failure = self._failed() if self._failure is not None else None
-        for loop, futures in loops.items():
+        for loop, callbacks in loops.items():
             with contextlib.suppress(RuntimeError):  # the loop was closed: nobody waits any more
-                loop.call_soon_threadsafe(_settle, futures, failure)
+                loop.call_soon_threadsafe(_call_back, callbacks, failure)
 
     def _failed(self) -> FabricUnavailableError:
         return FabricUnavailableError(f"the ledger at {self.path} cannot be written: {self._failure!r}")
@@ -185,16 +207,21 @@ class SqliteStore(Store):
 
     async def synced(self) -> None:
         """`sync` on an event loop: the task awaits the commit; the committer wakes the loop once per commit."""
-        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.when_synced(lambda failure: _settle(future, failure)):
+            await future
+
+    def when_synced(self, callback: Synced) -> bool:
+        """See `Store.when_synced`: the committer calls the loop once per commit, for all its waiters there."""
         with self._cond:
             target = self._mine()
             if self._durable >= target:
-                return
+                return False
             if self._failure is not None:
                 raise self._failed()
-            future: asyncio.Future[None] = loop.create_future()
-            heapq.heappush(self._waiting, (target, id(future), _LoopWaiter(loop, future)))
-        await future
+            self._waiters += 1
+            heapq.heappush(self._waiting, (target, self._waiters, _LoopWaiter(asyncio.get_running_loop(), callback)))
+        return True
 
     def _wait_for(self, target: int) -> None:
         """Wait until the statements up to sequence number ``target`` are on disk."""
@@ -205,7 +232,8 @@ class SqliteStore(Store):
                 raise self._failed()
             woken = threading.Lock()
             woken.acquire()
-            heapq.heappush(self._waiting, (target, id(woken), woken))
+            self._waiters += 1
+            heapq.heappush(self._waiting, (target, self._waiters, woken))
         woken.acquire()
         with self._cond:
             if self._durable < target:
@@ -247,46 +275,41 @@ class SqliteStore(Store):
     # ----------------------------------------------------------------- writes (queued)
 
     def put_composition(self, composition: Composition) -> None:
-        self._enqueue(
-            ("INSERT OR REPLACE INTO compositions VALUES (?, ?)", (composition.id, codec.record(composition)))
-        )
+        row = (composition.id, codec.record(composition))
+        self._enqueue(lambda batch: batch.put(COMPOSITIONS, row))
 
     def delete_composition(self, composition_id: str) -> None:
-        self._enqueue(("DELETE FROM compositions WHERE id = ?", (composition_id,)))
+        self._enqueue(lambda batch: batch.delete(COMPOSITIONS, composition_id))
 
     def put_reservation(self, reservation: Reservation) -> None:
-        self._enqueue(
-            ("INSERT OR REPLACE INTO reservations VALUES (?, ?)", (reservation.id, codec.record(reservation)))
-        )
+        row = (reservation.id, codec.record(reservation))
+        self._enqueue(lambda batch: batch.put(RESERVATIONS, row))
 
     def delete_reservation(self, reservation_id: str) -> None:
-        self._enqueue(("DELETE FROM reservations WHERE id = ?", (reservation_id,)))
+        self._enqueue(lambda batch: batch.delete(RESERVATIONS, reservation_id))
 
     def put_cordon(self, device: str) -> None:
-        self._enqueue(("INSERT OR REPLACE INTO cordons VALUES (?)", (device,)))
+        self._enqueue(lambda batch: batch.put(CORDONS, (device,)))
 
     def delete_cordon(self, device: str) -> None:
-        self._enqueue(("DELETE FROM cordons WHERE device = ?", (device,)))
+        self._enqueue(lambda batch: batch.delete(CORDONS, device))
 
     def put_request(self, record: RequestRecord) -> None:
-        statements: list[Statement] = [
-            (
-                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?)",
-                (record.id, record.fingerprint, record.answer, record.at),
-            )
-        ]
-        self._put_requests += 1
-        if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
-            statements.append(
-                (
-                    "DELETE FROM requests WHERE id NOT IN (SELECT id FROM requests ORDER BY at DESC LIMIT ?)",
-                    (REQUEST_RETENTION,),
+        def write(batch: Batch) -> None:
+            batch.put(REQUESTS, (record.id, record.fingerprint, record.answer, record.at))
+            self._put_requests += 1
+            if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
+                batch.prune(
+                    (
+                        "DELETE FROM requests WHERE id NOT IN (SELECT id FROM requests ORDER BY at DESC LIMIT ?)",
+                        (REQUEST_RETENTION,),
+                    )
                 )
-            )
-        self._enqueue(*statements)
+
+        self._enqueue(write)
 
     def delete_request(self, request_id: str) -> None:
-        self._enqueue(("DELETE FROM requests WHERE id = ?", (request_id,)))
+        self._enqueue(lambda batch: batch.delete(REQUESTS, request_id))
 
     def append_event(self, event: Event) -> None:
         with self._cond:
@@ -294,11 +317,15 @@ class SqliteStore(Store):
                 # Refused here, not in the committer: one bad statement must not fail a whole group of commits.
                 raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
             self._newest_event = event.revision
-        statements: list[Statement] = [("INSERT INTO events VALUES (?, ?)", (event.revision, codec.record(event)))]
-        self._appended += 1
-        if self._appended % min(PRUNE_EVERY, self._retention) == 0:
-            statements.append(("DELETE FROM events WHERE revision <= ?", (event.revision - self._retention,)))
-        self._enqueue(*statements, event=event)
+        row = (event.revision, codec.record(event))
+
+        def write(batch: Batch) -> None:
+            batch.put(EVENTS, row)
+            self._appended += 1
+            if self._appended % min(PRUNE_EVERY, self._retention) == 0:
+                batch.prune(("DELETE FROM events WHERE revision <= ?", (event.revision - self._retention,)))
+
+        self._enqueue(write, event=event)
 
     def close(self) -> None:
         with self._cond:
