@@ -8,6 +8,7 @@ driver's `calls_block` says.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -102,21 +103,32 @@ class TestRunners:
             asyncio.run(steps.run_async(change(), MemoryStore(), threads))
 
 
-class TestTakeReady:
-    """`take_ready` takes the steps that need no waiting where it is called and stops at the first that does;
-    `run_async` carries on from there."""
+class TestLoopRun:
+    """`LoopRun` takes the steps that need no waiting in `start` and the rest in callbacks on the loop; the
+    change runs to its end whatever becomes of the future the caller awaits."""
 
-    def test_a_change_that_never_waits_ends_here(self) -> None:
+    def test_a_change_that_never_waits_ends_in_start(self, threads: ThreadPoolExecutor) -> None:
         log: list[Any] = []
         event = threading.Event()
         event.set()
-        done = steps.take_ready(_change_without_blocking_calls(log, event), MemoryStore())
+
+        async def main() -> Any:
+            change = _change_without_blocking_calls(log, event)
+            return steps.LoopRun(change, MemoryStore(), threads, contextvars.copy_context()).start()
+
+        done = asyncio.run(main())
         assert isinstance(done, steps.Done) and done.result() == "done"
-        me = threading.current_thread().name
-        assert log == ["start", ("inline", me), ("until", True), ("acquire", True)]
+        assert [entry if isinstance(entry, str) else entry[0] for entry in log] == [
+            "start",
+            "inline",
+            "until",
+            "acquire",
+        ]
 
     @pytest.mark.parametrize("stop", ["blocking call", "unset event", "held lock"])
-    def test_stops_at_the_first_step_that_waits(self, stop: str, threads: ThreadPoolExecutor) -> None:
+    def test_waits_at_the_first_step_that_must_and_goes_on_from_there(
+        self, stop: str, threads: ThreadPoolExecutor
+    ) -> None:
         lock, event = threading.Lock(), threading.Event()
         blocking = stop == "blocking call"
         if stop != "unset event":
@@ -124,25 +136,32 @@ class TestTakeReady:
         if stop == "held lock":
             lock.acquire()
             threading.Timer(0.05, lock.release).start()
+        reached: list[str] = []
 
         def change() -> Steps[list[Any]]:
+            reached.append("call")
             seen: list[Any] = [(yield Call(lambda: "called", blocking=blocking))]
+            reached.append("until")
             seen.append((yield Until(event, 5)))
+            reached.append("acquire")
             taken = yield Acquire(lock, 5)
             seen.append(taken)
             lock.release()
             return seen
 
-        running = change()
-        first = steps.take_ready(running, MemoryStore())
-        assert not isinstance(first, steps.Done)
-        expected = {"blocking call": Call, "unset event": Until, "held lock": Acquire}[stop]
-        assert isinstance(first, expected)
-        if stop == "unset event":
-            threading.Timer(0.05, event.set).start()
-        assert asyncio.run(steps.run_async(running, MemoryStore(), threads, first)) == ["called", True, True]
+        async def main() -> list[Any]:
+            outcome = steps.LoopRun(change(), MemoryStore(), threads, contextvars.copy_context()).start()
+            assert isinstance(outcome, asyncio.Future), "a change that must wait ended in start"
+            assert reached == {"blocking call": ["call"], "unset event": ["call", "until"]}.get(
+                stop, ["call", "until", "acquire"]
+            )
+            if stop == "unset event":
+                threading.Timer(0.05, event.set).start()
+            return await outcome  # type: ignore[no-any-return]
 
-    def test_stops_at_writes_not_yet_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
+        assert asyncio.run(main()) == ["called", True, True]
+
+    def test_waits_for_writes_not_yet_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
         store = SqliteStore(tmp_path / "ledger.db")
         try:
             event = Event(1, EventType.COMPOSITION_CREATED, "c-1", "", 0.0, {})
@@ -152,22 +171,81 @@ class TestTakeReady:
                 yield DURABLE
                 return "written"
 
-            running = change()
-            first = steps.take_ready(running, store)
-            assert first == DURABLE or isinstance(first, steps.Done)  # the committer may have been quick
-            assert asyncio.run(steps.run_async(running, store, threads, first)) == "written"
-            assert store.is_synced() and store.events_after(0) == [event]
+            async def main() -> str:
+                with store._db_lock:  # the committer cannot commit yet
+                    outcome = steps.LoopRun(change(), store, threads, contextvars.copy_context()).start()
+                    assert isinstance(outcome, asyncio.Future)
+                    await asyncio.sleep(0.05)
+                    assert not outcome.done()
+                return await outcome  # type: ignore[no-any-return]
+
+            assert asyncio.run(main()) == "written"
+            assert store.events_after(0) == [event]
         finally:
             store.close()
 
-    def test_an_error_ends_it_with_the_error(self) -> None:
+    def test_an_error_ends_it_with_the_error(self, threads: ThreadPoolExecutor) -> None:
         def change() -> Steps[None]:
             yield Call(lambda: (_ for _ in ()).throw(_DriverSaidNoError("no")), blocking=False)
 
-        done = steps.take_ready(change(), MemoryStore())
+        async def main() -> Any:
+            return steps.LoopRun(change(), MemoryStore(), threads, contextvars.copy_context()).start()
+
+        done = asyncio.run(main())
         assert isinstance(done, steps.Done) and isinstance(done.error, _DriverSaidNoError)
         with pytest.raises(_DriverSaidNoError):
             done.result()
+
+    def test_an_error_after_a_write_is_answered_once_the_write_is_durable(
+        self, tmp_path: Path, threads: ThreadPoolExecutor
+    ) -> None:
+        store = SqliteStore(tmp_path / "ledger.db")
+        event = Event(1, EventType.COMPOSITION_CREATED, "c-1", "", 0.0, {})
+
+        def change() -> Steps[None]:
+            store.append_event(event)
+            raise _DriverSaidNoError("after a write")
+            yield DURABLE  # a generator, never reached
+
+        async def main() -> None:
+            with store._db_lock:
+                outcome = steps.LoopRun(change(), store, threads, contextvars.copy_context()).start()
+                assert isinstance(outcome, asyncio.Future), "answered before its write was durable"
+                await asyncio.sleep(0.05)
+                assert not outcome.done()
+            with pytest.raises(_DriverSaidNoError, match="after a write"):
+                await outcome
+
+        try:
+            asyncio.run(main())
+            assert store.events_after(0) == [event]
+        finally:
+            store.close()
+
+    def test_cancelling_the_wait_does_not_stop_the_change(self, threads: ThreadPoolExecutor) -> None:
+        event = threading.Event()
+        log: list[str] = []
+
+        def change() -> Steps[str]:
+            log.append("started")
+            yield Until(event, 5)
+            log.append("finished")
+            return "done"
+
+        async def main() -> steps.LoopRun:
+            ended = asyncio.get_running_loop().create_future()
+            run = steps.LoopRun(change(), MemoryStore(), threads, contextvars.copy_context())
+            run.on_end = lambda: ended.set_result(None)
+            outcome = run.start()
+            assert isinstance(outcome, asyncio.Future)
+            outcome.cancel()  # the caller went away
+            event.set()
+            await asyncio.wait_for(ended, 5)
+            return run
+
+        run = asyncio.run(main())
+        assert log == ["started", "finished"]
+        assert run.ended is not None and run.ended.result() == "done"
 
 
 def _change_without_blocking_calls(log: list[Any], event: threading.Event) -> Steps[str]:

@@ -26,7 +26,7 @@ from disagg.composer import requests, steps
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep
 from disagg.composer.index import Inventory
 from disagg.composer.placement import Line, Pin, Placer, describe_line
-from disagg.composer.steps import DURABLE, Acquire, Call, Step, Steps, Until
+from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import (
     AlreadyExistsError,
     ConflictError,
@@ -240,15 +240,11 @@ class FabricComposer(Composer):
         finally:
             self._let_go(comp.id, lock)
 
-    async def run_async(self, change: Steps[T], threads: ThreadPool, first: Step | steps.Done | None = None) -> T:
+    async def run_async(self, change: Steps[T], threads: ThreadPool) -> T:
         """Run a change (`compose_steps`, `decompose_steps`) on the running event loop: it waits for the ledger
         without a thread, and hands blocking driver calls to ``threads``. Answers once its writes are durable,
-        as the blocking methods do. ``first``: where `steps.take_ready` stopped, when the caller took the
-        steps that need no waiting itself."""
-        try:
-            return await steps.run_async(change, self.store, threads, first)
-        finally:
-            await self.store.synced()
+        as the blocking methods do (`steps.LoopRun`)."""
+        return await steps.run_async(change, self.store, threads)
 
     def _driver_call(self, fn: Callable[[], T], fabrics: Iterable[str]) -> Call:
         """A step of driver calls on ``fabrics``: blocking unless every one of them says its calls never wait."""

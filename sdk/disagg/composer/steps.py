@@ -2,15 +2,17 @@
 
 A change (compose, decompose) is a generator that yields a step wherever it would wait: for the ledger to make
 its writes durable, for driver calls, for another change of the same composition, for an answer in flight.
-`run` takes the steps blocking, in the caller's thread (the Python API, the CLI). `run_async` takes them on
-an asyncio loop and holds no thread while it waits: in the fabric manager's server a Compose that waits for
-its commit costs neither a thread nor a hand-off between threads, which on a Python server is what a
-request's wait otherwise costs most (docs/benchmarks.md has the figures).
+`run` takes the steps blocking, in the caller's thread (the Python API, the CLI). `LoopRun` (and `run_async`
+over it) takes them on an asyncio loop and holds no thread while it waits: in the fabric manager's server a
+Compose that waits for its commit costs neither a thread nor a hand-off between threads, which on a Python
+server is what a request's wait otherwise costs most (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Executor
@@ -108,71 +110,109 @@ def run(steps: Steps[T], store: Store) -> T:
     return step.value  # type: ignore[no-any-return]
 
 
-def take_ready(steps: Steps[Any], store: Store) -> Step | Done:
-    """Take the steps that need no waiting, in this thread: writes already durable, driver calls that never
-    block, a free lock, an answer already there. Returns how the change ended, or the first step it must wait
-    for (hand both to `run_async`). A change on the in-memory ledger with the sim driver ends here, so the
-    server answers it without starting a task."""
-    value: Any = None
-    error: Exception | None = None
-    while True:
-        try:
-            step = _advance(steps, value, error)
-        except Exception as exc:
-            return Done(error=exc)
-        if isinstance(step, Done):
-            return step
-        value, error = None, None
-        try:
-            if isinstance(step, Durable):
-                if not store.is_synced():
-                    return step
-            elif isinstance(step, Call):
-                if step.blocking:
-                    return step
-                value = step.fn()
-            elif isinstance(step, Until):
-                if not step.event.is_set():
-                    return step
-                value = True
-            elif not step.lock.acquire(blocking=False):
-                return step
+class LoopRun:
+    """One change run on the running event loop, driven by callbacks rather than as a task of its own.
+
+    What needs no waiting runs at once, in `start`: on the in-memory ledger with the sim, the whole change. A
+    wait for the ledger is a callback from its committer (`Store.when_synced`), a blocking driver call or a wait
+    on another thread is a callback from ``threads``; each resumes the change where it stopped. A task and its
+    future per wait cost a durable Compose about a fifth of its time on the loop (docs/benchmarks.md).
+
+    The change runs to its end whatever becomes of the future `start` returns: cancelling it (the caller went
+    away) stops nobody but the caller, as the composer never stops a change midway. It answers only once every
+    write it made is durable, an error included, as the blocking runner does. It runs in ``context`` (the
+    ledger's record of its writes and the request id it answers are context variables)."""
+
+    def __init__(
+        self,
+        steps: Steps[Any],
+        store: Store,
+        threads: Executor,
+        context: contextvars.Context,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        self._steps = steps
+        self._store = store
+        self._threads = threads
+        self._context = context
+        self.on_end = on_end
+        """Called once the change has ended."""
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future[Any] | None = None
+        self.ended: Done | None = None
+
+    def start(self) -> Done | asyncio.Future[Any]:
+        """Take the steps that need no waiting; returns how the change ended, or a future of its result."""
+        self._resume(None, None)
+        if self.ended is not None:
+            return self.ended
+        self._future = self._loop.create_future()
+        return self._future
+
+    def _resume(self, value: Any, error: Exception | None) -> None:
+        run = self._context.run
+        while True:
+            try:
+                step = run(_advance, self._steps, value, error)
+            except Exception as exc:
+                step = Done(error=exc)
+            value, error = None, None
+            try:
+                if isinstance(step, Done):
+                    if not run(self._store.when_synced, functools.partial(self._end, step)):
+                        self._end(step, None)
+                    return
+                if isinstance(step, Durable):
+                    if run(self._store.when_synced, self._durable):
+                        return
+                elif isinstance(step, Call):
+                    if step.blocking:
+                        return self._in_thread(step.fn)
+                    value = run(step.fn)
+                elif isinstance(step, Until):
+                    if not step.event.is_set():
+                        return self._in_thread(functools.partial(step.event.wait, step.timeout))
+                    value = True
+                elif step.lock.acquire(blocking=False):
+                    value = True
+                else:
+                    return self._in_thread(functools.partial(step.lock.acquire, timeout=step.timeout))
+            except Exception as exc:
+                if isinstance(step, Done):
+                    return self._end(step, exc)
+                error = exc
+
+    def _durable(self, failure: Exception | None) -> None:
+        self._resume(None, failure)
+
+    def _in_thread(self, fn: Callable[[], Any]) -> None:
+        self._loop.run_in_executor(self._threads, fn).add_done_callback(self._from_thread)
+
+    def _from_thread(self, done: asyncio.Future[Any]) -> None:
+        if done.cancelled():
+            return self._resume(None, RuntimeError("a driver call was cancelled: the worker threads stopped"))
+        error = done.exception()
+        if error is None:
+            return self._resume(done.result(), None)
+        self._resume(None, error if isinstance(error, Exception) else RuntimeError(repr(error)))
+
+    def _end(self, done: Done, failure: Exception | None) -> None:
+        """The change ended as ``done``; ``failure``: its writes could not be made durable, which is the answer
+        then."""
+        self.ended = done if failure is None else Done(error=failure)
+        future = self._future
+        if future is not None and not future.done():
+            if self.ended.error is not None:
+                future.set_exception(self.ended.error)
             else:
-                value = True
-        except Exception as exc:
-            error = exc
+                future.set_result(self.ended.value)
+        if self.on_end is not None:
+            self.on_end()
 
 
-async def run_async(steps: Steps[T], store: Store, threads: Executor, first: Step | Done | None = None) -> T:
-    """Take every step on the running event loop: ledger waits are awaited, blocking driver calls and waits on
-    other threads go to ``threads``, calls that never block are made here. ``first``: where `take_ready`
-    stopped."""
-    loop = asyncio.get_running_loop()
-    step = _advance(steps, None, None) if first is None else first
-    while not isinstance(step, Done):
-        value: Any = None
-        error: Exception | None = None
-        try:
-            if isinstance(step, Durable):
-                await store.synced()
-            elif isinstance(step, Call):
-                value = await loop.run_in_executor(threads, step.fn) if step.blocking else step.fn()
-            elif isinstance(step, Until):
-                value = step.event.is_set() or await loop.run_in_executor(threads, step.event.wait, step.timeout)
-            else:
-                value = step.lock.acquire(blocking=False) or await _acquire(loop, step, threads)
-        except Exception as exc:
-            error = exc
-        step = _advance(steps, value, error)
-    return step.result()  # type: ignore[no-any-return]
-
-
-async def _acquire(loop: asyncio.AbstractEventLoop, step: Acquire, threads: Executor) -> bool:
-    """Wait for a lock in a thread. The wait is shielded: a lock taken after the awaiting task was cancelled
-    would be held by nobody, so it is let go instead."""
-    waiting = loop.run_in_executor(threads, lambda: step.lock.acquire(timeout=step.timeout))
-    try:
-        return await asyncio.shield(waiting)
-    except asyncio.CancelledError:
-        waiting.add_done_callback(lambda f: step.lock.release() if not f.cancelled() and f.result() else None)
-        raise
+async def run_async(steps: Steps[T], store: Store, threads: Executor) -> T:
+    """Run a change on the running event loop (`LoopRun`) and wait for its answer."""
+    outcome = LoopRun(steps, store, threads, contextvars.copy_context()).start()
+    if isinstance(outcome, Done):
+        return outcome.result()  # type: ignore[no-any-return]
+    return await outcome  # type: ignore[no-any-return]

@@ -1,8 +1,8 @@
 """``disagg.fabric.v1.FabricManagerService`` on grpcio's asyncio server.
 
-Compose and Decompose run on the event loop as the composer's steps (`FabricComposer.run_async`): a change
-that waits for its ledger commit holds no thread, and driver calls that may block go to the worker threads.
-This is what lets a Python server answer Compose at close to the rate of a no-op call (docs/protocol.md has
+Compose and Decompose run on the event loop as the composer's steps (`disagg.composer.steps.LoopRun`): a
+change that waits for its ledger commit holds no thread, and driver calls that may block go to the worker
+threads. This is what lets a Python server answer Compose at close to the rate of a no-op call (docs/protocol.md has
 the measurements). A change runs to its end even when its caller goes away (a cancelled call, a deadline):
 the composer never stops a change midway, and the server waits for the changes in flight when it stops.
 
@@ -32,6 +32,8 @@ from disagg.server.context import ThreadedContext
 from disagg.server.servicer import FabricManagerServicer
 
 T = TypeVar("T")
+DRAIN_POLL_S = 0.01
+"""How often `drain` looks whether the changes in flight have ended."""
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -53,35 +55,28 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     def __init__(self, servicer: FabricManagerServicer, threads: Executor) -> None:
         self.servicer = servicer
         self.threads = threads
-        self._changes: set[asyncio.Task[Any]] = set()
+        self._running: set[steps.LoopRun] = set()
 
     async def _change(self, change: Steps[T]) -> T:
-        """Run a change to its end. What needs no waiting runs here at once (on the in-memory ledger with the
-        sim, all of it); the rest runs in a task of its own that a cancelled call does not stop: the call stops
-        waiting, the change does not. Both parts run in one context, as the change keeps context variables
-        (the ledger's record of its writes, the request id it answers)."""
-        composer = self.servicer.composer
-        context = contextvars.copy_context()
-        first = context.run(steps.take_ready, change, composer.store)
-        if isinstance(first, steps.Done) and context.run(composer.store.is_synced):
-            return cast(T, first.result())
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(composer.run_async(change, self.threads, first), context=context)
-        self._changes.add(task)
-        task.add_done_callback(self._forget)
-        return await asyncio.shield(task)
-
-    def _forget(self, task: asyncio.Task[Any]) -> None:
-        self._changes.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a change whose caller left failed, and the composer has logged why
+        """Run a change to its end (`steps.LoopRun`). What needs no waiting runs here at once (on the in-memory
+        ledger with the sim, all of it); the rest is resumed by callbacks on this loop. A cancelled call stops
+        waiting; the change does not stop. It runs in a context of its own, as the change keeps context
+        variables (the ledger's record of its writes, the request id it answers)."""
+        run = steps.LoopRun(change, self.servicer.composer.store, self.threads, contextvars.copy_context())
+        outcome = run.start()
+        if isinstance(outcome, steps.Done):
+            return cast(T, outcome.result())
+        self._running.add(run)
+        run.on_end = lambda: self._running.discard(run)
+        return cast(T, await outcome)
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for the changes in flight (the server stops next); returns how many
         still run."""
-        if self._changes and timeout > 0:
-            await asyncio.wait(set(self._changes), timeout=timeout)
-        return len(self._changes)
+        deadline = asyncio.get_running_loop().time() + max(timeout, 0.0)
+        while self._running and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return len(self._running)
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
         change = self.servicer.compose_change(request, ThreadedContext(context, asyncio.get_running_loop()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -88,8 +88,17 @@ class Store(abc.ABC):
 
     async def synced(self) -> None:
         """`sync` for a caller on an event loop, waiting without blocking the loop. The default calls `sync`,
-        which is right for a store with nothing to wait for; a store that waits overrides both."""
+        which is right for a store with nothing to wait for; a store that waits overrides it, `sync` and
+        `when_synced`."""
         self.sync()
+
+    def when_synced(self, callback: Callable[[Exception | None], None]) -> bool:
+        """`synced` as a callback, for a caller on the running event loop that waits without a task of its own
+        (`disagg.composer.steps.LoopRun`): returns False when every write of this caller is durable already,
+        else True, and calls ``callback`` on the loop once they are (with None) or cannot be (with the error).
+        Raises at once when the store can no longer make writes durable."""
+        self.sync()
+        return False
 
     def close(self) -> None:
         """Release files and connections; the default holds none."""
