@@ -90,7 +90,7 @@ class TestFixedServers:
         types = task_types(mix)
         frag = Fragmentation(types, world.models)
         expected = [node_fragment(world, h, types) for h in range(world.hosts)]
-        assert measured(frag, world).tolist() == pytest.approx(expected)
+        assert measured(frag, world).tolist() == pytest.approx(expected, abs=1e-6)  # as in TestDomains
 
     def test_worked_example(self) -> None:
         world = build_world([gpu_node(2, cpu=8000)], 1)
@@ -115,7 +115,8 @@ class TestDomains:
         world = random_world(nodes, k, placed, seed)
         types = task_types(mix)
         expected = [domain_fragment(world, d, types) for d in range(world.domains)]
-        assert measured(Fragmentation(types, world.models), world).tolist() == pytest.approx(expected)
+        # Milli-GPU sums taken in another order: a fragment of 0 may come out as -1e-12.
+        assert measured(Fragmentation(types, world.models), world).tolist() == pytest.approx(expected, abs=1e-6)
 
     @given(k=st.integers(1, 4), **STATES)
     def test_domain_fits_follow_the_world(
