@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attrs
@@ -266,6 +267,14 @@ class TestRoundTrip:
     def test_ledger_record_keeps_infinite_floats(self) -> None:
         device = attrs.evolve(GPU, attributes={"max": float("inf"), "min": float("-inf")})
         assert codec.loads(codec.record(device), Device).attributes == {"max": float("inf"), "min": float("-inf")}
+
+    def test_ledger_record_keeps_a_selector_of_nan(self) -> None:
+        """orjson writes NaN as null; such a record goes through the standard encoder and reads back as NaN."""
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("score", SelectorOp.GE, float("nan")),))
+        text = codec.record(line)
+        assert "NaN" in text
+        (selector,) = codec.loads(text, ResourceRequest).selectors
+        assert isinstance(selector.value, float) and math.isnan(selector.value)
 
 
 class TestScalarAttributes:
