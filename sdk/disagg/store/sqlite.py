@@ -25,8 +25,6 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import attrs
-
 from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.model import Composition, Event, Reservation
@@ -66,12 +64,6 @@ request one more commit."""
 Synced = Callable[[Exception | None], None]
 
 
-@attrs.frozen
-class _LoopWaiter:
-    loop: asyncio.AbstractEventLoop
-    callback: Synced
-
-
 def _call_back(callbacks: list[Synced], failure: Exception | None) -> None:
     """On the loop: tell each waiter its writes are durable (or why they cannot be)."""
     for callback in callbacks:
@@ -107,9 +99,13 @@ class SqliteStore(Store):
         (newest,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
         self._newest_event = int(newest)
         self._db_lock = threading.Lock()
-        self._cond = threading.Condition()
-        """Guards the queue and the counters; the committer, and only it, waits on it for work."""
-        self._waiting: list[tuple[int, int, threading.Lock | _LoopWaiter]] = []
+        self._lock = threading.Lock()
+        """Guards the queue, the waiters and the counters."""
+        self._cond = threading.Condition(self._lock)
+        """The committer, and only it, waits on it for work; it is notified only while it waits."""
+        self._idle = False
+        """The committer waits for work: the next write notifies it (writes while it commits need not)."""
+        self._waiting: list[tuple[int, int, threading.Lock | tuple[asyncio.AbstractEventLoop, Synced]]] = []
         """A heap of `sync` callers by the sequence number they wait for: each is woken once, when that number
         is on disk. Waking every waiter on every commit cost more CPU than the rest of a Compose."""
         self._waiters = 0
@@ -129,7 +125,7 @@ class SqliteStore(Store):
 
     def _enqueue(self, write: Callable[[Batch], None], event: Event | None = None) -> None:
         """Queue ``write`` (applied to the batch the next commit takes) as this caller's latest write."""
-        with self._cond:
+        with self._lock:
             if self._failure is not None:
                 raise self._failed()
             if self._closing:
@@ -139,13 +135,16 @@ class SqliteStore(Store):
             _last_queued.set((self, self._queued))
             if event is not None:
                 self._queued_events.append(event)
-            self._cond.notify()
+            if self._idle:
+                self._cond.notify()
 
     def _commit_loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._batch and not self._closing:
+                    self._idle = True
                     self._cond.wait()
+                    self._idle = False
                 if not self._batch:
                     return
                 batch, self._batch = self._batch, Batch()
@@ -161,25 +160,25 @@ class SqliteStore(Store):
                         raise
                     self._db.execute("COMMIT")
             except BaseException as exc:
-                with self._cond:
+                with self._lock:
                     self._failure = exc
                     self._wake(None)
                 return
             committed = batch.keys(EVENTS)
-            with self._cond:
+            with self._lock:
                 self._durable = upto
                 self._queued_events = [e for e in self._queued_events if e.revision not in committed]
                 self._wake(upto)
 
     def _wake(self, upto: int | None) -> None:
         """Wake the callers waiting for sequence numbers up to ``upto`` (None: all, the ledger failed); a
-        loop's waiters are woken together, with one call into the loop; call holding ``_cond``."""
+        loop's waiters are woken together, with one call into the loop; call holding ``_lock``."""
         waiting = self._waiting
         loops: dict[asyncio.AbstractEventLoop, list[Synced]] = {}
         while waiting and (upto is None or waiting[0][0] <= upto):
             waiter = heapq.heappop(waiting)[2]
-            if isinstance(waiter, _LoopWaiter):
-                loops.setdefault(waiter.loop, []).append(waiter.callback)
+            if isinstance(waiter, tuple):
+                loops.setdefault(waiter[0], []).append(waiter[1])
             else:
                 waiter.release()
         failure = self._failed() if self._failure is not None else None
@@ -202,7 +201,7 @@ class SqliteStore(Store):
 
     def is_synced(self) -> bool:
         """Every write of this caller is on disk (False after a failed commit: `sync` raises then)."""
-        with self._cond:
+        with self._lock:
             return self._failure is None and self._durable >= self._mine()
 
     async def synced(self) -> None:
@@ -213,19 +212,19 @@ class SqliteStore(Store):
 
     def when_synced(self, callback: Synced) -> bool:
         """See `Store.when_synced`: the committer calls the loop once per commit, for all its waiters there."""
-        with self._cond:
+        with self._lock:
             target = self._mine()
             if self._durable >= target:
                 return False
             if self._failure is not None:
                 raise self._failed()
             self._waiters += 1
-            heapq.heappush(self._waiting, (target, self._waiters, _LoopWaiter(asyncio.get_running_loop(), callback)))
+            heapq.heappush(self._waiting, (target, self._waiters, (asyncio.get_running_loop(), callback)))
         return True
 
     def _wait_for(self, target: int) -> None:
         """Wait until the statements up to sequence number ``target`` are on disk."""
-        with self._cond:
+        with self._lock:
             if self._durable >= target:
                 return
             if self._failure is not None:
@@ -235,14 +234,14 @@ class SqliteStore(Store):
             self._waiters += 1
             heapq.heappush(self._waiting, (target, self._waiters, woken))
         woken.acquire()
-        with self._cond:
+        with self._lock:
             if self._durable < target:
                 raise self._failed()
 
     # ----------------------------------------------------------------- reads
 
     def load(self) -> LedgerState:
-        with self._cond:
+        with self._lock:
             everything = self._queued
         self._wait_for(everything)
         with self._db_lock:
@@ -261,7 +260,7 @@ class SqliteStore(Store):
         return LedgerState(comps, res, int(last), requests, cordons)
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
-        with self._cond:
+        with self._lock:
             queued = [e for e in self._queued_events if e.revision > revision]
         with self._db_lock:
             rows = self._db.execute(
@@ -312,7 +311,7 @@ class SqliteStore(Store):
         self._enqueue(lambda batch: batch.delete(REQUESTS, request_id))
 
     def append_event(self, event: Event) -> None:
-        with self._cond:
+        with self._lock:
             if event.revision <= self._newest_event:
                 # Refused here, not in the committer: one bad statement must not fail a whole group of commits.
                 raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
@@ -328,7 +327,7 @@ class SqliteStore(Store):
         self._enqueue(write, event=event)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._closing:
                 return
             self._closing = True
