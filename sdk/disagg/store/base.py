@@ -81,11 +81,6 @@ class Store(abc.ABC):
         commits waits for its committer."""
         return None
 
-    def is_synced(self) -> bool:
-        """Whether `sync` would return at once: every write this caller made is durable already. The default,
-        for a store whose writes are durable when they return, is always True."""
-        return True
-
     async def synced(self) -> None:
         """`sync` for a caller on an event loop, waiting without blocking the loop. The default calls `sync`,
         which is right for a store with nothing to wait for; a store that waits overrides it, `sync` and

@@ -2,12 +2,12 @@
 
 Commits are grouped. A write is queued and returns at once; one committer thread applies everything queued
 in one transaction, so that concurrent requests share one fsync instead of paying one each, and folds the
-group into a statement or two per table (`disagg.store.batch` says why). `sync` waits
-until the caller's own writes are on disk (and so everything queued before them): the composer calls it
-before a driver call that the ledger must already know of (write-ahead), and before it answers; `synced`
-does the same for an asyncio task without blocking its loop. Each waiter is woken once, by the commit that
-holds its last write. Reads see the queued writes as well: `load` waits for everything queued, and
-`events_after` adds the queued events to what the database holds.
+group into a statement or two per table (`disagg.store.batch` says why). `sync` waits until the caller's own
+writes are on disk (and so everything queued before them): the composer calls it before a driver call that
+the ledger must already know of (write-ahead), and before it answers; `synced` (a coroutine) and
+`when_synced` (a callback) do the same on an event loop without blocking it. Each waiter is woken once, by
+the commit that holds its last write. Reads see the queued writes as well: `load` waits for everything
+queued, and `events_after` adds the queued events to what the database holds.
 
 Records are stored as JSON documents of the model values, so the schema follows the model without migrations
 of every field.
@@ -24,6 +24,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError
@@ -56,12 +57,14 @@ REQUESTS = Table("requests", "id", 4)
 CORDONS = Table("cordons", "device", 1)
 
 _last_queued: contextvars.ContextVar[tuple[object, int]] = contextvars.ContextVar("disagg_ledger_last_queued")
-"""The ledger and sequence number of the last statement this thread or asyncio task queued: what its `sync`
+"""The ledger and sequence number of the last write this thread or asyncio task queued: what its `sync`
 waits for. Writes other callers queue later are theirs to wait for; waiting for them too would cost a
 request one more commit."""
 
 
 Synced = Callable[[Exception | None], None]
+Waiter: TypeAlias = "threading.Lock | tuple[asyncio.AbstractEventLoop, Synced]"
+"""A thread's lock, released by the commit it waits for, or a loop and the callback it calls there."""
 
 
 def _call_back(callbacks: list[Synced], failure: Exception | None) -> None:
@@ -105,7 +108,7 @@ class SqliteStore(Store):
         """The committer, and only it, waits on it for work; it is notified only while it waits."""
         self._idle = False
         """The committer waits for work: the next write notifies it (writes while it commits need not)."""
-        self._waiting: list[tuple[int, int, threading.Lock | tuple[asyncio.AbstractEventLoop, Synced]]] = []
+        self._waiting: list[tuple[int, int, Waiter]] = []
         """A heap of `sync` callers by the sequence number they wait for: each is woken once, when that number
         is on disk. Waking every waiter on every commit cost more CPU than the rest of a Compose."""
         self._waiters = 0
@@ -186,6 +189,17 @@ class SqliteStore(Store):
             with contextlib.suppress(RuntimeError):  # the loop was closed: nobody waits any more
                 loop.call_soon_threadsafe(_call_back, callbacks, failure)
 
+    def _queue_waiter(self, target: int, waiter: Waiter) -> bool:
+        """Queue ``waiter`` for the commit of sequence number ``target``; False when that is on disk already.
+        Raises when the ledger failed. Call holding ``_lock``."""
+        if self._durable >= target:
+            return False
+        if self._failure is not None:
+            raise self._failed()
+        self._waiters += 1
+        heapq.heappush(self._waiting, (target, self._waiters, waiter))
+        return True
+
     def _failed(self) -> FabricUnavailableError:
         return FabricUnavailableError(f"the ledger at {self.path} cannot be written: {self._failure!r}")
 
@@ -195,14 +209,9 @@ class SqliteStore(Store):
         self._wait_for(self._mine())
 
     def _mine(self) -> int:
-        """The sequence number of the last statement this caller queued in this ledger (0: none)."""
+        """The sequence number of the last write this caller queued in this ledger (0: none)."""
         ledger, last = _last_queued.get((None, 0))
         return last if ledger is self else 0
-
-    def is_synced(self) -> bool:
-        """Every write of this caller is on disk (False after a failed commit: `sync` raises then)."""
-        with self._lock:
-            return self._failure is None and self._durable >= self._mine()
 
     async def synced(self) -> None:
         """`sync` on an event loop: the task awaits the commit; the committer wakes the loop once per commit."""
@@ -213,26 +222,15 @@ class SqliteStore(Store):
     def when_synced(self, callback: Synced) -> bool:
         """See `Store.when_synced`: the committer calls the loop once per commit, for all its waiters there."""
         with self._lock:
-            target = self._mine()
-            if self._durable >= target:
-                return False
-            if self._failure is not None:
-                raise self._failed()
-            self._waiters += 1
-            heapq.heappush(self._waiting, (target, self._waiters, (asyncio.get_running_loop(), callback)))
-        return True
+            return self._queue_waiter(self._mine(), (asyncio.get_running_loop(), callback))
 
     def _wait_for(self, target: int) -> None:
-        """Wait until the statements up to sequence number ``target`` are on disk."""
+        """Wait until the writes up to sequence number ``target`` are on disk."""
+        woken = threading.Lock()
+        woken.acquire()
         with self._lock:
-            if self._durable >= target:
+            if not self._queue_waiter(target, woken):
                 return
-            if self._failure is not None:
-                raise self._failed()
-            woken = threading.Lock()
-            woken.acquire()
-            self._waiters += 1
-            heapq.heappush(self._waiting, (target, self._waiters, woken))
         woken.acquire()
         with self._lock:
             if self._durable < target:
