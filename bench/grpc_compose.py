@@ -13,6 +13,9 @@ block and the median over all blocks is reported: on these shared machines the s
 tens of percent within a minute, and a single client's latency swings most with what else the machine runs.
 Throughput counts the calls that end while every client is still calling, over that window (not the drain
 at a block's end, which is longer for the slower call). Only the call is timed; building the request is not.
+Each row also gives the CPU spent per call over its blocks (the whole machine's, the server's and the client's,
+from ``/proc``) and the cores kept busy: at 32 clients, a throughput ratio below the CPU ratio with cores idle
+means the calls wait on something other than the machine's CPU.
 
 Run: ``python bench/grpc_compose.py --out bench/out/grpc_compose.json`` (``tox -e bench`` does).
 """
@@ -128,6 +131,50 @@ async def timed(
     return latencies, steady_until - start, in_window
 
 
+Sample = tuple[float, float, float, float]
+
+
+class CpuClock:
+    """CPU time spent while calls run: the machine's (busy, from Linux's ``/proc/stat``), the server's and this
+    client's. Per call, it says whether a throughput ratio is bound by the machine's cores (every core busy, so
+    the ratio can be no better than the quotient of the CPU costs) or by waiting. Without ``/proc``, None."""
+
+    TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+
+    def read(self) -> Sample | None:
+        """(wall, machine busy, server, client) seconds."""
+        try:
+            cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+            stat = Path(f"/proc/{self.server_pid}/stat").read_text()
+        except OSError:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in cpu[:7])
+        server = stat[stat.rindex(")") + 2 :].split()
+        return (
+            time.monotonic(),
+            (user + nice + system + irq + softirq) * self.TICK_S,
+            (int(server[11]) + int(server[12])) * self.TICK_S,
+            time.process_time(),
+        )
+
+
+def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
+    """CPU per call over the blocks ``spent`` (each the difference of two `CpuClock.read` samples), and the
+    cores the machine kept busy meanwhile."""
+    if not spent or not calls:
+        return {}
+    wall, machine, server, client = (sum(column) for column in zip(*spent, strict=True))
+    return {
+        "busy_cores": machine / wall,
+        "machine_cpu_us_per_call": machine / calls * 1e6,
+        "server_cpu_us_per_call": server / calls * 1e6,
+        "client_cpu_us_per_call": client / calls * 1e6,
+    }
+
+
 def summary(latencies: list[float], window: float, in_window: int) -> dict[str, float]:
     latencies = sorted(latencies)
     return {
@@ -144,7 +191,7 @@ async def drive(
     return summary(*await timed(clients, seconds, max_calls, call))
 
 
-async def measure(address: str, seconds: float, max_calls: int, rounds: int) -> list[dict[str, Any]]:
+async def measure(address: str, seconds: float, max_calls: int, rounds: int, clock: CpuClock) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     async with grpc.aio.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -178,7 +225,9 @@ async def measure(address: str, seconds: float, max_calls: int, rounds: int) -> 
             await drive(clients, 0.5, 200, noop)
             for round_ in range(rounds):
                 point = {"clients": clients, "round": round_}
-                noop_row, compose_row, block_ratios = await blocks(clients, seconds, max_calls, noop, compose)
+                noop_row, compose_row, block_ratios = await blocks(
+                    clients, seconds, max_calls, noop, compose, clock=clock
+                )
                 rows.append({"rpc": "noop", **point, **noop_row})
                 rows.append({"rpc": "compose", **point, **compose_row, "block_ratios": block_ratios})
                 count = len(composed)
@@ -198,22 +247,32 @@ async def blocks(
     max_calls: int,
     noop: Callable[[int, int], Awaitable[float]],
     compose: Callable[..., Any],
+    *,
+    clock: CpuClock,
 ) -> tuple[dict[str, float], dict[str, float], list[float]]:
-    """No-op and Compose alternating in short blocks: both rows, and each block's Compose / no-op ratio: of
-    median latency at one client, of throughput at more."""
+    """No-op and Compose alternating in short blocks: both rows (with their CPU per call over all the blocks),
+    and each block's Compose / no-op ratio: of median latency at one client, of throughput at more."""
     runs: dict[str, list[tuple[list[float], float, int]]] = {"noop": [], "compose": []}
+    spent: dict[str, list[Sample]] = {"noop": [], "compose": []}
     ratios: list[float] = []
     for _ in range(BLOCKS):
-        n = await timed(clients, seconds / BLOCKS, max_calls // BLOCKS, noop)
-        c = await timed(clients, seconds / BLOCKS, max_calls // BLOCKS, compose)
-        runs["noop"].append(n)
-        runs["compose"].append(c)
+        for rpc, call in (("noop", noop), ("compose", compose)):
+            before = clock.read()
+            runs[rpc].append(await timed(clients, seconds / BLOCKS, max_calls // BLOCKS, call))
+            after = clock.read()
+            if before is not None and after is not None:
+                wall, machine, server, client = (b - a for a, b in zip(before, after, strict=True))
+                spent[rpc].append((wall, machine, server, client))
+        n, c = runs["noop"][-1], runs["compose"][-1]
         if clients == 1:
             ratios.append(statistics.median(c[0]) / statistics.median(n[0]))
         else:
             ratios.append((c[2] / c[1]) / (n[2] / n[1]))
     noop_row, compose_row = (
-        summary([x for r in runs[rpc] for x in r[0]], sum(r[1] for r in runs[rpc]), sum(r[2] for r in runs[rpc]))
+        {
+            **summary([x for r in runs[rpc] for x in r[0]], sum(r[1] for r in runs[rpc]), sum(r[2] for r in runs[rpc])),
+            **cpu_figures(spent[rpc], sum(len(r[0]) for r in runs[rpc])),
+        }
         for rpc in ("noop", "compose")
     )
     return noop_row, compose_row, ratios
@@ -241,8 +300,15 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     throughput_blocks = [x for r in range(rounds) for x in by[("compose", 32, r)]["block_ratios"]]
     latency_ratio = statistics.median(latency_blocks)
     throughput_ratio = statistics.median(throughput_blocks)
+    cpu = {
+        rpc: statistics.median(row["machine_cpu_us_per_call"] for row in rows32)
+        for rpc in ("noop", "compose")
+        if (rows32 := [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row])
+    }
     return {
         "rows": rows,
+        "machine_cpu_us_per_call_at_32_clients": cpu,
+        "machine_cpu_ratio_at_32_clients": cpu["noop"] / cpu["compose"] if len(cpu) == 2 else None,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
         "per_round": {
@@ -262,7 +328,7 @@ def measure_size(devices: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_server(devices, Path(tmp), args.ledger)
         try:
-            rows = asyncio.run(measure(address, args.seconds, max_calls, args.rounds))
+            rows = asyncio.run(measure(address, args.seconds, max_calls, args.rounds, CpuClock(proc.pid)))
         finally:
             stop_server(proc)
     return {"devices": devices, "max_calls_per_point": max_calls, **figures(rows, args.rounds)}
@@ -301,6 +367,15 @@ def print_table(sizes: dict[str, dict[str, Any]]) -> None:
             f"{len(fig['throughput_ratio_per_block_at_32_clients'])} blocks: "
             f"{fig['compose_throughput_over_noop_at_32_clients']:.2f} (target >= 0.5)"
         )
+        cpu = fig["machine_cpu_us_per_call_at_32_clients"]
+        if fig["machine_cpu_ratio_at_32_clients"] is not None:
+            busy = {r["rpc"]: r["busy_cores"] for r in fig["rows"] if r["clients"] == 32 and "busy_cores" in r}
+            print(
+                f"{devices} devices at 32 clients: machine CPU per call {cpu['noop']:.0f} µs for a no-op, "
+                f"{cpu['compose']:.0f} µs for a Compose (their ratio, {fig['machine_cpu_ratio_at_32_clients']:.2f}, "
+                f"bounds the throughput ratio when every core is busy); busy cores of {os.cpu_count()}: "
+                f"{busy['noop']:.2f} no-op, {busy['compose']:.2f} Compose (last round)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

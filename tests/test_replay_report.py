@@ -75,23 +75,22 @@ def placement_fixture() -> dict[str, Any]:
     }
 
 
-def compose_bench(ledger: str, noop_us: float, compose_us: float) -> dict[str, Any]:
-    """grpc_compose.json as bench/grpc_compose.py --devices 1000,100000 writes it (the keys the report reads)."""
+def compose_bench(ledger: str, noop_us: float, compose_us: float, *, cpu: bool = False) -> dict[str, Any]:
+    """grpc_compose.json as bench/grpc_compose.py --devices 1000,100000 writes it (the keys the report reads);
+    without ``cpu``, as it wrote it before it measured CPU."""
 
     def size(devices: int, slower: float) -> dict[str, Any]:
         rows = []
         for r in range(3):
             for clients, rate in ((1, 1_400.0), (32, 3_200.0)):
-                rows.append({"rpc": "noop", "clients": clients, "round": r, "calls_per_s": rate, "p50_us": noop_us})
-                rows.append(
-                    {
-                        "rpc": "compose",
-                        "clients": clients,
-                        "round": r,
-                        "calls_per_s": rate * 0.6 / slower,
-                        "p50_us": compose_us * slower + r,
-                    }
-                )
+                noop: dict[str, Any] = {"rpc": "noop", "clients": clients, "round": r, "calls_per_s": rate}
+                compose: dict[str, Any] = {"rpc": "compose", "clients": clients, "round": r}
+                noop["p50_us"] = noop_us
+                compose.update(calls_per_s=rate * 0.6 / slower, p50_us=compose_us * slower + r)
+                if cpu:
+                    noop.update(busy_cores=1.8, machine_cpu_us_per_call=400.0 + 10 * r)
+                    compose.update(busy_cores=1.5 - 0.1 * r, machine_cpu_us_per_call=800.0 * slower + 10 * r)
+                rows += [noop, compose]
         return {
             "devices": devices,
             "rows": rows,
@@ -121,7 +120,7 @@ def write_bench_out(out: Path) -> Path:
     """bench/out with the compose (both ledgers) and placement figures, and no grpc_models.json."""
     out.mkdir()
     (out / "grpc_compose.json").write_text(json.dumps(compose_bench("memory", 650.0, 900.0)))
-    (out / "grpc_compose_sqlite.json").write_text(json.dumps(compose_bench("sqlite", 700.0, 2_100.0)))
+    (out / "grpc_compose_sqlite.json").write_text(json.dumps(compose_bench("sqlite", 700.0, 2_100.0, cpu=True)))
     (out / "placement.json").write_text(json.dumps(placement_bench()))
     return out
 
@@ -203,6 +202,19 @@ class TestMarkdown:
         assert "| in-memory | 1,000 | 650 | 901 | 1.38 | 3,200 | 1,920 | 0.60 |" in lines
         assert "| SQLite | 100,000 | 700 | 2,311 | 3.30 | 3,200 | 1,745 | 0.55 |" in lines
         assert "| 99,978 | chosen-host | 38.8 | 0.70 |" in lines
+
+    def test_cpu_at_32_clients(self, report: ReportFiles) -> None:
+        """Medians over the rounds; a file without CPU figures (the in-memory one here) has no row."""
+        lines = report.results_md.read_text().splitlines()
+        header = "| ledger | devices | no-op CPU µs per call | Compose CPU µs per call | CPU ratio |"
+        table = lines[next(i for i, line in enumerate(lines) if line.startswith(header)) :]
+        assert table[2] == "| SQLite | 1,000 | 410 | 810 | 0.51 | 1.80 | 1.40 |"
+        assert table[3] == "| SQLite | 100,000 | 410 | 890 | 0.46 | 1.80 | 1.40 |"
+        assert not table[4].startswith("|")
+        results = json.loads(report.results_json.read_text())["control_plane"]
+        assert results["grpc_compose"]["sizes"][0]["cpu_at_32_clients"] is None
+        cpu = results["grpc_compose_sqlite"]["sizes"][1]["cpu_at_32_clients"]
+        assert cpu["compose"] == {"machine_cpu_us_per_call": pytest.approx(890.0), "busy_cores": pytest.approx(1.4)}
 
     def test_links_the_plots(self, report: ReportFiles) -> None:
         text = report.results_md.read_text()
@@ -370,6 +382,9 @@ class TestComposeBenchSizes:
         assert figures["settings"]["devices"] == 400
         assert set(figures["sizes"]) == {"200", "400"}
         assert figures["rows"] == figures["sizes"]["400"]["rows"]
+        at_32 = [row for row in figures["rows"] if row["clients"] == 32 and row["rpc"] in ("noop", "compose")]
+        assert all(row["machine_cpu_us_per_call"] > 0 and row["busy_cores"] > 0 for row in at_32), at_32
+        assert figures["machine_cpu_ratio_at_32_clients"] > 0
         hosts_at_200 = figures["sizes"]["200"]["max_calls_per_point"]
         assert all(row["calls"] <= hosts_at_200 for row in figures["sizes"]["200"]["rows"])
         files = write_report(placement_fixture(), tmp_path / "report", control_plane_dir=out.parent)

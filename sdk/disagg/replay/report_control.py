@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,23 @@ def _compose_size(devices: int, figures: Mapping[str, Any]) -> dict[str, Any]:
         "compose_calls_per_s_at_32_clients": median("compose", 32, "calls_per_s"),
         "throughput_ratio_at_32_clients": float(figures["compose_throughput_over_noop_at_32_clients"]),
         "targets_met": bool(figures["targets_met"]),
+        "cpu_at_32_clients": _cpu(figures["rows"]),
     }
+
+
+def _cpu(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Machine CPU per call and busy cores at 32 clients, medians over the rounds; None for a file from before
+    the benchmark measured CPU (or from a machine without ``/proc``)."""
+    out = {}
+    for rpc in ("noop", "compose"):
+        measured = [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row]
+        if not measured:
+            return None
+        out[rpc] = {
+            "machine_cpu_us_per_call": float(statistics.median(row["machine_cpu_us_per_call"] for row in measured)),
+            "busy_cores": float(statistics.median(row["busy_cores"] for row in measured)),
+        }
+    return out
 
 
 def _placement(data: Mapping[str, Any]) -> dict[str, Any]:

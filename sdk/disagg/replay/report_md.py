@@ -118,6 +118,41 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
                 compose_rows,
             ),
         ]
+    cpu_rows = [
+        [
+            ledger,
+            f"{s['devices']:,}",
+            f"{cpu['noop']['machine_cpu_us_per_call']:,.0f}",
+            f"{cpu['compose']['machine_cpu_us_per_call']:,.0f}",
+            f"{cpu['noop']['machine_cpu_us_per_call'] / cpu['compose']['machine_cpu_us_per_call']:.2f}",
+            f"{cpu['noop']['busy_cores']:.2f}",
+            f"{cpu['compose']['busy_cores']:.2f}",
+        ]
+        for name, ledger in (("grpc_compose", "in-memory"), ("grpc_compose_sqlite", "SQLite"))
+        if not control[name]["missing"]
+        for s in control[name]["sizes"]
+        if (cpu := s.get("cpu_at_32_clients"))
+    ]
+    if cpu_rows:
+        lines += [
+            "",
+            "CPU at 32 clients, the whole machine's per call (client, server and kernel) and the cores it kept busy. "
+            "When every core is busy, the throughput ratio can be no better than the CPU ratio; when some stay "
+            "idle, calls wait on something else (a commit, the interpreter's lock).",
+            "",
+            *_table(
+                [
+                    "ledger",
+                    "devices",
+                    "no-op CPU µs per call",
+                    "Compose CPU µs per call",
+                    "CPU ratio",
+                    "busy cores, no-op",
+                    "busy cores, Compose",
+                ],
+                cpu_rows,
+            ),
+        ]
     lines += ["", "### Placement against fabric size", ""]
     entry = control["placement"]
     if entry["missing"]:
