@@ -117,11 +117,13 @@ class TestSync:
 
     def test_a_failed_commit_wakes_every_waiter_with_the_error(self, store: SqliteStore) -> None:
         errors: list[BaseException] = []
-        with store._db_lock:
+        queued = threading.Barrier(5)
+        with store._db_lock:  # the failing commit waits until every writer has queued its write
             store._enqueue(lambda batch: batch.prune(("INSERT INTO no_such_table VALUES (1)", ())))
 
             def writer() -> None:
                 store.put_composition(_composition("w"))
+                queued.wait(10)
                 try:
                     store.sync()
                 except FabricUnavailableError as exc:
@@ -130,6 +132,7 @@ class TestSync:
             threads = [threading.Thread(target=writer) for _ in range(4)]
             for t in threads:
                 t.start()
+            queued.wait(10)
         for t in threads:
             t.join(10)
         assert len(errors) == 4
