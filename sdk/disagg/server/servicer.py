@@ -36,6 +36,7 @@ from disagg.wire.fabric import (
     check_id,
     compose_mode_from_wire,
     compose_request_from_wire,
+    composition_into,
     composition_to_wire,
     etag_from_wire,
     event_to_wire,
@@ -46,7 +47,7 @@ from disagg.wire.fabric import (
     page_size_from_wire,
     page_token_from_wire,
     page_token_to_wire,
-    plan_to_wire,
+    plan_into,
     pool_usage_to_wire,
     remove_from_wire,
     reservation_to_wire,
@@ -286,9 +287,11 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @staticmethod
     def compose_response(result: ComposeResult) -> fm.ComposeResponse:
-        response = fm.ComposeResponse(mode=MODE_TO_WIRE[result.mode], plan=plan_to_wire(result.plan))
+        response = fm.ComposeResponse(mode=MODE_TO_WIRE[result.mode])
+        response.plan.SetInParent()  # present even when empty, as before
+        plan_into(response.plan, result.plan)
         if result.composition is not None:
-            response.composition.CopyFrom(composition_to_wire(result.composition))
+            composition_into(response.composition, result.composition)
         if result.reservation is not None:
             response.reservation.CopyFrom(reservation_to_wire(result.reservation))
         return response

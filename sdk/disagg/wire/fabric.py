@@ -37,6 +37,7 @@ from disagg.model import (
     SelectorOp,
 )
 from disagg.wire.types import (
+    KIND_FROM_WIRE,
     KIND_TO_WIRE,
     allocation_from_wire,
     allocation_to_wire,
@@ -165,12 +166,15 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
         raise InvalidRequestError(
             f"{field}.spread: {msg.spread!r} is not a failure-domain label", field=f"{field}.spread"
         )
+    kind = KIND_FROM_WIRE.get(msg.kind)  # the field's name is spelt out only for an error: this runs per Compose
+    if kind is None:
+        kind = kind_from_wire(msg.kind, f"{field}.kind")
     try:
         return ResourceRequest(
-            kind=kind_from_wire(msg.kind, f"{field}.kind"),
+            kind=kind,
             count=msg.count,
             amount_bytes=msg.amount_bytes,
-            selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors"),
+            selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors") if msg.selectors else (),
             max_latency_ns=msg.max_latency_ns if msg.HasField("max_latency_ns") else None,
             affinity=affinity,
             spread=msg.spread or None,
@@ -205,7 +209,7 @@ def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequ
         name=msg.name or None,
         min_cores=msg.min_cores,
         min_memory_bytes=msg.min_memory_bytes,
-        selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors"),
+        selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors") if msg.selectors else (),
     )
 
 
@@ -254,14 +258,21 @@ def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
 
 
 def plan_to_wire(plan: Plan) -> fm.Plan:
-    return fm.Plan(
-        host=plan.host,
-        devices=[fm.DevicePick(device=p.device, resource=p.resource, latency_ns=p.latency_ns) for p in plan.devices],
-        memory=[
-            fm.MemoryPick(pool=m.pool, amount_bytes=m.amount_bytes, resource=m.resource, latency_ns=m.latency_ns)
-            for m in plan.memory
-        ],
-    )
+    msg = fm.Plan()
+    plan_into(msg, plan)
+    return msg
+
+
+def plan_into(msg: fm.Plan, plan: Plan) -> None:
+    """Fill ``msg`` (a field of the response being built) with ``plan``: building it in place saves the copy
+    that assigning a built message makes, on every Compose."""
+    msg.host = plan.host
+    add_device = msg.devices.add
+    for p in plan.devices:
+        add_device(device=p.device, resource=p.resource, latency_ns=p.latency_ns)
+    add_memory = msg.memory.add
+    for m in plan.memory:
+        add_memory(pool=m.pool, amount_bytes=m.amount_bytes, resource=m.resource, latency_ns=m.latency_ns)
 
 
 def plan_from_wire(msg: fm.Plan) -> Plan:
@@ -273,18 +284,25 @@ def plan_from_wire(msg: fm.Plan) -> Plan:
 
 
 def composition_to_wire(c: Composition) -> fm.Composition:
-    return fm.Composition(
-        id=c.id,
-        name=c.name,
-        host=c.host,
-        state=STATE_TO_WIRE[c.state],
-        resources=[resource_to_wire(r) for r in c.resources],
-        devices=[fm.DevicePick(device=p.device, resource=p.resource, latency_ns=p.latency_ns) for p in c.devices],
-        allocations=[allocation_to_wire(a) for a in c.allocations],
-        generation=c.generation,
-        etag=c.etag,
-        message=c.message,
-    )
+    msg = fm.Composition()
+    composition_into(msg, c)
+    return msg
+
+
+def composition_into(msg: fm.Composition, c: Composition) -> None:
+    """Fill ``msg`` with ``c``, in place (see `plan_into`)."""
+    msg.id = c.id
+    msg.name = c.name
+    msg.host = c.host
+    msg.state = STATE_TO_WIRE[c.state]
+    msg.resources.extend([resource_to_wire(r) for r in c.resources])
+    add_device = msg.devices.add
+    for p in c.devices:
+        add_device(device=p.device, resource=p.resource, latency_ns=p.latency_ns)
+    msg.allocations.extend([allocation_to_wire(a) for a in c.allocations])
+    msg.generation = c.generation
+    msg.etag = c.etag
+    msg.message = c.message
 
 
 def composition_from_wire(msg: fm.Composition) -> Composition:
