@@ -138,7 +138,12 @@ def selector_from_wire(msg: fm.Selector, field: str) -> Selector:
     return Selector(msg.key, op, attribute_from_wire(msg.value, f"{field}.value"))
 
 
-def _selectors_from_wire(msgs: Sequence[fm.Selector], field: str) -> tuple[Selector, ...]:
+def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str) -> tuple[Selector, ...]:
+    """The selectors of the request field ``parent``; its ``.selectors`` name is spelt out only when there are
+    selectors to check (most requests have none, and this runs per Compose)."""
+    if not msgs:
+        return ()
+    field = f"{parent}.selectors"
     if len(msgs) > MAX_SELECTORS:
         raise InvalidRequestError(f"{field}: at most {MAX_SELECTORS} selectors", field=field)
     return tuple(selector_from_wire(s, f"{field}[{n}]") for n, s in enumerate(msgs))
@@ -174,7 +179,7 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
             kind=kind,
             count=msg.count,
             amount_bytes=msg.amount_bytes,
-            selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors") if msg.selectors else (),
+            selectors=_selectors_from_wire(msg.selectors, field),
             max_latency_ns=msg.max_latency_ns if msg.HasField("max_latency_ns") else None,
             affinity=affinity,
             spread=msg.spread or None,
@@ -209,7 +214,7 @@ def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequ
         name=msg.name or None,
         min_cores=msg.min_cores,
         min_memory_bytes=msg.min_memory_bytes,
-        selectors=_selectors_from_wire(msg.selectors, f"{field}.selectors") if msg.selectors else (),
+        selectors=_selectors_from_wire(msg.selectors, field),
     )
 
 
