@@ -300,14 +300,18 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     throughput_blocks = [x for r in range(rounds) for x in by[("compose", 32, r)]["block_ratios"]]
     latency_ratio = statistics.median(latency_blocks)
     throughput_ratio = statistics.median(throughput_blocks)
-    cpu = {
-        rpc: statistics.median(row["machine_cpu_us_per_call"] for row in rows32)
+    measured = {
+        rpc: [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row]
         for rpc in ("noop", "compose")
-        if (rows32 := [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row])
     }
+    cpu, busy = (
+        {rpc: statistics.median(row[key] for row in found) for rpc, found in measured.items() if found}
+        for key in ("machine_cpu_us_per_call", "busy_cores")
+    )
     return {
         "rows": rows,
         "machine_cpu_us_per_call_at_32_clients": cpu,
+        "busy_cores_at_32_clients": busy,
         "machine_cpu_ratio_at_32_clients": cpu["noop"] / cpu["compose"] if len(cpu) == 2 else None,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
@@ -369,12 +373,12 @@ def print_table(sizes: dict[str, dict[str, Any]]) -> None:
         )
         cpu = fig["machine_cpu_us_per_call_at_32_clients"]
         if fig["machine_cpu_ratio_at_32_clients"] is not None:
-            busy = {r["rpc"]: r["busy_cores"] for r in fig["rows"] if r["clients"] == 32 and "busy_cores" in r}
+            busy = fig["busy_cores_at_32_clients"]
             print(
                 f"{devices} devices at 32 clients: machine CPU per call {cpu['noop']:.0f} µs for a no-op, "
                 f"{cpu['compose']:.0f} µs for a Compose (their ratio, {fig['machine_cpu_ratio_at_32_clients']:.2f}, "
                 f"bounds the throughput ratio when every core is busy); busy cores of {os.cpu_count()}: "
-                f"{busy['noop']:.2f} no-op, {busy['compose']:.2f} Compose (last round)"
+                f"{busy['noop']:.2f} no-op, {busy['compose']:.2f} Compose (medians over the rounds)"
             )
 
 

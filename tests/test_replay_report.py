@@ -83,10 +83,14 @@ def compose_bench(ledger: str, noop_us: float, compose_us: float, *, cpu: bool =
         rows = []
         for r in range(3):
             for clients, rate in ((1, 1_400.0), (32, 3_200.0)):
-                noop: dict[str, Any] = {"rpc": "noop", "clients": clients, "round": r, "calls_per_s": rate}
-                compose: dict[str, Any] = {"rpc": "compose", "clients": clients, "round": r}
-                noop["p50_us"] = noop_us
-                compose.update(calls_per_s=rate * 0.6 / slower, p50_us=compose_us * slower + r)
+                point = {"clients": clients, "round": r}
+                noop: dict[str, Any] = {"rpc": "noop", **point, "calls_per_s": rate, "p50_us": noop_us}
+                compose: dict[str, Any] = {
+                    "rpc": "compose",
+                    **point,
+                    "calls_per_s": rate * 0.6 / slower,
+                    "p50_us": compose_us * slower + r,
+                }
                 if cpu:
                     noop.update(busy_cores=1.8, machine_cpu_us_per_call=400.0 + 10 * r)
                     compose.update(busy_cores=1.5 - 0.1 * r, machine_cpu_us_per_call=800.0 * slower + 10 * r)
