@@ -161,12 +161,20 @@ class CpuClock:
         )
 
 
+TICKS_PER_BLOCK_MIN = 10
+"""``/proc/stat`` counts CPU in clock ticks (10 ms on Linux), so each block's count is off by up to a tick. Below
+this many ticks per block, the per-call figures would be mostly rounding (a small fabric's short blocks can
+count none at all), so they are left out of the row rather than reported wrong."""
+
+
 def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
     """CPU per call over the blocks ``spent`` (each the difference of two `CpuClock.read` samples), and the
-    cores the machine kept busy meanwhile."""
+    cores the machine kept busy meanwhile; none when the blocks are too short for the clock to count them."""
     if not spent or not calls:
         return {}
     wall, machine, server, client = (sum(column) for column in zip(*spent, strict=True))
+    if machine < TICKS_PER_BLOCK_MIN * len(spent) * CpuClock.TICK_S:
+        return {}
     return {
         "busy_cores": machine / wall,
         "machine_cpu_us_per_call": machine / calls * 1e6,

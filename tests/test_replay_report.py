@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import runpy
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -386,14 +388,62 @@ class TestComposeBenchSizes:
         assert figures["settings"]["devices"] == 400
         assert set(figures["sizes"]) == {"200", "400"}
         assert figures["rows"] == figures["sizes"]["400"]["rows"]
-        at_32 = [row for row in figures["rows"] if row["clients"] == 32 and row["rpc"] in ("noop", "compose")]
-        assert all(row["machine_cpu_us_per_call"] > 0 and row["busy_cores"] > 0 for row in at_32), at_32
-        assert figures["machine_cpu_ratio_at_32_clients"] > 0
+        for size in figures["sizes"].values():
+            cpu_keys = {"busy_cores", "machine_cpu_us_per_call", "server_cpu_us_per_call", "client_cpu_us_per_call"}
+            for row in size["rows"]:
+                measured = cpu_keys & row.keys()
+                assert measured in (set(), cpu_keys), row
+                assert all(row[key] > 0 for key in measured), row
+            ratio = size["machine_cpu_ratio_at_32_clients"]
+            assert (ratio is not None) == (len(size["machine_cpu_us_per_call_at_32_clients"]) == 2)
+            assert ratio is None or ratio > 0
         hosts_at_200 = figures["sizes"]["200"]["max_calls_per_point"]
         assert all(row["calls"] <= hosts_at_200 for row in figures["sizes"]["200"]["rows"])
         files = write_report(placement_fixture(), tmp_path / "report", control_plane_dir=out.parent)
         sizes = json.loads(files.results_json.read_text())["control_plane"]["grpc_compose"]["sizes"]
         assert [s["devices"] for s in sizes] == [200, 400]
+
+    def test_the_cpu_clock_counts_this_process_busy(self) -> None:
+        """The clock reads real CPU from /proc: a loop that burns 0.3 s of this process's CPU shows in the
+        machine's count, the 'server' (this pid) and the client alike, each to within a few clock ticks."""
+        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        clock = bench["CpuClock"](os.getpid())
+        before = clock.read()
+        start = time.process_time()
+        while time.process_time() - start < 0.3:
+            sum(range(1000))
+        after = clock.read()
+        assert before is not None and after is not None
+        wall, machine, server, client = (b - a for a, b in zip(before, after, strict=True))
+        slack = 3 * clock.TICK_S
+        assert client >= 0.3
+        assert server >= 0.3 - slack
+        assert machine >= server - slack
+        assert wall >= server - slack
+        figures = bench["cpu_figures"]([(wall, machine, server, client)], 100)
+        assert figures["server_cpu_us_per_call"] == pytest.approx(server / 100 * 1e6)
+        assert figures["busy_cores"] == pytest.approx(machine / wall)
+
+    def test_cpu_figures_too_few_ticks_are_left_out(self) -> None:
+        """A block shorter than the clock can count gives no CPU figures, never a zero that a ratio divides by."""
+        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
+        cpu_figures = bench["cpu_figures"]
+        assert cpu_figures([(0.04, 0.0, 0.0, 0.01)] * 5, 25) == {}
+        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01)] * 5, 25) == {}
+        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1)], 0) == {}
+        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01)] * 5, 50)
+        assert enough["machine_cpu_us_per_call"] == pytest.approx(5 * least * tick / 50 * 1e6)
+        assert enough["busy_cores"] == pytest.approx(least * tick / 0.5)
+        rows = [
+            {"rpc": rpc, "clients": clients, "round": 0, "block_ratios": [1.0]}
+            for rpc in ("noop", "compose")
+            for clients in (1, 32)
+        ]
+        rows[1].update(enough)
+        unmeasured = bench["figures"](rows, 1)
+        assert unmeasured["machine_cpu_ratio_at_32_clients"] is None
+        assert unmeasured["machine_cpu_us_per_call_at_32_clients"].keys() == {"noop"}
 
     def test_bad_device_counts(self, capsys: pytest.CaptureFixture[str]) -> None:
         main = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["main"]

@@ -85,7 +85,7 @@ def _compose_size(devices: int, figures: Mapping[str, Any]) -> dict[str, Any]:
 
 def _cpu(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]] | None:
     """Machine CPU per call and busy cores at 32 clients, medians over the rounds; None for a file from before
-    the benchmark measured CPU (or from a machine without ``/proc``)."""
+    the benchmark measured CPU, from a machine without ``/proc``, or from blocks too short for its clock."""
     out = {}
     for rpc in ("noop", "compose"):
         measured = [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row]
