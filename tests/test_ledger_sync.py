@@ -96,6 +96,47 @@ class TestSync:
         worker.join()
         assert _on_disk(store.path) == {"w"}
 
+    def test_sync_does_not_wait_for_an_asynchronous_commit(self, store: SqliteStore) -> None:
+        """Writes under `asynchronous_commit` go to disk with the next group, but the writer's sync waits only
+        for what it wrote before them; a write after them is waited for, and takes them along."""
+        store.put_composition(_composition("plan"))
+        store.sync()
+        returned = threading.Event()
+
+        def writer() -> None:
+            with store.asynchronous_commit():
+                store.put_composition(_composition("done"))
+            store.sync()
+            returned.set()
+
+        with store._db_lock:  # the committer cannot commit while this is held
+            worker = threading.Thread(target=writer)
+            worker.start()
+            assert returned.wait(5), "sync waited for a write made under asynchronous_commit"
+            worker.join()
+            assert _on_disk(store.path) == {"plan"}
+        store.put_composition(_composition("after"))
+        store.sync()
+        assert _on_disk(store.path) == {"plan", "done", "after"}
+
+    def test_a_write_after_an_asynchronous_commit_is_waited_for(self, store: SqliteStore) -> None:
+        synced = threading.Event()
+
+        def writer() -> None:
+            with store.asynchronous_commit():
+                store.put_composition(_composition("done"))
+            store.put_composition(_composition("answer"))
+            store.sync()
+            synced.set()
+
+        with store._db_lock:
+            worker = threading.Thread(target=writer)
+            worker.start()
+            assert not synced.wait(0.3), "sync returned before the write after the asynchronous commit was on disk"
+        assert synced.wait(10)
+        worker.join()
+        assert _on_disk(store.path) == {"done", "answer"}
+
     def test_many_writers_each_see_their_write_on_disk(self, store: SqliteStore) -> None:
         missing: list[str] = []
 

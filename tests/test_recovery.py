@@ -8,18 +8,20 @@ ledger is SQLite. The crash tests proper (SIGKILL at every failpoint) are in tes
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from disagg import failpoints
+from disagg import codec, failpoints
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError, StaleEpochError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, CompositionState, DeviceKind, EventType, Topology
+from disagg.model import Binding, Composition, CompositionState, DeviceKind, EventType, Topology
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
@@ -92,6 +94,127 @@ class TestRequestIdsSurviveARestart:
         assert retried.device_ids == grown.device_ids and len(retried.devices) == 2
         assert len(again.fabrics["pcie0"].bindings()) == 2
         again.close()
+
+
+def stall_commits_at_first_bind(composer: FabricComposer, monkeypatch: pytest.MonkeyPatch) -> threading.Lock:
+    """From the first bind on, the composer's ledger commits nothing (its committer waits for the lock this
+    returns, held): the plan written before that bind is on disk, nothing written after it is."""
+    store = composer.store
+    assert isinstance(store, SqliteStore)
+    fabric = composer.fabrics["pcie0"]
+    bind = fabric.bind
+    held = store._db_lock
+
+    def stalling(device: str, host: str, ctx: CallContext) -> Binding:
+        if not held.locked():
+            held.acquire()
+        return bind(device, host, ctx)
+
+    monkeypatch.setattr(fabric, "bind", stalling)
+    return held
+
+
+def compose_in_thread(composer: FabricComposer, request_id: str) -> Composition | None:
+    """The composition a Compose answers, or None when it does not answer within `WAIT_S`."""
+    answers: list[Composition | None] = []
+    request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+    worker = threading.Thread(
+        target=lambda: answers.append(composer.compose(request, request_id=request_id).composition), daemon=True
+    )
+    worker.start()
+    worker.join(WAIT_S)
+    return answers[0] if answers else None
+
+
+def state_on_disk(tmp: Path, comp_id: str) -> CompositionState | None:
+    """The state of a composition in the ledger file, read by another connection."""
+    with sqlite3.connect(tmp / "ledger.db") as db:
+        row = db.execute("SELECT doc FROM compositions WHERE id = ?", (comp_id,)).fetchone()
+    return None if row is None else codec.loads(row[0], Composition).state
+
+
+class TestComposeAnswersOnItsPlansCommit:
+    """Compose waits for one commit, its plan's (the write-ahead record): it answers once the hardware holds
+    the whole plan, while its COMPOSED record may still be queued. A restart in between finds the composition
+    again from the hardware, where a plan the hardware holds only in part is undone."""
+
+    def test_the_answer_does_not_wait_for_the_composed_record(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        composer = opened(tmp_path)
+        held = stall_commits_at_first_bind(composer, monkeypatch)
+        try:
+            answer = compose_in_thread(composer, "req-1")
+            assert answer is not None, "Compose waited for the commit of its COMPOSED record"
+            assert answer.state is CompositionState.COMPOSED
+            assert state_on_disk(tmp_path, answer.id) is CompositionState.COMPOSING
+        finally:
+            held.release()
+        composer.close()
+        assert state_on_disk(tmp_path, answer.id) is CompositionState.COMPOSED
+
+    def test_a_restart_before_the_composed_record_finds_the_composition(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        first = opened(tmp_path)
+        held = stall_commits_at_first_bind(first, monkeypatch)
+        answer = compose_in_thread(first, "req-1")
+        assert answer is not None
+        again = opened(tmp_path)  # the first one's ledger never commits again: as if it had been killed
+        try:
+            found = again.find(answer.id)
+            assert found.state is CompositionState.COMPOSED and found.pending is None
+            assert found.device_ids == answer.device_ids and found.generation == answer.generation
+            assert found.allocations == answer.allocations
+            assert state_on_disk(tmp_path, answer.id) is CompositionState.COMPOSED
+            request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+            retried = again.compose(request, request_id="req-1").composition
+            assert retried is not None and retried.id == answer.id
+            assert sorted(b.device for b in again.fabrics["pcie0"].bindings()) == sorted(answer.device_ids)
+            assert [a.id for a in again.fabrics["cxl0"].pool("cxl0/mem0").allocations()] == [
+                a.id for a in answer.allocations
+            ]
+            free = {p.pool: p.free_bytes for p in again.usage()[1]}["cxl0/mem0"]
+            assert again.reconcile() == 0
+            assert {p.pool: p.free_bytes for p in again.usage()[1]}["cxl0/mem0"] == free
+            assert not events_of(again, EventType.BINDING_QUARANTINED)
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+    def test_a_restart_midway_through_the_binds_undoes_them(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        first = opened(tmp_path)
+        fabric = first.fabrics["pcie0"]
+        bind = fabric.bind
+        stuck, go_on = threading.Event(), threading.Event()
+        binds: list[str] = []
+
+        def crash_before_the_second(device: str, host: str, ctx: CallContext) -> Binding:
+            if binds:
+                stuck.set()  # the "crash": this compose goes no further while the next server starts
+                go_on.wait(60)
+            binds.append(device)
+            return bind(device, host, ctx)
+
+        monkeypatch.setattr(fabric, "bind", crash_before_the_second)
+        request = parse_request("job", ["host h1", "gpu x2"])
+        worker = threading.Thread(target=lambda: first.compose(request, request_id="req-2"), daemon=True)
+        worker.start()
+        assert stuck.wait(WAIT_S)
+        assert len(binds) == 1 and [b.device for b in fabrics(tmp_path)["pcie0"].bindings()] == binds
+        again = opened(tmp_path)
+        try:
+            assert list(again.compositions()) == []
+            assert list(again.fabrics["pcie0"].bindings()) == []
+            assert not events_of(again, EventType.BINDING_QUARANTINED)
+        finally:
+            again.close()
+            go_on.set()
+            worker.join(WAIT_S)
+            first.close()
 
 
 class TestCordonsSurviveARestart:

@@ -24,7 +24,7 @@ FAILPOINTS: dict[str, str] = {
     "compose.after_bind": "after each device of a new composition is bound",
     "compose.after_allocate": "after each allocation of a new composition is carved",
     "compose.before_commit": "every driver call of a new composition succeeded; it is not yet COMPOSED",
-    "compose.after_commit": "a new composition is COMPOSED on disk; its answer is not yet recorded",
+    "compose.after_commit": "a new composition is COMPOSED, its record queued for the next commit; no answer yet",
     "recompose.after_bind": "after each device added to a composition is bound",
     "recompose.after_allocate": "after each allocation added to a composition is carved",
     "recompose.before_commit": "the devices added are bound; the composition does not list them yet",

@@ -24,6 +24,7 @@ import attrs
 from disagg import failpoints
 from disagg.composer import requests, steps
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep
+from disagg.composer.hardware import HardwareView
 from disagg.composer.index import Inventory
 from disagg.composer.placement import Line, Pin, Placer, describe_line
 from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
@@ -135,6 +136,12 @@ def _durably(method: C) -> C:
             self.store.sync()
 
     return cast(C, durable)
+
+
+def _composed(answer: object) -> bool:
+    """A Compose that made a composition: the composition carries its request id and digest, so a retry after
+    a restart finds it (`FabricComposer._made_by_request`) even when the answer's own record was lost."""
+    return isinstance(answer, ComposeResult) and answer.mode is ComposeMode.APPLY and answer.composition is not None
 
 
 class FabricComposer(Composer):
@@ -276,15 +283,19 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- recovery and reconciliation
 
     def _recover(self, only: set[str] | None = None) -> None:
-        """Finish or undo what a crash interrupted, from the ledger alone: a pending ADD is undone (a new
-        composition deleted, a changed one put back as it was), a pending REMOVE and a DECOMPOSING
-        composition are finished. What cannot be undone leaves the composition FAILED, naming it.
+        """Finish or undo what a crash interrupted: a new composition whose every binding and allocation the
+        hardware holds is finished (its answer may have been given: `_bind_new`); any other pending ADD is
+        undone (a new composition deleted, a changed one put back as it was); a pending REMOVE and a
+        DECOMPOSING composition are finished. What cannot be undone leaves the composition FAILED, naming it.
 
         ``only``: just these compositions (those of a fabric that answers again, while every other change
         may be in flight)."""
+        hardware = HardwareView(self.fabrics)
         for comp in list(self._compositions.values()):
             if (only is not None and comp.id not in only) or self._touches_unreachable(comp):
                 continue  # settled once its fabric answers (`retry_unreachable`)
+            if comp.pending is not None and self._finished_on_hardware(comp, comp.pending, hardware):
+                continue
             if comp.pending is not None:
                 self._recover_change(comp, comp.pending)
             elif comp.state is CompositionState.DECOMPOSING:
@@ -298,6 +309,33 @@ class FabricComposer(Composer):
                 with self._lock:
                     state = self._standing(comp)
                     self._set(comp, state=state)
+
+    def _finished_on_hardware(self, comp: Composition, change: PendingChange, hardware: HardwareView) -> bool:
+        """Finish a new composition whose pending ADD the hardware holds whole, as COMPOSED (or DEGRADED), with
+        the allocations as the hardware has them; returns whether it did. Compose answers once its plan is
+        durable and every driver call has succeeded, before its COMPOSED record is on disk, so a crash between
+        the two must find the composition again, not undo it."""
+        if change.kind is not ChangeKind.ADD or change.restore is not None:
+            return False
+        try:
+            held = hardware.holds(
+                comp.host,
+                [(self._fabric_of(p.device), p.device) for p in change.devices],
+                [(self._fabric_of_pool(a.pool), a) for a in change.allocations],
+            )
+        except DisaggError as exc:
+            log.warning("cannot read the hardware of %s (%s): undoing its interrupted compose", comp.id, exc.message)
+            return False
+        if held is None:
+            return False
+        log.warning("a restart interrupted the compose of %s after the hardware held all of it: finishing it", comp.id)
+        with self._lock:
+            for alloc in held:
+                if alloc.pool in self._inv.pools:
+                    self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+            comp = attrs.evolve(comp, allocations=held, pending=None)
+            self._set(comp, state=self._standing(comp))
+        return True
 
     def _recover_change(self, comp: Composition, change: PendingChange) -> None:
         verb = "undo" if change.kind is ChangeKind.ADD else "finish"
@@ -742,14 +780,24 @@ class FabricComposer(Composer):
             request_id,
             (request, mode, reservation_ttl_s),
             lambda: self._compose(request, mode, reservation_ttl_s, deadline),
+            found_again=_composed,
         )
 
-    def _once(self, request_id: str | None, fingerprint: object, run: Callable[[], Steps[T]]) -> Steps[T]:
+    def _once(
+        self,
+        request_id: str | None,
+        fingerprint: object,
+        run: Callable[[], Steps[T]],
+        *,
+        found_again: Callable[[object], bool] = lambda answer: False,
+    ) -> Steps[T]:
         """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
         for it while it is in progress), another fingerprint `RequestIdReusedError`. A failure forgets the id,
         so that a retry runs again, unless ``run`` raised it as `_SettledError` (it failed after changing
         something): then the error is the answer a retry gets. Answers are written to the ledger, so a retry
-        after a restart gets them too."""
+        after a restart gets them too. An answer that ``found_again`` accepts (a retry after a restart finds
+        it from the records of the change itself, as `_made_by_request` finds a composition) is given without
+        waiting for its own record to be on disk."""
         if request_id is None:
             try:
                 return (yield from run())
@@ -794,9 +842,13 @@ class FabricComposer(Composer):
             raise
         finally:
             _ASKING.reset(asking)
-        with self._lock:
-            self._answered(request_id, fp, answer)
-        yield DURABLE
+        if found_again(answer):
+            with self._lock, self.store.asynchronous_commit():
+                self._answered(request_id, fp, answer)
+        else:
+            with self._lock:
+                self._answered(request_id, fp, answer)
+            yield DURABLE
         done.set()
         return answer
 
@@ -910,9 +962,11 @@ class FabricComposer(Composer):
                 self._fail_new(comp, plan, failed)
             raise failed.error from None
         failpoints.hit("compose.before_commit")
-        with self._lock:
+        # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
+        # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
+        # One commit to wait for per Compose instead of two (docs/durability.md).
+        with self._lock, self.store.asynchronous_commit():
             comp = self._set(comp, state=CompositionState.COMPOSED, allocations=allocations, pending=None)
-        yield DURABLE
         failpoints.hit("compose.after_commit")
         return comp
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
@@ -94,6 +95,16 @@ class Store(abc.ABC):
         Raises at once when the store can no longer make writes durable."""
         self.sync()
         return False
+
+    @contextlib.contextmanager
+    def asynchronous_commit(self) -> Iterator[None]:
+        """Writes made inside are committed with the next group as usual, but this caller's `sync` (and
+        `synced`, `when_synced`) does not wait for them: it waits for what the caller wrote before, and for
+        what it writes after (commits keep queue order, so those cover these too). For writes that recovery
+        rebuilds from the hardware if a crash loses them, such as a new composition's COMPOSED record once
+        every binding of its durable plan is made. A store whose writes are durable when they return (the
+        default) has nothing to leave out."""
+        yield
 
     def close(self) -> None:
         """Release files and connections; the default holds none."""

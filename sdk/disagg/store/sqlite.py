@@ -22,7 +22,7 @@ import heapq
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -207,6 +207,15 @@ class SqliteStore(Store):
         """Wait until every write this thread or task queued is on disk, and so every write queued before it
         (groups commit in queue order); raises `FabricUnavailableError` if it cannot be."""
         self._wait_for(self._mine())
+
+    @contextlib.contextmanager
+    def asynchronous_commit(self) -> Iterator[None]:
+        """See `Store.asynchronous_commit`: the caller's last queued write is put back as it was before."""
+        before = _last_queued.get((None, 0))
+        try:
+            yield
+        finally:
+            _last_queued.set(before)
 
     def _mine(self) -> int:
         """The sequence number of the last write this caller queued in this ledger (0: none)."""
