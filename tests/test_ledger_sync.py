@@ -80,10 +80,16 @@ class TestSync:
         finally:
             other.close()
 
-    def test_a_writer_waits_for_its_commit(self, store: SqliteStore) -> None:
+    @pytest.mark.parametrize("after_asynchronous", [False, True], ids=["alone", "after-an-asynchronous-commit"])
+    def test_a_writer_waits_for_its_commit(self, store: SqliteStore, after_asynchronous: bool) -> None:
+        """Also when its write follows one under `asynchronous_commit`: that one goes along in queue order."""
         synced = threading.Event()
+        earlier = {"done"} if after_asynchronous else set()
 
         def writer() -> None:
+            with store.asynchronous_commit():
+                for cid in earlier:
+                    store.put_composition(_composition(cid))
             store.put_composition(_composition("w"))
             store.sync()
             synced.set()
@@ -94,7 +100,7 @@ class TestSync:
             assert not synced.wait(0.3), "sync returned while the committer could not commit"
         assert synced.wait(10)
         worker.join()
-        assert _on_disk(store.path) == {"w"}
+        assert _on_disk(store.path) == {"w"} | earlier
 
     def test_sync_does_not_wait_for_an_asynchronous_commit(self, store: SqliteStore) -> None:
         """Writes under `asynchronous_commit` go to disk with the next group, but the writer's sync waits only
@@ -118,24 +124,6 @@ class TestSync:
         store.put_composition(_composition("after"))
         store.sync()
         assert _on_disk(store.path) == {"plan", "done", "after"}
-
-    def test_a_write_after_an_asynchronous_commit_is_waited_for(self, store: SqliteStore) -> None:
-        synced = threading.Event()
-
-        def writer() -> None:
-            with store.asynchronous_commit():
-                store.put_composition(_composition("done"))
-            store.put_composition(_composition("answer"))
-            store.sync()
-            synced.set()
-
-        with store._db_lock:
-            worker = threading.Thread(target=writer)
-            worker.start()
-            assert not synced.wait(0.3), "sync returned before the write after the asynchronous commit was on disk"
-        assert synced.wait(10)
-        worker.join()
-        assert _on_disk(store.path) == {"done", "answer"}
 
     def test_many_writers_each_see_their_write_on_disk(self, store: SqliteStore) -> None:
         missing: list[str] = []
