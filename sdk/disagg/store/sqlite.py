@@ -76,6 +76,13 @@ def _call_back(callbacks: list[Synced], failure: Exception | None) -> None:
             log.exception("a ledger waiter failed")
 
 
+def _call_loops(loops: dict[asyncio.AbstractEventLoop, list[Synced]], failure: Exception | None) -> None:
+    """Tell each loop, with one call into it, that its waiters' writes are durable (or why they cannot be)."""
+    for loop, callbacks in loops.items():
+        with contextlib.suppress(RuntimeError):  # the loop was closed: nobody waits any more
+            loop.call_soon_threadsafe(_call_back, callbacks, failure)
+
+
 def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
     if future.done():
         return
@@ -127,17 +134,22 @@ class SqliteStore(Store):
     # ----------------------------------------------------------------- the committer
 
     def _enqueue(self, write: Callable[[Batch], None], event: Event | None = None) -> None:
-        """Queue ``write`` (applied to the batch the next commit takes) as this caller's latest write."""
+        """Queue ``write`` (applied to the batch the next commit takes) as this caller's latest write; with the
+        ``event`` it appends, refuse a revision not above the newest (here, not in the committer: one bad
+        statement must not fail a whole group of commits)."""
         with self._lock:
             if self._failure is not None:
                 raise self._failed()
             if self._closing:
                 raise FabricUnavailableError(f"the ledger at {self.path} is closed")
+            if event is not None:
+                if event.revision <= self._newest_event:
+                    raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
+                self._newest_event = event.revision
+                self._queued_events.append(event)
             write(self._batch)
             self._queued += 1
             _last_queued.set((self, self._queued))
-            if event is not None:
-                self._queued_events.append(event)
             if self._idle:
                 self._cond.notify()
 
@@ -165,17 +177,21 @@ class SqliteStore(Store):
             except BaseException as exc:
                 with self._lock:
                     self._failure = exc
-                    self._wake(None)
+                    woken = self._wake(None)
+                _call_loops(woken, self._failed())
                 return
             committed = batch.keys(EVENTS)
             with self._lock:
                 self._durable = upto
                 self._queued_events = [e for e in self._queued_events if e.revision not in committed]
-                self._wake(upto)
+                woken = self._wake(upto)
+            _call_loops(woken, None)
 
-    def _wake(self, upto: int | None) -> None:
-        """Wake the callers waiting for sequence numbers up to ``upto`` (None: all, the ledger failed); a
-        loop's waiters are woken together, with one call into the loop; call holding ``_lock``."""
+    def _wake(self, upto: int | None) -> dict[asyncio.AbstractEventLoop, list[Synced]]:
+        """Wake the threads waiting for sequence numbers up to ``upto`` (None: all, the ledger failed), and
+        return the loops' waiters, each loop's together, for `_call_loops`; call holding ``_lock``. The loops
+        are called after it is released: a call into a loop writes to its socket, which lets the loop's thread
+        run, and that thread would then wait for ``_lock`` to queue its next write."""
         waiting = self._waiting
         loops: dict[asyncio.AbstractEventLoop, list[Synced]] = {}
         while waiting and (upto is None or waiting[0][0] <= upto):
@@ -184,10 +200,7 @@ class SqliteStore(Store):
                 loops.setdefault(waiter[0], []).append(waiter[1])
             else:
                 waiter.release()
-        failure = self._failed() if self._failure is not None else None
-        for loop, callbacks in loops.items():
-            with contextlib.suppress(RuntimeError):  # the loop was closed: nobody waits any more
-                loop.call_soon_threadsafe(_call_back, callbacks, failure)
+        return loops
 
     def _queue_waiter(self, target: int, waiter: Waiter) -> bool:
         """Queue ``waiter`` for the commit of sequence number ``target``; False when that is on disk already.
@@ -318,11 +331,6 @@ class SqliteStore(Store):
         self._enqueue(lambda batch: batch.delete(REQUESTS, request_id))
 
     def append_event(self, event: Event) -> None:
-        with self._lock:
-            if event.revision <= self._newest_event:
-                # Refused here, not in the committer: one bad statement must not fail a whole group of commits.
-                raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
-            self._newest_event = event.revision
         row = (event.revision, codec.record(event))
 
         def write(batch: Batch) -> None:
