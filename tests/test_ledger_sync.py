@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from disagg.errors import FabricUnavailableError
-from disagg.model import Composition, CompositionState
+from disagg.model import Composition, CompositionState, Event, EventType
 from disagg.store import SqliteStore
 
 
@@ -124,6 +124,26 @@ class TestSync:
         store.put_composition(_composition("after"))
         store.sync()
         assert _on_disk(store.path) == {"plan", "done", "after"}
+
+    def test_await_event_waits_until_the_event_is_on_disk(self, store: SqliteStore) -> None:
+        store.append_event(Event(1, EventType.DEVICE_CORDONED, "d1", "", 0.0, {}))
+        store.sync()
+        store.await_event(1)  # on disk already: returns at once
+        durable = threading.Event()
+
+        def watcher() -> None:
+            store.await_event(2)
+            durable.set()
+
+        with store._db_lock:
+            store.append_event(Event(2, EventType.DEVICE_CORDONED, "d2", "", 0.0, {}))
+            worker = threading.Thread(target=watcher)
+            worker.start()
+            assert not durable.wait(0.3), "await_event returned for an event not yet on disk"
+        assert durable.wait(10)
+        worker.join()
+        with sqlite3.connect(store.path) as db:
+            assert [r for (r,) in db.execute("SELECT revision FROM events ORDER BY revision")] == [1, 2]
 
     def test_many_writers_each_see_their_write_on_disk(self, store: SqliteStore) -> None:
         missing: list[str] = []

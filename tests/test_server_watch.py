@@ -230,6 +230,38 @@ class TestWatchAcrossARestart:
     """With the durable ledger, a watch resumes from a revision across a server restart with no gap and no
     duplicate, and a revision the ledger has compacted away is refused with OUT_OF_RANGE."""
 
+    def test_an_event_is_sent_once_it_is_on_disk(self, tmp_path: Path) -> None:
+        """A live event reaches a watch as it is made, before its commit; the watch sends it only once the
+        ledger holds it, so that no crash can take back an event a watcher has seen."""
+        store = SqliteStore(tmp_path / "l.db")
+        comp = composer(store=store)
+        context = FakeContext()
+        sent: list[int] = []
+        got = [threading.Event(), threading.Event()]
+
+        def watcher() -> None:
+            for event in watch_events(comp, 0, context, Watches(4)):  # type: ignore[arg-type]
+                sent.append(event.revision)
+                got[event.revision - 1].set()
+
+        watching = threading.Thread(target=watcher, daemon=True)
+        watching.start()
+        changer = threading.Thread(target=comp.cordon, args=(GPUS[0],), daemon=True)
+        try:
+            comp.cordon(GPUS[1])
+            assert got[0].wait(WAIT_S)  # the watch is past the log, waiting for live events
+            with store._db_lock:  # the committer cannot commit while this is held
+                changer.start()
+                wait_until(lambda: comp.revision == 2, "the second cordon's event")
+                assert not got[1].wait(0.3), "the watch sent an event that is not on disk"
+            assert got[1].wait(WAIT_S)
+            assert sent == [1, 2]
+        finally:
+            context.cancel()
+            watching.join(WAIT_S)
+            changer.join(WAIT_S)
+            comp.close()
+
     def test_resume_after_a_restart(self, tmp_path: Path) -> None:
         hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
         with serving(socket_path(tmp_path), hardware, store=SqliteStore(tmp_path / "l.db")) as served:

@@ -6,6 +6,11 @@ composer *before* it reads the log, so every event is in the log, the buffer, or
 is skipped by revision. The composer calls listeners under its lock, so a buffer never blocks: when it is
 full it drops events and says so, and the watcher reads the missed ones from the log instead.
 
+An event is sent once the ledger holds it durably (`Store.await_event`): live events reach the buffer as they
+are made, before their commit, and a crash could take back one not yet on disk; after the restart its
+revision would be missing from the log, or reused by another event, and a watcher that had seen it would
+resume with a gap.
+
 Revisions rise by exactly one per event, so a hole in what the log returns means the store no longer holds
 those events (the in-memory ledger keeps the newest N): the watch then ends with OUT_OF_RANGE
 (`RevisionCompactedError`) rather than skip silently. A revision ahead of the newest one (the log was reset,
@@ -156,6 +161,7 @@ def watch_events(
                 if event.revision != cursor + 1:
                     cursor = yield from _replay(composer, cursor, buffer)
                     continue
+                composer.store.await_event(event.revision)
                 yield event
                 cursor = event.revision
         if buffer.stopping:
@@ -184,6 +190,7 @@ def _replay(
                     metadata={"oldest": str(event.revision), "after": str(cursor)},
                 )
             first = False
+            composer.store.await_event(event.revision)
             yield event
             cursor = event.revision
         if len(batch) < LOG_PAGE:

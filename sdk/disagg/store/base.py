@@ -96,6 +96,13 @@ class Store(abc.ABC):
         self.sync()
         return False
 
+    def await_event(self, revision: int) -> None:
+        """Wait until the event of ``revision``, and every one before it, is durable. An event watch sends
+        only such events: one that a crash could still take back would leave its watcher, after the restart,
+        with a revision that the log lacks or that a new event reuses. The default has nothing to wait for;
+        raises `FabricUnavailableError` when the events cannot be made durable."""
+        return None
+
     @contextlib.contextmanager
     def asynchronous_commit(self) -> Iterator[None]:
         """Writes made inside are committed with the next group as usual, but this caller's `sync` (and

@@ -230,6 +230,15 @@ class SqliteStore(Store):
         finally:
             _last_queued.set(before)
 
+    def await_event(self, revision: int) -> None:
+        """See `Store.await_event`. Events are queued in revision order and committed in queue order: while
+        the oldest event not yet on disk is at or below ``revision``, wait for everything queued now."""
+        with self._lock:
+            pending = bool(self._queued_events) and self._queued_events[0].revision <= revision
+            everything = self._queued
+        if pending:
+            self._wait_for(everything)
+
     def _mine(self) -> int:
         """The sequence number of the last write this caller queued in this ledger (0: none)."""
         ledger, last = _last_queued.get((None, 0))
