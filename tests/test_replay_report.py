@@ -408,17 +408,22 @@ class TestComposeBenchSizes:
         machine's count, the 'server' (this pid) and the client alike, each to within a few clock ticks."""
         bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
         clock = bench["CpuClock"](os.getpid())
-        before = clock.read()
+
+        def stolen() -> float:
+            """CPU time the hypervisor took: the machine's busy count leaves it out, this process's does not."""
+            return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) * clock.TICK_S
+
+        before, stolen_before = clock.read(), stolen()
         start = time.process_time()
         while time.process_time() - start < 0.3:
             sum(range(1000))
-        after = clock.read()
+        after, steal = clock.read(), stolen() - stolen_before
         assert before is not None and after is not None
         wall, machine, server, client = (b - a for a, b in zip(before, after, strict=True))
         slack = 3 * clock.TICK_S
         assert client >= 0.3
         assert server >= 0.3 - slack
-        assert machine >= server - slack
+        assert machine + steal >= server - slack
         assert wall >= server - slack
         figures = bench["cpu_figures"]([(wall, machine, server, client)], 100)
         assert figures["server_cpu_us_per_call"] == pytest.approx(server / 100 * 1e6)
