@@ -20,7 +20,7 @@ from composer_helpers import composer, hardware_bindings, ledger_bindings, rack
 from disagg.composer import FabricComposer, steps
 from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import ConflictError, NoFitError
-from disagg.model import ComposeMode, CompositionState, Event, EventType
+from disagg.model import ComposeMode, Composition, CompositionState, Event, EventType
 from disagg.requestlang import parse_request
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import create_fabric
@@ -297,19 +297,30 @@ class TestComposeOnALoop:
         finally:
             reopened.close()
 
-    def test_answers_only_when_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
+    def test_answers_once_its_plan_is_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
+        """The answer waits for the plan's commit; the COMPOSED record follows with the next commit (recovery
+        finishes a plan the hardware holds whole, so the answer need not wait for it: test_recovery.py)."""
+
+        def stored() -> Composition:
+            on_disk = SqliteStore(tmp_path / "ledger.db")
+            try:
+                (only,) = on_disk.load().compositions
+            finally:
+                on_disk.close()
+            return only
+
         comp, _ = _sqlite_composer(tmp_path)
         with comp:
             request = parse_request("durable", ["gpu x2 model=H200"])
             result = asyncio.run(comp.run_async(comp.compose_steps(request), threads))
             assert result.composition is not None
-            on_disk = SqliteStore(tmp_path / "ledger.db")
-            try:
-                (stored,) = on_disk.load().compositions
-            finally:
-                on_disk.close()
-            assert stored.state is CompositionState.COMPOSED
-            assert stored.devices == result.composition.devices
+            answered = stored()
+            assert answered.id == result.composition.id and answered.devices == result.composition.devices
+            if answered.state is CompositionState.COMPOSING:
+                assert answered.pending is not None and answered.pending.devices == result.composition.devices
+            else:
+                assert answered.state is CompositionState.COMPOSED
+        assert stored().state is CompositionState.COMPOSED  # closing the ledger commits what is queued
 
     def test_a_refusal_changes_nothing(self, threads: ThreadPoolExecutor) -> None:
         fabrics = rack()

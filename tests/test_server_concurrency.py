@@ -39,6 +39,7 @@ from server_helpers import (
     guarded_channel,
     serving,
     socket_path,
+    wait_until,
 )
 
 GPUS = 3
@@ -170,7 +171,9 @@ class Rack:
         them, that the driver binds exactly their devices to their hosts, and that the free GPU count agrees."""
         comps = list(self.listing().compositions)
         assert [c.name for c in comps if c.state in BUSY_STATES] == []
-        assert self.durable() == {c.id: c for c in comps}
+        live = {c.id: c for c in comps}
+        # A Compose answers before its COMPOSED record is on disk; the next commit, at once, holds it.
+        wait_until(lambda: self.durable() == live, "the ledger file to hold exactly the live compositions")
         held = sorted((p.device, c.host) for c in comps for p in c.devices)
         assert self.bound() == held
         assert self.free_gpus() == GPUS - len(held)
