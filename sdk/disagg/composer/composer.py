@@ -380,16 +380,15 @@ class FabricComposer(Composer):
             pools: dict[str, list[str]] = {}
             for entry in self._inv.pools.values():
                 pools.setdefault(entry.info.fabric, []).append(entry.info.id)
+        hardware = HardwareView(self.fabrics)
         bound: dict[str, str] = {}
         carved: dict[tuple[str, str], Allocation] = {}
         read: set[str] = set()
-        for name, fabric in self.fabrics.items():
+        for name in self.fabrics:
             try:
-                for b in fabric.bindings():
-                    bound[b.device] = b.host
+                bound.update(hardware.bound(name))
                 for pool_id in pools.get(name, ()):
-                    for a in fabric.pool(pool_id).allocations():
-                        carved[(a.pool, a.id)] = a
+                    carved.update(((a.pool, a.id), a) for a in hardware.carved(name, pool_id).values())
             except DisaggError as exc:
                 log.warning("reconcile: cannot read fabric %s: %s", name, exc.message)
                 continue

@@ -1,4 +1,4 @@
-"""What the hardware holds, read for one recovery pass: the truth that an interrupted compose is judged by."""
+"""What the hardware holds, read for one pass of recovery or reconciliation: the truth the ledger is judged by."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from disagg.model import Allocation
 
 class HardwareView:
     """The bindings and allocations of the fabrics, each read when first needed and kept for the pass, so that
-    a restart with many compositions interrupted reads every fabric once, not once per composition. Reads
-    raise what the driver raises (`disagg.errors.DisaggError`)."""
+    a restart with many compositions interrupted reads every fabric once, not once per composition (and a
+    reconciliation reads each once). Reads raise what the driver raises (`disagg.errors.DisaggError`)."""
 
     def __init__(self, fabrics: Mapping[str, Fabric]) -> None:
         self._fabrics = fabrics
