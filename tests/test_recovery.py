@@ -114,10 +114,14 @@ def stall_commits_at_first_bind(composer: FabricComposer, monkeypatch: pytest.Mo
     return held
 
 
+JOB = ["host h1", "gpu x2", "cxl-memory 8GiB"]
+"""The request of the tests of a Compose interrupted after its answer: devices and memory both."""
+
+
 def compose_in_thread(composer: FabricComposer, request_id: str) -> Composition | None:
-    """The composition a Compose answers, or None when it does not answer within `WAIT_S`."""
+    """The composition a Compose of `JOB` answers, or None when it does not answer within `WAIT_S`."""
     answers: list[Composition | None] = []
-    request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+    request = parse_request("job", JOB)
     worker = threading.Thread(
         target=lambda: answers.append(composer.compose(request, request_id=request_id).composition), daemon=True
     )
@@ -167,8 +171,7 @@ class TestComposeAnswersOnItsPlansCommit:
             assert found.device_ids == answer.device_ids and found.generation == answer.generation
             assert found.allocations == answer.allocations
             assert state_on_disk(tmp_path, answer.id) is CompositionState.COMPOSED
-            request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
-            retried = again.compose(request, request_id="req-1").composition
+            retried = again.compose(parse_request("job", JOB), request_id="req-1").composition
             assert retried is not None and retried.id == answer.id
             assert sorted(b.device for b in again.fabrics["pcie0"].bindings()) == sorted(answer.device_ids)
             assert [a.id for a in again.fabrics["cxl0"].pool("cxl0/mem0").allocations()] == [

@@ -294,10 +294,9 @@ class FabricComposer(Composer):
         for comp in list(self._compositions.values()):
             if (only is not None and comp.id not in only) or self._touches_unreachable(comp):
                 continue  # settled once its fabric answers (`retry_unreachable`)
-            if comp.pending is not None and self._finished_on_hardware(comp, comp.pending, hardware):
-                continue
             if comp.pending is not None:
-                self._recover_change(comp, comp.pending)
+                if not self._finished_on_hardware(comp, comp.pending, hardware):
+                    self._recover_change(comp, comp.pending)
             elif comp.state is CompositionState.DECOMPOSING:
                 log.warning("finishing the decompose of %s that a restart interrupted", comp.id)
                 try:
