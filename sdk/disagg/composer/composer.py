@@ -647,12 +647,13 @@ class FabricComposer(Composer):
         self._compositions[new.id] = new
         self.store.put_composition(new)
         if new.state is not comp.state:
+            before, after = comp.state.value, new.state.value
             self._emit(
                 EventType.COMPOSITION_STATE_CHANGED,
                 new.id,
-                f"{comp.state.value} -> {new.state.value}" + (f": {new.message}" if new.message else ""),
-                old=comp.state.value,
-                new=new.state.value,
+                f"{before} -> {after}" + (f": {new.message}" if new.message else ""),
+                old=before,
+                new=after,
             )
         return new
 

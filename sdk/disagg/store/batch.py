@@ -23,9 +23,10 @@ ROWS_PER_STATEMENT = 200
 parameters (999 before 3.32) for the widest table (4 columns)."""
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Table:
-    """A ledger table whose rows are written whole: the key is the first column."""
+    """A ledger table whose rows are written whole: the key is the first column. Each table is one constant, so it
+    compares and hashes by identity, in C: a batch keys every write by its table and row."""
 
     name: str
     key: str
