@@ -13,13 +13,14 @@ import itertools
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from disagg.composer import FabricComposer
 from disagg.interfaces import CallContext, Fabric, Pool
-from disagg.model import Allocation
+from disagg.model import Allocation, Composition
 from disagg.remote import DriverServer, RemoteFabric
-from disagg.store import Store
+from disagg.store import SqliteStore, Store
 from disagg_sim import SimFabric, create_fabric
 
 TRANSPORTS = ("local", "unix", "tcp")
@@ -164,3 +165,13 @@ class BrokenPools(SimFabric):
 
     def pool(self, pool: str) -> Any:
         return FailingPool(super().pool(pool), self.error)
+
+
+def compositions_on_disk(ledger: Path) -> tuple[Composition, ...]:
+    """The compositions in a SQLite ledger file, as a restarted server would load them: read through a second
+    store on the file, while the first may still be open."""
+    reopened = SqliteStore(ledger)
+    try:
+        return reopened.load().compositions
+    finally:
+        reopened.close()

@@ -31,12 +31,12 @@ from typing import Any
 
 import attrs
 import grpc
+from composer_helpers import compositions_on_disk
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.failpoints import ENV as FAILPOINTS_ENV
 from disagg.model import Allocation, Composition, CompositionState
-from disagg.store import SqliteStore
 from disagg.wire.fabric import composition_from_wire
 from disagg_sim import create_fabric
 from process_helpers import ChildOutput
@@ -155,12 +155,7 @@ class CrashRig:
 
     def ledger(self) -> tuple[Composition, ...]:
         """The compositions in the ledger file, as a restarted server would load them."""
-        store = SqliteStore(self.ledger_path)
-        try:
-            state = store.load()
-        finally:
-            store.close()
-        return tuple(sorted(state.compositions, key=lambda c: (c.name, c.id)))
+        return tuple(sorted(compositions_on_disk(self.ledger_path), key=lambda c: (c.name, c.id)))
 
     def ledger_events(self) -> list[dict[str, Any]]:
         """Every event in the ledger file as stored (JSON), read without the model so no type is refused."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from composer_helpers import composer, hardware_bindings, ledger_bindings, rack
+from composer_helpers import composer, compositions_on_disk, hardware_bindings, ledger_bindings, rack
 from disagg.composer import FabricComposer, steps
 from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import ConflictError, NoFitError
@@ -291,22 +291,14 @@ class TestComposeOnALoop:
             asyncio.run(undo())
             assert comp.compositions() == []
             assert hardware_bindings(fabrics) == {}
-        reopened = SqliteStore(tmp_path / "ledger.db")
-        try:
-            assert reopened.load().compositions == ()
-        finally:
-            reopened.close()
+        assert compositions_on_disk(tmp_path / "ledger.db") == ()
 
     def test_answers_once_its_plan_is_durable(self, tmp_path: Path, threads: ThreadPoolExecutor) -> None:
         """The answer waits for the plan's commit; the COMPOSED record follows with the next commit (recovery
         finishes a plan the hardware holds whole, so the answer need not wait for it: test_recovery.py)."""
 
         def stored() -> Composition:
-            on_disk = SqliteStore(tmp_path / "ledger.db")
-            try:
-                (only,) = on_disk.load().compositions
-            finally:
-                on_disk.close()
+            (only,) = compositions_on_disk(tmp_path / "ledger.db")
             return only
 
         comp, _ = _sqlite_composer(tmp_path)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from composer_helpers import compositions_on_disk
 from disagg.model import Composition, CompositionState
 from disagg.store import SqliteStore
 from disagg.store.batch import ROWS_PER_STATEMENT, Batch, Table
@@ -120,9 +121,5 @@ class TestInTheLedger:
             store.sync()
         finally:
             store.close()
-        reopened = SqliteStore(tmp_path / "ledger.db")
-        try:
-            states = {c.id: c.state for c in reopened.load().compositions}
-        finally:
-            reopened.close()
+        states = {c.id: c.state for c in compositions_on_disk(tmp_path / "ledger.db")}
         assert states == {"c1": CompositionState.COMPOSED, "c3": CompositionState.DEGRADED}

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import grpc
 import pytest
+from composer_helpers import compositions_on_disk
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -145,11 +146,7 @@ class Rack:
 
     def durable(self) -> dict[str, fm.Composition]:
         """The compositions in the ledger file, read through a second store on it, in wire form by id."""
-        reopened = SqliteStore(self.ledger)
-        try:
-            return {c.id: composition_to_wire(c) for c in reopened.load().compositions}
-        finally:
-            reopened.close()
+        return {c.id: composition_to_wire(c) for c in compositions_on_disk(self.ledger)}
 
     def free_gpus(self) -> int:
         reply = self.stub.ListPools(fm.ListPoolsRequest(), timeout=WAIT_S)
