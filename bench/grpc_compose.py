@@ -15,7 +15,9 @@ Throughput counts the calls that end while every client is still calling, over t
 at a block's end, which is longer for the slower call). Only the call is timed; building the request is not.
 Each row also gives the CPU spent per call over its blocks (the whole machine's, the server's and the client's,
 from ``/proc``) and the cores kept busy: at 32 clients, a throughput ratio below the CPU ratio with cores idle
-means the calls wait on something other than the machine's CPU.
+means the calls wait on something other than the machine's CPU. The row's CPU of the server's busiest thread (its
+event loop) and the share of the time that thread ran say whether that is the loop: one Python thread runs the
+handlers, so a loop busy nearly all the time bounds Compose however many cores are idle.
 
 Run: ``python bench/grpc_compose.py --out bench/out/grpc_compose.json`` (``tox -e bench`` does).
 """
@@ -131,34 +133,60 @@ async def timed(
     return latencies, steady_until - start, in_window
 
 
-Sample = tuple[float, float, float, float]
+Reading = tuple[float, float, float, float, dict[str, float]]
+Sample = tuple[float, float, float, float, float]
 
 
 class CpuClock:
-    """CPU time spent while calls run: the machine's (busy, from Linux's ``/proc/stat``), the server's and this
-    client's. Per call, it says whether a throughput ratio is bound by the machine's cores (every core busy, so
-    the ratio can be no better than the quotient of the CPU costs) or by waiting. Without ``/proc``, None."""
+    """CPU time spent while calls run: the machine's (busy, from Linux's ``/proc/stat``), the server's, its busiest
+    thread's and this client's. Per call, it says whether a throughput ratio is bound by the machine's cores (every
+    core busy, so the ratio can be no better than the quotient of the CPU costs), by one server thread (its event
+    loop, busy most of the time while cores are idle) or by waiting. Without ``/proc``, None."""
 
     TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
     def __init__(self, server_pid: int) -> None:
         self.server_pid = server_pid
 
-    def read(self) -> Sample | None:
-        """(wall, machine busy, server, client) seconds."""
+    def read(self) -> Reading | None:
+        """(wall, machine busy, server, client) seconds, and the server's seconds by thread id."""
         try:
             cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
             stat = Path(f"/proc/{self.server_pid}/stat").read_text()
+            threads = self._threads()
         except OSError:
             return None
         user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in cpu[:7])
-        server = stat[stat.rindex(")") + 2 :].split()
         return (
             time.monotonic(),
             (user + nice + system + irq + softirq) * self.TICK_S,
-            (int(server[11]) + int(server[12])) * self.TICK_S,
+            self._busy(stat),
             time.process_time(),
+            threads,
         )
+
+    def _threads(self) -> dict[str, float]:
+        tasks = Path(f"/proc/{self.server_pid}/task")
+        threads = {}
+        for task in tasks.iterdir():
+            try:
+                threads[task.name] = self._busy((task / "stat").read_text())
+            except OSError:  # the thread ended meanwhile
+                continue
+        return threads
+
+    @classmethod
+    def _busy(cls, stat: str) -> float:
+        """User and system seconds from a ``stat`` line (the command name, in parentheses, may hold spaces)."""
+        fields = stat[stat.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) * cls.TICK_S
+
+    @staticmethod
+    def spent(before: Reading, after: Reading) -> Sample:
+        """What the time between two readings cost: (wall, machine, server, client, the server's busiest thread)."""
+        wall, machine, server, client = (b - a for a, b in zip(before[:4], after[:4], strict=True))
+        busiest = max((t - before[4].get(tid, 0.0) for tid, t in after[4].items()), default=0.0)
+        return wall, machine, server, client, busiest
 
 
 TICKS_PER_BLOCK_MIN = 10
@@ -168,11 +196,12 @@ count none at all), so they are left out of the row rather than reported wrong."
 
 
 def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
-    """CPU per call over the blocks ``spent`` (each the difference of two `CpuClock.read` samples), and the
-    cores the machine kept busy meanwhile; none when the blocks are too short for the clock to count them."""
+    """CPU per call over the blocks ``spent`` (each `CpuClock.spent` between two readings), the cores the machine
+    kept busy meanwhile and the share of the time the server's busiest thread ran; none when the blocks are too
+    short for the clock to count them."""
     if not spent or not calls:
         return {}
-    wall, machine, server, client = (sum(column) for column in zip(*spent, strict=True))
+    wall, machine, server, client, busiest = (sum(column) for column in zip(*spent, strict=True))
     if machine < TICKS_PER_BLOCK_MIN * len(spent) * CpuClock.TICK_S:
         return {}
     return {
@@ -180,6 +209,8 @@ def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
         "machine_cpu_us_per_call": machine / calls * 1e6,
         "server_cpu_us_per_call": server / calls * 1e6,
         "client_cpu_us_per_call": client / calls * 1e6,
+        "server_busiest_thread_cpu_us_per_call": busiest / calls * 1e6,
+        "server_busiest_thread_busy": busiest / wall,
     }
 
 
@@ -269,8 +300,7 @@ async def blocks(
             runs[rpc].append(await timed(clients, seconds / BLOCKS, max_calls // BLOCKS, call))
             after = clock.read()
             if before is not None and after is not None:
-                wall, machine, server, client = (b - a for a, b in zip(before, after, strict=True))
-                spent[rpc].append((wall, machine, server, client))
+                spent[rpc].append(CpuClock.spent(before, after))
         n, c = runs["noop"][-1], runs["compose"][-1]
         if clients == 1:
             ratios.append(statistics.median(c[0]) / statistics.median(n[0]))
@@ -312,14 +342,15 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         rpc: [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row]
         for rpc in ("noop", "compose")
     }
-    cpu, busy = (
+    cpu, busy, thread = (
         {rpc: statistics.median(row[key] for row in found) for rpc, found in measured.items() if found}
-        for key in ("machine_cpu_us_per_call", "busy_cores")
+        for key in ("machine_cpu_us_per_call", "busy_cores", "server_busiest_thread_busy")
     )
     return {
         "rows": rows,
         "machine_cpu_us_per_call_at_32_clients": cpu,
         "busy_cores_at_32_clients": busy,
+        "server_busiest_thread_busy_at_32_clients": thread,
         "machine_cpu_ratio_at_32_clients": cpu["noop"] / cpu["compose"] if len(cpu) == 2 else None,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
@@ -381,12 +412,14 @@ def print_table(sizes: dict[str, dict[str, Any]]) -> None:
         )
         cpu = fig["machine_cpu_us_per_call_at_32_clients"]
         if fig["machine_cpu_ratio_at_32_clients"] is not None:
-            busy = fig["busy_cores_at_32_clients"]
+            busy, thread = fig["busy_cores_at_32_clients"], fig["server_busiest_thread_busy_at_32_clients"]
             print(
                 f"{devices} devices at 32 clients: machine CPU per call {cpu['noop']:.0f} µs for a no-op, "
                 f"{cpu['compose']:.0f} µs for a Compose (their ratio, {fig['machine_cpu_ratio_at_32_clients']:.2f}, "
                 f"bounds the throughput ratio when every core is busy); busy cores of {os.cpu_count()}: "
-                f"{busy['noop']:.2f} no-op, {busy['compose']:.2f} Compose (medians over the rounds)"
+                f"{busy['noop']:.2f} no-op, {busy['compose']:.2f} Compose; the server's busiest thread ran "
+                f"{thread['noop']:.0%} of the time for a no-op, {thread['compose']:.0%} for a Compose "
+                "(medians over the rounds)"
             )
 
 

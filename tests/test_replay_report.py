@@ -8,6 +8,7 @@ import os
 import runpy
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,8 @@ def placement_fixture() -> dict[str, Any]:
 
 def compose_bench(ledger: str, noop_us: float, compose_us: float, *, cpu: bool = False) -> dict[str, Any]:
     """grpc_compose.json as bench/grpc_compose.py --devices 1000,100000 writes it (the keys the report reads);
-    without ``cpu``, as it wrote it before it measured CPU."""
+    without ``cpu``, as it wrote it before it measured CPU. The 1,000-device size is as it wrote it before it
+    measured the server's busiest thread."""
 
     def size(devices: int, slower: float) -> dict[str, Any]:
         rows = []
@@ -96,6 +98,9 @@ def compose_bench(ledger: str, noop_us: float, compose_us: float, *, cpu: bool =
                 if cpu:
                     noop.update(busy_cores=1.8, machine_cpu_us_per_call=400.0 + 10 * r)
                     compose.update(busy_cores=1.5 - 0.1 * r, machine_cpu_us_per_call=800.0 * slower + 10 * r)
+                    if devices > 1000:
+                        noop.update(server_busiest_thread_busy=0.6)
+                        compose.update(server_busiest_thread_busy=0.9 - 0.05 * r)
                 rows += [noop, compose]
         return {
             "devices": devices,
@@ -214,13 +219,20 @@ class TestMarkdown:
         lines = report.results_md.read_text().splitlines()
         header = "| ledger | devices | no-op CPU µs per call | Compose CPU µs per call | CPU ratio |"
         table = lines[next(i for i, line in enumerate(lines) if line.startswith(header)) :]
-        assert table[2] == "| SQLite | 1,000 | 410 | 810 | 0.51 | 1.80 | 1.40 |"
-        assert table[3] == "| SQLite | 100,000 | 410 | 890 | 0.46 | 1.80 | 1.40 |"
+        assert table[2] == "| SQLite | 1,000 | 410 | 810 | 0.51 | 1.80 | 1.40 | - |"
+        assert table[3] == "| SQLite | 100,000 | 410 | 890 | 0.46 | 1.80 | 1.40 | 60% / 85% |"
         assert not table[4].startswith("|")
         results = json.loads(report.results_json.read_text())["control_plane"]
         assert results["grpc_compose"]["sizes"][0]["cpu_at_32_clients"] is None
+        assert (
+            "server_busiest_thread_busy" not in results["grpc_compose_sqlite"]["sizes"][0]["cpu_at_32_clients"]["noop"]
+        )
         cpu = results["grpc_compose_sqlite"]["sizes"][1]["cpu_at_32_clients"]
-        assert cpu["compose"] == {"machine_cpu_us_per_call": pytest.approx(890.0), "busy_cores": pytest.approx(1.4)}
+        assert cpu["compose"] == {
+            "machine_cpu_us_per_call": pytest.approx(890.0),
+            "busy_cores": pytest.approx(1.4),
+            "server_busiest_thread_busy": pytest.approx(0.85),
+        }
 
     def test_links_the_plots(self, report: ReportFiles) -> None:
         text = report.results_md.read_text()
@@ -389,7 +401,14 @@ class TestComposeBenchSizes:
         assert set(figures["sizes"]) == {"200", "400"}
         assert figures["rows"] == figures["sizes"]["400"]["rows"]
         for size in figures["sizes"].values():
-            cpu_keys = {"busy_cores", "machine_cpu_us_per_call", "server_cpu_us_per_call", "client_cpu_us_per_call"}
+            cpu_keys = {
+                "busy_cores",
+                "machine_cpu_us_per_call",
+                "server_cpu_us_per_call",
+                "client_cpu_us_per_call",
+                "server_busiest_thread_cpu_us_per_call",
+                "server_busiest_thread_busy",
+            }
             for row in size["rows"]:
                 measured = cpu_keys & row.keys()
                 assert measured in (set(), cpu_keys), row
@@ -404,8 +423,8 @@ class TestComposeBenchSizes:
         assert [s["devices"] for s in sizes] == [200, 400]
 
     def test_the_cpu_clock_counts_this_process_busy(self) -> None:
-        """The clock reads real CPU from /proc: a loop that burns 0.3 s of this process's CPU shows in the
-        machine's count, the 'server' (this pid) and the client alike, each to within a few clock ticks."""
+        """The clock reads real CPU from /proc: a thread that burns 0.3 s of CPU shows in the machine's count,
+        the 'server' (this pid), its busiest thread and the client alike, each to within a few clock ticks."""
         bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
         clock = bench["CpuClock"](os.getpid())
 
@@ -413,33 +432,58 @@ class TestComposeBenchSizes:
             """CPU time the hypervisor took: the machine's busy count leaves it out, this process's does not."""
             return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8]) * clock.TICK_S
 
+        burnt, read = threading.Event(), threading.Event()
+
+        def burn() -> None:
+            start = time.thread_time()
+            while time.thread_time() - start < 0.3:
+                sum(range(1000))
+            burnt.set()
+            read.wait(30)  # a thread that has ended is no longer in /proc: stay until the second reading
+
         before, stolen_before = clock.read(), stolen()
-        start = time.process_time()
-        while time.process_time() - start < 0.3:
-            sum(range(1000))
+        burner = threading.Thread(target=burn)
+        burner.start()
+        assert burnt.wait(30)
         after, steal = clock.read(), stolen() - stolen_before
+        read.set()
+        burner.join()
         assert before is not None and after is not None
-        wall, machine, server, client = (b - a for a, b in zip(before, after, strict=True))
+        wall, machine, server, client, busiest = clock.spent(before, after)
         slack = 3 * clock.TICK_S
         assert client >= 0.3
         assert server >= 0.3 - slack
+        assert 0.3 - slack <= busiest <= server + slack
         assert machine + steal >= server - slack
         assert wall >= server - slack
-        figures = bench["cpu_figures"]([(wall, machine, server, client)], 100)
+        figures = bench["cpu_figures"]([(wall, machine, server, client, busiest)], 100)
         assert figures["server_cpu_us_per_call"] == pytest.approx(server / 100 * 1e6)
         assert figures["busy_cores"] == pytest.approx(machine / wall)
+        assert figures["server_busiest_thread_cpu_us_per_call"] == pytest.approx(busiest / 100 * 1e6)
+        assert figures["server_busiest_thread_busy"] == pytest.approx(busiest / wall)
+
+    def test_the_busiest_thread_is_the_one_that_ran_most_in_between(self) -> None:
+        """Threads that began before the first reading count only what they ran since; a thread that began in
+        between counts all it ran."""
+        spent = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["CpuClock"].spent
+        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0, "2": 9.0})
+        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7, "2": 9.1, "3": 0.2})
+        assert spent(before, after) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.7))
+        assert spent(before, (11.0, 101.5, 51.0, 5.2, {"3": 0.9})) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.9))
+        assert spent(before, (11.0, 101.5, 51.0, 5.2, {}))[4] == 0.0
 
     def test_cpu_figures_too_few_ticks_are_left_out(self) -> None:
         """A block shorter than the clock can count gives no CPU figures, never a zero that a ratio divides by."""
         bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
         tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
         cpu_figures = bench["cpu_figures"]
-        assert cpu_figures([(0.04, 0.0, 0.0, 0.01)] * 5, 25) == {}
-        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01)] * 5, 25) == {}
-        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1)], 0) == {}
-        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01)] * 5, 50)
+        assert cpu_figures([(0.04, 0.0, 0.0, 0.01, 0.0)] * 5, 25) == {}
+        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01, tick)] * 5, 25) == {}
+        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1, 0.4)], 0) == {}
+        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01, least * tick / 4)] * 5, 50)
         assert enough["machine_cpu_us_per_call"] == pytest.approx(5 * least * tick / 50 * 1e6)
         assert enough["busy_cores"] == pytest.approx(least * tick / 0.5)
+        assert enough["server_busiest_thread_busy"] == pytest.approx(least * tick / 4 / 0.5)
         rows = [
             {"rpc": rpc, "clients": clients, "round": 0, "block_ratios": [1.0]}
             for rpc in ("noop", "compose")

@@ -127,6 +127,7 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
             f"{cpu['noop']['machine_cpu_us_per_call'] / cpu['compose']['machine_cpu_us_per_call']:.2f}",
             f"{cpu['noop']['busy_cores']:.2f}",
             f"{cpu['compose']['busy_cores']:.2f}",
+            _thread_busy(cpu),
         ]
         for name, ledger in (("grpc_compose", "in-memory"), ("grpc_compose_sqlite", "SQLite"))
         if not control[name]["missing"]
@@ -138,7 +139,8 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
             "",
             "CPU at 32 clients, the whole machine's per call (client, server and kernel) and the cores it kept busy. "
             "When every core is busy, the throughput ratio can be no better than the CPU ratio; when some stay "
-            "idle, calls wait on something else (a commit, the interpreter's lock).",
+            "idle, calls wait on something else (a commit, the interpreter's lock). The last column is the share of "
+            "the time the server's busiest thread, its event loop, ran: near all of it, the loop bounds the calls.",
             "",
             *_table(
                 [
@@ -149,6 +151,7 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
                     "CPU ratio",
                     "busy cores, no-op",
                     "busy cores, Compose",
+                    "busiest server thread, no-op / Compose",
                 ],
                 cpu_rows,
             ),
@@ -193,6 +196,13 @@ def _needed_row(run: Run) -> list[str]:
 
 def _missing(entry: Mapping[str, Any], what: str) -> str:
     return f"No figures for {what}: `{entry['file']}` is missing; `{entry['command']}` writes it.\n"
+
+
+def _thread_busy(cpu: Mapping[str, Mapping[str, float]]) -> str:
+    """The busiest server thread's share of the time, no-op / Compose; "-" for a file from before the benchmark
+    measured it."""
+    noop, compose = (cpu[rpc].get("server_busiest_thread_busy") for rpc in ("noop", "compose"))
+    return "-" if noop is None or compose is None else f"{noop:.0%} / {compose:.0%}"
 
 
 def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
