@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from disagg.replay.report_control import THREAD_BUSY
 from disagg.replay.report_input import Placement, Run, Spread
 
 PLOTS = {
@@ -201,7 +202,7 @@ def _missing(entry: Mapping[str, Any], what: str) -> str:
 def _thread_busy(cpu: Mapping[str, Mapping[str, float]]) -> str:
     """The busiest server thread's share of the time, no-op / Compose; "-" for a file from before the benchmark
     measured it."""
-    noop, compose = (cpu[rpc].get("server_busiest_thread_busy") for rpc in ("noop", "compose"))
+    noop, compose = (cpu[rpc].get(THREAD_BUSY) for rpc in ("noop", "compose"))
     return "-" if noop is None or compose is None else f"{noop:.0%} / {compose:.0%}"
 
 
