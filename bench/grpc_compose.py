@@ -17,7 +17,10 @@ Each row also gives the CPU spent per call over its blocks (the whole machine's,
 from ``/proc``) and the cores kept busy: at 32 clients, a throughput ratio below the CPU ratio with cores idle
 means the calls wait on something other than the machine's CPU. The row's CPU of the server's busiest thread (its
 event loop) and the share of the time that thread ran say whether that is the loop: one Python thread runs the
-handlers, so a loop busy nearly all the time bounds Compose however many cores are idle.
+handlers, so a loop busy nearly all the time bounds Compose however many cores are idle. The share of the time
+that thread was ready to run but waited for a core (Linux's ``schedstat``) says what the rest of its time was: a
+loop that ran 70% of the time and waited 25% for a core had work all along, and lost the core to the client and
+the server's other threads, not to a lock or a commit.
 
 Run: ``python bench/grpc_compose.py --out bench/out/grpc_compose.json`` (``tox -e bench`` does).
 """
@@ -133,8 +136,8 @@ async def timed(
     return latencies, steady_until - start, in_window
 
 
-Reading = tuple[float, float, float, float, dict[str, float]]
-Sample = tuple[float, float, float, float, float]
+Reading = tuple[float, float, float, float, dict[str, float], dict[str, float]]
+Sample = tuple[float, float, float, float, float, float | None]
 
 
 class CpuClock:
@@ -149,11 +152,12 @@ class CpuClock:
         self.server_pid = server_pid
 
     def read(self) -> Reading | None:
-        """(wall, machine busy, server, client) seconds, and the server's seconds by thread id."""
+        """(wall, machine busy, server, client) seconds, the server's CPU seconds by thread id, and by thread id
+        the seconds each waited for a core (only the threads whose ``schedstat`` could be read)."""
         try:
             cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
             stat = Path(f"/proc/{self.server_pid}/stat").read_text()
-            threads = self._threads()
+            threads, waits = self._threads()
         except OSError:
             return None
         user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in cpu[:7])
@@ -163,17 +167,22 @@ class CpuClock:
             self._busy(stat),
             time.process_time(),
             threads,
+            waits,
         )
 
-    def _threads(self) -> dict[str, float]:
+    def _threads(self) -> tuple[dict[str, float], dict[str, float]]:
         tasks = Path(f"/proc/{self.server_pid}/task")
-        threads = {}
+        threads, waits = {}, {}
         for task in tasks.iterdir():
             try:
                 threads[task.name] = self._busy((task / "stat").read_text())
             except OSError:  # the thread ended meanwhile
                 continue
-        return threads
+            try:  # on-CPU, run-queue wait (both in ns) and time slices; absent without the kernel's schedstats
+                waits[task.name] = int((task / "schedstat").read_text().split()[1]) / 1e9
+            except (OSError, IndexError, ValueError):
+                continue
+        return threads, waits
 
     @classmethod
     def _busy(cls, stat: str) -> float:
@@ -183,10 +192,17 @@ class CpuClock:
 
     @staticmethod
     def spent(before: Reading, after: Reading) -> Sample:
-        """What the time between two readings cost: (wall, machine, server, client, the server's busiest thread)."""
+        """What the time between two readings cost: (wall, machine, server, client, the server's busiest thread),
+        and how long that thread waited for a core (None when either reading lacks its wait)."""
         wall, machine, server, client = (b - a for a, b in zip(before[:4], after[:4], strict=True))
-        busiest = max((t - before[4].get(tid, 0.0) for tid, t in after[4].items()), default=0.0)
-        return wall, machine, server, client, busiest
+        ran = {tid: t - before[4].get(tid, 0.0) for tid, t in after[4].items()}
+        if not ran:
+            return wall, machine, server, client, 0.0, None
+        tid = max(ran, key=ran.__getitem__)
+        waited = None
+        if tid in after[5] and (tid in before[5] or tid not in before[4]):  # a thread new since `before` waited 0
+            waited = after[5][tid] - before[5].get(tid, 0.0)
+        return wall, machine, server, client, ran[tid], waited
 
 
 TICKS_PER_BLOCK_MIN = 10
@@ -195,16 +211,19 @@ this many ticks per block, the per-call figures would be mostly rounding (a smal
 count none at all), so they are left out of the row rather than reported wrong."""
 
 
+WAITING = "server_busiest_thread_waiting_for_cpu"
+
+
 def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
     """CPU per call over the blocks ``spent`` (each `CpuClock.spent` between two readings), the cores the machine
-    kept busy meanwhile and the share of the time the server's busiest thread ran; none when the blocks are too
-    short for the clock to count them."""
+    kept busy meanwhile, the share of the time the server's busiest thread ran and (where the kernel tells) the
+    share it waited for a core; none when the blocks are too short for the clock to count them."""
     if not spent or not calls:
         return {}
-    wall, machine, server, client, busiest = (sum(column) for column in zip(*spent, strict=True))
+    wall, machine, server, client, busiest = (sum(sample[i] for sample in spent) for i in range(5))
     if machine < TICKS_PER_BLOCK_MIN * len(spent) * CpuClock.TICK_S:
         return {}
-    return {
+    out = {
         "busy_cores": machine / wall,
         "machine_cpu_us_per_call": machine / calls * 1e6,
         "server_cpu_us_per_call": server / calls * 1e6,
@@ -212,6 +231,10 @@ def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
         "server_busiest_thread_cpu_us_per_call": busiest / calls * 1e6,
         "server_busiest_thread_busy": busiest / wall,
     }
+    waits = [sample[5] for sample in spent]
+    if all(w is not None for w in waits):
+        out[WAITING] = sum(w for w in waits if w is not None) / wall
+    return out
 
 
 def summary(latencies: list[float], window: float, in_window: int) -> dict[str, float]:
@@ -346,11 +369,17 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         {rpc: statistics.median(row[key] for row in found) for rpc, found in measured.items() if found}
         for key in ("machine_cpu_us_per_call", "busy_cores", "server_busiest_thread_busy")
     )
+    waiting = {
+        rpc: statistics.median(row[WAITING] for row in found)
+        for rpc, found in measured.items()
+        if found and all(WAITING in row for row in found)
+    }
     return {
         "rows": rows,
         "machine_cpu_us_per_call_at_32_clients": cpu,
         "busy_cores_at_32_clients": busy,
         "server_busiest_thread_busy_at_32_clients": thread,
+        "server_busiest_thread_waiting_for_cpu_at_32_clients": waiting,
         "machine_cpu_ratio_at_32_clients": cpu["noop"] / cpu["compose"] if len(cpu) == 2 else None,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
@@ -421,6 +450,12 @@ def print_table(sizes: dict[str, dict[str, Any]]) -> None:
                 f"{thread['noop']:.0%} of the time for a no-op, {thread['compose']:.0%} for a Compose "
                 "(medians over the rounds)"
             )
+            waiting = fig["server_busiest_thread_waiting_for_cpu_at_32_clients"]
+            if len(waiting) == 2:
+                print(
+                    f"{devices} devices at 32 clients: the server's busiest thread waited for a core "
+                    f"{waiting['noop']:.0%} of the time for a no-op, {waiting['compose']:.0%} for a Compose"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import runpy
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -99,8 +100,11 @@ def compose_bench(ledger: str, noop_us: float, compose_us: float, *, cpu: bool =
                     noop.update(busy_cores=1.8, machine_cpu_us_per_call=400.0 + 10 * r)
                     compose.update(busy_cores=1.5 - 0.1 * r, machine_cpu_us_per_call=800.0 * slower + 10 * r)
                     if devices > 1000:
-                        noop.update(server_busiest_thread_busy=0.6)
-                        compose.update(server_busiest_thread_busy=0.9 - 0.05 * r)
+                        noop.update(server_busiest_thread_busy=0.6, server_busiest_thread_waiting_for_cpu=0.3)
+                        compose.update(
+                            server_busiest_thread_busy=0.9 - 0.05 * r,
+                            server_busiest_thread_waiting_for_cpu=0.1 + 0.01 * r,
+                        )
                 rows += [noop, compose]
         return {
             "devices": devices,
@@ -219,19 +223,20 @@ class TestMarkdown:
         lines = report.results_md.read_text().splitlines()
         header = "| ledger | devices | no-op CPU µs per call | Compose CPU µs per call | CPU ratio |"
         table = lines[next(i for i, line in enumerate(lines) if line.startswith(header)) :]
-        assert table[2] == "| SQLite | 1,000 | 410 | 810 | 0.51 | 1.80 | 1.40 | - |"
-        assert table[3] == "| SQLite | 100,000 | 410 | 890 | 0.46 | 1.80 | 1.40 | 60% / 85% |"
+        assert table[2] == "| SQLite | 1,000 | 410 | 810 | 0.51 | 1.80 | 1.40 | - | - |"
+        assert table[3] == "| SQLite | 100,000 | 410 | 890 | 0.46 | 1.80 | 1.40 | 60% / 85% | 30% / 11% |"
         assert not table[4].startswith("|")
         results = json.loads(report.results_json.read_text())["control_plane"]
         assert results["grpc_compose"]["sizes"][0]["cpu_at_32_clients"] is None
-        assert (
-            "server_busiest_thread_busy" not in results["grpc_compose_sqlite"]["sizes"][0]["cpu_at_32_clients"]["noop"]
-        )
+        before = results["grpc_compose_sqlite"]["sizes"][0]["cpu_at_32_clients"]["noop"]
+        assert "server_busiest_thread_busy" not in before
+        assert "server_busiest_thread_waiting_for_cpu" not in before
         cpu = results["grpc_compose_sqlite"]["sizes"][1]["cpu_at_32_clients"]
         assert cpu["compose"] == {
             "machine_cpu_us_per_call": pytest.approx(890.0),
             "busy_cores": pytest.approx(1.4),
             "server_busiest_thread_busy": pytest.approx(0.85),
+            "server_busiest_thread_waiting_for_cpu": pytest.approx(0.11),
         }
 
     def test_links_the_plots(self, report: ReportFiles) -> None:
@@ -413,6 +418,9 @@ class TestComposeBenchSizes:
                 measured = cpu_keys & row.keys()
                 assert measured in (set(), cpu_keys), row
                 assert all(row[key] > 0 for key in measured), row
+                waited = row.get("server_busiest_thread_waiting_for_cpu")
+                assert (waited is not None) == bool(measured), row
+                assert waited is None or 0.0 <= waited <= 1.0, row
             ratio = size["machine_cpu_ratio_at_32_clients"]
             assert (ratio is not None) == (len(size["machine_cpu_us_per_call_at_32_clients"]) == 2)
             assert ratio is None or ratio > 0
@@ -449,38 +457,80 @@ class TestComposeBenchSizes:
         read.set()
         burner.join()
         assert before is not None and after is not None
-        wall, machine, server, client, busiest = clock.spent(before, after)
+        wall, machine, server, client, busiest, waited = clock.spent(before, after)
+        assert waited is not None and 0.0 <= waited <= wall
         slack = 3 * clock.TICK_S
         assert client >= 0.3
         assert server >= 0.3 - slack
         assert 0.3 - slack <= busiest <= server + slack
         assert machine + steal >= server - slack
         assert wall >= server - slack
-        figures = bench["cpu_figures"]([(wall, machine, server, client, busiest)], 100)
+        figures = bench["cpu_figures"]([(wall, machine, server, client, busiest, waited)], 100)
         assert figures["server_cpu_us_per_call"] == pytest.approx(server / 100 * 1e6)
         assert figures["busy_cores"] == pytest.approx(machine / wall)
         assert figures["server_busiest_thread_cpu_us_per_call"] == pytest.approx(busiest / 100 * 1e6)
         assert figures["server_busiest_thread_busy"] == pytest.approx(busiest / wall)
+        assert figures["server_busiest_thread_waiting_for_cpu"] == pytest.approx(waited / wall)
+
+    def test_the_clock_sees_a_thread_wait_for_a_core(self) -> None:
+        """A real wait: a process that computes on a core it shares with two others that compute too runs about a
+        third of the time and waits for the core about two thirds; the clock finds both in Linux's accounts."""
+        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        burn = "import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end: sum(range(1000))"
+        procs = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(3)]
+        try:
+            core = min(os.sched_getaffinity(0))
+            for proc in procs:
+                os.sched_setaffinity(proc.pid, {core})
+            clock = bench["CpuClock"](procs[0].pid)
+            time.sleep(0.3)
+            before = clock.read()
+            time.sleep(1.5)
+            after = clock.read()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        assert before is not None and after is not None
+        wall, _, _, _, ran, waited = clock.spent(before, after)
+        assert waited is not None
+        assert waited / wall >= 0.45, (ran, waited, wall)
+        assert ran / wall <= 0.55, (ran, waited, wall)
 
     def test_the_busiest_thread_is_the_one_that_ran_most_in_between(self) -> None:
-        """Threads that began before the first reading count only what they ran since; a thread that began in
-        between counts all it ran."""
+        """Threads that began before the first reading count only what they ran since, and what they waited for a
+        core since; a thread that began in between counts all it ran and waited."""
         spent = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["CpuClock"].spent
-        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0, "2": 9.0})
-        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7, "2": 9.1, "3": 0.2})
-        assert spent(before, after) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.7))
-        assert spent(before, (11.0, 101.5, 51.0, 5.2, {"3": 0.9})) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.9))
-        assert spent(before, (11.0, 101.5, 51.0, 5.2, {}))[4] == 0.0
+        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0, "2": 9.0}, {"1": 3.0, "2": 1.0})
+        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7, "2": 9.1, "3": 0.2}, {"1": 3.2, "2": 1.0, "3": 0.05})
+        assert spent(before, after) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.7, 0.2))
+        new_thread = (11.0, 101.5, 51.0, 5.2, {"3": 0.9}, {"3": 0.05})
+        assert spent(before, new_thread) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.9, 0.05))
+        assert spent(before, (11.0, 101.5, 51.0, 5.2, {}, {}))[4:] == (0.0, None)
+
+    def test_a_wait_the_kernel_did_not_give_is_left_out(self) -> None:
+        """Without the busiest thread's run-queue wait in both readings (a kernel without schedstats), its wait is
+        None and the rows leave the figure out instead of counting zero."""
+        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        spent, cpu_figures = bench["CpuClock"].spent, bench["cpu_figures"]
+        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0}, {})
+        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7}, {"1": 3.2})
+        assert spent(before, after)[5] is None
+        assert spent(after, before)[5] is None
+        tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
+        measured = (0.5, least * tick, least * tick / 2, 0.01, least * tick / 4, 0.1)
+        assert cpu_figures([measured] * 2, 50)["server_busiest_thread_waiting_for_cpu"] == pytest.approx(0.2)
+        assert "server_busiest_thread_waiting_for_cpu" not in cpu_figures([measured, (*measured[:5], None)], 50)
 
     def test_cpu_figures_too_few_ticks_are_left_out(self) -> None:
         """A block shorter than the clock can count gives no CPU figures, never a zero that a ratio divides by."""
         bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
         tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
         cpu_figures = bench["cpu_figures"]
-        assert cpu_figures([(0.04, 0.0, 0.0, 0.01, 0.0)] * 5, 25) == {}
-        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01, tick)] * 5, 25) == {}
-        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1, 0.4)], 0) == {}
-        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01, least * tick / 4)] * 5, 50)
+        assert cpu_figures([(0.04, 0.0, 0.0, 0.01, 0.0, 0.0)] * 5, 25) == {}
+        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01, tick, 0.0)] * 5, 25) == {}
+        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1, 0.4, 0.1)], 0) == {}
+        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01, least * tick / 4, None)] * 5, 50)
         assert enough["machine_cpu_us_per_call"] == pytest.approx(5 * least * tick / 50 * 1e6)
         assert enough["busy_cores"] == pytest.approx(least * tick / 0.5)
         assert enough["server_busiest_thread_busy"] == pytest.approx(least * tick / 4 / 0.5)
@@ -493,6 +543,7 @@ class TestComposeBenchSizes:
         unmeasured = bench["figures"](rows, 1)
         assert unmeasured["machine_cpu_ratio_at_32_clients"] is None
         assert unmeasured["machine_cpu_us_per_call_at_32_clients"].keys() == {"noop"}
+        assert unmeasured["server_busiest_thread_waiting_for_cpu_at_32_clients"] == {}
 
     def test_bad_device_counts(self, capsys: pytest.CaptureFixture[str]) -> None:
         main = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["main"]

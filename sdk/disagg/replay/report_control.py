@@ -84,12 +84,13 @@ def _compose_size(devices: int, figures: Mapping[str, Any]) -> dict[str, Any]:
 
 
 THREAD_BUSY = "server_busiest_thread_busy"
+THREAD_WAITING = "server_busiest_thread_waiting_for_cpu"
 
 
 def _cpu(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]] | None:
-    """Machine CPU per call, busy cores and (in files that have it) the share of the time the server's busiest
-    thread ran, at 32 clients, medians over the rounds; None for a file from before the benchmark measured CPU,
-    from a machine without ``/proc``, or from blocks too short for its clock."""
+    """Machine CPU per call, busy cores and (in files that have them) the shares of the time the server's busiest
+    thread ran and waited for a core, at 32 clients, medians over the rounds; None for a file from before the
+    benchmark measured CPU, from a machine without ``/proc``, or from blocks too short for its clock."""
     out = {}
     for rpc in ("noop", "compose"):
         measured = [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row]
@@ -99,8 +100,9 @@ def _cpu(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]] | Non
             "machine_cpu_us_per_call": float(statistics.median(row["machine_cpu_us_per_call"] for row in measured)),
             "busy_cores": float(statistics.median(row["busy_cores"] for row in measured)),
         }
-        if all(THREAD_BUSY in row for row in measured):
-            out[rpc][THREAD_BUSY] = float(statistics.median(row[THREAD_BUSY] for row in measured))
+        for key in (THREAD_BUSY, THREAD_WAITING):
+            if all(key in row for row in measured):
+                out[rpc][key] = float(statistics.median(row[key] for row in measured))
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from disagg.replay.report_control import THREAD_BUSY
+from disagg.replay.report_control import THREAD_BUSY, THREAD_WAITING
 from disagg.replay.report_input import Placement, Run, Spread
 
 PLOTS = {
@@ -128,7 +128,8 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
             f"{cpu['noop']['machine_cpu_us_per_call'] / cpu['compose']['machine_cpu_us_per_call']:.2f}",
             f"{cpu['noop']['busy_cores']:.2f}",
             f"{cpu['compose']['busy_cores']:.2f}",
-            _thread_busy(cpu),
+            _thread_share(cpu, THREAD_BUSY),
+            _thread_share(cpu, THREAD_WAITING),
         ]
         for name, ledger in (("grpc_compose", "in-memory"), ("grpc_compose_sqlite", "SQLite"))
         if not control[name]["missing"]
@@ -140,8 +141,9 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
             "",
             "CPU at 32 clients, the whole machine's per call (client, server and kernel) and the cores it kept busy. "
             "When every core is busy, the throughput ratio can be no better than the CPU ratio; when some stay "
-            "idle, calls wait on something else (a commit, the interpreter's lock). The last column is the share of "
-            "the time the server's busiest thread, its event loop, ran: near all of it, the loop bounds the calls.",
+            "idle, calls wait on something else (a commit, the interpreter's lock). The last columns are the shares "
+            "of the time the server's busiest thread, its event loop, ran and waited for a core: together near all "
+            "of it, the loop had work all along and bounds the calls.",
             "",
             *_table(
                 [
@@ -152,7 +154,8 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
                     "CPU ratio",
                     "busy cores, no-op",
                     "busy cores, Compose",
-                    "busiest server thread, no-op / Compose",
+                    "busiest server thread ran, no-op / Compose",
+                    "it waited for a core, no-op / Compose",
                 ],
                 cpu_rows,
             ),
@@ -199,10 +202,10 @@ def _missing(entry: Mapping[str, Any], what: str) -> str:
     return f"No figures for {what}: `{entry['file']}` is missing; `{entry['command']}` writes it.\n"
 
 
-def _thread_busy(cpu: Mapping[str, Mapping[str, float]]) -> str:
-    """The busiest server thread's share of the time, no-op / Compose; "-" for a file from before the benchmark
-    measured it."""
-    noop, compose = (cpu[rpc].get(THREAD_BUSY) for rpc in ("noop", "compose"))
+def _thread_share(cpu: Mapping[str, Mapping[str, float]], key: str) -> str:
+    """A share of the time of the busiest server thread (``key``: that it ran, or waited for a core), no-op /
+    Compose; "-" for a file from before the benchmark measured it."""
+    noop, compose = (cpu[rpc].get(key) for rpc in ("noop", "compose"))
     return "-" if noop is None or compose is None else f"{noop:.0%} / {compose:.0%}"
 
 
