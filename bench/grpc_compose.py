@@ -365,15 +365,14 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         rpc: [row for row in rows if row["rpc"] == rpc and row["clients"] == 32 and "busy_cores" in row]
         for rpc in ("noop", "compose")
     }
-    cpu, busy, thread = (
-        {rpc: statistics.median(row[key] for row in found) for rpc, found in measured.items() if found}
-        for key in ("machine_cpu_us_per_call", "busy_cores", "server_busiest_thread_busy")
+    cpu, busy, thread, waiting = (
+        {
+            rpc: statistics.median(row[key] for row in found)
+            for rpc, found in measured.items()
+            if found and all(key in row for row in found)
+        }
+        for key in ("machine_cpu_us_per_call", "busy_cores", "server_busiest_thread_busy", WAITING)
     )
-    waiting = {
-        rpc: statistics.median(row[WAITING] for row in found)
-        for rpc, found in measured.items()
-        if found and all(WAITING in row for row in found)
-    }
     return {
         "rows": rows,
         "machine_cpu_us_per_call_at_32_clients": cpu,
