@@ -79,6 +79,11 @@ def placement_fixture() -> dict[str, Any]:
     }
 
 
+def compose_bench_module() -> dict[str, Any]:
+    """bench/grpc_compose.py's names, loaded as a module (not run as a script)."""
+    return runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+
+
 def compose_bench(ledger: str, noop_us: float, compose_us: float, *, cpu: bool = False) -> dict[str, Any]:
     """grpc_compose.json as bench/grpc_compose.py --devices 1000,100000 writes it (the keys the report reads);
     without ``cpu``, as it wrote it before it measured CPU. The 1,000-device size is as it wrote it before it
@@ -433,7 +438,7 @@ class TestComposeBenchSizes:
     def test_the_cpu_clock_counts_this_process_busy(self) -> None:
         """The clock reads real CPU from /proc: a thread that burns 0.3 s of CPU shows in the machine's count,
         the 'server' (this pid), its busiest thread and the client alike, each to within a few clock ticks."""
-        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        bench = compose_bench_module()
         clock = bench["CpuClock"](os.getpid())
 
         def stolen() -> float:
@@ -475,7 +480,7 @@ class TestComposeBenchSizes:
     def test_the_clock_sees_a_thread_wait_for_a_core(self) -> None:
         """A real wait: a process that computes on a core it shares with two others that compute too runs about a
         third of the time and waits for the core about two thirds; the clock finds both in Linux's accounts."""
-        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        bench = compose_bench_module()
         burn = "import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end: sum(range(1000))"
         procs = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(3)]
         try:
@@ -500,7 +505,7 @@ class TestComposeBenchSizes:
     def test_the_busiest_thread_is_the_one_that_ran_most_in_between(self) -> None:
         """Threads that began before the first reading count only what they ran since, and what they waited for a
         core since; a thread that began in between counts all it ran and waited."""
-        spent = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["CpuClock"].spent
+        spent = compose_bench_module()["CpuClock"].spent
         before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0, "2": 9.0}, {"1": 3.0, "2": 1.0})
         after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7, "2": 9.1, "3": 0.2}, {"1": 3.2, "2": 1.0, "3": 0.05})
         assert spent(before, after) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.7, 0.2))
@@ -511,7 +516,7 @@ class TestComposeBenchSizes:
     def test_a_wait_the_kernel_did_not_give_is_left_out(self) -> None:
         """Without the busiest thread's run-queue wait in both readings (a kernel without schedstats), its wait is
         None and the rows leave the figure out instead of counting zero."""
-        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        bench = compose_bench_module()
         spent, cpu_figures = bench["CpuClock"].spent, bench["cpu_figures"]
         before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0}, {})
         after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7}, {"1": 3.2})
@@ -524,7 +529,7 @@ class TestComposeBenchSizes:
 
     def test_cpu_figures_too_few_ticks_are_left_out(self) -> None:
         """A block shorter than the clock can count gives no CPU figures, never a zero that a ratio divides by."""
-        bench = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")
+        bench = compose_bench_module()
         tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
         cpu_figures = bench["cpu_figures"]
         assert cpu_figures([(0.04, 0.0, 0.0, 0.01, 0.0, 0.0)] * 5, 25) == {}
@@ -546,7 +551,7 @@ class TestComposeBenchSizes:
         assert unmeasured["server_busiest_thread_waiting_for_cpu_at_32_clients"] == {}
 
     def test_bad_device_counts(self, capsys: pytest.CaptureFixture[str]) -> None:
-        main = runpy.run_path(str(ROOT / "bench" / "grpc_compose.py"), run_name="bench")["main"]
+        main = compose_bench_module()["main"]
         for bad in ("1000,lots", "0,1000"):
             with pytest.raises(SystemExit) as exit_info:
                 main(["--devices", bad])
