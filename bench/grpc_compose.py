@@ -47,6 +47,7 @@ import grpc.aio
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg.replay.report_control import THREAD_BUSY, THREAD_WAITING
 from disagg_sim.generator import generate_topology
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -211,9 +212,6 @@ this many ticks per block, the per-call figures would be mostly rounding (a smal
 count none at all), so they are left out of the row rather than reported wrong."""
 
 
-WAITING = "server_busiest_thread_waiting_for_cpu"
-
-
 def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
     """CPU per call over the blocks ``spent`` (each `CpuClock.spent` between two readings), the cores the machine
     kept busy meanwhile, the share of the time the server's busiest thread ran and (where the kernel tells) the
@@ -229,11 +227,11 @@ def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
         "server_cpu_us_per_call": server / calls * 1e6,
         "client_cpu_us_per_call": client / calls * 1e6,
         "server_busiest_thread_cpu_us_per_call": busiest / calls * 1e6,
-        "server_busiest_thread_busy": busiest / wall,
+        THREAD_BUSY: busiest / wall,
     }
     waits = [sample[5] for sample in spent]
     if all(w is not None for w in waits):
-        out[WAITING] = sum(w for w in waits if w is not None) / wall
+        out[THREAD_WAITING] = sum(w for w in waits if w is not None) / wall
     return out
 
 
@@ -371,7 +369,7 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
             for rpc, found in measured.items()
             if found and all(key in row for row in found)
         }
-        for key in ("machine_cpu_us_per_call", "busy_cores", "server_busiest_thread_busy", WAITING)
+        for key in ("machine_cpu_us_per_call", "busy_cores", THREAD_BUSY, THREAD_WAITING)
     )
     return {
         "rows": rows,
