@@ -41,6 +41,7 @@ from disagg.model import (
     PoolKind,
     Port,
     PortKind,
+    PriorState,
     Reservation,
     ResourceRequest,
     Selector,
@@ -199,6 +200,7 @@ EXAMPLES: list[Any] = [
         devices=PLAN.devices,
         pending=PendingChange(ChangeKind.REMOVE, PLAN.devices[:1]),
     ),
+    PriorState(CompositionState.FAILED, "rollback incomplete"),
     Reservation("r1", REQUEST, PLAN, expires_at=1_700_000_000.25),
     Capacity(4 * GiB),
     GPU,
@@ -229,6 +231,23 @@ class TestRoundTrip:
     @pytest.mark.parametrize("value", EXAMPLES, ids=lambda v: type(v).__name__)
     def test_example(self, value: Any) -> None:
         assert _round_trip(value) == value
+
+    def test_the_state_before_unknown_is_in_the_record_only(self) -> None:
+        """A composition's state before UNKNOWN is ledger bookkeeping: kept in its record (the equality of
+        compositions leaves it out, so it is compared here), left out of what the CLI prints."""
+        unknown = Composition(
+            id="c3",
+            name="serving",
+            host="h1",
+            state=CompositionState.UNKNOWN,
+            resources=REQUEST.resources,
+            message="fabric cxl0 cannot be reached",
+            before_unknown=PriorState(CompositionState.DECOMPOSING),
+        )
+        assert codec.loads(codec.record(unknown), Composition).before_unknown == PriorState(
+            CompositionState.DECOMPOSING
+        )
+        assert "before_unknown" not in codec.to_public_data(unknown)
 
     def test_every_model_type_has_an_example(self) -> None:
         from disagg import model

@@ -16,12 +16,22 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 from disagg import codec, failpoints
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError, StaleEpochError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Composition, CompositionState, DeviceKind, EventType, Topology
+from disagg.model import (
+    Binding,
+    ChangeKind,
+    Composition,
+    CompositionState,
+    DeviceKind,
+    EventType,
+    PendingChange,
+    Topology,
+)
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
@@ -94,6 +104,42 @@ class TestRequestIdsSurviveARestart:
         assert retried.device_ids == grown.device_ids and len(retried.devices) == 2
         assert len(again.fabrics["pcie0"].bindings()) == 2
         again.close()
+
+
+class TestEveryRecordOfARecomposeCanBeRetried:
+    """The ledger may commit a group between any two records, and a crash may follow: no record of a
+    recompose holds its additions without its request id or the plan of its removal, which a retry after the
+    restart would otherwise take for a change still to make, and add again."""
+
+    @pytest.mark.parametrize("remove", [False, True], ids=["add", "add-and-remove"])
+    def test_no_record_holds_the_additions_alone(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remove: bool
+    ) -> None:
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        written: list[Composition] = []
+        put = composer.store.put_composition
+
+        def recording(record: Composition) -> None:
+            written.append(record)
+            put(record)
+
+        monkeypatch.setattr(composer.store, "put_composition", recording)
+        composer.recompose(
+            comp.id,
+            add=parse_request("x", ["gpu x1"]).resources,
+            remove=comp.device_ids[:1] if remove else (),
+            request_id="grow-1",
+        )
+        grown = [r for r in written if len(r.resources) == 2]
+        assert grown, "the recompose wrote no record with its additions"
+        for record in grown:
+            settled = record.request_id == "grow-1" and record.pending is None
+            removing = record.pending is not None and record.pending.request_id == "grow-1"
+            assert settled or removing, record
+        assert written[-1].request_id == "grow-1" and written[-1].pending is None
+        composer.close()
 
 
 def stall_commits_at_first_bind(composer: FabricComposer, monkeypatch: pytest.MonkeyPatch) -> threading.Lock:
@@ -372,6 +418,151 @@ class TestUnreachableAtStartUp:
         assert composer.retry_unreachable() is True
         assert composer.find("inference").state is CompositionState.COMPOSED
         assert composer.retry_unreachable() is False
+        composer.close()
+
+    @staticmethod
+    def unreachable_cxl(tmp: Path) -> tuple[FabricComposer, Unreachable, dict[str, SimFabric]]:
+        """A composer on the ledger and hardware of ``tmp`` whose cxl0 fabric does not answer yet."""
+        hardware = fabrics(tmp)
+        cxl = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+        hardware["cxl0"].close()
+        hardware["cxl0"] = cxl
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
+        composer.start()
+        return composer, cxl, hardware
+
+    @staticmethod
+    def record(tmp: Path, comp: Composition) -> None:
+        """Write ``comp`` to the ledger as a crash would have left it."""
+        store = SqliteStore(tmp / "ledger.db")
+        store.put_composition(comp)
+        store.sync()
+        store.close()
+
+    def test_states_before_unknown_are_kept_and_settled(self, tmp_path: Path) -> None:
+        """An interrupted decompose is finished and a FAILED composition stays FAILED once the fabric answers,
+        instead of both coming back COMPOSED with their hardware still held."""
+        first = opened(tmp_path)
+        leaving = first.compose(parse_request("leaving", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        broken = first.compose(parse_request("broken", ["host h2", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert leaving is not None and broken is not None
+        first.close()
+        self.record(tmp_path, attrs.evolve(leaving, state=CompositionState.DECOMPOSING))
+        self.record(tmp_path, attrs.evolve(broken, state=CompositionState.FAILED, message="rollback incomplete"))
+
+        composer, cxl, hardware = self.unreachable_cxl(tmp_path)
+        assert {c.name: c.state for c in composer.compositions()} == {
+            "leaving": CompositionState.UNKNOWN,
+            "broken": CompositionState.UNKNOWN,
+        }
+        assert Binding(leaving.device_ids[0], "h1") in hardware["pcie0"].bindings()
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        assert [c.name for c in composer.compositions()] == ["broken"]
+        assert composer.find("broken").state is CompositionState.FAILED
+        assert composer.find("broken").message == "rollback incomplete"
+        assert Binding(leaving.device_ids[0], "h1") not in hardware["pcie0"].bindings()
+        assert list(cxl.pool(leaving.allocations[0].pool).allocations()) == [broken.allocations[0]]
+        assert events_of(composer, EventType.COMPOSITION_DELETED) == [leaving.id]
+        composer.close()
+
+    def test_a_restart_while_unknown_then_with_the_fabric_back(self, tmp_path: Path) -> None:
+        """UNKNOWN is written to the ledger; a composer started once the fabric answers again settles it."""
+        first = opened(tmp_path)
+        both = first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert both is not None
+        first.close()
+        composer, _, _ = self.unreachable_cxl(tmp_path)
+        assert composer.find("inference").state is CompositionState.UNKNOWN
+        composer.close()
+        assert state_on_disk(tmp_path, both.id) is CompositionState.UNKNOWN
+
+        again = opened(tmp_path)
+        assert again.find("inference").state is CompositionState.COMPOSED
+        assert again.find("inference").message == ""
+        assert again.find("inference").before_unknown is None
+        again.close()
+        assert state_on_disk(tmp_path, both.id) is CompositionState.COMPOSED
+
+
+class TestWhatARollbackLeftIsReleased:
+    """What a failed rollback leaves on the hardware stays with its composition, which is FAILED, and a
+    decompose releases it: none of it is left carved or bound, nor held in the index."""
+
+    def test_memory_an_undone_compose_left(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x1", "cxl-memory 64GiB"])).composition
+        assert job is not None
+        first.close()
+        # The record a crash before the COMPOSED commit leaves; an operator unbinds the GPU meanwhile, so the
+        # restart undoes the compose, and the pool refuses the release once.
+        TestUnreachableAtStartUp.record(
+            tmp_path,
+            attrs.evolve(
+                job,
+                state=CompositionState.COMPOSING,
+                allocations=(),
+                pending=PendingChange(ChangeKind.ADD, job.devices, job.allocations),
+            ),
+        )
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].unbind(Binding(job.device_ids[0], "h1"), CallContext(epoch=1))
+        pool = hardware["cxl0"].pool(job.allocations[0].pool)
+        release = pool.release
+
+        def refuse(allocation_id: str, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the appliance refuses for now")
+
+        pool.release = refuse  # type: ignore[method-assign]
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        composer.start()
+        assert composer.find("job").state is CompositionState.FAILED
+        assert [u.free_bytes for u in composer.usage()[1] if u.pool == job.allocations[0].pool] == [
+            pool.info().capacity.total_bytes - 64 * GiB
+        ]
+        pool.release = release  # type: ignore[method-assign]
+        composer.decompose("job")
+        assert list(pool.allocations()) == []
+        assert [u.free_bytes for u in composer.usage()[1] if u.pool == job.allocations[0].pool] == [
+            pool.info().capacity.total_bytes
+        ]
+        assert composer.reconcile() == 0
+        composer.close()
+
+    def test_a_recompose_whose_rollback_fails(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        composer = opened(tmp_path)
+        job = composer.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        pcie = composer.fabrics["pcie0"]
+        bind, unbind = pcie.bind, pcie.unbind
+        calls: list[str] = []
+
+        def second_bind_fails(device: str, host: str, ctx: CallContext) -> Binding:
+            calls.append(device)
+            if len(calls) == 2:
+                raise FabricUnavailableError("the switch stopped answering")
+            return bind(device, host, ctx)
+
+        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "bind", second_bind_fails)
+        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        with pytest.raises(FabricUnavailableError):
+            composer.recompose("job", add=parse_request("job", ["gpu x2"]).resources)
+        left = calls[0]
+        failed = composer.find("job")
+        assert failed.state is CompositionState.FAILED
+        assert "rollback incomplete" in failed.message
+        assert events_of(composer, EventType.ROLLBACK_INCOMPLETE) == [job.id]
+        assert Binding(left, "h1") in pcie.bindings()
+        assert composer.owner_of(left) == job.id
+        monkeypatch.setattr(pcie, "bind", bind)
+        monkeypatch.setattr(pcie, "unbind", unbind)
+        composer.decompose("job")
+        assert [b for b in pcie.bindings() if b.host == "h1"] == []
+        assert composer.owner_of(left) is None
+        assert composer.reconcile() == 0
         composer.close()
 
 

@@ -53,12 +53,14 @@ _public.register_unstructure_hook(
         pending=cattrs.gen.override(omit=True),
         request_id=cattrs.gen.override(omit=True),
         request_fingerprint=cattrs.gen.override(omit=True),
+        before_unknown=cattrs.gen.override(omit=True),
     ),
 )
 
 
 def to_public_data(value: Any) -> Any:
-    """`to_data` without what only the ledger keeps (a composition's change in flight and its request id):
+    """`to_data` without what only the ledger keeps (a composition's change in flight, its request id, the state
+    it had before it became UNKNOWN):
     what the CLI prints and scripts read, the same from a local composer and from a remote one."""
     return _public.unstructure(value)
 

@@ -60,6 +60,7 @@ from disagg.model import (
     Health,
     PendingChange,
     Plan,
+    PriorState,
     Reservation,
     ResourceRequest,
     Topology,
@@ -144,6 +145,19 @@ def _composed(answer: object) -> bool:
     return isinstance(answer, ComposeResult) and answer.mode is ComposeMode.APPLY and answer.composition is not None
 
 
+def _holdings(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
+    """The devices and memory a composition may hold on the hardware: its own, and those of its change in
+    flight (a REMOVE's are still its own; an ADD's may be bound already, or left bound by a rollback that
+    failed). It claims all of them in the index, and a decompose releases all of them."""
+    picks, allocs = list(comp.devices), list(comp.allocations)
+    if comp.pending is not None:
+        have = {p.device for p in picks}
+        picks += [p for p in comp.pending.devices if p.device not in have]
+        ids = {a.id for a in allocs}
+        allocs += [a for a in comp.pending.allocations if a.id not in ids]
+    return picks, allocs
+
+
 class FabricComposer(Composer):
     """The composer over a set of loaded fabrics. Call `start` before use and `close` at the end."""
 
@@ -214,6 +228,7 @@ class FabricComposer(Composer):
                 self._requests[record.id] = (record.fingerprint, value, known)
             self._rebuild()
             self._mark_unknown()
+            self._settle_known()
             self._expire_locked()
         self._recover()
         self.reconcile()
@@ -329,6 +344,7 @@ class FabricComposer(Composer):
             return False
         log.warning("a restart interrupted the compose of %s after the hardware held all of it: finishing it", comp.id)
         with self._lock:
+            self._unclaim_addition(comp)  # the planned memory, claimed with the composition: claim the hardware's
             for alloc in held:
                 if alloc.pool in self._inv.pools:
                     self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
@@ -355,11 +371,10 @@ class FabricComposer(Composer):
                 return
             if change.kind is ChangeKind.ADD:
                 assert change.restore is not None
+                self._unclaim_addition(comp)
                 self._set(comp, state=change.restore, pending=None)
                 return
             comp = self._without(comp, {p.device for p in change.devices}, change.allocations)
-            state = self._standing(comp)
-            comp = self._set(comp, state=state)
             if change.request_id:
                 self._answered(change.request_id, change.fingerprint, comp)  # finished: a retry gets it
 
@@ -522,17 +537,37 @@ class FabricComposer(Composer):
         return topologies
 
     def _touches_unreachable(self, comp: Composition) -> bool:
-        picks = [*comp.devices, *(comp.pending.devices if comp.pending else ())]
-        allocs = [*comp.allocations, *(comp.pending.allocations if comp.pending else ())]
+        picks, allocs = _holdings(comp)
         names = {self._fabric_of(p.device) for p in picks} | {self._fabric_of_pool(a.pool) for a in allocs}
         return bool(names & self._unreachable)
 
     def _mark_unknown(self) -> None:
-        """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. Under the lock."""
+        """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. The state each
+        had is kept with it (`PriorState`), for `_settle_known`. Under the lock."""
         for comp in list(self._compositions.values()):
             if comp.state is not CompositionState.UNKNOWN and self._touches_unreachable(comp):
                 fabrics = ", ".join(sorted(self._unreachable))
-                self._set(comp, state=CompositionState.UNKNOWN, message=f"fabric {fabrics} cannot be reached")
+                self._set(
+                    comp,
+                    state=CompositionState.UNKNOWN,
+                    message=f"fabric {fabrics} cannot be reached",
+                    before_unknown=PriorState(comp.state, comp.message),
+                )
+
+    def _settle_known(self) -> set[str]:
+        """UNKNOWN compositions whose every fabric answers go back to the state they had before, for recovery
+        to go on from (a DECOMPOSING one is finished, a change in flight finished or undone, a FAILED one stays
+        FAILED); one with no change in flight is then held against the device health. Returns their ids. Under
+        the lock. A record written as UNKNOWN before the state was kept counts as COMPOSED."""
+        settled: set[str] = set()
+        for comp in list(self._compositions.values()):
+            if comp.state is CompositionState.UNKNOWN and not self._touches_unreachable(comp):
+                settled.add(comp.id)
+                prior = comp.before_unknown or PriorState(CompositionState.COMPOSED)
+                back = self._set(comp, state=prior.state, message=prior.message)
+                if back.pending is None:
+                    self._reassess(back)
+        return settled
 
     @_durably
     def retry_unreachable(self) -> bool:
@@ -547,34 +582,43 @@ class FabricComposer(Composer):
             if not back:
                 return False
             log.info("fabric %s answers again", ", ".join(sorted(back)))
-            settle: set[str] = set()
-            for comp in list(self._compositions.values()):
-                if comp.state is CompositionState.UNKNOWN and not self._touches_unreachable(comp):
-                    settle.add(comp.id)
-                    back_again = self._set(comp, state=CompositionState.COMPOSED, message="")
-                    if back_again.pending is None:
-                        self._reassess(back_again)
+            settle = self._settle_known()
         self._recover(settle)
         self.reconcile()
         return True
 
     def _claim_composition(self, comp: Composition) -> None:
+        """Claim the host and whatever the composition may hold (`_holdings`) in a freshly built index."""
+        picks, allocs = _holdings(comp)
         if comp.host in self._inv.hosts:
             self._inv.claim_host(comp.host, comp.id)
-        for pick in comp.devices:
+        for pick in picks:
             if pick.device in self._inv.devices:
                 self._inv.claim_device(pick.device, comp.id)
-        for alloc in comp.allocations:
+        for alloc in allocs:
             if alloc.pool in self._inv.pools:
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
 
     def _unclaim_composition(self, comp: Composition) -> None:
         """Give back what `_claim_composition` took: its devices, its memory, its host."""
-        for pick in comp.devices:
+        picks, allocs = _holdings(comp)
+        for pick in picks:
             self._inv.release_device(pick.device)
-        for alloc in comp.allocations:
+        for alloc in allocs:
             self._inv.release_memory(alloc.pool, alloc.amount_bytes)
         self._inv.release_host(comp.host)
+
+    def _unclaim_addition(self, comp: Composition) -> None:
+        """Give back the claims of a pending ADD beyond what the composition itself holds (it was undone)."""
+        assert comp.pending is not None
+        have = {p.device for p in comp.devices}
+        ids = {a.id for a in comp.allocations}
+        for pick in comp.pending.devices:
+            if pick.device not in have:
+                self._inv.release_device(pick.device)
+        for alloc in comp.pending.allocations:
+            if alloc.id not in ids:
+                self._inv.release_memory(alloc.pool, alloc.amount_bytes)
 
     def _forget(self, comp: Composition, why: str) -> None:
         """Delete a composition whose claims are given back, and say so; under the lock."""
@@ -644,6 +688,8 @@ class FabricComposer(Composer):
 
     def _set(self, comp: Composition, **changes: object) -> Composition:
         new = attrs.evolve(comp, generation=comp.generation + 1, **changes)  # type: ignore[arg-type]
+        if new.before_unknown is not None and new.state is not CompositionState.UNKNOWN:
+            new = attrs.evolve(new, before_unknown=None)
         self._compositions[new.id] = new
         self.store.put_composition(new)
         if new.state is not comp.state:
@@ -969,17 +1015,30 @@ class FabricComposer(Composer):
         failpoints.hit("compose.after_commit")
         return comp
 
+    def _rollback_incomplete(self, comp: Composition, failed: ExecutionFailedError) -> bool:
+        """When the rollback of a failed addition left part of it on the hardware, the composition is FAILED,
+        keeping the pending change that names those parts, so that a decompose releases them; returns whether it
+        did. Under the lock."""
+        if not failed.leftovers:
+            return False
+        left = ", ".join(failed.leftovers)
+        self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"could not undo {left}: {failed.error.message}")
+        self._set(comp, state=CompositionState.FAILED, message=f"rollback incomplete: {failed.error.message}")
+        return True
+
+    def _fail_addition(
+        self, comp: Composition, plan: Plan, failed: ExecutionFailedError, state: CompositionState
+    ) -> None:
+        """An addition to a live composition (recompose, heal) failed: the composition goes back to ``state``,
+        or is FAILED when the rollback was incomplete. Under the lock."""
+        if not self._rollback_incomplete(comp, failed):
+            self._unclaim_plan(plan, host=False)
+            self._set(comp, state=state, pending=None)
+
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
-        if failed.leftovers:
-            self._emit(
-                EventType.ROLLBACK_INCOMPLETE,
-                comp.id,
-                f"could not undo {', '.join(failed.leftovers)}: {failed.error.message}",
-            )
-            self._set(comp, state=CompositionState.FAILED, message=f"rollback incomplete: {failed.error.message}")
-            return
-        self._unclaim_plan(plan)
-        self._forget(comp, f"rolled back: {failed.error.message}")
+        if not self._rollback_incomplete(comp, failed):
+            self._unclaim_plan(plan)
+            self._forget(comp, f"rolled back: {failed.error.message}")
 
     # ----------------------------------------------------------------- queries
 
@@ -1166,27 +1225,32 @@ class FabricComposer(Composer):
             )
         except ExecutionFailedError as failed:
             with self._lock:
-                self._unclaim_plan(plan, host=False)
-                self._set(comp, state=previous_state, pending=None)
+                self._fail_addition(comp, plan, failed, previous_state)
             raise failed.error from None
         failpoints.hit("recompose.before_commit")
+        # Only a change that fully happened is found again by its request id: a failed one may be retried.
+        mark = {"request_id": request_id, "request_fingerprint": fp} if request_id else {}
         with self._lock:
-            comp = self._set(
-                comp,
-                resources=comp.resources + add,
-                devices=comp.devices + plan.devices,
-                allocations=comp.allocations + new_allocs,
-                pending=None,
-            )
-            self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
+            # The additions go into one record with what follows them, the removal's plan or the end of the
+            # change with its request id: the ledger may commit a group between two records, and after a crash
+            # there the additions would be recorded without the request id, for a retry to add them again.
+            changes: dict[str, object] = {
+                "resources": comp.resources + add,
+                "devices": comp.devices + plan.devices,
+                "allocations": comp.allocations + new_allocs,
+                "pending": None,
+            }
+            grown = attrs.evolve(comp, **changes)  # type: ignore[arg-type]
+            if remove:
+                changes["pending"] = self._removal(grown, set(remove))
+            else:
+                changes.update(state=self._standing(grown), **mark)
+            comp = self._set(comp, **changes)
+            if add:
+                self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
         leftovers = Leftovers()
         if remove:
-            comp, leftovers = self._remove(comp, set(remove), deadline)
-        with self._lock:
-            state = self._standing(comp)
-            # Only a change that fully happened is found again by its request id: a failed one may be retried.
-            mark = {"request_id": request_id, "request_fingerprint": fp} if request_id and not leftovers else {}
-            comp = self._set(comp, state=state, **mark)
+            comp, leftovers = self._remove(comp, deadline, mark)
         self.store.sync()
         failpoints.hit("recompose.after_commit")
         if not leftovers:
@@ -1212,33 +1276,53 @@ class FabricComposer(Composer):
     def _next_alloc_index(self, comp: Composition) -> int:
         return max((int(a.id.rsplit("-m", 1)[1]) + 1 for a in comp.allocations if "-m" in a.id), default=0)
 
-    def _remove(self, comp: Composition, remove: set[str], deadline: float | None) -> tuple[Composition, Leftovers]:
-        """Unbind and release what ``remove`` names; what could not be undone stays part of the composition."""
-        picks = [p for p in comp.devices if p.device in remove]
-        allocs = [a for a in comp.allocations if a.id in remove]
-        with self._lock:
-            removing = PendingChange(ChangeKind.REMOVE, tuple(picks), tuple(allocs), None, *self._request_mark())
-            comp = self._set(comp, pending=removing)
+    def _removal(self, comp: Composition, remove: set[str]) -> PendingChange:
+        """The record of removing what ``remove`` names from ``comp``, written before the first driver call."""
+        picks = tuple(p for p in comp.devices if p.device in remove)
+        allocs = tuple(a for a in comp.allocations if a.id in remove)
+        return PendingChange(ChangeKind.REMOVE, picks, allocs, None, *self._request_mark())
+
+    def _remove(
+        self, comp: Composition, deadline: float | None, mark: Mapping[str, str]
+    ) -> tuple[Composition, Leftovers]:
+        """Unbind and release what ``comp``'s pending removal names, once that is durable; what could not be
+        undone stays part of the composition. The record of the result carries ``mark`` (the request id and
+        digest) when nothing was left."""
+        assert comp.pending is not None and comp.pending.kind is ChangeKind.REMOVE
+        picks, allocs = comp.pending.devices, comp.pending.allocations
         self.store.sync()
         leftovers = self._release(comp.host, picks, allocs, deadline, stage="recompose")
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers.ids)
-            comp = self._without(comp, gone_devices, [a for a in allocs if a.id not in leftovers.ids])
+            comp = self._without(
+                comp, gone_devices, [a for a in allocs if a.id not in leftovers.ids], **(mark if not leftovers else {})
+            )
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {len(gone_devices)} devices", etag=comp.etag)
             return comp, leftovers
 
-    def _without(self, comp: Composition, devices: set[str], allocs: Sequence[Allocation]) -> Composition:
-        """``comp`` without ``devices`` and ``allocs``, which the hardware no longer holds; under the lock."""
+    def _without(
+        self, comp: Composition, devices: set[str], allocs: Sequence[Allocation], **changes: str
+    ) -> Composition:
+        """``comp`` without ``devices`` and ``allocs``, which the hardware no longer holds, and with the state
+        its devices' health gives it and ``changes``, in one record; under the lock."""
         for device in devices:
             self._inv.release_device(device)
         for alloc in allocs:
             self._inv.release_memory(alloc.pool, alloc.amount_bytes)
         gone = {a.id for a in allocs}
-        return self._set(
+        remaining = attrs.evolve(
             comp,
             devices=tuple(p for p in comp.devices if p.device not in devices),
             allocations=tuple(a for a in comp.allocations if a.id not in gone),
             pending=None,
+        )
+        return self._set(
+            comp,
+            devices=remaining.devices,
+            allocations=remaining.allocations,
+            pending=None,
+            state=self._standing(remaining),
+            **changes,
         )
 
     def _release(
@@ -1280,11 +1364,10 @@ class FabricComposer(Composer):
                 return
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
         yield DURABLE
-        fabrics = [self._fabric_of(p.device) for p in comp.devices] + [
-            self._fabric_of_pool(a.pool) for a in comp.allocations
-        ]
+        picks, allocs = _holdings(comp)
+        fabrics = [self._fabric_of(p.device) for p in picks] + [self._fabric_of_pool(a.pool) for a in allocs]
         leftovers: Leftovers = yield self._driver_call(
-            lambda: self._release(comp.host, comp.devices, comp.allocations, deadline, stage="decompose"), fabrics
+            lambda: self._release(comp.host, picks, allocs, deadline, stage="decompose"), fabrics
         )
         failpoints.hit("decompose.before_commit")
         with self._lock:
@@ -1413,8 +1496,7 @@ class FabricComposer(Composer):
             self._executor.apply(comp.host, self._device_steps(plan.devices), [])
         except ExecutionFailedError as failed:
             with self._lock:
-                self._unclaim_plan(plan, host=False)
-                self._set(self._compositions[comp.id], pending=None)
+                self._fail_addition(self._compositions[comp.id], plan, failed, comp.state)
             raise failed.error from None
         leftovers = self._release(comp.host, bad, [])
         with self._lock:

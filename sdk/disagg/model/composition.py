@@ -223,6 +223,15 @@ class PendingChange:
 
 
 @attrs.frozen
+class PriorState:
+    """The state and message a composition had before it became UNKNOWN: it goes back to them once every
+    fabric it uses answers again, and recovery then finishes what that state says was in flight."""
+
+    state: CompositionState
+    message: str = ""
+
+
+@attrs.frozen
 class Composition:
     """A composed system: a host with devices bound and memory carved.
 
@@ -246,6 +255,9 @@ class Composition:
     of that request: a retry whose answer a crash lost finds the change done. This, ``request_fingerprint``
     and ``pending`` are the ledger's bookkeeping: they are not on the wire, nor in comparisons."""
     request_fingerprint: str = attrs.field(default="", eq=False)
+    before_unknown: PriorState | None = attrs.field(default=None, eq=False)
+    """While UNKNOWN: the state it had before (ledger bookkeeping too). Kept in the record, so that a restart
+    while a fabric cannot be reached does not lose a DECOMPOSING or FAILED composition to UNKNOWN."""
 
     @property
     def etag(self) -> str:
