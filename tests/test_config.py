@@ -6,7 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from disagg.config import Config, FabricConfig, load_config, parse_config
+from disagg.config import Config, FabricConfig, build_composer, load_config, parse_config
 from disagg.errors import ConfigError
 
 MINIMAL = """
@@ -248,6 +248,18 @@ class TestValueErrors:
         assert error.field == "composer.call_timeout_s"
         assert "call_timeout_s must be a positive number" in error.message
 
+    @pytest.mark.parametrize("value", ["5", "''", "['best-fit']"])
+    def test_policy_not_a_name(self, tmp_path: Path, value: str) -> None:
+        error = _error(tmp_path, MINIMAL + f"[composer]\npolicy = {value}\n")
+        assert error.field == "composer.policy"
+        assert "policy must be a placement policy's name" in error.message
+
+    @pytest.mark.parametrize("value", ["5", "''", "true"])
+    def test_ledger_path_not_text(self, tmp_path: Path, value: str) -> None:
+        error = _error(tmp_path, MINIMAL + f"[state]\npath = {value}\n")
+        assert error.field == "state.path"
+        assert "[state] path must be the ledger file's path" in error.message
+
     def test_auto_heal_not_boolean(self, tmp_path: Path) -> None:
         error = _error(tmp_path, MINIMAL + "[composer]\nauto_heal = 'yes'\n")
         assert error.field == "composer.auto_heal"
@@ -328,3 +340,23 @@ class TestParseConfig:
         assert config.fabrics[0].options == {"f": f"{tmp_path}/x"}
         assert config.ledger_path == str(tmp_path / "ledger.db")
         assert config.source == "inline"
+
+
+class TestBuildErrors:
+    """What only loading the plugins can check (the policy's name, a driver's options) is a `ConfigError` that
+    names the file and the key too, and nothing is left open."""
+
+    def test_unknown_policy(self, tmp_path: Path) -> None:
+        config = _load_text(tmp_path, MINIMAL + "[composer]\npolicy = 'tightest'\n")
+        with pytest.raises(ConfigError) as info:
+            build_composer(config, ledger="memory")
+        assert info.value.field == "composer.policy"
+        assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: [composer] policy: ")
+        assert "'tightest'" in info.value.message and "best-fit" in info.value.message
+
+    def test_bad_driver_option(self, tmp_path: Path) -> None:
+        config = _load_text(tmp_path, MINIMAL + "options = { bogus = 1 }\n")
+        with pytest.raises(ConfigError) as info:
+            build_composer(config, ledger="memory")
+        assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: ")
+        assert "bogus" in info.value.message

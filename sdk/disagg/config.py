@@ -95,6 +95,8 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
             f"{source}: [state] ledger must be one of {', '.join(LEDGERS)}, not {ledger!r}", field="state.ledger"
         )
     path = state.get("path", str(state_dir(environ) / "ledger.db"))
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{source}: [state] path must be the ledger file's path, as text", field="state.path")
     endpoints = state.get("endpoints", [])
     if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
         raise ConfigError(f"{source}: [state] endpoints must be a list of HOST:PORT strings", field="state.endpoints")
@@ -117,6 +119,9 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise ConfigError(
             f"{source}: [composer] call_timeout_s must be a positive number", field="composer.call_timeout_s"
         )
+    policy = composer.get("policy", "best-fit")
+    if not isinstance(policy, str) or not policy:
+        raise ConfigError(f"{source}: [composer] policy must be a placement policy's name", field="composer.policy")
     auto_heal = composer.get("auto_heal", True)
     if not isinstance(auto_heal, bool):
         raise ConfigError(f"{source}: [composer] auto_heal must be true or false", field="composer.auto_heal")
@@ -157,7 +162,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         etcd_endpoints=tuple(endpoints),
         etcd_prefix=prefix,
         lease_ttl_s=ttl,
-        policy=str(composer.get("policy", "best-fit")),
+        policy=policy,
         auto_heal=auto_heal,
         call_timeout_s=float(timeout),
         listeners=tuple(listeners),
@@ -200,7 +205,10 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
     from disagg.store import MemoryStore, SqliteStore, Store
 
     loaded = plugins if plugins is not None else load_plugins()
-    policy = loaded.policy(config.policy)
+    try:
+        policy = loaded.policy(config.policy)
+    except PluginError as exc:
+        raise ConfigError(f"{config.source}: [composer] policy: {exc.message}", field="composer.policy") from exc
     fabrics = {}
     try:
         for fab in config.fabrics:
@@ -210,6 +218,10 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
         for f in fabrics.values():
             f.close()
         raise ConfigError(f"{config.source}: {exc.message}") from exc
+    except ConfigError as exc:  # a driver refused an option: say which file holds it
+        for f in fabrics.values():
+            f.close()
+        raise ConfigError(f"{config.source}: {exc.message}", field=exc.field, metadata=exc.metadata) from exc
     except BaseException:
         for f in fabrics.values():
             f.close()
