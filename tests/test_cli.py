@@ -191,3 +191,23 @@ class TestErrors:
     def test_decompose_ignore_missing(self, capsys: pytest.CaptureFixture[str]) -> None:
         code, _, _ = cli(capsys, "decompose", "nothing", "--ignore-missing")
         assert code == 0
+
+    def test_decompose_json_lists_what_it_decomposed(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, _, err = cli(capsys, "compose", "job", "gpu x1")
+        assert code == 0, err
+        code, out, err = cli(capsys, "decompose", "job", "ghost", "--ignore-missing", "--json")
+        assert code == 0, err
+        assert json.loads(out) == {"decomposed": ["job"]}
+
+    def test_devices_of_an_unknown_kind(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exited:
+            main(["devices", "--kind", "quantum"])
+        out, err = capsys.readouterr()
+        assert exited.value.code == 2 and out == ""
+        assert "unknown device kind 'quantum'; known kinds: gpu, cxl-memory" in err
+
+    def test_devices_of_a_kind_by_its_alias(self, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, err = cli(capsys, "devices", "--kind", "ssd", "--json")
+        assert code == 0, err
+        kinds = {d["kind"] for d in json.loads(out)}
+        assert kinds == {"nvme"}

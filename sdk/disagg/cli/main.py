@@ -23,7 +23,7 @@ from disagg.cli import serve as serve_cli
 from disagg.cli.backend import REMOTE_COMMANDS, Backend, RemoteBackend, server_address
 from disagg.config import build_composer, load_config
 from disagg.errors import ConflictError, DisaggError, InvalidRequestError, NoFitError, NotFoundError
-from disagg.model import ComposeMode, CompositionRequest, format_size
+from disagg.model import ComposeMode, CompositionRequest, DeviceKind, format_size
 from disagg.plugins import load_plugins
 from disagg.requestlang import parse_request, parse_resource, request_from_document
 
@@ -133,9 +133,17 @@ def _host_owners(composer: Backend) -> dict[str, str]:
     return owners
 
 
+def _device_kind(text: str) -> DeviceKind:
+    """``--kind``: a device kind, or a usage error that lists the known ones."""
+    try:
+        return DeviceKind.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
     with _composer(args) as composer:
-        devices = [d for d in composer.devices() if not args.kind or d.kind.value == args.kind]
+        devices = [d for d in composer.devices() if args.kind is None or d.kind is args.kind]
         if args.json:
             render.emit_json(devices)
             return 0
@@ -213,6 +221,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_decompose(args: argparse.Namespace) -> int:
     with _composer(args) as composer:
+        decomposed = []
         for key in args.compositions:
             try:
                 comp_id = composer.find(key).id
@@ -221,10 +230,11 @@ def cmd_decompose(args: argparse.Namespace) -> int:
                     raise
                 continue
             composer.decompose(comp_id)
+            decomposed.append(key)
             if not args.json:
                 print(f"decomposed {key}")
         if args.json:
-            print(json.dumps({"decomposed": args.compositions}))
+            print(json.dumps({"decomposed": decomposed}))
         return 0
 
 
@@ -275,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("plugins", cmd_plugins, "list plugins, their versions, drivers and capabilities")
     add("topology", cmd_topology, "show the fabrics, hosts, devices and pools")
     p = add("devices", cmd_devices, "list devices with their health and holder")
-    p.add_argument("--kind", help="only devices of this kind (gpu, cxl-memory, nvme, nic, fpga, dpu)")
+    p.add_argument(
+        "--kind", type=_device_kind, help="only devices of this kind (gpu, cxl-memory, nvme, nic, fpga, dpu)"
+    )
     add("ls", cmd_ls, "list compositions")
     p = add("compose", cmd_compose, "compose a system: NAME then clauses such as 'gpu x8 model=H200 same-switch'")
     p.add_argument("name", nargs="?", help="composition name")
