@@ -20,7 +20,13 @@ import attrs
 import pytest
 from disagg import codec, failpoints
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, FabricUnavailableError, RequestIdReusedError, StaleEpochError
+from disagg.errors import (
+    ConfigError,
+    ConflictError,
+    FabricUnavailableError,
+    RequestIdReusedError,
+    StaleEpochError,
+)
 from disagg.interfaces import CallContext
 from disagg.model import (
     Binding,
@@ -104,6 +110,37 @@ class TestRequestIdsSurviveARestart:
         assert retried.device_ids == grown.device_ids and len(retried.devices) == 2
         assert len(again.fabrics["pcie0"].bindings()) == 2
         again.close()
+
+
+class TestARetryWhileTheRequestRuns:
+    """A retry that arrives while its request is still running waits for the answer, up to the call timeout;
+    after that it is told to retry, and never runs the request a second time beside the first."""
+
+    def test_a_retry_longer_than_the_call_timeout(self, tmp_path: Path) -> None:
+        hardware = {
+            "pcie0": create_fabric(
+                "pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json"), "bind_delay_s": 0.2}
+            )
+        }
+        composer = FabricComposer(hardware, store=SqliteStore(tmp_path / "ledger.db"), call_timeout_s=0.3)
+        composer.start()
+        request = parse_request("slow", ["host h1", "gpu x3"])
+        first: list[Composition | None] = []
+        runner = threading.Thread(target=lambda: first.append(composer.compose(request, request_id="s-1").composition))
+        runner.start()
+        deadline = time.monotonic() + WAIT_S
+        while not composer.compositions() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ConflictError) as info:
+            composer.compose(request, request_id="s-1")
+        assert "request id 's-1' is still being answered" in info.value.message
+        runner.join(WAIT_S)
+        assert first and first[0] is not None
+        again = composer.compose(request, request_id="s-1").composition
+        assert again == first[0]
+        assert [c.name for c in composer.compositions()] == ["slow"]
+        assert len(hardware["pcie0"].bindings()) == 3
+        composer.close()
 
 
 class TestEveryRecordOfARecomposeCanBeRetried:

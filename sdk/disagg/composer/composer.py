@@ -837,12 +837,12 @@ class FabricComposer(Composer):
         found_again: Callable[[object], bool] = lambda answer: False,
     ) -> Steps[T]:
         """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
-        for it while it is in progress), another fingerprint `RequestIdReusedError`. A failure forgets the id,
-        so that a retry runs again, unless ``run`` raised it as `_SettledError` (it failed after changing
-        something): then the error is the answer a retry gets. Answers are written to the ledger, so a retry
-        after a restart gets them too. An answer that ``found_again`` accepts (a retry after a restart finds
-        it from the records of the change itself, as `_made_by_request` finds a composition) is given without
-        waiting for its own record to be on disk."""
+        for it while it is in progress, up to the call timeout, then `ConflictError`), another fingerprint
+        `RequestIdReusedError`. A failure forgets the id, so that a retry runs again, unless ``run`` raised it
+        as `_SettledError` (it failed after changing something): then the error is the answer a retry gets.
+        Answers are written to the ledger, so a retry after a restart gets them too. An answer that
+        ``found_again`` accepts (a retry after a restart finds it from the records of the change itself, as
+        `_made_by_request` finds a composition) is given without waiting for its own record to be on disk."""
         if request_id is None:
             try:
                 return (yield from run())
@@ -867,10 +867,13 @@ class FabricComposer(Composer):
                 raise _again(result.error)
             if result is not None:
                 return cast(T, result)
-            yield Until(done, self.call_timeout_s)
-            with self._lock:
-                if self._requests.get(request_id) is entry:
-                    del self._requests[request_id]
+            if not (yield Until(done, self.call_timeout_s)):
+                # Still running: running it again beside it would answer for it wrongly (the name it takes is
+                # taken, its composition busy), so this attempt ends and a later one gets the answer.
+                raise ConflictError(
+                    f"request id {request_id!r} is still being answered after {self.call_timeout_s:g}s; retry",
+                    metadata={"request_id": request_id},
+                )
         asking = _ASKING.set((request_id, fp))
         try:
             answer = yield from run()
