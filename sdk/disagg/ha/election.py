@@ -6,8 +6,12 @@ epoch. Every driver call carries it (a driver refuses an older one) and every le
 on it (`EtcdStore.fence`), so a replica that lost the lead, even one that was paused and does not know yet,
 can change neither the hardware nor the ledger.
 
-The lease is refreshed every third of its time to live. A refresh that fails, or a leader key that another
-replica now holds, ends the lead: `lost` is set and the replica must stop serving at once.
+The lease is refreshed every third of its time to live, counted from the last refresh etcd took, also the one
+just before a campaign's create: a standby that waited longer than the time to live would otherwise win with a
+lease about to expire, and lose the lead a moment later. A member that does not answer is given a sixth of the
+time to live before the next one is tried at once, so one stalled member does not cost the lead. Refreshes
+that fail for the time to live, or a leader key that another replica now holds, end the lead: `lost` is set
+and the replica must stop serving at once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ log = logging.getLogger("disagg.ha")
 LEADER_KEY = "/disagg/leader"
 LEASE_TTL_S = 3
 CAMPAIGN_POLL_S = 0.5
+MIN_REQUEST_TIMEOUT_S = 0.25
+RETRY_PAUSE_S = 0.05
+"""Between two members tried in a row, so that a refresh never spins on members that refuse at once."""
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (Etcd3Exception, OSError, requests.RequestException)
 
 
@@ -52,7 +59,8 @@ class Leadership:
         self.identity = identity
         self.key = key
         self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
+        self.timeout_s = max(MIN_REQUEST_TIMEOUT_S, min(timeout_s, ttl_s / 6))
+        """Each request to etcd: a sixth of the time to live at most, so that the keeper tries other members."""
         self.epoch = 0
         """The leader key's create revision while this replica leads; 0 before."""
         self.lost = threading.Event()
@@ -80,13 +88,16 @@ class Leadership:
         while not stop.is_set():
             try:
                 client = self._client()
-                if self._lease is None:
+                fresh = time.monotonic()  # the lease lives at least the time to live from here
+                if self._lease is not None:
+                    self._lease.client = client
+                if self._lease is None or self._lease.refresh() <= 0:
                     self._lease = client.lease(self.ttl_s)
                 if client.create(self.key, self.identity, lease=self._lease):
                     value = client.get(self.key, metadata=True)
                     self.epoch = int(value[0][1]["create_revision"])
                     log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
-                    self._keeper = threading.Thread(target=self._keep, name="disagg-lease", daemon=True)
+                    self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
                     self._keeper.start()
                     return self.epoch
             except _CONNECTION_ERRORS as exc:
@@ -96,11 +107,14 @@ class Leadership:
             stop.wait(CAMPAIGN_POLL_S)
         return 0
 
-    def _keep(self) -> None:
-        """Refresh the lease until it cannot be, or the key is no longer ours: then the lead is lost."""
+    def _keep(self, fresh: float) -> None:
+        """Refresh the lease until it cannot be, or the key is no longer ours: then the lead is lost. ``fresh``:
+        when the last refresh (or grant) that etcd took was sent; the lease lives the time to live from it."""
         assert self._lease is not None
-        deadline = time.monotonic() + self.ttl_s
-        while not self._stop.wait(self.ttl_s / 3):
+        deadline = fresh + self.ttl_s
+        due = fresh + self.ttl_s / 3
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            sent = time.monotonic()
             try:
                 client = self._client()
                 self._lease.client = client  # a lease is an id: any member refreshes it
@@ -109,13 +123,14 @@ class Leadership:
                 held = client.get(self.key, metadata=True)
                 if not held or int(held[0][1]["create_revision"]) != self.epoch:
                     break
-                deadline = time.monotonic() + self.ttl_s
+                deadline = sent + self.ttl_s
+                due = sent + self.ttl_s / 3
             except _CONNECTION_ERRORS as exc:
-                log.warning("lease refresh: etcd did not answer (%s)", exc)
+                log.warning("lease refresh: etcd did not answer (%s); trying the next member", exc)
                 self._rotate()
-                if time.monotonic() < deadline:
-                    continue
-                break
+                if time.monotonic() + RETRY_PAUSE_S >= deadline:
+                    break
+                due = time.monotonic() + RETRY_PAUSE_S
         if not self._stop.is_set():
             log.critical("lost the lead (epoch %d): another replica may lead now", self.epoch)
             self.lost.set()
