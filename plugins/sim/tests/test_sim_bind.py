@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from disagg.errors import (
+    DeadlineExceededError,
     DeviceBusyError,
     FabricUnavailableError,
     HostUnreachableError,
@@ -15,7 +19,7 @@ from disagg.errors import (
 from disagg.interfaces import CallContext, Fabric, FaultInjection
 from disagg.interfaces import Device as DeviceHandle
 from disagg.model import Binding, DeviceKind, Feature, Health
-from disagg_sim import SIM_CAPABILITIES, SimFabric
+from disagg_sim import SIM_CAPABILITIES, SimFabric, load_topology
 
 GPU = "pcie/gpu-a0"
 
@@ -214,6 +218,35 @@ class TestFencing:
         with pytest.raises(StaleEpochError):
             pool.release("a1", old)
         assert list(pool.allocations()) == [allocation]
+
+    def test_a_call_in_flight_when_a_newer_epoch_arrives_changes_nothing(self) -> None:
+        """A bind that validated under epoch 5 and is still working when epoch 6 fences the fabric does not
+        commit: the manager of epoch 6 may have read the bindings already."""
+        slow = SimFabric(load_topology("pcie", "demo-pcie"), bind_delay_s=0.5)
+        failed: list[BaseException] = []
+
+        def old_bind() -> None:
+            try:
+                slow.bind(GPU, "h1", CallContext(epoch=5))
+            except BaseException as exc:
+                failed.append(exc)
+
+        slow.bind("pcie/gpu-a1", "h1", CallContext(epoch=5))
+        worker = threading.Thread(target=old_bind)
+        worker.start()
+        time.sleep(0.1)
+        slow.bind("pcie/gpu-a2", "h2", CallContext(epoch=6))
+        worker.join(5.0)
+        assert len(failed) == 1 and isinstance(failed[0], StaleEpochError)
+        assert "fenced off by 6 while the call ran" in str(failed[0])
+        assert GPU not in {b.device for b in slow.bindings()}
+
+    def test_a_newer_epoch_is_remembered_from_a_call_that_fails(self, pcie: SimFabric) -> None:
+        with pytest.raises(DeadlineExceededError):
+            pcie.bind(GPU, "h1", CallContext(epoch=100, deadline=time.monotonic() - 1))
+        assert pcie.epoch == 100
+        with pytest.raises(StaleEpochError):
+            pcie.bind(GPU, "h1", CallContext(epoch=99))
 
     def test_a_newer_epoch_is_remembered(self, pcie: SimFabric) -> None:
         pcie.bind(GPU, "h1", CallContext(epoch=2))

@@ -390,10 +390,13 @@ class SimFabric(Fabric, FaultInjection):
     def _mutate(
         self, ctx: CallContext, key: tuple[str, ...], prepare: Callable[[], _Change[T]], *, timed: bool = True
     ) -> T:
-        """Run a mutating call: wait for other work on ``key``, check time and epoch, validate, then commit,
-        sleeping ``bind_delay_s`` without the lock in between when ``timed``. Takes the lock itself."""
+        """Run a mutating call: check the epoch (a newer one is remembered even if the call then fails), wait
+        for other work on ``key``, check time and epoch, validate, then commit, sleeping ``bind_delay_s``
+        without the lock in between when ``timed``; a newer epoch seen during the sleep refuses the commit, so
+        that nothing of a fenced-off manager lands after the new one read the hardware. Takes the lock itself."""
         delay = self._delay if timed else 0.0
         with self._lock:
+            self._fence(ctx)
             while key in self._busy:
                 remaining = ctx.remaining()
                 if remaining is not None and remaining <= 0:
@@ -413,7 +416,7 @@ class SimFabric(Fabric, FaultInjection):
                 change.commit()
                 return change.result
             self._busy.add(key)
-        slept = False
+        slept = stale = False
         try:
             time.sleep(delay)
             slept = True
@@ -421,10 +424,16 @@ class SimFabric(Fabric, FaultInjection):
             with self._lock:
                 self._busy.discard(key)
                 self._idle.notify_all()
-                if slept:
+                stale = ctx.epoch < self._epoch
+                if slept and not stale:
                     change.commit()
                 else:
                     change.abort()
+        if stale:
+            raise StaleEpochError(
+                f"fabric {self._name}: epoch {ctx.epoch} was fenced off by {self._epoch} while the call ran; "
+                "nothing was changed"
+            )
         return change.result
 
     def _fence(self, ctx: CallContext) -> None:
