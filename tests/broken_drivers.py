@@ -195,6 +195,14 @@ class UnstableSerials(SimFabric):
         return attrs.evolve(topology, devices=devices)
 
 
+class InterruptedAtBind(SimFabric):
+    """The run is interrupted (as by Ctrl-C) at the first bind: not a defect of a clause, a run that never
+    finishes, which certifies nothing."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        raise KeyboardInterrupt
+
+
 BROKEN: dict[str, tuple[type[SimFabric], str]] = {
     "broken-bind-not-idempotent": (BindNotIdempotent, "BIND-IDEMPOTENT"),
     "broken-unbind-not-idempotent": (UnbindNotIdempotent, "UNBIND-IDEMPOTENT"),
@@ -232,7 +240,7 @@ def factory(cls: type[SimFabric]) -> Any:
 
 @hookimpl
 def disagg_register_drivers(registry: DriverRegistry) -> None:
-    for name, (cls, _clause) in BROKEN.items():
+    for name, (cls, _clause) in [*BROKEN.items(), ("broken-interrupted", (InterruptedAtBind, ""))]:
         description = " ".join((cls.__doc__ or "").split())
         registry.add_driver(
             name,

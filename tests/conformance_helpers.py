@@ -75,10 +75,15 @@ class ServedDriver:
                 self.kill()
 
 
-def certify(tmp: Path, *args: str) -> tuple[CertifyRun, dict[str, Any] | None]:
-    """Run ``disagg certify ARGS --out TMP/out`` in a child process that can import the modules of tests/ (for
-    ``--plugin broken_drivers``) with no plugin blocked; the result and the JSON report, if one was written."""
+def certify_env() -> dict[str, str]:
+    """The environment of `certify`'s child: it can import the modules of tests/ (for ``--plugin
+    broken_drivers``), with no plugin blocked."""
     path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {"PYTHONPATH": os.pathsep.join(path), DISABLE_ENV: ""}
-    run = run_certify(tmp, *args, env=env, timeout=CERTIFY_TIMEOUT_S)
+    return {"PYTHONPATH": os.pathsep.join(path), DISABLE_ENV: ""}
+
+
+def certify(tmp: Path, *args: str) -> tuple[CertifyRun, dict[str, Any] | None]:
+    """Run ``disagg certify ARGS --out TMP/out`` in a child process (`certify_env`); the result and the JSON
+    report, if one was written."""
+    run = run_certify(tmp, *args, env=certify_env(), timeout=CERTIFY_TIMEOUT_S)
     return run, run.report

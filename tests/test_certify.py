@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conformance_helpers import SIM_OPTIONS, ServedDriver, certify
+from conformance_helpers import CERTIFY_TIMEOUT_S, SIM_OPTIONS, ServedDriver, certify, certify_env
 from disagg.cli.main import main
 from disagg.testing import CLAUSES
+from disagg.testing.certify_run import run_certify
 
 
 def statuses(report: dict[str, Any]) -> dict[str, str]:
@@ -133,6 +134,34 @@ class TestExpectedFailures:
         assert report is not None and report["verdict"] == "FAILED"
         stable = clause_of(report, "DISC-STABLE")
         assert stable["status"] == "FAIL" and "remove it from the expected-failures file" in stable["reason"]
+
+
+class TestAVerdictIsTheWholeSuites:
+    """Nothing outside the command line changes what is certified, and a run that does not finish certifies
+    nothing."""
+
+    def test_pytest_settings_in_the_environment_are_ignored(self, tmp_path: Path) -> None:
+        """PYTEST_ADDOPTS could deselect the clause a driver breaks; certify runs every test regardless."""
+        run = run_certify(
+            tmp_path,
+            "broken-ignores-epoch",
+            "--plugin",
+            "broken_drivers",
+            env={**certify_env(), "PYTEST_ADDOPTS": "-k discovery"},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.report is not None and run.report["verdict"] == "FAILED"
+        assert clause_of(run.report, "FENCE-STALE-EPOCH")["status"] == "FAIL"
+
+    def test_an_interrupted_run_is_not_certified(self, tmp_path: Path) -> None:
+        proc, report = certify(tmp_path, "broken-interrupted", "--plugin", "broken_drivers")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "the run did not finish (pytest exit status 2)" in proc.stderr
+        assert report is not None and report["verdict"] == "NOT CERTIFIED"
+        assert report["incomplete"] == "the run did not finish (pytest exit status 2)"
+        markdown = (tmp_path / "out" / "certification.md").read_text()
+        assert "The run is not a certification: the run did not finish" in markdown
 
 
 class TestCertifyBadInput:

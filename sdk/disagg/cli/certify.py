@@ -15,6 +15,7 @@ import argparse
 import importlib
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -208,17 +209,34 @@ def cmd_certify(args: argparse.Namespace) -> int:
         ]
         if args.expected_failures:
             argv += ["--disagg-expected-failures", str(Path(args.expected_failures).resolve())]
-        code = pytest.main(argv, plugins=[Setup()])
+        with _without_pytest_settings():
+            code = pytest.main(argv, plugins=[Setup()])
     if not captured:
         print(f"disagg: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 2 if code == pytest.ExitCode.USAGE_ERROR else 1
     report = captured[0]
+    if report.incomplete:
+        print(f"disagg: error: {report.incomplete}; {report.verdict}, reports in {args.out}", file=sys.stderr)
+        return 1
     counts = report.to_json()["counts"]
     print(
         f"certify {args.driver}: {report.verdict} ({counts['PASS']} pass, {counts['FAIL']} fail, "
         f"{counts['NOT TESTED']} not tested); reports in {args.out}"
     )
     return EXIT_FOR[report.verdict]
+
+
+PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
+"""What pytest reads from the environment: options that could deselect clauses, plugins that could change
+outcomes. A certification runs the whole suite as it is, whatever the caller's shell or CI sets."""
+
+
+class _without_pytest_settings:  # noqa: N801  (used as a context manager, named as one)
+    def __enter__(self) -> None:
+        self._saved = {k: os.environ.pop(k) for k in PYTEST_SETTINGS if k in os.environ}
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.update(self._saved)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -156,6 +156,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not config.stash[_CLAUSE_OF]:
         return
     report = build_report(config)
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        report = attrs.evolve(report, incomplete=f"the run did not finish (pytest exit status {int(exitstatus)})")
     config.stash[REPORT] = report
     if config.stash[LEFTOVERS] and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

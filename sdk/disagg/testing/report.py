@@ -74,13 +74,17 @@ class Report:
     started: str = ""
     duration_s: float = 0.0
     suite_version: str = SUITE_VERSION
+    incomplete: str = ""
+    """Why the run did not finish (interrupted, an internal error), or empty: an unfinished run certifies
+    nothing, since the clauses it did not reach were not tested and its clean-up may not have run."""
 
     @property
     def verdict(self) -> str:
-        """FAILED on an unexpected failure; NOT CERTIFIED while expected failures are listed; else CERTIFIED."""
+        """FAILED on an unexpected failure; NOT CERTIFIED while expected failures are listed or when the run
+        did not finish; else CERTIFIED."""
         if any(c.status == FAIL and not c.expected_failure for c in self.clauses):
             return FAILED
-        if self.expected_failures:
+        if self.expected_failures or self.incomplete:
             return NOT_CERTIFIED
         return CERTIFIED
 
@@ -120,6 +124,7 @@ class Report:
                 for c in self.clauses
             ],
             "counts": {s: sum(c.status == s for c in self.clauses) for s in (PASS, FAIL, NOT_TESTED)},
+            "incomplete": self.incomplete,
             "verdict": self.verdict,
         }
 
@@ -186,6 +191,8 @@ class Report:
             f"| Verdict | **{self.verdict}** |",
             "",
         ]
+        if self.incomplete:
+            lines += [f"The run is not a certification: {self.incomplete}.", ""]
         if self.expected_failures:
             lines += [
                 f"Expected failures listed: {', '.join(self.expected_failures)}; certification is withheld "
