@@ -21,8 +21,12 @@ import pytest
 from disagg import codec, failpoints
 from disagg.composer import FabricComposer
 from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
     ConfigError,
     ConflictError,
+    DeadlineExceededError,
+    DisaggError,
     FabricUnavailableError,
     RequestIdReusedError,
     StaleEpochError,
@@ -564,6 +568,51 @@ class TestWhatARollbackLeftIsReleased:
             pool.info().capacity.total_bytes
         ]
         assert composer.reconcile() == 0
+        composer.close()
+
+    @pytest.mark.parametrize("lost", [FabricUnavailableError, DeadlineExceededError])
+    def test_a_bind_whose_answer_was_lost_is_undone(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lost: type[DisaggError]
+    ) -> None:
+        """The driver bound the device but its answer never came back (the connection broke mid-call, the
+        deadline passed on the way; a driver client says so with the error's outcome): the rollback unbinds it
+        too, so nothing is left bound without a record, nor quarantined later."""
+        composer = opened(tmp_path)
+        pcie = composer.fabrics["pcie0"]
+        bind = pcie.bind
+
+        def answer_lost(device: str, host: str, ctx: CallContext) -> Binding:
+            bind(device, host, ctx)
+            raise lost("the connection broke before the driver answered", metadata={OUTCOME: OUTCOME_UNKNOWN})
+
+        monkeypatch.setattr(pcie, "bind", answer_lost)
+        with pytest.raises(lost):
+            composer.compose(parse_request("job", ["host h1", "gpu x1"]))
+        assert [b for b in pcie.bindings() if b.host == "h1"] == []
+        assert composer.compositions() == []
+        assert composer.reconcile() == 0
+        composer.close()
+
+    def test_a_refusal_is_not_undone(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """An error the driver answered with changed nothing: the rollback undoes only the binds that were
+        made (an unbind of the refused device could touch what another host holds)."""
+        composer = opened(tmp_path)
+        pcie = composer.fabrics["pcie0"]
+        unbound: list[str] = []
+        unbind = pcie.unbind
+
+        def refuse(device: str, host: str, ctx: CallContext) -> Binding:
+            raise FabricUnavailableError("the switch refused the bind")
+
+        def recording(binding: Binding, ctx: CallContext) -> None:
+            unbound.append(binding.device)
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(pcie, "bind", refuse)
+        monkeypatch.setattr(pcie, "unbind", recording)
+        with pytest.raises(FabricUnavailableError):
+            composer.compose(parse_request("job", ["host h1", "gpu x1"]))
+        assert unbound == []
         composer.close()
 
     def test_a_recompose_whose_rollback_fails(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

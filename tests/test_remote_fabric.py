@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
     CapacityExhaustedError,
     ConfigError,
     ConflictError,
@@ -22,7 +24,7 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Health
+from disagg.model import Binding, DeviceKind, Health
 from disagg.remote import RemoteFabric
 from disagg.remote.plugin import create_fabric
 from disagg_sim import SIM_CAPABILITIES, SimFabric
@@ -67,6 +69,22 @@ class TestConnect:
             create_fabric("pcie0", {"address": address, "connect_timeout_s": 0.3})
         assert time.monotonic() - started < 2.0
         assert address in info.value.message and "0.3s" in info.value.message
+
+    def test_a_call_without_an_answer_has_an_unknown_outcome(self, sim: SimFabric) -> None:
+        """The driver's process went away: the bind may or may not have happened, and the error says so; an
+        error the driver answered with does not."""
+        gpu = next(d.id for d in sim.discover().devices if d.kind is DeviceKind.GPU)
+        with served(sim) as server:
+            remote = RemoteFabric("pcie0", server.address, connect_timeout_s=5)
+            with pytest.raises(UnknownDeviceError) as answered:
+                remote.bind("pcie0/no-such-gpu", "h1", CallContext(epoch=1))
+            assert OUTCOME not in answered.value.metadata
+        try:
+            with pytest.raises(FabricUnavailableError) as lost:
+                remote.bind(gpu, "h1", CallContext.with_timeout(2.0, epoch=1))
+            assert lost.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
+        finally:
+            remote.close()
 
     def test_close_is_idempotent_and_final(self, remote: RemoteFabric) -> None:
         remote.subscribe(lambda event: None)

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+OUTCOME = "outcome"
+"""Metadata key of an error after which the call may have taken effect all the same: a driver client sets it
+to `OUTCOME_UNKNOWN` when the answer was lost (the connection broke, the deadline passed on the way), so that
+the composer undoes the call too when it rolls back."""
+OUTCOME_UNKNOWN = "unknown"
+
 
 class DisaggError(Exception):
     """Base of every SDK error."""

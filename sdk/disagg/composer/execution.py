@@ -8,7 +8,14 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from disagg import failpoints
-from disagg.errors import DeadlineExceededError, DisaggError, DriverError, FabricUnavailableError
+from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
+    DeadlineExceededError,
+    DisaggError,
+    DriverError,
+    FabricUnavailableError,
+)
 from disagg.incidents import log_incident
 from disagg.interfaces import CallContext, Fabric
 from disagg.model import Allocation, Binding, DevicePick, MemoryPick
@@ -57,6 +64,13 @@ def driver_error(fabric: str, exc: Exception) -> DriverError:
     )
 
 
+def in_doubt(exc: Exception) -> bool:
+    """Whether a driver call that raised ``exc`` may have changed the hardware all the same: its answer was
+    lost (the error says its outcome is unknown), or the driver broke its contract by raising something that
+    is not an SDK error. An SDK error the driver raised itself is an answer: the call changed nothing."""
+    return not isinstance(exc, DisaggError) or exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN
+
+
 class Executor:
     """Drives fabrics for the composer. Holds no state of its own.
 
@@ -88,24 +102,37 @@ class Executor:
 
         ``devices`` pairs each pick with its fabric name. Raises `ExecutionFailedError` after rolling back.
         ``stage`` (compose, recompose) names the failpoints hit after each step.
+
+        A step whose outcome is unknown (`in_doubt`: its answer was lost, or the driver raised something it
+        should not) may have happened, so the rollback undoes it too, first, as a best effort: unbind and
+        release are idempotent, so undoing what did not happen changes nothing, and an undo that fails is left
+        to reconciliation, which quarantines the binding if there is one.
         """
         bound: list[tuple[str, Binding]] = []
         carved: list[tuple[str, str, str]] = []
         allocations: list[Allocation] = []
         fabric = ""
+        # The step in progress, as the rollback would undo it.
+        trying: tuple[list[tuple[str, Binding]], list[tuple[str, str, str]]] = ([], [])
         try:
             for fabric, pick in devices:
+                trying = ([(fabric, Binding(pick.device, host))], [])
                 bound.append((fabric, self._fabric(fabric).bind(pick.device, host, self.context(deadline))))
+                trying = ([], [])
                 failpoints.hit(f"{stage}.after_bind")
             for step in memory:
                 fabric = step.fabric
+                trying = ([], [(step.fabric, step.pick.pool, step.allocation_id)])
                 pool = self._fabric(step.fabric).pool(step.pick.pool)
                 allocation = pool.allocate(step.allocation_id, host, step.pick.amount_bytes, self.context(deadline))
                 carved.append((step.fabric, step.pick.pool, step.allocation_id))
                 allocations.append(allocation)
+                trying = ([], [])
                 failpoints.hit(f"{stage}.after_allocate")
         except Exception as exc:
             error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
+            if in_doubt(exc):
+                self.undo(*trying)
             leftovers = self.undo(bound, carved)
             raise ExecutionFailedError(error, leftovers.ids) from exc
         return tuple(allocations)

@@ -32,6 +32,8 @@ from grpc_status import rpc_status
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
     ConfigError,
     DeadlineExceededError,
     DisaggError,
@@ -328,12 +330,16 @@ class RemoteFabric(Fabric, FaultInjection):
         if not isinstance(exc, grpc.Call) or rpc_status.from_call(exc) is not None:
             return error
         code = exc.code()
+        unknown = {OUTCOME: OUTCOME_UNKNOWN}  # no answer from the driver: the call may have happened
         if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
             return DriverError(
                 f"fabric {self._name!r}: the driver at {self.address} failed unexpectedly "
-                f"({code.name}: {error.message})"
+                f"({code.name}: {error.message})",
+                metadata=unknown,
             )
-        return build(type(error), f"fabric {self._name!r} (driver remote at {self.address}): {error.message}")
+        return build(
+            type(error), f"fabric {self._name!r} (driver remote at {self.address}): {error.message}", metadata=unknown
+        )
 
     def _read(self, convert: Callable[[], T], what: str) -> T:
         """Convert an answer; a malformed one is the driver's fault, reported as the fabric unavailable."""
