@@ -3,6 +3,10 @@ expected-failures file, and every mistake a user can make on its command line.""
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
+import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +100,31 @@ class TestCertifyRemote:
             served.stop()
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert report is not None and report["verdict"] == "CERTIFIED"
+
+    def test_a_restart_command_that_starts_the_driver_in_the_background(
+        self, tmp_path: Path, served_sim: ServedDriver
+    ) -> None:
+        """The usual restart script kills the driver and starts it again in the background, where it keeps the
+        output it inherited open: certify waits for the script, not for the driver."""
+        assert served_sim.proc is not None
+        pidfile = tmp_path / "driver.pid"
+        serve = [sys.executable, "-m", "disagg.cli.main", "driver", "serve", "sim", "--name", served_sim.fabric]
+        for option in served_sim.options:
+            serve += ["--option", option]
+        serve += ["--listen", served_sim.address]
+        script = tmp_path / "restart.sh"
+        script.write_text(
+            f"if [ -f {pidfile} ]; then kill -9 $(cat {pidfile}); else kill -9 {served_sim.proc.pid}; fi\n"
+            f"sleep 0.2\nrm -f {served_sim.address.removeprefix('unix:')}\n"
+            f"{shlex.join(serve)} &\necho $! > {pidfile}\n"
+        )
+        try:
+            proc, report = certify(tmp_path, "sim", "--remote", served_sim.address, "--restart-command", f"sh {script}")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert report is not None and clause_of(report, "RESTART-BINDINGS")["status"] == "PASS"
+        finally:
+            if pidfile.exists():
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
     def test_a_failing_restart_command_fails_the_restart_clause(self, tmp_path: Path, served_sim: ServedDriver) -> None:
         proc, report = certify(tmp_path, "sim", "--remote", served_sim.address, "--restart-command", "exit 7")

@@ -94,15 +94,21 @@ def _restart_by(command: str, connect: Callable[[], Fabric]) -> Callable[[Fabric
 
     def restart(old: Fabric) -> Fabric:
         old.close()
-        try:
-            subprocess.run(command, shell=True, check=True, timeout=RESTART_TIMEOUT_S, capture_output=True)
-        except subprocess.CalledProcessError as exc:
-            said = exc.stderr.decode(errors="replace")[-300:]
-            raise FabricUnavailableError(
-                f"--restart-command {command!r} exited with {exc.returncode}: {said}"
-            ) from None
-        except subprocess.TimeoutExpired:
-            raise FabricUnavailableError(f"--restart-command {command!r} ran past {RESTART_TIMEOUT_S:g}s") from None
+        # Its error output goes to a file, not a pipe: a command that starts the driver again in the background
+        # leaves it holding what it inherited, and a pipe would keep this wait open until the driver exits.
+        with tempfile.TemporaryFile() as said:
+            try:
+                subprocess.run(
+                    command, shell=True, check=True, timeout=RESTART_TIMEOUT_S, stdout=subprocess.DEVNULL, stderr=said
+                )
+            except subprocess.CalledProcessError as exc:
+                said.seek(0)
+                tail = said.read().decode(errors="replace")[-300:]
+                raise FabricUnavailableError(
+                    f"--restart-command {command!r} exited with {exc.returncode}: {tail}"
+                ) from None
+            except subprocess.TimeoutExpired:
+                raise FabricUnavailableError(f"--restart-command {command!r} ran past {RESTART_TIMEOUT_S:g}s") from None
         return connect()
 
     return restart
