@@ -240,6 +240,24 @@ class TestCertifyBadInput:
     def test_a_plugin_that_does_not_import(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert "cannot import 'no_such_module'" in self.run(capsys, "sim", "--plugin", "no_such_module")
 
+    def test_a_plugin_that_fails_as_it_loads(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        (tmp_path / "raising_plugin.py").write_text("raise RuntimeError('no licence key')\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        said = self.run(capsys, "sim", "--plugin", "raising_plugin")
+        assert "--plugin: importing 'raising_plugin' failed: RuntimeError: no licence key" in said
+
+    def test_a_plugin_with_a_misspelt_hook(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        (tmp_path / "misspelt_plugin.py").write_text(
+            "from disagg import hookimpl\n\n\n@hookimpl\ndef disagg_register_driver(registry):\n    pass\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        said = self.run(capsys, "sim", "--plugin", "misspelt_plugin")
+        assert "the plugins cannot be loaded: " in said and "disagg_register_driver" in said
+
     def test_a_socket_that_is_not_there(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "no socket at" in self.run(capsys, "sim", "--remote", f"unix:{tmp_path / 'absent.sock'}")
 

@@ -137,7 +137,14 @@ def cmd_certify(args: argparse.Namespace) -> int:
             extra.append((module, importlib.import_module(module)))
         except ImportError as exc:
             raise ConfigError(f"--plugin: cannot import {module!r}: {exc}", field="plugin") from None
-    plugins = load_plugins(extra=extra)
+        except Exception as exc:  # the module itself failed as it loaded: bad input, not a failed clause
+            raise ConfigError(
+                f"--plugin: importing {module!r} failed: {type(exc).__name__}: {exc}", field="plugin"
+            ) from None
+    try:
+        plugins = load_plugins(extra=extra)
+    except PluginError as exc:  # a hook misspelt, a driver registered twice: bad input, not a failed clause
+        raise ConfigError(f"the plugins cannot be loaded: {exc.message}", field="plugin") from None
 
     with tempfile.TemporaryDirectory(prefix="disagg-certify-") as tmp:
         work = Path(tmp)
