@@ -77,6 +77,20 @@ class TestCertifyInProcess:
         )
         assert clause_of(report, "CARVE-NO-OVERLAP")["status"] == "PASS"
 
+    def test_the_call_timeout_of_the_config_file_holds_in_process(self, tmp_path: Path) -> None:
+        """Binds that take 0.4 s against a call timeout of 0.05 s fail: the suite's calls carry the file's
+        limit, not its own default."""
+        config = tmp_path / "cert.toml"
+        config.write_text(
+            'fabric = "lab"\ncall_timeout_s = 0.05\n[options]\ntopology = "demo-pcie"\nbind_delay_s = 0.4\n'
+            f'state_file = "{tmp_path / "lab.json"}"\n'
+        )
+        proc, report = certify(tmp_path, "sim", "--config", str(config))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert report is not None and report["verdict"] == "FAILED"
+        bind = clause_of(report, "BIND-IDEMPOTENT")
+        assert bind["status"] == "FAIL" and "DeadlineExceededError" in bind["reason"]
+
 
 class TestCertifyRemote:
     """An endpoint served by `disagg driver serve` certifies over its socket; certify restarts it only when told

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 import pytest
-from disagg.model import Feature
+from disagg.model import Capabilities, Feature
 from disagg.testing import CLAUSES
 from disagg.testing.clauses import MARKER
 from disagg.testing.selection import deselect_undeclared
@@ -193,3 +193,25 @@ class TestDeselectUndeclared:
         kept = list(items[1:])
         deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver")  # type: ignore[arg-type]
         assert deselected == [bind_mine] and items == kept
+
+
+class TestFaultInjectionIsWhatADriverDeclares:
+    """The suite injects faults only into a driver that declares fault injection: a fabric object that has the
+    methods (a remote driver's client always does) but does not declare the feature is not tested on it."""
+
+    def test_undeclared_fault_injection_is_not_used(self) -> None:
+        from disagg.testing.harness import Epochs, Tracker
+        from disagg_sim import SIM_CAPABILITIES, SimFabric, load_topology
+
+        class Undeclared(SimFabric):
+            def capabilities(self) -> Capabilities:
+                return attrs.evolve(SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.FAULT_INJECTION})
+
+        declared = Tracker(lambda: SimFabric(load_topology("f", "demo-pcie")), Epochs(), call_timeout_s=5.0)
+        undeclared = Tracker(lambda: Undeclared(load_topology("f", "demo-pcie")), Epochs(), call_timeout_s=5.0)
+        try:
+            assert declared.faults() is declared.fabric
+            assert undeclared.faults() is None
+        finally:
+            declared.fabric.close()
+            undeclared.fabric.close()

@@ -158,7 +158,10 @@ def cmd_certify(args: argparse.Namespace) -> int:
                 return RemoteFabric(fabric_name, address, call_timeout_s=timeout, connect_timeout_s=RESTART_TIMEOUT_S)
 
             target = Target(
-                factory, _restart_by(args.restart_command, factory) if args.restart_command else None, NO_RESTART
+                factory,
+                _restart_by(args.restart_command, factory) if args.restart_command else None,
+                NO_RESTART,
+                call_timeout_s=timeout,
             )
             subject = Subject(args.driver, fabric=fabric_name, mode="remote", address=address)
         else:
@@ -175,7 +178,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
             factory().close()  # a configuration error is bad input, reported before the suite runs
 
-            target = Target(factory, reopening(factory))
+            target = Target(factory, reopening(factory), call_timeout_s=timeout)
             info = next((p for p in plugins.plugins if p.name == spec.plugin), None)
             subject = Subject(
                 args.driver,

@@ -12,6 +12,10 @@ from disagg.testing.suite import FabricConformance
 class TestCertifiedDriver(FabricConformance):
     """The driver named to ``disagg certify`` meets the disagg driver contract."""
 
+    @pytest.fixture(autouse=True)
+    def _call_timeout(self, request: pytest.FixtureRequest) -> None:
+        self.call_timeout_s = request.config.stash[TARGET].call_timeout_s
+
     @pytest.fixture
     def fabric_factory(self, request: pytest.FixtureRequest) -> FabricFactory:
         return request.config.stash[TARGET].factory

@@ -13,7 +13,7 @@ import attrs
 from disagg.composer.index import switch_reach
 from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool
-from disagg.model import Allocation, Binding, Health, Topology
+from disagg.model import Allocation, Binding, Feature, Health, Topology
 from disagg.model import Device as DeviceInfo
 
 FabricFactory = Callable[[], Fabric]
@@ -142,7 +142,11 @@ class Tracker:
         return self.fabric.pool(pool).allocate(allocation, host, amount, self.ctx(epoch))
 
     def faults(self) -> FaultInjection | None:
-        return self.fabric if isinstance(self.fabric, FaultInjection) else None
+        """The fabric's fault injection, when it declares it: a remote driver's client always has the methods,
+        and a driver that does not declare the feature is not tested on it."""
+        if isinstance(self.fabric, FaultInjection) and self.fabric.capabilities().supports(Feature.FAULT_INJECTION):
+            return self.fabric
+        return None
 
     def on_cleanup(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` first at clean-up (repair an injected fault, bring a link back)."""

@@ -30,6 +30,8 @@ class Target:
     factory: FabricFactory
     restart: Restart | None
     no_restart_reason: str = ""
+    call_timeout_s: float = 30.0
+    """Each driver call's time limit (certify's ``--config``)."""
 
 
 TARGET = pytest.StashKey[Target]()
