@@ -146,6 +146,8 @@ class TestCertifyRemote:
         assert report is not None and report["verdict"] == "FAILED"
         restart = clause_of(report, "RESTART-BINDINGS")
         assert restart["status"] == "FAIL" and "exited with 7" in restart["reason"]
+        # The restart closed the suite's connection; the clean-up connects afresh and leaves nothing behind.
+        assert clause_of(report, "CLEANUP-NOTHING-LEFT")["status"] == "PASS"
 
     def test_an_endpoint_of_another_driver_is_refused(self, tmp_path: Path, served_sim: ServedDriver) -> None:
         proc, report = certify(tmp_path, "acme", "--remote", served_sim.address)

@@ -4,6 +4,7 @@ tracker that undoes everything a test bound, carved or broke, then checks with t
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,8 @@ from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool
 from disagg.model import Allocation, Binding, Feature, Health, Topology
 from disagg.model import Device as DeviceInfo
+
+log = logging.getLogger("disagg.testing")
 
 FabricFactory = Callable[[], Fabric]
 """Builds the fabric under test; called again after a restart, it must reach the same (persisted) state."""
@@ -153,7 +156,16 @@ class Tracker:
         self._undo_faults.append(undo)
 
     def restart(self, restart: Restart) -> Fabric:
-        self.fabric = restart(self.fabric)
+        """Restart the driver; when that fails, connect afresh (best effort) so that the clean-up still reaches
+        the driver, then raise: the restart closed the fabric this tracker held."""
+        try:
+            self.fabric = restart(self.fabric)
+        except BaseException:
+            try:
+                self.fabric = self.factory()
+            except Exception as exc:
+                log.warning("could not reconnect to the driver after a failed restart: %r", exc)
+            raise
         return self.fabric
 
     def cleanup(self, test: str) -> list[Leftover]:
