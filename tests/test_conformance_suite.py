@@ -122,6 +122,34 @@ class TestUndeclaredCapabilities:
         assert set(found) == set(CLAUSES)
 
 
+class TestAHostOnTwoSwitches:
+    """ERR-HOST-UNREACHABLE cuts a host off by taking down every link it has, so a correct driver whose hosts
+    hang off two switches passes it (taking down one link left the host reaching everything)."""
+
+    def test_a_dual_homed_host_is_cut_off(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            import attrs
+            from disagg.model import Link
+            from disagg_sim import SimFabric, load_topology
+
+            SECOND = (("h1", "f/top-b"), ("h2", "f/top-b"), ("h3", "f/top-a"), ("h4", "f/top-a"))
+
+            class TestDualHomed(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    rack = load_topology("f", "demo-pcie")
+                    links = rack.links + tuple(Link(h, s, 100, 504.0) for h, s in SECOND)
+                    topology = attrs.evolve(rack, links=links)
+                    state = tmp_path / "s.json"
+                    return lambda: SimFabric(topology, state_file=state)
+            """,
+        )
+        found = statuses(report)
+        assert found["ERR-HOST-UNREACHABLE"] == ("PASS", ""), proc.stdout[-3000:]
+
+
 class TestCleanup:
     """What a test left bound is found by the driver's own answer, fails the clean-up clause and the run."""
 
