@@ -114,6 +114,14 @@ class IgnoresEpoch(SimFabric):
             super()._fence(ctx)
 
 
+class BindIgnoresEpoch(SimFabric):
+    """Refuses an older fencing epoch everywhere but in bind, which takes the newest as its own: one of the
+    two tests of FENCE-STALE-EPOCH fails, the pool's passes."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        return super().bind(device, host, attrs.evolve(ctx, epoch=max(ctx.epoch, self.epoch)))
+
+
 class _OffsetZeroCarver:
     """Counts free blocks but not where they are: every allocation is carved from block 0."""
 
@@ -210,6 +218,7 @@ BROKEN: dict[str, tuple[type[SimFabric], str]] = {
     "broken-race": (RacyBind, "CONC-RACE-ONE-WINNER"),
     "broken-wrong-error": (WrongError, "ERR-UNKNOWN-DEVICE"),
     "broken-ignores-epoch": (IgnoresEpoch, "FENCE-STALE-EPOCH"),
+    "broken-bind-ignores-epoch": (BindIgnoresEpoch, "FENCE-STALE-EPOCH"),
     "broken-overlapping-extents": (OverlappingExtents, "CARVE-NO-OVERLAP"),
     "broken-forgets-bindings": (ForgetsBindings, "RESTART-BINDINGS"),
     "broken-silent-failures": (SilentFailures, "EVENT-FAILURE-REPORTED"),

@@ -171,6 +171,28 @@ class TestExpectedFailures:
         assert fence["status"] == "FAIL" and fence["expected_failure"] is True
         assert report["expected_failures"] == ["FENCE-STALE-EPOCH"]
 
+    def test_a_clause_listed_fails_as_expected_when_one_of_its_tests_fails(self, tmp_path: Path) -> None:
+        """FENCE-STALE-EPOCH has a test on binds and one on pools; this driver breaks only the first."""
+        listed = tmp_path / "xfail.txt"
+        listed.write_text("FENCE-STALE-EPOCH\n")
+        proc, report = certify(
+            tmp_path, "broken-bind-ignores-epoch", "--plugin", "broken_drivers", "--expected-failures", str(listed)
+        )
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert report is not None and report["verdict"] == "NOT CERTIFIED"
+        fence = clause_of(report, "FENCE-STALE-EPOCH")
+        assert fence["status"] == "FAIL" and fence["expected_failure"] is True
+        assert {t["outcome"] for t in fence["tests"]} == {"xfailed", "passed"}
+
+    def test_the_clean_up_clause_listed_while_it_passes_fails_the_run(self, tmp_path: Path) -> None:
+        listed = tmp_path / "xfail.txt"
+        listed.write_text("CLEANUP-NOTHING-LEFT\n")
+        proc, report = certify(tmp_path, "sim", "--expected-failures", str(listed))
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert report is not None and report["verdict"] == "FAILED"
+        cleanup = clause_of(report, "CLEANUP-NOTHING-LEFT")
+        assert cleanup["status"] == "FAIL" and "remove it from the expected-failures file" in cleanup["reason"]
+
     def test_a_listed_clause_that_passes_fails_the_run(self, tmp_path: Path) -> None:
         listed = tmp_path / "xfail.txt"
         listed.write_text("DISC-STABLE\n")
