@@ -433,6 +433,11 @@ class Unreachable(SimFabric):
             raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
         return super().bindings()
 
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if not self.reachable:
+            raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
+        super().unbind(binding, ctx)
+
 
 class TestUnreachableAtStartUp:
     """A driver that cannot be reached at start-up leaves its compositions UNKNOWN, releases nothing of
@@ -479,6 +484,27 @@ class TestUnreachableAtStartUp:
         store.put_composition(comp)
         store.sync()
         store.close()
+
+    def test_a_fabric_that_answers_again_is_told_the_epoch_first(self, tmp_path: Path) -> None:
+        """A leader could not announce its epoch to a fabric that did not answer; it does when the fabric
+        answers again, before any other call, so that a deposed manager is refused there from then on."""
+        first = opened(tmp_path)
+        first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"]))
+        first.close()
+        hardware = fabrics(tmp_path)
+        cxl = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        hardware["cxl0"].close()
+        hardware["cxl0"] = cxl
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), epoch=7)
+        composer.fence_drivers()
+        composer.start()
+        assert hardware["pcie0"].epoch == 7
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        assert cxl.epoch == 7
+        with pytest.raises(StaleEpochError):
+            cxl.pool("cxl0/mem0").release("anything", CallContext(epoch=6))
+        composer.close()
 
     def test_states_before_unknown_are_kept_and_settled(self, tmp_path: Path) -> None:
         """An interrupted decompose is finished and a FAILED composition stays FAILED once the fabric answers,

@@ -286,9 +286,14 @@ class FabricComposer(Composer):
         """Tell every driver that declares FENCING this manager's epoch at once, before any real call: an
         unbind of a binding that does not exist, which changes nothing but is a mutating call, and a driver
         remembers the highest epoch of every mutating call it receives. A replica that just took the lead calls
-        it, so that the replica it replaced is refused from that moment, not from this one's first bind."""
+        it, so that the replica it replaced is refused from that moment, not from this one's first bind; a fabric
+        that cannot be reached then is told when it answers again (`retry_unreachable`)."""
+        self._announce_epoch(self.fabrics)
+
+    def _announce_epoch(self, names: Iterable[str]) -> None:
         ctx = self._context()
-        for name, fabric in self.fabrics.items():
+        for name in names:
+            fabric = self.fabrics[name]
             try:
                 if fabric.capabilities().supports(Feature.FENCING):
                     fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
@@ -582,6 +587,7 @@ class FabricComposer(Composer):
             if not back:
                 return False
             log.info("fabric %s answers again", ", ".join(sorted(back)))
+            self._announce_epoch(sorted(back))  # before anything else reaches it: a deposed manager may still try
             settle = self._settle_known()
         self._recover(settle)
         self.reconcile()
