@@ -10,6 +10,7 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import disagg
 import pytest
 from disagg.errors import PluginError
@@ -352,6 +353,18 @@ class TestBlocking:
         assert "'nope' is blocked" not in info.value.message
         assert f"plugins blocked by {DISABLE_ENV}: fake" in info.value.message
         assert "disagg.drivers" in info.value.message
+
+    def test_an_unknown_driver_names_the_plugins_that_failed_to_load(self) -> None:
+        """The driver `acme` comes from the entry point `acme_plugin`, whose module did not import: the error
+        for `acme` still says why, though the two names differ."""
+        plugins = attrs.evolve(
+            _load(("other", DriverPlugin("other"))),
+            broken={"acme_plugin": "acme.plugin: ModuleNotFoundError(\"No module named 'acme_sdk'\")"},
+        )
+        with pytest.raises(PluginError) as info:
+            plugins.driver("acme")
+        assert "plugins that failed to load (one may provide it): acme_plugin: acme.plugin: " in info.value.message
+        assert "No module named 'acme_sdk'" in info.value.message
 
     def test_no_driver_at_all(self) -> None:
         with pytest.raises(PluginError, match=r"installed: none"):

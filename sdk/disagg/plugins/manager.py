@@ -63,6 +63,9 @@ class Plugins:
             hint = f"; plugins blocked by {DISABLE_ENV}: {', '.join(self.blocked)}" if self.blocked else ""
             if name in self.broken:
                 hint = f"; its plugin failed to load: {self.broken[name]}"
+            elif self.broken:  # a driver need not have its package's entry-point name: name every failure
+                failed = "; ".join(f"{ep}: {why}" for ep, why in sorted(self.broken.items()))
+                hint += f"; plugins that failed to load (one may provide it): {failed}"
             raise PluginError(
                 f"no driver {name!r} is installed (installed: {known}){hint}. "
                 f"A driver is a package that declares an entry point in the group {ENTRY_POINT_GROUP!r}."
