@@ -13,6 +13,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import InvalidRequestError
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer
+from disagg.server.servicer import STANDBY
 from disagg.store import MemoryStore
 from grpc_health.v1 import health_pb2
 
@@ -53,7 +54,7 @@ class TestFollowTheLead:
             server.start()
         a, b = servers
         try:
-            a.servicer.mark_unready()
+            a.servicer.mark_unready(STANDBY)
             for service in ("", "disagg.fabric.v1.FabricManagerService"):
                 a.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
             b.composer.compose(parse_request("on-b", ["gpu x1"]))
@@ -64,7 +65,7 @@ class TestFollowTheLead:
                     b.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
                     a.health.set(service, health_pb2.HealthCheckResponse.SERVING)
                 a.servicer.mark_ready()
-                b.servicer.mark_unready()
+                b.servicer.mark_unready(STANDBY)
                 deadline = time.monotonic() + 5
                 names: set[str] = set()
                 while time.monotonic() < deadline and names != {"on-a"}:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from conformance_helpers import ServedDriver
-from disagg.client import FabricManagerClient
-from disagg.errors import DisaggError, StaleEpochError
+from disagg.client import NO_RETRY, FabricManagerClient
+from disagg.errors import DisaggError, FabricUnavailableError, StaleEpochError
 from disagg.interfaces import CallContext
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
@@ -120,6 +120,9 @@ class TestFailover:
 
         for n in range(5):
             compose(n)
+        only_the_standby = FabricManagerClient(standby.address, timeout_s=5, retries=NO_RETRY)
+        with only_the_standby, pytest.raises(FabricUnavailableError, match="this replica is a standby"):
+            only_the_standby.compositions()
         old_epoch = first.epoch()
         loader_error: list[BaseException] = []
 

@@ -44,7 +44,7 @@ from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
 from disagg.server.loop import LoopThread
-from disagg.server.servicer import FabricManagerServicer
+from disagg.server.servicer import LOST_LEAD, STANDBY, FabricManagerServicer
 
 if TYPE_CHECKING:
     from disagg.ha import Leadership
@@ -119,6 +119,7 @@ class FabricManagerServer:
             self._loop = LoopThread()
             self.addresses.extend(self._loop.run(self._listen()))
             if self.leadership is not None:
+                self.servicer.mark_unready(STANDBY)
                 with self._lock:
                     self._state = "standby"
                 threading.Thread(target=self._lead, name="disagg-campaign", daemon=True).start()
@@ -180,7 +181,7 @@ class FabricManagerServer:
         self._step_down()
 
     def _step_down(self) -> None:
-        self.servicer.mark_unready()
+        self.servicer.mark_unready(LOST_LEAD)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.critical("not the leader any more: refusing every call")
         self._on_lost()

@@ -56,6 +56,13 @@ from disagg.wire.fabric import (
 )
 from disagg.wire.types import device_to_wire, topology_to_wire
 
+STARTING = "the fabric manager is starting (discovering the fabrics, reloading the ledger); retry shortly"
+STANDBY = (
+    "this replica is a standby: another one leads and serves (a client given every replica's address follows "
+    "the lead); retry there"
+)
+LOST_LEAD = "this replica lost the lead and stops serving; another replica takes over: retry there"
+
 S = TypeVar("S", bound="FabricManagerServicer")
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -134,6 +141,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self._drivers = by_fabric(drivers)
         self._watch_buffer = watch_buffer
         self._ready = threading.Event()
+        self._why_not = STARTING
 
     # ----------------------------------------------------------------- life cycle
 
@@ -141,15 +149,14 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         """The composer has started: serve."""
         self._ready.set()
 
-    def mark_unready(self) -> None:
-        """Stop serving (this replica lost the lead): every RPC answers UNAVAILABLE from now on."""
+    def mark_unready(self, why: str) -> None:
+        """Do not serve (a standby, a replica that lost the lead): every RPC answers UNAVAILABLE with ``why``."""
+        self._why_not = why
         self._ready.clear()
 
     def check_ready(self) -> None:
         if not self._ready.is_set():
-            raise FabricUnavailableError(
-                "the fabric manager is starting (discovering the fabrics, reloading the ledger); retry shortly"
-            )
+            raise FabricUnavailableError(self._why_not)
 
     def stop(self) -> None:
         """End every event watch with UNAVAILABLE and refuse new ones; the server stops next."""
