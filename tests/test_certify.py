@@ -61,13 +61,15 @@ class TestCertifyInProcess:
         assert markdown.splitlines()[0].endswith("CERTIFIED")
         assert all(f"| {clause_id} | PASS |" in markdown for clause_id in CLAUSES)
 
-    def test_a_config_file_gives_the_fabric_name_and_options(self, tmp_path: Path) -> None:
+    @staticmethod
+    def certify_with(tmp_path: Path, settings: str) -> tuple[Any, dict[str, Any] | None]:
+        """certify the sim with a --config file of ``settings`` (TOML lines before ``state_file``)."""
         config = tmp_path / "cert.toml"
-        config.write_text(
-            'fabric = "lab"\ncall_timeout_s = 10\n[options]\ntopology = "demo-cxl"\n'
-            f'state_file = "{tmp_path / "lab.json"}"\n'
-        )
-        proc, report = certify(tmp_path, "sim", "--config", str(config))
+        config.write_text(f'fabric = "lab"\n{settings}state_file = "{tmp_path / "lab.json"}"\n')
+        return certify(tmp_path, "sim", "--config", str(config))
+
+    def test_a_config_file_gives_the_fabric_name_and_options(self, tmp_path: Path) -> None:
+        proc, report = self.certify_with(tmp_path, 'call_timeout_s = 10\n[options]\ntopology = "demo-cxl"\n')
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert report is not None and report["fabric"] == "lab"
         # demo-cxl has no whole devices to bind: the binding clauses are not tested, and say why.
@@ -80,12 +82,9 @@ class TestCertifyInProcess:
     def test_the_call_timeout_of_the_config_file_holds_in_process(self, tmp_path: Path) -> None:
         """Binds that take 0.4 s against a call timeout of 0.05 s fail: the suite's calls carry the file's
         limit, not its own default."""
-        config = tmp_path / "cert.toml"
-        config.write_text(
-            'fabric = "lab"\ncall_timeout_s = 0.05\n[options]\ntopology = "demo-pcie"\nbind_delay_s = 0.4\n'
-            f'state_file = "{tmp_path / "lab.json"}"\n'
+        proc, report = self.certify_with(
+            tmp_path, 'call_timeout_s = 0.05\n[options]\ntopology = "demo-pcie"\nbind_delay_s = 0.4\n'
         )
-        proc, report = certify(tmp_path, "sim", "--config", str(config))
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert report is not None and report["verdict"] == "FAILED"
         bind = clause_of(report, "BIND-IDEMPOTENT")
@@ -159,30 +158,23 @@ class TestExpectedFailures:
     """An expected-failures file lets a developing driver's run pass, but withholds certification; a listed
     clause that passes fails the run, so the list cannot go stale."""
 
-    def test_expected_failures_withhold_certification(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize(
+        ("driver", "outcomes"),
+        [("broken-ignores-epoch", {"xfailed"}), ("broken-bind-ignores-epoch", {"xfailed", "passed"})],
+        ids=["every-test-fails", "one-of-two-tests-fails"],
+    )
+    def test_expected_failures_withhold_certification(self, tmp_path: Path, driver: str, outcomes: set[str]) -> None:
+        """FENCE-STALE-EPOCH has a test on binds and one on pools: a clause fails as expected when one of its
+        tests does (the second driver breaks only the first)."""
         listed = tmp_path / "xfail.txt"
         listed.write_text("# the epoch is ignored until fencing lands\nFENCE-STALE-EPOCH\n")
-        proc, report = certify(
-            tmp_path, "broken-ignores-epoch", "--plugin", "broken_drivers", "--expected-failures", str(listed)
-        )
+        proc, report = certify(tmp_path, driver, "--plugin", "broken_drivers", "--expected-failures", str(listed))
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert report is not None and report["verdict"] == "NOT CERTIFIED"
         fence = clause_of(report, "FENCE-STALE-EPOCH")
         assert fence["status"] == "FAIL" and fence["expected_failure"] is True
+        assert {t["outcome"] for t in fence["tests"]} == outcomes
         assert report["expected_failures"] == ["FENCE-STALE-EPOCH"]
-
-    def test_a_clause_listed_fails_as_expected_when_one_of_its_tests_fails(self, tmp_path: Path) -> None:
-        """FENCE-STALE-EPOCH has a test on binds and one on pools; this driver breaks only the first."""
-        listed = tmp_path / "xfail.txt"
-        listed.write_text("FENCE-STALE-EPOCH\n")
-        proc, report = certify(
-            tmp_path, "broken-bind-ignores-epoch", "--plugin", "broken_drivers", "--expected-failures", str(listed)
-        )
-        assert proc.returncode == 3, proc.stdout + proc.stderr
-        assert report is not None and report["verdict"] == "NOT CERTIFIED"
-        fence = clause_of(report, "FENCE-STALE-EPOCH")
-        assert fence["status"] == "FAIL" and fence["expected_failure"] is True
-        assert {t["outcome"] for t in fence["tests"]} == {"xfailed", "passed"}
 
     def test_the_clean_up_clause_listed_while_it_passes_fails_the_run(self, tmp_path: Path) -> None:
         listed = tmp_path / "xfail.txt"
