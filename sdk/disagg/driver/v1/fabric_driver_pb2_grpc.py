@@ -34,8 +34,9 @@ class FabricDriverServiceStub:
     refuses an older epoch than one it has seen with FAILED_PRECONDITION (reason STALE_EPOCH). The call's gRPC
     deadline is the driver's deadline. Errors are gRPC codes with a google.rpc ErrorInfo whose reason is the
     SDK error reason: NOT_FOUND (UNKNOWN_DEVICE, UNKNOWN_HOST), FAILED_PRECONDITION (DEVICE_BUSY,
-    HOST_UNREACHABLE, STALE_EPOCH), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), ALREADY_EXISTS (CONFLICT),
-    UNIMPLEMENTED (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT.
+    HOST_UNREACHABLE, STALE_EPOCH, CONFLICT), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), UNIMPLEMENTED
+    (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT, INTERNAL
+    (DRIVER_ERROR: the driver raised something that is not an SDK error).
     """
 
     def __init__(self, channel):
@@ -110,8 +111,9 @@ class FabricDriverServiceServicer:
     refuses an older epoch than one it has seen with FAILED_PRECONDITION (reason STALE_EPOCH). The call's gRPC
     deadline is the driver's deadline. Errors are gRPC codes with a google.rpc ErrorInfo whose reason is the
     SDK error reason: NOT_FOUND (UNKNOWN_DEVICE, UNKNOWN_HOST), FAILED_PRECONDITION (DEVICE_BUSY,
-    HOST_UNREACHABLE, STALE_EPOCH), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), ALREADY_EXISTS (CONFLICT),
-    UNIMPLEMENTED (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT.
+    HOST_UNREACHABLE, STALE_EPOCH, CONFLICT), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), UNIMPLEMENTED
+    (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT, INTERNAL
+    (DRIVER_ERROR: the driver raised something that is not an SDK error).
     """
 
     def GetCapabilities(self, request, context):
@@ -266,8 +268,9 @@ class FabricDriverService:
     refuses an older epoch than one it has seen with FAILED_PRECONDITION (reason STALE_EPOCH). The call's gRPC
     deadline is the driver's deadline. Errors are gRPC codes with a google.rpc ErrorInfo whose reason is the
     SDK error reason: NOT_FOUND (UNKNOWN_DEVICE, UNKNOWN_HOST), FAILED_PRECONDITION (DEVICE_BUSY,
-    HOST_UNREACHABLE, STALE_EPOCH), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), ALREADY_EXISTS (CONFLICT),
-    UNIMPLEMENTED (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT.
+    HOST_UNREACHABLE, STALE_EPOCH, CONFLICT), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), UNIMPLEMENTED
+    (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT, INTERNAL
+    (DRIVER_ERROR: the driver raised something that is not an SDK error).
     """
 
     @staticmethod

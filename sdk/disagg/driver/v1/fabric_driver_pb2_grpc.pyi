@@ -35,8 +35,9 @@ class FabricDriverServiceStub:
     refuses an older epoch than one it has seen with FAILED_PRECONDITION (reason STALE_EPOCH). The call's gRPC
     deadline is the driver's deadline. Errors are gRPC codes with a google.rpc ErrorInfo whose reason is the
     SDK error reason: NOT_FOUND (UNKNOWN_DEVICE, UNKNOWN_HOST), FAILED_PRECONDITION (DEVICE_BUSY,
-    HOST_UNREACHABLE, STALE_EPOCH), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), ALREADY_EXISTS (CONFLICT),
-    UNIMPLEMENTED (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT.
+    HOST_UNREACHABLE, STALE_EPOCH, CONFLICT), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), UNIMPLEMENTED
+    (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT, INTERNAL
+    (DRIVER_ERROR: the driver raised something that is not an SDK error).
     """
 
     @_typing.overload
@@ -76,8 +77,9 @@ class FabricDriverServiceAsyncStub(FabricDriverServiceStub):
     refuses an older epoch than one it has seen with FAILED_PRECONDITION (reason STALE_EPOCH). The call's gRPC
     deadline is the driver's deadline. Errors are gRPC codes with a google.rpc ErrorInfo whose reason is the
     SDK error reason: NOT_FOUND (UNKNOWN_DEVICE, UNKNOWN_HOST), FAILED_PRECONDITION (DEVICE_BUSY,
-    HOST_UNREACHABLE, STALE_EPOCH), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), ALREADY_EXISTS (CONFLICT),
-    UNIMPLEMENTED (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT.
+    HOST_UNREACHABLE, STALE_EPOCH, CONFLICT), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), UNIMPLEMENTED
+    (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT, INTERNAL
+    (DRIVER_ERROR: the driver raised something that is not an SDK error).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -113,8 +115,9 @@ class FabricDriverServiceServicer(metaclass=_abc_1.ABCMeta):
     refuses an older epoch than one it has seen with FAILED_PRECONDITION (reason STALE_EPOCH). The call's gRPC
     deadline is the driver's deadline. Errors are gRPC codes with a google.rpc ErrorInfo whose reason is the
     SDK error reason: NOT_FOUND (UNKNOWN_DEVICE, UNKNOWN_HOST), FAILED_PRECONDITION (DEVICE_BUSY,
-    HOST_UNREACHABLE, STALE_EPOCH), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), ALREADY_EXISTS (CONFLICT),
-    UNIMPLEMENTED (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT.
+    HOST_UNREACHABLE, STALE_EPOCH, CONFLICT), RESOURCE_EXHAUSTED (CAPACITY_EXHAUSTED), UNIMPLEMENTED
+    (UNSUPPORTED), UNAVAILABLE (FABRIC_UNAVAILABLE), DEADLINE_EXCEEDED, INVALID_ARGUMENT, INTERNAL
+    (DRIVER_ERROR: the driver raised something that is not an SDK error).
     """
 
     @_abc_1.abstractmethod
