@@ -234,6 +234,17 @@ class TestCertifyBadInput:
     def test_an_unknown_driver(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert "no driver 'nope' is installed" in self.run(capsys, "nope")
 
+    def test_an_earlier_report_does_not_outlive_a_refused_run(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A CI job that reads the report after a run refused as bad input must not find the last run's."""
+        out = tmp_path / "out"
+        out.mkdir()
+        for name in ("certification.json", "certification.xml", "certification.md"):
+            (out / name).write_text("CERTIFIED")
+        assert "no driver 'nope' is installed" in self.run(capsys, "nope", "--out", str(out))
+        assert list(out.iterdir()) == []
+
     def test_a_missing_config_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "does not exist" in self.run(capsys, "sim", "--config", str(tmp_path / "absent.toml"))
 

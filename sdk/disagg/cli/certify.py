@@ -120,11 +120,14 @@ def cmd_certify(args: argparse.Namespace) -> int:
 
         from disagg.testing.expected import read_expected_failures
         from disagg.testing.harness import reopening
-        from disagg.testing.report import Report, Subject
+        from disagg.testing.report import FILES, Report, Subject
         from disagg.testing.state import REPORT, SUBJECT, TARGET, Target
     except ImportError as exc:
         raise ConfigError(f"disagg certify needs pytest ({exc}): pip install 'disagg[testing]'") from None
     from disagg.remote.fabric import RemoteFabric
+
+    for name in FILES:  # an earlier run's reports never outlive this one, whatever becomes of it
+        (Path(args.out) / name).unlink(missing_ok=True)
 
     if args.restart_command and not args.remote:
         raise ConfigError("--restart-command applies only with --remote", field="restart_command")
