@@ -374,3 +374,39 @@ class TestComposeOnALoop:
             loop_thread = asyncio.run(main())
         assert len(seen) == 1
         assert (seen[0] != loop_thread) is blocking
+
+
+class TestDriverCallsCarryTheRequestId:
+    """Every driver call of a change carries the request id the change answers (empty without one), in the
+    caller's thread and in a worker thread alike."""
+
+    @staticmethod
+    def recording(comp: FabricComposer) -> list[str]:
+        seen: list[str] = []
+        pcie = comp.fabrics["pcie0"]
+        bind = pcie.bind
+
+        def bind_and_record(device: str, host: str, ctx: Any) -> Any:
+            seen.append(ctx.request_id)
+            return bind(device, host, ctx)
+
+        pcie.bind = bind_and_record  # type: ignore[method-assign]
+        return seen
+
+    def test_in_the_callers_thread(self) -> None:
+        comp = composer()
+        seen = self.recording(comp)
+        comp.compose(parse_request("with-id", ["gpu x1"]), request_id="req-7")
+        comp.compose(parse_request("without", ["gpu x1"]))
+        assert seen == ["req-7", ""]
+
+    def test_in_a_worker_thread(self, threads: ThreadPoolExecutor) -> None:
+        comp = composer(rack(pcie0={"bind_delay_s": 0.01}))
+        seen = self.recording(comp)
+        change = comp.compose_steps(parse_request("with-id", ["gpu x1"]), request_id="req-8")
+
+        async def main() -> None:
+            await comp.run_async(change, threads)
+
+        asyncio.run(main())
+        assert seen == ["req-8"]

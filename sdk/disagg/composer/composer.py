@@ -504,9 +504,14 @@ class FabricComposer(Composer):
         self.close()
 
     def _context(self, deadline: float | None = None) -> CallContext:
-        """The context of one driver call: the call timeout, cut short by the caller's ``deadline``."""
+        """The context of one driver call: the call timeout, cut short by the caller's ``deadline``, and the
+        request id of the change it serves (empty without one), which a driver may log or key its work by."""
         limit = time.monotonic() + self.call_timeout_s
-        return CallContext(epoch=self.epoch, deadline=deadline if deadline is not None and deadline < limit else limit)
+        return CallContext(
+            epoch=self.epoch,
+            deadline=deadline if deadline is not None and deadline < limit else limit,
+            request_id=self._request_mark()[0],
+        )
 
     def _rebuild(self) -> None:
         """Build a fresh index from discovery and take the ledger's claims again."""

@@ -186,7 +186,9 @@ class LoopRun:
         self._resume(None, failure)
 
     def _in_thread(self, fn: Callable[[], Any]) -> None:
-        self._loop.run_in_executor(self._threads, fn).add_done_callback(self._from_thread)
+        """Run ``fn`` in a worker thread, in a copy of the change's context (the request id it serves)."""
+        in_context = functools.partial(self._context.copy().run, fn)
+        self._loop.run_in_executor(self._threads, in_context).add_done_callback(self._from_thread)
 
     def _from_thread(self, done: asyncio.Future[Any]) -> None:
         if done.cancelled():
