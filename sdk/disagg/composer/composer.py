@@ -145,17 +145,25 @@ def _composed(answer: object) -> bool:
     return isinstance(answer, ComposeResult) and answer.mode is ComposeMode.APPLY and answer.composition is not None
 
 
+def _pending_extras(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
+    """What the composition's change in flight names beyond the composition's own devices and memory: an ADD's
+    additions (a REMOVE names only what is its own)."""
+    if comp.pending is None:
+        return [], []
+    have = {p.device for p in comp.devices}
+    ids = {a.id for a in comp.allocations}
+    return (
+        [p for p in comp.pending.devices if p.device not in have],
+        [a for a in comp.pending.allocations if a.id not in ids],
+    )
+
+
 def _holdings(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
     """The devices and memory a composition may hold on the hardware: its own, and those of its change in
-    flight (a REMOVE's are still its own; an ADD's may be bound already, or left bound by a rollback that
-    failed). It claims all of them in the index, and a decompose releases all of them."""
-    picks, allocs = list(comp.devices), list(comp.allocations)
-    if comp.pending is not None:
-        have = {p.device for p in picks}
-        picks += [p for p in comp.pending.devices if p.device not in have]
-        ids = {a.id for a in allocs}
-        allocs += [a for a in comp.pending.allocations if a.id not in ids]
-    return picks, allocs
+    flight (an ADD's may be bound already, or left bound by a rollback that failed). It claims all of them in
+    the index, and a decompose releases all of them."""
+    picks, allocs = _pending_extras(comp)
+    return [*comp.devices, *picks], [*comp.allocations, *allocs]
 
 
 class FabricComposer(Composer):
@@ -621,15 +629,11 @@ class FabricComposer(Composer):
 
     def _unclaim_addition(self, comp: Composition) -> None:
         """Give back the claims of a pending ADD beyond what the composition itself holds (it was undone)."""
-        assert comp.pending is not None
-        have = {p.device for p in comp.devices}
-        ids = {a.id for a in comp.allocations}
-        for pick in comp.pending.devices:
-            if pick.device not in have:
-                self._inv.release_device(pick.device)
-        for alloc in comp.pending.allocations:
-            if alloc.id not in ids:
-                self._inv.release_memory(alloc.pool, alloc.amount_bytes)
+        picks, allocs = _pending_extras(comp)
+        for pick in picks:
+            self._inv.release_device(pick.device)
+        for alloc in allocs:
+            self._inv.release_memory(alloc.pool, alloc.amount_bytes)
 
     def _forget(self, comp: Composition, why: str) -> None:
         """Delete a composition whose claims are given back, and say so; under the lock."""
