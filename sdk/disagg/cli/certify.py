@@ -12,6 +12,7 @@ still lists clauses (every failure was expected).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +251,13 @@ PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
 outcomes. A certification runs the whole suite as it is, whatever the caller's shell or CI sets."""
 
 
-class _without_pytest_settings:  # noqa: N801  (used as a context manager, named as one)
-    def __enter__(self) -> None:
-        self._saved = {k: os.environ.pop(k) for k in PYTEST_SETTINGS if k in os.environ}
-
-    def __exit__(self, *exc: object) -> None:
-        os.environ.update(self._saved)
+@contextlib.contextmanager
+def _without_pytest_settings() -> Iterator[None]:
+    saved = {k: os.environ.pop(k) for k in PYTEST_SETTINGS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
