@@ -439,6 +439,27 @@ class Unreachable(SimFabric):
         super().unbind(binding, ctx)
 
 
+def unreachable_cxl(tmp: Path, *, epoch: int = 1) -> tuple[FabricComposer, Unreachable, dict[str, SimFabric]]:
+    """A composer of ``epoch`` on the ledger and hardware of ``tmp`` whose cxl0 fabric does not answer yet,
+    started as a replica taking the lead starts (its epoch announced first)."""
+    hardware = fabrics(tmp)
+    cxl = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+    hardware["cxl0"].close()
+    hardware["cxl0"] = cxl
+    composer = FabricComposer(dict(hardware), store=SqliteStore(tmp / "ledger.db"), auto_heal=False, epoch=epoch)
+    composer.fence_drivers()
+    composer.start()
+    return composer, cxl, hardware
+
+
+def record_as_left(tmp: Path, comp: Composition) -> None:
+    """Write ``comp`` to the ledger of ``tmp`` as a crash would have left it."""
+    store = SqliteStore(tmp / "ledger.db")
+    store.put_composition(comp)
+    store.sync()
+    store.close()
+
+
 class TestUnreachableAtStartUp:
     """A driver that cannot be reached at start-up leaves its compositions UNKNOWN, releases nothing of
     them, and they come back when it answers; the other fabrics are served meanwhile."""
@@ -466,38 +487,13 @@ class TestUnreachableAtStartUp:
         assert composer.retry_unreachable() is False
         composer.close()
 
-    @staticmethod
-    def unreachable_cxl(tmp: Path) -> tuple[FabricComposer, Unreachable, dict[str, SimFabric]]:
-        """A composer on the ledger and hardware of ``tmp`` whose cxl0 fabric does not answer yet."""
-        hardware = fabrics(tmp)
-        cxl = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
-        hardware["cxl0"].close()
-        hardware["cxl0"] = cxl
-        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
-        composer.start()
-        return composer, cxl, hardware
-
-    @staticmethod
-    def record(tmp: Path, comp: Composition) -> None:
-        """Write ``comp`` to the ledger as a crash would have left it."""
-        store = SqliteStore(tmp / "ledger.db")
-        store.put_composition(comp)
-        store.sync()
-        store.close()
-
     def test_a_fabric_that_answers_again_is_told_the_epoch_first(self, tmp_path: Path) -> None:
         """A leader could not announce its epoch to a fabric that did not answer; it does when the fabric
         answers again, before any other call, so that a deposed manager is refused there from then on."""
         first = opened(tmp_path)
         first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"]))
         first.close()
-        hardware = fabrics(tmp_path)
-        cxl = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
-        hardware["cxl0"].close()
-        hardware["cxl0"] = cxl
-        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), epoch=7)
-        composer.fence_drivers()
-        composer.start()
+        composer, cxl, hardware = unreachable_cxl(tmp_path, epoch=7)
         assert hardware["pcie0"].epoch == 7
         cxl.reachable = True
         assert composer.retry_unreachable() is True
@@ -514,10 +510,10 @@ class TestUnreachableAtStartUp:
         broken = first.compose(parse_request("broken", ["host h2", "gpu x1", "cxl-memory 8GiB"])).composition
         assert leaving is not None and broken is not None
         first.close()
-        self.record(tmp_path, attrs.evolve(leaving, state=CompositionState.DECOMPOSING))
-        self.record(tmp_path, attrs.evolve(broken, state=CompositionState.FAILED, message="rollback incomplete"))
+        record_as_left(tmp_path, attrs.evolve(leaving, state=CompositionState.DECOMPOSING))
+        record_as_left(tmp_path, attrs.evolve(broken, state=CompositionState.FAILED, message="rollback incomplete"))
 
-        composer, cxl, hardware = self.unreachable_cxl(tmp_path)
+        composer, cxl, hardware = unreachable_cxl(tmp_path)
         assert {c.name: c.state for c in composer.compositions()} == {
             "leaving": CompositionState.UNKNOWN,
             "broken": CompositionState.UNKNOWN,
@@ -539,7 +535,7 @@ class TestUnreachableAtStartUp:
         both = first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
         assert both is not None
         first.close()
-        composer, _, _ = self.unreachable_cxl(tmp_path)
+        composer, _, _ = unreachable_cxl(tmp_path)
         assert composer.find("inference").state is CompositionState.UNKNOWN
         composer.close()
         assert state_on_disk(tmp_path, both.id) is CompositionState.UNKNOWN
@@ -563,7 +559,7 @@ class TestWhatARollbackLeftIsReleased:
         first.close()
         # The record a crash before the COMPOSED commit leaves; an operator unbinds the GPU meanwhile, so the
         # restart undoes the compose, and the pool refuses the release once.
-        TestUnreachableAtStartUp.record(
+        record_as_left(
             tmp_path,
             attrs.evolve(
                 job,
