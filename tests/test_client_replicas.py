@@ -3,14 +3,17 @@ moves; a list of replicas that gRPC cannot resolve is refused with a clear error
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from composer_helpers import rack
 from disagg.client import FabricManagerClient
 from disagg.client.replicas import SERVICE_CONFIG, replica_target
 from disagg.composer import FabricComposer
-from disagg.errors import InvalidRequestError
+from disagg.errors import DeadlineExceededError, FabricUnavailableError, InvalidRequestError
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer
 from disagg.server.servicer import STANDBY
@@ -75,3 +78,80 @@ class TestFollowTheLead:
         finally:
             for server in servers:
                 server.stop(0)
+
+
+class TestTakeover:
+    """While no replica serves (the leader died and the standby waits for its lease to run out), a call waits
+    for one up to its deadline instead of failing at once."""
+
+    def test_a_call_waits_for_a_replica_to_serve(self, replicas: list[FabricManagerServer]) -> None:
+        a, _ = replicas
+        a.composer.compose(parse_request("on-a", ["gpu x1"]))
+        for server in replicas:
+            serve(server, False)
+        # Longer than the default retries' pauses add up to (at most 1.5 s), as a takeover is.
+        takeover = threading.Timer(3.0, serve, (a, True))
+        with FabricManagerClient(",".join(s.addresses[0] for s in replicas), timeout_s=20) as client:
+            started = time.monotonic()
+            takeover.start()
+            assert {c.name for c in client.compositions()} == {"on-a"}
+            assert time.monotonic() - started >= 2.5
+
+    def test_a_watch_follows_the_lead(self, replicas: list[FabricManagerServer]) -> None:
+        a, b = replicas
+        serve(b, False)
+        a.composer.compose(parse_request("on-a", ["gpu x1"]))
+
+        def takeover() -> None:
+            a.stop(0)
+            time.sleep(3.0)  # as long as a lease runs out, well past the default retries
+            for n in range(2):
+                b.composer.compose(parse_request(f"on-b-{n}", ["gpu x1"]))
+            serve(b, True)
+
+        with FabricManagerClient(",".join(s.addresses[0] for s in replicas)) as client, client.watch(0) as events:
+            give_up = threading.Timer(30.0, events.close)  # a watch has no deadline: end it if it hangs
+            give_up.start()
+            try:
+                assert [e.revision for e in itertools.islice(events, 2)] == [1, 2]
+                threading.Thread(target=takeover, daemon=True).start()
+                assert [e.revision for e in itertools.islice(events, 2)] == [3, 4]
+            finally:
+                give_up.cancel()
+
+    def test_no_replica_serves_within_the_deadline(self, replicas: list[FabricManagerServer]) -> None:
+        serve(replicas[0], False)
+        down = "127.0.0.1:1"  # nothing listens there
+        client = FabricManagerClient(f"{replicas[0].addresses[0]},{down}", timeout_s=1.5)
+        with client, pytest.raises(FabricUnavailableError, match=r"no replica .* served within 1.5s"):
+            client.compositions()
+
+    def test_a_slow_answer_is_not_taken_for_no_replica(
+        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(replicas[0].servicer, "ListCompositions", lambda request, context: time.sleep(3))
+        client = FabricManagerClient(f"{replicas[0].addresses[0]},127.0.0.1:1", timeout_s=1)
+        with client, pytest.raises(DeadlineExceededError):
+            client.compositions()
+
+
+@pytest.fixture
+def replicas() -> Iterator[list[FabricManagerServer]]:
+    """Two fabric managers on loopback, both serving."""
+    servers = [FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"]) for _ in "ab"]
+    for server in servers:
+        server.start()
+    yield servers
+    for server in servers:
+        server.stop(0)
+
+
+def serve(server: FabricManagerServer, serving: bool) -> None:
+    """Make ``server`` a serving leader or a standby, as a replica's leadership does."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", "disagg.fabric.v1.FabricManagerService"):
+        server.health.set(service, status)
+    if serving:
+        server.servicer.mark_ready()
+    else:
+        server.servicer.mark_unready(STANDBY)

@@ -118,6 +118,10 @@ def _status(msg: pb.Device) -> DeviceStatus:
     return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
 
 
+READY_CHECK_S = 0.2
+"""How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
+
+
 class FabricManagerClient:
     """A client of ``disagg.fabric.v1.FabricManagerService`` at ``address`` (``unix:/path`` or ``host:port``).
 
@@ -153,9 +157,12 @@ class FabricManagerClient:
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries or RetryPolicy()
+        self._replicas = False
+        """The channel balances over several replicas, and a call waits for one of them to serve."""
         if channel is None:
             target, extra = replica_target(address)
             channel = grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, *extra))
+            self._replicas = bool(extra)
         self._channel = channel
         self._stub = fm_grpc.FabricManagerServiceStub(self._channel)
         self._rng = random.Random()
@@ -179,13 +186,32 @@ class FabricManagerClient:
     # ----------------------------------------------------------------- plumbing
 
     def _error(self, exc: grpc.RpcError) -> DisaggError:
-        """The SDK error of a failed call; a server that cannot be reached at all says where it was sought."""
-        if exc.code() is grpc.StatusCode.UNAVAILABLE and rpc_status.from_call(exc) is None:
+        """The SDK error of a failed call; a server that cannot be reached at all says where it was sought, and
+        so does a deadline that passed while no replica served (the call waited for one)."""
+        if rpc_status.from_call(exc) is not None:
+            return from_rpc_error(exc)
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
             return FabricUnavailableError(
                 f"cannot reach the fabric manager at {self.address}: {exc.details() or 'unavailable'}",
                 metadata={"address": self.address},
             )
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and self._replicas and not self._serving():
+            return FabricUnavailableError(
+                f"no replica at {self.address} served within {self.timeout_s:g}s: each is down or a standby",
+                metadata={"address": self.address},
+            )
         return from_rpc_error(exc)
+
+    def _serving(self) -> bool:
+        """Whether the channel reaches a serving replica: it says so within a few milliseconds when it does."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=READY_CHECK_S)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            ready.cancel()
 
     def _pages(self, rpc: Callable[[float], P], request: _PageRequest) -> tuple[list[P], int]:
         """Every page of a listing (``rpc`` reads ``request``, whose token this advances) and the lowest

@@ -17,8 +17,15 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 
 SERVICE = fm.DESCRIPTOR.services_by_name["FabricManagerService"].full_name
 SERVICE_CONFIG = json.dumps(
-    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SERVICE}}
+    {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": SERVICE},
+        "methodConfig": [{"name": [{"service": SERVICE}], "waitForReady": True}],
+    }
 )
+"""Round robin over the replicas that report SERVING. A call made while none does (a standby is taking over
+from a dead leader: its lease has to run out first) waits for one up to its deadline instead of failing at
+once, so that a client rides through a takeover."""
 
 
 def replica_target(address: str) -> tuple[str, tuple[tuple[str, str], ...]]:
