@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conformance_helpers import ServedDriver
 from disagg.client import NO_RETRY, FabricManagerClient
-from disagg.errors import DisaggError, FabricUnavailableError, StaleEpochError
+from disagg.errors import FabricUnavailableError, StaleEpochError
 from disagg.interfaces import CallContext
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
@@ -26,6 +26,8 @@ from process_helpers import ChildOutput
 
 TAKEOVER_S = 10.0
 START_S = 60.0
+MAX_JOBS = 70
+"""Compositions the load may make at most: the fabric has 80 hosts, and each takes one."""
 
 
 class Replica:
@@ -61,7 +63,7 @@ class Replica:
 def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]:
     etcd_binary()
     etcd = start_etcd_cluster(tmp_path / "etcd", members=3)
-    options = ("generate.devices=120", "generate.hosts_per_domain=4", f"state_file={tmp_path / 'sim.json'}")
+    options = ("generate.devices=600", "generate.hosts_per_domain=16", f"state_file={tmp_path / 'sim.json'}")
     driver = ServedDriver("sim", "sim0", f"unix:{tmp_path / 'sim0.sock'}", options, {})
     driver.start()
     config = tmp_path / "disagg.toml"
@@ -99,24 +101,16 @@ class TestFailover:
         first = _leader(replicas, START_S)
         standby = next(r for r in replicas if r is not first)
         assert standby.output.wait_for(r"^standby on ", START_S), standby.output.text
-        client = FabricManagerClient(",".join(r.address for r in replicas), timeout_s=10)
+        # The client as a user makes it: its calls ride through the takeover on their own (a call waits for a
+        # serving replica; one cut off by the kill is retried with its request id), within their deadline.
+        client = FabricManagerClient(",".join(r.address for r in replicas), timeout_s=TAKEOVER_S + 10)
         acknowledged: dict[str, str] = {}
         killed_at: list[float] = []
 
         def compose(n: int) -> None:
-            """Compose job-n, retrying with its request id until it is answered (bounded)."""
-            request = parse_request(f"job-{n}", ["gpu x1"])
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    comp = client.compose(request, request_id=f"job-{n}").composition
-                    assert comp is not None
-                    acknowledged[comp.name] = comp.id
-                    return
-                except DisaggError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+            comp = client.compose(parse_request(f"job-{n}", ["gpu x1"])).composition
+            assert comp is not None
+            acknowledged[comp.name] = comp.id
 
         for n in range(5):
             compose(n)
@@ -125,11 +119,20 @@ class TestFailover:
             only_the_standby.compositions()
         old_epoch = first.epoch()
         loader_error: list[BaseException] = []
+        calls: list[tuple[float, float]] = []
+        served = threading.Event()
 
         def load() -> None:
+            """Compose one job after another through the kill and the takeover, and three more after it."""
             try:
-                for n in range(5, 15):
+                more = 3
+                for n in range(5, MAX_JOBS):
+                    start = time.monotonic()
                     compose(n)
+                    calls.append((start, time.monotonic()))
+                    more -= served.is_set()
+                    if not more:
+                        return
             except BaseException as exc:
                 loader_error.append(exc)
 
@@ -142,10 +145,13 @@ class TestFailover:
             "the standby did not take over:\n" + standby.output.text
         )
         took = time.monotonic() - killed_at[0]
+        served.set()
         loader.join(60)
         logs = "\n---\n".join(r.output.text for r in replicas)
         assert not loader_error, f"{loader_error}\n{logs}"
         assert took <= TAKEOVER_S
+        killed = killed_at[0]
+        assert any(start < killed + took and end > killed for start, end in calls), "no call rode the takeover"
 
         listed = {c.name: c.id for c in client.compositions()}
         assert listed == acknowledged, "an acknowledged composition was lost or duplicated"
