@@ -1,7 +1,8 @@
 """Leader election on a real etcd (`disagg.ha.Leadership`): the lead is kept as long as etcd can refresh it.
 
 A standby that campaigned for longer than the lease's time to live wins with a lease as fresh as a leader's,
-and a member that stops answering costs the leader a member, not the lead.
+a member that stops answering costs the leader a member, not the lead, and a leader that another replica
+replaced between two refreshes stops serving at its first refused ledger write.
 """
 
 from __future__ import annotations
@@ -12,9 +13,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import etcd3gw
+import grpc
 import pytest
+from composer_helpers import rack
+from disagg.client import NO_RETRY, FabricManagerClient
+from disagg.composer import FabricComposer
+from disagg.errors import FabricUnavailableError
 from disagg.ha import Leadership
+from disagg.requestlang import parse_request
+from disagg.server import FabricManagerServer
+from disagg.store.etcd import EtcdStore
 from etcd_helpers import EtcdCluster, etcd_binary, start_etcd_cluster
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 TTL_S = 2
 WAIT_S = 10.0
@@ -68,3 +80,36 @@ class TestLeadership:
         finally:
             stalled.send_signal(signal.SIGCONT)
         leader.resign()
+
+
+class TestDeposed:
+    def test_a_refused_ledger_write_ends_the_lead_at_once(self, etcd: EtcdCluster) -> None:
+        """Another replica took the leader key between two of this one's refreshes (10 s apart here): the first
+        ledger write that etcd refuses for it steps this replica down then, not at its next refresh."""
+        leadership = Leadership(etcd.endpoints, "old", ttl_s=30)
+        serving = threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/deposed/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+        )
+        server.start()
+        usurper = Leadership(etcd.endpoints, "new", ttl_s=30)
+        try:
+            assert serving.wait(WAIT_S)
+            host, port = etcd.endpoints[0].rsplit(":", 1)
+            etcd3gw.client(host=host, port=int(port)).delete(leadership.key)  # as if its lease had run out
+            assert usurper.campaign() > leadership.epoch
+            client = FabricManagerClient(server.addresses[0], retries=NO_RETRY)
+            with client, pytest.raises(FabricUnavailableError, match="another replica leads"):
+                client.compose(parse_request("late", ["gpu x1"]))
+            assert leadership.lost.wait(2.0), "the refused write did not end the lead"
+            health = HealthStub(grpc.insecure_channel(server.addresses[0]))
+            deadline = time.monotonic() + 2.0
+            while health.Check(HealthCheckRequest(), timeout=1).status == HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "the deposed replica still serves"
+                time.sleep(0.05)
+        finally:
+            server.stop(0)
+            usurper.resign()

@@ -11,7 +11,8 @@ just before a campaign's create: a standby that waited longer than the time to l
 lease about to expire, and lose the lead a moment later. A member that does not answer is given a sixth of the
 time to live before the next one is tried at once, so one stalled member does not cost the lead. Refreshes
 that fail for the time to live, or a leader key that another replica now holds, end the lead: `lost` is set
-and the replica must stop serving at once.
+and the replica must stop serving at once. A fenced ledger write that etcd refuses says the same between two
+refreshes (`deposed`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,13 @@ class Leadership:
                     break
                 due = time.monotonic() + RETRY_PAUSE_S
         if not self._stop.is_set():
-            log.critical("lost the lead (epoch %d): another replica may lead now", self.epoch)
+            self.deposed("another replica may lead now")
+
+    def deposed(self, why: str) -> None:
+        """Another replica leads, as this one learnt from etcd between two refreshes (a fenced ledger write was
+        refused): the lead is lost now, not at the next refresh."""
+        if not self.lost.is_set():
+            log.critical("lost the lead (epoch %d): %s", self.epoch, why)
             self.lost.set()
 
     def resign(self) -> None:

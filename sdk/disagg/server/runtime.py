@@ -162,7 +162,8 @@ class FabricManagerServer:
             self.composer.epoch = epoch
             fence = getattr(self.composer.store, "fence", None)
             if fence is not None:
-                fence(self.leadership.key, epoch)
+                leadership = self.leadership
+                fence(leadership.key, epoch, lambda: leadership.deposed("the ledger refused a write: another leads"))
             log.info("leading with fencing epoch %d: starting the composer", epoch)
             self.composer.fence_drivers()
             self.composer.start()

@@ -142,6 +142,7 @@ class EtcdStore(Store):
         """The compare of every write once `fence` was called."""
         self._fence_key = ""
         self._fence_name = ""
+        self._on_deposed: Callable[[], None] = lambda: None
         self._appended = 0
         self._put_requests = 0
 
@@ -159,9 +160,10 @@ class EtcdStore(Store):
 
     # ----------------------------------------------------------------- fencing
 
-    def fence(self, key: str, create_revision: int) -> None:
+    def fence(self, key: str, create_revision: int, on_deposed: Callable[[], None] | None = None) -> None:
         """From now on, write only while ``key`` (the leader key, outside the prefix) has ``create_revision``:
-        the fencing epoch this replica got when it won the lead."""
+        the fencing epoch this replica got when it won the lead. ``on_deposed`` is called when a write is refused
+        for that reason: another replica leads, which this one learns then rather than at its next refresh."""
         if create_revision < 1:
             raise InvalidRequestError(
                 f"a fencing epoch is a key's create revision (1 or more), not {create_revision}",
@@ -172,6 +174,7 @@ class EtcdStore(Store):
             self._fence = compare
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
+            self._on_deposed = on_deposed or (lambda: None)
 
     # ----------------------------------------------------------------- calls, with failover
 
@@ -255,6 +258,7 @@ class EtcdStore(Store):
         txn = {"compare": [] if fence is None else [fence], "success": ops, "failure": []}
         answer = self._call("write", lambda c: c.transaction(txn))
         if fence is not None and not answer.get("succeeded"):
+            self._on_deposed()
             raise LeadershipLostError(
                 f"the ledger refused a write: another replica leads now (the leader key is no longer "
                 f"{self._fence_name})",
