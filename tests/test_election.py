@@ -113,3 +113,29 @@ class TestDeposed:
         finally:
             server.stop(0)
             usurper.resign()
+
+    def test_stopped_while_it_starts_after_winning(self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A replica stopped while its composer starts after it won the lead does not go on to serve."""
+        served: list[list[str]] = []
+        composer = FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/stopped/"))
+        starting = threading.Event()
+        start = composer.start
+
+        def slow_start() -> None:
+            starting.set()
+            time.sleep(1.0)
+            start()
+
+        monkeypatch.setattr(composer, "start", slow_start)
+        server = FabricManagerServer(
+            composer,
+            ["127.0.0.1:0"],
+            leadership=Leadership(etcd.endpoints, "slow", ttl_s=30),
+            on_serving=served.append,
+        )
+        server.start()
+        assert starting.wait(WAIT_S)
+        server.stop(0)
+        time.sleep(1.5)  # past the composer's start
+        assert not served, "a stopped replica went on to serve"
+        server.stop(0)

@@ -137,19 +137,23 @@ class FabricManagerServer:
         self._serve()
         return list(self.addresses)
 
-    def _serve(self) -> None:
-        """The composer has started: answer RPCs, report SERVING, start the timers."""
-        # Everything discovery built (100,000 devices and their index) lives as long as the server: keep it out
-        # of the garbage collector's generations, or every full collection walks it again.
-        gc.freeze()
-        self.servicer.mark_ready()
-        self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self._ticker = threading.Thread(target=self._tick, name="disagg-tick", daemon=True)
-        self._ticker.start()
+    def _serve(self) -> bool:
+        """The composer has started: answer RPCs, report SERVING, start the timers. False, doing nothing, when the
+        server was stopped meanwhile (a replica stopped while it started after winning the lead)."""
         with self._lock:
+            if self._state not in ("starting", "standby"):
+                return False
+            # Everything discovery built (100,000 devices and their index) lives as long as the server: keep it
+            # out of the garbage collector's generations, or every full collection walks it again.
+            gc.freeze()
+            self.servicer.mark_ready()
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self._ticker = threading.Thread(target=self._tick, name="disagg-tick", daemon=True)
+            self._ticker.start()
             self._state = "serving"
-        log.info("serving on %s", ", ".join(self.addresses))
-        self._on_serving(list(self.addresses))
+            log.info("serving on %s", ", ".join(self.addresses))
+            self._on_serving(list(self.addresses))  # under the lock: a stop cannot come before "serving on"
+        return True
 
     def _lead(self) -> None:
         """Standby until this replica leads; then fence the ledger with the epoch, start the composer and serve;
@@ -168,11 +172,13 @@ class FabricManagerServer:
             self.composer.fence_drivers()
             self.composer.start()
         except Exception:
+            if self._ticking.is_set():
+                return  # stopped while it started: the stop closed the composer under it
             log.exception("the composer failed to start after winning the lead")
             self._step_down()
             return
-        self._serve()
-        threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
+        if self._serve():
+            threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
 
     def _watch_lead(self) -> None:
         assert self.leadership is not None
