@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from client_helpers import disagg_serve, server_env
+from composer_helpers import rack
+from disagg.client.replicas import SERVICE, SERVICE_CONFIG
+from disagg.composer import FabricComposer
+from disagg.requestlang import parse_request
+from disagg.server import FabricManagerServer
+from disagg.server.servicer import STANDBY
+from disagg.store import MemoryStore
+from grpc_health.v1 import health_pb2
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 SCRIPT = NODE_DIR / "compose_watch_decompose.js"
@@ -95,3 +105,59 @@ class TestNodeMissing:
         with pytest.raises(pytest.fail.Exception) as info:
             _node()
         assert "npm ci --prefix tests/node" in str(info.value)
+
+
+REPLICAS_SCRIPT = NODE_DIR / "replicas.js"
+HA_DOC = Path(__file__).resolve().parent.parent / "docs" / "ha.md"
+
+
+def _documented_service_configs() -> list[dict[str, Any]]:
+    """The service configs docs/ha.md gives for clients of several replicas, in order."""
+    return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", HA_DOC.read_text(), re.S)]
+
+
+class TestNodeClientOfReplicas:
+    """docs/ha.md's service configs, as written there: the first is the Python client's; grpc-js ignores its
+    health checking, and the second sends every call of a Node.js client to the replica that leads."""
+
+    def _answers(self, node: str, tmp_path: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
+        standby, leader = (
+            FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"]) for _ in "ab"
+        )
+        for server in (standby, leader):
+            server.start()
+        try:
+            standby.servicer.mark_unready(STANDBY)
+            for service in ("", SERVICE):
+                standby.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            leader.composer.compose(parse_request("on-leader", ["gpu x1"]))
+            servers = "ipv4:" + ",".join(s.addresses[0] for s in (standby, leader))
+            run = subprocess.run(
+                [node, str(REPLICAS_SCRIPT)],
+                cwd=NODE_DIR,
+                env=server_env(
+                    tmp_path,
+                    {"DISAGG_SERVERS": servers, "DISAGG_SERVICE_CONFIG": json.dumps(config), "DISAGG_CALLS": "8"},
+                ),
+                capture_output=True,
+                text=True,
+                timeout=NODE_TIMEOUT_S,
+                check=False,
+            )
+        finally:
+            for server in (standby, leader):
+                server.stop(0)
+        assert run.returncode == 0, f"node exited {run.returncode}: {run.stderr}{run.stdout}"
+        answers: list[dict[str, Any]] = json.loads(run.stdout.strip().splitlines()[-1])["answers"]
+        return answers
+
+    def test_the_first_config_is_the_python_clients(self) -> None:
+        assert _documented_service_configs()[0] == json.loads(SERVICE_CONFIG)
+
+    def test_grpc_js_ignores_health_checking(self, tmp_path: Path) -> None:
+        answers = self._answers(_node(), tmp_path, _documented_service_configs()[0])
+        assert {"code": 14, "details": STANDBY} in answers, "grpc-js now checks health: docs/ha.md needs updating"
+
+    def test_the_retry_policy_reaches_the_leader(self, tmp_path: Path) -> None:
+        answers = self._answers(_node(), tmp_path, _documented_service_configs()[1])
+        assert answers == [{"names": ["on-leader"]}] * 8

@@ -11,35 +11,11 @@
 "use strict";
 
 const crypto = require("node:crypto");
-const path = require("node:path");
 const grpc = require("@grpc/grpc-js");
-const protoLoader = require("@grpc/proto-loader");
+const { bounded, loadService } = require("./script.js");
 
-const OVERALL_TIMEOUT_MS = 60_000;
 const CALL_TIMEOUT_MS = 15_000;
-const PROTO_ROOT = path.resolve(__dirname, "..", "..", "proto");
-
-function fail(message) {
-  process.stderr.write(`compose_watch_decompose: ${message}\n`);
-  process.exit(1);
-}
-
-const overall = setTimeout(() => {
-  process.stderr.write(`compose_watch_decompose: timed out after ${OVERALL_TIMEOUT_MS / 1000} s\n`);
-  process.exit(3);
-}, OVERALL_TIMEOUT_MS);
-
-function loadService() {
-  const definition = protoLoader.loadSync(path.join(PROTO_ROOT, "disagg/fabric/v1/fabric_manager.proto"), {
-    keepCase: true,
-    enums: String,
-    longs: String,
-    defaults: true,
-    oneofs: true,
-    includeDirs: [PROTO_ROOT],
-  });
-  return grpc.loadPackageDefinition(definition).disagg.fabric.v1.FabricManagerService;
-}
+const { fail, done } = bounded("compose_watch_decompose", 60_000);
 
 function deadline() {
   return new Date(Date.now() + CALL_TIMEOUT_MS);
@@ -241,7 +217,7 @@ async function main() {
 
 main().then(
   () => {
-    clearTimeout(overall);
+    done();
     process.exit(0);
   },
   (err) => fail(err && err.message ? err.message : String(err)),
