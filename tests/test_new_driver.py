@@ -224,6 +224,27 @@ class TestGeneratedDriverCertifies:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "verdict: CERTIFIED" in proc.stdout
 
+    def test_a_listed_clause_that_passes_fails_the_run(self, generated: Path, site: Path, tmp_path: Path) -> None:
+        """As the tutorial writes it: the expected-failures file in the package's folder, given after a space."""
+        listed = generated / "known-failures.txt"
+        listed.write_text(f"{MUST_PASS[0]}  # passes: the list is stale\n")
+        try:
+            proc = run(
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "--disagg-expected-failures",
+                "known-failures.txt",
+                cwd=generated,
+                env=with_site(site, tmp_path),
+            )
+        finally:
+            listed.unlink()
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "verdict: FAILED" in proc.stdout
+
 
 class TestGeneratedCodeIsClean:
     """The generated package passes ruff (lint and format) and mypy --strict with the settings it carries,
