@@ -224,6 +224,22 @@ class TestGeneratedDriverCertifies:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "verdict: CERTIFIED" in proc.stdout
 
+    def test_binds_by_the_composers_reach(self, site: Path, tmp_path: Path) -> None:
+        """A host whose link is not reported reaches its ``switch`` (`switch_reach`), so the template binds to it
+        as the composer would place on it."""
+        script = f"""
+import attrs
+from disagg.interfaces import CallContext
+from disagg_acme import fabric
+whole = fabric.inventory
+fabric.inventory = lambda name: attrs.evolve(whole(name), links=[l for l in whole(name).links if l.a != "host-b"])
+acme = fabric.AcmeFabric("acme0", state_file={str(tmp_path / "state.json")!r})
+print(acme.bind(fabric.device_id("acme0", "gpu-0"), "host-b", CallContext(epoch=1)))
+"""
+        proc = run("-c", script, cwd=tmp_path, env=with_site(site, tmp_path))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "host-b" in proc.stdout
+
     def test_a_listed_clause_that_passes_fails_the_run(self, generated: Path, site: Path, tmp_path: Path) -> None:
         """As the tutorial writes it: the expected-failures file in the package's folder, given after a space."""
         listed = generated / "known-failures.txt"

@@ -8,7 +8,6 @@ looks at buckets only, so its cost follows the size of the host's fabric domain,
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -17,7 +16,7 @@ import attrs
 from sortedcontainers import SortedList
 
 from disagg.errors import ConfigError
-from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology
+from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology, switch_reach
 
 
 @attrs.define
@@ -76,43 +75,6 @@ def _merge_hosts(topologies: Iterable[Topology]) -> dict[str, Host]:
                     f"({seen.cores} cores/{seen.memory_bytes} B vs {host.cores} cores/{host.memory_bytes} B)"
                 )
     return hosts
-
-
-def switch_reach(topo: Topology) -> dict[str, dict[str, int]]:
-    """Per host of ``topo``: the fabric latency to each switch it reaches over links that are up (a host's
-    ``switch`` is a link when no link says otherwise; hosts do not forward). The composer places by it and the
-    conformance suite expects drivers to bind by it."""
-    graph: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    explicit: set[tuple[str, str]] = set()
-    for link in topo.links:
-        if link.up:
-            graph[link.a].append((link.b, link.latency_ns))
-            graph[link.b].append((link.a, link.latency_ns))
-        explicit.add((link.a, link.b))
-        explicit.add((link.b, link.a))
-    for host in topo.hosts:
-        if host.switch and (host.id, host.switch) not in explicit:
-            graph[host.id].append((host.switch, 0))
-            graph[host.switch].append((host.id, 0))
-    switches = {s.id for s in topo.switches}
-    host_ids = {h.id for h in topo.hosts}
-    reach: dict[str, dict[str, int]] = {}
-    for host in topo.hosts:
-        dist: dict[str, int] = {host.id: 0}
-        heap = [(0, host.id)]
-        while heap:
-            d, node = heapq.heappop(heap)
-            if d > dist.get(node, d):
-                continue
-            for nxt, lat in graph.get(node, ()):
-                if nxt in host_ids and nxt != host.id:
-                    continue  # hosts do not forward traffic
-                nd = d + lat
-                if nd < dist.get(nxt, nd + 1):
-                    dist[nxt] = nd
-                    heapq.heappush(heap, (nd, nxt))
-        reach[host.id] = {node: d for node, d in dist.items() if node in switches}
-    return reach
 
 
 class Inventory:

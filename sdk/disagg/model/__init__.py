@@ -32,7 +32,18 @@ from disagg.model.devices import (
     device_id,
 )
 from disagg.model.events import Event, EventType, FabricEvent, FabricEventKind
-from disagg.model.topology import Host, Link, PoolInfo, PoolKind, Port, PortKind, Switch, SwitchKind, Topology
+from disagg.model.topology import (
+    Host,
+    Link,
+    PoolInfo,
+    PoolKind,
+    Port,
+    PortKind,
+    Switch,
+    SwitchKind,
+    Topology,
+    switch_reach,
+)
 from disagg.model.units import format_size, parse_latency, parse_size
 
 __all__ = [
@@ -80,4 +91,5 @@ __all__ = [
     "format_size",
     "parse_latency",
     "parse_size",
+    "switch_reach",
 ]

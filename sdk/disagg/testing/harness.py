@@ -11,10 +11,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from disagg.composer.index import switch_reach
 from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool
-from disagg.model import Allocation, Binding, Feature, Health, Topology
+from disagg.model import Allocation, Binding, Feature, Health, Topology, switch_reach
 from disagg.model import Device as DeviceInfo
 
 log = logging.getLogger("disagg.testing")
