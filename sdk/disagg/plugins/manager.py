@@ -126,13 +126,14 @@ def load_plugins(
     for module_name in BUILTIN_PLUGINS:
         if not pm.is_blocked(module_name):
             pm.register(importlib.import_module(module_name), name=module_name)
+    dists: dict[str, tuple[str, str]] = {}
     for name, plugin in extra:
         if not pm.is_blocked(name):
             try:
                 pm.register(plugin, name=name)
             except pluggy.PluginValidationError as exc:
                 raise PluginError(f"plugin {name!r} does not match the hook specifications: {exc}") from exc
-    dists: dict[str, tuple[str, str]] = {}
+            dists[name] = _distribution_of(plugin)
     broken: dict[str, str] = {}
     if entry_points:
         for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
@@ -178,6 +179,15 @@ def load_plugins(
         broken=broken,
         sharing_policies=policies.sharing,
     )
+
+
+def _distribution_of(plugin: object) -> tuple[str, str]:
+    """The installed distribution (name, version) that provides a plugin module given by hand rather than by an
+    entry point, or what it is when no installed distribution provides it: a certification report names it."""
+    module = getattr(plugin, "__name__", repr(plugin))
+    for dist in metadata.packages_distributions().get(module.partition(".")[0], []):
+        return dist, metadata.version(dist)
+    return f"{module} (no installed distribution)", "unknown"
 
 
 def _own_version() -> str:
