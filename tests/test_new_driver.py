@@ -107,7 +107,7 @@ def site(generated: Path) -> Path:
 class TestRefusals:
     """A bad name, an occupied folder or a taken driver name is refused with its reason and writes nothing."""
 
-    @pytest.mark.parametrize("name", ["Acme", "1acme", "acme_x", "acme/x", "-acme", "", "a" * 64])
+    @pytest.mark.parametrize("name", ["Acme", "1acme", "acme_x", "acme/x", "-acme", "acme-", "a--b", "", "a" * 64])
     def test_bad_name(self, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["new-driver", "--dir", str(tmp_path / "out"), "--", name]) == 2
         err = capsys.readouterr().err

@@ -43,11 +43,14 @@ _PLACEHOLDER = re.compile(r"\{\{([a-z_]+)\}\}")
 
 
 def check_name(name: str) -> str:
-    """``name`` if it can name a driver; raises `InvalidRequestError` saying what a name may be."""
-    if not DRIVER_NAME.match(name):
+    """``name`` if it can name a driver and its package; raises `InvalidRequestError` saying what a name may be.
+    Beyond the registry's rule, a dash stands between two letters or digits: the distribution is disagg-NAME,
+    which packaging refuses with a trailing dash, and a run of dashes folds into one (a--b would install over
+    a-b)."""
+    if not DRIVER_NAME.match(name) or name.endswith("-") or "--" in name:
         raise InvalidRequestError(
             f"{name!r} is not a valid driver name: use 1 to 63 lower-case letters, digits and dashes, "
-            "starting with a letter (for example acme or acme-cxl)",
+            "starting with a letter, each dash between two letters or digits (for example acme or acme-cxl)",
             field="name",
         )
     return name
