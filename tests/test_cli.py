@@ -175,6 +175,26 @@ class TestErrors:
         assert err.startswith("disagg: error: ") and message in err
         assert out == ""
 
+    @pytest.mark.parametrize(
+        ("content", "clauses", "message"),
+        [
+            ('[{"kind": "gpu", "count": 1}]', (), "a request document is a table"),
+            ('{"name": "a", "resource": [{"kind": "gpu", "selectors": [5]}]}', (), "5 is not a selector"),
+            ('{"name": "a", "resource": [{"kind": "gpu"}]}', ("nic x2",), "give no resource clauses with it"),
+        ],
+    )
+    def test_bad_request_files(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, clauses: tuple[str, ...], message: str
+    ) -> None:
+        """A request file that is not a request table, or one given with clauses, is refused (exit 2) and composes
+        nothing; the first gave a traceback, the last dropped the clauses."""
+        path = tmp_path / "request.json"
+        path.write_text(content)
+        code, out, err = cli(capsys, "compose", "y", *clauses, "--file", str(path))
+        assert (code, out) == (2, "")
+        assert err.startswith("disagg: error: ") and message in err
+        assert cli(capsys, "ls", "--json")[1].strip() == "[]"
+
     def test_name_taken_and_nothing_changes(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert cli(capsys, "compose", "a", "gpu x1")[0] == 0
         code, _, err = cli(capsys, "compose", "a", "gpu x1")

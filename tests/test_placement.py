@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import pytest
 from disagg.composer import Inventory, Placer
+from disagg.config import build_composer, demo_config
 from disagg.errors import ConfigError, InvalidRequestError, NoFitError, UnknownHostError
 from disagg.interfaces.placement import PlacementPolicy
 from disagg.model import (
@@ -578,7 +579,8 @@ class TestNoFitNumbers:
     def test_any_host(self) -> None:
         message = no_fit(self.rack(), "gpu x8")
         assert message == (
-            "no host can take 8 gpu: 2 candidate hosts, 2 of them reach too few free devices of a requested kind"
+            "no host can take 8 gpu: 2 candidate hosts, 2 of them reach too few free devices of a requested kind; "
+            "8 gpu asked, at most 3 free within one host's reach"
         )
 
     def test_any_host_first_candidate(self) -> None:
@@ -859,3 +861,46 @@ class TestDeterminism:
         t = one_switch(0)[0]
         t = attrs.evolve(t, devices=tuple(gpu(f"g{i}") for i in (5, 3, 9, 1)))
         assert picked(place([t], "gpu x2")) == ["g1", "g3"]
+
+
+class TestFailureDomainSelectors:
+    """A selector whose key is no attribute reads the failure-domain label of that name, on hosts (``host
+    rack=r1``, as docs/request-language.md shows) and on devices."""
+
+    def test_demo_rack(self) -> None:
+        with build_composer(demo_config()) as composer:
+            plan = composer.preview(parse_request("t", ["host rack=rack1 power-feed=pf-b", "gpu"]))
+            assert plan.host in {"h2", "h4"}
+            chosen = composer.preview(parse_request("t", ["gpu x2 chassis=chassis-b"]))
+            assert {composer.device(p.device).failure_domains["chassis"] for p in chosen.devices} == {"chassis-b"}
+            with pytest.raises(NoFitError):
+                composer.preview(parse_request("t", ["host rack=rack9", "gpu"]))
+
+    def test_an_attribute_comes_before_a_label(self) -> None:
+        host = Host("h1", 8, GiB, attributes={"rack": "attribute"}, failure_domains={"rack": "label"})
+        assert host.attribute("rack") == "attribute"
+        assert Host("h2", 8, GiB, failure_domains={"rack": "label"}).attribute("rack") == "label"
+
+
+class TestCarvedLines:
+    @pytest.mark.parametrize("clause", ["cxl 3TiB spread=chassis", "cxl 1GiB spread=foo", "cxl 1GiB same-switch"])
+    def test_spread_and_same_switch_are_for_devices(self, clause: str) -> None:
+        """They choose among whole devices; on an amount carved from pools they were silently ignored."""
+        with build_composer(demo_config()) as composer, pytest.raises(InvalidRequestError, match="whole devices"):
+            composer.preview(parse_request("t", [clause]))
+
+
+class TestRefusalNumbers:
+    """A refusal that no host got close to still gives the numbers behind it, and says how to ask for CXL
+    memory where every CXL device backs a pool."""
+
+    def test_too_many_devices(self) -> None:
+        with build_composer(demo_config()) as composer, pytest.raises(NoFitError) as info:
+            composer.preview(parse_request("t", ["gpu x21"]))
+        assert "21 gpu asked, at most 20 free within one host's reach" in info.value.message
+
+    @pytest.mark.parametrize("clause", ["cxl-memory", "cxl-memory 512"])
+    def test_whole_cxl_devices_where_all_back_pools(self, clause: str) -> None:
+        with build_composer(demo_config()) as composer, pytest.raises(NoFitError) as info:
+            composer.preview(parse_request("t", [clause]))
+        assert "ask for an amount of memory, e.g. 512GiB" in info.value.message

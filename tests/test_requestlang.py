@@ -120,7 +120,7 @@ class TestParseHost:
             ("host memory>=lots", "is not a size"),
             ("host memory>=0", "is not a size"),
             ("host memory>=true", "is not a size"),
-            ("host h3 cores>=4", "is not a selector"),
+            ("host h3 h4", "the host is named 'h3' already"),
             ("host rack='r1", "cannot read"),
         ],
     )
@@ -465,7 +465,7 @@ class TestRequestFromDocument:
             ({"min_cores": -1}, "host.min_cores", "min_cores must be a whole number"),
             ({"min_cores": "8"}, "host.min_cores", "min_cores must be a whole number"),
             ({"min_cores": 1.5}, "host.min_cores", "min_cores must be a whole number"),
-            ({"selectors": ["rack"]}, "host.selectors", "is not a selector"),
+            ({"selectors": ["rack"]}, "host.selectors[0]", "is not a selector"),
         ],
     )
     def test_bad_host_fields(self, host: dict[str, Any], field: str, message: str) -> None:
@@ -483,7 +483,7 @@ class TestRequestFromDocument:
         doc = {"name": "a", "resource": [{"kind": "cxl", "amount": value}]}
         with pytest.raises(InvalidRequestError) as info:
             request_from_document(doc)
-        assert info.value.field == "resource[0]"
+        assert info.value.field == "resource[0].amount"
 
     def test_empty_spread_is_refused_as_in_text(self) -> None:
         doc = {"name": "a", "resource": [{"kind": "gpu", "count": 2, "spread": ""}]}
@@ -502,21 +502,20 @@ class TestRequestFromDocument:
         ("resource", "field", "message"),
         [
             ({"kind": "gpu", "count": 1, "model": "H200"}, "resource[1]", "unknown resource fields: model"),
-            ({"kind": "tpu", "count": 1}, "resource[1]", "unknown device kind 'tpu'"),
-            ({"count": 1}, "resource[1]", "unknown device kind ''"),
+            ({"kind": "tpu", "count": 1}, "resource[1].kind", "unknown device kind 'tpu'"),
+            ({"count": 1}, "resource[1].kind", "unknown device kind ''"),
             ({"kind": "gpu", "count": "2"}, "resource[1].count", "count must be a whole number"),
             ({"kind": "gpu", "count": True}, "resource[1].count", "count must be a whole number"),
             ({"kind": "gpu", "count": 1.5}, "resource[1].count", "count must be a whole number"),
             ({"kind": "gpu", "count": -2}, "resource[1].count", "count must be a whole number"),
-            ({"kind": "gpu"}, "resource[1]", "exactly one of a count or an amount"),
             ({"kind": "gpu", "amount": "80GiB"}, "resource[1]", "only be carved from cxl-memory, not gpu"),
             ({"kind": "cxl", "count": 1, "amount": "1GiB"}, "resource[1]", "exactly one of a count or an amount"),
-            ({"kind": "cxl", "amount": "lots"}, "resource[1]", "not a size"),
-            ({"kind": "cxl", "amount": "0.1KiB"}, "resource[1]", "not a whole number of bytes"),
-            ({"kind": "gpu", "count": 1, "max_latency": "soon"}, "resource[1]", "not a latency"),
-            ({"kind": "gpu", "count": 1, "max_latency": -1}, "resource[1]", "must not be negative"),
-            ({"kind": "gpu", "count": 1, "affinity": "near"}, "resource[1]", "'near' is not a valid Affinity"),
-            ({"kind": "gpu", "count": 1, "selectors": ["model"]}, "resource[1].selectors", "is not a selector"),
+            ({"kind": "cxl", "amount": "lots"}, "resource[1].amount", "not a size"),
+            ({"kind": "cxl", "amount": "0.1KiB"}, "resource[1].amount", "not a whole number of bytes"),
+            ({"kind": "gpu", "count": 1, "max_latency": "soon"}, "resource[1].max_latency", "not a latency"),
+            ({"kind": "gpu", "count": 1, "max_latency": -1}, "resource[1].max_latency", "must not be negative"),
+            ({"kind": "gpu", "count": 1, "affinity": "near"}, "resource[1].affinity", "'near' is not a valid Affinity"),
+            ({"kind": "gpu", "count": 1, "selectors": ["model"]}, "resource[1].selectors[0]", "is not a selector"),
         ],
     )
     def test_bad_resource_fields(self, resource: dict[str, Any], field: str, message: str | None) -> None:
@@ -524,3 +523,69 @@ class TestRequestFromDocument:
         with pytest.raises(InvalidRequestError, match=message) as info:
             request_from_document(doc)
         assert info.value.field == field
+
+
+class TestMistakesAreRefused:
+    """Input that used to be dropped, taken for something else, or crash is refused with the field it is in."""
+
+    @pytest.mark.parametrize(
+        ("doc", "field", "message"),
+        [
+            ([{"kind": "gpu", "count": 1}], "request", "a request document is a table"),
+            (
+                {"name": "a", "resource": [{"kind": "gpu", "count": 1}], "resources": [{"kind": "nic", "count": 1}]},
+                "resources",
+                "not both",
+            ),
+            ({"name": None, "resource": [{"kind": "gpu"}]}, "name", "name must be text"),
+            ({"name": 123, "resource": [{"kind": "gpu"}]}, "name", "name must be text"),
+            (
+                {"name": "a", "resource": [{"kind": "gpu", "selectors": "model=H200"}]},
+                "resource[0].selectors",
+                "a list",
+            ),
+            ({"name": "a", "resource": [{"kind": "gpu", "selectors": [5]}]}, "resource[0].selectors[0]", "as text"),
+            ({"name": "a", "host": {"selectors": [1]}, "resource": [{"kind": "gpu"}]}, "host.selectors[0]", "as text"),
+            ({"name": "a", "host": {"name": ""}, "resource": [{"kind": "gpu"}]}, "host.name", "must name a host"),
+            (
+                {"name": "a", "host": {"selectors": ["cores>=16"]}, "resource": [{"kind": "gpu"}]},
+                "host.selectors[0]",
+                "min_cores",
+            ),
+        ],
+    )
+    def test_documents(self, doc: Any, field: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            request_from_document(doc)
+        assert info.value.field == field
+
+    def test_a_document_line_without_count_or_amount_is_one_device(self) -> None:
+        doc = {"name": "a", "resource": [{"kind": "gpu"}]}
+        assert request_from_document(doc).resources == (ResourceRequest(DeviceKind.GPU, count=1),)
+
+    @pytest.mark.parametrize(
+        ("clauses", "field", "message"),
+        [
+            (["host h1; host h3; gpu"], "clauses[1]", "one host clause"),
+            (["host cores>=8; gpu x2", "nvme lots"], "clauses[2]", "neither a count"),
+            (["gpu latency>=100ns"], "clauses[0]", "latency<=VALUE"),
+            (["gpu latency=600ns"], "clauses[0]", "latency<=VALUE"),
+            (["gpu affinity=none"], "clauses[0]", "only affinity is same-switch"),
+            (["gpu x2 gpu_memory>=80G"], "clauses[0]", "80GB or 80GiB"),
+        ],
+    )
+    def test_text(self, clauses: list[str], field: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            parse_request("t", clauses)
+        assert info.value.field == field
+
+    def test_a_host_name_with_minimums(self) -> None:
+        assert parse_request("t", ["host h1 cores>=64", "gpu"]).host == HostRequest(name="h1", min_cores=64)
+
+    def test_bytes_without_a_prefix_are_a_size(self) -> None:
+        assert parse_value("512B") == 512
+
+    def test_truth_is_not_a_number(self) -> None:
+        assert not Selector("sockets", SelectorOp.EQ, True).matches(1)
+        assert Selector("sockets", SelectorOp.NE, True).matches(1)
+        assert Selector("sockets", SelectorOp.EQ, True).matches(True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
 from disagg.model import (
@@ -32,6 +32,9 @@ from disagg.model import (
 _CLAUSE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
 _COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
+T = TypeVar("T")
+_CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]", flags=re.IGNORECASE)
+"""``80G``: a size whose B was left out."""
 
 
 def parse_value(text: str) -> AttributeValue:
@@ -46,20 +49,32 @@ def parse_value(text: str) -> AttributeValue:
         return int(raw)
     if re.fullmatch(r"-?\d+\.\d*", raw):
         return float(raw)
-    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
+    if re.fullmatch(r"\d+(\.\d+)?\s*(?:[KMGTP]i?)?B", raw, flags=re.IGNORECASE):
         return parse_size(raw)
     return raw
 
 
 def parse_selector(text: str, field: str = "selector") -> Selector:
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{text!r} is not a selector: write it as text, key=value", field=field)
     match = _CLAUSE.match(text.strip())
     if not match:
         raise InvalidRequestError(f"{text!r} is not a selector (write key=value, key>=value, ...)", field=field)
     key, op, value = match.groups()
     try:
-        return Selector(key, _OPS[op], parse_value(value))
+        selector = Selector(key, _OPS[op], parse_value(value))
     except ValueError as exc:
         raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
+    if (
+        isinstance(selector.value, str)
+        and selector.op not in (SelectorOp.EQ, SelectorOp.NE)
+        and _CLIPPED_SIZE.fullmatch(selector.value)
+    ):
+        # As text it would be compared with the attribute's bytes and match nothing, silently.
+        raise InvalidRequestError(
+            f"{text!r}: a size needs its unit in full, {selector.value}B or {selector.value}iB", field=field
+        )
+    return selector
 
 
 def _tokens(text: str, field: str) -> list[str]:
@@ -70,15 +85,20 @@ def _tokens(text: str, field: str) -> list[str]:
 
 
 def parse_host(text: str, field: str = "host") -> HostRequest:
-    """``host h3`` or ``host cores>=16 memory>=256GiB rack=r1``; the leading word ``host`` is optional."""
+    """``host h3``, ``host cores>=16 memory>=256GiB rack=r1`` or both (``host h3 cores>=16``); the leading word ``host``
+    is optional."""
     tokens = _tokens(text, field)
     if tokens and tokens[0] == "host":
         tokens = tokens[1:]
-    if len(tokens) == 1 and not _CLAUSE.match(tokens[0]):
-        return HostRequest(name=tokens[0])
+    name: str | None = None
     cores = memory = 0
     selectors = []
     for tok in tokens:
+        if not _CLAUSE.match(tok):
+            if name is not None:
+                raise InvalidRequestError(f"{tok!r}: the host is named {name!r} already", field=field)
+            name = tok
+            continue
         sel = parse_selector(tok, field)
         if sel.key in ("cores", "memory") and sel.op is not SelectorOp.GE:
             raise InvalidRequestError(f"{tok!r}: write {sel.key}>=VALUE for a host minimum", field=field)
@@ -90,7 +110,7 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
             memory = _size(sel.value, tok, field)
         else:
             selectors.append(sel)
-    return HostRequest(min_cores=cores, min_memory_bytes=memory, selectors=tuple(selectors))
+    return HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=tuple(selectors))
 
 
 def _size(value: AttributeValue, token: str, field: str) -> int:
@@ -144,7 +164,7 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             if amount == 0:
                 raise InvalidRequestError(f"{tok!r}: an amount must be more than zero", field=field)
         else:
-            selectors.append(parse_selector(tok, field))
+            selectors.append(_selector(tok, field))
     if count is None and amount is None:
         count = 1
     return _build(
@@ -157,6 +177,24 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
         spread=spread,
         field=field,
     )
+
+
+_MODIFIERS = {
+    "latency": "a latency limit is latency<=VALUE or latency<VALUE (e.g. latency<=600ns)",
+    "affinity": "the only affinity is same-switch (write same-switch or affinity=same-switch)",
+    "spread": "spread=LABEL names a failure-domain label",
+    "count": "a count is written x8 or 8",
+    "amount": "an amount is written with its unit, e.g. 512GiB",
+}
+"""Words of a resource line that are not device attributes: a selector on one is a mistyped modifier."""
+
+
+def _selector(text: str, field: str) -> Selector:
+    """A device selector of a resource line, refusing a mistyped modifier (``latency>=100ns``)."""
+    selector = parse_selector(text, field)
+    if selector.key in _MODIFIERS:
+        raise InvalidRequestError(f"{text!r}: {_MODIFIERS[selector.key]}", field=field)
+    return selector
 
 
 def _build(
@@ -186,15 +224,18 @@ def _build(
 
 def parse_request(name: str, clauses: Sequence[str]) -> CompositionRequest:
     """A request from text clauses; a clause starting with ``host`` names or constrains the host."""
-    host = HostRequest()
+    host: HostRequest | None = None
     resources: list[ResourceRequest] = []
-    parts = [(n, p.strip()) for n, clause in enumerate(clauses) for p in clause.split(";") if p.strip()]
-    for n, part in parts:
+    parts = [p.strip() for clause in clauses for p in clause.split(";") if p.strip()]
+    for n, part in enumerate(parts):
+        field = f"clauses[{n}]"
         if part.split()[0] == "host":
-            host = parse_host(part, field=f"clauses[{n}]")
+            if host is not None:
+                raise InvalidRequestError(f"{part!r}: a request has one host clause", field=field)
+            host = parse_host(part, field=field)
         else:
-            resources.append(parse_resource(part, field=f"clauses[{n}]"))
-    return _request(name, resources, host)
+            resources.append(parse_resource(part, field=field))
+    return _request(name, resources, host or HostRequest())
 
 
 def _request(name: str, resources: Sequence[ResourceRequest], host: HostRequest) -> CompositionRequest:
@@ -209,11 +250,16 @@ def _request(name: str, resources: Sequence[ResourceRequest], host: HostRequest)
     return CompositionRequest(name=name, resources=tuple(resources), host=host)
 
 
-def request_from_document(doc: Mapping[str, Any]) -> CompositionRequest:
+def request_from_document(doc: Any) -> CompositionRequest:
     """A request from a parsed TOML or JSON document (``name``, ``[host]``, ``[[resource]]``)."""
+    if not isinstance(doc, Mapping):
+        raise InvalidRequestError("a request document is a table of name, host and resource", field="request")
     unknown = set(doc) - {"name", "host", "resource", "resources"}
     if unknown:
         raise InvalidRequestError(f"unknown request fields: {', '.join(sorted(unknown))}", field=sorted(unknown)[0])
+    name = doc.get("name", "")
+    if not isinstance(name, str):
+        raise InvalidRequestError(f"name must be text, not {name!r}", field="name")
     host_doc = doc.get("host", {})
     if isinstance(host_doc, str):
         host = parse_host(host_doc)
@@ -221,11 +267,19 @@ def request_from_document(doc: Mapping[str, Any]) -> CompositionRequest:
         host = _host_from_document(host_doc)
     else:
         raise InvalidRequestError("host must be a name or a table", field="host")
+    if "resource" in doc and "resources" in doc:
+        raise InvalidRequestError("give resource or resources (the same field), not both", field="resources")
     items = doc.get("resource", doc.get("resources", []))
     if not isinstance(items, list):
         raise InvalidRequestError("resource must be a list of tables", field="resource")
     resources = [_resource_from_document(item, f"resource[{n}]") for n, item in enumerate(items)]
-    return _request(str(doc.get("name", "")), resources, host)
+    return _request(name, resources, host)
+
+
+def _selectors_from_document(items: Any, field: str) -> tuple[Selector, ...]:
+    if not isinstance(items, list):
+        raise InvalidRequestError(f'{field} must be a list of selectors, e.g. ["model=H200"]', field=field)
+    return tuple(parse_selector(s, f"{field}[{n}]") for n, s in enumerate(items))
 
 
 def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
@@ -239,8 +293,16 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
     cores = doc.get("min_cores", 0)
     if not isinstance(cores, int) or isinstance(cores, bool) or cores < 0:
         raise InvalidRequestError("min_cores must be a whole number", field="host.min_cores")
-    selectors = tuple(parse_selector(s, "host.selectors") for s in doc.get("selectors", []))
-    return HostRequest(name=doc.get("name"), min_cores=cores, min_memory_bytes=memory, selectors=selectors)
+    name = doc.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise InvalidRequestError(f"host.name must name a host, not {name!r}", field="host.name")
+    selectors = _selectors_from_document(doc.get("selectors", []), "host.selectors")
+    for n, sel in enumerate(selectors):
+        if sel.key in ("cores", "memory"):
+            raise InvalidRequestError(
+                f"{sel}: a host minimum is min_{sel.key} in a document, not a selector", field=f"host.selectors[{n}]"
+            )
+    return HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=selectors)
 
 
 def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
@@ -249,20 +311,19 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
     unknown = set(doc) - {"kind", "count", "amount", "selectors", "max_latency", "affinity", "spread"}
     if unknown:
         raise InvalidRequestError(f"unknown resource fields: {', '.join(sorted(unknown))}", field=field)
-    try:
-        kind = DeviceKind.parse(str(doc.get("kind", "")))
-        amount = parse_size(doc.get("amount", 0))
-        latency = None if doc.get("max_latency") is None else parse_latency(doc["max_latency"])
-        affinity = Affinity(doc.get("affinity", "none"))
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc), field=field) from exc
-    count = doc.get("count", 0)
+    kind = _parsed(DeviceKind.parse, str(doc.get("kind", "")), f"{field}.kind")
+    amount = _parsed(parse_size, doc.get("amount", 0), f"{field}.amount")
+    latency = (
+        None if doc.get("max_latency") is None else _parsed(parse_latency, doc["max_latency"], f"{field}.max_latency")
+    )
+    affinity = _parsed(Affinity, doc.get("affinity", "none"), f"{field}.affinity")
+    count = doc.get("count", 0 if "amount" in doc else 1)  # as in text, a line without either is one device
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise InvalidRequestError("count must be a whole number", field=f"{field}.count")
     spread = doc.get("spread")
     if spread is not None and (not isinstance(spread, str) or not spread):
         raise InvalidRequestError("spread needs a failure-domain label", field=f"{field}.spread")
-    selectors = tuple(parse_selector(s, f"{field}.selectors") for s in doc.get("selectors", []))
+    selectors = _selectors_from_document(doc.get("selectors", []), f"{field}.selectors")
     return _build(
         kind,
         count=count,
@@ -273,3 +334,11 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
         spread=spread,
         field=field,
     )
+
+
+def _parsed(parse: Callable[[Any], T], value: Any, field: str) -> T:
+    """``parse(value)``, its ValueError an `InvalidRequestError` naming ``field``."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{field}: {exc}", field=field) from exc

@@ -167,7 +167,12 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
             raise InvalidRequestError(f"request file {path} does not exist", field="file") from None
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"cannot read request file {path}: {exc}", field="file") from exc
-        if args.name:
+        if args.clauses:
+            raise InvalidRequestError(
+                f"--file {path} gives the resources: give no resource clauses with it ({' '.join(args.clauses)})",
+                field="clauses",
+            )
+        if args.name and isinstance(doc, dict):
             doc = {**doc, "name": args.name}
         return request_from_document(doc)
     if not args.name:

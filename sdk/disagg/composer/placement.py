@@ -17,8 +17,10 @@ from disagg.interfaces.placement import DeviceGroup, PlacementPolicy, PoolCandid
 from disagg.model import (
     Affinity,
     CompositionRequest,
+    DeviceKind,
     DevicePick,
     Host,
+    HostRequest,
     MemoryPick,
     Plan,
     ResourceRequest,
@@ -67,6 +69,12 @@ class Placer:
 
     def check(self, request: CompositionRequest) -> None:
         for i, r in enumerate(request.resources):
+            if r.carved and (r.spread or r.affinity is Affinity.SAME_SWITCH):
+                raise InvalidRequestError(
+                    f"resource {i}: spread and same-switch choose among whole devices; an amount of memory is "
+                    "carved from pools, nearest first",
+                    field=f"resources[{i}]",
+                )
             for sel in r.selectors:
                 if sel.key in _PER_DEVICE_KEYS:
                     raise InvalidRequestError(
@@ -97,7 +105,7 @@ class Placer:
         skipped = 0
         first_failure: Callable[[], str] | None = None
         for host in self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes):
-            if not all(sel.matches(host.attributes.get(sel.key)) for sel in hr.selectors):
+            if not all(sel.matches(host.attribute(sel.key)) for sel in hr.selectors):
                 continue
             candidates += 1
             if not self._precheck(host.id, request.resources):
@@ -114,10 +122,30 @@ class Placer:
                 "are free"
             )
         detail = f"; first candidate: {first_failure()}" if first_failure is not None else ""
+        if first_failure is None and skipped:
+            detail = "; " + self._most_reached(hr, request.resources)
         raise NoFitError(
             f"no host can take {', '.join(describe_line(r) for r in request.resources)}: {candidates} candidate "
             f"hosts, {skipped} of them reach too few free devices of a requested kind{detail}"
         )
+
+    def _most_reached(self, hr: HostRequest, lines: Sequence[ResourceRequest]) -> str:
+        """The numbers behind a refusal that no candidate host got past `_precheck`: per kind of whole devices
+        asked, how many the best candidate reaches free. Only on the way to a `NoFitError`."""
+        need: dict[DeviceKind, int] = {}
+        for r in lines:
+            if not r.carved:
+                need[r.kind] = need.get(r.kind, 0) + r.count
+        best = dict.fromkeys(need, 0)
+        for host in self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes):
+            if all(sel.matches(host.attribute(sel.key)) for sel in hr.selectors):
+                free = self.inv.host_free.get(host.id, {})
+                for kind in need:
+                    best[kind] = max(best[kind], free.get(kind, 0))
+        parts = [f"{need[k]} {k.value} asked, at most {best[k]} free within one host's reach" for k in need]
+        if DeviceKind.CXL_MEMORY in need and not self.inv.by_kind.get(DeviceKind.CXL_MEMORY):
+            parts.append("every cxl-memory device here backs a pool: ask for an amount of memory, e.g. 512GiB")
+        return "; ".join(parts)
 
     def _host_shortfall(self, host: Host, request: CompositionRequest) -> str:
         hr = request.host
@@ -126,7 +154,7 @@ class Placer:
         if host.memory_bytes < hr.min_memory_bytes:
             return f"has {format_size(host.memory_bytes)} of memory, {format_size(hr.min_memory_bytes)} asked"
         for sel in hr.selectors:
-            if not sel.matches(host.attributes.get(sel.key)):
+            if not sel.matches(host.attribute(sel.key)):
                 return f"does not match {sel}"
         return ""
 

@@ -73,8 +73,10 @@ class Selector:
     def matches(self, actual: AttributeValue | None) -> bool:
         if actual is None:
             return self.op is SelectorOp.NE
-        if isinstance(self.value, str) != isinstance(actual, str):
-            return self.op is SelectorOp.NE
+        if isinstance(self.value, str) != isinstance(actual, str) or isinstance(self.value, bool) != isinstance(
+            actual, bool
+        ):
+            return self.op is SelectorOp.NE  # text, truth and numbers never equal one another (True == 1 in Python)
         if isinstance(actual, str) and isinstance(self.value, str) and self.op in (SelectorOp.EQ, SelectorOp.NE):
             return bool(_COMPARE[self.op](actual.lower(), self.value.lower()))
         try:

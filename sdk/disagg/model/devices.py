@@ -108,7 +108,8 @@ class Device:
         return self.id.split("/", 1)[1] if "/" in self.id else self.id
 
     def attribute(self, key: str) -> AttributeValue | None:
-        """Look a selector key up: the fixed fields first (``vendor``, ``model``, ``serial``), then attributes."""
+        """Look a selector key up: the fixed fields first (``vendor``, ``model``, ``serial``), then attributes, then
+        failure-domain labels (``chassis=c1``)."""
         if key == "vendor":
             return self.vendor
         if key == "model":
@@ -117,7 +118,8 @@ class Device:
             return self.serial
         if key == "kind":
             return self.kind.value
-        return self.attributes.get(key)
+        value = self.attributes.get(key)
+        return self.failure_domains.get(key) if value is None else value
 
 
 def device_id(fabric: str, local_id: str) -> str:

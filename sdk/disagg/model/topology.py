@@ -63,6 +63,11 @@ class Host:
     attributes: Mapping[str, AttributeValue] = attrs.field(factory=dict, converter=_freeze_mapping)
     failure_domains: Mapping[str, str] = attrs.field(factory=dict, converter=_freeze_labels)
 
+    def attribute(self, key: str) -> AttributeValue | None:
+        """Look a host selector key up: an attribute, else a failure-domain label (``rack=r1``)."""
+        value = self.attributes.get(key)
+        return self.failure_domains.get(key) if value is None else value
+
 
 @attrs.frozen
 class Link:
