@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from disagg.errors import DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
-from disagg_qemu_cxl import QemuCxlFabric
+from disagg_qemu_cxl import QemuCxlFabric, create_fabric
 from disagg_qemu_cxl.command import host_dir
 from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, options, qemu_pid, require_qemu
 
@@ -133,6 +133,20 @@ class TestAdoption:
         h2 = pids["h2"]
         assert h2 is not None and not alive(h2), "the QEMU of unconfigured host h2 was left running"
         assert fabric.reaped == ["h2"]
+
+    def test_adopts_through_a_link_to_the_state_dir(self, state_dir: Path, tmp_path: Path) -> None:
+        """The same state_dir named another way (a symbolic link, ``..``) is the same: its QEMUs are adopted,
+        not started a second time beside orphans that share their memory files."""
+        require_qemu()
+        run_driver_and_kill(state_dir, options(state_dir, stop_hosts_on_close=False))
+        pid = qemu_pid(state_dir, "h1")
+        link = tmp_path / "link"
+        link.symlink_to(state_dir)
+        fabric = create_fabric("qc", options(link / ".." / "link"))
+        try:
+            assert fabric.hosts["h1"].adopted and fabric.hosts["h1"].pid == pid
+        finally:
+            fabric.close()
 
     def test_restarts_a_host_whose_qemu_died(self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path) -> None:
         run_driver_and_kill(state_dir, options(state_dir, stop_hosts_on_close=False))

@@ -36,6 +36,21 @@ class TestParseOptions:
         (h,) = parse_options("f", valid(hosts=[host])).hosts
         assert h.boots and h.serial == ("file:/c.log",) and h.append == "console=ttyS0"
 
+    @pytest.mark.parametrize("memory", ["512M", "512m", "1.5G", "2g", "1073741824"])
+    def test_memory_as_qemu_takes_it(self, memory: str) -> None:
+        assert parse_options("f", valid(hosts=[{"name": "h1", "memory": memory}])).hosts[0].memory == memory
+
+    def test_relative_files_are_the_callers(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """QEMU opens them from the host's directory; a relative path means the caller's, as state_dir does."""
+        monkeypatch.chdir(tmp_path)
+        host = {"name": "g", "kernel": "vmlinuz", "initrd": "boot/initrd.img", "append": "console=ttyS0"}
+        (h,) = parse_options("f", valid(state_dir="state", hosts=[host])).hosts
+        assert (h.kernel, h.initrd, h.append) == (
+            str(tmp_path / "vmlinuz"),
+            str(tmp_path / "boot/initrd.img"),
+            host["append"],
+        )
+
     @pytest.mark.parametrize(
         ("options", "option"),
         [
@@ -53,6 +68,7 @@ class TestParseOptions:
             (valid(hosts=[{"name": "h1", "ports": 0}]), "hosts[0].ports"),
             (valid(hosts=[{"name": "h1", "ports": 33}]), "hosts[0].ports"),
             (valid(hosts=[{"name": "h1", "memory": "lots"}]), "hosts[0].memory"),
+            (valid(hosts=[{"name": "h1", "memory": "0G"}]), "hosts[0].memory"),
             (valid(hosts=[{"name": "h1", "initrd": "/i"}]), "hosts[0].kernel"),
             (valid(hosts=[{"name": "h1", "serial": "file:/x"}]), "hosts[0].serial"),
             (valid(hosts=[{"name": "h1", "cpus": 2}]), "hosts[0].cpus"),

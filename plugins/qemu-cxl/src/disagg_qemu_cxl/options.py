@@ -22,7 +22,7 @@ DEFAULT_PORTS = 4
 MAX_PORTS = 32
 """Downstream ports per switch: QEMU's RSS grows faster than linearly past a few tens of CXL devices."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
+_MEMORY = re.compile(r"^(?=.*[1-9])[0-9]+(\.[0-9]+)?[KMGTkmgt]?$")
 
 
 @attrs.frozen
@@ -108,7 +108,9 @@ def _path(value: object) -> Path | None:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         return None
-    return Path(value).absolute()
+    # Resolved, links and ".." too: a QEMU is known as this driver's by its working directory, which /proc
+    # reports resolved, so an unresolved state_dir would not recognise its own QEMUs and start more.
+    return Path(value).resolve()
 
 
 def _host(table: object, bad: Any) -> HostOptions:
@@ -125,7 +127,7 @@ def _host(table: object, bad: Any) -> HostOptions:
         raise bad("ports", f"must be a number of downstream ports from 1 to {MAX_PORTS}, not {ports!r}")
     memory = table.get("memory", "1G")
     if not isinstance(memory, str) or not _MEMORY.match(memory):
-        raise bad("memory", f"must be guest RAM as QEMU's -m takes it (512M, 1G), not {memory!r}")
+        raise bad("memory", f"must be guest RAM as QEMU's -m takes it (512M, 1.5G), not {memory!r}")
     texts: dict[str, str] = {}
     for key in ("kernel", "initrd", "append"):
         value = table.get(key, "")
@@ -133,7 +135,8 @@ def _host(table: object, bad: Any) -> HostOptions:
             value = os.fspath(value)
         if not isinstance(value, str):
             raise bad(key, f"must be a string, not {value!r}")
-        texts[key] = value
+        # A file QEMU opens from the host's directory: a relative one is the caller's, as state_dir is.
+        texts[key] = str(Path(value).resolve()) if value and key != "append" else value
     if (texts["initrd"] or texts["append"]) and not texts["kernel"]:
         raise bad("kernel", "is required when initrd or append is given")
     serial = table.get("serial", [])
