@@ -10,6 +10,8 @@ import http.server
 import shutil
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -213,6 +215,15 @@ class TestMemoryStore:
         assert store.load().last_revision == 7
 
 
+HOLD_THE_LEDGER = """
+import sys
+from disagg.store import SqliteStore
+store = SqliteStore(sys.argv[1])
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
 class TestSqliteStore:
     """SqliteStore keeps its records across reopening, runs WAL with synchronous=FULL, and names a bad path."""
 
@@ -274,6 +285,40 @@ class TestSqliteStore:
         path.write_bytes(b"this is not sqlite" * 100)
         with pytest.raises(ConfigError, match="cannot open the ledger"):
             SqliteStore(path)
+
+    def test_one_process_at_a_time(self, tmp_path: Path) -> None:
+        """A second fabric manager on the ledger (another process) is refused, naming the holder, until the
+        first has gone; two writers would take each other's devices and fail each other's writes."""
+        path = tmp_path / "ledger.db"
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_THE_LEDGER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+            with pytest.raises(ConfigError, match=rf"in use by another fabric manager \(pid {holder.pid}\)"):
+                SqliteStore(path)
+        finally:
+            holder.kill()  # however it ends, its lock goes with it
+            holder.wait(10)
+        store = SqliteStore(path)
+        store.close()
+
+    def test_a_damaged_ledger_is_named(self, tmp_path: Path) -> None:
+        """A ledger whose pages are damaged opens, then fails to load with a message, not a traceback."""
+        path = tmp_path / "ledger.db"
+        store = SqliteStore(path)
+        for n in range(200):
+            store.put_composition(_composition(f"c{n}"))
+        store.close()
+        with path.open("r+b") as f:
+            f.seek(4096)  # the second page, where the first table starts: load reads it
+            f.write(b"\xff" * 2048)
+        with pytest.raises(ConfigError, match=r"cannot be read .* restore it from a backup"):
+            damaged = SqliteStore(path)
+            try:
+                damaged.load()
+            finally:
+                damaged.close()
 
     def test_failed_write_changes_nothing(self, tmp_path: Path) -> None:
         store = SqliteStore(tmp_path / "ledger.db")

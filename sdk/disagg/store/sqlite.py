@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import fcntl
 import heapq
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -92,6 +94,33 @@ def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
         future.set_exception(failure)
 
 
+def _hold(path: Path) -> int:
+    """Take the ledger for this process alone: an exclusive lock on ``<ledger>.lock``, held until `close` (or
+    the process's end, however it ends), which also names the holder. Two fabric managers on one ledger (a second
+    `disagg serve`, or a CLI command without --server beside a running one) would each take devices the other
+    holds and fail each other's writes. The lock is a POSIX record lock, which belongs to the process: a
+    process may open its ledger again (the tests of recovery open a second store as a restarted manager would).
+    Returns the lock file's descriptor."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the ledger at {path}: {exc}") from exc
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"the ledger at {path} is in use by another fabric manager (pid {holder}): reach that one with "
+            "--server, or stop it first",
+            field="state.path",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class SqliteStore(Store):
     def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
         self.path = Path(path)
@@ -100,13 +129,18 @@ class SqliteStore(Store):
         self._put_requests = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
+        self._owner = _hold(self.path)
+        try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            (newest,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
         except (OSError, sqlite3.Error) as exc:
+            os.close(self._owner)
             raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
-        (newest,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
         self._newest_event = int(newest)
         self._db_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -273,6 +307,14 @@ class SqliteStore(Store):
         with self._lock:
             everything = self._queued
         self._wait_for(everything)
+        try:
+            return self._read_all()
+        except sqlite3.DatabaseError as exc:  # damaged, or a database that is not a ledger
+            raise ConfigError(
+                f"the ledger at {self.path} cannot be read ({exc}): restore it from a backup", field="state.path"
+            ) from exc
+
+    def _read_all(self) -> LedgerState:
         with self._db_lock:
             comps = tuple(codec.loads(d, Composition) for (d,) in self._db.execute("SELECT doc FROM compositions"))
             res = tuple(codec.loads(d, Reservation) for (d,) in self._db.execute("SELECT doc FROM reservations"))
@@ -359,3 +401,4 @@ class SqliteStore(Store):
         self._committer.join()
         with self._db_lock:
             self._db.close()
+        os.close(self._owner)  # the lock goes with it: another fabric manager may open the ledger now
