@@ -4,6 +4,7 @@ reservation timer, and a graceful shutdown that lets calls in flight finish whil
 from __future__ import annotations
 
 import socket
+import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +17,10 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import CompositionState, EventType, Topology
 from disagg.server import SERVICE_NAME, FabricManagerServer, parse_listener
-from disagg.store import MemoryStore
+from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import SimFabric, load_topology
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -312,3 +314,58 @@ class TestListeners:
     def test_no_listener(self) -> None:
         with pytest.raises(ConfigError, match="no address to listen on"):
             FabricManagerServer(FabricComposer(rack()), [])
+
+
+class _FullDisk:
+    """Stands in for a SQLite connection whose disk filled up: every statement of a commit fails."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql.startswith(("INSERT", "REPLACE", "DELETE", "UPDATE")):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self._db.execute(sql, *args)
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class TestLedgerFailure:
+    def test_a_ledger_that_cannot_be_written_stops_the_server(self, tmp_path: Path) -> None:
+        """Once a commit fails the ledger refuses every write, and what callers were told may no longer be what
+        the disk holds: the server stops serving and says why (for its supervisor to restart it, which recovers
+        from the disk and the hardware) instead of serving on with compositions stuck half-made."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        failed: list[str] = []
+        stopped = threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=store),
+            ["127.0.0.1:0"],
+            tick_s=0.05,
+            on_failed=lambda why: (failed.append(why), stopped.set()),
+        )
+        server.start()
+        try:
+            channel = grpc.insecure_channel(server.addresses[0])
+            store._db = _FullDisk(store._db)  # type: ignore[assignment]
+            with pytest.raises(grpc.RpcError) as info:
+                fm_grpc.FabricManagerServiceStub(channel).Compose(
+                    fm.ComposeRequest(
+                        name="late",
+                        resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=1)],
+                        mode=fm.COMPOSE_MODE_APPLY,
+                    ),
+                    timeout=10,
+                )
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE and "disk is full" in (info.value.details() or "")
+            assert stopped.wait(5), "the server went on serving"
+            assert "disk is full" in failed[0]
+            assert health_of(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                fm_grpc.FabricManagerServiceStub(channel).ListCompositions(fm.ListCompositionsRequest(), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "must be restarted" in (refused.value.details() or "")
+            channel.close()
+        finally:
+            server.stop(0)

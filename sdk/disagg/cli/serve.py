@@ -30,6 +30,8 @@ AddCommand = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.
 
 
 EXIT_LOST_LEAD = 3
+EXIT_FAILED = 1
+"""The ledger failed while serving: the server stopped, for its supervisor to restart it."""
 """The exit code of a replica that lost the lead: its supervisor restarts it, as a standby."""
 
 
@@ -79,6 +81,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lost.set()
         stop.set()
 
+    failed: list[str] = []
+
+    def on_failed(failure: str) -> None:
+        failed.append(failure)
+        stop.set()
+
     try:
         server = FabricManagerServer(
             composer,
@@ -88,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             leadership=leadership,
             on_serving=on_serving,
             on_lost=on_lost,
+            on_failed=on_failed,
         )
     except BaseException:
         composer.close()
@@ -111,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"standby on {address}", flush=True)
         while not stop.wait(1.0):
             pass
-        server.stop(0 if lost.is_set() else args.grace)
+        server.stop(0 if lost.is_set() or failed else args.grace)
     finally:
         server.stop(0)
         for sig, handler in previous.items():
@@ -119,6 +128,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if lost.is_set():
         print("disagg: error: this replica lost the lead; it stopped serving", file=sys.stderr)
         return EXIT_LOST_LEAD
+    if failed:
+        print(
+            f"disagg: error: {failed[0]}; it stopped serving: restart it once the ledger can be written (it "
+            "recovers from the ledger and the hardware)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     return 0
 
 

@@ -79,6 +79,7 @@ class FabricManagerServer:
         leadership: Leadership | None = None,
         on_serving: Callable[[list[str]], None] | None = None,
         on_lost: Callable[[], None] | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         if not listeners:
             raise ConfigError("no address to listen on: give --listen or a [[listener]] address", field="listener")
@@ -93,6 +94,7 @@ class FabricManagerServer:
         self.leadership = leadership
         self._on_serving = on_serving or (lambda addresses: None)
         self._on_lost = on_lost or (lambda: None)
+        self._on_failed = on_failed or (lambda failure: None)
         self._reconcile_s = reconcile_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
         self.aio_servicer = AsyncFabricManagerServicer(self.servicer, self._executor)
@@ -187,6 +189,15 @@ class FabricManagerServer:
                 return
         self._step_down()
 
+    def _fail_stop(self, failure: str) -> None:
+        """The ledger can no longer make writes durable: stop serving (NOT_SERVING, every RPC UNAVAILABLE) and
+        say so (`on_failed`), so that a restart recovers from what the disk and the hardware hold. Going on would
+        answer from memory that the disk may no longer match."""
+        self.servicer.mark_unready(f"the fabric manager stopped serving: {failure}; it must be restarted")
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.critical("%s: not serving any more; restart once the ledger can be written", failure)
+        self._on_failed(failure)
+
     def _step_down(self) -> None:
         self.servicer.mark_unready(LOST_LEAD)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -238,6 +249,10 @@ class FabricManagerServer:
         next_reconcile = time.monotonic() + self._reconcile_s
         next_retry = time.monotonic() + RETRY_UNREACHABLE_S
         while not self._ticking.wait(self._tick_s):
+            failure = self.composer.store.failure
+            if failure:
+                self._fail_stop(failure)
+                return
             try:
                 self.composer.tick()
             except Exception:

@@ -113,6 +113,15 @@ class Store(abc.ABC):
         default) has nothing to leave out."""
         yield
 
+    @property
+    def failure(self) -> str:
+        """Why this store can no longer make any write durable (its every write is refused from then on), or
+        empty. A store that fails only the call that met the error (the default) is never failed as a whole;
+        one that fails stop, as a grouped committer must once a commit failed (what its group's callers were
+        told may differ from what is on disk), says so here, and its server stops so that a restart recovers
+        from the disk and the hardware."""
+        return ""
+
     def close(self) -> None:
         """Release files and connections; the default holds none."""
         return None

@@ -247,6 +247,12 @@ class SqliteStore(Store):
         heapq.heappush(self._waiting, (target, self._waiters, waiter))
         return True
 
+    @property
+    def failure(self) -> str:
+        """See `Store.failure`: a commit that failed fails every write after it."""
+        with self._lock:
+            return "" if self._failure is None else self._failed().message
+
     def _failed(self) -> FabricUnavailableError:
         return FabricUnavailableError(f"the ledger at {self.path} cannot be written: {self._failure!r}")
 
