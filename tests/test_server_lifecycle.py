@@ -331,6 +331,14 @@ class _FullDisk:
         self._db.close()
 
 
+def compose(channel: grpc.Channel) -> fm.ComposeResponse:
+    request = fm.ComposeRequest(
+        name="late", resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=1)], mode=fm.COMPOSE_MODE_APPLY
+    )
+    response: fm.ComposeResponse = fm_grpc.FabricManagerServiceStub(channel).Compose(request, timeout=10)
+    return response
+
+
 class TestLedgerFailure:
     def test_a_ledger_that_cannot_be_written_stops_the_server(self, tmp_path: Path) -> None:
         """Once a commit fails the ledger refuses every write, and what callers were told may no longer be what
@@ -342,7 +350,7 @@ class TestLedgerFailure:
         server = FabricManagerServer(
             FabricComposer(rack(), store=store),
             ["127.0.0.1:0"],
-            tick_s=0.05,
+            tick_s=0.5,
             on_failed=lambda why: (failed.append(why), stopped.set()),
         )
         server.start()
@@ -350,15 +358,11 @@ class TestLedgerFailure:
             channel = grpc.insecure_channel(server.addresses[0])
             store._db = _FullDisk(store._db)  # type: ignore[assignment]
             with pytest.raises(grpc.RpcError) as info:
-                fm_grpc.FabricManagerServiceStub(channel).Compose(
-                    fm.ComposeRequest(
-                        name="late",
-                        resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=1)],
-                        mode=fm.COMPOSE_MODE_APPLY,
-                    ),
-                    timeout=10,
-                )
+                compose(channel)
             assert info.value.code() is grpc.StatusCode.UNAVAILABLE and "disk is full" in (info.value.details() or "")
+            with pytest.raises(grpc.RpcError) as retried:  # at once, before the server's next tick
+                compose(channel)
+            assert retried.value.code() is grpc.StatusCode.UNAVAILABLE, "a retry was told the name is taken"
             assert stopped.wait(5), "the server went on serving"
             assert "disk is full" in failed[0]
             assert health_of(channel) == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -44,7 +44,7 @@ from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
 from disagg.server.loop import LoopThread
-from disagg.server.servicer import LOST_LEAD, STANDBY, FabricManagerServicer
+from disagg.server.servicer import LEDGER_FAILED, LOST_LEAD, STANDBY, FabricManagerServicer
 
 if TYPE_CHECKING:
     from disagg.ha import Leadership
@@ -193,7 +193,7 @@ class FabricManagerServer:
         """The ledger can no longer make writes durable: stop serving (NOT_SERVING, every RPC UNAVAILABLE) and
         say so (`on_failed`), so that a restart recovers from what the disk and the hardware hold. Going on would
         answer from memory that the disk may no longer match."""
-        self.servicer.mark_unready(f"the fabric manager stopped serving: {failure}; it must be restarted")
+        self.servicer.mark_unready(f"{LEDGER_FAILED}: {failure}; it must be restarted")
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.critical("%s: not serving any more; restart once the ledger can be written", failure)
         self._on_failed(failure)

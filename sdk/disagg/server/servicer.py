@@ -62,6 +62,7 @@ STANDBY = (
     "the lead); retry there"
 )
 LOST_LEAD = "this replica lost the lead and stops serving; another replica takes over: retry there"
+LEDGER_FAILED = "the fabric manager stopped serving"
 
 S = TypeVar("S", bound="FabricManagerServicer")
 Q = TypeVar("Q")
@@ -157,6 +158,9 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     def check_ready(self) -> None:
         if not self._ready.is_set():
             raise FabricUnavailableError(self._why_not)
+        failure = self.composer.store.failure
+        if failure:  # from the failed commit on, not from the server's next tick: a retry must not run meanwhile
+            raise FabricUnavailableError(f"{LEDGER_FAILED}: {failure}; it must be restarted")
 
     def stop(self) -> None:
         """End every event watch with UNAVAILABLE and refuse new ones; the server stops next."""

@@ -249,9 +249,9 @@ class SqliteStore(Store):
 
     @property
     def failure(self) -> str:
-        """See `Store.failure`: a commit that failed fails every write after it."""
-        with self._lock:
-            return "" if self._failure is None else self._failed().message
+        """See `Store.failure`: a commit that failed fails every write after it. Read without the lock (it is
+        set once, and every RPC asks)."""
+        return "" if self._failure is None else self._failed().message
 
     def _failed(self) -> FabricUnavailableError:
         return FabricUnavailableError(f"the ledger at {self.path} cannot be written: {self._failure!r}")
