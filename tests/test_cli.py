@@ -195,6 +195,12 @@ class TestErrors:
         assert err.startswith("disagg: error: ") and message in err
         assert cli(capsys, "ls", "--json")[1].strip() == "[]"
 
+    def test_reserve_zero_reserves_for_the_default_time(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """--reserve 0 bound the hardware as a plain compose did; 0 is the protocol's default, 60 s."""
+        code, out, _ = cli(capsys, "compose", "r", "gpu x1", "--reserve", "0", "--json")
+        assert code == 0 and json.loads(out)["reservation"] is not None
+        assert cli(capsys, "ls", "--json")[1].strip() == "[]"
+
     def test_name_taken_and_nothing_changes(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert cli(capsys, "compose", "a", "gpu x1")[0] == 0
         code, _, err = cli(capsys, "compose", "a", "gpu x1")

@@ -41,6 +41,8 @@ class TestReplicaTarget:
             ("fm-a:50051,fm-b:50051", "literal addresses"),
             ("127.0.0.1:1,127.0.0.1", "literal addresses"),
             ("127.0.0.1:1,[::1]:2", "mixes IPv4 and IPv6"),
+            ("127.0.0.1:99999", "a port is 0 to 65535"),
+            ("127.0.0.1:1,127.0.0.1:65536", "literal addresses"),
         ],
     )
     def test_mistakes(self, address: str, says: str) -> None:

@@ -242,7 +242,7 @@ class TestValueErrors:
         assert config.ledger == "etcd" and config.etcd_endpoints == ("127.0.0.1:2379", "127.0.0.1:2479")
         assert config.etcd_prefix == "/disagg/" and config.lease_ttl_s == 3
 
-    @pytest.mark.parametrize("value", ["0", "-1", "-0.5", "'30'", "true"])
+    @pytest.mark.parametrize("value", ["0", "-1", "-0.5", "'30'", "true", "nan", "inf"])
     def test_timeout_not_positive(self, tmp_path: Path, value: str) -> None:
         error = _error(tmp_path, MINIMAL + f"[composer]\ncall_timeout_s = {value}\n")
         assert error.field == "composer.call_timeout_s"
@@ -276,6 +276,11 @@ class TestValueErrors:
         error = _error(tmp_path, text)
         assert error.field == "fabric"
         assert "[[fabric]]" in error.message
+
+    def test_a_misspelt_placeholder(self, tmp_path: Path) -> None:
+        """It would make a new, empty ledger in a folder named after it: every composition would seem gone."""
+        error = _error(tmp_path, MINIMAL + '[state]\npath = "{statedir}/ledger.db"\n')
+        assert "{statedir} is no placeholder (there is {state_dir})" in error.message
 
     def test_fabric_not_a_table(self, tmp_path: Path) -> None:
         error = _error(tmp_path, "fabric = ['x']\n")

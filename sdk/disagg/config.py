@@ -7,7 +7,9 @@ state directory (``~/.local/state/disagg``).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from importlib import resources
@@ -58,13 +60,23 @@ def state_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "disagg"
 
 
-def _expand(value: Any, sdir: Path) -> Any:
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
+"""A word in braces: a placeholder, of which ``{state_dir}`` is the only one."""
+
+
+def _expand(value: Any, sdir: Path, source: str) -> Any:
     if isinstance(value, str):
-        return value.replace("{state_dir}", str(sdir))
+        expanded = value.replace("{state_dir}", str(sdir))
+        unknown = _PLACEHOLDER.search(expanded)
+        if unknown:  # a misspelt {state_dir} would make a new, empty ledger in a folder of that name
+            raise ConfigError(
+                f"{source}: {value!r}: {unknown.group(0)} is no placeholder (there is {{state_dir}})"
+            )
+        return expanded
     if isinstance(value, Mapping):
-        return {k: _expand(v, sdir) for k, v in value.items()}
+        return {k: _expand(v, sdir, source) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand(v, sdir) for v in value]
+        return [_expand(v, sdir, source) for v in value]
     return value
 
 
@@ -85,7 +97,7 @@ def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str,
 
 def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
     """Validate a parsed TOML document; every error names the file and the key."""
-    doc = _expand(doc, state_dir(environ))
+    doc = _expand(doc, state_dir(environ), source)
     _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
     state = _table(doc, "state", source)
     _known(state, {"ledger", "path", "endpoints", "prefix", "lease_ttl_s"}, "[state]", source, "state")
@@ -115,7 +127,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     composer = _table(doc, "composer", source)
     _known(composer, {"policy", "auto_heal", "call_timeout_s"}, "[composer]", source, "composer")
     timeout = composer.get("call_timeout_s", 30.0)
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
         raise ConfigError(
             f"{source}: [composer] call_timeout_s must be a positive number", field="composer.call_timeout_s"
         )

@@ -182,7 +182,9 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
 
 def cmd_compose(args: argparse.Namespace) -> int:
     request = _request(args)
-    mode = ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve else ComposeMode.APPLY
+    mode = (
+        ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve is not None else ComposeMode.APPLY
+    )
     with _composer(args) as composer:
         result = composer.compose(request, mode, reservation_ttl_s=args.reserve or 60.0)
         if args.json:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import socket
@@ -44,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     failpoints.check()
     config = load_config(args.config)
     plugins = load_plugins()
-    if args.grace < 0:
+    if not 0 <= args.grace < math.inf:
         raise ConfigError("--grace must be a number of seconds >= 0", field="grace")
     listeners = args.listen or list(config.listeners)
     if not listeners:

@@ -15,6 +15,7 @@ import json
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 
+MAX_PORT = 65535
 SERVICE = fm.DESCRIPTOR.services_by_name["FabricManagerService"].full_name
 SERVICE_CONFIG = json.dumps(
     {
@@ -33,6 +34,9 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
     rather than IP addresses (gRPC resolves a list of literal addresses only)."""
     if "," not in address:
+        _, sep, port = address.rpartition(":")
+        if sep and not address.startswith("unix:") and port.isdigit() and int(port) > MAX_PORT:
+            raise InvalidRequestError(f"{address!r}: a port is 0 to {MAX_PORT}", field="address")
         return address, ()
     hosts: list[str] = []
     family = ""
@@ -43,7 +47,7 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str], ...]]:
             ip = ipaddress.ip_address(host)
         except ValueError:
             ip = None
-        if not sep or not port.isdigit() or ip is None:
+        if not sep or not port.isdigit() or int(port) > MAX_PORT or ip is None:
             raise InvalidRequestError(
                 f"{part!r} in {address!r}: a list of replicas is IP:PORT,IP:PORT,... (literal addresses)",
                 field="address",
