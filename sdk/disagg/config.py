@@ -69,9 +69,7 @@ def _expand(value: Any, sdir: Path, source: str) -> Any:
         expanded = value.replace("{state_dir}", str(sdir))
         unknown = _PLACEHOLDER.search(expanded)
         if unknown:  # a misspelt {state_dir} would make a new, empty ledger in a folder of that name
-            raise ConfigError(
-                f"{source}: {value!r}: {unknown.group(0)} is no placeholder (there is {{state_dir}})"
-            )
+            raise ConfigError(f"{source}: {value!r}: {unknown.group(0)} is no placeholder (there is {{state_dir}})")
         return expanded
     if isinstance(value, Mapping):
         return {k: _expand(v, sdir, source) for k, v in value.items()}
