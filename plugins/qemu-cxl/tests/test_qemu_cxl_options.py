@@ -9,6 +9,7 @@ import pytest
 from disagg.errors import ConfigError
 from disagg_qemu_cxl import create_fabric, parse_options
 from disagg_qemu_cxl.command import command_line
+from disagg_qemu_cxl.fabric import _memory_bytes
 from disagg_qemu_cxl.options import HostOptions
 from disagg_qemu_cxl.state import Record
 from qemu_cxl_helpers import GiB, MiB
@@ -36,9 +37,14 @@ class TestParseOptions:
         (h,) = parse_options("f", valid(hosts=[host])).hosts
         assert h.boots and h.serial == ("file:/c.log",) and h.append == "console=ttyS0"
 
-    @pytest.mark.parametrize("memory", ["512M", "512m", "1.5G", "2g", "1073741824"])
-    def test_memory_as_qemu_takes_it(self, memory: str) -> None:
+    @pytest.mark.parametrize(
+        ("memory", "size"),
+        [("512M", 512 * MiB), ("512m", 512 * MiB), ("1.5G", 1536 * MiB), ("2g", 2 * GiB), ("64", 64 * MiB)],
+    )
+    def test_memory_as_qemu_takes_it(self, memory: str, size: int) -> None:
+        """As -m reads it: a plain number is MiB; the host reports the bytes."""
         assert parse_options("f", valid(hosts=[{"name": "h1", "memory": memory}])).hosts[0].memory == memory
+        assert _memory_bytes(memory) == size
 
     def test_relative_files_are_the_callers(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """QEMU opens them from the host's directory; a relative path means the caller's, as state_dir does."""

@@ -49,8 +49,11 @@ _UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
 def _memory_bytes(text: str) -> int:
-    unit = _UNITS.get(text[-1], 1)
-    return int(text.rstrip("KMGT")) * unit if unit != 1 else int(text) * 1024**2
+    """Bytes of guest RAM as QEMU's -m reads them: a number of MiB, or with a K, M, G or T suffix (either case)."""
+    unit = _UNITS.get(text[-1].upper())
+    if unit is None:
+        return int(text) * 1024**2
+    return int(float(text[:-1]) * unit)
 
 
 def _claim(fabric: str, state_dir: Path) -> IO[bytes]:
