@@ -31,6 +31,9 @@ class TestOptions:
             ({"state_dir": "/tmp/x", "hosts": ["a", "a"]}, "hosts"),
             ({"state_dir": "/tmp/x", "gpus": -1}, "gpus"),
             ({"state_dir": "/tmp/x", "stop_emulator": "never"}, "stop_emulator"),
+            ({"state_dir": "/tmp/x", "bind_delay_ms": float("nan")}, "bind_delay_ms"),
+            ({"state_dir": "/tmp/x", "bind_delay_ms": float("inf")}, "bind_delay_ms"),
+            ({"state_dir": "/tmp/x", "bind_delay_ms": -1}, "bind_delay_ms"),
             ({"state_dir": "/tmp/x", "colour": "blue"}, "colour"),
         ],
     )
@@ -80,6 +83,24 @@ class TestLifetime:
         again.unbind(Binding("sw/port2", "h0"), fresh_ctx())
         again.close()
         assert not process.running(switch_dir)
+
+    def test_one_driver_per_state_dir(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
+        """A second driver on the state_dir is refused: closing it would have stopped the emulator the first
+        one uses (a CLI command beside a running server); once the first has closed, the next one gets it."""
+        first = make_switch()
+        with pytest.raises(FabricUnavailableError, match="another cxl-switch driver holds"):
+            make_switch()
+        first.bind("sw/port2", "h0", fresh_ctx())
+        first.close()
+        again = make_switch()
+        assert again.bindings() == [Binding("sw/port2", "h0")]
+        again.unbind(Binding("sw/port2", "h0"), fresh_ctx())
+
+    def test_a_state_dir_that_is_a_file(self, tmp_path: Path) -> None:
+        (tmp_path / "file").write_text("in the way")
+        with pytest.raises(ConfigError, match=r"state_dir .* cannot be used") as raised:
+            create_fabric("sw", {"state_dir": str(tmp_path / "file")})
+        assert raised.value.field == "state_dir"
 
     def test_stop_always(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
         fabric = make_switch(stop_emulator="always")

@@ -9,11 +9,8 @@ its downstream ports, with the Type-3 that QEMU holds on each.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import threading
 from collections.abc import Sequence
-from pathlib import Path
-from typing import IO
 
 from disagg.errors import DisaggError, FabricUnavailableError, NotFoundError, UnsupportedError
 from disagg.interfaces import CallContext, EventHandler, Fabric, Pool, Subscription
@@ -31,6 +28,7 @@ from disagg.model import (
     Topology,
 )
 from disagg.model import Device as DeviceInfo
+from disagg.statedir import claim
 
 from disagg_qemu_cxl.discovery import Features, probe
 from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured
@@ -56,20 +54,6 @@ def _memory_bytes(text: str) -> int:
     return int(float(text[:-1]) * unit)
 
 
-def _claim(fabric: str, state_dir: Path) -> IO[bytes]:
-    """Lock ``state_dir`` for this driver (flock, so the kernel drops it when the process dies, even by SIGKILL):
-    two drivers on one state_dir would fight over the same QEMUs, and QEMU serves one QMP client at a time."""
-    owner = open(state_dir / "driver.lock", "ab")  # noqa: SIM115 (held for the fabric's life, closed in close)
-    try:
-        fcntl.flock(owner.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        owner.close()
-        raise FabricUnavailableError(
-            f"fabric {fabric!r}: another qemu-cxl driver holds {state_dir}; one driver per state_dir"
-        ) from None
-    return owner
-
-
 class _NoEvents(Subscription):
     def cancel(self) -> None:
         return None
@@ -90,7 +74,7 @@ class QemuCxlFabric(Fabric):
                 f"fabric {name!r}: cannot create state_dir {options.state_dir}: {exc}"
             ) from None
         self._lock = threading.RLock()
-        self._owner = _claim(name, options.state_dir)
+        self._owner = claim(name, "qemu-cxl", options.state_dir)
         self._loop = Loop(name)
         self._hosts: dict[str, HostProcess] = {}
         started: list[HostProcess] = []

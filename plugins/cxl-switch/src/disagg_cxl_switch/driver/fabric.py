@@ -34,6 +34,7 @@ from disagg.model import (
     Health,
     Topology,
 )
+from disagg.statedir import claim
 
 from disagg_cxl_switch.driver import layout, process
 from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, contract_error
@@ -92,6 +93,8 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         else:
             assert state_dir is not None
             self._address = process.emulator_address(state_dir)
+        # One driver per state_dir: a second would stop, on close, the emulator the first is using.
+        self._owner = claim(name, "cxl-switch", state_dir) if state_dir is not None else None
         self._client = CCIClient(self._address)
         if options.address is None and state_dir is not None:
             if not process.running(state_dir):
@@ -115,9 +118,15 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._client.close()
             if self._started and state_dir is not None:
                 process.stop(state_dir)  # an emulator this call started for a fabric that cannot be built
+            self._let_go()
             raise
         self._poller = EventPoller(self._address, first, self._on_record)
         self._closed = False
+
+    def _let_go(self) -> None:
+        """Give the state_dir up to the next driver."""
+        if self._owner is not None:
+            self._owner.close()
 
     def _identify(self) -> None:
         self._client.call(Opcode.IDENTIFY_SWITCH_DEVICE)
@@ -340,3 +349,4 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 self._client.close()
                 process.stop(state_dir)
         self._client.close()
+        self._let_go()

@@ -11,6 +11,9 @@ from disagg.errors import ConfigError
 
 from disagg_cxl_switch.driver.client import parse_address
 
+MAX_BIND_DELAY_MS = 60_000.0
+"""A minute: longer is no switch's bind, and NaN or infinity would leave every bind waiting for good."""
+
 _EMULATOR_KEYS = ("gpus", "nvme", "nics", "ld_count", "mld_capacity_gib", "dc_capacity_gib", "dc_regions")
 _STOP = ("when-idle", "always")
 
@@ -88,8 +91,8 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
     defaults["dc_regions"] = 1
     emulator = {key: _int(name, options, key, defaults[key], 1 if key == "dc_regions" else 0) for key in _EMULATOR_KEYS}
     delay = options.get("bind_delay_ms", 20.0)
-    if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
-        raise bad("bind_delay_ms", "bind_delay_ms must be a non-negative number")
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= MAX_BIND_DELAY_MS:
+        raise bad("bind_delay_ms", f"bind_delay_ms must be a number of milliseconds from 0 to {MAX_BIND_DELAY_MS:g}")
     stop = options.get("stop_emulator", "when-idle")
     if stop not in _STOP:
         raise bad("stop_emulator", f"stop_emulator must be one of {', '.join(_STOP)}")
