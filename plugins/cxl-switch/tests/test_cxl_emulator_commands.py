@@ -508,6 +508,7 @@ class TestEventsAndFaults:
     """The vendor commands: event records and fault injection."""
 
     def test_link_down_surprise_removal_hot_add_poison(self, fm: Client) -> None:
+        n = events(fm).next_sequence  # 1 on a new switch; a reset goes on numbering
         ok(fm.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU)))
         ok(fm.call(VendorOpcode.INJECT_SURPRISE_REMOVAL, InjectSurpriseRemovalRequest(GPU + 1)))
         port = GetPhysicalPortStateResponse.decode(
@@ -521,14 +522,24 @@ class TestEventsAndFaults:
         ok(fm.call(VendorOpcode.INJECT_EXTENT_POISON, InjectExtentPoisonRequest(1, MIB)))
         log = events(fm)
         assert [(r.sequence, r.event_type, r.port_id, r.host_id) for r in log.records] == [
-            (1, EventType.LINK_DOWN, GPU, 0xFF),
-            (2, EventType.SURPRISE_REMOVAL, GPU + 1, 0xFF),
-            (3, EventType.HOT_ADD, GPU + 1, 0xFF),
-            (4, EventType.EXTENT_POISONED, DCD_PORT, 1),
+            (n, EventType.LINK_DOWN, GPU, 0xFF),
+            (n + 1, EventType.SURPRISE_REMOVAL, GPU + 1, 0xFF),
+            (n + 2, EventType.HOT_ADD, GPU + 1, 0xFF),
+            (n + 3, EventType.EXTENT_POISONED, DCD_PORT, 1),
         ]
-        assert (log.oldest_sequence, log.next_sequence) == (1, 5)
-        tail = GetEventRecordsResponse.decode(ok(fm.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(2, 1))))
-        assert [r.sequence for r in tail.records] == [2]
+        assert (log.oldest_sequence, log.next_sequence) == (n, n + 4)
+        request = GetEventRecordsRequest(n + 1, 1)
+        tail = GetEventRecordsResponse.decode(ok(fm.call(VendorOpcode.GET_EVENT_RECORDS, request)))
+        assert [r.sequence for r in tail.records] == [n + 1]
+
+    def test_a_reset_never_reuses_a_sequence_number(self, fm: Client) -> None:
+        """A reader that keeps its place (the driver's poller) must see the records a reset is followed by."""
+        ok(fm.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU)))
+        before = events(fm).next_sequence
+        ok(fm.call(VendorOpcode.RESET))
+        assert events(fm).records == ()
+        ok(fm.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU)))
+        assert [r.sequence for r in events(fm, before).records] == [before]
 
     def test_reset_link_with_port_control(self, fm: Client) -> None:
         ok(fm.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU)))

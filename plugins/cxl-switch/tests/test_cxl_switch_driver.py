@@ -3,6 +3,7 @@ adoption of a running emulator by a restarted driver, and the emulator's lifetim
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from cxl_switch_client import emulator_process
 from disagg.errors import ConfigError, DeadlineExceededError, DeviceBusyError, FabricUnavailableError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Health
+from disagg.model import Binding, FabricEvent, Health
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
 
 
@@ -107,6 +108,34 @@ class TestLifetime:
         fabric.bind("sw/port2", "h0", fresh_ctx())
         fabric.close()
         assert not process.running(switch_dir)
+
+
+class TestEvents:
+    def test_a_handler_that_raises_stops_no_event(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
+        """A subscriber whose handler raises loses nothing for the others, nor its own later events."""
+        fabric = make_switch()
+        raised: list[FabricEvent] = []
+        seen: list[FabricEvent] = []
+
+        def broken(event: FabricEvent) -> None:
+            raised.append(event)
+            raise RuntimeError("a broken subscriber")
+
+        fabric.subscribe(broken)
+        fabric.subscribe(seen.append)
+        fabric.fail_device("sw/port2")
+        wait_until(lambda: len(seen) >= 1)
+        fabric.repair_device("sw/port2")
+        wait_until(lambda: len(seen) >= 2)
+        assert [e.health for e in seen] == [Health.FAILED, Health.OK]
+        assert raised == seen
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "no event arrived"
+        time.sleep(0.02)
 
 
 class TestBind:

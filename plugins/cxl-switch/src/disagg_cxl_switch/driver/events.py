@@ -7,6 +7,7 @@ the driver's declared event latency. The poller has its own connection, so a lon
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ from disagg_cxl_switch.emulator.events import EventRecord
 from disagg_cxl_switch.emulator.vendor import GetEventRecordsRequest, GetEventRecordsResponse, VendorOpcode
 
 POLL_INTERVAL_S = 0.05
+log = logging.getLogger("disagg.cxl_switch")
 
 
 def next_sequence(client: CCIClient) -> int:
@@ -43,7 +45,10 @@ class EventPoller:
                 continue  # the switch is away; the next poll tries again
             for record in response.records:
                 self._next = record.sequence + 1
-                self._deliver(record)
+                try:
+                    self._deliver(record)
+                except Exception:  # a subscriber's handler: the poller must outlive it, or every later event is lost
+                    log.exception("cxl-switch: delivering event record %d failed", record.sequence)
             self._next = max(self._next, response.oldest_sequence)
 
     def stop(self) -> None:

@@ -10,6 +10,7 @@ extents (`pools`) and the MLD's logical devices (`mld_pool`), whose LD binds sha
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -60,6 +61,8 @@ from disagg_cxl_switch.fmapi import (
     UnbindOption,
     UnbindVPPBRequest,
 )
+
+log = logging.getLogger("disagg.cxl_switch")
 
 CXL_SWITCH_CAPABILITIES = Capabilities(
     kinds=frozenset({DeviceKind.GPU, DeviceKind.NVME, DeviceKind.NIC, DeviceKind.CXL_MEMORY}),
@@ -263,7 +266,10 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             handlers = [s.handler for s in self._subs]
         for event in events:
             for handler in handlers:
-                handler(event)
+                try:
+                    handler(event)
+                except Exception:  # one subscriber's failure is no other's
+                    log.exception("cxl-switch: an event handler failed on %s", event)
 
     def _on_record(self, record: EventRecord) -> None:
         port = self._view.dcd_port if record.event_type is EventType.EXTENT_POISONED else record.port_id

@@ -39,11 +39,13 @@ class EventRecord:
 class EventLog:
     """The last `capacity` events, oldest first."""
 
-    def __init__(self, capacity: int = 256) -> None:
+    def __init__(self, capacity: int = 256, first: int = 1) -> None:
+        """``first``: the sequence number of the first record (a log emptied by a reset goes on numbering, so
+        that a reader that kept its place sees the records after it)."""
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self._records: deque[EventRecord] = deque(maxlen=capacity)
-        self._next = 1
+        self._next = first
 
     def record(self, event_type: EventType, *, port_id: int = NO_ID, host_id: int = NO_ID) -> EventRecord:
         record = EventRecord(self._next, event_type, port_id, host_id)

@@ -118,9 +118,11 @@ class Switch(DCDHandlers, VendorHandlers):
         self._dcd_handlers = self.dcd_handlers()
 
     def reset(self) -> None:
-        """Back to the topology given at construction, with an empty event log and nothing running or armed."""
+        """Back to the topology given at construction, with an empty event log and nothing running or armed.
+        The log's numbers go on from where they were: they are never reused (a reader would skip new records)."""
         self.state = copy.deepcopy(self._initial)
-        self.events = EventLog(self._event_capacity)
+        before = getattr(self, "events", None)
+        self.events = EventLog(self._event_capacity, first=before.next_sequence if before is not None else 1)
         self.background = BackgroundOperations(self._clock)
         self.fail_next_bind = False
 
