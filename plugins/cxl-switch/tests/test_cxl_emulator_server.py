@@ -177,3 +177,31 @@ class TestConfiguration:
         command = [sys.executable, "-m", "disagg_cxl_switch.emulator", "--listen", f"unix:{tmp_path}/s", "--hosts", "0"]
         result = subprocess.run(command, capture_output=True, timeout=IO_TIMEOUT * 2, check=False)
         assert result.returncode == 2 and b"hosts" in result.stderr
+
+
+class TestListenRefusals:
+    """What cannot be listened on is an ``error:`` line and exit 2, never a traceback; a live emulator's socket is
+    never taken over (listening would have unlinked it, leaving that emulator unreachable)."""
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        command = [sys.executable, "-m", "disagg_cxl_switch.emulator", *args]
+        return subprocess.run(command, capture_output=True, timeout=IO_TIMEOUT * 4, check=False)
+
+    def test_a_live_emulators_socket(self, tmp_path: Path) -> None:
+        path = tmp_path / "s.sock"
+        with emulator_process(path) as first:
+            result = self.run("--listen", f"unix:{path}")
+            assert result.returncode == 2 and b"another server is already listening" in result.stderr
+            assert first.poll() is None and identify(path).number_of_vcss >= 1
+
+    def test_a_port_in_use(self) -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            result = self.run("--listen", f"127.0.0.1:{taken.getsockname()[1]}")
+        assert result.returncode == 2 and result.stderr.startswith(b"error: cannot listen on")
+        assert b"Traceback" not in result.stderr
+
+    def test_a_bad_log_level(self, tmp_path: Path) -> None:
+        result = self.run("--listen", f"unix:{tmp_path}/s.sock", "--log-level", "bogus")
+        assert result.returncode == 2 and result.stderr.startswith(b"error:") and b"Traceback" not in result.stderr

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+from disagg.errors import ConfigError
+from disagg.wire.sockets import prepare_unix_socket
 
 from disagg_cxl_switch.emulator.config import EmulatorConfig
 from disagg_cxl_switch.emulator.server import ListenAddress, serve
@@ -39,8 +41,8 @@ async def _run(config: EmulatorConfig, address: ListenAddress) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
         address = ListenAddress.parse(args.listen)
         base = EmulatorConfig.from_file(args.config) if args.config else EmulatorConfig()
         flags = {
@@ -48,10 +50,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         config = attrs.evolve(base, **flags)
         config.build()  # reject an impossible topology before listening
+        if address.unix_path is not None:
+            # A live emulator's socket is refused, not taken over (listening would unlink it); a stale one goes.
+            prepare_unix_socket(address.unix_path)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_run(config, address))
+    except ConfigError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_run(config, address))
+    except OSError as exc:  # the address cannot be listened on: a port in use, a folder that is not there
+        print(f"error: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
