@@ -35,6 +35,10 @@ class TestOptions:
             ({"state_dir": "/tmp/x", "bind_delay_ms": float("nan")}, "bind_delay_ms"),
             ({"state_dir": "/tmp/x", "bind_delay_ms": float("inf")}, "bind_delay_ms"),
             ({"state_dir": "/tmp/x", "bind_delay_ms": -1}, "bind_delay_ms"),
+            ({"state_dir": "/tmp/x", "ld_count": 3, "mld_capacity_gib": 1}, "mld_capacity_gib"),
+            ({"state_dir": "/tmp/x", "dc_regions": 9}, "dc_regions"),
+            ({"state_dir": "/tmp/x", "dc_capacity_gib": 1, "dc_regions": 3}, "dc_capacity_gib"),
+            ({"state_dir": "/tmp/x", "gpus": 300}, "gpus"),
             ({"state_dir": "/tmp/x", "colour": "blue"}, "colour"),
         ],
     )

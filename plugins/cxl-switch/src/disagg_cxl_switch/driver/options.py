@@ -10,6 +10,7 @@ import attrs
 from disagg.errors import ConfigError
 
 from disagg_cxl_switch.driver.client import parse_address
+from disagg_cxl_switch.emulator.config import EmulatorConfig
 
 MAX_BIND_DELAY_MS = 60_000.0
 """A minute: longer is no switch's bind, and NaN or infinity would leave every bind waiting for good."""
@@ -58,6 +59,14 @@ def _int(name: str, options: Mapping[str, Any], key: str, default: int, low: int
     return value
 
 
+def _field_of(refusal: str) -> str:
+    """The option an emulator's refusal of its topology is about (its message names the setting)."""
+    for key in ("mld_capacity", "dc_capacity", "dc_regions", "ld_count", "hosts"):
+        if key in refusal:
+            return key if key in ("dc_regions", "ld_count", "hosts") else f"{key}_gib"
+    return "gpus"  # too many physical ports: the device counts
+
+
 def parse_options(name: str, options: Mapping[str, Any]) -> Options:
     def bad(field: str, why: str) -> ConfigError:
         return ConfigError(f"fabric {name!r} (driver cxl-switch): {why}", field=field)
@@ -96,6 +105,11 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
     stop = options.get("stop_emulator", "when-idle")
     if stop not in _STOP:
         raise bad("stop_emulator", f"stop_emulator must be one of {', '.join(_STOP)}")
+    if address is None:  # the driver starts the emulator: what it would refuse is refused here, as an option
+        try:
+            EmulatorConfig(hosts=len(names), bind_delay_ms=float(delay), **emulator).build()
+        except ValueError as exc:
+            raise bad(_field_of(str(exc)), f"the emulator cannot be started so: {exc}") from None
     return Options(
         address=address,
         state_dir=Path(state_dir) if state_dir is not None else None,
