@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 from cxl_switch_client import emulator_process
-from disagg.errors import ConfigError, DeadlineExceededError, DeviceBusyError, FabricUnavailableError
+from disagg.errors import (
+    CapacityExhaustedError,
+    ConfigError,
+    DeadlineExceededError,
+    DeviceBusyError,
+    FabricUnavailableError,
+)
 from disagg.interfaces import CallContext
 from disagg.model import Binding, FabricEvent, Health
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
@@ -112,6 +118,19 @@ class TestLifetime:
         fabric.bind("sw/port2", "h0", fresh_ctx())
         fabric.close()
         assert not process.running(switch_dir)
+
+
+class TestDcdPool:
+    def test_a_refused_allocation_leaves_no_name(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path
+    ) -> None:
+        """The driver names an allocation's tag before it asks the switch (so a crash in between can still name
+        the extent); a refused one's name goes again, or every refused attempt would stay in the state file."""
+        fabric = make_switch(dc_capacity_gib=1)
+        (pool,) = [p for p in fabric.discover().pools if "dcd" in p.id]
+        with pytest.raises(CapacityExhaustedError):
+            fabric.pool(pool.id).allocate("too-big", "h0", 2 * 1024**3, fresh_ctx())
+        assert "too-big" not in (switch_dir / "driver-state.json").read_text()
 
 
 class TestEvents:

@@ -106,8 +106,10 @@ class DCDPool(Pool):
                 except CommandFailedError as exc:
                     if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
                         continue
+                    self._fabric.state.forget_tag(allocation_id)  # refused: no extent carries the tag
                     raise FabricUnavailableError(f"allocation {allocation_id}: {exc.message}") from None
                 return next(a for a in self._held(ctx) if a.id == allocation_id)
+            self._fabric.state.forget_tag(allocation_id)
         raise CapacityExhaustedError(f"pool {self._id} has no region with {amount} bytes free for {allocation_id}")
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:

@@ -61,6 +61,14 @@ class DriverState:
                 self._save()
         return tag
 
+    def forget_tag(self, allocation_id: str) -> None:
+        """Drop the name of an allocation that the switch refused (no extent carries its tag)."""
+        key = allocation_tag(allocation_id).hex()
+        with self._lock:
+            if self._tags.get(key) == allocation_id:
+                del self._tags[key]
+                self._save()
+
     def allocation_of(self, tag: bytes) -> str:
         """The allocation id a tag stands for; a tag the driver did not set is shown as ``tag-<hex>``."""
         with self._lock:
