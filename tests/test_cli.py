@@ -225,6 +225,15 @@ class TestErrors:
         assert code == 0, err
         assert json.loads(out) == {"decomposed": ["job"]}
 
+    def test_decompose_with_a_mistyped_name_decomposes_nothing(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """It decomposed the names before the unknown one and never tried those after it, saying so of neither."""
+        for name in ("a", "b"):
+            assert cli(capsys, "compose", name, "gpu x1")[0] == 0
+        code, out, err = cli(capsys, "decompose", "a", "ghost", "b")
+        assert code == 4 and out == ""
+        assert "composition 'ghost' not found; nothing was decomposed" in err
+        assert {c["name"] for c in json.loads(cli(capsys, "ls", "--json")[1])} == {"a", "b"}
+
     def test_devices_of_an_unknown_kind(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(["devices", "--kind", "quantum"])

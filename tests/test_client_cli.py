@@ -54,8 +54,14 @@ class TestRoundTrip:
         code, out, _ = cli(capsys, *s, "devices", "--kind", "gpu")
         held = [line for line in out.splitlines() if job.id in line]
         assert code == 0 and len(held) == 2
+        served.composer.cordon("pcie0/nic0")
         code, out, _ = cli(capsys, *s, "devices", "--json")
-        assert len(json.loads(out)) == len(served.composer.devices())
+        listed = {d["id"]: d for d in json.loads(out)}
+        assert len(listed) == len(served.composer.devices())
+        assert {i for i, d in listed.items() if d["held_by"] == job.id} == set(job.device_ids)
+        assert [i for i, d in listed.items() if d["cordoned"]] == ["pcie0/nic0"]
+        code, out, _ = cli(capsys, *s, "devices", "--kind", "nic")
+        assert [line.split()[-1] for line in out.splitlines() if line.split()[:1] == ["pcie0/nic0"]] == ["yes"]
         code, out, _ = cli(capsys, *s, "topology")
         assert "fabric pcie0" in out and "job" in out
         code, out, _ = cli(capsys, *s, "topology", "--json")

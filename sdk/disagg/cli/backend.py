@@ -47,6 +47,8 @@ class Backend(Protocol):
 
     def owner_of(self, device_id: str) -> str | None: ...
 
+    def is_cordoned(self, device_id: str) -> bool: ...
+
     def compose(
         self, request: CompositionRequest, mode: ComposeMode = ..., *, reservation_ttl_s: float = ...
     ) -> ComposeResult: ...
@@ -68,12 +70,13 @@ class Backend(Protocol):
 
 
 class RemoteBackend(FabricManagerClient):
-    """The client, plus what the commands expect of a composer: `find`, and `owner_of` answered from the
-    holders of the last `devices` listing (one call for a whole table instead of one per device)."""
+    """The client, plus what the commands expect of a composer: `find`, and `owner_of` and `is_cordoned`
+    answered from the last `devices` listing (one call for a whole table instead of one per device)."""
 
     def __init__(self, address: str, *, timeout_s: float = 30.0) -> None:
         super().__init__(address, timeout_s=timeout_s)
         self._holders: dict[str, str | None] = {}
+        self._cordoned: dict[str, bool] = {}
 
     def devices(
         self,
@@ -85,12 +88,18 @@ class RemoteBackend(FabricManagerClient):
     ) -> list[Device]:
         statuses = self.device_statuses(kind=kind, fabric=fabric, health=health, free_only=free_only)
         self._holders.update((s.device.id, s.held_by) for s in statuses)
+        self._cordoned.update((s.device.id, s.cordoned) for s in statuses)
         return [s.device for s in statuses]
 
     def owner_of(self, device_id: str) -> str | None:
         if device_id in self._holders:
             return self._holders[device_id]
         return super().owner_of(device_id)
+
+    def is_cordoned(self, device_id: str) -> bool:
+        if device_id in self._cordoned:
+            return self._cordoned[device_id]
+        return super().is_cordoned(device_id)
 
     def find(self, key: str) -> Composition:
         return self.get(key)

@@ -13,7 +13,7 @@ import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from disagg import __version__
+from disagg import __version__, codec
 from disagg.cli import bench as bench_cli
 from disagg.cli import certify as certify_cli
 from disagg.cli import driver as driver_cli
@@ -145,12 +145,25 @@ def cmd_devices(args: argparse.Namespace) -> int:
     with _composer(args) as composer:
         devices = [d for d in composer.devices() if args.kind is None or d.kind is args.kind]
         if args.json:
-            render.emit_json(devices)
+            rows = [
+                {**codec.to_public_data(d), "held_by": composer.owner_of(d.id), "cordoned": composer.is_cordoned(d.id)}
+                for d in devices
+            ]
+            render.emit_json(rows)
             return 0
         render.table(
-            ("DEVICE", "KIND", "MODEL", "SERIAL", "SWITCH", "HEALTH", "HELD BY"),
+            ("DEVICE", "KIND", "MODEL", "SERIAL", "SWITCH", "HEALTH", "HELD BY", "CORDONED"),
             [
-                [d.id, d.kind.value, d.model, d.serial, d.switch, d.health.value, composer.owner_of(d.id) or "-"]
+                [
+                    d.id,
+                    d.kind.value,
+                    d.model,
+                    d.serial,
+                    d.switch,
+                    d.health.value,
+                    composer.owner_of(d.id) or "-",
+                    "yes" if composer.is_cordoned(d.id) else "-",
+                ]
                 for d in devices
             ],
         )
@@ -228,14 +241,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_decompose(args: argparse.Namespace) -> int:
     with _composer(args) as composer:
-        decomposed = []
+        # Every name is looked up before anything is decomposed: a mistyped one refuses the command whole, instead
+        # of stopping it midway with the names after it silently not tried.
+        found: list[tuple[str, str]] = []
+        missing: list[str] = []
         for key in args.compositions:
             try:
-                comp_id = composer.find(key).id
+                found.append((key, composer.find(key).id))
             except NotFoundError:
-                if not args.ignore_missing:
-                    raise
-                continue
+                missing.append(key)
+        if missing and not args.ignore_missing:
+            names = ", ".join(repr(m) for m in missing)
+            raise NotFoundError("composition", missing[0], f"composition {names} not found; nothing was decomposed")
+        decomposed = []
+        for key, comp_id in found:
             composer.decompose(comp_id)
             decomposed.append(key)
             if not args.json:
