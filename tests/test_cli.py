@@ -234,6 +234,13 @@ class TestErrors:
         assert "composition 'ghost' not found; nothing was decomposed" in err
         assert {c["name"] for c in json.loads(cli(capsys, "ls", "--json")[1])} == {"a", "b"}
 
+    def test_recompose_with_nothing_to_do_is_a_usage_error(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exited:
+            main(["recompose", "job"])
+        out, err = capsys.readouterr()
+        assert exited.value.code == 2 and out == ""
+        assert err.startswith("usage: ") and "give at least one --add CLAUSE or --remove ID" in err
+
     def test_devices_of_an_unknown_kind(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(["devices", "--kind", "quantum"])
