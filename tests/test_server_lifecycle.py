@@ -315,6 +315,15 @@ class TestListeners:
         with pytest.raises(ConfigError, match="no address to listen on"):
             FabricManagerServer(FabricComposer(rack()), [])
 
+    def test_a_listener_given_twice(self, tmp_path: Path) -> None:
+        """Refused before anything is bound: the second bind failed after the first had made its socket file,
+        which was then left behind."""
+        path = tmp_path / "fm.sock"
+        with pytest.raises(ConfigError, match="given twice"):
+            FabricManagerServer(FabricComposer(rack()), [f"unix:{path}", f"unix:{path}"])
+        assert not path.exists()
+        FabricManagerServer(FabricComposer(rack()), ["127.0.0.1:0", "127.0.0.1:0"])  # two ports the system picks
+
 
 class _FullDisk:
     """Stands in for a SQLite connection whose disk filled up: every statement of a commit fails."""

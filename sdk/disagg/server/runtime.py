@@ -86,6 +86,10 @@ class FabricManagerServer:
         if not 0 < max_watches < workers:
             raise ConfigError(f"max_watches must be from 1 to {workers - 1} (below the worker threads)")
         self._listeners: list[Listener] = [parse_listener(a, allow_remote=allow_remote) for a in listeners]
+        targets = [lst.target for lst in self._listeners if lst.unix_path is not None or lst.port != 0]
+        twice = sorted({t for t in targets if targets.count(t) > 1})
+        if twice:  # the second bind would fail after the first had made its socket, and leave it behind
+            raise ConfigError(f"listener {twice[0]} is given twice", field="listener")
         self.composer = composer
         self.servicer = FabricManagerServicer(composer, drivers, max_watches=max_watches)
         self.health = HealthService()
