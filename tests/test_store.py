@@ -303,6 +303,29 @@ class TestSqliteStore:
         store = SqliteStore(path)
         store.close()
 
+    def test_a_second_store_of_the_process_shares_the_hold(self, tmp_path: Path) -> None:
+        """Closing one of two stores a process opened on the ledger keeps it held for the other (a POSIX
+        record lock would have been dropped with the first close)."""
+        path = tmp_path / "ledger.db"
+        first = SqliteStore(path)
+        SqliteStore(path).close()
+        try:
+            other = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from disagg.store import SqliteStore; SqliteStore(sys.argv[1])",
+                    str(path),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert other.returncode != 0 and "in use by another fabric manager" in other.stderr
+        finally:
+            first.close()
+
     def test_a_damaged_ledger_is_named(self, tmp_path: Path) -> None:
         """A ledger whose pages are damaged opens, then fails to load with a message, not a traceback."""
         path = tmp_path / "ledger.db"

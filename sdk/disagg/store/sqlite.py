@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import fcntl
 import heapq
 import logging
-import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +29,7 @@ from typing import TypeAlias
 from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.model import Composition, Event, Reservation
+from disagg.store import ownership
 from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
 from disagg.store.batch import Batch, Table
 
@@ -94,33 +93,6 @@ def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
         future.set_exception(failure)
 
 
-def _hold(path: Path) -> int:
-    """Take the ledger for this process alone: an exclusive lock on ``<ledger>.lock``, held until `close` (or
-    the process's end, however it ends), which also names the holder. Two fabric managers on one ledger (a second
-    `disagg serve`, or a CLI command without --server beside a running one) would each take devices the other
-    holds and fail each other's writes. The lock is a POSIX record lock, which belongs to the process: a
-    process may open its ledger again (the tests of recovery open a second store as a restarted manager would).
-    Returns the lock file's descriptor."""
-    lock = path.with_name(path.name + ".lock")
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise ConfigError(f"cannot open the ledger at {path}: {exc}") from exc
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(
-            f"the ledger at {path} is in use by another fabric manager (pid {holder}): reach that one with "
-            "--server, or stop it first",
-            field="state.path",
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
 class SqliteStore(Store):
     def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
         self.path = Path(path)
@@ -131,7 +103,7 @@ class SqliteStore(Store):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
-        self._owner = _hold(self.path)
+        self._owner = ownership.hold(self.path)
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -139,7 +111,7 @@ class SqliteStore(Store):
             self._db.executescript(SCHEMA)
             (newest,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
         except (OSError, sqlite3.Error) as exc:
-            os.close(self._owner)
+            ownership.let_go(self._owner)
             raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
         self._newest_event = int(newest)
         self._db_lock = threading.Lock()
@@ -407,4 +379,4 @@ class SqliteStore(Store):
         self._committer.join()
         with self._db_lock:
             self._db.close()
-        os.close(self._owner)  # the lock goes with it: another fabric manager may open the ledger now
+        ownership.let_go(self._owner)  # with the last store of this process, another fabric manager may open it
