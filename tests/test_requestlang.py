@@ -12,6 +12,7 @@ from disagg.model import (
     Affinity,
     CompositionRequest,
     DeviceKind,
+    Host,
     HostRequest,
     ResourceRequest,
     Selector,
@@ -120,7 +121,7 @@ class TestParseHost:
             ("host memory>=lots", "is not a size"),
             ("host memory>=0", "is not a size"),
             ("host memory>=true", "is not a size"),
-            ("host h3 h4", "the host is named 'h3' already"),
+            ("host h3 h4", "'h4' is not a selector"),
             ("host rack='r1", "cannot read"),
         ],
     )
@@ -582,8 +583,17 @@ class TestMistakesAreRefused:
     def test_a_host_name_with_minimums(self) -> None:
         assert parse_request("t", ["host h1 cores>=64", "gpu"]).host == HostRequest(name="h1", min_cores=64)
 
-    def test_bytes_without_a_prefix_are_a_size(self) -> None:
-        assert parse_value("512B") == 512
+    def test_a_word_after_the_host_is_no_name(self) -> None:
+        """Only the first word names the host: a later one is a mistyped selector, not a host called rack:r1."""
+        with pytest.raises(InvalidRequestError, match="'rack:r1' is not a selector"):
+            parse_request("t", ["host cores>=16 rack:r1", "gpu"])
+
+    @pytest.mark.parametrize(("label", "selector"), [("1", "rack=1"), ("1b", "rack=1b"), ("2.5", "rack=2.5")])
+    def test_a_label_that_looks_like_a_number(self, label: str, selector: str) -> None:
+        """Failure-domain labels are text; a selector written with the same characters matches it."""
+        host = Host("h1", 8, 1 << 30, failure_domains={"rack": label})
+        assert parse_selector(selector).matches(host.attribute("rack"))
+        assert not parse_selector(selector.replace("=", "!=")).matches(host.attribute("rack"))
 
     def test_truth_is_not_a_number(self) -> None:
         assert not Selector("sockets", SelectorOp.EQ, True).matches(1)

@@ -49,7 +49,7 @@ def parse_value(text: str) -> AttributeValue:
         return int(raw)
     if re.fullmatch(r"-?\d+\.\d*", raw):
         return float(raw)
-    if re.fullmatch(r"\d+(\.\d+)?\s*(?:[KMGTP]i?)?B", raw, flags=re.IGNORECASE):
+    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
         return parse_size(raw)
     return raw
 
@@ -91,14 +91,11 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
     if tokens and tokens[0] == "host":
         tokens = tokens[1:]
     name: str | None = None
+    if tokens and not _CLAUSE.match(tokens[0]):  # only the first word may name the host: later, it is a typo
+        name, tokens = tokens[0], tokens[1:]
     cores = memory = 0
     selectors = []
     for tok in tokens:
-        if not _CLAUSE.match(tok):
-            if name is not None:
-                raise InvalidRequestError(f"{tok!r}: the host is named {name!r} already", field=field)
-            name = tok
-            continue
         sel = parse_selector(tok, field)
         if sel.key in ("cores", "memory") and sel.op is not SelectorOp.GE:
             raise InvalidRequestError(f"{tok!r}: write {sel.key}>=VALUE for a host minimum", field=field)
