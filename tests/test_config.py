@@ -282,6 +282,15 @@ class TestValueErrors:
         error = _error(tmp_path, MINIMAL + '[state]\npath = "{statedir}/ledger.db"\n')
         assert "{statedir} is no placeholder (there is {state_dir})" in error.message
 
+    def test_other_braces_are_left_alone(self, tmp_path: Path) -> None:
+        """A kernel command line may hold braces, and so may the state directory's own path."""
+        text = MINIMAL + "options = { note = 'systemd.unit={rescue}' }\n"
+        (tmp_path / "ok.toml").write_text(text)
+        sdir = tmp_path / "{user}"
+        config = load_config(tmp_path / "ok.toml", environ={"DISAGG_STATE_DIR": str(sdir)})
+        assert config.fabrics[0].options["note"] == "systemd.unit={rescue}"
+        assert config.ledger_path == str(sdir / "ledger.db")
+
     def test_fabric_not_a_table(self, tmp_path: Path) -> None:
         error = _error(tmp_path, "fabric = ['x']\n")
         assert error.field == "fabric"

@@ -60,17 +60,17 @@ def state_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "disagg"
 
 
-_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
-"""A word in braces: a placeholder, of which ``{state_dir}`` is the only one."""
+_MISSPELT = re.compile(r"\{[^{}]*state[^{}]*\}", flags=re.IGNORECASE)
+"""A word in braces that means ``{state_dir}`` but is not it (``{statedir}``, ``{STATE_DIR}``). Other braces
+are left alone: a kernel command line may hold them."""
 
 
 def _expand(value: Any, sdir: Path, source: str) -> Any:
     if isinstance(value, str):
-        expanded = value.replace("{state_dir}", str(sdir))
-        unknown = _PLACEHOLDER.search(expanded)
-        if unknown:  # a misspelt {state_dir} would make a new, empty ledger in a folder of that name
+        unknown = _MISSPELT.search(value.replace("{state_dir}", ""))
+        if unknown:  # it would make a new, empty ledger in a folder of that name
             raise ConfigError(f"{source}: {value!r}: {unknown.group(0)} is no placeholder (there is {{state_dir}})")
-        return expanded
+        return value.replace("{state_dir}", str(sdir))
     if isinstance(value, Mapping):
         return {k: _expand(v, sdir, source) for k, v in value.items()}
     if isinstance(value, list):
