@@ -83,6 +83,14 @@ class TestLeadership:
 
 
 class TestDeposed:
+    def test_a_refused_write_after_resigning_is_no_lost_lead(self) -> None:
+        """Writes still in flight when the replica resigned (it is stopping) are refused by etcd: no news, and
+        no cause to report a lost lead or to exit as if one were lost."""
+        leadership = Leadership(["127.0.0.1:1"], "stopping", ttl_s=30)
+        leadership.resign()
+        leadership.deposed("the ledger refused a write: another leads")
+        assert not leadership.lost.is_set()
+
     def test_a_refused_ledger_write_ends_the_lead_at_once(self, etcd: EtcdCluster) -> None:
         """Another replica took the leader key between two of this one's refreshes (10 s apart here): the first
         ledger write that etcd refuses for it steps this replica down then, not at its next refresh."""
@@ -121,10 +129,13 @@ class TestDeposed:
         starting = threading.Event()
         start = composer.start
 
+        started: list[bool] = []
+
         def slow_start() -> None:
             starting.set()
             time.sleep(1.0)
             start()
+            started.append(True)
 
         monkeypatch.setattr(composer, "start", slow_start)
         server = FabricManagerServer(
@@ -133,9 +144,13 @@ class TestDeposed:
             leadership=Leadership(etcd.endpoints, "slow", ttl_s=30),
             on_serving=served.append,
         )
+        closed: list[str] = []
+        close = composer.close
+        monkeypatch.setattr(composer, "close", lambda: (closed.append("started" if started else "starting"), close()))
         server.start()
         assert starting.wait(WAIT_S)
         server.stop(0)
         time.sleep(1.5)  # past the composer's start
         assert not served, "a stopped replica went on to serve"
+        assert closed[-1:] == ["started"], "what the start opened after the stop was left open"
         server.stop(0)

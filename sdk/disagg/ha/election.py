@@ -138,7 +138,7 @@ class Leadership:
     def deposed(self, why: str) -> None:
         """Another replica leads, as this one learnt from etcd between two refreshes (a fenced ledger write was
         refused): the lead is lost now, not at the next refresh."""
-        if not self.lost.is_set():
+        if not self.lost.is_set() and not self._stop.is_set():  # after resign, a refused write is no news
             log.critical("lost the lead (epoch %d): %s", self.epoch, why)
             self.lost.set()
 

@@ -185,6 +185,8 @@ class FabricManagerServer:
             return
         if self._serve():
             threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
+        else:  # stopped while it started: the stop closed the composer, and the start may have opened more since
+            self.composer.close()
 
     def _watch_lead(self) -> None:
         assert self.leadership is not None
