@@ -107,6 +107,22 @@ class TestLifetime:
         assert again.bindings() == [Binding("sw/port2", "h0")]
         again.unbind(Binding("sw/port2", "h0"), fresh_ctx())
 
+    def test_a_failed_start_gives_the_state_dir_back(
+        self, make_switch: Callable[..., CxlSwitchFabric], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A driver whose emulator would not start lets the state_dir go, so that a retry is not told that
+        another driver holds it."""
+
+        def no_start(*args: object) -> None:
+            raise FabricUnavailableError("the emulator would not start")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(process, "start", no_start)
+            with pytest.raises(FabricUnavailableError, match="would not start") as failed:
+                make_switch()
+        assert failed.value is not None  # the error, and its traceback, are still referenced here
+        assert make_switch().bindings() == []
+
     def test_a_state_dir_that_is_a_file(self, tmp_path: Path) -> None:
         (tmp_path / "file").write_text("in the way")
         with pytest.raises(ConfigError, match=r"state_dir .* cannot be used") as raised:

@@ -75,6 +75,7 @@ class TestParseOptions:
             (valid(hosts=[{"name": "h1", "ports": 33}]), "hosts[0].ports"),
             (valid(hosts=[{"name": "h1", "memory": "lots"}]), "hosts[0].memory"),
             (valid(hosts=[{"name": "h1", "memory": "0G"}]), "hosts[0].memory"),
+            (valid(hosts=[{"name": "h1", "memory": "1.5"}]), "hosts[0].memory"),
             (valid(hosts=[{"name": "h1", "initrd": "/i"}]), "hosts[0].kernel"),
             (valid(hosts=[{"name": "h1", "serial": "file:/x"}]), "hosts[0].serial"),
             (valid(hosts=[{"name": "h1", "cpus": 2}]), "hosts[0].cpus"),

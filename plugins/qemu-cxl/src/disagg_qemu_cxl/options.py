@@ -22,7 +22,8 @@ DEFAULT_PORTS = 4
 MAX_PORTS = 32
 """Downstream ports per switch: QEMU's RSS grows faster than linearly past a few tens of CXL devices."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_MEMORY = re.compile(r"^(?=.*[1-9])[0-9]+(\.[0-9]+)?[KMGTkmgt]?$")
+_MEMORY = re.compile(r"^(?=.*[1-9])(?:[0-9]+|[0-9]+\.[0-9]+(?=[KMGTkmgt]))[KMGTkmgt]?$")
+"""Guest RAM as QEMU's -m takes it: MiB, or a K, M, G or T suffix; a fraction only with a suffix."""
 
 
 @attrs.frozen

@@ -98,12 +98,16 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._address = process.emulator_address(state_dir)
         # One driver per state_dir: a second would stop, on close, the emulator the first is using.
         self._owner = claim(name, "cxl-switch", state_dir) if state_dir is not None else None
-        self._client = CCIClient(self._address)
-        if options.address is None and state_dir is not None:
-            if not process.running(state_dir):
-                process.start(state_dir, options.emulator_flags(), self._identify)
-            self._started = True
-        self._state = DriverState(state_dir)
+        try:
+            self._client = CCIClient(self._address)
+            if options.address is None and state_dir is not None:
+                if not process.running(state_dir):
+                    process.start(state_dir, options.emulator_flags(), self._identify)
+                self._started = True
+            self._state = DriverState(state_dir)
+        except BaseException:
+            self._let_go()  # or a retry in this process would be told another driver holds the state_dir
+            raise
         self._op_lock = threading.Lock()  # one Bind/Unbind vPPB at a time, as the switch runs them
         self._lock = threading.Lock()
         self._subs: list[_Subscription] = []
