@@ -4,14 +4,19 @@ moves; a list of replicas that gRPC cannot resolve is refused with a clear error
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from composer_helpers import rack
 from disagg.client import FabricManagerClient
-from disagg.client.replicas import SERVICE_CONFIG, replica_target
+from disagg.client.replicas import KEEPALIVE, SERVICE_CONFIG, replica_target
 from disagg.composer import FabricComposer
 from disagg.errors import DeadlineExceededError, FabricUnavailableError, InvalidRequestError
 from disagg.requestlang import parse_request
@@ -19,6 +24,7 @@ from disagg.server import FabricManagerServer
 from disagg.server.servicer import STANDBY
 from disagg.store import MemoryStore
 from grpc_health.v1 import health_pb2
+from process_helpers import ChildOutput
 
 
 class TestReplicaTarget:
@@ -31,7 +37,7 @@ class TestReplicaTarget:
     def test_a_list(self) -> None:
         assert replica_target("127.0.0.1:1, 127.0.0.2:2") == (
             "ipv4:127.0.0.1:1,127.0.0.2:2",
-            (("grpc.service_config", SERVICE_CONFIG),),
+            (("grpc.service_config", SERVICE_CONFIG), *KEEPALIVE),
         )
         assert replica_target("[::1]:1,[::1]:2")[0] == "ipv6:[::1]:1,[::1]:2"
 
@@ -82,6 +88,10 @@ class TestFollowTheLead:
                 server.stop(0)
 
 
+PINGS_NOTICE_S = 6.0
+"""Longer than a ping's interval and its timeout together (`KEEPALIVE`: 2 s and 2 s)."""
+
+
 class TestTakeover:
     """While no replica serves (the leader died and the standby waits for its lease to run out), a call waits
     for one up to its deadline instead of failing at once."""
@@ -120,6 +130,34 @@ class TestTakeover:
                 assert [e.revision for e in itertools.islice(events, 2)] == [3, 4]
             finally:
                 give_up.cancel()
+
+    def test_a_paused_replica_is_dropped(self, replicas: list[FabricManagerServer], tmp_path: Path) -> None:
+        """A replica that stops answering without closing its connections (SIGSTOP, a hung host) still looked
+        SERVING to the channel: every other call waited out its deadline there while another replica led. The
+        client's pings drop it within a few seconds."""
+        standby = replicas[0]
+        serve(standby, False)
+        paused = subprocess.Popen(
+            [sys.executable, "-m", "disagg.cli.main", "serve", "--listen", "127.0.0.1:0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state"), "DISAGG_CONFIG": ""},
+        )
+        output = ChildOutput(paused)
+        try:
+            address = output.wait_ready(r"^serving on (\S+)", 60, "disagg serve").group(1)
+            with FabricManagerClient(f"{address},{standby.addresses[0]}", timeout_s=3) as client:
+                client.compositions()
+                paused.send_signal(signal.SIGSTOP)
+                serve(standby, True)
+                time.sleep(PINGS_NOTICE_S)
+                for _ in range(4):  # round robin would send every other one to the paused replica
+                    client.compositions()
+        finally:
+            paused.send_signal(signal.SIGCONT)
+            paused.kill()
+            paused.wait(10)
 
     def test_no_replica_serves_within_the_deadline(self, replicas: list[FabricManagerServer]) -> None:
         serve(replicas[0], False)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from disagg.config import Config, FabricConfig, build_composer, load_config, parse_config
 from disagg.errors import ConfigError
+from disagg.store.etcd import EtcdStore
 
 MINIMAL = """
 [[fabric]]
@@ -241,6 +242,20 @@ class TestValueErrors:
         )
         assert config.ledger == "etcd" and config.etcd_endpoints == ("127.0.0.1:2379", "127.0.0.1:2479")
         assert config.etcd_prefix == "/disagg/" and config.lease_ttl_s == 3
+
+    def test_etcd_requests_wait_a_sixth_of_the_lease(self, tmp_path: Path) -> None:
+        """As the lease keeper's do: one stalled member must not hold every ledger call (and so every RPC of the
+        leader) for the client's default 5 s, longer than the lease itself."""
+        config = _load_text(
+            tmp_path,
+            MINIMAL + "options = { topology = 'demo-pcie' }\n"
+            "[state]\nledger = 'etcd'\nendpoints = ['127.0.0.1:1']\nlease_ttl_s = 6\n",
+        )
+        composer = build_composer(config)
+        try:
+            assert isinstance(composer.store, EtcdStore) and composer.store.timeout_s == 1.0
+        finally:
+            composer.close()
 
     @pytest.mark.parametrize("value", ["0", "-1", "-0.5", "'30'", "true", "nan", "inf"])
     def test_timeout_not_positive(self, tmp_path: Path, value: str) -> None:

@@ -241,9 +241,12 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
     if kind == "memory":
         store = MemoryStore()
     elif kind == "etcd":
+        from disagg.store import etcd
         from disagg.store.etcd import EtcdStore
 
-        store = EtcdStore(config.etcd_endpoints, prefix=config.etcd_prefix)
+        store = EtcdStore(
+            config.etcd_endpoints, prefix=config.etcd_prefix, timeout_s=etcd.request_timeout(config.lease_ttl_s)
+        )
     else:
         store = SqliteStore(config.ledger_path)
     return FabricComposer(

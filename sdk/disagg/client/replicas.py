@@ -29,7 +29,21 @@ from a dead leader: its lease has to run out first) waits for one up to its dead
 once, so that a client rides through a takeover."""
 
 
-def replica_target(address: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+KEEPALIVE: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.http2.ping_timeout_ms", 2000),  # what gRPC's core enforces now, rather than the keepalive timeout
+    ("grpc.http2.min_time_between_pings_ms", 2000),  # or pings without data go 5 minutes apart
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+"""Pings every 2 s, each answered within 2 s: a replica that stops answering without closing its connections
+(a paused or hung process, a host gone without a reset) is dropped within about 4 s. Its health watch would
+otherwise still say SERVING, and calls sent to it would wait out their deadlines while another replica leads.
+The fabric manager's server accepts pings this often (`disagg.server.runtime`)."""
+
+
+def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]]:
     """The channel target and options for ``address``: one address as it is; ``IP:PORT,IP:PORT,...`` as a
     health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
     rather than IP addresses (gRPC resolves a list of literal addresses only)."""
@@ -57,4 +71,4 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str], ...]]:
             raise InvalidRequestError(f"{address!r} mixes IPv4 and IPv6 replicas", field="address")
         family = this
         hosts.append(f"{host}:{port}" if ip.version == 4 else f"[{host}]:{port}")
-    return f"{family}:{','.join(hosts)}", (("grpc.service_config", SERVICE_CONFIG),)
+    return f"{family}:{','.join(hosts)}", (("grpc.service_config", SERVICE_CONFIG), *KEEPALIVE)

@@ -27,14 +27,13 @@ import requests
 from etcd3gw.exceptions import Etcd3Exception
 
 from disagg.errors import ConfigError
-from disagg.store.etcd import parse_endpoint
+from disagg.store.etcd import parse_endpoint, request_timeout
 
 log = logging.getLogger("disagg.ha")
 
 LEADER_KEY = "/disagg/leader"
 LEASE_TTL_S = 3
 CAMPAIGN_POLL_S = 0.5
-MIN_REQUEST_TIMEOUT_S = 0.25
 RETRY_PAUSE_S = 0.05
 """Between two members tried in a row, so that a refresh never spins on members that refuse at once."""
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (Etcd3Exception, OSError, requests.RequestException)
@@ -60,7 +59,7 @@ class Leadership:
         self.identity = identity
         self.key = key
         self.ttl_s = ttl_s
-        self.timeout_s = max(MIN_REQUEST_TIMEOUT_S, min(timeout_s, ttl_s / 6))
+        self.timeout_s = min(timeout_s, request_timeout(ttl_s))
         """Each request to etcd: a sixth of the time to live at most, so that the keeper tries other members."""
         self.epoch = 0
         """The leader key's create revision while this replica leads; 0 before."""

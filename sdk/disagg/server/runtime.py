@@ -62,6 +62,18 @@ RECONCILE_S = 60.0
 """How often a serving fabric manager holds its ledger against the hardware (it also does at start-up)."""
 
 
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
+    ("grpc.so_reuseport", 0),
+    # Clients of several replicas ping every 2 s to notice a replica that stopped answering
+    # (`disagg.client.replicas.KEEPALIVE`); by default a server takes pings 5 minutes apart and closes the
+    # connection of a client that pings more often.
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 class FabricManagerServer:
     """Serves a composer on the given listener addresses (``host:port`` or ``unix:/path``)."""
 
@@ -213,8 +225,7 @@ class FabricManagerServer:
     async def _listen(self) -> list[str]:
         """Build the server on the loop (grpcio's asyncio server belongs to the loop it is made on), listen on
         every address and start answering."""
-        # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
-        server = grpc.aio.server(interceptors=[AsyncErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(interceptors=[AsyncErrorInterceptor()], options=SERVER_OPTIONS)
         self._server = server
         fm_grpc.add_FabricManagerServiceServicer_to_server(self.aio_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

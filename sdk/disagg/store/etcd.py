@@ -65,6 +65,15 @@ _UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 
 
+MIN_REQUEST_TIMEOUT_S = 0.25
+
+
+def request_timeout(lease_ttl_s: float) -> float:
+    """How long one request waits for an etcd member before the next is tried: a sixth of the leader's lease,
+    so that one stalled member costs neither the lease (the keeper) nor seconds of every call (the ledger)."""
+    return max(MIN_REQUEST_TIMEOUT_S, lease_ttl_s / 6)
+
+
 class LeadershipLostError(FabricUnavailableError):
     """A ledger write was refused because the leader key is no longer this replica's: another replica leads
     now. Nothing was written; the call may succeed on the replica that leads."""
@@ -125,6 +134,7 @@ class EtcdStore(Store):
         if not timeout_s > 0:
             raise ConfigError(f"the etcd timeout must be positive, not {timeout_s}")
         self.endpoints: tuple[str, ...] = tuple(endpoints)
+        self.timeout_s = timeout_s
         self.prefix = prefix
         self._key_prefix = prefix.encode()
         self._retention = event_retention
