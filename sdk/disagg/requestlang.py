@@ -25,6 +25,7 @@ from disagg.model import (
     ResourceRequest,
     Selector,
     SelectorOp,
+    parse_attribute_value,
     parse_latency,
     parse_size,
 )
@@ -37,21 +38,8 @@ _CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]", flags=re.IGNORECASE)
 """``80G``: a size whose B was left out."""
 
 
-def parse_value(text: str) -> AttributeValue:
-    """An attribute value: a boolean, an integer, a number, a size with a unit (bytes), or a string."""
-    raw = text.strip()
-    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
-        return raw[1:-1]
-    low = raw.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if re.fullmatch(r"-?\d+", raw):
-        return int(raw)
-    if re.fullmatch(r"-?\d+\.\d*", raw):
-        return float(raw)
-    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
-        return parse_size(raw)
-    return raw
+parse_value = parse_attribute_value
+"""An attribute value as text is read (`disagg.model.parse_attribute_value`)."""
 
 
 def parse_selector(text: str, field: str = "selector") -> Selector:

@@ -44,7 +44,7 @@ from disagg.model.topology import (
     Topology,
     switch_reach,
 )
-from disagg.model.units import format_size, parse_latency, parse_size
+from disagg.model.units import format_size, parse_attribute_value, parse_latency, parse_size
 
 __all__ = [
     "CXL_DC_BLOCK_BYTES",
@@ -89,6 +89,7 @@ __all__ = [
     "Topology",
     "device_id",
     "format_size",
+    "parse_attribute_value",
     "parse_latency",
     "parse_size",
     "switch_reach",

@@ -73,13 +73,6 @@ class Selector:
     def matches(self, actual: AttributeValue | None) -> bool:
         if actual is None:
             return self.op is SelectorOp.NE
-        if (
-            isinstance(actual, str)
-            and isinstance(self.value, int | float)
-            and not isinstance(self.value, bool)
-            and self.op in (SelectorOp.EQ, SelectorOp.NE)
-        ):  # a number written for a text value, a failure-domain label above all (rack=1): the same digits match
-            return (actual == str(self.value)) == (self.op is SelectorOp.EQ)
         if isinstance(self.value, str) != isinstance(actual, str) or isinstance(self.value, bool) != isinstance(
             actual, bool
         ):

@@ -8,6 +8,7 @@ from types import MappingProxyType
 import attrs
 
 from disagg.model._enum import ModelEnum
+from disagg.model.units import parse_attribute_value
 
 AttributeValue = str | int | float | bool
 """An attribute is a scalar; selectors compare against it."""
@@ -109,7 +110,7 @@ class Device:
 
     def attribute(self, key: str) -> AttributeValue | None:
         """Look a selector key up: the fixed fields first (``vendor``, ``model``, ``serial``), then attributes, then
-        failure-domain labels (``chassis=c1``)."""
+        failure-domain labels (``chassis=c1``), read as a selector's value is."""
         if key == "vendor":
             return self.vendor
         if key == "model":
@@ -119,7 +120,9 @@ class Device:
         if key == "kind":
             return self.kind.value
         value = self.attributes.get(key)
-        return self.failure_domains.get(key) if value is None else value
+        if value is None and key in self.failure_domains:
+            return parse_attribute_value(self.failure_domains[key])
+        return value
 
 
 def device_id(fabric: str, local_id: str) -> str:

@@ -10,6 +10,7 @@ import attrs
 
 from disagg.model._enum import ModelEnum
 from disagg.model.devices import AttributeValue, Capacity, Device, _freeze_labels, _freeze_mapping
+from disagg.model.units import parse_attribute_value
 
 
 class PortKind(ModelEnum):
@@ -64,9 +65,12 @@ class Host:
     failure_domains: Mapping[str, str] = attrs.field(factory=dict, converter=_freeze_labels)
 
     def attribute(self, key: str) -> AttributeValue | None:
-        """Look a host selector key up: an attribute, else a failure-domain label (``rack=r1``)."""
+        """Look a host selector key up: an attribute, else a failure-domain label (``rack=r1``), read as a
+        selector's value is (``rack=1`` matches the label "1")."""
         value = self.attributes.get(key)
-        return self.failure_domains.get(key) if value is None else value
+        if value is None and key in self.failure_domains:
+            return parse_attribute_value(self.failure_domains[key])
+        return value
 
 
 @attrs.frozen

@@ -70,3 +70,21 @@ def format_size(nbytes: int) -> str:
             value = nbytes / factor
             return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
     return f"{nbytes} B"
+
+
+def parse_attribute_value(text: str) -> str | int | float | bool:
+    """An attribute value written as text (a selector's, a failure-domain label): a boolean, an integer, a number,
+    a size with a unit (bytes), or a string."""
+    raw = text.strip()
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if re.fullmatch(r"-?\d+", raw):
+        return int(raw)
+    if re.fullmatch(r"-?\d+\.\d*", raw):
+        return float(raw)
+    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
+        return parse_size(raw)
+    return raw
