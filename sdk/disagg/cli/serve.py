@@ -31,9 +31,9 @@ AddCommand = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.
 
 
 EXIT_LOST_LEAD = 3
+"""The exit code of a replica that lost the lead: its supervisor restarts it, as a standby."""
 EXIT_FAILED = 1
 """The ledger failed while serving: the server stopped, for its supervisor to restart it."""
-"""The exit code of a replica that lost the lead: its supervisor restarts it, as a standby."""
 
 
 class _StoppedWhileStarting(BaseException):
