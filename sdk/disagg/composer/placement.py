@@ -7,7 +7,7 @@ first, and the policy orders groups by total keys.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import attrs
 
@@ -59,6 +59,15 @@ def describe_line(r: ResourceRequest) -> str:
     return what + describe_selectors(r.selectors)
 
 
+def _whole_devices(lines: Sequence[ResourceRequest]) -> dict[DeviceKind, int]:
+    """How many whole devices of each kind ``lines`` ask (amounts carved from pools aside)."""
+    need: dict[DeviceKind, int] = {}
+    for r in lines:
+        if not r.carved:
+            need[r.kind] = need.get(r.kind, 0) + r.count
+    return need
+
+
 class Placer:
     """Places requests on one inventory snapshot with one policy."""
 
@@ -104,11 +113,10 @@ class Placer:
         candidates = 0
         skipped = 0
         first_failure: Callable[[], str] | None = None
-        for host in self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes):
-            if not all(sel.matches(host.attribute(sel.key)) for sel in hr.selectors):
-                continue
+        need = _whole_devices(request.resources)
+        for host in self._candidates(hr):
             candidates += 1
-            if not self._precheck(host.id, request.resources):
+            if not self._precheck(host.id, need):
                 skipped += 1
                 continue
             plan, failure = self._attempt(host.id, lines)
@@ -123,25 +131,26 @@ class Placer:
             )
         detail = f"; first candidate: {first_failure()}" if first_failure is not None else ""
         if first_failure is None and skipped:
-            detail = "; " + self._most_reached(hr, request.resources)
+            detail = "; " + self._most_reached(hr, need)
         raise NoFitError(
             f"no host can take {', '.join(describe_line(r) for r in request.resources)}: {candidates} candidate "
             f"hosts, {skipped} of them reach too few free devices of a requested kind{detail}"
         )
 
-    def _most_reached(self, hr: HostRequest, lines: Sequence[ResourceRequest]) -> str:
-        """The numbers behind a refusal that no candidate host got past `_precheck`: per kind of whole devices
-        asked, how many the best candidate reaches free. Only on the way to a `NoFitError`."""
-        need: dict[DeviceKind, int] = {}
-        for r in lines:
-            if not r.carved:
-                need[r.kind] = need.get(r.kind, 0) + r.count
-        best = dict.fromkeys(need, 0)
+    def _candidates(self, hr: HostRequest) -> Iterator[Host]:
+        """The free hosts with the cores and memory ``hr`` asks, smallest first, that match its selectors."""
         for host in self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes):
             if all(sel.matches(host.attribute(sel.key)) for sel in hr.selectors):
-                free = self.inv.host_free.get(host.id, {})
-                for kind in need:
-                    best[kind] = max(best[kind], free.get(kind, 0))
+                yield host
+
+    def _most_reached(self, hr: HostRequest, need: Mapping[DeviceKind, int]) -> str:
+        """The numbers behind a refusal that no candidate host got past `_precheck`: per kind of whole devices
+        asked, how many the best candidate reaches free. Only on the way to a `NoFitError`."""
+        best = dict.fromkeys(need, 0)
+        for host in self._candidates(hr):
+            free = self.inv.host_free.get(host.id, {})
+            for kind in need:
+                best[kind] = max(best[kind], free.get(kind, 0))
         parts = [f"{need[k]} {k.value} asked, at most {best[k]} free within one host's reach" for k in need]
         if DeviceKind.CXL_MEMORY in need and not self.inv.by_kind.get(DeviceKind.CXL_MEMORY):
             parts.append("every cxl-memory device here backs a pool: ask for an amount of memory, e.g. 512GiB")
@@ -158,13 +167,9 @@ class Placer:
                 return f"does not match {sel}"
         return ""
 
-    def _precheck(self, host: str, lines: Sequence[ResourceRequest]) -> bool:
-        need: dict[object, int] = {}
-        for r in lines:
-            if not r.carved:
-                need[r.kind] = need.get(r.kind, 0) + r.count
+    def _precheck(self, host: str, need: Mapping[DeviceKind, int]) -> bool:
         free = self.inv.host_free.get(host, {})
-        return all(free.get(kind, 0) >= n for kind, n in need.items())  # type: ignore[call-overload]
+        return all(free.get(kind, 0) >= n for kind, n in need.items())
 
     def try_host(self, host: str, lines: Sequence[Line]) -> tuple[Plan | None, str]:
         """Place ``lines`` for ``host``; earlier lines' picks are not offered to later ones.
