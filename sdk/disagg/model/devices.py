@@ -119,10 +119,18 @@ class Device:
             return self.serial
         if key == "kind":
             return self.kind.value
-        value = self.attributes.get(key)
-        if value is None and key in self.failure_domains:
-            return parse_attribute_value(self.failure_domains[key])
-        return value
+        return attribute_or_label(self.attributes, self.failure_domains, key)
+
+
+def attribute_or_label(
+    attributes: Mapping[str, AttributeValue], labels: Mapping[str, str], key: str
+) -> AttributeValue | None:
+    """What a selector on ``key`` compares with: the attribute, else the failure-domain label of that name, read
+    as a selector's value is (``rack=1`` matches the label "1"), else None."""
+    value = attributes.get(key)
+    if value is None and key in labels:
+        return parse_attribute_value(labels[key])
+    return value
 
 
 def device_id(fabric: str, local_id: str) -> str:

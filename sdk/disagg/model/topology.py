@@ -9,8 +9,14 @@ from collections.abc import Mapping
 import attrs
 
 from disagg.model._enum import ModelEnum
-from disagg.model.devices import AttributeValue, Capacity, Device, _freeze_labels, _freeze_mapping
-from disagg.model.units import parse_attribute_value
+from disagg.model.devices import (
+    AttributeValue,
+    Capacity,
+    Device,
+    _freeze_labels,
+    _freeze_mapping,
+    attribute_or_label,
+)
 
 
 class PortKind(ModelEnum):
@@ -67,10 +73,7 @@ class Host:
     def attribute(self, key: str) -> AttributeValue | None:
         """Look a host selector key up: an attribute, else a failure-domain label (``rack=r1``), read as a
         selector's value is (``rack=1`` matches the label "1")."""
-        value = self.attributes.get(key)
-        if value is None and key in self.failure_domains:
-            return parse_attribute_value(self.failure_domains[key])
-        return value
+        return attribute_or_label(self.attributes, self.failure_domains, key)
 
 
 @attrs.frozen
