@@ -44,7 +44,7 @@ from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
 from disagg.server.loop import LoopThread
-from disagg.server.servicer import LEDGER_FAILED, LOST_LEAD, STANDBY, FabricManagerServicer
+from disagg.server.servicer import LOST_LEAD, STANDBY, FabricManagerServicer, ledger_failed
 
 if TYPE_CHECKING:
     from disagg.ha import Leadership
@@ -208,19 +208,23 @@ class FabricManagerServer:
         self._step_down()
 
     def _fail_stop(self, failure: str) -> None:
-        """The ledger can no longer make writes durable: stop serving (NOT_SERVING, every RPC UNAVAILABLE) and
-        say so (`on_failed`), so that a restart recovers from what the disk and the hardware hold. Going on would
-        answer from memory that the disk may no longer match."""
-        self.servicer.mark_unready(f"{LEDGER_FAILED}: {failure}; it must be restarted")
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.critical("%s: not serving any more; restart once the ledger can be written", failure)
+        """The ledger can no longer make writes durable: stop serving and say so (`on_failed`), so that a restart
+        recovers from what the disk and the hardware hold. Going on would answer from memory that the disk may
+        no longer match."""
+        self._stop_serving(
+            ledger_failed(failure), f"{failure}: not serving any more; restart once the ledger can be written"
+        )
         self._on_failed(failure)
 
     def _step_down(self) -> None:
-        self.servicer.mark_unready(LOST_LEAD)
-        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.critical("not the leader any more: refusing every call")
+        self._stop_serving(LOST_LEAD, "not the leader any more: refusing every call")
         self._on_lost()
+
+    def _stop_serving(self, why: str, said: str) -> None:
+        """NOT_SERVING, and every RPC UNAVAILABLE saying ``why``; ``said`` goes to the log."""
+        self.servicer.mark_unready(why)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.critical("%s", said)
 
     async def _listen(self) -> list[str]:
         """Build the server on the loop (grpcio's asyncio server belongs to the loop it is made on), listen on

@@ -62,7 +62,12 @@ STANDBY = (
     "the lead); retry there"
 )
 LOST_LEAD = "this replica lost the lead and stops serving; another replica takes over: retry there"
-LEDGER_FAILED = "the fabric manager stopped serving"
+
+
+def ledger_failed(failure: str) -> str:
+    """What every RPC answers once the ledger can no longer make writes durable (`Store.failure`)."""
+    return f"the fabric manager stopped serving: {failure}; it must be restarted"
+
 
 S = TypeVar("S", bound="FabricManagerServicer")
 Q = TypeVar("Q")
@@ -160,7 +165,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             raise FabricUnavailableError(self._why_not)
         failure = self.composer.store.failure
         if failure:  # from the failed commit on, not from the server's next tick: a retry must not run meanwhile
-            raise FabricUnavailableError(f"{LEDGER_FAILED}: {failure}; it must be restarted")
+            raise FabricUnavailableError(ledger_failed(failure))
 
     def stop(self) -> None:
         """End every event watch with UNAVAILABLE and refuse new ones; the server stops next."""
