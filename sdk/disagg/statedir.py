@@ -2,17 +2,17 @@
 
 Drivers that keep their hardware's processes and records in a directory (QEMU guests, a switch emulator) must
 not share it: two would fight over one QEMU monitor, or one would stop the emulator the other is using. The
-claim is an ``flock`` on ``<state_dir>/driver.lock``, which the kernel drops when the process dies, however it
-dies, so a restarted driver always gets it back.
+claim is a lock on ``<state_dir>/driver.lock`` (`disagg.lockfile`), which goes with the driver's process however it
+ends.
 """
 
 from __future__ import annotations
 
-import fcntl
 from pathlib import Path
 from typing import IO
 
 from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.lockfile import try_lock
 
 
 def claim(fabric: str, driver: str, state_dir: Path) -> IO[bytes]:
@@ -21,16 +21,13 @@ def claim(fabric: str, driver: str, state_dir: Path) -> IO[bytes]:
     when it cannot be a directory (a file is in the way, no permission)."""
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        owner = open(state_dir / "driver.lock", "ab")  # noqa: SIM115 (held for the fabric's life, closed in close)
+        owner = try_lock(state_dir / "driver.lock")
     except OSError as exc:
         raise ConfigError(
             f"fabric {fabric!r} (driver {driver}): state_dir {state_dir} cannot be used: {exc}", field="state_dir"
         ) from None
-    try:
-        fcntl.flock(owner.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        owner.close()
+    if owner is None:
         raise FabricUnavailableError(
             f"fabric {fabric!r}: another {driver} driver holds {state_dir}; one driver per state_dir"
-        ) from None
+        )
     return owner
