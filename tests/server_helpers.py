@@ -25,10 +25,12 @@ from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext, Fabric
 from disagg.model import Binding, Capabilities, Event, EventType, Topology
 from disagg.requestlang import parse_request
-from disagg.server import FabricDriver, FabricManagerServer
+from disagg.server import SERVICE_NAME, FabricDriver, FabricManagerServer
+from disagg.server.servicer import STANDBY
 from disagg.store import MemoryStore, Store
 from disagg_sim import SimFabric, create_fabric, load_topology
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
 WAIT_S = 10.0
@@ -355,3 +357,27 @@ def cordons(cordoned: Iterable[str], events: Iterable[Event]) -> set[str]:
             assert event.subject in out, f"{event.subject} uncordoned but never cordoned: an event was missed"
             out.discard(event.subject)
     return out
+
+
+@contextlib.contextmanager
+def replicas(count: int = 2) -> Iterator[list[FabricManagerServer]]:
+    """Fabric managers over the demo rack, in memory, on loopback TCP: all serving until the block ends."""
+    servers = [FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"]) for _ in range(count)]
+    for server in servers:
+        server.start()
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop(0)
+
+
+def set_serving(server: FabricManagerServer, serving: bool) -> None:
+    """Make ``server`` a serving leader or a standby, as a replica's leadership does."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", SERVICE_NAME):
+        server.health.set(service, status)
+    if serving:
+        server.servicer.mark_ready()
+    else:
+        server.servicer.mark_unready(STANDBY)

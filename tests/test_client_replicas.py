@@ -14,17 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from composer_helpers import rack
 from disagg.client import FabricManagerClient
 from disagg.client.replicas import KEEPALIVE, SERVICE_CONFIG, replica_target
-from disagg.composer import FabricComposer
 from disagg.errors import DeadlineExceededError, FabricUnavailableError, InvalidRequestError
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer
-from disagg.server.servicer import STANDBY
-from disagg.store import MemoryStore
-from grpc_health.v1 import health_pb2
 from process_helpers import ChildOutput
+from server_helpers import replicas, set_serving
 
 
 class TestReplicaTarget:
@@ -60,32 +56,20 @@ class TestFollowTheLead:
     """Calls go to the serving replica only, and to the other once it serves and the first does not."""
 
     def test_calls_follow_serving(self) -> None:
-        servers = [FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"]) for _ in "ab"]
-        for server in servers:
-            server.start()
-        a, b = servers
-        try:
-            a.servicer.mark_unready(STANDBY)
-            for service in ("", "disagg.fabric.v1.FabricManagerService"):
-                a.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        with replicas() as (a, b):
+            set_serving(a, False)
             b.composer.compose(parse_request("on-b", ["gpu x1"]))
             a.composer.compose(parse_request("on-a", ["gpu x1"]))
-            with FabricManagerClient(",".join(s.addresses[0] for s in servers), timeout_s=5) as client:
+            with FabricManagerClient(f"{a.addresses[0]},{b.addresses[0]}", timeout_s=5) as client:
                 assert {c.name for _ in range(6) for c in client.compositions()} == {"on-b"}
-                for service in ("", "disagg.fabric.v1.FabricManagerService"):
-                    b.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-                    a.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-                a.servicer.mark_ready()
-                b.servicer.mark_unready(STANDBY)
+                set_serving(b, False)
+                set_serving(a, True)
                 deadline = time.monotonic() + 5
                 names: set[str] = set()
                 while time.monotonic() < deadline and names != {"on-a"}:
                     names = {c.name for c in client.compositions()}
                     time.sleep(0.05)
                 assert names == {"on-a"}
-        finally:
-            for server in servers:
-                server.stop(0)
 
 
 PINGS_NOTICE_S = 6.0
@@ -100,9 +84,9 @@ class TestTakeover:
         a, _ = replicas
         a.composer.compose(parse_request("on-a", ["gpu x1"]))
         for server in replicas:
-            serve(server, False)
+            set_serving(server, False)
         # Longer than the default retries' pauses add up to (at most 1.5 s), as a takeover is.
-        takeover = threading.Timer(3.0, serve, (a, True))
+        takeover = threading.Timer(3.0, set_serving, (a, True))
         with FabricManagerClient(",".join(s.addresses[0] for s in replicas), timeout_s=20) as client:
             started = time.monotonic()
             takeover.start()
@@ -111,7 +95,7 @@ class TestTakeover:
 
     def test_a_watch_follows_the_lead(self, replicas: list[FabricManagerServer]) -> None:
         a, b = replicas
-        serve(b, False)
+        set_serving(b, False)
         a.composer.compose(parse_request("on-a", ["gpu x1"]))
 
         def takeover() -> None:
@@ -119,7 +103,7 @@ class TestTakeover:
             time.sleep(3.0)  # as long as a lease runs out, well past the default retries
             for n in range(2):
                 b.composer.compose(parse_request(f"on-b-{n}", ["gpu x1"]))
-            serve(b, True)
+            set_serving(b, True)
 
         with FabricManagerClient(",".join(s.addresses[0] for s in replicas)) as client, client.watch(0) as events:
             give_up = threading.Timer(30.0, events.close)  # a watch has no deadline: end it if it hangs
@@ -136,7 +120,7 @@ class TestTakeover:
         SERVING to the channel: every other call waited out its deadline there while another replica led. The
         client's pings drop it within a few seconds."""
         standby = replicas[0]
-        serve(standby, False)
+        set_serving(standby, False)
         paused = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli.main", "serve", "--listen", "127.0.0.1:0"],
             stdout=subprocess.PIPE,
@@ -150,7 +134,7 @@ class TestTakeover:
             with FabricManagerClient(f"{address},{standby.addresses[0]}", timeout_s=3) as client:
                 client.compositions()
                 paused.send_signal(signal.SIGSTOP)
-                serve(standby, True)
+                set_serving(standby, True)
                 time.sleep(PINGS_NOTICE_S)
                 for _ in range(4):  # round robin would send every other one to the paused replica
                     client.compositions()
@@ -160,7 +144,7 @@ class TestTakeover:
             paused.wait(10)
 
     def test_no_replica_serves_within_the_deadline(self, replicas: list[FabricManagerServer]) -> None:
-        serve(replicas[0], False)
+        set_serving(replicas[0], False)
         down = "127.0.0.1:1"  # nothing listens there
         client = FabricManagerClient(f"{replicas[0].addresses[0]},{down}", timeout_s=1.5)
         with client, pytest.raises(FabricUnavailableError, match=r"no replica .* served within 1.5s"):
@@ -175,23 +159,8 @@ class TestTakeover:
             client.compositions()
 
 
-@pytest.fixture
-def replicas() -> Iterator[list[FabricManagerServer]]:
+@pytest.fixture(name="replicas")
+def _replicas() -> Iterator[list[FabricManagerServer]]:
     """Two fabric managers on loopback, both serving."""
-    servers = [FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"]) for _ in "ab"]
-    for server in servers:
-        server.start()
-    yield servers
-    for server in servers:
-        server.stop(0)
-
-
-def serve(server: FabricManagerServer, serving: bool) -> None:
-    """Make ``server`` a serving leader or a standby, as a replica's leadership does."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", "disagg.fabric.v1.FabricManagerService"):
-        server.health.set(service, status)
-    if serving:
-        server.servicer.mark_ready()
-    else:
-        server.servicer.mark_unready(STANDBY)
+    with replicas() as servers:
+        yield servers

@@ -13,14 +13,10 @@ from typing import Any
 
 import pytest
 from client_helpers import disagg_serve, server_env
-from composer_helpers import rack
-from disagg.client.replicas import SERVICE, SERVICE_CONFIG
-from disagg.composer import FabricComposer
+from disagg.client.replicas import SERVICE_CONFIG
 from disagg.requestlang import parse_request
-from disagg.server import FabricManagerServer
 from disagg.server.servicer import STANDBY
-from disagg.store import MemoryStore
-from grpc_health.v1 import health_pb2
+from server_helpers import replicas, set_serving
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 SCRIPT = NODE_DIR / "compose_watch_decompose.js"
@@ -121,15 +117,8 @@ class TestNodeClientOfReplicas:
     health checking, and the second sends every call of a Node.js client to the replica that leads."""
 
     def _answers(self, node: str, tmp_path: Path, config: dict[str, Any]) -> list[dict[str, Any]]:
-        standby, leader = (
-            FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"]) for _ in "ab"
-        )
-        for server in (standby, leader):
-            server.start()
-        try:
-            standby.servicer.mark_unready(STANDBY)
-            for service in ("", SERVICE):
-                standby.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        with replicas() as (standby, leader):
+            set_serving(standby, False)
             leader.composer.compose(parse_request("on-leader", ["gpu x1"]))
             servers = "ipv4:" + ",".join(s.addresses[0] for s in (standby, leader))
             run = subprocess.run(
@@ -144,9 +133,6 @@ class TestNodeClientOfReplicas:
                 timeout=NODE_TIMEOUT_S,
                 check=False,
             )
-        finally:
-            for server in (standby, leader):
-                server.stop(0)
         assert run.returncode == 0, f"node exited {run.returncode}: {run.stderr}{run.stdout}"
         answers: list[dict[str, Any]] = json.loads(run.stdout.strip().splitlines()[-1])["answers"]
         return answers
