@@ -782,6 +782,47 @@ class TestInventory:
         assert [h.id for h in inv.hosts_from(16, 129 * GiB)] == ["h2"]
 
 
+_CHANGES = st.lists(
+    st.tuples(
+        st.sampled_from(["claim", "release", "cordon", "uncordon", "fail", "heal"]),
+        st.sampled_from([f"pcie0/{d}" for d in ("a0", "a1", "b0", "b1", "c0", "c1", "d0", "d1")]),
+    ),
+    max_size=40,
+)
+
+
+@given(changes=_CHANGES)
+def test_free_lists_and_host_counts_follow_every_claim(changes: list[tuple[str, str]]) -> None:
+    """After any sequence of claims, releases, cordons and health changes, each bucket's free list is sorted
+    and holds exactly its healthy, unheld, uncordoned devices, and each host's free count per kind is what the
+    buckets it reaches hold: placement trusts both without looking at single devices."""
+    inv = Inventory(varied())
+    for change, device in changes:
+        if change == "claim" and device not in inv.owner:
+            inv.claim_device(device, "c1")
+        elif change == "release":
+            inv.release_device(device)
+        elif change == "cordon":
+            inv.cordon(device)
+        elif change == "uncordon":
+            inv.uncordon(device)
+        elif change in ("fail", "heal"):
+            inv.set_health(device, Health.FAILED if change == "fail" else Health.OK)
+        for bucket in inv.buckets:
+            assert bucket.free == sorted(bucket.free)
+            expected = sorted(
+                d
+                for d, b in inv.bucket_of.items()
+                if b is bucket and inv.devices[d].health is Health.OK and d not in inv.owner and d not in inv.cordoned
+            )
+            assert bucket.free == expected, (change, device)
+        for host, switches in inv.reach.items():
+            reached = {sw for _, sw in switches}
+            for kind in (DeviceKind.GPU,):
+                held = sum(len(b.free) for b in inv.buckets if b.kind is kind and b.switch in reached)
+                assert inv.host_free[host][kind] == held, (host, change, device)
+
+
 # -- determinism -----------------------------------------------------------------------------------------------
 
 

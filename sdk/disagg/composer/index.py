@@ -1,13 +1,16 @@
 """The inventory index: every fabric's devices grouped so that placement never scans single devices.
 
 Devices of one kind with the same vendor, model, attributes, failure domains and last-hop latency on one
-switch are interchangeable: they form a *bucket* whose free members sit in a sorted list. Each host knows
+switch are interchangeable: they form a *bucket* whose free members sit in a sorted list. A bucket is as
+large as one switch's ports of a kind, so a plain list kept sorted by bisection is cheaper to claim from than
+a balanced structure; the free hosts, which may be the whole fabric's, are in a `SortedList`. Each host knows
 the switches it reaches, sorted by fabric latency. Placement walks a host's switches nearest first and
 looks at buckets only, so its cost follows the size of the host's fabric domain, not of the whole fabric.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,13 +24,13 @@ from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology, s
 
 @attrs.define
 class Bucket:
-    """Interchangeable devices on one switch; ``free`` holds the ids not claimed and healthy."""
+    """Interchangeable devices on one switch; ``free`` holds the ids not claimed and healthy, sorted."""
 
     key: int
     switch: str
     kind: DeviceKind
     exemplar: Device
-    free: Any = attrs.field(factory=SortedList)
+    free: list[str] = attrs.field(factory=list)
 
     @property
     def link_latency_ns(self) -> int:
@@ -57,6 +60,12 @@ def _signature(device: Device) -> tuple[object, ...]:
         tuple(sorted(device.failure_domains.items())),
         device.link_latency_ns,
     )
+
+
+def _find(ids: list[str], device: str) -> tuple[int, bool]:
+    """Where ``device`` is, or would go, in the sorted ``ids``, and whether it is there."""
+    at = bisect_left(ids, device)
+    return at, at < len(ids) and ids[at] == device
 
 
 def _merge_hosts(topologies: Iterable[Topology]) -> dict[str, Host]:
@@ -128,8 +137,9 @@ class Inventory:
             self.by_kind[exemplar.kind].append(bucket)
             for device in group:
                 self.bucket_of[device.id] = bucket
-                if device.health is Health.OK:
-                    self._set_free(device.id, True)
+            bucket.free = sorted(d.id for d in group if d.health is Health.OK)
+            for host in self.switch_hosts.get(bucket.switch, ()):
+                self.host_free[host][bucket.kind] += len(bucket.free)
         for topo in topologies:
             for pool in topo.pools:
                 dev = self.devices.get(pool.device)
@@ -140,6 +150,10 @@ class Inventory:
                 self.pools_by_switch[dev.switch].append(state)
         for h in self.hosts.values():
             self.free_hosts.add((h.cores, h.memory_bytes, h.id))
+        self._free_counts: dict[str, list[dict[DeviceKind, int]]] = {
+            sw: [self.host_free[h] for h in hosts] for sw, hosts in self.switch_hosts.items()
+        }
+        """Per switch, the free counts of the hosts that reach it: what claiming one of its devices changes."""
         self.device_ids: list[str] = sorted(self.devices)
         """Every device id in order, sorted once here so that listings do not sort on every call."""
 
@@ -147,13 +161,18 @@ class Inventory:
         bucket = self.bucket_of[device]
         if free and device in self.cordoned:
             return
+        ids = bucket.free
+        at, present = _find(ids, device)
+        if free == present:  # nothing changes, and the hosts' counts stay what the list holds
+            return
         if free:
-            bucket.free.add(device)
+            ids.insert(at, device)
         else:
-            bucket.free.remove(device)
+            del ids[at]
         delta = 1 if free else -1
-        for host in self.switch_hosts.get(bucket.switch, ()):
-            self.host_free[host][bucket.kind] += delta
+        kind = bucket.kind
+        for counts in self._free_counts.get(bucket.switch, ()):
+            counts[kind] += delta
 
     def cordon(self, device: str) -> None:
         """Keep a device out of placement; whoever holds it keeps it."""
@@ -171,7 +190,7 @@ class Inventory:
 
     def is_free(self, device: str) -> bool:
         bucket = self.bucket_of.get(device)
-        return bucket is not None and device in bucket.free
+        return bucket is not None and _find(bucket.free, device)[1]
 
     def claim_device(self, device: str, owner: str) -> None:
         """Take a device out of the free pool for ``owner``; a failed device may be claimed (on reload)."""

@@ -257,7 +257,7 @@ class Placer:
                 k = min(g.free, need)
             bucket = self.inv.buckets[g.key]
             start = taken.get(g.key, 0)
-            chosen = [d for d in bucket.free.islice(start, start + k + len(pin.exclude)) if d not in pin.exclude][:k]
+            chosen = [d for d in bucket.free[start : start + k + len(pin.exclude)] if d not in pin.exclude][:k]
             if len(chosen) < k:
                 continue
             taken[g.key] = start + k
