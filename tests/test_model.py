@@ -7,6 +7,7 @@ import pytest
 from disagg.model import (
     CXL_DC_BLOCK_BYTES,
     Capacity,
+    ChangeKind,
     Composition,
     CompositionRequest,
     CompositionState,
@@ -17,12 +18,14 @@ from disagg.model import (
     EventType,
     Host,
     HostRequest,
+    PendingChange,
     ResourceRequest,
     Selector,
     SelectorOp,
     Switch,
     device_id,
 )
+from disagg.model.composition import revise
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -352,3 +355,42 @@ class TestFrozenValues:
         dev = _gpu(model="H200")
         changed = attrs.evolve(dev, model="H100")
         assert (dev.model, changed.model) == ("H200", "H100")
+
+
+class TestRevise:
+    """`revise` is ``attrs.evolve`` for a composition, field for field, and refuses a field it does not have."""
+
+    def _comp(self) -> Composition:
+        return Composition(
+            id="c-1",
+            name="train",
+            host="h1",
+            state=CompositionState.COMPOSING,
+            resources=(ResourceRequest(DeviceKind.GPU, 1),),
+            devices=(DevicePick("pcie0/g0", 0, 100),),
+            request_id="r-1",
+            request_fingerprint="fp",
+        )
+
+    @pytest.mark.parametrize(
+        "changes",
+        [
+            {},
+            {"state": CompositionState.COMPOSED, "generation": 2},
+            {"devices": (), "message": "gone", "pending": None},
+            {"request_id": "r-2", "request_fingerprint": "fp2", "before_unknown": None},
+            {"pending": PendingChange(ChangeKind.ADD, (DevicePick("pcie0/g1", 0, 100),)), "generation": 3},
+        ],
+        ids=["nothing", "state", "devices", "bookkeeping", "pending"],
+    )
+    def test_same_as_evolve(self, changes: dict[str, object]) -> None:
+        comp = self._comp()
+        new = revise(comp, **changes)
+        assert new is not comp
+        for field in attrs.fields(Composition):  # eq=False fields too: compare every one
+            assert getattr(new, field.name) == getattr(attrs.evolve(comp, **changes), field.name), field.name
+        assert comp.state is CompositionState.COMPOSING and comp.generation == 1
+
+    def test_unknown_field(self) -> None:
+        with pytest.raises(TypeError, match="Composition has no field 'colour'"):
+            revise(self._comp(), colour="red")

@@ -65,6 +65,7 @@ from disagg.model import (
     ResourceRequest,
     Topology,
 )
+from disagg.model.composition import revise
 from disagg.policies import BestFit
 from disagg.store import MemoryStore, RequestRecord, Store
 
@@ -702,9 +703,12 @@ class FabricComposer(Composer):
             return read(), self._revision
 
     def _set(self, comp: Composition, **changes: object) -> Composition:
-        new = attrs.evolve(comp, generation=comp.generation + 1, **changes)  # type: ignore[arg-type]
-        if new.before_unknown is not None and new.state is not CompositionState.UNKNOWN:
-            new = attrs.evolve(new, before_unknown=None)
+        if (
+            changes.get("before_unknown", comp.before_unknown) is not None
+            and changes.get("state", comp.state) is not CompositionState.UNKNOWN
+        ):
+            changes["before_unknown"] = None
+        new = revise(comp, generation=comp.generation + 1, **changes)
         self._compositions[new.id] = new
         self.store.put_composition(new)
         if new.state is not comp.state:
