@@ -84,6 +84,6 @@ def check() -> None:
         raise _error
 
 
-def hit(name: str) -> None:
-    """The failpoint ``name`` (one of `FAILPOINTS`) of this process."""
-    _active.hit(name)
+hit = _active.hit
+"""The failpoint ``name`` (one of `FAILPOINTS`) of this process: `Failpoints.hit` itself, as it is hit several
+times in every Compose."""

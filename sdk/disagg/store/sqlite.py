@@ -24,7 +24,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError
@@ -139,10 +139,10 @@ class SqliteStore(Store):
 
     # ----------------------------------------------------------------- the committer
 
-    def _enqueue(self, write: Callable[[Batch], None], event: Event | None = None) -> None:
-        """Queue ``write`` (applied to the batch the next commit takes) as this caller's latest write; with the
-        ``event`` it appends, refuse a revision not above the newest (here, not in the committer: one bad
-        statement must not fail a whole group of commits)."""
+    def _enqueue(self, write: Callable[..., None], *args: Any, event: Event | None = None) -> None:
+        """Queue ``write(batch, *args)`` (applied to the batch the next commit takes) as this caller's latest
+        write; with the ``event`` it appends, refuse a revision not above the newest (here, not in the
+        committer: one bad statement must not fail a whole group of commits)."""
         with self._lock:
             if self._failure is not None:
                 raise self._failed()
@@ -153,7 +153,7 @@ class SqliteStore(Store):
                     raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
                 self._newest_event = event.revision
                 self._queued_events.append(event)
-            write(self._batch)
+            write(self._batch, *args)
             self._queued += 1
             _last_queued.set((self, self._queued))
             if self._idle:
@@ -322,25 +322,26 @@ class SqliteStore(Store):
 
     # ----------------------------------------------------------------- writes (queued)
 
+    # A write is queued as a function of the batch and its arguments, not as a closure: a durable Compose
+    # queues four, on the event loop.
+
     def put_composition(self, composition: Composition) -> None:
-        row = (composition.id, codec.record(composition))
-        self._enqueue(lambda batch: batch.put(COMPOSITIONS, row))
+        self._enqueue(Batch.put, COMPOSITIONS, (composition.id, codec.record(composition)))
 
     def delete_composition(self, composition_id: str) -> None:
-        self._enqueue(lambda batch: batch.delete(COMPOSITIONS, composition_id))
+        self._enqueue(Batch.delete, COMPOSITIONS, composition_id)
 
     def put_reservation(self, reservation: Reservation) -> None:
-        row = (reservation.id, codec.record(reservation))
-        self._enqueue(lambda batch: batch.put(RESERVATIONS, row))
+        self._enqueue(Batch.put, RESERVATIONS, (reservation.id, codec.record(reservation)))
 
     def delete_reservation(self, reservation_id: str) -> None:
-        self._enqueue(lambda batch: batch.delete(RESERVATIONS, reservation_id))
+        self._enqueue(Batch.delete, RESERVATIONS, reservation_id)
 
     def put_cordon(self, device: str) -> None:
-        self._enqueue(lambda batch: batch.put(CORDONS, (device,)))
+        self._enqueue(Batch.put, CORDONS, (device,))
 
     def delete_cordon(self, device: str) -> None:
-        self._enqueue(lambda batch: batch.delete(CORDONS, device))
+        self._enqueue(Batch.delete, CORDONS, device)
 
     def put_request(self, record: RequestRecord) -> None:
         def write(batch: Batch) -> None:
@@ -357,18 +358,17 @@ class SqliteStore(Store):
         self._enqueue(write)
 
     def delete_request(self, request_id: str) -> None:
-        self._enqueue(lambda batch: batch.delete(REQUESTS, request_id))
+        self._enqueue(Batch.delete, REQUESTS, request_id)
 
     def append_event(self, event: Event) -> None:
-        row = (event.revision, codec.record(event))
+        self._enqueue(self._append, (event.revision, codec.record(event)), event=event)
 
-        def write(batch: Batch) -> None:
-            batch.put(EVENTS, row)
-            self._appended += 1
-            if self._appended % min(PRUNE_EVERY, self._retention) == 0:
-                batch.prune(("DELETE FROM events WHERE revision <= ?", (event.revision - self._retention,)))
-
-        self._enqueue(write, event=event)
+    def _append(self, batch: Batch, row: tuple[int, str]) -> None:
+        """Queue an event's row, and now and then the prune that keeps the log to its retention."""
+        batch.put(EVENTS, row)
+        self._appended += 1
+        if self._appended % min(PRUNE_EVERY, self._retention) == 0:
+            batch.prune(("DELETE FROM events WHERE revision <= ?", (row[0] - self._retention,)))
 
     def close(self) -> None:
         with self._lock:
