@@ -20,7 +20,7 @@ import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc.aio
 
@@ -57,18 +57,19 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self.threads = threads
         self._running: set[steps.LoopRun] = set()
 
-    async def _change(self, change: Steps[T]) -> T:
-        """Run a change to its end (`steps.LoopRun`). What needs no waiting runs here at once (on the in-memory
-        ledger with the sim, all of it); the rest is resumed by callbacks on this loop. A cancelled call stops
-        waiting; the change does not stop. It runs in a context of its own, as the change keeps context
-        variables (the ledger's record of its writes, the request id it answers)."""
+    def _start(self, change: Steps[T]) -> steps.Done | asyncio.Future[T]:
+        """Run a change to its end (`steps.LoopRun`): how it ended, or the future of its answer. What needs no
+        waiting runs here at once (on the in-memory ledger with the sim, all of it); the rest is resumed by
+        callbacks on this loop. A cancelled call stops waiting; the change does not stop. It runs in a context of
+        its own, as the change keeps context variables (the ledger's record of its writes, the request id it
+        answers). Not a coroutine itself: a Compose awaits the future directly, one coroutine fewer per call."""
         run = steps.LoopRun(change, self.servicer.composer.store, self.threads, contextvars.copy_context())
         outcome = run.start()
         if isinstance(outcome, steps.Done):
-            return cast(T, outcome.result())
+            return outcome
         self._running.add(run)
         run.on_end = lambda: self._running.discard(run)
-        return cast(T, await outcome)
+        return outcome
 
     async def drain(self, timeout: float) -> int:
         """Wait up to ``timeout`` seconds for the changes in flight (the server stops next); returns how many
@@ -80,12 +81,17 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
         change = self.servicer.compose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        result = await self._change(change)
+        outcome = self._start(change)
+        result = outcome.result() if isinstance(outcome, steps.Done) else await outcome
         return self.servicer.compose_response(result)
 
     async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
         change = self.servicer.decompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        await self._change(change)
+        outcome = self._start(change)
+        if isinstance(outcome, steps.Done):
+            outcome.result()
+        else:
+            await outcome
         return fm.DecomposeResponse()
 
     async def WatchEvents(
