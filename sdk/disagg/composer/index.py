@@ -1,11 +1,14 @@
 """The inventory index: every fabric's devices grouped so that placement never scans single devices.
 
 Devices of one kind with the same vendor, model, attributes, failure domains and last-hop latency on one
-switch are interchangeable: they form a *bucket* whose free members sit in a sorted list. A bucket is as
-large as one switch's ports of a kind, so a plain list kept sorted by bisection is cheaper to claim from than
-a balanced structure; the free hosts, which may be the whole fabric's, are in a `SortedList`. Each host knows
+switch are interchangeable: they form a *bucket* whose free members sit in a sorted list. Each host knows
 the switches it reaches, sorted by fabric latency. Placement walks a host's switches nearest first and
 looks at buckets only, so its cost follows the size of the host's fabric domain, not of the whole fabric.
+
+The sorted lists (a bucket's free devices, the free hosts by size) are plain lists kept sorted by bisection.
+A claim moves the list's tail in memory, in C: for a bucket, one switch's ports of a kind; for the hosts, 8
+bytes a host, about 0.1 MB at 100,000 devices. `sortedcontainers.SortedList` bounds that move but does its
+bookkeeping in Python, which cost more at every size measured (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TypeVar
 
 import attrs
-from sortedcontainers import SortedList
 
 from disagg.errors import ConfigError
 from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology, switch_reach
@@ -62,10 +64,14 @@ def _signature(device: Device) -> tuple[object, ...]:
     )
 
 
-def _find(ids: list[str], device: str) -> tuple[int, bool]:
-    """Where ``device`` is, or would go, in the sorted ``ids``, and whether it is there."""
-    at = bisect_left(ids, device)
-    return at, at < len(ids) and ids[at] == device
+K = TypeVar("K", str, tuple[int, int, str])
+"""What the index keeps sorted: device ids, and hosts as (cores, memory, id)."""
+
+
+def _find(items: list[K], item: K) -> tuple[int, bool]:
+    """Where ``item`` is, or would go, in the sorted ``items``, and whether it is there."""
+    at = bisect_left(items, item)
+    return at, at < len(items) and items[at] == item
 
 
 def _merge_hosts(topologies: Iterable[Topology]) -> dict[str, Host]:
@@ -106,7 +112,8 @@ class Inventory:
         self.cordoned: set[str] = set()
         self.host_owner: dict[str, str] = {}
         self.host_free: dict[str, dict[DeviceKind, int]] = {h: defaultdict(int) for h in self.hosts}
-        self.free_hosts: Any = SortedList()
+        self.free_hosts: list[tuple[int, int, str]] = []
+        """(cores, memory, id) of every host no composition holds, sorted: smallest first."""
 
         merged: dict[str, dict[str, int]] = defaultdict(dict)
         for topo in topologies:
@@ -148,8 +155,7 @@ class Inventory:
                 state = PoolState(pool, dev, pool.capacity.total_bytes)
                 self.pools[pool.id] = state
                 self.pools_by_switch[dev.switch].append(state)
-        for h in self.hosts.values():
-            self.free_hosts.add((h.cores, h.memory_bytes, h.id))
+        self.free_hosts = sorted((h.cores, h.memory_bytes, h.id) for h in self.hosts.values())
         self._free_counts: dict[str, list[dict[DeviceKind, int]]] = {
             sw: [self.host_free[h] for h in hosts] for sw, hosts in self.switch_hosts.items()
         }
@@ -228,13 +234,17 @@ class Inventory:
         if current is not None:
             raise ValueError(f"host {host} is held by {current}")
         h = self.hosts[host]
-        self.free_hosts.discard((h.cores, h.memory_bytes, h.id))
+        at, free = _find(self.free_hosts, (h.cores, h.memory_bytes, h.id))
+        if free:
+            del self.free_hosts[at]
         self.host_owner[host] = owner
 
     def release_host(self, host: str) -> None:
         if self.host_owner.pop(host, None) is not None and host in self.hosts:
             h = self.hosts[host]
-            self.free_hosts.add((h.cores, h.memory_bytes, h.id))
+            at, free = _find(self.free_hosts, (h.cores, h.memory_bytes, h.id))
+            if not free:
+                self.free_hosts.insert(at, (h.cores, h.memory_bytes, h.id))
 
     def set_health(self, device: str, health: Health) -> Device | None:
         """Record a device's new health; a device that is not OK leaves the free pool. Returns the old record."""
@@ -255,7 +265,9 @@ class Inventory:
 
     def hosts_from(self, min_cores: int, min_memory: int) -> Iterator[Host]:
         """Free hosts with at least ``min_cores``, smallest first (cores, then memory, then id)."""
-        for _cores, memory, host_id in self.free_hosts.irange((min_cores, -1, "")):
+        free = self.free_hosts
+        for at in range(bisect_left(free, (min_cores, -1, "")), len(free)):
+            _cores, memory, host_id = free[at]
             if memory >= min_memory:
                 yield self.hosts[host_id]
 

@@ -139,9 +139,10 @@ class Placer:
 
     def _candidates(self, hr: HostRequest) -> Iterator[Host]:
         """The free hosts with the cores and memory ``hr`` asks, smallest first, that match its selectors."""
-        for host in self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes):
-            if all(sel.matches(host.attribute(sel.key)) for sel in hr.selectors):
-                yield host
+        hosts = self.inv.hosts_from(hr.min_cores, hr.min_memory_bytes)
+        if not hr.selectors:
+            return hosts
+        return (h for h in hosts if all(sel.matches(h.attribute(sel.key)) for sel in hr.selectors))
 
     def _most_reached(self, hr: HostRequest, need: Mapping[DeviceKind, int]) -> str:
         """The numbers behind a refusal that no candidate host got past `_precheck`: per kind of whole devices
@@ -196,7 +197,7 @@ class Placer:
                 if picked is None:
                     return None, functools.partial(self._explain_devices, host, r, pin, dict(taken))
                 devices.extend(picked)
-        return Plan(host=host, devices=tuple(devices), memory=tuple(memory)), None
+        return Plan(host, tuple(devices), tuple(memory)), None
 
     def _matcher(self, selectors: tuple[Selector, ...]) -> Callable[[Bucket], bool]:
         """Whether a bucket matches ``selectors``, remembered per bucket: selectors are hashed once per line."""
@@ -216,7 +217,7 @@ class Placer:
     def _groups(self, host: str, r: ResourceRequest, pin: Pin, taken: Mapping[int, int]) -> list[DeviceGroup]:
         groups = []
         limit = r.max_latency_ns
-        matches = self._matcher(r.selectors)
+        matches = self._matcher(r.selectors) if r.selectors else None
         by_switch_kind = self.inv.by_switch_kind
         kind = r.kind
         for lat_sw, sw in self.inv.reach.get(host, ()):
@@ -227,7 +228,7 @@ class Placer:
             for b in by_switch_kind.get((sw, kind), ()):
                 free = len(b.free) - taken.get(b.key, 0)
                 lat = lat_sw + b.exemplar.link_latency_ns
-                if free <= 0 or (limit is not None and lat > limit) or not matches(b):
+                if free <= 0 or (limit is not None and lat > limit) or (matches is not None and not matches(b)):
                     continue
                 groups.append(DeviceGroup(b.key, sw, lat, free, b.exemplar.failure_domains))
         return groups
@@ -257,11 +258,15 @@ class Placer:
                 k = min(g.free, need)
             bucket = self.inv.buckets[g.key]
             start = taken.get(g.key, 0)
-            chosen = [d for d in bucket.free[start : start + k + len(pin.exclude)] if d not in pin.exclude][:k]
+            if pin.exclude:
+                chosen = [d for d in bucket.free[start : start + k + len(pin.exclude)] if d not in pin.exclude][:k]
+            else:
+                chosen = bucket.free[start : start + k]
             if len(chosen) < k:
                 continue
             taken[g.key] = start + k
-            picks.extend(DevicePick(d, idx, g.latency_ns) for d in chosen)
+            for d in chosen:
+                picks.append(DevicePick(d, idx, g.latency_ns))
             need -= k
         if need:
             for p in picks:
