@@ -150,39 +150,47 @@ def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str) -> tuple[Sele
 
 
 def resource_to_wire(r: ResourceRequest) -> fm.ResourceRequest:
-    msg = fm.ResourceRequest(
-        kind=KIND_TO_WIRE[r.kind],
-        count=r.count,
-        amount_bytes=r.amount_bytes,
-        selectors=[selector_to_wire(s) for s in r.selectors],
-        affinity=AFFINITY_TO_WIRE[r.affinity],
-        spread=r.spread or "",
-    )
+    msg = fm.ResourceRequest()
+    resource_into(msg, r)
+    return msg
+
+
+def resource_into(msg: fm.ResourceRequest, r: ResourceRequest) -> None:
+    """Fill ``msg`` with ``r`` in place (see `plan_into`). A field left at proto3's default is not set: the
+    message is the same, and every Compose answers with its request's lines."""
+    msg.kind = KIND_TO_WIRE[r.kind]
+    if r.count:
+        msg.count = r.count
+    if r.amount_bytes:
+        msg.amount_bytes = r.amount_bytes
+    if r.selectors:
+        msg.selectors.extend([selector_to_wire(s) for s in r.selectors])
+    msg.affinity = AFFINITY_TO_WIRE[r.affinity]
+    if r.spread:
+        msg.spread = r.spread
     if r.max_latency_ns is not None:
         msg.max_latency_ns = r.max_latency_ns
-    return msg
 
 
 def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
     affinity = Affinity.NONE
     if msg.affinity != fm.AFFINITY_UNSPECIFIED:
         affinity = enum_from_wire(AFFINITY_FROM_WIRE, msg.affinity, f"{field}.affinity", "affinity")
-    if msg.spread and not NAME.fullmatch(msg.spread):
-        raise InvalidRequestError(
-            f"{field}.spread: {msg.spread!r} is not a failure-domain label", field=f"{field}.spread"
-        )
+    spread = msg.spread
+    if spread and not NAME.fullmatch(spread):
+        raise InvalidRequestError(f"{field}.spread: {spread!r} is not a failure-domain label", field=f"{field}.spread")
     kind = KIND_FROM_WIRE.get(msg.kind)  # the field's name is spelt out only for an error: this runs per Compose
     if kind is None:
         kind = kind_from_wire(msg.kind, f"{field}.kind")
     try:
         return ResourceRequest(
-            kind=kind,
-            count=msg.count,
-            amount_bytes=msg.amount_bytes,
-            selectors=_selectors_from_wire(msg.selectors, field),
-            max_latency_ns=msg.max_latency_ns if msg.HasField("max_latency_ns") else None,
-            affinity=affinity,
-            spread=msg.spread or None,
+            kind,
+            msg.count,
+            msg.amount_bytes,
+            _selectors_from_wire(msg.selectors, field),
+            msg.max_latency_ns if msg.HasField("max_latency_ns") else None,
+            affinity,
+            spread or None,
         )
     except ValueError as exc:
         raise InvalidRequestError(f"{field}: {exc}", field=field) from None
@@ -300,11 +308,14 @@ def composition_into(msg: fm.Composition, c: Composition) -> None:
     msg.name = c.name
     msg.host = c.host
     msg.state = STATE_TO_WIRE[c.state]
-    msg.resources.extend([resource_to_wire(r) for r in c.resources])
+    add_resource = msg.resources.add
+    for r in c.resources:
+        resource_into(add_resource(), r)
     add_device = msg.devices.add
     for p in c.devices:
         add_device(device=p.device, resource=p.resource, latency_ns=p.latency_ns)
-    msg.allocations.extend([allocation_to_wire(a) for a in c.allocations])
+    if c.allocations:
+        msg.allocations.extend([allocation_to_wire(a) for a in c.allocations])
     msg.generation = c.generation
     msg.etag = c.etag
     msg.message = c.message
