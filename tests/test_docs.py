@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,20 @@ class TestPlacementBenchmark:
         assert set(report["runs"]) == {"200", "2000"}
         assert all(s["samples"] == 20 for s in report["runs"]["2000"]["shapes"].values())
         assert "2000" in report["median_ratio_to_base"]
+
+
+class TestComposeLoopTool:
+    """bench/compose_loop.py, which docs/benchmarks.md counts Compose's instructions with, runs its Composes on both
+    ledgers and reports their cost (reported, never asserted)."""
+
+    @pytest.mark.parametrize("ledger", ["memory", "sqlite"])
+    def test_small_run(self, ledger: str) -> None:
+        script = Path(__file__).parent.parent / "bench" / "compose_loop.py"
+        args = ["--devices", "1000", "--calls", "40", "--warm-up", "40", "--ledger", ledger]
+        command = [sys.executable, str(script), *args]
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert re.fullmatch(rf"40 Composes, {ledger} ledger, 1000 devices: \d+\.\d µs of loop CPU each\n", done.stdout)
 
 
 class TestConformanceDocs:
