@@ -29,6 +29,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.interfaces import FaultInjection
 from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, Health
 from disagg.requestlang import parse_request, parse_resource
+from disagg.wire.errors import from_rpc_error, to_status
 from disagg_sim import create_fabric
 from server_helpers import Churn, SecretBind, Served, cordons, replay, serving, sim, slow_rack, socket_path
 
@@ -343,6 +344,40 @@ class TestErrors:
             fm.COMPOSE_MODE_APPLY,
             fm.COMPOSE_MODE_APPLY,
         ]
+
+    def test_an_error_quoting_a_long_request_arrives_whole_and_typed(self, client: FabricManagerClient) -> None:
+        """An error whose message quotes the request (a thousand ids to remove, a selector's long value) still
+        arrives as its SDK error with its field: its message is cut, rather than the status overflowing gRPC's
+        16 KiB of headers (the client then saw RESOURCE_EXHAUSTED without details, or a ValueError)."""
+        comp = client.compose(parse_request("long", ["gpu"])).composition
+        assert comp is not None
+        ghosts = [f"pcie0/gpu-not-here-{n:04d}-" + "x" * 60 for n in range(1024)]
+        with pytest.raises(InvalidRequestError) as info:
+            client.recompose(comp.id, remove=ghosts)
+        assert info.value.field.startswith("remove")
+        assert ghosts[0] in info.value.message and "more characters)" in info.value.message
+        with pytest.raises(NoFitError) as no_fit:
+            client.compose(parse_request("wide", [f"gpu model={'H' * 4000}"]))
+        assert "more characters)" in no_fit.value.message
+        assert client.get(comp.id).device_ids == comp.device_ids
+
+    def test_a_status_its_details_contradict_is_read_by_its_code(self) -> None:
+        """A status whose details say another code (a proxy, or gRPC itself, replaced the status) is read by its
+        code: an SDK error, never the ValueError of grpc_status."""
+        details = to_status(InvalidRequestError("bad", field="remove")).trailing_metadata
+
+        class Replaced(grpc.RpcError):  # type: ignore[misc]
+            def code(self) -> grpc.StatusCode:
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self) -> str:
+                return "stream removed"
+
+            def trailing_metadata(self) -> Any:
+                return details
+
+        error = from_rpc_error(Replaced())
+        assert isinstance(error, FabricUnavailableError) and error.message == "stream removed"
 
     def test_bad_compose_arguments(self, client: FabricManagerClient) -> None:
         with pytest.raises(InvalidRequestError):

@@ -18,6 +18,12 @@ from grpc_status import rpc_status
 from disagg import errors as e
 
 DOMAIN = "disagg"
+STATUS_MESSAGE_CHARS = 1024
+"""A status's message is cut to this many characters, and each metadata value to `STATUS_VALUE_CHARS`. A message
+may quote the request (every id a recompose named, a selector's value), and the message travels in the status
+header and again in each detail, in headers that a gRPC client refuses beyond 16 KiB: uncut, the client saw
+RESOURCE_EXHAUSTED without details, or a status it could not read, instead of the error."""
+STATUS_VALUE_CHARS = 256
 
 _CODES: tuple[tuple[type[e.DisaggError], grpc.StatusCode], ...] = (
     (e.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -54,29 +60,32 @@ def _pack(message: object) -> any_pb2.Any:
     return packed
 
 
+def _cut(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and how many more there were."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def to_status(error: e.DisaggError) -> grpc.Status:
-    """A status with the rich details for ``error``, for ``context.abort_with_status``."""
+    """A status with the rich details for ``error``, for ``context.abort_with_status``; a long message and long
+    metadata values are cut (`STATUS_MESSAGE_CHARS`)."""
     code = status_code(error)
-    details = [
-        _pack(
-            error_details_pb2.ErrorInfo(
-                reason=error.reason, domain=DOMAIN, metadata={k: str(v) for k, v in error.metadata.items()}
-            )
-        )
-    ]
+    message = _cut(error.message, STATUS_MESSAGE_CHARS)
+    metadata = {k: _cut(str(v), STATUS_VALUE_CHARS) for k, v in error.metadata.items()}
+    details = [_pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata))]
     if isinstance(error, e.InvalidRequestError):
-        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=_cut(error.field, STATUS_VALUE_CHARS), description=message
+        )
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     if isinstance(error, e.NotFoundError):
-        details.append(
-            _pack(error_details_pb2.ResourceInfo(resource_type=error.resource_type, resource_name=error.name))
-        )
+        name = _cut(error.name, STATUS_VALUE_CHARS)
+        details.append(_pack(error_details_pb2.ResourceInfo(resource_type=error.resource_type, resource_name=name)))
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         violation_pf = error_details_pb2.PreconditionFailure.Violation(
-            type=error.reason, subject=error.metadata.get("subject", ""), description=error.message
+            type=error.reason, subject=metadata.get("subject", ""), description=message
         )
         details.append(_pack(error_details_pb2.PreconditionFailure(violations=[violation_pf])))
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=error.message, details=details)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
     result: grpc.Status = rpc_status.to_status(status)
     return result
 
@@ -95,7 +104,10 @@ def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
     """The SDK error a failed call stands for, rebuilt from its ErrorInfo reason, else from its code."""
     code: grpc.StatusCode = error.code()
     message: str = error.details() or code.name
-    status = rpc_status.from_call(error)
+    try:
+        status = rpc_status.from_call(error)
+    except ValueError:  # details that contradict the status (a proxy or gRPC itself replaced it): the code rules
+        status = None
     reason, metadata, field, resource = "", {}, "", ("", "")
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
