@@ -553,6 +553,16 @@ class TestMistakesAreRefused:
                 "host.selectors[0]",
                 "min_cores",
             ),
+            (
+                {"name": "a", "resource": [{"kind": "gpu", "selectors": ["model=H200", "latency<=600ns"]}]},
+                "resource[0].selectors[1]",
+                "latency<=VALUE",
+            ),
+            (
+                {"name": "a", "resource": [{"kind": "gpu", "selectors": ["serial=SN-1"]}]},
+                "resource[0].selectors[0]",
+                "names one device",
+            ),
         ],
     )
     def test_documents(self, doc: Any, field: str, message: str) -> None:
@@ -572,6 +582,8 @@ class TestMistakesAreRefused:
             (["gpu latency>=100ns"], "clauses[0]", "latency<=VALUE"),
             (["gpu latency=600ns"], "clauses[0]", "latency<=VALUE"),
             (["gpu affinity=none"], "clauses[0]", "only affinity is same-switch"),
+            (["gpu serial=SN-1"], "clauses[0]", "'serial' names one device"),
+            (["nic id=pcie0/nic0"], "clauses[0]", "'id' names one device"),
             (["gpu x2 gpu_memory>=80G"], "clauses[0]", "80GB or 80GiB"),
         ],
     )

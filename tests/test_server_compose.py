@@ -53,6 +53,12 @@ class StuckUnbind(SimFabric):
         super().unbind(binding, ctx)
 
 
+def selector(key: str, value: str | int | float) -> fm.Selector:
+    """A selector as a client in any language may send it, unchecked."""
+    which = {str: "string_value", int: "int_value", float: "double_value"}[type(value)]
+    return fm.Selector(key=key, op=fm.SELECTOR_OP_EQ, value=pb.AttributeValue(**{which: value}))
+
+
 def stuck_rack() -> tuple[dict[str, Any], StuckUnbind]:
     pcie = StuckUnbind(load_topology("pcie0", "demo-pcie"))
     pcie.stuck = set()
@@ -171,6 +177,18 @@ class TestCompose:
             ({"resources": [gpu(), fm.ResourceRequest(kind=77, count=1)]}, "resources[1].kind"),
             ({"resources": [gpu(1, selectors=[fm.Selector(op=fm.SELECTOR_OP_EQ)])]}, "resources[0].selectors[0].key"),
             ({"resources": [gpu(1, affinity=9)]}, "resources[0].affinity"),
+            ({"resources": [gpu(1, selectors=[selector("latency", 600)])]}, "resources[0].selectors[0].key"),
+            ({"resources": [gpu(1, selectors=[selector("serial", "SN-1")])]}, "resources[0].selectors[0].key"),
+            ({"resources": [gpu(1, selectors=[selector("mo del", "H200")])]}, "resources[0].selectors[0].key"),
+            (
+                {"resources": [gpu(1, selectors=[selector("gpu_memory", float("nan"))])]},
+                "resources[0].selectors[0].value",
+            ),
+            (
+                {"resources": [gpu(1, selectors=[selector("gpu_memory", float("inf"))])]},
+                "resources[0].selectors[0].value",
+            ),
+            ({"host": fm.HostRequest(selectors=[selector("rack\x00", "r1")])}, "host.selectors[0].key"),
             ({"mode": 9}, "mode"),
             ({"mode": fm.COMPOSE_MODE_UNSPECIFIED}, "mode"),
             ({"reservation_ttl_s": -1.0}, "reservation_ttl_s"),

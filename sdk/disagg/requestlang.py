@@ -28,6 +28,7 @@ from disagg.model import (
     parse_attribute_value,
     parse_latency,
     parse_size,
+    selector_refusal,
 )
 
 _CLAUSE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)\s*(!=|>=|<=|=|>|<)\s*(.+)$")
@@ -164,21 +165,13 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
     )
 
 
-_MODIFIERS = {
-    "latency": "a latency limit is latency<=VALUE or latency<VALUE (e.g. latency<=600ns)",
-    "affinity": "the only affinity is same-switch (write same-switch or affinity=same-switch)",
-    "spread": "spread=LABEL names a failure-domain label",
-    "count": "a count is written x8 or 8",
-    "amount": "an amount is written with its unit, e.g. 512GiB",
-}
-"""Words of a resource line that are not device attributes: a selector on one is a mistyped modifier."""
-
-
 def _selector(text: str, field: str) -> Selector:
-    """A device selector of a resource line, refusing a mistyped modifier (``latency>=100ns``)."""
+    """A device selector of a resource line, refusing a mistyped modifier (``latency>=100ns``) or a key that
+    names one device (``serial=...``)."""
     selector = parse_selector(text, field)
-    if selector.key in _MODIFIERS:
-        raise InvalidRequestError(f"{text!r}: {_MODIFIERS[selector.key]}", field=field)
+    refusal = selector_refusal(selector.key, resource=True)
+    if refusal:
+        raise InvalidRequestError(f"{text!r}: {refusal}", field=field)
     return selector
 
 
@@ -261,10 +254,11 @@ def request_from_document(doc: Any) -> CompositionRequest:
     return _request(name, resources, host)
 
 
-def _selectors_from_document(items: Any, field: str) -> tuple[Selector, ...]:
+def _selectors_from_document(items: Any, field: str, *, resource: bool) -> tuple[Selector, ...]:
     if not isinstance(items, list):
         raise InvalidRequestError(f'{field} must be a list of selectors, e.g. ["model=H200"]', field=field)
-    return tuple(parse_selector(s, f"{field}[{n}]") for n, s in enumerate(items))
+    parse = _selector if resource else parse_selector
+    return tuple(parse(s, f"{field}[{n}]") for n, s in enumerate(items))
 
 
 def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
@@ -281,7 +275,7 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
     name = doc.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         raise InvalidRequestError(f"host.name must name a host, not {name!r}", field="host.name")
-    selectors = _selectors_from_document(doc.get("selectors", []), "host.selectors")
+    selectors = _selectors_from_document(doc.get("selectors", []), "host.selectors", resource=False)
     for n, sel in enumerate(selectors):
         if sel.key in ("cores", "memory"):
             raise InvalidRequestError(
@@ -308,7 +302,7 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
     spread = doc.get("spread")
     if spread is not None and (not isinstance(spread, str) or not spread):
         raise InvalidRequestError("spread needs a failure-domain label", field=f"{field}.spread")
-    selectors = _selectors_from_document(doc.get("selectors", []), f"{field}.selectors")
+    selectors = _selectors_from_document(doc.get("selectors", []), f"{field}.selectors", resource=True)
     return _build(
         kind,
         count=count,

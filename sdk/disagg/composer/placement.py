@@ -26,9 +26,8 @@ from disagg.model import (
     ResourceRequest,
     Selector,
     format_size,
+    selector_refusal,
 )
-
-_PER_DEVICE_KEYS = frozenset({"serial", "id"})
 
 
 @attrs.frozen
@@ -85,11 +84,9 @@ class Placer:
                     field=f"resources[{i}]",
                 )
             for sel in r.selectors:
-                if sel.key in _PER_DEVICE_KEYS:
-                    raise InvalidRequestError(
-                        f"resource {i}: selectors choose classes of devices; {sel.key!r} names one device",
-                        field=f"resources[{i}].selectors",
-                    )
+                refusal = selector_refusal(sel.key, resource=True)
+                if refusal:
+                    raise InvalidRequestError(f"resource {i}: {sel}: {refusal}", field=f"resources[{i}].selectors")
 
     def place(self, request: CompositionRequest, owner: str = "") -> Plan:
         """A plan for the whole request, or `NoFitError` saying which constraint failed and by how much."""

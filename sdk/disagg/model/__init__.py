@@ -21,6 +21,7 @@ from disagg.model.composition import (
     ResourceRequest,
     Selector,
     SelectorOp,
+    selector_refusal,
 )
 from disagg.model.devices import (
     CXL_DC_BLOCK_BYTES,
@@ -92,5 +93,6 @@ __all__ = [
     "parse_attribute_value",
     "parse_latency",
     "parse_size",
+    "selector_refusal",
     "switch_reach",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,35 @@ class Selector:
 
     def __str__(self) -> str:
         return f"{self.key}{self.op.value}{self.value}"
+
+
+SELECTOR_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+"""What a selector's key looks like: an attribute or failure-domain label name."""
+
+RESOURCE_MODIFIERS = {
+    "latency": "a latency limit is latency<=VALUE or latency<VALUE (e.g. latency<=600ns)",
+    "affinity": "the only affinity is same-switch (write same-switch or affinity=same-switch)",
+    "spread": "spread=LABEL names a failure-domain label",
+    "count": "a count is written x8 or 8",
+    "amount": "an amount is written with its unit, e.g. 512GiB",
+}
+"""Words of a resource line that are not device attributes: a selector on one is a mistyped modifier."""
+
+PER_DEVICE_KEYS = frozenset({"serial", "id"})
+"""Attributes that name one device: selectors choose among interchangeable devices, never one of them."""
+
+
+def selector_refusal(key: str, *, resource: bool) -> str:
+    """Why a selector may not test ``key`` (empty when it may): every request path (text, document, the Python
+    model, the wire) refuses the same keys, so that a mistake is a refused request, never a request that cannot
+    fit. ``resource``: the selector is on a resource line rather than on the host."""
+    if not SELECTOR_KEY.fullmatch(key):
+        return f"{key!r} is not an attribute name (a letter or '_' first, then letters, digits, '_', '.', '-')"
+    if resource and key in RESOURCE_MODIFIERS:
+        return RESOURCE_MODIFIERS[key]
+    if resource and key in PER_DEVICE_KEYS:
+        return f"selectors choose classes of devices; {key!r} names one device"
+    return ""
 
 
 class Affinity(ModelEnum):

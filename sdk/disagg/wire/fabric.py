@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from disagg.model import (
     ResourceRequest,
     Selector,
     SelectorOp,
+    selector_refusal,
 )
 from disagg.wire.types import (
     KIND_FROM_WIRE,
@@ -129,16 +131,24 @@ def selector_to_wire(sel: Selector) -> fm.Selector:
     return fm.Selector(key=sel.key, op=OP_TO_WIRE[sel.op], value=attribute_to_wire(sel.value))
 
 
-def selector_from_wire(msg: fm.Selector, field: str) -> Selector:
+def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) -> Selector:
+    """A selector of a host (``resource`` False) or of a resource line, refused as the text and document forms
+    refuse it (`disagg.model.selector_refusal`), and refused on a value that is not a finite number."""
     if not msg.key or len(msg.key) > MAX_NAME:
         raise InvalidRequestError(
             f"{field}.key: a selector needs a key of 1 to {MAX_NAME} characters", field=f"{field}.key"
         )
+    refusal = selector_refusal(msg.key, resource=resource)
+    if refusal:
+        raise InvalidRequestError(f"{field}.key: {refusal}", field=f"{field}.key")
     op = enum_from_wire(OP_FROM_WIRE, msg.op, f"{field}.op", "selector operator")
-    return Selector(msg.key, op, attribute_from_wire(msg.value, f"{field}.value"))
+    value = attribute_from_wire(msg.value, f"{field}.value")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequestError(f"{field}.value: {value} is not a number a device can have", field=f"{field}.value")
+    return Selector(msg.key, op, value)
 
 
-def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str) -> tuple[Selector, ...]:
+def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str, *, resource: bool) -> tuple[Selector, ...]:
     """The selectors of the request field ``parent``; its ``.selectors`` name is spelt out only when there are
     selectors to check (most requests have none, and this runs per Compose)."""
     if not msgs:
@@ -146,7 +156,7 @@ def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str) -> tuple[Sele
     field = f"{parent}.selectors"
     if len(msgs) > MAX_SELECTORS:
         raise InvalidRequestError(f"{field}: at most {MAX_SELECTORS} selectors", field=field)
-    return tuple(selector_from_wire(s, f"{field}[{n}]") for n, s in enumerate(msgs))
+    return tuple(selector_from_wire(s, f"{field}[{n}]", resource=resource) for n, s in enumerate(msgs))
 
 
 def resource_to_wire(r: ResourceRequest) -> fm.ResourceRequest:
@@ -187,7 +197,7 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
             kind,
             msg.count,
             msg.amount_bytes,
-            _selectors_from_wire(msg.selectors, field),
+            _selectors_from_wire(msg.selectors, field, resource=True),
             msg.max_latency_ns if msg.HasField("max_latency_ns") else None,
             affinity,
             spread or None,
@@ -222,7 +232,7 @@ def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequ
         name=msg.name or None,
         min_cores=msg.min_cores,
         min_memory_bytes=msg.min_memory_bytes,
-        selectors=_selectors_from_wire(msg.selectors, field),
+        selectors=_selectors_from_wire(msg.selectors, field, resource=False),
     )
 
 
