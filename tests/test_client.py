@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,23 @@ from disagg.errors import (
     RevisionCompactedError,
 )
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
-from disagg.interfaces import FaultInjection
-from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, Health
+from disagg.interfaces import CallContext, FaultInjection
+from disagg.model import Binding, ComposeMode, CompositionState, DeviceKind, EventType, Health
 from disagg.requestlang import parse_request, parse_resource
 from disagg.wire.errors import from_rpc_error, to_status
-from disagg_sim import create_fabric
-from server_helpers import Churn, SecretBind, Served, cordons, replay, serving, sim, slow_rack, socket_path
+from disagg_sim import SimFabric, create_fabric
+from server_helpers import (
+    Churn,
+    SecretBind,
+    Served,
+    cordons,
+    replay,
+    serving,
+    sim,
+    slow_rack,
+    socket_path,
+    wait_until,
+)
 
 FAST = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
 
@@ -51,6 +63,18 @@ def composer(served: Served) -> FabricComposer:
 def client(served: Served) -> Iterator[FabricManagerClient]:
     with FabricManagerClient(served.address, timeout_s=10, retries=FAST) as c:
         yield c
+
+
+class OverrunBind(SimFabric):
+    """A sim fabric whose binds take 0.6 s whatever their deadline, as hardware sometimes does; they block."""
+
+    @property
+    def calls_block(self) -> bool:
+        return True
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        time.sleep(0.6)
+        return super().bind(device, host, CallContext(epoch=ctx.epoch, request_id=ctx.request_id))
 
 
 class TestInventory:
@@ -189,6 +213,22 @@ class TestCompositions:
                 assert normal.get(comp.id).state is CompositionState.FAILED
                 normal.decompose(comp.id)
                 assert normal.compositions() == []
+
+    def test_a_deadline_that_passes_before_the_answer_names_the_request_id(self, tmp_path: Path) -> None:
+        """When the client's deadline passes before the server answers, the change may still be made (here a
+        driver overruns the deadline): the error says so and names the request id the client sent, and the same
+        call with that id gets the outcome rather than composing again."""
+        fabrics = {"pcie0": sim(OverrunBind), "cxl0": create_fabric("cxl0", {"topology": "demo-cxl"})}
+        with serving(socket_path(tmp_path), fabrics) as running:
+            hasty = FabricManagerClient(running.address, timeout_s=0.2, retries=FAST)
+            with hasty, pytest.raises(DeadlineExceededError) as info:
+                hasty.compose(parse_request("late", ["gpu x1"]))
+            request_id = info.value.metadata["request_id"]
+            assert f"request_id={request_id!r} gets its outcome" in info.value.message
+            wait_until(lambda: [c.state for c in running.composer.compositions()] == [CompositionState.COMPOSED], "")
+            with FabricManagerClient(running.address, timeout_s=10, retries=FAST) as patient:
+                again = patient.compose(parse_request("late", ["gpu x1"]), request_id=request_id).composition
+            assert again is not None and [c.id for c in running.composer.compositions()] == [again.id]
 
     def test_request_id(self, client: FabricManagerClient, composer: FabricComposer) -> None:
         request = parse_request("once", ["gpu x1"])

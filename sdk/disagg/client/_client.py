@@ -11,7 +11,6 @@ from typing import Protocol, Self, TypeVar
 
 import attrs
 import grpc
-from grpc_status import rpc_status
 
 from disagg.client._retry import RetryPolicy, call_with_retry
 from disagg.client.replicas import replica_target
@@ -34,7 +33,7 @@ from disagg.model import (
     ResourceRequest,
     Topology,
 )
-from disagg.wire.errors import from_rpc_error
+from disagg.wire.errors import build, from_rpc_error, server_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
     compose_mode_from_wire,
@@ -118,6 +117,8 @@ def _status(msg: pb.Device) -> DeviceStatus:
     return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
 
 
+_OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+"""Codes a call can end with, without a server's answer, after its request may have reached the server."""
 READY_CHECK_S = 0.2
 """How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
 
@@ -188,7 +189,7 @@ class FabricManagerClient:
     def _error(self, exc: grpc.RpcError) -> DisaggError:
         """The SDK error of a failed call; a server that cannot be reached at all says where it was sought, and
         so does a deadline that passed while no replica served (the call waited for one)."""
-        if rpc_status.from_call(exc) is not None:
+        if server_status(exc) is not None:
             return from_rpc_error(exc)
         if exc.code() is grpc.StatusCode.UNAVAILABLE:
             return FabricUnavailableError(
@@ -226,7 +227,11 @@ class FabricManagerClient:
             seen.add(resp.next_page_token)
             request.page_token = resp.next_page_token
 
-    def _call(self, rpc: Callable[[float], T], *, idempotent: bool) -> T:
+    def _call(self, rpc: Callable[[float], T], *, idempotent: bool, request_id: str = "") -> T:
+        """``rpc`` with the retry policy; a failure raises its SDK error. A change sent with a ``request_id``
+        names it in the error's metadata, and when no server answered it (its deadline passed on this side, or
+        the server could not be reached after it may have been sent) the error says so: the change may have
+        been made, and the same call with that request id gets its answer."""
         try:
             return call_with_retry(
                 rpc,
@@ -237,7 +242,18 @@ class FabricManagerClient:
                 rng=self._rng,
             )
         except grpc.RpcError as exc:
-            raise self._error(exc) from None
+            error = self._error(exc)
+            if not request_id:
+                raise error from None
+            error.metadata.setdefault("request_id", request_id)
+            if server_status(exc) is None and exc.code() in _OUTCOME_UNKNOWN:
+                error = build(
+                    type(error),
+                    f"{error.message}; no answer came, so the change may have been made: the same call with "
+                    f"request_id={request_id!r} gets its outcome",
+                    metadata=error.metadata,
+                )
+            raise error from None
 
     # ----------------------------------------------------------------- inventory
 
@@ -397,7 +413,7 @@ class FabricManagerClient:
             msg = fm.ComposeRequest(mode=MODE_TO_WIRE[mode], request_id=request_id)
         msg.reservation_id = reservation_id or ""
         safe = mode is ComposeMode.PREVIEW or bool(request_id)
-        resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe)
+        resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe, request_id=request_id)
         return ComposeResult(
             compose_mode_from_wire(resp.mode),
             plan_from_wire(resp.plan),
@@ -463,7 +479,9 @@ class FabricManagerClient:
             etag=expected_etag or "",
             request_id=request_id,
         )
-        resp = self._call(lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=bool(request_id))
+        resp = self._call(
+            lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=bool(request_id), request_id=request_id
+        )
         return composition_from_wire(resp.composition)
 
     def decompose(self, composition_id: str) -> None:

@@ -100,14 +100,22 @@ _BY_REASON = {cls.reason: cls for cls in _subclasses(e.DisaggError)}
 _BY_CODE = {code: cls for cls, code in reversed(_CODES)}
 
 
+def server_status(error: grpc.RpcError) -> status_pb2.Status | None:
+    """The rich status the server ended the call with, or None when there is none (gRPC itself ended the call:
+    a deadline that passed on the client's side, a connection lost) or its details contradict the status (a
+    proxy or gRPC replaced the status): then the code is all there is."""
+    try:
+        found: status_pb2.Status | None = rpc_status.from_call(error)
+    except ValueError:
+        return None
+    return found
+
+
 def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
     """The SDK error a failed call stands for, rebuilt from its ErrorInfo reason, else from its code."""
     code: grpc.StatusCode = error.code()
     message: str = error.details() or code.name
-    try:
-        status = rpc_status.from_call(error)
-    except ValueError:  # details that contradict the status (a proxy or gRPC itself replaced it): the code rules
-        status = None
+    status = server_status(error)
     reason, metadata, field, resource = "", {}, "", ("", "")
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
