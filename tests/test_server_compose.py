@@ -410,7 +410,7 @@ class TestUpdateComposition:
     def test_removing_what_it_does_not_hold(self, served: Served) -> None:
         served.stub.Compose(compose_request("small"))
         failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="small", remove=["pcie0/nic0"]))
-        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("remove",)
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("remove[0]",)
 
     def test_unknown(self, served: Served) -> None:
         failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="ghost", add=[gpu()]))

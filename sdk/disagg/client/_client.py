@@ -521,8 +521,8 @@ class FabricManagerClient:
         cancels it. With ``resume``, a stream broken by UNAVAILABLE is reopened from the last revision seen,
         as the retry policy allows, so no event is lost or repeated.
         """
-        if after_revision < 0:
-            raise InvalidRequestError("after_revision must not be negative", field="after_revision")
+        if not 0 <= after_revision < 1 << 64:
+            raise InvalidRequestError("after_revision is a revision: 0 to 2**64 - 1", field="after_revision")
         return EventStream(self, after_revision, resume=resume)
 
     def _open_watch(self, after_revision: int) -> _StreamCall:

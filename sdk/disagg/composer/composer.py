@@ -1216,10 +1216,11 @@ class FabricComposer(Composer):
                     metadata={"subject": comp.id},
                 )
             known = set(comp.device_ids) | {a.id for a in comp.allocations}
-            unknown = [r for r in remove if r not in known]
+            unknown = [(n, r) for n, r in enumerate(remove) if r not in known]
             if unknown:
                 raise InvalidRequestError(
-                    f"composition {comp.id} holds no device or allocation {', '.join(unknown)}", field="remove"
+                    f"composition {comp.id} holds no device or allocation {', '.join(r for _, r in unknown)}",
+                    field=f"remove[{unknown[0][0]}]",
                 )
             base = len(comp.resources)
             lines: list[Line] = [(base + i, r, Pin()) for i, r in enumerate(add)]
