@@ -373,6 +373,30 @@ class TestReconcile:
         assert composer.reconcile() == 0
         composer.close()
 
+    def test_a_device_that_failed_while_the_manager_was_down_degrades_or_heals(self, tmp_path: Path) -> None:
+        """No event tells of a device that failed while no fabric manager ran: the start-up pass reads it from
+        discovery, degrades the composition using it and, with auto-heal, replaces the device."""
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        composer.close()
+        broken = comp.device_ids[0]
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].fail_device(broken, "fell off the bus")
+        for fabric in hardware.values():
+            fabric.close()
+        again = opened(tmp_path)
+        found = again.find("job")
+        assert found.state is CompositionState.DEGRADED and f"unhealthy: {broken}" in found.message
+        assert again.reconcile() == 0
+        again.close()
+        healing = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
+        healing.start()
+        healed = healing.find("job")
+        assert healed.state is CompositionState.COMPOSED and broken not in healed.device_ids
+        assert len(healed.devices) == 2
+        healing.close()
+
     def test_memory_the_ledger_lacks_is_kept_out_of_placement(self, tmp_path: Path) -> None:
         composer = opened(tmp_path)
         pool = composer.fabrics["cxl0"].pool("cxl0/mem0")

@@ -86,6 +86,7 @@ T = TypeVar("T")
 REQUEST_ID_MEMORY = 10_000
 """How many request ids the composer remembers in memory (the ledger keeps as many)."""
 _IN_FLIGHT = (CompositionState.COMPOSING, CompositionState.DECOMPOSING)
+_STANDING = (CompositionState.COMPOSED, CompositionState.DEGRADED)
 
 
 class _SettledError(Exception):
@@ -243,6 +244,13 @@ class FabricComposer(Composer):
         self.reconcile()
         with self._lock:
             self._started = True
+            unhealthy = [
+                c.id
+                for c in self._compositions.values()
+                if c.pending is None and c.state in _STANDING and self._unhealthy(c)
+            ]
+        if self.auto_heal:  # a device that failed while no fabric manager ran sent no event to heal on
+            self._heal_all(unhealthy)
         for fabric in self.fabrics.values():
             self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
 
@@ -422,6 +430,7 @@ class FabricComposer(Composer):
                 continue
             read.add(name)
         changes = 0
+        degraded: list[str] = []
         with self._lock:
             if self._revision != revision:
                 return 0  # something changed while the hardware was read: judge it on the next pass
@@ -475,14 +484,25 @@ class FabricComposer(Composer):
                     for a in comp.allocations
                     if self._fabric_of_pool(a.pool) in read and (a.pool, a.id) not in carved
                 ]
-                if lost:
-                    self._set(
-                        comp,
-                        state=CompositionState.DEGRADED,
-                        message=f"the hardware no longer holds {', '.join(lost)}",
-                    )
+                unhealthy = [p.device for p in self._unhealthy(comp) if p.device not in lost]
+                if lost or unhealthy:
+                    # Unhealthy too: a device that failed while the fabric manager was down sent no event.
+                    why = [f"the hardware no longer holds {', '.join(lost)}"] if lost else []
+                    why += [f"unhealthy: {', '.join(unhealthy)}"] if unhealthy else []
+                    self._set(comp, state=CompositionState.DEGRADED, message="; ".join(why))
+                    degraded.append(comp.id)
                     changes += 1
+        if self.auto_heal and self._started:  # at start-up, `start` heals every composition that needs it
+            self._heal_all(degraded)
         return changes
+
+    def _heal_all(self, composition_ids: Iterable[str]) -> None:
+        """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why."""
+        for comp_id in composition_ids:
+            try:
+                self.heal(comp_id)
+            except DisaggError as exc:
+                log.warning("healing %s failed: %s", comp_id, exc.message)
 
     def _fabric_of(self, device: str) -> str:
         """The fabric of a device: from the index, else from its id (one of a fabric that is not discovered)."""
@@ -1432,11 +1452,7 @@ class FabricComposer(Composer):
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             affected = self._health_changed(event.subject, event.health, event.message)
             if self.auto_heal and event.health is not Health.OK:
-                for comp_id in affected:
-                    try:
-                        self.heal(comp_id)
-                    except DisaggError as exc:
-                        log.warning("healing %s failed: %s", comp_id, exc)
+                self._heal_all(affected)
             return
         with self._lock:
             self._rebuild()
