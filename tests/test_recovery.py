@@ -28,6 +28,7 @@ from disagg.errors import (
     DeadlineExceededError,
     DisaggError,
     FabricUnavailableError,
+    NotFoundError,
     RequestIdReusedError,
     StaleEpochError,
 )
@@ -35,6 +36,7 @@ from disagg.interfaces import CallContext
 from disagg.model import (
     Binding,
     ChangeKind,
+    ComposeMode,
     Composition,
     CompositionState,
     DeviceKind,
@@ -113,6 +115,59 @@ class TestRequestIdsSurviveARestart:
         retried = again.recompose(comp.id, add=add, request_id="grow-1")
         assert retried.device_ids == grown.device_ids and len(retried.devices) == 2
         assert len(again.fabrics["pcie0"].bindings()) == 2
+        again.close()
+
+
+def lose_answers(tmp: Path) -> None:
+    """Take every request id's answer out of the ledger at ``tmp``, as a crash after a change's commit and
+    before its answer's does: the compositions the changes left are all that records them."""
+    with sqlite3.connect(tmp / "ledger.db") as db:
+        db.execute("DELETE FROM requests")
+
+
+class TestAnswersACrashLost:
+    """A crash between a change's commit and its answer's leaves the request id in the composition's record
+    only: a retry still gets the first answer, and another request under the same id is still refused."""
+
+    def test_compose(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        with pytest.raises(RequestIdReusedError):
+            again.compose(parse_request("b", ["gpu x1"]), request_id="Z")
+        assert again.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition == made
+        assert [c.name for c in again.compositions()] == ["a"]
+        again.close()
+
+    def test_recompose(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert comp is not None
+        gpu, nic = parse_request("x", ["gpu x1"]).resources, parse_request("x", ["nic x1"]).resources
+        grown = first.recompose(comp.id, add=gpu, request_id="R")
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        with pytest.raises(RequestIdReusedError):
+            again.recompose(comp.id, add=nic, request_id="R")
+        assert again.recompose(comp.id, add=gpu, request_id="R").device_ids == grown.device_ids
+        assert again.get(comp.id).device_ids == grown.device_ids
+        again.close()
+
+    def test_apply_of_a_reservation(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        reservation = first.compose(parse_request("r", ["gpu x1"]), ComposeMode.RESERVE).reservation
+        assert reservation is not None
+        applied = first.apply_reservation(reservation.id, request_id="APPLY-1")
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        assert again.apply_reservation(reservation.id, request_id="APPLY-1") == applied
+        with pytest.raises(NotFoundError):
+            again.apply_reservation(reservation.id, request_id="APPLY-2")
+        assert [c.id for c in again.compositions()] == [applied.id]
         again.close()
 
 

@@ -87,6 +87,8 @@ REQUEST_ID_MEMORY = 10_000
 """How many request ids the composer remembers in memory (the ledger keeps as many)."""
 _IN_FLIGHT = (CompositionState.COMPOSING, CompositionState.DECOMPOSING)
 _STANDING = (CompositionState.COMPOSED, CompositionState.DEGRADED)
+_RECORDED = object()
+"""The answer of a request id known only from the composition record its change left (`_seed_requests`)."""
 
 
 class _SettledError(Exception):
@@ -241,6 +243,7 @@ class FabricComposer(Composer):
             self._settle_known()
             self._expire_locked()
         self._recover()
+        self._seed_requests()
         self.reconcile()
         with self._lock:
             self._started = True
@@ -805,6 +808,9 @@ class FabricComposer(Composer):
             self._expire_locked()
             res = self._reservations.get(reservation_id)
             if res is None:
+                made = self._made_by_mark()
+                if made is not None:  # this very apply finished before a crash lost its answer
+                    return ComposeResult(ComposeMode.APPLY, Plan(made.host, made.devices), composition=made)
                 raise NotFoundError(
                     "reservation", reservation_id, f"reservation {reservation_id!r} expired or never existed"
                 )
@@ -891,7 +897,9 @@ class FabricComposer(Composer):
         while True:
             with self._lock:
                 entry = self._requests.get(request_id)
-                if entry is None:
+                if entry is None or (entry[1] is _RECORDED and entry[0] == fp):
+                    # New, or known only from the record of the change it made (`_seed_requests`): run it, and
+                    # the change finds its own work there and answers with it (`_made_by_request`).
                     done = threading.Event()
                     self._requests[request_id] = (fp, None, done)
                     while len(self._requests) > REQUEST_ID_MEMORY:
@@ -938,6 +946,17 @@ class FabricComposer(Composer):
             yield DURABLE
         done.set()
         return answer
+
+    def _seed_requests(self) -> None:
+        """Remember the request id of each composition's last finished change, with its digest, where the ledger
+        holds no answer for it: a crash after the change's commit and before its answer's lost that answer, and
+        the same id with another request must still be refused, not carried out as a new change."""
+        with self._lock:
+            for comp in self._compositions.values():
+                if comp.request_id and comp.request_id not in self._requests:
+                    known = threading.Event()
+                    known.set()
+                    self._requests[comp.request_id] = (comp.request_fingerprint, _RECORDED, known)
 
     def _answered(self, request_id: str, fp: str, answer: object) -> None:
         """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock."""
@@ -990,6 +1009,17 @@ class FabricComposer(Composer):
         if comp is None or (comp.request_id, comp.request_fingerprint) != (request_id, fp) or comp.pending:
             return None
         return comp
+
+    def _made_by_mark(self) -> Composition | None:
+        """The finished composition that this thread's request id made (an apply, which has no name to look it
+        up by once its reservation is gone). Looks at every composition: only on the way to a refusal."""
+        request_id, fp = self._request_mark()
+        if not request_id:
+            return None
+        for comp in self._compositions.values():
+            if (comp.request_id, comp.request_fingerprint) == (request_id, fp) and comp.pending is None:
+                return comp
+        return None
 
     def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
         comp_id = self._new_id("c")
