@@ -6,6 +6,7 @@ under its own key prefix; without etcd they are skipped (failed on CI).
 
 from __future__ import annotations
 
+import errno
 import http.server
 import shutil
 import socket
@@ -43,6 +44,7 @@ from disagg.model import (
 from disagg.store import EtcdStore, LedgerState, MemoryStore, RequestRecord, SqliteStore, Store
 from disagg.store import etcd as etcd_store
 from disagg.store.etcd import LeadershipLostError
+from disagg.store.sqlite import _open_error
 from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
 
 GiB = 1 << 30
@@ -283,8 +285,29 @@ class TestSqliteStore:
     def test_not_a_database(self, tmp_path: Path) -> None:
         path = tmp_path / "ledger.db"
         path.write_bytes(b"this is not sqlite" * 100)
-        with pytest.raises(ConfigError, match="cannot open the ledger"):
+        with pytest.raises(ConfigError, match=r"cannot open the ledger .* restore it from a backup"):
             SqliteStore(path)
+
+    def test_a_database_that_is_not_a_ledger_is_refused_untouched(self, tmp_path: Path) -> None:
+        """Someone else's SQLite file at the ledger's path is refused, and nothing is written into it (the
+        ledger's tables used to be added beside its own, and the fabric manager started empty)."""
+        path = tmp_path / "ledger.db"
+        with sqlite3.connect(path) as db:
+            db.execute("CREATE TABLE inventory (x)")
+        before = path.read_bytes()
+        with pytest.raises(ConfigError, match=r"not a ledger \(it has inventory\)") as info:
+            SqliteStore(path)
+        assert info.value.field == "state.path"
+        assert path.read_bytes() == before
+        SqliteStore(tmp_path / "fresh.db").close()  # the hold was let go: other ledgers open
+
+    def test_a_full_disk_at_start_up_is_the_machine_s_not_a_setting(self, tmp_path: Path) -> None:
+        """A disk that is full when the ledger opens is FabricUnavailableError (`disagg serve` exits 1, for its
+        supervisor to try again) and says so, not a configuration error (exit 2)."""
+        error = _open_error(tmp_path / "ledger.db", sqlite3.OperationalError("database or disk is full"))
+        assert isinstance(error, FabricUnavailableError) and "disk full or failing" in error.message
+        error = _open_error(tmp_path / "ledger.db", OSError(errno.ENOSPC, "No space left on device"))
+        assert isinstance(error, FabricUnavailableError)
 
     def test_one_process_at_a_time(self, tmp_path: Path) -> None:
         """A second fabric manager on the ledger (another process) is refused, naming the holder, until the

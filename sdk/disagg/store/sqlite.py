@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import heapq
 import logging
 import sqlite3
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from disagg import codec
-from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 from disagg.model import Composition, Event, Reservation
 from disagg.store import ownership
 from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
@@ -43,6 +44,27 @@ CREATE TABLE IF NOT EXISTS requests (
 CREATE INDEX IF NOT EXISTS requests_at ON requests (at);
 CREATE TABLE IF NOT EXISTS cordons (device TEXT PRIMARY KEY);
 """
+
+LEDGER_TABLES = frozenset({"compositions", "reservations", "events", "requests", "cordons"})
+_TABLES = "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+
+
+def _open_error(path: Path, exc: BaseException) -> DisaggError:
+    """Why the ledger at ``path`` cannot be opened: a disk that is full or failing is the machine's trouble (the
+    server exits 1, for its supervisor to try again), a file that is not a ledger or is damaged the operator's
+    to restore, anything else a setting to correct."""
+    text = str(exc)
+    if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or (
+        isinstance(exc, sqlite3.OperationalError) and ("disk I/O error" in text or "disk is full" in text)
+    ):
+        return FabricUnavailableError(f"cannot open the ledger at {path}: {exc}; is its disk full or failing?")
+    if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+        return ConfigError(
+            f"cannot open the ledger at {path} ({exc}): restore it from a backup (docs/durability.md)",
+            field="state.path",
+        )
+    return ConfigError(f"cannot open the ledger at {path}: {exc}", field="state.path")
+
 
 EVENT_RETENTION = 100_000
 """Events kept; a watch from an older revision is told the log was compacted (OUT_OF_RANGE)."""
@@ -102,17 +124,28 @@ class SqliteStore(Store):
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
+            raise _open_error(self.path, exc) from exc
         self._owner = ownership.hold(self.path)
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            foreign = [n for (n,) in self._db.execute(_TABLES) if n not in LEDGER_TABLES]
+            if foreign:
+                self._db.close()
+                raise ConfigError(
+                    f"{self.path} is a SQLite database but not a ledger (it has {', '.join(sorted(foreign))}): "
+                    "give [state] path a ledger's file, or restore the ledger from a backup",
+                    field="state.path",
+                )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
             (newest,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
         except (OSError, sqlite3.Error) as exc:
             ownership.let_go(self._owner)
-            raise ConfigError(f"cannot open the ledger at {self.path}: {exc}") from exc
+            raise _open_error(self.path, exc) from exc
+        except ConfigError:
+            ownership.let_go(self._owner)
+            raise
         self._newest_event = int(newest)
         self._db_lock = threading.Lock()
         self._lock = threading.Lock()
