@@ -171,6 +171,34 @@ class TestAnswersACrashLost:
         again.close()
 
 
+class TestRestoringABackup:
+    """The backup and restore docs/durability.md gives: an online backup, and after a restore what changed since
+    is found on the hardware, quarantined or degraded, never silently undone."""
+
+    def test_restore_an_online_backup(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        kept = first.compose(parse_request("kept", ["host h1", "gpu x1"])).composition
+        gone = first.compose(parse_request("gone", ["host h2", "gpu x1"])).composition
+        first.store.await_event(first.revision)  # their last records on disk, as a moment later they are
+        with sqlite3.connect(tmp_path / "ledger.db") as live, sqlite3.connect(tmp_path / "backup.db") as copy:
+            live.backup(copy)  # what `sqlite3 ledger.db ".backup backup.db"` does, while the composer runs
+        later = first.compose(parse_request("later", ["host h3", "gpu x1"])).composition
+        assert kept is not None and gone is not None and later is not None
+        first.decompose(gone.id)
+        first.close()
+        (tmp_path / "backup.db").replace(tmp_path / "ledger.db")
+        for suffix in ("-wal", "-shm"):
+            (tmp_path / f"ledger.db{suffix}").unlink(missing_ok=True)
+        restored = opened(tmp_path)
+        assert restored.find("kept").state is CompositionState.COMPOSED
+        assert restored.find("gone").state is CompositionState.DEGRADED
+        assert all(restored.is_cordoned(d) for d in later.device_ids)
+        assert events_of(restored, EventType.BINDING_QUARANTINED) == list(later.device_ids)
+        bound = {b.device for b in restored.fabrics["pcie0"].bindings()}
+        assert set(later.device_ids) <= bound and set(kept.device_ids) <= bound
+        restored.close()
+
+
 class TestARetryWhileTheRequestRuns:
     """A retry that arrives while its request is still running waits for the answer, up to the call timeout;
     after that it is told to retry, and never runs the request a second time beside the first."""
