@@ -171,6 +171,45 @@ class TestAnswersACrashLost:
         again.close()
 
 
+class TestRequestIdsKnownFromRecords:
+    """A request id known only from a composition's record stays refused to other requests whatever happens to
+    a retry of it, and never pushes an answer the ledger holds out of memory."""
+
+    def test_a_failed_retry_keeps_the_id_refused(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert comp is not None
+        gpu, nic = parse_request("x", ["gpu x1"]).resources, parse_request("x", ["nic x1"]).resources
+        first.recompose(comp.id, add=gpu, request_id="R")
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        again.call_timeout_s = 0.05
+        with again._busy.setdefault(comp.id, threading.Lock()), pytest.raises(ConflictError):
+            again.recompose(comp.id, add=gpu, request_id="R")  # another change holds the composition
+        with pytest.raises(RequestIdReusedError):
+            again.recompose(comp.id, add=nic, request_id="R")
+        again.close()
+
+    def test_seeds_leave_memory_before_the_ledger_s_answers(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        first = opened(tmp_path)
+        made = first.compose(parse_request("seeded", ["gpu x1"]), request_id="S").composition
+        first.close()
+        lose_answers(tmp_path)
+        middle = opened(tmp_path)
+        held = parse_request("held", ["gpu x1"])  # a reservation: only its recorded answer finds it again
+        answered = middle.compose(held, ComposeMode.RESERVE, reservation_ttl_s=600, request_id="A").reservation
+        middle.close()
+        monkeypatch.setattr("disagg.composer.composer.REQUEST_ID_MEMORY", 2)
+        again = opened(tmp_path)
+        again.compose(parse_request("new", ["gpu x1"]), request_id="N")
+        retried = again.compose(held, ComposeMode.RESERVE, reservation_ttl_s=600, request_id="A").reservation
+        assert made is not None and answered is not None and retried == answered
+        again.close()
+
+
 class TestRestoringABackup:
     """The backup and restore docs/durability.md gives: an online backup, and after a restore what changed since
     is found on the hardware, quarantined or degraded, never silently undone."""
@@ -479,6 +518,21 @@ class TestReconcile:
         assert healed.state is CompositionState.COMPOSED and broken not in healed.device_ids
         assert len(healed.devices) == 2
         healing.close()
+
+    def test_with_auto_heal_a_lost_device_stays_degraded_and_a_second_pass_changes_nothing(
+        self, tmp_path: Path
+    ) -> None:
+        """Healing replaces unhealthy devices; it cannot bring back one the hardware lost, and must not call the
+        composition COMPOSED again (it did, on every pass)."""
+        composer = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
+        composer.start()
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        composer.fabrics["pcie0"].unbind(Binding(comp.device_ids[0], "h1"), CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        assert composer.find("job").state is CompositionState.DEGRADED
+        assert composer.reconcile() == 0 and composer.find("job").state is CompositionState.DEGRADED
+        composer.close()
 
     def test_memory_the_ledger_lacks_is_kept_out_of_placement(self, tmp_path: Path) -> None:
         composer = opened(tmp_path)

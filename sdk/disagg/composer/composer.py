@@ -247,13 +247,6 @@ class FabricComposer(Composer):
         self.reconcile()
         with self._lock:
             self._started = True
-            unhealthy = [
-                c.id
-                for c in self._compositions.values()
-                if c.pending is None and c.state in _STANDING and self._unhealthy(c)
-            ]
-        if self.auto_heal:  # a device that failed while no fabric manager ran sent no event to heal on
-            self._heal_all(unhealthy)
         for fabric in self.fabrics.values():
             self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
 
@@ -433,7 +426,8 @@ class FabricComposer(Composer):
                 continue
             read.add(name)
         changes = 0
-        degraded: list[str] = []
+        degraded: set[str] = set()
+        healable: list[str] = []
         with self._lock:
             if self._revision != revision:
                 return 0  # something changed while the hardware was read: judge it on the next pass
@@ -475,7 +469,7 @@ class FabricComposer(Composer):
                     )
                     changes += 1
             for comp in list(self._compositions.values()):
-                if comp.id in busy_ids or comp.state is not CompositionState.COMPOSED:
+                if comp.id in busy_ids or comp.state not in _STANDING:
                     continue
                 lost = [
                     p.device
@@ -488,15 +482,19 @@ class FabricComposer(Composer):
                     if self._fabric_of_pool(a.pool) in read and (a.pool, a.id) not in carved
                 ]
                 unhealthy = [p.device for p in self._unhealthy(comp) if p.device not in lost]
-                if lost or unhealthy:
+                if unhealthy and not lost:  # healing replaces unhealthy devices; it cannot bring a lost one back
+                    healable.append(comp.id)
+                if comp.state is CompositionState.COMPOSED and (lost or unhealthy):
                     # Unhealthy too: a device that failed while the fabric manager was down sent no event.
                     why = [f"the hardware no longer holds {', '.join(lost)}"] if lost else []
                     why += [f"unhealthy: {', '.join(unhealthy)}"] if unhealthy else []
                     self._set(comp, state=CompositionState.DEGRADED, message="; ".join(why))
-                    degraded.append(comp.id)
+                    degraded.add(comp.id)
                     changes += 1
-        if self.auto_heal and self._started:  # at start-up, `start` heals every composition that needs it
-            self._heal_all(degraded)
+        if self.auto_heal:
+            # At start-up every composition that healing can mend (a device failed while none ran); later, those
+            # this pass degraded (the others were healed, or tried, when their device's failure was reported).
+            self._heal_all(c for c in healable if c in degraded or not self._started)
         return changes
 
     def _heal_all(self, composition_ids: Iterable[str]) -> None:
@@ -897,7 +895,8 @@ class FabricComposer(Composer):
         while True:
             with self._lock:
                 entry = self._requests.get(request_id)
-                if entry is None or (entry[1] is _RECORDED and entry[0] == fp):
+                seed = entry if entry is not None and entry[1] is _RECORDED else None
+                if entry is None or (seed is not None and entry[0] == fp):
                     # New, or known only from the record of the change it made (`_seed_requests`): run it, and
                     # the change finds its own work there and answers with it (`_made_by_request`).
                     done = threading.Event()
@@ -932,7 +931,10 @@ class FabricComposer(Composer):
             raise settled.error from None
         except BaseException:
             with self._lock:
-                self._requests.pop(request_id, None)
+                if seed is not None:  # what the record says still holds: another request under it is refused
+                    self._requests[request_id] = seed
+                else:
+                    self._requests.pop(request_id, None)
             done.set()
             raise
         finally:
@@ -957,6 +959,8 @@ class FabricComposer(Composer):
                     known = threading.Event()
                     known.set()
                     self._requests[comp.request_id] = (comp.request_fingerprint, _RECORDED, known)
+                    # Oldest first: new requests push a seed out of memory before an answer the ledger holds.
+                    self._requests.move_to_end(comp.request_id, last=False)
 
     def _answered(self, request_id: str, fp: str, answer: object) -> None:
         """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock."""
