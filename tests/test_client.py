@@ -18,6 +18,7 @@ from disagg.errors import (
     AlreadyExistsError,
     ConflictError,
     DeadlineExceededError,
+    DisaggError,
     DriverError,
     FabricUnavailableError,
     InvalidRequestError,
@@ -230,6 +231,35 @@ class TestCompositions:
                 again = patient.compose(parse_request("late", ["gpu x1"]), request_id=request_id).composition
             assert again is not None and [c.id for c in running.composer.compositions()] == [again.id]
 
+    def test_an_unanswered_attempt_keeps_the_outcome_unknown_after_a_refused_retry(self, tmp_path: Path) -> None:
+        """The first attempt reached a server that went away without answering; the retry was refused by one that
+        did not take it (UNAVAILABLE from a standby). The change may still have been made, and the error says so."""
+        lost = grpc.RpcError()
+        lost.code = lambda: grpc.StatusCode.UNAVAILABLE  # type: ignore[method-assign]
+        lost.details = lambda: "connection reset"  # type: ignore[method-assign]
+        lost.trailing_metadata = lambda: ()  # type: ignore[method-assign]
+        standby = to_status(FabricUnavailableError("not the leader"))
+        refused = grpc.RpcError()
+        refused.code = lambda: standby.code  # type: ignore[method-assign]
+        refused.details = lambda: standby.details  # type: ignore[method-assign]
+        refused.trailing_metadata = lambda: standby.trailing_metadata  # type: ignore[method-assign]
+        attempts = iter([lost, *[refused] * 20])
+
+        def rpc(timeout: float) -> None:
+            raise next(attempts)
+
+        client = FabricManagerClient(f"unix:{tmp_path}/none.sock", timeout_s=5, retries=FAST)
+        with client, pytest.raises(FabricUnavailableError) as info:
+            client_module.FabricManagerClient._call(client, rpc, idempotent=True, request_id="K1")
+        assert info.value.metadata["request_id"] == "K1" and "may have been made" in info.value.message
+
+    def test_a_preview_is_never_a_change_of_unknown_outcome(self, tmp_path: Path) -> None:
+        fast = RetryPolicy(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.01)
+        client = FabricManagerClient(f"unix:{tmp_path}/none.sock", timeout_s=5, retries=fast)
+        with client, pytest.raises(FabricUnavailableError) as info:
+            client.compose(parse_request("p", ["gpu"]), ComposeMode.PREVIEW, request_id="p1")
+        assert "request_id" not in info.value.metadata and "may have been made" not in info.value.message
+
     def test_a_rolled_back_addition_moves_the_etag_a_refusal_does_not(self, tmp_path: Path) -> None:
         """As protocol.md says: an addition rolled back after it reached the drivers leaves the devices as they
         were at a newer etag (the composition was COMPOSING meanwhile); one refused before any driver call
@@ -420,6 +450,30 @@ class TestErrors:
             client.compose(parse_request("wide", [f"gpu model={'H' * 4000}"]))
         assert "more characters)" in no_fit.value.message
         assert client.get(comp.id).device_ids == comp.device_ids
+
+    def test_metadata_a_client_acts_on_arrives_whole(self) -> None:
+        """What is still bound after a failed decompose of a large composition arrives whole in the metadata
+        (a client removes exactly what it names); only metadata too large for gRPC's headers is cut."""
+        bound = ",".join(f"pcie0/d{n:04d}-c0-gpu{n % 8}" for n in range(32))
+
+        class Failed(grpc.RpcError):  # type: ignore[misc]
+            def __init__(self, error: DisaggError) -> None:
+                self.status = to_status(error)
+
+            def code(self) -> grpc.StatusCode:
+                return self.status.code
+
+            def details(self) -> str:
+                return self.status.details
+
+            def trailing_metadata(self) -> Any:
+                return self.status.trailing_metadata
+
+        error = from_rpc_error(Failed(DisaggError("could not remove", metadata={"composition": "c-1", "bound": bound})))
+        assert error.metadata == {"composition": "c-1", "bound": bound}
+        huge = from_rpc_error(Failed(DisaggError("x", metadata={"bound": bound * 100})))
+        assert huge.metadata["bound"].startswith(bound) and "more characters)" in huge.metadata["bound"]
+        assert sum(len(v) for v in huge.metadata.values()) < 6100
 
     def test_a_status_its_details_contradict_is_read_by_its_code(self) -> None:
         """A status whose details say another code (a proxy, or gRPC itself, replaced the status) is read by its

@@ -232,9 +232,19 @@ class FabricManagerClient:
         names it in the error's metadata, and when no server answered it (its deadline passed on this side, or
         the server could not be reached after it may have been sent) the error says so: the change may have
         been made, and the same call with that request id gets its answer."""
+        unanswered = False  # an attempt ended without the server's answer, after it may have reached it
+
+        def attempt(timeout: float) -> T:
+            nonlocal unanswered
+            try:
+                return rpc(timeout)
+            except grpc.RpcError as exc:
+                unanswered = unanswered or (server_status(exc) is None and exc.code() in _OUTCOME_UNKNOWN)
+                raise
+
         try:
             return call_with_retry(
-                rpc,
+                attempt,
                 policy=self.retries,
                 retryable=idempotent,
                 timeout_s=self.timeout_s,
@@ -246,11 +256,13 @@ class FabricManagerClient:
             if not request_id:
                 raise error from None
             error.metadata.setdefault("request_id", request_id)
-            if server_status(exc) is None and exc.code() in _OUTCOME_UNKNOWN:
+            # Unknown unless the last answer settles it: a refusal of the retry by a server that did not take it
+            # (a standby, the server going down) does not say what became of an earlier attempt.
+            if unanswered and exc.code() in _OUTCOME_UNKNOWN:
                 error = build(
                     type(error),
-                    f"{error.message}; no answer came, so the change may have been made: the same call with "
-                    f"request_id={request_id!r} gets its outcome",
+                    f"{error.message}; an attempt got no answer, so the change may have been made: the same call "
+                    f"with request_id={request_id!r} gets its outcome",
                     metadata=error.metadata,
                 )
             raise error from None
@@ -413,7 +425,8 @@ class FabricManagerClient:
             msg = fm.ComposeRequest(mode=MODE_TO_WIRE[mode], request_id=request_id)
         msg.reservation_id = reservation_id or ""
         safe = mode is ComposeMode.PREVIEW or bool(request_id)
-        resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe, request_id=request_id)
+        changes = "" if mode is ComposeMode.PREVIEW else request_id  # a preview changes nothing, whatever its id
+        resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe, request_id=changes)
         return ComposeResult(
             compose_mode_from_wire(resp.mode),
             plan_from_wire(resp.plan),

@@ -8,7 +8,7 @@ Every error carries an ``ErrorInfo`` (domain ``disagg``, the SDK's stable reason
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import grpc
 from google.protobuf import any_pb2
@@ -19,11 +19,13 @@ from disagg import errors as e
 
 DOMAIN = "disagg"
 STATUS_MESSAGE_CHARS = 1024
-"""A status's message is cut to this many characters, and each metadata value to `STATUS_VALUE_CHARS`. A message
-may quote the request (every id a recompose named, a selector's value), and the message travels in the status
-header and again in each detail, in headers that a gRPC client refuses beyond 16 KiB: uncut, the client saw
-RESOURCE_EXHAUSTED without details, or a status it could not read, instead of the error."""
-STATUS_VALUE_CHARS = 256
+"""A status's message is cut to this many characters, and its metadata values together to
+`STATUS_METADATA_CHARS`. A message may quote the request (every id a recompose named, a selector's value), and
+the message travels in the status header and again in each detail, in headers that a gRPC client refuses
+beyond 16 KiB: uncut, the client saw RESOURCE_EXHAUSTED without details, or a status it could not read, instead
+of the error. Metadata is data a client acts on (``bound``: what is still bound), so it gets the larger share:
+the message three times (about 3 KiB) and the metadata base64-encoded (about 8 KiB) fit the 16 KiB."""
+STATUS_METADATA_CHARS = 6000
 
 _CODES: tuple[tuple[type[e.DisaggError], grpc.StatusCode], ...] = (
     (e.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -65,20 +67,37 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+FIELD_CHARS = 256
+"""A field path or a resource name is cut to this many characters (both are short unless they quote input)."""
+
+
+def _bounded(metadata: Mapping[str, object]) -> dict[str, str]:
+    """``metadata`` as text within `STATUS_METADATA_CHARS` in all: values are kept whole, shortest first, and
+    what does not fit is cut, saying how much is missing."""
+    values = {k: str(v) for k, v in metadata.items()}
+    left = STATUS_METADATA_CHARS - sum(len(k) for k in values)
+    out: dict[str, str] = {}
+    for n, (key, value) in enumerate(sorted(values.items(), key=lambda kv: len(kv[1]))):
+        share = max(0, left // (len(values) - n))
+        out[key] = _cut(value, share)
+        left -= len(out[key])
+    return {k: out[k] for k in values}
+
+
 def to_status(error: e.DisaggError) -> grpc.Status:
     """A status with the rich details for ``error``, for ``context.abort_with_status``; a long message and long
-    metadata values are cut (`STATUS_MESSAGE_CHARS`)."""
+    metadata are cut (`STATUS_MESSAGE_CHARS`)."""
     code = status_code(error)
     message = _cut(error.message, STATUS_MESSAGE_CHARS)
-    metadata = {k: _cut(str(v), STATUS_VALUE_CHARS) for k, v in error.metadata.items()}
+    metadata = _bounded(error.metadata)
     details = [_pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata))]
     if isinstance(error, e.InvalidRequestError):
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=_cut(error.field, STATUS_VALUE_CHARS), description=message
+            field=_cut(error.field, FIELD_CHARS), description=message
         )
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     if isinstance(error, e.NotFoundError):
-        name = _cut(error.name, STATUS_VALUE_CHARS)
+        name = _cut(error.name, FIELD_CHARS)
         details.append(_pack(error_details_pb2.ResourceInfo(resource_type=error.resource_type, resource_name=name)))
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         violation_pf = error_details_pb2.PreconditionFailure.Violation(
