@@ -402,10 +402,11 @@ class FabricComposer(Composer):
 
         A binding or allocation that no composition records is quarantined (the device cordoned, the memory
         kept out of placement) and reported, never silently removed; a composition whose device or memory the
-        hardware no longer holds becomes DEGRADED. Compositions with a change in flight are left alone, and so
-        are fabrics that cannot be read now. A pass during which anything else changed gives up (the next one
-        judges it), so that a change racing with the read is never mistaken for an orphan. A second pass over a
-        converged system changes nothing.
+        hardware no longer holds, or whose device discovery reports unhealthy, becomes DEGRADED (with auto-heal,
+        one whose only trouble is unhealthy devices is then healed). Compositions with a change in flight are
+        left alone, and so are fabrics that cannot be read now. A pass during which anything else changed gives
+        up (the next one judges it), so that a change racing with the read is never mistaken for an orphan. A
+        second pass over a converged system changes nothing.
         """
         with self._lock:
             revision = self._revision
