@@ -28,6 +28,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import (
     ConflictError,
     DeviceBusyError,
+    DisaggError,
     DriverError,
     FabricUnavailableError,
     InvalidRequestError,
@@ -194,6 +195,21 @@ class TestReservations:
         assert EventType.RESERVATION_EXPIRED in events_of(comp)
         with pytest.raises(NotFoundError, match="expired or never existed"):
             comp.apply_reservation(res.id)
+
+    def test_a_failed_apply_gives_the_reservation_back(self) -> None:
+        """An apply that fails and is rolled back leaves the reservation as it was, for the rest of its time to
+        live: the same plan can be applied again."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = comp.compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=30).reservation
+        assert res is not None
+        fabrics["pcie0"].flaky_bind(res.plan.devices[1].device, 1)
+        with pytest.raises(DisaggError):
+            comp.apply_reservation(res.id, request_id="apply-1")
+        assert comp.reservations() == [res] and hardware_bindings(fabrics) == {}
+        assert comp.compose(INFERENCE, ComposeMode.PREVIEW).plan != res.plan  # its devices are held again
+        c = comp.apply_reservation(res.id, request_id="apply-1")
+        assert c.device_ids == tuple(p.device for p in res.plan.devices) and comp.reservations() == []
 
     def test_release_is_idempotent(self) -> None:
         comp = composer()

@@ -171,6 +171,32 @@ class TestAnswersACrashLost:
         again.close()
 
 
+class TestAnApplyACrashInterrupted:
+    """A crash in the middle of a reservation's apply is undone at the restart, and the reservation is held again
+    for the rest of its time to live: the retry of the apply composes it."""
+
+    def test_the_reservation_is_held_again(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        first = opened(tmp_path)
+        res = first.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
+        assert res is not None
+
+        def crash(name: str) -> None:
+            if name == "compose.after_bind":
+                raise KeyboardInterrupt  # the process dies here: nothing after it runs
+
+        monkeypatch.setattr(failpoints, "hit", crash)
+        with pytest.raises(KeyboardInterrupt):
+            first.apply_reservation(res.id, request_id="APPLY-1")
+        first.close()
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        assert again.compositions() == [] and again.reservations() == [res]
+        assert again.fabrics["pcie0"].bindings() == ()
+        applied = again.apply_reservation(res.id, request_id="APPLY-1")
+        assert applied.device_ids == tuple(p.device for p in res.plan.devices)
+        again.close()
+
+
 class TestRequestIdsKnownFromRecords:
     """A request id known only from a composition's record stays refused to other requests whatever happens to
     a retry of it, and never pushes an answer the ledger holds out of memory."""

@@ -386,6 +386,7 @@ class FabricComposer(Composer):
             if change.kind is ChangeKind.ADD and change.restore is None:
                 self._unclaim_composition(comp)
                 self._forget(comp, "rolled back after a restart interrupted it")
+                self._give_back(change)
                 return
             if change.kind is ChangeKind.ADD:
                 assert change.restore is not None
@@ -817,7 +818,7 @@ class FabricComposer(Composer):
             self._names.pop(res.request.name, None)
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
-            comp = self._begin(res.request, res.plan)
+            comp = self._begin(res.request, res.plan, reservation=res)
         yield DURABLE
         failpoints.hit("compose.after_reserve")
         composition = yield from self._execute(comp, res.plan, deadline)
@@ -1026,7 +1027,7 @@ class FabricComposer(Composer):
                 return comp
         return None
 
-    def _begin(self, request: CompositionRequest, plan: Plan) -> Composition:
+    def _begin(self, request: CompositionRequest, plan: Plan, reservation: Reservation | None = None) -> Composition:
         comp_id = self._new_id("c")
         request_id, fp = self._request_mark()
         comp = Composition(
@@ -1036,7 +1037,7 @@ class FabricComposer(Composer):
             state=CompositionState.COMPOSING,
             resources=request.resources,
             devices=plan.devices,
-            pending=self._adding(comp_id, plan, restore=None),
+            pending=self._adding(comp_id, plan, restore=None, reservation=reservation),
             request_id=request_id,
             request_fingerprint=fp,
         )
@@ -1049,13 +1050,21 @@ class FabricComposer(Composer):
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
 
-    def _adding(self, comp_id: str, plan: Plan, *, restore: CompositionState | None, start: int = 0) -> PendingChange:
+    def _adding(
+        self,
+        comp_id: str,
+        plan: Plan,
+        *,
+        restore: CompositionState | None,
+        start: int = 0,
+        reservation: Reservation | None = None,
+    ) -> PendingChange:
         """The record of binding ``plan``, written before the first driver call (see `PendingChange`)."""
         planned = tuple(
             Allocation(s.allocation_id, s.pick.pool, plan.host, s.pick.amount_bytes)
             for s in self._memory_steps(comp_id, plan, start)
         )
-        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark())
+        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark(), reservation)
 
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
         return [
@@ -1116,6 +1125,31 @@ class FabricComposer(Composer):
         if not self._rollback_incomplete(comp, failed):
             self._unclaim_plan(plan)
             self._forget(comp, f"rolled back: {failed.error.message}")
+            self._give_back(comp.pending)
+
+    def _give_back(self, change: PendingChange | None) -> None:
+        """Give the reservation an undone apply took back, for the rest of its time to live; under the lock."""
+        res = change.reservation if change is not None else None
+        if res is None:
+            return
+        if res.expires_at <= self.clock():
+            self._emit(EventType.RESERVATION_EXPIRED, res.id, f"reservation for {res.request.name!r} given back")
+            return
+        inv = self._inv
+        free = (
+            res.request.name not in self._names
+            and inv.host_owner.get(res.plan.host) is None
+            and all(inv.owner.get(p.device) is None for p in res.plan.devices)
+            and all(m.pool in inv.pools and inv.pools[m.pool].free_bytes >= m.amount_bytes for m in res.plan.memory)
+        )
+        if not free:  # what it held is another's now (a restart found the hardware otherwise): it cannot be held
+            self._emit(EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back")
+            return
+        self._claim_plan(res.plan, res.id)
+        self._reservations[res.id] = res
+        self._names[res.request.name] = res.id
+        self.store.put_reservation(res)
+        self._emit(EventType.RESERVATION_CREATED, res.id, f"for {res.request.name!r}, again: its apply was undone")
 
     # ----------------------------------------------------------------- queries
 

@@ -252,6 +252,9 @@ class PendingChange:
     """The client's request id for the change, if it gave one, with the digest of the request: recovery
     settles what a retry of it gets."""
     fingerprint: str = ""
+    reservation: Reservation | None = None
+    """The reservation an apply took: an apply that is undone (it failed, or a crash interrupted it) gives it
+    back, for the rest of its time to live."""
 
 
 @attrs.frozen
