@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
 from disagg.model import (
+    SELECTOR_KEY,
     Affinity,
     AttributeValue,
     CompositionRequest,
@@ -31,7 +32,7 @@ from disagg.model import (
     selector_refusal,
 )
 
-_CLAUSE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)\s*(!=|>=|<=|=|>|<)\s*(.+)$")
+_CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
 _COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
 T = TypeVar("T")

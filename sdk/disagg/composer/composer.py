@@ -91,6 +91,16 @@ _RECORDED = object()
 """The answer of a request id known only from the composition record its change left (`_seed_requests`)."""
 
 
+_ANSWERED = threading.Event()
+"""What a request id with a known answer waits on: nothing, it is set (one for all of them)."""
+_ANSWERED.set()
+
+
+def _finished_by(comp: Composition, request_id: str, fp: str) -> bool:
+    """Whether the change with this request id and digest finished whole on ``comp`` (its record says so)."""
+    return comp.request_id == request_id and comp.request_fingerprint == fp and comp.pending is None
+
+
 class _SettledError(Exception):
     """Raised through `FabricComposer._once` by a call that failed after it had changed something: its request
     id keeps ``error`` as the answer, so that a retry raises it again instead of repeating what was done."""
@@ -233,11 +243,9 @@ class FabricComposer(Composer):
             self._names.update({r.request.name: r.id for r in state.reservations})
             self._cordoned = set(state.cordons)
             for record in state.requests:
-                known = threading.Event()
-                known.set()
                 answer = requests.decode(record.answer)
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
-                self._requests[record.id] = (record.fingerprint, value, known)
+                self._requests[record.id] = (record.fingerprint, value, _ANSWERED)
             self._rebuild()
             self._mark_unknown()
             self._settle_known()
@@ -958,17 +966,13 @@ class FabricComposer(Composer):
         with self._lock:
             for comp in self._compositions.values():
                 if comp.request_id and comp.request_id not in self._requests:
-                    known = threading.Event()
-                    known.set()
-                    self._requests[comp.request_id] = (comp.request_fingerprint, _RECORDED, known)
+                    self._requests[comp.request_id] = (comp.request_fingerprint, _RECORDED, _ANSWERED)
                     # Oldest first: new requests push a seed out of memory before an answer the ledger holds.
                     self._requests.move_to_end(comp.request_id, last=False)
 
     def _answered(self, request_id: str, fp: str, answer: object) -> None:
         """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock."""
-        done = threading.Event()
-        done.set()
-        self._requests[request_id] = (fp, answer, done)
+        self._requests[request_id] = (fp, answer, _ANSWERED)
         value = answer.error if isinstance(answer, _SettledError) else answer
         assert isinstance(value, ComposeResult | Composition | DisaggError)
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
@@ -1012,9 +1016,7 @@ class FabricComposer(Composer):
         crash after the commit and before the answer was recorded)."""
         request_id, fp = self._request_mark()
         comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
-        if comp is None or (comp.request_id, comp.request_fingerprint) != (request_id, fp) or comp.pending:
-            return None
-        return comp
+        return comp if comp is not None and _finished_by(comp, request_id, fp) else None
 
     def _made_by_mark(self) -> Composition | None:
         """The finished composition that this thread's request id made (an apply, which has no name to look it
@@ -1022,10 +1024,7 @@ class FabricComposer(Composer):
         request_id, fp = self._request_mark()
         if not request_id:
             return None
-        for comp in self._compositions.values():
-            if (comp.request_id, comp.request_fingerprint) == (request_id, fp) and comp.pending is None:
-                return comp
-        return None
+        return next((c for c in self._compositions.values() if _finished_by(c, request_id, fp)), None)
 
     def _begin(self, request: CompositionRequest, plan: Plan, reservation: Reservation | None = None) -> Composition:
         comp_id = self._new_id("c")
@@ -1292,7 +1291,7 @@ class FabricComposer(Composer):
         request_id, fp = self._request_mark()
         with self._lock:
             comp = self.find(composition_id)
-            if request_id and (comp.request_id, comp.request_fingerprint) == (request_id, fp) and not comp.pending:
+            if request_id and _finished_by(comp, request_id, fp):
                 return comp  # this very change finished before a crash lost its answer
             if expected_etag is not None and expected_etag != comp.etag:
                 raise ConflictError(

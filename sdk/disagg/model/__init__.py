@@ -2,6 +2,7 @@
 
 from disagg.model.capabilities import Capabilities, Feature
 from disagg.model.composition import (
+    SELECTOR_KEY,
     Affinity,
     Allocation,
     Binding,
@@ -49,6 +50,7 @@ from disagg.model.units import format_size, parse_attribute_value, parse_latency
 
 __all__ = [
     "CXL_DC_BLOCK_BYTES",
+    "SELECTOR_KEY",
     "Affinity",
     "Allocation",
     "AttributeValue",
