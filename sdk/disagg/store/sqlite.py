@@ -126,26 +126,28 @@ class SqliteStore(Store):
         except OSError as exc:
             raise _open_error(self.path, exc) from exc
         self._owner = ownership.hold(self.path)
+        db: sqlite3.Connection | None = None
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            foreign = [n for (n,) in self._db.execute(_TABLES) if n not in LEDGER_TABLES]
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            foreign = [n for (n,) in db.execute(_TABLES) if n not in LEDGER_TABLES]
             if foreign:
-                self._db.close()
                 raise ConfigError(
                     f"{self.path} is a SQLite database but not a ledger (it has {', '.join(sorted(foreign))}): "
                     "give [state] path a ledger's file, or restore the ledger from a backup",
                     field="state.path",
                 )
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(SCHEMA)
-            (newest,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
-        except (OSError, sqlite3.Error) as exc:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(SCHEMA)
+            (newest,) = db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
+        except (OSError, sqlite3.Error, ConfigError) as exc:  # nothing of it stays open, and the ledger is let go
+            if db is not None:
+                db.close()
             ownership.let_go(self._owner)
+            if isinstance(exc, ConfigError):
+                raise
             raise _open_error(self.path, exc) from exc
-        except ConfigError:
-            ownership.let_go(self._owner)
-            raise
+        self._db = db
         self._newest_event = int(newest)
         self._db_lock = threading.Lock()
         self._lock = threading.Lock()
