@@ -4,6 +4,10 @@ fit is a ConfigError."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,16 @@ from disagg_sim.state import StateFile
 from sim_helpers import GIB, SMALL
 
 GPU = "pcie/gpu-a0"
+
+
+_STALLED_SAVE = """
+import os, sys, time
+from disagg.interfaces import CallContext
+from disagg_sim import SimFabric, load_topology
+os.replace = lambda *args: time.sleep(600)
+SimFabric(load_topology("pcie", "demo-pcie"), state_file=sys.argv[1]).bind("pcie/gpu-a0", "h1", CallContext(epoch=1))
+"""
+"""Saves a state file and stops just before renaming its temporary file into place."""
 
 
 def pcie(path: Path) -> SimFabric:
@@ -89,6 +103,30 @@ class TestPersistence:
             fabric.bind(f"pcie/gpu-a{i}", "h1", CallContext(epoch=1))
         assert [p.name for p in tmp_path.iterdir()] == ["pcie.json"]
         assert json.loads(path.read_text())["bindings"][GPU] == "h1"
+
+    def test_a_writer_killed_mid_save_leaves_nothing_behind(self, tmp_path: Path) -> None:
+        """A process killed between writing its temporary file and renaming it: the next process to open the
+        state file removes that file; a live writer's is left alone."""
+        path = tmp_path / "pcie.json"
+        writer = subprocess.Popen([sys.executable, "-c", _STALLED_SAVE, str(path)])
+        try:
+            deadline = time.monotonic() + 30
+            while not list(tmp_path.glob(".pcie.json.*.tmp")) and writer.poll() is None:
+                assert time.monotonic() < deadline, "the writer never wrote its temporary file"
+                time.sleep(0.01)
+        finally:
+            writer.kill()
+            writer.wait(timeout=10)
+        (stale,) = tmp_path.glob(".pcie.json.*.tmp")
+        assert f".{writer.pid}." in stale.name
+        live = tmp_path / f".pcie.json.{os.getpid()}.abc.tmp"
+        live.write_text("{}")
+        no_pid = tmp_path / ".pcie.json.abc.tmp"
+        no_pid.write_text("{}")
+        fabric = pcie(path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, no_pid.name])
+        fabric.bind(GPU, "h1", CallContext(epoch=1))
+        assert list(pcie(path).bindings()) == [Binding(GPU, "h1")]
 
     def test_a_failed_save_changes_nothing(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         fabric = pcie(tmp_path / "pcie.json")

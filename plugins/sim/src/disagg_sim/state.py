@@ -4,7 +4,9 @@ A CLI run is one process and the next run another; with a state file both drive 
 file holds only what differs from a freshly powered-on fabric: bindings, carved allocations, injected faults
 (failed devices, links down, pending flaky binds) and the highest fencing epoch seen. It is written whole
 after every change, to a temporary file that then replaces the old one (``os.replace``), so that a crash
-leaves either the old state or the new, never half of one.
+leaves either the old state or the new, never half of one. The temporary file's name holds the writer's pid, so
+that loading the state removes what a killed writer left behind and never the file another live process is
+writing.
 
 This module checks the file's shape; whether its contents fit the topology (known devices, hosts, pools,
 links) is for the fabric to check, because only it knows the topology.
@@ -48,6 +50,7 @@ class StateFile:
 
     def load(self) -> SimState | None:
         """The saved state, or None when there is no file yet. Raises ConfigError for a corrupt file."""
+        self._sweep()
         try:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -66,7 +69,7 @@ class StateFile:
     def save(self, state: SimState) -> None:
         """Write ``state`` atomically. OSError propagates: the caller decides what a failed save means."""
         text = json.dumps(_encode(state), indent=1, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f"{self._tmp_prefix}{os.getpid()}.", suffix=".tmp", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -77,8 +80,35 @@ class StateFile:
             Path(tmp).unlink(missing_ok=True)
             raise
 
+    @property
+    def _tmp_prefix(self) -> str:
+        return f".{self.path.name}."
+
+    def _sweep(self) -> None:
+        """Remove the temporary files of writers that are no longer running (killed between writing one and
+        renaming it). A file whose name holds no pid, or the pid of a live process, is left alone."""
+        try:
+            names = [n for n in os.listdir(self.path.parent) if n.startswith(self._tmp_prefix) and n.endswith(".tmp")]
+        except OSError:
+            return
+        for name in names:
+            pid = name[len(self._tmp_prefix) :].split(".", 1)[0]
+            if pid.isdigit() and not _running(int(pid)):
+                (self.path.parent / name).unlink(missing_ok=True)
+
     def _error(self, message: str) -> ConfigError:
         return ConfigError(f"state file {self.path} {message}", field="state_file")
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts: it may be writing)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _encode(state: SimState) -> dict[str, Any]:
