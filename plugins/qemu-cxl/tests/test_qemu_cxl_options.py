@@ -9,8 +9,7 @@ import pytest
 from disagg.errors import ConfigError
 from disagg_qemu_cxl import create_fabric, parse_options
 from disagg_qemu_cxl.command import command_line
-from disagg_qemu_cxl.fabric import _memory_bytes
-from disagg_qemu_cxl.options import HostOptions
+from disagg_qemu_cxl.options import HostOptions, memory_bytes
 from disagg_qemu_cxl.state import Record
 from qemu_cxl_helpers import GiB, MiB
 
@@ -44,7 +43,7 @@ class TestParseOptions:
     def test_memory_as_qemu_takes_it(self, memory: str, size: int) -> None:
         """As -m reads it: a plain number is MiB; the host reports the bytes."""
         assert parse_options("f", valid(hosts=[{"name": "h1", "memory": memory}])).hosts[0].memory == memory
-        assert _memory_bytes(memory) == size
+        assert memory_bytes(memory) == size
 
     def test_relative_files_are_the_callers(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """QEMU opens them from the host's directory; a relative path means the caller's, as state_dir does."""
@@ -65,6 +64,13 @@ class TestParseOptions:
             (valid(pool_bytes=100 * MiB), "pool_bytes"),
             (valid(pool_bytes=0), "pool_bytes"),
             (valid(pool_bytes="1G"), "pool_bytes"),
+            (valid(pool_bytes=976 * GiB), "pool_bytes"),
+            (valid(pool_bytes=1024 * GiB), "pool_bytes"),
+            (valid(pool_bytes=64 * 1024**4), "pool_bytes"),
+            (valid(pool_bytes=2**60), "pool_bytes"),
+            (valid(pool_bytes=2**64 - 256 * MiB), "pool_bytes"),
+            (valid(pool_bytes=2**64), "pool_bytes"),
+            (valid(pool_bytes=975 * GiB, hosts=[{"name": "h1"}, {"name": "h2", "memory": "4G"}]), "pool_bytes"),
             (valid(qemu=""), "qemu"),
             (valid(stop_hosts_on_close="yes"), "stop_hosts_on_close"),
             (valid(hosts=[]), "hosts"),
@@ -87,6 +93,47 @@ class TestParseOptions:
             parse_options("f", options)
         assert info.value.field == option
         assert "fabric 'f' (driver qemu-cxl)" in info.value.message and repr(option) in info.value.message
+
+
+class TestPoolBytesLimit:
+    """pool_bytes is every host's CXL window: refused above what QEMU 7.2 was measured to start with."""
+
+    @pytest.mark.parametrize(
+        ("memory", "largest"),
+        [
+            ("1G", int(975.75 * GiB)),
+            ("1.5G", int(975.75 * GiB)),
+            ("2815M", int(975.75 * GiB)),
+            ("2816M", int(974.75 * GiB)),
+            ("2817M", int(974.75 * GiB)),
+            ("3G", int(974.75 * GiB)),
+            ("4G", int(973.75 * GiB)),
+            ("5632M", int(971.75 * GiB)),
+            ("16G", int(961.75 * GiB)),
+        ],
+    )
+    def test_the_largest_window_qemu_starts_with(self, memory: str, largest: int) -> None:
+        """The largest measured to start is accepted and the next 256 MiB, which QEMU refuses, is not."""
+        hosts = [{"name": "h1", "memory": memory}]
+        assert parse_options("f", valid(pool_bytes=largest, hosts=hosts)).pool_bytes == largest
+        with pytest.raises(ConfigError) as info:
+            parse_options("f", valid(pool_bytes=largest + 256 * MiB, hosts=hosts))
+        assert info.value.field == "pool_bytes" and f"at most {largest}" in info.value.message
+
+    def test_the_message_says_why(self) -> None:
+        with pytest.raises(ConfigError) as info:
+            parse_options("f", valid(pool_bytes=1024**4))
+        message = info.value.message
+        assert "fabric 'f' (driver qemu-cxl): option 'pool_bytes'" in message
+        assert f"at most {int(975.75 * GiB)} (975.75 GiB), not {1024**4}" in message
+        assert "40-bit guest address space" in message
+
+    def test_a_host_with_more_ram_names_itself(self) -> None:
+        hosts = [{"name": "small"}, {"name": "big", "memory": "16G"}]
+        with pytest.raises(ConfigError) as info:
+            parse_options("f", valid(pool_bytes=970 * GiB, hosts=hosts))
+        assert info.value.field == "pool_bytes"
+        assert f"at most {int(961.75 * GiB)} for host 'big' with 16G of RAM, not {970 * GiB}" in info.value.message
 
 
 class TestMissingQemu:

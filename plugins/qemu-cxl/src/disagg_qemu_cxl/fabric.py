@@ -32,7 +32,7 @@ from disagg.statedir import claim
 
 from disagg_qemu_cxl.discovery import Features, probe
 from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured
-from disagg_qemu_cxl.options import QemuCxlOptions
+from disagg_qemu_cxl.options import QemuCxlOptions, memory_bytes
 from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
 from disagg_qemu_cxl.qmp import Loop
 from disagg_qemu_cxl.state import StateFile
@@ -43,15 +43,6 @@ QEMU_CXL_CAPABILITIES = Capabilities(
 """No BIND (memory is carved, never bound whole) and no UNBIND: QEMU 7.2 never completes a CXL hot-remove."""
 HOST_LINK_NS = 120
 APPLIANCE_LINK_NS = 150
-_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-
-
-def _memory_bytes(text: str) -> int:
-    """Bytes of guest RAM as QEMU's -m reads them: a number of MiB, or with a K, M, G or T suffix (either case)."""
-    unit = _UNITS.get(text[-1].upper())
-    if unit is None:
-        return int(text) * 1024**2
-    return int(float(text[:-1]) * unit)
 
 
 class _NoEvents(Subscription):
@@ -147,7 +138,7 @@ class QemuCxlFabric(Fabric):
             hosts.append(
                 Host(
                     name,
-                    memory_bytes=_memory_bytes(process.options.memory),
+                    memory_bytes=memory_bytes(process.options.memory),
                     switch=switch,
                     attributes={"qemu_pid": process.pid or 0, "cxl_ports": process.options.ports},
                 )

@@ -18,12 +18,29 @@ from disagg.model import CXL_DC_BLOCK_BYTES
 OPTIONS = ("state_dir", "pool_bytes", "qemu", "hosts", "stop_hosts_on_close")
 HOST_OPTIONS = ("name", "ports", "memory", "kernel", "initrd", "append", "serial")
 DEFAULT_POOL_BYTES = 4 * 1024**3
+MAX_POOL_BYTES = 3903 * CXL_DC_BLOCK_BYTES
+"""975.75 GiB: the largest ``cxl-fmw`` window QEMU starts with, and every host's window is ``pool_bytes``.
+
+Measured with Debian's QEMU 7.2.22 on this driver's command line and under 2.75 GiB of guest RAM, bisecting
+in 256 MiB steps: 975.75 GiB starts; 976 GiB, 1 TiB, 64 TiB and 2**60 exit at once with ``Address space
+limit 0xffffffffff < 0x1fc3fffffff phys-bits too low (40)`` (or a larger right-hand side). TCG's CPU, qemu64,
+is an AMD one with 40 physical address bits: once the window and the 32 GiB 64-bit PCI hole would reach the
+HyperTransport hole at 1012 GiB, QEMU moves all of it above 1 TiB, past those 40 bits (an Intel vendor moves
+the limit to 987.75 GiB). A Linux 6.1 guest booted with 975.75 GiB sees ``CXL Window 0`` at 0x110000000 to
+0xf4ffffffff, 32 GiB short of that hole, and the Type-3 behind it. QEMU checks the size itself only from
+2**64 on (``expects size``), and 2**64 - 256 MiB wraps the address check and starts. Neither the backend
+file nor the file system binds first: backends are sparse and ext4 (4 KiB blocks) takes files up to
+16 TiB - 4 KiB."""
 DEFAULT_PORTS = 4
 MAX_PORTS = 32
 """Downstream ports per switch: QEMU's RSS grows faster than linearly past a few tens of CXL devices."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _MEMORY = re.compile(r"^(?=.*[1-9])(?:[0-9]+|[0-9]+\.[0-9]+(?=[KMGTkmgt]))[KMGTkmgt]?$")
 """Guest RAM as QEMU's -m takes it: MiB, or a K, M, G or T suffix; a fraction only with a suffix."""
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_LOW_RAM_SPLIT = 0xB000_0000
+"""From 2.75 GiB of guest RAM, q35 keeps only 2 GiB below 4 GiB and maps the rest above it."""
+_LOW_RAM_MAX = 2 * 1024**3
 
 
 @attrs.frozen
@@ -81,6 +98,12 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> QemuCxlOptions:
         raise bad("pool_bytes", f"must be a positive integer of bytes, not {pool_bytes!r}")
     if pool_bytes % CXL_DC_BLOCK_BYTES:
         raise bad("pool_bytes", f"must be a multiple of 256 MiB ({CXL_DC_BLOCK_BYTES}), not {pool_bytes}")
+    if pool_bytes > MAX_POOL_BYTES:
+        raise bad(
+            "pool_bytes",
+            f"must be at most {MAX_POOL_BYTES} (975.75 GiB), not {pool_bytes}: every host gets a CXL window "
+            "of pool_bytes, and QEMU exits at start when that window passes its 40-bit guest address space",
+        )
 
     qemu = options.get("qemu", "qemu-system-x86_64")
     if not isinstance(qemu, str) or not qemu:
@@ -99,9 +122,34 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> QemuCxlOptions:
         if any(h.name == host.name for h in hosts):
             raise bad(f"hosts[{i}].name", f"host {host.name!r} is configured twice")
         hosts.append(host)
+        limit = window_limit(memory_bytes(host.memory))
+        if pool_bytes > limit:
+            raise bad(
+                "pool_bytes",
+                f"must be at most {max(limit, 0)} for host {host.name!r} with {host.memory} of RAM, not "
+                f"{pool_bytes}: guest RAM above 4 GiB moves the host's CXL window of pool_bytes up, and QEMU "
+                "exits at start when the window passes its 40-bit guest address space",
+            )
     return QemuCxlOptions(
         state_dir=state_dir, hosts=tuple(hosts), pool_bytes=pool_bytes, qemu=qemu, stop_hosts_on_close=stop
     )
+
+
+def memory_bytes(text: str) -> int:
+    """Bytes of guest RAM as QEMU's -m reads them: a number of MiB, or with a K, M, G or T suffix (either case)."""
+    unit = _UNITS.get(text[-1].upper())
+    if unit is None:
+        return int(text) * 1024**2
+    return int(float(text[:-1]) * unit)
+
+
+def window_limit(ram_bytes: int) -> int:
+    """The largest CXL window a host with ``ram_bytes`` of guest RAM starts with: `MAX_POOL_BYTES` less a GiB
+    for each GiB, or part of one, of the RAM that q35 maps above 4 GiB. Measured on QEMU 7.2.22 (the next 256
+    MiB fails as `MAX_POOL_BYTES` says): 1G, 1.5G and 2815M of RAM 975.75 GiB; 2816M, 2817M and 3G 974.75 GiB;
+    4G 973.75 GiB; 5632M 971.75 GiB; 16G 961.75 GiB."""
+    above_4g = ram_bytes - _LOW_RAM_MAX if ram_bytes >= _LOW_RAM_SPLIT else 0
+    return MAX_POOL_BYTES - -(-above_4g // 1024**3) * 1024**3
 
 
 def _path(value: object) -> Path | None:
