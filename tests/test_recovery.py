@@ -72,6 +72,11 @@ def events_of(composer: FabricComposer, kind: EventType) -> list[str]:
     return [e.subject for e in composer.events(0, 10_000) if e.type is kind]
 
 
+def pool_free(composer: FabricComposer, pool: str = "cxl0/mem0") -> int:
+    """The bytes of ``pool`` placement may still use."""
+    return {p.pool: p.free_bytes for p in composer.usage()[1]}[pool]
+
+
 def free_gpu(composer: FabricComposer) -> str:
     held = composer.holders()
     return next(d.id for d in composer.devices() if d.kind is DeviceKind.GPU and d.id not in held)
@@ -569,6 +574,56 @@ class TestReconcile:
         assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == ["stray"]
         assert {p.pool: p.free_bytes for p in composer.usage()[1]}["cxl0/mem0"] == free - 64 * GiB
         assert [a.id for a in pool.allocations()] == ["stray"]
+        assert composer.reconcile() == 0
+        composer.close()
+
+    def test_quarantined_memory_is_reported_once_across_restarts_and_kept_out(self, tmp_path: Path) -> None:
+        """The quarantine is in the ledger: a restart keeps the memory out of placement without reporting it
+        again (it did, on every start)."""
+        composer = opened(tmp_path)
+        free = pool_free(composer)
+        composer.fabrics["cxl0"].pool("cxl0/mem0").allocate("stray", "h1", 64 * GiB, CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        composer.close()
+        for _ in range(2):
+            again = opened(tmp_path)
+            assert events_of(again, EventType.ALLOCATION_QUARANTINED) == ["stray"]
+            assert pool_free(again) == free - 64 * GiB
+            assert again.reconcile() == 0
+            again.close()
+
+    def test_memory_the_hardware_frees_goes_back_to_placement(self, tmp_path: Path) -> None:
+        """Once the stray allocation is gone from the hardware, its memory is placeable again at the next pass,
+        and the ledger forgets the quarantine (it stayed claimed until a restart)."""
+        composer = opened(tmp_path)
+        free = pool_free(composer)
+        pool = composer.fabrics["cxl0"].pool("cxl0/mem0")
+        pool.allocate("stray", "h1", 64 * GiB, CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        pool.release("stray", CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        assert pool_free(composer) == free
+        assert composer.reconcile() == 0
+        composer.close()
+        again = opened(tmp_path)
+        assert pool_free(again) == free and again.reconcile() == 0
+        pool = again.fabrics["cxl0"].pool("cxl0/mem0")
+        pool.allocate("stray", "h1", 64 * GiB, CallContext(epoch=again.epoch))
+        assert again.reconcile() == 1  # carved again: a new quarantine, reported again
+        assert events_of(again, EventType.ALLOCATION_QUARANTINED) == ["stray", "stray"]
+        again.close()
+
+    def test_quarantined_memory_stays_out_of_placement_after_a_topology_change(self, tmp_path: Path) -> None:
+        """A link going down or up rebuilds the index; the quarantined memory must stay claimed (it became
+        placeable again)."""
+        composer = opened(tmp_path)
+        free = pool_free(composer)
+        composer.fabrics["cxl0"].pool("cxl0/mem0").allocate("stray", "h1", 64 * GiB, CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        link = composer.fabrics["cxl0"].discover().links[0]
+        composer.fabrics["cxl0"].set_link(link.a, link.b, False)
+        composer.fabrics["cxl0"].set_link(link.a, link.b, True)
+        assert pool_free(composer) == free - 64 * GiB
         assert composer.reconcile() == 0
         composer.close()
 

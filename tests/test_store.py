@@ -719,3 +719,22 @@ class TestCordons:
         assert sorted(store.load().cordons) == ["pcie0/gpu0", "pcie0/gpu1"]
         store.delete_cordon("pcie0/gpu1")
         assert store.load().cordons == ("pcie0/gpu0",)
+
+
+class TestQuarantines:
+    """Quarantined allocations are kept by pool and id, removed by them, and come back with the rest of the
+    ledger, whatever characters the ids hold."""
+
+    def test_put_delete_load(self, store: Store) -> None:
+        store.put_quarantine("cxl0/mem0", "stray")
+        store.put_quarantine("cxl0/mem0", 'odd/"id",x')
+        store.put_quarantine("cxl0/mem0", "stray")
+        store.put_quarantine("cxl0/mem1", "stray")
+        store.delete_quarantine("cxl0/mem0", "absent")
+        assert sorted(store.load().quarantined) == [
+            ("cxl0/mem0", 'odd/"id",x'),
+            ("cxl0/mem0", "stray"),
+            ("cxl0/mem1", "stray"),
+        ]
+        store.delete_quarantine("cxl0/mem0", "stray")
+        assert sorted(store.load().quarantined) == [("cxl0/mem0", 'odd/"id",x'), ("cxl0/mem1", "stray")]

@@ -219,7 +219,11 @@ class FabricComposer(Composer):
         self._quarantined: set[str] = set()
         """Devices reconciliation found bound with no record; cordoned and reported once."""
         self._quarantined_memory: set[tuple[str, str]] = set()
-        """(pool, allocation id) carved with no record; kept out of placement and reported once."""
+        """(pool, allocation id) carved with no record: reported once, and durably (the ledger keeps it), so that a
+        restart does not report it again."""
+        self._strays: dict[tuple[str, str], Allocation] = {}
+        """The quarantined allocations the hardware holds now, by (pool, id): kept out of placement (claimed in the
+        index, again after every rebuild) until the hardware frees them."""
         self._names: dict[str, str] = {}
         """Name to the id of the composition or reservation that holds it; names are unique among both."""
         self._requests: OrderedDict[str, tuple[str, object, threading.Event]] = OrderedDict()
@@ -242,6 +246,7 @@ class FabricComposer(Composer):
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
             self._cordoned = set(state.cordons)
+            self._quarantined_memory = set(state.quarantined)
             for record in state.requests:
                 answer = requests.decode(record.answer)
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
@@ -464,20 +469,7 @@ class FabricComposer(Composer):
                         host=host,
                     )
                     changes += 1
-            for key, alloc in sorted(carved.items()):
-                if key not in recorded and key not in self._quarantined_memory:
-                    self._quarantined_memory.add(key)
-                    if alloc.pool in self._inv.pools:
-                        self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
-                    self._emit(
-                        EventType.ALLOCATION_QUARANTINED,
-                        alloc.id,
-                        f"{alloc.amount_bytes} bytes of pool {alloc.pool} carved for {alloc.host} on the hardware, "
-                        "but no composition records them; kept out of placement",
-                        pool=alloc.pool,
-                        host=alloc.host,
-                    )
-                    changes += 1
+            changes += self._quarantine_memory(carved, recorded, read)
             for comp in list(self._compositions.values()):
                 if comp.id in busy_ids or comp.state not in _STANDING:
                     continue
@@ -564,6 +556,9 @@ class FabricComposer(Composer):
         for device in self._cordoned:
             if device in self._inv.devices:
                 self._inv.cordon(device)
+        for alloc in self._strays.values():
+            if alloc.pool in self._inv.pools:
+                self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
 
     def _discover_all(self) -> list[Topology]:
         """Every fabric's topology; one that cannot be reached counts as empty and is remembered as
@@ -702,6 +697,45 @@ class FabricComposer(Composer):
             except Exception:
                 log.exception("event listener failed")
         return event
+
+    def _quarantine_memory(
+        self, carved: dict[tuple[str, str], Allocation], recorded: set[tuple[str, str]], read: set[str]
+    ) -> int:
+        """Keep memory the hardware has carved and no composition records out of placement, reporting each once
+        (an `ALLOCATION_QUARANTINED` event, and a ledger record so that a restart does not report it again); give
+        it back to placement once the hardware no longer holds it. Returns how many it reported or gave back.
+        Under the lock."""
+        changes = 0
+        for key, alloc in sorted(carved.items()):
+            if key in recorded or key in self._strays:
+                continue
+            self._strays[key] = alloc
+            if alloc.pool in self._inv.pools:
+                self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+            if key in self._quarantined_memory:
+                continue  # reported before a restart
+            self._quarantined_memory.add(key)
+            self.store.put_quarantine(*key)
+            self._emit(
+                EventType.ALLOCATION_QUARANTINED,
+                alloc.id,
+                f"{alloc.amount_bytes} bytes of pool {alloc.pool} carved for {alloc.host} on the hardware, "
+                "but no composition records them; kept out of placement until the hardware frees them",
+                pool=alloc.pool,
+                host=alloc.host,
+            )
+            changes += 1
+        for key in sorted(self._quarantined_memory):
+            if key in carved or self._fabric_of_pool(key[0]) not in read:
+                continue
+            self._quarantined_memory.discard(key)
+            self.store.delete_quarantine(*key)
+            freed = self._strays.pop(key, None)
+            if freed is not None and freed.pool in self._inv.pools:
+                self._inv.release_memory(freed.pool, freed.amount_bytes)
+            log.info("pool %s: quarantined allocation %s is no longer on the hardware; given back", *key)
+            changes += 1
+        return changes
 
     def add_listener(self, listener: EventListener) -> Callable[[], None]:
         """Call ``listener`` for every new event, under the composer's lock: it must not block."""

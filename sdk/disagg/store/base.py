@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
 from collections.abc import Callable, Iterator, Sequence
 
 import attrs
@@ -27,6 +28,18 @@ class RequestRecord:
     at: float
 
 
+def quarantine_key(pool: str, allocation_id: str) -> str:
+    """A quarantined allocation as one key: its pool and id as a JSON array, since either may hold any
+    character a separator could be."""
+    return json.dumps([pool, allocation_id], separators=(",", ":"))
+
+
+def quarantine_of(key: str) -> tuple[str, str]:
+    """The (pool, allocation id) of a `quarantine_key`."""
+    pool, allocation_id = json.loads(key)
+    return str(pool), str(allocation_id)
+
+
 @attrs.frozen
 class LedgerState:
     """Everything a composer reloads at start-up."""
@@ -38,6 +51,8 @@ class LedgerState:
     """The newest `REQUEST_RETENTION`, oldest first."""
     cordons: tuple[str, ...] = ()
     """Devices kept out of placement, by an operator or by reconciliation (a quarantine)."""
+    quarantined: tuple[tuple[str, str], ...] = ()
+    """(pool, allocation id) of memory that reconciliation found carved with no record and reported."""
 
 
 class Store(abc.ABC):
@@ -63,6 +78,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def delete_cordon(self, device: str) -> None: ...
+
+    @abc.abstractmethod
+    def put_quarantine(self, pool: str, allocation_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def delete_quarantine(self, pool: str, allocation_id: str) -> None: ...
 
     @abc.abstractmethod
     def put_request(self, record: RequestRecord) -> None: ...

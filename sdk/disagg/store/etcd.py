@@ -34,7 +34,14 @@ from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Et
 from disagg import codec
 from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
 from disagg.model import Composition, Event, Reservation
-from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
+from disagg.store.base import (
+    REQUEST_RETENTION,
+    LedgerState,
+    RequestRecord,
+    Store,
+    quarantine_key,
+    quarantine_of,
+)
 
 log = logging.getLogger("disagg.store")
 
@@ -55,6 +62,7 @@ COMPOSITIONS = "compositions"
 RESERVATIONS = "reservations"
 REQUESTS = "requests"
 CORDONS = "cordons"
+QUARANTINES = "quarantines"
 EVENTS = "events"
 
 _UNREACHABLE: tuple[type[BaseException], ...] = (
@@ -295,7 +303,9 @@ class EtcdStore(Store):
         kvs = sorted(self._scan(REQUESTS, revision), key=lambda kv: int(kv["mod_revision"]))
         requests_ = tuple(codec.loads(_unb64(kv["value"]), RequestRecord) for kv in kvs[-REQUEST_RETENTION:])
         cordons = tuple(sorted(_unb64(kv["value"]).decode() for kv in self._scan(CORDONS, revision)))
-        return LedgerState(comps, res, self._last_event(revision), requests_, cordons)
+        keys = sorted(_unb64(kv["value"]).decode() for kv in self._scan(QUARANTINES, revision))
+        quarantined = tuple(quarantine_of(k) for k in keys)
+        return LedgerState(comps, res, self._last_event(revision), requests_, cordons, quarantined)
 
     def _first_event_from(self, revision: int, at: int) -> int | None:
         """The lowest event revision at or above ``revision``, read at etcd revision ``at``; None if none."""
@@ -352,6 +362,15 @@ class EtcdStore(Store):
     def delete_cordon(self, device: str) -> None:
         with self._write_lock:
             self._commit([self._delete(self._key(CORDONS, device))])
+
+    def put_quarantine(self, pool: str, allocation_id: str) -> None:
+        key = quarantine_key(pool, allocation_id)
+        with self._write_lock:
+            self._commit([self._put(self._key(QUARANTINES, key), key)])
+
+    def delete_quarantine(self, pool: str, allocation_id: str) -> None:
+        with self._write_lock:
+            self._commit([self._delete(self._key(QUARANTINES, quarantine_key(pool, allocation_id)))])
 
     def put_request(self, record: RequestRecord) -> None:
         with self._write_lock:

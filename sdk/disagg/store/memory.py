@@ -18,6 +18,7 @@ class MemoryStore(Store):
         self._events: list[Event] = []
         self._requests: dict[str, RequestRecord] = {}
         self._cordons: dict[str, None] = {}
+        self._quarantined: dict[tuple[str, str], None] = {}
         self._retention = event_retention
 
     def load(self) -> LedgerState:
@@ -28,6 +29,7 @@ class MemoryStore(Store):
                 self._events[-1].revision if self._events else 0,
                 tuple(self._requests.values()),
                 tuple(self._cordons),
+                tuple(self._quarantined),
             )
 
     def put_composition(self, composition: Composition) -> None:
@@ -53,6 +55,14 @@ class MemoryStore(Store):
     def delete_cordon(self, device: str) -> None:
         with self._lock:
             self._cordons.pop(device, None)
+
+    def put_quarantine(self, pool: str, allocation_id: str) -> None:
+        with self._lock:
+            self._quarantined[(pool, allocation_id)] = None
+
+    def delete_quarantine(self, pool: str, allocation_id: str) -> None:
+        with self._lock:
+            self._quarantined.pop((pool, allocation_id), None)
 
     def put_request(self, record: RequestRecord) -> None:
         with self._lock:

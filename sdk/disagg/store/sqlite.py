@@ -31,7 +31,14 @@ from disagg import codec
 from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 from disagg.model import Composition, Event, Reservation
 from disagg.store import ownership
-from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
+from disagg.store.base import (
+    REQUEST_RETENTION,
+    LedgerState,
+    RequestRecord,
+    Store,
+    quarantine_key,
+    quarantine_of,
+)
 from disagg.store.batch import Batch, Table
 
 SCHEMA = """
@@ -43,9 +50,10 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_at ON requests (at);
 CREATE TABLE IF NOT EXISTS cordons (device TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS quarantines (allocation TEXT PRIMARY KEY);
 """
 
-LEDGER_TABLES = frozenset({"compositions", "reservations", "events", "requests", "cordons"})
+LEDGER_TABLES = frozenset({"compositions", "reservations", "events", "requests", "cordons", "quarantines"})
 _TABLES = "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
 
 
@@ -78,6 +86,8 @@ RESERVATIONS = Table("reservations", "id", 2)
 EVENTS = Table("events", "revision", 2, insert="INSERT")
 REQUESTS = Table("requests", "id", 4)
 CORDONS = Table("cordons", "device", 1)
+QUARANTINES = Table("quarantines", "allocation", 1)
+"""A quarantined allocation is one column, its pool and id as a JSON array (`quarantine_key`)."""
 
 _last_queued: contextvars.ContextVar[tuple[object, int]] = contextvars.ContextVar("disagg_ledger_last_queued")
 """The ledger and sequence number of the last write this thread or asyncio task queued: what its `sync`
@@ -341,7 +351,8 @@ class SqliteStore(Store):
                 )
             )
             cordons = tuple(d for (d,) in self._db.execute("SELECT device FROM cordons ORDER BY device"))
-        return LedgerState(comps, res, int(last), requests, cordons)
+            keys = [k for (k,) in self._db.execute("SELECT allocation FROM quarantines ORDER BY allocation")]
+        return LedgerState(comps, res, int(last), requests, cordons, tuple(quarantine_of(k) for k in keys))
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
         with self._lock:
@@ -377,6 +388,12 @@ class SqliteStore(Store):
 
     def delete_cordon(self, device: str) -> None:
         self._enqueue(Batch.delete, CORDONS, device)
+
+    def put_quarantine(self, pool: str, allocation_id: str) -> None:
+        self._enqueue(Batch.put, QUARANTINES, (quarantine_key(pool, allocation_id),))
+
+    def delete_quarantine(self, pool: str, allocation_id: str) -> None:
+        self._enqueue(Batch.delete, QUARANTINES, quarantine_key(pool, allocation_id))
 
     def put_request(self, record: RequestRecord) -> None:
         def write(batch: Batch) -> None:
