@@ -29,6 +29,7 @@ from disagg.errors import (
     DisaggError,
     FabricUnavailableError,
     NotFoundError,
+    RequestAnswerLostError,
     RequestIdReusedError,
     StaleEpochError,
 )
@@ -42,6 +43,7 @@ from disagg.model import (
     DeviceKind,
     EventType,
     PendingChange,
+    Reservation,
     Topology,
 )
 from disagg.remote import RemoteFabric
@@ -130,6 +132,17 @@ def lose_answers(tmp: Path) -> None:
         db.execute("DELETE FROM requests")
 
 
+def applied_then_answer_lost(tmp: Path) -> tuple[Reservation, Composition]:
+    """A reservation applied under request id APPLY-1, whose answer a crash then lost."""
+    first = opened(tmp)
+    reservation = first.compose(parse_request("r", ["gpu x1"]), ComposeMode.RESERVE).reservation
+    assert reservation is not None
+    applied = first.apply_reservation(reservation.id, request_id="APPLY-1")
+    first.close()
+    lose_answers(tmp)
+    return reservation, applied
+
+
 class TestAnswersACrashLost:
     """A crash between a change's commit and its answer's leaves the request id in the composition's record
     only: a retry still gets the first answer, and another request under the same id is still refused."""
@@ -162,17 +175,59 @@ class TestAnswersACrashLost:
         again.close()
 
     def test_apply_of_a_reservation(self, tmp_path: Path) -> None:
-        first = opened(tmp_path)
-        reservation = first.compose(parse_request("r", ["gpu x1"]), ComposeMode.RESERVE).reservation
-        assert reservation is not None
-        applied = first.apply_reservation(reservation.id, request_id="APPLY-1")
-        first.close()
-        lose_answers(tmp_path)
+        reservation, applied = applied_then_answer_lost(tmp_path)
         again = opened(tmp_path)
         assert again.apply_reservation(reservation.id, request_id="APPLY-1") == applied
         with pytest.raises(NotFoundError):
             again.apply_reservation(reservation.id, request_id="APPLY-2")
         assert [c.id for c in again.compositions()] == [applied.id]
+        again.close()
+
+
+class TestAnswersACrashLostThenChanged:
+    """A retry whose answer a crash lost, after the composition its change made was decomposed or changed by
+    another request: the first answer cannot be given, and the change is refused rather than carried out again
+    (a compose composed a second composition, a recompose added again)."""
+
+    def test_compose_then_decompose(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
+        assert made is not None
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        again.decompose(made.id)
+        for _ in range(2):
+            with pytest.raises(RequestAnswerLostError, match="'Z' was carried out before a restart") as refused:
+                again.compose(parse_request("a", ["gpu x1"]), request_id="Z")
+            assert refused.value.metadata == {"request_id": "Z"}
+        assert again.compositions() == [] and again.fabrics["pcie0"].bindings() == ()
+        with pytest.raises(RequestIdReusedError):
+            again.compose(parse_request("b", ["gpu x1"]), request_id="Z")
+        again.close()
+
+    def test_recompose_then_another_change(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert comp is not None
+        gpu = parse_request("x", ["gpu x1"]).resources
+        first.recompose(comp.id, add=gpu, request_id="R")
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        changed = again.recompose(comp.id, add=parse_request("x", ["nic x1"]).resources, request_id="S")
+        with pytest.raises(RequestAnswerLostError):
+            again.recompose(comp.id, add=gpu, request_id="R")
+        assert again.get(comp.id).device_ids == changed.device_ids and len(changed.devices) == 3
+        again.close()
+
+    def test_apply_then_decompose(self, tmp_path: Path) -> None:
+        reservation, applied = applied_then_answer_lost(tmp_path)
+        again = opened(tmp_path)
+        again.decompose(applied.id)
+        with pytest.raises(RequestAnswerLostError):
+            again.apply_reservation(reservation.id, request_id="APPLY-1")
+        assert again.compositions() == []
         again.close()
 
 

@@ -4,6 +4,7 @@ for the last device."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -159,6 +160,25 @@ class TestCompose:
         failed = fails(served.stub.Compose, compose_request("two", request_id="req-1"))
         assert failed.code is grpc.StatusCode.ALREADY_EXISTS and failed.reason == "REQUEST_ID_REUSED"
         assert failed.metadata["request_id"] == "req-1"
+
+    def test_a_retry_whose_answer_a_crash_lost_after_a_decompose(self, tmp_path: Path) -> None:
+        """Over the wire: FAILED_PRECONDITION with reason REQUEST_ANSWER_LOST naming the id, and nothing composed."""
+        pcie = {"topology": "demo-pcie", "state_file": str(tmp_path / "pcie0.json")}
+        request = compose_request("idem", gpu(1), request_id="req-lost")
+        with serving(
+            socket_path(tmp_path), {"pcie0": create_fabric("pcie0", pcie)}, store=SqliteStore(tmp_path / "l.db")
+        ) as served:
+            made = served.stub.Compose(request).composition
+        with sqlite3.connect(tmp_path / "l.db") as db:  # a crash after the compose's commit, before its answer's
+            db.execute("DELETE FROM requests")
+        with serving(
+            socket_path(tmp_path), {"pcie0": create_fabric("pcie0", pcie)}, store=SqliteStore(tmp_path / "l.db")
+        ) as served:
+            served.stub.Decompose(fm.DecomposeRequest(id=made.id))
+            failed = fails(served.stub.Compose, request)
+            assert failed.code is grpc.StatusCode.FAILED_PRECONDITION and failed.reason == "REQUEST_ANSWER_LOST"
+            assert failed.metadata["request_id"] == "req-lost"
+            assert served.composer.compositions() == [] and list(served.bindings()) == []
 
     def test_name_taken(self, served: Served) -> None:
         comp = served.stub.Compose(compose_request("taken")).composition

@@ -116,6 +116,14 @@ class RequestIdReusedError(AlreadyExistsError):
     reason = "REQUEST_ID_REUSED"
 
 
+class RequestAnswerLostError(ConflictError):
+    """A retried request id whose change finished before a crash that lost its answer, and whose composition has
+    changed since (decomposed, or changed by another request): the first answer cannot be given, and the change
+    is not made again."""
+
+    reason = "REQUEST_ANSWER_LOST"
+
+
 class RevisionCompactedError(DisaggError):
     """An event revision older than the retention window was asked for; resume from a newer one."""
 

@@ -36,6 +36,7 @@ from disagg.errors import (
     InvalidRequestError,
     NoFitError,
     NotFoundError,
+    RequestAnswerLostError,
     RequestIdReusedError,
 )
 from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription
@@ -75,6 +76,9 @@ EventListener = Callable[[Event], None]
 _ID_RANDOM = random.Random(int.from_bytes(os.urandom(16), "big"))
 _ASKING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("disagg_request", default=None)
 """The request id and digest of the change this thread or asyncio task is running (`_once`)."""
+_RETRYING_RECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("disagg_retrying_recorded", default=False)
+"""Set while a request id known only from a composition record runs again (`_seed_requests`): its change was
+carried out before, so the change must find its work and answer with it, never carry it out again."""
 
 
 def _random_id(prefix: str) -> str:
@@ -853,6 +857,7 @@ class FabricComposer(Composer):
                 made = self._made_by_mark()
                 if made is not None:  # this very apply finished before a crash lost its answer
                     return ComposeResult(ComposeMode.APPLY, Plan(made.host, made.devices), composition=made)
+                self._check_not_done_before()
                 raise NotFoundError(
                     "reservation", reservation_id, f"reservation {reservation_id!r} expired or never existed"
                 )
@@ -965,6 +970,7 @@ class FabricComposer(Composer):
                     metadata={"request_id": request_id},
                 )
         asking = _ASKING.set((request_id, fp))
+        retrying = _RETRYING_RECORDED.set(seed is not None)
         try:
             answer = yield from run()
         except _SettledError as settled:
@@ -983,6 +989,7 @@ class FabricComposer(Composer):
             raise
         finally:
             _ASKING.reset(asking)
+            _RETRYING_RECORDED.reset(retrying)
         if found_again(answer):
             with self._lock, self.store.asynchronous_commit():
                 self._answered(request_id, fp, answer)
@@ -1003,6 +1010,20 @@ class FabricComposer(Composer):
                     self._requests[comp.request_id] = (comp.request_fingerprint, _RECORDED, _ANSWERED)
                     # Oldest first: new requests push a seed out of memory before an answer the ledger holds.
                     self._requests.move_to_end(comp.request_id, last=False)
+
+    def _check_not_done_before(self) -> None:
+        """Refuse to carry out again the change of a retried request id that the ledger knows from a composition
+        record, where that record no longer says so (`RequestAnswerLostError`): the change finished before a
+        crash lost its answer, and the composition has been decomposed or changed by another request since.
+        Call where the change would otherwise start, under the lock, once it has not found its own work."""
+        if _RETRYING_RECORDED.get():
+            request_id, _ = self._request_mark()
+            raise RequestAnswerLostError(
+                f"request id {request_id!r} was carried out before a restart that lost its answer, and its "
+                "composition has since been decomposed or changed by another request (or is being changed now): "
+                "it is not carried out again; read the composition, and use a new request id for anything left",
+                metadata={"request_id": request_id},
+            )
 
     def _answered(self, request_id: str, fp: str, answer: object) -> None:
         """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock."""
@@ -1026,6 +1047,7 @@ class FabricComposer(Composer):
             made = self._made_by_request(request)
             if made is not None and mode is ComposeMode.APPLY:
                 return ComposeResult(mode, Plan(made.host, made.devices), composition=made)
+            self._check_not_done_before()
             if mode is not ComposeMode.PREVIEW:
                 self._check_name(request.name)
             plan = self._placer.place(request)
@@ -1327,6 +1349,7 @@ class FabricComposer(Composer):
             comp = self.find(composition_id)
             if request_id and _finished_by(comp, request_id, fp):
                 return comp  # this very change finished before a crash lost its answer
+            self._check_not_done_before()
             if expected_etag is not None and expected_etag != comp.etag:
                 raise ConflictError(
                     f"composition {comp.id} is at {comp.etag}, not {expected_etag}",
