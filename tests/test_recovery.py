@@ -28,6 +28,7 @@ from disagg.errors import (
     DeadlineExceededError,
     DisaggError,
     FabricUnavailableError,
+    NoFitError,
     NotFoundError,
     RequestAnswerLostError,
     RequestIdReusedError,
@@ -782,6 +783,56 @@ class TestUnreachableAtStartUp:
         assert composer.retry_unreachable() is True
         assert composer.find("inference").state is CompositionState.COMPOSED
         assert composer.retry_unreachable() is False
+        composer.close()
+
+    def test_a_reservation_on_the_unreachable_fabric_is_kept_and_the_rest_served(self, tmp_path: Path) -> None:
+        """A reservation whose memory is on the fabric that does not answer: start-up failed (KeyError), and an
+        apply now is refused saying why, changing nothing; once the fabric answers, it applies."""
+        first = opened(tmp_path)
+        request = parse_request("held", ["host h1", "gpu x1", "cxl-memory 8GiB"])
+        res = first.compose(request, ComposeMode.RESERVE, reservation_ttl_s=600).reservation
+        assert res is not None
+        first.close()
+        composer, cxl, _ = unreachable_cxl(tmp_path)
+        assert composer.reservations() == [res]
+        assert composer.owner_of(res.plan.devices[0].device) == res.id
+        with pytest.raises(FabricUnavailableError, match=f"reservation {res.id} cannot be applied now: cxl0"):
+            composer.apply_reservation(res.id)
+        assert composer.reservations() == [res] and composer.compositions() == []
+        assert composer.compose(parse_request("other", ["host h2", "gpu x1"])).composition is not None
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        applied = composer.apply_reservation(res.id)
+        assert applied.state is CompositionState.COMPOSED and len(applied.allocations) == 1
+        composer.close()
+
+    def test_a_rebuild_while_a_reservations_fabric_is_away_keeps_every_claim(self, tmp_path: Path) -> None:
+        """A fabric event rebuilds the index while a reservation's fabric does not answer: the rebuild stopped
+        at that reservation, and every claim after it was lost, so a new compose took a reserved device and
+        the reservation's apply then put that device in a second composition."""
+        first = opened(tmp_path)
+        first.compose(parse_request("a", ["host h1", "gpu x1", "cxl-memory 8GiB"]), ComposeMode.RESERVE)
+        first.close()
+        composer, cxl, hardware = unreachable_cxl(tmp_path)
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        b = composer.compose(parse_request("b", ["host h2", "gpu x1"]), ComposeMode.RESERVE).reservation
+        assert b is not None
+        cordoned = free_gpu(composer)
+        composer.cordon(cordoned)
+        cxl.reachable = False
+        link = hardware["pcie0"].discover().links[0]
+        hardware["pcie0"].set_link(link.a, link.b, False)  # rebuilds the index, with cxl0 away
+        hardware["pcie0"].set_link(link.a, link.b, True)
+        gpu = b.plan.devices[0].device
+        assert composer.owner_of(gpu) == b.id and composer.is_cordoned(cordoned)
+        with pytest.raises(NoFitError):  # host h2 is reserved for b
+            composer.compose(parse_request("c", ["host h2", "gpu x1"]))
+        c = composer.compose(parse_request("c", ["gpu x8"])).composition
+        assert c is not None and gpu not in c.device_ids and cordoned not in c.device_ids
+        applied = composer.apply_reservation(b.id)
+        held = [d for comp in composer.compositions() for d in comp.device_ids]
+        assert gpu in applied.device_ids and len(held) == len(set(held))
         composer.close()
 
     def test_a_fabric_that_answers_again_is_told_the_epoch_first(self, tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from disagg.errors import (
     ConflictError,
     DeadlineExceededError,
     DisaggError,
+    FabricUnavailableError,
     InvalidRequestError,
     NoFitError,
     NotFoundError,
@@ -550,13 +551,23 @@ class FabricComposer(Composer):
         )
 
     def _rebuild(self) -> None:
-        """Build a fresh index from discovery and take the ledger's claims again."""
+        """Build a fresh index from discovery and take the ledger's claims again. What an unreachable fabric
+        holds is not in the index and is claimed once it answers (its next rebuild). Should anything fail, the
+        index before stays: a half-built one would offer what others hold."""
+        before = self._inv, self._placer
         self._inv = Inventory(self._discover_all())
         self._placer = Placer(self._inv, self.policy)
+        try:
+            self._claim_all()
+        except BaseException:
+            self._inv, self._placer = before
+            raise
+
+    def _claim_all(self) -> None:
         for comp in self._compositions.values():
             self._claim_composition(comp)
         for res in self._reservations.values():
-            self._claim_plan(res.plan, res.id)
+            self._claim_reserved(res)
         for device in self._cordoned:
             if device in self._inv.devices:
                 self._inv.cordon(device)
@@ -648,6 +659,26 @@ class FabricComposer(Composer):
         for alloc in allocs:
             if alloc.pool in self._inv.pools:
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+
+    def _claim_reserved(self, res: Reservation) -> None:
+        """Claim a reservation's plan in a freshly built index, as far as the index holds it."""
+        plan = res.plan
+        if plan.host in self._inv.hosts:
+            self._inv.claim_host(plan.host, res.id)
+        for pick in plan.devices:
+            if pick.device in self._inv.devices:
+                self._inv.claim_device(pick.device, res.id)
+        for mem in plan.memory:
+            if mem.pool in self._inv.pools:
+                self._inv.claim_memory(mem.pool, mem.amount_bytes)
+
+    def _out_of_reach(self, plan: Plan) -> list[str]:
+        """The fabrics of ``plan`` that the index lacks now (they cannot be reached), sorted."""
+        parts = [self._fabric_of(p.device) for p in plan.devices if p.device not in self._inv.devices]
+        parts += [self._fabric_of_pool(m.pool) for m in plan.memory if m.pool not in self._inv.pools]
+        if plan.host not in self._inv.hosts:
+            parts.append(f"host {plan.host}")
+        return sorted(set(parts))
 
     def _unclaim_composition(self, comp: Composition) -> None:
         """Give back what `_claim_composition` took: its devices, its memory, its host."""
@@ -860,6 +891,13 @@ class FabricComposer(Composer):
                 self._check_not_done_before()
                 raise NotFoundError(
                     "reservation", reservation_id, f"reservation {reservation_id!r} expired or never existed"
+                )
+            away = self._out_of_reach(res.plan)
+            if away:
+                raise FabricUnavailableError(
+                    f"reservation {res.id} cannot be applied now: {', '.join(away)} cannot be reached; it stays "
+                    "reserved, retry once the fabric answers",
+                    metadata={"reservation": res.id},
                 )
             del self._reservations[res.id]
             self._names.pop(res.request.name, None)
