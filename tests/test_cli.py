@@ -201,6 +201,13 @@ class TestErrors:
         assert code == 0 and json.loads(out)["reservation"] is not None
         assert cli(capsys, "ls", "--json")[1].strip() == "[]"
 
+    @pytest.mark.parametrize("ttl", ["nan", "inf", "-5", "1e12"])
+    def test_a_reserve_time_that_cannot_expire_is_refused(self, capsys: pytest.CaptureFixture[str], ttl: str) -> None:
+        """``--reserve nan`` held the devices and the name for good, and the CLI cannot release a reservation."""
+        code, out, err = cli(capsys, "compose", "r", "gpu x1", "--reserve", ttl)
+        assert (code, out) == (2, "") and "reservation time to live must be above 0 and at most 86400" in err
+        assert cli(capsys, "compose", "r", "gpu x1")[0] == 0
+
     def test_name_taken_and_nothing_changes(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert cli(capsys, "compose", "a", "gpu x1")[0] == 0
         code, _, err = cli(capsys, "compose", "a", "gpu x1")

@@ -7,6 +7,7 @@ composer must not be able to tell them apart.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,9 +111,15 @@ class TestCompose:
         with pytest.raises(NoFitError, match="host h2 already belongs"):
             comp.compose(parse_request("b", ["host h2", "gpu x1"]))
 
-    def test_ttl_must_be_positive(self) -> None:
-        with pytest.raises(InvalidRequestError):
-            composer().compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=0)
+    @pytest.mark.parametrize("ttl", [0, -1, math.nan, math.inf, 86_400.5, 1e12])
+    def test_ttl_must_be_above_zero_and_at_most_a_day(self, ttl: float) -> None:
+        """A NaN time to live never expired (every comparison with it is false), so the plan was held for good."""
+        comp = composer()
+        with pytest.raises(InvalidRequestError, match="at most 86400 seconds") as refused:
+            comp.compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=ttl)
+        assert refused.value.field == "reservation_ttl_s"
+        assert comp.reservations() == [] and comp.holders() == {}
+        assert comp.compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=86_400).reservation is not None
 
 
 class TestRollback:

@@ -43,6 +43,7 @@ from disagg.errors import (
 from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription
 from disagg.interfaces.placement import PlacementPolicy
 from disagg.model import (
+    MAX_RESERVATION_TTL_S,
     Affinity,
     Allocation,
     Binding,
@@ -1078,8 +1079,12 @@ class FabricComposer(Composer):
     def _compose(
         self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
     ) -> Steps[ComposeResult]:
-        if reservation_ttl_s <= 0:
-            raise InvalidRequestError("the reservation time to live must be positive", field="reservation_ttl_s")
+        if not 0 < reservation_ttl_s <= MAX_RESERVATION_TTL_S:  # NaN too: it never expired
+            raise InvalidRequestError(
+                f"the reservation time to live must be above 0 and at most {MAX_RESERVATION_TTL_S:g} seconds, "
+                f"not {reservation_ttl_s!r}",
+                field="reservation_ttl_s",
+            )
         with self._lock:
             self._expire_locked()
             made = self._made_by_request(request)

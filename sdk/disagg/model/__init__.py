@@ -2,6 +2,7 @@
 
 from disagg.model.capabilities import Capabilities, Feature
 from disagg.model.composition import (
+    MAX_RESERVATION_TTL_S,
     SELECTOR_KEY,
     Affinity,
     Allocation,
@@ -50,6 +51,7 @@ from disagg.model.units import format_size, parse_attribute_value, parse_latency
 
 __all__ = [
     "CXL_DC_BLOCK_BYTES",
+    "MAX_RESERVATION_TTL_S",
     "SELECTOR_KEY",
     "Affinity",
     "Allocation",

@@ -303,6 +303,10 @@ class Composition:
         return tuple(p.device for p in self.devices)
 
 
+MAX_RESERVATION_TTL_S = 86_400.0
+"""The longest a plan may be held: a day. A reservation holds a host and devices out of placement."""
+
+
 @attrs.frozen
 class Reservation:
     """A plan held for a time to live (Redfish ``CompositionReservation``)."""

@@ -17,6 +17,7 @@ from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import (
+    MAX_RESERVATION_TTL_S,
     Affinity,
     Capabilities,
     ComposeMode,
@@ -59,7 +60,7 @@ MAX_RESOURCES = 64
 MAX_SELECTORS = 32
 MAX_NAME = 63
 MAX_ID = 128
-MAX_TTL_S = 86_400.0
+MAX_TTL_S = MAX_RESERVATION_TTL_S
 MAX_REMOVE = 1024
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
