@@ -8,6 +8,7 @@ composer must not be able to tell them apart.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -259,6 +260,20 @@ class TestRecompose:
             comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag)
         assert len(comp.get(c.id).devices) == 3
         assert len(hardware_bindings(fabrics)) == 3
+
+    def test_an_etag_of_a_replaced_composition_is_stale(self) -> None:
+        """By name, after the composition was decomposed and composed again: the new one is at the same
+        generation, and an etag of the generation alone let the old reader's guarded update change it."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        seen = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert seen is not None
+        comp.decompose("job")
+        again = comp.compose(parse_request("job", ["host h3", "nvme x1"])).composition
+        assert again is not None and again.generation == seen.generation
+        with pytest.raises(ConflictError, match="not " + re.escape(seen.etag)):
+            comp.recompose("job", add=[parse_resource("gpu x1")], expected_etag=seen.etag)
+        assert comp.get(again.id).device_ids == again.device_ids
 
     def test_bad_removals_and_empty_changes(self) -> None:
         comp = composer()

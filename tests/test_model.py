@@ -290,7 +290,8 @@ class TestSelectorMatches:
 
 
 class TestCompositionEtag:
-    """A composition's etag is a weak etag of its generation, so it changes whenever the generation does."""
+    """A composition's etag is a weak etag of its id and generation: it changes whenever the generation does, and
+    two compositions never share one."""
 
     def _composition(self, generation: int = 1) -> Composition:
         return Composition(
@@ -304,12 +305,15 @@ class TestCompositionEtag:
         )
 
     def test_format(self) -> None:
-        assert self._composition().etag == 'W/"1"'
+        assert self._composition().etag == 'W/"c1.1"'
+
+    def test_another_composition_at_the_same_generation_differs(self) -> None:
+        assert attrs.evolve(self._composition(), id="c2").etag != self._composition().etag
 
     def test_changes_with_generation(self) -> None:
         first = self._composition()
         second = attrs.evolve(first, generation=first.generation + 1)
-        assert second.etag == 'W/"2"'
+        assert second.etag == 'W/"c1.2"'
         assert first.etag != second.etag
 
     def test_device_ids(self) -> None:

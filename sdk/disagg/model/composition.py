@@ -296,7 +296,9 @@ class Composition:
 
     @property
     def etag(self) -> str:
-        return f'W/"{self.generation}"'
+        """A weak etag of the composition's id and generation: the id too, so that a composition decomposed and
+        composed again under the same name (at the same generation) does not match an etag read before."""
+        return f'W/"{self.id}.{self.generation}"'
 
     @property
     def device_ids(self) -> tuple[str, ...]:
