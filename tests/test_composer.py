@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -218,6 +219,34 @@ class TestReservations:
         assert comp.compose(INFERENCE, ComposeMode.PREVIEW).plan != res.plan  # its devices are held again
         c = comp.apply_reservation(res.id, request_id="apply-1")
         assert c.device_ids == tuple(p.device for p in res.plan.devices) and comp.reservations() == []
+
+    def test_a_reservation_released_while_its_apply_runs_is_not_given_back(self) -> None:
+        """ReleaseReservation answered OK while the apply bound; the apply then failed and held the released
+        reservation again for the rest of its time to live."""
+        fabrics = rack(pcie0={"bind_delay_s": 0.2})
+        comp = composer(fabrics)
+        res = comp.compose(INFERENCE, ComposeMode.RESERVE, reservation_ttl_s=3600).reservation
+        assert res is not None
+        fabrics["pcie0"].flaky_bind(res.plan.devices[1].device, 1)
+        failed: list[DisaggError] = []
+
+        def apply() -> None:
+            try:
+                comp.apply_reservation(res.id, request_id="apply-1")
+            except DisaggError as exc:
+                failed.append(exc)
+
+        runner = threading.Thread(target=apply)
+        runner.start()
+        deadline = time.monotonic() + 10
+        while not comp.compositions() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        comp.release_reservation(res.id)
+        runner.join(10)
+        assert not runner.is_alive() and len(failed) == 1
+        assert comp.reservations() == [] and comp.holders() == {} and hardware_bindings(fabrics) == {}
+        released = [e for e in comp.events(0, 1000) if e.type is EventType.RESERVATION_RELEASED]
+        assert [e.subject for e in released] == [res.id]
 
     def test_release_is_idempotent(self) -> None:
         comp = composer()

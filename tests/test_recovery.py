@@ -257,6 +257,31 @@ class TestAnApplyACrashInterrupted:
         assert applied.device_ids == tuple(p.device for p in res.plan.devices)
         again.close()
 
+    def test_a_reservation_released_while_its_apply_ran_is_not_held_again(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The operator released the reservation (OK) while the apply bound; the crash undid the apply, and
+        recovery held the released reservation again for the rest of its time to live."""
+        first = opened(tmp_path)
+        res = first.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
+        assert res is not None
+
+        def release_then_crash(name: str) -> None:
+            if name == "compose.after_bind":
+                first.release_reservation(res.id)
+                raise KeyboardInterrupt  # the process dies here: nothing after it runs
+
+        monkeypatch.setattr(failpoints, "hit", release_then_crash)
+        with pytest.raises(KeyboardInterrupt):
+            first.apply_reservation(res.id, request_id="APPLY-1")
+        first.close()
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        assert again.compositions() == [] and again.reservations() == [] and again.holders() == {}
+        assert again.fabrics["pcie0"].bindings() == ()
+        assert events_of(again, EventType.RESERVATION_RELEASED) == [res.id]
+        again.close()
+
 
 class TestRequestIdsKnownFromRecords:
     """A request id known only from a composition's record stays refused to other requests whatever happens to

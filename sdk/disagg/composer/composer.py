@@ -850,10 +850,32 @@ class FabricComposer(Composer):
 
     @_durably
     def release_reservation(self, reservation_id: str) -> None:
+        """Give a reservation's plan back to placement. Idempotent. While an apply of it runs, the apply goes on,
+        and should it be undone the reservation is not held again (its record says so, for recovery too)."""
         with self._lock:
             res = self._reservations.get(reservation_id)
             if res is not None:
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED)
+                return
+            applying = next(
+                (
+                    c
+                    for c in self._compositions.values()
+                    if c.pending is not None
+                    and c.pending.reservation is not None
+                    and c.pending.reservation.id == reservation_id
+                ),
+                None,
+            )
+            if applying is not None and applying.pending is not None:
+                kept = revise(applying, pending=attrs.evolve(applying.pending, reservation=None))
+                self._compositions[kept.id] = kept
+                self.store.put_composition(kept)
+                self._emit(
+                    EventType.RESERVATION_RELEASED,
+                    reservation_id,
+                    f"while it was being applied as {kept.id}: should the apply be undone, it is not held again",
+                )
 
     def apply_reservation(
         self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
@@ -1222,8 +1244,9 @@ class FabricComposer(Composer):
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
         if not self._rollback_incomplete(comp, failed):
             self._unclaim_plan(plan)
+            now = self._compositions.get(comp.id, comp)  # a release while it ran took its reservation out
             self._forget(comp, f"rolled back: {failed.error.message}")
-            self._give_back(comp.pending)
+            self._give_back(now.pending)
 
     def _give_back(self, change: PendingChange | None) -> None:
         """Give the reservation an undone apply took back, for the rest of its time to live; under the lock."""
