@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import http.server
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -620,6 +621,48 @@ class TestEtcdFailover:
             assert time.monotonic() - started < 0.3  # no second wait on the silent endpoint
         finally:
             store.close()
+
+
+class TestEtcdWriteFailure:
+    """A write that fails fails the store as a whole (`Store.failure`), as the SQLite ledger's committer does:
+    the composer changed its memory before writing, so memory and etcd may differ from then on. Every later
+    write was taken as if nothing had happened: a decompose cut off this way left a record that stopped every
+    later replica from starting, a compose a COMPOSING composition stuck in memory."""
+
+    def test_a_write_etcd_does_not_answer(self, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
+        store = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, timeout_s=0.5)
+        member = etcd_cluster.members[0].process
+        assert member is not None
+        try:
+            store.put_composition(_composition("c1"))
+            assert store.failure == ""
+            member.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(FabricUnavailableError, match="no etcd endpoint answered"):
+                    store.delete_composition("c1")
+            finally:
+                member.send_signal(signal.SIGCONT)
+            assert "no etcd endpoint answered" in store.failure
+            for write in (lambda: store.put_composition(_composition("c2")), lambda: store.append_event(_event(1))):
+                with pytest.raises(FabricUnavailableError, match="failed earlier and takes no more writes"):
+                    write()
+            assert [c.id for c in store.load().compositions] in (["c1"], [])  # reads go on; the delete may have landed
+        finally:
+            store.close()
+
+    def test_a_write_etcd_refuses(self) -> None:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+        thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+        thread.start()
+        store = EtcdStore([f"127.0.0.1:{server.server_address[1]}"])
+        try:
+            with pytest.raises(FabricUnavailableError, match="something refused"):
+                store.put_cordon("pcie0/gpu0")
+            assert "something refused" in store.failure
+        finally:
+            store.close()
+            server.shutdown()
+            server.server_close()
 
 
 class _Refusing(http.server.BaseHTTPRequestHandler):

@@ -158,6 +158,8 @@ class EtcdStore(Store):
         """Held over each write, so that a prune sees no write of this process between its read and its deletes."""
         self._fence: dict[str, Any] | None = None
         """The compare of every write once `fence` was called."""
+        self._failure = ""
+        """Why a write failed (`_commit`): from then on the store takes no writes."""
         self._fence_key = ""
         self._fence_name = ""
         self._on_deposed: Callable[[], None] = lambda: None
@@ -193,6 +195,11 @@ class EtcdStore(Store):
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
             self._on_deposed = on_deposed or (lambda: None)
+
+    @property
+    def failure(self) -> str:
+        """See `Store.failure` and `_commit`."""
+        return self._failure
 
     # ----------------------------------------------------------------- calls, with failover
 
@@ -271,10 +278,21 @@ class EtcdStore(Store):
 
     def _commit(self, ops: list[dict[str, Any]]) -> None:
         """One transaction of ``ops``; fenced, it raises `LeadershipLostError` and changes nothing when the
-        leader key is no longer this replica's. Call it holding `_write_lock`."""
+        leader key is no longer this replica's. Call it holding `_write_lock`.
+
+        A write that fails otherwise (no member answers, or etcd refuses it: out of space, no quorum) fails the
+        store as a whole (`failure`), and every later write is refused: the composer changed its memory before
+        writing, and whether a timed-out write landed is unknown, so memory and etcd may differ from then on.
+        The server stops serving, and the next leader recovers from etcd and the hardware."""
+        if self._failure:
+            raise FabricUnavailableError(f"the ledger on etcd failed earlier and takes no more writes: {self._failure}")
         fence = self._fence
         txn = {"compare": [] if fence is None else [fence], "success": ops, "failure": []}
-        answer = self._call("write", lambda c: c.transaction(txn))
+        try:
+            answer = self._call("write", lambda c: c.transaction(txn))
+        except FabricUnavailableError as exc:
+            self._failure = exc.message
+            raise
         if fence is not None and not answer.get("succeeded"):
             self._on_deposed()
             raise LeadershipLostError(
