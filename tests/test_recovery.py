@@ -185,6 +185,22 @@ class TestAnswersACrashLost:
         again.close()
 
 
+    def test_reserve(self, tmp_path: Path) -> None:
+        """A RESERVE: the retry was refused as the name was taken (by its own reservation), and another request
+        under the same id was carried out."""
+        first = opened(tmp_path)
+        request = parse_request("held", ["gpu x1"])
+        res = first.compose(request, ComposeMode.RESERVE, request_id="RES-1").reservation
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        with pytest.raises(RequestIdReusedError):
+            again.compose(parse_request("other", ["gpu x1"]), ComposeMode.RESERVE, request_id="RES-1")
+        assert again.compose(request, ComposeMode.RESERVE, request_id="RES-1").reservation == res
+        assert again.reservations() == [res]
+        again.close()
+
+
 class TestAnswersACrashLostThenChanged:
     """A retry whose answer a crash lost, after the composition its change made was decomposed or changed by
     another request: the first answer cannot be given, and the change is refused rather than carried out again
@@ -220,6 +236,20 @@ class TestAnswersACrashLostThenChanged:
         with pytest.raises(RequestAnswerLostError):
             again.recompose(comp.id, add=gpu, request_id="R")
         assert again.get(comp.id).device_ids == changed.device_ids and len(changed.devices) == 3
+        again.close()
+
+    def test_reserve_then_release(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        request = parse_request("held", ["gpu x1"])
+        res = first.compose(request, ComposeMode.RESERVE, request_id="RES-1").reservation
+        assert res is not None
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        again.release_reservation(res.id)
+        with pytest.raises(RequestAnswerLostError):
+            again.compose(request, ComposeMode.RESERVE, request_id="RES-1")
+        assert again.reservations() == [] and again.holders() == {}
         again.close()
 
     def test_apply_then_decompose(self, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import cattrs.fns
 import cattrs.gen
 import orjson
 
-from disagg.model import AttributeValue, Composition
+from disagg.model import AttributeValue, Composition, Reservation
 
 T = TypeVar("T")
 
@@ -45,17 +45,16 @@ _converter.register_structure_hook(AttributeValue, _scalar)
 
 
 _public = _converter.copy()
-_public.register_unstructure_hook(
-    Composition,
-    cattrs.gen.make_dict_unstructure_fn(
-        Composition,
-        _public,
-        pending=cattrs.gen.override(omit=True),
-        request_id=cattrs.gen.override(omit=True),
-        request_fingerprint=cattrs.gen.override(omit=True),
-        before_unknown=cattrs.gen.override(omit=True),
-    ),
-)
+
+
+def _without(cls: type, *fields: str) -> None:
+    """Public data of ``cls`` leaves out ``fields``, which only the ledger keeps."""
+    omitted: dict[str, Any] = {name: cattrs.gen.override(omit=True) for name in fields}
+    _public.register_unstructure_hook(cls, cattrs.gen.make_dict_unstructure_fn(cls, _public, **omitted))
+
+
+_without(Composition, "pending", "request_id", "request_fingerprint", "before_unknown")
+_without(Reservation, "request_id", "request_fingerprint")
 
 
 def to_public_data(value: Any) -> Any:

@@ -1062,15 +1062,17 @@ class FabricComposer(Composer):
         return answer
 
     def _seed_requests(self) -> None:
-        """Remember the request id of each composition's last finished change, with its digest, where the ledger
-        holds no answer for it: a crash after the change's commit and before its answer's lost that answer, and
-        the same id with another request must still be refused, not carried out as a new change."""
+        """Remember the request id of each composition's last finished change, and of the Compose that made each
+        reservation, with its digest, where the ledger holds no answer for it: a crash after the change's commit
+        and before its answer's lost that answer, and the same id with another request must still be refused, not
+        carried out as a new change."""
         with self._lock:
-            for comp in self._compositions.values():
-                if comp.request_id and comp.request_id not in self._requests:
-                    self._requests[comp.request_id] = (comp.request_fingerprint, _RECORDED, _ANSWERED)
+            made: list[Composition | Reservation] = [*self._compositions.values(), *self._reservations.values()]
+            for record in made:
+                if record.request_id and record.request_id not in self._requests:
+                    self._requests[record.request_id] = (record.request_fingerprint, _RECORDED, _ANSWERED)
                     # Oldest first: new requests push a seed out of memory before an answer the ledger holds.
-                    self._requests.move_to_end(comp.request_id, last=False)
+                    self._requests.move_to_end(record.request_id, last=False)
 
     def _check_not_done_before(self) -> None:
         """Refuse to carry out again the change of a retried request id that the ledger knows from a composition
@@ -1112,6 +1114,9 @@ class FabricComposer(Composer):
             made = self._made_by_request(request)
             if made is not None and mode is ComposeMode.APPLY:
                 return ComposeResult(mode, Plan(made.host, made.devices), composition=made)
+            reserved = self._reserved_by_request(request)
+            if reserved is not None and mode is ComposeMode.RESERVE:
+                return ComposeResult(mode, reserved.plan, reservation=reserved)
             self._check_not_done_before()
             if mode is not ComposeMode.PREVIEW:
                 self._check_name(request.name)
@@ -1119,7 +1124,8 @@ class FabricComposer(Composer):
             if mode is ComposeMode.PREVIEW:
                 return ComposeResult(mode, plan)
             if mode is ComposeMode.RESERVE:
-                res = Reservation(self._new_id("r"), request, plan, self.clock() + reservation_ttl_s)
+                expires = self.clock() + reservation_ttl_s
+                res = Reservation(self._new_id("r"), request, plan, expires, *self._request_mark())
                 self._claim_plan(plan, res.id)
                 self._reservations[res.id] = res
                 self._names[request.name] = res.id
@@ -1138,6 +1144,12 @@ class FabricComposer(Composer):
         request_id, fp = self._request_mark()
         comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
         return comp if comp is not None and _finished_by(comp, request_id, fp) else None
+
+    def _reserved_by_request(self, request: CompositionRequest) -> Reservation | None:
+        """The reservation that this thread's request id already made, when its answer was lost."""
+        request_id, fp = self._request_mark()
+        res = self._reservations.get(self._names.get(request.name, "")) if request_id else None
+        return res if res is not None and (res.request_id, res.request_fingerprint) == (request_id, fp) else None
 
     def _made_by_mark(self) -> Composition | None:
         """The finished composition that this thread's request id made (an apply, which has no name to look it

@@ -317,6 +317,10 @@ class Reservation:
     request: CompositionRequest
     plan: Plan
     expires_at: float
+    request_id: str = ""
+    """The request id of the Compose that made it, with its digest: a retry after a crash that lost the answer
+    finds the reservation by them (as a composition's record does for its last change)."""
+    request_fingerprint: str = ""
 
 
 _COMPOSITION_FIELDS = tuple(a.name for a in attrs.fields(Composition))
