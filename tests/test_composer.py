@@ -202,7 +202,7 @@ class TestReservations:
         kinds, _ = comp.usage()
         assert next(k for k in kinds if k.kind.value == "gpu").free == 20
         assert EventType.RESERVATION_EXPIRED in events_of(comp)
-        with pytest.raises(NotFoundError, match="expired or never existed"):
+        with pytest.raises(NotFoundError, match="expired, was released or never existed"):
             comp.apply_reservation(res.id)
 
     def test_a_failed_apply_gives_the_reservation_back(self) -> None:
@@ -247,6 +247,23 @@ class TestReservations:
         assert comp.reservations() == [] and comp.holders() == {} and hardware_bindings(fabrics) == {}
         released = [e for e in comp.events(0, 1000) if e.type is EventType.RESERVATION_RELEASED]
         assert [e.subject for e in released] == [res.id]
+
+    def test_a_reservation_whose_device_fails_is_released_saying_why(self) -> None:
+        """Its plan can no longer be applied: every apply failed on the failed device, and the reservation held
+        the host and its other devices, unreported, until its time ran out."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = comp.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
+        assert res is not None
+        failed = res.plan.devices[0].device
+        fabrics["pcie0"].fail_device(failed, "ECC storm")
+        assert comp.reservations() == [] and comp.holders() == {}
+        (released,) = [e for e in comp.events(0, 1000) if e.type is EventType.RESERVATION_RELEASED]
+        assert released.subject == res.id and released.message.endswith(f"{failed} is not healthy")
+        with pytest.raises(NotFoundError, match="expired, was released or never existed"):
+            comp.apply_reservation(res.id)
+        again = comp.compose(parse_request("r", ["host h1", "gpu x2"])).composition
+        assert again is not None and failed not in again.device_ids
 
     def test_release_is_idempotent(self) -> None:
         comp = composer()

@@ -184,7 +184,6 @@ class TestAnswersACrashLost:
         assert [c.id for c in again.compositions()] == [applied.id]
         again.close()
 
-
     def test_reserve(self, tmp_path: Path) -> None:
         """A RESERVE: the retry was refused as the name was taken (by its own reservation), and another request
         under the same id was carried out."""
@@ -675,6 +674,21 @@ class TestReconcile:
         assert composer.find("job").state is CompositionState.DEGRADED
         assert composer.reconcile() == 0 and composer.find("job").state is CompositionState.DEGRADED
         composer.close()
+
+    def test_a_reservation_whose_device_failed_while_no_manager_ran_is_released(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        res = first.compose(parse_request("r", ["host h1", "gpu x1"]), ComposeMode.RESERVE).reservation
+        assert res is not None
+        first.close()
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].fail_device(res.plan.devices[0].device, "ECC storm")
+        for fabric in hardware.values():
+            fabric.close()
+        again = opened(tmp_path)
+        assert again.reservations() == [] and again.holders() == {}
+        assert events_of(again, EventType.RESERVATION_RELEASED) == [res.id]
+        assert again.reconcile() == 0
+        again.close()
 
     def test_memory_the_ledger_lacks_is_kept_out_of_placement(self, tmp_path: Path) -> None:
         composer = opened(tmp_path)

@@ -476,6 +476,7 @@ class FabricComposer(Composer):
                     )
                     changes += 1
             changes += self._quarantine_memory(carved, recorded, read)
+            changes += self._drop_unhealthy_reservations()
             for comp in list(self._compositions.values()):
                 if comp.id in busy_ids or comp.state not in _STANDING:
                     continue
@@ -830,12 +831,31 @@ class FabricComposer(Composer):
         for res in [r for r in self._reservations.values() if r.expires_at <= now]:
             self._drop_reservation(res, EventType.RESERVATION_EXPIRED)
 
-    def _drop_reservation(self, res: Reservation, why: EventType) -> None:
+    def _drop_reservation(self, res: Reservation, why: EventType, because: str = "") -> None:
         self._unclaim_plan(res.plan)
         del self._reservations[res.id]
         self._names.pop(res.request.name, None)
         self.store.delete_reservation(res.id)
-        self._emit(why, res.id, f"reservation for {res.request.name!r} given back")
+        self._emit(
+            why, res.id, f"reservation for {res.request.name!r} given back" + (f": {because}" if because else "")
+        )
+
+    def _drop_unhealthy_reservations(self, only: str | None = None) -> int:
+        """Release the reservations (or only ``only``) whose plan holds a device that is not healthy: their plan can
+        no longer be applied, and they would hold the host and the other devices until their time ran out.
+        Returns how many; under the lock."""
+        dropped = 0
+        for res in [r for r in self._reservations.values() if only is None or r.id == only]:
+            bad = [
+                p.device
+                for p in res.plan.devices
+                if (dev := self._inv.devices.get(p.device)) is not None and dev.health is not Health.OK
+            ]
+            if bad:
+                because = f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy"
+                self._drop_reservation(res, EventType.RESERVATION_RELEASED, because)
+                dropped += 1
+        return dropped
 
     @_durably
     def tick(self) -> None:
@@ -913,7 +933,9 @@ class FabricComposer(Composer):
                     return ComposeResult(ComposeMode.APPLY, Plan(made.host, made.devices), composition=made)
                 self._check_not_done_before()
                 raise NotFoundError(
-                    "reservation", reservation_id, f"reservation {reservation_id!r} expired or never existed"
+                    "reservation",
+                    reservation_id,
+                    f"reservation {reservation_id!r} expired, was released or never existed",
                 )
             away = self._out_of_reach(res.plan)
             if away:
@@ -1696,6 +1718,9 @@ class FabricComposer(Composer):
                 return []
             self._emit(EventType.DEVICE_HEALTH_CHANGED, device, message, old=old.health.value, new=health.value)
             owner = self._inv.owner.get(device)
+            if owner in self._reservations and health is not Health.OK:
+                self._drop_unhealthy_reservations(owner)
+                return []
             comp = self._compositions.get(owner) if owner else None
             if comp is None:
                 return []
