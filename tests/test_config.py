@@ -230,6 +230,9 @@ class TestValueErrors:
             ("ledger = 'etcd'\nendpoints = '127.0.0.1:2379'", "state.endpoints", "a list of HOST:PORT"),
             ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nprefix = 'disagg'", "state.prefix", "start and end"),
             ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nlease_ttl_s = 1", "state.lease_ttl_s", "from 2 to 60"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nepoch_base = -1", "state.epoch_base", "from 0"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nepoch_base = '9'", "state.epoch_base", "from 0"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nepoch_base = true", "state.epoch_base", "from 0"),
         ],
     )
     def test_etcd_settings(self, tmp_path: Path, state: str, field: str, says: str) -> None:
@@ -241,7 +244,7 @@ class TestValueErrors:
             tmp_path, MINIMAL + "[state]\nledger = 'etcd'\nendpoints = ['127.0.0.1:2379', '127.0.0.1:2479']\n"
         )
         assert config.ledger == "etcd" and config.etcd_endpoints == ("127.0.0.1:2379", "127.0.0.1:2479")
-        assert config.etcd_prefix == "/disagg/" and config.lease_ttl_s == 3
+        assert config.etcd_prefix == "/disagg/" and config.lease_ttl_s == 3 and config.epoch_base == 0
 
     def test_etcd_requests_wait_a_sixth_of_the_lease(self, tmp_path: Path) -> None:
         """As the lease keeper's do: one stalled member must not hold every ledger call (and so every RPC of the

@@ -19,8 +19,10 @@ import pytest
 from composer_helpers import rack
 from disagg.client import NO_RETRY, FabricManagerClient
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError
+from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 from disagg.ha import Leadership
+from disagg.interfaces import CallContext
+from disagg.model import Binding
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer
 from disagg.store.etcd import EtcdStore
@@ -50,6 +52,22 @@ def campaign_in_thread(leadership: Leadership) -> tuple[threading.Thread, list[i
     thread = threading.Thread(target=lambda: won.append(leadership.campaign()), daemon=True)
     thread.start()
     return thread, won
+
+
+def leading_server(
+    etcd: EtcdCluster, leadership: Leadership, prefix: str
+) -> tuple[FabricManagerServer, threading.Event]:
+    """A started server on the demo rack and an etcd ledger under ``prefix``, campaigning with ``leadership``;
+    the event is set once it serves."""
+    serving = threading.Event()
+    server = FabricManagerServer(
+        FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix=prefix)),
+        ["127.0.0.1:0"],
+        leadership=leadership,
+        on_serving=lambda addresses: serving.set(),
+    )
+    server.start()
+    return server, serving
 
 
 class TestLeadership:
@@ -95,14 +113,7 @@ class TestDeposed:
         """Another replica took the leader key between two of this one's refreshes (10 s apart here): the first
         ledger write that etcd refuses for it steps this replica down then, not at its next refresh."""
         leadership = Leadership(etcd.endpoints, "old", ttl_s=30)
-        serving = threading.Event()
-        server = FabricManagerServer(
-            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/deposed/")),
-            ["127.0.0.1:0"],
-            leadership=leadership,
-            on_serving=lambda addresses: serving.set(),
-        )
-        server.start()
+        server, serving = leading_server(etcd, leadership, "/deposed/")
         usurper = Leadership(etcd.endpoints, "new", ttl_s=30)
         try:
             assert serving.wait(WAIT_S)
@@ -154,3 +165,45 @@ class TestDeposed:
         assert not served, "a stopped replica went on to serve"
         assert closed[-1:] == ["started"], "what the start opened after the stop was left open"
         server.stop(0)
+
+
+class TestEpochBase:
+    """A new etcd cluster starts its revisions low again while the drivers remember the highest epoch they have
+    seen: every leader was refused. ``epoch_base`` lifts the epoch above it, through a base kept in etcd, so a
+    replica that was not told leads above it too, and epochs still rise from one leader to the next."""
+
+    def test_every_later_leader_leads_above_the_base(self, etcd: EtcdCluster) -> None:
+        pcie = rack()["pcie0"]
+        pcie.unbind(Binding("pcie0/disagg-fence", "disagg-fence"), CallContext(epoch=1000))  # seen before
+        gpu = "pcie0/gpu-a0"
+        low = Leadership(etcd.endpoints, "low", key="/base/leader", ttl_s=TTL_S)
+        epoch = low.campaign()
+        assert epoch == low.create_revision < 1000
+        with pytest.raises(StaleEpochError, match="older than 1000"):
+            pcie.bind(gpu, "h1", CallContext(epoch=epoch))
+        low.resign()
+        told = Leadership(etcd.endpoints, "told", key="/base/leader", ttl_s=TTL_S, epoch_base=1000)
+        raised = told.campaign()
+        assert raised == 1000 + told.create_revision
+        pcie.bind(gpu, "h1", CallContext(epoch=raised))
+        told.resign()
+        untold = Leadership(etcd.endpoints, "untold", key="/base/leader", ttl_s=TTL_S)
+        assert untold.campaign() == 1000 + untold.create_revision > raised
+        untold.resign()
+
+    def test_a_server_with_a_base_writes_its_ledger(self, etcd: EtcdCluster) -> None:
+        """Ledger writes are fenced on the leader key's create revision, not on the epoch."""
+        leadership = Leadership(etcd.endpoints, "based", key="/based/leader", ttl_s=TTL_S, epoch_base=500)
+        server, serving = leading_server(etcd, leadership, "/based/")
+        try:
+            assert serving.wait(WAIT_S)
+            with FabricManagerClient(server.addresses[0], retries=NO_RETRY) as client:
+                made = client.compose(parse_request("job", ["gpu x1"]))
+                assert made.composition is not None and leadership.epoch > 500
+            assert not leadership.lost.is_set()
+        finally:
+            server.stop(0)
+
+    def test_a_negative_base(self) -> None:
+        with pytest.raises(ConfigError, match="epoch base must be 0 or more"):
+            Leadership(["127.0.0.1:2379"], "x", epoch_base=-1)

@@ -45,6 +45,8 @@ class Config:
     """With ``ledger = "etcd"``: the cluster's client endpoints (HOST:PORT); replicas on it elect a leader."""
     etcd_prefix: str = "/disagg/"
     lease_ttl_s: int = 3
+    epoch_base: int = 0
+    """With ``ledger = "etcd"``: the least base of the fencing epoch (see `disagg.ha.election`)."""
     policy: str = "best-fit"
     auto_heal: bool = True
     call_timeout_s: float = 30.0
@@ -98,7 +100,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     doc = _expand(doc, state_dir(environ), source)
     _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
     state = _table(doc, "state", source)
-    _known(state, {"ledger", "path", "endpoints", "prefix", "lease_ttl_s"}, "[state]", source, "state")
+    _known(state, {"ledger", "path", "endpoints", "prefix", "lease_ttl_s", "epoch_base"}, "[state]", source, "state")
     ledger = state.get("ledger", "sqlite")
     if ledger not in LEDGERS:
         raise ConfigError(
@@ -121,6 +123,13 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     if not isinstance(ttl, int) or isinstance(ttl, bool) or not 2 <= ttl <= 60:
         raise ConfigError(
             f"{source}: [state] lease_ttl_s must be a whole number of seconds from 2 to 60", field="state.lease_ttl_s"
+        )
+    epoch_base = state.get("epoch_base", 0)
+    if not isinstance(epoch_base, int) or isinstance(epoch_base, bool) or not 0 <= epoch_base < 2**62:
+        raise ConfigError(
+            f"{source}: [state] epoch_base must be a whole number from 0 (raise it above the epoch the drivers "
+            f"refuse a leader with, after moving to a new etcd cluster), not {epoch_base!r}",
+            field="state.epoch_base",
         )
     composer = _table(doc, "composer", source)
     _known(composer, {"policy", "auto_heal", "call_timeout_s"}, "[composer]", source, "composer")
@@ -172,6 +181,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         etcd_endpoints=tuple(endpoints),
         etcd_prefix=prefix,
         lease_ttl_s=ttl,
+        epoch_base=epoch_base,
         policy=policy,
         auto_heal=auto_heal,
         call_timeout_s=float(timeout),

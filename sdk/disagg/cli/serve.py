@@ -71,7 +71,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         identity = f"{socket.gethostname()}:{os.getpid()}:{','.join(listeners)}"
         leadership = Leadership(
-            config.etcd_endpoints, identity, key=f"{config.etcd_prefix}leader", ttl_s=config.lease_ttl_s
+            config.etcd_endpoints,
+            identity,
+            key=f"{config.etcd_prefix}leader",
+            ttl_s=config.lease_ttl_s,
+            epoch_base=config.epoch_base,
         )
 
     def on_serving(addresses: list[str]) -> None:

@@ -6,6 +6,12 @@ epoch. Every driver call carries it (a driver refuses an older one) and every le
 on it (`EtcdStore.fence`), so a replica that lost the lead, even one that was paused and does not know yet,
 can change neither the hardware nor the ledger.
 
+The epoch is the create revision plus a base kept in etcd beside the leader key (``<key>.epoch-base``), 0
+until raised: a new or rebuilt etcd cluster starts its revisions low again, while the drivers remember the
+highest epoch they have seen and would refuse every call. The operator sets ``[state] epoch_base`` above that
+(the drivers' refusal names it); a leader raises the stored base to it, never lowers it, in a transaction
+fenced on its own leader key, so epochs still rise from one leader to the next whichever replica was told.
+
 The lease is refreshed every third of its time to live, counted from the last refresh etcd took, also the one
 just before a campaign's create: a standby that waited longer than the time to live would otherwise win with a
 lease about to expire, and lose the lead a moment later. A member that does not answer is given a sixth of the
@@ -17,6 +23,7 @@ refreshes (`deposed`).
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -30,6 +37,11 @@ from disagg.errors import ConfigError
 from disagg.store.etcd import parse_endpoint, request_timeout
 
 log = logging.getLogger("disagg.ha")
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
 
 LEADER_KEY = "/disagg/leader"
 LEASE_TTL_S = 3
@@ -50,6 +62,7 @@ class Leadership:
         key: str = LEADER_KEY,
         ttl_s: int = LEASE_TTL_S,
         timeout_s: float = 2.0,
+        epoch_base: int = 0,
     ) -> None:
         if not endpoints:
             raise ConfigError("high availability needs at least one etcd endpoint", field="state.endpoints")
@@ -61,8 +74,14 @@ class Leadership:
         self.ttl_s = ttl_s
         self.timeout_s = min(timeout_s, request_timeout(ttl_s))
         """Each request to etcd: a sixth of the time to live at most, so that the keeper tries other members."""
+        if epoch_base < 0:
+            raise ConfigError(f"the epoch base must be 0 or more, not {epoch_base}", field="state.epoch_base")
+        self.epoch_base = epoch_base
+        """The least base this replica leads with (`_settle_base`)."""
         self.epoch = 0
-        """The leader key's create revision while this replica leads; 0 before."""
+        """The fencing epoch while this replica leads (its key's create revision plus the base); 0 before."""
+        self.create_revision = 0
+        """The leader key's create revision while this replica leads: what ledger writes are fenced on."""
         self.lost = threading.Event()
         """Set when this replica, having led, no longer does."""
         self._stop = threading.Event()
@@ -95,7 +114,11 @@ class Leadership:
                     self._lease = client.lease(self.ttl_s)
                 if client.create(self.key, self.identity, lease=self._lease):
                     value = client.get(self.key, metadata=True)
-                    self.epoch = int(value[0][1]["create_revision"])
+                    self.create_revision = int(value[0][1]["create_revision"])
+                    base = self._settle_base(client)
+                    if base is None:  # the key was lost between the create and the base: campaign again
+                        continue
+                    self.epoch = base + self.create_revision
                     log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
                     self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
                     self._keeper.start()
@@ -106,6 +129,34 @@ class Leadership:
                 self._lease = None
             stop.wait(CAMPAIGN_POLL_S)
         return 0
+
+    @property
+    def base_key(self) -> str:
+        return f"{self.key}.epoch-base"
+
+    def _settle_base(self, client: etcd3gw.Etcd3Client) -> int | None:
+        """The epoch base in etcd, raised first to `epoch_base` if that is higher, in one transaction that holds
+        only while the leader key is still this replica's (None when it is not)."""
+        stored = client.get(self.base_key)
+        base = int(stored[0]) if stored else 0
+        if self.epoch_base <= base:
+            return base
+        txn = {
+            "compare": [
+                {
+                    "key": _b64(self.key),
+                    "target": "CREATE",
+                    "result": "EQUAL",
+                    "create_revision": self.create_revision,
+                }
+            ],
+            "success": [{"request_put": {"key": _b64(self.base_key), "value": _b64(str(self.epoch_base))}}],
+            "failure": [],
+        }
+        if not client.transaction(txn).get("succeeded"):
+            return None
+        log.warning("raised the epoch base from %d to %d ([state] epoch_base)", base, self.epoch_base)
+        return self.epoch_base
 
     def _keep(self, fresh: float) -> None:
         """Refresh the lease until it cannot be, or the key is no longer ours: then the lead is lost. ``fresh``:
@@ -121,7 +172,7 @@ class Leadership:
                 if self._lease.refresh() <= 0:
                     break
                 held = client.get(self.key, metadata=True)
-                if not held or int(held[0][1]["create_revision"]) != self.epoch:
+                if not held or int(held[0][1]["create_revision"]) != self.create_revision:
                     break
                 deadline = sent + self.ttl_s
                 due = sent + self.ttl_s / 3

@@ -185,7 +185,11 @@ class FabricManagerServer:
             fence = getattr(self.composer.store, "fence", None)
             if fence is not None:
                 leadership = self.leadership
-                fence(leadership.key, epoch, lambda: leadership.deposed("the ledger refused a write: another leads"))
+                fence(
+                    leadership.key,
+                    leadership.create_revision,
+                    lambda: leadership.deposed("the ledger refused a write: another leads"),
+                )
             log.info("leading with fencing epoch %d: starting the composer", epoch)
             self.composer.fence_drivers()
             self.composer.start()
