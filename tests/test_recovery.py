@@ -507,6 +507,29 @@ class TestComposeAnswersOnItsPlansCommit:
         composer.close()
         assert state_on_disk(tmp_path, answer.id) is CompositionState.COMPOSED
 
+    def test_a_listing_answers_once_its_revision_is_on_disk(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A listing's revision counted the COMPOSED event still queued: after a crash that revision went to
+        other events, and a watch from it ("list, then watch") missed them and the change the crash undid."""
+        composer = opened(tmp_path)
+        held = stall_commits_at_first_bind(composer, monkeypatch)
+        listed: list[tuple[Sequence[Composition], int]] = []
+        lister = threading.Thread(target=lambda: listed.append(composer.snapshot(composer.compositions)), daemon=True)
+        try:
+            assert compose_in_thread(composer, "req-1") is not None
+            lister.start()
+            lister.join(0.5)
+            assert not listed, "the listing answered with a revision the ledger does not hold yet"
+        finally:
+            held.release()
+        lister.join(WAIT_S)
+        ((comps, revision),) = listed
+        with sqlite3.connect(tmp_path / "ledger.db") as db:
+            (on_disk,) = db.execute("SELECT MAX(revision) FROM events").fetchone()
+        assert [c.state for c in comps] == [CompositionState.COMPOSED] and revision <= on_disk
+        composer.close()
+
     def test_a_restart_before_the_composed_record_finds_the_composition(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

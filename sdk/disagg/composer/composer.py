@@ -800,9 +800,15 @@ class FabricComposer(Composer):
         revision: a watch from it (`events`, or the server's WatchEvents) misses no later change and repeats no
         earlier one. ``read`` may call the composer's own queries (`compositions`, `devices`, `usage`, ...);
         it must not block, since every change waits for it.
+
+        It returns once the ledger holds every event up to that revision (`Store.await_event`), as a watch sends
+        only such events: a revision a crash could still take back would be given to other events after the
+        restart, and a watch from it would miss them and the changes the crash undid, without an error.
         """
         with self._lock:
-            return read(), self._revision
+            answer, revision = read(), self._revision
+        self.store.await_event(revision)
+        return answer, revision
 
     def _set(self, comp: Composition, **changes: object) -> Composition:
         if (
