@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar, cast
 
 import pytest
 from composer_helpers import (
@@ -27,7 +28,7 @@ from composer_helpers import (
     serve,
     serving,
 )
-from disagg.composer import FabricComposer
+from disagg.composer import FabricComposer, steps
 from disagg.errors import (
     ConflictError,
     DeviceBusyError,
@@ -47,6 +48,19 @@ from disagg_sim import SimFabric, create_fabric, load_topology
 
 TRAINING = parse_request("training", ["host cores>=8", "gpu x8 model=H200 same-switch"])
 INFERENCE = parse_request("inference", ["host memory>=512GiB", "gpu x2 model=H200", "cxl-memory 512GiB"])
+
+
+T = TypeVar("T")
+
+
+def resumed(change: steps.Steps[T], value: object) -> steps.Steps[T]:
+    """``change``, already started and stopped at a step, resumed with that step's ``value``: for `steps.run`."""
+    while True:
+        try:
+            step = change.send(value)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+        value = yield step
 
 
 def events_of(comp: FabricComposer) -> list[EventType]:
@@ -452,6 +466,29 @@ class TestHealth:
 
 class TestConcurrency:
     """Concurrent composes never share a device; exactly as many succeed as there are devices."""
+
+    def test_a_change_by_name_acts_on_the_composition_the_name_meant(self) -> None:
+        """A decompose by name waited for composition A's lock while A was decomposed and a new one, B, was
+        being composed under the same name; once it had A's lock it looked the name up again and decomposed B,
+        beside B's own compose, whose answer and events then said COMPOSING -> DECOMPOSING -> COMPOSED."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        a = comp.compose(parse_request("x", ["host h1", "gpu x1"])).composition
+        assert a is not None
+        by_name = comp.decompose_steps("x")
+        waiting = next(by_name)  # resolved "x" to A; waits for A's lock
+        assert isinstance(waiting, steps.Acquire)
+        comp.decompose(a.id)
+        composing = comp.compose_steps(parse_request("x", ["host h2", "gpu x1"]), ComposeMode.APPLY)
+        assert isinstance(next(composing), steps.Durable)  # B is COMPOSING, its plan written, its lock held
+        assert waiting.lock.acquire(blocking=False)
+        steps.run(resumed(by_name, True), comp.store)
+        b = steps.run(resumed(composing, None), comp.store).composition
+        assert b is not None and comp.get(b.id).state is CompositionState.COMPOSED
+        changed = [e for e in comp.events(0, 1000) if e.type is EventType.COMPOSITION_STATE_CHANGED]
+        moves = [(e.data["old"], e.data["new"]) for e in changed if e.subject == b.id]
+        assert moves == [("COMPOSING", "COMPOSED")]
+        assert hardware_bindings(fabrics) == {d: "h2" for d in b.device_ids}
 
     def test_racing_for_the_last_devices(self) -> None:
         fabrics = rack()

@@ -271,26 +271,28 @@ class FabricComposer(Composer):
 
     # ----------------------------------------------------------------- one change of a composition at a time
 
-    def _held(self, key: str, run: Callable[[], T]) -> T:
+    def _held(self, key: str, run: Callable[[str], T]) -> T:
         """`_holding` for a change that waits for nothing else, in this thread."""
-        return steps.run(self._holding(key, lambda: steps.finished(run())), self.store)
+        return steps.run(self._holding(key, lambda target: steps.finished(run(target))), self.store)
 
-    def _holding(self, key: str, change: Callable[[], Steps[T]]) -> Steps[T]:
+    def _holding(self, key: str, change: Callable[[str], Steps[T]]) -> Steps[T]:
         """Run ``change`` holding composition ``key`` (an id or a name) against every other change of it,
-        driver calls included, so that concurrent changes of one composition end as some serial order would. A
-        key that names no composition is not held: ``change`` answers for it. Raises `ConflictError` when
-        another change holds it for longer than the call timeout."""
+        driver calls included, so that concurrent changes of one composition end as some serial order would.
+        ``change`` is given the id the key named when the change began: a name may name another composition by
+        the time the lock is taken (the first decomposed and a new one composed under its name), which this lock
+        does not hold. A key that names no composition is not held: ``change`` answers for it. Raises
+        `ConflictError` when another change holds it for longer than the call timeout."""
         with self._lock:
             comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
             lock = self._busy.setdefault(comp.id, threading.Lock()) if comp is not None else None
         if comp is None or lock is None:
-            return (yield from change())
+            return (yield from change(key))
         if not (yield Acquire(lock, self.call_timeout_s)):
             raise ConflictError(
                 f"composition {comp.id} is busy with another change; retry", metadata={"subject": comp.id}
             )
         try:
-            return (yield from change())
+            return (yield from change(comp.id))
         finally:
             self._let_go(comp.id, lock)
 
@@ -1435,7 +1437,7 @@ class FabricComposer(Composer):
             ("recompose", composition_id, add, remove, expected_etag),
             lambda: self._holding(
                 composition_id,
-                lambda: steps.finished(self._recompose(composition_id, add, remove, expected_etag, deadline)),
+                lambda target: steps.finished(self._recompose(target, add, remove, expected_etag, deadline)),
             ),
         )
         return steps.run(change, self.store)
@@ -1628,7 +1630,7 @@ class FabricComposer(Composer):
 
     def decompose_steps(self, composition_id: str, *, deadline: float | None = None) -> Steps[None]:
         """`decompose` as steps, for `run_async`."""
-        return self._holding(composition_id, lambda: self._decompose(composition_id, deadline))
+        return self._holding(composition_id, lambda target: self._decompose(target, deadline))
 
     def _decompose(self, composition_id: str, deadline: float | None) -> Steps[None]:
         with self._lock:
@@ -1736,7 +1738,7 @@ class FabricComposer(Composer):
     @_durably
     def heal(self, composition_id: str) -> Composition:
         """Replace each unhealthy device of a composition with one that meets the same request line."""
-        return self._held(composition_id, lambda: self._heal(composition_id))
+        return self._held(composition_id, self._heal)
 
     def _heal(self, composition_id: str) -> Composition:
         with self._lock:
