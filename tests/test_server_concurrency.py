@@ -178,13 +178,13 @@ class Rack:
 
 
 @contextlib.contextmanager
-def small_rack(tmp_path: Path, *, bind_delay_s: float = 0.0) -> Iterator[Rack]:
+def small_rack(tmp_path: Path, *, bind_delay_s: float = 0.0, **server_options: Any) -> Iterator[Rack]:
     """A server on a unix socket over the small sim rack and a SQLite ledger in ``tmp_path``."""
     topology = tmp_path / "three-gpus.toml"
     topology.write_text(TOPOLOGY)
     fabric = create_fabric("pcie0", {"topology": str(topology), "bind_delay_s": bind_delay_s})
     ledger = tmp_path / "state" / "ledger.db"
-    with serving(socket_path(tmp_path), {"pcie0": fabric}, store=SqliteStore(ledger)) as served:
+    with serving(socket_path(tmp_path), {"pcie0": fabric}, store=SqliteStore(ledger), **server_options) as served:
         yield Rack(served, fabric, ledger)
 
 
@@ -368,3 +368,27 @@ class TestUpdateAgainstDecompose:
                 assert left == [], f"{where}; then still bound to {comp.host}: {left}"
                 assert rack.check_consistent() == [], where
         assert set(seen) == {"update first", "decompose first"}, seen
+
+
+class TestManyChangesOfOneComposition:
+    """More changes of one composition than the server has worker threads: each waits for the one before it,
+    and the one holding the composition still gets a thread for its driver calls."""
+
+    def test_every_decompose_waiting_behind_an_update_ends(self, tmp_path: Path) -> None:
+        """Waits for the composition took the threads its holder needed for its unbinds: nothing moved until
+        they timed out, and they answered CONFLICT (or, with a client deadline, left devices bound)."""
+        with (
+            small_rack(tmp_path, bind_delay_s=0.3, workers=2, max_watches=1) as rack,
+            clients(rack.served.address, 9) as nine,
+        ):
+            rack.served.composer.call_timeout_s = 3.0
+            comp = rack.compose("busy")
+            update = later(0.0, nine[0].UpdateComposition, fm.UpdateCompositionRequest(id=comp.id, add=[gpu()]))
+            decomposes = [later(0.1, stub.Decompose, fm.DecomposeRequest(id=comp.id)) for stub in nine[1:]]
+            updated, *decomposed = together(update, *decomposes)
+            assert updated.ok, brief(updated)
+            assert [brief(d) for d in decomposed if not d.ok] == []
+            assert outcome(rack.stub.GetComposition, fm.GetCompositionRequest(id=comp.id)).code is (
+                grpc.StatusCode.NOT_FOUND
+            )
+            assert rack.bound() == [] and rack.check_consistent() == []

@@ -114,8 +114,11 @@ class LoopRun:
     """One change run on the running event loop, driven by callbacks rather than as a task of its own.
 
     What needs no waiting runs at once, in `start`: on the in-memory ledger with the sim, the whole change. A
-    wait for the ledger is a callback from its committer (`Store.when_synced`), a blocking driver call or a wait
-    on another thread is a callback from ``threads``; each resumes the change where it stopped. A task and its
+    wait for the ledger is a callback from its committer (`Store.when_synced`), a blocking driver call is a
+    callback from ``threads``, and a wait on another change (a composition's lock, an answer in flight) one from
+    ``waits`` (``threads`` when not given); each resumes the change where it stopped. Waits need threads of their
+    own: a change holding a composition must get a thread for its driver calls however many changes of that
+    composition wait for it, or neither it nor they go on until the waits time out. A task and its
     future per wait cost a durable Compose about a fifth of its time on the loop (docs/benchmarks.md).
 
     The change runs to its end whatever becomes of the future `start` returns: cancelling it (the caller went
@@ -130,10 +133,13 @@ class LoopRun:
         threads: Executor,
         context: contextvars.Context,
         on_end: Callable[[], None] | None = None,
+        *,
+        waits: Executor | None = None,
     ) -> None:
         self._steps = steps
         self._store = store
         self._threads = threads
+        self._waits = waits or threads
         self._context = context
         self.on_end = on_end
         """Called once the change has ended."""
@@ -167,16 +173,16 @@ class LoopRun:
                         return
                 elif isinstance(step, Call):
                     if step.blocking:
-                        return self._in_thread(step.fn)
+                        return self._in_thread(step.fn, self._threads)
                     value = run(step.fn)
                 elif isinstance(step, Until):
                     if not step.event.is_set():
-                        return self._in_thread(functools.partial(step.event.wait, step.timeout))
+                        return self._in_thread(functools.partial(step.event.wait, step.timeout), self._waits)
                     value = True
                 elif step.lock.acquire(blocking=False):
                     value = True
                 else:
-                    return self._in_thread(functools.partial(step.lock.acquire, timeout=step.timeout))
+                    return self._in_thread(functools.partial(step.lock.acquire, timeout=step.timeout), self._waits)
             except Exception as exc:
                 if isinstance(step, Done):
                     return self._end(step, exc)
@@ -185,10 +191,10 @@ class LoopRun:
     def _durable(self, failure: Exception | None) -> None:
         self._resume(None, failure)
 
-    def _in_thread(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` in a worker thread, in a copy of the change's context (the request id it serves)."""
+    def _in_thread(self, fn: Callable[[], Any], threads: Executor) -> None:
+        """Run ``fn`` in a thread of ``threads``, in a copy of the change's context (the request id it serves)."""
         in_context = functools.partial(self._context.copy().run, fn)
-        self._loop.run_in_executor(self._threads, in_context).add_done_callback(self._from_thread)
+        self._loop.run_in_executor(threads, in_context).add_done_callback(self._from_thread)
 
     def _from_thread(self, done: asyncio.Future[Any]) -> None:
         if done.cancelled():

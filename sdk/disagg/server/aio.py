@@ -1,10 +1,12 @@
 """``disagg.fabric.v1.FabricManagerService`` on grpcio's asyncio server.
 
 Compose and Decompose run on the event loop as the composer's steps (`disagg.composer.steps.LoopRun`): a
-change that waits for its ledger commit holds no thread, and driver calls that may block go to the worker
-threads. This is what lets a Python server answer Compose at close to the rate of a no-op call (docs/protocol.md has
-the measurements). A change runs to its end even when its caller goes away (a cancelled call, a deadline):
-the composer never stops a change midway, and the server waits for the changes in flight when it stops.
+change that waits for its ledger commit holds no thread, which is what lets a Python server answer Compose at
+close to the rate of a no-op call (docs/protocol.md has the measurements). Driver calls that may block go to
+threads of their own, and waits for another change of the same composition to others again, so that a change
+holding a composition always gets a thread for its driver calls. A change runs to its end even when its caller
+goes away (a cancelled call, a deadline): the composer never stops a change midway, and the server waits for
+the changes in flight when it stops.
 
 The other RPCs are the same handlers as the thread-pool servicer (`FabricManagerServicer`), run in the worker
 threads: listings read 100,000 devices and would stall the loop, and the driver interface is synchronous.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc.aio
@@ -34,6 +36,9 @@ from disagg.server.servicer import FabricManagerServicer
 T = TypeVar("T")
 DRAIN_POLL_S = 0.01
 """How often `drain` looks whether the changes in flight have ended."""
+DRIVER_THREADS = 32
+WAIT_THREADS = 128
+"""Waits hold a thread each until the change they wait for ends or their timeout passes."""
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -52,10 +57,33 @@ def _threaded(name: str) -> Any:
 class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     """Serves ``servicer``'s composer on an event loop, with ``threads`` for whatever may block."""
 
-    def __init__(self, servicer: FabricManagerServicer, threads: Executor) -> None:
+    def __init__(
+        self,
+        servicer: FabricManagerServicer,
+        threads: Executor,
+        *,
+        drivers: Executor | None = None,
+        waits: Executor | None = None,
+    ) -> None:
         self.servicer = servicer
         self.threads = threads
+        """The RPCs' handlers that run in threads (listings, UpdateComposition, watches)."""
+        self._owned: list[ThreadPoolExecutor] = []
+        self.drivers = drivers or self._own(DRIVER_THREADS, "disagg-driver")
+        """The blocking driver calls of the changes on the loop: never short of a thread, whatever waits."""
+        self.waits = waits or self._own(WAIT_THREADS, "disagg-wait")
+        """The waits of the changes on the loop for another change of their composition, or for an answer."""
         self._running: set[steps.LoopRun] = set()
+
+    def _own(self, workers: int, name: str) -> ThreadPoolExecutor:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._owned.append(pool)
+        return pool
+
+    def close(self) -> None:
+        """Let go of the threads this servicer made (those it was given are their owner's)."""
+        for pool in self._owned:
+            pool.shutdown(wait=False)
 
     def _start(self, change: Steps[T]) -> steps.Done | asyncio.Future[T]:
         """Run a change to its end (`steps.LoopRun`): how it ended, or the future of its answer. What needs no
@@ -63,7 +91,8 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         callbacks on this loop. A cancelled call stops waiting; the change does not stop. It runs in a context of
         its own, as the change keeps context variables (the ledger's record of its writes, the request id it
         answers). Not a coroutine itself: a Compose awaits the future directly, one coroutine fewer per call."""
-        run = steps.LoopRun(change, self.servicer.composer.store, self.threads, contextvars.copy_context())
+        store = self.servicer.composer.store
+        run = steps.LoopRun(change, store, self.drivers, contextvars.copy_context(), waits=self.waits)
         outcome = run.start()
         if isinstance(outcome, steps.Done):
             return outcome

@@ -148,6 +148,7 @@ class FabricManagerServer:
         except BaseException:
             self._close_server()
             self._executor.shutdown(wait=False)
+            self.aio_servicer.close()
             self.composer.close()
             with self._lock:
                 self._state = "stopped"
@@ -318,6 +319,7 @@ class FabricManagerServer:
         if self._ticker is not None:
             self._ticker.join()
         self._executor.shutdown(wait=False)
+        self.aio_servicer.close()
         self.composer.close()
         with self._lock:
             self._state = "stopped"
