@@ -317,10 +317,11 @@ class Reservation:
     request: CompositionRequest
     plan: Plan
     expires_at: float
-    request_id: str = ""
+    request_id: str = attrs.field(default="", eq=False)
     """The request id of the Compose that made it, with its digest: a retry after a crash that lost the answer
-    finds the reservation by them (as a composition's record does for its last change)."""
-    request_fingerprint: str = ""
+    finds the reservation by them (as a composition's record does for its last change). Only the ledger keeps
+    them, so they take no part in comparing reservations (one read over the wire has neither)."""
+    request_fingerprint: str = attrs.field(default="", eq=False)
 
 
 _COMPOSITION_FIELDS = tuple(a.name for a in attrs.fields(Composition))
