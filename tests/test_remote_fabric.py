@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from disagg.composer.execution import ExecutionFailedError, Executor, in_doubt
 from disagg.errors import (
     OUTCOME,
     OUTCOME_UNKNOWN,
@@ -24,11 +25,20 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import Binding, DeviceKind, Health
+from disagg.model import Binding, DeviceKind, DevicePick, Health
 from disagg.remote import RemoteFabric
 from disagg.remote.plugin import create_fabric
 from disagg_sim import SIM_CAPABILITIES, SimFabric
 from remote_helpers import Plain, Secretive, cxl, pcie, served
+
+
+class BindsThenFails(Plain):
+    """A driver with a bug: its bind binds, then raises an exception that is not an SDK error."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        self.inner.bind(device, host, ctx)
+        raise RuntimeError("a bug after the hardware bound")
+
 
 GPU = "pcie0/gpu-a0"
 CTX = CallContext(epoch=1)
@@ -219,6 +229,24 @@ class TestErrors:
                 with pytest.raises(DriverError) as info:
                     remote.bind(GPU, "h1", CTX)
                 assert "secret" not in info.value.message and "RuntimeError" in info.value.message
+            finally:
+                remote.close()
+
+    def test_a_driver_bug_after_the_bind_is_undone_as_in_process(self) -> None:
+        """The driver bound, then raised something that is not an SDK error: the answer says the outcome is
+        unknown, so the composer's rollback undoes the bind, as it does for a driver in its own process. The
+        remote path sent a plain DriverError, and the GPU stayed bound with no composition."""
+        sim = pcie()
+        with served(BindsThenFails(sim)) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(DriverError) as info:
+                    remote.bind(GPU, "h1", CTX)
+                assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN and in_doubt(info.value)
+                executor = Executor({"pcie0": remote}, lambda deadline: CTX)
+                with pytest.raises(ExecutionFailedError):
+                    executor.apply("h2", [("pcie0", DevicePick("pcie0/gpu-a1", 0, 0))], [])
+                assert sim.bindings() == (Binding(GPU, "h1"),)
             finally:
                 remote.close()
 

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
-from disagg.errors import ConfigError, DisaggError, DriverError, UnsupportedError
+from disagg.errors import OUTCOME, OUTCOME_UNKNOWN, ConfigError, DisaggError, DriverError, UnsupportedError
 from disagg.incidents import log_incident
 from disagg.interfaces import Fabric, FaultInjection
 from disagg.model import Topology
@@ -71,10 +71,12 @@ def _answer(context: grpc.ServicerContext, exc: Exception, fabric: str, method: 
         context.abort(exc.code, exc.message)
     if not isinstance(exc, DisaggError):
         incident = log_incident(log, exc, f"{method} of fabric {fabric} raised {exc!r}")
+        # Not an answer: the call may have changed the hardware before it raised, so the caller must treat it as
+        # in doubt and undo it, as it does with a driver in its own process (`execution.in_doubt`).
         exc = DriverError(
             f"fabric {fabric!r}: the driver failed unexpectedly ({type(exc).__name__}) in {method}; "
             f"incident {incident} in the driver's log",
-            metadata={"fabric": fabric, "incident": incident},
+            metadata={"fabric": fabric, "incident": incident, OUTCOME: OUTCOME_UNKNOWN},
         )
     context.abort_with_status(to_status(exc))
 
