@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import attrs
 import grpc
@@ -385,8 +385,8 @@ class RemoteFabric(Fabric, FaultInjection):
                 self._handlers.remove(subscription)
 
     def _open_stream(self) -> EventCall:
-        call: EventCall = self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest())
-        return call
+        # grpcio's streaming call is also a `grpc.Future` (``done``), which its type stubs do not say.
+        return cast(EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest()))
 
     def _resync(self, first: bool) -> Sequence[FabricEvent]:
         """After (re)connecting: rediscover, and on a reconnection report what changed while disconnected."""

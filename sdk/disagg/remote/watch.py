@@ -42,6 +42,10 @@ class EventCall(Protocol):
 
     def cancel(self) -> bool: ...
 
+    def done(self) -> bool: ...
+
+    def code(self) -> grpc.StatusCode | None: ...
+
 
 class EventWatcher:
     """Keeps one watch stream open until `stop`.
@@ -133,10 +137,11 @@ class EventWatcher:
             self._call = call
         connected = False
         try:
-            sequence = wire.event_sequence(wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY)) or (
-                "",
-                0,
-            )
+            header = wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY)
+            if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
+                log.debug("the driver ended the event stream at once (%s); watching again", call.code())
+                return False
+            sequence = wire.event_sequence(header) or ("", 0)
             missed = self._resync(first)
             with self._state:
                 self._instance, self._seen = sequence
