@@ -808,6 +808,17 @@ class TestFailpointSetting:
         assert "no failpoint 'compose.before_comit'" in proc.stderr
 
 
+class FenceRefused(SimFabric):
+    """A sim fabric that cannot take an epoch announcement (its driver restarting) while ``refusing`` is set."""
+
+    refusing = True
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if self.refusing and binding.host == "disagg-fence":
+            raise FabricUnavailableError(f"fabric {self.name}: the driver is restarting")
+        super().unbind(binding, ctx)
+
+
 class Unreachable(SimFabric):
     """A sim fabric whose management cannot be reached until ``reachable`` is set."""
 
@@ -926,6 +937,28 @@ class TestUnreachableAtStartUp:
         held = [d for comp in composer.compositions() for d in comp.device_ids]
         assert gpu in applied.device_ids and len(held) == len(set(held))
         composer.close()
+
+    def test_a_fabric_that_missed_the_epoch_is_told_it_before_it_is_used(self, tmp_path: Path) -> None:
+        """The driver did not take the new leader's epoch (it was restarting) but answered discovery by the time
+        the composer started: nothing told it the epoch again, and a deposed manager's older epoch was accepted."""
+        hardware = fabrics(tmp_path)
+        pcie = FenceRefused(load_topology("pcie0", "demo-pcie"), state_file=tmp_path / "pcie0.json")
+        hardware["pcie0"].close()
+        hardware["pcie0"] = pcie
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), epoch=7)
+        try:
+            composer.fence_drivers()
+            assert pcie.epoch == 0
+            composer.start()  # still refused: the fabric counts as unreachable, nothing is placed on it
+            with pytest.raises(NoFitError):
+                composer.compose(parse_request("job", ["gpu x1"]))
+            pcie.refusing = False
+            assert composer.retry_unreachable() is True and pcie.epoch == 7
+            with pytest.raises(StaleEpochError):
+                pcie.bind("pcie0/gpu-a0", "h1", CallContext(epoch=5))
+            assert composer.compose(parse_request("job", ["gpu x1"])).composition is not None
+        finally:
+            composer.close()
 
     def test_a_fabric_that_answers_again_is_told_the_epoch_first(self, tmp_path: Path) -> None:
         """A leader could not announce its epoch to a fabric that did not answer; it does when the fabric

@@ -219,6 +219,8 @@ class FabricComposer(Composer):
         self._revision = 0
         self._cordoned: set[str] = set()
         self._unreachable: set[str] = set()
+        self._unannounced: set[str] = set()
+        """Fabrics that did not take this manager's epoch when it was announced: unreachable until they do."""
         """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
@@ -325,6 +327,8 @@ class FabricComposer(Composer):
         self._announce_epoch(self.fabrics)
 
     def _announce_epoch(self, names: Iterable[str]) -> None:
+        """Announce the epoch to ``names``; one that does not take it is remembered (`_unannounced`) and counts
+        as unreachable until it does: a deposed manager's older epoch would be accepted there meanwhile."""
         ctx = self._context()
         for name in names:
             fabric = self.fabrics[name]
@@ -333,6 +337,9 @@ class FabricComposer(Composer):
                     fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
             except DisaggError as exc:
                 log.warning("could not announce epoch %d to fabric %s: %s", self.epoch, name, exc.message)
+                self._unannounced.add(name)
+            else:
+                self._unannounced.discard(name)
 
     # ----------------------------------------------------------------- recovery and reconciliation
 
@@ -586,7 +593,11 @@ class FabricComposer(Composer):
         topologies: list[Topology] = []
         first: DisaggError | None = None
         for name, fabric in self.fabrics.items():
+            if name in self._unannounced:
+                self._announce_epoch([name])
             try:
+                if name in self._unannounced:
+                    raise FabricUnavailableError(f"fabric {name} has not taken epoch {self.epoch} yet")
                 topologies.append(fabric.discover())
             except DisaggError as exc:
                 if name not in self._unreachable:
