@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import attrs
+import grpc
 import pytest
 from disagg.composer.execution import ExecutionFailedError, Executor, in_doubt
 from disagg.errors import (
@@ -28,8 +30,17 @@ from disagg.interfaces import CallContext
 from disagg.model import Binding, DeviceKind, DevicePick, Health
 from disagg.remote import RemoteFabric
 from disagg.remote.plugin import create_fabric
+from disagg.remote.service import FabricDriverServicer
 from disagg_sim import SIM_CAPABILITIES, SimFabric
+from google.rpc import code_pb2, status_pb2
 from remote_helpers import Plain, Secretive, cxl, pcie, served
+
+
+@attrs.frozen
+class _Status(grpc.Status):  # type: ignore[misc]
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, bytes], ...]
 
 
 class BindsThenFails(Plain):
@@ -247,6 +258,25 @@ class TestErrors:
                 with pytest.raises(ExecutionFailedError):
                     executor.apply("h2", [("pcie0", DevicePick("pcie0/gpu-a1", 0, 0))], [])
                 assert sim.bindings() == (Binding(GPU, "h1"),)
+            finally:
+                remote.close()
+
+    def test_a_status_whose_details_contradict_its_code(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """As from a proxy, or a driver in another language with a bug: an SDK error read by the code, with an
+        unknown outcome, not the ValueError of grpc_status."""
+
+        def contradicting(self: FabricDriverServicer, request: object, context: grpc.ServicerContext) -> None:
+            details = status_pb2.Status(code=code_pb2.NOT_FOUND, message="not this")
+            trailing = (("grpc-status-details-bin", details.SerializeToString()),)
+            context.abort_with_status(_Status(grpc.StatusCode.FAILED_PRECONDITION, "refused", trailing))
+
+        monkeypatch.setattr(FabricDriverServicer, "Bind", contradicting)
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(ConflictError, match="refused") as info:
+                    remote.bind(GPU, "h1", CTX)
+                assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
             finally:
                 remote.close()
 

@@ -27,7 +27,6 @@ from typing import TypeVar, cast
 
 import attrs
 import grpc
-from grpc_status import rpc_status
 
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
@@ -57,7 +56,7 @@ from disagg.model import (
 from disagg.model import Device as DeviceInfo
 from disagg.remote.watch import EventCall, EventWatcher
 from disagg.wire import driver as wire
-from disagg.wire.errors import build, from_rpc_error
+from disagg.wire.errors import build, from_rpc_error, server_status
 from disagg.wire.types import allocation_from_wire, binding_from_wire, capabilities_from_wire, topology_from_wire
 
 log = logging.getLogger("disagg.remote")
@@ -327,7 +326,7 @@ class RemoteFabric(Fabric, FaultInjection):
         """The SDK error for a failed call, as the driver raised it; a failure of the transport, or a crash of
         a driver that sent no SDK error, names the endpoint."""
         error = from_rpc_error(exc)
-        if not isinstance(exc, grpc.Call) or rpc_status.from_call(exc) is not None:
+        if not isinstance(exc, grpc.Call) or server_status(exc) is not None:
             return error
         code = exc.code()
         unknown = {OUTCOME: OUTCOME_UNKNOWN}  # no answer from the driver: the call may have happened
