@@ -319,7 +319,7 @@ class TestValueErrors:
         assert error.field == "fabric[1].name"
         assert "two fabrics are named 'f0'" in error.message
 
-    @pytest.mark.parametrize("name", ["", "a/b", "3"])
+    @pytest.mark.parametrize("name", ["", "a/b", "3", "pc ie", "x" * 64])
     def test_bad_fabric_name(self, tmp_path: Path, name: str) -> None:
         value = name if name == "3" else repr(name)
         error = _error(tmp_path, MINIMAL + f"[[fabric]]\nname = {value}\ndriver = 'sim'\n")

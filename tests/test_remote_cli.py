@@ -136,7 +136,8 @@ class TestServe:
             (["sim", "--name", "x", "--listen", "10.1.2.3:7000"], "not a unix socket or a loopback address"),
             (["sim", "--name", "x", "--listen", "127.0.0.1:0"], "exactly one of 'topology' and 'generate'"),
             (["sim", "--name", "x", "--option", "bogus", "--listen", "127.0.0.1:0"], "give KEY=VALUE"),
-            (["sim", "--name", "a/b", "--listen", "127.0.0.1:0"], "not a fabric name"),
+            (["sim", "--name", "a/b", "--listen", "127.0.0.1:0"], "a fabric name has no '/'"),
+            (["sim", "--name", "pc ie", "--listen", "127.0.0.1:0"], "a fabric name has no '/', space"),
         ],
     )
     def test_bad_input_exits_2(self, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from disagg.errors import ConfigError, PluginError
+from disagg.model import fabric_name_refusal
 
 if TYPE_CHECKING:
     from disagg.composer import FabricComposer
@@ -155,8 +156,9 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
             raise ConfigError(f"{source}: {where} must be a table", field="fabric")
         _known(fab, {"name", "driver", "options"}, where, source, f"fabric[{n}]")
         name, driver, options = fab.get("name"), fab.get("driver"), fab.get("options", {})
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ConfigError(f"{source}: {where} needs a name without '/'", field=f"fabric[{n}].name")
+        refused = fabric_name_refusal(name)
+        if refused is not None or not isinstance(name, str):
+            raise ConfigError(f"{source}: {where} needs a name: {refused}", field=f"fabric[{n}].name")
         if name in seen:
             raise ConfigError(f"{source}: two fabrics are named {name!r}", field=f"fabric[{n}].name")
         seen.add(name)

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from disagg.errors import ConfigError, PluginError
+from disagg.model import fabric_name_refusal
 from disagg.plugins import load_plugins
 from disagg.remote.address import check_address
 from disagg.remote.service import DriverServer
@@ -77,8 +78,9 @@ def parse_options(pairs: Iterable[str], options_file: str | None = None) -> dict
 
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.name or "/" in args.name:
-        raise ConfigError(f"--name: {args.name!r} is not a fabric name (one without '/')", field="name")
+    refused = fabric_name_refusal(args.name)
+    if refused is not None:
+        raise ConfigError(f"--name: {refused}", field="name")
     options = parse_options(args.option, args.options_file)
     address = check_address(args.listen, field="listen", listening=True)
     try:

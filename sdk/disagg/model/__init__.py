@@ -33,6 +33,7 @@ from disagg.model.devices import (
     DeviceKind,
     Health,
     device_id,
+    fabric_name_refusal,
 )
 from disagg.model.events import Event, EventType, FabricEvent, FabricEventKind
 from disagg.model.topology import (
@@ -93,6 +94,7 @@ __all__ = [
     "SwitchKind",
     "Topology",
     "device_id",
+    "fabric_name_refusal",
     "format_size",
     "parse_attribute_value",
     "parse_latency",

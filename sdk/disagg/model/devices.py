@@ -133,6 +133,20 @@ def attribute_or_label(
     return value
 
 
+MAX_FABRIC_NAME = 63
+
+
+def fabric_name_refusal(name: object) -> str | None:
+    """Why ``name`` cannot name a fabric, or None. It prefixes every device id (``<fabric>/<device>``), which the
+    protocol takes as printable characters without spaces: a name with a space was served, and then every bind
+    of its devices refused."""
+    if not isinstance(name, str) or not name or len(name) > MAX_FABRIC_NAME:
+        return f"a fabric name is 1 to {MAX_FABRIC_NAME} characters, not {name!r}"
+    if "/" in name or any(c.isspace() or not c.isprintable() for c in name):
+        return f"a fabric name has no '/', space or unprintable character, not {name!r}"
+    return None
+
+
 def device_id(fabric: str, local_id: str) -> str:
     """The stable, fabric-scoped id of a device."""
     if not fabric or "/" in fabric:
