@@ -13,7 +13,7 @@ from disagg.model import FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg_sim import SimFabric
-from remote_helpers import Plain, Recorder, eventually, pcie, served
+from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served
 
 
 class Counting(Plain):
@@ -205,3 +205,24 @@ class TestARefusedStream:
             finally:
                 for other in others:
                     other.close()
+
+
+class TestAnotherFabricAtTheAddress:
+    def test_a_driver_of_another_fabric_is_refused_after_a_restart(self, socket_dir: str) -> None:
+        """The name was checked once, when the remote fabric was made: a driver restarted at its address for
+        another fabric had its devices reported as this fabric's, as DEVICE_ADDED and DEVICE_REMOVED events."""
+        address = f"unix:{socket_dir}/pcie0.sock"
+        server = DriverServer(pcie(), address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        recorder = Recorder()
+        try:
+            remote.subscribe(recorder)
+            server.stop(grace=0)
+            server = DriverServer(cxl(), address, driver="sim").start()
+            time.sleep(1.5)  # the watcher reconnects within its backoff and tries to resynchronise
+            with pytest.raises(FabricUnavailableError, match="now serves fabric 'cxl0'"):
+                remote.discover()
+            assert recorder.events == []
+        finally:
+            remote.close()
+            server.stop(grace=0)

@@ -363,6 +363,11 @@ class RemoteFabric(Fabric, FaultInjection):
             return cache[1], cache[2]
         answer = self._call(self._stub.Discover, pb.DiscoverRequest(), None)
         topology = self._read(lambda: topology_from_wire(answer.topology), "topology")
+        if topology.fabric != self._name:  # another driver answers at the address now (a swapped unit or socket)
+            raise FabricUnavailableError(
+                f"fabric {self._name!r}: the driver at {self.address} now serves fabric {topology.fabric!r}; "
+                "give each fabric's driver its own address"
+            )
         index = {d.id: d for d in topology.devices}
         with self._lock:
             self._pools = {p.id: p for p in topology.pools}
