@@ -256,6 +256,13 @@ class TestAddress:
         with pytest.raises(ConfigError):
             check_address(address)
 
+    @pytest.mark.parametrize(("address", "says"), [("unix://rel.sock", "ambiguous"), ("127.0.0.1:00", "a port")])
+    def test_what_grpc_would_read_otherwise(self, address: str, says: str) -> None:
+        """``unix://rel.sock`` was taken as the relative path rel.sock while gRPC bound /rel.sock (and took over
+        another server's socket there); port ``00`` was announced as such while gRPC picked a random port."""
+        with pytest.raises(ConfigError, match=says):
+            check_address(address, listening=True)
+
     def test_port_zero_only_for_listening(self) -> None:
         assert check_address("127.0.0.1:0", listening=True) == "127.0.0.1:0"
         with pytest.raises(ConfigError):

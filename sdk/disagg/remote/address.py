@@ -22,6 +22,11 @@ def check_address(address: object, *, field: str = "address", listening: bool = 
     if address.startswith("unix:"):
         if not unix_path(address):
             raise ConfigError(f"{field}: {address!r} names no socket path", field=field)
+        if address.startswith("unix://") and not address.startswith("unix:///"):
+            # gRPC reads what follows "unix://" as an absolute path ("unix://run/x" is /run/x), not a relative one.
+            raise ConfigError(
+                f"{field}: {address!r} is ambiguous: write unix:///absolute/path or unix:relative/path", field=field
+            )
         return address
     host, sep, port = address.rpartition(":")
     if not sep or host not in LOOPBACK:
@@ -31,7 +36,7 @@ def check_address(address: object, *, field: str = "address", listening: bool = 
             field=field,
         )
     lowest = 0 if listening else 1
-    if not port.isdigit() or not lowest <= int(port) <= 65535:
+    if not port.isdigit() or not lowest <= int(port) <= 65535 or port != str(int(port)):
         raise ConfigError(f"{field}: {address!r} needs a port from {lowest} to 65535", field=field)
     return address
 
