@@ -20,8 +20,9 @@ from disagg.cli.main import main
 from disagg.errors import ConfigError
 from disagg.model import Binding
 from disagg.plugins import load_plugins
-from disagg.remote import RemoteFabric, check_address
+from disagg.remote import DriverServer, RemoteFabric, check_address
 from disagg.remote.plugin import create_fabric
+from disagg.wire.sockets import prepare_unix_socket
 from remote_helpers import pcie, served
 
 SERVE_TIMEOUT_S = 20.0
@@ -143,6 +144,25 @@ class TestServe:
     def test_bad_input_exits_2(self, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
         assert main(["driver", "serve", *args]) == 2
         assert message in capsys.readouterr().err
+
+
+class TestSocketClaim:
+    def test_a_path_claimed_by_a_server_about_to_bind_is_refused(self, tmp_path: Path) -> None:
+        """Two servers started at once both passed the probe of the socket (neither listened yet) and both
+        served, 1 time in 8: the path is claimed before the probe, for as long as the server listens."""
+        path = tmp_path / "d.sock"
+        first = prepare_unix_socket(path)  # claimed, not bound yet
+        try:
+            with pytest.raises(ConfigError, match="another server is already listening"):
+                prepare_unix_socket(path)
+        finally:
+            first.close()
+        prepare_unix_socket(path).close()  # free again once let go
+
+    def test_a_stopped_driver_server_lets_go_of_its_socket(self, tmp_path: Path) -> None:
+        address = f"unix:{tmp_path / 'pcie0.sock'}"
+        DriverServer(pcie(), address, driver="sim").start().stop(grace=0)
+        DriverServer(pcie(), address, driver="sim").start().stop(grace=0)
 
 
 class TestRemotePlugin:

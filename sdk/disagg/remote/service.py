@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -254,12 +254,14 @@ class DriverServer:
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         self._started = False
         self._stopped = False
+        self._claim: IO[bytes] | None = None
+        """The claim of the unix socket it listens on (`prepare_unix_socket`)."""
 
     def start(self) -> DriverServer:
         """Listen and serve; `ConfigError` when the address cannot be listened on (then nothing is left running)."""
         try:
             if self.address.startswith("unix:"):
-                prepare_unix_socket(Path(unix_path(self.address)))
+                self._claim = prepare_unix_socket(Path(unix_path(self.address)))
             try:
                 port = self._server.add_insecure_port(self.address)
             except RuntimeError:
@@ -271,6 +273,7 @@ class DriverServer:
             self._stopped = True
             self.servicer.stop()
             self._executor.shutdown(wait=False)
+            self._let_go()
             raise
         if not self.address.startswith("unix:") and self.address.endswith(":0"):
             self.address = f"{self.address[:-2]}:{port}"
@@ -291,6 +294,12 @@ class DriverServer:
         self.servicer.stop()  # ends the watch streams now rather than at the end of the grace period
         stopped.wait(timeout=(grace or 0) + 5)
         self._executor.shutdown(wait=False)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops or ``timeout`` passes; True when it stopped."""

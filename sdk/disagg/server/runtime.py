@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import grpc
 import grpc.aio
@@ -116,6 +116,8 @@ class FabricManagerServer:
         self.aio_servicer = AsyncFabricManagerServicer(self.servicer, self._executor)
         self._loop: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
+        self._claims: list[IO[bytes]] = []
+        """The claims of the unix sockets this server listens on (`prepare_unix_socket`)."""
         self._ticking = threading.Event()
         self._ticker: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -245,7 +247,7 @@ class FabricManagerServer:
 
     def _bind(self, server: grpc.aio.Server, listener: Listener) -> str:
         if listener.unix_path is not None:
-            prepare_unix_socket(listener.unix_path)
+            self._claims.append(prepare_unix_socket(listener.unix_path))
         try:
             port = server.add_insecure_port(listener.target)
         except RuntimeError as exc:
@@ -262,12 +264,17 @@ class FabricManagerServer:
             log.warning("%d changes still running after the grace period: the ledger's recovery finishes them", running)
 
     def _close_server(self, grace: float | None = None) -> None:
-        if self._loop is None:
-            return
         try:
-            self._loop.run(self._shutdown(grace))
+            if self._loop is None:
+                return
+            try:
+                self._loop.run(self._shutdown(grace))
+            finally:
+                self._loop.close()
         finally:
-            self._loop.close()
+            for claim in self._claims:
+                claim.close()
+            self._claims.clear()
 
     def _tick(self) -> None:
         """Expire reservations once a second, try unreachable fabrics again every few seconds, and reconcile
