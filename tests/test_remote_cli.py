@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 from disagg.cli.driver import option_value, parse_options
 from disagg.cli.main import main
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, DisaggError
+from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg.plugins import load_plugins
 from disagg.remote import DriverServer, RemoteFabric, check_address
@@ -58,9 +60,19 @@ def disagg(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 @pytest.fixture
 def driver_process(socket_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`disagg driver serve sim --name pcie0 ...` on a unix socket, up and announced; killed if still running."""
+    yield from _driver_process(socket_dir)
+
+
+@pytest.fixture
+def slow_driver_process(socket_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """The same, with each bind taking 3 seconds."""
+    yield from _driver_process(socket_dir, "--option", "bind_delay_s=3")
+
+
+def _driver_process(socket_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     address = f"unix:{socket_dir}/pcie0.sock"
     command = [sys.executable, "-m", "disagg.cli.main", "driver", "serve", "sim", "--name", "pcie0"]
-    command += ["--option", "topology=demo-pcie", "--listen", address]
+    command += ["--option", "topology=demo-pcie", *extra, "--listen", address]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -115,6 +127,28 @@ class TestServe:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=SERVE_TIMEOUT_S) == 0
         assert not Path(address.removeprefix("unix:")).exists()
+
+    def test_sigterm_lets_a_bind_in_flight_finish(self, slow_driver_process: tuple[subprocess.Popen[str], str]) -> None:
+        """A bind of 3 s in flight at SIGTERM: it was cut off after 2 s with an unknown outcome while its effect
+        still landed, and after a restart reconciliation cordoned the device."""
+        process, address = slow_driver_process
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=SERVE_TIMEOUT_S)
+        answers: list[object] = []
+
+        def bind() -> None:
+            try:
+                answers.append(remote.bind("pcie0/gpu-a0", "h1", CallContext(epoch=1)))
+            except DisaggError as exc:
+                answers.append(exc)
+
+        binding = threading.Thread(target=bind)
+        binding.start()
+        time.sleep(0.5)  # the bind is in flight
+        process.send_signal(signal.SIGTERM)
+        binding.join(SERVE_TIMEOUT_S)
+        remote.close()
+        assert answers == [Binding("pcie0/gpu-a0", "h1")]
+        assert process.wait(timeout=SERVE_TIMEOUT_S) == 0
 
     def test_sigint_also_stops_it_cleanly(self, driver_process: tuple[subprocess.Popen[str], str]) -> None:
         process, _ = driver_process

@@ -25,8 +25,10 @@ from disagg.plugins import load_plugins
 from disagg.remote.address import check_address
 from disagg.remote.service import DriverServer
 
-STOP_GRACE_S = 2.0
-"""How long calls in flight may take to finish once a stop is asked for."""
+STOP_GRACE_S = 30.0
+"""How long calls in flight may take to finish once a stop is asked for: as long as the fabric manager waits for
+a driver call by default (its ``call_timeout_s``). A call cut off sooner still changes the hardware, and its
+caller, told the outcome is unknown, undoes it against a driver that is stopping. An idle server stops at once."""
 
 
 def option_value(raw: str) -> Any:
