@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 
 import attrs
 import grpc
 import pytest
+from disagg.composer import FabricComposer
 from disagg.composer.execution import ExecutionFailedError, Executor, in_doubt
 from disagg.errors import (
     OUTCOME,
@@ -20,6 +23,7 @@ from disagg.errors import (
     DriverError,
     FabricUnavailableError,
     HostUnreachableError,
+    NoFitError,
     NotFoundError,
     StaleEpochError,
     UnknownDeviceError,
@@ -28,9 +32,10 @@ from disagg.errors import (
 )
 from disagg.interfaces import CallContext
 from disagg.model import Binding, DeviceKind, DevicePick, Health
-from disagg.remote import RemoteFabric
+from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.plugin import create_fabric
 from disagg.remote.service import FabricDriverServicer
+from disagg.requestlang import parse_request
 from disagg_sim import SIM_CAPABILITIES, SimFabric
 from google.rpc import code_pb2, status_pb2
 from remote_helpers import Plain, Secretive, cxl, pcie, served
@@ -87,9 +92,22 @@ class TestConnect:
     def test_unreachable_names_the_address_within_the_connect_timeout(self, address: str) -> None:
         started = time.monotonic()
         with pytest.raises(FabricUnavailableError) as info:
-            create_fabric("pcie0", {"address": address, "connect_timeout_s": 0.3})
+            RemoteFabric("pcie0", address, connect_timeout_s=0.3)
         assert time.monotonic() - started < 2.0
         assert address in info.value.message and "0.3s" in info.value.message
+
+    @pytest.mark.parametrize("address", ["unix:/nonexistent/disagg/driver.sock", "127.0.0.1:9"])
+    def test_from_the_configuration_it_is_unreachable_until_it_answers(self, address: str) -> None:
+        """The `remote` driver of a configuration: one driver down at start-up stopped the whole fabric manager
+        (and with high availability every replica, in a loop); now its fabric is unreachable meanwhile."""
+        fabric = create_fabric("pcie0", {"address": address, "connect_timeout_s": 0.3})
+        try:
+            for call in (fabric.capabilities, fabric.discover):
+                with pytest.raises(FabricUnavailableError) as info:
+                    call()
+                assert address in info.value.message and "0.3s" in info.value.message
+        finally:
+            fabric.close()
 
     def test_a_call_without_an_answer_has_an_unknown_outcome(self, sim: SimFabric) -> None:
         """The driver's process went away: the bind may or may not have happened, and the error says so; an
@@ -305,3 +323,33 @@ class TestDiscoverCache:
         while remote.device(GPU).health() is not Health.OK and time.monotonic() < deadline:
             time.sleep(0.01)
         assert remote.device(GPU).health() is Health.OK
+
+
+class TestADriverDownAtStartUp:
+    def test_the_other_fabrics_are_served_and_it_joins_when_it_answers(self) -> None:
+        directory = tempfile.mkdtemp(prefix="dg-")
+        address = f"unix:{directory}/pcie0.sock"
+        remote = create_fabric("pcie0", {"address": address, "connect_timeout_s": 0.3})
+        composer = FabricComposer({"pcie0": remote, "cxl0": cxl()}, epoch=3)
+        server = None
+        try:
+            composer.fence_drivers()
+            composer.start()  # stopped with FabricUnavailableError before
+            assert composer.compose(parse_request("memory", ["cxl-memory 8GiB"])).composition is not None
+            with pytest.raises(NoFitError):
+                composer.compose(parse_request("job", ["gpu x1"]))
+            sim = pcie()
+            server = DriverServer(sim, address, driver="sim").start()
+            deadline = time.monotonic() + 10.0  # the channel reconnects within its backoff (2 s at most)
+            while not composer.retry_unreachable():  # what the server's timer does every 5 s
+                assert time.monotonic() < deadline, "the driver never joined"
+                time.sleep(0.2)
+            assert sim.epoch == 3
+            assert remote.driver == "sim" and remote.capabilities() == SIM_CAPABILITIES
+            assert composer.compose(parse_request("job", ["gpu x1"])).composition is not None
+        finally:
+            composer.close()
+            remote.close()
+            if server is not None:
+                server.stop(grace=0)
+            shutil.rmtree(directory, ignore_errors=True)

@@ -134,7 +134,10 @@ class RemoteFabric(Fabric, FaultInjection):
 
     The constructor waits up to ``connect_timeout_s`` for the endpoint (`FabricUnavailableError` naming the
     address if none answers), then reads the served fabric's name and capabilities; a served fabric of
-    another name is a `ConfigError` naming both.
+    another name is a `ConfigError` naming both. With ``lazy``, an endpoint that does not answer yet is not an
+    error: the fabric is made unconnected, its `capabilities` and `discover` raise `FabricUnavailableError`
+    until the driver answers (then the name is checked), and the fabric manager serves the other fabrics
+    meanwhile, counting this one unreachable, as it does an in-process driver that does not answer.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class RemoteFabric(Fabric, FaultInjection):
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        lazy: bool = False,
     ) -> None:
         self._name = name
         self.address = address
@@ -159,26 +163,47 @@ class RemoteFabric(Fabric, FaultInjection):
         self._pools: dict[str, PoolInfo] = {}
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.FabricDriverServiceStub(self._channel)
+        self.driver = ""
+        """The fabric type the endpoint serves (its `disagg driver serve DRIVER`), as it reports it."""
+        self._capabilities: Capabilities | None = None
         try:
-            answer = self._connect()
-            if answer.fabric != name:
-                raise ConfigError(
-                    f"fabric {name!r} (driver remote): the driver at {address} serves fabric {answer.fabric!r}, "
-                    f"not {name!r}; name the fabric {answer.fabric!r} in the configuration or serve it as {name!r}",
-                    field="name",
-                )
-            self.driver = answer.driver
-            """The fabric type the endpoint serves (its `disagg driver serve DRIVER`), as it reports it."""
-            self._capabilities = self._read(lambda: capabilities_from_wire(answer.capabilities), "capabilities")
+            self._accept(self._connect(self.connect_timeout_s))
+        except FabricUnavailableError as exc:
+            if not lazy:
+                self._channel.close()
+                raise
+            log.warning("%s; the fabric is unreachable until it answers", exc.message)
         except BaseException:
             self._channel.close()
             raise
 
-    def _connect(self) -> pb.GetCapabilitiesResponse:
-        """Ask for the capabilities, waiting up to the connect timeout for the endpoint to be there."""
+    def _accept(self, answer: pb.GetCapabilitiesResponse) -> Capabilities:
+        """Take the endpoint's answer to GetCapabilities: its fabric must be this one."""
+        if answer.fabric != self._name:
+            raise ConfigError(
+                f"fabric {self._name!r} (driver remote): the driver at {self.address} serves fabric "
+                f"{answer.fabric!r}, not {self._name!r}; name the fabric {answer.fabric!r} in the configuration or "
+                f"serve it as {self._name!r}",
+                field="name",
+            )
+        capabilities = self._read(lambda: capabilities_from_wire(answer.capabilities), "capabilities")
+        with self._lock:
+            self.driver = answer.driver
+            self._capabilities = capabilities
+        return capabilities
+
+    def _connected(self) -> Capabilities:
+        """The capabilities, reading them first from a fabric made unconnected (``lazy``), without waiting long."""
+        capabilities = self._capabilities
+        if capabilities is None:
+            capabilities = self._accept(self._connect(min(self.connect_timeout_s, self.call_timeout_s, 1.0)))
+        return capabilities
+
+    def _connect(self, wait_s: float) -> pb.GetCapabilitiesResponse:
+        """Ask for the capabilities, waiting up to ``wait_s`` for the endpoint to be there."""
         try:
             answer: pb.GetCapabilitiesResponse = self._stub.GetCapabilities(
-                pb.GetCapabilitiesRequest(), timeout=self.connect_timeout_s, wait_for_ready=True
+                pb.GetCapabilitiesRequest(), timeout=wait_s, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -186,7 +211,7 @@ class RemoteFabric(Fabric, FaultInjection):
                 raise self._error(exc) from None
             raise FabricUnavailableError(
                 f"fabric {self._name!r} (driver remote): no driver answered at {self.address} within "
-                f"{self.connect_timeout_s:g}s; is `disagg driver serve ... --listen {self.address}` running there?"
+                f"{wait_s:g}s; is `disagg driver serve ... --listen {self.address}` running there?"
             ) from None
         return answer
 
@@ -200,9 +225,10 @@ class RemoteFabric(Fabric, FaultInjection):
         return self._name
 
     def capabilities(self) -> Capabilities:
-        return self._capabilities
+        return self._connected()
 
     def discover(self) -> Topology:
+        self._connected()
         return self._discover()[0]
 
     def bindings(self) -> Sequence[Binding]:

@@ -40,7 +40,9 @@ def _seconds(name: str, options: Mapping[str, Any], option: str, default: float)
 
 
 def create_fabric(name: str, options: Mapping[str, Any]) -> RemoteFabric:
-    """Connect to the driver at ``options["address"]``; every configuration error names the fabric and option."""
+    """Connect to the driver at ``options["address"]``; every configuration error names the fabric and option. A
+    driver that does not answer yet leaves the fabric unreachable rather than stopping the fabric manager, which
+    serves the other fabrics and tries it again (`RemoteFabric`'s ``lazy``)."""
     if not isinstance(options, Mapping):
         raise ConfigError(f"fabric {name!r} (driver remote): options must be a table, not {options!r}")
     for key in options:
@@ -64,6 +66,7 @@ def create_fabric(name: str, options: Mapping[str, Any]) -> RemoteFabric:
         address,
         call_timeout_s=_seconds(name, options, "call_timeout_s", DEFAULT_CALL_TIMEOUT_S),
         connect_timeout_s=_seconds(name, options, "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
+        lazy=True,
     )
 
 

@@ -20,12 +20,12 @@ import attrs
 
 from disagg.composer import FabricComposer, KindUsage, PoolUsage, steps
 from disagg.composer.steps import Steps
-from disagg.errors import FabricUnavailableError, InvalidRequestError, NotFoundError
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import ComposeResult
-from disagg.model import ComposeMode, Device, Health, Topology
+from disagg.model import Capabilities, ComposeMode, Device, Health, Topology
 from disagg.server.context import RpcContext
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
@@ -266,6 +266,10 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         out = []
         for name, fabric in self.composer.fabrics.items():
             info = self._drivers.get(name, FabricDriver(name, ""))
+            try:
+                capabilities = fabric.capabilities()
+            except DisaggError:  # a driver out of process that does not answer yet: none known
+                capabilities = Capabilities()
             out.append(
                 fabric_info_to_wire(
                     name,
@@ -273,7 +277,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
                     plugin=info.plugin,
                     distribution=info.distribution,
                     version=info.version,
-                    capabilities=fabric.capabilities(),
+                    capabilities=capabilities,
                 )
             )
         return fm.ListDriversResponse(fabrics=out)
