@@ -6,6 +6,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import attrs
 import grpc
@@ -39,6 +40,7 @@ from disagg.requestlang import parse_request
 from disagg_sim import SIM_CAPABILITIES, SimFabric
 from google.rpc import code_pb2, status_pb2
 from remote_helpers import Plain, Secretive, cxl, pcie, served
+from server_helpers import serving, socket_path
 
 
 @attrs.frozen
@@ -81,6 +83,14 @@ class TestConnect:
     def test_capabilities_are_the_remote_drivers(self, remote: RemoteFabric) -> None:
         assert remote.name == "pcie0" and remote.driver == "sim"
         assert remote.capabilities() == SIM_CAPABILITIES
+
+    def test_a_fabric_managers_address_is_a_configuration_error(self, tmp_path: Path) -> None:
+        """It answered UNIMPLEMENTED ("Method not found!"), raised as an unsupported capability."""
+        with (
+            serving(socket_path(tmp_path)) as fm,
+            pytest.raises(ConfigError, match=r"does not serve disagg\.driver\.v1\.FabricDriverService"),
+        ):
+            create_fabric("pcie0", {"address": fm.address, "connect_timeout_s": 2})
 
     def test_name_mismatch_names_both(self, sim: SimFabric) -> None:
         with served(sim) as server, pytest.raises(ConfigError) as info:

@@ -207,6 +207,13 @@ class RemoteFabric(Fabric, FaultInjection):
             )
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
+            if code is grpc.StatusCode.UNIMPLEMENTED:
+                raise ConfigError(
+                    f"fabric {self._name!r} (driver remote): {self.address} does not serve "
+                    "disagg.driver.v1.FabricDriverService (a fabric manager's address?); give the address where "
+                    "`disagg driver serve` listens",
+                    field="address",
+                ) from None
             if code is not grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise self._error(exc) from None
             raise FabricUnavailableError(
