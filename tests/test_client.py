@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -407,10 +408,78 @@ class TestErrors:
                 client.compose(parse_request("bug", ["gpu"]))
             assert "secret" not in info.value.message and running.composer.compositions() == []
 
-    @pytest.mark.parametrize("address", ["", " unix:/x", "INFO\n127.0.0.1:1"])
+    @pytest.mark.parametrize(
+        "address", ["", " unix:/x", "INFO\n127.0.0.1:1", "127.0.0.1", "127.0.0.1:", "127.0.0.1:-1", "127.0.0.1:abc"]
+    )
     def test_bad_address(self, address: str) -> None:
+        """A missing or malformed port went to port 443 (gRPC's default) or 65535, as a failure to reach."""
         with pytest.raises(InvalidRequestError):
             FabricManagerClient(address)
+
+    @pytest.mark.parametrize("timeout", [0.0, -1.0, math.inf, math.nan])
+    def test_a_timeout_that_is_not_a_positive_number(self, timeout: float) -> None:
+        """An infinite or NaN one failed every call at once as DEADLINE_EXCEEDED, saying a change may have been
+        made."""
+        with pytest.raises(InvalidRequestError, match="positive number of seconds") as info:
+            FabricManagerClient("127.0.0.1:1", timeout_s=timeout)
+        assert info.value.field == "timeout_s"
+
+    def test_a_socket_path_with_a_space(self, tmp_path: Path) -> None:
+        """The server listens there; the client refused the address."""
+        with serving(socket_path(tmp_path / "with space")) as running, FabricManagerClient(running.address) as client:
+            assert client.compositions() == []
+
+    def test_a_closed_client_refuses_calls_and_ends_its_watch(self, tmp_path: Path) -> None:
+        """Closed while a watch waited to reconnect, the watch raised gRPC's ValueError in its reader's thread;
+        calls after close raised it too."""
+        retries = RetryPolicy(max_attempts=50, initial_backoff_s=0.2, max_backoff_s=0.2)
+        client = FabricManagerClient(f"unix:{tmp_path / 'fm.sock'}", timeout_s=5, retries=retries)
+        ended: list[str] = []
+        with serving(tmp_path / "fm.sock"):
+            events = client.watch()
+
+            def read() -> None:
+                try:
+                    for _ in events:
+                        pass
+                    ended.append("ended")
+                except BaseException as exc:
+                    ended.append(repr(exc))
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            time.sleep(0.3)
+        time.sleep(0.3)  # the server is gone: the watch waits to reconnect
+        client.close()
+        reader.join(10)
+        assert ended == ["ended"]
+        with pytest.raises(FabricUnavailableError, match="is closed"):
+            client.compositions()
+
+    def test_a_topology_over_4_mib(self, tmp_path: Path) -> None:
+        """20,000 devices are about 5.5 MB in one answer: over gRPC's default limit on a received message, it
+        failed (as NO_FIT, above) while the server had answered it."""
+        fabric = create_fabric("big", {"generate": {"devices": 20_000}})
+        with serving(socket_path(tmp_path), {"big": fabric}) as running, FabricManagerClient(running.address) as client:
+            (topology,) = client.topologies()
+            assert len(topology.devices) == len(fabric.discover().devices) > 15_000
+
+    def test_resource_exhausted_from_grpc_itself_is_no_placement_error(self) -> None:
+        """gRPC answers RESOURCE_EXHAUSTED, without the server's details, for a message over its size limit: it
+        was read as NO_FIT (exit 3, "does not fit") for a topology too large to receive."""
+
+        class TooLarge(grpc.RpcError):  # type: ignore[misc]
+            def code(self) -> grpc.StatusCode:
+                return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            def details(self) -> str:
+                return "Received message larger than max (5515446 vs. 4194304)"
+
+            def trailing_metadata(self) -> tuple[()]:
+                return ()
+
+        error = from_rpc_error(TooLarge())
+        assert type(error) is DisaggError and "larger than max" in error.message
 
     def test_every_compose_sends_a_mode(self, served: Served) -> None:
         sent: list[fm.ComposeRequest] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -13,7 +14,7 @@ import attrs
 import grpc
 
 from disagg.client._retry import RetryPolicy, call_with_retry
-from disagg.client.replicas import replica_target
+from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
@@ -65,6 +66,11 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # A topology of 100,000 devices is about 27 MB in one answer; gRPC's default refuses more than 4 MiB.
+    ("grpc.max_receive_message_length", 1 << 30),
+    # A single server that stops answering without closing the connection (paused, half open) ends a watch
+    # within seconds, as with replicas, rather than never.
+    *KEEPALIVE,
 )
 
 
@@ -151,10 +157,13 @@ class FabricManagerClient:
         retries: RetryPolicy | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
-        if not address or any(c.isspace() or not c.isprintable() for c in address):
+        spaced = any(c.isspace() for c in address) and not address.startswith("unix:")  # a path may hold spaces
+        if not address or spaced or not address.isprintable():
             raise InvalidRequestError(f"{address!r} is not a server address", field="address")
-        if timeout_s <= 0:
-            raise InvalidRequestError("the timeout must be positive", field="timeout_s")
+        if not 0 < timeout_s < math.inf:  # NaN too: every call failed at once as DEADLINE_EXCEEDED
+            raise InvalidRequestError(
+                f"the timeout must be a positive number of seconds, not {timeout_s!r}", field="timeout_s"
+            )
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries or RetryPolicy()
@@ -168,12 +177,19 @@ class FabricManagerClient:
         self._stub = fm_grpc.FabricManagerServiceStub(self._channel)
         self._rng = random.Random()
         self._sleep: Callable[[float], None] = time.sleep
+        self.closed = False
+        """`close` was called."""
 
     # ----------------------------------------------------------------- life cycle
 
     def close(self) -> None:
-        """Close the channel; calls and watches in flight are cancelled."""
+        """Close the channel; calls and watches in flight are cancelled, and later calls refused."""
+        self.closed = True
         self._channel.close()
+
+    def _check_open(self) -> None:
+        if self.closed:  # gRPC raises a ValueError on a closed channel
+            raise FabricUnavailableError(f"the client of {self.address} is closed")
 
     def __enter__(self) -> Self:
         return self
@@ -232,6 +248,7 @@ class FabricManagerClient:
         names it in the error's metadata, and when no server answered it (its deadline passed on this side, or
         the server could not be reached after it may have been sent) the error says so: the change may have
         been made, and the same call with that request id gets its answer."""
+        self._check_open()
         unanswered = False  # an attempt ended without the server's answer, after it may have reached it
 
         def attempt(timeout: float) -> T:
@@ -539,6 +556,7 @@ class FabricManagerClient:
         return EventStream(self, after_revision, resume=resume)
 
     def _open_watch(self, after_revision: int) -> _StreamCall:
+        self._check_open()
         call: _StreamCall = self._stub.WatchEvents(fm.WatchEventsRequest(after_revision=after_revision))
         return call
 
@@ -590,8 +608,13 @@ class EventStream(Iterator[Event]):
 
     def _reopen(self) -> None:
         with self._lock:
+            if self._client.closed:  # closed while the watch waited to reconnect: iteration ends
+                self._closed = True
             if not self._closed:
-                self._call = self._client._open_watch(self.last_revision)
+                try:
+                    self._call = self._client._open_watch(self.last_revision)
+                except (ValueError, FabricUnavailableError):  # the channel closed meanwhile
+                    self._closed = True
 
     def close(self) -> None:
         """Cancel the stream; safe from any thread and more than once."""

@@ -48,9 +48,12 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
     health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
     rather than IP addresses (gRPC resolves a list of literal addresses only)."""
     if "," not in address:
-        _, sep, port = address.rpartition(":")
-        if sep and not address.startswith("unix:") and port.isdigit() and int(port) > MAX_PORT:
-            raise InvalidRequestError(f"{address!r}: a port is 0 to {MAX_PORT}", field="address")
+        if ":" in address and "://" not in address and not address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+            _, _, port = address.rpartition(":")  # HOST:PORT: gRPC would take a missing or bad port as 443
+            if not port.isdigit() or int(port) > MAX_PORT:
+                raise InvalidRequestError(f"{address!r}: a port is 0 to {MAX_PORT}", field="address")
+        elif ":" not in address:
+            raise InvalidRequestError(f"{address!r}: give HOST:PORT or unix:/path/to/socket", field="address")
         return address, ()
     hosts: list[str] = []
     family = ""

@@ -157,6 +157,8 @@ def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
             cls = e.DeadlineExceededError
         elif code is grpc.StatusCode.UNAVAILABLE:
             cls = e.FabricUnavailableError
+        elif code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own (a message over its size limit): the
+            cls = e.DisaggError  # server's refusals (no fit, a full pool, too many watches) carry their reason
         else:
             cls = _BY_CODE.get(code, e.DisaggError)
         message = f"{code.name}: {message}" if cls is e.DisaggError else message
