@@ -139,6 +139,16 @@ class TestExitCodes:
         code, _, _ = cli(capsys, "--server", served.address, "decompose", "nothing", "--ignore-missing")
         assert code == 0
 
+    def test_a_name_that_cannot_be_an_id_is_not_found_as_locally(
+        self, capsys: pytest.CaptureFixture[str], served: Served
+    ) -> None:
+        """Against a server a name with a space was invalid input (exit 2) where the local composer says not
+        found (exit 4), and ``--ignore-missing`` stopped at it, decomposing nothing."""
+        assert cli(capsys, "--server", served.address, "compose", "job", "gpu x1")[0] == 0
+        assert cli(capsys, "--server", served.address, "decompose", "old job")[0] == 4
+        assert cli(capsys, "--server", served.address, "decompose", "--ignore-missing", "old job", "job")[0] == 0
+        assert served.composer.compositions() == []
+
     def test_unreachable_server(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         code, out, err = cli(capsys, "--server", f"unix:{tmp_path}/nobody.sock", "ls")
         assert code == 1 and out == ""

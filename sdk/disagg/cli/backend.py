@@ -14,7 +14,7 @@ from typing import Protocol, Self
 
 from disagg.client import FabricManagerClient
 from disagg.composer import KindUsage, PoolUsage
-from disagg.errors import InvalidRequestError
+from disagg.errors import InvalidRequestError, NotFoundError
 from disagg.interfaces import ComposeResult
 from disagg.model import (
     ComposeMode,
@@ -102,7 +102,12 @@ class RemoteBackend(FabricManagerClient):
         return super().is_cordoned(device_id)
 
     def find(self, key: str) -> Composition:
-        return self.get(key)
+        """As the composer's: a key that cannot be an id names no composition (the server refuses it as invalid
+        input, which changed the CLI's exit code, and broke ``decompose --ignore-missing``, against a server)."""
+        try:
+            return self.get(key)
+        except InvalidRequestError:
+            raise NotFoundError("composition", key) from None
 
 
 def server_address(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
