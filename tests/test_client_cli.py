@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from client_helpers import disagg_serve, server_env
 from disagg import codec
+from disagg.cli import main as cli_main
 from disagg.cli.backend import server_address
 from disagg.cli.main import build_parser, main
+from disagg.errors import OUTCOME, OUTCOME_UNKNOWN, DeadlineExceededError
 from server_helpers import Served, serving
 
 
@@ -134,6 +136,28 @@ class TestExitCodes:
         assert cli(capsys, "--server", served.address, "compose", "e", "gpu x1")[0] == 0
         code, _, err = cli(capsys, "--server", served.address, "recompose", "e", "--add", "gpu", "--etag", 'W/"0"')
         assert code == 5, err
+
+    def test_a_request_id_makes_a_change_once(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        """After a timeout the CLI said to retry with a request id it had no option for: running the recompose
+        again added its resources twice."""
+        server = ["--server", served.address]
+        assert cli(capsys, *server, "compose", "job", "gpu x1", "--request-id", "c-1")[0] == 0
+        assert cli(capsys, *server, "compose", "job", "gpu x1", "--request-id", "c-1")[0] == 0
+        for _ in range(2):
+            assert cli(capsys, *server, "recompose", "job", "--add", "gpu", "--request-id", "grow-1")[0] == 0
+        (job,) = served.composer.compositions()
+        assert len(job.devices) == 2
+
+    def test_an_unknown_outcome_names_the_option_to_use(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        def timed_out(args: argparse.Namespace) -> int:
+            metadata = {"request_id": "r-9", OUTCOME: OUTCOME_UNKNOWN}
+            raise DeadlineExceededError("Deadline Exceeded; the change may have been made", metadata=metadata)
+
+        monkeypatch.setattr(cli_main, "cmd_recompose", timed_out)
+        code, _, err = cli(capsys, "recompose", "job", "--add", "gpu")
+        assert code != 0 and "run the same command with --request-id r-9" in err
 
     def test_decompose_ignore_missing(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
         code, _, _ = cli(capsys, "--server", served.address, "decompose", "nothing", "--ignore-missing")

@@ -50,7 +50,12 @@ class Backend(Protocol):
     def is_cordoned(self, device_id: str) -> bool: ...
 
     def compose(
-        self, request: CompositionRequest, mode: ComposeMode = ..., *, reservation_ttl_s: float = ...
+        self,
+        request: CompositionRequest,
+        mode: ComposeMode = ...,
+        *,
+        reservation_ttl_s: float = ...,
+        request_id: str | None = ...,
     ) -> ComposeResult: ...
 
     def recompose(
@@ -60,6 +65,7 @@ class Backend(Protocol):
         add: Sequence[ResourceRequest] = ...,
         remove: Sequence[str] = ...,
         expected_etag: str | None = ...,
+        request_id: str | None = ...,
     ) -> Composition: ...
 
     def find(self, key: str) -> Composition: ...

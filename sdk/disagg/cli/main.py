@@ -22,7 +22,15 @@ from disagg.cli import render
 from disagg.cli import serve as serve_cli
 from disagg.cli.backend import REMOTE_COMMANDS, Backend, RemoteBackend, server_address
 from disagg.config import build_composer, load_config
-from disagg.errors import ConflictError, DisaggError, InvalidRequestError, NoFitError, NotFoundError
+from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
+    ConflictError,
+    DisaggError,
+    InvalidRequestError,
+    NoFitError,
+    NotFoundError,
+)
 from disagg.model import ComposeMode, CompositionRequest, DeviceKind, format_size
 from disagg.plugins import load_plugins
 from disagg.requestlang import parse_request, parse_resource, request_from_document
@@ -199,7 +207,9 @@ def cmd_compose(args: argparse.Namespace) -> int:
         ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve is not None else ComposeMode.APPLY
     )
     with _composer(args) as composer:
-        result = composer.compose(request, mode, reservation_ttl_s=args.reserve or 60.0)
+        result = composer.compose(
+            request, mode, reservation_ttl_s=args.reserve or 60.0, request_id=args.request_id or None
+        )
         if args.json:
             render.emit_json(result)
             return 0
@@ -220,7 +230,9 @@ def cmd_compose(args: argparse.Namespace) -> int:
 def cmd_recompose(args: argparse.Namespace) -> int:
     add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(args.add)]
     with _composer(args) as composer:
-        comp = composer.recompose(args.composition, add=add, remove=args.remove, expected_etag=args.etag)
+        comp = composer.recompose(
+            args.composition, add=add, remove=args.remove, expected_etag=args.etag, request_id=args.request_id or None
+        )
         if args.json:
             render.emit_json(comp)
         else:
@@ -322,11 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--preview", action="store_true", help="show the plan, change nothing")
     group.add_argument("--reserve", type=float, metavar="SECONDS", help="hold the plan for SECONDS")
+    p.add_argument("--request-id", metavar="ID", help=REQUEST_ID_HELP)
     p = add("recompose", cmd_recompose, "add resources to or remove devices from a composition")
     p.add_argument("composition", help="composition name or id")
     p.add_argument("--add", action="append", default=[], help="a resource clause to add (repeatable)")
     p.add_argument("--remove", action="append", default=[], help="a device or allocation id to remove (repeatable)")
     p.add_argument("--etag", help="refuse unless the composition is still at this etag")
+    p.add_argument("--request-id", metavar="ID", help=REQUEST_ID_HELP)
     p = add("decompose", cmd_decompose, "release compositions by name or id")
     p.add_argument("compositions", nargs="+")
     p.add_argument("--ignore-missing", action="store_true", help="an unknown composition is not an error")
@@ -336,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     newdriver_cli.register(sub)
     bench_cli.register(sub)
     return parser
+
+
+REQUEST_ID_HELP = (
+    "make the change once under this id: the same command again gets the first answer and changes nothing "
+    "(an error whose outcome is unknown names the id to use)"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -350,6 +370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except DisaggError as exc:
         print(f"disagg: error: {exc.message}", file=sys.stderr)
+        request_id = exc.metadata.get("request_id")
+        if request_id and exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN:
+            print(
+                f"disagg: the change may have been made: run the same command with --request-id {request_id} to "
+                "get its outcome (it is not made twice)",
+                file=sys.stderr,
+            )
         return exit_code(exc)
     except KeyboardInterrupt:
         return 130
