@@ -13,6 +13,7 @@ import argparse
 import logging
 import signal
 import threading
+import time
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -92,10 +93,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fabric = spec.factory(args.name, options)
     try:
         server = DriverServer(fabric, address, driver=args.driver).start()
-        stop = threading.Event()
+        signalled = [False]
 
         def request_stop(signum: int, frame: FrameType | None) -> None:
-            stop.set()
+            signalled[0] = True  # no lock in a handler: a second signal during `Event.set` would deadlock
 
         previous = {}
         if threading.current_thread() is threading.main_thread():
@@ -103,8 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 previous[signum] = signal.signal(signum, request_stop)
         try:
             print(f"serving {args.name} ({args.driver}) on {server.address}", flush=True)
-            while not stop.wait(0.5):
-                pass
+            while not signalled[0]:
+                time.sleep(0.2)
         finally:
             server.stop(STOP_GRACE_S)
             for signum, handler in previous.items():

@@ -107,9 +107,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         composer.close()
         raise
     starting = [True]
+    signalled = [False]
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        # No lock here: a second SIGTERM arriving inside `Event.set` (holding its lock) deadlocked the process.
+        signalled[0] = True
         if starting[0]:  # break out of a discovery that may never end; start() cleans up after itself
             raise _StoppedWhileStarting
 
@@ -123,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if leadership is not None:
             for address in addresses:
                 print(f"standby on {address}", flush=True)
-        while not stop.wait(1.0):
+        while not signalled[0] and not stop.wait(0.2):
             pass
         server.stop(0 if lost.is_set() or failed else args.grace)
     finally:
