@@ -159,6 +159,16 @@ class TestExitCodes:
         code, _, err = cli(capsys, "recompose", "job", "--add", "gpu")
         assert code != 0 and "run the same command with --request-id r-9" in err
 
+    def test_timeout(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        """A change slower than 30 s had no way to be waited for from the CLI."""
+        assert cli(capsys, "--server", served.address, "--timeout", "90", "ls")[0] == 0
+        assert cli(capsys, "ls", "--server", served.address, "--timeout", "0.5")[0] == 0
+        for bad in ("nan", "0", "-1"):
+            code, _, err = cli(capsys, "--server", served.address, "--timeout", bad, "ls")
+            assert code == 2 and "timeout" in err
+        code, _, err = cli(capsys, "--timeout", "5", "ls")
+        assert code == 2 and "--timeout applies with --server only" in err
+
     def test_decompose_ignore_missing(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
         code, _, _ = cli(capsys, "--server", served.address, "decompose", "nothing", "--ignore-missing")
         assert code == 0

@@ -54,8 +54,11 @@ def _composer(args: argparse.Namespace) -> Backend:
     """The configured composer, or a client of the fabric manager at ``--server`` / ``$DISAGG_SERVER``; use it
     as a context manager, which starts and closes it."""
     address = server_address(args)
+    timeout = getattr(args, "timeout", None)
     if address is not None:
-        return RemoteBackend(address)
+        return RemoteBackend(address) if timeout is None else RemoteBackend(address, timeout_s=timeout)
+    if timeout is not None:
+        raise InvalidRequestError("--timeout applies with --server only: a local composer has no calls to time")
     return build_composer(load_config(args.config))
 
 
@@ -294,8 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
     server_help = "drive the fabric manager at ADDRESS (unix:/path or host:port) instead of a local composer"
     parser.add_argument("--server", metavar="ADDRESS", help=server_help + " (default: $DISAGG_SERVER)")
+    timeout_help = "with --server, each call's deadline in seconds, retries included (default 30)"
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help=timeout_help)
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument("--server", metavar="ADDRESS", default=argparse.SUPPRESS, help=server_help)
+    remote.add_argument("--timeout", type=float, metavar="SECONDS", default=argparse.SUPPRESS, help=timeout_help)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config", help="configuration file (default: $DISAGG_CONFIG, ./disagg.toml, built-in demo rack)"
