@@ -23,7 +23,6 @@ refreshes (`deposed`).
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -34,13 +33,9 @@ import requests
 from etcd3gw.exceptions import Etcd3Exception
 
 from disagg.errors import ConfigError
-from disagg.store.etcd import parse_endpoint, request_timeout
+from disagg.store.etcd import created_at, parse_endpoint, put_op, request_timeout
 
 log = logging.getLogger("disagg.ha")
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 LEADER_KEY = "/disagg/leader"
@@ -142,15 +137,8 @@ class Leadership:
         if self.epoch_base <= base:
             return base
         txn = {
-            "compare": [
-                {
-                    "key": _b64(self.key),
-                    "target": "CREATE",
-                    "result": "EQUAL",
-                    "create_revision": self.create_revision,
-                }
-            ],
-            "success": [{"request_put": {"key": _b64(self.base_key), "value": _b64(str(self.epoch_base))}}],
+            "compare": [created_at(self.key, self.create_revision)],
+            "success": [put_op(self.base_key.encode(), str(self.epoch_base))],
             "failure": [],
         }
         if not client.transaction(txn).get("succeeded"):

@@ -97,6 +97,16 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+def put_op(key: bytes, value: str) -> dict[str, Any]:
+    """A put of an etcd transaction (the JSON gateway's form)."""
+    return {"request_put": {"key": _b64(key), "value": _b64(value.encode())}}
+
+
+def created_at(key: str, create_revision: int) -> dict[str, Any]:
+    """A compare of an etcd transaction: ``key`` still has ``create_revision``, as the leader key of one lead."""
+    return {"key": _b64(key.encode()), "target": "CREATE", "result": "EQUAL", "create_revision": create_revision}
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix`` (etcd's range_end of a prefix)."""
     end = bytearray(prefix.rstrip(b"\xff"))
@@ -189,9 +199,8 @@ class EtcdStore(Store):
                 f"a fencing epoch is a key's create revision (1 or more), not {create_revision}",
                 field="create_revision",
             )
-        compare = {"key": _b64(key.encode()), "target": "CREATE", "result": "EQUAL", "create_revision": create_revision}
         with self._write_lock:
-            self._fence = compare
+            self._fence = created_at(key, create_revision)
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
             self._on_deposed = on_deposed or (lambda: None)
@@ -301,9 +310,6 @@ class EtcdStore(Store):
                 metadata={"leader_key": self._fence_key},
             )
 
-    def _put(self, key: bytes, doc: str) -> dict[str, Any]:
-        return {"request_put": {"key": _b64(key), "value": _b64(doc.encode())}}
-
     def _delete(self, key: bytes, end: bytes | None = None) -> dict[str, Any]:
         op: dict[str, Any] = {"key": _b64(key)}
         if end is not None:
@@ -359,7 +365,7 @@ class EtcdStore(Store):
 
     def put_composition(self, composition: Composition) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(COMPOSITIONS, composition.id), codec.record(composition))])
+            self._commit([put_op(self._key(COMPOSITIONS, composition.id), codec.record(composition))])
 
     def delete_composition(self, composition_id: str) -> None:
         with self._write_lock:
@@ -367,7 +373,7 @@ class EtcdStore(Store):
 
     def put_reservation(self, reservation: Reservation) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(RESERVATIONS, reservation.id), codec.record(reservation))])
+            self._commit([put_op(self._key(RESERVATIONS, reservation.id), codec.record(reservation))])
 
     def delete_reservation(self, reservation_id: str) -> None:
         with self._write_lock:
@@ -375,7 +381,7 @@ class EtcdStore(Store):
 
     def put_cordon(self, device: str) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(CORDONS, device), device)])
+            self._commit([put_op(self._key(CORDONS, device), device)])
 
     def delete_cordon(self, device: str) -> None:
         with self._write_lock:
@@ -384,7 +390,7 @@ class EtcdStore(Store):
     def put_quarantine(self, pool: str, allocation_id: str) -> None:
         key = quarantine_key(pool, allocation_id)
         with self._write_lock:
-            self._commit([self._put(self._key(QUARANTINES, key), key)])
+            self._commit([put_op(self._key(QUARANTINES, key), key)])
 
     def delete_quarantine(self, pool: str, allocation_id: str) -> None:
         with self._write_lock:
@@ -392,7 +398,7 @@ class EtcdStore(Store):
 
     def put_request(self, record: RequestRecord) -> None:
         with self._write_lock:
-            self._commit([self._put(self._key(REQUESTS, record.id), codec.record(record))])
+            self._commit([put_op(self._key(REQUESTS, record.id), codec.record(record))])
             self._put_requests += 1
             if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
                 self._forget_old_requests()
@@ -410,7 +416,7 @@ class EtcdStore(Store):
 
     def append_event(self, event: Event) -> None:
         with self._write_lock:
-            ops = [self._put(self._event_key(event.revision), codec.record(event))]
+            ops = [put_op(self._event_key(event.revision), codec.record(event))]
             appended = self._appended + 1
             cutoff = event.revision - self._retention  # events at or below it are forgotten
             if appended % min(PRUNE_EVERY, self._retention) == 0 and cutoff > 0:
