@@ -219,9 +219,9 @@ class FabricComposer(Composer):
         self._revision = 0
         self._cordoned: set[str] = set()
         self._unreachable: set[str] = set()
+        """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
         self._unannounced: set[str] = set()
         """Fabrics that did not take this manager's epoch when it was announced: unreachable until they do."""
-        """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
         self._quarantined: set[str] = set()
@@ -666,26 +666,26 @@ class FabricComposer(Composer):
     def _claim_composition(self, comp: Composition) -> None:
         """Claim the host and whatever the composition may hold (`_holdings`) in a freshly built index."""
         picks, allocs = _holdings(comp)
-        if comp.host in self._inv.hosts:
-            self._inv.claim_host(comp.host, comp.id)
-        for pick in picks:
-            if pick.device in self._inv.devices:
-                self._inv.claim_device(pick.device, comp.id)
-        for alloc in allocs:
-            if alloc.pool in self._inv.pools:
-                self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+        self._claim_known(comp.id, comp.host, picks, [(a.pool, a.amount_bytes) for a in allocs])
 
     def _claim_reserved(self, res: Reservation) -> None:
-        """Claim a reservation's plan in a freshly built index, as far as the index holds it."""
-        plan = res.plan
-        if plan.host in self._inv.hosts:
-            self._inv.claim_host(plan.host, res.id)
-        for pick in plan.devices:
+        """Claim a reservation's plan in a freshly built index."""
+        memory = [(m.pool, m.amount_bytes) for m in res.plan.memory]
+        self._claim_known(res.id, res.plan.host, res.plan.devices, memory)
+
+    def _claim_known(
+        self, owner: str, host: str, picks: Iterable[DevicePick], memory: Iterable[tuple[str, int]]
+    ) -> None:
+        """Claim for ``owner`` what the index holds of a host, devices and (pool, bytes) of memory: what an
+        unreachable fabric holds is not in it, and is claimed at the rebuild after it answers."""
+        if host in self._inv.hosts:
+            self._inv.claim_host(host, owner)
+        for pick in picks:
             if pick.device in self._inv.devices:
-                self._inv.claim_device(pick.device, res.id)
-        for mem in plan.memory:
-            if mem.pool in self._inv.pools:
-                self._inv.claim_memory(mem.pool, mem.amount_bytes)
+                self._inv.claim_device(pick.device, owner)
+        for pool, amount in memory:
+            if pool in self._inv.pools:
+                self._inv.claim_memory(pool, amount)
 
     def _out_of_reach(self, plan: Plan) -> list[str]:
         """The fabrics of ``plan`` that the index lacks now (they cannot be reached), sorted."""
