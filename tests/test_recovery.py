@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -261,25 +261,36 @@ class TestAnswersACrashLostThenChanged:
         again.close()
 
 
+def apply_cut_off(
+    tmp: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    before_crash: Callable[[FabricComposer, Reservation], None] = lambda first, res: None,
+) -> tuple[Reservation, FabricComposer]:
+    """A reservation whose apply (request id APPLY-1) the process dies in after its first bind, ``before_crash``
+    done just before; returns it and a composer opened again on the same ledger and hardware."""
+    first = opened(tmp)
+    res = first.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
+    assert res is not None
+
+    def crash(name: str) -> None:
+        if name == "compose.after_bind":
+            before_crash(first, res)
+            raise KeyboardInterrupt  # the process dies here: nothing after it runs
+
+    monkeypatch.setattr(failpoints, "hit", crash)
+    with pytest.raises(KeyboardInterrupt):
+        first.apply_reservation(res.id, request_id="APPLY-1")
+    first.close()
+    monkeypatch.undo()
+    return res, opened(tmp)
+
+
 class TestAnApplyACrashInterrupted:
     """A crash in the middle of a reservation's apply is undone at the restart, and the reservation is held again
     for the rest of its time to live: the retry of the apply composes it."""
 
     def test_the_reservation_is_held_again(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        first = opened(tmp_path)
-        res = first.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
-        assert res is not None
-
-        def crash(name: str) -> None:
-            if name == "compose.after_bind":
-                raise KeyboardInterrupt  # the process dies here: nothing after it runs
-
-        monkeypatch.setattr(failpoints, "hit", crash)
-        with pytest.raises(KeyboardInterrupt):
-            first.apply_reservation(res.id, request_id="APPLY-1")
-        first.close()
-        monkeypatch.undo()
-        again = opened(tmp_path)
+        res, again = apply_cut_off(tmp_path, monkeypatch)
         assert again.compositions() == [] and again.reservations() == [res]
         assert again.fabrics["pcie0"].bindings() == ()
         applied = again.apply_reservation(res.id, request_id="APPLY-1")
@@ -291,21 +302,7 @@ class TestAnApplyACrashInterrupted:
     ) -> None:
         """The operator released the reservation (OK) while the apply bound; the crash undid the apply, and
         recovery held the released reservation again for the rest of its time to live."""
-        first = opened(tmp_path)
-        res = first.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
-        assert res is not None
-
-        def release_then_crash(name: str) -> None:
-            if name == "compose.after_bind":
-                first.release_reservation(res.id)
-                raise KeyboardInterrupt  # the process dies here: nothing after it runs
-
-        monkeypatch.setattr(failpoints, "hit", release_then_crash)
-        with pytest.raises(KeyboardInterrupt):
-            first.apply_reservation(res.id, request_id="APPLY-1")
-        first.close()
-        monkeypatch.undo()
-        again = opened(tmp_path)
+        res, again = apply_cut_off(tmp_path, monkeypatch, lambda first, res: first.release_reservation(res.id))
         assert again.compositions() == [] and again.reservations() == [] and again.holders() == {}
         assert again.fabrics["pcie0"].bindings() == ()
         assert events_of(again, EventType.RESERVATION_RELEASED) == [res.id]
