@@ -223,6 +223,14 @@ class TestServerOption:
         assert info.value.code == 2
         assert "runs locally" in capsys.readouterr().err
 
+    @pytest.mark.parametrize("command", ["demo", "serve", "plugins"])
+    def test_timeout_not_for_local_commands(self, capsys: pytest.CaptureFixture[str], command: str) -> None:
+        """A deadline that nothing would use is refused, not silently dropped."""
+        with pytest.raises(SystemExit) as info:
+            main(["--timeout", "5", command])
+        assert info.value.code == 2
+        assert "--timeout does not apply to " + command in capsys.readouterr().err
+
 
 class TestAgainstDisaggServe:
     """The installed command, as a user runs it, against `disagg serve` in another process."""

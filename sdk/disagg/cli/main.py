@@ -369,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.server is not None and args.command not in REMOTE_COMMANDS:
         parser.error(f"--server does not apply to {args.command}, which runs locally")
+    if args.timeout is not None and args.command not in REMOTE_COMMANDS:
+        parser.error(f"--timeout does not apply to {args.command}, which makes no calls to a fabric manager")
     if args.command == "recompose" and not args.add and not args.remove:
         parser.error("recompose: give at least one --add CLAUSE or --remove ID")
     func: Callable[[argparse.Namespace], int] = args.func
