@@ -41,7 +41,7 @@ from disagg.errors import (
     StaleEpochError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import ComposeMode, CompositionState, EventType, Health
+from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, Health
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
@@ -345,6 +345,25 @@ class TestRecompose:
             comp.recompose(c.id)
         with pytest.raises(NotFoundError):
             comp.recompose("c-missing", add=[parse_resource("nic")])
+
+    def test_a_removal_naming_a_device_twice_or_taking_everything_is_refused(self) -> None:
+        """Both were accepted: the second left a COMPOSED composition with no device or memory that still held
+        its host and listed its resource lines."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(INFERENCE).composition
+        assert c is not None
+        everything = [*c.device_ids, *(a.id for a in c.allocations)]
+        with pytest.raises(InvalidRequestError, match="named twice") as twice:
+            comp.recompose(c.id, remove=[c.device_ids[0], c.device_ids[0]])
+        assert twice.value.field == "remove[1]"
+        with pytest.raises(InvalidRequestError, match="leave it nothing: decompose it instead") as all_of_it:
+            comp.recompose(c.id, remove=everything)
+        assert all_of_it.value.field == "remove"
+        assert comp.get(c.id) == c
+        assert set(hardware_bindings(fabrics)) == set(c.device_ids)
+        swapped = comp.recompose(c.id, add=[parse_resource("nic")], remove=everything)
+        assert [comp.device(d).kind for d in swapped.device_ids] == [DeviceKind.NIC] and swapped.allocations == ()
 
     def test_add_that_does_not_fit_leaves_composition_as_it_was(self) -> None:
         comp = composer()

@@ -885,6 +885,28 @@ class TestUnreachableAtStartUp:
         assert composer.retry_unreachable() is False
         composer.close()
 
+    def test_a_composition_on_the_unreachable_fabric_is_not_decomposed(self, tmp_path: Path) -> None:
+        """Its memory there can be neither released nor known to be: the decompose is refused and the record
+        kept (it answered OK and forgot the composition, leaving 8 GiB carved as a stray); once the fabric
+        answers, the decompose releases everything."""
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert comp is not None
+        first.close()
+        composer, cxl, hardware = unreachable_cxl(tmp_path)
+        with pytest.raises(FabricUnavailableError, match=f"{comp.id} cannot be decomposed now: fabric cxl0"):
+            composer.decompose("inference")
+        assert composer.find("inference").state is CompositionState.UNKNOWN
+        assert Binding(comp.device_ids[0], "h1") in hardware["pcie0"].bindings()
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        composer.decompose("inference")
+        assert not composer.compositions()
+        assert not cxl.pool(comp.allocations[0].pool).allocations()
+        assert not hardware["pcie0"].bindings()
+        assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == []
+        composer.close()
+
     def test_a_reservation_on_the_unreachable_fabric_is_kept_and_the_rest_served(self, tmp_path: Path) -> None:
         """A reservation whose memory is on the fabric that does not answer: start-up failed (KeyError), and an
         apply now is refused saying why, changing nothing; once the fabric answers, it applies."""
@@ -1169,6 +1191,36 @@ class TestFailureDegrades:
                 assert composer.find("other").state is CompositionState.COMPOSED
             finally:
                 composer.close()
+
+    def test_a_device_that_fails_while_its_compose_binds_the_rest(self, tmp_path: Path) -> None:
+        """The failure is reported while the composition is COMPOSING: it ended COMPOSED with the FAILED device,
+        and the heal waiting for it found nothing to do. It ends DEGRADED, and the heal replaces the device."""
+        sim = create_fabric("pcie0", {"topology": "demo-pcie", "bind_delay_s": 0.3})
+        composer = FabricComposer({"pcie0": sim}, auto_heal=True)
+        composer.start()
+        try:
+            answers: list[Composition | None] = []
+            compose = threading.Thread(
+                target=lambda: answers.append(composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition)
+            )
+            compose.start()
+            deadline = time.monotonic() + WAIT_S
+            while not sim.bindings():
+                assert time.monotonic() < deadline, "the first bind did not land"
+                time.sleep(0.01)
+            first = sim.bindings()[0].device
+            sim.fail_device(first, "xid 79")
+            compose.join(WAIT_S)
+            assert answers and answers[0] is not None
+            assert answers[0].state is CompositionState.DEGRADED
+            while first in composer.find("job").device_ids:
+                assert time.monotonic() < deadline, "the failed device was not replaced"
+                time.sleep(0.01)
+            healed = composer.find("job")
+            assert healed.state is CompositionState.COMPOSED and len(healed.device_ids) == 2
+            assert Binding(first, "h1") not in sim.bindings()
+        finally:
+            composer.close()
 
 
 class TestLeaderAnnouncesItsEpoch:

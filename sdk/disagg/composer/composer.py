@@ -611,10 +611,13 @@ class FabricComposer(Composer):
             raise first
         return topologies
 
-    def _touches_unreachable(self, comp: Composition) -> bool:
+    def _fabrics_of(self, comp: Composition) -> set[str]:
+        """The fabrics of whatever ``comp`` may hold (`_holdings`)."""
         picks, allocs = _holdings(comp)
-        names = {self._fabric_of(p.device) for p in picks} | {self._fabric_of_pool(a.pool) for a in allocs}
-        return bool(names & self._unreachable)
+        return {self._fabric_of(p.device) for p in picks} | {self._fabric_of_pool(a.pool) for a in allocs}
+
+    def _touches_unreachable(self, comp: Composition) -> bool:
+        return bool(self._fabrics_of(comp) & self._unreachable)
 
     def _mark_unknown(self) -> None:
         """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. The state each
@@ -1270,7 +1273,9 @@ class FabricComposer(Composer):
         # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
         # One commit to wait for per Compose instead of two (docs/durability.md).
         with self._lock, self.store.asynchronous_commit():
-            comp = self._set(comp, state=CompositionState.COMPOSED, allocations=allocations, pending=None)
+            composed = attrs.evolve(comp, allocations=allocations, pending=None)
+            # A device that failed while the binds ran was reported to a composition not yet COMPOSED.
+            comp = self._set(comp, state=self._standing(composed), allocations=allocations, pending=None)
         failpoints.hit("compose.after_commit")
         return comp
 
@@ -1479,13 +1484,7 @@ class FabricComposer(Composer):
                     f"composition {comp.id} is {comp.state.value}; it cannot be changed now",
                     metadata={"subject": comp.id},
                 )
-            known = set(comp.device_ids) | {a.id for a in comp.allocations}
-            unknown = [(n, r) for n, r in enumerate(remove) if r not in known]
-            if unknown:
-                raise InvalidRequestError(
-                    f"composition {comp.id} holds no device or allocation {', '.join(r for _, r in unknown)}",
-                    field=f"remove[{unknown[0][0]}]",
-                )
+            self._check_removal(comp, remove, bool(add))
             base = len(comp.resources)
             lines: list[Line] = [(base + i, r, Pin()) for i, r in enumerate(add)]
             for _, r, _ in lines:
@@ -1559,6 +1558,26 @@ class FabricComposer(Composer):
         if add or len(leftovers.ids) < len(set(remove)):
             raise _SettledError(error)
         raise error
+
+    @staticmethod
+    def _check_removal(comp: Composition, remove: tuple[str, ...], adding: bool) -> None:
+        """Refuse a removal naming something ``comp`` does not hold, naming one thing twice, or taking all it holds
+        when nothing is added: a composition needs at least one resource, and decompose is the way to end it."""
+        known = set(comp.device_ids) | {a.id for a in comp.allocations}
+        unknown = [(n, r) for n, r in enumerate(remove) if r not in known]
+        if unknown:
+            raise InvalidRequestError(
+                f"composition {comp.id} holds no device or allocation {', '.join(r for _, r in unknown)}",
+                field=f"remove[{unknown[0][0]}]",
+            )
+        again = next((n for n, r in enumerate(remove) if r in remove[:n]), None)
+        if again is not None:
+            raise InvalidRequestError(f"{remove[again]} is named twice", field=f"remove[{again}]")
+        if remove and not adding and set(remove) == known:
+            raise InvalidRequestError(
+                f"removing everything composition {comp.id} holds would leave it nothing: decompose it instead",
+                field="remove",
+            )
 
     def _next_alloc_index(self, comp: Composition) -> int:
         return max((int(a.id.rsplit("-m", 1)[1]) + 1 for a in comp.allocations if "-m" in a.id), default=0)
@@ -1649,6 +1668,14 @@ class FabricComposer(Composer):
                 comp = self.find(composition_id)
             except NotFoundError:
                 return
+            if self._touches_unreachable(comp):
+                # What it holds there cannot be released, nor known to be: the record must stay to release it later.
+                away = sorted({*self._unreachable} & self._fabrics_of(comp))
+                raise FabricUnavailableError(
+                    f"composition {comp.id} cannot be decomposed now: fabric {', '.join(away)} cannot be reached; "
+                    "it is kept, and can be decomposed once the fabric answers",
+                    metadata={"composition": comp.id},
+                )
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
         yield DURABLE
         picks, allocs = _holdings(comp)
