@@ -146,9 +146,9 @@ class TestRecomposeRequestId:
         stuck = made.device_ids[0]
         pcie.stuck.add(stuck)
         with pytest.raises(DisaggError):
-            comp.recompose(made.id, remove=[stuck, stuck], request_id="u-1")
+            comp.recompose(made.id, remove=[stuck], request_id="u-1")
         pcie.stuck.clear()
-        assert comp.recompose(made.id, remove=[stuck, stuck], request_id="u-1").device_ids == made.device_ids[1:]
+        assert comp.recompose(made.id, remove=[stuck], request_id="u-1").device_ids == made.device_ids[1:]
 
     def test_without_a_request_id_the_error_is_raised_as_such(self) -> None:
         comp, pcie = stuck_composer()

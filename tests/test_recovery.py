@@ -907,6 +907,93 @@ class TestUnreachableAtStartUp:
         assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == []
         composer.close()
 
+    def test_a_fabric_found_answering_by_an_event_s_rebuild_is_settled(self, tmp_path: Path) -> None:
+        """An unrelated link event rebuilt the index and found cxl0 answering: the composition stayed UNKNOWN
+        for good, since `retry_unreachable` saw no fabric left to try."""
+        first = opened(tmp_path)
+        first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"]))
+        first.close()
+        composer, cxl, hardware = unreachable_cxl(tmp_path)
+        assert composer.find("inference").state is CompositionState.UNKNOWN
+        cxl.reachable = True
+        link = hardware["pcie0"].discover().links[-1]
+        hardware["pcie0"].set_link(link.a, link.b, False)
+        hardware["pcie0"].set_link(link.a, link.b, True)
+        assert composer.retry_unreachable() is True
+        assert composer.find("inference").state is CompositionState.COMPOSED
+        assert composer.retry_unreachable() is False
+        composer.close()
+
+    def test_a_compose_in_flight_when_its_fabric_goes_and_comes_back(self, tmp_path: Path) -> None:
+        """cxl0 stops answering while a compose binds (a rebuild an unrelated event made finds it gone), and
+        answers again before the compose ends: the retry took the live compose for one a crash interrupted,
+        undid and deleted it, and the compose then wrote it back COMPOSED with nothing claimed in the index, so
+        the next compose got the same devices. The live change keeps its composition."""
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].close()
+        hardware["pcie0"] = create_fabric(
+            "pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "pcie0.json"), "bind_delay_s": 0.3}
+        )
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        cxl.reachable = True
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        composer.start()
+        answers: list[Composition | None] = []
+        request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+        compose = threading.Thread(target=lambda: answers.append(composer.compose(request).composition))
+        compose.start()
+        deadline = time.monotonic() + WAIT_S
+        while not hardware["pcie0"].bindings():
+            assert time.monotonic() < deadline, "the first bind did not land"
+            time.sleep(0.01)
+        cxl.reachable = False
+        link = next(k for k in hardware["pcie0"].discover().links if "h4" in (k.a, k.b))
+        hardware["pcie0"].set_link(link.a, link.b, False)
+        assert composer.find("job").state is CompositionState.COMPOSING
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        compose.join(WAIT_S)
+        assert answers and answers[0] is not None
+        comp = composer.find("job")
+        assert comp.state is CompositionState.COMPOSED and comp.id == answers[0].id
+        assert events_of(composer, EventType.COMPOSITION_DELETED) == []
+        assert {b.device for b in hardware["pcie0"].bindings()} == set(comp.device_ids)
+        assert all(composer.owner_of(d) == comp.id for d in comp.device_ids)
+        with pytest.raises(NoFitError, match="host h1 already belongs to"):
+            composer.compose(parse_request("other", ["host h1", "gpu x2"]))
+        composer.close()
+
+    def test_a_compose_that_ends_while_its_fabric_is_away_is_unknown(self, tmp_path: Path) -> None:
+        """Left alone by the rebuild that found its fabric gone (its change owned the record), the composition
+        becomes UNKNOWN as its change ends, and COMPOSED once the fabric answers."""
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].close()
+        hardware["pcie0"] = create_fabric(
+            "pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "pcie0.json"), "bind_delay_s": 0.3}
+        )
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        cxl.reachable = True
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        composer.start()
+        request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+        compose = threading.Thread(target=lambda: composer.compose(request))
+        compose.start()
+        deadline = time.monotonic() + WAIT_S
+        while not hardware["pcie0"].bindings():
+            assert time.monotonic() < deadline, "the first bind did not land"
+            time.sleep(0.01)
+        cxl.reachable = False
+        link = next(k for k in hardware["pcie0"].discover().links if "h4" in (k.a, k.b))
+        hardware["pcie0"].set_link(link.a, link.b, False)
+        compose.join(WAIT_S)
+        assert composer.find("job").state is CompositionState.UNKNOWN
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        assert composer.find("job").state is CompositionState.COMPOSED
+        composer.close()
+
     def test_a_reservation_on_the_unreachable_fabric_is_kept_and_the_rest_served(self, tmp_path: Path) -> None:
         """A reservation whose memory is on the fabric that does not answer: start-up failed (KeyError), and an
         apply now is refused saying why, changing nothing; once the fabric answers, it applies."""

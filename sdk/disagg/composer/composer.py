@@ -222,6 +222,8 @@ class FabricComposer(Composer):
         """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
         self._unannounced: set[str] = set()
         """Fabrics that did not take this manager's epoch when it was announced: unreachable until they do."""
+        self._returned: set[str] = set()
+        """Fabrics that answered again at a rebuild whose compositions `retry_unreachable` has not settled yet."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
         self._quarantined: set[str] = set()
@@ -310,7 +312,13 @@ class FabricComposer(Composer):
 
     def _let_go(self, comp_id: str, lock: threading.Lock) -> None:
         """Release a composition's lock, and forget it when the composition is gone. A composition that is
-        still there needs no composer lock: whichever change removes it later forgets its lock then."""
+        still there needs no composer lock: whichever change removes it later forgets its lock then. One that a
+        fabric gone meanwhile holds something of becomes UNKNOWN first (`_mark_unknown` left it to its change)."""
+        if self._unreachable:
+            with self._lock:
+                comp = self._compositions.get(comp_id)
+                if comp is not None:
+                    self._mark_unknown_one(comp)
         lock.release()
         if comp_id in self._compositions:
             return
@@ -593,7 +601,8 @@ class FabricComposer(Composer):
         topologies: list[Topology] = []
         first: DisaggError | None = None
         for name, fabric in self.fabrics.items():
-            if name in self._unannounced:
+            if name in self._unannounced or name in self._unreachable:
+                # Told before anything else reaches it: a deposed manager may still try.
                 self._announce_epoch([name])
             try:
                 if name in self._unannounced:
@@ -606,6 +615,8 @@ class FabricComposer(Composer):
                 topologies.append(Topology(fabric=name))
                 first = first or exc
             else:
+                if name in self._unreachable:
+                    self._returned.add(name)
                 self._unreachable.discard(name)
         if first is not None and len(self._unreachable) == len(self.fabrics):
             raise first
@@ -621,16 +632,23 @@ class FabricComposer(Composer):
 
     def _mark_unknown(self) -> None:
         """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. The state each
-        had is kept with it (`PriorState`), for `_settle_known`. Under the lock."""
+        had is kept with it (`PriorState`), for `_settle_known`. One with a change in flight is left to that
+        change, which owns its record and marks it as it ends (`_let_go`): recovery must never take a live
+        change for one a crash interrupted. Under the lock."""
         for comp in list(self._compositions.values()):
-            if comp.state is not CompositionState.UNKNOWN and self._touches_unreachable(comp):
-                fabrics = ", ".join(sorted(self._unreachable))
-                self._set(
-                    comp,
-                    state=CompositionState.UNKNOWN,
-                    message=f"fabric {fabrics} cannot be reached",
-                    before_unknown=PriorState(comp.state, comp.message),
-                )
+            busy = self._busy.get(comp.id)
+            if busy is None or not busy.locked():
+                self._mark_unknown_one(comp)
+
+    def _mark_unknown_one(self, comp: Composition) -> None:
+        if comp.state is not CompositionState.UNKNOWN and self._touches_unreachable(comp):
+            fabrics = ", ".join(sorted(self._unreachable))
+            self._set(
+                comp,
+                state=CompositionState.UNKNOWN,
+                message=f"fabric {fabrics} cannot be reached",
+                before_unknown=PriorState(comp.state, comp.message),
+            )
 
     def _settle_known(self) -> set[str]:
         """UNKNOWN compositions whose every fabric answers go back to the state they had before, for recovery
@@ -652,15 +670,14 @@ class FabricComposer(Composer):
         """Try the unreachable fabrics again; when one answers, rebuild, settle its compositions (recovery,
         then COMPOSED or DEGRADED) and reconcile. Returns whether any answered. A server calls it on a timer."""
         with self._lock:
-            if not self._unreachable:
+            if not self._unreachable and not self._returned:
                 return False
-            before = set(self._unreachable)
-            self._rebuild()
-            back = before - self._unreachable
+            if self._unreachable:
+                self._rebuild()  # tells a fabric that answers the epoch first (`_discover_all`)
+            back, self._returned = self._returned - self._unreachable, set()
             if not back:
                 return False
             log.info("fabric %s answers again", ", ".join(sorted(back)))
-            self._announce_epoch(sorted(back))  # before anything else reaches it: a deposed manager may still try
             settle = self._settle_known()
         self._recover(settle)
         self.reconcile()
