@@ -283,7 +283,7 @@ class TestWatchAcrossARestart:
         hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
         with serving(socket_path(tmp_path), hardware, store=SqliteStore(ledger, event_retention=4)) as s:
             churn(s, 9)
-        kept = SqliteStore(ledger)
+        kept = SqliteStore(ledger, event_retention=4)
         oldest = kept.events_after(0, 1)[0].revision
         kept.close()
         assert oldest > 2  # the log was pruned to about the retention

@@ -9,10 +9,19 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
+from disagg.errors import ConfigError
 from disagg.model import Composition, Event, Reservation
 
 REQUEST_RETENTION = 10_000
 """Request ids remembered, newest first: a retry is expected within minutes, not after ten thousand others."""
+
+
+def check_event_retention(value: int) -> int:
+    """``value`` as a ledger's event retention: a log that keeps no event could serve no watch, and a ledger
+    would only find out at its first append."""
+    if value < 1:
+        raise ConfigError(f"event_retention must be at least 1, not {value}")
+    return value
 
 
 @attrs.frozen

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 
 from disagg.model import Composition, Event, Reservation
-from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store
+from disagg.store.base import REQUEST_RETENTION, LedgerState, RequestRecord, Store, check_event_retention
 
 
 class MemoryStore(Store):
@@ -19,7 +19,7 @@ class MemoryStore(Store):
         self._requests: dict[str, RequestRecord] = {}
         self._cordons: dict[str, None] = {}
         self._quarantined: dict[tuple[str, str], None] = {}
-        self._retention = event_retention
+        self._retention = check_event_retention(event_retention)
 
     def load(self) -> LedgerState:
         with self._lock:

@@ -36,6 +36,7 @@ from disagg.store.base import (
     LedgerState,
     RequestRecord,
     Store,
+    check_event_retention,
     quarantine_key,
     quarantine_of,
 )
@@ -77,7 +78,9 @@ def _open_error(path: Path, exc: BaseException) -> DisaggError:
 EVENT_RETENTION = 100_000
 """Events kept; a watch from an older revision is told the log was compacted (OUT_OF_RANGE)."""
 PRUNE_EVERY = 1_000
-"""Appends between two prunes of the event log: pruning in steps keeps appending cheap."""
+"""Events past the retention between two prunes of the event log: pruning in steps keeps appending cheap. The
+step is counted from the revisions on disk, not from this process's appends, so that a server that restarts
+often still prunes."""
 
 log = logging.getLogger("disagg.store")
 
@@ -128,9 +131,7 @@ def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
 class SqliteStore(Store):
     def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
         self.path = Path(path)
-        self._retention = event_retention
-        self._appended = 0
-        self._put_requests = 0
+        self._retention = check_event_retention(event_retention)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -149,7 +150,8 @@ class SqliteStore(Store):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
-            (newest,) = db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
+            (oldest, newest) = db.execute("SELECT MIN(revision), COALESCE(MAX(revision), 0) FROM events").fetchone()
+            (requests,) = db.execute("SELECT COUNT(*) FROM requests").fetchone()
         except (OSError, sqlite3.Error, ConfigError) as exc:  # nothing of it stays open, and the ledger is let go
             if db is not None:
                 db.close()
@@ -159,9 +161,15 @@ class SqliteStore(Store):
             raise _open_error(self.path, exc) from exc
         self._db = db
         self._newest_event = int(newest)
+        self._oldest_event = self._newest_event + 1 if oldest is None else int(oldest)
+        """The oldest revision the log may hold on disk: the next prune is due once `PRUNE_EVERY` revisions
+        from it (or the retention, if smaller) are past the retention."""
+        self._request_rows = int(requests)
+        """At least the rows of the requests table (a put that replaces a row counts as one more): its prune
+        is due when they reach twice the retention."""
         self._db_lock = threading.Lock()
         self._lock = threading.Lock()
-        """Guards the queue, the waiters and the counters."""
+        """Guards the queue, the waiters, the counters and the prune bounds."""
         self._cond = threading.Condition(self._lock)
         """The committer, and only it, waits on it for work; it is notified only while it waits."""
         self._idle = False
@@ -355,7 +363,11 @@ class SqliteStore(Store):
         return LedgerState(comps, res, int(last), requests, cordons, tuple(quarantine_of(k) for k in keys))
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
+        """The events after ``revision`` within the retention (the newest revision minus it), as the other
+        ledgers serve them: rows a prune has yet to delete are not served, so that a watch is refused at the
+        same revision whichever ledger holds the log."""
         with self._lock:
+            revision = max(revision, self._newest_event - self._retention)
             queued = [e for e in self._queued_events if e.revision > revision]
         with self._db_lock:
             rows = self._db.execute(
@@ -396,18 +408,22 @@ class SqliteStore(Store):
         self._enqueue(Batch.delete, QUARANTINES, quarantine_key(pool, allocation_id))
 
     def put_request(self, record: RequestRecord) -> None:
-        def write(batch: Batch) -> None:
-            batch.put(REQUESTS, (record.id, record.fingerprint, record.answer, record.at))
-            self._put_requests += 1
-            if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
-                batch.prune(
-                    (
-                        "DELETE FROM requests WHERE id NOT IN (SELECT id FROM requests ORDER BY at DESC LIMIT ?)",
-                        (REQUEST_RETENTION,),
-                    )
-                )
+        self._enqueue(self._put_request, (record.id, record.fingerprint, record.answer, record.at))
 
-        self._enqueue(write)
+    def _put_request(self, batch: Batch, row: tuple[str, str, str, float]) -> None:
+        """Queue a request's row, and the prune that forgets the oldest once the table may hold twice the
+        retention: now and then, not on every put, and counted from the rows found at open, so that a server
+        that restarts often still prunes."""
+        batch.put(REQUESTS, row)
+        self._request_rows += 1
+        if self._request_rows >= 2 * REQUEST_RETENTION:
+            batch.prune(
+                (
+                    "DELETE FROM requests WHERE id NOT IN (SELECT id FROM requests ORDER BY at DESC LIMIT ?)",
+                    (REQUEST_RETENTION,),
+                )
+            )
+            self._request_rows = REQUEST_RETENTION
 
     def delete_request(self, request_id: str) -> None:
         self._enqueue(Batch.delete, REQUESTS, request_id)
@@ -416,11 +432,13 @@ class SqliteStore(Store):
         self._enqueue(self._append, (event.revision, codec.record(event)), event=event)
 
     def _append(self, batch: Batch, row: tuple[int, str]) -> None:
-        """Queue an event's row, and now and then the prune that keeps the log to its retention."""
+        """Queue an event's row, and the prune that keeps the log to its retention once a step of revisions
+        is due: decided from the revisions, so that it does not matter how many of them this process wrote."""
         batch.put(EVENTS, row)
-        self._appended += 1
-        if self._appended % min(PRUNE_EVERY, self._retention) == 0:
-            batch.prune(("DELETE FROM events WHERE revision <= ?", (row[0] - self._retention,)))
+        cutoff = row[0] - self._retention  # events at or below it are past the retention
+        if cutoff - self._oldest_event + 1 >= min(PRUNE_EVERY, self._retention):
+            batch.prune(("DELETE FROM events WHERE revision <= ?", (cutoff,)))
+            self._oldest_event = cutoff + 1
 
     def close(self) -> None:
         with self._lock:

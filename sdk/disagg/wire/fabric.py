@@ -60,6 +60,9 @@ MAX_RESOURCES = 64
 MAX_SELECTORS = 32
 MAX_NAME = 63
 MAX_ID = 128
+MAX_PAGE_KEY = 256
+"""The longest key a page token carries: a device id as a driver may report it (`disagg.wire.driver.MAX_ID`),
+longer than the ids a client gives."""
 MAX_TTL_S = MAX_RESERVATION_TTL_S
 MAX_REMOVE = 1024
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -411,16 +414,23 @@ def page_token_from_wire(token: str, collection: str, field: str = "page_token")
     if not token:
         return None
     bad = InvalidRequestError(f"{field}: not a page token of this listing; pass next_page_token as given", field=field)
-    if len(token) > 4 * MAX_ID:
+    if len(token) > _max_page_token(collection):
         raise bad
     try:
         text = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
         raise bad from None
     prefix, _, key = text.partition(":")
-    if prefix != collection or not key or not key.isprintable():
+    if prefix != collection or not key or len(key) > MAX_PAGE_KEY or not key.isprintable():
         raise bad
     return key
+
+
+def _max_page_token(collection: str) -> int:
+    """The length of the longest token `page_token_to_wire` gives for ``collection``: a key of `MAX_PAGE_KEY`
+    characters of four UTF-8 bytes each, in unpadded base64. Longer is refused before it is decoded."""
+    size = len(collection.encode()) + 1 + 4 * MAX_PAGE_KEY
+    return -(-4 * size // 3)
 
 
 def kind_filter_from_wire(value: int, field: str = "kind") -> DeviceKind | None:

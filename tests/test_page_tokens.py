@@ -1,0 +1,48 @@
+"""Every page token the server issues is accepted back, whatever characters its key has; a token too long to
+carry any key the server lists is refused."""
+
+from __future__ import annotations
+
+import pytest
+from disagg.errors import InvalidRequestError
+from disagg.wire import driver
+from disagg.wire.fabric import page_token_from_wire, page_token_to_wire
+from hypothesis import given
+from hypothesis import strategies as st
+
+COLLECTIONS = ["devices", "compositions", "reservations"]
+WIDE = ["g", "é", "設", "\U0001f600"]
+"""Characters of one to four UTF-8 bytes."""
+
+device_ids = st.text(
+    st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zs", "Zl", "Zp")), min_size=1, max_size=256
+).filter(lambda text: text.isprintable() and not any(c.isspace() for c in text))
+
+
+@pytest.mark.parametrize("collection", COLLECTIONS)
+@pytest.mark.parametrize("char", WIDE)
+def test_longest_id_round_trips(collection: str, char: str) -> None:
+    key = driver.check_id("pcie0/" + char * (driver.MAX_ID - 6), "id")
+    assert page_token_from_wire(page_token_to_wire(collection, key), collection) == key
+
+
+@given(key=device_ids)
+def test_every_device_id_round_trips(key: str) -> None:
+    driver.check_id(key, "id")
+    assert page_token_from_wire(page_token_to_wire("devices", key), "devices") == key
+
+
+@pytest.mark.parametrize("char", WIDE)
+def test_key_longer_than_any_id_is_refused(char: str) -> None:
+    token = page_token_to_wire("devices", char * (driver.MAX_ID + 1))
+    with pytest.raises(InvalidRequestError, match="not a page token of this listing") as info:
+        page_token_from_wire(token, "devices")
+    assert info.value.field == "page_token"
+
+
+@pytest.mark.parametrize("length", [driver.MAX_ID * 4 + 1, driver.MAX_ID * 100])
+def test_token_longer_than_any_token_is_refused(length: int) -> None:
+    token = page_token_to_wire("reservations", "x" * length)
+    assert len(token) > len(page_token_to_wire("reservations", WIDE[-1] * driver.MAX_ID))
+    with pytest.raises(InvalidRequestError, match="not a page token of this listing"):
+        page_token_from_wire(token, "reservations")
