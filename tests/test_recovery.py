@@ -36,6 +36,7 @@ from disagg.errors import (
 )
 from disagg.interfaces import CallContext
 from disagg.model import (
+    Allocation,
     Binding,
     ChangeKind,
     ComposeMode,
@@ -48,9 +49,10 @@ from disagg.model import (
     Topology,
 )
 from disagg.remote import RemoteFabric
-from disagg.requestlang import parse_request
+from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
+from disagg_sim.fabric import SimPool
 from remote_helpers import served
 
 GiB = 1 << 30
@@ -1191,6 +1193,45 @@ class TestWhatARollbackLeftIsReleased:
             composer.compose(parse_request("job", ["host h1", "gpu x1"]))
         assert [b for b in pcie.bindings() if b.host == "h1"] == []
         assert composer.compositions() == []
+        assert composer.reconcile() == 0
+        composer.close()
+
+    def test_an_allocation_whose_answer_was_lost_and_whose_undo_failed_is_named(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The pool carved the memory, its answer was lost, and the release that undoes it failed once: the
+        composition went back to COMPOSED with no record of the 8 GiB carved for its host. It is FAILED naming
+        the allocation, and a decompose releases it."""
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert comp is not None
+        allocate, release = SimPool.allocate, SimPool.release
+        failures = {"release": 1}
+
+        def answer_lost(pool: SimPool, allocation_id: str, host: str, amount: int, ctx: CallContext) -> Allocation:
+            allocate(pool, allocation_id, host, amount, ctx)
+            raise FabricUnavailableError("the connection broke", metadata={OUTCOME: OUTCOME_UNKNOWN})
+
+        def release_fails_once(pool: SimPool, allocation_id: str, ctx: CallContext) -> None:
+            if failures["release"]:
+                failures["release"] -= 1
+                raise FabricUnavailableError("the appliance manager is busy")
+            release(pool, allocation_id, ctx)
+
+        monkeypatch.setattr(SimPool, "allocate", answer_lost)
+        monkeypatch.setattr(SimPool, "release", release_fails_once)
+        with pytest.raises(FabricUnavailableError):
+            composer.recompose(comp.id, add=[parse_resource("cxl-memory 8GiB")])
+        cxl = composer.fabrics["cxl0"]
+        carved = [a.id for p in cxl.discover().pools for a in cxl.pool(p.id).allocations()]
+        after = composer.get(comp.id)
+        assert len(carved) == 1 and after.state is CompositionState.FAILED
+        assert after.pending is not None and [a.id for a in after.pending.allocations] == carved
+        assert [e.message for e in composer.events(0, 1000) if e.type is EventType.ROLLBACK_INCOMPLETE] == [
+            f"could not undo {carved[0]}: the connection broke"
+        ]
+        composer.decompose(comp.id)
+        assert not [a for p in cxl.discover().pools for a in cxl.pool(p.id).allocations()]
         assert composer.reconcile() == 0
         composer.close()
 

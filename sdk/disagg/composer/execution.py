@@ -105,8 +105,8 @@ class Executor:
 
         A step whose outcome is unknown (`in_doubt`: its answer was lost, or the driver raised something it
         should not) may have happened, so the rollback undoes it too, first, as a best effort: unbind and
-        release are idempotent, so undoing what did not happen changes nothing, and an undo that fails is left
-        to reconciliation, which quarantines the binding if there is one.
+        release are idempotent, so undoing what did not happen changes nothing. An undo of it that fails is
+        among the leftovers, as any other: it may hold the hardware, so the composition must keep naming it.
         """
         bound: list[tuple[str, Binding]] = []
         carved: list[tuple[str, str, str]] = []
@@ -131,10 +131,9 @@ class Executor:
                 failpoints.hit(f"{stage}.after_allocate")
         except Exception as exc:
             error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
-            if in_doubt(exc):
-                self.undo(*trying)
+            doubtful = self.undo(*trying) if in_doubt(exc) else Leftovers()
             leftovers = self.undo(bound, carved)
-            raise ExecutionFailedError(error, leftovers.ids) from exc
+            raise ExecutionFailedError(error, doubtful.ids + leftovers.ids) from exc
         return tuple(allocations)
 
     def undo(
