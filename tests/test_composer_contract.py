@@ -37,6 +37,9 @@ class StuckUnbind(SimFabric):
         super().unbind(binding, ctx)
 
 
+GiB = 1 << 30
+
+
 def stuck_composer() -> tuple[FabricComposer, StuckUnbind]:
     pcie = StuckUnbind(load_topology("pcie0", "demo-pcie"))
     pcie.stuck = set()
@@ -186,8 +189,31 @@ class TestDecomposeDeadline:
         with pytest.raises(DisaggError) as info:
             comp.decompose(made.id, deadline=time.monotonic() + 30)
         assert type(info.value) is DisaggError and info.value.metadata["bound"] == made.device_ids[1]
-        assert comp.get(made.id).state is CompositionState.FAILED
+        failed = comp.get(made.id)
+        assert failed.state is CompositionState.FAILED
         pcie.stuck.clear()
         comp.decompose(made.id)
         with pytest.raises(NotFoundError):
             comp.get(made.id)
+        assert failed.device_ids == (made.device_ids[1],)
+
+    def test_what_a_failed_decompose_released_goes_back_to_placement(self) -> None:
+        """The device and the memory it did release stayed held by the FAILED composition until the stuck
+        device freed: out of placement, though free on the hardware."""
+        comp, pcie = stuck_composer()
+        made = compose(comp, "stuck", "host h1", "gpu x2", "cxl-memory 8GiB")
+        pool = made.allocations[0].pool
+        free_before = {p.pool: p.free_bytes for p in comp.usage()[1]}[pool]
+        stuck, released = made.device_ids
+        pcie.stuck.add(stuck)
+        with pytest.raises(DisaggError):
+            comp.decompose(made.id)
+        failed = comp.get(made.id)
+        assert failed.state is CompositionState.FAILED
+        assert failed.device_ids == (stuck,) and failed.allocations == ()
+        assert comp.owner_of(released) is None and comp.owner_of(stuck) == made.id
+        assert {p.pool: p.free_bytes for p in comp.usage()[1]}[pool] == free_before + 8 * GiB
+        assert set(hardware_bindings(comp.fabrics)) == {stuck}
+        pcie.stuck.clear()
+        comp.decompose(made.id)
+        assert comp.compositions() == [] and hardware_bindings(comp.fabrics) == {}

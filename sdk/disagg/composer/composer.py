@@ -1704,10 +1704,8 @@ class FabricComposer(Composer):
         with self._lock:
             if leftovers:
                 names = ", ".join(leftovers.ids)
-                self._set(
-                    comp,
-                    state=CompositionState.FAILED,
-                    message=f"could not release {names}; decompose again to retry",
+                self._keep_only(
+                    comp, picks, allocs, set(leftovers.ids), f"could not release {names}; decompose again to retry"
                 )
                 metadata = {"composition": comp.id, "bound": ",".join(leftovers.ids)}
                 if leftovers.timed_out:
@@ -1722,6 +1720,26 @@ class FabricComposer(Composer):
                 )
             self._unclaim_composition(comp)
             self._forget(comp, f"{comp.name!r} decomposed")
+
+    def _keep_only(
+        self, comp: Composition, picks: Sequence[DevicePick], allocs: Sequence[Allocation], kept: set[str], why: str
+    ) -> None:
+        """A decompose left ``kept`` (device and allocation ids) on the hardware: the composition is FAILED
+        holding just those, and what was released goes back to placement. Under the lock."""
+        for pick in picks:
+            if pick.device not in kept:
+                self._inv.release_device(pick.device)
+        for alloc in allocs:
+            if alloc.id not in kept:
+                self._inv.release_memory(alloc.pool, alloc.amount_bytes)
+        self._set(
+            comp,
+            state=CompositionState.FAILED,
+            devices=tuple(p for p in picks if p.device in kept),
+            allocations=tuple(a for a in allocs if a.id in kept),
+            pending=None,
+            message=why,
+        )
 
     # ----------------------------------------------------------------- health
 
