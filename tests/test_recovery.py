@@ -1320,6 +1320,35 @@ class TestFailureDegrades:
             finally:
                 composer.close()
 
+    def test_a_failed_pool_device_degrades_the_compositions_carving_from_it(self, tmp_path: Path) -> None:
+        """Only bound devices counted: with the device behind a CXL pool FAILED, the compositions whose memory it
+        holds stayed COMPOSED, live and after a restart, and a reservation of its memory was kept (each apply
+        failed, and gave it back). Healing cannot move memory, so they stay DEGRADED until it is repaired."""
+        composer = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
+        composer.start()
+        a = composer.compose(parse_request("a", ["host h1", "cxl-memory 8GiB"])).composition
+        b = composer.compose(parse_request("b", ["host h2", "gpu x1"])).composition
+        held = composer.compose(parse_request("r", ["host h3", "cxl-memory 8GiB"]), ComposeMode.RESERVE).reservation
+        assert a is not None and b is not None and held is not None
+        pool = a.allocations[0].pool
+        assert held.plan.memory[0].pool == pool
+        cxl = composer.fabrics["cxl0"]
+        backing = next(p.device for p in cxl.discover().pools if p.id == pool)
+        cxl.fail_device(backing, "media error")
+        degraded = composer.find("a")
+        assert degraded.state is CompositionState.DEGRADED and a.allocations[0].id in degraded.message
+        assert composer.find("b").state is CompositionState.COMPOSED
+        assert composer.reservations() == []
+        assert composer.heal("a").state is CompositionState.DEGRADED
+        assert composer.reconcile() == 0
+        composer.close()
+        composer = opened(tmp_path)
+        assert composer.find("a").state is CompositionState.DEGRADED
+        assert composer.reconcile() == 0
+        composer.fabrics["cxl0"].repair_device(backing)
+        assert composer.find("a").state is CompositionState.COMPOSED
+        composer.close()
+
     def test_a_device_that_fails_while_its_compose_binds_the_rest(self, tmp_path: Path) -> None:
         """The failure is reported while the composition is COMPOSING: it ended COMPOSED with the FAILED device,
         and the heal waiting for it found nothing to do. It ends DEGRADED, and the heal replaces the device."""

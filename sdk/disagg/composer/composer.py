@@ -508,7 +508,9 @@ class FabricComposer(Composer):
                     if self._fabric_of_pool(a.pool) in read and (a.pool, a.id) not in carved
                 ]
                 unhealthy = [p.device for p in self._unhealthy(comp) if p.device not in lost]
-                if unhealthy and not lost:  # healing replaces unhealthy devices; it cannot bring a lost one back
+                unhealthy += [a for a in self._sick_memory(comp) if a not in lost]
+                if unhealthy and not lost and not self._sick_memory(comp):
+                    # Healing replaces unhealthy devices; it cannot bring a lost one back, nor move memory.
                     healable.append(comp.id)
                 if comp.state is CompositionState.COMPOSED and (lost or unhealthy):
                     # Unhealthy too: a device that failed while the fabric manager was down sent no event.
@@ -889,7 +891,7 @@ class FabricComposer(Composer):
                 p.device
                 for p in res.plan.devices
                 if (dev := self._inv.devices.get(p.device)) is not None and dev.health is not Health.OK
-            ]
+            ] + sorted({m.pool for m in res.plan.memory if self._sick_pool(m.pool)})
             if bad:
                 because = f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy"
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED, because)
@@ -1744,13 +1746,25 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- health
 
     def _standing(self, comp: Composition) -> CompositionState:
-        """The state of a composition with no change in flight: DEGRADED when a device is unhealthy."""
-        return CompositionState.DEGRADED if self._unhealthy(comp) else CompositionState.COMPOSED
+        """The state of a composition with no change in flight: DEGRADED when a device is unhealthy, or a pool
+        it carves memory from is."""
+        sick = self._unhealthy(comp) or self._sick_memory(comp)
+        return CompositionState.DEGRADED if sick else CompositionState.COMPOSED
 
     def _unhealthy(self, comp: Composition) -> list[DevicePick]:
         return [
             p for p in comp.devices if (dev := self._inv.devices.get(p.device)) is None or dev.health is not Health.OK
         ]
+
+    def _sick_pool(self, pool: str) -> bool:
+        """Whether the device backing ``pool`` is not healthy: the memory carved from it is at risk."""
+        state = self._inv.pools.get(pool)
+        return state is not None and state.device.health is not Health.OK
+
+    def _sick_memory(self, comp: Composition) -> list[str]:
+        """The ids of ``comp``'s allocations whose pool is not healthy (`_sick_pool`). Healing cannot replace
+        them: memory in use is not moved."""
+        return [a.id for a in comp.allocations if self._sick_pool(a.pool)]
 
     def _on_fabric_event(self, event: FabricEvent) -> None:
         if not self._started:
@@ -1779,14 +1793,14 @@ class FabricComposer(Composer):
     def _reassess(self, comp: Composition) -> None:
         reach = self._inv.reach_map.get(comp.host, {})
         lost = [
-            p
+            p.device
             for p in comp.devices
             if (dev := self._inv.devices.get(p.device)) is None
             or dev.switch not in reach
             or dev.health is not Health.OK
-        ]
+        ] + self._sick_memory(comp)
         if comp.state is CompositionState.COMPOSED and lost:
-            names = ", ".join(p.device for p in lost)
+            names = ", ".join(lost)
             self._set(comp, state=CompositionState.DEGRADED, message=f"unreachable or unhealthy: {names}")
         elif comp.state is CompositionState.DEGRADED and not lost:
             self._set(comp, state=CompositionState.COMPOSED, message="")
@@ -1802,11 +1816,14 @@ class FabricComposer(Composer):
             if owner in self._reservations and health is not Health.OK:
                 self._drop_unhealthy_reservations(owner)
                 return []
+            pools = {p for p, state in self._inv.pools.items() if state.device.id == device}
+            if pools and health is not Health.OK:
+                self._drop_unhealthy_reservations()
+            users = [c for c in self._compositions.values() if any(a.pool in pools for a in c.allocations)]
             comp = self._compositions.get(owner) if owner else None
-            if comp is None:
-                return []
-            self._reassess(comp)
-            return [comp.id]
+            for each in users + ([comp] if comp is not None else []):
+                self._reassess(each)
+            return [c.id for c in users] + ([comp.id] if comp is not None else [])
 
     @_durably
     def heal(self, composition_id: str) -> Composition:
@@ -1820,7 +1837,7 @@ class FabricComposer(Composer):
                 return comp
             bad = self._unhealthy(comp)
             if not bad:
-                return self._set(comp, state=CompositionState.COMPOSED, message="")
+                return comp if self._sick_memory(comp) else self._set(comp, state=CompositionState.COMPOSED, message="")
             lines: list[Line] = []
             for pick in bad:
                 r = comp.resources[pick.resource]
@@ -1859,8 +1876,10 @@ class FabricComposer(Composer):
                 comp.id,
                 ", ".join(f"{old} -> {new.device}" for old, new in replaced.items()),
             )
-            state = self._standing(comp)
-            return self._set(comp, state=state)
+            sick = self._sick_memory(comp)
+            if sick:
+                return self._set(comp, state=CompositionState.DEGRADED, message=f"unhealthy: {', '.join(sick)}")
+            return self._set(comp, state=self._standing(comp))
 
 
 def request_summary(request: CompositionRequest) -> str:
