@@ -1,7 +1,7 @@
 """Every emulator command's success path and return-code paths, in process and over a real socket.
 
 The default topology: hosts 0-1 on USPs 0-1, GPUs on DSPs 2-11, the MLD (4 LDs, 64 GiB) on DSP 12, the DCD (two
-8 GiB regions) on DSP 13; each VCS has 12 vPPBs.
+8 GiB regions) on DSP 13; each VCS has 16 vPPBs, one per DSP and one per LD.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class TestPhysicalSwitch:
         info = IdentifySwitchDeviceResponse.decode(ok(fm.call(Opcode.IDENTIFY_SWITCH_DEVICE)))
         assert (info.number_of_physical_ports, info.number_of_vcss) == (14, 2)
         assert info.active_port_ids == frozenset(range(14)) and info.active_vcs_ids == {0, 1}
-        assert (info.total_number_of_vppbs, info.number_of_bound_vppbs) == (24, 0)
+        assert (info.total_number_of_vppbs, info.number_of_bound_vppbs) == (32, 0)
 
     def test_identify_with_payload_is_invalid_payload_length(self, fm: Client) -> None:
         assert code(fm.call(Opcode.IDENTIFY_SWITCH_DEVICE, b"\x01")) == RC.INVALID_PAYLOAD_LENGTH
@@ -225,7 +225,7 @@ class TestVirtualSwitch:
             ok(fm.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request)), 1, 2
         )
         vcs, bad = response.vcss
-        assert (vcs.vcs_id, vcs.vcs_state, vcs.usp_id, vcs.number_of_vppbs, len(vcs.vppbs)) == (1, 1, 1, 12, 2)
+        assert (vcs.vcs_id, vcs.vcs_state, vcs.usp_id, vcs.number_of_vppbs, len(vcs.vppbs)) == (1, 1, 1, 16, 2)
         assert bad.vcs_state == VCSState.INVALID_VCS_ID
 
     def test_bind_runs_in_background_then_binds(self, fm: Client) -> None:
@@ -251,7 +251,7 @@ class TestVirtualSwitch:
         "request_",
         [
             BindVPPBRequest(5, 0, GPU),  # no such VCS
-            BindVPPBRequest(0, 12, GPU),  # no such vPPB
+            BindVPPBRequest(0, 16, GPU),  # no such vPPB
             BindVPPBRequest(0, 0, 1),  # an upstream port
             BindVPPBRequest(0, 0, 200),  # no such port
             BindVPPBRequest(0, 0, GPU, 0),  # an LD id for an SLD
@@ -593,3 +593,34 @@ class TestBudgets:
         assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_A)) == RC.RESOURCES_EXHAUSTED
         switch.state.dcd.total_supported_extents = 5
         assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_B)) == RC.RESOURCES_EXHAUSTED
+
+
+class TestTopologyLimits:
+    """A topology the FM API's fields cannot carry is refused when it is built, not answered Internal Error."""
+
+    def test_the_largest_switch_answers(self) -> None:
+        """255 ports (the MLD on the last), and each VCS 255 vPPBs: 253 DSPs and 2 LDs."""
+        fm = Client(in_process(Switch(default_topology(gpus=252, ld_count=2, mld_capacity=4 * GIB, dc_capacity=0))))
+        info = IdentifySwitchDeviceResponse.decode(ok(fm.call(Opcode.IDENTIFY_SWITCH_DEVICE)))
+        assert (info.number_of_physical_ports, info.total_number_of_vppbs) == (255, 2 * 255)
+        (vcs,) = vcs_info(fm).vcss
+        assert vcs.number_of_vppbs == len(vcs.vppbs) == 255
+
+    def test_the_largest_mld_answers(self) -> None:
+        fm = Client(in_process(Switch(default_topology(gpus=1, ld_count=16, mld_capacity=4 * GIB, dc_capacity=0))))
+        inner = fm.tunnel(3, Opcode.GET_LD_ALLOCATIONS, GetLDAllocationsRequest(0, 0xFF))
+        assert len(GetLDAllocationsResponse.decode(ok(inner)).allocations) == 16
+        assert vcs_info(fm).vcss[0].number_of_vppbs == 1 + 1 + 16
+
+    @pytest.mark.parametrize(
+        ("topology", "refusal"),
+        [
+            ({"gpus": 254, "ld_count": 0, "dc_capacity": 0}, "at most 255 physical ports"),
+            ({"gpus": 1, "ld_count": 17, "mld_capacity": 17 * GIB, "dc_capacity": 0}, "ld_count must be at most 16"),
+            ({"gpus": 240, "ld_count": 16, "mld_capacity": 4 * GIB, "dc_capacity": 0}, "at most 255 vPPBs"),
+        ],
+        ids=["ports", "lds", "vppbs"],
+    )
+    def test_refused(self, topology: dict[str, int], refusal: str) -> None:
+        with pytest.raises(ValueError, match=refusal):
+            default_topology(**topology)

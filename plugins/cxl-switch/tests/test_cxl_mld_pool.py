@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cxl_switch_served import ServedSwitch
 from cxl_switch_wire import HeldVPPB, held_vppbs, ld_units
 from disagg.errors import (
     CapacityExhaustedError,
@@ -19,10 +20,12 @@ from disagg.errors import (
     UnknownHostError,
 )
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Binding, Extent, PoolKind
+from disagg.model import Allocation, Extent, PoolKind
 from disagg.testing import FabricConformance
 from disagg.testing.harness import FabricFactory
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
+from disagg_cxl_switch.emulator import Switch, default_topology
+from disagg_cxl_switch.emulator.state import GIB
 from disagg_cxl_switch.fmapi import VPPBBindingStatus
 
 MIB = 1 << 20
@@ -142,17 +145,23 @@ class TestRefused:
         for n in range(4):
             pool.release(f"ld{n}", fresh_ctx())
 
-    def test_no_free_vppb_on_the_host(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
-        fabric = make_switch(gpus=1, nvme=0, **MLD_ONLY)  # two DSPs, so two vPPBs a VCS
-        pool, port = mld_pool(fabric), mld_port(fabric)
-        pool.allocate("first", "h0", UNIT, fresh_ctx())
-        fabric.bind("sw/port2", "h0", fresh_ctx())
-        before = ld_units(fabric.address, port)
-        with pytest.raises(CapacityExhaustedError, match="no unbound vPPB"):
-            pool.allocate("second", "h0", UNIT, fresh_ctx())
-        assert ld_units(fabric.address, port) == before and [v.ld for v in ld_binds(fabric)] == [0]
-        pool.release("first", fresh_ctx())
-        fabric.unbind(Binding("sw/port2", "h0"), fresh_ctx())
+    def test_no_free_vppb_on_the_host(self, tmp_path: Path) -> None:
+        """A switch whose VCSs have fewer vPPBs than DSPs and LDs (here two a VCS; the emulator has enough)."""
+        state = default_topology(gpus=1, ld_count=4, mld_capacity=4 * GIB, dc_capacity=0)
+        for vcs in state.vcss:
+            del vcs.vppbs[2:]
+        with ServedSwitch(Switch(state, bind_delay=0.0), tmp_path / "s.sock") as served:
+            fabric = create_fabric("sw", {"address": served.address, "gpus": 1})
+            try:
+                pool, port = mld_pool(fabric), mld_port(fabric)
+                pool.allocate("first", "h0", UNIT, fresh_ctx())
+                fabric.bind("sw/port2", "h0", fresh_ctx())
+                before = ld_units(fabric.address, port)
+                with pytest.raises(CapacityExhaustedError, match="no unbound vPPB"):
+                    pool.allocate("second", "h0", UNIT, fresh_ctx())
+                assert ld_units(fabric.address, port) == before and [v.ld for v in ld_binds(fabric)] == [0]
+            finally:
+                fabric.close()
 
     @pytest.mark.parametrize("amount", [0, -UNIT])
     def test_amount_not_positive(self, fabric: CxlSwitchFabric, amount: int) -> None:

@@ -45,6 +45,8 @@ class TestOptions:
             ({"state_dir": "/tmp/x", "dc_regions": 9}, "dc_regions"),
             ({"state_dir": "/tmp/x", "dc_capacity_gib": 1, "dc_regions": 3}, "dc_capacity_gib"),
             ({"state_dir": "/tmp/x", "gpus": 300}, "gpus"),
+            ({"state_dir": "/tmp/x", "gpus": 254, "ld_count": 0, "dc_capacity_gib": 0}, "gpus"),  # 256 ports
+            ({"state_dir": "/tmp/x", "ld_count": 17, "mld_capacity_gib": 17}, "ld_count"),
             ({"state_dir": "/tmp/x", "colour": "blue"}, "colour"),
         ],
     )

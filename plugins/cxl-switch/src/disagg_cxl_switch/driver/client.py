@@ -11,9 +11,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
     DeadlineExceededError,
     DisaggError,
     FabricUnavailableError,
@@ -24,6 +27,7 @@ from disagg.interfaces import CallContext
 
 from disagg_cxl_switch.cci import CCIMessage, FrameDecoder, MessageCategory, encode_frame
 from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS, BackgroundOperationStatusResponse
+from disagg_cxl_switch.emulator.vendor import VendorOpcode
 from disagg_cxl_switch.errors import CCIFormatError
 from disagg_cxl_switch.fmapi import Opcode, TunnelManagementCommandRequest, TunnelManagementCommandResponse
 from disagg_cxl_switch.returncodes import ReturnCode
@@ -32,7 +36,47 @@ IO_TIMEOUT_S = 5.0
 """The longest a single request may wait for its response when the caller gives no earlier deadline."""
 POLL_INTERVAL_S = 0.005
 """How often Background Operation Status is polled while a Bind or Unbind vPPB runs."""
+BACKGROUND_TIMEOUT_S = 120.0
+"""The longest a Bind or Unbind vPPB is waited for, whatever the caller's deadline (a rollback gives none): twice
+the longest bind delay the driver lets a started emulator have. Past it the outcome is unknown."""
 _INNER_TAG = 0xA5
+_QUERIES = frozenset(
+    {
+        BACKGROUND_OPERATION_STATUS,
+        Opcode.IDENTIFY_SWITCH_DEVICE,
+        Opcode.GET_PHYSICAL_PORT_STATE,
+        Opcode.GET_VIRTUAL_CXL_SWITCH_INFO,
+        Opcode.GET_LD_INFO,
+        Opcode.GET_LD_ALLOCATIONS,
+        Opcode.GET_DCD_INFO,
+        Opcode.GET_HOST_DC_REGION_CONFIG,
+        Opcode.GET_DC_REGION_EXTENT_LISTS,
+        VendorOpcode.GET_EVENT_RECORDS,
+    }
+)
+"""The commands that only read the switch; any other may change it, so a lost answer leaves its outcome unknown."""
+
+T = TypeVar("T")
+
+
+def changes_switch(opcode: int) -> bool:
+    return opcode not in _QUERIES
+
+
+def outcome_unknown(exc: DisaggError) -> DisaggError:
+    """Mark ``exc`` as raised after a command that changes the switch may have reached it: the caller (the
+    composer's rollback) must treat the call as possibly done."""
+    exc.metadata[OUTCOME] = OUTCOME_UNKNOWN
+    return exc
+
+
+def decode(decoder: Callable[[bytes], T], payload: bytes) -> T:
+    """A response payload decoded; one the switch got wrong is the fabric failing (`FabricUnavailableError`), as
+    nothing but SDK errors may leave a driver."""
+    try:
+        return decoder(payload)
+    except CCIFormatError as exc:
+        raise FabricUnavailableError(f"the CXL switch sent a malformed response: {exc}") from None
 
 
 class Encodable(Protocol):
@@ -101,27 +145,56 @@ class CCIClient:
             self._sock.close()
             self._sock = None
 
-    def request(self, opcode: int, payload: Encodable | bytes = b"", ctx: CallContext | None = None) -> CCIMessage:
-        """Send one request and wait for its response, whatever its return code."""
+    def request(
+        self,
+        opcode: int,
+        payload: Encodable | bytes = b"",
+        ctx: CallContext | None = None,
+        *,
+        changes: bool | None = None,
+    ) -> CCIMessage:
+        """Send one request and wait for its response, whatever its return code. ``changes`` (by default: the
+        opcode is not a query) says whether a failure after sending leaves the outcome unknown."""
         body = payload if isinstance(payload, bytes) else payload.encode()
-        with self._lock:
-            timeout = _seconds_left(ctx)
-            self._tag = (self._tag + 1) & 0xFF
-            message = CCIMessage.request(opcode, body, tag=self._tag)
-            try:
+        sent = False
+        try:
+            with self._lock:
+                timeout = _seconds_left(ctx)
+                self._tag = (self._tag + 1) & 0xFF
+                message = CCIMessage.request(opcode, body, tag=self._tag)
                 sock = self._connect(timeout)
-                sock.settimeout(timeout)
-                sock.sendall(encode_frame(message))
-                response = self._receive(sock, time.monotonic() + timeout)
-            except TimeoutError:
-                self._drop()  # a late answer would be read as the next request's
-                if ctx is not None and ctx.remaining() == 0:
-                    raise DeadlineExceededError(f"FM API command {opcode:04X}h outlived the deadline") from None
-                raise FabricUnavailableError(f"the CXL switch at {self.address} did not answer in time") from None
-            except (OSError, CCIFormatError) as exc:
-                self._drop()
-                raise FabricUnavailableError(f"the CXL switch at {self.address} failed: {exc}") from None
+                sent = self._send(sock, message, timeout)
+                response = self._answer(sock, message, timeout, ctx)
+        except DisaggError as exc:
+            if sent and (changes_switch(opcode) if changes is None else changes):
+                raise outcome_unknown(exc) from None
+            raise
+        return response
+
+    def _send(self, sock: socket.socket, message: CCIMessage, timeout: float) -> bool:
+        """True once the whole frame is with the kernel: from then on the switch may act on it."""
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(encode_frame(message))
+        except OSError as exc:
+            self._drop()
+            raise FabricUnavailableError(f"the CXL switch at {self.address} failed: {exc}") from None
+        return True
+
+    def _answer(self, sock: socket.socket, message: CCIMessage, timeout: float, ctx: CallContext | None) -> CCIMessage:
+        opcode = message.opcode
+        try:
+            response = self._receive(sock, time.monotonic() + timeout)
+        except TimeoutError:
+            self._drop()  # a late answer would be read as the next request's
+            if ctx is not None and ctx.remaining() == 0:
+                raise DeadlineExceededError(f"FM API command {opcode:04X}h outlived the deadline") from None
+            raise FabricUnavailableError(f"the CXL switch at {self.address} did not answer in time") from None
+        except (OSError, CCIFormatError) as exc:
+            self._drop()
+            raise FabricUnavailableError(f"the CXL switch at {self.address} failed: {exc}") from None
         if response.category is not MessageCategory.RESPONSE or response.tag != message.tag:
+            self._drop()
             raise FabricUnavailableError(f"the CXL switch answered {opcode:04X}h out of turn")
         return response
 
@@ -137,9 +210,16 @@ class CCIClient:
                     raise CCIFormatError("more than one response to one request")
                 return messages[0]
 
-    def call(self, opcode: int, payload: Encodable | bytes = b"", ctx: CallContext | None = None) -> bytes:
+    def call(
+        self,
+        opcode: int,
+        payload: Encodable | bytes = b"",
+        ctx: CallContext | None = None,
+        *,
+        changes: bool | None = None,
+    ) -> bytes:
         """A command that must succeed (or start in the background, which is waited for); its payload."""
-        response = self.request(opcode, payload, ctx)
+        response = self.request(opcode, payload, ctx, changes=changes)
         if response.return_code == ReturnCode.BACKGROUND_COMMAND_STARTED:
             self.wait_background(opcode, ctx)
             return b""
@@ -150,28 +230,52 @@ class CCIClient:
     def tunnel(
         self, port_id: int, opcode: int, payload: Encodable | bytes = b"", ctx: CallContext | None = None
     ) -> bytes:
-        """A command of a device behind ``port_id`` (Tunnel Management Command); the inner response's payload."""
+        """A command of a device behind ``port_id`` (Tunnel Management Command); the inner response's payload.
+        Whether a lost answer leaves the outcome unknown is the inner command's matter."""
         body = payload if isinstance(payload, bytes) else payload.encode()
         inner = CCIMessage.request(opcode, body, tag=_INNER_TAG)
-        outer = self.call(Opcode.TUNNEL_MANAGEMENT_COMMAND, TunnelManagementCommandRequest(port_id, inner), ctx)
+        request = TunnelManagementCommandRequest(port_id, inner)
+        changes = changes_switch(opcode)
+        outer = self.call(Opcode.TUNNEL_MANAGEMENT_COMMAND, request, ctx, changes=changes)
         try:
             response = TunnelManagementCommandResponse.decode(outer).response
         except CCIFormatError as exc:
-            raise FabricUnavailableError(f"a malformed tunnel response: {exc}") from None
+            error = FabricUnavailableError(f"a malformed tunnel response: {exc}")
+            raise (outcome_unknown(error) if changes else error) from None
         if response.return_code != ReturnCode.SUCCESS:
             raise CommandFailedError(opcode, response.return_code)
         return response.payload
 
     def wait_background(self, opcode: int, ctx: CallContext | None) -> None:
-        """Poll Background Operation Status until the command is done; its failure as `CommandFailedError`."""
+        """Poll Background Operation Status until the command is done; its failure as `CommandFailedError`. The
+        command is running on the switch, so any other failure (the deadline, `BACKGROUND_TIMEOUT_S`, a lost or
+        malformed status) leaves its outcome unknown."""
+        try:
+            self._poll_background(opcode, ctx)
+        except CommandFailedError as exc:
+            if exc.opcode == opcode:
+                raise
+            unread = FabricUnavailableError(f"FM API command {opcode:04X}h: its status is unreadable: {exc.message}")
+            raise outcome_unknown(unread) from None
+        except DisaggError as exc:
+            raise outcome_unknown(exc) from None
+
+    def _poll_background(self, opcode: int, ctx: CallContext | None) -> None:
+        give_up = time.monotonic() + BACKGROUND_TIMEOUT_S
         while True:
-            status = BackgroundOperationStatusResponse.decode(self.call(BACKGROUND_OPERATION_STATUS, b"", ctx))
+            raw = self.call(BACKGROUND_OPERATION_STATUS, b"", ctx)
+            status = decode(BackgroundOperationStatusResponse.decode, raw)
             if not status.running:
                 if status.command_opcode == opcode and status.return_code != ReturnCode.SUCCESS:
                     raise CommandFailedError(opcode, status.return_code)
                 return
-            if ctx is not None and ctx.deadline is not None and time.monotonic() + POLL_INTERVAL_S >= ctx.deadline:
+            now = time.monotonic() + POLL_INTERVAL_S
+            if ctx is not None and ctx.deadline is not None and now >= ctx.deadline:
                 raise DeadlineExceededError(f"FM API command {opcode:04X}h did not finish before the deadline")
+            if now >= give_up:
+                raise FabricUnavailableError(
+                    f"FM API command {opcode:04X}h did not finish within {BACKGROUND_TIMEOUT_S:g} s"
+                )
             time.sleep(POLL_INTERVAL_S)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from disagg.errors import DisaggError
 
-from disagg_cxl_switch.driver.client import CCIClient
+from disagg_cxl_switch.driver.client import CCIClient, decode
 from disagg_cxl_switch.emulator.events import EventRecord
 from disagg_cxl_switch.emulator.vendor import GetEventRecordsRequest, GetEventRecordsResponse, VendorOpcode
 
@@ -24,7 +24,7 @@ log = logging.getLogger("disagg.cxl_switch")
 def next_sequence(client: CCIClient) -> int:
     """The sequence number the switch's next event will carry: where a new reader starts."""
     raw = client.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(0, 0))
-    return GetEventRecordsResponse.decode(raw).next_sequence
+    return decode(GetEventRecordsResponse.decode, raw).next_sequence
 
 
 class EventPoller:

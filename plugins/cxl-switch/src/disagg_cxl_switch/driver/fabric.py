@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from disagg.errors import (
+    CapacityExhaustedError,
     DeviceBusyError,
     DisaggError,
     FabricUnavailableError,
@@ -38,7 +39,7 @@ from disagg.model import (
 from disagg.statedir import claim
 
 from disagg_cxl_switch.driver import layout, process
-from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, contract_error
+from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, contract_error
 from disagg_cxl_switch.driver.events import EventPoller, next_sequence
 from disagg_cxl_switch.driver.layout import PortView, SwitchView
 from disagg_cxl_switch.driver.mld_pool import MLDPool
@@ -162,12 +163,24 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         """Held from choosing a free vPPB until its Bind or Unbind vPPB is done: the switch runs one at a time."""
         return self._op_lock
 
+    def change(self, opcode: int, payload: Encodable, ctx: CallContext, *, port: int | None = None) -> bytes:
+        """Send a command that changes the switch (tunnelled to ``port`` if given), fencing first: the caller
+        holds its lock by now, and a call that queued for it must not land after a newer epoch was seen."""
+        self._state.fence(ctx.epoch)
+        if port is None:
+            return self._client.call(opcode, payload, ctx)
+        return self._client.tunnel(port, opcode, payload, ctx)
+
     def bind_vppb(self, device: str, request: BindVPPBRequest, ctx: CallContext) -> None:
         """Bind vPPB, waited for; the caller holds `vppb_lock`. A bind armed by `flaky_bind` is made to fail in
         the switch (Inject Bind Failure) first. The switch's refusal or failure is `CommandFailedError`."""
         if self._take_flaky(device):
-            self._client.call(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx)
-        self._client.call(Opcode.BIND_VPPB, request, ctx)
+            self.change(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx)
+        self.change(Opcode.BIND_VPPB, request, ctx)
+
+    def unbind_vppb(self, request: UnbindVPPBRequest, ctx: CallContext) -> None:
+        """Unbind vPPB, waited for; the caller holds `vppb_lock`."""
+        self.change(Opcode.UNBIND_VPPB, request, ctx)
 
     def check_host(self, host: str) -> int:
         """The VCS id of ``host``; `UnknownHostError`, or `HostUnreachableError` when its link is down."""
@@ -220,8 +233,8 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             if self.port_view(port).health is not Health.OK:
                 raise DeviceBusyError(f"{device} is failed")
             vppb = self._view.free_vppb(self._client, vcs, ctx)
-            if vppb is None:
-                raise FabricUnavailableError(f"VCS {vcs} of {host} has no unbound vPPB left")
+            if vppb is None:  # every vPPB held: only an unbind or a release frees one, not a retry
+                raise CapacityExhaustedError(f"VCS {vcs} of {host} has no unbound vPPB left to bind {device}")
             try:
                 self.bind_vppb(device, BindVPPBRequest(vcs, vppb, port), ctx)
             except CommandFailedError as exc:
@@ -240,7 +253,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
             for vppb in held:
                 try:
-                    self._client.call(Opcode.UNBIND_VPPB, UnbindVPPBRequest(vcs, vppb, option), ctx)
+                    self.unbind_vppb(UnbindVPPBRequest(vcs, vppb, option), ctx)
                 except CommandFailedError as exc:
                     raise FabricUnavailableError(
                         f"unbind {binding.device} from {binding.host}: {exc.message}"

@@ -31,7 +31,7 @@ from disagg.model import (
     device_id,
 )
 
-from disagg_cxl_switch.driver.client import CCIClient
+from disagg_cxl_switch.driver.client import CCIClient, decode
 from disagg_cxl_switch.driver.options import Options
 from disagg_cxl_switch.emulator.state import ConnectedDeviceType, LTSSMState
 from disagg_cxl_switch.fmapi import (
@@ -107,7 +107,7 @@ class SwitchView:
 
     @classmethod
     def read(cls, client: CCIClient, fabric: str, options: Options) -> SwitchView:
-        ident = IdentifySwitchDeviceResponse.decode(client.call(Opcode.IDENTIFY_SWITCH_DEVICE))
+        ident = decode(IdentifySwitchDeviceResponse.decode, client.call(Opcode.IDENTIFY_SWITCH_DEVICE))
         ports = _port_states(client, range(ident.number_of_physical_ports), None)
         vcs_ids = sorted(ident.active_vcs_ids)
         if len(vcs_ids) != len(options.host_names):
@@ -147,7 +147,7 @@ class SwitchView:
     def vcss(self, client: CCIClient, ctx: CallContext | None = None) -> tuple[VCSInfo, ...]:
         request = GetVirtualCxlSwitchInfoRequest(0, 0xFF, tuple(self.host_of))
         raw = client.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request, ctx)
-        return GetVirtualCxlSwitchInfoResponse.decode(raw).vcss
+        return decode(GetVirtualCxlSwitchInfoResponse.decode, raw).vcss
 
     def bound(self, client: CCIClient, ctx: CallContext | None = None) -> list[tuple[str, int, int]]:
         """(host, vPPB, port) of every vPPB bound whole to one of the driver's device ports."""
@@ -208,4 +208,4 @@ class SwitchView:
 def _port_states(client: CCIClient, ports: Iterable[int], ctx: CallContext | None) -> tuple[PortInfo, ...]:
     ids = tuple(ports)
     raw = client.call(Opcode.GET_PHYSICAL_PORT_STATE, GetPhysicalPortStateRequest(ids), ctx)
-    return GetPhysicalPortStateResponse.decode(raw).ports
+    return decode(GetPhysicalPortStateResponse.decode, raw).ports

@@ -28,7 +28,7 @@ from disagg.interfaces import CallContext, Pool
 from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held
-from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, contract_error
+from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, contract_error, decode
 from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
@@ -78,9 +78,9 @@ class MLDPool(Pool):
         self._port = port
         self._device = fabric.device_id_of(port)
         self._id = f"{fabric.name}/mld-port{port}"
-        info = GetLDInfoResponse.decode(self._tunnel(Opcode.GET_LD_INFO, GetLDInfoRequest(), None))
-        first = GetLDAllocationsResponse.decode(
-            self._tunnel(Opcode.GET_LD_ALLOCATIONS, GetLDAllocationsRequest(), None)
+        info = decode(GetLDInfoResponse.decode, self._tunnel(Opcode.GET_LD_INFO, GetLDInfoRequest(), None))
+        first = decode(
+            GetLDAllocationsResponse.decode, self._tunnel(Opcode.GET_LD_ALLOCATIONS, GetLDAllocationsRequest(), None)
         )
         try:
             self._unit = MemoryGranularity(first.memory_granularity).unit_bytes
@@ -101,19 +101,23 @@ class MLDPool(Pool):
 
     # ------------------------------------------------------------------ reading the switch
 
+    def _refusal(self, exc: CommandFailedError) -> DisaggError:
+        if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
+            return CapacityExhaustedError(f"pool {self._id}: {exc.message}")
+        return contract_error(exc, f"pool {self._id}")
+
     def _tunnel(self, opcode: Opcode, payload: Encodable, ctx: CallContext | None) -> bytes:
         try:
             return self._fabric.client.tunnel(self._port, opcode, payload, ctx)
         except CommandFailedError as exc:
-            if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
-                raise CapacityExhaustedError(f"pool {self._id}: {exc.message}") from None
-            raise contract_error(exc, f"pool {self._id}") from None
+            raise self._refusal(exc) from None
 
     def _snapshot(self, ctx: CallContext | None) -> _Snapshot:
         lds: list[LDAllocation] = []
         while len(lds) < self._ld_count:
             request = GetLDAllocationsRequest(len(lds), 0xFF)
-            got = GetLDAllocationsResponse.decode(self._tunnel(Opcode.GET_LD_ALLOCATIONS, request, ctx)).allocations
+            raw = self._tunnel(Opcode.GET_LD_ALLOCATIONS, request, ctx)
+            got = decode(GetLDAllocationsResponse.decode, raw).allocations
             if not got:
                 raise FabricUnavailableError(f"pool {self._id}: Get LD Allocations stopped at LD {len(lds)}")
             lds += got
@@ -156,7 +160,11 @@ class MLDPool(Pool):
         return free[0]
 
     def _set(self, start: int, lds: Sequence[LDAllocation], ctx: CallContext) -> None:
-        self._tunnel(Opcode.SET_LD_ALLOCATIONS, SetLDAllocationsRequest(start, tuple(lds)), ctx)
+        request = SetLDAllocationsRequest(start, tuple(lds))
+        try:
+            self._fabric.change(Opcode.SET_LD_ALLOCATIONS, request, ctx, port=self._port)
+        except CommandFailedError as exc:
+            raise self._refusal(exc) from None
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """Name a free LD for the allocation, give it the amount (every other unbound LD 0), bind it to a free
@@ -199,7 +207,7 @@ class MLDPool(Pool):
                     option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
                     request = UnbindVPPBRequest(binding.vcs, binding.vppb, option)
                     try:
-                        self._fabric.client.call(Opcode.UNBIND_VPPB, request, ctx)
+                        self._fabric.unbind_vppb(request, ctx)
                     except CommandFailedError as exc:
                         raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
                 if snap.units(ld):

@@ -19,7 +19,7 @@ from disagg.interfaces import CallContext, Pool
 from disagg.model import Allocation, Capacity, Extent, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held
-from disagg_cxl_switch.driver.client import CommandFailedError
+from disagg_cxl_switch.driver.client import CommandFailedError, decode
 from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.fmapi import (
     DCRegionConfig,
@@ -50,7 +50,7 @@ class DCDPool(Pool):
         self._lock = threading.Lock()
         first_host = min(fabric.hosts().values())
         raw = fabric.client.tunnel(port, Opcode.GET_HOST_DC_REGION_CONFIG, GetHostDCRegionConfigRequest(first_host))
-        self._regions: tuple[DCRegionConfig, ...] = GetHostDCRegionConfigResponse.decode(raw).regions
+        self._regions: tuple[DCRegionConfig, ...] = decode(GetHostDCRegionConfigResponse.decode, raw).regions
         if not self._regions:
             raise FabricUnavailableError(f"the DCD on port {port} has no DC region")
         self._base = min(r.region_base for r in self._regions)
@@ -70,7 +70,7 @@ class DCDPool(Pool):
         while True:
             request = GetDCRegionExtentListsRequest(host_id, _EXTENTS_PER_READ, len(got))
             raw = self._fabric.client.tunnel(self._port, Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
-            response = GetDCRegionExtentListsResponse.decode(raw)
+            response = decode(GetDCRegionExtentListsResponse.decode, raw)
             got += [(e.start_dpa, e.length, e.tag) for e in response.extents]
             if not response.extents or len(got) >= response.total_extents:
                 return got
@@ -102,7 +102,7 @@ class DCDPool(Pool):
                     continue
                 request = InitiateDCAddRequest(host_id, SelectionPolicy.FREE, region, amount, tag)
                 try:
-                    self._fabric.client.tunnel(self._port, Opcode.INITIATE_DC_ADD, request, ctx)
+                    self._fabric.change(Opcode.INITIATE_DC_ADD, request, ctx, port=self._port)
                 except CommandFailedError as exc:
                     if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
                         continue
@@ -122,6 +122,6 @@ class DCDPool(Pool):
             tag = self._fabric.state.name_tag(allocation_id)
             request = InitiateDCReleaseRequest(host_id, RemovalPolicy.TAG_BASED, held.amount_bytes, tag)
             try:
-                self._fabric.client.tunnel(self._port, Opcode.INITIATE_DC_RELEASE, request, ctx)
+                self._fabric.change(Opcode.INITIATE_DC_RELEASE, request, ctx, port=self._port)
             except CommandFailedError as exc:
                 raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None

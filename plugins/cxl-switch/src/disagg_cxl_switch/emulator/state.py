@@ -15,6 +15,12 @@ from disagg_cxl_switch.fmapi import LDAllocation, MemoryGranularity, VPPBBinding
 GIB = 1 << 30
 MIB = 1 << 20
 DC_CAPACITY_UNIT = 256 * MIB
+MAX_PHYSICAL_PORTS = 255
+"""Identify Switch Device counts the physical ports in one byte."""
+MAX_LD_COUNT = 16
+"""The most logical devices (LDs) the CXL specification lets one MLD have."""
+MAX_VPPBS = 255
+"""Get Virtual CXL Switch Info counts a VCS's vPPBs in one byte, and Bind vPPB names one in one byte."""
 """Unit of the total dynamic capacity of Get DCD Info, and the alignment of DC regions."""
 
 
@@ -255,7 +261,8 @@ def default_topology(
     dc_regions: int = 2,
 ) -> SwitchState:
     """A GPU box: one USP per host (ports 0..hosts-1), then DSPs for the GPUs, NVMe drives, NICs, the MLD and
-    the DCD, in that order. Each VCS has one vPPB per DSP, so any host can reach any device.
+    the DCD, in that order. Each VCS has one vPPB per DSP and one per LD of the MLD, so any host can reach any
+    device, and carving LDs for a host leaves it a vPPB for every device.
 
     The MLD starts split evenly across its LDs (range 1, 256 MiB granularity); `ld_count` 0 leaves it out, as
     `dc_capacity` 0 leaves out the DCD. DC capacity is split evenly over `dc_regions` regions.
@@ -266,6 +273,8 @@ def default_topology(
         raise ValueError("counts and capacities must not be negative")
     if not 1 <= dc_regions <= 8:
         raise ValueError("dc_regions must be 1..8")
+    if ld_count > MAX_LD_COUNT:
+        raise ValueError(f"ld_count must be at most {MAX_LD_COUNT}, the most LDs an MLD has")
     ports: list[PhysicalPort] = [
         PhysicalPort(i, PortRole.USP, Device(DeviceKind.HOST, f"host{i}")) for i in range(hosts)
     ]
@@ -299,8 +308,10 @@ def default_topology(
             host_extents={h: [] for h in range(hosts)},
             generation=dict.fromkeys(range(hosts), 0),
         )
-    if len(ports) > 256:
-        raise ValueError("a switch has at most 256 physical ports")
-    dsp_count = len(ports) - hosts
-    vcss = [VCS(h, h, [VPPB(v) for v in range(dsp_count)]) for h in range(hosts)]
+    if len(ports) > MAX_PHYSICAL_PORTS:
+        raise ValueError(f"a switch has at most {MAX_PHYSICAL_PORTS} physical ports, {len(ports)} asked")
+    vppb_count = len(ports) - hosts + ld_count
+    if vppb_count > MAX_VPPBS:
+        raise ValueError(f"a VCS has at most {MAX_VPPBS} vPPBs, one per downstream port and LD: {vppb_count} asked")
+    vcss = [VCS(h, h, [VPPB(v) for v in range(vppb_count)]) for h in range(hosts)]
     return SwitchState(ports, vcss, mld, dcd)
