@@ -444,6 +444,9 @@ class TestHealth:
         after = comp.get(c.id)
         assert after.state is CompositionState.DEGRADED
         assert "no replacement" in after.message
+        # The new message (and etag) came with an event: a watcher mirroring the listing saw it change.
+        said = [e for e in comp.events() if e.type is EventType.COMPOSITION_UPDATED and e.subject == c.id]
+        assert said and said[-1].message == after.message and said[-1].data["etag"] == after.etag
 
     def test_manual_heal_and_repair(self) -> None:
         fabrics = rack()

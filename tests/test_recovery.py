@@ -658,6 +658,54 @@ class TestReconcile:
         assert composer.reconcile() == 0
         composer.close()
 
+    def test_a_lost_device_keeps_its_composition_degraded_until_the_hardware_holds_it_again(
+        self, tmp_path: Path
+    ) -> None:
+        """Only a pass that reads the hardware can tell the device is back: an unrelated link flap, a flap of
+        the composition's other device and `heal` each called it COMPOSED again (and the next pass DEGRADED
+        again), and once the device was bound again no pass restored it, even after a restart."""
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        lost, other = comp.device_ids
+        pcie = composer.fabrics["pcie0"]
+        pcie.unbind(Binding(lost, "h1"), CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        link = next(k for k in pcie.discover().links if "h4" in (k.a, k.b))
+        pcie.set_link(link.a, link.b, False)
+        pcie.set_link(link.a, link.b, True)
+        pcie.fail_device(other, "xid 79")
+        pcie.repair_device(other)
+        assert composer.heal("job").state is CompositionState.DEGRADED
+        found = composer.find("job")
+        assert found.state is CompositionState.DEGRADED and f"no longer holds {lost}" in found.message
+        assert composer.reconcile() == 0
+        pcie.bind(lost, "h1", CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        back = composer.find("job")
+        assert back.state is CompositionState.COMPOSED and back.message == ""
+        assert composer.reconcile() == 0
+        composer.close()
+        composer = opened(tmp_path)
+        assert composer.find("job").state is CompositionState.COMPOSED and composer.reconcile() == 0
+        composer.close()
+
+    def test_removing_the_lost_device_leaves_it_composed(self, tmp_path: Path) -> None:
+        """The recompose that removes what the hardware lost ends the composition's trouble and its message
+        (it kept "the hardware no longer holds ..." while COMPOSED)."""
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        lost = comp.device_ids[0]
+        composer.fabrics["pcie0"].unbind(Binding(lost, "h1"), CallContext(epoch=composer.epoch))
+        composer.reconcile()
+        grown = composer.recompose("job", add=[parse_resource("nic")])
+        assert grown.state is CompositionState.DEGRADED and lost in grown.message
+        shrunk = composer.recompose("job", remove=[lost])
+        assert shrunk.state is CompositionState.COMPOSED and shrunk.message == ""
+        assert composer.reconcile() == 0
+        composer.close()
+
     def test_a_device_that_failed_while_the_manager_was_down_degrades_or_heals(self, tmp_path: Path) -> None:
         """No event tells of a device that failed while no fabric manager ran: the start-up pass reads it from
         discovery, degrades the composition using it and, with auto-heal, replaces the device."""
@@ -994,6 +1042,25 @@ class TestUnreachableAtStartUp:
         cxl.reachable = True
         assert composer.retry_unreachable() is True
         assert composer.find("job").state is CompositionState.COMPOSED
+        composer.close()
+
+    def test_a_device_that_failed_while_its_composition_was_unknown_is_healed_when_known(self, tmp_path: Path) -> None:
+        """The failure's event found the composition UNKNOWN, which heal leaves alone, and the pass after the
+        fabric answered heals only what it degraded itself: it stayed DEGRADED with spares free."""
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("inference", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert comp is not None
+        first.close()
+        hardware = fabrics(tmp_path)
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
+        composer.start()
+        hardware["pcie0"].fail_device(comp.device_ids[0], "xid 79")
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        healed = composer.find("inference")
+        assert healed.state is CompositionState.COMPOSED and comp.device_ids[0] not in healed.device_ids
         composer.close()
 
     def test_a_reservation_on_the_unreachable_fabric_is_kept_and_the_rest_served(self, tmp_path: Path) -> None:

@@ -375,8 +375,7 @@ class FabricComposer(Composer):
             elif comp.state is CompositionState.COMPOSING:
                 # A recompose between its steps: nothing was in flight on the hardware.
                 with self._lock:
-                    state = self._standing(comp)
-                    self._set(comp, state=state)
+                    self._set_standing(comp)
 
     def _finished_on_hardware(self, comp: Composition, change: PendingChange, hardware: HardwareView) -> bool:
         """Finish a new composition whose pending ADD the hardware holds whole, as COMPOSED (or DEGRADED), with
@@ -402,8 +401,7 @@ class FabricComposer(Composer):
             for alloc in held:
                 if alloc.pool in self._inv.pools:
                     self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
-            comp = attrs.evolve(comp, allocations=held, pending=None)
-            self._set(comp, state=self._standing(comp))
+            self._set_standing(comp, allocations=held, pending=None)
         return True
 
     def _recover_change(self, comp: Composition, change: PendingChange) -> None:
@@ -507,18 +505,18 @@ class FabricComposer(Composer):
                     for a in comp.allocations
                     if self._fabric_of_pool(a.pool) in read and (a.pool, a.id) not in carved
                 ]
-                unhealthy = [p.device for p in self._unhealthy(comp) if p.device not in lost]
-                unhealthy += [a for a in self._sick_memory(comp) if a not in lost]
-                if unhealthy and not lost and not self._sick_memory(comp):
-                    # Healing replaces unhealthy devices; it cannot bring a lost one back, nor move memory.
-                    healable.append(comp.id)
-                if comp.state is CompositionState.COMPOSED and (lost or unhealthy):
+                # What a fabric not read now lost before stays lost; what a read fabric holds again is back.
+                lost += [m for m in comp.missing if m not in lost and self._fabric_of_id(comp, m) not in read]
+                now = comp
+                if set(lost) != set(comp.missing) or self._standing(comp) is not comp.state:
                     # Unhealthy too: a device that failed while the fabric manager was down sent no event.
-                    why = [f"the hardware no longer holds {', '.join(lost)}"] if lost else []
-                    why += [f"unhealthy: {', '.join(unhealthy)}"] if unhealthy else []
-                    self._set(comp, state=CompositionState.DEGRADED, message="; ".join(why))
-                    degraded.add(comp.id)
+                    now = self._set_standing(comp, missing=tuple(lost))
                     changes += 1
+                    if now.state is CompositionState.DEGRADED:
+                        degraded.add(now.id)
+                if self._unhealthy(now) and not now.missing and not self._sick_memory(now):
+                    # Healing replaces unhealthy devices; it cannot bring a lost one back, nor move memory.
+                    healable.append(now.id)
         if self.auto_heal:
             # At start-up every composition that healing can mend (a device failed while none ran); later, those
             # this pass degraded (the others were healed, or tried, when their device's failure was reported).
@@ -537,6 +535,11 @@ class FabricComposer(Composer):
         """The fabric of a device: from the index, else from its id (one of a fabric that is not discovered)."""
         dev = self._inv.devices.get(device)
         return dev.fabric if dev is not None else device.partition("/")[0]
+
+    def _fabric_of_id(self, comp: Composition, part: str) -> str:
+        """The fabric of one of ``comp``'s devices or allocations, by its id."""
+        alloc = next((a for a in comp.allocations if a.id == part), None)
+        return self._fabric_of_pool(alloc.pool) if alloc is not None else self._fabric_of(part)
 
     def _fabric_of_pool(self, pool: str) -> str:
         entry = self._inv.pools.get(pool)
@@ -683,6 +686,8 @@ class FabricComposer(Composer):
             settle = self._settle_known()
         self._recover(settle)
         self.reconcile()
+        if self.auto_heal:  # failures reported while they were UNKNOWN healed nothing, and reconcile heals only its own
+            self._heal_all(sorted(settle))
         return True
 
     def _claim_composition(self, comp: Composition) -> None:
@@ -863,6 +868,8 @@ class FabricComposer(Composer):
                 old=before,
                 new=after,
             )
+        elif new.message != comp.message:  # what a composition says of itself is part of a listing too
+            self._emit(EventType.COMPOSITION_UPDATED, new.id, new.message, etag=new.etag)
         return new
 
     # ----------------------------------------------------------------- reservations
@@ -1292,9 +1299,8 @@ class FabricComposer(Composer):
         # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
         # One commit to wait for per Compose instead of two (docs/durability.md).
         with self._lock, self.store.asynchronous_commit():
-            composed = attrs.evolve(comp, allocations=allocations, pending=None)
             # A device that failed while the binds ran was reported to a composition not yet COMPOSED.
-            comp = self._set(comp, state=self._standing(composed), allocations=allocations, pending=None)
+            comp = self._set_standing(comp, allocations=allocations, pending=None)
         failpoints.hit("compose.after_commit")
         return comp
 
@@ -1548,9 +1554,9 @@ class FabricComposer(Composer):
             grown = attrs.evolve(comp, **changes)  # type: ignore[arg-type]
             if remove:
                 changes["pending"] = self._removal(grown, set(remove))
+                comp = self._set(comp, **changes)
             else:
-                changes.update(state=self._standing(grown), **mark)
-            comp = self._set(comp, **changes)
+                comp = self._set_standing(comp, **changes, **mark)
             if add:
                 self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
         leftovers = Leftovers()
@@ -1634,19 +1640,13 @@ class FabricComposer(Composer):
             self._inv.release_device(device)
         for alloc in allocs:
             self._inv.release_memory(alloc.pool, alloc.amount_bytes)
-        gone = {a.id for a in allocs}
-        remaining = attrs.evolve(
+        gone = {a.id for a in allocs} | devices
+        return self._set_standing(
             comp,
-            devices=tuple(p for p in comp.devices if p.device not in devices),
+            devices=tuple(p for p in comp.devices if p.device not in gone),
             allocations=tuple(a for a in comp.allocations if a.id not in gone),
+            missing=tuple(m for m in comp.missing if m not in gone),
             pending=None,
-        )
-        return self._set(
-            comp,
-            devices=remaining.devices,
-            allocations=remaining.allocations,
-            pending=None,
-            state=self._standing(remaining),
             **changes,
         )
 
@@ -1746,10 +1746,35 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- health
 
     def _standing(self, comp: Composition) -> CompositionState:
-        """The state of a composition with no change in flight: DEGRADED when a device is unhealthy, or a pool
-        it carves memory from is."""
-        sick = self._unhealthy(comp) or self._sick_memory(comp)
-        return CompositionState.DEGRADED if sick else CompositionState.COMPOSED
+        """The state of a composition with no change in flight: DEGRADED when the hardware no longer holds part
+        of it (`Composition.missing`), its host no longer reaches a device over links that are up, a device is
+        unhealthy, or a pool it carves memory from is (`_standing_why`)."""
+        return CompositionState.DEGRADED if self._standing_why(comp) else CompositionState.COMPOSED
+
+    def _standing_why(self, comp: Composition) -> str:
+        """Why `_standing` is DEGRADED, as its message; empty when it is COMPOSED. Every path that settles a
+        composition judges it by this one rule, so that none undoes another's verdict."""
+        why = [f"the hardware no longer holds {', '.join(comp.missing)}"] if comp.missing else []
+        reach = self._inv.reach_map.get(comp.host, {})
+        away = [
+            p.device
+            for p in comp.devices
+            if (dev := self._inv.devices.get(p.device)) is not None
+            and dev.health is Health.OK
+            and dev.switch not in reach
+        ]
+        why += [f"unreachable: {', '.join(away)}"] if away else []
+        sick = [p.device for p in self._unhealthy(comp)] + self._sick_memory(comp)
+        why += [f"unhealthy: {', '.join(sick)}"] if sick else []
+        return "; ".join(why)
+
+    def _set_standing(self, comp: Composition, **changes: Any) -> Composition:
+        """`_set` ``changes`` with the state the result stands at and the message that says why, so that no
+        change leaves a DEGRADED composition's reason behind once it is COMPOSED, nor the other way round. Under
+        the lock."""
+        why = self._standing_why(revise(comp, **changes))
+        state = CompositionState.DEGRADED if why else CompositionState.COMPOSED
+        return self._set(comp, state=state, message=why, **changes)
 
     def _unhealthy(self, comp: Composition) -> list[DevicePick]:
         return [
@@ -1791,19 +1816,9 @@ class FabricComposer(Composer):
                 self._reassess(comp)
 
     def _reassess(self, comp: Composition) -> None:
-        reach = self._inv.reach_map.get(comp.host, {})
-        lost = [
-            p.device
-            for p in comp.devices
-            if (dev := self._inv.devices.get(p.device)) is None
-            or dev.switch not in reach
-            or dev.health is not Health.OK
-        ] + self._sick_memory(comp)
-        if comp.state is CompositionState.COMPOSED and lost:
-            names = ", ".join(lost)
-            self._set(comp, state=CompositionState.DEGRADED, message=f"unreachable or unhealthy: {names}")
-        elif comp.state is CompositionState.DEGRADED and not lost:
-            self._set(comp, state=CompositionState.COMPOSED, message="")
+        """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now."""
+        if comp.state in _STANDING and self._standing(comp) is not comp.state:
+            self._set_standing(comp)
 
     def _health_changed(self, device: str, health: Health, message: str) -> list[str]:
         """Record a device's health; degrade or restore the compositions using it. Returns their ids."""
@@ -1837,7 +1852,7 @@ class FabricComposer(Composer):
                 return comp
             bad = self._unhealthy(comp)
             if not bad:
-                return comp if self._sick_memory(comp) else self._set(comp, state=CompositionState.COMPOSED, message="")
+                return comp if self._standing(comp) is CompositionState.DEGRADED else self._set_standing(comp)
             lines: list[Line] = []
             for pick in bad:
                 r = comp.resources[pick.resource]
@@ -1870,16 +1885,13 @@ class FabricComposer(Composer):
                 if device not in leftovers.ids:
                     self._inv.release_device(device)
             devices = tuple(replaced.get(p.device, p) for p in comp.devices)
-            comp = self._set(self._compositions[comp.id], devices=devices, message="", pending=None)
+            comp = self._set(self._compositions[comp.id], devices=devices, pending=None)
             self._emit(
                 EventType.COMPOSITION_HEALED,
                 comp.id,
                 ", ".join(f"{old} -> {new.device}" for old, new in replaced.items()),
             )
-            sick = self._sick_memory(comp)
-            if sick:
-                return self._set(comp, state=CompositionState.DEGRADED, message=f"unhealthy: {', '.join(sick)}")
-            return self._set(comp, state=self._standing(comp))
+            return self._set_standing(comp)
 
 
 def request_summary(request: CompositionRequest) -> str:

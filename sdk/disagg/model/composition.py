@@ -293,6 +293,10 @@ class Composition:
     before_unknown: PriorState | None = attrs.field(default=None, eq=False)
     """While UNKNOWN: the state it had before (ledger bookkeeping too). Kept in the record, so that a restart
     while a fabric cannot be reached does not lose a DECOMPOSING or FAILED composition to UNKNOWN."""
+    missing: tuple[str, ...] = attrs.field(default=(), eq=False)
+    """The device and allocation ids reconciliation found the hardware no longer holds (ledger bookkeeping):
+    it stays DEGRADED while it names any, whatever device health says, until the hardware holds them again or
+    a recompose removes them. Neither an event nor a heal can tell that they came back."""
 
     @property
     def etag(self) -> str:
