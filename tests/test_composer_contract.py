@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from composer_helpers import composer, hardware_bindings
+from composer_helpers import composer, hardware_bindings, ledger_bindings
 from disagg.composer import FabricComposer
 from disagg.errors import (
     DeadlineExceededError,
@@ -160,6 +160,32 @@ class TestRecomposeRequestId:
         with pytest.raises(DisaggError) as info:
             comp.recompose(made.id, add=[GPU], remove=[made.device_ids[0]])
         assert type(info.value) is DisaggError and "remove them again" in info.value.message
+
+
+class TestHealThatCannotUnbind:
+    """A heal binds the replacement, then unbinds the failed device: when that unbind fails, the failed device
+    stays recorded and its replacement is undone. The heal answered COMPOSED and dropped the device from the
+    record, though it was still bound and still held in the index after a decompose."""
+
+    def test_the_failed_device_stays_recorded(self) -> None:
+        comp, pcie = stuck_composer()
+        made = compose(comp, "job", "host h1", "gpu x2")
+        failed = made.device_ids[0]
+        pcie.stuck.add(failed)
+        comp.auto_heal = False
+        pcie.fail_device(failed, "xid 79")
+        with pytest.raises(DisaggError, match=f"could not unbind {failed} from h1") as info:
+            comp.heal("job")
+        assert info.value.metadata["bound"] == failed
+        after = comp.get(made.id)
+        assert after.state is CompositionState.DEGRADED and after.device_ids == made.device_ids
+        assert set(hardware_bindings(comp.fabrics)) == set(made.device_ids)
+        assert ledger_bindings(comp) == hardware_bindings(comp.fabrics)
+        pcie.stuck.clear()
+        healed = comp.heal("job")
+        assert healed.state is CompositionState.COMPOSED and failed not in healed.device_ids
+        comp.decompose("job")
+        assert hardware_bindings(comp.fabrics) == {} and comp.owner_of(failed) is None
 
 
 class TestDecomposeDeadline:

@@ -1878,20 +1878,34 @@ class FabricComposer(Composer):
             with self._lock:
                 self._fail_addition(self._compositions[comp.id], plan, failed, comp.state)
             raise failed.error from None
-        leftovers = self._release(comp.host, bad, [])
+        replaced = {b.device: n for b, n in zip(bad, plan.devices, strict=True)}
+        # A failed device that cannot be unbound stays in the composition, and its replacement is undone (one
+        # that cannot be undone either stays too, recorded, for a decompose to release).
+        stuck = set(self._release(comp.host, bad, []).ids)
+        undo = [replaced[device] for device in replaced if device in stuck]
+        kept = set(self._release(comp.host, undo, []).ids) if undo else set()
         with self._lock:
-            replaced = {b.device: n for b, n in zip(bad, plan.devices, strict=True)}
-            for device in replaced:
-                if device not in leftovers.ids:
-                    self._inv.release_device(device)
-            devices = tuple(replaced.get(p.device, p) for p in comp.devices)
+            for old, new in replaced.items():
+                if old not in stuck:
+                    self._inv.release_device(old)
+                elif new.device not in kept:
+                    self._inv.release_device(new.device)
+            done = {old: new for old, new in replaced.items() if old not in stuck}
+            devices = tuple(done.get(p.device, p) for p in comp.devices)
+            devices += tuple(new for new in undo if new.device in kept)
             comp = self._set(self._compositions[comp.id], devices=devices, pending=None)
-            self._emit(
-                EventType.COMPOSITION_HEALED,
-                comp.id,
-                ", ".join(f"{old} -> {new.device}" for old, new in replaced.items()),
+            if done:
+                healed = ", ".join(f"{old} -> {new.device}" for old, new in done.items())
+                self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
+            comp = self._set_standing(comp)
+        if stuck:
+            names = ", ".join(sorted(stuck))
+            raise DisaggError(
+                f"could not unbind {names} from {comp.host}: kept in composition {comp.id}, which stays "
+                f"{comp.state.value}; heal again, or decompose it",
+                metadata={"composition": comp.id, "bound": ",".join(sorted(stuck | kept))},
             )
-            return self._set_standing(comp)
+        return comp
 
 
 def request_summary(request: CompositionRequest) -> str:
