@@ -1416,6 +1416,30 @@ class TestFailureDegrades:
         assert composer.find("a").state is CompositionState.COMPOSED
         composer.close()
 
+    def test_a_slow_heal_does_not_hold_up_the_next_failure(self, tmp_path: Path) -> None:
+        """The heal of the first failure ran on the thread that delivers the fabric's events, binding for
+        seconds: the second failure's composition stayed COMPOSED meanwhile. It is DEGRADED as its event is
+        handled, while the first heal still runs, and both are healed."""
+        sim = create_fabric("pcie0", {"topology": "demo-pcie", "bind_delay_s": 0.5})
+        composer = FabricComposer({"pcie0": sim}, auto_heal=True)
+        composer.start()
+        try:
+            a = composer.compose(parse_request("a", ["host h1", "gpu x1"])).composition
+            b = composer.compose(parse_request("b", ["host h3", "gpu x1"])).composition
+            assert a is not None and b is not None
+            sim.fail_device(a.device_ids[0], "xid 79")
+            sim.fail_device(b.device_ids[0], "xid 79")
+            assert composer.find("b").state is CompositionState.DEGRADED
+            assert a.device_ids[0] in composer.find("a").device_ids  # its heal is still binding
+            deadline = time.monotonic() + WAIT_S
+            while any(composer.find(c.name).state is not CompositionState.COMPOSED for c in (a, b)):
+                assert time.monotonic() < deadline, "not both healed"
+                time.sleep(0.02)
+            assert a.device_ids[0] not in composer.find("a").device_ids
+            assert b.device_ids[0] not in composer.find("b").device_ids
+        finally:
+            composer.close()
+
     def test_a_device_that_fails_while_its_compose_binds_the_rest(self, tmp_path: Path) -> None:
         """The failure is reported while the composition is COMPOSING: it ended COMPOSED with the FAILED device,
         and the heal waiting for it found nothing to do. It ends DEGRADED, and the heal replaces the device."""

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor as ThreadPool
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -242,6 +243,8 @@ class FabricComposer(Composer):
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
         self._started = False
+        self._healer: ThreadPoolExecutor | None = None
+        """Heals that may wait on hardware, off the thread that delivers the fabric's events (`_heal_soon`)."""
 
     # ----------------------------------------------------------------- life cycle
 
@@ -523,6 +526,24 @@ class FabricComposer(Composer):
             self._heal_all(c for c in healable if c in degraded or not self._started)
         return changes
 
+    def _heal_soon(self, composition_ids: list[str]) -> None:
+        """Heal after a failure event: at once when no fabric's calls wait, else in a thread of the composer's
+        own. A heal binds and may wait for a busy composition: on the thread that delivers a fabric's events it
+        held up that fabric's next failures, which must degrade their compositions within a second."""
+        if not composition_ids:
+            return
+        if not any(f.calls_block for f in self.fabrics.values()):
+            self._heal_all(composition_ids)
+            return
+        with self._lock:
+            if self._healer is None:
+                self._healer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disagg-heal")
+            healer = self._healer
+        try:
+            healer.submit(self._heal_all, composition_ids)
+        except RuntimeError:  # closing: the next start-up heals what this one could not
+            log.warning("not healing %s: the composer is closing", ", ".join(composition_ids))
+
     def _heal_all(self, composition_ids: Iterable[str]) -> None:
         """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why."""
         for comp_id in composition_ids:
@@ -549,6 +570,8 @@ class FabricComposer(Composer):
         for sub in self._subscriptions:
             sub.cancel()
         self._subscriptions.clear()
+        if self._healer is not None:
+            self._healer.shutdown(wait=True, cancel_futures=True)
         for fabric in self.fabrics.values():
             fabric.close()
         self.store.close()
@@ -1797,7 +1820,7 @@ class FabricComposer(Composer):
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             affected = self._health_changed(event.subject, event.health, event.message)
             if self.auto_heal and event.health is not Health.OK:
-                self._heal_all(affected)
+                self._heal_soon(affected)
             return
         with self._lock:
             self._rebuild()
