@@ -265,8 +265,13 @@ class CCIClient:
         while True:
             raw = self.call(BACKGROUND_OPERATION_STATUS, b"", ctx)
             status = decode(BackgroundOperationStatusResponse.decode, raw)
+            if status.command_opcode != opcode:
+                raise FabricUnavailableError(
+                    f"FM API command {opcode:04X}h: Background Operation Status reports {status.command_opcode:04X}h "
+                    "(another client's command, or a reset), so its own outcome is unknown"
+                )
             if not status.running:
-                if status.command_opcode == opcode and status.return_code != ReturnCode.SUCCESS:
+                if status.return_code != ReturnCode.SUCCESS:
                     raise CommandFailedError(opcode, status.return_code)
                 return
             now = time.monotonic() + POLL_INTERVAL_S
@@ -292,3 +297,12 @@ def contract_error(exc: CommandFailedError, what: str) -> DisaggError:
     if code == ReturnCode.UNSUPPORTED:
         return UnsupportedError(f"{what}: {exc.message}")
     return FabricUnavailableError(f"{what}: {exc.message}")
+
+
+def bind_error(exc: CommandFailedError, what: str) -> DisaggError:
+    """The contract's error for a refused Bind vPPB. The driver has just read the port (or LD) free and the vPPB
+    unbound, so Invalid Input says another fabric manager changed the switch since: not the caller's mistake, but
+    the fabric moving under the call (retry: the next read shows what changed)."""
+    if exc.return_code == ReturnCode.INVALID_INPUT:
+        return FabricUnavailableError(f"{what}: {exc.message}, the switch changed since it was read")
+    return contract_error(exc, what)

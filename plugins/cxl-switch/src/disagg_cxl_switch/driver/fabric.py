@@ -39,7 +39,7 @@ from disagg.model import (
 from disagg.statedir import claim
 
 from disagg_cxl_switch.driver import layout, process
-from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, contract_error
+from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, bind_error
 from disagg_cxl_switch.driver.events import EventPoller, next_sequence
 from disagg_cxl_switch.driver.layout import PortView, SwitchView
 from disagg_cxl_switch.driver.mld_pool import MLDPool
@@ -62,6 +62,7 @@ from disagg_cxl_switch.fmapi import (
     UnbindOption,
     UnbindVPPBRequest,
 )
+from disagg_cxl_switch.returncodes import ReturnCode
 
 log = logging.getLogger("disagg.cxl_switch")
 
@@ -225,21 +226,38 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             raise DeviceBusyError(f"{device} is carved through its pool, never bound whole")
         vcs = self.check_host(host)
         with layout.acquire(self._op_lock, ctx):
-            for owner, _, bound_port in self._view.bound(self._client, ctx):
-                if bound_port == port:
-                    if owner == host:
-                        return Binding(device, host)
-                    raise DeviceBusyError(f"{device} is bound to {owner}")
-            if self.port_view(port).health is not Health.OK:
-                raise DeviceBusyError(f"{device} is failed")
+            held = self._binding_of(device, host, port, ctx)
+            if held is not None:
+                return held
             vppb = self._view.free_vppb(self._client, vcs, ctx)
             if vppb is None:  # every vPPB held: only an unbind or a release frees one, not a retry
                 raise CapacityExhaustedError(f"VCS {vcs} of {host} has no unbound vPPB left to bind {device}")
             try:
                 self.bind_vppb(device, BindVPPBRequest(vcs, vppb, port), ctx)
             except CommandFailedError as exc:
-                raise contract_error(exc, f"bind {device} to {host}") from None
+                return self._refused(exc, device, host, port, ctx)
         return Binding(device, host)
+
+    def _binding_of(self, device: str, host: str, port: int, ctx: CallContext) -> Binding | None:
+        """The binding when the device is bound to ``host``, None when it is free; `DeviceBusyError` when it is
+        bound to another host or failed."""
+        for owner, _, bound_port in self._view.bound(self._client, ctx):
+            if bound_port == port:
+                if owner == host:
+                    return Binding(device, host)
+                raise DeviceBusyError(f"{device} is bound to {owner}")
+        if self.port_view(port).health is not Health.OK:
+            raise DeviceBusyError(f"{device} is failed")
+        return None
+
+    def _refused(self, exc: CommandFailedError, device: str, host: str, port: int, ctx: CallContext) -> Binding:
+        """Bind vPPB refused: when it is Invalid Input, another fabric manager may have bound the device since the
+        read, so the switch is read again and answers as a bind would now (`DeviceBusyError`)."""
+        if exc.return_code == ReturnCode.INVALID_INPUT:
+            held = self._binding_of(device, host, port, ctx)
+            if held is not None:
+                return held
+        raise bind_error(exc, f"bind {device} to {host}")
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         self._state.fence(ctx.epoch)

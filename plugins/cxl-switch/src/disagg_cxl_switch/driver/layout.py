@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import attrs
-from disagg.errors import ConfigError, DeadlineExceededError
+from disagg.errors import ConfigError, DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg.model import (
     Device,
@@ -59,6 +59,7 @@ _MODELS = {
 }
 _MEMORY = {ConnectedDeviceType.CXL_TYPE_3_SLD: "dcd", ConnectedDeviceType.CXL_TYPE_3_MLD: "mld"}
 """Which pool a CXL Type-3 port's memory is carved through; also the ``pool_kind`` attribute of its device."""
+_CONFIGURATION_STATE_MASK = 0x0F
 
 
 @contextlib.contextmanager
@@ -120,9 +121,9 @@ class SwitchView:
         slots = [DeviceKind.GPU] * options.gpus + [DeviceKind.NVME] * options.nvme + [DeviceKind.NIC] * options.nics
         kind_of: dict[int, DeviceKind] = {}
         memory: dict[str, int] = {}
-        dsps = [p for p in ports if p.current_port_configuration_state == PortConfigurationState.DSP]
+        dsps = [p for p in ports if _configuration_state(p) == PortConfigurationState.DSP]
         for index, port in enumerate(dsps):
-            pool_kind = _MEMORY.get(ConnectedDeviceType(port.connected_device_type))
+            pool_kind = _MEMORY.get(_device_type(port))
             if pool_kind is not None and pool_kind not in memory:
                 kind_of[port.port_id] = DeviceKind.CXL_MEMORY
                 memory[pool_kind] = port.port_id
@@ -203,6 +204,24 @@ class SwitchView:
         switch = Switch(self.switch_id, self.fabric, SwitchKind.CXL, "disagg", "emulated CXL switch", ports)
         infos = tuple(pools[p].info() for p in sorted(pools))
         return Topology(self.fabric, hosts, (switch,), tuple(devices), links, infos)
+
+
+def _configuration_state(port: PortInfo) -> int:
+    """Current Port Configuration State: bits[3:0] of its byte; bits[7:4] are reserved, whatever a switch puts
+    there."""
+    return port.current_port_configuration_state & _CONFIGURATION_STATE_MASK
+
+
+def _device_type(port: PortInfo) -> ConnectedDeviceType:
+    """The port's Connected Device Type. The FM API leaves every value past the defined ones reserved (no vendor
+    range), so one the driver does not know is the switch answering outside the API: the fabric failing."""
+    try:
+        return ConnectedDeviceType(port.connected_device_type)
+    except ValueError:
+        raise FabricUnavailableError(
+            f"the CXL switch reports the reserved Connected Device Type {port.connected_device_type:#04x} on "
+            f"port {port.port_id}"
+        ) from None
 
 
 def _port_states(client: CCIClient, ports: Iterable[int], ctx: CallContext | None) -> tuple[PortInfo, ...]:

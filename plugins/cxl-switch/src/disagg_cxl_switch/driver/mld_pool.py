@@ -28,7 +28,7 @@ from disagg.interfaces import CallContext, Pool
 from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held
-from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, contract_error, decode
+from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, bind_error, contract_error, decode
 from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
@@ -129,9 +129,10 @@ class MLDPool(Pool):
         }
         return _Snapshot(tuple(lds[: self._ld_count]), bound)
 
-    def _held(self, snap: _Snapshot) -> list[Allocation]:
+    def _listed(self, snap: _Snapshot) -> dict[int, Allocation]:
+        """The allocations by LD: each LD bound to a host's VCS, under its recorded id or else ``ld-<N>``."""
         offsets = list(itertools.accumulate((snap.units(ld) for ld in range(self._ld_count)), initial=0))
-        allocations = []
+        listed = {}
         for ld, binding in sorted(snap.bound.items()):
             host = self._fabric.view.host_of.get(binding.vcs)
             if not binding.done or host is None:
@@ -139,8 +140,11 @@ class MLDPool(Pool):
             amount = snap.units(ld) * self._unit
             extents = (Extent(offsets[ld] * self._unit, amount),) if amount else ()
             name = self._fabric.state.ld_allocation(self._port, ld) or f"ld-{ld}"
-            allocations.append(Allocation(name, self._id, host, amount, extents))
-        return sorted(allocations, key=lambda a: a.id)
+            listed[ld] = Allocation(name, self._id, host, amount, extents)
+        return listed
+
+    def _held(self, snap: _Snapshot) -> list[Allocation]:
+        return sorted(self._listed(snap).values(), key=lambda a: a.id)
 
     def allocations(self) -> Sequence[Allocation]:
         return self._held(self._snapshot(None))
@@ -190,29 +194,41 @@ class MLDPool(Pool):
             except CommandFailedError as exc:
                 with contextlib.suppress(DisaggError):  # an unbound LD's memory is free anyway; see the docstring
                     self._set(0, snap.lds, ctx)
-                raise contract_error(exc, f"allocation {allocation_id}: bind LD {ld} to {host}") from None
+                self._fabric.state.forget_ld(self._port, ld)  # or another manager's bind of it would show our id
+                raise bind_error(exc, f"allocation {allocation_id}: bind LD {ld} to {host}") from None
             return next(a for a in self._held(self._snapshot(ctx)) if a.id == allocation_id)
 
+    def _lds_of(self, snap: _Snapshot, allocation_id: str) -> list[int]:
+        """The LDs to free for ``allocation_id``: those recorded for it (bound or not: a carve cut short), and the
+        one `allocations` lists under it, which is how an LD whose record is lost (``ld-<N>``) is freed."""
+        recorded = {
+            ld for ld in range(self._ld_count) if self._fabric.state.ld_allocation(self._port, ld) == allocation_id
+        }
+        listed = {ld for ld, allocation in self._listed(snap).items() if allocation.id == allocation_id}
+        return sorted(recorded | listed)
+
+    def _free(self, snap: _Snapshot, ld: int, allocation_id: str, ctx: CallContext) -> None:
+        """Unbind the LD from its vPPB, set its allocation to 0, forget its record."""
+        binding = snap.bound.get(ld)
+        if binding is not None:
+            failed = self._fabric.port_view(self._port).health is not Health.OK
+            option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
+            request = UnbindVPPBRequest(binding.vcs, binding.vppb, option)
+            try:
+                self._fabric.unbind_vppb(request, ctx)
+            except CommandFailedError as exc:
+                raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
+        if snap.units(ld):
+            try:
+                self._set(ld, [_NOTHING], ctx)
+            except (InvalidRequestError, UnsupportedError, CapacityExhaustedError) as exc:
+                raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
+        self._fabric.state.forget_ld(self._port, ld)
+
     def release(self, allocation_id: str, ctx: CallContext) -> None:
-        """Unbind the allocation's LD from its vPPB, then set the LD's allocation to 0."""
+        """Free each LD of the allocation; an id with none does nothing."""
         self._fabric.state.fence(ctx.epoch)
         with acquire(self._fabric.vppb_lock, ctx):
             snap = self._snapshot(ctx)
-            for ld in range(self._ld_count):
-                if self._fabric.state.ld_allocation(self._port, ld) != allocation_id:
-                    continue
-                binding = snap.bound.get(ld)
-                if binding is not None:
-                    failed = self._fabric.port_view(self._port).health is not Health.OK
-                    option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
-                    request = UnbindVPPBRequest(binding.vcs, binding.vppb, option)
-                    try:
-                        self._fabric.unbind_vppb(request, ctx)
-                    except CommandFailedError as exc:
-                        raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
-                if snap.units(ld):
-                    try:
-                        self._set(ld, [_NOTHING], ctx)
-                    except (InvalidRequestError, UnsupportedError, CapacityExhaustedError) as exc:
-                        raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
-                self._fabric.state.forget_ld(self._port, ld)
+            for ld in self._lds_of(snap, allocation_id):
+                self._free(snap, ld, allocation_id, ctx)

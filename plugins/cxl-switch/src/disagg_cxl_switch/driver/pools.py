@@ -21,6 +21,7 @@ from disagg.model import Allocation, Capacity, Extent, PoolInfo, PoolKind
 from disagg_cxl_switch.driver.carving import admit, already_held
 from disagg_cxl_switch.driver.client import CommandFailedError, decode
 from disagg_cxl_switch.driver.layout import acquire
+from disagg_cxl_switch.driver.state import allocation_tag
 from disagg_cxl_switch.fmapi import (
     DCRegionConfig,
     GetDCRegionExtentListsRequest,
@@ -75,8 +76,9 @@ class DCDPool(Pool):
             if not response.extents or len(got) >= response.total_extents:
                 return got
 
-    def _held(self, ctx: CallContext | None = None) -> list[Allocation]:
-        allocations = []
+    def _tagged(self, ctx: CallContext | None = None) -> list[tuple[Allocation, bytes]]:
+        """Each host's extents grouped by tag, as allocations named from the tags, with their tags."""
+        tagged = []
         for host, host_id in sorted(self._fabric.hosts().items()):
             by_tag: dict[bytes, list[Extent]] = defaultdict(list)
             for start, length, tag in self._extents(host_id, ctx):
@@ -84,8 +86,12 @@ class DCDPool(Pool):
             for tag, extents in by_tag.items():
                 extents.sort(key=lambda e: e.offset)
                 name = self._fabric.state.allocation_of(tag)
-                allocations.append(Allocation(name, self._id, host, sum(e.length for e in extents), tuple(extents)))
-        return sorted(allocations, key=lambda a: a.id)
+                allocation = Allocation(name, self._id, host, sum(e.length for e in extents), tuple(extents))
+                tagged.append((allocation, tag))
+        return tagged
+
+    def _held(self, ctx: CallContext | None = None) -> list[Allocation]:
+        return sorted((allocation for allocation, _ in self._tagged(ctx)), key=lambda a: a.id)
 
     def allocations(self) -> Sequence[Allocation]:
         return self._held()
@@ -112,16 +118,20 @@ class DCDPool(Pool):
             self._fabric.state.forget_tag(allocation_id)
         raise CapacityExhaustedError(f"pool {self._id} has no region with {amount} bytes free for {allocation_id}")
 
+    def _release_tag(self, allocation: Allocation, tag: bytes, ctx: CallContext) -> None:
+        host_id = self._fabric.hosts()[allocation.host]
+        request = InitiateDCReleaseRequest(host_id, RemovalPolicy.TAG_BASED, allocation.amount_bytes, tag)
+        try:
+            self._fabric.change(Opcode.INITIATE_DC_RELEASE, request, ctx, port=self._port)
+        except CommandFailedError as exc:
+            raise FabricUnavailableError(f"release {allocation.id}: {exc.message}") from None
+
     def release(self, allocation_id: str, ctx: CallContext) -> None:
+        """Release by tag the extents listed under the id (``tag-<hex>`` for a tag with no recorded id) or
+        carrying its tag, which a driver that lost its records still lists as ``tag-<hex>``."""
         self._fabric.state.fence(ctx.epoch)
+        own_tag = allocation_tag(allocation_id)
         with acquire(self._lock, ctx):
-            held = next((a for a in self._held(ctx) if a.id == allocation_id), None)
-            if held is None:
-                return
-            host_id = self._fabric.hosts()[held.host]
-            tag = self._fabric.state.name_tag(allocation_id)
-            request = InitiateDCReleaseRequest(host_id, RemovalPolicy.TAG_BASED, held.amount_bytes, tag)
-            try:
-                self._fabric.change(Opcode.INITIATE_DC_RELEASE, request, ctx, port=self._port)
-            except CommandFailedError as exc:
-                raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
+            for allocation, tag in self._tagged(ctx):
+                if allocation.id == allocation_id or tag == own_tag:
+                    self._release_tag(allocation, tag, ctx)

@@ -1,0 +1,106 @@
+"""The driver on a switch another fabric manager also commands, over a connection of its own: what the peer does
+between the driver's read of the switch and its command, or between the command and its status, must not be
+taken for the caller's mistake nor for the driver's own success."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from cxl_switch_served import ServedSwitch, command_of
+from disagg.composer.execution import in_doubt
+from disagg.errors import DeviceBusyError, DisaggError, FabricUnavailableError
+from disagg.interfaces import CallContext
+from disagg.model import Binding
+from disagg_cxl_switch import CCIMessage
+from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric
+from disagg_cxl_switch.driver.client import CCIClient
+from disagg_cxl_switch.emulator import Switch, default_topology
+from disagg_cxl_switch.emulator.state import GIB
+from disagg_cxl_switch.fmapi import BindVPPBRequest, Opcode, UnbindOption, UnbindVPPBRequest
+
+H1_VCS = 1
+GPU_PORT, OTHER_GPU_PORT, MLD_PORT = 2, 3, 4
+
+
+def ctx() -> CallContext:
+    return CallContext.with_timeout(30.0, epoch=1)
+
+
+class Bench:
+    """A served switch (two hosts, GPUs on ports 2 and 3, a 4-LD MLD on 4), the driver's fabric on it, and the
+    peer's client."""
+
+    def __init__(self, folder: Path) -> None:
+        state = default_topology(gpus=2, ld_count=4, mld_capacity=4 * GIB, dc_capacity=0)
+        self.served = ServedSwitch(Switch(state, bind_delay=0.0), folder / "s.sock")
+        self.peer = CCIClient(self.served.address)
+        self.fabric: CxlSwitchFabric = create_fabric("f", {"address": self.served.address, "gpus": 2})
+
+    def after_first(self, opcode: int, act: Callable[[], object]) -> None:
+        """Let the peer ``act`` once the switch has answered the driver's next request about ``opcode``."""
+        armed = threading.Event()
+        armed.set()
+
+        def respond(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+            if command_of(request) == opcode and armed.is_set():
+                armed.clear()
+                act()
+            return response
+
+        self.served.respond = respond
+
+    def close(self) -> None:
+        with contextlib.suppress(DisaggError):
+            self.fabric.close()
+        self.peer.close()
+        self.served.close()
+
+
+@pytest.fixture
+def bench(tmp_path: Path) -> Iterator[Bench]:
+    made = Bench(tmp_path)
+    yield made
+    made.close()
+
+
+def test_a_port_the_peer_bound_after_the_drivers_read_is_busy(bench: Bench) -> None:
+    """Bind vPPB answers Invalid Input (port already bound): not the caller's mistake, the device is taken."""
+    bench.after_first(
+        Opcode.GET_VIRTUAL_CXL_SWITCH_INFO,
+        lambda: bench.peer.call(Opcode.BIND_VPPB, BindVPPBRequest(H1_VCS, 0, GPU_PORT)),
+    )
+    with pytest.raises(DeviceBusyError):
+        bench.fabric.bind("f/port2", "h0", ctx())
+    assert bench.fabric.bindings() == [Binding("f/port2", "h1")]
+
+
+def test_a_status_the_peer_replaced_is_no_success(bench: Bench) -> None:
+    """The driver's Bind vPPB fails in the background; before the driver reads Background Operation Status, the
+    peer's Unbind vPPB replaces it with its own success. The driver's outcome is then unknown, not success."""
+    bench.peer.call(Opcode.BIND_VPPB, BindVPPBRequest(H1_VCS, 0, OTHER_GPU_PORT))
+    unbind = UnbindVPPBRequest(H1_VCS, 0, UnbindOption.MANAGED_HOT_REMOVE)
+    bench.after_first(Opcode.BIND_VPPB, lambda: bench.peer.call(Opcode.UNBIND_VPPB, unbind))
+    bench.fabric.flaky_bind("f/port2", 1)
+    with pytest.raises(FabricUnavailableError) as raised:
+        bench.fabric.bind("f/port2", "h0", ctx())
+    assert in_doubt(raised.value)
+    assert bench.fabric.bindings() == []
+
+
+def test_an_ld_the_peer_bound_after_the_drivers_read_is_retried(bench: Bench) -> None:
+    """Bind vPPB of the LD the driver picked answers Invalid Input (LD already bound): the carve is retryable, and a
+    retry carves another LD."""
+    bench.after_first(
+        Opcode.GET_VIRTUAL_CXL_SWITCH_INFO,
+        lambda: bench.peer.call(Opcode.BIND_VPPB, BindVPPBRequest(H1_VCS, 0, MLD_PORT, 0)),
+    )
+    pool = bench.fabric.pool(f"f/mld-port{MLD_PORT}")
+    with pytest.raises(FabricUnavailableError):
+        pool.allocate("a", "h0", GIB, ctx())
+    retried = pool.allocate("a", "h0", GIB, ctx())
+    assert sorted((a.id, a.host) for a in pool.allocations()) == [("a", "h0"), ("ld-0", "h1")]
+    assert retried.amount_bytes == GIB
