@@ -5,11 +5,13 @@ Every record is one key holding the JSON document of its model value (`disagg.co
     {prefix}compositions/{id}   {prefix}reservations/{id}   {prefix}requests/{id}   {prefix}events/{revision:020d}
 
 Event keys carry the revision zero-padded, so etcd's key order is revision order: `events_after` is one range
-read from the key after ``revision``, with a limit. No read sorts on the server: etcd (3.4 and later) answers a
-sorted range, even one with a limit, by reading the whole range first.
+read from the key after ``revision`` (or after the retention's cut), with a limit. No read sorts on the server:
+etcd (3.4 and later) answers a sorted range, even one with a limit, by reading the whole range first.
 
 Writes are transactions of one record each (an append and its prune of old events are one; forgetting old
-request ids deletes up to `TXN_OPS` keys in one). After `fence`, each
+request ids deletes up to `TXN_OPS` keys in one). When a prune is due is decided from what etcd holds (read
+once, at the first use, then followed through this process's writes), not from a count of this process's
+writes, so that a ledger whose leader changes or restarts often still prunes. After `fence`, each
 transaction succeeds only if the leader key still has the leader's ``create_revision``, so a replica that lost
 the lead, even one that was paused and does not know it yet, writes nothing and gets `LeadershipLostError`.
 
@@ -39,6 +41,7 @@ from disagg.store.base import (
     LedgerState,
     RequestRecord,
     Store,
+    check_event_retention,
     quarantine_key,
     quarantine_of,
 )
@@ -50,7 +53,9 @@ T = TypeVar("T")
 EVENT_RETENTION = 100_000
 """Events kept; a watch from an older revision is told the log was compacted (OUT_OF_RANGE)."""
 PRUNE_EVERY = 1_000
-"""Appends between two prunes of the event log: pruning in steps keeps appending cheap."""
+"""Events past the retention between two prunes of the event log: pruning in steps keeps appending cheap. The
+step is counted from the revisions in etcd, not from this process's appends, so that a leader that restarts
+(or hands over) often still prunes."""
 PAGE = 500
 """Keys per range read: a load of many records is several bounded answers, not one huge one."""
 TXN_OPS = 100
@@ -147,15 +152,14 @@ class EtcdStore(Store):
         if not endpoints:
             raise ConfigError("the etcd ledger needs at least one endpoint", field="state.endpoints")
         addresses = [parse_endpoint(e) for e in endpoints]
-        if event_retention < 1:
-            raise ConfigError(f"event_retention must be at least 1, not {event_retention}")
+        retention = check_event_retention(event_retention)
         if not timeout_s > 0:
             raise ConfigError(f"the etcd timeout must be positive, not {timeout_s}")
         self.endpoints: tuple[str, ...] = tuple(endpoints)
         self.timeout_s = timeout_s
         self.prefix = prefix
         self._key_prefix = prefix.encode()
-        self._retention = event_retention
+        self._retention = retention
         self._session = requests.Session()
         self._clients = [
             etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path=API_PATH, session=self._session)
@@ -173,8 +177,12 @@ class EtcdStore(Store):
         self._fence_key = ""
         self._fence_name = ""
         self._on_deposed: Callable[[], None] = lambda: None
-        self._appended = 0
-        self._put_requests = 0
+        self._log: tuple[int, int] | None = None
+        """The oldest revision the log may hold in etcd and the newest it holds, read at the first use (`_log_ends`)
+        and followed through appends and prunes; guarded by `_state_lock`."""
+        self._request_keys: int | None = None
+        """At least the keys under ``requests/`` (a put that replaces one counts as one more), counted at the first
+        put: their prune is due when they reach twice the retention. Guarded by `_write_lock`."""
 
     # ----------------------------------------------------------------- keys
 
@@ -293,8 +301,7 @@ class EtcdStore(Store):
         store as a whole (`failure`), and every later write is refused: the composer changed its memory before
         writing, and whether a timed-out write landed is unknown, so memory and etcd may differ from then on.
         The server stops serving, and the next leader recovers from etcd and the hardware."""
-        if self._failure:
-            raise FabricUnavailableError(f"the ledger on etcd failed earlier and takes no more writes: {self._failure}")
+        self._refuse_if_failed()
         fence = self._fence
         txn = {"compare": [] if fence is None else [fence], "success": ops, "failure": []}
         try:
@@ -309,6 +316,20 @@ class EtcdStore(Store):
                 f"{self._fence_name})",
                 metadata={"leader_key": self._fence_key},
             )
+
+    def _refuse_if_failed(self) -> None:
+        if self._failure:
+            raise FabricUnavailableError(f"the ledger on etcd failed earlier and takes no more writes: {self._failure}")
+
+    def _read_for_write(self, read: Callable[[], T]) -> T:
+        """``read``, which a write needs first (when a prune is due): its failure fails the store as the
+        write's would (`_commit`), since the caller changed its memory before writing."""
+        self._refuse_if_failed()
+        try:
+            return read()
+        except FabricUnavailableError as exc:
+            self._failure = exc.message
+            raise
 
     def _delete(self, key: bytes, end: bytes | None = None) -> dict[str, Any]:
         op: dict[str, Any] = {"key": _b64(key)}
@@ -329,7 +350,10 @@ class EtcdStore(Store):
         cordons = tuple(sorted(_unb64(kv["value"]).decode() for kv in self._scan(CORDONS, revision)))
         keys = sorted(_unb64(kv["value"]).decode() for kv in self._scan(QUARANTINES, revision))
         quarantined = tuple(quarantine_of(k) for k in keys)
-        return LedgerState(comps, res, self._last_event(revision), requests_, cordons, quarantined)
+        oldest, newest = self._log_ends(revision)
+        with self._state_lock:
+            self._log = (oldest, newest)  # a leader loads as it starts: what etcd holds, whoever wrote it
+        return LedgerState(comps, res, newest, requests_, cordons, quarantined)
 
     def _first_event_from(self, revision: int, at: int) -> int | None:
         """The lowest event revision at or above ``revision``, read at etcd revision ``at``; None if none."""
@@ -338,13 +362,16 @@ class EtcdStore(Store):
         kvs = answer.get("kvs", [])
         return int(_unb64(kvs[0]["key"])[len(start) :]) if kvs else None
 
-    def _last_event(self, at: int) -> int:
-        """The highest event revision, without reading the log: range reads of one key each find the lowest
-        revision and count the log, so contiguous revisions take four reads; gaps are found by galloping up and
-        bisecting back (``2 log2`` more reads)."""
+    def _log_ends(self, at: int) -> tuple[int, int]:
+        """The lowest and the highest event revision at etcd revision ``at``; (1, 0) for an empty log, whose
+        first event may be revision 1."""
         low = self._first_event_from(0, at)
-        if low is None:
-            return 0
+        return (1, 0) if low is None else (low, self._last_event(low, at))
+
+    def _last_event(self, low: int, at: int) -> int:
+        """The highest event revision, the lowest being ``low``, without reading the log: range reads of one
+        key each count the log, so contiguous revisions take three reads; gaps are found by galloping up and
+        bisecting back (``2 log2`` more reads)."""
         start, end = self._bounds(EVENTS)
         count = int(self._range(start, end, revision=at, count_only=True).get("count", 0))
         # ``count`` distinct revisions from ``low`` on: the highest is at least low + count - 1.
@@ -362,6 +389,19 @@ class EtcdStore(Store):
             else:
                 low = found
         return low
+
+    def _known_log(self) -> tuple[int, int]:
+        """The oldest revision the event log may hold and the newest it holds: read from etcd the first time,
+        then as this process's appends and prunes left them."""
+        with self._state_lock:
+            known = self._log
+        if known is not None:
+            return known
+        ends = self._log_ends(self._snapshot())
+        with self._state_lock:  # unless an append learnt them meanwhile, and may have moved them since
+            if self._log is None:
+                self._log = ends
+            return self._log
 
     def put_composition(self, composition: Composition) -> None:
         with self._write_lock:
@@ -397,37 +437,67 @@ class EtcdStore(Store):
             self._commit([self._delete(self._key(QUARANTINES, quarantine_key(pool, allocation_id)))])
 
     def put_request(self, record: RequestRecord) -> None:
+        """Write the request's key, and forget the oldest once etcd may hold twice the retention: now and then,
+        not on every put, and counted from the keys found at the first put, so that a leader that restarts
+        often still forgets."""
         with self._write_lock:
+            keys = self._read_for_write(self._count_requests)
             self._commit([put_op(self._key(REQUESTS, record.id), codec.record(record))])
-            self._put_requests += 1
-            if self._put_requests % REQUEST_RETENTION == 0:  # forget the oldest now and then, not on every put
-                self._forget_old_requests()
+            self._request_keys = keys + 1
+            if self._request_keys >= 2 * REQUEST_RETENTION:
+                self._request_keys = self._forget_old_requests()
 
-    def _forget_old_requests(self) -> None:
-        """Delete every request id but the newest `REQUEST_RETENTION` (by etcd's mod revision, as `load`)."""
-        kvs = sorted(self._scan(REQUESTS, 0, keys_only=True), key=lambda kv: int(kv["mod_revision"]))
+    def _count_requests(self) -> int:
+        """`_request_keys`, counted in etcd the first time. Call it holding `_write_lock`."""
+        if self._request_keys is None:
+            start, end = self._bounds(REQUESTS)
+            self._request_keys = int(self._range(start, end, count_only=True).get("count", 0))
+        return self._request_keys
+
+    def _forget_old_requests(self) -> int:
+        """Delete every request id but the newest `REQUEST_RETENTION` (by etcd's mod revision, as `load`); the
+        keys left."""
+        kvs = sorted(
+            self._read_for_write(lambda: list(self._scan(REQUESTS, 0, keys_only=True))),
+            key=lambda kv: int(kv["mod_revision"]),
+        )
         old = [_unb64(kv["key"]) for kv in kvs[: max(0, len(kvs) - REQUEST_RETENTION)]]
         for i in range(0, len(old), TXN_OPS):
             self._commit([self._delete(key) for key in old[i : i + TXN_OPS]])
+        return len(kvs) - len(old)
 
     def delete_request(self, request_id: str) -> None:
         with self._write_lock:
             self._commit([self._delete(self._key(REQUESTS, request_id))])
 
     def append_event(self, event: Event) -> None:
+        """Write the event's key, in one transaction with the prune that keeps the log to its retention once a
+        step of revisions is due: decided from the revisions, so that it does not matter how many of them this
+        process wrote."""
         with self._write_lock:
+            oldest, _ = self._read_for_write(self._known_log)
             ops = [put_op(self._event_key(event.revision), codec.record(event))]
-            appended = self._appended + 1
-            cutoff = event.revision - self._retention  # events at or below it are forgotten
-            if appended % min(PRUNE_EVERY, self._retention) == 0 and cutoff > 0:
+            cutoff = event.revision - self._retention  # events at or below it are past the retention
+            if cutoff - oldest + 1 >= min(PRUNE_EVERY, self._retention):
                 start, _ = self._bounds(EVENTS)
                 ops.append(self._delete(start, self._event_key(cutoff + 1)))
+                oldest = cutoff + 1
             self._commit(ops)
-            self._appended = appended
+            self._appended(oldest, event.revision)
+
+    def _appended(self, oldest: int, revision: int) -> None:
+        """Follow an append of ``revision`` (and its prune, which left ``oldest``) in the known log."""
+        with self._state_lock:
+            newest = self._log[1] if self._log is not None else 0
+            self._log = (oldest, max(newest, revision))
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
+        """The events after ``revision`` within the retention (the newest revision minus it), as the other
+        ledgers serve them: keys a prune has yet to delete are not served, so that a watch is refused at the
+        same revision whichever ledger holds the log."""
+        _, newest = self._known_log()
         events: list[Event] = []
-        start = self._event_key(max(revision + 1, 0))
+        start = self._event_key(max(revision, newest - self._retention, -1) + 1)
         _, end = self._bounds(EVENTS)
         at = 0
         while len(events) < limit:

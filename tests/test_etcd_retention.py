@@ -1,0 +1,189 @@
+"""The etcd ledger keeps its event log and request ids to their retention however often its leader restarts,
+serves the same events as the in-memory ledger at the retention boundary, and refuses a retention that keeps
+nothing, as the SQLite ledger does (`test_ledger_retention`). Against one real etcd member on loopback
+(`etcd_helpers`), each test under its own key prefix; without etcd they are skipped (failed on CI)."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+
+import etcd3gw
+import pytest
+from composer_helpers import composer
+from disagg.errors import ConfigError, FabricUnavailableError, RevisionCompactedError
+from disagg.model import Event, EventType
+from disagg.server.watch import Watches, watch_events
+from disagg.store import EtcdStore, MemoryStore, Store
+from disagg.store import etcd as etcd_store
+from disagg.store.base import RequestRecord
+from etcd_helpers import EtcdCluster, free_ports, start_etcd_cluster
+
+LIVES = 20
+"""Leader lifetimes in a restart test, each shorter than a prune step."""
+PER_LIFE = 9
+GPU = "pcie0/gpu-a0"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One etcd member for the module's tests; each keeps to its own prefix."""
+    started = start_etcd_cluster(tmp_path_factory.mktemp("etcd"), members=1)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"/test/{uuid.uuid4().hex}/"
+
+
+def _event(revision: int) -> Event:
+    return Event(revision, EventType.DEVICE_CORDONED, f"d{revision}")
+
+
+def _keys(cluster: EtcdCluster, prefix: str) -> int:
+    """Keys under ``prefix`` in etcd, counted by a client of its own."""
+    host, port = cluster.endpoints[0].rsplit(":", 1)
+    client = etcd3gw.client(host=host, port=int(port), timeout=5.0, api_path="/v3/")
+    try:
+        return len(client.get_prefix(prefix))
+    finally:
+        client.session.close()
+
+
+@contextlib.contextmanager
+def _life(cluster: EtcdCluster, prefix: str, **options: int) -> Iterator[EtcdStore]:
+    """One leader's lifetime of the ledger: a store of its own, written, closed."""
+    store = EtcdStore(cluster.endpoints, prefix=prefix, **options)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+class TestPruningAcrossRestarts:
+    """A leader that restarts (or hands over) before a prune step of its own still prunes: the step is counted
+    from what etcd holds, not from what one process wrote."""
+
+    @pytest.mark.parametrize(("retention", "step"), [(10, 1_000), (20, 5)])
+    def test_event_log(
+        self, cluster: EtcdCluster, prefix: str, monkeypatch: pytest.MonkeyPatch, retention: int, step: int
+    ) -> None:
+        monkeypatch.setattr(etcd_store, "PRUNE_EVERY", step)
+        revision = 0
+        for _ in range(LIVES):
+            with _life(cluster, prefix, event_retention=retention) as store:
+                for _ in range(PER_LIFE):
+                    revision += 1
+                    store.append_event(_event(revision))
+        assert _keys(cluster, f"{prefix}events/") <= retention + min(step, retention) - 1
+        with _life(cluster, prefix, event_retention=retention) as store:
+            kept = [e.revision for e in store.events_after(0, 10 * retention)]
+            assert store.load().last_revision == revision
+        assert kept == list(range(revision - retention + 1, revision + 1))
+
+    def test_request_ids(self, cluster: EtcdCluster, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        retention = 10
+        monkeypatch.setattr(etcd_store, "REQUEST_RETENTION", retention)
+        put = 0
+        for _ in range(LIVES):
+            with _life(cluster, prefix) as store:
+                for _ in range(PER_LIFE):
+                    put += 1
+                    store.put_request(RequestRecord(f"r{put}", "f", "{}", float(put)))
+        assert _keys(cluster, f"{prefix}requests/") < 2 * retention
+        with _life(cluster, prefix) as store:
+            kept = [r.id for r in store.load().requests]
+        assert kept == [f"r{n}" for n in range(put - retention + 1, put + 1)]
+
+
+class TestRetentionBoundary:
+    """What the etcd ledger serves is cut at the retention as the in-memory ledger's is, whatever keys a prune
+    has yet to delete: a watch is served or refused alike on both."""
+
+    @pytest.mark.parametrize("retention", [2, 5])
+    def test_events_after_as_memory(self, cluster: EtcdCluster, prefix: str, retention: int) -> None:
+        memory = MemoryStore(event_retention=retention)
+        with _life(cluster, prefix, event_retention=retention) as store:
+            for revision in range(1, 4 * retention + 4):
+                memory.append_event(_event(revision))
+                store.append_event(_event(revision))
+                _assert_same_log(memory, store, revision)
+
+    def test_after_a_restart(self, cluster: EtcdCluster, prefix: str) -> None:
+        """A leader that starts on a log holding more than its retention (a prune step not yet due) serves
+        just the retention's events, as it would have before the restart."""
+        with _life(cluster, prefix, event_retention=5) as store:
+            for revision in range(1, 10):
+                store.append_event(_event(revision))
+        with _life(cluster, prefix, event_retention=5) as store:
+            assert [e.revision for e in store.events_after(0)] == [5, 6, 7, 8, 9]
+            assert [e.revision for e in store.events_after(6)] == [7, 8, 9]
+
+    def test_watch_refused_as_on_memory(self, cluster: EtcdCluster, prefix: str) -> None:
+        """The newest 5 of 12 events are 8 to 12: a watch after 6 needs 7, and is refused on both ledgers."""
+        for store in (MemoryStore(event_retention=5), EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5)):
+            comp = composer(store=store)
+            try:
+                for n in range(12):
+                    (comp.cordon if n % 2 == 0 else comp.uncordon)(GPU)
+                context = _Context()
+                with pytest.raises(RevisionCompactedError, match="the oldest is 8"):
+                    next(watch_events(comp, 6, context, Watches(4)))  # type: ignore[arg-type]
+                context.cancel()
+            finally:
+                comp.close()
+
+
+def _assert_same_log(memory: Store, store: Store, newest: int) -> None:
+    for after in range(newest + 1):
+        assert store.events_after(after) == memory.events_after(after), f"after {after}"
+
+
+class _Context:
+    """Just what `watch_events` asks of a grpc context."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def is_active(self) -> bool:
+        return True
+
+    def cancel(self) -> None:
+        for callback in self.callbacks:
+            callback()
+
+
+class TestRetentionAtLeastOne:
+    """A retention that keeps no event is a configuration error when the ledger is made, as on every ledger."""
+
+    @pytest.mark.parametrize("retention", [0, -1])
+    def test_refused(self, retention: int) -> None:
+        with pytest.raises(ConfigError, match="event_retention must be at least 1"):
+            EtcdStore(["127.0.0.1:1"], event_retention=retention)
+
+
+class TestFirstReadOfAWrite:
+    """The first append and the first put of a request id read etcd before they write (where the log starts,
+    how many ids it holds): that read failing fails the store as a failed write does, since the composer has
+    changed its memory already."""
+
+    @pytest.mark.parametrize("write", ["append_event", "put_request"])
+    def test_fails_the_store(self, write: str) -> None:
+        store = EtcdStore([f"127.0.0.1:{free_ports(1)[0]}"], timeout_s=0.5)
+        calls: dict[str, Callable[[], None]] = {
+            "append_event": lambda: store.append_event(_event(1)),
+            "put_request": lambda: store.put_request(RequestRecord("r1", "f", "{}", 1.0)),
+        }
+        try:
+            with pytest.raises(FabricUnavailableError, match="no etcd endpoint answered"):
+                calls[write]()
+            assert "no etcd endpoint answered" in store.failure
+        finally:
+            store.close()
