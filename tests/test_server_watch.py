@@ -3,6 +3,9 @@ duplicate; OUT_OF_RANGE for a revision the log no longer holds; watches end when
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from composer_helpers import composer
+from disagg.client import FabricManagerClient
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server.watch import Watches, watch_events
@@ -292,3 +296,63 @@ class TestWatchAcrossARestart:
             failed = stream_fails(s.stub.WatchEvents, fm.WatchEventsRequest(after_revision=1))
             assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.reason == "REVISION_COMPACTED"
             assert failed.metadata["oldest"] == str(oldest)
+
+    @pytest.mark.parametrize("ledger", ["sqlite", "memory"])
+    def test_a_resume_over_a_log_reset_since_is_refused(self, tmp_path: Path, ledger: str) -> None:
+        """The ledger restored from a backup of revision 3 (as docs/durability.md describes), or an in-memory
+        one restarted: once the new log passed the client's revision, the Python client's resume from 6 went
+        on at 7, and the new events up to 6 never came. Its resume now carries the time of event 6, which the
+        new log's event 6 does not have: OUT_OF_RANGE, and the client lists again."""
+
+        def store() -> SqliteStore | MemoryStore:
+            return SqliteStore(tmp_path / "l.db") if ledger == "sqlite" else MemoryStore()
+
+        with serving(socket_path(tmp_path), store=store()) as first:
+            churn(first, 3)
+            if ledger == "sqlite":
+                with (
+                    contextlib.closing(sqlite3.connect(tmp_path / "l.db")) as live,
+                    contextlib.closing(sqlite3.connect(tmp_path / "backup.db")) as backup,
+                ):
+                    live.backup(backup)
+            first.composer.uncordon(GPUS[1])
+            first.composer.cordon(GPUS[2])
+            first.composer.uncordon(GPUS[2])
+            client = FabricManagerClient(f"unix:{socket_path(tmp_path)}", timeout_s=WAIT_S)
+            stream = client.watch(0)
+            assert [next(stream).revision for _ in range(6)] == [1, 2, 3, 4, 5, 6]
+        if ledger == "sqlite":
+            shutil.copy(tmp_path / "backup.db", tmp_path / "l.db")
+            for suffix in ("-wal", "-shm"):
+                (tmp_path / f"l.db{suffix}").unlink(missing_ok=True)
+        try:
+            with serving(socket_path(tmp_path), store=store()) as second:
+                churn(second, 8)
+                assert second.composer.revision > 6
+                with pytest.raises(RevisionCompactedError, match="reset or restored since revision 6"):
+                    next(stream)
+        finally:
+            stream.close()
+            client.close()
+
+    def test_a_resume_on_the_same_log_goes_on(self, tmp_path: Path) -> None:
+        """The check compares the event the client saw with the one the log holds: on the same log, across a
+        restart, the resume goes on with no gap and no duplicate."""
+        with serving(socket_path(tmp_path), store=SqliteStore(tmp_path / "l.db")) as first:
+            churn(first, 3)
+            client = FabricManagerClient(f"unix:{socket_path(tmp_path)}", timeout_s=WAIT_S)
+            stream = client.watch(0)
+            assert [next(stream).revision for _ in range(3)] == [1, 2, 3]
+        try:
+            with serving(socket_path(tmp_path), store=SqliteStore(tmp_path / "l.db")) as second:
+                churn(second, 2)
+                assert [next(stream).revision for _ in range(2)] == [4, 5]
+        finally:
+            stream.close()
+            client.close()
+
+    @pytest.mark.parametrize("when", [float("nan"), float("inf"), -1.0])
+    def test_a_time_that_is_no_time_is_refused(self, served: Served, when: float) -> None:
+        churn(served, 2)
+        failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=1, after_time=when))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("after_time",)

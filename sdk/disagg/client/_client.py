@@ -555,9 +555,10 @@ class FabricManagerClient:
             raise InvalidRequestError("after_revision is a revision: 0 to 2**64 - 1", field="after_revision")
         return EventStream(self, after_revision, resume=resume)
 
-    def _open_watch(self, after_revision: int) -> _StreamCall:
+    def _open_watch(self, after_revision: int, after_time: float = 0.0) -> _StreamCall:
         self._check_open()
-        call: _StreamCall = self._stub.WatchEvents(fm.WatchEventsRequest(after_revision=after_revision))
+        request = fm.WatchEventsRequest(after_revision=after_revision, after_time=after_time)
+        call: _StreamCall = self._stub.WatchEvents(request)
         return call
 
 
@@ -571,6 +572,9 @@ class EventStream(Iterator[Event]):
         self._closed = False
         self.last_revision = after_revision
         """The revision of the last event delivered (``after_revision`` before the first)."""
+        self.last_time = 0.0
+        """The time of that event (0 before the first): a resume sends it, so that a log reset or restored since
+        is refused (OUT_OF_RANGE) rather than resumed over the events it would skip."""
         self._call: _StreamCall = client._open_watch(after_revision)
 
     def __iter__(self) -> EventStream:
@@ -603,7 +607,7 @@ class EventStream(Iterator[Event]):
             if msg.event.revision <= self.last_revision:
                 continue
             event = event_from_wire(msg.event)
-            self.last_revision = event.revision
+            self.last_revision, self.last_time = event.revision, event.time
             return event
 
     def _reopen(self) -> None:
@@ -612,7 +616,7 @@ class EventStream(Iterator[Event]):
                 self._closed = True
             if not self._closed:
                 try:
-                    self._call = self._client._open_watch(self.last_revision)
+                    self._call = self._client._open_watch(self.last_revision, self.last_time)
                 except (ValueError, FabricUnavailableError):  # the channel closed meanwhile
                     self._closed = True
 

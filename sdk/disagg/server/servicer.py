@@ -383,7 +383,14 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @_stream
     def WatchEvents(self, request: fm.WatchEventsRequest, context: RpcContext) -> Iterator[fm.WatchEventsResponse]:
-        events = watch_events(self.composer, request.after_revision, context, self.watches, capacity=self._watch_buffer)
+        events = watch_events(
+            self.composer,
+            request.after_revision,
+            context,
+            self.watches,
+            capacity=self._watch_buffer,
+            after_time=request.after_time,
+        )
         try:
             for event in events:
                 yield fm.WatchEventsResponse(event=event_to_wire(event))

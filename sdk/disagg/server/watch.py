@@ -20,11 +20,12 @@ for example an in-memory ledger after a restart) is refused the same way.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from collections.abc import Generator
 
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError, OverloadedError, RevisionCompactedError
+from disagg.errors import FabricUnavailableError, InvalidRequestError, OverloadedError, RevisionCompactedError
 from disagg.model import Event
 from disagg.server.context import RpcContext
 
@@ -129,9 +130,13 @@ def watch_events(
     watches: Watches,
     *,
     capacity: int = 1024,
+    after_time: float = 0.0,
 ) -> Generator[Event, None, None]:
     """Events with a revision above ``after`` (0: the whole retained log), then live ones, until the call
-    ends. Raises `RevisionCompactedError` for a gap and `FabricUnavailableError` when the server stops."""
+    ends. Raises `RevisionCompactedError` for a gap, or for a log reset since the event at ``after`` (of time
+    ``after_time``, when known) was read, and `FabricUnavailableError` when the server stops."""
+    if not math.isfinite(after_time) or after_time < 0:
+        raise InvalidRequestError(f"after_time: a time in seconds, 0 or more, not {after_time!r}", field="after_time")
     newest = composer.revision
     if after > newest:
         raise RevisionCompactedError(
@@ -139,6 +144,8 @@ def watch_events(
             f"list again and watch from {newest}",
             metadata={"newest": str(newest)},
         )
+    if after and after_time:
+        _check_same_log(composer, after, after_time, newest)
     buffer = watches.open(capacity)
     remove = composer.add_listener(buffer.offer)
     try:
@@ -172,6 +179,19 @@ def watch_events(
     finally:
         remove()
         watches.close(buffer)
+
+
+def _check_same_log(composer: FabricComposer, after: int, after_time: float, newest: int) -> None:
+    """Refuse a resume whose event at ``after`` the log now holds with another time: the log was reset (an
+    in-memory ledger restarted) or restored from a backup since, and its revisions name other events, which a
+    resume from ``after`` would skip. An event no longer retained cannot be compared, and is not refused here."""
+    held = composer.events(after - 1, 1)
+    if held and held[0].revision == after and held[0].time != after_time:
+        raise RevisionCompactedError(
+            f"the event log was reset or restored since revision {after} was read (its event there is another "
+            f"one now): list again and watch from {newest}",
+            metadata={"newest": str(newest), "after": str(after)},
+        )
 
 
 def _replay(

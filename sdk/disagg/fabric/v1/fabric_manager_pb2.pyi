@@ -1231,18 +1231,26 @@ class WatchEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AFTER_REVISION_FIELD_NUMBER: _builtins.int
+    AFTER_TIME_FIELD_NUMBER: _builtins.int
     after_revision: _builtins.int
     """Send events with a revision above this one first, then live ones; 0 for the whole retained log. A
     listing's revision here follows every change made after that listing was read.
+    """
+    after_time: _builtins.float
+    """The time of the event at after_revision, as it was received (0: not known, as after a listing). A watch
+    that resumes from an event gives it: if the log's event at that revision has another time, the log was
+    reset or restored from a backup since, its revisions now name other events, and the watch is refused
+    with OUT_OF_RANGE (REVISION_COMPACTED) instead of resuming over the events it would miss.
     """
     def __init__(
         self,
         *,
         after_revision: _builtins.int = ...,
+        after_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_revision", b"after_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_revision", b"after_revision", "after_time", b"after_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
