@@ -21,7 +21,11 @@ from typing import TypeVar
 import attrs
 
 from disagg.errors import ConfigError
-from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology, switch_reach
+from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, PoolKind, Topology, switch_reach
+
+MLD_MAX_LOGICAL_DEVICES = 16
+"""The most logical devices CXL lets a multi-logical device expose. An MLD pool's allocation is one LD, and
+`PoolInfo` does not say how many LDs a pool has, so the index counts an MLD as able to hold this many."""
 
 
 @attrs.define
@@ -45,11 +49,14 @@ class Bucket:
 
 @attrs.define
 class PoolState:
-    """A carved pool: its static description, the switch it hangs off, and its free bytes."""
+    """A carved pool: its static description, the switch it hangs off, its free bytes, and for an MLD how many
+    more allocations it takes (one per logical device), since free bytes alone would offer a pool whose LDs are
+    all used; None for a pool that takes any number (a DCD)."""
 
     info: PoolInfo
     device: Device
     free_bytes: int
+    free_lds: int | None = None
 
 
 def _signature(device: Device) -> tuple[object, ...]:
@@ -152,7 +159,8 @@ class Inventory:
                 dev = self.devices.get(pool.device)
                 if dev is None:
                     raise ConfigError(f"pool {pool.id!r} names unknown device {pool.device!r}")
-                state = PoolState(pool, dev, pool.capacity.total_bytes)
+                lds = MLD_MAX_LOGICAL_DEVICES if pool.kind is PoolKind.MLD else None
+                state = PoolState(pool, dev, pool.capacity.total_bytes, lds)
                 self.pools[pool.id] = state
                 self.pools_by_switch[dev.switch].append(state)
         self.free_hosts = sorted((h.cores, h.memory_bytes, h.id) for h in self.hosts.values())
@@ -217,15 +225,25 @@ class Inventory:
             self._set_free(device, True)
 
     def claim_memory(self, pool: str, amount: int) -> None:
+        """Take one allocation of ``amount`` bytes out of ``pool``: its bytes and, in an MLD, a logical device.
+
+        The LD count may go below zero without an error: a rebuild claims what the hardware holds, and the
+        driver, not the index, refuses an LD too many; placement offers the pool again only once enough are
+        released."""
         state = self.pools[pool]
         if amount > state.free_bytes:
             raise ValueError(f"pool {pool} has {state.free_bytes} B free, {amount} B claimed")
         state.free_bytes -= amount
+        if state.free_lds is not None:
+            state.free_lds -= 1
 
     def release_memory(self, pool: str, amount: int) -> None:
+        """Give back one allocation that `claim_memory` took."""
         state = self.pools.get(pool)
         if state is not None:
             state.free_bytes = min(state.info.capacity.total_bytes, state.free_bytes + amount)
+            if state.free_lds is not None:
+                state.free_lds = min(MLD_MAX_LOGICAL_DEVICES, state.free_lds + 1)
 
     def claim_host(self, host: str, owner: str) -> None:
         current = self.host_owner.get(host)

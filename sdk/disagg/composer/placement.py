@@ -181,13 +181,15 @@ class Placer:
         """Like `try_host`, but the reason is left for the caller to compute: explaining scans the fabric."""
         taken: dict[int, int] = {}
         taken_pool: dict[str, int] = {}
+        taken_lds: dict[str, int] = {}
         devices: list[DevicePick] = []
         memory: list[MemoryPick] = []
         for idx, r, pin in lines:
             if r.carved:
-                carved = self._carve(host, idx, r, pin, taken_pool)
+                carved = self._carve(host, idx, r, pin, taken_pool, taken_lds=taken_lds)
                 if carved is None:
-                    return None, functools.partial(self._explain_memory, host, r, dict(taken_pool))
+                    explain = self._explain_memory
+                    return None, functools.partial(explain, host, r, dict(taken_pool), dict(taken_lds))
                 memory.extend(carved)
             else:
                 picked = self._pick(host, idx, r, pin, taken)
@@ -271,7 +273,11 @@ class Placer:
             return None
         return picks
 
-    def _pool_candidates(self, host: str, r: ResourceRequest, taken: Mapping[str, int]) -> list[PoolCandidate]:
+    def _pool_candidates(
+        self, host: str, r: ResourceRequest, taken: Mapping[str, int], taken_lds: Mapping[str, int]
+    ) -> list[PoolCandidate]:
+        """The pools ``host`` reaches that can take one more allocation for ``r``: with bytes free beyond
+        ``taken`` and, for an MLD, a logical device free beyond ``taken_lds`` (the plan's earlier picks)."""
         out = []
         limit = r.max_latency_ns
         for lat_sw, sw in self.inv.reach.get(host, ()):
@@ -282,31 +288,41 @@ class Placer:
                 free = ps.free_bytes - taken.get(ps.info.id, 0)
                 if free <= 0 or (limit is not None and lat > limit) or ps.device.health.value != "OK":
                     continue
+                if ps.free_lds is not None and ps.free_lds - taken_lds.get(ps.info.id, 0) <= 0:
+                    continue
                 if not all(sel.matches(ps.device.attribute(sel.key)) for sel in r.selectors):
                     continue
                 out.append(PoolCandidate(ps.info.id, sw, lat, free))
         return out
 
     def _carve(
-        self, host: str, idx: int, r: ResourceRequest, pin: Pin, taken: dict[str, int]
+        self, host: str, idx: int, r: ResourceRequest, pin: Pin, taken: dict[str, int], *, taken_lds: dict[str, int]
     ) -> list[MemoryPick] | None:
-        pools = [p for p in self._pool_candidates(host, r, taken) if p.pool not in pin.exclude]
+        """Carve ``r`` as one allocation per pool; ``taken`` and ``taken_lds`` gain the bytes and MLD logical
+        devices the picks use, so that later lines of the plan do not count on them."""
+        pools = [p for p in self._pool_candidates(host, r, taken, taken_lds) if p.pool not in pin.exclude]
         remaining = r.amount_bytes
         picks: list[MemoryPick] = []
+        mlds: list[str] = []
         for cand in self.policy.order_pools(pools, r.amount_bytes):
             if remaining <= 0:
                 break
-            cap = self.inv.pools[cand.pool].info.capacity
+            state = self.inv.pools[cand.pool]
+            cap = state.info.capacity
             usable = cand.free_bytes // cap.block_bytes * cap.block_bytes
             take = min(usable, cap.round_up(remaining))
             if take <= 0:
                 continue
             picks.append(MemoryPick(cand.pool, take, idx, cand.latency_ns))
+            if state.free_lds is not None:
+                mlds.append(cand.pool)
             remaining -= take
         if remaining > 0:
             return None
         for p in picks:
             taken[p.pool] = taken.get(p.pool, 0) + p.amount_bytes
+        for pool in mlds:
+            taken_lds[pool] = taken_lds.get(pool, 0) + 1
         return picks
 
     def _explain_devices(self, host: str, r: ResourceRequest, pin: Pin, taken: Mapping[int, int]) -> str:
@@ -338,9 +354,11 @@ class Placer:
             text += f", in {len(values)} distinct {r.spread} domains"
         return text
 
-    def _explain_memory(self, host: str, r: ResourceRequest, taken: Mapping[str, int]) -> str:
+    def _explain_memory(
+        self, host: str, r: ResourceRequest, taken: Mapping[str, int], taken_lds: Mapping[str, int]
+    ) -> str:
         reach = self.inv.reach_map.get(host, {})
-        total = reachable = within = 0
+        total = reachable = within = no_ld = 0
         limit = r.max_latency_ns
         for ps in self.inv.pools.values():
             free = max(0, ps.free_bytes - taken.get(ps.info.id, 0))
@@ -349,6 +367,8 @@ class Placer:
             if sw_lat is None:
                 continue
             reachable += free
+            if ps.free_lds is not None and ps.free_lds - taken_lds.get(ps.info.id, 0) <= 0:
+                no_ld += free
             if limit is None or sw_lat + ps.device.link_latency_ns <= limit:
                 within += free
         where = f" within {limit} ns" if limit is not None else ""
@@ -358,4 +378,6 @@ class Placer:
         )
         if limit is not None:
             text += f", {format_size(within)} within {limit} ns"
+        if no_ld:
+            text += f"; {format_size(no_ld)} of the reachable is in MLD pools with no logical device free"
         return text
