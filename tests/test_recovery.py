@@ -1113,6 +1113,29 @@ class TestUnreachableAtStartUp:
         assert gpu in applied.device_ids and len(held) == len(set(held))
         composer.close()
 
+    def test_a_memory_quarantine_is_kept_while_its_fabric_counts_as_unreachable(self, tmp_path: Path) -> None:
+        """cxl0 refused the epoch (its driver restarting) but answered `bindings`: reconcile read it, found
+        none of its pools in the index, and forgot the quarantine of its stray memory, which was then reported
+        again once it took the epoch."""
+        first = opened(tmp_path)
+        cxl0 = first.fabrics["cxl0"]
+        cxl0.pool("cxl0/mem0").allocate("stray", "h1", 64 * GiB, CallContext(epoch=first.epoch))
+        assert first.reconcile() == 1
+        first.close()
+        hardware = fabrics(tmp_path)
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = FenceRefused(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False, epoch=2)
+        composer.fence_drivers()
+        composer.start()
+        composer.reconcile()
+        cxl.refusing = False
+        assert composer.retry_unreachable() is True
+        assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == ["stray"]  # once, before the restart
+        total = next(p.capacity.total_bytes for p in cxl.discover().pools if p.id == "cxl0/mem0")
+        assert pool_free(composer) == total - 64 * GiB  # and still out of placement
+        composer.close()
+
     def test_a_fabric_that_missed_the_epoch_is_told_it_before_it_is_used(self, tmp_path: Path) -> None:
         """The driver did not take the new leader's epoch (it was restarting) but answered discovery by the time
         the composer started: nothing told it the epoch again, and a deposed manager's older epoch was accepted."""

@@ -451,11 +451,15 @@ class FabricComposer(Composer):
             pools: dict[str, list[str]] = {}
             for entry in self._inv.pools.values():
                 pools.setdefault(entry.info.fabric, []).append(entry.info.id)
+            # One counted unreachable has no pools in the index: read, it would seem to hold no memory at all.
+            away = set(self._unreachable)
         hardware = HardwareView(self.fabrics)
         bound: dict[str, str] = {}
         carved: dict[tuple[str, str], Allocation] = {}
         read: set[str] = set()
         for name in self.fabrics:
+            if name in away:
+                continue
             try:
                 bound.update(hardware.bound(name))
                 for pool_id in pools.get(name, ()):
