@@ -119,6 +119,7 @@ class ComposerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 19))
     def fail_gpu(self, index: int) -> None:
         self.fabrics["pcie0"].fail_device(self.gpus[index])
+        assert self.composer.wait_for_heals(30)  # beside the events when the driver is remote
         for comp_id in self.model:
             self.model[comp_id] = self.composer.get(comp_id).device_ids
 

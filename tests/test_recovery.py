@@ -44,6 +44,7 @@ from disagg.model import (
     CompositionState,
     DeviceKind,
     EventType,
+    Health,
     PendingChange,
     Reservation,
     Topology,
@@ -704,6 +705,32 @@ class TestReconcile:
         shrunk = composer.recompose("job", remove=[lost])
         assert shrunk.state is CompositionState.COMPOSED and shrunk.message == ""
         assert composer.reconcile() == 0
+        composer.close()
+
+    def test_a_device_that_fails_while_the_manager_starts_is_healed(self, tmp_path: Path) -> None:
+        """It failed after the start-up's discovery and before the composer subscribed to the fabric's events:
+        its event went to no one, and nothing read its health again, so the composition stayed COMPOSED with
+        a FAILED device. The composer subscribes first and applies such events once it has started."""
+        first = opened(tmp_path)
+        comp = first.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        first.close()
+        victim = comp.device_ids[0]
+
+        class FailsAsItIsRead(SimFabric):
+            def bindings(self) -> Sequence[Binding]:
+                if self.device(victim).describe().health is Health.OK:
+                    self.fail_device(victim, "ECC storm")
+                return super().bindings()
+
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].close()
+        hardware["pcie0"] = FailsAsItIsRead(load_topology("pcie0", "demo-pcie"), state_file=tmp_path / "pcie0.json")
+        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
+        composer.start()
+        assert composer.device(victim).health is Health.FAILED
+        healed = composer.find("job")
+        assert healed.state is CompositionState.COMPOSED and victim not in healed.device_ids
         composer.close()
 
     def test_a_device_that_failed_while_the_manager_was_down_degrades_or_heals(self, tmp_path: Path) -> None:

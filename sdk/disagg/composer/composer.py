@@ -17,7 +17,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor as ThreadPool
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import Any, TypeVar, cast
 
 import attrs
@@ -245,12 +246,22 @@ class FabricComposer(Composer):
         self._started = False
         self._healer: ThreadPoolExecutor | None = None
         """Heals that may wait on hardware, off the thread that delivers the fabric's events (`_heal_soon`)."""
+        self._heals: set[Future[None]] = set()
+        """The heals handed to ``_healer`` that have not ended (`wait_for_heals`)."""
+        self._early: list[FabricEvent] | None = None
+        """While `start` runs: the fabric events that came meanwhile, in order, applied as it ends."""
 
     # ----------------------------------------------------------------- life cycle
 
     @_durably
     def start(self) -> None:
-        """Discover every fabric, rebuild the index, reload the ledger and subscribe to fabric events."""
+        """Subscribe to fabric events, discover every fabric, rebuild the index and reload the ledger; then apply
+        the events that came meanwhile. Subscribed first: a device that failed after its discovery and before a
+        later subscription sent its event to no one, and nothing else reads device health again."""
+        with self._lock:
+            self._early = []
+        for fabric in self.fabrics.values():
+            self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
         with self._lock:
             state = self.store.load()
             self._revision = state.last_revision
@@ -271,10 +282,20 @@ class FabricComposer(Composer):
         self._recover()
         self._seed_requests()
         self.reconcile()
-        with self._lock:
-            self._started = True
-        for fabric in self.fabrics.values():
-            self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
+        self._apply_early_events()
+
+    def _apply_early_events(self) -> None:
+        """Apply the events that came while `start` ran, then those that come while they are applied, in order;
+        the composer is started once none is left."""
+        while True:
+            with self._lock:
+                early, self._early = self._early or [], []
+                if not early:
+                    self._early = None
+                    self._started = True
+                    return
+            for event in early:
+                self._apply_event(event)
 
     # ----------------------------------------------------------------- one change of a composition at a time
 
@@ -544,9 +565,25 @@ class FabricComposer(Composer):
                 self._healer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disagg-heal")
             healer = self._healer
         try:
-            healer.submit(self._heal_all, composition_ids)
+            heal = healer.submit(self._heal_all, composition_ids)
         except RuntimeError:  # closing: the next start-up heals what this one could not
             log.warning("not healing %s: the composer is closing", ", ".join(composition_ids))
+            return
+        with self._lock:
+            self._heals.add(heal)
+        heal.add_done_callback(self._heal_ended)
+
+    def _heal_ended(self, heal: Future[None]) -> None:
+        with self._lock:
+            self._heals.discard(heal)
+
+    def wait_for_heals(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for the heals that failure events started so far to end; returns
+        whether they all did. They run beside the events when a driver's calls may wait (`_heal_soon`): a
+        script that fails a device and then reads its composition waits for them first."""
+        with self._lock:
+            pending = list(self._heals)
+        return not wait_all(pending, timeout=timeout_s).not_done
 
     def _heal_all(self, composition_ids: Iterable[str]) -> None:
         """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why."""
@@ -1819,8 +1856,13 @@ class FabricComposer(Composer):
         return [a.id for a in comp.allocations if self._sick_pool(a.pool)]
 
     def _on_fabric_event(self, event: FabricEvent) -> None:
-        if not self._started:
-            return
+        with self._lock:
+            if self._early is not None:  # starting: applied once the ledger and the index are built
+                self._early.append(event)
+                return
+        self._apply_event(event)
+
+    def _apply_event(self, event: FabricEvent) -> None:
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             affected = self._health_changed(event.subject, event.health, event.message)
             if self.auto_heal and event.health is not Health.OK:
