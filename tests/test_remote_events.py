@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,8 @@ from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg_sim import SimFabric
 from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served
+
+WAIT_S = 10.0
 
 
 class Counting(Plain):
@@ -181,6 +184,57 @@ class TestRestart:
                 remote.bindings()
         finally:
             remote.close()
+
+
+class HeldDiscovery(Plain):
+    """A driver whose discovery waits, while ``hold`` is set, until ``release`` is: to publish an event between
+    a reconnected stream's registration and the resync's discovery."""
+
+    def __init__(self, inner: SimFabric) -> None:
+        super().__init__(inner)
+        self.hold = threading.Event()
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def discover(self) -> Topology:
+        if self.hold.is_set():
+            self.holding.set()
+            self.release.wait(WAIT_S)
+        return self.inner.discover()
+
+
+class TestTheResyncWindow:
+    def test_an_event_during_the_resync_is_delivered_once(self, socket_dir: str) -> None:
+        """It is in the resync's differences (the discovery sees it) and in the stream (registered first): it
+        reached the handlers twice, and a link event went north twice."""
+        sim = pcie()
+        driver = HeldDiscovery(sim)
+        address = f"unix:{socket_dir}/pcie0.sock"
+        server = DriverServer(driver, address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        try:
+            seen = Recorder()
+            remote.subscribe(seen)
+            driver.hold.set()
+            server.stop(grace=0)
+            server = DriverServer(driver, address, driver="sim").start()
+            assert driver.holding.wait(WAIT_S), "the watcher did not resync"
+            sim.fail_device("pcie0/gpu-a1", "during the resync")
+            sim.set_link("top-b", "chassis-b", False)
+            driver.hold.clear()
+            driver.release.set()
+            assert eventually(lambda: len(seen.events) >= 2)
+            sim.repair_device("pcie0/gpu-a1")  # a later event: every earlier one has been delivered by then
+            assert eventually(lambda: seen.events[-1].health is Health.OK)
+            told = [(e.kind, e.subject) for e in seen.events]
+            assert told == [
+                (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a1"),
+                (FabricEventKind.LINK_DOWN, "pcie0/top-b|pcie0/chassis-b"),
+                (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a1"),
+            ]
+        finally:
+            remote.close()
+            server.stop(grace=0)
 
 
 class TestARefusedStream:

@@ -82,7 +82,9 @@ Resp = TypeVar("Resp")
 
 @attrs.frozen
 class _Snapshot:
-    """What the watcher last knew of the fabric, to report what changed while it was disconnected."""
+    """What the handlers have been told of the fabric: to report what changed while the watcher was
+    disconnected, and to drop an event that tells them nothing new. An event published between a reconnected
+    stream's registration and the resync's discovery is in both the resync's differences and the stream."""
 
     health: dict[str, Health]
     links: dict[str, bool]
@@ -94,11 +96,21 @@ class _Snapshot:
             {d.id: d.health for d in topology.devices}, {f"{link.a}|{link.b}": link.up for link in topology.links}
         )
 
-    def apply(self, event: FabricEvent) -> None:
+    def apply(self, event: FabricEvent) -> bool:
+        """Take ``event`` in; whether it changed what the handlers were told (a device added or removed always
+        does)."""
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
+            changed = self.health.get(event.subject) is not event.health
             self.health[event.subject] = event.health
-        elif event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP) and event.subject in self.links:
-            self.links[event.subject] = event.kind is FabricEventKind.LINK_UP
+            return changed
+        if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP) and event.subject in self.links:
+            up = event.kind is FabricEventKind.LINK_UP
+            changed = self.links[event.subject] is not up
+            self.links[event.subject] = up
+            return changed
+        if event.kind is FabricEventKind.DEVICE_REMOVED:
+            self.health.pop(event.subject, None)
+        return True
 
     def changes(self, fabric: str, now: _Snapshot, why: str) -> list[FabricEvent]:
         """Events that take this snapshot to ``now``: removed and added devices, health, then links."""
@@ -430,15 +442,17 @@ class RemoteFabric(Fabric, FaultInjection):
         self._invalidate()
         topology = self._discover()[0]
         now = _Snapshot.of(topology)
-        before, self._snapshot = self._snapshot, now
+        before = self._snapshot
         if first or before is None:
+            self._snapshot = now
             return ()
+        # The snapshot follows as the differences are delivered: a stream event they already told is dropped.
         return before.changes(self._name, now, f"seen on reconnecting to the driver at {self.address}")
 
     def _deliver(self, event: FabricEvent) -> None:
         self._invalidate()
-        if self._snapshot is not None:
-            self._snapshot.apply(event)
+        if self._snapshot is not None and not self._snapshot.apply(event):
+            return
         with self._lock:
             handlers = tuple(self._handlers)
         for subscription in handlers:
