@@ -392,3 +392,34 @@ class TestManyChangesOfOneComposition:
                 grpc.StatusCode.NOT_FOUND
             )
             assert rack.bound() == [] and rack.check_consistent() == []
+
+    def test_updates_waiting_for_the_composition_hold_no_worker_thread(self, tmp_path: Path) -> None:
+        """Each UpdateComposition waiting for the composition held one of the server's worker threads: with
+        them all taken, a listing waited behind the updates for the composition, as if it were one of them.
+        Updates wait on the event loop now, as Compose and Decompose do, and the listing answers meanwhile."""
+        with (
+            small_rack(tmp_path, bind_delay_s=0.5, workers=2, max_watches=1) as rack,
+            clients(rack.served.address, 7) as seven,
+        ):
+            comp = rack.compose("busy")
+            ended: dict[str, float] = {}
+
+            def timed(name: str, wait_s: float, call: Callable[..., Any], request: Any) -> Callable[[], Outcome]:
+                def run() -> Outcome:
+                    done = later(wait_s, call, request)()
+                    ended[name] = time.monotonic()
+                    return done
+
+                return run
+
+            add = fm.UpdateCompositionRequest(id=comp.id, add=[gpu()])
+            updates = [
+                timed(f"update {n}", 0.1 * (n > 0), stub.UpdateComposition, add) for n, stub in enumerate(seven[1:])
+            ]
+            listing = timed("listing", 0.25, seven[0].ListCompositions, fm.ListCompositionsRequest())
+            listed, *updated = together(listing, *updates)
+            assert listed.ok, brief(listed)
+            assert [u.code for u in updated].count(grpc.StatusCode.OK) == 2  # the rack's two free GPUs
+            second = sorted(ended[f"update {n}"] for n in range(len(updates)))[1]
+            assert ended["listing"] < second, "the listing waited for the updates' threads"
+            assert [len(c.devices) for c in rack.check_consistent()] == [3]

@@ -1536,16 +1536,36 @@ class FabricComposer(Composer):
         nothing forgets the id; one that changed something (resources added, then a removal that left some
         bound) stays the answer, so a retry cannot add twice.
         """
+        change = self.recompose_steps(
+            composition_id,
+            add=add,
+            remove=remove,
+            expected_etag=expected_etag,
+            request_id=request_id,
+            deadline=deadline,
+        )
+        return steps.run(change, self.store)
+
+    def recompose_steps(
+        self,
+        composition_id: str,
+        *,
+        add: Sequence[ResourceRequest] = (),
+        remove: Sequence[str] = (),
+        expected_etag: str | None = None,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> Steps[Composition]:
+        """`recompose` as steps, for `run_async`: on the server's event loop a recompose that waits for its
+        composition, its commits or its driver calls holds no worker thread."""
         add, remove = tuple(add), tuple(remove)
-        change = self._once(
+        return self._once(
             request_id,
             ("recompose", composition_id, add, remove, expected_etag),
             lambda: self._holding(
-                composition_id,
-                lambda target: steps.finished(self._recompose(target, add, remove, expected_etag, deadline)),
+                composition_id, lambda target: self._recompose(target, add, remove, expected_etag, deadline)
             ),
         )
-        return steps.run(change, self.store)
 
     def _recompose(
         self,
@@ -1554,7 +1574,7 @@ class FabricComposer(Composer):
         remove: tuple[str, ...],
         expected_etag: str | None,
         deadline: float | None,
-    ) -> Composition:
+    ) -> Steps[Composition]:
         if not add and not remove:
             raise InvalidRequestError("a recomposition needs something to add or remove")
         request_id, fp = self._request_mark()
@@ -1589,14 +1609,13 @@ class FabricComposer(Composer):
             start = self._next_alloc_index(comp)
             adding = self._adding(comp.id, plan, restore=previous_state, start=start) if lines else None
             comp = self._set(comp, state=CompositionState.COMPOSING, pending=adding)
-        self.store.sync()
+            devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan, start=start)
+        yield DURABLE
+        host = comp.host
         try:
-            new_allocs = self._executor.apply(
-                comp.host,
-                self._device_steps(plan.devices),
-                self._memory_steps(comp.id, plan, start=start),
-                deadline=deadline,
-                stage="recompose",
+            new_allocs: tuple[Allocation, ...] = yield self._driver_call(
+                lambda: self._executor.apply(host, devices, memory, deadline=deadline, stage="recompose"),
+                [f for f, _ in devices] + [m.fabric for m in memory],
             )
         except ExecutionFailedError as failed:
             with self._lock:
@@ -1625,8 +1644,8 @@ class FabricComposer(Composer):
                 self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
         leftovers = Leftovers()
         if remove:
-            comp, leftovers = self._remove(comp, deadline, mark)
-        self.store.sync()
+            comp, leftovers = yield from self._remove(comp, deadline, mark)
+        yield DURABLE
         failpoints.hit("recompose.after_commit")
         if not leftovers:
             return comp
@@ -1679,14 +1698,18 @@ class FabricComposer(Composer):
 
     def _remove(
         self, comp: Composition, deadline: float | None, mark: Mapping[str, str]
-    ) -> tuple[Composition, Leftovers]:
+    ) -> Steps[tuple[Composition, Leftovers]]:
         """Unbind and release what ``comp``'s pending removal names, once that is durable; what could not be
         undone stays part of the composition. The record of the result carries ``mark`` (the request id and
         digest) when nothing was left."""
         assert comp.pending is not None and comp.pending.kind is ChangeKind.REMOVE
         picks, allocs = comp.pending.devices, comp.pending.allocations
-        self.store.sync()
-        leftovers = self._release(comp.host, picks, allocs, deadline, stage="recompose")
+        yield DURABLE
+        host = comp.host
+        fabrics = [self._fabric_of(p.device) for p in picks] + [self._fabric_of_pool(a.pool) for a in allocs]
+        leftovers: Leftovers = yield self._driver_call(
+            lambda: self._release(host, picks, allocs, deadline, stage="recompose"), fabrics
+        )
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers.ids)
             comp = self._without(

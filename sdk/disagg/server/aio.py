@@ -1,8 +1,9 @@
 """``disagg.fabric.v1.FabricManagerService`` on grpcio's asyncio server.
 
-Compose and Decompose run on the event loop as the composer's steps (`disagg.composer.steps.LoopRun`): a
-change that waits for its ledger commit holds no thread, which is what lets a Python server answer Compose at
-close to the rate of a no-op call (docs/protocol.md has the measurements). Driver calls that may block go to
+Compose, UpdateComposition and Decompose run on the event loop as the composer's steps
+(`disagg.composer.steps.LoopRun`): a change that waits for its ledger commit holds no thread, which is what lets
+a Python server answer Compose at close to the rate of a no-op call (docs/protocol.md has the measurements),
+and many updates queued on one composition no longer hold a worker thread each. Driver calls that may block go to
 threads of their own, and waits for another change of the same composition to others again, so that a change
 holding a composition always gets a thread for its driver calls. A change runs to its end even when its caller
 goes away (a cancelled call, a deadline): the composer never stops a change midway, and the server waits for
@@ -67,7 +68,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     ) -> None:
         self.servicer = servicer
         self.threads = threads
-        """The RPCs' handlers that run in threads (listings, UpdateComposition, watches)."""
+        """The RPCs' handlers that run in threads (listings, cordons, reservations, watches)."""
         self._owned: list[ThreadPoolExecutor] = []
         self.drivers = drivers or self._own(DRIVER_THREADS, "disagg-driver")
         """The blocking driver calls of the changes on the loop: never short of a thread, whatever waits."""
@@ -114,6 +115,14 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         result = outcome.result() if isinstance(outcome, steps.Done) else await outcome
         return self.servicer.compose_response(result)
 
+    async def UpdateComposition(
+        self, request: fm.UpdateCompositionRequest, context: Context
+    ) -> fm.UpdateCompositionResponse:
+        change = self.servicer.recompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
+        outcome = self._start(change)
+        comp = outcome.result() if isinstance(outcome, steps.Done) else await outcome
+        return self.servicer.recompose_response(comp)
+
     async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
         change = self.servicer.decompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
         outcome = self._start(change)
@@ -156,6 +165,5 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     ListDrivers = _threaded("ListDrivers")
     GetComposition = _threaded("GetComposition")
     ListCompositions = _threaded("ListCompositions")
-    UpdateComposition = _threaded("UpdateComposition")
     ListReservations = _threaded("ListReservations")
     ReleaseReservation = _threaded("ReleaseReservation")

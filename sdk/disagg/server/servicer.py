@@ -25,7 +25,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import ComposeResult
-from disagg.model import Capabilities, ComposeMode, Device, Health, Topology
+from disagg.model import Capabilities, ComposeMode, Composition, Device, Health, Topology
 from disagg.server.context import RpcContext
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
@@ -335,10 +335,10 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             revision=revision,
         )
 
-    @_unary
-    def UpdateComposition(
-        self, request: fm.UpdateCompositionRequest, context: RpcContext
-    ) -> fm.UpdateCompositionResponse:
+    def recompose_change(self, request: fm.UpdateCompositionRequest, context: RpcContext) -> Steps[Composition]:
+        """The change an UpdateComposition asks for, validated, as steps (run here by `UpdateComposition`, on the
+        event loop by the asyncio server)."""
+        self.check_ready()
         key = check_id(request.id, "id")
         add = resources_from_wire(request.add, "add", required=False)
         remove = remove_from_wire(request.remove)
@@ -346,10 +346,19 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         request_id = check_id(request.request_id, "request_id", required=False) or None
         if not add and not remove:
             raise InvalidRequestError("add: give resource lines to add or ids to remove", field="add")
-        comp = self.composer.recompose(
+        return self.composer.recompose_steps(
             key, add=add, remove=remove, expected_etag=etag, request_id=request_id, deadline=deadline_of(context)
         )
+
+    @staticmethod
+    def recompose_response(comp: Composition) -> fm.UpdateCompositionResponse:
         return fm.UpdateCompositionResponse(composition=composition_to_wire(comp))
+
+    def UpdateComposition(
+        self, request: fm.UpdateCompositionRequest, context: RpcContext
+    ) -> fm.UpdateCompositionResponse:
+        comp = steps.run(self.recompose_change(request, context), self.composer.store)
+        return self.recompose_response(comp)
 
     def decompose_change(self, request: fm.DecomposeRequest, context: RpcContext) -> Steps[None]:
         self.check_ready()
