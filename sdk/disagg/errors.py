@@ -7,6 +7,7 @@ gRPC edge) and is marked ``retryable`` when the same call may succeed later with
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 OUTCOME = "outcome"
 """Metadata key of an error after which the call may have taken effect all the same: a driver client sets it
@@ -205,3 +206,14 @@ __all__ = [
     "UnknownHostError",
     "UnsupportedError",
 ]
+
+
+E = TypeVar("E", bound=DisaggError)
+
+
+def outcome_unknown(error: E) -> E:
+    """``error``, which a driver raises once a call that changes the hardware may have reached it (its answer
+    lost, its deadline passed on the way), marked `OUTCOME_UNKNOWN`: the composer's rollback then undoes the
+    call too, instead of taking it as never made."""
+    error.metadata[OUTCOME] = OUTCOME_UNKNOWN
+    return error

@@ -56,6 +56,12 @@ class TestParseOptions:
             host["append"],
         )
 
+    def test_a_relative_qemu_is_the_callers(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """QEMU is run from the host's directory: a relative path is made absolute, a bare name is left to PATH."""
+        monkeypatch.chdir(tmp_path)
+        assert parse_options("f", valid(qemu="bin/qemu")).qemu == str(tmp_path / "bin/qemu")
+        assert parse_options("f", valid(qemu="qemu-system-x86_64")).qemu == "qemu-system-x86_64"
+
     @pytest.mark.parametrize(
         ("options", "option"),
         [

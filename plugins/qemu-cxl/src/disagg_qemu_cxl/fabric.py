@@ -30,7 +30,7 @@ from disagg.model import (
 from disagg.model import Device as DeviceInfo
 from disagg.statedir import claim
 
-from disagg_qemu_cxl.discovery import Features, probe
+from disagg_qemu_cxl.discovery import Features, HostView, probe
 from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured
 from disagg_qemu_cxl.options import QemuCxlOptions, memory_bytes
 from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
@@ -52,7 +52,7 @@ class _NoEvents(Subscription):
 
 class QemuCxlFabric(Fabric):
     """Starts (or adopts) every configured host's QEMU on construction; `close` disconnects, and stops them too
-    with ``stop_hosts_on_close``."""
+    with ``stop_hosts_on_close``. A closed fabric refuses every call: it no longer owns ``state_dir``."""
 
     def __init__(self, name: str, options: QemuCxlOptions) -> None:
         self._name = name
@@ -65,6 +65,7 @@ class QemuCxlFabric(Fabric):
                 f"fabric {name!r}: cannot create state_dir {options.state_dir}: {exc}"
             ) from None
         self._lock = threading.RLock()
+        self._closed = False
         self._owner = claim(name, "qemu-cxl", options.state_dir)
         self._loop = Loop(name)
         self._hosts: dict[str, HostProcess] = {}
@@ -99,7 +100,10 @@ class QemuCxlFabric(Fabric):
             features=lambda: self._features,
             state_dir=options.state_dir,
         )
-        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FabricUnavailableError(f"fabric {self._name} is closed")
 
     @property
     def name(self) -> str:
@@ -115,10 +119,15 @@ class QemuCxlFabric(Fabric):
         return dict(self._hosts)
 
     def capabilities(self) -> Capabilities:
+        self._check_open()
         return QEMU_CXL_CAPABILITIES
 
     def discover(self) -> Topology:
-        views = self._pool.views()
+        with self._lock:
+            self._check_open()
+            return self._topology(self._pool.views())
+
+    def _topology(self, views: dict[str, HostView]) -> Topology:
         fabric = self._name
         appliance = f"{fabric}/cxl-appliance"
         hosts: list[Host] = []
@@ -167,30 +176,36 @@ class QemuCxlFabric(Fabric):
         )
 
     def bindings(self) -> Sequence[Binding]:
+        self._check_open()
         return ()
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         with self._lock:
+            self._check_open()
             self._ledger.fence(ctx)
         raise UnsupportedError(f"fabric {self._name} carves CXL memory from its pool; nothing is bound whole")
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         """Nothing is ever bound, so every unbind is of an absent binding: a no-op that still fences."""
         with self._lock:
+            self._check_open()
             self._ledger.fence(ctx)
 
     def pool(self, pool: str) -> Pool:
+        self._check_open()
         if pool != self._pool.id:
             raise NotFoundError("pool", pool)
         return self._pool
 
     def subscribe(self, handler: EventHandler) -> Subscription:
+        self._check_open()
         return _NoEvents()
 
     def stop_hosts(self) -> None:
         """Quit every host's QEMU (their Type-3 devices go with them; the backend files and the state file
         stay, so the next start cold-plugs them again)."""
         with self._lock:
+            self._check_open()
             for process in self._hosts.values():
                 process.stop()
 
@@ -199,6 +214,7 @@ class QemuCxlFabric(Fabric):
             if self._closed:
                 return
             self._closed = True
+            self._pool.close()
             for process in self._hosts.values():
                 with contextlib.suppress(DisaggError):
                     if self._options.stop_hosts_on_close:

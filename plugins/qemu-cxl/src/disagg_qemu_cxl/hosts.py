@@ -2,13 +2,17 @@
 no longer configured.
 
 QEMU runs in its own session, so it outlives a crashed fabric manager: its devices are the hardware, and the
-next driver on the same ``state_dir`` adopts it. A process is recognised as ours by its pidfile and by its
-working directory, which is the host's directory, so a reused pid is never mistaken for our QEMU.
+next driver on the same ``state_dir`` adopts it. A process is recognised as ours by its pidfile, by its
+working directory, which is the host's directory, and by its command line (``-name <host>`` and ``-pidfile``),
+so a reused pid is never mistaken for our QEMU. A QEMU is adopted only if it was started with the options
+configured now: a digest of its command line (less the cold-plugged devices) is kept beside the pidfile.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import os
 import shutil
 import signal
@@ -30,6 +34,8 @@ stops them later (an adopting fabric in this process) must reap them, or they st
 START_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
 INSTALL_HINT = "install it with: apt-get install qemu-system-x86"
+DIGEST = "qemu.options"
+"""Beside the pidfile: the digest of the command line the running QEMU was started with, devices left out."""
 
 
 def find_qemu(qemu: str) -> str:
@@ -50,10 +56,16 @@ def _alive(pid: int) -> bool:
 
 
 def _ours(pid: int, directory: Path) -> bool:
+    """A QEMU of this host: it runs in the host's directory with this driver's ``-name`` and ``-pidfile``, so a
+    reused pid (any process that happens to run there) is never killed or adopted."""
     try:
-        return os.readlink(f"/proc/{pid}/cwd") == str(directory) and _alive(pid)
+        if os.readlink(f"/proc/{pid}/cwd") != str(directory) or not _alive(pid):
+            return False
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
+    pairs = set(itertools.pairwise(argv))
+    return (b"-name", directory.name.encode()) in pairs and (b"-pidfile", PIDFILE.encode()) in pairs
 
 
 def _read_pid(directory: Path) -> int | None:
@@ -119,6 +131,11 @@ class HostProcess:
         self._child: subprocess.Popen[bytes] | None = None
         self.adopted = False
 
+    def digest(self) -> str:
+        """The options this host's QEMU runs with: its command line without the cold-plugged devices."""
+        argv = command_line(find_qemu(self.qemu), self.options, self.fmw_bytes, [])
+        return hashlib.sha256("\0".join(argv).encode()).hexdigest()
+
     def running_pid(self) -> int | None:
         """The pid of this host's QEMU if one runs (ours or left by an earlier driver)."""
         pid = _read_pid(self.dir)
@@ -129,6 +146,7 @@ class HostProcess:
         self.dir.mkdir(parents=True, exist_ok=True)
         pid = self.running_pid()
         if pid is not None:
+            self._check_options(pid)
             try:
                 self.monitor.connect(self.dir / QMP_SOCKET, timeout=5.0)
             except FabricUnavailableError:
@@ -140,12 +158,52 @@ class HostProcess:
             return
         self.start(records)
 
+    def _check_options(self, pid: int) -> None:
+        """Refuse to adopt a QEMU started with other options: its topology and CXL window would silently stay
+        the old ones. One started before digests were kept (no file) is adopted."""
+        try:
+            running = (self.dir / DIGEST).read_text().strip()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise FabricUnavailableError(f"cannot read {self.dir / DIGEST}: {exc}") from None
+        if running != self.digest():
+            raise ConfigError(
+                f"host {self.name!r}: its running QEMU (pid {pid}) was started with other options than those "
+                f"configured now (qemu, pool_bytes or the host's ports, memory, kernel, initrd, append, serial); "
+                f"restore them, or stop that QEMU (kill {pid}) to start it with the new ones (its recorded "
+                "devices are cold-plugged again)",
+                field="hosts",
+            )
+
+    def alive(self) -> bool:
+        """This host's QEMU runs and the driver's monitor is connected to it."""
+        return self.pid is not None and self.monitor.connected and _ours(self.pid, self.dir)
+
+    def revive(self, records: Sequence[Record]) -> None:
+        """Make sure QEMU runs and answers: reconnect the monitor to a QEMU that runs, or start one again with
+        ``records`` cold-plugged (as at the fabric's start) when it is gone: it crashed, or a restart failed."""
+        if self.alive():
+            return
+        self.monitor.disconnect()
+        if self.pid is not None and _ours(self.pid, self.dir):
+            self.monitor.connect(self.dir / QMP_SOCKET, timeout=2.0)
+            return
+        if self._child is not None:
+            self._child.poll()
+        self._forget()
+        self.start(records)
+
     def start(self, records: Sequence[Record]) -> None:
         exe = find_qemu(self.qemu)
         self.dir.mkdir(parents=True, exist_ok=True)
         for name in (QMP_SOCKET, AUX_SOCKET, PIDFILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
+        try:
+            (self.dir / DIGEST).write_text(self.digest() + "\n")
+        except OSError as exc:
+            raise FabricUnavailableError(f"cannot write {self.dir / DIGEST}: {exc}") from None
         argv = command_line(exe, self.options, self.fmw_bytes, records)
         with open(self.dir / LOG, "wb") as log:
             try:

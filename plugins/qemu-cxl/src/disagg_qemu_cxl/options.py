@@ -106,8 +106,14 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> QemuCxlOptions:
         )
 
     qemu = options.get("qemu", "qemu-system-x86_64")
+    if isinstance(qemu, os.PathLike):
+        qemu = os.fspath(qemu)
     if not isinstance(qemu, str) or not qemu:
         raise bad("qemu", f"must be the name or path of qemu-system-x86_64, not {qemu!r}")
+    if os.sep in qemu:
+        # QEMU is run from the host's directory: a relative path is the caller's. Not resolved, so that a link
+        # to a multi-call binary keeps its name.
+        qemu = os.path.abspath(qemu)
 
     stop = options.get("stop_hosts_on_close", False)
     if not isinstance(stop, bool):

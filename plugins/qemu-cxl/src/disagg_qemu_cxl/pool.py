@@ -5,6 +5,11 @@ size that is no multiple of 256 MiB: all accepted), so every check happens here,
 QEMU 7.2 also never completes a CXL hot-remove, so a release restarts the host's QEMU without the device and
 with the others cold-plugged as they were (same ports, serials and backend files); it returns only once the
 old process is gone and the new one answers QMP without the device.
+
+A record whose device QEMU does not hold (its hot-add failed midway, or its answer was lost) holds nothing:
+neither reported nor counted, only remembered so that a retry can complete it and a release forget it. A host
+whose QEMU died is started again from its records when a call next needs it; a host that cannot be read does
+not stop allocations on the others (its records count as held meanwhile).
 """
 
 from __future__ import annotations
@@ -17,12 +22,16 @@ from pathlib import Path
 
 import attrs
 from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
     CapacityExhaustedError,
     ConflictError,
+    DisaggError,
     FabricUnavailableError,
     InvalidRequestError,
     StaleEpochError,
     UnknownHostError,
+    outcome_unknown,
 )
 from disagg.interfaces import CallContext, Pool
 from disagg.model import CXL_DC_BLOCK_BYTES, Allocation, Capacity, Extent, PoolInfo, PoolKind
@@ -40,6 +49,11 @@ _OURS = re.compile(r"^cxl-t3-([0-9a-f]+)$")
 
 def unrecorded_id(host: str, device: str) -> str:
     return f"{UNRECORDED}:{host}:{device}"
+
+
+def _check_id(allocation_id: object) -> None:
+    if not isinstance(allocation_id, str) or not allocation_id:
+        raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
 
 
 def first_fit(used: Sequence[tuple[int, int]], size: int, total: int) -> tuple[tuple[int, int], ...] | None:
@@ -61,8 +75,15 @@ class Ledger:
     def __init__(self, path: StateFile) -> None:
         self.file = path
         self.state = path.load()
+        self.closed = False
+
+    def close(self) -> None:
+        """Never write again: the state_dir's lock is given up, and the next driver owns the file."""
+        self.closed = True
 
     def save(self, state: State) -> None:
+        if self.closed:
+            raise FabricUnavailableError(f"the fabric is closed; {self.file.path} is not written")
         self.file.save(state)
         self.state = state
 
@@ -96,6 +117,14 @@ class QemuCxlPool(Pool):
         self._lock = lock
         self._features = features
 
+    def close(self) -> None:
+        with self._lock:
+            self._ledger.close()
+
+    def _check_open(self) -> None:
+        if self._ledger.closed:
+            raise FabricUnavailableError(f"fabric {self._fabric} is closed")
+
     @property
     def id(self) -> str:
         return f"{self._fabric}/cxl-pool"
@@ -105,6 +134,7 @@ class QemuCxlPool(Pool):
         return f"{self._fabric}/cxl-memory"
 
     def info(self) -> PoolInfo:
+        self._check_open()
         return PoolInfo(
             id=self.id, fabric=self._fabric, device=self.device_id, capacity=self._capacity, kind=PoolKind.DCD
         )
@@ -112,8 +142,26 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ reading the hardware
 
     def views(self) -> dict[str, HostView]:
+        """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError."""
         with self._lock:
-            return {name: walk(host.monitor) for name, host in self._hosts.items()}
+            self._check_open()
+            return {name: self._view(name) for name in self._hosts}
+
+    def _view(self, host: str) -> HostView:
+        """``host``'s view, its QEMU started again first (its records cold-plugged) if it died."""
+        process = self._hosts[host]
+        process.revive([r for r in self._ledger.state.on_host(host) if not r.releasing])
+        return walk(process.monitor)
+
+    def _readable(self, host: str) -> dict[str, HostView]:
+        """``host``'s view and those of the other hosts that answer: a dead or broken one must not stop
+        allocations elsewhere (`_held` counts its records instead)."""
+        views = {host: self._view(host)}
+        for name, process in self._hosts.items():
+            if name != host and process.alive():
+                with contextlib.suppress(FabricUnavailableError):
+                    views[name] = walk(process.monitor)
+        return views
 
     def allocations(self) -> Sequence[Allocation]:
         with self._lock:
@@ -139,10 +187,12 @@ class QemuCxlPool(Pool):
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         with self._lock:
+            self._check_open()
             self._ledger.fence(ctx)
             if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
                 raise InvalidRequestError(f"amount must be a positive number of bytes, not {amount_bytes!r}")
-            if not allocation_id or allocation_id.startswith(f"{UNRECORDED}:"):
+            _check_id(allocation_id)
+            if allocation_id.startswith(f"{UNRECORDED}:"):
                 raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
             size = self._capacity.round_up(amount_bytes)
             process = self._hosts.get(host)
@@ -162,24 +212,25 @@ class QemuCxlPool(Pool):
         self, allocation_id: str, host: str, size: int, record: Record | None, process: HostProcess
     ) -> Allocation:
         """`allocate` once its arguments are checked; every QMP call here is bounded by the caller's deadline. A
-        deadline that passes after the intent is saved leaves the record: a retry of the same id completes it,
-        a release forgets it."""
-        views = self.views()
+        hot-add whose answer is lost leaves the record (the error says the outcome is unknown): a retry of the
+        same id completes it, a release forgets it."""
+        views = self._readable(host)
+        fresh = record is None
         if record is not None:
             present = views[host].device(record.device) is not None
             if record.releasing and present:
                 raise ConflictError(f"allocation {allocation_id} is being released; release it again first")
             if present:
                 return self._allocation(record)
-            if record.releasing or views[host].on_port(record.port):
-                self._forget(record)  # released by a restart that crashed before forgetting it, or never
-                record = None  # added and its port taken since: carve it afresh
+            if record.releasing or not self._fits(record, views):
+                self._forget(record)  # released by a restart that crashed before forgetting it, or its port,
+                record = None  # blocks or capacity (which a record without its device does not hold) taken since
         if record is None:
             record = self._plan(allocation_id, host, size, views)
             self._ledger.save(
                 attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
             )  # the intent first: a crash after device_add then leaves a named device, never an orphan
-        self._hot_add(process, record, views[host])
+        self._hot_add(process, record, views[host], fresh)
         return self._allocation(record)
 
     def _allocation(self, record: Record) -> Allocation:
@@ -189,14 +240,12 @@ class QemuCxlPool(Pool):
     def _plan(self, allocation_id: str, host: str, size: int, views: Mapping[str, HostView]) -> Record:
         """Everything QEMU 7.2 would not check: capacity, a free downstream port, a unique serial and backends."""
         state = self._ledger.state
-        held = self._allocations(views)
-        pending = [r for r in state.records if not any(a.id == r.allocation for a in held)]
-        used = sum(a.amount_bytes for a in held) + sum(r.size for r in pending)
+        spans, used = self._held(views)
         free = self._capacity.total_bytes - used
         if size > free:
             raise CapacityExhaustedError(f"pool {self.id} has {free} bytes free, {size} were asked for")
         view = views[host]
-        taken = {d.port for d in view.devices} | {r.port for r in state.on_host(host)}
+        taken = {d.port for d in view.devices}
         ports = sorted(p for p in view.ports if p not in taken)
         if not ports:
             raise CapacityExhaustedError(
@@ -209,14 +258,32 @@ class QemuCxlPool(Pool):
         while sn in serials or record.memdev in objects or record.lsa in objects:
             sn += 1
             record = attrs.evolve(record, sn=sn)
-        spans = [e for r in state.records for e in r.extents]
         extents = first_fit(spans, size, self._capacity.total_bytes)
         if extents is None:
             raise CapacityExhaustedError(f"pool {self.id} has no {size} bytes free")
         return attrs.evolve(record, extents=extents)
 
-    def _hot_add(self, process: HostProcess, record: Record, view: HostView) -> None:
-        """object-add the backends, then device_add the Type-3; on a refusal, undo and forget the record."""
+    def _held(self, views: Mapping[str, HostView]) -> tuple[list[tuple[int, int]], int]:
+        """The extents and bytes that hold the pool, as `allocations` reports them on the hosts read, plus every
+        record of a host not read (unreachable now, or no longer configured): what it holds is unknown."""
+        held = self._allocations(views)
+        unread = [r for r in self._ledger.state.records if r.host not in views]
+        spans = [(e.offset, e.length) for a in held for e in a.extents] + [e for r in unread for e in r.extents]
+        return spans, sum(a.amount_bytes for a in held) + sum(r.size for r in unread)
+
+    def _fits(self, record: Record, views: Mapping[str, HostView]) -> bool:
+        """Whether a record whose device QEMU does not hold can still be completed as recorded."""
+        view = views[record.host]
+        if record.port not in view.ports or view.on_port(record.port):
+            return False
+        spans, used = self._held(views)
+        overlaps = any(o < a + n and a < o + m for o, m in record.extents for a, n in spans)
+        return not overlaps and used + record.size <= self._capacity.total_bytes
+
+    def _hot_add(self, process: HostProcess, record: Record, view: HostView, fresh: bool) -> None:
+        """object-add the backends, then device_add the Type-3; on a refusal, undo and forget the record. An
+        answer lost once a command was sent is OUTCOME_UNKNOWN, and the record stays for the release; before
+        that, the call changed nothing and the record it made is forgotten."""
         added: list[str] = []
         try:
             for backend in backend_props(record):
@@ -231,12 +298,20 @@ class QemuCxlPool(Pool):
             self._ledger.save(self._ledger.state.without(record.allocation))
             self._remove_files(record)
             raise FabricUnavailableError(f"QEMU of host {record.host} refused the Type-3: {exc}") from None
+        except DisaggError as exc:
+            if added or exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN:
+                raise outcome_unknown(exc) from None
+            if fresh:
+                self._forget(record)
+            raise
 
     # ------------------------------------------------------------------ release
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         with self._lock:
+            self._check_open()
             self._ledger.fence(ctx)
+            _check_id(allocation_id)
             record = self._ledger.state.record(allocation_id)
             if record is None:
                 record = self._adopt_unrecorded(allocation_id)
@@ -247,24 +322,31 @@ class QemuCxlPool(Pool):
                 self._forget(record)
                 return
             with until(ctx.deadline):  # the restart below, once begun, finishes whatever the deadline
-                view = self.views()[record.host]
+                view = self._view(record.host)
             if view.device(record.device) is None:
                 self._forget(record)
                 return
             ctx.check_deadline()
             keep = self._keep(record, view)
             self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, releasing=True)))
-            process.restart(keep)
-            after = walk(process.monitor)
-            if after.device(record.device) is not None:
-                raise FabricUnavailableError(f"the restarted QEMU of host {record.host} still holds {record.device}")
-            for other in keep:
-                dev = after.device(other.device)
-                if dev is None or dev.port != other.port or dev.sn != other.sn:
-                    raise FabricUnavailableError(
-                        f"the restarted QEMU of host {record.host} lost {other.device} (allocation {other.allocation})"
-                    )
+            try:
+                self._restart(process, record, keep)
+            except DisaggError as exc:  # the old QEMU may be gone already: the next call starts the host again
+                raise outcome_unknown(exc) from None
             self._forget(record)
+
+    def _restart(self, process: HostProcess, leaving: Record, keep: Sequence[Record]) -> None:
+        """Restart the host without ``leaving``; check that the new QEMU holds exactly ``keep``, where it was."""
+        process.restart(keep)
+        after = walk(process.monitor)
+        if after.device(leaving.device) is not None:
+            raise FabricUnavailableError(f"the restarted QEMU of host {leaving.host} still holds {leaving.device}")
+        for other in keep:
+            dev = after.device(other.device)
+            if dev is None or dev.port != other.port or dev.sn != other.sn:
+                raise FabricUnavailableError(
+                    f"the restarted QEMU of host {leaving.host} lost {other.device} (allocation {other.allocation})"
+                )
 
     def _keep(self, leaving: Record, view: HostView) -> list[Record]:
         """The records to cold-plug again: every other device the host holds now. A device the driver did not
@@ -303,7 +385,7 @@ class QemuCxlPool(Pool):
         parts = allocation_id.split(":")
         if len(parts) != 3 or parts[0] != UNRECORDED or parts[1] not in self._hosts:
             return None
-        dev = walk(self._hosts[parts[1]].monitor).device(parts[2])
+        dev = self._view(parts[1]).device(parts[2])
         if dev is None:
             return None
         record = self._record_of(parts[1], dev)

@@ -2,7 +2,9 @@
 
 One event loop runs in a daemon thread per fabric; each `Monitor` is a ``QMPClient`` living on that loop, and
 every call is handed to it with a bounded wait. QMP errors come back as `QMPCommandError` (the caller knows
-what they mean); lost connections and timeouts as `FabricUnavailableError`.
+what they mean); lost connections and timeouts as `FabricUnavailableError`, or `DeadlineExceededError` when
+the caller's deadline passed. Such an error after a command that changes QEMU may have been sent carries
+``metadata[OUTCOME] = OUTCOME_UNKNOWN``: QEMU may have done it, so the caller must not take it as undone.
 """
 
 from __future__ import annotations
@@ -18,12 +20,22 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from disagg.errors import DeadlineExceededError, FabricUnavailableError
-from qemu.qmp import ExecuteError, QMPClient, QMPError
+from disagg.errors import DeadlineExceededError, DisaggError, FabricUnavailableError, outcome_unknown
+from qemu.qmp import ExecuteError, QMPClient, QMPError, Runstate
+from qemu.qmp.protocol import StateError
 
 T = TypeVar("T")
+E = TypeVar("E", bound=DisaggError)
 CALL_TIMEOUT_S = 10.0
 _MAX_SOCKET_PATH = 100
+
+
+_READ_ONLY = frozenset({"qom-list", "qom-get", "device-list-properties", "qmp_capabilities"})
+"""The commands the driver sends that change nothing in QEMU (besides ``query-*``)."""
+
+
+def mutates(command: str) -> bool:
+    return not command.startswith("query-") and command not in _READ_ONLY
 
 
 _DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("qmp_deadline", default=None)
@@ -109,7 +121,8 @@ class Monitor:
 
     @property
     def connected(self) -> bool:
-        return self._client is not None
+        """Connected and still running: a client whose QEMU went away is disconnecting, and refuses every call."""
+        return self._client is not None and self._client.runstate == Runstate.RUNNING
 
     def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float = CALL_TIMEOUT_S) -> Any:
         client = self._client
@@ -126,14 +139,23 @@ class Monitor:
             return self._loop.run(asyncio.wait_for(client.execute(command, arguments), timeout), timeout + 1.0)
         except ExecuteError as exc:
             raise QMPCommandError(command, exc.error_class, str(exc)) from None
+        except StateError as exc:  # refused before sending: the connection was lost earlier
+            raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
         except (TimeoutError, concurrent.futures.TimeoutError) as exc:
             if by_deadline:
-                raise DeadlineExceededError(
+                lost: DisaggError = DeadlineExceededError(
                     f"QEMU of {self.name} did not answer {command} before the deadline"
-                ) from None
-            raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
+                )
+            else:
+                lost = FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}")
+            raise self._sent(command, lost) from None
         except (QMPError, OSError, EOFError) as exc:
-            raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
+            raise self._sent(command, FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}")) from None
+
+    @staticmethod
+    def _sent(command: str, exc: E) -> E:
+        """``exc`` for a command whose answer was lost: its outcome is unknown when it changes QEMU."""
+        return outcome_unknown(exc) if mutates(command) else exc
 
     def disconnect(self) -> None:
         """Idempotent; after ``quit`` the peer is gone already, so errors are expected and ignored."""

@@ -15,13 +15,12 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from disagg.errors import (
-    OUTCOME,
-    OUTCOME_UNKNOWN,
     DeadlineExceededError,
     DisaggError,
     FabricUnavailableError,
     InvalidRequestError,
     UnsupportedError,
+    outcome_unknown,
 )
 from disagg.interfaces import CallContext
 
@@ -61,13 +60,6 @@ T = TypeVar("T")
 
 def changes_switch(opcode: int) -> bool:
     return opcode not in _QUERIES
-
-
-def outcome_unknown(exc: DisaggError) -> DisaggError:
-    """Mark ``exc`` as raised after a command that changes the switch may have reached it: the caller (the
-    composer's rollback) must treat the call as possibly done."""
-    exc.metadata[OUTCOME] = OUTCOME_UNKNOWN
-    return exc
 
 
 def decode(decoder: Callable[[bytes], T], payload: bytes) -> T:

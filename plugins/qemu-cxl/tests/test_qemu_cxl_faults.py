@@ -1,0 +1,215 @@
+"""Faults while the driver runs: a hot-add whose answer is lost, a host whose QEMU dies or cannot start again, a
+closed fabric, a QEMU started with other options, and ids or processes that are not what they seem."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from disagg.composer.execution import in_doubt
+from disagg.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    FabricUnavailableError,
+    InvalidRequestError,
+)
+from disagg.interfaces import CallContext
+from disagg.model import Binding
+from disagg_qemu_cxl import QemuCxlFabric
+from disagg_qemu_cxl.command import PIDFILE, host_dir
+from disagg_qemu_cxl.hosts import reap_unconfigured
+from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
+from disagg_qemu_cxl.qmp import Monitor
+from disagg_qemu_cxl.state import StateFile
+from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, qemu_pid, require_qemu
+
+POOL = "qc/cxl-pool"
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not alive(pid)
+
+
+def stall_at(monkeypatch: pytest.MonkeyPatch, command: str, pid: int) -> None:
+    """QEMU stops (SIGSTOP) just as the driver sends ``command``, and goes on once the driver gave up on it."""
+    original = Monitor.execute
+
+    def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+        if name != command:
+            return original(self, name, arguments, **kw)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            return original(self, name, arguments, **kw)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    monkeypatch.setattr(Monitor, "execute", execute)
+
+
+class TestLostAnswer:
+    """A hot-add whose answer is lost may have happened: the error says so (the composer then releases it), and
+    the record it leaves holds nothing that allocations() does not show."""
+
+    @pytest.mark.parametrize("command", ["object-add", "device_add"])
+    def test_in_doubt_and_released(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch, command: str
+    ) -> None:
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        stall_at(monkeypatch, command, pid)
+        pool = fabric.pool(POOL)
+        with pytest.raises(DeadlineExceededError) as info:
+            pool.allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
+        monkeypatch.undo()
+        assert in_doubt(info.value), "a lost hot-add answer was reported as 'nothing changed'"
+        pool.release("lost", ctx)  # the composer's rollback
+        assert pool.allocations() == [] and fabric._ledger.state.records == ()
+        with RawQMP(state_dir, "h2") as qmp:
+            assert qmp.type3() == {}
+
+    def test_a_pending_record_holds_no_port(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        stall_at(monkeypatch, "object-add", pid)
+        pool = fabric.pool(POOL)
+        with pytest.raises(DeadlineExceededError):
+            pool.allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
+        monkeypatch.undo()
+        assert pool.allocations() == [] and pool.free_bytes() == 2 * GiB
+        for name in ("a", "b"):  # both of h2's ports, though a record of "lost" names one
+            pool.allocate(name, "h2", 256 * MiB, ctx)
+        assert sorted(a.id for a in pool.allocations()) == ["a", "b"]
+
+    def test_nothing_sent_drops_the_intent(
+        self, fabric: QemuCxlFabric, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The deadline passes after the intent is written and before object-add is sent: nothing changed."""
+        original = Monitor.execute
+        late = CallContext.with_timeout(0.3, epoch=1)
+
+        def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+            if name == "object-add" and late.deadline is not None:
+                time.sleep(max(0.0, late.deadline - time.monotonic()) + 0.01)
+            return original(self, name, arguments, **kw)
+
+        monkeypatch.setattr(Monitor, "execute", execute)
+        with pytest.raises(DeadlineExceededError) as info:
+            fabric.pool(POOL).allocate("late", "h1", 256 * MiB, late)
+        monkeypatch.undo()
+        assert not in_doubt(info.value)
+        assert fabric._ledger.state.record("late") is None, "the intent of a hot-add never sent was kept"
+
+
+class TestDeadHost:
+    """A host whose QEMU died blocks no call for the others, and is started again from its records when needed."""
+
+    def test_started_again_when_needed(self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext) -> None:
+        pool = fabric.pool(POOL)
+        pool.allocate("a1", "h1", 256 * MiB, ctx)
+        kept = pool.allocate("b", "h2", 256 * MiB, ctx)
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        pool.allocate("a2", "h1", 256 * MiB, ctx)
+        pool.release("a1", ctx)
+        assert sorted(a.id for a in pool.allocations()) == ["a2", "b"]
+        new = qemu_pid(state_dir, "h2")
+        assert new is not None and new != pid and alive(new)
+        with RawQMP(state_dir, "h2") as qmp:
+            (dev,) = qmp.type3().values()
+        assert dev["port"] == "dsp0" and dev["size"] == kept.amount_bytes
+        assert {h.id for h in fabric.discover().hosts} == {"h1", "h2"}
+
+    def test_a_failed_restart_in_release_is_in_doubt_and_heals(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, tmp_path: Path, ctx: CallContext
+    ) -> None:
+        flag, wrapper = tmp_path / "fail", tmp_path / "qemu"
+        wrapper.write_text(f'#!/bin/sh\n[ -e {flag} ] && exit 1\nexec {require_qemu()} "$@"\n')
+        wrapper.chmod(0o755)
+        fabric = make_fabric(qemu=str(wrapper), hosts=[{"name": "h1", "ports": 2, "memory": "256M"}])
+        pool = fabric.pool(POOL)
+        keep = pool.allocate("keep", "h1", 256 * MiB, ctx)
+        pool.allocate("drop", "h1", 256 * MiB, ctx)
+        flag.touch()
+        with pytest.raises(FabricUnavailableError) as info:
+            pool.release("drop", ctx)
+        assert in_doubt(info.value), "a release that tore the host down said 'nothing changed'"
+        flag.unlink()
+        pool.release("drop", ctx)
+        assert pool.allocations() == [keep]
+        with RawQMP(state_dir, "h1") as qmp:
+            assert [d["port"] for d in qmp.type3().values()] == ["dsp0"]
+
+
+def test_a_closed_fabric_refuses_every_call_and_writes_nothing(fabric: QemuCxlFabric, state_dir: Path) -> None:
+    pool = fabric.pool(POOL)
+    fabric.close()
+    before = (state_dir / "state.json").read_bytes() if (state_dir / "state.json").exists() else b""
+    calls: list[Callable[[], object]] = [
+        lambda: fabric.unbind(Binding("qc/x", "h1"), CallContext(epoch=9)),
+        lambda: fabric.bind("qc/x", "h1", CallContext(epoch=9)),
+        fabric.discover,
+        lambda: fabric.pool(POOL),
+        lambda: pool.allocate("a", "h1", 256 * MiB, CallContext(epoch=9)),
+        lambda: pool.release("a", CallContext(epoch=9)),
+        pool.allocations,
+    ]
+    for call in calls:
+        with pytest.raises(FabricUnavailableError, match="closed"):
+            call()
+    after = (state_dir / "state.json").read_bytes() if (state_dir / "state.json").exists() else b""
+    assert after == before, "a closed fabric wrote state.json"
+
+
+def test_a_qemu_started_with_other_options_is_not_adopted(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
+) -> None:
+    make_fabric(stop_hosts_on_close=False).close()
+    pid = qemu_pid(state_dir, "h1")
+    with pytest.raises(ConfigError, match=f"other options.*kill {pid}"):
+        make_fabric(pool_bytes=GiB)
+    assert pid is not None and alive(pid) and qemu_pid(state_dir, "h1") == pid
+    assert make_fabric().hosts["h1"].adopted
+
+
+@pytest.mark.parametrize("bad", [7, b"a", None, ""])
+def test_an_id_that_is_no_string_is_invalid(tmp_path: Path, bad: Any) -> None:
+    pool = QemuCxlPool(
+        "qc", pool_bytes=GiB, hosts={}, ledger=Ledger(StateFile(tmp_path / "state.json")), lock=threading.RLock(),
+        features=lambda: None, state_dir=tmp_path,  # type: ignore[arg-type,return-value]
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError):
+        pool.allocate(bad, "h1", 256 * MiB, CallContext(epoch=1))
+    with pytest.raises(InvalidRequestError):
+        pool.release(bad, CallContext(epoch=1))
+
+
+@pytest.fixture
+def stranger(tmp_path: Path) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """A process that is not QEMU, running in an unconfigured host's directory under that host's pidfile."""
+    directory = host_dir(tmp_path / "state", "gone")
+    directory.mkdir(parents=True)
+    process = subprocess.Popen(["sleep", "30"], cwd=directory)
+    (directory / PIDFILE).write_text(f"{process.pid}\n")
+    yield tmp_path / "state", process
+    process.kill()
+    process.wait()
+
+
+def test_reaping_spares_a_process_that_is_not_qemu(stranger: tuple[Path, subprocess.Popen[bytes]]) -> None:
+    state_dir, process = stranger
+    assert reap_unconfigured(state_dir, []) == []
+    assert process.poll() is None, "a process that is not this driver's QEMU was killed"
