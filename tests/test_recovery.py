@@ -636,6 +636,25 @@ class TestReconcile:
         assert composer.reconcile() == 0
         composer.close()
 
+    def test_an_orphan_on_a_device_an_operator_cordoned_is_reported_once(self, tmp_path: Path) -> None:
+        """A cordon was taken for a quarantine reported before a restart: a binding no composition records on a
+        device the operator had cordoned was never reported. The ledger keeps quarantines apart from cordons:
+        it is reported, once, across restarts, and uncordoning forgets it."""
+        composer = opened(tmp_path)
+        device = free_gpu(composer)
+        composer.cordon(device)
+        composer.fabrics["pcie0"].bind(device, "h2", CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        assert events_of(composer, EventType.BINDING_QUARANTINED) == [device]
+        assert composer.reconcile() == 0
+        composer.close()
+        composer = opened(tmp_path)
+        assert composer.reconcile() == 0 and events_of(composer, EventType.BINDING_QUARANTINED) == [device]
+        composer.uncordon(device)
+        assert composer.reconcile() == 1  # still bound: quarantined again
+        assert events_of(composer, EventType.BINDING_QUARANTINED) == [device, device]
+        composer.close()
+
     def test_an_orphan_found_at_start_up(self, tmp_path: Path) -> None:
         hardware = fabrics(tmp_path)
         gpu = next(d.id for d in hardware["pcie0"].discover().devices if d.kind is DeviceKind.GPU)

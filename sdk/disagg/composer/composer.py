@@ -95,6 +95,8 @@ REQUEST_ID_MEMORY = 10_000
 """How many request ids the composer remembers in memory (the ledger keeps as many)."""
 _IN_FLIGHT = (CompositionState.COMPOSING, CompositionState.DECOMPOSING)
 _STANDING = (CompositionState.COMPOSED, CompositionState.DEGRADED)
+_BINDING = ""
+"""The pool of a quarantine record that is a binding no composition records (its item the device), not memory."""
 _RECORDED = object()
 """The answer of a request id known only from the composition record its change left (`_seed_requests`)."""
 
@@ -270,7 +272,8 @@ class FabricComposer(Composer):
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
             self._cordoned = set(state.cordons)
-            self._quarantined_memory = set(state.quarantined)
+            self._quarantined = {item for pool, item in state.quarantined if pool == _BINDING}
+            self._quarantined_memory = {q for q in state.quarantined if q[0] != _BINDING}
             for record in state.requests:
                 answer = requests.decode(record.answer)
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
@@ -503,13 +506,15 @@ class FabricComposer(Composer):
             recorded.update((a.pool, a.id) for c in busy if c.pending for a in c.pending.allocations)
             for device, host in sorted(bound.items()):
                 if expected.get(device) != host and device not in self._quarantined:
+                    # Kept in the ledger as a quarantine, apart from the cordon: one an operator had made would
+                    # otherwise pass for a quarantine reported before a restart, and this one go unreported.
                     self._quarantined.add(device)
-                    if device in self._cordoned:
-                        continue  # cordoned already (a quarantine found before a restart): reported then
-                    self._cordoned.add(device)
-                    self.store.put_cordon(device)
-                    if device in self._inv.devices:
-                        self._inv.cordon(device)
+                    self.store.put_quarantine(_BINDING, device)
+                    if device not in self._cordoned:
+                        self._cordoned.add(device)
+                        self.store.put_cordon(device)
+                        if device in self._inv.devices:
+                            self._inv.cordon(device)
                     self._emit(
                         EventType.BINDING_QUARANTINED,
                         device,
@@ -1505,7 +1510,9 @@ class FabricComposer(Composer):
             dev = self.device(device_id)
             if device_id in self._cordoned:
                 self._cordoned.discard(device_id)
-                self._quarantined.discard(device_id)
+                if device_id in self._quarantined:
+                    self._quarantined.discard(device_id)
+                    self.store.delete_quarantine(_BINDING, device_id)
                 self._inv.uncordon(device_id)
                 self.store.delete_cordon(device_id)
                 self._emit(EventType.DEVICE_UNCORDONED, device_id)
