@@ -51,7 +51,7 @@ from disagg.model import (
 )
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request, parse_resource
-from disagg.store import SqliteStore
+from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
 from disagg_sim.fabric import SimPool
 from remote_helpers import served
@@ -1058,6 +1058,39 @@ class TestUnreachableAtStartUp:
         assert all(composer.owner_of(d) == comp.id for d in comp.device_ids)
         with pytest.raises(NoFitError, match="host h1 already belongs to"):
             composer.compose(parse_request("other", ["host h1", "gpu x2"]))
+        composer.close()
+
+    def test_a_compose_whose_fabric_a_rebuild_drops_while_it_waits_for_its_plan(self, tmp_path: Path) -> None:
+        """While the compose waited for its plan's commit, an event's rebuild found cxl0 gone and dropped its
+        pools from the index: the compose then looked its pool up there and failed with a KeyError, not an
+        SDK error, and left the composition COMPOSING. It carries on with the fabric it planned on, and the
+        composition is UNKNOWN as it ends, the fabric being away."""
+        hardware = fabrics(tmp_path)
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        cxl.reachable = True
+        pcie = hardware["pcie0"]
+
+        class RebuildAtTheCommit(MemoryStore):
+            armed = False
+
+            def sync(self) -> None:
+                if self.armed:
+                    self.armed = False
+                    cxl.reachable = False
+                    link = next(k for k in pcie.discover().links if "h4" in (k.a, k.b))
+                    pcie.set_link(link.a, link.b, False)  # the event's rebuild finds cxl0 away
+                super().sync()
+
+        store = RebuildAtTheCommit()
+        composer = FabricComposer(dict(hardware), store=store, auto_heal=False)
+        composer.start()
+        store.armed = True
+        made = composer.compose(parse_request("job", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert made is not None and composer.find("job").state is CompositionState.UNKNOWN
+        cxl.reachable = True
+        assert composer.retry_unreachable() is True
+        assert composer.find("job").state is CompositionState.COMPOSED
         composer.close()
 
     def test_a_compose_that_ends_while_its_fabric_is_away_is_unknown(self, tmp_path: Path) -> None:

@@ -1338,13 +1338,15 @@ class FabricComposer(Composer):
         return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark(), reservation)
 
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
+        """The allocations of ``plan``; read outside the lock too, so the fabric is found whether or not a
+        rebuild since dropped the pool from the index (its fabric gone away meanwhile)."""
         return [
-            MemoryStep(f"{comp_id}-m{start + n}", self._inv.pools[m.pool].info.fabric, m)
-            for n, m in enumerate(plan.memory)
+            MemoryStep(f"{comp_id}-m{start + n}", self._fabric_of_pool(m.pool), m) for n, m in enumerate(plan.memory)
         ]
 
     def _device_steps(self, picks: Iterable[DevicePick]) -> list[tuple[str, DevicePick]]:
-        return [(self._inv.devices[p.device].fabric, p) for p in picks]
+        """The binds of ``picks`` with their fabrics, found as `_memory_steps` finds its pools'."""
+        return [(self._fabric_of(p.device), p) for p in picks]
 
     def _execute(self, comp: Composition, plan: Plan, deadline: float | None = None) -> Steps[Composition]:
         try:
