@@ -9,17 +9,18 @@ domains, each with GPUs that its four hosts reach and the other domains' hosts d
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 from disagg import hookimpl
-from disagg.errors import DeviceBusyError, FabricUnavailableError, NotFoundError, UnknownDeviceError
-from disagg.interfaces import CallContext
-from disagg.model import Binding, FabricEvent, FabricEventKind, Topology
+from disagg.errors import ConfigError, DeviceBusyError, FabricUnavailableError, NotFoundError, UnknownDeviceError
+from disagg.interfaces import CallContext, Device, EventHandler, Fabric, Pool, Subscription
+from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Topology
 from disagg.plugins import DriverRegistry
 from disagg_sim.dispatch import EventDispatcher
 from disagg_sim.fabric import SIM_CAPABILITIES, SimFabric
@@ -203,6 +204,100 @@ class UnstableSerials(SimFabric):
         return attrs.evolve(topology, devices=devices)
 
 
+class BindsUndeclared(SimFabric):
+    """Declares neither bind nor unbind (nor sanitize, which needs them), yet binds and unbinds: the composer,
+    which binds whatever discovery reports, binds through a driver that says it cannot."""
+
+    def capabilities(self) -> Capabilities:
+        return attrs.evolve(
+            SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.BIND, Feature.UNBIND, Feature.SANITIZE}
+        )
+
+
+class CarvesUndeclared(SimFabric):
+    """Reports pools and carves them, but does not declare carve."""
+
+    def capabilities(self) -> Capabilities:
+        return attrs.evolve(SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.CARVE})
+
+
+class ForgetsEpoch(SimFabric):
+    """Keeps its bindings across a restart but not its fencing epoch: a restarted driver obeys a fabric manager
+    that was deposed before the restart."""
+
+    def _restore(self, state: SimState) -> None:
+        super()._restore(state)
+        self._epoch = 0
+
+
+class DeclaresUnimplementedFaults(Fabric):
+    """Declares fault injection (as the sim does) on a fabric object that does not implement `FaultInjection`:
+    the clauses that inject faults cannot run, and a declared feature must not pass as NOT TESTED."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        self.inner = SimFabric(topology, **options)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities()
+
+    def discover(self) -> Topology:
+        return self.inner.discover()
+
+    def bindings(self) -> Sequence[Binding]:
+        return self.inner.bindings()
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        return self.inner.bind(device, host, ctx)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        self.inner.unbind(binding, ctx)
+
+    def device(self, device: str) -> Device:
+        return self.inner.device(device)
+
+    def pool(self, pool: str) -> Pool:
+        return self.inner.pool(pool)
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        return self.inner.subscribe(handler)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+HANG_S = float(os.environ.get("BROKEN_HANG_S", "600"))
+"""How long `HangsAtFirstBind` sleeps."""
+_hung = threading.Event()
+
+
+class HangsAtFirstBind(SimFabric):
+    """The first bind in the process ignores its deadline and hangs (hardware that never answers); later binds
+    work."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if not _hung.is_set():
+            _hung.set()
+            time.sleep(HANG_S)
+        return super().bind(device, host, ctx)
+
+
+class FailsToBuild(SimFabric):
+    """Raises as it is built, with the exception ``BROKEN_BUILD`` names: the vendor SDK cannot open the
+    device, the switch is not found, the options are wrong."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        kind = os.environ.get("BROKEN_BUILD", "runtime")
+        if kind == "config":
+            raise ConfigError("broken-fails-to-build: option 'address' is required", field="address")
+        if kind == "not-found":
+            raise NotFoundError("switch", "sw0", "switch sw0 not found on the emulator")
+        raise RuntimeError("vendor SDK: cannot open /dev/acme0")
+
+
 class InterruptedAtBind(SimFabric):
     """The run is interrupted (as by Ctrl-C) at the first bind: not a defect of a clause, a run that never
     finishes, which certifies nothing."""
@@ -211,7 +306,7 @@ class InterruptedAtBind(SimFabric):
         raise KeyboardInterrupt
 
 
-BROKEN: dict[str, tuple[type[SimFabric], str]] = {
+BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-bind-not-idempotent": (BindNotIdempotent, "BIND-IDEMPOTENT"),
     "broken-unbind-not-idempotent": (UnbindNotIdempotent, "UNBIND-IDEMPOTENT"),
     "broken-leaks-failed-bind": (LeaksFailedBind, "BIND-FAILED-LEAVES-NOTHING"),
@@ -223,8 +318,23 @@ BROKEN: dict[str, tuple[type[SimFabric], str]] = {
     "broken-forgets-bindings": (ForgetsBindings, "RESTART-BINDINGS"),
     "broken-silent-failures": (SilentFailures, "EVENT-FAILURE-REPORTED"),
     "broken-unstable-serials": (UnstableSerials, "DISC-STABLE"),
+    "broken-binds-undeclared": (BindsUndeclared, "UNDECLARED-UNSUPPORTED"),
+    "broken-carves-undeclared": (CarvesUndeclared, "DISC-WELL-FORMED"),
+    "broken-forgets-epoch": (ForgetsEpoch, "RESTART-FENCING"),
+    "broken-declares-unimplemented-faults": (DeclaresUnimplementedFaults, "BIND-FAILED-LEAVES-NOTHING"),
 }
 """Driver name: (fabric class, the clause its defect breaks)."""
+ALSO_BROKEN: dict[str, tuple[str, ...]] = {
+    "broken-carves-undeclared": ("UNDECLARED-UNSUPPORTED",),
+    "broken-declares-unimplemented-faults": ("EVENT-FAILURE-REPORTED",),
+}
+"""Driver name: the other clauses its defect breaks."""
+OTHERS: dict[str, Callable[..., Fabric]] = {
+    "broken-interrupted": InterruptedAtBind,
+    "broken-hangs-at-first-bind": HangsAtFirstBind,
+    "broken-fails-to-build": FailsToBuild,
+}
+"""Drivers whose defect is not a clause's: certify must still finish, and say what happened."""
 
 
 def certify_options(workdir: Path) -> dict[str, Any]:
@@ -232,10 +342,10 @@ def certify_options(workdir: Path) -> dict[str, Any]:
     return {"generate": {"devices": 120, "hosts_per_domain": 4}, "state_file": str(workdir / "state.json")}
 
 
-def factory(cls: type[SimFabric]) -> Any:
+def factory(cls: Callable[..., Fabric]) -> Any:
     """A driver factory building ``cls`` from the ``sim`` driver's options."""
 
-    def create(name: str, options: Mapping[str, Any]) -> SimFabric:
+    def create(name: str, options: Mapping[str, Any]) -> Fabric:
         opts = parse_options(name, options)
         if opts.generate is not None:
             topology = generate_topology(name, **attrs.asdict(opts.generate))
@@ -249,7 +359,7 @@ def factory(cls: type[SimFabric]) -> Any:
 
 @hookimpl
 def disagg_register_drivers(registry: DriverRegistry) -> None:
-    for name, (cls, _clause) in [*BROKEN.items(), ("broken-interrupted", (InterruptedAtBind, ""))]:
+    for name, cls in [*((n, c) for n, (c, _clause) in BROKEN.items()), *OTHERS.items()]:
         description = " ".join((cls.__doc__ or "").split())
         registry.add_driver(
             name,

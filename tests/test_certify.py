@@ -3,15 +3,18 @@ expected-failures file, and every mistake a user can make on its command line.""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import disagg.testing
 import pytest
 from conformance_helpers import CERTIFY_TIMEOUT_S, SIM_OPTIONS, ServedDriver, certify, certify_env
 from disagg.cli.main import main
@@ -48,7 +51,10 @@ class TestCertifyInProcess:
         assert report["driver"]["name"] == "sim" and report["driver"]["version"]
         assert report["mode"] == "in-process"
         assert "fencing" in report["capabilities"]["features"]
-        assert statuses(report) == {clause_id: "PASS" for clause_id in CLAUSES}
+        # The sim declares every feature: there is nothing undeclared for it to refuse.
+        assert statuses(report) == {clause_id: "PASS" for clause_id in CLAUSES} | {
+            "UNDECLARED-UNSUPPORTED": "NOT TESTED"
+        }
         assert "certify sim: CERTIFIED" in proc.stdout
 
         junit = ET.parse(tmp_path / "out" / "certification.xml").getroot()
@@ -59,7 +65,9 @@ class TestCertifyInProcess:
 
         markdown = (tmp_path / "out" / "certification.md").read_text()
         assert markdown.splitlines()[0].endswith("CERTIFIED")
-        assert all(f"| {clause_id} | PASS |" in markdown for clause_id in CLAUSES)
+        assert all(
+            f"| {clause_id} | PASS |" in markdown for clause_id in CLAUSES if clause_id != "UNDECLARED-UNSUPPORTED"
+        )
 
     @staticmethod
     def certify_with(tmp_path: Path, settings: str) -> tuple[Any, dict[str, Any] | None]:
@@ -99,9 +107,10 @@ class TestCertifyRemote:
         proc, report = certify(tmp_path, "sim", "--remote", served_sim.address)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert report is not None and report["mode"] == "remote" and report["address"] == served_sim.address
-        restart = clause_of(report, "RESTART-BINDINGS")
-        assert restart["status"] == "NOT TESTED" and "--restart-command" in restart["reason"]
-        assert {s for c, s in statuses(report).items() if c != "RESTART-BINDINGS"} == {"PASS"}
+        for restart in (clause_of(report, "RESTART-BINDINGS"), clause_of(report, "RESTART-FENCING")):
+            assert restart["status"] == "NOT TESTED" and "--restart-command" in restart["reason"]
+        untested = {"RESTART-BINDINGS", "RESTART-FENCING", "UNDECLARED-UNSUPPORTED"}
+        assert {s for c, s in statuses(report).items() if c not in untested} == {"PASS"}
 
     def test_over_tcp(self, tmp_path: Path) -> None:
         options = (*SIM_OPTIONS, f"state_file={tmp_path / 'tcp.json'}")
@@ -135,6 +144,7 @@ class TestCertifyRemote:
             proc, report = certify(tmp_path, "sim", "--remote", served_sim.address, "--restart-command", f"sh {script}")
             assert proc.returncode == 0, proc.stdout + proc.stderr
             assert report is not None and clause_of(report, "RESTART-BINDINGS")["status"] == "PASS"
+            assert clause_of(report, "RESTART-FENCING")["status"] == "PASS"
         finally:
             if pidfile.exists():
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
@@ -167,14 +177,17 @@ class TestExpectedFailures:
         """FENCE-STALE-EPOCH has a test on binds and one on pools: a clause fails as expected when one of its
         tests does (the second driver breaks only the first)."""
         listed = tmp_path / "xfail.txt"
-        listed.write_text("# the epoch is ignored until fencing lands\nFENCE-STALE-EPOCH\n")
+        listed.write_text("# the epoch is ignored until fencing lands\nFENCE-STALE-EPOCH\nRESTART-FENCING\n")
         proc, report = certify(tmp_path, driver, "--plugin", "broken_drivers", "--expected-failures", str(listed))
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert report is not None and report["verdict"] == "NOT CERTIFIED"
         fence = clause_of(report, "FENCE-STALE-EPOCH")
         assert fence["status"] == "FAIL" and fence["expected_failure"] is True
         assert {t["outcome"] for t in fence["tests"]} == outcomes
-        assert report["expected_failures"] == ["FENCE-STALE-EPOCH"]
+        # Across a restart too: a bind with an older epoch is accepted there, as before it.
+        restart = clause_of(report, "RESTART-FENCING")
+        assert restart["status"] == "FAIL" and restart["expected_failure"] is True
+        assert report["expected_failures"] == ["FENCE-STALE-EPOCH", "RESTART-FENCING"]
         # The module comes from the tests' folder, not from an installed package: the report does not say disagg.
         assert report["driver"]["distribution"] == "broken_drivers (no installed distribution)"
 
@@ -215,6 +228,49 @@ class TestAVerdictIsTheWholeSuites:
         assert run.report is not None and run.report["verdict"] == "FAILED"
         assert clause_of(run.report, "FENCE-STALE-EPOCH")["status"] == "FAIL"
 
+    def test_a_conftest_above_the_suite_is_not_loaded(self, tmp_path: Path) -> None:
+        """A conftest.py in a folder above the suite's module (site-packages, where disagg is installed) could
+        deselect the clause a driver breaks; certify loads none. The suite's module is copied under such a
+        conftest, as it lies in site-packages."""
+        site = tmp_path / "site"
+        (site / "disagg_copy").mkdir(parents=True)
+        (site / "disagg_copy" / "certified.py").write_text(
+            (Path(disagg.testing.__file__).parent / "certified.py").read_text()
+        )
+        loaded = tmp_path / "conftest-loaded"
+        (site / "conftest.py").write_text(
+            f"from pathlib import Path\nPath({str(loaded)!r}).write_text('loaded')\n\n"
+            "def pytest_collection_modifyitems(config, items):\n"
+            "    items[:] = [i for i in items if 'stale_epoch' not in i.name]\n"
+        )
+        out = ("--out", str(tmp_path / "out"))
+        runner = tmp_path / "runner.py"
+        runner.write_text(
+            "import importlib.util, sys\n"
+            "real = importlib.util.find_spec\n"
+            "def find_spec(name, *args):\n"
+            "    spec = real(name, *args)\n"
+            "    if name == 'disagg.testing.certified':\n"
+            f"        spec.origin = {str(site / 'disagg_copy' / 'certified.py')!r}\n"
+            "    return spec\n"
+            "importlib.util.find_spec = find_spec\n"
+            "from disagg.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, str(runner), "certify", "broken-ignores-epoch", "--plugin", "broken_drivers", *out],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, **certify_env(), "DISAGG_STATE_DIR": str(tmp_path / "state")},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert not loaded.exists(), "certify loaded a conftest.py from above the suite"
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        report = json.loads((tmp_path / "out" / "certification.json").read_text())
+        assert clause_of(report, "FENCE-STALE-EPOCH")["status"] == "FAIL"
+
     def test_an_interrupted_run_is_not_certified(self, tmp_path: Path) -> None:
         proc, report = certify(tmp_path, "broken-interrupted", "--plugin", "broken_drivers")
         assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -223,6 +279,67 @@ class TestAVerdictIsTheWholeSuites:
         assert report["incomplete"] == "the run did not finish (pytest exit status 2)"
         markdown = (tmp_path / "out" / "certification.md").read_text()
         assert "The run is not a certification: the run did not finish" in markdown
+
+
+class TestAnUnresponsiveDriver:
+    """A driver call that ignores its deadline fails its clause, naming the call, and the run goes on."""
+
+    def test_a_bind_that_hangs_fails_its_clause_and_the_run_finishes(self, tmp_path: Path) -> None:
+        config = tmp_path / "cert.toml"
+        config.write_text(
+            "call_timeout_s = 0.5\n[options]\n"
+            f'state_file = "{tmp_path / "state.json"}"\ngenerate = {{ devices = 120, hosts_per_domain = 4 }}\n'
+        )
+        proc, report = certify(
+            tmp_path, "broken-hangs-at-first-bind", "--plugin", "broken_drivers", "--config", str(config)
+        )
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert report is not None and report["verdict"] == "FAILED" and report["incomplete"] == ""
+        hung = [c for c in report["clauses"] if "did not return within" in c["reason"]]
+        assert len(hung) == 1, [(c["id"], c["reason"]) for c in report["clauses"] if c["status"] == "FAIL"]
+        assert hung[0]["status"] == "FAIL"
+        assert "bind of " in hung[0]["reason"] and "5.5 s" in hung[0]["reason"]
+        assert "the deadline was ignored" in hung[0]["reason"]
+        # The other clauses ran: the driver binds again once its first bind is abandoned.
+        assert clause_of(report, "CONC-RACE-ONE-WINNER")["status"] == "PASS"
+
+
+class TestADriverThatCannotBeBuilt:
+    """A driver that raises as it is built: a ConfigError is bad input (exit 2); anything else leaves a report of
+    an unfinished run naming the exception, and exit 1, never another code."""
+
+    @pytest.mark.parametrize(
+        ("kind", "named"),
+        [("runtime", "RuntimeError: vendor SDK: cannot open /dev/acme0"), ("not-found", "NotFoundError: ")],
+    )
+    def test_an_exception_leaves_an_incomplete_report(self, tmp_path: Path, kind: str, named: str) -> None:
+        run = run_certify(
+            tmp_path,
+            "broken-fails-to-build",
+            "--plugin",
+            "broken_drivers",
+            env={**certify_env(), "BROKEN_BUILD": kind},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert "Traceback" not in run.stderr
+        assert run.report is not None and run.report["verdict"] == "NOT CERTIFIED"
+        assert run.report["incomplete"].startswith(f"the driver could not be built: {named}")
+        assert set(statuses(run.report).values()) == {"NOT TESTED"}
+        assert run.report["driver"]["name"] == "broken-fails-to-build"
+        assert f"the driver could not be built: {named}" in run.stderr
+
+    def test_a_config_error_is_bad_input(self, tmp_path: Path) -> None:
+        run = run_certify(
+            tmp_path,
+            "broken-fails-to-build",
+            "--plugin",
+            "broken_drivers",
+            env={**certify_env(), "BROKEN_BUILD": "config"},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert run.report is None and "option 'address' is required" in run.stderr
 
 
 class TestCertifyBadInput:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broken_drivers import BROKEN
+from broken_drivers import ALSO_BROKEN, BROKEN
 from conformance_helpers import certify
 
 
@@ -38,6 +38,8 @@ class TestBrokenDrivers:
         assert result.returncode == 1, (result.stdout, result.stderr)
         assert report["verdict"] == "FAILED"
         assert statuses(report)[clause] == "FAIL", f"{driver} was not caught by {clause}; failed: {failures(report)}"
+        for also in ALSO_BROKEN.get(driver, ()):
+            assert statuses(report)[also] == "FAIL", f"{driver} was not caught by {also}; failed: {failures(report)}"
 
     def test_sim_is_certified(self, tmp_path: Path) -> None:
         result, report = certify_broken("sim", tmp_path)

@@ -174,6 +174,82 @@ class TestCleanup:
         assert statuses(report)["UNBIND-IDEMPOTENT"][0] == "FAIL"
 
 
+class TestDeclaredFeatures:
+    """What a driver does not declare it must refuse, and what it reports it must declare."""
+
+    def test_a_driver_that_refuses_what_it_does_not_declare(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            from disagg.errors import UnsupportedError
+
+            class CarveOnly(Plain):
+                def capabilities(self):
+                    caps = self.inner.capabilities()
+                    return Capabilities(kinds=caps.kinds, features={Feature.CARVE, Feature.FENCING})
+
+                def bind(self, device, host, ctx):
+                    raise UnsupportedError("nothing is bound whole here")
+
+            class TestCarveOnly(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-cxl", "state_file": str(tmp_path / "s.json")}
+                    return lambda: CarveOnly(create_fabric("f", opts))
+            """,
+        )
+        found = statuses(report)
+        assert found["UNDECLARED-UNSUPPORTED"] == ("PASS", ""), proc.stdout[-3000:]
+        assert found["RESTART-FENCING"] == ("PASS", "")
+        assert found["CLEANUP-NOTHING-LEFT"][0] == "PASS"
+        assert report["verdict"] == "CERTIFIED", proc.stdout[-3000:]
+
+    def test_a_driver_that_binds_what_it_does_not_declare(self, tmp_path: Path) -> None:
+        """As the composer would: the bind of a driver that declares no feature succeeds."""
+        proc, report = run_suite(
+            tmp_path,
+            """
+            class Undeclared(Plain):
+                def capabilities(self):
+                    return Capabilities(kinds=self.inner.capabilities().kinds, features=frozenset())
+
+            class TestUndeclared(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: Undeclared(create_fabric("f", opts))
+            """,
+        )
+        assert proc.returncode == 1
+        status, reason = statuses(report)["UNDECLARED-UNSUPPORTED"]
+        assert status == "FAIL" and "does not declare bind, yet the bind of f/" in reason
+        assert statuses(report)["CLEANUP-NOTHING-LEFT"][0] == "PASS"
+        assert report["verdict"] == "FAILED"
+
+
+class TestFailureMessages:
+    """A failed clause says what went wrong, not only that an expression was false."""
+
+    def test_parallel_binds_that_bindings_does_not_report_are_named(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            class Forgetful(Plain):
+                def bindings(self):
+                    return tuple(self.inner.bindings())[:1]
+
+            class TestForgetful(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: Forgetful(create_fabric("f", opts))
+            """,
+        )
+        status, reason = statuses(report)["CONC-PARALLEL-BINDS"]
+        assert status == "FAIL", proc.stdout[-3000:]
+        assert "bindings() does not report the parallel binds of f/" in reason
+
+
 @pytest.mark.parametrize("clause_id", sorted(CLAUSES))
 def test_every_clause_is_checked_by_a_test(clause_id: str) -> None:
     """No clause is only a statement: the suite has a test marked with it (the clean-up clause is the tracker's)."""

@@ -5,14 +5,16 @@ none, the small fabric its plugin offers for certification (``certify_options``)
 is removed afterwards. With ``--remote ADDRESS`` the suite drives a FabricDriver endpoint in another process
 or language, which must serve DRIVER; certify cannot restart that process, so RESTART-BINDINGS is NOT TESTED.
 
-Exit codes: 0 certified; 1 a clause failed; 2 bad input; 3 not certified because the expected-failures file
-still lists clauses (every failure was expected).
+Exit codes: 0 certified; 1 a clause failed, or the run did not finish (the driver could not be built, the run
+was interrupted: the report says why, under ``incomplete``); 2 bad input (a `ConfigError` from the driver
+among it); 3 not certified because the expected-failures file still lists clauses (every failure was expected).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import importlib
 import importlib.util
 import math
@@ -23,8 +25,9 @@ import tempfile
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import grpc
 
 from disagg.driver.v1 import fabric_driver_pb2 as dpb
@@ -33,6 +36,10 @@ from disagg.errors import ConfigError, FabricUnavailableError, PluginError
 from disagg.interfaces import Fabric
 from disagg.plugins import load_plugins
 from disagg.remote.address import check_address
+
+if TYPE_CHECKING:  # the testing modules need pytest, which certify imports only when it runs
+    from disagg.plugins.manager import Plugins
+    from disagg.testing.report import Subject
 
 EXIT_FOR = {"CERTIFIED": 0, "FAILED": 1, "NOT CERTIFIED": 3}
 CONFIG_KEYS = ("fabric", "options", "call_timeout_s")
@@ -180,17 +187,15 @@ def cmd_certify(args: argparse.Namespace) -> int:
             def factory() -> Fabric:
                 return spec.factory(fabric_name, chosen)
 
-            factory().close()  # a configuration error is bad input, reported before the suite runs
+            try:
+                factory().close()  # a configuration error is bad input, reported before the suite runs
+            except ConfigError:
+                raise
+            except Exception as exc:  # the driver cannot be built: no clause can run, so nothing is certified
+                return _not_built(args, exc, subject_of(args.driver, spec.plugin, plugins))
 
             target = Target(factory, reopening(factory), call_timeout_s=timeout)
-            info = next((p for p in plugins.plugins if p.name == spec.plugin), None)
-            subject = Subject(
-                args.driver,
-                version=info.version if info else "",
-                plugin=spec.plugin,
-                distribution=info.distribution if info else "",
-                fabric=fabric_name,
-            )
+            subject = attrs.evolve(subject_of(args.driver, spec.plugin, plugins), fabric=fabric_name)
         captured: list[Report] = []
 
         class Setup:
@@ -219,6 +224,9 @@ def cmd_certify(args: argparse.Namespace) -> int:
             "no:randomly",
             "-p",
             "no:cacheprovider",
+            # No conftest.py outside the suite (one in site-packages, say, above disagg/testing) takes part:
+            # it could deselect clauses or rewrite their outcomes.
+            "--noconftest",
             "-c",
             str(ini),
             "--rootdir",
@@ -244,6 +252,37 @@ def cmd_certify(args: argparse.Namespace) -> int:
         f"{counts['NOT TESTED']} not tested); reports in {args.out}"
     )
     return EXIT_FOR[report.verdict]
+
+
+def subject_of(driver: str, plugin: str, plugins: Plugins) -> Subject:
+    """What an in-process certification certifies: the driver and the distribution of its plugin."""
+    from disagg.testing.report import Subject
+
+    info = next((p for p in plugins.plugins if p.name == plugin), None)
+    return Subject(
+        driver,
+        version=info.version if info else "",
+        plugin=plugin,
+        distribution=info.distribution if info else "",
+    )
+
+
+def _not_built(args: argparse.Namespace, exc: Exception, subject: Subject) -> int:
+    """The driver raised as it was built: write a report of an unfinished run (every clause NOT TESTED, the
+    reason under ``incomplete``) and exit 1."""
+    from disagg.testing.clauses import CLAUSES
+    from disagg.testing.expected import read_expected_failures
+    from disagg.testing.plugin import CLEANUP
+    from disagg.testing.report import NOT_TESTED, ClauseResult, Report, clause_results
+
+    expected = read_expected_failures(Path(args.expected_failures)) if args.expected_failures else ()
+    why = f"the driver could not be built: {type(exc).__name__}: {exc}"
+    cleanup = ClauseResult(CLAUSES[CLEANUP], NOT_TESTED, "no test ran")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    report = Report(subject, clause_results({}, expected, cleanup), expected, started, incomplete=why)
+    report.write(Path(args.out))
+    print(f"disagg: error: {why}; {report.verdict}, reports in {args.out}", file=sys.stderr)
+    return 1
 
 
 PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")

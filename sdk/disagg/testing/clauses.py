@@ -27,16 +27,29 @@ class Clause:
     requires: frozenset[Feature] = frozenset()
     needs: str = ""
     """What else the clause needs from the fabric (two hosts that reach one device, ...), for the record."""
+    lacking: frozenset[Feature] = frozenset()
+    """Tested only when the driver does not declare every one of these (a clause about undeclared features)."""
+
+    def applies(self, declared: frozenset[Feature]) -> bool:
+        """Whether a driver that declares ``declared`` is tested against the clause."""
+        return self.requires <= declared and not (self.lacking and self.lacking <= declared)
 
 
 _ALL = (
     Clause(
         "DISC-WELL-FORMED",
         "Every discovered device has the id `<fabric>/<local id>`, a kind the driver declares, and names only "
-        "switches, hosts and pools that discovery also reports.",
+        "switches, hosts and pools that discovery also reports; a driver that reports pools declares carve.",
     ),
     Clause("DISC-STABLE", "Two discoveries report the same device ids with the same serials."),
     Clause("DISC-UNIQUE-SERIALS", "No two devices of a fabric share a serial."),
+    Clause(
+        "UNDECLARED-UNSUPPORTED",
+        "A bind, an unbind or an allocation that needs a feature the driver does not declare (bind, unbind, carve) "
+        "raises UnsupportedError (gRPC UNIMPLEMENTED, reason UNSUPPORTED) and changes nothing.",
+        needs="an undeclared bind, unbind or carve, and a device or pool to try it on",
+        lacking=frozenset({Feature.BIND, Feature.UNBIND, Feature.CARVE}),
+    ),
     Clause(
         "BIND-IDEMPOTENT",
         "Binding a device to the same host N times returns the same binding each time and leaves exactly one binding.",
@@ -150,6 +163,13 @@ _ALL = (
         needs="a way to restart the driver",
     ),
     Clause(
+        "RESTART-FENCING",
+        "A restarted driver refuses a call with a fencing epoch older than one it saw before the restart with "
+        "StaleEpochError, and changes nothing.",
+        frozenset({Feature.FENCING}),
+        needs="a way to restart the driver",
+    ),
+    Clause(
         "CLEANUP-NOTHING-LEFT",
         "After every test, passed or failed, the suite has unbound and released everything it bound or carved, "
         "and the driver confirms it.",
@@ -157,7 +177,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.1"
+SUITE_VERSION = "1.2"
 """The suite's version, in every report: a new clause or a changed statement raises it."""
 
 

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -17,6 +18,11 @@ from disagg.model import Allocation, Binding, Feature, Health, Topology, switch_
 from disagg.model import Device as DeviceInfo
 
 log = logging.getLogger("disagg.testing")
+
+T = TypeVar("T")
+
+WATCHDOG_GRACE_S = 5.0
+"""How long past a call's deadline the suite waits for a driver call to return before it gives up on it."""
 
 FabricFactory = Callable[[], Fabric]
 """Builds the fabric under test; called again after a restart, it must reach the same (persisted) state."""
@@ -93,6 +99,41 @@ class View:
         ]
 
 
+class CallTimedOut(Exception):  # noqa: N818 (it names what happened, as a failed clause's reason shows it)
+    """A driver call did not return within its deadline and the watchdog's grace: the driver ignored the deadline.
+    Not a `DisaggError`, so no test mistakes it for an error the driver raised."""
+
+
+def watched(what: str, call: Callable[[], T], *, timeout_s: float, grace_s: float = WATCHDOG_GRACE_S) -> T:
+    """``call()`` on a worker thread, waited for ``timeout_s`` (the call's deadline) plus ``grace_s``.
+
+    What it returns or raises is returned or raised here. When it has not returned by then, raises
+    `CallTimedOut` naming ``what``; the worker thread is abandoned (a daemon thread, it never keeps the process
+    alive), and whatever the call does later is not seen by the test."""
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # handed to the caller's thread, KeyboardInterrupt included
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name=f"disagg-conformance {what}", daemon=True)
+    worker.start()
+    limit = timeout_s + grace_s
+    worker.join(limit)
+    if worker.is_alive():
+        log.warning("%s did not return within %.3g s; its thread is abandoned", what, limit)
+        raise CallTimedOut(
+            f"{what} did not return within {limit:g} s: the deadline was ignored (it was {timeout_s:g} s away, "
+            f"and {grace_s:g} s of grace passed too); the call's thread is abandoned"
+        )
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
 @attrs.frozen
 class Leftover:
     """Something a test made that its clean-up could not take away."""
@@ -109,10 +150,13 @@ class Tracker:
     the driver (a fresh `bindings` and `allocations`) whether anything is left.
     """
 
-    def __init__(self, factory: FabricFactory, epochs: Epochs, *, call_timeout_s: float) -> None:
+    def __init__(
+        self, factory: FabricFactory, epochs: Epochs, *, call_timeout_s: float, grace_s: float = WATCHDOG_GRACE_S
+    ) -> None:
         self.factory = factory
         self.epochs = epochs
         self.call_timeout_s = call_timeout_s
+        self.grace_s = grace_s
         self.fabric = factory()
         self._lock = threading.Lock()
         self._binds: dict[tuple[str, str], None] = {}
@@ -127,13 +171,19 @@ class Tracker:
     def view(self) -> View:
         return View.of(self.fabric)
 
+    def call(self, what: str, call: Callable[[], T]) -> T:
+        """A driver call that carries a deadline, under the watchdog (`watched`)."""
+        return watched(what, call, timeout_s=self.call_timeout_s, grace_s=self.grace_s)
+
     def bind(self, device: str, host: str, *, epoch: int | None = None) -> Binding:
         with self._lock:
             self._binds[(device, host)] = None
-        return self.fabric.bind(device, host, self.ctx(epoch))
+        fabric, ctx = self.fabric, self.ctx(epoch)
+        return self.call(f"bind of {device} to {host}", lambda: fabric.bind(device, host, ctx))
 
     def unbind(self, device: str, host: str, *, epoch: int | None = None) -> None:
-        self.fabric.unbind(Binding(device, host), self.ctx(epoch))
+        fabric, ctx = self.fabric, self.ctx(epoch)
+        self.call(f"unbind of {device} from {host}", lambda: fabric.unbind(Binding(device, host), ctx))
 
     def pool(self, pool: str) -> Pool:
         return self.fabric.pool(pool)
@@ -141,14 +191,32 @@ class Tracker:
     def allocate(self, pool: str, allocation: str, host: str, amount: int, *, epoch: int | None = None) -> Allocation:
         with self._lock:
             self._allocations[(pool, allocation)] = None
-        return self.fabric.pool(pool).allocate(allocation, host, amount, self.ctx(epoch))
+        fabric, ctx = self.fabric, self.ctx(epoch)
+        return self.call(
+            f"allocate of {allocation} in {pool}", lambda: fabric.pool(pool).allocate(allocation, host, amount, ctx)
+        )
+
+    def release(self, pool: str, allocation: str, *, epoch: int | None = None) -> None:
+        fabric, ctx = self.fabric, self.ctx(epoch)
+        self.call(f"release of {allocation} in {pool}", lambda: fabric.pool(pool).release(allocation, ctx))
+
+    def sanitize(self, device: str) -> None:
+        fabric, ctx = self.fabric, self.ctx()
+        self.call(f"sanitize of {device}", lambda: fabric.device(device).sanitize(ctx))
 
     def faults(self) -> FaultInjection | None:
         """The fabric's fault injection, when it declares it: a remote driver's client always has the methods,
-        and a driver that does not declare the feature is not tested on it."""
-        if isinstance(self.fabric, FaultInjection) and self.fabric.capabilities().supports(Feature.FAULT_INJECTION):
-            return self.fabric
-        return None
+        and a driver that does not declare the feature is not tested on it. A driver that declares it on a
+        fabric object that does not implement `FaultInjection` fails the test (AssertionError): a declared
+        feature is tested, never skipped."""
+        if not self.fabric.capabilities().supports(Feature.FAULT_INJECTION):
+            return None
+        if not isinstance(self.fabric, FaultInjection):
+            raise AssertionError(
+                f"the driver declares fault-injection, but its fabric object ({type(self.fabric).__name__}) does "
+                "not implement disagg.interfaces.FaultInjection"
+            )
+        return self.fabric
 
     def on_cleanup(self, undo: Callable[[], None]) -> None:
         """Run ``undo`` first at clean-up (repair an injected fault, bring a link back)."""
@@ -171,14 +239,22 @@ class Tracker:
         for undo in reversed(self._undo_faults):
             with contextlib.suppress(DisaggError):
                 undo()
-        ctx = self.ctx(self.epochs.current)
-        for device, host in self._binds:
-            with contextlib.suppress(DisaggError):
-                self.fabric.unbind(Binding(device, host), ctx)
-        for pool, allocation in self._allocations:
-            with contextlib.suppress(DisaggError):
-                self.fabric.pool(pool).release(allocation, ctx)
+        epoch = self.epochs.current
         left: list[Leftover] = []
+        for device, host in self._binds:
+            try:
+                self.unbind(device, host, epoch=epoch)
+            except DisaggError:
+                pass
+            except CallTimedOut as exc:
+                left.append(Leftover(test, str(exc)))
+        for pool, allocation in self._allocations:
+            try:
+                self.release(pool, allocation, epoch=epoch)
+            except DisaggError:
+                pass
+            except CallTimedOut as exc:
+                left.append(Leftover(test, str(exc)))
         try:
             still = {(b.device, b.host) for b in self.fabric.bindings()}
             left += [Leftover(test, f"{d} bound to {h}") for d, h in self._binds if (d, h) in still]

@@ -20,12 +20,12 @@ def deselect_undeclared(
     config: pytest.Config, items: list[pytest.Item], declared: Iterable[Feature], under: Path
 ) -> None:
     """Deselect the conformance tests under ``under`` (the conftest's directory: a conftest hook sees the whole
-    session's items) whose clause requires a feature missing from ``declared``."""
+    session's items) whose clause does not apply to a driver that declares ``declared`` (`Clause.applies`)."""
     features = frozenset(declared)
     kept, dropped = [], []
     for item in items:
         mark = item.get_closest_marker(MARKER)
-        if item.path.is_relative_to(under) and mark is not None and not CLAUSES[mark.args[0]].requires <= features:
+        if item.path.is_relative_to(under) and mark is not None and not CLAUSES[mark.args[0]].applies(features):
             dropped.append(item)
         else:
             kept.append(item)

@@ -12,7 +12,7 @@ import functools
 import itertools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import pytest
@@ -26,12 +26,14 @@ from disagg.errors import (
     StaleEpochError,
     UnknownDeviceError,
     UnknownHostError,
+    UnsupportedError,
 )
 from disagg.interfaces import Fabric
 from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health, PoolInfo
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
 from disagg.testing.harness import (
+    WATCHDOG_GRACE_S,
     Epochs,
     FabricFactory,
     Restart,
@@ -68,11 +70,29 @@ def _bindings_of(fabric: Fabric, device: str) -> list[Binding]:
     return [b for b in fabric.bindings() if b.device == device]
 
 
+def _expect_unsupported(call: Callable[[], object], what: str, feature: str) -> None:
+    """``call`` must raise UnsupportedError: it needs ``feature``, which the driver does not declare."""
+    try:
+        got = call()
+    except UnsupportedError:
+        return
+    except DisaggError as exc:
+        raise AssertionError(
+            f"the driver does not declare {feature}, yet the {what} raised {type(exc).__name__}, not UnsupportedError"
+        ) from exc
+    raise AssertionError(
+        f"the driver does not declare {feature}, yet the {what} succeeded ({got!r}): it must raise UnsupportedError"
+    )
+
+
 class FabricConformance:
     """The driver contract of ``disagg.interfaces.Fabric``; subclass it and override `fabric_factory`."""
 
     call_timeout_s: float = 30.0
     """The deadline of each driver call the suite makes."""
+    call_grace_s: float = WATCHDOG_GRACE_S
+    """How long past its deadline the suite waits for a driver call (bind, unbind, allocate, release, sanitize)
+    before it fails the test, naming the call, and abandons the thread that made it."""
 
     # ------------------------------------------------------------------ fixtures a driver author overrides
 
@@ -98,7 +118,9 @@ class FabricConformance:
                 "the disagg conformance suite needs its pytest plugin: add "
                 "pytest_plugins = ['disagg.testing.plugin'] to your conftest.py, or run pytest -p disagg.testing.plugin"
             )
-        tracker = Tracker(fabric_factory, config.stash[EPOCHS], call_timeout_s=self.call_timeout_s)
+        tracker = Tracker(
+            fabric_factory, config.stash[EPOCHS], call_timeout_s=self.call_timeout_s, grace_s=self.call_grace_s
+        )
         try:
             yield tracker
         finally:
@@ -121,13 +143,15 @@ class FabricConformance:
         marker = request.node.get_closest_marker(MARKER)
         if marker is None:
             return
-        required = CLAUSES[marker.args[0]].requires
-        if not required:
+        found = CLAUSES[marker.args[0]]
+        if not found.requires and not found.lacking:
             return
         caps: Capabilities = request.getfixturevalue("capabilities")
-        missing = sorted(f.value for f in required if not caps.supports(f))
+        missing = sorted(f.value for f in found.requires if not caps.supports(f))
         if missing:
             _skip(f"the driver does not declare {', '.join(missing)}")
+        if found.lacking and all(caps.supports(f) for f in found.lacking):
+            _skip(f"the driver declares {', '.join(sorted(f.value for f in found.lacking))}")
 
     @pytest.fixture
     def epochs(self, request: pytest.FixtureRequest) -> Epochs:
@@ -154,6 +178,12 @@ class FabricConformance:
         nodes = switches | hosts
         for link in topo.links:
             assert link.a in nodes and link.b in nodes, f"link {link.a}|{link.b} joins an unknown node"
+        if topo.pools and not capabilities.supports(Feature.CARVE):
+            named = ", ".join(sorted(p.id for p in topo.pools)[:3])
+            raise AssertionError(
+                f"discovery reports pools ({named}) but the driver does not declare carve: the composer carves "
+                "every pool discovery reports"
+            )
         for pool in topo.pools:
             assert pool.device in devices, f"pool {pool.id} is carved from unknown device {pool.device}"
             assert pool.capacity.block_bytes > 0, f"pool {pool.id} has no block size"
@@ -174,6 +204,60 @@ class FabricConformance:
             assert dev.serial, f"device {dev.id} has no serial"
             assert dev.serial not in seen, f"devices {seen.get(dev.serial)} and {dev.id} share serial {dev.serial}"
             seen[dev.serial] = dev.id
+
+    @clause("UNDECLARED-UNSUPPORTED")
+    def test_undeclared_features_are_refused(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """The composer binds, unbinds and carves whatever discovery reports without looking at the declared
+        features: a driver that does not declare one must refuse it."""
+        undeclared = [f for f in (Feature.BIND, Feature.UNBIND, Feature.CARVE) if not capabilities.supports(f)]
+        view = tracker.view()
+        tried: list[str] = []
+        if Feature.BIND not in undeclared and Feature.UNBIND in undeclared and view.free_devices():
+            dev = view.free_devices()[0]
+            host = view.hosts_reaching(dev)[0]
+            tracker.bind(dev.id, host)
+            _expect_unsupported(lambda: tracker.unbind(dev.id, host), f"unbind of {dev.id} from {host}", "unbind")
+            assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, host)], "a refused unbind unbound"
+            tried.append("unbind")
+        if Feature.BIND in undeclared:
+            # Any unbound, healthy device a host reaches: one that is carved too, when nothing is bound whole.
+            carved = {p.device for p in view.topology.pools}
+            candidates = view.free_devices() or [
+                d
+                for d in sorted(view.topology.devices, key=lambda d: d.id)
+                if d.id in carved and d.id not in view.bound and d.health is Health.OK and view.hosts_reaching(d)
+            ]
+            if candidates:
+                dev = candidates[0]
+                host = view.hosts_reaching(dev)[0]
+                _expect_unsupported(lambda: tracker.bind(dev.id, host), f"bind of {dev.id} to {host}", "bind")
+                assert _bindings_of(tracker.fabric, dev.id) == [], "a refused bind bound the device"
+                tried.append("bind")
+        pools = [(p, hosts[0]) for p, hosts in self._pools_reached(view)]
+        if Feature.CARVE in undeclared and pools:
+            info, host = pools[0]
+            before = self._held(tracker, info.id)
+            if before is not None:  # else the fabric gives no Pool for it: refused already
+                _expect_unsupported(
+                    lambda: tracker.allocate(info.id, "conformance-undeclared", host, info.capacity.block_bytes),
+                    f"allocate in {info.id}",
+                    "carve",
+                )
+                assert self._held(tracker, info.id) == before, "a refused allocation carved"
+            tried.append("allocate")
+        if not tried:
+            _skip(
+                f"the driver does not declare {', '.join(f.value for f in undeclared)}, and the fabric has no "
+                "device or pool to try that on"
+            )
+
+    @staticmethod
+    def _held(tracker: Tracker, pool: str) -> set[str] | None:
+        """The allocation ids of ``pool``, or None when the fabric gives no Pool for it."""
+        try:
+            return {a.id for a in tracker.pool(pool).allocations()}
+        except UnsupportedError:
+            return None
 
     # ------------------------------------------------------------------ bind and unbind
 
@@ -306,7 +390,7 @@ class FabricConformance:
         with pytest.raises(StaleEpochError):
             tracker.allocate(info.id, "conformance-stale", host, info.capacity.block_bytes, epoch=new - 1)
         with pytest.raises(StaleEpochError):
-            pool.release("conformance-fenced", tracker.ctx(new - 1))
+            tracker.release(info.id, "conformance-fenced", epoch=new - 1)
         assert pool.free_bytes() == before - info.capacity.block_bytes, "a stale pool call took effect"
 
     # ------------------------------------------------------------------ concurrency
@@ -322,7 +406,8 @@ class FabricConformance:
         for (d, h), result in zip(pairs, results, strict=True):
             assert result == Binding(d, h), f"the parallel bind of {d} to {h} gave {result!r}"
         held = set(tracker.fabric.bindings())
-        assert all(Binding(d, h) in held for d, h in pairs)
+        missing = [f"{d} to {h}" for d, h in pairs if Binding(d, h) not in held]
+        assert not missing, f"bindings() does not report the parallel binds of {', '.join(missing)}"
 
     @clause("CONC-RACE-ONE-WINNER")
     def test_racing_binds_of_one_device(self, tracker: Tracker) -> None:
@@ -345,14 +430,23 @@ class FabricConformance:
 
     # ------------------------------------------------------------------ carving
 
-    def _pool(self, tracker: Tracker) -> tuple[PoolInfo, str]:
-        view = tracker.view()
+    @staticmethod
+    def _pools_reached(view: View) -> list[tuple[PoolInfo, list[str]]]:
+        """The healthy pools that a host reaches, each with the hosts that reach it."""
         devices = {d.id: d for d in view.topology.devices}
+        found = []
         for info in sorted(view.topology.pools, key=lambda p: p.id):
             dev = devices.get(info.device)
             if dev is not None and dev.health is Health.OK and view.hosts_reaching(dev):
-                return info, view.hosts_reaching(dev)[0]
-        _skip("the fabric has no healthy pool that a host reaches")
+                found.append((info, view.hosts_reaching(dev)))
+        return found
+
+    def _pool(self, tracker: Tracker) -> tuple[PoolInfo, str]:
+        pools = self._pools_reached(tracker.view())
+        if not pools:
+            _skip("the fabric has no healthy pool that a host reaches")
+        info, hosts = pools[0]
+        return info, hosts[0]
 
     @clause("CARVE-CONSERVES")
     def test_allocate_and_release_conserve_capacity(self, tracker: Tracker) -> None:
@@ -365,9 +459,8 @@ class FabricConformance:
         tracker.allocate(info.id, "conformance-conserve-a", host, block)
         tracker.allocate(info.id, "conformance-conserve-b", host, block + 1)
         assert pool.free_bytes() == before - 3 * block, "allocating did not take the rounded-up amount"
-        ctx = tracker.ctx()
-        pool.release("conformance-conserve-a", ctx)
-        pool.release("conformance-conserve-b", ctx)
+        tracker.release(info.id, "conformance-conserve-a")
+        tracker.release(info.id, "conformance-conserve-b")
         assert pool.free_bytes() == before, "releasing did not give back all that was taken"
 
     @clause("CARVE-IDEMPOTENT")
@@ -395,7 +488,7 @@ class FabricConformance:
             _skip(f"pool {info.id} has fewer than {2 + RACERS} free blocks")
         tracker.allocate(info.id, "conformance-extent-0", host, block)
         tracker.allocate(info.id, "conformance-extent-1", host, block)
-        pool.release("conformance-extent-0", tracker.ctx())
+        tracker.release(info.id, "conformance-extent-0")
         results = run_together(
             [
                 functools.partial(tracker.allocate, info.id, f"conformance-extent-race-{n}", host, block)
@@ -431,7 +524,7 @@ class FabricConformance:
         info, _ = self._pool(tracker)
         pool = tracker.pool(info.id)
         before = sorted(pool.allocations(), key=lambda a: a.id)
-        pool.release("conformance-no-such-allocation", tracker.ctx())
+        tracker.release(info.id, "conformance-no-such-allocation")
         assert sorted(pool.allocations(), key=lambda a: a.id) == before
 
     # ------------------------------------------------------------------ events
@@ -468,13 +561,12 @@ class FabricConformance:
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
-        handle = tracker.fabric.device(dev.id)
         tracker.bind(dev.id, host)
         with pytest.raises(DeviceBusyError):
-            handle.sanitize(tracker.ctx())
+            tracker.sanitize(dev.id)
         tracker.unbind(dev.id, host)
-        handle.sanitize(tracker.ctx())
-        handle.sanitize(tracker.ctx())
+        tracker.sanitize(dev.id)
+        tracker.sanitize(dev.id)
         assert tracker.bind(dev.id, host) == Binding(dev.id, host), "a sanitized device could not be bound again"
 
     # ------------------------------------------------------------------ restart
@@ -490,3 +582,33 @@ class FabricConformance:
         fabric = tracker.restart(restart)
         assert set(fabric.bindings()) == before, "the restarted driver reports other bindings"
         assert {d.id: d.serial for d in fabric.discover().devices} == devices, "the restarted driver's devices differ"
+
+    @clause("RESTART-FENCING")
+    def test_restart_keeps_the_epoch(self, tracker: Tracker, restart: Restart, epochs: Epochs) -> None:
+        """The epoch a new manager announced before the driver restarted still fences the deposed one after."""
+        fence = (f"{tracker.fabric.name}/disagg-fence", "disagg-fence")
+        announced = epochs.advance()
+        tracker.unbind(*fence, epoch=announced)
+        tracker.restart(restart)
+        deposed = announced - 1
+        view = tracker.view()
+        free = view.free_devices() if tracker.fabric.capabilities().supports(Feature.BIND) else []
+        if free:
+            dev, host = free[0], view.hosts_reaching(free[0])[0]
+            _expect_stale(lambda: tracker.bind(dev.id, host, epoch=deposed), f"bind of {dev.id}", deposed, announced)
+            assert _bindings_of(tracker.fabric, dev.id) == [], "after a restart, a bind with a deposed epoch bound"
+        _expect_stale(
+            lambda: tracker.unbind(*fence, epoch=deposed), "unbind (an epoch announcement)", deposed, announced
+        )
+
+
+def _expect_stale(call: Callable[[], object], what: str, deposed: int, announced: int) -> None:
+    try:
+        call()
+    except StaleEpochError:
+        return
+    raise AssertionError(
+        f"after a restart the driver accepted a {what} with epoch {deposed}, older than epoch {announced} that it "
+        "saw before the restart: a restarted driver obeys a deposed fabric manager (keep the highest epoch across "
+        "restarts)"
+    )
