@@ -205,6 +205,7 @@ __all__ = [
     "UnknownDeviceError",
     "UnknownHostError",
     "UnsupportedError",
+    "outcome_unknown",
 ]
 
 
