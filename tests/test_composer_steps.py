@@ -103,6 +103,33 @@ class TestRunners:
             asyncio.run(steps.run_async(change(), MemoryStore(), threads))
 
 
+    def test_run_answers_an_error_after_a_write_once_the_write_is_durable(self, tmp_path: Path) -> None:
+        """As `LoopRun` does: the blocking runner raised a change's error with the rollback's record still
+        queued, so the thread-pool server answered a failed update before the ledger held what it wrote."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        event = Event(1, EventType.COMPOSITION_CREATED, "c-1", "", 0.0, {})
+
+        def change() -> Steps[None]:
+            yield DURABLE
+            store.append_event(event)
+            raise _DriverSaidNoError("after a write")
+
+        committed: list[int] = []
+        sync = store.sync
+
+        def recording_sync() -> None:
+            sync()
+            committed.append(len(store.events_after(0)))
+
+        store.sync = recording_sync  # type: ignore[method-assign]
+        try:
+            with pytest.raises(_DriverSaidNoError, match="after a write"):
+                steps.run(change(), store)
+            assert committed[-1] == 1, "raised before the write it made was waited for"
+        finally:
+            store.close()
+
+
 class TestLoopRun:
     """`LoopRun` takes the steps that need no waiting in `start` and the rest in callbacks on the loop; the
     change runs to its end whatever becomes of the future the caller awaits."""

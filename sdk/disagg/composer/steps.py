@@ -91,22 +91,26 @@ def _advance(steps: Steps[Any], value: Any, error: Exception | None) -> Step | D
 
 def run(steps: Steps[T], store: Store) -> T:
     """Take every step in this thread, blocking; returns what the change returns. A step that raises raises
-    inside the change, at its yield."""
+    inside the change, at its yield. Answers once every write the change made is durable, an error included,
+    as `LoopRun` does: a change that failed may have written its rollback's records after its last wait."""
     value: Any = None
     error: Exception | None = None
-    while not isinstance(step := _advance(steps, value, error), Done):
-        value, error = None, None
-        try:
-            if isinstance(step, Durable):
-                store.sync()
-            elif isinstance(step, Call):
-                value = step.fn()
-            elif isinstance(step, Until):
-                value = step.event.wait(step.timeout)
-            else:
-                value = step.lock.acquire(timeout=step.timeout)
-        except Exception as exc:
-            error = exc
+    try:
+        while not isinstance(step := _advance(steps, value, error), Done):
+            value, error = None, None
+            try:
+                if isinstance(step, Durable):
+                    store.sync()
+                elif isinstance(step, Call):
+                    value = step.fn()
+                elif isinstance(step, Until):
+                    value = step.event.wait(step.timeout)
+                else:
+                    value = step.lock.acquire(timeout=step.timeout)
+            except Exception as exc:
+                error = exc
+    finally:
+        store.sync()
     return step.value  # type: ignore[no-any-return]
 
 
