@@ -1542,6 +1542,25 @@ class TestFailureDegrades:
         finally:
             composer.close()
 
+    def test_no_heal_starts_once_the_composer_closes(self) -> None:
+        """A failure event delivered while `close` ran started a heal thread after it, which bound a device on
+        the closed fabric (and, not a daemon, held up the process's exit)."""
+        sim = create_fabric("pcie0", {"topology": "demo-pcie", "bind_delay_s": 0.2})
+        composer = FabricComposer({"pcie0": sim}, auto_heal=True)
+        composer.start()
+        comp = composer.compose(parse_request("a", ["host h1", "gpu x1"])).composition
+        assert comp is not None
+        before = sim.bindings()
+        delivering = threading.Thread(target=sim.fail_device, args=(comp.device_ids[0], "xid 79"), daemon=True)
+        with composer._lock:  # the event's thread waits inside the handler while close runs
+            delivering.start()
+            time.sleep(0.2)
+            composer.close()
+        delivering.join(WAIT_S)
+        assert composer.wait_for_heals(WAIT_S)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("disagg-heal")]
+        assert sim.bindings() == before
+
     def test_a_device_that_fails_while_its_compose_binds_the_rest(self, tmp_path: Path) -> None:
         """The failure is reported while the composition is COMPOSING: it ended COMPOSED with the FAILED device,
         and the heal waiting for it found nothing to do. It ends DEGRADED, and the heal replaces the device."""

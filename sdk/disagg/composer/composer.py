@@ -250,6 +250,8 @@ class FabricComposer(Composer):
         """Heals that may wait on hardware, off the thread that delivers the fabric's events (`_heal_soon`)."""
         self._heals: set[Future[None]] = set()
         """The heals handed to ``_healer`` that have not ended (`wait_for_heals`)."""
+        self._closing = False
+        """Set by `close`: no heal starts after it, on fabrics it closes."""
         self._early: list[FabricEvent] | None = None
         """While `start` runs: the fabric events that came meanwhile, in order, applied as it ends."""
 
@@ -566,15 +568,12 @@ class FabricComposer(Composer):
             self._heal_all(composition_ids)
             return
         with self._lock:
+            if self._closing:  # the next start-up heals what this one could not
+                log.warning("not healing %s: the composer is closing", ", ".join(composition_ids))
+                return
             if self._healer is None:
                 self._healer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disagg-heal")
-            healer = self._healer
-        try:
-            heal = healer.submit(self._heal_all, composition_ids)
-        except RuntimeError:  # closing: the next start-up heals what this one could not
-            log.warning("not healing %s: the composer is closing", ", ".join(composition_ids))
-            return
-        with self._lock:
+            heal = self._healer.submit(self._heal_all, composition_ids)
             self._heals.add(heal)
         heal.add_done_callback(self._heal_ended)
 
@@ -616,8 +615,11 @@ class FabricComposer(Composer):
         for sub in self._subscriptions:
             sub.cancel()
         self._subscriptions.clear()
-        if self._healer is not None:
-            self._healer.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._closing = True
+            healer = self._healer
+        if healer is not None:
+            healer.shutdown(wait=True, cancel_futures=True)
         for fabric in self.fabrics.values():
             fabric.close()
         self.store.close()
