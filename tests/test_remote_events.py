@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import attrs
 import pytest
 from disagg.errors import FabricUnavailableError
 from disagg.model import FabricEvent, FabricEventKind, Health, Topology
@@ -232,6 +233,47 @@ class TestTheResyncWindow:
                 (FabricEventKind.LINK_DOWN, "pcie0/top-b|pcie0/chassis-b"),
                 (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a1"),
             ]
+        finally:
+            remote.close()
+            server.stop(grace=0)
+
+
+class Hiding(Plain):
+    """A driver whose discovery leaves out ``hidden`` (a device not yet installed)."""
+
+    def __init__(self, inner: SimFabric, hidden: str) -> None:
+        super().__init__(inner)
+        self.hidden: str | None = hidden
+
+    def discover(self) -> Topology:
+        found = self.inner.discover()
+        if self.hidden is None:
+            return found
+        devices = tuple(d for d in found.devices if d.id != self.hidden)
+        links = tuple(k for k in found.links if self.hidden not in (k.a, k.b))
+        return attrs.evolve(found, devices=devices, links=links)
+
+
+class TestADeviceAddedWhileAway:
+    def test_is_reported_once_over_later_reconnects(self, socket_dir: str) -> None:
+        """It was reported DEVICE_ADDED again on every reconnect after the one that found it."""
+        sim = pcie()
+        driver = Hiding(sim, "pcie0/gpu-a1")
+        address = f"unix:{socket_dir}/pcie0.sock"
+        server = DriverServer(driver, address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        try:
+            seen = Recorder()
+            remote.subscribe(seen)
+            driver.hidden = None  # installed while the driver is away
+            for n in range(3):
+                server.stop(grace=0)
+                server = DriverServer(driver, address, driver="sim").start()
+                marker = f"pcie0/gpu-b{n}"
+                sim.fail_device(marker, "marks the reconnect")  # its event comes after the resync's
+                assert eventually(lambda m=marker: any(e.subject == m for e in seen.events), WAIT_S)
+            added = [e.subject for e in seen.events if e.kind is FabricEventKind.DEVICE_ADDED]
+            assert added == ["pcie0/gpu-a1"]
         finally:
             remote.close()
             server.stop(grace=0)

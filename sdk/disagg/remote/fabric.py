@@ -110,6 +110,8 @@ class _Snapshot:
             return changed
         if event.kind is FabricEventKind.DEVICE_REMOVED:
             self.health.pop(event.subject, None)
+        elif event.kind is FabricEventKind.DEVICE_ADDED:
+            self.health.setdefault(event.subject, Health.OK)  # a health event follows one added unhealthy
         return True
 
     def changes(self, fabric: str, now: _Snapshot, why: str) -> list[FabricEvent]:
@@ -123,6 +125,8 @@ class _Snapshot:
             old = self.health.get(device)
             if old is None:
                 out.append(FabricEvent(fabric, FabricEventKind.DEVICE_ADDED, device, message=why))
+                if health is not Health.OK:
+                    out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
             elif old is not health:
                 out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
         for link, up in now.links.items():
