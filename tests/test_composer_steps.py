@@ -102,7 +102,6 @@ class TestRunners:
         with pytest.raises(_DriverSaidNoError):
             asyncio.run(steps.run_async(change(), MemoryStore(), threads))
 
-
     def test_run_answers_an_error_after_a_write_once_the_write_is_durable(self, tmp_path: Path) -> None:
         """As `LoopRun` does: the blocking runner raised a change's error with the rollback's record still
         queued, so the thread-pool server answered a failed update before the ledger held what it wrote."""
