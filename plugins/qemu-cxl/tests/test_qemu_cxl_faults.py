@@ -92,6 +92,27 @@ class TestLostAnswer:
             pool.allocate(name, "h2", 256 * MiB, ctx)
         assert sorted(a.id for a in pool.allocations()) == ["a", "b"]
 
+    def test_a_restart_does_not_plug_a_pending_record(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The allocation that took the pending record's port since: QEMU died, and starting it again plugged both
+        on one port, which QEMU refused, so the host stayed down for good (releasing the pending id too)."""
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        stall_at(monkeypatch, "object-add", pid)
+        pool = fabric.pool(POOL)
+        with pytest.raises(DeadlineExceededError):
+            pool.allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
+        monkeypatch.undo()
+        pool.allocate("a", "h2", 256 * MiB, ctx)
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        assert [a.id for a in pool.allocations()] == ["a"]  # h2 started again, with "a" alone
+        pool.release("lost", ctx)  # the composer's rollback
+        assert [r.allocation for r in fabric._ledger.state.records] == ["a"]
+        with RawQMP(state_dir, "h2") as qmp:
+            assert [d["port"] for d in qmp.type3().values()] == ["dsp0"]
+
     def test_nothing_sent_drops_the_intent(
         self, fabric: QemuCxlFabric, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
     ) -> None:

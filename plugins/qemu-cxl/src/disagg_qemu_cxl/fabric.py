@@ -75,8 +75,7 @@ class QemuCxlFabric(Fabric):
             self.reaped = reap_unconfigured(options.state_dir, [h.name for h in options.hosts])
             for host in options.hosts:
                 process = HostProcess(options.qemu, host, options.state_dir, options.pool_bytes, self._loop)
-                records = [r for r in self._ledger.state.on_host(host.name) if not r.releasing]
-                process.adopt_or_start(records)
+                process.adopt_or_start(self._ledger.state.cold_plugged(host.name))
                 self._hosts[host.name] = process
                 if not process.adopted:
                     started.append(process)

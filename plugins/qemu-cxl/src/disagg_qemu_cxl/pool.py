@@ -150,8 +150,20 @@ class QemuCxlPool(Pool):
     def _view(self, host: str) -> HostView:
         """``host``'s view, its QEMU started again first (its records cold-plugged) if it died."""
         process = self._hosts[host]
-        process.revive([r for r in self._ledger.state.on_host(host) if not r.releasing])
-        return walk(process.monitor)
+        process.revive(self._ledger.state.cold_plugged(host))
+        view = walk(process.monitor)
+        self._note_plugged(host, view)
+        return view
+
+    def _note_plugged(self, host: str, view: HostView) -> None:
+        """Mark plugged the records whose device ``host`` holds though their hot-add was not seen to end (its
+        answer was lost, yet it happened): a later start of the host plugs them again."""
+        found = [r for r in self._ledger.state.on_host(host) if not r.plugged and view.device(r.device) is not None]
+        if found:
+            state = self._ledger.state
+            for record in found:
+                state = state.with_record(attrs.evolve(record, plugged=True))
+            self._ledger.save(state)
 
     def _readable(self, host: str) -> dict[str, HostView]:
         """``host``'s view and those of the other hosts that answer: a dead or broken one must not stop
@@ -226,11 +238,13 @@ class QemuCxlPool(Pool):
                 self._forget(record)  # released by a restart that crashed before forgetting it, or its port,
                 record = None  # blocks or capacity (which a record without its device does not hold) taken since
         if record is None:
-            record = self._plan(allocation_id, host, size, views)
+            record = attrs.evolve(self._plan(allocation_id, host, size, views), plugged=False)
             self._ledger.save(
                 attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
             )  # the intent first: a crash after device_add then leaves a named device, never an orphan
         self._hot_add(process, record, views[host], fresh)
+        if not record.plugged:
+            self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, plugged=True)))
         return self._allocation(record)
 
     def _allocation(self, record: Record) -> Allocation:

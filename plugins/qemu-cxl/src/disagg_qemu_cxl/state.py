@@ -24,7 +24,9 @@ STATE_VERSION = 1
 @attrs.frozen
 class Record:
     """One allocation as the driver carved it. ``releasing`` marks one whose host is being restarted
-    without it, so that a crash midway never cold-plugs it again."""
+    without it, so that a crash midway never cold-plugs it again. ``plugged`` is False while the hot-add that
+    the record announces has not been seen to happen (its answer may have been lost): such a record holds no
+    port, so a restart of its host must not cold-plug it beside an allocation that took that port since."""
 
     allocation: str
     host: str
@@ -34,6 +36,7 @@ class Record:
     extents: tuple[tuple[int, int], ...]
     volatile: bool = False
     releasing: bool = False
+    plugged: bool = True
 
     @property
     def device(self) -> str:
@@ -57,6 +60,7 @@ class Record:
             "extents": [list(e) for e in self.extents],
             "volatile": self.volatile,
             "releasing": self.releasing,
+            "plugged": self.plugged,
         }
 
     @classmethod
@@ -70,6 +74,7 @@ class Record:
             extents=tuple((int(a), int(b)) for a, b in doc["extents"]),
             volatile=bool(doc.get("volatile", False)),
             releasing=bool(doc.get("releasing", False)),
+            plugged=bool(doc.get("plugged", True)),
         )
 
 
@@ -84,6 +89,10 @@ class State:
 
     def on_host(self, host: str) -> list[Record]:
         return [r for r in self.records if r.host == host]
+
+    def cold_plugged(self, host: str) -> list[Record]:
+        """The records a start of ``host``'s QEMU plugs: those its QEMU held, and that no release is taking away."""
+        return [r for r in self.on_host(host) if r.plugged and not r.releasing]
 
     def with_record(self, record: Record) -> State:
         others = tuple(r for r in self.records if r.allocation != record.allocation)
