@@ -710,6 +710,23 @@ class TestReconcile:
         assert composer.find("job").state is CompositionState.COMPOSED and composer.reconcile() == 0
         composer.close()
 
+    def test_a_heal_that_replaces_a_lost_device_leaves_it_composed(self, tmp_path: Path) -> None:
+        """The hardware lost a device that also failed; a heal replaced it, yet the composition stayed DEGRADED
+        saying the hardware no longer held it, until the next pass."""
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert comp is not None
+        lost = comp.device_ids[0]
+        pcie = composer.fabrics["pcie0"]
+        pcie.unbind(Binding(lost, "h1"), CallContext(epoch=composer.epoch))
+        composer.reconcile()
+        pcie.fail_device(lost, "xid 79")
+        healed = composer.heal("job")
+        assert lost not in healed.device_ids
+        assert healed.state is CompositionState.COMPOSED and healed.message == ""
+        assert composer.reconcile() == 0
+        composer.close()
+
     def test_removing_the_lost_device_leaves_it_composed(self, tmp_path: Path) -> None:
         """The recompose that removes what the hardware lost ends the composition's trouble and its message
         (it kept "the hardware no longer holds ..." while COMPOSED)."""

@@ -1996,7 +1996,9 @@ class FabricComposer(Composer):
             done = {old: new for old, new in replaced.items() if old not in stuck}
             devices = tuple(done.get(p.device, p) for p in comp.devices)
             devices += tuple(new for new in undo if new.device in kept)
-            comp = self._set(self._compositions[comp.id], devices=devices, pending=None)
+            now = self._compositions[comp.id]
+            missing = tuple(m for m in now.missing if m not in done)  # a replaced device is no longer missed
+            comp = self._set(now, devices=devices, missing=missing, pending=None)
             if done:
                 healed = ", ".join(f"{old} -> {new.device}" for old, new in done.items())
                 self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
