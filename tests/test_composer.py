@@ -45,7 +45,6 @@ from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, H
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
-from remote_helpers import eventually
 
 TRAINING = parse_request("training", ["host cores>=8", "gpu x8 model=H200 same-switch"])
 INFERENCE = parse_request("inference", ["host memory>=512GiB", "gpu x2 model=H200", "cxl-memory 512GiB"])
@@ -423,9 +422,9 @@ class TestHealth:
         victim = c.device_ids[0]
         switch = comp.device(victim).switch
         fabrics["pcie0"].fail_device(victim, "ECC")
-        # Over a remote driver the heal runs beside the thread that delivers the fabric's events.
-        assert eventually(lambda: comp.get(c.id).state is CompositionState.COMPOSED)
+        assert comp.wait_for_heals(10.0)  # over a remote driver the heal runs beside the events
         healed = comp.get(c.id)
+        assert healed.state is CompositionState.COMPOSED
         assert victim not in healed.device_ids and len(healed.devices) == 8
         assert {comp.device(d).switch for d in healed.device_ids} == {switch}
         assert victim not in hardware_bindings(fabrics)
@@ -443,6 +442,7 @@ class TestHealth:
         c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
         assert c is not None
         fabrics["pcie0"].fail_device(c.device_ids[3])
+        assert comp.wait_for_heals(10.0)  # over a remote driver the heal runs beside the events
         after = comp.get(c.id)
         assert after.state is CompositionState.DEGRADED
         assert "no replacement" in after.message
