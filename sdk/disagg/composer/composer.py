@@ -151,7 +151,8 @@ C = TypeVar("C", bound=Callable[..., Any])
 
 
 def _durably(method: C) -> C:
-    """Answer only once everything the call wrote to the ledger is durable (the ledger may group commits)."""
+    """Answer only once everything the call wrote to the ledger is durable (the ledger may group commits). A
+    change run as steps needs none: `steps.run` answers so itself."""
 
     @functools.wraps(method)
     def durable(self: FabricComposer, *args: Any, **kwargs: Any) -> Any:
@@ -1024,7 +1025,6 @@ class FabricComposer(Composer):
         assert composition is not None
         return composition
 
-    @_durably
     def apply_reserved(
         self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
     ) -> ComposeResult:
@@ -1085,7 +1085,6 @@ class FabricComposer(Composer):
             self._expire_locked()
             return self._placer.place(request)
 
-    @_durably
     def compose(
         self,
         request: CompositionRequest,
@@ -1528,7 +1527,6 @@ class FabricComposer(Composer):
 
     # ----------------------------------------------------------------- recompose / decompose
 
-    @_durably
     def recompose(
         self,
         composition_id: str,
@@ -1765,7 +1763,6 @@ class FabricComposer(Composer):
         ]
         return self._executor.undo(bound, carved, deadline=deadline, stage=stage)
 
-    @_durably
     def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
         """See `Composer.decompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant.
 
@@ -1943,7 +1940,6 @@ class FabricComposer(Composer):
                 self._reassess(each)
             return [c.id for c in users] + ([comp.id] if comp is not None else [])
 
-    @_durably
     def heal(self, composition_id: str) -> Composition:
         """Replace each unhealthy device of a composition with one that meets the same request line."""
         return self._held(composition_id, self._heal)
