@@ -381,3 +381,23 @@ def set_serving(server: FabricManagerServer, serving: bool) -> None:
         server.servicer.mark_ready()
     else:
         server.servicer.mark_unready(STANDBY)
+
+
+class FakeContext:
+    """Just what `watch_events` asks of a grpc context."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+        self.active = True
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def cancel(self) -> None:
+        self.active = False
+        for callback in self.callbacks:
+            callback()

@@ -11,19 +11,16 @@ from collections.abc import Callable, Iterator
 
 import etcd3gw
 import pytest
-from composer_helpers import composer
-from disagg.errors import ConfigError, FabricUnavailableError, RevisionCompactedError
-from disagg.model import Event, EventType
-from disagg.server.watch import Watches, watch_events
-from disagg.store import EtcdStore, MemoryStore, Store
+from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.store import EtcdStore, MemoryStore
 from disagg.store import etcd as etcd_store
 from disagg.store.base import RequestRecord
 from etcd_helpers import EtcdCluster, free_ports, start_etcd_cluster
+from retention_helpers import assert_same_log, assert_watch_refused_as_on_memory, event
 
 LIVES = 20
 """Leader lifetimes in a restart test, each shorter than a prune step."""
 PER_LIFE = 9
-GPU = "pcie0/gpu-a0"
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +34,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
 @pytest.fixture
 def prefix() -> str:
     return f"/test/{uuid.uuid4().hex}/"
-
-
-def _event(revision: int) -> Event:
-    return Event(revision, EventType.DEVICE_CORDONED, f"d{revision}")
 
 
 def _keys(cluster: EtcdCluster, prefix: str) -> int:
@@ -77,7 +70,7 @@ class TestPruningAcrossRestarts:
             with _life(cluster, prefix, event_retention=retention) as store:
                 for _ in range(PER_LIFE):
                     revision += 1
-                    store.append_event(_event(revision))
+                    store.append_event(event(revision))
         assert _keys(cluster, f"{prefix}events/") <= retention + min(step, retention) - 1
         with _life(cluster, prefix, event_retention=retention) as store:
             kept = [e.revision for e in store.events_after(0, 10 * retention)]
@@ -108,56 +101,22 @@ class TestRetentionBoundary:
         memory = MemoryStore(event_retention=retention)
         with _life(cluster, prefix, event_retention=retention) as store:
             for revision in range(1, 4 * retention + 4):
-                memory.append_event(_event(revision))
-                store.append_event(_event(revision))
-                _assert_same_log(memory, store, revision)
+                memory.append_event(event(revision))
+                store.append_event(event(revision))
+                assert_same_log(memory, store, revision)
 
     def test_after_a_restart(self, cluster: EtcdCluster, prefix: str) -> None:
         """A leader that starts on a log holding more than its retention (a prune step not yet due) serves
         just the retention's events, as it would have before the restart."""
         with _life(cluster, prefix, event_retention=5) as store:
             for revision in range(1, 10):
-                store.append_event(_event(revision))
+                store.append_event(event(revision))
         with _life(cluster, prefix, event_retention=5) as store:
             assert [e.revision for e in store.events_after(0)] == [5, 6, 7, 8, 9]
             assert [e.revision for e in store.events_after(6)] == [7, 8, 9]
 
     def test_watch_refused_as_on_memory(self, cluster: EtcdCluster, prefix: str) -> None:
-        """The newest 5 of 12 events are 8 to 12: a watch after 6 needs 7, and is refused on both ledgers."""
-        for store in (MemoryStore(event_retention=5), EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5)):
-            comp = composer(store=store)
-            try:
-                for n in range(12):
-                    (comp.cordon if n % 2 == 0 else comp.uncordon)(GPU)
-                context = _Context()
-                with pytest.raises(RevisionCompactedError, match="the oldest is 8"):
-                    next(watch_events(comp, 6, context, Watches(4)))  # type: ignore[arg-type]
-                context.cancel()
-            finally:
-                comp.close()
-
-
-def _assert_same_log(memory: Store, store: Store, newest: int) -> None:
-    for after in range(newest + 1):
-        assert store.events_after(after) == memory.events_after(after), f"after {after}"
-
-
-class _Context:
-    """Just what `watch_events` asks of a grpc context."""
-
-    def __init__(self) -> None:
-        self.callbacks: list[Callable[[], None]] = []
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        self.callbacks.append(callback)
-        return True
-
-    def is_active(self) -> bool:
-        return True
-
-    def cancel(self) -> None:
-        for callback in self.callbacks:
-            callback()
+        assert_watch_refused_as_on_memory(EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5))
 
 
 class TestRetentionAtLeastOne:
@@ -178,7 +137,7 @@ class TestFirstReadOfAWrite:
     def test_fails_the_store(self, write: str) -> None:
         store = EtcdStore([f"127.0.0.1:{free_ports(1)[0]}"], timeout_s=0.5)
         calls: dict[str, Callable[[], None]] = {
-            "append_event": lambda: store.append_event(_event(1)),
+            "append_event": lambda: store.append_event(event(1)),
             "put_request": lambda: store.put_request(RequestRecord("r1", "f", "{}", 1.0)),
         }
         try:

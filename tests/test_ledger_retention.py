@@ -6,26 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from composer_helpers import composer
-from disagg.errors import ConfigError, RevisionCompactedError
-from disagg.model import Event, EventType
-from disagg.server.watch import Watches, watch_events
-from disagg.store import MemoryStore, SqliteStore, Store
+from disagg.errors import ConfigError
+from disagg.store import MemoryStore, SqliteStore
 from disagg.store import sqlite as sqlite_store
 from disagg.store.base import RequestRecord
+from retention_helpers import assert_same_log, assert_watch_refused_as_on_memory, event
 
 LIVES = 20
 """Server lifetimes in a restart test, each shorter than a prune step."""
 PER_LIFE = 9
-GPU = "pcie0/gpu-a0"
-
-
-def _event(revision: int) -> Event:
-    return Event(revision, EventType.DEVICE_CORDONED, f"d{revision}")
 
 
 def _rows(ledger: Path, table: str) -> int:
@@ -59,7 +52,7 @@ class TestPruningAcrossRestarts:
             with _life(ledger, event_retention=retention) as store:
                 for _ in range(PER_LIFE):
                     revision += 1
-                    store.append_event(_event(revision))
+                    store.append_event(event(revision))
         assert _rows(ledger, "events") <= retention + min(step, retention) - 1
         with _life(ledger, event_retention=retention) as store:
             kept = [e.revision for e in store.events_after(0, 10 * retention)]
@@ -91,51 +84,16 @@ class TestRetentionBoundary:
         store = SqliteStore(tmp_path / "l.db", event_retention=retention)
         try:
             for revision in range(1, 4 * retention + 4):
-                memory.append_event(_event(revision))
-                store.append_event(_event(revision))
-                _assert_same_log(memory, store, revision)  # some events still queued
+                memory.append_event(event(revision))
+                store.append_event(event(revision))
+                assert_same_log(memory, store, revision)  # some events still queued
                 store.sync()
-                _assert_same_log(memory, store, revision)
+                assert_same_log(memory, store, revision)
         finally:
             store.close()
 
     def test_watch_refused_as_on_memory(self, tmp_path: Path) -> None:
-        """The newest 5 of 12 events are 8 to 12: a watch after 6 needs 7, and is refused on both ledgers."""
-        for store in (MemoryStore(event_retention=5), SqliteStore(tmp_path / "l.db", event_retention=5)):
-            comp = composer(store=store)
-            try:
-                for n in range(12):
-                    (comp.cordon if n % 2 == 0 else comp.uncordon)(GPU)
-                comp.store.sync()
-                context = _Context()
-                with pytest.raises(RevisionCompactedError, match="the oldest is 8"):
-                    next(watch_events(comp, 6, context, Watches(4)))  # type: ignore[arg-type]
-                context.cancel()
-            finally:
-                comp.close()
-
-
-def _assert_same_log(memory: Store, store: Store, newest: int) -> None:
-    for after in range(newest + 1):
-        assert store.events_after(after) == memory.events_after(after), f"after {after}"
-
-
-class _Context:
-    """Just what `watch_events` asks of a grpc context."""
-
-    def __init__(self) -> None:
-        self.callbacks: list[Callable[[], None]] = []
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        self.callbacks.append(callback)
-        return True
-
-    def is_active(self) -> bool:
-        return True
-
-    def cancel(self) -> None:
-        for callback in self.callbacks:
-            callback()
+        assert_watch_refused_as_on_memory(SqliteStore(tmp_path / "l.db", event_retention=5))
 
 
 class TestRetentionAtLeastOne:
@@ -153,6 +111,6 @@ class TestRetentionAtLeastOne:
         with pytest.raises(ConfigError, match="event_retention must be at least 1"):
             SqliteStore(ledger, event_retention=retention)
         with _life(ledger, event_retention=1) as store:  # the refused store did not keep the ledger
-            store.append_event(_event(1))
-            store.append_event(_event(2))
+            store.append_event(event(1))
+            store.append_event(event(2))
         assert _rows(ledger, "events") == 1

@@ -7,7 +7,7 @@ import contextlib
 import shutil
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import create_fabric
 from server_helpers import (
     WAIT_S,
+    FakeContext,
     Served,
     compose_request,
     failure_of,
@@ -167,26 +168,6 @@ class TestWatchEvents:
         finally:
             stopper.join(WAIT_S)
         assert not stopper.is_alive()
-
-
-class FakeContext:
-    """Just what `watch_events` asks of a grpc context."""
-
-    def __init__(self) -> None:
-        self.callbacks: list[Callable[[], None]] = []
-        self.active = True
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        self.callbacks.append(callback)
-        return True
-
-    def is_active(self) -> bool:
-        return self.active
-
-    def cancel(self) -> None:
-        self.active = False
-        for callback in self.callbacks:
-            callback()
 
 
 class TestWatchBuffer:
