@@ -963,6 +963,37 @@ def unreachable_cxl(tmp: Path, *, epoch: int = 1) -> tuple[FabricComposer, Unrea
     return composer, cxl, hardware
 
 
+def slow_binds_and_a_cxl_that_may_go(tmp: Path) -> tuple[FabricComposer, Unreachable, dict[str, SimFabric]]:
+    """A started composer on the ledger and hardware of ``tmp`` whose binds take 0.3 s (a change stays in
+    flight) and whose cxl0 answers until told not to."""
+    hardware = fabrics(tmp)
+    hardware["pcie0"].close()
+    hardware["pcie0"] = create_fabric(
+        "pcie0", {"topology": "demo-pcie", "state_file": str(tmp / "pcie0.json"), "bind_delay_s": 0.3}
+    )
+    hardware["cxl0"].close()
+    cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+    cxl.reachable = True
+    composer = FabricComposer(dict(hardware), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
+    composer.start()
+    return composer, cxl, hardware
+
+
+def wait_for_a_bind(fabric: SimFabric) -> None:
+    """Until a change in flight has bound its first device on ``fabric``."""
+    deadline = time.monotonic() + WAIT_S
+    while not fabric.bindings():
+        assert time.monotonic() < deadline, "the first bind did not land"
+        time.sleep(0.01)
+
+
+def lose_in_a_rebuild(cxl: Unreachable, pcie: SimFabric) -> None:
+    """cxl0 stops answering, and a rebuild that an unrelated pcie0 link event makes finds it gone."""
+    cxl.reachable = False
+    link = next(k for k in pcie.discover().links if "h4" in (k.a, k.b))
+    pcie.set_link(link.a, link.b, False)
+
+
 def record_as_left(tmp: Path, comp: Composition) -> None:
     """Write ``comp`` to the ledger of ``tmp`` as a crash would have left it."""
     store = SqliteStore(tmp / "ledger.db")
@@ -1042,27 +1073,13 @@ class TestUnreachableAtStartUp:
         answers again before the compose ends: the retry took the live compose for one a crash interrupted,
         undid and deleted it, and the compose then wrote it back COMPOSED with nothing claimed in the index, so
         the next compose got the same devices. The live change keeps its composition."""
-        hardware = fabrics(tmp_path)
-        hardware["pcie0"].close()
-        hardware["pcie0"] = create_fabric(
-            "pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "pcie0.json"), "bind_delay_s": 0.3}
-        )
-        hardware["cxl0"].close()
-        cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
-        cxl.reachable = True
-        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
-        composer.start()
+        composer, cxl, hardware = slow_binds_and_a_cxl_that_may_go(tmp_path)
         answers: list[Composition | None] = []
         request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
         compose = threading.Thread(target=lambda: answers.append(composer.compose(request).composition))
         compose.start()
-        deadline = time.monotonic() + WAIT_S
-        while not hardware["pcie0"].bindings():
-            assert time.monotonic() < deadline, "the first bind did not land"
-            time.sleep(0.01)
-        cxl.reachable = False
-        link = next(k for k in hardware["pcie0"].discover().links if "h4" in (k.a, k.b))
-        hardware["pcie0"].set_link(link.a, link.b, False)
+        wait_for_a_bind(hardware["pcie0"])
+        lose_in_a_rebuild(cxl, hardware["pcie0"])
         assert composer.find("job").state is CompositionState.COMPOSING
         cxl.reachable = True
         assert composer.retry_unreachable() is True
@@ -1094,9 +1111,7 @@ class TestUnreachableAtStartUp:
             def sync(self) -> None:
                 if self.armed:
                     self.armed = False
-                    cxl.reachable = False
-                    link = next(k for k in pcie.discover().links if "h4" in (k.a, k.b))
-                    pcie.set_link(link.a, link.b, False)  # the event's rebuild finds cxl0 away
+                    lose_in_a_rebuild(cxl, pcie)
                 super().sync()
 
         store = RebuildAtTheCommit()
@@ -1113,26 +1128,12 @@ class TestUnreachableAtStartUp:
     def test_a_compose_that_ends_while_its_fabric_is_away_is_unknown(self, tmp_path: Path) -> None:
         """Left alone by the rebuild that found its fabric gone (its change owned the record), the composition
         becomes UNKNOWN as its change ends, and COMPOSED once the fabric answers."""
-        hardware = fabrics(tmp_path)
-        hardware["pcie0"].close()
-        hardware["pcie0"] = create_fabric(
-            "pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "pcie0.json"), "bind_delay_s": 0.3}
-        )
-        hardware["cxl0"].close()
-        cxl = hardware["cxl0"] = Unreachable(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
-        cxl.reachable = True
-        composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
-        composer.start()
+        composer, cxl, hardware = slow_binds_and_a_cxl_that_may_go(tmp_path)
         request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
         compose = threading.Thread(target=lambda: composer.compose(request))
         compose.start()
-        deadline = time.monotonic() + WAIT_S
-        while not hardware["pcie0"].bindings():
-            assert time.monotonic() < deadline, "the first bind did not land"
-            time.sleep(0.01)
-        cxl.reachable = False
-        link = next(k for k in hardware["pcie0"].discover().links if "h4" in (k.a, k.b))
-        hardware["pcie0"].set_link(link.a, link.b, False)
+        wait_for_a_bind(hardware["pcie0"])
+        lose_in_a_rebuild(cxl, hardware["pcie0"])
         compose.join(WAIT_S)
         assert composer.find("job").state is CompositionState.UNKNOWN
         cxl.reachable = True
@@ -1590,19 +1591,15 @@ class TestFailureDegrades:
                 target=lambda: answers.append(composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition)
             )
             compose.start()
-            deadline = time.monotonic() + WAIT_S
-            while not sim.bindings():
-                assert time.monotonic() < deadline, "the first bind did not land"
-                time.sleep(0.01)
+            wait_for_a_bind(sim)
             first = sim.bindings()[0].device
             sim.fail_device(first, "xid 79")
             compose.join(WAIT_S)
             assert answers and answers[0] is not None
             assert answers[0].state is CompositionState.DEGRADED
-            while first in composer.find("job").device_ids:
-                assert time.monotonic() < deadline, "the failed device was not replaced"
-                time.sleep(0.01)
+            assert composer.wait_for_heals(WAIT_S)
             healed = composer.find("job")
+            assert first not in healed.device_ids, "the failed device was not replaced"
             assert healed.state is CompositionState.COMPOSED and len(healed.device_ids) == 2
             assert Binding(first, "h1") not in sim.bindings()
         finally:
