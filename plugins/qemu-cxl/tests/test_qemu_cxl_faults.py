@@ -56,6 +56,19 @@ def stall_at(monkeypatch: pytest.MonkeyPatch, command: str, pid: int) -> None:
     monkeypatch.setattr(Monitor, "execute", execute)
 
 
+def lose_an_allocate(
+    fabric: QemuCxlFabric, state_dir: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> DeadlineExceededError:
+    """Allocate "lost" on h2 while its QEMU stops as ``command`` is sent: the error, its answer lost."""
+    pid = qemu_pid(state_dir, "h2")
+    assert pid is not None
+    stall_at(monkeypatch, command, pid)
+    with pytest.raises(DeadlineExceededError) as info:
+        fabric.pool(POOL).allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
+    monkeypatch.undo()
+    return info.value
+
+
 class TestLostAnswer:
     """A hot-add whose answer is lost may have happened: the error says so (the composer then releases it), and
     the record it leaves holds nothing that allocations() does not show."""
@@ -64,14 +77,9 @@ class TestLostAnswer:
     def test_in_doubt_and_released(
         self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch, command: str
     ) -> None:
-        pid = qemu_pid(state_dir, "h2")
-        assert pid is not None
-        stall_at(monkeypatch, command, pid)
+        error = lose_an_allocate(fabric, state_dir, monkeypatch, command)
         pool = fabric.pool(POOL)
-        with pytest.raises(DeadlineExceededError) as info:
-            pool.allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
-        monkeypatch.undo()
-        assert in_doubt(info.value), "a lost hot-add answer was reported as 'nothing changed'"
+        assert in_doubt(error), "a lost hot-add answer was reported as 'nothing changed'"
         pool.release("lost", ctx)  # the composer's rollback
         assert pool.allocations() == [] and fabric._ledger.state.records == ()
         with RawQMP(state_dir, "h2") as qmp:
@@ -80,13 +88,8 @@ class TestLostAnswer:
     def test_a_pending_record_holds_no_port(
         self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        pid = qemu_pid(state_dir, "h2")
-        assert pid is not None
-        stall_at(monkeypatch, "object-add", pid)
+        lose_an_allocate(fabric, state_dir, monkeypatch, "object-add")
         pool = fabric.pool(POOL)
-        with pytest.raises(DeadlineExceededError):
-            pool.allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
-        monkeypatch.undo()
         assert pool.allocations() == [] and pool.free_bytes() == 2 * GiB
         for name in ("a", "b"):  # both of h2's ports, though a record of "lost" names one
             pool.allocate(name, "h2", 256 * MiB, ctx)
@@ -97,14 +100,11 @@ class TestLostAnswer:
     ) -> None:
         """The allocation that took the pending record's port since: QEMU died, and starting it again plugged both
         on one port, which QEMU refused, so the host stayed down for good (releasing the pending id too)."""
+        lose_an_allocate(fabric, state_dir, monkeypatch, "object-add")
+        pool = fabric.pool(POOL)
+        pool.allocate("a", "h2", 256 * MiB, ctx)
         pid = qemu_pid(state_dir, "h2")
         assert pid is not None
-        stall_at(monkeypatch, "object-add", pid)
-        pool = fabric.pool(POOL)
-        with pytest.raises(DeadlineExceededError):
-            pool.allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
-        monkeypatch.undo()
-        pool.allocate("a", "h2", 256 * MiB, ctx)
         os.kill(pid, signal.SIGKILL)
         wait_gone(pid)
         assert [a.id for a in pool.allocations()] == ["a"]  # h2 started again, with "a" alone
