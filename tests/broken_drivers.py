@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 from disagg import hookimpl
 from disagg.errors import ConfigError, DeviceBusyError, FabricUnavailableError, NotFoundError, UnknownDeviceError
-from disagg.interfaces import CallContext, Device, EventHandler, Fabric, Pool, Subscription
+from disagg.interfaces import CallContext, Fabric
 from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Topology
 from disagg.plugins import DriverRegistry
 from disagg_sim.dispatch import EventDispatcher
@@ -28,6 +28,7 @@ from disagg_sim.generator import generate_topology
 from disagg_sim.options import parse_options
 from disagg_sim.state import SimState
 from disagg_sim.topology import load_topology
+from remote_helpers import Plain
 
 RACE_WINDOW_S = 0.01
 """How long `RacyBind` lets go of its lock between checking that a device is free and binding it."""
@@ -230,40 +231,12 @@ class ForgetsEpoch(SimFabric):
         self._epoch = 0
 
 
-class DeclaresUnimplementedFaults(Fabric):
+class DeclaresUnimplementedFaults(Plain):
     """Declares fault injection (as the sim does) on a fabric object that does not implement `FaultInjection`:
     the clauses that inject faults cannot run, and a declared feature must not pass as NOT TESTED."""
 
     def __init__(self, topology: Topology, **options: Any) -> None:
-        self.inner = SimFabric(topology, **options)
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities()
-
-    def discover(self) -> Topology:
-        return self.inner.discover()
-
-    def bindings(self) -> Sequence[Binding]:
-        return self.inner.bindings()
-
-    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
-        return self.inner.bind(device, host, ctx)
-
-    def unbind(self, binding: Binding, ctx: CallContext) -> None:
-        self.inner.unbind(binding, ctx)
-
-    def device(self, device: str) -> Device:
-        return self.inner.device(device)
-
-    def pool(self, pool: str) -> Pool:
-        return self.inner.pool(pool)
-
-    def subscribe(self, handler: EventHandler) -> Subscription:
-        return self.inner.subscribe(handler)
+        super().__init__(SimFabric(topology, **options))
 
     def close(self) -> None:
         self.inner.close()
