@@ -743,10 +743,11 @@ class TestReconcile:
         assert composer.reconcile() == 0
         composer.close()
 
-    def test_a_device_that_fails_while_the_manager_starts_is_healed(self, tmp_path: Path) -> None:
-        """It failed after the start-up's discovery and before the composer subscribed to the fabric's events:
-        its event went to no one, and nothing read its health again, so the composition stayed COMPOSED with
-        a FAILED device. The composer subscribes first and applies such events once it has started."""
+    @staticmethod
+    def _start_while_a_gpu_fails(tmp_path: Path, *, recovers: bool) -> tuple[FabricComposer, Composition, str]:
+        """A composition of two GPUs; then a composer started with auto-heal whose start-up bindings read fails
+        the first of them (and repairs it again, if ``recovers``) after discovery, so that the events come
+        while it starts. Returns the started composer, the composition as first made and the GPU."""
         first = opened(tmp_path)
         comp = first.compose(parse_request("job", ["host h1", "gpu x2"])).composition
         assert comp is not None
@@ -757,6 +758,8 @@ class TestReconcile:
             def bindings(self) -> Sequence[Binding]:
                 if self.device(victim).describe().health is Health.OK:
                     self.fail_device(victim, "ECC storm")
+                    if recovers:
+                        self.repair_device(victim)
                 return super().bindings()
 
         hardware = fabrics(tmp_path)
@@ -764,9 +767,27 @@ class TestReconcile:
         hardware["pcie0"] = FailsAsItIsRead(load_topology("pcie0", "demo-pcie"), state_file=tmp_path / "pcie0.json")
         composer = FabricComposer(dict(hardware), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
         composer.start()
+        return composer, comp, victim
+
+    def test_a_device_that_fails_while_the_manager_starts_is_healed(self, tmp_path: Path) -> None:
+        """It failed after the start-up's discovery and before the composer subscribed to the fabric's events:
+        its event went to no one, and nothing read its health again, so the composition stayed COMPOSED with
+        a FAILED device. The composer subscribes first and applies such events once it has started."""
+        composer, _, victim = self._start_while_a_gpu_fails(tmp_path, recovers=False)
         assert composer.device(victim).health is Health.FAILED
         healed = composer.find("job")
         assert healed.state is CompositionState.COMPOSED and victim not in healed.device_ids
+        composer.close()
+
+    def test_a_device_that_fails_and_recovers_while_the_manager_starts_is_kept(self, tmp_path: Path) -> None:
+        """Its failure and its recovery both came while the composer started, and are applied once it has: the
+        heal waits for the last of them, so the device, healthy again, stays in the composition instead of
+        being replaced on the strength of a failure already over."""
+        composer, comp, victim = self._start_while_a_gpu_fails(tmp_path, recovers=True)
+        assert composer.device(victim).health is Health.OK
+        kept = composer.find("job")
+        assert kept.state is CompositionState.COMPOSED
+        assert kept.device_ids == comp.device_ids
         composer.close()
 
     def test_a_device_that_failed_while_the_manager_was_down_degrades_or_heals(self, tmp_path: Path) -> None:

@@ -292,7 +292,8 @@ class FabricComposer(Composer):
 
     def _apply_early_events(self) -> None:
         """Apply the events that came while `start` ran, then those that come while they are applied, in order;
-        the composer is started once none is left."""
+        the composer is started once none is left. Each batch heals once its last event is applied: a device
+        that failed and came back meanwhile is healthy by then, and is kept, not replaced."""
         while True:
             with self._lock:
                 early, self._early = self._early or [], []
@@ -300,8 +301,10 @@ class FabricComposer(Composer):
                     self._early = None
                     self._started = True
                     return
+            sick: list[str] = []
             for event in early:
-                self._apply_event(event)
+                sick += [c for c in self._apply_event(event) if c not in sick]
+            self._heal_soon(sick)
 
     # ----------------------------------------------------------------- one change of a composition at a time
 
@@ -1891,14 +1894,13 @@ class FabricComposer(Composer):
             if self._early is not None:  # starting: applied once the ledger and the index are built
                 self._early.append(event)
                 return
-        self._apply_event(event)
+        self._heal_soon(self._apply_event(event))
 
-    def _apply_event(self, event: FabricEvent) -> None:
+    def _apply_event(self, event: FabricEvent) -> list[str]:
+        """Apply one fabric event; returns the compositions it leaves to heal (auto-heal, a device failed)."""
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             affected = self._health_changed(event.subject, event.health, event.message)
-            if self.auto_heal and event.health is not Health.OK:
-                self._heal_soon(affected)
-            return
+            return affected if self.auto_heal and event.health is not Health.OK else []
         with self._lock:
             self._rebuild()
             self._mark_unknown()
@@ -1914,6 +1916,7 @@ class FabricComposer(Composer):
             )
             for comp in list(self._compositions.values()):
                 self._reassess(comp)
+        return []
 
     def _reassess(self, comp: Composition) -> None:
         """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now."""
