@@ -337,3 +337,48 @@ class TestWatchAcrossARestart:
         churn(served, 2)
         failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=1, after_time=when))
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("after_time",)
+
+
+class TestWatchFromAListing:
+    """A listing's revision carries the time of its event (`revision_time`), which a watch from it sends."""
+
+    @pytest.mark.parametrize(
+        "listing",
+        ["compositions_at", "reservations_at", "devices_at", "device_statuses_at", "topologies_at", "usage_at"],
+    )
+    def test_a_watch_from_a_listing_of_a_log_reset_since_is_refused(self, tmp_path: Path, listing: str) -> None:
+        """An in-memory ledger restarted after the listing: once the new log passes the listing's revision, a
+        watch from it went on at the next revision, and the client never saw the new log's earlier changes
+        (the new compositions among them). The listing's time, sent with the watch, is not the new log's."""
+        with serving(socket_path(tmp_path), store=MemoryStore()) as first:
+            churn(first, 3)
+            with FabricManagerClient(f"unix:{socket_path(tmp_path)}", timeout_s=WAIT_S) as client:
+                _, revision = getattr(client, listing)()
+        assert revision == 3 and revision.time > 0
+        with serving(socket_path(tmp_path), store=MemoryStore()) as second:
+            churn(second, 5)
+            with FabricManagerClient(f"unix:{socket_path(tmp_path)}", timeout_s=WAIT_S) as client:
+                stream = client.watch(revision)
+                with pytest.raises(RevisionCompactedError, match="reset or restored since revision 3"):
+                    next(stream)
+
+    def test_a_watch_from_a_listing_on_the_same_log_goes_on(self, tmp_path: Path) -> None:
+        """Across a restart on the same ledger, the listing's revision still names its event: the watch follows
+        on from it with no gap and no duplicate."""
+        with serving(socket_path(tmp_path), store=SqliteStore(tmp_path / "l.db")) as first:
+            churn(first, 3)
+            with FabricManagerClient(f"unix:{socket_path(tmp_path)}", timeout_s=WAIT_S) as client:
+                _, revision = client.compositions_at()
+        with serving(socket_path(tmp_path), store=SqliteStore(tmp_path / "l.db")) as second:
+            churn(second, 2)
+            with FabricManagerClient(f"unix:{socket_path(tmp_path)}", timeout_s=WAIT_S) as client:
+                stream = client.watch(revision)
+                try:
+                    assert [next(stream).revision for _ in range(2)] == [4, 5]
+                finally:
+                    stream.close()
+
+    def test_an_empty_log_has_no_time(self, served: Served) -> None:
+        """Before the first event there is no event to name: revision 0, time 0, and a watch of the whole log."""
+        response = served.stub.ListCompositions(fm.ListCompositionsRequest(), timeout=WAIT_S)
+        assert (response.revision, response.revision_time) == (0, 0.0)

@@ -32,6 +32,7 @@ from disagg.model import (
     Health,
     Reservation,
     ResourceRequest,
+    Revision,
     Topology,
 )
 from disagg.wire.errors import build, from_rpc_error, server_status
@@ -105,6 +106,9 @@ class _Page(Protocol):
     @property
     def revision(self) -> int: ...
 
+    @property
+    def revision_time(self) -> float: ...
+
 
 P = TypeVar("P", bound=_Page)
 
@@ -143,7 +147,9 @@ class FabricManagerClient:
 
     Each listing has an ``*_at`` twin that also answers the event revision it was read at (`compositions_at`,
     `reservations_at`, `devices_at`, `device_statuses_at`, `topologies_at`, `usage_at`): `watch` from that
-    revision follows every later change, none missed and none repeated.
+    revision follows every later change, none missed and none repeated. The revision is a `Revision`, an int
+    that carries the time of its event: a watch from it sends that time, so that a log reset or restored since
+    is refused (`RevisionCompactedError`) instead of followed past the changes it lost.
 
     ``channel`` replaces the plaintext channel the client opens by default (for TLS or interceptors); the client
     closes it.
@@ -230,7 +236,7 @@ class FabricManagerClient:
         finally:
             ready.cancel()
 
-    def _pages(self, rpc: Callable[[float], P], request: _PageRequest) -> tuple[list[P], int]:
+    def _pages(self, rpc: Callable[[float], P], request: _PageRequest) -> tuple[list[P], Revision]:
         """Every page of a listing (``rpc`` reads ``request``, whose token this advances) and the lowest
         revision among them, the first page's: a watch from it misses no change made while paging."""
         pages: list[P] = []
@@ -239,7 +245,8 @@ class FabricManagerClient:
             resp = self._call(rpc, idempotent=True)
             pages.append(resp)
             if not resp.next_page_token or resp.next_page_token in seen:
-                return pages, min(p.revision for p in pages)
+                first = min(pages, key=lambda p: p.revision)
+                return pages, Revision(first.revision, first.revision_time)
             seen.add(resp.next_page_token)
             request.page_token = resp.next_page_token
 
@@ -290,10 +297,11 @@ class FabricManagerClient:
         """Every fabric's discovered topology."""
         return self.topologies_at()[0]
 
-    def topologies_at(self) -> tuple[list[Topology], int]:
+    def topologies_at(self) -> tuple[list[Topology], Revision]:
         """`topologies`, and the event revision they were read at."""
         resp = self._call(lambda t: self._stub.GetTopology(fm.GetTopologyRequest(), timeout=t), idempotent=True)
-        return [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)], resp.revision
+        topologies = [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)]
+        return topologies, Revision(resp.revision, resp.revision_time)
 
     def device_statuses(
         self,
@@ -313,7 +321,7 @@ class FabricManagerClient:
         fabric: str | None = None,
         health: Health | None = None,
         free_only: bool = False,
-    ) -> tuple[list[DeviceStatus], int]:
+    ) -> tuple[list[DeviceStatus], Revision]:
         """`device_statuses`, and the event revision they were read at (the first page's, when there are more)."""
         request = fm.ListDevicesRequest(
             kind=KIND_TO_WIRE[kind] if kind is not None else pb.DEVICE_KIND_UNSPECIFIED,
@@ -332,7 +340,7 @@ class FabricManagerClient:
         fabric: str | None = None,
         health: Health | None = None,
         free_only: bool = False,
-    ) -> tuple[list[Device], int]:
+    ) -> tuple[list[Device], Revision]:
         """`devices`, and the event revision they were read at (the first page's, when there are more)."""
         statuses, revision = self.device_statuses_at(kind=kind, fabric=fabric, health=health, free_only=free_only)
         return [s.device for s in statuses], revision
@@ -369,7 +377,7 @@ class FabricManagerClient:
         """Per kind: devices in all, free, used and unhealthy; per pool: bytes in all and free."""
         return self.usage_at()[0]
 
-    def usage_at(self) -> tuple[tuple[list[KindUsage], list[PoolUsage]], int]:
+    def usage_at(self) -> tuple[tuple[list[KindUsage], list[PoolUsage]], Revision]:
         """`usage`, and the event revision it was read at: ``(kinds, pools), revision = fm.usage_at()``."""
         resp = self._call(lambda t: self._stub.ListPools(fm.ListPoolsRequest(), timeout=t), idempotent=True)
         kinds = [
@@ -380,7 +388,7 @@ class FabricManagerClient:
         for n, p in enumerate(resp.pools):
             info = pool_info_from_wire(p.pool, f"pools[{n}].pool")
             pools.append(PoolUsage(info.id, info.device, info.capacity.total_bytes, p.free_bytes))
-        return (kinds, pools), resp.revision
+        return (kinds, pools), Revision(resp.revision, resp.revision_time)
 
     def cordon(self, device_id: str) -> Device:
         """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
@@ -474,7 +482,7 @@ class FabricManagerClient:
         """Every composition, in name order; every page is fetched."""
         return self.compositions_at()[0]
 
-    def compositions_at(self) -> tuple[list[Composition], int]:
+    def compositions_at(self) -> tuple[list[Composition], Revision]:
         """`compositions`, and the event revision they were read at (the first page's, when there are more).
 
         ``comps, revision = fm.compositions_at()``, then ``fm.watch(after_revision=revision)`` follows every
@@ -525,7 +533,7 @@ class FabricManagerClient:
         every page is fetched."""
         return self.reservations_at()[0]
 
-    def reservations_at(self) -> tuple[list[Reservation], int]:
+    def reservations_at(self) -> tuple[list[Reservation], Revision]:
         """`reservations`, and the event revision they were read at (the first page's, when there are more)."""
         request = fm.ListReservationsRequest(page_size=PAGE_SIZE)
         pages, revision = self._pages(lambda t: self._stub.ListReservations(request, timeout=t), request)
@@ -545,7 +553,8 @@ class FabricManagerClient:
     # ----------------------------------------------------------------- events
 
     def watch(self, after_revision: int = 0, *, resume: bool = True) -> EventStream:
-        """Events with a revision above ``after_revision``, then live ones as they happen, in order.
+        """Events with a revision above ``after_revision``, then live ones as they happen, in order. A `Revision`
+        from a listing carries its event's time, and the watch sends it (see the class's docstring).
 
         Iterate the returned stream; `EventStream.close` (from any thread, or leaving its ``with`` block)
         cancels it. With ``resume``, a stream broken by UNAVAILABLE is reopened from the last revision seen,
@@ -572,10 +581,11 @@ class EventStream(Iterator[Event]):
         self._closed = False
         self.last_revision = after_revision
         """The revision of the last event delivered (``after_revision`` before the first)."""
-        self.last_time = 0.0
-        """The time of that event (0 before the first): a resume sends it, so that a log reset or restored since
-        is refused (OUT_OF_RANGE) rather than resumed over the events it would skip."""
-        self._call: _StreamCall = client._open_watch(after_revision)
+        self.last_time = after_revision.time if isinstance(after_revision, Revision) else 0.0
+        """The time of that event (a listing's `Revision` gives it before the first; 0 when not known): the watch
+        sends it, so that a log reset or restored since is refused (OUT_OF_RANGE) rather than followed over the
+        events it would skip."""
+        self._call: _StreamCall = client._open_watch(after_revision, self.last_time)
 
     def __iter__(self) -> EventStream:
         return self

@@ -68,6 +68,7 @@ from disagg.model import (
     PriorState,
     Reservation,
     ResourceRequest,
+    Revision,
     Topology,
 )
 from disagg.model.composition import revise
@@ -222,6 +223,8 @@ class FabricComposer(Composer):
         self._listeners: list[EventListener] = []
         self._subscriptions: list[Subscription] = []
         self._revision = 0
+        self._revision_time = 0.0
+        """The time of the event at ``_revision`` (`snapshot` answers it with the revision)."""
         self._cordoned: set[str] = set()
         self._unreachable: set[str] = set()
         """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
@@ -270,6 +273,8 @@ class FabricComposer(Composer):
         with self._lock:
             state = self.store.load()
             self._revision = state.last_revision
+            newest = self.store.events_after(state.last_revision - 1, 1) if state.last_revision else []
+            self._revision_time = newest[0].time if newest and newest[0].revision == state.last_revision else 0.0
             self._compositions = {c.id: c for c in state.compositions}
             self._reservations = {r.id: r for r in state.reservations}
             self._names = {c.name: c.id for c in state.compositions}
@@ -842,6 +847,7 @@ class FabricComposer(Composer):
     def _emit(self, type_: EventType, subject: str, message: str = "", **data: str) -> Event:
         self._revision += 1
         event = Event(self._revision, type_, subject, message, self.clock(), data)
+        self._revision_time = event.time
         self.store.append_event(event)
         for listener in list(self._listeners):
             try:
@@ -908,8 +914,9 @@ class FabricComposer(Composer):
     def revision(self) -> int:
         return self._revision
 
-    def snapshot(self, read: Callable[[], T]) -> tuple[T, int]:
-        """``read()`` and the event revision its answer reflects, taken together under the composer's lock.
+    def snapshot(self, read: Callable[[], T]) -> tuple[T, Revision]:
+        """``read()`` and the event revision its answer reflects, taken together under the composer's lock; the
+        revision carries the time of its event, which tells this log from one reset or restored since.
 
         Every change emits its event under the same lock, so the answer includes exactly the events up to that
         revision: a watch from it (`events`, or the server's WatchEvents) misses no later change and repeats no
@@ -921,7 +928,7 @@ class FabricComposer(Composer):
         restart, and a watch from it would miss them and the changes the crash undid, without an error.
         """
         with self._lock:
-            answer, revision = read(), self._revision
+            answer, revision = read(), Revision(self._revision, self._revision_time)
         self.store.await_event(revision)
         return answer, revision
 

@@ -35,7 +35,7 @@ from disagg.model.devices import (
     device_id,
     fabric_name_refusal,
 )
-from disagg.model.events import Event, EventType, FabricEvent, FabricEventKind
+from disagg.model.events import Event, EventType, FabricEvent, FabricEventKind, Revision
 from disagg.model.topology import (
     Host,
     Link,
@@ -88,6 +88,7 @@ __all__ = [
     "PriorState",
     "Reservation",
     "ResourceRequest",
+    "Revision",
     "Selector",
     "SelectorOp",
     "Switch",

@@ -63,3 +63,17 @@ class Event:
     message: str = ""
     time: float = 0.0
     data: Mapping[str, str] = attrs.field(factory=dict, converter=_freeze_labels)
+
+
+class Revision(int):
+    """An event revision, carrying the time of the event at it (0.0 while the log is empty or when not known).
+    A listing answers one; a watch from it sends the time too (`WatchEventsRequest.after_time`), so that a log
+    reset or restored since, whose revisions now name other events, is refused instead of followed with a gap.
+    An ``int`` still, wherever a revision is compared or counted."""
+
+    time: float
+
+    def __new__(cls, revision: int, time: float = 0.0) -> Revision:
+        made = super().__new__(cls, revision)
+        made.time = time
+        return made

@@ -198,7 +198,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             )
             for topo in topologies
         ]
-        return fm.GetTopologyResponse(fabrics=fabrics, revision=revision)
+        return fm.GetTopologyResponse(fabrics=fabrics, revision=revision, revision_time=revision.time)
 
     @_unary
     def ListDevices(self, request: fm.ListDevicesRequest, context: RpcContext) -> fm.ListDevicesResponse:
@@ -234,6 +234,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             devices=[devices.to_wire(d) for d in found],
             next_page_token=token,
             revision=revision,
+            revision_time=revision.time,
         )
 
     @_unary
@@ -251,6 +252,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             pools=[pool_usage_to_wire(infos[p.pool], p.free_bytes) for p in pools if p.pool in infos],
             kinds=[kind_usage_to_wire(k) for k in kinds],
             revision=revision,
+            revision_time=revision.time,
         )
 
     @_unary
@@ -333,6 +335,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             compositions=[composition_to_wire(c) for c in comps],
             next_page_token=token,
             revision=revision,
+            revision_time=revision.time,
         )
 
     def recompose_change(self, request: fm.UpdateCompositionRequest, context: RpcContext) -> Steps[Composition]:
@@ -379,6 +382,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             reservations=[reservation_to_wire(r) for r in found],
             next_page_token=token,
             revision=revision,
+            revision_time=revision.time,
         )
 
     @_unary

@@ -205,8 +205,14 @@ class GetTopologyResponse(_message.Message):
 
     FABRICS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    REVISION_TIME_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The event revision the topology was read at; watch from it to follow every later change."""
+    revision_time: _builtins.float
+    """The time of the event at revision (0 while the log is empty): give it as WatchEventsRequest.after_time
+    with after_revision = revision, so that a watch from this listing is refused if the log was reset or
+    restored since.
+    """
     @_builtins.property
     def fabrics(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Topology]: ...
     def __init__(
@@ -214,10 +220,11 @@ class GetTopologyResponse(_message.Message):
         *,
         fabrics: _abc.Iterable[_types_pb2.Topology] | None = ...,
         revision: _builtins.int = ...,
+        revision_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fabrics", b"fabrics", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fabrics", b"fabrics", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -270,10 +277,16 @@ class ListDevicesResponse(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    REVISION_TIME_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty on the last page."""
     revision: _builtins.int
     """The event revision this page was read at (each page has its own; the first page's is the lowest)."""
+    revision_time: _builtins.float
+    """The time of the event at revision (0 while the log is empty): give it as WatchEventsRequest.after_time
+    with after_revision = revision, so that a watch from this listing is refused if the log was reset or
+    restored since.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Device]: ...
     def __init__(
@@ -282,10 +295,11 @@ class ListDevicesResponse(_message.Message):
         devices: _abc.Iterable[_types_pb2.Device] | None = ...,
         next_page_token: _builtins.str = ...,
         revision: _builtins.int = ...,
+        revision_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "next_page_token", b"next_page_token", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,8 +424,14 @@ class ListPoolsResponse(_message.Message):
     POOLS_FIELD_NUMBER: _builtins.int
     KINDS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    REVISION_TIME_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """The event revision the pools and counts were read at."""
+    revision_time: _builtins.float
+    """The time of the event at revision (0 while the log is empty): give it as WatchEventsRequest.after_time
+    with after_revision = revision, so that a watch from this listing is refused if the log was reset or
+    restored since.
+    """
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolUsage]: ...
     @_builtins.property
@@ -422,10 +442,11 @@ class ListPoolsResponse(_message.Message):
         pools: _abc.Iterable[Global___PoolUsage] | None = ...,
         kinds: _abc.Iterable[Global___KindUsage] | None = ...,
         revision: _builtins.int = ...,
+        revision_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kinds", b"kinds", "pools", b"pools", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kinds", b"kinds", "pools", b"pools", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -878,10 +899,16 @@ class ListCompositionsResponse(_message.Message):
     COMPOSITIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    REVISION_TIME_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty on the last page."""
     revision: _builtins.int
     """The event revision this page was read at (each page has its own; the first page's is the lowest)."""
+    revision_time: _builtins.float
+    """The time of the event at revision (0 while the log is empty): give it as WatchEventsRequest.after_time
+    with after_revision = revision, so that a watch from this listing is refused if the log was reset or
+    restored since.
+    """
     @_builtins.property
     def compositions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Composition]: ...
     def __init__(
@@ -890,10 +917,11 @@ class ListCompositionsResponse(_message.Message):
         compositions: _abc.Iterable[Global___Composition] | None = ...,
         next_page_token: _builtins.str = ...,
         revision: _builtins.int = ...,
+        revision_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compositions", b"compositions", "next_page_token", b"next_page_token", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compositions", b"compositions", "next_page_token", b"next_page_token", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1030,10 +1058,16 @@ class ListReservationsResponse(_message.Message):
     RESERVATIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    REVISION_TIME_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Empty on the last page."""
     revision: _builtins.int
     """The event revision this page was read at (each page has its own; the first page's is the lowest)."""
+    revision_time: _builtins.float
+    """The time of the event at revision (0 while the log is empty): give it as WatchEventsRequest.after_time
+    with after_revision = revision, so that a watch from this listing is refused if the log was reset or
+    restored since.
+    """
     @_builtins.property
     def reservations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Reservation]:
         """In id order, each with its whole request; expired, applied and released ones are gone."""
@@ -1044,10 +1078,11 @@ class ListReservationsResponse(_message.Message):
         reservations: _abc.Iterable[Global___Reservation] | None = ...,
         next_page_token: _builtins.str = ...,
         revision: _builtins.int = ...,
+        revision_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "reservations", b"reservations", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "reservations", b"reservations", "revision", b"revision", "revision_time", b"revision_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1237,8 +1272,8 @@ class WatchEventsRequest(_message.Message):
     listing's revision here follows every change made after that listing was read.
     """
     after_time: _builtins.float
-    """The time of the event at after_revision, as it was received (0: not known, as after a listing). A watch
-    that resumes from an event gives it: if the log's event at that revision has another time, the log was
+    """The time of the event at after_revision, as it was received, or a listing's revision_time (0: not known).
+    A watch that resumes from an event or a listing gives it: if the log's event at that revision has another time, the log was
     reset or restored from a backup since, its revisions now name other events, and the watch is refused
     with OUT_OF_RANGE (REVISION_COMPACTED) instead of resuming over the events it would miss.
     """
