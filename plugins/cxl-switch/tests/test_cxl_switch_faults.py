@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from cxl_switch_served import Clock, Respond, ServedSwitch, command_of, truncated
+from cxl_switch_wire import ld_units
 from disagg.composer.execution import in_doubt
 from disagg.errors import (
     OUTCOME,
@@ -32,6 +33,7 @@ from disagg_cxl_switch.emulator.vendor import VendorOpcode
 from disagg_cxl_switch.fmapi import Opcode
 
 MIB = 1 << 20
+MLD_PORT = 4
 WAIT_S = 5.0
 BINDING = Binding("f/port2", "h0")
 
@@ -194,6 +196,24 @@ class TestOutcomeUnknown:
         assert in_doubt(raised.value)
         clock.now = 10.0
         wait_until(lambda: fabric.bindings() == [BINDING])
+
+
+class TestInjectedBindFailure:
+    """A bind armed to fail (`flaky_bind`) is a known refusal, whatever becomes of Inject Bind Failure: nothing is
+    bound, so the error does not say the outcome is unknown."""
+
+    @pytest.mark.parametrize("act", [bind, mld_allocate], ids=["bind", "mld-allocate"])
+    def test_a_lost_answer_to_inject_bind_failure(self, bench: Bench, act: Act) -> None:
+        served = bench.serve()
+        fabric = bench.fabric(served)
+        before = ld_units(served.address, MLD_PORT)
+        fabric.flaky_bind(None, 1)
+        served.respond = lose_first(VendorOpcode.INJECT_BIND_FAILURE)
+        with pytest.raises(FabricUnavailableError) as raised:
+            act(fabric)
+        assert not in_doubt(raised.value)
+        assert fabric.bindings() == [] and allocation_ids(fabric, PoolKind.MLD) == []
+        assert ld_units(served.address, MLD_PORT) == before
 
 
 class TestBackgroundBound:

@@ -11,16 +11,25 @@ from pathlib import Path
 
 import pytest
 from cxl_switch_served import ServedSwitch, command_of
+from cxl_switch_wire import ld_units
 from disagg.composer.execution import in_doubt
 from disagg.errors import DeviceBusyError, DisaggError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg_cxl_switch import CCIMessage
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric
-from disagg_cxl_switch.driver.client import CCIClient
+from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError
 from disagg_cxl_switch.emulator import Switch, default_topology
 from disagg_cxl_switch.emulator.state import GIB
-from disagg_cxl_switch.fmapi import BindVPPBRequest, Opcode, UnbindOption, UnbindVPPBRequest
+from disagg_cxl_switch.emulator.vendor import VendorOpcode
+from disagg_cxl_switch.fmapi import (
+    BindVPPBRequest,
+    LDAllocation,
+    Opcode,
+    SetLDAllocationsRequest,
+    UnbindOption,
+    UnbindVPPBRequest,
+)
 
 H1_VCS = 1
 GPU_PORT, OTHER_GPU_PORT, MLD_PORT = 2, 3, 4
@@ -104,3 +113,63 @@ def test_an_ld_the_peer_bound_after_the_drivers_read_is_retried(bench: Bench) ->
     retried = pool.allocate("a", "h0", GIB, ctx())
     assert sorted((a.id, a.host) for a in pool.allocations()) == [("a", "h0"), ("ld-0", "h1")]
     assert retried.amount_bytes == GIB
+
+
+def bind_gpu(bench: Bench) -> object:
+    return bench.fabric.bind("f/port2", "h0", ctx())
+
+
+def allocate_ld(bench: Bench) -> object:
+    return bench.fabric.pool(f"f/mld-port{MLD_PORT}").allocate("a", "h0", GIB, ctx())
+
+
+@pytest.mark.parametrize(
+    ("device", "act"), [("f/port2", bind_gpu), (f"f/port{MLD_PORT}", allocate_ld)], ids=["bind", "ld"]
+)
+def test_a_status_the_peers_bind_replaced_is_no_success(
+    bench: Bench, device: str, act: Callable[[Bench], object]
+) -> None:
+    """The driver's Bind vPPB fails in the background; before the driver reads Background Operation Status, the
+    peer's Bind vPPB, of the same opcode, replaces it with its own success. The switch does not hold what the
+    driver asked for, so its outcome is unknown, not the peer's success."""
+    peer_bind = BindVPPBRequest(H1_VCS, 0, OTHER_GPU_PORT)
+    bench.after_first(Opcode.BIND_VPPB, lambda: bench.peer.call(Opcode.BIND_VPPB, peer_bind))
+    bench.fabric.flaky_bind(device, 1)
+    with pytest.raises(FabricUnavailableError) as raised:
+        act(bench)
+    assert in_doubt(raised.value)
+    assert bench.fabric.bindings() == [Binding("f/port3", "h1")]
+    assert bench.fabric.pool(f"f/mld-port{MLD_PORT}").allocations() == []
+
+
+def test_a_status_the_peers_failed_bind_replaced_is_no_failure(bench: Bench) -> None:
+    """The driver's Bind vPPB succeeds; before the driver reads the status, the peer's Bind vPPB fails and replaces
+    it. The switch holds the driver's binding: a failure would leave it bound, unknown to the caller."""
+
+    def peer_bind_fails() -> None:
+        bench.peer.call(VendorOpcode.INJECT_BIND_FAILURE)
+        with contextlib.suppress(CommandFailedError):
+            bench.peer.call(Opcode.BIND_VPPB, BindVPPBRequest(H1_VCS, 0, OTHER_GPU_PORT))
+
+    bench.after_first(Opcode.BIND_VPPB, peer_bind_fails)
+    assert bench.fabric.bind("f/port2", "h0", ctx()) == Binding("f/port2", "h0")
+    assert bench.fabric.bindings() == [Binding("f/port2", "h0")]
+
+
+def test_a_failed_carve_leaves_the_ld_the_peer_carved_since(bench: Bench) -> None:
+    """Once the driver's carve has set the unbound LDs 1-3 to 0, the peer gives LD 1 memory and binds it; the
+    driver's LD bind then fails. Its rollback sets back only the LDs it changed that nobody took since."""
+    pool = bench.fabric.pool(f"f/mld-port{MLD_PORT}")
+    assert ld_units(bench.served.address, MLD_PORT) == [4, 4, 4, 4]
+
+    def peer_carves_ld_1() -> None:
+        bench.peer.tunnel(MLD_PORT, Opcode.SET_LD_ALLOCATIONS, SetLDAllocationsRequest(1, (LDAllocation(2, 0),)))
+        bench.peer.call(Opcode.BIND_VPPB, BindVPPBRequest(H1_VCS, 0, MLD_PORT, 1))
+
+    bench.after_first(Opcode.SET_LD_ALLOCATIONS, peer_carves_ld_1)
+    bench.fabric.flaky_bind(f"f/port{MLD_PORT}", 1)
+    with pytest.raises(FabricUnavailableError, match="INTERNAL_ERROR") as raised:
+        pool.allocate("a", "h0", 2 * GIB, ctx())
+    assert not in_doubt(raised.value)
+    assert ld_units(bench.served.address, MLD_PORT) == [4, 2, 4, 4]
+    assert [(a.id, a.host, a.amount_bytes) for a in pool.allocations()] == [("ld-1", "h1", GIB // 2)]

@@ -57,6 +57,9 @@ _QUERIES = frozenset(
 
 T = TypeVar("T")
 
+Verify = Callable[[], bool | None]
+"""Whether the switch now holds what a background command asked for; None while the vPPB is still changing."""
+
 
 def changes_switch(opcode: int) -> bool:
     return opcode not in _QUERIES
@@ -75,15 +78,18 @@ class Encodable(Protocol):
     def encode(self) -> bytes: ...
 
 
+def _code_name(return_code: int) -> str:
+    try:
+        return ReturnCode(return_code).name
+    except ValueError:
+        return f"{return_code:#06x}"
+
+
 class CommandFailedError(DisaggError):
     """A command answered with a return code other than Success; the caller maps it to the contract's error."""
 
     def __init__(self, opcode: int, return_code: int) -> None:
-        try:
-            name = ReturnCode(return_code).name
-        except ValueError:
-            name = f"{return_code:#06x}"
-        super().__init__(f"FM API command {opcode:04X}h failed: {name}")
+        super().__init__(f"FM API command {opcode:04X}h failed: {_code_name(return_code)}")
         self.opcode = opcode
         self.return_code = return_code
 
@@ -209,11 +215,13 @@ class CCIClient:
         ctx: CallContext | None = None,
         *,
         changes: bool | None = None,
+        verify: Verify | None = None,
     ) -> bytes:
-        """A command that must succeed (or start in the background, which is waited for); its payload."""
+        """A command that must succeed (or start in the background, which is waited for and, given ``verify``,
+        checked on the switch; see `wait_background`); its payload."""
         response = self.request(opcode, payload, ctx, changes=changes)
         if response.return_code == ReturnCode.BACKGROUND_COMMAND_STARTED:
-            self.wait_background(opcode, ctx)
+            self.wait_background(opcode, ctx, verify)
             return b""
         if response.return_code != ReturnCode.SUCCESS:
             raise CommandFailedError(opcode, response.return_code)
@@ -238,34 +246,53 @@ class CCIClient:
             raise CommandFailedError(opcode, response.return_code)
         return response.payload
 
-    def wait_background(self, opcode: int, ctx: CallContext | None) -> None:
-        """Poll Background Operation Status until the command is done; its failure as `CommandFailedError`. The
+    def wait_background(self, opcode: int, ctx: CallContext | None, verify: Verify | None = None) -> None:
+        """Poll Background Operation Status until the command is done; its failure as `CommandFailedError`.
+
+        The status is the switch's last background command, whoever sent it: another client's command, even of the
+        same opcode, may have replaced the driver's before it was read. So ``verify`` then reads whether the switch
+        holds what the command asked for, and that decides: held is success; not held is the command's failure if
+        the status says this opcode failed, else its outcome is unknown (a success read that is not seen on the
+        switch is someone else's). Without ``verify``, only a status of this opcode is taken as the command's. The
         command is running on the switch, so any other failure (the deadline, `BACKGROUND_TIMEOUT_S`, a lost or
-        malformed status) leaves its outcome unknown."""
+        malformed status or read) leaves its outcome unknown."""
         try:
-            self._poll_background(opcode, ctx)
+            status = self._poll_background(opcode, ctx)
+            held = verify() if verify is not None else None
         except CommandFailedError as exc:
-            if exc.opcode == opcode:
-                raise
-            unread = FabricUnavailableError(f"FM API command {opcode:04X}h: its status is unreadable: {exc.message}")
+            unread = FabricUnavailableError(f"FM API command {opcode:04X}h: its outcome is unreadable: {exc.message}")
             raise outcome_unknown(unread) from None
         except DisaggError as exc:
             raise outcome_unknown(exc) from None
+        ours = status.command_opcode == opcode
+        failed = ours and status.return_code != ReturnCode.SUCCESS
+        if verify is None:
+            if failed:
+                raise CommandFailedError(opcode, status.return_code)
+            if ours:
+                return
+            seen = "(another client's command, or a reset)"
+        elif held:
+            return
+        elif failed and held is False:
+            raise CommandFailedError(opcode, status.return_code)
+        else:
+            seen = "but the switch does not show it done (another client's status replaced its own)"
+        raise outcome_unknown(
+            FabricUnavailableError(
+                f"FM API command {opcode:04X}h: Background Operation Status reports {status.command_opcode:04X}h "
+                f"{_code_name(status.return_code)} {seen}, so its own outcome is unknown"
+            )
+        )
 
-    def _poll_background(self, opcode: int, ctx: CallContext | None) -> None:
+    def _poll_background(self, opcode: int, ctx: CallContext | None) -> BackgroundOperationStatusResponse:
+        """The status once no background command runs (or one of another opcode is reported)."""
         give_up = time.monotonic() + BACKGROUND_TIMEOUT_S
         while True:
             raw = self.call(BACKGROUND_OPERATION_STATUS, b"", ctx)
             status = decode(BackgroundOperationStatusResponse.decode, raw)
-            if status.command_opcode != opcode:
-                raise FabricUnavailableError(
-                    f"FM API command {opcode:04X}h: Background Operation Status reports {status.command_opcode:04X}h "
-                    "(another client's command, or a reset), so its own outcome is unknown"
-                )
-            if not status.running:
-                if status.return_code != ReturnCode.SUCCESS:
-                    raise CommandFailedError(opcode, status.return_code)
-                return
+            if status.command_opcode != opcode or not status.running:
+                return status
             now = time.monotonic() + POLL_INTERVAL_S
             if ctx is not None and ctx.deadline is not None and now >= ctx.deadline:
                 raise DeadlineExceededError(f"FM API command {opcode:04X}h did not finish before the deadline")

@@ -39,7 +39,7 @@ from disagg.model import (
 from disagg.statedir import claim
 
 from disagg_cxl_switch.driver import layout, process
-from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, bind_error
+from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, Verify, bind_error
 from disagg_cxl_switch.driver.events import EventPoller, next_sequence
 from disagg_cxl_switch.driver.layout import PortView, SwitchView
 from disagg_cxl_switch.driver.mld_pool import MLDPool
@@ -55,6 +55,7 @@ from disagg_cxl_switch.emulator.vendor import (
     VendorOpcode,
 )
 from disagg_cxl_switch.fmapi import (
+    LD_ID_NOT_MLD,
     BindVPPBRequest,
     Opcode,
     PhysicalPortControlRequest,
@@ -164,24 +165,49 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         """Held from choosing a free vPPB until its Bind or Unbind vPPB is done: the switch runs one at a time."""
         return self._op_lock
 
-    def change(self, opcode: int, payload: Encodable, ctx: CallContext, *, port: int | None = None) -> bytes:
+    def change(
+        self,
+        opcode: int,
+        payload: Encodable,
+        ctx: CallContext,
+        *,
+        port: int | None = None,
+        verify: Verify | None = None,
+    ) -> bytes:
         """Send a command that changes the switch (tunnelled to ``port`` if given), fencing first: the caller
         holds its lock by now, and a call that queued for it must not land after a newer epoch was seen."""
         self._state.fence(ctx.epoch)
         if port is None:
-            return self._client.call(opcode, payload, ctx)
+            return self._client.call(opcode, payload, ctx, verify=verify)
         return self._client.tunnel(port, opcode, payload, ctx)
 
     def bind_vppb(self, device: str, request: BindVPPBRequest, ctx: CallContext) -> None:
-        """Bind vPPB, waited for; the caller holds `vppb_lock`. A bind armed by `flaky_bind` is made to fail in
-        the switch (Inject Bind Failure) first. The switch's refusal or failure is `CommandFailedError`."""
+        """Bind vPPB, waited for and then checked on the switch (another client's Bind vPPB may have replaced its
+        status); the caller holds `vppb_lock`. A bind armed by `flaky_bind` is made to fail in the switch (Inject
+        Bind Failure) first: that command binds nothing, and Bind vPPB is not sent if it fails, so its failure
+        (even a lost answer) is a plain one, never an outcome unknown. The switch's refusal or failure of the bind
+        is `CommandFailedError`."""
         if self._take_flaky(device):
-            self.change(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx)
-        self.change(Opcode.BIND_VPPB, request, ctx)
+            self._state.fence(ctx.epoch)
+            self._client.call(VendorOpcode.INJECT_BIND_FAILURE, InjectBindFailureRequest(), ctx, changes=False)
+        ld = None if request.ld_id == LD_ID_NOT_MLD else request.ld_id
 
-    def unbind_vppb(self, request: UnbindVPPBRequest, ctx: CallContext) -> None:
-        """Unbind vPPB, waited for; the caller holds `vppb_lock`."""
-        self.change(Opcode.UNBIND_VPPB, request, ctx)
+        def bound() -> bool | None:
+            return self._view.holds(
+                self._client, request.vcs_id, request.vppb_id, request.physical_port_id, ld=ld, ctx=ctx
+            )
+
+        self.change(Opcode.BIND_VPPB, request, ctx, verify=bound)
+
+    def unbind_vppb(self, request: UnbindVPPBRequest, ctx: CallContext, *, port: int, ld: int | None = None) -> None:
+        """Unbind vPPB of the vPPB bound to ``port`` (its LD ``ld``), waited for and then checked on the switch;
+        the caller holds `vppb_lock`."""
+
+        def unbound() -> bool | None:
+            held = self._view.holds(self._client, request.vcs_id, request.vppb_id, port, ld=ld, ctx=ctx)
+            return None if held is None else not held
+
+        self.change(Opcode.UNBIND_VPPB, request, ctx, verify=unbound)
 
     def check_host(self, host: str) -> int:
         """The VCS id of ``host``; `UnknownHostError`, or `HostUnreachableError` when its link is down."""
@@ -271,7 +297,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
             for vppb in held:
                 try:
-                    self.unbind_vppb(UnbindVPPBRequest(vcs, vppb, option), ctx)
+                    self.unbind_vppb(UnbindVPPBRequest(vcs, vppb, option), ctx, port=port)
                 except CommandFailedError as exc:
                     raise FabricUnavailableError(
                         f"unbind {binding.device} from {binding.host}: {exc.message}"

@@ -159,6 +159,26 @@ class SwitchView:
             if vppb.binding_status == VPPBBindingStatus.BOUND_PHYSICAL_PORT and vppb.bound_port_id in self.device_of
         ]
 
+    def holds(
+        self, client: CCIClient, vcs_id: int, vppb_id: int, port: int, *, ld: int | None, ctx: CallContext | None
+    ) -> bool | None:
+        """Whether vPPB ``vppb_id`` of VCS ``vcs_id`` is bound to ``port`` (to its LD ``ld`` when given, else whole);
+        None while a bind or unbind of it runs, or when the switch does not report it."""
+        request = GetVirtualCxlSwitchInfoRequest(vppb_id, 1, (vcs_id,))
+        raw = client.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request, ctx)
+        vcss = decode(lambda data: GetVirtualCxlSwitchInfoResponse.decode(data, vppb_id, 1), raw).vcss
+        entries = [vcs.vppbs[0] for vcs in vcss if vcs.vcs_id == vcs_id and vcs.vppbs]
+        if len(entries) != 1 or entries[0].binding_status == VPPBBindingStatus.BIND_OR_UNBIND_IN_PROGRESS:
+            return None
+        entry = entries[0]
+        if ld is None:
+            return entry.binding_status == VPPBBindingStatus.BOUND_PHYSICAL_PORT and entry.bound_port_id == port
+        return (
+            entry.binding_status == VPPBBindingStatus.BOUND_LD
+            and entry.bound_port_id == port
+            and entry.bound_ld_id == ld
+        )
+
     def free_vppb(self, client: CCIClient, vcs_id: int, ctx: CallContext) -> int | None:
         """The lowest unbound vPPB of the VCS, or None when every one is bound or being bound."""
         for vcs in self.vcss(client, ctx):

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
     CapacityExhaustedError,
     DisaggError,
     FabricUnavailableError,
@@ -69,7 +71,11 @@ class _Snapshot:
     bound: dict[int, _LDBinding]
 
     def units(self, ld: int) -> int:
-        return self.lds[ld].range_1_allocation_multiplier + self.lds[ld].range_2_allocation_multiplier
+        return _units(self.lds[ld])
+
+
+def _units(allocation: LDAllocation) -> int:
+    return allocation.range_1_allocation_multiplier + allocation.range_2_allocation_multiplier
 
 
 class MLDPool(Pool):
@@ -172,7 +178,7 @@ class MLDPool(Pool):
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """Name a free LD for the allocation, give it the amount (every other unbound LD 0), bind it to a free
-        vPPB of the host's VCS; a failed bind sets the LDs back as they were."""
+        vPPB of the host's VCS; a bind that failed with nothing bound sets back the LDs the carve changed."""
         vcs, amount = admit(self._fabric, self._info, allocation_id, host, amount_bytes, ctx=ctx)
         with acquire(self._fabric.vppb_lock, ctx):
             snap = self._snapshot(ctx)
@@ -192,11 +198,31 @@ class MLDPool(Pool):
             try:
                 self._fabric.bind_vppb(self._device, BindVPPBRequest(vcs, vppb, self._port, ld), ctx)
             except CommandFailedError as exc:
-                with contextlib.suppress(DisaggError):  # an unbound LD's memory is free anyway; see the docstring
-                    self._set(0, snap.lds, ctx)
-                self._fabric.state.forget_ld(self._port, ld)  # or another manager's bind of it would show our id
+                self._uncarve(snap.lds, carved, ld, ctx)
                 raise bind_error(exc, f"allocation {allocation_id}: bind LD {ld} to {host}") from None
+            except DisaggError as exc:
+                if exc.metadata.get(OUTCOME) != OUTCOME_UNKNOWN:  # known: nothing bound; unknown: keep the record
+                    self._uncarve(snap.lds, carved, ld, ctx)
+                raise
             return next(a for a in self._held(self._snapshot(ctx)) if a.id == allocation_id)
+
+    def _uncarve(
+        self, before: Sequence[LDAllocation], carved: Sequence[LDAllocation], ld: int, ctx: CallContext
+    ) -> None:
+        """Undo a carve whose bind failed: set back each LD the carve changed that is still bound to no vPPB and
+        holds what the carve set, the LDs that give memory back first. An LD another manager bound or set since is
+        theirs and is left alone. Best effort: an unbound LD's memory is free anyway (see the module docstring)."""
+        self._fabric.state.forget_ld(self._port, ld)  # or another manager's bind of it would show our id
+        try:
+            now = self._snapshot(ctx)
+        except DisaggError:
+            return
+        mine = [i for i, (was, set_to) in enumerate(zip(before, carved, strict=True)) if was != set_to]
+        mine.sort(key=lambda i: _units(carved[i]) <= _units(before[i]))
+        for i in mine:
+            if i not in now.bound and now.lds[i] == carved[i]:
+                with contextlib.suppress(DisaggError):
+                    self._set(i, [before[i]], ctx)
 
     def _lds_of(self, snap: _Snapshot, allocation_id: str) -> list[int]:
         """The LDs to free for ``allocation_id``: those recorded for it (bound or not: a carve cut short), and the
@@ -215,7 +241,7 @@ class MLDPool(Pool):
             option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
             request = UnbindVPPBRequest(binding.vcs, binding.vppb, option)
             try:
-                self._fabric.unbind_vppb(request, ctx)
+                self._fabric.unbind_vppb(request, ctx, port=self._port, ld=ld)
             except CommandFailedError as exc:
                 raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
         if snap.units(ld):
