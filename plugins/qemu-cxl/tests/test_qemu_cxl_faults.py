@@ -1,5 +1,6 @@
-"""Faults while the driver runs: a hot-add whose answer is lost, a host whose QEMU dies or cannot start again, a
-closed fabric, a QEMU started with other options, and ids or processes that are not what they seem."""
+"""Faults while the driver runs: a hot-add whose answer is lost or that never reached device_add, a host whose QEMU
+hangs, dies or cannot start again, a closed fabric, a QEMU started with other options or none recorded, and ids or
+processes that are not what they seem."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg_qemu_cxl import QemuCxlFabric
 from disagg_qemu_cxl.command import PIDFILE, host_dir
-from disagg_qemu_cxl.hosts import reap_unconfigured
+from disagg_qemu_cxl.hosts import DIGEST, reap_unconfigured
 from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
 from disagg_qemu_cxl.qmp import Monitor
 from disagg_qemu_cxl.state import StateFile
@@ -69,26 +70,89 @@ def lose_an_allocate(
     return info.value
 
 
-class TestLostAnswer:
-    """A hot-add whose answer is lost may have happened: the error says so (the composer then releases it), and
-    the record it leaves holds nothing that allocations() does not show."""
+def crash_before_device_add(fabric: QemuCxlFabric, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allocate "lost" on h2 and "crash" just before device_add: the intent and the backends stay, no Type-3."""
+    original = Monitor.execute
 
-    @pytest.mark.parametrize("command", ["object-add", "device_add"])
+    def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+        if name == "device_add":
+            raise Crash
+        return original(self, name, arguments, **kw)
+
+    monkeypatch.setattr(Monitor, "execute", execute)
+    with pytest.raises(Crash):
+        fabric.pool(POOL).allocate("lost", "h2", 256 * MiB, CallContext.with_timeout(30.0, epoch=1))
+    monkeypatch.undo()
+
+
+def miss_the_deadline_before(command: str, late: CallContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold each QMP ``command`` until ``late``'s deadline has passed, so that it is never sent."""
+    original = Monitor.execute
+
+    def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+        if name == command and late.deadline is not None:
+            time.sleep(max(0.0, late.deadline - time.monotonic()) + 0.01)
+        return original(self, name, arguments, **kw)
+
+    monkeypatch.setattr(Monitor, "execute", execute)
+
+
+class Crash(BaseException):
+    """The driver's process dying at that point: nothing of the driver runs after it."""
+
+
+def backends(state_dir: Path, host: str) -> list[str]:
+    with RawQMP(state_dir, host) as qmp:
+        return sorted(o["name"] for o in qmp.execute("qom-list", path="/objects") if o["name"].startswith("cxl-"))
+
+
+class TestLostAnswer:
+    """A device_add whose answer is lost may have happened: the error says so (the composer then releases it), and
+    the record it leaves holds nothing that allocations() does not show. A hot-add that failed before its device_add
+    was sent changed nothing: the error says so, and the driver undoes it itself."""
+
     def test_in_doubt_and_released(
-        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch, command: str
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        error = lose_an_allocate(fabric, state_dir, monkeypatch, command)
+        error = lose_an_allocate(fabric, state_dir, monkeypatch, "device_add")
         pool = fabric.pool(POOL)
-        assert in_doubt(error), "a lost hot-add answer was reported as 'nothing changed'"
+        assert in_doubt(error), "a lost device_add answer was reported as 'nothing changed'"
         pool.release("lost", ctx)  # the composer's rollback
         assert pool.allocations() == [] and fabric._ledger.state.records == ()
         with RawQMP(state_dir, "h2") as qmp:
             assert qmp.type3() == {}
 
-    def test_a_pending_record_holds_no_port(
+    def test_a_lost_object_add_is_undone(
         self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        lose_an_allocate(fabric, state_dir, monkeypatch, "object-add")
+        """device_add was never sent, so no Type-3 can appear: no rollback is needed, nor any record kept."""
+        error = lose_an_allocate(fabric, state_dir, monkeypatch, "object-add")
+        assert not in_doubt(error), "an object-add whose answer was lost was reported in doubt"
+        assert fabric._ledger.state.records == (), "the intent of a hot-add that cannot have happened was kept"
+        assert backends(state_dir, "h2") == [], "the backend of an undone hot-add stayed in QEMU"
+        pool = fabric.pool(POOL)
+        pool.allocate("lost", "h2", 256 * MiB, ctx)
+        assert [a.id for a in pool.allocations()] == ["lost"]
+
+    def test_device_add_never_sent_is_undone(
+        self, fabric: QemuCxlFabric, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The deadline passes once QEMU added the backends and before device_add is sent: nothing was allocated,
+        and the backends are deleted again."""
+        late = CallContext.with_timeout(1.0, epoch=1)
+        miss_the_deadline_before("device_add", late, monkeypatch)
+        with pytest.raises(DeadlineExceededError) as info:
+            fabric.pool(POOL).allocate("late", "h2", 256 * MiB, late)
+        monkeypatch.undo()
+        assert not in_doubt(info.value), "a hot-add whose device_add was never sent was reported in doubt"
+        assert fabric._ledger.state.records == (), "the intent of a hot-add never sent was kept"
+        assert backends(state_dir, "h2") == [], "the backends of an undone hot-add stayed in QEMU"
+        assert list(host_dir(state_dir, "h2").glob("*.img")) == []
+
+    def test_a_pending_record_holds_no_port(
+        self, fabric: QemuCxlFabric, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        crash_before_device_add(fabric, monkeypatch)
         pool = fabric.pool(POOL)
         assert pool.allocations() == [] and pool.free_bytes() == 2 * GiB
         for name in ("a", "b"):  # both of h2's ports, though a record of "lost" names one
@@ -100,7 +164,7 @@ class TestLostAnswer:
     ) -> None:
         """The allocation that took the pending record's port since: QEMU died, and starting it again plugged both
         on one port, which QEMU refused, so the host stayed down for good (releasing the pending id too)."""
-        lose_an_allocate(fabric, state_dir, monkeypatch, "object-add")
+        crash_before_device_add(fabric, monkeypatch)
         pool = fabric.pool(POOL)
         pool.allocate("a", "h2", 256 * MiB, ctx)
         pid = qemu_pid(state_dir, "h2")
@@ -117,20 +181,43 @@ class TestLostAnswer:
         self, fabric: QemuCxlFabric, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """The deadline passes after the intent is written and before object-add is sent: nothing changed."""
-        original = Monitor.execute
         late = CallContext.with_timeout(0.3, epoch=1)
-
-        def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
-            if name == "object-add" and late.deadline is not None:
-                time.sleep(max(0.0, late.deadline - time.monotonic()) + 0.01)
-            return original(self, name, arguments, **kw)
-
-        monkeypatch.setattr(Monitor, "execute", execute)
+        miss_the_deadline_before("object-add", late, monkeypatch)
         with pytest.raises(DeadlineExceededError) as info:
             fabric.pool(POOL).allocate("late", "h1", 256 * MiB, late)
         monkeypatch.undo()
         assert not in_doubt(info.value)
         assert fabric._ledger.state.record("late") is None, "the intent of a hot-add never sent was kept"
+
+
+class TestHungHost:
+    """A host whose QEMU hangs (it runs, but does not answer QMP) does not fail an allocate on another host, and
+    delays only the first one: the next ones do not ask it again until a call needs it."""
+
+    def test_others_allocate(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        pool = fabric.pool(POOL)
+        pool.allocate("b", "h2", 256 * MiB, ctx)
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            pool.allocate("a1", "h1", 256 * MiB, CallContext.with_timeout(5.0, epoch=1))
+            original, asked = Monitor.execute, []
+
+            def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+                asked.append(self.name)
+                return original(self, name, arguments, **kw)
+
+            monkeypatch.setattr(Monitor, "execute", execute)
+            pool.allocate("a2", "h1", 256 * MiB, ctx)
+            monkeypatch.undo()
+            assert "h2" not in asked, "an allocate on h1 waited again for h2, which did not answer before"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert sorted(a.id for a in pool.allocations()) == ["a1", "a2", "b"]
+        assert fabric.hosts["h2"].pid == pid, "a hung QEMU that answers again was restarted"
 
 
 class TestDeadHost:
@@ -204,6 +291,21 @@ def test_a_qemu_started_with_other_options_is_not_adopted(
         make_fabric(pool_bytes=GiB)
     assert pid is not None and alive(pid) and qemu_pid(state_dir, "h1") == pid
     assert make_fabric().hosts["h1"].adopted
+
+
+def test_a_qemu_without_a_digest_is_not_adopted(make_fabric: Callable[..., QemuCxlFabric], state_dir: Path) -> None:
+    """Started by a driver that kept no digest, its options may differ just as well: refused as such a QEMU is."""
+    make_fabric(stop_hosts_on_close=False).close()
+    pid = qemu_pid(state_dir, "h1")
+    assert pid is not None
+    (host_dir(state_dir, "h1") / DIGEST).unlink()
+    with pytest.raises(ConfigError, match=f"without a record of its options.*kill {pid}"):
+        make_fabric()
+    assert alive(pid) and qemu_pid(state_dir, "h1") == pid
+    os.kill(pid, signal.SIGKILL)
+    wait_gone(pid)
+    fabric = make_fabric()
+    assert not fabric.hosts["h1"].adopted and (host_dir(state_dir, "h1") / DIGEST).exists()
 
 
 @pytest.mark.parametrize("bad", [7, b"a", None, ""])

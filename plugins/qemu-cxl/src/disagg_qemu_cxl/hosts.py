@@ -160,19 +160,27 @@ class HostProcess:
 
     def _check_options(self, pid: int) -> None:
         """Refuse to adopt a QEMU started with other options: its topology and CXL window would silently stay
-        the old ones. One started before digests were kept (no file) is adopted."""
+        the old ones. One whose options are unknown (no digest: started by a driver that kept none) is refused
+        too, since they may differ just as well."""
+        stop = (
+            f"stop that QEMU (kill {pid}) to start it with the options configured now (its recorded devices are "
+            "cold-plugged again)"
+        )
         try:
             running = (self.dir / DIGEST).read_text().strip()
         except FileNotFoundError:
-            return
+            raise ConfigError(
+                f"host {self.name!r}: its running QEMU (pid {pid}) was started without a record of its options "
+                f"({self.dir / DIGEST} is missing), so they may differ from those configured now; {stop}",
+                field="hosts",
+            ) from None
         except OSError as exc:
             raise FabricUnavailableError(f"cannot read {self.dir / DIGEST}: {exc}") from None
         if running != self.digest():
             raise ConfigError(
                 f"host {self.name!r}: its running QEMU (pid {pid}) was started with other options than those "
                 f"configured now (qemu, pool_bytes or the host's ports, memory, kernel, initrd, append, serial); "
-                f"restore them, or stop that QEMU (kill {pid}) to start it with the new ones (its recorded "
-                "devices are cold-plugged again)",
+                f"restore them, or {stop}",
                 field="hosts",
             )
 

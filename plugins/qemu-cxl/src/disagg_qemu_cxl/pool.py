@@ -6,10 +6,10 @@ QEMU 7.2 also never completes a CXL hot-remove, so a release restarts the host's
 with the others cold-plugged as they were (same ports, serials and backend files); it returns only once the
 old process is gone and the new one answers QMP without the device.
 
-A record whose device QEMU does not hold (its hot-add failed midway, or its answer was lost) holds nothing:
-neither reported nor counted, only remembered so that a retry can complete it and a release forget it. A host
-whose QEMU died is started again from its records when a call next needs it; a host that cannot be read does
-not stop allocations on the others (its records count as held meanwhile).
+A record whose device QEMU does not hold (the driver crashed before device_add, or its answer was lost) holds
+nothing: neither reported nor counted, only remembered so that a retry can complete it and a release forget it.
+A host whose QEMU died is started again from its records when a call next needs it; a host that cannot be read
+(dead, or hung) does not stop allocations on the others (its records count as held meanwhile).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from disagg.errors import (
     OUTCOME_UNKNOWN,
     CapacityExhaustedError,
     ConflictError,
+    DeadlineExceededError,
     DisaggError,
     FabricUnavailableError,
     InvalidRequestError,
@@ -39,12 +41,16 @@ from disagg.model import CXL_DC_BLOCK_BYTES, Allocation, Capacity, Extent, PoolI
 from disagg_qemu_cxl.command import backend_props, device_props, host_dir, lsa_file, memory_file
 from disagg_qemu_cxl.discovery import Features, HostView, Type3, walk
 from disagg_qemu_cxl.hosts import HostProcess
-from disagg_qemu_cxl.qmp import QMPCommandError, until
+from disagg_qemu_cxl.qmp import QMPCommandError, until, within
 from disagg_qemu_cxl.state import Record, State, StateFile
 
 UNRECORDED = "unrecorded"
 """Prefix of the allocation id reported for a Type-3 that QEMU holds but the state file does not name."""
 _OURS = re.compile(r"^cxl-t3-([0-9a-f]+)$")
+PEEK_TIMEOUT_S = 1.0
+"""How long an allocate waits for another host's view, which it can do without (`_readable`)."""
+UNDO_TIMEOUT_S = 1.0
+"""How long deleting the backends of a hot-add that failed may take, whatever the caller's deadline."""
 
 
 def unrecorded_id(host: str, device: str) -> str:
@@ -166,13 +172,21 @@ class QemuCxlPool(Pool):
             self._ledger.save(state)
 
     def _readable(self, host: str) -> dict[str, HostView]:
-        """``host``'s view and those of the other hosts that answer: a dead or broken one must not stop
-        allocations elsewhere (`_held` counts its records instead)."""
+        """``host``'s view and those of the other hosts that answer: a dead, broken or hung one must not stop
+        allocations elsewhere (`_held` counts its records instead). Another host has `PEEK_TIMEOUT_S` to
+        answer; one that does not is disconnected, so that the next calls skip it instead of waiting again,
+        until a call that needs it reconnects (`HostProcess.revive`)."""
         views = {host: self._view(host)}
         for name, process in self._hosts.items():
-            if name != host and process.alive():
-                with contextlib.suppress(FabricUnavailableError):
+            if name == host or not process.alive():
+                continue
+            try:
+                with within(PEEK_TIMEOUT_S):
                     views[name] = walk(process.monitor)
+            except DeadlineExceededError:
+                process.monitor.disconnect()
+            except FabricUnavailableError:
+                pass
         return views
 
     def allocations(self) -> Sequence[Allocation]:
@@ -224,7 +238,7 @@ class QemuCxlPool(Pool):
         self, allocation_id: str, host: str, size: int, record: Record | None, process: HostProcess
     ) -> Allocation:
         """`allocate` once its arguments are checked; every QMP call here is bounded by the caller's deadline. A
-        hot-add whose answer is lost leaves the record (the error says the outcome is unknown): a retry of the
+        device_add whose answer is lost leaves the record (the error says the outcome is unknown): a retry of the
         same id completes it, a release forgets it."""
         views = self._readable(host)
         fresh = record is None
@@ -295,29 +309,42 @@ class QemuCxlPool(Pool):
         return not overlaps and used + record.size <= self._capacity.total_bytes
 
     def _hot_add(self, process: HostProcess, record: Record, view: HostView, fresh: bool) -> None:
-        """object-add the backends, then device_add the Type-3; on a refusal, undo and forget the record. An
-        answer lost once a command was sent is OUTCOME_UNKNOWN, and the record stays for the release; before
-        that, the call changed nothing and the record it made is forgotten."""
-        added: list[str] = []
+        """object-add the backends, then device_add the Type-3. Only a device_add whose answer was lost may have
+        made the allocation: that error stays OUTCOME_UNKNOWN and the record stays for the release. Any other
+        failure left no Type-3, so it is an answer (even a lost object-add: a backend alone holds nothing): the
+        backends this call sent are deleted again, and the record is forgotten if this call made it, or if QEMU
+        refused (a retry's record may still be completed by the lost device_add of an earlier call)."""
+        added: list[str] = []  # the backends sent, the last one perhaps not added
+        device_sent = False
         try:
             for backend in backend_props(record):
                 if backend["id"] not in view.objects:
-                    process.monitor.execute("object-add", backend)
                     added.append(str(backend["id"]))
+                    process.monitor.execute("object-add", backend)
+            device_sent = True
             process.monitor.execute("device_add", device_props(record))
         except QMPCommandError as exc:
-            for backend_id in reversed(added):
-                with contextlib.suppress(QMPCommandError, FabricUnavailableError):
-                    process.monitor.execute("object-del", {"id": backend_id})
-            self._ledger.save(self._ledger.state.without(record.allocation))
-            self._remove_files(record)
+            self._undo(process, added)
+            self._forget(record)
             raise FabricUnavailableError(f"QEMU of host {record.host} refused the Type-3: {exc}") from None
         except DisaggError as exc:
-            if added or exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN:
-                raise outcome_unknown(exc) from None
+            if device_sent and exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN:
+                raise
+            exc.metadata.pop(OUTCOME, None)  # a lost object-add answer: no Type-3 was asked for
+            self._undo(process, added)
             if fresh:
                 self._forget(record)
             raise
+
+    @staticmethod
+    def _undo(process: HostProcess, backends: Sequence[str]) -> None:
+        """object-del ``backends``, newest first, even past the caller's deadline (which has often passed), but
+        briefly. One left behind is no harm: no device uses it, `_plan` never reuses an id QEMU holds, and the
+        next start of the host drops it."""
+        with until(time.monotonic() + UNDO_TIMEOUT_S):
+            for backend_id in reversed(backends):
+                with contextlib.suppress(QMPCommandError, DisaggError):
+                    process.monitor.execute("object-del", {"id": backend_id})
 
     # ------------------------------------------------------------------ release
 

@@ -52,6 +52,14 @@ def until(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """`until` ``seconds`` from now, or the deadline in force if that comes first."""
+    deadline, soon = _DEADLINE.get(), time.monotonic() + seconds
+    with until(soon if deadline is None else min(deadline, soon)):
+        yield
+
+
 class QMPCommandError(Exception):
     """QEMU answered a command with an error (``error_class``: GenericError, DeviceNotFound, ...)."""
 
