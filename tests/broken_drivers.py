@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -243,8 +243,15 @@ class DeclaresUnimplementedFaults(Plain):
 
 
 HANG_S = float(os.environ.get("BROKEN_HANG_S", "600"))
-"""How long `HangsAtFirstBind` sleeps."""
+"""How long a driver that hangs sleeps."""
 _hung = threading.Event()
+
+
+def _hangs_the_first_time() -> None:
+    """Sleep `HANG_S` on the first call in the process of any hanging driver; return at once after that."""
+    if not _hung.is_set():
+        _hung.set()
+        time.sleep(HANG_S)
 
 
 class HangsAtFirstBind(SimFabric):
@@ -252,10 +259,69 @@ class HangsAtFirstBind(SimFabric):
     work."""
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
-        if not _hung.is_set():
-            _hung.set()
-            time.sleep(HANG_S)
+        _hangs_the_first_time()
         return super().bind(device, host, ctx)
+
+
+class HangsAtFirstDiscover(SimFabric):
+    """The first discovery in the process hangs (a switch that never answers an inventory query)."""
+
+    def discover(self) -> Topology:
+        _hangs_the_first_time()
+        return super().discover()
+
+
+class HangsAtFirstBindings(SimFabric):
+    """The first question for the bindings in the process hangs."""
+
+    def bindings(self) -> Sequence[Binding]:
+        _hangs_the_first_time()
+        return super().bindings()
+
+
+class HangsAtRestart(SimFabric):
+    """Hangs as it restores a saved state that holds bindings: the driver hangs when it is restarted after a
+    bind (as RESTART-BINDINGS does), and starts at once on a state with none."""
+
+    def _restore(self, state: SimState) -> None:
+        if state.bindings:
+            _hangs_the_first_time()
+        super()._restore(state)
+
+
+class HangsAsItIsBuilt(SimFabric):
+    """The first fabric built in the process hangs as it is built (a vendor SDK that never opens the device)."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        _hangs_the_first_time()
+        super().__init__(topology, **options)
+
+
+_late_bind_waiting = threading.Event()
+_late_bind_go = threading.Event()
+_late_bind_landed = threading.Event()
+
+
+class BindsLate(SimFabric):
+    """The first bind in the process stalls past its deadline, then goes through after all, when the next
+    fabric is built (hardware that answers late): a device ends up bound that the caller gave up on, and that
+    every later fabric reads from the saved state."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        if _late_bind_waiting.is_set() and not _late_bind_go.is_set():
+            _late_bind_go.set()
+            _late_bind_landed.wait(HANG_S)
+        super().__init__(topology, **options)
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if _late_bind_waiting.is_set():
+            return super().bind(device, host, ctx)
+        _late_bind_waiting.set()
+        _late_bind_go.wait(HANG_S)
+        try:  # the hardware finishes what it was asked, deadline or not
+            return super().bind(device, host, attrs.evolve(ctx, deadline=None))
+        finally:
+            _late_bind_landed.set()
 
 
 class FailsToBuild(SimFabric):
@@ -305,9 +371,14 @@ ALSO_BROKEN: dict[str, tuple[str, ...]] = {
 OTHERS: dict[str, Callable[..., Fabric]] = {
     "broken-interrupted": InterruptedAtBind,
     "broken-hangs-at-first-bind": HangsAtFirstBind,
+    "broken-hangs-at-first-discover": HangsAtFirstDiscover,
+    "broken-hangs-at-first-bindings": HangsAtFirstBindings,
+    "broken-binds-late": BindsLate,
     "broken-fails-to-build": FailsToBuild,
+    "broken-hangs-as-it-is-built": HangsAsItIsBuilt,
 }
-"""Drivers whose defect is not a clause's: certify must still finish, and say what happened."""
+"""Drivers whose defect is not a clause's: certify must still finish, and say what happened. `HangsAtRestart`
+is not among them: its test runs the suite in process, with its bounds lowered."""
 
 
 def certify_options(workdir: Path) -> dict[str, Any]:

@@ -281,27 +281,88 @@ class TestAVerdictIsTheWholeSuites:
         assert "The run is not a certification: the run did not finish" in markdown
 
 
+def quick_config(tmp_path: Path) -> Path:
+    """A certify configuration whose calls have a deadline of 0.5 s: the watchdog gives up after 5.5 s."""
+    config = tmp_path / "cert.toml"
+    config.write_text(
+        "call_timeout_s = 0.5\n[options]\n"
+        f'state_file = "{tmp_path / "state.json"}"\ngenerate = {{ devices = 120, hosts_per_domain = 4 }}\n'
+    )
+    return config
+
+
+def not_tested_after(report: dict[str, Any], hung: str, call: str) -> dict[str, str]:
+    """The clauses after ``hung`` (the clean-up clause among them) that are not NOT TESTED for an earlier hang of
+    ``call``, with their status and reason: none, when the report is right."""
+    later = list(CLAUSES)[list(CLAUSES).index(hung) + 1 :]
+    expected = f"not tested: an earlier call hung ({call}"
+    return {
+        c: f"{clause_of(report, c)['status']}: {clause_of(report, c)['reason']}"
+        for c in later
+        if clause_of(report, c)["status"] != "NOT TESTED" or not clause_of(report, c)["reason"].startswith(expected)
+    }
+
+
 class TestAnUnresponsiveDriver:
-    """A driver call that ignores its deadline fails its clause, naming the call, and the run goes on."""
+    """A driver call that does not return in time fails its clause, naming the call and the bound, and the run
+    finishes; since the abandoned call may still change the fabric, every later clause is NOT TESTED."""
 
     def test_a_bind_that_hangs_fails_its_clause_and_the_run_finishes(self, tmp_path: Path) -> None:
-        config = tmp_path / "cert.toml"
-        config.write_text(
-            "call_timeout_s = 0.5\n[options]\n"
-            f'state_file = "{tmp_path / "state.json"}"\ngenerate = {{ devices = 120, hosts_per_domain = 4 }}\n'
-        )
         proc, report = certify(
-            tmp_path, "broken-hangs-at-first-bind", "--plugin", "broken_drivers", "--config", str(config)
+            tmp_path,
+            "broken-hangs-at-first-bind",
+            "--plugin",
+            "broken_drivers",
+            "--config",
+            str(quick_config(tmp_path)),
         )
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert report is not None and report["verdict"] == "FAILED" and report["incomplete"] == ""
-        hung = [c for c in report["clauses"] if "did not return within" in c["reason"]]
-        assert len(hung) == 1, [(c["id"], c["reason"]) for c in report["clauses"] if c["status"] == "FAIL"]
-        assert hung[0]["status"] == "FAIL"
-        assert "bind of " in hung[0]["reason"] and "5.5 s" in hung[0]["reason"]
-        assert "the deadline was ignored" in hung[0]["reason"]
-        # The other clauses ran: the driver binds again once its first bind is abandoned.
-        assert clause_of(report, "CONC-RACE-ONE-WINNER")["status"] == "PASS"
+        hung = clause_of(report, "BIND-IDEMPOTENT")
+        assert hung["status"] == "FAIL", [(c["id"], c["reason"]) for c in report["clauses"] if c["status"] == "FAIL"]
+        assert "bind of " in hung["reason"] and "5.5 s" in hung["reason"]
+        assert "the deadline was ignored" in hung["reason"]
+        assert clause_of(report, "DISC-STABLE")["status"] == "PASS"  # the clauses before it ran
+        assert not_tested_after(report, "BIND-IDEMPOTENT", "bind of ") == {}
+
+    @pytest.mark.parametrize("call", ["discover", "bindings"])
+    def test_a_read_that_hangs_fails_its_clause_and_the_run_finishes(self, tmp_path: Path, call: str) -> None:
+        """discover() and bindings() carry no deadline, yet must answer within call_timeout_s (and the grace):
+        one that hangs fails DISC-WELL-FORMED, the first clause to call it, instead of hanging certify."""
+        run = run_certify(
+            tmp_path,
+            f"broken-hangs-at-first-{call}",
+            "--plugin",
+            "broken_drivers",
+            "--config",
+            str(quick_config(tmp_path)),
+            env={**certify_env(), "BROKEN_HANG_S": "20"},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.report is not None, run.stdout + run.stderr
+        hung = clause_of(run.report, "DISC-WELL-FORMED")
+        assert hung["status"] == "FAIL", hung
+        assert f"{call}() did not return within 5.5 s: it carries no deadline" in hung["reason"]
+        assert run.returncode == 1 and run.report["verdict"] == "FAILED" and run.report["incomplete"] == ""
+        assert not_tested_after(run.report, "DISC-WELL-FORMED", f"{call}()") == {}
+
+    def test_a_bind_that_lands_after_it_was_abandoned_passes_nothing(self, tmp_path: Path) -> None:
+        """The driver's first bind stalls past the watchdog, then binds when the next fabric is built. Had the
+        later clauses run, they would have passed on a fabric the suite no longer knew (the device stays bound,
+        and the clean-up clause said nothing was left)."""
+        from disagg_sim.state import StateFile
+
+        proc, report = certify(
+            tmp_path, "broken-binds-late", "--plugin", "broken_drivers", "--config", str(quick_config(tmp_path))
+        )
+        assert report is not None, proc.stdout + proc.stderr
+        saved = StateFile(tmp_path / "state.json").load()
+        bound = saved.bindings if saved is not None else {}
+        cleanup = clause_of(report, "CLEANUP-NOTHING-LEFT")
+        assert not (bound and cleanup["status"] == "PASS"), f"{cleanup['id']} passed while {bound} is still bound"
+        assert clause_of(report, "BIND-IDEMPOTENT")["status"] == "FAIL"
+        assert not_tested_after(report, "BIND-IDEMPOTENT", "bind of ") == {}
+        assert proc.returncode == 1 and report["verdict"] == "FAILED"
 
 
 class TestADriverThatCannotBeBuilt:
@@ -328,6 +389,29 @@ class TestADriverThatCannotBeBuilt:
         assert set(statuses(run.report).values()) == {"NOT TESTED"}
         assert run.report["driver"]["name"] == "broken-fails-to-build"
         assert f"the driver could not be built: {named}" in run.stderr
+
+    def test_a_build_that_hangs_leaves_an_incomplete_report(self, tmp_path: Path) -> None:
+        """certify builds the driver once before the suite runs, to tell bad options from a broken driver: that
+        build hung certify for good. It is bounded by build_timeout_s (and the watchdog's grace) too."""
+        config = tmp_path / "cert.toml"
+        config.write_text(f"build_timeout_s = 0.5\n{quick_config(tmp_path).read_text()}")
+        run = run_certify(
+            tmp_path,
+            "broken-hangs-as-it-is-built",
+            "--plugin",
+            "broken_drivers",
+            "--config",
+            str(config),
+            env={**certify_env(), "BROKEN_HANG_S": "30"},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.report is not None and run.report["verdict"] == "NOT CERTIFIED"
+        assert run.report["incomplete"].startswith(
+            "the driver could not be built: CallTimedOut: building the fabric (fabric_factory) and closing it did "
+            "not return within 5.5 s: it carries no deadline"
+        ), run.report["incomplete"]
+        assert set(statuses(run.report).values()) == {"NOT TESTED"}
 
     def test_a_config_error_is_bad_input(self, tmp_path: Path) -> None:
         run = run_certify(
@@ -377,10 +461,12 @@ class TestCertifyBadInput:
         config.write_text('fabric = "a/b"\n')
         assert "fabric must be a name without '/'" in self.run(capsys, "sim", "--config", str(config))
 
-    def test_a_bad_call_timeout(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    @pytest.mark.parametrize("key", ["call_timeout_s", "build_timeout_s", "restart_timeout_s"])
+    @pytest.mark.parametrize("value", ["-1", "0", "nan", "true", '"5"'])
+    def test_a_bad_bound(self, tmp_path: Path, capsys: pytest.CaptureFixture[str], key: str, value: str) -> None:
         config = tmp_path / "c.toml"
-        config.write_text("call_timeout_s = -1\n")
-        assert "call_timeout_s must be a number" in self.run(capsys, "sim", "--config", str(config))
+        config.write_text(f"{key} = {value}\n")
+        assert f"{key} must be a number of seconds above 0" in self.run(capsys, "sim", "--config", str(config))
 
     def test_driver_options_the_driver_refuses(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         config = tmp_path / "c.toml"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from disagg.cli.newdriver import render_package
-from disagg.testing.clauses import MARKER
+from disagg.testing.clauses import MARKER, SUITE_VERSION
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -71,3 +71,11 @@ class TestTheTutorial:
         assert install != -1, "the tutorial does not say how to install disagg"
         assert "not on PyPI" in step
         assert install < step.index("pip install -e '.[test]'")
+
+
+class TestTheSuiteVersion:
+    """The conformance page names the suite version that every report carries."""
+
+    def test_the_page_names_the_current_version(self) -> None:
+        found = re.search(r"^Suite version: (\S+)\.\s", (DOCS / "conformance.md").read_text(), flags=re.MULTILINE)
+        assert found is not None and found.group(1) == SUITE_VERSION

@@ -250,6 +250,49 @@ class TestFailureMessages:
         assert "bindings() does not report the parallel binds of f/" in reason
 
 
+class TestBoundedBuildAndRestart:
+    """Building the fabric and restarting the driver run under the watchdog too (``build_timeout_s``,
+    ``restart_timeout_s``, lowered here): a driver that hangs there cannot hang the run."""
+
+    DRIVER = """
+            from disagg_sim import load_topology
+            from broken_drivers import {cls}
+
+            class TestHanging(FabricConformance):
+                {bound} = 0.5
+                call_grace_s = 1.0
+
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    topology, state = load_topology("f", "demo-pcie"), tmp_path / "s.json"
+                    return lambda: {cls}(topology, state_file=state)
+            """
+
+    def test_a_driver_that_hangs_as_it_is_built_is_not_certified(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """As a driver that raises as it is built: every clause NOT TESTED, the report says why (incomplete)."""
+        monkeypatch.setenv("BROKEN_HANG_S", "8")
+        proc, report = run_suite(tmp_path, self.DRIVER.format(cls="HangsAsItIsBuilt", bound="build_timeout_s"))
+        assert report.get("incomplete", "").startswith(
+            "the driver could not be built: building the fabric (fabric_factory) did not return within 1.5 s"
+        ), proc.stdout[-3000:]
+        assert proc.returncode == 1 and report["verdict"] == "NOT CERTIFIED"
+        assert {status for status, _ in statuses(report).values()} == {"NOT TESTED"}
+        assert statuses(report)["DISC-WELL-FORMED"][1].startswith("not tested: the driver could not be built: ")
+
+    def test_a_restart_that_hangs_fails_its_clause(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("BROKEN_HANG_S", "8")
+        proc, report = run_suite(tmp_path, self.DRIVER.format(cls="HangsAtRestart", bound="restart_timeout_s"))
+        status, reason = statuses(report)["RESTART-BINDINGS"]
+        assert status == "FAIL", proc.stdout[-3000:]
+        assert "restart of the driver did not return within 1.5 s" in reason
+        assert statuses(report)["RESTART-FENCING"][0] == "NOT TESTED"
+        assert "an earlier call hung (restart of the driver" in statuses(report)["RESTART-FENCING"][1]
+        assert statuses(report)["BIND-IDEMPOTENT"] == ("PASS", "")  # the clauses before it ran
+        assert proc.returncode == 1 and report["verdict"] == "FAILED"
+
+
 @pytest.mark.parametrize("clause_id", sorted(CLAUSES))
 def test_every_clause_is_checked_by_a_test(clause_id: str) -> None:
     """No clause is only a statement: the suite has a test marked with it (the clean-up clause is the tracker's)."""

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the testing modules need pytest, which certify imports only
     from disagg.testing.report import Subject
 
 EXIT_FOR = {"CERTIFIED": 0, "FAILED": 1, "NOT CERTIFIED": 3}
-CONFIG_KEYS = ("fabric", "options", "call_timeout_s")
+CONFIG_KEYS = ("fabric", "options", "call_timeout_s", "build_timeout_s", "restart_timeout_s")
 DEFAULT_FABRIC = "cert"
 PROBE_TIMEOUT_S = 10.0
 RESTART_TIMEOUT_S = 60.0
@@ -52,10 +52,21 @@ NO_RESTART = (
 )
 
 
-def read_config(path: str | None) -> tuple[str, Mapping[str, Any] | None, float]:
-    """The fabric name, the driver options (None: not given) and the call timeout from a TOML file."""
+@attrs.frozen
+class Bounds:
+    """How long the suite waits for a driver call (its deadline), for the driver to be built, and restarted."""
+
+    call_timeout_s: float = 30.0
+    build_timeout_s: float = 120.0
+    """As `disagg.testing.harness.BUILD_TIMEOUT_S`, which this module does not import (it needs pytest)."""
+    restart_timeout_s: float = 180.0
+    """As `disagg.testing.harness.RESTART_TIMEOUT_S`."""
+
+
+def read_config(path: str | None) -> tuple[str, Mapping[str, Any] | None, Bounds]:
+    """The fabric name, the driver options (None: not given) and the suite's bounds from a TOML file."""
     if path is None:
-        return DEFAULT_FABRIC, None, 30.0
+        return DEFAULT_FABRIC, None, Bounds()
     try:
         doc = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -71,12 +82,13 @@ def read_config(path: str | None) -> tuple[str, Mapping[str, Any] | None, float]
     options = doc.get("options")
     if options is not None and not isinstance(options, Mapping):
         raise ConfigError(f"--config: {path}: options must be a table of driver options", field="options")
-    timeout = doc.get("call_timeout_s", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
-        raise ConfigError(
-            f"--config: {path}: call_timeout_s must be a number of seconds above 0", field="call_timeout_s"
-        )
-    return fabric, options, float(timeout)
+    bounds: dict[str, float] = {}
+    for key, default in attrs.asdict(Bounds()).items():
+        value = doc.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"--config: {path}: {key} must be a number of seconds above 0", field=key)
+        bounds[key] = float(value)
+    return fabric, options, Bounds(**bounds)
 
 
 def served(address: str) -> tuple[str, str]:
@@ -127,7 +139,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
         import pytest
 
         from disagg.testing.expected import read_expected_failures
-        from disagg.testing.harness import reopening
+        from disagg.testing.harness import reopening, watched
         from disagg.testing.report import FILES, Report, Subject
         from disagg.testing.state import REPORT, SUBJECT, TARGET, Target
     except ImportError as exc:
@@ -141,7 +153,8 @@ def cmd_certify(args: argparse.Namespace) -> int:
         raise ConfigError("--restart-command applies only with --remote", field="restart_command")
     if args.expected_failures:
         read_expected_failures(Path(args.expected_failures))  # bad ids are bad input, before anything runs
-    fabric_name, options, timeout = read_config(args.config)
+    fabric_name, options, bounds = read_config(args.config)
+    timeout = bounds.call_timeout_s
     extra = []
     for module in args.plugin:
         try:
@@ -173,6 +186,8 @@ def cmd_certify(args: argparse.Namespace) -> int:
                 _restart_by(args.restart_command, factory) if args.restart_command else None,
                 NO_RESTART,
                 call_timeout_s=timeout,
+                build_timeout_s=bounds.build_timeout_s,
+                restart_timeout_s=bounds.restart_timeout_s,
             )
             subject = Subject(args.driver, fabric=fabric_name, mode="remote", address=address)
         else:
@@ -187,14 +202,25 @@ def cmd_certify(args: argparse.Namespace) -> int:
             def factory() -> Fabric:
                 return spec.factory(fabric_name, chosen)
 
-            try:
-                factory().close()  # a configuration error is bad input, reported before the suite runs
+            try:  # a configuration error is bad input, reported before the suite runs
+                watched(
+                    "building the fabric (fabric_factory) and closing it",
+                    lambda: factory().close(),
+                    timeout_s=bounds.build_timeout_s,
+                    deadline=False,
+                )
             except ConfigError:
                 raise
             except Exception as exc:  # the driver cannot be built: no clause can run, so nothing is certified
                 return _not_built(args, exc, subject_of(args.driver, spec.plugin, plugins))
 
-            target = Target(factory, reopening(factory), call_timeout_s=timeout)
+            target = Target(
+                factory,
+                reopening(factory),
+                call_timeout_s=timeout,
+                build_timeout_s=bounds.build_timeout_s,
+                restart_timeout_s=bounds.restart_timeout_s,
+            )
             subject = attrs.evolve(subject_of(args.driver, spec.plugin, plugins), fabric=fabric_name)
         captured: list[Report] = []
 

@@ -13,8 +13,11 @@ class TestCertifiedDriver(FabricConformance):
     """The driver named to ``disagg certify`` meets the disagg driver contract."""
 
     @pytest.fixture(autouse=True)
-    def _call_timeout(self, request: pytest.FixtureRequest) -> None:
-        self.call_timeout_s = request.config.stash[TARGET].call_timeout_s
+    def _bounds(self, request: pytest.FixtureRequest) -> None:
+        target = request.config.stash[TARGET]
+        self.call_timeout_s = target.call_timeout_s
+        self.build_timeout_s = target.build_timeout_s
+        self.restart_timeout_s = target.restart_timeout_s
 
     @pytest.fixture
     def fabric_factory(self, request: pytest.FixtureRequest) -> FabricFactory:

@@ -1,5 +1,6 @@
-"""What the conformance tests stand on: rising fencing epochs, reachability read from a topology, and a
-tracker that undoes everything a test bound, carved or broke, then checks with the driver that it is gone."""
+"""What the conformance tests stand on: rising fencing epochs, reachability read from a topology, a watchdog
+that bounds every driver call and remembers the ones it abandoned, and a tracker that undoes everything a test
+bound, carved or broke, then checks with the driver that it is gone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import attrs
 
 from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool
-from disagg.model import Allocation, Binding, Feature, Health, Topology, switch_reach
+from disagg.model import Allocation, Binding, Capabilities, Feature, Health, Topology, switch_reach
 from disagg.model import Device as DeviceInfo
 
 log = logging.getLogger("disagg.testing")
@@ -23,6 +24,12 @@ T = TypeVar("T")
 
 WATCHDOG_GRACE_S = 5.0
 """How long past a call's deadline the suite waits for a driver call to return before it gives up on it."""
+BUILD_TIMEOUT_S = 120.0
+"""How long building the fabric (``fabric_factory``) may take: a remote driver's client waits up to 60 s to
+connect."""
+RESTART_TIMEOUT_S = 180.0
+"""How long restarting the driver may take: ``disagg certify --restart-command`` gives the command 60 s and the
+reconnection 60 s more."""
 
 FabricFactory = Callable[[], Fabric]
 """Builds the fabric under test; called again after a restart, it must reach the same (persisted) state."""
@@ -77,8 +84,12 @@ class View:
 
     @classmethod
     def of(cls, fabric: Fabric) -> View:
-        topology = fabric.discover()
-        return cls(topology, frozenset(b.device for b in fabric.bindings()), reachable_switches(topology))
+        return cls.answered(fabric.discover(), fabric.bindings())
+
+    @classmethod
+    def answered(cls, topology: Topology, bindings: Sequence[Binding]) -> View:
+        """The view of a discovery and the bindings reported with it."""
+        return cls(topology, frozenset(b.device for b in bindings), reachable_switches(topology))
 
     def hosts_reaching(self, device: DeviceInfo) -> list[str]:
         return sorted(h for h, switches in self.reach.items() if device.switch in switches)
@@ -100,16 +111,19 @@ class View:
 
 
 class CallTimedOut(Exception):  # noqa: N818 (it names what happened, as a failed clause's reason shows it)
-    """A driver call did not return within its deadline and the watchdog's grace: the driver ignored the deadline.
-    Not a `DisaggError`, so no test mistakes it for an error the driver raised."""
+    """A driver call did not return within its bound and the watchdog's grace: for a call that carries a deadline,
+    the driver ignored it. Not a `DisaggError`, so no test mistakes it for an error the driver raised."""
 
 
-def watched(what: str, call: Callable[[], T], *, timeout_s: float, grace_s: float = WATCHDOG_GRACE_S) -> T:
-    """``call()`` on a worker thread, waited for ``timeout_s`` (the call's deadline) plus ``grace_s``.
+def watched(
+    what: str, call: Callable[[], T], *, timeout_s: float, grace_s: float = WATCHDOG_GRACE_S, deadline: bool = True
+) -> T:
+    """``call()`` on a worker thread, waited for ``timeout_s`` (the call's deadline, or with ``deadline`` false the
+    suite's bound for a call that carries none) plus ``grace_s``.
 
     What it returns or raises is returned or raised here. When it has not returned by then, raises
-    `CallTimedOut` naming ``what``; the worker thread is abandoned (a daemon thread, it never keeps the process
-    alive), and whatever the call does later is not seen by the test."""
+    `CallTimedOut` naming ``what`` and the bound; the worker thread is abandoned (a daemon thread, it never keeps
+    the process alive), and whatever the call does later is not seen by the test: `Watchdog` remembers it."""
     outcome: list[T] = []
     failure: list[BaseException] = []
 
@@ -125,13 +139,73 @@ def watched(what: str, call: Callable[[], T], *, timeout_s: float, grace_s: floa
     worker.join(limit)
     if worker.is_alive():
         log.warning("%s did not return within %.3g s; its thread is abandoned", what, limit)
-        raise CallTimedOut(
-            f"{what} did not return within {limit:g} s: the deadline was ignored (it was {timeout_s:g} s away, "
-            f"and {grace_s:g} s of grace passed too); the call's thread is abandoned"
+        why = (
+            f"the deadline was ignored (it was {timeout_s:g} s away, and {grace_s:g} s of grace passed too)"
+            if deadline
+            else f"it carries no deadline, and the suite waits {timeout_s:g} s for it, plus {grace_s:g} s of grace"
         )
+        raise CallTimedOut(f"{what} did not return within {limit:g} s: {why}; the call's thread is abandoned")
     if failure:
         raise failure[0]
     return outcome[0]
+
+
+@attrs.frozen
+class Abandoned:
+    """A driver call the watchdog gave up on: its thread may still change the fabric at any moment."""
+
+    subject: str
+    """Whose driver it called: the test class (one class, one driver under test)."""
+    test: str
+    what: str
+    limit_s: float
+    building: bool = False
+    """The call built the fabric: the driver could not be built."""
+
+    def reason(self) -> str:
+        """Why a later test of the same driver is not run."""
+        return (
+            f"an earlier call hung ({self.what}, in {self.test.rpartition('::')[2]}, did not return within "
+            f"{self.limit_s:g} s): its thread was abandoned and may still change the fabric, so no later result "
+            "against this driver could be trusted"
+        )
+
+
+class Watchdog:
+    """Runs driver calls under `watched` for a whole run, and remembers every call it abandoned.
+
+    An abandoned call may still land (a bind that completes a minute later) in the middle of a later test, or
+    after the last clean-up, and make a clause pass or fail for what another test did; when it lands is up to
+    the driver. So after one, every later test of that driver is NOT TESTED, with the reason
+    (`Abandoned.reason`): the same driver gets the same report, however its late calls fall."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned: list[Abandoned] = []
+
+    def run(
+        self,
+        subject: str,
+        test: str,
+        what: str,
+        call: Callable[[], T],
+        *,
+        timeout_s: float,
+        grace_s: float,
+        deadline: bool = True,
+        building: bool = False,
+    ) -> T:
+        try:
+            return watched(what, call, timeout_s=timeout_s, grace_s=grace_s, deadline=deadline)
+        except CallTimedOut:
+            with self._lock:
+                self._abandoned.append(Abandoned(subject, test, what, timeout_s + grace_s, building))
+            raise
+
+    def abandoned(self, subject: str | None = None) -> tuple[Abandoned, ...]:
+        """The calls abandoned so far, of ``subject``'s driver or (None) of any."""
+        with self._lock:
+            return tuple(a for a in self._abandoned if subject is None or a.subject == subject)
 
 
 @attrs.frozen
@@ -142,8 +216,30 @@ class Leftover:
     what: str
 
 
+class WatchedPool:
+    """A pool's reads (`Pool.allocations`, `Pool.free_bytes`) as a test makes them: under the watchdog."""
+
+    def __init__(self, tracker: Tracker, pool: Pool) -> None:
+        self._tracker = tracker
+        self._pool = pool
+
+    @property
+    def id(self) -> str:
+        return self._pool.id
+
+    def allocations(self) -> Sequence[Allocation]:
+        return self._tracker.read(f"allocations() of pool {self._pool.id}", self._pool.allocations)
+
+    def free_bytes(self) -> int:
+        return self._tracker.read(f"free_bytes() of pool {self._pool.id}", self._pool.free_bytes)
+
+
 class Tracker:
     """The fabric of one test and everything the test changed on it.
+
+    Every driver call it makes runs under the ``watchdog``: mutating calls for their deadline, reads
+    (`discover`, `bindings`, `capabilities`, a pool's allocations) for ``call_timeout_s`` too, building the
+    fabric for ``build_timeout_s`` and a restart for ``restart_timeout_s``, each plus ``grace_s``.
 
     Binds and allocations are recorded before they are attempted, so that one which failed but left something
     behind is cleaned up too. `cleanup` undoes faults, unbinds and releases with the newest epoch, then asks
@@ -151,29 +247,75 @@ class Tracker:
     """
 
     def __init__(
-        self, factory: FabricFactory, epochs: Epochs, *, call_timeout_s: float, grace_s: float = WATCHDOG_GRACE_S
+        self,
+        factory: FabricFactory,
+        epochs: Epochs,
+        *,
+        call_timeout_s: float,
+        grace_s: float = WATCHDOG_GRACE_S,
+        build_timeout_s: float = BUILD_TIMEOUT_S,
+        restart_timeout_s: float = RESTART_TIMEOUT_S,
+        watchdog: Watchdog | None = None,
+        subject: str = "",
+        test: str = "",
     ) -> None:
         self.factory = factory
         self.epochs = epochs
         self.call_timeout_s = call_timeout_s
         self.grace_s = grace_s
-        self.fabric = factory()
+        self.build_timeout_s = build_timeout_s
+        self.restart_timeout_s = restart_timeout_s
+        self.watchdog = Watchdog() if watchdog is None else watchdog
+        self.subject = subject
+        self.test = test
         self._lock = threading.Lock()
         self._binds: dict[tuple[str, str], None] = {}
         self._allocations: dict[tuple[str, str], None] = {}
         self._undo_faults: list[Callable[[], None]] = []
+        self.fabric = self.build()
+
+    def build(self) -> Fabric:
+        """A fabric from ``factory``, under the watchdog (`CallTimedOut`: the driver could not be built)."""
+        return self.watchdog.run(
+            self.subject,
+            self.test,
+            "building the fabric (fabric_factory)",
+            self.factory,
+            timeout_s=self.build_timeout_s,
+            grace_s=self.grace_s,
+            deadline=False,
+            building=True,
+        )
 
     def ctx(self, epoch: int | None = None) -> CallContext:
         return CallContext.with_timeout(
             self.call_timeout_s, epoch=self.epochs.current if epoch is None else epoch, request_id="conformance"
         )
 
-    def view(self) -> View:
-        return View.of(self.fabric)
-
     def call(self, what: str, call: Callable[[], T]) -> T:
         """A driver call that carries a deadline, under the watchdog (`watched`)."""
-        return watched(what, call, timeout_s=self.call_timeout_s, grace_s=self.grace_s)
+        return self.watchdog.run(
+            self.subject, self.test, what, call, timeout_s=self.call_timeout_s, grace_s=self.grace_s
+        )
+
+    def read(self, what: str, call: Callable[[], T]) -> T:
+        """A driver call that carries no deadline (a read), under the watchdog for ``call_timeout_s`` too: it
+        must answer without long waits."""
+        return self.watchdog.run(
+            self.subject, self.test, what, call, timeout_s=self.call_timeout_s, grace_s=self.grace_s, deadline=False
+        )
+
+    def discover(self) -> Topology:
+        return self.read("discover()", self.fabric.discover)
+
+    def bindings(self) -> Sequence[Binding]:
+        return self.read("bindings()", self.fabric.bindings)
+
+    def capabilities(self) -> Capabilities:
+        return self.read("capabilities()", self.fabric.capabilities)
+
+    def view(self) -> View:
+        return View.answered(self.discover(), self.bindings())
 
     def bind(self, device: str, host: str, *, epoch: int | None = None) -> Binding:
         with self._lock:
@@ -185,8 +327,9 @@ class Tracker:
         fabric, ctx = self.fabric, self.ctx(epoch)
         self.call(f"unbind of {device} from {host}", lambda: fabric.unbind(Binding(device, host), ctx))
 
-    def pool(self, pool: str) -> Pool:
-        return self.fabric.pool(pool)
+    def pool(self, pool: str) -> WatchedPool:
+        fabric = self.fabric
+        return WatchedPool(self, self.read(f"pool({pool})", lambda: fabric.pool(pool)))
 
     def allocate(self, pool: str, allocation: str, host: str, amount: int, *, epoch: int | None = None) -> Allocation:
         with self._lock:
@@ -209,7 +352,7 @@ class Tracker:
         and a driver that does not declare the feature is not tested on it. A driver that declares it on a
         fabric object that does not implement `FaultInjection` fails the test (AssertionError): a declared
         feature is tested, never skipped."""
-        if not self.fabric.capabilities().supports(Feature.FAULT_INJECTION):
+        if not self.capabilities().supports(Feature.FAULT_INJECTION):
             return None
         if not isinstance(self.fabric, FaultInjection):
             raise AssertionError(
@@ -223,24 +366,40 @@ class Tracker:
         self._undo_faults.append(undo)
 
     def restart(self, restart: Restart) -> Fabric:
-        """Restart the driver; when that fails, connect afresh (best effort) so that the clean-up still reaches
-        the driver, then raise: the restart closed the fabric this tracker held."""
+        """Restart the driver, under the watchdog for ``restart_timeout_s``; when that fails, connect afresh (best
+        effort, unless the restart hung) so that the clean-up still reaches the driver, then raise: the restart
+        closed the fabric this tracker held."""
+        old = self.fabric
         try:
-            self.fabric = restart(self.fabric)
+            self.fabric = self.watchdog.run(
+                self.subject,
+                self.test,
+                "restart of the driver",
+                lambda: restart(old),
+                timeout_s=self.restart_timeout_s,
+                grace_s=self.grace_s,
+                deadline=False,
+            )
+        except CallTimedOut:
+            raise  # the restart may still be under way: another connection now would race it
         except BaseException:
             try:
-                self.fabric = self.factory()
+                self.fabric = self.build()
             except Exception as exc:
                 log.warning("could not reconnect to the driver after a failed restart: %r", exc)
             raise
         return self.fabric
 
     def cleanup(self, test: str) -> list[Leftover]:
-        for undo in reversed(self._undo_faults):
-            with contextlib.suppress(DisaggError):
-                undo()
-        epoch = self.epochs.current
         left: list[Leftover] = []
+        for undo in reversed(self._undo_faults):
+            try:
+                self.read("undoing an injected fault", undo)
+            except DisaggError:
+                pass
+            except CallTimedOut as exc:
+                left.append(Leftover(test, str(exc)))
+        epoch = self.epochs.current
         for device, host in self._binds:
             try:
                 self.unbind(device, host, epoch=epoch)
@@ -256,20 +415,23 @@ class Tracker:
             except CallTimedOut as exc:
                 left.append(Leftover(test, str(exc)))
         try:
-            still = {(b.device, b.host) for b in self.fabric.bindings()}
+            still = {(b.device, b.host) for b in self.bindings()}
             left += [Leftover(test, f"{d} bound to {h}") for d, h in self._binds if (d, h) in still]
             for pool in sorted({p for p, _ in self._allocations}):
-                held = {a.id for a in self.fabric.pool(pool).allocations()}
+                held = {a.id for a in self.pool(pool).allocations()}
                 left += [
                     Leftover(test, f"allocation {a} in {p}") for p, a in self._allocations if p == pool and a in held
                 ]
         except DisaggError as exc:
             left.append(Leftover(test, f"could not check what is left: {exc.message}"))
+        except CallTimedOut as exc:
+            left.append(Leftover(test, f"could not check what is left: {exc}"))
         return left
 
     def close(self) -> None:
+        """Close the fabric, under the watchdog: a close that hangs raises `CallTimedOut`."""
         with contextlib.suppress(DisaggError):
-            self.fabric.close()
+            self.read("close()", self.fabric.close)
 
 
 def run_together(calls: Sequence[Callable[[], object]], *, timeout_s: float) -> list[object | BaseException]:

@@ -20,7 +20,7 @@ import pytest
 from disagg.errors import ConfigError
 from disagg.testing.clauses import CLAUSES, MARKER
 from disagg.testing.expected import read_expected_failures
-from disagg.testing.harness import Epochs
+from disagg.testing.harness import Epochs, Watchdog
 from disagg.testing.report import (
     FAIL,
     FAILED,
@@ -32,7 +32,7 @@ from disagg.testing.report import (
     TestOutcome,
     clause_results,
 )
-from disagg.testing.state import EPOCHS, LEFTOVERS, REPORT, SEEN_CAPABILITIES, SUBJECT
+from disagg.testing.state import EPOCHS, LEFTOVERS, REPORT, SEEN_CAPABILITIES, SUBJECT, WATCHDOG
 
 CLEANUP = "CLEANUP-NOTHING-LEFT"
 _EXPECTED = pytest.StashKey[tuple[str, ...]]()
@@ -55,6 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}(id): the conformance clause a test checks")
     config.stash[EPOCHS] = Epochs()
     config.stash[LEFTOVERS] = []
+    config.stash[WATCHDOG] = Watchdog()
     config.stash[SEEN_CAPABILITIES] = []
     config.stash[_CLAUSE_OF] = {}
     outcomes: dict[str, dict[str, list[pytest.TestReport]]] = defaultdict(lambda: defaultdict(list))
@@ -122,10 +123,13 @@ def build_report(config: pytest.Config) -> Report:
     }
     ran = any(outcomes.values())
     leftovers = config.stash[LEFTOVERS]
+    abandoned = config.stash[WATCHDOG].abandoned()
     cleanup = CLAUSES[CLEANUP]
     if leftovers:
         what = "; ".join(f"{lo.test.rpartition('::')[2]}: {lo.what}" for lo in leftovers[:10])
         cleanup_result = ClauseResult(cleanup, FAIL, f"left behind: {what}")
+    elif abandoned:  # what an abandoned call does after the last clean-up, nobody sees
+        cleanup_result = ClauseResult(cleanup, NOT_TESTED, f"not tested: {abandoned[0].reason()}")
     elif ran:
         cleanup_result = ClauseResult(cleanup, PASS)
     else:
@@ -136,12 +140,17 @@ def build_report(config: pytest.Config) -> Report:
         subject = attrs.evolve(subject, fabric=subject.fabric or fabric, capabilities=caps)
     started, t0 = config.stash[_STARTED]
     expected: tuple[str, ...] = config.stash[_EXPECTED]
+    unbuilt = next((a for a in abandoned if a.building), None)
     return Report(
         subject,
         clause_results(outcomes, expected, cleanup_result),
         expected,
         started,
         time.monotonic() - t0,
+        # As when the driver raises as it is built (disagg certify): a run that could not build it is no verdict.
+        incomplete=""
+        if unbuilt is None
+        else f"the driver could not be built: {unbuilt.what} did not return within {unbuilt.limit_s:g} s",
     )
 
 
@@ -154,8 +163,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         report = attrs.evolve(report, incomplete=f"the run did not finish (pytest exit status {int(exitstatus)})")
     config.stash[REPORT] = report
     # A FAILED verdict fails the run even where pytest saw nothing fail: something was left behind, or a clause
-    # listed as an expected failure passed (pytest counts that as a non-strict xpass).
-    if report.verdict == FAILED and session.exitstatus == pytest.ExitCode.OK:
+    # listed as an expected failure passed (pytest counts that as a non-strict xpass). So does an unfinished
+    # run whose tests were all skipped: a driver that could not be built.
+    if (report.verdict == FAILED or report.incomplete) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     out = config.getoption("disagg_report")
     if out:

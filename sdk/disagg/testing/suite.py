@@ -33,7 +33,10 @@ from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
 from disagg.testing.harness import (
+    BUILD_TIMEOUT_S,
+    RESTART_TIMEOUT_S,
     WATCHDOG_GRACE_S,
+    CallTimedOut,
     Epochs,
     FabricFactory,
     Restart,
@@ -43,7 +46,7 @@ from disagg.testing.harness import (
     reopening,
     run_together,
 )
-from disagg.testing.state import EPOCHS, LEFTOVERS, SEEN_CAPABILITIES
+from disagg.testing.state import EPOCHS, LEFTOVERS, SEEN_CAPABILITIES, WATCHDOG
 
 REPEATS = 5
 """How many times the idempotency clauses repeat a call."""
@@ -51,6 +54,8 @@ RACERS = 8
 """Threads in the concurrency clauses."""
 EVENT_GRACE_S = 0.25
 """Scheduling slack on top of a driver's declared event latency, for loaded CI machines."""
+RACE_SLACK_S = 1.0
+"""How much longer than the watchdog `run_together` waits for its racers, for thread start-up."""
 _LOCAL_ID = re.compile(r"^[^/\s]+$")
 
 
@@ -66,8 +71,8 @@ def _one_free(view: View, *, min_hosts: int = 1) -> DeviceInfo:
     return free[0]
 
 
-def _bindings_of(fabric: Fabric, device: str) -> list[Binding]:
-    return [b for b in fabric.bindings() if b.device == device]
+def _bindings_of(tracker: Tracker, device: str) -> list[Binding]:
+    return [b for b in tracker.bindings() if b.device == device]
 
 
 def _expect_unsupported(call: Callable[[], object], what: str, feature: str) -> None:
@@ -91,8 +96,20 @@ class FabricConformance:
     call_timeout_s: float = 30.0
     """The deadline of each driver call the suite makes."""
     call_grace_s: float = WATCHDOG_GRACE_S
-    """How long past its deadline the suite waits for a driver call (bind, unbind, allocate, release, sanitize)
-    before it fails the test, naming the call, and abandons the thread that made it."""
+    """How long past its deadline the suite waits for a driver call (bind, unbind, allocate, release, sanitize;
+    and past ``call_timeout_s`` for a read: discover, bindings, capabilities) before it fails the test, naming
+    the call, and abandons the thread that made it; and past the build or restart bound."""
+    build_timeout_s: float = BUILD_TIMEOUT_S
+    """How long building the fabric (``fabric_factory``) may take, before the run reports the driver could not
+    be built."""
+    restart_timeout_s: float = RESTART_TIMEOUT_S
+    """How long the ``restart`` fixture may take to restart the driver and reconnect."""
+
+    @property
+    def _racing_s(self) -> float:
+        """How long `run_together` waits for racing calls: past the watchdog's limit, so that a racer that hung
+        is abandoned (and remembered) by the watchdog, within the test that made it."""
+        return self.call_timeout_s + self.call_grace_s + RACE_SLACK_S
 
     # ------------------------------------------------------------------ fixtures a driver author overrides
 
@@ -118,9 +135,25 @@ class FabricConformance:
                 "the disagg conformance suite needs its pytest plugin: add "
                 "pytest_plugins = ['disagg.testing.plugin'] to your conftest.py, or run pytest -p disagg.testing.plugin"
             )
-        tracker = Tracker(
-            fabric_factory, config.stash[EPOCHS], call_timeout_s=self.call_timeout_s, grace_s=self.call_grace_s
-        )
+        watchdog = config.stash[WATCHDOG]
+        subject = request.node.nodeid.rpartition("::")[0]
+        abandoned = watchdog.abandoned(subject)
+        if abandoned:
+            _skip(abandoned[0].reason())
+        try:
+            tracker = Tracker(
+                fabric_factory,
+                config.stash[EPOCHS],
+                call_timeout_s=self.call_timeout_s,
+                grace_s=self.call_grace_s,
+                build_timeout_s=self.build_timeout_s,
+                restart_timeout_s=self.restart_timeout_s,
+                watchdog=watchdog,
+                subject=subject,
+                test=request.node.nodeid,
+            )
+        except CallTimedOut as exc:
+            _skip(f"the driver could not be built: {exc}")
         try:
             yield tracker
         finally:
@@ -132,9 +165,9 @@ class FabricConformance:
         return tracker.fabric
 
     @pytest.fixture
-    def capabilities(self, fabric: Fabric, request: pytest.FixtureRequest) -> Capabilities:
-        caps = fabric.capabilities()
-        request.config.stash[SEEN_CAPABILITIES].append((fabric.name, caps))
+    def capabilities(self, tracker: Tracker, request: pytest.FixtureRequest) -> Capabilities:
+        caps = tracker.capabilities()
+        request.config.stash[SEEN_CAPABILITIES].append((tracker.fabric.name, caps))
         return caps
 
     @pytest.fixture(autouse=True)
@@ -160,8 +193,9 @@ class FabricConformance:
     # ------------------------------------------------------------------ discovery
 
     @clause("DISC-WELL-FORMED")
-    def test_discovery_is_well_formed(self, fabric: Fabric, capabilities: Capabilities) -> None:
-        topo = fabric.discover()
+    def test_discovery_is_well_formed(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        fabric = tracker.fabric
+        topo = tracker.discover()
         assert topo.fabric == fabric.name, f"discover() reports fabric {topo.fabric!r}, not {fabric.name!r}"
         switches = {s.id for s in topo.switches}
         hosts = {h.id for h in topo.hosts}
@@ -187,20 +221,20 @@ class FabricConformance:
         for pool in topo.pools:
             assert pool.device in devices, f"pool {pool.id} is carved from unknown device {pool.device}"
             assert pool.capacity.block_bytes > 0, f"pool {pool.id} has no block size"
-        for binding in fabric.bindings():
+        for binding in tracker.bindings():
             assert binding.device in devices, f"binding of unknown device {binding.device}"
             assert binding.host in hosts, f"binding to unknown host {binding.host}"
 
     @clause("DISC-STABLE")
-    def test_discovery_is_stable(self, fabric: Fabric) -> None:
-        first = {d.id: d.serial for d in fabric.discover().devices}
-        second = {d.id: d.serial for d in fabric.discover().devices}
+    def test_discovery_is_stable(self, tracker: Tracker) -> None:
+        first = {d.id: d.serial for d in tracker.discover().devices}
+        second = {d.id: d.serial for d in tracker.discover().devices}
         assert first == second, "two discoveries report different device ids or serials"
 
     @clause("DISC-UNIQUE-SERIALS")
-    def test_serials_are_unique(self, fabric: Fabric) -> None:
+    def test_serials_are_unique(self, tracker: Tracker) -> None:
         seen: dict[str, str] = {}
-        for dev in fabric.discover().devices:
+        for dev in tracker.discover().devices:
             assert dev.serial, f"device {dev.id} has no serial"
             assert dev.serial not in seen, f"devices {seen.get(dev.serial)} and {dev.id} share serial {dev.serial}"
             seen[dev.serial] = dev.id
@@ -217,7 +251,7 @@ class FabricConformance:
             host = view.hosts_reaching(dev)[0]
             tracker.bind(dev.id, host)
             _expect_unsupported(lambda: tracker.unbind(dev.id, host), f"unbind of {dev.id} from {host}", "unbind")
-            assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, host)], "a refused unbind unbound"
+            assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)], "a refused unbind unbound"
             tried.append("unbind")
         if Feature.BIND in undeclared:
             # Any unbound, healthy device a host reaches: one that is carved too, when nothing is bound whole.
@@ -231,7 +265,7 @@ class FabricConformance:
                 dev = candidates[0]
                 host = view.hosts_reaching(dev)[0]
                 _expect_unsupported(lambda: tracker.bind(dev.id, host), f"bind of {dev.id} to {host}", "bind")
-                assert _bindings_of(tracker.fabric, dev.id) == [], "a refused bind bound the device"
+                assert _bindings_of(tracker, dev.id) == [], "a refused bind bound the device"
                 tried.append("bind")
         pools = [(p, hosts[0]) for p, hosts in self._pools_reached(view)]
         if Feature.CARVE in undeclared and pools:
@@ -268,7 +302,7 @@ class FabricConformance:
         for n in range(REPEATS):
             got = tracker.bind(dev.id, host)
             assert got == Binding(dev.id, host), f"bind #{n + 1} returned {got}, not the binding"
-        assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, host)]
+        assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)]
 
     @clause("UNBIND-IDEMPOTENT")
     def test_unbind_is_idempotent(self, tracker: Tracker) -> None:
@@ -278,7 +312,7 @@ class FabricConformance:
         tracker.bind(dev.id, host)
         for _ in range(REPEATS):
             tracker.unbind(dev.id, host)
-        assert _bindings_of(tracker.fabric, dev.id) == []
+        assert _bindings_of(tracker, dev.id) == []
         tracker.unbind(f"{tracker.fabric.name}/conformance-no-such-device", host)
         tracker.unbind(dev.id, "conformance-no-such-host")
         assert tracker.bind(dev.id, host) == Binding(dev.id, host)
@@ -295,7 +329,7 @@ class FabricConformance:
         tracker.on_cleanup(functools.partial(faults.flaky_bind, dev.id, 0))
         with pytest.raises(DisaggError):
             tracker.bind(dev.id, host)
-        assert _bindings_of(tracker.fabric, dev.id) == [], "a bind that failed left the device bound"
+        assert _bindings_of(tracker, dev.id) == [], "a bind that failed left the device bound"
         assert tracker.bind(dev.id, host) == Binding(dev.id, host)
 
     # ------------------------------------------------------------------ errors
@@ -313,7 +347,7 @@ class FabricConformance:
         dev = _one_free(tracker.view())
         with pytest.raises(UnknownHostError):
             tracker.bind(dev.id, "conformance-no-such-host")
-        assert _bindings_of(tracker.fabric, dev.id) == []
+        assert _bindings_of(tracker, dev.id) == []
 
     @clause("ERR-DEVICE-BUSY")
     def test_busy_device(self, tracker: Tracker) -> None:
@@ -323,7 +357,7 @@ class FabricConformance:
         tracker.bind(dev.id, first)
         with pytest.raises(DeviceBusyError):
             tracker.bind(dev.id, second)
-        assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, first)]
+        assert _bindings_of(tracker, dev.id) == [Binding(dev.id, first)]
 
     @clause("ERR-HOST-UNREACHABLE")
     def test_unreachable_host(self, tracker: Tracker) -> None:
@@ -346,7 +380,7 @@ class FabricConformance:
                 _skip(f"host {host} still reaches {dev.id} with its links down, by the driver's own topology")
         with pytest.raises(HostUnreachableError):
             tracker.bind(dev.id, host)
-        assert _bindings_of(tracker.fabric, dev.id) == []
+        assert _bindings_of(tracker, dev.id) == []
 
     @clause("FENCE-STALE-EPOCH")
     def test_stale_epoch(self, tracker: Tracker, epochs: Epochs) -> None:
@@ -360,23 +394,23 @@ class FabricConformance:
         tracker.bind(kept.id, host, epoch=new)
         with pytest.raises(StaleEpochError):
             tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=new - 1)
-        assert _bindings_of(tracker.fabric, refused.id) == [], "a bind with a stale epoch bound the device"
+        assert _bindings_of(tracker, refused.id) == [], "a bind with a stale epoch bound the device"
         with pytest.raises(StaleEpochError):
             tracker.unbind(kept.id, host, epoch=new - 1)
-        assert _bindings_of(tracker.fabric, kept.id) == [Binding(kept.id, host)], "a stale unbind took effect"
+        assert _bindings_of(tracker, kept.id) == [Binding(kept.id, host)], "a stale unbind took effect"
         # The first word of a new manager fences the old one, even when that call itself fails.
         newer = epochs.advance()
         with pytest.raises(UnknownDeviceError):
             tracker.bind(f"{tracker.fabric.name}/conformance-no-such-device", host, epoch=newer)
         with pytest.raises(StaleEpochError):
             tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=new)
-        assert _bindings_of(tracker.fabric, refused.id) == []
+        assert _bindings_of(tracker, refused.id) == []
         # An unbind of nothing changes nothing, yet fences too: it is how a new leader announces its epoch.
         announced = epochs.advance()
         tracker.unbind(f"{tracker.fabric.name}/disagg-fence", "disagg-fence", epoch=announced)
         with pytest.raises(StaleEpochError):
             tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=newer)
-        assert _bindings_of(tracker.fabric, refused.id) == []
+        assert _bindings_of(tracker, refused.id) == []
 
     @clause("FENCE-STALE-EPOCH")
     def test_stale_epoch_on_a_pool(self, tracker: Tracker, epochs: Epochs, capabilities: Capabilities) -> None:
@@ -402,10 +436,10 @@ class FabricConformance:
         if len(free) < 2:
             _skip("the fabric has fewer than two free devices")
         pairs = [(d.id, view.hosts_reaching(d)[0]) for d in free]
-        results = run_together([functools.partial(tracker.bind, d, h) for d, h in pairs], timeout_s=self.call_timeout_s)
+        results = run_together([functools.partial(tracker.bind, d, h) for d, h in pairs], timeout_s=self._racing_s)
         for (d, h), result in zip(pairs, results, strict=True):
             assert result == Binding(d, h), f"the parallel bind of {d} to {h} gave {result!r}"
-        held = set(tracker.fabric.bindings())
+        held = set(tracker.bindings())
         missing = [f"{d} to {h}" for d, h in pairs if Binding(d, h) not in held]
         assert not missing, f"bindings() does not report the parallel binds of {', '.join(missing)}"
 
@@ -415,9 +449,7 @@ class FabricConformance:
         dev = _one_free(view, min_hosts=2)
         hosts = view.hosts_reaching(dev)
         racers = [hosts[i % len(hosts)] for i in range(RACERS)]
-        results = run_together(
-            [functools.partial(tracker.bind, dev.id, h) for h in racers], timeout_s=self.call_timeout_s
-        )
+        results = run_together([functools.partial(tracker.bind, dev.id, h) for h in racers], timeout_s=self._racing_s)
         winners = {h for h, r in zip(racers, results, strict=True) if isinstance(r, Binding)}
         assert len(winners) == 1, f"binds of {dev.id} to {sorted(winners)} all succeeded" if winners else "none won"
         (winner,) = winners
@@ -426,7 +458,7 @@ class FabricConformance:
                 assert r == Binding(dev.id, winner), f"a bind to the winning host gave {r!r}"
             else:
                 assert isinstance(r, DeviceBusyError), f"the losing bind to {h} gave {r!r}, not DeviceBusyError"
-        assert _bindings_of(tracker.fabric, dev.id) == [Binding(dev.id, winner)]
+        assert _bindings_of(tracker, dev.id) == [Binding(dev.id, winner)]
 
     # ------------------------------------------------------------------ carving
 
@@ -494,7 +526,7 @@ class FabricConformance:
                 functools.partial(tracker.allocate, info.id, f"conformance-extent-race-{n}", host, block)
                 for n in range(RACERS)
             ],
-            timeout_s=self.call_timeout_s,
+            timeout_s=self._racing_s,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
         assert not failed, f"parallel allocations failed: {failed[0]!r}" if failed else ""
@@ -577,11 +609,11 @@ class FabricConformance:
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
         tracker.bind(dev.id, host)
-        before = set(tracker.fabric.bindings())
+        before = set(tracker.bindings())
         devices = {d.id: d.serial for d in view.topology.devices}
-        fabric = tracker.restart(restart)
-        assert set(fabric.bindings()) == before, "the restarted driver reports other bindings"
-        assert {d.id: d.serial for d in fabric.discover().devices} == devices, "the restarted driver's devices differ"
+        tracker.restart(restart)
+        assert set(tracker.bindings()) == before, "the restarted driver reports other bindings"
+        assert {d.id: d.serial for d in tracker.discover().devices} == devices, "the restarted driver's devices differ"
 
     @clause("RESTART-FENCING")
     def test_restart_keeps_the_epoch(self, tracker: Tracker, restart: Restart, epochs: Epochs) -> None:
@@ -592,11 +624,11 @@ class FabricConformance:
         tracker.restart(restart)
         deposed = announced - 1
         view = tracker.view()
-        free = view.free_devices() if tracker.fabric.capabilities().supports(Feature.BIND) else []
+        free = view.free_devices() if tracker.capabilities().supports(Feature.BIND) else []
         if free:
             dev, host = free[0], view.hosts_reaching(free[0])[0]
             _expect_stale(lambda: tracker.bind(dev.id, host, epoch=deposed), f"bind of {dev.id}", deposed, announced)
-            assert _bindings_of(tracker.fabric, dev.id) == [], "after a restart, a bind with a deposed epoch bound"
+            assert _bindings_of(tracker, dev.id) == [], "after a restart, a bind with a deposed epoch bound"
         _expect_stale(
             lambda: tracker.unbind(*fence, epoch=deposed), "unbind (an epoch announcement)", deposed, announced
         )
