@@ -213,7 +213,7 @@ EXAMPLES: list[Any] = [
     Switch("pcie0/sw1", "pcie0", SwitchKind.CXL, "x", "y", (Port("p0", PortKind.UPSTREAM, "h1"),), {"rack": "r1"}),
     Host("h1", 32, 512 * GiB, "pcie0/sw1", {"rack": "r1", "numa": 2}, {"rack": "r1"}),
     Link("h1", "pcie0/sw1", 100, 64.0, up=False),
-    PoolInfo("cxl0/pool0", "cxl0", "cxl0/mem0", Capacity(4 * GiB), PoolKind.MLD),
+    PoolInfo("cxl0/pool0", "cxl0", "cxl0/mem0", Capacity(4 * GiB), PoolKind.MLD, 4),
     Topology(
         fabric="pcie0",
         hosts=(Host("h1", 8, GiB),),

@@ -1,6 +1,6 @@
-"""An MLD pool holds one allocation per logical device, at most 16: placement must not offer one whose LDs are
-all used, however many bytes it has free, or every carve there fails on the hardware (a best-fit retry picks
-the same pool again).
+"""An MLD pool holds one allocation per logical device, as many as its LD Count (1 to 16; 16 when its driver does
+not report it): placement must not offer one whose LDs are all used, however many bytes it has free, or every
+carve there fails on the hardware (a best-fit retry picks the same pool again).
 
 Unit tests on hand-built topologies, then the composer over sim fabrics whose first CXL pool is an MLD.
 """
@@ -13,10 +13,20 @@ import disagg_sim
 import pytest
 from composer_helpers import composer
 from disagg.composer import FabricComposer, Inventory, Placer
-from disagg.composer.index import MLD_MAX_LOGICAL_DEVICES
 from disagg.errors import NoFitError
 from disagg.interfaces import CallContext
-from disagg.model import Capacity, Device, DeviceKind, Host, Plan, PoolInfo, PoolKind, Switch, Topology
+from disagg.model import (
+    MLD_MAX_LOGICAL_DEVICES,
+    Capacity,
+    Device,
+    DeviceKind,
+    Host,
+    Plan,
+    PoolInfo,
+    PoolKind,
+    Switch,
+    Topology,
+)
 from disagg.policies import BestFit
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
@@ -38,12 +48,13 @@ def _memory(local: str, total: int) -> Device:
     )
 
 
-def appliance(mld_bytes: int = 32 * GiB, dcd_bytes: int = 64 * GiB) -> Inventory:
-    """h1 on csw1, which holds a small MLD pool (best fit for small amounts) and a larger DCD pool."""
+def appliance(mld_bytes: int = 32 * GiB, dcd_bytes: int = 64 * GiB, *, lds: int = 0) -> Inventory:
+    """h1 on csw1, which holds a small MLD pool of ``lds`` LDs (0: not reported; best fit for small amounts) and a
+    larger DCD pool."""
     devices = [d for d in (_memory("mld", mld_bytes), _memory("dcd", dcd_bytes)) if d.capacity and d.capacity.blocks]
-    kinds = {"cxl0/mld": PoolKind.MLD, "cxl0/dcd": PoolKind.DCD}
+    kinds = {"cxl0/mld": (PoolKind.MLD, lds), "cxl0/dcd": (PoolKind.DCD, 0)}
     pools = tuple(
-        PoolInfo(f"{d.id}-pool", "cxl0", d.id, d.capacity, kinds[d.id]) for d in devices if d.capacity is not None
+        PoolInfo(f"{d.id}-pool", "cxl0", d.id, d.capacity, *kinds[d.id]) for d in devices if d.capacity is not None
     )
     return Inventory(
         [
@@ -86,6 +97,16 @@ class TestIndex:
             inv.release_memory(MLD, 256 * MiB)
         assert inv.pools[MLD].free_lds == MLD_MAX_LOGICAL_DEVICES
 
+    @pytest.mark.parametrize("lds", [1, 4, MLD_MAX_LOGICAL_DEVICES])
+    def test_an_mld_counts_its_own_logical_devices(self, lds: int) -> None:
+        inv = appliance(lds=lds)
+        assert inv.pools[MLD].free_lds == lds
+        fill(inv, n=lds)
+        assert inv.pools[MLD].free_lds == 0
+        for _ in range(lds + 2):
+            inv.release_memory(MLD, 256 * MiB)
+        assert inv.pools[MLD].free_lds == lds
+
     def test_a_rebuild_may_claim_more_than_the_pool_has(self) -> None:
         """What the hardware holds is claimed whatever the count; the pool comes back once enough are freed."""
         inv = appliance()
@@ -108,6 +129,17 @@ class TestPlacement:
         assert pools_of(place(inv, "cxl-memory 1GiB")) == [DCD]
         inv.release_memory(MLD, 256 * MiB)
         assert pools_of(place(inv, "cxl-memory 1GiB")) == [MLD]
+
+    def test_a_full_mld_of_four_is_not_offered(self) -> None:
+        """Four allocations use a 4-LD MLD up, its bytes free or not; the next goes to the DCD."""
+        inv = appliance(lds=4)
+        fill(inv, n=3)
+        assert pools_of(place(inv, "cxl-memory 1GiB")) == [MLD]
+        fill(inv, n=1)
+        assert pools_of(place(inv, "cxl-memory 1GiB")) == [DCD]
+        assert pools_of(place(inv, "host h1", *["cxl-memory 1GiB"] * 2)) == [DCD, DCD]
+        inv.release_memory(MLD, 256 * MiB)
+        assert pools_of(place(inv, "host h1", *["cxl-memory 1GiB"] * 2)) == [MLD, DCD]
 
     def test_a_plan_counts_its_own_logical_devices(self) -> None:
         inv = appliance()
@@ -136,10 +168,11 @@ class TestPlacement:
 # -- the composer over sim fabrics -----------------------------------------------------------------------------
 
 
-def fabrics(tmp_path: Path) -> dict[str, SimFabric]:
-    """The demo rack with cxl0's mem0 an MLD (mem1 stays a 2 TiB DCD), keeping its state in ``tmp_path``."""
+def fabrics(tmp_path: Path, lds: int | None = None) -> dict[str, SimFabric]:
+    """The demo rack with cxl0's mem0 an MLD of ``lds`` LDs (the sim's default, 16, when None; mem1 stays a 2 TiB
+    DCD), keeping its state in ``tmp_path``."""
     demo = (Path(disagg_sim.__file__).parent / "builtin" / "demo-cxl.toml").read_text()
-    mld = demo.replace('kind = "dcd"', 'kind = "mld"', 1)
+    mld = demo.replace('kind = "dcd"', 'kind = "mld"' if lds is None else f'kind = "mld"\nlogical_devices = {lds}', 1)
     assert mld != demo
     topology = tmp_path / "mld-cxl.toml"
     topology.write_text(mld)
@@ -149,8 +182,8 @@ def fabrics(tmp_path: Path) -> dict[str, SimFabric]:
     }
 
 
-def opened(tmp_path: Path) -> FabricComposer:
-    return composer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+def opened(tmp_path: Path, lds: int | None = None) -> FabricComposer:
+    return composer(fabrics(tmp_path, lds), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
 
 
 def grow(comp: FabricComposer, comp_id: str, n: int) -> list[str]:
@@ -191,3 +224,28 @@ class TestComposer:
         c = comp.compose(parse_request("job", ["host h1", "cxl-memory 1GiB"])).composition
         assert c is not None and [a.pool for a in c.allocations] == ["cxl0/mem1"]
         comp.close()
+
+
+class TestComposerSmallMLD:
+    """An MLD of four LDs, as the sim reports it: four allocations use it up, and the next Compose carves the DCD."""
+
+    def test_the_next_compose_goes_to_the_other_pool(self, tmp_path: Path) -> None:
+        comp = opened(tmp_path, lds=4)
+        (info,) = [p for p in comp.fabrics["cxl0"].discover().pools if p.kind is PoolKind.MLD]
+        assert (info.id, info.logical_devices) == ("cxl0/mem0", 4)
+        for host, lines in (("h1", 2), ("h2", 1), ("h3", 1)):
+            c = comp.compose(parse_request(host, [f"host {host}", *["cxl-memory 1GiB"] * lines])).composition
+            assert c is not None and [a.pool for a in c.allocations] == ["cxl0/mem0"] * lines
+        c = comp.compose(parse_request("h4", ["host h4", "cxl-memory 1GiB"])).composition
+        assert c is not None and [a.pool for a in c.allocations] == ["cxl0/mem1"]
+        comp.close()
+
+    def test_a_restart_counts_the_held_logical_devices(self, tmp_path: Path) -> None:
+        first = opened(tmp_path, lds=4)
+        c = first.compose(parse_request("job", ["host h1", "nic"])).composition
+        assert c is not None
+        assert grow(first, c.id, 4) == ["cxl0/mem0"]
+        first.close()
+        again = opened(tmp_path, lds=4)
+        assert grow(again, c.id, 1) == ["cxl0/mem1"]
+        again.close()

@@ -19,6 +19,8 @@ from disagg.model import (
     Host,
     HostRequest,
     PendingChange,
+    PoolInfo,
+    PoolKind,
     ResourceRequest,
     Selector,
     SelectorOp,
@@ -114,6 +116,26 @@ class TestCapacity:
         assert cap.blocks == 4
         assert cap.round_up(1) == GiB
         assert cap.round_up(GiB + 1) == 2 * GiB
+
+
+class TestPoolInfo:
+    """An MLD pool has 1 to 16 logical devices, or 0 when not reported (read as 16); a DCD has none."""
+
+    @pytest.mark.parametrize(("lds", "count"), [(0, 16), (1, 1), (4, 4), (16, 16)])
+    def test_an_mld_holds_one_allocation_per_logical_device(self, lds: int, count: int) -> None:
+        assert PoolInfo("cxl0/p", "cxl0", "cxl0/mem0", Capacity(GiB), PoolKind.MLD, lds).ld_count == count
+
+    def test_a_dcd_holds_any_number(self) -> None:
+        assert PoolInfo("cxl0/p", "cxl0", "cxl0/mem0", Capacity(GiB)).ld_count is None
+
+    @pytest.mark.parametrize("lds", [17, -1, 1 << 16])
+    def test_more_than_an_mld_has(self, lds: int) -> None:
+        with pytest.raises(ValueError, match=f"pool cxl0/p is an MLD of {lds} logical devices; an MLD has 1 to 16"):
+            PoolInfo("cxl0/p", "cxl0", "cxl0/mem0", Capacity(GiB), PoolKind.MLD, lds)
+
+    def test_a_dcd_has_no_logical_devices(self) -> None:
+        with pytest.raises(ValueError, match="pool cxl0/p is a dcd pool, which has no logical devices, not 4"):
+            PoolInfo("cxl0/p", "cxl0", "cxl0/mem0", Capacity(GiB), PoolKind.DCD, 4)
 
 
 class TestDeviceAttribute:

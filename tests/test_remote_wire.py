@@ -7,8 +7,9 @@ from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import types_pb2 as tpb
 from disagg.interfaces import CallContext
-from disagg.model import Binding, FabricEvent, FabricEventKind, Health
+from disagg.model import Binding, Capacity, FabricEvent, FabricEventKind, Health, PoolInfo, PoolKind, Topology
 from disagg.wire import driver as wire
+from disagg.wire.types import pool_info_from_wire, pool_info_to_wire, topology_from_wire, topology_to_wire
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -43,6 +44,33 @@ class TestFabricEvents:
         with pytest.raises(InvalidRequestError) as info:
             wire.fabric_event_from_wire(msg)
         assert info.value.field == field
+
+
+class TestPools:
+    """A pool's LD Count survives the wire, 0 (not reported) included; one an MLD cannot have is refused naming
+    its field."""
+
+    @pytest.mark.parametrize(
+        ("kind", "lds"),
+        [(PoolKind.MLD, 0), (PoolKind.MLD, 1), (PoolKind.MLD, 4), (PoolKind.MLD, 16), (PoolKind.DCD, 0)],
+    )
+    def test_round_trip(self, kind: PoolKind, lds: int) -> None:
+        pool = PoolInfo("cxl0/mld", "cxl0", "cxl0/mem0", Capacity(4 << 30), kind, lds)
+        assert pool_info_to_wire(pool).logical_devices == lds
+        assert pool_info_from_wire(pool_info_to_wire(pool)) == pool
+        discovered = pb.DiscoverResponse(topology=topology_to_wire(Topology("cxl0", pools=(pool,))))
+        assert topology_from_wire(pb.DiscoverResponse.FromString(discovered.SerializeToString()).topology).pools == (
+            pool,
+        )
+
+    @pytest.mark.parametrize(("kind", "lds"), [(tpb.POOL_KIND_MLD, 17), (tpb.POOL_KIND_DCD, 4)])
+    def test_malformed(self, kind: int, lds: int) -> None:
+        capacity = tpb.Capacity(total_bytes=4 << 30, block_bytes=256 << 20)
+        msg = tpb.PoolInfo(id="cxl0/p", fabric="cxl0", device="cxl0/mem0", capacity=capacity, kind=kind)
+        msg.logical_devices = lds
+        with pytest.raises(InvalidRequestError) as info:
+            topology_from_wire(tpb.Topology(fabric="cxl0", pools=[msg]))
+        assert info.value.field == "topology.pools[0].logical_devices"
 
 
 class TestFaults:

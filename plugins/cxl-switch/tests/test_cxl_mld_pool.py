@@ -59,6 +59,18 @@ def fabric(make_switch: Callable[..., CxlSwitchFabric]) -> CxlSwitchFabric:
     return make_switch(**MLD_ONLY)
 
 
+class TestDiscovery:
+    """The pool reports the MLD's LD Count as Get LD Info gives it, so that the composer offers it only while an
+    LD is free."""
+
+    @pytest.mark.parametrize("lds", [1, 4, 16])
+    def test_the_pool_has_the_emulators_ld_count(self, make_switch: Callable[..., CxlSwitchFabric], lds: int) -> None:
+        fabric = make_switch(ld_count=lds, mld_capacity_gib=lds, dc_capacity_gib=0)
+        (info,) = fabric.discover().pools
+        assert (info.kind, info.logical_devices, info.ld_count) == (PoolKind.MLD, lds, lds)
+        assert info == fabric.pool(info.id).info()
+
+
 class TestCarve:
     """An allocation is one LD given the rounded-up amount and bound to a vPPB of the host's VCS; a release
     unbinds it and sets it back to 0."""

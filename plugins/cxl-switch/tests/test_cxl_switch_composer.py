@@ -143,6 +143,27 @@ class TestMixedComposition:
             comp.close()
 
 
+class TestFullMLD:
+    """Once the four LDs of the switch's MLD are bound, the next Compose carves the DCD instead of failing on the
+    MLD (the index counted every MLD as 16 LDs)."""
+
+    def test_the_next_compose_goes_to_the_dcd(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
+        switch = make_switch(
+            "sw", hosts=["h1", "h2"], gpus=0, nvme=0, ld_count=4, mld_capacity_gib=4, dc_capacity_gib=8
+        )
+        ports = _ports(switch)
+        mld, dcd = f"sw/mld-port{ports['mld']}", f"sw/dcd-port{ports['dcd']}"
+        comp = _composer({"sw": switch})
+        try:
+            first = comp.compose(parse_request("first", ["host h1", *["cxl-memory 256MiB"] * 3])).composition
+            assert first is not None and [a.pool for a in first.allocations] == [mld] * 3
+            second = comp.compose(parse_request("second", ["host h2", *["cxl-memory 256MiB"] * 2])).composition
+            assert second is not None and [a.pool for a in second.allocations] == [mld, dcd]
+            assert sorted(ld_units(switch.address, ports["mld"])) == [1, 1, 1, 1]
+        finally:
+            comp.close()
+
+
 class TestSurpriseRemoval:
     """A device pulled from the emulated switch degrades the composition using it within a second."""
 

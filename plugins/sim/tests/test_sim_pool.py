@@ -16,11 +16,11 @@ from disagg.errors import (
 )
 from disagg.interfaces import CallContext, Pool
 from disagg.model import Allocation, Extent
-from disagg_sim import SimFabric
+from disagg_sim import SimFabric, parse_topology
 from disagg_sim.carving import BlockAllocator
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import GIB, MIB
+from sim_helpers import GIB, MIB, SMALL
 
 BLOCK = 256 * MIB
 
@@ -127,7 +127,7 @@ class TestRelease:
 
 
 class TestCarving:
-    """DCD pools carve first fit and split over fragments; MLD pools carve one range, at most 16 of them."""
+    """DCD pools carve first fit and split over fragments; MLD pools carve one range, one per logical device."""
 
     def test_fragmented_dcd_splits_over_extents(self, small: SimFabric, ctx: CallContext) -> None:
         pool = small.pool("t/dcd")
@@ -166,6 +166,16 @@ class TestCarving:
         with pytest.raises(CapacityExhaustedError, match="16 logical devices"):
             pool.allocate("ld16", "h1", 16 * MIB, ctx)
         assert pool.free_bytes() == GIB - 16 * 16 * MIB
+
+    def test_mld_holds_as_many_as_its_logical_devices(self, ctx: CallContext) -> None:
+        fabric = SimFabric(parse_topology("t", SMALL.replace('kind = "mld"', 'kind = "mld"\nlogical_devices = 4')))
+        pool = fabric.pool("t/mld")
+        for i in range(4):
+            pool.allocate(f"ld{i}", "h1", 16 * MIB, ctx)
+        with pytest.raises(CapacityExhaustedError, match="all its 4 logical devices are allocated"):
+            pool.allocate("ld4", "h1", 16 * MIB, ctx)
+        pool.release("ld0", ctx)
+        assert pool.allocate("ld4", "h1", 16 * MIB, ctx).host == "h1"
 
     @settings(max_examples=40, deadline=None)
     @given(

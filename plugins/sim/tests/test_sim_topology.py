@@ -110,6 +110,9 @@ latency = "1ns"
             256 * MIB,
         )
         assert (mld.kind, mld.capacity.block_bytes) == (PoolKind.MLD, 16 * MIB)
+        assert (dcd.logical_devices, mld.logical_devices) == (0, 16), "an MLD has 16 LDs unless the file says"
+        small_mld = parse_topology("t", SMALL.replace('kind = "mld"', 'kind = "mld"\nlogical_devices = 4')).pools[1]
+        assert (small_mld.logical_devices, small_mld.ld_count) == (4, 4)
         devices = {d.id: d for d in topo.devices}
         assert devices["t/mem1"].capacity is not None
         assert devices["t/mem1"].capacity.block_bytes == 16 * MIB
@@ -186,6 +189,24 @@ CASES = [
         "[[pool]] #1 (id 'p'): the capacity of device 'm' (1 GiB, 1073741824 bytes) "
         "is not a multiple of the block size 384 MiB",
         id="capacity-not-pool-block-multiple",
+    ),
+    pytest.param(
+        '[[device]]\nid = "m"\nkind = "cxl"\nswitch = "top"\nlatency = 1\ncapacity = "1GiB"\n'
+        '[[pool]]\nid = "p"\ndevice = "m"\nkind = "mld"\nlogical_devices = 17',
+        "[[pool]] #1 (id 'p'): an MLD has at most 16 logical devices, not 17",
+        id="mld-of-17",
+    ),
+    pytest.param(
+        '[[device]]\nid = "m"\nkind = "cxl"\nswitch = "top"\nlatency = 1\ncapacity = "1GiB"\n'
+        '[[pool]]\nid = "p"\ndevice = "m"\nkind = "mld"\nlogical_devices = 0',
+        "[[pool]] #1 (id 'p'): field 'logical_devices' must be at least 1, not 0",
+        id="mld-of-none",
+    ),
+    pytest.param(
+        '[[device]]\nid = "m"\nkind = "cxl"\nswitch = "top"\nlatency = 1\ncapacity = "1GiB"\n'
+        '[[pool]]\nid = "p"\ndevice = "m"\nlogical_devices = 4',
+        "[[pool]] #1 (id 'p'): a dcd pool has no logical devices; 'logical_devices' is for an mld",
+        id="logical-devices-of-a-dcd",
     ),
     pytest.param(
         '[[device]]\nid = "n"\nkind = "nvme"\nswitch = "top"\nlatency = 1\n[[pool]]\nid = "p"\ndevice = "n"',

@@ -21,11 +21,7 @@ from typing import TypeVar
 import attrs
 
 from disagg.errors import ConfigError
-from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, PoolKind, Topology, switch_reach
-
-MLD_MAX_LOGICAL_DEVICES = 16
-"""The most logical devices CXL lets a multi-logical device expose. An MLD pool's allocation is one LD, and
-`PoolInfo` does not say how many LDs a pool has, so the index counts an MLD as able to hold this many."""
+from disagg.model import Device, DeviceKind, Health, Host, PoolInfo, Topology, switch_reach
 
 
 @attrs.define
@@ -159,8 +155,7 @@ class Inventory:
                 dev = self.devices.get(pool.device)
                 if dev is None:
                     raise ConfigError(f"pool {pool.id!r} names unknown device {pool.device!r}")
-                lds = MLD_MAX_LOGICAL_DEVICES if pool.kind is PoolKind.MLD else None
-                state = PoolState(pool, dev, pool.capacity.total_bytes, lds)
+                state = PoolState(pool, dev, pool.capacity.total_bytes, pool.ld_count)
                 self.pools[pool.id] = state
                 self.pools_by_switch[dev.switch].append(state)
         self.free_hosts = sorted((h.cores, h.memory_bytes, h.id) for h in self.hosts.values())
@@ -242,8 +237,9 @@ class Inventory:
         state = self.pools.get(pool)
         if state is not None:
             state.free_bytes = min(state.info.capacity.total_bytes, state.free_bytes + amount)
-            if state.free_lds is not None:
-                state.free_lds = min(MLD_MAX_LOGICAL_DEVICES, state.free_lds + 1)
+            lds = state.info.ld_count
+            if state.free_lds is not None and lds is not None:
+                state.free_lds = min(lds, state.free_lds + 1)
 
     def claim_host(self, host: str, owner: str) -> None:
         current = self.host_owner.get(host)

@@ -37,6 +37,7 @@ from disagg.model.devices import (
 )
 from disagg.model.events import Event, EventType, FabricEvent, FabricEventKind, Revision
 from disagg.model.topology import (
+    MLD_MAX_LOGICAL_DEVICES,
     Host,
     Link,
     PoolInfo,
@@ -53,6 +54,7 @@ from disagg.model.units import format_size, parse_attribute_value, parse_latency
 __all__ = [
     "CXL_DC_BLOCK_BYTES",
     "MAX_RESERVATION_TTL_S",
+    "MLD_MAX_LOGICAL_DEVICES",
     "SELECTOR_KEY",
     "Affinity",
     "Allocation",

@@ -94,15 +94,46 @@ class PoolKind(ModelEnum):
     DCD = "dcd"
 
 
+MLD_MAX_LOGICAL_DEVICES = 16
+"""The most logical devices CXL lets a multi-logical device expose (Get LD Info's LD Count)."""
+
+
 @attrs.frozen
 class PoolInfo:
-    """A device whose capacity is carved into allocations rather than bound whole."""
+    """A device whose capacity is carved into allocations rather than bound whole.
+
+    ``logical_devices`` is an MLD's LD Count as Get LD Info reports it: an MLD holds one allocation per LD, so
+    free bytes alone would offer a pool whose LDs are all used. 0 when the pool is not an MLD, or when its
+    driver does not report the count (read as the most an MLD has, `MLD_MAX_LOGICAL_DEVICES`).
+    """
 
     id: str
     fabric: str
     device: str
     capacity: Capacity
     kind: PoolKind = PoolKind.DCD
+    logical_devices: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind is not PoolKind.MLD:
+            if self.logical_devices:
+                raise ValueError(
+                    f"pool {self.id} is a {self.kind.value} pool, which has no logical devices, "
+                    f"not {self.logical_devices}"
+                )
+        elif not 0 <= self.logical_devices <= MLD_MAX_LOGICAL_DEVICES:
+            raise ValueError(
+                f"pool {self.id} is an MLD of {self.logical_devices} logical devices; an MLD has 1 to "
+                f"{MLD_MAX_LOGICAL_DEVICES} (0 when not reported)"
+            )
+
+    @property
+    def ld_count(self) -> int | None:
+        """How many allocations the pool holds at once: an MLD's logical devices, `MLD_MAX_LOGICAL_DEVICES`
+        when not reported; None for a DCD, which takes any number."""
+        if self.kind is not PoolKind.MLD:
+            return None
+        return self.logical_devices or MLD_MAX_LOGICAL_DEVICES
 
 
 @attrs.frozen

@@ -237,17 +237,17 @@ def pool_info_to_wire(pool: PoolInfo) -> pb.PoolInfo:
         device=pool.device,
         capacity=capacity_to_wire(pool.capacity),
         kind=POOL_TO_WIRE[pool.kind],
+        logical_devices=pool.logical_devices,
     )
 
 
 def pool_info_from_wire(msg: pb.PoolInfo, field: str = "pool") -> PoolInfo:
-    return PoolInfo(
-        id=msg.id,
-        fabric=msg.fabric,
-        device=msg.device,
-        capacity=capacity_from_wire(msg.capacity, f"{field}.capacity"),
-        kind=enum_from_wire(POOL_FROM_WIRE, msg.kind, f"{field}.kind", "pool kind"),
-    )
+    capacity = capacity_from_wire(msg.capacity, f"{field}.capacity")
+    kind = enum_from_wire(POOL_FROM_WIRE, msg.kind, f"{field}.kind", "pool kind")
+    try:
+        return PoolInfo(msg.id, msg.fabric, msg.device, capacity, kind, msg.logical_devices)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{field}.logical_devices: {exc}", field=f"{field}.logical_devices") from None
 
 
 def topology_to_wire(

@@ -61,7 +61,6 @@ from disagg.model import Device as DeviceInfo
 from disagg_sim.carving import BlockAllocator
 from disagg_sim.dispatch import EventDispatcher
 from disagg_sim.state import SimState, StateFile
-from disagg_sim.topology import MLD_MAX_LOGICAL_DEVICES
 
 SIM_CAPABILITIES = Capabilities(
     kinds=frozenset(DeviceKind),
@@ -673,7 +672,7 @@ class SimFabric(Fabric, FaultInjection):
 
 class SimPool(Pool):
     """A carved pool of a `SimFabric`: a DCD (extents, first fit, split when fragmented) or an MLD (one
-    contiguous range per allocation, at most 16 logical devices). Shares its fabric's lock."""
+    contiguous range per allocation, one per logical device). Shares its fabric's lock."""
 
     def __init__(self, fabric: SimFabric, info: PoolInfo) -> None:
         self._fabric = fabric
@@ -724,9 +723,10 @@ class SimPool(Pool):
                     f"pool {self.id} cannot carve: its device {device.id} has FAILED{fabric._reason(device.id)}"
                 )
             fabric._check_reach(host, device)
-            if self._info.kind is PoolKind.MLD and len(self._allocations) + self._in_flight >= MLD_MAX_LOGICAL_DEVICES:
+            lds = self._info.ld_count
+            if lds is not None and len(self._allocations) + self._in_flight >= lds:
                 raise CapacityExhaustedError(
-                    f"pool {self.id} is an MLD and all its {MLD_MAX_LOGICAL_DEVICES} logical devices are allocated"
+                    f"pool {self.id} is an MLD and all its {lds} logical devices are allocated"
                 )
             ranges = self._carver.carve(blocks, contiguous=self._info.kind is PoolKind.MLD)
             if ranges is None:

@@ -53,7 +53,8 @@ Sections (each an array of tables; every entry is checked, an unknown key is an 
     [[pool]]                             # a cxl-memory device whose capacity is carved, not bound whole
     id = "pool0"
     device = "cxlmem0"
-    kind = "dcd"                         # dcd (default; extents) or mld (up to 16 logical devices)
+    kind = "dcd"                         # dcd (default; extents) or mld (one allocation per logical device)
+    logical_devices = 4                  # mld only: its LD count, 1 to 16 (default 16)
     block_size = "256MiB"                # default 256MiB; the device's capacity must be a multiple
 
 Attribute values are scalars. A string that is a size with a unit (``"141GiB"``, ``"7.68TB"``) becomes an
@@ -75,6 +76,7 @@ import attrs
 from disagg.errors import ConfigError
 from disagg.model import (
     CXL_DC_BLOCK_BYTES,
+    MLD_MAX_LOGICAL_DEVICES,
     AttributeValue,
     Capacity,
     Device,
@@ -96,9 +98,6 @@ from disagg_sim.ports import wire_ports
 
 BUILTIN_TOPOLOGIES = ("demo-pcie", "demo-cxl")
 """Topologies shipped with the package, usable by name as the ``topology`` option."""
-
-MLD_MAX_LOGICAL_DEVICES = 16
-"""A CXL multi-logical device exposes at most 16 logical devices, so an MLD pool holds at most 16 allocations."""
 
 _SECTIONS = ("switch", "host", "link", "device", "devices", "pool")
 _LOCAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -485,8 +484,20 @@ class _Builder:
                 f"the capacity of device {device_local!r} ({format_size(total)}, {total} bytes) "
                 f"is not a multiple of the block size {format_size(block)}"
             )
+        lds = 0
+        if kind is PoolKind.MLD:
+            lds = entry.integer("logical_devices", default=MLD_MAX_LOGICAL_DEVICES, minimum=1)
+            if lds > MLD_MAX_LOGICAL_DEVICES:
+                raise entry.error(f"an MLD has at most {MLD_MAX_LOGICAL_DEVICES} logical devices, not {lds}")
+        elif entry.has("logical_devices"):
+            raise entry.error(f"a {kind.value} pool has no logical devices; 'logical_devices' is for an mld")
         self.pools[full] = PoolInfo(
-            id=full, fabric=self.fabric, device=device.id, capacity=Capacity(total, block), kind=kind
+            id=full,
+            fabric=self.fabric,
+            device=device.id,
+            capacity=Capacity(total, block),
+            kind=kind,
+            logical_devices=lds,
         )
         entry.finish()
 

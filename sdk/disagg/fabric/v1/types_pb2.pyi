@@ -565,11 +565,16 @@ class PoolInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    LOGICAL_DEVICES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     fabric: _builtins.str
     device: _builtins.str
     """The device that backs the pool."""
     kind: Global___PoolKind.ValueType
+    logical_devices: _builtins.int
+    """An MLD's LD Count (CXL FM API Get LD Info), 1 to 16: it holds one allocation per logical device. 0 when the
+    pool is not an MLD, or when its driver does not report the count, which the fabric manager reads as 16.
+    """
     @_builtins.property
     def capacity(self) -> Global___Capacity: ...
     def __init__(
@@ -580,10 +585,11 @@ class PoolInfo(_message.Message):
         device: _builtins.str = ...,
         capacity: Global___Capacity | None = ...,
         kind: Global___PoolKind.ValueType = ...,
+        logical_devices: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "device", b"device", "fabric", b"fabric", "id", b"id", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "device", b"device", "fabric", b"fabric", "id", b"id", "kind", b"kind", "logical_devices", b"logical_devices"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,7 +27,7 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
+from disagg.model import MLD_MAX_LOGICAL_DEVICES, Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held
 from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, bind_error, contract_error, decode
@@ -92,11 +92,14 @@ class MLDPool(Pool):
             self._unit = MemoryGranularity(first.memory_granularity).unit_bytes
         except ValueError:
             raise FabricUnavailableError(f"the MLD on port {port} reports an unknown memory granularity") from None
-        if info.ld_count == 0:
-            raise FabricUnavailableError(f"the MLD on port {port} has no LD")
+        if not 1 <= info.ld_count <= MLD_MAX_LOGICAL_DEVICES:
+            raise FabricUnavailableError(
+                f"the MLD on port {port} reports {info.ld_count} LDs; an MLD has 1 to {MLD_MAX_LOGICAL_DEVICES}"
+            )
         self._ld_count = info.ld_count
         total = info.memory_size // self._unit * self._unit
-        self._info = PoolInfo(self._id, fabric.name, self._device, Capacity(total, self._unit), PoolKind.MLD)
+        capacity = Capacity(total, self._unit)
+        self._info = PoolInfo(self._id, fabric.name, self._device, capacity, PoolKind.MLD, info.ld_count)
 
     @property
     def id(self) -> str:
