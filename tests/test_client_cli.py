@@ -223,6 +223,22 @@ class TestServerOption:
         assert info.value.code == 2
         assert "runs locally" in capsys.readouterr().err
 
+    @pytest.mark.parametrize("argv", [["ls"], ["compose", "job", "gpu x1"], ["decompose", "job"], ["devices"]])
+    def test_no_local_composer_on_the_replicas_etcd_ledger(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]
+    ) -> None:
+        """Without --server, a command on the replicas' own configuration ran a composer of its own on their etcd
+        ledger: it recovered and reconciled there, and wrote compositions and events beside the leader's, with
+        no lead and no fence. It is refused before anything connects (nothing listens at the endpoint)."""
+        config = tmp_path / "replica.toml"
+        config.write_text(
+            '[state]\nledger = "etcd"\nendpoints = ["127.0.0.1:9"]\n\n'
+            '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
+        )
+        code, out, err = cli(capsys, *argv, "--config", str(config))
+        assert (code, out) == (2, "")
+        assert 'ledger = "etcd" is the ledger of `disagg serve` replicas' in err and "--server" in err
+
     @pytest.mark.parametrize("command", ["demo", "serve", "plugins"])
     def test_timeout_not_for_local_commands(self, capsys: pytest.CaptureFixture[str], command: str) -> None:
         """A deadline that nothing would use is refused, not silently dropped."""

@@ -25,6 +25,7 @@ from disagg.config import build_composer, load_config
 from disagg.errors import (
     OUTCOME,
     OUTCOME_UNKNOWN,
+    ConfigError,
     ConflictError,
     DisaggError,
     InvalidRequestError,
@@ -59,7 +60,15 @@ def _composer(args: argparse.Namespace) -> Backend:
         return RemoteBackend(address) if timeout is None else RemoteBackend(address, timeout_s=timeout)
     if timeout is not None:
         raise InvalidRequestError("--timeout applies with --server only: a local composer has no calls to time")
-    return build_composer(load_config(args.config))
+    config = load_config(args.config)
+    if config.ledger == "etcd":
+        # A composer here would write the replicas' shared ledger without the lead and its fence, beside theirs.
+        raise ConfigError(
+            f'{config.source}: [state] ledger = "etcd" is the ledger of `disagg serve` replicas, which elect one '
+            "leader to write it: drive them with --server ADDRESS (or DISAGG_SERVER) instead of a local composer",
+            field="state.ledger",
+        )
+    return build_composer(config)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
