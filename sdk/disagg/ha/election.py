@@ -18,7 +18,10 @@ lease about to expire, and lose the lead a moment later. A member that does not 
 time to live before the next one is tried at once, so one stalled member does not cost the lead. Refreshes
 that fail for the time to live, or a leader key that another replica now holds, end the lead: `lost` is set
 and the replica must stop serving at once. A fenced ledger write that etcd refuses says the same between two
-refreshes (`deposed`).
+refreshes (`deposed`). Reads are not fenced by etcd, so `leading` also answers from the local clock: no other
+replica can lead before the lease, counted from the last refresh sent, has run out. A replica that was paused
+past it (a stopped process, a stalled VM) answers nothing from memory once it runs again, even before its
+keeper has found the lead lost.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class Leadership:
         self.lost = threading.Event()
         """Set when this replica, having led, no longer does."""
         self._stop = threading.Event()
+        self._valid_until = 0.0
+        """While leading: until when (`time.monotonic`) no other replica can lead, the last refresh etcd took
+        (sent then) plus the time to live."""
         self._lease: etcd3gw.Lease | None = None
         self._keeper: threading.Thread | None = None
         self._next = 0
@@ -114,6 +120,7 @@ class Leadership:
                     if base is None:  # the key was lost between the create and the base: campaign again
                         continue
                     self.epoch = base + self.create_revision
+                    self._valid_until = fresh + self.ttl_s
                     log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
                     self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
                     self._keeper.start()
@@ -162,7 +169,7 @@ class Leadership:
                 held = client.get(self.key, metadata=True)
                 if not held or int(held[0][1]["create_revision"]) != self.create_revision:
                     break
-                deadline = sent + self.ttl_s
+                deadline = self._valid_until = sent + self.ttl_s
                 due = sent + self.ttl_s / 3
             except _CONNECTION_ERRORS as exc:
                 log.warning("lease refresh: etcd did not answer (%s); trying the next member", exc)
@@ -173,6 +180,16 @@ class Leadership:
         if not self._stop.is_set():
             self.deposed("another replica may lead now")
 
+    def leading(self) -> bool:
+        """Whether this replica surely still leads now: it won, has not lost or given up the lead, and its lease
+        cannot have run out yet by the local clock. Reads served from memory ask it, as writes are fenced."""
+        return (
+            self.epoch > 0
+            and not self.lost.is_set()
+            and not self._stop.is_set()
+            and time.monotonic() < self._valid_until
+        )
+
     def deposed(self, why: str) -> None:
         """Another replica leads, as this one learnt from etcd between two refreshes (a fenced ledger write was
         refused): the lead is lost now, not at the next refresh."""
@@ -181,13 +198,19 @@ class Leadership:
             self.lost.set()
 
     def resign(self) -> None:
-        """Give the lead up (revoke the lease, which deletes the key) so a standby takes over at once."""
+        """Give the lead up (revoke the lease, which deletes the key) so a standby takes over at once; each member
+        is asked in turn until one takes it, since a dead one would leave the standby the whole time to live."""
         self._stop.set()
         if self._lease is not None:
-            try:
-                self._lease.client = self._client()
-                self._lease.revoke()
-            except _CONNECTION_ERRORS as exc:
-                log.warning("could not revoke the lease (%s); it expires in %d s", exc, self.ttl_s)
+            for _ in self._endpoints:
+                try:
+                    self._lease.client = self._client()
+                    self._lease.revoke()
+                    break
+                except _CONNECTION_ERRORS as exc:
+                    log.warning("could not revoke the lease there (%s); trying the next member", exc)
+                    self._rotate()
+            else:
+                log.warning("no member revoked the lease; it expires in %d s", self.ttl_s)
         if self._keeper is not None:
             self._keeper.join(self.ttl_s)

@@ -193,6 +193,7 @@ class FabricManagerServer:
                     leadership.create_revision,
                     lambda: leadership.deposed("the ledger refused a write: another leads"),
                 )
+            self.servicer.lead = self.leadership.leading
             log.info("leading with fencing epoch %d: starting the composer", epoch)
             self.composer.fence_drivers()
             self.composer.start()

@@ -78,7 +78,9 @@ def _unary(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], 
     @functools.wraps(fn)
     def rpc(self: S, request: Q, context: RpcContext) -> R:
         self.check_ready()
-        return fn(self, request, context)
+        answer = fn(self, request, context)
+        self.check_lead()  # read while this replica surely led, or not answered: it may have been paused meanwhile
+        return answer
 
     return rpc
 
@@ -148,6 +150,9 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self._watch_buffer = watch_buffer
         self._ready = threading.Event()
         self._why_not = STARTING
+        self.lead: Callable[[], bool] | None = None
+        """With high availability, once leading: whether this replica surely still leads (`Leadership.leading`).
+        Writes are fenced in the ledger; answers read from memory are checked with it."""
 
     # ----------------------------------------------------------------- life cycle
 
@@ -166,6 +171,13 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         failure = self.composer.store.failure
         if failure:  # from the failed commit on, not from the server's next tick: a retry must not run meanwhile
             raise FabricUnavailableError(ledger_failed(failure))
+        self.check_lead()
+
+    def check_lead(self) -> None:
+        """UNAVAILABLE once this replica may no longer lead (its lease ran out unrefreshed, or it lost the lead),
+        from that moment on, not from when the server notices and steps down."""
+        if self.lead is not None and not self.lead():
+            raise FabricUnavailableError(LOST_LEAD)
 
     def stop(self) -> None:
         """End every event watch with UNAVAILABLE and refuse new ones; the server stops next."""
