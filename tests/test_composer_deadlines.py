@@ -3,10 +3,11 @@ once per request id."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
-from composer_helpers import composer, hardware_bindings
+from composer_helpers import composer, hardware_bindings, rack
 from disagg.errors import DeadlineExceededError, NotFoundError, RequestIdReusedError
 from disagg.interfaces import CallContext
 from disagg.model import Binding, ComposeMode
@@ -77,6 +78,32 @@ class TestDeadlines:
         assert [c for c, _ in calls] == ["bind", "bind", "unbind"]
         assert calls[2][1] is not None and calls[2][1] > deadline + 20
         assert hardware_bindings(fabrics) == {} and comp.compositions() == []
+
+
+class TestAWaitPastTheDeadline:
+    """A change that waited for another change of its composition until its caller's deadline passed changes
+    nothing: it ran on after the caller had left, failed its driver calls, rolled back, and left a newer etag
+    and its events behind, so that other clients' guarded updates were refused for nothing."""
+
+    @pytest.mark.parametrize("second", ["recompose", "decompose"])
+    def test_it_changes_nothing(self, second: str) -> None:
+        comp = composer(rack(pcie0={"bind_delay_s": 0.6}))
+        made = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert made is not None
+        first = threading.Thread(target=lambda: comp.recompose(made.id, add=[parse_resource("gpu x1")]))
+        first.start()
+        time.sleep(0.2)  # the first holds the composition, binding for 0.6 s
+        with pytest.raises(DeadlineExceededError, match="waited for another change"):
+            if second == "recompose":
+                comp.recompose(made.id, add=[parse_resource("gpu x1")], deadline=time.monotonic() + 0.1)
+            else:
+                comp.decompose(made.id, deadline=time.monotonic() + 0.1)
+        first.join(5)
+        revision, grown = comp.revision, comp.get(made.id)
+        assert len(grown.devices) == 2
+        time.sleep(0.3)
+        assert comp.revision == revision and comp.get(made.id) == grown
+        assert comp.get(made.id).etag == grown.etag
 
 
 class TestApplyReserved:

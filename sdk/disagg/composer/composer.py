@@ -192,6 +192,14 @@ def _holdings(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
     return [*comp.devices, *picks], [*comp.allocations, *allocs]
 
 
+def _waited_past(comp_id: str) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"the deadline passed while this change waited for another change of composition {comp_id}; nothing was "
+        "changed",
+        metadata={"subject": comp_id},
+    )
+
+
 class FabricComposer(Composer):
     """The composer over a set of loaded fabrics. Call `start` before use and `close` at the end."""
 
@@ -317,22 +325,31 @@ class FabricComposer(Composer):
         """`_holding` for a change that waits for nothing else, in this thread."""
         return steps.run(self._holding(key, lambda target: steps.finished(run(target))), self.store)
 
-    def _holding(self, key: str, change: Callable[[str], Steps[T]]) -> Steps[T]:
+    def _holding(self, key: str, change: Callable[[str], Steps[T]], deadline: float | None = None) -> Steps[T]:
         """Run ``change`` holding composition ``key`` (an id or a name) against every other change of it,
         driver calls included, so that concurrent changes of one composition end as some serial order would.
         ``change`` is given the id the key named when the change began: a name may name another composition by
         the time the lock is taken (the first decomposed and a new one composed under its name), which this lock
         does not hold. A key that names no composition is not held: ``change`` answers for it. Raises
-        `ConflictError` when another change holds it for longer than the call timeout."""
+        `ConflictError` when another change holds it for longer than the call timeout, and
+        `DeadlineExceededError`, with nothing changed, when the caller's ``deadline`` (a ``time.monotonic()``
+        instant) passes first: a change whose caller has gone would only fail its driver calls, roll back and
+        leave a newer etag and events behind, refusing other clients' guarded updates for nothing."""
         with self._lock:
             comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
             lock = self._busy.setdefault(comp.id, threading.Lock()) if comp is not None else None
         if comp is None or lock is None:
             return (yield from change(key))
-        if not (yield Acquire(lock, self.call_timeout_s)):
+        wait = self.call_timeout_s if deadline is None else min(self.call_timeout_s, deadline - time.monotonic())
+        if not (yield Acquire(lock, max(0.0, wait))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _waited_past(comp.id)
             raise ConflictError(
                 f"composition {comp.id} is busy with another change; retry", metadata={"subject": comp.id}
             )
+        if deadline is not None and time.monotonic() >= deadline:
+            self._let_go(comp.id, lock)
+            raise _waited_past(comp.id)
         try:
             return (yield from change(comp.id))
         finally:
@@ -1582,7 +1599,9 @@ class FabricComposer(Composer):
             request_id,
             ("recompose", composition_id, add, remove, expected_etag),
             lambda: self._holding(
-                composition_id, lambda target: self._recompose(target, add, remove, expected_etag, deadline)
+                composition_id,
+                lambda target: self._recompose(target, add, remove, expected_etag, deadline),
+                deadline,
             ),
         )
 
@@ -1784,7 +1803,7 @@ class FabricComposer(Composer):
 
     def decompose_steps(self, composition_id: str, *, deadline: float | None = None) -> Steps[None]:
         """`decompose` as steps, for `run_async`."""
-        return self._holding(composition_id, lambda target: self._decompose(target, deadline))
+        return self._holding(composition_id, lambda target: self._decompose(target, deadline), deadline)
 
     def _decompose(self, composition_id: str, deadline: float | None) -> Steps[None]:
         with self._lock:
