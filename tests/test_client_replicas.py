@@ -91,6 +91,9 @@ class GrantedLead:
                 return 0
         return 2
 
+    def leading(self) -> bool:
+        return self.granted.is_set() and not self.lost.is_set()
+
     def deposed(self, why: str) -> None:
         self.lost.set()
 
