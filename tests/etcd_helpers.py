@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -190,3 +191,15 @@ def _wait_ready(cluster: EtcdCluster) -> None:
             except requests.RequestException:
                 pass
             time.sleep(0.05)
+
+
+def one_etcd_member(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One etcd member for a test module's fixture; each test keeps to a prefix of its own (`fresh_prefix`)."""
+    cluster = start_etcd_cluster(tmp_path_factory.mktemp("etcd"), members=1)
+    yield cluster
+    cluster.stop()
+
+
+def fresh_prefix() -> str:
+    """A key prefix no other test uses."""
+    return f"/test/{uuid.uuid4().hex}/"

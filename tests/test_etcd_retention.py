@@ -6,7 +6,6 @@ nothing, as the SQLite ledger does (`test_ledger_retention`). Against one real e
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Callable, Iterator
 
 import etcd3gw
@@ -15,7 +14,7 @@ from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.store import EtcdStore, MemoryStore
 from disagg.store import etcd as etcd_store
 from disagg.store.base import RequestRecord
-from etcd_helpers import EtcdCluster, free_ports, start_etcd_cluster
+from etcd_helpers import EtcdCluster, free_ports, fresh_prefix, one_etcd_member
 from retention_helpers import assert_same_log, assert_watch_refused_as_on_memory, event
 
 LIVES = 20
@@ -25,15 +24,12 @@ PER_LIFE = 9
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    """One etcd member for the module's tests; each keeps to its own prefix."""
-    started = start_etcd_cluster(tmp_path_factory.mktemp("etcd"), members=1)
-    yield started
-    started.stop()
+    yield from one_etcd_member(tmp_path_factory)
 
 
 @pytest.fixture
 def prefix() -> str:
-    return f"/test/{uuid.uuid4().hex}/"
+    return fresh_prefix()
 
 
 def _keys(cluster: EtcdCluster, prefix: str) -> int:
@@ -49,7 +45,7 @@ def _keys(cluster: EtcdCluster, prefix: str) -> int:
 @contextlib.contextmanager
 def _life(cluster: EtcdCluster, prefix: str, **options: int) -> Iterator[EtcdStore]:
     """One leader's lifetime of the ledger: a store of its own, written, closed."""
-    store = EtcdStore(cluster.endpoints, prefix=prefix, **options)
+    store = EtcdStore(cluster.endpoints, prefix=prefix, unfenced=True, **options)
     try:
         yield store
     finally:
@@ -116,7 +112,7 @@ class TestRetentionBoundary:
             assert [e.revision for e in store.events_after(6)] == [7, 8, 9]
 
     def test_watch_refused_as_on_memory(self, cluster: EtcdCluster, prefix: str) -> None:
-        assert_watch_refused_as_on_memory(EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5))
+        assert_watch_refused_as_on_memory(EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5, unfenced=True))
 
 
 class TestRetentionAtLeastOne:
@@ -135,7 +131,7 @@ class TestFirstReadOfAWrite:
 
     @pytest.mark.parametrize("write", ["append_event", "put_request"])
     def test_fails_the_store(self, write: str) -> None:
-        store = EtcdStore([f"127.0.0.1:{free_ports(1)[0]}"], timeout_s=0.5)
+        store = EtcdStore([f"127.0.0.1:{free_ports(1)[0]}"], timeout_s=0.5, unfenced=True)
         calls: dict[str, Callable[[], None]] = {
             "append_event": lambda: store.append_event(event(1)),
             "put_request": lambda: store.put_request(RequestRecord("r1", "f", "{}", 1.0)),

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from disagg.store import EtcdStore, LedgerState, MemoryStore, RequestRecord, Sql
 from disagg.store import etcd as etcd_store
 from disagg.store.etcd import LeadershipLostError
 from disagg.store.sqlite import _open_error
-from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
+from etcd_helpers import EtcdCluster, etcd_binary, free_ports, fresh_prefix, one_etcd_member, start_etcd_cluster
 
 GiB = 1 << 30
 
@@ -84,15 +83,12 @@ def _event(revision: int) -> Event:
 
 @pytest.fixture(scope="module")
 def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    """One etcd member for the module's tests; each keeps to its own prefix (`etcd_prefix`)."""
-    cluster = start_etcd_cluster(tmp_path_factory.mktemp("etcd"), members=1)
-    yield cluster
-    cluster.stop()
+    yield from one_etcd_member(tmp_path_factory)
 
 
 @pytest.fixture
 def etcd_prefix() -> str:
-    return f"/test/{uuid.uuid4().hex}/"
+    return fresh_prefix()
 
 
 @pytest.fixture(params=["memory", "sqlite", "etcd"])
@@ -104,7 +100,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         s = SqliteStore(tmp_path / "ledger.db")
     else:
         cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
-        s = EtcdStore(cluster.endpoints, prefix=request.getfixturevalue("etcd_prefix"))
+        s = EtcdStore(cluster.endpoints, prefix=request.getfixturevalue("etcd_prefix"), unfenced=True)
     yield s
     s.close()
 
@@ -416,7 +412,7 @@ def _keys(client: etcd3gw.Etcd3Client, prefix: str) -> list[str]:
 
 @pytest.fixture
 def etcd(etcd_cluster: EtcdCluster, etcd_prefix: str) -> Iterator[EtcdStore]:
-    s = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix)
+    s = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, unfenced=True)
     yield s
     s.close()
 
@@ -436,6 +432,7 @@ class TestEtcdStore:
             f"{p}events/00000000000000000007",
             f"{p}requests/q1",
             f"{p}reservations/r1",
+            f"{p}sequence",
         ]
 
     def test_reads_in_pages(self, etcd: EtcdStore, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -455,7 +452,7 @@ class TestEtcdStore:
         assert [e.revision for e in etcd.events_after(1, limit=5)] == [2, 3, 4, 5, 6]
 
     def test_event_retention(self, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
-        store = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, event_retention=3)
+        store = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, event_retention=3, unfenced=True)
         try:
             for rev in range(1, 8):
                 store.append_event(_event(rev))
@@ -592,7 +589,7 @@ class TestEtcdFailover:
     start at the endpoint that answered."""
 
     def test_member_killed(self, etcd_trio: EtcdCluster, etcd_prefix: str) -> None:
-        store = EtcdStore(etcd_trio.endpoints, prefix=etcd_prefix, timeout_s=2.0)
+        store = EtcdStore(etcd_trio.endpoints, prefix=etcd_prefix, timeout_s=2.0, unfenced=True)
         try:
             store.put_composition(_composition("c1"))
             store.append_event(_event(1))
@@ -614,7 +611,7 @@ class TestEtcdFailover:
             again.close()
 
     def test_timeout_moves_on(self, etcd_cluster: EtcdCluster, etcd_prefix: str, silent_endpoint: str) -> None:
-        store = EtcdStore([silent_endpoint, *etcd_cluster.endpoints], prefix=etcd_prefix, timeout_s=0.3)
+        store = EtcdStore([silent_endpoint, *etcd_cluster.endpoints], prefix=etcd_prefix, timeout_s=0.3, unfenced=True)
         try:
             store.put_composition(_composition("c1"))
             started = time.monotonic()
@@ -631,7 +628,7 @@ class TestEtcdWriteFailure:
     later replica from starting, a compose a COMPOSING composition stuck in memory."""
 
     def test_a_write_etcd_does_not_answer(self, etcd_cluster: EtcdCluster, etcd_prefix: str) -> None:
-        store = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, timeout_s=0.5)
+        store = EtcdStore(etcd_cluster.endpoints, prefix=etcd_prefix, timeout_s=0.5, unfenced=True)
         member = etcd_cluster.members[0].process
         assert member is not None
         try:
@@ -655,7 +652,7 @@ class TestEtcdWriteFailure:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
         thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
         thread.start()
-        store = EtcdStore([f"127.0.0.1:{server.server_address[1]}"])
+        store = EtcdStore([f"127.0.0.1:{server.server_address[1]}"], unfenced=True)
         try:
             with pytest.raises(FabricUnavailableError, match="something refused"):
                 store.put_cordon("pcie0/gpu0")
@@ -685,7 +682,7 @@ class TestEtcdUnavailable:
 
     def test_no_endpoint_answers(self) -> None:
         endpoints = [f"127.0.0.1:{p}" for p in free_ports(2)]
-        store = EtcdStore(endpoints, timeout_s=1.0)
+        store = EtcdStore(endpoints, timeout_s=1.0, write_patience_s=0, unfenced=True)
         calls = [store.load, lambda: store.put_composition(_composition("c1")), lambda: store.events_after(0)]
         try:
             for call in calls:

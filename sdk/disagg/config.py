@@ -257,7 +257,10 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
         from disagg.store.etcd import EtcdStore
 
         store = EtcdStore(
-            config.etcd_endpoints, prefix=config.etcd_prefix, timeout_s=etcd.request_timeout(config.lease_ttl_s)
+            config.etcd_endpoints,
+            prefix=config.etcd_prefix,
+            timeout_s=etcd.request_timeout(config.lease_ttl_s),
+            write_patience_s=etcd.write_patience(config.lease_ttl_s),
         )
     else:
         store = SqliteStore(config.ledger_path)

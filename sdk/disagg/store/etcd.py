@@ -14,18 +14,32 @@ once, at the first use, then followed through this process's writes), not from a
 writes, so that a ledger whose leader changes or restarts often still prunes. After `fence`, each
 transaction succeeds only if the leader key still has the leader's ``create_revision``, so a replica that lost
 the lead, even one that was paused and does not know it yet, writes nothing and gets `LeadershipLostError`.
+A store takes no write before `fence` unless it was made ``unfenced`` (a single writer: a tool, a test): the
+ledger is the replicas', and a writer with no lead would write beside the leader's.
+
+Every transaction is also ordered: it succeeds only if ``{prefix}sequence`` still has the mod revision that this
+process last saw (learnt at `load`, else before the first write), and it puts a token of its own there. A write
+whose answer is lost (a member stalled, or died) is sent again to the next member; the first copy may still
+reach etcd later, after newer writes, and would put back an old record or one deleted since. It cannot: the
+sequence has moved on. When the compare fails, the transaction reads both keys back: the sequence holding this
+write's own token means a copy sent earlier landed (the write is done); the leader key changed means another
+replica leads; anything else means another writer changed the ledger, which fails the store.
 
 A call goes to the endpoint that answered last; one that cannot be reached or does not answer within
-``timeout_s`` is tried on the next. Every write is idempotent (a put of a whole record, a delete), so a write
-that timed out after etcd applied it is safe to send again. Needs etcd 3.4 or later (the ``/v3/`` gateway).
+``timeout_s`` is tried on the next, round after round with a backoff, for up to ``write_patience_s``: an etcd
+member's death costs an election (a second or two, when every member refuses or waits), which the lease
+outlives and the ledger must too. Needs etcd 3.4 or later (the ``/v3/`` gateway).
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import logging
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -62,6 +76,13 @@ TXN_OPS = 100
 """Deletes per transaction when old request ids are forgotten: etcd refuses more than 128 by default."""
 API_PATH = "/v3/"
 """The gateway's path in etcd 3.4 and later; fixed, so no call waits for a version discovery first."""
+SEQUENCE = "sequence"
+"""The key (under the prefix) whose mod revision orders the ledger's writes: see the module's docstring."""
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 0.5
+"""The pause after a round in which no member answered, doubling up to this."""
+MIN_ATTEMPT_S = 0.05
+"""A later round's request waits what is left of the patience, and is not sent with less than this."""
 
 COMPOSITIONS = "compositions"
 RESERVATIONS = "reservations"
@@ -87,11 +108,32 @@ def request_timeout(lease_ttl_s: float) -> float:
     return max(MIN_REQUEST_TIMEOUT_S, lease_ttl_s / 6)
 
 
+PATIENCE_REQUESTS = 5
+"""A call's patience in request timeouts (`write_patience`): five sixths of the lease."""
+
+
+def write_patience(lease_ttl_s: float) -> float:
+    """How long a call keeps trying the members before the ledger fails: long enough to outlast an etcd
+    election after a member's death, short enough to end within the leader's lease, after which the lead may
+    be lost anyway."""
+    return PATIENCE_REQUESTS * request_timeout(lease_ttl_s)
+
+
 class LeadershipLostError(FabricUnavailableError):
     """A ledger write was refused because the leader key is no longer this replica's: another replica leads
-    now. Nothing was written; the call may succeed on the replica that leads."""
+    now. Nothing was written, unless an earlier copy of this write whose answer was lost landed while this
+    replica led and the new leader wrote since (the new leader loaded it); the call may succeed on the replica
+    that leads."""
 
     reason = "LEADERSHIP_LOST"
+
+
+class LedgerNotFencedError(FabricUnavailableError):
+    """A write to a store that was neither fenced nor made ``unfenced``: the etcd ledger is the replicas', and
+    only the one that leads may write it."""
+
+    reason = "LEDGER_NOT_FENCED"
+    retryable = False
 
 
 def _b64(data: bytes) -> str:
@@ -110,6 +152,16 @@ def put_op(key: bytes, value: str) -> dict[str, Any]:
 def created_at(key: str, create_revision: int) -> dict[str, Any]:
     """A compare of an etcd transaction: ``key`` still has ``create_revision``, as the leader key of one lead."""
     return {"key": _b64(key.encode()), "target": "CREATE", "result": "EQUAL", "create_revision": create_revision}
+
+
+def modified_at(key: bytes, mod_revision: int) -> dict[str, Any]:
+    """A compare of an etcd transaction: ``key`` was last written at ``mod_revision`` (0: it does not exist)."""
+    return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
+
+
+def range_op(key: bytes) -> dict[str, Any]:
+    """A read of one key in an etcd transaction."""
+    return {"request_range": {"key": _b64(key)}}
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -135,7 +187,11 @@ def parse_endpoint(address: object) -> tuple[str, int]:
 
 
 class EtcdStore(Store):
-    """The ledger under ``prefix`` on the etcd cluster at ``endpoints`` (``HOST:PORT`` each, tried in order)."""
+    """The ledger under ``prefix`` on the etcd cluster at ``endpoints`` (``HOST:PORT`` each, tried in order).
+
+    Each request waits ``timeout_s`` for a member; a call tries the members for ``write_patience_s`` in all
+    (`PATIENCE_REQUESTS` times ``timeout_s`` unless given: `write_patience` of the lease when ``timeout_s`` is
+    its `request_timeout`). Writes are refused until `fence` unless ``unfenced`` (a single writer)."""
 
     def __init__(
         self,
@@ -144,6 +200,8 @@ class EtcdStore(Store):
         prefix: str = "/disagg/",
         event_retention: int = EVENT_RETENTION,
         timeout_s: float = 5.0,
+        write_patience_s: float | None = None,
+        unfenced: bool = False,
     ) -> None:
         if isinstance(endpoints, str):
             raise ConfigError(
@@ -155,8 +213,13 @@ class EtcdStore(Store):
         retention = check_event_retention(event_retention)
         if not timeout_s > 0:
             raise ConfigError(f"the etcd timeout must be positive, not {timeout_s}")
+        patience = PATIENCE_REQUESTS * timeout_s if write_patience_s is None else write_patience_s
+        if not patience >= 0:
+            raise ConfigError(f"the etcd write patience must be 0 or more, not {write_patience_s}")
         self.endpoints: tuple[str, ...] = tuple(endpoints)
         self.timeout_s = timeout_s
+        self.write_patience_s = patience
+        self.unfenced = unfenced
         self.prefix = prefix
         self._key_prefix = prefix.encode()
         self._retention = retention
@@ -172,6 +235,13 @@ class EtcdStore(Store):
         """Held over each write, so that a prune sees no write of this process between its read and its deletes."""
         self._fence: dict[str, Any] | None = None
         """The compare of every write once `fence` was called."""
+        self._fence_revision = 0
+        self._sequence_key = self._key_prefix + SEQUENCE.encode()
+        self._sequence: int | None = None
+        """The sequence key's mod revision as this process last saw it (0: absent; None: to be read before the
+        next write). Guarded by `_write_lock`."""
+        self._token_prefix = uuid.uuid4().hex
+        self._tokens = itertools.count(1)
         self._failure = ""
         """Why a write failed (`_commit`): from then on the store takes no writes."""
         self._fence_key = ""
@@ -209,6 +279,8 @@ class EtcdStore(Store):
             )
         with self._write_lock:
             self._fence = created_at(key, create_revision)
+            self._fence_revision = create_revision
+            self._sequence = None  # learnt anew (`load`, else the next write): the last leader may have moved it
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
             self._on_deposed = on_deposed or (lambda: None)
@@ -220,21 +292,38 @@ class EtcdStore(Store):
 
     # ----------------------------------------------------------------- calls, with failover
 
-    def _call(self, what: str, call: Callable[[etcd3gw.Etcd3Client], T]) -> T:
-        """``call`` on the current endpoint, then on each next one that cannot be reached; `_UNREACHABLE` from all
-        of them is a `FabricUnavailableError` naming every endpoint, any other refusal one naming that member."""
+    def _call(self, what: str, path: str, payload: Mapping[str, Any]) -> Mapping[str, Any]:
+        """POST ``payload`` to ``path`` on the current endpoint, then on each next one that cannot be reached
+        (`_UNREACHABLE`: refused, timed out, 503), round after round with a backoff until `write_patience_s`
+        has passed (every member is tried once however short it is). Then a `FabricUnavailableError` names every
+        endpoint; any other refusal raises one naming that member at once."""
         with self._state_lock:
             first = self._current
-        failures = []
-        for step in range(len(self._clients)):
-            index = (first + step) % len(self._clients)
+        started = time.monotonic()
+        deadline = started + self.write_patience_s
+        failures: dict[str, str] = {}
+        pause = FIRST_BACKOFF_S
+        attempt = 0
+        while True:
+            index = (first + attempt) % len(self._clients)
             endpoint = self.endpoints[index]
+            timeout = self.timeout_s
+            if attempt >= len(self._clients):
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout < MIN_ATTEMPT_S:
+                    break
             try:
-                result = call(self._clients[index])
+                result = self._post(index, path, payload, timeout)
             except _UNREACHABLE as exc:
-                failures.append(f"{endpoint}: {_describe(exc)}")
-                if step + 1 < len(self._clients):
-                    log.warning("etcd did not answer (%s); trying the next endpoint", failures[-1])
+                failures[endpoint] = _describe(exc)
+                attempt += 1
+                if attempt < len(self._clients):
+                    log.warning("etcd did not answer (%s: %s); trying the next endpoint", endpoint, failures[endpoint])
+                elif attempt % len(self._clients) == 0:
+                    if attempt == len(self._clients) and time.monotonic() < deadline:
+                        log.warning("no etcd endpoint answered; trying them again for %.1f s", self.write_patience_s)
+                    time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+                    pause = min(2 * pause, MAX_BACKOFF_S)
                 continue
             except Etcd3Exception as exc:
                 raise FabricUnavailableError(
@@ -243,12 +332,32 @@ class EtcdStore(Store):
             if index != first:
                 with self._state_lock:
                     self._current = index
+            if attempt >= len(self._clients):
+                log.info("etcd at %s answered after %.1f s", endpoint, time.monotonic() - started)
             return result
         raise FabricUnavailableError(
-            f"no etcd endpoint answered ({', '.join(self.endpoints)}), so the ledger could not {what}: "
-            + "; ".join(failures),
+            f"no etcd endpoint answered ({', '.join(self.endpoints)}) within {self.write_patience_s:.1f} s, so the "
+            f"ledger could not {what}: " + "; ".join(f"{e}: {why}" for e, why in failures.items()),
             metadata={"endpoints": ",".join(self.endpoints)},
         )
+
+    def _post(self, index: int, path: str, payload: Mapping[str, Any], timeout: float) -> Mapping[str, Any]:
+        """One request to one member, waiting ``timeout`` at most; etcd3gw's errors, as its own post raises them
+        (which waits its client's fixed timeout)."""
+        try:
+            answer = self._session.post(self._clients[index].get_url(path), json=payload, timeout=timeout)
+        except requests.Timeout as exc:
+            raise ConnectionTimeoutError(str(exc)) from exc
+        except requests.ConnectionError as exc:
+            raise ConnectionFailedError(str(exc)) from exc
+        if answer.status_code == requests.codes.service_unavailable:
+            raise ConnectionFailedError(answer.text, answer.reason)
+        if answer.status_code in (requests.codes.request_timeout, requests.codes.gateway_timeout):
+            raise ConnectionTimeoutError(answer.text, answer.reason)
+        if answer.status_code != requests.codes.ok:
+            raise Etcd3Exception(answer.text, answer.reason)
+        document: Mapping[str, Any] = answer.json()
+        return document
 
     def _range(
         self,
@@ -271,8 +380,7 @@ class EtcdStore(Store):
             payload["keys_only"] = True
         if count_only:
             payload["count_only"] = True
-        answer: Mapping[str, Any] = self._call("read", lambda c: c.post(c.get_url("/kv/range"), json=payload))
-        return answer
+        return self._call("read", "/kv/range", payload)
 
     def _scan(self, kind: str, revision: int, *, keys_only: bool = False) -> Iterator[Mapping[str, Any]]:
         """Every key-value of ``kind`` at ``revision`` (0: as the first read finds them), in key order, `PAGE`
@@ -294,37 +402,85 @@ class EtcdStore(Store):
         return int(answer["header"]["revision"])
 
     def _commit(self, ops: list[dict[str, Any]]) -> None:
-        """One transaction of ``ops``; fenced, it raises `LeadershipLostError` and changes nothing when the
-        leader key is no longer this replica's. Call it holding `_write_lock`.
+        """One transaction of ``ops``, ordered after this process's last write (the module's docstring); fenced,
+        it raises `LeadershipLostError` and changes nothing when the leader key is no longer this replica's.
+        Call it holding `_write_lock`.
 
-        A write that fails otherwise (no member answers, or etcd refuses it: out of space, no quorum) fails the
-        store as a whole (`failure`), and every later write is refused: the composer changed its memory before
-        writing, and whether a timed-out write landed is unknown, so memory and etcd may differ from then on.
-        The server stops serving, and the next leader recovers from etcd and the hardware."""
-        self._refuse_if_failed()
+        A write that fails otherwise (no member answers within the patience, or etcd refuses it: out of space;
+        or another writer moved the sequence) fails the store as a whole (`failure`), and every later write is
+        refused: the composer changed its memory before writing, and whether a timed-out write landed is
+        unknown, so memory and etcd may differ from then on. The server stops serving, and the next leader
+        recovers from etcd and the hardware; a copy of the write that lands late can land only before any
+        later write, and before the next leader's key exists."""
+        self._refuse_writes()
+        if self._sequence is None:
+            self._sequence = self._read_for_write(self._read_sequence)
+        token = f"{self._token_prefix}:{next(self._tokens)}"
         fence = self._fence
-        txn = {"compare": [] if fence is None else [fence], "success": ops, "failure": []}
+        txn = {
+            "compare": ([] if fence is None else [fence]) + [modified_at(self._sequence_key, self._sequence)],
+            "success": [*ops, put_op(self._sequence_key, token)],
+            "failure": [range_op(self._sequence_key)] + ([] if fence is None else [range_op(self._fence_key.encode())]),
+        }
         try:
-            answer = self._call("write", lambda c: c.transaction(txn))
+            answer = self._call("write", "/kv/txn", txn)
         except FabricUnavailableError as exc:
             self._failure = exc.message
             raise
-        if fence is not None and not answer.get("succeeded"):
-            self._on_deposed()
-            raise LeadershipLostError(
-                f"the ledger refused a write: another replica leads now (the leader key is no longer "
-                f"{self._fence_name})",
-                metadata={"leader_key": self._fence_key},
-            )
+        if answer.get("succeeded"):
+            self._sequence = int(answer["header"]["revision"])
+            return
+        self._refused(answer, token)
+
+    def _refused(self, answer: Mapping[str, Any], token: str) -> None:
+        """Tell why the compare of the write with ``token`` failed, from the keys its transaction read back."""
+        responses = [r.get("response_range", {}).get("kvs", []) for r in answer.get("responses", [])]
+        sequence = responses[0][0] if responses and responses[0] else {}
+        if sequence and _unb64(sequence.get("value", "")).decode(errors="replace") == token:
+            # A copy sent earlier landed, whose answer was lost: this copy was refused because of it. No other
+            # copy can land after it, since each compares the sequence as it was before this write.
+            self._sequence = int(sequence["mod_revision"])
+            log.info("a copy of a ledger write sent earlier landed at etcd revision %d", self._sequence)
+            return
+        if self._fence is not None:
+            leader = responses[1][0] if len(responses) > 1 and responses[1] else {}
+            if int(leader.get("create_revision", 0)) != self._fence_revision:
+                self._on_deposed()
+                raise LeadershipLostError(
+                    f"the ledger refused a write: another replica leads now (the leader key is no longer "
+                    f"{self._fence_name})",
+                    metadata={"leader_key": self._fence_key},
+                )
+        self._failure = (
+            f"another writer changed the etcd ledger under {self.prefix} (its sequence is at revision "
+            f"{int(sequence.get('mod_revision', 0))}, not {self._sequence}): this process's memory may no longer "
+            "match it"
+        )
+        raise FabricUnavailableError(self._failure, metadata={"prefix": self.prefix})
+
+    def _read_sequence(self, revision: int = 0) -> int:
+        """The sequence key's mod revision (at ``revision``, 0: now); 0 if it does not exist."""
+        kvs = self._range(self._sequence_key, b"", revision=revision, keys_only=True).get("kvs", [])
+        return int(kvs[0]["mod_revision"]) if kvs else 0
 
     def _refuse_if_failed(self) -> None:
         if self._failure:
             raise FabricUnavailableError(f"the ledger on etcd failed earlier and takes no more writes: {self._failure}")
 
+    def _refuse_writes(self) -> None:
+        """Refuse a write of a failed store, and of one neither fenced nor made ``unfenced`` (which fails it)."""
+        self._refuse_if_failed()
+        if self._fence is None and not self.unfenced:
+            self._failure = (
+                f"the etcd ledger under {self.prefix} was written before it was fenced: it is the replicas' ledger, "
+                "written only by the replica that leads (`fence`); a single writer makes it with unfenced=True"
+            )
+            raise LedgerNotFencedError(self._failure, metadata={"prefix": self.prefix})
+
     def _read_for_write(self, read: Callable[[], T]) -> T:
         """``read``, which a write needs first (when a prune is due): its failure fails the store as the
         write's would (`_commit`), since the caller changed its memory before writing."""
-        self._refuse_if_failed()
+        self._refuse_writes()
         try:
             return read()
         except FabricUnavailableError as exc:
@@ -351,8 +507,12 @@ class EtcdStore(Store):
         keys = sorted(_unb64(kv["value"]).decode() for kv in self._scan(QUARANTINES, revision))
         quarantined = tuple(quarantine_of(k) for k in keys)
         oldest, newest = self._log_ends(revision)
+        sequence = self._read_sequence(revision)
         with self._state_lock:
             self._log = (oldest, newest)  # a leader loads as it starts: what etcd holds, whoever wrote it
+        with self._write_lock:
+            # Writes are ordered after what was loaded, so a write by anyone else since fails the first of them.
+            self._sequence = sequence if self._sequence is None else max(self._sequence, sequence)
         return LedgerState(comps, res, newest, requests_, cordons, quarantined)
 
     def _first_event_from(self, revision: int, at: int) -> int | None:

@@ -1,0 +1,383 @@
+"""The etcd ledger's writes: ordered, so that a copy re-sent to another member and the first copy landing late
+never apply out of order; patient across an etcd election, so that one member's death does not fail the
+leader's ledger; and refused before `EtcdStore.fence` unless the store was made for a single writer.
+
+Against real etcd processes on loopback (`etcd_helpers`), a member's misbehaviour played by a proxy in front of
+it (`_Proxy`): it holds a write and sends it on only when the test says, sends it on and never answers, or
+answers 503 as members do during an election. Without etcd the tests are skipped (failed on CI).
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import etcd3gw
+import pytest
+import requests
+from disagg import codec
+from disagg.errors import FabricUnavailableError
+from disagg.model import Composition, CompositionState
+from disagg.store import EtcdStore
+from disagg.store import etcd as etcd_store
+from disagg.store.etcd import LeadershipLostError, request_timeout
+from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member, start_etcd_cluster
+
+TTL_S = 3
+TIMEOUT_S = request_timeout(TTL_S)
+"""Each request's wait, as `disagg serve` sets it for the default lease."""
+PATIENCE_S = 5 * TIMEOUT_S
+"""A call's patience by default: five sixths of the lease."""
+WAIT_S = 10.0
+
+
+def _composition(cid: str, generation: int = 1) -> Composition:
+    return Composition(
+        id=cid, name=f"name-{cid}", host="h1", state=CompositionState.COMPOSED, resources=(), generation=generation
+    )
+
+
+class _Proxy:
+    """An HTTP proxy in front of one etcd member. ``mode`` says what it does with the next write (a transaction;
+    reads always pass): "pass" sends it on and answers; "hold" keeps it until `release`, then sends it on, to a
+    client long gone, as a member that stalled and resumed; "swallow" sends it on at once and never answers, as a
+    member that applied it and died; the last two happen once, then it passes again. "unavailable" answers
+    every request 503, as members do while etcd elects a leader."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.mode = "pass"
+        self.late: list[dict[str, Any]] = []
+        """etcd's answers to the writes held or swallowed, which the client never got."""
+        self.forwarded = threading.Event()
+        self.on_forwarded: Callable[[], None] = lambda: None
+        self._release = threading.Event()
+        self._lock = threading.Lock()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ProxyHandler)
+        self._server.daemon_threads = True
+        self._server.proxy = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self._server.server_address[1]}"
+
+    def release(self) -> None:
+        self._release.set()
+
+    def take(self, path: str) -> str:
+        """The mode for this request, a one-shot mode spent on it."""
+        with self._lock:
+            mode = self.mode
+            if mode in ("hold", "swallow"):
+                if not path.endswith("/kv/txn"):
+                    return "pass"
+                self.mode = "pass"
+            return mode
+
+    def forward(self, path: str, body: bytes) -> requests.Response:
+        return requests.post(
+            f"http://{self.upstream}{path}", data=body, headers={"Content-Type": "application/json"}, timeout=WAIT_S
+        )
+
+    def close(self) -> None:
+        self._release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        proxy: _Proxy = self.server.proxy  # type: ignore[attr-defined]
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        mode = proxy.take(self.path)
+        if mode == "unavailable":
+            self._answer(503, b'{"error":"etcdserver: no leader","code":14}')
+            return
+        if mode == "hold":
+            proxy._release.wait(WAIT_S)
+        answer = proxy.forward(self.path, body)
+        if mode == "pass":
+            self._answer(answer.status_code, answer.content)
+            return
+        proxy.late.append(answer.json())
+        proxy.on_forwarded()
+        proxy.forwarded.set()
+        if mode == "swallow":
+            proxy._release.wait(WAIT_S)  # the client times out meanwhile; it never gets this answer
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def etcd_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    yield from one_etcd_member(tmp_path_factory)
+
+
+@pytest.fixture
+def prefix() -> str:
+    return fresh_prefix()
+
+
+@pytest.fixture
+def proxies(etcd_one: EtcdCluster) -> Iterator[Callable[[], _Proxy]]:
+    """Proxies in front of the one member, closed after the test."""
+    made: list[_Proxy] = []
+
+    def make() -> _Proxy:
+        made.append(_Proxy(etcd_one.endpoints[0]))
+        return made[-1]
+
+    yield make
+    for proxy in made:
+        proxy.close()
+
+
+def _raw(endpoint: str) -> etcd3gw.Etcd3Client:
+    host, port = endpoint.rsplit(":", 1)
+    return etcd3gw.client(host=host, port=int(port), timeout=5.0, api_path="/v3/")
+
+
+def _lead(endpoint: str, key: str) -> int:
+    """Take the leader key as a new leader would (a create revision above every earlier one); its revision."""
+    client = _raw(endpoint)
+    client.delete(key)
+    client.put(key, uuid.uuid4().hex)
+    ((_, meta),) = client.get(key, metadata=True)
+    return int(meta["create_revision"])
+
+
+def _fenced(endpoints: list[str], prefix: str, on_deposed: Callable[[], None] | None = None) -> EtcdStore:
+    """A store fenced on ``{prefix}leader`` as a leading replica's is, loaded as the composer does on start."""
+    store = EtcdStore(endpoints, prefix=prefix, timeout_s=TIMEOUT_S)
+    key = f"{prefix}leader"
+    store.fence(key, _lead(endpoints[-1], key), on_deposed)
+    store.load()
+    return store
+
+
+def _set(proxies: list[_Proxy], mode: str) -> None:
+    for proxy in proxies:
+        proxy.mode = mode
+
+
+def _held(endpoint: str, prefix: str, cid: str) -> Composition | None:
+    """The composition as etcd holds it, read by a client of its own."""
+    values = _raw(endpoint).get(f"{prefix}compositions/{cid}")
+    return codec.loads(values[0], Composition) if values else None
+
+
+class TestLateCopies:
+    """A write whose answer did not come in time is sent again to the next member, and the first copy may still
+    reach etcd; whichever copy lands first is the write, and no other copy applies after it."""
+
+    @pytest.mark.parametrize("later", ["delete", "put"])
+    def test_a_copy_held_by_a_stalled_member_does_not_land_after_newer_writes(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str, later: str
+    ) -> None:
+        """The member that got the first copy stalled, and resumes after the re-sent copy and a newer write
+        landed. Its copy put the old record back over the newer one, or brought a deleted composition back."""
+        member = etcd_one.endpoints[0]
+        stalled = proxies()
+        store = _fenced([stalled.endpoint, member], prefix)
+        try:
+            store.put_composition(_composition("c1", 1))
+            stalled.mode = "hold"
+            store.put_composition(_composition("c1", 2))  # held; re-sent to the member, where it lands
+            if later == "delete":
+                store.delete_composition("c1")
+            else:
+                store.put_composition(_composition("c1", 3))
+            stalled.release()
+            assert stalled.forwarded.wait(WAIT_S), "the held copy was never sent on"
+            expected = None if later == "delete" else _composition("c1", 3)
+            assert _held(member, prefix, "c1") == expected
+            assert stalled.late[0].get("succeeded") is None, "etcd applied the late copy"
+            assert store.failure == ""
+            assert [c.generation for c in store.load().compositions] == ([] if later == "delete" else [3])
+        finally:
+            store.close()
+
+    def test_the_first_copy_landed_and_its_answer_was_lost(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The re-sent copy is refused since the first one landed: the write is done, not failed, and the
+        writes after it go on in order."""
+        member = etcd_one.endpoints[0]
+        dying = proxies()
+        store = _fenced([dying.endpoint, member], prefix)
+        try:
+            store.put_composition(_composition("c1", 1))
+            dying.mode = "swallow"
+            with caplog.at_level(logging.INFO, logger="disagg.store"):
+                store.put_composition(_composition("c1", 2))
+            assert dying.late[0].get("succeeded") is True
+            assert "sent earlier landed" in caplog.text
+            assert _held(member, prefix, "c1") == _composition("c1", 2)
+            store.delete_composition("c1")
+            store.put_composition(_composition("c2"))
+            assert store.failure == ""
+            assert [c.id for c in store.load().compositions] == ["c2"]
+        finally:
+            store.close()
+
+    def test_the_first_copy_landed_before_another_replica_took_the_lead(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str
+    ) -> None:
+        """Its answer was lost, then the lead moved: the re-sent copy is refused on both counts, and the write
+        is still reported done, since it landed while this replica led; the next one is LeadershipLostError."""
+        member = etcd_one.endpoints[0]
+        dying = proxies()
+        deposed: list[bool] = []
+        store = _fenced([dying.endpoint, member], prefix, lambda: deposed.append(True))
+
+        def another_leads() -> None:
+            _lead(member, f"{prefix}leader")
+
+        try:
+            dying.on_forwarded = another_leads
+            dying.mode = "swallow"
+            store.put_composition(_composition("c1"))
+            assert _held(member, prefix, "c1") == _composition("c1")
+            assert not deposed
+            with pytest.raises(LeadershipLostError):
+                store.delete_composition("c1")
+            assert deposed and store.failure == ""
+        finally:
+            store.close()
+
+    def test_another_writer_fails_the_store(self, etcd_one: EtcdCluster, prefix: str) -> None:
+        """A second writer on the prefix (a store made for a single writer, twice) moved the ledger after this
+        one loaded it: this one's memory may be stale, so it takes no more writes instead of overwriting."""
+        first = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
+        second = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
+        try:
+            first.put_composition(_composition("c1"))
+            first.load()
+            second.delete_composition("c1")
+            with pytest.raises(FabricUnavailableError, match="another writer changed the etcd ledger"):
+                first.put_composition(_composition("c1", 2))
+            assert "another writer" in first.failure
+            assert _held(etcd_one.endpoints[0], prefix, "c1") is None
+        finally:
+            first.close()
+            second.close()
+
+
+class TestPatience:
+    """A call tries the members again, with a backoff, while they refuse or answer 503 (an etcd election), for up
+    to ``write_patience_s``; only then does the ledger fail."""
+
+    def test_a_write_waits_out_an_election(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str
+    ) -> None:
+        """Every member answered 503 for a second: one attempt each failed the write and the store for good."""
+        members = [proxies(), proxies()]
+        store = _fenced([m.endpoint for m in members], prefix)
+        try:
+            _set(members, "unavailable")
+            threading.Timer(1.0, _set, args=(members, "pass")).start()
+            started = time.monotonic()
+            store.put_composition(_composition("c1"))
+            assert 0.9 < time.monotonic() - started < PATIENCE_S
+            assert store.failure == ""
+            assert _held(etcd_one.endpoints[0], prefix, "c1") == _composition("c1")
+            _set(members, "unavailable")
+            threading.Timer(1.0, _set, args=(members, "pass")).start()
+            assert [c.id for c in store.load().compositions] == ["c1"]  # reads wait too
+        finally:
+            store.close()
+
+    def test_the_patience_ends_within_the_lease(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str
+    ) -> None:
+        """Members that never come back fail the write and the store once the patience is spent, within the
+        lease, naming every endpoint."""
+        members = [proxies(), proxies()]
+        store = _fenced([m.endpoint for m in members], prefix)
+        try:
+            _set(members, "unavailable")
+            started = time.monotonic()
+            with pytest.raises(FabricUnavailableError, match="no etcd endpoint answered") as info:
+                store.put_composition(_composition("c1"))
+            took = time.monotonic() - started
+            assert PATIENCE_S - 0.1 < took < TTL_S
+            assert all(m.endpoint in info.value.message for m in members)
+            assert "no etcd endpoint answered" in store.failure
+            assert store.write_patience_s == etcd_store.write_patience(TTL_S) == PATIENCE_S
+        finally:
+            store.close()
+
+    def test_the_etcd_leader_dies_under_writes(self, tmp_path: Path, prefix: str) -> None:
+        """The etcd leader, one member of three, is killed while the fabric manager's leader writes: every
+        write lands, in order, and the ledger goes on."""
+        cluster = start_etcd_cluster(tmp_path, members=3)
+        endpoints = cluster.endpoints
+        try:
+            store = _fenced(endpoints, prefix)
+            status = [requests.post(f"http://{e}/v3/maintenance/status", json={}, timeout=2).json() for e in endpoints]
+            leader = next(i for i, s in enumerate(status) if s["header"]["member_id"] == status[0]["leader"])
+            killer = threading.Timer(0.3, cluster.kill, args=(leader,))
+            killer.start()
+            ends = time.monotonic() + 2.0
+            n = 0
+            while time.monotonic() < ends:
+                n += 1
+                store.put_composition(_composition(f"c{n}"))
+                store.delete_composition(f"c{n - 1}")
+            killer.join()
+            assert store.failure == ""
+            assert [c.id for c in store.load().compositions] == [f"c{n}"]
+            store.close()
+        finally:
+            cluster.stop()
+
+
+class TestFencedFirst:
+    """The replicas' ledger takes writes only from the replica that leads: a store that was not fenced refuses
+    every write, unless made for a single writer (``unfenced``)."""
+
+    def test_an_unfenced_write_is_refused(self, etcd_one: EtcdCluster, prefix: str) -> None:
+        """A local command on the replicas' configuration wrote compositions and events beside the leader's."""
+        store = EtcdStore(etcd_one.endpoints, prefix=prefix)
+        try:
+            with pytest.raises(FabricUnavailableError, match="before it was fenced") as info:
+                store.put_composition(_composition("c1"))
+            assert info.value.reason == "LEDGER_NOT_FENCED" and not info.value.retryable
+            assert "fenced" in store.failure
+            assert store.load().compositions == ()  # reads go on
+            assert _raw(etcd_one.endpoints[0]).get_prefix(prefix) == []
+        finally:
+            store.close()
+
+    def test_a_single_writer_opts_in(self, etcd_one: EtcdCluster, prefix: str) -> None:
+        store = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
+        try:
+            store.put_composition(_composition("c1"))
+            assert [c.id for c in store.load().compositions] == ["c1"]
+        finally:
+            store.close()
+
+    def test_fenced_after_made(self, etcd_one: EtcdCluster, prefix: str) -> None:
+        """The leading replica's store: made at start-up, fenced once it leads, written after."""
+        store = _fenced(etcd_one.endpoints, prefix)
+        try:
+            store.put_composition(_composition("c1"))
+            assert _held(etcd_one.endpoints[0], prefix, "c1") == _composition("c1")
+        finally:
+            store.close()
