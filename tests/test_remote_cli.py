@@ -7,6 +7,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -192,6 +193,29 @@ class TestSocketClaim:
         finally:
             first.close()
         prepare_unix_socket(path).close()  # free again once let go
+
+    @pytest.mark.parametrize(
+        ("umask", "socket_mode"),
+        [(0o000, 0o660), (0o022, 0o640), (0o077, 0o600)],
+        ids=["umask-000", "umask-022", "umask-077"],
+    )
+    def test_other_users_cannot_reach_a_driver_socket(self, tmp_path: Path, umask: int, socket_mode: int) -> None:
+        """Directories and socket followed the umask alone: under umask 000 both were 0o777, and any local
+        user could drive the hardware over the unauthenticated channel. The umask still takes away."""
+        path = tmp_path / "made" / "for" / "pcie0.sock"
+        existing = stat.S_IMODE(tmp_path.stat().st_mode)
+        old = os.umask(umask)
+        try:
+            server = DriverServer(pcie(), f"unix:{path}", driver="sim").start()
+        finally:
+            os.umask(old)
+        try:
+            assert stat.S_IMODE(path.stat().st_mode) == socket_mode
+            for made in (path.parent, path.parent.parent):
+                assert stat.S_IMODE(made.stat().st_mode) == 0o750 & ~umask
+            assert stat.S_IMODE(tmp_path.stat().st_mode) == existing  # a directory that exists is left as it is
+        finally:
+            server.stop(grace=0)
 
     def test_a_stopped_driver_server_lets_go_of_its_socket(self, tmp_path: Path) -> None:
         address = f"unix:{tmp_path / 'pcie0.sock'}"

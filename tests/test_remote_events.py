@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
 import tempfile
 import threading
@@ -11,8 +13,10 @@ from collections.abc import Iterator
 import attrs
 import pytest
 from disagg.errors import FabricUnavailableError
+from disagg.interfaces import EventHandler, Fabric, Subscription
 from disagg.model import FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
+from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg_sim import SimFabric
 from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served
@@ -187,12 +191,38 @@ class TestRestart:
             remote.close()
 
 
-class HeldDiscovery(Plain):
+class Hiding(Plain):
+    """A driver whose discovery leaves out ``hidden`` (a device not yet installed), and which can ``publish`` an
+    event of its own to its subscribers (a device hot-added or removed)."""
+
+    def __init__(self, inner: SimFabric, hidden: str | None = None) -> None:
+        super().__init__(inner)
+        self.hidden = hidden
+        self.handlers: list[EventHandler] = []
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        self.handlers.append(handler)
+        return self.inner.subscribe(handler)
+
+    def publish(self, event: FabricEvent) -> None:
+        for handler in list(self.handlers):
+            handler(event)
+
+    def discover(self) -> Topology:
+        found = self.inner.discover()
+        if self.hidden is None:
+            return found
+        devices = tuple(d for d in found.devices if d.id != self.hidden)
+        links = tuple(k for k in found.links if self.hidden not in (k.a, k.b))
+        return attrs.evolve(found, devices=devices, links=links)
+
+
+class HeldDiscovery(Hiding):
     """A driver whose discovery waits, while ``hold`` is set, until ``release`` is: to publish an event between
     a reconnected stream's registration and the resync's discovery."""
 
-    def __init__(self, inner: SimFabric) -> None:
-        super().__init__(inner)
+    def __init__(self, inner: SimFabric, hidden: str | None = None) -> None:
+        super().__init__(inner, hidden)
         self.hold = threading.Event()
         self.holding = threading.Event()
         self.release = threading.Event()
@@ -201,7 +231,46 @@ class HeldDiscovery(Plain):
         if self.hold.is_set():
             self.holding.set()
             self.release.wait(WAIT_S)
-        return self.inner.discover()
+        return super().discover()
+
+
+class Watched:
+    """A driver served at ``address``, which a test restarts, and a remote fabric subscribed to it (`watched`)."""
+
+    def __init__(self, driver: Fabric, address: str) -> None:
+        self.driver, self.address = driver, address
+        self.server = DriverServer(driver, address, driver="sim").start()
+        self.remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        self.seen = Recorder()
+        self.remote.subscribe(self.seen)
+
+    def stop(self) -> None:
+        self.server.stop(grace=0)
+
+    def start(self, driver: Fabric | None = None) -> None:
+        self.server = DriverServer(driver or self.driver, self.address, driver="sim").start()
+
+    def until_seen(self, subject: str) -> None:
+        """Wait until an event of ``subject`` arrives: every event published before it has been handled."""
+        assert eventually(lambda: any(e.subject == subject for e in self.seen.events), WAIT_S)
+
+
+@contextlib.contextmanager
+def watched(driver: Fabric, socket_dir: str) -> Iterator[Watched]:
+    running = Watched(driver, f"unix:{socket_dir}/pcie0.sock")
+    try:
+        yield running
+    finally:
+        running.remote.close()
+        running.server.stop(grace=0)
+
+
+def _held_resync(running: Watched, driver: HeldDiscovery) -> None:
+    """Restart the driver with its next discovery held: the watcher reconnects and waits in its resync."""
+    driver.hold.set()
+    running.stop()
+    running.start()
+    assert driver.holding.wait(WAIT_S), "the watcher did not resync"
 
 
 class TestTheResyncWindow:
@@ -210,20 +279,13 @@ class TestTheResyncWindow:
         reached the handlers twice, and a link event went north twice."""
         sim = pcie()
         driver = HeldDiscovery(sim)
-        address = f"unix:{socket_dir}/pcie0.sock"
-        server = DriverServer(driver, address, driver="sim").start()
-        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
-        try:
-            seen = Recorder()
-            remote.subscribe(seen)
-            driver.hold.set()
-            server.stop(grace=0)
-            server = DriverServer(driver, address, driver="sim").start()
-            assert driver.holding.wait(WAIT_S), "the watcher did not resync"
+        with watched(driver, socket_dir) as running:
+            _held_resync(running, driver)
             sim.fail_device("pcie0/gpu-a1", "during the resync")
             sim.set_link("top-b", "chassis-b", False)
             driver.hold.clear()
             driver.release.set()
+            seen = running.seen
             assert eventually(lambda: len(seen.events) >= 2)
             sim.repair_device("pcie0/gpu-a1")  # a later event: every earlier one has been delivered by then
             assert eventually(lambda: seen.events[-1].health is Health.OK)
@@ -233,25 +295,114 @@ class TestTheResyncWindow:
                 (FabricEventKind.LINK_DOWN, "pcie0/top-b|pcie0/chassis-b"),
                 (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a1"),
             ]
-        finally:
-            remote.close()
-            server.stop(grace=0)
 
 
-class Hiding(Plain):
-    """A driver whose discovery leaves out ``hidden`` (a device not yet installed)."""
+class TestADeviceAddedOrRemovedDuringTheResync:
+    """A device hot-added (or removed) between a reconnected stream's registration and the resync's discovery is
+    in both: it was reported twice, since only health and link events were checked against what was told."""
 
-    def __init__(self, inner: SimFabric, hidden: str) -> None:
-        super().__init__(inner)
-        self.hidden: str | None = hidden
+    @pytest.mark.parametrize("kind", [FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED])
+    def test_is_reported_once(self, socket_dir: str, kind: FabricEventKind) -> None:
+        sim = pcie()
+        gpu = "pcie0/gpu-a1"
+        added = kind is FabricEventKind.DEVICE_ADDED
+        driver = HeldDiscovery(sim, gpu if added else None)
+        with watched(driver, socket_dir) as running:
+            _held_resync(running, driver)
+            driver.hidden = None if added else gpu
+            driver.publish(FabricEvent("pcie0", kind, gpu, message="hot-plug"))  # on the registered stream
+            driver.hold.clear()
+            driver.release.set()
+            sim.fail_device("pcie0/gpu-b0", "marks the end")
+            running.until_seen("pcie0/gpu-b0")
+            assert [(e.kind, e.subject) for e in running.seen.events if e.kind is kind] == [(kind, gpu)]
 
-    def discover(self) -> Topology:
-        found = self.inner.discover()
-        if self.hidden is None:
-            return found
-        devices = tuple(d for d in found.devices if d.id != self.hidden)
-        links = tuple(k for k in found.links if self.hidden not in (k.a, k.b))
-        return attrs.evolve(found, devices=devices, links=links)
+
+class Reversing(Plain):
+    """A driver that names a link's ends in its events in the other order than its discovery does, as cxl-switch
+    names them as its caller did."""
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        def reverse(event: FabricEvent) -> None:
+            if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP):
+                a, _, b = event.subject.partition("|")
+                event = attrs.evolve(event, subject=f"{b}|{a}")
+            handler(event)
+
+        return self.inner.subscribe(reverse)
+
+
+class TestALinkNamedInTheOtherOrder:
+    def test_a_change_while_away_is_reported(self, socket_dir: str) -> None:
+        """The snapshot knew the link as discovered (``a|b``) only, so an event naming it ``b|a`` was never
+        taken in: the link brought back up while the watcher reconnected was never reported up."""
+        sim = pcie()
+        with watched(Reversing(sim), socket_dir) as running:
+            sim.set_link("top-b", "chassis-b", False)
+            assert eventually(lambda: len(running.seen.events) == 1)
+            running.stop()
+            sim.set_link("top-b", "chassis-b", True)  # while nobody watches
+            running.start(Reversing(sim))
+            sim.fail_device("pcie0/gpu-b0", "marks the end")
+            running.until_seen("pcie0/gpu-b0")
+            links = [(e.kind, e.subject) for e in running.seen.events if e.subject != "pcie0/gpu-b0"]
+            assert links == [
+                (FabricEventKind.LINK_DOWN, "pcie0/chassis-b|pcie0/top-b"),  # as the driver sent it
+                (FabricEventKind.LINK_UP, "pcie0/top-b|pcie0/chassis-b"),  # as the driver discovers it
+            ]
+
+
+class TestTheSnapshot:
+    """What the handlers were told, against which a stream event that tells nothing new is dropped."""
+
+    def test_a_link_is_one_whichever_order_its_ends_are_named(self) -> None:
+        snapshot = _Snapshot.of(pcie().discover())
+        down = FabricEvent("pcie0", FabricEventKind.LINK_DOWN, "pcie0/chassis-b|pcie0/top-b")
+        assert snapshot.apply(down)
+        assert not snapshot.apply(attrs.evolve(down, subject="pcie0/top-b|pcie0/chassis-b"))
+
+    def test_a_link_not_known_is_learnt(self) -> None:
+        snapshot = _Snapshot({}, {})
+        up = FabricEvent("pcie0", FabricEventKind.LINK_UP, "x|y")
+        assert snapshot.apply(up)
+        assert not snapshot.apply(attrs.evolve(up, subject="y|x"))
+        assert snapshot.apply(FabricEvent("pcie0", FabricEventKind.LINK_DOWN, "y|x"))
+
+    def test_an_end_may_hold_the_separator(self) -> None:
+        snapshot = _Snapshot({}, {("a|b", "c"): ("a|b|c", True)})
+        assert not snapshot.apply(FabricEvent("f", FabricEventKind.LINK_UP, "c|a|b"))
+        assert snapshot.apply(FabricEvent("f", FabricEventKind.LINK_DOWN, "c|a|b"))
+
+    def test_a_device_added_known_or_removed_unknown_tells_nothing(self) -> None:
+        snapshot = _Snapshot({"d": Health.OK}, {})
+        assert not snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_ADDED, "d"))
+        assert not snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_REMOVED, "e"))
+        assert snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_REMOVED, "d"))
+        assert snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_ADDED, "d"))
+
+
+class TestAFaultDuringAReconnect:
+    @pytest.mark.parametrize("attempt", range(3))
+    def test_returns_once_its_event_is_handled(self, socket_dir: str, attempt: int) -> None:
+        """Injected right after a driver restart, it returned at once (the watcher was not connected, or still
+        on the old instance's stream), or once connected but before the resync's events were delivered."""
+        with watched(pcie(), socket_dir) as running:
+            running.stop()
+            running.start()
+            running.remote.fail_device("pcie0/gpu-a3", "ECC")
+            assert ("pcie0/gpu-a3", Health.FAILED) in [(e.subject, e.health) for e in running.seen.events]
+
+
+class TestAResyncThatKeepsFailing:
+    def test_is_a_warning_not_repeated_every_retry(self, socket_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+        """Events stopped with debug logs only: the watcher retried every 2 s and said nothing an operator sees."""
+        with watched(pcie(), socket_dir) as running, caplog.at_level(logging.WARNING, logger="disagg.remote"):
+            running.stop()
+            running.start(cxl())  # every resync fails
+            time.sleep(2.0)  # some five retries
+        warnings = [r.getMessage() for r in caplog.records if r.name == "disagg.remote"]
+        assert len(warnings) == 1, warnings
+        assert "no events are delivered" in warnings[0] and "now serves fabric 'cxl0'" in warnings[0]
 
 
 class TestADeviceAddedWhileAway:

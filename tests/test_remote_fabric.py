@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -24,6 +24,7 @@ from disagg.errors import (
     DriverError,
     FabricUnavailableError,
     HostUnreachableError,
+    InvalidRequestError,
     NoFitError,
     NotFoundError,
     StaleEpochError,
@@ -37,6 +38,7 @@ from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.plugin import create_fabric
 from disagg.remote.service import FabricDriverServicer
 from disagg.requestlang import parse_request
+from disagg.wire import driver as wire
 from disagg_sim import SIM_CAPABILITIES, SimFabric
 from google.rpc import code_pb2, status_pb2
 from remote_helpers import Plain, Secretive, cxl, pcie, served
@@ -212,6 +214,47 @@ class TestCalls:
 class TestErrors:
     """A failed call raises the same SDK error type as in process, so the composer cannot tell the difference."""
 
+    @pytest.mark.parametrize(
+        ("error", "call"),
+        [
+            (CapacityExhaustedError, lambda f: f.pool("cxl0/mem0").allocate("a1", "h1", 2**64, CallContext())),
+            (StaleEpochError, lambda f: f.pool("cxl0/mem0").release("a1", CallContext(epoch=-1))),
+            (StaleEpochError, lambda f: f.bind("cxl0/cxlmem0", "h1", CallContext(epoch=-1))),
+            (InvalidRequestError, lambda f: f.pool("cxl0/mem0").release("a1", CallContext(epoch=2**64))),
+            (InvalidRequestError, lambda f: f.flaky_bind(None, 2**32)),
+        ],
+        ids=["allocate-2**64-bytes", "release-epoch-minus-1", "bind-epoch-minus-1", "epoch-2**64", "flaky-2**32"],
+    )
+    def test_values_the_wire_cannot_carry_are_sdk_errors(
+        self, error: type[Exception], call: Callable[[RemoteFabric], object]
+    ) -> None:
+        """protobuf refused them with a bare ValueError, which the composer does not expect of a driver."""
+        with served(cxl()) as server:
+            remote = RemoteFabric("cxl0", server.address)
+            try:
+                with pytest.raises(error):
+                    call(remote)
+            finally:
+                remote.close()
+
+    def test_a_long_request_id_is_cut_to_fit_recognisably(self) -> None:
+        """The composer's Python API passes any request id through, and an in-process driver takes it: every
+        remote bind with one over 128 characters failed with InvalidRequestError."""
+        long_id = "compose-" + "x" * 300
+        plain = Plain(pcie())
+        with served(plain) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                remote.bind(GPU, "h1", CallContext(request_id=long_id))
+            finally:
+                remote.close()
+        sent = plain.contexts[0][1].request_id
+        assert (
+            len(sent) <= wire.MAX_REQUEST_ID
+            and sent.startswith("compose-xxx")
+            and sent == (wire.request_id_to_wire(long_id))
+        )
+
     def test_driver_errors(self, remote: RemoteFabric) -> None:
         remote.bind(GPU, "h1", CallContext(epoch=5))
         cases = [
@@ -336,6 +379,17 @@ class TestDiscoverCache:
 
 
 class TestADriverDownAtStartUp:
+    def test_subscribing_does_not_wait_the_connect_timeout_again(self, tmp_path: Path) -> None:
+        """The constructor waited ``connect_timeout_s`` for the driver, then `subscribe` as long again."""
+        started = time.monotonic()
+        remote = create_fabric("pcie0", {"address": f"unix:{tmp_path / 'nobody.sock'}", "connect_timeout_s": 1})
+        try:
+            built = time.monotonic()
+            remote.subscribe(lambda event: None)
+            assert time.monotonic() - built < 0.5, f"the constructor took {built - started:.2f}s"
+        finally:
+            remote.close()
+
     def test_the_other_fabrics_are_served_and_it_joins_when_it_answers(self) -> None:
         directory = tempfile.mkdtemp(prefix="dg-")
         address = f"unix:{directory}/pcie0.sock"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from disagg.driver.v1 import fabric_driver_pb2 as pb
-from disagg.errors import InvalidRequestError
+from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
 from disagg.fabric.v1 import types_pb2 as tpb
 from disagg.interfaces import CallContext
 from disagg.model import Binding, Capacity, FabricEvent, FabricEventKind, Health, PoolInfo, PoolKind, Topology
@@ -158,3 +158,38 @@ class TestEventSequence:
     def test_metadata_value(self) -> None:
         assert wire.metadata_value((("x", "1"), (wire.EVENT_SEQUENCE_KEY, b"i:2")), wire.EVENT_SEQUENCE_KEY) == "i:2"
         assert wire.metadata_value(None, "x") == ""
+
+
+class TestRequestIdsThatDoNotFit:
+    """A request id the service would refuse is cut to fit, recognisably, instead of failing the call."""
+
+    def test_one_that_fits_is_sent_as_it_is(self) -> None:
+        rid = "r" * wire.MAX_REQUEST_ID
+        assert wire.request_id_to_wire(rid) == rid
+        assert wire.request_id_to_wire("") == ""
+
+    @pytest.mark.parametrize("rid", ["a" * 129, "x" * 5000, "line\nbreak", "\ud800 lone surrogate", "é" * 200])
+    def test_one_that_does_not_is_its_beginning_and_a_digest(self, rid: str) -> None:
+        sent = wire.request_id_to_wire(rid)
+        assert wire.context_from_wire(0, sent, None).request_id == sent  # the service takes it
+        assert sent[:4] == "".join(c if c.isprintable() else "?" for c in rid[:4])
+        assert sent[-wire.REQUEST_ID_DIGEST - 1] == "~"
+        pb.BindRequest(request_id=sent).SerializeToString()
+
+    def test_ids_with_one_beginning_stay_apart(self) -> None:
+        base = "r" * 200
+        assert wire.request_id_to_wire(base + "1") != wire.request_id_to_wire(base + "2")
+
+
+class TestValuesTheWireCannotCarry:
+    def test_epoch(self) -> None:
+        with pytest.raises(StaleEpochError):
+            wire.bind_request_to_wire("d", "h", CallContext(epoch=-1))
+        with pytest.raises(InvalidRequestError, match="epoch"):
+            wire.unbind_request_to_wire(Binding("d", "h"), CallContext(epoch=wire.MAX_UINT64 + 1))
+        assert wire.sanitize_request_to_wire("d", CallContext(epoch=wire.MAX_UINT64)).epoch == wire.MAX_UINT64
+
+    def test_amount(self) -> None:
+        with pytest.raises(CapacityExhaustedError, match="p0"):
+            wire.allocate_request_to_wire("p0", "a", "h", wire.MAX_UINT64 + 1, CallContext())
+        assert wire.allocate_request_to_wire("p0", "a", "h", wire.MAX_UINT64, CallContext()).amount_bytes > 0

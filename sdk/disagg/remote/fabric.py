@@ -80,6 +80,15 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+LinkKey = tuple[str, str]
+
+
+def _link_key(a: str, b: str) -> LinkKey:
+    """A link's ends as an unordered pair: a driver may name them in an event in the other order than discovery
+    does (cxl-switch names them as its caller did)."""
+    return (a, b) if a <= b else (b, a)
+
+
 @attrs.frozen
 class _Snapshot:
     """What the handlers have been told of the fabric: to report what changed while the watcher was
@@ -87,31 +96,41 @@ class _Snapshot:
     stream's registration and the resync's discovery is in both the resync's differences and the stream."""
 
     health: dict[str, Health]
-    links: dict[str, bool]
-    """Link subject (``a|b``) to up."""
+    links: dict[LinkKey, tuple[str, bool]]
+    """A link's ends (`_link_key`) to its subject as first learnt (``a|b``) and whether it is up."""
 
     @classmethod
     def of(cls, topology: Topology) -> _Snapshot:
         return cls(
-            {d.id: d.health for d in topology.devices}, {f"{link.a}|{link.b}": link.up for link in topology.links}
+            {d.id: d.health for d in topology.devices},
+            {_link_key(link.a, link.b): (f"{link.a}|{link.b}", link.up) for link in topology.links},
         )
 
+    def _link(self, subject: str) -> LinkKey:
+        """The key of the link ``subject`` (``a|b``) names: an id may hold a ``|``, so the split that names a
+        known link wins, else the first."""
+        keys = [_link_key(subject[:i], subject[i + 1 :]) for i, c in enumerate(subject) if c == "|"]
+        return next((key for key in keys if key in self.links), keys[0] if keys else (subject, subject))
+
     def apply(self, event: FabricEvent) -> bool:
-        """Take ``event`` in; whether it changed what the handlers were told (a device added or removed always
-        does)."""
+        """Take ``event`` in; whether it changed what the handlers were told. A device added that is known, or
+        removed that is not, tells nothing new; a link not known yet is learnt."""
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             changed = self.health.get(event.subject) is not event.health
             self.health[event.subject] = event.health
             return changed
-        if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP) and event.subject in self.links:
+        if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP):
+            key = self._link(event.subject)
             up = event.kind is FabricEventKind.LINK_UP
-            changed = self.links[event.subject] is not up
-            self.links[event.subject] = up
-            return changed
+            known = self.links.get(key)
+            self.links[key] = (known[0] if known is not None else event.subject, up)
+            return known is None or known[1] is not up
         if event.kind is FabricEventKind.DEVICE_REMOVED:
-            self.health.pop(event.subject, None)
-        elif event.kind is FabricEventKind.DEVICE_ADDED:
-            self.health.setdefault(event.subject, Health.OK)  # a health event follows one added unhealthy
+            return self.health.pop(event.subject, None) is not None
+        if event.kind is FabricEventKind.DEVICE_ADDED:
+            if event.subject in self.health:
+                return False
+            self.health[event.subject] = Health.OK  # a health event follows one added unhealthy
         return True
 
     def changes(self, fabric: str, now: _Snapshot, why: str) -> list[FabricEvent]:
@@ -129,10 +148,11 @@ class _Snapshot:
                     out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
             elif old is not health:
                 out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
-        for link, up in now.links.items():
-            if self.links.get(link, up) is not up:
+        for key, (subject, up) in now.links.items():
+            known = self.links.get(key)
+            if known is not None and known[1] is not up:  # a link that is new came with its device
                 kind = FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN
-                out.append(FabricEvent(fabric, kind, link, message=why))
+                out.append(FabricEvent(fabric, kind, subject, message=why))
         return out
 
 
@@ -283,7 +303,9 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def subscribe(self, handler: EventHandler) -> Subscription:
         """Deliver events to ``handler`` from the watcher thread; waits (up to the connect timeout) until the
-        stream is open, so that every change after this returns is reported."""
+        stream is open, so that every change after this returns is reported. A fabric that has never answered
+        does not wait: the constructor already waited the connect timeout for it, and start-up must not pay it
+        twice; what changes before its stream opens, the composer learns by discovering it once it answers."""
         if not callable(handler):
             raise TypeError("an event handler must be callable")
         subscription = _Subscription(self, handler)
@@ -294,7 +316,10 @@ class RemoteFabric(Fabric, FaultInjection):
             if self._watcher is None:
                 self._watcher = EventWatcher(self._name, self._open_stream, self._resync, self._deliver)
             watcher = self._watcher
-        if not watcher.on_watcher_thread() and not watcher.wait_connected(self.connect_timeout_s):
+        never_answered = self._capabilities is None
+        if never_answered or watcher.on_watcher_thread():
+            return subscription
+        if not watcher.wait_connected(self.connect_timeout_s):
             log.warning(
                 "fabric %s: no event stream from %s yet; events are delivered once it connects",
                 self._name,
@@ -328,6 +353,8 @@ class RemoteFabric(Fabric, FaultInjection):
     def flaky_bind(self, device: str | None, failures: int) -> None:
         if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
             raise InvalidRequestError("failures must be an integer >= 0", field="failures")
+        if failures > wire.MAX_FAULT_COUNT:  # the service refuses more, and the field holds 32 bits only
+            raise InvalidRequestError(f"failures: at most {wire.MAX_FAULT_COUNT}", field="failures")
         self._inject(wire.Fault(wire.FaultKind.FLAKY_BIND, device or "", count=failures))
 
     def _inject(self, fault: wire.Fault) -> None:
@@ -441,22 +468,25 @@ class RemoteFabric(Fabric, FaultInjection):
         # grpcio's streaming call is also a `grpc.Future` (``done``), which its type stubs do not say.
         return cast(EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest()))
 
-    def _resync(self, first: bool) -> Sequence[FabricEvent]:
-        """After (re)connecting: rediscover, and on a reconnection report what changed while disconnected."""
+    def _resync(self, first: bool) -> None:
+        """After (re)connecting: rediscover; on a reconnection tell the handlers what changed while
+        disconnected. Then the fresh discovery is what they know: a stream event it already shows is dropped."""
         self._invalidate()
-        topology = self._discover()[0]
-        now = _Snapshot.of(topology)
+        now = _Snapshot.of(self._discover()[0])
         before = self._snapshot
-        if first or before is None:
-            self._snapshot = now
-            return ()
-        # The snapshot follows as the differences are delivered: a stream event they already told is dropped.
-        return before.changes(self._name, now, f"seen on reconnecting to the driver at {self.address}")
+        if not first and before is not None:
+            for event in before.changes(self._name, now, f"seen on reconnecting to the driver at {self.address}"):
+                self._notify(event)
+        self._snapshot = now
 
     def _deliver(self, event: FabricEvent) -> None:
+        """Hand a stream event to the handlers, unless it tells them nothing new."""
         self._invalidate()
         if self._snapshot is not None and not self._snapshot.apply(event):
             return
+        self._notify(event)
+
+    def _notify(self, event: FabricEvent) -> None:
         with self._lock:
             handlers = tuple(self._handlers)
         for subscription in handlers:

@@ -35,7 +35,7 @@ from disagg.remote.feed import EventFeed, Signal, TooManyStreamsError
 from disagg.wire import driver as wire
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.errors import to_status
-from disagg.wire.sockets import prepare_unix_socket
+from disagg.wire.sockets import prepare_unix_socket, restrict_unix_socket
 from disagg.wire.types import (
     allocation_to_wire,
     binding_to_wire,
@@ -269,6 +269,8 @@ class DriverServer:
                     f"listen: cannot listen on {self.address}: the port is taken or the path cannot be created",
                     field="listen",
                 ) from None
+            if self.address.startswith("unix:"):  # before serving: the channel authenticates no one
+                restrict_unix_socket(Path(unix_path(self.address)))
         except BaseException:
             self._stopped = True
             self.servicer.stop()

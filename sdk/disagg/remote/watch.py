@@ -4,16 +4,21 @@ The thread opens the stream, waits for its initial metadata (the driver has then
 delivers each event to the fabric's handlers, in order. When the stream breaks (the driver restarted, or
 dropped a watcher that fell behind) it reconnects with a bounded exponential backoff; since the service
 cannot replay what was missed, the first thing it does after reconnecting is ask the fabric to `resync`,
-which rediscovers and reports the differences as events.
+which rediscovers and reports the differences as events. Only then is the watcher connected.
 
 Events are counted against the number the driver sends in the stream's initial metadata, so that
 `wait_for` can tell when every event published up to a given number has been handled.
+
+A watcher that cannot get events (every resync fails, or the driver refuses every stream) says so at WARNING,
+at most once every `WARN_EVERY_S`: the fabric's calls may still work, so nothing else would show that the
+composer no longer hears of failures.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -29,6 +34,8 @@ log = logging.getLogger("disagg.remote")
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 JOIN_TIMEOUT_S = 5.0
+WARN_EVERY_S = 60.0
+"""The least time between two warnings that the watcher gets no events."""
 
 
 class EventCall(Protocol):
@@ -51,17 +58,18 @@ class EventWatcher:
     """Keeps one watch stream open until `stop`.
 
     ``open_stream`` starts a WatchFabricEvents call; ``resync(first)`` is called on the watcher's thread
-    after each connection and answers the events to deliver before the stream's own (none on the first);
-    ``deliver`` hands one event to the handlers.
+    after each connection and tells the handlers what changed while disconnected (nothing on the first),
+    before the stream's own events; ``deliver`` hands one stream event to the handlers.
     """
 
     def __init__(
         self,
         name: str,
         open_stream: Callable[[], EventCall],
-        resync: Callable[[bool], Sequence[FabricEvent]],
+        resync: Callable[[bool], None],
         deliver: Callable[[FabricEvent], None],
     ) -> None:
+        self._name = name
         self._open_stream = open_stream
         self._resync = resync
         self._deliver = deliver
@@ -70,6 +78,11 @@ class EventWatcher:
         self._connected = False
         self._instance = ""
         self._seen = 0
+        self._resyncs = 0
+        """Resyncs begun; ``_synced`` is the number of the last one whose events were all delivered."""
+        self._synced = 0
+        self._next_warning = 0.0
+        self._unwarned = 0
         self._call: EventCall | None = None
         self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
         self._thread.start()
@@ -88,15 +101,21 @@ class EventWatcher:
             return self._state.wait_for(lambda: self._connected or self._stopping, timeout) and self._connected
 
     def wait_for(self, instance: str, published: int, timeout: float) -> bool:
-        """Wait until the events numbered up to ``published`` by ``instance`` are handled.
+        """Wait until the events numbered up to ``published`` by ``instance`` are handled; False when
+        ``timeout`` passed first or the watcher stopped.
 
-        Returns at once, False, when no stream of that instance is open (it cannot tell); False on timeout.
+        While the watcher is reconnecting (a fault injected right after a driver restart), or still on a stream
+        of another instance, it waits for the stream of ``instance``; a resync begun after this call started
+        also answers, since its discovery saw what the events told.
         """
         with self._state:
-            return self._state.wait_for(
-                lambda: self._stopping or not self._connected or self._instance != instance or self._seen >= published,
-                timeout,
-            ) and (self._connected and self._instance == instance and self._seen >= published)
+            since = self._resyncs
+
+            def handled() -> bool:
+                current = self._connected and self._instance == instance and self._seen >= published
+                return current or self._synced > since
+
+            return self._state.wait_for(lambda: self._stopping or handled(), timeout) and handled()
 
     def stop(self) -> None:
         """Cancel the stream and end the thread. Idempotent; safe from a handler (it then does not wait)."""
@@ -139,16 +158,18 @@ class EventWatcher:
         try:
             header = wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY)
             if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
-                log.debug("the driver ended the event stream at once (%s); watching again", call.code())
+                self._no_events(f"the driver refused the event stream ({call.code()})")
                 return False
             sequence = wire.event_sequence(header) or ("", 0)
-            missed = self._resync(first)
             with self._state:
+                self._resyncs += 1
+                resync = self._resyncs
+            self._resync(first)
+            with self._state:  # only now: a waiter must not return before the resync's events are handled
                 self._instance, self._seen = sequence
+                self._synced = resync
                 self._connected = connected = True
                 self._state.notify_all()
-            for event in missed:
-                self._deliver(event)
             for response in call:
                 try:
                     event = wire.fabric_event_from_wire(response.event)
@@ -164,7 +185,7 @@ class EventWatcher:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             log.debug("the event stream broke (%s); watching again", code)
         except DisaggError as exc:
-            log.debug("resynchronising after reconnecting failed (%s); watching again", exc.message)
+            self._no_events(f"resynchronising after connecting failed ({exc.message})")
         finally:
             with self._state:
                 self._connected = False
@@ -172,3 +193,21 @@ class EventWatcher:
                 self._state.notify_all()
             call.cancel()
         return connected
+
+    def _no_events(self, why: str) -> None:
+        """Log that a stream was opened but gives no events: at WARNING at most once every `WARN_EVERY_S`."""
+        now = time.monotonic()
+        if now < self._next_warning:
+            self._unwarned += 1
+            log.debug("fabric %s: %s; watching again", self._name, why)
+            return
+        since = f" ({self._unwarned} more times since the last warning)" if self._unwarned else ""
+        self._next_warning = now + WARN_EVERY_S
+        self._unwarned = 0
+        log.warning(
+            "fabric %s: %s; no events are delivered until it succeeds (retrying every %gs at most)%s",
+            self._name,
+            why,
+            BACKOFF_MAX_S,
+            since,
+        )

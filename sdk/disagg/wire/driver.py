@@ -15,12 +15,13 @@ A driver that sends neither still works; its events are simply delivered later.
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Sequence
 
 import attrs
 
 from disagg.driver.v1 import fabric_driver_pb2 as pb
-from disagg.errors import InvalidRequestError
+from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
 from disagg.interfaces import CallContext, FaultInjection
 from disagg.model import Binding, FabricEvent, FabricEventKind, Health
 from disagg.wire.types import HEALTH_TO_WIRE, enum_from_wire, health_from_wire
@@ -28,6 +29,10 @@ from disagg.wire.types import HEALTH_TO_WIRE, enum_from_wire, health_from_wire
 MAX_ID = 256
 """Device, host, pool, allocation and link-end ids are at most this long."""
 MAX_REQUEST_ID = 128
+MAX_UINT64 = 2**64 - 1
+"""The largest epoch and amount of bytes a request carries (``uint64`` fields)."""
+REQUEST_ID_DIGEST = 16
+"""Hex digits of the SHA-256 digest that ends a request id cut to fit (`request_id_to_wire`)."""
 MAX_MESSAGE = 1024
 MAX_FAULT_COUNT = 1_000_000
 
@@ -113,6 +118,30 @@ def context_from_wire(epoch: int, request_id: str, deadline: float | None) -> Ca
     return CallContext(epoch=epoch, deadline=deadline, request_id=request_id)
 
 
+def request_id_to_wire(request_id: str) -> str:
+    """The request id a request carries: ``request_id`` itself when it fits the service's rule (at most
+    `MAX_REQUEST_ID` printable characters); otherwise its beginning (unprintable characters as ``?``), ``~`` and
+    the first `REQUEST_ID_DIGEST` hex digits of its SHA-256. The composer's Python API passes any request id
+    through and an in-process driver takes it, so a remote bind must not fail on it; the beginning keeps it
+    recognisable in the driver's logs, the digest tells apart two ids with the same beginning."""
+    if len(request_id) <= MAX_REQUEST_ID and request_id.isprintable():
+        return request_id
+    digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()[:REQUEST_ID_DIGEST]
+    shown = "".join(c if c.isprintable() else "?" for c in request_id[: MAX_REQUEST_ID - REQUEST_ID_DIGEST - 1])
+    return f"{shown}~{digest}"
+
+
+def context_to_wire(ctx: CallContext) -> tuple[int, str]:
+    """The epoch and request id a request carries. An epoch the ``uint64`` field cannot hold gets the SDK error
+    an in-process driver gives instead of protobuf's `ValueError`: a negative one is older than any epoch a
+    driver can have seen (`StaleEpochError`, as the simulator answers), one above `MAX_UINT64` is malformed."""
+    if ctx.epoch < 0:
+        raise StaleEpochError(f"epoch {ctx.epoch} is older than any a driver can have seen; nothing was changed")
+    if ctx.epoch > MAX_UINT64:
+        raise InvalidRequestError(f"epoch: at most {MAX_UINT64}, not {ctx.epoch}", field="epoch")
+    return ctx.epoch, request_id_to_wire(ctx.request_id)
+
+
 # -- events ---------------------------------------------------------------------------------------------------
 
 
@@ -183,7 +212,8 @@ def fault_from_wire(msg: pb.InjectFaultRequest) -> Fault:
 
 
 def bind_request_to_wire(device: str, host: str, ctx: CallContext) -> pb.BindRequest:
-    return pb.BindRequest(device=device, host=host, epoch=ctx.epoch, request_id=ctx.request_id)
+    epoch, request_id = context_to_wire(ctx)
+    return pb.BindRequest(device=device, host=host, epoch=epoch, request_id=request_id)
 
 
 def bind_request_from_wire(msg: pb.BindRequest, deadline: float | None) -> tuple[str, str, CallContext]:
@@ -195,7 +225,8 @@ def bind_request_from_wire(msg: pb.BindRequest, deadline: float | None) -> tuple
 
 
 def unbind_request_to_wire(binding: Binding, ctx: CallContext) -> pb.UnbindRequest:
-    request = pb.UnbindRequest(epoch=ctx.epoch, request_id=ctx.request_id)
+    epoch, request_id = context_to_wire(ctx)
+    request = pb.UnbindRequest(epoch=epoch, request_id=request_id)
     request.binding.device = binding.device
     request.binding.host = binding.host
     return request
@@ -211,13 +242,14 @@ def unbind_request_from_wire(msg: pb.UnbindRequest, deadline: float | None) -> t
 def allocate_request_to_wire(
     pool: str, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext
 ) -> pb.AllocateRequest:
+    """An amount above `MAX_UINT64` is more than any pool holds: `CapacityExhaustedError`, as a driver answers."""
+    epoch, request_id = context_to_wire(ctx)
+    if amount_bytes > MAX_UINT64:
+        raise CapacityExhaustedError(
+            f"pool {pool}: {amount_bytes} bytes asked, more than any pool holds (at most {MAX_UINT64} bytes)"
+        )
     return pb.AllocateRequest(
-        pool=pool,
-        allocation_id=allocation_id,
-        host=host,
-        amount_bytes=amount_bytes,
-        epoch=ctx.epoch,
-        request_id=ctx.request_id,
+        pool=pool, allocation_id=allocation_id, host=host, amount_bytes=amount_bytes, epoch=epoch, request_id=request_id
     )
 
 
@@ -236,7 +268,8 @@ def allocate_request_from_wire(
 
 
 def release_request_to_wire(pool: str, allocation_id: str, ctx: CallContext) -> pb.ReleaseRequest:
-    return pb.ReleaseRequest(pool=pool, allocation_id=allocation_id, epoch=ctx.epoch, request_id=ctx.request_id)
+    epoch, request_id = context_to_wire(ctx)
+    return pb.ReleaseRequest(pool=pool, allocation_id=allocation_id, epoch=epoch, request_id=request_id)
 
 
 def release_request_from_wire(msg: pb.ReleaseRequest, deadline: float | None) -> tuple[str, str, CallContext]:
@@ -248,7 +281,8 @@ def release_request_from_wire(msg: pb.ReleaseRequest, deadline: float | None) ->
 
 
 def sanitize_request_to_wire(device: str, ctx: CallContext) -> pb.SanitizeDeviceRequest:
-    return pb.SanitizeDeviceRequest(device=device, epoch=ctx.epoch, request_id=ctx.request_id)
+    epoch, request_id = context_to_wire(ctx)
+    return pb.SanitizeDeviceRequest(device=device, epoch=epoch, request_id=request_id)
 
 
 def sanitize_request_from_wire(msg: pb.SanitizeDeviceRequest, deadline: float | None) -> tuple[str, CallContext]:

@@ -1,8 +1,14 @@
-"""Unix-socket listeners, shared by the fabric-manager server and the driver server."""
+"""Unix-socket listeners, shared by the fabric-manager server and the driver server.
+
+Neither channel authenticates anyone yet, so who may connect is decided by file permissions: the directories
+made for a socket are never open to other users, whatever the umask, and the driver server takes other
+users' permissions off its socket once bound (`restrict_unix_socket`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import stat
 from pathlib import Path
@@ -11,14 +17,21 @@ from typing import IO
 from disagg.errors import ConfigError
 from disagg.lockfile import try_lock
 
+DIRECTORY_MODE = 0o750
+"""The mode of a directory made for a socket, less what the umask takes: its group may reach the socket (which
+the socket's own mode then decides), other users never."""
+SOCKET_MODE_MASK = 0o660
+"""What `restrict_unix_socket` leaves of a socket's mode: connecting needs write permission."""
+
 
 def prepare_unix_socket(path: Path) -> IO[bytes]:
-    """Create the parent directory, claim the socket's path, and remove a stale socket file (left by a server
-    that died); refuse a socket another server listens on, or a file that is not a socket, with `ConfigError`.
-    Returns the claim, an ``flock`` on ``<path>.lock``, to hold for as long as the server listens: a probe of the
-    socket alone let two servers started at once both pass it, and gRPC removes a socket file before it binds."""
+    """Create the missing parent directories (`DIRECTORY_MODE`), claim the socket's path, and remove a stale
+    socket file (left by a server that died); refuse a socket another server listens on, or a file that is not a
+    socket, with `ConfigError`. Returns the claim, an ``flock`` on ``<path>.lock``, to hold for as long as the
+    server listens: a probe of the socket alone let two servers started at once both pass it, and gRPC removes
+    a socket file before it binds."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_directories(path.parent)
         claim = try_lock(path.with_name(path.name + ".lock"))
     except OSError as exc:
         raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
@@ -30,6 +43,27 @@ def prepare_unix_socket(path: Path) -> IO[bytes]:
         claim.close()
         raise
     return claim
+
+
+def restrict_unix_socket(path: Path) -> None:
+    """Take other users' permissions off a bound socket (`SOCKET_MODE_MASK`): under umask 000 anyone could
+    otherwise drive the hardware through it. Owner and group keep what the umask gave them, no more."""
+    try:
+        path.chmod(stat.S_IMODE(path.stat().st_mode) & SOCKET_MODE_MASK)
+    except OSError as exc:
+        raise ConfigError(f"cannot restrict the permissions of the unix socket {path}: {exc}", field="listen") from exc
+
+
+def _make_directories(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, each `DIRECTORY_MODE` less the umask (``Path.mkdir`` gives
+    the parents the umask's mode alone: 0o777 under umask 000). Directories that exist are left as they are."""
+    missing: list[Path] = []
+    while not os.path.lexists(directory):
+        missing.append(directory)
+        directory = directory.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+            made.mkdir(mode=DIRECTORY_MODE)
 
 
 def _clear(path: Path) -> None:
