@@ -401,3 +401,24 @@ class FakeContext:
         self.active = False
         for callback in self.callbacks:
             callback()
+
+
+SERVE_CONFIG = """
+[state]
+ledger = "memory"
+
+[[fabric]]
+name = "pcie0"
+driver = "sim"
+options = {{ topology = "demo-pcie", bind_delay_s = {delay} }}
+
+[[fabric]]
+name = "cxl0"
+driver = "sim"
+options = {{ topology = "demo-cxl" }}
+
+[[listener]]
+address = "unix:{socket}"
+"""
+"""The configuration of a `disagg serve` child on the demo rack, in memory, on one unix socket: ``delay`` is
+pcie0's bind delay, ``socket`` the path."""

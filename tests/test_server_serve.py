@@ -20,28 +20,10 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from server_helpers import WAIT_S, compose_request, guarded_channel, wait_until
+from server_helpers import SERVE_CONFIG, WAIT_S, compose_request, guarded_channel, wait_until
 
 START_S = 30.0
 """The longest a child process may take to import everything and start serving."""
-
-CONFIG = """
-[state]
-ledger = "memory"
-
-[[fabric]]
-name = "pcie0"
-driver = "sim"
-options = {{ topology = "demo-pcie", bind_delay_s = {delay} }}
-
-[[fabric]]
-name = "cxl0"
-driver = "sim"
-options = {{ topology = "demo-cxl" }}
-
-[[listener]]
-address = "unix:{socket}"
-"""
 
 
 class Serve:
@@ -50,7 +32,7 @@ class Serve:
     def __init__(self, tmp_path: Path, delay: float = 0.0, *extra: str) -> None:
         self.socket = tmp_path / "fm.sock"
         config = tmp_path / "disagg.toml"
-        config.write_text(CONFIG.format(delay=delay, socket=self.socket))
+        config.write_text(SERVE_CONFIG.format(delay=delay, socket=self.socket))
         env = {**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), *extra],

@@ -113,6 +113,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # No lock here: a second SIGTERM arriving inside `Event.set` (holding its lock) deadlocked the process.
         signalled[0] = True
         if starting[0]:  # break out of a discovery that may never end; start() cleans up after itself
+            # Once: a second signal raised inside that clean-up would interrupt it (closing the fabrics).
+            starting[0] = False
             raise _StoppedWhileStarting
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}

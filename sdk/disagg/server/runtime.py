@@ -11,7 +11,9 @@ its own (`LoopThread`), so that `start` and `stop` stay plain calls.
 Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAILABLE) while the composer
 discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health NOT_SERVING, end the event and
 health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish within the grace period, then
-close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it.
+close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it. A stop does not
+wait on a discovery (or a reconcile) beyond its grace: the composer's start holds the composer's lock and
+cannot be interrupted, so the thread running it closes the composer once it returns (`_let_go`).
 
 With a `Leadership` (the etcd ledger), `start` returns once listening, as a standby: health NOT_SERVING, every
 RPC UNAVAILABLE, so clients that balance over the replicas with health checks send nothing here. Winning the
@@ -21,12 +23,18 @@ serving at once and calls ``on_lost`` (`disagg serve` then exits, to come back a
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import gc
 import logging
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import grpc
@@ -60,6 +68,12 @@ RETRY_UNREACHABLE_S = 5.0
 """How often fabrics that could not be reached are tried again (their compositions are UNKNOWN meanwhile)."""
 RECONCILE_S = 60.0
 """How often a serving fabric manager holds its ledger against the hardware (it also does at start-up)."""
+UNWIND_S = 1.0
+"""However short the grace, how long `stop` waits for the composer's start or the timer to let go of the
+composer before it leaves the closing to them: a tick takes microseconds, and a `stop(0)` that returned with the
+composer still open because a tick was running would surprise its caller."""
+_USES = {"start": "its start (discovery, the ledger)", "timer": "the timer (a reconcile)"}
+"""What each user of the composer (`FabricManagerServer._users`) is doing, for the log."""
 
 
 SERVER_OPTIONS: list[tuple[str, int]] = [
@@ -72,6 +86,10 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+class ServerStoppedError(RuntimeError):
+    """`stop` came while `start` ran: the server is stopped, and serves nothing."""
 
 
 class FabricManagerServer:
@@ -116,12 +134,18 @@ class FabricManagerServer:
         self.aio_servicer = AsyncFabricManagerServicer(self.servicer, self._executor)
         self._loop: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
-        self._claims: list[IO[bytes]] = []
-        """The claims of the unix sockets this server listens on (`prepare_unix_socket`)."""
+        self._claims: list[tuple[Path, IO[bytes]]] = []
+        """The unix sockets this server listens on, with their claims (`prepare_unix_socket`)."""
+        self._closing_server = threading.Lock()
+        """Held by `_close_server`: a `start` that fails closes what a concurrent `stop` may be closing."""
         self._ticking = threading.Event()
         self._ticker: threading.Thread | None = None
         self._lock = threading.Lock()
         self._state = "new"
+        self._users: set[str] = set()
+        """The threads of this server that use the composer outside any call ("start", "timer"), under ``_lock``:
+        `stop` does not close the composer under them."""
+        self._let_go_of = threading.Condition(self._lock)
 
     def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
@@ -141,22 +165,57 @@ class FabricManagerServer:
             if self.leadership is not None:
                 self.servicer.mark_unready(STANDBY)
                 with self._lock:
+                    if self._state != "starting":
+                        raise ServerStoppedError("the server was stopped while it started")
                     self._state = "standby"
                 threading.Thread(target=self._lead, name="disagg-campaign", daemon=True).start()
                 log.info("standby on %s: campaigning for the lead", ", ".join(self.addresses))
                 return list(self.addresses)
-            log.info("starting the composer: discovering %d fabrics", len(self.composer.fabrics))
-            self.composer.start()
+            if not self._use_composer("start"):
+                raise ServerStoppedError("the server was stopped while it started")
+            try:
+                log.info("starting the composer: discovering %d fabrics", len(self.composer.fabrics))
+                self.composer.start()
+            finally:
+                self._let_go("start")
+            if not self._serve():
+                raise ServerStoppedError("the server was stopped while it started")
         except BaseException:
-            self._close_server()
-            self._executor.shutdown(wait=False)
-            self.aio_servicer.close()
-            self.composer.close()
-            with self._lock:
-                self._state = "stopped"
+            self._abandon_start()
             raise
-        self._serve()
         return list(self.addresses)
+
+    def _abandon_start(self) -> None:
+        """Close everything after a start that failed, or was stopped or interrupted (SIGTERM) meanwhile. A
+        failure here is logged, so that the start's own error is the one raised."""
+        try:
+            self.stop(0)
+        except Exception:
+            log.exception("stopping the server after its start failed")
+        try:
+            self._close_server()  # what this start opened after a concurrent stop had closed the server
+        except Exception:
+            log.exception("closing the server after its start failed")
+
+    def _use_composer(self, user: str) -> bool:
+        """Count ``user`` among the threads `stop` does not close the composer under; False when stopped."""
+        with self._lock:
+            if self._state in ("stopping", "stopped"):
+                return False
+            self._users.add(user)
+            return True
+
+    def _let_go(self, user: str) -> None:
+        """``user`` is done with the composer; the last one closes it when a stop gave up waiting for them."""
+        with self._lock:
+            if user not in self._users:
+                return
+            self._users.discard(user)
+            self._let_go_of.notify_all()
+            close = not self._users and self._state == "stopped"
+        if close:
+            log.info("closing the composer, which %s held past the stop", user)
+            self.composer.close()
 
     def _serve(self) -> bool:
         """The composer has started: answer RPCs, report SERVING, start the timers. False, doing nothing, when the
@@ -169,6 +228,7 @@ class FabricManagerServer:
             gc.freeze()
             self.servicer.mark_ready()
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self._users.add("timer")
             self._ticker = threading.Thread(target=self._tick, name="disagg-tick", daemon=True)
             self._ticker.start()
             self._state = "serving"
@@ -181,32 +241,37 @@ class FabricManagerServer:
         step down (NOT_SERVING, every RPC UNAVAILABLE, `on_lost`) the moment the lead is lost."""
         assert self.leadership is not None
         epoch = self.leadership.campaign(self._ticking)
-        if not epoch:
+        if not epoch or not self._use_composer("start"):
             return
         try:
-            self.composer.epoch = epoch
-            fence = getattr(self.composer.store, "fence", None)
-            if fence is not None:
-                leadership = self.leadership
-                fence(
-                    leadership.key,
-                    leadership.create_revision,
-                    lambda: leadership.deposed("the ledger refused a write: another leads"),
-                )
-            self.servicer.lead = self.leadership.leading
-            log.info("leading with fencing epoch %d: starting the composer", epoch)
-            self.composer.fence_drivers()
-            self.composer.start()
+            try:
+                self.composer.epoch = epoch
+                fence = getattr(self.composer.store, "fence", None)
+                if fence is not None:
+                    leadership = self.leadership
+                    fence(
+                        leadership.key,
+                        leadership.create_revision,
+                        lambda: leadership.deposed("the ledger refused a write: another leads"),
+                    )
+                self.servicer.lead = self.leadership.leading
+                log.info("leading with fencing epoch %d: starting the composer", epoch)
+                self.composer.fence_drivers()
+                self.composer.start()
+            finally:
+                self._let_go("start")
         except Exception:
-            if self._ticking.is_set():
-                return  # stopped while it started: the stop closed the composer under it
+            if self._stopped():
+                return  # stopped while it started: the stop, or `_let_go`, closed the composer
             log.exception("the composer failed to start after winning the lead")
             self._step_down()
             return
         if self._serve():
             threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
-        else:  # stopped while it started: the stop closed the composer, and the start may have opened more since
-            self.composer.close()
+
+    def _stopped(self) -> bool:
+        with self._lock:
+            return self._state in ("stopping", "stopped")
 
     def _watch_lead(self) -> None:
         assert self.leadership is not None
@@ -248,38 +313,49 @@ class FabricManagerServer:
 
     def _bind(self, server: grpc.aio.Server, listener: Listener) -> str:
         if listener.unix_path is not None:
-            self._claims.append(prepare_unix_socket(listener.unix_path))
+            self._claims.append((listener.unix_path, prepare_unix_socket(listener.unix_path)))
         try:
             port = server.add_insecure_port(listener.target)
         except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on {listener.address}: {exc}", field="listen") from exc
+            why = str(exc) if listener.unix_path is not None else _bind_failure(listener)
+            raise ConfigError(f"cannot listen on {listener.address}: {why}", field="listen") from exc
         return listener.bound(port)
 
     async def _shutdown(self, grace: float | None) -> None:
-        """Refuse new calls, give those in flight ``grace`` seconds, then as long again at most for the changes
-        whose callers went away."""
+        """Refuse new calls and give those in flight, and the changes whose callers went away, ``grace`` seconds
+        in all: one deadline, so that a stop takes the grace it was given, not twice as long."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (grace or 0.0)
         if self._server is not None:
             await self._server.stop(grace)
-        running = await self.aio_servicer.drain(grace or 0.0)
+        running = await self.aio_servicer.drain(deadline - loop.time())
         if running:
             log.warning("%d changes still running after the grace period: the ledger's recovery finishes them", running)
 
     def _close_server(self, grace: float | None = None) -> None:
-        try:
-            if self._loop is None:
-                return
+        """Stop the gRPC server and its loop, remove the unix sockets and let go of their claims. Idempotent."""
+        with self._closing_server:
             try:
-                self._loop.run(self._shutdown(grace))
+                if self._loop is not None and not self._loop.loop.is_closed():
+                    try:
+                        self._loop.run(self._shutdown(grace))
+                    finally:
+                        self._loop.close()
             finally:
-                self._loop.close()
-        finally:
-            for claim in self._claims:
-                claim.close()
-            self._claims.clear()
+                for path, claim in self._claims:
+                    _remove_socket(path)  # gRPC leaves it when a later listener failed to bind
+                    claim.close()
+                self._claims.clear()
 
     def _tick(self) -> None:
         """Expire reservations once a second, try unreachable fabrics again every few seconds, and reconcile
         with the hardware every ``reconcile_s``, until the server stops."""
+        try:
+            self._ticks()
+        finally:
+            self._let_go("timer")
+
+    def _ticks(self) -> None:
         next_reconcile = time.monotonic() + self._reconcile_s
         next_retry = time.monotonic() + RETRY_UNREACHABLE_S
         while not self._ticking.wait(self._tick_s):
@@ -309,7 +385,12 @@ class FabricManagerServer:
 
     def stop(self, grace: float | None = GRACE_S) -> None:
         """Health NOT_SERVING, end the watches, refuse new calls, wait up to ``grace`` seconds for the calls in
-        flight (None: cancel them at once), then close the composer. Idempotent."""
+        flight (None: cancel them at once), then close the composer. Idempotent.
+
+        Returns within the grace (or `UNWIND_S`, if longer) even when the composer's start (a discovery) or the
+        timer (a reconcile) still runs: that thread closes the composer once it returns. A `start` running
+        meanwhile raises `ServerStoppedError`."""
+        deadline = time.monotonic() + (grace or 0.0)
         with self._lock:
             if self._state in ("stopping", "stopped", "new"):
                 if self._state == "new":
@@ -318,20 +399,33 @@ class FabricManagerServer:
                 return
             self._state = "stopping"
         log.info("stopping: calls in flight have %s s to finish", grace)
+        self._ticking.set()  # the timer starts no reconcile during the grace, and a campaign ends
         self.health.end_watches()
         self.servicer.stop()
-        self._close_server(grace)
-        self._ticking.set()
-        if self.leadership is not None:
-            self.leadership.resign()
-        if self._ticker is not None:
-            self._ticker.join()
-        self._executor.shutdown(wait=False)
-        self.aio_servicer.close()
-        self.composer.close()
-        with self._lock:
-            self._state = "stopped"
+        try:
+            self._close_server(grace)
+            if self.leadership is not None:
+                self.leadership.resign()
+        finally:
+            self._executor.shutdown(wait=False)
+            self.aio_servicer.close()
+            self._close_composer(deadline)
         log.info("stopped")
+
+    def _close_composer(self, deadline: float) -> None:
+        """Close the composer once the start and the timer let go of it, waiting for them until ``deadline`` (at
+        least `UNWIND_S`); one still running then closes it as it lets go (`_let_go`)."""
+        with self._lock:
+            self._let_go_of.wait_for(lambda: not self._users, max(deadline - time.monotonic(), UNWIND_S))
+            self._state = "stopped"
+            busy = sorted(self._users)
+        if busy:
+            log.warning(
+                "the composer is still busy with %s after the grace period: closing it once that returns",
+                " and ".join(_USES[user] for user in busy),
+            )
+            return
+        self.composer.close()
 
     def __enter__(self) -> FabricManagerServer:
         self.start()
@@ -339,3 +433,29 @@ class FabricManagerServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _remove_socket(path: Path) -> None:
+    """Remove the socket file at ``path``, which this server's claim on it makes its own; nothing else."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+
+
+def _bind_failure(listener: Listener) -> str:
+    """Why a TCP address cannot be bound, which grpcio says only with GRPC_VERBOSITY=debug: bind a socket there
+    as it does, and tell what the system answered."""
+    try:
+        infos = socket.getaddrinfo(listener.host, listener.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve {listener.host}: {exc.strerror or exc}"
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "the address is already in use (another server listens there)"
+            return f"the address cannot be bound: {exc.strerror or exc}"
+    return "grpcio could not bind it (set GRPC_VERBOSITY=debug to see why)"

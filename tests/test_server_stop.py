@@ -1,0 +1,264 @@
+"""Stopping the fabric manager's server within its grace, whatever it is doing: starting the composer (alone or
+after winning the lead), reconciling, finishing a change; and what a failed start leaves behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from composer_helpers import rack
+from disagg.composer import FabricComposer
+from disagg.errors import ConfigError
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.model import Binding, Topology
+from disagg.server import FabricManagerServer
+from disagg.store import MemoryStore
+from disagg_sim import SimFabric, load_topology
+from server_helpers import SERVE_CONFIG, WAIT_S, GatedBind, compose_request, serving, socket_path, wait_until
+
+PROMPT_S = 2.5
+"""The longest a stop with a short grace may take while the composer is busy: the least it waits for it
+(`disagg.server.runtime.UNWIND_S`, 1 s) and a margin. Waiting for the busy fabric instead takes `WAIT_S`."""
+
+
+class HeldFabric(SimFabric):
+    """A sim fabric that holds its discovery, or its reads of bindings once ``armed``, until ``gate`` is set
+    (bounded by `WAIT_S`); ``entered`` says one is held, ``closed`` that it was closed."""
+
+    def __init__(self, *, hold_discovery: bool = False) -> None:
+        super().__init__(load_topology("pcie0", "demo-pcie"))
+        self.hold_discovery = hold_discovery
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.closed = threading.Event()
+
+    def _hold(self) -> None:
+        self.entered.set()
+        self.gate.wait(WAIT_S)
+
+    def discover(self) -> Topology:
+        if self.hold_discovery:
+            self._hold()
+        return super().discover()
+
+    def bindings(self) -> Sequence[Binding]:
+        if self.armed.is_set():
+            self._hold()
+        return super().bindings()
+
+    def close(self) -> None:
+        self.closed.set()
+        super().close()
+
+
+class WonLead:
+    """A leadership won at once, as an election on etcd would grant it to the only replica."""
+
+    key = ""
+    create_revision = 0
+
+    def __init__(self) -> None:
+        self.lost = threading.Event()
+
+    def campaign(self, stopping: threading.Event) -> int:
+        return 7
+
+    def leading(self) -> bool:
+        return not self.lost.is_set()
+
+    def deposed(self, why: str) -> None:
+        self.lost.set()
+
+    def resign(self) -> None:
+        self.lost.set()
+
+
+def timed_stop(server: FabricManagerServer, grace: float) -> float:
+    started = time.monotonic()
+    server.stop(grace)
+    return time.monotonic() - started
+
+
+class TestStopWhileStarting:
+    """A stop does not wait on a discovery beyond its grace; the thread that started the composer closes it once
+    its start returns, and `start` then raises rather than report addresses of a server that was stopped."""
+
+    def test_start_raises_and_the_composer_closes_after_discovery(self, tmp_path: Path) -> None:
+        fabric = HeldFabric(hold_discovery=True)
+        sock = socket_path(tmp_path)
+        server = FabricManagerServer(FabricComposer({"pcie0": fabric}, store=MemoryStore()), [f"unix:{sock}"])
+        outcome: dict[str, Any] = {}
+
+        def start() -> None:
+            try:
+                outcome["addresses"] = server.start()
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        starter = threading.Thread(target=start, daemon=True)
+        starter.start()
+        try:
+            assert fabric.entered.wait(WAIT_S)
+            took = timed_stop(server, 0)
+            assert took < PROMPT_S, f"stop(0) waited {took:.1f} s for the discovery"
+            assert not fabric.closed.is_set(), "closed under the discovery"
+        finally:
+            fabric.gate.set()
+            starter.join(WAIT_S)
+        assert not starter.is_alive()
+        assert "addresses" not in outcome, "start reported a server that had been stopped as serving"
+        assert isinstance(outcome["error"], RuntimeError) and "stopped while it started" in str(outcome["error"])
+        assert fabric.closed.is_set()
+        assert not sock.exists()
+
+    def test_a_replica_stopped_while_it_starts_after_winning_the_lead(self, tmp_path: Path) -> None:
+        fabric = HeldFabric(hold_discovery=True)
+        sock = socket_path(tmp_path)
+        composer = FabricComposer({"pcie0": fabric}, store=MemoryStore())
+        served: list[list[str]] = []
+        server = FabricManagerServer(
+            composer,
+            [f"unix:{sock}"],
+            leadership=WonLead(),
+            on_serving=served.append,
+        )
+        try:
+            assert server.start() == [f"unix:{sock}"]  # a standby; it wins the lead and starts the composer
+            assert fabric.entered.wait(WAIT_S)
+            took = timed_stop(server, 0.5)
+            assert took < 0.5 + PROMPT_S, f"stop(0.5) waited {took:.1f} s for the discovery"
+            assert not sock.exists()
+        finally:
+            fabric.gate.set()
+        assert fabric.closed.wait(WAIT_S), "the composer was not closed once its start returned"
+        assert served == [], "a stopped replica served"
+
+
+class TestStopWhileReconciling:
+    """A reconcile that waits on the hardware does not hold a stop past its grace; the timer closes the composer
+    once the reconcile returns."""
+
+    def test_stop_leaves_the_close_to_the_timer(self, tmp_path: Path) -> None:
+        fabric = HeldFabric()
+        with serving(socket_path(tmp_path), {"pcie0": fabric}, grace=0, tick_s=0.02, reconcile_s=0.05) as served:
+            fabric.armed.set()
+            try:
+                assert fabric.entered.wait(WAIT_S)
+                took = timed_stop(served.server, 0)
+                assert took < PROMPT_S, f"stop(0) waited {took:.1f} s for the reconcile"
+                assert not fabric.closed.is_set(), "closed under the reconcile"
+            finally:
+                fabric.gate.set()
+            assert fabric.closed.wait(WAIT_S), "the composer was not closed once the reconcile returned"
+
+
+class TestGrace:
+    """The grace bounds the whole shutdown: the calls in flight and the changes still running share it."""
+
+    def test_a_change_in_flight_gets_the_grace_once(self, tmp_path: Path) -> None:
+        gated = GatedBind(load_topology("pcie0", "demo-pcie"))
+        gated.entered, gated.gate = threading.Event(), threading.Event()
+        with (
+            serving(socket_path(tmp_path), {"pcie0": gated}, grace=0) as served,
+            grpc.insecure_channel(served.address) as raw,
+        ):
+            call = fm_grpc.FabricManagerServiceStub(raw).Compose.future(compose_request("stuck"), timeout=WAIT_S)
+            try:
+                assert gated.entered.wait(WAIT_S)
+                took = timed_stop(served.server, 1.0)
+            finally:
+                gated.gate.set()
+                call.cancel()
+            assert 1.0 <= took < 1.6, f"stop(1.0) took {took:.2f} s"
+
+
+class TestFailedStart:
+    """A start that fails to listen leaves no socket file behind and says why in words."""
+
+    def test_unix_socket_removed_and_port_in_use_named(self, tmp_path: Path) -> None:
+        path = tmp_path / "fm.sock"
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            server = FabricManagerServer(
+                FabricComposer(rack(), store=MemoryStore()), [f"unix:{path}", f"127.0.0.1:{port}"]
+            )
+            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: .*already in use"):
+                server.start()
+        assert not path.exists(), "the unix socket was left behind"
+        with serving(path) as served:  # the path is free again
+            assert served.server.addresses == [f"unix:{path}"]
+
+
+CHILD = """
+import sys, time
+from disagg_sim import SimFabric
+
+discover = SimFabric.discover
+
+def slow_discover(self):
+    print("discovering", file=sys.stderr, flush=True)
+    time.sleep(10)
+    return discover(self)
+
+def slow_close(self):
+    print("closing", file=sys.stderr, flush=True)
+    time.sleep(1.5)
+    print("closed", file=sys.stderr, flush=True)
+
+SimFabric.discover = slow_discover
+SimFabric.close = slow_close
+from disagg.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class TestServeSignals:
+    """``disagg serve`` stopped by signals while it starts exits 0, however many signals come."""
+
+    def test_a_second_sigterm_during_the_clean_up(self, tmp_path: Path) -> None:
+        sock = socket_path(tmp_path)
+        config = tmp_path / "disagg.toml"
+        config.write_text(SERVE_CONFIG.format(delay=0, socket=sock))
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, "serve", "--config", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
+        )
+        lines: list[str] = []
+
+        def read() -> None:
+            assert child.stderr is not None
+            lines.extend(line.rstrip("\n") for line in child.stderr)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            wait_until(lambda: "discovering" in lines, "the discovery to begin", timeout=30)
+            child.send_signal(signal.SIGTERM)
+            wait_until(lambda: "closing" in lines, "the fabric to close")
+            child.send_signal(signal.SIGTERM)
+            code = child.wait(WAIT_S)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(WAIT_S)
+            reader.join(WAIT_S)
+        assert code == 0, "\n".join(lines[-30:])
+        assert "closed" in lines and not any("Traceback" in line for line in lines)
+        assert not sock.exists()
