@@ -3,8 +3,10 @@ reservation timer, and a graceful shutdown that lets calls in flight finish whil
 
 from __future__ import annotations
 
+import os
 import socket
 import sqlite3
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -276,6 +278,23 @@ class TestListeners:
             assert served.stub.ListPools(fm.ListPoolsRequest()).kinds
         with serving(tmp_path / "new" / "dir" / "fm.sock") as served:
             assert served.stub.ListPools(fm.ListPoolsRequest()).kinds
+
+    @pytest.mark.parametrize(("umask", "socket_mode"), [(0o000, 0o660), (0o022, 0o640), (0o077, 0o600)])
+    def test_other_users_cannot_connect(self, tmp_path: Path, umask: int, socket_mode: int) -> None:
+        """The socket and the directories made for it followed the umask alone: under umask 000 both were 0o777,
+        and any local user could compose and decompose through the unauthenticated channel."""
+        sock = tmp_path / "made" / "fm.sock"
+        old = os.umask(umask)
+        try:
+            server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"])
+            server.start()
+        finally:
+            os.umask(old)
+        try:
+            assert stat.S_IMODE(sock.stat().st_mode) == socket_mode
+            assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o750 & ~umask
+        finally:
+            server.stop(0)
 
     def test_live_socket_is_refused(self, tmp_path: Path) -> None:
         sock = socket_path(tmp_path)
