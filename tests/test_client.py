@@ -505,7 +505,7 @@ class TestErrors:
         ]
 
     def test_an_error_quoting_a_long_request_arrives_whole_and_typed(self, client: FabricManagerClient) -> None:
-        """An error whose message quotes the request (a thousand ids to remove, a selector's long value) still
+        """An error whose message quotes the request (a thousand ids to remove, selectors' long values) still
         arrives as its SDK error with its field: its message is cut, rather than the status overflowing gRPC's
         16 KiB of headers (the client then saw RESOURCE_EXHAUSTED without details, or a ValueError)."""
         comp = client.compose(parse_request("long", ["gpu"])).composition
@@ -516,7 +516,7 @@ class TestErrors:
         assert info.value.field == "remove[0]"
         assert ghosts[0] in info.value.message and "more characters)" in info.value.message
         with pytest.raises(NoFitError) as no_fit:
-            client.compose(parse_request("wide", [f"gpu model={'H' * 4000}"]))
+            client.compose(parse_request("wide", ["gpu " + " ".join(f"k{n}={'H' * 256}" for n in range(16))]))
         assert "more characters)" in no_fit.value.message
         assert client.get(comp.id).device_ids == comp.device_ids
 
@@ -581,6 +581,16 @@ class TestErrors:
             client.compose(None)
         with pytest.raises(InvalidRequestError):
             client.compose(None, ComposeMode.RESERVE, reservation_id="r-1")
+
+    def test_a_reservation_is_applied_without_a_request(self, client: FabricManagerClient) -> None:
+        """The reservation holds its own request: one given with it would be ignored, so it is refused."""
+        held = client.compose(parse_request("held", ["gpu"]), ComposeMode.RESERVE).reservation
+        assert held is not None
+        with pytest.raises(InvalidRequestError) as info:
+            client.compose(parse_request("other", ["gpu x2"]), ComposeMode.APPLY, reservation_id=held.id)
+        assert info.value.field == "request"
+        assert [r.id for r in client.reservations()] == [held.id]
+        assert client.apply_reservation(held.id).name == "held"
 
 
 class TestWatch:

@@ -376,3 +376,92 @@ class TestWatchResumption:
             assert not reader.is_alive()
         assert seen == [total]
         assert servicer.watch_cancelled.wait(10)
+
+
+class Stalling(Flaky):
+    """Holds each GetTopology and Compose until released (at most 10 s), so that a test can close the client
+    meanwhile."""
+
+    def __init__(self, composer: FabricComposer) -> None:
+        super().__init__(composer, failures=0)
+        self.arrived = threading.Event()
+        self.release = threading.Event()
+
+    def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:  # noqa: N802
+        self.arrived.set()
+        self.release.wait(10)
+        return fm.GetTopologyResponse()
+
+    def Compose(self, request: fm.ComposeRequest, context: grpc.ServicerContext) -> fm.ComposeResponse:  # noqa: N802
+        self.arrived.set()
+        self.release.wait(10)
+        return super().Compose(request, context)
+
+
+class TestCloseDuringACall:
+    """A client closed from another thread while a call pauses between attempts or waits for an answer refuses
+    the call with `FabricUnavailableError` (as a call on a closed client is), never gRPC's ``ValueError``."""
+
+    @staticmethod
+    def close_in_the_pause(client: FabricManagerClient) -> None:
+        """Make the client's first pause between attempts close it from another thread."""
+
+        def pause(seconds: float) -> None:
+            closer = threading.Thread(target=client.close)
+            closer.start()
+            closer.join(10)
+
+        client._sleep = pause
+
+    def test_read_closed_during_a_pause(self, tmp_path: Path) -> None:
+        client = FabricManagerClient(f"unix:{tmp_path}/nobody.sock", retries=FAST)
+        self.close_in_the_pause(client)
+        with pytest.raises(FabricUnavailableError, match="is closed"):
+            client.compositions()
+
+    def test_change_closed_during_a_pause_names_its_request_id(self, serve: Any) -> None:
+        servicer, address = serve(Flaky(build_composer(), failures=1))
+        client = FabricManagerClient(address, retries=FAST)
+        self.close_in_the_pause(client)
+        with pytest.raises(FabricUnavailableError, match="is closed") as info:
+            client.compose(parse_request("job", ["gpu"]), request_id="job-1")
+        assert info.value.metadata["request_id"] == "job-1"
+        assert servicer.request_ids == ["job-1"]
+
+    def test_call_in_flight(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Stalling(composer))
+        client = FabricManagerClient(address, retries=FAST)
+        with futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(client.topologies)
+            assert servicer.arrived.wait(10)
+            client.close()
+            servicer.release.set()
+            with pytest.raises(FabricUnavailableError, match="is closed"):
+                call.result(10)
+
+    def test_change_in_flight_may_have_been_made(self, serve: Any, composer: FabricComposer) -> None:
+        """The server may have taken the change before the close cancelled it: the error says how to learn its
+        outcome."""
+        servicer, address = serve(Stalling(composer))
+        client = FabricManagerClient(address, retries=FAST)
+        with futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(client.compose, parse_request("job", ["gpu"]), request_id="job-1")
+            assert servicer.arrived.wait(10)
+            client.close()
+            servicer.release.set()
+            with pytest.raises(FabricUnavailableError, match=r"is closed.*may have been made") as info:
+                call.result(10)
+        assert info.value.metadata["request_id"] == "job-1"
+
+    def test_watch_opened_as_the_client_closes(self, serve: Any) -> None:
+        _, address = serve()
+        client = FabricManagerClient(address, retries=FAST)
+        open_stream = client._stub.WatchEvents
+
+        def closing(request: fm.WatchEventsRequest) -> Any:
+            client.close()  # after the client's check that it is open, before the call
+            return open_stream(request)
+
+        client._stub.WatchEvents = closing  # type: ignore[method-assign]
+        with pytest.raises(FabricUnavailableError, match="is closed"):
+            client.watch()

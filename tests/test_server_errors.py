@@ -1,6 +1,6 @@
 """The error edge: `ErrorInterceptor` (thread-pool server) and `AsyncErrorInterceptor` (asyncio server, the
-fabric manager's) turn SDK errors into their status and anything else into INTERNAL without its text; the
-tests' own guard really does catch UNKNOWN."""
+fabric manager's) turn SDK errors into their status, a request that does not decode into INVALID_ARGUMENT and
+anything else into INTERNAL without its text; the tests' own guard really does catch UNKNOWN."""
 
 from __future__ import annotations
 
@@ -14,11 +14,22 @@ import grpc
 import grpc.aio
 import pytest
 from disagg.errors import NoFitError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server import AsyncErrorInterceptor, ErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.loop import LoopThread
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from server_helpers import WAIT_S, UnknownStatusError, failure_of, guarded_channel, socket_path
+from grpc_reflection.v1alpha import reflection_pb2
+from server_helpers import (
+    WAIT_S,
+    Failure,
+    UnknownStatusError,
+    failure_of,
+    guarded_channel,
+    serving,
+    socket_path,
+    stream_fails,
+)
 
 
 def boom(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -42,14 +53,41 @@ def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
     return request
 
 
-def handlers(*unary: Any, stream: Any) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
-    """The test service: unary ``Boom``, ``NoFit``, ``Aborts``, ``Echo`` and the stream ``StreamBreaks``."""
+def get_id(request: fm.GetCompositionRequest, context: grpc.ServicerContext) -> bytes:
+    return request.id.encode()
+
+
+def watch_ids(request: fm.WatchEventsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    yield str(request.after_revision).encode()
+
+
+def chat_ids(requests: Iterator[fm.GetCompositionRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+    for request in requests:
+        yield request.id.encode()
+
+
+def count_ids(requests: Iterator[fm.GetCompositionRequest], context: grpc.ServicerContext) -> bytes:
+    return str(sum(1 for _ in requests)).encode()
+
+
+def handlers(*unary: Any, stream: Any, decoded: tuple[Any, ...]) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
+    """The test service: unary ``Boom``, ``NoFit``, ``Aborts``, ``Echo`` and the stream ``StreamBreaks`` on bytes;
+    ``GetId``, ``WatchIds``, ``CountIds`` and ``ChatIds`` (one of each shape) decode protobuf requests."""
     table = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in zip(UNARY, unary, strict=True)}
-    return {**table, "StreamBreaks": grpc.unary_stream_rpc_method_handler(stream)}
+    get, watch, count, chat = decoded
+    by_id = fm.GetCompositionRequest.FromString
+    return {
+        **table,
+        "StreamBreaks": grpc.unary_stream_rpc_method_handler(stream),
+        "GetId": grpc.unary_unary_rpc_method_handler(get, request_deserializer=by_id),
+        "WatchIds": grpc.unary_stream_rpc_method_handler(watch, request_deserializer=fm.WatchEventsRequest.FromString),
+        "CountIds": grpc.stream_unary_rpc_method_handler(count, request_deserializer=by_id),
+        "ChatIds": grpc.stream_stream_rpc_method_handler(chat, request_deserializer=by_id),
+    }
 
 
 UNARY = ("Boom", "NoFit", "Aborts", "Echo")
-HANDLERS = handlers(boom, no_fit, aborts, echo, stream=stream_breaks)
+HANDLERS = handlers(boom, no_fit, aborts, echo, stream=stream_breaks, decoded=(get_id, watch_ids, count_ids, chat_ids))
 
 
 async def boom_async(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -73,7 +111,37 @@ async def echo_async(request: bytes, context: grpc.aio.ServicerContext[Any, Any]
     return request
 
 
-ASYNC_HANDLERS = handlers(boom_async, no_fit_async, aborts_async, echo_async, stream=stream_breaks_async)
+async def get_id_async(request: fm.GetCompositionRequest, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    return request.id.encode()
+
+
+async def watch_ids_async(
+    request: fm.WatchEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
+    yield str(request.after_revision).encode()
+
+
+async def count_ids_async(
+    requests: AsyncIterator[fm.GetCompositionRequest], context: grpc.aio.ServicerContext[Any, Any]
+) -> bytes:
+    return str(len([r async for r in requests])).encode()
+
+
+async def chat_ids_async(
+    requests: AsyncIterator[fm.GetCompositionRequest], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[bytes]:
+    async for request in requests:
+        yield request.id.encode()
+
+
+ASYNC_HANDLERS = handlers(
+    boom_async,
+    no_fit_async,
+    aborts_async,
+    echo_async,
+    stream=stream_breaks_async,
+    decoded=(get_id_async, watch_ids_async, count_ids_async, chat_ids_async),
+)
 
 
 @contextlib.contextmanager
@@ -184,6 +252,80 @@ class TestErrorInterceptor:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             watch.cancel()
+
+
+GOOD = fm.GetCompositionRequest(id="abc").SerializeToString()
+BAD_UTF8 = GOOD.replace(b"abc", b"a\xffc")
+"""A string field that is not UTF-8: a client in C++ or Go can send it; protobuf refuses it as it decodes."""
+TRUNCATED = b"\x08"
+"""Field 1 (a varint) with no value after its tag."""
+
+
+def refused_undecodable(failed: Failure) -> bool:
+    """The refusal of a request that does not decode: INVALID_ARGUMENT with the documented details; the field is
+    the whole request (empty), since the decoder does not say which field it stopped at."""
+    return (
+        failed.code is grpc.StatusCode.INVALID_ARGUMENT
+        and failed.reason == "INVALID_REQUEST"
+        and failed.fields == ("",)
+        and "does not decode" in failed.message
+    )
+
+
+class TestUndecodableRequest:
+    """A request that does not decode as its message is INVALID_ARGUMENT with ErrorInfo and BadRequest, for every
+    shape of RPC, rather than UNKNOWN (asyncio) or a detail-less INTERNAL (thread pool)."""
+
+    def test_unary(self, raw_server: Any, tmp_path: Path) -> None:
+        with raw_server(socket_path(tmp_path), intercept=True) as channel:
+            for bad in (BAD_UTF8, TRUNCATED):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(channel, "GetId", bad)
+                assert refused_undecodable(failure_of(info.value))
+            assert call(channel, "GetId", GOOD) == b"abc"
+
+    def test_server_stream(self, raw_server: Any, tmp_path: Path) -> None:
+        with raw_server(socket_path(tmp_path), intercept=True) as channel:
+            watch = channel.unary_stream("/t.Test/WatchIds")
+            assert refused_undecodable(stream_fails(watch, TRUNCATED))
+            assert list(watch(fm.WatchEventsRequest(after_revision=7).SerializeToString(), timeout=WAIT_S)) == [b"7"]
+
+    def test_client_stream(self, raw_server: Any, tmp_path: Path) -> None:
+        with raw_server(socket_path(tmp_path), intercept=True) as channel:
+            count = channel.stream_unary("/t.Test/CountIds")
+            with pytest.raises(grpc.RpcError) as info:
+                count(iter([GOOD, BAD_UTF8, GOOD]), timeout=WAIT_S)
+            assert refused_undecodable(failure_of(info.value))
+            assert count(iter([GOOD, GOOD]), timeout=WAIT_S) == b"2"
+
+    def test_bidirectional_stream_answers_until_the_bad_message(self, raw_server: Any, tmp_path: Path) -> None:
+        with raw_server(socket_path(tmp_path), intercept=True) as channel:
+            chat = channel.stream_stream("/t.Test/ChatIds")(iter([GOOD, BAD_UTF8, GOOD]), timeout=WAIT_S)
+            assert next(chat) == b"abc"
+            with pytest.raises(grpc.RpcError) as info:
+                next(chat)
+            assert refused_undecodable(failure_of(info.value))
+
+
+class TestFabricManagerUndecodableRequest:
+    """On `disagg serve`'s server, a Compose, a watch and a reflection stream that do not decode are
+    INVALID_ARGUMENT."""
+
+    def test_compose_watch_and_reflection(self, tmp_path: Path) -> None:
+        compose = fm.ComposeRequest(name="abc", mode=fm.COMPOSE_MODE_PREVIEW).SerializeToString()
+        with serving(socket_path(tmp_path)) as served:
+            rpc = "/disagg.fabric.v1.FabricManagerService"
+            with pytest.raises(grpc.RpcError) as info:
+                served.channel.unary_unary(f"{rpc}/Compose")(compose.replace(b"abc", b"a\xffc"), timeout=WAIT_S)
+            assert refused_undecodable(failure_of(info.value))
+            assert refused_undecodable(stream_fails(served.channel.unary_stream(f"{rpc}/WatchEvents"), TRUNCATED))
+            listing = reflection_pb2.ServerReflectionRequest(host="abc", list_services="").SerializeToString()
+            reflect = served.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+            answers = reflect(iter([listing, listing.replace(b"abc", b"a\xffc")]), timeout=WAIT_S)
+            assert next(answers)
+            with pytest.raises(grpc.RpcError) as info:
+                next(answers)
+            assert refused_undecodable(failure_of(info.value))
 
 
 class TestUnknownGuard:

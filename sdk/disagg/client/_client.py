@@ -123,6 +123,10 @@ class _StreamCall(Protocol):
     def cancel(self) -> bool: ...
 
 
+class _ClientClosedError(Exception):
+    """`FabricManagerClient.close` came before or during an attempt of a call: it ends the call's retries."""
+
+
 def _status(msg: pb.Device) -> DeviceStatus:
     return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
 
@@ -195,7 +199,10 @@ class FabricManagerClient:
 
     def _check_open(self) -> None:
         if self.closed:  # gRPC raises a ValueError on a closed channel
-            raise FabricUnavailableError(f"the client of {self.address} is closed")
+            raise self._closed_error()
+
+    def _closed_error(self) -> FabricUnavailableError:
+        return FabricUnavailableError(f"the client of {self.address} is closed", metadata={"address": self.address})
 
     def __enter__(self) -> Self:
         return self
@@ -254,15 +261,27 @@ class FabricManagerClient:
         """``rpc`` with the retry policy; a failure raises its SDK error. A change sent with a ``request_id``
         names it in the error's metadata, and when no server answered it (its deadline passed on this side, or
         the server could not be reached after it may have been sent) the error says so: the change may have
-        been made, and the same call with that request id gets its answer."""
+        been made, and the same call with that request id gets its answer.
+
+        A client closed meanwhile (from another thread, during a pause between attempts or an attempt itself)
+        raises `FabricUnavailableError`, as a call on a closed client does, never gRPC's ``ValueError``."""
         self._check_open()
         unanswered = False  # an attempt ended without the server's answer, after it may have reached it
 
         def attempt(timeout: float) -> T:
             nonlocal unanswered
+            if self.closed:
+                raise _ClientClosedError
             try:
                 return rpc(timeout)
+            except ValueError:  # "Cannot invoke RPC on closed channel!": closed since the check above
+                if self.closed:
+                    raise _ClientClosedError from None
+                raise
             except grpc.RpcError as exc:
+                if self.closed and exc.code() is grpc.StatusCode.CANCELLED:  # close() cancelled it in flight
+                    unanswered = True
+                    raise _ClientClosedError from None
                 unanswered = unanswered or (server_status(exc) is None and exc.code() in _OUTCOME_UNKNOWN)
                 raise
 
@@ -275,21 +294,25 @@ class FabricManagerClient:
                 sleep=self._sleep,
                 rng=self._rng,
             )
+        except _ClientClosedError:
+            error: DisaggError = self._closed_error()
+            in_doubt = unanswered
         except grpc.RpcError as exc:
             error = self._error(exc)
-            if not request_id:
-                raise error from None
-            error.metadata.setdefault("request_id", request_id)
             # Unknown unless the last answer settles it: a refusal of the retry by a server that did not take it
             # (a standby, the server going down) does not say what became of an earlier attempt.
-            if unanswered and exc.code() in _OUTCOME_UNKNOWN:
-                error = build(
-                    type(error),
-                    f"{error.message}; an attempt got no answer, so the change may have been made: the same call "
-                    f"with request_id={request_id!r} gets its outcome",
-                    metadata=error.metadata,
-                )
+            in_doubt = unanswered and exc.code() in _OUTCOME_UNKNOWN
+        if not request_id:
             raise error from None
+        error.metadata.setdefault("request_id", request_id)
+        if in_doubt:
+            error = build(
+                type(error),
+                f"{error.message}; an attempt got no answer, so the change may have been made: the same call "
+                f"with request_id={request_id!r} gets its outcome",
+                metadata=error.metadata,
+            )
+        raise error from None
 
     # ----------------------------------------------------------------- inventory
 
@@ -432,7 +455,8 @@ class FabricManagerClient:
         reservation_id: str | None = None,
     ) -> ComposeResult:
         """PREVIEW changes nothing; RESERVE holds the plan for ``reservation_ttl_s``; APPLY binds it all or
-        nothing, or, with ``reservation_id``, binds that reservation (``request`` may then be None).
+        nothing, or, with ``reservation_id``, binds that reservation (``request`` is then None: the reservation
+        holds its own).
 
         APPLY and RESERVE carry a request id, a fresh uuid4 unless one is given, so that the server binds once
         however often the call is retried; ``request_id=""`` sends none, and such a call is never retried.
@@ -441,6 +465,11 @@ class FabricManagerClient:
             raise InvalidRequestError("give a request, or a reservation id to apply", field="request")
         if reservation_id and mode is not ComposeMode.APPLY:
             raise InvalidRequestError("a reservation can only be applied (mode APPLY)", field="reservation_id")
+        if reservation_id and request is not None:
+            raise InvalidRequestError(
+                "give a request or a reservation id to apply, not both: a reservation holds its own request",
+                field="request",
+            )
         if mode is not ComposeMode.PREVIEW and request_id is None:
             request_id = uuid.uuid4().hex
         request_id = request_id or ""
@@ -567,7 +596,12 @@ class FabricManagerClient:
     def _open_watch(self, after_revision: int, after_time: float = 0.0) -> _StreamCall:
         self._check_open()
         request = fm.WatchEventsRequest(after_revision=after_revision, after_time=after_time)
-        call: _StreamCall = self._stub.WatchEvents(request)
+        try:
+            call: _StreamCall = self._stub.WatchEvents(request)
+        except ValueError:  # closed since the check: refused as any call on a closed client is
+            if self.closed:
+                raise self._closed_error() from None
+            raise
         return call
 
 

@@ -5,6 +5,11 @@ bug: it is logged with a fresh incident id and answered INTERNAL with a message 
 nothing of the exception, because exception text can carry paths, addresses or secrets. grpcio would otherwise
 answer UNKNOWN with ``Exception calling application: <the text>``.
 
+A request that does not decode as its message (a string field that is not UTF-8, truncated bytes) is
+INVALID_ARGUMENT like any other malformed request. grpcio decodes a request before any handler runs and answers
+a decoder's exception UNKNOWN with the parser's text (asyncio server) or INTERNAL without details (thread-pool
+server), so each handler's decoder is wrapped to hand the guard the refusal in place of the message.
+
 `AsyncErrorInterceptor` does this on grpcio's asyncio server (the fabric manager's); `ErrorInterceptor` on its
 thread-pool server, for embedding the servicer in one.
 """
@@ -18,8 +23,9 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
-from disagg.errors import DisaggError, InternalError
+from disagg.errors import DisaggError, InternalError, InvalidRequestError
 from disagg.incidents import log_incident
 from disagg.wire.errors import to_status
 
@@ -43,6 +49,47 @@ def status_for(method: str, exc: BaseException) -> grpc.Status:
     )
 
 
+class _Undecodable:
+    """What a wrapped decoder hands on in place of a request that did not decode: the refusal to answer with."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidRequestError) -> None:
+        self.error = error
+
+
+def _decoder(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserializer`` answering bytes it cannot decode with an `_Undecodable` instead of raising."""
+    if deserializer is None:  # the handler takes the bytes as they came
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Undecodable(InvalidRequestError(f"the request does not decode: {exc}", field=""))
+
+    return decode
+
+
+def _decoded(request: Any) -> Any:
+    """``request``; raises the refusal of one that did not decode."""
+    if type(request) is _Undecodable:
+        raise request.error
+    return request
+
+
+def _each_decoded(requests: Iterator[Any]) -> Iterator[Any]:
+    """The messages of a client stream, as read; raises the refusal of the first that did not decode."""
+    for request in requests:
+        yield _decoded(request)
+
+
+async def _each_decoded_async(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request)
+
+
 def _already_ended(context: grpc.ServicerContext) -> bool:
     """True when the handler itself ended the call with a status (``context.abort``): let grpcio send that."""
     code_of: Callable[[], grpc.StatusCode | None] = getattr(context, "code", lambda: None)
@@ -61,9 +108,10 @@ def _guard_iterator(method: str, responses: Iterator[Any], context: grpc.Service
     context.abort_with_status(status)
 
 
-def _guard(method: str, behavior: Behavior, streaming: bool) -> Behavior:
+def _guard(method: str, behavior: Behavior, streaming: bool, *, client_streams: bool = False) -> Behavior:
     def guarded(request: Any, context: grpc.ServicerContext, *extra: Any) -> Any:
         try:
+            request = _each_decoded(request) if client_streams else _decoded(request)
             result = behavior(request, context, *extra)
         except Exception as exc:
             if _already_ended(context):
@@ -92,34 +140,32 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
-        codec: dict[str, Any] = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(_guard(method, handler.unary_unary, False), **codec)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(_guard(method, handler.unary_stream, True), **codec)
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_guard(method, handler.stream_unary, False), **codec)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(_guard(method, handler.stream_stream, True), **codec)
-        return handler
+        behavior = _behavior(handler)
+        if behavior is None:
+            return handler
+        guarded = _guard(
+            handler_call_details.method,
+            behavior,
+            handler.response_streaming,
+            client_streams=handler.request_streaming,
+        )
+        return _handler(handler, guarded)
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], status: grpc.Status) -> None:
     await context.abort(status.code, status.details, tuple(status.trailing_metadata))
 
 
-def _guard_async(method: str, behavior: Behavior) -> Behavior:
+def _guard_async(method: str, behavior: Behavior, *, client_streams: bool = False) -> Behavior:
     """``behavior`` (a coroutine or async generator function) with every error turned into its status; a
     handler's own ``context.abort`` passes through. Anything else is left as it is."""
     if inspect.isasyncgenfunction(behavior):
 
         async def guarded_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-            responses = behavior(request, context)
+            responses = None
             try:
+                request = _each_decoded_async(request) if client_streams else _decoded(request)
+                responses = behavior(request, context)
                 async for response in responses:
                     yield response
                 return
@@ -128,7 +174,8 @@ def _guard_async(method: str, behavior: Behavior) -> Behavior:
             except Exception as exc:
                 status = status_for(method, exc)
             finally:
-                await responses.aclose()
+                if responses is not None:
+                    await responses.aclose()
             await _abort(context, status)
 
         return guarded_stream
@@ -136,6 +183,7 @@ def _guard_async(method: str, behavior: Behavior) -> Behavior:
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             try:
+                request = _each_decoded_async(request) if client_streams else _decoded(request)
                 return await behavior(request, context)
             except grpc.aio.AbortError:
                 raise
@@ -174,16 +222,34 @@ class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _wrap_async(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
-    codec: dict[str, Any] = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_guard_async(method, handler.unary_unary), **codec)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_guard_async(method, handler.unary_stream), **codec)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_guard_async(method, handler.stream_unary), **codec)
-    if handler.stream_stream is not None:
-        return grpc.stream_stream_rpc_method_handler(_guard_async(method, handler.stream_stream), **codec)
-    return handler
+    behavior = _behavior(handler)
+    if behavior is None:
+        return handler
+    guarded = _guard_async(method, behavior, client_streams=handler.request_streaming)
+    if guarded is behavior:  # not a coroutine: grpcio answers it, with its own decoder
+        return handler
+    return _handler(handler, guarded)
+
+
+def _behavior(handler: grpc.RpcMethodHandler[Any, Any]) -> Behavior | None:
+    behavior: Behavior | None = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    return behavior
+
+
+def _handler(handler: grpc.RpcMethodHandler[Any, Any], guarded: Behavior) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same shape as ``handler`` running ``guarded``, whose decoder hands on the refusal of a
+    request that does not decode (`_decoder`): ``guarded`` answers it."""
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[handler.request_streaming, handler.response_streaming]
+    made: grpc.RpcMethodHandler[Any, Any] = make(
+        guarded,
+        request_deserializer=_decoder(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
+    return made

@@ -310,6 +310,17 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             reservation = check_id(request.reservation_id, "reservation_id")
             if mode is not ComposeMode.APPLY:
                 raise InvalidRequestError("mode: a reservation_id is applied with mode APPLY", field="mode")
+            # The reservation holds its own request: another one sent with it would be ignored, and the client
+            # would get a composition other than the one it described.
+            sent = [field for field, value in (("name", request.name), ("resources", request.resources)) if value]
+            if request.host.ByteSize():
+                sent.append("host")
+            if sent:
+                raise InvalidRequestError(
+                    f"{sent[0]}: a reservation is applied with the name, host and resources it was made with; "
+                    f"send none of them with reservation_id (sent: {', '.join(sent)})",
+                    field=sent[0],
+                )
             return self.composer.apply_steps(reservation, request_id=request_id, deadline=deadline)
         return self.composer.compose_steps(
             compose_request_from_wire(request),

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
 
 MAX_RESOURCES = 64
 MAX_SELECTORS = 32
+MAX_SELECTOR_VALUE = 256
+"""The longest string a selector compares with, in characters. With the other limits it keeps the largest valid
+Compose well under gRPC's default 4 MiB message cap, which a client in another language cannot raise on the
+server: a request over it is a RESOURCE_EXHAUSTED with no details, which reads as a refusal to place."""
 MAX_NAME = 63
 MAX_ID = 128
 MAX_PAGE_KEY = 256
@@ -137,7 +141,8 @@ def selector_to_wire(sel: Selector) -> fm.Selector:
 
 def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) -> Selector:
     """A selector of a host (``resource`` False) or of a resource line, refused as the text and document forms
-    refuse it (`disagg.model.selector_refusal`), and refused on a value that is not a finite number."""
+    refuse it (`disagg.model.selector_refusal`), and refused on a value that is not a finite number or is a
+    string longer than `MAX_SELECTOR_VALUE`."""
     if not msg.key or len(msg.key) > MAX_NAME:
         raise InvalidRequestError(
             f"{field}.key: a selector needs a key of 1 to {MAX_NAME} characters", field=f"{field}.key"
@@ -149,6 +154,11 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
     value = attribute_from_wire(msg.value, f"{field}.value")
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequestError(f"{field}.value: {value} is not a number a device can have", field=f"{field}.value")
+    if isinstance(value, str) and len(value) > MAX_SELECTOR_VALUE:
+        raise InvalidRequestError(
+            f"{field}.value: a selector compares with a string of at most {MAX_SELECTOR_VALUE} characters",
+            field=f"{field}.value",
+        )
     return Selector(msg.key, op, value)
 
 
