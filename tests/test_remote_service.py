@@ -256,6 +256,18 @@ class TestNeverUnknown:
 
         check()
 
+    def test_a_request_that_does_not_decode(self) -> None:
+        """A string field that is not UTF-8 (a driver client in C++ or Go can send one) was answered INTERNAL
+        without details by grpcio, before any handler ran; it is INVALID_ARGUMENT as on the fabric manager."""
+        with served(pcie(bind_delay_s=0.0)) as server, grpc.insecure_channel(server.address) as channel:
+            bind = channel.unary_unary(
+                f"/{SERVICE_NAME}/Bind", request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
+            good = pb.BindRequest(device="abc", host="h1").SerializeToString()
+            error = refused(bind, good.replace(b"abc", b"a\xffc"), timeout=5)
+            assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and reason(error) == "INVALID_REQUEST"
+            assert "does not decode" in (error.details() or "")
+
 
 class TestHealthAndReflection:
     """The server reports SERVING for the driver service while it runs, and lists its services."""

@@ -32,6 +32,7 @@ from disagg.interfaces import Fabric, FaultInjection
 from disagg.model import Topology
 from disagg.remote.address import check_address, unix_path
 from disagg.remote.feed import EventFeed, Signal, TooManyStreamsError
+from disagg.server.errors import ErrorInterceptor
 from disagg.wire import driver as wire
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.errors import to_status
@@ -248,7 +249,11 @@ class DriverServer:
         self.health = health.HealthServicer()
         self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"driver-{fabric.name}")
         # No SO_REUSEPORT: a second driver on a taken port must fail, not share the port with the first.
-        self._server = grpc.server(self._executor, options=(("grpc.so_reuseport", 0),))
+        # The guard answers every failure with the SDK's status, a request that does not decode included
+        # (INVALID_ARGUMENT, where grpcio alone answers INTERNAL without details).
+        self._server = grpc.server(
+            self._executor, interceptors=[ErrorInterceptor()], options=(("grpc.so_reuseport", 0),)
+        )
         pb_grpc.add_FabricDriverServiceServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self._server)
