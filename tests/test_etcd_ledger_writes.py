@@ -381,3 +381,13 @@ class TestFencedFirst:
             assert _held(etcd_one.endpoints[0], prefix, "c1") == _composition("c1")
         finally:
             store.close()
+
+
+class TestClosed:
+    def test_a_closed_store_takes_no_write(self) -> None:
+        """A server that stopped waiting for a reconcile closes the ledger so that what the reconcile writes
+        once it returns lands nowhere; a closed etcd store went on writing, over connections it opened again."""
+        store = EtcdStore(["127.0.0.1:1"], timeout_s=0.05, write_patience_s=0, unfenced=True)
+        store.close()
+        with pytest.raises(FabricUnavailableError, match="is closed"):
+            store.put_composition(_composition("c1"))

@@ -20,9 +20,10 @@ from composer_helpers import rack
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.model import Binding, Topology
+from disagg.interfaces import CallContext
+from disagg.model import Binding, EventType, Topology
 from disagg.server import FabricManagerServer
-from disagg.store import MemoryStore
+from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import SimFabric, load_topology
 from server_helpers import SERVE_CONFIG, WAIT_S, GatedBind, compose_request, serving, socket_path, wait_until
 
@@ -161,6 +162,31 @@ class TestStopWhileReconciling:
             finally:
                 fabric.gate.set()
             assert fabric.closed.wait(WAIT_S), "the composer was not closed once the reconcile returned"
+
+    def test_what_the_reconcile_finds_later_is_not_written(self, tmp_path: Path) -> None:
+        """The reconcile held on the hardware quarantines, once it returns, a binding the ledger lacks: it wrote
+        that to the ledger after stop() had returned, beside a composer restarted on the same ledger in the
+        same process, whose next write then failed on the event revision the old one had taken."""
+        ledger = tmp_path / "ledger.db"
+        fabric = HeldFabric()
+        composer = FabricComposer({"pcie0": fabric}, store=SqliteStore(ledger))
+        server = FabricManagerServer(composer, [f"unix:{socket_path(tmp_path)}"], tick_s=0.02, reconcile_s=0.05)
+        server.start()
+        fabric.bind("pcie0/gpu-a0", "h1", CallContext(epoch=1))  # the reconcile finds it unrecorded
+        fabric.armed.set()
+        try:
+            assert fabric.entered.wait(WAIT_S)
+            server.stop(0)
+            again = FabricComposer(rack(), store=SqliteStore(ledger))
+            again.start()
+        finally:
+            fabric.gate.set()
+        try:
+            assert fabric.closed.wait(WAIT_S)
+            again.cordon("pcie0/gpu-a1")  # fails if the old reconcile took a revision meanwhile
+            assert [e.type for e in again.events()] == [EventType.DEVICE_CORDONED]
+        finally:
+            again.close()
 
 
 class TestGrace:

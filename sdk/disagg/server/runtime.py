@@ -391,8 +391,9 @@ class FabricManagerServer:
         flight (None: cancel them at once), then close the composer. Idempotent.
 
         Returns within the grace (or `UNWIND_S`, if longer) even when the composer's start (a discovery) or the
-        timer (a reconcile) still runs: that thread closes the composer once it returns. A `start` running
-        meanwhile raises `ServerStoppedError`."""
+        timer (a reconcile) still runs: that thread closes the composer once it returns, and the ledger, closed
+        at once, takes nothing it would write after the stop. A `start` running meanwhile raises
+        `ServerStoppedError`."""
         deadline = time.monotonic() + (grace or 0.0)
         with self._lock:
             if self._state in ("stopping", "stopped", "new"):
@@ -424,9 +425,13 @@ class FabricManagerServer:
             busy = sorted(self._users)
         if busy:
             log.warning(
-                "the composer is still busy with %s after the grace period: closing it once that returns",
+                "the composer is still busy with %s after the grace period: closing it once that returns; the "
+                "ledger takes no more writes from now on",
                 " and ".join(_USES[user] for user in busy),
             )
+            # What that thread writes once it returns would land after this stop, beside whatever opens the
+            # ledger next (a restarted server): the ledger is let go of now, and refuses it.
+            self.composer.store.close()
             return
         self.composer.close()
 

@@ -244,6 +244,7 @@ class EtcdStore(Store):
         self._tokens = itertools.count(1)
         self._failure = ""
         """Why a write failed (`_commit`): from then on the store takes no writes."""
+        self._closed = False
         self._fence_key = ""
         self._fence_name = ""
         self._on_deposed: Callable[[], None] = lambda: None
@@ -468,8 +469,11 @@ class EtcdStore(Store):
             raise FabricUnavailableError(f"the ledger on etcd failed earlier and takes no more writes: {self._failure}")
 
     def _refuse_writes(self) -> None:
-        """Refuse a write of a failed store, and of one neither fenced nor made ``unfenced`` (which fails it)."""
+        """Refuse a write of a failed or closed store, and of one neither fenced nor made ``unfenced`` (which
+        fails it)."""
         self._refuse_if_failed()
+        if self._closed:
+            raise FabricUnavailableError(f"the etcd ledger under {self.prefix} is closed")
         if self._fence is None and not self.unfenced:
             self._failure = (
                 f"the etcd ledger under {self.prefix} was written before it was fenced: it is the replicas' ledger, "
@@ -671,6 +675,8 @@ class EtcdStore(Store):
         return events
 
     def close(self) -> None:
+        """Refuse every later write, then close the connections (a request made after would open new ones)."""
+        self._closed = True
         self._session.close()
 
 
