@@ -296,6 +296,31 @@ class TestListeners:
         finally:
             server.stop(0)
 
+    def test_no_moment_open_to_other_users(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """grpcio binds and listens as the port is added, before the server starts; the permissions were taken
+        off after that, and a connection another user made in between was served once the server started."""
+        sock = tmp_path / "fm.sock"
+        seen: list[int] = []
+        add = grpc.aio._server.Server.add_insecure_port
+
+        def add_and_look(self: grpc.aio.Server, address: str) -> int:
+            port = add(self, address)
+            seen.append(stat.S_IMODE(sock.stat().st_mode))  # the moment a connection could come
+            return port
+
+        monkeypatch.setattr(grpc.aio._server.Server, "add_insecure_port", add_and_look)
+        old = os.umask(0)
+        try:
+            server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"])
+            server.start()
+        finally:
+            os.umask(old)
+        try:
+            assert len(seen) == 1 and seen[0] & 0o077 == 0, oct(seen[0])
+            assert stat.S_IMODE(sock.stat().st_mode) == 0o660
+        finally:
+            server.stop(0)
+
     def test_live_socket_is_refused(self, tmp_path: Path) -> None:
         sock = socket_path(tmp_path)
         with serving(sock), pytest.raises(ConfigError, match="another server is already listening"):

@@ -36,7 +36,7 @@ from disagg.server.errors import ErrorInterceptor
 from disagg.wire import driver as wire
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.errors import to_status
-from disagg.wire.sockets import prepare_unix_socket, restrict_unix_socket
+from disagg.wire.sockets import bind_unix_socket, prepare_unix_socket
 from disagg.wire.types import (
     allocation_to_wire,
     binding_to_wire,
@@ -268,14 +268,17 @@ class DriverServer:
             if self.address.startswith("unix:"):
                 self._claim = prepare_unix_socket(Path(unix_path(self.address)))
             try:
-                port = self._server.add_insecure_port(self.address)
+                if self.address.startswith("unix:"):  # closed to other users: the channel authenticates no one
+                    port = bind_unix_socket(
+                        Path(unix_path(self.address)), lambda: self._server.add_insecure_port(self.address)
+                    )
+                else:
+                    port = self._server.add_insecure_port(self.address)
             except RuntimeError:
                 raise ConfigError(
                     f"listen: cannot listen on {self.address}: the port is taken or the path cannot be created",
                     field="listen",
                 ) from None
-            if self.address.startswith("unix:"):  # before serving: the channel authenticates no one
-                restrict_unix_socket(Path(unix_path(self.address)))
         except BaseException:
             self._stopped = True
             self.servicer.stop()

@@ -53,7 +53,7 @@ from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
 from disagg.server.loop import LoopThread
 from disagg.server.servicer import LOST_LEAD, STANDBY, FabricManagerServicer, ledger_failed
-from disagg.wire.sockets import restrict_unix_socket
+from disagg.wire.sockets import bind_unix_socket
 
 if TYPE_CHECKING:
     from disagg.ha import Leadership
@@ -316,12 +316,13 @@ class FabricManagerServer:
         if listener.unix_path is not None:
             self._claims.append((listener.unix_path, prepare_unix_socket(listener.unix_path)))
         try:
-            port = server.add_insecure_port(listener.target)
+            if listener.unix_path is not None:  # closed to other users: the channel authenticates no one
+                port = bind_unix_socket(listener.unix_path, lambda: server.add_insecure_port(listener.target))
+            else:
+                port = server.add_insecure_port(listener.target)
         except RuntimeError as exc:
             why = str(exc) if listener.unix_path is not None else _bind_failure(listener)
             raise ConfigError(f"cannot listen on {listener.address}: {why}", field="listen") from exc
-        if listener.unix_path is not None:  # before serving: the channel authenticates no one
-            restrict_unix_socket(listener.unix_path)
         return listener.bound(port)
 
     async def _shutdown(self, grace: float | None) -> None:

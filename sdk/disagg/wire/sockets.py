@@ -1,8 +1,8 @@
 """Unix-socket listeners, shared by the fabric-manager server and the driver server.
 
 Neither channel authenticates anyone yet, so who may connect is decided by file permissions: the directories
-made for a socket are never open to other users, whatever the umask, and the driver server takes other
-users' permissions off its socket once bound (`restrict_unix_socket`).
+made for a socket are never open to other users, whatever the umask, and a socket is bound closed to them
+(`bind_unix_socket`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import contextlib
 import os
 import socket
 import stat
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 from disagg.errors import ConfigError
 from disagg.lockfile import try_lock
@@ -21,7 +23,9 @@ DIRECTORY_MODE = 0o750
 """The mode of a directory made for a socket, less what the umask takes: its group may reach the socket (which
 the socket's own mode then decides), other users never."""
 SOCKET_MODE_MASK = 0o660
-"""What `restrict_unix_socket` leaves of a socket's mode: connecting needs write permission."""
+"""The most a socket's mode may be (`bind_unix_socket`), less the umask: connecting needs write permission."""
+_UMASK = threading.Lock()
+T = TypeVar("T")
 
 
 def prepare_unix_socket(path: Path) -> IO[bytes]:
@@ -45,13 +49,23 @@ def prepare_unix_socket(path: Path) -> IO[bytes]:
     return claim
 
 
-def restrict_unix_socket(path: Path) -> None:
-    """Take other users' permissions off a bound socket (`SOCKET_MODE_MASK`): under umask 000 anyone could
-    otherwise drive the hardware through it. Owner and group keep what the umask gave them, no more."""
+def bind_unix_socket(path: Path, bind: Callable[[], T]) -> T:
+    """Run ``bind``, which creates the socket at ``path`` (gRPC's ``add_insecure_port`` binds and listens at once),
+    under umask 077, then give the socket `SOCKET_MODE_MASK` less the process's umask. Taking permissions off
+    after the bind left a moment in which another user could connect, and a connection made then is served:
+    the kernel checks permissions as a client connects. The umask is the process's, so it is changed under a
+    lock, and a file another thread creates in that moment is made private too, never more open."""
+    with _UMASK:
+        umask = os.umask(0o077)
+        try:
+            result = bind()
+        finally:
+            os.umask(umask)
     try:
-        path.chmod(stat.S_IMODE(path.stat().st_mode) & SOCKET_MODE_MASK)
+        path.chmod(SOCKET_MODE_MASK & ~umask)
     except OSError as exc:
-        raise ConfigError(f"cannot restrict the permissions of the unix socket {path}: {exc}", field="listen") from exc
+        raise ConfigError(f"cannot set the permissions of the unix socket {path}: {exc}", field="listen") from exc
+    return result
 
 
 def _make_directories(directory: Path) -> None:
