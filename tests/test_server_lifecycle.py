@@ -232,6 +232,17 @@ class TestReservationTimer:
             assert failed.code is grpc.StatusCode.NOT_FOUND
 
 
+def started_under_umask(sock: Path, umask: int) -> FabricManagerServer:
+    """A server on the demo rack listening on ``sock``, started while the process's umask is ``umask``."""
+    old = os.umask(umask)
+    try:
+        server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"])
+        server.start()
+    finally:
+        os.umask(old)
+    return server
+
+
 class TestListeners:
     """Listener addresses: loopback TCP or unix sockets by default; stale sockets are replaced, live ones not."""
 
@@ -284,12 +295,7 @@ class TestListeners:
         """The socket and the directories made for it followed the umask alone: under umask 000 both were 0o777,
         and any local user could compose and decompose through the unauthenticated channel."""
         sock = tmp_path / "made" / "fm.sock"
-        old = os.umask(umask)
-        try:
-            server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"])
-            server.start()
-        finally:
-            os.umask(old)
+        server = started_under_umask(sock, umask)
         try:
             assert stat.S_IMODE(sock.stat().st_mode) == socket_mode
             assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o750 & ~umask
@@ -309,12 +315,7 @@ class TestListeners:
             return port
 
         monkeypatch.setattr(grpc.aio._server.Server, "add_insecure_port", add_and_look)
-        old = os.umask(0)
-        try:
-            server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"])
-            server.start()
-        finally:
-            os.umask(old)
+        server = started_under_umask(sock, 0)
         try:
             assert len(seen) == 1 and seen[0] & 0o077 == 0, oct(seen[0])
             assert stat.S_IMODE(sock.stat().st_mode) == 0o660
