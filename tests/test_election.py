@@ -16,19 +16,21 @@ from pathlib import Path
 import etcd3gw
 import grpc
 import pytest
-from composer_helpers import rack
+from composer_helpers import composer, rack
 from disagg.client import NO_RETRY, FabricManagerClient
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
-from disagg.ha import Leadership
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.ha import Leadership, election
 from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg.requestlang import parse_request
-from disagg.server import FabricManagerServer
+from disagg.server import FabricManagerServer, FabricManagerServicer
 from disagg.store.etcd import EtcdStore
 from etcd_helpers import EtcdCluster, etcd_binary, start_etcd_cluster
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
+from server_helpers import FakeContext
 
 TTL_S = 2
 WAIT_S = 10.0
@@ -145,6 +147,33 @@ class TestReadLease:
             assert leadership.leading()
         finally:
             server.stop(0)
+
+    def test_a_machine_resumed_after_its_lease_ran_out_is_not_leading(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A suspended machine's monotonic clock stands still while etcd's lease runs out; resumed, the lease
+        still looked valid by it. The read lease counts on a clock that goes on through a suspend."""
+        leadership = Leadership(etcd.endpoints, "suspended", ttl_s=30)
+        try:
+            assert leadership.campaign() > 0 and leadership.leading()
+            slept = election.lease_clock() + 60  # a minute of suspend: the boot clock moved on, not the other
+            monkeypatch.setattr(election, "lease_clock", lambda: slept)
+            assert not leadership.leading()
+        finally:
+            leadership.resign()
+
+    def test_a_change_that_took_effect_is_answered(self) -> None:
+        """The read lease was checked after a cordon, a fenced write, too: a lease that ran out meanwhile answered
+        UNAVAILABLE for a device that was cordoned. Only reads, answered from memory, are checked after."""
+        servicer = FabricManagerServicer(composer(rack()))
+        servicer.mark_ready()
+        checks = iter([True, False])
+        servicer.lead = lambda: next(checks)  # the lease runs out as the cordon is made
+        servicer.CordonDevice(fm.CordonDeviceRequest(id="pcie0/gpu-a0"), FakeContext())
+        assert servicer.composer.is_cordoned("pcie0/gpu-a0")
+        checks = iter([True, False])
+        with pytest.raises(FabricUnavailableError, match="lost the lead"):
+            servicer.ListCompositions(fm.ListCompositionsRequest(), FakeContext())
 
 
 class TestResign:

@@ -49,6 +49,16 @@ RETRY_PAUSE_S = 0.05
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (Etcd3Exception, OSError, requests.RequestException)
 
 
+def lease_clock() -> float:
+    """Seconds on a clock that goes on while the machine is suspended (Linux's CLOCK_BOOTTIME), as etcd's clock
+    does: `time.monotonic` stops then, and a host resumed after its lease ran out would go on counting it valid.
+    Elsewhere the monotonic clock, which suspends rarely stop on servers."""
+    return time.clock_gettime(_LEASE_CLOCK)
+
+
+_LEASE_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
 class Leadership:
     """This replica's campaign for the lead, named ``identity`` in the leader key's value."""
 
@@ -84,8 +94,8 @@ class Leadership:
         """Set when this replica, having led, no longer does."""
         self._stop = threading.Event()
         self._valid_until = 0.0
-        """While leading: until when (`time.monotonic`) no other replica can lead, the last refresh etcd took
-        (sent then) plus the time to live."""
+        """While leading: until when (`lease_clock`) no other replica can lead, the last refresh etcd took (sent
+        then) plus the time to live."""
         self._lease: etcd3gw.Lease | None = None
         self._keeper: threading.Thread | None = None
         self._next = 0
@@ -109,6 +119,7 @@ class Leadership:
             try:
                 client = self._client()
                 fresh = time.monotonic()  # the lease lives at least the time to live from here
+                fresh_lease = lease_clock()
                 if self._lease is not None:
                     self._lease.client = client
                 if self._lease is None or self._lease.refresh() <= 0:
@@ -120,7 +131,7 @@ class Leadership:
                     if base is None:  # the key was lost between the create and the base: campaign again
                         continue
                     self.epoch = base + self.create_revision
-                    self._valid_until = fresh + self.ttl_s
+                    self._valid_until = fresh_lease + self.ttl_s
                     log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
                     self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
                     self._keeper.start()
@@ -160,7 +171,7 @@ class Leadership:
         deadline = fresh + self.ttl_s
         due = fresh + self.ttl_s / 3
         while not self._stop.wait(max(0.0, due - time.monotonic())):
-            sent = time.monotonic()
+            sent, sent_lease = time.monotonic(), lease_clock()
             try:
                 client = self._client()
                 self._lease.client = client  # a lease is an id: any member refreshes it
@@ -169,7 +180,8 @@ class Leadership:
                 held = client.get(self.key, metadata=True)
                 if not held or int(held[0][1]["create_revision"]) != self.create_revision:
                     break
-                deadline = self._valid_until = sent + self.ttl_s
+                deadline = sent + self.ttl_s
+                self._valid_until = sent_lease + self.ttl_s
                 due = sent + self.ttl_s / 3
             except _CONNECTION_ERRORS as exc:
                 log.warning("lease refresh: etcd did not answer (%s); trying the next member", exc)
@@ -184,10 +196,7 @@ class Leadership:
         """Whether this replica surely still leads now: it won, has not lost or given up the lead, and its lease
         cannot have run out yet by the local clock. Reads served from memory ask it, as writes are fenced."""
         return (
-            self.epoch > 0
-            and not self.lost.is_set()
-            and not self._stop.is_set()
-            and time.monotonic() < self._valid_until
+            self.epoch > 0 and not self.lost.is_set() and not self._stop.is_set() and lease_clock() < self._valid_until
         )
 
     def deposed(self, why: str) -> None:

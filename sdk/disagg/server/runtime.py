@@ -255,7 +255,8 @@ class FabricManagerServer:
                         leadership.create_revision,
                         lambda: leadership.deposed("the ledger refused a write: another leads"),
                     )
-                self.servicer.lead = self.leadership.leading
+                # A leadership of another make without a read lease leaves reads unchecked, as before it had one.
+                self.servicer.lead = getattr(self.leadership, "leading", None)
                 log.info("leading with fencing epoch %d: starting the composer", epoch)
                 self.composer.fence_drivers()
                 self.composer.start()

@@ -75,11 +75,25 @@ R = TypeVar("R")
 
 
 def _unary(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], R]:
+    """A change's handler (its writes are fenced in the ledger): answered if this replica served when it began."""
+
+    @functools.wraps(fn)
+    def rpc(self: S, request: Q, context: RpcContext) -> R:
+        self.check_ready()
+        return fn(self, request, context)
+
+    return rpc
+
+
+def _read(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], R]:
+    """A read's handler, answered from memory: only if this replica still surely leads once it has read, since
+    it may have been paused meanwhile. Not for changes: one that took effect must not be answered UNAVAILABLE."""
+
     @functools.wraps(fn)
     def rpc(self: S, request: Q, context: RpcContext) -> R:
         self.check_ready()
         answer = fn(self, request, context)
-        self.check_lead()  # read while this replica surely led, or not answered: it may have been paused meanwhile
+        self.check_lead()
         return answer
 
     return rpc
@@ -195,7 +209,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         composer = self.composer
         return _Devices(composer.devices(), composer.holders(), composer.cordoned_devices())
 
-    @_unary
+    @_read
     def GetTopology(self, request: fm.GetTopologyRequest, context: RpcContext) -> fm.GetTopologyResponse:
         def read() -> tuple[Sequence[Topology], _Devices]:
             return self.composer.topologies(), self._devices()
@@ -212,7 +226,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         ]
         return fm.GetTopologyResponse(fabrics=fabrics, revision=revision, revision_time=revision.time)
 
-    @_unary
+    @_read
     def ListDevices(self, request: fm.ListDevicesRequest, context: RpcContext) -> fm.ListDevicesResponse:
         kind = kind_filter_from_wire(request.kind)
         health = health_filter_from_wire(request.health)
@@ -249,11 +263,11 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             revision_time=revision.time,
         )
 
-    @_unary
+    @_read
     def GetDevice(self, request: fm.GetDeviceRequest, context: RpcContext) -> fm.GetDeviceResponse:
         return fm.GetDeviceResponse(device=self._device(self.composer.device(check_id(request.id, "id"))))
 
-    @_unary
+    @_read
     def ListPools(self, request: fm.ListPoolsRequest, context: RpcContext) -> fm.ListPoolsResponse:
         def read() -> tuple[tuple[list[KindUsage], list[PoolUsage]], Sequence[Topology]]:
             return self.composer.usage(), self.composer.topologies()
@@ -275,7 +289,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     def UncordonDevice(self, request: fm.UncordonDeviceRequest, context: RpcContext) -> fm.UncordonDeviceResponse:
         return fm.UncordonDeviceResponse(device=self._device(self.composer.uncordon(check_id(request.id, "id"))))
 
-    @_unary
+    @_read
     def ListDrivers(self, request: fm.ListDriversRequest, context: RpcContext) -> fm.ListDriversResponse:
         out = []
         for name, fabric in self.composer.fabrics.items():
@@ -344,12 +358,12 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     def Compose(self, request: fm.ComposeRequest, context: RpcContext) -> fm.ComposeResponse:
         return self.compose_response(steps.run(self.compose_change(request, context), self.composer.store))
 
-    @_unary
+    @_read
     def GetComposition(self, request: fm.GetCompositionRequest, context: RpcContext) -> fm.GetCompositionResponse:
         comp = self.composer.find(check_id(request.id, "id"))
         return fm.GetCompositionResponse(composition=composition_to_wire(comp))
 
-    @_unary
+    @_read
     def ListCompositions(self, request: fm.ListCompositionsRequest, context: RpcContext) -> fm.ListCompositionsResponse:
         paging = _Paging.of(request, "compositions")
         every, revision = self.composer.snapshot(self.composer.compositions)
@@ -396,7 +410,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     # ----------------------------------------------------------------- reservations
 
-    @_unary
+    @_read
     def ListReservations(self, request: fm.ListReservationsRequest, context: RpcContext) -> fm.ListReservationsResponse:
         paging = _Paging.of(request, "reservations")
         every, revision = self.composer.snapshot(self.composer.reservations)
