@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,7 +104,11 @@ class TestDriverDemo:
         [
             (("demo", "--fabric", "nope"), "no driver 'nope' is installed"),
             (("demo", "--fabric", "remote"), "offers no demo fabric"),
-            (("demo", "--fabric", "sim", "--memory", "lots"), "neither a count"),
+            (("demo", "--fabric", "sim", "--memory", "lots"), "is not a size of memory"),
+            (("demo", "--fabric", "sim", "--memory", "x8"), "is not a size of memory"),
+            (("demo", "--fabric", "sim", "--memory", "8"), "is not a size of memory"),
+            (("demo", "--memory", "1GiB"), "--memory and --keep apply with --fabric only"),
+            (("demo", "--keep"), "--memory and --keep apply with --fabric only"),
         ],
     )
     def test_bad_input(self, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str) -> None:
@@ -141,6 +152,16 @@ class TestCommands:
         code, out, err = cli(capsys, "compose", "--file", str(path), "--json")
         assert code == 0, err
         assert json.loads(out)["composition"]["name"] == "doc"
+
+    @pytest.mark.parametrize("name", ["req.JSON", "req.Json"])
+    def test_a_json_request_file_in_any_case(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+    ) -> None:
+        """A .JSON file was read as TOML and refused as a file that cannot be read."""
+        path = tmp_path / name
+        path.write_text('{"name": "doc", "resource": [{"kind": "gpu"}]}')
+        code, _, err = cli(capsys, "compose", "--file", str(path), "--preview")
+        assert code == 0, err
 
     def test_plugins_lists_sim(self, capsys: pytest.CaptureFixture[str]) -> None:
         code, out, _ = cli(capsys, "plugins")
@@ -260,3 +281,56 @@ class TestErrors:
         assert code == 0, err
         kinds = {d["kind"] for d in json.loads(out)}
         assert kinds == {"nvme"}
+
+
+SLOW_BIND = """
+[[fabric]]
+name = "pcie0"
+driver = "sim"
+options = { topology = "demo-pcie", state_file = "{state_dir}/sim-pcie0.json", bind_delay_s = 20.0 }
+"""
+
+
+class TestInterrupted:
+    """Ctrl-C during a local compose says what it stopped and that the next command finishes or undoes it: it
+    exited 130 without a word, leaving a COMPOSING composition that the next command silently undid."""
+
+    def _composing(self, ledger: Path) -> bool:
+        if not ledger.exists():
+            return False
+        with contextlib.closing(sqlite3.connect(f"file:{ledger}?mode=ro", uri=True, timeout=1)) as db:
+            try:
+                rows = db.execute("SELECT doc FROM compositions").fetchall()
+            except sqlite3.OperationalError:  # not made yet, or busy
+                return False
+        return any('"COMPOSING"' in str(row) for row in rows)
+
+    def test_sigint_during_a_local_compose(self, tmp_path: Path, state_dir: Path) -> None:
+        config = tmp_path / "slow.toml"
+        config.write_text(SLOW_BIND)
+        env = {**os.environ, "DISAGG_STATE_DIR": str(state_dir)}
+        command = [sys.executable, "-m", "disagg.cli.main", "compose", "--config", str(config), "job", "gpu x1"]
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 25
+            while not self._composing(state_dir / "ledger.db"):
+                assert proc.poll() is None and time.monotonic() < deadline, "the compose never started binding"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert (proc.returncode, out) == (130, "")
+        assert err.startswith("disagg: interrupted: compose job: the change may be half made")
+        assert "the next disagg command on this ledger (or disagg serve) finishes or undoes it" in err
+        done = subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", "ls", "--config", str(config), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0 and json.loads(done.stdout) == []

@@ -13,7 +13,7 @@ import pytest
 from client_helpers import disagg_serve, server_env
 from disagg import codec
 from disagg.cli import main as cli_main
-from disagg.cli.backend import server_address
+from disagg.cli.backend import RemoteBackend, server_address
 from disagg.cli.main import build_parser, main
 from disagg.errors import OUTCOME, OUTCOME_UNKNOWN, DeadlineExceededError
 from server_helpers import Served, serving
@@ -189,6 +189,77 @@ class TestExitCodes:
         assert "cannot reach the fabric manager" in err and "nobody.sock" in err
 
 
+class TestLocalAndRemoteAgree:
+    """A request the wire cannot carry, a mistyped operator and a bad request id are refused alike (exit 2), with
+    --server and without: with it, the numbers crashed the client with a traceback (exit 1), and the local
+    composer answered exit 3 to what it could not fit, or took an id the server refuses."""
+
+    @pytest.mark.parametrize(
+        ("args", "message"),
+        [
+            (("compose", "--preview", "j", "gpu x99999999999999999999"), "a count of"),
+            (("compose", "--preview", "j", "cxl 99999999999PiB"), "an amount of bytes"),
+            (("compose", "--preview", "j", "gpu latency<=99999999999999ms"), "a latency bound"),
+            (("compose", "--preview", "j", "gpu k>=99999999999999999999999999"), "beyond the whole numbers"),
+            (("compose", "--preview", "j", "gpu k>=-99999999999999999999999999"), "beyond the whole numbers"),
+            (("compose", "--preview", "j", "host cores>=99999999999", "gpu"), "a minimum of cores"),
+            (("compose", "j", "gpu model==H200"), "write model=H200"),
+            (("compose", "j", "gpu gpu_memory=>80GiB"), "write gpu_memory>=80GiB"),
+            (("compose", "j", "gpu gpu_memory>=80Gi"), "80GiB"),
+            (("compose", "j", "gpu latency<=349.5ns"), "not a whole number of ns"),
+            (("compose", "j", "gpu", "--request-id", "a b"), "--request-id: give an id of 1 to 128"),
+            (("compose", "j", "gpu", "--request-id", "x" * 5000), "--request-id: give an id of 1 to 128"),
+            (("compose", "j", "gpu", "--request-id", ""), "--request-id: give an id of 1 to 128"),
+            (("recompose", "j", "--add", "gpu", "--request-id", "a\tb"), "--request-id: give an id of 1 to 128"),
+        ],
+    )
+    def test_refused_alike(
+        self, capsys: pytest.CaptureFixture[str], served: Served, args: tuple[str, ...], message: str
+    ) -> None:
+        for where in ((), ("--server", served.address)):
+            code, out, err = cli(capsys, *where, *args)
+            assert (code, out) == (2, ""), (where, err)
+            assert err.startswith("disagg: error: ") and message in err
+        assert served.composer.compositions() == []
+
+
+class TestInterrupted:
+    """Ctrl-C during a change says what it stopped and what to do: it exited 130 without a word."""
+
+    @pytest.mark.parametrize("request_id", [None, "mine-1"])
+    def test_a_remote_compose_names_the_request_id(
+        self,
+        capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch,
+        served: Served,
+        request_id: str | None,
+    ) -> None:
+        sent: list[str | None] = []
+
+        def interrupted(self: object, *args: object, request_id: str | None = None, **kw: object) -> None:
+            sent.append(request_id)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(RemoteBackend, "compose", interrupted)
+        given = () if request_id is None else ("--request-id", request_id)
+        code, out, err = cli(capsys, "--server", served.address, "compose", "job", "gpu", *given)
+        assert (code, out) == (130, "")
+        (used,) = sent
+        assert used and (request_id is None or used == request_id)
+        assert err.startswith("disagg: interrupted: compose job: the fabric manager may still make the change")
+        assert f"run the same command with --request-id {used} to get its outcome" in err
+
+    def test_a_remote_recompose_names_the_request_id(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, served: Served
+    ) -> None:
+        def interrupted(self: object, *args: object, **kw: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(RemoteBackend, "recompose", interrupted)
+        code, _, err = cli(capsys, "--server", served.address, "recompose", "job", "--add", "gpu", "--request-id", "g")
+        assert code == 130 and "--request-id g to get its outcome" in err
+
+
 class TestServerOption:
     """--server goes before or after the command, beats $DISAGG_SERVER, excludes --config, and only where it applies."""
 
@@ -215,6 +286,25 @@ class TestServerOption:
     def test_empty_server(self, capsys: pytest.CaptureFixture[str]) -> None:
         code, _, err = cli(capsys, "--server", "", "ls")
         assert code == 2 and "--server needs an address" in err
+
+    @pytest.mark.parametrize(
+        ("address", "message"),
+        [
+            ("unix:", "give the socket's path"),
+            ("unix://", "give the socket's path"),
+            ("http://localhost:1", "not a URL"),
+            ("https://fm.example:443", "not a URL"),
+        ],
+    )
+    def test_an_address_that_names_no_server_is_bad_input(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, address: str, message: str
+    ) -> None:
+        """It was exit 1, a fabric manager that cannot be reached, as if the server were down."""
+        code, out, err = cli(capsys, "--server", address, "ls")
+        assert (code, out) == (2, "") and message in err
+        monkeypatch.setenv("DISAGG_SERVER", address)
+        code, out, err = cli(capsys, "ls")
+        assert (code, out) == (2, "") and "$DISAGG_SERVER" in err and message in err
 
     @pytest.mark.parametrize("command", ["demo", "plugins"])
     def test_not_for_local_commands(self, capsys: pytest.CaptureFixture[str], command: str) -> None:

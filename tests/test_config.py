@@ -120,7 +120,7 @@ class TestFileLookup:
             tmp_path,
             """
             [state]
-            ledger = "memory"
+            ledger = "sqlite"
             path = "{state_dir}/x.db"
 
             [composer]
@@ -145,7 +145,7 @@ class TestFileLookup:
             """,
         )
         state = str(tmp_path / "state")
-        assert config.ledger == "memory"
+        assert config.ledger == "sqlite"
         assert config.ledger_path == f"{state}/x.db"
         assert (config.policy, config.auto_heal, config.call_timeout_s) == ("closest", False, 5.0)
         assert isinstance(config.call_timeout_s, float)
@@ -239,6 +239,24 @@ class TestValueErrors:
         error = _error(tmp_path, MINIMAL + f"[state]\n{state}\n")
         assert error.field == field and says in error.message
 
+    @pytest.mark.parametrize(
+        ("state", "key", "ledger"),
+        [
+            ("endpoints = ['127.0.0.1:2379']", "endpoints", "etcd"),
+            ("ledger = 'sqlite'\nendpoints = ['127.0.0.1:2379']", "endpoints", "etcd"),
+            ("ledger = 'memory'\nprefix = '/disagg/'", "prefix", "etcd"),
+            ("lease_ttl_s = 3", "lease_ttl_s", "etcd"),
+            ("epoch_base = 0", "epoch_base", "etcd"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\npath = '/var/x.db'", "path", "sqlite"),
+        ],
+    )
+    def test_a_setting_of_another_ledger(self, tmp_path: Path, state: str, key: str, ledger: str) -> None:
+        """Ignored, it hid a mistake: endpoints without ledger = "etcd" ran each replica on a SQLite ledger of its
+        own, composing on the same hardware as the others."""
+        error = _error(tmp_path, MINIMAL + f"[state]\n{state}\n")
+        assert error.field == f"state.{key}"
+        assert f'[state] {key} applies to ledger = "{ledger}" only' in error.message
+
     def test_etcd_ledger(self, tmp_path: Path) -> None:
         config = _load_text(
             tmp_path, MINIMAL + "[state]\nledger = 'etcd'\nendpoints = ['127.0.0.1:2379', '127.0.0.1:2479']\n"
@@ -288,6 +306,11 @@ class TestValueErrors:
         error = _error(tmp_path, f"{key} = 1\n" + MINIMAL)
         assert error.field == key
         assert f"[{key}] must be a table" in error.message
+
+    def test_fabric_as_a_table(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, MINIMAL.replace("[[fabric]]", "[fabric]"))
+        assert error.field == "fabric"
+        assert "write each fabric as [[fabric]]" in error.message
 
     @pytest.mark.parametrize("text", ["", "fabric = []\n", "fabric = 'x'\n"])
     def test_no_fabric(self, tmp_path: Path, text: str) -> None:
@@ -385,6 +408,17 @@ class TestBuildErrors:
         assert info.value.field == "composer.policy"
         assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: [composer] policy: ")
         assert "'tightest'" in info.value.message and "best-fit" in info.value.message
+
+    def test_a_ledger_that_cannot_be_opened(self, tmp_path: Path) -> None:
+        """Found only when the ledger is opened, the path is a setting of the file: the error names both."""
+        blocker = tmp_path / "not-a-directory"
+        blocker.write_text("")
+        text = MINIMAL + f"options = {{ topology = 'demo-pcie' }}\n[state]\npath = '{blocker}/ledger.db'\n"
+        config = _load_text(tmp_path, text)
+        with pytest.raises(ConfigError) as info:
+            build_composer(config)
+        assert info.value.field == "state.path"
+        assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: [state] path: cannot open the ledger")
 
     def test_bad_driver_option(self, tmp_path: Path) -> None:
         config = _load_text(tmp_path, MINIMAL + "options = { bogus = 1 }\n")

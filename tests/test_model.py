@@ -239,6 +239,69 @@ class TestResourceRequest:
         assert not r.matches(_gpu(model="H100", attributes={"gpu_memory": 141 * GiB}).attribute)
 
 
+class TestWireLimits:
+    """A request's numbers are held to the proto fields that carry them, so that a request the local composer takes
+    (built in Python, from text or from a document) is one a client can send to a server."""
+
+    def test_the_limits_are_the_proto_field_types(self) -> None:
+        from disagg.fabric.v1 import fabric_manager_pb2 as fm
+        from disagg.fabric.v1 import types_pb2 as pb
+        from disagg.model.composition import MAX_BYTES, MAX_COUNT, MAX_LATENCY_NS, SELECTOR_INT_RANGE
+        from google.protobuf.descriptor import FieldDescriptor as F
+
+        def kind(message: object, name: str) -> int:
+            return int(message.DESCRIPTOR.fields_by_name[name].type)  # type: ignore[attr-defined]
+
+        bits = {F.TYPE_UINT32: range(2**32), F.TYPE_UINT64: range(2**64), F.TYPE_INT64: range(-(2**63), 2**63)}
+        assert bits[kind(fm.ResourceRequest, "count")] == range(MAX_COUNT + 1)
+        assert bits[kind(fm.HostRequest, "min_cores")] == range(MAX_COUNT + 1)
+        assert bits[kind(fm.ResourceRequest, "amount_bytes")] == range(MAX_BYTES + 1)
+        assert bits[kind(fm.HostRequest, "min_memory_bytes")] == range(MAX_BYTES + 1)
+        assert bits[kind(fm.ResourceRequest, "max_latency_ns")] == range(MAX_LATENCY_NS + 1)
+        assert bits[kind(pb.AttributeValue, "int_value")] == SELECTOR_INT_RANGE
+
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {"kind": DeviceKind.GPU, "count": 2**32},
+            {"kind": DeviceKind.CXL_MEMORY, "amount_bytes": 2**64},
+            {"kind": DeviceKind.GPU, "count": 1, "max_latency_ns": 2**64},
+        ],
+    )
+    def test_resource_request(self, fields: dict[str, object]) -> None:
+        with pytest.raises(ValueError, match="more than the most a request may give"):
+            ResourceRequest(**fields)  # type: ignore[arg-type]
+
+    def test_resource_request_at_the_limits(self) -> None:
+        assert ResourceRequest(DeviceKind.GPU, count=2**32 - 1, max_latency_ns=2**64 - 1).count == 2**32 - 1
+        assert ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=2**64 - 1).carved
+
+    @pytest.mark.parametrize("fields", [{"min_cores": 2**32}, {"min_memory_bytes": 2**64}])
+    def test_host_request(self, fields: dict[str, int]) -> None:
+        with pytest.raises(ValueError, match="more than the most a request may give"):
+            HostRequest(**fields)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("fields", [{"min_cores": -1}, {"min_memory_bytes": -1}])
+    def test_host_request_negative(self, fields: dict[str, int]) -> None:
+        with pytest.raises(ValueError, match="must not be negative"):
+            HostRequest(**fields)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30])
+    def test_selector(self, value: int) -> None:
+        with pytest.raises(ValueError):
+            Selector("k", SelectorOp.GE, value)
+
+    @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+    def test_a_selector_that_is_no_finite_number_still_loads(self, value: float) -> None:
+        """Refused where requests are read (the text and document forms, the wire), not by the model: a ledger
+        written before may hold one."""
+        assert Selector("k", SelectorOp.GE, value).key == "k"
+
+    @pytest.mark.parametrize("value", [2**63 - 1, -(2**63), 1.5, True, "x" * 300])
+    def test_selector_in_range(self, value: int | float | bool | str) -> None:
+        assert Selector("k", SelectorOp.GE, value).value == value
+
+
 class TestCompositionRequest:
     """A composition request needs a name and at least one resource; its host defaults to any host."""
 

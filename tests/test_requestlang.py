@@ -74,8 +74,30 @@ class TestParseSelector:
     def test_spaces_around_operator(self) -> None:
         assert parse_selector("model = H200") == Selector("model", SelectorOp.EQ, "H200")
 
-    @pytest.mark.parametrize(("text", "value"), [("model==H200", "=H200"), ("model=>3", ">3")])
-    def test_operator_characters_in_the_value(self, text: str, value: str) -> None:
+    @pytest.mark.parametrize(
+        ("text", "meant"),
+        [
+            ("model==H200", "model=H200"),
+            ("gpu_memory=>80GiB", "gpu_memory>=80GiB"),
+            ("gpu_memory=<80GiB", "gpu_memory<=80GiB"),
+            ("model<>H200", "model!=H200"),
+            ("model!==H200", "model!=H200"),
+        ],
+    )
+    def test_an_operator_from_another_language_is_refused(self, text: str, meant: str) -> None:
+        """Read as an operator and a value starting with the rest, it compared with text no device has: a request
+        that could not fit, where the docs promise a refused one."""
+        with pytest.raises(InvalidRequestError, match=f"is not an operator \\(write {meant}\\)") as info:
+            parse_selector(text, field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    @pytest.mark.parametrize("text", ["k>>3", "k=!=3", "k<<3"])
+    def test_any_operator_character_starting_a_value_is_refused(self, text: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not an operator"):
+            parse_selector(text)
+
+    @pytest.mark.parametrize(("text", "value"), [('model="=H200"', "=H200"), ("model='>3'", ">3")])
+    def test_a_quoted_value_may_start_with_an_operator_character(self, text: str, value: str) -> None:
         assert parse_selector(text) == Selector("model", SelectorOp.EQ, value)
 
     @pytest.mark.parametrize("text", ["model", "=H200", "1abc=2", "model=", "model =  ", "-x=1"])
@@ -119,7 +141,12 @@ class TestParseHost:
             ("host cores>=1.5", "cores must be a whole number"),
             ("host cores>=true", "cores must be a whole number"),
             ("host memory>=lots", "is not a size"),
-            ("host memory>=0", "is not a size"),
+            ("host memory>=-1", "is not a size"),
+            ("host memory>=8Gi", "is not a size"),
+            ("host cores>=8 cores>=16", "cores is given twice"),
+            ("host memory>=1GiB memory>=2GiB", "memory is given twice"),
+            ("host cores>=4294967296", "most a request may give"),
+            ("host memory>=16384PiB", "most a request may give"),
             ("host memory>=true", "is not a size"),
             ("host h3 h4", "'h4' is not a selector"),
             ("host rack='r1", "cannot read"),
@@ -611,3 +638,131 @@ class TestMistakesAreRefused:
         assert not Selector("sockets", SelectorOp.EQ, True).matches(1)
         assert Selector("sockets", SelectorOp.NE, True).matches(1)
         assert Selector("sockets", SelectorOp.EQ, True).matches(True)
+
+
+class TestNumbersTheWireCarries:
+    """A count, amount, latency bound or selector number the protocol cannot carry is refused however the request
+    is written: with --server it crashed the client building the message, while the local composer answered."""
+
+    @pytest.mark.parametrize(
+        ("clause", "message"),
+        [
+            ("gpu x4294967296", "a count of 4294967296"),
+            ("gpu x99999999999999999999", "a count of"),
+            ("cxl 16384PiB", "an amount of bytes"),
+            ("cxl 99999999999PiB", "an amount of bytes"),
+            ("gpu latency<=18446744073710ms", "a latency bound"),
+            ("gpu k>=9223372036854775808", "beyond the whole numbers"),
+            ("gpu k>=-9223372036854775809", "beyond the whole numbers"),
+            ("gpu k>=99999999999999999999999999", "beyond the whole numbers"),
+            ("gpu k>=" + "9" * 400 + ".0", "not a number a device can have"),
+            ("host k!=9223372036854775808; gpu", "beyond the whole numbers"),
+            ("host cores>=4294967296; gpu", "a minimum of cores"),
+            ("host memory>=16384PiB; gpu", "a minimum of memory"),
+        ],
+    )
+    def test_text(self, clause: str, message: str) -> None:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            parse_request("t", [clause])
+        assert info.value.field.startswith("clauses[")
+
+    def test_the_limits_themselves_are_taken(self) -> None:
+        req = parse_request(
+            "t",
+            [
+                "host cores>=4294967295 memory>=18446744073709551615",
+                "gpu x4294967295 k>=9223372036854775807 j>=-9223372036854775808",
+                "gpu latency<=18446744073709551615ns",
+                "cxl 18446744073709551615B",
+            ],
+        )
+        assert req.host.min_cores == 2**32 - 1 and req.host.min_memory_bytes == 2**64 - 1
+        assert req.resources[0].count == 2**32 - 1
+        assert [s.value for s in req.resources[0].selectors] == [2**63 - 1, -(2**63)]
+        assert req.resources[1].max_latency_ns == 2**64 - 1
+        assert req.resources[2].amount_bytes == 2**64 - 1
+
+    @pytest.mark.parametrize(
+        ("resource", "field"),
+        [
+            ({"kind": "gpu", "count": 2**32}, "resource[0]"),
+            ({"kind": "cxl", "amount": 2**64}, "resource[0]"),
+            ({"kind": "cxl", "amount": "16384PiB"}, "resource[0]"),
+            ({"kind": "gpu", "max_latency": 2**64}, "resource[0]"),
+            ({"kind": "gpu", "max_latency": "18446744073710ms"}, "resource[0]"),
+            ({"kind": "gpu", "selectors": [f"k>={2**63}"]}, "resource[0].selectors[0]"),
+        ],
+    )
+    def test_documents(self, resource: dict[str, Any], field: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            request_from_document({"name": "t", "resource": [resource]})
+        assert info.value.field == field
+
+    @pytest.mark.parametrize(("host", "field"), [({"min_cores": 2**32}, "host"), ({"min_memory": 2**64}, "host")])
+    def test_host_documents(self, host: dict[str, Any], field: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            request_from_document({"name": "t", "host": host, "resource": [{"kind": "gpu"}]})
+        assert info.value.field == field
+
+
+class TestEachModifierOnce:
+    """A modifier given twice in one clause is refused: the last one silently won."""
+
+    @pytest.mark.parametrize(
+        ("clause", "modifier"),
+        [
+            ("gpu x2 spread=chassis spread=rack", "spread"),
+            ("gpu x2 latency<=600ns latency<=500ns", "latency"),
+            ("gpu x2 latency<600ns latency<=500ns", "latency"),
+            ("gpu x2 same-switch affinity=same-switch", "same-switch"),
+        ],
+    )
+    def test_resource(self, clause: str, modifier: str) -> None:
+        with pytest.raises(InvalidRequestError, match=f"{modifier} is given twice") as info:
+            parse_resource(clause, field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    def test_host_minimums_at_zero_ask_nothing(self) -> None:
+        """``memory>=0`` was refused as "not a size", while ``cores>=0`` and a document's ``min_memory = 0`` are
+        taken: both are now no minimum."""
+        assert parse_host("host cores>=0 memory>=0") == HostRequest()
+
+
+class TestLatencyMeansWhatIsWritten:
+    """A latency bound is a whole number of ns: a fraction was rounded, so ``latency<=349.5ns`` admitted a 350 ns
+    device, and ``latency<1.5ns`` became ``<=1``."""
+
+    @pytest.mark.parametrize("clause", ["gpu latency<=349.5ns", "gpu latency<=1.5ns", "gpu latency<2.5ns"])
+    def test_a_fraction_of_a_ns_is_refused(self, clause: str) -> None:
+        with pytest.raises(InvalidRequestError, match="not a whole number of ns") as info:
+            parse_resource(clause, field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    @pytest.mark.parametrize(
+        ("clause", "ns"), [("gpu latency<=1.5us", 1500), ("gpu latency<1.5us", 1499), ("gpu latency<0.35us", 349)]
+    )
+    def test_a_fraction_of_a_larger_unit_is_exact(self, clause: str, ns: int) -> None:
+        assert parse_resource(clause).max_latency_ns == ns
+
+    def test_documents(self) -> None:
+        with pytest.raises(InvalidRequestError, match="not a whole number of ns") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "gpu", "max_latency": "349.5ns"}]})
+        assert info.value.field == "resource[0].max_latency"
+
+
+class TestClippedSizes:
+    """A size whose B was left out (``80G``, ``80Gi``) is refused rather than compared as text."""
+
+    @pytest.mark.parametrize(
+        ("clause", "unit"), [("gpu gpu_memory>=80Gi", "80GiB"), ("gpu gpu_memory<1.5ti", "1.5tiB")]
+    )
+    def test_binary_unit_without_its_b(self, clause: str, unit: str) -> None:
+        with pytest.raises(InvalidRequestError, match=f"unit in full, {unit}$"):
+            parse_resource(clause)
+
+
+def test_a_number_too_large_to_be_finite_is_refused() -> None:
+    """Four hundred nines and a point read as infinity, which the wire refuses: refused here, as the model no
+    longer does (a ledger may hold one)."""
+    with pytest.raises(InvalidRequestError, match="is not a number a device can have"):
+        parse_resource("gpu score>=" + "9" * 400 + ".0")

@@ -87,6 +87,15 @@ class TestParseLatency:
         with pytest.raises(ValueError, match="latency must not be negative: -5"):
             parse_latency(-5)
 
+    @pytest.mark.parametrize("text", ["1.5ns", "349.5ns", "0.4ns", "0.0015us", "0.0000005ms"])
+    def test_a_fraction_of_a_ns_is_refused(self, text: str) -> None:
+        """As a fraction of a byte is: rounded, a bound of 349.5 ns admitted a device 350 ns away."""
+        with pytest.raises(ValueError, match=f"latency {text!r} is not a whole number of ns"):
+            parse_latency(text)
+
+    def test_exact_without_float_rounding(self) -> None:
+        assert parse_latency("4.35us") == 4350 and parse_latency("0.000001ms") == 1
+
     @pytest.mark.parametrize("text", ["", "fast", "1s", "-5ns", "5 GiB", "ns"])
     def test_not_a_latency(self, text: str) -> None:
         with pytest.raises(ValueError) as info:

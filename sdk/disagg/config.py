@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 CONFIG_ENV = "DISAGG_CONFIG"
 STATE_DIR_ENV = "DISAGG_STATE_DIR"
 LEDGERS = ("sqlite", "memory", "etcd")
+LEDGER_KEYS = {
+    "path": ("sqlite", "memory"),
+    "endpoints": ("etcd",),
+    "prefix": ("etcd",),
+    "lease_ttl_s": ("etcd",),
+    "epoch_base": ("etcd",),
+}
+"""The ``[state]`` keys that only some ledgers read. One given to another is refused: an operator who leaves out
+``ledger = "etcd"`` beside ``endpoints`` would otherwise run each replica on a private SQLite ledger. ``path``
+is let be with ``memory``, which a document may switch to without dropping it (``bench/compose_loop.py``)."""
 
 
 @attrs.frozen
@@ -107,6 +117,13 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise ConfigError(
             f"{source}: [state] ledger must be one of {', '.join(LEDGERS)}, not {ledger!r}", field="state.ledger"
         )
+    for key, ledgers in LEDGER_KEYS.items():
+        if key in state and ledger not in ledgers:
+            raise ConfigError(
+                f'{source}: [state] {key} applies to ledger = "{ledgers[0]}" only, and the ledger is {ledger!r}'
+                f'{" (the default)" if "ledger" not in state else ""}: set ledger = "{ledgers[0]}" or remove {key}',
+                field=f"state.{key}",
+            )
     path = state.get("path", str(state_dir(environ) / "ledger.db"))
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{source}: [state] path must be the ledger file's path, as text", field="state.path")
@@ -146,6 +163,8 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     if not isinstance(auto_heal, bool):
         raise ConfigError(f"{source}: [composer] auto_heal must be true or false", field="composer.auto_heal")
     fabrics_doc = doc.get("fabric", [])
+    if isinstance(fabrics_doc, Mapping):
+        raise ConfigError(f"{source}: write each fabric as [[fabric]] (a list of tables), not [fabric]", field="fabric")
     if not isinstance(fabrics_doc, list) or not fabrics_doc:
         raise ConfigError(f"{source}: at least one [[fabric]] is needed", field="fabric")
     fabrics = []
@@ -263,7 +282,16 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
             write_patience_s=etcd.write_patience(config.lease_ttl_s),
         )
     else:
-        store = SqliteStore(config.ledger_path)
+        try:
+            store = SqliteStore(config.ledger_path)
+        except BaseException as exc:
+            for f in fabrics.values():
+                f.close()
+            if isinstance(exc, ConfigError):  # the ledger's path is a setting of this file: say which
+                raise ConfigError(
+                    f"{config.source}: [state] path: {exc.message}", field="state.path", metadata=exc.metadata
+                ) from exc
+            raise
     return FabricComposer(
         fabrics, policy=policy, store=store, auto_heal=config.auto_heal, call_timeout_s=config.call_timeout_s
     )

@@ -10,6 +10,7 @@ A document carries the same fields by name (see ``docs/request-language.md``).
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -36,8 +37,11 @@ _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
 _COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
 T = TypeVar("T")
-_CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]", flags=re.IGNORECASE)
-"""``80G``: a size whose B was left out."""
+_CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]i?", flags=re.IGNORECASE)
+"""``80G`` or ``80Gi``: a size whose B was left out."""
+_OPERATOR_TYPOS = {"==": "=", "=>": ">=", "=<": "<=", "<>": "!=", "=!": "!=", "!==": "!=", ">==": ">=", "<==": "<="}
+"""Operators as other languages write them, read by `_CLAUSE` as an operator and a value that starts with the
+rest, and what this language writes for each."""
 
 
 parse_value = parse_attribute_value
@@ -45,26 +49,46 @@ parse_value = parse_attribute_value
 
 
 def parse_selector(text: str, field: str = "selector") -> Selector:
+    key, op, value = _selector_parts(text, field)
+    try:
+        selector = Selector(key, op, value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
+    if isinstance(value, str) and op not in (SelectorOp.EQ, SelectorOp.NE) and _CLIPPED_SIZE.fullmatch(value):
+        # As text it would be compared with the attribute's bytes and match nothing, silently.
+        unit = f"{value}B" if value[-1] in "iI" else f"{value}B or {value}iB"
+        raise InvalidRequestError(f"{text!r}: a size needs its unit in full, {unit}", field=field)
+    return selector
+
+
+def _selector_parts(text: str, field: str) -> tuple[str, SelectorOp, AttributeValue]:
+    """A selector's key, operator and value, the value not yet held to a selector's range: a host's ``cores``
+    and ``memory`` minimums have their own."""
     if not isinstance(text, str):
         raise InvalidRequestError(f"{text!r} is not a selector: write it as text, key=value", field=field)
     match = _CLAUSE.match(text.strip())
     if not match:
         raise InvalidRequestError(f"{text!r} is not a selector (write key=value, key>=value, ...)", field=field)
     key, op, value = match.groups()
+    if value[0] in "=<>!":
+        # ``model==H200`` would compare with the text "=H200" and match nothing, silently.
+        raise InvalidRequestError(_operator_typo(text, key, op, value), field=field)
     try:
-        selector = Selector(key, _OPS[op], parse_value(value))
+        parsed = parse_value(value)
     except ValueError as exc:
         raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
-    if (
-        isinstance(selector.value, str)
-        and selector.op not in (SelectorOp.EQ, SelectorOp.NE)
-        and _CLIPPED_SIZE.fullmatch(selector.value)
-    ):
-        # As text it would be compared with the attribute's bytes and match nothing, silently.
-        raise InvalidRequestError(
-            f"{text!r}: a size needs its unit in full, {selector.value}B or {selector.value}iB", field=field
-        )
-    return selector
+    if isinstance(parsed, float) and not math.isfinite(parsed):  # 400 nines and a point: the wire refuses it
+        raise InvalidRequestError(f"{text!r}: {value} is not a number a device can have", field=field)
+    return key, _OPS[op], parsed
+
+
+def _operator_typo(text: str, key: str, op: str, value: str) -> str:
+    """Why a value that starts with an operator's character is refused, with the selector likely meant."""
+    rest = value.lstrip("=<>!")
+    typed = op + value[: len(value) - len(rest)]
+    meant = _OPERATOR_TYPOS.get(typed)
+    hint = f"write {key}{meant}{rest}" if meant else "the operators are =, !=, >=, <=, > and <"
+    return f"{text!r}: {typed!r} is not an operator ({hint})"
 
 
 def _tokens(text: str, field: str) -> list[str]:
@@ -85,23 +109,42 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
         name, tokens = tokens[0], tokens[1:]
     cores = memory = 0
     selectors = []
+    seen: set[str] = set()
     for tok in tokens:
-        sel = parse_selector(tok, field)
-        if sel.key in ("cores", "memory") and sel.op is not SelectorOp.GE:
-            raise InvalidRequestError(f"{tok!r}: write {sel.key}>=VALUE for a host minimum", field=field)
-        if sel.key == "cores":
-            if not isinstance(sel.value, int) or isinstance(sel.value, bool) or sel.value < 0:
-                raise InvalidRequestError(f"{tok!r}: cores must be a whole number", field=field)
-            cores = sel.value
-        elif sel.key == "memory":
-            memory = _size(sel.value, tok, field)
+        key, op, value = _selector_parts(tok, field)
+        if key not in ("cores", "memory"):
+            selectors.append(parse_selector(tok, field))
+            continue
+        if op is not SelectorOp.GE:
+            raise InvalidRequestError(f"{tok!r}: write {key}>=VALUE for a host minimum", field=field)
+        _once(key, seen, tok, field)
+        if key == "memory":
+            memory = _size(value, tok, field)
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidRequestError(f"{tok!r}: cores must be a whole number", field=field)
         else:
-            selectors.append(sel)
-    return HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=tuple(selectors))
+            cores = value
+    return _host(name, cores, memory, tuple(selectors), field)
+
+
+def _host(name: str | None, cores: int, memory: int, selectors: tuple[Selector, ...], field: str) -> HostRequest:
+    """The host request, a minimum the wire cannot carry refused as the request's mistake."""
+    try:
+        return HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=selectors)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), field=field) from exc
+
+
+def _once(modifier: str, seen: set[str], token: str, field: str) -> None:
+    """Refuse a modifier given twice in one clause (``spread=chassis spread=rack``): the last would silently win."""
+    if modifier in seen:
+        raise InvalidRequestError(f"{token!r}: {modifier} is given twice in one clause; give it once", field=field)
+    seen.add(modifier)
 
 
 def _size(value: AttributeValue, token: str, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    """A host's least memory; ``memory>=0`` is no minimum, as ``cores>=0`` and a document's ``min_memory = 0``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidRequestError(f"{token!r} is not a size (write e.g. 512GiB)", field=field)
     return value
 
@@ -121,6 +164,7 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
     affinity = Affinity.NONE
     spread: str | None = None
     selectors: list[Selector] = []
+    seen: set[str] = set()
     for tok in tokens[1:]:
         count_match = _COUNT.match(tok)
         if count_match and count is None and amount is None:
@@ -128,12 +172,15 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             if count == 0:
                 raise InvalidRequestError(f"{tok!r}: a count must be at least 1", field=field)
         elif tok in ("same-switch", "affinity=same-switch"):
+            _once("same-switch", seen, tok, field)
             affinity = Affinity.SAME_SWITCH
         elif tok.startswith("spread="):
+            _once("spread", seen, tok, field)
             spread = tok.split("=", 1)[1]
             if not spread:
                 raise InvalidRequestError("spread= needs a failure-domain label", field=field)
         elif tok.startswith(("latency<=", "latency<")):
+            _once("latency", seen, tok, field)
             strict = not tok.startswith("latency<=")
             try:
                 latency = parse_latency(tok.split("<", 1)[1].lstrip("=")) - strict
@@ -282,7 +329,7 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
             raise InvalidRequestError(
                 f"{sel}: a host minimum is min_{sel.key} in a document, not a selector", field=f"host.selectors[{n}]"
             )
-    return HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=selectors)
+    return _host(name, cores, memory, selectors, "host")
 
 
 def _resource_from_document(doc: Any, field: str) -> ResourceRequest:

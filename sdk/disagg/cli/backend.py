@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Protocol, Self
 
@@ -116,6 +117,10 @@ class RemoteBackend(FabricManagerClient):
             raise NotFoundError("composition", key) from None
 
 
+_URL = re.compile(r"(?:https?|grpcs?)://", flags=re.IGNORECASE)
+"""A web or gRPC URL: gRPC takes neither scheme, and would report a failed name lookup, as if the server were down."""
+
+
 def server_address(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> str | None:
     """The fabric manager to drive: ``--server``, else ``$DISAGG_SERVER`` unless ``--config`` was given;
     None to compose locally."""
@@ -126,7 +131,19 @@ def server_address(args: argparse.Namespace, environ: Mapping[str, str] | None =
             raise InvalidRequestError("--server needs an address such as unix:/run/disagg.sock", field="server")
         if getattr(args, "config", None):
             raise InvalidRequestError("give --server or --config, not both", field="server")
-        return explicit
+        return _checked(explicit, "--server")
     if getattr(args, "config", None):
         return None
-    return env.get(SERVER_ENV) or None
+    address = env.get(SERVER_ENV) or None
+    return None if address is None else _checked(address, f"${SERVER_ENV}")
+
+
+def _checked(address: str, where: str) -> str:
+    """Refuse an address that cannot name a server as bad input (exit 2), not as a server that is down (exit 1)."""
+    if address.rstrip("/") == "unix:":
+        raise InvalidRequestError(f"{where} {address!r}: give the socket's path, unix:/path/to/socket", field="server")
+    if _URL.match(address):
+        raise InvalidRequestError(
+            f"{where} {address!r}: give HOST:PORT or unix:/path/to/socket, not a URL", field="server"
+        )
+    return address

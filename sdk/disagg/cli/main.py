@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import tomllib
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,9 +33,10 @@ from disagg.errors import (
     NoFitError,
     NotFoundError,
 )
-from disagg.model import ComposeMode, CompositionRequest, DeviceKind, format_size
+from disagg.model import ComposeMode, CompositionRequest, DeviceKind, format_size, parse_size
 from disagg.plugins import load_plugins
 from disagg.requestlang import parse_request, parse_resource, request_from_document
+from disagg.wire.fabric import check_id
 
 EXIT_CODES: tuple[tuple[type[DisaggError], int], ...] = (
     (InvalidRequestError, 2),
@@ -57,6 +59,7 @@ def _composer(args: argparse.Namespace) -> Backend:
     address = server_address(args)
     timeout = getattr(args, "timeout", None)
     if address is not None:
+        args.remote = True  # for the message of an interrupt
         return RemoteBackend(address) if timeout is None else RemoteBackend(address, timeout_s=timeout)
     if timeout is not None:
         raise InvalidRequestError("--timeout applies with --server only: a local composer has no calls to time")
@@ -195,7 +198,7 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
         path = Path(args.file)
         try:
             text = path.read_text()
-            doc = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+            doc = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
         except FileNotFoundError:
             raise InvalidRequestError(f"request file {path} does not exist", field="file") from None
         except (OSError, ValueError) as exc:
@@ -213,15 +216,31 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
     return parse_request(args.name, args.clauses)
 
 
+def _check_request_id(args: argparse.Namespace) -> None:
+    """Hold ``--request-id`` to the server's rule (1 to 128 printable characters, no spaces) whichever backend
+    runs the command, so that an id the one takes the other takes too."""
+    if args.request_id is not None:
+        check_id(args.request_id, "--request-id")
+
+
+def _request_id(args: argparse.Namespace) -> str | None:
+    """``--request-id``; with ``--server`` and none given, one made here rather than by the client, so that an
+    interrupt can name it (see `_interrupted`)."""
+    if args.request_id is None and getattr(args, "remote", False):
+        args.request_id = uuid.uuid4().hex
+    request_id: str | None = args.request_id
+    return request_id
+
+
 def cmd_compose(args: argparse.Namespace) -> int:
     request = _request(args)
+    _check_request_id(args)
     mode = (
         ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve is not None else ComposeMode.APPLY
     )
     with _composer(args) as composer:
-        result = composer.compose(
-            request, mode, reservation_ttl_s=args.reserve or 60.0, request_id=args.request_id or None
-        )
+        request_id = None if mode is ComposeMode.PREVIEW and args.request_id is None else _request_id(args)
+        result = composer.compose(request, mode, reservation_ttl_s=args.reserve or 60.0, request_id=request_id)
         if args.json:
             render.emit_json(result)
             return 0
@@ -241,9 +260,10 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
 def cmd_recompose(args: argparse.Namespace) -> int:
     add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(args.add)]
+    _check_request_id(args)
     with _composer(args) as composer:
         comp = composer.recompose(
-            args.composition, add=add, remove=args.remove, expected_etag=args.etag, request_id=args.request_id or None
+            args.composition, add=add, remove=args.remove, expected_etag=args.etag, request_id=_request_id(args)
         )
         if args.json:
             render.emit_json(comp)
@@ -288,12 +308,28 @@ def cmd_decompose(args: argparse.Namespace) -> int:
         return 0
 
 
+def _memory(text: str) -> str:
+    """``--memory``: a size with its unit (``256MiB``), kept as written; anything else is refused, a count
+    (``x8``, ``8``) included: on the resource line it becomes, that asks for whole memory devices."""
+    try:
+        if not text.strip().isdigit() and parse_size(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise InvalidRequestError(
+        f"--memory {text!r} is not a size of memory (write it with its unit, e.g. 256MiB)", field="memory"
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.fabric:
-        from disagg.cli.demo_driver import run_driver_demo
+        from disagg.cli.demo_driver import DEFAULT_MEMORY, run_driver_demo
 
         config = load_config(args.config) if args.config else None
-        return run_driver_demo(args.fabric, config=config, memory=args.memory, keep=args.keep, json_output=args.json)
+        memory = DEFAULT_MEMORY if args.memory is None else _memory(args.memory)
+        return run_driver_demo(args.fabric, config=config, memory=memory, keep=args.keep, json_output=args.json)
+    if args.memory is not None or args.keep:
+        raise InvalidRequestError("--memory and --keep apply with --fabric only", field="fabric")
     from disagg.cli.demo import run_demo
 
     return run_demo(json_output=args.json)
@@ -331,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: compose from one driver's fabric (the one --config gives it, else its certification "
         "fabric) and show what the driver reports",
     )
-    p.add_argument("--memory", default="256MiB", help="with --fabric: the CXL memory to compose (default 256MiB)")
+    p.add_argument("--memory", help="with --fabric: the CXL memory to compose, a size (default 256MiB)")
     p.add_argument(
         "--keep", action="store_true", help="with --fabric: leave the composition on the hardware, to look at"
     )
@@ -396,7 +432,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return exit_code(exc)
     except KeyboardInterrupt:
+        print(_interrupted(args), file=sys.stderr)
         return 130
+
+
+CHANGES = frozenset({"compose", "recompose", "decompose"})
+"""The commands that change compositions: an interrupt may leave one half made."""
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupt (Ctrl-C) stopped and what becomes of it: a local change is left COMPOSING or
+    DECOMPOSING in the ledger, and the next command to open it (or ``disagg serve``) finishes or undoes it; a
+    remote one goes on at the server, and the same command with its request id gets the outcome."""
+    subject = getattr(args, "name", None) or getattr(args, "composition", None) or getattr(args, "compositions", None)
+    what = f"disagg: interrupted: {args.command}"
+    if subject:
+        what += " " + (subject if isinstance(subject, str) else " ".join(subject))
+    if args.command not in CHANGES or getattr(args, "preview", False):
+        return f"{what} (it changes nothing)" if args.command in CHANGES else what
+    if getattr(args, "remote", False):
+        request_id = getattr(args, "request_id", None)
+        if request_id:
+            return (
+                f"{what}: the fabric manager may still make the change; run the same command with --request-id "
+                f"{request_id} to get its outcome (it is not made twice)"
+            )
+        return f"{what}: the fabric manager may still make the change; run ls to see where it stands"
+    return (
+        f"{what}: the change may be half made; the next disagg command on this ledger (or disagg serve) finishes "
+        "or undoes it, and ls then shows the outcome"
+    )
 
 
 if __name__ == "__main__":

@@ -63,13 +63,39 @@ _COMPARE: dict[SelectorOp, Callable[[Any, Any], Any]] = {
 }
 
 
+MAX_COUNT = 2**32 - 1
+"""The most devices one resource line may ask for: the wire's ``uint32 count`` (and ``min_cores``)."""
+MAX_BYTES = 2**64 - 1
+"""The largest amount, in bytes, a request may give: the wire's ``uint64 amount_bytes``."""
+MAX_LATENCY_NS = 2**64 - 1
+"""The largest latency bound, in nanoseconds: the wire's ``uint64 max_latency_ns``."""
+SELECTOR_INT_RANGE = range(-(2**63), 2**63)
+"""The whole numbers a selector may compare with: the wire's ``int64 int_value``."""
+
+
+def _limit(value: int, most: int, what: str) -> None:
+    """Refuse ``value`` above ``most``, so that a request the local composer takes is one the wire carries."""
+    if value > most:
+        raise ValueError(f"{what} {value} is more than the most a request may give, {most}")
+
+
 @attrs.frozen
 class Selector:
-    """A test on one attribute: ``model = H200``, ``gpu_memory >= 80 GiB``."""
+    """A test on one attribute: ``model = H200``, ``gpu_memory >= 80 GiB``. A whole number beyond int64 is
+    refused: the wire cannot carry it. (A number that is not finite is refused where requests are read, the text
+    and document forms and the wire, not here: a ledger written before may hold one, and must still load.)"""
 
     key: str
     op: SelectorOp
     value: AttributeValue
+
+    def __attrs_post_init__(self) -> None:
+        value = self.value
+        if isinstance(value, int) and not isinstance(value, bool) and value not in SELECTOR_INT_RANGE:
+            raise ValueError(
+                f"{value} is beyond the whole numbers a selector compares with, "
+                f"{SELECTOR_INT_RANGE.start} to {SELECTOR_INT_RANGE.stop - 1}"
+            )
 
     def matches(self, actual: AttributeValue | None) -> bool:
         if actual is None:
@@ -146,6 +172,10 @@ class ResourceRequest:
             raise ValueError(f"an amount of bytes can only be carved from cxl-memory, not {self.kind.value}")
         if self.max_latency_ns is not None and self.max_latency_ns < 0:
             raise ValueError("max latency must not be negative")
+        _limit(self.count, MAX_COUNT, "a count of")
+        _limit(self.amount_bytes, MAX_BYTES, "an amount of bytes")
+        if self.max_latency_ns is not None:
+            _limit(self.max_latency_ns, MAX_LATENCY_NS, "a latency bound in ns")
 
     @property
     def carved(self) -> bool:
@@ -163,6 +193,12 @@ class HostRequest:
     min_cores: int = 0
     min_memory_bytes: int = 0
     selectors: tuple[Selector, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_cores < 0 or self.min_memory_bytes < 0:
+            raise ValueError("a host's minimum cores and memory must not be negative")
+        _limit(self.min_cores, MAX_COUNT, "a minimum of cores")
+        _limit(self.min_memory_bytes, MAX_BYTES, "a minimum of memory in bytes")
 
 
 @attrs.frozen

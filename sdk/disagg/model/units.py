@@ -51,7 +51,8 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_latency(text: str | int) -> int:
-    """Nanoseconds from ``600ns``, ``1.2us``, ``2ms`` or a plain integer (nanoseconds)."""
+    """Nanoseconds from ``600ns``, ``1.2us``, ``2ms`` or a plain integer (nanoseconds). A fraction of a ns is
+    refused, as a fraction of a byte is: rounded, ``latency<=349.5ns`` would admit a 350 ns device."""
     _check_type(text, "latency")
     if isinstance(text, int):
         if text < 0:
@@ -60,7 +61,7 @@ def parse_latency(text: str | int) -> int:
     match = _NUMBER.match(text)
     if not match or match.group(2).lower() not in _LATENCY_UNITS:
         raise ValueError(f"not a latency: {text!r} (use a number with ns, us or ms)")
-    return round(float(match.group(1)) * _LATENCY_UNITS[match.group(2).lower()])
+    return _whole(match.group(1), _LATENCY_UNITS[match.group(2).lower()], text, "latency")
 
 
 def format_size(nbytes: int) -> str:
