@@ -10,11 +10,19 @@ from pathlib import Path
 
 import grpc
 import pytest
+from disagg.client import FabricManagerClient
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
-from disagg.wire.fabric import MAX_RESOURCES, MAX_SELECTOR_VALUE, MAX_SELECTORS, selector_from_wire
-from server_helpers import Served, compose_request, fails, gpu, serving, socket_path, stream_fails
+from disagg.model import CompositionRequest, DeviceKind, ResourceRequest, Selector, SelectorOp
+from disagg.wire.fabric import (
+    MAX_RESOURCES,
+    MAX_SELECTOR_VALUE,
+    MAX_SELECTORS,
+    compose_request_from_wire,
+    selector_from_wire,
+)
+from server_helpers import WAIT_S, Served, compose_request, fails, gpu, serving, socket_path, stream_fails
 
 GRPC_MESSAGE_CAP = 4 * 1024 * 1024
 """gRPC's default receive limit, which the server keeps and a client in another language cannot raise."""
@@ -36,12 +44,31 @@ def served(tmp_path: Path) -> Iterator[Served]:
 class TestSelectorValues:
     """A selector compares with a string of at most 256 characters; a longer one is refused naming its field."""
 
-    @pytest.mark.parametrize("resource", [True, False])
-    def test_at_the_edge(self, resource: bool) -> None:
-        assert selector_from_wire(text_selector(WIDE * MAX_SELECTOR_VALUE), "s", resource=resource).value
+    def test_at_the_edge(self) -> None:
+        edge = compose_request("a", gpu(selectors=[text_selector(WIDE * MAX_SELECTOR_VALUE)]))
+        assert compose_request_from_wire(edge).resources[0].selectors[0].value == WIDE * MAX_SELECTOR_VALUE
+        over = compose_request("a", gpu(selectors=[text_selector("v" * (MAX_SELECTOR_VALUE + 1))]))
         with pytest.raises(InvalidRequestError) as info:
-            selector_from_wire(text_selector("v" * (MAX_SELECTOR_VALUE + 1)), "s", resource=resource)
-        assert info.value.field == "s.value"
+            compose_request_from_wire(over)
+        assert info.value.field == "resources[0].selectors[0].value"
+
+    def test_an_answer_holding_a_longer_one_is_read(self, served: Served) -> None:
+        """The limit is a request's: a composition made with a longer string (through the Python API, or before
+        the limit) was unreadable to every client, and one such record broke the whole listing."""
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("model", SelectorOp.NE, "x" * 300),))
+        made = served.composer.compose(CompositionRequest("long", (line,))).composition
+        assert made is not None
+        with FabricManagerClient(served.address, timeout_s=WAIT_S) as client:
+            assert client.get(made.id).resources == (line,)
+            assert [c.name for c in client.compositions()] == ["long"]
+        assert selector_from_wire(text_selector("x" * 300), "s", resource=True).value == "x" * 300
+
+    def test_an_update_adding_a_longer_one_is_refused(self, served: Served) -> None:
+        made = served.composer.compose(CompositionRequest("c", (ResourceRequest(DeviceKind.GPU, 1),))).composition
+        assert made is not None
+        long = gpu(selectors=[text_selector("v" * (MAX_SELECTOR_VALUE + 1))])
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=made.id, add=[long]))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("add[0].selectors[0].value",)
 
     def test_over_the_wire(self, served: Served) -> None:
         long = text_selector("v" * (MAX_SELECTOR_VALUE + 1))

@@ -34,6 +34,7 @@ from disagg.wire.deadlines import deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
     check_id,
+    check_selector_values,
     compose_mode_from_wire,
     compose_request_from_wire,
     composition_into,
@@ -381,6 +382,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self.check_ready()
         key = check_id(request.id, "id")
         add = resources_from_wire(request.add, "add", required=False)
+        check_selector_values(add, "add")
         remove = remove_from_wire(request.remove)
         etag = etag_from_wire(request.etag)
         request_id = check_id(request.request_id, "request_id", required=False) or None

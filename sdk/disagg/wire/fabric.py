@@ -141,8 +141,8 @@ def selector_to_wire(sel: Selector) -> fm.Selector:
 
 def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) -> Selector:
     """A selector of a host (``resource`` False) or of a resource line, refused as the text and document forms
-    refuse it (`disagg.model.selector_refusal`), and refused on a value that is not a finite number or is a
-    string longer than `MAX_SELECTOR_VALUE`."""
+    refuse it (`disagg.model.selector_refusal`), and refused on a value that is not a finite number. (The length
+    of a string value is a request's limit, `check_selector_values`: an answer may hold a longer one.)"""
     if not msg.key or len(msg.key) > MAX_NAME:
         raise InvalidRequestError(
             f"{field}.key: a selector needs a key of 1 to {MAX_NAME} characters", field=f"{field}.key"
@@ -154,12 +154,24 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
     value = attribute_from_wire(msg.value, f"{field}.value")
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequestError(f"{field}.value: {value} is not a number a device can have", field=f"{field}.value")
-    if isinstance(value, str) and len(value) > MAX_SELECTOR_VALUE:
-        raise InvalidRequestError(
-            f"{field}.value: a selector compares with a string of at most {MAX_SELECTOR_VALUE} characters",
-            field=f"{field}.value",
-        )
     return Selector(msg.key, op, value)
+
+
+def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
+    """Refuse, in a request, a selector compared with a string longer than `MAX_SELECTOR_VALUE`. Not where an
+    answer is read: a composition made before the limit (or through the Python API, which takes any) must still
+    be listed and read by every client."""
+    where = [(f"{field}[{n}].selectors", line.selectors) for n, line in enumerate(lines) if line.selectors]
+    if host is not None and host.selectors:
+        where.append(("host.selectors", host.selectors))
+    for parent, selectors in where:
+        for m, sel in enumerate(selectors):
+            if isinstance(sel.value, str) and len(sel.value) > MAX_SELECTOR_VALUE:
+                raise InvalidRequestError(
+                    f"{parent}[{m}].value: a selector compares with a string of at most {MAX_SELECTOR_VALUE} "
+                    "characters",
+                    field=f"{parent}[{m}].value",
+                )
 
 
 def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str, *, resource: bool) -> tuple[Selector, ...]:
@@ -287,11 +299,10 @@ def ttl_from_wire(value: float) -> float:
 
 
 def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
-    return CompositionRequest(
-        name=check_name(msg.name, "name"),
-        resources=resources_from_wire(msg.resources, "resources", required=True),
-        host=host_request_from_wire(msg.host),
-    )
+    resources = resources_from_wire(msg.resources, "resources", required=True)
+    host = host_request_from_wire(msg.host)
+    check_selector_values(resources, "resources", host)
+    return CompositionRequest(name=check_name(msg.name, "name"), resources=resources, host=host)
 
 
 def plan_to_wire(plan: Plan) -> fm.Plan:
