@@ -8,7 +8,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
@@ -18,6 +18,7 @@ from disagg.model import FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
+from disagg.remote.watch import EventCall
 from disagg_sim import SimFabric
 from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served
 
@@ -373,12 +374,20 @@ class TestTheSnapshot:
         assert not snapshot.apply(FabricEvent("f", FabricEventKind.LINK_UP, "c|a|b"))
         assert snapshot.apply(FabricEvent("f", FabricEventKind.LINK_DOWN, "c|a|b"))
 
-    def test_a_device_added_known_or_removed_unknown_tells_nothing(self) -> None:
-        snapshot = _Snapshot({"d": Health.OK}, {})
-        assert not snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_ADDED, "d"))
-        assert not snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_REMOVED, "e"))
-        assert snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_REMOVED, "d"))
-        assert snapshot.apply(FabricEvent("f", FabricEventKind.DEVICE_ADDED, "d"))
+    def test_a_device_added_or_removed_tells_unless_the_resync_reported_it(self) -> None:
+        """A device added that is still listed (cxl-switch keeps one surprise-removed, FAILED) is news; only the
+        stream's copy of an addition or removal the resync reported is not, and only once."""
+        added, removed = FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED
+        snapshot = _Snapshot({"d": Health.FAILED}, {})
+        assert snapshot.apply(FabricEvent("f", added, "d"))
+        assert snapshot.health["d"] is Health.FAILED  # its health event follows
+        assert snapshot.apply(FabricEvent("f", removed, "e"))
+        snapshot.reported.update({(added, "n"), (removed, "d")})
+        assert not snapshot.apply(FabricEvent("f", added, "n"))
+        assert snapshot.apply(FabricEvent("f", added, "n"))
+        assert snapshot.apply(FabricEvent("f", added, "d"))  # so the removal reported was not in the stream
+        assert snapshot.apply(FabricEvent("f", removed, "d"))
+        assert snapshot.reported == set()
 
 
 class TestAFaultDuringAReconnect:
@@ -473,3 +482,105 @@ class TestAnotherFabricAtTheAddress:
         finally:
             remote.close()
             server.stop(grace=0)
+
+
+class TestADeviceAddedThatIsStillListed:
+    """cxl-switch keeps a surprise-removed device listed, FAILED, and when it is plugged back publishes
+    DEVICE_ADDED, then DEVICE_HEALTH OK: the remote handlers got the health event only (a device added that was
+    known was taken for a copy), while the composer rebuilds the device on DEVICE_ADDED."""
+
+    def test_is_delivered_as_in_process(self, socket_dir: str) -> None:
+        sim = pcie()
+        gpu = "pcie0/gpu-a1"
+        driver = Hiding(sim)
+        local = Recorder()
+        driver.subscribe(local)
+        with watched(driver, socket_dir) as running:
+            sim.fail_device(gpu, "surprise removal")
+            running.until_seen(gpu)
+            driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="hot-add"))
+            sim.repair_device(gpu)
+            assert eventually(lambda: len(running.seen.events) == 3, WAIT_S)
+            assert [(e.kind, e.health) for e in running.seen.events] == [
+                (FabricEventKind.DEVICE_HEALTH, Health.FAILED),
+                (FabricEventKind.DEVICE_ADDED, None),
+                (FabricEventKind.DEVICE_HEALTH, Health.OK),
+            ]
+            assert running.seen.events == local.events
+
+
+def timed(call: Callable[[], None]) -> float:
+    start = time.monotonic()
+    call()
+    return time.monotonic() - start
+
+
+class TestAFaultWhileNoStreamCanConnect:
+    """A fault injected while the driver refuses the watcher's stream (its cap) or while every resync fails
+    waited the full 5 s for events that cannot come, every time; it returns once an attempt to connect fails."""
+
+    def test_a_refused_stream(self) -> None:
+        with served(pcie(), "unix") as server:
+            others = [RemoteFabric("pcie0", server.address) for _ in range(MAX_STREAMS)]
+            refused = RemoteFabric("pcie0", server.address, connect_timeout_s=0.5)
+            try:
+                for other in others:
+                    other.subscribe(Recorder())
+                refused.subscribe(Recorder())
+                assert timed(lambda: refused.fail_device("pcie0/gpu-a0")) < 1.0
+                assert timed(lambda: refused.repair_device("pcie0/gpu-a0")) < 1.0
+            finally:
+                refused.close()
+                for other in others:
+                    other.close()
+
+    def test_a_resync_that_keeps_failing(self, socket_dir: str) -> None:
+        with watched(pcie(), socket_dir) as running:
+            running.stop()
+            other = cxl()
+            running.start(other)  # every resync fails: the driver now serves another fabric
+            device = other.discover().devices[0].id
+            assert timed(lambda: running.remote.fail_device(device)) < 1.0
+            assert timed(lambda: running.remote.repair_device(device)) < 1.0
+
+
+class TestALazyFabricsFirstStream:
+    """A lazy fabric's driver that comes up after the constructor gave up may answer the composer's discovery
+    before the watcher's first stream opens: a change in between was in no discovery the composer saw and in no
+    event, since the first resync reported nothing."""
+
+    def test_reports_a_change_since_the_last_discovery(self, socket_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        sim = pcie()
+        address = f"unix:{socket_dir}/pcie0.sock"
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=0.1, lazy=True)
+        opening, open_stream = threading.Event(), remote._open_stream
+
+        def held() -> EventCall:
+            opening.wait(WAIT_S)
+            return open_stream()
+
+        monkeypatch.setattr(remote, "_open_stream", held)
+        server: DriverServer | None = None
+        seen = Recorder()
+        try:
+            remote.subscribe(seen)  # returns at once: the driver never answered
+            server = DriverServer(sim, address, driver="sim").start()
+
+            def answered() -> bool:
+                with contextlib.suppress(FabricUnavailableError):
+                    return remote.discover().devices[0].health is Health.OK
+                return False
+
+            assert eventually(answered, WAIT_S)
+            sim.fail_device("pcie0/gpu-a0", "before the first stream")
+            opening.set()
+            sim.fail_device("pcie0/gpu-b0", "marks the end")
+            assert eventually(lambda: any(e.subject == "pcie0/gpu-b0" for e in seen.events), WAIT_S)
+            assert [(e.subject, e.health) for e in seen.events] == [
+                ("pcie0/gpu-a0", Health.FAILED),
+                ("pcie0/gpu-b0", Health.FAILED),
+            ]
+        finally:
+            remote.close()
+            if server is not None:
+                server.stop(grace=0)

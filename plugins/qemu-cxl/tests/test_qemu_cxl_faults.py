@@ -219,6 +219,32 @@ class TestHungHost:
         assert sorted(a.id for a in pool.allocations()) == ["a1", "a2", "b"]
         assert fabric.hosts["h2"].pid == pid, "a hung QEMU that answers again was restarted"
 
+    def test_the_callers_deadline_disconnects_nobody(
+        self, make_fabric: Callable[..., QemuCxlFabric], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Another host's view was bounded by the earlier of 1 s and the caller's deadline, and either passing
+        disconnected it: a caller's deadline passing while a healthy host answered disconnected it as hung, and
+        every host after it (asked once the deadline had passed) too."""
+        hosts = [{"name": name, "ports": 2, "memory": "256M"} for name in ("h1", "h2", "h3")]
+        fabric = make_fabric(hosts=hosts)
+        pool = fabric.pool(POOL)
+        late = CallContext.with_timeout(0.8, epoch=1)
+        original, asked = Monitor.execute, []
+
+        def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+            asked.append(self.name)
+            if self.name == "h2" and asked.count("h2") == 1 and late.deadline is not None:
+                time.sleep(max(0.0, late.deadline - time.monotonic()) + 0.05)  # busy, well within the 1 s
+            return original(self, name, arguments, **kw)
+
+        monkeypatch.setattr(Monitor, "execute", execute)
+        with pytest.raises(DeadlineExceededError):
+            pool.allocate("a", "h1", 256 * MiB, late)
+        monkeypatch.undo()
+        assert {name: fabric.hosts[name].monitor.connected for name in ("h2", "h3")} == {"h2": True, "h3": True}
+        assert "h3" not in asked, "the peek went on once the caller's deadline had passed"
+        assert fabric._ledger.state.record("a") is None
+
 
 class TestDeadHost:
     """A host whose QEMU died blocks no call for the others, and is started again from its records when needed."""

@@ -98,6 +98,9 @@ class _Snapshot:
     health: dict[str, Health]
     links: dict[LinkKey, tuple[str, bool]]
     """A link's ends (`_link_key`) to its subject as first learnt (``a|b``) and whether it is up."""
+    reported: set[tuple[FabricEventKind, str]] = attrs.field(factory=set)
+    """The devices added or removed (kind, id) that the resync reported from this discovery and whose copy the
+    stream may still bring: an event published in the resync's window is in both."""
 
     @classmethod
     def of(cls, topology: Topology) -> _Snapshot:
@@ -113,8 +116,9 @@ class _Snapshot:
         return next((key for key in keys if key in self.links), keys[0] if keys else (subject, subject))
 
     def apply(self, event: FabricEvent) -> bool:
-        """Take ``event`` in; whether it changed what the handlers were told. A device added that is known, or
-        removed that is not, tells nothing new; a link not known yet is learnt."""
+        """Take ``event`` in; whether it changed what the handlers were told. A device added or removed always
+        does (a driver may add again a device it still lists, as cxl-switch does one surprise-removed), except
+        the stream's copy of one the resync `reported`; a link not known yet is learnt."""
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             changed = self.health.get(event.subject) is not event.health
             self.health[event.subject] = event.health
@@ -125,12 +129,18 @@ class _Snapshot:
             known = self.links.get(key)
             self.links[key] = (known[0] if known is not None else event.subject, up)
             return known is None or known[1] is not up
-        if event.kind is FabricEventKind.DEVICE_REMOVED:
-            return self.health.pop(event.subject, None) is not None
-        if event.kind is FabricEventKind.DEVICE_ADDED:
-            if event.subject in self.health:
+        if event.kind in (FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED):
+            added = event.kind is FabricEventKind.DEVICE_ADDED
+            if (event.kind, event.subject) in self.reported:
+                self.reported.discard((event.kind, event.subject))  # its copy comes once
                 return False
-            self.health[event.subject] = Health.OK  # a health event follows one added unhealthy
+            # A copy still awaited of the opposite change would come before this one: it was not in the window.
+            other = FabricEventKind.DEVICE_REMOVED if added else FabricEventKind.DEVICE_ADDED
+            self.reported.discard((other, event.subject))
+            if added:
+                self.health.setdefault(event.subject, Health.OK)  # a health event follows one added unhealthy
+            else:
+                self.health.pop(event.subject, None)
         return True
 
     def changes(self, fabric: str, now: _Snapshot, why: str) -> list[FabricEvent]:
@@ -194,6 +204,8 @@ class RemoteFabric(Fabric, FaultInjection):
         self._handlers: list[_Subscription] = []
         self._watcher: EventWatcher | None = None
         self._snapshot: _Snapshot | None = None
+        self._discovered: _Snapshot | None = None
+        """The last `discover` answered before the first resync: what the caller knows before any event."""
         self._generation = 0
         self._cache: tuple[float, Topology, dict[str, DeviceInfo]] | None = None
         self._pools: dict[str, PoolInfo] = {}
@@ -272,7 +284,13 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def discover(self) -> Topology:
         self._connected()
-        return self._discover()[0]
+        topology = self._discover()[0]
+        if self._snapshot is None:  # no stream has told anything yet: its first resync starts from this
+            known = _Snapshot.of(topology)
+            with self._lock:
+                if self._snapshot is None:
+                    self._discovered = known
+        return topology
 
     def bindings(self) -> Sequence[Binding]:
         answer = self._call(self._stub.ListBindings, pb.ListBindingsRequest(), None)
@@ -305,7 +323,8 @@ class RemoteFabric(Fabric, FaultInjection):
         """Deliver events to ``handler`` from the watcher thread; waits (up to the connect timeout) until the
         stream is open, so that every change after this returns is reported. A fabric that has never answered
         does not wait: the constructor already waited the connect timeout for it, and start-up must not pay it
-        twice; what changes before its stream opens, the composer learns by discovering it once it answers."""
+        twice. What changes before its stream opens is reported by the stream's first resync, as the
+        differences from the last `discover` answered before it (the composer's view of the fabric)."""
         if not callable(handler):
             raise TypeError("an event handler must be callable")
         subscription = _Subscription(self, handler)
@@ -469,15 +488,26 @@ class RemoteFabric(Fabric, FaultInjection):
         return cast(EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest()))
 
     def _resync(self, first: bool) -> None:
-        """After (re)connecting: rediscover; on a reconnection tell the handlers what changed while
-        disconnected. Then the fresh discovery is what they know: a stream event it already shows is dropped."""
+        """After (re)connecting: rediscover; tell the handlers what changed while disconnected or, on the first
+        connection, since the last `discover` answered (a lazy fabric's driver may have answered the composer
+        well before the watcher's first stream opened). Then the fresh discovery is what they know: a stream
+        event it already shows is dropped."""
         self._invalidate()
         now = _Snapshot.of(self._discover()[0])
-        before = self._snapshot
-        if not first and before is not None:
-            for event in before.changes(self._name, now, f"seen on reconnecting to the driver at {self.address}"):
+        with self._lock:
+            before = self._snapshot if self._snapshot is not None else self._discovered
+        if before is not None:
+            why = "seen on connecting to" if first else "seen on reconnecting to"
+            events = before.changes(self._name, now, f"{why} the driver at {self.address}")
+            now.reported.update(
+                (e.kind, e.subject)
+                for e in events
+                if e.kind in (FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED)
+            )
+            for event in events:
                 self._notify(event)
-        self._snapshot = now
+        with self._lock:
+            self._snapshot, self._discovered = now, None
 
     def _deliver(self, event: FabricEvent) -> None:
         """Hand a stream event to the handlers, unless it tells them nothing new."""

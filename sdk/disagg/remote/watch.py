@@ -7,7 +7,9 @@ cannot replay what was missed, the first thing it does after reconnecting is ask
 which rediscovers and reports the differences as events. Only then is the watcher connected.
 
 Events are counted against the number the driver sends in the stream's initial metadata, so that
-`wait_for` can tell when every event published up to a given number has been handled.
+`wait_for` can tell when every event published up to a given number has been handled. A waiter does not sit
+out the backoff: it has the watcher try at once, and gives up as soon as an attempt begun after it fails to
+connect (the driver refused the stream, or the resync failed), since no event can come then.
 
 A watcher that cannot get events (every resync fails, or the driver refuses every stream) says so at WARNING,
 at most once every `WARN_EVERY_S`: the fabric's calls may still work, so nothing else would show that the
@@ -81,6 +83,11 @@ class EventWatcher:
         self._resyncs = 0
         """Resyncs begun; ``_synced`` is the number of the last one whose events were all delivered."""
         self._synced = 0
+        self._attempts = 0
+        """Connection attempts begun; ``_failed`` is the number of the last one that did not connect."""
+        self._failed = 0
+        self._hurry = False
+        """A waiter wants the next attempt now, not after the backoff."""
         self._next_warning = 0.0
         self._unwarned = 0
         self._call: EventCall | None = None
@@ -106,16 +113,24 @@ class EventWatcher:
 
         While the watcher is reconnecting (a fault injected right after a driver restart), or still on a stream
         of another instance, it waits for the stream of ``instance``; a resync begun after this call started
-        also answers, since its discovery saw what the events told.
+        also answers, since its discovery saw what the events told. The watcher then tries at once rather than
+        after its backoff, and an attempt begun after this call started that does not connect (the driver
+        refused the stream, the resync failed) answers False at once: no event can come before the next one.
         """
         with self._state:
-            since = self._resyncs
+            resyncs, attempts = self._resyncs, self._attempts
 
             def handled() -> bool:
                 current = self._connected and self._instance == instance and self._seen >= published
-                return current or self._synced > since
+                return current or self._synced > resyncs
 
-            return self._state.wait_for(lambda: self._stopping or handled(), timeout) and handled()
+            if not (self._connected and self._instance == instance):  # not on the stream its events come on
+                self._hurry = True
+                self._state.notify_all()
+            return (
+                self._state.wait_for(lambda: self._stopping or handled() or self._failed > attempts, timeout)
+                and handled()
+            )
 
     def stop(self) -> None:
         """Cancel the stream and end the thread. Idempotent; safe from a handler (it then does not wait)."""
@@ -142,13 +157,21 @@ class EventWatcher:
             except Exception:  # a handler's bug must not end the watcher
                 log.exception("the event watcher failed; watching again")
             with self._state:
-                if self._state.wait_for(lambda: self._stopping, backoff):
+                if self._state.wait_for(lambda: self._stopping or self._hurry, backoff) and self._stopping:
                     return
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     def _watch_once(self, first: bool) -> bool:
         """Open one stream and deliver from it until it ends; True when it was connected at all."""
-        call = self._open_stream()
+        with self._state:
+            self._attempts += 1
+            attempt = self._attempts
+            self._hurry = False
+        try:
+            call = self._open_stream()
+        except BaseException:
+            self._give_up(attempt)
+            raise
         with self._state:
             if self._stopping:
                 call.cancel()
@@ -192,7 +215,15 @@ class EventWatcher:
                 self._call = None
                 self._state.notify_all()
             call.cancel()
+            if not connected:
+                self._give_up(attempt)
         return connected
+
+    def _give_up(self, attempt: int) -> None:
+        """Attempt number ``attempt`` did not connect: a waiter for events stops waiting."""
+        with self._state:
+            self._failed = attempt
+            self._state.notify_all()
 
     def _no_events(self, why: str) -> None:
         """Log that a stream was opened but gives no events: at WARNING at most once every `WARN_EVERY_S`."""

@@ -175,15 +175,20 @@ class QemuCxlPool(Pool):
         """``host``'s view and those of the other hosts that answer: a dead, broken or hung one must not stop
         allocations elsewhere (`_held` counts its records instead). Another host has `PEEK_TIMEOUT_S` to
         answer; one that does not is disconnected, so that the next calls skip it instead of waiting again,
-        until a call that needs it reconnects (`HostProcess.revive`)."""
+        until a call that needs it reconnects (`HostProcess.revive`). When the caller's deadline comes first and
+        passes, the host is not to blame: it stays connected, and the caller's DeadlineExceededError is raised,
+        as by every other QMP call of `_allocate`."""
         views = {host: self._view(host)}
         for name, process in self._hosts.items():
             if name == host or not process.alive():
                 continue
+            peek_bound = True
             try:
-                with within(PEEK_TIMEOUT_S):
+                with within(PEEK_TIMEOUT_S) as peek_bound:
                     views[name] = walk(process.monitor)
             except DeadlineExceededError:
+                if not peek_bound:
+                    raise
                 process.monitor.disconnect()
             except FabricUnavailableError:
                 pass

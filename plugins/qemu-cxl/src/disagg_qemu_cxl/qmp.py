@@ -53,11 +53,14 @@ def until(deadline: float | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def within(seconds: float) -> Iterator[None]:
-    """`until` ``seconds`` from now, or the deadline in force if that comes first."""
+def within(seconds: float) -> Iterator[bool]:
+    """`until` ``seconds`` from now, or the deadline in force if that comes first. Yields whether ``seconds``
+    is the bound (the deadline in force comes later, or there is none): a DeadlineExceededError inside is then
+    this bound's, not the caller's."""
     deadline, soon = _DEADLINE.get(), time.monotonic() + seconds
-    with until(soon if deadline is None else min(deadline, soon)):
-        yield
+    own = deadline is None or soon < deadline
+    with until(soon if own else deadline):
+        yield own
 
 
 class QMPCommandError(Exception):
