@@ -14,7 +14,7 @@ import attrs
 import pytest
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import EventHandler, Fabric, Subscription
-from disagg.model import FabricEvent, FabricEventKind, Health, Topology
+from disagg.model import Device, FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
@@ -378,16 +378,31 @@ class TestTheSnapshot:
         """A device added that is still listed (cxl-switch keeps one surprise-removed, FAILED) is news; only the
         stream's copy of an addition or removal the resync reported is not, and only once."""
         added, removed = FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED
-        snapshot = _Snapshot({"d": Health.FAILED}, {})
-        assert snapshot.apply(FabricEvent("f", added, "d"))
+        snapshot = _Snapshot({"d": Health.FAILED}, {}, window=("i", 10))
+        assert snapshot.apply(FabricEvent("f", added, "d"), ("i", 1))
         assert snapshot.health["d"] is Health.FAILED  # its health event follows
-        assert snapshot.apply(FabricEvent("f", removed, "e"))
+        assert snapshot.apply(FabricEvent("f", removed, "e"), ("i", 2))
         snapshot.reported.update({(added, "n"), (removed, "d")})
-        assert not snapshot.apply(FabricEvent("f", added, "n"))
-        assert snapshot.apply(FabricEvent("f", added, "n"))
-        assert snapshot.apply(FabricEvent("f", added, "d"))  # so the removal reported was not in the stream
-        assert snapshot.apply(FabricEvent("f", removed, "d"))
+        assert not snapshot.apply(FabricEvent("f", added, "n"), ("i", 3))
+        assert snapshot.apply(FabricEvent("f", added, "n"), ("i", 4))
+        assert snapshot.apply(FabricEvent("f", added, "d"), ("i", 5))  # so the removal reported was not in the stream
+        assert snapshot.apply(FabricEvent("f", removed, "d"), ("i", 6))
         assert snapshot.reported == set()
+
+    def test_a_change_reported_is_a_copy_only_within_the_window(self) -> None:
+        """The resync's report of a device added while nobody watched (no stream event carries it) stayed in
+        `reported` for ever, and swallowed the device's next genuine DEVICE_ADDED (plugged back, cxl-switch)."""
+        added = FabricEventKind.DEVICE_ADDED
+        event = FabricEvent("f", added, "n")
+        for number in (("i", 8), ("j", 3), None):  # past the window, another instance's, not numbered
+            snapshot = _Snapshot({"n": Health.OK}, {}, reported={(added, "n")}, window=("i", 7))
+            assert snapshot.apply(event, number), number
+            assert snapshot.reported == set()
+        snapshot = _Snapshot({"n": Health.OK}, {}, reported={(added, "n")})  # the driver's count is not known
+        assert snapshot.apply(event, ("i", 1))
+        snapshot = _Snapshot({"n": Health.OK}, {}, reported={(added, "n")}, window=("i", 7))
+        assert snapshot.apply(FabricEvent("f", FabricEventKind.LINK_DOWN, "x|y"), ("i", 8))  # any event past it
+        assert snapshot.apply(event, ("i", 7))  # cannot come out of order; but nothing is left to drop
 
 
 class TestAFaultDuringAReconnect:
@@ -507,6 +522,101 @@ class TestADeviceAddedThatIsStillListed:
                 (FabricEventKind.DEVICE_HEALTH, Health.OK),
             ]
             assert running.seen.events == local.events
+
+
+class TestAChangeReportedThatTheStreamNeverCarries:
+    """A device installed while the driver was down is reported added by the resync, and no stream event carries
+    it: its entry in `reported` stayed, and the DEVICE_ADDED of its plug-back after a surprise removal
+    (cxl-switch) was taken for the copy and never delivered."""
+
+    def test_does_not_swallow_a_later_device_added(self, socket_dir: str) -> None:
+        sim = pcie()
+        gpu = "pcie0/gpu-a1"
+        driver = Hiding(sim, hidden=gpu)  # not installed yet
+        with watched(driver, socket_dir) as running:
+            running.stop()
+            driver.hidden = None  # installed while the driver is down: no stream can carry it
+            running.start()
+            sim.fail_device("pcie0/gpu-b0", "marks the reconnect")  # seen once the resync has been told
+            running.until_seen("pcie0/gpu-b0")
+            sim.fail_device(gpu, "surprise removal")
+            driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="hot-add"))
+            sim.repair_device(gpu)
+            sim.fail_device("pcie0/gpu-b1", "marks the end")
+            running.until_seen("pcie0/gpu-b1")
+            told = [(e.kind, e.health) for e in running.seen.events if e.subject == gpu]
+            assert told == [
+                (FabricEventKind.DEVICE_ADDED, None),  # by the resync
+                (FabricEventKind.DEVICE_HEALTH, Health.FAILED),
+                (FabricEventKind.DEVICE_ADDED, None),
+                (FabricEventKind.DEVICE_HEALTH, Health.OK),
+            ]
+
+    def test_a_copy_in_the_window_is_still_dropped_and_the_next_one_delivered(self, socket_dir: str) -> None:
+        """The window ends where the resync's discovery was answered: the copy published during it is dropped,
+        a plug-back after it is delivered."""
+        sim = pcie()
+        gpu = "pcie0/gpu-a1"
+        driver = HeldDiscovery(sim, hidden=gpu)
+        with watched(driver, socket_dir) as running:
+            _held_resync(running, driver)
+            driver.hidden = None
+            driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="hot-add"))  # the copy
+            driver.hold.clear()
+            driver.release.set()
+            sim.fail_device("pcie0/gpu-b0", "marks the window's end")
+            running.until_seen("pcie0/gpu-b0")
+            sim.fail_device(gpu, "surprise removal")
+            driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="plugged back"))
+            sim.fail_device("pcie0/gpu-b1", "marks the end")
+            running.until_seen("pcie0/gpu-b1")
+            told = [(e.kind, e.health) for e in running.seen.events if e.subject == gpu]
+            assert told == [
+                (FabricEventKind.DEVICE_ADDED, None),
+                (FabricEventKind.DEVICE_HEALTH, Health.FAILED),
+                (FabricEventKind.DEVICE_ADDED, None),
+            ]
+
+
+class TestADiscoverDuringTheFirstResync:
+    """The first resync compared its discovery with the composer's last `discover`, read only once its own had
+    returned: a `discover` answered in between was newer, so a device the composer had just seen FAILED was
+    announced OK, then FAILED again by the stream."""
+
+    def test_does_not_report_the_change_backwards(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        sim = pcie()
+        gpu = "pcie0/gpu-a0"
+        with served(sim, "unix") as server:
+            remote = RemoteFabric("pcie0", server.address)
+            held, release = threading.Event(), threading.Event()
+            discover = remote._discover
+
+            def resync_held() -> tuple[Topology, dict[str, Device]]:
+                answer = discover()
+                watcher = remote._watcher
+                if watcher is not None and watcher.on_watcher_thread() and not held.is_set():
+                    held.set()  # the resync's discovery has returned
+                    release.wait(WAIT_S)
+                return answer
+
+            monkeypatch.setattr(remote, "_discover", resync_held)
+            seen = Recorder()
+            subscriber = threading.Thread(target=remote.subscribe, args=(seen,))
+            try:
+                subscriber.start()
+                assert held.wait(WAIT_S)
+                sim.fail_device(gpu, "ECC")  # after the stream registered: the stream carries it
+                assert remote.discover().devices[0].health is Health.FAILED  # the composer sees it
+                release.set()
+                subscriber.join(WAIT_S)
+                sim.fail_device("pcie0/gpu-b0", "marks the end")
+                assert eventually(lambda: any(e.subject == "pcie0/gpu-b0" for e in seen.events), WAIT_S)
+                told = [(e.subject, e.health, e.message) for e in seen.events if e.subject == gpu]
+                assert told == [(gpu, Health.FAILED, "ECC")]
+            finally:
+                release.set()
+                remote.close()
+                subscriber.join(WAIT_S)
 
 
 def timed(call: Callable[[], None]) -> float:

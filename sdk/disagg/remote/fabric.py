@@ -92,15 +92,29 @@ def _link_key(a: str, b: str) -> LinkKey:
 @attrs.frozen
 class _Snapshot:
     """What the handlers have been told of the fabric: to report what changed while the watcher was
-    disconnected, and to drop an event that tells them nothing new. An event published between a reconnected
-    stream's registration and the resync's discovery is in both the resync's differences and the stream."""
+    disconnected, and to drop an event that tells them nothing new.
+
+    An event published between a reconnected stream's registration and the answer to the resync's discovery
+    (the resync's window) may be in both the resync's differences and the stream. A health or link event is a
+    state: its copy changes nothing told and is dropped. A device added or removed is not (cxl-switch adds again
+    a surprise-removed device it still lists), so its copy is recognised by the driver's event numbers: the
+    resync `reported` the change, and the stream's event of it is numbered within the `window`, at or below the
+    driver's count of events published once the discovery was answered. A copy is always in the window (it was
+    published before the discovery saw its change, after the stream registered), so none is delivered twice; an
+    event numbered past the window is always delivered, and the first one empties `reported`, so a change the
+    resync reported that the stream never carries (made while disconnected) swallows no later event.
+    """
 
     health: dict[str, Health]
     links: dict[LinkKey, tuple[str, bool]]
     """A link's ends (`_link_key`) to its subject as first learnt (``a|b``) and whether it is up."""
     reported: set[tuple[FabricEventKind, str]] = attrs.field(factory=set)
     """The devices added or removed (kind, id) that the resync reported from this discovery and whose copy the
-    stream may still bring: an event published in the resync's window is in both."""
+    stream may still bring, within the `window`."""
+    window: tuple[str, int] | None = None
+    """The driver's instance and count of events published once the resync's discovery was answered (read from
+    a watch stream's initial metadata, `RemoteFabric._published`); None when not known: then no event is taken
+    for a copy."""
 
     @classmethod
     def of(cls, topology: Topology) -> _Snapshot:
@@ -115,10 +129,18 @@ class _Snapshot:
         keys = [_link_key(subject[:i], subject[i + 1 :]) for i, c in enumerate(subject) if c == "|"]
         return next((key for key in keys if key in self.links), keys[0] if keys else (subject, subject))
 
-    def apply(self, event: FabricEvent) -> bool:
-        """Take ``event`` in; whether it changed what the handlers were told. A device added or removed always
-        does (a driver may add again a device it still lists, as cxl-switch does one surprise-removed), except
-        the stream's copy of one the resync `reported`; a link not known yet is learnt."""
+    def in_window(self, number: tuple[str, int] | None) -> bool:
+        """Whether the stream event numbered ``number`` was published before the resync's discovery answered."""
+        window = self.window
+        return window is not None and number is not None and number[0] == window[0] and number[1] <= window[1]
+
+    def apply(self, event: FabricEvent, number: tuple[str, int] | None = None) -> bool:
+        """Take in ``event``, numbered ``number`` by the driver; whether it changed what the handlers were told.
+        A device added or removed always does (a driver may add again a device it still lists, as cxl-switch
+        does one surprise-removed), except the stream's copy of one the resync `reported`, within the `window`
+        only; a link not known yet is learnt."""
+        if self.reported and not self.in_window(number):
+            self.reported.clear()  # past the window: no copy can come any more
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             changed = self.health.get(event.subject) is not event.health
             self.health[event.subject] = event.health
@@ -134,7 +156,7 @@ class _Snapshot:
             if (event.kind, event.subject) in self.reported:
                 self.reported.discard((event.kind, event.subject))  # its copy comes once
                 return False
-            # A copy still awaited of the opposite change would come before this one: it was not in the window.
+            # A copy still awaited of the opposite change would have come before this one: there is none.
             other = FabricEventKind.DEVICE_REMOVED if added else FabricEventKind.DEVICE_ADDED
             self.reported.discard((other, event.subject))
             if added:
@@ -205,7 +227,9 @@ class RemoteFabric(Fabric, FaultInjection):
         self._watcher: EventWatcher | None = None
         self._snapshot: _Snapshot | None = None
         self._discovered: _Snapshot | None = None
-        """The last `discover` answered before the first resync: what the caller knows before any event."""
+        """The last `discover` answered before the first resync began: what the caller knows before any event."""
+        self._resyncing = False
+        """A resync has taken what it compares with: `discover` must not change that any more."""
         self._generation = 0
         self._cache: tuple[float, Topology, dict[str, DeviceInfo]] | None = None
         self._pools: dict[str, PoolInfo] = {}
@@ -285,10 +309,12 @@ class RemoteFabric(Fabric, FaultInjection):
     def discover(self) -> Topology:
         self._connected()
         topology = self._discover()[0]
-        if self._snapshot is None:  # no stream has told anything yet: its first resync starts from this
+        # No stream has told anything yet: its first resync starts from this, unless it already took what it
+        # compares with (this answer may be newer than the resync's discovery: the change would go backwards).
+        if self._snapshot is None and not self._resyncing:
             known = _Snapshot.of(topology)
             with self._lock:
-                if self._snapshot is None:
+                if self._snapshot is None and not self._resyncing:
                     self._discovered = known
         return topology
 
@@ -491,28 +517,61 @@ class RemoteFabric(Fabric, FaultInjection):
         """After (re)connecting: rediscover; tell the handlers what changed while disconnected or, on the first
         connection, since the last `discover` answered (a lazy fabric's driver may have answered the composer
         well before the watcher's first stream opened). Then the fresh discovery is what they know: a stream
-        event it already shows is dropped."""
-        self._invalidate()
-        now = _Snapshot.of(self._discover()[0])
+        event it already shows is dropped (`_Snapshot`).
+
+        What it compares with is taken before it discovers, and from then on `discover` leaves it alone: a
+        `discover` answered after the resync's own would be newer, and the change it saw would be reported
+        backwards (a device the composer just saw FAILED announced OK), then again by the stream. A resync that
+        fails lets `discover` take it again, since it told nothing."""
         with self._lock:
+            self._resyncing = True
             before = self._snapshot if self._snapshot is not None else self._discovered
-        if before is not None:
-            why = "seen on connecting to" if first else "seen on reconnecting to"
-            events = before.changes(self._name, now, f"{why} the driver at {self.address}")
-            now.reported.update(
+        try:
+            self._invalidate()
+            now = _Snapshot.of(self._discover()[0])
+            events: list[FabricEvent] = []
+            if before is not None:
+                why = "seen on connecting to" if first else "seen on reconnecting to"
+                events = before.changes(self._name, now, f"{why} the driver at {self.address}")
+            reported: set[tuple[FabricEventKind, str]] = {
                 (e.kind, e.subject)
                 for e in events
                 if e.kind in (FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED)
-            )
+            }
+            if reported:
+                window = self._published()  # at once: the later, the more a genuine event could be taken for a copy
+                if window is not None:
+                    now = attrs.evolve(now, reported=reported, window=window)
             for event in events:
                 self._notify(event)
-        with self._lock:
-            self._snapshot, self._discovered = now, None
+            with self._lock:
+                self._snapshot, self._discovered = now, None
+        finally:
+            with self._lock:
+                self._resyncing = False
 
-    def _deliver(self, event: FabricEvent) -> None:
-        """Hand a stream event to the handlers, unless it tells them nothing new."""
+    def _published(self) -> tuple[str, int] | None:
+        """The driver's instance and count of events published so far, from the initial metadata of a watch
+        stream opened for it and cancelled at once (the service tells it nowhere else without a fault); None
+        when the driver does not number its events, refuses the stream (its cap), or does not answer."""
+        try:
+            call = cast(
+                EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest(), timeout=self.call_timeout_s)
+            )
+        except ValueError:  # the channel was closed
+            return None
+        try:
+            return wire.event_sequence(wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY))
+        except grpc.RpcError:
+            return None
+        finally:
+            call.cancel()
+
+    def _deliver(self, event: FabricEvent, number: tuple[str, int] | None = None) -> None:
+        """Hand a stream event, numbered ``number`` by the driver, to the handlers, unless it tells them
+        nothing new."""
         self._invalidate()
-        if self._snapshot is not None and not self._snapshot.apply(event):
+        if self._snapshot is not None and not self._snapshot.apply(event, number):
             return
         self._notify(event)
 

@@ -7,7 +7,9 @@ cannot replay what was missed, the first thing it does after reconnecting is ask
 which rediscovers and reports the differences as events. Only then is the watcher connected.
 
 Events are counted against the number the driver sends in the stream's initial metadata, so that
-`wait_for` can tell when every event published up to a given number has been handled. A waiter does not sit
+`wait_for` can tell when every event published up to a given number has been handled, and each event is
+handed on with its number (``(instance, n)``, None from a driver that does not number its events), so that the
+fabric can tell the events published before its resync's discovery was answered from those after. A waiter does not sit
 out the backoff: it has the watcher try at once, and gives up as soon as an attempt begun after it fails to
 connect (the driver refused the stream, or the resync failed), since no event can come then.
 
@@ -60,8 +62,9 @@ class EventWatcher:
     """Keeps one watch stream open until `stop`.
 
     ``open_stream`` starts a WatchFabricEvents call; ``resync(first)`` is called on the watcher's thread
-    after each connection and tells the handlers what changed while disconnected (nothing on the first),
-    before the stream's own events; ``deliver`` hands one stream event to the handlers.
+    after each connection and tells the handlers what changed while disconnected, before the stream's own
+    events; ``deliver(event, number)`` hands one stream event to the handlers, with the driver's number of it
+    (``(instance, n)``: the n-th event the driver published) or None when the driver does not number them.
     """
 
     def __init__(
@@ -69,7 +72,7 @@ class EventWatcher:
         name: str,
         open_stream: Callable[[], EventCall],
         resync: Callable[[bool], None],
-        deliver: Callable[[FabricEvent], None],
+        deliver: Callable[[FabricEvent, tuple[str, int] | None], None],
     ) -> None:
         self._name = name
         self._open_stream = open_stream
@@ -183,7 +186,9 @@ class EventWatcher:
             if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
                 self._no_events(f"the driver refused the event stream ({call.code()})")
                 return False
-            sequence = wire.event_sequence(header) or ("", 0)
+            numbered = wire.event_sequence(header)
+            sequence = numbered or ("", 0)
+            instance, number = sequence
             with self._state:
                 self._resyncs += 1
                 resync = self._resyncs
@@ -194,12 +199,13 @@ class EventWatcher:
                 self._connected = connected = True
                 self._state.notify_all()
             for response in call:
+                number += 1  # the stream brings every event published after it registered, in order
                 try:
                     event = wire.fabric_event_from_wire(response.event)
                 except InvalidRequestError as exc:
                     log.warning("the driver sent a malformed event, skipped: %s", exc.message)
                 else:
-                    self._deliver(event)
+                    self._deliver(event, (instance, number) if numbered is not None else None)
                 with self._state:
                     self._seen += 1
                     self._state.notify_all()
