@@ -30,7 +30,19 @@ from disagg.errors import (
 )
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.interfaces import CallContext, FaultInjection
-from disagg.model import Binding, ComposeMode, CompositionState, DeviceKind, EventType, Health
+from disagg.model import (
+    Binding,
+    ComposeMode,
+    CompositionRequest,
+    CompositionState,
+    DeviceKind,
+    EventType,
+    Health,
+    HostRequest,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+)
 from disagg.requestlang import parse_request, parse_resource
 from disagg.wire.errors import from_rpc_error, to_status
 from disagg_sim import SimFabric, create_fabric
@@ -591,6 +603,75 @@ class TestErrors:
         assert info.value.field == "request"
         assert [r.id for r in client.reservations()] == [held.id]
         assert client.apply_reservation(held.id).name == "held"
+
+
+class TestRequestsTheWireCannotCarry:
+    """A request holding a number the wire cannot carry (or a selector's number that is not finite) is refused by
+    the client as the server would refuse it, `InvalidRequestError` naming the field: building the message raised
+    protobuf's ValueError (a traceback for the CLI with --server), and nothing was sent."""
+
+    @pytest.mark.parametrize(
+        ("line", "host", "field"),
+        [
+            (ResourceRequest(DeviceKind.GPU, 2**32), HostRequest(), "resources[0].count"),
+            (ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=2**64), HostRequest(), "resources[0].amount_bytes"),
+            (ResourceRequest(DeviceKind.GPU, 1, max_latency_ns=2**64), HostRequest(), "resources[0].max_latency_ns"),
+            (
+                ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("k", SelectorOp.GE, 2**63),)),
+                HostRequest(),
+                "resources[0].selectors[0].value",
+            ),
+            (
+                ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("k", SelectorOp.NE, -math.inf),)),
+                HostRequest(),
+                "resources[0].selectors[0].value",
+            ),
+            (ResourceRequest(DeviceKind.GPU, 1), HostRequest(min_cores=2**32), "host.min_cores"),
+            (ResourceRequest(DeviceKind.GPU, 1), HostRequest(min_cores=-1), "host.min_cores"),
+            (ResourceRequest(DeviceKind.GPU, 1), HostRequest(min_memory_bytes=2**64), "host.min_memory_bytes"),
+            (
+                ResourceRequest(DeviceKind.GPU, 1),
+                HostRequest(selectors=(Selector("k", SelectorOp.EQ, -(2**63) - 1),)),
+                "host.selectors[0].value",
+            ),
+        ],
+    )
+    def test_compose(
+        self,
+        client: FabricManagerClient,
+        composer: FabricComposer,
+        line: ResourceRequest,
+        host: HostRequest,
+        field: str,
+    ) -> None:
+        for mode in ComposeMode:
+            with pytest.raises(InvalidRequestError) as info:
+                client.compose(CompositionRequest("big", (line,), host), mode)
+            assert info.value.field == field
+        assert composer.compositions() == [] and composer.reservations() == []
+
+    @pytest.mark.parametrize(
+        ("line", "field"),
+        [
+            (ResourceRequest(DeviceKind.GPU, 2**32), "add[0].count"),
+            (ResourceRequest(DeviceKind.GPU, 1, max_latency_ns=2**70), "add[0].max_latency_ns"),
+            (
+                ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("k", SelectorOp.LT, 10**30),)),
+                "add[0].selectors[0].value",
+            ),
+            (
+                ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("k", SelectorOp.LT, math.nan),)),
+                "add[0].selectors[0].value",
+            ),
+        ],
+    )
+    def test_recompose(self, client: FabricManagerClient, line: ResourceRequest, field: str) -> None:
+        made = client.compose(parse_request("small", ["gpu"])).composition
+        assert made is not None
+        with pytest.raises(InvalidRequestError) as info:
+            client.recompose(made.id, add=[ResourceRequest(DeviceKind.GPU, 1), line])
+        assert info.value.field == field.replace("add[0]", "add[1]")
+        assert client.get(made.id).devices == made.devices
 
 
 class TestWatch:

@@ -346,3 +346,30 @@ class TestToData:
 
     def test_dumps_sorts_keys(self) -> None:
         assert codec.dumps(Extent(5, 6)) == '{"length":6,"offset":5}'
+
+
+class TestRequestValuesALedgerMayHold:
+    """A record holding a request value a request may no longer give (an earlier version took them) is read back:
+    the model classes refused them, and one such record stopped the ledger from loading."""
+
+    def test_a_composition(self) -> None:
+        line = ResourceRequest(
+            DeviceKind.GPU,
+            1,
+            selectors=(Selector("k", SelectorOp.NE, 12345678901234567890123), Selector("j", SelectorOp.NE, math.inf)),
+            max_latency_ns=10**40,
+        )
+        comp = Composition("c1", "c", "h1", CompositionState.COMPOSED, (line,))
+        assert codec.loads(codec.record(comp), Composition) == comp
+        text = codec.record(comp).replace('"value":12345678901234567890123', '"value":-12345678901234567890123')
+        (read,) = codec.loads(text, Composition).resources
+        assert read.selectors[0].value == -12345678901234567890123
+
+    def test_a_reservation(self) -> None:
+        request = CompositionRequest(
+            "r",
+            (ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=2**70),),
+            HostRequest(min_cores=-1, min_memory_bytes=2**64),
+        )
+        held = Reservation("r1", request, Plan("h1"), 1.0)
+        assert codec.loads(codec.record(held), Reservation) == held

@@ -27,7 +27,7 @@ from disagg.model import (
     Switch,
     device_id,
 )
-from disagg.model.composition import revise
+from disagg.model.composition import request_limit_refusal, revise, selector_value_refusal
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -261,45 +261,98 @@ class TestWireLimits:
         assert bits[kind(pb.AttributeValue, "int_value")] == SELECTOR_INT_RANGE
 
     @pytest.mark.parametrize(
-        "fields",
+        ("fields", "field", "message"),
         [
-            {"kind": DeviceKind.GPU, "count": 2**32},
-            {"kind": DeviceKind.CXL_MEMORY, "amount_bytes": 2**64},
-            {"kind": DeviceKind.GPU, "count": 1, "max_latency_ns": 2**64},
+            ({"kind": DeviceKind.GPU, "count": 2**32}, "resources[0].count", "a count of 4294967296 is more than"),
+            ({"kind": DeviceKind.CXL_MEMORY, "amount_bytes": 2**64}, "resources[0].amount_bytes", "an amount of"),
+            ({"kind": DeviceKind.GPU, "count": 1, "max_latency_ns": 2**64}, "resources[0].max_latency_ns", "latency"),
         ],
     )
-    def test_resource_request(self, fields: dict[str, object]) -> None:
-        with pytest.raises(ValueError, match="more than the most a request may give"):
-            ResourceRequest(**fields)  # type: ignore[arg-type]
+    def test_resource_request(self, fields: dict[str, object], field: str, message: str) -> None:
+        """The model takes it (a ledger may hold it); a request may not."""
+        line = ResourceRequest(**fields)  # type: ignore[arg-type]
+        refusal = request_limit_refusal((line,))
+        assert refusal is not None and refusal[0] == field and message in refusal[1]
+        added = request_limit_refusal((ResourceRequest(DeviceKind.GPU, 1), line), field="add")
+        assert added == (field.replace("resources[0]", "add[1]"), refusal[1])
 
     def test_resource_request_at_the_limits(self) -> None:
-        assert ResourceRequest(DeviceKind.GPU, count=2**32 - 1, max_latency_ns=2**64 - 1).count == 2**32 - 1
-        assert ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=2**64 - 1).carved
+        at = (
+            ResourceRequest(DeviceKind.GPU, count=2**32 - 1, max_latency_ns=2**64 - 1),
+            ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=2**64 - 1),
+        )
+        assert request_limit_refusal(at, HostRequest(min_cores=2**32 - 1, min_memory_bytes=2**64 - 1)) is None
 
-    @pytest.mark.parametrize("fields", [{"min_cores": 2**32}, {"min_memory_bytes": 2**64}])
-    def test_host_request(self, fields: dict[str, int]) -> None:
-        with pytest.raises(ValueError, match="more than the most a request may give"):
-            HostRequest(**fields)  # type: ignore[arg-type]
+    @pytest.mark.parametrize(
+        ("fields", "field", "message"),
+        [
+            ({"min_cores": 2**32}, "host.min_cores", "more than the most a request may give"),
+            ({"min_memory_bytes": 2**64}, "host.min_memory_bytes", "more than the most a request may give"),
+            ({"min_cores": -1}, "host.min_cores", "must not be negative"),
+            ({"min_memory_bytes": -1}, "host.min_memory_bytes", "must not be negative"),
+            ({"selectors": (Selector("k", SelectorOp.GE, 2**63),)}, "host.selectors[0].value", "beyond the whole"),
+        ],
+    )
+    def test_host_request(self, fields: dict[str, object], field: str, message: str) -> None:
+        host = HostRequest(**fields)  # type: ignore[arg-type]
+        refusal = request_limit_refusal((ResourceRequest(DeviceKind.GPU, 1),), host)
+        assert refusal is not None and refusal[0] == field and message in refusal[1]
 
-    @pytest.mark.parametrize("fields", [{"min_cores": -1}, {"min_memory_bytes": -1}])
-    def test_host_request_negative(self, fields: dict[str, int]) -> None:
-        with pytest.raises(ValueError, match="must not be negative"):
-            HostRequest(**fields)  # type: ignore[arg-type]
-
-    @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30])
-    def test_selector(self, value: int) -> None:
-        with pytest.raises(ValueError):
-            Selector("k", SelectorOp.GE, value)
-
-    @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
-    def test_a_selector_that_is_no_finite_number_still_loads(self, value: float) -> None:
-        """Refused where requests are read (the text and document forms, the wire), not by the model: a ledger
-        written before may hold one."""
-        assert Selector("k", SelectorOp.GE, value).key == "k"
+    @pytest.mark.parametrize(
+        ("value", "message"),
+        [
+            (2**63, "beyond the whole numbers"),
+            (-(2**63) - 1, "beyond the whole numbers"),
+            (10**30, "beyond the whole numbers"),
+            (float("inf"), "not a number a device can have"),
+            (float("-inf"), "not a number a device can have"),
+            (float("nan"), "not a number a device can have"),
+        ],
+    )
+    def test_selector(self, value: int | float, message: str) -> None:
+        line = ResourceRequest(
+            DeviceKind.GPU, 1, selectors=(Selector("j", SelectorOp.EQ, 1), Selector("k", SelectorOp.GE, value))
+        )
+        refusal = request_limit_refusal((line,))
+        assert refusal is not None and refusal[0] == "resources[0].selectors[1].value" and message in refusal[1]
+        assert selector_value_refusal(value) == refusal[1]
 
     @pytest.mark.parametrize("value", [2**63 - 1, -(2**63), 1.5, True, "x" * 300])
     def test_selector_in_range(self, value: int | float | bool | str) -> None:
         assert Selector("k", SelectorOp.GE, value).value == value
+        assert selector_value_refusal(value) == ""
+
+
+class TestTheModelTakesWhatALedgerHolds:
+    """The model classes take values a request may not hold: the ledger rebuilds them from records an earlier
+    version wrote (which took any of these), and one that raised made every command and `disagg serve` fail."""
+
+    @pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 10**30, 10**400, float("inf"), float("-inf"), float("nan")])
+    def test_selector(self, value: int | float) -> None:
+        assert Selector("k", SelectorOp.NE, value).value is value
+
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            {"kind": DeviceKind.GPU, "count": 2**32},
+            {"kind": DeviceKind.CXL_MEMORY, "amount_bytes": 2**64},
+            {"kind": DeviceKind.GPU, "count": 1, "max_latency_ns": 10**40},
+        ],
+    )
+    def test_resource_request(self, fields: dict[str, object]) -> None:
+        assert ResourceRequest(**fields).kind is fields["kind"]  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        "fields", [{"min_cores": 2**32}, {"min_memory_bytes": 2**64}, {"min_cores": -1}, {"min_memory_bytes": -1}]
+    )
+    def test_host_request(self, fields: dict[str, int]) -> None:
+        assert attrs.asdict(HostRequest(**fields)).items() >= fields.items()  # type: ignore[arg-type]
+
+    def test_the_checks_it_had_before_stay(self) -> None:
+        with pytest.raises(ValueError, match="must not be negative"):
+            ResourceRequest(DeviceKind.CXL_MEMORY, count=-1, amount_bytes=1)
+        with pytest.raises(ValueError, match="max latency must not be negative"):
+            ResourceRequest(DeviceKind.GPU, count=1, max_latency_ns=-1)
 
 
 class TestCompositionRequest:

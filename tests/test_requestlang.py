@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +31,7 @@ from disagg.requestlang import (
 )
 
 KiB, MiB, GiB, TiB = (1 << 10), (1 << 20), (1 << 30), (1 << 40)
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "request-language.md"
 
 
 class TestParseValue:
@@ -87,7 +91,7 @@ class TestParseSelector:
     def test_an_operator_from_another_language_is_refused(self, text: str, meant: str) -> None:
         """Read as an operator and a value starting with the rest, it compared with text no device has: a request
         that could not fit, where the docs promise a refused one."""
-        with pytest.raises(InvalidRequestError, match=f"is not an operator \\(write {meant}\\)") as info:
+        with pytest.raises(InvalidRequestError, match=f"is not an operator \\(write {meant};") as info:
             parse_selector(text, field="clauses[0]")
         assert info.value.field == "clauses[0]"
 
@@ -106,6 +110,73 @@ class TestParseSelector:
             parse_selector(text, field="resource[0].selectors")
         assert info.value.field == "resource[0].selectors"
         assert "is not a selector" in info.value.message
+
+
+class TestAValueThatStartsWithAnOperator:
+    """``label=<none>`` is refused as ``=<`` mistyped, and the message also says how to compare with the text
+    ``<none>``: quoted, twice in a text clause (split into words as a shell splits them), as the docs show. The
+    hint was only ``write label<=none>``, the wrong thing for a value that is one."""
+
+    @staticmethod
+    def _written(message: str) -> str:
+        hint = re.search(r"quote it: (.+)\)$", message)
+        assert hint is not None, message
+        return hint.group(1)
+
+    @pytest.mark.parametrize(
+        ("clause", "value", "written"),
+        [
+            ("gpu label=<none>", "<none>", """label='"<none>"'"""),
+            ("gpu tag==x", "=x", """tag='"=x"'"""),
+            ("gpu tag!=>x", ">x", """tag!='">x"'"""),
+            ("host label=<none>", "<none>", """label='"<none>"'"""),
+        ],
+    )
+    def test_text(self, clause: str, value: str, written: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not an operator") as info:
+            parse_request("t", [clause])
+        assert info.value.field == "clauses[0]"
+        assert self._written(info.value.message) == written
+        typed = clause.split()[1]
+        req = parse_request("t", [clause.replace(typed, written), "gpu"])
+        (sel,) = req.host.selectors if clause.startswith("host") else req.resources[0].selectors
+        assert (sel.key, sel.value) == (typed.split("=")[0].rstrip("!"), value)
+
+    def test_the_hint_for_a_mistyped_operator_stays(self) -> None:
+        with pytest.raises(InvalidRequestError, match="write label<=none>; ") as info:
+            parse_resource("gpu label=<none>")
+        assert "to compare with the text '<none>'" in info.value.message
+
+    @pytest.mark.parametrize("where", ["resource", "host"])
+    def test_document(self, where: str) -> None:
+        def doc(selector: str) -> dict[str, Any]:
+            if where == "host":
+                return {"name": "t", "host": {"selectors": [selector]}, "resource": [{"kind": "gpu"}]}
+            return {"name": "t", "resource": [{"kind": "gpu", "selectors": [selector]}]}
+
+        with pytest.raises(InvalidRequestError, match="is not an operator") as info:
+            request_from_document(doc("label=<none>"))
+        written = self._written(info.value.message)
+        assert written == 'label="<none>"'
+        req = request_from_document(doc(written))
+        (sel,) = req.host.selectors if where == "host" else req.resources[0].selectors
+        assert sel == Selector("label", SelectorOp.EQ, "<none>")
+
+    def test_the_documented_forms(self) -> None:
+        """The docs' shell command, split as a shell splits it, and their document form compare with ``<none>``."""
+        text = DOCS.read_text()
+        (line,) = [x for x in text.splitlines() if x.startswith("disagg compose tagged ")]
+        _, _, name, *clauses = shlex.split(line)
+        assert parse_request(name, clauses).resources[0].selectors == (Selector("label", SelectorOp.EQ, "<none>"),)
+        (selectors,) = re.findall(r"`(selectors = \[.*<none>.*\])`", text)
+        parsed = tomllib.loads(selectors)["selectors"]
+        request = request_from_document({"name": "t", "resource": [{"kind": "gpu", "selectors": parsed}]})
+        assert request.resources[0].selectors == (Selector("label", SelectorOp.EQ, "<none>"),)
+
+    @pytest.mark.parametrize("text", ["label==x", "label=>x", "label=<x", "label=<none>"])
+    def test_still_refused(self, text: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not an operator"):
+            parse_selector(text)
 
 
 class TestParseHost:

@@ -4,6 +4,7 @@ refusals that docs/protocol.md's table of RPCs must list."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,15 @@ from disagg.client import FabricManagerClient
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
-from disagg.model import CompositionRequest, DeviceKind, ResourceRequest, Selector, SelectorOp
+from disagg.model import (
+    ComposeMode,
+    CompositionRequest,
+    DeviceKind,
+    HostRequest,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+)
 from disagg.wire.fabric import (
     MAX_RESOURCES,
     MAX_SELECTOR_VALUE,
@@ -89,6 +98,53 @@ class TestSelectorValues:
         assert GRPC_MESSAGE_CAP / 2 < request.ByteSize() < GRPC_MESSAGE_CAP
         failed = fails(served.stub.Compose, request)
         assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("host", WIDE * 128)
+
+
+class TestRequestsOnly:
+    """The limits on a request's numbers (finite selector numbers, and the ranges the fields carry) are a request's,
+    refused on Compose and on UpdateComposition's added lines: an answer holding such a number (a composition made
+    through the Python API, or recorded by an earlier version) is read by every client. A selector's infinity made
+    the whole listing unreadable; a number beyond its field's range made the server fail building the answer."""
+
+    @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+    def test_an_answer_holding_a_number_that_is_not_finite_is_read(self, served: Served, value: float) -> None:
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("bandwidth", SelectorOp.NE, value),))
+        made = served.composer.compose(CompositionRequest("inf", (line,))).composition
+        assert made is not None
+        with FabricManagerClient(served.address, timeout_s=WAIT_S) as client:
+            assert [c.name for c in client.compositions()] == ["inf"]
+            (read,) = client.get(made.id).resources[0].selectors
+        assert read.key == "bandwidth" and str(read.value) == str(value)
+
+    def test_an_answer_holding_a_number_beyond_its_field_is_read(self, served: Served) -> None:
+        """As the equivalent the field carries: a bound past 2^64 - 1 ns is that, a whole number past int64 a
+        double, a negative host minimum 0."""
+        selectors = (Selector("k", SelectorOp.NE, 10**30), Selector("j", SelectorOp.NE, -(10**400)))
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=selectors, max_latency_ns=2**70)
+        made = served.composer.compose(CompositionRequest("big", (line,))).composition
+        assert made is not None
+        held = CompositionRequest("held", (ResourceRequest(DeviceKind.GPU, 1),), HostRequest(min_cores=-4))
+        served.composer.compose(held, ComposeMode.RESERVE)
+        with FabricManagerClient(served.address, timeout_s=WAIT_S) as client:
+            assert [c.name for c in client.compositions()] == ["big"]
+            (read,) = client.get(made.id).resources
+            (reservation,) = client.reservations()
+        assert read.max_latency_ns == 2**64 - 1
+        assert [(s.key, s.value) for s in read.selectors] == [("k", 1e30), ("j", -math.inf)]
+        assert reservation.request.host.min_cores == 0
+
+    @pytest.mark.parametrize("value", [math.inf, math.nan])
+    def test_a_request_holding_one_is_refused(self, served: Served, value: float) -> None:
+        bad = fm.Selector(key="bandwidth", op=fm.SELECTOR_OP_GE, value=pb.AttributeValue(double_value=value))
+        failed = fails(served.stub.Compose, compose_request("a", gpu(), host=fm.HostRequest(selectors=[bad])))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("host.selectors[0].value",)
+        made = served.composer.compose(CompositionRequest("c", (ResourceRequest(DeviceKind.GPU, 1),))).composition
+        assert made is not None
+        add = [gpu(), gpu(selectors=[bad])]
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=made.id, add=add))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("add[1].selectors[0].value",)
+        assert [c.devices for c in served.composer.compositions()] == [made.devices]
+        assert selector_from_wire(bad, "s", resource=True).value != 0  # read as it is, where an answer is
 
 
 class TestApplyingAReservation:

@@ -10,7 +10,6 @@ A document carries the same fields by name (see ``docs/request-language.md``).
 
 from __future__ import annotations
 
-import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +31,7 @@ from disagg.model import (
     parse_size,
     selector_refusal,
 )
+from disagg.model.composition import host_limit_refusal, resource_limit_refusal, selector_value_refusal
 
 _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
@@ -48,12 +48,14 @@ parse_value = parse_attribute_value
 """An attribute value as text is read (`disagg.model.parse_attribute_value`)."""
 
 
-def parse_selector(text: str, field: str = "selector") -> Selector:
-    key, op, value = _selector_parts(text, field)
-    try:
-        selector = Selector(key, op, value)
-    except ValueError as exc:
-        raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
+def parse_selector(text: str, field: str = "selector", *, clause: bool = False) -> Selector:
+    """A selector written as ``key=value``; ``clause``: it is a word of a text clause, which was split as a shell
+    splits words (taking off a layer of quotes), so that a hint to quote a value quotes it twice."""
+    key, op, value = _selector_parts(text, field, clause=clause)
+    why = selector_value_refusal(value)
+    if why:
+        raise InvalidRequestError(f"{text!r}: {why}", field=field)
+    selector = Selector(key, op, value)
     if isinstance(value, str) and op not in (SelectorOp.EQ, SelectorOp.NE) and _CLIPPED_SIZE.fullmatch(value):
         # As text it would be compared with the attribute's bytes and match nothing, silently.
         unit = f"{value}B" if value[-1] in "iI" else f"{value}B or {value}iB"
@@ -61,7 +63,7 @@ def parse_selector(text: str, field: str = "selector") -> Selector:
     return selector
 
 
-def _selector_parts(text: str, field: str) -> tuple[str, SelectorOp, AttributeValue]:
+def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, SelectorOp, AttributeValue]:
     """A selector's key, operator and value, the value not yet held to a selector's range: a host's ``cores``
     and ``memory`` minimums have their own."""
     if not isinstance(text, str):
@@ -72,23 +74,25 @@ def _selector_parts(text: str, field: str) -> tuple[str, SelectorOp, AttributeVa
     key, op, value = match.groups()
     if value[0] in "=<>!":
         # ``model==H200`` would compare with the text "=H200" and match nothing, silently.
-        raise InvalidRequestError(_operator_typo(text, key, op, value), field=field)
+        raise InvalidRequestError(_operator_typo(text, key, op, value, clause=clause), field=field)
     try:
         parsed = parse_value(value)
     except ValueError as exc:
         raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
-    if isinstance(parsed, float) and not math.isfinite(parsed):  # 400 nines and a point: the wire refuses it
-        raise InvalidRequestError(f"{text!r}: {value} is not a number a device can have", field=field)
     return key, _OPS[op], parsed
 
 
-def _operator_typo(text: str, key: str, op: str, value: str) -> str:
-    """Why a value that starts with an operator's character is refused, with the selector likely meant."""
+def _operator_typo(text: str, key: str, op: str, value: str, *, clause: bool) -> str:
+    """Why a value that starts with an operator's character is refused, with the selector likely meant, and how
+    to compare with such a value (``label=<none>``): quoted, ``label="<none>"``. In a text clause the quotes are
+    quoted in turn, since the clause's own come off as it is split into words: ``label='"<none>"'``."""
     rest = value.lstrip("=<>!")
     typed = op + value[: len(value) - len(rest)]
     meant = _OPERATOR_TYPOS.get(typed)
     hint = f"write {key}{meant}{rest}" if meant else "the operators are =, !=, >=, <=, > and <"
-    return f"{text!r}: {typed!r} is not an operator ({hint})"
+    quoted = f"'{value}'" if '"' in value else f'"{value}"'
+    written = f"{key}{op}{shlex.quote(quoted)}" if clause else f"{key}{op}{quoted}"
+    return f"{text!r}: {typed!r} is not an operator ({hint}; to compare with the text {value!r}, quote it: {written})"
 
 
 def _tokens(text: str, field: str) -> list[str]:
@@ -111,9 +115,9 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
     selectors = []
     seen: set[str] = set()
     for tok in tokens:
-        key, op, value = _selector_parts(tok, field)
+        key, op, value = _selector_parts(tok, field, clause=True)
         if key not in ("cores", "memory"):
-            selectors.append(parse_selector(tok, field))
+            selectors.append(parse_selector(tok, field, clause=True))
             continue
         if op is not SelectorOp.GE:
             raise InvalidRequestError(f"{tok!r}: write {key}>=VALUE for a host minimum", field=field)
@@ -129,10 +133,11 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
 
 def _host(name: str | None, cores: int, memory: int, selectors: tuple[Selector, ...], field: str) -> HostRequest:
     """The host request, a minimum the wire cannot carry refused as the request's mistake."""
-    try:
-        return HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=selectors)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc), field=field) from exc
+    host = HostRequest(name=name, min_cores=cores, min_memory_bytes=memory, selectors=selectors)
+    refusal = host_limit_refusal(host)
+    if refusal is not None:
+        raise InvalidRequestError(refusal[1], field=field)
+    return host
 
 
 def _once(modifier: str, seen: set[str], token: str, field: str) -> None:
@@ -198,7 +203,7 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             if amount == 0:
                 raise InvalidRequestError(f"{tok!r}: an amount must be more than zero", field=field)
         else:
-            selectors.append(_selector(tok, field))
+            selectors.append(_selector(tok, field, clause=True))
     if count is None and amount is None:
         count = 1
     return _build(
@@ -213,10 +218,10 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
     )
 
 
-def _selector(text: str, field: str) -> Selector:
+def _selector(text: str, field: str, *, clause: bool = False) -> Selector:
     """A device selector of a resource line, refusing a mistyped modifier (``latency>=100ns``) or a key that
     names one device (``serial=...``)."""
-    selector = parse_selector(text, field)
+    selector = parse_selector(text, field, clause=clause)
     refusal = selector_refusal(selector.key, resource=True)
     if refusal:
         raise InvalidRequestError(f"{text!r}: {refusal}", field=field)
@@ -235,7 +240,7 @@ def _build(
     field: str,
 ) -> ResourceRequest:
     try:
-        return ResourceRequest(
+        line = ResourceRequest(
             kind=kind,
             count=count,
             amount_bytes=amount,
@@ -246,6 +251,10 @@ def _build(
         )
     except ValueError as exc:
         raise InvalidRequestError(str(exc), field=field) from exc
+    refusal = resource_limit_refusal(line)  # a number the wire cannot carry, refused here as by a server
+    if refusal is not None:
+        raise InvalidRequestError(refusal[1], field=field)
+    return line
 
 
 def parse_request(name: str, clauses: Sequence[str]) -> CompositionRequest:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -73,29 +74,15 @@ SELECTOR_INT_RANGE = range(-(2**63), 2**63)
 """The whole numbers a selector may compare with: the wire's ``int64 int_value``."""
 
 
-def _limit(value: int, most: int, what: str) -> None:
-    """Refuse ``value`` above ``most``, so that a request the local composer takes is one the wire carries."""
-    if value > most:
-        raise ValueError(f"{what} {value} is more than the most a request may give, {most}")
-
-
 @attrs.frozen
 class Selector:
-    """A test on one attribute: ``model = H200``, ``gpu_memory >= 80 GiB``. A whole number beyond int64 is
-    refused: the wire cannot carry it. (A number that is not finite is refused where requests are read, the text
-    and document forms and the wire, not here: a ledger written before may hold one, and must still load.)"""
+    """A test on one attribute: ``model = H200``, ``gpu_memory >= 80 GiB``. Any value is taken: what a request
+    may hold is `request_limit_refusal`'s, checked where requests are read, since the ledger rebuilds this class
+    from records an earlier version wrote."""
 
     key: str
     op: SelectorOp
     value: AttributeValue
-
-    def __attrs_post_init__(self) -> None:
-        value = self.value
-        if isinstance(value, int) and not isinstance(value, bool) and value not in SELECTOR_INT_RANGE:
-            raise ValueError(
-                f"{value} is beyond the whole numbers a selector compares with, "
-                f"{SELECTOR_INT_RANGE.start} to {SELECTOR_INT_RANGE.stop - 1}"
-            )
 
     def matches(self, actual: AttributeValue | None) -> bool:
         if actual is None:
@@ -172,10 +159,6 @@ class ResourceRequest:
             raise ValueError(f"an amount of bytes can only be carved from cxl-memory, not {self.kind.value}")
         if self.max_latency_ns is not None and self.max_latency_ns < 0:
             raise ValueError("max latency must not be negative")
-        _limit(self.count, MAX_COUNT, "a count of")
-        _limit(self.amount_bytes, MAX_BYTES, "an amount of bytes")
-        if self.max_latency_ns is not None:
-            _limit(self.max_latency_ns, MAX_LATENCY_NS, "a latency bound in ns")
 
     @property
     def carved(self) -> bool:
@@ -194,12 +177,6 @@ class HostRequest:
     min_memory_bytes: int = 0
     selectors: tuple[Selector, ...] = ()
 
-    def __attrs_post_init__(self) -> None:
-        if self.min_cores < 0 or self.min_memory_bytes < 0:
-            raise ValueError("a host's minimum cores and memory must not be negative")
-        _limit(self.min_cores, MAX_COUNT, "a minimum of cores")
-        _limit(self.min_memory_bytes, MAX_BYTES, "a minimum of memory in bytes")
-
 
 @attrs.frozen
 class CompositionRequest:
@@ -214,6 +191,87 @@ class CompositionRequest:
             raise ValueError("a composition needs a name")
         if not self.resources:
             raise ValueError("a composition needs at least one resource")
+
+
+def _over(value: int, most: int, what: str) -> str:
+    return f"{what} {value} is more than the most a request may give, {most}" if value > most else ""
+
+
+def selector_value_refusal(value: AttributeValue) -> str:
+    """Why a request may not compare with ``value`` (empty when it may): a whole number beyond int64 or a
+    number that is not finite, which the wire cannot carry or no device has."""
+    if isinstance(value, bool):
+        return ""
+    if isinstance(value, int) and value not in SELECTOR_INT_RANGE:
+        return (
+            f"{value} is beyond the whole numbers a selector compares with, "
+            f"{SELECTOR_INT_RANGE.start} to {SELECTOR_INT_RANGE.stop - 1}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{value} is not a number a device can have"
+    return ""
+
+
+def _selectors_refusal(selectors: tuple[Selector, ...]) -> tuple[str, str] | None:
+    for n, sel in enumerate(selectors):
+        why = selector_value_refusal(sel.value)
+        if why:
+            return f"selectors[{n}].value", why
+    return None
+
+
+def resource_limit_refusal(line: ResourceRequest) -> tuple[str, str] | None:
+    """The field of ``line`` (as the wire names it: ``count``, ``selectors[2].value``) that a request may not
+    hold, and why; None when it may. See `request_limit_refusal`."""
+    why = _over(line.count, MAX_COUNT, "a count of")
+    if why:
+        return "count", why
+    why = _over(line.amount_bytes, MAX_BYTES, "an amount of bytes")
+    if why:
+        return "amount_bytes", why
+    if line.max_latency_ns is not None:
+        why = _over(line.max_latency_ns, MAX_LATENCY_NS, "a latency bound in ns")
+        if why:
+            return "max_latency_ns", why
+    return _selectors_refusal(line.selectors) if line.selectors else None
+
+
+def host_limit_refusal(host: HostRequest) -> tuple[str, str] | None:
+    """The field of ``host`` (``min_cores``, ``selectors[0].value``) that a request may not hold, and why; None
+    when it may. See `request_limit_refusal`."""
+    for name, value, most, what in (
+        ("min_cores", host.min_cores, MAX_COUNT, "a minimum of cores"),
+        ("min_memory_bytes", host.min_memory_bytes, MAX_BYTES, "a minimum of memory in bytes"),
+    ):
+        if value < 0:
+            return name, f"{what} must not be negative, not {value}"
+        why = _over(value, most, what)
+        if why:
+            return name, why
+    return _selectors_refusal(host.selectors) if host.selectors else None
+
+
+def request_limit_refusal(
+    resources: Sequence[ResourceRequest], host: HostRequest | None = None, field: str = "resources"
+) -> tuple[str, str] | None:
+    """The first field of a request's resource lines (named ``field``: ``resources``, or ``add`` for the lines a
+    recompose adds) or host that a request may not hold, with why, as ``("resources[1].count", "...")``; None
+    when every field may. A request's numbers are held to the proto fields that carry them (`MAX_COUNT`,
+    `MAX_BYTES`, `MAX_LATENCY_NS`, `SELECTOR_INT_RANGE`), and a selector's to finite ones, so that the local
+    composer and a server refuse the same requests.
+
+    Checked where a request is read (the text and document forms, the wire) and where the Python client turns
+    one into a message: never by the model classes, which the ledger rebuilds from what an earlier version
+    stored, nor where an answer is read."""
+    for n, line in enumerate(resources):
+        refusal = resource_limit_refusal(line)
+        if refusal is not None:
+            return f"{field}[{n}].{refusal[0]}", refusal[1]
+    if host is not None:
+        refusal = host_limit_refusal(host)
+        if refusal is not None:
+            return f"host.{refusal[0]}", refusal[1]
+    return None
 
 
 class ComposeMode(ModelEnum):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import math
 import re
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from disagg.model import (
     SelectorOp,
     selector_refusal,
 )
+from disagg.model.composition import MAX_LATENCY_NS, SELECTOR_INT_RANGE, request_limit_refusal
 from disagg.wire.types import (
     KIND_FROM_WIRE,
     KIND_TO_WIRE,
@@ -136,13 +138,22 @@ def check_id(value: str, field: str, *, required: bool = True) -> str:
 
 
 def selector_to_wire(sel: Selector) -> fm.Selector:
-    return fm.Selector(key=sel.key, op=OP_TO_WIRE[sel.op], value=attribute_to_wire(sel.value))
+    """The selector's message. A whole number beyond int64 goes as a double: only an answer holds one (a request
+    is checked first, `check_selector_values`), a composition an earlier version recorded, which must be listed."""
+    value = sel.value
+    if type(value) is int and value not in SELECTOR_INT_RANGE:
+        wire = pb.AttributeValue(double_value=math.inf if value > 0 else -math.inf)
+        with contextlib.suppress(OverflowError):
+            wire.double_value = float(value)
+        return fm.Selector(key=sel.key, op=OP_TO_WIRE[sel.op], value=wire)
+    return fm.Selector(key=sel.key, op=OP_TO_WIRE[sel.op], value=attribute_to_wire(value))
 
 
 def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) -> Selector:
     """A selector of a host (``resource`` False) or of a resource line, refused as the text and document forms
-    refuse it (`disagg.model.selector_refusal`), and refused on a value that is not a finite number. (The length
-    of a string value is a request's limit, `check_selector_values`: an answer may hold a longer one.)"""
+    refuse it (`disagg.model.selector_refusal`). (Its value is held to a request's limits by
+    `check_selector_values`: an answer may hold one a request may not, a number that is not finite or a longer
+    string, made through the Python API or by an earlier version.)"""
     if not msg.key or len(msg.key) > MAX_NAME:
         raise InvalidRequestError(
             f"{field}.key: a selector needs a key of 1 to {MAX_NAME} characters", field=f"{field}.key"
@@ -151,21 +162,25 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
     if refusal:
         raise InvalidRequestError(f"{field}.key: {refusal}", field=f"{field}.key")
     op = enum_from_wire(OP_FROM_WIRE, msg.op, f"{field}.op", "selector operator")
-    value = attribute_from_wire(msg.value, f"{field}.value")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequestError(f"{field}.value: {value} is not a number a device can have", field=f"{field}.value")
-    return Selector(msg.key, op, value)
+    return Selector(msg.key, op, attribute_from_wire(msg.value, f"{field}.value"))
 
 
 def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
-    """Refuse, in a request, a selector compared with a string longer than `MAX_SELECTOR_VALUE`. Not where an
-    answer is read: a composition made before the limit (or through the Python API, which takes any) must still
-    be listed and read by every client."""
-    where = [(f"{field}[{n}].selectors", line.selectors) for n, line in enumerate(lines) if line.selectors]
+    """Refuse, in a request (a Compose's, the lines an UpdateComposition adds, or one the Python client is about
+    to send), what a request may not hold: a number beyond the field that carries it or a selector's number that
+    is not finite (`disagg.model.composition.request_limit_refusal`, as the text and document forms refuse
+    them), or a selector compared with a string longer than `MAX_SELECTOR_VALUE`. Not where an answer is read:
+    a composition made before the limits (or through the Python API, which takes any) must still be listed and
+    read by every client."""
+    refusal = request_limit_refusal(lines, host, field)
+    if refusal is not None:
+        where, why = refusal
+        raise InvalidRequestError(f"{where}: {why}", field=where)
+    selectors = [(f"{field}[{n}].selectors", line.selectors) for n, line in enumerate(lines) if line.selectors]
     if host is not None and host.selectors:
-        where.append(("host.selectors", host.selectors))
-    for parent, selectors in where:
-        for m, sel in enumerate(selectors):
+        selectors.append(("host.selectors", host.selectors))
+    for parent, values in selectors:
+        for m, sel in enumerate(values):
             if isinstance(sel.value, str) and len(sel.value) > MAX_SELECTOR_VALUE:
                 raise InvalidRequestError(
                     f"{parent}[{m}].value: a selector compares with a string of at most {MAX_SELECTOR_VALUE} "
@@ -204,8 +219,8 @@ def resource_into(msg: fm.ResourceRequest, r: ResourceRequest) -> None:
     msg.affinity = AFFINITY_TO_WIRE[r.affinity]
     if r.spread:
         msg.spread = r.spread
-    if r.max_latency_ns is not None:
-        msg.max_latency_ns = r.max_latency_ns
+    if r.max_latency_ns is not None:  # an earlier version recorded larger bounds: one past 584 years is no bound
+        msg.max_latency_ns = min(r.max_latency_ns, MAX_LATENCY_NS)
 
 
 def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
@@ -243,10 +258,12 @@ def resources_from_wire(
 
 
 def host_request_to_wire(h: HostRequest) -> fm.HostRequest:
+    """The host request's message; a negative minimum, which a reservation made through the Python API may
+    hold (a request is checked first), goes as the 0 it means."""
     return fm.HostRequest(
         name=h.name or "",
-        min_cores=h.min_cores,
-        min_memory_bytes=h.min_memory_bytes,
+        min_cores=max(h.min_cores, 0),
+        min_memory_bytes=max(h.min_memory_bytes, 0),
         selectors=[selector_to_wire(s) for s in h.selectors],
     )
 
