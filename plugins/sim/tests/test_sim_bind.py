@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from disagg.errors import (
@@ -268,6 +270,50 @@ class TestFencing:
         pcie.bind(GPU, "h1", CallContext(epoch=3))
         with pytest.raises(StaleEpochError):
             pcie.bind("pcie/ghost", "nobody", CallContext(epoch=1))
+
+
+BAD_IDS = [pytest.param(7, id="int"), pytest.param(b"x", id="bytes"), pytest.param("", id="empty")]
+BAD_IDS += [pytest.param(["x"], id="list"), pytest.param(None, id="none")]
+
+
+class TestMalformedIds:
+    """An id that is not a non-empty string is refused with InvalidRequestError by every call, after the fence,
+    so that nothing the state file cannot hold is ever used."""
+
+    @pytest.mark.parametrize("bad", BAD_IDS)
+    def test_mutating_calls(self, bad: Any) -> None:
+        cxl = SimFabric(load_topology("cxl", "demo-cxl"))
+        pool = cxl.pool("cxl/mem0")
+        calls: list[Callable[[CallContext], object]] = [
+            lambda ctx: pool.allocate(bad, "h1", 1 << 30, ctx),
+            lambda ctx: pool.allocate("a", bad, 1 << 30, ctx),
+            lambda ctx: pool.release(bad, ctx),
+            lambda ctx: cxl.bind(bad, "h1", ctx),
+            lambda ctx: cxl.bind("cxl/mem0", bad, ctx),
+            lambda ctx: cxl.unbind(Binding(bad, "h1"), ctx),
+            lambda ctx: cxl.unbind(Binding("cxl/mem0", bad), ctx),
+        ]
+        for epoch, call in enumerate(calls, start=1):
+            with pytest.raises(InvalidRequestError, match="must be a non-empty string"):
+                call(CallContext(epoch=epoch))
+            assert cxl.epoch == epoch  # the fence came first
+        assert pool.allocations() == () and cxl.bindings() == ()
+
+    @pytest.mark.parametrize("bad", BAD_IDS)
+    def test_other_calls(self, bad: Any) -> None:
+        pcie = SimFabric(load_topology("pcie", "demo-pcie"))
+        calls: list[Callable[[], object]] = [
+            lambda: pcie.device(bad),
+            lambda: pcie.pool(bad),
+            lambda: pcie.fail_device(bad),
+            lambda: pcie.repair_device(bad),
+            lambda: pcie.set_link(bad, "top-a", False),
+        ]
+        if bad is not None:  # flaky_bind(None, n) means any device
+            calls.append(lambda: pcie.flaky_bind(bad, 1))
+        for call in calls:
+            with pytest.raises(InvalidRequestError, match="must be a non-empty string"):
+                call()
 
 
 class TestDeviceHandle:

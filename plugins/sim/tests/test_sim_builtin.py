@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from pathlib import Path
 
 from disagg.model import DeviceKind, PoolKind, SwitchKind, Topology
 from disagg_sim import load_topology
@@ -72,6 +74,20 @@ class TestDemoPcie:
         assert far == {"h1": 650, "h2": 660, "h3": 390, "h4": 400}
         for host, a in near.items():  # "within 600 ns" admits exactly one chassis: the one in the host's half
             assert min(a, far[host]) < 600 < max(a, far[host])
+
+    def test_the_readme_describes_it(self) -> None:
+        """The README's table of host-to-GPU latencies and top switches is what the topology measures."""
+        readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+        rows = re.findall(r"^ *\| (h\d) \| (\S+) \| (\d+) ns \| (\d+) ns \|$", readme, re.MULTILINE)
+        topo = load_topology("pcie", "demo-pcie")
+        switch = {h.id: h.switch.removeprefix("pcie/") for h in topo.hosts}
+        measured = [
+            (h, switch[h], str(latency(topo, h, "pcie/gpu-a0")), str(latency(topo, h, "pcie/gpu-b0")))
+            for h in ("h1", "h2", "h3", "h4")
+        ]
+        assert rows == measured
+        between = next(link for link in topo.links if {link.a, link.b} == {"pcie/top-a", "pcie/top-b"})
+        assert f"joined by a {between.latency_ns} ns inter-switch link" in " ".join(readme.split())
 
 
 class TestDemoCxl:

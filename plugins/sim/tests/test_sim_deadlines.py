@@ -1,17 +1,24 @@
-"""Simulated hardware time (bind_delay_s): calls take that long, and one that cannot finish by its deadline
-fails at once with DeadlineExceededError, having changed nothing."""
+"""Simulated hardware time (bind_delay_s): calls take that long, one that cannot finish by its deadline fails
+at once with DeadlineExceededError, having changed nothing, and one that changes nothing answers at once."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
-from disagg.errors import ConfigError, DeadlineExceededError
+from disagg.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    DeviceBusyError,
+    FabricUnavailableError,
+    HostUnreachableError,
+)
 from disagg.interfaces import CallContext
 from disagg.model import Binding
-from disagg_sim import SimFabric, load_topology
-from sim_helpers import GIB
+from disagg_sim import SimFabric, load_topology, parse_topology
+from sim_helpers import GIB, SMALL
 
 DELAY = 0.1
 GPU = "pcie/gpu-a0"
@@ -120,3 +127,84 @@ class TestDeadlines:
         assert time.monotonic() - start < 0.25
         first.join()
         assert list(fabric.bindings()) == [Binding(GPU, "h1")]
+
+
+class TestNoOpsAnswerAtOnce:
+    """A call that changes nothing takes no simulated time, so a deadline shorter than the delay is no reason
+    to refuse it; the epoch it carries is remembered all the same."""
+
+    def test_fence_unbind_repeat_bind_and_unknown_release(self, slow_cxl: SimFabric) -> None:
+        pool = slow_cxl.pool("cxl/mem0")
+        pool.allocate("a", "h1", GIB, CallContext(epoch=1))
+        start = time.monotonic()
+        slow_cxl.unbind(Binding("cxl/disagg-fence", "disagg-fence"), CallContext.with_timeout(DELAY / 2, epoch=2))
+        assert slow_cxl.epoch == 2
+        assert pool.allocate("a", "h1", GIB, CallContext.with_timeout(DELAY / 2, epoch=2)).id == "a"
+        pool.release("unknown", CallContext.with_timeout(DELAY / 2, epoch=2))
+        assert time.monotonic() - start < DELAY
+
+    def test_a_repeated_bind(self, slow: SimFabric) -> None:
+        binding = slow.bind(GPU, "h1", CallContext(epoch=1))
+        assert slow.bind(GPU, "h1", CallContext.with_timeout(DELAY / 2, epoch=1)) == binding
+
+    def test_a_bind_refused_for_its_deadline_leaves_an_injected_fault_pending(self, slow: SimFabric) -> None:
+        slow.flaky_bind(GPU, 1)
+        with pytest.raises(DeadlineExceededError):
+            slow.bind(GPU, "h1", CallContext.with_timeout(DELAY / 2, epoch=1))
+        with pytest.raises(FabricUnavailableError, match="injected fault"):
+            slow.bind(GPU, "h1", CallContext(epoch=1))
+
+
+def in_background(call: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:
+    """Start ``call`` on a thread; the dict gets its ``result`` or its ``error``."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except Exception as exc:  # the test inspects it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+class TestChangesDuringTheDelay:
+    """What a bind or allocate checked before its delay is checked again before it commits: a device failed or
+    a link taken down meanwhile fails the call, with the error it would have raised at once, and nothing
+    lands."""
+
+    SLOW = 0.5
+
+    def test_the_device_fails(self) -> None:
+        fabric = SimFabric(parse_topology("t", SMALL), bind_delay_s=self.SLOW)
+        thread, outcome = in_background(lambda: fabric.bind("t/gpu0", "h1", CallContext(epoch=1)))
+        time.sleep(self.SLOW / 5)
+        fabric.fail_device("t/gpu0", "ECC storm")
+        thread.join()
+        assert isinstance(outcome.get("error"), DeviceBusyError)
+        assert "has FAILED (ECC storm)" in str(outcome["error"])
+        assert fabric.bindings() == ()
+
+    def test_the_link_goes_down(self) -> None:
+        fabric = SimFabric(parse_topology("t", SMALL), bind_delay_s=self.SLOW)
+        thread, outcome = in_background(lambda: fabric.bind("t/gpu0", "h1", CallContext(epoch=1)))
+        time.sleep(self.SLOW / 5)
+        fabric.set_link("top", "box", False)
+        thread.join()
+        assert isinstance(outcome.get("error"), HostUnreachableError)
+        assert fabric.bindings() == ()
+        fabric.set_link("top", "box", True)
+        assert fabric.bind("t/gpu0", "h1", CallContext(epoch=1)) == Binding("t/gpu0", "h1")
+
+    def test_the_pool_device_fails(self) -> None:
+        fabric = SimFabric(parse_topology("t", SMALL), bind_delay_s=self.SLOW)
+        pool = fabric.pool("t/dcd")
+        thread, outcome = in_background(lambda: pool.allocate("a", "h1", GIB, CallContext(epoch=1)))
+        time.sleep(self.SLOW / 5)
+        fabric.fail_device("t/mem0")
+        thread.join()
+        assert isinstance(outcome.get("error"), DeviceBusyError)
+        assert pool.allocations() == ()
+        assert pool.free_bytes() == pool.info().capacity.total_bytes

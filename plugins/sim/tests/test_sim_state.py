@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Health
+from disagg.model import Allocation, Binding, Extent, Health, Topology
 from disagg_sim import SimFabric, load_topology, parse_topology
 from disagg_sim.state import StateFile
-from sim_helpers import GIB, SMALL
+from sim_helpers import GIB, MIB, SMALL
 
 GPU = "pcie/gpu-a0"
 
@@ -144,7 +146,142 @@ class TestPersistence:
             fabric.bind("pcie/gpu-a1", "h1", CallContext(epoch=2))
         assert list(fabric.bindings()) == [Binding(GPU, "h1")]
         assert all(d.health is Health.OK for d in fabric.discover().devices)
-        assert fabric.epoch == 1
+        assert fabric.epoch == 2  # an epoch is never forgotten, even when saving it failed
+
+    def test_a_save_that_fails_with_any_exception_changes_nothing(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fabric = cxl(tmp_path / "cxl.json")
+        pool = fabric.pool("cxl/mem0")
+        pool.allocate("a", "h1", GIB, CallContext(epoch=1))
+
+        def unencodable(self: StateFile, state: object) -> None:
+            raise TypeError("Object of type bytes is not JSON serializable")
+
+        monkeypatch.setattr(StateFile, "save", unencodable)
+        with pytest.raises(FabricUnavailableError, match="not JSON serializable; nothing was changed"):
+            pool.allocate("b", "h1", GIB, CallContext(epoch=1))
+        with pytest.raises(FabricUnavailableError):
+            pool.release("a", CallContext(epoch=1))
+        assert [a.id for a in pool.allocations()] == ["a"]
+        assert pool.free_bytes() == pool.info().capacity.total_bytes - GIB
+
+    def test_the_directory_is_synced_after_the_rename(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        synced: list[str] = []
+        fsync = os.fsync
+
+        def record(fd: int) -> None:
+            synced.append("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+            fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", record)
+        pcie(tmp_path / "pcie.json").bind(GPU, "h1", CallContext(epoch=1))
+        assert synced == ["file", "directory"] * 2  # the new epoch, then the binding
+
+    def test_a_device_repaired_since_the_topology_stays_repaired(self, tmp_path: Path) -> None:
+        topology = load_topology("pcie", "demo-pcie")
+        start = {"pcie/gpu-a1": Health.FAILED, "pcie/gpu-a2": Health.DEGRADED, "pcie/gpu-a3": Health.DEGRADED}
+        topology = attrs.evolve(
+            topology, devices=tuple(attrs.evolve(d, health=start.get(d.id, d.health)) for d in topology.devices)
+        )
+        path = tmp_path / "pcie.json"
+        first = SimFabric(topology, state_file=path)
+        first.repair_device("pcie/gpu-a1")
+        first.repair_device("pcie/gpu-a2")
+        first.fail_device("pcie/gpu-a3", "fan")
+        first.bind("pcie/gpu-a1", "h1", CallContext(epoch=1))
+
+        health = {d.id: d.health for d in SimFabric(topology, state_file=path).discover().devices}
+        assert [health[d] for d in start] == [Health.OK, Health.OK, Health.FAILED]
+        assert json.loads(path.read_text())["health"] == {"pcie/gpu-a1": "OK", "pcie/gpu-a2": "OK"}
+
+        second = SimFabric(topology, state_file=path)
+        second.fail_device("pcie/gpu-a2")  # back to unhealthy: no longer a repair to remember
+        second.repair_device("pcie/gpu-a3")
+        health = {d.id: d.health for d in SimFabric(topology, state_file=path).discover().devices}
+        assert [health[d] for d in start] == [Health.OK, Health.FAILED, Health.OK]
+
+    def test_a_state_file_of_format_1_loads(self, tmp_path: Path) -> None:
+        path = tmp_path / "pcie.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "format": "disagg-sim-state/1",
+                    "fabric": "pcie",
+                    "epoch": 3,
+                    "bindings": {GPU: "h1"},
+                    "allocations": [],
+                    "failed": {"pcie/gpu-b3": "thermal trip"},
+                    "links_down": [["pcie/top-b", "pcie/chassis-b"]],
+                    "flaky_any": 0,
+                    "flaky": {},
+                }
+            )
+        )
+        fabric = pcie(path)
+        assert (fabric.epoch, list(fabric.bindings())) == (3, [Binding(GPU, "h1")])
+        assert fabric.device("pcie/gpu-b3").health() is Health.FAILED
+        fabric.repair_device("pcie/gpu-b3")
+        assert json.loads(path.read_text())["format"] == "disagg-sim-state/2"
+        assert pcie(path).device("pcie/gpu-b3").health() is Health.OK
+
+
+class TestEpochSaveFailure:
+    """An epoch whose save failed is still remembered: the call fails, yet the older manager stays fenced."""
+
+    def test_an_older_epoch_is_refused_after_the_newer_ones_save_failed(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        path = tmp_path / "pcie.json"
+        fabric = pcie(path)
+        fabric.bind(GPU, "h1", CallContext(epoch=5))
+        save = StateFile.save
+
+        def broken(self: StateFile, state: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(StateFile, "save", broken)
+        announce = Binding("pcie/disagg-fence", "disagg-fence")
+        with pytest.raises(FabricUnavailableError, match="epoch 6 is remembered"):
+            fabric.unbind(announce, CallContext(epoch=6))
+        monkeypatch.setattr(StateFile, "save", save)
+        assert fabric.epoch == 6
+        with pytest.raises(StaleEpochError):
+            fabric.unbind(Binding(GPU, "h1"), CallContext(epoch=5))
+        assert list(fabric.bindings()) == [Binding(GPU, "h1")]
+
+        fabric.unbind(announce, CallContext(epoch=6))  # the retried announcement saves the epoch
+        assert pcie(path).epoch == 6
+
+
+class TestMldStateFiles:
+    """A state file cannot give an MLD more than it can hold: one range per allocation, one per LD."""
+
+    @pytest.fixture
+    def mld(self) -> Topology:
+        return parse_topology("t", SMALL.replace('kind = "mld"', 'kind = "mld"\nlogical_devices = 2'))
+
+    def _with(self, path: Path, *extra: Allocation) -> None:
+        state = StateFile(path).load()
+        assert state is not None
+        StateFile(path).save(attrs.evolve(state, allocations=state.allocations + extra))
+
+    def test_more_allocations_than_logical_devices(self, tmp_path: Path, mld: Topology) -> None:
+        path = tmp_path / "s.json"
+        pool = SimFabric(mld, state_file=path).pool("t/mld")
+        pool.allocate("x1", "h1", 16 * MIB, CallContext(epoch=1))
+        pool.allocate("x2", "h1", 16 * MIB, CallContext(epoch=1))
+        self._with(path, Allocation("x3", "t/mld", "h1", 16 * MIB, (Extent(64 * MIB, 16 * MIB),)))
+        with pytest.raises(ConfigError, match="allocation 'x3' in pool 't/mld': the pool is an MLD of 2 logical"):
+            SimFabric(mld, state_file=path)
+
+    def test_an_allocation_of_two_extents(self, tmp_path: Path, mld: Topology) -> None:
+        path = tmp_path / "s.json"
+        SimFabric(mld, state_file=path).bind("t/gpu0", "h1", CallContext(epoch=1))
+        two = (Extent(0, 16 * MIB), Extent(64 * MIB, 16 * MIB))
+        self._with(path, Allocation("x", "t/mld", "h1", 32 * MIB, two))
+        with pytest.raises(ConfigError, match="allocation 'x' in pool 't/mld': it has 2 extents"):
+            SimFabric(mld, state_file=path)
 
 
 class TestBadStateFiles:
@@ -191,6 +328,23 @@ class TestBadStateFiles:
         path.write_text(json.dumps(data))
         with pytest.raises(ConfigError, match=r"allocation 'b' in pool 'cxl/mem0': blocks .* are not free"):
             cxl(path)
+
+    @pytest.mark.parametrize(
+        ("health", "message"),
+        [
+            ({"pcie/gpu-a0": "BROKEN"}, r"is corrupt .*'BROKEN'"),
+            ({"pcie/gpu-a0": "FAILED"}, "device 'pcie/gpu-a0' is FAILED under 'health'"),
+            ({"pcie/gpu-b3": "OK"}, "device 'pcie/gpu-b3' is under both 'failed' and 'health'"),
+            ({"pcie/gpu-z9": "OK"}, "unknown device 'pcie/gpu-z9'"),
+        ],
+    )
+    def test_bad_health(self, tmp_path: Path, health: dict[str, str], message: str) -> None:
+        path = tmp_path / "s.json"
+        pcie(path).fail_device("pcie/gpu-b3")
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(dict(data, health=health)))
+        with pytest.raises(ConfigError, match=message):
+            pcie(path)
 
     def test_the_directory_is_created(self, tmp_path: Path) -> None:
         path = tmp_path / "state" / "disagg" / "s.json"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 from disagg.errors import ConfigError
 from disagg.model import DeviceKind, PoolKind, PortKind, SwitchKind
-from disagg_sim import BUILTIN_TOPOLOGIES, load_topology, parse_topology
+from disagg_sim import BUILTIN_TOPOLOGIES, SimFabric, load_topology, parse_topology
 from disagg_sim.topology import convert_attribute
 from sim_helpers import GIB, MIB, SMALL
 
@@ -134,6 +135,26 @@ latency = "1ns"
 
 CASES = [
     pytest.param("[[device]\nid = 1", "rack.toml: not valid TOML", id="syntax"),
+    pytest.param(
+        '[[host]]\nid = "h9"\nswitch = "top"\nlatency = 1\nmemory = "256"',
+        "[[host]] #2 (id 'h9'): field 'memory' is '256': a size string needs a unit",
+        id="size-string-without-unit",
+    ),
+    pytest.param(
+        '[[device]]\nid = "m"\nkind = "cxl"\nswitch = "top"\nlatency = 1\ncapacity = " 1073741824 "',
+        "[[device]] #1 (id 'm'): field 'capacity' is ' 1073741824 ': a size string needs a unit",
+        id="capacity-string-without-unit",
+    ),
+    pytest.param(
+        '[[host]]\nid = "h9"\nswitch = "top"\nlatency = "100"',
+        "[[host]] #2 (id 'h9'): field 'latency' is '100': a latency string needs a unit",
+        id="latency-string-without-unit",
+    ),
+    pytest.param(
+        '[[link]]\na = "top"\nb = "top2"\nlatency = "2.5"\n[[switch]]\nid = "top2"',
+        "[[link]] #1: field 'latency' is '2.5': a latency string needs a unit",
+        id="link-latency-string-without-unit",
+    ),
     pytest.param(
         '[[device]]\nid = "g"\nswitch = "top"\nlatency = "1ns"',
         "[[device]] #1 (id 'g'): missing field 'kind'",
@@ -321,3 +342,19 @@ class TestLoading:
     def test_a_missing_file(self, tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=r"is neither a built-in .*demo-pcie.* nor an existing file"):
             load_topology("t", tmp_path / "absent.toml")
+
+
+class TestCodeBuiltTopologies:
+    """A topology built in code, past the loader's checks, is refused if the fabric could not index it."""
+
+    def test_a_duplicate_pool_id(self) -> None:
+        topology = parse_topology("t", SMALL)
+        twin = attrs.evolve(topology.pools[1], id=topology.pools[0].id)
+        with pytest.raises(ConfigError, match="inconsistent topology: duplicate pool id 't/dcd'"):
+            SimFabric(attrs.evolve(topology, pools=(topology.pools[0], twin)))
+
+    def test_two_pools_on_one_device(self) -> None:
+        topology = parse_topology("t", SMALL)
+        twin = attrs.evolve(topology.pools[0], id="t/dcd2")
+        with pytest.raises(ConfigError, match="pools t/dcd and t/dcd2 are both on device t/mem0"):
+            SimFabric(attrs.evolve(topology, pools=(*topology.pools, twin)))

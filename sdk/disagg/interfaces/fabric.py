@@ -82,7 +82,8 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         """Give an allocation's extents back. Idempotent; raises only `StaleEpochError`,
-        `FabricUnavailableError` or `DeadlineExceededError`."""
+        `FabricUnavailableError` or `DeadlineExceededError`, and `InvalidRequestError` for an id that is not a
+        non-empty string (a caller's bug, which no retry mends)."""
 
     def free_bytes(self) -> int:
         return self.info().capacity.total_bytes - sum(a.amount_bytes for a in self.allocations())
@@ -151,7 +152,8 @@ class Fabric(abc.ABC):
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         """Take a device away from a host. Idempotent: an absent binding, including one that names an unknown
         device or host, is already unbound. Raises only `StaleEpochError`, `FabricUnavailableError` or
-        `DeadlineExceededError`; a failed or unreachable device can still be unbound."""
+        `DeadlineExceededError`, and `InvalidRequestError` for a device or host that is not a non-empty string (a
+        caller's bug); a failed or unreachable device can still be unbound."""
 
     def device(self, device: str) -> Device:
         """A live handle on one device; raises `UnknownDeviceError`."""

@@ -18,7 +18,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 import attrs
@@ -86,14 +86,29 @@ def _nothing() -> None:
     return None
 
 
+def _check_id(value: object, field: str) -> str:
+    """An id as the caller passed it, if it can be one: anything else would reach the state file, where it
+    cannot be saved (bytes) or cannot be loaded back (an int), so it is refused before it is used."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{field} must be a non-empty string, not {value!r}", field=field)
+    return value
+
+
 @attrs.frozen
 class _Change(Generic[T]):
     """A validated mutation: ``result`` to answer, ``commit`` to apply it (None when it is a repeat that
-    changes nothing), ``abort`` to undo what validation reserved if the operation never commits."""
+    changes nothing), ``abort`` to undo what validation reserved if the operation never commits.
+
+    ``begin`` runs once the call is known to go ahead (its deadline allows it), so that an injected fault is
+    not used up by a call refused for its deadline. ``verify`` runs under the lock just before a commit that
+    follows a sleep, repeating the checks of what may have changed meanwhile (health, links) with the errors
+    the immediate path raises."""
 
     result: T
     commit: Callable[[], None] | None = None
     abort: Callable[[], None] = _nothing
+    begin: Callable[[], None] = _nothing
+    verify: Callable[[], None] = _nothing
 
 
 class SimFabric(Fabric, FaultInjection):
@@ -106,15 +121,20 @@ class SimFabric(Fabric, FaultInjection):
       injection reports a change only when there is one (failing a FAILED device reports nothing).
     - A device that backs a pool is carved through the pool and cannot be bound whole (`DeviceBusyError`),
       nor can a FAILED device be bound or carved.
-    - `unbind` and `Pool.release` raise only `StaleEpochError`, `FabricUnavailableError` and
+    - An id (device, host, allocation, pool, link end) that is not a non-empty string is refused with
+      `InvalidRequestError` by every call, after the fencing check.
+    - `unbind` and `Pool.release` raise only that, `StaleEpochError`, `FabricUnavailableError` and
       `DeadlineExceededError`; a binding or allocation that does not exist, including one naming an unknown
       device or host, is already released.
-    - The fencing epoch is remembered as soon as a call carrying it arrives, even if that call then fails:
-      the first word from a new fabric manager fences the old one.
-    - With ``bind_delay_s``, a call whose deadline leaves less than the delay fails with
-      `DeadlineExceededError` at once, having changed nothing.
+    - The fencing epoch is remembered as soon as a call carrying it arrives, even if that call then fails,
+      and even if saving it fails (the call then raises `FabricUnavailableError`, and the next call tries
+      the save again): the first word from a new fabric manager fences the old one.
+    - With ``bind_delay_s``, a call that would change something and whose deadline leaves less than the
+      delay fails with `DeadlineExceededError` at once, having changed nothing; one that changes nothing
+      answers at once. A bind or allocate checks the device's health and the host's path to it again
+      before it commits, so a device failed or a link taken down during the delay fails it.
     - With ``state_file``, the state is loaded at construction and saved after every change; a save that
-      fails undoes the change and raises `FabricUnavailableError`.
+      fails undoes the change (but not a newer epoch) and raises `FabricUnavailableError`.
     """
 
     def __init__(
@@ -160,9 +180,11 @@ class SimFabric(Fabric, FaultInjection):
         # The mutable state.
         self._bindings: dict[str, str] = {}
         self._failed: dict[str, str] = {d.id: "" for d in self._devices if d.health is Health.FAILED}
+        self._start_health = {d.id: d.health for d in self._devices if d.health is not Health.OK}
         self._flaky_any = 0
         self._flaky: dict[str, int] = {}
         self._epoch = 0
+        self._epoch_unsaved = False
         self._busy: set[tuple[str, ...]] = set()
         self._sanitized: dict[str, int] = {}
         self._reach: dict[str, frozenset[str]] = {}
@@ -227,7 +249,7 @@ class SimFabric(Fabric, FaultInjection):
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         def prepare() -> _Change[Binding]:
-            info = self._device(device)
+            self._device(device)
             self._host(host)
             binding = Binding(device=device, host=host)
             current = self._bindings.get(device)
@@ -235,13 +257,15 @@ class SimFabric(Fabric, FaultInjection):
                 return _Change(binding)
             if current is not None:
                 raise DeviceBusyError(f"device {device} is bound to host {current}")
-            if info.health is Health.FAILED:
-                raise DeviceBusyError(f"device {device} has FAILED{self._reason(device)} and cannot be bound")
+            self._check_healthy(device, "cannot be bound")
             pool = self._pool_of_device.get(device)
             if pool is not None:
                 raise DeviceBusyError(f"device {device} backs pool {pool}: carve memory from the pool instead")
-            self._check_reach(host, info)
-            self._take_flaky(device)
+            self._check_reach(host, self._device(device))
+
+            def verify() -> None:
+                self._check_healthy(device, "cannot be bound")
+                self._check_reach(host, self._device(device))
 
             def commit() -> None:
                 self._bindings[device] = host
@@ -251,9 +275,9 @@ class SimFabric(Fabric, FaultInjection):
 
                 self._persist(undo)
 
-            return _Change(binding, commit)
+            return _Change(binding, commit, begin=lambda: self._take_flaky(device), verify=verify)
 
-        return self._mutate(ctx, ("device", device), prepare)
+        return self._mutate(ctx, ("device", device), prepare, ids={"device": device, "host": host})
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         device, host = binding.device, binding.host
@@ -268,7 +292,7 @@ class SimFabric(Fabric, FaultInjection):
 
             return _Change(None, commit)
 
-        self._mutate(ctx, ("device", device), prepare)
+        self._mutate(ctx, ("device", device), prepare, ids={"device": device, "host": host})
 
     def device(self, device: str) -> SimDevice:
         with self._lock:
@@ -276,6 +300,7 @@ class SimFabric(Fabric, FaultInjection):
         return SimDevice(self, device)
 
     def pool(self, pool: str) -> SimPool:
+        _check_id(pool, "pool")
         try:
             return self._pools[pool]
         except KeyError:
@@ -355,6 +380,8 @@ class SimFabric(Fabric, FaultInjection):
         """
         if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
             raise InvalidRequestError("failures must be an integer >= 0", field="failures")
+        if device is not None:
+            _check_id(device, "device")
         with self._lock:
             if device is None:
                 old_any = self._flaky_any
@@ -387,76 +414,111 @@ class SimFabric(Fabric, FaultInjection):
     # -- internals: run under self._lock unless said otherwise -------------------------------------------
 
     def _mutate(
-        self, ctx: CallContext, key: tuple[str, ...], prepare: Callable[[], _Change[T]], *, timed: bool = True
+        self,
+        ctx: CallContext,
+        key: tuple[str, ...],
+        prepare: Callable[[], _Change[T]],
+        *,
+        ids: Mapping[str, object],
+        timed: bool = True,
     ) -> T:
-        """Run a mutating call: check the epoch (a newer one is remembered even if the call then fails), wait
-        for other work on ``key``, check time and epoch, validate, then commit, sleeping ``bind_delay_s``
-        without the lock in between when ``timed``; a newer epoch seen during the sleep refuses the commit, so
-        that nothing of a fenced-off manager lands after the new one read the hardware. Takes the lock itself."""
+        """Run a mutating call: check the epoch (a newer one is remembered even if the call then fails) and the
+        ``ids`` (field name to value), wait for other work on ``key``, check the epoch again, validate, and
+        answer at once if nothing changes. Otherwise check that the deadline leaves time for ``bind_delay_s``
+        (when ``timed``), sleep it without the lock, verify again what may have changed meanwhile, and commit;
+        a newer epoch seen during the sleep refuses the commit, so that nothing of a fenced-off manager lands
+        after the new one read the hardware. Takes the lock itself."""
         delay = self._delay if timed else 0.0
         with self._lock:
             self._fence(ctx)
+            for field, value in ids.items():
+                _check_id(value, field)
             while key in self._busy:
                 remaining = ctx.remaining()
                 if remaining is not None and remaining <= 0:
                     raise DeadlineExceededError(f"fabric {self._name}: the deadline passed waiting for {key[-1]}")
                 self._idle.wait(remaining)
             ctx.check_deadline()
-            remaining = ctx.remaining()
-            if delay and remaining is not None and remaining < delay:
-                raise DeadlineExceededError(
-                    f"fabric {self._name}: the call takes {delay:.3f}s but its deadline is {remaining:.3f}s away"
-                )
             self._fence(ctx)
             change = prepare()
             if change.commit is None:
                 return change.result
+            try:
+                remaining = ctx.remaining()
+                if delay and remaining is not None and remaining < delay:
+                    raise DeadlineExceededError(
+                        f"fabric {self._name}: the call takes {delay:.3f}s but its deadline is {remaining:.3f}s away"
+                    )
+                change.begin()
+            except BaseException:
+                change.abort()
+                raise
             if not delay:
                 change.commit()
                 return change.result
             self._busy.add(key)
-        slept = stale = False
         try:
             time.sleep(delay)
-            slept = True
-        finally:
+        except BaseException:
             with self._lock:
-                self._busy.discard(key)
-                self._idle.notify_all()
-                stale = ctx.epoch < self._epoch
-                if slept and not stale:
-                    change.commit()
-                else:
-                    change.abort()
-        if stale:
-            raise StaleEpochError(
-                f"fabric {self._name}: epoch {ctx.epoch} was fenced off by {self._epoch} while the call ran; "
-                "nothing was changed"
-            )
+                self._release_key(key)
+                change.abort()
+            raise
+        with self._lock:
+            self._release_key(key)
+            if ctx.epoch < self._epoch:
+                change.abort()
+                raise StaleEpochError(
+                    f"fabric {self._name}: epoch {ctx.epoch} was fenced off by {self._epoch} while the call ran; "
+                    "nothing was changed"
+                )
+            try:
+                change.verify()
+            except BaseException:
+                change.abort()
+                raise
+            change.commit()
         return change.result
 
+    def _release_key(self, key: tuple[str, ...]) -> None:
+        self._busy.discard(key)
+        self._idle.notify_all()
+
     def _fence(self, ctx: CallContext) -> None:
+        """Refuse an older epoch; remember a newer one in memory even if saving it fails, and try that save
+        again on the next call that carries it, so that a fence announcement is never reported as done while
+        a restart would forget it."""
         if ctx.epoch < self._epoch:
             raise StaleEpochError(
                 f"fabric {self._name}: epoch {ctx.epoch} is older than {self._epoch}, the highest seen; "
                 "a newer fabric manager is active"
             )
-        if ctx.epoch > self._epoch:
-            old = self._epoch
+        if ctx.epoch > self._epoch or (ctx.epoch == self._epoch and self._epoch_unsaved):
             self._epoch = ctx.epoch
-            self._persist(lambda: setattr(self, "_epoch", old))
+            self._epoch_unsaved = True
+            self._persist(None)
 
-    def _persist(self, undo: Callable[[], None]) -> None:
-        """Save the state after a change; if that fails, ``undo`` the change and report the fabric unavailable."""
+    def _persist(self, undo: Callable[[], None] | None) -> None:
+        """Save the state after a change; if that fails, ``undo`` the change and report the fabric unavailable.
+
+        ``undo`` None keeps the change in memory for the next save to write: a fencing epoch is never
+        forgotten. Any exception counts as a failed save (a value JSON cannot encode, not only an OSError),
+        since memory and the file must not part ways."""
         if self._store is None:
+            self._epoch_unsaved = False
             return
         try:
             self._store.save(self._snapshot())
-        except OSError as exc:
-            undo()
+        except Exception as exc:
+            if undo is None:
+                outcome = f"epoch {self._epoch} is remembered and will be saved by the next call"
+            else:
+                undo()
+                outcome = "nothing was changed"
             raise FabricUnavailableError(
-                f"fabric {self._name}: cannot save state file {self._store.path}: {exc}; nothing was changed"
+                f"fabric {self._name}: cannot save state file {self._store.path}: {exc}; {outcome}"
             ) from None
+        self._epoch_unsaved = False
 
     def _snapshot(self) -> SimState:
         return SimState(
@@ -465,12 +527,28 @@ class SimFabric(Fabric, FaultInjection):
             bindings=dict(self._bindings),
             allocations=tuple(a for p in self._pools.values() for a in p._allocations.values()),
             failed=dict(self._failed),
+            health=self._health_changes(),
             links_down=tuple((link.a, link.b) for link in self._links if not link.up),
             flaky_any=self._flaky_any,
             flaky=dict(self._flaky),
         )
 
+    def _health_changes(self) -> dict[str, Health]:
+        """The devices not FAILED (those are in ``_failed``) whose health differs from the topology's: only a
+        device that started unhealthy can be one, so this looks at those alone."""
+        changes: dict[str, Health] = {}
+        for device, start in self._start_health.items():
+            health = self._devices[self._device_index[device]].health
+            if health is not start and health is not Health.FAILED:
+                changes[device] = health
+        return changes
+
+    def _check_healthy(self, device: str, refusal: str) -> None:
+        if self._device(device).health is Health.FAILED:
+            raise DeviceBusyError(f"device {device} has FAILED{self._reason(device)} and {refusal}")
+
     def _device(self, device: str) -> DeviceInfo:
+        _check_id(device, "device")
         index = self._device_index.get(device)
         if index is None:
             hint = ""
@@ -480,6 +558,7 @@ class SimFabric(Fabric, FaultInjection):
         return self._devices[index]
 
     def _host(self, host: str) -> Host:
+        _check_id(host, "host")
         try:
             return self._hosts[host]
         except KeyError:
@@ -487,6 +566,7 @@ class SimFabric(Fabric, FaultInjection):
 
     def _node(self, node: str) -> str:
         """A link end by host id, full switch id or local switch id."""
+        _check_id(node, "link end")
         if node in self._hosts or node in self._switch_index:
             return node
         full = f"{self._name}/{node}"
@@ -596,7 +676,7 @@ class SimFabric(Fabric, FaultInjection):
 
             return _Change(None, commit)
 
-        self._mutate(ctx, ("device", device), prepare, timed=False)
+        self._mutate(ctx, ("device", device), prepare, ids={"device": device}, timed=False)
 
     def _check_topology(self, topology: Topology) -> None:
         """Reject a hand-built topology that the index cannot represent; loaders never produce one."""
@@ -617,9 +697,17 @@ class SimFabric(Fabric, FaultInjection):
             for end in (link.a, link.b):
                 if end not in self._hosts and end not in self._switch_index:
                     raise bad(f"link {link.a}|{link.b} ends at unknown node {end!r}")
+        pool_on: dict[str, str] = {}
+        pool_ids: set[str] = set()
         for p in topology.pools:
             if p.device not in self._device_index:
                 raise bad(f"pool {p.id} is on unknown device {p.device!r}")
+            if p.id in pool_ids:
+                raise bad(f"duplicate pool id {p.id!r}")
+            if p.device in pool_on:
+                raise bad(f"pools {pool_on[p.device]} and {p.id} are both on device {p.device}")
+            pool_ids.add(p.id)
+            pool_on[p.device] = p.id
 
     def _restore(self, state: SimState) -> None:
         """Load saved state, checking that it fits this topology."""
@@ -658,6 +746,14 @@ class SimFabric(Fabric, FaultInjection):
             if device not in self._device_index:
                 raise bad(f"unknown device {device!r}")
             self._set_health(device, Health.FAILED, message)
+        for device, health in state.health.items():
+            if device not in self._device_index:
+                raise bad(f"unknown device {device!r}")
+            if device in state.failed:
+                raise bad(f"device {device!r} is under both 'failed' and 'health'")
+            if health is Health.FAILED:
+                raise bad(f"device {device!r} is FAILED under 'health'; failed devices go under 'failed'")
+            self._set_health(device, health, None)
         for a, b in state.links_down:
             index = self._link_index.get(frozenset((a, b)))
             if index is None:
@@ -704,8 +800,6 @@ class SimPool(Pool):
         def prepare() -> _Change[Allocation]:
             if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
                 raise InvalidRequestError(f"amount_bytes must be a positive integer, not {amount_bytes!r}")
-            if not allocation_id:
-                raise InvalidRequestError("an allocation needs an id", field="allocation_id")
             fabric._host(host)
             blocks = -(-amount_bytes // self._block)
             amount = blocks * self._block
@@ -717,12 +811,7 @@ class SimPool(Pool):
                     f"allocation {allocation_id} in pool {self.id} exists for host {existing.host} with "
                     f"{format_size(existing.amount_bytes)}; asked for host {host} with {format_size(amount)}"
                 )
-            device = fabric._device(self._info.device)
-            if device.health is Health.FAILED:
-                raise DeviceBusyError(
-                    f"pool {self.id} cannot carve: its device {device.id} has FAILED{fabric._reason(device.id)}"
-                )
-            fabric._check_reach(host, device)
+            self._check_can_carve(host)
             lds = self._info.ld_count
             if lds is not None and len(self._allocations) + self._in_flight >= lds:
                 raise CapacityExhaustedError(
@@ -763,9 +852,14 @@ class SimPool(Pool):
                 self._in_flight -= 1
                 give_back()
 
-            return _Change(allocation, commit, abort)
+            return _Change(allocation, commit, abort, verify=lambda: self._check_can_carve(host))
 
-        return fabric._mutate(ctx, ("allocation", self.id, allocation_id), prepare)
+        return fabric._mutate(
+            ctx,
+            ("allocation", self.id, allocation_id),
+            prepare,
+            ids={"allocation_id": allocation_id, "host": host},
+        )
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         fabric = self._fabric
@@ -787,7 +881,17 @@ class SimPool(Pool):
 
             return _Change(None, commit)
 
-        fabric._mutate(ctx, ("allocation", self.id, allocation_id), prepare)
+        fabric._mutate(ctx, ("allocation", self.id, allocation_id), prepare, ids={"allocation_id": allocation_id})
+
+    def _check_can_carve(self, host: str) -> None:
+        """Refuse to carve for ``host`` from a FAILED device or one it cannot reach; fabric lock held."""
+        fabric = self._fabric
+        device = fabric._device(self._info.device)
+        if device.health is Health.FAILED:
+            raise DeviceBusyError(
+                f"pool {self.id} cannot carve: its device {device.id} has FAILED{fabric._reason(device.id)}"
+            )
+        fabric._check_reach(host, device)
 
     def _restore(self, allocation: Allocation) -> None:
         """Re-carve a saved allocation at exactly its extents; ValueError if it does not fit."""
@@ -795,6 +899,15 @@ class SimPool(Pool):
             raise ValueError("duplicate allocation id")
         if allocation.amount_bytes != sum(e.length for e in allocation.extents) or not allocation.extents:
             raise ValueError("its extents do not add up to its amount")
+        if self._info.kind is PoolKind.MLD:
+            if len(allocation.extents) != 1:
+                raise ValueError(
+                    f"it has {len(allocation.extents)} extents, but an MLD allocation is one logical device, "
+                    "one contiguous range"
+                )
+            lds = self._info.ld_count
+            if lds is not None and len(self._allocations) >= lds:
+                raise ValueError(f"the pool is an MLD of {lds} logical devices, and all are allocated already")
         claimed: list[tuple[int, int]] = []
         try:
             for extent in allocation.extents:

@@ -2,11 +2,12 @@
 
 A CLI run is one process and the next run another; with a state file both drive the same "hardware". The
 file holds only what differs from a freshly powered-on fabric: bindings, carved allocations, injected faults
-(failed devices, links down, pending flaky binds) and the highest fencing epoch seen. It is written whole
-after every change, to a temporary file that then replaces the old one (``os.replace``), so that a crash
-leaves either the old state or the new, never half of one. The temporary file's name holds the writer's pid, so
-that loading the state removes what a killed writer left behind and never the file another live process is
-writing.
+(failed devices, links down, pending flaky binds), the health of devices repaired since the topology
+described them unhealthy, and the highest fencing epoch seen. It is written whole after every change, to a
+temporary file that is synced and then replaces the old one (``os.replace``), and the directory is synced
+after the rename, so that a crash or a power loss leaves either the old state or the new, never half of one.
+The temporary file's name holds the writer's pid, so that loading the state removes what a killed writer
+left behind and never the file another live process is writing.
 
 This module checks the file's shape; whether its contents fit the topology (known devices, hosts, pools,
 links) is for the fabric to check, because only it knows the topology.
@@ -14,6 +15,7 @@ links) is for the fabric to check, because only it knows the topology.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -23,20 +25,25 @@ from typing import Any
 
 import attrs
 from disagg.errors import ConfigError
-from disagg.model import Allocation, Extent
+from disagg.model import Allocation, Extent, Health
 
-FORMAT = "disagg-sim-state/1"
+FORMAT = "disagg-sim-state/2"
+"""Written by this version: /1 plus ``health``. A /1 reader would ignore ``health`` and bring a repaired
+device back unhealthy, so the name changed; /1 files still load (they have no ``health``)."""
+READABLE_FORMATS = ("disagg-sim-state/1", FORMAT)
 
 
 @attrs.frozen
 class SimState:
-    """A snapshot of the simulated hardware; ``failed`` maps a device to its failure message."""
+    """A snapshot of the simulated hardware; ``failed`` maps a device to its failure message, ``health`` a
+    device that is not FAILED to its health, where that differs from the topology's (a repaired device)."""
 
     fabric: str
     epoch: int = 0
     bindings: Mapping[str, str] = attrs.field(factory=dict)
     allocations: tuple[Allocation, ...] = ()
     failed: Mapping[str, str] = attrs.field(factory=dict)
+    health: Mapping[str, Health] = attrs.field(factory=dict)
     links_down: tuple[tuple[str, str], ...] = ()
     flaky_any: int = 0
     flaky: Mapping[str, int] = attrs.field(factory=dict)
@@ -67,7 +74,8 @@ class StateFile:
             raise self._error(f"is corrupt ({exc}); delete it to start from a powered-on fabric") from None
 
     def save(self, state: SimState) -> None:
-        """Write ``state`` atomically. OSError propagates: the caller decides what a failed save means."""
+        """Write ``state`` atomically and durably. Errors propagate (OSError, or TypeError for a value JSON
+        cannot hold): the caller decides what a failed save means."""
         text = json.dumps(_encode(state), indent=1, sort_keys=True)
         fd, tmp = tempfile.mkstemp(prefix=f"{self._tmp_prefix}{os.getpid()}.", suffix=".tmp", dir=self.path.parent)
         try:
@@ -79,6 +87,17 @@ class StateFile:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self._sync_directory()
+
+    def _sync_directory(self) -> None:
+        """Make the rename survive a power loss. Best effort: once renamed, the new state is what every reader
+        sees, so failing here would have the caller undo in memory a change the file holds."""
+        with contextlib.suppress(OSError):
+            fd = os.open(self.path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     @property
     def _tmp_prefix(self) -> str:
@@ -128,6 +147,7 @@ def _encode(state: SimState) -> dict[str, Any]:
             for a in state.allocations
         ],
         "failed": dict(state.failed),
+        "health": {device: health.value for device, health in state.health.items()},
         "links_down": [list(pair) for pair in state.links_down],
         "flaky_any": state.flaky_any,
         "flaky": dict(state.flaky),
@@ -160,8 +180,8 @@ def _list(value: object, what: str) -> list[Any]:
 
 def _decode(data: object) -> SimState:
     top = _table(data, "the file")
-    if top.get("format") != FORMAT:
-        raise ValueError(f"format is {top.get('format')!r}, expected {FORMAT!r}")
+    if top.get("format") not in READABLE_FORMATS:
+        raise ValueError(f"format is {top.get('format')!r}, expected one of {', '.join(map(repr, READABLE_FORMATS))}")
     allocations = []
     for i, raw in enumerate(_list(top.get("allocations", []), "allocations")):
         item = _table(raw, f"allocations[{i}]")
@@ -190,6 +210,9 @@ def _decode(data: object) -> SimState:
         },
         allocations=tuple(allocations),
         failed={_str(k, "device"): _str(v, "message") for k, v in _table(top.get("failed", {}), "failed").items()},
+        health={
+            _str(k, "device"): Health(_str(v, "health")) for k, v in _table(top.get("health", {}), "health").items()
+        },
         links_down=tuple(links_down),
         flaky_any=_int(top.get("flaky_any", 0), "flaky_any"),
         flaky={_str(k, "device"): _int(v, "flaky count") for k, v in _table(top.get("flaky", {}), "flaky").items()},

@@ -102,6 +102,8 @@ BUILTIN_TOPOLOGIES = ("demo-pcie", "demo-cxl")
 _SECTIONS = ("switch", "host", "link", "device", "devices", "pool")
 _LOCAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 _SIZE_STRING = re.compile(r"^\s*\d+(\.\d+)?\s*([KMGTP]i?B)\s*$", re.IGNORECASE)
+_BARE_NUMBER = re.compile(r"^\s*\d+(\.\d+)?\s*$")
+"""A string that is only a number: quoted, it was meant to carry a unit, so the loader refuses to guess one."""
 
 _DEVICE_FIELDS = (
     "kind",
@@ -240,6 +242,11 @@ class _Entry:
             return default
         if isinstance(value, bool) or not isinstance(value, str | int):
             raise self.error(f'field {key!r} must be a size such as "512GiB", not {value!r}')
+        if isinstance(value, str) and _BARE_NUMBER.match(value):
+            raise self.error(
+                f"field {key!r} is {value!r}: a size string needs a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB); "
+                "an integer without quotes is bytes"
+            )
         try:
             return parse_size(value)
         except ValueError as exc:
@@ -249,6 +256,11 @@ class _Entry:
         value = self.raw(key, required=True)
         if isinstance(value, bool) or not isinstance(value, str | int):
             raise self.error(f'field {key!r} must be a latency such as "100ns", not {value!r}')
+        if isinstance(value, str) and _BARE_NUMBER.match(value):
+            raise self.error(
+                f"field {key!r} is {value!r}: a latency string needs a unit (ns, us, ms); "
+                "an integer without quotes is nanoseconds"
+            )
         try:
             return parse_latency(value)
         except ValueError as exc:
