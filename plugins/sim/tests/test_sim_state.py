@@ -222,8 +222,19 @@ class TestPersistence:
         assert (fabric.epoch, list(fabric.bindings())) == (3, [Binding(GPU, "h1")])
         assert fabric.device("pcie/gpu-b3").health() is Health.FAILED
         fabric.repair_device("pcie/gpu-b3")
-        assert json.loads(path.read_text())["format"] == "disagg-sim-state/2"
         assert pcie(path).device("pcie/gpu-b3").health() is Health.OK
+
+    def test_a_state_format_1_holds_is_written_as_format_1(self, tmp_path: Path) -> None:
+        """Format 2 was written on every save, so a process of the previous version, or a rollback, refused every
+        state file the new sim touched and advised deleting it, bindings and all. Format 2 is written only for
+        what format 1 cannot hold (a device repaired since the topology started it unhealthy)."""
+        path = tmp_path / "pcie.json"
+        fabric = pcie(path)
+        fabric.bind(GPU, "h1", CallContext(epoch=1))
+        fabric.fail_device("pcie/gpu-b3", "fan")
+        fabric.repair_device("pcie/gpu-b3")  # as the topology started it: nothing to remember
+        written = json.loads(path.read_text())
+        assert written["format"] == "disagg-sim-state/1" and "health" not in written
 
 
 class TestEpochSaveFailure:

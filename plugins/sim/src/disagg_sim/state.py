@@ -27,10 +27,12 @@ import attrs
 from disagg.errors import ConfigError
 from disagg.model import Allocation, Extent, Health
 
+FORMAT_1 = "disagg-sim-state/1"
 FORMAT = "disagg-sim-state/2"
-"""Written by this version: /1 plus ``health``. A /1 reader would ignore ``health`` and bring a repaired
-device back unhealthy, so the name changed; /1 files still load (they have no ``health``)."""
-READABLE_FORMATS = ("disagg-sim-state/1", FORMAT)
+"""/1 plus ``health``, written only when a device's health differs from the topology's other than FAILED (a
+repaired one): a /1 reader would ignore ``health`` and bring it back unhealthy, so the name differs. Otherwise
+a state is written as /1, which the previous version reads too (a process not yet upgraded, or a rollback)."""
+READABLE_FORMATS = (FORMAT_1, FORMAT)
 
 
 @attrs.frozen
@@ -131,8 +133,8 @@ def _running(pid: int) -> bool:
 
 
 def _encode(state: SimState) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
+    encoded = {
+        "format": FORMAT if state.health else FORMAT_1,
         "fabric": state.fabric,
         "epoch": state.epoch,
         "bindings": dict(state.bindings),
@@ -147,11 +149,13 @@ def _encode(state: SimState) -> dict[str, Any]:
             for a in state.allocations
         ],
         "failed": dict(state.failed),
-        "health": {device: health.value for device, health in state.health.items()},
         "links_down": [list(pair) for pair in state.links_down],
         "flaky_any": state.flaky_any,
         "flaky": dict(state.flaky),
     }
+    if state.health:
+        encoded["health"] = {device: health.value for device, health in state.health.items()}
+    return encoded
 
 
 def _str(value: object, what: str) -> str:
