@@ -241,8 +241,10 @@ class TestDeposed:
         def slow_start() -> None:
             starting.set()
             time.sleep(1.0)
-            start()
-            started.append(True)
+            try:
+                start()  # the stop cancelled it: it raises, having opened nothing more
+            finally:
+                started.append(True)
 
         monkeypatch.setattr(composer, "start", slow_start)
         server = FabricManagerServer(

@@ -34,7 +34,7 @@ from disagg.errors import (
     RequestIdReusedError,
     StaleEpochError,
 )
-from disagg.interfaces import CallContext
+from disagg.interfaces import CallContext, EventHandler, Subscription
 from disagg.model import (
     Allocation,
     Binding,
@@ -1021,6 +1021,78 @@ def record_as_left(tmp: Path, comp: Composition) -> None:
     store.put_composition(comp)
     store.sync()
     store.close()
+
+
+class Counted(SimFabric):
+    """A sim fabric that counts its discoveries and reads of bindings (reconciliation reads them), and holds its
+    discovery until ``gate`` is set (bounded by `WAIT_S`) when ``held``; ``entered`` says one is held,
+    ``unsubscribed`` that the composer cancelled its subscription to events (the first thing `close` does after
+    it marks the composer closing)."""
+
+    held = False
+
+    def __init__(self, topology: Topology) -> None:
+        super().__init__(topology)
+        self.calls: dict[str, int] = {"discover": 0, "bindings": 0}
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.unsubscribed = threading.Event()
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        fabric, subscription = self, super().subscribe(handler)
+
+        class Told(Subscription):
+            def cancel(self) -> None:
+                subscription.cancel()
+                fabric.unsubscribed.set()
+
+        return Told()
+
+    def discover(self) -> Topology:
+        self.calls["discover"] += 1
+        if self.held:
+            self.entered.set()
+            self.gate.wait(WAIT_S)
+        return super().discover()
+
+    def bindings(self) -> Sequence[Binding]:
+        self.calls["bindings"] += 1
+        return super().bindings()
+
+
+class TestClosedWhileStarting:
+    """A close while the composer starts stops the start at its next fabric: a discovery already asked for ends
+    (it is the driver's), the fabrics after it are not discovered, and nothing after the discovery runs."""
+
+    def test_the_start_raises_before_the_next_fabric(self, tmp_path: Path) -> None:
+        pcie = Counted(load_topology("pcie0", "demo-pcie"))
+        pcie.held = True
+        cxl = Counted(load_topology("cxl0", "demo-cxl"))
+        composer = FabricComposer({"pcie0": pcie, "cxl0": cxl}, store=SqliteStore(tmp_path / "ledger.db"))
+        raised: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                composer.start()
+            except BaseException as exc:
+                raised.append(exc)
+
+        starter = threading.Thread(target=start, daemon=True)
+        closer = threading.Thread(target=composer.close, daemon=True)
+        starter.start()
+        try:
+            assert pcie.entered.wait(WAIT_S)
+            closer.start()  # then waits for the composer's lock, which the start holds while it discovers
+            assert cxl.unsubscribed.wait(WAIT_S)
+        finally:
+            pcie.gate.set()
+            starter.join(WAIT_S)
+            closer.join(WAIT_S)
+        assert not starter.is_alive() and not closer.is_alive()
+        assert cxl.calls["discover"] == 0, "a fabric after the held one was discovered after the close"
+        assert pcie.calls["bindings"] == cxl.calls["bindings"] == 0, "the closed start went on to reconcile"
+        assert len(raised) == 1 and isinstance(raised[0], FabricUnavailableError), raised
+        assert "closed while it started" in raised[0].message
 
 
 class TestUnreachableAtStartUp:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import CallContext
 from disagg.model import Binding, EventType, Topology
 from disagg.server import FabricManagerServer
+from disagg.server.runtime import ServerStoppedError
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import SimFabric, load_topology
 from server_helpers import SERVE_CONFIG, WAIT_S, GatedBind, compose_request, serving, socket_path, wait_until
@@ -34,26 +36,30 @@ PROMPT_S = 2.5
 
 class HeldFabric(SimFabric):
     """A sim fabric that holds its discovery, or its reads of bindings once ``armed``, until ``gate`` is set
-    (bounded by `WAIT_S`); ``entered`` says one is held, ``closed`` that it was closed."""
+    (bounded by `WAIT_S`); ``entered`` says one is held, ``closed`` that it was closed, ``calls`` counts its
+    discoveries and reads of bindings (reconciliation reads them)."""
 
-    def __init__(self, *, hold_discovery: bool = False) -> None:
-        super().__init__(load_topology("pcie0", "demo-pcie"))
+    def __init__(self, *, hold_discovery: bool = False, name: str = "pcie0", topology: str = "demo-pcie") -> None:
+        super().__init__(load_topology(name, topology))
         self.hold_discovery = hold_discovery
         self.armed = threading.Event()
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.closed = threading.Event()
+        self.calls: Counter[str] = Counter()
 
     def _hold(self) -> None:
         self.entered.set()
         self.gate.wait(WAIT_S)
 
     def discover(self) -> Topology:
+        self.calls["discover"] += 1
         if self.hold_discovery:
             self._hold()
         return super().discover()
 
     def bindings(self) -> Sequence[Binding]:
+        self.calls["bindings"] += 1
         if self.armed.is_set():
             self._hold()
         return super().bindings()
@@ -91,6 +97,30 @@ def timed_stop(server: FabricManagerServer, grace: float) -> float:
     return time.monotonic() - started
 
 
+def stop_while_held(server: FabricManagerServer, held: HeldFabric) -> tuple[float, dict[str, Any]]:
+    """Start ``server`` in a thread, stop it (grace 0) while ``held``'s discovery is held, then let that go:
+    how long the stop took, and what the start answered ("addresses" or "error")."""
+    outcome: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            outcome["addresses"] = server.start()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    try:
+        assert held.entered.wait(WAIT_S)
+        took = timed_stop(server, 0)
+        assert not held.closed.is_set(), "closed under the discovery"
+    finally:
+        held.gate.set()
+        starter.join(WAIT_S)
+    assert not starter.is_alive()
+    return took, outcome
+
+
 class TestStopWhileStarting:
     """A stop does not wait on a discovery beyond its grace; the thread that started the composer closes it once
     its start returns, and `start` then raises rather than report addresses of a server that was stopped."""
@@ -99,29 +129,27 @@ class TestStopWhileStarting:
         fabric = HeldFabric(hold_discovery=True)
         sock = socket_path(tmp_path)
         server = FabricManagerServer(FabricComposer({"pcie0": fabric}, store=MemoryStore()), [f"unix:{sock}"])
-        outcome: dict[str, Any] = {}
-
-        def start() -> None:
-            try:
-                outcome["addresses"] = server.start()
-            except BaseException as exc:
-                outcome["error"] = exc
-
-        starter = threading.Thread(target=start, daemon=True)
-        starter.start()
-        try:
-            assert fabric.entered.wait(WAIT_S)
-            took = timed_stop(server, 0)
-            assert took < PROMPT_S, f"stop(0) waited {took:.1f} s for the discovery"
-            assert not fabric.closed.is_set(), "closed under the discovery"
-        finally:
-            fabric.gate.set()
-            starter.join(WAIT_S)
-        assert not starter.is_alive()
+        took, outcome = stop_while_held(server, fabric)
+        assert took < PROMPT_S, f"stop(0) waited {took:.1f} s for the discovery"
         assert "addresses" not in outcome, "start reported a server that had been stopped as serving"
+        # The stop cancels the composer's start (`FabricComposer.cancel_start`), which raises as it stops.
         assert isinstance(outcome["error"], RuntimeError) and "stopped while it started" in str(outcome["error"])
         assert fabric.closed.is_set()
         assert not sock.exists()
+
+    def test_the_fabrics_after_a_held_discovery_are_not_discovered(self, tmp_path: Path) -> None:
+        """The start ends at the next fabric once a stop gave up on it: no discovery of the fabrics after the held
+        one, no recovery or reconciliation (no read of bindings) once the held one answers."""
+        held = HeldFabric(hold_discovery=True)
+        after = HeldFabric(name="cxl0", topology="demo-cxl")
+        server = FabricManagerServer(
+            FabricComposer({"pcie0": held, "cxl0": after}, store=MemoryStore()), [f"unix:{socket_path(tmp_path)}"]
+        )
+        _, outcome = stop_while_held(server, held)
+        assert after.calls["discover"] == 0, "a fabric after the held one was discovered after the stop"
+        assert held.calls["bindings"] == after.calls["bindings"] == 0, "the stopped start went on to reconcile"
+        assert isinstance(outcome.get("error"), ServerStoppedError), outcome
+        assert held.closed.is_set() and after.closed.is_set()
 
     def test_a_replica_stopped_while_it_starts_after_winning_the_lead(self, tmp_path: Path) -> None:
         fabric = HeldFabric(hold_discovery=True)

@@ -263,7 +263,8 @@ class FabricComposer(Composer):
         self._heals: set[Future[None]] = set()
         """The heals handed to ``_healer`` that have not ended (`wait_for_heals`)."""
         self._closing = False
-        """Set by `close`: no heal starts after it, on fabrics it closes."""
+        """Set by `cancel_start` and `close`, without the lock: no heal starts after it, on fabrics it closes, and a
+        `start` running stops at its next step (`_stop_if_closing`)."""
         self._early: list[FabricEvent] | None = None
         """While `start` runs: the fabric events that came meanwhile, in order, applied as it ends."""
 
@@ -273,12 +274,17 @@ class FabricComposer(Composer):
     def start(self) -> None:
         """Subscribe to fabric events, discover every fabric, rebuild the index and reload the ledger; then apply
         the events that came meanwhile. Subscribed first: a device that failed after its discovery and before a
-        later subscription sent its event to no one, and nothing else reads device health again."""
+        later subscription sent its event to no one, and nothing else reads device health again.
+
+        Raises `FabricUnavailableError` when the composer is closing (`cancel_start`), checked between the fabrics
+        it discovers and before each later step: it makes no driver call or ledger read after that."""
+        self._stop_if_closing()
         with self._lock:
             self._early = []
         for fabric in self.fabrics.values():
             self._subscriptions.append(fabric.subscribe(self._on_fabric_event))
         with self._lock:
+            self._stop_if_closing()
             state = self.store.load()
             self._revision = state.last_revision
             newest = self.store.events_after(state.last_revision - 1, 1) if state.last_revision else []
@@ -294,14 +300,31 @@ class FabricComposer(Composer):
                 answer = requests.decode(record.answer)
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
                 self._requests[record.id] = (record.fingerprint, value, _ANSWERED)
-            self._rebuild()
+            self._rebuild()  # stops between two fabrics when closing (`_discover_all`)
+            self._stop_if_closing()
             self._mark_unknown()
             self._settle_known()
             self._expire_locked()
-        self._recover()
-        self._seed_requests()
-        self.reconcile()
-        self._apply_early_events()
+        later: tuple[Callable[[], object], ...] = (
+            self._recover,
+            self._seed_requests,
+            self.reconcile,
+            self._apply_early_events,
+        )
+        for step in later:
+            self._stop_if_closing()
+            step()
+
+    def cancel_start(self) -> None:
+        """Have a `start` running in another thread stop at its next step, raising `FabricUnavailableError`: a
+        server that stops without waiting for it any longer; no heal starts after it either. Takes no lock (that
+        start holds the composer's while it discovers). A driver call already made is the driver's to end; the
+        composer is to be closed after."""
+        self._closing = True
+
+    def _stop_if_closing(self) -> None:
+        if self._closing:
+            raise FabricUnavailableError("the composer was closed while it started")
 
     def _apply_early_events(self) -> None:
         """Apply the events that came while `start` ran, then those that come while they are applied, in order;
@@ -638,11 +661,11 @@ class FabricComposer(Composer):
         return entry.info.fabric if entry is not None else pool.partition("/")[0]
 
     def close(self) -> None:
+        self.cancel_start()  # first: a start running holds the lock until it stops
         for sub in self._subscriptions:
             sub.cancel()
         self._subscriptions.clear()
         with self._lock:
-            self._closing = True
             healer = self._healer
         if healer is not None:
             healer.shutdown(wait=True, cancel_futures=True)
@@ -703,6 +726,8 @@ class FabricComposer(Composer):
         topologies: list[Topology] = []
         first: DisaggError | None = None
         for name, fabric in self.fabrics.items():
+            if self._early is not None:  # starting, under the lock: a server stopping stops it (`cancel_start`)
+                self._stop_if_closing()
             if name in self._unannounced or name in self._unreachable:
                 # Told before anything else reaches it: a deposed manager may still try.
                 self._announce_epoch([name])

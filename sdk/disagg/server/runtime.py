@@ -12,8 +12,9 @@ Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAI
 discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health NOT_SERVING, end the event and
 health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish within the grace period, then
 close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it. A stop does not
-wait on a discovery (or a reconcile) beyond its grace: the composer's start holds the composer's lock and
-cannot be interrupted, so the thread running it closes the composer once it returns (`_let_go`).
+wait on a discovery (or a reconcile) beyond its grace: it cancels the composer's start, which stops before the
+next fabric's discovery or the next phase (a driver call already made is the driver's to end), and the thread
+running it closes the composer once it returns (`_let_go`).
 
 With a `Leadership` (the etcd ledger), `start` returns once listening, as a standby: health NOT_SERVING, every
 RPC UNAVAILABLE, so clients that balance over the replicas with health checks send nothing here. Winning the
@@ -43,7 +44,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.aio import AsyncFabricManagerServicer
@@ -177,6 +178,10 @@ class FabricManagerServer:
             try:
                 log.info("starting the composer: discovering %d fabrics", len(self.composer.fabrics))
                 self.composer.start()
+            except FabricUnavailableError:
+                if self._stopped():  # the stop cancelled the start: that is what the caller is told
+                    raise ServerStoppedError("the server was stopped while it started") from None
+                raise
             finally:
                 self._let_go("start")
             if not self._serve():
@@ -394,8 +399,9 @@ class FabricManagerServer:
 
         Returns within the grace (or `UNWIND_S`, if longer) even when the composer's start (a discovery) or the
         timer (a reconcile) still runs: that thread closes the composer once it returns, and the ledger, closed
-        at once, takes nothing it would write after the stop. A `start` running meanwhile raises
-        `ServerStoppedError`."""
+        at once, takes nothing it would write after the stop; the start is cancelled, and stops at its next
+        fabric or step (`FabricComposer.cancel_start`). A `start` running meanwhile raises `ServerStoppedError`,
+        or the `FabricUnavailableError` its cancelled composer start raised."""
         deadline = time.monotonic() + (grace or 0.0)
         with self._lock:
             if self._state in ("stopping", "stopped", "new"):
@@ -432,7 +438,9 @@ class FabricManagerServer:
                 " and ".join(_USES[user] for user in busy),
             )
             # What that thread writes once it returns would land after this stop, beside whatever opens the
-            # ledger next (a restarted server): the ledger is let go of now, and refuses it.
+            # ledger next (a restarted server): the ledger is let go of now, and refuses it. A start stops at its
+            # next fabric or step instead of discovering, recovering and reconciling for nothing.
+            self.composer.cancel_start()
             self.composer.store.close()
             return
         self.composer.close()
