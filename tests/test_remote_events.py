@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
+from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import EventHandler, Fabric, Subscription
 from disagg.model import Device, FabricEvent, FabricEventKind, Health, Topology
@@ -19,8 +20,9 @@ from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg.remote.watch import EventCall
+from disagg.wire.driver import EVENT_SEQUENCE_KEY, metadata_value
 from disagg_sim import SimFabric
-from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served
+from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served, stub_for
 
 WAIT_S = 10.0
 
@@ -272,6 +274,16 @@ def _held_resync(running: Watched, driver: HeldDiscovery) -> None:
     running.stop()
     running.start()
     assert driver.holding.wait(WAIT_S), "the watcher did not resync"
+
+
+def _a_copy_during_the_resync(running: Watched, driver: HeldDiscovery, gpu: str) -> None:
+    """A device installed while the driver was away shows in the held resync's discovery, and its DEVICE_ADDED
+    is published on the stream in the resync's window (the copy); then the resync goes on."""
+    _held_resync(running, driver)
+    driver.hidden = None
+    driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="hot-add"))
+    driver.hold.clear()
+    driver.release.set()
 
 
 class TestTheResyncWindow:
@@ -559,11 +571,7 @@ class TestAChangeReportedThatTheStreamNeverCarries:
         gpu = "pcie0/gpu-a1"
         driver = HeldDiscovery(sim, hidden=gpu)
         with watched(driver, socket_dir) as running:
-            _held_resync(running, driver)
-            driver.hidden = None
-            driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="hot-add"))  # the copy
-            driver.hold.clear()
-            driver.release.set()
+            _a_copy_during_the_resync(running, driver, gpu)
             sim.fail_device("pcie0/gpu-b0", "marks the window's end")
             running.until_seen("pcie0/gpu-b0")
             sim.fail_device(gpu, "surprise removal")
@@ -576,6 +584,80 @@ class TestAChangeReportedThatTheStreamNeverCarries:
                 (FabricEventKind.DEVICE_HEALTH, Health.FAILED),
                 (FabricEventKind.DEVICE_ADDED, None),
             ]
+
+
+class TestTheDiscoverAnswerCarriesTheEventCount:
+    """The resync's window was read from a watch stream opened after its discovery had answered: an event
+    published in between was counted in it, so a genuine device added right after the discovery, repeating one
+    the resync reported, was taken for the stream's copy and never delivered."""
+
+    def test_the_answer_carries_the_count_once_the_topology_was_read(self) -> None:
+        sim = pcie()
+        with served(sim, "unix") as server, stub_for(server.address) as stub:
+            feed = server.servicer.feed
+            _, call = stub.Discover.with_call(pb.DiscoverRequest(), timeout=WAIT_S)
+            sent = metadata_value(call.trailing_metadata(), EVENT_SEQUENCE_KEY)
+            assert sent == f"{feed.instance}:0"
+            sim.fail_device("pcie0/gpu-a0", "ECC")
+            sim.set_link("top-a", "chassis-a", False)
+            _, call = stub.Discover.with_call(pb.DiscoverRequest(), timeout=WAIT_S)
+            assert metadata_value(call.trailing_metadata(), EVENT_SEQUENCE_KEY) == f"{feed.instance}:2"
+            assert feed.published == 2
+
+    def test_a_device_added_right_after_the_discovery_is_delivered(
+        self, socket_dir: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        sim = pcie()
+        gpu = "pcie0/gpu-a1"
+        driver = Hiding(sim, hidden=gpu)  # not installed yet
+        with watched(driver, socket_dir) as running:
+            remote = running.remote
+            held, release = threading.Event(), threading.Event()
+            discover = remote._discover
+
+            def gated() -> tuple[object, ...]:
+                answer = discover()
+                watcher = remote._watcher
+                if watcher is not None and watcher.on_watcher_thread() and not held.is_set():
+                    held.set()  # the resync's discovery has answered; the watcher has not read the count yet
+                    release.wait(WAIT_S)
+                return answer
+
+            running.stop()
+            driver.hidden = None  # installed while the driver is down: the resync reports it added
+            monkeypatch.setattr(remote, "_discover", gated)
+            running.start()
+            try:
+                assert held.wait(WAIT_S), "the watcher did not resync"
+                sim.fail_device(gpu, "surprise removal")  # after the discovery: genuine, and so is its plug-back
+                driver.publish(FabricEvent("pcie0", FabricEventKind.DEVICE_ADDED, gpu, message="plugged back"))
+            finally:
+                release.set()
+            sim.fail_device("pcie0/gpu-b1", "marks the end")
+            running.until_seen("pcie0/gpu-b1")
+            told = [(e.kind, e.health, e.message) for e in running.seen.events if e.subject == gpu]
+            assert told == [
+                (FabricEventKind.DEVICE_ADDED, None, f"seen on reconnecting to the driver at {remote.address}"),
+                (FabricEventKind.DEVICE_HEALTH, Health.FAILED, "surprise removal"),
+                (FabricEventKind.DEVICE_ADDED, None, "plugged back"),
+            ]
+
+    def test_a_driver_that_does_not_send_it_still_has_the_copy_dropped(
+        self, socket_dir: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An older service, or a driver in another language: the count is read from an extra watch stream."""
+        sim = pcie()
+        gpu = "pcie0/gpu-a1"
+        driver = HeldDiscovery(sim, hidden=gpu)
+        with watched(driver, socket_dir) as running:
+            remote = running.remote
+            discover = remote._discover
+            monkeypatch.setattr(remote, "_discover", lambda: (*discover()[:2], None))
+            _a_copy_during_the_resync(running, driver, gpu)
+            sim.fail_device("pcie0/gpu-b1", "marks the end")
+            running.until_seen("pcie0/gpu-b1")
+            told = [e.kind for e in running.seen.events if e.subject == gpu]
+            assert told == [FabricEventKind.DEVICE_ADDED]
 
 
 class TestADiscoverDuringTheFirstResync:

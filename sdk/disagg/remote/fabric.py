@@ -19,10 +19,11 @@ injected fault and reconnection empties it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar, cast
 
 import attrs
@@ -112,9 +113,9 @@ class _Snapshot:
     """The devices added or removed (kind, id) that the resync reported from this discovery and whose copy the
     stream may still bring, within the `window`."""
     window: tuple[str, int] | None = None
-    """The driver's instance and count of events published once the resync's discovery was answered (read from
-    a watch stream's initial metadata, `RemoteFabric._published`); None when not known: then no event is taken
-    for a copy."""
+    """The driver's instance and count of events published once the resync's discovery was answered (sent with
+    the Discover answer, else read from a watch stream's initial metadata, `RemoteFabric._published`); None
+    when not known: then no event is taken for a copy."""
 
     @classmethod
     def of(cls, topology: Topology) -> _Snapshot:
@@ -431,8 +432,15 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable[Req, Resp], request: Req, ctx: CallContext | None) -> Resp:
         timeout = self._timeout(ctx)
+        with self._answered():
+            answer = method(request, timeout=timeout)
+        return answer
+
+    @contextlib.contextmanager
+    def _answered(self) -> Iterator[None]:
+        """A call's failure as the SDK error the driver raised (`_error`), or the fabric closed."""
         try:
-            return method(request, timeout=timeout)
+            yield
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         except ValueError:  # grpcio's answer on a closed channel
@@ -475,14 +483,18 @@ class RemoteFabric(Fabric, FaultInjection):
             self._generation += 1
             self._cache = None
 
-    def _discover(self) -> tuple[Topology, dict[str, DeviceInfo]]:
+    def _discover(self) -> tuple[Topology, dict[str, DeviceInfo], tuple[str, int] | None]:
+        """The topology, its devices by id, and the driver's instance and count of events published once it
+        answered (`_Snapshot.window`): None from the cache, or from a driver that does not send it."""
         with self._lock:
             cache = self._cache
             generation = self._generation
             caching = self._watcher is not None and self._watcher.connected
         if cache is not None and caching and time.monotonic() < cache[0]:
-            return cache[1], cache[2]
-        answer = self._call(self._stub.Discover, pb.DiscoverRequest(), None)
+            return cache[1], cache[2], None
+        with self._answered():
+            answer, call = self._stub.Discover.with_call(pb.DiscoverRequest(), timeout=self._timeout(None))
+        published = wire.event_sequence(wire.metadata_value(call.trailing_metadata(), wire.EVENT_SEQUENCE_KEY))
         topology = self._read(lambda: topology_from_wire(answer.topology), "topology")
         if topology.fabric != self._name:  # another driver answers at the address now (a swapped unit or socket)
             raise FabricUnavailableError(
@@ -494,7 +506,7 @@ class RemoteFabric(Fabric, FaultInjection):
             self._pools = {p.id: p for p in topology.pools}
             if self._generation == generation:
                 self._cache = (time.monotonic() + DISCOVER_TTL_S, topology, index)
-        return topology, index
+        return topology, index, published
 
     def _device_info(self, device: str) -> DeviceInfo:
         info = self._discover()[1].get(device)
@@ -528,7 +540,8 @@ class RemoteFabric(Fabric, FaultInjection):
             before = self._snapshot if self._snapshot is not None else self._discovered
         try:
             self._invalidate()
-            now = _Snapshot.of(self._discover()[0])
+            topology, _, window = self._discover()
+            now = _Snapshot.of(topology)
             events: list[FabricEvent] = []
             if before is not None:
                 why = "seen on connecting to" if first else "seen on reconnecting to"
@@ -539,7 +552,8 @@ class RemoteFabric(Fabric, FaultInjection):
                 if e.kind in (FabricEventKind.DEVICE_ADDED, FabricEventKind.DEVICE_REMOVED)
             }
             if reported:
-                window = self._published()  # at once: the later, the more a genuine event could be taken for a copy
+                if window is None:  # a driver that does not send it with the answer (older, or another language)
+                    window = self._published()  # at once: the later, the more a genuine event is taken for a copy
                 if window is not None:
                     now = attrs.evolve(now, reported=reported, window=window)
             for event in events:
@@ -552,8 +566,9 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def _published(self) -> tuple[str, int] | None:
         """The driver's instance and count of events published so far, from the initial metadata of a watch
-        stream opened for it and cancelled at once (the service tells it nowhere else without a fault); None
-        when the driver does not number its events, refuses the stream (its cap), or does not answer."""
+        stream opened for it and cancelled at once, for a driver that does not send it with its Discover answer
+        (an event published between that answer and this read can be taken for a copy); None when the driver
+        does not number its events, refuses the stream (its cap), or does not answer."""
         try:
             call = cast(
                 EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest(), timeout=self.call_timeout_s)

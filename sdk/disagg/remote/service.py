@@ -144,7 +144,20 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
 
     @_unary
     def Discover(self, request: pb.DiscoverRequest, context: grpc.ServicerContext) -> pb.DiscoverResponse:  # noqa: N802
+        """The topology, with the number of events published once it was read (trailing metadata): a watcher's
+        resync takes a stream event numbered up to it for one published before its discovery answered.
+
+        A fabric reads its topology under its own lock and may publish after releasing it (the simulator does),
+        so no lock here makes the two consistent (holding the feed's across `discover` would stop every
+        publisher meanwhile, and deadlock a driver that publishes under the lock its `discover` takes). The count
+        is taken at once after the read, in this process: an event published in between counts as published
+        before the answer. That side is chosen: a copy of a change the read saw, published just after it, is
+        then dropped rather than delivered twice; a genuine event the read did not see is taken for a copy only
+        if it repeats, within those microseconds, a device added or removed that the resync reports (before, the
+        gap ran until the watcher's extra stream answered). Every event published after the count is delivered."""
         topology = self.fabric.discover()
+        sequence = f"{self.feed.instance}:{self.feed.published}"  # after the read: see above
+        context.set_trailing_metadata(((wire.EVENT_SEQUENCE_KEY, sequence),))
         with self._topology_lock:  # a fabric that answers the same Topology object is converted once
             if self._topology is not None and self._topology[0] is topology:
                 return self._topology[1]

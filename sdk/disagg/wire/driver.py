@@ -8,7 +8,8 @@ builds requests with the ``*_to_wire`` functions and reads answers with the shar
 Two pieces of gRPC metadata extend the contract without changing it (see ``docs/remote-drivers.md``): a
 driver may number the events it has published, send the number reached when a watch stream starts (initial
 metadata) and after a fault injection (trailing metadata), so that the `remote` plugin can wait until its
-handlers have seen every event a fault caused, as an in-process fabric delivers them before it returns.
+handlers have seen every event a fault caused, as an in-process fabric delivers them before it returns; and
+once a discovery read the topology (trailing metadata), so that a resync can tell an event's stream copy.
 A driver that sends neither still works; its events are simply delivered later.
 """
 
