@@ -38,7 +38,7 @@ from disagg.model import (
 from disagg.wire.errors import build, from_rpc_error, server_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
-    check_selector_values,
+    check_request_values,
     compose_mode_from_wire,
     compose_request_to_wire,
     composition_from_wire,
@@ -475,7 +475,7 @@ class FabricManagerClient:
             request_id = uuid.uuid4().hex
         request_id = request_id or ""
         if request is not None:
-            check_selector_values(request.resources, "resources", request.host)  # as the server would, not a crash
+            check_request_values(request.resources, "resources", request.host)  # as the server would, not a crash
             msg = compose_request_to_wire(request, mode, reservation_ttl_s=reservation_ttl_s, request_id=request_id)
         else:
             msg = fm.ComposeRequest(mode=MODE_TO_WIRE[mode], request_id=request_id)
@@ -541,7 +541,7 @@ class FabricManagerClient:
         """
         if request_id is None:
             request_id = uuid.uuid4().hex
-        check_selector_values(add, "add")
+        check_request_values(add, "add")
         msg = fm.UpdateCompositionRequest(
             id=composition_id,
             add=[resource_to_wire(r) for r in add],

@@ -40,7 +40,12 @@ from disagg.model import (
     SelectorOp,
     selector_refusal,
 )
-from disagg.model.composition import MAX_LATENCY_NS, SELECTOR_INT_RANGE, request_limit_refusal
+from disagg.model.composition import (
+    MAX_LATENCY_NS,
+    SELECTOR_INT_RANGE,
+    request_limit_refusal,
+    selector_value_refusal,
+)
 from disagg.wire.types import (
     KIND_FROM_WIRE,
     KIND_TO_WIRE,
@@ -166,19 +171,20 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
 
 
 def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
-    """Refuse, in a request (a Compose's, the lines an UpdateComposition adds, or one the Python client is about
-    to send), what a request may not hold: a number beyond the field that carries it or a selector's number that
-    is not finite (`disagg.model.composition.request_limit_refusal`, as the text and document forms refuse
-    them), or a selector compared with a string longer than `MAX_SELECTOR_VALUE`. Not where an answer is read:
-    a composition made before the limits (or through the Python API, which takes any) must still be listed and
-    read by every client."""
-    refusal = request_limit_refusal(lines, host, field)
-    if refusal is not None:
-        where, why = refusal
-        raise InvalidRequestError(f"{where}: {why}", field=where)
+    """Refuse, in a request read from the wire (a Compose's, the lines an UpdateComposition adds), a selector
+    value a request may not hold: a number that is not finite (`selector_value_refusal`, as the text and
+    document forms refuse it), then a string longer than `MAX_SELECTOR_VALUE`. A request's other numbers were
+    bounded by their proto fields as it was read; one about to be sent is checked whole
+    (`check_request_values`). Not where an answer is read: a composition made before the limits (or through
+    the Python API, which takes any) must still be listed and read by every client."""
     selectors = [(f"{field}[{n}].selectors", line.selectors) for n, line in enumerate(lines) if line.selectors]
     if host is not None and host.selectors:
         selectors.append(("host.selectors", host.selectors))
+    for parent, values in selectors:
+        for m, sel in enumerate(values):
+            why = selector_value_refusal(sel.value)
+            if why:
+                raise InvalidRequestError(f"{parent}[{m}].value: {why}", field=f"{parent}[{m}].value")
     for parent, values in selectors:
         for m, sel in enumerate(values):
             if isinstance(sel.value, str) and len(sel.value) > MAX_SELECTOR_VALUE:
@@ -187,6 +193,17 @@ def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: Ho
                     "characters",
                     field=f"{parent}[{m}].value",
                 )
+
+
+def check_request_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
+    """`check_selector_values`, and first every other number of a request the Python client is about to send
+    (`disagg.model.composition.request_limit_refusal`: no proto field has bounded it yet), so that a caller
+    gets the server's refusal, not protobuf's ``ValueError``."""
+    refusal = request_limit_refusal(lines, host, field)
+    if refusal is not None:
+        where, why = refusal
+        raise InvalidRequestError(f"{where}: {why}", field=where)
+    check_selector_values(lines, field, host)
 
 
 def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str, *, resource: bool) -> tuple[Selector, ...]:
