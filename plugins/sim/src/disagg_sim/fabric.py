@@ -548,9 +548,9 @@ class SimFabric(Fabric, FaultInjection):
             raise DeviceBusyError(f"device {device} has FAILED{self._reason(device)} and {refusal}")
 
     def _device(self, device: str) -> DeviceInfo:
-        _check_id(device, "device")
-        index = self._device_index.get(device)
-        if index is None:
+        index = self._device_index.get(device) if isinstance(device, str) else None
+        if index is None:  # only an id that names no device can be malformed: checked here, not on every bind
+            _check_id(device, "device")
             hint = ""
             if "/" not in device and f"{self._name}/{device}" in self._device_index:
                 hint = f"; device ids carry the fabric name: {self._name}/{device}"
@@ -558,11 +558,11 @@ class SimFabric(Fabric, FaultInjection):
         return self._devices[index]
 
     def _host(self, host: str) -> Host:
-        _check_id(host, "host")
-        try:
-            return self._hosts[host]
-        except KeyError:
-            raise UnknownHostError(host, f"host {host!r} is not attached to fabric {self._name!r}") from None
+        found = self._hosts.get(host) if isinstance(host, str) else None
+        if found is None:  # only an id that names no host can be malformed: checked here, not on every bind
+            _check_id(host, "host")
+            raise UnknownHostError(host, f"host {host!r} is not attached to fabric {self._name!r}")
+        return found
 
     def _node(self, node: str) -> str:
         """A link end by host id, full switch id or local switch id."""
