@@ -446,24 +446,16 @@ class TestADeviceAddedWhileAway:
         """It was reported DEVICE_ADDED again on every reconnect after the one that found it."""
         sim = pcie()
         driver = Hiding(sim, "pcie0/gpu-a1")
-        address = f"unix:{socket_dir}/pcie0.sock"
-        server = DriverServer(driver, address, driver="sim").start()
-        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
-        try:
-            seen = Recorder()
-            remote.subscribe(seen)
+        with watched(driver, socket_dir) as running:
             driver.hidden = None  # installed while the driver is away
             for n in range(3):
-                server.stop(grace=0)
-                server = DriverServer(driver, address, driver="sim").start()
+                running.stop()
+                running.start()
                 marker = f"pcie0/gpu-b{n}"
                 sim.fail_device(marker, "marks the reconnect")  # its event comes after the resync's
-                assert eventually(lambda m=marker: any(e.subject == m for e in seen.events), WAIT_S)
-            added = [e.subject for e in seen.events if e.kind is FabricEventKind.DEVICE_ADDED]
+                running.until_seen(marker)
+            added = [e.subject for e in running.seen.events if e.kind is FabricEventKind.DEVICE_ADDED]
             assert added == ["pcie0/gpu-a1"]
-        finally:
-            remote.close()
-            server.stop(grace=0)
 
 
 class TestARefusedStream:
