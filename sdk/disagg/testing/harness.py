@@ -5,6 +5,7 @@ bound, carved or broke, then checks with the driver that it is gone."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -392,28 +393,23 @@ class Tracker:
 
     def cleanup(self, test: str) -> list[Leftover]:
         left: list[Leftover] = []
-        for undo in reversed(self._undo_faults):
+
+        def undo(call: Callable[[], object]) -> None:
+            """One step of the clean-up: a driver's refusal is judged by the check below; a hang is left over."""
             try:
-                self.read("undoing an injected fault", undo)
+                call()
             except DisaggError:
                 pass
             except CallTimedOut as exc:
                 left.append(Leftover(test, str(exc)))
+
+        for fault in reversed(self._undo_faults):
+            undo(functools.partial(self.read, "undoing an injected fault", fault))
         epoch = self.epochs.current
         for device, host in self._binds:
-            try:
-                self.unbind(device, host, epoch=epoch)
-            except DisaggError:
-                pass
-            except CallTimedOut as exc:
-                left.append(Leftover(test, str(exc)))
+            undo(functools.partial(self.unbind, device, host, epoch=epoch))
         for pool, allocation in self._allocations:
-            try:
-                self.release(pool, allocation, epoch=epoch)
-            except DisaggError:
-                pass
-            except CallTimedOut as exc:
-                left.append(Leftover(test, str(exc)))
+            undo(functools.partial(self.release, pool, allocation, epoch=epoch))
         try:
             still = {(b.device, b.host) for b in self.bindings()}
             left += [Leftover(test, f"{d} bound to {h}") for d, h in self._binds if (d, h) in still]
