@@ -4,6 +4,7 @@ processes that are not what they seem."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -362,3 +363,20 @@ def test_reaping_spares_a_process_that_is_not_qemu(stranger: tuple[Path, subproc
     state_dir, process = stranger
     assert reap_unconfigured(state_dir, []) == []
     assert process.poll() is None, "a process that is not this driver's QEMU was killed"
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"epoch": 0, "next_sn": 4096, "allocations": []},
+        {"epoch": 0, "next_sn": 4096, "allocations": None},
+        {"epoch": 0, "next_sn": 4096, "allocations": {"a": []}},
+        [],
+    ],
+)
+def test_a_state_file_of_another_shape_is_malformed(tmp_path: Path, doc: object) -> None:
+    """A hand-edited or corrupted state file says so, whatever its shape, and never crashes the driver."""
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FabricUnavailableError, match="is malformed"):
+        StateFile(path).load()

@@ -14,13 +14,29 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from disagg.errors import DeadlineExceededError, FabricUnavailableError
+from disagg.errors import ConfigError, DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric, create_fabric
 from disagg_qemu_cxl.command import host_dir
+from disagg_qemu_cxl.qmp import Monitor
 from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, options, qemu_pid, require_qemu
 
 POOL = "qc/cxl-pool"
+
+
+def running_in(state_dir: Path) -> list[int]:
+    """The live processes whose working directory is a host directory under ``state_dir``: its QEMUs, pidfile
+    or not."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cwd = os.readlink(entry / "cwd")
+            except OSError:
+                continue
+            if cwd.startswith(f"{state_dir}/hosts/") and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
 
 
 class TestHotAdd:
@@ -163,6 +179,24 @@ class TestAdoption:
         assert dev["port"] == "dsp0", "the recorded Type-3 was not cold-plugged again on its port"
         assert [a.id for a in fabric.pool(POOL).allocations()] == ["kept"]
 
+    def test_a_host_renamed_with_allocations_is_not_reaped(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
+    ) -> None:
+        """A host missing from the config (a typo, h2 as h2x) whose records remain: its QEMU holds them, so the
+        fabric refuses to start instead of killing it; with the host restored, it is adopted."""
+        first = make_fabric(stop_hosts_on_close=False)
+        first.pool(POOL).allocate("kept", "h2", 256 * MiB, CallContext.with_timeout(30.0, epoch=1))
+        first.close()
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        renamed = [{"name": "h1", "ports": 4, "memory": "256M"}, {"name": "h2x", "ports": 2, "memory": "256M"}]
+        with pytest.raises(ConfigError, match=r"not configured.*'h2': 'kept'.*restore"):
+            make_fabric(hosts=renamed)
+        assert alive(pid) and qemu_pid(state_dir, "h2x") is None
+        fabric = make_fabric()
+        assert fabric.hosts["h2"].adopted and fabric.hosts["h2"].pid == pid
+        assert [a.id for a in fabric.pool(POOL).allocations()] == ["kept"]
+
 
 class TestStartFailure:
     """A QEMU that exits at start gives FabricUnavailableError with its own words, and leaves nothing running."""
@@ -173,6 +207,34 @@ class TestStartFailure:
         with pytest.raises(FabricUnavailableError, match="no-such-vmlinuz"):
             make_fabric(hosts=hosts, pool_bytes=GiB)
         assert qemu_pid(state_dir, "h1") is None, "the host started before the failure was left running"
+
+    def test_ports_below_a_recorded_allocation(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, ctx: CallContext
+    ) -> None:
+        """Fewer ports than a recorded Type-3's port: QEMU would only say "Bus 'dsp2' not found", as a retryable
+        FabricUnavailableError; the driver names the option, host, port and allocation, and starts nothing."""
+        fabric = make_fabric()
+        for name in ("a", "b", "c"):
+            fabric.pool(POOL).allocate(name, "h1", 256 * MiB, ctx)
+        fabric.close()
+        hosts = [{"name": "h1", "ports": 2, "memory": "256M"}, {"name": "h2", "ports": 2, "memory": "256M"}]
+        with pytest.raises(ConfigError, match=r"'hosts\[0\]\.ports'.*'h1'.*'c' holds dsp2"):
+            make_fabric(hosts=hosts)
+        assert running_in(state_dir) == []
+
+    def test_an_interrupt_while_qemu_starts_stops_it(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Ctrl-C while the driver waits for a new QEMU to answer QMP: that QEMU runs in its own session and is
+        not yet the fabric's, so its start stops it, or it outlives the driver unowned."""
+
+        def interrupted(self: Monitor, path: Path, timeout: float) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Monitor, "connect", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            make_fabric()
+        assert running_in(state_dir) == []
 
 
 class TestOneDriverPerStateDir:

@@ -17,7 +17,8 @@ from disagg.errors import (
 )
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric
-from qemu_cxl_helpers import GiB, MiB, RawQMP
+from disagg_qemu_cxl.command import host_dir
+from qemu_cxl_helpers import GiB, MiB, RawQMP, qemu_pid
 
 POOL = "qc/cxl-pool"
 
@@ -194,3 +195,20 @@ class TestDrift:
         pool = make_fabric().pool(POOL)
         pool.release(f"unrecorded:h1:{device}", ctx)
         assert [(a.id, a.amount_bytes) for a in pool.allocations()] == [("a", 256 * MiB)]
+
+    def test_an_unrecorded_id_for_a_recorded_device_releases_nothing(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext
+    ) -> None:
+        """``unrecorded:<host>:<device>`` of a device that a record names is no allocation the pool reports: its
+        release is of an absent allocation, and must not take the recorded one's device and backend files."""
+        pool = fabric.pool(POOL)
+        alloc = pool.allocate("a", "h1", 256 * MiB, ctx)
+        record = fabric._ledger.state.record("a")
+        assert record is not None
+        pid = qemu_pid(state_dir, "h1")
+        files = sorted(host_dir(state_dir, "h1").glob("*.img"))
+        pool.release(f"unrecorded:h1:{record.device}", ctx)
+        assert qemu_pid(state_dir, "h1") == pid, "the host was restarted"
+        assert pool.allocations() == [alloc]
+        assert [r.allocation for r in fabric._ledger.state.records] == ["a"]
+        assert sorted(host_dir(state_dir, "h1").glob("*.img")) == files and files

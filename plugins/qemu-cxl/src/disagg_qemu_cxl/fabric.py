@@ -12,7 +12,7 @@ import contextlib
 import threading
 from collections.abc import Sequence
 
-from disagg.errors import DisaggError, FabricUnavailableError, NotFoundError, UnsupportedError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError, NotFoundError, UnsupportedError
 from disagg.interfaces import CallContext, EventHandler, Fabric, Pool, Subscription
 from disagg.model import (
     Binding,
@@ -35,7 +35,7 @@ from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured
 from disagg_qemu_cxl.options import QemuCxlOptions, memory_bytes
 from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
 from disagg_qemu_cxl.qmp import Loop
-from disagg_qemu_cxl.state import StateFile
+from disagg_qemu_cxl.state import State, StateFile
 
 QEMU_CXL_CAPABILITIES = Capabilities(
     kinds=frozenset({DeviceKind.CXL_MEMORY}), features=frozenset({Feature.CARVE, Feature.FENCING})
@@ -43,6 +43,33 @@ QEMU_CXL_CAPABILITIES = Capabilities(
 """No BIND (memory is carved, never bound whole) and no UNBIND: QEMU 7.2 never completes a CXL hot-remove."""
 HOST_LINK_NS = 120
 APPLIANCE_LINK_NS = 150
+
+
+def check_records(fabric: str, options: QemuCxlOptions, state: State) -> None:
+    """Refuse options that contradict the recorded allocations, before any QEMU is started or reaped. A host
+    missing from the config would have its QEMU, which holds those allocations, killed (a typo in its name is
+    enough); a port beyond a host's ``ports`` would make its QEMU exit at start with only "Bus not found" to say,
+    and no fabric to release the allocation from."""
+    configured = {h.name for h in options.hosts}
+    orphaned = sorted({r.host for r in state.records} - configured)
+    if orphaned:
+        held = "; ".join(f"{h!r}: {', '.join(repr(r.allocation) for r in state.on_host(h))}" for h in orphaned)
+        raise ConfigError(
+            f"fabric {fabric!r} (driver qemu-cxl): option 'hosts': hosts that are not configured hold allocations "
+            f"({held}), and starting would kill their QEMUs; restore each such host in the config (its QEMU is "
+            "adopted, or started again with them), and release its allocations before removing it",
+            field="hosts",
+        )
+    for i, host in enumerate(options.hosts):
+        beyond = sorted((r for r in state.cold_plugged(host.name) if r.port >= host.ports), key=lambda r: r.port)
+        if beyond:
+            held = ", ".join(f"allocation {r.allocation!r} holds dsp{r.port}" for r in beyond)
+            raise ConfigError(
+                f"fabric {fabric!r} (driver qemu-cxl): option 'hosts[{i}].ports': host {host.name!r} has "
+                f"{host.ports} downstream ports (dsp0-dsp{host.ports - 1}), but {held}; set ports to at "
+                f"least {beyond[-1].port + 1}, or release those allocations under the ports they were made with",
+                field=f"hosts[{i}].ports",
+            )
 
 
 class _NoEvents(Subscription):
@@ -72,6 +99,7 @@ class QemuCxlFabric(Fabric):
         started: list[HostProcess] = []
         try:
             self._ledger = Ledger(StateFile(options.state_dir / "state.json"))
+            check_records(name, options, self._ledger.state)
             self.reaped = reap_unconfigured(options.state_dir, [h.name for h in options.hosts])
             for host in options.hosts:
                 process = HostProcess(options.qemu, host, options.state_dir, options.pool_bytes, self._loop)

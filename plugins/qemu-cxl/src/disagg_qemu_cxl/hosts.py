@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 
 from disagg_qemu_cxl.command import AUX_SOCKET, LOG, PIDFILE, QMP_SOCKET, command_line, host_dir
 from disagg_qemu_cxl.options import HostOptions
@@ -222,6 +222,17 @@ class HostProcess:
             except OSError as exc:
                 raise FabricUnavailableError(f"cannot run {exe} for host {self.name}: {exc}") from None
         self._child, self.pid, self.adopted = child, child.pid, False
+        try:
+            self._await_qmp(child)
+        except BaseException:
+            # Whatever ends the wait (an error, a timeout, Ctrl-C): QEMU runs in its own session and nobody owns
+            # it yet, so it would outlive the driver.
+            with contextlib.suppress(DisaggError):
+                self.kill()
+            raise
+
+    def _await_qmp(self, child: subprocess.Popen[bytes]) -> None:
+        """Return once the new QEMU answers QMP; FabricUnavailableError if it exits or stays silent instead."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if child.poll() is not None:
@@ -236,7 +247,6 @@ class HostProcess:
                 except FabricUnavailableError:
                     pass
             if time.monotonic() > deadline:
-                self.kill()
                 raise FabricUnavailableError(
                     f"QEMU for host {self.name} did not answer QMP within {START_TIMEOUT_S:g}s: {self.log_tail()}"
                 )

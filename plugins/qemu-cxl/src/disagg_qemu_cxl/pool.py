@@ -298,7 +298,7 @@ class QemuCxlPool(Pool):
 
     def _held(self, views: Mapping[str, HostView]) -> tuple[list[tuple[int, int]], int]:
         """The extents and bytes that hold the pool, as `allocations` reports them on the hosts read, plus every
-        record of a host not read (unreachable now, or no longer configured): what it holds is unknown."""
+        record of a host not read (unreachable now): what it holds is unknown."""
         held = self._allocations(views)
         unread = [r for r in self._ledger.state.records if r.host not in views]
         spans = [(e.offset, e.length) for a in held for e in a.extents] + [e for r in unread for e in r.extents]
@@ -428,8 +428,13 @@ class QemuCxlPool(Pool):
         return record
 
     def _adopt_unrecorded(self, allocation_id: str) -> Record | None:
+        """The record of the device an ``unrecorded:`` id names, made now; None when there is nothing to release.
+        A device that a record names is reported under that record's id only: an ``unrecorded:`` id for it is
+        made up, and releasing it would take the recorded allocation's device and data."""
         parts = allocation_id.split(":")
         if len(parts) != 3 or parts[0] != UNRECORDED or parts[1] not in self._hosts:
+            return None
+        if any(r.device == parts[2] for r in self._ledger.state.on_host(parts[1])):
             return None
         dev = self._view(parts[1]).device(parts[2])
         if dev is None:

@@ -116,7 +116,10 @@ class StateFile:
         except (OSError, ValueError) as exc:
             raise FabricUnavailableError(f"cannot read the qemu-cxl state file {self.path}: {exc}") from None
         try:
-            records = tuple(Record.from_json(a, r) for a, r in doc["allocations"].items())
+            allocations = doc["allocations"]
+            if not isinstance(allocations, dict):
+                raise TypeError(f"allocations is {type(allocations).__name__}, not a table of allocation ids")
+            records = tuple(Record.from_json(a, r) for a, r in allocations.items())
             return State(epoch=int(doc["epoch"]), next_sn=int(doc["next_sn"]), records=records)
         except (KeyError, TypeError, ValueError) as exc:
             raise FabricUnavailableError(f"the qemu-cxl state file {self.path} is malformed: {exc!r}") from None
