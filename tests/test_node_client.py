@@ -42,7 +42,8 @@ def _node() -> str:
 
 class TestNodeClient:
     """A Node.js client lists and watches from the listing's revision, is refused a Compose without a mode,
-    composes, gets and decomposes over the wire, and sees NOT_FOUND as code 5."""
+    composes, gets and decomposes over the wire, and sees NOT_FOUND as code 5 with the google.rpc.Status details
+    docs/protocol.md promises (ErrorInfo of domain "disagg", ResourceInfo), decoded from the trailer."""
 
     def test_compose_watch_decompose(self, tmp_path: Path) -> None:
         node = _node()
@@ -68,7 +69,13 @@ class TestNodeClient:
         assert int(revisions["listed"]) + 1 == int(revisions["first_watched"]) <= int(revisions["created"])
         assert int(revisions["created"]) < int(revisions["composed"]) < int(revisions["deleted"])
         assert summary["unspecified_mode"]["code"] == 3 and "mode" in summary["unspecified_mode"]["details"]
-        assert summary["not_found"]["code"] == 5 and summary["not_found"]["has_error_details"] is True
+        not_found = summary["not_found"]
+        assert not_found["code"] == 5 and not_found["status"]["code"] == 5
+        assert not_found["status"]["error_info"] == {"domain": "disagg", "reason": "NOT_FOUND"}
+        assert not_found["status"]["resource_info"] == {
+            "resource_type": "composition",
+            "resource_name": not_found["asked"],
+        }
 
     def test_fails_without_a_server(self, tmp_path: Path) -> None:
         node = _node()

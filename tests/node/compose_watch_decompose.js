@@ -3,7 +3,8 @@
 // list the compositions and watch the event log from the listing's revision, check that a Compose without a
 // mode is INVALID_ARGUMENT and binds nothing, compose "gpu x2 model=H200" (always with a mode), get it, see it
 // created and COMPOSED on the watch, decompose it and see it deleted, and check that an unknown composition is
-// NOT_FOUND (not UNKNOWN).
+// NOT_FOUND (not UNKNOWN) with the google.rpc.Status details docs/protocol.md promises (ErrorInfo, ResourceInfo),
+// decoded from the grpc-status-details-bin trailer and reported for the caller to check.
 // Prints a JSON summary on stdout and exits 0; any failure, or 60 s passing, exits non-zero.
 //
 //   DISAGG_SERVER=unix:/tmp/disagg.sock node tests/node/compose_watch_decompose.js
@@ -12,7 +13,7 @@
 
 const crypto = require("node:crypto");
 const grpc = require("@grpc/grpc-js");
-const { bounded, loadService } = require("./script.js");
+const { bounded, loadService, statusDetails } = require("./script.js");
 
 const CALL_TIMEOUT_MS = 15_000;
 const { fail, done } = bounded("compose_watch_decompose", 60_000);
@@ -170,15 +171,23 @@ async function main() {
       (e) => e.type === "EVENT_TYPE_COMPOSITION_DELETED" && e.subject === comp.id,
     );
 
+    const unknownId = `no-such-composition-${process.pid}`;
     let notFound = null;
     try {
-      await unary(client, "GetComposition", { id: `no-such-composition-${process.pid}` });
+      await unary(client, "GetComposition", { id: unknownId });
     } catch (err) {
       notFound = err;
     }
     check(notFound !== null, "GetComposition of an unknown id succeeded");
     check(notFound.code !== grpc.status.UNKNOWN, `an unknown composition is UNKNOWN: ${notFound.details}`);
     check(notFound.code === grpc.status.NOT_FOUND, `an unknown composition is code ${notFound.code}, not NOT_FOUND`);
+    const notFoundStatus = statusDetails(notFound);
+    check(notFoundStatus !== null, "NOT_FOUND came without a grpc-status-details-bin trailer");
+    check(notFoundStatus.code === notFound.code, `the trailer's code is ${notFoundStatus.code}, not ${notFound.code}`);
+    const errorInfo = notFoundStatus.details["google.rpc.ErrorInfo"];
+    const resourceInfo = notFoundStatus.details["google.rpc.ResourceInfo"];
+    check(errorInfo, `NOT_FOUND has no ErrorInfo: ${JSON.stringify(notFoundStatus)}`);
+    check(resourceInfo, `NOT_FOUND has no ResourceInfo: ${JSON.stringify(notFoundStatus)}`);
 
     const revisions = watch.events.map((e) => BigInt(e.revision));
     check(
@@ -205,7 +214,12 @@ async function main() {
         code: notFound.code,
         name: "NOT_FOUND",
         details: notFound.details,
-        has_error_details: notFound.metadata.get("grpc-status-details-bin").length > 0,
+        asked: unknownId,
+        status: {
+          code: notFoundStatus.code,
+          error_info: { domain: errorInfo.domain, reason: errorInfo.reason },
+          resource_info: { resource_type: resourceInfo.resource_type, resource_name: resourceInfo.resource_name },
+        },
       },
     };
     process.stdout.write(`${JSON.stringify(summary)}\n`);
