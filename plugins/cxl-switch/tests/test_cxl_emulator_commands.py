@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from cxl_switch_client import Client, SocketTransport, emulator_process, in_process
+from cxl_switch_served import Clock
 from disagg_cxl_switch import CCIMessage, MessageCategory
 from disagg_cxl_switch.emulator import Switch, default_topology
 from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS
@@ -164,6 +165,16 @@ class TestGeneric:
 
     def test_background_status_with_payload_is_invalid_payload_length(self, fm: Client) -> None:
         assert code(fm.call(BACKGROUND_OPERATION_STATUS, b"\x00")) == RC.INVALID_PAYLOAD_LENGTH
+
+    def test_background_status_byte_0_while_running_and_done(self) -> None:
+        """Bit 0 set while running, the percentage in bits[7:1]: half way through a bind is 0x65."""
+        clock = Clock()
+        fm = Client(in_process(Switch(default_topology(), bind_delay=1.0, clock=clock)))
+        assert code(fm.call(Opcode.BIND_VPPB, BindVPPBRequest(0, 0, GPU))) == RC.BACKGROUND_COMMAND_STARTED
+        clock.now = 0.5
+        assert ok(fm.call(BACKGROUND_OPERATION_STATUS))[0] == 50 << 1 | 1
+        clock.now = 1.0
+        assert ok(fm.call(BACKGROUND_OPERATION_STATUS))[0] == 100 << 1
 
 
 class TestPhysicalSwitch:
@@ -392,6 +403,7 @@ class TestDCD:
         assert (config.host_id, config.number_of_available_regions, len(config.regions)) == (1, 2, 1)
         region = config.regions[0]
         assert (region.region_base, region.region_length, region.region_block_size) == (8 * GIB, 8 * GIB, 2 * MIB)
+        assert region.region_decode_length == 8 * GIB // (256 * MIB)  # in 256 MiB units, as QEMU sends it
         assert config.available_extents == config.total_supported_extents
 
     @pytest.mark.parametrize("request_", [GetHostDCRegionConfigRequest(2), GetHostDCRegionConfigRequest(0, 1, 2)])
@@ -486,6 +498,16 @@ class TestDCD:
         request = InitiateDCReleaseRequest(0, RemovalPolicy.PRESCRIPTIVE, 2 * MIB, extents=(Extent(2 * MIB, 2 * MIB),))
         assert dc_release(fm, request) == RC.SUCCESS
         assert [(e.start_dpa, e.length) for e in extents(fm, 0).extents] == [(0, 2 * MIB), (4 * MIB, 2 * MIB)]
+
+    @pytest.mark.parametrize(
+        "extent", [Extent(MIB, 4096), Extent(MIB, 2 * MIB), Extent(2 * MIB, MIB)], ids=["4k", "start", "length"]
+    )
+    def test_release_not_block_aligned_is_invalid_extent_list(self, fm: Client, extent: Extent) -> None:
+        """A release off the 2 MiB blocks is refused, so later adds still hand out whole blocks."""
+        assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 4 * MIB, TAG_A)) == RC.SUCCESS
+        request = InitiateDCReleaseRequest(0, RemovalPolicy.PRESCRIPTIVE, extent.length, extents=(extent,))
+        assert dc_release(fm, request) == RC.INVALID_EXTENT_LIST
+        assert [(e.start_dpa, e.length) for e in extents(fm, 0).extents] == [(0, 4 * MIB)]
 
     def test_release_not_held_is_invalid_extent_list(self, fm: Client) -> None:
         assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_A)) == RC.SUCCESS
@@ -593,6 +615,53 @@ class TestBudgets:
         assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_A)) == RC.RESOURCES_EXHAUSTED
         switch.state.dcd.total_supported_extents = 5
         assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_B)) == RC.RESOURCES_EXHAUSTED
+
+    @staticmethod
+    def _budget(fm: Client) -> tuple[int, int]:
+        """Available extents and tags, as Get Host DC Region Configuration reports them."""
+        response = fm.tunnel(DCD_PORT, Opcode.GET_HOST_DC_REGION_CONFIG, GetHostDCRegionConfigRequest(0))
+        config = GetHostDCRegionConfigResponse.decode(ok(response))
+        return config.available_extents, config.available_tags
+
+    def test_new_tags_are_counted_together(self) -> None:
+        """Two new tags with one tag slot left: refused whole, not checked one at a time against the old set."""
+        switch = Switch(default_topology(), bind_delay=0)
+        assert switch.state.dcd is not None
+        switch.state.dcd.total_supported_tags = 2
+        fm = Client(in_process(switch))
+        assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_A)) == RC.SUCCESS
+        two = (Extent(64 * MIB, 2 * MIB, TAG_B), Extent(70 * MIB, 2 * MIB, b"C" * 16))
+        request = InitiateDCAddRequest(0, SelectionPolicy.PRESCRIPTIVE, 0, 0, bytes(16), two)
+        assert dc_add(fm, request) == RC.RESOURCES_EXHAUSTED
+        assert self._budget(fm) == (switch.state.dcd.total_supported_extents - 1, 1)
+        one_new = (Extent(64 * MIB, 2 * MIB, TAG_B), Extent(70 * MIB, 2 * MIB, TAG_A))
+        assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.PRESCRIPTIVE, 0, 0, bytes(16), one_new)) == RC.SUCCESS
+        assert self._budget(fm) == (switch.state.dcd.total_supported_extents - 3, 0)
+
+    def test_a_release_that_splits_needs_an_extent_slot(self) -> None:
+        """Cutting the middle out of an extent adds one: refused with no slot left, allowed at the ends."""
+        switch = Switch(default_topology(), bind_delay=0)
+        assert switch.state.dcd is not None
+        switch.state.dcd.total_supported_extents = 1
+        fm = Client(in_process(switch))
+        assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 6 * MIB, TAG_A)) == RC.SUCCESS
+        middle = InitiateDCReleaseRequest(0, RemovalPolicy.PRESCRIPTIVE, 2 * MIB, extents=(Extent(2 * MIB, 2 * MIB),))
+        assert dc_release(fm, middle) == RC.RESOURCES_EXHAUSTED
+        assert [(e.start_dpa, e.length) for e in extents(fm, 0).extents] == [(0, 6 * MIB)]
+        assert self._budget(fm) == (0, switch.state.dcd.total_supported_tags - 1)
+        end = InitiateDCReleaseRequest(0, RemovalPolicy.PRESCRIPTIVE, 2 * MIB, extents=(Extent(4 * MIB, 2 * MIB),))
+        assert dc_release(fm, end) == RC.SUCCESS
+        assert [(e.start_dpa, e.length) for e in extents(fm, 0).extents] == [(0, 4 * MIB)]
+
+    def test_counts_never_go_negative(self) -> None:
+        """Limits lowered below what is held (a test's knob): the region configuration still answers, with 0."""
+        switch = Switch(default_topology(), bind_delay=0)
+        assert switch.state.dcd is not None
+        fm = Client(in_process(switch))
+        assert dc_add(fm, InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, TAG_A)) == RC.SUCCESS
+        assert dc_add(fm, InitiateDCAddRequest(1, SelectionPolicy.FREE, 0, 2 * MIB, TAG_B)) == RC.SUCCESS
+        switch.state.dcd.total_supported_extents = switch.state.dcd.total_supported_tags = 1
+        assert self._budget(fm) == (0, 0)
 
 
 class TestTopologyLimits:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import select
 import socket
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cxl_switch_client import IO_TIMEOUT, Client, SocketTransport, emulator_process
+from disagg.lockfile import try_lock
 from disagg_cxl_switch import CCIMessage, MessageCategory, encode_frame, encode_message
 from disagg_cxl_switch.emulator.config import EmulatorConfig
 from disagg_cxl_switch.emulator.server import MAX_MESSAGE_SIZE, ListenAddress
@@ -173,6 +175,23 @@ class TestConfiguration:
         with pytest.raises(ValueError):
             EmulatorConfig.from_mapping(values)
 
+    @pytest.mark.parametrize("delay", [math.nan, math.inf, -1.0])
+    def test_bind_delay_must_be_finite_and_not_negative(self, delay: float) -> None:
+        """A NaN delay would leave the first bind running for ever and every later one Busy."""
+        with pytest.raises(ValueError, match="bind_delay_ms"):
+            EmulatorConfig(bind_delay_ms=delay)
+        with pytest.raises(ValueError, match="bind_delay_ms"):
+            EmulatorConfig.from_mapping({"bind_delay_ms": delay})
+
+    def test_process_refuses_a_nan_bind_delay(self, tmp_path: Path) -> None:
+        config = tmp_path / "switch.json"
+        config.write_text('{"bind_delay_ms": NaN}')
+        for args in (["--bind-delay-ms", "nan"], ["--config", str(config)]):
+            command = [sys.executable, "-m", "disagg_cxl_switch.emulator", "--listen", f"unix:{tmp_path}/s", *args]
+            result = subprocess.run(command, capture_output=True, timeout=IO_TIMEOUT * 2, check=False)
+            assert result.returncode == 2 and result.stderr.startswith(b"error: bind_delay_ms"), result.stderr
+            assert not (tmp_path / "s").exists()
+
     def test_process_refuses_an_impossible_topology(self, tmp_path: Path) -> None:
         command = [sys.executable, "-m", "disagg_cxl_switch.emulator", "--listen", f"unix:{tmp_path}/s", "--hosts", "0"]
         result = subprocess.run(command, capture_output=True, timeout=IO_TIMEOUT * 2, check=False)
@@ -193,6 +212,16 @@ class TestListenRefusals:
             result = self.run("--listen", f"unix:{path}")
             assert result.returncode == 2 and b"another server is already listening" in result.stderr
             assert first.poll() is None and identify(path).number_of_vcss >= 1
+
+    def test_the_claim_is_held_while_listening(self, tmp_path: Path) -> None:
+        """The ``<socket>.lock`` flock (prepare_unix_socket's claim) is what keeps a second emulator started at
+        the same moment off the path; the probe of the socket alone lets both through."""
+        path = tmp_path / "s.sock"
+        with emulator_process(path):
+            assert try_lock(path.with_name(path.name + ".lock")) is None
+        claim = try_lock(path.with_name(path.name + ".lock"))
+        assert claim is not None
+        claim.close()
 
     def test_a_port_in_use(self) -> None:
         with socket.socket() as taken:

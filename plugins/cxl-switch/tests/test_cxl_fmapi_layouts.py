@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from cxl_switch_layouts import CASES, VCS_INFO, VCS_RESPONSE, le
+from disagg_cxl_switch.emulator.background import BackgroundOperationStatusResponse
 from disagg_cxl_switch.fmapi import (
     REQUESTS,
     RESPONSES,
@@ -89,3 +90,18 @@ class TestFieldDetails:
 
     def test_memory_granularity_bytes(self) -> None:
         assert [g.unit_bytes for g in MemoryGranularity] == [256 << 20, 512 << 20, 1 << 30]
+
+    @pytest.mark.parametrize(
+        ("status", "byte0"),
+        [
+            (BackgroundOperationStatusResponse(True, 50, Opcode.BIND_VPPB, 0), 0x65),
+            (BackgroundOperationStatusResponse(False, 100, Opcode.BIND_VPPB, 0), 0xC8),
+            (BackgroundOperationStatusResponse(True, 0, Opcode.UNBIND_VPPB, 0), 0x01),
+        ],
+    )
+    def test_background_status_byte_0(self, status: BackgroundOperationStatusResponse, byte0: int) -> None:
+        """Bit 0 is "operation in progress" and bits[7:1] the percentage complete (CXL r3.1 8.2.9.1.2), as QEMU
+        and libcxlmi read it."""
+        raw = bytes([byte0, 0]) + le(status.command_opcode, 2) + bytes(4)
+        assert status.encode() == raw
+        assert BackgroundOperationStatusResponse.decode(raw) == status

@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import attrs
 from disagg.errors import ConfigError
@@ -41,6 +42,7 @@ async def _run(config: EmulatorConfig, address: ListenAddress) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    claim: IO[bytes] | None = None
     try:
         logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
         address = ListenAddress.parse(args.listen)
@@ -52,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.build()  # reject an impossible topology before listening
         if address.unix_path is not None:
             # A live emulator's socket is refused, not taken over (listening would unlink it); a stale one goes.
-            prepare_unix_socket(address.unix_path)
+            # The claim is held until the socket file is removed: let go earlier, a second emulator started at
+            # the same moment would listen on the path too, and the first to exit would remove the other's file.
+            claim = prepare_unix_socket(address.unix_path)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -64,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the address cannot be listened on: a port in use, a folder that is not there
         print(f"error: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # the socket's permissions could not be set
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    finally:
+        if claim is not None:
+            claim.close()
     return 0
 
 

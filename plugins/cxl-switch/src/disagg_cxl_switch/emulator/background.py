@@ -19,8 +19,8 @@ from disagg_cxl_switch.returncodes import ReturnCode
 BACKGROUND_OPERATION_STATUS = 0x0002
 """Opcode of Background Operation Status in the generic command set (CXL r3.1 8.2.9.1.2)."""
 
-_PERCENT_MASK = 0x7F
-_RUNNING_BIT = 0x80
+_RUNNING_BIT = 0x01
+_PERCENT_SHIFT = 1
 
 
 @attrs.frozen
@@ -32,8 +32,9 @@ class BackgroundOperationStatusRequest(NoPayload):
 
 @attrs.frozen
 class BackgroundOperationStatusResponse:
-    """Progress of the last background command (8 bytes): byte 0 bits[6:0] percentage complete and bit 7 set
-    while it runs, 1 reserved byte, its opcode (2), its return code (2, valid once done), vendor status (2)."""
+    """Progress of the last background command (8 bytes): byte 0 bit 0 set while it runs and bits[7:1] the
+    percentage complete (CXL r3.1 8.2.9.1.2; QEMU and libcxlmi read it so), 1 reserved byte, its opcode (2), its
+    return code (2, valid once done), vendor status (2)."""
 
     OPCODE: ClassVar[int] = BACKGROUND_OPERATION_STATUS
 
@@ -47,7 +48,8 @@ class BackgroundOperationStatusResponse:
         if not 0 <= self.percentage_complete <= 100:
             raise ValueError(f"percentage complete={self.percentage_complete} is not 0..100")
         w = Writer()
-        w.u8(self.percentage_complete | (_RUNNING_BIT if self.running else 0), "background operation status")
+        status = self.percentage_complete << _PERCENT_SHIFT | (_RUNNING_BIT if self.running else 0)
+        w.u8(status, "background operation status")
         w.reserved(1)
         w.u16(self.command_opcode, "command opcode")
         w.u16(self.return_code, "return code")
@@ -63,7 +65,7 @@ class BackgroundOperationStatusResponse:
         code = r.u16("return code")
         vendor = r.u16("vendor specific extended status")
         r.end()
-        return cls(bool(status & _RUNNING_BIT), status & _PERCENT_MASK, opcode, code, vendor)
+        return cls(bool(status & _RUNNING_BIT), status >> _PERCENT_SHIFT, opcode, code, vendor)
 
 
 @attrs.define

@@ -71,18 +71,21 @@ def check_prescribed(dcd: DynamicCapacityDevice, region: DCRegion, extents: tupl
                 raise CommandError(ReturnCode.INVALID_EXTENT_LIST, "extent overlaps capacity already added")
 
 
-def check_budget(dcd: DynamicCapacityDevice, new_extents: int, tag: bytes) -> None:
-    """The DCD tracks at most `total_supported_extents` extents and `total_supported_tags` distinct tags."""
-    if len(dcd.all_extents()) + new_extents > dcd.total_supported_extents:
+def check_budget(dcd: DynamicCapacityDevice, tags: list[bytes]) -> None:
+    """The DCD tracks at most `total_supported_extents` extents and `total_supported_tags` distinct tags; an add
+    of one extent per entry of ``tags`` must fit both, its new tags counted together."""
+    if len(dcd.all_extents()) + len(tags) > dcd.total_supported_extents:
         raise CommandError(ReturnCode.RESOURCES_EXHAUSTED, "no extent tracking left")
-    tags = dcd.tags_in_use()
-    if tag not in tags and len(tags) >= dcd.total_supported_tags:
+    in_use = dcd.tags_in_use()
+    if len(in_use | set(tags)) > dcd.total_supported_tags:
         raise CommandError(ReturnCode.RESOURCES_EXHAUSTED, "no tag tracking left")
 
 
-def release_prescribed(held: list[HostExtent], extents: tuple[Extent, ...]) -> list[HostExtent]:
-    """What the host keeps after giving back the listed ranges; each must lie inside one held extent (which is
-    split around it) and the ranges must not overlap."""
+def release_prescribed(dcd: DynamicCapacityDevice, host: int, extents: tuple[Extent, ...]) -> list[HostExtent]:
+    """What the host keeps after giving back the listed ranges; each must be block-aligned and lie inside one held
+    extent (which is split around it), and the ranges must not overlap. A split that would take the DCD past its
+    extent tracking is Resources Exhausted, as CXL r3.1 has a device answer a release it cannot track."""
+    held = dcd.host_extents[host]
     spans = sorted((e.start_dpa, e.start_dpa + e.length) for e in extents)
     if not spans or any(start >= end for start, end in spans):
         raise CommandError(ReturnCode.INVALID_EXTENT_LIST, "empty extent list or zero-length extent")
@@ -94,6 +97,9 @@ def release_prescribed(held: list[HostExtent], extents: tuple[Extent, ...]) -> l
         owner = next((e for e in kept if e.start_dpa <= start and end <= e.end), None)
         if owner is None:
             raise CommandError(ReturnCode.INVALID_EXTENT_LIST, f"{start:#x}..{end:#x} is not held by the host")
+        block = dcd.regions[owner.region].block_size
+        if start % block or end % block:
+            raise CommandError(ReturnCode.INVALID_EXTENT_LIST, f"{start:#x}..{end:#x} not aligned to {block:#x}")
         index = kept.index(owner)
         pieces = [
             HostExtent(s, e - s, owner.tag, owner.region, owner.poisoned)
@@ -101,4 +107,7 @@ def release_prescribed(held: list[HostExtent], extents: tuple[Extent, ...]) -> l
             if e > s
         ]
         kept[index : index + 1] = pieces
+    added = len(kept) - len(held)
+    if added > 0 and len(dcd.all_extents()) + added > dcd.total_supported_extents:
+        raise CommandError(ReturnCode.RESOURCES_EXHAUSTED, "splitting the extent needs extent tracking left")
     return kept

@@ -7,6 +7,7 @@ an unknown key in a file is an error rather than a silently ignored typo.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,12 @@ import attrs
 
 from disagg_cxl_switch.emulator.handlers import DEFAULT_BIND_DELAY, Switch
 from disagg_cxl_switch.emulator.state import GIB, default_topology
+
+
+def _finite_delay(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+    """A NaN or infinite delay never passes, so the first Bind would run for ever and every later one be Busy."""
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{attribute.name} must be a finite number of milliseconds, 0 or more, got {value!r}")
 
 
 @attrs.frozen
@@ -29,7 +36,7 @@ class EmulatorConfig:
     mld_capacity_gib: int = 64
     dc_capacity_gib: int = 16
     dc_regions: int = 2
-    bind_delay_ms: float = DEFAULT_BIND_DELAY * 1000
+    bind_delay_ms: float = attrs.field(default=DEFAULT_BIND_DELAY * 1000, validator=_finite_delay)
     event_capacity: int = 256
 
     @classmethod

@@ -84,12 +84,13 @@ class DCDHandlers(HandlerBase):
             host_id=request.host_id,
             number_of_available_regions=len(dcd.regions),
             regions=tuple(
-                DCRegionConfig(r.base, r.length, r.length, r.block_size, 0, r.sanitize_on_release) for r in regions
+                DCRegionConfig(r.base, r.length // DC_CAPACITY_UNIT, r.length, r.block_size, 0, r.sanitize_on_release)
+                for r in regions
             ),
             total_supported_extents=dcd.total_supported_extents,
-            available_extents=dcd.total_supported_extents - len(dcd.all_extents()),
+            available_extents=max(0, dcd.total_supported_extents - len(dcd.all_extents())),
             total_supported_tags=dcd.total_supported_tags,
-            available_tags=dcd.total_supported_tags - len(dcd.tags_in_use()),
+            available_tags=max(0, dcd.total_supported_tags - len(dcd.tags_in_use())),
         )
         return Reply(payload=response.encode())
 
@@ -142,8 +143,7 @@ class DCDHandlers(HandlerBase):
             spans = [(start, length, request.tag) for start, length in chosen]
         else:
             raise CommandError(ReturnCode.INVALID_INPUT, f"selection policy {policy:#x} not supported")
-        for _, _, tag in spans:
-            check_budget(dcd, len(spans), tag)
+        check_budget(dcd, [tag for _, _, tag in spans])
         offered = [HostExtent(start, length, tag, request.region_number) for start, length, tag in spans]
         dcd.pending_adds[host] = offered
         # The emulated host accepts every offer at once (Add Dynamic Capacity Response with the whole list).
@@ -162,7 +162,7 @@ class DCDHandlers(HandlerBase):
                 raise CommandError(ReturnCode.INVALID_EXTENT_LIST, "the host holds no extent with this tag")
             kept = [e for e in held if e.tag != request.tag]
         elif request.removal_policy == RemovalPolicy.PRESCRIPTIVE:
-            kept = release_prescribed(held, request.extents)
+            kept = release_prescribed(dcd, host, request.extents)
             released = [e for e in held if e not in kept]
         else:
             raise CommandError(ReturnCode.INVALID_INPUT, f"removal policy {request.removal_policy:#x}")

@@ -14,10 +14,11 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
+import socket
 from pathlib import Path
 
 import attrs
+from disagg.wire.sockets import bind_unix_socket
 
 from disagg_cxl_switch.cci import (
     FRAME_PREFIX_SIZE,
@@ -117,15 +118,29 @@ async def _serve_connection(switch: Switch, reader: asyncio.StreamReader, writer
             await writer.wait_closed()
 
 
+def _bind_unix(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def serve(switch: Switch, address: ListenAddress, *, ready: asyncio.Event | None = None) -> None:
-    """Serves until cancelled; a unix socket file is removed on the way out."""
+    """Serves until cancelled; a unix socket file is removed on the way out, so the caller must hold the path's
+    claim (`prepare_unix_socket`) until this returns, or it may remove another emulator's socket.
+
+    A unix socket is bound private (`bind_unix_socket`): set closed after the bind, it could be connected to in
+    between, and the FM API has no authentication."""
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _serve_connection(switch, reader, writer)
 
     if address.unix_path is not None:
-        server = await asyncio.start_unix_server(on_connect, path=address.unix_path)
-        os.chmod(address.unix_path, 0o600)
+        path = address.unix_path
+        server = await asyncio.start_unix_server(on_connect, sock=bind_unix_socket(path, lambda: _bind_unix(path)))
     else:
         server = await asyncio.start_server(on_connect, host=address.host, port=address.port)
     bound = ", ".join(str(s.getsockname()) for s in server.sockets)

@@ -171,7 +171,8 @@ class GetHostDCRegionConfigRequest:
 @attrs.frozen
 class DCRegionConfig:
     """One 40-byte DC region configuration: base, decode length, length, block size (8 bytes each), DSMAS
-    flags (1), 3 reserved, sanitize-on-release flags (1, bit 0), 3 reserved.
+    flags (1), 3 reserved, sanitize-on-release flags (1, bit 0), 3 reserved. The decode length alone is in
+    256 MiB units (as QEMU sends it); the others are bytes.
     """
 
     region_base: int
