@@ -3,6 +3,7 @@ adoption of a running emulator by a restarted driver, and the emulator's lifetim
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +16,12 @@ from disagg.errors import (
     DeadlineExceededError,
     DeviceBusyError,
     FabricUnavailableError,
+    UnsupportedError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import Binding, FabricEvent, Health
+from disagg.model import Binding, FabricEvent, Health, PoolKind
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
+from disagg_cxl_switch.emulator.vendor import InjectSurpriseRemovalRequest, VendorOpcode
 
 
 def fresh_ctx() -> CallContext:
@@ -136,6 +139,89 @@ class TestLifetime:
         fabric.bind("sw/port2", "h0", fresh_ctx())
         fabric.close()
         assert not process.running(switch_dir)
+
+    def test_a_switch_that_cannot_say_it_is_idle_keeps_running(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """With the MLD's link down its allocations cannot be read; that is not idle, so the emulator and the
+        memory carved in it outlive the close, and the next driver finds the allocation once the link is back."""
+        fabric = make_switch(**MLD_ONLY)
+        pool_id = pool_of(fabric, PoolKind.MLD)
+        fabric.pool(pool_id).allocate("job-a", "h0", 1024**3, fresh_ctx())
+        fabric.fail_device(memory_device(fabric, PoolKind.MLD))
+        with caplog.at_level(logging.WARNING, logger="disagg.cxl_switch"):
+            fabric.close()
+        assert process.running(switch_dir)
+        assert "left running" in caplog.text
+        again = make_switch(**MLD_ONLY)
+        again.repair_device(memory_device(again, PoolKind.MLD))
+        assert [a.id for a in again.pool(pool_id).allocations()] == ["job-a"]
+
+    @pytest.mark.parametrize("kind", [PoolKind.DCD, PoolKind.MLD], ids=["dcd", "mld"])
+    def test_restart_while_a_pool_device_is_down(
+        self, make_switch: Callable[..., CxlSwitchFabric], kind: PoolKind
+    ) -> None:
+        """A driver restarted while a pool's device is failed starts; the pool answers FabricUnavailableError
+        until the device is repaired, then reads its capacity and carves."""
+        first = make_switch(**POOLS)
+        pool_id = pool_of(first, kind)
+        first.bind("sw/port2", "h0", fresh_ctx())  # keeps the emulator up across the close
+        first.fail_device(memory_device(first, kind))
+        first.close()
+        again = make_switch(**POOLS)
+        device = memory_device(again, kind)
+        assert next(d for d in again.discover().devices if d.id == device).health is Health.FAILED
+        with pytest.raises(FabricUnavailableError):
+            again.pool(pool_id).allocations()
+        again.repair_device(device)
+        (info,) = [p for p in again.discover().pools if p.id == pool_id]
+        assert info.capacity.total_bytes > 0
+        allocation = again.pool(pool_id).allocate("m", "h1", 1, fresh_ctx())
+        assert again.pool(pool_id).allocations() == [allocation]
+
+    @pytest.mark.parametrize("content", ["{truncated", "[]", '{"epoch": "one"}', '{"tags": 3}'])
+    def test_a_corrupt_state_file(self, switch_dir: Path, content: str) -> None:
+        """A driver-state.json that cannot be read is a ConfigError naming the file, and no emulator is left
+        running for a fabric that was never built."""
+        switch_dir.mkdir(parents=True)
+        (switch_dir / "driver-state.json").write_text(content)
+        with pytest.raises(ConfigError, match=r"driver-state\.json") as raised:
+            create_fabric("sw", {"state_dir": str(switch_dir), "gpus": 1})
+        assert raised.value.field == "state_dir"
+        assert not process.running(switch_dir)
+
+
+MLD_ONLY = {"gpus": 2, "nvme": 0, "ld_count": 4, "mld_capacity_gib": 4, "dc_capacity_gib": 0}
+POOLS = {"gpus": 1, "nvme": 0, "ld_count": 4, "mld_capacity_gib": 4, "dc_capacity_gib": 1}
+
+
+def pool_of(fabric: CxlSwitchFabric, kind: PoolKind) -> str:
+    """The id of the fabric's pool of ``kind`` (its name carries the port, fixed at start)."""
+    port = fabric.view.dcd_port if kind is PoolKind.DCD else fabric.view.mld_port
+    return f"{fabric.name}/{kind.value}-port{port}"
+
+
+def memory_device(fabric: CxlSwitchFabric, kind: PoolKind) -> str:
+    port = fabric.view.dcd_port if kind is PoolKind.DCD else fabric.view.mld_port
+    assert port is not None
+    return fabric.device_id_of(port)
+
+
+class TestRepair:
+    """`repair_device` brings a device back as what it was, or refuses."""
+
+    @pytest.mark.parametrize("kind", [PoolKind.DCD, PoolKind.MLD], ids=["dcd", "mld"])
+    def test_a_pulled_memory_device_is_not_replaced_by_another_kind(
+        self, make_switch: Callable[..., CxlSwitchFabric], kind: PoolKind
+    ) -> None:
+        """The emulator hot-adds only PCIe endpoints: a pulled MLD or DCD would come back as a NIC."""
+        fabric = make_switch(**POOLS)
+        device = memory_device(fabric, kind)
+        port = fabric.view.port_of[device]
+        fabric.client.call(VendorOpcode.INJECT_SURPRISE_REMOVAL, InjectSurpriseRemovalRequest(port))
+        with pytest.raises(UnsupportedError, match="cannot hot-add"):
+            fabric.repair_device(device)
+        assert not fabric.port_view(port).present
 
 
 class TestDcdPool:

@@ -18,6 +18,7 @@ from disagg.errors import (
     OUTCOME,
     CapacityExhaustedError,
     DeadlineExceededError,
+    DeviceBusyError,
     DisaggError,
     FabricUnavailableError,
     StaleEpochError,
@@ -29,7 +30,7 @@ from disagg_cxl_switch.driver import CxlSwitchFabric, client, create_fabric, lay
 from disagg_cxl_switch.emulator import Switch, default_topology
 from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS
 from disagg_cxl_switch.emulator.state import GIB
-from disagg_cxl_switch.emulator.vendor import VendorOpcode
+from disagg_cxl_switch.emulator.vendor import InjectSurpriseRemovalRequest, VendorOpcode
 from disagg_cxl_switch.fmapi import Opcode
 
 MIB = 1 << 20
@@ -196,6 +197,80 @@ class TestOutcomeUnknown:
         assert in_doubt(raised.value)
         clock.now = 10.0
         wait_until(lambda: fabric.bindings() == [BINDING])
+
+
+class TestUnbindDuringBind:
+    """A bind whose deadline passed (outcome unknown) still runs on the switch; the rollback's unbind waits for it
+    and then unbinds, and never says the device is unbound while that bind may still land."""
+
+    def stuck_bind(self, bench: Bench) -> tuple[ServedSwitch, Clock, CxlSwitchFabric]:
+        clock = Clock()
+        served = bench.serve(clock=clock)
+        fabric = bench.fabric(served)
+        served.switch.bind_delay = 1.0  # on a stopped clock: running until the test moves it
+        with pytest.raises(DeadlineExceededError) as raised:
+            bind_within(fabric, 0.2)
+        assert in_doubt(raised.value)
+        return served, clock, fabric
+
+    def test_the_unbind_waits_for_the_bind(self, bench: Bench) -> None:
+        served, clock, fabric = self.stuck_bind(bench)
+        raised: list[Exception] = []
+
+        def rollback() -> None:
+            try:
+                fabric.unbind(BINDING, CallContext(epoch=1))
+            except Exception as exc:
+                raised.append(exc)
+
+        worker = threading.Thread(target=rollback, daemon=True)
+        worker.start()
+        worker.join(0.3)
+        waited = worker.is_alive()
+        served.switch.bind_delay = 0.0  # the unbind's own Unbind vPPB finishes at once
+        clock.now = 10.0  # the bind lands
+        worker.join(WAIT_S)
+        assert waited, "the unbind returned while the bind still ran"
+        assert not worker.is_alive() and raised == []
+        assert fabric.bindings() == []
+
+    def test_past_its_deadline_the_unbind_is_retryable(self, bench: Bench) -> None:
+        _, clock, fabric = self.stuck_bind(bench)
+        with pytest.raises(FabricUnavailableError, match="still runs") as raised:
+            fabric.unbind(BINDING, ctx(timeout=0.3))
+        assert raised.value.retryable and not in_doubt(raised.value)
+        clock.now = 10.0
+        wait_until(lambda: fabric.bindings() == [BINDING])  # it did land: success would have leaked it
+
+
+def bind_within(fabric: CxlSwitchFabric, timeout: float) -> object:
+    return fabric.bind("f/port2", "h0", ctx(timeout=timeout))
+
+
+class TestFailedPoolDevice:
+    """With a pool's device failed or pulled, its pool answers the contract's errors: FabricUnavailableError
+    (retryable) for reads and releases, DeviceBusyError for a carve; never the plugin's own error, nor
+    InvalidRequestError, which release keeps for a caller's bad id."""
+
+    @pytest.mark.parametrize("kind", [PoolKind.DCD, PoolKind.MLD], ids=["dcd", "mld"])
+    @pytest.mark.parametrize("fault", ["link-down", "pulled"])
+    def test_the_pool_answers_the_contract(self, bench: Bench, kind: PoolKind, fault: str) -> None:
+        served = bench.serve()
+        fabric = bench.fabric(served)
+        pool = pool_of(fabric, kind)
+        pool.allocate("a", "h0", 256 * MIB, ctx())
+        device = pool.info().device
+        if fault == "link-down":
+            fabric.fail_device(device)
+        else:
+            port = fabric.view.port_of[device]
+            fabric.client.call(VendorOpcode.INJECT_SURPRISE_REMOVAL, InjectSurpriseRemovalRequest(port))
+        for act in (pool.allocations, lambda: pool.release("a", ctx())):
+            with pytest.raises(FabricUnavailableError) as raised:
+                act()
+            assert raised.value.retryable
+        with pytest.raises(DeviceBusyError):
+            pool.allocate("b", "h1", 256 * MIB, ctx())
 
 
 class TestInjectedBindFailure:

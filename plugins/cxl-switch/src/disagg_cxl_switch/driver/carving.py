@@ -1,31 +1,50 @@
-"""What both of the switch's pools check before they carve, so that the DCD and the MLD answer a bad or repeated
-`allocate` alike: the Pool contract's errors, in its order, before anything is sent to the switch."""
+"""What both of the switch's pools share, so that the DCD and the MLD answer alike: the checks before a carve (the
+Pool contract's errors, in its order, before anything is sent to the switch), and the error for a command their
+device refused."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from disagg.errors import ConflictError, DeviceBusyError, InvalidRequestError
-from disagg.interfaces import CallContext
-from disagg.model import Allocation, Health, PoolInfo
+from disagg.errors import ConflictError, DeviceBusyError, FabricUnavailableError, InvalidRequestError
+from disagg.interfaces import CallContext, Pool
+from disagg.model import Allocation, Health
+
+from disagg_cxl_switch.driver.client import CommandFailedError
 
 if TYPE_CHECKING:
     from disagg_cxl_switch.driver.fabric import CxlSwitchFabric
 
 
 def admit(
-    fabric: CxlSwitchFabric, info: PoolInfo, allocation_id: str, host: str, amount_bytes: int, *, ctx: CallContext
+    fabric: CxlSwitchFabric,
+    pool: Pool,
+    allocation_id: str,
+    host: str,
+    amount_bytes: int,
+    *,
+    device: str,
+    ctx: CallContext,
 ) -> tuple[int, int]:
-    """Fence; refuse an amount that is not positive, an unknown or unreachable host, a failed device. The host's
-    VCS id and the amount rounded up to whole blocks."""
+    """Fence; refuse an amount that is not positive, an unknown or unreachable host, a failed ``device`` (the
+    pool's). The host's VCS id and the amount rounded up to whole blocks. The device is checked before the pool's
+    geometry is read, which a device failed since the driver started may not have given yet."""
     fabric.state.fence(ctx.epoch)
     if amount_bytes <= 0:
         raise InvalidRequestError(f"allocation {allocation_id}: amount {amount_bytes} is not positive")
     vcs = fabric.check_host(host)
-    if fabric.port_view(fabric.view.port_of[info.device]).health is not Health.OK:
-        raise DeviceBusyError(f"{info.device}, the device of pool {info.id}, is failed")
-    return vcs, info.capacity.round_up(amount_bytes)
+    if fabric.port_view(fabric.view.port_of[device]).health is not Health.OK:
+        raise DeviceBusyError(f"{device}, the device of pool {pool.id}, is failed")
+    return vcs, pool.info().capacity.round_up(amount_bytes)
+
+
+def tunnel_error(exc: CommandFailedError, what: str) -> FabricUnavailableError:
+    """A command tunnelled to a pool's device that the device or the switch refused: Retry Required (its link is
+    down), Invalid Input (no device behind the port: it was pulled), Busy, Internal Error. The driver builds
+    every payload from what it read, so none is the caller's mistake: the fabric is failing (retry once the
+    device is back)."""
+    return FabricUnavailableError(f"{what}: {exc.message}")
 
 
 def already_held(held: Iterable[Allocation], allocation_id: str, host: str, amount: int) -> Allocation | None:

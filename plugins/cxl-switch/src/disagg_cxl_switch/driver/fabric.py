@@ -10,8 +10,10 @@ extents (`pools`) and the MLD's logical devices (`mld_pool`), whose LD binds sha
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from disagg.errors import (
@@ -23,6 +25,7 @@ from disagg.errors import (
     NotFoundError,
     UnknownDeviceError,
     UnknownHostError,
+    UnsupportedError,
 )
 from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool, Subscription
 from disagg.interfaces.fabric import EventHandler
@@ -38,6 +41,7 @@ from disagg.model import (
 )
 from disagg.statedir import claim
 
+from disagg_cxl_switch.driver import client as cci
 from disagg_cxl_switch.driver import layout, process
 from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, Verify, bind_error
 from disagg_cxl_switch.driver.events import EventPoller, next_sequence
@@ -75,7 +79,12 @@ CXL_SWITCH_CAPABILITIES = Capabilities(
     event_latency_s=0.5,
 )
 
-_HOT_ADD_KIND = {DeviceKind.GPU: HotAddDeviceKind.GPU, DeviceKind.NVME: HotAddDeviceKind.NVME}
+_HOT_ADD_KIND = {
+    DeviceKind.GPU: HotAddDeviceKind.GPU,
+    DeviceKind.NVME: HotAddDeviceKind.NVME,
+    DeviceKind.NIC: HotAddDeviceKind.NIC,
+}
+"""What Inject Hot-Add plugs back in for each kind; the emulator hot-adds no CXL memory device."""
 
 
 class _Subscription(Subscription):
@@ -101,13 +110,15 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._address = process.emulator_address(state_dir)
         # One driver per state_dir: a second would stop, on close, the emulator the first is using.
         self._owner = claim(name, "cxl-switch", state_dir) if state_dir is not None else None
+        launched = False  # by this call: stopped again if the fabric cannot be built; an adopted one never is
         try:
+            self._state = DriverState(state_dir)  # read first: a state file it refuses starts no emulator
             self._client = CCIClient(self._address)
             if options.address is None and state_dir is not None:
                 if not process.running(state_dir):
                     process.start(state_dir, options.emulator_flags(), self._identify)
+                    launched = True
                 self._started = True
-            self._state = DriverState(state_dir)
         except BaseException:
             self._let_go()  # or a retry in this process would be told another driver holds the state_dir
             raise
@@ -126,8 +137,8 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             first = next_sequence(self._client)
         except BaseException:
             self._client.close()
-            if self._started and state_dir is not None:
-                process.stop(state_dir)  # an emulator this call started for a fabric that cannot be built
+            if launched and state_dir is not None:
+                process.stop(state_dir)  # started for a fabric that cannot be built; one adopted holds bindings
             self._let_go()
             raise
         self._poller = EventPoller(self._address, first, self._on_record)
@@ -238,7 +249,11 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         return CXL_SWITCH_CAPABILITIES
 
     def discover(self) -> Topology:
-        return self._view.topology(self._client, self._links_down, self._pools)
+        infos = {}
+        for port, pool in self._pools.items():
+            with contextlib.suppress(FabricUnavailableError):  # its device failed before it was ever read
+                infos[port] = pool.info()
+        return self._view.topology(self._client, self._links_down, infos)
 
     def bindings(self) -> Sequence[Binding]:
         return [Binding(self._view.device_of[port], host) for host, _, port in self._view.bound(self._client)]
@@ -292,7 +307,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         if port is None or vcs is None:
             return
         with layout.acquire(self._op_lock, ctx):
-            held = [vppb for host, vppb, p in self._view.bound(self._client, ctx) if host == binding.host and p == port]
+            held = self._settled(binding, vcs, port, ctx)
             failed = self.port_view(port).health is not Health.OK
             option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE
             for vppb in held:
@@ -302,6 +317,27 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                     raise FabricUnavailableError(
                         f"unbind {binding.device} from {binding.host}: {exc.message}"
                     ) from None
+
+    def _settled(self, binding: Binding, vcs: int, port: int, ctx: CallContext) -> list[int]:
+        """The vPPBs of the host's VCS bound to the device's port, once no Bind or Unbind vPPB towards it runs.
+
+        A bind whose deadline passed (outcome unknown) still runs on the switch, and the composer's rollback then
+        unbinds: were that unbind to find nothing bound and succeed, the bind would land after it and leak. So it
+        waits for the bind, no longer than the call's deadline or `BACKGROUND_TIMEOUT_S`; past that nothing has
+        been sent, and `FabricUnavailableError` says to retry."""
+        give_up = time.monotonic() + cci.BACKGROUND_TIMEOUT_S
+        if ctx.deadline is not None:
+            give_up = min(give_up, ctx.deadline)
+        while True:
+            held, running = self._view.towards(self._client, vcs, port, ctx)
+            if not running:
+                return held
+            if time.monotonic() + cci.POLL_INTERVAL_S >= give_up:
+                raise FabricUnavailableError(
+                    f"unbind {binding.device} from {binding.host}: a Bind or Unbind vPPB of it still runs on the "
+                    "switch; retry once it is done"
+                )
+            time.sleep(cci.POLL_INTERVAL_S)
 
     def pool(self, pool: str) -> Pool:
         found = next((p for p in self._pools.values() if p.id == pool), None)
@@ -364,11 +400,18 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._client.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(port))
 
     def repair_device(self, device: str) -> None:
-        """Reset the port's PPB (link up), or plug the device back in if it was pulled (Inject Hot-Add)."""
+        """Reset the port's PPB (link up), or plug the device back in if it was pulled (Inject Hot-Add).
+        `UnsupportedError` for a pulled MLD or DCD: the emulator can hot-add only PCIe endpoints, and another
+        kind in the port of a pool's device is no repair."""
         port = self._port(device)
         view = self.port_view(port)
         if not view.present:
-            kind = _HOT_ADD_KIND.get(self._view.kind_of[port], HotAddDeviceKind.NIC)
+            kind = _HOT_ADD_KIND.get(self._view.kind_of[port])
+            if kind is None:
+                raise UnsupportedError(
+                    f"{device} was pulled and the emulator cannot hot-add a {self._view.kind_of[port].value} "
+                    "device; restart the emulator to have it back"
+                )
             self._client.call(VendorOpcode.INJECT_HOT_ADD, InjectHotAddRequest(port, kind))
         elif view.health is not Health.OK:
             self._client.call(Opcode.PHYSICAL_PORT_CONTROL, PhysicalPortControlRequest(port, PortOpcode.RESET_PPB))
@@ -401,19 +444,30 @@ class CxlSwitchFabric(Fabric, FaultInjection):
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
-        """Stop the poller; stop an emulator this driver runs if asked to, or if the switch holds nothing."""
+        """Stop the poller; stop an emulator this driver runs if asked to, or if the switch is read to hold
+        nothing. A switch that cannot be read (a pool's device failed, the emulator not answering) may hold
+        bindings or carved memory, which stopping it would lose: it is left running, and the log says why."""
         if self._closed:
             return
         self._closed = True
         self._poller.stop()
         state_dir = self._opts.state_dir
-        if self._started and state_dir is not None:
-            try:
-                idle = not self.bindings() and not any(p.allocations() for p in self._pools.values())
-            except DisaggError:
-                idle = True
-            if idle or self._opts.stop_emulator == "always":
-                self._client.close()
-                process.stop(state_dir)
+        if self._started and state_dir is not None and (self._opts.stop_emulator == "always" or self._idle()):
+            self._client.close()
+            process.stop(state_dir)
         self._client.close()
         self._let_go()
+
+    def _idle(self) -> bool:
+        """Whether the switch is read to hold no binding and no allocation; False when it cannot be read."""
+        try:
+            return not self.bindings() and not any(p.allocations() for p in self._pools.values())
+        except DisaggError as exc:
+            log.warning(
+                "cxl-switch %s: the emulator in %s is left running: whether it holds bindings or allocations "
+                "cannot be read (%s); stop_emulator = 'always' stops it regardless",
+                self._name,
+                self._opts.state_dir,
+                exc.message,
+            )
+            return False

@@ -48,7 +48,7 @@ from disagg_cxl_switch.fmapi import (
 )
 
 if TYPE_CHECKING:
-    from disagg.interfaces import Pool
+    from disagg.model import PoolInfo
 
 HOST_LINK_LATENCY_NS = 150
 DEVICE_LINK_LATENCY_NS = 100
@@ -159,6 +159,20 @@ class SwitchView:
             if vppb.binding_status == VPPBBindingStatus.BOUND_PHYSICAL_PORT and vppb.bound_port_id in self.device_of
         ]
 
+    def towards(self, client: CCIClient, vcs_id: int, port: int, ctx: CallContext | None) -> tuple[list[int], bool]:
+        """The vPPBs of VCS ``vcs_id`` bound whole to ``port``, and whether a Bind or Unbind vPPB of one of its
+        vPPBs still runs towards ``port`` (or towards a port the switch does not name while it runs)."""
+        held, running = [], False
+        for vcs in self.vcss(client, ctx):
+            if vcs.vcs_id != vcs_id:
+                continue
+            for vppb_id, vppb in enumerate(vcs.vppbs):
+                if vppb.binding_status == VPPBBindingStatus.BOUND_PHYSICAL_PORT and vppb.bound_port_id == port:
+                    held.append(vppb_id)
+                elif vppb.binding_status == VPPBBindingStatus.BIND_OR_UNBIND_IN_PROGRESS:
+                    running |= vppb.bound_port_id == port or vppb.bound_port_id not in self.device_of
+        return held, running
+
     def holds(
         self, client: CCIClient, vcs_id: int, vppb_id: int, port: int, *, ld: int | None, ctx: CallContext | None
     ) -> bool | None:
@@ -188,17 +202,21 @@ class SwitchView:
                         return vppb_id
         return None
 
-    def topology(self, client: CCIClient, links_down: set[str], pools: dict[int, Pool]) -> Topology:
-        """The fabric now; ``pools`` are the pools by the port of the device they carve."""
+    def topology(self, client: CCIClient, links_down: set[str], pools: dict[int, PoolInfo]) -> Topology:
+        """The fabric now; ``pools`` are the pools that can be described now, by the port of the device they
+        carve. A pool whose failed device has not yet given its geometry is left out (the composer then counts
+        its memory as out of reach); its device is listed, failed and without capacity."""
         states = {p.port_id: PortView(p) for p in _port_states(client, sorted(self.kind_of), None)}
+        carves = {port: kind for kind, port in (("dcd", self.dcd_port), ("mld", self.mld_port)) if port is not None}
         devices = []
         for port, kind in sorted(self.kind_of.items()):
             view = states[port]
-            pool = pools[port].info() if port in pools else None
-            model = _MODELS[kind] if pool is None else f"emulated CXL Type-3 {pool.kind.value.upper()}"
+            pool = pools.get(port)
+            pool_kind = carves.get(port)
+            model = _MODELS[kind] if pool_kind is None else f"emulated CXL Type-3 {pool_kind.upper()}"
             attributes: dict[str, int | str] = {"port": port}
-            if pool is not None:
-                attributes["pool_kind"] = pool.kind.value
+            if pool_kind is not None:
+                attributes["pool_kind"] = pool_kind
             devices.append(
                 Device(
                     id=self.device_of[port],
@@ -222,7 +240,7 @@ class SwitchView:
             for p in sorted(self.kind_of)
         )
         switch = Switch(self.switch_id, self.fabric, SwitchKind.CXL, "disagg", "emulated CXL switch", ports)
-        infos = tuple(pools[p].info() for p in sorted(pools))
+        infos = tuple(pools[p] for p in sorted(pools))
         return Topology(self.fabric, hosts, (switch,), tuple(devices), links, infos)
 
 

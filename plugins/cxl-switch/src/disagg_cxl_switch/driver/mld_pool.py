@@ -6,7 +6,9 @@ vPPB is bound to which LD, so an allocation is an LD bound to a host's VCS. An L
 allocation id it was carved for is kept in `DriverState`, written before its allocation is set. An LD bound to
 no vPPB is free, whatever memory it still holds (the MLD's even split at power-on, a carve cut short by a
 crash): no host reaches that memory, and the next carve sets every such LD back to 0. The block size is the
-MLD's memory granularity; the extents are the LDs' ranges as the MLD lays them out, in LD order.
+MLD's memory granularity; the extents are the LDs' ranges as the MLD lays them out, in LD order. An MLD failed
+when the driver starts is read once it is back, so the driver still starts; until then the pool's calls raise
+`FabricUnavailableError`.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ from disagg.errors import (
     CapacityExhaustedError,
     DisaggError,
     FabricUnavailableError,
-    InvalidRequestError,
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, Pool
 from disagg.model import MLD_MAX_LOGICAL_DEVICES, Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
-from disagg_cxl_switch.driver.carving import admit, already_held
-from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, bind_error, contract_error, decode
+from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
+from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, bind_error, decode
 from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
@@ -78,42 +79,75 @@ def _units(allocation: LDAllocation) -> int:
     return allocation.range_1_allocation_multiplier + allocation.range_2_allocation_multiplier
 
 
+@attrs.frozen
+class _Geometry:
+    """The MLD as Get LD Info and Get LD Allocations describe it: its memory granularity, its LD count, and the
+    pool they make."""
+
+    unit: int
+    ld_count: int
+    info: PoolInfo
+
+
 class MLDPool(Pool):
     def __init__(self, fabric: CxlSwitchFabric, port: int) -> None:
         self._fabric = fabric
         self._port = port
         self._device = fabric.device_id_of(port)
         self._id = f"{fabric.name}/mld-port{port}"
-        info = decode(GetLDInfoResponse.decode, self._tunnel(Opcode.GET_LD_INFO, GetLDInfoRequest(), None))
+        self._read: _Geometry | None = None
+        try:
+            self._read = self._read_geometry()
+        except CommandFailedError as exc:
+            if fabric.port_view(port).health is Health.OK:
+                raise tunnel_error(exc, f"pool {self._id}: the MLD's geometry cannot be read") from None
+            # a failed MLD: read once it is back (see `_geometry`), so that the driver starts and can repair it
+
+    def _read_geometry(self) -> _Geometry:
+        client, port = self._fabric.client, self._port
+        info = decode(GetLDInfoResponse.decode, client.tunnel(port, Opcode.GET_LD_INFO, GetLDInfoRequest()))
         first = decode(
-            GetLDAllocationsResponse.decode, self._tunnel(Opcode.GET_LD_ALLOCATIONS, GetLDAllocationsRequest(), None)
+            GetLDAllocationsResponse.decode, client.tunnel(port, Opcode.GET_LD_ALLOCATIONS, GetLDAllocationsRequest())
         )
         try:
-            self._unit = MemoryGranularity(first.memory_granularity).unit_bytes
+            unit = MemoryGranularity(first.memory_granularity).unit_bytes
         except ValueError:
             raise FabricUnavailableError(f"the MLD on port {port} reports an unknown memory granularity") from None
         if not 1 <= info.ld_count <= MLD_MAX_LOGICAL_DEVICES:
             raise FabricUnavailableError(
                 f"the MLD on port {port} reports {info.ld_count} LDs; an MLD has 1 to {MLD_MAX_LOGICAL_DEVICES}"
             )
-        self._ld_count = info.ld_count
-        total = info.memory_size // self._unit * self._unit
-        capacity = Capacity(total, self._unit)
-        self._info = PoolInfo(self._id, fabric.name, self._device, capacity, PoolKind.MLD, info.ld_count)
+        capacity = Capacity(info.memory_size // unit * unit, unit)
+        pool = PoolInfo(self._id, self._fabric.name, self._device, capacity, PoolKind.MLD, info.ld_count)
+        return _Geometry(unit, info.ld_count, pool)
+
+    def _geometry(self) -> _Geometry:
+        """The MLD's geometry, read when the pool was made or, if the MLD was failed then, on first use after: a
+        driver started while its link is down still starts. Two threads may both read it; they read the same."""
+        if self._read is None:
+            try:
+                self._read = self._read_geometry()
+            except CommandFailedError as exc:
+                raise tunnel_error(exc, f"pool {self._id}: the MLD's geometry cannot be read") from None
+        return self._read
 
     @property
     def id(self) -> str:
         return self._id
 
     def info(self) -> PoolInfo:
-        return self._info
+        return self._geometry().info
 
     # ------------------------------------------------------------------ reading the switch
 
     def _refusal(self, exc: CommandFailedError) -> DisaggError:
+        """Resources Exhausted is the MLD out of memory; Unsupported a command it lacks; any other refusal
+        (Invalid Input once it was pulled, Retry Required while its link is down) the fabric failing."""
         if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
             return CapacityExhaustedError(f"pool {self._id}: {exc.message}")
-        return contract_error(exc, f"pool {self._id}")
+        if exc.return_code == ReturnCode.UNSUPPORTED:
+            return UnsupportedError(f"pool {self._id}: {exc.message}")
+        return tunnel_error(exc, f"pool {self._id}")
 
     def _tunnel(self, opcode: Opcode, payload: Encodable, ctx: CallContext | None) -> bytes:
         try:
@@ -122,8 +156,9 @@ class MLDPool(Pool):
             raise self._refusal(exc) from None
 
     def _snapshot(self, ctx: CallContext | None) -> _Snapshot:
+        ld_count = self._geometry().ld_count
         lds: list[LDAllocation] = []
-        while len(lds) < self._ld_count:
+        while len(lds) < ld_count:
             request = GetLDAllocationsRequest(len(lds), 0xFF)
             raw = self._tunnel(Opcode.GET_LD_ALLOCATIONS, request, ctx)
             got = decode(GetLDAllocationsResponse.decode, raw).allocations
@@ -136,18 +171,19 @@ class MLDPool(Pool):
             for vppb_id, vppb in enumerate(vcs.vppbs)
             if vppb.binding_status != VPPBBindingStatus.UNBOUND and vppb.bound_port_id == self._port
         }
-        return _Snapshot(tuple(lds[: self._ld_count]), bound)
+        return _Snapshot(tuple(lds[:ld_count]), bound)
 
     def _listed(self, snap: _Snapshot) -> dict[int, Allocation]:
         """The allocations by LD: each LD bound to a host's VCS, under its recorded id or else ``ld-<N>``."""
-        offsets = list(itertools.accumulate((snap.units(ld) for ld in range(self._ld_count)), initial=0))
+        unit = self._geometry().unit
+        offsets = list(itertools.accumulate((snap.units(ld) for ld in range(len(snap.lds))), initial=0))
         listed = {}
         for ld, binding in sorted(snap.bound.items()):
             host = self._fabric.view.host_of.get(binding.vcs)
             if not binding.done or host is None:
                 continue
-            amount = snap.units(ld) * self._unit
-            extents = (Extent(offsets[ld] * self._unit, amount),) if amount else ()
+            amount = snap.units(ld) * unit
+            extents = (Extent(offsets[ld] * unit, amount),) if amount else ()
             name = self._fabric.state.ld_allocation(self._port, ld) or f"ld-{ld}"
             listed[ld] = Allocation(name, self._id, host, amount, extents)
         return listed
@@ -161,15 +197,16 @@ class MLDPool(Pool):
     # ------------------------------------------------------------------ carving
 
     def _free_ld(self, snap: _Snapshot, allocation_id: str, amount: int) -> int:
-        used = sum(snap.units(ld) for ld in snap.bound) * self._unit
-        if used + amount > self._info.capacity.total_bytes:
+        geometry = self._geometry()
+        used = sum(snap.units(ld) for ld in snap.bound) * geometry.unit
+        total = geometry.info.capacity.total_bytes
+        if used + amount > total:
             raise CapacityExhaustedError(
-                f"pool {self._id} has {self._info.capacity.total_bytes - used} bytes free, {allocation_id} "
-                f"asks {amount}"
+                f"pool {self._id} has {total - used} bytes free, {allocation_id} asks {amount}"
             )
-        free = [ld for ld in range(self._ld_count) if ld not in snap.bound]
+        free = [ld for ld in range(len(snap.lds)) if ld not in snap.bound]
         if not free:
-            raise CapacityExhaustedError(f"pool {self._id}: all {self._ld_count} LDs are bound ({allocation_id})")
+            raise CapacityExhaustedError(f"pool {self._id}: all {len(snap.lds)} LDs are bound ({allocation_id})")
         return free[0]
 
     def _set(self, start: int, lds: Sequence[LDAllocation], ctx: CallContext) -> None:
@@ -182,7 +219,7 @@ class MLDPool(Pool):
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """Name a free LD for the allocation, give it the amount (every other unbound LD 0), bind it to a free
         vPPB of the host's VCS; a bind that failed with nothing bound sets back the LDs the carve changed."""
-        vcs, amount = admit(self._fabric, self._info, allocation_id, host, amount_bytes, ctx=ctx)
+        vcs, amount = admit(self._fabric, self, allocation_id, host, amount_bytes, device=self._device, ctx=ctx)
         with acquire(self._fabric.vppb_lock, ctx):
             snap = self._snapshot(ctx)
             existing = already_held(self._held(snap), allocation_id, host, amount)
@@ -193,8 +230,9 @@ class MLDPool(Pool):
             if vppb is None:
                 raise CapacityExhaustedError(f"host {host} has no unbound vPPB left to reach an LD of {self._device}")
             self._fabric.state.name_ld(self._port, ld, allocation_id)
+            units = amount // self._geometry().unit
             carved = [
-                LDAllocation(amount // self._unit, 0) if i == ld else a if i in snap.bound else _NOTHING
+                LDAllocation(units, 0) if i == ld else a if i in snap.bound else _NOTHING
                 for i, a in enumerate(snap.lds)
             ]
             self._set(0, carved, ctx)
@@ -231,7 +269,7 @@ class MLDPool(Pool):
         """The LDs to free for ``allocation_id``: those recorded for it (bound or not: a carve cut short), and the
         one `allocations` lists under it, which is how an LD whose record is lost (``ld-<N>``) is freed."""
         recorded = {
-            ld for ld in range(self._ld_count) if self._fabric.state.ld_allocation(self._port, ld) == allocation_id
+            ld for ld in range(len(snap.lds)) if self._fabric.state.ld_allocation(self._port, ld) == allocation_id
         }
         listed = {ld for ld, allocation in self._listed(snap).items() if allocation.id == allocation_id}
         return sorted(recorded | listed)
@@ -250,7 +288,7 @@ class MLDPool(Pool):
         if snap.units(ld):
             try:
                 self._set(ld, [_NOTHING], ctx)
-            except (InvalidRequestError, UnsupportedError, CapacityExhaustedError) as exc:
+            except (UnsupportedError, CapacityExhaustedError) as exc:
                 raise FabricUnavailableError(f"release {allocation_id}: {exc.message}") from None
         self._fabric.state.forget_ld(self._port, ld)
 

@@ -4,7 +4,8 @@ DCD's port (5300h), and the hosts' extent lists (Get DC Region Extent Lists) as 
 Each allocation is the set of extents of one host carrying the allocation's tag (`state.allocation_tag`), so
 the switch itself says what is carved for whom, and a release is a tag-based Initiate DC Release. The pool is
 the DCD's regions end to end; an allocation lies in one region (the first with room), and the block size is
-the regions' DC block size. The DCD's host ids are the VCS ids.
+the regions' DC block size. The DCD's host ids are the VCS ids. A DCD failed when the driver starts is read once
+it is back, so the driver still starts; until then the pool's calls raise `FabricUnavailableError`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 from disagg.errors import CapacityExhaustedError, FabricUnavailableError
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Capacity, Extent, PoolInfo, PoolKind
+from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
-from disagg_cxl_switch.driver.carving import admit, already_held
-from disagg_cxl_switch.driver.client import CommandFailedError, decode
+from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
+from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, decode
 from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.driver.state import allocation_tag
 from disagg_cxl_switch.fmapi import (
@@ -42,6 +44,15 @@ if TYPE_CHECKING:
 _EXTENTS_PER_READ = 64
 
 
+@attrs.frozen
+class _Geometry:
+    """The DCD's regions as it reports them, the lowest region base, and the pool they make."""
+
+    regions: tuple[DCRegionConfig, ...]
+    base: int
+    info: PoolInfo
+
+
 class DCDPool(Pool):
     def __init__(self, fabric: CxlSwitchFabric, port: int) -> None:
         self._fabric = fabric
@@ -49,28 +60,55 @@ class DCDPool(Pool):
         self._device = fabric.device_id_of(port)
         self._id = f"{fabric.name}/dcd-port{port}"
         self._lock = threading.Lock()
-        first_host = min(fabric.hosts().values())
-        raw = fabric.client.tunnel(port, Opcode.GET_HOST_DC_REGION_CONFIG, GetHostDCRegionConfigRequest(first_host))
-        self._regions: tuple[DCRegionConfig, ...] = decode(GetHostDCRegionConfigResponse.decode, raw).regions
-        if not self._regions:
-            raise FabricUnavailableError(f"the DCD on port {port} has no DC region")
-        self._base = min(r.region_base for r in self._regions)
-        total = sum(r.region_length for r in self._regions)
-        block = max(r.region_block_size for r in self._regions)
-        self._info = PoolInfo(self._id, fabric.name, self._device, Capacity(total, block), PoolKind.DCD)
+        self._read: _Geometry | None = None
+        try:
+            self._read = self._read_geometry()
+        except CommandFailedError as exc:
+            if fabric.port_view(port).health is Health.OK:
+                raise tunnel_error(exc, f"pool {self._id}: the DCD's regions cannot be read") from None
+            # a failed DCD: read once it is back (see `_geometry`), so that the driver starts and can repair it
+
+    def _read_geometry(self) -> _Geometry:
+        first_host = min(self._fabric.hosts().values())
+        request = GetHostDCRegionConfigRequest(first_host)
+        raw = self._fabric.client.tunnel(self._port, Opcode.GET_HOST_DC_REGION_CONFIG, request)
+        regions = decode(GetHostDCRegionConfigResponse.decode, raw).regions
+        if not regions:
+            raise FabricUnavailableError(f"the DCD on port {self._port} has no DC region")
+        total = sum(r.region_length for r in regions)
+        block = max(r.region_block_size for r in regions)
+        info = PoolInfo(self._id, self._fabric.name, self._device, Capacity(total, block), PoolKind.DCD)
+        return _Geometry(regions, min(r.region_base for r in regions), info)
+
+    def _geometry(self) -> _Geometry:
+        """The regions, read when the pool was made or, if the DCD was failed then, on first use after: a driver
+        started while its link is down still starts. Two threads may both read it; they read the same."""
+        if self._read is None:
+            try:
+                self._read = self._read_geometry()
+            except CommandFailedError as exc:
+                raise tunnel_error(exc, f"pool {self._id}: the DCD's regions cannot be read") from None
+        return self._read
 
     @property
     def id(self) -> str:
         return self._id
 
     def info(self) -> PoolInfo:
-        return self._info
+        return self._geometry().info
+
+    def _tunnel(self, opcode: Opcode, payload: Encodable, ctx: CallContext | None) -> bytes:
+        """A query of the DCD; its refusal is the fabric failing (`tunnel_error`)."""
+        try:
+            return self._fabric.client.tunnel(self._port, opcode, payload, ctx)
+        except CommandFailedError as exc:
+            raise tunnel_error(exc, f"pool {self._id}") from None
 
     def _extents(self, host_id: int, ctx: CallContext | None) -> list[tuple[int, int, bytes]]:
         got: list[tuple[int, int, bytes]] = []
         while True:
             request = GetDCRegionExtentListsRequest(host_id, _EXTENTS_PER_READ, len(got))
-            raw = self._fabric.client.tunnel(self._port, Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
+            raw = self._tunnel(Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
             response = decode(GetDCRegionExtentListsResponse.decode, raw)
             got += [(e.start_dpa, e.length, e.tag) for e in response.extents]
             if not response.extents or len(got) >= response.total_extents:
@@ -78,11 +116,12 @@ class DCDPool(Pool):
 
     def _tagged(self, ctx: CallContext | None = None) -> list[tuple[Allocation, bytes]]:
         """Each host's extents grouped by tag, as allocations named from the tags, with their tags."""
+        base = self._geometry().base
         tagged = []
         for host, host_id in sorted(self._fabric.hosts().items()):
             by_tag: dict[bytes, list[Extent]] = defaultdict(list)
             for start, length, tag in self._extents(host_id, ctx):
-                by_tag[tag].append(Extent(start - self._base, length))
+                by_tag[tag].append(Extent(start - base, length))
             for tag, extents in by_tag.items():
                 extents.sort(key=lambda e: e.offset)
                 name = self._fabric.state.allocation_of(tag)
@@ -97,13 +136,13 @@ class DCDPool(Pool):
         return self._held()
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        host_id, amount = admit(self._fabric, self._info, allocation_id, host, amount_bytes, ctx=ctx)
+        host_id, amount = admit(self._fabric, self, allocation_id, host, amount_bytes, device=self._device, ctx=ctx)
         with acquire(self._lock, ctx):
             existing = already_held(self._held(ctx), allocation_id, host, amount)
             if existing is not None:
                 return existing
             tag = self._fabric.state.name_tag(allocation_id)
-            for region, config in enumerate(self._regions):
+            for region, config in enumerate(self._geometry().regions):
                 if config.region_length < amount:
                     continue
                 request = InitiateDCAddRequest(host_id, SelectionPolicy.FREE, region, amount, tag)
@@ -113,7 +152,7 @@ class DCDPool(Pool):
                     if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
                         continue
                     self._fabric.state.forget_tag(allocation_id)  # refused: no extent carries the tag
-                    raise FabricUnavailableError(f"allocation {allocation_id}: {exc.message}") from None
+                    raise tunnel_error(exc, f"allocation {allocation_id}") from None
                 return next(a for a in self._held(ctx) if a.id == allocation_id)
             self._fabric.state.forget_tag(allocation_id)
         raise CapacityExhaustedError(f"pool {self._id} has no region with {amount} bytes free for {allocation_id}")
@@ -124,7 +163,7 @@ class DCDPool(Pool):
         try:
             self._fabric.change(Opcode.INITIATE_DC_RELEASE, request, ctx, port=self._port)
         except CommandFailedError as exc:
-            raise FabricUnavailableError(f"release {allocation.id}: {exc.message}") from None
+            raise tunnel_error(exc, f"release {allocation.id}") from None
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         """Release by tag the extents listed under the id (``tag-<hex>`` for a tag with no recorded id) or

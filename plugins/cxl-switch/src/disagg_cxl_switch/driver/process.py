@@ -2,7 +2,8 @@
 
 A started emulator outlives the fabric object that started it while the switch holds bindings or allocations,
 as hardware would, so that a restarted driver (the next `create_fabric` on the same ``state_dir``) adopts it
-and finds them; it is stopped when the fabric closes idle, or always with ``stop_emulator = "always"``. Its
+and finds them; it is stopped when the fabric closes and reads it idle (one it cannot read, as when a pool's
+device is failed, may hold either, and is left running), or always with ``stop_emulator = "always"``. Its
 pid is in ``state_dir/emulator.pid`` so that whatever started the driver can kill it for certain.
 """
 

@@ -15,8 +15,9 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
-from disagg.errors import StaleEpochError
+from disagg.errors import ConfigError, StaleEpochError
 
 
 def allocation_tag(allocation_id: str) -> bytes:
@@ -31,10 +32,15 @@ class DriverState:
         self._tags: dict[str, str] = {}
         self._lds: dict[str, str] = {}
         if self._path is not None and self._path.exists():
-            data = json.loads(self._path.read_text())
-            self._epoch = int(data.get("epoch", 0))
-            self._tags = {str(k): str(v) for k, v in data.get("tags", {}).items()}
-            self._lds = {str(k): str(v) for k, v in data.get("lds", {}).items()}
+            try:
+                self._epoch, self._tags, self._lds = _parse(json.loads(self._path.read_text()))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"the driver state {self._path} cannot be read ({exc}); restore it, or move it away to start "
+                    "without it (the fencing epoch then restarts at 0, and the allocations it named are listed as "
+                    "tag-<hex> or ld-<N>)",
+                    field="state_dir",
+                ) from None
 
     def _save(self) -> None:
         if self._path is None:
@@ -92,3 +98,19 @@ class DriverState:
         with self._lock:
             if self._lds.pop(key, None) is not None:
                 self._save()
+
+
+def _parse(data: Any) -> tuple[int, dict[str, str], dict[str, str]]:
+    """The epoch, the tags' and the LDs' allocation ids of a state file; ValueError for any other shape."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    epoch = data.get("epoch", 0)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch {epoch!r} is not a non-negative integer")
+    names = []
+    for key in ("tags", "lds"):
+        table = data.get(key, {})
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise ValueError(f"{key} is not an object of allocation ids")
+        names.append(dict(table))
+    return epoch, names[0], names[1]
