@@ -111,6 +111,56 @@ class TestPlacementBenchmark:
         assert all(s["samples"] == 20 for s in report["runs"]["2000"]["shapes"].values())
         assert "2000" in report["median_ratio_to_base"]
 
+    @pytest.mark.parametrize("sizes", ["1000", "1000,lots", "0,1000"])
+    def test_sizes_refused(self, tmp_path: Path, sizes: str, capsys: pytest.CaptureFixture[str]) -> None:
+        """One size has no base to compare with: its ratio would be 1 and the target met against nothing."""
+        import runpy
+
+        main = runpy.run_path(str(ROOT / "bench" / "placement.py"), run_name="bench")["main"]
+        out = tmp_path / "placement.json"
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--sizes", sizes, "--repeats", "1", "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert "argument --sizes: expected at least two device counts" in capsys.readouterr().err
+        assert not out.exists()
+
+
+class TestQemuCxlBenchmark:
+    """bench/qemu_cxl.py without QEMU or the guest's build tools says what to install and lets `tox -e bench` go
+    on to the report (exit 0, "skipped"), except on CI (CI=true), where the benchmark must run."""
+
+    @pytest.mark.parametrize(("ci", "code"), [(None, 0), ("false", 0), ("true", 1)])
+    def test_without_tools(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+        ci: str | None,
+        code: int,
+    ) -> None:
+        import runpy
+
+        from disagg_qemu_cxl.guest import MissingToolError
+
+        def build_guest(cache: Path) -> None:
+            raise MissingToolError("building the test guest needs depmod: install kmod (apt-get install kmod)")
+
+        main = runpy.run_path(str(ROOT / "bench" / "qemu_cxl.py"), run_name="bench")["main"]
+        monkeypatch.setitem(main.__globals__, "build_guest", build_guest)
+        if ci is None:
+            monkeypatch.delenv("CI", raising=False)
+        else:
+            monkeypatch.setenv("CI", ci)
+        out = tmp_path / "qemu_cxl.json"
+        assert main(["--out", str(out), "--cache", str(tmp_path / "cache")]) == code
+        captured = capsys.readouterr()
+        reason = "building the test guest needs depmod: install kmod (apt-get install kmod)"
+        if code:
+            assert captured.err == f"bench/qemu_cxl.py: {reason} (on CI the benchmark must run)\n"
+        else:
+            assert captured.out == f"skipped: bench/qemu_cxl.py: {reason}\n"
+        assert not out.exists()
+
 
 class TestComposeLoopTool:
     """bench/compose_loop.py, which docs/benchmarks.md counts Compose's instructions with, runs its Composes on both

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import disagg.replay
+import disagg.replay.study as study_module
 import pytest
 from disagg.cli.main import main
 from disagg.errors import InvalidRequestError
@@ -12,7 +17,7 @@ from disagg.replay.engine import replay
 from disagg.replay.policies import BestFitSharing
 from disagg.replay.report_input import parse_placement
 from disagg.replay.study import DEFAULT_POLICIES, PUBLISHED, Study, run_study
-from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, trace_dir
+from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, Pod, trace_dir
 from disagg.replay.workload import arrivals, task_types
 from disagg.replay.world import build_world
 from replay_helpers import small_cluster, write_trace
@@ -79,6 +84,54 @@ class TestRunStudy:
         curve = run_study(study)["runs"][0]["curve"]
         assert len(curve["arrived"]) == len(curve["mean"]) == len(curve["std"]) == 131
 
+    def test_the_first_failed_job_stops_the_study(self, shared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The jobs still queued are cancelled, rather than run to the end before the error is raised."""
+        ran: list[tuple[int, str, int]] = []
+
+        def job(study: Study, k: int, policy: str, seed: int) -> dict[str, object]:
+            if seed == 0:
+                raise InvalidRequestError("job 0 failed")
+            ran.append((k, policy, seed))
+            time.sleep(0.2)
+            return {}
+
+        class InThreads(ThreadPoolExecutor):
+            def __init__(self, max_workers: int, mp_context: object) -> None:
+                super().__init__(max_workers)
+
+        monkeypatch.setattr(study_module, "ProcessPoolExecutor", InThreads)
+        monkeypatch.setattr(study_module, "run_job", job)
+        study = Study(trace_dir=trace_dir(shared), seeds=tuple(range(6)), ks=(1,), policies=("best-fit",), workers=1)
+        with pytest.raises(InvalidRequestError, match="job 0 failed"):
+            run_study(study)
+        assert len(ran) <= 1
+
+    @pytest.mark.parametrize(
+        ("change", "published"),
+        [
+            ({}, PUBLISHED),
+            ({"nodes": "other-nodes.csv"}, None),
+            ({"pods": DEFAULT_PODS.replace("default", "multigpu50")}, None),
+            ({"inflation": 1.2}, None),
+            ({"report_at": 0.9}, None),
+            ({"seeds": (3, 7), "ks": (1, 2), "policies": ("best-fit",), "provision": False}, PUBLISHED),
+        ],
+    )
+    def test_published_only_for_the_published_protocol(
+        self, tmp_path: Path, change: dict[str, object], published: dict[str, float] | None
+    ) -> None:
+        """The paper's figures are the reference for its trace and protocol, and for nothing else."""
+        study = Study(trace_dir=tmp_path, **change)  # type: ignore[arg-type]
+        assert study_module.published_reference(study) == published
+
+    def test_no_published_figures_for_another_trace(self, shared: Path) -> None:
+        directory = trace_dir(shared)
+        (directory / "other.csv").write_bytes((directory / DEFAULT_PODS).read_bytes())
+        study = Study(trace_dir=directory, pods="other.csv", seeds=(0,), ks=(1,), policies=("fgd",), provision=False)
+        placement = run_study(study)
+        assert "published" not in placement
+        assert parse_placement(placement).published == {}
+
     @pytest.mark.parametrize(
         ("change", "message"),
         [
@@ -88,6 +141,9 @@ class TestRunStudy:
             ({"policies": ("fgd", "nope")}, r"no sharing policy nope \(known: best-fit, fgd, frag-balance"),
             ({"report_at": 1.5}, "must lie within the arrivals"),
             ({"workers": -1}, r"worker processes must be 0 \(one per CPU\) or more, got -1"),
+            ({"seeds": (3, -1, 2)}, r"a seed must be 0 or more, got -1"),
+            ({"seeds": (1, 2, 1)}, r"seed 1 is given twice"),
+            ({"policies": ("fgd", "best-fit", "fgd")}, r"policy fgd is given twice"),
         ],
     )
     def test_check(self, tmp_path: Path, change: dict[str, object], message: str) -> None:
@@ -163,3 +219,71 @@ class TestBenchPlacement:
         placement = json.loads((shared.parent / "out" / "results.json").read_text(encoding="utf-8"))["placement"]
         assert placement["protocol"]["seeds"] == [3, 7]
         assert [r["gpus_needed"] for r in placement["runs"]] == [None]
+        markdown = (shared.parent / "out" / "results.md").read_text(encoding="utf-8")
+        assert "Every placement figure is the mean of 2 seeds (3, 7) with" in markdown
+
+    @pytest.fixture
+    def no_replay(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The replay must not start: input found wrong after it would have cost the whole study."""
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the replay ran")
+
+        monkeypatch.setattr(study_module, "run_study", refuse)
+
+    @pytest.mark.usefixtures("no_replay")
+    def test_malformed_control_plane_file(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        control_plane = shared.parent / "none"
+        control_plane.mkdir()
+        (control_plane / "placement.json").write_text('{"runs": {}}\n')
+        assert main(self.args(shared)) == 2
+        assert capsys.readouterr().err == (
+            f"disagg: error: {control_plane / 'placement.json'}: not the figures python bench/placement.py writes "
+            "(no key 'median_ratio_to_base')\n"
+        )
+        assert not (shared.parent / "out" / "results.json").exists()
+
+    @pytest.mark.usefixtures("no_replay")
+    def test_report_dir_that_exists_but_takes_no_file(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        args = self.args(shared)
+        args[args.index("--report-dir") + 1] = "/proc"  # even root cannot create a file there
+        assert main(args) == 2
+        assert capsys.readouterr().err.startswith("disagg: error: cannot write the report into /proc: ")
+
+    def test_negative_seed(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        assert main(self.args(shared, "--seeds=-1,2")) == 2
+        assert capsys.readouterr().err == "disagg: error: a seed must be 0 or more, got -1\n"
+
+    def test_pod_list_without_gpu_pods(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        nodes, pods = small_cluster()
+        write_trace(tmp_path / "shared", nodes, [p for p in pods if not p.num_gpu])
+        assert main(self.args(tmp_path / "shared")) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"disagg: error: {DEFAULT_PODS} has no GPU pod, so ")
+        assert "Traceback" not in err
+
+    def test_pod_no_server_can_hold(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        nodes, pods = small_cluster()
+        big = Pod("too-big", 1000, 1024, 16, 1000)
+        write_trace(tmp_path / "shared", nodes, [*pods, big])
+        assert main(self.args(tmp_path / "shared")) == 2
+        assert capsys.readouterr().err == (
+            f"disagg: error: no server of {DEFAULT_NODES} can hold pod too-big (16 whole GPUs, 1000 mCPU, "
+            "1024 MiB), so the provisioning replay on fixed servers could never place it: take it out of the pod "
+            "list, or skip that replay with --no-provision\n"
+        )
+
+    def test_without_the_report_extra(
+        self, shared: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")]:
+            monkeypatch.setitem(sys.modules, name, None)  # as if matplotlib were not installed
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+        for name in ("report", "report_plots"):  # imported by another test: both the module and its name go
+            monkeypatch.delitem(sys.modules, f"disagg.replay.{name}", raising=False)
+            monkeypatch.delattr(disagg.replay, name, raising=False)
+        assert main(self.args(shared)) == 2
+        assert capsys.readouterr().err == (
+            "disagg: error: the report's plots need matplotlib, which the report extra installs: "
+            "pip install 'disagg[report]'\n"
+        )

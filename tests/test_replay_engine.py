@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from disagg.errors import InvalidRequestError
 from disagg.plugins import load_plugins
+from disagg.replay import engine
 from disagg.replay.engine import Replay, provision, replay
 from disagg.replay.policy import FloatArray, SharingPolicy
 from disagg.replay.trace import WHOLE_GPU_MILLI, Pod
@@ -114,6 +116,14 @@ class TestReplay:
             result.unallocated_at(1.3)
 
 
+class TestArrivals:
+    """The published protocol draws pods until their GPU demand passes the capacity, which GPU pods must reach."""
+
+    def test_pod_list_without_gpu_pods(self) -> None:
+        with pytest.raises(InvalidRequestError, match="the pod list has no GPU pod, so its demand never reaches"):
+            arrivals([pod(), pod(cpu=2000)], 8 * WHOLE_GPU_MILLI, 0, 1.3)
+
+
 class TestProvision:
     """Provisioning installs servers in list order, only when a pod finds no room, until every pod is placed."""
 
@@ -140,10 +150,25 @@ class TestProvision:
         nodes = [gpu_node(2, sn=f"n{i}") for i in range(4)]
         pods = [whole(3)]
         fixed = build_world(nodes, 1, installed=False)
-        with pytest.raises(ValueError, match="4 servers are not enough to place p under best-fit: give the"):
+        with pytest.raises(InvalidRequestError) as caught:
             provision(fixed, pods, prepared("best-fit", fixed, pods), seed=0)
+        assert caught.value.message == "no server of the node list can hold pod p (3 whole GPUs, 1000 mCPU, 1024 MiB)"
         pooled = build_world(nodes, 2, installed=False)
         assert provision(pooled, pods, prepared("best-fit", pooled, pods), seed=0).hosts == 2
+        assert engine.fits_nowhere(nodes, [whole(1), whole(3), share(500, spec={"B"})], 1) == whole(3)
+        assert engine.fits_nowhere(nodes, [whole(1), whole(3), share(500, spec={"B"})], 2) == share(500, spec={"B"})
+        assert engine.fits_nowhere(nodes, [whole(1), whole(3)], 2) is None
+
+    def test_servers_run_out(self) -> None:
+        """Every pod fits an empty server, but together they need more servers than there are."""
+        world = build_world([gpu_node(2, sn=f"n{i}") for i in range(2)], 1, installed=False)
+        pods = [whole(2), whole(2), whole(1)]
+        with pytest.raises(InvalidRequestError) as caught:
+            provision(world, pods, prepared("best-fit", world, pods), seed=0)
+        assert caught.value.message == (
+            "all 2 servers are installed and pod p (1 whole GPU, 1000 mCPU, 1024 MiB) still finds no room under "
+            "best-fit: the pod list needs more than they hold"
+        )
 
 
 class TestFragBalance:

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disagg.replay import report_plots
 from disagg.replay.report import ReportFiles, write_report
 from disagg.replay.report_control import BENCHMARKS
+from disagg.replay.report_input import parse_placement
+from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 ROOT = Path(__file__).parent.parent
@@ -200,6 +203,15 @@ class TestMarkdown:
         assert rows[0] == "| composable K=4 | best-fit | 3.65% | ± 0.11% | 3.47%-3.83% | - |"
         assert "| fixed (K=1) | domain-pack | 4.50% |" in report.results_md.read_text()
 
+    def test_no_published_figures_no_column(self, tmp_path: Path) -> None:
+        """A replay of another trace or protocol has no published reference, and the table claims none."""
+        placement = placement_fixture()
+        del placement["published"]
+        text = write_report(placement, tmp_path, control_plane_dir=tmp_path / "none").results_md.read_text()
+        assert "published" not in text.split("## Control plane")[0]
+        assert "| world | policy | mean | std | min-max |" in text.splitlines()
+        assert "| fixed (K=1) | fgd | 4.90% | ± 0.11% | 4.72%-5.08% |" in text.splitlines()
+
     def test_floor(self, report: ReportFiles) -> None:
         lines = report.results_md.read_text().splitlines()
         floor = [line for line in lines if line.startswith("Floor: ")]
@@ -264,6 +276,25 @@ class TestPlots:
         assert image.shape[:2] == size
         colours = {tuple(px) for px in image.reshape(-1, image.shape[2])[::7].tolist()}
         assert len(colours) > 50
+
+    @pytest.mark.parametrize("published", [True, False])
+    def test_published_line_only_with_published_figures(self, published: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The dashed FGD line is drawn on the fixed-server panel only when the replay has the published figures."""
+        placement = placement_fixture()
+        if not published:
+            del placement["published"]
+        legends: list[list[str]] = []
+
+        def capture(figure: Figure, path: Path, **kwargs: object) -> None:
+            legends.extend(
+                [t.get_text() for t in ax.get_legend().get_texts()] for ax in figure.axes if ax.get_visible()
+            )
+
+        monkeypatch.setattr(Figure, "savefig", capture)
+        report_plots.unallocated(parse_placement(placement), Path("unused.png"))
+        marked = [labels for labels in legends if any(label.startswith("FGD published") for label in labels)]
+        assert marked == ([legends[0]] if published else [])
+        assert "FGD published 4.77%" in legends[0] or not published
 
 
 class TestControlPlaneFiles:

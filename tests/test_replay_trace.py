@@ -150,6 +150,25 @@ class TestFiles:
         with pytest.raises(InvalidRequestError, match=rf"{kind}s\.csv lists no {kind}$"):
             load(write(tmp_path))
 
+    def test_utf8_byte_order_mark(self, tmp_path: Path) -> None:
+        """A spreadsheet's "CSV UTF-8" starts with a byte order mark, which is not part of the first column's name."""
+        path = nodes_file(tmp_path, GOOD_NODE)
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+        assert load_nodes(path) == [Node("n0", 64000, 262144, 2, "A")]
+
+    def test_not_utf8_names_file_and_line(self, tmp_path: Path) -> None:
+        path = nodes_file(tmp_path, GOOD_NODE, ("n1", "64000", "262144", "2", "Tesla\xe9"))
+        path.write_bytes(path.read_bytes().replace("\xe9".encode(), b"\xe9"))  # Latin-1, not UTF-8
+        with pytest.raises(InvalidRequestError) as caught:
+            load_nodes(path)
+        assert caught.value.message == "nodes.csv:3: not UTF-8 text (byte 0xe9)"
+
+    def test_not_csv_names_file_and_line(self, tmp_path: Path) -> None:
+        path = pods_file(tmp_path, GOOD_POD, ("p1", "1", "1", "0", "0", "x" * 200_000))
+        with pytest.raises(InvalidRequestError) as caught:
+            load_pods(path)
+        assert caught.value.message.startswith("pods.csv:3: not a CSV row (field larger than field limit")
+
 
 class TestSharedDir:
     """The trace lives under ``$DISAGG_SHARED_DIR``, else ``../shared``, and a missing file says what to fetch."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from disagg.errors import InvalidRequestError
@@ -39,7 +40,16 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def cmd_placement(args: argparse.Namespace) -> int:
-    from disagg.replay.report import write_report
+    try:
+        from disagg.replay.report import write_report
+    except ImportError as e:
+        if (e.name or "").partition(".")[0] != "matplotlib":
+            raise
+        raise InvalidRequestError(
+            "the report's plots need matplotlib, which the report extra installs: pip install 'disagg[report]'",
+            field="report",
+        ) from e
+    from disagg.replay.report_control import collect
     from disagg.replay.study import Study, run_study
     from disagg.replay.trace import missing_trace_reason, trace_dir
 
@@ -63,18 +73,35 @@ def cmd_placement(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)
 
     study.check()
+    # The benchmarks' files and the report directory are checked before the replay, which takes minutes: either
+    # found wrong after it would cost the whole study.
+    control_plane_dir = Path(args.control_plane_dir)
+    try:
+        collect(control_plane_dir)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), field="control-plane-dir") from e
     report_dir = Path(args.report_dir)
-    try:  # before the replay, so that a directory it cannot write does not cost the whole study
-        report_dir.mkdir(parents=True, exist_ok=True)
+    _check_writable(report_dir)
+    placement = run_study(study, progress=progress)
+    try:
+        files = write_report(placement, report_dir, control_plane_dir=control_plane_dir)
     except OSError as e:
         raise InvalidRequestError(f"cannot write the report into {report_dir}: {e.strerror}", field="report-dir") from e
-    placement = run_study(study, progress=progress)
-    files = write_report(placement, report_dir, control_plane_dir=Path(args.control_plane_dir))
     if args.json:
         print(json.dumps({"results": str(files.results_json), "markdown": str(files.results_md)}))
     else:
         print(files.results_md.read_text(encoding="utf-8"))
     return 0
+
+
+def _check_writable(directory: Path) -> None:
+    """Make ``directory`` and write a file into it: an existing directory may still refuse files."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write the report into {directory}: {e.strerror}", field="report-dir") from e
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -13,9 +13,9 @@ import numpy as np
 
 from disagg.errors import InvalidRequestError
 from disagg.replay.policy import SharingPolicy
-from disagg.replay.trace import WHOLE_GPU_MILLI, Pod
+from disagg.replay.trace import WHOLE_GPU_MILLI, Node, Pod
 from disagg.replay.workload import model_mask
-from disagg.replay.world import BoolArray, World
+from disagg.replay.world import BoolArray, World, build_world
 
 Mask = BoolArray | None
 
@@ -82,12 +82,44 @@ def provision(world: World, pods: Sequence[Pod], policy: SharingPolicy, *, seed:
     for pod in pods:
         while not _choose(world, pod, policy, masks(pod), rng):
             if world.installed == world.hosts:
-                raise ValueError(
-                    f"{world.hosts} servers are not enough to place {pod.name} under {policy.name}: "
-                    "give the provisioning replay more servers"
+                if fits_nowhere(world.nodes, [pod], world.k):
+                    where = "server" if world.k == 1 else f"fabric domain of {world.k} hosts"
+                    raise InvalidRequestError(f"no {where} of the node list can hold pod {describe(pod)}", field="pods")
+                raise InvalidRequestError(
+                    f"all {world.hosts} servers are installed and pod {describe(pod)} still finds no room under "
+                    f"{policy.name}: the pod list needs more than they hold",
+                    field="pods",
                 )
             world.install(world.installed)
     return Provisioned(world.installed, world.capacity_milli // WHOLE_GPU_MILLI)
+
+
+def fits_nowhere(nodes: Sequence[Node], pods: Sequence[Pod], k: int) -> Pod | None:
+    """The first of ``pods`` that no fabric domain of ``k`` hosts of ``nodes`` could hold even empty, if any: no
+    number of servers installed would place it."""
+    world = build_world(nodes, k)
+    masks = _Masks(world.models)
+    seen: set[tuple[int, int, int, int, frozenset[str]]] = set()
+    for pod in pods:
+        request = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli, pod.gpu_spec)
+        if request in seen:
+            continue
+        seen.add(request)
+        if not len(world.candidates(pod, masks(pod))):
+            return pod
+    return None
+
+
+def describe(pod: Pod) -> str:
+    """``name (what it asks for)``, for messages."""
+    if not pod.num_gpu:
+        gpus = "no GPU"
+    elif pod.gpu_milli < WHOLE_GPU_MILLI:
+        gpus = f"{pod.gpu_milli} thousandths of a GPU"
+    else:
+        gpus = f"{pod.num_gpu} whole GPU{'s' if pod.num_gpu > 1 else ''}"
+    models = f", GPU model {' or '.join(sorted(pod.gpu_spec))}" if pod.gpu_spec else ""
+    return f"{pod.name} ({gpus}, {pod.cpu_milli} mCPU, {pod.memory_mib} MiB{models})"
 
 
 def replay(

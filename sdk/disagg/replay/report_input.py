@@ -61,6 +61,7 @@ class Placement:
     inflation: float
     report_at: float
     published: Mapping[str, float]
+    """The published figures by policy; empty when they are no reference for this trace and protocol."""
     runs: tuple[Run, ...]
     floor: Spread | None = None
     """The share of GPUs no policy in any world can allocate at the report point (`disagg.replay.floor`)."""
@@ -91,7 +92,8 @@ def parse_placement(placement: Mapping[str, Any]) -> Placement:
     )
     if not seeds:
         raise ValueError("placement.protocol.seeds: at least one seed is needed")
-    published_in = _mapping(_key(top, "published", "placement"), "placement.published")
+    # Absent when the replay is not of the trace and protocol the published figures were measured on.
+    published_in = _mapping(top.get("published", {}), "placement.published")
     published = {str(k): _number(v, f"placement.published.{k}") for k, v in published_in.items()}
     runs_in = _sequence(_key(top, "runs", "placement"), "placement.runs")
     if not runs_in:

@@ -23,11 +23,12 @@ def markdown(placement: Placement, control: Mapping[str, Mapping[str, Any]], gen
     """The whole report: placement tables, control-plane tables, and links to the plots beside it."""
     trace = placement.trace
     seeds = placement.seeds
+    published = bool(placement.published)
     lines = [
         "# Placement quality and the control plane",
         "",
-        f"Generated {generated}. Every placement figure is the mean of {len(seeds)} seeds "
-        f"({seeds[0]}-{seeds[-1]}) with its standard deviation and range.",
+        f"Generated {generated}. Every placement figure is the mean of {_seed_label(seeds)} with its standard "
+        "deviation and range.",
         "",
         "## Placement on the trace",
         "",
@@ -37,13 +38,18 @@ def markdown(placement: Placement, control: Mapping[str, Mapping[str, Any]], gen
         "",
         f"### Unallocated GPUs at {placement.report_at:.0%} arrived demand",
         "",
-        "Lower is better: the share of GPUs left idle because no pending task fits on them. The published figures "
-        "are those of the FGD paper's fixed servers.",
+        "Lower is better: the share of GPUs left idle because no pending task fits on them."
+        + (" The published figures are those of the FGD paper's fixed servers." if published else ""),
         "",
         *_table(
-            ["world", "policy", "mean", "std", "min-max", "published"],
+            ["world", "policy", "mean", "std", "min-max", *(["published"] if published else [])],
             (
-                [r.world_label, r.policy, *_percent_spread(r.unallocated), _published(placement, r)]
+                [
+                    r.world_label,
+                    r.policy,
+                    *_percent_spread(r.unallocated),
+                    *([_published(placement, r)] if published else []),
+                ]
                 for r in placement.runs
             ),
         ),
@@ -63,6 +69,16 @@ def markdown(placement: Placement, control: Mapping[str, Mapping[str, Any]], gen
         *(f"![{title}]({name})\n" for name, title in PLOTS.items()),
     ]
     return "\n".join(lines)
+
+
+def _seed_label(seeds: tuple[int, ...]) -> str:
+    """``10 seeds (0-9)`` for consecutive seeds, else each one (``2 seeds (3, 7)``): a range would claim seeds
+    that were not run."""
+    if len(seeds) == 1:
+        return f"1 seed ({seeds[0]})"
+    if len(seeds) > 2 and seeds == tuple(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{len(seeds)} seeds ({seeds[0]}-{seeds[-1]})"
+    return f"{len(seeds)} seeds ({', '.join(str(s) for s in seeds)})"
 
 
 def _floor(placement: Placement) -> list[str]:

@@ -24,8 +24,9 @@ lines coincide on the diagonal; the differences lie past 95%."""
 
 def unallocated(placement: Placement, path: Path) -> None:
     """One panel per world, one line per policy: unallocated GPUs (%) against arrived demand (% of capacity),
-    shaded ± one std over the seeds, with the published FGD figure marked on the fixed servers and the floor on
-    every panel; zoomed on the last part of the arrivals, where the policies differ."""
+    shaded ± one std over the seeds, with the published FGD figure marked on the fixed servers (when the replay is
+    of the published trace and protocol) and the floor on every panel; zoomed on the last part of the arrivals,
+    where the policies differ."""
     worlds = placement.worlds
     rows = math.ceil(len(worlds) / PANELS_PER_ROW)
     cols = min(len(worlds), PANELS_PER_ROW)

@@ -15,7 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from disagg.errors import InvalidRequestError
 from disagg.plugins import load_plugins
-from disagg.replay.engine import provision, replay
+from disagg.replay.engine import describe, fits_nowhere, provision, replay
 from disagg.replay.floor import share_floor_milli
 from disagg.replay.policy import SharingPolicy
 from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, Node, Pod, load_nodes, load_pods
@@ -60,6 +60,10 @@ class Study:
     def check(self) -> None:
         if not self.seeds:
             raise InvalidRequestError("at least one seed is needed", field="seeds")
+        if min(self.seeds) < 0:
+            raise InvalidRequestError(f"a seed must be 0 or more, got {min(self.seeds)}", field="seeds")
+        _once(self.seeds, "seed", "seeds")
+        _once(self.policies, "policy", "policies")
         if not self.ks or min(self.ks) < 1:
             raise InvalidRequestError(f"hosts per fabric domain must be at least 1, got {self.ks}", field="k")
         if not self.policies:
@@ -79,6 +83,43 @@ class Study:
             raise InvalidRequestError(
                 f"no sharing policy {', '.join(unknown)} (known: {', '.join(sorted(known))})", field="policies"
             )
+
+
+def _once(values: Sequence[object], what: str, field: str) -> None:
+    """Refuse a value given twice: it would count as two seeds (or runs) in every mean and spread."""
+    seen: set[object] = set()
+    for value in values:
+        if value in seen:
+            raise InvalidRequestError(f"{what} {value} is given twice", field=field)
+        seen.add(value)
+
+
+def published_reference(study: Study) -> dict[str, float] | None:
+    """The published figures, when ``study`` replays the trace and protocol they were measured on; None otherwise,
+    since they are no reference for another node or pod list, arrival limit or report point."""
+    reference = Study(trace_dir=study.trace_dir)
+    protocol = ("nodes", "pods", "inflation", "report_at")
+    if any(getattr(study, name) != getattr(reference, name) for name in protocol):
+        return None
+    return dict(PUBLISHED)
+
+
+def check_trace(study: Study, nodes: Sequence[Node], pods: Sequence[Pod]) -> None:
+    """Refuse a trace the study cannot measure before any job starts, rather than in every job."""
+    if not any(n.gpus for n in nodes):
+        raise InvalidRequestError(
+            f"{study.nodes} has no GPU server, so no GPU demand can be measured against it", field="nodes"
+        )
+    if not any(p.num_gpu for p in pods):
+        raise InvalidRequestError(
+            f"{study.pods} has no GPU pod, so its demand never reaches the cluster's capacity", field="pods"
+        )
+    if study.provision and (pod := fits_nowhere(nodes, pods, 1)) is not None:
+        raise InvalidRequestError(
+            f"no server of {study.nodes} can hold pod {describe(pod)}, so the provisioning replay on fixed servers "
+            "could never place it: take it out of the pod list, or skip that replay with --no-provision",
+            field="pods",
+        )
 
 
 @functools.cache
@@ -163,25 +204,34 @@ def _summary(study: Study, k: int, policy: str, jobs: Sequence[dict[str, Any]]) 
 
 
 def run_study(study: Study, *, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every job of ``study``, in worker processes; the placement dict the report takes."""
+    """Every job of ``study``, in worker processes; the placement dict the report takes. ``progress`` gets a line
+    as each job ends; the first job to fail cancels those not started and its error is raised."""
     study.check()
     nodes, pods = _trace(study.trace_dir / study.nodes, study.trace_dir / study.pods)
+    check_trace(study, nodes, pods)
     ks = sorted(set(study.ks) | {1})
     keys = [(k, policy, seed) for k in sorted(ks, reverse=True) for policy in study.policies for seed in study.seeds]
     workers = study.workers or os.cpu_count() or 1
     results: dict[tuple[int, str, int], dict[str, Any]] = {}
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = {key: pool.submit(run_job, study, *key) for key in keys}
-        for n, (key, future) in enumerate(futures.items(), 1):
-            results[key] = future.result()
-            progress(f"[{n}/{len(keys)}] K={key[0]} {key[1]} seed {key[2]}: {results[key]['unallocated']:.2%}")
+        futures = {pool.submit(run_job, study, *key): key for key in keys}
+        try:
+            for n, future in enumerate(as_completed(futures), 1):
+                key = futures[future]
+                results[key] = future.result()
+                progress(f"[{n}/{len(keys)}] K={key[0]} {key[1]} seed {key[2]}: {results[key]['unallocated']:.2%}")
+        except BaseException:
+            # One failed job (or an interrupt) fails the study: the jobs not started yet would only delay the error.
+            pool.shutdown(cancel_futures=True)
+            raise
     runs = []
     for k in ks:
         for policy in study.policies:
             jobs = [results[(k, policy, seed)] for seed in study.seeds]
             runs.append(_summary(study, k, policy, jobs))
     first = [results[(1, study.policies[0], seed)] for seed in study.seeds]
+    published = published_reference(study)
     return {
         "trace": {
             "dir": str(study.trace_dir),
@@ -197,7 +247,7 @@ def run_study(study: Study, *, progress: Callable[[str], None] = lambda _: None)
             "report_at": study.report_at,
             "provision_copies": PROVISION_COPIES,
         },
-        "published": dict(PUBLISHED),
+        **({"published": published} if published is not None else {}),
         "floor": _spread([j["floor"] for j in first]),
         "runs": runs,
     }

@@ -79,17 +79,40 @@ def missing_trace_reason(directory: Path, names: tuple[str, ...] = (DEFAULT_NODE
 
 
 def _rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[int, dict[str, str]]]:
+    """The rows of ``path`` by line number. "utf-8-sig" drops the byte order mark a spreadsheet's "CSV UTF-8" puts
+    first, which would otherwise be part of the first column's name; text that is not UTF-8 or not CSV is an error
+    naming the file and line, like a bad row."""
     try:
-        handle = path.open(newline="", encoding="utf-8")
+        handle = path.open(newline="", encoding="utf-8-sig")
     except OSError as e:
         raise InvalidRequestError(f"cannot read {path}: {e.strerror}", field=str(path)) from e
     with handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in columns if c not in (reader.fieldnames or ())]
-        if missing:
-            raise InvalidRequestError(f"{path}: no column {', '.join(missing)}", field=str(path))
-        for row in reader:
-            yield reader.line_num, row
+        try:
+            missing = [c for c in columns if c not in (reader.fieldnames or ())]
+            if missing:
+                raise InvalidRequestError(f"{path}: no column {', '.join(missing)}", field=str(path))
+            for row in reader:
+                yield reader.line_num, row
+        except UnicodeDecodeError as e:
+            line = _undecodable_line(path)
+            raise InvalidRequestError(
+                f"{path.name}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x})", field=f"{path.name}:{line}"
+            ) from None
+        except csv.Error as e:
+            line = reader.reader.line_num  # the DictReader's own count stops at the last good row
+            raise InvalidRequestError(f"{path.name}:{line}: not a CSV row ({e})", field=f"{path.name}:{line}") from None
+
+
+def _undecodable_line(path: Path) -> int:
+    """The line of the first byte that is not UTF-8: the text layer decodes ahead of the CSV reader by blocks, so
+    the reader's line number does not say where the bad byte is."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data.count(b"\n", 0, e.start) + 1
+    return 0
 
 
 def _int(path: Path, line: int, row: dict[str, str], column: str, *, least: int = 0) -> int:

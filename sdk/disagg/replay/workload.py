@@ -14,6 +14,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from disagg.errors import InvalidRequestError
 from disagg.replay.trace import WHOLE_GPU_MILLI, Pod
 
 
@@ -40,7 +41,9 @@ def task_types(pods: Sequence[Pod]) -> tuple[TaskType, ...]:
 def arrivals(pods: Sequence[Pod], capacity_milli: int, seed: int, inflation: float) -> list[Pod]:
     """Pods drawn with replacement until their GPU demand reaches ``inflation`` x capacity."""
     if not any(p.num_gpu for p in pods):
-        raise ValueError("the pod list has no GPU pod, so its demand never reaches the cluster's capacity")
+        raise InvalidRequestError(
+            "the pod list has no GPU pod, so its demand never reaches the cluster's capacity", field="pods"
+        )
     rng = np.random.default_rng(seed)
     goal = inflation * capacity_milli
     drawn: list[Pod] = []
