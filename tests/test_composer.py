@@ -127,6 +127,19 @@ class TestCompose:
         with pytest.raises(NoFitError, match="host h2 already belongs"):
             comp.compose(parse_request("b", ["host h2", "gpu x1"]))
 
+    def test_a_cordoned_pool_device_keeps_its_pool_out_of_placement(self) -> None:
+        comp = composer()
+        first, second = comp.usage()[1]
+        comp.cordon(first.device)
+        c = comp.compose(parse_request("a", ["host h1", "cxl-memory 256GiB"])).composition
+        assert c is not None and [a.pool for a in c.allocations] == [second.pool]
+        comp.cordon(second.device)
+        with pytest.raises(NoFitError, match=r"; 3\.75 TiB of the reachable is in pools whose device is cordoned$"):
+            comp.compose(parse_request("b", ["host h2", "cxl-memory 256GiB"]))
+        comp.uncordon(first.device)
+        c = comp.compose(parse_request("b", ["host h2", "cxl-memory 256GiB"])).composition
+        assert c is not None and [a.pool for a in c.allocations] == [first.pool]
+
     @pytest.mark.parametrize("ttl", [0, -1, math.nan, math.inf, 86_400.5, 1e12])
     def test_ttl_must_be_above_zero_and_at_most_a_day(self, ttl: float) -> None:
         """A NaN time to live never expired (every comparison with it is false), so the plan was held for good."""
@@ -386,6 +399,30 @@ class TestRecompose:
         assert after.state is CompositionState.COMPOSED and after.device_ids == c.device_ids
         assert set(hardware_bindings(fabrics)) == set(c.device_ids)
 
+    def test_a_device_that_fails_while_an_add_fails_degrades_the_composition(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A failure reported while the composition is COMPOSING is judged when the failed addition puts the
+        composition back: it stayed COMPOSED, holding a failed device, until the next reconciliation."""
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(parse_request("job", ["host h1", "gpu x2 model=H200"])).composition
+        assert c is not None
+        victim = c.device_ids[0]
+
+        def bind(device: str, host: str, ctx: CallContext) -> None:
+            fabrics["pcie0"].fail_device(victim)
+            deadline = time.monotonic() + 10
+            while comp.device(victim).health is Health.OK and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise FabricUnavailableError("switch busy")
+
+        monkeypatch.setattr(fabrics["pcie0"], "bind", bind)
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=[parse_resource("nvme x1")])
+        after = comp.get(c.id)
+        assert after.state is CompositionState.DEGRADED and after.message == f"unhealthy: {victim}"
+
 
 class TestDecompose:
     """Decomposition releases everything and is idempotent."""
@@ -485,6 +522,18 @@ class TestHealth:
         assert EventType.LINK_STATE_CHANGED in events_of(comp)
         assert comp.get(c.id).state is CompositionState.DEGRADED
         fabrics["pcie0"].set_link(top.a, top.b, True)
+        assert comp.get(c.id).state is CompositionState.COMPOSED
+
+    def test_memory_a_link_down_cuts_off_degrades_and_link_up_restores(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(parse_request("mem", ["host h1", "cxl-memory 256GiB"])).composition
+        assert c is not None
+        fabrics["cxl0"].set_link("h1", "cxl-top", False)
+        after = comp.get(c.id)
+        assert after.state is CompositionState.DEGRADED
+        assert after.message == f"unreachable: pool {c.allocations[0].pool}"
+        fabrics["cxl0"].set_link("h1", "cxl-top", True)
         assert comp.get(c.id).state is CompositionState.COMPOSED
 
 

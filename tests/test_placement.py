@@ -652,9 +652,16 @@ class TestClaims:
         assert carved(place(inv, "cxl-memory 3GiB")) == [("small", 2 * GiB), ("big", GiB)]
 
     def test_memory_claim_limits(self) -> None:
+        """A claim beyond the free bytes (the hardware holds more than the ledger knew of) leaves none free and
+        raises nothing; a release first cancels that excess, so the free bytes stay those no claim holds."""
         inv = Inventory(memory_rack())
-        with pytest.raises(ValueError, match="has 2147483648 B free"):
-            inv.claim_memory("cxl0/small-pool", 3 * GiB)
+        inv.claim_memory("cxl0/small-pool", GiB)
+        inv.claim_memory("cxl0/small-pool", 2 * GiB)
+        assert inv.pools["cxl0/small-pool"].free_bytes == 0
+        inv.release_memory("cxl0/small-pool", GiB)
+        assert inv.pools["cxl0/small-pool"].free_bytes == 0
+        inv.release_memory("cxl0/small-pool", 2 * GiB)
+        assert inv.pools["cxl0/small-pool"].free_bytes == 2 * GiB
         inv.release_memory("cxl0/small-pool", 10 * GiB)
         assert inv.pools["cxl0/small-pool"].free_bytes == 2 * GiB
         inv.release_memory("cxl0/nope", GiB)
@@ -699,6 +706,15 @@ class TestHealth:
         inv.set_health("cxl0/small", Health.FAILED)
         assert carved(place(inv, "cxl-memory 1GiB")) == [("big", GiB)]
         no_fit(inv, "cxl-memory 5GiB")
+
+    def test_cordoned_pool_device_is_not_carved(self) -> None:
+        inv = Inventory(memory_rack())
+        inv.cordon("cxl0/small")
+        assert carved(place(inv, "cxl-memory 1GiB")) == [("big", GiB)]
+        message = no_fit(inv, "host h1", "cxl-memory 5GiB")
+        assert message.endswith("; 2 GiB of the reachable is in pools whose device is cordoned")
+        inv.uncordon("cxl0/small")
+        assert carved(place(inv, "cxl-memory 1GiB")) == [("small", GiB)]
 
 
 # -- links -----------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ ledger is SQLite. The crash tests proper (SIGKILL at every failpoint) are in tes
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sqlite3
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -72,6 +74,26 @@ def opened(tmp: Path) -> FabricComposer:
     composer = FabricComposer(fabrics(tmp), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
     composer.start()
     return composer
+
+
+def crash_at(monkeypatch: pytest.MonkeyPatch, composer: FabricComposer, name: str, hit: int = 1) -> threading.Lock:
+    """Have ``composer``'s process "die" at the ``hit``-th pass of failpoint ``name``: its ledger commits nothing
+    queued from then on (the committer waits for the lock this returns, held by then) and the call raises
+    KeyboardInterrupt. Release the lock only once the composer opened after it is closed."""
+    store = composer.store
+    assert isinstance(store, SqliteStore)
+    held = store._db_lock
+    hits: list[str] = []
+
+    def crash(point: str) -> None:
+        if point == name:
+            hits.append(point)
+            if len(hits) == hit:
+                held.acquire()
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(failpoints, "hit", crash)
+    return held
 
 
 def events_of(composer: FabricComposer, kind: EventType) -> list[str]:
@@ -161,6 +183,32 @@ class TestAnswersACrashLost:
             again.compose(parse_request("b", ["gpu x1"]), request_id="Z")
         assert again.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition == made
         assert [c.name for c in again.compositions()] == ["a"]
+        again.close()
+
+    def test_the_plan_of_a_compose_with_memory(self, tmp_path: Path) -> None:
+        """The retry's plan was rebuilt from the composition's devices alone: its memory picks were missing."""
+        request = parse_request("job", ["host h1", "gpu x1", "cxl-memory 8GiB", "nic x1", "cxl-memory 2GiB"])
+        first = opened(tmp_path)
+        answer = first.compose(request, request_id="Q-1")
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        retried = again.compose(request, request_id="Q-1")
+        assert len(answer.plan.memory) == 2 and retried.plan == answer.plan
+        assert retried.composition == answer.composition
+        again.close()
+
+    def test_the_plan_of_an_apply_with_memory(self, tmp_path: Path) -> None:
+        first = opened(tmp_path)
+        request = parse_request("r", ["host h1", "gpu x1", "cxl-memory 4GiB"])
+        reservation = first.compose(request, ComposeMode.RESERVE).reservation
+        assert reservation is not None
+        applied = first.apply_reserved(reservation.id, request_id="APPLY-1")
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        retried = again.apply_reserved(reservation.id, request_id="APPLY-1")
+        assert retried.plan == applied.plan == reservation.plan and retried.composition == applied.composition
         again.close()
 
     def test_recompose(self, tmp_path: Path) -> None:
@@ -379,6 +427,30 @@ class TestRestoringABackup:
         restored.close()
 
 
+class TestADamagedRequestAnswer:
+    """A request id's answer in the ledger that does not decode (a torn or hand-edited row) refuses the start-up
+    with a message to restore the ledger from a backup, not a traceback."""
+
+    @pytest.mark.parametrize(
+        "answer",
+        ["garbage", '{"compose": {"mode": "apply"', '{"compose": {"mode": 7}}', '{"error": "NoFitError"}', "[1]"],
+        ids=["not-json", "truncated", "another-shape", "an-error-without-its-message", "a-list"],
+    )
+    def test_the_start_is_refused(self, tmp_path: Path, answer: str) -> None:
+        first = opened(tmp_path)
+        first.compose(parse_request("job", ["gpu x1"]), request_id="req-1")
+        first.close()
+        with sqlite3.connect(tmp_path / "ledger.db") as db:
+            db.execute("UPDATE requests SET answer = ?", (answer,))
+        composer = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        try:
+            with pytest.raises(ConfigError, match=r"request id 'req-1' .* restore it from a backup") as info:
+                composer.start()
+            assert info.value.field == "state.path"
+        finally:
+            composer.close()
+
+
 class TestARetryWhileTheRequestRuns:
     """A retry that arrives while its request is still running waits for the answer, up to the call timeout;
     after that it is told to retry, and never runs the request a second time beside the first."""
@@ -407,6 +479,47 @@ class TestARetryWhileTheRequestRuns:
         assert again == first[0]
         assert [c.name for c in composer.compositions()] == ["slow"]
         assert len(hardware["pcie0"].bindings()) == 3
+        composer.close()
+
+    @pytest.mark.parametrize("runner", ["thread", "event-loop"])
+    def test_a_retry_waits_until_the_first_answer_is_on_disk(self, tmp_path: Path, runner: str) -> None:
+        """A retry of a RESERVE that came while the first call waited for its commit was answered at once, with a
+        reservation not yet on disk: after a crash then, the same id reserved another one."""
+        composer = opened(tmp_path)
+        store = composer.store
+        assert isinstance(store, SqliteStore)
+        request = parse_request("held", ["gpu x1"])
+        answers: dict[str, Reservation | None] = {}
+
+        def reserve(key: str) -> None:
+            if key == "first" or runner == "thread":
+                answers[key] = composer.compose(request, ComposeMode.RESERVE, request_id="R-1").reservation
+                return
+            with ThreadPoolExecutor(2) as threads:
+                change = composer.compose_steps(request, ComposeMode.RESERVE, request_id="R-1")
+                answers[key] = asyncio.run(composer.run_async(change, threads)).reservation
+
+        store._db_lock.acquire()  # the committer stalls: nothing queued from now on reaches the disk
+        try:
+            first = threading.Thread(target=reserve, args=("first",), daemon=True)
+            first.start()
+            deadline = time.monotonic() + WAIT_S
+            while composer._requests.get("R-1", ("", None))[1] is None:  # answered, the answer not yet on disk
+                assert time.monotonic() < deadline, "the first call never answered"
+                time.sleep(0.01)
+            retry = threading.Thread(target=reserve, args=("retry",), daemon=True)
+            retry.start()
+            retry.join(0.3)
+            assert "retry" not in answers, "the retry was answered before the first answer was on disk"
+        finally:
+            store._db_lock.release()
+        first.join(WAIT_S)
+        retry.join(WAIT_S)
+        held = answers["first"]
+        assert held is not None and answers["retry"] == held
+        with sqlite3.connect(tmp_path / "ledger.db") as db:
+            assert db.execute("SELECT id FROM reservations").fetchall() == [(held.id,)]
+            assert db.execute("SELECT id FROM requests").fetchall() == [("R-1",)]
         composer.close()
 
 
@@ -904,6 +1017,52 @@ class TestReconcile:
         composer.fabrics["cxl0"].set_link(link.a, link.b, True)
         assert pool_free(composer) == free - 64 * GiB
         assert composer.reconcile() == 0
+        composer.close()
+
+    def test_a_stray_beyond_the_free_bytes_after_a_restored_ledger(self, tmp_path: Path) -> None:
+        """The ledger restored from a backup: the hardware lost a composition's memory and carved more than the
+        index has free on the same pool, for no composition. Start-up quarantines it and degrades the composition
+        (its claim raised ValueError on every start), a rebuild claims it again, and decomposing the composition
+        gives back only what the stray leaves free."""
+        composer = opened(tmp_path)
+        comp = composer.compose(parse_request("a", ["host h1", "cxl-memory 1536GiB"])).composition
+        assert comp is not None
+        lost = comp.allocations[0]
+        composer.close()
+        hardware, ctx = fabrics(tmp_path), CallContext(epoch=composer.epoch)
+        hardware["cxl0"].pool(lost.pool).release(lost.id, ctx)
+        hardware["cxl0"].pool(lost.pool).allocate("stray", "h2", 1024 * GiB, ctx)
+        for fabric in hardware.values():
+            fabric.close()
+        composer = opened(tmp_path)
+        assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == ["stray"]
+        found = composer.find("a")
+        assert found.state is CompositionState.DEGRADED and lost.id in found.message
+        assert pool_free(composer, lost.pool) == 0
+        composer.fabrics["pcie0"].set_link("h2", "top-a", False)  # a rebuild, which claims the stray again
+        assert len(events_of(composer, EventType.LINK_STATE_CHANGED)) == 1
+        assert pool_free(composer, lost.pool) == 0 and composer.reconcile() == 0
+        composer.decompose("a")
+        assert pool_free(composer, lost.pool) == 1024 * GiB
+        composer.close()
+        again = opened(tmp_path)
+        assert pool_free(again, lost.pool) == 1024 * GiB and again.reconcile() == 0
+        again.close()
+
+    def test_the_quarantine_says_how_to_lift_it(self, tmp_path: Path) -> None:
+        """Unbinding does not lift a quarantine's cordon, and a cordoned device cannot be composed: the event
+        names what an operator must do."""
+        composer = opened(tmp_path)
+        device = free_gpu(composer)
+        composer.fabrics["pcie0"].bind(device, "h2", CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        said = [e.message for e in composer.events(0, 100) if e.type is EventType.BINDING_QUARANTINED]
+        assert said == [
+            "bound to h2 on the hardware, but no composition records it; cordoned: unbind it through the "
+            "device's own management, then uncordon it"
+        ]
+        composer.fabrics["pcie0"].unbind(Binding(device, "h2"), CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 0 and composer.is_cordoned(device)
         composer.close()
 
 
@@ -1572,6 +1731,144 @@ class TestWhatARollbackLeftIsReleased:
         assert composer.owner_of(left) is None
         assert composer.reconcile() == 0
         composer.close()
+
+    @pytest.mark.parametrize(
+        ("failpoint", "hit"),
+        [("decompose.during_release", 1), ("decompose.during_release", 2), ("decompose.before_commit", 1)],
+    )
+    def test_a_crash_while_decomposing_what_a_failed_rollback_left(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failpoint: str, hit: int
+    ) -> None:
+        """The decompose of a recompose's FAILED composition, which keeps the pending ADD its refused rollback
+        left, is interrupted: the restart took the ADD for an interrupted recompose, undid it and put the
+        composition back as standing, recording a device no longer bound, instead of finishing the decompose."""
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        pcie = first.fabrics["pcie0"]
+        bind, unbind = pcie.bind, pcie.unbind
+        calls: list[str] = []
+
+        def second_bind_fails(device: str, host: str, ctx: CallContext) -> Binding:
+            calls.append(device)
+            if len(calls) == 2:
+                raise FabricUnavailableError("the switch stopped answering")
+            return bind(device, host, ctx)
+
+        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "bind", second_bind_fails)
+        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        with pytest.raises(FabricUnavailableError):
+            first.recompose("job", add=parse_request("job", ["gpu x2"]).resources)
+        monkeypatch.setattr(pcie, "bind", bind)
+        monkeypatch.setattr(pcie, "unbind", unbind)
+        assert first.find("job").pending is not None
+        held = crash_at(monkeypatch, first, failpoint, hit)
+        with pytest.raises(KeyboardInterrupt):
+            first.decompose("job")
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            assert again.compositions() == []
+            assert [b for b in again.fabrics["pcie0"].bindings() if b.host == "h1"] == []
+            assert again.holders() == {} and again.reconcile() == 0
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+
+def heal_cut_off(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch, crash: Callable[[FabricComposer], threading.Lock]
+) -> tuple[str, FabricComposer, threading.Lock, FabricComposer]:
+    """A composition ``job`` on h1 with two GPUs, the first failed, whose heal the process dies in where
+    ``crash`` arranges; returns the failed GPU, the dead composer, the lock that stalls its ledger, and a
+    composer opened again on the same ledger and hardware."""
+    first = opened(tmp)
+    job = first.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+    assert job is not None
+    bad = job.device_ids[0]
+    first.fabrics["pcie0"].fail_device(bad, "xid 79")
+    held = crash(first)
+    with pytest.raises(KeyboardInterrupt):
+        first.heal("job")
+    monkeypatch.undo()
+    return bad, first, held, opened(tmp)
+
+
+def agrees_with_the_hardware(composer: FabricComposer) -> Composition:
+    """``job`` after a restart: nothing in flight, and exactly what h1 has bound on the hardware."""
+    job = composer.find("job")
+    assert job.pending is None and job.state in (CompositionState.COMPOSED, CompositionState.DEGRADED)
+    assert not job.missing, job.message
+    bound = sorted(b.device for b in composer.fabrics["pcie0"].bindings() if b.host == "h1")
+    assert bound == sorted(job.device_ids)
+    assert composer.reconcile() == 0 and not events_of(composer, EventType.BINDING_QUARANTINED)
+    return job
+
+
+HEAL_REPLACED = {
+    "heal.after_bind": False,
+    "heal.before_commit": False,
+    "heal.during_release": True,
+    "heal.after_commit": True,
+}
+"""Each failpoint of a heal, and whether a crash there leaves the failed device replaced after the restart."""
+
+
+class TestAHealACrashInterrupted:
+    """A crash anywhere in a heal leaves the composition, after the restart, recording exactly what the hardware
+    binds: the failed device until the replacement is recorded, the replacement from then on."""
+
+    def test_every_heal_failpoint_is_tested(self) -> None:
+        assert set(HEAL_REPLACED) == {name for name in failpoints.FAILPOINTS if name.startswith("heal.")}
+
+    @pytest.mark.parametrize(("failpoint", "replaced"), HEAL_REPLACED.items())
+    def test_at_each_failpoint(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failpoint: str, replaced: bool
+    ) -> None:
+        bad, first, held, again = heal_cut_off(
+            tmp_path, monkeypatch, lambda composer: crash_at(monkeypatch, composer, failpoint)
+        )
+        try:
+            job = agrees_with_the_hardware(again)
+            assert (bad not in job.device_ids) is replaced and len(job.device_ids) == 2
+            assert job.state is (CompositionState.COMPOSED if replaced else CompositionState.DEGRADED)
+            healed = again.heal("job")
+            assert healed.state is CompositionState.COMPOSED and bad not in healed.device_ids
+            assert agrees_with_the_hardware(again) == healed
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+    def test_after_the_failed_device_is_unbound(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The heal unbound the failed device before recording its replacement: the restart undid the
+        replacement and kept the failed device, which the hardware no longer bound, with nothing bound for it."""
+
+        def crash_after_the_unbind(composer: FabricComposer) -> threading.Lock:
+            store, pcie = composer.store, composer.fabrics["pcie0"]
+            assert isinstance(store, SqliteStore)
+            unbind = pcie.unbind
+
+            def unbinding(binding: Binding, ctx: CallContext) -> None:
+                unbind(binding, ctx)
+                store._db_lock.acquire()
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(pcie, "unbind", unbinding)
+            return store._db_lock
+
+        bad, first, held, again = heal_cut_off(tmp_path, monkeypatch, crash_after_the_unbind)
+        try:
+            job = agrees_with_the_hardware(again)
+            assert bad not in job.device_ids and job.state is CompositionState.COMPOSED
+        finally:
+            again.close()
+            held.release()
+            first.close()
 
 
 class TestFailureDegrades:

@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import attrs
 import etcd3gw
 import pytest
 from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
+from disagg.lockfile import try_lock
 from disagg.model import (
     Allocation,
     Composition,
@@ -41,7 +43,7 @@ from disagg.model import (
     Selector,
     SelectorOp,
 )
-from disagg.store import EtcdStore, LedgerState, MemoryStore, RequestRecord, SqliteStore, Store
+from disagg.store import EtcdStore, LedgerState, MemoryStore, RequestRecord, SqliteStore, Store, ownership
 from disagg.store import etcd as etcd_store
 from disagg.store.etcd import LeadershipLostError
 from disagg.store.sqlite import _open_error
@@ -362,6 +364,111 @@ class TestSqliteStore:
                 damaged.load()
             finally:
                 damaged.close()
+
+    @pytest.mark.parametrize(
+        ("table", "doc"),
+        [
+            ("compositions", '{"id": "c1", '),
+            ("compositions", '{"id": "c1"}'),
+            ("compositions", "[1, 2]"),
+            ("reservations", '{"id": "r1", "request": 5}'),
+        ],
+        ids=["truncated", "another-shape", "a-list", "a-reservation-of-another-shape"],
+    )
+    def test_a_record_that_does_not_decode_is_named(self, tmp_path: Path, table: str, doc: str) -> None:
+        """A torn or hand-edited record made the load fail with a raw JSONDecodeError or ClassValidationError."""
+        path = tmp_path / "ledger.db"
+        SqliteStore(path).close()
+        with sqlite3.connect(path) as db:
+            db.execute(f"INSERT INTO {table} VALUES ('x1', ?)", (doc,))
+        store = SqliteStore(path)
+        try:
+            with pytest.raises(ConfigError, match=rf"{table} record 'x1' .* restore it from a backup") as info:
+                store.load()
+            assert info.value.field == "state.path"
+        finally:
+            store.close()
+
+    @pytest.mark.parametrize(
+        "schema",
+        [
+            "CREATE TABLE events (id INTEGER PRIMARY KEY, payload BLOB)",
+            "CREATE TABLE requests (id TEXT PRIMARY KEY, fingerprint TEXT, answer TEXT)",
+        ],
+        ids=["a-table-of-the-same-name", "a-column-short"],
+    )
+    def test_a_database_whose_tables_are_named_like_the_ledger_s_is_refused_untouched(
+        self, tmp_path: Path, schema: str
+    ) -> None:
+        """A table named like one of the ledger's but with other columns: the file was put in WAL mode and given
+        the ledger's other tables before the error, which said "no such column"."""
+        path = tmp_path / "ledger.db"
+        with sqlite3.connect(path) as db:
+            db.execute(schema)
+        before = path.read_bytes()
+        with pytest.raises(ConfigError, match=r"is a SQLite database but not a ledger \(its table \w+ has ") as info:
+            SqliteStore(path)
+        assert info.value.field == "state.path"
+        assert path.read_bytes() == before
+        assert not path.with_name("ledger.db-wal").exists()
+        SqliteStore(tmp_path / "fresh.db").close()  # the hold was let go
+
+    def test_a_ledger_named_through_a_symlink_is_held_once(self, tmp_path: Path) -> None:
+        """The lock file was named from the path as given: a second process naming the ledger through a symlink
+        locked another file, and both wrote into the one ledger."""
+        real = tmp_path / "real" / "ledger.db"
+        real.parent.mkdir()
+        link = tmp_path / "link.db"
+        link.symlink_to(real)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_THE_LEDGER, str(real)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+            with pytest.raises(ConfigError, match=rf"in use by another fabric manager \(pid {holder.pid}\)"):
+                SqliteStore(link)
+        finally:
+            holder.kill()
+            holder.wait(10)
+        SqliteStore(link).close()
+        assert sorted(p.name for p in tmp_path.rglob("*.lock")) == ["ledger.db.lock"]
+
+    def test_a_full_disk_when_the_lock_names_its_holder(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The pid written into the lock file on a full disk raised a raw OSError, and left the file open."""
+        opened: list[BinaryIO] = []
+
+        class NoSpace:
+            """The lock file, on a disk with no room left for its contents."""
+
+            def __init__(self, found: BinaryIO) -> None:
+                self.found = found
+
+            def truncate(self, size: int) -> int:
+                return self.found.truncate(size)
+
+            def write(self, data: bytes) -> int:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            def flush(self) -> None:
+                self.found.flush()
+
+            def close(self) -> None:
+                self.found.close()
+
+        def full_disk(path: Path) -> NoSpace | None:
+            found = try_lock(path)
+            if found is None:
+                return None
+            opened.append(cast(BinaryIO, found))
+            return NoSpace(cast(BinaryIO, found))
+
+        monkeypatch.setattr(ownership, "try_lock", full_disk)
+        path = tmp_path / "ledger.db"
+        with pytest.raises(FabricUnavailableError, match="disk full or failing"):
+            SqliteStore(path)
+        assert [f.closed for f in opened] == [True]
+        monkeypatch.undo()
+        SqliteStore(path).close()  # nothing of the failed open holds the ledger
 
     def test_failed_write_changes_nothing(self, tmp_path: Path) -> None:
         store = SqliteStore(tmp_path / "ledger.db")

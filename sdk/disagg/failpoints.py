@@ -1,5 +1,5 @@
 """Named failpoints for crash tests: the fabric manager kills itself (SIGKILL, no clean-up of any kind) at a
-chosen point of the compose, recompose or decompose path, so that a test can restart it and check that
+chosen point of the compose, recompose, decompose or heal path, so that a test can restart it and check that
 nothing was lost, leaked or left half done.
 
 They are armed only by the test setting ``DISAGG_FAILPOINTS``: a comma-separated list of ``NAME`` (kill at
@@ -32,6 +32,10 @@ FAILPOINTS: dict[str, str] = {
     "recompose.after_commit": "a recomposition is on disk; its answer is not yet recorded",
     "decompose.during_release": "after each device or allocation of a decomposing composition is released",
     "decompose.before_commit": "everything of a decomposing composition is released; it is not yet deleted",
+    "heal.after_bind": "after each replacement of a healed composition's unhealthy device is bound",
+    "heal.before_commit": "every replacement is bound; the composition does not list them yet",
+    "heal.during_release": "after each unhealthy device (or a replacement undone) is unbound",
+    "heal.after_commit": "the healed composition is on disk",
 }
 """Every failpoint, with where it fires."""
 

@@ -63,6 +63,7 @@ from disagg.model import (
     FabricEventKind,
     Feature,
     Health,
+    MemoryPick,
     PendingChange,
     Plan,
     PriorState,
@@ -74,6 +75,7 @@ from disagg.model import (
 from disagg.model.composition import revise
 from disagg.policies import BestFit
 from disagg.store import MemoryStore, RequestRecord, Store
+from disagg.store.base import UNDECODABLE, undecodable
 
 log = logging.getLogger("disagg.composer")
 
@@ -297,7 +299,10 @@ class FabricComposer(Composer):
             self._quarantined = {item for pool, item in state.quarantined if pool == _BINDING}
             self._quarantined_memory = {q for q in state.quarantined if q[0] != _BINDING}
             for record in state.requests:
-                answer = requests.decode(record.answer)
+                try:
+                    answer = requests.decode(record.answer)
+                except UNDECODABLE as exc:  # a damaged or hand-edited record: the operator's to restore
+                    raise undecodable("", f"the answer to request id {record.id!r}", exc) from exc
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
                 self._requests[record.id] = (record.fingerprint, value, _ANSWERED)
             self._rebuild()  # stops between two fabrics when closing (`_discover_all`)
@@ -433,7 +438,8 @@ class FabricComposer(Composer):
         """Finish or undo what a crash interrupted: a new composition whose every binding and allocation the
         hardware holds is finished (its answer may have been given: `_bind_new`); any other pending ADD is
         undone (a new composition deleted, a changed one put back as it was); a pending REMOVE and a
-        DECOMPOSING composition are finished. What cannot be undone leaves the composition FAILED, naming it.
+        DECOMPOSING composition (with whatever change it keeps) are finished. What cannot be undone leaves the
+        composition FAILED, naming it.
 
         ``only``: just these compositions (those of a fabric that answers again, while every other change
         may be in flight)."""
@@ -441,15 +447,17 @@ class FabricComposer(Composer):
         for comp in list(self._compositions.values()):
             if (only is not None and comp.id not in only) or self._touches_unreachable(comp):
                 continue  # settled once its fabric answers (`retry_unreachable`)
-            if comp.pending is not None:
-                if not self._finished_on_hardware(comp, comp.pending, hardware):
-                    self._recover_change(comp, comp.pending)
-            elif comp.state is CompositionState.DECOMPOSING:
+            if comp.state is CompositionState.DECOMPOSING:
+                # First: a FAILED composition keeps the pending ADD its refused rollback left, and is decomposed
+                # with it (`_holdings`); undone as an interrupted change, it would stand again, half released.
                 log.warning("finishing the decompose of %s that a restart interrupted", comp.id)
                 try:
                     self.decompose(comp.id)
                 except DisaggError as exc:
                     log.error("could not finish the decompose of %s: %s", comp.id, exc.message)
+            elif comp.pending is not None:
+                if not self._finished_on_hardware(comp, comp.pending, hardware):
+                    self._recover_change(comp, comp.pending)
             elif comp.state is CompositionState.COMPOSING:
                 # A recompose between its steps: nothing was in flight on the hardware.
                 with self._lock:
@@ -569,8 +577,8 @@ class FabricComposer(Composer):
                     self._emit(
                         EventType.BINDING_QUARANTINED,
                         device,
-                        f"bound to {host} on the hardware, but no composition records it; cordoned until an "
-                        "operator unbinds it or composes it",
+                        f"bound to {host} on the hardware, but no composition records it; cordoned: unbind it "
+                        "through the device's own management, then uncordon it",
                         host=host,
                     )
                     changes += 1
@@ -708,6 +716,9 @@ class FabricComposer(Composer):
             raise
 
     def _claim_all(self) -> None:
+        """Claim in a fresh index what the ledger records and the quarantined memory the hardware holds; a
+        memory claim never raises (`Inventory.claim_memory`), or one stray beyond the free bytes would fail
+        every rebuild and drop the event that asked for it."""
         for comp in self._compositions.values():
             self._claim_composition(comp)
         for res in self._reservations.values():
@@ -909,9 +920,11 @@ class FabricComposer(Composer):
         for key, alloc in sorted(carved.items()):
             if key in recorded or key in self._strays:
                 continue
-            self._strays[key] = alloc
             if alloc.pool in self._inv.pools:
+                # It may be more than the index has free (a ledger restored from a backup still records memory
+                # the hardware freed): the claim leaves none free, and the pass degrades the composition.
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+            self._strays[key] = alloc  # only once claimed: a rebuild claims the strays again
             if key in self._quarantined_memory:
                 continue  # reported before a restart
             self._quarantined_memory.add(key)
@@ -1101,7 +1114,7 @@ class FabricComposer(Composer):
             if res is None:
                 made = self._made_by_mark()
                 if made is not None:  # this very apply finished before a crash lost its answer
-                    return ComposeResult(ComposeMode.APPLY, Plan(made.host, made.devices), composition=made)
+                    return ComposeResult(ComposeMode.APPLY, self._plan_of(made), composition=made)
                 self._check_not_done_before()
                 raise NotFoundError(
                     "reservation",
@@ -1187,7 +1200,10 @@ class FabricComposer(Composer):
         as `_SettledError` (it failed after changing something): then the error is the answer a retry gets.
         Answers are written to the ledger, so a retry after a restart gets them too. An answer that
         ``found_again`` accepts (a retry after a restart finds it from the records of the change itself, as
-        `_made_by_request` finds a composition) is given without waiting for its own record to be on disk."""
+        `_made_by_request` finds a composition) is given without waiting for its own record to be on disk.
+
+        A retry is answered only once the first call may answer (its ``done`` is set): a retry given an answer
+        still queued for the disk would be contradicted after a crash, when the same id answers anew."""
         if request_id is None:
             try:
                 return (yield from run())
@@ -1211,9 +1227,9 @@ class FabricComposer(Composer):
                 raise RequestIdReusedError(
                     f"request id {request_id!r} was used for another request", metadata={"request_id": request_id}
                 )
-            if isinstance(result, _SettledError):
+            if done.is_set() and isinstance(result, _SettledError):
                 raise _again(result.error)
-            if result is not None:
+            if done.is_set() and result is not None:
                 return cast(T, result)
             if not (yield Until(done, self.call_timeout_s)):
                 # Still running: running it again beside it would answer for it wrongly (the name it takes is
@@ -1228,17 +1244,11 @@ class FabricComposer(Composer):
             answer = yield from run()
         except _SettledError as settled:
             with self._lock:
-                self._answered(request_id, fp, settled)
-            yield DURABLE
-            done.set()
+                self._answered(request_id, fp, settled, done)
+            yield from self._answer_durably(request_id, seed, done)
             raise settled.error from None
         except BaseException:
-            with self._lock:
-                if seed is not None:  # what the record says still holds: another request under it is refused
-                    self._requests[request_id] = seed
-                else:
-                    self._requests.pop(request_id, None)
-            done.set()
+            self._unanswered(request_id, seed, done)
             raise
         finally:
             _ASKING.reset(asking)
@@ -1246,12 +1256,37 @@ class FabricComposer(Composer):
         if found_again(answer):
             with self._lock, self.store.asynchronous_commit():
                 self._answered(request_id, fp, answer)
+            done.set()
         else:
             with self._lock:
-                self._answered(request_id, fp, answer)
-            yield DURABLE
-        done.set()
+                self._answered(request_id, fp, answer, done)
+            yield from self._answer_durably(request_id, seed, done)
         return answer
+
+    def _answer_durably(
+        self, request_id: str, seed: tuple[str, object, threading.Event] | None, done: threading.Event
+    ) -> Steps[None]:
+        """Wait until the first answer to ``request_id`` is on disk, then let its retries have it. Should it never
+        get there (the ledger failed), the id is forgotten (or its seed kept) instead: a retry is not given an
+        answer a restart may take back."""
+        try:
+            yield DURABLE
+        except BaseException:
+            self._unanswered(request_id, seed, done)
+            raise
+        done.set()
+
+    def _unanswered(
+        self, request_id: str, seed: tuple[str, object, threading.Event] | None, done: threading.Event
+    ) -> None:
+        """The call of ``request_id`` ended without an answer to keep: a retry runs again, or, for an id known
+        from a composition record, still finds that record's change (another request under it is refused)."""
+        with self._lock:
+            if seed is not None:
+                self._requests[request_id] = seed
+            else:
+                self._requests.pop(request_id, None)
+        done.set()
 
     def _seed_requests(self) -> None:
         """Remember the request id of each composition's last finished change, and of the Compose that made each
@@ -1280,9 +1315,10 @@ class FabricComposer(Composer):
                 metadata={"request_id": request_id},
             )
 
-    def _answered(self, request_id: str, fp: str, answer: object) -> None:
-        """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock."""
-        self._requests[request_id] = (fp, answer, _ANSWERED)
+    def _answered(self, request_id: str, fp: str, answer: object, done: threading.Event = _ANSWERED) -> None:
+        """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock. A retry
+        gets it once ``done`` is set: by the call that answers, once its answer is durable (`_once`)."""
+        self._requests[request_id] = (fp, answer, done)
         value = answer.error if isinstance(answer, _SettledError) else answer
         assert isinstance(value, ComposeResult | Composition | DisaggError)
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
@@ -1305,7 +1341,7 @@ class FabricComposer(Composer):
             self._expire_locked()
             made = self._made_by_request(request)
             if made is not None and mode is ComposeMode.APPLY:
-                return ComposeResult(mode, Plan(made.host, made.devices), composition=made)
+                return ComposeResult(mode, self._plan_of(made), composition=made)
             reserved = self._reserved_by_request(request)
             if reserved is not None and mode is ComposeMode.RESERVE:
                 return ComposeResult(mode, reserved.plan, reservation=reserved)
@@ -1336,6 +1372,22 @@ class FabricComposer(Composer):
         request_id, fp = self._request_mark()
         comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
         return comp if comp is not None and _finished_by(comp, request_id, fp) else None
+
+    def _plan_of(self, comp: Composition) -> Plan:
+        """The plan a new composition was composed by, for a retry whose first answer a crash lost: its devices,
+        and its memory picks rebuilt from its allocations. Placement carves each memory line, in the order of
+        the lines, from pool after pool until the line's amount is covered, one allocation per pool; under the
+        lock."""
+        memory: list[MemoryPick] = []
+        allocations = iter(comp.allocations)
+        for index, line in enumerate(comp.resources):
+            covered = 0
+            while line.carved and covered < line.amount_bytes and (alloc := next(allocations, None)) is not None:
+                covered += alloc.amount_bytes
+                pool = self._inv.pools.get(alloc.pool)
+                latency = self._inv.latency(comp.host, pool.device) if pool is not None else None
+                memory.append(MemoryPick(alloc.pool, alloc.amount_bytes, index, latency or 0))
+        return Plan(comp.host, comp.devices, tuple(memory))
 
     def _reserved_by_request(self, request: CompositionRequest) -> Reservation | None:
         """The reservation that this thread's request id already made, when its answer was lost."""
@@ -1443,10 +1495,14 @@ class FabricComposer(Composer):
         self, comp: Composition, plan: Plan, failed: ExecutionFailedError, state: CompositionState
     ) -> None:
         """An addition to a live composition (recompose, heal) failed: the composition goes back to ``state``,
-        or is FAILED when the rollback was incomplete. Under the lock."""
+        or is FAILED when the rollback was incomplete. Under the lock. A standing ``state`` is judged again
+        (`_set_standing`): a device may have failed while the composition was COMPOSING, which no event judged."""
         if not self._rollback_incomplete(comp, failed):
             self._unclaim_plan(plan, host=False)
-            self._set(comp, state=state, pending=None)
+            if state in _STANDING:
+                self._set_standing(comp, pending=None)
+            else:
+                self._set(comp, state=state, pending=None)
 
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
         if not self._rollback_incomplete(comp, failed):
@@ -1548,7 +1604,8 @@ class FabricComposer(Composer):
 
     @_durably
     def cordon(self, device_id: str) -> Device:
-        """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
+        """Keep a device out of placement; a composition that holds it keeps it. The device behind a CXL pool
+        keeps the pool out: no memory is carved from it, what is carved stays. Idempotent."""
         with self._lock:
             dev = self.device(device_id)
             if device_id not in self._cordoned:
@@ -1896,8 +1953,8 @@ class FabricComposer(Composer):
 
     def _standing(self, comp: Composition) -> CompositionState:
         """The state of a composition with no change in flight: DEGRADED when the hardware no longer holds part
-        of it (`Composition.missing`), its host no longer reaches a device over links that are up, a device is
-        unhealthy, or a pool it carves memory from is (`_standing_why`)."""
+        of it (`Composition.missing`), its host no longer reaches a device or a pool it carves memory from over
+        links that are up, a device is unhealthy, or a pool it carves memory from is (`_standing_why`)."""
         return CompositionState.DEGRADED if self._standing_why(comp) else CompositionState.COMPOSED
 
     def _standing_why(self, comp: Composition) -> str:
@@ -1912,6 +1969,14 @@ class FabricComposer(Composer):
             and dev.health is Health.OK
             and dev.switch not in reach
         ]
+        cut_off = {  # memory too: a pool whose switch the host no longer reaches, named once
+            a.pool: None
+            for a in comp.allocations
+            if (pool := self._inv.pools.get(a.pool)) is not None
+            and pool.device.health is Health.OK
+            and pool.device.switch not in reach
+        }
+        away += [f"pool {p}" for p in cut_off]
         why += [f"unreachable: {', '.join(away)}"] if away else []
         sick = [p.device for p in self._unhealthy(comp)] + self._sick_memory(comp)
         why += [f"unhealthy: {', '.join(sick)}"] if sick else []
@@ -2026,33 +2091,42 @@ class FabricComposer(Composer):
             comp = self._set(comp, pending=self._adding(comp.id, plan, restore=comp.state))
         self.store.sync()
         try:
-            self._executor.apply(comp.host, self._device_steps(plan.devices), [])
+            self._executor.apply(comp.host, self._device_steps(plan.devices), [], stage="heal")
         except ExecutionFailedError as failed:
             with self._lock:
                 self._fail_addition(self._compositions[comp.id], plan, failed, comp.state)
             raise failed.error from None
+        failpoints.hit("heal.before_commit")
         replaced = {b.device: n for b, n in zip(bad, plan.devices, strict=True)}
+        with self._lock:
+            # As a recompose does: the replacements join the composition in the record that plans the removal
+            # of the failed devices, on disk before the first unbind. A crash after it finishes the removal and
+            # keeps the replacements; the pending ADD alone would be undone, the failed devices already unbound.
+            now = self._compositions[comp.id]
+            devices = tuple(q for p in now.devices for q in ((p, replaced[p.device]) if p.device in replaced else (p,)))
+            comp = self._set(now, devices=devices, pending=PendingChange(ChangeKind.REMOVE, tuple(bad)))
+        self.store.sync()
         # A failed device that cannot be unbound stays in the composition, and its replacement is undone (one
         # that cannot be undone either stays too, recorded, for a decompose to release).
-        stuck = set(self._release(comp.host, bad, []).ids)
+        stuck = set(self._release(comp.host, bad, [], stage="heal").ids)
         undo = [replaced[device] for device in replaced if device in stuck]
-        kept = set(self._release(comp.host, undo, []).ids) if undo else set()
+        kept = set(self._release(comp.host, undo, [], stage="heal").ids) if undo else set()
         with self._lock:
-            for old, new in replaced.items():
-                if old not in stuck:
-                    self._inv.release_device(old)
-                elif new.device not in kept:
-                    self._inv.release_device(new.device)
+            undone = {new.device for new in undo if new.device not in kept}
+            gone = {old for old in replaced if old not in stuck} | undone
+            for device in gone:
+                self._inv.release_device(device)
             done = {old: new for old, new in replaced.items() if old not in stuck}
-            devices = tuple(done.get(p.device, p) for p in comp.devices)
-            devices += tuple(new for new in undo if new.device in kept)
             now = self._compositions[comp.id]
             missing = tuple(m for m in now.missing if m not in done)  # a replaced device is no longer missed
+            devices = tuple(p for p in now.devices if p.device not in gone)
             comp = self._set(now, devices=devices, missing=missing, pending=None)
             if done:
                 healed = ", ".join(f"{old} -> {new.device}" for old, new in done.items())
                 self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
             comp = self._set_standing(comp)
+        self.store.sync()
+        failpoints.hit("heal.after_commit")
         if stuck:
             names = ", ".join(sorted(stuck))
             raise DisaggError(

@@ -47,12 +47,15 @@ class Bucket:
 class PoolState:
     """A carved pool: its static description, the switch it hangs off, its free bytes, and for an MLD how many
     more allocations it takes (one per logical device), since free bytes alone would offer a pool whose LDs are
-    all used; None for a pool that takes any number (a DCD)."""
+    all used; None for a pool that takes any number (a DCD). ``excess_bytes``: what claims hold beyond the
+    capacity (the hardware carved more than the ledger knew of), cancelled first by releases, so that the free
+    bytes never go below zero yet stay those no claim holds."""
 
     info: PoolInfo
     device: Device
     free_bytes: int
     free_lds: int | None = None
+    excess_bytes: int = 0
 
 
 def _signature(device: Device) -> tuple[object, ...]:
@@ -184,7 +187,8 @@ class Inventory:
             counts[kind] += delta
 
     def cordon(self, device: str) -> None:
-        """Keep a device out of placement; whoever holds it keeps it."""
+        """Keep a device out of placement (a pool's device: the pool, `Placer` skips it); whoever holds it
+        keeps it."""
         if self.is_free(device):
             self._set_free(device, False)
         self.cordoned.add(device)
@@ -222,13 +226,14 @@ class Inventory:
     def claim_memory(self, pool: str, amount: int) -> None:
         """Take one allocation of ``amount`` bytes out of ``pool``: its bytes and, in an MLD, a logical device.
 
-        The LD count may go below zero without an error: a rebuild claims what the hardware holds, and the
-        driver, not the index, refuses an LD too many; placement offers the pool again only once enough are
-        released."""
+        Never raises for want of room: a rebuild and reconciliation claim what the hardware holds, which may be
+        more than the ledger left free (a ledger restored from a backup); the bytes beyond the free ones are kept
+        as ``excess_bytes``. The LD count may likewise go below zero: the driver, not the index, refuses an LD
+        too many; placement offers the pool again only once enough are released."""
         state = self.pools[pool]
-        if amount > state.free_bytes:
-            raise ValueError(f"pool {pool} has {state.free_bytes} B free, {amount} B claimed")
-        state.free_bytes -= amount
+        beyond = max(0, amount - state.free_bytes)
+        state.free_bytes -= amount - beyond
+        state.excess_bytes += beyond
         if state.free_lds is not None:
             state.free_lds -= 1
 
@@ -236,7 +241,9 @@ class Inventory:
         """Give back one allocation that `claim_memory` took."""
         state = self.pools.get(pool)
         if state is not None:
-            state.free_bytes = min(state.info.capacity.total_bytes, state.free_bytes + amount)
+            cancelled = min(amount, state.excess_bytes)
+            state.excess_bytes -= cancelled
+            state.free_bytes = min(state.info.capacity.total_bytes, state.free_bytes + amount - cancelled)
             lds = state.info.ld_count
             if state.free_lds is not None and lds is not None:
                 state.free_lds = min(lds, state.free_lds + 1)

@@ -277,7 +277,8 @@ class Placer:
         self, host: str, r: ResourceRequest, taken: Mapping[str, int], taken_lds: Mapping[str, int]
     ) -> list[PoolCandidate]:
         """The pools ``host`` reaches that can take one more allocation for ``r``: with bytes free beyond
-        ``taken`` and, for an MLD, a logical device free beyond ``taken_lds`` (the plan's earlier picks)."""
+        ``taken`` and, for an MLD, a logical device free beyond ``taken_lds`` (the plan's earlier picks); none
+        whose device is unhealthy or cordoned (a cordon of a pool's device is how an operator drains the pool)."""
         out = []
         limit = r.max_latency_ns
         for lat_sw, sw in self.inv.reach.get(host, ()):
@@ -287,6 +288,8 @@ class Placer:
                 lat = lat_sw + ps.device.link_latency_ns
                 free = ps.free_bytes - taken.get(ps.info.id, 0)
                 if free <= 0 or (limit is not None and lat > limit) or ps.device.health.value != "OK":
+                    continue
+                if ps.device.id in self.inv.cordoned:
                     continue
                 if ps.free_lds is not None and ps.free_lds - taken_lds.get(ps.info.id, 0) <= 0:
                     continue
@@ -358,7 +361,7 @@ class Placer:
         self, host: str, r: ResourceRequest, taken: Mapping[str, int], taken_lds: Mapping[str, int]
     ) -> str:
         reach = self.inv.reach_map.get(host, {})
-        total = reachable = within = no_ld = 0
+        total = reachable = within = no_ld = cordoned = 0
         limit = r.max_latency_ns
         for ps in self.inv.pools.values():
             free = max(0, ps.free_bytes - taken.get(ps.info.id, 0))
@@ -367,7 +370,9 @@ class Placer:
             if sw_lat is None:
                 continue
             reachable += free
-            if ps.free_lds is not None and ps.free_lds - taken_lds.get(ps.info.id, 0) <= 0:
+            if ps.device.id in self.inv.cordoned:
+                cordoned += free
+            elif ps.free_lds is not None and ps.free_lds - taken_lds.get(ps.info.id, 0) <= 0:
                 no_ld += free
             if limit is None or sw_lat + ps.device.link_latency_ns <= limit:
                 within += free
@@ -380,4 +385,6 @@ class Placer:
             text += f", {format_size(within)} within {limit} ns"
         if no_ld:
             text += f"; {format_size(no_ld)} of the reachable is in MLD pools with no logical device free"
+        if cordoned:
+            text += f"; {format_size(cordoned)} of the reachable is in pools whose device is cordoned"
         return text

@@ -42,6 +42,8 @@ def encode(answer: Answer) -> str:
 
 
 def decode(text: str) -> Answer:
+    """A first answer from its ledger document. Raises one of `disagg.store.base.UNDECODABLE` for a document
+    that is not one (a damaged record)."""
     doc = json.loads(text)
     if "compose" in doc:
         return codec.from_data(doc["compose"], ComposeResult)

@@ -6,14 +6,42 @@ import abc
 import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import attrs
+from cattrs.errors import BaseValidationError
 
+from disagg import codec
 from disagg.errors import ConfigError
 from disagg.model import Composition, Event, Reservation
 
 REQUEST_RETENTION = 10_000
 """Request ids remembered, newest first: a retry is expected within minutes, not after ten thousand others."""
+
+UNDECODABLE: tuple[type[Exception], ...] = (ValueError, TypeError, LookupError, AttributeError, BaseValidationError)
+"""What decoding a damaged or hand-edited ledger record raises: JSON that does not parse (ValueError), or JSON
+of another shape than the record's class (cattrs' validation errors, or a lookup in a value of another type)."""
+
+T = TypeVar("T")
+
+
+def undecodable(ledger: object, what: str, exc: BaseException) -> ConfigError:
+    """The refusal of a ledger (at ``ledger``, when the caller knows where) holding a record that does not
+    decode: the operator's to restore, as a damaged file is, never a traceback at start-up."""
+    where = f" at {ledger}" if ledger else ""
+    return ConfigError(
+        f"the ledger{where} cannot be read ({what} does not decode: {exc}): restore it from a backup "
+        "(docs/durability.md)",
+        field="state.path",
+    )
+
+
+def decoded(text: str | bytes, cls: type[T], ledger: object, what: str) -> T:
+    """``text`` as a record of ``cls``, or `undecodable` naming ``what`` record of the ledger at ``ledger``."""
+    try:
+        return codec.loads(text, cls)
+    except UNDECODABLE as exc:
+        raise undecodable(ledger, what, exc) from exc
 
 
 def check_event_retention(value: int) -> int:

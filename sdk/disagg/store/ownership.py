@@ -10,6 +10,8 @@ the first does, as a POSIX record lock would be.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import threading
 from pathlib import Path
@@ -25,17 +27,22 @@ _held: dict[Path, tuple[IO[bytes], int]] = {}
 
 def hold(ledger: Path) -> Path:
     """Hold ``ledger`` for this process; returns the key to give to `let_go`. Raises `ConfigError` while another
-    process holds it, naming that process."""
-    key = ledger.with_name(ledger.name + ".lock").resolve()
+    process holds it, naming that process, and OSError when the lock file cannot be opened or written (a full
+    disk: the caller says what that means), with nothing of it left open.
+
+    The lock is named from the ledger's real path, symlinks resolved: one ledger named two ways (a symlink to it,
+    or to its directory) must be one lock, or two processes would hold it."""
+    try:
+        real = ledger.resolve()
+    except RuntimeError as exc:  # a symlink loop
+        raise OSError(errno.ELOOP, str(exc), str(ledger)) from exc
+    key = real.with_name(real.name + ".lock")
     with _lock:
         if key in _held:
             owner, count = _held[key]
             _held[key] = (owner, count + 1)
             return key
-        try:
-            found = try_lock(key)
-        except OSError as exc:
-            raise ConfigError(f"cannot open the ledger at {ledger}: {exc}") from exc
+        found = try_lock(key)
         if found is None:
             holder = key.read_text(errors="replace").strip()[:32] or "unknown"
             raise ConfigError(
@@ -43,9 +50,14 @@ def hold(ledger: Path) -> Path:
                 "--server, or stop it first",
                 field="state.path",
             )
-        found.truncate(0)
-        found.write(f"{os.getpid()}\n".encode())
-        found.flush()
+        try:
+            found.truncate(0)
+            found.write(f"{os.getpid()}\n".encode())
+            found.flush()
+        except OSError:
+            with contextlib.suppress(OSError):  # what the write left buffered fails to flush again; closed still
+                found.close()
+            raise
         _held[key] = (found, 1)
         return key
 

@@ -33,12 +33,15 @@ from disagg.model import Composition, Event, Reservation
 from disagg.store import ownership
 from disagg.store.base import (
     REQUEST_RETENTION,
+    UNDECODABLE,
     LedgerState,
     RequestRecord,
     Store,
     check_event_retention,
+    decoded,
     quarantine_key,
     quarantine_of,
+    undecodable,
 )
 from disagg.store.batch import Batch, Table
 
@@ -54,8 +57,31 @@ CREATE TABLE IF NOT EXISTS cordons (device TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS quarantines (allocation TEXT PRIMARY KEY);
 """
 
-LEDGER_TABLES = frozenset({"compositions", "reservations", "events", "requests", "cordons", "quarantines"})
+LEDGER_COLUMNS: dict[str, tuple[str, ...]] = {
+    "compositions": ("id", "doc"),
+    "reservations": ("id", "doc"),
+    "events": ("revision", "doc"),
+    "requests": ("id", "fingerprint", "answer", "at"),
+    "cordons": ("device",),
+    "quarantines": ("allocation",),
+}
+"""The columns of each table of `SCHEMA`: a table of one of these names with other columns is not the ledger's."""
+LEDGER_TABLES = frozenset(LEDGER_COLUMNS)
 _TABLES = "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+
+
+def _not_a_ledger(db: sqlite3.Connection) -> str:
+    """Why the database ``db`` holds is not a ledger, read without writing anything; empty when it is one (or
+    is empty). Called before the first write, so that another program's file is left as it was."""
+    tables = [n for (n,) in db.execute(_TABLES)]
+    foreign = sorted(n for n in tables if n not in LEDGER_TABLES)
+    if foreign:
+        return f"it has {', '.join(foreign)}"
+    for name in sorted(tables):
+        columns = tuple(row[1] for row in db.execute(f"PRAGMA table_info({name})"))
+        if columns != LEDGER_COLUMNS[name]:
+            return f"its table {name} has {', '.join(columns)}, not {', '.join(LEDGER_COLUMNS[name])}"
+    return ""
 
 
 def _open_error(path: Path, exc: BaseException) -> DisaggError:
@@ -63,7 +89,7 @@ def _open_error(path: Path, exc: BaseException) -> DisaggError:
     server exits 1, for its supervisor to try again), a file that is not a ledger or is damaged the operator's
     to restore, anything else a setting to correct."""
     text = str(exc)
-    if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or (
+    if (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO)) or (
         isinstance(exc, sqlite3.OperationalError) and ("disk I/O error" in text or "disk is full" in text)
     ):
         return FabricUnavailableError(f"cannot open the ledger at {path}: {exc}; is its disk full or failing?")
@@ -136,15 +162,18 @@ class SqliteStore(Store):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise _open_error(self.path, exc) from exc
-        self._owner = ownership.hold(self.path)
+        try:
+            self._owner = ownership.hold(self.path)
+        except OSError as exc:
+            raise _open_error(self.path, exc) from exc
         db: sqlite3.Connection | None = None
         try:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            foreign = [n for (n,) in db.execute(_TABLES) if n not in LEDGER_TABLES]
-            if foreign:
+            why = _not_a_ledger(db)
+            if why:
                 raise ConfigError(
-                    f"{self.path} is a SQLite database but not a ledger (it has {', '.join(sorted(foreign))}): "
-                    "give [state] path a ledger's file, or restore the ledger from a backup",
+                    f"{self.path} is a SQLite database but not a ledger ({why}): give [state] path a ledger's "
+                    "file, or restore the ledger from a backup",
                     field="state.path",
                 )
             db.execute("PRAGMA journal_mode=WAL")
@@ -346,9 +375,16 @@ class SqliteStore(Store):
             ) from exc
 
     def _read_all(self) -> LedgerState:
+        """Every record; one that does not decode is `undecodable`, naming its table and key."""
         with self._db_lock:
-            comps = tuple(codec.loads(d, Composition) for (d,) in self._db.execute("SELECT doc FROM compositions"))
-            res = tuple(codec.loads(d, Reservation) for (d,) in self._db.execute("SELECT doc FROM reservations"))
+            comps = tuple(
+                decoded(d, Composition, self.path, f"compositions record {i!r}")
+                for i, d in self._db.execute("SELECT id, doc FROM compositions")
+            )
+            res = tuple(
+                decoded(d, Reservation, self.path, f"reservations record {i!r}")
+                for i, d in self._db.execute("SELECT id, doc FROM reservations")
+            )
             (last,) = self._db.execute("SELECT COALESCE(MAX(revision), 0) FROM events").fetchone()
             requests = tuple(
                 RequestRecord(i, f, a, t)
@@ -360,7 +396,13 @@ class SqliteStore(Store):
             )
             cordons = tuple(d for (d,) in self._db.execute("SELECT device FROM cordons ORDER BY device"))
             keys = [k for (k,) in self._db.execute("SELECT allocation FROM quarantines ORDER BY allocation")]
-        return LedgerState(comps, res, int(last), requests, cordons, tuple(quarantine_of(k) for k in keys))
+        return LedgerState(comps, res, int(last), requests, cordons, tuple(self._quarantine_of(k) for k in keys))
+
+    def _quarantine_of(self, key: str) -> tuple[str, str]:
+        try:
+            return quarantine_of(key)
+        except UNDECODABLE as exc:
+            raise undecodable(self.path, f"quarantines record {key!r}", exc) from exc
 
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
         """The events after ``revision`` within the retention (the newest revision minus it), as the other
