@@ -31,6 +31,7 @@ from typing import Any
 from disagg.config import build_composer, parse_config
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server.aio import AsyncFabricManagerServicer
+from disagg.server.loop import event_loop_factory
 from disagg.server.servicer import FabricManagerServicer
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,7 +98,8 @@ def main() -> None:
                 servicer = FabricManagerServicer(composer)
                 servicer.mark_ready()
                 serving = AsyncFabricManagerServicer(servicer, threads)
-                per_call = asyncio.run(_measure(serving, args.calls, args.warm_up, args.profile))
+                with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the server's loop
+                    per_call = runner.run(_measure(serving, args.calls, args.warm_up, args.profile))
         finally:
             composer.close()
     size = f"{args.calls} Composes, {args.ledger} ledger, {args.devices} devices"

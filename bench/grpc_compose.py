@@ -48,6 +48,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.replay.report_control import THREAD_BUSY, THREAD_WAITING
+from disagg.server.loop import event_loop_factory
 from disagg_sim.generator import generate_topology
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -86,6 +87,11 @@ def start_server(devices: int, tmp: Path, ledger: str = "memory") -> tuple[subpr
             return proc, address
     proc.kill()
     raise RuntimeError("disagg serve did not become ready")
+
+
+def event_loop_name() -> str:
+    """The event loop the server runs on, as ``$DISAGG_EVENT_LOOP`` (inherited by the server) chooses it."""
+    return "uvloop" if event_loop_factory().__module__.startswith("uvloop") else "asyncio"
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
@@ -483,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "ledger": args.ledger,
             "noop": "Health/Check",
+            "event_loop": event_loop_name(),
         },
         **largest,
         "sizes": sizes,

@@ -26,6 +26,7 @@ from disagg.config import build_composer, load_config
 from disagg.errors import ConfigError
 from disagg.plugins import load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
+from disagg.server.loop import event_loop_factory
 
 AddCommand = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
 
@@ -54,6 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     for address in listeners:  # before any fabric is built
         parse_listener(address, allow_remote=args.allow_remote)
+    event_loop_factory()  # and $DISAGG_EVENT_LOOP, also before any fabric is built
     composer = build_composer(config, plugins=plugins)
     stop = threading.Event()
     lost = threading.Event()

@@ -52,7 +52,7 @@ from disagg.server.drivers import FabricDriver
 from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
-from disagg.server.loop import LoopThread
+from disagg.server.loop import LoopThread, event_loop_factory
 from disagg.server.servicer import LOST_LEAD, STANDBY, FabricManagerServicer, ledger_failed
 from disagg.wire.sockets import bind_unix_socket
 
@@ -122,6 +122,7 @@ class FabricManagerServer:
         twice = sorted({t for t in targets if targets.count(t) > 1})
         if twice:  # the second bind would fail after the first had made its socket, and leave it behind
             raise ConfigError(f"listener {twice[0]} is given twice", field="listener")
+        self._new_loop = event_loop_factory()
         self.composer = composer
         self.servicer = FabricManagerServicer(composer, drivers, max_watches=max_watches)
         self.health = HealthService()
@@ -162,7 +163,7 @@ class FabricManagerServer:
             self._state = "starting"
         try:
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._loop = LoopThread()
+            self._loop = LoopThread(new_loop=self._new_loop)
             self.addresses.extend(self._loop.run(self._listen()))
             if self.leadership is not None:
                 self.servicer.mark_unready(STANDBY)
