@@ -500,6 +500,37 @@ class TestHealth:
         healed = comp.heal(c.id)
         assert healed.state is CompositionState.COMPOSED and c.device_ids[1] not in healed.device_ids
 
+    def test_devices_that_fail_together_are_replaced_across_failure_domains(self) -> None:
+        """Each failed device of a spread line was replaced on its own, pinned only by the surviving peers: with
+        none left, both replacements came from one chassis."""
+        comp = composer(rack(), auto_heal=False)
+        c = comp.compose(parse_request("job", ["host h1", "gpu x2 model=H200 spread=chassis"])).composition
+        assert c is not None
+        for device in c.device_ids:
+            comp.fabrics["pcie0"].fail_device(device)
+        assert all(comp.device(d).health is Health.FAILED for d in c.device_ids)
+        healed = comp.heal(c.id)
+        assert healed.state is CompositionState.COMPOSED and not set(healed.device_ids) & set(c.device_ids)
+        chassis = [comp.device(d).failure_domains["chassis"] for d in healed.device_ids]
+        assert sorted(chassis) == ["chassis-a", "chassis-b"]
+
+    def test_devices_that_fail_together_are_replaced_on_one_switch(self) -> None:
+        """As above, for a same-switch line: the replacements must share a switch, here the only one with two
+        free (the other has one)."""
+        comp = composer(rack(), auto_heal=False)
+        c = comp.compose(parse_request("job", ["host h1", "gpu x2 model=H200 same-switch"])).composition
+        assert c is not None
+        switch = comp.device(c.device_ids[0]).switch
+        comp.compose(parse_request("filler", ["host h2", "gpu x7 model=H200 same-switch"]))
+        gpus = [d for d in comp.devices() if d.kind is DeviceKind.GPU and d.switch == switch]
+        assert [d.id for d in gpus if comp.owner_of(d.id) is None] == ["pcie0/gpu-a9"]
+        for device in c.device_ids:
+            comp.fabrics["pcie0"].fail_device(device)
+        assert all(comp.device(d).health is Health.FAILED for d in c.device_ids)
+        healed = comp.heal(c.id)
+        assert healed.state is CompositionState.COMPOSED and not set(healed.device_ids) & set(c.device_ids)
+        assert len({comp.device(d).switch for d in healed.device_ids}) == 1
+
     def test_failed_free_device_is_not_offered(self) -> None:
         fabrics = rack()
         comp = composer(fabrics)

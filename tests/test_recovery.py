@@ -1066,6 +1066,91 @@ class TestReconcile:
         composer.close()
 
 
+class ReconcileMidway:
+    """A reconcile pass in a thread of its own that reads pcie0's bindings at `start` and judges them only at
+    `finish`: a pass that races with whatever the composer does in between."""
+
+    def __init__(self, composer: FabricComposer, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.read, self.go = threading.Event(), threading.Event()
+        self.changes: list[int] = []
+        fabric = composer.fabrics["pcie0"]
+        bindings = fabric.bindings
+
+        def reading() -> Sequence[Binding]:
+            out = bindings()
+            if threading.current_thread() is self.thread:
+                self.read.set()
+                self.go.wait(WAIT_S)
+            return out
+
+        monkeypatch.setattr(fabric, "bindings", reading)
+        self.thread = threading.Thread(target=lambda: self.changes.append(composer.reconcile()), daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        assert self.read.wait(WAIT_S)
+
+    def finish(self) -> int:
+        self.go.set()
+        self.thread.join(WAIT_S)
+        return self.changes[0]
+
+
+class TestReconcileRacingAHeal:
+    """A heal that undoes its replacement puts the composition back as it was, with no event: a pass that read
+    the replacement bound, judged after the undo, took it for an orphan, quarantined and cordoned it."""
+
+    def test_a_replacement_whose_bind_is_undone(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        composer = opened(tmp_path)
+        job = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert job is not None
+        pcie = composer.fabrics["pcie0"]
+        pcie.fail_device(job.device_ids[0])
+        midway = ReconcileMidway(composer, monkeypatch)
+        bind = pcie.bind
+
+        def answer_lost(device: str, host: str, ctx: CallContext) -> Binding:
+            bind(device, host, ctx)
+            midway.start()
+            raise FabricUnavailableError("the connection broke", metadata={OUTCOME: OUTCOME_UNKNOWN})
+
+        monkeypatch.setattr(pcie, "bind", answer_lost)
+        with pytest.raises(FabricUnavailableError):
+            composer.heal("job")
+        assert midway.finish() == 0
+        monkeypatch.undo()
+        assert not events_of(composer, EventType.BINDING_QUARANTINED) and composer.cordoned_devices() == set()
+        assert composer.reconcile() == 0 and composer.find("job").device_ids == job.device_ids
+        composer.close()
+
+    def test_a_replacement_undone_as_the_failed_device_stays_bound(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        composer = opened(tmp_path)
+        job = composer.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert job is not None
+        pcie = composer.fabrics["pcie0"]
+        bad = job.device_ids[0]
+        pcie.fail_device(bad)
+        midway = ReconcileMidway(composer, monkeypatch)
+        unbind = pcie.unbind
+
+        def stuck(binding: Binding, ctx: CallContext) -> None:
+            if binding.device == bad:
+                midway.start()
+                raise FabricUnavailableError(f"{bad}: the switch does not answer")
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(pcie, "unbind", stuck)
+        with pytest.raises(DisaggError, match="could not unbind"):
+            composer.heal("job")
+        assert midway.finish() == 0
+        monkeypatch.undo()
+        assert not events_of(composer, EventType.BINDING_QUARANTINED) and composer.cordoned_devices() == set()
+        assert composer.reconcile() == 0 and composer.find("job").device_ids == job.device_ids
+        composer.close()
+
+
 class TestFailpointSetting:
     """DISAGG_FAILPOINTS names known failpoints only, and a mistake stops `disagg serve` before it starts."""
 
@@ -1774,6 +1859,36 @@ class TestWhatARollbackLeftIsReleased:
             assert again.compositions() == []
             assert [b for b in again.fabrics["pcie0"].bindings() if b.host == "h1"] == []
             assert again.holders() == {} and again.reconcile() == 0
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+
+class TestAnAdditionACrashInterrupted:
+    """A recompose's addition that a crash interrupted is undone at the restart, and the composition put back is
+    judged: one whose device failed while no manager ran went back to COMPOSED, until the next pass."""
+
+    def test_a_device_that_failed_meanwhile_degrades_it(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert job is not None
+        held = crash_at(monkeypatch, first, "recompose.after_bind")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose("job", add=parse_request("job", ["gpu x1"]).resources)
+        monkeypatch.undo()
+        broken = job.device_ids[0]
+        hardware = fabrics(tmp_path)
+        hardware["pcie0"].fail_device(broken, "fell off the bus")
+        for fabric in hardware.values():
+            fabric.close()
+        again = opened(tmp_path)
+        try:
+            found = agrees_with_the_hardware(again)
+            assert found.device_ids == job.device_ids
+            assert found.state is CompositionState.DEGRADED and found.message == f"unhealthy: {broken}"
+            changed = [e.data for e in again.events(0, 10_000) if e.type is EventType.COMPOSITION_STATE_CHANGED]
+            assert (changed[-1]["old"], changed[-1]["new"]) == ("COMPOSING", "DEGRADED")
         finally:
             again.close()
             held.release()

@@ -235,6 +235,9 @@ class FabricComposer(Composer):
         self._revision = 0
         self._revision_time = 0.0
         """The time of the event at ``_revision`` (`snapshot` answers it with the revision)."""
+        self._recorded = 0
+        """Counts every change to the compositions, with an event or without (a rollback puts a composition back
+        silently): `reconcile` discards a pass during which it moved."""
         self._cordoned: set[str] = set()
         self._unreachable: set[str] = set()
         """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
@@ -511,7 +514,12 @@ class FabricComposer(Composer):
             if change.kind is ChangeKind.ADD:
                 assert change.restore is not None
                 self._unclaim_addition(comp)
-                self._set(comp, state=change.restore, pending=None)
+                # A standing composition is judged again, as `_fail_addition` does: a device may have failed
+                # while the change ran or no manager did, which no event judged.
+                if change.restore in _STANDING:
+                    self._set_standing(comp, pending=None)
+                else:
+                    self._set(comp, state=change.restore, pending=None)
                 return
             comp = self._without(comp, {p.device for p in change.devices}, change.allocations)
             if change.request_id:
@@ -530,7 +538,7 @@ class FabricComposer(Composer):
         second pass over a converged system changes nothing.
         """
         with self._lock:
-            revision = self._revision
+            seen = (self._revision, self._recorded)
             pools: dict[str, list[str]] = {}
             for entry in self._inv.pools.values():
                 pools.setdefault(entry.info.fabric, []).append(entry.info.id)
@@ -555,8 +563,10 @@ class FabricComposer(Composer):
         degraded: set[str] = set()
         healable: list[str] = []
         with self._lock:
-            if self._revision != revision:
-                return 0  # something changed while the hardware was read: judge it on the next pass
+            if (self._revision, self._recorded) != seen:
+                # Something changed while the hardware was read, maybe silently (a rollback that put a composition
+                # back as it was): what was read may be a change in flight, not an orphan. The next pass judges it.
+                return 0
             busy = [c for c in self._compositions.values() if c.pending is not None or c.state in _IN_FLIGHT]
             busy_ids = {c.id for c in busy}
             expected = {p.device: c.host for c in self._compositions.values() for p in c.devices}
@@ -875,6 +885,7 @@ class FabricComposer(Composer):
     def _forget(self, comp: Composition, why: str) -> None:
         """Delete a composition whose claims are given back, and say so; under the lock."""
         del self._compositions[comp.id]
+        self._recorded += 1
         self._names.pop(comp.name, None)
         self.store.delete_composition(comp.id)
         self._emit(EventType.COMPOSITION_DELETED, comp.id, why)
@@ -987,6 +998,12 @@ class FabricComposer(Composer):
         self.store.await_event(revision)
         return answer, revision
 
+    def _record(self, comp: Composition) -> None:
+        """Keep ``comp`` as its composition's record, in memory and in the ledger; under the lock."""
+        self._compositions[comp.id] = comp
+        self._recorded += 1
+        self.store.put_composition(comp)
+
     def _set(self, comp: Composition, **changes: object) -> Composition:
         if (
             changes.get("before_unknown", comp.before_unknown) is not None
@@ -994,8 +1011,7 @@ class FabricComposer(Composer):
         ):
             changes["before_unknown"] = None
         new = revise(comp, generation=comp.generation + 1, **changes)
-        self._compositions[new.id] = new
-        self.store.put_composition(new)
+        self._record(new)
         if new.state is not comp.state:
             before, after = comp.state.value, new.state.value
             self._emit(
@@ -1074,8 +1090,7 @@ class FabricComposer(Composer):
             )
             if applying is not None and applying.pending is not None:
                 kept = revise(applying, pending=attrs.evolve(applying.pending, reservation=None))
-                self._compositions[kept.id] = kept
-                self.store.put_composition(kept)
+                self._record(kept)
                 self._emit(
                     EventType.RESERVATION_RELEASED,
                     reservation_id,
@@ -1420,9 +1435,8 @@ class FabricComposer(Composer):
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
         held.acquire()  # new, so free: the compose holds it until _execute ends
-        self._compositions[comp.id] = comp
+        self._record(comp)
         self._names[comp.name] = comp.id
-        self.store.put_composition(comp)
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
 
@@ -2063,6 +2077,28 @@ class FabricComposer(Composer):
         """Replace each unhealthy device of a composition with one that meets the same request line."""
         return self._held(composition_id, self._heal)
 
+    def _replacement_lines(self, comp: Composition, bad: list[DevicePick]) -> tuple[list[DevicePick], list[Line]]:
+        """One placement line per resource line with unhealthy devices, asking as many devices as it lost and
+        pinned by its healthy ones (their switch, their failure domains): placed together, the replacements of
+        one line keep to one switch and to distinct domains among themselves too. Returns ``bad`` in the order
+        of the lines' picks, so that the two pair off."""
+        by_line: dict[int, list[DevicePick]] = {}
+        for pick in bad:
+            by_line.setdefault(pick.resource, []).append(pick)
+        lines: list[Line] = []
+        for resource, failed in by_line.items():
+            r = comp.resources[resource]
+            peers = [p for p in comp.devices if p.resource == resource and p not in failed]
+            peer_devs = [self._inv.devices[p.device] for p in peers if p.device in self._inv.devices]
+            switch = peer_devs[0].switch if r.affinity is Affinity.SAME_SWITCH and peer_devs else None
+            used = (
+                frozenset(d.failure_domains[r.spread] for d in peer_devs if r.spread in d.failure_domains)
+                if r.spread
+                else frozenset()
+            )
+            lines.append((resource, attrs.evolve(r, count=len(failed)), Pin(switch=switch, used_domains=used)))
+        return [p for failed in by_line.values() for p in failed], lines
+
     def _heal(self, composition_id: str) -> Composition:
         with self._lock:
             comp = self.find(composition_id)
@@ -2071,18 +2107,7 @@ class FabricComposer(Composer):
             bad = self._unhealthy(comp)
             if not bad:
                 return comp if self._standing(comp) is CompositionState.DEGRADED else self._set_standing(comp)
-            lines: list[Line] = []
-            for pick in bad:
-                r = comp.resources[pick.resource]
-                peers = [p for p in comp.devices if p.resource == pick.resource and p not in bad]
-                peer_devs = [self._inv.devices[p.device] for p in peers if p.device in self._inv.devices]
-                switch = peer_devs[0].switch if r.affinity is Affinity.SAME_SWITCH and peer_devs else None
-                used = (
-                    frozenset(d.failure_domains[r.spread] for d in peer_devs if r.spread in d.failure_domains)
-                    if r.spread
-                    else frozenset()
-                )
-                lines.append((pick.resource, attrs.evolve(r, count=1), Pin(switch=switch, used_domains=used)))
+            bad, lines = self._replacement_lines(comp, bad)
             plan, why = self._placer.try_host(comp.host, lines)
             if plan is None:
                 self._set(comp, message=f"no replacement: {why}")
