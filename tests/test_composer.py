@@ -487,6 +487,25 @@ class TestHealth:
         said = [e for e in comp.events() if e.type is EventType.COMPOSITION_UPDATED and e.subject == c.id]
         assert said and said[-1].message == after.message and said[-1].data["etag"] == after.etag
 
+    def test_a_second_failure_is_named_too(self) -> None:
+        """A DEGRADED composition's message named only the first device to fail: a second failure changed no
+        state, so nothing rewrote it (and a failed heal's note had replaced the reason)."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert c is not None
+        first, second = c.device_ids[3], c.device_ids[5]
+        fabrics["pcie0"].fail_device(first)
+        assert comp.wait_for_heals(10.0)
+        assert first in comp.get(c.id).message and "no replacement" in comp.get(c.id).message
+        fabrics["pcie0"].fail_device(second)
+        assert comp.wait_for_heals(10.0)
+        after = comp.get(c.id)
+        assert after.state is CompositionState.DEGRADED
+        assert first in after.message and second in after.message, after.message
+        said = [e for e in comp.events() if e.type is EventType.COMPOSITION_UPDATED and e.subject == c.id]
+        assert said[-1].message == after.message
+
     def test_manual_heal_and_repair(self) -> None:
         fabrics = rack()
         comp = composer(fabrics, auto_heal=False)

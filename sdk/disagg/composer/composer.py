@@ -2049,8 +2049,14 @@ class FabricComposer(Composer):
         return []
 
     def _reassess(self, comp: Composition) -> None:
-        """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now."""
-        if comp.state in _STANDING and self._standing(comp) is not comp.state:
+        """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now, and a
+        DEGRADED one whose message no longer begins with why (a second device failed) says it again."""
+        if comp.state not in _STANDING:
+            return
+        why = self._standing_why(comp)
+        if (CompositionState.DEGRADED if why else CompositionState.COMPOSED) is not comp.state or (
+            why and not comp.message.startswith(why)
+        ):
             self._set_standing(comp)
 
     def _health_changed(self, device: str, health: Health, message: str) -> list[str]:
@@ -2110,7 +2116,8 @@ class FabricComposer(Composer):
             bad, lines = self._replacement_lines(comp, bad)
             plan, why = self._placer.try_host(comp.host, lines)
             if plan is None:
-                self._set(comp, message=f"no replacement: {why}")
+                # After the reason it is DEGRADED, which `_reassess` keeps up to date.
+                self._set(comp, message=f"{self._standing_why(comp)}; no replacement: {why}")
                 raise NoFitError(f"cannot heal {comp.id}: {why}")
             self._claim_plan(plan, comp.id, host=False)
             comp = self._set(comp, pending=self._adding(comp.id, plan, restore=comp.state))
