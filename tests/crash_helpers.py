@@ -12,6 +12,11 @@ one: compose ``a<i>`` (two GPUs and 4 GiB of CXL memory), add a GPU to it, remov
 it. So ``a<i>`` stays
 composed and every crash after the first cycle finds live compositions beside the one interrupted. Each cycle
 hits every failpoint at least once, and those hit per device or allocation several times (see `HITS_PER_CYCLE`).
+
+The workload heals nothing (no device of it fails), so the heal failpoints have a setup of their own
+(`prepare_heal`): two compositions of three GPUs are composed, the server stopped, two GPUs of each failed in
+the sim's state file, and the server started again with auto-heal, which heals both compositions before it
+serves, passing every heal failpoint at least twice (see `HEAL_HITS`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -36,7 +42,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.failpoints import ENV as FAILPOINTS_ENV
-from disagg.model import Allocation, Composition, CompositionState
+from disagg.model import Allocation, Composition, CompositionState, Health
 from disagg.wire.fabric import composition_from_wire
 from disagg_sim import create_fabric
 from process_helpers import ChildOutput
@@ -77,7 +83,7 @@ ledger = "sqlite"
 path = "{ledger}"
 
 [composer]
-auto_heal = false
+auto_heal = {auto_heal}
 call_timeout_s = 10.0
 
 [[fabric]]
@@ -85,6 +91,22 @@ name = "{fabric}"
 driver = "sim"
 options = {{ generate = {{ devices = {devices}, hosts_per_domain = {hosts_per_domain} }}, state_file = "{state}" }}
 """
+
+HEAL_GPUS = 3
+"""GPUs of each composition that `prepare_heal` composes."""
+HEAL_FAILED = 2
+"""GPUs of each of them that it fails: each heal binds and unbinds twice, and keeps a healthy GPU."""
+HEAL_NAMES = ("h0", "h1")
+
+HEAL_HITS = {
+    "heal.after_bind": len(HEAL_NAMES) * HEAL_FAILED,
+    "heal.before_commit": len(HEAL_NAMES),
+    "heal.during_release": len(HEAL_NAMES) * HEAL_FAILED,
+    "heal.after_commit": len(HEAL_NAMES),
+}
+"""How often the start-up heal of `prepare_heal`'s setup passes each heal failpoint: hit 2 of after_bind and
+during_release is the second device of the first heal, hit 2 of before_commit and after_commit the second heal,
+the first one committed (whichever composition it healed)."""
 
 QUARANTINE_EVENTS = ("BindingQuarantined", "AllocationQuarantined")
 """The ledger's event types for hardware that reconciliation found with no record and set aside."""
@@ -96,8 +118,9 @@ QUARANTINE_EVENTS = ("BindingQuarantined", "AllocationQuarantined")
 class CrashRig:
     """The files of one crash case (configuration, ledger, hardware state file, socket) under one directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, auto_heal: bool = False) -> None:
         self.root = root
+        self.auto_heal = auto_heal
         self.config = root / "disagg.toml"
         self.ledger_path = root / "ledger.db"
         self.state_file = root / "sim-state.json"
@@ -108,6 +131,7 @@ class CrashRig:
                 ledger=self.ledger_path,
                 fabric=FABRIC,
                 state=self.state_file,
+                auto_heal=str(auto_heal).lower(),
                 **GENERATE,
             )
         )
@@ -116,8 +140,53 @@ class CrashRig:
         """The sim options of the configuration, to build the same hardware in the test process."""
         return {"generate": dict(GENERATE), "state_file": str(self.state_file)}
 
+    def copy_to(self, root: Path) -> CrashRig:
+        """A rig under ``root`` (an empty directory) with this one's ledger and hardware, copied (no server may
+        run on this one) and its configuration."""
+        rig = CrashRig(root, auto_heal=self.auto_heal)
+        for path in self.root.iterdir():
+            if path.name.startswith((self.ledger_path.name, self.state_file.name)):
+                shutil.copy2(path, root / path.name)
+        return rig
+
+    def fail_devices(self, devices: Iterable[str]) -> None:
+        """Mark ``devices`` FAILED in the sim's state file, through the sim itself, while no server runs: a
+        failure that no fabric manager heard of, found by the next one's discovery."""
+        fabric = create_fabric(FABRIC, self.fabric_options())
+        try:
+            for device in devices:
+                fabric.fail_device(device, "failed by the crash test while no server ran")
+        finally:
+            fabric.close()
+
     def start(self, failpoints: str | None = None) -> ServeProcess:
         """Start ``disagg serve`` on this rig, armed with ``failpoints`` (``NAME@N``) or with none."""
+        server = self._spawn(failpoints)
+        try:
+            server.wait_ready(START_TIMEOUT_S)
+        except BaseException:
+            server.kill()
+            raise
+        return server
+
+    def start_until_exit(self, failpoints: str) -> tuple[int | None, str]:
+        """Start ``disagg serve`` armed with ``failpoints`` that its start-up reaches, and wait for it to die:
+        its exit status (None when it still ran after `START_TIMEOUT_S`, then killed) and its output. A server
+        that reports serving is killed at once: its start-up passed no armed failpoint."""
+        server = self._spawn(failpoints)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                status = server.wait_exit(0.1)
+                if status is not None:
+                    return status, server.output
+                if READY in server.output:
+                    break
+            return None, server.output
+        finally:
+            server.kill()
+
+    def _spawn(self, failpoints: str | None) -> ServeProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("DISAGG_CONFIG", "DISAGG_SERVER", FAILPOINTS_ENV)}
         env["DISAGG_STATE_DIR"] = str(self.state_dir)
         if failpoints:
@@ -133,13 +202,7 @@ class CrashRig:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        server = ServeProcess(proc, self.address, armed=failpoints or "")
-        try:
-            server.wait_ready(START_TIMEOUT_S)
-        except BaseException:
-            server.kill()
-            raise
-        return server
+        return ServeProcess(proc, self.address, armed=failpoints or "")
 
     def hardware(self) -> Hardware:
         """What the hardware holds now: the sim fabric built afresh from the state file, in this process."""
@@ -149,7 +212,8 @@ class CrashRig:
             for info in fabric.discover().pools:
                 for alloc in fabric.pool(info.id).allocations():
                     allocations[(alloc.pool, alloc.id)] = alloc
-            return Hardware({b.device: b.host for b in fabric.bindings()}, allocations)
+            unhealthy = frozenset(d.id for d in fabric.discover().devices if d.health is not Health.OK)
+            return Hardware({b.device: b.host for b in fabric.bindings()}, allocations, unhealthy)
         finally:
             fabric.close()
 
@@ -371,6 +435,36 @@ def run_until_crash(server: ServeProcess, cycles: int = CYCLES) -> Crash:
     return Crash(tuple(answered), None, dict(known), None, None, server.output)
 
 
+@attrs.frozen
+class HealSetup:
+    """The hardware and ledger that a start-up heal works on: `HEAL_NAMES`, as composed, and the devices of each
+    failed while no server ran. The rig's server is stopped: copy the rig (`CrashRig.copy_to`) to crash on it."""
+
+    rig: CrashRig
+    composed: Mapping[str, Composition]
+    failed: Mapping[str, frozenset[str]]
+
+
+def prepare_heal(rig: CrashRig) -> HealSetup:
+    """Compose `HEAL_NAMES` on ``rig`` (auto-heal on), each of `HEAL_GPUS` GPUs, stop the server cleanly, then
+    fail `HEAL_FAILED` GPUs of each in the sim's state file (its last ones, so a healthy first one is kept)."""
+    assert rig.auto_heal, "a start-up heal needs [composer] auto_heal"
+    composed: dict[str, Composition] = {}
+    server = rig.start()
+    try:
+        for name in HEAL_NAMES:
+            request = compose_request(name, [_gpus(HEAL_GPUS)], f"compose-{name}")
+            composed[name] = composition_from_wire(server.call("Compose", request).composition)
+    finally:
+        status = server.stop()
+    assert status == 0, f"the heal setup's server exited with {status} on SIGTERM:\n{server.output}"
+    for comp in composed.values():
+        assert comp.state is CompositionState.COMPOSED and len(comp.devices) == HEAL_GPUS, comp
+    failed = {name: frozenset(comp.device_ids[-HEAL_FAILED:]) for name, comp in composed.items()}
+    rig.fail_devices(sorted(d for devices in failed.values() for d in devices))
+    return HealSetup(rig, composed, failed)
+
+
 # ----------------------------------------------------------------------------------------------- reading state
 
 
@@ -402,9 +496,12 @@ class Hardware:
 
     bindings: Mapping[str, str]
     allocations: Mapping[tuple[str, str], Allocation]
+    unhealthy: frozenset[str] = frozenset()
+    """The devices whose health is not OK."""
 
     def describe(self) -> str:
         lines = [f"  bound {d} -> {h}" for d, h in sorted(self.bindings.items())]
+        lines += [f"  unhealthy {d}" for d in sorted(self.unhealthy)]
         lines += [
             f"  carved {pool}:{aid} for {a.host} {a.amount_bytes // GIB} GiB at {_extents(a)}"
             for (pool, aid), a in sorted(self.allocations.items())

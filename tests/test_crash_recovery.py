@@ -1,5 +1,5 @@
-"""Crash consistency: ``disagg serve`` is killed (SIGKILL) at every named failpoint of the compose, recompose
-and decompose paths, at its first, second and sometimes third hit, then restarted without failpoints.
+"""Crash consistency: ``disagg serve`` is killed (SIGKILL) at every named failpoint of the compose, recompose,
+decompose and heal paths, at its first, second and sometimes third hit, then restarted without failpoints.
 
 After the restart the ledger (what ListCompositions answers, then the SQLite file once the server stopped) is
 held against the hardware (the sim's state file, read into a fresh fabric in this process): nothing stuck
@@ -7,6 +7,10 @@ midway, no binding or allocation without a record nor a record without one, noth
 composition the client saw completed lost. The restarted server composes and decomposes again, and the request
 in flight at the crash, sent again with its request id, is applied once. See tests/crash_helpers.py for the
 workload that reaches each failpoint.
+
+The heal failpoints are reached by the heal at start-up of a server that finds devices failed while it was down
+(`prepare_heal`): killed there, and restarted, every composition it was healing is healed, keeping its healthy
+GPU, with nothing of the failed GPUs or of a replacement left bound outside a composition.
 """
 
 from __future__ import annotations
@@ -19,17 +23,23 @@ import pytest
 from crash_helpers import (
     CYCLES,
     GIB,
+    HEAL_FAILED,
+    HEAL_GPUS,
+    HEAL_HITS,
+    HEAL_NAMES,
     HITS_PER_CYCLE,
     Call,
     Crash,
     CrashRig,
     Hardware,
+    HealSetup,
     Quarantine,
     ServeProcess,
     compose_request,
     cordoned_devices,
     describe_compositions,
     list_compositions,
+    prepare_heal,
     quarantine_events,
     run_until_crash,
     violations,
@@ -60,12 +70,10 @@ THIRD_HITS = (
 """Failpoints also killed at their third hit: those passed once per device or allocation, and
 recompose.before_commit, whose first three hits are an added GPU, a removal and added memory."""
 
-IN_PROCESS = frozenset(name for name in FAILPOINTS if name.startswith("heal."))
-"""Failpoints the workload never passes (no device of it fails, so nothing heals): test_recovery.py crashes a
-composer in process at each of them instead (`TestAHealACrashInterrupted`)."""
-
-CASES = [(name, hit) for name in FAILPOINTS if name not in IN_PROCESS for hit in (1, 2)]
+CASES = [(name, hit) for name in FAILPOINTS if name in HITS_PER_CYCLE for hit in (1, 2)]
 CASES += [(name, 3) for name in THIRD_HITS]
+HEAL_CASES = [(name, hit) for name in FAILPOINTS if name in HEAL_HITS for hit in (1, 2)]
+"""The failpoints the workload never passes (nothing of it fails, so nothing heals), reached by a start-up heal."""
 MIN_CYCLES = 20
 LOG_TAIL = 40
 
@@ -193,6 +201,34 @@ def _compose_again(server: ServeProcess) -> list[str]:
     return []
 
 
+def _healed(comps: tuple[Composition, ...], setup: HealSetup, hw: Hardware) -> list[str]:
+    """(h) The compositions of the heal setup, and only they, are there as composed (id, host, no memory), each
+    COMPOSED with its `HEAL_GPUS` GPUs all healthy: its healthy GPU kept, its failed ones replaced, none of those
+    bound any longer. (The setup leaves free GPUs enough on every host: a DEGRADED one is a heal not finished.)"""
+    out: list[str] = []
+    by_name = {c.name: c for c in comps}
+    if extra := sorted(set(by_name) - set(setup.composed)):
+        out.append(f"(h) there are compositions the heal setup did not compose: {extra}")
+    for name, before in sorted(setup.composed.items()):
+        now = by_name.get(name)
+        if now is None:
+            out.append(f"(h) {before.id} {name!r}, composed before the heal, is gone")
+            continue
+        if (now.id, now.host, now.allocations) != (before.id, before.host, before.allocations):
+            out.append(f"(h) {name!r} was {_ids(before)}, is {_ids(now)}")
+        if now.state is not CompositionState.COMPOSED:
+            out.append(f"(h) {now.id} {name!r} is {now.state.value}, not healed: {now.message}")
+        if len(now.devices) != HEAL_GPUS:
+            out.append(f"(h) {now.id} {name!r} has {len(now.devices)} devices, not {HEAL_GPUS}")
+        if lost := sorted(set(before.device_ids) - setup.failed[name] - set(now.device_ids)):
+            out.append(f"(h) {now.id} {name!r} lost its healthy {', '.join(lost)}")
+        if sick := sorted(set(now.device_ids) & hw.unhealthy):
+            out.append(f"(h) {now.id} {name!r} still lists the unhealthy {', '.join(sick)}")
+    for device in sorted(set().union(*setup.failed.values()) & set(hw.bindings)):
+        out.append(f"(h) the failed {device} is still bound to {hw.bindings[device]}")
+    return out
+
+
 def _tail(text: str) -> str:
     return "".join(text.splitlines(keepends=True)[-LOG_TAIL:])
 
@@ -250,19 +286,78 @@ class TestCrashAtEveryFailpoint:
         )
 
 
+@pytest.fixture(scope="module")
+def heal_setup(tmp_path_factory: pytest.TempPathFactory) -> HealSetup:
+    """One setup for every heal case, each of which crashes a copy of it (`CrashRig.copy_to`)."""
+    return prepare_heal(CrashRig(tmp_path_factory.mktemp("heal-setup"), auto_heal=True))
+
+
+class TestCrashInAStartUpHeal:
+    """Killed at a heal failpoint while it heals at start-up the GPUs that failed while no server ran, and
+    restarted, the fabric manager agrees with the hardware, has every composition healed and composes again."""
+
+    @pytest.mark.parametrize(("failpoint", "hit"), HEAL_CASES, ids=[f"{name}@{hit}" for name, hit in HEAL_CASES])
+    def test_kill_restart_and_check(self, tmp_path: Path, heal_setup: HealSetup, failpoint: str, hit: int) -> None:
+        rig = heal_setup.rig.copy_to(tmp_path)
+        armed = f"{failpoint}@{hit}"
+        exit_status, output = rig.start_until_exit(armed)
+        assert exit_status == -signal.SIGKILL, (
+            f"the server armed with {armed} ended its start-up heal of {len(HEAL_NAMES)} compositions with "
+            f"{HEAL_FAILED} failed GPUs each with exit status {exit_status} (None: it served, or still ran), "
+            f"not SIGKILL; is failpoints.hit({failpoint!r}) in the heal?\n{_tail(output)}"
+        )
+        assert f"failpoint {failpoint} hit" in output, f"the server died, not at {armed}:\n{output}"
+
+        problems: list[str] = []
+        server = rig.start()
+        try:
+            comps = list_compositions(server)
+            quarantine = Quarantine(frozenset(cordoned_devices(server)), quarantine_events(rig.ledger_events()))
+            hardware = rig.hardware()
+            restarted = violations(comps, hardware, quarantine)
+            problems += [f"after the restart: {v}" for v in restarted + _healed(comps, heal_setup, hardware)]
+            if not restarted:
+                problems += _compose_again(server)
+        finally:
+            status = server.stop()
+        ledger, hardware = rig.ledger(), rig.hardware()
+        quarantine = Quarantine(quarantine.cordoned, quarantine_events(rig.ledger_events()))
+        found = violations(ledger, hardware, quarantine) + _healed(ledger, heal_setup, hardware)
+        problems += [f"after the stop: {v}" for v in found]
+        if status != 0:
+            problems.append(f"the restarted server exited with {status} on SIGTERM")
+        assert not problems, (
+            f"crash at {armed} in the start-up heal:\n"
+            + "\n".join(problems)
+            + f"\n\ncomposed before the heal:\n{describe_compositions(list(heal_setup.composed.values()))}"
+            + f"\nfailed: {', '.join(sorted(set().union(*heal_setup.failed.values())))}"
+            + f"\n\nlisted after the restart:\n{describe_compositions(comps)}"
+            + f"\n\nledger after the stop:\n{describe_compositions(ledger)}"
+            + f"\n\nhardware after the stop:\n{hardware.describe()}"
+            + f"\n\ncrashed server's log:\n{_tail(output)}"
+            + f"\n\nrestarted server's log:\n{_tail(server.output)}"
+        )
+
+
 class TestCrashCases:
-    """The cases cover every failpoint, reach each within the workload, and kill and restart at least 20 times."""
+    """The cases cover every failpoint, reach each within the workload or the start-up heal, and kill and
+    restart at least 20 times."""
 
     def test_every_failpoint_is_tested(self) -> None:
-        assert {name for name, _ in CASES} == set(FAILPOINTS) - IN_PROCESS
-        assert set(HITS_PER_CYCLE) == set(FAILPOINTS) - IN_PROCESS
+        assert {name for name, _ in CASES + HEAL_CASES} == set(FAILPOINTS)
+        assert set(HITS_PER_CYCLE) | set(HEAL_HITS) == set(FAILPOINTS)
+        assert not set(HITS_PER_CYCLE) & set(HEAL_HITS)
 
     def test_every_hit_is_within_the_workload(self) -> None:
         short = [(n, h) for n, h in CASES if h > HITS_PER_CYCLE[n] * (CYCLES - 1)]
         assert not short, f"{short} need more than {CYCLES - 1} of the {CYCLES} workload cycles"
 
+    def test_every_heal_hit_is_within_the_start_up_heal(self) -> None:
+        short = [(n, h) for n, h in HEAL_CASES if h > HEAL_HITS[n]]
+        assert not short, f"{short} are passed fewer times by the start-up heal of the heal setup"
+
     def test_at_least_twenty_cycles(self) -> None:
-        assert len(CASES) >= MIN_CYCLES
+        assert len(CASES) + len(HEAL_CASES) >= MIN_CYCLES
 
 
 def _comp(
