@@ -107,6 +107,8 @@ class TestDriverDemo:
             (("demo", "--fabric", "sim", "--memory", "lots"), "is not a size of memory"),
             (("demo", "--fabric", "sim", "--memory", "x8"), "is not a size of memory"),
             (("demo", "--fabric", "sim", "--memory", "8"), "is not a size of memory"),
+            (("demo", "--fabric", "sim", "--memory", "512.0"), "has no unit: 512GiB?"),
+            (("demo", "--fabric", "sim", "--memory", "1.5"), "has no unit: 1.5GiB?"),
             (("demo", "--memory", "1GiB"), "--memory and --keep apply with --fabric only"),
             (("demo", "--keep"), "--memory and --keep apply with --fabric only"),
         ],
@@ -215,6 +217,41 @@ class TestErrors:
         assert (code, out) == (2, "")
         assert err.startswith("disagg: error: ") and message in err
         assert cli(capsys, "ls", "--json")[1].strip() == "[]"
+
+    @pytest.mark.parametrize(
+        ("name", "content"),
+        [
+            ("deep.json", "[" * 100_000 + "]" * 100_000),
+            ("deep.json", '{"name": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+            ("deep.toml", "a = " + "[" * 100_000 + "]" * 100_000 + "\n"),
+        ],
+    )
+    def test_a_request_file_nested_too_deep(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, content: str
+    ) -> None:
+        """The parser's RecursionError escaped as a traceback."""
+        path = tmp_path / name
+        path.write_text(content)
+        code, out, err = cli(capsys, "compose", "--file", str(path))
+        assert (code, out) == (2, "")
+        assert err.startswith(f"disagg: error: cannot read request file {path}: ") and "nested" in err
+
+    @pytest.mark.parametrize(
+        ("clause", "code", "message"),
+        [
+            ("gpu x" + "9" * 4301, 2, "is more than the most a request may give"),
+            ("gpu x2 spread=chassis=a", 2, "is not a failure-domain label"),
+            ("cxl-memory 512.0", 2, "has no unit: 512GiB?"),
+        ],
+    )
+    def test_clauses_refused_as_through_a_server(
+        self, capsys: pytest.CaptureFixture[str], clause: str, code: int, message: str
+    ) -> None:
+        """Each crashed (a count of 4301 digits), did not fit (exit 3, a label no label can be) or asked for 512
+        bytes; compose and recompose --add read a clause alike."""
+        for args in (("compose", "--preview", "x", clause), ("recompose", "x", "--add", clause)):
+            got, out, err = cli(capsys, *args)
+            assert (got, out) == (code, "") and message in err
 
     def test_reserve_zero_reserves_for_the_default_time(self, capsys: pytest.CaptureFixture[str]) -> None:
         """--reserve 0 bound the hardware as a plain compose did; 0 is the protocol's default, 60 s."""

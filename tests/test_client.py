@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from disagg.client import FabricManagerClient, RetryPolicy
+from disagg.client import MAX_TIMEOUT_S, FabricManagerClient, RetryPolicy
 from disagg.client import _client as client_module
 from disagg.composer import FabricComposer
 from disagg.errors import (
@@ -435,6 +435,14 @@ class TestErrors:
         with pytest.raises(InvalidRequestError, match="positive number of seconds") as info:
             FabricManagerClient("127.0.0.1:1", timeout_s=timeout)
         assert info.value.field == "timeout_s"
+
+    @pytest.mark.parametrize("timeout", [MAX_TIMEOUT_S * 1.5, 1e10, 1e300])
+    def test_a_timeout_beyond_the_longest(self, timeout: float) -> None:
+        """From about 1e10 s on, gRPC's deadline overflowed and every call failed at once as DEADLINE_EXCEEDED."""
+        with pytest.raises(InvalidRequestError, match="at most 31536000") as info:
+            FabricManagerClient("127.0.0.1:1", timeout_s=timeout)
+        assert info.value.field == "timeout_s"
+        FabricManagerClient("127.0.0.1:1", timeout_s=MAX_TIMEOUT_S).close()
 
     def test_a_socket_path_with_a_space(self, tmp_path: Path) -> None:
         """The server listens there; the client refused the address."""

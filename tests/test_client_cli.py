@@ -169,6 +169,13 @@ class TestExitCodes:
         code, _, err = cli(capsys, "--timeout", "5", "ls")
         assert code == 2 and "--timeout applies with --server only" in err
 
+    def test_a_timeout_beyond_a_year(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
+        """--timeout 1e10 made every call fail at once with Deadline Exceeded, as if the server were too slow."""
+        for bad in ("31536001", "1e10"):
+            code, out, err = cli(capsys, "--server", served.address, "--timeout", bad, "ls")
+            assert (code, out) == (2, "") and "the timeout must be at most 31536000 seconds" in err
+        assert cli(capsys, "--server", served.address, "--timeout", "31536000", "ls")[0] == 0
+
     def test_decompose_ignore_missing(self, capsys: pytest.CaptureFixture[str], served: Served) -> None:
         code, _, _ = cli(capsys, "--server", served.address, "decompose", "nothing", "--ignore-missing")
         assert code == 0

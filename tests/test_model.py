@@ -536,3 +536,22 @@ class TestRevise:
     def test_unknown_field(self) -> None:
         with pytest.raises(TypeError, match="Composition has no field 'colour'"):
             revise(self._comp(), colour="red")
+
+
+class TestALabelOfManyDigits:
+    """A failure-domain label of more digits than Python reads as an int (4300) crashed placement with its
+    ValueError (`Device.attribute`): it is read as text, and matches a selector that compares with that text."""
+
+    @pytest.mark.parametrize(
+        "label", ["9" * 5000, "-" + "9" * 5000, "9" * 5000 + "GiB", "1." + "9" * 5000 + "KiB", "1.0001KiB"]
+    )
+    def test_read_as_text(self, label: str) -> None:
+        dev = _gpu(failure_domains={"rack": label})
+        assert dev.attribute("rack") == label
+        assert Selector("rack", SelectorOp.EQ, label).matches(dev.attribute("rack"))
+        assert not Selector("rack", SelectorOp.EQ, 1).matches(dev.attribute("rack"))
+        host = Host("h1", 8, 1 << 30, failure_domains={"rack": label})
+        assert host.attribute("rack") == label
+
+    def test_at_the_limit_a_number(self) -> None:
+        assert _gpu(failure_domains={"rack": "9" * 4300}).attribute("rack") == int("9" * 4300)

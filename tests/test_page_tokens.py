@@ -3,12 +3,17 @@ carry any key the server lists is refused."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import grpc
 import pytest
 from disagg.errors import InvalidRequestError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.wire import driver
 from disagg.wire.fabric import page_token_from_wire, page_token_to_wire
 from hypothesis import given
 from hypothesis import strategies as st
+from server_helpers import fails, serving, socket_path
 
 COLLECTIONS = ["devices", "compositions", "reservations"]
 WIDE = ["g", "é", "設", "\U0001f600"]
@@ -46,3 +51,23 @@ def test_token_longer_than_any_token_is_refused(length: int) -> None:
     assert len(token) > len(page_token_to_wire("reservations", WIDE[-1] * driver.MAX_ID))
     with pytest.raises(InvalidRequestError, match="not a page token of this listing"):
         page_token_from_wire(token, "reservations")
+
+
+@pytest.mark.parametrize("token", ["é", "ZGV2aWNlczpn設", "\U0001f600"])
+def test_a_token_beyond_ascii_is_refused(token: str) -> None:
+    """base64 raised a plain ValueError for it, which reached a client as INTERNAL."""
+    with pytest.raises(InvalidRequestError, match="not a page token of this listing") as info:
+        page_token_from_wire(token, "devices")
+    assert info.value.field == "page_token"
+
+
+def test_a_token_beyond_ascii_is_invalid_argument_over_grpc(tmp_path: Path) -> None:
+    with serving(socket_path(tmp_path)) as served:
+        for call, request in (
+            (served.stub.ListDevices, fm.ListDevicesRequest(page_token="é")),
+            (served.stub.ListCompositions, fm.ListCompositionsRequest(page_token="é")),
+            (served.stub.ListReservations, fm.ListReservationsRequest(page_token="é")),
+        ):
+            failure = fails(call, request, timeout=10)
+            assert failure.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert failure.fields == ("page_token",) and "not a page token" in failure.message

@@ -837,3 +837,70 @@ def test_a_number_too_large_to_be_finite_is_refused() -> None:
     longer does (a ledger may hold one)."""
     with pytest.raises(InvalidRequestError, match="is not a number a device can have"):
         parse_resource("gpu score>=" + "9" * 400 + ".0")
+
+
+class TestACountOfTooManyDigits:
+    """A count longer than Python reads as an int (4300 digits) raised its ValueError instead of the request
+    language's refusal of a count out of range."""
+
+    @pytest.mark.parametrize("count", ["x" + "9" * 4301, "9" * 4301, "x" + "9" * 100_000])
+    def test_text(self, count: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is more than the most a request may give, 4294967295") as info:
+            parse_resource(f"gpu {count}", field="clauses[0]")
+        assert info.value.field == "clauses[0]" and len(info.value.message) < 200
+
+    def test_leading_zeros_are_no_more(self) -> None:
+        assert parse_resource("gpu x" + "0" * 5000 + "8").count == 8
+
+
+class TestSpreadLabels:
+    """``spread`` names a failure-domain label as the wire does (1-63 letters, digits, '.', '_', '-'): one that
+    cannot be one was a NoFitError locally (exit 3) but INVALID_ARGUMENT through a server (exit 2)."""
+
+    @pytest.mark.parametrize("label", ["chassis=a", "a b", "é", "-rack", "r" * 64])
+    def test_text(self, label: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not a failure-domain label") as info:
+            parse_request("t", [f"gpu x2 {shlex.quote('spread=' + label)}"])
+        assert info.value.field == "clauses[0]"
+
+    @pytest.mark.parametrize("label", ["chassis=a", "a b", "é", "-rack", "r" * 64])
+    def test_documents(self, label: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not a failure-domain label") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "gpu", "count": 2, "spread": label}]})
+        assert info.value.field == "resource[0].spread"
+
+    @pytest.mark.parametrize("label", ["chassis", "power-feed", "rack.1", "r" * 63, "0"])
+    def test_labels_are_taken(self, label: str) -> None:
+        assert parse_resource(f"gpu x2 spread={label}").spread == label
+
+
+class TestAnAmountHasAUnit:
+    """``cxl-memory 512.0`` was 512 bytes while ``cxl-memory 512`` is 512 devices: a bare decimal is refused."""
+
+    @pytest.mark.parametrize(("amount", "hint"), [("512.0", "512GiB"), ("1.5", "1.5GiB"), ("0.25", "0.25GiB")])
+    def test_text(self, amount: str, hint: str) -> None:
+        with pytest.raises(InvalidRequestError, match=f"has no unit.*{re.escape(hint)}\\?") as info:
+            parse_resource(f"cxl-memory {amount}", field="clauses[0]")
+        assert info.value.field == "clauses[0]"
+
+    @pytest.mark.parametrize(("amount", "nbytes"), [("512B", 512), ("512.0GiB", 512 * GiB), ("1.5KiB", 1536)])
+    def test_with_a_unit(self, amount: str, nbytes: int) -> None:
+        assert parse_resource(f"cxl-memory {amount}").amount_bytes == nbytes
+
+
+class TestDocumentKeysAreText:
+    """A key that is not text (a dict given from Python) raised TypeError sorting or joining the unknown ones."""
+
+    @pytest.mark.parametrize(
+        ("doc", "field"),
+        [
+            ({1: 2}, "request"),
+            ({"name": "t", 1: 2, "b": 3, "resource": [{"kind": "gpu"}]}, "request"),
+            ({"name": "t", "host": {None: 1}, "resource": [{"kind": "gpu"}]}, "host"),
+            ({"name": "t", "resource": [{"kind": "gpu", 3.5: "x"}]}, "resource[0]"),
+        ],
+    )
+    def test_refused_naming_the_key(self, doc: dict[Any, Any], field: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not a field name") as info:
+            request_from_document(doc)
+        assert info.value.field == field

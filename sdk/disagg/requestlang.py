@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
 from disagg.model import (
+    FAILURE_DOMAIN_LABEL,
     SELECTOR_KEY,
     Affinity,
     AttributeValue,
@@ -31,11 +32,13 @@ from disagg.model import (
     parse_size,
     selector_refusal,
 )
-from disagg.model.composition import host_limit_refusal, resource_limit_refusal, selector_value_refusal
+from disagg.model.composition import MAX_COUNT, host_limit_refusal, resource_limit_refusal, selector_value_refusal
 
 _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
 _COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
+_BARE_DECIMAL = re.compile(r"\d+\.\d+")
+"""``512.0``: a number with a point and no unit."""
 T = TypeVar("T")
 _CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]i?", flags=re.IGNORECASE)
 """``80G`` or ``80Gi``: a size whose B was left out."""
@@ -173,7 +176,7 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
     for tok in tokens[1:]:
         count_match = _COUNT.match(tok)
         if count_match and count is None and amount is None:
-            count = int(count_match.group(1))
+            count = _count(count_match.group(1), field)
             if count == 0:
                 raise InvalidRequestError(f"{tok!r}: a count must be at least 1", field=field)
         elif tok in ("same-switch", "affinity=same-switch"):
@@ -184,6 +187,7 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             spread = tok.split("=", 1)[1]
             if not spread:
                 raise InvalidRequestError("spread= needs a failure-domain label", field=field)
+            _check_spread(spread, field)
         elif tok.startswith(("latency<=", "latency<")):
             _once("latency", seen, tok, field)
             strict = not tok.startswith("latency<=")
@@ -194,6 +198,9 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             if latency < 0:
                 raise InvalidRequestError(f"{tok!r}: no latency is below zero", field=field)
         elif count is None and amount is None and not _CLAUSE.match(tok):
+            why = bare_amount_refusal(tok)
+            if why:
+                raise InvalidRequestError(why, field=field)
             try:
                 amount = parse_size(tok)
             except ValueError as exc:
@@ -216,6 +223,40 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
         spread=spread,
         field=field,
     )
+
+
+def _count(digits: str, field: str) -> int:
+    """A count written in ``digits``, refused past `MAX_COUNT` before `int` reads it: past 4300 digits `int`
+    raises a ValueError of its own, which escaped."""
+    digits = digits.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_COUNT)):
+        raise InvalidRequestError(
+            f"a count of {len(digits)} digits is more than the most a request may give, {MAX_COUNT}", field=field
+        )
+    return int(digits)
+
+
+def bare_amount_refusal(text: str) -> str:
+    """Why ``text`` is no amount of memory, when it is a number with a point and no unit (``512.0``); else empty.
+    A whole number alone is a count of devices (``cxl-memory 512``), so ``512.0`` read as 512 bytes silently
+    meant something else."""
+    if not _BARE_DECIMAL.fullmatch(text.strip()):
+        return ""
+    number = text.strip().rstrip("0").rstrip(".")
+    return (
+        f"{text!r} has no unit: {number}GiB? (an amount of memory is written with its unit; a whole number alone "
+        "is a count of devices)"
+    )
+
+
+def _check_spread(label: str, field: str) -> None:
+    """Refuse a ``spread`` label the protocol refuses (`FAILURE_DOMAIN_LABEL`): locally it found no fit."""
+    if not FAILURE_DOMAIN_LABEL.fullmatch(label):
+        raise InvalidRequestError(
+            f"spread={label!r} is not a failure-domain label (1-63 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit)",
+            field=field,
+        )
 
 
 def _selector(text: str, field: str, *, clause: bool = False) -> Selector:
@@ -289,6 +330,7 @@ def request_from_document(doc: Any) -> CompositionRequest:
     """A request from a parsed TOML or JSON document (``name``, ``[host]``, ``[[resource]]``)."""
     if not isinstance(doc, Mapping):
         raise InvalidRequestError("a request document is a table of name, host and resource", field="request")
+    _check_keys(doc, "request")
     unknown = set(doc) - {"name", "host", "resource", "resources"}
     if unknown:
         raise InvalidRequestError(f"unknown request fields: {', '.join(sorted(unknown))}", field=sorted(unknown)[0])
@@ -311,6 +353,14 @@ def request_from_document(doc: Any) -> CompositionRequest:
     return _request(name, resources, host)
 
 
+def _check_keys(doc: Mapping[Any, Any], field: str) -> None:
+    """Refuse a key that is not text, which only a table built in Python has: sorting the unknown fields raised
+    TypeError."""
+    for key in doc:
+        if not isinstance(key, str):
+            raise InvalidRequestError(f"{key!r} is not a field name: a field of {field} is named by text", field=field)
+
+
 def _selectors_from_document(items: Any, field: str, *, resource: bool) -> tuple[Selector, ...]:
     if not isinstance(items, list):
         raise InvalidRequestError(f'{field} must be a list of selectors, e.g. ["model=H200"]', field=field)
@@ -319,6 +369,7 @@ def _selectors_from_document(items: Any, field: str, *, resource: bool) -> tuple
 
 
 def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
+    _check_keys(doc, "host")
     unknown = set(doc) - {"name", "min_cores", "min_memory", "selectors"}
     if unknown:
         raise InvalidRequestError(f"unknown host fields: {', '.join(sorted(unknown))}", field="host")
@@ -344,6 +395,7 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
 def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
     if not isinstance(doc, Mapping):
         raise InvalidRequestError("each resource must be a table", field=field)
+    _check_keys(doc, field)
     unknown = set(doc) - {"kind", "count", "amount", "selectors", "max_latency", "affinity", "spread"}
     if unknown:
         raise InvalidRequestError(f"unknown resource fields: {', '.join(sorted(unknown))}", field=field)
@@ -359,6 +411,8 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
     spread = doc.get("spread")
     if spread is not None and (not isinstance(spread, str) or not spread):
         raise InvalidRequestError("spread needs a failure-domain label", field=f"{field}.spread")
+    if spread is not None:
+        _check_spread(spread, f"{field}.spread")
     selectors = _selectors_from_document(doc.get("selectors", []), f"{field}.selectors", resource=True)
     return _build(
         kind,

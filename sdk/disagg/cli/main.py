@@ -35,7 +35,7 @@ from disagg.errors import (
 )
 from disagg.model import ComposeMode, CompositionRequest, DeviceKind, format_size, parse_size
 from disagg.plugins import load_plugins
-from disagg.requestlang import parse_request, parse_resource, request_from_document
+from disagg.requestlang import bare_amount_refusal, parse_request, parse_resource, request_from_document
 from disagg.wire.fabric import check_id
 
 EXIT_CODES: tuple[tuple[type[DisaggError], int], ...] = (
@@ -203,6 +203,10 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
             raise InvalidRequestError(f"request file {path} does not exist", field="file") from None
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"cannot read request file {path}: {exc}", field="file") from exc
+        except RecursionError:  # the parsers recurse per level of nesting; a request has a few
+            raise InvalidRequestError(
+                f"cannot read request file {path}: it is nested too deeply to be a request", field="file"
+            ) from None
         if args.clauses:
             raise InvalidRequestError(
                 f"--file {path} gives the resources: give no resource clauses with it ({' '.join(args.clauses)})",
@@ -310,7 +314,11 @@ def cmd_decompose(args: argparse.Namespace) -> int:
 
 def _memory(text: str) -> str:
     """``--memory``: a size with its unit (``256MiB``), kept as written; anything else is refused, a count
-    (``x8``, ``8``) included: on the resource line it becomes, that asks for whole memory devices."""
+    (``x8``, ``8``) included: on the resource line it becomes, that asks for whole memory devices. So is a
+    number with a point and no unit (``512.0``), which was taken as bytes."""
+    why = bare_amount_refusal(text)
+    if why:
+        raise InvalidRequestError(f"--memory {why}", field="memory")
     try:
         if not text.strip().isdigit() and parse_size(text) > 0:
             return text

@@ -7,10 +7,11 @@ from the server's error details, so that ``except NoFitError`` works as it does 
         result = fm.compose(parse_request("job", ["gpu x2 model=H200"]))
 """
 
-from disagg.client._client import DeviceStatus, EventStream, FabricInfo, FabricManagerClient
+from disagg.client._client import MAX_TIMEOUT_S, DeviceStatus, EventStream, FabricInfo, FabricManagerClient
 from disagg.client._retry import NO_RETRY, RETRYABLE_CODES, RetryPolicy
 
 __all__ = [
+    "MAX_TIMEOUT_S",
     "NO_RETRY",
     "RETRYABLE_CODES",
     "DeviceStatus",

@@ -134,6 +134,9 @@ def _status(msg: pb.Device) -> DeviceStatus:
 
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 """Codes a call can end with, without a server's answer, after its request may have reached the server."""
+MAX_TIMEOUT_S = 365 * 86_400.0
+"""The longest ``timeout_s``, a year. From about 9.2e9 s on gRPC's deadline overflows, and every call then failed
+at once as DEADLINE_EXCEEDED, saying a change may have been made."""
 READY_CHECK_S = 0.2
 """How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
 
@@ -145,10 +148,10 @@ class FabricManagerClient:
     rebuilt from the server's error details, so code written against `FabricComposer` works against a remote
     fabric manager. Where the composer has a method of the same purpose, the client's has its name.
 
-    ``timeout_s`` is each call's deadline, retries included. Calls that are safe to repeat (reads,
-    Decompose, Cordon/Uncordon, ReleaseReservation, and Compose or UpdateComposition with a request id) are
-    retried on UNAVAILABLE as ``retries`` says; others get one attempt. Thread-safe; use it as a context
-    manager or call `close`.
+    ``timeout_s`` is each call's deadline, retries included, at most `MAX_TIMEOUT_S` (a year). Calls that are
+    safe to repeat (reads, Decompose, Cordon/Uncordon, ReleaseReservation, and Compose or UpdateComposition with
+    a request id) are retried on UNAVAILABLE as ``retries`` says; others get one attempt. Thread-safe; use it as
+    a context manager or call `close`.
 
     Each listing has an ``*_at`` twin that also answers the event revision it was read at (`compositions_at`,
     `reservations_at`, `devices_at`, `device_statuses_at`, `topologies_at`, `usage_at`): `watch` from that
@@ -174,6 +177,11 @@ class FabricManagerClient:
         if not 0 < timeout_s < math.inf:  # NaN too: every call failed at once as DEADLINE_EXCEEDED
             raise InvalidRequestError(
                 f"the timeout must be a positive number of seconds, not {timeout_s!r}", field="timeout_s"
+            )
+        if timeout_s > MAX_TIMEOUT_S:
+            raise InvalidRequestError(
+                f"the timeout must be at most {MAX_TIMEOUT_S:.0f} seconds (a year), not {timeout_s:g}",
+                field="timeout_s",
             )
         self.address = address
         self.timeout_s = timeout_s

@@ -2,6 +2,7 @@
 
 from disagg.model.capabilities import Capabilities, Feature
 from disagg.model.composition import (
+    FAILURE_DOMAIN_LABEL,
     MAX_RESERVATION_TTL_S,
     SELECTOR_KEY,
     Affinity,
@@ -53,6 +54,7 @@ from disagg.model.units import format_size, parse_attribute_value, parse_latency
 
 __all__ = [
     "CXL_DC_BLOCK_BYTES",
+    "FAILURE_DOMAIN_LABEL",
     "MAX_RESERVATION_TTL_S",
     "MLD_MAX_LOGICAL_DEVICES",
     "SELECTOR_KEY",

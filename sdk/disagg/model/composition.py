@@ -104,6 +104,10 @@ class Selector:
 
 SELECTOR_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 """What a selector's key looks like: an attribute or failure-domain label name."""
+FAILURE_DOMAIN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+"""What ``spread`` may name, as the protocol takes it: 1-63 letters, digits, '.', '_' or '-', starting with a
+letter or digit. Held to it wherever a request is read, so that a mistyped one (``spread=chassis=a``) is refused
+alike by the local composer and a server, never taken for a label that no device has."""
 
 RESOURCE_MODIFIERS = {
     "latency": "a latency limit is latency<=VALUE or latency<VALUE (e.g. latency<=600ns)",

@@ -126,10 +126,15 @@ def attribute_or_label(
     attributes: Mapping[str, AttributeValue], labels: Mapping[str, str], key: str
 ) -> AttributeValue | None:
     """What a selector on ``key`` compares with: the attribute, else the failure-domain label of that name, read
-    as a selector's value is (``rack=1`` matches the label "1"), else None."""
+    as a selector's value is (``rack=1`` matches the label "1"), else None. A label that reads as no value a
+    selector may hold (a number of more digits than Python reads, a fraction of a byte) is its text: a driver
+    reports labels as it likes, and the ValueError crashed every placement that looked at it."""
     value = attributes.get(key)
     if value is None and key in labels:
-        return parse_attribute_value(labels[key])
+        try:
+            return parse_attribute_value(labels[key])
+        except ValueError:
+            return labels[key]
     return value
 
 

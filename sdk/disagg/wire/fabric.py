@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import math
 import re
@@ -18,6 +17,7 @@ from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import (
+    FAILURE_DOMAIN_LABEL,
     MAX_RESERVATION_TTL_S,
     Affinity,
     Capabilities,
@@ -245,7 +245,7 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
     if msg.affinity != fm.AFFINITY_UNSPECIFIED:
         affinity = enum_from_wire(AFFINITY_FROM_WIRE, msg.affinity, f"{field}.affinity", "affinity")
     spread = msg.spread
-    if spread and not NAME.fullmatch(spread):
+    if spread and not FAILURE_DOMAIN_LABEL.fullmatch(spread):
         raise InvalidRequestError(f"{field}.spread: {spread!r} is not a failure-domain label", field=f"{field}.spread")
     kind = KIND_FROM_WIRE.get(msg.kind)  # the field's name is spelt out only for an error: this runs per Compose
     if kind is None:
@@ -473,7 +473,7 @@ def page_token_from_wire(token: str, collection: str, field: str = "page_token")
         raise bad
     try:
         text = base64.b64decode(token + "=" * (-len(token) % 4), altchars=b"-_", validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
+    except ValueError:  # binascii.Error, UnicodeDecodeError, and base64's own for a character beyond ASCII
         raise bad from None
     prefix, _, key = text.partition(":")
     if prefix != collection or not key or len(key) > MAX_PAGE_KEY or not key.isprintable():
