@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from disagg.config import Config, FabricConfig, build_composer, load_config, parse_config
@@ -177,6 +178,27 @@ class TestFileErrors:
         error = _error(tmp_path, "[[fabric]\nname = ")
         assert "cannot read" in error.message
 
+    def test_not_utf8(self, tmp_path: Path) -> None:
+        path = tmp_path / "bad.toml"
+        path.write_bytes(b'[state]\nledger = "memory"  # caf\xe9\n')
+        with pytest.raises(ConfigError, match="cannot read") as info:
+            load_config(path, environ={})
+        assert str(path) in info.value.message
+        assert "not UTF-8" in info.value.message
+
+    @pytest.mark.parametrize(
+        "text",
+        ["a = " + "[" * 3000 + "]" * 3000, "a = " + "{ b = " * 3000 + "1" + " }" * 3000],
+        ids=["arrays", "tables"],
+    )
+    def test_nested_too_deeply(self, tmp_path: Path, text: str) -> None:
+        error = _error(tmp_path, text)
+        assert "cannot read" in error.message and "nested too deeply" in error.message
+
+    def test_an_integer_of_too_many_digits(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, "a = " + "9" * 5000)
+        assert "cannot read" in error.message
+
     def test_directory(self, cwd: Path, tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="cannot read") as info:
             load_config(tmp_path, environ={})
@@ -284,6 +306,21 @@ class TestValueErrors:
         assert error.field == "composer.call_timeout_s"
         assert "call_timeout_s must be a positive number" in error.message
 
+    @pytest.mark.parametrize("value", ["86400.001", "1e10", "1e308"])
+    def test_timeout_over_a_day(self, tmp_path: Path, value: str) -> None:
+        """A longer timeout overflows the threading waits of a change that waits on a busy composition."""
+        error = _error(tmp_path, MINIMAL + f"[composer]\ncall_timeout_s = {value}\n")
+        assert error.field == "composer.call_timeout_s"
+        assert "at most 86400" in error.message
+
+    def test_timeout_of_a_day(self, tmp_path: Path) -> None:
+        assert _load_text(tmp_path, MINIMAL + "[composer]\ncall_timeout_s = 86400\n").call_timeout_s == 86400.0
+
+    def test_ledger_path_with_a_nul(self, tmp_path: Path) -> None:
+        error = _error(tmp_path, MINIMAL + '[state]\npath = "a\\u0000b"\n')
+        assert error.field == "state.path"
+        assert "must not hold a NUL character" in error.message
+
     @pytest.mark.parametrize("value", ["5", "''", "['best-fit']"])
     def test_policy_not_a_name(self, tmp_path: Path, value: str) -> None:
         error = _error(tmp_path, MINIMAL + f"[composer]\npolicy = {value}\n")
@@ -388,6 +425,20 @@ class TestParseConfig:
             parse_config({}, "inline", environ={})
         assert info.value.reason == "INVALID_CONFIG"
         assert not info.value.retryable
+
+    @pytest.mark.parametrize(
+        ("doc", "field"),
+        [
+            ({1: 2}, "1"),
+            ({"state": {None: 2}}, "state.None"),
+            ({"fabric": [{"name": "a", "driver": "sim", b"x": 1}]}, "fabric[0].b'x'"),
+        ],
+        ids=["top", "state", "fabric"],
+    )
+    def test_a_key_that_is_not_text(self, doc: dict[Any, Any], field: str) -> None:
+        with pytest.raises(ConfigError, match="keys are text") as info:
+            parse_config(doc, "inline", environ={})
+        assert info.value.field == field
 
     def test_expands_from_environ(self, tmp_path: Path) -> None:
         doc = {"fabric": [{"name": "a", "driver": "sim", "options": {"f": "{state_dir}/x"}}]}

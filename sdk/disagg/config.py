@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 CONFIG_ENV = "DISAGG_CONFIG"
 STATE_DIR_ENV = "DISAGG_STATE_DIR"
 LEDGERS = ("sqlite", "memory", "etcd")
+MAX_CALL_TIMEOUT_S = 86_400.0
+"""The longest ``call_timeout_s``: a day. A change that waits on a busy composition waits on threading primitives,
+which overflow beyond `threading.TIMEOUT_MAX`; no driver call needs longer."""
 LEDGER_KEYS = {
     "path": ("sqlite", "memory"),
     "endpoints": ("etcd",),
@@ -99,7 +102,12 @@ def _table(doc: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
 
 
 def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str, path: str = "") -> None:
-    """Refuse unknown keys; ``path`` is the dotted prefix of the error's field (``state``, ``fabric[0]``)."""
+    """Refuse unknown keys; ``path`` is the dotted prefix of the error's field (``state``, ``fabric[0]``). A key
+    that is not text (only a document built in Python has one) is refused first: it cannot be sorted with text."""
+    for key in table:
+        if not isinstance(key, str):
+            field = f"{path}.{key!r}" if path else repr(key)
+            raise ConfigError(f"{source}: keys are text; {where} has the key {key!r}", field=field)
     unknown = sorted(set(table) - allowed)
     if unknown:
         field = f"{path}.{unknown[0]}" if path else unknown[0]
@@ -108,7 +116,12 @@ def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str,
 
 def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
     """Validate a parsed TOML document; every error names the file and the key."""
-    doc = _expand(doc, state_dir(environ), source)
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{source}: a configuration is a table of sections, not {type(doc).__name__}")
+    try:
+        doc = _expand(doc, state_dir(environ), source)
+    except RecursionError:  # only a document built in Python: TOML this deep is refused as it is read
+        raise ConfigError(f"{source}: nested too deeply") from None
     _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
     state = _table(doc, "state", source)
     _known(state, {"ledger", "path", "endpoints", "prefix", "lease_ttl_s", "epoch_base"}, "[state]", source, "state")
@@ -127,6 +140,8 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     path = state.get("path", str(state_dir(environ) / "ledger.db"))
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{source}: [state] path must be the ledger file's path, as text", field="state.path")
+    if "\0" in path:  # TOML lets a string hold one; no file name can
+        raise ConfigError(f"{source}: [state] path must not hold a NUL character", field="state.path")
     endpoints = state.get("endpoints", [])
     if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
         raise ConfigError(f"{source}: [state] endpoints must be a list of HOST:PORT strings", field="state.endpoints")
@@ -155,6 +170,12 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
         raise ConfigError(
             f"{source}: [composer] call_timeout_s must be a positive number", field="composer.call_timeout_s"
+        )
+    if timeout > MAX_CALL_TIMEOUT_S:
+        raise ConfigError(
+            f"{source}: [composer] call_timeout_s must be at most {MAX_CALL_TIMEOUT_S:.0f} seconds (a day), "
+            f"not {timeout!r}",
+            field="composer.call_timeout_s",
         )
     policy = composer.get("policy", "best-fit")
     if not isinstance(policy, str) or not policy:
@@ -212,7 +233,7 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
 
 
 def default_document() -> dict[str, Any]:
-    text = resources.files("disagg").joinpath("defaults/default.toml").read_text()
+    text = resources.files("disagg").joinpath("defaults/default.toml").read_text(encoding="utf-8")
     return tomllib.loads(text)
 
 
@@ -230,10 +251,14 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
     candidate = Path(path) if path else Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else Path("disagg.toml")
     if path or env.get(CONFIG_ENV) or candidate.exists():
         try:
-            doc = tomllib.loads(candidate.read_text())
+            doc = tomllib.loads(candidate.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"configuration file {candidate} does not exist") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except UnicodeDecodeError as exc:  # TOML is UTF-8, whatever the locale says
+            raise ConfigError(f"cannot read {candidate}: not UTF-8 ({exc})") from None
+        except RecursionError:
+            raise ConfigError(f"cannot read {candidate}: not valid TOML: nested too deeply") from None
+        except (OSError, ValueError) as exc:  # ValueError: TOMLDecodeError, an integer of too many digits, a NUL
             raise ConfigError(f"cannot read {candidate}: {exc}") from exc
         return parse_config(doc, str(candidate), env)
     return parse_config(default_document(), "embedded default", env)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -99,3 +101,20 @@ class TestDomains:
             generate_topology("g", devices=0)
         with pytest.raises(ValueError, match="hosts_per_domain"):
             generate_topology("g", devices=10, hosts_per_domain=0)
+
+    @pytest.mark.parametrize(
+        "arguments",
+        ["devices=10, hosts_per_domain=10**12", "devices=10, gpus_per_chassis=10**12", "devices=10**12"],
+        ids=["hosts", "gpus", "devices"],
+    )
+    def test_beyond_the_maximum(self, arguments: str) -> None:
+        """Run apart: before the bound, one huge domain was built for ever."""
+        script = f"import disagg_sim; disagg_sim.generate_topology('g', {arguments})"
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=15
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("generate_topology still ran after 15 s")
+        assert "ValueError: devices, and the devices of one domain" in run.stderr
+        assert "are at most 10000000" in run.stderr

@@ -90,6 +90,11 @@ BAD_OPTIONS: list[Any] = [
     pytest.param({"topology": "demo-pcie", "bind_delay_s": "1s"}, "bind_delay_s", ">= 0", id="delay-str"),
     pytest.param({"topology": "demo-pcie", "bind_delay_s": True}, "bind_delay_s", ">= 0", id="delay-bool"),
     pytest.param({"topology": "demo-pcie", "bind_delay_s": float("nan")}, "bind_delay_s", ">= 0", id="delay-nan"),
+    pytest.param({"topology": "demo-pcie", "bind_delay_s": 1e308}, "bind_delay_s", "at most 86400", id="delay-huge"),
+    pytest.param({"topology": "a\0b"}, "topology", "must not hold a NUL character", id="topology-nul"),
+    pytest.param(
+        {"topology": "demo-pcie", "state_file": "a\0b"}, "state_file", "must not hold a NUL character", id="state-nul"
+    ),
 ]
 
 
@@ -104,6 +109,33 @@ class TestOptions:
         assert message in info.value.message
         assert info.value.field == option
         assert option.split(".", maxsplit=1)[0] in info.value.message
+
+    @pytest.mark.parametrize(
+        ("generate", "option", "message"),
+        [
+            pytest.param({"hosts_per_domain": 10**12}, "generate.hosts_per_domain", "at most 10000000", id="hosts"),
+            pytest.param({"gpus_per_chassis": 10**12}, "generate.gpus_per_chassis", "at most 10000000", id="gpus"),
+            pytest.param(
+                {"hosts_per_domain": 10**6, "gpus_per_chassis": 100},
+                "generate.gpus_per_chassis",
+                "a domain of 1000000 hosts and 100 GPUs per chassis holds 52000001 devices; at most 10000000",
+                id="domain",
+            ),
+            pytest.param(
+                {"hosts_per_domain": 5 * 10**6},
+                "generate.hosts_per_domain",
+                "a domain of 5000000 hosts and 10 GPUs per chassis holds 35000001 devices; at most 10000000",
+                id="domain-of-default-gpus",
+            ),
+        ],
+    )
+    def test_a_domain_beyond_the_maximum(self, generate: dict[str, int], option: str, message: str) -> None:
+        """Checked on the options alone: one domain is built whole however few devices are asked for, so before
+        the bound a huge one built hosts for ever."""
+        with pytest.raises(ConfigError) as info:
+            parse_options("rack1", {"generate": {"devices": 10, **generate}})
+        assert info.value.field == option
+        assert message in info.value.message
 
     def test_good_options(self, tmp_path: Path) -> None:
         opts = parse_options(

@@ -304,6 +304,23 @@ class TestBadStateFiles:
         with pytest.raises(ConfigError, match=r"s\.json is not valid JSON"):
             pcie(path)
 
+    def test_json_nested_too_deeply(self, tmp_path: Path) -> None:
+        path = tmp_path / "s.json"
+        path.write_text("[" * 100_000 + "]" * 100_000)
+        with pytest.raises(ConfigError, match=r"s\.json is not valid JSON \(nested too deeply\)"):
+            pcie(path)
+
+    def test_a_number_of_too_many_digits(self, tmp_path: Path) -> None:
+        path = tmp_path / "s.json"
+        path.write_text('{"epoch": ' + "9" * 5000 + "}")
+        with pytest.raises(ConfigError, match=r"s\.json is not valid JSON \(Exceeds the limit"):
+            pcie(path)
+
+    def test_a_path_with_a_nul(self) -> None:
+        with pytest.raises(ConfigError, match="must not hold a NUL character") as info:
+            StateFile("a\0b").load()
+        assert info.value.field == "state_file"
+
     def test_wrong_shape(self, tmp_path: Path) -> None:
         path = tmp_path / "s.json"
         path.write_text(json.dumps({"format": "disagg-sim-state/1", "fabric": "pcie", "bindings": ["x"]}))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
 import pytest
 from disagg.errors import ConfigError
 from disagg.model import DeviceKind, PoolKind, PortKind, SwitchKind
+from disagg.wire.types import topology_to_wire
 from disagg_sim import BUILTIN_TOPOLOGIES, SimFabric, load_topology, parse_topology
 from disagg_sim.topology import convert_attribute
 from sim_helpers import GIB, MIB, SMALL
@@ -20,6 +23,18 @@ id = "top"
 id = "h1"
 switch = "top"
 latency = "100ns"
+"""
+
+
+HUGE_COUNT = """
+[[switch]]
+id = "top"
+[[devices]]
+id_prefix = "g"
+count = 1000000000
+kind = "gpu"
+switch = "top"
+latency = "1ns"
 """
 
 
@@ -300,6 +315,80 @@ CASES = [
         "missing field 'count'",
         id="devices-without-count",
     ),
+    pytest.param(
+        '[[host]]\nid = "h2"\nswitch = "top"\nlatency = 1\ncores = 4294967296',
+        "[[host]] #2 (id 'h2'): field 'cores' must be at most 4294967295",
+        id="cores-beyond-uint32",
+    ),
+    pytest.param(
+        '[[host]]\nid = "h2"\nswitch = "top"\nlatency = 1\nmemory = "99999999999PiB"',
+        "[[host]] #2 (id 'h2'): field 'memory' must be at most 18446744073709551615 bytes",
+        id="memory-beyond-uint64",
+    ),
+    pytest.param(
+        '[[host]]\nid = "h2"\nswitch = "top"\nlatency = "99999999999999999999ms"',
+        "[[host]] #2 (id 'h2'): field 'latency' must be at most 18446744073709551615 ns",
+        id="latency-beyond-uint64",
+    ),
+    pytest.param(
+        '[[switch]]\nid = "s2"\n[[link]]\na = "top"\nb = "s2"\nlatency = 18446744073709551616',
+        "[[link]] #1: field 'latency' must be at most 18446744073709551615 ns",
+        id="link-latency-beyond-uint64",
+    ),
+    pytest.param(
+        '[[device]]\nid = "g"\nkind = "gpu"\nswitch = "top"\nlatency = 1\nattributes = { a = "99999999999PiB" }',
+        "[[device]] #1 (id 'g'): attribute 'a': whole numbers are from -9223372036854775808 to 9223372036854775807",
+        id="attribute-size-beyond-int64",
+    ),
+    pytest.param(
+        '[[device]]\nid = "g"\nkind = "gpu"\nswitch = "top"\nlatency = 1\nattributes = { a = -9223372036854775809 }',
+        "[[device]] #1 (id 'g'): attribute 'a': whole numbers are from -9223372036854775808",
+        id="attribute-int-beyond-int64",
+    ),
+    pytest.param(
+        '[[device]]\nid = "m"\nkind = "cxl"\nswitch = "top"\nlatency = 1\ncapacity = "99999999999PiB"',
+        "[[device]] #1 (id 'm'): field 'capacity' must be at most 18446744073709551615 bytes",
+        id="capacity-beyond-uint64",
+    ),
+    pytest.param(
+        '[[host]]\nid = "h2"\nswitch = "top"\nlatency = 1\nbandwidth_gbps = nan',
+        "[[host]] #2 (id 'h2'): field 'bandwidth_gbps' must be a finite, non-negative number, not nan",
+        id="bandwidth-nan",
+    ),
+    pytest.param(
+        '[[switch]]\nid = "s2"\n[[link]]\na = "top"\nb = "s2"\nlatency = 1\nbandwidth_gbps = inf',
+        "[[link]] #1: field 'bandwidth_gbps' must be a finite, non-negative number, not inf",
+        id="bandwidth-inf",
+    ),
+    pytest.param(
+        '[[device]]\nid = "g0\\n"\nkind = "gpu"\nswitch = "top"\nlatency = 1',
+        "[[device]] #1 (id 'g0\\n'): field 'id' is 'g0\\n': ids are letters",
+        id="id-with-a-trailing-newline",
+    ),
+    pytest.param('[[switch]]\nid = "s\\n"', "[[switch]] #2 (id 's\\n'): field 'id' is 's\\n'", id="switch-id-newline"),
+    pytest.param(
+        '[[device]]\nid = "' + "g" * 127 + '"\nkind = "gpu"\nswitch = "top"\nlatency = 1',
+        "field 'id': 'f/" + "g" * 127 + "' is 129 characters; an id is at most 128",
+        id="device-id-too-long",
+    ),
+    pytest.param(
+        '[[host]]\nid = "' + "h" * 129 + '"\nswitch = "top"\nlatency = 1',
+        "field 'id': '" + "h" * 129 + "' is 129 characters; an id is at most 128",
+        id="host-id-too-long",
+    ),
+    pytest.param(
+        '[[devices]]\nid_prefix = "' + "g" * 124 + '"\ncount = 10000\nkind = "gpu"\nswitch = "top"\nlatency = 1',
+        "field 'id_prefix': 'f/" + "g" * 124 + "9999' is 130 characters; an id is at most 128",
+        id="devices-ids-too-long",
+    ),
+    pytest.param(
+        '[[devices]]\nid_prefix = "g"\nstart = 9223372036854775808\ncount = 1\nkind = "gpu"\nswitch = "top"\n'
+        "latency = 1",
+        "field 'start' must be at most 9223372036854775807",
+        id="devices-start-huge",
+    ),
+    pytest.param("a = " + "[" * 3000 + "]" * 3000, "rack.toml: not valid TOML: nested too deeply", id="deep-nesting"),
+    pytest.param("a = " + "9" * 5000, "rack.toml: not valid TOML", id="integer-of-5000-digits"),
 ]
 
 
@@ -317,6 +406,54 @@ class TestErrors:
     def test_an_invalid_fabric_name_is_refused(self) -> None:
         with pytest.raises(ConfigError, match="invalid fabric name 'a/b'"):
             parse_topology("a/b", BASE)
+
+
+class TestBounds:
+    """Numbers are held to the wire's fields, so that every client can be sent the topology; a count is held to
+    a maximum, so that a typo is refused at once and does not build devices for ever."""
+
+    def test_the_largest_values_reach_the_wire(self) -> None:
+        topo = parse_topology(
+            "f",
+            f"""
+            [[switch]]
+            id = "top"
+            [[host]]
+            id = "{"h" * 128}"
+            cores = {2**32 - 1}
+            memory = {2**64 - 1}
+            switch = "top"
+            latency = {2**64 - 1}
+            bandwidth_gbps = 1e308
+            attributes = {{ big = {2**63 - 1}, small = {-(2**63)}, pib = "8191PiB" }}
+            [[device]]
+            id = "{"m" * 126}"
+            kind = "cxl"
+            switch = "top"
+            latency = {2**64 - 1}
+            capacity = {2**64 - 2**28}
+            """,
+        )
+        message = topology_to_wire(topo)
+        assert message.hosts[0].cores == 2**32 - 1
+        assert message.hosts[0].attributes["pib"].int_value == 8191 << 50
+        assert message.devices[0].capacity.total_bytes == 2**64 - 2**28
+
+    def test_a_huge_count_is_refused_at_once(self) -> None:
+        """Run apart: before the bound, the loader went on building a billion devices."""
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", "import sys, disagg_sim; disagg_sim.parse_topology('f', sys.stdin.read())"],
+                check=False,
+                input=HUGE_COUNT,
+                capture_output=True,
+                text=True,
+                timeout=15,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail("parse_topology still ran after 15 s")
+        assert "ConfigError" in run.stderr
+        assert "field 'count' must be at most 10000000, not 1000000000" in run.stderr
 
 
 class TestLoading:

@@ -49,6 +49,9 @@ DEVICE_LATENCY_NS = 100
 CXL_LATENCY_NS = 150
 LINK_BANDWIDTH_GBPS = 504.0
 CXL_CAPACITY_BYTES = 2 * TIB
+MAX_GENERATED_DEVICES = 10_000_000
+"""The most devices a generated fabric asks for, and the most one of its domains holds (a domain is built whole,
+however few devices are asked for)."""
 
 
 def domain_size(*, hosts_per_domain: int = 8, gpus_per_chassis: int = 10) -> int:
@@ -67,6 +70,8 @@ def generate_topology(
         raise ValueError("hosts_per_domain and gpus_per_chassis must be at least 1")
     device_id(fabric, "x")  # validates the fabric name
     per_domain = domain_size(hosts_per_domain=hosts_per_domain, gpus_per_chassis=gpus_per_chassis)
+    if devices > MAX_GENERATED_DEVICES or per_domain > MAX_GENERATED_DEVICES:
+        raise ValueError(f"devices, and the devices of one domain ({per_domain}), are at most {MAX_GENERATED_DEVICES}")
     domains = max(1, round(devices / per_domain))
     width = max(4, len(str(domains - 1)))
     rng = random.Random(seed)

@@ -16,9 +16,12 @@ from typing import Any
 import attrs
 from disagg.errors import ConfigError
 
+from disagg_sim.generator import MAX_GENERATED_DEVICES, domain_size
+
 OPTIONS = ("topology", "generate", "state_file", "bind_delay_s")
 GENERATE_OPTIONS = ("devices", "hosts_per_domain", "gpus_per_chassis", "seed")
-MAX_GENERATED_DEVICES = 10_000_000
+MAX_BIND_DELAY_S = 86_400.0
+"""The longest ``bind_delay_s``: a day, the longest ``call_timeout_s``. Far longer ones overflow ``time.sleep``."""
 
 
 @attrs.frozen
@@ -68,6 +71,8 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> SimOptions:
             value = os.fspath(value)
         if not isinstance(value, str) or not value:
             raise bad("topology", f"must be a built-in name (demo-pcie, demo-cxl) or a file path, not {value!r}")
+        if "\0" in value:  # TOML lets a string hold one; no file name can
+            raise bad("topology", "must not hold a NUL character")
         topology = value
 
     generate = None
@@ -84,12 +89,19 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> SimOptions:
                 raise bad(name, f"must be an integer, not {item!r}")
             if key != "seed" and item < 1:
                 raise bad(name, f"must be at least 1, not {item}")
+            if key != "seed" and item > MAX_GENERATED_DEVICES:
+                raise bad(name, f"must be at most {MAX_GENERATED_DEVICES}, not {item}")
             values[key] = item
         if "devices" not in values:
             raise bad("generate.devices", "is required: how many devices to generate")
-        if values["devices"] > MAX_GENERATED_DEVICES:
-            raise bad("generate.devices", f"must be at most {MAX_GENERATED_DEVICES}, not {values['devices']}")
         generate = GenerateOptions(**values)
+        per_domain = domain_size(hosts_per_domain=generate.hosts_per_domain, gpus_per_chassis=generate.gpus_per_chassis)
+        if per_domain > MAX_GENERATED_DEVICES:
+            raise bad(
+                "generate.gpus_per_chassis" if "gpus_per_chassis" in values else "generate.hosts_per_domain",
+                f"a domain of {generate.hosts_per_domain} hosts and {generate.gpus_per_chassis} GPUs per chassis "
+                f"holds {per_domain} devices; at most {MAX_GENERATED_DEVICES}",
+            )
 
     state_file = None
     if "state_file" in options:
@@ -98,10 +110,14 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> SimOptions:
             value = os.fspath(value)
         if not isinstance(value, str) or not value:
             raise bad("state_file", f"must be a file path, not {value!r}")
+        if "\0" in value:
+            raise bad("state_file", "must not hold a NUL character")
         state_file = Path(value)
 
     delay = options.get("bind_delay_s", 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay) or delay < 0:
         raise bad("bind_delay_s", f"must be a number of seconds >= 0, not {delay!r}")
+    if delay > MAX_BIND_DELAY_S:
+        raise bad("bind_delay_s", f"must be a number of seconds >= 0 and at most {MAX_BIND_DELAY_S:.0f}, not {delay!r}")
 
     return SimOptions(topology=topology, generate=generate, state_file=state_file, bind_delay_s=float(delay))

@@ -56,6 +56,8 @@ class StateFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        if "\0" in str(path):  # TOML lets a string hold one; no file name can
+            raise self._error("must not hold a NUL character")
 
     def load(self) -> SimState | None:
         """The saved state, or None when there is no file yet. Raises ConfigError for a corrupt file."""
@@ -68,8 +70,12 @@ class StateFile:
             raise self._error(f"cannot be read: {exc}") from None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or a number of more digits than Python reads
             raise self._error(f"is not valid JSON ({exc}); delete it to start from a powered-on fabric") from None
+        except RecursionError:
+            raise self._error(
+                "is not valid JSON (nested too deeply); delete it to start from a powered-on fabric"
+            ) from None
         try:
             return _decode(data)
         except (KeyError, TypeError, ValueError) as exc:

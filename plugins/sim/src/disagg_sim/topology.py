@@ -64,6 +64,7 @@ file and the offending entry and raises `disagg.errors.ConfigError`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -94,16 +95,30 @@ from disagg.model import (
     parse_size,
 )
 
+from disagg_sim.generator import MAX_GENERATED_DEVICES
 from disagg_sim.ports import wire_ports
 
 BUILTIN_TOPOLOGIES = ("demo-pcie", "demo-cxl")
 """Topologies shipped with the package, usable by name as the ``topology`` option."""
 
 _SECTIONS = ("switch", "host", "link", "device", "devices", "pool")
-_LOCAL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+_LOCAL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+"""Matched whole (`re.fullmatch`): ``$`` would let a final newline through."""
 _SIZE_STRING = re.compile(r"^\s*\d+(\.\d+)?\s*([KMGTP]i?B)\s*$", re.IGNORECASE)
 _BARE_NUMBER = re.compile(r"^\s*\d+(\.\d+)?\s*$")
 """A string that is only a number: quoted, it was meant to carry a unit, so the loader refuses to guess one."""
+
+MAX_ID = 128
+"""The longest id, with its ``<fabric>/`` where it has one: the longest the northbound protocol takes. A longer
+one could be listed but never named (to cordon it) nor paged past."""
+MAX_CORES = 2**32 - 1
+MAX_BYTES = 2**64 - 1
+MAX_LATENCY_NS = 2**64 - 1
+ATTRIBUTE_INT_RANGE = range(-(2**63), 2**63)
+"""Numbers are held to the wire's fields (``uint32 cores``, ``uint64`` sizes and latencies, ``int64`` attribute
+values), so that a topology that loads can be sent to every client."""
+MAX_START = 2**63 - 1
+"""The largest ``start`` of ``[[devices]]``: TOML's own integers."""
 
 _DEVICE_FIELDS = (
     "kind",
@@ -129,6 +144,8 @@ def load_topology(fabric: str, source: str | os.PathLike[str]) -> Topology:
     if isinstance(source, str) and source in BUILTIN_TOPOLOGIES:
         return parse_topology(fabric, builtin_text(source), origin=f"built-in topology {source}")
     path = Path(source)
+    if "\0" in str(source):  # TOML lets a string hold one; no file name can
+        raise ConfigError(f"topology {str(source)!r} must not hold a NUL character", field="topology")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -145,7 +162,9 @@ def parse_topology(fabric: str, text: str, *, origin: str = "<string>") -> Topol
     """Parse topology TOML ``text`` for the fabric instance ``fabric``; ``origin`` names the file in errors."""
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except RecursionError:
+        raise ConfigError(f"{origin}: not valid TOML: nested too deeply", field="topology") from None
+    except ValueError as exc:  # TOMLDecodeError, or an integer of more digits than Python reads
         raise ConfigError(f"{origin}: not valid TOML: {exc}", field="topology") from None
     return topology_from_dict(fabric, data, origin=origin)
 
@@ -162,13 +181,19 @@ def topology_from_dict(fabric: str, data: Mapping[str, Any], *, origin: str = "<
 def convert_attribute(value: object) -> AttributeValue:
     """An attribute value as stored: a size string with a unit becomes bytes; other scalars stay as they are.
 
-    Raises ValueError for a value that is not a scalar.
+    Raises ValueError for a value that is not a scalar, or a whole number the wire's ``int64`` cannot carry.
     """
-    if isinstance(value, bool | int | float):
+    if isinstance(value, bool | float):
         return value
     if isinstance(value, str):
-        if _SIZE_STRING.match(value):
-            return parse_size(value.strip())
+        if not _SIZE_STRING.match(value):
+            return value
+        value = parse_size(value.strip())
+    if isinstance(value, int):
+        if value not in ATTRIBUTE_INT_RANGE:
+            raise ValueError(
+                f"whole numbers are from {ATTRIBUTE_INT_RANGE.start} to {ATTRIBUTE_INT_RANGE.stop - 1}, not {value}"
+            )
         return value
     raise ValueError(f"attribute values are strings, numbers or booleans, not {type(value).__name__}")
 
@@ -209,16 +234,24 @@ class _Entry:
             raise self.error(f"field {key!r} must be a string, not {value!r}")
         return value
 
-    def local_id(self, key: str = "id") -> str:
+    def local_id(self, key: str = "id", *, scope: str = "") -> str:
+        """The id under ``key``; ``scope`` is what it is prefixed with (``<fabric>/``), counted in its length."""
         value = self.string(key, required=True)
-        if not _LOCAL_ID.match(value):
+        if not _LOCAL_ID.fullmatch(value):
             raise self.error(
                 f"field {key!r} is {value!r}: ids are letters, digits, '.', '_', ':' and '-', starting with a "
                 "letter or digit (no '/', which separates the fabric name)"
             )
+        self.check_length(key, scope + value)
         return value
 
-    def integer(self, key: str, *, required: bool = False, default: int = 0, minimum: int = 0) -> int:
+    def check_length(self, key: str, full: str) -> None:
+        if len(full) > MAX_ID:
+            raise self.error(f"field {key!r}: {full!r} is {len(full)} characters; an id is at most {MAX_ID}")
+
+    def integer(
+        self, key: str, *, required: bool = False, default: int = 0, minimum: int = 0, maximum: int | None = None
+    ) -> int:
         value = self.raw(key, required=required)
         if value is None:
             return default
@@ -226,14 +259,16 @@ class _Entry:
             raise self.error(f"field {key!r} must be an integer, not {value!r}")
         if value < minimum:
             raise self.error(f"field {key!r} must be at least {minimum}, not {value}")
+        if maximum is not None and value > maximum:
+            raise self.error(f"field {key!r} must be at most {maximum}, not {value}")
         return value
 
     def number(self, key: str, *, default: float = 0.0) -> float:
         value = self.raw(key, required=False)
         if value is None:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise self.error(f"field {key!r} must be a non-negative number, not {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise self.error(f"field {key!r} must be a finite, non-negative number, not {value!r}")
         return float(value)
 
     def size(self, key: str, *, required: bool = False, default: int = 0) -> int:
@@ -248,9 +283,12 @@ class _Entry:
                 "an integer without quotes is bytes"
             )
         try:
-            return parse_size(value)
+            size = parse_size(value)
         except ValueError as exc:
             raise self.error(f"field {key!r}: {exc}") from None
+        if size > MAX_BYTES:
+            raise self.error(f"field {key!r} must be at most {MAX_BYTES} bytes, not {size}")
+        return size
 
     def latency(self, key: str = "latency") -> int:
         value = self.raw(key, required=True)
@@ -262,9 +300,12 @@ class _Entry:
                 "an integer without quotes is nanoseconds"
             )
         try:
-            return parse_latency(value)
+            latency = parse_latency(value)
         except ValueError as exc:
             raise self.error(f"field {key!r}: {exc}") from None
+        if latency > MAX_LATENCY_NS:
+            raise self.error(f"field {key!r} must be at most {MAX_LATENCY_NS} ns, not {latency}")
+        return latency
 
     def labels(self, key: str = "failure_domains") -> dict[str, str]:
         value = self.raw(key, required=False)
@@ -309,6 +350,10 @@ class _Builder:
         self.pools: dict[str, PoolInfo] = {}
         self.capacities: dict[str, tuple[_Entry, int]] = {}
 
+    @property
+    def scope(self) -> str:
+        return f"{self.fabric}/"
+
     def full(self, local: str) -> str:
         return device_id(self.fabric, local)
 
@@ -337,7 +382,7 @@ class _Builder:
         for entry in entries["link"]:
             self.add_link(entry)
         for entry in entries["device"]:
-            self.add_device(entry, entry.local_id(), entry.string("serial", default=""))
+            self.add_device(entry, entry.local_id(scope=self.scope), entry.string("serial", default=""))
         for entry in entries["devices"]:
             self.add_devices(entry)
         for entry in entries["pool"]:
@@ -355,7 +400,7 @@ class _Builder:
         )
 
     def add_switch(self, entry: _Entry) -> None:
-        local = entry.local_id()
+        local = entry.local_id(scope=self.scope)
         full = self.full(local)
         if full in self.switches:
             raise entry.error(f"duplicate switch id {local!r}")
@@ -387,7 +432,7 @@ class _Builder:
         return full
 
     def add_host(self, entry: _Entry) -> None:
-        host_id = entry.local_id()
+        host_id = entry.local_id()  # global: no fabric before it
         if host_id in self.hosts:
             raise entry.error(f"duplicate host id {host_id!r}")
         if self.full(host_id) in self.switches:
@@ -397,7 +442,7 @@ class _Builder:
         bandwidth = entry.number("bandwidth_gbps")
         self.hosts[host_id] = Host(
             id=host_id,
-            cores=entry.integer("cores"),
+            cores=entry.integer("cores", maximum=MAX_CORES),
             memory_bytes=entry.size("memory"),
             switch=switch,
             attributes=entry.attributes(),
@@ -417,9 +462,10 @@ class _Builder:
         entry.finish()
 
     def add_devices(self, entry: _Entry) -> None:
-        prefix = entry.local_id("id_prefix")
-        count = entry.integer("count", required=True, minimum=1)
-        start = entry.integer("start")
+        prefix = entry.local_id("id_prefix", scope=self.scope)
+        count = entry.integer("count", required=True, minimum=1, maximum=MAX_GENERATED_DEVICES)
+        start = entry.integer("start", maximum=MAX_START)
+        entry.check_length("id_prefix", self.full(f"{prefix}{start + count - 1}"))
         serial_prefix = entry.string("serial_prefix", default="")
         width = max(4, len(str(start + count - 1)))
         for i in range(start, start + count):
@@ -468,7 +514,7 @@ class _Builder:
             entry.finish()
 
     def add_pool(self, entry: _Entry) -> None:
-        local = entry.local_id()
+        local = entry.local_id(scope=self.scope)
         full = self.full(local)
         if full in self.pools:
             raise entry.error(f"duplicate pool id {local!r}")
