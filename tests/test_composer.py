@@ -506,6 +506,21 @@ class TestHealth:
         said = [e for e in comp.events() if e.type is EventType.COMPOSITION_UPDATED and e.subject == c.id]
         assert said[-1].message == after.message
 
+    def test_a_repaired_device_is_no_longer_named(self) -> None:
+        """Of two failed devices, one was repaired: the message still named both, since it began with the new
+        reason."""
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert c is not None
+        first, second = c.device_ids
+        fabrics["pcie0"].fail_device(first)
+        fabrics["pcie0"].fail_device(second)
+        assert comp.get(c.id).message == f"unhealthy: {first}, {second}"
+        fabrics["pcie0"].repair_device(second)
+        after = comp.get(c.id)
+        assert after.state is CompositionState.DEGRADED and after.message == f"unhealthy: {first}"
+
     def test_manual_heal_and_repair(self) -> None:
         fabrics = rack()
         comp = composer(fabrics, auto_heal=False)

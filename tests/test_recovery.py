@@ -481,6 +481,26 @@ class TestARetryWhileTheRequestRuns:
         assert len(hardware["pcie0"].bindings()) == 3
         composer.close()
 
+    def test_an_answer_the_ledger_refuses_leaves_no_retry_waiting(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The ledger refused the record of an answer (it had failed): the id stayed marked as being answered,
+        and every retry waited the whole call timeout for an answer that never came, then was told to retry."""
+        composer = FabricComposer({"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"})}, call_timeout_s=5.0)
+        composer.start()
+        request = parse_request("held", ["gpu x1"])
+
+        def refused(record: object) -> None:
+            raise FabricUnavailableError("the ledger at x cannot be written: OSError(28, 'No space left on device')")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(composer.store, "put_request", refused)
+            with pytest.raises(FabricUnavailableError):
+                composer.compose(request, ComposeMode.RESERVE, request_id="R-1")
+        started = time.monotonic()
+        retried = composer.compose(request, ComposeMode.RESERVE, request_id="R-1").reservation
+        assert time.monotonic() - started < 2.0  # not the call timeout
+        assert retried is not None and [r.id for r in composer.reservations()] == [retried.id]
+        composer.close()
+
     @pytest.mark.parametrize("runner", ["thread", "event-loop"])
     def test_a_retry_waits_until_the_first_answer_is_on_disk(self, tmp_path: Path, runner: str) -> None:
         """A retry of a RESERVE that came while the first call waited for its commit was answered at once, with a

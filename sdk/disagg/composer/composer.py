@@ -7,6 +7,7 @@ execution and given back if execution fails, so a device is never offered twice.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -1258,8 +1259,7 @@ class FabricComposer(Composer):
         try:
             answer = yield from run()
         except _SettledError as settled:
-            with self._lock:
-                self._answered(request_id, fp, settled, done)
+            self._answer(request_id, fp, settled, seed, done)
             yield from self._answer_durably(request_id, seed, done)
             raise settled.error from None
         except BaseException:
@@ -1269,14 +1269,32 @@ class FabricComposer(Composer):
             _ASKING.reset(asking)
             _RETRYING_RECORDED.reset(retrying)
         if found_again(answer):
-            with self._lock, self.store.asynchronous_commit():
-                self._answered(request_id, fp, answer)
+            self._answer(request_id, fp, answer, seed, done, found_again=True)
             done.set()
         else:
-            with self._lock:
-                self._answered(request_id, fp, answer, done)
+            self._answer(request_id, fp, answer, seed, done)
             yield from self._answer_durably(request_id, seed, done)
         return answer
+
+    def _answer(
+        self,
+        request_id: str,
+        fp: str,
+        answer: object,
+        seed: tuple[str, object, threading.Event] | None,
+        done: threading.Event,
+        *,
+        found_again: bool = False,
+    ) -> None:
+        """`_answered`, under the lock; an answer found again from the change's own records is given at once and
+        its record need not be waited for. Should the ledger refuse the record (it failed), the id is forgotten
+        as `_unanswered` does: its retries would otherwise wait for an answer that never comes."""
+        try:
+            with self._lock, self.store.asynchronous_commit() if found_again else contextlib.nullcontext():
+                self._answered(request_id, fp, answer, _ANSWERED if found_again else done)
+        except BaseException:
+            self._unanswered(request_id, seed, done)
+            raise
 
     def _answer_durably(
         self, request_id: str, seed: tuple[str, object, threading.Event] | None, done: threading.Event
@@ -1332,11 +1350,12 @@ class FabricComposer(Composer):
 
     def _answered(self, request_id: str, fp: str, answer: object, done: threading.Event = _ANSWERED) -> None:
         """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock. A retry
-        gets it once ``done`` is set: by the call that answers, once its answer is durable (`_once`)."""
-        self._requests[request_id] = (fp, answer, done)
+        gets it once ``done`` is set: by the call that answers, once its answer is durable (`_once`). The record
+        is queued first: refused, it leaves the entry as it was."""
         value = answer.error if isinstance(answer, _SettledError) else answer
         assert isinstance(value, ComposeResult | Composition | DisaggError)
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
+        self._requests[request_id] = (fp, answer, done)
 
     def _request_mark(self) -> tuple[str, str]:
         """The request id and digest of the call this thread is running, or empty strings."""
@@ -2055,7 +2074,7 @@ class FabricComposer(Composer):
             return
         why = self._standing_why(comp)
         if (CompositionState.DEGRADED if why else CompositionState.COMPOSED) is not comp.state or (
-            why and not comp.message.startswith(why)
+            why and comp.message != why and not comp.message.startswith(f"{why}; ")
         ):
             self._set_standing(comp)
 
