@@ -4,7 +4,7 @@
 while grpcio's asyncio server lives on one loop. The loop runs in a daemon thread and callers hand it
 coroutines with `run`, which blocks until they finish.
 
-The loop is uvloop's where it is installed (a dependency on Linux and macOS): the server's event loop runs every
+The loop is uvloop's where it is installed (a dependency everywhere but Windows): the server's event loop runs every
 RPC's handler, and uvloop spends less of the loop's time on each (docs/benchmarks.md has the figures).
 ``DISAGG_EVENT_LOOP=asyncio`` chooses the standard library's loop instead, ``uvloop`` insists on uvloop.
 """
