@@ -22,7 +22,7 @@ import etcd3gw
 import pytest
 import requests
 from disagg import codec
-from disagg.errors import FabricUnavailableError
+from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.model import Composition, CompositionState
 from disagg.store import EtcdStore
 from disagg.store import etcd as etcd_store
@@ -379,6 +379,26 @@ class TestFencedFirst:
         try:
             store.put_composition(_composition("c1"))
             assert _held(etcd_one.endpoints[0], prefix, "c1") == _composition("c1")
+        finally:
+            store.close()
+
+
+class TestDamagedRecords:
+    """A record in etcd that does not decode (damaged, or written by hand) made the replica taking the lead fail
+    with a traceback from the codec; it is a ConfigError naming the key, as a damaged SQLite ledger's is."""
+
+    @pytest.mark.parametrize(
+        ("kind", "value"),
+        [("compositions", '{"id": "c1", "name": '), ("compositions", "[1, 2]"), ("reservations", '{"id": 3}')],
+    )
+    def test_the_load_names_the_record(self, etcd_one: EtcdCluster, prefix: str, kind: str, value: str) -> None:
+        store = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
+        try:
+            store.put_composition(_composition("c0"))
+            _raw(etcd_one.endpoints[0]).put(f"{prefix}{kind}/bad", value)
+            with pytest.raises(ConfigError, match="restore it from a backup") as refused:
+                store.load()
+            assert f"{prefix}{kind}/bad" in refused.value.message and refused.value.field == "state.prefix"
         finally:
             store.close()
 

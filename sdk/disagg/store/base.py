@@ -25,23 +25,24 @@ of another shape than the record's class (cattrs' validation errors, or a lookup
 T = TypeVar("T")
 
 
-def undecodable(ledger: object, what: str, exc: BaseException) -> ConfigError:
-    """The refusal of a ledger (at ``ledger``, when the caller knows where) holding a record that does not
-    decode: the operator's to restore, as a damaged file is, never a traceback at start-up."""
+def undecodable(ledger: object, what: str, exc: BaseException, field: str = "state.path") -> ConfigError:
+    """The refusal of a ledger (at ``ledger``, when the caller knows where; ``field``: the setting that names
+    it) holding a record that does not decode: the operator's to restore, as a damaged file is, never a
+    traceback at start-up."""
     where = f" at {ledger}" if ledger else ""
     return ConfigError(
         f"the ledger{where} cannot be read ({what} does not decode: {exc}): restore it from a backup "
         "(docs/durability.md)",
-        field="state.path",
+        field=field,
     )
 
 
-def decoded(text: str | bytes, cls: type[T], ledger: object, what: str) -> T:
+def decoded(text: str | bytes, cls: type[T], ledger: object, what: str, field: str = "state.path") -> T:
     """``text`` as a record of ``cls``, or `undecodable` naming ``what`` record of the ledger at ``ledger``."""
     try:
         return codec.loads(text, cls)
     except UNDECODABLE as exc:
-        raise undecodable(ledger, what, exc) from exc
+        raise undecodable(ledger, what, exc, field) from exc
 
 
 def check_event_retention(value: int) -> int:

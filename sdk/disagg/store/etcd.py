@@ -52,12 +52,15 @@ from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestErr
 from disagg.model import Composition, Event, Reservation
 from disagg.store.base import (
     REQUEST_RETENTION,
+    UNDECODABLE,
     LedgerState,
     RequestRecord,
     Store,
     check_event_retention,
+    decoded,
     quarantine_key,
     quarantine_of,
+    undecodable,
 )
 
 log = logging.getLogger("disagg.store")
@@ -501,15 +504,18 @@ class EtcdStore(Store):
 
     def load(self) -> LedgerState:
         revision = self._snapshot()
-        comps = tuple(codec.loads(_unb64(kv["value"]), Composition) for kv in self._scan(COMPOSITIONS, revision))
-        res = tuple(codec.loads(_unb64(kv["value"]), Reservation) for kv in self._scan(RESERVATIONS, revision))
+        comps = tuple(self._decoded(kv, Composition) for kv in self._scan(COMPOSITIONS, revision))
+        res = tuple(self._decoded(kv, Reservation) for kv in self._scan(RESERVATIONS, revision))
         # Oldest first in the order they were written (their mod revisions, whichever replica wrote them), as
         # MemoryStore keeps them; SqliteStore's order by answer time agrees while the clocks do.
         kvs = sorted(self._scan(REQUESTS, revision), key=lambda kv: int(kv["mod_revision"]))
-        requests_ = tuple(codec.loads(_unb64(kv["value"]), RequestRecord) for kv in kvs[-REQUEST_RETENTION:])
-        cordons = tuple(sorted(_unb64(kv["value"]).decode() for kv in self._scan(CORDONS, revision)))
-        keys = sorted(_unb64(kv["value"]).decode() for kv in self._scan(QUARANTINES, revision))
-        quarantined = tuple(quarantine_of(k) for k in keys)
+        requests_ = tuple(self._decoded(kv, RequestRecord) for kv in kvs[-REQUEST_RETENTION:])
+        cordons = tuple(sorted(self._text(kv) for kv in self._scan(CORDONS, revision)))
+        keys = sorted(self._text(kv) for kv in self._scan(QUARANTINES, revision))
+        try:
+            quarantined = tuple(quarantine_of(k) for k in keys)
+        except UNDECODABLE as exc:
+            raise undecodable(self._where, "a quarantines record", exc, "state.prefix") from exc
         oldest, newest = self._log_ends(revision)
         sequence = self._read_sequence(revision)
         with self._state_lock:
@@ -566,6 +572,23 @@ class EtcdStore(Store):
             if self._log is None:
                 self._log = ends
             return self._log
+
+    @property
+    def _where(self) -> str:
+        return f"etcd {', '.join(self.endpoints)} under prefix {self.prefix!r}"
+
+    def _decoded(self, kv: Mapping[str, Any], cls: type[T]) -> T:
+        """A record read from etcd, or the refusal naming its key: a damaged or hand-written value is the
+        operator's to restore, never a traceback as a replica takes the lead."""
+        key = _unb64(kv["key"]).decode(errors="replace")
+        return decoded(_unb64(kv["value"]), cls, self._where, f"the record {key!r}", "state.prefix")
+
+    def _text(self, kv: Mapping[str, Any]) -> str:
+        try:
+            return _unb64(kv["value"]).decode()
+        except UNDECODABLE as exc:
+            key = _unb64(kv["key"]).decode(errors="replace")
+            raise undecodable(self._where, f"the record {key!r}", exc, "state.prefix") from exc
 
     def put_composition(self, composition: Composition) -> None:
         with self._write_lock:
