@@ -2005,6 +2005,40 @@ class TestAHealACrashInterrupted:
             held.release()
             first.close()
 
+    def test_after_the_replacement_of_a_stuck_device_is_undone(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The failed device would not unbind, so the heal unbound its replacement again and died: the restart
+        finished the removal of the failed device still on record, and kept a replacement no longer bound."""
+        undone: list[str] = []
+
+        def crash_after_the_undo(composer: FabricComposer) -> threading.Lock:
+            pcie = composer.fabrics["pcie0"]
+            failed = composer.find("job").device_ids[0]
+            unbind = pcie.unbind
+
+            def refusing(binding: Binding, ctx: CallContext) -> None:
+                if binding.device == failed:
+                    raise FabricUnavailableError(f"{failed}: the switch does not answer")
+                unbind(binding, ctx)
+                undone.append(binding.device)
+
+            monkeypatch.setattr(pcie, "unbind", refusing)
+            return crash_at(monkeypatch, composer, "heal.during_release")
+
+        bad, first, held, again = heal_cut_off(tmp_path, monkeypatch, crash_after_the_undo)
+        try:
+            job = agrees_with_the_hardware(again)
+            assert bad in job.device_ids and job.state is CompositionState.DEGRADED
+            assert len(undone) == 1 and again.owner_of(undone[0]) is None
+            healed = again.heal("job")
+            assert healed.state is CompositionState.COMPOSED and bad not in healed.device_ids
+            assert agrees_with_the_hardware(again) == healed
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
 
 class TestFailureDegrades:
     """A device failure that a driver reports, in process or from another process, marks the composition

@@ -2157,26 +2157,33 @@ class FabricComposer(Composer):
             devices = tuple(q for p in now.devices for q in ((p, replaced[p.device]) if p.device in replaced else (p,)))
             comp = self._set(now, devices=devices, pending=PendingChange(ChangeKind.REMOVE, tuple(bad)))
         self.store.sync()
-        # A failed device that cannot be unbound stays in the composition, and its replacement is undone (one
-        # that cannot be undone either stays too, recorded, for a decompose to release).
         stuck = set(self._release(comp.host, bad, [], stage="heal").ids)
+        done = {old: new for old, new in replaced.items() if old not in stuck}
+        # A failed device that cannot be unbound stays in the composition, and its replacement is undone: that
+        # removal replaces the pending one, on disk before its unbind, so that a crash finishes it rather than
+        # the failed device's removal, which would keep a replacement the hardware no longer binds.
         undo = [replaced[device] for device in replaced if device in stuck]
-        kept = set(self._release(comp.host, undo, [], stage="heal").ids) if undo else set()
         with self._lock:
-            undone = {new.device for new in undo if new.device not in kept}
-            gone = {old for old in replaced if old not in stuck} | undone
-            for device in gone:
+            for device in done:
                 self._inv.release_device(device)
-            done = {old: new for old, new in replaced.items() if old not in stuck}
             now = self._compositions[comp.id]
             missing = tuple(m for m in now.missing if m not in done)  # a replaced device is no longer missed
-            devices = tuple(p for p in now.devices if p.device not in gone)
-            comp = self._set(now, devices=devices, missing=missing, pending=None)
+            devices = tuple(p for p in now.devices if p.device not in done)
+            pending = PendingChange(ChangeKind.REMOVE, tuple(undo)) if undo else None
+            comp = self._set(now, devices=devices, missing=missing, pending=pending)
             if done:
                 healed = ", ".join(f"{old} -> {new.device}" for old, new in done.items())
                 self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
-            comp = self._set_standing(comp)
+            if not undo:
+                comp = self._set_standing(comp)
         self.store.sync()
+        kept: set[str] = set()
+        if undo:
+            # A replacement that cannot be undone either stays too, recorded, for a decompose to release.
+            kept = set(self._release(comp.host, undo, [], stage="heal").ids)
+            with self._lock:
+                comp = self._without(self._compositions[comp.id], {new.device for new in undo} - kept, [])
+            self.store.sync()
         failpoints.hit("heal.after_commit")
         if stuck:
             names = ", ".join(sorted(stuck))
