@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import select
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -222,6 +224,18 @@ class TestListenRefusals:
         claim = try_lock(path.with_name(path.name + ".lock"))
         assert claim is not None
         claim.close()
+
+    def test_the_socket_is_owner_only_whatever_the_umask(self, tmp_path: Path) -> None:
+        """The FM API authenticates no one, so the socket is 0600 even under umask 002, where a mode taken from
+        the umask would let the socket's group connect."""
+        path = tmp_path / "s.sock"
+        umask = os.umask(0o002)  # inherited by the emulator
+        try:
+            with emulator_process(path):
+                mode = stat.S_IMODE(path.stat().st_mode)
+        finally:
+            os.umask(umask)
+        assert mode == 0o600, oct(mode)
 
     def test_a_port_in_use(self) -> None:
         with socket.socket() as taken:

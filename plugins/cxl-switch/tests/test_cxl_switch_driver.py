@@ -4,6 +4,7 @@ adoption of a running emulator by a restarted driver, and the emulator's lifetim
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,6 +100,30 @@ class TestLifetime:
         again.unbind(Binding("sw/port2", "h0"), fresh_ctx())
         again.close()
         assert not process.running(switch_dir)
+
+    @pytest.mark.parametrize("revision", [None, "1"], ids=["none", "older"])
+    def test_an_emulator_of_another_revision_is_not_adopted(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path, revision: str | None
+    ) -> None:
+        """An emulator left running by another version of the driver (one that recorded no revision: its pid
+        file one line, or an older revision) is refused, naming the state_dir and the pid, and left running with
+        its bindings, for the version that started it to release; adopted, its wire was misread."""
+        first = make_switch()
+        first.bind("sw/port2", "h0", fresh_ctx())
+        first.close()
+        pid = process.read_pid(switch_dir)
+        recorded = switch_dir / "emulator.revision"
+        if revision is None:
+            recorded.unlink(missing_ok=True)
+        else:
+            recorded.write_text(f"{pid} {revision}\n")
+        with pytest.raises(ConfigError, match=rf"{re.escape(str(switch_dir))} \(pid {pid}\).*kill {pid}") as raised:
+            make_switch()
+        assert raised.value.field == "state_dir"
+        assert process.running(switch_dir) and process.read_pid(switch_dir) == pid
+        recorded.write_text(f"{pid} {process.EMULATOR_REVISION}\n")
+        again = make_switch()
+        assert again.bindings() == [Binding("sw/port2", "h0")]
 
     def test_one_driver_per_state_dir(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
         """A second driver on the state_dir is refused: closing it would have stopped the emulator the first

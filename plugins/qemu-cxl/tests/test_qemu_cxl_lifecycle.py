@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from disagg.errors import ConfigError, DeadlineExceededError, FabricUnavailableError
+from disagg.errors import CapacityExhaustedError, ConfigError, DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric, create_fabric
 from disagg_qemu_cxl.command import host_dir
@@ -196,6 +196,23 @@ class TestAdoption:
         fabric = make_fabric()
         assert fabric.hosts["h2"].adopted and fabric.hosts["h2"].pid == pid
         assert [a.id for a in fabric.pool(POOL).allocations()] == ["kept"]
+
+    def test_a_host_removed_after_its_qemu_stopped_keeps_its_records(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, ctx: CallContext
+    ) -> None:
+        """A host missing from the config whose QEMU no longer runs: starting kills nothing, so the fabric
+        starts; the host's records count against the pool until released, and releasing them only forgets them."""
+        first = make_fabric()
+        first.pool(POOL).allocate("kept", "h2", 256 * MiB, ctx)
+        first.close()
+        assert running_in(state_dir) == []
+        fabric = make_fabric(hosts=[{"name": "h1", "ports": 4, "memory": "256M"}])
+        assert fabric.reaped == []
+        pool = fabric.pool(POOL)
+        with pytest.raises(CapacityExhaustedError):
+            pool.allocate("all", "h1", 2 * GiB, ctx)
+        pool.release("kept", ctx)
+        assert pool.allocate("all", "h1", 2 * GiB, ctx).amount_bytes == 2 * GiB
 
 
 class TestStartFailure:

@@ -30,8 +30,9 @@ from disagg.model import (
 from disagg.model import Device as DeviceInfo
 from disagg.statedir import claim
 
+from disagg_qemu_cxl.command import host_dir
 from disagg_qemu_cxl.discovery import Features, HostView, probe
-from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured
+from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured, running_pid
 from disagg_qemu_cxl.options import QemuCxlOptions, memory_bytes
 from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
 from disagg_qemu_cxl.qmp import Loop
@@ -47,17 +48,23 @@ APPLIANCE_LINK_NS = 150
 
 def check_records(fabric: str, options: QemuCxlOptions, state: State) -> None:
     """Refuse options that contradict the recorded allocations, before any QEMU is started or reaped. A host
-    missing from the config would have its QEMU, which holds those allocations, killed (a typo in its name is
-    enough); a port beyond a host's ``ports`` would make its QEMU exit at start with only "Bus not found" to say,
-    and no fabric to release the allocation from."""
+    missing from the config whose QEMU still runs would have it, and the memory it holds, killed (a typo in its
+    name is enough); one whose QEMU is gone loses nothing, so its records are kept, counted against the pool until
+    released. A port beyond a host's ``ports`` would make its QEMU exit at start with only "Bus not found" to
+    say, and no fabric to release the allocation from."""
     configured = {h.name for h in options.hosts}
-    orphaned = sorted({r.host for r in state.records} - configured)
-    if orphaned:
-        held = "; ".join(f"{h!r}: {', '.join(repr(r.allocation) for r in state.on_host(h))}" for h in orphaned)
+    pids = {h: running_pid(host_dir(options.state_dir, h)) for h in {r.host for r in state.records} - configured}
+    running = {h: pid for h, pid in sorted(pids.items()) if pid is not None}
+    if running:
+        held = "; ".join(
+            f"{h!r}: {', '.join(repr(r.allocation) for r in state.on_host(h))} (QEMU pid {pid})"
+            for h, pid in running.items()
+        )
         raise ConfigError(
             f"fabric {fabric!r} (driver qemu-cxl): option 'hosts': hosts that are not configured hold allocations "
-            f"({held}), and starting would kill their QEMUs; restore each such host in the config (its QEMU is "
-            "adopted, or started again with them), and release its allocations before removing it",
+            f"in QEMUs that still run ({held}), and starting would kill those QEMUs; restore each such host in the "
+            "config (its QEMU is adopted) and release its allocations before removing it, or, to give that memory "
+            "up, stop the QEMU (kill <pid>): its records are then kept, counted against the pool, until released",
             field="hosts",
         )
     for i, host in enumerate(options.hosts):

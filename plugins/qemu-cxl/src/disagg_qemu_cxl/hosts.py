@@ -75,6 +75,13 @@ def _read_pid(directory: Path) -> int | None:
         return None
 
 
+def running_pid(directory: Path) -> int | None:
+    """The pid of the QEMU of the host directory ``directory`` if one runs and is ours (`_ours`); the one check
+    by which a QEMU is adopted, reaped, or counted as holding a removed host's allocations."""
+    pid = _read_pid(directory)
+    return pid if pid is not None and _ours(pid, directory) else None
+
+
 def _wait_gone(pid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:
     child = child or _DETACHED.get(pid)
     deadline = time.monotonic() + timeout
@@ -108,8 +115,8 @@ def reap_unconfigured(state_dir: Path, configured: Iterable[str]) -> list[str]:
     for directory in sorted(root.iterdir()):
         if directory.name in keep or not directory.is_dir():
             continue
-        pid = _read_pid(directory)
-        if pid is not None and _ours(pid, directory):
+        pid = running_pid(directory)
+        if pid is not None:
             _terminate(pid, None)
             killed.append(directory.name)
         with contextlib.suppress(OSError):
@@ -138,8 +145,7 @@ class HostProcess:
 
     def running_pid(self) -> int | None:
         """The pid of this host's QEMU if one runs (ours or left by an earlier driver)."""
-        pid = _read_pid(self.dir)
-        return pid if pid is not None and _ours(pid, self.dir) else None
+        return running_pid(self.dir)
 
     def adopt_or_start(self, records: Sequence[Record]) -> None:
         """Reconnect to a running QEMU (its devices are the truth), or start one with ``records`` cold-plugged."""

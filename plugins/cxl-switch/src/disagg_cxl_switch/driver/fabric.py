@@ -118,6 +118,8 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 if not process.running(state_dir):
                     process.start(state_dir, options.emulator_flags(), self._identify)
                     launched = True
+                else:
+                    process.check_revision(state_dir)  # one of another version would be misread
                 self._started = True
         except BaseException:
             self._let_go()  # or a retry in this process would be told another driver holds the state_dir

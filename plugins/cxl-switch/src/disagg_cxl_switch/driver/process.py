@@ -5,6 +5,11 @@ as hardware would, so that a restarted driver (the next `create_fabric` on the s
 and finds them; it is stopped when the fabric closes and reads it idle (one it cannot read, as when a pool's
 device is failed, may hold either, and is left running), or always with ``stop_emulator = "always"``. Its
 pid is in ``state_dir/emulator.pid`` so that whatever started the driver can kill it for certain.
+
+An emulator is adopted only if it speaks this driver's wire: ``state_dir/emulator.revision`` records the
+`EMULATOR_REVISION` of the driver that started it (beside the pid file, which stays one number for ``kill``).
+After an upgrade, a driver that adopted an emulator of another revision misread it (a changed bit layout made
+every bind BUSY), so one of another revision, or of none (started before revisions were recorded), is refused.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from disagg.errors import FabricUnavailableError
+from disagg.errors import ConfigError, FabricUnavailableError
 
 START_TIMEOUT_S = 10.0
 SOCKET_NAME = "switch.sock"
 PID_NAME = "emulator.pid"
 LOG_NAME = "emulator.log"
+REVISION_NAME = "emulator.revision"
+EMULATOR_REVISION = 2
+"""The revision of the emulator's wire, as far as the driver reads it: bump it with any change to what the
+emulator sends or accepts (a field's layout, a command's meaning), so that a driver never adopts an emulator
+it would misread. 2: Background Operation Status with bit 0 running and the percentage in bits[7:1]."""
 _MAX_UNIX_PATH = 100
 
 
@@ -46,6 +56,35 @@ def read_pid(state_dir: Path) -> int | None:
         return int((state_dir / PID_NAME).read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def read_revision(state_dir: Path, pid: int) -> int | None:
+    """The revision recorded for the emulator ``pid``; None if none is, or it is for another pid (a file left by
+    an emulator that an older driver, which records none, has since replaced)."""
+    try:
+        recorded, revision = (int(word) for word in (state_dir / REVISION_NAME).read_text().split())
+    except (OSError, ValueError):
+        return None
+    return revision if recorded == pid else None
+
+
+def check_revision(state_dir: Path) -> None:
+    """Refuse, with `ConfigError`, to adopt the running emulator of ``state_dir`` unless a driver of this
+    `EMULATOR_REVISION` started it; it is left running, since stopping it would lose its bindings."""
+    pid = read_pid(state_dir)
+    if pid is None:
+        return
+    revision = read_revision(state_dir, pid)
+    if revision == EMULATOR_REVISION:
+        return
+    started = "records no revision" if revision is None else f"is of revision {revision}"
+    raise ConfigError(
+        f"the CXL switch emulator running in {state_dir} (pid {pid}) was started by another version of "
+        f"disagg-cxl-switch: it {started}, and this driver speaks revision {EMULATOR_REVISION}, so it would "
+        "misread it; release what it holds (bindings, allocations) with the version that started it, whose close "
+        f"then stops it, or stop it with `kill {pid}`, losing its bindings and allocations",
+        field="state_dir",
+    )
 
 
 def socket_path(state_dir: Path) -> Path:
@@ -83,6 +122,7 @@ def start(state_dir: Path, flags: list[str], wait: Callable[[], None]) -> None:
             stderr=log,
             start_new_session=True,
         )
+    (state_dir / REVISION_NAME).write_text(f"{proc.pid} {EMULATOR_REVISION}\n")  # first: no pid without it
     (state_dir / PID_NAME).write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + START_TIMEOUT_S
     while not sock.exists():
@@ -115,6 +155,6 @@ def stop(state_dir: Path) -> None:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
             time.sleep(0.01)
-    for path in (state_dir / PID_NAME, socket_path(state_dir)):
+    for path in (state_dir / PID_NAME, state_dir / REVISION_NAME, socket_path(state_dir)):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

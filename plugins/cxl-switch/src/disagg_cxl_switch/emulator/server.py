@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import os
 import socket
+import threading
 from pathlib import Path
 
 import attrs
-from disagg.wire.sockets import bind_unix_socket
 
 from disagg_cxl_switch.cci import (
     FRAME_PREFIX_SIZE,
@@ -118,10 +119,24 @@ async def _serve_connection(switch: Switch, reader: asyncio.StreamReader, writer
             await writer.wait_closed()
 
 
+_SOCKET_UMASK = 0o177
+"""The umask a unix socket is bound under: the socket is born 0600, owner-only whatever the process's umask. The
+SDK's `bind_unix_socket` opens its sockets to the group (0660 less the umask), too wide for the FM API, and a
+chmod after the bind would leave a moment in which anyone could connect."""
+_UMASK = threading.Lock()
+
+
 def _bind_unix(path: Path) -> socket.socket:
+    """A socket bound at ``path``, mode 0600. The umask is the process's, so it is changed under a lock; a file
+    another thread creates in that moment is made private too, never more open."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(str(path))
+        with _UMASK:
+            umask = os.umask(_SOCKET_UMASK)
+            try:
+                sock.bind(str(path))
+            finally:
+                os.umask(umask)
     except BaseException:
         sock.close()
         raise
@@ -132,7 +147,7 @@ async def serve(switch: Switch, address: ListenAddress, *, ready: asyncio.Event 
     """Serves until cancelled; a unix socket file is removed on the way out, so the caller must hold the path's
     claim (`prepare_unix_socket`) until this returns, or it may remove another emulator's socket.
 
-    A unix socket is bound private (`bind_unix_socket`): set closed after the bind, it could be connected to in
+    A unix socket is bound owner-only (`_bind_unix`): set closed after the bind, it could be connected to in
     between, and the FM API has no authentication."""
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -140,7 +155,7 @@ async def serve(switch: Switch, address: ListenAddress, *, ready: asyncio.Event 
 
     if address.unix_path is not None:
         path = address.unix_path
-        server = await asyncio.start_unix_server(on_connect, sock=bind_unix_socket(path, lambda: _bind_unix(path)))
+        server = await asyncio.start_unix_server(on_connect, sock=_bind_unix(path))
     else:
         server = await asyncio.start_server(on_connect, host=address.host, port=address.port)
     bound = ", ".join(str(s.getsockname()) for s in server.sockets)
