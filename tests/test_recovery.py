@@ -36,7 +36,7 @@ from disagg.errors import (
     RequestIdReusedError,
     StaleEpochError,
 )
-from disagg.interfaces import CallContext, EventHandler, Subscription
+from disagg.interfaces import CallContext, EventHandler, Fabric, Subscription
 from disagg.model import (
     Allocation,
     Binding,
@@ -1673,6 +1673,26 @@ class TestUnreachableAtStartUp:
         assert state_on_disk(tmp_path, both.id) is CompositionState.COMPOSED
 
 
+def _refuse_rollback(pcie: Fabric, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A switch that stops answering in the middle of a recompose: the second bind fails and so does every
+    unbind, so the recompose's rollback is refused. Returns the devices asked to bind, in order."""
+    bind = pcie.bind
+    calls: list[str] = []
+
+    def second_bind_fails(device: str, host: str, ctx: CallContext) -> Binding:
+        calls.append(device)
+        if len(calls) == 2:
+            raise FabricUnavailableError("the switch stopped answering")
+        return bind(device, host, ctx)
+
+    def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+        raise FabricUnavailableError("the switch stopped answering")
+
+    monkeypatch.setattr(pcie, "bind", second_bind_fails)
+    monkeypatch.setattr(pcie, "unbind", unbind_fails)
+    return calls
+
+
 class TestWhatARollbackLeftIsReleased:
     """What a failed rollback leaves on the hardware stays with its composition, which is FAILED, and a
     decompose releases it: none of it is left carved or bound, nor held in the index."""
@@ -1807,19 +1827,7 @@ class TestWhatARollbackLeftIsReleased:
         assert job is not None
         pcie = composer.fabrics["pcie0"]
         bind, unbind = pcie.bind, pcie.unbind
-        calls: list[str] = []
-
-        def second_bind_fails(device: str, host: str, ctx: CallContext) -> Binding:
-            calls.append(device)
-            if len(calls) == 2:
-                raise FabricUnavailableError("the switch stopped answering")
-            return bind(device, host, ctx)
-
-        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
-            raise FabricUnavailableError("the switch stopped answering")
-
-        monkeypatch.setattr(pcie, "bind", second_bind_fails)
-        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        calls = _refuse_rollback(pcie, monkeypatch)
         with pytest.raises(FabricUnavailableError):
             composer.recompose("job", add=parse_request("job", ["gpu x2"]).resources)
         left = calls[0]
@@ -1852,19 +1860,7 @@ class TestWhatARollbackLeftIsReleased:
         assert job is not None
         pcie = first.fabrics["pcie0"]
         bind, unbind = pcie.bind, pcie.unbind
-        calls: list[str] = []
-
-        def second_bind_fails(device: str, host: str, ctx: CallContext) -> Binding:
-            calls.append(device)
-            if len(calls) == 2:
-                raise FabricUnavailableError("the switch stopped answering")
-            return bind(device, host, ctx)
-
-        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
-            raise FabricUnavailableError("the switch stopped answering")
-
-        monkeypatch.setattr(pcie, "bind", second_bind_fails)
-        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        _refuse_rollback(pcie, monkeypatch)
         with pytest.raises(FabricUnavailableError):
             first.recompose("job", add=parse_request("job", ["gpu x2"]).resources)
         monkeypatch.setattr(pcie, "bind", bind)
