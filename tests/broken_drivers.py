@@ -18,12 +18,19 @@ from typing import Any
 
 import attrs
 from disagg import hookimpl
-from disagg.errors import ConfigError, DeviceBusyError, FabricUnavailableError, NotFoundError, UnknownDeviceError
-from disagg.interfaces import CallContext, Fabric
-from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Topology
+from disagg.errors import (
+    ConfigError,
+    DeviceBusyError,
+    FabricUnavailableError,
+    NotFoundError,
+    UnknownDeviceError,
+    UnsupportedError,
+)
+from disagg.interfaces import CallContext, EventHandler, Fabric, Subscription
+from disagg.model import Allocation, Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Topology
 from disagg.plugins import DriverRegistry
 from disagg_sim.dispatch import EventDispatcher
-from disagg_sim.fabric import SIM_CAPABILITIES, SimFabric
+from disagg_sim.fabric import SIM_CAPABILITIES, SimFabric, SimPool
 from disagg_sim.generator import generate_topology
 from disagg_sim.options import parse_options
 from disagg_sim.state import SimState
@@ -242,6 +249,138 @@ class DeclaresUnimplementedFaults(Plain):
         self.inner.close()
 
 
+def _pools_as(fabric: SimFabric, cls: type[SimPool]) -> list[SimPool]:
+    """Give the fabric's pools the one defect of ``cls`` (a `SimPool` subclass), keeping what they hold: the sim
+    builds its pools itself, and restores the saved allocations into them."""
+    pools = list(fabric._pools.values())
+    for pool in pools:
+        pool.__class__ = cls
+    return pools
+
+
+class _CarvesForNothing(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        if amount_bytes <= 0:
+            return Allocation(allocation_id, self.id, host, 0, ())
+        return super().allocate(allocation_id, host, amount_bytes, ctx)
+
+
+class AllocatesNoCapacity(SimFabric):
+    """An allocation of 0 bytes, or of a negative amount, succeeds instead of raising InvalidRequestError: a
+    caller's bug (an amount computed as a difference) passes for memory that a host holds."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _CarvesForNothing)
+
+
+class _HostBlindPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        with self._fabric._lock:
+            existing = self._allocations.get(allocation_id)
+        same_amount = existing is not None and existing.amount_bytes == self.info().capacity.round_up(amount_bytes)
+        if existing is not None and amount_bytes > 0 and same_amount:
+            return existing
+        return super().allocate(allocation_id, host, amount_bytes, ctx)
+
+
+class AllocationIgnoresHost(SimFabric):
+    """An existing allocation id asked again for another host, with the same amount, returns the existing
+    allocation instead of raising ConflictError: a second host is told it holds memory the first one holds."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _HostBlindPool)
+
+
+class _DoubleFreePool(SimPool):
+    _released: dict[str, int]
+    _returned: int
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        with self._fabric._lock:
+            held = self._allocations.get(allocation_id)
+            again = held is None and allocation_id in self._released
+            if again:
+                self._returned += self._released.pop(allocation_id)
+        if again:
+            return
+        super().release(allocation_id, ctx)
+        if held is not None:
+            with self._fabric._lock:
+                self._released[allocation_id] = held.amount_bytes
+
+    def free_bytes(self) -> int:
+        with self._fabric._lock:
+            returned = self._returned
+        return super().free_bytes() + returned
+
+
+class ReleasesTwice(SimFabric):
+    """A release retried after it succeeded (its reply lost) gives the capacity back a second time: the pool
+    then reports, and would carve, more free capacity than it has."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        for pool in _pools_as(self, _DoubleFreePool):
+            assert isinstance(pool, _DoubleFreePool)
+            pool._released, pool._returned = {}, 0
+
+
+class ForgetsAllocations(SimFabric):
+    """Saves everything but the allocations: after a restart every pool is reported empty, and its memory is
+    carved again for other hosts while the first ones still use it."""
+
+    def _snapshot(self) -> SimState:
+        return attrs.evolve(super()._snapshot(), allocations=())
+
+
+class BindsFailedDevices(SimFabric):
+    """Binds a device that has failed (it still refuses to carve from a failed pool's device): the host gets
+    hardware that does not work, where the contract says DeviceBusyError."""
+
+    def _check_healthy(self, device: str, refusal: str) -> None:
+        if refusal != "cannot be bound":
+            super()._check_healthy(device, refusal)
+
+
+class IgnoresDeadlines(SimFabric):
+    """Never looks at a call's deadline: a bind, unbind, allocate or release made after its deadline still
+    changes the fabric, after the caller gave up on it."""
+
+    def _mutate(self, ctx: CallContext, key: tuple[str, ...], prepare: Any, **kw: Any) -> Any:
+        return super()._mutate(attrs.evolve(ctx, deadline=None), key, prepare, **kw)
+
+
+CARVE_ONLY = attrs.evolve(
+    SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.BIND, Feature.UNBIND, Feature.SANITIZE}
+)
+"""What a driver that carves memory and binds nothing whole declares, as qemu-cxl does: carve and fencing."""
+
+
+class CarveOnly(SimFabric):
+    """Not broken: carves memory and binds nothing whole. It declares carve and fencing but not bind, and
+    refuses a bind with UnsupportedError after fencing."""
+
+    def capabilities(self) -> Capabilities:
+        return CARVE_ONLY
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        with self._lock:
+            self._fence(ctx)
+        raise UnsupportedError(f"fabric {self.name} binds nothing whole")
+
+
+class CarveOnlyIgnoresEpoch(CarveOnly):
+    """Carves and binds nothing whole (declares carve and fencing, not bind), and its allocate and release take
+    any epoch: a deposed fabric manager still carves and releases memory."""
+
+    def _mutate(self, ctx: CallContext, key: tuple[str, ...], prepare: Any, **kw: Any) -> Any:
+        if key[0] == "allocation":
+            ctx = attrs.evolve(ctx, epoch=max(ctx.epoch, self.epoch))
+        return super()._mutate(ctx, key, prepare, **kw)
+
+
 HANG_S = float(os.environ.get("BROKEN_HANG_S", "600"))
 """How long a driver that hangs sleeps."""
 _hung = threading.Event()
@@ -277,6 +416,54 @@ class HangsAtFirstBindings(SimFabric):
     def bindings(self) -> Sequence[Binding]:
         _hangs_the_first_time()
         return super().bindings()
+
+
+class HangsAtSubscribe(SimFabric):
+    """The first subscription in the process hangs (an event bus that never answers)."""
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        _hangs_the_first_time()
+        return super().subscribe(handler)
+
+
+class _HangingSubscription(Subscription):
+    def __init__(self, inner: Subscription) -> None:
+        self.inner = inner
+
+    def cancel(self) -> None:
+        _hangs_the_first_time()
+        self.inner.cancel()
+
+
+class HangsAtCancel(SimFabric):
+    """The first cancel of a subscription in the process hangs."""
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        return _HangingSubscription(super().subscribe(handler))
+
+
+class HangsAtFailDevice(SimFabric):
+    """The first injected device failure in the process never returns (an emulator that never answers)."""
+
+    def fail_device(self, device: str, message: str = "") -> None:
+        _hangs_the_first_time()
+        super().fail_device(device, message)
+
+
+class HangsAtFlakyBind(SimFabric):
+    """The first arming of a failing bind in the process never returns."""
+
+    def flaky_bind(self, device: str | None, failures: int) -> None:
+        _hangs_the_first_time()
+        super().flaky_bind(device, failures)
+
+
+class DeclaresAnHourForEvents(SilentFailures):
+    """Declares an event latency of an hour and, as `SilentFailures`, never reports a failure: waited for as
+    declared, it would hold certification for an hour."""
+
+    def capabilities(self) -> Capabilities:
+        return attrs.evolve(SIM_CAPABILITIES, event_latency_s=3600.0)
 
 
 class HangsAtRestart(SimFabric):
@@ -345,6 +532,45 @@ class InterruptedAtBind(SimFabric):
         raise KeyboardInterrupt
 
 
+class ExitsInBind(SimFabric):
+    """Ends the process with exit status 0 at the first bind (a vendor C library that calls exit() on a reply
+    it does not expect): the run never finishes, and no status of the process may pass for a verdict."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        os._exit(0)
+
+
+class UnbindRaisesNonSdk(SimFabric):
+    """Unbinding a bound device raises the vendor SDK's own exception, not a `disagg.errors` one, and leaves
+    the device bound."""
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            bound = self._bindings.get(binding.device) == binding.host
+        if bound:
+            raise RuntimeError("vendor SDK: hot-remove failed (EIO)")
+        super().unbind(binding, ctx)
+
+
+WITHOUT_UNBIND = attrs.evolve(SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.UNBIND, Feature.SANITIZE})
+
+
+class BindWithoutUnbind(SimFabric):
+    """Not broken: a fabric without hot-remove. It declares bind but not unbind (nor sanitize, which needs it),
+    and refuses to unbind a bound device with UnsupportedError; an unbind of what is not bound fences and
+    succeeds, as the contract asks."""
+
+    def capabilities(self) -> Capabilities:
+        return WITHOUT_UNBIND
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            self._fence(ctx)
+            bound = self._bindings.get(binding.device) == binding.host
+        if bound:
+            raise UnsupportedError("this fabric cannot hot-remove a device")
+
+
 BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-bind-not-idempotent": (BindNotIdempotent, "BIND-IDEMPOTENT"),
     "broken-unbind-not-idempotent": (UnbindNotIdempotent, "UNBIND-IDEMPOTENT"),
@@ -361,6 +587,14 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-carves-undeclared": (CarvesUndeclared, "DISC-WELL-FORMED"),
     "broken-forgets-epoch": (ForgetsEpoch, "RESTART-FENCING"),
     "broken-declares-unimplemented-faults": (DeclaresUnimplementedFaults, "BIND-FAILED-LEAVES-NOTHING"),
+    "broken-unbind-raises-non-sdk": (UnbindRaisesNonSdk, "CLEANUP-NOTHING-LEFT"),
+    "broken-carve-only-ignores-epoch": (CarveOnlyIgnoresEpoch, "CARVE-STALE-EPOCH"),
+    "broken-forgets-allocations": (ForgetsAllocations, "RESTART-ALLOCATIONS"),
+    "broken-allocation-ignores-host": (AllocationIgnoresHost, "CARVE-CONFLICT"),
+    "broken-releases-twice": (ReleasesTwice, "CARVE-RELEASE-IDEMPOTENT"),
+    "broken-binds-failed-devices": (BindsFailedDevices, "ERR-DEVICE-FAILED"),
+    "broken-ignores-deadlines": (IgnoresDeadlines, "DEADLINE-PASSED"),
+    "broken-allocates-no-capacity": (AllocatesNoCapacity, "CARVE-INVALID-AMOUNT"),
 }
 """Driver name: (fabric class, the clause its defect breaks)."""
 ALSO_BROKEN: dict[str, tuple[str, ...]] = {
@@ -376,9 +610,21 @@ OTHERS: dict[str, Callable[..., Fabric]] = {
     "broken-binds-late": BindsLate,
     "broken-fails-to-build": FailsToBuild,
     "broken-hangs-as-it-is-built": HangsAsItIsBuilt,
+    "broken-exits-in-bind": ExitsInBind,
+    "broken-hangs-at-subscribe": HangsAtSubscribe,
+    "broken-hangs-at-cancel": HangsAtCancel,
+    "broken-hangs-at-fail-device": HangsAtFailDevice,
+    "broken-hangs-at-flaky-bind": HangsAtFlakyBind,
+    "broken-declares-an-hour-for-events": DeclaresAnHourForEvents,
 }
 """Drivers whose defect is not a clause's: certify must still finish, and say what happened. `HangsAtRestart`
 is not among them: its test runs the suite in process, with its bounds lowered."""
+UNBROKEN: dict[str, tuple[Callable[..., Fabric], Capabilities]] = {
+    "sim-without-unbind": (BindWithoutUnbind, WITHOUT_UNBIND),
+    "sim-carve-only": (CarveOnly, CARVE_ONLY),
+}
+"""Correct drivers that the suite must certify though they declare less than the sim: driver name: (fabric
+class, the capabilities it declares)."""
 
 
 def certify_options(workdir: Path) -> dict[str, Any]:
@@ -410,5 +656,13 @@ def disagg_register_drivers(registry: DriverRegistry) -> None:
             factory(cls),
             capabilities=SIM_CAPABILITIES,
             description=f"sim with a defect: {description}",
+            certify_options=certify_options,
+        )
+    for name, (cls, capabilities) in UNBROKEN.items():
+        registry.add_driver(
+            name,
+            factory(cls),
+            capabilities=capabilities,
+            description=" ".join((cls.__doc__ or "").split()),
             certify_options=certify_options,
         )

@@ -3,7 +3,6 @@ expected-failures file, and every mistake a user can make on its command line.""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -107,9 +106,11 @@ class TestCertifyRemote:
         proc, report = certify(tmp_path, "sim", "--remote", served_sim.address)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert report is not None and report["mode"] == "remote" and report["address"] == served_sim.address
-        for restart in (clause_of(report, "RESTART-BINDINGS"), clause_of(report, "RESTART-FENCING")):
-            assert restart["status"] == "NOT TESTED" and "--restart-command" in restart["reason"]
-        untested = {"RESTART-BINDINGS", "RESTART-FENCING", "UNDECLARED-UNSUPPORTED"}
+        restarts = {"RESTART-BINDINGS", "RESTART-ALLOCATIONS", "RESTART-FENCING"}
+        for restart in sorted(restarts):
+            assert clause_of(report, restart)["status"] == "NOT TESTED"
+            assert "--restart-command" in clause_of(report, restart)["reason"]
+        untested = {*restarts, "UNDECLARED-UNSUPPORTED"}
         assert {s for c, s in statuses(report).items() if c not in untested} == {"PASS"}
 
     def test_over_tcp(self, tmp_path: Path) -> None:
@@ -169,15 +170,22 @@ class TestExpectedFailures:
     clause that passes fails the run, so the list cannot go stale."""
 
     @pytest.mark.parametrize(
-        ("driver", "outcomes"),
-        [("broken-ignores-epoch", {"xfailed"}), ("broken-bind-ignores-epoch", {"xfailed", "passed"})],
+        ("driver", "outcomes", "also"),
+        [
+            ("broken-ignores-epoch", {"xfailed"}, ["CARVE-STALE-EPOCH"]),
+            ("broken-bind-ignores-epoch", {"xfailed", "passed"}, []),
+        ],
         ids=["every-test-fails", "one-of-two-tests-fails"],
     )
-    def test_expected_failures_withhold_certification(self, tmp_path: Path, driver: str, outcomes: set[str]) -> None:
+    def test_expected_failures_withhold_certification(
+        self, tmp_path: Path, driver: str, outcomes: set[str], also: list[str]
+    ) -> None:
         """FENCE-STALE-EPOCH has a test on binds and one on pools: a clause fails as expected when one of its
-        tests does (the second driver breaks only the first)."""
+        tests does (the second driver breaks only the first). A driver that ignores the epoch of its pools also
+        fails CARVE-STALE-EPOCH (suite 1.4), which its file lists too."""
         listed = tmp_path / "xfail.txt"
-        listed.write_text("# the epoch is ignored until fencing lands\nFENCE-STALE-EPOCH\nRESTART-FENCING\n")
+        ids = ["FENCE-STALE-EPOCH", *also, "RESTART-FENCING"]
+        listed.write_text("# the epoch is ignored until fencing lands\n" + "".join(f"{i}\n" for i in ids))
         proc, report = certify(tmp_path, driver, "--plugin", "broken_drivers", "--expected-failures", str(listed))
         assert proc.returncode == 3, proc.stdout + proc.stderr
         assert report is not None and report["verdict"] == "NOT CERTIFIED"
@@ -187,7 +195,7 @@ class TestExpectedFailures:
         # Across a restart too: a bind with an older epoch is accepted there, as before it.
         restart = clause_of(report, "RESTART-FENCING")
         assert restart["status"] == "FAIL" and restart["expected_failure"] is True
-        assert report["expected_failures"] == ["FENCE-STALE-EPOCH", "RESTART-FENCING"]
+        assert report["expected_failures"] == ids
         # The module comes from the tests' folder, not from an installed package: the report does not say disagg.
         assert report["driver"]["distribution"] == "broken_drivers (no installed distribution)"
 
@@ -231,11 +239,13 @@ class TestAVerdictIsTheWholeSuites:
     def test_a_conftest_above_the_suite_is_not_loaded(self, tmp_path: Path) -> None:
         """A conftest.py in a folder above the suite's module (site-packages, where disagg is installed) could
         deselect the clause a driver breaks; certify loads none. The suite's module is copied under such a
-        conftest, as it lies in site-packages."""
+        conftest, as it lies in site-packages, and every process of the run (a ``sitecustomize``) finds it there."""
         site = tmp_path / "site"
         (site / "disagg_copy").mkdir(parents=True)
+        used = tmp_path / "copy-used"
         (site / "disagg_copy" / "certified.py").write_text(
             (Path(disagg.testing.__file__).parent / "certified.py").read_text()
+            + f"\nfrom pathlib import Path\nPath({str(used)!r}).write_text('used')\n"
         )
         loaded = tmp_path / "conftest-loaded"
         (site / "conftest.py").write_text(
@@ -243,10 +253,10 @@ class TestAVerdictIsTheWholeSuites:
             "def pytest_collection_modifyitems(config, items):\n"
             "    items[:] = [i for i in items if 'stale_epoch' not in i.name]\n"
         )
-        out = ("--out", str(tmp_path / "out"))
-        runner = tmp_path / "runner.py"
-        runner.write_text(
-            "import importlib.util, sys\n"
+        patch = tmp_path / "patch"
+        patch.mkdir()
+        (patch / "sitecustomize.py").write_text(
+            "import importlib.util\n"
             "real = importlib.util.find_spec\n"
             "def find_spec(name, *args):\n"
             "    spec = real(name, *args)\n"
@@ -254,22 +264,16 @@ class TestAVerdictIsTheWholeSuites:
             f"        spec.origin = {str(site / 'disagg_copy' / 'certified.py')!r}\n"
             "    return spec\n"
             "importlib.util.find_spec = find_spec\n"
-            "from disagg.cli.main import main\n"
-            "sys.exit(main(sys.argv[1:]))\n"
         )
-        proc = subprocess.run(
-            [sys.executable, str(runner), "certify", "broken-ignores-epoch", "--plugin", "broken_drivers", *out],
-            check=False,
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, **certify_env(), "DISAGG_STATE_DIR": str(tmp_path / "state")},
-            timeout=CERTIFY_TIMEOUT_S,
+        env = certify_env()
+        env["PYTHONPATH"] = os.pathsep.join([str(patch), env["PYTHONPATH"]])
+        run = run_certify(
+            tmp_path, "broken-ignores-epoch", "--plugin", "broken_drivers", env=env, timeout=CERTIFY_TIMEOUT_S
         )
+        assert used.exists(), "the suite's module was not the copy"
         assert not loaded.exists(), "certify loaded a conftest.py from above the suite"
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        report = json.loads((tmp_path / "out" / "certification.json").read_text())
-        assert clause_of(report, "FENCE-STALE-EPOCH")["status"] == "FAIL"
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.report is not None and clause_of(run.report, "FENCE-STALE-EPOCH")["status"] == "FAIL"
 
     def test_an_interrupted_run_is_not_certified(self, tmp_path: Path) -> None:
         proc, report = certify(tmp_path, "broken-interrupted", "--plugin", "broken_drivers")
@@ -279,6 +283,97 @@ class TestAVerdictIsTheWholeSuites:
         assert report["incomplete"] == "the run did not finish (pytest exit status 2)"
         markdown = (tmp_path / "out" / "certification.md").read_text()
         assert "The run is not a certification: the run did not finish" in markdown
+        assert junit_errors(tmp_path / "out") == {"certification": "the run did not finish (pytest exit status 2)"}
+
+    def test_python_optimisation_does_not_remove_the_suites_checks(self, tmp_path: Path) -> None:
+        """The suite's checks are assert statements: PYTHONOPTIMIZE in a CI's environment removed them all, and
+        a broken driver was certified."""
+        run = run_certify(
+            tmp_path,
+            "broken-leaks-failed-bind",
+            "--plugin",
+            "broken_drivers",
+            env={**certify_env(), "PYTHONOPTIMIZE": "1"},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.report is not None and run.report["verdict"] == "FAILED"
+        assert clause_of(run.report, "BIND-FAILED-LEAVES-NOTHING")["status"] == "FAIL"
+
+    def test_an_autoloaded_pytest_plugin_is_not_loaded(self, tmp_path: Path) -> None:
+        """A pytest plugin installed in a CI image (a ``pytest11`` entry point, which pytest loads by itself) could
+        deselect the clause a driver breaks; certify loads only the plugins it names."""
+        site = tmp_path / "site"
+        info = site / "ci_helper-0.1.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ci-helper\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text("[pytest11]\nci_helper = ci_helper\n")
+        loaded = tmp_path / "plugin-loaded"
+        (site / "ci_helper.py").write_text(
+            f"from pathlib import Path\nPath({str(loaded)!r}).write_text('loaded')\n\n"
+            "def pytest_collection_modifyitems(config, items):\n"
+            "    items[:] = [i for i in items if 'extents' not in i.name]\n"
+        )
+        env = certify_env()
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
+        run = run_certify(
+            tmp_path, "broken-overlapping-extents", "--plugin", "broken_drivers", env=env, timeout=CERTIFY_TIMEOUT_S
+        )
+        assert not loaded.exists(), "certify loaded an installed pytest plugin"
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.report is not None and clause_of(run.report, "CARVE-NO-OVERLAP")["status"] == "FAIL"
+
+    def test_a_driver_that_ends_the_process_is_not_certified(self, tmp_path: Path) -> None:
+        """A driver that calls os._exit(0) in the middle of the suite ended certify with exit status 0 and no
+        report."""
+        proc, report = certify(tmp_path, "broken-exits-in-bind", "--plugin", "broken_drivers")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "the suite's process exited with status 0 before it wrote a report" in proc.stderr
+        assert report is not None and report["verdict"] == "NOT CERTIFIED"
+        assert report["incomplete"].startswith("the suite's process exited with status 0 before it wrote a report")
+        assert set(statuses(report).values()) == {"NOT TESTED"}
+
+
+def junit_errors(out: Path) -> dict[str, str]:
+    """The JUnit report's error test cases in ``out``, by name, with their messages; checks the count."""
+    suite = ET.parse(out / "certification.xml").getroot().find("testsuite")
+    assert suite is not None
+    errors = {
+        str(case.get("name")): str(error.get("message"))
+        for case in suite.iter("testcase")
+        for error in case.iter("error")
+    }
+    assert suite.get("errors") == str(len(errors))
+    assert suite.get("tests") == str(len(list(suite.iter("testcase"))))
+    return errors
+
+
+class TestTheJUnitReport:
+    """A CI that reads only the JUnit report sees a run that is not certified as not green, though no clause
+    failed."""
+
+    @staticmethod
+    def report(tmp_path: Path, **changes: Any) -> Path:
+        from disagg.testing.clauses import CLAUSES as ALL
+        from disagg.testing.report import PASS, ClauseResult, Report, Subject
+
+        results = tuple(ClauseResult(clause, PASS) for clause in ALL.values())
+        Report(Subject("acme"), results, **changes).write(tmp_path)
+        return tmp_path
+
+    def test_a_certified_run_has_no_error(self, tmp_path: Path) -> None:
+        assert junit_errors(self.report(tmp_path)) == {}
+
+    def test_an_incomplete_run_is_an_error(self, tmp_path: Path) -> None:
+        out = self.report(tmp_path, incomplete="the run did not finish (pytest exit status 2)")
+        assert junit_errors(out) == {"certification": "the run did not finish (pytest exit status 2)"}
+
+    def test_expected_failures_that_did_not_fail_are_an_error(self, tmp_path: Path) -> None:
+        """An expected-failures file that lists a clause that was not tested: no failure, yet exit status 3."""
+        out = self.report(tmp_path, expected_failures=("RESTART-BINDINGS",))
+        assert junit_errors(out) == {
+            "certification": "NOT CERTIFIED: the expected-failures file lists RESTART-BINDINGS"
+        }
 
 
 def quick_config(tmp_path: Path) -> Path:
@@ -447,6 +542,28 @@ class TestCertifyBadInput:
             (out / name).write_text("CERTIFIED")
         assert "no driver 'nope' is installed" in self.run(capsys, "nope", "--out", str(out))
         assert list(out.iterdir()) == []
+
+    @pytest.mark.parametrize("where", ["a-file", "a-file/reports"])
+    def test_an_out_that_cannot_be_a_folder(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+    ) -> None:
+        (tmp_path / "a-file").write_text("")
+        assert "--out: cannot write the reports to " in self.run(capsys, "sim", "--out", str(tmp_path / where))
+
+    def test_an_out_that_cannot_be_written_is_refused_before_the_suite_runs(self, tmp_path: Path) -> None:
+        """A folder that cannot be made (even by root): the whole suite ran, then writing its report raised."""
+        proc = subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", "certify", "sim", "--out", "/proc/self/certification"],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, **certify_env(), "DISAGG_STATE_DIR": str(tmp_path / "state")},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "--out: cannot write the reports to /proc/self/certification" in proc.stderr
+        assert "Traceback" not in proc.stderr and "passed" not in proc.stdout
 
     def test_a_missing_config_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "does not exist" in self.run(capsys, "sim", "--config", str(tmp_path / "absent.toml"))

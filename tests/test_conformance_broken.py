@@ -46,3 +46,33 @@ class TestBrokenDrivers:
         assert result.returncode == 0, (result.stdout, result.stderr)
         assert report["verdict"] == "CERTIFIED"
         assert failures(report) == {}
+
+    def test_a_clean_up_that_raises_a_non_disagg_exception_is_named(self, tmp_path: Path) -> None:
+        """An unbind that raises RuntimeError at clean-up stopped the clean-up and its check, and nothing was
+        found left behind."""
+        _, report = certify_broken("broken-unbind-raises-non-sdk", tmp_path)
+        reason = next(c["reason"] for c in report["clauses"] if c["id"] == "CLEANUP-NOTHING-LEFT")
+        assert "RuntimeError: vendor SDK: hot-remove failed (EIO)" in reason, reason
+        assert "only disagg.errors may escape a driver" in reason
+
+
+class TestUnbrokenDrivers:
+    """A correct driver that declares less than the sim is certified."""
+
+    def test_a_driver_that_declares_bind_but_not_unbind(self, tmp_path: Path) -> None:
+        """What the suite binds it cannot unbind: that is the fabric, not a defect of the driver's, and the
+        clean-up clause names what was left bound instead of failing."""
+        result, report = certify_broken("sim-without-unbind", tmp_path)
+        assert result.returncode == 0, (result.stdout, result.stderr, failures(report))
+        assert report["verdict"] == "CERTIFIED"
+        cleanup = next(c for c in report["clauses"] if c["id"] == "CLEANUP-NOTHING-LEFT")
+        assert cleanup["status"] == "PASS" and "the driver does not declare unbind" in cleanup["reason"]
+
+    def test_a_driver_that_carves_and_binds_nothing_whole(self, tmp_path: Path) -> None:
+        """As qemu-cxl: carve and fencing declared, not bind. Its pools are held to the fencing rule
+        (CARVE-STALE-EPOCH), which it keeps, while FENCE-STALE-EPOCH, which needs bind, is not tested."""
+        result, report = certify_broken("sim-carve-only", tmp_path)
+        assert result.returncode == 0, (result.stdout, result.stderr, failures(report))
+        assert report["verdict"] == "CERTIFIED"
+        assert statuses(report)["CARVE-STALE-EPOCH"] == "PASS"
+        assert statuses(report)["FENCE-STALE-EPOCH"] == "NOT TESTED"

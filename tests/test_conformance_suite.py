@@ -29,19 +29,21 @@ from remote_helpers import Plain
 """
 
 
-def run_suite(tmp: Path, body: str, *, plugin: bool = True) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """Run a driver author's test module (``body``) with pytest in a fresh project; the result and its report."""
+def run_suite(
+    tmp: Path, body: str, *args: str, plugin: bool = True, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run a driver author's test module (``body``) with pytest ``args`` in a fresh project, with ``env`` over the
+    environment; the result and its report."""
     (tmp / "pytest.ini").write_text("[pytest]\n")
     if plugin:
         (tmp / "conftest.py").write_text('pytest_plugins = ["disagg.testing.plugin"]\n')
     (tmp / "test_driver.py").write_text(HEADER + textwrap.dedent(body))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--disagg-report", "out"]
-        if plugin
-        else [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", *args]
+        + (["--disagg-report", "out"] if plugin else []),
         cwd=tmp,
-        env=env,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
         capture_output=True,
         text=True,
         check=False,
@@ -120,6 +122,36 @@ class TestUndeclaredCapabilities:
         assert found["BIND-IDEMPOTENT"] == ("PASS", "")
         assert report["verdict"] == "CERTIFIED"
         assert set(found) == set(CLAUSES)
+
+
+SIM_DRIVER = """
+    class TestSim(FabricConformance):
+        @pytest.fixture
+        def fabric_factory(self, tmp_path):
+            opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+            return lambda: create_fabric("f", opts)
+    """
+
+
+class TestAReportIsTheWholeSuites:
+    """A report from a pytest run certifies only a run of the whole suite, with its checks in place."""
+
+    def test_a_clause_that_applies_but_did_not_run_is_not_certified(self, tmp_path: Path) -> None:
+        """A clause deselected (``-k``, a plugin) is not a clause that passed: it was reported NOT TESTED and the
+        run CERTIFIED."""
+        proc, report = run_suite(tmp_path, SIM_DRIVER, "-k", "not stale_epoch")
+        assert proc.returncode == 1, proc.stdout[-3000:]
+        assert report["verdict"] == "NOT CERTIFIED"
+        assert report["incomplete"].startswith(
+            "no test ran of clauses that apply to the driver's declared features: FENCE-STALE-EPOCH"
+        ), report["incomplete"]
+
+    def test_python_optimisation_is_refused(self, tmp_path: Path) -> None:
+        """Python's optimisation removes assert statements, the suite's checks among them."""
+        proc, report = run_suite(tmp_path, SIM_DRIVER, env={"PYTHONOPTIMIZE": "1"})
+        assert proc.returncode == 4, proc.stdout[-3000:]
+        assert "the disagg conformance suite cannot run with Python's optimisation on" in proc.stderr
+        assert report == {}
 
 
 class TestAHostOnTwoSwitches:
@@ -290,6 +322,54 @@ class TestBoundedBuildAndRestart:
         assert statuses(report)["RESTART-FENCING"][0] == "NOT TESTED"
         assert "an earlier call hung (restart of the driver" in statuses(report)["RESTART-FENCING"][1]
         assert statuses(report)["BIND-IDEMPOTENT"] == ("PASS", "")  # the clauses before it ran
+        assert proc.returncode == 1 and report["verdict"] == "FAILED"
+
+
+class TestBoundedFaultsAndEvents:
+    """Subscribing, cancelling and injecting faults are driver calls under the watchdog too, and the wait for a
+    failure event has a ceiling (``event_wait_max_s``, lowered here): a driver that hangs there, or declares an
+    hour of event latency and reports nothing, fails its clause instead of holding the run."""
+
+    DRIVER = """
+            from disagg_sim import load_topology
+            from broken_drivers import {cls}
+
+            class TestHanging(FabricConformance):
+                call_timeout_s = 1.0
+                call_grace_s = 0.5
+                event_wait_max_s = 0.5
+
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    topology, state = load_topology("f", "demo-pcie"), tmp_path / "s.json"
+                    return lambda: {cls}(topology, state_file=state)
+            """
+
+    @pytest.mark.parametrize(
+        ("cls", "clause_id", "call"),
+        [
+            ("HangsAtSubscribe", "EVENT-FAILURE-REPORTED", "subscribe()"),
+            ("HangsAtCancel", "EVENT-FAILURE-REPORTED", "cancel() of a subscription"),
+            ("HangsAtFailDevice", "ERR-DEVICE-FAILED", "fail_device(f/"),
+            ("HangsAtFlakyBind", "BIND-FAILED-LEAVES-NOTHING", "flaky_bind(f/"),
+        ],
+    )
+    def test_a_call_that_hangs_fails_its_clause(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cls: str, clause_id: str, call: str
+    ) -> None:
+        monkeypatch.setenv("BROKEN_HANG_S", "8")
+        proc, report = run_suite(tmp_path, self.DRIVER.format(cls=cls))
+        status, reason = statuses(report)[clause_id]
+        assert status == "FAIL", proc.stdout[-3000:]
+        assert call in reason and "did not return within 1.5 s" in reason, reason
+        assert proc.returncode == 1 and report["verdict"] == "FAILED"
+
+    def test_a_declared_hour_of_event_latency_is_waited_for_at_most_the_ceiling(self, tmp_path: Path) -> None:
+        proc, report = run_suite(tmp_path, self.DRIVER.format(cls="DeclaresAnHourForEvents"))
+        status, reason = statuses(report)["EVENT-FAILURE-REPORTED"]
+        assert status == "FAIL", proc.stdout[-3000:]
+        assert "no DEVICE_HEALTH event for f/" in reason
+        assert "(the driver declares 3600 s; the suite waits at most 0.5 s)" in reason
         assert proc.returncode == 1 and report["verdict"] == "FAILED"
 
 

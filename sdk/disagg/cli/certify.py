@@ -4,26 +4,29 @@ In process (the default) the driver is an installed plugin, built with the optio
 none, the small fabric its plugin offers for certification (``certify_options``), in a scratch directory that
 is removed afterwards. With ``--remote ADDRESS`` the suite drives a FabricDriver endpoint in another process
 or language, which must serve DRIVER; certify cannot restart that process, so RESTART-BINDINGS is NOT TESTED.
+Either way the suite runs in a child process, in an environment that nothing outside the command line
+changes the run through (`suite_environment`), and the verdict is read from the report it writes.
 
 Exit codes: 0 certified; 1 a clause failed, or the run did not finish (the driver could not be built, the run
-was interrupted: the report says why, under ``incomplete``); 2 bad input (a `ConfigError` from the driver
-among it); 3 not certified because the expected-failures file still lists clauses (every failure was expected).
+was interrupted, the suite's process ended without a report: the report says why, under ``incomplete``); 2 bad
+input (a `ConfigError` from the driver among it); 3 not certified because the expected-failures file still
+lists clauses (every failure was expected).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib
 import importlib.util
+import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +43,7 @@ from disagg.remote.address import check_address
 if TYPE_CHECKING:  # the testing modules need pytest, which certify imports only when it runs
     from disagg.plugins.manager import Plugins
     from disagg.testing.report import Subject
+    from disagg.testing.state import Target
 
 EXIT_FOR = {"CERTIFIED": 0, "FAILED": 1, "NOT CERTIFIED": 3}
 CONFIG_KEYS = ("fabric", "options", "call_timeout_s", "build_timeout_s", "restart_timeout_s")
@@ -135,20 +139,23 @@ def _restart_by(command: str, connect: Callable[[], Fabric]) -> Callable[[Fabric
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    """Check the input, then run the suite in a child process (`_supervise`) that runs this command again with
+    ``--suite-process``: the child skips the checks and runs pytest in its own process, where a driver may end
+    the process (``os._exit(0)``) without deciding the exit status."""
     try:
-        import pytest
+        import pytest  # noqa: F401 (imported here to say it is missing before anything runs)
 
         from disagg.testing.expected import read_expected_failures
         from disagg.testing.harness import reopening, watched
-        from disagg.testing.report import FILES, Report, Subject
-        from disagg.testing.state import REPORT, SUBJECT, TARGET, Target
+        from disagg.testing.report import Subject
+        from disagg.testing.state import Target
     except ImportError as exc:
         raise ConfigError(f"disagg certify needs pytest ({exc}): pip install 'disagg[testing]'") from None
     from disagg.remote.fabric import RemoteFabric
 
-    for name in FILES:  # an earlier run's reports never outlive this one, whatever becomes of it
-        (Path(args.out) / name).unlink(missing_ok=True)
-
+    out = Path(args.out)
+    if not args.suite_process:
+        _clear_reports(out)
     if args.restart_command and not args.remote:
         raise ConfigError("--restart-command applies only with --remote", field="restart_command")
     if args.expected_failures:
@@ -202,17 +209,23 @@ def cmd_certify(args: argparse.Namespace) -> int:
             def factory() -> Fabric:
                 return spec.factory(fabric_name, chosen)
 
-            try:  # a configuration error is bad input, reported before the suite runs
-                watched(
-                    "building the fabric (fabric_factory) and closing it",
-                    lambda: factory().close(),
-                    timeout_s=bounds.build_timeout_s,
-                    deadline=False,
-                )
-            except ConfigError:
-                raise
-            except Exception as exc:  # the driver cannot be built: no clause can run, so nothing is certified
-                return _not_built(args, exc, subject_of(args.driver, spec.plugin, plugins))
+            if not args.suite_process:
+                try:  # a configuration error is bad input, reported before the suite runs
+                    watched(
+                        "building the fabric (fabric_factory) and closing it",
+                        lambda: factory().close(),
+                        timeout_s=bounds.build_timeout_s,
+                        deadline=False,
+                    )
+                except ConfigError:
+                    raise
+                except Exception as exc:  # the driver cannot be built: no clause can run, so nothing is certified
+                    _probe_out(out)
+                    return _unfinished(
+                        args,
+                        f"the driver could not be built: {type(exc).__name__}: {exc}",
+                        subject_of(args.driver, spec.plugin, plugins),
+                    )
 
             target = Target(
                 factory,
@@ -222,62 +235,150 @@ def cmd_certify(args: argparse.Namespace) -> int:
                 restart_timeout_s=bounds.restart_timeout_s,
             )
             subject = attrs.evolve(subject_of(args.driver, spec.plugin, plugins), fabric=fabric_name)
-        captured: list[Report] = []
+        if args.suite_process:
+            return _run_suite(args, work, target, subject)
+    _probe_out(out)
+    return _supervise(args, subject)
 
-        class Setup:
-            """Hands the target to the suite's fixtures and takes the report back."""
 
-            @pytest.hookimpl(tryfirst=True)
-            def pytest_configure(self, config: pytest.Config) -> None:
-                config.stash[TARGET] = target
-                config.stash[SUBJECT] = subject
+def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Subject) -> int:
+    """Run the suite in this process (the one `_supervise` started), writing the reports; what the parent reads
+    is the reports, not this exit status."""
+    import pytest
 
-            @pytest.hookimpl(trylast=True)
-            def pytest_sessionfinish(self, session: pytest.Session) -> None:
-                report = session.config.stash.get(REPORT, None)
-                if report is not None:
-                    captured.append(report)
+    from disagg.testing.report import Report
+    from disagg.testing.state import REPORT, SUBJECT, TARGET
 
-        ini = work / "pytest.ini"
-        ini.write_text("[pytest]\n")
-        suite = importlib.util.find_spec("disagg.testing.certified")
-        assert suite is not None and suite.origin is not None
-        argv = [
-            suite.origin,
-            "-p",
-            "disagg.testing.plugin",
-            "-p",
-            "no:randomly",
-            "-p",
-            "no:cacheprovider",
-            # No conftest.py outside the suite (one in site-packages, say, above disagg/testing) takes part:
-            # it could deselect clauses or rewrite their outcomes.
-            "--noconftest",
-            "-c",
-            str(ini),
-            "--rootdir",
-            str(work),
-            "-q" if not args.verbose else "-v",
-            "--disagg-report",
-            str(Path(args.out).resolve()),
-        ]
-        if args.expected_failures:
-            argv += ["--disagg-expected-failures", str(Path(args.expected_failures).resolve())]
-        with _without_pytest_settings():
-            code = pytest.main(argv, plugins=[Setup()])
+    captured: list[Report] = []
+
+    class Setup:
+        """Hands the target to the suite's fixtures and takes the report back."""
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_configure(self, config: pytest.Config) -> None:
+            config.stash[TARGET] = target
+            config.stash[SUBJECT] = subject
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_sessionfinish(self, session: pytest.Session) -> None:
+            report = session.config.stash.get(REPORT, None)
+            if report is not None:
+                captured.append(report)
+
+    ini = work / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    suite = importlib.util.find_spec("disagg.testing.certified")
+    if suite is None or suite.origin is None:
+        raise ConfigError("disagg certify cannot find the suite's module, disagg.testing.certified")
+    argv = [
+        suite.origin,
+        "-p",
+        "disagg.testing.plugin",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:cacheprovider",
+        # No conftest.py outside the suite (one in site-packages, say, above disagg/testing) takes part:
+        # it could deselect clauses or rewrite their outcomes.
+        "--noconftest",
+        "-c",
+        str(ini),
+        "--rootdir",
+        str(work),
+        "-q" if not args.verbose else "-v",
+        "--disagg-report",
+        str(Path(args.out).resolve()),
+    ]
+    if args.expected_failures:
+        argv += ["--disagg-expected-failures", str(Path(args.expected_failures).resolve())]
+    code = pytest.main(argv, plugins=[Setup()])
     if not captured:
         print(f"disagg: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 2 if code == pytest.ExitCode.USAGE_ERROR else 1
-    report = captured[0]
-    if report.incomplete:
-        print(f"disagg: error: {report.incomplete}; {report.verdict}, reports in {args.out}", file=sys.stderr)
+    return EXIT_FOR[captured[0].verdict] if not captured[0].incomplete else 1
+
+
+def _supervise(args: argparse.Namespace, subject: Subject) -> int:
+    """Run the suite in a child process and judge by the report it writes: a driver that ends that process
+    (``os._exit``, a crash) leaves no report, and the run is reported unfinished, whatever the exit status."""
+    argv = [sys.executable, "-m", "disagg.cli.main", "certify", args.driver, "--suite-process", "--out", args.out]
+    for flag, value in (
+        ("--remote", args.remote),
+        ("--config", args.config),
+        ("--expected-failures", args.expected_failures),
+        ("--restart-command", args.restart_command),
+    ):
+        if value:
+            argv += [flag, value]
+    for module in args.plugin:
+        argv += ["--plugin", module]
+    if args.verbose:
+        argv.append("-v")
+    proc = subprocess.Popen(argv, env=suite_environment(os.environ))
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached the suite too: it cleans up and reports; a second one stops it
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+            raise
+    try:
+        report = json.loads((Path(args.out) / "certification.json").read_text())
+    except (OSError, ValueError):
+        ended = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return _unfinished(
+            args,
+            f"the suite's process {ended} before it wrote a report (did the driver end the process: os._exit, "
+            "exit(), a crash?)",
+            subject,
+        )
+    if report["incomplete"]:
+        print(f"disagg: error: {report['incomplete']}; {report['verdict']}, reports in {args.out}", file=sys.stderr)
         return 1
-    counts = report.to_json()["counts"]
+    counts = report["counts"]
     print(
-        f"certify {args.driver}: {report.verdict} ({counts['PASS']} pass, {counts['FAIL']} fail, "
+        f"certify {args.driver}: {report['verdict']} ({counts['PASS']} pass, {counts['FAIL']} fail, "
         f"{counts['NOT TESTED']} not tested); reports in {args.out}"
     )
-    return EXIT_FOR[report.verdict]
+    return EXIT_FOR[report["verdict"]]
+
+
+PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
+"""What pytest reads from the environment: options that could deselect clauses, plugins that could change
+outcomes. A certification runs the whole suite as it is, whatever the caller's shell or CI sets."""
+
+
+def suite_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the suite's process: without `PYTEST_SETTINGS`, with no pytest plugin loaded that
+    the command line does not name (one installed in a CI image could deselect clauses), and without Python's
+    optimisation, which removes the assert statements the suite checks with."""
+    env = {k: v for k, v in environ.items() if k not in (*PYTEST_SETTINGS, "PYTHONOPTIMIZE")}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return env
+
+
+def _clear_reports(out: Path) -> None:
+    """Remove the reports an earlier run left in ``out``, so that none outlives this run, whatever becomes of it."""
+    from disagg.testing.report import FILES
+
+    for name in FILES:
+        try:
+            (out / name).unlink(missing_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out: cannot write the reports to {out}: {exc.strerror or exc}", field="out") from None
+
+
+def _probe_out(out: Path) -> None:
+    """Make ``out`` and write a file in it before anything runs: a folder that cannot take the reports is bad
+    input, not a traceback once the suite has run."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write the reports to {out}: {exc.strerror or exc}", field="out") from None
 
 
 def subject_of(driver: str, plugin: str, plugins: Plugins) -> Subject:
@@ -293,36 +394,21 @@ def subject_of(driver: str, plugin: str, plugins: Plugins) -> Subject:
     )
 
 
-def _not_built(args: argparse.Namespace, exc: Exception, subject: Subject) -> int:
-    """The driver raised as it was built: write a report of an unfinished run (every clause NOT TESTED, the
-    reason under ``incomplete``) and exit 1."""
+def _unfinished(args: argparse.Namespace, why: str, subject: Subject) -> int:
+    """The driver raised as it was built, or the suite's process ended without a report: write a report of an
+    unfinished run (every clause NOT TESTED, ``why`` under ``incomplete``) and exit 1."""
     from disagg.testing.clauses import CLAUSES
     from disagg.testing.expected import read_expected_failures
     from disagg.testing.plugin import CLEANUP
     from disagg.testing.report import NOT_TESTED, ClauseResult, Report, clause_results
 
     expected = read_expected_failures(Path(args.expected_failures)) if args.expected_failures else ()
-    why = f"the driver could not be built: {type(exc).__name__}: {exc}"
     cleanup = ClauseResult(CLAUSES[CLEANUP], NOT_TESTED, "no test ran")
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     report = Report(subject, clause_results({}, expected, cleanup), expected, started, incomplete=why)
     report.write(Path(args.out))
     print(f"disagg: error: {why}; {report.verdict}, reports in {args.out}", file=sys.stderr)
     return 1
-
-
-PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
-"""What pytest reads from the environment: options that could deselect clauses, plugins that could change
-outcomes. A certification runs the whole suite as it is, whatever the caller's shell or CI sets."""
-
-
-@contextlib.contextmanager
-def _without_pytest_settings() -> Iterator[None]:
-    saved = {k: os.environ.pop(k) for k in PYTEST_SETTINGS if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -351,4 +437,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="with --remote: a shell command that restarts the driver process (for RESTART-BINDINGS)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="list each test as it runs")
+    # How `_supervise` starts the suite's process: the input is checked, and the suite runs here.
+    p.add_argument("--suite-process", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_certify)

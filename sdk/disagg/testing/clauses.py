@@ -85,6 +85,13 @@ _ALL = (
         needs="a device that two hosts reach",
     ),
     Clause(
+        "ERR-DEVICE-FAILED",
+        "Binding a device that has failed raises DeviceBusyError (gRPC FAILED_PRECONDITION, reason DEVICE_BUSY) "
+        "and binds nothing.",
+        frozenset({Feature.BIND, Feature.FAULT_INJECTION}),
+        needs="fault injection to fail a free device",
+    ),
+    Clause(
         "ERR-HOST-UNREACHABLE",
         "Binding a device to a host that no working path joins to it raises HostUnreachableError (gRPC "
         "FAILED_PRECONDITION, reason HOST_UNREACHABLE) and binds nothing.",
@@ -97,6 +104,19 @@ _ALL = (
         "call that then failed or changed nothing, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason "
         "STALE_EPOCH) and changes nothing.",
         frozenset({Feature.BIND, Feature.FENCING}),
+    ),
+    Clause(
+        "CARVE-STALE-EPOCH",
+        "An allocate or release with a fencing epoch older than one the driver has seen, even on a call that then "
+        "failed, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason STALE_EPOCH) and changes nothing.",
+        frozenset({Feature.CARVE, Feature.FENCING}),
+        needs="a pool",
+    ),
+    Clause(
+        "DEADLINE-PASSED",
+        "A bind, unbind, allocate or release that would change something, made once its deadline has passed, "
+        "raises DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason DEADLINE_EXCEEDED) and changes nothing.",
+        needs="bind declared and a free device, or carve declared and a pool",
     ),
     Clause(
         "CONC-PARALLEL-BINDS",
@@ -126,6 +146,20 @@ _ALL = (
         needs="a pool",
     ),
     Clause(
+        "CARVE-CONFLICT",
+        "Allocating an existing allocation id again for another host, with the same amount, raises ConflictError "
+        "(gRPC FAILED_PRECONDITION, reason CONFLICT) and leaves the allocation as it was.",
+        frozenset({Feature.CARVE}),
+        needs="a pool that two hosts reach",
+    ),
+    Clause(
+        "CARVE-INVALID-AMOUNT",
+        "Allocating an amount that is not positive (zero or negative) raises InvalidRequestError (gRPC "
+        "INVALID_ARGUMENT, reason INVALID_REQUEST) and carves nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
         "CARVE-NO-OVERLAP",
         "The extents of a pool's allocations never overlap, lie within the pool, and add up to each "
         "allocation's amount.",
@@ -141,6 +175,13 @@ _ALL = (
     Clause(
         "CARVE-RELEASE-UNKNOWN",
         "Releasing an allocation id the pool does not hold raises nothing and changes nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-RELEASE-IDEMPOTENT",
+        "Releasing an allocation N times succeeds every time and gives its capacity back once: the pool's free "
+        "capacity is again what it was before the allocation.",
         frozenset({Feature.CARVE}),
         needs="a pool",
     ),
@@ -163,6 +204,12 @@ _ALL = (
         needs="a way to restart the driver",
     ),
     Clause(
+        "RESTART-ALLOCATIONS",
+        "A restarted driver reports the same allocations of a pool, and the same free capacity, as before the restart.",
+        frozenset({Feature.CARVE}),
+        needs="a way to restart the driver; a pool",
+    ),
+    Clause(
         "RESTART-FENCING",
         "A restarted driver refuses a call with a fencing epoch older than one it saw before the restart with "
         "StaleEpochError, and changes nothing.",
@@ -177,10 +224,9 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.3"
+SUITE_VERSION = "1.4"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
-accepts (1.3: discovery, bindings, building and restarts are bounded, and nothing is judged after a call hung)
-raises it."""
+accepts raises it. ``docs/conformance.md`` says what each version added."""
 
 
 def clause(clause_id: str) -> Callable[[F], F]:

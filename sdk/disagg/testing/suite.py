@@ -8,6 +8,7 @@ against a fabric that is in use, and each undoes what it did (`Tracker`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import re
@@ -20,15 +21,17 @@ import pytest
 from disagg.errors import (
     CapacityExhaustedError,
     ConflictError,
+    DeadlineExceededError,
     DeviceBusyError,
     DisaggError,
     HostUnreachableError,
+    InvalidRequestError,
     StaleEpochError,
     UnknownDeviceError,
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import Fabric
+from disagg.interfaces import CallContext, Fabric
 from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health, PoolInfo
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
@@ -42,7 +45,7 @@ from disagg.testing.harness import (
     Restart,
     Tracker,
     View,
-    collecting,
+    WatchedPool,
     reopening,
     run_together,
 )
@@ -54,9 +57,16 @@ RACERS = 8
 """Threads in the concurrency clauses."""
 EVENT_GRACE_S = 0.25
 """Scheduling slack on top of a driver's declared event latency, for loaded CI machines."""
+EVENT_WAIT_MAX_S = 60.0
+"""The longest the suite waits for a failure event, whatever event latency a driver declares: a driver that
+declares an hour and never reports would otherwise hold the run for an hour."""
 RACE_SLACK_S = 1.0
 """How much longer than the watchdog `run_together` waits for its racers, for thread start-up."""
 _LOCAL_ID = re.compile(r"^[^/\s]+$")
+_DEADLINE_RULE = (
+    "a call that would run past its deadline raises DeadlineExceededError and changes nothing it can avoid changing"
+)
+"""The contract's deadline rule (docs/driver-interface.md), quoted by DEADLINE-PASSED when it fails."""
 
 
 def _skip(reason: str) -> NoReturn:
@@ -73,6 +83,35 @@ def _one_free(view: View, *, min_hosts: int = 1) -> DeviceInfo:
 
 def _bindings_of(tracker: Tracker, device: str) -> list[Binding]:
     return [b for b in tracker.bindings() if b.device == device]
+
+
+def _expect_error(call: Callable[[], object], error: type[DisaggError], what: str, rule: str) -> None:
+    """``call`` must raise ``error``, as the contract's ``rule`` (quoted in the failure) says."""
+    try:
+        got = call()
+    except error:
+        return
+    except DisaggError as exc:
+        raise AssertionError(f"the {what} raised {type(exc).__name__}, not {error.__name__}: {rule}") from exc
+    raise AssertionError(f"the {what} succeeded ({got!r}), not {error.__name__}: {rule}")
+
+
+def _allocation_ids(pool: WatchedPool) -> set[str]:
+    return {a.id for a in pool.allocations()}
+
+
+@contextlib.contextmanager
+def _collecting(tracker: Tracker) -> Iterator[list[tuple[float, object]]]:
+    """Subscribe to the tracker's fabric for the block; yields a list of (monotonic time, event). Subscribing and
+    cancelling are driver calls too, made under the watchdog, so that a driver that hangs there fails the test
+    instead of holding the run."""
+    seen: list[tuple[float, object]] = []
+    fabric = tracker.fabric
+    sub = tracker.read("subscribe()", lambda: fabric.subscribe(lambda event: seen.append((time.monotonic(), event))))
+    try:
+        yield seen
+    finally:
+        tracker.read("cancel() of a subscription", sub.cancel)
 
 
 def _expect_unsupported(call: Callable[[], object], what: str, feature: str) -> None:
@@ -104,6 +143,8 @@ class FabricConformance:
     be built."""
     restart_timeout_s: float = RESTART_TIMEOUT_S
     """How long the ``restart`` fixture may take to restart the driver and reconnect."""
+    event_wait_max_s: float = EVENT_WAIT_MAX_S
+    """The longest EVENT-FAILURE-REPORTED waits for the event, whatever ``event_latency_s`` the driver declares."""
 
     @property
     def _racing_s(self) -> float:
@@ -325,7 +366,7 @@ class FabricConformance:
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
-        faults.flaky_bind(dev.id, 1)
+        tracker.read(f"flaky_bind({dev.id}, 1)", lambda: faults.flaky_bind(dev.id, 1))
         tracker.on_cleanup(functools.partial(faults.flaky_bind, dev.id, 0))
         with pytest.raises(DisaggError):
             tracker.bind(dev.id, host)
@@ -359,6 +400,25 @@ class FabricConformance:
             tracker.bind(dev.id, second)
         assert _bindings_of(tracker, dev.id) == [Binding(dev.id, first)]
 
+    @clause("ERR-DEVICE-FAILED")
+    def test_bind_of_a_failed_device(self, tracker: Tracker) -> None:
+        """`Fabric.bind` raises "`DeviceBusyError` (bound elsewhere or failed)"."""
+        faults = tracker.faults()
+        if faults is None:
+            _skip("the fabric object offers no fault injection")
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        tracker.read(f"fail_device({dev.id})", lambda: faults.fail_device(dev.id, "conformance: injected failure"))
+        tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
+        _expect_error(
+            lambda: tracker.bind(dev.id, host),
+            DeviceBusyError,
+            f"bind of {dev.id}, failed by fail_device, to {host}",
+            "Fabric.bind raises DeviceBusyError for a device bound elsewhere or failed",
+        )
+        assert _bindings_of(tracker, dev.id) == [], f"{dev.id}, failed, was bound"
+
     @clause("ERR-HOST-UNREACHABLE")
     def test_unreachable_host(self, tracker: Tracker) -> None:
         view = tracker.view()
@@ -374,7 +434,7 @@ class FabricConformance:
             if faults is None or not links:
                 _skip("every host reaches every device and no link can be taken down to cut one off")
             for a, b in sorted(links):
-                faults.set_link(a, b, False)
+                tracker.read(f"set_link({a}, {b}, False)", functools.partial(faults.set_link, a, b, False))
                 tracker.on_cleanup(functools.partial(faults.set_link, a, b, True))
             if dev.switch in tracker.view().reach.get(host, frozenset()):
                 _skip(f"host {host} still reaches {dev.id} with its links down, by the driver's own topology")
@@ -426,6 +486,117 @@ class FabricConformance:
         with pytest.raises(StaleEpochError):
             tracker.release(info.id, "conformance-fenced", epoch=new - 1)
         assert pool.free_bytes() == before - info.capacity.block_bytes, "a stale pool call took effect"
+
+    @clause("CARVE-STALE-EPOCH")
+    def test_stale_epoch_on_allocate_and_release(self, tracker: Tracker, epochs: Epochs) -> None:
+        """The fencing rule for pools, which a driver that carves but binds nothing (no FENCE-STALE-EPOCH) keeps
+        too: "refuses older ones with `StaleEpochError` before touching anything", and "remembers the highest
+        epoch seen, even from a call that then fails"."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < block:
+            _skip(f"pool {info.id} has no free block")
+        new = epochs.advance()
+        tracker.allocate(info.id, "conformance-fenced", host, block, epoch=new)
+        free, held = pool.free_bytes(), _allocation_ids(pool)
+        stale = f"refuses an epoch older than the highest seen ({new}) with StaleEpochError"
+        _expect_error(
+            lambda: tracker.allocate(info.id, "conformance-stale", host, block, epoch=new - 1),
+            StaleEpochError,
+            f"allocate in {info.id} with epoch {new - 1}",
+            stale,
+        )
+        _expect_error(
+            lambda: tracker.release(info.id, "conformance-fenced", epoch=new - 1),
+            StaleEpochError,
+            f"release of conformance-fenced with epoch {new - 1}",
+            stale,
+        )
+        assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "a stale pool call took effect"
+        newer = epochs.advance()
+        with pytest.raises(CapacityExhaustedError):
+            tracker.allocate(info.id, "conformance-too-big", host, free + block, epoch=newer)
+        _expect_error(
+            lambda: tracker.release(info.id, "conformance-fenced", epoch=new),
+            StaleEpochError,
+            f"release of conformance-fenced with epoch {new}, after an allocate with epoch {newer} that failed",
+            f"remembers the highest epoch seen ({newer}), even from a call that then fails",
+        )
+        assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "a stale release took effect"
+
+    @staticmethod
+    def _expired(tracker: Tracker) -> CallContext:
+        """A context whose deadline passed a second ago."""
+        return CallContext(epoch=tracker.epochs.current, deadline=time.monotonic() - 1.0, request_id="conformance")
+
+    @clause("DEADLINE-PASSED")
+    def test_bind_and_unbind_after_their_deadline(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """The deadline rule ("`CallContext.deadline` is a `time.monotonic()` instant; a call that would run past
+        it raises `DeadlineExceededError` and changes nothing it can avoid changing"), on bind and unbind."""
+        if not capabilities.supports(Feature.BIND):
+            _skip("the driver does not declare bind")
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        fabric = tracker.fabric
+        tracker.on_cleanup(functools.partial(tracker.unbind, dev.id, host))
+        late = self._expired(tracker)
+        _expect_error(
+            lambda: tracker.call(f"bind of {dev.id} to {host}", lambda: fabric.bind(dev.id, host, late)),
+            DeadlineExceededError,
+            f"bind of {dev.id} to {host}, made a second after its deadline",
+            _DEADLINE_RULE,
+        )
+        assert _bindings_of(tracker, dev.id) == [], f"a bind made after its deadline bound {dev.id}"
+        if not capabilities.supports(Feature.UNBIND):
+            return
+        tracker.bind(dev.id, host)
+        late = self._expired(tracker)
+        _expect_error(
+            lambda: tracker.call(f"unbind of {dev.id} from {host}", lambda: fabric.unbind(Binding(dev.id, host), late)),
+            DeadlineExceededError,
+            f"unbind of {dev.id} from {host}, made a second after its deadline",
+            _DEADLINE_RULE,
+        )
+        assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)], "an unbind made after its deadline unbound"
+
+    @clause("DEADLINE-PASSED")
+    def test_allocate_and_release_after_their_deadline(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """The deadline rule, on allocate and release (`Pool.allocate` and `Pool.release` raise
+        `DeadlineExceededError`; "on any error nothing is carved")."""
+        if not capabilities.supports(Feature.CARVE):
+            _skip("the driver does not declare carve")
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < 2 * block:
+            _skip(f"pool {info.id} has fewer than two free blocks")
+        tracker.allocate(info.id, "conformance-deadline-held", host, block)
+        free, held = pool.free_bytes(), _allocation_ids(pool)
+        tracker.on_cleanup(functools.partial(tracker.release, info.id, "conformance-deadline-late"))
+        fabric = tracker.fabric
+        late = self._expired(tracker)
+        _expect_error(
+            lambda: tracker.call(
+                f"allocate of conformance-deadline-late in {info.id}",
+                lambda: fabric.pool(info.id).allocate("conformance-deadline-late", host, block, late),
+            ),
+            DeadlineExceededError,
+            f"allocate in {info.id}, made a second after its deadline",
+            _DEADLINE_RULE,
+        )
+        late = self._expired(tracker)
+        _expect_error(
+            lambda: tracker.call(
+                f"release of conformance-deadline-held in {info.id}",
+                lambda: fabric.pool(info.id).release("conformance-deadline-held", late),
+            ),
+            DeadlineExceededError,
+            f"release of conformance-deadline-held in {info.id}, made a second after its deadline",
+            _DEADLINE_RULE,
+        )
+        assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "a call made after its deadline took effect"
 
     # ------------------------------------------------------------------ concurrency
 
@@ -511,6 +682,45 @@ class FabricConformance:
             tracker.allocate(info.id, "conformance-idem", host, 2 * block)
         assert pool.free_bytes() == free
 
+    @clause("CARVE-CONFLICT")
+    def test_allocate_of_an_existing_id_for_another_host(self, tracker: Tracker) -> None:
+        """`Pool`: "``allocate`` with an id that exists ... with a different host or amount raises
+        `ConflictError`": a second host must never be told it holds memory that the first one holds."""
+        pools = [(p, hosts) for p, hosts in self._pools_reached(tracker.view()) if len(hosts) >= 2]
+        if not pools:
+            _skip("the fabric has no healthy pool that two hosts reach")
+        info, (first, second, *_) = pools[0]
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < block:
+            _skip(f"pool {info.id} has no free block")
+        held = tracker.allocate(info.id, "conformance-conflict", first, block)
+        free = pool.free_bytes()
+        _expect_error(
+            lambda: tracker.allocate(info.id, "conformance-conflict", second, block),
+            ConflictError,
+            f"allocate of conformance-conflict (held for {first}) for {second}, with the same amount",
+            "an allocation id reused for a different host or amount raises ConflictError",
+        )
+        now = {a.id: a for a in pool.allocations()}.get("conformance-conflict")
+        assert now == held, f"conformance-conflict was {held!r}, and after the conflicting allocate is {now!r}"
+        assert pool.free_bytes() == free, "the conflicting allocate changed the free capacity"
+
+    @clause("CARVE-INVALID-AMOUNT")
+    def test_allocate_of_no_capacity(self, tracker: Tracker) -> None:
+        """`Pool.allocate` raises "`InvalidRequestError` (an amount that is not positive)"."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        free, held = pool.free_bytes(), _allocation_ids(pool)
+        for n, amount in enumerate((0, -info.capacity.block_bytes)):
+            _expect_error(
+                functools.partial(tracker.allocate, info.id, f"conformance-amount-{n}", host, amount),
+                InvalidRequestError,
+                f"allocate of {amount} bytes in {info.id}",
+                "Pool.allocate of an amount that is not positive raises InvalidRequestError",
+            )
+        assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "an allocate of no capacity carved"
+
     @clause("CARVE-NO-OVERLAP")
     def test_extents_never_overlap(self, tracker: Tracker) -> None:
         info, host = self._pool(tracker)
@@ -559,6 +769,25 @@ class FabricConformance:
         tracker.release(info.id, "conformance-no-such-allocation")
         assert sorted(pool.allocations(), key=lambda a: a.id) == before
 
+    @clause("CARVE-RELEASE-IDEMPOTENT")
+    def test_release_is_idempotent(self, tracker: Tracker) -> None:
+        """ "A retried call never doubles an effect": a release retried after a lost reply gives nothing back a
+        second time."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        before = pool.free_bytes()
+        if before < block:
+            _skip(f"pool {info.id} has no free block")
+        tracker.allocate(info.id, "conformance-release-idem", host, block)
+        for _ in range(REPEATS):
+            tracker.release(info.id, "conformance-release-idem")
+        assert "conformance-release-idem" not in _allocation_ids(pool), "a released allocation is still held"
+        after = pool.free_bytes()
+        assert after == before, (
+            f"pool {info.id} had {before} bytes free; after an allocation and {REPEATS} releases of it, {after}"
+        )
+
     # ------------------------------------------------------------------ events
 
     @clause("EVENT-FAILURE-REPORTED")
@@ -567,10 +796,16 @@ class FabricConformance:
         if faults is None:
             _skip("the fabric object offers no fault injection")
         dev = _one_free(tracker.view())
-        limit = capabilities.event_latency_s + EVENT_GRACE_S
-        with collecting(tracker.fabric) as seen:
+        declared = capabilities.event_latency_s
+        limit = min(declared, self.event_wait_max_s) + EVENT_GRACE_S
+        capped = (
+            f" (the driver declares {declared:g} s; the suite waits at most {self.event_wait_max_s:g} s)"
+            if declared > self.event_wait_max_s
+            else ""
+        )
+        with _collecting(tracker) as seen:
             start = time.monotonic()
-            faults.fail_device(dev.id, "conformance: injected failure")
+            tracker.read(f"fail_device({dev.id})", lambda: faults.fail_device(dev.id, "conformance: injected failure"))
             tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
 
             def reported() -> float | None:
@@ -583,8 +818,8 @@ class FabricConformance:
             while reported() is None and time.monotonic() - start < limit:
                 time.sleep(0.01)
         took = reported()
-        assert took is not None, f"no DEVICE_HEALTH event for {dev.id} within {limit:.2f}s"
-        assert took <= limit, f"the failure of {dev.id} was reported after {took:.2f}s (declared {limit:.2f}s)"
+        assert took is not None, f"no DEVICE_HEALTH event for {dev.id} within {limit:.2f}s{capped}"
+        assert took <= limit, f"the failure of {dev.id} was reported after {took:.2f}s (declared {limit:.2f}s){capped}"
 
     # ------------------------------------------------------------------ sanitize
 
@@ -614,6 +849,24 @@ class FabricConformance:
         tracker.restart(restart)
         assert set(tracker.bindings()) == before, "the restarted driver reports other bindings"
         assert {d.id: d.serial for d in tracker.discover().devices} == devices, "the restarted driver's devices differ"
+
+    @clause("RESTART-ALLOCATIONS")
+    def test_restart_keeps_allocations(self, tracker: Tracker, restart: Restart) -> None:
+        """Identity and truth across restarts, for carved memory: a restarted driver that reports a pool empty
+        while hosts still use its memory would have it carved again for others."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < block:
+            _skip(f"pool {info.id} has no free block")
+        tracker.allocate(info.id, "conformance-restart", host, block)
+        before, free = sorted(pool.allocations(), key=lambda a: a.id), pool.free_bytes()
+        tracker.restart(restart)
+        pool = tracker.pool(info.id)
+        after = sorted(pool.allocations(), key=lambda a: a.id)
+        assert after == before, f"after a restart {info.id} holds {after!r}, not {before!r}"
+        now = pool.free_bytes()
+        assert now == free, f"after a restart {info.id} has {now} bytes free, not {free}"
 
     @clause("RESTART-FENCING")
     def test_restart_keeps_the_epoch(self, tracker: Tracker, restart: Restart, epochs: Epochs) -> None:
