@@ -10,15 +10,17 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from cxl_switch_client import IO_TIMEOUT, Client, SocketTransport, emulator_process
 from disagg.lockfile import try_lock
+from disagg.wire import sockets
 from disagg_cxl_switch import CCIMessage, MessageCategory, encode_frame, encode_message
 from disagg_cxl_switch.emulator.config import EmulatorConfig
-from disagg_cxl_switch.emulator.server import MAX_MESSAGE_SIZE, ListenAddress
+from disagg_cxl_switch.emulator.server import MAX_MESSAGE_SIZE, ListenAddress, _bind_unix
 from disagg_cxl_switch.fmapi import BindVPPBRequest, IdentifySwitchDeviceResponse, Opcode
 from disagg_cxl_switch.returncodes import ReturnCode
 
@@ -236,6 +238,20 @@ class TestListenRefusals:
         finally:
             os.umask(umask)
         assert mode == 0o600, oct(mode)
+
+    def test_the_umask_is_changed_under_the_sdk_s_one_lock(self, tmp_path: Path) -> None:
+        """The emulator changed the process's umask under a lock of its own, beside the SDK's own under another:
+        interleaved in one process, the two left the umask at 0177, and a directory made then was 0600, one its
+        owner could not enter. Its bind now waits while the SDK's lock is held."""
+        path = tmp_path / "s.sock"
+        with sockets._UMASK:
+            binding = threading.Thread(target=lambda: _bind_unix(path).close())
+            binding.start()
+            binding.join(0.5)
+            waited = binding.is_alive()
+        binding.join(5.0)
+        assert waited and path.exists()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
     def test_a_port_in_use(self) -> None:
         with socket.socket() as taken:

@@ -49,12 +49,13 @@ def prepare_unix_socket(path: Path) -> IO[bytes]:
     return claim
 
 
-def bind_unix_socket(path: Path, bind: Callable[[], T]) -> T:
+def bind_unix_socket(path: Path, bind: Callable[[], T], mode: int = SOCKET_MODE_MASK) -> T:
     """Run ``bind``, which creates the socket at ``path`` (gRPC's ``add_insecure_port`` binds and listens at once),
-    under umask 077, then give the socket `SOCKET_MODE_MASK` less the process's umask. Taking permissions off
-    after the bind left a moment in which another user could connect, and a connection made then is served:
-    the kernel checks permissions as a client connects. The umask is the process's, so it is changed under a
-    lock, and a file another thread creates in that moment is made private too, never more open."""
+    under umask 077, then give the socket ``mode`` less the process's umask (0o600 keeps it to its owner).
+    Taking permissions off after the bind left a moment in which another user could connect, and a connection
+    made then is served: the kernel checks permissions as a client connects. The umask is the process's, so it
+    is changed under one lock for every caller in the process, and a file another thread creates in that moment
+    is made private too, never more open (and a directory keeps its owner's search permission)."""
     with _UMASK:
         umask = os.umask(0o077)
         try:
@@ -62,7 +63,7 @@ def bind_unix_socket(path: Path, bind: Callable[[], T]) -> T:
         finally:
             os.umask(umask)
     try:
-        path.chmod(SOCKET_MODE_MASK & ~umask)
+        path.chmod(mode & ~umask)
     except OSError as exc:
         raise ConfigError(f"cannot set the permissions of the unix socket {path}: {exc}", field="listen") from exc
     return result

@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # the address cannot be listened on: a port in use, a folder that is not there
         print(f"error: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 2
+    except ConfigError as exc:  # the socket's permissions could not be set
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
     finally:
         if claim is not None:
             claim.close()

@@ -14,12 +14,11 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
 import socket
-import threading
 from pathlib import Path
 
 import attrs
+from disagg.wire.sockets import bind_unix_socket
 
 from disagg_cxl_switch.cci import (
     FRAME_PREFIX_SIZE,
@@ -119,24 +118,17 @@ async def _serve_connection(switch: Switch, reader: asyncio.StreamReader, writer
             await writer.wait_closed()
 
 
-_SOCKET_UMASK = 0o177
-"""The umask a unix socket is bound under: the socket is born 0600, owner-only whatever the process's umask. The
-SDK's `bind_unix_socket` opens its sockets to the group (0660 less the umask), too wide for the FM API, and a
-chmod after the bind would leave a moment in which anyone could connect."""
-_UMASK = threading.Lock()
+SOCKET_MODE = 0o600
+"""The emulator's unix socket is its owner's alone: the FM API authenticates no one, so the group the SDK's
+sockets are open to (`SOCKET_MODE_MASK`) is too wide here."""
 
 
 def _bind_unix(path: Path) -> socket.socket:
-    """A socket bound at ``path``, mode 0600. The umask is the process's, so it is changed under a lock; a file
-    another thread creates in that moment is made private too, never more open."""
+    """A socket bound at ``path``, owner-only from the moment it exists (`bind_unix_socket`, under the SDK's one
+    umask lock: a lock of its own here left the process's umask wrong when the two interleaved)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with _UMASK:
-            umask = os.umask(_SOCKET_UMASK)
-            try:
-                sock.bind(str(path))
-            finally:
-                os.umask(umask)
+        bind_unix_socket(path, lambda: sock.bind(str(path)), SOCKET_MODE)
     except BaseException:
         sock.close()
         raise
