@@ -594,6 +594,7 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-releases-twice": (ReleasesTwice, "CARVE-RELEASE-IDEMPOTENT"),
     "broken-binds-failed-devices": (BindsFailedDevices, "ERR-DEVICE-FAILED"),
     "broken-ignores-deadlines": (IgnoresDeadlines, "DEADLINE-PASSED"),
+    "broken-ignores-carve-deadlines": (IgnoresDeadlines, "CARVE-DEADLINE-PASSED"),
     "broken-allocates-no-capacity": (AllocatesNoCapacity, "CARVE-INVALID-AMOUNT"),
 }
 """Driver name: (fabric class, the clause its defect breaks)."""

@@ -15,10 +15,11 @@ class CallContext:
 
     ``epoch`` is the fabric manager's fencing epoch: a driver remembers the highest it has seen and refuses
     a call with an older one (`StaleEpochError`), so a deposed manager cannot undo the work of its successor.
-    ``deadline`` is a ``time.monotonic()`` instant after which the caller no longer waits; a driver that
-    blocks checks it and raises `DeadlineExceededError` rather than carrying on past it. ``request_id`` is the
-    client's request id of the change the call serves (empty when it gave none): for a driver's logs, never a
-    substitute for the idempotency every call must have on its own.
+    ``deadline`` is a ``time.monotonic()`` instant after which the caller no longer waits: a call that would
+    change something refuses it once passed (`check_deadline`, `DeadlineExceededError`), since the caller has
+    given up on it, and a driver that blocks checks it as it waits rather than carrying on past it.
+    ``request_id`` is the client's request id of the change the call serves (empty when it gave none): for a
+    driver's logs, never a substitute for the idempotency every call must have on its own.
     """
 
     epoch: int = 0

@@ -114,9 +114,17 @@ _ALL = (
     ),
     Clause(
         "DEADLINE-PASSED",
-        "A bind, unbind, allocate or release that would change something, made once its deadline has passed, "
-        "raises DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason DEADLINE_EXCEEDED) and changes nothing.",
-        needs="bind declared and a free device, or carve declared and a pool",
+        "A bind or unbind that would change something, made once its deadline has passed, raises "
+        "DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason DEADLINE_EXCEEDED) and changes nothing.",
+        frozenset({Feature.BIND}),
+        needs="a free device (unbind tested when declared)",
+    ),
+    Clause(
+        "CARVE-DEADLINE-PASSED",
+        "An allocate or release that would change something, made once its deadline has passed, raises "
+        "DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason DEADLINE_EXCEEDED) and changes nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool with 2 free blocks",
     ),
     Clause(
         "CONC-PARALLEL-BINDS",

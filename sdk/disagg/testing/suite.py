@@ -66,7 +66,8 @@ _LOCAL_ID = re.compile(r"^[^/\s]+$")
 _DEADLINE_RULE = (
     "a call that would run past its deadline raises DeadlineExceededError and changes nothing it can avoid changing"
 )
-"""The contract's deadline rule (docs/driver-interface.md), quoted by DEADLINE-PASSED when it fails."""
+"""The contract's deadline rule (docs/driver-interface.md), quoted by DEADLINE-PASSED and CARVE-DEADLINE-PASSED when
+they fail."""
 
 
 def _skip(reason: str) -> NoReturn:
@@ -534,8 +535,6 @@ class FabricConformance:
     def test_bind_and_unbind_after_their_deadline(self, tracker: Tracker, capabilities: Capabilities) -> None:
         """The deadline rule ("`CallContext.deadline` is a `time.monotonic()` instant; a call that would run past
         it raises `DeadlineExceededError` and changes nothing it can avoid changing"), on bind and unbind."""
-        if not capabilities.supports(Feature.BIND):
-            _skip("the driver does not declare bind")
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
@@ -561,12 +560,10 @@ class FabricConformance:
         )
         assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)], "an unbind made after its deadline unbound"
 
-    @clause("DEADLINE-PASSED")
-    def test_allocate_and_release_after_their_deadline(self, tracker: Tracker, capabilities: Capabilities) -> None:
+    @clause("CARVE-DEADLINE-PASSED")
+    def test_allocate_and_release_after_their_deadline(self, tracker: Tracker) -> None:
         """The deadline rule, on allocate and release (`Pool.allocate` and `Pool.release` raise
         `DeadlineExceededError`; "on any error nothing is carved")."""
-        if not capabilities.supports(Feature.CARVE):
-            _skip("the driver does not declare carve")
         info, host = self._pool(tracker)
         pool = tracker.pool(info.id)
         block = info.capacity.block_bytes

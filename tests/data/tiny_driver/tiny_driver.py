@@ -54,6 +54,7 @@ class TinyFabric(Fabric):
             raise UnknownDeviceError(device)
         if host != "tiny-host":
             raise UnknownHostError(host)
+        ctx.check_deadline()  # a caller that gave up must not find the device bound later
         with self._lock:
             holder = self._bound.setdefault(device, host)
         if holder != host:
@@ -61,6 +62,7 @@ class TinyFabric(Fabric):
         return Binding(device, host)
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        ctx.check_deadline()
         with self._lock:
             if self._bound.get(binding.device) == binding.host:
                 del self._bound[binding.device]
