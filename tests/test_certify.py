@@ -3,11 +3,14 @@ expected-failures file, and every mistake a user can make on its command line.""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +19,11 @@ from typing import Any
 import disagg.testing
 import pytest
 from conformance_helpers import CERTIFY_TIMEOUT_S, SIM_OPTIONS, ServedDriver, certify, certify_env
+from disagg.cli.certify import STOP_WAIT_S
 from disagg.cli.main import main
 from disagg.testing import CLAUSES
 from disagg.testing.certify_run import run_certify
+from process_helpers import ChildOutput
 
 
 def statuses(report: dict[str, Any]) -> dict[str, str]:
@@ -626,3 +631,195 @@ class TestCertifyBadInput:
 
     def test_a_remote_address_that_is_not_loopback(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert "is not a unix socket or a loopback address" in self.run(capsys, "sim", "--remote", "10.1.2.3:50051")
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of the processes under ``pid``: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (ended, not yet reaped by whoever adopted it) does not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def default_sigint() -> None:
+    """In certify's process before it starts: SIGINT as a shell's foreground job gets it (a test runner started in
+    the background passes on an ignored SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="finds certify's processes in /proc")
+class TestAnInterruptedRun:
+    """SIGINT or SIGTERM to certify stops the suite's process too, which cleans up and certifies nothing; after a
+    second one it is stopped within a few seconds, and its scratch directory goes with it."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def running(
+        tmp_path: Path, bind_delay_s: float = 0.5, settle_s: float = 0.0
+    ) -> Iterator[tuple[subprocess.Popen[str], ChildOutput, list[int]]]:
+        """``certify sim -v`` on binds that take ``bind_delay_s`` (0.5 s: the suite takes half a minute), ``settle_s``
+        after its first test passed: certify's process, its output and the pids under it. Whatever of them still
+        runs after the test is killed."""
+        config = tmp_path / "slow.toml"
+        config.write_text(
+            f'call_timeout_s = 60\n[options]\nstate_file = "{tmp_path / "state.json"}"\n'
+            f"generate = {{ devices = 120, hosts_per_domain = 4 }}\nbind_delay_s = {bind_delay_s}\n"
+        )
+        (tmp_path / "tmp").mkdir()
+        env = {
+            **os.environ,
+            **certify_env(),
+            "DISAGG_STATE_DIR": str(tmp_path / "state"),
+            "TMPDIR": str(tmp_path / "tmp"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        argv = [sys.executable, "-m", "disagg.cli.main", "certify", "sim", "--config", str(config), "-v"]
+        proc = subprocess.Popen(
+            [*argv, "--out", str(tmp_path / "out")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+            env=env,
+            preexec_fn=default_sigint,  # noqa: PLW1509 (the test's process starts no thread that could deadlock it)
+        )
+        pids: list[int] = []
+        try:
+            output = ChildOutput(proc)
+            output.wait_ready(r" PASSED", 60, "disagg certify")
+            time.sleep(settle_s)
+            pids = descendants(proc.pid)
+            assert pids, "certify started no process for the suite"
+            yield proc, output, pids
+        finally:
+            for pid in [proc.pid, *pids]:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(10)
+
+    @staticmethod
+    def stopped(tmp_path: Path, proc: subprocess.Popen[str], output: ChildOutput, pids: list[int]) -> dict[str, Any]:
+        """Check that certify ended with exit status 1, with nothing under it still running and no certificate;
+        return its report."""
+        try:
+            code = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"certify still runs 20 s after it was interrupted:\n{output.text}") from None
+        output.wait_ended(10)
+        assert code == 1, output.text
+        assert [pid for pid in pids if alive(pid)] == [], "the suite's process outlived certify"
+        report_file = tmp_path / "out" / "certification.json"
+        assert report_file.exists(), output.text
+        report: dict[str, Any] = json.loads(report_file.read_text())
+        assert report["verdict"] == "NOT CERTIFIED" and report["incomplete"], report["incomplete"]
+        return report
+
+    @pytest.mark.parametrize("sent", ["SIGINT", "SIGTERM"])
+    def test_a_signal_to_certify_alone_stops_the_suite(self, tmp_path: Path, sent: str) -> None:
+        """SIGTERM (a CI job cancelled, ``timeout``) ended certify at once, and the suite's process ran on and
+        wrote a CERTIFIED report later; SIGINT to certify's process alone never reached the suite, which
+        finished and certified (exit status 0)."""
+        with self.running(tmp_path) as (proc, output, pids):
+            proc.send_signal(signal.Signals[sent])
+            self.stopped(tmp_path, proc, output, pids)
+        assert f"certify was interrupted ({sent})" in output.text
+
+    def test_a_second_interrupt_stops_the_suite_after_its_clean_up(self, tmp_path: Path) -> None:
+        """A second Ctrl-C SIGKILLed the suite's process at once: its driver's clean-up and the removal of its
+        scratch directory never ran. Now it gets SIGTERM, and time to clean up."""
+        with self.running(tmp_path) as (proc, output, pids):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            report = self.stopped(tmp_path, proc, output, pids)
+        assert report["incomplete"] == "the run did not finish (pytest exit status 2)", output.text
+        assert list((tmp_path / "tmp").glob("disagg-certify-*")) == []
+
+    def test_a_suite_that_does_not_stop_is_killed_and_its_scratch_removed(self, tmp_path: Path) -> None:
+        """A bind under way that takes 20 s keeps the suite's process from ending after it wrote its report: after
+        a second interrupt it is killed, `STOP_WAIT_S` after SIGTERM, and certify removes the scratch directory
+        that process could not."""
+        with self.running(tmp_path, bind_delay_s=20, settle_s=2) as (proc, output, pids):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            second = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            self.stopped(tmp_path, proc, output, pids)
+            assert STOP_WAIT_S - 1 < time.monotonic() - second < STOP_WAIT_S + 10
+        assert list((tmp_path / "tmp").glob("disagg-certify-*")) == []
+
+
+class TestTheSuitesProcess:
+    """The suite's process imports what certify imports, and a refusal of its input there is bad input."""
+
+    def test_a_plugin_found_through_sys_path(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        """A plugin module that certify imports through its sys.path alone (a call of main(), a test runner that
+        puts its folders there) could not be imported in the suite's process, and the driver was blamed."""
+        (tmp_path / "path_only_plugin.py").write_text(
+            "from disagg import hookimpl\nfrom disagg_sim import plugin\n"
+            "from disagg_sim.fabric import SIM_CAPABILITIES\n\n\n@hookimpl\ndef disagg_register_drivers(registry):\n"
+            "    registry.add_driver(\n"
+            "        'path-only-sim', plugin.create_fabric, capabilities=SIM_CAPABILITIES,"
+            " certify_options=plugin.certify_options\n"
+            "    )\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("DISAGG_STATE_DIR", str(tmp_path / "state"))
+        code = main(["certify", "path-only-sim", "--plugin", "path_only_plugin", "--out", str(tmp_path / "out")])
+        said = capfd.readouterr()
+        assert code == 0, said.out + said.err
+        assert "certify path-only-sim: CERTIFIED" in said.out
+
+    def test_nothing_is_imported_from_the_working_directory(self, tmp_path: Path) -> None:
+        """The console script does not put the working directory on sys.path; the suite's process, started with
+        ``python -m``, did, and a module there named as one certify imports replaced it."""
+        script = Path(sys.executable).parent / "disagg"
+        if not script.exists():
+            pytest.skip(f"no console script at {script}")
+        (tmp_path / "grpc.py").write_text("raise ImportError('the grpc.py of the working directory')\n")
+        proc = subprocess.run(
+            [str(script), "certify", "sim", "--out", "out"],
+            check=False,
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, **certify_env(), "DISAGG_STATE_DIR": str(tmp_path / "state")},
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "certify sim: CERTIFIED" in proc.stdout
+
+    def test_input_the_suites_process_refuses_is_bad_input(self, tmp_path: Path) -> None:
+        """A plugin module that fails to import in the suite's process alone: exit 2 and its message, as in
+        certify's own process, not a run the driver ended (exit 1)."""
+        (tmp_path / "refuses_in_the_suite.py").write_text(
+            "import sys\n\nif '--suite-process' in sys.argv:\n    raise RuntimeError('no licence for the suite')\n"
+        )
+        env = certify_env()
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+        run = run_certify(tmp_path, "sim", "--plugin", "refuses_in_the_suite", env=env, timeout=CERTIFY_TIMEOUT_S)
+        assert run.returncode == 2, run.stdout + run.stderr
+        assert "importing 'refuses_in_the_suite' failed: RuntimeError: no licence for the suite" in run.stderr
+        assert "did the driver end the process" not in run.stderr
+        assert run.report is None

@@ -5,7 +5,8 @@ none, the small fabric its plugin offers for certification (``certify_options``)
 is removed afterwards. With ``--remote ADDRESS`` the suite drives a FabricDriver endpoint in another process
 or language, which must serve DRIVER; certify cannot restart that process, so RESTART-BINDINGS is NOT TESTED.
 Either way the suite runs in a child process, in an environment that nothing outside the command line
-changes the run through (`suite_environment`), and the verdict is read from the report it writes.
+changes the run through (`suite_environment`), on certify's own ``sys.path``, and the verdict is read from the
+report it writes. SIGINT and SIGTERM are passed on to it (`_Interrupts`), and it ends with certify.
 
 Exit codes: 0 certified; 1 a clause failed, or the run did not finish (the driver could not be built, the run
 was interrupted, the suite's process ended without a report: the report says why, under ``incomplete``); 2 bad
@@ -16,17 +17,23 @@ lists clauses (every failure was expected).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
 import importlib
 import importlib.util
 import json
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +57,21 @@ CONFIG_KEYS = ("fabric", "options", "call_timeout_s", "build_timeout_s", "restar
 DEFAULT_FABRIC = "cert"
 PROBE_TIMEOUT_S = 10.0
 RESTART_TIMEOUT_S = 60.0
+INTERRUPT_WAIT_S = 60.0
+"""How long certify waits, once interrupted, for the suite's process to stop (its driver's clean-up, its report)
+before it stops it (SIGTERM, then SIGKILL)."""
+STOP_WAIT_S = 5.0
+"""How long certify waits after it sent the suite's process SIGTERM (on a second interrupt) before SIGKILL."""
+SUITE_INI = "pytest.ini"
+"""The suite's pytest configuration, which its process writes into its scratch directory as the suite starts:
+a process that ends before writing it refused its input, and said why."""
+BOOTSTRAP = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv.pop(1)); from disagg.cli.main import main; sys.exit(main())"
+)
+"""What the suite's process runs (``python -P -c``): certify again on certify's own ``sys.path``, as the console
+script does, with no folder put first (``-m`` would put the working directory there)."""
+PR_SET_PDEATHSIG = 1
+"""prctl(2): the signal Linux sends a process when the thread that started it ends."""
 NO_RESTART = (
     "the driver runs in a process that disagg certify did not start: give --restart-command to let it restart "
     "the driver, or certify the driver in process"
@@ -142,6 +164,10 @@ def cmd_certify(args: argparse.Namespace) -> int:
     """Check the input, then run the suite in a child process (`_supervise`) that runs this command again with
     ``--suite-process``: the child skips the checks and runs pytest in its own process, where a driver may end
     the process (``os._exit(0)``) without deciding the exit status."""
+    if args.suite_process:
+        _stop_on_signals()
+        if args.suite_parent:
+            _follow_parent(args.suite_parent)
     try:
         import pytest  # noqa: F401 (imported here to say it is missing before anything runs)
 
@@ -177,7 +203,14 @@ def cmd_certify(args: argparse.Namespace) -> int:
     except PluginError as exc:  # a hook misspelt, a driver registered twice: bad input, not a failed clause
         raise ConfigError(f"the plugins cannot be loaded: {exc.message}", field="plugin") from None
 
-    with tempfile.TemporaryDirectory(prefix="disagg-certify-") as tmp:
+    # The suite's process works in the scratch directory certify made for it, which certify removes however the
+    # process ends.
+    scratch: contextlib.AbstractContextManager[str] = (
+        contextlib.nullcontext(args.suite_scratch)
+        if args.suite_scratch
+        else tempfile.TemporaryDirectory(prefix="disagg-certify-")
+    )
+    with scratch as tmp:
         work = Path(tmp)
         if args.remote:
             address = check_address(args.remote, field="remote")
@@ -236,7 +269,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
             )
             subject = attrs.evolve(subject_of(args.driver, spec.plugin, plugins), fabric=fabric_name)
         if args.suite_process:
-            return _run_suite(args, work, target, subject)
+            try:
+                return _run_suite(args, work, target, subject)
+            finally:
+                if args.suite_scratch and os.getppid() != args.suite_parent:  # certify ended: no one else will
+                    shutil.rmtree(work, ignore_errors=True)
     _probe_out(out)
     return _supervise(args, subject)
 
@@ -265,7 +302,7 @@ def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Su
             if report is not None:
                 captured.append(report)
 
-    ini = work / "pytest.ini"
+    ini = work / SUITE_INI
     ini.write_text("[pytest]\n")
     suite = importlib.util.find_spec("disagg.testing.certified")
     if suite is None or suite.origin is None:
@@ -300,8 +337,12 @@ def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Su
 
 def _supervise(args: argparse.Namespace, subject: Subject) -> int:
     """Run the suite in a child process and judge by the report it writes: a driver that ends that process
-    (``os._exit``, a crash) leaves no report, and the run is reported unfinished, whatever the exit status."""
-    argv = [sys.executable, "-m", "disagg.cli.main", "certify", args.driver, "--suite-process", "--out", args.out]
+    (``os._exit``, a crash) leaves no report, and the run is reported unfinished, whatever the exit status. An
+    interrupted run is unfinished, whatever the report says."""
+    scratch = Path(tempfile.mkdtemp(prefix="disagg-certify-"))
+    path = json.dumps([entry for entry in sys.path if isinstance(entry, str)])  # the only entries imports use
+    argv = [sys.executable, "-P", "-c", BOOTSTRAP, path, "certify", args.driver, "--suite-process"]
+    argv += ["--suite-parent", str(os.getpid()), "--suite-scratch", str(scratch), "--out", args.out]
     for flag, value in (
         ("--remote", args.remote),
         ("--config", args.config),
@@ -314,20 +355,33 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
         argv += ["--plugin", module]
     if args.verbose:
         argv.append("-v")
-    proc = subprocess.Popen(argv, env=suite_environment(os.environ))
     try:
-        code = proc.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached the suite too: it cleans up and reports; a second one stops it
-        try:
-            code = proc.wait()
-        except KeyboardInterrupt:
-            proc.kill()
-            proc.wait()
-            raise
+        with _Interrupts.passed_on() as interrupts:
+            code = interrupts.wait(subprocess.Popen(argv, env=suite_environment(os.environ)))
+        started = (scratch / SUITE_INI).exists()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     try:
         report = json.loads((Path(args.out) / "certification.json").read_text())
     except (OSError, ValueError):
-        ended = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        report = None
+    ended = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    if interrupts.received:
+        interrupted = f"certify was interrupted ({signal.Signals(interrupts.received[0]).name})"
+        if report is None:
+            return _unfinished(
+                args, f"{interrupted}, and the suite's process {ended} before it wrote a report", subject
+            )
+        if not report["incomplete"]:  # it finished as the signal came: it may not pass for a finished run
+            return _unfinished(args, f"{interrupted} as the suite finished", subject)
+        print(
+            f"disagg: error: {interrupted}: {report['incomplete']}; {report['verdict']}, reports in {args.out}",
+            file=sys.stderr,
+        )
+        return 1
+    if report is None:
+        if code == 2 and not started:  # it refused its input before the suite started, and said why
+            return 2
         return _unfinished(
             args,
             f"the suite's process {ended} before it wrote a report (did the driver end the process: os._exit, "
@@ -343,6 +397,109 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
         f"{counts['NOT TESTED']} not tested); reports in {args.out}"
     )
     return EXIT_FOR[report["verdict"]]
+
+
+@attrs.define
+class _Interrupts:
+    """The SIGINT and SIGTERM that reach certify while the suite's process runs, passed on to that process: the
+    first as it came (the suite stops as on Ctrl-C, its driver cleans up and its report says the run did not
+    finish), a second as SIGTERM, and SIGKILL `STOP_WAIT_S` later if it has not ended; one that has not ended
+    `INTERRUPT_WAIT_S` after the first is stopped the same way."""
+
+    received: list[int] = attrs.field(factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    passed: int = 0
+    stop_at: float = math.inf
+    kill_at: float = math.inf
+
+    @classmethod
+    @contextlib.contextmanager
+    def passed_on(cls) -> Iterator[_Interrupts]:
+        """Take SIGINT and SIGTERM from here on, as far as this thread can (only the main thread can), and
+        leave an ignored one ignored (``certify &`` in a shell that ignores SIGINT for its background jobs)."""
+        interrupts = cls()
+        before: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(signum)
+                if handler is not None and handler is not signal.SIG_IGN:
+                    before[signum] = signal.signal(signum, interrupts.receive)
+        try:
+            yield interrupts
+        finally:
+            for taken, handler in before.items():
+                signal.signal(taken, handler)
+
+    def receive(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+        self.pass_on()
+
+    def pass_on(self) -> None:
+        if self.proc is None:
+            return
+        for signum in self.received[self.passed :]:
+            if self.passed == 0:
+                self.proc.send_signal(signum)
+                self.stop_at = time.monotonic() + INTERRUPT_WAIT_S
+            else:
+                self.stop()
+            self.passed += 1
+
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL `STOP_WAIT_S` later: the suite's process cleans up on SIGTERM, but within a bound."""
+        assert self.proc is not None
+        if self.kill_at == math.inf:
+            self.proc.send_signal(signal.SIGTERM)
+            self.kill_at = time.monotonic() + STOP_WAIT_S
+
+    def wait(self, proc: subprocess.Popen[bytes]) -> int:
+        """Wait for the suite's process to end, passing on what reaches certify; its exit status."""
+        self.proc = proc
+        self.pass_on()
+        while True:
+            try:
+                return proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if now >= self.kill_at:
+                    proc.kill()
+                elif now >= self.stop_at:
+                    self.stop()
+
+
+def _stop_on_signals() -> None:
+    """In the suite's process: the first SIGINT or SIGTERM stops the suite as Ctrl-C does (its driver cleans up,
+    its report says the run did not finish); later ones do not cut that clean-up short (certify, which passes
+    them on, bounds it). A SIGINT that certify ignores (and so this process, which inherits that) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signum == signal.SIGTERM or signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, stop)
+
+
+def _follow_parent(parent: int) -> None:
+    """In the suite's process: stop (SIGTERM) when certify's process, ``parent``, ends, which Linux signals
+    (PR_SET_PDEATHSIG) and a thread watches for elsewhere."""
+    if sys.platform == "linux" and ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM)) == 0:
+        if os.getppid() != parent:  # it ended before the kernel was told
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="certify-parent", daemon=True).start()
 
 
 PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")
@@ -439,4 +596,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="list each test as it runs")
     # How `_supervise` starts the suite's process: the input is checked, and the suite runs here.
     p.add_argument("--suite-process", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--suite-parent", type=int, default=0, help=argparse.SUPPRESS)  # certify's pid, to end with it
+    p.add_argument("--suite-scratch", help=argparse.SUPPRESS)  # the folder certify made for the suite to work in
     p.set_defaults(func=cmd_certify)
