@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
 from disagg.model import (
-    FAILURE_DOMAIN_LABEL,
     SELECTOR_KEY,
     Affinity,
     AttributeValue,
@@ -31,6 +30,7 @@ from disagg.model import (
     parse_latency,
     parse_size,
     selector_refusal,
+    spread_refusal,
 )
 from disagg.model.composition import MAX_COUNT, host_limit_refusal, resource_limit_refusal, selector_value_refusal
 
@@ -250,13 +250,10 @@ def bare_amount_refusal(text: str) -> str:
 
 
 def _check_spread(label: str, field: str) -> None:
-    """Refuse a ``spread`` label the protocol refuses (`FAILURE_DOMAIN_LABEL`): locally it found no fit."""
-    if not FAILURE_DOMAIN_LABEL.fullmatch(label):
-        raise InvalidRequestError(
-            f"spread={label!r} is not a failure-domain label (1-63 letters, digits, '.', '_' or '-', starting with a "
-            "letter or digit)",
-            field=field,
-        )
+    """Refuse a ``spread`` label the protocol refuses (`spread_refusal`): locally it found no fit."""
+    refusal = spread_refusal(label)
+    if refusal is not None:
+        raise InvalidRequestError(f"spread={refusal}", field=field)
 
 
 def _selector(text: str, field: str, *, clause: bool = False) -> Selector:

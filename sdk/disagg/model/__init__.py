@@ -25,6 +25,7 @@ from disagg.model.composition import (
     Selector,
     SelectorOp,
     selector_refusal,
+    spread_refusal,
 )
 from disagg.model.devices import (
     CXL_DC_BLOCK_BYTES,
@@ -105,5 +106,6 @@ __all__ = [
     "parse_latency",
     "parse_size",
     "selector_refusal",
+    "spread_refusal",
     "switch_reach",
 ]

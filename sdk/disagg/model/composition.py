@@ -109,6 +109,18 @@ FAILURE_DOMAIN_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 letter or digit. Held to it wherever a request is read, so that a mistyped one (``spread=chassis=a``) is refused
 alike by the local composer and a server, never taken for a label that no device has."""
 
+
+def spread_refusal(label: str) -> str | None:
+    """Why ``label`` cannot be a ``spread`` (`FAILURE_DOMAIN_LABEL`), or None: the one check the request
+    language and the wire apply, each raising it with the field it read."""
+    if FAILURE_DOMAIN_LABEL.fullmatch(label):
+        return None
+    return (
+        f"{label!r} is not a failure-domain label (1-63 letters, digits, '.', '_' or '-', starting with a letter "
+        "or digit)"
+    )
+
+
 RESOURCE_MODIFIERS = {
     "latency": "a latency limit is latency<=VALUE or latency<VALUE (e.g. latency<=600ns)",
     "affinity": "the only affinity is same-switch (write same-switch or affinity=same-switch)",

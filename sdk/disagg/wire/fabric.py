@@ -17,7 +17,6 @@ from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import (
-    FAILURE_DOMAIN_LABEL,
     MAX_RESERVATION_TTL_S,
     Affinity,
     Capabilities,
@@ -39,6 +38,7 @@ from disagg.model import (
     Selector,
     SelectorOp,
     selector_refusal,
+    spread_refusal,
 )
 from disagg.model.composition import (
     MAX_LATENCY_NS,
@@ -245,8 +245,8 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
     if msg.affinity != fm.AFFINITY_UNSPECIFIED:
         affinity = enum_from_wire(AFFINITY_FROM_WIRE, msg.affinity, f"{field}.affinity", "affinity")
     spread = msg.spread
-    if spread and not FAILURE_DOMAIN_LABEL.fullmatch(spread):
-        raise InvalidRequestError(f"{field}.spread: {spread!r} is not a failure-domain label", field=f"{field}.spread")
+    if spread and (refusal := spread_refusal(spread)) is not None:
+        raise InvalidRequestError(f"{field}.spread: {refusal}", field=f"{field}.spread")
     kind = KIND_FROM_WIRE.get(msg.kind)  # the field's name is spelt out only for an error: this runs per Compose
     if kind is None:
         kind = kind_from_wire(msg.kind, f"{field}.kind")
