@@ -31,7 +31,7 @@ from disagg.errors import (
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import CallContext, Fabric
+from disagg.interfaces import CallContext, Fabric, FaultInjection
 from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health, PoolInfo
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
@@ -72,6 +72,14 @@ they fail."""
 
 def _skip(reason: str) -> NoReturn:
     pytest.skip(f"not tested: {reason}")
+
+
+def _injected(tracker: Tracker) -> FaultInjection:
+    """The fabric's fault injection; the test is not run without it (`Tracker.faults`)."""
+    faults = tracker.faults()
+    if faults is None:
+        _skip("the fabric object offers no fault injection")
+    return faults
 
 
 def _one_free(view: View, *, min_hosts: int = 1) -> DeviceInfo:
@@ -361,9 +369,7 @@ class FabricConformance:
 
     @clause("BIND-FAILED-LEAVES-NOTHING")
     def test_a_failed_bind_leaves_nothing(self, tracker: Tracker) -> None:
-        faults = tracker.faults()
-        if faults is None:
-            _skip("the fabric object offers no fault injection")
+        faults = _injected(tracker)
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
@@ -404,9 +410,7 @@ class FabricConformance:
     @clause("ERR-DEVICE-FAILED")
     def test_bind_of_a_failed_device(self, tracker: Tracker) -> None:
         """`Fabric.bind` raises "`DeviceBusyError` (bound elsewhere or failed)"."""
-        faults = tracker.faults()
-        if faults is None:
-            _skip("the fabric object offers no fault injection")
+        faults = _injected(tracker)
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
@@ -789,9 +793,7 @@ class FabricConformance:
 
     @clause("EVENT-FAILURE-REPORTED")
     def test_device_failure_is_reported(self, tracker: Tracker, capabilities: Capabilities) -> None:
-        faults = tracker.faults()
-        if faults is None:
-            _skip("the fabric object offers no fault injection")
+        faults = _injected(tracker)
         dev = _one_free(tracker.view())
         declared = capabilities.event_latency_s
         limit = min(declared, self.event_wait_max_s) + EVENT_GRACE_S
