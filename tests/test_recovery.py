@@ -69,6 +69,14 @@ def fabrics(tmp: Path) -> dict[str, SimFabric]:
     }
 
 
+def fail_while_down(tmp: Path, device: str, message: str) -> None:
+    """Fail ``device`` in the sim's state while no fabric manager runs: no event tells the next one of it."""
+    hardware = fabrics(tmp)
+    hardware["pcie0"].fail_device(device, message)
+    for fabric in hardware.values():
+        fabric.close()
+
+
 def opened(tmp: Path) -> FabricComposer:
     """A started composer on the same ledger and the same hardware as every other one opened on ``tmp``."""
     composer = FabricComposer(fabrics(tmp), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
@@ -931,10 +939,7 @@ class TestReconcile:
         assert comp is not None
         composer.close()
         broken = comp.device_ids[0]
-        hardware = fabrics(tmp_path)
-        hardware["pcie0"].fail_device(broken, "fell off the bus")
-        for fabric in hardware.values():
-            fabric.close()
+        fail_while_down(tmp_path, broken, "fell off the bus")
         again = opened(tmp_path)
         found = again.find("job")
         assert found.state is CompositionState.DEGRADED and f"unhealthy: {broken}" in found.message
@@ -967,10 +972,7 @@ class TestReconcile:
         res = first.compose(parse_request("r", ["host h1", "gpu x1"]), ComposeMode.RESERVE).reservation
         assert res is not None
         first.close()
-        hardware = fabrics(tmp_path)
-        hardware["pcie0"].fail_device(res.plan.devices[0].device, "ECC storm")
-        for fabric in hardware.values():
-            fabric.close()
+        fail_while_down(tmp_path, res.plan.devices[0].device, "ECC storm")
         again = opened(tmp_path)
         assert again.reservations() == [] and again.holders() == {}
         assert events_of(again, EventType.RESERVATION_RELEASED) == [res.id]
@@ -1894,10 +1896,7 @@ class TestAnAdditionACrashInterrupted:
             first.recompose("job", add=parse_request("job", ["gpu x1"]).resources)
         monkeypatch.undo()
         broken = job.device_ids[0]
-        hardware = fabrics(tmp_path)
-        hardware["pcie0"].fail_device(broken, "fell off the bus")
-        for fabric in hardware.values():
-            fabric.close()
+        fail_while_down(tmp_path, broken, "fell off the bus")
         again = opened(tmp_path)
         try:
             found = agrees_with_the_hardware(again)
