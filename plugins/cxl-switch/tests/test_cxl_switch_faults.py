@@ -215,16 +215,7 @@ class TestUnbindDuringBind:
 
     def test_the_unbind_waits_for_the_bind(self, bench: Bench) -> None:
         served, clock, fabric = self.stuck_bind(bench)
-        raised: list[Exception] = []
-
-        def rollback() -> None:
-            try:
-                fabric.unbind(BINDING, CallContext(epoch=1))
-            except Exception as exc:
-                raised.append(exc)
-
-        worker = threading.Thread(target=rollback, daemon=True)
-        worker.start()
+        worker, raised = unbind_in_thread(fabric)
         worker.join(0.3)
         waited = worker.is_alive()
         served.switch.bind_delay = 0.0  # the unbind's own Unbind vPPB finishes at once
@@ -241,6 +232,21 @@ class TestUnbindDuringBind:
         assert raised.value.retryable and not in_doubt(raised.value)
         clock.now = 10.0
         wait_until(lambda: fabric.bindings() == [BINDING])  # it did land: success would have leaked it
+
+
+def unbind_in_thread(fabric: CxlSwitchFabric) -> tuple[threading.Thread, list[Exception]]:
+    """The composer's rollback of `BINDING` (no deadline), started on a thread; the list gets what it raises."""
+    raised: list[Exception] = []
+
+    def rollback() -> None:
+        try:
+            fabric.unbind(BINDING, CallContext(epoch=1))
+        except Exception as exc:
+            raised.append(exc)
+
+    worker = threading.Thread(target=rollback, daemon=True)
+    worker.start()
+    return worker, raised
 
 
 def bind_within(fabric: CxlSwitchFabric, timeout: float) -> object:
@@ -301,16 +307,7 @@ class TestBackgroundBound:
         fabric = bench.fabric(served)
         bind(fabric)
         served.switch.bind_delay = 1.0
-        raised: list[Exception] = []
-
-        def rollback() -> None:
-            try:
-                fabric.unbind(BINDING, CallContext(epoch=1))
-            except Exception as exc:
-                raised.append(exc)
-
-        worker = threading.Thread(target=rollback, daemon=True)
-        worker.start()
+        worker, raised = unbind_in_thread(fabric)
         worker.join(WAIT_S)
         hung = worker.is_alive()
         clock.now = 10.0  # let a hung wait end, whatever the outcome
