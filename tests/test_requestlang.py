@@ -21,6 +21,7 @@ from disagg.model import (
     Selector,
     SelectorOp,
 )
+from disagg.model.composition import MAX_SELECTOR_TEXT, request_limit_refusal, selector_value_refusal
 from disagg.requestlang import (
     parse_host,
     parse_request,
@@ -774,6 +775,82 @@ class TestNumbersTheWireCarries:
         with pytest.raises(InvalidRequestError) as info:
             request_from_document({"name": "t", "host": host, "resource": [{"kind": "gpu"}]})
         assert info.value.field == field
+
+
+class TestNumbersInOtherNotations:
+    """A number written as ``8e10``, ``0x10``, ``1_000``, ``+5`` or ``.5`` was read as text, which compares with no
+    number: ``gpu_memory>=8e10`` matched no device, silently. It is refused with the number meant; quoted, it is
+    the text it reads as."""
+
+    @pytest.mark.parametrize(
+        ("selector", "meant"),
+        [
+            ("gpu_memory>=8e10", "gpu_memory>=80000000000"),
+            ("score>=1.5E3", "score>=1500"),
+            ("score<=1e-3", "score<=0.001"),
+            ("score>-2.5e2", "score>-250"),
+            ("vendor_id=0x10de", "vendor_id=4318"),
+            ("mask=0b101", "mask=5"),
+            ("mode=0o17", "mode=15"),
+            ("cores!=1_000", "cores!=1000"),
+            ("slot=+5", "slot=5"),
+            ("ratio<.5", "ratio<0.5"),
+        ],
+    )
+    def test_refused_with_the_number_meant(self, selector: str, meant: str) -> None:
+        with pytest.raises(InvalidRequestError, match="is not a number the request language reads") as info:
+            parse_resource(f"gpu {selector}", field="clauses[0]")
+        assert f"write {meant}," in info.value.message
+        assert info.value.field == "clauses[0]"
+        with pytest.raises(InvalidRequestError, match=f"write {re.escape(meant)},") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "gpu", "selectors": [selector]}]})
+        assert info.value.field == "resource[0].selectors[0]"
+
+    @pytest.mark.parametrize("selector", ["score>=1e999999999", "score>=1e40", "score>=1e-40"])
+    def test_a_number_too_long_to_write_out_gets_a_general_hint(self, selector: str) -> None:
+        with pytest.raises(InvalidRequestError, match="write it in digits") as info:
+            parse_selector(selector)
+        assert len(info.value.message) < 300
+
+    def test_quoted_it_is_text(self) -> None:
+        """The hint's quoting is the one the words of a clause need (a shell's layer comes off as they split)."""
+        with pytest.raises(InvalidRequestError) as info:
+            parse_resource("gpu vendor_id=0x10de", field="clauses[0]")
+        hinted = info.value.message.rsplit("quote it: ", 1)[1]
+        assert hinted == "vendor_id='\"0x10de\"'"
+        text = Selector("vendor_id", SelectorOp.EQ, "0x10de")
+        assert parse_request("t", [f"gpu {hinted}"]).resources[0].selectors == (text,)
+        document = {"name": "t", "resource": [{"kind": "gpu", "selectors": ['vendor_id="0x10de"']}]}
+        assert request_from_document(document).resources[0].selectors == (text,)
+        assert text.matches("0x10de") and not text.matches(4318)
+
+    @pytest.mark.parametrize("value", ["7e5a", "0x", "1e", "e10", "1.2.3", "-", "5.", "12", "-3.25", "80GB"])
+    def test_what_is_not_a_number_in_another_notation(self, value: str) -> None:
+        """Text that only starts like a number, and the numbers the language reads, are taken as before."""
+        assert parse_selector(f"k={value}").value == parse_value(value)
+
+
+class TestLongSelectorText:
+    """Text over 256 characters was taken by the local composer and the request forms while every server refused
+    it: the same request now fails alike everywhere, naming its field."""
+
+    def test_text_and_documents(self) -> None:
+        at = "v" * MAX_SELECTOR_TEXT
+        assert parse_request("t", [f"gpu model={at}"]).resources[0].selectors[0].value == at
+        with pytest.raises(InvalidRequestError, match="at most 256 characters, not 257") as info:
+            parse_request("t", ["gpu", f"gpu model={at}v"])
+        assert info.value.field == "clauses[1]"
+        with pytest.raises(InvalidRequestError, match="at most 256 characters") as info:
+            request_from_document({"name": "t", "host": {"selectors": [f"rack={at}v"]}, "resource": [{"kind": "gpu"}]})
+        assert info.value.field == "host.selectors[0]"
+
+    def test_the_model_rule(self) -> None:
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("model", SelectorOp.EQ, "v" * 257),))
+        assert request_limit_refusal((line,)) == (
+            "resources[0].selectors[0].value",
+            "a selector compares with text of at most 256 characters, not 257",
+        )
+        assert selector_value_refusal("v" * 256) == ""
 
 
 class TestEachModifierOnce:

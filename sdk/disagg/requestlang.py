@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
@@ -42,6 +43,11 @@ _BARE_DECIMAL = re.compile(r"\d+\.\d+")
 T = TypeVar("T")
 _CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]i?", flags=re.IGNORECASE)
 """``80G`` or ``80Gi``: a size whose B was left out."""
+_OTHER_NUMBER = re.compile(
+    r"[+-]?(?:0[xob][0-9a-f_]+|(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:e[+-]?\d+)?)", flags=re.IGNORECASE
+)
+"""A number in a notation the language does not read (``8e10``, ``0x10``, ``1_000``, ``+5``, ``.5``): read as
+text, it would compare with no number and match nothing, silently."""
 _OPERATOR_TYPOS = {"==": "=", "=>": ">=", "=<": "<=", "<>": "!=", "=!": "!=", "!==": "!=", ">==": ">=", "<==": "<="}
 """Operators as other languages write them, read by `_CLAUSE` as an operator and a value that starts with the
 rest, and what this language writes for each."""
@@ -55,6 +61,8 @@ def parse_selector(text: str, field: str = "selector", *, clause: bool = False) 
     """A selector written as ``key=value``; ``clause``: it is a word of a text clause, which was split as a shell
     splits words (taking off a layer of quotes), so that a hint to quote a value quotes it twice."""
     key, op, value = _selector_parts(text, field, clause=clause)
+    if isinstance(value, str) and _OTHER_NUMBER.fullmatch(value) and text.strip().endswith(value):  # not quoted
+        raise InvalidRequestError(_other_number(text, key, op.value, value, clause=clause), field=field)
     why = selector_value_refusal(value)
     if why:
         raise InvalidRequestError(f"{text!r}: {why}", field=field)
@@ -83,6 +91,30 @@ def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, Select
     except ValueError as exc:
         raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
     return key, _OPS[op], parsed
+
+
+def _other_number(text: str, key: str, op: str, value: str, *, clause: bool) -> str:
+    """Why ``8e10`` is refused, with the number it means written as the language reads numbers (when it is one
+    of reasonable length), and how to compare with it as text instead: quoted."""
+    quoted = f'"{value}"'
+    written = f"{key}{op}{shlex.quote(quoted) if clause else quoted}"
+    plain = value.replace("_", "")
+    meant = ""
+    try:
+        meant = str(int(plain, 0))
+    except ValueError:
+        try:
+            number = Decimal(plain)
+        except InvalidOperation:
+            pass
+        else:
+            if number.is_finite() and abs(number.adjusted()) <= 30:
+                meant = format(number.normalize() if number == number.to_integral() else number, "f")
+    hint = f"write {key}{op}{meant}" if meant and len(meant) <= 40 else "write it in digits, e.g. 1.5 or 80000000000"
+    return (
+        f"{text!r}: {value!r} is not a number the request language reads ({hint}, or a size such as 80GB); "
+        f"to compare with the text {value!r}, quote it: {written}"
+    )
 
 
 def _operator_typo(text: str, key: str, op: str, value: str, *, clause: bool) -> str:

@@ -72,6 +72,10 @@ MAX_LATENCY_NS = 2**64 - 1
 """The largest latency bound, in nanoseconds: the wire's ``uint64 max_latency_ns``."""
 SELECTOR_INT_RANGE = range(-(2**63), 2**63)
 """The whole numbers a selector may compare with: the wire's ``int64 int_value``."""
+MAX_SELECTOR_TEXT = 256
+"""The longest text a selector may compare with, in characters. With the wire's other limits it keeps the largest
+valid Compose well under gRPC's default 4 MiB message cap, which a client in another language cannot raise on the
+server: a request over it is a RESOURCE_EXHAUSTED with no details, which reads as a refusal to place."""
 
 
 @attrs.frozen
@@ -214,9 +218,13 @@ def _over(value: int, most: int, what: str) -> str:
 
 
 def selector_value_refusal(value: AttributeValue) -> str:
-    """Why a request may not compare with ``value`` (empty when it may): a whole number beyond int64 or a
-    number that is not finite, which the wire cannot carry or no device has."""
+    """Why a request may not compare with ``value`` (empty when it may): a whole number beyond int64, a number
+    that is not finite or text longer than `MAX_SELECTOR_TEXT`, which the wire cannot carry or no device has."""
     if isinstance(value, bool):
+        return ""
+    if isinstance(value, str):
+        if len(value) > MAX_SELECTOR_TEXT:
+            return f"a selector compares with text of at most {MAX_SELECTOR_TEXT} characters, not {len(value)}"
         return ""
     if isinstance(value, int) and value not in SELECTOR_INT_RANGE:
         return (

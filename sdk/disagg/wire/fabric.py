@@ -42,6 +42,7 @@ from disagg.model import (
 )
 from disagg.model.composition import (
     MAX_LATENCY_NS,
+    MAX_SELECTOR_TEXT,
     SELECTOR_INT_RANGE,
     request_limit_refusal,
     selector_value_refusal,
@@ -65,10 +66,7 @@ if TYPE_CHECKING:
 
 MAX_RESOURCES = 64
 MAX_SELECTORS = 32
-MAX_SELECTOR_VALUE = 256
-"""The longest string a selector compares with, in characters. With the other limits it keeps the largest valid
-Compose well under gRPC's default 4 MiB message cap, which a client in another language cannot raise on the
-server: a request over it is a RESOURCE_EXHAUSTED with no details, which reads as a refusal to place."""
+MAX_SELECTOR_VALUE = MAX_SELECTOR_TEXT
 MAX_NAME = 63
 MAX_ID = 128
 MAX_PAGE_KEY = 256
@@ -172,11 +170,11 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
 
 def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
     """Refuse, in a request read from the wire (a Compose's, the lines an UpdateComposition adds), a selector
-    value a request may not hold: a number that is not finite (`selector_value_refusal`, as the text and
-    document forms refuse it), then a string longer than `MAX_SELECTOR_VALUE`. A request's other numbers were
-    bounded by their proto fields as it was read; one about to be sent is checked whole
-    (`check_request_values`). Not where an answer is read: a composition made before the limits (or through
-    the Python API, which takes any) must still be listed and read by every client."""
+    value a request may not hold (`selector_value_refusal`, as the text and document forms refuse it: a number
+    that is not finite, text longer than `MAX_SELECTOR_VALUE`). A request's other numbers were bounded by their
+    proto fields as it was read; one about to be sent is checked whole (`check_request_values`). Not where an
+    answer is read: a composition made before the limits (or through the Python API, which takes any) must
+    still be listed and read by every client."""
     selectors = [(f"{field}[{n}].selectors", line.selectors) for n, line in enumerate(lines) if line.selectors]
     if host is not None and host.selectors:
         selectors.append(("host.selectors", host.selectors))
@@ -185,14 +183,6 @@ def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: Ho
             why = selector_value_refusal(sel.value)
             if why:
                 raise InvalidRequestError(f"{parent}[{m}].value: {why}", field=f"{parent}[{m}].value")
-    for parent, values in selectors:
-        for m, sel in enumerate(values):
-            if isinstance(sel.value, str) and len(sel.value) > MAX_SELECTOR_VALUE:
-                raise InvalidRequestError(
-                    f"{parent}[{m}].value: a selector compares with a string of at most {MAX_SELECTOR_VALUE} "
-                    "characters",
-                    field=f"{parent}[{m}].value",
-                )
 
 
 def check_request_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
