@@ -24,6 +24,7 @@ from disagg.errors import (
     FabricUnavailableError,
     NotFoundError,
     UnknownDeviceError,
+    UnknownHostError,
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, EventHandler, Fabric, Subscription
@@ -352,6 +353,32 @@ class IgnoresDeadlines(SimFabric):
         return super()._mutate(attrs.evolve(ctx, deadline=None), key, prepare, **kw)
 
 
+def _malformed(value: object) -> bool:
+    return not isinstance(value, str) or not value
+
+
+class TakesAnyId(SimFabric):
+    """Takes an id that is empty or not a string for one that names nothing, as the generated driver once did: a
+    bind of one raises UnknownDeviceError or UnknownHostError, and an unbind of one does nothing, where the
+    contract says InvalidRequestError. Both still fence first."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if _malformed(device) or _malformed(host):
+            with self._lock:
+                self._fence(ctx)
+            if _malformed(device):
+                raise UnknownDeviceError(device, f"fabric {self.name!r} has no device {device!r}")
+            raise UnknownHostError(host, f"host {host!r} is not attached to fabric {self.name!r}")
+        return super().bind(device, host, ctx)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if _malformed(binding.device) or _malformed(binding.host):
+            with self._lock:
+                self._fence(ctx)
+            return
+        super().unbind(binding, ctx)
+
+
 CARVE_ONLY = attrs.evolve(
     SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.BIND, Feature.UNBIND, Feature.SANITIZE}
 )
@@ -596,6 +623,7 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-ignores-deadlines": (IgnoresDeadlines, "DEADLINE-PASSED"),
     "broken-ignores-carve-deadlines": (IgnoresDeadlines, "CARVE-DEADLINE-PASSED"),
     "broken-allocates-no-capacity": (AllocatesNoCapacity, "CARVE-INVALID-AMOUNT"),
+    "broken-takes-any-id": (TakesAnyId, "ERR-INVALID-ID"),
 }
 """Driver name: (fabric class, the clause its defect breaks)."""
 ALSO_BROKEN: dict[str, tuple[str, ...]] = {

@@ -513,6 +513,34 @@ class TestADriverThatCannotBeBuilt:
         ), run.report["incomplete"]
         assert set(statuses(run.report).values()) == {"NOT TESTED"}
 
+    @pytest.mark.parametrize(("made", "named"), [("{'not': 'a fabric'}", "dict"), ("None", "None")])
+    def test_a_factory_that_makes_no_fabric(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+        made: str,
+        named: str,
+    ) -> None:
+        """It failed as "AttributeError: 'dict' object has no attribute 'close'", naming neither the driver nor the
+        mistake."""
+        module = f"makes_{named.lower()}_plugin"  # one per case: a module once imported stays in sys.modules
+        (tmp_path / f"{module}.py").write_text(
+            "from disagg import hookimpl\nfrom disagg.model import Capabilities\n\n\n@hookimpl\n"
+            "def disagg_register_drivers(registry):\n"
+            "    caps = Capabilities(kinds=frozenset(), features=frozenset())\n"
+            f"    registry.add_driver('no-fabric', lambda name, options: {made}, capabilities=caps)\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        out = tmp_path / "out"
+        assert main(["certify", "no-fabric", "--plugin", module, "--out", str(out)]) == 1
+        said = capsys.readouterr().err
+        assert f"the factory of driver 'no-fabric' returned {named}, not a disagg.interfaces.Fabric" in said
+        assert "AttributeError" not in said
+        report = json.loads((out / "certification.json").read_text())
+        assert report["verdict"] == "NOT CERTIFIED"
+        assert f"the factory of driver 'no-fabric' returned {named}, not" in report["incomplete"]
+
     def test_a_config_error_is_bad_input(self, tmp_path: Path) -> None:
         run = run_certify(
             tmp_path,
@@ -625,6 +653,21 @@ class TestCertifyBadInput:
         monkeypatch.syspath_prepend(str(tmp_path))
         said = self.run(capsys, "sim", "--plugin", "misspelt_plugin")
         assert "the plugins cannot be loaded: " in said and "disagg_register_driver" in said
+
+    def test_a_plugin_module_that_is_registered_already_is_taken_once(self, tmp_path: Path) -> None:
+        """A built-in module, an installed driver's module, and one given twice: pluggy's ValueError ("Plugin name
+        already registered") came out as a traceback and exit 1."""
+        plugins = ["disagg.policies", "disagg.remote.plugin", "disagg_sim.plugin", "disagg_sim.plugin"]
+        run = run_certify(
+            tmp_path,
+            "sim",
+            *(arg for module in plugins for arg in ("--plugin", module)),
+            env=certify_env(),
+            timeout=CERTIFY_TIMEOUT_S,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "Traceback" not in run.stderr
+        assert run.report is not None and run.report["verdict"] == "CERTIFIED"
 
     def test_a_socket_that_is_not_there(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "no socket at" in self.run(capsys, "sim", "--remote", f"unix:{tmp_path / 'absent.sock'}")

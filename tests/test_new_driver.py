@@ -4,18 +4,25 @@ and type checks as written; bad names and occupied folders are refused before an
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tomllib
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import pytest
 from disagg.cli import newdriver
 from disagg.cli.main import main
+from disagg.errors import InvalidRequestError
+from disagg.interfaces import CallContext
+from disagg.model import Binding
+from disagg.plugins import DISABLE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 300
@@ -36,6 +43,7 @@ MUST_PASS = (
     "BIND-IDEMPOTENT",
     "UNBIND-IDEMPOTENT",
     "ERR-UNKNOWN-DEVICE",
+    "ERR-INVALID-ID",
     "ERR-UNKNOWN-HOST",
     "ERR-DEVICE-BUSY",
     "ERR-HOST-UNREACHABLE",
@@ -72,6 +80,15 @@ def require(module: str) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(f"{module} is not installed, and on CI the generated code must be checked with it")
         pytest.skip(f"{module} is not installed in this environment (tox -e test has it)")
+
+
+def installed(site: Path, name: str, entry_points: str = "") -> None:
+    """The metadata of distribution ``name`` 0.1.0 in ``site``, as pip leaves it, with ``entry_points``."""
+    info = site / f"{name.replace('-', '_')}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.0\n")
+    if entry_points:
+        (info / "entry_points.txt").write_text(entry_points)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +152,40 @@ class TestRefusals:
         assert "driver name 'sim' is taken: plugin 'sim' registers it" in capsys.readouterr().err
         assert not (tmp_path / "out").exists()
 
+    def test_name_of_a_blocked_plugin(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A plugin blocked by DISAGG_DISABLE_PLUGINS registers nothing, yet its package is installed: a second
+        disagg-sim was written."""
+        monkeypatch.setenv(DISABLE_ENV, "sim")
+        assert main(["new-driver", "sim", "--dir", str(tmp_path / "out")]) == 5
+        said = capsys.readouterr().err
+        assert "driver name 'sim' is taken: the entry point sim = disagg_sim.plugin of disagg-sim " in said
+        assert f"blocked by {DISABLE_ENV}; choose another name" in said
+        assert not (tmp_path / "out").exists()
+
+    def test_name_of_a_plugin_that_fails_to_load(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        installed(tmp_path / "site", "disagg-zap", "[disagg.drivers]\nzap = no_such_module_for_zap.plugin\n")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+        assert main(["new-driver", "zap", "--dir", str(tmp_path / "out")]) == 5
+        said = capsys.readouterr().err
+        assert "the entry point zap = no_such_module_for_zap.plugin of disagg-zap 0.1.0 is installed" in said
+        assert "which failed to load (no_such_module_for_zap.plugin: ModuleNotFoundError" in said
+        assert not (tmp_path / "out").exists()
+
+    def test_name_of_an_installed_distribution(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A distribution disagg-NAME without the entry point: installing the new package would replace it."""
+        installed(tmp_path / "site", "disagg-widget")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+        assert main(["new-driver", "widget", "--dir", str(tmp_path / "out")]) == 5
+        said = capsys.readouterr().err
+        assert "driver name 'widget' is taken: the distribution disagg-widget 0.1.0 is installed" in said
+        assert not (tmp_path / "out").exists()
+
     def test_error_exit_code_from_a_child_process(self, tmp_path: Path) -> None:
         (tmp_path / "x").write_text("")
         proc = run("-m", "disagg.cli.main", "new-driver", "acme", "--dir", str(tmp_path), cwd=tmp_path)
@@ -154,6 +205,11 @@ class TestWrittenPackage:
         out = capsys.readouterr().out
         assert "wrote driver acme (package disagg_acme) into disagg-acme" in out
         assert "disagg certify acme" in out
+
+    def test_the_cd_hint_is_quoted_for_the_shell(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        target = tmp_path / "my drivers" / "acme"
+        assert main(["new-driver", "acme", "--dir", str(target)]) == 0
+        assert f"  cd {shlex.quote(str(target))}\n" in capsys.readouterr().out
 
     def test_an_empty_folder_is_used(self, tmp_path: Path) -> None:
         assert main(["new-driver", "acme", "--dir", str(tmp_path)]) == 0
@@ -188,6 +244,32 @@ class TestWrittenPackage:
         assert newdriver.render("{a} {{name}} {{ name }}", {"name": "acme"}) == "{a} acme {{ name }}"
         with pytest.raises(KeyError):
             newdriver.render("{{nope}}", {})
+
+
+class TestGeneratedFabric:
+    """The generated fabric keeps the contract on its own, before any suite runs."""
+
+    @pytest.fixture
+    def fabric(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+        """An instance of the generated ``idcheck`` driver's fabric, imported from the written package."""
+        newdriver.write_package("idcheck", tmp_path / "pkg")
+        monkeypatch.syspath_prepend(str(tmp_path / "pkg" / "src"))
+        for name in [m for m in sys.modules if m.startswith("disagg_idcheck")]:
+            monkeypatch.delitem(sys.modules, name)
+        module = importlib.import_module("disagg_idcheck.fabric")
+        return module.IdcheckFabric("f", state_file=tmp_path / "state.json")
+
+    @pytest.mark.parametrize(("device", "host"), [("", "host-a"), (7, "host-a"), ("f/gpu-0", ""), ("f/gpu-0", None)])
+    def test_an_id_that_is_not_a_non_empty_string(self, fabric: Any, device: Any, host: Any) -> None:
+        """The interface: bind and unbind raise InvalidRequestError for a device or host that is not a non-empty
+        string. The generated fabric answered UnknownDeviceError, a TypeError, or for an unbind nothing."""
+        with pytest.raises(InvalidRequestError):
+            fabric.bind(device, host, CallContext(epoch=1))
+        assert fabric.bindings() == ()
+        fabric.bind("f/gpu-0", "host-a", CallContext(epoch=1))
+        with pytest.raises(InvalidRequestError):
+            fabric.unbind(Binding(device, host), CallContext(epoch=1))
+        assert fabric.bindings() == (Binding("f/gpu-0", "host-a"),)
 
 
 @pytest.mark.slow
@@ -285,6 +367,18 @@ class TestGeneratedCodeIsClean:
         for argv in (["check", "--no-cache", "."], ["format", "--no-cache", "--check", "."]):
             proc = run("-m", "ruff", *argv, cwd=package)
             assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def test_ruff_for_every_name_length(self, tmp_path: Path) -> None:
+        """A name's length moves the lines that hold it: names of 1 to 3 and of 12 or more characters gave lines
+        too long, lines the formatter joins or splits, and imports isort wraps. One package for each length from
+        1 to 63 (among them a, broadcom-atlas and 63 x's), checked by one run of ruff, each by its own settings."""
+        require("ruff")
+        names = {"a", "broadcom-atlas", "x" * 63} | {"k" + "m" * (n - 1) for n in range(2, 64)}
+        for name in names:
+            newdriver.write_package(name, tmp_path / name)
+        for argv in (["check", "--no-cache", "."], ["format", "--no-cache", "--check", "."]):
+            proc = run("-m", "ruff", *argv, cwd=tmp_path)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
 
     def test_mypy_strict(self, package: Path, tmp_path: Path) -> None:
         require("mypy")

@@ -12,6 +12,9 @@ from typing import Any
 
 import attrs
 import disagg
+import disagg.policies
+import disagg.remote.plugin
+import disagg_sim.plugin
 import pytest
 from disagg.errors import PluginError
 from disagg.interfaces.placement import DeviceGroup, PlacementPolicy, PoolCandidate
@@ -174,9 +177,10 @@ class TestDriverRegistry:
             self._registry().add_driver("x", _factory, capabilities=caps)
 
     def test_duplicate_in_one_plugin(self) -> None:
+        """The error said "registered by both 'acme' and 'acme'", as if two plugins clashed."""
         registry = self._registry()
         registry.add_driver("x", _factory, capabilities=CAPS)
-        with pytest.raises(PluginError, match="registered by both 'acme' and 'acme'"):
+        with pytest.raises(PluginError, match=r"^plugin 'acme' registers driver 'x' twice$"):
             registry.add_driver("x", _factory, capabilities=CAPS)
 
     def test_duplicate_across_plugins_names_both(self) -> None:
@@ -224,6 +228,12 @@ class TestPolicyRegistry:
         with pytest.raises(PluginError, match="registered a placement policy named"):
             self._registry().add_placement_policy(policy)
 
+    def test_duplicate_in_one_plugin(self) -> None:
+        registry = self._registry()
+        registry.add_placement_policy(Quiet())
+        with pytest.raises(PluginError, match=r"^plugin 'acme' registers placement policy 'quiet' twice$"):
+            registry.add_placement_policy(Quiet())
+
     def test_duplicate_across_plugins_names_both(self) -> None:
         imposter = BestFit()
         with pytest.raises(PluginError) as info:
@@ -259,6 +269,12 @@ class TestSharingPolicyRegistry:
         registry.add_sharing_policy("pack", dict)
         registry.plugin = "other"
         with pytest.raises(PluginError, match="sharing policy 'pack' is registered by both 'acme' and 'other'"):
+            registry.add_sharing_policy("pack", dict)
+
+    def test_duplicate_in_one_plugin(self) -> None:
+        registry = self._registry()
+        registry.add_sharing_policy("pack", dict)
+        with pytest.raises(PluginError, match=r"^plugin 'acme' registers sharing policy 'pack' twice$"):
             registry.add_sharing_policy("pack", dict)
 
     def test_built_ins_make_fresh_policies(self) -> None:
@@ -327,6 +343,77 @@ class TestFailingPlugins:
         with pytest.raises(PluginError) as info:
             _load(("raises", Raises()))
         assert info.value is error
+
+
+class TestAPluginGivenTwice:
+    """A plugin that is registered already (a built-in, one given twice, a module an entry point names too) is
+    taken once, as asked, where pluggy raised ValueError ("Plugin name already registered")."""
+
+    def test_a_built_in_given_again(self) -> None:
+        plugins = _load(("disagg.policies", disagg.policies), ("disagg.remote.plugin", disagg.remote.plugin))
+        assert [p.name for p in plugins.plugins] == ["disagg.policies", "disagg.remote.plugin"]
+        assert set(plugins.policies) == {"best-fit", "closest"}
+
+    def test_one_plugin_given_twice(self) -> None:
+        plugin = DriverPlugin("fake")
+        plugins = _load(("fakeplug", plugin), ("fakeplug", plugin))
+        assert plugin.calls == 1
+        assert plugins.driver("fake").plugin == "fakeplug"
+
+    def test_a_module_its_entry_point_names_too(self) -> None:
+        """``disagg certify sim --plugin disagg_sim.plugin``: the entry point sim names the same module, which
+        was reported as a plugin that failed to load."""
+        plugins = load_plugins(extra=[("disagg_sim.plugin", disagg_sim.plugin)], blocked=[])
+        assert "sim" not in plugins.broken
+        assert plugins.driver("sim").plugin == "disagg_sim.plugin"
+
+    def test_two_plugins_of_one_name(self) -> None:
+        with pytest.raises(PluginError, match="two different plugins are named 'fakeplug'"):
+            _load(("fakeplug", DriverPlugin("a")), ("fakeplug", DriverPlugin("b")))
+
+
+def _unmarked_plugin() -> types.ModuleType:
+    """A plugin module whose disagg_register_drivers lacks @disagg.hookimpl: pluggy never calls it."""
+    module = types.ModuleType("acme_plugin")
+
+    def disagg_register_drivers(registry: DriverRegistry) -> None:
+        registry.add_driver("acme", _factory, capabilities=CAPS)
+
+    module.disagg_register_drivers = disagg_register_drivers  # type: ignore[attr-defined]
+    return module
+
+
+class TestAPluginThatRegistersNothing:
+    """A plugin that loads but registers nothing is warned about, and a request for the driver it was meant to
+    register says so, instead of asking for an entry point that is there."""
+
+    def test_an_unmarked_hook_is_named(self, caplog: pytest.LogCaptureFixture) -> None:
+        plugins = _load(("acme", _unmarked_plugin()))
+        assert plugins.inert == {
+            "acme": "its disagg_register_drivers lacks @disagg.hookimpl, and pluggy calls only marked functions"
+        }
+        with pytest.raises(PluginError) as info:
+            plugins.driver("acme")
+        assert info.value.message == (
+            "no driver 'acme' is installed: plugin 'acme' loaded but registered no driver; its "
+            "disagg_register_drivers lacks @disagg.hookimpl, and pluggy calls only marked functions"
+        )
+        warned = [r.getMessage() for r in caplog.records if r.name == "disagg.plugins" and r.levelname == "WARNING"]
+        assert warned == [f"plugin acme loaded but registered nothing: {plugins.inert['acme']}"]
+
+    def test_a_plugin_with_no_hook_is_asked_about_its_mark(self) -> None:
+        plugins = _load(("acme", types.ModuleType("acme_plugin")))
+        assert "is its disagg_register_drivers marked with @disagg.hookimpl?" in plugins.inert["acme"]
+
+    def test_a_driver_of_another_name_names_the_plugin(self) -> None:
+        with pytest.raises(PluginError) as info:
+            _load(("acme_plugin", _unmarked_plugin())).driver("acme")
+        assert "plugins that loaded but registered nothing (one may be meant to provide it): acme_plugin: " in (
+            info.value.message
+        )
+
+    def test_plugins_that_register_something_are_not_inert(self) -> None:
+        assert _load(("p", DriverPlugin("a")), ("q", PolicyPlugin(Quiet()))).inert == {}
 
 
 class TestBlocking:

@@ -3,7 +3,8 @@
 In process (the default) the driver is an installed plugin, built with the options of ``--config`` or, with
 none, the small fabric its plugin offers for certification (``certify_options``), in a scratch directory that
 is removed afterwards. With ``--remote ADDRESS`` the suite drives a FabricDriver endpoint in another process
-or language, which must serve DRIVER; certify cannot restart that process, so RESTART-BINDINGS is NOT TESTED.
+or language, which must serve DRIVER; certify cannot restart that process, so without ``--restart-command`` the
+restart clauses (RESTART-BINDINGS, RESTART-FENCING, RESTART-ALLOCATIONS) are NOT TESTED.
 Either way the suite runs in a child process, in an environment that nothing outside the command line
 changes the run through (`suite_environment`), on certify's own ``sys.path``, and the verdict is read from the
 report it writes. SIGINT and SIGTERM are passed on to it (`_Interrupts`), and it ends with certify.
@@ -160,6 +161,15 @@ def _restart_by(command: str, connect: Callable[[], Fabric]) -> Callable[[Fabric
     return restart
 
 
+def _built(driver: str, fabric: object) -> Fabric:
+    """What the factory of ``driver`` returned, if it is a Fabric: anything else would fail at its first call with
+    an AttributeError that names neither the driver nor the mistake."""
+    if not isinstance(fabric, Fabric):
+        got = "None" if fabric is None else type(fabric).__name__
+        raise PluginError(f"the factory of driver {driver!r} returned {got}, not a disagg.interfaces.Fabric")
+    return fabric
+
+
 def cmd_certify(args: argparse.Namespace) -> int:
     """Check the input, then run the suite in a child process (`_supervise`) that runs this command again with
     ``--suite-process``: the child skips the checks and runs pytest in its own process, where a driver may end
@@ -240,7 +250,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
             chosen = options
 
             def factory() -> Fabric:
-                return spec.factory(fabric_name, chosen)
+                return _built(args.driver, spec.factory(fabric_name, chosen))
 
             if not args.suite_process:
                 try:  # a configuration error is bad input, reported before the suite runs

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from collections.abc import Mapping
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 
 from disagg import __version__
 from disagg.errors import ConfigError, ConflictError, InvalidRequestError, PluginError
-from disagg.plugins import load_plugins
+from disagg.plugins import DISABLE_ENV, ENTRY_POINT_GROUP, Plugins, load_plugins
 
 DRIVER_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 """The rule `DriverRegistry.add_driver` enforces, checked here before anything is written."""
@@ -82,15 +83,41 @@ def render_package(name: str) -> dict[str, str]:
 
 
 def _check_free(name: str) -> None:
-    """Refuse a name an installed plugin already registers: two plugins with one driver name make every
-    later `load_plugins` fail, which would take the whole installation down, not only the new driver. Plugins
-    that fail to load are no reason to refuse writing a package: then the name is not checked."""
+    """Refuse a name that an installed plugin registers, or that an installed package holds: two plugins with
+    one driver name make every later `load_plugins` fail, which would take the whole installation down, not only
+    the new driver, and installing a second disagg-NAME replaces the first. A plugin that is blocked
+    (DISAGG_DISABLE_PLUGINS) or fails to load registers nothing now but holds its name all the same, so the
+    installed metadata is read too, without loading anything. Plugins that make the loading fail are no reason
+    to refuse writing a package: then only the metadata is checked."""
     try:
-        spec = load_plugins().drivers.get(name)
+        plugins: Plugins | None = load_plugins()
     except PluginError:
-        return
+        plugins = None
+    spec = plugins.drivers.get(name) if plugins is not None else None
     if spec is not None:
         raise ConflictError(f"driver name {name!r} is taken: plugin {spec.plugin!r} registers it; choose another name")
+    holder = _installed_holder(name, plugins)
+    if holder:
+        raise ConflictError(f"driver name {name!r} is taken: {holder}; choose another name")
+
+
+def _installed_holder(name: str, plugins: Plugins | None) -> str:
+    """What installed package holds ``name`` though no loaded plugin registers it: an entry point ``name`` in
+    the drivers' group (with why it registers nothing now, when the loading says), or the distribution
+    disagg-NAME that the new package would be; empty when there is none."""
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP, name=name):
+        of = f" of {ep.dist.name} {ep.dist.version}" if ep.dist is not None else ""
+        why = ""
+        if plugins is not None and name in plugins.blocked:
+            why = f", blocked by {DISABLE_ENV}"
+        elif plugins is not None and name in plugins.broken:
+            why = f", which failed to load ({plugins.broken[name]})"
+        return f"the entry point {name} = {ep.value}{of} is installed in the group {ENTRY_POINT_GROUP!r}{why}"
+    try:
+        dist = metadata.distribution(f"disagg-{name}")
+    except metadata.PackageNotFoundError:
+        return ""
+    return f"the distribution {dist.metadata['Name']} {dist.version} is installed"
 
 
 def _check_target(target: Path) -> None:
@@ -126,7 +153,7 @@ def cmd_new_driver(args: argparse.Namespace) -> int:
     write_package(name, target)
     package = _values(name)["package"]
     steps = (
-        (f"cd {target}", ""),
+        (f"cd {shlex.quote(str(target))}", ""),
         ("pip install -e '.[test]'", "registers the driver through its entry point"),
         ("pytest", "runs the conformance suite against it"),
         (f"disagg certify {name}", "the same suite; writes certification/ (json, xml, md)"),

@@ -2,7 +2,7 @@
 
 from disagg.interfaces.composer import Composer, ComposeResult
 from disagg.interfaces.context import CallContext
-from disagg.interfaces.fabric import Device, EventHandler, Fabric, Pool, Subscription
+from disagg.interfaces.fabric import Device, EventHandler, Fabric, Pool, Subscription, check_id
 from disagg.interfaces.faults import FaultInjection
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "FaultInjection",
     "Pool",
     "Subscription",
+    "check_id",
 ]

@@ -11,12 +11,22 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 
-from disagg.errors import UnsupportedError
+from disagg.errors import InvalidRequestError, UnsupportedError
 from disagg.interfaces.context import CallContext
 from disagg.model import Allocation, Binding, Capabilities, FabricEvent, Health, PoolInfo, Topology
 from disagg.model import Device as DeviceInfo
 
 EventHandler = Callable[[FabricEvent], None]
+
+
+def check_id(value: object, field: str) -> str:
+    """``value`` if it can be a device, host or allocation id: a non-empty string. Anything else is the caller's
+    bug, refused with `InvalidRequestError` naming ``field`` before a driver uses it (a lookup would answer "no
+    such device" for it, or raise a TypeError), as `Fabric.bind` and `Fabric.unbind` promise (the conformance
+    clause ERR-INVALID-ID)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{field} must be a non-empty string, not {value!r}", field=field)
+    return value
 
 
 class Subscription(abc.ABC):

@@ -1,7 +1,9 @@
 """Loads plugins: built-in modules first, then the entry-point group ``disagg.drivers``.
 
 An entry point that fails to import is reported (``Plugins.broken``, ``disagg plugins``) and the others still
-load, so one broken driver package does not take every fabric down with it.
+load, so one broken driver package does not take every fabric down with it. A plugin that loads but registers
+nothing (``Plugins.inert``) is logged as a warning: pluggy skips a hook function that lacks ``@disagg.hookimpl``
+without a word, and the driver would only be missed later.
 
 Operators can block plugins by name with ``DISAGG_DISABLE_PLUGINS=a,b`` and see every hook call logged at
 DEBUG level on the ``disagg.plugins`` logger.
@@ -28,6 +30,9 @@ ENTRY_POINT_GROUP = "disagg.drivers"
 DISABLE_ENV = "DISAGG_DISABLE_PLUGINS"
 BUILTIN_PLUGINS = ("disagg.policies", "disagg.remote.plugin")
 
+HOOKS = tuple(sorted(name for name in vars(hookspecs) if name.startswith("disagg_")))
+"""The hooks a plugin may implement."""
+
 log = logging.getLogger("disagg.plugins")
 
 
@@ -53,23 +58,39 @@ class Plugins:
     blocked: tuple[str, ...]
     broken: dict[str, str] = attrs.field(factory=dict)
     """Entry points that failed to load, with the reason; the others still work."""
+    inert: dict[str, str] = attrs.field(factory=dict)
+    """Plugins (not the built-ins) that loaded but registered nothing, with what to check."""
     sharing_policies: dict[str, SharingPolicySpec] = attrs.field(factory=dict)
 
     def driver(self, name: str) -> DriverSpec:
         try:
             return self.drivers[name]
         except KeyError:
-            known = ", ".join(sorted(self.drivers)) or "none"
-            hint = f"; plugins blocked by {DISABLE_ENV}: {', '.join(self.blocked)}" if self.blocked else ""
-            if name in self.broken:
-                hint = f"; its plugin failed to load: {self.broken[name]}"
-            elif self.broken:  # a driver need not have its package's entry-point name: name every failure
-                failed = "; ".join(f"{ep}: {why}" for ep, why in sorted(self.broken.items()))
-                hint += f"; plugins that failed to load (one may provide it): {failed}"
+            pass
+        if name in self.inert:  # its entry point is there and loaded: what is wrong is its registration
             raise PluginError(
-                f"no driver {name!r} is installed (installed: {known}){hint}. "
-                f"A driver is a package that declares an entry point in the group {ENTRY_POINT_GROUP!r}."
-            ) from None
+                f"no driver {name!r} is installed: plugin {name!r} loaded but registered no driver; {self.inert[name]}"
+            )
+        known = ", ".join(sorted(self.drivers)) or "none"
+        raise PluginError(
+            f"no driver {name!r} is installed (installed: {known}){self._missing(name)}. "
+            f"A driver is a package that declares an entry point in the group {ENTRY_POINT_GROUP!r}."
+        )
+
+    def _missing(self, name: str) -> str:
+        """Where a driver that is not registered may have gone: blocked, or a plugin that failed to load or
+        registered nothing. A driver need not have its package's entry-point name, so every such plugin is
+        named, unless the one of the driver's name failed to load."""
+        if name in self.broken:
+            return f"; its plugin failed to load: {self.broken[name]}"
+        hint = f"; plugins blocked by {DISABLE_ENV}: {', '.join(self.blocked)}" if self.blocked else ""
+        if self.broken:
+            failed = "; ".join(f"{ep}: {why}" for ep, why in sorted(self.broken.items()))
+            hint += f"; plugins that failed to load (one may provide it): {failed}"
+        if self.inert:
+            idle = "; ".join(f"{plugin}: {why}" for plugin, why in sorted(self.inert.items()))
+            hint += f"; plugins that loaded but registered nothing (one may be meant to provide it): {idle}"
+        return hint
 
     def policy(self, name: str) -> PlacementPolicy:
         try:
@@ -128,7 +149,7 @@ def load_plugins(
             pm.register(importlib.import_module(module_name), name=module_name)
     dists: dict[str, tuple[str, str]] = {}
     for name, plugin in extra:
-        if not pm.is_blocked(name):
+        if not pm.is_blocked(name) and not _registered_already(pm, name, plugin):
             try:
                 pm.register(plugin, name=name)
             except pluggy.PluginValidationError as exc:
@@ -140,7 +161,10 @@ def load_plugins(
             if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
                 continue
             try:
-                pm.register(ep.load(), name=ep.name)
+                plugin = ep.load()
+                if pm.is_registered(plugin):  # given by hand too (disagg certify --plugin): taken once, by that name
+                    continue
+                pm.register(plugin, name=ep.name)
             except Exception as exc:  # an import error or a hook that does not match its spec
                 log.debug("plugin %s (%s) failed to load: %r", ep.name, ep.value, exc)
                 broken[ep.name] = f"{ep.value}: {exc!r}"
@@ -156,6 +180,7 @@ def load_plugins(
     _call_each(pm, "disagg_register_drivers", drivers)
     policies = PolicyRegistry()
     _call_each(pm, "disagg_register_policies", policies)
+    inert = _inert(pm, drivers, policies)
 
     infos = []
     for plugin in pm.get_plugins():
@@ -178,7 +203,41 @@ def load_plugins(
         blocked=blocked_names,
         broken=broken,
         sharing_policies=policies.sharing,
+        inert=inert,
     )
+
+
+def _registered_already(pm: pluggy.PluginManager, name: str, plugin: object) -> bool:
+    """Whether ``plugin`` is registered already: a built-in module, or one given twice (``disagg certify --plugin
+    M --plugin M``). It is taken once, as asked. Another object under a name that is taken is an error, where
+    pluggy would raise a ValueError."""
+    if pm.is_registered(plugin):
+        return True
+    if pm.get_plugin(name) is not None:
+        raise PluginError(f"two different plugins are named {name!r}: {pm.get_plugin(name)!r} and {plugin!r}")
+    return False
+
+
+def _inert(pm: pluggy.PluginManager, drivers: DriverRegistry, policies: PolicyRegistry) -> dict[str, str]:
+    """The plugins, other than the built-ins, that registered nothing, each with what to check, logged as a
+    warning. Most often the hook function lacks ``@disagg.hookimpl``, which pluggy skips without a word; when the
+    module has such a function, that is said outright."""
+    owners = {d.plugin for d in drivers.drivers.values()} | set(policies.owners.values())
+    owners |= {s.plugin for s in policies.sharing.values()}
+    found = {}
+    for plugin in pm.get_plugins():
+        name = pm.get_name(plugin) or ""
+        if name in BUILTIN_PLUGINS or name in owners:
+            continue
+        marked = {caller.name for caller in pm.get_hookcallers(plugin) or ()}
+        unmarked = [hook for hook in HOOKS if callable(getattr(plugin, hook, None)) and hook not in marked]
+        if unmarked:
+            why = f"its {', '.join(unmarked)} lacks @disagg.hookimpl, and pluggy calls only marked functions"
+        else:
+            why = "is its disagg_register_drivers marked with @disagg.hookimpl? pluggy calls only marked functions"
+        log.warning("plugin %s loaded but registered nothing: %s", name, why)
+        found[name] = why
+    return found
 
 
 def _distribution_of(plugin: object) -> tuple[str, str]:

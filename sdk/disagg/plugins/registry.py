@@ -46,6 +46,12 @@ class _Registry:
                 "names are lower-case letters, digits and dashes, starting with a letter"
             )
 
+    def _taken(self, what: str, name: str, owner: str) -> PluginError:
+        """The error for a second registration of ``name``, which ``owner`` made first."""
+        if owner == self.plugin:
+            return PluginError(f"plugin {owner!r} registers {what} {name!r} twice")
+        return PluginError(f"{what} {name!r} is registered by both {owner!r} and {self.plugin!r}")
+
 
 class DriverRegistry(_Registry):
     """Collects fabric types; a name may be registered once."""
@@ -69,9 +75,7 @@ class DriverRegistry(_Registry):
         if not isinstance(capabilities, Capabilities):
             raise PluginError(f"plugin {self.plugin!r}: driver {name!r} must declare Capabilities")
         if name in self.drivers:
-            raise PluginError(
-                f"driver {name!r} is registered by both {self.drivers[name].plugin!r} and {self.plugin!r}"
-            )
+            raise self._taken("driver", name, self.drivers[name].plugin)
         if certify_options is not None and not callable(certify_options):
             raise PluginError(f"plugin {self.plugin!r}: the certify_options of driver {name!r} is not callable")
         self.drivers[name] = DriverSpec(name, factory, capabilities, description, self.plugin, certify_options)
@@ -104,9 +108,7 @@ class PolicyRegistry(_Registry):
         if not callable(factory):
             raise PluginError(f"plugin {self.plugin!r}: the factory of sharing policy {name!r} is not callable")
         if name in self.sharing:
-            raise PluginError(
-                f"sharing policy {name!r} is registered by both {self.sharing[name].plugin!r} and {self.plugin!r}"
-            )
+            raise self._taken("sharing policy", name, self.sharing[name].plugin)
         self.sharing[name] = SharingPolicySpec(name, factory, description, self.plugin)
 
     def add_placement_policy(self, policy: PlacementPolicy) -> None:
@@ -114,9 +116,6 @@ class PolicyRegistry(_Registry):
             raise PluginError(f"plugin {self.plugin!r} registered {policy!r}, which is not a PlacementPolicy")
         self._check_name("placement policy", policy.name)
         if policy.name in self.policies:
-            raise PluginError(
-                f"placement policy {policy.name!r} is registered by both "
-                f"{self.owners[policy.name]!r} and {self.plugin!r}"
-            )
+            raise self._taken("placement policy", policy.name, self.owners[policy.name])
         self.policies[policy.name] = policy
         self.owners[policy.name] = self.plugin

@@ -72,6 +72,13 @@ _ALL = (
         frozenset({Feature.BIND}),
     ),
     Clause(
+        "ERR-INVALID-ID",
+        "A bind, or an unbind when unbind is declared, given a device or host id that is empty or not a string "
+        "raises InvalidRequestError (gRPC INVALID_ARGUMENT, reason INVALID_REQUEST) and changes nothing.",
+        frozenset({Feature.BIND}),
+        needs="a free device (unbind tested when declared)",
+    ),
+    Clause(
         "ERR-UNKNOWN-HOST",
         "Binding a device to a host the fabric does not have raises UnknownHostError (gRPC NOT_FOUND, reason "
         "UNKNOWN_HOST) and binds nothing.",
@@ -232,7 +239,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.4"
+SUITE_VERSION = "1.5"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
 accepts raises it. ``docs/conformance.md`` says what each version added."""
 

@@ -14,7 +14,7 @@ import itertools
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -68,6 +68,10 @@ _DEADLINE_RULE = (
 )
 """The contract's deadline rule (docs/driver-interface.md), quoted by DEADLINE-PASSED and CARVE-DEADLINE-PASSED when
 they fail."""
+_ID_RULE = "bind and unbind raise InvalidRequestError for a device or host that is not a non-empty string"
+"""The contract's rule on malformed ids (`Fabric.unbind`, docs/driver-interface.md), quoted by ERR-INVALID-ID."""
+MALFORMED_IDS: tuple[Any, ...] = ("", 7)
+"""What ERR-INVALID-ID passes for a device or a host id: an empty string, and a value that is not a string."""
 
 
 def _skip(reason: str) -> NoReturn:
@@ -389,6 +393,35 @@ class FabricConformance:
             _skip("the fabric has no host")
         with pytest.raises(UnknownDeviceError):
             tracker.bind(f"{tracker.fabric.name}/conformance-no-such-device", host[0])
+
+    @clause("ERR-INVALID-ID")
+    def test_ids_that_are_not_non_empty_strings(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """A malformed id is the caller's bug, which no retry mends: answered as an unknown device, or for an
+        unbind as already unbound, it would pass for a fabric that changed under the caller."""
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        calls = [(bad, host) for bad in MALFORMED_IDS] + [(dev.id, bad) for bad in MALFORMED_IDS]
+        for device, on in calls:
+            _expect_error(
+                functools.partial(tracker.bind, device, on),
+                InvalidRequestError,
+                f"bind of {device!r} to {on!r}",
+                _ID_RULE,
+            )
+        made = [b for b in tracker.bindings() if b.device in (dev.id, *MALFORMED_IDS) or b.host in MALFORMED_IDS]
+        assert made == [], f"binds with malformed ids bound {made!r}"
+        if not capabilities.supports(Feature.UNBIND):
+            return
+        tracker.bind(dev.id, host)
+        for device, on in calls:
+            _expect_error(
+                functools.partial(tracker.unbind, device, on),
+                InvalidRequestError,
+                f"unbind of {device!r} from {on!r}",
+                _ID_RULE,
+            )
+        assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)], "an unbind with a malformed id unbound"
 
     @clause("ERR-UNKNOWN-HOST")
     def test_unknown_host(self, tracker: Tracker) -> None:

@@ -36,7 +36,16 @@ from disagg.errors import (
     UnknownDeviceError,
     UnknownHostError,
 )
-from disagg.interfaces import CallContext, Device, EventHandler, Fabric, FaultInjection, Pool, Subscription
+from disagg.interfaces import (
+    CallContext,
+    Device,
+    EventHandler,
+    Fabric,
+    FaultInjection,
+    Pool,
+    Subscription,
+    check_id,
+)
 from disagg.model import (
     Allocation,
     Binding,
@@ -84,14 +93,6 @@ T = TypeVar("T")
 
 def _nothing() -> None:
     return None
-
-
-def _check_id(value: object, field: str) -> str:
-    """An id as the caller passed it, if it can be one: anything else would reach the state file, where it
-    cannot be saved (bytes) or cannot be loaded back (an int), so it is refused before it is used."""
-    if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{field} must be a non-empty string, not {value!r}", field=field)
-    return value
 
 
 @attrs.frozen
@@ -300,7 +301,7 @@ class SimFabric(Fabric, FaultInjection):
         return SimDevice(self, device)
 
     def pool(self, pool: str) -> SimPool:
-        _check_id(pool, "pool")
+        check_id(pool, "pool")
         try:
             return self._pools[pool]
         except KeyError:
@@ -381,7 +382,7 @@ class SimFabric(Fabric, FaultInjection):
         if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
             raise InvalidRequestError("failures must be an integer >= 0", field="failures")
         if device is not None:
-            _check_id(device, "device")
+            check_id(device, "device")
         with self._lock:
             if device is None:
                 old_any = self._flaky_any
@@ -432,7 +433,7 @@ class SimFabric(Fabric, FaultInjection):
         with self._lock:
             self._fence(ctx)
             for field, value in ids.items():
-                _check_id(value, field)
+                check_id(value, field)
             while key in self._busy:
                 remaining = ctx.remaining()
                 if remaining is not None and remaining <= 0:
@@ -550,7 +551,7 @@ class SimFabric(Fabric, FaultInjection):
     def _device(self, device: str) -> DeviceInfo:
         index = self._device_index.get(device) if isinstance(device, str) else None
         if index is None:  # only an id that names no device can be malformed: checked here, not on every bind
-            _check_id(device, "device")
+            check_id(device, "device")
             hint = ""
             if "/" not in device and f"{self._name}/{device}" in self._device_index:
                 hint = f"; device ids carry the fabric name: {self._name}/{device}"
@@ -560,13 +561,13 @@ class SimFabric(Fabric, FaultInjection):
     def _host(self, host: str) -> Host:
         found = self._hosts.get(host) if isinstance(host, str) else None
         if found is None:  # only an id that names no host can be malformed: checked here, not on every bind
-            _check_id(host, "host")
+            check_id(host, "host")
             raise UnknownHostError(host, f"host {host!r} is not attached to fabric {self._name!r}")
         return found
 
     def _node(self, node: str) -> str:
         """A link end by host id, full switch id or local switch id."""
-        _check_id(node, "link end")
+        check_id(node, "link end")
         if node in self._hosts or node in self._switch_index:
             return node
         full = f"{self._name}/{node}"

@@ -27,7 +27,7 @@ from disagg.errors import (
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool, Subscription
+from disagg.interfaces import CallContext, Fabric, FaultInjection, Pool, Subscription, check_id
 from disagg.interfaces.fabric import EventHandler
 from disagg.model import (
     Binding,
@@ -262,6 +262,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         self._state.fence(ctx.epoch)
+        device, host = check_id(device, "device"), check_id(host, "host")
         port = self._view.port_of.get(device)
         if port is None:
             raise UnknownDeviceError(device)
@@ -304,6 +305,8 @@ class CxlSwitchFabric(Fabric, FaultInjection):
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         self._state.fence(ctx.epoch)
+        check_id(binding.device, "device")
+        check_id(binding.host, "host")
         port = self._view.port_of.get(binding.device)
         vcs = self._view.vcs_of.get(binding.host)
         if port is None or vcs is None:
