@@ -261,7 +261,7 @@ class TestErrors:
 
     @pytest.mark.parametrize("ttl", ["nan", "inf", "-5", "1e12"])
     def test_a_reserve_time_that_cannot_expire_is_refused(self, capsys: pytest.CaptureFixture[str], ttl: str) -> None:
-        """``--reserve nan`` held the devices and the name for good, and the CLI cannot release a reservation."""
+        """``--reserve nan`` held the devices and the name for good (no command could release it then)."""
         code, out, err = cli(capsys, "compose", "r", "gpu x1", "--reserve", ttl)
         assert (code, out) == (2, "") and "reservation time to live must be above 0 and at most 86400" in err
         assert cli(capsys, "compose", "r", "gpu x1")[0] == 0
@@ -371,3 +371,49 @@ class TestInterrupted:
             check=False,
         )
         assert done.returncode == 0 and json.loads(done.stdout) == []
+
+
+GENERATED = """
+[state]
+ledger = "memory"
+
+[[fabric]]
+name = "big"
+driver = "sim"
+options = { generate = { devices = 2000 } }
+"""
+"""A fabric whose device table (about 200 kB) is far more than a pipe holds."""
+
+
+class TestReaderGone:
+    """Output piped into a reader that stops early (``disagg devices | head -1``) ends quietly with 141, as a
+    Unix tool ended by SIGPIPE does: it ended in a BrokenPipeError traceback (exit 1), or, when the output was
+    still in the buffer, in an "Exception ignored" message at exit (exit 120)."""
+
+    def _run_closing_early(self, argv: list[str], state_dir: Path, lines: int) -> tuple[int, str]:
+        """Runs the command with its standard output read for ``lines`` lines and then closed."""
+        command = [sys.executable, "-m", "disagg.cli.main", *argv]
+        env = {**os.environ, "DISAGG_STATE_DIR": str(state_dir)}
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            for _ in range(lines):
+                assert proc.stdout.readline()
+            proc.stdout.close()
+            proc.wait(timeout=60)
+            return proc.returncode, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def test_a_reader_that_stops_after_one_line(self, tmp_path: Path, state_dir: Path) -> None:
+        config = tmp_path / "big.toml"
+        config.write_text(GENERATED)
+        code, err = self._run_closing_early(["devices", "--config", str(config)], state_dir, lines=1)
+        assert (code, err) == (141, "")
+
+    def test_a_reader_gone_before_anything_is_written(self, state_dir: Path) -> None:
+        """All the output is still in the buffer when the command ends: the flush at exit found the pipe closed."""
+        code, err = self._run_closing_early(["plugins"], state_dir, lines=0)
+        assert (code, err) == (141, "")

@@ -916,6 +916,7 @@ class TestReconcile:
         a FAILED device. The composer subscribes first and applies such events once it has started."""
         composer, _, victim = self._start_while_a_gpu_fails(tmp_path, recovers=False)
         assert composer.device(victim).health is Health.FAILED
+        assert composer.wait_for_heals(10)  # on the healer's thread: the sim's calls block on its state file
         healed = composer.find("job")
         assert healed.state is CompositionState.COMPOSED and victim not in healed.device_ids
         composer.close()

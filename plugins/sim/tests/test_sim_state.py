@@ -237,6 +237,33 @@ class TestPersistence:
         assert written["format"] == "disagg-sim-state/1" and "health" not in written
 
 
+class TestCallsBlock:
+    """A fabric that writes and syncs a state file on every change says its calls block, so that a server on an
+    event loop hands them to a thread; one held in memory only says they never wait."""
+
+    def test_a_state_file_makes_calls_block(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """It answered False, and `disagg serve`'s default configuration (a state file per fabric) stopped the
+        server's event loop for the fsyncs of every bind."""
+        synced: list[int] = []
+        fsync = os.fsync
+
+        def record(fd: int) -> None:
+            synced.append(fd)
+            fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", record)
+        fabric = pcie(tmp_path / "pcie.json")
+        fabric.bind(GPU, "h1", CallContext(epoch=1))
+        assert synced, "a bind with a state file syncs it"
+        assert fabric.calls_block is True
+
+    def test_in_memory_calls_never_wait(self) -> None:
+        assert SimFabric(load_topology("pcie", "demo-pcie")).calls_block is False
+
+    def test_a_bind_delay_makes_calls_block(self) -> None:
+        assert SimFabric(load_topology("pcie", "demo-pcie"), bind_delay_s=0.01).calls_block is True
+
+
 class TestEpochSaveFailure:
     """An epoch whose save failed is still remembered: the call fails, yet the older manager stays fenced."""
 

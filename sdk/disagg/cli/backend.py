@@ -24,12 +24,16 @@ from disagg.model import (
     Device,
     DeviceKind,
     Health,
+    Reservation,
     ResourceRequest,
     Topology,
 )
+from disagg.wire.fabric import check_id
 
 SERVER_ENV = "DISAGG_SERVER"
-REMOTE_COMMANDS = frozenset({"compose", "recompose", "ls", "decompose", "devices", "topology"})
+REMOTE_COMMANDS = frozenset(
+    {"compose", "recompose", "ls", "decompose", "reservations", "apply", "release", "devices", "topology"}
+)
 """The commands that can drive a remote fabric manager; the others always run locally."""
 
 
@@ -75,6 +79,12 @@ class Backend(Protocol):
 
     def compositions(self) -> Sequence[Composition]: ...
 
+    def reservations(self) -> Sequence[Reservation]: ...
+
+    def apply_reservation(self, reservation_id: str, *, request_id: str | None = ...) -> Composition: ...
+
+    def release_reservation(self, reservation_id: str) -> None: ...
+
 
 class RemoteBackend(FabricManagerClient):
     """The client, plus what the commands expect of a composer: `find`, and `owner_of` and `is_cordoned`
@@ -115,6 +125,17 @@ class RemoteBackend(FabricManagerClient):
             return self.get(key)
         except InvalidRequestError:
             raise NotFoundError("composition", key) from None
+
+    def apply_reservation(self, reservation_id: str, *, request_id: str | None = None) -> Composition:
+        """As the composer's: an id that cannot be one names no reservation (the server refuses it as invalid
+        input, exit 2, where the local composer finds no such reservation, exit 4)."""
+        try:
+            check_id(reservation_id, "reservation_id")
+        except InvalidRequestError:
+            raise NotFoundError(
+                "reservation", reservation_id, f"reservation {reservation_id!r} expired, was released or never existed"
+            ) from None
+        return super().apply_reservation(reservation_id, request_id=request_id)
 
 
 _URL = re.compile(r"(?:https?|grpcs?)://", flags=re.IGNORECASE)

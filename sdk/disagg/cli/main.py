@@ -1,13 +1,15 @@
 """The ``disagg`` command line: tables for people, ``--json`` for scripts.
 
 Exit codes: 0 done; 1 a fabric or driver failed; 2 bad input or configuration; 3 the request does not fit;
-4 not found; 5 conflict (name taken, stale etag).
+4 not found; 5 conflict (name taken, stale etag); 141 the reader of standard output went away.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import tomllib
 import uuid
@@ -33,7 +35,7 @@ from disagg.errors import (
     NoFitError,
     NotFoundError,
 )
-from disagg.model import ComposeMode, CompositionRequest, DeviceKind, format_size, parse_size
+from disagg.model import ComposeMode, CompositionRequest, DeviceKind, Reservation, format_size, parse_size
 from disagg.plugins import load_plugins
 from disagg.requestlang import bare_amount_refusal, parse_request, parse_resource, request_from_document
 from disagg.wire.fabric import check_id
@@ -249,16 +251,20 @@ def cmd_compose(args: argparse.Namespace) -> int:
             render.emit_json(result)
             return 0
         if result.composition is not None:
-            print(f"composed {result.composition.name} ({result.composition.id}) on {result.plan.host}")
-            render.show_composition_devices(result.composition)
+            render.show_composed(result.composition)
+            return 0
+        held = result.reservation
+        if held is None:
+            print(f"would compose on host {result.plan.host}")
         else:
-            verb = "reserved as " + result.reservation.id if result.reservation else "would compose"
-            print(f"{verb} on host {result.plan.host}")
-            render.table(
-                ("DEVICE / POOL", "LATENCY", "AMOUNT"),
-                [[p.device, f"{p.latency_ns} ns", "-"] for p in result.plan.devices]
-                + [[m.pool, f"{m.latency_ns} ns", format_size(m.amount_bytes)] for m in result.plan.memory],
-            )
+            print(f"reserved as {held.id} on host {result.plan.host} until {render.timestamp(held.expires_at)}")
+        render.table(
+            ("DEVICE / POOL", "LATENCY", "AMOUNT"),
+            [[p.device, f"{p.latency_ns} ns", "-"] for p in result.plan.devices]
+            + [[m.pool, f"{m.latency_ns} ns", format_size(m.amount_bytes)] for m in result.plan.memory],
+        )
+        if held is not None:
+            print(render.reservation_next_steps(held.id))
         return 0
 
 
@@ -282,8 +288,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         comps = composer.compositions()
         if args.json:
             render.emit_json(comps)
-        else:
-            render.show_compositions(comps)
+            return 0
+        render.show_compositions(comps)
+        # Reservations hold devices and names too; a script lists them with `reservations --json`.
+        held = composer.reservations()
+        if held:
+            print("\nreservations (disagg apply ID composes one, disagg release ID gives one back)")
+            render.show_reservations(held)
         return 0
 
 
@@ -300,7 +311,11 @@ def cmd_decompose(args: argparse.Namespace) -> int:
                 missing.append(key)
         if missing and not args.ignore_missing:
             names = ", ".join(repr(m) for m in missing)
-            raise NotFoundError("composition", missing[0], f"composition {names} not found; nothing was decomposed")
+            raise NotFoundError(
+                "composition",
+                missing[0],
+                f"composition {names} not found; nothing was decomposed" + _reserved(composer.reservations(), missing),
+            )
         decomposed = []
         for key, comp_id in found:
             composer.decompose(comp_id)
@@ -309,6 +324,66 @@ def cmd_decompose(args: argparse.Namespace) -> int:
                 print(f"decomposed {key}")
         if args.json:
             print(json.dumps({"decomposed": decomposed}))
+        return 0
+
+
+def _reserved(reservations: Sequence[Reservation], keys: Sequence[str]) -> str:
+    """A note on each of ``keys`` that is a reservation's id or the name it holds: `decompose` of one said only
+    that no composition had it."""
+    by_key = {r.request.name: r for r in reservations} | {r.id: r for r in reservations}
+    notes = []
+    for key in keys:
+        held = by_key.get(key)
+        if held is not None:
+            what = "is a reservation" if key == held.id else f"is reserved as {held.id}"
+            notes.append(f"; {key!r} {what}: {render.reservation_next_steps(held.id)}")
+    return "".join(notes)
+
+
+def cmd_reservations(args: argparse.Namespace) -> int:
+    with _composer(args) as composer:
+        held = composer.reservations()
+        if args.json:
+            render.emit_json(held)
+        else:
+            render.show_reservations(held)
+        return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    _check_request_id(args)
+    with _composer(args) as composer:
+        comp = composer.apply_reservation(args.reservation, request_id=_request_id(args))
+        if args.json:
+            render.emit_json(comp)
+        else:
+            render.show_composed(comp)
+        return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    with _composer(args) as composer:
+        # Every id is looked up before anything is released, as `decompose` does: releasing is idempotent, and an
+        # unknown id would otherwise pass for one released.
+        held = {r.id for r in composer.reservations()}
+        missing = [key for key in args.reservations if key not in held]
+        if missing and not args.ignore_missing:
+            names = ", ".join(repr(m) for m in missing)
+            raise NotFoundError(
+                "reservation",
+                missing[0],
+                f"reservation {names} not found (it expired, was applied or released, or never existed); nothing "
+                "was released",
+            )
+        released = []
+        for key in args.reservations:
+            if key in held:
+                composer.release_reservation(key)
+                released.append(key)
+                if not args.json:
+                    print(f"released {key}")
+        if args.json:
+            print(json.dumps({"released": released}))
         return 0
 
 
@@ -403,6 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("decompose", cmd_decompose, "release compositions by name or id")
     p.add_argument("compositions", nargs="+")
     p.add_argument("--ignore-missing", action="store_true", help="an unknown composition is not an error")
+    add("reservations", cmd_reservations, "list the plans held by compose --reserve")
+    p = add("apply", cmd_apply, "compose a reservation's plan (made by compose --reserve)")
+    p.add_argument("reservation", metavar="RESERVATION", help="reservation id (r-...)")
+    p.add_argument("--request-id", metavar="ID", help=REQUEST_ID_HELP)
+    p = add("release", cmd_release, "give reservations' devices and names back")
+    p.add_argument("reservations", nargs="+", metavar="RESERVATION", help="reservation id (r-...)")
+    p.add_argument("--ignore-missing", action="store_true", help="an unknown reservation is not an error")
     serve_cli.register(add)
     driver_cli.register(sub)
     certify_cli.register(sub)
@@ -426,6 +508,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--timeout does not apply to {args.command}, which makes no calls to a fabric manager")
     if args.command == "recompose" and not args.add and not args.remove:
         parser.error("recompose: give at least one --add CLAUSE or --remove ID")
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # here, and not at exit, where a reader gone away could only be reported as a traceback
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+READER_GONE = 141
+"""The exit code when standard output's reader went away (``disagg devices | head -1``): what a shell reports
+for a command ended by SIGPIPE, as Unix tools are."""
+
+
+def _reader_gone() -> int:
+    """Stop quietly, as a Unix tool ended by SIGPIPE does; standard output now goes to /dev/null, so that the
+    flush at exit of what is left in its buffer cannot fail again."""
+    with contextlib.suppress(OSError, ValueError):  # a standard output that is not a file has no descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return READER_GONE
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, with its errors and an interrupt turned into their messages and exit codes."""
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
@@ -444,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-CHANGES = frozenset({"compose", "recompose", "decompose"})
+CHANGES = frozenset({"compose", "recompose", "decompose", "apply"})
 """The commands that change compositions: an interrupt may leave one half made."""
 
 
@@ -452,7 +559,14 @@ def _interrupted(args: argparse.Namespace) -> str:
     """What an interrupt (Ctrl-C) stopped and what becomes of it: a local change is left COMPOSING or
     DECOMPOSING in the ledger, and the next command to open it (or ``disagg serve``) finishes or undoes it; a
     remote one goes on at the server, and the same command with its request id gets the outcome."""
-    subject = getattr(args, "name", None) or getattr(args, "composition", None) or getattr(args, "compositions", None)
+    subject = next(
+        (
+            value
+            for key in ("name", "composition", "compositions", "reservation", "reservations")
+            if (value := getattr(args, key, None))
+        ),
+        None,
+    )
     what = f"disagg: interrupted: {args.command}"
     if subject:
         what += " " + (subject if isinstance(subject, str) else " ".join(subject))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ from typing import Any, TextIO
 
 from disagg import codec
 from disagg.composer import KindUsage, PoolUsage
-from disagg.model import Composition, format_size
+from disagg.model import Composition, Reservation, format_size
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
@@ -53,6 +54,42 @@ COMPOSITION_HEADERS = ("NAME", "ID", "HOST", "STATE", "DEVICES", "CXL MEMORY", "
 
 def show_compositions(comps: Sequence[Composition], out: TextIO | None = None) -> None:
     table(COMPOSITION_HEADERS, composition_rows(comps), out)
+
+
+def show_composed(comp: Composition, out: TextIO | None = None) -> None:
+    """What `compose` and `apply` print for the composition they made."""
+    (out or sys.stdout).write(f"composed {comp.name} ({comp.id}) on {comp.host}\n")
+    show_composition_devices(comp, out)
+
+
+def timestamp(seconds: float) -> str:
+    """A time as the ledger keeps it (seconds since the epoch) in UTC, to the second."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="seconds")
+
+
+def reservation_next_steps(reservation_id: str) -> str:
+    """How to use a reservation: a plan held with `compose --reserve` blocks its devices and its name until then."""
+    return f"disagg apply {reservation_id} composes it, disagg release {reservation_id} gives it back"
+
+
+RESERVATION_HEADERS = ("RESERVATION", "NAME", "HOST", "DEVICES", "CXL MEMORY", "EXPIRES")
+
+
+def show_reservations(reservations: Sequence[Reservation], out: TextIO | None = None) -> None:
+    rows: list[list[object]] = []
+    for r in reservations:
+        memory = sum(m.amount_bytes for m in r.plan.memory)
+        rows.append(
+            [
+                r.id,
+                r.request.name,
+                r.plan.host,
+                len(r.plan.devices),
+                format_size(memory) if memory else "-",
+                timestamp(r.expires_at),
+            ]
+        )
+    table(RESERVATION_HEADERS, rows, out)
 
 
 def show_composition_devices(comp: Composition, out: TextIO | None = None) -> None:

@@ -224,9 +224,10 @@ class SimFabric(Fabric, FaultInjection):
 
     @property
     def calls_block(self) -> bool:
-        """In memory, a call waits only when ``bind_delay_s`` makes it sleep (and then for another call on
-        the same subject)."""
-        return self._delay > 0
+        """A call waits when ``bind_delay_s`` makes it sleep (and then for another call on the same subject), and
+        with a ``state_file``, which every change writes and syncs (about a millisecond a bind, too long to hold
+        up a server's event loop); only a fabric held in memory alone never waits."""
+        return self._delay > 0 or self._store is not None
 
     def capabilities(self) -> Capabilities:
         return SIM_CAPABILITIES
