@@ -7,6 +7,7 @@ replaced between two refreshes stops serving at its first refused ledger write.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -27,7 +28,8 @@ from disagg.model import Binding
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer, FabricManagerServicer
 from disagg.store.etcd import EtcdStore
-from etcd_helpers import EtcdCluster, etcd_binary, start_etcd_cluster
+from etcd3gw.exceptions import ConnectionTimeoutError
+from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 from server_helpers import FakeContext
@@ -54,6 +56,22 @@ def campaign_in_thread(leadership: Leadership) -> tuple[threading.Thread, list[i
     thread = threading.Thread(target=lambda: won.append(leadership.campaign()), daemon=True)
     thread.start()
     return thread, won
+
+
+def etcd_client(etcd: EtcdCluster) -> etcd3gw.Etcd3Client:
+    """A plain client of the cluster's first member, to read or write keys as a test's outside hand."""
+    host, port = etcd.endpoints[0].rsplit(":", 1)
+    return etcd3gw.client(host=host, port=int(port))
+
+
+def wait_for_records(caplog: pytest.LogCaptureFixture, level: int, count: int) -> list[logging.LogRecord]:
+    """The ``disagg.ha`` records of ``level`` once there are ``count`` of them, waiting `WAIT_S` at most."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        records = [r for r in caplog.records if r.name == "disagg.ha" and r.levelno == level]
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(0.02)
 
 
 def leading_server(
@@ -100,6 +118,113 @@ class TestLeadership:
         finally:
             stalled.send_signal(signal.SIGCONT)
         leader.resign()
+
+    def test_a_campaign_whose_answer_was_lost_leads_with_its_lease(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The create landed but the read after it got no answer: the campaign threw its lease away, and the
+        leader key, bound to it, shut every replica out until it ran out (30 s here). The campaign keeps its
+        lease, finds the key bound to it and leads, with the epoch of that key's create revision (plus the
+        base), as if it had seen the create answered."""
+        get = etcd3gw.Etcd3Client.get
+        lost_answers: list[str] = []
+
+        def answer_lost_once(client: etcd3gw.Etcd3Client, key: str, *args: object, **kwargs: object) -> object:
+            if not lost_answers and kwargs.get("metadata"):
+                lost_answers.append(key)
+                raise ConnectionTimeoutError("read timed out (the answer was lost)")
+            return get(client, key, *args, **kwargs)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(etcd3gw.Etcd3Client, "get", answer_lost_once)
+        leadership = Leadership(etcd.endpoints, "unanswered", ttl_s=30, epoch_base=1000)
+        stop = threading.Event()
+        won: list[int] = []
+        thread = threading.Thread(target=lambda: won.append(leadership.campaign(stop)), daemon=True)
+        thread.start()
+        try:
+            thread.join(WAIT_S)
+            assert lost_answers == [leadership.key]
+            assert won and won[0] > 0, "no lead within 10 s: the campaign waits out the lease its key is bound to"
+            held = etcd_client(etcd).get(leadership.key, metadata=True)
+            assert leadership._lease is not None and int(held[0][1]["lease"]) == leadership._lease.id
+            assert won[0] == 1000 + int(held[0][1]["create_revision"]) == 1000 + leadership.create_revision
+        finally:
+            stop.set()
+            thread.join(WAIT_S)
+            leadership.resign()
+
+    def test_an_unexpected_failure_of_the_keeper_ends_the_lead(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A refresh that raises other than a connection error (a gateway's error body has no "result") ended the
+        keeper's thread and nothing else: the lease ran out while the replica went on leading. It ends the lead,
+        saying why once."""
+        leadership = Leadership(etcd.endpoints, "keeper", ttl_s=TTL_S)
+        try:
+            assert leadership.campaign() > 0
+            assert leadership._lease is not None
+
+            def unreadable_answer() -> int:
+                raise KeyError("result")
+
+            monkeypatch.setattr(leadership._lease, "refresh", unreadable_answer)
+            assert leadership.lost.wait(WAIT_S), "the keeper failed and the replica still leads"
+            assert not leadership.leading()
+            said = [r.getMessage() for r in wait_for_records(caplog, logging.CRITICAL, 1)]
+            assert len(said) == 1 and "the lease keeper failed (KeyError: 'result')" in said[0], said
+        finally:
+            leadership.resign()
+
+
+class TestUnanswered:
+    """What a replica that etcd does not answer logs: which member and why, and, once a campaign has had no
+    answer from any member for several times to live, one error that a mistyped endpoint stands out by."""
+
+    def test_a_campaign_names_the_member_and_the_cause(self, caplog: pytest.LogCaptureFixture) -> None:
+        """The warnings said "etcd did not answer ()": etcd3gw's exceptions keep their text apart from str()."""
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
+        leadership = Leadership(endpoints, "nowhere", ttl_s=TTL_S)
+        stop = threading.Event()
+        thread = threading.Thread(target=leadership.campaign, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            warned = [r.getMessage() for r in wait_for_records(caplog, logging.WARNING, 2)][:2]
+        finally:
+            stop.set()
+            thread.join(WAIT_S)
+        assert len(warned) == 2, warned
+        for endpoint, message in zip(endpoints, warned, strict=True):
+            assert message.startswith(f"campaign: etcd at {endpoint} did not answer (") and "refused" in message
+
+    def test_a_campaign_no_member_answers_says_so_once(
+        self, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(election, "SILENT_TTLS", 1, raising=False)
+        monkeypatch.setattr(election, "CAMPAIGN_POLL_S", 0.05)
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
+        leadership = Leadership(endpoints, "mistyped", ttl_s=TTL_S)
+        stop = threading.Event()
+        thread = threading.Thread(target=leadership.campaign, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            errors = [r.getMessage() for r in wait_for_records(caplog, logging.ERROR, 1)]
+            attempts = len(wait_for_records(caplog, logging.WARNING, 0))
+            wait_for_records(caplog, logging.WARNING, attempts + 10)  # ten more attempts, none answered
+        finally:
+            stop.set()
+            thread.join(WAIT_S)
+        assert len(errors) == 1, "no error for a campaign that no member answered for a time to live"
+        assert "no etcd member has answered" in errors[0] and ", ".join(endpoints) in errors[0]
+        assert len(wait_for_records(caplog, logging.ERROR, 1)) == 1, "said more than once"
+
+    def test_a_resign_names_the_member_and_the_cause(self, caplog: pytest.LogCaptureFixture) -> None:
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
+        leadership = Leadership(endpoints, "leaving", ttl_s=TTL_S)
+        leadership._lease = etcd3gw.Lease(7, leadership._client())  # a lease it holds, as if it had won
+        leadership.resign()
+        warned = [r.getMessage() for r in wait_for_records(caplog, logging.WARNING, 2)]
+        for endpoint, message in zip(endpoints, warned[:2], strict=True):
+            assert message.startswith(f"could not revoke the lease at {endpoint} (") and "refused" in message
 
 
 class TestReadLease:
@@ -263,6 +388,84 @@ class TestDeposed:
         assert not served, "a stopped replica went on to serve"
         assert closed[-1:] == ["started"], "what the start opened after the stop was left open"
         server.stop(0)
+
+    def test_a_lead_lost_while_it_starts_is_not_served(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The lead is lost while the composer starts (a long discovery): the replica stepped down only after
+        announcing "serving" and reporting SERVING. It steps down while the start still runs, and never serves."""
+        composer = FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/lost-starting/"))
+        start = composer.start
+        starting, go_on, started = threading.Event(), threading.Event(), threading.Event()
+
+        def slow_start() -> None:
+            starting.set()
+            go_on.wait(WAIT_S)
+            try:
+                start()
+            finally:
+                started.set()
+
+        monkeypatch.setattr(composer, "start", slow_start)
+        served: list[list[str]] = []
+        stepped_down = threading.Event()
+        leadership = Leadership(etcd.endpoints, "old", ttl_s=TTL_S)  # its keeper finds the key gone within 1 s
+        server = FabricManagerServer(
+            composer, ["127.0.0.1:0"], leadership=leadership, on_serving=served.append, on_lost=stepped_down.set
+        )
+        usurper = Leadership(etcd.endpoints, "new", ttl_s=30)
+        try:
+            server.start()
+            assert starting.wait(WAIT_S)
+            etcd_client(etcd).delete(leadership.key)  # as if its lease had run out
+            assert usurper.campaign() > leadership.epoch
+            assert leadership.lost.wait(WAIT_S)
+            assert stepped_down.wait(WAIT_S), "the replica did not step down while its composer started"
+            go_on.set()
+            assert started.wait(WAIT_S)
+            for campaign in [t for t in threading.enumerate() if t.name == "disagg-campaign"]:
+                campaign.join(WAIT_S)  # past the start: where the replica served
+            assert not served, "a replica that lost the lead while it started went on to serve"
+            health = HealthStub(grpc.insecure_channel(server.addresses[0]))
+            assert health.Check(HealthCheckRequest(), timeout=1).status == HealthCheckResponse.NOT_SERVING
+        finally:
+            go_on.set()
+            server.stop(0)
+            usurper.resign()
+
+
+class TestStartFailure:
+    """A start that fails after the replica won the lead is not a lost lead: the replica says what failed and
+    gives the lead up at once, so that another replica may try without waiting out the lease."""
+
+    def test_a_record_that_does_not_decode(self, etcd: EtcdCluster) -> None:
+        """It stepped down as if it had lost the lead, kept the lead (30 s here) and said nothing of the ledger
+        but in a traceback."""
+        etcd_client(etcd).put("/damaged/compositions/x", "{not json")
+        leadership = Leadership(etcd.endpoints, "damaged", ttl_s=30)
+        failed: list[Exception] = []
+        told = threading.Event()
+        stepped_down: list[bool] = []
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/damaged/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_lost=lambda: stepped_down.append(True),
+            on_start_failed=lambda error: (failed.append(error), told.set()),
+        )
+        try:
+            server.start()
+            assert told.wait(WAIT_S), "the failed start was not told"
+            assert isinstance(failed[0], ConfigError) and "restore it from a backup" in failed[0].message
+            assert not stepped_down, "a failed start was told as a lost lead"
+            assert etcd_client(etcd).get(leadership.key) == [], "the lead was kept after the start failed"
+            with (
+                FabricManagerClient(server.addresses[0], retries=NO_RETRY) as client,
+                pytest.raises(FabricUnavailableError, match="could not start after winning the lead"),
+            ):
+                client.compositions()
+        finally:
+            server.stop(0)
 
 
 class TestEpochBase:

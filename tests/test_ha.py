@@ -1,7 +1,8 @@
 """High availability on etcd, end to end: a 3-member etcd cluster on loopback, one sim driver served out of
 process, and two `disagg serve` replicas sharing them. Killing the active replica mid-load hands the lead to
 the standby within 10 seconds; every acknowledged composition is still there; the old replica's epoch is
-refused by the driver; a client given both addresses follows the lead on its own."""
+refused by the driver; a client given both addresses follows the lead on its own. A replica whose start fails
+after it won the lead says why and exits as a replica without etcd does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import etcd3gw
 import pytest
 from conformance_helpers import ServedDriver
 from disagg.client import NO_RETRY, FabricManagerClient
@@ -170,3 +172,33 @@ class TestFailover:
         finally:
             hardware.close()
             client.close()
+
+
+class TestStartFailure:
+    """A start that fails after the replica won the lead is reported as a start without etcd reports it: the
+    error's message and exit code, no traceback, and no lost lead."""
+
+    def test_a_ledger_record_that_does_not_decode(self, tmp_path: Path) -> None:
+        """It exited 3, "this replica lost the lead", the ledger's message buried in a traceback."""
+        etcd_binary()
+        etcd = start_etcd_cluster(tmp_path / "etcd")
+        try:
+            host, port = etcd.endpoints[0].rsplit(":", 1)
+            etcd3gw.client(host=host, port=int(port)).put("/damaged/compositions/x", "{not json")
+            config = tmp_path / "disagg.toml"
+            config.write_text(
+                f'[state]\nledger = "etcd"\nendpoints = ["{etcd.endpoints[0]}"]\nprefix = "/damaged/"\n\n'
+                '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
+            )
+            replica = Replica(config, free_ports(1)[0], tmp_path / "state")
+            try:
+                assert replica.output.wait_ended(START_S), replica.output.text
+                code = replica.proc.wait(10)
+            finally:
+                replica.stop()
+        finally:
+            etcd.stop()
+        said = replica.output.text
+        assert code == 2, said  # a ledger to restore from a backup, as SQLite's route exits
+        assert "disagg: error: the ledger at etcd" in said and "restore it from a backup" in said, said
+        assert "lost the lead" not in said and "Traceback" not in said, said

@@ -5,7 +5,10 @@ and tests can wait for that line; logs go to standard error. On SIGTERM or SIGIN
 (see `disagg.server.FabricManagerServer.stop`) and exits 0.
 
 With ``[state] ledger = "etcd"`` it is one replica of several: it prints ``standby on ADDRESS`` once
-listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lead.
+listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lead. A start that fails after
+winning the lead (a ledger record that does not decode, etcd or the fabrics out of reach) is reported as one
+without etcd is, with its error's message and exit code (2 for a configuration or ledger to restore), once the
+lead is given up for another replica to try.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         failed.append(failure)
         stop.set()
 
+    start_failed: list[Exception] = []
+
+    def on_start_failed(error: Exception) -> None:
+        start_failed.append(error)
+        stop.set()
+
     try:
         server = FabricManagerServer(
             composer,
@@ -104,6 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             on_serving=on_serving,
             on_lost=on_lost,
             on_failed=on_failed,
+            on_start_failed=on_start_failed,
         )
     except BaseException:
         composer.close()
@@ -131,11 +141,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"standby on {address}", flush=True)
         while not signalled[0] and not stop.wait(0.2):
             pass
-        server.stop(0 if lost.is_set() or failed else args.grace)
+        server.stop(0 if lost.is_set() or failed or start_failed else args.grace)
     finally:
         server.stop(0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if start_failed:  # as a start without etcd raises it from `server.start`, for `main` to report
+        raise start_failed[0]
     if lost.is_set():
         print("disagg: error: this replica lost the lead; it stopped serving", file=sys.stderr)
         return EXIT_LOST_LEAD

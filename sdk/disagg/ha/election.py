@@ -16,12 +16,18 @@ The lease is refreshed every third of its time to live, counted from the last re
 just before a campaign's create: a standby that waited longer than the time to live would otherwise win with a
 lease about to expire, and lose the lead a moment later. A member that does not answer is given a sixth of the
 time to live before the next one is tried at once, so one stalled member does not cost the lead. Refreshes
-that fail for the time to live, or a leader key that another replica now holds, end the lead: `lost` is set
-and the replica must stop serving at once. A fenced ledger write that etcd refuses says the same between two
-refreshes (`deposed`). Reads are not fenced by etcd, so `leading` also answers from the local clock: no other
-replica can lead before the lease, counted from the last refresh sent, has run out. A replica that was paused
-past it (a stopped process, a stalled VM) answers nothing from memory once it runs again, even before its
-keeper has found the lead lost.
+that fail for the time to live, a leader key that another replica now holds, or anything else that stops the
+keeper end the lead: `lost` is set and the replica must stop serving at once. A fenced ledger write that etcd
+refuses says the same between two refreshes (`deposed`). Reads are not fenced by etcd, so `leading` also
+answers from the local clock: no other replica can lead before the lease, counted from the last refresh sent,
+has run out. A replica that was paused past it (a stopped process, a stalled VM) answers nothing from memory
+once it runs again, even before its keeper has found the lead lost.
+
+A campaign keeps its lease when etcd does not answer; only a refresh that says the lease ran out replaces it.
+The create may have landed with its answer lost, and the leader key, bound to that lease, would shut every
+replica out until the lease ran out: the next attempt finds the key bound to its lease and leads, its epoch
+derived from the key's create revision as after a create it saw answered. A campaign that no member answers
+for `SILENT_TTLS` times to live says so once as an error (a mistyped endpoint), beside its warnings.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import requests
 from etcd3gw.exceptions import Etcd3Exception
 
 from disagg.errors import ConfigError
-from disagg.store.etcd import created_at, parse_endpoint, put_op, request_timeout
+from disagg.store.etcd import created_at, describe_error, parse_endpoint, put_op, request_timeout
 
 log = logging.getLogger("disagg.ha")
 
@@ -46,6 +52,9 @@ LEASE_TTL_S = 3
 CAMPAIGN_POLL_S = 0.5
 RETRY_PAUSE_S = 0.05
 """Between two members tried in a row, so that a refresh never spins on members that refuse at once."""
+SILENT_TTLS = 3
+"""Lease times to live with no answer from any member after which a campaign logs an error, once: a mistyped
+endpoint then stands out from a standby that waits for the lead, which logs nothing."""
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (Etcd3Exception, OSError, requests.RequestException)
 
 
@@ -112,36 +121,66 @@ class Leadership:
     def _rotate(self) -> None:
         self._next += 1
 
+    def _where(self) -> str:
+        """The current endpoint, to name in the log."""
+        host, port = self._endpoints[self._next % len(self._endpoints)]
+        return f"{host}:{port}"
+
     def campaign(self, stop: threading.Event | None = None) -> int:
         """Block until this replica leads (or ``stop`` is set: returns 0); returns the fencing epoch."""
         stop = stop or self._stop
+        answered = time.monotonic()
+        told = False
         while not stop.is_set():
             try:
-                client = self._client()
-                fresh = time.monotonic()  # the lease lives at least the time to live from here
-                fresh_lease = lease_clock()
-                if self._lease is not None:
-                    self._lease.client = client
-                if self._lease is None or self._lease.refresh() <= 0:
-                    self._lease = client.lease(self.ttl_s)
-                if client.create(self.key, self.identity, lease=self._lease):
-                    value = client.get(self.key, metadata=True)
-                    self.create_revision = int(value[0][1]["create_revision"])
-                    base = self._settle_base(client)
-                    if base is None:  # the key was lost between the create and the base: campaign again
-                        continue
-                    self.epoch = base + self.create_revision
-                    self._valid_until = fresh_lease + self.ttl_s
-                    log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
-                    self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
-                    self._keeper.start()
-                    return self.epoch
+                epoch = self._attempt()
+                answered, told = time.monotonic(), False
+                if epoch:
+                    return epoch
             except _CONNECTION_ERRORS as exc:
-                log.warning("campaign: etcd did not answer (%s); trying the next endpoint", exc)
+                log.warning(
+                    "campaign: etcd at %s did not answer (%s); trying the next endpoint",
+                    self._where(),
+                    describe_error(exc),
+                )
                 self._rotate()
-                self._lease = None
+                silent = time.monotonic() - answered
+                if not told and silent >= SILENT_TTLS * self.ttl_s:
+                    told = True
+                    log.error(
+                        "no etcd member has answered for %.0f s (%s): this replica cannot lead until one does; "
+                        "check [state] endpoints",
+                        silent,
+                        ", ".join(f"{host}:{port}" for host, port in self._endpoints),
+                    )
             stop.wait(CAMPAIGN_POLL_S)
         return 0
+
+    def _attempt(self) -> int:
+        """One try for the lead: refresh this replica's lease (a new one if it ran out), create the leader key on
+        it unless the key exists, then lead if the key is bound to the lease, whether this create made it or an
+        earlier one whose answer was lost did. Returns the epoch, or 0 while another replica holds the key."""
+        client = self._client()
+        fresh = time.monotonic()  # the lease lives at least the time to live from here
+        fresh_lease = lease_clock()
+        if self._lease is not None:
+            self._lease.client = client
+        if self._lease is None or self._lease.refresh() <= 0:
+            self._lease = client.lease(self.ttl_s)
+        client.create(self.key, self.identity, lease=self._lease)
+        held = client.get(self.key, metadata=True)
+        if not held or int(held[0][1].get("lease", 0)) != self._lease.id:
+            return 0
+        self.create_revision = int(held[0][1]["create_revision"])
+        base = self._settle_base(client)
+        if base is None:  # the key was lost between the create and the base: campaign again
+            return 0
+        self.epoch = base + self.create_revision
+        self._valid_until = fresh_lease + self.ttl_s
+        log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
+        self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
+        self._keeper.start()
+        return self.epoch
 
     @property
     def base_key(self) -> str:
@@ -166,16 +205,30 @@ class Leadership:
 
     def _keep(self, fresh: float) -> None:
         """Refresh the lease until it cannot be, or the key is no longer ours: then the lead is lost. ``fresh``:
-        when the last refresh (or grant) that etcd took was sent; the lease lives the time to live from it."""
-        assert self._lease is not None
+        when the last refresh (or grant) that etcd took was sent; the lease lives the time to live from it.
+
+        Anything else that goes wrong here (an answer etcd3gw cannot read, a bug) ends the lead too: the lease
+        would run out unrefreshed while this replica went on serving."""
+        try:
+            self._refresh_until_lost(fresh)
+        except Exception as exc:
+            self.deposed(f"the lease keeper failed ({type(exc).__name__}: {describe_error(exc)}); the lease runs out")
+            return
+        if not self._stop.is_set():
+            self.deposed("another replica may lead now")
+
+    def _refresh_until_lost(self, fresh: float) -> None:
+        """Refresh the lease every third of its time to live; return when the lead is lost or given up."""
+        lease = self._lease  # `resign` lets go of it while this thread may still run
+        assert lease is not None
         deadline = fresh + self.ttl_s
         due = fresh + self.ttl_s / 3
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent, sent_lease = time.monotonic(), lease_clock()
             try:
                 client = self._client()
-                self._lease.client = client  # a lease is an id: any member refreshes it
-                if self._lease.refresh() <= 0:
+                lease.client = client  # a lease is an id: any member refreshes it
+                if lease.refresh() <= 0:
                     break
                 held = client.get(self.key, metadata=True)
                 if not held or int(held[0][1]["create_revision"]) != self.create_revision:
@@ -184,13 +237,15 @@ class Leadership:
                 self._valid_until = sent_lease + self.ttl_s
                 due = sent + self.ttl_s / 3
             except _CONNECTION_ERRORS as exc:
-                log.warning("lease refresh: etcd did not answer (%s); trying the next member", exc)
+                log.warning(
+                    "lease refresh: etcd at %s did not answer (%s); trying the next member",
+                    self._where(),
+                    describe_error(exc),
+                )
                 self._rotate()
                 if time.monotonic() + RETRY_PAUSE_S >= deadline:
                     break
                 due = time.monotonic() + RETRY_PAUSE_S
-        if not self._stop.is_set():
-            self.deposed("another replica may lead now")
 
     def leading(self) -> bool:
         """Whether this replica surely still leads now: it won, has not lost or given up the lead, and its lease
@@ -210,14 +265,19 @@ class Leadership:
         """Give the lead up (revoke the lease, which deletes the key) so a standby takes over at once; each member
         is asked in turn until one takes it, since a dead one would leave the standby the whole time to live."""
         self._stop.set()
-        if self._lease is not None:
+        lease, self._lease = self._lease, None  # revoked once: a second resign (a stop after one) asks nothing
+        if lease is not None:
             for _ in self._endpoints:
                 try:
-                    self._lease.client = self._client()
-                    self._lease.revoke()
+                    lease.client = self._client()
+                    lease.revoke()
                     break
                 except _CONNECTION_ERRORS as exc:
-                    log.warning("could not revoke the lease there (%s); trying the next member", exc)
+                    log.warning(
+                        "could not revoke the lease at %s (%s); trying the next member",
+                        self._where(),
+                        describe_error(exc),
+                    )
                     self._rotate()
             else:
                 log.warning("no member revoked the lease; it expires in %d s", self.ttl_s)

@@ -19,7 +19,11 @@ running it closes the composer once it returns (`_let_go`).
 With a `Leadership` (the etcd ledger), `start` returns once listening, as a standby: health NOT_SERVING, every
 RPC UNAVAILABLE, so clients that balance over the replicas with health checks send nothing here. Winning the
 lead fences the ledger and the drivers with the new epoch, starts the composer and serves; losing it stops
-serving at once and calls ``on_lost`` (`disagg serve` then exits, to come back as a standby).
+serving at once and calls ``on_lost`` (`disagg serve` then exits, to come back as a standby). A lead lost while
+the composer starts is the same: the replica never reports SERVING. A start that fails after winning (a ledger
+record that does not decode, etcd or the fabrics out of reach) is no lost lead: the replica gives the lead up at
+once, so another can try, and calls ``on_start_failed`` with the error, which `disagg serve` reports as it
+reports a start that fails without etcd.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.aio import AsyncFabricManagerServicer
@@ -112,6 +116,7 @@ class FabricManagerServer:
         on_serving: Callable[[list[str]], None] | None = None,
         on_lost: Callable[[], None] | None = None,
         on_failed: Callable[[str], None] | None = None,
+        on_start_failed: Callable[[Exception], None] | None = None,
     ) -> None:
         if not listeners:
             raise ConfigError("no address to listen on: give --listen or a [[listener]] address", field="listener")
@@ -132,6 +137,9 @@ class FabricManagerServer:
         self._on_serving = on_serving or (lambda addresses: None)
         self._on_lost = on_lost or (lambda: None)
         self._on_failed = on_failed or (lambda failure: None)
+        self._on_start_failed = on_start_failed or (lambda error: None)
+        self._lead_ended = False
+        """Under ``_lock``: the lead was lost or given up after a failed start; only the first of them is told."""
         self._reconcile_s = reconcile_s
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
         self.aio_servicer = AsyncFabricManagerServicer(self.servicer, self._executor)
@@ -230,6 +238,8 @@ class FabricManagerServer:
         with self._lock:
             if self._state not in ("starting", "standby"):
                 return False
+            if self.leadership is not None and self.leadership.lost.is_set():
+                return False  # lost while the composer started: `_watch_lead` steps down
             # Everything discovery built (100,000 devices and their index) lives as long as the server: keep it
             # out of the garbage collector's generations, or every full collection walks it again.
             gc.freeze()
@@ -245,11 +255,13 @@ class FabricManagerServer:
 
     def _lead(self) -> None:
         """Standby until this replica leads; then fence the ledger with the epoch, start the composer and serve;
-        step down (NOT_SERVING, every RPC UNAVAILABLE, `on_lost`) the moment the lead is lost."""
+        step down (NOT_SERVING, every RPC UNAVAILABLE, `on_lost`) the moment the lead is lost, during the
+        composer's start too. A start that fails otherwise gives the lead up (`_fail_start`)."""
         assert self.leadership is not None
         epoch = self.leadership.campaign(self._ticking)
         if not epoch or not self._use_composer("start"):
             return
+        threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
         try:
             try:
                 self.composer.epoch = epoch
@@ -268,25 +280,49 @@ class FabricManagerServer:
                 self.composer.start()
             finally:
                 self._let_go("start")
-        except Exception:
-            if self._stopped():
-                return  # stopped while it started: the stop, or `_let_go`, closed the composer
-            log.exception("the composer failed to start after winning the lead")
-            self._step_down()
+        except Exception as exc:
+            if self._stopped() or self.leadership.lost.is_set():
+                return  # stopped meanwhile (the stop, or `_let_go`, closed the composer), or lost: `_watch_lead`
+            if not isinstance(exc, DisaggError):
+                log.exception("the composer failed to start after winning the lead")
+            self._fail_start(exc)
             return
-        if self._serve():
-            threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
+        self._serve()
 
     def _stopped(self) -> bool:
         with self._lock:
             return self._state in ("stopping", "stopped")
 
     def _watch_lead(self) -> None:
+        """From the lead's win on, through the composer's start: step down once the lead is lost, unless the
+        server is stopping (a lead given up by the stop is no news)."""
         assert self.leadership is not None
         while not self.leadership.lost.wait(0.5):
-            if self._ticking.is_set():
+            if self._ticking.is_set() or self._lead_ended:
                 return
-        self._step_down()
+        if not self._stopped():
+            self._step_down()
+
+    def _end_lead(self) -> bool:
+        """Whether the lead ends now, not already: a lead lost and a start failed are not both told."""
+        with self._lock:
+            ended, self._lead_ended = self._lead_ended, True
+        return not ended
+
+    def _fail_start(self, error: Exception) -> None:
+        """The composer could not start after this replica won the lead. It did not lose the lead, so say what
+        failed (`on_start_failed`), and give the lead up at once: another replica may start where this one
+        could not, without waiting out the lease."""
+        assert self.leadership is not None
+        if not self._end_lead():
+            return
+        why = error.message if isinstance(error, DisaggError) else f"{type(error).__name__}: {error}"
+        self._stop_serving(
+            f"this replica could not start after winning the lead and gave it up ({why}); retry on another",
+            f"could not start after winning the lead: {why}; giving the lead up",
+        )
+        self.leadership.resign()
+        self._on_start_failed(error)
 
     def _fail_stop(self, failure: str) -> None:
         """The ledger can no longer make writes durable: stop serving and say so (`on_failed`), so that a restart
@@ -298,6 +334,8 @@ class FabricManagerServer:
         self._on_failed(failure)
 
     def _step_down(self) -> None:
+        if not self._end_lead():
+            return
         self._stop_serving(LOST_LEAD, "not the leader any more: refusing every call")
         self._on_lost()
 

@@ -319,7 +319,7 @@ class EtcdStore(Store):
             try:
                 result = self._post(index, path, payload, timeout)
             except _UNREACHABLE as exc:
-                failures[endpoint] = _describe(exc)
+                failures[endpoint] = describe_error(exc)
                 attempt += 1
                 if attempt < len(self._clients):
                     log.warning("etcd did not answer (%s: %s); trying the next endpoint", endpoint, failures[endpoint])
@@ -331,7 +331,7 @@ class EtcdStore(Store):
                 continue
             except Etcd3Exception as exc:
                 raise FabricUnavailableError(
-                    f"etcd at {endpoint} refused to {what}: {_describe(exc)}", metadata={"endpoint": endpoint}
+                    f"etcd at {endpoint} refused to {what}: {describe_error(exc)}", metadata={"endpoint": endpoint}
                 ) from exc
             if index != first:
                 with self._state_lock:
@@ -703,7 +703,7 @@ class EtcdStore(Store):
         self._session.close()
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """The gist of an etcd3gw or requests exception: the gateway's error text, else the exception's own."""
     text = (exc.detail_text if isinstance(exc, Etcd3Exception) else None) or str(exc) or type(exc).__name__
     try:
@@ -713,4 +713,4 @@ def _describe(exc: BaseException) -> str:
     return str(doc.get("error", text)) if isinstance(doc, dict) else text
 
 
-__all__ = ["EtcdStore", "LeadershipLostError"]
+__all__ = ["EtcdStore", "LeadershipLostError", "describe_error"]
