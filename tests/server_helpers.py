@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,21 @@ def serving(
             channel.close()
     finally:
         server.stop(grace)
+
+
+@contextlib.contextmanager
+def serving_servicer(socket: Path, servicer: fm_grpc.FabricManagerServiceServicer) -> Iterator[str]:
+    """``servicer`` alone on a bare thread-pool server on ``unix:<socket>`` (a server that misbehaves on purpose);
+    yields its address, and stops it at the end."""
+    server = grpc.server(ThreadPoolExecutor(4))
+    fm_grpc.add_FabricManagerServiceServicer_to_server(servicer, server)
+    address = f"unix:{socket}"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        yield address
+    finally:
+        server.stop(0).wait(WAIT_S)
 
 
 def socket_path(tmp_path: Path) -> Path:

@@ -27,8 +27,10 @@ from disagg.errors import (
     NotFoundError,
     RequestIdReusedError,
     RevisionCompactedError,
+    UnsupportedError,
 )
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import CallContext, FaultInjection
 from disagg.model import (
     Binding,
@@ -40,6 +42,7 @@ from disagg.model import (
     Health,
     HostRequest,
     ResourceRequest,
+    Revision,
     Selector,
     SelectorOp,
 )
@@ -53,6 +56,7 @@ from server_helpers import (
     cordons,
     replay,
     serving,
+    serving_servicer,
     sim,
     slow_rack,
     socket_path,
@@ -732,6 +736,90 @@ class TestWatch:
     def test_revision_ahead_is_refused(self, client: FabricManagerClient) -> None:
         with client.watch(after_revision=10**9) as events, pytest.raises(RevisionCompactedError):
             next(events)
+
+    def test_resume_from_the_last_event_over_a_log_reset_is_refused(self, tmp_path: Path) -> None:
+        """docs/client.md keeps ``event.revision`` to resume after a restart. It was a bare int, so the resume
+        sent no time, and a server whose in-memory log had started again and passed that revision was followed
+        silently, past the changes the client had not seen."""
+        sock = socket_path(tmp_path)
+        with serving(sock) as first, FabricManagerClient(first.address, timeout_s=10, retries=FAST) as client:
+            churn_cordons(first.composer, 3)
+            with client.watch() as events:
+                seen = [next(events) for _ in range(first.composer.revision)]
+        last_seen = seen[-1].revision
+        with serving(sock) as restarted, FabricManagerClient(restarted.address, timeout_s=10, retries=FAST) as client:
+            churn_cordons(restarted.composer, 5)
+            assert restarted.composer.revision > last_seen
+            with client.watch(after_revision=last_seen) as events, pytest.raises(RevisionCompactedError):
+                next(events)
+        assert isinstance(last_seen, Revision) and last_seen.time == seen[-1].time
+
+    def test_a_cancel_from_the_server_resumes(self, tmp_path: Path) -> None:
+        """A CANCELLED the client did not cause (a server stopped past its grace, a proxy) ended the iteration as
+        if the events had run out; the client tells it from its own cancel, and resumes."""
+        server = BreakingWatch(grpc.StatusCode.CANCELLED)
+        with (
+            serving_servicer(socket_path(tmp_path), server) as address,
+            FabricManagerClient(address, timeout_s=10, retries=FAST) as client,
+        ):
+            assert [e.revision for e in client.watch()] == [1, 2]
+        assert server.afters == [0, 1]
+
+    def test_a_cancel_from_the_server_without_resume_is_an_error(self, tmp_path: Path) -> None:
+        server = BreakingWatch(grpc.StatusCode.CANCELLED)
+        with (
+            serving_servicer(socket_path(tmp_path), server) as address,
+            FabricManagerClient(address, timeout_s=10, retries=FAST) as client,
+            client.watch(resume=False) as events,
+        ):
+            assert next(events).revision == 1
+            with pytest.raises(DisaggError, match="CANCELLED"):
+                next(events)
+
+    def test_an_event_type_this_client_does_not_know(self, tmp_path: Path) -> None:
+        """It raised InvalidRequestError("event.type"), which reads as the caller's own request being wrong."""
+        server = BreakingWatch(grpc.StatusCode.OK, types=(fm.EVENT_TYPE_DEVICE_ADDED, UNKNOWN_EVENT_TYPE))
+        with (
+            serving_servicer(socket_path(tmp_path), server) as address,
+            FabricManagerClient(address, timeout_s=10, retries=FAST) as client,
+            client.watch() as events,
+        ):
+            assert next(events).revision == 1
+            with pytest.raises(UnsupportedError, match=f"type {UNKNOWN_EVENT_TYPE}, .*newer") as info:
+                next(events)
+            assert info.value.metadata == {"revision": "2", "type": str(UNKNOWN_EVENT_TYPE)}
+            assert list(events) == [] and events.last_revision == 1
+
+
+UNKNOWN_EVENT_TYPE = 999
+"""An event type a newer server might send."""
+
+
+def churn_cordons(composer: FabricComposer, times: int) -> None:
+    """Make ``2 * times`` events."""
+    for _ in range(times):
+        composer.cordon("pcie0/gpu-a0")
+        composer.uncordon("pcie0/gpu-a0")
+
+
+class BreakingWatch(fm_grpc.FabricManagerServiceServicer):
+    """A watch of two events, of ``types``; the first watch is ended with ``code`` after its first event, as a
+    server (or a proxy between) may end it. Records each watch's ``after_revision``."""
+
+    def __init__(self, code: grpc.StatusCode, types: tuple[int, int] = (fm.EVENT_TYPE_DEVICE_ADDED,) * 2) -> None:
+        self.code = code
+        self.types = types
+        self.afters: list[int] = []
+
+    def WatchEvents(  # noqa: N802
+        self, request: fm.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[fm.WatchEventsResponse]:
+        self.afters.append(request.after_revision)
+        for revision, kind in enumerate(self.types, start=1):
+            if revision > request.after_revision:
+                yield fm.WatchEventsResponse(event=fm.Event(revision=revision, type=kind, subject="s", time=1.0))
+            if len(self.afters) == 1 and self.code is not grpc.StatusCode.OK:
+                context.abort(self.code, "ended by the server")
 
 
 class TestDocs:

@@ -54,6 +54,16 @@ class TestReplicaTarget:
         with pytest.raises(InvalidRequestError, match=says):
             FabricManagerClient(address)
 
+    @pytest.mark.parametrize(
+        "address", ["127.0.0.1:²", "127.0.0.1:١٢٣", "10.0.0.1:²,10.0.0.2:1", "10.0.0.1:١٢٣,10.0.0.2:1"]
+    )
+    def test_a_port_in_other_digits(self, address: str) -> None:
+        """`str.isdigit` took them: ``²`` then failed ``int`` with a bare ValueError, and ``١٢٣`` passed as port
+        123 while gRPC was given the characters as written."""
+        with pytest.raises(InvalidRequestError) as info:
+            FabricManagerClient(address)
+        assert info.value.field == "address"
+
 
 class TestFollowTheLead:
     """Calls go to the serving replica only, and to the other once it serves and the first does not."""

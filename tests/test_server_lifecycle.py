@@ -4,6 +4,7 @@ reservation timer, and a graceful shutdown that lets calls in flight finish whil
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sqlite3
 import stat
@@ -216,6 +217,38 @@ class TestShutdown:
             assert set(served.bindings()) == {d.device for d in comp.devices}
 
 
+class TestEmbedding:
+    """The servicer embedded in another grpcio server as docs/protocol.md shows it serves, and its shutdown ends
+    the event watches with UNAVAILABLE."""
+
+    def test_as_documented(self, tmp_path: Path) -> None:
+        """Done as the docs said before (the composer started, no `mark_ready`), every call answered UNAVAILABLE
+        "starting" for ever, and nothing said to end the watches before the server stops."""
+        doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+        blocks = re.findall(r"```python\n(.*?)```", doc.partition("To embed it")[2], flags=re.S)
+        assert len(blocks) == 2, "docs/protocol.md shows how to start and stop an embedded servicer"
+        address = f"unix:{socket_path(tmp_path)}"
+        start, stop = (
+            compile(b.replace("unix:/run/disagg/fm.sock", address), "docs/protocol.md", "exec") for b in blocks
+        )
+        names: dict[str, Any] = {"composer": FabricComposer(rack(), store=MemoryStore())}
+        exec(start, names)
+        channel = guarded_channel(address)
+        try:
+            stub = fm_grpc.FabricManagerServiceStub(channel)
+            assert [f.name for f in stub.ListDrivers(fm.ListDriversRequest(), timeout=WAIT_S).fabrics]
+            watch = stub.WatchEvents(fm.WatchEventsRequest(after_revision=names["composer"].revision))
+            wait_until(lambda: len(names["servicer"].watches) == 1, "the watch")
+            exec(stop, names)
+            with pytest.raises(grpc.RpcError) as info:
+                next(watch)
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE and "shutting down" in info.value.details()
+        finally:
+            channel.close()
+            names["server"].stop(0)
+            names["composer"].close()
+
+
 class TestReservationTimer:
     """A timer expires reservations whose time to live has passed, without any call to the server."""
 
@@ -274,6 +307,14 @@ class TestListeners:
     def test_malformed(self, address: str) -> None:
         with pytest.raises(ConfigError):
             parse_listener(address)
+
+    @pytest.mark.parametrize("port", ["²", "١٢٣", "\uff15\uff10\uff10\uff15\uff11"])  # the last: fullwidth 50051
+    def test_a_port_in_other_digits(self, port: str) -> None:
+        """`str.isdigit` took them: ``²`` then failed ``int`` with a bare ValueError, and ``١٢٣`` was read as port
+        123 while gRPC was given the characters as written."""
+        with pytest.raises(ConfigError, match="expected host:port") as info:
+            parse_listener(f"127.0.0.1:{port}")
+        assert info.value.field == "listen"
 
     def test_unix_path_too_long(self) -> None:
         with pytest.raises(ConfigError, match="at most 107 bytes"):

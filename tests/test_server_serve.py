@@ -162,6 +162,11 @@ class TestServeRefusals:
         assert main(["serve", "--config", str(config)]) == 2
         assert "no address to listen on" in capsys.readouterr().err
 
+    def test_a_port_in_other_digits(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """It ended in a ValueError's traceback."""
+        assert main(["serve", "--listen", "127.0.0.1:²"]) == 2
+        assert "expected host:port" in capsys.readouterr().err
+
     def test_negative_grace(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["serve", "--listen", "127.0.0.1:0", "--grace", "-1"]) == 2
         assert "--grace" in capsys.readouterr().err

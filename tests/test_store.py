@@ -820,7 +820,11 @@ class TestEtcdConfig:
     """Endpoints are HOST:PORT (an IPv6 host in brackets); anything else, and a bad option, is a ConfigError."""
 
     @pytest.mark.parametrize(
-        "endpoint", ["", "localhost", ":2379", "h:", "h:port", "h:0", "h:65536", "http://h:2379", "::1:2379", "a b:1"]
+        "endpoint",
+        [
+            *("", "localhost", ":2379", "h:", "h:port", "h:0", "h:65536", "http://h:2379", "::1:2379", "a b:1"),
+            *("h:\u00b2", "h:\u0661\u0662\u0663"),  # other scripts' digits: a bare int() error, or port 123
+        ],
     )
     def test_bad_endpoint(self, endpoint: str) -> None:
         with pytest.raises(ConfigError, match="is not HOST:PORT") as info:

@@ -19,6 +19,7 @@ from cxl_switch_client import IO_TIMEOUT, Client, SocketTransport, emulator_proc
 from disagg.lockfile import try_lock
 from disagg.wire import sockets
 from disagg_cxl_switch import CCIMessage, MessageCategory, encode_frame, encode_message
+from disagg_cxl_switch.driver.client import parse_address
 from disagg_cxl_switch.emulator.config import EmulatorConfig
 from disagg_cxl_switch.emulator.server import MAX_MESSAGE_SIZE, ListenAddress, _bind_unix
 from disagg_cxl_switch.fmapi import BindVPPBRequest, IdentifySwitchDeviceResponse, Opcode
@@ -125,6 +126,15 @@ class TestListenAddress:
     def test_refused(self, text: str) -> None:
         with pytest.raises(ValueError):
             ListenAddress.parse(text)
+
+    @pytest.mark.parametrize("text", ["127.0.0.1:\u00b2", "127.0.0.1:\u0661\u0662\u0663", "127.0.0.1:65536"])
+    def test_a_port_that_is_not_ascii_digits_in_range(self, text: str) -> None:
+        """``str.isdigit`` took other scripts' digits: Arabic-Indic 123 was port 123, a superscript 2 a bare
+        int() error."""
+        with pytest.raises(ValueError, match="neither unix:/path nor HOST:PORT"):
+            ListenAddress.parse(text)
+        with pytest.raises(ValueError, match=r"neither unix:/path nor 127\.0\.0\.1:PORT"):
+            parse_address(text)
 
     def test_loopback_tcp(self) -> None:
         command = [sys.executable, "-m", "disagg_cxl_switch.emulator", "--listen", "127.0.0.1:0", "--gpus", "1"]

@@ -16,7 +16,7 @@ import grpc
 from disagg.client._retry import RetryPolicy, call_with_retry
 from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -616,6 +616,12 @@ class FabricManagerClient:
         return call
 
 
+WATCH_BREAKS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+"""How a watch the client did not end may break off and be reopened: UNAVAILABLE (the server stopped, the
+connection broke), or CANCELLED from the server's side (a server, or a proxy between, that cancels the call). A
+CANCELLED after the stream or the client was closed is the client's own, and ends iteration instead."""
+
+
 class EventStream(Iterator[Event]):
     """An iterator over a watch of the event log; `close` cancels it, and iteration then ends."""
 
@@ -646,24 +652,37 @@ class EventStream(Iterator[Event]):
                 self.close()
                 raise
             except grpc.RpcError as exc:
-                if self._closed or exc.code() is grpc.StatusCode.CANCELLED:
-                    self.close()
-                    raise StopIteration from None
                 failures += 1
-                if not self._resume or exc.code() is not grpc.StatusCode.UNAVAILABLE:
-                    self.close()
-                    raise self._client._error(exc) from None
-                if failures >= self._client.retries.max_attempts:
-                    self.close()
-                    raise self._client._error(exc) from None
-                self._client._sleep(self._client.retries.backoff(failures, self._client._rng))
-                self._reopen()
+                self._recover(exc, failures)
                 continue
             if msg.event.revision <= self.last_revision:
                 continue
-            event = event_from_wire(msg.event)
-            self.last_revision, self.last_time = event.revision, event.time
-            return event
+            return self._deliver(msg.event)
+
+    def _recover(self, exc: grpc.RpcError, failures: int) -> None:
+        """Reopen a watch broken off by the ``failures``-th error in a row, as the retry policy allows. Raises
+        StopIteration when this client ended it (`close`, or the client's), and the error's SDK error when it
+        may not be reopened. The client tells its own cancel from the server's by whether it closed: a
+        CANCELLED the server sent is a break like UNAVAILABLE, not the end of the events."""
+        if self._closed or self._client.closed:
+            self.close()
+            raise StopIteration from None
+        if not self._resume or exc.code() not in WATCH_BREAKS or failures >= self._client.retries.max_attempts:
+            self.close()
+            raise self._client._error(exc) from None
+        self._client._sleep(self._client.retries.backoff(failures, self._client._rng))
+        self._reopen()
+
+    def _deliver(self, msg: fm.Event) -> Event:
+        """The event ``msg``, now the last delivered. One of a type this release does not know ends the stream
+        with `UnsupportedError`: the events after it cannot be delivered in order without it."""
+        try:
+            event = event_from_wire(msg)
+        except UnsupportedError:
+            self.close()
+            raise
+        self.last_revision, self.last_time = event.revision, event.time
+        return event
 
     def _reopen(self) -> None:
         with self._lock:

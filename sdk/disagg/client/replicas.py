@@ -14,8 +14,8 @@ import json
 
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.wire.sockets import MAX_PORT, port_from_text
 
-MAX_PORT = 65535
 SERVICE = fm.DESCRIPTOR.services_by_name["FabricManagerService"].full_name
 SERVICE_CONFIG = json.dumps(
     {
@@ -50,7 +50,7 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
     if "," not in address:
         if ":" in address and "://" not in address and not address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
             _, _, port = address.rpartition(":")  # HOST:PORT: gRPC would take a missing or bad port as 443
-            if not port.isdigit() or int(port) > MAX_PORT:
+            if port_from_text(port) is None:
                 raise InvalidRequestError(f"{address!r}: a port is 0 to {MAX_PORT}", field="address")
         elif ":" not in address:
             raise InvalidRequestError(f"{address!r}: give HOST:PORT or unix:/path/to/socket", field="address")
@@ -64,7 +64,7 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
             ip = ipaddress.ip_address(host)
         except ValueError:
             ip = None
-        if not sep or not port.isdigit() or int(port) > MAX_PORT or ip is None:
+        if not sep or port_from_text(port) is None or ip is None:
             raise InvalidRequestError(
                 f"{part!r} in {address!r}: a list of replicas is IP:PORT,IP:PORT,... (literal addresses)",
                 field="address",

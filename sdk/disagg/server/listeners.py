@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 
 from disagg.errors import ConfigError
-from disagg.wire.sockets import prepare_unix_socket
+from disagg.wire.sockets import MAX_PORT, port_from_text, prepare_unix_socket
 
 UNIX_PREFIX = "unix:"
 MAX_UNIX_PATH = 107
@@ -63,8 +63,9 @@ def parse_listener(address: str, *, allow_remote: bool = False) -> Listener:
         host = host[1:-1]
     elif ":" in host:
         raise ConfigError(f"listener {address!r}: write an IPv6 address in brackets, [::1]:50051", field=field)
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
-        raise ConfigError(f"listener {address!r}: expected host:port (port 0-65535) or unix:/path", field=field)
+    port = port_from_text(port_text)
+    if not sep or not host or port is None:
+        raise ConfigError(f"listener {address!r}: expected host:port (port 0-{MAX_PORT}) or unix:/path", field=field)
     if not allow_remote and not _is_loopback(host):
         raise ConfigError(
             f"listener {address!r}: the server has no authentication or TLS yet, so it listens on loopback "
@@ -73,7 +74,7 @@ def parse_listener(address: str, *, allow_remote: bool = False) -> Listener:
             field=field,
         )
     target = f"[{host}]:{port_text}" if ":" in host else f"{host}:{port_text}"
-    return Listener(address, target, host=host, port=int(port_text))
+    return Listener(address, target, host=host, port=port)
 
 
 __all__ = ["Listener", "parse_listener", "prepare_unix_socket"]

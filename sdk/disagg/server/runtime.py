@@ -82,16 +82,42 @@ _USES = {"start": "its start (discovery, the ledger)", "timer": "the timer (a re
 """What each user of the composer (`FabricManagerServer._users`) is doing, for the log."""
 
 
-SERVER_OPTIONS: list[tuple[str, int]] = [
-    # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
-    ("grpc.so_reuseport", 0),
-    # Clients of several replicas ping every 2 s to notice a replica that stopped answering
-    # (`disagg.client.replicas.KEEPALIVE`); by default a server takes pings 5 minutes apart and closes the
-    # connection of a client that pings more often.
-    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_ping_strikes", 0),
-]
+KEEPALIVE_S = 10.0
+"""How long a connection may send nothing before the server pings it. A watcher whose process is paused, or whose
+host went away without a reset, would otherwise hold its watch slot (one of `MAX_WATCHES`) for gRPC's default of
+two hours, and once ``max_watches`` of them exist every new watch is refused."""
+KEEPALIVE_TIMEOUT_S = 5.0
+"""How long the server waits for a ping's answer before it closes the connection, which ends its calls."""
+
+
+def server_options(
+    keepalive_s: float = KEEPALIVE_S, keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S
+) -> list[tuple[str, int]]:
+    """The grpcio server's options, pinging every ``keepalive_s`` a connection that sends nothing."""
+    ping_ms, answer_ms = round(keepalive_s * 1000), round(keepalive_timeout_s * 1000)
+    return [
+        # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
+        ("grpc.so_reuseport", 0),
+        # Clients of several replicas ping every 2 s to notice a replica that stopped answering
+        # (`disagg.client.replicas.KEEPALIVE`); by default a server takes pings 5 minutes apart and closes the
+        # connection of a client that pings more often.
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_ping_strikes", 0),
+        # The server's own pings: a peer that does not answer one loses its connection, and its calls end (a
+        # watch frees its slot). An idle watch sends no data, so pings must not stop after two without data, nor
+        # wait 5 minutes apart; the ping timeout is the one gRPC's core enforces, beside the keepalive timeout.
+        # gRPC clients answer a server's pings and do not police them.
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", answer_ms),
+        ("grpc.http2.ping_timeout_ms", answer_ms),
+        ("grpc.http2.min_time_between_pings_ms", ping_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+SERVER_OPTIONS: list[tuple[str, int]] = server_options()
+"""Read when the server is built (`FabricManagerServer.start`)."""
 
 
 class ServerStoppedError(RuntimeError):

@@ -62,6 +62,7 @@ from disagg.store.base import (
     quarantine_of,
     undecodable,
 )
+from disagg.wire.sockets import port_from_text
 
 log = logging.getLogger("disagg.store")
 
@@ -184,9 +185,10 @@ def parse_endpoint(address: object) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     bad_host = not host or any(c in host for c in "/[] \t") or (":" in host and not address.startswith("["))
-    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+    number = port_from_text(port)
+    if not sep or bad_host or not number:
         raise ConfigError(f"etcd endpoint {address!r} is not HOST:PORT", field="state.endpoints")
-    return host, int(port)
+    return host, number
 
 
 class EtcdStore(Store):

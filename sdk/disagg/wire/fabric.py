@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from disagg.errors import InvalidRequestError
+from disagg.errors import InvalidRequestError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import (
@@ -35,6 +35,7 @@ from disagg.model import (
     PoolInfo,
     Reservation,
     ResourceRequest,
+    Revision,
     Selector,
     SelectorOp,
     selector_refusal,
@@ -70,8 +71,15 @@ MAX_SELECTOR_VALUE = MAX_SELECTOR_TEXT
 MAX_NAME = 63
 MAX_ID = 128
 MAX_PAGE_KEY = 256
-"""The longest key a page token carries: a device id as a driver may report it (`disagg.wire.driver.MAX_ID`),
-longer than the ids a client gives."""
+"""The longest key a page token of devices or reservations carries: a device id as a driver may report it
+(`disagg.wire.driver.MAX_ID`), longer than the ids a client gives."""
+MAX_PAGE_TOKEN = 4 * 1024 * 1024
+"""The longest page token of compositions: gRPC's default limit on a message the server receives (the fabric
+manager sets no other), so a longer one never arrives. Their key is a composition's name, which may be any text
+the model and the ledger hold (a `CompositionRequest` made in process, a record of an older release), not only
+the names the wire takes: the server lists them, so it takes their tokens back."""
+ANY_TEXT_KEYS = frozenset({"compositions"})
+"""The listings whose keys may be any non-empty text (`MAX_PAGE_TOKEN`)."""
 MAX_TTL_S = MAX_RESERVATION_TTL_S
 MAX_REMOVE = 1024
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -429,9 +437,20 @@ def event_to_wire(ev: Event) -> fm.Event:
 
 
 def event_from_wire(msg: fm.Event) -> Event:
+    """An event the server sent. Its revision is a `Revision` carrying the event's time, so that a watch resumed
+    from it sends the time, and a log reset or restored since is refused rather than followed (the pattern
+    docs/client.md shows: ``watch(after_revision=event.revision)``). A type this release does not know is an
+    `UnsupportedError`: the server is newer, and nothing the caller sent was wrong."""
+    event_type = EVENT_FROM_WIRE.get(msg.type)
+    if event_type is None:
+        raise UnsupportedError(
+            f"event {msg.revision} has type {msg.type}, which this client does not know (a fabric manager newer "
+            "than this disagg release sends the event types it added): upgrade the client to watch its events",
+            metadata={"revision": str(msg.revision), "type": str(msg.type)},
+        )
     return Event(
-        revision=msg.revision,
-        type=enum_from_wire(EVENT_FROM_WIRE, msg.type, "event.type", "event type"),
+        revision=Revision(msg.revision, msg.time),
+        type=event_type,
         subject=msg.subject,
         message=msg.message,
         time=msg.time,
@@ -466,14 +485,19 @@ def page_token_from_wire(token: str, collection: str, field: str = "page_token")
     except ValueError:  # binascii.Error, UnicodeDecodeError, and base64's own for a character beyond ASCII
         raise bad from None
     prefix, _, key = text.partition(":")
-    if prefix != collection or not key or len(key) > MAX_PAGE_KEY or not key.isprintable():
+    if prefix != collection or not key:
+        raise bad
+    if collection not in ANY_TEXT_KEYS and (len(key) > MAX_PAGE_KEY or not key.isprintable()):
         raise bad
     return key
 
 
 def _max_page_token(collection: str) -> int:
-    """The length of the longest token `page_token_to_wire` gives for ``collection``: a key of `MAX_PAGE_KEY`
-    characters of four UTF-8 bytes each, in unpadded base64. Longer is refused before it is decoded."""
+    """The length of the longest token `page_token_to_wire` gives for ``collection``: for ids, a key of
+    `MAX_PAGE_KEY` characters of four UTF-8 bytes each, in unpadded base64; for names, `MAX_PAGE_TOKEN`. Longer
+    is refused before it is decoded."""
+    if collection in ANY_TEXT_KEYS:
+        return MAX_PAGE_TOKEN
     size = len(collection.encode()) + 1 + 4 * MAX_PAGE_KEY
     return -(-4 * size // 3)
 

@@ -1,4 +1,4 @@
-"""Unix-socket listeners, shared by the fabric-manager server and the driver server.
+"""Unix-socket listeners and TCP ports, shared by the fabric-manager server, its clients and the driver server.
 
 Neither channel authenticates anyone yet, so who may connect is decided by file permissions: the directories
 made for a socket are never open to other users, whatever the umask, and a socket is bound closed to them
@@ -24,6 +24,7 @@ DIRECTORY_MODE = 0o750
 the socket's own mode then decides), other users never."""
 SOCKET_MODE_MASK = 0o660
 """The most a socket's mode may be (`bind_unix_socket`), less the umask: connecting needs write permission."""
+MAX_PORT = 65535
 _UMASK = threading.Lock()
 T = TypeVar("T")
 
@@ -101,3 +102,13 @@ def _clear(path: Path) -> None:
         except OSError as exc:
             raise ConfigError(f"cannot check the unix socket {path}: {exc}", field="listen") from exc
     raise ConfigError(f"another server is already listening on {path}", field="listen")
+
+
+def port_from_text(text: str) -> int | None:
+    """The TCP port ``text`` writes in ASCII digits, 0 to `MAX_PORT`; None for anything else. `str.isdigit`
+    alone takes other scripts' digits: ``int`` refuses some (``²``) with a bare ValueError, and reads others
+    (``١٢٣``) as a number, while gRPC would be given the characters as written."""
+    if not (text.isascii() and text.isdigit()):
+        return None
+    port = int(text)
+    return port if port <= MAX_PORT else None

@@ -23,6 +23,7 @@ from disagg.errors import (
     outcome_unknown,
 )
 from disagg.interfaces import CallContext
+from disagg.wire.sockets import port_from_text
 
 from disagg_cxl_switch.cci import CCIMessage, FrameDecoder, MessageCategory, encode_frame
 from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS, BackgroundOperationStatusResponse
@@ -102,9 +103,10 @@ def parse_address(text: str) -> tuple[int, str | tuple[str, int]]:
             raise ValueError("unix: address without a path")
         return socket.AF_UNIX, path
     host, sep, port = text.rpartition(":")
-    if not sep or host not in ("127.0.0.1", "localhost") or not port.isdigit():
+    number = port_from_text(port)
+    if not sep or host not in ("127.0.0.1", "localhost") or number is None:
         raise ValueError(f"{text!r} is neither unix:/path nor 127.0.0.1:PORT")
-    return socket.AF_INET, (host, int(port))
+    return socket.AF_INET, (host, number)
 
 
 def _seconds_left(ctx: CallContext | None) -> float:

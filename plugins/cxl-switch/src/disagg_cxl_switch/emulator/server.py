@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 
 import attrs
-from disagg.wire.sockets import bind_unix_socket
+from disagg.wire.sockets import bind_unix_socket, port_from_text
 
 from disagg_cxl_switch.cci import (
     FRAME_PREFIX_SIZE,
@@ -55,7 +55,8 @@ class ListenAddress:
                 raise ValueError("unix: needs a path")
             return cls(unix_path=Path(path))
         host, sep, port_text = text.rpartition(":")
-        if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 0xFFFF:
+        port = port_from_text(port_text)
+        if not sep or port is None:
             raise ValueError(f"{text!r} is neither unix:/path nor HOST:PORT")
         host = host.strip("[]")
         if host != "localhost":
@@ -65,7 +66,7 @@ class ListenAddress:
                 loopback = False
             if not loopback:
                 raise ValueError(f"refusing to listen on {host!r}: loopback addresses or unix sockets only")
-        return cls(host=host, port=int(port_text))
+        return cls(host=host, port=port)
 
 
 def _error_response(body: bytes, code: ReturnCode) -> CCIMessage:
