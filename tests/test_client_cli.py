@@ -301,6 +301,9 @@ class TestServerOption:
             ("unix://", "give the socket's path"),
             ("http://localhost:1", "not a URL"),
             ("https://fm.example:443", "not a URL"),
+            ("unix://tmp/fm.sock", "unix:/absolute/path"),  # gRPC takes no authority, and logged its own errors
+            (":50051", "give HOST:PORT"),
+            ("[::1:50051", "IPv6 host in brackets"),
         ],
     )
     def test_an_address_that_names_no_server_is_bad_input(

@@ -31,6 +31,8 @@ class TestReplicaTarget:
 
     def test_one_address(self) -> None:
         assert replica_target("unix:/run/disagg.sock") == ("unix:/run/disagg.sock", ())
+        assert replica_target("unix:///run/disagg.sock") == ("unix:///run/disagg.sock", ())
+        assert replica_target("[::1]:50051") == ("[::1]:50051", ())
         assert replica_target("127.0.0.1:50051") == ("127.0.0.1:50051", ())
 
     def test_a_list(self) -> None:
@@ -48,6 +50,11 @@ class TestReplicaTarget:
             ("127.0.0.1:1,[::1]:2", "mixes IPv4 and IPv6"),
             ("127.0.0.1:99999", "a port is 0 to 65535"),
             ("127.0.0.1:1,127.0.0.1:65536", "literal addresses"),
+            ("unix://tmp/fm.sock", "unix:/absolute/path"),
+            ("unix:", "unix:/absolute/path"),
+            (":50051", "give HOST:PORT"),
+            ("[::1", "IPv6 host in brackets"),
+            ("h]:1", "IPv6 host in brackets"),
         ],
     )
     def test_mistakes(self, address: str, says: str) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, Self
 
 from disagg.client import FabricManagerClient
+from disagg.client.replicas import replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.errors import InvalidRequestError, NotFoundError
 from disagg.interfaces import ComposeResult
@@ -167,4 +168,8 @@ def _checked(address: str, where: str) -> str:
         raise InvalidRequestError(
             f"{where} {address!r}: give HOST:PORT or unix:/path/to/socket, not a URL", field="server"
         )
+    try:
+        replica_target(address)  # what the client will refuse, said of the option or variable that gave it
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{where} {exc.message}", field="server") from None
     return address

@@ -48,10 +48,13 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
     health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
     rather than IP addresses (gRPC resolves a list of literal addresses only)."""
     if "," not in address:
-        if ":" in address and "://" not in address and not address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
-            _, _, port = address.rpartition(":")  # HOST:PORT: gRPC would take a missing or bad port as 443
+        if address.startswith("unix:"):
+            _check_unix(address)
+        elif ":" in address and "://" not in address and not address.startswith(("dns:", "ipv4:", "ipv6:")):
+            host, _, port = address.rpartition(":")  # HOST:PORT: gRPC would take a missing or bad port as 443
             if port_from_text(port) is None:
                 raise InvalidRequestError(f"{address!r}: a port is 0 to {MAX_PORT}", field="address")
+            _check_host(address, host)
         elif ":" not in address:
             raise InvalidRequestError(f"{address!r}: give HOST:PORT or unix:/path/to/socket", field="address")
         return address, ()
@@ -75,3 +78,23 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
         family = this
         hosts.append(f"{host}:{port}" if ip.version == 4 else f"[{host}]:{port}")
     return f"{family}:{','.join(hosts)}", (("grpc.service_config", SERVICE_CONFIG), *KEEPALIVE)
+
+
+def _check_unix(address: str) -> None:
+    """``unix:PATH`` names a socket; ``unix://HOST/PATH`` names none (gRPC takes no authority there and fails
+    when the channel is made, which would read as a server that is down), nor does an empty path."""
+    path = address[len("unix:") :]
+    if not path or (path.startswith("//") and not path.startswith("///")):
+        raise InvalidRequestError(
+            f"{address!r}: give unix:/absolute/path, unix:///absolute/path or unix:relative/path", field="address"
+        )
+
+
+def _check_host(address: str, host: str) -> None:
+    """The host of ``HOST:PORT``: present, and an IPv6 address in whole brackets. gRPC would otherwise fail to
+    resolve it, which would read as a server that is down rather than an address mistyped."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not bare or "[" in bare or "]" in bare:
+        raise InvalidRequestError(
+            f"{address!r}: give HOST:PORT, with an IPv6 host in brackets ([::1]:50051)", field="address"
+        )
