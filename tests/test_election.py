@@ -320,6 +320,22 @@ class TestResign:
             stalled.send_signal(signal.SIGCONT)
             standby.resign()
 
+    def test_a_lease_that_ran_out_is_not_revoked_on_every_member(
+        self, etcd: EtcdCluster, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """etcd answers a revoke of a lease that has run out with "requested lease not found": that was taken for
+        a member that did not answer, each member was asked in turn, and the log said the lease would expire."""
+        leader = Leadership(etcd.endpoints, "leaving", ttl_s=30)
+        assert leader.campaign() > 0
+        lease = leader._lease
+        assert lease is not None
+        etcd3gw.Lease(lease.id, etcd_client(etcd)).revoke()  # as if it had run out
+        with caplog.at_level(logging.INFO, logger="disagg.ha"):
+            leader.resign()
+        said = [r.getMessage() for r in caplog.records if r.name == "disagg.ha"]
+        assert "the lease had already run out; nothing to revoke" in said
+        assert not [m for m in said if "could not revoke" in m or "no member revoked" in m], said
+
 
 class TestDeposed:
     def test_a_refused_write_after_resigning_is_no_lost_lead(self) -> None:

@@ -52,6 +52,8 @@ LEASE_TTL_S = 3
 CAMPAIGN_POLL_S = 0.5
 RETRY_PAUSE_S = 0.05
 """Between two members tried in a row, so that a refresh never spins on members that refuse at once."""
+LEASE_GONE = "requested lease not found"
+"""etcd's answer to a revoke of a lease that has run out: an answer, not a member that did not answer."""
 SILENT_TTLS = 3
 """Lease times to live with no answer from any member after which a campaign logs an error, once: a mistyped
 endpoint then stands out from a standby that waits for the lead, which logs nothing."""
@@ -273,6 +275,9 @@ class Leadership:
                     lease.revoke()
                     break
                 except _CONNECTION_ERRORS as exc:
+                    if LEASE_GONE in describe_error(exc):  # it ran out (a pause, a partition): nothing to revoke
+                        log.info("the lease had already run out; nothing to revoke")
+                        break
                     log.warning(
                         "could not revoke the lease at %s (%s); trying the next member",
                         self._where(),
