@@ -8,12 +8,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import NoReturn
 
 import grpc
+from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
+from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Device, EventHandler, Fabric, Pool, Subscription
 from disagg.model import Binding, Capabilities, Topology
 from disagg.remote import DriverServer
+from disagg.wire.errors import to_status
+from disagg.wire.types import allocation_to_wire, binding_to_wire, capabilities_to_wire, topology_to_wire
 from disagg_sim import SimFabric, create_fabric
 
 
@@ -85,6 +91,84 @@ def served(fabric: Fabric, transport: str = "tcp", *, driver: str = "sim") -> It
         server.stop(grace=0)
         if directory:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+class YesDriver(pb_grpc.FabricDriverServiceServicer):
+    """A driver in another language, as `disagg certify --remote` meets one: a bare servicer, not the SDK's, of a
+    sim fabric, that says yes to a call whose deadline passed (it checks none) and to an allocation of no bytes
+    (it carves one). It reads no metadata; the sim's own errors are answered with their status."""
+
+    def __init__(self, fabric: SimFabric, *, driver: str = "sim") -> None:
+        self.fabric = fabric
+        self.driver = driver
+
+    @staticmethod
+    def _refuse(context: grpc.ServicerContext, error: DisaggError) -> NoReturn:
+        context.abort_with_status(to_status(error))
+        raise AssertionError("unreachable: abort raises")
+
+    def GetCapabilities(  # noqa: N802
+        self, request: pb.GetCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> pb.GetCapabilitiesResponse:
+        capabilities = capabilities_to_wire(self.fabric.capabilities())
+        return pb.GetCapabilitiesResponse(fabric=self.fabric.name, driver=self.driver, capabilities=capabilities)
+
+    def Discover(self, request: pb.DiscoverRequest, context: grpc.ServicerContext) -> pb.DiscoverResponse:  # noqa: N802
+        return pb.DiscoverResponse(topology=topology_to_wire(self.fabric.discover()))
+
+    def ListBindings(self, request: pb.ListBindingsRequest, context: grpc.ServicerContext) -> pb.ListBindingsResponse:  # noqa: N802
+        return pb.ListBindingsResponse(bindings=[binding_to_wire(b) for b in self.fabric.bindings()])
+
+    def Bind(self, request: pb.BindRequest, context: grpc.ServicerContext) -> pb.BindResponse:  # noqa: N802
+        try:
+            binding = self.fabric.bind(request.device, request.host, CallContext(epoch=request.epoch))
+        except DisaggError as exc:
+            self._refuse(context, exc)
+        return pb.BindResponse(binding=binding_to_wire(binding))
+
+    def Unbind(self, request: pb.UnbindRequest, context: grpc.ServicerContext) -> pb.UnbindResponse:  # noqa: N802
+        try:
+            self.fabric.unbind(Binding(request.binding.device, request.binding.host), CallContext(epoch=request.epoch))
+        except DisaggError as exc:
+            self._refuse(context, exc)
+        return pb.UnbindResponse()
+
+    def ListAllocations(  # noqa: N802
+        self, request: pb.ListAllocationsRequest, context: grpc.ServicerContext
+    ) -> pb.ListAllocationsResponse:
+        try:
+            allocations = self.fabric.pool(request.pool).allocations()
+        except DisaggError as exc:
+            self._refuse(context, exc)
+        return pb.ListAllocationsResponse(allocations=[allocation_to_wire(a) for a in allocations])
+
+    def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
+        ctx, amount = CallContext(epoch=request.epoch), max(request.amount_bytes, 1)
+        try:
+            allocation = self.fabric.pool(request.pool).allocate(request.allocation_id, request.host, amount, ctx)
+        except DisaggError as exc:
+            self._refuse(context, exc)
+        return pb.AllocateResponse(allocation=allocation_to_wire(allocation))
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:  # noqa: N802
+        try:
+            self.fabric.pool(request.pool).release(request.allocation_id, CallContext(epoch=request.epoch))
+        except DisaggError as exc:
+            self._refuse(context, exc)
+        return pb.ReleaseResponse()
+
+
+@contextlib.contextmanager
+def serving_bare(servicer: pb_grpc.FabricDriverServiceServicer) -> Iterator[str]:
+    """Serve ``servicer`` on a bare gRPC server on a loopback port; its address. Stopped at exit."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_FabricDriverServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=0)
 
 
 @contextlib.contextmanager

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,16 +35,17 @@ from disagg.errors import (
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import CallContext
-from disagg.model import Binding, DeviceKind, DevicePick, Health
+from disagg.interfaces import CallContext, Pool
+from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Health, PoolInfo
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.plugin import create_fabric
 from disagg.remote.service import FabricDriverServicer
 from disagg.requestlang import parse_request
 from disagg.wire import driver as wire
 from disagg_sim import SIM_CAPABILITIES, SimFabric
+from disagg_sim import create_fabric as create_sim
 from google.rpc import code_pb2, status_pb2
-from remote_helpers import Plain, Secretive, cxl, pcie, served
+from remote_helpers import Plain, Secretive, cxl, eventually, pcie, served
 from server_helpers import serving, socket_path
 
 
@@ -58,6 +62,66 @@ class BindsThenFails(Plain):
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         self.inner.bind(device, host, ctx)
         raise RuntimeError("a bug after the hardware bound")
+
+
+class HeldBind(Plain):
+    """Hardware that cannot be interrupted: a bind checks its deadline, then works ``hold_s`` and binds whatever
+    the deadline says by then. ``started`` and ``finished`` are set as a bind begins and ends."""
+
+    def __init__(self, inner: SimFabric, hold_s: float) -> None:
+        super().__init__(inner)
+        self.hold_s = hold_s
+        self.started = threading.Event()
+        self.finished = threading.Event()
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        try:
+            ctx.check_deadline()
+            self.started.set()
+            time.sleep(self.hold_s)
+            return self.inner.bind(device, host, CallContext(epoch=ctx.epoch, request_id=ctx.request_id))
+        finally:
+            self.finished.set()
+
+
+class HeldPool(Pool):
+    """A pool whose allocate, like `HeldBind`'s bind, works ``hold_s`` past its deadline check."""
+
+    def __init__(self, inner: Pool, hold_s: float, finished: threading.Event) -> None:
+        self.inner, self.hold_s, self.finished = inner, hold_s, finished
+
+    @property
+    def id(self) -> str:
+        return self.inner.id
+
+    def info(self) -> PoolInfo:
+        return self.inner.info()
+
+    def allocations(self) -> tuple[Allocation, ...]:
+        return tuple(self.inner.allocations())
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        try:
+            ctx.check_deadline()
+            time.sleep(self.hold_s)
+            return self.inner.allocate(allocation_id, host, amount_bytes, CallContext(epoch=ctx.epoch))
+        finally:
+            self.finished.set()
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        self.inner.release(allocation_id, ctx)
+
+
+class HeldAllocate(Plain):
+    """A fabric whose pools are `HeldPool`s."""
+
+    def __init__(self, inner: SimFabric, hold_s: float) -> None:
+        super().__init__(inner)
+        self.hold_s = hold_s
+        self.finished = threading.Event()
+
+    def pool(self, pool: str) -> Pool:
+        return HeldPool(self.inner.pool(pool), self.hold_s, self.finished)
 
 
 GPU = "pcie0/gpu-a0"
@@ -122,18 +186,57 @@ class TestConnect:
             fabric.close()
 
     def test_a_call_without_an_answer_has_an_unknown_outcome(self, sim: SimFabric) -> None:
-        """The driver's process went away: the bind may or may not have happened, and the error says so; an
-        error the driver answered with does not."""
+        """The driver's process went away while the bind ran: the bind may or may not have happened (here it
+        did), and the error says so; an error the driver answered with does not."""
         gpu = next(d.id for d in sim.discover().devices if d.kind is DeviceKind.GPU)
-        with served(sim) as server:
+        driver = HeldBind(sim, 0.5)
+        with served(driver) as server:
             remote = RemoteFabric("pcie0", server.address, connect_timeout_s=5)
             with pytest.raises(UnknownDeviceError) as answered:
                 remote.bind("pcie0/no-such-gpu", "h1", CallContext(epoch=1))
             assert OUTCOME not in answered.value.metadata
+            driver.started.clear()
+            driver.finished.clear()
+            stopping = threading.Thread(target=lambda: driver.started.wait(5) and server.stop(grace=0))
+            stopping.start()
+            try:
+                with pytest.raises(FabricUnavailableError) as lost:
+                    remote.bind(gpu, "h1", CallContext.with_timeout(5.0, epoch=1))
+                assert lost.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
+            finally:
+                stopping.join()
+                remote.close()
+        assert driver.finished.wait(5) and sim.bindings() == (Binding(gpu, "h1"),)
+
+    def test_an_endpoint_that_is_down_changed_nothing(self, sim: SimFabric) -> None:
+        """No connection, so the call was never sent (gRPC fails it at once): an answer, nothing changed. It was
+        taken for a call that may have happened, and a compose left a FAILED composition with the device
+        named as left over, though it was never touched."""
+        with served(sim) as server:
+            remote = RemoteFabric("pcie0", server.address, connect_timeout_s=5)
         try:
-            with pytest.raises(FabricUnavailableError) as lost:
-                remote.bind(gpu, "h1", CallContext.with_timeout(2.0, epoch=1))
-            assert lost.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
+            with pytest.raises(FabricUnavailableError) as refused:
+                remote.bind(GPU, "h1", CallContext.with_timeout(5.0, epoch=1))
+            assert OUTCOME not in refused.value.metadata and not in_doubt(refused.value)
+            executor = Executor({"pcie0": remote}, lambda deadline: CallContext(epoch=1, deadline=deadline))
+            with pytest.raises(ExecutionFailedError) as failed:
+                executor.apply("h1", [("pcie0", DevicePick(GPU, 0, 0))], [], deadline=time.monotonic() + 5)
+            assert failed.value.leftovers == ()
+        finally:
+            remote.close()
+
+    def test_a_call_the_endpoint_never_took_changed_nothing(
+        self, sim: SimFabric, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The endpoint went away after the remote fabric last saw it connected, before the call (no check of
+        the endpoint in between): gRPC could not connect and never sent it."""
+        with served(sim) as server:
+            remote = RemoteFabric("pcie0", server.address, connect_timeout_s=5)
+        monkeypatch.setattr(remote, "_served_here", lambda timeout: SIM_CAPABILITIES, raising=False)
+        try:
+            with pytest.raises(FabricUnavailableError, match="failed to connect to all addresses") as refused:
+                remote.unbind(Binding(GPU, "h1"), CallContext.with_timeout(5.0, epoch=1))
+            assert OUTCOME not in refused.value.metadata and server.address in refused.value.message
         finally:
             remote.close()
 
@@ -236,6 +339,55 @@ class TestErrors:
                     call(remote)
             finally:
                 remote.close()
+
+    @pytest.mark.parametrize(
+        ("field", "call"),
+        [
+            ("host", lambda f: f.bind(GPU, 7, CTX)),
+            ("device", lambda f: f.bind(None, "h1", CTX)),
+            ("device", lambda f: f.bind("pcie0/\udc80", "h1", CTX)),
+            ("binding.device", lambda f: f.unbind(Binding(None, "h1"), CTX)),  # type: ignore[arg-type]
+            ("binding.host", lambda f: f.unbind(Binding(GPU, "\udc80"), CTX)),
+            ("binding", lambda f: f.unbind((GPU, "h1"), CTX)),
+            ("epoch", lambda f: f.bind(GPU, "h1", CallContext(epoch=1.5))),  # type: ignore[arg-type]
+            ("request_id", lambda f: f.bind(GPU, "h1", CallContext(epoch=1, request_id=None))),  # type: ignore[arg-type]
+            ("deadline", lambda f: f.bind(GPU, "h1", CallContext(epoch=1, deadline="soon"))),  # type: ignore[arg-type]
+            ("target", lambda f: f.fail_device(None)),
+            ("message", lambda f: f.fail_device(GPU, b"ECC")),
+            ("device", lambda f: f.flaky_bind("", 2)),
+        ],
+        ids=[
+            "host-int",
+            "device-none",
+            "device-surrogate",
+            "unbind-device-none",
+            "unbind-host-surrogate",
+            "unbind-a-tuple",
+            "epoch-float",
+            "request-id-none",
+            "deadline-str",
+            "fault-target-none",
+            "fault-message-bytes",
+            "flaky-bind-empty-device",
+        ],
+    )
+    def test_bad_arguments_are_invalid_requests_naming_the_field(
+        self, remote: RemoteFabric, sim: SimFabric, field: str, call: Callable[[RemoteFabric], object]
+    ) -> None:
+        """As the in-process sim answers them, instead of protobuf's TypeError or UnicodeEncodeError; an empty
+        device to flaky_bind armed a failure of any device (the wire's "")."""
+        with pytest.raises(InvalidRequestError) as info:
+            call(remote)
+        assert info.value.field == field
+        assert remote.bind("pcie0/gpu-a3", "h1", CTX) == Binding("pcie0/gpu-a3", "h1")  # nothing was armed
+        assert sim.bindings() == (Binding("pcie0/gpu-a3", "h1"),)
+
+    @pytest.mark.parametrize("away", [1e10, 1e19, math.inf, math.nan], ids=["1e10s", "1e19s", "inf", "nan"])
+    def test_a_deadline_that_never_comes_is_none(self, remote: RemoteFabric, away: float) -> None:
+        """grpcio failed every call at once with DeadlineExceededError; in process the call succeeds."""
+        assert remote.bind(GPU, "h1", CallContext(epoch=1, deadline=time.monotonic() + away)) == Binding(GPU, "h1")
+        remote.unbind(Binding(GPU, "h1"), CallContext(epoch=1, deadline=time.monotonic() + away))
+        assert remote.bindings() == ()
 
     def test_a_long_request_id_is_cut_to_fit_recognisably(self) -> None:
         """The composer's Python API passes any request id through, and an in-process driver takes it: every
@@ -351,6 +503,23 @@ class TestErrors:
             finally:
                 remote.close()
 
+    def test_a_call_the_drivers_server_cancelled_is_unavailable_in_doubt(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """As grpcio's server answers the calls it is running when it stops (or "Cancelling all calls",
+        UNAVAILABLE): the driver went away during the call. It was a bare DisaggError."""
+
+        def cancelled(self: FabricDriverServicer, request: object, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.CANCELLED, "stopping")
+
+        monkeypatch.setattr(FabricDriverServicer, "Bind", cancelled)
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(FabricUnavailableError, match="cancelled the call") as info:
+                    remote.bind(GPU, "h1", CTX)
+                assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
+            finally:
+                remote.close()
+
     def test_fault_injection_needs_a_fault_injectable_driver(self) -> None:
         with served(Plain(pcie())) as server:
             remote = RemoteFabric("pcie0", server.address)
@@ -359,6 +528,141 @@ class TestErrors:
                     remote.fail_device(GPU)
             finally:
                 remote.close()
+
+
+class TestAnUndoAfterALostAnswer:
+    """A call whose answer was lost to its deadline may still run in the driver; the undo the composer sends at
+    once waits for it there. It overtook the call, found nothing to undo, and the call then left the device
+    bound (or the capacity carved) with no composition."""
+
+    def test_a_rollback_waits_for_the_bind_it_undoes(self) -> None:
+        sim = pcie()
+        driver = HeldBind(sim, 0.5)
+        with served(driver) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                executor = Executor({"pcie0": remote}, lambda deadline: CallContext(epoch=1, deadline=deadline))
+                with pytest.raises(ExecutionFailedError) as failed:
+                    executor.apply("h1", [("pcie0", DevicePick(GPU, 0, 0))], [], deadline=time.monotonic() + 0.2)
+                assert failed.value.leftovers == ()
+                assert driver.finished.wait(5)
+                assert sim.bindings() == ()
+            finally:
+                remote.close()
+
+    def test_a_release_waits_for_the_allocate_it_undoes(self) -> None:
+        sim = cxl()
+        driver = HeldAllocate(sim, 0.5)
+        with served(driver) as server:
+            remote = RemoteFabric("cxl0", server.address)
+            try:
+                pool = remote.pool("cxl0/mem0")
+                with pytest.raises(DeadlineExceededError) as lost:
+                    pool.allocate("a1", "h1", 1 << 30, CallContext.with_timeout(0.2, epoch=1))
+                assert in_doubt(lost.value)
+                pool.release("a1", CallContext(epoch=1))
+                assert driver.finished.wait(5)
+                assert list(sim.pool("cxl0/mem0").allocations()) == []
+            finally:
+                remote.close()
+
+    def test_an_unbind_that_cannot_wait_long_enough_changes_nothing_and_says_so(self) -> None:
+        sim = pcie()
+        driver = HeldBind(sim, 2.0)
+        with served(driver) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            binding = threading.Thread(target=lambda: remote.bind(GPU, "h1", CallContext.with_timeout(10, epoch=1)))
+            binding.start()
+            try:
+                assert driver.started.wait(5)
+                with pytest.raises(DeadlineExceededError, match=f"waited for a bind of {GPU}") as info:
+                    remote.unbind(Binding(GPU, "h1"), CallContext.with_timeout(0.6, epoch=1))
+                assert info.value.retryable and OUTCOME not in info.value.metadata
+                binding.join(10)
+                assert sim.bindings() == (Binding(GPU, "h1"),)
+                remote.unbind(Binding(GPU, "h1"), CallContext.with_timeout(5, epoch=1))
+                assert sim.bindings() == ()
+            finally:
+                binding.join(10)
+                remote.close()
+
+
+def refusal(call: Callable[[], object]) -> str:
+    """Why ``call`` is refused as unavailable, or "answered"."""
+    try:
+        call()
+    except FabricUnavailableError as exc:
+        return exc.message
+    return "answered"
+
+
+class TestADriverOfAnotherFabricAtItsAddress:
+    """A driver restarted for another fabric at a fabric's address takes none of its calls, whether it checks the
+    fabric a call names or not. Discovery refused it, but unbinds, binds, bindings, capabilities and faults went
+    to it: the old binding's undo "succeeded" while the old driver kept it."""
+
+    @staticmethod
+    def calls(remote: RemoteFabric, bound: Binding) -> list[Callable[[], object]]:
+        return [
+            lambda: remote.unbind(bound, CTX),
+            lambda: remote.unbind(Binding("pcie0/disagg-fence", "disagg-fence"), CTX),
+            remote.bindings,
+            remote.capabilities,
+            lambda: remote.bind("pcie0/gpu-a1", "h1", CTX),
+            remote.discover,
+            lambda: remote.fail_device("pcie1/gpu-a0"),
+            lambda: remote.flaky_bind(None, 1),
+        ]
+
+    @pytest.mark.parametrize("checks", [True, False], ids=["driver-checks-the-fabric", "driver-does-not"])
+    def test_every_call_is_refused_as_unavailable(self, checks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        if not checks:  # as a driver in another language that ignores disagg-fabric
+            monkeypatch.setattr(FabricDriverServicer, "check_fabric", lambda self, context: None, raising=False)
+        directory = tempfile.mkdtemp(prefix="dg-")
+        address = f"unix:{directory}/pcie0.sock"
+        mine, other = pcie(), create_sim("pcie1", {"topology": "demo-pcie"})
+        server = DriverServer(mine, address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        try:
+            bound = remote.bind(GPU, "h1", CTX)
+            server.stop(grace=0)
+            server = DriverServer(other, address, driver="sim").start()
+            assert eventually(lambda: "now serves" in refusal(remote.bindings), 10.0)  # once the channel reconnects
+            for call in self.calls(remote, bound):
+                with pytest.raises(FabricUnavailableError, match="now serves fabric 'pcie1'"):
+                    call()
+            assert mine.bindings() == (bound,)
+            assert other.bindings() == () and other.device("pcie1/gpu-a0").health() is Health.OK
+            assert other.bind("pcie1/gpu-a1", "h1", CTX) == Binding("pcie1/gpu-a1", "h1")  # no flaky bind armed
+        finally:
+            remote.close()
+            server.stop(grace=0)
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def test_a_lazy_fabric_that_never_answered_checks_before_any_call(self) -> None:
+        """Only its capabilities and discovery checked the fabric served; its other calls went to any driver."""
+        directory = tempfile.mkdtemp(prefix="dg-")
+        address = f"unix:{directory}/pcie0.sock"
+        other = create_sim("pcie1", {"topology": "demo-pcie"})
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=0.1, lazy=True)
+        server = DriverServer(other, address, driver="sim").start()
+        try:
+
+            def answered() -> bool:
+                with contextlib.suppress(FabricUnavailableError):
+                    remote.capabilities()
+                return remote.driver == "sim"
+
+            with pytest.raises(ConfigError, match="serves fabric 'pcie1'"):
+                eventually(answered, 10.0)  # the channel reconnects within its backoff (2 s at most)
+            for call in self.calls(remote, Binding(GPU, "h1")):
+                with pytest.raises(ConfigError, match="serves fabric 'pcie1'"):
+                    call()
+            assert other.bindings() == () and other.device("pcie1/gpu-a0").health() is Health.OK
+        finally:
+            remote.close()
+            server.stop(grace=0)
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class TestDiscoverCache:

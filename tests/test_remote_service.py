@@ -13,10 +13,12 @@ from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import ConfigError, DeviceBusyError, DriverError, FabricUnavailableError, StaleEpochError
 from disagg.fabric.v1 import types_pb2 as tpb
+from disagg.model import Binding
 from disagg.remote import DriverServer
 from disagg.remote.feed import EventFeed, Signal
 from disagg.remote.service import HEALTH_SERVICE_NAME, SERVICE_NAME
 from disagg.wire.errors import from_rpc_error
+from disagg_sim import create_fabric as create_sim
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -222,6 +224,54 @@ class TestErrorCodes:
                 assert "RuntimeError" in error.details() and "incident" in error.details()
                 assert isinstance(from_rpc_error(error), DriverError)
         assert "secret" in caplog.text  # the driver's own log keeps it, under the incident id
+
+
+class TestMetadata:
+    """The fabric a call names and a deadline that passed before it was sent, as the remote driver's client sends
+    them (docs/remote-drivers.md), so that the driver itself refuses what it must refuse."""
+
+    def test_a_call_for_another_fabric_is_refused_unchanged(self) -> None:
+        fabric = pcie()
+        bind = pb.BindRequest(device=GPU, host="h1", epoch=1)
+        with served(fabric) as server, stub_for(server.address) as stub:
+            for name in ("pcie1", "pcie0x", "pc%C3%ADe0"):
+                metadata = (("disagg-fabric", name),)
+                error = refused(stub.Bind, bind, metadata=metadata)
+                assert (error.code(), reason(error)) == (grpc.StatusCode.UNAVAILABLE, "FABRIC_UNAVAILABLE")
+                assert "now serves fabric 'pcie0'" in error.details()
+                stream = stub.WatchFabricEvents(pb.WatchFabricEventsRequest(), metadata=metadata)
+                assert refused(next, stream).code() is grpc.StatusCode.UNAVAILABLE
+            assert fabric.bindings() == ()
+            stub.Bind(bind, metadata=(("disagg-fabric", "pcie0"),))
+            stub.Bind(bind)  # a call that names no fabric (grpcurl) is served
+        assert fabric.bindings() == (Binding(GPU, "h1"),)
+
+    def test_a_fabric_name_that_is_not_ascii_is_recognised(self) -> None:
+        """Percent-encoded as gRPC encodes grpc-message: printable ASCII but % as it is, any other UTF-8 byte %XX."""
+        with served(create_sim("pcíe%0", {"topology": "demo-pcie"})) as server, stub_for(server.address) as stub:
+            metadata = (("disagg-fabric", "pc%C3%ADe%250"),)
+            assert len(stub.ListBindings(pb.ListBindingsRequest(), metadata=metadata).bindings) == 0
+            error = refused(stub.ListBindings, pb.ListBindingsRequest(), metadata=(("disagg-fabric", "pcíe%0"[:2]),))
+            assert error.code() is grpc.StatusCode.UNAVAILABLE
+
+    def test_a_deadline_that_passed_before_the_call_was_sent_is_refused(self) -> None:
+        plain = Plain(cxl())
+        passed = (("disagg-deadline-passed", "1.000"),)
+        with served(plain) as server, stub_for(server.address) as stub:
+            stub.Allocate(pb.AllocateRequest(pool="cxl0/mem0", allocation_id="a1", host="h1", amount_bytes=1, epoch=1))
+            for call, request in (
+                (stub.Bind, pb.BindRequest(device="cxl0/cxlmem0", host="h1", epoch=1)),
+                (stub.Unbind, pb.UnbindRequest(binding=tpb.Binding(device="cxl0/cxlmem0", host="h1"), epoch=1)),
+                (
+                    stub.Allocate,
+                    pb.AllocateRequest(pool="cxl0/mem0", allocation_id="a2", host="h1", amount_bytes=1, epoch=1),
+                ),
+                (stub.Release, pb.ReleaseRequest(pool="cxl0/mem0", allocation_id="a1", epoch=1)),
+            ):
+                error = refused(call, request, metadata=passed, timeout=5)
+                assert (error.code(), reason(error)) == (grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED")
+        assert [a.id for a in plain.inner.pool("cxl0/mem0").allocations()] == ["a1"]
+        assert all(ctx.deadline is not None and ctx.deadline <= time.monotonic() - 1 for _, ctx in plain.contexts)
 
 
 class TestNeverUnknown:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
+
 import pytest
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
 from disagg.fabric.v1 import types_pb2 as tpb
 from disagg.interfaces import CallContext
 from disagg.model import Binding, Capacity, FabricEvent, FabricEventKind, Health, PoolInfo, PoolKind, Topology
+from disagg.wire import deadlines
 from disagg.wire import driver as wire
 from disagg.wire.types import pool_info_from_wire, pool_info_to_wire, topology_from_wire, topology_to_wire
 from hypothesis import given
@@ -179,6 +184,87 @@ class TestRequestIdsThatDoNotFit:
     def test_ids_with_one_beginning_stay_apart(self) -> None:
         base = "r" * 200
         assert wire.request_id_to_wire(base + "1") != wire.request_id_to_wire(base + "2")
+
+
+class TestBadArguments:
+    """A value protobuf would refuse with a bare TypeError or UnicodeEncodeError is an InvalidRequestError that
+    names its field, as an in-process driver answers."""
+
+    @pytest.mark.parametrize(
+        ("field", "build"),
+        [
+            ("device", lambda: wire.bind_request_to_wire(None, "h", CallContext())),  # type: ignore[arg-type]
+            ("host", lambda: wire.bind_request_to_wire("d", 7, CallContext())),  # type: ignore[arg-type]
+            ("device", lambda: wire.bind_request_to_wire("d\udc80", "h", CallContext())),
+            ("binding", lambda: wire.unbind_request_to_wire(None, CallContext())),  # type: ignore[arg-type]
+            ("binding.host", lambda: wire.unbind_request_to_wire(Binding("d", None), CallContext())),  # type: ignore[arg-type]
+            ("epoch", lambda: wire.bind_request_to_wire("d", "h", CallContext(epoch=1.5))),  # type: ignore[arg-type]
+            ("epoch", lambda: wire.bind_request_to_wire("d", "h", CallContext(epoch=True))),
+            ("request_id", lambda: wire.bind_request_to_wire("d", "h", CallContext(request_id=None))),  # type: ignore[arg-type]
+            ("pool", lambda: wire.allocate_request_to_wire(None, "a", "h", 1, CallContext())),  # type: ignore[arg-type]
+            ("amount_bytes", lambda: wire.allocate_request_to_wire("p", "a", "h", -1, CallContext())),
+            ("amount_bytes", lambda: wire.allocate_request_to_wire("p", "a", "h", 1.0, CallContext())),  # type: ignore[arg-type]
+            ("allocation_id", lambda: wire.release_request_to_wire("p", b"a", CallContext())),  # type: ignore[arg-type]
+            ("device", lambda: wire.sanitize_request_to_wire("\ud800", CallContext())),
+            ("message", lambda: wire.fault_to_wire(wire.Fault(wire.FaultKind.FAIL_DEVICE, "d", message=None))),  # type: ignore[arg-type]
+        ],
+    )
+    def test_refused_naming_the_field(self, field: str, build: Callable[[], object]) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            build()
+        assert info.value.field == field
+
+    def test_no_bytes_is_for_the_driver_to_refuse(self) -> None:
+        """The uint64 field carries 0; the driver refuses it (conformance: CARVE-INVALID-AMOUNT)."""
+        assert wire.allocate_request_to_wire("p", "a", "h", 0, CallContext()).amount_bytes == 0
+
+
+class TestMetadata:
+    """The fabric a call names and a deadline that passed survive their metadata, whatever they hold."""
+
+    @given(st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=20))
+    def test_fabric_round_trip(self, name: str) -> None:
+        value = wire.fabric_to_metadata(name)
+        assert value.isascii() and value.isprintable() and wire.fabric_from_metadata(value) == name
+
+    def test_an_ascii_fabric_name_is_sent_as_it_is(self) -> None:
+        assert wire.fabric_to_metadata("pcie0") == "pcie0"
+        assert wire.fabric_to_metadata("a%b") == "a%25b"
+
+    @pytest.mark.parametrize(
+        ("ago", "value", "back"),
+        [(1.0, "1.000", 1.0), (0.0, "0.000", 0.0), (math.inf, "1000000000.000", 1e9), (-3.0, "0.000", 0.0)],
+    )
+    def test_a_deadline_that_passed(self, ago: float, value: str, back: float) -> None:
+        assert wire.deadline_passed_to_metadata(ago) == value
+        assert wire.deadline_passed_from_metadata(value, 100.0) == 100.0 - back
+
+    @pytest.mark.parametrize("value", ["soon", "nan", "-inf", "-2"])
+    def test_a_malformed_deadline_passed_just_now(self, value: str) -> None:
+        assert wire.deadline_passed_from_metadata(value, 100.0) == 100.0
+
+
+class TestDeadlines:
+    """A deadline a gRPC timeout can carry, or none: one that never comes is none, as in process."""
+
+    @pytest.mark.parametrize(
+        "deadline",
+        [lambda: math.inf, lambda: math.nan, lambda: 10**400, lambda: time.monotonic() + 1.5e9],
+        ids=["inf", "nan", "10**400", "in-1.5e9-s"],
+    )
+    def test_one_that_never_comes_is_none(self, deadline: Callable[[], float]) -> None:
+        assert deadlines.remaining_of(deadline()) is None
+
+    def test_one_that_passed_is_not_positive(self) -> None:
+        remaining = deadlines.remaining_of(time.monotonic() - 1)
+        assert remaining is not None and remaining <= -1
+        assert deadlines.remaining_of(-math.inf) == -math.inf and deadlines.remaining_of(-(10**400)) == -math.inf
+        assert deadlines.remaining_of(None) is None
+
+    def test_one_that_is_not_a_number(self) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            deadlines.remaining_of("soon")
+        assert info.value.field == "deadline"
 
 
 class TestValuesTheWireCannotCarry:

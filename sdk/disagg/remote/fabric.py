@@ -3,7 +3,11 @@
 The composer cannot tell it from an in-process driver:
 
 - each call's gRPC timeout is ``ctx.remaining()`` (or the default call timeout), and it carries the
-  context's epoch and request id;
+  context's epoch and request id; a call whose deadline passed already is sent all the same, saying so, for the
+  driver to refuse (`disagg.wire.driver.DEADLINE_PASSED_KEY`), as it refuses one in process;
+- each call names the fabric meant (`disagg.wire.driver.FABRIC_KEY`), and a call on a channel that lost its
+  connection since the endpoint last said which fabric it serves asks it first: a driver of another fabric
+  restarted at the address is refused as unavailable, whether it checks the name or not;
 - a failed call raises the SDK error the driver raised, rebuilt from the status details
   (`disagg.wire.errors.from_rpc_error`); an endpoint that cannot be reached is `FabricUnavailableError`,
   and a driver that failed unexpectedly (INTERNAL) is a `DriverError`, as the composer reports an unexpected
@@ -35,7 +39,6 @@ from disagg.errors import (
     OUTCOME,
     OUTCOME_UNKNOWN,
     ConfigError,
-    DeadlineExceededError,
     DisaggError,
     DriverError,
     FabricUnavailableError,
@@ -57,6 +60,7 @@ from disagg.model import (
 from disagg.model import Device as DeviceInfo
 from disagg.remote.watch import EventCall, EventWatcher
 from disagg.wire import driver as wire
+from disagg.wire.deadlines import remaining_of
 from disagg.wire.errors import build, from_rpc_error, server_status
 from disagg.wire.types import allocation_from_wire, binding_from_wire, capabilities_from_wire, topology_from_wire
 
@@ -67,6 +71,12 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DISCOVER_TTL_S = 1.0
 FAULT_EVENTS_WAIT_S = 5.0
 """The longest a fault injection waits for its events to be handled."""
+PASSED_DEADLINE_TIMEOUT_S = 5.0
+"""The gRPC timeout of a call whose deadline passed before it was sent: the driver only has to refuse it."""
+NOT_CONNECTED = "failed to connect to all addresses"
+"""How gRPC's status message begins when it failed a call without sending it: the channel could not connect
+(TRANSIENT_FAILURE), and a call that does not wait for ready fails at once, never transmitted (gRPC's
+``doc/wait-for-ready.md``; the message is that of its pick_first policy's failing picker)."""
 MAX_MESSAGE_BYTES = 1 << 30
 """Discover answers the whole fabric in one message: tens of MB at 100,000 devices."""
 CHANNEL_OPTIONS = (
@@ -76,12 +86,28 @@ CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
+_READY = grpc.ChannelConnectivity.READY.value[0]
+"""gRPC core's number of the READY state, which grpcio's Cython channel answers."""
+
 T = TypeVar("T")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
 LinkKey = tuple[str, str]
+
+
+def connected(channel: grpc.Channel) -> bool:
+    """Whether ``channel`` has a connection now (READY), without trying to make one; False when grpcio cannot
+    tell. grpcio's public API tells the state only to a subscription, whose polling thread (one per channel)
+    raises when the channel is closed under it (grpc/grpc#18995); the Cython channel it wraps answers at once."""
+    check = getattr(getattr(channel, "_channel", None), "check_connectivity_state", None)
+    if check is None:
+        return False
+    try:
+        return bool(check(False) == _READY)
+    except ValueError:  # the channel was closed
+        return False
 
 
 def _link_key(a: str, b: str) -> LinkKey:
@@ -239,8 +265,13 @@ class RemoteFabric(Fabric, FaultInjection):
         self.driver = ""
         """The fabric type the endpoint serves (its `disagg driver serve DRIVER`), as it reports it."""
         self._capabilities: Capabilities | None = None
+        self._disconnections = 0
+        """How many times a call found the channel without a connection (`_lost_connection`)."""
+        self._checked_at: int | None = None
+        """`_disconnections` when the endpoint last answered which fabric it serves (`_served_here`)."""
+        self._metadata = ((wire.FABRIC_KEY, wire.fabric_to_metadata(name)),)
         try:
-            self._accept(self._connect(self.connect_timeout_s))
+            self._accept(self._connect(self.connect_timeout_s), 0)
         except FabricUnavailableError as exc:
             if not lazy:
                 self._channel.close()
@@ -250,8 +281,26 @@ class RemoteFabric(Fabric, FaultInjection):
             self._channel.close()
             raise
 
-    def _accept(self, answer: pb.GetCapabilitiesResponse) -> Capabilities:
-        """Take the endpoint's answer to GetCapabilities: its fabric must be this one."""
+    def _lost_connection(self) -> None:
+        """Count a loss of the channel's connection: the next connection may reach another process, which
+        `_served_here` asks which fabric it serves before the next call."""
+        with self._lock:
+            self._disconnections += 1
+
+    def _reconnecting(self) -> None:
+        """Before a call: a channel without a connection makes a new one for it, maybe to another process (a
+        driver restarted for another fabric at the address), so count a loss. Every call does this before it
+        starts (the watcher's streams too), so a connection made for any of them counts."""
+        if not connected(self._channel):
+            self._lost_connection()
+
+    def _accept(self, answer: pb.GetCapabilitiesResponse, disconnections: int) -> Capabilities:
+        """Take the endpoint's answer to GetCapabilities, asked when the channel had lost its connection
+        ``disconnections`` times: its fabric must be this one. The first answer of another is a mistake of the
+        configuration (`ConfigError`); a later one is another driver restarted at the address, refused as
+        unavailable, every call with it."""
+        if answer.fabric != self._name and self._capabilities is not None:
+            raise self._another_fabric(answer.fabric)
         if answer.fabric != self._name:
             raise ConfigError(
                 f"fabric {self._name!r} (driver remote): the driver at {self.address} serves fabric "
@@ -263,20 +312,46 @@ class RemoteFabric(Fabric, FaultInjection):
         with self._lock:
             self.driver = answer.driver
             self._capabilities = capabilities
+            self._checked_at = disconnections
         return capabilities
 
-    def _connected(self) -> Capabilities:
-        """The capabilities, reading them first from a fabric made unconnected (``lazy``), without waiting long."""
-        capabilities = self._capabilities
-        if capabilities is None:
-            capabilities = self._accept(self._connect(min(self.connect_timeout_s, self.call_timeout_s, 1.0)))
-        return capabilities
+    def _another_fabric(self, served: str) -> FabricUnavailableError:
+        return FabricUnavailableError(
+            f"fabric {self._name!r}: the driver at {self.address} now serves fabric {served!r}; "
+            "give each fabric's driver its own address"
+        )
 
-    def _connect(self, wait_s: float) -> pb.GetCapabilitiesResponse:
-        """Ask for the capabilities, waiting up to ``wait_s`` for the endpoint to be there."""
+    def _served_here(self, timeout: float) -> Capabilities:
+        """The capabilities, once the endpoint answered that it serves this fabric since the channel last lost
+        its connection: a fabric made unconnected (``lazy``) waits a little for its first answer, a connection
+        lost since the last answer (the driver may have been restarted for another fabric at the address) asks
+        again within ``timeout``. Whatever fails here, the call it precedes was not sent: the error says nothing
+        of an unknown outcome."""
+        self._reconnecting()
+        with self._lock:
+            capabilities, disconnections = self._capabilities, self._disconnections
+            if capabilities is not None and self._checked_at == disconnections:
+                return capabilities
+        try:
+            if capabilities is None:
+                answer = self._connect(min(self.connect_timeout_s, self.call_timeout_s, 1.0))
+            else:
+                answer = self._connect(timeout, wait_for_ready=False)
+        except DisaggError as exc:
+            exc.metadata.pop(OUTCOME, None)
+            raise
+        except ValueError:  # grpcio's answer on a closed channel
+            if self._closed:
+                raise self._closed_error() from None
+            raise
+        return self._accept(answer, disconnections)
+
+    def _connect(self, wait_s: float, *, wait_for_ready: bool = True) -> pb.GetCapabilitiesResponse:
+        """Ask for the capabilities, waiting up to ``wait_s`` for the endpoint to be there (or, without
+        ``wait_for_ready``, failing at once when it cannot be reached)."""
         try:
             answer: pb.GetCapabilitiesResponse = self._stub.GetCapabilities(
-                pb.GetCapabilitiesRequest(), timeout=wait_s, wait_for_ready=True
+                pb.GetCapabilitiesRequest(), timeout=wait_s, wait_for_ready=wait_for_ready
             )
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -305,10 +380,9 @@ class RemoteFabric(Fabric, FaultInjection):
         return self._name
 
     def capabilities(self) -> Capabilities:
-        return self._connected()
+        return self._served_here(self.call_timeout_s)
 
     def discover(self) -> Topology:
-        self._connected()
         topology = self._discover()[0]
         # No stream has told anything yet: its first resync starts from this, unless it already took what it
         # compares with (this answer may be newer than the resync's discovery: the change would go backwards).
@@ -401,13 +475,16 @@ class RemoteFabric(Fabric, FaultInjection):
             raise InvalidRequestError("failures must be an integer >= 0", field="failures")
         if failures > wire.MAX_FAULT_COUNT:  # the service refuses more, and the field holds 32 bits only
             raise InvalidRequestError(f"failures: at most {wire.MAX_FAULT_COUNT}", field="failures")
+        if device is not None and (not isinstance(device, str) or not device):  # the wire's "" is any device
+            raise InvalidRequestError(f"device must be a non-empty string or None, not {device!r}", field="device")
         self._inject(wire.Fault(wire.FaultKind.FLAKY_BIND, device or "", count=failures))
 
     def _inject(self, fault: wire.Fault) -> None:
         """Inject ``fault``; then wait until the events it caused are handled, if the driver numbers them."""
         request = wire.fault_to_wire(fault)
+        self._served_here(self.call_timeout_s)
         try:
-            _, call = self._stub.InjectFault.with_call(request, timeout=self.call_timeout_s)
+            _, call = self._stub.InjectFault.with_call(request, timeout=self.call_timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         except ValueError:  # the channel was closed
@@ -422,18 +499,26 @@ class RemoteFabric(Fabric, FaultInjection):
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _timeout(self, ctx: CallContext | None) -> float:
-        remaining = ctx.remaining() if ctx is not None else None
+    def _timeout(self, ctx: CallContext | None) -> tuple[float, float | None]:
+        """The gRPC timeout of a call with ``ctx``, and how long ago its deadline passed (None if it has not):
+        the default call timeout without a deadline (or with one that never comes, `remaining_of`)."""
+        remaining = remaining_of(ctx.deadline) if ctx is not None else None
         if remaining is None:
-            return self.call_timeout_s
+            return self.call_timeout_s, None
         if remaining <= 0:
-            raise DeadlineExceededError(f"fabric {self._name}: the call's deadline passed before it was sent")
-        return remaining
+            return min(self.call_timeout_s, PASSED_DEADLINE_TIMEOUT_S), -remaining
+        return remaining, None
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable[Req, Resp], request: Req, ctx: CallContext | None) -> Resp:
-        timeout = self._timeout(ctx)
+        """Make the call on an endpoint that serves this fabric (`_served_here`), within ``ctx``'s deadline; one
+        that passed is sent for the driver to refuse (`wire.DEADLINE_PASSED_KEY`)."""
+        self._served_here(self._timeout(ctx)[0])
+        timeout, passed = self._timeout(ctx)
+        metadata: tuple[tuple[str, str], ...] = self._metadata
+        if passed is not None:
+            metadata = (*metadata, (wire.DEADLINE_PASSED_KEY, wire.deadline_passed_to_metadata(passed)))
         with self._answered():
-            answer = method(request, timeout=timeout)
+            answer = method(request, timeout=timeout, metadata=metadata)
         return answer
 
     @contextlib.contextmanager
@@ -458,6 +543,12 @@ class RemoteFabric(Fabric, FaultInjection):
         if not isinstance(exc, grpc.Call) or server_status(exc) is not None:
             return error
         code = exc.code()
+        if code is grpc.StatusCode.UNAVAILABLE:
+            self._lost_connection()  # the channel may not know yet
+            if error.message.startswith(NOT_CONNECTED):  # never sent: an answer, nothing changed
+                return build(type(error), f"fabric {self._name!r} (driver remote at {self.address}): {error.message}")
+        if code is grpc.StatusCode.CANCELLED:  # not by this client: the driver's server stopped during the call
+            error = build(FabricUnavailableError, f"the driver's server cancelled the call ({error.message})")
         unknown = {OUTCOME: OUTCOME_UNKNOWN}  # no answer from the driver: the call may have happened
         if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
             return DriverError(
@@ -490,17 +581,17 @@ class RemoteFabric(Fabric, FaultInjection):
             cache = self._cache
             generation = self._generation
             caching = self._watcher is not None and self._watcher.connected
+        self._served_here(self.call_timeout_s)
         if cache is not None and caching and time.monotonic() < cache[0]:
             return cache[1], cache[2], None
         with self._answered():
-            answer, call = self._stub.Discover.with_call(pb.DiscoverRequest(), timeout=self._timeout(None))
+            answer, call = self._stub.Discover.with_call(
+                pb.DiscoverRequest(), timeout=self.call_timeout_s, metadata=self._metadata
+            )
         published = wire.event_sequence(wire.metadata_value(call.trailing_metadata(), wire.EVENT_SEQUENCE_KEY))
         topology = self._read(lambda: topology_from_wire(answer.topology), "topology")
         if topology.fabric != self._name:  # another driver answers at the address now (a swapped unit or socket)
-            raise FabricUnavailableError(
-                f"fabric {self._name!r}: the driver at {self.address} now serves fabric {topology.fabric!r}; "
-                "give each fabric's driver its own address"
-            )
+            raise self._another_fabric(topology.fabric)
         index = {d.id: d for d in topology.devices}
         with self._lock:
             self._pools = {p.id: p for p in topology.pools}
@@ -523,7 +614,8 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def _open_stream(self) -> EventCall:
         # grpcio's streaming call is also a `grpc.Future` (``done``), which its type stubs do not say.
-        return cast(EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest()))
+        self._reconnecting()  # the resync that follows asks which fabric is served, if this connects anew
+        return cast(EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest(), metadata=self._metadata))
 
     def _resync(self, first: bool) -> None:
         """After (re)connecting: rediscover; tell the handlers what changed while disconnected or, on the first
@@ -569,9 +661,13 @@ class RemoteFabric(Fabric, FaultInjection):
         stream opened for it and cancelled at once, for a driver that does not send it with its Discover answer
         (an event published between that answer and this read can be taken for a copy); None when the driver
         does not number its events, refuses the stream (its cap), or does not answer."""
+        self._reconnecting()
         try:
             call = cast(
-                EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest(), timeout=self.call_timeout_s)
+                EventCall,
+                self._stub.WatchFabricEvents(
+                    pb.WatchFabricEventsRequest(), timeout=self.call_timeout_s, metadata=self._metadata
+                ),
             )
         except ValueError:  # the channel was closed
             return None
@@ -624,8 +720,8 @@ class RemotePool(Pool):
         return tuple(allocation_from_wire(a) for a in answer.allocations)
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
-            raise InvalidRequestError(f"amount_bytes must be a positive integer, not {amount_bytes!r}")
+        """An amount of 0 is sent, for the driver to refuse; a negative one is refused here (the wire cannot
+        carry it: `wire.allocate_request_to_wire`)."""
         fabric = self._fabric
         request = wire.allocate_request_to_wire(self.id, allocation_id, host, amount_bytes, ctx)
         answer = fabric._call(fabric._stub.Allocate, request, ctx)

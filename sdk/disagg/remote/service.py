@@ -1,10 +1,14 @@
 """`FabricDriverServicer`: one in-process `Fabric` served over ``disagg.driver.v1.FabricDriverService``.
 
 Every RPC is one call of the fabric (or of its pool, device handle or fault injection). The request's epoch
-and request id and the call's gRPC deadline become the `CallContext`. SDK errors become their gRPC status
-with google.rpc details (`disagg.wire.errors.to_status`). Any other exception is a bug in the driver: it is
-logged here under an incident id and answered INTERNAL as a `DriverError` that names the exception's type and
-the incident, never its text, so neither UNKNOWN nor what the exception said ever reaches a caller.
+and request id and the call's gRPC deadline become the `CallContext` (a deadline that passed before the client
+sent the call, ``disagg-deadline-passed``, is a deadline in the past). A call that names another fabric than
+the one served (``disagg-fabric``) is refused as the fabric unavailable. An unbind of a device waits for a bind
+of it still running, and a release for an allocate of its allocation id (`_InFlight`). SDK errors become their
+gRPC status with google.rpc details (`disagg.wire.errors.to_status`). Any other exception is a bug in the
+driver: it is logged here under an incident id and answered INTERNAL as a `DriverError` that names the
+exception's type and the incident, never its text, so neither UNKNOWN nor what the exception said ever reaches
+a caller.
 
 `DriverServer` puts the servicer on grpcio's synchronous thread-pool server (the model the driver interface
 was chosen for, see ``docs/benchmarks.md``) with ``grpc.health.v1`` and server reflection.
@@ -12,10 +16,13 @@ was chosen for, see ``docs/benchmarks.md``) with ``grpc.health.v1`` and server r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import IO, TypeVar
@@ -26,9 +33,18 @@ from grpc_reflection.v1alpha import reflection
 
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
-from disagg.errors import OUTCOME, OUTCOME_UNKNOWN, ConfigError, DisaggError, DriverError, UnsupportedError
+from disagg.errors import (
+    OUTCOME,
+    OUTCOME_UNKNOWN,
+    ConfigError,
+    DeadlineExceededError,
+    DisaggError,
+    DriverError,
+    FabricUnavailableError,
+    UnsupportedError,
+)
 from disagg.incidents import log_incident
-from disagg.interfaces import Fabric, FaultInjection
+from disagg.interfaces import CallContext, Fabric, FaultInjection
 from disagg.model import Topology
 from disagg.remote.address import check_address, unix_path
 from disagg.remote.feed import EventFeed, Signal, TooManyStreamsError
@@ -51,6 +67,9 @@ HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full
 POLL_S = 0.5
 """How often a watch stream with nothing to send checks that its client is still there."""
 DEFAULT_WORKERS = 16
+ANSWER_MARGIN_S = 0.1
+"""How long before a call's deadline a call that waits for another (`_InFlight`) gives up: its refusal must
+reach the client before the client stops waiting, or the client cannot tell that nothing was changed."""
 
 S = TypeVar("S", bound="FabricDriverServicer")
 Req = TypeVar("Req")
@@ -82,14 +101,25 @@ def _answer(context: grpc.ServicerContext, exc: Exception, fabric: str, method: 
     context.abort_with_status(to_status(exc))
 
 
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """The deadline of a call's `CallContext`: the gRPC call's, or one in the past when the client says that it
+    passed before the call was sent (``disagg-deadline-passed``), so that the fabric refuses the call itself."""
+    passed = wire.metadata_value(context.invocation_metadata(), wire.DEADLINE_PASSED_KEY)
+    if passed:
+        return wire.deadline_passed_from_metadata(passed, time.monotonic())
+    return deadline_of(context)
+
+
 def _unary(
     handler: Callable[[S, Req, grpc.ServicerContext], Resp],
 ) -> Callable[[S, Req, grpc.ServicerContext], Resp]:
-    """Answer SDK errors with their status and anything else with INTERNAL, never UNKNOWN."""
+    """Refuse a call meant for another fabric; answer SDK errors with their status and anything else with
+    INTERNAL, never UNKNOWN."""
 
     @functools.wraps(handler)
     def wrapper(self: S, request: Req, context: grpc.ServicerContext) -> Resp:
         try:
+            self.check_fabric(context)
             return handler(self, request, context)
         except Exception as exc:
             error = exc
@@ -107,6 +137,7 @@ def _streaming(
     @functools.wraps(handler)
     def wrapper(self: S, request: Req, context: grpc.ServicerContext) -> Iterator[Resp]:
         try:
+            self.check_fabric(context)
             yield from handler(self, request, context)
             return
         except Exception as exc:
@@ -114,6 +145,54 @@ def _streaming(
         _answer(context, error, self.fabric.name, handler.__name__)
 
     return wrapper
+
+
+class _InFlight:
+    """The mutating calls running in the driver, by subject, so that a call that undoes one waits for it.
+
+    A client whose bind got no answer in time (its deadline passed on the way) undoes it at once, while the
+    bind may still run here and finish later: run first, the unbind would find nothing to undo, and the bind
+    would then leave the device bound with no one knowing. So an unbind of a device waits until no bind of it
+    runs, and a release of an allocation until no allocate of it runs, each for as long as its own deadline
+    allows. Only a call that started before its deadline can still be running (a driver checks the deadline
+    before it changes anything), and the client undoes a call after that call's deadline: the undo cannot come
+    before the call it undoes registers here."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running: Counter[Hashable] = Counter()
+
+    @contextlib.contextmanager
+    def running(self, subject: Hashable) -> Iterator[None]:
+        """Count a call on ``subject`` as running for the block."""
+        with self._changed:
+            self._running[subject] += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running[subject] -= 1
+                if not self._running[subject]:
+                    del self._running[subject]
+                    self._changed.notify_all()
+
+    def wait(self, subject: Hashable, ctx: CallContext, what: str, running: str) -> None:
+        """Wait until no call on ``subject`` runs, until shortly before ``ctx``'s deadline (`ANSWER_MARGIN_S`);
+        then nothing was done, and ``what`` is refused (`DeadlineExceededError`, retryable), naming the
+        ``running`` call it waited for."""
+        with self._changed:
+            if subject not in self._running:
+                return
+            timeout = None
+            if ctx.deadline is not None:
+                remaining = ctx.deadline - time.monotonic()
+                timeout = max(0.0, remaining - min(ANSWER_MARGIN_S, remaining / 2))
+            if self._changed.wait_for(lambda: subject not in self._running, timeout):
+                return
+        raise DeadlineExceededError(
+            f"the {what} waited for {running}, still running in the driver, until its deadline passed; nothing "
+            f"was changed: make the {what} again once that call has returned"
+        )
 
 
 class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
@@ -128,9 +207,25 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
         self.feed = feed if feed is not None else EventFeed(fabric)
         self._topology_lock = threading.Lock()
         self._topology: tuple[Topology, pb.DiscoverResponse] | None = None
+        self._in_flight = _InFlight()
 
     def stop(self) -> None:
         self.feed.stop()
+
+    def check_fabric(self, context: grpc.ServicerContext) -> None:
+        """Refuse a call that names another fabric (``disagg-fabric``) than the one served: its client was
+        configured for a driver that is no longer at this address, and must not change this fabric's devices
+        (nor read its bindings as the other's). A call that names none (grpcurl, an older client) is served."""
+        value = wire.metadata_value(context.invocation_metadata(), wire.FABRIC_KEY)
+        if not value:
+            return
+        asked = wire.fabric_from_metadata(value)
+        served = self.fabric.name
+        if asked != served:
+            raise FabricUnavailableError(
+                f"fabric {asked!r}: the driver at this address now serves fabric {served!r}; nothing was changed: "
+                "give each fabric's driver its own address"
+            )
 
     @_unary
     def GetCapabilities(  # noqa: N802
@@ -172,12 +267,15 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
 
     @_unary
     def Bind(self, request: pb.BindRequest, context: grpc.ServicerContext) -> pb.BindResponse:  # noqa: N802
-        device, host, ctx = wire.bind_request_from_wire(request, deadline_of(context))
-        return pb.BindResponse(binding=binding_to_wire(self.fabric.bind(device, host, ctx)))
+        device, host, ctx = wire.bind_request_from_wire(request, _deadline(context))
+        with self._in_flight.running(("device", device)):
+            return pb.BindResponse(binding=binding_to_wire(self.fabric.bind(device, host, ctx)))
 
     @_unary
     def Unbind(self, request: pb.UnbindRequest, context: grpc.ServicerContext) -> pb.UnbindResponse:  # noqa: N802
-        binding, ctx = wire.unbind_request_from_wire(request, deadline_of(context))
+        binding, ctx = wire.unbind_request_from_wire(request, _deadline(context))
+        device = binding.device
+        self._in_flight.wait(("device", device), ctx, f"unbind of {device}", f"a bind of {device}")
         self.fabric.unbind(binding, ctx)
         return pb.UnbindResponse()
 
@@ -190,13 +288,16 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
 
     @_unary
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:  # noqa: N802
-        pool, allocation_id, host, amount, ctx = wire.allocate_request_from_wire(request, deadline_of(context))
-        allocation = self.fabric.pool(pool).allocate(allocation_id, host, amount, ctx)
+        pool, allocation_id, host, amount, ctx = wire.allocate_request_from_wire(request, _deadline(context))
+        with self._in_flight.running(("allocation", pool, allocation_id)):
+            allocation = self.fabric.pool(pool).allocate(allocation_id, host, amount, ctx)
         return pb.AllocateResponse(allocation=allocation_to_wire(allocation))
 
     @_unary
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:  # noqa: N802
-        pool, allocation_id, ctx = wire.release_request_from_wire(request, deadline_of(context))
+        pool, allocation_id, ctx = wire.release_request_from_wire(request, _deadline(context))
+        what = f"release of {allocation_id} in pool {pool}"
+        self._in_flight.wait(("allocation", pool, allocation_id), ctx, what, f"an allocate of {allocation_id}")
         self.fabric.pool(pool).release(allocation_id, ctx)
         return pb.ReleaseResponse()
 
@@ -204,7 +305,7 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
     def SanitizeDevice(  # noqa: N802
         self, request: pb.SanitizeDeviceRequest, context: grpc.ServicerContext
     ) -> pb.SanitizeDeviceResponse:
-        device, ctx = wire.sanitize_request_from_wire(request, deadline_of(context))
+        device, ctx = wire.sanitize_request_from_wire(request, _deadline(context))
         self.fabric.device(device).sanitize(ctx)
         return pb.SanitizeDeviceResponse()
 

@@ -57,6 +57,8 @@ class EventCall(Protocol):
 
     def code(self) -> grpc.StatusCode | None: ...
 
+    def details(self) -> str | None: ...
+
 
 class EventWatcher:
     """Keeps one watch stream open until `stop`.
@@ -184,7 +186,7 @@ class EventWatcher:
         try:
             header = wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY)
             if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
-                self._no_events(f"the driver refused the event stream ({call.code()})")
+                self._no_events(f"the driver refused the event stream ({call.code()}: {call.details()})")
                 return False
             numbered = wire.event_sequence(header)
             sequence = numbered or ("", 0)

@@ -5,19 +5,24 @@ raise `InvalidRequestError` naming it, so a malformed request never reaches the 
 builds requests with the ``*_to_wire`` functions and reads answers with the shared conversions of
 `disagg.wire.types`.
 
-Two pieces of gRPC metadata extend the contract without changing it (see ``docs/remote-drivers.md``): a
+Pieces of gRPC metadata extend the contract without changing it (see ``docs/remote-drivers.md``): a
 driver may number the events it has published, send the number reached when a watch stream starts (initial
 metadata) and after a fault injection (trailing metadata), so that the `remote` plugin can wait until its
 handlers have seen every event a fault caused, as an in-process fabric delivers them before it returns; and
 once a discovery read the topology (trailing metadata), so that a resync can tell an event's stream copy.
-A driver that sends neither still works; its events are simply delivered later.
+A driver that sends neither still works; its events are simply delivered later. The client names the fabric
+it means in every call but GetCapabilities (`FABRIC_KEY`), so that a driver of another fabric at the same
+address refuses the call, and marks a call whose deadline passed before it was sent (`DEADLINE_PASSED_KEY`),
+so that the driver, not the client, refuses it as it refuses one in process.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import math
 from collections.abc import Sequence
+from urllib.parse import quote, unquote
 
 import attrs
 
@@ -25,6 +30,7 @@ from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
 from disagg.interfaces import CallContext, FaultInjection
 from disagg.model import Binding, FabricEvent, FabricEventKind, Health
+from disagg.wire.deadlines import NO_DEADLINE_S
 from disagg.wire.types import HEALTH_TO_WIRE, enum_from_wire, health_from_wire
 
 MAX_ID = 256
@@ -39,6 +45,16 @@ MAX_FAULT_COUNT = 1_000_000
 
 EVENT_SEQUENCE_KEY = "disagg-event-sequence"
 """Metadata key: ``<stream instance>:<events published>`` (see the module docstring)."""
+FABRIC_KEY = "disagg-fabric"
+"""Metadata key: the fabric the client means, percent-encoded as gRPC encodes ``grpc-message``
+(`fabric_to_metadata`). A driver serving another fabric refuses the call, UNAVAILABLE (`FabricUnavailableError`):
+a driver restarted for another fabric at the address of this one must not take its calls."""
+DEADLINE_PASSED_KEY = "disagg-deadline-passed"
+"""Metadata key: the call's deadline passed this many seconds (a decimal number) before it was sent. gRPC
+cannot carry a deadline in the past, so the call carries a short timeout and this; the driver takes the
+deadline as passed and refuses the call (`DeadlineExceededError`), as it refuses one in process."""
+_UNENCODED = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+"""What a metadata value carries as it is: printable ASCII but ``%`` (gRPC's ``grpc-message`` rule)."""
 
 EVENT_KIND_TO_WIRE = {
     FabricEventKind.DEVICE_HEALTH: pb.FABRIC_EVENT_KIND_DEVICE_HEALTH,
@@ -106,6 +122,47 @@ def check_id(value: str, field: str, *, required: bool = True) -> str:
     return value
 
 
+def check_text(value: object, field: str) -> str:
+    """``value`` as a request's string field: a `str` that UTF-8 can encode (protobuf sends nothing else); a bad
+    type or a lone surrogate is an `InvalidRequestError` naming ``field``, as an in-process driver answers a bad
+    argument, instead of protobuf's TypeError or UnicodeEncodeError."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field}: give a string, not {value!r}", field=field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            f"{field}: {value!r} holds a lone surrogate, which is not text the wire can carry (UTF-8)", field=field
+        ) from None
+    return value
+
+
+def fabric_to_metadata(fabric: str) -> str:
+    """The `FABRIC_KEY` value naming ``fabric``: printable ASCII but ``%`` as it is, every other UTF-8 byte as
+    ``%XX`` (a metadata value is ASCII only; a fabric name may not be)."""
+    return quote(fabric, safe=_UNENCODED, errors="surrogatepass")
+
+
+def fabric_from_metadata(value: str) -> str:
+    """The fabric a `FABRIC_KEY` value names (`fabric_to_metadata`)."""
+    return unquote(value, errors="replace")
+
+
+def deadline_passed_to_metadata(ago_s: float) -> str:
+    """The `DEADLINE_PASSED_KEY` value of a deadline that passed ``ago_s`` seconds ago."""
+    return f"{min(max(ago_s, 0.0), NO_DEADLINE_S):.3f}"
+
+
+def deadline_passed_from_metadata(value: str, now: float) -> float:
+    """The deadline, a ``time.monotonic()`` instant at or before ``now``, that a `DEADLINE_PASSED_KEY` value
+    says passed; a value that is not a number of seconds counts as one that passed just now."""
+    try:
+        ago = float(value)
+    except ValueError:
+        ago = 0.0
+    return now - (ago if math.isfinite(ago) and ago > 0 else 0.0)
+
+
 def check_message(value: str, field: str = "message") -> str:
     if len(value) > MAX_MESSAGE:
         raise InvalidRequestError(f"{field}: at most {MAX_MESSAGE} characters", field=field)
@@ -135,7 +192,12 @@ def request_id_to_wire(request_id: str) -> str:
 def context_to_wire(ctx: CallContext) -> tuple[int, str]:
     """The epoch and request id a request carries. An epoch the ``uint64`` field cannot hold gets the SDK error
     an in-process driver gives instead of protobuf's `ValueError`: a negative one is older than any epoch a
-    driver can have seen (`StaleEpochError`, as the simulator answers), one above `MAX_UINT64` is malformed."""
+    driver can have seen (`StaleEpochError`, as the simulator answers), one above `MAX_UINT64` is malformed, and
+    so is one that is not an integer, or a request id that is not a string (`InvalidRequestError`)."""
+    if isinstance(ctx.epoch, bool) or not isinstance(ctx.epoch, int):
+        raise InvalidRequestError(f"epoch: give an integer, not {ctx.epoch!r}", field="epoch")
+    if not isinstance(ctx.request_id, str):
+        raise InvalidRequestError(f"request_id: give a string, not {ctx.request_id!r}", field="request_id")
     if ctx.epoch < 0:
         raise StaleEpochError(f"epoch {ctx.epoch} is older than any a driver can have seen; nothing was changed")
     if ctx.epoch > MAX_UINT64:
@@ -187,10 +249,10 @@ def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str)
 def fault_to_wire(fault: Fault) -> pb.InjectFaultRequest:
     return pb.InjectFaultRequest(
         kind=FAULT_TO_WIRE[fault.kind],
-        target=fault.target,
-        peer=fault.peer,
+        target=check_text(fault.target, "target"),
+        peer=check_text(fault.peer, "peer"),
         count=fault.count,
-        message=fault.message,
+        message=check_text(fault.message, "message"),
     )
 
 
@@ -213,6 +275,7 @@ def fault_from_wire(msg: pb.InjectFaultRequest) -> Fault:
 
 
 def bind_request_to_wire(device: str, host: str, ctx: CallContext) -> pb.BindRequest:
+    device, host = check_text(device, "device"), check_text(host, "host")
     epoch, request_id = context_to_wire(ctx)
     return pb.BindRequest(device=device, host=host, epoch=epoch, request_id=request_id)
 
@@ -226,10 +289,13 @@ def bind_request_from_wire(msg: pb.BindRequest, deadline: float | None) -> tuple
 
 
 def unbind_request_to_wire(binding: Binding, ctx: CallContext) -> pb.UnbindRequest:
+    if not isinstance(binding, Binding):
+        raise InvalidRequestError(f"binding: give a Binding, not {binding!r}", field="binding")
+    device, host = check_text(binding.device, "binding.device"), check_text(binding.host, "binding.host")
     epoch, request_id = context_to_wire(ctx)
     request = pb.UnbindRequest(epoch=epoch, request_id=request_id)
-    request.binding.device = binding.device
-    request.binding.host = binding.host
+    request.binding.device = device
+    request.binding.host = host
     return request
 
 
@@ -243,7 +309,18 @@ def unbind_request_from_wire(msg: pb.UnbindRequest, deadline: float | None) -> t
 def allocate_request_to_wire(
     pool: str, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext
 ) -> pb.AllocateRequest:
-    """An amount above `MAX_UINT64` is more than any pool holds: `CapacityExhaustedError`, as a driver answers."""
+    """An amount above `MAX_UINT64` is more than any pool holds: `CapacityExhaustedError`, as a driver answers.
+    An amount of 0 is sent, for the driver to refuse; a negative one, which the ``uint64`` field cannot carry, or
+    one that is not an integer, is an `InvalidRequestError` here."""
+    pool, allocation_id, host = (
+        check_text(pool, "pool"),
+        check_text(allocation_id, "allocation_id"),
+        check_text(host, "host"),
+    )
+    if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes < 0:
+        raise InvalidRequestError(
+            f"amount_bytes: must be a positive number of bytes, not {amount_bytes!r}", field="amount_bytes"
+        )
     epoch, request_id = context_to_wire(ctx)
     if amount_bytes > MAX_UINT64:
         raise CapacityExhaustedError(
@@ -269,6 +346,7 @@ def allocate_request_from_wire(
 
 
 def release_request_to_wire(pool: str, allocation_id: str, ctx: CallContext) -> pb.ReleaseRequest:
+    pool, allocation_id = check_text(pool, "pool"), check_text(allocation_id, "allocation_id")
     epoch, request_id = context_to_wire(ctx)
     return pb.ReleaseRequest(pool=pool, allocation_id=allocation_id, epoch=epoch, request_id=request_id)
 
@@ -282,6 +360,7 @@ def release_request_from_wire(msg: pb.ReleaseRequest, deadline: float | None) ->
 
 
 def sanitize_request_to_wire(device: str, ctx: CallContext) -> pb.SanitizeDeviceRequest:
+    device = check_text(device, "device")
     epoch, request_id = context_to_wire(ctx)
     return pb.SanitizeDeviceRequest(device=device, epoch=epoch, request_id=request_id)
 
