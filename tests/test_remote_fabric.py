@@ -24,6 +24,7 @@ from disagg.errors import (
     ConflictError,
     DeadlineExceededError,
     DeviceBusyError,
+    DisaggError,
     DriverError,
     FabricUnavailableError,
     HostUnreachableError,
@@ -493,15 +494,7 @@ class TestErrors:
             trailing = (("grpc-status-details-bin", details.SerializeToString()),)
             context.abort_with_status(_Status(grpc.StatusCode.FAILED_PRECONDITION, "refused", trailing))
 
-        monkeypatch.setattr(FabricDriverServicer, "Bind", contradicting)
-        with served(pcie()) as server:
-            remote = RemoteFabric("pcie0", server.address)
-            try:
-                with pytest.raises(ConflictError, match="refused") as info:
-                    remote.bind(GPU, "h1", CTX)
-                assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
-            finally:
-                remote.close()
+        _bind_in_doubt(monkeypatch, contradicting, ConflictError, "refused")
 
     def test_a_call_the_drivers_server_cancelled_is_unavailable_in_doubt(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """As grpcio's server answers the calls it is running when it stops (or "Cancelling all calls",
@@ -510,15 +503,7 @@ class TestErrors:
         def cancelled(self: FabricDriverServicer, request: object, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.CANCELLED, "stopping")
 
-        monkeypatch.setattr(FabricDriverServicer, "Bind", cancelled)
-        with served(pcie()) as server:
-            remote = RemoteFabric("pcie0", server.address)
-            try:
-                with pytest.raises(FabricUnavailableError, match="cancelled the call") as info:
-                    remote.bind(GPU, "h1", CTX)
-                assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
-            finally:
-                remote.close()
+        _bind_in_doubt(monkeypatch, cancelled, FabricUnavailableError, "cancelled the call")
 
     def test_fault_injection_needs_a_fault_injectable_driver(self) -> None:
         with served(Plain(pcie())) as server:
@@ -721,3 +706,22 @@ class TestADriverDownAtStartUp:
             if server is not None:
                 server.stop(grace=0)
             shutil.rmtree(directory, ignore_errors=True)
+
+
+def _bind_in_doubt(
+    monkeypatch: pytest.MonkeyPatch,
+    handler: Callable[[FabricDriverServicer, object, grpc.ServicerContext], None],
+    error: type[DisaggError],
+    match: str,
+) -> None:
+    """A bind that the driver's ``handler`` answers raises ``error`` (its message matching ``match``) with an
+    unknown outcome: the answer did not come from the driver's contract."""
+    monkeypatch.setattr(FabricDriverServicer, "Bind", handler)
+    with served(pcie()) as server:
+        remote = RemoteFabric("pcie0", server.address)
+        try:
+            with pytest.raises(error, match=match) as info:
+                remote.bind(GPU, "h1", CTX)
+            assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
+        finally:
+            remote.close()
