@@ -282,6 +282,16 @@ class TestMalformedIds:
 
     @pytest.mark.parametrize("bad", BAD_IDS)
     def test_mutating_calls(self, bad: Any) -> None:
+        self._refused_by_every_mutating_call(bad, "must be a non-empty string")
+
+    @pytest.mark.parametrize("bad", ["a b", "a\tb", "gpu\n", "x" * 257])
+    def test_text_the_driver_protocol_carries_as_no_id(self, bad: str) -> None:
+        """The sim carved under "a b" and took an unbind of "cxl0/no such" as a no-op, while the same sim served
+        over the wire refused both: one rule (`disagg.interfaces.check_id`) now says what an id is."""
+        self._refused_by_every_mutating_call(bad, "printable characters without spaces")
+
+    @staticmethod
+    def _refused_by_every_mutating_call(bad: Any, says: str) -> None:
         cxl = SimFabric(load_topology("cxl", "demo-cxl"))
         pool = cxl.pool("cxl/mem0")
         calls: list[Callable[[CallContext], object]] = [
@@ -294,7 +304,7 @@ class TestMalformedIds:
             lambda ctx: cxl.unbind(Binding("cxl/mem0", bad), ctx),
         ]
         for epoch, call in enumerate(calls, start=1):
-            with pytest.raises(InvalidRequestError, match="must be a non-empty string"):
+            with pytest.raises(InvalidRequestError, match=says):
                 call(CallContext(epoch=epoch))
             assert cxl.epoch == epoch  # the fence came first
         assert pool.allocations() == () and cxl.bindings() == ()

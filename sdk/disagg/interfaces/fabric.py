@@ -19,13 +19,23 @@ from disagg.model import Device as DeviceInfo
 EventHandler = Callable[[FabricEvent], None]
 
 
+MAX_ID = 256
+"""Device, host, pool, allocation and link-end ids are at most this long, as the driver protocol carries them."""
+
+
 def check_id(value: object, field: str) -> str:
-    """``value`` if it can be a device, host or allocation id: a non-empty string. Anything else is the caller's
-    bug, refused with `InvalidRequestError` naming ``field`` before a driver uses it (a lookup would answer "no
-    such device" for it, or raise a TypeError), as `Fabric.bind` and `Fabric.unbind` promise (the conformance
-    clause ERR-INVALID-ID)."""
+    """``value`` if it is an id: 1 to `MAX_ID` printable characters without whitespace, the ids the driver
+    protocol carries. Anything else is the caller's bug, refused with `InvalidRequestError` naming ``field``
+    before a driver uses it (a lookup would answer "no such device" for it, or raise a TypeError), as
+    `Fabric.bind`, `Fabric.unbind` and `Pool.allocate` promise (the conformance clause ERR-INVALID-ID); a driver
+    in process then answers as the same driver served over the wire does."""
     if not isinstance(value, str) or not value:
-        raise InvalidRequestError(f"{field} must be a non-empty string, not {value!r}", field=field)
+        raise InvalidRequestError(f"{field}: an id must be a non-empty string, not {value!r}", field=field)
+    if len(value) > MAX_ID or any(c.isspace() or not c.isprintable() for c in value):
+        raise InvalidRequestError(
+            f"{field}: give an id of at most {MAX_ID} printable characters without spaces, not {value[:64]!r}",
+            field=field,
+        )
     return value
 
 
@@ -83,7 +93,8 @@ class Pool(abc.ABC):
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """Carve ``amount_bytes`` (rounded up to whole blocks) for ``host``.
 
-        Raises `InvalidRequestError` (an amount that is not positive), `CapacityExhaustedError`,
+        Raises `InvalidRequestError` (an amount that is not positive, an id that is not one: `check_id`),
+        `CapacityExhaustedError`,
         `UnknownHostError`, `HostUnreachableError`, `DeviceBusyError` (the pool's device is failed),
         `StaleEpochError`, `ConflictError`, `FabricUnavailableError` or `DeadlineExceededError`; on any error
         nothing is carved.
@@ -92,8 +103,8 @@ class Pool(abc.ABC):
     @abc.abstractmethod
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         """Give an allocation's extents back. Idempotent; raises only `StaleEpochError`,
-        `FabricUnavailableError` or `DeadlineExceededError`, and `InvalidRequestError` for an id that is not a
-        non-empty string (a caller's bug, which no retry mends)."""
+        `FabricUnavailableError` or `DeadlineExceededError`, and `InvalidRequestError` for an id that is not one
+        (`check_id`: a caller's bug, which no retry mends)."""
 
     def free_bytes(self) -> int:
         return self.info().capacity.total_bytes - sum(a.amount_bytes for a in self.allocations())
@@ -153,16 +164,16 @@ class Fabric(abc.ABC):
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         """Bind a whole device to a host (hot-add).
 
-        Raises `UnknownDeviceError`, `UnknownHostError`, `DeviceBusyError` (bound elsewhere or failed),
-        `HostUnreachableError`, `StaleEpochError`, `UnsupportedError`, `FabricUnavailableError` or
-        `DeadlineExceededError`.
+        Raises `InvalidRequestError` (a device or host that is not an id: `check_id`), `UnknownDeviceError`,
+        `UnknownHostError`, `DeviceBusyError` (bound elsewhere or failed), `HostUnreachableError`,
+        `StaleEpochError`, `UnsupportedError`, `FabricUnavailableError` or `DeadlineExceededError`.
         """
 
     @abc.abstractmethod
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         """Take a device away from a host. Idempotent: an absent binding, including one that names an unknown
         device or host, is already unbound. Raises only `StaleEpochError`, `FabricUnavailableError` or
-        `DeadlineExceededError`, and `InvalidRequestError` for a device or host that is not a non-empty string (a
+        `DeadlineExceededError`, and `InvalidRequestError` for a device or host that is not an id (`check_id`: a
         caller's bug); a failed or unreachable device can still be unbound."""
 
     def device(self, device: str) -> Device:

@@ -29,12 +29,13 @@ import attrs
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
 from disagg.interfaces import CallContext, FaultInjection
+from disagg.interfaces.fabric import MAX_ID as INTERFACE_MAX_ID
+from disagg.interfaces.fabric import check_id as interface_check_id
 from disagg.model import Binding, FabricEvent, FabricEventKind, Health
 from disagg.wire.deadlines import NO_DEADLINE_S
 from disagg.wire.types import HEALTH_TO_WIRE, enum_from_wire, health_from_wire
 
-MAX_ID = 256
-"""Device, host, pool, allocation and link-end ids are at most this long."""
+MAX_ID = INTERFACE_MAX_ID
 MAX_REQUEST_ID = 128
 MAX_UINT64 = 2**64 - 1
 """The largest epoch and amount of bytes a request carries (``uint64`` fields)."""
@@ -113,13 +114,11 @@ class Fault:
 
 
 def check_id(value: str, field: str, *, required: bool = True) -> str:
-    """An id of printable characters without spaces, at most `MAX_ID` long; empty only when not required."""
-    if (required and not value) or len(value) > MAX_ID or any(c.isspace() or not c.isprintable() for c in value):
-        what = "an id" if required else "an id or nothing"
-        raise InvalidRequestError(
-            f"{field}: give {what} of at most {MAX_ID} printable characters without spaces", field=field
-        )
-    return value
+    """An id (`disagg.interfaces.check_id`: printable characters without spaces, at most `MAX_ID` long); empty
+    only when not required."""
+    if not value and not required:
+        return value
+    return interface_check_id(value, field)
 
 
 def check_text(value: object, field: str) -> str:
