@@ -329,7 +329,19 @@ class TestAddress:
     def test_accepted(self, address: str) -> None:
         assert check_address(address) == address
 
-    @pytest.mark.parametrize("address", ["0.0.0.0:5", "10.0.0.1:5", "127.0.0.1", "127.0.0.1:x", "127.0.0.1:70000", ""])
+    @pytest.mark.parametrize(
+        "address",
+        [
+            "0.0.0.0:5",
+            "10.0.0.1:5",
+            "127.0.0.1",
+            "127.0.0.1:x",
+            "127.0.0.1:70000",
+            "",
+            "127.0.0.1:\u00b2",  # other scripts' digits: a bare ValueError, or read as port 5
+            "127.0.0.1:\u0665",
+        ],
+    )
     def test_refused(self, address: str) -> None:
         with pytest.raises(ConfigError):
             check_address(address)

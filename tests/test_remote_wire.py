@@ -155,7 +155,16 @@ class TestEventSequence:
 
     @pytest.mark.parametrize(
         ("value", "parsed"),
-        [("abc:3", ("abc", 3)), ("a:b:0", ("a:b", 0)), ("", None), ("abc", None), (":3", None), ("abc:-1", None)],
+        [
+            ("abc:3", ("abc", 3)),
+            ("a:b:0", ("a:b", 0)),
+            ("", None),
+            ("abc", None),
+            (":3", None),
+            ("abc:-1", None),
+            ("abc:\u00b2", None),  # other scripts' digits: a ValueError, or read as a count
+            ("abc:\u0661", None),
+        ],
     )
     def test_parse(self, value: str, parsed: tuple[str, int] | None) -> None:
         assert wire.event_sequence(value) == parsed

@@ -8,6 +8,7 @@ with a message that says why.
 from __future__ import annotations
 
 from disagg.errors import ConfigError
+from disagg.wire.sockets import MAX_PORT, port_from_text
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
@@ -36,8 +37,9 @@ def check_address(address: object, *, field: str = "address", listening: bool = 
             field=field,
         )
     lowest = 0 if listening else 1
-    if not port.isdigit() or not lowest <= int(port) <= 65535 or port != str(int(port)):
-        raise ConfigError(f"{field}: {address!r} needs a port from {lowest} to 65535", field=field)
+    number = port_from_text(port)
+    if number is None or number < lowest or port != str(number):
+        raise ConfigError(f"{field}: {address!r} needs a port from {lowest} to {MAX_PORT}", field=field)
     return address
 
 

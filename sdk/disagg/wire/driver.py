@@ -229,7 +229,7 @@ def fabric_event_from_wire(msg: pb.FabricEvent, field: str = "event") -> FabricE
 def event_sequence(value: str) -> tuple[str, int] | None:
     """Parse ``<instance>:<count>`` from `EVENT_SEQUENCE_KEY` metadata; None when absent or malformed."""
     instance, sep, count = value.rpartition(":")
-    if not sep or not instance or not count.isdigit():
+    if not sep or not instance or not (count.isascii() and count.isdigit()):
         return None
     return instance, int(count)
 
