@@ -695,3 +695,50 @@ def disagg_register_drivers(registry: DriverRegistry) -> None:
             description=" ".join((cls.__doc__ or "").split()),
             certify_options=certify_options,
         )
+
+
+def _unscoped(topology: Topology) -> Topology:
+    """``topology`` with the fabric's name taken off its switch and pool ids, wherever they are named; device ids
+    keep it."""
+    prefix = f"{topology.fabric}/"
+    switches = {s.id for s in topology.switches}
+
+    def local(node: str) -> str:
+        return node.removeprefix(prefix) if node in switches else node
+
+    return attrs.evolve(
+        topology,
+        hosts=tuple(attrs.evolve(h, switch=local(h.switch)) for h in topology.hosts),
+        switches=tuple(
+            attrs.evolve(s, id=local(s.id), ports=tuple(attrs.evolve(p, connected=local(p.connected)) for p in s.ports))
+            for s in topology.switches
+        ),
+        devices=tuple(attrs.evolve(d, switch=local(d.switch)) for d in topology.devices),
+        links=tuple(attrs.evolve(link, a=local(link.a), b=local(link.b)) for link in topology.links),
+        pools=_unscoped_pools(topology).pools,
+    )
+
+
+def _unscoped_pools(topology: Topology) -> Topology:
+    """``topology`` with the fabric's name taken off its pool ids."""
+    prefix = f"{topology.fabric}/"
+    return attrs.evolve(topology, pools=tuple(attrs.evolve(p, id=p.id.removeprefix(prefix)) for p in topology.pools))
+
+
+class UnscopedSwitchesAndPools(SimFabric):
+    """Scopes its device ids by its fabric but not its switch and pool ids (``d0000-top``, ``d0000-pool0``): two
+    such fabrics in one composer name a switch or a pool alike, and the composer refuses to start."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(_unscoped(topology), **options)
+
+
+class UnscopedPools(SimFabric):
+    """Scopes its device and switch ids by its fabric but not its pool ids (``d0000-pool0``)."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(_unscoped_pools(topology), **options)
+
+
+BROKEN["broken-unscoped-switches-and-pools"] = (UnscopedSwitchesAndPools, "DISC-SCOPED-IDS")
+BROKEN["broken-unscoped-pools"] = (UnscopedPools, "DISC-SCOPED-IDS")

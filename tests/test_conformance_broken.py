@@ -76,3 +76,22 @@ class TestUnbrokenDrivers:
         assert report["verdict"] == "CERTIFIED"
         assert statuses(report)["CARVE-STALE-EPOCH"] == "PASS"
         assert statuses(report)["FENCE-STALE-EPOCH"] == "NOT TESTED"
+
+
+class TestUnscopedSwitchAndPoolIds:
+    """A driver that scopes its device ids by its fabric but not its switch or pool ids fails only the clause
+    that asks for them, which names the first id it found."""
+
+    @pytest.mark.parametrize(
+        ("driver", "reason"),
+        [
+            ("broken-unscoped-switches-and-pools", "switch id 'd0000-top' is not cert/<id>"),
+            ("broken-unscoped-pools", "pool id 'd0000-pool0' is not cert/<id>"),
+        ],
+    )
+    def test_fails_only_disc_scoped_ids(self, driver: str, reason: str, tmp_path: Path) -> None:
+        result, report = certify_broken(driver, tmp_path)
+        assert result.returncode == 1, (result.stdout, result.stderr)
+        failed = failures(report)
+        assert set(failed) == {"DISC-SCOPED-IDS"}, failed
+        assert reason in failed["DISC-SCOPED-IDS"]

@@ -4,16 +4,19 @@ apart."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
+import numpy as np
+import numpy.typing as npt
 import pytest
-from disagg.errors import InvalidRequestError
+from disagg.errors import InvalidRequestError, PluginError
 from disagg.plugins import load_plugins
 from disagg.replay import engine
 from disagg.replay.engine import Replay, provision, replay
 from disagg.replay.policy import FloatArray, SharingPolicy
 from disagg.replay.trace import WHOLE_GPU_MILLI, Pod
 from disagg.replay.workload import TaskType, arrivals, task_types
-from disagg.replay.world import NOT_INSTALLED, World, build_world
+from disagg.replay.world import NOT_INSTALLED, Candidates, World, build_world
 from replay_helpers import GIB, gpu_node, pod, share, small_cluster, whole
 
 POLICIES = sorted(load_plugins().sharing_policies)
@@ -212,3 +215,52 @@ class TestFragBalance:
         policy.prepare(self.TYPES, world)
         assert replay(world, [self.POD], policy, seed=0).placed == 1
         assert world.cpu.tolist() == [80000, 24000]
+
+
+class Scripted(SharingPolicy):
+    """A plugin policy whose scores are whatever ``answer`` makes of the candidates' count."""
+
+    name = "scripted"
+
+    def __init__(self, answer: Callable[[int], npt.ArrayLike]) -> None:
+        self.answer = answer
+
+    def score(self, pod: Pod, candidates: Candidates) -> FloatArray:
+        return np.asarray(self.answer(len(candidates)))
+
+
+class TestScoresAreChecked:
+    """A sharing policy's scores are one finite number per candidate, or the replay stops with a PluginError naming
+    the policy: NaN made no candidate the lowest (numpy then failed naming nothing), and too few scores placed the
+    pod among the first candidates only."""
+
+    NODES = tuple(gpu_node(2, sn=f"n{i}") for i in range(4))
+
+    @pytest.mark.parametrize(
+        ("answer", "reason"),
+        [
+            (lambda n: np.full(n, np.nan), r"gave candidate 0 of pod p the score nan"),
+            (lambda n: [0.0, 1.0, np.nan, 2.0][:n], r"gave candidate 2 of pod p the score nan"),
+            (lambda n: [0.0, np.inf, 1.0, 2.0][:n], r"gave candidate 1 of pod p the score inf"),
+            (lambda n: np.zeros(1), r"gave scores of shape \(1,\) for the 4 candidates of pod p"),
+            (lambda n: np.zeros(n + 1), r"gave scores of shape \(5,\) for the 4 candidates of pod p"),
+            (lambda n: np.zeros((n, 1)), r"gave scores of shape \(4, 1\) for the 4 candidates of pod p"),
+        ],
+        ids=["all-nan", "one-nan", "inf", "too-few", "too-many", "not-flat"],
+    )
+    @pytest.mark.parametrize("run", ["replay", "provision"])
+    def test_a_policy_with_bad_scores_is_named(
+        self, answer: Callable[[int], npt.ArrayLike], reason: str, run: str
+    ) -> None:
+        world = build_world(self.NODES, 1)
+        assert len(world.candidates(whole(1), None)) == 4
+        with pytest.raises(PluginError, match=rf"^sharing policy 'scripted' {reason}; score\(\) returns one finite"):
+            if run == "replay":
+                replay(world, [whole(1)], Scripted(answer), seed=0)
+            else:
+                provision(world, [whole(1)], Scripted(answer), seed=0)
+
+    def test_good_scores_place_where_they_are_lowest(self) -> None:
+        world = build_world(self.NODES, 1)
+        assert replay(world, [whole(1)], Scripted(lambda n: [3.0, 2.0, 0.0, 1.0][:n]), seed=0).placed == 1
+        assert world.cpu.tolist() == [64000, 64000, 63000, 64000]

@@ -98,6 +98,32 @@ def _merge_hosts(topologies: Iterable[Topology]) -> dict[str, Host]:
     return hosts
 
 
+def _reported_twice(what: str, item: str, first: str, second: str) -> ConfigError:
+    """The refusal of an id reported twice, by the fabrics ``first`` and ``second`` (or twice by one)."""
+    by = f"fabric {first!r}" if first == second else f"fabrics {first!r} and {second!r}"
+    return ConfigError(
+        f"{what} id {item!r} is reported twice (by {by}); device, switch and pool ids are <fabric>/<local id>, "
+        "unique in the fabric"
+    )
+
+
+def _reporter(topologies: Iterable[Topology], device: str) -> str:
+    """The fabric that reported ``device`` first: for the refusal of a repeat, never on the way of a rebuild."""
+    return next(t.fabric for t in topologies for d in t.devices if d.id == device)
+
+
+def _refuse_shared_switches(topologies: Iterable[Topology]) -> None:
+    """Refuse a switch id that two fabrics report. The index joins hosts to devices by switch id alone: were
+    both to call a switch ``sw0``, the hosts of one would be offered the other's devices, which it cannot bind
+    to them (a fabric that lists one switch twice joins nothing it should not)."""
+    reporter: dict[str, str] = {}
+    for topo in topologies:
+        for switch in topo.switches:
+            first = reporter.setdefault(switch.id, topo.fabric)
+            if first != topo.fabric:
+                raise _reported_twice("switch", switch.id, first, topo.fabric)
+
+
 class Inventory:
     """The indexed view of all fabrics plus who holds what. Not thread-safe: the composer locks around it."""
 
@@ -136,7 +162,7 @@ class Inventory:
         for topo in topologies:
             for device in topo.devices:
                 if device.id in self.devices:
-                    raise ConfigError(f"device id {device.id!r} is reported twice")
+                    raise _reported_twice("device", device.id, _reporter(topologies, device.id), topo.fabric)
                 self.devices[device.id] = device
                 if device.id not in carved:
                     members[_signature(device)].append(device)
@@ -153,11 +179,16 @@ class Inventory:
             bucket.free = sorted(d.id for d in group if d.health is Health.OK)
             for host in self.switch_hosts.get(bucket.switch, ()):
                 self.host_free[host][bucket.kind] += len(bucket.free)
+        _refuse_shared_switches(topologies)  # after the devices: a fabric listed twice is named by its devices
+        pool_reporter: dict[str, str] = {}
         for topo in topologies:
             for pool in topo.pools:
                 dev = self.devices.get(pool.device)
                 if dev is None:
                     raise ConfigError(f"pool {pool.id!r} names unknown device {pool.device!r}")
+                if pool.id in pool_reporter:  # a second pool of the id would hide the first, and carve from it
+                    raise _reported_twice("pool", pool.id, pool_reporter[pool.id], topo.fabric)
+                pool_reporter[pool.id] = topo.fabric
                 state = PoolState(pool, dev, pool.capacity.total_bytes, pool.ld_count)
                 self.pools[pool.id] = state
                 self.pools_by_switch[dev.switch].append(state)

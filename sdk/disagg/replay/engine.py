@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from disagg.errors import InvalidRequestError
-from disagg.replay.policy import SharingPolicy
+from disagg.errors import InvalidRequestError, PluginError
+from disagg.replay.policy import FloatArray, SharingPolicy
 from disagg.replay.trace import WHOLE_GPU_MILLI, Node, Pod
 from disagg.replay.workload import model_mask
-from disagg.replay.world import BoolArray, World, build_world
+from disagg.replay.world import BoolArray, Candidates, World, build_world
 
 Mask = BoolArray | None
 
@@ -49,12 +49,32 @@ class Provisioned:
     gpus: int
 
 
+def _checked(policy: SharingPolicy, pod: Pod, candidates: Candidates) -> FloatArray:
+    """``policy``'s scores of ``candidates``, refused unless one finite number each: a plugin's NaN makes no
+    candidate the lowest (numpy then fails naming nothing), and too few scores would place the pod among the
+    first candidates only."""
+    scores = np.asarray(policy.score(pod, candidates), dtype=np.float64)
+    rule = "score() returns one finite number per candidate"
+    if scores.shape != (len(candidates),):
+        raise PluginError(
+            f"sharing policy {policy.name!r} gave scores of shape {scores.shape} for the {len(candidates)} "
+            f"candidates of pod {pod.name}; {rule}"
+        )
+    finite = np.isfinite(scores)
+    if not finite.all():
+        bad = int(np.flatnonzero(~finite)[0])
+        raise PluginError(
+            f"sharing policy {policy.name!r} gave candidate {bad} of pod {pod.name} the score {scores[bad]}; {rule}"
+        )
+    return scores
+
+
 def _choose(world: World, pod: Pod, policy: SharingPolicy, allowed: Mask, rng: np.random.Generator) -> bool:
     """Place ``pod`` where ``policy`` scores lowest (ties by ``rng``); False when nothing fits."""
     candidates = world.candidates(pod, allowed)
     if not len(candidates):
         return False
-    scores = policy.score(pod, candidates)
+    scores = _checked(policy, pod, candidates)
     best = np.flatnonzero(scores <= scores.min() + TIE)
     pick = int(best[0] if len(best) == 1 else best[rng.integers(len(best))])
     world.place(pod, int(candidates.host[pick]), int(candidates.slot[pick]))

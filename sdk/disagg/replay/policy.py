@@ -34,4 +34,5 @@ class SharingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def score(self, pod: Pod, candidates: Candidates) -> FloatArray:
-        """One score per candidate."""
+        """One finite score per candidate, in their order: an array of shape ``(len(candidates),)``. The replay
+        refuses anything else (NaN, infinity, too few or too many) with `disagg.errors.PluginError`."""

@@ -44,6 +44,11 @@ _ALL = (
     Clause("DISC-STABLE", "Two discoveries report the same device ids with the same serials."),
     Clause("DISC-UNIQUE-SERIALS", "No two devices of a fabric share a serial."),
     Clause(
+        "DISC-SCOPED-IDS",
+        "Every discovered switch and pool has the id `<fabric>/<local id>`, as every device does, and no two "
+        "switches or two pools share an id.",
+    ),
+    Clause(
         "UNDECLARED-UNSUPPORTED",
         "A bind, an unbind or an allocation that needs a feature the driver does not declare (bind, unbind, carve) "
         "raises UnsupportedError (gRPC UNIMPLEMENTED, reason UNSUPPORTED) and changes nothing.",

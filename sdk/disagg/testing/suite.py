@@ -13,6 +13,7 @@ import functools
 import itertools
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -72,6 +73,12 @@ _ID_RULE = "bind and unbind raise InvalidRequestError for a device or host that 
 """The contract's rule on malformed ids (`Fabric.unbind`, docs/driver-interface.md), quoted by ERR-INVALID-ID."""
 MALFORMED_IDS: tuple[Any, ...] = ("", 7)
 """What ERR-INVALID-ID passes for a device or a host id: an empty string, and a value that is not a string."""
+
+
+def _scoped(item: str, fabric: str) -> bool:
+    """Whether ``item`` is a fabric-scoped id of ``fabric``: ``<fabric>/<local id>``, as device ids are."""
+    prefix, _, local = item.partition("/")
+    return prefix == fabric and _LOCAL_ID.match(local) is not None
 
 
 def _skip(reason: str) -> NoReturn:
@@ -256,8 +263,7 @@ class FabricConformance:
         devices = {d.id: d for d in topo.devices}
         assert len(devices) == len(topo.devices), "a device id is reported twice"
         for dev in topo.devices:
-            prefix, _, local = dev.id.partition("/")
-            assert prefix == fabric.name and _LOCAL_ID.match(local), f"device id {dev.id!r} is not {fabric.name}/<id>"
+            assert _scoped(dev.id, fabric.name), f"device id {dev.id!r} is not {fabric.name}/<id>"
             assert dev.fabric == fabric.name, f"device {dev.id} names fabric {dev.fabric!r}"
             assert dev.kind in capabilities.kinds, f"device {dev.id} is a {dev.kind.value}, a kind not declared"
             assert not dev.switch or dev.switch in switches, f"device {dev.id} hangs off unknown switch {dev.switch}"
@@ -292,6 +298,18 @@ class FabricConformance:
             assert dev.serial, f"device {dev.id} has no serial"
             assert dev.serial not in seen, f"devices {seen.get(dev.serial)} and {dev.id} share serial {dev.serial}"
             seen[dev.serial] = dev.id
+
+    @clause("DISC-SCOPED-IDS")
+    def test_switch_and_pool_ids_are_scoped(self, tracker: Tracker) -> None:
+        """The composer indexes the switches and pools of all its fabrics by id: a switch id two fabrics share
+        joins the hosts of one to the devices of the other, and a pool id hides a pool, so it refuses both."""
+        fabric = tracker.fabric
+        topo = tracker.discover()
+        for what, ids in (("switch", [s.id for s in topo.switches]), ("pool", [p.id for p in topo.pools])):
+            repeated = sorted(i for i, n in Counter(ids).items() if n > 1)
+            assert not repeated, f"{what} id {repeated[0]!r} is reported twice"
+            for item in ids:
+                assert _scoped(item, fabric.name), f"{what} id {item!r} is not {fabric.name}/<id>"
 
     @clause("UNDECLARED-UNSUPPORTED")
     def test_undeclared_features_are_refused(self, tracker: Tracker, capabilities: Capabilities) -> None:
