@@ -487,6 +487,53 @@ class TestHealth:
         said = [e for e in comp.events() if e.type is EventType.COMPOSITION_UPDATED and e.subject == c.id]
         assert said and said[-1].message == after.message and said[-1].data["etag"] == after.etag
 
+    def test_a_reconcile_heals_once_a_replacement_frees(self) -> None:
+        """A heal that found no replacement was never tried again while the composer ran: only a restart healed
+        it, once a device had freed. Every reconcile now tries it again; one that finds none changes nothing."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(parse_request("all-a", ["host h1", "gpu x9 model=H200 same-switch"])).composition
+        holder = comp.compose(parse_request("holder", ["host h2", "gpu x1 model=H200 same-switch"])).composition
+        assert c is not None and holder is not None
+        failed = c.device_ids[3]
+        fabrics["pcie0"].fail_device(failed)
+        assert comp.wait_for_heals(10.0)
+        stuck = comp.get(c.id)
+        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
+        revision = comp.revision
+        assert comp.reconcile() == 0 and comp.revision == revision  # still none: nothing changes, etag included
+        assert comp.get(c.id).etag == stuck.etag
+        comp.decompose(holder.id)
+        comp.reconcile()
+        healed = comp.get(c.id)
+        assert healed.state is CompositionState.COMPOSED, healed.message
+        assert failed not in healed.device_ids and holder.device_ids[0] in healed.device_ids
+        assert comp.reconcile() == 0
+
+    def test_a_restart_that_still_cannot_heal_changes_nothing(self, tmp_path: Path) -> None:
+        """Each restart tried the heal again and rewrote the composition with the same message: a new
+        generation, so a new etag, with no event to tell a watcher (a client's update then failed as stale)."""
+        states = {name: {"state_file": tmp_path / f"{name}.json"} for name in ("pcie0", "cxl0")}
+        fabrics = rack(**states)
+        first = composer(fabrics, store=SqliteStore(tmp_path / "ledger.db"))
+        c = first.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert c is not None
+        fabrics["pcie0"].fail_device(c.device_ids[3])
+        assert first.wait_for_heals(10.0)
+        before = first.get(c.id)
+        assert before.state is CompositionState.DEGRADED and "no replacement" in before.message
+        revision = first.revision
+        first.close()
+        for fabric in fabrics.values():
+            fabric.close()
+        again = composer(rack(**states), store=SqliteStore(tmp_path / "ledger.db"))
+        try:
+            after = again.get(c.id)
+            assert (after.state, after.message, after.etag) == (before.state, before.message, before.etag)
+            assert again.revision == revision
+        finally:
+            again.close()
+
     def test_a_second_failure_is_named_too(self) -> None:
         """A DEGRADED composition's message named only the first device to fail: a second failure changed no
         state, so nothing rewrote it (and a failed heal's note had replaced the reason)."""

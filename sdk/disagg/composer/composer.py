@@ -266,7 +266,7 @@ class FabricComposer(Composer):
         self._started = False
         self._healer: ThreadPoolExecutor | None = None
         """Heals that may wait on hardware, off the thread that delivers the fabric's events (`_heal_soon`)."""
-        self._heals: set[Future[None]] = set()
+        self._heals: set[Future[int]] = set()
         """The heals handed to ``_healer`` that have not ended (`wait_for_heals`)."""
         self._closing = False
         """Set by `cancel_start` and `close`, without the lock: no heal starts after it, on fabrics it closes, and a
@@ -621,9 +621,10 @@ class FabricComposer(Composer):
                     # Healing replaces unhealthy devices; it cannot bring a lost one back, nor move memory.
                     healable.append(now.id)
         if self.auto_heal:
-            # At start-up every composition that healing can mend (a device failed while none ran); later, those
-            # this pass degraded (the others were healed, or tried, when their device's failure was reported).
-            self._heal_all(c for c in healable if c in degraded or not self._started)
+            # Every composition that healing can mend: one degraded by this pass, one whose device failed while no
+            # composer ran, and one whose heal found no replacement before (a device freed or repaired since may
+            # be one now). A heal that still finds none changes nothing, so a converged system stays as it is.
+            changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
         return changes
 
     def _heal_soon(self, composition_ids: list[str]) -> None:
@@ -645,7 +646,7 @@ class FabricComposer(Composer):
             self._heals.add(heal)
         heal.add_done_callback(self._heal_ended)
 
-    def _heal_ended(self, heal: Future[None]) -> None:
+    def _heal_ended(self, heal: Future[int]) -> None:
         with self._lock:
             self._heals.discard(heal)
 
@@ -657,13 +658,22 @@ class FabricComposer(Composer):
             pending = list(self._heals)
         return not wait_all(pending, timeout=timeout_s).not_done
 
-    def _heal_all(self, composition_ids: Iterable[str]) -> None:
-        """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why."""
+    def _heal_all(self, composition_ids: Iterable[str], retry: Callable[[str], bool] = lambda _: False) -> int:
+        """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why. Returns
+        how many were healed. A heal tried again (``retry``) that still finds no replacement is logged at debug
+        level only: its composition says so already, and a reconcile tries it on every pass."""
+        healed = 0
         for comp_id in composition_ids:
             try:
-                self.heal(comp_id)
+                if self.heal(comp_id).state is not CompositionState.DEGRADED:
+                    healed += 1
+            except NoFitError as exc:
+                log.log(
+                    logging.DEBUG if retry(comp_id) else logging.WARNING, "healing %s failed: %s", comp_id, exc.message
+                )
             except DisaggError as exc:
                 log.warning("healing %s failed: %s", comp_id, exc.message)
+        return healed
 
     def _fabric_of(self, device: str) -> str:
         """The fabric of a device: from the index, else from its id (one of a fabric that is not discovered)."""
@@ -2135,8 +2145,11 @@ class FabricComposer(Composer):
             bad, lines = self._replacement_lines(comp, bad)
             plan, why = self._placer.try_host(comp.host, lines)
             if plan is None:
-                # After the reason it is DEGRADED, which `_reassess` keeps up to date.
-                self._set(comp, message=f"{self._standing_why(comp)}; no replacement: {why}")
+                # After the reason it is DEGRADED, which `_reassess` keeps up to date. Said again, it changes
+                # nothing: every reconcile tries the heal again, and a restart must not revise its etag.
+                message = f"{self._standing_why(comp)}; no replacement: {why}"
+                if message != comp.message:
+                    self._set(comp, message=message)
                 raise NoFitError(f"cannot heal {comp.id}: {why}")
             self._claim_plan(plan, comp.id, host=False)
             comp = self._set(comp, pending=self._adding(comp.id, plan, restore=comp.state))
