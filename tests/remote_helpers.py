@@ -18,6 +18,7 @@ from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Device, EventHandler, Fabric, Pool, Subscription
 from disagg.model import Binding, Capabilities, Topology
 from disagg.remote import DriverServer
+from disagg.wire import driver as wire
 from disagg.wire.errors import to_status
 from disagg.wire.types import allocation_to_wire, binding_to_wire, capabilities_to_wire, topology_to_wire
 from disagg_sim import SimFabric, create_fabric
@@ -96,11 +97,14 @@ def served(fabric: Fabric, transport: str = "tcp", *, driver: str = "sim") -> It
 class YesDriver(pb_grpc.FabricDriverServiceServicer):
     """A driver in another language, as `disagg certify --remote` meets one: a bare servicer, not the SDK's, of a
     sim fabric, that says yes to a call whose deadline passed (it checks none) and to an allocation of no bytes
-    (it carves one). It reads no metadata; the sim's own errors are answered with their status."""
+    (it carves one). It reads no metadata, but says it judges late calls (`wire.LATE_CALLS_KEY`) unless told not
+    to (``late_calls=False``, a driver written before the key); the sim's own errors are answered with their
+    status."""
 
-    def __init__(self, fabric: SimFabric, *, driver: str = "sim") -> None:
+    def __init__(self, fabric: SimFabric, *, driver: str = "sim", late_calls: bool = True) -> None:
         self.fabric = fabric
         self.driver = driver
+        self.late_calls = late_calls
 
     @staticmethod
     def _refuse(context: grpc.ServicerContext, error: DisaggError) -> NoReturn:
@@ -110,6 +114,8 @@ class YesDriver(pb_grpc.FabricDriverServiceServicer):
     def GetCapabilities(  # noqa: N802
         self, request: pb.GetCapabilitiesRequest, context: grpc.ServicerContext
     ) -> pb.GetCapabilitiesResponse:
+        if self.late_calls:  # it says it judges a late call, and then says yes to it
+            context.set_trailing_metadata(((wire.LATE_CALLS_KEY, wire.LATE_CALLS_JUDGED),))
         capabilities = capabilities_to_wire(self.fabric.capabilities())
         return pb.GetCapabilitiesResponse(fabric=self.fabric.name, driver=self.driver, capabilities=capabilities)
 

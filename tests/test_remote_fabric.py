@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import grpc
@@ -39,6 +40,7 @@ from disagg.errors import (
 from disagg.interfaces import CallContext, Pool
 from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Health, PoolInfo
 from disagg.remote import DriverServer, RemoteFabric
+from disagg.remote.fabric import connected
 from disagg.remote.plugin import create_fabric
 from disagg.remote.service import FabricDriverServicer
 from disagg.requestlang import parse_request
@@ -46,7 +48,7 @@ from disagg.wire import driver as wire
 from disagg_sim import SIM_CAPABILITIES, SimFabric
 from disagg_sim import create_fabric as create_sim
 from google.rpc import code_pb2, status_pb2
-from remote_helpers import Plain, Secretive, cxl, eventually, pcie, served
+from remote_helpers import Plain, Secretive, YesDriver, cxl, eventually, pcie, served, serving_bare
 from server_helpers import serving, socket_path
 
 
@@ -648,6 +650,64 @@ class TestADriverOfAnotherFabricAtItsAddress:
             remote.close()
             server.stop(grace=0)
             shutil.rmtree(directory, ignore_errors=True)
+
+
+class TestALateCall:
+    """A call whose deadline passed before it was sent reaches a driver that says it judges such calls, and no
+    other: one that reads no metadata takes the call's short gRPC timeout for its deadline, and carried it out."""
+
+    @pytest.mark.parametrize("late_calls", [True, False], ids=["judged-by-the-driver", "refused-here"])
+    def test_it_reaches_only_a_driver_that_judges_it(self, late_calls: bool) -> None:
+        fabric = pcie()
+        with serving_bare(YesDriver(fabric, late_calls=late_calls)) as address:
+            remote = RemoteFabric("pcie0", address)
+            try:
+                late = CallContext(epoch=1, deadline=time.monotonic() - 2.0)
+                if late_calls:  # this driver says yes to it: the suite's DEADLINE-PASSED fails it
+                    remote.bind(GPU, "h1", late)
+                    assert list(fabric.bindings()) == [Binding(GPU, "h1")]
+                else:
+                    with pytest.raises(DeadlineExceededError, match="passed before it was sent"):
+                        remote.bind(GPU, "h1", late)
+                    assert list(fabric.bindings()) == []
+            finally:
+                remote.close()
+
+    def test_the_sdks_driver_service_judges_it(self) -> None:
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(DeadlineExceededError) as info:
+                    remote.bind(GPU, "h1", CallContext(epoch=1, deadline=time.monotonic() - 2.0))
+                assert "before it was sent" not in info.value.message  # the driver's own refusal
+            finally:
+                remote.close()
+
+
+class TestTheFabricCheck:
+    """Every call names its fabric; only a channel that lost its connection asks the endpoint again which fabric
+    it serves. Asking before every call would double each call's round trips."""
+
+    def test_a_connected_channel_asks_once(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        asked: list[bool] = []
+        answer = FabricDriverServicer.GetCapabilities
+
+        def counted(self: FabricDriverServicer, request: Any, context: grpc.ServicerContext) -> Any:
+            asked.append(True)
+            return answer(self, request, context)
+
+        monkeypatch.setattr(FabricDriverServicer, "GetCapabilities", counted)
+        with served(pcie()) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                assert connected(remote._channel)
+                before = len(asked)
+                for epoch in range(1, 21):
+                    remote.bind(GPU, "h1", CallContext(epoch=epoch))
+                    remote.unbind(Binding(GPU, "h1"), CallContext(epoch=epoch))
+                assert len(asked) == before, f"{len(asked) - before} GetCapabilities for 40 calls"
+            finally:
+                remote.close()
 
 
 class TestDiscoverCache:

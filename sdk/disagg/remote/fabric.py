@@ -39,6 +39,7 @@ from disagg.errors import (
     OUTCOME,
     OUTCOME_UNKNOWN,
     ConfigError,
+    DeadlineExceededError,
     DisaggError,
     DriverError,
     FabricUnavailableError,
@@ -97,12 +98,22 @@ Resp = TypeVar("Resp")
 LinkKey = tuple[str, str]
 
 
+_UNTOLD = threading.Event()
+"""Set once the log has said that this grpcio does not tell a channel's state (`connected`)."""
+
+
 def connected(channel: grpc.Channel) -> bool:
     """Whether ``channel`` has a connection now (READY), without trying to make one; False when grpcio cannot
     tell. grpcio's public API tells the state only to a subscription, whose polling thread (one per channel)
     raises when the channel is closed under it (grpc/grpc#18995); the Cython channel it wraps answers at once."""
     check = getattr(getattr(channel, "_channel", None), "check_connectivity_state", None)
     if check is None:
+        if not _UNTOLD.is_set():
+            _UNTOLD.set()
+            log.warning(
+                "this grpcio does not tell a channel's state: every call to a remote driver asks first which "
+                "fabric it serves (one more round trip a call)"
+            )
         return False
     try:
         return bool(check(False) == _READY)
@@ -270,6 +281,9 @@ class RemoteFabric(Fabric, FaultInjection):
         self._checked_at: int | None = None
         """`_disconnections` when the endpoint last answered which fabric it serves (`_served_here`)."""
         self._metadata = ((wire.FABRIC_KEY, wire.fabric_to_metadata(name)),)
+        self._late_calls = False
+        """Whether the endpoint judges a call whose deadline passed (`wire.LATE_CALLS_KEY`); else it is refused
+        here, before it is sent."""
         try:
             self._accept(self._connect(self.connect_timeout_s), 0)
         except FabricUnavailableError as exc:
@@ -350,9 +364,12 @@ class RemoteFabric(Fabric, FaultInjection):
         """Ask for the capabilities, waiting up to ``wait_s`` for the endpoint to be there (or, without
         ``wait_for_ready``, failing at once when it cannot be reached)."""
         try:
-            answer: pb.GetCapabilitiesResponse = self._stub.GetCapabilities(
+            answer, call = self._stub.GetCapabilities.with_call(
                 pb.GetCapabilitiesRequest(), timeout=wait_s, wait_for_ready=wait_for_ready
             )
+            late = wire.metadata_value(call.trailing_metadata(), wire.LATE_CALLS_KEY) == wire.LATE_CALLS_JUDGED
+            with self._lock:
+                self._late_calls = late
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code is grpc.StatusCode.UNIMPLEMENTED:
@@ -516,6 +533,8 @@ class RemoteFabric(Fabric, FaultInjection):
         timeout, passed = self._timeout(ctx)
         metadata: tuple[tuple[str, str], ...] = self._metadata
         if passed is not None:
+            if not self._late_calls:  # it would take the short timeout for the deadline, and carry the call out
+                raise DeadlineExceededError(f"fabric {self._name}: the call's deadline passed before it was sent")
             metadata = (*metadata, (wire.DEADLINE_PASSED_KEY, wire.deadline_passed_to_metadata(passed)))
         with self._answered():
             answer = method(request, timeout=timeout, metadata=metadata)

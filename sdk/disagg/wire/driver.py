@@ -12,8 +12,9 @@ handlers have seen every event a fault caused, as an in-process fabric delivers 
 once a discovery read the topology (trailing metadata), so that a resync can tell an event's stream copy.
 A driver that sends neither still works; its events are simply delivered later. The client names the fabric
 it means in every call but GetCapabilities (`FABRIC_KEY`), so that a driver of another fabric at the same
-address refuses the call, and marks a call whose deadline passed before it was sent (`DEADLINE_PASSED_KEY`),
-so that the driver, not the client, refuses it as it refuses one in process.
+address refuses the call; and to a driver that says it reads the mark (`LATE_CALLS_KEY`), it sends a call whose
+deadline passed before it was sent, marked so (`DEADLINE_PASSED_KEY`), for the driver, not the client, to
+refuse it as it refuses one in process.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ a driver restarted for another fabric at the address of this one must not take i
 DEADLINE_PASSED_KEY = "disagg-deadline-passed"
 """Metadata key: the call's deadline passed this many seconds (a decimal number) before it was sent. gRPC
 cannot carry a deadline in the past, so the call carries a short timeout and this; the driver takes the
-deadline as passed and refuses the call (`DeadlineExceededError`), as it refuses one in process."""
+deadline as passed and refuses the call (`DeadlineExceededError`), as it refuses one in process. Sent only to
+a driver that answers GetCapabilities with `LATE_CALLS_KEY`."""
+LATE_CALLS_KEY = "disagg-late-calls"
+"""Trailing metadata of GetCapabilities, value ``judged``: the driver reads `DEADLINE_PASSED_KEY`. A driver that
+does not say so (one written before the key, or in another language that reads no metadata) takes a call's gRPC
+timeout for its deadline and would carry out a late call, so the client refuses such a call itself."""
+LATE_CALLS_JUDGED = "judged"
 _UNENCODED = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 """What a metadata value carries as it is: printable ASCII but ``%`` (gRPC's ``grpc-message`` rule)."""
 
