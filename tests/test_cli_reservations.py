@@ -149,6 +149,12 @@ class TestRelease:
         assert json.loads(out) == {"released": [second, first]}
         assert listed(capsys, where) == []
 
+    def test_an_id_given_twice_is_released_once(self, capsys: pytest.CaptureFixture[str], where: list[str]) -> None:
+        """It was reported released twice, the second time releasing nothing."""
+        rid = reserve(capsys, where)
+        code, out, err = cli(capsys, *where, "release", rid, rid, "--json")
+        assert (code, json.loads(out)) == (0, {"released": [rid]}), err
+
 
 class TestUnknown:
     """An unknown, expired, applied or released reservation is not found (exit 4), and nothing changes."""

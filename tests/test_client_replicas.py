@@ -33,6 +33,7 @@ class TestReplicaTarget:
         assert replica_target("unix:/run/disagg.sock") == ("unix:/run/disagg.sock", ())
         assert replica_target("unix:///run/disagg.sock") == ("unix:///run/disagg.sock", ())
         assert replica_target("[::1]:50051") == ("[::1]:50051", ())
+        assert replica_target("unix-abstract:disagg") == ("unix-abstract:disagg", ())  # was "a port is 0 to 65535"
         assert replica_target("127.0.0.1:50051") == ("127.0.0.1:50051", ())
 
     def test_a_list(self) -> None:
@@ -55,6 +56,7 @@ class TestReplicaTarget:
             (":50051", "give HOST:PORT"),
             ("[::1", "IPv6 host in brackets"),
             ("h]:1", "IPv6 host in brackets"),
+            ("::1:50051", "IPv6 host in brackets"),  # gRPC reads it as a misformatted name: "cannot reach"
         ],
     )
     def test_mistakes(self, address: str, says: str) -> None:

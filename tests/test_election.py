@@ -483,6 +483,23 @@ class TestStartFailure:
         finally:
             server.stop(0)
 
+    def test_an_embedder_told_only_of_a_lost_lead_hears_of_a_failed_start(self, etcd: EtcdCluster) -> None:
+        """``on_start_failed`` is newer than ``on_lost``: a server built with ``on_lost`` alone was told nothing,
+        and sat there neither serving nor campaigning, where it had been told before."""
+        etcd_client(etcd).put("/damaged/compositions/x", "{not json")
+        told = threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/damaged/")),
+            ["127.0.0.1:0"],
+            leadership=Leadership(etcd.endpoints, "damaged", ttl_s=30),
+            on_lost=told.set,
+        )
+        try:
+            server.start()
+            assert told.wait(WAIT_S), "a failed start was not told to on_lost"
+        finally:
+            server.stop(0)
+
 
 class TestEpochBase:
     """A new etcd cluster starts its revisions low again while the drivers remember the highest epoch they have

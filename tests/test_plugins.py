@@ -405,6 +405,19 @@ class TestAPluginThatRegistersNothing:
         plugins = _load(("acme", types.ModuleType("acme_plugin")))
         assert "is its disagg_register_drivers marked with @disagg.hookimpl?" in plugins.inert["acme"]
 
+    def test_a_marked_hook_that_registered_nothing_is_not_asked_about_its_mark(self) -> None:
+        """Its hook ran (a library it needs may be missing): asking whether it is marked misled its author."""
+        module = types.ModuleType("hw_plugin")
+
+        @disagg.hookimpl
+        def disagg_register_drivers(registry: DriverRegistry) -> None:
+            return None
+
+        module.disagg_register_drivers = disagg_register_drivers  # type: ignore[attr-defined]
+        why = _load(("hw", module)).inert["hw"]
+        assert why.startswith("its disagg_register_drivers ran and registered nothing"), why
+        assert "marked" not in why
+
     def test_a_driver_of_another_name_names_the_plugin(self) -> None:
         with pytest.raises(PluginError) as info:
             _load(("acme_plugin", _unmarked_plugin())).driver("acme")

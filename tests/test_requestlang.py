@@ -824,7 +824,9 @@ class TestNumbersInOtherNotations:
         assert request_from_document(document).resources[0].selectors == (text,)
         assert text.matches("0x10de") and not text.matches(4318)
 
-    @pytest.mark.parametrize("value", ["7e5a", "0x", "1e", "e10", "1.2.3", "-", "5.", "12", "-3.25", "80GB"])
+    @pytest.mark.parametrize(
+        "value", ["7e5a", "0x", "1e", "e10", "1.2.3", "-", "5.", "12", "-3.25", "80GB", "0bad", "0bed", "0o9", "0b12"]
+    )
     def test_what_is_not_a_number_in_another_notation(self, value: str) -> None:
         """Text that only starts like a number, and the numbers the language reads, are taken as before."""
         assert parse_selector(f"k={value}").value == parse_value(value)

@@ -44,7 +44,7 @@ T = TypeVar("T")
 _CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]i?", flags=re.IGNORECASE)
 """``80G`` or ``80Gi``: a size whose B was left out."""
 _OTHER_NUMBER = re.compile(
-    r"[+-]?(?:0[xob][0-9a-f_]+|(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:e[+-]?\d+)?)", flags=re.IGNORECASE
+    r"[+-]?(?:0x[0-9a-f_]+|0o[0-7_]+|0b[01_]+|(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:e[+-]?\d+)?)", flags=re.IGNORECASE
 )
 """A number in a notation the language does not read (``8e10``, ``0x10``, ``1_000``, ``+5``, ``.5``): read as
 text, it would compare with no number and match nothing, silently."""

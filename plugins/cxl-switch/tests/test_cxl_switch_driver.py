@@ -40,6 +40,10 @@ class TestOptions:
             ({"address": "10.0.0.1:9000"}, "address"),
             ({"state_dir": "/tmp/x", "hosts": 0}, "hosts"),
             ({"state_dir": "/tmp/x", "hosts": ["a", "a"]}, "hosts"),
+            # Names bind and unbind refuse as ids: the switch reported the host, and nothing could be bound to it.
+            ({"state_dir": "/tmp/x", "hosts": ["rack 1"]}, "hosts"),
+            ({"state_dir": "/tmp/x", "hosts": ["h\t1"]}, "hosts"),
+            ({"state_dir": "/tmp/x", "hosts": ["h" * 257]}, "hosts"),
             ({"state_dir": "/tmp/x", "gpus": -1}, "gpus"),
             ({"state_dir": "/tmp/x", "stop_emulator": "never"}, "stop_emulator"),
             ({"state_dir": "/tmp/x", "bind_delay_ms": float("nan")}, "bind_delay_ms"),

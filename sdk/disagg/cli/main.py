@@ -376,7 +376,7 @@ def cmd_release(args: argparse.Namespace) -> int:
                 "was released",
             )
         released = []
-        for key in args.reservations:
+        for key in dict.fromkeys(args.reservations):  # each once: a second release of one released nothing
             if key in held:
                 composer.release_reservation(key)
                 released.append(key)

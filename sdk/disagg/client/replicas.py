@@ -43,6 +43,11 @@ otherwise still say SERVING, and calls sent to it would wait out their deadlines
 The fabric manager's server accepts pings this often (`disagg.server.runtime`)."""
 
 
+SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:")
+"""gRPC's name schemes other than ``unix:`` taken as they are (``dns:///host:port``, ``unix-abstract:name``):
+gRPC judges what follows them."""
+
+
 def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]]:
     """The channel target and options for ``address``: one address as it is; ``IP:PORT,IP:PORT,...`` as a
     health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
@@ -50,7 +55,7 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
     if "," not in address:
         if address.startswith("unix:"):
             _check_unix(address)
-        elif ":" in address and "://" not in address and not address.startswith(("dns:", "ipv4:", "ipv6:")):
+        elif ":" in address and "://" not in address and not address.startswith(SCHEMES):
             host, _, port = address.rpartition(":")  # HOST:PORT: gRPC would take a missing or bad port as 443
             if port_from_text(port) is None:
                 raise InvalidRequestError(f"{address!r}: a port is 0 to {MAX_PORT}", field="address")
@@ -93,8 +98,9 @@ def _check_unix(address: str) -> None:
 def _check_host(address: str, host: str) -> None:
     """The host of ``HOST:PORT``: present, and an IPv6 address in whole brackets. gRPC would otherwise fail to
     resolve it, which would read as a server that is down rather than an address mistyped."""
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not bare or "[" in bare or "]" in bare:
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host[1:-1] if bracketed else host
+    if not bare or "[" in bare or "]" in bare or (":" in bare and not bracketed):
         raise InvalidRequestError(
             f"{address!r}: give HOST:PORT, with an IPv6 host in brackets ([::1]:50051)", field="address"
         )

@@ -233,6 +233,9 @@ def _inert(pm: pluggy.PluginManager, drivers: DriverRegistry, policies: PolicyRe
         unmarked = [hook for hook in HOOKS if callable(getattr(plugin, hook, None)) and hook not in marked]
         if unmarked:
             why = f"its {', '.join(unmarked)} lacks @disagg.hookimpl, and pluggy calls only marked functions"
+        elif marked:
+            why = f"its {', '.join(sorted(marked))} ran and registered nothing (does it register only when a library "
+            why += "or a device it needs is there?)"
         else:
             why = "is its disagg_register_drivers marked with @disagg.hookimpl? pluggy calls only marked functions"
         log.warning("plugin %s loaded but registered nothing: %s", name, why)

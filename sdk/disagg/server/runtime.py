@@ -163,7 +163,9 @@ class FabricManagerServer:
         self._on_serving = on_serving or (lambda addresses: None)
         self._on_lost = on_lost or (lambda: None)
         self._on_failed = on_failed or (lambda failure: None)
-        self._on_start_failed = on_start_failed or (lambda error: None)
+        # An embedder that passes ``on_lost`` alone (the one callback before ``on_start_failed``) is still told
+        # that this replica stopped leading.
+        self._on_start_failed = on_start_failed or (lambda error: self._on_lost())
         self._lead_ended = False
         """Under ``_lock``: the lead was lost or given up after a failed start; only the first of them is told."""
         self._reconcile_s = reconcile_s

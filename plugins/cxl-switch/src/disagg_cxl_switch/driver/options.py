@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, InvalidRequestError
+from disagg.interfaces.fabric import MAX_ID, check_id
 
 from disagg_cxl_switch.driver.client import parse_address
 from disagg_cxl_switch.emulator.config import EmulatorConfig
@@ -88,14 +89,18 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
     if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
         raise bad("state_dir", "state_dir must be a path")
     hosts = options.get("hosts", 2)
-    if isinstance(hosts, list) and hosts and all(isinstance(h, str) and h and "/" not in h for h in hosts):
+    if isinstance(hosts, list) and hosts and all(_host_name(h) for h in hosts):
         names = tuple(hosts)
         if len(set(names)) != len(names):
             raise bad("hosts", "host names repeat")
     elif isinstance(hosts, int) and not isinstance(hosts, bool) and 1 <= hosts <= 32:
         names = tuple(f"h{i}" for i in range(hosts))
     else:
-        raise bad("hosts", "hosts must be a count 1..32 or a list of host names")
+        raise bad(
+            "hosts",
+            "hosts must be a count 1..32 or a list of host names (ids: printable, no spaces or '/', at most "
+            f"{MAX_ID} characters)",
+        )
     defaults = {"gpus": 10, "nvme": 0, "nics": 0, "ld_count": 4, "mld_capacity_gib": 16, "dc_capacity_gib": 16}
     defaults["dc_regions"] = 1
     emulator = {key: _int(name, options, key, defaults[key], 1 if key == "dc_regions" else 0) for key in _EMULATOR_KEYS}
@@ -118,3 +123,13 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
         bind_delay_ms=float(delay),
         stop_emulator=stop,
     )
+
+
+def _host_name(name: object) -> bool:
+    """Whether ``name`` can name a host: an id (`disagg.interfaces.check_id`: bind and unbind refuse any other,
+    so a host the switch reported under it could never be bound) without a '/'."""
+    try:
+        check_id(name, "hosts")
+    except InvalidRequestError:
+        return False
+    return "/" not in str(name)
