@@ -5,14 +5,14 @@ Topologies are built by hand from `disagg.model` values; requests are written in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import pytest
-from disagg.composer import Inventory, Placer
+from disagg.composer import FabricComposer, Inventory, Placer, placement
 from disagg.config import build_composer, demo_config
-from disagg.errors import ConfigError, InvalidRequestError, NoFitError, UnknownHostError
-from disagg.interfaces.placement import PlacementPolicy
+from disagg.errors import ConfigError, InvalidRequestError, NoFitError, PluginError, UnknownHostError
+from disagg.interfaces.placement import DeviceGroup, PlacementPolicy, PoolCandidate
 from disagg.model import (
     Capacity,
     CompositionRequest,
@@ -139,6 +139,13 @@ def picked(plan: Plan) -> list[str]:
     return [p.device.split("/", 1)[1] for p in plan.devices]
 
 
+POLICIES = [BestFit(), Closest()]
+
+
+def policy_id(policy: PlacementPolicy) -> str:
+    return policy.name
+
+
 def one_switch(n: int, *, hosts: Sequence[Host] = (Host("h1", 32, 256 * GiB),)) -> list[Topology]:
     """Hosts on one PCIe switch sw1 (100 ns away) with ``n`` H200 GPUs g0..g{n-1}."""
     return [
@@ -247,6 +254,25 @@ class TestHostChoice:
         inv.claim_host("h1", "x")
         message = no_fit(inv, "gpu x1")
         assert "0 of 1 hosts are free" in message
+
+    @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+    def test_smallest_host_that_fits_whatever_the_line_order(self, policy: PlacementPolicy) -> None:
+        """h1 fits only with its H200 on the first line and its H100 on the second: the greedy pass gives the
+        first line the H100, and the request went to the 64-core h2."""
+        t = topo(
+            PCIE,
+            [Host("h1", 8, 64 * GiB), Host("h2", 64, 512 * GiB)],
+            ["sw1", "sw2"],
+            [("h1", "sw1", 100), ("h2", "sw2", 100)],
+            [
+                gpu("a0", "sw1", model="H100"),
+                gpu("a1", "sw1"),
+                gpu("b0", "sw2", model="H100"),
+                gpu("b1", "sw2", model="H100"),
+            ],
+        )
+        plan = place([t], "gpu x1", "gpu x1 model=H100", policy=policy)
+        assert (plan.host, picked(plan)) == ("h1", ["a1", "a0"])
 
 
 # -- selectors -------------------------------------------------------------------------------------------------
@@ -464,6 +490,25 @@ class TestSpread:
         assert {inv.devices[p.device].switch for p in plan.devices} == {"pcie0/sw1"}
         assert sorted(inv.devices[p.device].failure_domains["chassis"] for p in plan.devices) == ["c1", "c2", "c3"]
 
+    @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+    def test_same_switch_spread_takes_a_switch_that_spreads(self, policy: PlacementPolicy) -> None:
+        """sw1 is nearer and as full as sw2, so either policy prefers it, but its GPUs share one chassis."""
+        t = topo(
+            PCIE,
+            [Host("h1", 32, 256 * GiB)],
+            ["sw1", "sw2"],
+            [("h1", "sw1", 100), ("h1", "sw2", 200)],
+            [
+                gpu("a0", "sw1", domains={"chassis": "a"}),
+                gpu("a1", "sw1", domains={"chassis": "a"}),
+                gpu("b0", "sw2", domains={"chassis": "b"}),
+                gpu("c0", "sw2", domains={"chassis": "c"}),
+            ],
+        )
+        assert picked(place([t], "gpu x2 same-switch spread=chassis", policy=policy)) == ["b0", "c0"]
+        message = no_fit([t], "host h1", "gpu x3 same-switch spread=chassis", policy=policy)
+        assert message.endswith("at most 2 on one switch, in 3 distinct chassis domains")
+
 
 # -- memory ----------------------------------------------------------------------------------------------------
 
@@ -527,6 +572,11 @@ class TestMemory:
         assert message.endswith("6 GiB of it reachable from h1, 0 B within 249 ns")
         assert carved(place(memory_rack(), "cxl-memory 1GiB latency<=250ns")) == [("small", GiB)]
 
+    def test_selector_no_pool_matches(self) -> None:
+        message = no_fit(memory_rack(), "host h1", "cxl-memory 1GiB model=hbm")
+        assert message == "1 GiB of cxl-memory (model=hbm) of host h1 asked: 0 B free, 0 B of it reachable from h1"
+        assert carved(place(memory_rack(), "cxl-memory 1GiB model=DCD")) == [("small", GiB)]
+
     def test_pool_devices_are_not_bound_whole(self) -> None:
         no_fit(memory_rack(), "cxl-memory x1")
 
@@ -558,7 +608,10 @@ class TestSeveralLines:
 
     def test_second_line_failure_is_explained(self) -> None:
         message = no_fit(one_switch(3), "host h1", "gpu x2", "gpu x2")
-        assert message == "2 gpu of host h1 asked: 1 free, 1 of them reachable from h1"
+        assert message == (
+            "2 gpu of host h1 asked: 3 free, 3 of them reachable from h1, 2 of them held by line 0 of this request; "
+            "no other arrangement of the request's lines fits"
+        )
 
     def test_across_fabrics(self) -> None:
         plan = place([*one_switch(2), *memory_rack()], "gpu x2", "cxl-memory 1GiB")
@@ -567,6 +620,100 @@ class TestSeveralLines:
     def test_all_or_nothing_across_fabrics(self) -> None:
         no_fit([*one_switch(2), *memory_rack()], "gpu x2", "cxl-memory 7GiB")
         no_fit([*one_switch(2), *memory_rack()], "gpu x3", "cxl-memory 1GiB")
+
+
+class TestSearch:
+    """When the greedy pass fails on a host, the host is searched: a request is refused only when no arrangement
+    of its lines fits, and the refusal says how much other lines of the request hold."""
+
+    def h100_and_h200(self) -> list[Topology]:
+        """h1 reaches an H100 (a0) and an H200 (a1) on sw1."""
+        devices = [gpu("a0", model="H100"), gpu("a1")]
+        return [topo(PCIE, [Host("h1", 32, 256 * GiB)], ["sw1"], [("h1", "sw1", 100)], devices)]
+
+    @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+    def test_an_earlier_line_leaves_what_a_stricter_one_needs(self, policy: PlacementPolicy) -> None:
+        plan = place(self.h100_and_h200(), "gpu x1", "gpu x1 model=H100", policy=policy)
+        assert (picked(plan), [p.resource for p in plan.devices]) == (["a1", "a0"], [0, 1])
+
+    @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
+    def test_an_unbounded_memory_line_leaves_the_near_pool(self, policy: PlacementPolicy) -> None:
+        rack = memory_rack(memdev("near", 512 * MiB, link=0), memdev("far", 512 * MiB, link=200))
+        plan = place(rack, "cxl-memory 512MiB", "cxl-memory 512MiB latency<=250ns", policy=policy)
+        assert carved(plan) == [("far", 512 * MiB), ("near", 512 * MiB)]
+        assert [(m.resource, m.latency_ns) for m in plan.memory] == [(0, 400), (1, 200)]
+
+    def test_devices_of_other_kinds_and_memory_keep_their_greedy_picks(self) -> None:
+        plan = place([*self.h100_and_h200(), *memory_rack()], "gpu x1", "cxl-memory 1GiB", "gpu x1 model=H100")
+        assert (picked(plan), carved(plan)) == (["a1", "a0"], [("small", GiB)])
+        assert [p.resource for p in plan.devices] == [0, 2]
+
+    def test_refusal_names_the_line_that_holds_the_memory(self) -> None:
+        message = no_fit(memory_rack(), "host h1", "cxl-memory 3GiB", "cxl-memory 4GiB")
+        assert message == (
+            "4 GiB of cxl-memory of host h1 asked: 6 GiB free, 6 GiB of it reachable from h1, 3 GiB of it held by "
+            "line 0 of this request; no other arrangement of the request's lines fits"
+        )
+
+    def test_refusal_names_every_line_that_holds(self) -> None:
+        message = no_fit(one_switch(4), "host h1", "gpu x1", "gpu x2", "gpu x2")
+        assert message == (
+            "2 gpu of host h1 asked: 4 free, 4 of them reachable from h1, 3 of them held by lines 0 and 1 of this "
+            "request; no other arrangement of the request's lines fits"
+        )
+
+    def test_refusal_explains_the_family_that_fits_no_way(self) -> None:
+        """The GPU lines fit once searched; the NVMe line, which the greedy pass never reached, does not."""
+        nvme = attrs.evolve(gpu("n0", link=100), kind=DeviceKind.NVME, model="P", attributes={})
+        t = attrs.evolve(self.h100_and_h200()[0], devices=(*self.h100_and_h200()[0].devices, nvme))
+        message = no_fit([t], "host h1", "gpu x1", "gpu x1 model=H100", "nvme x1 latency<=150ns")
+        assert message == "1 nvme within 150 ns of host h1 asked: 1 free, 1 of them reachable from h1, 0 within 150 ns"
+
+    def test_a_line_that_fits_nowhere_is_not_searched(self) -> None:
+        message = no_fit(self.h100_and_h200(), "host h1", "gpu x1", "gpu x1 model=B200")
+        assert message == "1 gpu (model=B200) of host h1 asked: 0 free, 0 of them reachable from h1"
+
+    def test_the_search_is_bounded(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(placement, "SEARCH_STEPS", 1)
+        message = no_fit(self.h100_and_h200(), "host h1", "gpu x1", "gpu x1 model=H100")
+        assert message == (
+            "1 gpu (model=H100) of host h1 asked: 1 free, 1 of them reachable from h1, 1 of them held by line 0 of "
+            "this request; the search for another arrangement of the request's lines stopped at its bound, after 1 "
+            "choice"
+        )
+
+    def test_the_search_of_a_request_is_bounded(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """h1 and h2 need the search alike; after h1, the request's one choice is spent."""
+        monkeypatch.setattr(placement, "REQUEST_SEARCH_STEPS", 1)
+        t = topo(
+            PCIE,
+            [Host("h1", 8, 64 * GiB), Host("h2", 16, 64 * GiB)],
+            ["sw1", "sw2"],
+            [("h1", "sw1", 100), ("h2", "sw2", 100)],
+            [gpu("a0", "sw1", model="H100"), gpu("a1", "sw1"), gpu("b0", "sw2", model="H100"), gpu("b1", "sw2")],
+        )
+        message = no_fit([t], "gpu x1", "gpu x1 model=H100")
+        assert message.endswith(
+            "stopped at its bound, after 1 choice; 1 more candidate tried greedily only: the search's bound of 1 "
+            "choices for a request was spent"
+        )
+
+    def test_hosts_of_one_domain_are_tried_once(self) -> None:
+        """A host that reaches what a host that failed reaches fails too: its refusal is not worked out again."""
+        hosts = [Host(f"h{i}", 8 + i, 64 * GiB) for i in range(3)]
+        inv = Inventory(one_switch(3, hosts=hosts))
+        placer = Placer(inv, BestFit())
+        tried: list[str] = []
+        attempt = placer._attempt
+
+        def counted(host: str, lines: Sequence[placement.Line]) -> object:
+            tried.append(host)
+            return attempt(host, lines)
+
+        placer._attempt = counted  # type: ignore[method-assign,assignment]
+        with pytest.raises(NoFitError, match=r"first candidate: 1 gpu \(model=H100\) of host h0 asked: 0 free"):
+            placer.place(request("gpu x2", "gpu x1 model=H100"))
+        assert set(tried) == {"h0"}
 
 
 class TestNoFitNumbers:
@@ -706,6 +853,14 @@ class TestHealth:
         inv.set_health("cxl0/small", Health.FAILED)
         assert carved(place(inv, "cxl-memory 1GiB")) == [("big", GiB)]
         no_fit(inv, "cxl-memory 5GiB")
+
+    def test_failed_pool_device_is_named_in_a_refusal(self) -> None:
+        inv = Inventory(memory_rack(memdev("only", 4 * GiB)))
+        inv.set_health("cxl0/only", Health.FAILED)
+        assert no_fit(inv, "host h1", "cxl-memory 1GiB") == (
+            "1 GiB of cxl-memory of host h1 asked: 4 GiB free, 4 GiB of it reachable from h1; 4 GiB of the "
+            "reachable is in pools whose device is failed"
+        )
 
     def test_cordoned_pool_device_is_not_carved(self) -> None:
         inv = Inventory(memory_rack())
@@ -973,3 +1128,109 @@ class TestRefusalNumbers:
         with build_composer(demo_config()) as composer, pytest.raises(NoFitError) as info:
             composer.preview(parse_request("t", [clause]))
         assert "ask for an amount of memory, e.g. 512GiB" in info.value.message
+
+
+# -- what a policy answers -------------------------------------------------------------------------------------
+
+
+class ShiftedGroups(BestFit):
+    """Answers groups it was not offered: the next bucket's key (in the demo rack, another kind's devices)."""
+
+    name = "shifted-groups"
+
+    def order_groups(self, groups: Sequence[DeviceGroup]) -> Sequence[DeviceGroup]:
+        return [attrs.evolve(g, key=g.key + 1) for g in groups]
+
+
+class CopiedGroups(BestFit):
+    """Answers copies equal to the groups it was offered."""
+
+    name = "copied-groups"
+
+    def order_groups(self, groups: Sequence[DeviceGroup]) -> Sequence[DeviceGroup]:
+        return [attrs.evolve(g) for g in super().order_groups(groups)]
+
+
+class ForeignSwitch(BestFit):
+    name = "foreign-switch"
+
+    def choose_switch(self, groups: Sequence[DeviceGroup], need: int) -> str | None:
+        return "pcie0/nowhere"
+
+
+class InflatedPools(BestFit):
+    name = "inflated-pools"
+
+    def order_pools(self, pools: Sequence[PoolCandidate], amount_bytes: int) -> Sequence[PoolCandidate]:
+        return [attrs.evolve(p, free_bytes=p.free_bytes * 100) for p in pools]
+
+
+class Raising(BestFit):
+    name = "raising"
+
+    def order_groups(self, groups: Sequence[DeviceGroup]) -> Sequence[DeviceGroup]:
+        raise KeyError("secret-detail")
+
+
+class RaisingLater(BestFit):
+    """Answers a generator that raises once read."""
+
+    name = "raising-later"
+
+    def order_groups(self, groups: Sequence[DeviceGroup]) -> Iterator[DeviceGroup]:  # type: ignore[override]
+        yield from ()
+        raise KeyError("secret-detail")
+
+
+def demo_composer(policy: PlacementPolicy) -> FabricComposer:
+    composer = FabricComposer(build_composer(demo_config()).fabrics, policy=policy)
+    composer.start()
+    return composer
+
+
+class TestPolicyAnswers:
+    """A placement policy is a plugin: a group, switch or pool it was not offered, or an exception it raises, is
+    refused with a PluginError naming it, and nothing is placed or claimed."""
+
+    def test_a_group_not_offered_is_refused(self) -> None:
+        composer = demo_composer(ShiftedGroups())
+        try:
+            before = composer.usage()
+            with pytest.raises(PluginError, match=r"^placement policy 'shifted-groups' answered order_groups with "):
+                composer.compose(parse_request("t", ["nic x1"]))
+            assert (list(composer.compositions()), composer.usage()) == ([], before)
+        finally:
+            composer.close()
+
+    def test_equal_copies_of_offered_groups_are_taken(self) -> None:
+        for clauses in REQUESTS:
+            assert place(varied(), *clauses, policy=CopiedGroups()) == place(varied(), *clauses), clauses
+
+    def test_a_switch_not_offered_is_refused(self) -> None:
+        with pytest.raises(PluginError, match="'foreign-switch' answered choose_switch with 'pcie0/nowhere'") as info:
+            place(three_switches(), "gpu x2 same-switch", policy=ForeignSwitch())
+        assert info.value.metadata == {"policy": "foreign-switch"}
+
+    def test_a_pool_not_offered_is_refused(self) -> None:
+        with pytest.raises(PluginError, match="'inflated-pools' answered order_pools with PoolCandidate"):
+            place(memory_rack(), "cxl-memory 1GiB", policy=InflatedPools())
+
+    @pytest.mark.parametrize("policy", [Raising(), RaisingLater()], ids=policy_id)
+    def test_an_exception_is_refused_naming_the_policy(
+        self, policy: PlacementPolicy, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        composer = demo_composer(policy)
+        try:
+            before = composer.usage()
+            with pytest.raises(PluginError) as info:
+                composer.compose(parse_request("t", ["gpu x1"]))
+            assert (list(composer.compositions()), composer.usage()) == ([], before)
+        finally:
+            composer.close()
+        error = info.value
+        assert error.message.startswith(
+            f"placement policy {policy.name!r} failed in order_groups (KeyError); incident "
+        )
+        assert "secret-detail" not in error.message
+        assert (error.reason, error.retryable, error.metadata["policy"]) == ("PLUGIN_ERROR", False, policy.name)
+        assert f"incident {error.metadata['incident']}" in caplog.text and "secret-detail" in caplog.text

@@ -35,7 +35,13 @@ class PoolCandidate:
 
 
 class PlacementPolicy(abc.ABC):
-    """Chooses devices and pools for one resource line, for one host. Must be deterministic."""
+    """Chooses devices and pools for one resource line, for one host. Must be deterministic.
+
+    The placer checks every answer: a group, switch or pool that was not offered (an answer must be the offered
+    object or equal to it), or an exception other than a `disagg.errors.DisaggError`, is refused with a
+    `disagg.errors.PluginError` naming the policy, and nothing is placed. A policy may leave out candidates it
+    does not want; the placer's search after a failed greedy pass only tries what the policy answers.
+    """
 
     name: str = ""
     description: str = ""
@@ -45,6 +51,9 @@ class PlacementPolicy(abc.ABC):
         """For same-switch affinity: the switch to take ``need`` devices from, or None if none has enough.
 
         ``groups`` is sorted by (latency, switch, key); every group shares the requested kind and selectors.
+        The policy is asked again, without the switch it chose, when that switch cannot serve the line, and by
+        the search for the next switch to try: its answers in turn are its order of preference. For a line with
+        spread, only switches whose groups span ``need`` distinct domains are offered.
         """
 
     @abc.abstractmethod
