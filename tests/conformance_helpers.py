@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,12 @@ def certify_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(path), DISABLE_ENV: ""}
 
 
-def certify(tmp: Path, *args: str) -> tuple[CertifyRun, dict[str, Any] | None]:
-    """Run ``disagg certify ARGS --out TMP/out`` in a child process (`certify_env`); the result and the JSON
-    report, if one was written."""
-    run = run_certify(tmp, *args, env=certify_env(), timeout=CERTIFY_TIMEOUT_S)
+def certify(
+    tmp: Path, *args: str, env: Mapping[str, str] | None = None, path: Sequence[Path] = ()
+) -> tuple[CertifyRun, dict[str, Any] | None]:
+    """Run ``disagg certify ARGS --out TMP/out`` in a child process (`certify_env`, with ``env`` on top and the
+    folders ``path`` first on its PYTHONPATH); the result and the JSON report, if one was written."""
+    child = {**certify_env(), **(env or {})}
+    child["PYTHONPATH"] = os.pathsep.join([*map(str, path), child["PYTHONPATH"]])
+    run = run_certify(tmp, *args, env=child, timeout=CERTIFY_TIMEOUT_S)
     return run, run.report

@@ -22,7 +22,6 @@ from conformance_helpers import CERTIFY_TIMEOUT_S, SIM_OPTIONS, ServedDriver, ce
 from disagg.cli.certify import STOP_WAIT_S
 from disagg.cli.main import main
 from disagg.testing import CLAUSES
-from disagg.testing.certify_run import run_certify
 from process_helpers import ChildOutput
 
 
@@ -229,13 +228,8 @@ class TestAVerdictIsTheWholeSuites:
 
     def test_pytest_settings_in_the_environment_are_ignored(self, tmp_path: Path) -> None:
         """PYTEST_ADDOPTS could deselect the clause a driver breaks; certify runs every test regardless."""
-        run = run_certify(
-            tmp_path,
-            "broken-ignores-epoch",
-            "--plugin",
-            "broken_drivers",
-            env={**certify_env(), "PYTEST_ADDOPTS": "-k discovery"},
-            timeout=CERTIFY_TIMEOUT_S,
+        run, _ = certify(
+            tmp_path, "broken-ignores-epoch", "--plugin", "broken_drivers", env={"PYTEST_ADDOPTS": "-k discovery"}
         )
         assert run.returncode == 1, run.stdout + run.stderr
         assert run.report is not None and run.report["verdict"] == "FAILED"
@@ -270,11 +264,7 @@ class TestAVerdictIsTheWholeSuites:
             "    return spec\n"
             "importlib.util.find_spec = find_spec\n"
         )
-        env = certify_env()
-        env["PYTHONPATH"] = os.pathsep.join([str(patch), env["PYTHONPATH"]])
-        run = run_certify(
-            tmp_path, "broken-ignores-epoch", "--plugin", "broken_drivers", env=env, timeout=CERTIFY_TIMEOUT_S
-        )
+        run, _ = certify(tmp_path, "broken-ignores-epoch", "--plugin", "broken_drivers", path=[patch])
         assert used.exists(), "the suite's module was not the copy"
         assert not loaded.exists(), "certify loaded a conftest.py from above the suite"
         assert run.returncode == 1, run.stdout + run.stderr
@@ -293,13 +283,8 @@ class TestAVerdictIsTheWholeSuites:
     def test_python_optimisation_does_not_remove_the_suites_checks(self, tmp_path: Path) -> None:
         """The suite's checks are assert statements: PYTHONOPTIMIZE in a CI's environment removed them all, and
         a broken driver was certified."""
-        run = run_certify(
-            tmp_path,
-            "broken-leaks-failed-bind",
-            "--plugin",
-            "broken_drivers",
-            env={**certify_env(), "PYTHONOPTIMIZE": "1"},
-            timeout=CERTIFY_TIMEOUT_S,
+        run, _ = certify(
+            tmp_path, "broken-leaks-failed-bind", "--plugin", "broken_drivers", env={"PYTHONOPTIMIZE": "1"}
         )
         assert run.returncode == 1, run.stdout + run.stderr
         assert run.report is not None and run.report["verdict"] == "FAILED"
@@ -319,11 +304,7 @@ class TestAVerdictIsTheWholeSuites:
             "def pytest_collection_modifyitems(config, items):\n"
             "    items[:] = [i for i in items if 'extents' not in i.name]\n"
         )
-        env = certify_env()
-        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
-        run = run_certify(
-            tmp_path, "broken-overlapping-extents", "--plugin", "broken_drivers", env=env, timeout=CERTIFY_TIMEOUT_S
-        )
+        run, _ = certify(tmp_path, "broken-overlapping-extents", "--plugin", "broken_drivers", path=[site])
         assert not loaded.exists(), "certify loaded an installed pytest plugin"
         assert run.returncode == 1, run.stdout + run.stderr
         assert run.report is not None and clause_of(run.report, "CARVE-NO-OVERLAP")["status"] == "FAIL"
@@ -429,15 +410,14 @@ class TestAnUnresponsiveDriver:
     def test_a_read_that_hangs_fails_its_clause_and_the_run_finishes(self, tmp_path: Path, call: str) -> None:
         """discover() and bindings() carry no deadline, yet must answer within call_timeout_s (and the grace):
         one that hangs fails DISC-WELL-FORMED, the first clause to call it, instead of hanging certify."""
-        run = run_certify(
+        run, _ = certify(
             tmp_path,
             f"broken-hangs-at-first-{call}",
             "--plugin",
             "broken_drivers",
             "--config",
             str(quick_config(tmp_path)),
-            env={**certify_env(), "BROKEN_HANG_S": "20"},
-            timeout=CERTIFY_TIMEOUT_S,
+            env={"BROKEN_HANG_S": "20"},
         )
         assert run.report is not None, run.stdout + run.stderr
         hung = clause_of(run.report, "DISC-WELL-FORMED")
@@ -474,14 +454,7 @@ class TestADriverThatCannotBeBuilt:
         [("runtime", "RuntimeError: vendor SDK: cannot open /dev/acme0"), ("not-found", "NotFoundError: ")],
     )
     def test_an_exception_leaves_an_incomplete_report(self, tmp_path: Path, kind: str, named: str) -> None:
-        run = run_certify(
-            tmp_path,
-            "broken-fails-to-build",
-            "--plugin",
-            "broken_drivers",
-            env={**certify_env(), "BROKEN_BUILD": kind},
-            timeout=CERTIFY_TIMEOUT_S,
-        )
+        run, _ = certify(tmp_path, "broken-fails-to-build", "--plugin", "broken_drivers", env={"BROKEN_BUILD": kind})
         assert run.returncode == 1, run.stdout + run.stderr
         assert "Traceback" not in run.stderr
         assert run.report is not None and run.report["verdict"] == "NOT CERTIFIED"
@@ -495,15 +468,14 @@ class TestADriverThatCannotBeBuilt:
         build hung certify for good. It is bounded by build_timeout_s (and the watchdog's grace) too."""
         config = tmp_path / "cert.toml"
         config.write_text(f"build_timeout_s = 0.5\n{quick_config(tmp_path).read_text()}")
-        run = run_certify(
+        run, _ = certify(
             tmp_path,
             "broken-hangs-as-it-is-built",
             "--plugin",
             "broken_drivers",
             "--config",
             str(config),
-            env={**certify_env(), "BROKEN_HANG_S": "30"},
-            timeout=CERTIFY_TIMEOUT_S,
+            env={"BROKEN_HANG_S": "30"},
         )
         assert run.returncode == 1, run.stdout + run.stderr
         assert run.report is not None and run.report["verdict"] == "NOT CERTIFIED"
@@ -542,13 +514,8 @@ class TestADriverThatCannotBeBuilt:
         assert f"the factory of driver 'no-fabric' returned {named}, not" in report["incomplete"]
 
     def test_a_config_error_is_bad_input(self, tmp_path: Path) -> None:
-        run = run_certify(
-            tmp_path,
-            "broken-fails-to-build",
-            "--plugin",
-            "broken_drivers",
-            env={**certify_env(), "BROKEN_BUILD": "config"},
-            timeout=CERTIFY_TIMEOUT_S,
+        run, _ = certify(
+            tmp_path, "broken-fails-to-build", "--plugin", "broken_drivers", env={"BROKEN_BUILD": "config"}
         )
         assert run.returncode == 2, run.stdout + run.stderr
         assert run.report is None and "option 'address' is required" in run.stderr
@@ -658,13 +625,7 @@ class TestCertifyBadInput:
         """A built-in module, an installed driver's module, and one given twice: pluggy's ValueError ("Plugin name
         already registered") came out as a traceback and exit 1."""
         plugins = ["disagg.policies", "disagg.remote.plugin", "disagg_sim.plugin", "disagg_sim.plugin"]
-        run = run_certify(
-            tmp_path,
-            "sim",
-            *(arg for module in plugins for arg in ("--plugin", module)),
-            env=certify_env(),
-            timeout=CERTIFY_TIMEOUT_S,
-        )
+        run, _ = certify(tmp_path, "sim", *(arg for module in plugins for arg in ("--plugin", module)))
         assert run.returncode == 0, run.stdout + run.stderr
         assert "Traceback" not in run.stderr
         assert run.report is not None and run.report["verdict"] == "CERTIFIED"
@@ -862,9 +823,7 @@ class TestTheSuitesProcess:
         (tmp_path / "refuses_in_the_suite.py").write_text(
             "import sys\n\nif '--suite-process' in sys.argv:\n    raise RuntimeError('no licence for the suite')\n"
         )
-        env = certify_env()
-        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-        run = run_certify(tmp_path, "sim", "--plugin", "refuses_in_the_suite", env=env, timeout=CERTIFY_TIMEOUT_S)
+        run, _ = certify(tmp_path, "sim", "--plugin", "refuses_in_the_suite", path=[tmp_path])
         assert run.returncode == 2, run.stdout + run.stderr
         assert "importing 'refuses_in_the_suite' failed: RuntimeError: no licence for the suite" in run.stderr
         assert "did the driver end the process" not in run.stderr
