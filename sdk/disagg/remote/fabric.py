@@ -530,7 +530,7 @@ class RemoteFabric(Fabric, FaultInjection):
         """Make the call on an endpoint that serves this fabric (`_served_here`), within ``ctx``'s deadline; one
         that passed is sent for the driver to refuse (`wire.DEADLINE_PASSED_KEY`)."""
         self._served_here(self._timeout(ctx)[0])
-        timeout, passed = self._timeout(ctx)
+        timeout, passed = self._timeout(ctx)  # again: the check may have taken a round trip of the time left
         metadata: tuple[tuple[str, str], ...] = self._metadata
         if passed is not None:
             if not self._late_calls:  # it would take the short timeout for the deadline, and carry the call out
