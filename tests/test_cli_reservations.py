@@ -14,6 +14,7 @@ import pytest
 from disagg import codec
 from disagg.cli.backend import RemoteBackend
 from disagg.cli.main import main
+from disagg.composer.composer import FabricComposer
 from server_helpers import Served, serving
 
 
@@ -220,3 +221,27 @@ class TestInterrupted:
         assert (code, out) == (130, "")
         assert err.startswith("disagg: interrupted: apply r-1: the fabric manager may still make the change")
         assert "--request-id a1 to get its outcome" in err
+
+    def test_a_release_says_what_is_given_back(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, where: list[str], served: object
+    ) -> None:
+        """`release A B` interrupted after A was given back: the hint says which were, and how to finish."""
+        first, second = reserve(capsys, where, "a"), reserve(capsys, where, "b")
+        owner: Any = RemoteBackend if served is not None else FabricComposer
+        release = owner.release_reservation
+
+        def interrupted(self: object, reservation_id: str) -> None:
+            if reservation_id == second:
+                raise KeyboardInterrupt
+            release(self, reservation_id)
+
+        monkeypatch.setattr(owner, "release_reservation", interrupted)
+        code, out, err = cli(capsys, *where, "release", first, second)
+        assert (code, out) == (130, f"released {first}\n")
+        assert err.startswith(f"disagg: interrupted: release {first} {second}: those printed as released are given")
+        assert "the same command with --ignore-missing to release the rest" in err
+        monkeypatch.setattr(owner, "release_reservation", release)
+        assert [r["id"] for r in listed(capsys, where)] == [second]
+        code, out, err = cli(capsys, *where, "release", first, second, "--ignore-missing")
+        assert (code, out, err) == (0, f"released {second}\n", "")
+        assert listed(capsys, where) == []

@@ -552,7 +552,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 CHANGES = frozenset({"compose", "recompose", "decompose", "apply"})
-"""The commands that change compositions: an interrupt may leave one half made."""
+"""The commands that change compositions: an interrupt may leave one half made. (``release`` changes
+reservations, each at once and whole: an interrupt leaves some released, which `_interrupted` says.)"""
 
 
 def _interrupted(args: argparse.Namespace) -> str:
@@ -570,6 +571,11 @@ def _interrupted(args: argparse.Namespace) -> str:
     what = f"disagg: interrupted: {args.command}"
     if subject:
         what += " " + (subject if isinstance(subject, str) else " ".join(subject))
+    if args.command == "release":
+        return (
+            f"{what}: those printed as released are given back, and the others may be too; run the same command "
+            "with --ignore-missing to release the rest (releasing is idempotent), or reservations to see what is held"
+        )
     if args.command not in CHANGES or getattr(args, "preview", False):
         return f"{what} (it changes nothing)" if args.command in CHANGES else what
     if getattr(args, "remote", False):
