@@ -25,11 +25,11 @@ from disagg.errors import (
 from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg_qemu_cxl import QemuCxlFabric
-from disagg_qemu_cxl.command import PIDFILE, host_dir
+from disagg_qemu_cxl.command import PIDFILE, host_dir, lsa_file, memory_file
 from disagg_qemu_cxl.hosts import DIGEST, reap_unconfigured
 from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
 from disagg_qemu_cxl.qmp import Monitor
-from disagg_qemu_cxl.state import StateFile
+from disagg_qemu_cxl.state import State, StateFile
 from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, qemu_pid, require_qemu
 
 POOL = "qc/cxl-pool"
@@ -287,6 +287,178 @@ class TestDeadHost:
         assert pool.allocations() == [keep]
         with RawQMP(state_dir, "h1") as qmp:
             assert [d["port"] for d in qmp.type3().values()] == ["dsp0"]
+
+
+def fail_saving(monkeypatch: pytest.MonkeyPatch, when: Callable[[State], bool]) -> None:
+    """Writing a state for which ``when`` holds fails, as on a full disk."""
+    original = StateFile.save
+
+    def save(self: StateFile, state: State) -> None:
+        if when(state):
+            raise FabricUnavailableError(f"cannot write the qemu-cxl state file {self.path}: [Errno 28] No space")
+        original(self, state)
+
+    monkeypatch.setattr(StateFile, "save", save)
+
+
+class TestStateWriteAfterTheChange:
+    """The state file cannot be written once QEMU has carved or dropped the memory: the change happened, so the
+    error says its outcome is unknown, and the composer's rollback undoes it."""
+
+    def test_allocate_is_in_doubt_and_rolled_back(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        pool = fabric.pool(POOL)
+        fail_saving(monkeypatch, lambda state: (r := state.record("a")) is not None and r.plugged)
+        with pytest.raises(FabricUnavailableError) as info:
+            pool.allocate("a", "h1", 512 * MiB, ctx)
+        monkeypatch.undo()
+        assert in_doubt(info.value), "a hot-add QEMU made was reported as 'nothing changed'"
+        pool.release("a", ctx)  # the composer's rollback
+        assert pool.allocations() == [] and fabric._ledger.state.records == ()
+        with RawQMP(state_dir, "h1") as qmp:
+            assert qmp.type3() == {}
+
+    def test_release_is_in_doubt(
+        self, fabric: QemuCxlFabric, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        pool = fabric.pool(POOL)
+        pool.allocate("a", "h1", 256 * MiB, ctx)
+        fail_saving(monkeypatch, lambda state: state.record("a") is None)
+        with pytest.raises(FabricUnavailableError) as info:
+            pool.release("a", ctx)
+        monkeypatch.undo()
+        assert in_doubt(info.value), "a release whose restart dropped the device was reported as 'nothing changed'"
+        pool.release("a", ctx)
+        assert pool.allocations() == [] and fabric._ledger.state.records == ()
+
+
+class TestDeadlines:
+    """A call gives up at its deadline wherever it waits: for its turn on the fabric, or for a hung or starting
+    QEMU; having changed nothing, it says so. A call without a deadline does not wait long on a hung host."""
+
+    def test_waiting_for_the_turn(self, fabric: QemuCxlFabric, ctx: CallContext) -> None:
+        pool = fabric.pool(POOL)
+        pool.allocate("b", "h2", 256 * MiB, ctx)
+        holding, done = threading.Event(), threading.Event()
+
+        def hold() -> None:  # another call, waiting on a hung host
+            with fabric._lock:
+                holding.set()
+                done.wait(10.0)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert holding.wait(5.0)
+            with pytest.raises(DeadlineExceededError) as info:
+                pool.allocate("a", "h2", 256 * MiB, CallContext.with_timeout(0.3, epoch=1))
+            assert not in_doubt(info.value)
+            with pytest.raises(DeadlineExceededError) as info:
+                pool.release("b", CallContext.with_timeout(0.3, epoch=1))
+            assert not in_doubt(info.value)
+        finally:
+            done.set()
+            holder.join()
+        assert [r.allocation for r in fabric._ledger.state.records] == ["b"]
+
+    def test_discover_disconnects_a_hung_host(self, fabric: QemuCxlFabric, state_dir: Path) -> None:
+        """A hung host was asked for 10 s per QMP call, and again by every discover, holding up every call."""
+        pid = qemu_pid(state_dir, "h1")
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(FabricUnavailableError, match="h1"):
+                fabric.discover()
+            assert not fabric.hosts["h1"].monitor.connected, "the next call would wait on the hung host again"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert {h.id for h in fabric.discover().hosts} == {"h1", "h2"}
+        assert qemu_pid(state_dir, "h1") == pid, "a hung QEMU that answers again was restarted"
+
+    def test_reconnecting_a_hung_host(self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext) -> None:
+        pid = qemu_pid(state_dir, "h1")
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            fabric.hosts["h1"].monitor.disconnect()  # as another call's peek does
+            with pytest.raises(DeadlineExceededError) as info:
+                fabric.pool(POOL).allocate("a", "h1", 256 * MiB, CallContext.with_timeout(0.3, epoch=1))
+            assert not in_doubt(info.value)
+            assert fabric._ledger.state.record("a") is None
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        fabric.pool(POOL).allocate("a", "h1", 256 * MiB, ctx)
+        assert qemu_pid(state_dir, "h1") == pid
+
+    def test_starting_a_dead_host_again(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, tmp_path: Path, ctx: CallContext
+    ) -> None:
+        """The start of a QEMU that does not answer is given up at the caller's deadline, and that QEMU stopped."""
+        slow, wrapper = tmp_path / "slow", tmp_path / "qemu"
+        wrapper.write_text(f'#!/bin/sh\n[ -e {slow} ] && exec sleep 30\nexec {require_qemu()} "$@"\n')
+        wrapper.chmod(0o755)
+        fabric = make_fabric(qemu=str(wrapper))
+        pid = qemu_pid(state_dir, "h1")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        slow.touch()
+        with pytest.raises(DeadlineExceededError) as info:
+            fabric.pool(POOL).allocate("a", "h1", 256 * MiB, CallContext.with_timeout(0.5, epoch=1))
+        assert not in_doubt(info.value)
+        assert fabric._ledger.state.record("a") is None and fabric.hosts["h1"].pid is None
+        slow.unlink()
+        assert fabric.pool(POOL).allocate("a", "h1", 256 * MiB, ctx).host == "h1"
+
+
+def test_a_pool_bytes_below_the_recorded_allocations(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
+) -> None:
+    """A smaller pool than the allocations recorded hold: the driver started and reported negative free bytes."""
+    fabric = make_fabric()
+    pool = fabric.pool(POOL)
+    pool.allocate("a", "h1", GiB, CallContext(epoch=1))
+    pool.allocate("b", "h2", GiB, CallContext(epoch=1))
+    fabric.close()
+    with pytest.raises(ConfigError, match=r"'pool_bytes'.*'b'") as info:
+        make_fabric(pool_bytes=GiB)
+    assert info.value.field == "pool_bytes" and "'a'" not in str(info.value)
+    assert qemu_pid(state_dir, "h1") is None and qemu_pid(state_dir, "h2") is None
+
+
+def test_a_pending_record_past_a_smaller_pool_is_planned_afresh(
+    make_fabric: Callable[..., QemuCxlFabric], ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record without its device holds nothing, so a smaller pool_bytes is accepted over it; its retry was
+    completed as recorded, on blocks past the end of the pool."""
+    fabric = make_fabric()
+    fabric.pool(POOL).allocate("big", "h1", GiB, ctx)
+    crash_before_device_add(fabric, monkeypatch)  # the intent of "lost" takes the blocks after "big"
+    fabric.pool(POOL).release("big", ctx)
+    fabric.close()
+    allocation = make_fabric(pool_bytes=GiB).pool(POOL).allocate("lost", "h2", 256 * MiB, ctx)
+    assert all(e.offset + e.length <= GiB for e in allocation.extents), allocation.extents
+
+
+def test_a_replanned_retry_that_fails_drops_its_intent(
+    fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retry whose record no longer fits is planned afresh; if it then fails before device_add, the new intent
+    and its backend files go, as a first attempt's do."""
+    crash_before_device_add(fabric, monkeypatch)
+    pool = fabric.pool(POOL)
+    kept = pool.allocate("a", "h2", 256 * MiB, ctx)  # takes the port of the pending record of "lost"
+    late = CallContext.with_timeout(1.0, epoch=1)
+    miss_the_deadline_before("device_add", late, monkeypatch)
+    with pytest.raises(DeadlineExceededError):
+        pool.allocate("lost", "h2", 256 * MiB, late)
+    monkeypatch.undo()
+    assert fabric._ledger.state.record("lost") is None, "the intent of a re-planned retry never sent was kept"
+    record = fabric._ledger.state.record(kept.id)
+    assert record is not None
+    files = {p.name for p in host_dir(state_dir, "h2").glob("*.img")}
+    assert files <= {memory_file(record), lsa_file(record)}, "the backend files of an undone retry stayed"
 
 
 def test_a_closed_fabric_refuses_every_call_and_writes_nothing(fabric: QemuCxlFabric, state_dir: Path) -> None:

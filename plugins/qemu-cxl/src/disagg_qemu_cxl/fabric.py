@@ -34,7 +34,7 @@ from disagg_qemu_cxl.command import host_dir
 from disagg_qemu_cxl.discovery import Features, HostView, probe
 from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured, running_pid
 from disagg_qemu_cxl.options import QemuCxlOptions, memory_bytes
-from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
+from disagg_qemu_cxl.pool import Ledger, QemuCxlPool, take_turn
 from disagg_qemu_cxl.qmp import Loop
 from disagg_qemu_cxl.state import State, StateFile
 
@@ -51,7 +51,8 @@ def check_records(fabric: str, options: QemuCxlOptions, state: State) -> None:
     missing from the config whose QEMU still runs would have it, and the memory it holds, killed (a typo in its
     name is enough); one whose QEMU is gone loses nothing, so its records are kept, counted against the pool until
     released. A port beyond a host's ``ports`` would make its QEMU exit at start with only "Bus not found" to
-    say, and no fabric to release the allocation from."""
+    say, and no fabric to release the allocation from. A ``pool_bytes`` below what the allocations hold would
+    leave less than nothing free (`check_pool_bytes`)."""
     configured = {h.name for h in options.hosts}
     pids = {h: running_pid(host_dir(options.state_dir, h)) for h in {r.host for r in state.records} - configured}
     running = {h: pid for h, pid in sorted(pids.items()) if pid is not None}
@@ -77,6 +78,28 @@ def check_records(fabric: str, options: QemuCxlOptions, state: State) -> None:
                 f"least {beyond[-1].port + 1}, or release those allocations under the ports they were made with",
                 field=f"hosts[{i}].ports",
             )
+    check_pool_bytes(fabric, options, state)
+
+
+def check_pool_bytes(fabric: str, options: QemuCxlOptions, state: State) -> None:
+    """Refuse a ``pool_bytes`` smaller than the bytes the recorded allocations hold, or than the end of their
+    blocks: QEMU, started with the smaller CXL window, would still take them all cold-plugged, and the pool
+    report less than nothing free. The records that hold are those a start plugs (`State.cold_plugged`)."""
+    holding = [r for r in state.records if r.plugged and not r.releasing]
+    total = sum(r.size for r in holding)
+    ends = {r.allocation: max((o + n for o, n in r.extents), default=0) for r in holding}
+    need = max([total, *ends.values()])
+    if need <= options.pool_bytes:
+        return
+    past = ", ".join(f"{a!r} (to byte {end})" for a, end in sorted(ends.items()) if end > options.pool_bytes)
+    raise ConfigError(
+        f"fabric {fabric!r} (driver qemu-cxl): option 'pool_bytes': the pool would hold {options.pool_bytes} "
+        f"bytes, but the recorded allocations hold {total}"
+        + (f" and these lie past its end: {past}" if past else "")
+        + f"; set pool_bytes to at least {need}, or release those allocations under the pool_bytes they were made "
+        "with",
+        field="pool_bytes",
+    )
 
 
 class _NoEvents(Subscription):
@@ -214,14 +237,14 @@ class QemuCxlFabric(Fabric):
         return ()
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
-        with self._lock:
+        with take_turn(self._lock, ctx):
             self._check_open()
             self._ledger.fence(ctx)
         raise UnsupportedError(f"fabric {self._name} carves CXL memory from its pool; nothing is bound whole")
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         """Nothing is ever bound, so every unbind is of an absent binding: a no-op that still fences."""
-        with self._lock:
+        with take_turn(self._lock, ctx):
             self._check_open()
             self._ledger.fence(ctx)
 

@@ -21,17 +21,19 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
+from disagg.errors import ConfigError, DeadlineExceededError, DisaggError, FabricUnavailableError
 
 from disagg_qemu_cxl.command import AUX_SOCKET, LOG, PIDFILE, QMP_SOCKET, command_line, host_dir
 from disagg_qemu_cxl.options import HostOptions
-from disagg_qemu_cxl.qmp import Loop, Monitor
+from disagg_qemu_cxl.qmp import Loop, Monitor, bounded
 from disagg_qemu_cxl.state import Record
 
 _DETACHED: dict[int, subprocess.Popen[bytes]] = {}
 """QEMUs this process started and then let go of (`HostProcess.disconnect`): still our children, so whoever
 stops them later (an adopting fabric in this process) must reap them, or they stay zombies."""
 START_TIMEOUT_S = 15.0
+RECONNECT_TIMEOUT_S = 2.0
+"""How long connecting to a QEMU that runs may take (its greeting): one that hung never greets."""
 STOP_TIMEOUT_S = 5.0
 INSTALL_HINT = "install it with: apt-get install qemu-system-x86"
 DIGEST = "qemu.options"
@@ -196,12 +198,13 @@ class HostProcess:
 
     def revive(self, records: Sequence[Record]) -> None:
         """Make sure QEMU runs and answers: reconnect the monitor to a QEMU that runs, or start one again with
-        ``records`` cold-plugged (as at the fabric's start) when it is gone: it crashed, or a restart failed."""
+        ``records`` cold-plugged (as at the fabric's start) when it is gone: it crashed, or a restart failed. Both
+        waits end at the deadline in force (`qmp.until`), with DeadlineExceededError."""
         if self.alive():
             return
         self.monitor.disconnect()
         if self.pid is not None and _ours(self.pid, self.dir):
-            self.monitor.connect(self.dir / QMP_SOCKET, timeout=2.0)
+            self.monitor.connect(self.dir / QMP_SOCKET, timeout=RECONNECT_TIMEOUT_S)
             return
         if self._child is not None:
             self._child.poll()
@@ -238,8 +241,10 @@ class HostProcess:
             raise
 
     def _await_qmp(self, child: subprocess.Popen[bytes]) -> None:
-        """Return once the new QEMU answers QMP; FabricUnavailableError if it exits or stays silent instead."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+        """Return once the new QEMU answers QMP; FabricUnavailableError if it exits or stays silent instead, or
+        DeadlineExceededError when the deadline in force (`qmp.until`) comes first and passes."""
+        wait, by_deadline = bounded(START_TIMEOUT_S, f"QEMU for host {self.name} answered QMP")
+        deadline = time.monotonic() + wait
         while True:
             if child.poll() is not None:
                 self.pid = None
@@ -248,11 +253,13 @@ class HostProcess:
                 )
             if (self.dir / QMP_SOCKET).exists():
                 try:
-                    self.monitor.connect(self.dir / QMP_SOCKET, timeout=2.0)
+                    self.monitor.connect(self.dir / QMP_SOCKET, timeout=RECONNECT_TIMEOUT_S)
                     return
                 except FabricUnavailableError:
                     pass
             if time.monotonic() > deadline:
+                if by_deadline:
+                    raise DeadlineExceededError(f"QEMU for host {self.name} did not answer QMP before the deadline")
                 raise FabricUnavailableError(
                     f"QEMU for host {self.name} did not answer QMP within {START_TIMEOUT_S:g}s: {self.log_tail()}"
                 )

@@ -18,7 +18,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -48,7 +48,12 @@ UNRECORDED = "unrecorded"
 """Prefix of the allocation id reported for a Type-3 that QEMU holds but the state file does not name."""
 _OURS = re.compile(r"^cxl-t3-([0-9a-f]+)$")
 PEEK_TIMEOUT_S = 1.0
-"""How long an allocate waits for another host's view, which it can do without (`_readable`)."""
+"""How long another host's view may take when an allocate can do without it (`_readable`): a host that takes
+longer is taken for hung (`QemuCxlPool._peek`)."""
+VIEW_TIMEOUT_S = 5.0
+"""How long a host's view may take in a read that has no deadline of its own (`QemuCxlPool.views`: discovery,
+the allocations): a full read takes tens of milliseconds, so one that takes longer is taken for hung, with room
+for a loaded machine."""
 UNDO_TIMEOUT_S = 1.0
 """How long deleting the backends of a hot-add that failed may take, whatever the caller's deadline."""
 
@@ -60,6 +65,19 @@ def unrecorded_id(host: str, device: str) -> str:
 def _check_id(allocation_id: object) -> None:
     if not isinstance(allocation_id, str) or not allocation_id:
         raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
+
+
+@contextlib.contextmanager
+def take_turn(lock: threading.RLock, ctx: CallContext) -> Iterator[None]:
+    """Hold the fabric's lock, waiting for it no longer than the caller's deadline: calls take turns, and one
+    that waits on a hung host must not keep the others past their deadlines. Giving up has changed nothing."""
+    remaining = ctx.remaining()
+    if not lock.acquire(timeout=-1 if remaining is None else remaining):
+        raise DeadlineExceededError("the deadline passed while the call waited for its turn on the fabric")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def first_fit(used: Sequence[tuple[int, int]], size: int, total: int) -> tuple[tuple[int, int], ...] | None:
@@ -148,18 +166,39 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ reading the hardware
 
     def views(self) -> dict[str, HostView]:
-        """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError."""
+        """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError. No
+        deadline bounds these calls, so a host is read by a `_peek`: one that hung holds the fabric's lock for
+        `VIEW_TIMEOUT_S`, not for 10 s per QMP call, and is disconnected rather than asked again."""
         with self._lock:
             self._check_open()
-            return {name: self._view(name) for name in self._hosts}
+            return {name: self._view(name, peek=VIEW_TIMEOUT_S) for name in self._hosts}
 
-    def _view(self, host: str) -> HostView:
-        """``host``'s view, its QEMU started again first (its records cold-plugged) if it died."""
+    def _view(self, host: str, *, peek: float | None = None) -> HostView:
+        """``host``'s view, its QEMU started again first (its records cold-plugged) if it died; read by `_peek`
+        within ``peek`` seconds when given, else within the caller's deadline."""
         process = self._hosts[host]
         process.revive(self._ledger.state.cold_plugged(host))
-        view = walk(process.monitor)
+        view = self._peek(host, peek) if peek is not None else walk(process.monitor)
         self._note_plugged(host, view)
         return view
+
+    def _peek(self, host: str, seconds: float = PEEK_TIMEOUT_S) -> HostView:
+        """``host``'s view within ``seconds``. A host that does not answer in that time (its QEMU hung) is
+        disconnected, so that the next calls skip it or reconnect it (`HostProcess.revive`) instead of waiting
+        on it again: FabricUnavailableError. When the caller's deadline comes first and passes, the host is not
+        to blame: it stays connected, and the caller's DeadlineExceededError is raised."""
+        process = self._hosts[host]
+        peek_bound = True
+        try:
+            with within(seconds) as peek_bound:
+                return walk(process.monitor)
+        except DeadlineExceededError:
+            if not peek_bound:
+                raise
+            process.monitor.disconnect()
+            raise FabricUnavailableError(
+                f"QEMU of host {host} did not answer within {seconds:g} s (hung?); disconnected from it"
+            ) from None
 
     def _note_plugged(self, host: str, view: HostView) -> None:
         """Mark plugged the records whose device ``host`` holds though their hot-add was not seen to end (its
@@ -173,25 +212,15 @@ class QemuCxlPool(Pool):
 
     def _readable(self, host: str) -> dict[str, HostView]:
         """``host``'s view and those of the other hosts that answer: a dead, broken or hung one must not stop
-        allocations elsewhere (`_held` counts its records instead). Another host has `PEEK_TIMEOUT_S` to
-        answer; one that does not is disconnected, so that the next calls skip it instead of waiting again,
-        until a call that needs it reconnects (`HostProcess.revive`). When the caller's deadline comes first and
-        passes, the host is not to blame: it stays connected, and the caller's DeadlineExceededError is raised,
-        as by every other QMP call of `_allocate`."""
+        allocations elsewhere (`_held` counts its records instead). Another host is read by a `_peek`: one
+        that hung is skipped by the next calls until a call that needs it reconnects; the caller's deadline
+        passing is raised, as by every other QMP call of `_allocate`."""
         views = {host: self._view(host)}
         for name, process in self._hosts.items():
             if name == host or not process.alive():
                 continue
-            peek_bound = True
-            try:
-                with within(PEEK_TIMEOUT_S) as peek_bound:
-                    views[name] = walk(process.monitor)
-            except DeadlineExceededError:
-                if not peek_bound:
-                    raise
-                process.monitor.disconnect()
-            except FabricUnavailableError:
-                pass
+            with contextlib.suppress(FabricUnavailableError):
+                views[name] = self._peek(name)
         return views
 
     def allocations(self) -> Sequence[Allocation]:
@@ -217,7 +246,7 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ allocate
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        with self._lock:
+        with take_turn(self._lock, ctx):
             self._check_open()
             self._ledger.fence(ctx)
             if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
@@ -244,9 +273,9 @@ class QemuCxlPool(Pool):
     ) -> Allocation:
         """`allocate` once its arguments are checked; every QMP call here is bounded by the caller's deadline. A
         device_add whose answer is lost leaves the record (the error says the outcome is unknown): a retry of the
-        same id completes it, a release forgets it."""
+        same id completes it, a release forgets it. Once device_add has answered, QEMU holds the memory: a later
+        failure (writing the state file) is outcome-unknown too, so that the composer releases it."""
         views = self._readable(host)
-        fresh = record is None
         if record is not None:
             present = views[host].device(record.device) is not None
             if record.releasing and present:
@@ -256,6 +285,7 @@ class QemuCxlPool(Pool):
             if record.releasing or not self._fits(record, views):
                 self._forget(record)  # released by a restart that crashed before forgetting it, or its port,
                 record = None  # blocks or capacity (which a record without its device does not hold) taken since
+        fresh = record is None  # this call writes the intent, so a failure before device_add removes it
         if record is None:
             record = attrs.evolve(self._plan(allocation_id, host, size, views), plugged=False)
             self._ledger.save(
@@ -263,7 +293,10 @@ class QemuCxlPool(Pool):
             )  # the intent first: a crash after device_add then leaves a named device, never an orphan
         self._hot_add(process, record, views[host], fresh)
         if not record.plugged:
-            self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, plugged=True)))
+            try:
+                self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, plugged=True)))
+            except DisaggError as exc:  # QEMU holds the device, which the intent names: the composer releases it
+                raise outcome_unknown(exc) from None
         return self._allocation(record)
 
     def _allocation(self, record: Record) -> Allocation:
@@ -305,9 +338,12 @@ class QemuCxlPool(Pool):
         return spans, sum(a.amount_bytes for a in held) + sum(r.size for r in unread)
 
     def _fits(self, record: Record, views: Mapping[str, HostView]) -> bool:
-        """Whether a record whose device QEMU does not hold can still be completed as recorded."""
+        """Whether a record whose device QEMU does not hold can still be completed as recorded (its blocks may lie
+        past the end of a pool made smaller since)."""
         view = views[record.host]
         if record.port not in view.ports or view.on_port(record.port):
+            return False
+        if any(o + n > self._capacity.total_bytes for o, n in record.extents):
             return False
         spans, used = self._held(views)
         overlaps = any(o < a + n and a < o + m for o, m in record.extents for a, n in spans)
@@ -354,7 +390,7 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ release
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
-        with self._lock:
+        with take_turn(self._lock, ctx):
             self._check_open()
             self._ledger.fence(ctx)
             _check_id(allocation_id)
@@ -375,11 +411,11 @@ class QemuCxlPool(Pool):
             ctx.check_deadline()
             keep = self._keep(record, view)
             self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, releasing=True)))
-            try:
+            try:  # from here the device may be gone (the old QEMU too: the next call starts the host again)
                 self._restart(process, record, keep)
-            except DisaggError as exc:  # the old QEMU may be gone already: the next call starts the host again
+                self._forget(record)
+            except DisaggError as exc:
                 raise outcome_unknown(exc) from None
-            self._forget(record)
 
     def _restart(self, process: HostProcess, leaving: Record, keep: Sequence[Record]) -> None:
         """Restart the host without ``leaving``; check that the new QEMU holds exactly ``keep``, where it was."""

@@ -52,6 +52,19 @@ def until(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+def bounded(timeout: float, before: str) -> tuple[float, bool]:
+    """``timeout``, or the time left before the deadline in force (`until`) when that is sooner, and whether the
+    deadline is the bound: running out is then DeadlineExceededError, the caller's, not the host's fault. A
+    deadline that has passed already is DeadlineExceededError at once: nothing ``before`` names is begun."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return timeout, False
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceededError(f"the deadline passed before {before}")
+    return min(timeout, left), left < timeout
+
+
 @contextlib.contextmanager
 def within(seconds: float) -> Iterator[bool]:
     """`until` ``seconds`` from now, or the deadline in force if that comes first. Yields whether ``seconds``
@@ -119,11 +132,17 @@ class Monitor:
         self._client: QMPClient | None = None
 
     def connect(self, path: Path, timeout: float) -> None:
+        """Connect within ``timeout``, or the deadline in force (`until`) when that comes first."""
+        timeout, by_deadline = bounded(timeout, f"connecting to QMP of {self.name}")
         address, fd = socket_address(path)
         client = QMPClient(self.name)
         try:
             self._loop.run(asyncio.wait_for(client.connect(address), timeout), timeout + 1.0)
-        except (QMPError, OSError, TimeoutError, concurrent.futures.TimeoutError) as exc:
+        except (TimeoutError, concurrent.futures.TimeoutError) as exc:
+            if by_deadline:
+                raise DeadlineExceededError(f"QMP of {self.name} did not answer before the deadline") from None
+            raise FabricUnavailableError(f"cannot connect to QMP of {self.name} at {path}: {exc!r}") from None
+        except (QMPError, OSError) as exc:
             raise FabricUnavailableError(f"cannot connect to QMP of {self.name} at {path}: {exc!r}") from None
         finally:
             if fd is not None:
@@ -139,13 +158,7 @@ class Monitor:
         client = self._client
         if client is None:
             raise FabricUnavailableError(f"QMP of {self.name} is not connected")
-        deadline = _DEADLINE.get()
-        by_deadline = False
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceededError(f"the deadline passed before QMP {command} was sent to {self.name}")
-            by_deadline, timeout = left < timeout, min(timeout, left)
+        timeout, by_deadline = bounded(timeout, f"QMP {command} was sent to {self.name}")
         try:
             return self._loop.run(asyncio.wait_for(client.execute(command, arguments), timeout), timeout + 1.0)
         except ExecuteError as exc:
