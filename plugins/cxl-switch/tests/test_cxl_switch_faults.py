@@ -26,7 +26,7 @@ from disagg.errors import (
 from disagg.interfaces import CallContext, Pool
 from disagg.model import Binding, PoolKind
 from disagg_cxl_switch import CCIMessage
-from disagg_cxl_switch.driver import CxlSwitchFabric, client, create_fabric, layout, mld_pool, pools
+from disagg_cxl_switch.driver import CxlSwitchFabric, client, create_fabric
 from disagg_cxl_switch.emulator import Switch, default_topology
 from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS
 from disagg_cxl_switch.emulator.state import GIB
@@ -397,17 +397,16 @@ class TestFencing:
         if prepare is not None:
             prepare(fabric)
         queued, go = threading.Event(), threading.Event()
-        original = layout.acquire
+        original = CallContext.hold
 
         @contextlib.contextmanager
-        def gate(lock: threading.Lock, call: CallContext) -> Iterator[None]:
+        def gate(call: CallContext, lock: threading.Lock, what: str) -> Iterator[None]:
             queued.set()
             assert go.wait(WAIT_S)
-            with original(lock, call):
+            with original(call, lock, what):
                 yield
 
-        for module in (layout, mld_pool, pools):
-            monkeypatch.setattr(module, "acquire", gate)
+        monkeypatch.setattr(CallContext, "hold", gate)
         raised: list[Exception] = []
 
         def deposed() -> None:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Protocol
 
 import attrs
 
 from disagg.errors import DeadlineExceededError
+
+
+class Lock(Protocol):
+    """What `CallContext.hold` needs of a lock (`threading.Lock` and `RLock` both)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 @attrs.frozen
@@ -39,3 +50,15 @@ class CallContext:
     def check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise DeadlineExceededError("the call's deadline passed")
+
+    @contextlib.contextmanager
+    def hold(self, lock: Lock, what: str) -> Iterator[None]:
+        """Hold ``lock`` (a driver's calls taking turns on ``what``), waiting for it no longer than the deadline:
+        a call stuck on hung hardware must not keep the others past theirs. Giving up changes nothing."""
+        left = self.remaining()
+        if not lock.acquire(timeout=-1 if left is None else left):
+            raise DeadlineExceededError(f"the call's deadline passed waiting for its turn on {what}")
+        try:
+            yield
+        finally:
+            lock.release()

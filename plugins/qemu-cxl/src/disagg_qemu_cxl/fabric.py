@@ -34,7 +34,7 @@ from disagg_qemu_cxl.command import host_dir
 from disagg_qemu_cxl.discovery import Features, HostView, probe
 from disagg_qemu_cxl.hosts import HostProcess, find_qemu, reap_unconfigured, running_pid
 from disagg_qemu_cxl.options import QemuCxlOptions, memory_bytes
-from disagg_qemu_cxl.pool import Ledger, QemuCxlPool, take_turn
+from disagg_qemu_cxl.pool import Ledger, QemuCxlPool
 from disagg_qemu_cxl.qmp import Loop
 from disagg_qemu_cxl.state import State, StateFile
 
@@ -237,14 +237,14 @@ class QemuCxlFabric(Fabric):
         return ()
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
-        with take_turn(self._lock, ctx):
+        with ctx.hold(self._lock, "the fabric"):
             self._check_open()
             self._ledger.fence(ctx)
         raise UnsupportedError(f"fabric {self._name} carves CXL memory from its pool; nothing is bound whole")
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         """Nothing is ever bound, so every unbind is of an absent binding: a no-op that still fences."""
-        with take_turn(self._lock, ctx):
+        with ctx.hold(self._lock, "the fabric"):
             self._check_open()
             self._ledger.fence(ctx)
 

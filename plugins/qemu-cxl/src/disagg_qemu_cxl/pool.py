@@ -18,7 +18,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -65,19 +65,6 @@ def unrecorded_id(host: str, device: str) -> str:
 def _check_id(allocation_id: object) -> None:
     if not isinstance(allocation_id, str) or not allocation_id:
         raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
-
-
-@contextlib.contextmanager
-def take_turn(lock: threading.RLock, ctx: CallContext) -> Iterator[None]:
-    """Hold the fabric's lock, waiting for it no longer than the caller's deadline: calls take turns, and one
-    that waits on a hung host must not keep the others past their deadlines. Giving up has changed nothing."""
-    remaining = ctx.remaining()
-    if not lock.acquire(timeout=-1 if remaining is None else remaining):
-        raise DeadlineExceededError("the deadline passed while the call waited for its turn on the fabric")
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def first_fit(used: Sequence[tuple[int, int]], size: int, total: int) -> tuple[tuple[int, int], ...] | None:
@@ -246,7 +233,7 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ allocate
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        with take_turn(self._lock, ctx):
+        with ctx.hold(self._lock, "the fabric"):
             self._check_open()
             self._ledger.fence(ctx)
             if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
@@ -390,7 +377,7 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ release
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
-        with take_turn(self._lock, ctx):
+        with ctx.hold(self._lock, "the fabric"):
             self._check_open()
             self._ledger.fence(ctx)
             _check_id(allocation_id)

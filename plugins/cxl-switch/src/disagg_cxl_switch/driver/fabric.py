@@ -42,7 +42,7 @@ from disagg.model import (
 from disagg.statedir import claim
 
 from disagg_cxl_switch.driver import client as cci
-from disagg_cxl_switch.driver import layout, process
+from disagg_cxl_switch.driver import process
 from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError, Encodable, Verify, bind_error
 from disagg_cxl_switch.driver.events import EventPoller, next_sequence
 from disagg_cxl_switch.driver.layout import PortView, SwitchView
@@ -269,7 +269,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         if port in self._view.carved_ports:
             raise DeviceBusyError(f"{device} is carved through its pool, never bound whole")
         vcs = self.check_host(host)
-        with layout.acquire(self._op_lock, ctx):
+        with ctx.hold(self._op_lock, "the switch"):
             held = self._binding_of(device, host, port, ctx)
             if held is not None:
                 return held
@@ -311,7 +311,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         vcs = self._view.vcs_of.get(binding.host)
         if port is None or vcs is None:
             return
-        with layout.acquire(self._op_lock, ctx):
+        with ctx.hold(self._op_lock, "the switch"):
             held = self._settled(binding, vcs, port, ctx)
             failed = self.port_view(port).health is not Health.OK
             option = UnbindOption.SURPRISE_HOT_REMOVE if failed else UnbindOption.MANAGED_HOT_REMOVE

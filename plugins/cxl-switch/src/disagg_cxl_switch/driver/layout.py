@@ -9,13 +9,11 @@ never bound whole.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import attrs
-from disagg.errors import ConfigError, DeadlineExceededError, FabricUnavailableError
+from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg.model import (
     Device,
@@ -60,18 +58,6 @@ _MODELS = {
 _MEMORY = {ConnectedDeviceType.CXL_TYPE_3_SLD: "dcd", ConnectedDeviceType.CXL_TYPE_3_MLD: "mld"}
 """Which pool a CXL Type-3 port's memory is carved through; also the ``pool_kind`` attribute of its device."""
 _CONFIGURATION_STATE_MASK = 0x0F
-
-
-@contextlib.contextmanager
-def acquire(lock: threading.Lock, ctx: CallContext) -> Iterator[None]:
-    """Hold ``lock``, waiting no longer than the call's deadline."""
-    left = ctx.remaining()
-    if not lock.acquire(timeout=-1 if left is None else left):
-        raise DeadlineExceededError("the call's deadline passed waiting for the switch")
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 @attrs.frozen

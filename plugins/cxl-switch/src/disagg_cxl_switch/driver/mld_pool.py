@@ -32,7 +32,6 @@ from disagg.model import MLD_MAX_LOGICAL_DEVICES, Allocation, Capacity, Extent, 
 
 from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
 from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, bind_error, decode
-from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
     GetLDAllocationsRequest,
@@ -220,7 +219,7 @@ class MLDPool(Pool):
         """Name a free LD for the allocation, give it the amount (every other unbound LD 0), bind it to a free
         vPPB of the host's VCS; a bind that failed with nothing bound sets back the LDs the carve changed."""
         vcs, amount = admit(self._fabric, self, allocation_id, host, amount_bytes, device=self._device, ctx=ctx)
-        with acquire(self._fabric.vppb_lock, ctx):
+        with ctx.hold(self._fabric.vppb_lock, "the switch"):
             snap = self._snapshot(ctx)
             existing = already_held(self._held(snap), allocation_id, host, amount)
             if existing is not None:
@@ -295,7 +294,7 @@ class MLDPool(Pool):
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         """Free each LD of the allocation; an id with none does nothing."""
         self._fabric.state.fence(ctx.epoch)
-        with acquire(self._fabric.vppb_lock, ctx):
+        with ctx.hold(self._fabric.vppb_lock, "the switch"):
             snap = self._snapshot(ctx)
             for ld in self._lds_of(snap, allocation_id):
                 self._free(snap, ld, allocation_id, ctx)

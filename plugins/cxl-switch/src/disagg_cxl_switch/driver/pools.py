@@ -22,7 +22,6 @@ from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKin
 
 from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
 from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, decode
-from disagg_cxl_switch.driver.layout import acquire
 from disagg_cxl_switch.driver.state import allocation_tag
 from disagg_cxl_switch.fmapi import (
     DCRegionConfig,
@@ -137,7 +136,7 @@ class DCDPool(Pool):
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         host_id, amount = admit(self._fabric, self, allocation_id, host, amount_bytes, device=self._device, ctx=ctx)
-        with acquire(self._lock, ctx):
+        with ctx.hold(self._lock, "the switch"):
             existing = already_held(self._held(ctx), allocation_id, host, amount)
             if existing is not None:
                 return existing
@@ -170,7 +169,7 @@ class DCDPool(Pool):
         carrying its tag, which a driver that lost its records still lists as ``tag-<hex>``."""
         self._fabric.state.fence(ctx.epoch)
         own_tag = allocation_tag(allocation_id)
-        with acquire(self._lock, ctx):
+        with ctx.hold(self._lock, "the switch"):
             for allocation, tag in self._tagged(ctx):
                 if allocation.id == allocation_id or tag == own_tag:
                     self._release_tag(allocation, tag, ctx)
