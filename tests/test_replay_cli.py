@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,11 +17,11 @@ from disagg.errors import InvalidRequestError
 from disagg.replay.engine import replay
 from disagg.replay.policies import BestFitSharing
 from disagg.replay.report_input import parse_placement
-from disagg.replay.study import DEFAULT_POLICIES, PUBLISHED, Study, run_study
-from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, Pod, trace_dir
+from disagg.replay.study import DEFAULT_POLICIES, PUBLISHED, Study, check_trace, run_study
+from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, TRACE_SUBDIR, Pod, trace_dir
 from disagg.replay.workload import arrivals, task_types
 from disagg.replay.world import build_world
-from replay_helpers import small_cluster, write_trace
+from replay_helpers import GIB, gpu_node, pod, share, small_cluster, whole, write_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -53,7 +54,7 @@ class TestRunStudy:
         assert all(
             f <= min(r.unallocated.per_seed[i] for r in parsed.runs) for i, f in enumerate(parsed.floor.per_seed)
         )
-        assert parsed.seeds == (0, 1) and parsed.published == PUBLISHED
+        assert parsed.seeds == (0, 1) and parsed.published == {}  # the default names, not the published lists
         assert placement["trace"] | {"dir": ""} == {
             "dir": "",
             "nodes": DEFAULT_NODES,
@@ -118,11 +119,24 @@ class TestRunStudy:
         ],
     )
     def test_published_only_for_the_published_protocol(
-        self, tmp_path: Path, change: dict[str, object], published: dict[str, float] | None
+        self, alibaba_trace: Path, change: dict[str, object], published: dict[str, float] | None
     ) -> None:
         """The paper's figures are the reference for its trace and protocol, and for nothing else."""
-        study = Study(trace_dir=tmp_path, **change)  # type: ignore[arg-type]
+        study = Study(trace_dir=alibaba_trace, **change)  # type: ignore[arg-type]
         assert study_module.published_reference(study) == published
+
+    def test_no_published_figures_for_other_lists_under_the_published_names(self, shared: Path) -> None:
+        """A team's own trace saved as openb_node_list_gpu_node.csv and openb_pod_list_default.csv is not the
+        trace the figures were measured on."""
+        assert study_module.published_reference(Study(trace_dir=trace_dir(shared))) is None
+
+    def test_published_figures_for_the_published_lists_under_other_names(
+        self, alibaba_trace: Path, tmp_path: Path
+    ) -> None:
+        shutil.copyfile(alibaba_trace / DEFAULT_NODES, tmp_path / "nodes.csv")
+        shutil.copyfile(alibaba_trace / DEFAULT_PODS, tmp_path / "pods.csv")
+        study = Study(trace_dir=tmp_path, nodes="nodes.csv", pods="pods.csv")
+        assert study_module.published_reference(study) == PUBLISHED
 
     def test_no_published_figures_for_another_trace(self, shared: Path) -> None:
         directory = trace_dir(shared)
@@ -131,6 +145,24 @@ class TestRunStudy:
         placement = run_study(study)
         assert "published" not in placement
         assert parse_placement(placement).published == {}
+
+    def test_gpu_spec_naming_no_model_of_the_node_list(self, tmp_path: Path) -> None:
+        """Refused with provisioning or without: the pods would fail everywhere, counted as GPUs unallocated."""
+        nodes, pods = small_cluster()
+        typos = [Pod(f"typo-{i}", 1000, GIB, 1, 500, frozenset({"A", "C"})) for i in range(5)]
+        other = Pod("other", 1000, GIB, 1, 1000, frozenset({"B-32G"}))
+        with pytest.raises(InvalidRequestError) as caught:
+            check_trace(Study(trace_dir=tmp_path, provision=False), nodes, [*pods, *typos, other])
+        assert caught.value.message == (
+            f"the gpu_spec of {DEFAULT_PODS} names GPU models no server of {DEFAULT_NODES} has: B-32G (pod other); "
+            "C (pods typo-0, typo-1, typo-2 and 2 more); its models are A, B"
+        )
+
+    def test_too_many_arrivals(self, tmp_path: Path) -> None:
+        """Refused before any job starts, rather than in every job after a million draws."""
+        pods = [share(10), *[pod()] * 999]
+        with pytest.raises(InvalidRequestError, match=r"the arrivals would take about 1,040,000 pods, over the limit"):
+            check_trace(Study(trace_dir=tmp_path, provision=False), [gpu_node(8)], pods)
 
     @pytest.mark.parametrize(
         ("change", "message"),
@@ -192,6 +224,36 @@ class TestBenchPlacement:
         assert err.startswith(f"disagg: error: {DEFAULT_NODES}, {DEFAULT_PODS} not found in {tmp_path / 'empty'}")
         assert "github.com/alibaba/clusterdata" in err
         assert not (tmp_path / "out").exists()
+
+    def test_missing_list_of_the_users_own(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """The message names --shared, which chose the directory, and gives no hint to fetch the Alibaba trace."""
+        assert main(self.args(shared, "--pods", "mine.csv")) == 2
+        assert capsys.readouterr().err == (
+            f"disagg: error: mine.csv not found in {shared / TRACE_SUBDIR} (the shared data directory given by "
+            f"--shared {shared})\n"
+        )
+
+    def test_count_out_of_range(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A row error (exit 2), not an overflow in the replay's arrays."""
+        directory = write_trace(tmp_path / "shared", *small_cluster())
+        pods = directory / DEFAULT_PODS
+        with pods.open("a", encoding="utf-8") as handle:
+            handle.write("big,99999999999999999999999,1024,1,1000,\n")
+        assert main(self.args(tmp_path / "shared", "--no-provision")) == 2
+        assert capsys.readouterr().err == (
+            f"disagg: error: {DEFAULT_PODS}:62: cpu_milli must be at most 1099511627776, got 99999999999999999999999\n"
+        )
+
+    def test_gpu_spec_naming_no_model_without_provisioning(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        nodes, pods = small_cluster()
+        write_trace(tmp_path / "shared", nodes, [*pods, whole(1, spec={"V100-32G"})])
+        assert main(self.args(tmp_path / "shared", "--no-provision", "--seeds", "1", "--k", "1")) == 2
+        assert capsys.readouterr().err.startswith(
+            f"disagg: error: the gpu_spec of {DEFAULT_PODS} names GPU models no server of {DEFAULT_NODES} has: "
+            "V100-32G (pod p); "
+        )
 
     def test_unknown_policy(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(self.args(shared, "--policies", "fgd,nope")) == 2

@@ -112,6 +112,15 @@ class TestReplay:
         result = replay(pooled, pods, prepared("fgd", pooled, pods), seed=0)
         assert (result.placed, result.failed, result.failed_gpu_milli) == (3, 1, 8 * WHOLE_GPU_MILLI)
 
+    @pytest.mark.parametrize("name", POLICIES)
+    def test_sixteen_gpu_server(self, name: str) -> None:
+        """Each of 16 pods of 600 milli takes a GPU of its own on one 16-GPU server (DGX-2 class): 40% stays free."""
+        world = build_world([gpu_node(16, cpu=96000, mem=1024 * GIB)], 1)
+        pods = [share(600)] * 16
+        result = replay(world, pods, prepared(name, world, pods), seed=0)
+        assert (result.placed, result.failed) == (16, 0)
+        assert result.curve[-1] == pytest.approx(0.4)
+
     def test_unallocated_at(self) -> None:
         result = Replay((0.0, 0.5, 1.0), (1.0, 0.6, 0.1), 3, 0, 0)
         assert (result.unallocated_at(0.0), result.unallocated_at(0.4), result.unallocated_at(1.0)) == (1.0, 0.6, 0.1)
@@ -125,6 +134,21 @@ class TestArrivals:
     def test_pod_list_without_gpu_pods(self) -> None:
         with pytest.raises(InvalidRequestError, match="the pod list has no GPU pod, so its demand never reaches"):
             arrivals([pod(), pod(cpu=2000)], 8 * WHOLE_GPU_MILLI, 0, 1.3)
+
+    def test_too_many_arrivals_are_refused_before_any_is_drawn(self) -> None:
+        """One pod in 1,000 asking 10 milli: 8 GPUs at 130% would take about 1,040,000 draws."""
+        pods = [share(10), *[pod()] * 999]
+        with pytest.raises(InvalidRequestError) as caught:
+            arrivals(pods, 8 * WHOLE_GPU_MILLI, 0, 1.3)
+        assert caught.value.message == (
+            "the arrivals would take about 1,040,000 pods, over the limit of 1,000,000: the cluster's GPU capacity "
+            "(8,000 milli) is 800,000 times the mean GPU demand of a pod of the list (0.01 milli; 1 of its 1,000 "
+            "pods ask for GPUs)"
+        )
+
+    def test_arrivals_below_the_limit(self) -> None:
+        pods = [share(10), *[pod()] * 999]
+        assert len(arrivals(pods, 6 * WHOLE_GPU_MILLI, 0, 1.3)) > 700_000
 
 
 class TestProvision:

@@ -3,14 +3,17 @@ per fabric domain."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from disagg.errors import InvalidRequestError
+from disagg.replay import fragmentation
 from disagg.replay.fragmentation import DomainFits, Fragmentation
 from disagg.replay.trace import WHOLE_GPU_MILLI, Node, Pod
 from disagg.replay.workload import TaskType, task_types
-from disagg.replay.world import World, build_world
+from disagg.replay.world import Views, World, build_world
 from hypothesis import given
 from hypothesis import strategies as st
 from replay_helpers import fill, gpu_node, nodes_strategy, pod_strategy
@@ -130,6 +133,59 @@ class TestDomains:
         kept.refresh()
         fresh = DomainFits(frag, world)
         assert (kept.rows == fresh.rows).all() and (kept.count == fresh.count).all()
+
+
+def spread_mix(groups: int, values: int) -> list[TaskType]:
+    """``groups`` GPU needs (shares of 25 to 1000 milli), each with ``values`` CPU and memory requests of its own:
+    the whole mix has ``groups`` x ``values`` distinct CPU and memory values, each need only ``values``."""
+    types = []
+    for g in range(groups):
+        share = 25 * (g + 1)
+        for v in range(values):
+            n = g * values + v
+            types.append(TaskType(1000 + 100 * n, 1024 + 10 * n, 1, share, frozenset(), 1.0))
+    return types
+
+
+class TestTableSize:
+    """The fitting tables grow with each GPU need's own CPU and memory values, and a mix whose tables would pass
+    the budget is refused naming the sizes rather than taking the memory."""
+
+    def test_each_need_spans_its_own_values(self) -> None:
+        """40 needs of 10 CPU x 10 memory values: a table over the whole mix's 400 x 400 values would take
+        100 MiB."""
+        types = spread_mix(40, 10)
+        tracemalloc.start()
+        try:
+            frag = Fragmentation(types, ["A"])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * 2**20
+        # A host with one shared GPU and the CPU and memory of the 150th type free: the share of the mix that fits
+        # it is that of the types up to the 150th whose need fits the GPU's free share.
+        for free in (700, 300):
+            views = Views(
+                cpu=np.array([1000 + 100 * 150]),
+                mem=np.array([1024 + 10 * 150]),
+                full=np.array([0]),
+                model=np.array([0]),
+                partial=np.array([[free]]),
+            )
+            fitting = sum(t.cpu_milli <= views.cpu[0] and t.gpu_milli <= free for t in types) / len(types)
+            assert frag.shared(views)[0] == pytest.approx(free * (1.0 - fitting))
+
+    def test_over_the_budget(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(fragmentation, "TABLE_BUDGET", 2**20, raising=False)
+        types = [TaskType(1000 + v, 1024 + w, 1, 500, frozenset(), 1.0) for v in range(300) for w in range(3)]
+        types += [TaskType(1000 + v, 5000 + v, 1, 500, frozenset(), 1.0) for v in range(300)]
+        with pytest.raises(InvalidRequestError) as caught:
+            Fragmentation(types, ["A"])
+        assert caught.value.message == (
+            "the task mix's fragmentation tables would take 1.4 MiB, over the budget of 1 MiB (GPU models: 1, GPU "
+            "needs: 1, the most distinct CPU x memory requests of one need: 300 x 303); round the pod list's CPU "
+            "and memory requests to fewer values"
+        )
 
 
 class TestTaskMix:

@@ -60,6 +60,19 @@ class TestLoadNodes:
             (("n0", "0", "262144", "2", "A"), "nodes.csv:3: cpu_milli must be at least 1, got 0"),
             (("n0", "64000", "", "2", "A"), "nodes.csv:3: memory_mib must be a whole number, got ''"),
             (("n0", "64000", "262144", "2", " "), "nodes.csv:3: a node with GPUs needs a model"),
+            (
+                ("n1", "99999999999999999999999", "262144", "2", "A"),
+                "nodes.csv:3: cpu_milli must be at most 1099511627776, got 99999999999999999999999",
+            ),
+            (
+                ("n1", "64000", str(2**40 + 1), "2", "A"),
+                f"nodes.csv:3: memory_mib must be at most 1099511627776, got {2**40 + 1}",
+            ),
+            (("n1", "64000", "262144", "65537", "A"), "nodes.csv:3: gpu must be at most 65536, got 65537"),
+            (
+                ("n0", "64000", "262144", "2", "A"),
+                "nodes.csv:3: sn 'n0' is listed already on line 2: a server listed twice would count its GPUs twice",
+            ),
         ],
     )
     def test_bad_row_names_file_and_line(self, tmp_path: Path, row: tuple[str, ...], message: str) -> None:
@@ -67,6 +80,10 @@ class TestLoadNodes:
         with pytest.raises(InvalidRequestError) as caught:
             load_nodes(path)
         assert caught.value.message == message
+
+    def test_largest_counts(self, tmp_path: Path) -> None:
+        path = nodes_file(tmp_path, ("n0", str(2**40), str(2**40), str(2**16), "A"))
+        assert load_nodes(path) == [Node("n0", 2**40, 2**40, 2**16, "A")]
 
     def test_missing_column(self, tmp_path: Path) -> None:
         path = nodes_file(tmp_path, GOOD_NODE[:4], header=NODE_HEADER[:4])
@@ -94,7 +111,13 @@ class TestLoadPods:
 
     @pytest.mark.parametrize(
         ("text", "spec"),
-        [("", set()), ("G3", {"G3"}), ("V100M16|V100M32", {"V100M16", "V100M32"}), (" A | B |", {"A", "B"})],
+        [
+            ("", set()),
+            ("nan", set()),  # the trace's README: "`nan` means no GPU type constraints"
+            ("G3", {"G3"}),
+            ("V100M16|V100M32", {"V100M16", "V100M32"}),
+            (" A | B |", {"A", "B"}),
+        ],
     )
     def test_gpu_spec(self, tmp_path: Path, text: str, spec: set[str]) -> None:
         assert load_pods(pods_file(tmp_path, (*GOOD_POD[:5], text)))[0].gpu_spec == frozenset(spec)
@@ -119,6 +142,16 @@ class TestLoadPods:
                 ("p1", "1000", "1", "2", "500", ""),
                 "pods.csv:3: a pod of 2 GPUs must take them whole (gpu_milli 1000), got 500",
             ),
+            (
+                ("p1", "99999999999999999999999", "1", "1", "1000", ""),
+                "pods.csv:3: cpu_milli must be at most 1099511627776, got 99999999999999999999999",
+            ),
+            (
+                ("p1", "1000", str(2**40 + 1), "0", "0", ""),
+                f"pods.csv:3: memory_mib must be at most {2**40}, got {2**40 + 1}",
+            ),
+            (("p1", "1000", "1", str(10**30), "1000", ""), f"pods.csv:3: num_gpu must be at most 65536, got {10**30}"),
+            (("p1", "1000", "1", "0", "5000", ""), "pods.csv:3: gpu_milli must be 0..1000, got 5000"),
         ],
     )
     def test_bad_row_names_file_and_line(self, tmp_path: Path, row: tuple[str, ...], message: str) -> None:
@@ -130,6 +163,54 @@ class TestLoadPods:
         header = ("name", "cpu_milli", "memory_mib", "gpu_milli")
         with pytest.raises(InvalidRequestError, match=r"pods\.csv: no column num_gpu$"):
             load_pods(pods_file(tmp_path, ("p0", "1", "1", "1"), header=header))
+
+
+class TestShape:
+    """A header or row whose shape would change the input without a word is refused, naming the file and line (or
+    the header): the trace's own columns load, others do not."""
+
+    def test_row_with_more_fields_than_the_header(self, tmp_path: Path) -> None:
+        """A gpu_spec written with a comma: the second model would be dropped."""
+        path = pods_file(tmp_path, GOOD_POD, ("p1", "1000", "1024", "1", "1000", "V100M16", "V100M32"))
+        with pytest.raises(InvalidRequestError) as caught:
+            load_pods(path)
+        assert caught.value.message == (
+            "pods.csv:3: 7 fields, the header has 6 (a comma inside a field needs quotes; gpu_spec separates models "
+            "with |)"
+        )
+
+    def test_row_with_fewer_fields_than_the_header(self, tmp_path: Path) -> None:
+        with pytest.raises(InvalidRequestError) as caught:
+            load_nodes(nodes_file(tmp_path, GOOD_NODE, ("n1", "64000", "262144", "2")))
+        assert caught.value.message == "nodes.csv:3: 4 fields, the header has 5"
+
+    def test_misspelt_optional_column(self, tmp_path: Path) -> None:
+        """``gpu_specs`` for ``gpu_spec``: every constraint would be dropped."""
+        path = pods_file(tmp_path, GOOD_POD, header=(*POD_HEADER[:5], "gpu_specs"))
+        with pytest.raises(InvalidRequestError) as caught:
+            load_pods(path)
+        assert caught.value.message == (
+            "pods.csv: header: no column 'gpu_specs' in the trace's format (its columns: name, cpu_milli, memory_mib, "
+            "num_gpu, gpu_milli, gpu_spec, qos, pod_phase, creation_time, deletion_time, scheduled_time)"
+        )
+
+    def test_column_named_twice(self, tmp_path: Path) -> None:
+        """The last ``gpu`` would win: a GPU server read as CPU-only."""
+        path = nodes_file(tmp_path, (*GOOD_NODE, "0"), header=(*NODE_HEADER, "gpu"))
+        with pytest.raises(InvalidRequestError) as caught:
+            load_nodes(path)
+        assert caught.value.message == "nodes.csv: header: column gpu given twice"
+
+    def test_every_column_of_the_trace(self, tmp_path: Path) -> None:
+        """The published pod lists' header, with the columns the replay does not read (qos, phase, times)."""
+        header = (*POD_HEADER, "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
+        path = pods_file(tmp_path, (*GOOD_POD, "LS", "Running", "0", "12537496", "0"), header=header)
+        assert load_pods(path) == [Pod("p0", 4000, 8192, 1, 500)]
+
+    def test_blank_lines_are_no_rows(self, tmp_path: Path) -> None:
+        path = nodes_file(tmp_path, GOOD_NODE)
+        path.write_text(path.read_text(encoding="utf-8") + "\n\n", encoding="utf-8")
+        assert load_nodes(path) == [Node("n0", 64000, 262144, 2, "A")]
 
 
 class TestFiles:
@@ -204,6 +285,35 @@ class TestSharedDir:
         reason = missing_trace_reason(tmp_path, ("a.csv", "b.csv"))
         assert reason is not None
         assert reason.startswith(f"a.csv, b.csv not found in {tmp_path}")
+
+    def test_no_fetch_hint_for_the_users_own_files(self, tmp_path: Path) -> None:
+        """The Alibaba trace holds no file of the user's own name: fetching it would not help."""
+        reason = missing_trace_reason(tmp_path, ("mine.csv",))
+        assert reason is not None
+        assert "clusterdata" not in reason and "kubernetes-scheduler-simulator" not in reason
+
+    @pytest.mark.parametrize("name", ["openb_node_list_all_node.csv", "openb_pod_list_gpuspec33.csv"])
+    def test_fetch_hint_for_any_file_of_the_set(self, tmp_path: Path, name: str) -> None:
+        reason = missing_trace_reason(tmp_path, (name, "mine.csv"))
+        assert reason is not None
+        assert reason.endswith(f"into {tmp_path}") and "github.com/alibaba/clusterdata" in reason
+
+    def test_missing_reason_names_the_variable_that_chose_the_directory(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    ) -> None:
+        monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path))
+        reason = missing_trace_reason(trace_dir(), ("mine.csv",))
+        assert reason == (
+            f"mine.csv not found in {tmp_path / TRACE_SUBDIR} (the shared data directory ${SHARED_DIR_ENV}={tmp_path})"
+        )
+
+    def test_missing_reason_names_the_default(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
+        reason = missing_trace_reason(trace_dir(), ("mine.csv",))
+        assert reason == (
+            f"mine.csv not found in {Path('../shared') / TRACE_SUBDIR} (the default shared data directory "
+            f"../shared; --shared or ${SHARED_DIR_ENV} choose another)"
+        )
 
     def test_nothing_missing(self, tmp_path: Path) -> None:
         for name in (DEFAULT_NODES, DEFAULT_PODS):

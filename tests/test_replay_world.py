@@ -7,10 +7,10 @@ import pytest
 from disagg.errors import InvalidRequestError
 from disagg.replay.trace import WHOLE_GPU_MILLI, Node, Pod
 from disagg.replay.workload import model_mask
-from disagg.replay.world import NOT_INSTALLED, SHARED_SLOTS, IntArray, World, build_world
+from disagg.replay.world import NOT_INSTALLED, IntArray, World, build_world
 from hypothesis import given
 from hypothesis import strategies as st
-from replay_helpers import cpu_node, gpu_node, nodes_strategy, pod, pod_strategy, share, whole
+from replay_helpers import GIB, cpu_node, fill, gpu_node, nodes_strategy, pod, pod_strategy, share, whole
 
 
 def hosts(world: World, p: Pod) -> list[tuple[int, int]]:
@@ -124,7 +124,9 @@ class TestCandidates:
         assert hosts(world, whole(1)) == []
 
     def test_shared_gpu_stays_with_its_host(self) -> None:
-        world = build_world([gpu_node(1, cpu=8000), gpu_node(1, cpu=8000)], 2)
+        # Servers of 2 GPUs: a host may hold as many shared GPUs as the largest server has GPUs, so host 0 may
+        # still open a second one.
+        world = build_world([gpu_node(2, cpu=8000), gpu_node(2, cpu=8000)], 2)
         world.place(share(500), 0, -1)
         assert hosts(world, share(500)) == [(0, -1), (0, 0), (1, -1)]
         world.place(pod(cpu=8000), 0, -1)
@@ -150,7 +152,7 @@ class TestPlace:
         placed = [share(700), share(300)]
         world.place(placed[0], 0, -1)
         world.place(placed[1], 0, 0)
-        assert world.partial[0].tolist() == [0] * SHARED_SLOTS
+        assert world.partial[0].tolist() == [0] * world.slots
         assert world.unallocated() == 0.0
         check_invariants(world, placed)
 
@@ -159,6 +161,30 @@ class TestPlace:
         before = world.version.copy()
         world.place(whole(1), 1, -1)
         assert (world.version - before).tolist() == [0, 1]
+
+
+class TestSharedSlots:
+    """A host holds as many shared GPUs with free share at once as the largest server of the node list has GPUs:
+    a 16-GPU server (DGX-2 class) shares every one of its GPUs."""
+
+    def test_sixteen_gpu_server_shares_all_its_gpus(self) -> None:
+        world = build_world([gpu_node(16, cpu=96000, mem=1024 * GIB)], 1)
+        placed = fill(world, [share(600)] * 16, lambda n: n - 1)  # the last candidate: a GPU of its own
+        assert len(placed) == 16
+        assert world.unallocated() == pytest.approx(0.4)
+        check_invariants(world, placed)
+
+    def test_a_host_of_a_domain_takes_as_many_as_the_largest_server(self) -> None:
+        nodes = [gpu_node(16, sn="big"), gpu_node(2, sn="small")]
+        world = build_world(nodes, 2)
+        placed = fill(world, [share(600)] * 18, lambda n: n - 1)
+        assert len(placed) == 18
+        assert sorted(int((world.partial[h] > 0).sum()) for h in range(2)) == [2, 16]
+
+    @pytest.mark.parametrize(("gpus", "slots"), [((8, 2, 0), 8), ((2, 16), 16), ((0,), 1)])
+    def test_slots_follow_the_largest_server(self, gpus: tuple[int, ...], slots: int) -> None:
+        nodes = [gpu_node(g, sn=f"n{i}") if g else cpu_node(sn=f"n{i}") for i, g in enumerate(gpus)]
+        assert build_world(nodes, 1).partial.shape[1] == slots
 
 
 class TestInstall:
@@ -204,7 +230,7 @@ def expected(world: World, p: Pod) -> list[tuple[int, int]]:
             if pool >= p.num_gpu:
                 out.append((h, -1))
             continue
-        out += [(h, s) for s in range(SHARED_SLOTS) if world.partial[h, s] >= p.gpu_milli]
+        out += [(h, s) for s in range(world.slots) if world.partial[h, s] >= p.gpu_milli]
         if pool >= 1 and (world.partial[h] == 0).any():
             out.append((h, -1))
     return sorted(out)

@@ -51,10 +51,11 @@ def cmd_placement(args: argparse.Namespace) -> int:
         ) from e
     from disagg.replay.report_control import collect
     from disagg.replay.study import Study, run_study
-    from disagg.replay.trace import missing_trace_reason, trace_dir
+    from disagg.replay.trace import missing_trace_reason, shared_origin, trace_dir
 
-    directory = trace_dir(Path(args.shared) if args.shared else None)
-    missing = missing_trace_reason(directory, (args.nodes, args.pods))
+    shared = Path(args.shared) if args.shared else None
+    directory = trace_dir(shared)
+    missing = missing_trace_reason(directory, (args.nodes, args.pods), origin=shared_origin(shared))
     if missing:
         raise InvalidRequestError(missing, field="shared")
     study = Study(

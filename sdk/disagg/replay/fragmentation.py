@@ -12,6 +12,8 @@ With one host per domain (fixed servers) the sum is exactly the per-node measure
 
 For the shared GPUs, task types are grouped by GPU need and the mix's weight of each group fitting a host's
 free CPU and memory is read from a cumulative table, so that cost grows with the GPU-need groups, not types.
+Each group's table spans only the distinct CPU and memory values of its own types, so its size grows with the
+product of those, not of the whole mix's; a mix whose tables would pass `TABLE_BUDGET` is refused.
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from disagg.errors import InvalidRequestError
 from disagg.replay.trace import WHOLE_GPU_MILLI
 from disagg.replay.workload import TaskType
-from disagg.replay.world import NO_MODEL, IntArray, Views, World
+from disagg.replay.world import NO_MODEL, BoolArray, IntArray, Views, World
 
 FloatArray = npt.NDArray[np.float64]
 BoolMatrix = npt.NDArray[np.bool_]
+
+TABLE_BUDGET = 256 * 2**20
+"""The most bytes the fitting tables of one task mix may take (each worker process holds its own): the default
+trace needs about 0.1 MiB; a pod list of thousands of distinct CPU and memory requests in one GPU need would
+need gigabytes, and is refused naming the sizes instead."""
 
 
 class Fragmentation:
@@ -53,20 +61,37 @@ class Fragmentation:
 
         needs = sorted({(t.num_gpu, t.gpu_milli if t.num_gpu else 0) for t in types})
         group = {n: i for i, n in enumerate(needs)}
+        member = np.array([group[(t.num_gpu, t.gpu_milli if t.num_gpu else 0)] for t in types], dtype=np.int64)
         self._group_count = np.array([n for n, _ in needs], dtype=np.int64)
         self._group_share = np.array([s for _, s in needs], dtype=np.int64)
         self._groups = np.arange(len(needs))
         self._cpu_grid = np.unique(self._cpu)
         self._mem_grid = np.unique(self._mem)
-        # table[model, group, i, j]: weight of the group's types allowed on the model that need at most the i-th
-        # CPU and j-th memory value of the grids (index 0: less than any).
-        table = np.zeros((len(models) + 1, len(needs), len(self._cpu_grid) + 1, len(self._mem_grid) + 1))
-        for t, task in enumerate(types):
-            g = group[(task.num_gpu, task.gpu_milli if task.num_gpu else 0)]
-            i = int(np.searchsorted(self._cpu_grid, task.cpu_milli)) + 1
-            j = int(np.searchsorted(self._mem_grid, task.memory_mib)) + 1
-            table[allowed[:, t], g, i, j] += weight[t]
-        self._table = table.cumsum(axis=2).cumsum(axis=3)
+        cpu_grids = [np.unique(self._cpu[member == g]) for g in self._groups]
+        mem_grids = [np.unique(self._mem[member == g]) for g in self._groups]
+        _check_budget(len(models) + 1, cpu_grids, mem_grids, len(self._cpu_grid), len(self._mem_grid))
+        # cpu_rank[g, i]: how many of group g's CPU values are at most the i-th of the whole mix's (index 0: none);
+        # likewise mem_rank. A host's index in the mix's grid reads its index in each group's grid.
+        self._cpu_rank = _ranks(cpu_grids, self._cpu_grid)
+        self._mem_rank = _ranks(mem_grids, self._mem_grid)
+        self._mem_width = np.array([len(m) + 1 for m in mem_grids], dtype=np.int64)
+        # table[model, base[g] + i * mem_width[g] + j]: weight of group g's types allowed on the model that need at
+        # most the i-th CPU and j-th memory value of the group's grids (index 0: less than any).
+        blocks = [self._block(member == g, cpu_grids[g], mem_grids[g], allowed) for g in self._groups]
+        sizes = [b.shape[1] for b in blocks]
+        self._base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._table = np.concatenate(blocks, axis=1)
+
+    def _block(self, members: BoolArray, cpu_grid: IntArray, mem_grid: IntArray, allowed: BoolMatrix) -> FloatArray:
+        """The cumulative table of the group of types ``members``, flattened per model: cells without a type add
+        nothing to the sums, so its values are those a table over the whole mix's grids would hold."""
+        block = np.zeros((allowed.shape[0], len(cpu_grid) + 1, len(mem_grid) + 1))
+        for t in np.flatnonzero(members):
+            i = int(np.searchsorted(cpu_grid, self._cpu[t])) + 1
+            j = int(np.searchsorted(mem_grid, self._mem[t])) + 1
+            block[allowed[:, t], i, j] += self._weight[t]
+        cumulative: FloatArray = block.cumsum(axis=1).cumsum(axis=2).reshape(allowed.shape[0], -1)
+        return cumulative
 
     def _model_row(self, model: IntArray) -> IntArray:
         row: IntArray = np.where(model == NO_MODEL, self._allowed.shape[0] - 1, model)
@@ -84,9 +109,9 @@ class Fragmentation:
     def shared(self, views: Views) -> FloatArray:
         """The fragment of each host's shared GPUs (its pool left out)."""
         model = self._model_row(views.model)
-        i = np.searchsorted(self._cpu_grid, views.cpu, side="right")
-        j = np.searchsorted(self._mem_grid, views.mem, side="right")
-        fit = self._table[model[:, None], self._groups[None, :], i[:, None], j[:, None]]
+        i = self._cpu_rank[:, np.searchsorted(self._cpu_grid, views.cpu, side="right")].T
+        j = self._mem_rank[:, np.searchsorted(self._mem_grid, views.mem, side="right")].T
+        fit = self._table[model[:, None], self._base[None, :] + i * self._mem_width[None, :] + j]
         total = views.partial.sum(axis=1).astype(np.float64)
         usable = np.zeros(fit.shape, dtype=np.int64)
         left = np.zeros(fit.shape, dtype=np.int64)
@@ -107,6 +132,31 @@ class Fragmentation:
         usable = (reach & (full[:, None] >= self._count[None, :])) @ self._weight
         result: FloatArray = full * WHOLE_GPU_MILLI * (1.0 - usable)
         return result
+
+
+def _ranks(grids: Sequence[IntArray], whole: IntArray) -> IntArray:
+    """``ranks[g, i]``: how many values of ``grids[g]`` are at most the i-th value of ``whole`` (index 0: none)."""
+    ranks: IntArray = np.zeros((len(grids), len(whole) + 1), dtype=np.int64)
+    for g, grid in enumerate(grids):
+        ranks[g, 1:] = np.searchsorted(grid, whole, side="right")
+    return ranks
+
+
+def _check_budget(
+    models: int, cpu_grids: Sequence[IntArray], mem_grids: Sequence[IntArray], cpu_values: int, mem_values: int
+) -> None:
+    """Refuse a task mix whose tables would pass `TABLE_BUDGET`, naming the sizes, before any is made."""
+    cells = sum((len(c) + 1) * (len(m) + 1) for c, m in zip(cpu_grids, mem_grids, strict=True))
+    size = 8 * (models * cells + len(cpu_grids) * (cpu_values + mem_values + 2))
+    if size > TABLE_BUDGET:
+        widest = max(range(len(cpu_grids)), key=lambda g: len(cpu_grids[g]) * len(mem_grids[g]))
+        raise InvalidRequestError(
+            f"the task mix's fragmentation tables would take {size / 2**20:,.1f} MiB, over the budget of "
+            f"{TABLE_BUDGET / 2**20:,.0f} MiB (GPU models: {models - 1}, GPU needs: {len(cpu_grids)}, the most "
+            f"distinct CPU x memory requests of one need: {len(cpu_grids[widest])} x {len(mem_grids[widest])}); "
+            "round the pod list's CPU and memory requests to fewer values",
+            field="pods",
+        )
 
 
 class DomainFits:

@@ -17,7 +17,7 @@ from disagg.replay.fragmentation import DomainFits, Fragmentation
 from disagg.replay.policy import FloatArray, SharingPolicy
 from disagg.replay.trace import Pod
 from disagg.replay.workload import TaskType
-from disagg.replay.world import SHARED_SLOTS, Candidates, IntArray, Views, World
+from disagg.replay.world import Candidates, IntArray, Views, World
 
 _T = TypeVar("_T")
 
@@ -101,6 +101,7 @@ class _Gradient:
         self._frag = Fragmentation(types, world.models)
         self._fits = DomainFits(self._frag, world)
         self._hosts = world.hosts
+        self._slots = world.slots
         self._before = _StateCache(world.hosts, 1)
         self._after: dict[tuple[int, int, int, int], _StateCache] = {}
 
@@ -110,9 +111,9 @@ class _Gradient:
         key = (pod.cpu_milli, pod.memory_mib, pod.num_gpu, pod.gpu_milli)
         after = self._after.get(key)
         if after is None:
-            after = self._after[key] = _StateCache(self._hosts, SHARED_SLOTS + 1)
+            after = self._after[key] = _StateCache(self._hosts, self._slots + 1)
         before = self._before.get(c, c.before, np.zeros_like(c.host), frag.shared)
-        shared = after.get(c, c.after, c.slot % (SHARED_SLOTS + 1), frag.shared) - before
+        shared = after.get(c, c.after, c.slot % (self._slots + 1), frag.shared) - before
         count = fits.count[c.domain]
         reach_after = (count - fits.rows[c.host] > 0) | frag.fits(c.after.cpu, c.after.mem, c.after.model)
         pooled = frag.pooled(c.after.full, reach_after) - frag.pooled(c.before.full, count > 0)

@@ -9,6 +9,7 @@ is a fabric domain of one host, so the fixed world is the composable world with 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import multiprocessing
 import os
@@ -27,13 +28,20 @@ from disagg.plugins import load_plugins
 from disagg.replay.engine import describe, fits_nowhere, provision, replay
 from disagg.replay.floor import share_floor_milli
 from disagg.replay.policy import SharingPolicy
-from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, Node, Pod, load_nodes, load_pods
-from disagg.replay.workload import arrivals, task_types
+from disagg.replay.trace import DEFAULT_NODES, DEFAULT_PODS, WHOLE_GPU_MILLI, Node, Pod, load_nodes, load_pods
+from disagg.replay.workload import arrivals, check_arrivals, task_types
 from disagg.replay.world import build_world
 
 PUBLISHED = {"fgd": 0.0477, "best-fit": 0.0714, "gpu-packing": 0.0822, "random": 0.1370}
 """The published figures on the default trace (unallocated share at 100% arrived demand, 10 seeds), as
 recomputed from the simulator repository's stored results (see the trace's README in the shared directory)."""
+PUBLISHED_SHA256 = (
+    "2beca64b4d3dfa342036a34b56a495c6cef9225db836c81f541282cb1df320b5",
+    "1ee7ed79c27a3b0861cda8ddba86a004c6aba904caafa329a76ae93ca63834a8",
+)
+"""The sha256 of the node and pod lists the published figures were measured on (``openb_node_list_gpu_node.csv``
+and ``openb_pod_list_default.csv``), as the README of ``traces/`` in the shared data directory lists them: other
+lists saved under those names are no trace the figures are a reference for."""
 DEFAULT_POLICIES = ("best-fit", "fgd", "frag-balance")
 DEFAULT_KS = (1, 4, 8, 16)
 STEPS = 100
@@ -96,12 +104,23 @@ def _once(values: Sequence[object], what: str, field: str) -> None:
 
 def published_reference(study: Study) -> dict[str, float] | None:
     """The published figures, when ``study`` replays the trace and protocol they were measured on; None otherwise,
-    since they are no reference for another node or pod list, arrival limit or report point."""
+    since they are no reference for another node or pod list, arrival limit or report point. The lists are those
+    of the published trace when their content is (`PUBLISHED_SHA256`), whatever their names."""
     reference = Study(trace_dir=study.trace_dir)
-    protocol = ("nodes", "pods", "inflation", "report_at")
+    protocol = ("inflation", "report_at")
     if any(getattr(study, name) != getattr(reference, name) for name in protocol):
         return None
+    if (_sha256(study.trace_dir / study.nodes), _sha256(study.trace_dir / study.pods)) != PUBLISHED_SHA256:
+        return None
     return dict(PUBLISHED)
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        with path.open("rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def check_trace(study: Study, nodes: Sequence[Node], pods: Sequence[Pod]) -> None:
@@ -114,12 +133,38 @@ def check_trace(study: Study, nodes: Sequence[Node], pods: Sequence[Pod]) -> Non
         raise InvalidRequestError(
             f"{study.pods} has no GPU pod, so its demand never reaches the cluster's capacity", field="pods"
         )
+    _check_gpu_specs(study, nodes, pods)
+    check_arrivals(pods, sum(n.gpus for n in nodes) * WHOLE_GPU_MILLI, study.inflation)
     if study.provision and (pod := fits_nowhere(nodes, pods, 1)) is not None:
         raise InvalidRequestError(
             f"no server of {study.nodes} can hold pod {describe(pod)}, so the provisioning replay on fixed servers "
             "could never place it: take it out of the pod list, or skip that replay with --no-provision",
             field="pods",
         )
+
+
+def _check_gpu_specs(study: Study, nodes: Sequence[Node], pods: Sequence[Pod]) -> None:
+    """Refuse a ``gpu_spec`` naming a GPU model no server of the node list has: a misspelt model (``V100-32G``)
+    would make its pods fail everywhere, counted as GPUs left unallocated, with provisioning or without."""
+    models = {n.model for n in nodes if n.gpus}
+    users: dict[str, list[str]] = {}
+    for pod in pods:
+        for model in sorted(pod.gpu_spec - models):
+            users.setdefault(model, []).append(pod.name)
+    if not users:
+        return
+    named = "; ".join(f"{model} ({_first(names)})" for model, names in sorted(users.items()))
+    raise InvalidRequestError(
+        f"the gpu_spec of {study.pods} names GPU models no server of {study.nodes} has: {named}; its models are "
+        f"{', '.join(sorted(models))}",
+        field="pods",
+    )
+
+
+def _first(names: Sequence[str], shown: int = 3) -> str:
+    """``pod a``, ``pods a, b, c and 4 more``: the first pods of a list, for a message."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"pod{'s' if len(names) > 1 else ''} {', '.join(names[:shown])}{more}"
 
 
 @functools.cache

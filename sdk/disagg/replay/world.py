@@ -24,10 +24,6 @@ from disagg.replay.trace import WHOLE_GPU_MILLI, Node, Pod
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-SHARED_SLOTS = 8
-"""Shared GPUs a host can hold with free share at once: a fixed server has at most 8 GPUs, and in a domain the
-same bound keeps a host from collecting half-used GPUs that no other host can use (the policies fill shared
-GPUs before they open new ones, so the bound is rarely reached: a few hosts out of 1,213 at K = 8)."""
 NO_MODEL = -1
 NOT_INSTALLED = -1
 """The free CPU and memory of a server not installed yet: no request fits it."""
@@ -92,6 +88,11 @@ class World:
     @property
     def hosts(self) -> int:
         return len(self.cpu)
+
+    @property
+    def slots(self) -> int:
+        """Shared GPUs a host can hold with free share at once (`shared_slots`)."""
+        return int(self.partial.shape[1])
 
     @property
     def domains(self) -> int:
@@ -182,7 +183,7 @@ class World:
             if pod.gpu_milli < WHOLE_GPU_MILLI:
                 empty = int(np.argmax(self.partial[host] == 0))
                 if empty + 1 >= self.width:
-                    self.width = min(empty + 2, SHARED_SLOTS)
+                    self.width = min(empty + 2, self.slots)
                 self.partial[host, empty] = WHOLE_GPU_MILLI - pod.gpu_milli
         self.allocated_milli += pod.gpu_demand_milli
 
@@ -202,6 +203,17 @@ def _domains(nodes: Sequence[Node], k: int) -> list[list[int]]:
         if len(members) == k:
             del by_model[node.model]
     return groups
+
+
+def shared_slots(nodes: Sequence[Node]) -> int:
+    """Shared GPUs a host can hold with free share at once: the most GPUs of any server of the list (at least one).
+
+    On a fixed server (K = 1) the bound is the server's own GPU count, which its pool of GPUs sets by itself, so
+    the columns need only be as many as the largest server's (16 on a DGX-2 class server). In a domain the same
+    bound keeps a host from collecting half-used GPUs that no other host can use (the policies fill shared GPUs
+    before they open new ones, so it is rarely reached: a few hosts out of 1,213 at K = 8 on the Alibaba trace,
+    whose servers have at most 8 GPUs)."""
+    return max(1, max((n.gpus for n in nodes), default=0))
 
 
 def build_world(nodes: Sequence[Node], k: int, *, installed: bool = True) -> World:
@@ -225,7 +237,7 @@ def build_world(nodes: Sequence[Node], k: int, *, installed: bool = True) -> Wor
         cpu=np.full(len(nodes), NOT_INSTALLED, dtype=np.int64),
         mem=np.full(len(nodes), NOT_INSTALLED, dtype=np.int64),
         model=np.array([index[n.model] if n.gpus else NO_MODEL for n in nodes], dtype=np.int64),
-        partial=np.zeros((len(nodes), SHARED_SLOTS), dtype=np.int64),
+        partial=np.zeros((len(nodes), shared_slots(nodes)), dtype=np.int64),
         pool=np.zeros(len(groups), dtype=np.int64),
         capacity_milli=0,
         version=np.zeros(len(nodes), dtype=np.int64),
