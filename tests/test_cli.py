@@ -299,6 +299,15 @@ class TestErrors:
         assert "composition 'ghost' not found; nothing was decomposed" in err
         assert {c["name"] for c in json.loads(cli(capsys, "ls", "--json")[1])} == {"a", "b"}
 
+    def test_recompose_with_an_empty_etag_is_bad_input(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """``--etag ""`` was a guard no composition meets locally (a conflict) and no guard at all with --server;
+        both now refuse it as bad input, changing nothing."""
+        assert cli(capsys, "compose", "job", "gpu x1")[0] == 0
+        code, out, err = cli(capsys, "recompose", "job", "--add", "nic", "--etag", "")
+        assert code == 2 and out == ""
+        assert err.startswith("disagg: error: ") and "an etag is never empty" in err
+        assert len(json.loads(cli(capsys, "ls", "--json")[1])[0]["devices"]) == 1
+
     def test_recompose_with_nothing_to_do_is_a_usage_error(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(["recompose", "job"])

@@ -54,6 +54,7 @@ from server_helpers import (
     SecretBind,
     Served,
     cordons,
+    gpu,
     replay,
     serving,
     serving_servicer,
@@ -199,6 +200,20 @@ class TestCompositions:
             client.recompose(comp.id, remove=[comp.device_ids[0]], expected_etag=comp.etag)
         shrunk = client.recompose(comp.id, remove=[comp.device_ids[0]], expected_etag=grown.etag)
         assert shrunk.device_ids == grown.device_ids[1:]
+
+    def test_an_empty_etag_is_refused_as_a_local_composer_refuses_it(
+        self, client: FabricManagerClient, served: Served
+    ) -> None:
+        """It was sent, and the wire reads "" as no guard (proto3 cannot tell it from one not sent): the change
+        was made, where a local composer refused the same call as stale. On the wire "" stays no guard."""
+        comp = client.compose(parse_request("grow", ["gpu x1"])).composition
+        assert comp is not None
+        with pytest.raises(InvalidRequestError, match="an etag is never empty") as refused:
+            client.recompose(comp.id, add=[parse_resource("gpu x1")], expected_etag="")
+        assert refused.value.field == "expected_etag"
+        assert served.composer.get(comp.id) == comp
+        grown = served.stub.UpdateComposition(fm.UpdateCompositionRequest(id=comp.id, add=[gpu()], etag=""), timeout=10)
+        assert len(grown.composition.devices) == 2
 
     def test_decompose(self, client: FabricManagerClient, composer: FabricComposer) -> None:
         client.compose(parse_request("gone", ["gpu x1"]))

@@ -16,6 +16,7 @@ import grpc
 from disagg.client._retry import RetryPolicy, call_with_retry
 from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
+from disagg.composer.composer import check_expected_etag
 from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
@@ -541,12 +542,14 @@ class FabricManagerClient:
         request_id: str | None = None,
     ) -> Composition:
         """Add resource lines to, or remove devices and allocations (by id) from, a live composition; with
-        ``expected_etag``, only if it is still at that etag (else `ConflictError`).
+        ``expected_etag``, only if it is still at that etag (else `ConflictError`); an empty one is refused
+        (`InvalidRequestError`), as a local composer refuses it, though on the wire "" means no guard.
 
         Carries a request id, a fresh uuid4 unless one is given, so that the server changes the composition
         once however often the call is retried on UNAVAILABLE; ``request_id=""`` sends none, and such a call
         gets one attempt.
         """
+        check_expected_etag(expected_etag)
         if request_id is None:
             request_id = uuid.uuid4().hex
         check_request_values(add, "add")

@@ -26,13 +26,14 @@ import attrs
 
 from disagg import failpoints
 from disagg.composer import requests, steps
-from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep
+from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep, driver_error
 from disagg.composer.hardware import HardwareView
-from disagg.composer.index import Inventory
-from disagg.composer.placement import Line, Pin, Placer, describe_line
+from disagg.composer.index import Inventory, Repeat, repeated_ids, reported_ids
+from disagg.composer.placement import Line, Pin, Placer, added_lines, describe_line
 from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import (
     AlreadyExistsError,
+    ConfigError,
     ConflictError,
     DeadlineExceededError,
     DisaggError,
@@ -97,7 +98,6 @@ def _random_id(prefix: str) -> str:
 T = TypeVar("T")
 REQUEST_ID_MEMORY = 10_000
 """How many request ids the composer remembers in memory (the ledger keeps as many)."""
-_IN_FLIGHT = (CompositionState.COMPOSING, CompositionState.DECOMPOSING)
 _STANDING = (CompositionState.COMPOSED, CompositionState.DEGRADED)
 _BINDING = ""
 """The pool of a quarantine record that is a binding no composition records (its item the device), not memory."""
@@ -195,6 +195,64 @@ def _holdings(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
     return [*comp.devices, *picks], [*comp.allocations, *allocs]
 
 
+def _held_otherwise(alloc: Allocation, host: str, found: Allocation | None) -> bool:
+    """Whether the hardware, which holds ``found`` under ``alloc``'s id (None: nothing), lacks ``alloc`` as
+    ``host``'s at its recorded size: gone, or carved under its id for another host or at another size, as
+    `HardwareView.holds` judges an interrupted compose's."""
+    return found is None or found.host != host or found.amount_bytes != alloc.amount_bytes
+
+
+@attrs.define
+class _Touched:
+    """What the changes of compositions touched while a reconcile read the hardware: the compositions, and the
+    devices and (pool, allocation id) their records held before or after. The read may show any of these half
+    changed (bound by a compose that has since rolled back), so that pass judges none of them and the next one
+    does; everything else it read, it judges."""
+
+    compositions: set[str] = attrs.field(factory=set)
+    devices: set[str] = attrs.field(factory=set)
+    allocations: set[tuple[str, str]] = attrs.field(factory=set)
+
+    def add(self, comp: Composition) -> None:
+        picks, allocs = _holdings(comp)
+        self.compositions.add(comp.id)
+        self.devices.update(p.device for p in picks)
+        self.allocations.update((a.pool, a.id) for a in allocs)
+
+
+HEAL_RETRY_MAX_S = 600.0
+"""The longest a reconcile waits before it tries again a heal whose binds failed with the same inputs."""
+
+
+@attrs.define
+class _FailedHeal:
+    """A heal whose binds failed: what it was tried with (the failed devices and the spares on the switches its
+    host reaches, `FabricComposer._heal_inputs`), how many times in a row it failed with them, when it last did
+    (the composer's clock), and how many reconcile passes have passed it over since."""
+
+    inputs: tuple[frozenset[str], frozenset[str]]
+    failures: int
+    at: float
+    passes: int = 0
+
+
+def check_expected_etag(expected_etag: str | None) -> None:
+    """Refuse an empty etag guard in the Python API: an etag is never empty, so "" could only ever be stale,
+    while None asks for no guard. The wire cannot tell "" from a guard not sent (proto3), so there "" means no
+    guard; refused here, a caller gets one answer whether it calls a local composer or a server."""
+    if expected_etag == "":
+        raise InvalidRequestError(
+            "expected_etag is empty: an etag is never empty; leave it out (None) for no guard", field="expected_etag"
+        )
+
+
+def _parts(devices: int, allocations: int) -> str:
+    """How many devices and allocations a change added or removed, as its event says it: "2 devices and 1
+    allocation", "1 allocation"; "nothing" when a removal left everything held."""
+    counts = ((devices, "device"), (allocations, "allocation"))
+    return " and ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts if n) or "nothing"
+
+
 def _waited_past(comp_id: str) -> DeadlineExceededError:
     return DeadlineExceededError(
         f"the deadline passed while this change waited for another change of composition {comp_id}; nothing was "
@@ -236,9 +294,12 @@ class FabricComposer(Composer):
         self._revision = 0
         self._revision_time = 0.0
         """The time of the event at ``_revision`` (`snapshot` answers it with the revision)."""
-        self._recorded = 0
-        """Counts every change to the compositions, with an event or without (a rollback puts a composition back
-        silently): `reconcile` discards a pass during which it moved."""
+        self._watches: list[_Touched] = []
+        """One per reconcile reading the hardware now: every change to a composition's record, with an event or
+        without (a rollback puts a composition back silently), notes there what it touched (`_note_touched`)."""
+        self._failed_heals: dict[str, _FailedHeal] = {}
+        """Per composition, the heal whose binds failed last time, which a reconcile does not try again with the
+        same inputs until a back-off passes (`_heal_waits`)."""
         self._cordoned: set[str] = set()
         self._unreachable: set[str] = set()
         """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
@@ -246,6 +307,11 @@ class FabricComposer(Composer):
         """Fabrics that did not take this manager's epoch when it was announced: unreachable until they do."""
         self._returned: set[str] = set()
         """Fabrics that answered again at a rebuild whose compositions `retry_unreachable` has not settled yet."""
+        self._set_aside: dict[str, str] = {}
+        """Fabrics whose report repeats an id (`_index`), with why: counted unreachable until it no longer does."""
+        self._loaded = False
+        """Set once `start` has loaded the ledger and built the index: what the calls that change anything need
+        (`_check_started`)."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
         self._quarantined: set[str] = set()
@@ -314,6 +380,7 @@ class FabricComposer(Composer):
             self._mark_unknown()
             self._settle_known()
             self._expire_locked()
+            self._loaded = True
         later: tuple[Callable[[], object], ...] = (
             self._recover,
             self._seed_requests,
@@ -334,6 +401,13 @@ class FabricComposer(Composer):
     def _stop_if_closing(self) -> None:
         if self._closing:
             raise FabricUnavailableError("the composer was closed while it started")
+
+    def _check_started(self) -> None:
+        """Refuse, before anything is written, a call that needs the ledger loaded on a composer whose `start`
+        has not loaded it: a reconcile would take every binding for an orphan and cordon it, and its events
+        would take revisions the ledger has given already."""
+        if not self._loaded:
+            raise FabricUnavailableError("the composer has not been started: call start() first; nothing was changed")
 
     def _apply_early_events(self) -> None:
         """Apply the events that came while `start` ran, then those that come while they are applied, in order;
@@ -446,11 +520,16 @@ class FabricComposer(Composer):
         composition FAILED, naming it.
 
         ``only``: just these compositions (those of a fabric that answers again, while every other change
-        may be in flight)."""
+        may be in flight). Each is recovered holding it against every other change of it (`_recover_one`)."""
         hardware = HardwareView(self.fabrics)
-        for comp in list(self._compositions.values()):
-            if (only is not None and comp.id not in only) or self._touches_unreachable(comp):
-                continue  # settled once its fabric answers (`retry_unreachable`)
+        with self._lock:
+            # Settled once its fabric answers (`retry_unreachable`) when it touches one that does not.
+            chosen = [
+                c
+                for c in self._compositions.values()
+                if (only is None or c.id in only) and not self._touches_unreachable(c)
+            ]
+        for comp in chosen:
             if comp.state is CompositionState.DECOMPOSING:
                 # First: a FAILED composition keeps the pending ADD its refused rollback left, and is decomposed
                 # with it (`_holdings`); undone as an interrupted change, it would stand again, half released.
@@ -459,13 +538,55 @@ class FabricComposer(Composer):
                     self.decompose(comp.id)
                 except DisaggError as exc:
                     log.error("could not finish the decompose of %s: %s", comp.id, exc.message)
-            elif comp.pending is not None:
-                if not self._finished_on_hardware(comp, comp.pending, hardware):
-                    self._recover_change(comp, comp.pending)
-            elif comp.state is CompositionState.COMPOSING:
-                # A recompose between its steps: nothing was in flight on the hardware.
-                with self._lock:
-                    self._set_standing(comp)
+            elif comp.pending is not None or comp.state is CompositionState.COMPOSING:
+                try:
+                    self._held(comp.id, functools.partial(self._recover_one, comp, hardware))
+                except ConflictError as exc:  # the change that holds it settles it
+                    log.warning("not recovering %s: %s", comp.id, exc.message)
+
+    def _recover_one(self, seen: Composition, hardware: HardwareView, comp_id: str) -> None:
+        """Recover one composition as `_recover` reads it (``seen``), holding it (`_held`): at run time a
+        decompose may come while the hardware is read or released, and the two must not both write the record
+        and give its claims back. Its record is read again once held: one that changed since, or is gone, was
+        settled by the change that did it, and is left alone. An existing composition stands again with what the
+        hardware lost of it meanwhile (`_lost_on`) in its state, so that it is not COMPOSED for a moment before a
+        reconciliation degrades it."""
+        with self._lock:
+            comp = self._compositions.get(comp_id)
+            if comp is None or comp.generation != seen.generation or self._touches_unreachable(comp):
+                return
+        change = comp.pending
+        if change is not None and self._finished_on_hardware(comp, change, hardware):
+            return
+        if change is None or change.kind is ChangeKind.REMOVE or change.restore is not None:
+            lost = self._lost_on(comp, hardware)
+            comp = comp if lost is None else revise(comp, missing=lost)
+        if change is not None:
+            self._recover_change(comp, change)
+            return
+        # A recompose between its steps: nothing was in flight on the hardware.
+        with self._lock:
+            self._set_standing(comp)
+
+    def _lost_on(self, comp: Composition, hardware: HardwareView) -> tuple[str, ...] | None:
+        """What the hardware no longer holds of ``comp``'s own devices and memory (its `Composition.missing`),
+        judged as reconciliation judges it: a device not bound to its host, an allocation not carved for its host
+        at its size (`_held_otherwise`), or carved from a pool its fabric no longer reports. None when a fabric of
+        it cannot be read now."""
+        try:
+            lost = [
+                p.device for p in comp.devices if hardware.bound(self._fabric_of(p.device)).get(p.device) != comp.host
+            ]
+            lost += [
+                a.id
+                for a in comp.allocations
+                if a.pool not in self._inv.pools
+                or _held_otherwise(a, comp.host, hardware.carved(self._fabric_of_pool(a.pool), a.pool).get(a.id))
+            ]
+        except DisaggError as exc:
+            log.warning("cannot read the hardware of %s: %s", comp.id, exc.message)
+            return None
+        return tuple(lost)
 
     def _finished_on_hardware(self, comp: Composition, change: PendingChange, hardware: HardwareView) -> bool:
         """Finish a new composition whose pending ADD the hardware holds whole, as COMPOSED (or DEGRADED), with
@@ -534,17 +655,56 @@ class FabricComposer(Composer):
         kept out of placement) and reported, never silently removed; a composition whose device or memory the
         hardware no longer holds, or whose device discovery reports unhealthy, becomes DEGRADED (with auto-heal,
         one whose only trouble is unhealthy devices is then healed). Compositions with a change in flight are
-        left alone, and so are fabrics that cannot be read now. A pass during which anything else changed gives
-        up (the next one judges it), so that a change racing with the read is never mistaken for an orphan. A
-        second pass over a converged system changes nothing.
+        left alone, and so are fabrics that cannot be read now. What a change touched while the hardware was read
+        (its composition, the devices and memory its record held before or after) is set aside for the next pass
+        (`_Touched`), so that a change racing with the read is never mistaken for an orphan or a loss, while
+        everything else is judged: on a busy fabric manager every pass still judges. A second pass over a
+        converged system changes nothing.
         """
+        self._check_started()
         with self._lock:
-            seen = (self._revision, self._recorded)
+            watch = _Touched()  # from now until the judgement, every change of a composition notes what it touches
+            self._watches.append(watch)
             pools: dict[str, list[str]] = {}
             for entry in self._inv.pools.values():
                 pools.setdefault(entry.info.fabric, []).append(entry.info.id)
             # One counted unreachable has no pools in the index: read, it would seem to hold no memory at all.
             away = set(self._unreachable)
+        try:
+            bound, carved, read = self._read_hardware(pools, away)
+        except BaseException:
+            with self._lock:
+                self._watches.remove(watch)
+            raise
+        with self._lock:
+            self._watches.remove(watch)  # under the lock the judgement holds: no change comes in between
+            if watch.compositions:
+                log.debug(
+                    "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
+                    "the next pass judges them",
+                    len(watch.compositions),
+                    len(watch.devices),
+                    len(watch.allocations),
+                )
+            changes = self._quarantine_bindings(bound, watch.devices)
+            recorded = {(a.pool, a.id) for c in self._compositions.values() for a in _holdings(c)[1]}
+            changes += self._quarantine_memory(carved, recorded | watch.allocations, read)
+            changes += self._drop_unhealthy_reservations()
+            judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions)
+            changes += judged
+        if self.auto_heal:
+            # Every composition that healing can mend: one degraded by this pass, one whose device failed while no
+            # composer ran, and one whose heal found no replacement before (a device freed or repaired since may
+            # be one now). A heal that still finds none changes nothing, so a converged system stays as it is.
+            changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
+        return changes
+
+    def _read_hardware(
+        self, pools: Mapping[str, Sequence[str]], away: set[str]
+    ) -> tuple[dict[str, str], dict[tuple[str, str], Allocation], set[str]]:
+        """For `reconcile`, outside the lock: every binding (device -> host) and every allocation of ``pools``
+        (by pool and id) of the fabrics but ``away``, and the fabrics read whole. One that cannot be read is
+        left out, and the log says why."""
         hardware = HardwareView(self.fabrics)
         bound: dict[str, str] = {}
         carved: dict[tuple[str, str], Allocation] = {}
@@ -560,72 +720,74 @@ class FabricComposer(Composer):
                 log.warning("reconcile: cannot read fabric %s: %s", name, exc.message)
                 continue
             read.add(name)
+        return bound, carved, read
+
+    def _quarantine_bindings(self, bound: Mapping[str, str], aside: set[str]) -> int:
+        """Quarantine each binding ``bound`` (as `reconcile` read it) holds that no composition records, but
+        those of ``aside``, touched by a change while it was read; returns how many it reported. Under the
+        lock."""
+        expected = {p.device: c.host for c in self._compositions.values() for p in _holdings(c)[0]}
+        changes = 0
+        for device, host in sorted(bound.items()):
+            if expected.get(device) == host or device in self._quarantined or device in aside:
+                continue
+            # Kept in the ledger as a quarantine, apart from the cordon: one an operator had made would
+            # otherwise pass for a quarantine reported before a restart, and this one go unreported.
+            self._quarantined.add(device)
+            self.store.put_quarantine(_BINDING, device)
+            if device not in self._cordoned:
+                self._cordoned.add(device)
+                self.store.put_cordon(device)
+                if device in self._inv.devices:
+                    self._inv.cordon(device)
+            self._emit(
+                EventType.BINDING_QUARANTINED,
+                device,
+                f"bound to {host} on the hardware, but no composition records it; cordoned: unbind it "
+                "through the device's own management, then uncordon it",
+                host=host,
+            )
+            changes += 1
+        return changes
+
+    def _judge_standing(
+        self,
+        bound: Mapping[str, str],
+        carved: Mapping[tuple[str, str], Allocation],
+        read: set[str],
+        aside: set[str],
+    ) -> tuple[int, set[str], list[str]]:
+        """Hold each standing composition with no change in flight against what `reconcile` read of the fabrics
+        ``read``, but those of ``aside``, changed while it was read: what the hardware no longer holds, or holds
+        for another host or at another size, is missing. Returns how many it changed, those it degraded, and
+        those a heal can mend. Under the lock."""
         changes = 0
         degraded: set[str] = set()
         healable: list[str] = []
-        with self._lock:
-            if (self._revision, self._recorded) != seen:
-                # Something changed while the hardware was read, maybe silently (a rollback that put a composition
-                # back as it was): what was read may be a change in flight, not an orphan. The next pass judges it.
-                return 0
-            busy = [c for c in self._compositions.values() if c.pending is not None or c.state in _IN_FLIGHT]
-            busy_ids = {c.id for c in busy}
-            expected = {p.device: c.host for c in self._compositions.values() for p in c.devices}
-            expected.update({p.device: c.host for c in busy if c.pending for p in c.pending.devices})
-            recorded = {(a.pool, a.id) for c in self._compositions.values() for a in c.allocations}
-            recorded.update((a.pool, a.id) for c in busy if c.pending for a in c.pending.allocations)
-            for device, host in sorted(bound.items()):
-                if expected.get(device) != host and device not in self._quarantined:
-                    # Kept in the ledger as a quarantine, apart from the cordon: one an operator had made would
-                    # otherwise pass for a quarantine reported before a restart, and this one go unreported.
-                    self._quarantined.add(device)
-                    self.store.put_quarantine(_BINDING, device)
-                    if device not in self._cordoned:
-                        self._cordoned.add(device)
-                        self.store.put_cordon(device)
-                        if device in self._inv.devices:
-                            self._inv.cordon(device)
-                    self._emit(
-                        EventType.BINDING_QUARANTINED,
-                        device,
-                        f"bound to {host} on the hardware, but no composition records it; cordoned: unbind it "
-                        "through the device's own management, then uncordon it",
-                        host=host,
-                    )
-                    changes += 1
-            changes += self._quarantine_memory(carved, recorded, read)
-            changes += self._drop_unhealthy_reservations()
-            for comp in list(self._compositions.values()):
-                if comp.id in busy_ids or comp.state not in _STANDING:
-                    continue
-                lost = [
-                    p.device
-                    for p in comp.devices
-                    if self._fabric_of(p.device) in read and bound.get(p.device) != comp.host
-                ]
-                lost += [
-                    a.id
-                    for a in comp.allocations
-                    if self._fabric_of_pool(a.pool) in read and (a.pool, a.id) not in carved
-                ]
-                # What a fabric not read now lost before stays lost; what a read fabric holds again is back.
-                lost += [m for m in comp.missing if m not in lost and self._fabric_of_id(comp, m) not in read]
-                now = comp
-                if set(lost) != set(comp.missing) or self._standing(comp) is not comp.state:
-                    # Unhealthy too: a device that failed while the fabric manager was down sent no event.
-                    now = self._set_standing(comp, missing=tuple(lost))
-                    changes += 1
-                    if now.state is CompositionState.DEGRADED:
-                        degraded.add(now.id)
-                if self._unhealthy(now) and not now.missing and not self._sick_memory(now):
-                    # Healing replaces unhealthy devices; it cannot bring a lost one back, nor move memory.
-                    healable.append(now.id)
-        if self.auto_heal:
-            # Every composition that healing can mend: one degraded by this pass, one whose device failed while no
-            # composer ran, and one whose heal found no replacement before (a device freed or repaired since may
-            # be one now). A heal that still finds none changes nothing, so a converged system stays as it is.
-            changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
-        return changes
+        for comp in list(self._compositions.values()):
+            if comp.id in aside or comp.pending is not None or comp.state not in _STANDING:
+                continue
+            lost = [
+                p.device for p in comp.devices if self._fabric_of(p.device) in read and bound.get(p.device) != comp.host
+            ]
+            lost += [
+                a.id
+                for a in comp.allocations
+                if self._fabric_of_pool(a.pool) in read and _held_otherwise(a, comp.host, carved.get((a.pool, a.id)))
+            ]
+            # What a fabric not read now lost before stays lost; what a read fabric holds again is back.
+            lost += [m for m in comp.missing if m not in lost and self._fabric_of_id(comp, m) not in read]
+            now = comp
+            if set(lost) != set(comp.missing) or self._standing(comp) is not comp.state:
+                # Unhealthy too: a device that failed while the fabric manager was down sent no event.
+                now = self._set_standing(comp, missing=tuple(lost))
+                changes += 1
+                if now.state is CompositionState.DEGRADED:
+                    degraded.add(now.id)
+            if self._unhealthy(now) and not now.missing and not self._sick_memory(now):
+                # Healing replaces unhealthy devices; it cannot bring a lost one back, nor move memory.
+                healable.append(now.id)
+        return changes, degraded, healable
 
     def _heal_soon(self, composition_ids: list[str]) -> None:
         """Heal after a failure event: at once when no fabric's calls wait, else in a thread of the composer's
@@ -661,9 +823,13 @@ class FabricComposer(Composer):
     def _heal_all(self, composition_ids: Iterable[str], retry: Callable[[str], bool] = lambda _: False) -> int:
         """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why. Returns
         how many were healed. A heal tried again (``retry``) that still finds no replacement is logged at debug
-        level only: its composition says so already, and a reconcile tries it on every pass."""
+        level only: its composition says so already, and a reconcile tries it on every pass. One whose binds
+        failed is not tried again with the same inputs until its back-off passes (`_heal_waits`)."""
         healed = 0
         for comp_id in composition_ids:
+            if retry(comp_id) and self._heal_waits(comp_id):
+                log.debug("not healing %s again yet: its binds failed with the same failed devices and spares", comp_id)
+                continue
             try:
                 if self.heal(comp_id).state is not CompositionState.DEGRADED:
                     healed += 1
@@ -674,6 +840,42 @@ class FabricComposer(Composer):
             except DisaggError as exc:
                 log.warning("healing %s failed: %s", comp_id, exc.message)
         return healed
+
+    def _heal_inputs(self, comp: Composition, bad: Sequence[DevicePick]) -> tuple[frozenset[str], frozenset[str]]:
+        """What a heal of ``comp`` is tried with: its unhealthy devices ``bad``, and the free devices of their
+        kinds on the switches its host reaches, among which placement finds the replacements. A device freed,
+        repaired, added or uncordoned there changes them. Under the lock."""
+        kinds = {comp.resources[p.resource].kind for p in bad}
+        spares = frozenset(
+            device
+            for switch in self._inv.reach_map.get(comp.host, {})
+            for kind in kinds
+            for bucket in self._inv.by_switch_kind.get((switch, kind), ())
+            for device in bucket.free
+        )
+        return frozenset(p.device for p in bad), spares
+
+    def _note_failed_heal(self, comp_id: str, inputs: tuple[frozenset[str], frozenset[str]]) -> None:
+        """Remember that the binds of a heal with ``inputs`` failed (`_heal_waits`), once more in a row when the
+        last failure had the same inputs. Under the lock."""
+        last = self._failed_heals.get(comp_id)
+        failures = last.failures + 1 if last is not None and last.inputs == inputs else 1
+        for gone in [c for c in self._failed_heals if c not in self._compositions]:
+            del self._failed_heals[gone]
+        self._failed_heals[comp_id] = _FailedHeal(inputs, failures, self.clock())
+
+    def _heal_waits(self, comp_id: str) -> bool:
+        """Whether a reconcile passes over the heal of ``comp_id`` this time: its binds failed last time, it would
+        be tried with the same inputs (`_heal_inputs`), and its back-off has not passed: 2, 4, 8, ... passes after
+        its first, second, third failure in a row, at most `HEAL_RETRY_MAX_S`. Tried again at once it would most
+        likely fail the same way, and each pass would revise the composition for nothing."""
+        with self._lock:
+            last = self._failed_heals.get(comp_id)
+            comp = self._compositions.get(comp_id)
+            if last is None or comp is None or self._heal_inputs(comp, self._unhealthy(comp)) != last.inputs:
+                return False
+            last.passes += 1
+            return last.passes < 2 ** min(last.failures, 16) and self.clock() - last.at < HEAL_RETRY_MAX_S
 
     def _fabric_of(self, device: str) -> str:
         """The fabric of a device: from the index, else from its id (one of a fabric that is not discovered)."""
@@ -728,13 +930,65 @@ class FabricComposer(Composer):
         holds is not in the index and is claimed once it answers (its next rebuild). Should anything fail, the
         index before stays: a half-built one would offer what others hold."""
         before = self._inv, self._placer
-        self._inv = Inventory(self._discover_all())
+        self._inv = self._index(self._discover_all())
         self._placer = Placer(self._inv, self.policy)
         try:
             self._claim_all()
         except BaseException:
             self._inv, self._placer = before
             raise
+
+    def _index(self, topologies: list[Topology]) -> Inventory:
+        """The index of ``topologies``. At run time a fabric whose report repeats a device, switch or pool id
+        (`repeated_ids`) is set aside, counted unreachable until its report no longer does, and the other
+        fabrics are indexed: refused whole, the index stayed as it was for good, and every later event of every
+        fabric was refused with it. At start-up, with no index before it to tell which report changed, the
+        repeat is refused (`ConfigError`): the configuration's, or a driver's, to fix."""
+        try:
+            index, aside = Inventory(topologies), {}
+        except ConfigError:
+            aside = self._repeaters(topologies) if self._inv.topologies else {}
+            if not aside:
+                raise
+            index = Inventory([Topology(fabric=t.fabric) if t.fabric in aside else t for t in topologies])
+        for name, why in aside.items():
+            if self._set_aside.get(name) != why:
+                log.error(
+                    "fabric %s is set aside, its compositions UNKNOWN, until its topology no longer repeats an id: %s",
+                    name,
+                    why,
+                )
+        self._unreachable.update(aside)
+        self._set_aside = aside
+        return index
+
+    def _repeaters(self, topologies: Sequence[Topology]) -> dict[str, str]:
+        """The fabrics to set aside for the ids ``topologies`` repeat (`_set_aside_for`), with why."""
+        aside: dict[str, str] = {}
+        for repeat in repeated_ids(topologies):
+            reporters = list(dict.fromkeys(repeat.fabrics))
+            for name in self._set_aside_for(repeat, reporters):
+                others = ", ".join(f for f in reporters if f != name)
+                also = f", which fabric {others} reports too" if others else " twice"
+                aside.setdefault(name, f"it reports {repeat.what} id {repeat.id!r}{also}")
+        return aside
+
+    def _set_aside_for(self, repeat: Repeat, reporters: list[str]) -> set[str]:
+        """Which of ``reporters`` (the fabrics that report ``repeat``'s id, once each) to set aside: one that
+        reports it twice itself; and, of two or more, those whose own ``<fabric>/`` prefix the id lacks when
+        it carries one of theirs; else those whose report in the last good index lacked it (their report
+        changed since), when another's had it; else all of them, as none can be told apart."""
+        selves = {f for f in reporters if repeat.fabrics.count(f) > 1}
+        if len(reporters) == 1:
+            return selves
+        strangers = [f for f in reporters if not repeat.id.startswith(f"{f}/")]
+        if len(strangers) < len(reporters):
+            return selves | set(strangers)
+        before = self._inv.topologies
+        newcomers = [f for f in reporters if f not in before or repeat.id not in reported_ids(before[f])]
+        if 0 < len(newcomers) < len(reporters):
+            return selves | set(newcomers)
+        return set(reporters)
 
     def _claim_all(self) -> None:
         """Claim in a fresh index what the ledger records and the quarantined memory the hardware holds; a
@@ -767,7 +1021,8 @@ class FabricComposer(Composer):
                 if name in self._unannounced:
                     raise FabricUnavailableError(f"fabric {name} has not taken epoch {self.epoch} yet")
                 topologies.append(fabric.discover())
-            except DisaggError as exc:
+            except Exception as raised:  # a driver's bug too: that fabric is unreachable, the others are served
+                exc = raised if isinstance(raised, DisaggError) else driver_error(name, raised)
                 if name not in self._unreachable:
                     log.warning("fabric %s cannot be reached: %s; its compositions are UNKNOWN", name, exc.message)
                 self._unreachable.add(name)
@@ -787,7 +1042,20 @@ class FabricComposer(Composer):
         return {self._fabric_of(p.device) for p in picks} | {self._fabric_of_pool(a.pool) for a in allocs}
 
     def _touches_unreachable(self, comp: Composition) -> bool:
-        return bool(self._fabrics_of(comp) & self._unreachable)
+        return bool(self._away(comp))
+
+    def _away(self, comp: Composition) -> list[str]:
+        """The fabrics of ``comp`` that cannot be used now, sorted: unreachable, set aside (`_set_aside`), or not
+        loaded at all (dropped from the configuration while the ledger still records what it holds there)."""
+        return sorted(f for f in self._fabrics_of(comp) if f in self._unreachable or f not in self.fabrics)
+
+    def _why_away(self, fabrics: Sequence[str]) -> str:
+        """Why ``fabrics`` (`_away`) cannot be used now, for an UNKNOWN composition's message and a refusal."""
+        unreachable = [f for f in fabrics if f in self.fabrics and f not in self._set_aside]
+        why = [f"fabric {', '.join(unreachable)} cannot be reached"] if unreachable else []
+        why += [f"fabric {f} is set aside: {self._set_aside[f]}" for f in fabrics if f in self._set_aside]
+        why += [f"fabric {f} is not loaded (not in the configuration)" for f in fabrics if f not in self.fabrics]
+        return "; ".join(why)
 
     def _mark_unknown(self) -> None:
         """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. The state each
@@ -800,39 +1068,65 @@ class FabricComposer(Composer):
                 self._mark_unknown_one(comp)
 
     def _mark_unknown_one(self, comp: Composition) -> None:
-        if comp.state is not CompositionState.UNKNOWN and self._touches_unreachable(comp):
-            fabrics = ", ".join(sorted(self._unreachable))
+        """``comp`` becomes UNKNOWN when a fabric of it cannot be used (`_away`), its message saying why; one
+        UNKNOWN already says why again when that changed (its fabric answers, but is now set aside)."""
+        away = self._away(comp)
+        if not away:
+            return
+        why = self._why_away(away)
+        if comp.state is not CompositionState.UNKNOWN:
             self._set(
-                comp,
-                state=CompositionState.UNKNOWN,
-                message=f"fabric {fabrics} cannot be reached",
-                before_unknown=PriorState(comp.state, comp.message),
+                comp, state=CompositionState.UNKNOWN, message=why, before_unknown=PriorState(comp.state, comp.message)
             )
+        elif comp.message != why:
+            self._set(comp, message=why)
 
     def _settle_known(self) -> set[str]:
         """UNKNOWN compositions whose every fabric answers go back to the state they had before, for recovery
         to go on from (a DECOMPOSING one is finished, a change in flight finished or undone, a FAILED one stays
-        FAILED); one with no change in flight is then held against the device health. Returns their ids. Under
-        the lock. A record written as UNKNOWN before the state was kept counts as COMPOSED."""
+        FAILED); one that stood, with no change in flight, is judged against the hardware first (`_lost_on`), so
+        that the first state written after UNKNOWN is the right one, and one whose hardware cannot be read now
+        stays UNKNOWN, for the next `retry_unreachable`. Returns the ids settled. Under the lock. A record
+        written as UNKNOWN before the state was kept counts as COMPOSED."""
         settled: set[str] = set()
+        hardware = HardwareView(self.fabrics)
         for comp in list(self._compositions.values()):
-            if comp.state is CompositionState.UNKNOWN and not self._touches_unreachable(comp):
+            if comp.state is not CompositionState.UNKNOWN or self._touches_unreachable(comp):
+                continue
+            prior = comp.before_unknown or PriorState(CompositionState.COMPOSED)
+            if comp.pending is not None or prior.state not in _STANDING:
                 settled.add(comp.id)
-                prior = comp.before_unknown or PriorState(CompositionState.COMPOSED)
-                back = self._set(comp, state=prior.state, message=prior.message)
-                if back.pending is None:
-                    self._reassess(back)
+                self._set(comp, state=prior.state, message=prior.message)
+                continue
+            lost = self._lost_on(comp, hardware)
+            if lost is None:
+                self._returned.update(self._fabrics_of(comp))
+                continue
+            settled.add(comp.id)
+            self._stand_again(comp, prior, lost)
         return settled
+
+    def _stand_again(self, comp: Composition, prior: PriorState, lost: tuple[str, ...]) -> None:
+        """Settle an UNKNOWN ``comp`` that stood before (``prior``) in one record, with ``lost`` as what the
+        hardware no longer holds of it: its state and message from before when they still hold (held against
+        the device health by `_reassess`), else the state and reason `_set_standing` gives. Under the lock."""
+        if self._standing(revise(comp, missing=lost)) is prior.state:
+            self._reassess(self._set(comp, state=prior.state, message=prior.message, missing=lost))
+        else:
+            self._set_standing(comp, missing=lost)
 
     @_durably
     def retry_unreachable(self) -> bool:
-        """Try the unreachable fabrics again; when one answers, rebuild, settle its compositions (recovery,
-        then COMPOSED or DEGRADED) and reconcile. Returns whether any answered. A server calls it on a timer."""
+        """Try the unreachable fabrics again (a set-aside one too, `_index`); when one answers, rebuild, settle
+        its compositions (recovery, then COMPOSED or DEGRADED as the hardware holds them) and reconcile. Returns
+        whether any answered. A server calls it on a timer."""
+        self._check_started()
         with self._lock:
             if not self._unreachable and not self._returned:
                 return False
             if self._unreachable:
                 self._rebuild()  # tells a fabric that answers the epoch first (`_discover_all`)
+                self._mark_unknown()  # one this rebuild found gone, or set aside
             back, self._returned = self._returned - self._unreachable, set()
             if not back:
                 return False
@@ -895,8 +1189,7 @@ class FabricComposer(Composer):
 
     def _forget(self, comp: Composition, why: str) -> None:
         """Delete a composition whose claims are given back, and say so; under the lock."""
-        del self._compositions[comp.id]
-        self._recorded += 1
+        self._note_touched(self._compositions.pop(comp.id), comp)
         self._names.pop(comp.name, None)
         self.store.delete_composition(comp.id)
         self._emit(EventType.COMPOSITION_DELETED, comp.id, why)
@@ -1011,9 +1304,17 @@ class FabricComposer(Composer):
 
     def _record(self, comp: Composition) -> None:
         """Keep ``comp`` as its composition's record, in memory and in the ledger; under the lock."""
+        self._note_touched(self._compositions.get(comp.id), comp)
         self._compositions[comp.id] = comp
-        self._recorded += 1
         self.store.put_composition(comp)
+
+    def _note_touched(self, *records: Composition | None) -> None:
+        """Tell each reconcile reading the hardware now what these records (a composition's before and after a
+        change) hold: it sets them aside (`_Touched`). Under the lock."""
+        for watch in self._watches:
+            for comp in records:
+                if comp is not None:
+                    watch.add(comp)
 
     def _set(self, comp: Composition, **changes: object) -> Composition:
         if (
@@ -1021,7 +1322,10 @@ class FabricComposer(Composer):
             and changes.get("state", comp.state) is not CompositionState.UNKNOWN
         ):
             changes["before_unknown"] = None
-        new = revise(comp, generation=comp.generation + 1, **changes)
+        # Past the record as it is now too: a change that ends from the record it began with (a recovery) after
+        # a failure gave it its reason meanwhile (`_say_meanwhile`) must not reuse that record's etag.
+        now = self._compositions.get(comp.id, comp)
+        new = revise(comp, generation=max(comp.generation, now.generation) + 1, **changes)
         self._record(new)
         if new.state is not comp.state:
             before, after = comp.state.value, new.state.value
@@ -1084,6 +1388,7 @@ class FabricComposer(Composer):
     def release_reservation(self, reservation_id: str) -> None:
         """Give a reservation's plan back to placement. Idempotent. While an apply of it runs, the apply goes on,
         and should it be undone the reservation is not held again (its record says so, for recovery too)."""
+        self._check_started()
         with self._lock:
             res = self._reservations.get(reservation_id)
             if res is not None:
@@ -1131,6 +1436,7 @@ class FabricComposer(Composer):
         self, reservation_id: str, *, request_id: str | None = None, deadline: float | None = None
     ) -> Steps[ComposeResult]:
         """`apply_reserved` as steps, for `run_async`."""
+        self._check_started()
         return self._once(request_id, ("apply", reservation_id), lambda: self._apply(reservation_id, deadline))
 
     def _apply(self, reservation_id: str, deadline: float | None) -> Steps[ComposeResult]:
@@ -1203,6 +1509,7 @@ class FabricComposer(Composer):
         deadline: float | None = None,
     ) -> Steps[ComposeResult]:
         """`compose` as steps, for `run_async`."""
+        self._check_started()
         if mode is ComposeMode.PREVIEW:
             request_id = None
         return self._once(
@@ -1518,8 +1825,9 @@ class FabricComposer(Composer):
         # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
         # One commit to wait for per Compose instead of two (docs/durability.md).
         with self._lock, self.store.asynchronous_commit():
-            # A device that failed while the binds ran was reported to a composition not yet COMPOSED.
-            comp = self._set_standing(comp, allocations=allocations, pending=None)
+            # A device that failed while the binds ran was reported to a composition not yet COMPOSED, which took
+            # its reason (`_say_meanwhile`): its record as it is now is judged.
+            comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
         failpoints.hit("compose.after_commit")
         return comp
 
@@ -1539,19 +1847,25 @@ class FabricComposer(Composer):
     ) -> None:
         """An addition to a live composition (recompose, heal) failed: the composition goes back to ``state``,
         or is FAILED when the rollback was incomplete. Under the lock. A standing ``state`` is judged again
-        (`_set_standing`): a device may have failed while the composition was COMPOSING, which no event judged."""
+        (`_set_standing`): a device may have failed while the composition was COMPOSING, which no event judged.
+        Judged as it stood (a heal's, which never leaves DEGRADED), it is put back with its etag: clients saw
+        nothing change (`_heal`)."""
         if not self._rollback_incomplete(comp, failed):
             self._unclaim_plan(plan, host=False)
-            if state in _STANDING:
-                self._set_standing(comp, pending=None)
-            else:
+            why = self._standing_why(comp)
+            if state not in _STANDING:
                 self._set(comp, state=state, pending=None)
+            elif (comp.state, comp.message) == (CompositionState.DEGRADED if why else CompositionState.COMPOSED, why):
+                self._record(revise(comp, pending=None))
+            else:
+                self._set_standing(comp, pending=None)
 
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
-        if not self._rollback_incomplete(comp, failed):
+        # As it is now: a release while it ran took its reservation out, a failure gave it its reason.
+        now = self._compositions.get(comp.id, comp)
+        if not self._rollback_incomplete(now, failed):
             self._unclaim_plan(plan)
-            now = self._compositions.get(comp.id, comp)  # a release while it ran took its reservation out
-            self._forget(comp, f"rolled back: {failed.error.message}")
+            self._forget(now, f"rolled back: {failed.error.message}")
             self._give_back(now.pending)
 
     def _give_back(self, change: PendingChange | None) -> None:
@@ -1649,6 +1963,7 @@ class FabricComposer(Composer):
     def cordon(self, device_id: str) -> Device:
         """Keep a device out of placement; a composition that holds it keeps it. The device behind a CXL pool
         keeps the pool out: no memory is carved from it, what is carved stays. Idempotent."""
+        self._check_started()
         with self._lock:
             dev = self.device(device_id)
             if device_id not in self._cordoned:
@@ -1661,6 +1976,7 @@ class FabricComposer(Composer):
     @_durably
     def uncordon(self, device_id: str) -> Device:
         """Offer a cordoned device to placement again. Idempotent."""
+        self._check_started()
         with self._lock:
             dev = self.device(device_id)
             if device_id in self._cordoned:
@@ -1719,6 +2035,8 @@ class FabricComposer(Composer):
     ) -> Steps[Composition]:
         """`recompose` as steps, for `run_async`: on the server's event loop a recompose that waits for its
         composition, its commits or its driver calls holds no worker thread."""
+        self._check_started()
+        check_expected_etag(expected_etag)
         add, remove = tuple(add), tuple(remove)
         return self._once(
             request_id,
@@ -1763,7 +2081,7 @@ class FabricComposer(Composer):
                 self._placer.check(CompositionRequest(comp.name, (r,)))
             plan = Plan(comp.host)
             if lines:
-                found, why = self._placer.try_host(comp.host, lines)
+                found, why = self._placer.try_host(comp.host, lines, added_lines(base))
                 if found is None:
                     raise NoFitError(why)
                 plan = found
@@ -1781,13 +2099,14 @@ class FabricComposer(Composer):
                 [f for f, _ in devices] + [m.fabric for m in memory],
             )
         except ExecutionFailedError as failed:
-            with self._lock:
-                self._fail_addition(comp, plan, failed, previous_state)
+            with self._lock:  # its record as it is now: a failure meanwhile gave it its reason (`_say_meanwhile`)
+                self._fail_addition(self._compositions[comp.id], plan, failed, previous_state)
             raise failed.error from None
         failpoints.hit("recompose.before_commit")
         # Only a change that fully happened is found again by its request id: a failed one may be retried.
         mark = {"request_id": request_id, "request_fingerprint": fp} if request_id else {}
         with self._lock:
+            comp = self._compositions[comp.id]  # as it is now, as above
             # The additions go into one record with what follows them, the removal's plan or the end of the
             # change with its request id: the ledger may commit a group between two records, and after a crash
             # there the additions would be recorded without the request id, for a retry to add them again.
@@ -1804,7 +2123,8 @@ class FabricComposer(Composer):
             else:
                 comp = self._set_standing(comp, **changes, **mark)
             if add:
-                self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {len(plan.devices)} devices", etag=comp.etag)
+                added = _parts(len(plan.devices), len(new_allocs))
+                self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {added}", etag=comp.etag)
         leftovers = Leftovers()
         if remove:
             comp, leftovers = yield from self._remove(comp, deadline, mark)
@@ -1875,10 +2195,11 @@ class FabricComposer(Composer):
         )
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers.ids)
-            comp = self._without(
-                comp, gone_devices, [a for a in allocs if a.id not in leftovers.ids], **(mark if not leftovers else {})
-            )
-            self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {len(gone_devices)} devices", etag=comp.etag)
+            gone_allocs = [a for a in allocs if a.id not in leftovers.ids]
+            now = self._compositions[comp.id]  # a failure meanwhile gave it its reason (`_say_meanwhile`)
+            comp = self._without(now, gone_devices, gone_allocs, **(mark if not leftovers else {}))
+            removed = _parts(len(gone_devices), len(gone_allocs))
+            self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {removed}", etag=comp.etag)
             return comp, leftovers
 
     def _without(
@@ -1909,13 +2230,29 @@ class FabricComposer(Composer):
         *,
         stage: str = "",
     ) -> Leftovers:
-        carved = [(self._inv.pools[a.pool].info.fabric, a.pool, a.id) for a in allocs if a.pool in self._inv.pools]
-        bound = [
-            (self._inv.devices[p.device].fabric, Binding(p.device, host))
-            for p in picks
-            if p.device in self._inv.devices
-        ]
-        return self._executor.undo(bound, carved, deadline=deadline, stage=stage)
+        """Release ``allocs`` and unbind ``picks`` from ``host`` (`Executor.undo`); returns what is still held.
+
+        Each goes to the fabric its id names, listed in the index or not: a rebuild while a change runs drops a
+        fabric that stopped answering from the index, not its bindings and allocations from the hardware. What
+        lies on a fabric that cannot be reached now is not tried, and counts as still held, so that the record
+        keeps it until that fabric answers (a removal of it reports it bound, as one a driver refused)."""
+        with self._lock:
+            away = set(self._unreachable)
+            carved = [(self._fabric_of_pool(a.pool), a.pool, a.id) for a in allocs]
+            bound = [(self._fabric_of(p.device), Binding(p.device, host)) for p in picks]
+        left = self._executor.undo(
+            [b for b in bound if b[0] not in away],
+            [c for c in carved if c[0] not in away],
+            deadline=deadline,
+            stage=stage,
+        )
+        newest_first = [(c[0], c[2]) for c in reversed(carved)] + [(f, b.device) for f, b in reversed(bound)]
+        untried = [part for fabric, part in newest_first if fabric in away]
+        if untried:
+            fabrics = sorted({fabric for fabric, _ in newest_first if fabric in away})
+            log.warning("fabric %s cannot be reached: %s left held", ", ".join(fabrics), ", ".join(untried))
+        held = {*left.ids, *untried}
+        return Leftovers(tuple(part for _, part in newest_first if part in held), left.timed_out)
 
     def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
         """See `Composer.decompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant.
@@ -1928,6 +2265,7 @@ class FabricComposer(Composer):
 
     def decompose_steps(self, composition_id: str, *, deadline: float | None = None) -> Steps[None]:
         """`decompose` as steps, for `run_async`."""
+        self._check_started()
         return self._holding(composition_id, lambda target: self._decompose(target, deadline), deadline)
 
     def _decompose(self, composition_id: str, deadline: float | None) -> Steps[None]:
@@ -1936,12 +2274,12 @@ class FabricComposer(Composer):
                 comp = self.find(composition_id)
             except NotFoundError:
                 return
-            if self._touches_unreachable(comp):
+            away = self._away(comp)
+            if away:
                 # What it holds there cannot be released, nor known to be: the record must stay to release it later.
-                away = sorted({*self._unreachable} & self._fabrics_of(comp))
                 raise FabricUnavailableError(
-                    f"composition {comp.id} cannot be decomposed now: fabric {', '.join(away)} cannot be reached; "
-                    "it is kept, and can be decomposed once the fabric answers",
+                    f"composition {comp.id} cannot be decomposed now: {self._why_away(away)}; it is kept, and can "
+                    "be decomposed once the fabric is served again",
                     metadata={"composition": comp.id},
                 )
             comp = self._set(comp, state=CompositionState.DECOMPOSING)
@@ -2044,9 +2382,10 @@ class FabricComposer(Composer):
         return state is not None and state.device.health is not Health.OK
 
     def _sick_memory(self, comp: Composition) -> list[str]:
-        """The ids of ``comp``'s allocations whose pool is not healthy (`_sick_pool`). Healing cannot replace
-        them: memory in use is not moved."""
-        return [a.id for a in comp.allocations if self._sick_pool(a.pool)]
+        """The ids of ``comp``'s allocations whose pool is not healthy (`_sick_pool`), or no longer reported by
+        discovery (as a device that is not is unhealthy, `_unhealthy`). Healing cannot replace them: memory in
+        use is not moved."""
+        return [a.id for a in comp.allocations if a.pool not in self._inv.pools or self._sick_pool(a.pool)]
 
     def _on_fabric_event(self, event: FabricEvent) -> None:
         with self._lock:
@@ -2058,7 +2397,7 @@ class FabricComposer(Composer):
     def _apply_event(self, event: FabricEvent) -> list[str]:
         """Apply one fabric event; returns the compositions it leaves to heal (auto-heal, a device failed)."""
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
-            affected = self._health_changed(event.subject, event.health, event.message)
+            affected = self._health_changed(event.fabric, event.subject, event.health, event.message)
             return affected if self.auto_heal and event.health is not Health.OK else []
         with self._lock:
             self._rebuild()
@@ -2079,7 +2418,11 @@ class FabricComposer(Composer):
 
     def _reassess(self, comp: Composition) -> None:
         """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now, and a
-        DEGRADED one whose message no longer begins with why (a second device failed) says it again."""
+        DEGRADED one whose message no longer begins with why (a second device failed) says it again. One that a
+        change in flight holds COMPOSING is told at once too (`_say_meanwhile`)."""
+        if comp.state is CompositionState.COMPOSING and self._changing(comp.id):
+            self._say_meanwhile(comp)
+            return
         if comp.state not in _STANDING:
             return
         why = self._standing_why(comp)
@@ -2088,9 +2431,37 @@ class FabricComposer(Composer):
         ):
             self._set_standing(comp)
 
-    def _health_changed(self, device: str, health: Health, message: str) -> list[str]:
-        """Record a device's health; degrade or restore the compositions using it. Returns their ids."""
+    def _changing(self, comp_id: str) -> bool:
+        """Whether a change of the composition is in flight now (it holds the composition, `_holding`). A
+        COMPOSING record that none holds is one a crash interrupted: recovery settles it. Under the lock."""
+        busy = self._busy.get(comp_id)
+        return busy is not None and busy.locked()
+
+    def _say_meanwhile(self, comp: Composition) -> None:
+        """Give a composition whose change is in flight (COMPOSING) the reason `_standing_why` finds now, as its
+        message, and have its change return to DEGRADED should it be undone: a device that fails while a
+        recompose binds for seconds is seen within one, not when the change ends. The change goes on; as it
+        ends it reads the record again and judges it (`_set_standing`, `_fail_addition`). Under the lock."""
+        why = self._standing_why(comp)
+        said = comp.message == why or (bool(why) and comp.message.startswith(f"{why}; "))
+        pending = comp.pending
+        if pending is not None and pending.restore in _STANDING:
+            back = CompositionState.DEGRADED if why else CompositionState.COMPOSED
+            pending = attrs.evolve(pending, restore=back)
+        if not said or pending != comp.pending:
+            self._set(comp, message=comp.message if said else why, pending=pending)
+
+    def _health_changed(self, fabric: str, device: str, health: Health, message: str) -> list[str]:
+        """Record a device's health, as ``fabric`` reports it; degrade or restore the compositions using it.
+        Returns their ids. A fabric reports only on its own devices: one set aside for repeating another's id
+        (`_index`) must not fail or repair the other's device of that id."""
         with self._lock:
+            known = self._inv.devices.get(device)
+            if known is not None and known.fabric != fabric:
+                log.warning(
+                    "ignored fabric %s's health report on device %s, which is fabric %s's", fabric, device, known.fabric
+                )
+                return []
             old = self._inv.set_health(device, health)
             if old is None or old.health is health:
                 return []
@@ -2110,6 +2481,7 @@ class FabricComposer(Composer):
 
     def heal(self, composition_id: str) -> Composition:
         """Replace each unhealthy device of a composition with one that meets the same request line."""
+        self._check_started()
         return self._held(composition_id, self._heal)
 
     def _replacement_lines(self, comp: Composition, bad: list[DevicePick]) -> tuple[list[DevicePick], list[Line]]:
@@ -2151,18 +2523,25 @@ class FabricComposer(Composer):
                 if message != comp.message:
                     self._set(comp, message=message)
                 raise NoFitError(f"cannot heal {comp.id}: {why}")
+            inputs = self._heal_inputs(comp, bad)  # before the claim takes the spares out of the free ones
             self._claim_plan(plan, comp.id, host=False)
-            comp = self._set(comp, pending=self._adding(comp.id, plan, restore=comp.state))
+            # The change in flight is the ledger's bookkeeping, not on the wire (`Composition.pending`): written
+            # alone it keeps the etag, so that a heal whose binds fail leaves the composition as clients saw it
+            # (`_fail_addition`), and a reconcile trying it again does not make their etags stale.
+            comp = revise(comp, pending=self._adding(comp.id, plan, restore=comp.state))
+            self._record(comp)
         self.store.sync()
         try:
             self._executor.apply(comp.host, self._device_steps(plan.devices), [], stage="heal")
         except ExecutionFailedError as failed:
             with self._lock:
                 self._fail_addition(self._compositions[comp.id], plan, failed, comp.state)
+                self._note_failed_heal(comp.id, inputs)
             raise failed.error from None
         failpoints.hit("heal.before_commit")
         replaced = {b.device: n for b, n in zip(bad, plan.devices, strict=True)}
         with self._lock:
+            self._failed_heals.pop(comp.id, None)
             # As a recompose does: the replacements join the composition in the record that plans the removal
             # of the failed devices, on disk before the first unbind. A crash after it finishes the removal and
             # keeps the replacements; the pending ADD alone would be undone, the failed devices already unbound.

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
+from disagg.composer.execution import driver_error
+from disagg.errors import DisaggError
 from disagg.interfaces import Fabric
 from disagg.model import Allocation
+
+T = TypeVar("T")
+
+
+def _read(fabric: str, read: Callable[[], T]) -> T:
+    """``read()``, with an exception the driver should never have raised (a `KeyError` from a vendor answer
+    missing a field) turned into the `DriverError` that names its incident (`driver_error`), as the executor
+    does for a bind: the fabric then counts as one that cannot be read now, and the others are still served."""
+    try:
+        return read()
+    except DisaggError:
+        raise
+    except Exception as exc:
+        raise driver_error(fabric, exc) from exc
 
 
 class HardwareView:
     """The bindings and allocations of the fabrics, each read when first needed and kept for the pass, so that
     a restart with many compositions interrupted reads every fabric once, not once per composition (and a
-    reconciliation reads each once). Reads raise what the driver raises (`disagg.errors.DisaggError`)."""
+    reconciliation reads each once). Reads raise `disagg.errors.DisaggError` only (`_read`)."""
 
     def __init__(self, fabrics: Mapping[str, Fabric]) -> None:
         self._fabrics = fabrics
@@ -21,14 +38,16 @@ class HardwareView:
     def bound(self, fabric: str) -> Mapping[str, str]:
         """Device -> host, for every binding ``fabric`` holds."""
         if fabric not in self._bound:
-            self._bound[fabric] = {b.device: b.host for b in self._fabrics[fabric].bindings()}
+            source = self._fabrics[fabric]
+            self._bound[fabric] = _read(fabric, lambda: {b.device: b.host for b in source.bindings()})
         return self._bound[fabric]
 
     def carved(self, fabric: str, pool: str) -> Mapping[str, Allocation]:
         """Allocation id -> allocation, for every allocation carved from ``pool`` of ``fabric``."""
         key = (fabric, pool)
         if key not in self._carved:
-            self._carved[key] = {a.id: a for a in self._fabrics[fabric].pool(pool).allocations()}
+            source = self._fabrics[fabric]
+            self._carved[key] = _read(fabric, lambda: {a.id: a for a in source.pool(pool).allocations()})
         return self._carved[key]
 
     def holds(

@@ -112,6 +112,41 @@ def _reporter(topologies: Iterable[Topology], device: str) -> str:
     return next(t.fabric for t in topologies for d in t.devices if d.id == device)
 
 
+@attrs.frozen
+class Repeat:
+    """An id reported more than once: what it names (``device``, ``switch`` or ``pool``), the id, and the
+    fabric of each report, in the order of the topologies (one fabric twice when it repeats the id itself)."""
+
+    what: str
+    id: str
+    fabrics: tuple[str, ...]
+
+
+def reported_ids(topology: Topology) -> set[str]:
+    """The device, switch and pool ids ``topology`` reports: the ids `Inventory` requires unique."""
+    return {
+        *(d.id for d in topology.devices),
+        *(s.id for s in topology.switches),
+        *(p.id for p in topology.pools),
+    }
+
+
+def repeated_ids(topologies: Iterable[Topology]) -> list[Repeat]:
+    """Every device, switch and pool id that ``topologies`` report more than once, the ids `Inventory` refuses:
+    found without refusing, so that the composer can set aside the fabric whose report repeats one at run time
+    and keep indexing the others (`FabricComposer._index`)."""
+    reports: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for topo in topologies:
+        for what, ids in (
+            ("device", [d.id for d in topo.devices]),
+            ("switch", [s.id for s in topo.switches]),
+            ("pool", [p.id for p in topo.pools]),
+        ):
+            for item in ids:
+                reports[(what, item)].append(topo.fabric)
+    return [Repeat(what, item, tuple(fabrics)) for (what, item), fabrics in reports.items() if len(fabrics) > 1]
+
+
 def _refuse_shared_switches(topologies: Iterable[Topology]) -> None:
     """Refuse a switch id that two fabrics report. The index joins hosts to devices by switch id alone: were
     both to call a switch ``sw0``, the hosts of one would be offered the other's devices, which it cannot bind

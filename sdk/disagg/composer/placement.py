@@ -110,26 +110,44 @@ def _family(r: ResourceRequest) -> tuple[DeviceKind, bool]:
     return r.kind, r.carved
 
 
-def _held_by(held: Mapping[int, int], shown: Callable[[int], str], pronoun: str) -> str:
+LineNames = Callable[[Sequence[int]], str]
+"""How a refusal names some lines of a request, given their indices (`Line`'s first item)."""
+
+
+def _listed(names: Sequence[str]) -> str:
+    return f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+
+
+def request_lines(lines: Sequence[int]) -> str:
+    """Lines of a Compose request, by their place among its resources: "lines 0 and 2 of this request"."""
+    return f"line{'s' if len(lines) > 1 else ''} {_listed([str(i) for i in lines])} of this request"
+
+
+def added_lines(first: int) -> LineNames:
+    """Lines of a recompose's ``add``, placed as the composition's lines ``first`` on, as the request names
+    them: "add[0] and add[1]". Numbered as the composition's, they would name lines the request does not have."""
+    return lambda lines: _listed([f"add[{i - first}]" for i in lines])
+
+
+def _held_by(held: Mapping[int, int], shown: Callable[[int], str], pronoun: str, named: LineNames) -> str:
     """``held``: per line of the request, how much of what a failed line could use it holds."""
-    lines = [str(i) for i, n in held.items() if n]
+    lines = [i for i, n in held.items() if n]
     if not lines:
         return ""
-    which = f"lines {', '.join(lines[:-1])} and {lines[-1]}" if len(lines) > 1 else f"line {lines[0]}"
-    return f", {shown(sum(held.values()))} of {pronoun} held by {which} of this request"
+    return f", {shown(sum(held.values()))} of {pronoun} held by {named(lines)}"
 
 
 @attrs.frozen
 class _Miss:
     """Where a greedy pass failed: the failing line's position among the lines, and the reason, computed only
-    when asked (explaining scans the fabric)."""
+    when asked (explaining scans the fabric), with the lines named as the request names them."""
 
     at: int
-    explain: Callable[[], str]
+    explain: Callable[[LineNames], str]
 
 
-def _noted(explain: Callable[[], str], note: str) -> str:
-    return explain() + note
+def _noted(explain: Callable[[LineNames], str], note: str, named: LineNames) -> str:
+    return explain(named) + note
 
 
 class Placer:
@@ -174,7 +192,7 @@ class Placer:
             return plan
         candidates = 0
         skipped = 0
-        first_failure: Callable[[], str] | None = None
+        first_failure: Callable[[LineNames], str] | None = None
         need = _whole_devices(request.resources)
         failed: set[tuple[tuple[int, str], ...]] = set()
         budget: _Budget | None = None  # made at the first miss: most requests fit the first host greedily
@@ -202,7 +220,7 @@ class Placer:
                 f"{describe_selectors(hr.selectors)}: {len(self.inv.free_hosts)} of {len(self.inv.hosts)} hosts "
                 "are free"
             )
-        detail = f"; first candidate: {first_failure()}" if first_failure is not None else ""
+        detail = f"; first candidate: {first_failure(request_lines)}" if first_failure is not None else ""
         if first_failure is None and skipped:
             detail = "; " + self._most_reached(hr, need)
         if budget is not None and budget.unsearched:
@@ -251,20 +269,20 @@ class Placer:
         free = self.inv.host_free.get(host, {})
         return all(free.get(kind, 0) >= n for kind, n in need.items())
 
-    def try_host(self, host: str, lines: Sequence[Line]) -> tuple[Plan | None, str]:
+    def try_host(self, host: str, lines: Sequence[Line], named: LineNames = request_lines) -> tuple[Plan | None, str]:
         """Place ``lines`` for ``host``; no device or pool bytes serve two lines.
 
-        Returns the plan, or None and the reason it failed.
+        Returns the plan, or None and the reason it failed, which names lines as ``named`` does.
         """
         attempt = self._attempt(host, lines)
         if isinstance(attempt, Plan):
             return attempt, ""
         plan, failure = self._search_after(host, lines, attempt, _Budget(REQUEST_SEARCH_STEPS))
-        return plan, (failure() if plan is None else "")
+        return plan, (failure(named) if plan is None else "")
 
     def _search_after(
         self, host: str, lines: Sequence[Line], miss: _Miss, budget: _Budget
-    ) -> tuple[Plan | None, Callable[[], str]]:
+    ) -> tuple[Plan | None, Callable[[LineNames], str]]:
         """After the greedy pass missed, the search, if the line it missed on shares its family with other
         lines. The reason is left for the caller to compute: explaining scans the fabric."""
         family = _family(lines[miss.at][1])
@@ -556,7 +574,9 @@ class Placer:
 
     # -- refusals ------------------------------------------------------------------------------------------------
 
-    def _explain_devices(self, host: str, r: ResourceRequest, pin: Pin, held: Sequence[DevicePick]) -> str:
+    def _explain_devices(
+        self, host: str, r: ResourceRequest, pin: Pin, held: Sequence[DevicePick], named: LineNames
+    ) -> str:
         """The numbers behind a line that found too few devices: how many match it, how many of those the host
         reaches, within the latency bound, on the pinned switch; how many of those the request's earlier lines
         (``held``) hold; and, of the rest, how many one switch or how many distinct domains give."""
@@ -583,7 +603,7 @@ class Placer:
             if key in usable:
                 by_line[p.resource] = by_line.get(p.resource, 0) + 1
                 taken[key] = taken.get(key, 0) + 1
-        text += _held_by(by_line, str, "them")
+        text += _held_by(by_line, str, "them", named)
 
         def left(b: Bucket) -> int:
             return len(b.free) - taken.get(b.key, 0)
@@ -598,7 +618,7 @@ class Placer:
             text += f", in {len(values)} distinct {r.spread} domains"
         return text
 
-    def _explain_memory(self, host: str, r: ResourceRequest, held: Sequence[MemoryPick]) -> str:
+    def _explain_memory(self, host: str, r: ResourceRequest, held: Sequence[MemoryPick], named: LineNames) -> str:
         """The numbers behind a memory line that could not be carved, counting only the pools that match its
         selectors: their free bytes, those the host reaches, within the latency bound; how much of what could
         serve it the request's earlier lines (``held``) hold; and how much of the reachable cannot serve any
@@ -637,7 +657,7 @@ class Placer:
         for p in held:
             if p.pool in usable:
                 by_line[p.resource] = by_line.get(p.resource, 0) + p.amount_bytes
-        text += _held_by(by_line, format_size, "it")
+        text += _held_by(by_line, format_size, "it", named)
         for why, amount in refused.items():
             text += f"; {format_size(amount)} of the reachable is in {why}"
         return text

@@ -1,0 +1,236 @@
+"""Changes of a live composition on the sim rack: a removal, decompose or heal whose fabric stops answering while
+it runs, the refusal and the events of a recompose, and the etag guard of the Python API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+import pytest
+from composer_helpers import (
+    composer,
+    hardware_allocations,
+    hardware_bindings,
+    ledger_allocations,
+    ledger_bindings,
+    rack,
+)
+from disagg.composer import FabricComposer, steps
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NoFitError
+from disagg.interfaces import CallContext
+from disagg.model import Allocation, Binding, Composition, CompositionState, EventType, Topology
+from disagg.requestlang import parse_request, parse_resource
+from disagg_sim import SimFabric
+
+T = TypeVar("T")
+
+
+def before_first_call(change: steps.Steps[T], hook: Callable[[], None]) -> steps.Steps[T]:
+    """``change``, with ``hook`` run just before its first driver call is made: for `steps.run`."""
+    value: object = None
+    error: Exception | None = None
+    hooked = False
+    while True:
+        try:
+            step = change.send(value) if error is None else change.throw(error)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+        if isinstance(step, steps.Call) and not hooked:
+            hooked = True
+            hook()
+        value, error = None, None
+        try:
+            value = yield step
+        except Exception as exc:
+            error = exc
+
+
+class Silenced:
+    """Makes one sim fabric stop answering discovery and has another report a link event, so that the composer
+    rebuilds its index without it; `answer` brings it back."""
+
+    def __init__(self, fabrics: dict[str, SimFabric], silent: str, reporter: str, monkeypatch: pytest.MonkeyPatch):
+        self.fabrics, self.silent, self.reporter, self.monkeypatch = fabrics, silent, reporter, monkeypatch
+
+    def __call__(self) -> None:
+        def down() -> Topology:
+            raise FabricUnavailableError(f"fabric {self.silent}: the manager does not answer")
+
+        self.monkeypatch.setattr(self.fabrics[self.silent], "discover", down)
+        reporter = self.fabrics[self.reporter]
+        link = next(link for link in reporter.discover().links if "h1" not in (link.a, link.b))
+        reporter.set_link(link.a, link.b, False)  # any fabric event rebuilds the index
+
+    def answer(self, comp: FabricComposer) -> None:
+        self.monkeypatch.undo()
+        assert comp.retry_unreachable() is True
+
+
+def held(fabrics: dict[str, SimFabric], alloc: Allocation) -> bool:
+    """Whether the hardware holds ``alloc``: read from its pool, which answers while discovery does not."""
+    return alloc.id in {a.id for a in fabrics["cxl0"].pool(alloc.pool).allocations()}
+
+
+def quarantines(comp: FabricComposer) -> list[str]:
+    return [e.subject for e in comp.events() if e.type is EventType.ALLOCATION_QUARANTINED]
+
+
+def with_memory() -> tuple[dict[str, SimFabric], FabricComposer, Composition]:
+    fabrics = rack()
+    comp = composer(fabrics, auto_heal=False)
+    c = comp.compose(parse_request("job", ["host h1", "gpu x1", "cxl-memory 1GiB"])).composition
+    assert c is not None
+    return fabrics, comp, c
+
+
+class TestAFabricThatStopsAnsweringDuringARemoval:
+    """What a removal, decompose or heal could not reach because its fabric stopped answering meanwhile stays
+    part of the composition and is reported bound, as the hardware still holds it."""
+
+    def test_a_removal_keeps_the_memory_it_could_not_release(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fabrics, comp, c = with_memory()
+        alloc = c.allocations[0]
+        silence = Silenced(fabrics, "cxl0", "pcie0", monkeypatch)
+        change = comp.recompose_steps(c.id, remove=[alloc.id])
+        with pytest.raises(DisaggError, match=f"could not remove {alloc.id} from {c.id}") as failed:
+            steps.run(before_first_call(change, silence), comp.store)
+        assert failed.value.metadata["bound"] == alloc.id
+        kept = comp.get(c.id)
+        assert kept.state is CompositionState.UNKNOWN
+        assert [a.id for a in kept.allocations] == [alloc.id]
+        assert held(fabrics, alloc)
+        silence.answer(comp)
+        assert comp.get(c.id).state is CompositionState.COMPOSED
+        assert ledger_allocations(comp) == hardware_allocations(fabrics) and quarantines(comp) == []
+        comp.recompose(c.id, remove=[alloc.id])
+        assert hardware_allocations(fabrics) == {} and comp.get(c.id).allocations == ()
+
+    def test_a_change_that_added_reports_the_removal_left(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fabrics, comp, c = with_memory()
+        alloc = c.allocations[0]
+        silence = Silenced(fabrics, "cxl0", "pcie0", monkeypatch)
+        change = comp.recompose_steps(c.id, add=[parse_resource("nic")], remove=[alloc.id])
+        with pytest.raises(DisaggError) as failed:
+            steps.run(before_first_call(change, silence), comp.store)
+        assert failed.value.metadata == {"composition": c.id, "bound": alloc.id}
+        kept = comp.get(c.id)
+        assert len(kept.devices) == 2 and [a.id for a in kept.allocations] == [alloc.id]
+        silence.answer(comp)
+        assert ledger_bindings(comp) == hardware_bindings(fabrics)
+        assert ledger_allocations(comp) == hardware_allocations(fabrics) and quarantines(comp) == []
+
+    def test_a_decompose_keeps_the_memory_it_could_not_release(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fabrics, comp, c = with_memory()
+        alloc = c.allocations[0]
+        silence = Silenced(fabrics, "cxl0", "pcie0", monkeypatch)
+        with pytest.raises(DisaggError, match=f"decompose of {c.id} left {alloc.id} bound") as failed:
+            steps.run(before_first_call(comp.decompose_steps(c.id), silence), comp.store)
+        assert failed.value.metadata["bound"] == alloc.id
+        kept = comp.get(c.id)
+        assert kept.state is CompositionState.UNKNOWN
+        assert kept.devices == () and [a.id for a in kept.allocations] == [alloc.id]
+        assert hardware_bindings(fabrics) == {} and held(fabrics, alloc)
+        silence.answer(comp)
+        assert comp.get(c.id).state is CompositionState.FAILED and quarantines(comp) == []
+        comp.decompose(c.id)
+        assert comp.compositions() == [] and hardware_allocations(fabrics) == {}
+
+    def test_a_heal_keeps_the_failed_device_it_could_not_unbind(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert c is not None
+        failed_gpu = c.device_ids[0]
+        fabrics["pcie0"].fail_device(failed_gpu)
+        silence = Silenced(fabrics, "pcie0", "cxl0", monkeypatch)
+        pcie = fabrics["pcie0"]
+        real_bind = pcie.bind
+
+        def bind_then_go_silent(device: str, host: str, ctx: CallContext) -> Binding:
+            bound: Binding = real_bind(device, host, ctx)
+            silence()
+            return bound
+
+        monkeypatch.setattr(pcie, "bind", bind_then_go_silent)
+        with pytest.raises(DisaggError, match=f"could not unbind {failed_gpu} from h1"):
+            comp.heal(c.id)
+        kept = comp.get(c.id)
+        assert failed_gpu in kept.device_ids and kept.state is CompositionState.UNKNOWN
+        assert hardware_bindings(fabrics)[failed_gpu] == "h1"
+        silence.answer(comp)
+        assert ledger_bindings(comp) == hardware_bindings(fabrics)
+
+
+class TestRecomposeRefusal:
+    """A recompose that does not fit names the lines of its own ``add`` as the request names them, not by
+    their place in the composition."""
+
+    def test_held_by_names_the_added_lines(self) -> None:
+        comp = composer(rack())
+        comp.compose(parse_request("job", ["host h1", "gpu x2", "nic"]))
+        with pytest.raises(NoFitError) as refused:
+            comp.recompose("job", add=[parse_resource("gpu x17"), parse_resource("gpu x2")])
+        assert "17 of them held by add[0]; no other arrangement" in refused.value.message
+        with pytest.raises(NoFitError) as refused:
+            comp.recompose("job", add=[parse_resource(f"gpu x{n}") for n in (9, 8, 2)])
+        assert "17 of them held by add[0] and add[1];" in refused.value.message
+        assert "of this request" not in refused.value.message
+
+    def test_held_memory_names_the_added_lines(self) -> None:
+        comp = composer(rack())
+        comp.compose(parse_request("job", ["host h1", "gpu x1"]))
+        with pytest.raises(NoFitError) as refused:
+            comp.recompose("job", add=[parse_resource("cxl-memory 3TiB"), parse_resource("cxl-memory 2TiB")])
+        assert "3 TiB of it held by add[0]; no other arrangement" in refused.value.message
+
+    def test_compose_still_names_its_lines_by_place(self) -> None:
+        comp = composer(rack())
+        with pytest.raises(NoFitError) as refused:
+            comp.compose(parse_request("job", ["host h1", "cxl-memory 3TiB", "cxl-memory 2TiB"]))
+        assert "3 TiB of it held by line 0 of this request;" in refused.value.message
+
+
+class TestRecomposeEvents:
+    """A recompose's CompositionUpdated event counts the devices and the allocations it added or removed."""
+
+    def test_memory_alone(self) -> None:
+        comp = composer(rack())
+        c = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert c is not None
+        grown = comp.recompose(c.id, add=[parse_resource("cxl-memory 1GiB")])
+        comp.recompose(c.id, remove=[grown.allocations[0].id])
+        assert updates(comp, c.id) == ["added 1 allocation", "removed 1 allocation"]
+
+    def test_devices_and_memory(self) -> None:
+        comp = composer(rack())
+        c = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert c is not None
+        grown = comp.recompose(c.id, add=[parse_resource("gpu x2"), parse_resource("cxl-memory 1GiB")])
+        comp.recompose(c.id, add=[parse_resource("nic")])
+        comp.recompose(c.id, remove=[*grown.device_ids[1:3], grown.allocations[0].id])
+        assert updates(comp, c.id) == [
+            "added 2 devices and 1 allocation",
+            "added 1 device",
+            "removed 2 devices and 1 allocation",
+        ]
+
+
+def updates(comp: FabricComposer, comp_id: str) -> list[str]:
+    return [e.message for e in comp.events() if e.type is EventType.COMPOSITION_UPDATED and e.subject == comp_id]
+
+
+class TestEmptyEtag:
+    """An empty etag is refused by the Python API: no etag is empty, and None is how to ask for no guard."""
+
+    def test_recompose_refuses_it_and_changes_nothing(self) -> None:
+        comp = composer(rack())
+        c = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert c is not None
+        revision = comp.revision
+        with pytest.raises(InvalidRequestError, match="an etag is never empty") as refused:
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag="")
+        assert refused.value.field == "expected_etag"
+        with pytest.raises(InvalidRequestError, match="an etag is never empty"):
+            steps.run(comp.recompose_steps(c.id, add=[parse_resource("nic")], expected_etag=""), comp.store)
+        assert comp.get(c.id) == c and comp.revision == revision
+        assert len(comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=None).devices) == 2

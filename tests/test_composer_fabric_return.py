@@ -1,0 +1,338 @@
+"""A fabric that answers again after it could not be reached: its compositions are judged against what its
+hardware holds before they stand again, and the recovery of their interrupted changes holds them against any
+other change. A fabric the configuration no longer names counts as one that cannot be reached until it is loaded
+again. A composer that was never started refuses what needs its ledger."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from composer_helpers import composer, hardware_allocations, hardware_bindings, rack
+from disagg.composer import FabricComposer
+from disagg.errors import FabricUnavailableError
+from disagg.interfaces import CallContext, Pool
+from disagg.model import (
+    Allocation,
+    Binding,
+    ChangeKind,
+    Composition,
+    CompositionState,
+    EventType,
+    PendingChange,
+    PoolInfo,
+    Topology,
+)
+from disagg.requestlang import parse_request
+from disagg.store import SqliteStore
+from disagg_sim import SimFabric, load_topology
+
+GiB = 1 << 30
+WAIT_S = 10.0
+
+
+class GatedPool(Pool):
+    """A sim pool whose first release waits for its fabric's ``gate`` (bounded), saying so by ``entered``."""
+
+    def __init__(self, fabric: Returning, inner: Pool) -> None:
+        self.fabric, self.inner = fabric, inner
+
+    @property
+    def id(self) -> str:
+        return self.inner.id
+
+    def info(self) -> PoolInfo:
+        return self.inner.info()
+
+    def allocations(self) -> Sequence[Allocation]:
+        self.fabric.read()
+        return self.inner.allocations()
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        return self.inner.allocate(allocation_id, host, amount_bytes, ctx)
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        if self.fabric.gated and not self.fabric.entered.is_set():
+            self.fabric.entered.set()
+            self.fabric.gate.wait(WAIT_S)
+        self.inner.release(allocation_id, ctx)
+
+
+class Returning(SimFabric):
+    """A sim fabric whose manager does not answer until ``reachable`` is set; with ``unreadable`` neither its
+    bindings nor its allocations can be listed though discovery answers; with ``gated`` the first release waits
+    for ``gate``."""
+
+    reachable = False
+    unreadable = False
+    gated = False
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def _answer(self) -> None:
+        if not self.reachable:
+            raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
+
+    def discover(self) -> Topology:
+        self._answer()
+        return super().discover()
+
+    def read(self) -> None:
+        self._answer()
+        if self.unreadable:
+            raise FabricUnavailableError(f"fabric {self.name}: the listing timed out")
+
+    def bindings(self) -> Sequence[Binding]:
+        self.read()
+        return super().bindings()
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        self._answer()
+        super().unbind(binding, ctx)
+
+    def pool(self, pool: str) -> Any:
+        return GatedPool(self, super().pool(pool))
+
+
+def on_disk(tmp: Path) -> dict[str, Any]:
+    """The demo rack keeping its hardware state in ``tmp``, as every composer opened on ``tmp`` finds it."""
+    return rack(pcie0={"state_file": str(tmp / "pcie0.json")}, cxl0={"state_file": str(tmp / "cxl0.json")})
+
+
+def first_run(tmp: Path, *names: str, memory: str = "8GiB") -> list[Composition]:
+    """Compose ``names`` (host h1, h2, ...), each a GPU and ``memory`` of CXL memory, then close."""
+    first = composer(on_disk(tmp), store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
+    made = []
+    for n, name in enumerate(names, 1):
+        comp = first.compose(parse_request(name, [f"host h{n}", "gpu x1", f"cxl-memory {memory}"])).composition
+        assert comp is not None
+        made.append(comp)
+    first.close()
+    return made
+
+
+def with_cxl_away(tmp: Path) -> tuple[FabricComposer, Returning]:
+    """A started composer on the ledger and hardware of ``tmp`` whose cxl0 does not answer yet."""
+    hardware = on_disk(tmp)
+    hardware["cxl0"].close()
+    cxl = hardware["cxl0"] = Returning(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+    return composer(hardware, store=SqliteStore(tmp / "ledger.db"), auto_heal=False), cxl
+
+
+def state_changes(comp: FabricComposer, subject: str, after: int) -> list[str]:
+    return [
+        e.message
+        for e in comp.events(after, 10_000)
+        if e.type is EventType.COMPOSITION_STATE_CHANGED and e.subject == subject
+    ]
+
+
+class TestAFabricThatAnswersAgain:
+    """A composition UNKNOWN while its fabric did not answer is judged against the hardware as it comes back:
+    the first state written after UNKNOWN is the right one, whether or not a reconciliation follows."""
+
+    def test_memory_lost_meanwhile_degrades_it_at_once(self, tmp_path: Path) -> None:
+        """It came back COMPOSED from the index alone, then went DEGRADED at the reconcile after: watchers saw a
+        composition that had lost its memory reported whole."""
+        (job,) = first_run(tmp_path, "job")
+        composer, cxl = with_cxl_away(tmp_path)
+        try:
+            assert composer.find("job").state is CompositionState.UNKNOWN
+            lost = job.allocations[0]
+            cxl.pool(lost.pool).release(lost.id, CallContext(epoch=composer.epoch))
+            cxl.reachable = True
+            before = composer.revision
+            assert composer.retry_unreachable() is True
+            assert state_changes(composer, job.id, before) == [
+                f"UNKNOWN -> DEGRADED: the hardware no longer holds {lost.id}"
+            ]
+        finally:
+            composer.close()
+
+    def test_a_reconcile_that_gives_up_its_pass_leaves_it_right(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Under traffic the reconcile after the retry gives its pass up: it stayed COMPOSED for good while the
+        hardware had lost its memory."""
+        (job,) = first_run(tmp_path, "job")
+        composer, cxl = with_cxl_away(tmp_path)
+        try:
+            lost = job.allocations[0]
+            cxl.pool(lost.pool).release(lost.id, CallContext(epoch=composer.epoch))
+            monkeypatch.setattr(composer, "reconcile", lambda: 0)
+            cxl.reachable = True
+            assert composer.retry_unreachable() is True
+            back = composer.find("job")
+            assert (back.state, back.missing) == (CompositionState.DEGRADED, (lost.id,))
+        finally:
+            composer.close()
+
+    def test_one_whose_hardware_cannot_be_read_yet_stays_unknown_until_it_can(self, tmp_path: Path) -> None:
+        """Discovery answers but the bindings cannot be listed: nothing tells what the hardware holds, so the
+        composition is not trusted yet; the next retry reads it and settles it."""
+        first_run(tmp_path, "job")
+        composer, cxl = with_cxl_away(tmp_path)
+        try:
+            cxl.reachable, cxl.unreadable = True, True
+            composer.retry_unreachable()
+            assert composer.find("job").state is CompositionState.UNKNOWN
+            cxl.unreadable = False
+            assert composer.retry_unreachable() is True
+            assert composer.find("job").state is CompositionState.COMPOSED
+        finally:
+            composer.close()
+
+
+def left_mid_recompose(tmp: Path) -> tuple[Composition, Allocation]:
+    """``job`` (a GPU, 8 GiB of cxl0/mem0) and ``other`` (1000 GiB of the same pool), with the ledger as a crash
+    in the middle of "recompose job, add 8 GiB" left it: the addition carved on the hardware, the ADD pending."""
+    job, other = first_run(tmp, "job", "other", memory="8GiB")
+    assert job.allocations[0].pool == other.allocations[0].pool
+    hardware = on_disk(tmp)
+    extra = Allocation(f"{job.id}-m1", job.allocations[0].pool, "h1", 8 * GiB)
+    hardware["cxl0"].pool(extra.pool).allocate(extra.id, "h1", extra.amount_bytes, CallContext(epoch=1))
+    for fabric in hardware.values():
+        fabric.close()
+    store = SqliteStore(tmp / "ledger.db")
+    pending = PendingChange(ChangeKind.ADD, (), (extra,), CompositionState.COMPOSED)
+    store.put_composition(attrs.evolve(job, state=CompositionState.COMPOSING, pending=pending))
+    store.sync()
+    store.close()
+    return job, extra
+
+
+class TestRecoveryWhenAFabricAnswersAgain:
+    """The interrupted change of a composition whose fabric answers again is recovered holding the composition:
+    a decompose that comes meanwhile waits for it, and the two do not both give its claims back."""
+
+    def test_a_decompose_waits_for_the_recovery(self, tmp_path: Path) -> None:
+        """The recovery undid the pending addition without the composition's lock: the decompose ran beside
+        it, the recovery then wrote the composition COMPOSED over the DECOMPOSING one, and the 8 GiB it added
+        were given back to the index twice (more free there than on the hardware)."""
+        job, extra = left_mid_recompose(tmp_path)
+        composer, cxl = with_cxl_away(tmp_path)
+        retry = threading.Thread(target=composer.retry_unreachable)
+        decompose = threading.Thread(target=composer.decompose, args=("job",))
+        try:
+            assert composer.find("job").state is CompositionState.UNKNOWN
+            before = composer.revision
+            cxl.reachable, cxl.gated = True, True
+            retry.start()
+            assert cxl.entered.wait(WAIT_S), "the recovery did not release the addition"
+            decompose.start()
+            decompose.join(1.0)
+            assert decompose.is_alive(), "the decompose ran beside the recovery of the same composition"
+        finally:
+            cxl.gate.set()
+            retry.join(WAIT_S)
+            decompose.join(WAIT_S)
+        try:
+            assert not retry.is_alive() and not decompose.is_alive()
+            assert [c.name for c in composer.compositions()] == ["other"]
+            assert state_changes(composer, job.id, before) == [
+                "UNKNOWN -> COMPOSING",
+                "COMPOSING -> COMPOSED",
+                "COMPOSED -> DECOMPOSING",
+            ]
+            carved = sum(
+                a.amount_bytes for a in hardware_allocations(composer.fabrics).values() if a.pool == extra.pool
+            )
+            assert job.device_ids[0] not in hardware_bindings(composer.fabrics)
+            total = next(p.capacity.total_bytes for p in cxl.discover().pools if p.id == extra.pool)
+            assert {p.pool: p.free_bytes for p in composer.usage()[1]}[extra.pool] == total - carved
+        finally:
+            composer.close()
+
+
+class TestAFabricNoLongerLoaded:
+    """A fabric dropped from the configuration between two runs: its compositions are UNKNOWN, saying so, and
+    kept (a decompose is refused), until a run that loads it again settles them."""
+
+    def test_memory_on_it_is_kept_until_it_is_loaded_again(self, tmp_path: Path) -> None:
+        """They were COMPOSED from the ledger alone, reconcile changed nothing, and a decompose deleted the
+        record while the appliance still held the 8 GiB: no release was ever asked of it."""
+        first = composer(on_disk(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        mem = first.compose(parse_request("mem", ["host h1", "cxl-memory 8GiB"])).composition
+        first.close()
+        assert mem is not None
+        hardware = on_disk(tmp_path)
+        hardware.pop("cxl0").close()
+        without = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        try:
+            unknown = without.find("mem")
+            assert unknown.state is CompositionState.UNKNOWN
+            assert unknown.message == "fabric cxl0 is not loaded (not in the configuration)"
+            without.reconcile()
+            assert without.find("mem").state is CompositionState.UNKNOWN
+            with pytest.raises(FabricUnavailableError, match=f"{mem.id} cannot be decomposed now: fabric cxl0 is not"):
+                without.decompose("mem")
+            assert [c.name for c in without.compositions()] == ["mem"]
+        finally:
+            without.close()
+        again = composer(on_disk(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        try:
+            assert again.find("mem").state is CompositionState.COMPOSED
+            again.decompose("mem")
+            assert hardware_allocations(again.fabrics) == {}
+        finally:
+            again.close()
+
+    def test_a_gpu_on_it_is_unknown_not_unhealthy(self, tmp_path: Path) -> None:
+        """pcie0 dropped: its GPU, missing from the index, read as unhealthy, and a heal was tried; a decompose
+        then forgot the composition while the switch still bound the GPU."""
+        first = composer(on_disk(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        gpu = first.compose(parse_request("gpu", ["host h2", "gpu x1"])).composition
+        first.close()
+        assert gpu is not None
+        hardware = on_disk(tmp_path)
+        pcie = hardware.pop("pcie0")
+        without = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=True)
+        try:
+            unknown = without.find("gpu")
+            assert (unknown.state, unknown.message) == (
+                CompositionState.UNKNOWN,
+                "fabric pcie0 is not loaded (not in the configuration)",
+            )
+            with pytest.raises(FabricUnavailableError, match="fabric pcie0 is not loaded"):
+                without.decompose("gpu")
+            assert list(pcie.bindings()) == [Binding(gpu.device_ids[0], "h2")]
+        finally:
+            without.close()
+            pcie.close()
+
+
+class TestANeverStartedComposer:
+    """A composer whose `start` never loaded the ledger refuses every call that needs it, writing nothing."""
+
+    @pytest.mark.parametrize("call", ["reconcile", "retry_unreachable", "heal", "decompose", "cordon"])
+    def test_refused_before_anything_is_written(self, tmp_path: Path, call: str) -> None:
+        """A reconcile took every bound device for an orphan, cordoned it durably, and failed on its first event
+        (IntegrityError: the ledger had given that revision already)."""
+        (job,) = first_run(tmp_path, "job")
+        never = FabricComposer(on_disk(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        calls = {
+            "reconcile": never.reconcile,
+            "retry_unreachable": never.retry_unreachable,
+            "heal": lambda: never.heal(job.id),
+            "decompose": lambda: never.decompose(job.id),
+            "cordon": lambda: never.cordon(job.device_ids[0]),
+        }
+        try:
+            with pytest.raises(FabricUnavailableError, match=r"not been started: call start\(\) first"):
+                calls[call]()
+        finally:
+            never.close()
+        again = composer(on_disk(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        try:
+            assert again.cordoned_devices() == set()
+            assert [e.revision for e in again.events()] == [1, 2]  # the compose's own
+            assert again.find("job").state is CompositionState.COMPOSED
+        finally:
+            again.close()
