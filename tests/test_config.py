@@ -477,3 +477,69 @@ class TestBuildErrors:
             build_composer(config, ledger="memory")
         assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: ")
         assert "bogus" in info.value.message
+
+
+class TestEmptyConfigPath:
+    """An empty ``--config`` is refused: most often a variable left unset (``--config "$CFG"``), it served the
+    embedded demo rack on ~/.local/state instead. An empty ``$DISAGG_CONFIG`` is unset, as in most tools."""
+
+    def test_empty_path_is_refused(self, cwd: Path) -> None:
+        with pytest.raises(ConfigError) as info:
+            load_config("", environ={})
+        assert info.value.field == "config"
+        assert info.value.message.startswith("--config is empty: give the configuration file's path")
+
+    def test_empty_variable_is_unset(self, cwd: Path, tmp_path: Path) -> None:
+        config = load_config(environ={"DISAGG_CONFIG": "", "DISAGG_STATE_DIR": str(tmp_path / "st")})
+        assert config.source == "embedded default"
+
+
+SQLITE_RACK = MINIMAL + "options = { topology = 'demo-pcie' }\n"
+
+
+class TestLedgerPath:
+    """``[state] path`` is read as the operator wrote it in the file: ``~`` is the home directory and a relative
+    path is read from the file's directory, not from wherever the command runs; SQLite's ``:memory:`` and a
+    directory are refused, naming the file and the key."""
+
+    def test_relative_to_the_file(self, cwd: Path, tmp_path: Path) -> None:
+        """It was read from the working directory: the same file gave another ledger from another directory."""
+        config = _load_text(tmp_path, SQLITE_RACK + "[state]\npath = 'rel/ledger.db'\n")
+        assert config.ledger_path == str(tmp_path / "rel" / "ledger.db")
+
+    def test_home(self, cwd: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A directory named ``~`` was made in the working directory."""
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        config = _load_text(tmp_path, SQLITE_RACK + "[state]\npath = '~/ledger.db'\n")
+        assert config.ledger_path == str(tmp_path / "home" / "ledger.db")
+
+    def test_the_home_of_no_user(self, cwd: Path, tmp_path: Path) -> None:
+        error = _error(tmp_path, SQLITE_RACK + "[state]\npath = '~no-such-user-of-disagg/ledger.db'\n")
+        assert error.field == "state.path"
+        assert "no such home directory" in error.message
+
+    def test_a_relative_state_dir_is_read_from_the_working_directory(self, cwd: Path, tmp_path: Path) -> None:
+        path = _write(tmp_path / "disagg.toml", SQLITE_RACK + "[state]\npath = '{state_dir}/l.db'\n")
+        config = load_config(path, environ={"DISAGG_STATE_DIR": "st"})
+        assert config.ledger_path == str(cwd / "st" / "l.db")
+
+    def test_memory_is_refused(self, cwd: Path, tmp_path: Path) -> None:
+        """SQLite kept it in memory: a ledger lost at exit, with a lock file named ``:memory:.lock`` beside it."""
+        config = _load_text(tmp_path, SQLITE_RACK + "[state]\npath = ':memory:'\n")
+        with pytest.raises(ConfigError) as info:
+            build_composer(config)
+        assert info.value.field == "state.path"
+        assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: [state] path: the ledger's path ':memory:'")
+        assert 'ledger = "memory"' in info.value.message
+        assert list(cwd.iterdir()) == []
+
+    def test_a_directory_is_refused(self, tmp_path: Path) -> None:
+        """SQLite said only "unable to open database file", after a lock file was made beside the directory."""
+        folder = tmp_path / "ledgers"
+        folder.mkdir()
+        config = _load_text(tmp_path, SQLITE_RACK + f"[state]\npath = '{folder}'\n")
+        with pytest.raises(ConfigError) as info:
+            build_composer(config)
+        assert info.value.field == "state.path"
+        assert f"the ledger's path {folder} is a directory: give the ledger's file" in info.value.message
+        assert not (tmp_path / "ledgers.lock").exists()

@@ -3,9 +3,11 @@ a slow Compose finish while refusing new calls, then exits 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from server_helpers import SERVE_CONFIG, WAIT_S, compose_request, guarded_channel, wait_until
+from server_helpers import SERVE_CONFIG, WAIT_S, compose_request, guarded_channel, serving, wait_until
 
 START_S = 30.0
 """The longest a child process may take to import everything and start serving."""
@@ -29,10 +31,12 @@ START_S = 30.0
 class Serve:
     """A ``disagg serve`` child process whose output lines are read on threads."""
 
-    def __init__(self, tmp_path: Path, delay: float = 0.0, *extra: str) -> None:
+    def __init__(self, tmp_path: Path, delay: float = 0.0, *extra: str, config_text: str | None = None) -> None:
+        """On `SERVE_CONFIG` with pcie0's binds slowed by ``delay``, or on ``config_text``, which listens on
+        ``<tmp_path>/fm.sock``."""
         self.socket = tmp_path / "fm.sock"
         config = tmp_path / "disagg.toml"
-        config.write_text(SERVE_CONFIG.format(delay=delay, socket=self.socket))
+        config.write_text(SERVE_CONFIG.format(delay=delay, socket=self.socket) if config_text is None else config_text)
         env = {**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), *extra],
@@ -139,6 +143,105 @@ class TestServeCommand:
             channel.close()
 
 
+LATE_BIND = """
+[state]
+path = "{ledger}"
+
+[composer]
+call_timeout_s = 60
+
+[[fabric]]
+name = "pcie0"
+driver = "sim"
+options = {{ topology = "demo-pcie", state_file = "{hardware}", bind_delay_s = 20 }}
+
+[[listener]]
+address = "unix:{socket}"
+"""
+"""A SQLite ledger and simulated hardware kept in a file, whose binds take 20 s."""
+
+
+class TestServeStopsWithinItsGrace:
+    """SIGTERM ends ``disagg serve`` once its grace has passed, even while a driver call runs: the call is cut off
+    with the process, as a crash would cut it, and the next start undoes its change. The process waited for the
+    call at exit, and had let its ledger go meanwhile: a second fabric manager undid the compose, then the old
+    call's bind landed on the hardware, recorded nowhere."""
+
+    def test_a_driver_call_past_the_grace_ends_with_the_process(self, tmp_path: Path) -> None:
+        ledger, hardware = tmp_path / "ledger.db", tmp_path / "hardware.json"
+        text = LATE_BIND.format(ledger=ledger, hardware=hardware, socket=tmp_path / "fm.sock")
+        child = Serve(tmp_path, 0.0, "--grace", "0.5", config_text=text)
+        try:
+            with grpc.insecure_channel(child.wait_serving()) as channel:
+                stub = fm_grpc.FabricManagerServiceStub(channel)
+                call = stub.Compose.future(compose_request("late"), timeout=60)
+
+                def composing() -> bool:
+                    reply = stub.GetComposition(fm.GetCompositionRequest(id="late"), timeout=WAIT_S)
+                    return reply.composition.state == fm.COMPOSITION_STATE_COMPOSING
+
+                wait_until(lambda: _quietly(composing), "the compose to be in flight")
+                child.proc.send_signal(signal.SIGTERM)
+                assert child.proc.wait(WAIT_S) == 0, child.stderr
+                call.cancel()
+        finally:
+            child.stop()
+        wait_until(
+            lambda: any("driver call FabricComposer._bind_new" in line for line in child.stderr),
+            "the log to name the call cut off",
+        )
+        assert any("exiting without waiting for 1 calls" in line for line in child.stderr)
+        listing = subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", "ls", "--config", str(tmp_path / "disagg.toml"), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=START_S,
+            check=False,
+        )
+        assert (listing.returncode, json.loads(listing.stdout or "null")) == (0, []), listing.stderr
+        assert json.loads(hardware.read_text())["bindings"] == {}
+
+
+SILENT_REMOTE = """
+[state]
+ledger = "memory"
+
+[[fabric]]
+name = "far"
+driver = "remote"
+options = {{ address = "127.0.0.1:{port}", connect_timeout_s = 60 }}
+
+[[listener]]
+address = "unix:{socket}"
+"""
+"""A remote fabric whose driver accepts the connection and never answers: building it waits 60 s."""
+
+
+class TestServeSignalsWhileBuilding:
+    """SIGTERM or SIGINT while the fabrics are still being built (a remote fabric waits for its driver) ends the
+    start with a word and the documented exit code: the handlers came only after the fabrics were built, so
+    SIGTERM killed the process by the signal, silently."""
+
+    @pytest.mark.parametrize(("sent", "code"), [("SIGTERM", 0), ("SIGINT", 130)])
+    def test_a_signal_while_a_remote_fabric_connects(self, tmp_path: Path, sent: str, code: int) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as silent:
+            silent.settimeout(START_S)
+            text = SILENT_REMOTE.format(port=silent.getsockname()[1], socket=tmp_path / "fm.sock")
+            child = Serve(tmp_path, config_text=text)
+            try:
+                connection, _ = silent.accept()  # the remote fabric is being built: it connects here
+                with connection:
+                    child.proc.send_signal(getattr(signal, sent))
+                    assert child.proc.wait(WAIT_S) == code, child.stderr
+            finally:
+                child.stop()
+        wait_until(
+            lambda: any(f"stopped by {sent} while starting: nothing was served" in line for line in child.stderr),
+            "the log line of the stop",
+        )
+        assert not any("Traceback" in line for line in child.stderr)
+
+
 def _quietly(predicate: Any) -> bool:
     try:
         return bool(predicate())
@@ -170,3 +273,86 @@ class TestServeRefusals:
     def test_negative_grace(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["serve", "--listen", "127.0.0.1:0", "--grace", "-1"]) == 2
         assert "--grace" in capsys.readouterr().err
+
+    def test_empty_config(self, tmp_path: Path) -> None:
+        """``--config "$CFG"`` with CFG unset served the embedded demo rack on ~/.local/state instead."""
+        run = subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", "serve", "--config", "", "--listen", f"unix:{tmp_path}/fm.sock"],
+            capture_output=True,
+            text=True,
+            timeout=START_S,
+            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
+            cwd=tmp_path,
+            check=False,
+        )
+        assert run.returncode == 2, run.stderr
+        assert run.stderr.startswith("disagg: error: --config is empty")
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    def test_a_percent_in_a_unix_path_leaves_another_servers_socket_alone(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """gRPC percent-decodes a ``unix:`` path: ``--listen unix:DIR/a%20b.sock`` unlinked the socket of the
+        server live on ``DIR/a b.sock`` and bound its own there."""
+        live = tmp_path / "a b.sock"
+        with serving(live) as served:
+            before = live.stat().st_ino
+            assert (
+                main(["serve", "--config", str(_memory_config(tmp_path)), "--listen", f"unix:{tmp_path}/a%20b.sock"])
+                == 2
+            )
+            assert live.stat().st_ino == before, "the live server's socket was replaced"
+            reply = health_pb2_grpc.HealthStub(served.channel).Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert "gRPC reads % in a unix socket's path as URI syntax" in capsys.readouterr().err
+        assert not (tmp_path / "a%20b.sock.lock").exists()
+
+    @pytest.mark.parametrize(
+        ("name", "why"),
+        [("a\0b.sock", "it holds a NUL character"), ("s\udcff.sock", "it is not UTF-8 text")],
+        ids=["nul", "not-utf-8"],
+    )
+    def test_a_path_no_socket_can_have(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, why: str
+    ) -> None:
+        """A NUL (TOML allows one) or bytes that are not UTF-8 (from the command line) ended in a traceback."""
+        config = _memory_config(tmp_path)
+        assert main(["serve", "--config", str(config), "--listen", f"unix:{tmp_path}/{name}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("disagg: error: --listen: listener ") and why in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m.toml"]
+
+    def test_a_bad_listener_of_the_file_is_named_with_the_file(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """It named neither the file nor the key, which docs/configuration.md promises for every error."""
+        config = _memory_config(
+            tmp_path, '[[listener]]\naddress = "unix:/run/ok.sock"\n[[listener]]\naddress = "unix:relative.sock"\n'
+        )
+        assert main(["serve", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"disagg: error: {config}: [[listener]] #2 address: listener 'unix:relative.sock': ")
+
+    def test_one_address_given_twice_through_localhost(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """The second listener's failure said another server listened there: it was this server's first."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        config = _memory_config(tmp_path)
+        assert (
+            main(["serve", "--config", str(config), "--listen", f"localhost:{port}", "--listen", f"127.0.0.1:{port}"])
+            == 2
+        )
+        assert f"this server's listener localhost:{port} listens there already" in capsys.readouterr().err
+
+
+def _memory_config(tmp_path: Path, extra: str = "") -> Path:
+    """A configuration of one simulated fabric on an in-memory ledger, at ``<tmp_path>/m.toml``."""
+    config = tmp_path / "m.toml"
+    config.write_text(
+        '[state]\nledger = "memory"\n[[fabric]]\nname = "pcie0"\ndriver = "sim"\n'
+        'options = { topology = "demo-pcie" }\n' + extra
+    )
+    return config

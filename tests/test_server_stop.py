@@ -22,6 +22,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import CallContext
+from disagg.lockfile import try_lock
 from disagg.model import Binding, EventType, Topology
 from disagg.server import FabricManagerServer
 from disagg.server.runtime import ServerStoppedError
@@ -235,6 +236,50 @@ class TestGrace:
                 gated.gate.set()
                 call.cancel()
             assert 1.0 <= took < 1.6, f"stop(1.0) took {took:.2f} s"
+
+
+class TestLedgerClaimPastStop:
+    """A driver call still running after the grace keeps this process's claim on its SQLite ledger until it
+    returns: the claim was let go as the stop closed the composer, so that a second fabric manager started at
+    once, undid the interrupted compose, and then the old call's bind landed on the hardware unrecorded."""
+
+    def test_held_until_the_call_returns(self, tmp_path: Path) -> None:
+        ledger = tmp_path / "ledger.db"
+        gated = GatedBind(load_topology("pcie0", "demo-pcie"))
+        gated.entered, gated.gate = threading.Event(), threading.Event()
+        server = FabricManagerServer(
+            FabricComposer({"pcie0": gated}, store=SqliteStore(ledger)), [f"unix:{socket_path(tmp_path)}"]
+        )
+        server.start()
+        try:
+            with grpc.insecure_channel(server.addresses[0]) as raw:
+                call = fm_grpc.FabricManagerServiceStub(raw).Compose.future(compose_request("late"), timeout=WAIT_S)
+                assert gated.entered.wait(WAIT_S)
+                server.stop(0.2)
+                call.cancel()
+            assert try_lock(ledger.with_name("ledger.db.lock")) is None, "the ledger was let go under a driver call"
+            running = server.in_flight()
+            assert [name.split(" (")[0] for name in running] == ["driver call FabricComposer._bind_new"], running
+        finally:
+            gated.gate.set()
+
+        def claimable() -> bool:
+            claim = try_lock(ledger.with_name("ledger.db.lock"))
+            if claim is None:
+                return False
+            claim.close()
+            return True
+
+        wait_until(claimable, "the ledger to be let go once the call returned")
+        assert server.in_flight() == []
+
+    def test_let_go_at_once_when_nothing_runs(self, tmp_path: Path) -> None:
+        ledger = tmp_path / "ledger.db"
+        with serving(socket_path(tmp_path), store=SqliteStore(ledger)) as served:
+            served.stub.Compose(compose_request("quick"), timeout=WAIT_S)
+        claim = try_lock(ledger.with_name("ledger.db.lock"))
+        assert claim is not None, "a stop with nothing running kept the ledger"
+        claim.close()
 
 
 class TestFailedStart:

@@ -2,7 +2,8 @@
 
 Found at ``--config``, else ``$DISAGG_CONFIG``, else ``./disagg.toml``; with none, the embedded default (the
 simulated demo rack) is used. ``{state_dir}`` in a string is replaced by ``$DISAGG_STATE_DIR`` or the XDG
-state directory (``~/.local/state/disagg``).
+state directory (``~/.local/state/disagg``). ``[state] path`` is read from the file's directory when relative,
+with ``~`` expanded.
 """
 
 from __future__ import annotations
@@ -69,11 +70,14 @@ class Config:
 
 
 def state_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``$DISAGG_STATE_DIR``, else ``$XDG_STATE_HOME/disagg``, else ``~/.local/state/disagg``; a relative one is
+    read from the working directory, now, so that a ``{state_dir}`` path in a file does not move with the file
+    (a relative ``[state] path`` is read from the file's directory)."""
     env = os.environ if environ is None else environ
     if env.get(STATE_DIR_ENV):
-        return Path(env[STATE_DIR_ENV])
+        return Path(env[STATE_DIR_ENV]).expanduser().absolute()
     base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "disagg"
+    return (Path(base) / "disagg").absolute()
 
 
 _MISSPELT = re.compile(r"\{[^{}]*state[^{}]*\}", flags=re.IGNORECASE)
@@ -92,6 +96,16 @@ def _expand(value: Any, sdir: Path, source: str) -> Any:
     if isinstance(value, list):
         return [_expand(v, sdir, source) for v in value]
     return value
+
+
+def _ledger_path(path: str, base: Path | None) -> str:
+    """``[state] path`` as the ledger opens it: ``~`` expanded, and a relative path read from ``base`` (the
+    file's directory), not from wherever the command runs. SQLite's ``:memory:`` is left for the ledger to
+    refuse (`disagg.store.sqlite.MEMORY`)."""
+    if path == ":memory:":
+        return path
+    expanded = Path(path).expanduser()
+    return str(expanded if base is None else base / expanded)
 
 
 def _table(doc: Mapping[str, Any], key: str, source: str) -> Mapping[str, Any]:
@@ -114,8 +128,11 @@ def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str,
         raise ConfigError(f"{source}: unknown keys in {where}: {', '.join(unknown)}", field=field)
 
 
-def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None) -> Config:
-    """Validate a parsed TOML document; every error names the file and the key."""
+def parse_config(
+    doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None, *, base: Path | None = None
+) -> Config:
+    """Validate a parsed TOML document; every error names the file and the key. ``base`` is the directory a
+    relative ``[state] path`` is read from: the file's (without it, the working directory)."""
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{source}: a configuration is a table of sections, not {type(doc).__name__}")
     try:
@@ -142,6 +159,10 @@ def parse_config(doc: Mapping[str, Any], source: str, environ: Mapping[str, str]
         raise ConfigError(f"{source}: [state] path must be the ledger file's path, as text", field="state.path")
     if "\0" in path:  # TOML lets a string hold one; no file name can
         raise ConfigError(f"{source}: [state] path must not hold a NUL character", field="state.path")
+    try:
+        path = _ledger_path(path, base)
+    except RuntimeError:  # ~user of no user
+        raise ConfigError(f"{source}: [state] path {path!r}: no such home directory", field="state.path") from None
     endpoints = state.get("endpoints", [])
     if not isinstance(endpoints, list) or not all(isinstance(e, str) and e for e in endpoints):
         raise ConfigError(f"{source}: [state] endpoints must be a list of HOST:PORT strings", field="state.endpoints")
@@ -247,7 +268,16 @@ def demo_config() -> Config:
 
 
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """The configuration at ``path`` (``--config``), else ``$DISAGG_CONFIG`` (empty: unset), else
+    ``./disagg.toml``, else the embedded default. An empty ``path`` is refused: it is most often a variable
+    left unset (``--config "$CFG"``), and serving the demo rack instead would hide that."""
     env = os.environ if environ is None else environ
+    if path is not None and not str(path):
+        raise ConfigError(
+            "--config is empty: give the configuration file's path (was it a variable left unset?), or leave "
+            f"--config out to read ${CONFIG_ENV}, ./disagg.toml or the embedded default",
+            field="config",
+        )
     candidate = Path(path) if path else Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else Path("disagg.toml")
     if path or env.get(CONFIG_ENV) or candidate.exists():
         try:
@@ -260,7 +290,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
             raise ConfigError(f"cannot read {candidate}: not valid TOML: nested too deeply") from None
         except (OSError, ValueError) as exc:  # ValueError: TOMLDecodeError, an integer of too many digits, a NUL
             raise ConfigError(f"cannot read {candidate}: {exc}") from exc
-        return parse_config(doc, str(candidate), env)
+        return parse_config(doc, str(candidate), env, base=candidate.absolute().parent)
     return parse_config(default_document(), "embedded default", env)
 
 

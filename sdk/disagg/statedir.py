@@ -3,16 +3,34 @@
 Drivers that keep their hardware's processes and records in a directory (QEMU guests, a switch emulator) must
 not share it: two would fight over one QEMU monitor, or one would stop the emulator the other is using. The
 claim is a lock on ``<state_dir>/driver.lock`` (`disagg.lockfile`), which goes with the driver's process however it
-ends.
+ends. The directories made for it, as for a ledger, are its owner's alone (`PRIVATE_MODE`): another user who could
+open the lock file could hold the lock, and keep the driver or the fabric manager from starting.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import IO
 
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.lockfile import try_lock
+
+PRIVATE_MODE = 0o700
+"""The mode of a state or ledger directory this package makes: its owner's alone, whatever the umask."""
+
+
+def make_directories(directory: Path, mode: int = PRIVATE_MODE) -> None:
+    """Create ``directory`` and its missing parents, each ``mode`` less the umask (``Path.mkdir`` gives the
+    parents the umask's mode alone: 0o777 under umask 000). Directories that exist are left as they are."""
+    missing: list[Path] = []
+    while not os.path.lexists(directory):
+        missing.append(directory)
+        directory = directory.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
+            made.mkdir(mode=mode)
 
 
 def claim(fabric: str, driver: str, state_dir: Path) -> IO[bytes]:
@@ -20,7 +38,7 @@ def claim(fabric: str, driver: str, state_dir: Path) -> IO[bytes]:
     the fabric's ``close``); raises `FabricUnavailableError` while another driver holds it, and `ConfigError`
     when it cannot be a directory (a file is in the way, no permission)."""
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
+        make_directories(state_dir)
         owner = try_lock(state_dir / "driver.lock")
     except OSError as exc:
         raise ConfigError(

@@ -2,7 +2,10 @@
 
 Prints ``serving on ADDRESS`` once per listener when the server is ready (health SERVING), so that scripts
 and tests can wait for that line; logs go to standard error. On SIGTERM or SIGINT it shuts down gracefully
-(see `disagg.server.FabricManagerServer.stop`) and exits 0.
+(see `disagg.server.FabricManagerServer.stop`) and exits 0; calls still running once ``--grace`` has passed
+are cut off, as a crash would cut them, for the next start to finish or undo what they were changing: the
+process ends without waiting for them (`_end_past_grace`). A signal before it serves (while the fabrics are
+built, discovered and the ledger read) ends the start: exit 0, or 130 for SIGINT.
 
 With ``[state] ledger = "etcd"`` it is one replica of several: it prints ``standby on ADDRESS`` once
 listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lead. A start that fails after
@@ -14,6 +17,7 @@ lead is given up for another replica to try.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -23,13 +27,17 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from disagg import failpoints
-from disagg.config import build_composer, load_config
+from disagg.config import Config, build_composer, load_config
 from disagg.errors import ConfigError
-from disagg.plugins import load_plugins
+from disagg.plugins import Plugins, load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
 from disagg.server.loop import event_loop_factory
+
+if TYPE_CHECKING:
+    from disagg.ha import Leadership
 
 AddCommand = Callable[[str, Callable[[argparse.Namespace], int], str], argparse.ArgumentParser]
 
@@ -40,8 +48,48 @@ EXIT_FAILED = 1
 """The ledger failed while serving: the server stopped, for its supervisor to restart it."""
 
 
+EXIT_INTERRUPTED = 130
+"""SIGINT (Ctrl-C) before the server served: the start was interrupted, as any command's is."""
+
+log = logging.getLogger("disagg.server")
+
+
 class _StoppedWhileStarting(BaseException):
     """SIGTERM or SIGINT arrived before the server was serving."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGTERM and SIGINT from before the fabrics are built (a remote fabric may wait its connect timeout there)
+    until the command returns. While the server starts, the first one ends the start, raising
+    `_StoppedWhileStarting` wherever the main thread is (every step of the start cleans up after itself); once it
+    serves, one asks for the graceful stop (`signalled`). Installed before the fabrics are built: a signal there
+    ended the process by the signal, without a word."""
+
+    def __init__(self) -> None:
+        self.starting = True
+        self.signalled = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # No lock here: a second SIGTERM arriving inside `Event.set` (holding its lock) deadlocked the process.
+        self.signalled = True
+        if self.starting:  # break out of a discovery that may never end; start() cleans up after itself
+            # Once: a second signal raised inside that clean-up would interrupt it (closing the fabrics).
+            self.starting = False
+            raise _StoppedWhileStarting(signum)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -51,37 +99,69 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plugins = load_plugins()
     if not 0 <= args.grace < math.inf:
         raise ConfigError("--grace must be a number of seconds >= 0", field="grace")
-    listeners = args.listen or list(config.listeners)
-    if not listeners:
+    listeners = _listeners(args, config)  # before any fabric is built
+    event_loop_factory()  # and $DISAGG_EVENT_LOOP, also before any fabric is built
+    with _Signals() as signals:
+        try:
+            return _serve(args, config, plugins, listeners, signals)
+        except _StoppedWhileStarting as stopped:
+            name = signal.Signals(stopped.signum).name
+            log.info("stopped by %s while starting: nothing was served", name)
+            return EXIT_INTERRUPTED if stopped.signum == signal.SIGINT else 0
+
+
+def _listeners(args: argparse.Namespace, config: Config) -> list[str]:
+    """The addresses to listen on (``--listen``, else the configuration's), each checked; a bad one is refused
+    naming where it was given: the option, or the file and its ``[[listener]]``."""
+    if args.listen:
+        for address in args.listen:
+            try:
+                parse_listener(address, allow_remote=args.allow_remote)
+            except ConfigError as exc:
+                raise ConfigError(f"--listen: {exc.message}", field="listen") from None
+        return list(args.listen)
+    if not config.listeners:
         raise ConfigError(
             f"no address to listen on: give --listen or a [[listener]] address in {config.source}", field="listener"
         )
-    for address in listeners:  # before any fabric is built
-        parse_listener(address, allow_remote=args.allow_remote)
-    event_loop_factory()  # and $DISAGG_EVENT_LOOP, also before any fabric is built
+    for n, address in enumerate(config.listeners):
+        try:
+            parse_listener(address, allow_remote=args.allow_remote)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{config.source}: [[listener]] #{n + 1} address: {exc.message}", field=f"listener[{n}].address"
+            ) from None
+    return list(config.listeners)
+
+
+def _leadership(config: Config, listeners: list[str]) -> Leadership | None:
+    """With ``[state] ledger = "etcd"``: this replica's part in the election, else None."""
+    if config.ledger != "etcd":
+        return None
+    from disagg.ha import Leadership
+
+    local = [f.name for f in config.fabrics if f.driver != "remote"]
+    if local:
+        log.warning(
+            "fabrics %s run in this process: replicas do not share them, so a standby that takes the lead "
+            "finds other hardware; serve them with `disagg driver serve` and use the remote driver",
+            ", ".join(local),
+        )
+    identity = f"{socket.gethostname()}:{os.getpid()}:{','.join(listeners)}"
+    return Leadership(
+        config.etcd_endpoints,
+        identity,
+        key=f"{config.etcd_prefix}leader",
+        ttl_s=config.lease_ttl_s,
+        epoch_base=config.epoch_base,
+    )
+
+
+def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners: list[str], signals: _Signals) -> int:
+    """Build the composer and the server, serve until a signal (or a lost lead, a failed ledger), stop."""
     composer = build_composer(config, plugins=plugins)
     stop = threading.Event()
     lost = threading.Event()
-    leadership = None
-    if config.ledger == "etcd":
-        from disagg.ha import Leadership
-
-        local = [f.name for f in config.fabrics if f.driver != "remote"]
-        if local:
-            logging.getLogger("disagg.server").warning(
-                "fabrics %s run in this process: replicas do not share them, so a standby that takes the lead "
-                "finds other hardware; serve them with `disagg driver serve` and use the remote driver",
-                ", ".join(local),
-            )
-
-        identity = f"{socket.gethostname()}:{os.getpid()}:{','.join(listeners)}"
-        leadership = Leadership(
-            config.etcd_endpoints,
-            identity,
-            key=f"{config.etcd_prefix}leader",
-            ttl_s=config.lease_ttl_s,
-            epoch_base=config.epoch_base,
-        )
 
     def on_serving(addresses: list[str]) -> None:
         for address in addresses:
@@ -104,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop.set()
 
     try:
+        leadership = _leadership(config, listeners)
         server = FabricManagerServer(
             composer,
             listeners,
@@ -118,37 +199,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         composer.close()
         raise
-    starting = [True]
-    signalled = [False]
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        # No lock here: a second SIGTERM arriving inside `Event.set` (holding its lock) deadlocked the process.
-        signalled[0] = True
-        if starting[0]:  # break out of a discovery that may never end; start() cleans up after itself
-            # Once: a second signal raised inside that clean-up would interrupt it (closing the fabrics).
-            starting[0] = False
-            raise _StoppedWhileStarting
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        try:
-            addresses = server.start()
-            starting[0] = False
-        except _StoppedWhileStarting:
-            return 0
+        addresses = server.start()
+        signals.starting = False
         if leadership is not None:
             for address in addresses:
                 print(f"standby on {address}", flush=True)
-        while not signalled[0] and not stop.wait(0.2):
+        while not signals.signalled and not stop.wait(0.2):
             pass
         server.stop(0 if lost.is_set() or failed or start_failed else args.grace)
     finally:
         server.stop(0)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if start_failed:  # as a start without etcd raises it from `server.start`, for `main` to report
         raise start_failed[0]
-    if lost.is_set():
+    code = _outcome(lost.is_set(), failed)
+    _end_past_grace(server, code)
+    return code
+
+
+def _outcome(lost: bool, failed: list[str]) -> int:
+    """The exit code of a server that stopped, with what it says on standard error when that is no plain stop."""
+    if lost:
         print("disagg: error: this replica lost the lead; it stopped serving", file=sys.stderr)
         return EXIT_LOST_LEAD
     if failed:
@@ -159,6 +230,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILED
     return 0
+
+
+def _end_past_grace(server: FabricManagerServer, code: int) -> None:
+    """End the process at once with ``code`` when calls still run after the stop (a driver call past the grace):
+    the interpreter would join the threads running them at exit, so that ``--grace`` bounded nothing, and the
+    process, still able to change the hardware, kept its ledger claimed meanwhile. The calls are cut off as a
+    crash would cut them: the next start finishes or undoes the changes they were making, from the ledger and the
+    hardware. Here, in the command, and not in the server: a program embedding the server is not to be ended."""
+    cut = server.in_flight()
+    if not cut:
+        return
+    log.warning(
+        "exiting without waiting for %d calls still running after the grace period, which end with the process: "
+        "%s; the next start finishes or undoes what they were changing, as after a crash",
+        len(cut),
+        ", ".join(cut),
+    )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 def register(add: AddCommand) -> None:

@@ -3,7 +3,8 @@
 The server speaks plaintext and has no authentication yet, so TCP listeners are refused on anything but a
 loopback address unless the operator allows remote clients explicitly (``--allow-remote``). A unix socket's
 parent directory is created, and a stale socket file (left by a server that died) is removed; a live one,
-or a file that is not a socket, is an error.
+or a file that is not a socket, is an error. A unix socket's path holds none of ``% ? # ,``, which gRPC reads
+as URI syntax (`disagg.wire.sockets.unix_path_refusal`), and no address holds a NUL or bytes that are not UTF-8.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from pathlib import Path
 import attrs
 
 from disagg.errors import ConfigError
-from disagg.wire.sockets import MAX_PORT, port_from_text, prepare_unix_socket
+from disagg.wire.sockets import (
+    MAX_PORT,
+    address_text_refusal,
+    port_from_text,
+    prepare_unix_socket,
+    unix_path_refusal,
+)
 
 UNIX_PREFIX = "unix:"
 MAX_UNIX_PATH = 107
@@ -51,10 +58,16 @@ def _is_loopback(host: str) -> bool:
 def parse_listener(address: str, *, allow_remote: bool = False) -> Listener:
     """Check one address; raises `ConfigError` naming it."""
     field = "listen"
+    refused = address_text_refusal(address)
+    if refused:
+        raise ConfigError(f"listener {address!r}: {refused}", field=field)
     if address.startswith(UNIX_PREFIX):
         raw = address[len(UNIX_PREFIX) :]
         if not raw.startswith("/"):
             raise ConfigError(f"listener {address!r}: give an absolute path, unix:/path/to/socket", field=field)
+        refused = unix_path_refusal(raw)
+        if refused:
+            raise ConfigError(f"listener {address!r}: {refused}", field=field)
         if len(raw.encode()) > MAX_UNIX_PATH:
             raise ConfigError(f"listener {address!r}: a unix socket path is at most {MAX_UNIX_PATH} bytes", field=field)
         return Listener(address, address, unix_path=Path(raw))

@@ -14,7 +14,11 @@ health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish wi
 close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it. A stop does not
 wait on a discovery (or a reconcile) beyond its grace: it cancels the composer's start, which stops before the
 next fabric's discovery or the next phase (a driver call already made is the driver's to end), and the thread
-running it closes the composer once it returns (`_let_go`).
+running it closes the composer once it returns (`_let_go`). Whatever may still touch the hardware after the
+stop (a driver call past the grace, that start or reconcile) keeps this process's claim on a SQLite ledger until
+it returns (`_hold_ledger_past_stop`): another fabric manager opened on the ledger meanwhile would undo the
+change that call was making, and the call would then land on the hardware behind its back. `in_flight` names
+those calls, for `disagg serve` to end the process without waiting for them.
 
 With a `Leadership` (the etcd ledger), `start` returns once listening, as a standby: health NOT_SERVING, every
 RPC UNAVAILABLE, so clients that balance over the replicas with health checks send nothing here. Winning the
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
+import functools
 import gc
 import logging
 import socket
@@ -38,9 +44,9 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
@@ -51,7 +57,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.server.aio import AsyncFabricManagerServicer
+from disagg.server.aio import DRIVER_THREADS, WAIT_THREADS, AsyncFabricManagerServicer
 from disagg.server.drivers import FabricDriver
 from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
@@ -124,6 +130,69 @@ class ServerStoppedError(RuntimeError):
     """`stop` came while `start` ran: the server is stopped, and serves nothing."""
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class CallsInFlight:
+    """The work the server's thread pools were given and have not finished (driver calls, RPC handlers, waits):
+    what may still touch the hardware once the server has stopped, and what its process would wait for at exit
+    (the interpreter joins a pool's threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running: dict[Future[Any], tuple[str, float]] = {}
+
+    def add(self, future: Future[Any], name: str) -> None:
+        with self._lock:
+            self._running[future] = (name, time.monotonic())
+        future.add_done_callback(self._done)  # outside the lock: a future already done calls back at once
+
+    def _done(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._running.pop(future, None)
+            if not self._running:
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float | None) -> list[str]:
+        """Wait up to ``timeout`` seconds (None: without end) for every call to finish; returns those still
+        running, each named with how long it has run."""
+        with self._lock:
+            self._idle.wait_for(lambda: not self._running, timeout)
+            now = time.monotonic()
+            return [f"{name} ({now - since:.1f} s)" for name, since in self._running.values()]
+
+
+class TrackedPool(ThreadPoolExecutor):
+    """A thread pool whose work is counted in `CallsInFlight` until it is done, or cancelled."""
+
+    def __init__(self, workers: int, prefix: str, kind: str, calls: CallsInFlight) -> None:
+        super().__init__(max_workers=workers, thread_name_prefix=prefix)
+        self._kind = kind
+        self._calls = calls
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        future = super().submit(fn, *args, **kwargs)
+        self._calls.add(future, f"{self._kind} {_call_name(fn, args)}")
+        return future
+
+
+def _call_name(fn: Callable[..., Any], args: Sequence[Any]) -> str:
+    """What a pool runs, for the log: the function a context or a partial runs rather than that wrapper (a
+    change's driver call is a closure run in the change's context, named after the step that made it)."""
+    while True:
+        if isinstance(fn, functools.partial):
+            args = fn.args
+            fn = fn.func
+        elif isinstance(getattr(fn, "__self__", None), contextvars.Context) and args:  # `Context.run`
+            fn, args = args[0], args[1:]
+        else:
+            break
+    name = getattr(fn, "__qualname__", "") or type(fn).__name__
+    return name.split(".<locals>", 1)[0]
+
+
 class FabricManagerServer:
     """Serves a composer on the given listener addresses (``host:port`` or ``unix:/path``)."""
 
@@ -169,8 +238,16 @@ class FabricManagerServer:
         self._lead_ended = False
         """Under ``_lock``: the lead was lost or given up after a failed start; only the first of them is told."""
         self._reconcile_s = reconcile_s
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="disagg-rpc")
-        self.aio_servicer = AsyncFabricManagerServicer(self.servicer, self._executor)
+        self._calls = CallsInFlight()
+        self._executor = TrackedPool(workers, "disagg-rpc", "call", self._calls)
+        self._pools = (
+            self._executor,
+            TrackedPool(DRIVER_THREADS, "disagg-driver", "driver call", self._calls),
+            TrackedPool(WAIT_THREADS, "disagg-wait", "wait", self._calls),
+        )
+        self.aio_servicer = AsyncFabricManagerServicer(
+            self.servicer, self._executor, drivers=self._pools[1], waits=self._pools[2]
+        )
         self._loop: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._claims: list[tuple[Path, IO[bytes]]] = []
@@ -381,11 +458,13 @@ class FabricManagerServer:
         fm_grpc.add_FabricManagerServiceServicer_to_server(self.aio_servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        addresses = [self._bind(server, listener) for listener in self._listeners]
+        addresses = [self._bind(server, listener, self._listeners[:n]) for n, listener in enumerate(self._listeners)]
         await server.start()
         return addresses
 
-    def _bind(self, server: grpc.aio.Server, listener: Listener) -> str:
+    def _bind(self, server: grpc.aio.Server, listener: Listener, earlier: Sequence[Listener]) -> str:
+        """Listen on ``listener``; a failure names why, and which of the ``earlier`` listeners of this server holds
+        the address already (``localhost:P`` beside ``127.0.0.1:P``)."""
         if listener.unix_path is not None:
             self._claims.append((listener.unix_path, prepare_unix_socket(listener.unix_path)))
         try:
@@ -394,7 +473,7 @@ class FabricManagerServer:
             else:
                 port = server.add_insecure_port(listener.target)
         except RuntimeError as exc:
-            why = str(exc) if listener.unix_path is not None else _bind_failure(listener)
+            why = str(exc) if listener.unix_path is not None else _bind_failure(listener, earlier)
             raise ConfigError(f"cannot listen on {listener.address}: {why}", field="listen") from exc
         return listener.bound(port)
 
@@ -486,18 +565,36 @@ class FabricManagerServer:
             if self.leadership is not None:
                 self.leadership.resign()
         finally:
-            self._executor.shutdown(wait=False)
+            for pool in self._pools:
+                pool.shutdown(wait=False)
             self.aio_servicer.close()
             self._close_composer(deadline)
         log.info("stopped")
 
+    def in_flight(self) -> list[str]:
+        """The calls the server's threads still run (a driver call past the grace), each named with how long it
+        has run: after `stop`, what the process would wait for at exit, and what may still change the
+        hardware."""
+        return self._calls.wait_idle(0)
+
     def _close_composer(self, deadline: float) -> None:
         """Close the composer once the start and the timer let go of it, waiting for them until ``deadline`` (at
-        least `UNWIND_S`); one still running then closes it as it lets go (`_let_go`)."""
+        least `UNWIND_S`); one still running then closes it as it lets go (`_let_go`). Whatever still runs keeps
+        the ledger claimed (`_hold_ledger_past_stop`)."""
         with self._lock:
             self._let_go_of.wait_for(lambda: not self._users, max(deadline - time.monotonic(), UNWIND_S))
             self._state = "stopped"
             busy = sorted(self._users)
+        calls = self._calls.wait_idle(max(deadline - time.monotonic(), 0.0))
+        if busy or calls:
+            self._hold_ledger_past_stop()
+        if calls:
+            log.warning(
+                "%d calls still running after the grace period (%s): the ledger stays claimed by this process "
+                "until they return",
+                len(calls),
+                ", ".join(calls),
+            )
         if busy:
             log.warning(
                 "the composer is still busy with %s after the grace period: closing it once that returns; the "
@@ -511,6 +608,24 @@ class FabricManagerServer:
             self.composer.store.close()
             return
         self.composer.close()
+
+    def _hold_ledger_past_stop(self) -> None:
+        """Keep this process's claim on its ledger (a SQLite ledger's lock, `SqliteStore.hold`) beyond the
+        composer's close, until every call in flight and the start and the timer have returned, or the process
+        ends. Letting go at the close let a second fabric manager start at once, undo the change a driver call
+        was still making, and then that call landed on the hardware: a binding no composition records."""
+        hold: Callable[[], Callable[[], None]] | None = getattr(self.composer.store, "hold", None)
+        if hold is None:  # no claim to keep: in memory, or etcd's, which fences a stale writer instead
+            return
+        release = hold()
+
+        def release_once_idle() -> None:
+            self._calls.wait_idle(None)
+            with self._lock:
+                self._let_go_of.wait_for(lambda: not self._users)
+            release()
+
+        threading.Thread(target=release_once_idle, name="disagg-ledger-hold", daemon=True).start()
 
     def __enter__(self) -> FabricManagerServer:
         self.start()
@@ -527,13 +642,21 @@ def _remove_socket(path: Path) -> None:
             path.unlink()
 
 
-def _bind_failure(listener: Listener) -> str:
-    """Why a TCP address cannot be bound, which grpcio says only with GRPC_VERBOSITY=debug: bind a socket there
-    as it does, and tell what the system answered."""
+def _bind_failure(listener: Listener, earlier: Sequence[Listener]) -> str:
+    """Why a TCP address cannot be bound, which grpcio says only with GRPC_VERBOSITY=debug: one of the ``earlier``
+    listeners of this server is bound there, or else bind a socket there as it does, and tell what the system
+    answered."""
     try:
         infos = socket.getaddrinfo(listener.host, listener.port, type=socket.SOCK_STREAM)
     except OSError as exc:
         return f"cannot resolve {listener.host}: {exc.strerror or exc}"
+    mine = {info[4][:2] for info in infos}
+    for other in earlier:
+        if other.unix_path is None and other.port == listener.port != 0:
+            with contextlib.suppress(OSError):
+                theirs = socket.getaddrinfo(other.host, other.port, type=socket.SOCK_STREAM)
+                if mine & {info[4][:2] for info in theirs}:
+                    return f"this server's listener {other.address} listens there already: give the address once"
     for family, kind, proto, _, address in infos:
         try:
             with socket.socket(family, kind, proto) as probe:

@@ -19,8 +19,10 @@ import asyncio
 import contextlib
 import contextvars
 import errno
+import functools
 import heapq
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +32,7 @@ from typing import Any, TypeAlias
 from disagg import codec
 from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 from disagg.model import Composition, Event, Reservation
+from disagg.statedir import make_directories
 from disagg.store import ownership
 from disagg.store.base import (
     REQUEST_RETENTION,
@@ -101,6 +104,21 @@ def _open_error(path: Path, exc: BaseException) -> DisaggError:
     return ConfigError(f"cannot open the ledger at {path}: {exc}", field="state.path")
 
 
+MEMORY = ":memory:"
+MEMORY_REFUSED = (
+    "the ledger's path ':memory:' would keep the ledger in memory, lost when the process ends, while a SQLite "
+    'ledger is there to last: set [state] ledger = "memory" for a ledger that does not'
+)
+"""SQLite's name for a database in memory, and why it is no ledger's path."""
+
+
+def _make_private(path: Path) -> None:
+    """Create the ledger's file for its owner alone if it is missing: SQLite would make it with the umask's mode
+    (0o666 under umask 000), and its WAL and shared-memory files take the mode of the database's."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+
+
 EVENT_RETENTION = 100_000
 """Events kept; a watch from an older revision is told the log was compacted (OUT_OF_RANGE)."""
 PRUNE_EVERY = 1_000
@@ -158,8 +176,17 @@ class SqliteStore(Store):
     def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
         self.path = Path(path)
         self._retention = check_event_retention(event_retention)
+        if str(path) == MEMORY:
+            raise ConfigError(MEMORY_REFUSED, field="state.path")
+        if self.path.is_dir():  # SQLite says "unable to open database file", after a lock file was made beside it
+            raise ConfigError(
+                f"the ledger's path {self.path} is a directory: give the ledger's file, such as "
+                f"{self.path / 'ledger.db'}",
+                field="state.path",
+            )
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_directories(self.path.parent)
+            _make_private(self.path)
         except OSError as exc:
             raise _open_error(self.path, exc) from exc
         try:
@@ -481,6 +508,14 @@ class SqliteStore(Store):
         if cutoff - self._oldest_event + 1 >= min(PRUNE_EVERY, self._retention):
             batch.prune(("DELETE FROM events WHERE revision <= ?", (cutoff,)))
             self._oldest_event = cutoff + 1
+
+    def hold(self) -> Callable[[], None]:
+        """Keep this process's claim on the ledger past `close`, until the function returned is called (or the
+        process ends, however it ends). A server that stops while a driver call still runs holds it: a fabric
+        manager that opened the ledger meanwhile would undo the change that call is making, and the call would
+        then land on the hardware behind its back. Call it before `close`."""
+        key = ownership.hold(self.path)  # this process holds it already: one more share of that hold
+        return functools.partial(ownership.let_go, key)
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from typing import IO, TypeVar
 
 from disagg.errors import ConfigError
 from disagg.lockfile import try_lock
+from disagg.statedir import make_directories
 
 DIRECTORY_MODE = 0o750
 """The mode of a directory made for a socket, less what the umask takes: its group may reach the socket (which
@@ -25,18 +26,49 @@ the socket's own mode then decides), other users never."""
 SOCKET_MODE_MASK = 0o660
 """The most a socket's mode may be (`bind_unix_socket`), less the umask: connecting needs write permission."""
 MAX_PORT = 65535
+URI_CHARACTERS = "%?#,"
+"""The characters gRPC reads as URI syntax in a ``unix:`` address: it percent-decodes the path as it binds
+(``unix:/run/a%20b.sock`` is ``/run/a b.sock``, another server's perhaps), and a client takes ``?`` and ``#`` to
+begin a query and a fragment, and ``,`` to separate addresses, so that it never reaches the socket."""
 _UMASK = threading.Lock()
 T = TypeVar("T")
 
 
+def address_text_refusal(address: str) -> str:
+    """Why ``address`` cannot be given to gRPC, which takes it as UTF-8 text ending at the first NUL; empty when
+    it can. A name read from the command line or the environment may hold bytes that are not UTF-8."""
+    if "\0" in address:
+        return "it holds a NUL character, which no address or file name can"
+    try:
+        address.encode()
+    except UnicodeEncodeError:
+        return "it is not UTF-8 text, which gRPC takes addresses as"
+    return ""
+
+
+def unix_path_refusal(path: str) -> str:
+    """Why ``path`` cannot be a unix socket's that gRPC binds, and a client reaches, as written; empty when it
+    can (`URI_CHARACTERS`)."""
+    found = " ".join(c for c in URI_CHARACTERS if c in path)
+    if found:
+        return (
+            f"gRPC reads {found} in a unix socket's path as URI syntax, so it would bind or reach another path "
+            f"than this one: choose a path without any of {' '.join(URI_CHARACTERS)}"
+        )
+    return address_text_refusal(path)
+
+
 def prepare_unix_socket(path: Path) -> IO[bytes]:
     """Create the missing parent directories (`DIRECTORY_MODE`), claim the socket's path, and remove a stale
-    socket file (left by a server that died); refuse a socket another server listens on, or a file that is not a
-    socket, with `ConfigError`. Returns the claim, an ``flock`` on ``<path>.lock``, to hold for as long as the
-    server listens: a probe of the socket alone let two servers started at once both pass it, and gRPC removes
-    a socket file before it binds."""
+    socket file (left by a server that died); refuse a socket another server listens on, a file that is not a
+    socket, or a path gRPC would not bind as written (`unix_path_refusal`), with `ConfigError`. Returns the claim,
+    an ``flock`` on ``<path>.lock``, to hold for as long as the server listens: a probe of the socket alone let
+    two servers started at once both pass it, and gRPC removes a socket file before it binds."""
+    refused = unix_path_refusal(str(path))
+    if refused:  # before anything is made or removed: gRPC would unlink and bind the path it decoded
+        raise ConfigError(f"cannot listen on the unix socket {path}: {refused}", field="listen")
     try:
-        _make_directories(path.parent)
+        make_directories(path.parent, DIRECTORY_MODE)
         claim = try_lock(path.with_name(path.name + ".lock"))
     except OSError as exc:
         raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
@@ -68,18 +100,6 @@ def bind_unix_socket(path: Path, bind: Callable[[], T], mode: int = SOCKET_MODE_
     except OSError as exc:
         raise ConfigError(f"cannot set the permissions of the unix socket {path}: {exc}", field="listen") from exc
     return result
-
-
-def _make_directories(directory: Path) -> None:
-    """Create ``directory`` and its missing parents, each `DIRECTORY_MODE` less the umask (``Path.mkdir`` gives
-    the parents the umask's mode alone: 0o777 under umask 000). Directories that exist are left as they are."""
-    missing: list[Path] = []
-    while not os.path.lexists(directory):
-        missing.append(directory)
-        directory = directory.parent
-    for made in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # made by another process meanwhile
-            made.mkdir(mode=DIRECTORY_MODE)
 
 
 def _clear(path: Path) -> None:
