@@ -93,6 +93,11 @@ def _check_unix(address: str) -> None:
         raise InvalidRequestError(
             f"{address!r}: give unix:/absolute/path, unix:///absolute/path or unix:relative/path", field="address"
         )
+    if "?" in path or "#" in path:  # gRPC would take them for a query or a fragment, and reach another path
+        raise InvalidRequestError(
+            f"{address!r}: a unix socket's path holds no ? or # (a fabric manager refuses to listen on one)",
+            field="address",
+        )
 
 
 def _check_host(address: str, host: str) -> None:
