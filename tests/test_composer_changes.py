@@ -183,6 +183,15 @@ class TestRecomposeRefusal:
             comp.recompose("job", add=[parse_resource("cxl-memory 3TiB"), parse_resource("cxl-memory 2TiB")])
         assert "3 TiB of it held by add[0]; no other arrangement" in refused.value.message
 
+    def test_a_line_no_placement_honours_is_named_as_added(self) -> None:
+        """It was checked as a request of its own, so every added line was "resource 0", field resources[0]."""
+        comp = composer(rack())
+        comp.compose(parse_request("job", ["host h1", "gpu x1"]))
+        with pytest.raises(InvalidRequestError) as refused:
+            comp.recompose("job", add=[parse_resource("nic"), parse_resource("cxl-memory 1GiB same-switch")])
+        assert refused.value.field == "add[1]"
+        assert refused.value.message.startswith("add[1]: spread and same-switch choose among whole devices")
+
     def test_compose_still_names_its_lines_by_place(self) -> None:
         comp = composer(rack())
         with pytest.raises(NoFitError) as refused:

@@ -2077,8 +2077,7 @@ class FabricComposer(Composer):
             self._check_removal(comp, remove, bool(add))
             base = len(comp.resources)
             lines: list[Line] = [(base + i, r, Pin()) for i, r in enumerate(add)]
-            for _, r, _ in lines:
-                self._placer.check(CompositionRequest(comp.name, (r,)))
+            self._placer.check_lines(add, "add")
             plan = Plan(comp.host)
             if lines:
                 found, why = self._placer.try_host(comp.host, lines, added_lines(base))

@@ -159,17 +159,23 @@ class Placer:
         self._match_cache: dict[tuple[Selector, ...], dict[int, bool]] = {}
 
     def check(self, request: CompositionRequest) -> None:
-        for i, r in enumerate(request.resources):
+        self.check_lines(request.resources)
+
+    def check_lines(self, resources: Sequence[ResourceRequest], field: str = "resources") -> None:
+        """Refuse lines no placement can honour, named as the request's ``field`` names them: ``resource 1`` of
+        a Compose, ``add[1]`` of a recompose."""
+        for i, r in enumerate(resources):
+            name = f"resource {i}" if field == "resources" else f"{field}[{i}]"
             if r.carved and (r.spread or r.affinity is Affinity.SAME_SWITCH):
                 raise InvalidRequestError(
-                    f"resource {i}: spread and same-switch choose among whole devices; an amount of memory is "
+                    f"{name}: spread and same-switch choose among whole devices; an amount of memory is "
                     "carved from pools, nearest first",
-                    field=f"resources[{i}]",
+                    field=f"{field}[{i}]",
                 )
             for sel in r.selectors:
                 refusal = selector_refusal(sel.key, resource=True)
                 if refusal:
-                    raise InvalidRequestError(f"resource {i}: {sel}: {refusal}", field=f"resources[{i}].selectors")
+                    raise InvalidRequestError(f"{name}: {sel}: {refusal}", field=f"{field}[{i}].selectors")
 
     def place(self, request: CompositionRequest, owner: str = "") -> Plan:
         """A plan for the whole request, or `NoFitError` saying which constraint failed and by how much."""
