@@ -56,6 +56,8 @@ class TestLoadNodes:
         [
             (("n0", "64000", "262144", "two", "A"), "nodes.csv:3: gpu must be a whole number, got 'two'"),
             (("n0", "64000", "262144", "1.5", "A"), "nodes.csv:3: gpu must be a whole number, got '1.5'"),
+            (("n0", "64_000", "262144", "2", "A"), "nodes.csv:3: cpu_milli must be a whole number, got '64_000'"),
+            (("", "64000", "262144", "2", "A"), "nodes.csv:3: a node needs its sn"),
             (("n0", "64000", "262144", "-1", "A"), "nodes.csv:3: gpu must be at least 0, got -1"),
             (("n0", "0", "262144", "2", "A"), "nodes.csv:3: cpu_milli must be at least 1, got 0"),
             (("n0", "64000", "", "2", "A"), "nodes.csv:3: memory_mib must be a whole number, got ''"),

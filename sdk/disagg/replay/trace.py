@@ -186,6 +186,8 @@ def _int(path: Path, line: int, row: dict[str, str], column: str, *, least: int,
     overflow the replay's 64-bit arrays instead of naming the row."""
     text = (row.get(column) or "").strip()
     try:
+        if not (text.isascii() and text.removeprefix("-").isdigit()):  # int() also reads 1_000, +5 and ²
+            raise ValueError(text)
         value = int(text)
     except ValueError:
         raise InvalidRequestError(
@@ -208,6 +210,8 @@ def load_nodes(path: Path) -> list[Node]:
     for line, row in _rows(path, _NODE_COLUMNS, _NODE_FORMAT):
         gpus = _int(path, line, row, "gpu", least=0, most=MAX_GPUS)
         model = (row.get("model") or "").strip()
+        if not row["sn"].strip():
+            raise InvalidRequestError(f"{path.name}:{line}: a node needs its sn", field=f"{path.name}:{line}")
         if gpus and not model:
             raise InvalidRequestError(f"{path.name}:{line}: a node with GPUs needs a model", field=f"{path.name}")
         node = Node(
