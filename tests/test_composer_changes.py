@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar, cast
 
+import attrs
 import pytest
 from composer_helpers import (
     composer,
@@ -16,11 +17,12 @@ from composer_helpers import (
     rack,
 )
 from disagg.composer import FabricComposer, steps
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NoFitError
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NoFitError, NotFoundError
 from disagg.interfaces import CallContext
 from disagg.model import Allocation, Binding, Composition, CompositionState, EventType, Topology
 from disagg.requestlang import parse_request, parse_resource
-from disagg_sim import SimFabric
+from disagg_sim import SimFabric, load_topology
+from disagg_sim.fabric import SimPool
 
 T = TypeVar("T")
 
@@ -159,6 +161,45 @@ class TestAFabricThatStopsAnsweringDuringARemoval:
         assert hardware_bindings(fabrics)[failed_gpu] == "h1"
         silence.answer(comp)
         assert ledger_bindings(comp) == hardware_bindings(fabrics)
+
+
+class VanishingPool(SimFabric):
+    """A sim fabric whose pool ``gone`` (and the device behind it) it no longer has: its DCD was removed."""
+
+    gone: str | None = None
+
+    def discover(self) -> Topology:
+        topology = super().discover()
+        pool = next((p for p in topology.pools if p.id == self.gone), None)
+        if pool is None:
+            return topology
+        return attrs.evolve(
+            topology,
+            pools=tuple(p for p in topology.pools if p is not pool),
+            devices=tuple(d for d in topology.devices if d.id != pool.device),
+        )
+
+    def pool(self, pool: str) -> SimPool:
+        if pool == self.gone:
+            raise NotFoundError("pool", pool, f"fabric {self.name!r} has no pool {pool!r}")
+        return super().pool(pool)
+
+
+class TestAPoolThatIsGone:
+    def test_a_decompose_counts_its_memory_released(self) -> None:
+        """A fabric that answers and has no such pool any more holds nothing carved from it: a decompose left the
+        composition FAILED with that memory "still bound", and no retry could end it, its host and name taken."""
+        fabrics = rack()
+        fabrics["cxl0"] = cxl = VanishingPool(load_topology("cxl0", "demo-cxl"))
+        comp = composer(fabrics, auto_heal=False)
+        job = comp.compose(parse_request("job", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert job is not None
+        cxl.gone = job.allocations[0].pool
+        cxl.set_link("h4", "cxl-top", False)  # an event: the composer discovers again, without the pool
+        assert comp.get(job.id).state is CompositionState.DEGRADED
+        comp.decompose(job.id)
+        assert comp.compositions() == [] and hardware_bindings(fabrics) == {}
+        assert comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition is not None
 
 
 class TestRecomposeRefusal:

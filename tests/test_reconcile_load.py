@@ -122,6 +122,17 @@ class TestAPassUnderTraffic:
         after = comp.get(job.id)
         assert after.state is CompositionState.DEGRADED and after.missing == job.device_ids
 
+    def test_a_reconcile_during_another_reconcile(self) -> None:
+        """Two passes at once (an SDK caller's beside the server's timer): the one that ended first took the other's
+        watch out of the list as an equal one (both empty), and the other's judgement then failed with ValueError,
+        leaving a watch behind that collected every later change for good."""
+        fabrics = rack_with_slow_listing()
+        comp = composer(fabrics, auto_heal=False)
+        inner: list[int] = []
+        fabrics["pcie0"].before = lambda: inner.append(comp.reconcile())
+        assert comp.reconcile() == 0 and inner == [0]
+        assert comp._watches == []
+
 
 class TestAllocationHeldOtherwise:
     """An allocation the hardware holds under the composition's id but for another host or at another size is

@@ -202,7 +202,7 @@ def _held_otherwise(alloc: Allocation, host: str, found: Allocation | None) -> b
     return found is None or found.host != host or found.amount_bytes != alloc.amount_bytes
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _Touched:
     """What the changes of compositions touched while a reconcile read the hardware: the compositions, and the
     devices and (pool, allocation id) their records held before or after. The read may show any of these half
@@ -674,10 +674,10 @@ class FabricComposer(Composer):
             bound, carved, read = self._read_hardware(pools, away)
         except BaseException:
             with self._lock:
-                self._watches.remove(watch)
+                self._unwatch(watch)
             raise
         with self._lock:
-            self._watches.remove(watch)  # under the lock the judgement holds: no change comes in between
+            self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -1307,6 +1307,11 @@ class FabricComposer(Composer):
         self._note_touched(self._compositions.get(comp.id), comp)
         self._compositions[comp.id] = comp
         self.store.put_composition(comp)
+
+    def _unwatch(self, watch: _Touched) -> None:
+        """Stop noting changes for ``watch``, this reconcile's own: by identity, for another running at once may
+        hold a watch equal to it (both empty)."""
+        self._watches = [w for w in self._watches if w is not watch]
 
     def _note_touched(self, *records: Composition | None) -> None:
         """Tell each reconcile reading the hardware now what these records (a composition's before and after a

@@ -15,6 +15,7 @@ from disagg.errors import (
     DisaggError,
     DriverError,
     FabricUnavailableError,
+    NotFoundError,
 )
 from disagg.incidents import log_incident
 from disagg.interfaces import CallContext, Fabric
@@ -154,6 +155,11 @@ class Executor:
                 self._fabric(fabric).pool(pool).release(allocation_id, self.context(deadline))
                 failpoints.hit(f"{stage}.during_release")
             except Exception as exc:
+                if isinstance(exc, NotFoundError) and exc.resource_type == "pool":
+                    # A fabric that answers and has no such pool (its device removed) holds nothing carved from
+                    # it, as an unbind of a device it no longer has is one already done.
+                    log.warning("pool %s of fabric %s is gone, and allocation %s with it", pool, fabric, allocation_id)
+                    continue
                 log.error("could not release allocation %s of pool %s: %r", allocation_id, pool, exc)
                 leftovers.append(allocation_id)
                 timed_out = timed_out or isinstance(exc, DeadlineExceededError)
