@@ -109,6 +109,28 @@ class TestAFailureDuringAChange:
         assert after.pending is None and after.generation > during.generation
         assert len(after.devices) == (2 if bind_fails else 3)
 
+    def test_a_device_the_change_is_adding_counts_too(self, pcie0: HeldBinds) -> None:
+        """A GPU a recompose had bound a moment before failed while it bound the next: only the composition's own
+        devices were judged, so nothing was said until the recompose ended."""
+        comp = started(pcie0, auto_heal=False)
+        job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        pcie0.hold_after = 1  # the first added GPU is bound, the second waits
+        ended: list[object] = []
+        thread = threading.Thread(target=lambda: ended.append(comp.recompose(job.id, add=(parse_resource("gpu x2"),))))
+        thread.start()
+        assert pcie0.binding.wait(WAIT_S)
+        adding = comp.get(job.id).pending
+        assert adding is not None
+        added = adding.devices[0].device
+        pcie0.fail_device(added, "fan failure")
+        during = comp.get(job.id)
+        assert (during.state, during.message) == (CompositionState.COMPOSING, f"unhealthy: {added}")
+        pcie0.let_go()
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and ended
+        assert comp.get(job.id).state is CompositionState.DEGRADED
+
     def test_a_compose_in_flight_says_so_and_ends_degraded(self, pcie0: HeldBinds) -> None:
         """The same for a new composition: named while its binds run, DEGRADED once they end."""
         comp = started(pcie0, auto_heal=False)

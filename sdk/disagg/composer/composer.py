@@ -2445,8 +2445,11 @@ class FabricComposer(Composer):
         """Give a composition whose change is in flight (COMPOSING) the reason `_standing_why` finds now, as its
         message, and have its change return to DEGRADED should it be undone: a device that fails while a
         recompose binds for seconds is seen within one, not when the change ends. The change goes on; as it
-        ends it reads the record again and judges it (`_set_standing`, `_fail_addition`). Under the lock."""
-        why = self._standing_why(comp)
+        ends it reads the record again and judges it (`_set_standing`, `_fail_addition`). What the change is
+        adding counts too (`_holdings`): a device it bound a moment ago may be the one that failed. Under the
+        lock."""
+        devices, allocations = _holdings(comp)
+        why = self._standing_why(revise(comp, devices=tuple(devices), allocations=tuple(allocations)))
         said = comp.message == why or (bool(why) and comp.message.startswith(f"{why}; "))
         pending = comp.pending
         if pending is not None and pending.restore in _STANDING:
@@ -2477,7 +2480,7 @@ class FabricComposer(Composer):
             pools = {p for p, state in self._inv.pools.items() if state.device.id == device}
             if pools and health is not Health.OK:
                 self._drop_unhealthy_reservations()
-            users = [c for c in self._compositions.values() if any(a.pool in pools for a in c.allocations)]
+            users = [c for c in self._compositions.values() if any(a.pool in pools for a in _holdings(c)[1])]
             comp = self._compositions.get(owner) if owner else None
             for each in users + ([comp] if comp is not None else []):
                 self._reassess(each)
