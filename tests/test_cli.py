@@ -308,6 +308,17 @@ class TestErrors:
         assert err.startswith("disagg: error: ") and "an etag is never empty" in err
         assert len(json.loads(cli(capsys, "ls", "--json")[1])[0]["devices"]) == 1
 
+    @pytest.mark.parametrize("command", [["ls"], ["demo", "--fabric", "sim"]])
+    def test_an_empty_config_is_bad_input(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str]
+    ) -> None:
+        """``--config "$CFG"`` with CFG unset: with $DISAGG_SERVER set, ls went to that server (exit 1, cannot
+        reach it), and demo --fabric ran the embedded rack (exit 0), as if --config were not given."""
+        monkeypatch.setenv("DISAGG_SERVER", "unix:/nonexistent/fm.sock")
+        code, out, err = cli(capsys, *command, "--config", "")
+        assert (code, out) == (2, "")
+        assert "--config is empty" in err
+
     def test_recompose_with_nothing_to_do_is_a_usage_error(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(["recompose", "job"])

@@ -151,10 +151,10 @@ def server_address(args: argparse.Namespace, environ: Mapping[str, str] | None =
     if explicit is not None:
         if not explicit.strip():
             raise InvalidRequestError("--server needs an address such as unix:/run/disagg.sock", field="server")
-        if getattr(args, "config", None):
+        if getattr(args, "config", None) is not None:
             raise InvalidRequestError("give --server or --config, not both", field="server")
         return _checked(explicit, "--server")
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) is not None:  # "" too: `load_config` refuses it, never $DISAGG_SERVER
         return None
     address = env.get(SERVER_ENV) or None
     return None if address is None else _checked(address, f"${SERVER_ENV}")

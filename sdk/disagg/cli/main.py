@@ -408,7 +408,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.fabric:
         from disagg.cli.demo_driver import DEFAULT_MEMORY, run_driver_demo
 
-        config = load_config(args.config) if args.config else None
+        config = load_config(args.config) if args.config is not None else None
         memory = DEFAULT_MEMORY if args.memory is None else _memory(args.memory)
         return run_driver_demo(args.fabric, config=config, memory=memory, keep=args.keep, json_output=args.json)
     if args.memory is not None or args.keep:
