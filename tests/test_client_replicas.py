@@ -53,8 +53,9 @@ class TestReplicaTarget:
             ("127.0.0.1:1,127.0.0.1:65536", "literal addresses"),
             ("unix://tmp/fm.sock", "unix:/absolute/path"),
             ("unix:", "unix:/absolute/path"),
-            ("unix:/run/q?x=1.sock", "holds no \\? or #"),  # was "cannot reach" /run/q (exit 1)
-            ("unix:/run/h#f.sock", "holds no \\? or #"),
+            ("unix:/run/q?x=1.sock", "as URI syntax"),  # was "cannot reach" /run/q (exit 1)
+            ("unix:/run/h#f.sock", "as URI syntax"),
+            ("unix:/run/f%41.sock", "as URI syntax"),  # reached /run/fA.sock, another server's
             (":50051", "give HOST:PORT"),
             ("[::1", "IPv6 host in brackets"),
             ("h]:1", "IPv6 host in brackets"),

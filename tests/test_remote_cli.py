@@ -346,7 +346,15 @@ class TestAddress:
         with pytest.raises(ConfigError):
             check_address(address)
 
-    @pytest.mark.parametrize(("address", "says"), [("unix://rel.sock", "ambiguous"), ("127.0.0.1:00", "a port")])
+    @pytest.mark.parametrize(
+        ("address", "says"),
+        [
+            ("unix://rel.sock", "ambiguous"),
+            ("127.0.0.1:00", "a port"),
+            ("unix:/run/p%41.sock", "as URI syntax"),  # a remote fabric reached the driver on /run/pA.sock
+            ("unix:/run/q?x.sock", "as URI syntax"),
+        ],
+    )
     def test_what_grpc_would_read_otherwise(self, address: str, says: str) -> None:
         """``unix://rel.sock`` was taken as the relative path rel.sock while gRPC bound /rel.sock (and took over
         another server's socket there); port ``00`` was announced as such while gRPC picked a random port."""

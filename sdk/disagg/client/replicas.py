@@ -14,7 +14,7 @@ import json
 
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
-from disagg.wire.sockets import MAX_PORT, port_from_text
+from disagg.wire.sockets import MAX_PORT, port_from_text, unix_path_refusal
 
 SERVICE = fm.DESCRIPTOR.services_by_name["FabricManagerService"].full_name
 SERVICE_CONFIG = json.dumps(
@@ -93,11 +93,9 @@ def _check_unix(address: str) -> None:
         raise InvalidRequestError(
             f"{address!r}: give unix:/absolute/path, unix:///absolute/path or unix:relative/path", field="address"
         )
-    if "?" in path or "#" in path:  # gRPC would take them for a query or a fragment, and reach another path
-        raise InvalidRequestError(
-            f"{address!r}: a unix socket's path holds no ? or # (a fabric manager refuses to listen on one)",
-            field="address",
-        )
+    refused = unix_path_refusal(path)
+    if refused:  # a fabric manager refuses to listen there, and the channel would reach another path
+        raise InvalidRequestError(f"{address!r}: {refused}", field="address")
 
 
 def _check_host(address: str, host: str) -> None:

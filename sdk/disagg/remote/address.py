@@ -8,7 +8,7 @@ with a message that says why.
 from __future__ import annotations
 
 from disagg.errors import ConfigError
-from disagg.wire.sockets import MAX_PORT, port_from_text
+from disagg.wire.sockets import MAX_PORT, port_from_text, unix_path_refusal
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
 
@@ -23,6 +23,9 @@ def check_address(address: object, *, field: str = "address", listening: bool = 
     if address.startswith("unix:"):
         if not unix_path(address):
             raise ConfigError(f"{field}: {address!r} names no socket path", field=field)
+        refused = unix_path_refusal(unix_path(address))
+        if refused:  # a driver refuses to listen there, and a channel would reach another path
+            raise ConfigError(f"{field}: {address!r}: {refused}", field=field)
         if address.startswith("unix://") and not address.startswith("unix:///"):
             # gRPC reads what follows "unix://" as an absolute path ("unix://run/x" is /run/x), not a relative one.
             raise ConfigError(
