@@ -56,9 +56,10 @@ class TestUnixSocketPaths:
 
 
 class TestPrivateFiles:
-    """Lock files are their owner's alone, and so are the directories made for a ledger or a driver's state:
-    an ``flock`` needs only a descriptor open for reading, so any local user who could read a lock file (0o644,
-    or 0o666 under umask 000) could hold it and keep the fabric manager from opening its own ledger."""
+    """Lock files are their owner's alone, and the directories made for a ledger or a driver's state are closed to
+    other users: an ``flock`` needs only a descriptor open for reading, so any local user who could read a lock
+    file (0o644, or 0o666 under umask 000) could hold it and keep the fabric manager from opening its own ledger.
+    The group may pass through (0o750), to a socket made beside the ledger."""
 
     def test_ledger(self, tmp_path: Path, umask: int) -> None:
         ledger = tmp_path / "made" / "deeper" / "ledger.db"
@@ -66,7 +67,7 @@ class TestPrivateFiles:
         try:
             assert mode(ledger.with_name("ledger.db.lock")) == 0o600
             assert mode(ledger) == 0o600
-            assert mode(ledger.parent) == mode(ledger.parent.parent) == 0o700
+            assert mode(ledger.parent) == mode(ledger.parent.parent) == 0o750
         finally:
             store.close()
 
@@ -84,7 +85,7 @@ class TestPrivateFiles:
         state = tmp_path / "made" / "state"
         claim = statedir.claim("pcie0", "sim", state)
         try:
-            assert mode(state) == mode(state.parent) == 0o700
+            assert mode(state) == mode(state.parent) == 0o750
             assert mode(state / "driver.lock") == 0o600
         finally:
             claim.close()

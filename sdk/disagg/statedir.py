@@ -3,8 +3,9 @@
 Drivers that keep their hardware's processes and records in a directory (QEMU guests, a switch emulator) must
 not share it: two would fight over one QEMU monitor, or one would stop the emulator the other is using. The
 claim is a lock on ``<state_dir>/driver.lock`` (`disagg.lockfile`), which goes with the driver's process however it
-ends. The directories made for it, as for a ledger, are its owner's alone (`PRIVATE_MODE`): another user who could
-open the lock file could hold the lock, and keep the driver or the fabric manager from starting.
+ends. The lock file is its owner's alone (`disagg.lockfile`): another user who could open it could hold the lock,
+and keep the driver or the fabric manager from starting. The directories made for it, as for a ledger or a socket,
+are closed to other users (`DIRECTORY_MODE`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from typing import IO
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.lockfile import try_lock
 
-PRIVATE_MODE = 0o700
-"""The mode of a state or ledger directory this package makes: its owner's alone, whatever the umask."""
+DIRECTORY_MODE = 0o750
+"""The mode of a directory this package makes (for a ledger, a driver's state or a socket), less what the umask
+takes: never open to other users, whatever the umask; its group may pass through to a socket made beside the
+ledger, which the socket's own mode then guards, while the ledger and the lock files in it are 0600."""
 
 
-def make_directories(directory: Path, mode: int = PRIVATE_MODE) -> None:
+def make_directories(directory: Path, mode: int = DIRECTORY_MODE) -> None:
     """Create ``directory`` and its missing parents, each ``mode`` less the umask (``Path.mkdir`` gives the
     parents the umask's mode alone: 0o777 under umask 000). Directories that exist are left as they are."""
     missing: list[Path] = []

@@ -20,9 +20,6 @@ from disagg.errors import ConfigError
 from disagg.lockfile import try_lock
 from disagg.statedir import make_directories
 
-DIRECTORY_MODE = 0o750
-"""The mode of a directory made for a socket, less what the umask takes: its group may reach the socket (which
-the socket's own mode then decides), other users never."""
 SOCKET_MODE_MASK = 0o660
 """The most a socket's mode may be (`bind_unix_socket`), less the umask: connecting needs write permission."""
 MAX_PORT = 65535
@@ -68,7 +65,7 @@ def prepare_unix_socket(path: Path) -> IO[bytes]:
     if refused:  # before anything is made or removed: gRPC would unlink and bind the path it decoded
         raise ConfigError(f"cannot listen on the unix socket {path}: {refused}", field="listen")
     try:
-        make_directories(path.parent, DIRECTORY_MODE)
+        make_directories(path.parent)
         claim = try_lock(path.with_name(path.name + ".lock"))
     except OSError as exc:
         raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
