@@ -240,6 +240,9 @@ class TestInterrupted:
         assert (code, out) == (130, f"released {first}\n")
         assert err.startswith(f"disagg: interrupted: release {first} {second}: those printed as released are given")
         assert "the same command with --ignore-missing to release the rest" in err
+        code, out, err = cli(capsys, *where, "release", second, "--json")
+        assert (code, out) == (130, "")  # nothing printed: it says so
+        assert err.startswith(f"disagg: interrupted: release {second}: some may be given back already")
         monkeypatch.setattr(owner, "release_reservation", release)
         assert [r["id"] for r in listed(capsys, where)] == [second]
         code, out, err = cli(capsys, *where, "release", first, second, "--ignore-missing")

@@ -572,9 +572,10 @@ def _interrupted(args: argparse.Namespace) -> str:
     if subject:
         what += " " + (subject if isinstance(subject, str) else " ".join(subject))
     if args.command == "release":
+        given = "some may be given back already" if args.json else "those printed as released are given back"
         return (
-            f"{what}: those printed as released are given back, and the others may be too; run the same command "
-            "with --ignore-missing to release the rest (releasing is idempotent), or reservations to see what is held"
+            f"{what}: {given}, and the others may be too; run the same command with --ignore-missing to release the "
+            "rest (releasing is idempotent), or reservations to see what is held"
         )
     if args.command not in CHANGES or getattr(args, "preview", False):
         return f"{what} (it changes nothing)" if args.command in CHANGES else what
