@@ -277,9 +277,11 @@ class TestSqliteStore:
         assert str(path) in info.value.message
 
     def test_path_is_a_directory(self, tmp_path: Path) -> None:
-        with pytest.raises(ConfigError, match="cannot open the ledger") as info:
+        """Refused before a lock file is made beside it, naming the file to give instead."""
+        with pytest.raises(ConfigError, match="is a directory: give the ledger's file") as info:
             SqliteStore(tmp_path)
-        assert str(tmp_path) in info.value.message
+        assert str(tmp_path / "ledger.db") in info.value.message
+        assert not (tmp_path.parent / f"{tmp_path.name}.lock").exists()
 
     def test_not_a_database(self, tmp_path: Path) -> None:
         path = tmp_path / "ledger.db"
