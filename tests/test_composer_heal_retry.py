@@ -16,7 +16,8 @@ from composer_helpers import composer
 from disagg.composer import FabricComposer
 from disagg.errors import DisaggError, FabricUnavailableError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, CompositionState, EventType
+from disagg.model import Binding, ChangeKind, CompositionState, DeviceKind, DevicePick, EventType, PendingChange
+from disagg.model.composition import revise
 from disagg.requestlang import parse_request, parse_resource
 from disagg_sim import SimFabric, create_fabric, load_topology
 
@@ -220,3 +221,22 @@ class TestAHealWhoseBindsFail:
         assert pcie0.refused == 2 and comp.get(job).etag == etag
         pcie0.refuse = False
         assert comp.heal(job).state is CompositionState.COMPOSED
+
+
+class TestAHealBesideAChangeToRecover:
+    def test_it_leaves_the_change_to_recovery(self, pcie0: HeldBinds) -> None:
+        """A heal's pending ADD is written without a new etag, so a crash during a heal leaves a DEGRADED record
+        with its change half made, which recovery settles (at start-up, or once its fabric answers again). A heal
+        coming first replaced that change with its own, and what the crashed one had bound was no longer recorded."""
+        comp = started(pcie0, auto_heal=False)
+        job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        pcie0.fail_device(job.device_ids[0], "ECC storm")
+        degraded = comp.get(job.id)
+        assert degraded.state is CompositionState.DEGRADED
+        spare = next(d.id for d in comp.devices() if d.kind is DeviceKind.GPU and comp.owner_of(d.id) is None)
+        left = PendingChange(ChangeKind.ADD, (DevicePick(spare, 0, 0),), restore=CompositionState.DEGRADED)
+        with comp._lock:  # as a crash during a heal leaves it, before recovery comes to it
+            comp._record(revise(degraded, pending=left))
+        assert comp.heal(job.id).pending == left
+        assert comp.get(job.id).pending == left

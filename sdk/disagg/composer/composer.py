@@ -2516,8 +2516,8 @@ class FabricComposer(Composer):
     def _heal(self, composition_id: str) -> Composition:
         with self._lock:
             comp = self.find(composition_id)
-            if comp.state is not CompositionState.DEGRADED:
-                return comp
+            if comp.state is not CompositionState.DEGRADED or comp.pending is not None:
+                return comp  # a change a crash left half made is recovery's (`_recover`): it would be overwritten
             bad = self._unhealthy(comp)
             if not bad:
                 return comp if self._standing(comp) is CompositionState.DEGRADED else self._set_standing(comp)
