@@ -10,6 +10,7 @@ import grpc
 import pytest
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces.fabric import MAX_ID
 from disagg.wire.fabric import event_from_wire
 from server_helpers import (
     WAIT_S,
@@ -162,7 +163,7 @@ class TestGetDevice:
         assert device.id == comp.devices[0].device and device.held_by == comp.id
         assert device.kind == pb.DEVICE_KIND_GPU and device.fabric == "pcie0" and device.serial
 
-    @pytest.mark.parametrize("bad", ["", "x" * 129, "has space"])
+    @pytest.mark.parametrize("bad", ["", "x" * (MAX_ID + 1), "has space"])  # a driver's ids reach MAX_ID
     def test_invalid_id(self, served: Served, bad: str) -> None:
         failed = fails(served.stub.GetDevice, fm.GetDeviceRequest(id=bad))
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("id",)

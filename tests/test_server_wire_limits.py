@@ -15,6 +15,7 @@ from disagg.client import FabricManagerClient
 from disagg.errors import InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces.fabric import MAX_ID
 from disagg.model import (
     ComposeMode,
     CompositionRequest,
@@ -25,6 +26,7 @@ from disagg.model import (
     SelectorOp,
 )
 from disagg.wire.fabric import (
+    MAX_REMOVE,
     MAX_RESOURCES,
     MAX_SELECTOR_VALUE,
     MAX_SELECTORS,
@@ -91,13 +93,29 @@ class TestSelectorValues:
         own status (here no fit), not gRPC's detail-less RESOURCE_EXHAUSTED for a message over 4 MiB."""
         selectors = [text_selector(WIDE * MAX_SELECTOR_VALUE, f"k{n:02d}" + "k" * 60) for n in range(MAX_SELECTORS)]
         line = gpu(2**32 - 1, selectors=selectors, spread="s" * 63, max_latency_ns=2**64 - 1)
-        host = fm.HostRequest(name=WIDE * 128, min_cores=2**32 - 1, min_memory_bytes=2**64 - 1, selectors=selectors)
+        host = fm.HostRequest(name=WIDE * MAX_ID, min_cores=2**32 - 1, min_memory_bytes=2**64 - 1, selectors=selectors)
         request = compose_request(
             "n" * 63, *[line] * MAX_RESOURCES, mode=fm.COMPOSE_MODE_PREVIEW, host=host, request_id=WIDE * 128
         )
         assert GRPC_MESSAGE_CAP / 2 < request.ByteSize() < GRPC_MESSAGE_CAP
         failed = fails(served.stub.Compose, request)
-        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("host", WIDE * 128)
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("host", WIDE * MAX_ID)
+
+    def test_the_largest_valid_update_fits_grpcs_message_cap(self, served: Served) -> None:
+        """As for Compose, with every id to remove as long as a driver may report one (`MAX_ID`), in four-byte
+        characters: the server answers with its own status (here no such composition)."""
+        selectors = [text_selector(WIDE * MAX_SELECTOR_VALUE, f"k{n:02d}" + "k" * 60) for n in range(MAX_SELECTORS)]
+        line = gpu(2**32 - 1, selectors=selectors, spread="s" * 63, max_latency_ns=2**64 - 1)
+        request = fm.UpdateCompositionRequest(
+            id=WIDE * 128,
+            add=[line] * MAX_RESOURCES,
+            remove=[f"{n:04d}".ljust(MAX_ID, WIDE) for n in range(MAX_REMOVE)],
+            etag=WIDE * 128,
+            request_id=WIDE * 128,
+        )
+        assert GRPC_MESSAGE_CAP / 2 < request.ByteSize() < GRPC_MESSAGE_CAP
+        failed = fails(served.stub.UpdateComposition, request)
+        assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("composition", WIDE * 128)
 
 
 class TestRequestsOnly:

@@ -73,6 +73,7 @@ from disagg.model import (
     ResourceRequest,
     Revision,
     Topology,
+    id_name_refusal,
 )
 from disagg.model.composition import revise
 from disagg.policies import BestFit
@@ -93,6 +94,14 @@ carried out before, so the change must find its work and answer with it, never c
 def _random_id(prefix: str) -> str:
     """``c-`` or ``r-`` and 48 random bits: unique in practice, and ten times cheaper than a uuid4 per compose."""
     return f"{prefix}-{_ID_RANDOM.getrandbits(48):012x}"
+
+
+APPLY_FINGERPRINT_TTL_S = 60.0
+"""The reservation time to live in the request-id fingerprint of an APPLY, whatever time to live it was sent
+with: it means nothing to an APPLY, so a retry that sends another one is the same request. It is the default
+every client sends, so the fingerprint an earlier release recorded for an APPLY sent with the default is the
+same digest; one recorded with another time to live is matched through `FabricComposer._once`'s
+``recorded_before``."""
 
 
 T = TypeVar("T")
@@ -1478,6 +1487,9 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- compose
 
     def _check_name(self, name: str) -> None:
+        refusal = id_name_refusal(name)
+        if refusal is not None:
+            raise InvalidRequestError(f"name: {refusal}", field="name")
         holder = self._names.get(name)
         if holder is not None:
             raise AlreadyExistsError(f"the name {name!r} is taken by {holder}", metadata={"holder": holder})
@@ -1517,11 +1529,18 @@ class FabricComposer(Composer):
         self._check_started()
         if mode is ComposeMode.PREVIEW:
             request_id = None
+        if mode is not ComposeMode.APPLY:
+            fingerprint: object = (request, mode, reservation_ttl_s)
+            recorded_before: object | None = None
+        else:  # the time to live means nothing to an APPLY: a retry with another one is the same request
+            fingerprint = (request, mode, APPLY_FINGERPRINT_TTL_S)
+            recorded_before = (request, mode, reservation_ttl_s)
         return self._once(
             request_id,
-            (request, mode, reservation_ttl_s),
+            fingerprint,
             lambda: self._compose(request, mode, reservation_ttl_s, deadline),
             found_again=_composed,
+            recorded_before=recorded_before,
         )
 
     def _once(
@@ -1531,6 +1550,7 @@ class FabricComposer(Composer):
         run: Callable[[], Steps[T]],
         *,
         found_again: Callable[[object], bool] = lambda answer: False,
+        recorded_before: object | None = None,
     ) -> Steps[T]:
         """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
         for it while it is in progress, up to the call timeout, then `ConflictError`), another fingerprint
@@ -1541,7 +1561,12 @@ class FabricComposer(Composer):
         `_made_by_request` finds a composition) is given without waiting for its own record to be on disk.
 
         A retry is answered only once the first call may answer (its ``done`` is set): a retry given an answer
-        still queued for the disk would be contradicted after a crash, when the same id answers anew."""
+        still queued for the disk would be contradicted after a crash, when the same id answers anew.
+
+        ``recorded_before`` is the fingerprint an earlier release took of the same request, where this one
+        takes another (`APPLY_FINGERPRINT_TTL_S`): an id recorded with its digest (an answer in the ledger, a
+        composition's record) is the same request, and runs on under that digest, so that the change finds its
+        own work by it after a crash (`_made_by_request`). It is digested only when the recorded one differs."""
         if request_id is None:
             try:
                 return (yield from run())
@@ -1551,6 +1576,8 @@ class FabricComposer(Composer):
         while True:
             with self._lock:
                 entry = self._requests.get(request_id)
+                if entry is not None and entry[0] != fp and recorded_before is not None:
+                    fp = entry[0] if entry[0] == requests.digest(recorded_before) else fp
                 seed = entry if entry is not None and entry[1] is _RECORDED else None
                 if entry is None or (seed is not None and entry[0] == fp):
                     # New, or known only from the record of the change it made (`_seed_requests`): run it, and

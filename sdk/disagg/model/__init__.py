@@ -24,6 +24,7 @@ from disagg.model.composition import (
     ResourceRequest,
     Selector,
     SelectorOp,
+    id_name_refusal,
     selector_refusal,
     spread_refusal,
 )
@@ -102,6 +103,7 @@ __all__ = [
     "device_id",
     "fabric_name_refusal",
     "format_size",
+    "id_name_refusal",
     "parse_attribute_value",
     "parse_latency",
     "parse_size",

@@ -33,6 +33,7 @@ from disagg.server.watch import Watches, watch_events
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
+    check_driver_id,
     check_id,
     check_selector_values,
     compose_mode_from_wire,
@@ -266,7 +267,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @_read
     def GetDevice(self, request: fm.GetDeviceRequest, context: RpcContext) -> fm.GetDeviceResponse:
-        return fm.GetDeviceResponse(device=self._device(self.composer.device(check_id(request.id, "id"))))
+        return fm.GetDeviceResponse(device=self._device(self.composer.device(check_driver_id(request.id, "id"))))
 
     @_read
     def ListPools(self, request: fm.ListPoolsRequest, context: RpcContext) -> fm.ListPoolsResponse:
@@ -284,11 +285,11 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     @_unary
     def CordonDevice(self, request: fm.CordonDeviceRequest, context: RpcContext) -> fm.CordonDeviceResponse:
-        return fm.CordonDeviceResponse(device=self._device(self.composer.cordon(check_id(request.id, "id"))))
+        return fm.CordonDeviceResponse(device=self._device(self.composer.cordon(check_driver_id(request.id, "id"))))
 
     @_unary
     def UncordonDevice(self, request: fm.UncordonDeviceRequest, context: RpcContext) -> fm.UncordonDeviceResponse:
-        return fm.UncordonDeviceResponse(device=self._device(self.composer.uncordon(check_id(request.id, "id"))))
+        return fm.UncordonDeviceResponse(device=self._device(self.composer.uncordon(check_driver_id(request.id, "id"))))
 
     @_read
     def ListDrivers(self, request: fm.ListDriversRequest, context: RpcContext) -> fm.ListDriversResponse:

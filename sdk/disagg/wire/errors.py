@@ -16,16 +16,22 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from disagg import errors as e
+from disagg.interfaces.fabric import MAX_ID
 
 DOMAIN = "disagg"
-STATUS_MESSAGE_CHARS = 1024
-"""A status's message is cut to this many characters, and its metadata values together to
-`STATUS_METADATA_CHARS`. A message may quote the request (every id a recompose named, a selector's value), and
-the message travels in the status header and again in each detail, in headers that a gRPC client refuses
-beyond 16 KiB: uncut, the client saw RESOURCE_EXHAUSTED without details, or a status it could not read, instead
-of the error. Metadata is data a client acts on (``bound``: what is still bound), so it gets the larger share:
-the message three times (about 3 KiB) and the metadata base64-encoded (about 8 KiB) fit the 16 KiB."""
-STATUS_METADATA_CHARS = 6000
+STATUS_HEADER_BYTES = 7 * 1024
+"""What a status's message and details take of the headers that end the call, at most: its ``grpc-message``
+percent-encoded (a byte that is not printable ASCII, or ``%``, takes three) and its ``grpc-status-details-bin``
+in base64 (the serialized ``google.rpc.Status``, which holds the message again, and once more in a
+``BadRequest`` or ``PreconditionFailure``). A message may quote the request (every id a recompose named, a
+selector's value, a name of emoji), and a gRPC client refuses headers beyond its soft limit of 8 KiB (C-core at
+random up to 16 KiB and always beyond, Java's default at 8 KiB): the client then saw RESOURCE_EXHAUSTED without
+details instead of the error. The KiB left is for the other headers (``:status``, ``content-type``,
+``grpc-status``, 32 bytes each besides). The message is cut at a character to fit (`to_status`)."""
+STATUS_METADATA_BYTES = 3 * 1024
+"""The ``ErrorInfo`` metadata's keys and values together, in UTF-8, at most (`_bounded`): 4 KiB of
+`STATUS_HEADER_BYTES` in base64. Metadata is data a client acts on (``bound``: what is still bound), so it is
+kept before the message, which gets the rest."""
 
 _CODES: tuple[tuple[type[e.DisaggError], grpc.StatusCode], ...] = (
     (e.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -63,48 +69,89 @@ def _pack(message: object) -> any_pb2.Any:
 
 
 def _cut(text: str, limit: int) -> str:
-    """``text``, or its first ``limit`` characters and how many more there were."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+    """``text`` if its UTF-8 takes at most ``limit`` bytes, else its longest start that does together with the
+    marker that ends it, saying how many characters are missing; cut between characters."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    room = max(0, limit - len(f"... ({len(text)} more characters)"))  # the marker is at most this long
+    head = data[:room].decode(errors="ignore")  # drops the character the cut split, if any
+    return f"{head}... ({len(text) - len(head)} more characters)"
 
 
-FIELD_CHARS = 256
-"""A field path or a resource name is cut to this many characters (both are short unless they quote input)."""
+FIELD_BYTES = 4 * MAX_ID
+"""A field path, a resource's name or a precondition's subject is cut to this many bytes of UTF-8: each is short
+unless it quotes input, and the longest id (`disagg.interfaces.MAX_ID` characters of four bytes) is kept whole."""
+_PLAIN = bytes(b for b in range(0x20, 0x7F) if b != ord("%"))
+"""The bytes ``grpc-message`` carries as they are; every other is percent-encoded in three."""
 
 
 def _bounded(metadata: Mapping[str, object]) -> dict[str, str]:
-    """``metadata`` as text within `STATUS_METADATA_CHARS` in all: values are kept whole, shortest first, and
+    """``metadata`` as text within `STATUS_METADATA_BYTES` in all: values are kept whole, shortest first, and
     what does not fit is cut, saying how much is missing."""
     values = {k: str(v) for k, v in metadata.items()}
-    left = STATUS_METADATA_CHARS - sum(len(k) for k in values)
+    left = STATUS_METADATA_BYTES - sum(len(k.encode()) for k in values)
     out: dict[str, str] = {}
-    for n, (key, value) in enumerate(sorted(values.items(), key=lambda kv: len(kv[1]))):
+    for n, (key, value) in enumerate(sorted(values.items(), key=lambda kv: len(kv[1].encode()))):
         share = max(0, left // (len(values) - n))
         out[key] = _cut(value, share)
-        left -= len(out[key])
+        left -= len(out[key].encode())
     return {k: out[k] for k in values}
 
 
-def to_status(error: e.DisaggError) -> grpc.Status:
-    """A status with the rich details for ``error``, for ``context.abort_with_status``; a long message and long
-    metadata are cut (`STATUS_MESSAGE_CHARS`)."""
-    code = status_code(error)
-    message = _cut(error.message, STATUS_MESSAGE_CHARS)
-    metadata = _bounded(error.metadata)
+def _header_bytes(status: status_pb2.Status) -> int:
+    """What ``status`` takes of the headers that end the call (`STATUS_HEADER_BYTES`): its message
+    percent-encoded, and the whole status serialized, in base64."""
+    message: bytes = status.message.encode()
+    serialized: int = status.ByteSize()
+    return len(message) + 2 * len(message.translate(None, _PLAIN)) + 4 * -(-serialized // 3)
+
+
+def _rich_status(
+    error: e.DisaggError, code: grpc.StatusCode, metadata: dict[str, str], message: str
+) -> status_pb2.Status:
+    """The ``google.rpc.Status`` of ``error`` with ``message`` (already cut) and its bounded ``metadata``."""
     details = [_pack(error_details_pb2.ErrorInfo(reason=error.reason, domain=DOMAIN, metadata=metadata))]
     if isinstance(error, e.InvalidRequestError):
         violation = error_details_pb2.BadRequest.FieldViolation(
-            field=_cut(error.field, FIELD_CHARS), description=message
+            field=_cut(error.field, FIELD_BYTES), description=message
         )
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
     if isinstance(error, e.NotFoundError):
-        name = _cut(error.name, FIELD_CHARS)
+        name = _cut(error.name, FIELD_BYTES)
         details.append(_pack(error_details_pb2.ResourceInfo(resource_type=error.resource_type, resource_name=name)))
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         violation_pf = error_details_pb2.PreconditionFailure.Violation(
-            type=error.reason, subject=metadata.get("subject", ""), description=message
+            type=error.reason, subject=_cut(metadata.get("subject", ""), FIELD_BYTES), description=message
         )
         details.append(_pack(error_details_pb2.PreconditionFailure(violations=[violation_pf])))
-    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
+    return status_pb2.Status(code=getattr(code_pb2, code.name), message=message, details=details)
+
+
+def _fitted(error: e.DisaggError, code: grpc.StatusCode, metadata: dict[str, str]) -> status_pb2.Status:
+    """The status of ``error`` with the longest start of its message that keeps it within `STATUS_HEADER_BYTES`,
+    found by halving (what a byte of the message costs depends on whether it is escaped). Everything else is
+    bounded so that the status fits with the marker alone (`STATUS_METADATA_BYTES`, `FIELD_BYTES`)."""
+    fitted = _rich_status(error, code, metadata, _cut(error.message, 0))
+    low, high = 0, STATUS_HEADER_BYTES
+    while low < high:
+        limit = (low + high + 1) // 2
+        status = _rich_status(error, code, metadata, _cut(error.message, limit))
+        if _header_bytes(status) <= STATUS_HEADER_BYTES:
+            fitted, low = status, limit
+        else:
+            high = limit - 1
+    return fitted
+
+
+def to_status(error: e.DisaggError) -> grpc.Status:
+    """A status with the rich details for ``error``, for ``context.abort_with_status``, within
+    `STATUS_HEADER_BYTES`: long metadata is cut first (`STATUS_METADATA_BYTES`), then the message, to fit."""
+    code = status_code(error)
+    metadata = _bounded(error.metadata)
+    status = _rich_status(error, code, metadata, _cut(error.message, STATUS_HEADER_BYTES))
+    if _header_bytes(status) > STATUS_HEADER_BYTES:
+        status = _fitted(error, code, metadata)
     result: grpc.Status = rpc_status.to_status(status)
     return result
 

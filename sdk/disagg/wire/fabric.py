@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from disagg.errors import InvalidRequestError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
+from disagg.interfaces.fabric import MAX_ID
 from disagg.model import (
     MAX_RESERVATION_TTL_S,
     Affinity,
@@ -38,6 +39,7 @@ from disagg.model import (
     Revision,
     Selector,
     SelectorOp,
+    id_name_refusal,
     selector_refusal,
     spread_refusal,
 )
@@ -69,10 +71,13 @@ MAX_RESOURCES = 64
 MAX_SELECTORS = 32
 MAX_SELECTOR_VALUE = MAX_SELECTOR_TEXT
 MAX_NAME = 63
-MAX_ID = 128
-MAX_PAGE_KEY = 256
-"""The longest key a page token of devices or reservations carries: a device id as a driver may report it
-(`disagg.wire.driver.MAX_ID`), longer than the ids a client gives."""
+MAX_OWN_ID = 128
+"""The longest id a request names that no driver reported (`check_id`'s default): a request id, the one a
+client makes up, and a composition's id or name, a reservation's id, an etag, a fabric's name, all far shorter
+as the fabric manager makes them. The ids of devices, hosts and allocations are as long as a driver may report
+them (`MAX_ID`, from `disagg.interfaces`), checked with `check_driver_id`."""
+MAX_PAGE_KEY = MAX_ID
+"""The longest key a page token of devices or reservations carries: a device id as a driver may report it."""
 MAX_PAGE_TOKEN = 4 * 1024 * 1024
 """The longest page token of compositions: gRPC's default limit on a message the server receives (the fabric
 manager sets no other), so a longer one never arrives. Their key is a composition's name, which may be any text
@@ -133,6 +138,8 @@ EVENT_FROM_WIRE = {v: k for k, v in EVENT_TO_WIRE.items()}
 
 
 def check_name(value: str, field: str) -> str:
+    """A composition's name as the wire carries one: 1-63 letters, digits, '.', '_' or '-', starting with a
+    letter or digit. The name of a new composition or reservation is held to `check_new_name`."""
     if not NAME.fullmatch(value):
         raise InvalidRequestError(
             f"{field}: {value!r} is not a valid name (1-{MAX_NAME} letters, digits, '.', '_' or '-', "
@@ -142,10 +149,28 @@ def check_name(value: str, field: str) -> str:
     return value
 
 
-def check_id(value: str, field: str, *, required: bool = True) -> str:
-    if (required and not value) or len(value) > MAX_ID or any(c.isspace() or not c.isprintable() for c in value):
-        raise InvalidRequestError(f"{field}: give an id of 1 to {MAX_ID} printable characters", field=field)
+def check_new_name(value: str, field: str) -> str:
+    """`check_name`, and not of the shape of the ids the fabric manager makes (`c-` or `r-` and 12 lowercase hex
+    digits: `disagg.model.id_name_refusal`), which a lookup by id or name would take for that id.
+    Only a request's: a reservation listed may hold a name an earlier release took."""
+    refusal = id_name_refusal(check_name(value, field))
+    if refusal is not None:
+        raise InvalidRequestError(f"{field}: {refusal}", field=field)
     return value
+
+
+def check_id(value: str, field: str, *, required: bool = True, longest: int = MAX_OWN_ID) -> str:
+    """``value`` if it is an id of 1 to ``longest`` printable characters without spaces (or empty, unless
+    ``required``); by default one no driver reported (`MAX_OWN_ID`), as the CLI holds ``--request-id`` to it."""
+    if (required and not value) or len(value) > longest or any(c.isspace() or not c.isprintable() for c in value):
+        raise InvalidRequestError(f"{field}: give an id of 1 to {longest} printable characters", field=field)
+    return value
+
+
+def check_driver_id(value: str, field: str) -> str:
+    """A device's, host's or allocation's id, as long as a driver may report one (`MAX_ID`): a device listed is
+    one a client can name back."""
+    return check_id(value, field, longest=MAX_ID)
 
 
 def selector_to_wire(sel: Selector) -> fm.Selector:
@@ -285,7 +310,7 @@ def host_request_to_wire(h: HostRequest) -> fm.HostRequest:
 
 def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequest:
     if msg.name:
-        check_id(msg.name, f"{field}.name")
+        check_driver_id(msg.name, f"{field}.name")
     return HostRequest(
         name=msg.name or None,
         min_cores=msg.min_cores,
@@ -334,7 +359,7 @@ def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
     resources = resources_from_wire(msg.resources, "resources", required=True)
     host = host_request_from_wire(msg.host)
     check_selector_values(resources, "resources", host)
-    return CompositionRequest(name=check_name(msg.name, "name"), resources=resources, host=host)
+    return CompositionRequest(name=check_new_name(msg.name, "name"), resources=resources, host=host)
 
 
 def plan_to_wire(plan: Plan) -> fm.Plan:
@@ -515,7 +540,7 @@ def health_filter_from_wire(value: int, field: str = "health") -> Health | None:
 def remove_from_wire(values: Sequence[str], field: str = "remove") -> tuple[str, ...]:
     if len(values) > MAX_REMOVE:
         raise InvalidRequestError(f"{field}: at most {MAX_REMOVE} ids", field=field)
-    return tuple(check_id(v, f"{field}[{n}]") for n, v in enumerate(values))
+    return tuple(check_driver_id(v, f"{field}[{n}]") for n, v in enumerate(values))
 
 
 def etag_from_wire(value: str, field: str = "etag") -> str | None:

@@ -247,7 +247,7 @@ class ListDevicesRequest(_message.Message):
     health: _types_pb2.Health.ValueType
     """Only devices with this health; UNSPECIFIED for all."""
     free_only: _builtins.bool
-    """Only free devices (not held, healthy, not cordoned)."""
+    """Only free devices (not held, healthy, not cordoned, not a carved pool's device)."""
     page_size: _builtins.int
     """At most this many devices (1 to 1000; 0 means 100)."""
     page_token: _builtins.str
@@ -569,15 +569,20 @@ class ComposeRequest(_message.Message):
     RESERVATION_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The composition's name: 1-63 letters, digits, '.', '_' or '-'; unique among live compositions and
-    reservations.
+    """The composition's name: 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit, and not
+    of the shape of the ids the server makes ("c-" or "r-" and 12 lowercase hex digits, which a lookup by id
+    or name would take for that id); unique among live compositions and reservations.
     """
     mode: Global___ComposeMode.ValueType
     """Required: UNSPECIFIED is INVALID_ARGUMENT (field "mode")."""
     reservation_ttl_s: _builtins.float
-    """For RESERVE: seconds to hold the plan (0 means 60; at most 86400)."""
+    """For RESERVE: seconds to hold the plan (0 means 60; at most 86400). Checked in every mode, but no part of
+    an APPLY: an APPLY retried with the same request_id and another value is the same request.
+    """
     reservation_id: _builtins.str
-    """Apply this reservation instead of placing anew (mode APPLY; name, host and resources are ignored)."""
+    """Apply this reservation instead of placing anew (mode APPLY). The reservation holds its name, host and
+    resources: a name, host or resources sent with it is INVALID_ARGUMENT on that field (an empty host is taken).
+    """
     request_id: _builtins.str
     """Client-chosen id (1-128 characters) that makes a retried Compose safe."""
     @_builtins.property
