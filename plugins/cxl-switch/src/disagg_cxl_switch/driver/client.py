@@ -55,6 +55,8 @@ _QUERIES = frozenset(
     }
 )
 """The commands that only read the switch; any other may change it, so a lost answer leaves its outcome unknown."""
+_BACKGROUND = frozenset({Opcode.BIND_VPPB, Opcode.UNBIND_VPPB})
+"""The commands the switch runs in the background (Background Command Started): Bind and Unbind vPPB only."""
 
 T = TypeVar("T")
 
@@ -62,17 +64,24 @@ Verify = Callable[[], bool | None]
 """Whether the switch now holds what a background command asked for; None while the vPPB is still changing."""
 
 
-def changes_switch(opcode: int) -> bool:
-    return opcode not in _QUERIES
+def changes_switch(opcode: int, changes: bool | None = None) -> bool:
+    """Whether ``opcode`` may change the switch: ``changes`` when the caller says, else whether it is no query."""
+    return opcode not in _QUERIES if changes is None else changes
+
+
+def malformed(why: object) -> FabricUnavailableError:
+    """A response the switch got wrong: one that does not decode, or that decodes but does not answer what was
+    asked (other ids, an LD the MLD does not have). The fabric failing, as nothing but SDK errors may leave a
+    driver."""
+    return FabricUnavailableError(f"the CXL switch sent a malformed response: {why}")
 
 
 def decode(decoder: Callable[[bytes], T], payload: bytes) -> T:
-    """A response payload decoded; one the switch got wrong is the fabric failing (`FabricUnavailableError`), as
-    nothing but SDK errors may leave a driver."""
+    """A response payload decoded; one the switch got wrong is `malformed`."""
     try:
         return decoder(payload)
     except CCIFormatError as exc:
-        raise FabricUnavailableError(f"the CXL switch sent a malformed response: {exc}") from None
+        raise malformed(exc) from None
 
 
 class Encodable(Protocol):
@@ -166,7 +175,7 @@ class CCIClient:
                 sent = self._send(sock, message, timeout)
                 response = self._answer(sock, message, timeout, ctx)
         except DisaggError as exc:
-            if sent and (changes_switch(opcode) if changes is None else changes):
+            if sent and changes_switch(opcode, changes):
                 raise outcome_unknown(exc) from None
             raise
         return response
@@ -220,9 +229,14 @@ class CCIClient:
         verify: Verify | None = None,
     ) -> bytes:
         """A command that must succeed (or start in the background, which is waited for and, given ``verify``,
-        checked on the switch; see `wait_background`); its payload."""
+        checked on the switch; see `wait_background`); its payload. Only Bind and Unbind vPPB run in the
+        background: Background Command Started for another command (Background Operation Status itself, whose
+        wait would poll itself without end) is `malformed`, its outcome unknown if it changes the switch."""
         response = self.request(opcode, payload, ctx, changes=changes)
         if response.return_code == ReturnCode.BACKGROUND_COMMAND_STARTED:
+            if opcode not in _BACKGROUND:
+                error = malformed(f"{opcode:04X}h answered Background Command Started")
+                raise outcome_unknown(error) if changes_switch(opcode, changes) else error
             self.wait_background(opcode, ctx, verify)
             return b""
         if response.return_code != ReturnCode.SUCCESS:

@@ -3,6 +3,8 @@ and hands each record, in order, to the fabric, which turns it into `FabricEvent
 
 Polling rather than a notification because the FM API has none over this transport; the interval is well inside
 the driver's declared event latency. The poller has its own connection, so a long Bind vPPB never delays it.
+The log is bounded: records dropped before they were read (its oldest record past the poller's place) are a gap,
+logged, after which the fabric is asked to `resync` from the switch's state, until it has.
 """
 
 from __future__ import annotations
@@ -28,10 +30,20 @@ def next_sequence(client: CCIClient) -> int:
 
 
 class EventPoller:
-    def __init__(self, address: str, first_sequence: int, deliver: Callable[[EventRecord], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        first_sequence: int,
+        deliver: Callable[[EventRecord], None],
+        resync: Callable[[], None],
+    ) -> None:
+        """``deliver`` takes each record in order; ``resync`` (raising `DisaggError` when the switch cannot be read,
+        to be called again after the next poll) tells subscribers what the records lost in a gap would have."""
         self._client = CCIClient(address)
         self._next = first_sequence
         self._deliver = deliver
+        self._resync = resync
+        self._behind = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"cxl-switch-events {address}", daemon=True)
         self._thread.start()
@@ -43,6 +55,14 @@ class EventPoller:
                 response = GetEventRecordsResponse.decode(raw)
             except (DisaggError, ValueError):
                 continue  # the switch is away; the next poll tries again
+            if response.oldest_sequence > self._next:
+                log.warning(
+                    "cxl-switch: the switch's event log dropped records %d to %d before they were read; the devices' "
+                    "health is read from the switch instead",
+                    self._next,
+                    response.oldest_sequence - 1,
+                )
+                self._behind = True
             for record in response.records:
                 self._next = record.sequence + 1
                 try:
@@ -50,6 +70,17 @@ class EventPoller:
                 except Exception:  # a subscriber's handler: the poller must outlive it, or every later event is lost
                     log.exception("cxl-switch: delivering event record %d failed", record.sequence)
             self._next = max(self._next, response.oldest_sequence)
+            if self._behind:
+                self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Resync after a gap, once the records the log still held are delivered (the state read is newer)."""
+        try:
+            self._resync()
+        except DisaggError as exc:
+            log.warning("cxl-switch: reading the devices' health after an event log gap failed (%s)", exc.message)
+            return
+        self._behind = False
 
     def stop(self) -> None:
         self._stop.set()

@@ -129,6 +129,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         self._subs: list[_Subscription] = []
         self._links_down: set[str] = set()
         self._flaky: dict[str | None, int] = {}
+        self._told: dict[str, Health] = {}  # each device's health as last published
         try:
             self._view = SwitchView.read(self._client, name, options)
             self._pools: dict[int, Pool] = {}
@@ -143,7 +144,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 process.stop(state_dir)  # started for a fabric that cannot be built; one adopted holds bindings
             self._let_go()
             raise
-        self._poller = EventPoller(self._address, first, self._on_record)
+        self._poller = EventPoller(self._address, first, self._on_record, self._resync)
         self._closed = False
 
     def _let_go(self) -> None:
@@ -366,6 +367,9 @@ class CxlSwitchFabric(Fabric, FaultInjection):
     def _publish(self, events: Sequence[FabricEvent]) -> None:
         with self._lock:
             handlers = [s.handler for s in self._subs]
+            for event in events:
+                if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
+                    self._told[event.subject] = event.health
         for event in events:
             for handler in handlers:
                 try:
@@ -389,6 +393,23 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._publish([FabricEvent(self._name, kind, device, None, what)])
             kind = FabricEventKind.DEVICE_HEALTH
         self._publish([FabricEvent(self._name, kind, device, health, f"port {record.port_id}: {what}")])
+
+    def _resync(self) -> None:
+        """After the event log dropped records unread: each device's health read from its port, published where it
+        differs from what was last published (or nothing was), so that subscribers converge on the switch. A
+        device last published DEGRADED (a poisoned extent) whose port is up stays so: its port cannot show it."""
+        ports = self._view.read_ports(self._client)
+        with self._lock:
+            told = dict(self._told)
+        events = []
+        for port, view in sorted(ports.items()):
+            device, health = self._view.device_of[port], view.health
+            before = told.get(device)
+            if before is health or (before is Health.DEGRADED and health is Health.OK):
+                continue
+            why = f"port {port}: {health.value}, read after the event log dropped records"
+            events.append(FabricEvent(self._name, FabricEventKind.DEVICE_HEALTH, device, health, why))
+        self._publish(events)
 
     # ------------------------------------------------------------------ FaultInjection
 

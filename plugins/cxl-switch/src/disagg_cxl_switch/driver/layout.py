@@ -29,7 +29,7 @@ from disagg.model import (
     device_id,
 )
 
-from disagg_cxl_switch.driver.client import CCIClient, decode
+from disagg_cxl_switch.driver.client import CCIClient, decode, malformed
 from disagg_cxl_switch.driver.options import Options
 from disagg_cxl_switch.emulator.state import ConnectedDeviceType, LTSSMState
 from disagg_cxl_switch.fmapi import (
@@ -131,10 +131,12 @@ class SwitchView:
     def read_port(self, client: CCIClient, port: int, ctx: CallContext | None = None) -> PortView:
         return PortView(_port_states(client, [port], ctx)[0])
 
+    def read_ports(self, client: CCIClient, ctx: CallContext | None = None) -> dict[int, PortView]:
+        """Every device's port now, by port id."""
+        return {p.port_id: PortView(p) for p in _port_states(client, sorted(self.kind_of), ctx)}
+
     def vcss(self, client: CCIClient, ctx: CallContext | None = None) -> tuple[VCSInfo, ...]:
-        request = GetVirtualCxlSwitchInfoRequest(0, 0xFF, tuple(self.host_of))
-        raw = client.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request, ctx)
-        return decode(GetVirtualCxlSwitchInfoResponse.decode, raw).vcss
+        return _vcs_info(client, GetVirtualCxlSwitchInfoRequest(0, 0xFF, tuple(self.host_of)), ctx)
 
     def bound(self, client: CCIClient, ctx: CallContext | None = None) -> list[tuple[str, int, int]]:
         """(host, vPPB, port) of every vPPB bound whole to one of the driver's device ports."""
@@ -164,10 +166,8 @@ class SwitchView:
     ) -> bool | None:
         """Whether vPPB ``vppb_id`` of VCS ``vcs_id`` is bound to ``port`` (to its LD ``ld`` when given, else whole);
         None while a bind or unbind of it runs, or when the switch does not report it."""
-        request = GetVirtualCxlSwitchInfoRequest(vppb_id, 1, (vcs_id,))
-        raw = client.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request, ctx)
-        vcss = decode(lambda data: GetVirtualCxlSwitchInfoResponse.decode(data, vppb_id, 1), raw).vcss
-        entries = [vcs.vppbs[0] for vcs in vcss if vcs.vcs_id == vcs_id and vcs.vppbs]
+        vcss = _vcs_info(client, GetVirtualCxlSwitchInfoRequest(vppb_id, 1, (vcs_id,)), ctx)
+        entries = [vcs.vppbs[0] for vcs in vcss if vcs.vppbs]
         if len(entries) != 1 or entries[0].binding_status == VPPBBindingStatus.BIND_OR_UNBIND_IN_PROGRESS:
             return None
         entry = entries[0]
@@ -192,7 +192,7 @@ class SwitchView:
         """The fabric now; ``pools`` are the pools that can be described now, by the port of the device they
         carve. A pool whose failed device has not yet given its geometry is left out (the composer then counts
         its memory as out of reach); its device is listed, failed and without capacity."""
-        states = {p.port_id: PortView(p) for p in _port_states(client, sorted(self.kind_of), None)}
+        states = self.read_ports(client)
         carves = {port: kind for kind, port in (("dcd", self.dcd_port), ("mld", self.mld_port)) if port is not None}
         devices = []
         for port, kind in sorted(self.kind_of.items()):
@@ -249,6 +249,26 @@ def _device_type(port: PortInfo) -> ConnectedDeviceType:
 
 
 def _port_states(client: CCIClient, ports: Iterable[int], ctx: CallContext | None) -> tuple[PortInfo, ...]:
+    """Get Physical Port State of ``ports``: a block for each port asked about and for no other, or `malformed`
+    (a port left out, or one not asked about, would be read as another's state)."""
     ids = tuple(ports)
     raw = client.call(Opcode.GET_PHYSICAL_PORT_STATE, GetPhysicalPortStateRequest(ids), ctx)
-    return decode(GetPhysicalPortStateResponse.decode, raw).ports
+    got = decode(GetPhysicalPortStateResponse.decode, raw).ports
+    _check_ids("Get Physical Port State", "port", ids, [p.port_id for p in got])
+    return got
+
+
+def _vcs_info(
+    client: CCIClient, request: GetVirtualCxlSwitchInfoRequest, ctx: CallContext | None
+) -> tuple[VCSInfo, ...]:
+    """Get Virtual CXL Switch Info: a block for each VCS asked about and for no other, or `malformed`."""
+    raw = client.call(Opcode.GET_VIRTUAL_CXL_SWITCH_INFO, request, ctx)
+    window = request.start_vppb, request.vppb_list_limit
+    got = decode(lambda data: GetVirtualCxlSwitchInfoResponse.decode(data, *window), raw).vcss
+    _check_ids("Get Virtual CXL Switch Info", "VCS", request.vcs_ids, [v.vcs_id for v in got])
+    return got
+
+
+def _check_ids(command: str, what: str, asked: Iterable[int], answered: Iterable[int]) -> None:
+    if sorted(asked) != sorted(answered):
+        raise malformed(f"{command} asked about {what}s {sorted(asked)} answered {sorted(answered)}")

@@ -166,10 +166,13 @@ class DCDPool(Pool):
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         """Release by tag the extents listed under the id (``tag-<hex>`` for a tag with no recorded id) or
-        carrying its tag, which a driver that lost its records still lists as ``tag-<hex>``."""
+        carrying its tag, which a driver that lost its records still lists as ``tag-<hex>``. Once all are
+        released the id's name is dropped, or every allocation ever made would stay in the state file; a release
+        that fails keeps it, and its retry finds any extent left by the id's own tag all the same."""
         self._fabric.state.fence(ctx.epoch)
         own_tag = allocation_tag(allocation_id)
         with ctx.hold(self._lock, "the switch"):
             for allocation, tag in self._tagged(ctx):
                 if allocation.id == allocation_id or tag == own_tag:
                     self._release_tag(allocation, tag, ctx)
+            self._fabric.state.forget_tag(allocation_id)

@@ -31,10 +31,12 @@ SOCKET_NAME = "switch.sock"
 PID_NAME = "emulator.pid"
 LOG_NAME = "emulator.log"
 REVISION_NAME = "emulator.revision"
-EMULATOR_REVISION = 2
+EMULATOR_REVISION = 3
 """The revision of the emulator's wire, as far as the driver reads it: bump it with any change to what the
 emulator sends or accepts (a field's layout, a command's meaning), so that a driver never adopts an emulator
-it would misread. 2: Background Operation Status with bit 0 running and the percentage in bits[7:1]."""
+it would misread. 2: Background Operation Status with bit 0 running and the percentage in bits[7:1]. 3: Inject
+Bind Failure is spent by the next Bind vPPB even when that is refused (before, it stayed armed and failed a
+later bind of another device)."""
 _MAX_UNIX_PATH = 100
 
 

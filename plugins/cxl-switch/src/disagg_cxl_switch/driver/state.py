@@ -5,7 +5,9 @@ tag stands for, and which allocation id each LD of an MLD was carved for. In ``s
 A DC extent carries a 16-byte tag; the driver puts the first 16 bytes of the SHA-256 of the allocation id in it,
 so the switch itself groups an allocation's extents and releases them by tag. A hash cannot be read back, so
 the id it came from is kept here, recorded before the extents are added so that a crash in between still names
-them. An LD carries no tag at all, so its allocation id is kept here too, recorded before its allocation is set.
+them, and dropped once they are released. An LD carries no tag at all, so its allocation id is kept here too,
+with the VCS of the host it is carved for, recorded before its allocation is set: the LD is the allocation's
+only while it is unbound or bound to that VCS (another manager may bind it to another host meanwhile).
 """
 
 from __future__ import annotations
@@ -17,11 +19,25 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import attrs
 from disagg.errors import ConfigError, StaleEpochError
 
 
 def allocation_tag(allocation_id: str) -> bytes:
     return hashlib.sha256(allocation_id.encode()).digest()[:16]
+
+
+@attrs.frozen
+class LDRecord:
+    """What an LD was carved for: the allocation id and the VCS of its host. ``vcs`` is None in a record written
+    before VCSs were recorded, which is taken to be the VCS whatever holds the LD, as then."""
+
+    allocation: str
+    vcs: int | None
+
+    def held_by(self, vcs: int) -> bool:
+        """Whether an LD bound to VCS ``vcs`` is this record's allocation."""
+        return self.vcs is None or self.vcs == vcs
 
 
 class DriverState:
@@ -30,7 +46,7 @@ class DriverState:
         self._lock = threading.Lock()
         self._epoch = 0
         self._tags: dict[str, str] = {}
-        self._lds: dict[str, str] = {}
+        self._lds: dict[str, LDRecord] = {}
         if self._path is not None and self._path.exists():
             try:
                 self._epoch, self._tags, self._lds = _parse(json.loads(self._path.read_text()))
@@ -47,7 +63,8 @@ class DriverState:
             return
         self._path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"epoch": self._epoch, "tags": self._tags, "lds": self._lds}, sort_keys=True))
+        lds = {key: attrs.asdict(record) for key, record in self._lds.items()}
+        tmp.write_text(json.dumps({"epoch": self._epoch, "tags": self._tags, "lds": lds}, sort_keys=True))
         os.replace(tmp, self._path)
 
     def fence(self, epoch: int) -> None:
@@ -68,7 +85,7 @@ class DriverState:
         return tag
 
     def forget_tag(self, allocation_id: str) -> None:
-        """Drop the name of an allocation that the switch refused (no extent carries its tag)."""
+        """Drop the name of an allocation that the switch refused or released (no extent carries its tag)."""
         key = allocation_tag(allocation_id).hex()
         with self._lock:
             if self._tags.get(key) == allocation_id:
@@ -80,16 +97,16 @@ class DriverState:
         with self._lock:
             return self._tags.get(tag.hex(), f"tag-{tag.hex()}")
 
-    def name_ld(self, port: int, ld: int, allocation_id: str) -> None:
-        """Record that LD ``ld`` of the MLD on ``port`` is being carved for ``allocation_id``."""
-        key = f"{port}/{ld}"
+    def name_ld(self, port: int, ld: int, allocation_id: str, vcs: int) -> None:
+        """Record that LD ``ld`` of the MLD on ``port`` is being carved for ``allocation_id`` on VCS ``vcs``."""
+        key, record = f"{port}/{ld}", LDRecord(allocation_id, vcs)
         with self._lock:
-            if self._lds.get(key) != allocation_id:
-                self._lds[key] = allocation_id
+            if self._lds.get(key) != record:
+                self._lds[key] = record
                 self._save()
 
-    def ld_allocation(self, port: int, ld: int) -> str | None:
-        """The allocation id an LD was last carved for, or None."""
+    def ld_record(self, port: int, ld: int) -> LDRecord | None:
+        """What an LD was last carved for, or None."""
         with self._lock:
             return self._lds.get(f"{port}/{ld}")
 
@@ -100,17 +117,33 @@ class DriverState:
                 self._save()
 
 
-def _parse(data: Any) -> tuple[int, dict[str, str], dict[str, str]]:
-    """The epoch, the tags' and the LDs' allocation ids of a state file; ValueError for any other shape."""
+def _parse(data: Any) -> tuple[int, dict[str, str], dict[str, LDRecord]]:
+    """The epoch, the tags' allocation ids and the LDs' records of a state file; ValueError for any other shape."""
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     epoch = data.get("epoch", 0)
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+    if not _is_count(epoch):
         raise ValueError(f"epoch {epoch!r} is not a non-negative integer")
-    names = []
-    for key in ("tags", "lds"):
-        table = data.get(key, {})
-        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-            raise ValueError(f"{key} is not an object of allocation ids")
-        names.append(dict(table))
-    return epoch, names[0], names[1]
+    tags = data.get("tags", {})
+    if not isinstance(tags, dict) or not all(isinstance(v, str) for v in tags.values()):
+        raise ValueError("tags is not an object of allocation ids")
+    lds = data.get("lds", {})
+    if not isinstance(lds, dict):
+        raise ValueError("lds is not an object of LD records")
+    return epoch, dict(tags), {key: _ld_record(value) for key, value in lds.items()}
+
+
+def _ld_record(value: Any) -> LDRecord:
+    """An LD's record: ``{"allocation": id, "vcs": n}``, or the bare id a driver wrote before it kept VCSs."""
+    if isinstance(value, str):
+        return LDRecord(value, None)
+    if not isinstance(value, dict) or set(value) != {"allocation", "vcs"}:
+        raise ValueError(f"LD record {value!r} is not an allocation id and a VCS")
+    allocation, vcs = value["allocation"], value["vcs"]
+    if not isinstance(allocation, str) or not (vcs is None or _is_count(vcs)):
+        raise ValueError(f"LD record {value!r} is not an allocation id and a VCS")
+    return LDRecord(allocation, vcs)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

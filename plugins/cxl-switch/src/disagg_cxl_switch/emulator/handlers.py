@@ -265,7 +265,11 @@ class Switch(DCDHandlers, VendorHandlers):
             raise CommandError(ReturnCode.BUSY, "a background operation is running")
 
     def _bind_vppb(self, data: bytes) -> Reply:
+        """Bind vPPB, in the background. An armed Inject Bind Failure is spent by the first Bind vPPB that decodes,
+        whatever becomes of it: one refused here must not leave it armed for a later bind, of another device or
+        another client, that nobody meant to fail."""
         request = BindVPPBRequest.decode(data)
+        fail, self.fail_next_bind = self.fail_next_bind, False
         self._refuse_if_busy()
         vcs = self.state.vcs(request.vcs_id)
         if vcs is None or not 0 <= request.vppb_id < len(vcs.vppbs):
@@ -291,7 +295,6 @@ class Switch(DCDHandlers, VendorHandlers):
                 raise CommandError(ReturnCode.INVALID_INPUT, "port already bound")
         vppb.binding_status = VPPBBindingStatus.BIND_OR_UNBIND_IN_PROGRESS
         vppb.bound_port_id, vppb.bound_ld_id = port.port_id, ld_id
-        fail, self.fail_next_bind = self.fail_next_bind, False
 
         def complete() -> ReturnCode:
             if fail:

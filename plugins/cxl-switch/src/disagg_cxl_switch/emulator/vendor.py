@@ -175,7 +175,8 @@ class InjectHotAddRequest:
 
 @attrs.frozen
 class InjectBindFailureRequest(NoPayload):
-    """Make the next Bind vPPB fail when its background operation completes (Internal Error). No payload."""
+    """Make the next Bind vPPB fail when its background operation completes (Internal Error); a Bind vPPB refused
+    at once (Invalid Input, Busy) spends it too. No payload."""
 
     OPCODE: ClassVar[int] = VendorOpcode.INJECT_BIND_FAILURE
 
