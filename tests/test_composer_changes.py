@@ -20,9 +20,11 @@ from disagg.composer import FabricComposer, steps
 from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NoFitError, NotFoundError
 from disagg.interfaces import CallContext
 from disagg.model import Allocation, Binding, Composition, CompositionState, EventType, Topology
+from disagg.remote import DriverServer, RemoteFabric
 from disagg.requestlang import parse_request, parse_resource
-from disagg_sim import SimFabric, load_topology
+from disagg_sim import SimFabric, create_fabric, load_topology
 from disagg_sim.fabric import SimPool
+from remote_helpers import Plain, eventually
 
 T = TypeVar("T")
 
@@ -200,6 +202,39 @@ class TestAPoolThatIsGone:
         comp.decompose(job.id)
         assert comp.compositions() == [] and hardware_bindings(fabrics) == {}
         assert comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition is not None
+
+
+class LeavesOut(Plain):
+    """A driver whose discovery leaves out the pool ``left_out``, which it still has (cxl-switch does, while a
+    failed MLD has not given its geometry)."""
+
+    left_out: str | None = None
+
+    def discover(self) -> Topology:
+        topology = self.inner.discover()
+        return attrs.evolve(topology, pools=tuple(p for p in topology.pools if p.id != self.left_out))
+
+
+class TestAPoolDiscoveryLeavesOut:
+    def test_a_remote_release_is_the_drivers_to_answer(self) -> None:
+        """The remote fabric answered "no such pool" itself, from discovery, and the decompose counted memory the
+        driver still held as released: the ledger forgot it while the host kept it."""
+        sim = create_fabric("cxl0", {"topology": "demo-cxl"})
+        driver = LeavesOut(sim)
+        server = DriverServer(driver, "127.0.0.1:0", driver="sim").start()
+        remote = RemoteFabric("cxl0", server.address, connect_timeout_s=5)
+        try:
+            comp = composer({"cxl0": remote}, auto_heal=False)
+            job = comp.compose(parse_request("job", ["cxl-memory 8GiB"])).composition
+            assert job is not None
+            driver.left_out = job.allocations[0].pool
+            sim.set_link("h4", "cxl-top", False)  # an event: the composer discovers again, without the pool
+            assert eventually(lambda: comp.get(job.id).state is CompositionState.DEGRADED, 10.0)
+            comp.decompose(job.id)
+            assert comp.compositions() == [] and hardware_allocations({"cxl0": sim}) == {}
+        finally:
+            remote.close()
+            server.stop(grace=0)
 
 
 class TestRecomposeRefusal:

@@ -285,8 +285,12 @@ class TestCalls:
                 pool.release("a1", CTX)
                 pool.release("a1", CTX)
                 assert list(pool.allocations()) == []
-                with pytest.raises(NotFoundError, match="pools: cxl0/mem0, cxl0/mem1"):
-                    remote.pool("cxl0/mem9")
+                missing = remote.pool("cxl0/mem9")  # not listed: the driver judges each call on it
+                with pytest.raises(NotFoundError, match="pools: cxl0/mem0, cxl0/mem1") as refused:
+                    missing.release("a1", CTX)
+                assert refused.value.resource_type == "pool"
+                with pytest.raises(NotFoundError, match="lists no pool 'cxl0/mem9'"):
+                    missing.info()
             finally:
                 remote.close()
 

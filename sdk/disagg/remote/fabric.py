@@ -426,16 +426,15 @@ class RemoteFabric(Fabric, FaultInjection):
         return RemoteDevice(self, device)
 
     def pool(self, pool: str) -> RemotePool:
-        """A pool as last discovered (pools seldom change; the driver refuses calls on one that is gone)."""
+        """A pool as last discovered (pools seldom change; the driver refuses calls on one that is gone). One that
+        discovery does not list is handed out too, for the driver to judge each call: a driver may leave out of
+        discovery a pool it still has (its device failed before it gave its geometry), and a release answered
+        "not found" here, not by the driver, would count memory still carved as released."""
         info = self._pools.get(pool)
         if info is None:
             self._invalidate()
-            pools = self.discover().pools
-            info = next((p for p in pools if p.id == pool), None)
-            if info is None:
-                known = ", ".join(sorted(p.id for p in pools)) or "none"
-                raise NotFoundError("pool", pool, f"fabric {self._name!r} has no pool {pool!r} (pools: {known})")
-        return RemotePool(self, info)
+            info = next((p for p in self.discover().pools if p.id == pool), None)
+        return RemotePool(self, info, pool)
 
     def subscribe(self, handler: EventHandler) -> Subscription:
         """Deliver events to ``handler`` from the watcher thread; waits (up to the connect timeout) until the
@@ -720,17 +719,21 @@ class RemoteFabric(Fabric, FaultInjection):
 
 
 class RemotePool(Pool):
-    """A pool of a `RemoteFabric`; ``info`` is the pool as discovered when the handle was made."""
+    """A pool of a `RemoteFabric`; ``info`` is the pool as discovered when the handle was made, None when
+    discovery did not list it (every call then goes to the driver, which answers whether it has the pool)."""
 
-    def __init__(self, fabric: RemoteFabric, info: PoolInfo) -> None:
+    def __init__(self, fabric: RemoteFabric, info: PoolInfo | None, pool: str) -> None:
         self._fabric = fabric
         self._info = info
+        self._id = pool
 
     @property
     def id(self) -> str:
-        return self._info.id
+        return self._id
 
     def info(self) -> PoolInfo:
+        if self._info is None:
+            raise NotFoundError("pool", self._id, f"fabric {self._fabric.name!r} lists no pool {self._id!r}")
         return self._info
 
     def allocations(self) -> Sequence[Allocation]:
