@@ -129,6 +129,22 @@ class TestLifetime:
         again = make_switch()
         assert again.bindings() == [Binding("sw/port2", "h0")]
 
+    def test_an_emulator_of_a_revision_read_alike_is_adopted(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Revision 3 changed only what spends an injected bind failure: an emulator of revision 2 running after an
+        upgrade was refused, its bindings given up or released with the old version, though the driver reads its
+        wire alike. It is adopted with a warning that says what differs."""
+        first = make_switch()
+        first.bind("sw/port2", "h0", fresh_ctx())
+        first.close()
+        pid = process.read_pid(switch_dir)
+        (switch_dir / "emulator.revision").write_text(f"{pid} 2\n")
+        with caplog.at_level(logging.WARNING, logger="disagg.cxl_switch"):
+            again = make_switch()
+        assert again.bindings() == [Binding("sw/port2", "h0")]
+        assert any("of revision 2" in r.getMessage() and "stays armed" in r.getMessage() for r in caplog.records)
+
     def test_one_driver_per_state_dir(self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path) -> None:
         """A second driver on the state_dir is refused: closing it would have stopped the emulator the first
         one uses (a CLI command beside a running server); once the first has closed, the next one gets it."""

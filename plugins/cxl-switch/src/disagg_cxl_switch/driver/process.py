@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -25,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from disagg.errors import ConfigError, FabricUnavailableError
+
+log = logging.getLogger("disagg.cxl_switch")
 
 START_TIMEOUT_S = 10.0
 SOCKET_NAME = "switch.sock"
@@ -37,6 +40,12 @@ emulator sends or accepts (a field's layout, a command's meaning), so that a dri
 it would misread. 2: Background Operation Status with bit 0 running and the percentage in bits[7:1]. 3: Inject
 Bind Failure is spent by the next Bind vPPB even when that is refused (before, it stayed armed and failed a
 later bind of another device)."""
+ADOPTABLE = {
+    2: "an Inject Bind Failure stays armed after a Bind vPPB it did not fail (flaky_bind may fail a later bind)",
+}
+"""Older revisions whose wire the driver reads as it reads its own, with what differs: an emulator of one of these
+is adopted, with a warning, so that an upgrade keeps the bindings of a running emulator when nothing the driver
+reads has changed (revision 2's Background Operation Status layout had: revision 1 is refused)."""
 _MAX_UNIX_PATH = 100
 
 
@@ -72,12 +81,24 @@ def read_revision(state_dir: Path, pid: int) -> int | None:
 
 def check_revision(state_dir: Path) -> None:
     """Refuse, with `ConfigError`, to adopt the running emulator of ``state_dir`` unless a driver of this
-    `EMULATOR_REVISION` started it; it is left running, since stopping it would lose its bindings."""
+    `EMULATOR_REVISION`, or of one it reads alike (`ADOPTABLE`), started it; it is left running, since stopping
+    it would lose its bindings."""
     pid = read_pid(state_dir)
     if pid is None:
         return
     revision = read_revision(state_dir, pid)
     if revision == EMULATOR_REVISION:
+        return
+    if revision in ADOPTABLE:
+        log.warning(
+            "adopting the CXL switch emulator running in %s (pid %d), of revision %d (this driver's is %d): %s; "
+            "it keeps its bindings and allocations, and a restart of it, once it holds nothing, brings it up to date",
+            state_dir,
+            pid,
+            revision,
+            EMULATOR_REVISION,
+            ADOPTABLE[revision],
+        )
         return
     started = "records no revision" if revision is None else f"is of revision {revision}"
     raise ConfigError(
