@@ -94,14 +94,28 @@ class TestIdShapedNames:
         assert info.value.field == "name"
         assert [c.name for c in comp.compositions()] == ["alpha"] and not comp.reservations()
 
-    def test_the_wire_refuses_one_in_every_mode(self, served: Served) -> None:
-        """The review's case: B named after A's id was taken, and a Decompose by B's name destroyed A."""
+    def test_the_wire_refuses_one_that_would_be_made(self, served: Served) -> None:
+        """The review's case: B named after A's id was taken, and a Decompose by B's name destroyed A. A preview
+        makes nothing, as in process."""
         alpha = served.stub.Compose(compose_request("alpha")).composition
-        for mode in (fm.COMPOSE_MODE_PREVIEW, fm.COMPOSE_MODE_RESERVE, fm.COMPOSE_MODE_APPLY):
+        for mode in (fm.COMPOSE_MODE_RESERVE, fm.COMPOSE_MODE_APPLY):
             failed = fails(served.stub.Compose, compose_request(alpha.id, mode=mode))
             assert (failed.code, failed.fields) == (grpc.StatusCode.INVALID_ARGUMENT, ("name",))
+        served.stub.Compose(compose_request(alpha.id, mode=fm.COMPOSE_MODE_PREVIEW))
         served.stub.Decompose(fm.DecomposeRequest(id=alpha.id))
         assert not served.composer.compositions()
+
+    def test_a_retry_of_one_an_earlier_release_made_gets_its_answer(
+        self, served: Served, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The wire's edge refused the name before the request id was looked up: a retry whose answer was lost
+        across an upgrade was told to choose another name, and one that did held two compositions."""
+        name = "c-0123456789ab"
+        with monkeypatch.context() as earlier:  # a release that took such names
+            earlier.setattr("disagg.composer.composer.id_name_refusal", lambda name: None)
+            first = served.stub.Compose(compose_request(name, request_id="job-1")).composition
+        again = served.stub.Compose(compose_request(name, request_id="job-1")).composition
+        assert again.id == first.id and [c.name for c in served.composer.compositions()] == [name]
 
     def test_the_cli_refuses_one(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

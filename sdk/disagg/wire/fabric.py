@@ -39,7 +39,6 @@ from disagg.model import (
     Revision,
     Selector,
     SelectorOp,
-    id_name_refusal,
     selector_refusal,
     spread_refusal,
 )
@@ -139,23 +138,15 @@ EVENT_FROM_WIRE = {v: k for k, v in EVENT_TO_WIRE.items()}
 
 def check_name(value: str, field: str) -> str:
     """A composition's name as the wire carries one: 1-63 letters, digits, '.', '_' or '-', starting with a
-    letter or digit. The name of a new composition or reservation is held to `check_new_name`."""
+    letter or digit. One of the shape of the composer's ids is the composer's to refuse
+    (`disagg.model.id_name_refusal`), after it has looked up the request id: a retry of a change an earlier release
+    made under such a name gets its first answer."""
     if not NAME.fullmatch(value):
         raise InvalidRequestError(
             f"{field}: {value!r} is not a valid name (1-{MAX_NAME} letters, digits, '.', '_' or '-', "
             "starting with a letter or digit)",
             field=field,
         )
-    return value
-
-
-def check_new_name(value: str, field: str) -> str:
-    """`check_name`, and not of the shape of the ids the fabric manager makes (`c-` or `r-` and 12 lowercase hex
-    digits: `disagg.model.id_name_refusal`), which a lookup by id or name would take for that id.
-    Only a request's: a reservation listed may hold a name an earlier release took."""
-    refusal = id_name_refusal(check_name(value, field))
-    if refusal is not None:
-        raise InvalidRequestError(f"{field}: {refusal}", field=field)
     return value
 
 
@@ -359,7 +350,7 @@ def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
     resources = resources_from_wire(msg.resources, "resources", required=True)
     host = host_request_from_wire(msg.host)
     check_selector_values(resources, "resources", host)
-    return CompositionRequest(name=check_new_name(msg.name, "name"), resources=resources, host=host)
+    return CompositionRequest(name=check_name(msg.name, "name"), resources=resources, host=host)
 
 
 def plan_to_wire(plan: Plan) -> fm.Plan:
