@@ -2507,7 +2507,11 @@ class FabricComposer(Composer):
             pools = {p for p, state in self._inv.pools.items() if state.device.id == device}
             if pools and health is not Health.OK:
                 self._drop_unhealthy_reservations()
-            users = [c for c in self._compositions.values() if any(a.pool in pools for a in _holdings(c)[1])]
+            users = (
+                [c for c in self._compositions.values() if any(a.pool in pools for a in _holdings(c)[1])]
+                if pools  # a device behind no pool (most are) is used by its owner alone: no scan
+                else []
+            )
             comp = self._compositions.get(owner) if owner else None
             for each in users + ([comp] if comp is not None else []):
                 self._reassess(each)
