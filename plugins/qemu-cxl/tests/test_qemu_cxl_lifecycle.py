@@ -264,3 +264,18 @@ class TestOneDriverPerStateDir:
             make_fabric()
         assert qemu_pid(state_dir, "h1") == pid and pid is not None and alive(pid)
         assert fabric.pool(POOL).allocations() == []
+
+
+class TestPrivateDirectories:
+    def test_state_and_host_directories_are_closed_to_others(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
+    ) -> None:
+        """They hold every host's memory backend: made with the umask's mode (0o755 under 022), other users could
+        read them, unlike the ledger's and every other driver's state directory (0o750 less the umask)."""
+        old = os.umask(0o022)
+        try:
+            make_fabric()
+        finally:
+            os.umask(old)
+        for made in (state_dir, host_dir(state_dir, "h1")):
+            assert made.stat().st_mode & 0o777 == 0o750, made

@@ -28,7 +28,7 @@ from disagg.model import (
     Topology,
 )
 from disagg.model import Device as DeviceInfo
-from disagg.statedir import claim
+from disagg.statedir import claim, make_directories
 
 from disagg_qemu_cxl.command import host_dir
 from disagg_qemu_cxl.discovery import Features, HostView, probe
@@ -116,7 +116,7 @@ class QemuCxlFabric(Fabric):
         self._options = options
         find_qemu(options.qemu)
         try:
-            options.state_dir.mkdir(parents=True, exist_ok=True)
+            make_directories(options.state_dir)  # closed to other users: it holds the memory backends
         except OSError as exc:
             raise FabricUnavailableError(
                 f"fabric {name!r}: cannot create state_dir {options.state_dir}: {exc}"

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from disagg.errors import ConfigError, DeadlineExceededError, DisaggError, FabricUnavailableError
+from disagg.statedir import make_directories
 
 from disagg_qemu_cxl.command import AUX_SOCKET, LOG, PIDFILE, QMP_SOCKET, command_line, host_dir
 from disagg_qemu_cxl.options import HostOptions
@@ -151,7 +152,7 @@ class HostProcess:
 
     def adopt_or_start(self, records: Sequence[Record]) -> None:
         """Reconnect to a running QEMU (its devices are the truth), or start one with ``records`` cold-plugged."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_directories(self.dir)
         pid = self.running_pid()
         if pid is not None:
             self._check_options(pid)
@@ -213,7 +214,7 @@ class HostProcess:
 
     def start(self, records: Sequence[Record]) -> None:
         exe = find_qemu(self.qemu)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_directories(self.dir)
         for name in (QMP_SOCKET, AUX_SOCKET, PIDFILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
