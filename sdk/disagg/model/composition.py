@@ -470,7 +470,7 @@ def id_name_refusal(name: str) -> str | None:
     """Why ``name`` may not name a composition or reservation, when it has the shape of the ids the composer
     makes (``c-`` or ``r-`` and 12 lowercase hex digits), else None. A key is looked up as an id before it is
     looked up as a name (`FabricComposer.find`), so one named so would be taken for the one whose id it is: such
-    names are refused, by the composer and at the wire's edge."""
+    names are refused by the composer, once it has looked up the request id."""
     if len(name) == 14 and name[:2] in ("c-", "r-") and _ID_DIGITS.issuperset(name[2:]):
         return (
             f"{name!r} has the shape of a composition or reservation id (c- or r- and 12 lowercase hex digits), "

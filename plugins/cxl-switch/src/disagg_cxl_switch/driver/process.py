@@ -9,7 +9,8 @@ pid is in ``state_dir/emulator.pid`` so that whatever started the driver can kil
 An emulator is adopted only if it speaks this driver's wire: ``state_dir/emulator.revision`` records the
 `EMULATOR_REVISION` of the driver that started it (beside the pid file, which stays one number for ``kill``).
 After an upgrade, a driver that adopted an emulator of another revision misread it (a changed bit layout made
-every bind BUSY), so one of another revision, or of none (started before revisions were recorded), is refused.
+every bind BUSY), so one of another revision, or of none (started before revisions were recorded), is refused,
+unless the driver reads that revision's wire as its own (`ADOPTABLE`).
 """
 
 from __future__ import annotations
