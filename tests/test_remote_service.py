@@ -3,6 +3,8 @@ reflection; no call ever answers UNKNOWN, and a driver's exception text never le
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,9 @@ from remote_helpers import Plain, Secretive, cxl, pcie, served, stub_for
 
 Stub = pb_grpc.FabricDriverServiceStub
 GPU = "pcie0/gpu-a0"
+
+
+WAIT_S = 10.0
 
 
 def reason(exc: grpc.RpcError) -> str:
@@ -346,6 +351,27 @@ class TestHealthAndReflection:
             channel.close()
         names = {s.name for s in answers[0].list_services_response.service}
         assert {SERVICE_NAME, HEALTH_SERVICE_NAME} <= names
+
+    def test_a_reflection_client_that_goes_away_is_no_incident(self, caplog: pytest.LogCaptureFixture) -> None:
+        """A generic client (grpcurl, a reflection descriptor database) that closes its stream while the server
+        still reads it: reading the request stream raised the cancellation, which was logged as an ERROR incident
+        with a traceback, a bug that was none."""
+        with served(pcie()) as server, caplog.at_level(logging.ERROR):
+            channel = grpc.insecure_channel(server.address)
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            more = threading.Event()
+
+            def requests() -> Iterator[reflection_pb2.ServerReflectionRequest]:
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+                more.wait(WAIT_S)  # the stream stays open, as a client that goes away leaves it
+
+            call = stub.ServerReflectionInfo(requests(), timeout=5)
+            assert next(call).list_services_response.service
+            call.cancel()
+            more.set()
+            channel.close()
+            time.sleep(0.5)  # the server's handler sees the cancellation as it reads the next request
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 class TestWatchStreams:

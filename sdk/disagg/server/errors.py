@@ -97,12 +97,18 @@ def _already_ended(context: grpc.ServicerContext) -> bool:
     return code is not None and code is not grpc.StatusCode.OK
 
 
+def _client_gone(context: grpc.ServicerContext, exc: Exception) -> bool:
+    """True when ``exc`` is the cancellation that reading a client's stream raises once the client went away (a
+    generic tool closing its reflection stream): no failure of the handler, and grpcio knows it for its own."""
+    return isinstance(exc, grpc.RpcError) and not context.is_active()
+
+
 def _guard_iterator(method: str, responses: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
     try:
         yield from responses
         return
     except Exception as exc:
-        if _already_ended(context):
+        if _already_ended(context) or _client_gone(context, exc):
             raise
         status = status_for(method, exc)
     context.abort_with_status(status)
@@ -114,7 +120,7 @@ def _guard(method: str, behavior: Behavior, streaming: bool, *, client_streams: 
             request = _each_decoded(request) if client_streams else _decoded(request)
             result = behavior(request, context, *extra)
         except Exception as exc:
-            if _already_ended(context):
+            if _already_ended(context) or _client_gone(context, exc):
                 raise
             status = status_for(method, exc)
         else:
