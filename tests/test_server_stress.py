@@ -87,8 +87,8 @@ SHORT_TIMEOUTS_S = (0.03, 0.06, 0.1)
 """The deadlines of the short calls: a bind takes `BIND_DELAY_S`, so they end in the middle of a change."""
 TTL_RANGE_S = (1.0, 3.0)
 REUSE_TTL_S = 60.0
-"""The time to live of a request id's reuse: outside `TTL_RANGE_S`, so its request always differs from the
-first one (the composer's digest of a Compose includes it)."""
+"""The time to live of a request id's reuse, a RESERVE: outside `TTL_RANGE_S`, so its request always differs from
+the first one (the composer's digest of a RESERVE includes it; an APPLY's does not)."""
 RECENT = 20
 """Retries and reuses pick among a thread's last this many requests."""
 FAULT_PAUSE_S = (0.2, 0.8)
@@ -332,7 +332,10 @@ class StressClient:
         def change(on: FabricManagerClient, request_id: str) -> object:
             return on.compose(parse_request(name, lines), mode, reservation_ttl_s=ttl, request_id=request_id)
 
-        return self._send(client, ["compose", mode.value, name, lines, ttl], change)
+        # The time to live is part of a RESERVE only: an APPLY sent again with another is the same request.
+        return self._send(
+            client, ["compose", mode.value, name, lines, ttl if mode is ComposeMode.RESERVE else None], change
+        )
 
     def apply_reservation(self, client: FabricManagerClient) -> None:
         reservation = self.journal.some_reservation(self.rng)
@@ -380,15 +383,17 @@ class StressClient:
             self._answer(sent.request_id, sent.body, lambda: sent.change(self.client, sent.request_id))
 
     def reuse(self, client: FabricManagerClient) -> None:
-        """A request id sent again with another request: a Compose whose time to live no first request has."""
+        """A request id sent again with another request: a reservation whose time to live no first request has."""
         if self.sent:
             sent, name = self.rng.choice(self.sent), self.rng.choice(NAMES)
-            body = json.dumps(["compose", ComposeMode.APPLY.value, name, ["gpu x1"], REUSE_TTL_S])
+            body = json.dumps(["compose", ComposeMode.RESERVE.value, name, ["gpu x1"], REUSE_TTL_S])
             request = parse_request(name, ["gpu x1"])
             self._answer(
                 sent.request_id,
                 body,
-                lambda: self.client.compose(request, reservation_ttl_s=REUSE_TTL_S, request_id=sent.request_id),
+                lambda: self.client.compose(
+                    request, ComposeMode.RESERVE, reservation_ttl_s=REUSE_TTL_S, request_id=sent.request_id
+                ),
             )
 
 
