@@ -5,6 +5,7 @@ must say its outcome is unknown, so that the composer's rollback undoes the call
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -232,6 +233,25 @@ class TestUnbindDuringBind:
         assert raised.value.retryable and not in_doubt(raised.value)
         clock.now = 10.0
         wait_until(lambda: fabric.bindings() == [BINDING])  # it did land: success would have leaked it
+
+    def test_a_deadline_that_passes_while_it_reads_again_is_retryable(self, bench: Bench) -> None:
+        """The deadline passed during a later read of the switch, on a loaded machine: the unbind raised the
+        read's DeadlineExceededError, though it had seen the bind still running and sent nothing."""
+        served, clock, fabric = self.stuck_bind(bench)
+        reads = itertools.count()
+
+        def slow_after_the_first(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+            if command_of(request) == Opcode.GET_VIRTUAL_CXL_SWITCH_INFO and next(reads) >= 1:
+                time.sleep(0.4)  # past the unbind's 0.3 s deadline
+            return response
+
+        served.respond = slow_after_the_first
+        with pytest.raises(FabricUnavailableError, match="still runs") as raised:
+            fabric.unbind(BINDING, ctx(timeout=0.3))
+        assert raised.value.retryable and not in_doubt(raised.value)
+        served.respond = None
+        clock.now = 10.0
+        wait_until(lambda: fabric.bindings() == [BINDING])
 
 
 def unbind_in_thread(fabric: CxlSwitchFabric) -> tuple[threading.Thread, list[Exception]]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from disagg.errors import (
     CapacityExhaustedError,
+    DeadlineExceededError,
     DeviceBusyError,
     DisaggError,
     FabricUnavailableError,
@@ -334,15 +335,23 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         give_up = time.monotonic() + cci.BACKGROUND_TIMEOUT_S
         if ctx.deadline is not None:
             give_up = min(give_up, ctx.deadline)
+        still_runs = FabricUnavailableError(
+            f"unbind {binding.device} from {binding.host}: a Bind or Unbind vPPB of it still runs on the switch; "
+            "retry once it is done"
+        )
+        seen_running = False
         while True:
-            held, running = self._view.towards(self._client, vcs, port, ctx)
+            try:
+                held, running = self._view.towards(self._client, vcs, port, ctx)
+            except DeadlineExceededError:
+                if seen_running:  # the deadline passed during a later read: nothing was sent, and one still ran
+                    raise still_runs from None
+                raise
             if not running:
                 return held
+            seen_running = True
             if time.monotonic() + cci.POLL_INTERVAL_S >= give_up:
-                raise FabricUnavailableError(
-                    f"unbind {binding.device} from {binding.host}: a Bind or Unbind vPPB of it still runs on the "
-                    "switch; retry once it is done"
-                )
+                raise still_runs
             time.sleep(cci.POLL_INTERVAL_S)
 
     def pool(self, pool: str) -> Pool:
