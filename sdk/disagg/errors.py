@@ -218,3 +218,8 @@ def outcome_unknown(error: E) -> E:
     call too, instead of taking it as never made."""
     error.metadata[OUTCOME] = OUTCOME_UNKNOWN
     return error
+
+
+def outcome_is_unknown(error: DisaggError) -> bool:
+    """Whether ``error`` was marked by `outcome_unknown`: the call it answers may have changed the hardware."""
+    return error.metadata.get(OUTCOME) == OUTCOME_UNKNOWN

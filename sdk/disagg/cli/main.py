@@ -26,14 +26,13 @@ from disagg.cli import serve as serve_cli
 from disagg.cli.backend import REMOTE_COMMANDS, Backend, RemoteBackend, server_address
 from disagg.config import build_composer, load_config
 from disagg.errors import (
-    OUTCOME,
-    OUTCOME_UNKNOWN,
     ConfigError,
     ConflictError,
     DisaggError,
     InvalidRequestError,
     NoFitError,
     NotFoundError,
+    outcome_is_unknown,
 )
 from disagg.model import ComposeMode, CompositionRequest, DeviceKind, Reservation, format_size, parse_size
 from disagg.plugins import load_plugins
@@ -539,7 +538,7 @@ def _run(args: argparse.Namespace) -> int:
     except DisaggError as exc:
         print(f"disagg: error: {exc.message}", file=sys.stderr)
         request_id = exc.metadata.get("request_id")
-        if request_id and exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN:
+        if request_id and outcome_is_unknown(exc):
             print(
                 f"disagg: the change may have been made: run the same command with --request-id {request_id} to "
                 "get its outcome (it is not made twice)",

@@ -9,13 +9,12 @@ import attrs
 
 from disagg import failpoints
 from disagg.errors import (
-    OUTCOME,
-    OUTCOME_UNKNOWN,
     DeadlineExceededError,
     DisaggError,
     DriverError,
     FabricUnavailableError,
     NotFoundError,
+    outcome_is_unknown,
 )
 from disagg.incidents import log_incident
 from disagg.interfaces import CallContext, Fabric
@@ -69,7 +68,7 @@ def in_doubt(exc: Exception) -> bool:
     """Whether a driver call that raised ``exc`` may have changed the hardware all the same: its answer was
     lost (the error says its outcome is unknown), or the driver broke its contract by raising something that
     is not an SDK error. An SDK error the driver raised itself is an answer: the call changed nothing."""
-    return not isinstance(exc, DisaggError) or exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN
+    return not isinstance(exc, DisaggError) or outcome_is_unknown(exc)
 
 
 class Executor:

@@ -24,7 +24,6 @@ from pathlib import Path
 import attrs
 from disagg.errors import (
     OUTCOME,
-    OUTCOME_UNKNOWN,
     CapacityExhaustedError,
     ConflictError,
     DeadlineExceededError,
@@ -33,6 +32,7 @@ from disagg.errors import (
     InvalidRequestError,
     StaleEpochError,
     UnknownHostError,
+    outcome_is_unknown,
     outcome_unknown,
 )
 from disagg.interfaces import CallContext, Pool
@@ -356,7 +356,7 @@ class QemuCxlPool(Pool):
             self._forget(record)
             raise FabricUnavailableError(f"QEMU of host {record.host} refused the Type-3: {exc}") from None
         except DisaggError as exc:
-            if device_sent and exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN:
+            if device_sent and outcome_is_unknown(exc):
                 raise
             exc.metadata.pop(OUTCOME, None)  # a lost object-add answer: no Type-3 was asked for
             self._undo(process, added)

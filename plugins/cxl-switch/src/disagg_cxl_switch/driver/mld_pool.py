@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING
 
 import attrs
 from disagg.errors import (
-    OUTCOME,
-    OUTCOME_UNKNOWN,
     CapacityExhaustedError,
     DisaggError,
     FabricUnavailableError,
     UnsupportedError,
+    outcome_is_unknown,
     outcome_unknown,
 )
 from disagg.interfaces import CallContext, Pool
@@ -84,10 +83,6 @@ class _Snapshot:
 
 def _units(allocation: LDAllocation) -> int:
     return allocation.range_1_allocation_multiplier + allocation.range_2_allocation_multiplier
-
-
-def _in_doubt(exc: DisaggError) -> bool:
-    return exc.metadata.get(OUTCOME) == OUTCOME_UNKNOWN
 
 
 @attrs.frozen
@@ -296,7 +291,7 @@ class MLDPool(Pool):
             self._uncarve(snap.lds, done, ld, ctx)
             raise bind_error(exc, what) from None
         except DisaggError as exc:
-            if not _in_doubt(exc):
+            if not outcome_is_unknown(exc):
                 self._uncarve(snap.lds, done, ld, ctx)
             raise
 
@@ -340,7 +335,7 @@ class MLDPool(Pool):
         try:
             self._set(ld, want, ctx)
         except DisaggError as exc:
-            if _in_doubt(exc):
+            if outcome_is_unknown(exc):
                 raise
             what = f"allocation {allocation_id}: LD {ld} was set by another fabric manager as it was carved"
             try:
