@@ -1072,8 +1072,7 @@ class FabricComposer(Composer):
         change, which owns its record and marks it as it ends (`_let_go`): recovery must never take a live
         change for one a crash interrupted. Under the lock."""
         for comp in list(self._compositions.values()):
-            busy = self._busy.get(comp.id)
-            if busy is None or not busy.locked():
+            if not self._changing(comp.id):
                 self._mark_unknown_one(comp)
 
     def _mark_unknown_one(self, comp: Composition) -> None:
