@@ -23,6 +23,13 @@ MAX_ID = 256
 """Device, host, pool, allocation and link-end ids are at most this long, as the driver protocol carries them."""
 
 
+def id_text(value: str) -> bool:
+    """Whether ``value`` holds only printable characters and no whitespace, as every id does. Printable excludes
+    every whitespace but the ASCII space (Unicode's separators and controls): two C calls, not a loop in Python,
+    since a bind checks two ids on a Compose's path."""
+    return value.isprintable() and " " not in value
+
+
 def check_id(value: object, field: str) -> str:
     """``value`` if it is an id: 1 to `MAX_ID` printable characters without whitespace, the ids the driver
     protocol carries. Anything else is the caller's bug, refused with `InvalidRequestError` naming ``field``
@@ -31,9 +38,7 @@ def check_id(value: object, field: str) -> str:
     in process then answers as the same driver served over the wire does."""
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{field}: an id must be a non-empty string, not {value!r}", field=field)
-    # Printable excludes every whitespace but the ASCII space (Unicode's separators and controls): two C calls,
-    # not a loop in Python, since a bind checks two ids on a Compose's path.
-    if len(value) > MAX_ID or not value.isprintable() or " " in value:
+    if len(value) > MAX_ID or not id_text(value):
         raise InvalidRequestError(
             f"{field}: give an id of at most {MAX_ID} printable characters without spaces, not {value[:64]!r}",
             field=field,

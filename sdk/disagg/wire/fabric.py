@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from disagg.errors import InvalidRequestError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
-from disagg.interfaces.fabric import MAX_ID
+from disagg.interfaces.fabric import MAX_ID, id_text
 from disagg.model import (
     MAX_RESERVATION_TTL_S,
     Affinity,
@@ -153,7 +153,7 @@ def check_name(value: str, field: str) -> str:
 def check_id(value: str, field: str, *, required: bool = True, longest: int = MAX_OWN_ID) -> str:
     """``value`` if it is an id of 1 to ``longest`` printable characters without spaces (or empty, unless
     ``required``); by default one no driver reported (`MAX_OWN_ID`), as the CLI holds ``--request-id`` to it."""
-    if (required and not value) or len(value) > longest or any(c.isspace() or not c.isprintable() for c in value):
+    if (required and not value) or len(value) > longest or not id_text(value):
         raise InvalidRequestError(f"{field}: give an id of 1 to {longest} printable characters", field=field)
     return value
 
