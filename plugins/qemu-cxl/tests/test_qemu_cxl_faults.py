@@ -376,6 +376,20 @@ class TestDeadlines:
         assert {h.id for h in fabric.discover().hosts} == {"h1", "h2"}
         assert qemu_pid(state_dir, "h1") == pid, "a hung QEMU that answers again was restarted"
 
+    def test_releasing_an_unrecorded_id_on_a_hung_host(self, fabric: QemuCxlFabric, state_dir: Path) -> None:
+        """The read of the host an ``unrecorded:`` id names waited 10 s per QMP call on a hung host, past the
+        caller's deadline: it gives up at the deadline, having released nothing."""
+        pid = qemu_pid(state_dir, "h1")
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceededError) as info:
+                fabric.pool(POOL).release("unrecorded:h1:cxl-x", CallContext.with_timeout(0.3, epoch=1))
+            assert not in_doubt(info.value)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert qemu_pid(state_dir, "h1") == pid
+
     def test_reconnecting_a_hung_host(self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext) -> None:
         pid = qemu_pid(state_dir, "h1")
         assert pid is not None

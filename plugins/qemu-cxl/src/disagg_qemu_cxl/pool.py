@@ -383,7 +383,8 @@ class QemuCxlPool(Pool):
             _check_id(allocation_id)
             record = self._ledger.state.record(allocation_id)
             if record is None:
-                record = self._adopt_unrecorded(allocation_id)
+                with until(ctx.deadline):  # its host's view, read within the caller's deadline
+                    record = self._adopt_unrecorded(allocation_id)
                 if record is None:
                     return
             process = self._hosts.get(record.host)
