@@ -17,10 +17,17 @@ The workload heals nothing (no device of it fails), so the heal failpoints have 
 (`prepare_heal`): two compositions of three GPUs are composed, the server stopped, two GPUs of each failed in
 the sim's state file, and the server started again with auto-heal, which heals both compositions before it
 serves, passing every heal failpoint at least twice (see `HEAL_HITS`).
+
+Nor does anything of the workload fail, so a rollback (``rollback.during_release``) has setups of its own too
+(`prepare_rollback`, `prepare_heal_rollback`): a compose, a recompose or a start-up heal that binds
+`ROLLBACK_GPUS` devices, the last of which the sim's state file fails (`SimFabric.flaky_bind`), so that its
+rollback unbinds the others. Recovery (``recovery.during_release``) is reached by restarting a server that a
+workload failpoint killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -31,7 +38,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +51,7 @@ from disagg.fabric.v1 import types_pb2 as pb
 from disagg.failpoints import ENV as FAILPOINTS_ENV
 from disagg.model import Allocation, Composition, CompositionState, Health
 from disagg.wire.fabric import composition_from_wire
-from disagg_sim import create_fabric
+from disagg_sim import SimFabric, create_fabric
 from process_helpers import ChildOutput
 
 READY = "serving on"
@@ -108,6 +115,17 @@ HEAL_HITS = {
 during_release is the second device of the first heal, hit 2 of before_commit and after_commit the second heal,
 the first one committed (whichever composition it healed)."""
 
+ROLLBACK_GPUS = 3
+"""GPUs that the change of a rollback setup binds: the sim fails the last bind, so its rollback unbinds two."""
+ROLLBACK_HITS = ROLLBACK_GPUS - 1
+"""How often the rollback of a rollback setup's change passes rollback.during_release."""
+
+RECOVERY_HITS = {"compose.after_bind@3": 4, "recompose.during_release@1": 1}
+"""Workload failpoints (at a hit) that leave a change interrupted, and how often the recovery of it at the next
+start passes recovery.during_release. At compose.after_bind@3 (the first bind of b0, with a0 composed, grown and
+shrunk) recovery undoes b0: it releases both allocations and unbinds both GPUs, made or not. At
+recompose.during_release@1 (the GPU removed from a0 unbound) it finishes the removal, unbinding the GPU again."""
+
 QUARANTINE_EVENTS = ("BindingQuarantined", "AllocationQuarantined")
 """The ledger's event types for hardware that reconciliation found with no record and set aside."""
 
@@ -149,15 +167,28 @@ class CrashRig:
                 shutil.copy2(path, root / path.name)
         return rig
 
+    @contextlib.contextmanager
+    def sim(self) -> Iterator[SimFabric]:
+        """The sim fabric built afresh from the state file, in this process; no server may run meanwhile if it
+        changes anything (the server would overwrite the state file with its own)."""
+        fabric = create_fabric(FABRIC, self.fabric_options())
+        try:
+            yield fabric
+        finally:
+            fabric.close()
+
     def fail_devices(self, devices: Iterable[str]) -> None:
         """Mark ``devices`` FAILED in the sim's state file, through the sim itself, while no server runs: a
         failure that no fabric manager heard of, found by the next one's discovery."""
-        fabric = create_fabric(FABRIC, self.fabric_options())
-        try:
+        with self.sim() as fabric:
             for device in devices:
                 fabric.fail_device(device, "failed by the crash test while no server ran")
-        finally:
-            fabric.close()
+
+    def fail_next_bind(self, device: str) -> None:
+        """Make the next bind of ``device`` fail (`SimFabric.flaky_bind`) in the sim's state file, while no
+        server runs: the server started next meets the fault, which its bind then uses up."""
+        with self.sim() as fabric:
+            fabric.flaky_bind(device, 1)
 
     def start(self, failpoints: str | None = None) -> ServeProcess:
         """Start ``disagg serve`` on this rig, armed with ``failpoints`` (``NAME@N``) or with none."""
@@ -206,16 +237,13 @@ class CrashRig:
 
     def hardware(self) -> Hardware:
         """What the hardware holds now: the sim fabric built afresh from the state file, in this process."""
-        fabric = create_fabric(FABRIC, self.fabric_options())
-        try:
+        with self.sim() as fabric:
             allocations: dict[tuple[str, str], Allocation] = {}
             for info in fabric.discover().pools:
                 for alloc in fabric.pool(info.id).allocations():
                     allocations[(alloc.pool, alloc.id)] = alloc
             unhealthy = frozenset(d.id for d in fabric.discover().devices if d.health is not Health.OK)
             return Hardware({b.device: b.host for b in fabric.bindings()}, allocations, unhealthy)
-        finally:
-            fabric.close()
 
     def ledger(self) -> tuple[Composition, ...]:
         """The compositions in the ledger file, as a restarted server would load them."""
@@ -283,6 +311,11 @@ class ServeProcess:
         self._output.wait_ended(STOP_TIMEOUT_S)
         return code
 
+    def stop_cleanly(self, what: str) -> None:
+        """`stop`, asserting a clean shutdown (exit status 0) of the server of ``what``."""
+        status = self.stop()
+        assert status == 0, f"{what}'s server exited with {status} on SIGTERM:\n{self.output}"
+
     def kill(self) -> None:
         """SIGKILL the process if it still runs (clean-up after a failed test)."""
         self._close_channel()
@@ -324,7 +357,9 @@ class Call:
     request: Any
     target: str
     adds: str = ""
-    """What an UpdateComposition adds: "gpu" (one GPU) or "memory" (one allocation)."""
+    """What an UpdateComposition adds: "gpu" (GPUs) or "memory" (one allocation)."""
+    count: int = 1
+    """How many GPUs it adds."""
     removes: str = ""
 
 
@@ -402,16 +437,22 @@ class Crash:
         return f"{len(self.answered)} calls answered, in flight: {last}, exit status {self.exit_status}"
 
 
-def run_until_crash(server: ServeProcess, cycles: int = CYCLES) -> Crash:
-    """Drive `WORKLOAD` for at most ``cycles`` cycles until the server dies in a call.
+def run_until_crash(
+    server: ServeProcess,
+    cycles: int = CYCLES,
+    workload: Sequence[Step] = WORKLOAD,
+    known: Mapping[str, Composition] | None = None,
+) -> Crash:
+    """Drive ``workload`` for at most ``cycles`` cycles until the server dies in a call; the client knows
+    ``known`` (by name) before the first.
 
     A call that fails while the server lives is a broken workload (AssertionError). The server must die by
     SIGKILL (exit status -9) within `EXIT_TIMEOUT_S` of the failed call.
     """
-    known: dict[str, Composition] = {}
+    known = dict(known or {})
     answered: list[Call] = []
     for i in range(cycles):
-        for step in WORKLOAD:
+        for step in workload:
             call = step(i, known)
             before = known.get(call.target)
             try:
@@ -437,32 +478,117 @@ def run_until_crash(server: ServeProcess, cycles: int = CYCLES) -> Crash:
 
 @attrs.frozen
 class HealSetup:
-    """The hardware and ledger that a start-up heal works on: `HEAL_NAMES`, as composed, and the devices of each
-    failed while no server ran. The rig's server is stopped: copy the rig (`CrashRig.copy_to`) to crash on it."""
+    """The hardware and ledger that a start-up heal works on: compositions of ``gpus`` GPUs each, as composed,
+    and the devices of each failed while no server ran. The rig's server is stopped: copy the rig
+    (`CrashRig.copy_to`) to crash on it."""
 
     rig: CrashRig
     composed: Mapping[str, Composition]
     failed: Mapping[str, frozenset[str]]
+    gpus: int = HEAL_GPUS
 
 
-def prepare_heal(rig: CrashRig) -> HealSetup:
-    """Compose `HEAL_NAMES` on ``rig`` (auto-heal on), each of `HEAL_GPUS` GPUs, stop the server cleanly, then
-    fail `HEAL_FAILED` GPUs of each in the sim's state file (its last ones, so a healthy first one is kept)."""
+def prepare_heal(
+    rig: CrashRig, names: Sequence[str] = HEAL_NAMES, gpus: int = HEAL_GPUS, failing: int = HEAL_FAILED
+) -> HealSetup:
+    """Compose ``names`` on ``rig`` (auto-heal on), each of ``gpus`` GPUs, stop the server cleanly, then fail
+    ``failing`` GPUs of each in the sim's state file (its last ones, so a healthy first one is kept)."""
     assert rig.auto_heal, "a start-up heal needs [composer] auto_heal"
     composed: dict[str, Composition] = {}
     server = rig.start()
     try:
-        for name in HEAL_NAMES:
-            request = compose_request(name, [_gpus(HEAL_GPUS)], f"compose-{name}")
+        for name in names:
+            request = compose_request(name, [_gpus(gpus)], f"compose-{name}")
             composed[name] = composition_from_wire(server.call("Compose", request).composition)
     finally:
-        status = server.stop()
-    assert status == 0, f"the heal setup's server exited with {status} on SIGTERM:\n{server.output}"
+        server.stop_cleanly("the heal setup")
     for comp in composed.values():
-        assert comp.state is CompositionState.COMPOSED and len(comp.devices) == HEAL_GPUS, comp
-    failed = {name: frozenset(comp.device_ids[-HEAL_FAILED:]) for name, comp in composed.items()}
+        assert comp.state is CompositionState.COMPOSED and len(comp.devices) == gpus, comp
+    failed = {name: frozenset(comp.device_ids[-failing:]) for name, comp in composed.items()}
     rig.fail_devices(sorted(d for devices in failed.values() for d in devices))
-    return HealSetup(rig, composed, failed)
+    return HealSetup(rig, composed, failed, gpus)
+
+
+def prepare_heal_rollback(rig: CrashRig, scratch: Path) -> HealSetup:
+    """A heal setup (`prepare_heal`) whose start-up heal fails at its last bind and rolls back: one composition
+    of `ROLLBACK_GPUS` + 1 GPUs, all but the first failed, and the bind of the last of their replacements failed
+    in the sim's state file too. That replacement is found by healing a copy of the setup under ``scratch`` (an
+    empty directory): placement is deterministic for a given inventory, and a heal binds its replacements in
+    the order the healed composition lists them."""
+    setup = prepare_heal(rig, ("h0",), ROLLBACK_GPUS + 1, ROLLBACK_GPUS)
+    server = rig.copy_to(scratch).start()
+    try:
+        (healed,) = list_compositions(server)
+    finally:
+        server.stop_cleanly("the heal rollback setup's trial heal")
+    before = setup.composed["h0"]
+    assert healed.state is CompositionState.COMPOSED and healed.id == before.id, healed
+    replacements = [d for d in healed.device_ids if d not in before.device_ids]
+    assert len(replacements) == ROLLBACK_GPUS, healed
+    rig.fail_next_bind(replacements[-1])
+    return setup
+
+
+@attrs.frozen
+class RollbackSetup:
+    """A change that fails at its last bind and is rolled back: cycle 0 of ``step``, sent by a client that knows
+    ``known`` (by name), on a rig whose sim fails the bind of ``failing``. The rig's server is stopped: copy the
+    rig (`CrashRig.copy_to`) to crash on it."""
+
+    rig: CrashRig
+    step: Step
+    known: Mapping[str, Composition]
+    failing: str
+
+
+def _compose_r(i: int, known: Mapping[str, Composition]) -> Call:
+    name = f"r{i}"
+    request = compose_request(name, [_gpus(ROLLBACK_GPUS)], f"compose-{name}")
+    return Call(f"compose {name} of {ROLLBACK_GPUS} GPUs", "Compose", request, name)
+
+
+def _grow_r(i: int, known: Mapping[str, Composition]) -> Call:
+    comp = known[f"r{i}"]
+    request = fm.UpdateCompositionRequest(id=comp.id, add=[_gpus(ROLLBACK_GPUS)], request_id=f"grow-r{i}")
+    label = f"add {ROLLBACK_GPUS} GPUs to r{i}"
+    return Call(label, "UpdateComposition", request, comp.name, adds="gpu", count=ROLLBACK_GPUS)
+
+
+ROLLBACK_CHANGES: Mapping[str, Step] = {"compose": _compose_r, "recompose": _grow_r}
+"""The changes of `prepare_rollback`: compose ``r0`` of `ROLLBACK_GPUS` GPUs, or add as many to an ``r0`` of one."""
+
+
+def prepare_rollback(rig: CrashRig, scratch: Path, change: str) -> RollbackSetup:
+    """Set up the change ``change`` (of `ROLLBACK_CHANGES`) on ``rig`` to fail at its last bind: compose what it
+    changes, apply it on a copy of the rig under ``scratch`` (an empty directory) to learn the device of that
+    bind (placement is deterministic for a given inventory), then fail that device's next bind in the sim's
+    state file."""
+    known: dict[str, Composition] = {}
+    if change == "recompose":
+        server = rig.start()
+        try:
+            reply = server.call("Compose", compose_request("r0", [_gpus(1)], "compose-r0"))
+            known["r0"] = composition_from_wire(reply.composition)
+        finally:
+            server.stop_cleanly("the recompose rollback setup")
+    step = ROLLBACK_CHANGES[change]
+    binds = _binds_of(rig.copy_to(scratch), step(0, known), known)
+    rig.fail_next_bind(binds[-1])
+    return RollbackSetup(rig, step, known, binds[-1])
+
+
+def _binds_of(rig: CrashRig, call: Call, known: Mapping[str, Composition]) -> list[str]:
+    """The devices that ``call`` binds on ``rig``, in the order it binds them: the order its composition lists
+    them in, the new ones after the old."""
+    server = rig.start()
+    try:
+        got = composition_from_wire(server.call(call.method, call.request).composition)
+    finally:
+        server.stop_cleanly(f"the trial of '{call.label}'")
+    before = known.get(call.target)
+    binds = [d for d in got.device_ids if before is None or d not in before.device_ids]
+    assert got.state is CompositionState.COMPOSED and len(binds) == ROLLBACK_GPUS, got
+    return binds
 
 
 # ----------------------------------------------------------------------------------------------- reading state

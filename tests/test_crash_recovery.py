@@ -11,6 +11,11 @@ workload that reaches each failpoint.
 The heal failpoints are reached by the heal at start-up of a server that finds devices failed while it was down
 (`prepare_heal`): killed there, and restarted, every composition it was healing is healed, keeping its healthy
 GPU, with nothing of the failed GPUs or of a replacement left bound outside a composition.
+
+The rollback of a failed change (``rollback.during_release``) is reached by a compose, a recompose and a start-up
+heal whose last bind the sim fails (`prepare_rollback`, `prepare_heal_rollback`), and recovery
+(``recovery.during_release``) by restarting, armed, a server that a workload failpoint killed: killed again in
+the recovery, and restarted unarmed, the server is held to the same checks.
 """
 
 from __future__ import annotations
@@ -23,23 +28,26 @@ import pytest
 from crash_helpers import (
     CYCLES,
     GIB,
-    HEAL_FAILED,
-    HEAL_GPUS,
     HEAL_HITS,
-    HEAL_NAMES,
     HITS_PER_CYCLE,
+    RECOVERY_HITS,
+    ROLLBACK_CHANGES,
+    ROLLBACK_HITS,
     Call,
     Crash,
     CrashRig,
     Hardware,
     HealSetup,
     Quarantine,
+    RollbackSetup,
     ServeProcess,
     compose_request,
     cordoned_devices,
     describe_compositions,
     list_compositions,
     prepare_heal,
+    prepare_heal_rollback,
+    prepare_rollback,
     quarantine_events,
     run_until_crash,
     violations,
@@ -74,6 +82,14 @@ CASES = [(name, hit) for name in FAILPOINTS if name in HITS_PER_CYCLE for hit in
 CASES += [(name, 3) for name in THIRD_HITS]
 HEAL_CASES = [(name, hit) for name in FAILPOINTS if name in HEAL_HITS for hit in (1, 2)]
 """The failpoints the workload never passes (nothing of it fails, so nothing heals), reached by a start-up heal."""
+ROLLBACK = "rollback.during_release"
+RECOVERY = "recovery.during_release"
+ROLLBACK_CASES = [(change, hit) for change in ROLLBACK_CHANGES for hit in range(1, ROLLBACK_HITS + 1)]
+"""A change of `prepare_rollback` and the hit of its rollback at which it is killed."""
+HEAL_ROLLBACK_CASES = list(range(1, ROLLBACK_HITS + 1))
+"""The hits of the rollback of `prepare_heal_rollback`'s start-up heal at which it is killed."""
+RECOVERY_CASES = [(interrupted, hit) for interrupted, hits in RECOVERY_HITS.items() for hit in (1, 2) if hit <= hits]
+"""A workload failpoint that interrupts a change, and the hit of recovery's at which the next start is killed."""
 MIN_CYCLES = 20
 LOG_TAIL = 40
 
@@ -82,8 +98,8 @@ def _ids(comp: Composition) -> tuple[str, frozenset[str], frozenset[str]]:
     return comp.host, frozenset(comp.device_ids), frozenset(a.id for a in comp.allocations)
 
 
-def _grew_by_one(before: Composition, after: Composition, call: Call, kinds: dict[str, DeviceKind]) -> bool:
-    """Whether ``after`` is ``before`` with exactly the one GPU or the one allocation ``call`` adds."""
+def _grew_as_asked(before: Composition, after: Composition, call: Call, kinds: dict[str, DeviceKind]) -> bool:
+    """Whether ``after`` is ``before`` with exactly the GPUs or the one allocation ``call`` adds."""
     host, devices, allocs = _ids(before)
     new_host, new_devices, new_allocs = _ids(after)
     if new_host != host or not (devices <= new_devices and allocs <= new_allocs):
@@ -91,7 +107,7 @@ def _grew_by_one(before: Composition, after: Composition, call: Call, kinds: dic
     added_devices, added_allocs = new_devices - devices, new_allocs - allocs
     if call.adds == "gpu":
         gpus = all(kinds.get(d) is DeviceKind.GPU for d in added_devices)
-        return not added_allocs and len(added_devices) == 1 and gpus
+        return not added_allocs and len(added_devices) == call.count and gpus
     return not added_devices and len(added_allocs) == 1
 
 
@@ -139,7 +155,7 @@ def _durability(crash: Crash, comps: tuple[Composition, ...], kinds: dict[str, D
         if _ids(now) != _ids(before):
             out.append(f"(g) {call.target!r}, crashed while decomposing, came back changed: {_ids(now)}")
     elif call.adds:
-        if _ids(now) != _ids(before) and not _grew_by_one(before, now, call, kinds):
+        if _ids(now) != _ids(before) and not _grew_as_asked(before, now, call, kinds):
             out.append(f"(g) '{call.label}' crashed and left {call.target!r} at {_ids(now)}, was {_ids(before)}")
     elif _ids(now) not in (_ids(before), _without(before, call.removes)):
         out.append(f"(g) '{call.label}' crashed and left {call.target!r} at {_ids(now)}, was {_ids(before)}")
@@ -172,7 +188,7 @@ def _retry(server: ServeProcess, crash: Crash, kinds: dict[str, DeviceKind]) -> 
         out.append(f"(f) the retry of '{call.label}' answered {got.id} {got.state.value}")
     before = crash.before
     if call.method == "UpdateComposition" and before is not None:
-        if call.adds and not _grew_by_one(before, got, call, kinds):
+        if call.adds and not _grew_as_asked(before, got, call, kinds):
             out.append(f"(f) the retried '{call.label}' left {_ids(got)}; before the crash it was {_ids(before)}")
         if call.removes and _ids(got) != _without(before, call.removes):
             out.append(f"(f) the retried '{call.label}' left {_ids(got)}; before the crash it was {_ids(before)}")
@@ -203,8 +219,9 @@ def _compose_again(server: ServeProcess) -> list[str]:
 
 def _healed(comps: tuple[Composition, ...], setup: HealSetup, hw: Hardware) -> list[str]:
     """(h) The compositions of the heal setup, and only they, are there as composed (id, host, no memory), each
-    COMPOSED with its `HEAL_GPUS` GPUs all healthy: its healthy GPU kept, its failed ones replaced, none of those
-    bound any longer. (The setup leaves free GPUs enough on every host: a DEGRADED one is a heal not finished.)"""
+    COMPOSED with as many GPUs as composed, all healthy: its healthy GPU kept, its failed ones replaced, none of
+    those bound any longer. (The setup leaves free GPUs enough on every host: a DEGRADED one is a heal not
+    finished.)"""
     out: list[str] = []
     by_name = {c.name: c for c in comps}
     if extra := sorted(set(by_name) - set(setup.composed)):
@@ -218,8 +235,8 @@ def _healed(comps: tuple[Composition, ...], setup: HealSetup, hw: Hardware) -> l
             out.append(f"(h) {name!r} was {_ids(before)}, is {_ids(now)}")
         if now.state is not CompositionState.COMPOSED:
             out.append(f"(h) {now.id} {name!r} is {now.state.value}, not healed: {now.message}")
-        if len(now.devices) != HEAL_GPUS:
-            out.append(f"(h) {now.id} {name!r} has {len(now.devices)} devices, not {HEAL_GPUS}")
+        if len(now.devices) != setup.gpus:
+            out.append(f"(h) {now.id} {name!r} has {len(now.devices)} devices, not {setup.gpus}")
         if lost := sorted(set(before.device_ids) - setup.failed[name] - set(now.device_ids)):
             out.append(f"(h) {now.id} {name!r} lost its healthy {', '.join(lost)}")
         if sick := sorted(set(now.device_ids) & hw.unhealthy):
@@ -237,6 +254,64 @@ def _label(call: Call | None) -> str:
     return call.label if call else "none"
 
 
+def _assert_killed_at(crash: Crash, failpoint: str, hit: int, cycles: int = CYCLES) -> None:
+    """The server driven to ``crash`` died in a call, by SIGKILL, at the failpoint it was armed with."""
+    armed = f"{failpoint}@{hit}"
+    assert crash.in_flight is not None, (
+        f"failpoint {armed} was never reached: the server answered all {len(crash.answered)} calls of "
+        f"{cycles} workload cycles and never died; is failpoints.hit({failpoint!r}) in the code path?\n"
+        f"{_tail(crash.output)}"
+    )
+    assert crash.exit_status == -signal.SIGKILL, (
+        f"the server died in '{crash.in_flight.label}' with exit status {crash.exit_status}, not SIGKILL:\n"
+        f"{_tail(crash.output)}"
+    )
+    assert f"failpoint {failpoint} hit" in crash.output, f"the server died, not at {armed}:\n{crash.output}"
+
+
+def _assert_start_up_killed_at(status: int | None, output: str, failpoint: str, hit: int, what: str) -> None:
+    """A server armed with ``failpoint`` at ``hit`` died by SIGKILL at it during its start-up (``what``)."""
+    armed = f"{failpoint}@{hit}"
+    assert status == -signal.SIGKILL, (
+        f"the server armed with {armed} ended {what} with exit status {status} (None: it served, or still "
+        f"ran), not SIGKILL; is failpoints.hit({failpoint!r}) in its code path?\n{_tail(output)}"
+    )
+    assert f"failpoint {failpoint} hit" in output, f"the server died, not at {armed}:\n{output}"
+
+
+def _restart_and_check(rig: CrashRig, crash: Crash, armed: str) -> None:
+    """Restart the server that ``crash`` killed (armed with ``armed``) without failpoints and hold it to every
+    invariant: (a) to (d) against the hardware, through the API and then in the ledger file once stopped,
+    (g) nothing lost, (f) the call in flight applied once when retried, (e) a fresh compose."""
+    problems: list[str] = []
+    server = rig.start()
+    try:
+        comps = list_compositions(server)
+        quarantine = Quarantine(frozenset(cordoned_devices(server)), quarantine_events(rig.ledger_events()))
+        restarted = violations(comps, rig.hardware(), quarantine)
+        problems += [f"after the restart: {v}" for v in restarted]
+        kinds = _device_kinds(server)
+        problems += _durability(crash, comps, kinds)
+        if not restarted:
+            problems += _retry(server, crash, kinds)
+            problems += _compose_again(server)
+    finally:
+        status = server.stop()
+    ledger, hardware = rig.ledger(), rig.hardware()
+    quarantine = Quarantine(quarantine.cordoned, quarantine_events(rig.ledger_events()))
+    problems += [f"after the stop: {v}" for v in violations(ledger, hardware, quarantine)]
+    if status != 0:
+        problems.append(f"the restarted server exited with {status} on SIGTERM")
+    assert not problems, (
+        f"crash at {armed} in '{_label(crash.in_flight)}' ({crash.describe()}):\n"
+        + "\n".join(problems)
+        + f"\n\nlisted after the restart:\n{describe_compositions(comps)}"
+        + f"\n\nledger after the stop:\n{describe_compositions(ledger)}"
+        + f"\n\nhardware after the stop:\n{hardware.describe()}"
+        + f"\n\nrestarted server's log:\n{_tail(server.output)}"
+    )
+
+
 class TestCrashAtEveryFailpoint:
     """Killed at a failpoint and restarted, the fabric manager agrees with the hardware, has nothing stuck,
     loses nothing, composes again and applies a retried request once."""
@@ -244,46 +319,9 @@ class TestCrashAtEveryFailpoint:
     @pytest.mark.parametrize(("failpoint", "hit"), CASES, ids=[f"{name}@{hit}" for name, hit in CASES])
     def test_kill_restart_and_check(self, tmp_path: Path, failpoint: str, hit: int) -> None:
         rig = CrashRig(tmp_path)
-        armed = f"{failpoint}@{hit}"
-        crash = run_until_crash(rig.start(armed))
-        assert crash.in_flight is not None, (
-            f"failpoint {armed} was never reached: the server answered all {len(crash.answered)} calls of "
-            f"{CYCLES} workload cycles and never died; is failpoints.hit({failpoint!r}) in the code path?\n"
-            f"{_tail(crash.output)}"
-        )
-        assert crash.exit_status == -signal.SIGKILL, (
-            f"the server died in '{crash.in_flight.label}' with exit status {crash.exit_status}, not SIGKILL:\n"
-            f"{_tail(crash.output)}"
-        )
-        assert f"failpoint {failpoint} hit" in crash.output, f"the server died, not at {armed}:\n{crash.output}"
-
-        problems: list[str] = []
-        server = rig.start()
-        try:
-            comps = list_compositions(server)
-            quarantine = Quarantine(frozenset(cordoned_devices(server)), quarantine_events(rig.ledger_events()))
-            restarted = violations(comps, rig.hardware(), quarantine)
-            problems += [f"after the restart: {v}" for v in restarted]
-            kinds = _device_kinds(server)
-            problems += _durability(crash, comps, kinds)
-            if not restarted:
-                problems += _retry(server, crash, kinds)
-                problems += _compose_again(server)
-        finally:
-            status = server.stop()
-        ledger, hardware = rig.ledger(), rig.hardware()
-        quarantine = Quarantine(quarantine.cordoned, quarantine_events(rig.ledger_events()))
-        problems += [f"after the stop: {v}" for v in violations(ledger, hardware, quarantine)]
-        if status != 0:
-            problems.append(f"the restarted server exited with {status} on SIGTERM")
-        assert not problems, (
-            f"crash at {armed} in '{_label(crash.in_flight)}' ({crash.describe()}):\n"
-            + "\n".join(problems)
-            + f"\n\nlisted after the restart:\n{describe_compositions(comps)}"
-            + f"\n\nledger after the stop:\n{describe_compositions(ledger)}"
-            + f"\n\nhardware after the stop:\n{hardware.describe()}"
-            + f"\n\nrestarted server's log:\n{_tail(server.output)}"
-        )
+        crash = run_until_crash(rig.start(f"{failpoint}@{hit}"))
+        _assert_killed_at(crash, failpoint, hit)
+        _restart_and_check(rig, crash, f"{failpoint}@{hit}")
 
 
 @pytest.fixture(scope="module")
@@ -292,61 +330,125 @@ def heal_setup(tmp_path_factory: pytest.TempPathFactory) -> HealSetup:
     return prepare_heal(CrashRig(tmp_path_factory.mktemp("heal-setup"), auto_heal=True))
 
 
+def _crash_the_start_up_heal(tmp_path: Path, setup: HealSetup, failpoint: str, hit: int) -> None:
+    """Kill a server at ``failpoint`` (its ``hit``) in the start-up heal of a copy of ``setup``, restart it
+    without failpoints, and hold it to the invariants and to (h) every composition healed."""
+    rig = setup.rig.copy_to(tmp_path)
+    armed = f"{failpoint}@{hit}"
+    exit_status, output = rig.start_until_exit(armed)
+    heal = f"its start-up heal of {len(setup.composed)} compositions of {setup.gpus} GPUs with failed ones"
+    _assert_start_up_killed_at(exit_status, output, failpoint, hit, heal)
+
+    problems: list[str] = []
+    server = rig.start()
+    try:
+        comps = list_compositions(server)
+        quarantine = Quarantine(frozenset(cordoned_devices(server)), quarantine_events(rig.ledger_events()))
+        hardware = rig.hardware()
+        restarted = violations(comps, hardware, quarantine)
+        problems += [f"after the restart: {v}" for v in restarted + _healed(comps, setup, hardware)]
+        if not restarted:
+            problems += _compose_again(server)
+    finally:
+        status = server.stop()
+    ledger, hardware = rig.ledger(), rig.hardware()
+    quarantine = Quarantine(quarantine.cordoned, quarantine_events(rig.ledger_events()))
+    found = violations(ledger, hardware, quarantine) + _healed(ledger, setup, hardware)
+    problems += [f"after the stop: {v}" for v in found]
+    if status != 0:
+        problems.append(f"the restarted server exited with {status} on SIGTERM")
+    assert not problems, (
+        f"crash at {armed} in the start-up heal:\n"
+        + "\n".join(problems)
+        + f"\n\ncomposed before the heal:\n{describe_compositions(list(setup.composed.values()))}"
+        + f"\nfailed: {', '.join(sorted(set().union(*setup.failed.values())))}"
+        + f"\n\nlisted after the restart:\n{describe_compositions(comps)}"
+        + f"\n\nledger after the stop:\n{describe_compositions(ledger)}"
+        + f"\n\nhardware after the stop:\n{hardware.describe()}"
+        + f"\n\ncrashed server's log:\n{_tail(output)}"
+        + f"\n\nrestarted server's log:\n{_tail(server.output)}"
+    )
+
+
 class TestCrashInAStartUpHeal:
     """Killed at a heal failpoint while it heals at start-up the GPUs that failed while no server ran, and
     restarted, the fabric manager agrees with the hardware, has every composition healed and composes again."""
 
     @pytest.mark.parametrize(("failpoint", "hit"), HEAL_CASES, ids=[f"{name}@{hit}" for name, hit in HEAL_CASES])
     def test_kill_restart_and_check(self, tmp_path: Path, heal_setup: HealSetup, failpoint: str, hit: int) -> None:
-        rig = heal_setup.rig.copy_to(tmp_path)
-        armed = f"{failpoint}@{hit}"
-        exit_status, output = rig.start_until_exit(armed)
-        assert exit_status == -signal.SIGKILL, (
-            f"the server armed with {armed} ended its start-up heal of {len(HEAL_NAMES)} compositions with "
-            f"{HEAL_FAILED} failed GPUs each with exit status {exit_status} (None: it served, or still ran), "
-            f"not SIGKILL; is failpoints.hit({failpoint!r}) in the heal?\n{_tail(output)}"
-        )
-        assert f"failpoint {failpoint} hit" in output, f"the server died, not at {armed}:\n{output}"
+        _crash_the_start_up_heal(tmp_path, heal_setup, failpoint, hit)
 
-        problems: list[str] = []
-        server = rig.start()
-        try:
-            comps = list_compositions(server)
-            quarantine = Quarantine(frozenset(cordoned_devices(server)), quarantine_events(rig.ledger_events()))
-            hardware = rig.hardware()
-            restarted = violations(comps, hardware, quarantine)
-            problems += [f"after the restart: {v}" for v in restarted + _healed(comps, heal_setup, hardware)]
-            if not restarted:
-                problems += _compose_again(server)
-        finally:
-            status = server.stop()
-        ledger, hardware = rig.ledger(), rig.hardware()
-        quarantine = Quarantine(quarantine.cordoned, quarantine_events(rig.ledger_events()))
-        found = violations(ledger, hardware, quarantine) + _healed(ledger, heal_setup, hardware)
-        problems += [f"after the stop: {v}" for v in found]
-        if status != 0:
-            problems.append(f"the restarted server exited with {status} on SIGTERM")
-        assert not problems, (
-            f"crash at {armed} in the start-up heal:\n"
-            + "\n".join(problems)
-            + f"\n\ncomposed before the heal:\n{describe_compositions(list(heal_setup.composed.values()))}"
-            + f"\nfailed: {', '.join(sorted(set().union(*heal_setup.failed.values())))}"
-            + f"\n\nlisted after the restart:\n{describe_compositions(comps)}"
-            + f"\n\nledger after the stop:\n{describe_compositions(ledger)}"
-            + f"\n\nhardware after the stop:\n{hardware.describe()}"
-            + f"\n\ncrashed server's log:\n{_tail(output)}"
-            + f"\n\nrestarted server's log:\n{_tail(server.output)}"
+
+@pytest.fixture(scope="module")
+def rollback_setups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RollbackSetup]:
+    """One setup for each change of `ROLLBACK_CHANGES`, each case crashing a copy of it (`CrashRig.copy_to`)."""
+    return {
+        change: prepare_rollback(
+            CrashRig(tmp_path_factory.mktemp(f"{change}-rollback-setup")),
+            tmp_path_factory.mktemp(f"{change}-rollback-trial"),
+            change,
         )
+        for change in ROLLBACK_CHANGES
+    }
+
+
+@pytest.fixture(scope="module")
+def heal_rollback_setup(tmp_path_factory: pytest.TempPathFactory) -> HealSetup:
+    """One setup for the cases of a heal's rollback (`prepare_heal_rollback`)."""
+    rig = CrashRig(tmp_path_factory.mktemp("heal-rollback-setup"), auto_heal=True)
+    return prepare_heal_rollback(rig, tmp_path_factory.mktemp("heal-rollback-trial"))
+
+
+class TestCrashInARollback:
+    """Killed while it rolls back a change whose last bind failed (a fault the sim injects), and restarted, the
+    fabric manager agrees with the hardware, has the change undone, applies it once when retried (the fault
+    used up) and composes again; a heal rolled back at start-up is healed after the restart."""
+
+    @pytest.mark.parametrize(("change", "hit"), ROLLBACK_CASES, ids=[f"{c}-{ROLLBACK}@{h}" for c, h in ROLLBACK_CASES])
+    def test_of_a_change(
+        self, tmp_path: Path, rollback_setups: dict[str, RollbackSetup], change: str, hit: int
+    ) -> None:
+        setup = rollback_setups[change]
+        rig = setup.rig.copy_to(tmp_path)
+        crash = run_until_crash(rig.start(f"{ROLLBACK}@{hit}"), cycles=1, workload=(setup.step,), known=setup.known)
+        _assert_killed_at(crash, ROLLBACK, hit, cycles=1)
+        _restart_and_check(rig, crash, f"{ROLLBACK}@{hit}")
+
+    @pytest.mark.parametrize("hit", HEAL_ROLLBACK_CASES, ids=[f"heal-{ROLLBACK}@{h}" for h in HEAL_ROLLBACK_CASES])
+    def test_of_a_start_up_heal(self, tmp_path: Path, heal_rollback_setup: HealSetup, hit: int) -> None:
+        _crash_the_start_up_heal(tmp_path, heal_rollback_setup, ROLLBACK, hit)
+
+
+class TestCrashInRecovery:
+    """Killed at a workload failpoint, then killed again while the restarted server's recovery settles the
+    change that the first crash interrupted, and restarted once more, the fabric manager agrees with the
+    hardware, has nothing stuck, loses nothing, composes again and applies the interrupted request once."""
+
+    @pytest.mark.parametrize(
+        ("interrupted", "hit"), RECOVERY_CASES, ids=[f"{i}-{RECOVERY}@{h}" for i, h in RECOVERY_CASES]
+    )
+    def test_kill_twice_restart_and_check(self, tmp_path: Path, interrupted: str, hit: int) -> None:
+        rig = CrashRig(tmp_path)
+        failpoint, _, first = interrupted.partition("@")
+        crash = run_until_crash(rig.start(interrupted))
+        _assert_killed_at(crash, failpoint, int(first))
+        status, output = rig.start_until_exit(f"{RECOVERY}@{hit}")
+        _assert_start_up_killed_at(status, output, RECOVERY, hit, f"its recovery of '{_label(crash.in_flight)}'")
+        _restart_and_check(rig, crash, f"{interrupted}, then {RECOVERY}@{hit} in the recovery")
 
 
 class TestCrashCases:
-    """The cases cover every failpoint, reach each within the workload or the start-up heal, and kill and
-    restart at least 20 times."""
+    """The cases cover every failpoint, reach each within the workload, the start-up heal, a rollback or a
+    recovery, and kill and restart at least 20 times."""
 
     def test_every_failpoint_is_tested(self) -> None:
-        assert {name for name, _ in CASES + HEAL_CASES} == set(FAILPOINTS)
-        assert set(HITS_PER_CYCLE) | set(HEAL_HITS) == set(FAILPOINTS)
+        undoing = {ROLLBACK} if ROLLBACK_CASES and HEAL_ROLLBACK_CASES else set()
+        undoing |= {RECOVERY} if RECOVERY_CASES else set()
+        assert {name for name, _ in CASES + HEAL_CASES} | undoing == set(FAILPOINTS)
+        assert set(HITS_PER_CYCLE) | set(HEAL_HITS) | {ROLLBACK, RECOVERY} == set(FAILPOINTS)
         assert not set(HITS_PER_CYCLE) & set(HEAL_HITS)
+        assert not (set(HITS_PER_CYCLE) | set(HEAL_HITS)) & {ROLLBACK, RECOVERY}
+        assert {change for change, _ in ROLLBACK_CASES} == set(ROLLBACK_CHANGES)
 
     def test_every_hit_is_within_the_workload(self) -> None:
         short = [(n, h) for n, h in CASES if h > HITS_PER_CYCLE[n] * (CYCLES - 1)]
@@ -355,6 +457,14 @@ class TestCrashCases:
     def test_every_heal_hit_is_within_the_start_up_heal(self) -> None:
         short = [(n, h) for n, h in HEAL_CASES if h > HEAL_HITS[n]]
         assert not short, f"{short} are passed fewer times by the start-up heal of the heal setup"
+
+    def test_every_undo_hit_is_within_its_setup(self) -> None:
+        short = [h for _, h in ROLLBACK_CASES] + HEAL_ROLLBACK_CASES
+        assert all(h <= ROLLBACK_HITS for h in short), f"a rollback passes {ROLLBACK} {ROLLBACK_HITS} times"
+        short_recovery = [(i, h) for i, h in RECOVERY_CASES if h > RECOVERY_HITS[i]]
+        assert not short_recovery, f"{short_recovery}: the recovery passes {RECOVERY} fewer times"
+        interrupted = [i.partition("@") for i, _ in RECOVERY_CASES]
+        assert all(int(h) <= HITS_PER_CYCLE[n] * (CYCLES - 1) for n, _, h in interrupted)
 
     def test_at_least_twenty_cycles(self) -> None:
         assert len(CASES) + len(HEAL_CASES) >= MIN_CYCLES

@@ -1,6 +1,7 @@
 """Named failpoints for crash tests: the fabric manager kills itself (SIGKILL, no clean-up of any kind) at a
-chosen point of the compose, recompose, decompose or heal path, so that a test can restart it and check that
-nothing was lost, leaked or left half done.
+chosen point of the compose, recompose, decompose or heal path, of the rollback of one that failed, or of the
+recovery of one a crash interrupted, so that a test can restart it and check that nothing was lost, leaked or
+left half done.
 
 They are armed only by the test setting ``DISAGG_FAILPOINTS``: a comma-separated list of ``NAME`` (kill at
 the first hit) or ``NAME@N`` (kill at the N-th hit). Unset, `hit` costs one dict lookup. An unknown name is
@@ -36,6 +37,8 @@ FAILPOINTS: dict[str, str] = {
     "heal.before_commit": "every replacement is bound; the composition does not list them yet",
     "heal.during_release": "after each unhealthy device (or a replacement undone) is unbound",
     "heal.after_commit": "the healed composition is on disk",
+    "rollback.during_release": "after each step that the rollback of a failed compose, recompose or heal undoes",
+    "recovery.during_release": "after each step that recovery undoes or finishes of a change a crash interrupted",
 }
 """Every failpoint, with where it fires."""
 

@@ -627,7 +627,7 @@ class FabricComposer(Composer):
     def _recover_change(self, comp: Composition, change: PendingChange) -> None:
         verb = "undo" if change.kind is ChangeKind.ADD else "finish"
         log.warning("a restart interrupted a change of %s: %s it", comp.id, verb)
-        leftovers = self._release(comp.host, change.devices, change.allocations)
+        leftovers = self._release(comp.host, change.devices, change.allocations, stage="recovery")
         with self._lock:
             if leftovers:
                 names = ", ".join(leftovers.ids)

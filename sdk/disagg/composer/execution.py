@@ -101,7 +101,8 @@ class Executor:
         """Bind every device, then carve every allocation; all or nothing.
 
         ``devices`` pairs each pick with its fabric name. Raises `ExecutionFailedError` after rolling back.
-        ``stage`` (compose, recompose) names the failpoints hit after each step.
+        ``stage`` (compose, recompose, heal) names the failpoints hit after each step; the rollback, one code
+        path for every stage, hits ``rollback.during_release`` after each step it undoes.
 
         A step whose outcome is unknown (`in_doubt`: its answer was lost, or the driver raised something it
         should not) may have happened, so the rollback undoes it too, first, as a best effort: unbind and
@@ -131,8 +132,8 @@ class Executor:
                 failpoints.hit(f"{stage}.after_allocate")
         except Exception as exc:
             error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
-            doubtful = self.undo(*trying) if in_doubt(exc) else Leftovers()
-            leftovers = self.undo(bound, carved)
+            doubtful = self.undo(*trying, stage="rollback") if in_doubt(exc) else Leftovers()
+            leftovers = self.undo(bound, carved, stage="rollback")
             raise ExecutionFailedError(error, doubtful.ids + leftovers.ids) from exc
         return tuple(allocations)
 
@@ -146,7 +147,7 @@ class Executor:
     ) -> Leftovers:
         """Release allocations, then unbind devices, newest first. Returns what could not be undone.
 
-        ``stage`` (recompose, decompose) names the failpoint hit after each step."""
+        ``stage`` (recompose, decompose, heal, rollback, recovery) names the failpoint hit after each step."""
         leftovers: list[str] = []
         timed_out = False
         for fabric, pool, allocation_id in reversed(carved):
