@@ -414,9 +414,16 @@ class FabricComposer(Composer):
     def _check_started(self) -> None:
         """Refuse, before anything is written, a call that needs the ledger loaded on a composer whose `start`
         has not loaded it: a reconcile would take every binding for an orphan and cordon it, and its events
-        would take revisions the ledger has given already."""
+        would take revisions the ledger has given already. Refuse too, with its reason, every change once the
+        ledger failed as a whole (`Store.failure`): none could be made durable, and what this composer holds may
+        differ from the disk until a restart recovers from it and the hardware."""
         if not self._loaded:
             raise FabricUnavailableError("the composer has not been started: call start() first; nothing was changed")
+        if failure := self.store.failure:
+            raise FabricUnavailableError(
+                f"the ledger takes no more writes ({failure}); nothing was changed: restart the composer, which "
+                "recovers from the ledger and the hardware"
+            )
 
     def _apply_early_events(self) -> None:
         """Apply the events that came while `start` ran, then those that come while they are applied, in order;
