@@ -205,6 +205,20 @@ class TestUnknown:
             assert what in err and f"disagg apply {rid} composes it, disagg release {rid} gives it back" in err
         assert [r["id"] for r in listed(capsys, where)] == [rid]
 
+    @pytest.mark.parametrize("command", ["apply", "release"])
+    def test_apply_and_release_name_the_reservation_a_name_holds(
+        self, capsys: pytest.CaptureFixture[str], where: list[str], command: str
+    ) -> None:
+        """`apply NAME` and `release NAME` of a live reservation's name said only that it expired, was released or
+        never existed; they take its id, and the error names it as `decompose NAME` does."""
+        rid = reserve(capsys, where)
+        code, out, err = cli(capsys, *where, command, "train")
+        assert (code, out) == (4, "")
+        assert (
+            f"'train' is reserved as {rid}: disagg apply {rid} composes it, disagg release {rid} gives it back" in err
+        )
+        assert [r["id"] for r in listed(capsys, where)] == [rid]
+
 
 class TestInterrupted:
     """Ctrl-C during an apply says what becomes of it, as for compose."""

@@ -195,6 +195,15 @@ class TestExitCodes:
         assert code == 1 and out == ""
         assert "cannot reach the fabric manager" in err and "nobody.sock" in err
 
+    @pytest.mark.parametrize("command", [["compose", "job", "gpu", "--reserve", "30"], ["apply", "r-000000000000"]])
+    def test_a_change_that_could_not_be_sent_was_not_made(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+    ) -> None:
+        """No attempt reached the server (no socket file): it said the change may have been made."""
+        code, out, err = cli(capsys, "--server", f"unix:{tmp_path}/nobody.sock", "--timeout", "5", *command)
+        assert (code, out) == (1, "")
+        assert "may have been made" not in err and "nothing was sent, so the change was not made" in err
+
 
 class TestLocalAndRemoteAgree:
     """A request the wire cannot carry, a mistyped operator and a bad request id are refused alike (exit 2), with

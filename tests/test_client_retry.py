@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import random
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -36,15 +37,21 @@ FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
+    """A call's failure that gRPC itself reports (no server's status): ``details`` is the code's name unless given."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
         super().__init__(code.name)
         self._code = code
+        self._details = details or code.name
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return self._code.name
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
 
 
 class Flaky(fm_grpc.FabricManagerServiceServicer):
@@ -335,6 +342,66 @@ class TestRetriesOverGrpc:
             result = client.compose(parse_request("job", ["gpu"]), ComposeMode.PREVIEW)
         assert result.composition is None and result.plan.devices
         assert servicer.request_ids == ["", "", ""]
+
+
+class TestNotSent:
+    """A change no attempt of which left the client (no connection to the server could be made) was not made, and
+    the error says so; it said an attempt got no answer, so the change may have been made."""
+
+    NOT_MADE = "nothing was sent, so the change was not made"
+
+    def changes(self, client: FabricManagerClient) -> list[Callable[[], object]]:
+        """A reservation and its apply, each with a request id, so retried."""
+        return [
+            lambda: client.compose(parse_request("job", ["gpu"]), ComposeMode.RESERVE, request_id="job-1"),
+            lambda: client.apply_reservation("r-000000000000", request_id="apply-1"),
+        ]
+
+    def test_no_socket_file(self, tmp_path: Path) -> None:
+        client = FabricManagerClient(f"unix:{tmp_path}/nobody.sock", timeout_s=5, retries=FAST)
+        with client:
+            for change in self.changes(client):
+                with pytest.raises(FabricUnavailableError) as info:
+                    change()
+                assert "may have been made" not in info.value.message
+                assert info.value.message.endswith(self.NOT_MADE) and "cannot reach" in info.value.message
+                assert info.value.metadata["request_id"] in ("job-1", "apply-1")
+
+    def test_a_socket_nobody_listens_on(self, tmp_path: Path) -> None:
+        """The socket file is left by a server that is gone: the connection is refused."""
+        path = tmp_path / "gone.sock"
+        with socket.socket(socket.AF_UNIX) as left:
+            left.bind(str(path))
+        client = FabricManagerClient(f"unix:{path}", timeout_s=5, retries=FAST)
+        with client, pytest.raises(FabricUnavailableError, match=self.NOT_MADE):
+            self.changes(client)[0]()
+
+    def test_an_attempt_that_was_sent_keeps_the_outcome_unknown(self, tmp_path: Path) -> None:
+        """The first attempt lost its connection after it was sent; the retries could not connect. The first
+        may have been made."""
+        client = FabricManagerClient(f"unix:{tmp_path}/nobody.sock", timeout_s=5, retries=FAST)
+        errors = iter(
+            [
+                FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"),
+                *[FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: ...")]
+                * 10,
+            ]
+        )
+
+        def rpc(timeout: float) -> None:
+            raise next(errors)
+
+        with client, pytest.raises(FabricUnavailableError) as info:
+            client._call(rpc, idempotent=True, request_id="K1")
+        assert "may have been made" in info.value.message and self.NOT_MADE not in info.value.message
+
+    def test_a_channel_passed_in_is_not_judged(self, tmp_path: Path) -> None:
+        """A channel passed in may carry a service config whose retries fail a sent call with the same message:
+        then the outcome stays unknown."""
+        address = f"unix:{tmp_path}/nobody.sock"
+        client = FabricManagerClient(address, timeout_s=5, retries=FAST, channel=grpc.insecure_channel(address))
+        with client, pytest.raises(FabricUnavailableError, match="may have been made"):
+            self.changes(client)[0]()
 
 
 class TestWatchResumption:

@@ -37,6 +37,7 @@ from disagg.errors import (
 from disagg.model import ComposeMode, CompositionRequest, DeviceKind, Reservation, format_size, parse_size
 from disagg.plugins import load_plugins
 from disagg.requestlang import bare_amount_refusal, parse_request, parse_resource, request_from_document
+from disagg.wire.errors import build
 from disagg.wire.fabric import check_id
 
 EXIT_CODES: tuple[tuple[type[DisaggError], int], ...] = (
@@ -328,7 +329,7 @@ def cmd_decompose(args: argparse.Namespace) -> int:
 
 def _reserved(reservations: Sequence[Reservation], keys: Sequence[str]) -> str:
     """A note on each of ``keys`` that is a reservation's id or the name it holds: `decompose` of one said only
-    that no composition had it."""
+    that no composition had it, and `apply` or `release` of its name that no reservation had it."""
     by_key = {r.request.name: r for r in reservations} | {r.id: r for r in reservations}
     notes = []
     for key in keys:
@@ -352,7 +353,10 @@ def cmd_reservations(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     _check_request_id(args)
     with _composer(args) as composer:
-        comp = composer.apply_reservation(args.reservation, request_id=_request_id(args))
+        try:
+            comp = composer.apply_reservation(args.reservation, request_id=_request_id(args))
+        except NotFoundError as exc:
+            raise _naming_the_reservation(exc, args.reservation, composer) from None
         if args.json:
             render.emit_json(comp)
         else:
@@ -360,11 +364,21 @@ def cmd_apply(args: argparse.Namespace) -> int:
         return 0
 
 
+def _naming_the_reservation(error: NotFoundError, key: str, composer: Backend) -> DisaggError:
+    """``error``, no reservation found for ``key``, saying which reservation holds ``key`` as its name: `apply
+    NAME` said only that the reservation expired, was released or never existed, while `decompose NAME` named it."""
+    note = _reserved(composer.reservations(), [key])
+    if not note:
+        return error
+    return build(type(error), error.message + note, metadata=error.metadata, resource=(error.resource_type, error.name))
+
+
 def cmd_release(args: argparse.Namespace) -> int:
     with _composer(args) as composer:
         # Every id is looked up before anything is released, as `decompose` does: releasing is idempotent, and an
         # unknown id would otherwise pass for one released.
-        held = {r.id for r in composer.reservations()}
+        reservations = composer.reservations()
+        held = {r.id for r in reservations}
         missing = [key for key in args.reservations if key not in held]
         if missing and not args.ignore_missing:
             names = ", ".join(repr(m) for m in missing)
@@ -372,7 +386,7 @@ def cmd_release(args: argparse.Namespace) -> int:
                 "reservation",
                 missing[0],
                 f"reservation {names} not found (it expired, was applied or released, or never existed); nothing "
-                "was released",
+                "was released" + _reserved(reservations, missing),
             )
         released = []
         for key in dict.fromkeys(args.reservations):  # each once: a second release of one released nothing

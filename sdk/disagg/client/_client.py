@@ -140,6 +140,12 @@ MAX_TIMEOUT_S = 365 * 86_400.0
 at once as DEADLINE_EXCEEDED, saying a change may have been made."""
 READY_CHECK_S = 0.2
 """How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
+NOT_CONNECTED = "failed to connect to all addresses"
+"""How gRPC fails a call its load balancing had no connection for (no socket file, a connection refused or never
+set up): the call never left the client. One that was sent and then lost its connection ends with another message
+("Socket closed"). gRPC repeats on its own only calls no server took (transparent retries); the retry policy of a
+service config could repeat a sent call and end it with this message, and the client's own channel has none (gRPC
+looks up no service config in DNS unless asked)."""
 
 
 class FabricManagerClient:
@@ -189,6 +195,8 @@ class FabricManagerClient:
         self.retries = retries or RetryPolicy()
         self._replicas = False
         """The channel balances over several replicas, and a call waits for one of them to serve."""
+        self._own_channel = channel is None
+        """The channel is the client's: no service config retries a call that was sent."""
         if channel is None:
             target, extra = replica_target(address)
             channel = grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, *extra))
@@ -242,6 +250,17 @@ class FabricManagerClient:
             )
         return from_rpc_error(exc)
 
+    def _not_sent(self, exc: grpc.RpcError) -> bool:
+        """Whether the failed attempt ``exc`` never left the client: gRPC found no connection to send it on. Told
+        only on the client's own channel, where nothing else fails a call that was sent with that message (a
+        channel passed in may carry a service config whose retries do)."""
+        return (
+            self._own_channel
+            and exc.code() is grpc.StatusCode.UNAVAILABLE
+            and server_status(exc) is None
+            and (exc.details() or "").startswith(NOT_CONNECTED)
+        )
+
     def _serving(self) -> bool:
         """Whether the channel reaches a serving replica: it says so within a few milliseconds when it does."""
         ready = grpc.channel_ready_future(self._channel)
@@ -271,15 +290,17 @@ class FabricManagerClient:
         """``rpc`` with the retry policy; a failure raises its SDK error. A change sent with a ``request_id``
         names it in the error's metadata, and when no server answered it (its deadline passed on this side, or
         the server could not be reached after it may have been sent) the error says so: the change may have
-        been made, and the same call with that request id gets its answer.
+        been made, and the same call with that request id gets its answer. When no attempt left the client (no
+        connection to the server could be made), the error says the change was not made instead.
 
         A client closed meanwhile (from another thread, during a pause between attempts or an attempt itself)
         raises `FabricUnavailableError`, as a call on a closed client does, never gRPC's ``ValueError``."""
         self._check_open()
         unanswered = False  # an attempt ended without the server's answer, after it may have reached it
+        sent = False  # an attempt left the client
 
         def attempt(timeout: float) -> T:
-            nonlocal unanswered
+            nonlocal unanswered, sent
             if self.closed:
                 raise _ClientClosedError
             try:
@@ -292,6 +313,9 @@ class FabricManagerClient:
                 if self.closed and exc.code() is grpc.StatusCode.CANCELLED:  # close() cancelled it in flight
                     unanswered = True
                     raise _ClientClosedError from None
+                if self._not_sent(exc):
+                    raise
+                sent = True
                 unanswered = unanswered or (server_status(exc) is None and exc.code() in _OUTCOME_UNKNOWN)
                 raise
 
@@ -321,6 +345,10 @@ class FabricManagerClient:
                 f"{error.message}; an attempt got no answer, so the change may have been made: the same call "
                 f"with request_id={request_id!r} gets its outcome",
                 metadata=error.metadata,
+            )
+        elif not sent:
+            error = build(
+                type(error), f"{error.message}; nothing was sent, so the change was not made", metadata=error.metadata
             )
         raise error from None
 
