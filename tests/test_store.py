@@ -351,7 +351,7 @@ class TestSqliteStore:
             first.close()
 
     def test_a_damaged_ledger_is_named(self, tmp_path: Path) -> None:
-        """A ledger whose pages are damaged opens, then fails to load with a message, not a traceback."""
+        """A ledger whose pages are damaged is refused with a message, not a traceback (at open, by its quick_check)."""
         path = tmp_path / "ledger.db"
         store = SqliteStore(path)
         for n in range(200):

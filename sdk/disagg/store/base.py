@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import attrs
-from cattrs.errors import BaseValidationError
+from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
 
 from disagg import codec
 from disagg.errors import ConfigError
@@ -37,11 +37,29 @@ def undecodable(ledger: object, what: str, exc: BaseException, field: str = "sta
     )
 
 
+def unknown_fields(exc: BaseException) -> list[str]:
+    """The fields a record holds that its class (or a value inside it) does not know, from cattrs' error."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return sorted(exc.extra_fields)
+    if isinstance(exc, BaseExceptionGroup):
+        return sorted({name for inner in exc.exceptions for name in unknown_fields(inner)})
+    return []
+
+
 def decoded(text: str | bytes, cls: type[T], ledger: object, what: str, field: str = "state.path") -> T:
-    """``text`` as a record of ``cls``, or `undecodable` naming ``what`` record of the ledger at ``ledger``."""
+    """``text`` as a record of ``cls``, or `undecodable` naming ``what`` record of the ledger at ``ledger``; one
+    with fields this version does not know is refused as a newer disagg's (`codec.load_record`)."""
     try:
-        return codec.loads(text, cls)
+        return codec.load_record(text, cls)
     except UNDECODABLE as exc:
+        unknown = unknown_fields(exc)
+        if unknown:
+            where = f" at {ledger}" if ledger else ""
+            raise ConfigError(
+                f"the ledger{where} cannot be read: {what} has fields this disagg does not know "
+                f"({', '.join(unknown)}), as a newer disagg writes them; upgrade disagg",
+                field=field,
+            ) from exc
         raise undecodable(ledger, what, exc, field) from exc
 
 
@@ -180,6 +198,13 @@ class Store(abc.ABC):
         told may differ from what is on disk), says so here, and its server stops so that a restart recovers
         from the disk and the hardware."""
         return ""
+
+    @property
+    def damaged(self) -> bool:
+        """The `failure` is damage to the ledger's data (a restart is refused the same way: it is the operator's
+        to restore from a backup), not a fault of the machine that a restart may get past: a server that stops on
+        it is to exit as for any other bad state (2), so that its supervisor stops restarting it."""
+        return False
 
     def close(self) -> None:
         """Release files and connections; the default holds none."""

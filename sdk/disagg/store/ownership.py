@@ -62,6 +62,20 @@ def hold(ledger: Path) -> Path:
         return key
 
 
+def in_place(key: Path) -> bool:
+    """Whether the lock file at ``key`` (held by this process) is still the one it locked. One removed (with the
+    ledger's directory) or replaced holds no lock: another process would lock the new file and open the ledger
+    beside this one, so the holder must stop using it."""
+    with _lock:
+        owner, _ = _held[key]
+        held = os.fstat(owner.fileno())
+    try:
+        found = os.stat(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return (found.st_dev, found.st_ino) == (held.st_dev, held.st_ino)
+
+
 def let_go(key: Path) -> None:
     """One store of this process closed the ledger; the last one lets the next process have it."""
     with _lock:

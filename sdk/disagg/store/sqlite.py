@@ -10,7 +10,13 @@ the commit that holds its last write. Reads see the queued writes as well: `load
 queued, and `events_after` adds the queued events to what the database holds.
 
 Records are stored as JSON documents of the model values, so the schema follows the model without migrations
-of every field.
+of every field. The file says which layout it holds (`SCHEMA_VERSION`), so that a newer layout is refused with
+the upgrade it needs rather than read wrong or called damaged.
+
+Opening reads before it writes: a file that is another program's, a newer disagg's, or damaged is refused as it
+was found. While open, the committer checks that the ledger's file and its lock file are still the ones it opened
+(`_check_in_place`): a ledger removed or replaced under a running server took every later change with it, and a
+second server could lock the new lock file and start beside the first.
 """
 
 from __future__ import annotations
@@ -70,6 +76,16 @@ LEDGER_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 """The columns of each table of `SCHEMA`: a table of one of these names with other columns is not the ledger's."""
 LEDGER_TABLES = frozenset(LEDGER_COLUMNS)
+SCHEMA_VERSION = 1
+"""The ledger's layout (`SCHEMA`, and the fields of its records), kept in the file's ``user_version``: raise it
+with a change that an older disagg would read wrong, so that the older one refuses the file rather than reads it
+(or drops what it does not know at its next write). A ledger written before versions were kept has 0, and the
+layout of 1."""
+APPLICATION_ID = int.from_bytes(b"DSAG", "big")
+"""The file's ``application_id``, which marks it as a ledger: a ``user_version`` is only a ledger's schema in a
+file that carries it (another program's database keeps its own number there)."""
+DAMAGE_SHOWN = 3
+"""Problems `PRAGMA quick_check` names in the refusal of a damaged ledger: the first say enough to tell it is."""
 _TABLES = "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
 
 
@@ -85,6 +101,81 @@ def _not_a_ledger(db: sqlite3.Connection) -> str:
         if columns != LEDGER_COLUMNS[name]:
             return f"its table {name} has {', '.join(columns)}, not {', '.join(LEDGER_COLUMNS[name])}"
     return ""
+
+
+def _newer_schema(db: sqlite3.Connection) -> int:
+    """The schema version of a ledger a newer disagg wrote (its layout is past `SCHEMA_VERSION`), else 0; read
+    without writing anything."""
+    ((application,),) = db.execute("PRAGMA application_id")
+    ((version,),) = db.execute("PRAGMA user_version")
+    return int(version) if application == APPLICATION_ID and version > SCHEMA_VERSION else 0
+
+
+def _damage(db: sqlite3.Connection) -> str:
+    """What `PRAGMA quick_check` finds wrong in the database's pages, or empty. A damaged page passed the open
+    (which reads only the schema) and the load (which reads a table's rows, not its index), and failed the first
+    commit that touched it, which a restart met again: checked here, before anything is written, it is refused
+    once, as damage. It reads every page once (50 ms for a ledger of 100,000 compositions, 85 MB, in the page
+    cache), less than the load that follows, and skips only the check of indexes against their tables."""
+    found = [str(problem) for (problem,) in db.execute(f"PRAGMA quick_check({DAMAGE_SHOWN})")]
+    if found == ["ok"]:
+        return ""
+    lines = (line for problem in found for line in problem.splitlines())
+    return "; ".join(line for line in lines if not line.startswith("***"))  # not "*** in database main ***"
+
+
+def _is_damage(exc: BaseException) -> bool:
+    """``exc`` says the database's pages are damaged (SQLITE_CORRUPT, SQLITE_NOTADB): the operator's to restore,
+    where a full or failing disk (an OperationalError) is the machine's, which a restart may get past."""
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    return isinstance(exc, sqlite3.DatabaseError) and code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def _refuse_as_found(db: sqlite3.Connection, path: Path) -> None:
+    """Raise `ConfigError` for a database at ``path`` that this disagg must not write: a newer disagg's ledger,
+    another program's database, a damaged ledger. Reads only, so that each is left as it was found."""
+    newer = _newer_schema(db)
+    if newer:
+        raise ConfigError(
+            f"the ledger at {path} was written by a newer disagg (schema {newer}); upgrade disagg (this one reads "
+            f"schema {SCHEMA_VERSION} and older)",
+            field="state.path",
+        )
+    why = _not_a_ledger(db)
+    if why:
+        raise ConfigError(
+            f"{path} is a SQLite database but not a ledger ({why}): give [state] path a ledger's "
+            "file, or restore the ledger from a backup",
+            field="state.path",
+        )
+    damage = _damage(db)
+    if damage:
+        raise ConfigError(
+            f"the ledger at {path} cannot be read (it is damaged: {damage}): restore it from a backup "
+            "(docs/durability.md)",
+            field="state.path",
+        )
+
+
+def _stamp(db: sqlite3.Connection) -> None:
+    """Mark a new ledger, or one written before versions were kept (the same layout), with `APPLICATION_ID` and
+    `SCHEMA_VERSION`; a ledger marked already is not written."""
+    ((application,),) = db.execute("PRAGMA application_id")
+    ((version,),) = db.execute("PRAGMA user_version")
+    if (application, version) != (APPLICATION_ID, SCHEMA_VERSION):
+        db.executescript(f"PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """The device and inode of the file at ``path``: which file it is, whatever its name."""
+    found = os.stat(path)
+    return (found.st_dev, found.st_ino)
+
+
+class LedgerMovedError(Exception):
+    """The ledger's file or its lock file at its path is not the one this store opened: it was removed (or its
+    directory was) or replaced. Commits would go to a file nobody opens again, and another process could lock
+    the new lock file and open the ledger beside this one."""
 
 
 def _open_error(path: Path, exc: BaseException) -> DisaggError:
@@ -125,6 +216,9 @@ PRUNE_EVERY = 1_000
 """Events past the retention between two prunes of the event log: pruning in steps keeps appending cheap. The
 step is counted from the revisions on disk, not from this process's appends, so that a server that restarts
 often still prunes."""
+
+IN_PLACE_CHECK_S = 1.0
+"""How often an idle committer checks that the ledger was not removed or replaced (`_check_in_place`)."""
 
 log = logging.getLogger("disagg.store")
 
@@ -196,16 +290,12 @@ class SqliteStore(Store):
         db: sqlite3.Connection | None = None
         try:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            why = _not_a_ledger(db)
-            if why:
-                raise ConfigError(
-                    f"{self.path} is a SQLite database but not a ledger ({why}): give [state] path a ledger's "
-                    "file, or restore the ledger from a backup",
-                    field="state.path",
-                )
+            _refuse_as_found(db, self.path)
+            self._file = _identity(self.path)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
+            _stamp(db)
             (oldest, newest) = db.execute("SELECT MIN(revision), COALESCE(MAX(revision), 0) FROM events").fetchone()
             (requests,) = db.execute("SELECT COUNT(*) FROM requests").fetchone()
         except (OSError, sqlite3.Error, ConfigError) as exc:  # nothing of it stays open, and the ledger is let go
@@ -269,38 +359,71 @@ class SqliteStore(Store):
                 self._cond.notify()
 
     def _commit_loop(self) -> None:
+        """Commit each group queued, having checked that the ledger is still in place (`_check_in_place`); while
+        there is nothing to commit, check that every `IN_PLACE_CHECK_S`, so that a server that writes nothing is
+        stopped too (its next change would be lost, and a second server may start beside it meanwhile)."""
         while True:
             with self._lock:
-                while not self._batch and not self._closing:
+                if not self._batch and not self._closing:
                     self._idle = True
-                    self._cond.wait()
+                    self._cond.wait(IN_PLACE_CHECK_S)
                     self._idle = False
-                if not self._batch:
+                if not self._batch and self._closing:
                     return
                 batch, self._batch = self._batch, Batch()
                 upto = self._queued
             try:
-                with self._db_lock:
-                    self._db.execute("BEGIN IMMEDIATE")
-                    try:
-                        for sql, params in batch.statements():
-                            self._db.execute(sql, params)
-                    except BaseException:
-                        self._db.execute("ROLLBACK")
-                        raise
-                    self._db.execute("COMMIT")
+                self._check_in_place()
+                if batch:
+                    self._commit(batch)
             except BaseException as exc:
                 with self._lock:
                     self._failure = exc
                     woken = self._wake(None)
                 _call_loops(woken, self._failed())
                 return
+            if not batch:
+                continue
             committed = batch.keys(EVENTS)
             with self._lock:
                 self._durable = upto
                 self._queued_events = [e for e in self._queued_events if e.revision not in committed]
                 woken = self._wake(upto)
             _call_loops(woken, None)
+
+    def _commit(self, batch: Batch) -> None:
+        """``batch`` in one transaction: all of it or, when a statement fails, none."""
+        with self._db_lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in batch.statements():
+                    self._db.execute(sql, params)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _check_in_place(self) -> None:
+        """Raise `LedgerMovedError` unless the ledger's path still names the file opened, and its lock file's the
+        one this process locked. The check costs 3.5 us, under 1% of the cheapest commit measured (0.39 ms with
+        its fsync), so every commit checks rather than one a second: no change is acknowledged into a file removed
+        before its commit began (one removed during a commit is found at the next check). Another error of the
+        stat (EIO) fails the store as a commit's would."""
+        try:
+            found = "another file is there" if _identity(self.path) != self._file else ""
+        except (FileNotFoundError, NotADirectoryError):
+            found = "it is gone"
+        if found:
+            raise LedgerMovedError(
+                f"the ledger file at {self.path} was removed or replaced ({found}) while this fabric manager used "
+                "it: put the ledger back, or restore it from a backup, before restarting (a start on a new file "
+                "finds none of its compositions)"
+            )
+        if not ownership.in_place(self._owner):
+            raise LedgerMovedError(
+                f"the ledger's lock file {self._owner} was removed or replaced while this fabric manager used it: "
+                "another one could open the ledger beside this one; stop any other on this ledger before restarting"
+            )
 
     def _wake(self, upto: int | None) -> dict[asyncio.AbstractEventLoop, list[Synced]]:
         """Wake the threads waiting for sequence numbers up to ``upto`` (None: all, the ledger failed), and
@@ -334,7 +457,21 @@ class SqliteStore(Store):
         set once, and every RPC asks)."""
         return "" if self._failure is None else self._failed().message
 
+    @property
+    def damaged(self) -> bool:
+        """See `Store.damaged`: a commit found the ledger's pages damaged."""
+        return self._failure is not None and _is_damage(self._failure)
+
     def _failed(self) -> FabricUnavailableError:
+        """The error of every write once a commit failed: damage is the operator's to restore, a ledger removed or
+        replaced theirs to put back, anything else (a full or failing disk) the machine's, which a restart may
+        get past."""
+        if isinstance(self._failure, LedgerMovedError):
+            return FabricUnavailableError(str(self._failure))
+        if self.damaged:
+            return FabricUnavailableError(
+                f"the ledger at {self.path} is damaged ({self._failure}): restore it from a backup (docs/durability.md)"
+            )
         return FabricUnavailableError(f"the ledger at {self.path} cannot be written: {self._failure!r}")
 
     def sync(self) -> None:
