@@ -73,6 +73,24 @@ class TestPruningAcrossRestarts:
             kept = [r.id for r in store.load().requests]
         assert kept == [f"r{n}" for n in range(put - retention + 1, put + 1)]
 
+    def test_request_ids_kept_by_when_written(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The newest answers are those written last, whatever the wall clock said: kept by their time, the answers
+        recorded after the clock was stepped back were the ones forgotten at a restart (and their ids accepted for
+        other requests), while older ones were kept."""
+        retention = 10
+        monkeypatch.setattr(sqlite_store, "REQUEST_RETENTION", retention)
+        ledger = tmp_path / "l.db"
+        put = 0
+        for life in range(LIVES):
+            with _life(ledger) as store:
+                for _ in range(PER_LIFE):
+                    put += 1
+                    stepped_back = 3_600.0 * life  # each lifetime's clock an hour behind the last's
+                    store.put_request(RequestRecord(f"r{put}", "f", "{}", 1e9 + put - stepped_back))
+        with _life(ledger) as store:
+            kept = [r.id for r in store.load().requests]
+        assert kept == [f"r{n}" for n in range(put - retention + 1, put + 1)]
+
 
 class TestRetentionBoundary:
     """What the SQLite ledger serves is cut at the retention as the in-memory ledger's is, whatever rows a

@@ -6,7 +6,9 @@ interval (5 ms). One statement per write made a commit of 30 writes cost tens of
 not the loop, bounded Compose. Folded, a commit runs a statement or two per table whatever the group's size.
 
 Folding keeps the meaning of the writes in order: a put replaces a whole row and a delete removes it, so only
-the last write of each row counts. Prunes (statements that trim a table) run after the rows are written.
+the last write of each row counts, at the place of that write (a table may be read in the order its rows were
+written, by ``rowid``, as the request answers are). Prunes (statements that trim a table) run after the rows are
+written.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class Batch:
     def put(self, table: Table, row: tuple[Any, ...]) -> None:
         if len(row) != table.columns:
             raise ValueError(f"a row of {table.name} has {table.columns} columns, not {len(row)}")
-        self._rows[(table, row[0])] = row
+        key = (table, row[0])
+        self._rows.pop(key, None)  # written after the rows queued since, as it was: the rowid orders requests
+        self._rows[key] = row
 
     def delete(self, table: Table, key: object) -> None:
         self._rows[(table, key)] = None

@@ -554,7 +554,7 @@ class SqliteStore(Store):
                 RequestRecord(i, f, a, t)
                 for i, f, a, t in self._db.execute(
                     "SELECT id, fingerprint, answer, at FROM "
-                    "(SELECT * FROM requests ORDER BY at DESC LIMIT ?) ORDER BY at",
+                    "(SELECT rowid, * FROM requests ORDER BY rowid DESC LIMIT ?) ORDER BY rowid",
                     (REQUEST_RETENTION,),
                 )
             )
@@ -619,13 +619,14 @@ class SqliteStore(Store):
     def _put_request(self, batch: Batch, row: tuple[str, str, str, float]) -> None:
         """Queue a request's row, and the prune that forgets the oldest once the table may hold twice the
         retention: now and then, not on every put, and counted from the rows found at open, so that a server
-        that restarts often still prunes."""
+        that restarts often still prunes. The oldest are those written first (a row's ``rowid``: a put replaces
+        the row under a larger one), not those of the earliest ``at``, which a step of the wall clock reorders."""
         batch.put(REQUESTS, row)
         self._request_rows += 1
         if self._request_rows >= 2 * REQUEST_RETENTION:
             batch.prune(
                 (
-                    "DELETE FROM requests WHERE id NOT IN (SELECT id FROM requests ORDER BY at DESC LIMIT ?)",
+                    "DELETE FROM requests WHERE rowid NOT IN (SELECT rowid FROM requests ORDER BY rowid DESC LIMIT ?)",
                     (REQUEST_RETENTION,),
                 )
             )
