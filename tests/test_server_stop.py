@@ -20,6 +20,7 @@ import pytest
 from composer_helpers import rack
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import CallContext
 from disagg.lockfile import try_lock
@@ -238,6 +239,46 @@ class TestGrace:
             assert 1.0 <= took < 1.6, f"stop(1.0) took {took:.2f} s"
 
 
+class HealHeld(GatedBind):
+    """A sim fabric whose binds, once ``armed``, say they have begun (`entered`) and wait for `gate` (bounded)."""
+
+    def __init__(self) -> None:
+        super().__init__(load_topology("pcie0", "demo-pcie"))
+        self.entered, self.gate, self.armed, self.closed = (threading.Event() for _ in range(4))
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if self.armed.is_set():
+            return super().bind(device, host, ctx)
+        return SimFabric.bind(self, device, host, ctx)
+
+    def close(self) -> None:
+        self.closed.set()
+        super().close()
+
+
+class TestStopWhileHealing:
+    """A heal in flight (the composer's auto-heal, in a thread of its own) does not hold a stop past its grace: the
+    stop closed the composer, which waited for the heal without end; now the composer is closed once it ends."""
+
+    def test_a_heal_in_flight(self, tmp_path: Path) -> None:
+        fabric = HealHeld()
+        ledger = tmp_path / "ledger.db"
+        with serving(socket_path(tmp_path), {"pcie0": fabric}, store=SqliteStore(ledger), grace=0) as served:
+            reply = served.stub.Compose(compose_request("healed"), timeout=WAIT_S)
+            fabric.armed.set()
+            fabric.fail_device(reply.composition.devices[0].device, "failed for the test")
+            try:
+                assert fabric.entered.wait(WAIT_S), "no heal began"
+                took = timed_stop(served.server, 0.5)
+                assert took < 0.5 + PROMPT_S, f"stop(0.5) waited {took:.1f} s for the heal"
+                assert not fabric.closed.is_set(), "closed under the heal"
+                assert [what for what in served.server.in_flight() if "heal" in what] != [], "the heal is not named"
+                assert try_lock(ledger.with_name("ledger.db.lock")) is None, "the ledger was let go under the heal"
+            finally:
+                fabric.gate.set()
+            assert fabric.closed.wait(WAIT_S), "the composer was not closed once the heal ended"
+
+
 class TestLedgerClaimPastStop:
     """A driver call still running after the grace keeps this process's claim on its SQLite ledger until it
     returns: the claim was let go as the stop closed the composer, so that a second fabric manager started at
@@ -361,3 +402,78 @@ class TestServeSignals:
         assert code == 0, "\n".join(lines[-30:])
         assert "closed" in lines and not any("Traceback" in line for line in lines)
         assert not sock.exists()
+
+
+def composing(stub: fm_grpc.FabricManagerServiceStub, name: str) -> bool:
+    try:
+        reply = stub.GetComposition(fm.GetCompositionRequest(id=name), timeout=WAIT_S)
+    except grpc.RpcError:
+        return False
+    return reply.composition.state == fm.COMPOSITION_STATE_COMPOSING
+
+
+PAST_GRACE = """
+import sys, time
+from disagg_sim import SimFabric
+
+close = SimFabric.close
+
+def close_behind_the_call(self):
+    print(f"closing {self.name}", file=sys.stderr, flush=True)
+    if self.name == "pcie0":  # as a switch's client, whose close waits for the request it serialises
+        time.sleep(60)
+    close(self)
+    print(f"closed {self.name}", file=sys.stderr, flush=True)
+
+SimFabric.close = close_behind_the_call
+from disagg.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""``disagg serve`` whose pcie0 closes only after a minute, as a fabric whose close waits behind a driver call."""
+
+SLOW_BIND = SERVE_CONFIG.replace("[state]", "[composer]\ncall_timeout_s = 60\n\n[state]")
+
+
+class TestServePastItsGrace:
+    """``disagg serve`` that ends with a driver call past its grace closes the fabrics that call does not hold,
+    within a bound, before its process ends: the stop closed every fabric in turn under the call, and one whose
+    close waited behind the call held the exit without end (the fabrics after it were never closed); a stop past
+    the grace with a reconcile or a heal running closed none (a switch emulator to stop was left running)."""
+
+    def test_the_other_fabrics_close_and_the_exit_is_bounded(self, tmp_path: Path) -> None:
+        sock = socket_path(tmp_path)
+        config = tmp_path / "disagg.toml"
+        config.write_text(SLOW_BIND.format(delay=20, socket=sock))
+        child = subprocess.Popen(
+            [sys.executable, "-c", PAST_GRACE, "serve", "--config", str(config), "--grace", "0.5"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
+        )
+        lines: list[str] = []
+        assert child.stdout is not None and child.stderr is not None
+        errors = child.stderr
+        reader = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in errors), daemon=True)
+        reader.start()
+        try:
+            assert child.stdout.readline().startswith("serving on"), lines
+            with grpc.insecure_channel(f"unix:{sock}") as channel:
+                stub = fm_grpc.FabricManagerServiceStub(channel)
+                call = stub.Compose.future(compose_request("late"), timeout=60)
+                wait_until(lambda: composing(stub, "late"), "the compose to be in flight")
+                child.send_signal(signal.SIGTERM)
+                try:
+                    code = child.wait(WAIT_S)
+                finally:
+                    call.cancel()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(WAIT_S)
+            reader.join(WAIT_S)
+        assert code == 0, "\n".join(lines[-30:])
+        assert "closed cxl0" in lines, "\n".join(lines[-30:])
+        assert "closed pcie0" not in lines
+        assert any("fabrics pcie0 did not close" in line for line in lines)

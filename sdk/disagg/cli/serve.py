@@ -25,7 +25,8 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from disagg.errors import ConfigError
 from disagg.plugins import Plugins, load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
 from disagg.server.loop import event_loop_factory
+from disagg.store import ownership
 
 if TYPE_CHECKING:
     from disagg.ha import Leadership
@@ -47,6 +49,10 @@ EXIT_LOST_LEAD = 3
 EXIT_FAILED = 1
 """The ledger failed while serving: the server stopped, for its supervisor to restart it."""
 
+
+CLOSE_PAST_GRACE_S = 2.0
+"""How long a ``disagg serve`` that ends with work still running past ``--grace`` gives its fabrics to close
+(`_end_past_grace`), on top of the grace: a close waiting behind that work would hold the exit without end."""
 
 EXIT_INTERRUPTED = 130
 """SIGINT (Ctrl-C) before the server served: the start was interrupted, as any command's is."""
@@ -157,9 +163,34 @@ def _leadership(config: Config, listeners: list[str]) -> Leadership | None:
     )
 
 
+@contextlib.contextmanager
+def _ledger_claimed(config: Config) -> Iterator[None]:
+    """Hold a SQLite ledger from before the server listens until its composer, built once it listens, holds it
+    too (the holds of one process are shared, `disagg.store.ownership`): a second fabric manager on the ledger is
+    refused before it listens, as when the fabrics were built before listening. A ledger not to be claimed here (a
+    directory, a folder not made yet, a failing disk) is the store's to refuse, in its own words, as it opens."""
+    path = Path(config.ledger_path)
+    key = None
+    if config.ledger == "sqlite" and not path.is_dir():
+        try:
+            key = ownership.hold(path)
+        except ConfigError as exc:  # in use: worded as the store would, naming the file
+            raise ConfigError(
+                f"{config.source}: [state] path: {exc.message}", field="state.path", metadata=exc.metadata
+            ) from exc
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if key is not None:
+            ownership.let_go(key)
+
+
 def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners: list[str], signals: _Signals) -> int:
-    """Build the composer and the server, serve until a signal (or a lost lead, a failed ledger), stop."""
-    composer = build_composer(config, plugins=plugins)
+    """Build the server, listen, build the composer (the fabrics, the ledger) and serve until a signal (or a lost
+    lead, a failed ledger), stop. Listening comes first, health NOT_SERVING until the composer serves: a fabric
+    may take its driver's connect timeout to build, and a silent socket meanwhile looked like a dead server."""
     stop = threading.Event()
     lost = threading.Event()
 
@@ -183,24 +214,21 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
         start_failed.append(error)
         stop.set()
 
+    leadership = _leadership(config, listeners)
+    server = FabricManagerServer(
+        lambda: build_composer(config, plugins=plugins),
+        listeners,
+        drivers=fabric_drivers(config, plugins),
+        allow_remote=args.allow_remote,
+        leadership=leadership,
+        on_serving=on_serving,
+        on_lost=on_lost,
+        on_failed=on_failed,
+        on_start_failed=on_start_failed,
+    )
     try:
-        leadership = _leadership(config, listeners)
-        server = FabricManagerServer(
-            composer,
-            listeners,
-            drivers=fabric_drivers(config, plugins),
-            allow_remote=args.allow_remote,
-            leadership=leadership,
-            on_serving=on_serving,
-            on_lost=on_lost,
-            on_failed=on_failed,
-            on_start_failed=on_start_failed,
-        )
-    except BaseException:
-        composer.close()
-        raise
-    try:
-        addresses = server.start()
+        with _ledger_claimed(config):
+            addresses = server.start()
         signals.starting = False
         if leadership is not None:
             for address in addresses:
@@ -233,11 +261,15 @@ def _outcome(lost: bool, failed: list[str]) -> int:
 
 
 def _end_past_grace(server: FabricManagerServer, code: int) -> None:
-    """End the process at once with ``code`` when calls still run after the stop (a driver call past the grace):
-    the interpreter would join the threads running them at exit, so that ``--grace`` bounded nothing, and the
-    process, still able to change the hardware, kept its ledger claimed meanwhile. The calls are cut off as a
-    crash would cut them: the next start finishes or undoes the changes they were making, from the ledger and the
-    hardware. Here, in the command, and not in the server: a program embedding the server is not to be ended."""
+    """End the process at once with ``code`` when work still runs after the stop (a driver call past the grace, a
+    discovery, a reconcile, a heal): the interpreter would join the threads running calls and heals at exit, so
+    that ``--grace`` bounded nothing, and the process, still able to change the hardware, kept its ledger claimed
+    meanwhile. The work is cut off as a crash would cut it: the next start finishes or undoes the changes it was
+    making, from the ledger and the hardware. First the fabrics are closed, within `CLOSE_PAST_GRACE_S`: the
+    composer would have closed them once that work returned, and a fabric left open leaves what it holds behind
+    (a switch emulator it started, to stop with ``stop_emulator = "always"``); one whose close waits behind the
+    work is left as the process's end leaves it. Here, in the command, and not in the server: a program embedding
+    the server is not to be ended."""
     cut = server.in_flight()
     if not cut:
         return
@@ -247,6 +279,13 @@ def _end_past_grace(server: FabricManagerServer, code: int) -> None:
         len(cut),
         ", ".join(cut),
     )
+    left = server.close_fabrics(CLOSE_PAST_GRACE_S)
+    if left:
+        log.warning(
+            "fabrics %s did not close within %g s (busy with what was cut off): left as they are",
+            ", ".join(left),
+            CLOSE_PAST_GRACE_S,
+        )
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

@@ -8,13 +8,14 @@ listings or may block still run in worker threads; an event watch holds one whil
 capped below the number of workers, and watchers can never starve the other RPCs. The loop runs in a thread of
 its own (`LoopThread`), so that `start` and `stop` stay plain calls.
 
-Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAILABLE) while the composer
-discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health NOT_SERVING, end the event and
-health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish within the grace period, then
-close the composer. The server owns the composer: `stop`, or a `start` that fails, closes it. A stop does not
-wait on a discovery (or a reconcile) beyond its grace: it cancels the composer's start, which stops before the
-next fabric's discovery or the next phase (a driver call already made is the driver's to end), and the thread
-running it closes the composer once it returns (`_let_go`). Whatever may still touch the hardware after the
+Start-up: listen, answer health NOT_SERVING (and every fabric-manager RPC UNAVAILABLE) while the composer is built
+(given a `ComposerBuild`), discovers the fabrics and reloads the ledger, then SERVING. Shutdown: health
+NOT_SERVING, end the event and health watches, refuse new calls (UNAVAILABLE) and let calls in flight finish within
+the grace period, then close the composer (once the calls and heals still running past the grace have returned: a
+fabric's close may wait behind its call). The server owns the composer: `stop`, or a `start` that fails, closes it.
+A stop does not wait on a discovery (or a reconcile) beyond its grace: it cancels the composer's start, which stops
+before the next fabric's discovery or the next phase (a driver call already made is the driver's to end), and the
+thread running it closes the composer once it returns (`_let_go`). Whatever may still touch the hardware after the
 stop (a driver call past the grace, that start or reconcile) keeps this process's claim on a SQLite ledger until
 it returns (`_hold_ledger_past_stop`): another fabric manager opened on the ledger meanwhile would undo the
 change that call was making, and the call would then land on the hardware behind its back. `in_flight` names
@@ -43,7 +44,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -57,13 +58,14 @@ from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.interfaces import Fabric
 from disagg.server.aio import DRIVER_THREADS, WAIT_THREADS, AsyncFabricManagerServicer
 from disagg.server.drivers import FabricDriver
 from disagg.server.errors import AsyncErrorInterceptor
 from disagg.server.health import HealthService
 from disagg.server.listeners import Listener, parse_listener, prepare_unix_socket
 from disagg.server.loop import LoopThread, event_loop_factory
-from disagg.server.servicer import LOST_LEAD, STANDBY, FabricManagerServicer, ledger_failed
+from disagg.server.servicer import LOST_LEAD, STANDBY, STARTING, FabricManagerServicer, ledger_failed
 from disagg.wire.sockets import bind_unix_socket
 
 if TYPE_CHECKING:
@@ -86,6 +88,8 @@ composer before it leaves the closing to them: a tick takes microseconds, and a 
 composer still open because a tick was running would surprise its caller."""
 _USES = {"start": "its start (discovery, the ledger)", "timer": "the timer (a reconcile)"}
 """What each user of the composer (`FabricManagerServer._users`) is doing, for the log."""
+HEALING = "a heal (auto-heal replacing a failed device)"
+"""How `FabricManagerServer.in_flight` names the composer's heals (`FabricComposer.wait_for_heals`)."""
 
 
 KEEPALIVE_S = 10.0
@@ -193,12 +197,74 @@ def _call_name(fn: Callable[..., Any], args: Sequence[Any]) -> str:
     return name.split(".<locals>", 1)[0]
 
 
+ComposerBuild = Callable[[], FabricComposer]
+"""Builds the composer a server serves (its fabrics, its ledger), as `disagg.config.build_composer` does; what it
+made is closed if it fails."""
+
+
+def _forward(name: str, *, streaming: bool = False) -> Any:
+    """The RPC ``name`` of `_Forwarded`: the built servicer's, at each call."""
+    if streaming:
+
+        async def stream(self: _Forwarded, request: Any, context: Any) -> AsyncIterator[Any]:
+            async with contextlib.aclosing(getattr(self.target(), name)(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        rpc: Any = stream
+    else:
+
+        async def unary(self: _Forwarded, request: Any, context: Any) -> Any:
+            return await getattr(self.target(), name)(request, context)
+
+        rpc = unary
+    rpc.__name__ = rpc.__qualname__ = name
+    return rpc
+
+
+class _Forwarded(fm_grpc.FabricManagerServiceServicer):
+    """The fabric-manager service of a server that listens before its composer is built: every RPC UNAVAILABLE
+    (starting) until it is, then the built servicer's answer. grpcio binds a service's handlers once, as it is
+    added, before the server listens, so they must look the servicer up at each call."""
+
+    def __init__(self, server: FabricManagerServer) -> None:
+        self._server = server
+
+    def target(self) -> AsyncFabricManagerServicer:
+        built = self._server._built
+        if built is None:
+            raise FabricUnavailableError(STARTING)
+        return built[2]
+
+    GetTopology = _forward("GetTopology")
+    ListDevices = _forward("ListDevices")
+    GetDevice = _forward("GetDevice")
+    ListPools = _forward("ListPools")
+    Compose = _forward("Compose")
+    GetComposition = _forward("GetComposition")
+    ListCompositions = _forward("ListCompositions")
+    UpdateComposition = _forward("UpdateComposition")
+    Decompose = _forward("Decompose")
+    CordonDevice = _forward("CordonDevice")
+    UncordonDevice = _forward("UncordonDevice")
+    ListDrivers = _forward("ListDrivers")
+    ListReservations = _forward("ListReservations")
+    ReleaseReservation = _forward("ReleaseReservation")
+    WatchEvents = _forward("WatchEvents", streaming=True)
+
+
 class FabricManagerServer:
-    """Serves a composer on the given listener addresses (``host:port`` or ``unix:/path``)."""
+    """Serves a composer on the given listener addresses (``host:port`` or ``unix:/path``).
+
+    Given a build of the composer instead (`ComposerBuild`, as `disagg serve` gives), `start` listens first and
+    builds it next, answering health NOT_SERVING and every fabric-manager RPC UNAVAILABLE (starting) meanwhile:
+    building a fabric may wait for its hardware (a remote driver's connect timeout), and an orchestrator's probe
+    must tell a server that starts from one that is gone. `composer`, `servicer` and `aio_servicer` exist once it
+    is built."""
 
     def __init__(
         self,
-        composer: FabricComposer,
+        composer: FabricComposer | ComposerBuild,
         listeners: Sequence[str],
         *,
         drivers: Sequence[FabricDriver] = (),
@@ -223,8 +289,10 @@ class FabricManagerServer:
         if twice:  # the second bind would fail after the first had made its socket, and leave it behind
             raise ConfigError(f"listener {twice[0]} is given twice", field="listener")
         self._new_loop = event_loop_factory()
-        self.composer = composer
-        self.servicer = FabricManagerServicer(composer, drivers, max_watches=max_watches)
+        self._drivers = drivers
+        self._max_watches = max_watches
+        self._built: tuple[FabricComposer, FabricManagerServicer, AsyncFabricManagerServicer] | None = None
+        self._build = None if isinstance(composer, FabricComposer) else composer
         self.health = HealthService()
         self.addresses: list[str] = []
         self._tick_s = tick_s
@@ -245,9 +313,8 @@ class FabricManagerServer:
             TrackedPool(DRIVER_THREADS, "disagg-driver", "driver call", self._calls),
             TrackedPool(WAIT_THREADS, "disagg-wait", "wait", self._calls),
         )
-        self.aio_servicer = AsyncFabricManagerServicer(
-            self.servicer, self._executor, drivers=self._pools[1], waits=self._pools[2]
-        )
+        if isinstance(composer, FabricComposer):
+            self._adopt(composer)
         self._loop: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._claims: list[tuple[Path, IO[bytes]]] = []
@@ -258,10 +325,44 @@ class FabricManagerServer:
         self._ticker: threading.Thread | None = None
         self._lock = threading.Lock()
         self._state = "new"
-        self._users: set[str] = set()
-        """The threads of this server that use the composer outside any call ("start", "timer"), under ``_lock``:
-        `stop` does not close the composer under them."""
+        self._users: dict[str, float] = {}
+        """The threads of this server that use the composer outside any call ("start", "timer"), each with when it
+        began (`time.monotonic`), under ``_lock``: `stop` does not close the composer under them."""
         self._let_go_of = threading.Condition(self._lock)
+        self._closing_composer = False
+        """Under ``_lock``: the composer is being (or was) closed, or its fabrics (`close_fabrics`); by one thread
+        only, since a fabric's close is idempotent but need not be safe to run twice at once."""
+        self._composer_closed = threading.Event()
+        self._ledger_held = False
+        """Under ``_lock``: `_hold_ledger_past_stop` holds the ledger (once)."""
+
+    def _adopt(self, composer: FabricComposer) -> None:
+        """Serve ``composer``: its servicer, and the servicer on the event loop."""
+        servicer = FabricManagerServicer(composer, self._drivers, max_watches=self._max_watches)
+        pools = self._pools
+        self._built = (
+            composer,
+            servicer,
+            AsyncFabricManagerServicer(servicer, pools[0], drivers=pools[1], waits=pools[2]),
+        )
+
+    def _part(self) -> tuple[FabricComposer, FabricManagerServicer, AsyncFabricManagerServicer]:
+        if self._built is None:
+            raise RuntimeError("the server has not built its composer yet")
+        return self._built
+
+    @property
+    def composer(self) -> FabricComposer:
+        """The composer served; `RuntimeError` until it is built (a server given a `ComposerBuild`)."""
+        return self._part()[0]
+
+    @property
+    def servicer(self) -> FabricManagerServicer:
+        return self._part()[1]
+
+    @property
+    def aio_servicer(self) -> AsyncFabricManagerServicer:
+        return self._part()[2]
 
     def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
@@ -278,6 +379,7 @@ class FabricManagerServer:
             self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             self._loop = LoopThread(new_loop=self._new_loop)
             self.addresses.extend(self._loop.run(self._listen()))
+            self._build_composer()
             if self.leadership is not None:
                 self.servicer.mark_unready(STANDBY)
                 with self._lock:
@@ -305,6 +407,20 @@ class FabricManagerServer:
             raise
         return list(self.addresses)
 
+    def _build_composer(self) -> None:
+        """Build the composer given as a `ComposerBuild`, counted among the users of the composer (`_users`): a
+        stop meanwhile waits for it within its grace, and past it the build's composer is closed as the build
+        returns (`_let_go`). `ServerStoppedError` when the server was stopped before."""
+        if self._build is None:
+            return
+        if not self._use_composer("start"):
+            raise ServerStoppedError("the server was stopped while it started")
+        try:
+            log.info("listening on %s: building the fabrics and opening the ledger", ", ".join(self.addresses))
+            self._adopt(self._build())
+        finally:
+            self._let_go("start")
+
     def _abandon_start(self) -> None:
         """Close everything after a start that failed, or was stopped or interrupted (SIGTERM) meanwhile. A
         failure here is logged, so that the start's own error is the one raised."""
@@ -322,7 +438,7 @@ class FabricManagerServer:
         with self._lock:
             if self._state in ("stopping", "stopped"):
                 return False
-            self._users.add(user)
+            self._users[user] = time.monotonic()
             return True
 
     def _let_go(self, user: str) -> None:
@@ -330,12 +446,24 @@ class FabricManagerServer:
         with self._lock:
             if user not in self._users:
                 return
-            self._users.discard(user)
+            del self._users[user]
             self._let_go_of.notify_all()
             close = not self._users and self._state == "stopped"
         if close:
             log.info("closing the composer, which %s held past the stop", user)
-            self.composer.close()
+            self._close_once()
+
+    def _close_once(self) -> None:
+        """Close the composer unless it is closed, or being closed, already (`_closing_composer`)."""
+        with self._lock:
+            if self._closing_composer:
+                return
+            self._closing_composer = True
+        try:
+            if self._built is not None:  # else its build failed, or was interrupted, and closed what it made
+                self.composer.close()
+        finally:
+            self._composer_closed.set()
 
     def _serve(self) -> bool:
         """The composer has started: answer RPCs, report SERVING, start the timers. False, doing nothing, when the
@@ -350,7 +478,7 @@ class FabricManagerServer:
             gc.freeze()
             self.servicer.mark_ready()
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
-            self._users.add("timer")
+            self._users["timer"] = time.monotonic()
             self._ticker = threading.Thread(target=self._tick, name="disagg-tick", daemon=True)
             self._ticker.start()
             self._state = "serving"
@@ -455,7 +583,8 @@ class FabricManagerServer:
         every address and start answering."""
         server = grpc.aio.server(interceptors=[AsyncErrorInterceptor()], options=SERVER_OPTIONS)
         self._server = server
-        fm_grpc.add_FabricManagerServiceServicer_to_server(self.aio_servicer, server)
+        service = self.aio_servicer if self._build is None else _Forwarded(self)
+        fm_grpc.add_FabricManagerServiceServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         addresses = [self._bind(server, listener, self._listeners[:n]) for n, listener in enumerate(self._listeners)]
@@ -484,7 +613,7 @@ class FabricManagerServer:
         deadline = loop.time() + (grace or 0.0)
         if self._server is not None:
             await self._server.stop(grace)
-        running = await self.aio_servicer.drain(deadline - loop.time())
+        running = await self._built[2].drain(deadline - loop.time()) if self._built is not None else 0
         if running:
             log.warning("%d changes still running after the grace period: the ledger's recovery finishes them", running)
 
@@ -552,14 +681,18 @@ class FabricManagerServer:
         with self._lock:
             if self._state in ("stopping", "stopped", "new"):
                 if self._state == "new":
-                    self.composer.close()
+                    self._closing_composer = True
+                    if self._built is not None:
+                        self.composer.close()
+                    self._composer_closed.set()
                     self._state = "stopped"
                 return
             self._state = "stopping"
         log.info("stopping: calls in flight have %s s to finish", grace)
         self._ticking.set()  # the timer starts no reconcile during the grace, and a campaign ends
         self.health.end_watches()
-        self.servicer.stop()
+        if self._built is not None:
+            self.servicer.stop()
         try:
             self._close_server(grace)
             if self.leadership is not None:
@@ -567,55 +700,115 @@ class FabricManagerServer:
         finally:
             for pool in self._pools:
                 pool.shutdown(wait=False)
-            self.aio_servicer.close()
+            if self._built is not None:
+                self.aio_servicer.close()
             self._close_composer(deadline)
         log.info("stopped")
 
     def in_flight(self) -> list[str]:
-        """The calls the server's threads still run (a driver call past the grace), each named with how long it
-        has run: after `stop`, what the process would wait for at exit, and what may still change the
-        hardware."""
-        return self._calls.wait_idle(0)
+        """What still runs past the stop, each named with how long it has run where that is known: the calls the
+        server's threads run (a driver call past the grace), the composer's start or the timer still holding it (a
+        discovery, a reconcile), and its heals. After `stop`, what the process would wait for at exit (the heals'
+        thread too), and what may still change the hardware."""
+        running = self._calls.wait_idle(0)
+        now = time.monotonic()
+        with self._lock:
+            running += [f"{_USES[user]} ({now - since:.1f} s)" for user, since in sorted(self._users.items())]
+        if self._built is not None and not self.composer.wait_for_heals(0):
+            running.append(HEALING)
+        return running
 
     def _close_composer(self, deadline: float) -> None:
         """Close the composer once the start and the timer let go of it, waiting for them until ``deadline`` (at
-        least `UNWIND_S`); one still running then closes it as it lets go (`_let_go`). Whatever still runs keeps
-        the ledger claimed (`_hold_ledger_past_stop`)."""
+        least `UNWIND_S`); one still running then closes it as it lets go (`_let_go`). A heal still running at
+        ``deadline``, or a call, leaves the close to a thread that waits for them (`_close_once_idle`): the
+        composer's close waits for its heals, and a fabric's may wait for its calls, without end. Whatever still runs
+        keeps the ledger claimed (`_hold_ledger_past_stop`)."""
         with self._lock:
             self._let_go_of.wait_for(lambda: not self._users, max(deadline - time.monotonic(), UNWIND_S))
             self._state = "stopped"
             busy = sorted(self._users)
         calls = self._calls.wait_idle(max(deadline - time.monotonic(), 0.0))
-        if busy or calls:
+        # With a user left, the user closes the composer, heals and all; without, this stop does.
+        healing = (
+            not busy
+            and self._built is not None
+            and not self.composer.wait_for_heals(max(deadline - time.monotonic(), 0.0))
+        )
+        if busy or calls or healing:
             self._hold_ledger_past_stop()
         if calls:
             log.warning(
-                "%d calls still running after the grace period (%s): the ledger stays claimed by this process "
-                "until they return",
+                "%d calls still running after the grace period (%s): the ledger stays claimed by this process, and "
+                "the fabrics open, until they return",
                 len(calls),
                 ", ".join(calls),
             )
-        if busy:
+        if busy or healing:
             log.warning(
                 "the composer is still busy with %s after the grace period: closing it once that returns; the "
                 "ledger takes no more writes from now on",
-                " and ".join(_USES[user] for user in busy),
+                " and ".join(_USES[user] for user in busy) or HEALING,
             )
-            # What that thread writes once it returns would land after this stop, beside whatever opens the
-            # ledger next (a restarted server): the ledger is let go of now, and refuses it. A start stops at its
-            # next fabric or step instead of discovering, recovering and reconciling for nothing.
-            self.composer.cancel_start()
-            self.composer.store.close()
+        if not (busy or calls or healing):
+            self._close_once()
             return
-        self.composer.close()
+        # What that work writes once it returns would land after this stop, beside whatever opens the ledger next
+        # (a restarted server): the ledger is let go of now, and refuses it. A start stops at its next fabric or
+        # step instead of discovering, recovering and reconciling for nothing.
+        if self._built is None:
+            return  # being built: the build's composer is closed as the build returns (`_let_go`)
+        self.composer.cancel_start()
+        self.composer.store.close()
+        if not busy:  # else the user closes the composer as it lets go (`_let_go`)
+            threading.Thread(target=self._close_once_idle, name="disagg-close", daemon=True).start()
+
+    def _close_once_idle(self) -> None:
+        """Close the composer once the calls in flight and its heals have returned: not under a driver call (a
+        switch's client serialises requests, so the close would wait behind it), nor under a heal."""
+        self._calls.wait_idle(None)
+        _wait_for_heals(self.composer)
+        log.info("closing the composer, which calls or a heal held past the stop")
+        self._close_once()
+
+    def close_fabrics(self, timeout: float) -> list[str]:
+        """Close every fabric of the composer that it has not closed itself, each in a thread of its own, waiting
+        ``timeout`` seconds at most in all; returns the names of those whose close had not returned. For a process
+        that ends after a stop left work running past its grace (`in_flight`): the composer would close them once
+        that work returns, which the process does not wait for, and a fabric left open at the end of the process
+        leaves what it holds behind (a switch emulator it started). A fabric busy with that work may not close
+        in time (its close waits for the call): it is left as the end of the process leaves it. From then on the
+        composer's fabrics are this call's to close, not the composer's."""
+        with self._lock:
+            closing, self._closing_composer = self._closing_composer, True
+        if closing:  # the composer closes them (`_close_once`): wait for that instead
+            done = self._composer_closed.wait(timeout)
+            return [] if done or self._built is None else sorted(self._built[0].fabrics)
+        if self._built is None:
+            return []  # still being built: what the build made closes with it
+        threads = [
+            threading.Thread(target=_close_fabric, args=(name, fabric), name=f"disagg-close-{name}", daemon=True)
+            for name, fabric in self.composer.fabrics.items()
+        ]
+        for thread in threads:
+            thread.start()
+        end = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(end - time.monotonic(), 0.0))
+        return [name for name, thread in zip(self.composer.fabrics, threads, strict=True) if thread.is_alive()]
 
     def _hold_ledger_past_stop(self) -> None:
         """Keep this process's claim on its ledger (a SQLite ledger's lock, `SqliteStore.hold`) beyond the
-        composer's close, until every call in flight and the start and the timer have returned, or the process
-        ends. Letting go at the close let a second fabric manager start at once, undo the change a driver call
-        was still making, and then that call landed on the hardware: a binding no composition records."""
+        composer's close, until every call in flight, the start, the timer and the heals have returned and the
+        composer is closed, or the process ends. Letting go at the close let a second fabric manager start at
+        once, undo the change a driver call was still making, and then that call landed on the hardware: a binding
+        no composition records. Idempotent."""
+        if self._built is None:  # being built: the build's composer is closed, and its ledger let go, as it returns
+            return
         hold: Callable[[], Callable[[], None]] | None = getattr(self.composer.store, "hold", None)
-        if hold is None:  # no claim to keep: in memory, or etcd's, which fences a stale writer instead
+        with self._lock:
+            held, self._ledger_held = self._ledger_held, True
+        if hold is None or held:  # no claim to keep: in memory, or etcd's, which fences a stale writer instead
             return
         release = hold()
 
@@ -623,6 +816,8 @@ class FabricManagerServer:
             self._calls.wait_idle(None)
             with self._lock:
                 self._let_go_of.wait_for(lambda: not self._users)
+            _wait_for_heals(self.composer)
+            self._composer_closed.wait()
             release()
 
         threading.Thread(target=release_once_idle, name="disagg-ledger-hold", daemon=True).start()
@@ -633,6 +828,20 @@ class FabricManagerServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _wait_for_heals(composer: FabricComposer) -> None:
+    """Wait without end for the composer's heals, those that start meanwhile too."""
+    while not composer.wait_for_heals(TICK_S):
+        pass
+
+
+def _close_fabric(name: str, fabric: Fabric) -> None:
+    """Close ``fabric``, logging what its close raised: the thread running it has no one to tell."""
+    try:
+        fabric.close()
+    except Exception:
+        log.exception("closing fabric %s failed", name)
 
 
 def _remove_socket(path: Path) -> None:
