@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import logging
 import os
 import random
@@ -283,6 +284,7 @@ class FabricComposer(Composer):
         auto_heal: bool = True,
         call_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] | None = None,
         new_id: Callable[[str], str] | None = None,
     ) -> None:
         if not fabrics:
@@ -294,10 +296,20 @@ class FabricComposer(Composer):
         self.auto_heal = auto_heal
         self.call_timeout_s = call_timeout_s
         self.clock = clock
+        """Wall time: the time of events and of a reservation's ``expires_at``, which outlive this run."""
+        self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
+        """What a reservation expires by within this run (`_reservation_deadlines`): a step of the wall clock (NTP,
+        `date -s`) must neither hold one for longer nor expire all at once. A test that injects only ``clock``
+        moves both."""
         self._new_id = new_id or _random_id
         self._lock = threading.RLock()
         self._compositions: dict[str, Composition] = {}
         self._reservations: dict[str, Reservation] = {}
+        self._reservation_deadlines: dict[str, float] = {}
+        """Per reservation held, the instant of ``monotonic`` at which it expires."""
+        self._applying_deadlines: dict[str, float] = {}
+        """Per composition an apply in flight is making of a reservation, that reservation's deadline: an apply
+        undone gives it back for the rest of that time (`_give_back`)."""
         self._listeners: list[EventListener] = []
         self._subscriptions: list[Subscription] = []
         self._revision = 0
@@ -372,6 +384,7 @@ class FabricComposer(Composer):
             self._revision_time = newest[0].time if newest and newest[0].revision == state.last_revision else 0.0
             self._compositions = {c.id: c for c in state.compositions}
             self._reservations = {r.id: r for r in state.reservations}
+            self._reservation_deadlines = {r.id: self._deadline_from_record(r) for r in state.reservations}
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
             self._cordoned = set(state.cordons)
@@ -647,7 +660,7 @@ class FabricComposer(Composer):
             if change.kind is ChangeKind.ADD and change.restore is None:
                 self._unclaim_composition(comp)
                 self._forget(comp, "rolled back after a restart interrupted it")
-                self._give_back(change)
+                self._give_back(comp.id, change)
                 return
             if change.kind is ChangeKind.ADD:
                 assert change.restore is not None
@@ -1363,13 +1376,29 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- reservations
 
     def _expire_locked(self) -> None:
-        now = self.clock()
-        for res in [r for r in self._reservations.values() if r.expires_at <= now]:
+        now = self.monotonic()
+        for res in [r for r in self._reservations.values() if self._reservation_deadlines[r.id] <= now]:
             self._drop_reservation(res, EventType.RESERVATION_EXPIRED)
+
+    def _deadline_from_record(self, res: Reservation) -> float:
+        """The instant of ``monotonic`` at which ``res``, read from the ledger (at start, or given back by a
+        recovery), expires: what is left of its wall-clock time to live, counted from now. Within the run that
+        follows, the wall clock no longer counts."""
+        return self.monotonic() + (res.expires_at - self.clock())
+
+    def _hold_reservation(self, res: Reservation, deadline: float) -> None:
+        """Hold ``res`` until ``deadline`` (of ``monotonic``): its plan claimed, its name taken, its record
+        written; under the lock."""
+        self._claim_plan(res.plan, res.id)
+        self._reservations[res.id] = res
+        self._reservation_deadlines[res.id] = deadline
+        self._names[res.request.name] = res.id
+        self.store.put_reservation(res)
 
     def _drop_reservation(self, res: Reservation, why: EventType, because: str = "") -> None:
         self._unclaim_plan(res.plan)
         del self._reservations[res.id]
+        del self._reservation_deadlines[res.id]
         self._names.pop(res.request.name, None)
         self.store.delete_reservation(res.id)
         self._emit(
@@ -1425,12 +1454,15 @@ class FabricComposer(Composer):
                 None,
             )
             if applying is not None and applying.pending is not None:
+                # No event: the apply's `ReservationReleased` ended the reservation for watchers, and an apply
+                # undone now gives nothing back, so what they hold stays true.
                 kept = revise(applying, pending=attrs.evolve(applying.pending, reservation=None))
                 self._record(kept)
-                self._emit(
-                    EventType.RESERVATION_RELEASED,
+                log.info(
+                    "reservation %s released while it was being applied as %s: should the apply be undone, it is "
+                    "not held again",
                     reservation_id,
-                    f"while it was being applied as {kept.id}: should the apply be undone, it is not held again",
+                    kept.id,
                 )
 
     def apply_reservation(
@@ -1481,13 +1513,19 @@ class FabricComposer(Composer):
                     metadata={"reservation": res.id},
                 )
             del self._reservations[res.id]
+            expires = self._reservation_deadlines.pop(res.id)
             self._names.pop(res.request.name, None)
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
             comp = self._begin(res.request, res.plan, reservation=res)
-        yield DURABLE
-        failpoints.hit("compose.after_reserve")
-        composition = yield from self._execute(comp, res.plan, deadline)
+            self._applying_deadlines[comp.id] = expires
+        try:
+            yield DURABLE
+            failpoints.hit("compose.after_reserve")
+            composition = yield from self._execute(comp, res.plan, deadline)
+        finally:
+            with self._lock:
+                self._applying_deadlines.pop(comp.id, None)
         return ComposeResult(ComposeMode.APPLY, res.plan, composition=composition)
 
     # ----------------------------------------------------------------- compose
@@ -1515,8 +1553,9 @@ class FabricComposer(Composer):
         deadline: float | None = None,
     ) -> ComposeResult:
         """See `Composer.compose`. With a ``request_id``, a retry of the same request returns the first answer
-        and binds nothing again, and the same id with another request raises `RequestIdReusedError`. Driver
-        calls stop at ``deadline``, a ``time.monotonic()`` instant (the rollback of a failed plan does not)."""
+        and binds nothing again, and the same id with another request raises `RequestIdReusedError`; a PREVIEW
+        changes nothing, so its ``request_id`` is neither looked up nor kept. Driver calls stop at ``deadline``, a
+        ``time.monotonic()`` instant (the rollback of a failed plan does not)."""
         change = self.compose_steps(
             request, mode, reservation_ttl_s=reservation_ttl_s, request_id=request_id, deadline=deadline
         )
@@ -1533,7 +1572,7 @@ class FabricComposer(Composer):
     ) -> Steps[ComposeResult]:
         """`compose` as steps, for `run_async`."""
         self._check_started()
-        if mode is ComposeMode.PREVIEW:
+        if mode is ComposeMode.PREVIEW:  # nothing to make once; the id stays free for a change (docs/protocol.md)
             request_id = None
         if mode is not ComposeMode.APPLY:
             fingerprint: object = (request, mode, reservation_ttl_s)
@@ -1590,8 +1629,7 @@ class FabricComposer(Composer):
                     # the change finds its own work there and answers with it (`_made_by_request`).
                     done = threading.Event()
                     self._requests[request_id] = (fp, None, done)
-                    while len(self._requests) > REQUEST_ID_MEMORY:
-                        self._requests.popitem(last=False)
+                    self._forget_oldest_requests()
                     break
             seen, result, done = entry
             if seen != fp:
@@ -1630,6 +1668,16 @@ class FabricComposer(Composer):
             self._answer(request_id, fp, answer, seed, done)
             yield from self._answer_durably(request_id, seed, done)
         return answer
+
+    def _forget_oldest_requests(self) -> None:
+        """Forget the oldest answered request ids beyond `REQUEST_ID_MEMORY`; under the lock. An id whose first
+        call is still running (its ``done`` unset) is kept however old: forgotten, its retry would run as a new
+        request beside it, and be refused for the name its own first call holds."""
+        excess = len(self._requests) - REQUEST_ID_MEMORY
+        if excess > 0:
+            answered = (request_id for request_id, (_, _, done) in self._requests.items() if done.is_set())
+            for request_id in list(itertools.islice(answered, excess)):
+                del self._requests[request_id]
 
     def _answer(
         self,
@@ -1743,10 +1791,7 @@ class FabricComposer(Composer):
             if mode is ComposeMode.RESERVE:
                 expires = self.clock() + reservation_ttl_s
                 res = Reservation(self._new_id("r"), request, plan, expires, *self._request_mark())
-                self._claim_plan(plan, res.id)
-                self._reservations[res.id] = res
-                self._names[request.name] = res.id
-                self.store.put_reservation(res)
+                self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
             comp = self._begin(request, plan)
@@ -1810,6 +1855,13 @@ class FabricComposer(Composer):
         held = self._busy[comp.id] = threading.Lock()
         held.acquire()  # new, so free: the compose holds it until _execute ends
         self._record(comp)
+        if reservation is not None:  # it left the listing: a client that watches from one learns so, and as what
+            self._emit(
+                EventType.RESERVATION_RELEASED,
+                reservation.id,
+                f"reservation for {reservation.request.name!r} applied as {comp.id}",
+                composition=comp.id,
+            )
         self._names[comp.name] = comp.id
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
@@ -1904,14 +1956,18 @@ class FabricComposer(Composer):
         if not self._rollback_incomplete(now, failed):
             self._unclaim_plan(plan)
             self._forget(now, f"rolled back: {failed.error.message}")
-            self._give_back(now.pending)
+            self._give_back(now.id, now.pending)
 
-    def _give_back(self, change: PendingChange | None) -> None:
-        """Give the reservation an undone apply took back, for the rest of its time to live; under the lock."""
+    def _give_back(self, comp_id: str, change: PendingChange | None) -> None:
+        """Give the reservation an undone apply (that made ``comp_id``) took back, for the rest of its time to
+        live; under the lock."""
         res = change.reservation if change is not None else None
         if res is None:
             return
-        if res.expires_at <= self.clock():
+        deadline = self._applying_deadlines.pop(comp_id, None)
+        if deadline is None:  # a recovery's: the apply was taken in an earlier run
+            deadline = self._deadline_from_record(res)
+        if deadline <= self.monotonic():
             self._emit(EventType.RESERVATION_EXPIRED, res.id, f"reservation for {res.request.name!r} given back")
             return
         inv = self._inv
@@ -1924,11 +1980,13 @@ class FabricComposer(Composer):
         if not free:  # what it held is another's now (a restart found the hardware otherwise): it cannot be held
             self._emit(EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back")
             return
-        self._claim_plan(res.plan, res.id)
-        self._reservations[res.id] = res
-        self._names[res.request.name] = res.id
-        self.store.put_reservation(res)
-        self._emit(EventType.RESERVATION_CREATED, res.id, f"for {res.request.name!r}, again: its apply was undone")
+        self._hold_reservation(res, deadline)
+        self._emit(
+            EventType.RESERVATION_CREATED,
+            res.id,
+            f"for {res.request.name!r}, again: its apply was undone",
+            host=res.plan.host,
+        )
 
     # ----------------------------------------------------------------- queries
 

@@ -584,7 +584,9 @@ class ComposeRequest(_message.Message):
     resources: a name, host or resources sent with it is INVALID_ARGUMENT on that field (an empty host is taken).
     """
     request_id: _builtins.str
-    """Client-chosen id (1-128 characters) that makes a retried Compose safe."""
+    """Client-chosen id (1-128 characters) that makes a retried Compose safe. A PREVIEW changes nothing: its id is
+    checked and otherwise ignored (neither looked up nor kept).
+    """
     @_builtins.property
     def host(self) -> Global___HostRequest: ...
     @_builtins.property

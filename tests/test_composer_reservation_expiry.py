@@ -1,0 +1,128 @@
+"""A reservation expires after its time to live whatever the wall clock does within a run: an NTP step or an
+operator's `date -s` neither holds its devices for longer nor expires every reservation at once. Its
+``expires_at`` stays wall time, for clients and for a restart, which counts what is left of it from then on.
+
+The composer's two clocks are injected: ``wall`` plays `time.time`, ``steady`` `time.monotonic`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from composer_helpers import composer, rack
+from disagg.composer import FabricComposer
+from disagg.errors import DisaggError
+from disagg.model import ComposeMode, EventType, Reservation
+from disagg.requestlang import parse_request
+from disagg.store import SqliteStore, Store
+
+JOB = parse_request("job", ["gpu x2"])
+TTL_S = 60.0
+HOUR_S = 3600.0
+
+
+class Clocks:
+    """A wall clock and a monotonic clock that a test moves: `passes` moves both, `step` only the wall clock."""
+
+    def __init__(self) -> None:
+        self.wall = 1_800_000_000.0
+        self.steady = 5_000.0
+
+    def passes(self, seconds: float) -> None:
+        self.wall += seconds
+        self.steady += seconds
+
+    def step(self, seconds: float) -> None:
+        self.wall += seconds
+
+
+def started(clocks: Clocks, fabrics: dict[str, Any] | None = None, store: Store | None = None) -> FabricComposer:
+    return composer(fabrics, store=store, clock=lambda: clocks.wall, monotonic=lambda: clocks.steady)
+
+
+def reserved(comp: FabricComposer) -> Reservation:
+    res = comp.compose(JOB, ComposeMode.RESERVE, reservation_ttl_s=TTL_S).reservation
+    assert res is not None
+    return res
+
+
+def held_after(comp: FabricComposer, clocks: Clocks, seconds: float) -> list[str]:
+    """The ids of the reservations still held once ``seconds`` have passed, the server's timer ticking."""
+    clocks.passes(seconds)
+    comp.tick()
+    return [r.id for r in comp.reservations()]
+
+
+class TestAStepOfTheWallClock:
+    """Within a run, a reservation expires by the monotonic clock; its ``expires_at`` is the wall time it was
+    given at its making."""
+
+    def test_a_step_back_does_not_hold_it_longer(self) -> None:
+        clocks = Clocks()
+        comp = started(clocks)
+        res = reserved(comp)
+        assert res.expires_at == clocks.wall + TTL_S
+        clocks.step(-HOUR_S)
+        assert held_after(comp, clocks, TTL_S - 1) == [res.id]
+        assert held_after(comp, clocks, 1) == []
+        assert comp.holders() == {}
+        assert [e.subject for e in comp.events() if e.type is EventType.RESERVATION_EXPIRED] == [res.id]
+        comp.close()
+
+    def test_a_step_forward_does_not_expire_it_early(self) -> None:
+        clocks = Clocks()
+        comp = started(clocks)
+        res = reserved(comp)
+        clocks.step(HOUR_S)
+        assert held_after(comp, clocks, 1) == [res.id]
+        assert comp.apply_reservation(res.id).device_ids == tuple(p.device for p in res.plan.devices)
+        comp.close()
+
+    def test_a_reservation_given_back_keeps_its_time(self) -> None:
+        """An apply that failed gives the reservation back for the rest of its time to live as the monotonic
+        clock counts it, not as the wall clock, stepped back meanwhile, would."""
+        clocks = Clocks()
+        fabrics = rack()
+        comp = started(clocks, fabrics)
+        res = reserved(comp)
+        clocks.step(-HOUR_S)
+        fabrics["pcie0"].flaky_bind(res.plan.devices[1].device, 1)
+        with pytest.raises(DisaggError):
+            comp.apply_reservation(res.id)
+        assert [r.id for r in comp.reservations()] == [res.id]
+        assert held_after(comp, clocks, TTL_S) == []
+        comp.close()
+
+    def test_a_test_that_injects_one_clock_moves_both(self) -> None:
+        """``clock`` alone, as older tests inject it, drives the expiry too (the monotonic clock follows it)."""
+        wall = [1000.0]
+        comp = composer(clock=lambda: wall[0])
+        res = reserved(comp)
+        wall[0] += TTL_S - 1
+        comp.tick()
+        assert [r.id for r in comp.reservations()] == [res.id]
+        wall[0] += 1
+        comp.tick()
+        assert comp.reservations() == []
+        comp.close()
+
+
+class TestARestart:
+    """A restart counts what is left of a reservation's time to live from its wall-clock ``expires_at``, and from
+    then on by the monotonic clock."""
+
+    def test_what_is_left_is_counted_from_the_restart(self, tmp_path: Path) -> None:
+        clocks = Clocks()
+        first = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        res = reserved(first)
+        first.close()
+        clocks.passes(20)
+        clocks.steady = 0.0  # another boot: the monotonic clock starts again
+        again = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        assert again.reservations() == [res]
+        clocks.step(-HOUR_S)
+        assert held_after(again, clocks, TTL_S - 21) == [res.id]
+        assert held_after(again, clocks, 1) == []
+        again.close()
