@@ -8,16 +8,21 @@ import os
 import random
 import shutil
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from disagg.cli.main import main
 from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.model import Composition, CompositionState, DeviceKind, ResourceRequest, Selector, SelectorOp
 from disagg.store import SqliteStore
 from disagg.store.sqlite import APPLICATION_ID, IN_PLACE_CHECK_S, SCHEMA_VERSION
+from server_helpers import WAIT_S, compose_request
 
 PAGE = 4096
 """SQLite's page size, as the ledger is made."""
@@ -244,3 +249,66 @@ class TestARecordWithAFieldThisVersionDoesNotKnow:
             ((doc,),) = db.execute("SELECT doc FROM compositions")
         assert field in doc
         assert path.read_bytes() == before
+
+
+DAMAGED_AT_COMMIT = """
+import sqlite3, sys
+from pathlib import Path
+from disagg.store.sqlite import SqliteStore
+
+commit = SqliteStore._commit
+marker = Path(sys.argv.pop(1))
+
+def commit_on_a_damaged_page(self, batch):
+    if marker.exists():
+        error = sqlite3.DatabaseError("database disk image is malformed")
+        error.sqlite_errorcode = sqlite3.SQLITE_CORRUPT
+        raise error
+    commit(self, batch)
+
+SqliteStore._commit = commit_on_a_damaged_page
+from disagg.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""``disagg serve`` whose commits meet a damaged page (SQLITE_CORRUPT) once the file named first exists."""
+
+
+class TestDamageFoundWhileServing:
+    def test_disagg_serve_exits_2_saying_to_restore(self, tmp_path: Path) -> None:
+        """It exited 1, the code of a disk that a restart may get past, and its supervisor restarted it into the
+        refusal at start-up, again and again."""
+        sock, marker = tmp_path / "fm.sock", tmp_path / "damaged"
+        config = tmp_path / "disagg.toml"
+        config.write_text(
+            f'[state]\nledger = "sqlite"\npath = "{tmp_path / "ledger.db"}"\n\n'
+            '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n\n'
+            f'[[listener]]\naddress = "unix:{sock}"\n'
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", DAMAGED_AT_COMMIT, str(marker), "serve", "--config", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
+        )
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline().startswith("serving on")
+            with grpc.insecure_channel(f"unix:{sock}") as channel:
+                stub = fm_grpc.FabricManagerServiceStub(channel)
+                stub.Compose(compose_request("before"), timeout=WAIT_S)
+                marker.touch()
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Compose(compose_request("after"), timeout=WAIT_S)
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+            code = child.wait(WAIT_S)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(WAIT_S)
+        assert child.stderr is not None
+        errors = child.stderr.read()
+        assert code == 2, errors
+        assert "is damaged" in errors and "restore it from a backup" in errors, errors
+        assert "once the ledger can be written" not in errors

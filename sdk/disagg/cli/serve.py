@@ -48,6 +48,9 @@ EXIT_LOST_LEAD = 3
 """The exit code of a replica that lost the lead: its supervisor restarts it, as a standby."""
 EXIT_FAILED = 1
 """The ledger failed while serving: the server stopped, for its supervisor to restart it."""
+EXIT_DAMAGED = 2
+"""The ledger's data was found damaged while serving (`Store.damaged`): the operator's to restore from a backup, as
+for any bad state, since a restart is refused at start-up the same way; a supervisor that restarts on 1 stops."""
 
 
 CLOSE_PAST_GRACE_S = 2.0
@@ -203,9 +206,12 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
         stop.set()
 
     failed: list[str] = []
+    damaged = threading.Event()
 
     def on_failed(failure: str) -> None:
         failed.append(failure)
+        if server.composer.store.damaged:
+            damaged.set()
         stop.set()
 
     start_failed: list[Exception] = []
@@ -240,16 +246,19 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
         server.stop(0)
     if start_failed:  # as a start without etcd raises it from `server.start`, for `main` to report
         raise start_failed[0]
-    code = _outcome(lost.is_set(), failed)
+    code = _outcome(lost.is_set(), failed, damaged=damaged.is_set())
     _end_past_grace(server, code)
     return code
 
 
-def _outcome(lost: bool, failed: list[str]) -> int:
+def _outcome(lost: bool, failed: list[str], *, damaged: bool = False) -> int:
     """The exit code of a server that stopped, with what it says on standard error when that is no plain stop."""
     if lost:
         print("disagg: error: this replica lost the lead; it stopped serving", file=sys.stderr)
         return EXIT_LOST_LEAD
+    if failed and damaged:
+        print(f"disagg: error: {failed[0]}; it stopped serving", file=sys.stderr)
+        return EXIT_DAMAGED
     if failed:
         print(
             f"disagg: error: {failed[0]}; it stopped serving: restart it once the ledger can be written (it "
