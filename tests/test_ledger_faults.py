@@ -100,14 +100,14 @@ class TestADamagedLedger:
         store.put_composition(_composition("after"))
         with pytest.raises(FabricUnavailableError, match=r"is damaged \(.*malformed.*\): restore it from a backup"):
             store.sync()
-        assert store.damaged
+        assert store.needs_operator
         assert "restore it from a backup" in store.failure
 
     def test_a_failed_commit_that_is_no_damage_is_not_called_damage(self, store: SqliteStore) -> None:
         store._enqueue(lambda batch: batch.prune(("INSERT INTO no_such_table VALUES (1)", ())))
         with pytest.raises(FabricUnavailableError, match="cannot be written"):
             store.sync()
-        assert not store.damaged
+        assert not store.needs_operator
 
 
 def _wait_for_failure(store: SqliteStore) -> str:
@@ -132,6 +132,23 @@ class TestALedgerRemovedWhileOpen:
             store.sync()
         with pytest.raises(FabricUnavailableError, match="was removed or replaced"):
             store.put_composition(_composition("later"))
+        assert store.needs_operator  # a restart would start on another file: not the supervisor's to retry
+
+    def test_a_ledger_opened_by_a_relative_path_stays_in_place_across_a_chdir(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """It was checked by the path as given, read from the working directory of the moment: a program that
+        changed directory (a daemon's chdir to /) had its ledger failed as "gone"."""
+        monkeypatch.chdir(tmp_path)
+        store = SqliteStore("ledger.db")
+        try:
+            monkeypatch.chdir("/")
+            store.put_composition(_composition("after-chdir"))
+            store.sync()
+            time.sleep(2 * IN_PLACE_CHECK_S)  # an idle check or two
+            assert store.failure == ""
+        finally:
+            store.close()
 
     def test_a_file_put_in_its_place_is_found(self, store: SqliteStore, tmp_path: Path) -> None:
         """As a restore of a backup under a running server does: the server must not write over it unseen."""
@@ -273,10 +290,16 @@ sys.exit(main(sys.argv[1:]))
 """``disagg serve`` whose commits meet a damaged page (SQLITE_CORRUPT) once the file named first exists."""
 
 
-class TestDamageFoundWhileServing:
-    def test_disagg_serve_exits_2_saying_to_restore(self, tmp_path: Path) -> None:
-        """It exited 1, the code of a disk that a restart may get past, and its supervisor restarted it into the
-        refusal at start-up, again and again."""
+class TestALedgerToMendWhileServing:
+    """A ledger the operator must mend before a restart stops `disagg serve` with 2, saying what to do: it exited 1,
+    the code of a disk that a restart may get past, and its supervisor restarted it into the refusal at start-up
+    (damage), or onto an empty ledger missing every composition (a ledger removed)."""
+
+    @pytest.mark.parametrize(
+        ("fault", "said"),
+        [("damaged", "is damaged"), ("removed", "was removed or replaced")],
+    )
+    def test_disagg_serve_exits_2_saying_what_to_mend(self, tmp_path: Path, fault: str, said: str) -> None:
         sock, marker = tmp_path / "fm.sock", tmp_path / "damaged"
         config = tmp_path / "disagg.toml"
         config.write_text(
@@ -298,7 +321,11 @@ class TestDamageFoundWhileServing:
             with grpc.insecure_channel(f"unix:{sock}") as channel:
                 stub = fm_grpc.FabricManagerServiceStub(channel)
                 stub.Compose(compose_request("before"), timeout=WAIT_S)
-                marker.touch()
+                if fault == "damaged":
+                    marker.touch()
+                else:
+                    for suffix in ("", "-wal", "-shm"):
+                        Path(f"{tmp_path / 'ledger.db'}{suffix}").unlink()
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Compose(compose_request("after"), timeout=WAIT_S)
             assert info.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -310,5 +337,5 @@ class TestDamageFoundWhileServing:
         assert child.stderr is not None
         errors = child.stderr.read()
         assert code == 2, errors
-        assert "is damaged" in errors and "restore it from a backup" in errors, errors
+        assert said in errors, errors
         assert "once the ledger can be written" not in errors

@@ -265,6 +265,21 @@ class TestServeRefusals:
         assert main(["serve", "--config", str(config)]) == 2
         assert "no address to listen on" in capsys.readouterr().err
 
+    def test_a_ledger_in_memory_is_refused_leaving_no_lock_file(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """The refusal was right, but the ledger's lock was taken first, by the path as written: a file
+        ``:memory:.lock`` was left in the working directory."""
+        monkeypatch.chdir(tmp_path)
+        config = tmp_path / "disagg.toml"
+        config.write_text(
+            '[state]\nledger = "sqlite"\npath = ":memory:"\n[[fabric]]\nname = "pcie0"\ndriver = "sim"\n'
+            f'options = {{ topology = "demo-pcie" }}\n[[listener]]\naddress = "unix:{tmp_path}/fm.sock"\n'
+        )
+        assert main(["serve", "--config", str(config)]) == 2
+        assert "':memory:' would keep the ledger in memory" in capsys.readouterr().err
+        assert not (tmp_path / ":memory:.lock").exists()
+
     def test_a_port_in_other_digits(self, capsys: pytest.CaptureFixture[str]) -> None:
         """It ended in a ValueError's traceback."""
         assert main(["serve", "--listen", "127.0.0.1:²"]) == 2

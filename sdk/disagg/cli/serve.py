@@ -37,6 +37,7 @@ from disagg.plugins import Plugins, load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
 from disagg.server.loop import event_loop_factory
 from disagg.store import ownership
+from disagg.store.sqlite import MEMORY
 
 if TYPE_CHECKING:
     from disagg.ha import Leadership
@@ -48,9 +49,10 @@ EXIT_LOST_LEAD = 3
 """The exit code of a replica that lost the lead: its supervisor restarts it, as a standby."""
 EXIT_FAILED = 1
 """The ledger failed while serving: the server stopped, for its supervisor to restart it."""
-EXIT_DAMAGED = 2
-"""The ledger's data was found damaged while serving (`Store.damaged`): the operator's to restore from a backup, as
-for any bad state, since a restart is refused at start-up the same way; a supervisor that restarts on 1 stops."""
+EXIT_NEEDS_OPERATOR = 2
+"""The ledger failed while serving in a way the operator must mend before a restart (`Store.needs_operator`): its
+data damaged (to restore from a backup), or its file removed or replaced (to put back), as for any bad state; a
+supervisor that restarts on 1 stops."""
 
 
 CLOSE_PAST_GRACE_S = 2.0
@@ -171,10 +173,11 @@ def _ledger_claimed(config: Config) -> Iterator[None]:
     """Hold a SQLite ledger from before the server listens until its composer, built once it listens, holds it
     too (the holds of one process are shared, `disagg.store.ownership`): a second fabric manager on the ledger is
     refused before it listens, as when the fabrics were built before listening. A ledger not to be claimed here (a
-    directory, a folder not made yet, a failing disk) is the store's to refuse, in its own words, as it opens."""
+    directory, SQLite's ``:memory:``, a folder not made yet, a failing disk) is the store's to refuse, in its own
+    words, as it opens."""
     path = Path(config.ledger_path)
     key = None
-    if config.ledger == "sqlite" and not path.is_dir():
+    if config.ledger == "sqlite" and config.ledger_path != MEMORY and not path.is_dir():
         try:
             key = ownership.hold(path)
         except ConfigError as exc:  # in use: worded as the store would, naming the file
@@ -206,12 +209,12 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
         stop.set()
 
     failed: list[str] = []
-    damaged = threading.Event()
+    needs_operator = threading.Event()
 
     def on_failed(failure: str) -> None:
         failed.append(failure)
-        if server.composer.store.damaged:
-            damaged.set()
+        if server.composer.store.needs_operator:
+            needs_operator.set()
         stop.set()
 
     start_failed: list[Exception] = []
@@ -246,19 +249,19 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
         server.stop(0)
     if start_failed:  # as a start without etcd raises it from `server.start`, for `main` to report
         raise start_failed[0]
-    code = _outcome(lost.is_set(), failed, damaged=damaged.is_set())
+    code = _outcome(lost.is_set(), failed, needs_operator=needs_operator.is_set())
     _end_past_grace(server, code)
     return code
 
 
-def _outcome(lost: bool, failed: list[str], *, damaged: bool = False) -> int:
+def _outcome(lost: bool, failed: list[str], *, needs_operator: bool = False) -> int:
     """The exit code of a server that stopped, with what it says on standard error when that is no plain stop."""
     if lost:
         print("disagg: error: this replica lost the lead; it stopped serving", file=sys.stderr)
         return EXIT_LOST_LEAD
-    if failed and damaged:
+    if failed and needs_operator:  # the failure says what to mend
         print(f"disagg: error: {failed[0]}; it stopped serving", file=sys.stderr)
-        return EXIT_DAMAGED
+        return EXIT_NEEDS_OPERATOR
     if failed:
         print(
             f"disagg: error: {failed[0]}; it stopped serving: restart it once the ledger can be written (it "

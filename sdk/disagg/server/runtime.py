@@ -561,7 +561,8 @@ class FabricManagerServer:
         """The ledger can no longer make writes durable: stop serving and say so (`on_failed`), so that a restart
         recovers from what the disk and the hardware hold. Going on would answer from memory that the disk may
         no longer match."""
-        then = "" if self.composer.store.damaged else "; restart once the ledger can be written"  # else: restore it
+        # A failure the operator must mend says what to do; a restart would not get past it.
+        then = "" if self.composer.store.needs_operator else "; restart once the ledger can be written"
         self._stop_serving(ledger_failed(failure), f"{failure}: not serving any more{then}")
         self._on_failed(failure)
 

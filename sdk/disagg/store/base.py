@@ -200,10 +200,11 @@ class Store(abc.ABC):
         return ""
 
     @property
-    def damaged(self) -> bool:
-        """The `failure` is damage to the ledger's data (a restart is refused the same way: it is the operator's
-        to restore from a backup), not a fault of the machine that a restart may get past: a server that stops on
-        it is to exit as for any other bad state (2), so that its supervisor stops restarting it."""
+    def needs_operator(self) -> bool:
+        """The `failure` is the operator's to mend before a restart, not a fault of the machine that a restart may
+        get past: damage to the ledger's data (a restart is refused the same way), or a ledger file removed or
+        replaced under the process (a restart would start on another file, missing every composition). A server
+        that stops on it is to exit as for any other bad state (2), so that its supervisor stops restarting it."""
         return False
 
     def close(self) -> None:

@@ -291,7 +291,10 @@ class SqliteStore(Store):
         try:
             db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             _refuse_as_found(db, self.path)
-            self._file = _identity(self.path)
+            # The file as opened, named as its lock is (symlinks resolved), not relative to a working directory
+            # the process may change.
+            self._real = Path(os.path.realpath(self.path))
+            self._file = _identity(self._real)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
@@ -410,7 +413,7 @@ class SqliteStore(Store):
         before its commit began (one removed during a commit is found at the next check). Another error of the
         stat (EIO) fails the store as a commit's would."""
         try:
-            found = "another file is there" if _identity(self.path) != self._file else ""
+            found = "another file is there" if _identity(self._real) != self._file else ""
         except (FileNotFoundError, NotADirectoryError):
             found = "it is gone"
         if found:
@@ -458,8 +461,13 @@ class SqliteStore(Store):
         return "" if self._failure is None else self._failed().message
 
     @property
-    def damaged(self) -> bool:
-        """See `Store.damaged`: a commit found the ledger's pages damaged."""
+    def needs_operator(self) -> bool:
+        """See `Store.needs_operator`: a commit found the ledger's pages damaged, or the ledger's file or its lock
+        file removed or replaced."""
+        return isinstance(self._failure, LedgerMovedError) or self._damaged
+
+    @property
+    def _damaged(self) -> bool:
         return self._failure is not None and _is_damage(self._failure)
 
     def _failed(self) -> FabricUnavailableError:
@@ -468,7 +476,7 @@ class SqliteStore(Store):
         get past."""
         if isinstance(self._failure, LedgerMovedError):
             return FabricUnavailableError(str(self._failure))
-        if self.damaged:
+        if self._damaged:
             return FabricUnavailableError(
                 f"the ledger at {self.path} is damaged ({self._failure}): restore it from a backup (docs/durability.md)"
             )
