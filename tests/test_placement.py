@@ -314,6 +314,17 @@ class TestSelectors:
         assert len(place(mixed(), "gpu x4 vendor=NVIDIA kind=gpu").devices) == 4
         no_fit(mixed(), "gpu x1 vendor!=nvidia")
 
+    def test_distinct_selectors_are_remembered_within_a_bound(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A placer lives as long as the fabric does not change: each new selector tuple it saw (``gpu_memory>=N``
+        for each job's N, previews and refusals too) was remembered for good, and memory grew without end."""
+        monkeypatch.setattr(placement, "MATCH_CACHE_SELECTORS", 8, raising=False)
+        placer = Placer(Inventory(mixed()), BestFit())
+        for n in range(1, 50):
+            plan = placer.place(request(f"gpu x1 gpu_memory>={n}GiB"))
+            assert len(plan.devices) == 1
+            assert len(placer._match_cache) <= 8
+        assert sorted(picked(placer.place(request("gpu x2 gpu_memory>=100GiB")))) == ["h200-0", "h200-1"]
+
     def test_no_match(self) -> None:
         message = no_fit(mixed(), "host h1", "gpu x1 model=B200")
         assert "1 gpu (model=B200) of host h1 asked: 0 free" in message

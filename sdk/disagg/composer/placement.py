@@ -150,6 +150,10 @@ def _noted(explain: Callable[[LineNames], str], note: str, named: LineNames) -> 
     return explain(named) + note
 
 
+MATCH_CACHE_SELECTORS = 4_096
+"""How many distinct selector tuples a placer remembers the matching buckets of (`Placer._matcher`)."""
+
+
 class Placer:
     """Places requests on one inventory snapshot with one policy."""
 
@@ -408,8 +412,16 @@ class Placer:
     # -- devices -------------------------------------------------------------------------------------------------
 
     def _matcher(self, selectors: tuple[Selector, ...]) -> Callable[[Bucket], bool]:
-        """Whether a bucket matches ``selectors``, remembered per bucket: selectors are hashed once per line."""
-        cache = self._match_cache.setdefault(selectors, {})
+        """Whether a bucket matches ``selectors``, remembered per bucket: selectors are hashed once per line. At
+        most `MATCH_CACHE_SELECTORS` selector tuples are remembered, then all are forgotten at once: one placer
+        serves a healthy fabric for months, and a scheduler that asks ``gpu_memory >= N`` for each job's N (or
+        previews them) made a new tuple each time, so memory grew without end; forgetting costs only matching
+        again."""
+        cache = self._match_cache.get(selectors)
+        if cache is None:
+            if len(self._match_cache) >= MATCH_CACHE_SELECTORS:
+                self._match_cache.clear()
+            cache = self._match_cache[selectors] = {}
 
         def matches(bucket: Bucket) -> bool:
             hit = cache.get(bucket.key)
