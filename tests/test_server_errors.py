@@ -4,6 +4,7 @@ anything else into INTERNAL without its text; the tests' own guard really does c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ import pytest
 from disagg.errors import NoFitError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server import AsyncErrorInterceptor, ErrorInterceptor
+from disagg.server.errors import _wrap_async
 from disagg.server.health import HealthService
 from disagg.server.loop import LoopThread
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -334,3 +336,47 @@ class TestUnknownGuard:
     def test_guard_catches_unknown(self, raw_server: Any, tmp_path: Path) -> None:
         with raw_server(socket_path(tmp_path), intercept=False) as channel, pytest.raises(UnknownStatusError):
             call(channel, "Boom")
+
+
+class _EndedCall:
+    """The part of an asyncio call's context that the guard uses, for a call gRPC ended already: sending its
+    status fails, as grpcio fails the batch of a call whose deadline passed or whose client went away."""
+
+    def __init__(self) -> None:
+        self.aborted: list[grpc.StatusCode] = []
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self.aborted.append(code)
+        raise grpc.aio.InternalError("Failed execute_batch")
+
+
+class TestAStatusForACallThatEnded:
+    """A handler that failed on a call gRPC had ended meanwhile (its deadline passed as it started) had its status
+    refused by grpcio, which logged ``ExecuteBatchError raised in core`` with a traceback at ERROR for a client
+    that simply gave up: the guard ends such a call as a cancelled one, which grpcio logs at debug level."""
+
+    def test_unary_and_stream(self) -> None:
+        async def fails(request: Any, context: Any) -> Any:
+            raise NoFitError("no room")
+
+        async def fails_streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+            raise NoFitError("no room")
+            yield b""
+
+        for method, behavior, streaming in (("/x/Unary", fails, False), ("/x/Stream", fails_streaming, True)):
+            handler = (grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler)(
+                behavior
+            )
+            guarded = _wrap_async(method, handler)
+            context = _EndedCall()
+
+            async def call(guarded: Any = guarded, streaming: bool = streaming, context: Any = context) -> None:
+                if streaming:
+                    async for _ in guarded.unary_stream(b"", context):
+                        pass
+                else:
+                    await guarded.unary_unary(b"", context)
+
+            with pytest.raises(asyncio.CancelledError):
+                asyncio.run(call())
+            assert context.aborted == [grpc.StatusCode.RESOURCE_EXHAUSTED]

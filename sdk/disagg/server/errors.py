@@ -16,6 +16,7 @@ thread-pool server, for embedding the servicer in one.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -159,7 +160,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], status: grpc.Status) -> None:
-    await context.abort(status.code, status.details, tuple(status.trailing_metadata))
+    """End the call with ``status``. A status gRPC refuses to send (`grpc.aio.InternalError`: its batch failed)
+    finds the call ended already, its deadline passed or its client gone as the handler failed: nobody is left to
+    tell, so the handler ends as a cancelled call, which grpcio logs at debug level, rather than with the error,
+    which it logged with a traceback for ordinary clients that gave up."""
+    try:
+        await context.abort(status.code, status.details, tuple(status.trailing_metadata))
+    except grpc.aio.AbortError:
+        raise
+    except grpc.aio.InternalError as exc:
+        raise asyncio.CancelledError from exc
 
 
 def _guard_async(method: str, behavior: Behavior, *, client_streams: bool = False) -> Behavior:
