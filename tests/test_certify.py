@@ -22,6 +22,8 @@ from conformance_helpers import CERTIFY_TIMEOUT_S, SIM_OPTIONS, ServedDriver, ce
 from disagg.cli.certify import STOP_WAIT_S
 from disagg.cli.main import main
 from disagg.testing import CLAUSES
+from disagg.testing.certify_run import processes_under, run_certify
+from leaky_drivers import POLLER
 from process_helpers import ChildOutput
 
 
@@ -320,6 +322,80 @@ class TestAVerdictIsTheWholeSuites:
         assert set(statuses(report).values()) == {"NOT TESTED"}
 
 
+ENDS_WITHIN_S = 60.0
+"""How long a run of the suite on the certification fabric is given to end (it takes seconds): one that has not
+ended by then never will."""
+
+
+class TestThreadsLeftRunning:
+    """A driver that leaves threads running after close() holds neither certify nor the suite's process, and fails
+    CLEANUP-NOTHING-LEFT; a thread that ends as close() tells it to is not held against it."""
+
+    @staticmethod
+    def run(tmp_path: Path, driver: str) -> tuple[int, dict[str, Any]]:
+        """``certify DRIVER --plugin leaky_drivers``, which must end within `ENDS_WITHIN_S`, leaving no process of
+        the run behind; its exit status and JSON report."""
+        try:
+            run = run_certify(tmp_path, driver, "--plugin", "leaky_drivers", env=certify_env(), timeout=ENDS_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            for pid in processes_under(tmp_path, driver):
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"certify {driver} still ran {ENDS_WITHIN_S:g} s after it started") from None
+        assert processes_under(tmp_path, driver) == [], "a process of the run outlived certify"
+        assert "Traceback" not in run.stderr, run.stderr
+        assert run.report is not None, run.stdout + run.stderr
+        return run.returncode, run.report
+
+    def test_a_thread_that_is_not_a_daemon_holds_nothing_and_fails_the_run(self, tmp_path: Path) -> None:
+        """certify never ended: the suite's process waited for the thread at its exit, and so did certify's own,
+        for the thread of the fabric it built to check the options; its report already said CERTIFIED."""
+        code, report = self.run(tmp_path, "leaky-non-daemon-thread")
+        cleanup = clause_of(report, "CLEANUP-NOTHING-LEFT")
+        assert cleanup["status"] == "FAIL", cleanup
+        assert f"threads like {POLLER!r} (not daemon) still running" in cleanup["reason"], cleanup["reason"]
+        assert report["verdict"] == "FAILED" and code == 1
+
+    def test_a_daemon_thread_fails_the_run(self, tmp_path: Path) -> None:
+        """A daemon thread held no process, and the driver was certified."""
+        code, report = self.run(tmp_path, "leaky-daemon-thread")
+        cleanup = clause_of(report, "CLEANUP-NOTHING-LEFT")
+        assert cleanup["status"] == "FAIL", cleanup
+        assert f"threads like {POLLER!r} (daemon) still running" in cleanup["reason"], cleanup["reason"]
+        assert report["verdict"] == "FAILED" and code == 1
+
+    def test_a_thread_that_ends_soon_after_close_is_not_left_behind(self, tmp_path: Path) -> None:
+        _, report = self.run(tmp_path, "leaky-stops-its-thread")
+        cleanup = clause_of(report, "CLEANUP-NOTHING-LEFT")
+        assert (cleanup["status"], cleanup["reason"]) == ("PASS", ""), cleanup
+
+    @pytest.mark.skipif(sys.platform != "linux", reason="finds the suite's process in /proc")
+    def test_no_report_is_in_out_while_the_suites_process_runs(self, tmp_path: Path) -> None:
+        """The suite's process wrote the reports into --out as the suite finished, and a CI job that timed out
+        waiting for certify read them, though that process never ended: CERTIFIED."""
+        report = tmp_path / "out" / "certification.json"
+        argv = [sys.executable, "-m", "disagg.cli.main", "certify", "leaky-non-daemon-thread"]
+        env = {**os.environ, **certify_env(), "DISAGG_STATE_DIR": str(tmp_path / "state")}
+        proc = subprocess.Popen(
+            [*argv, "--plugin", "leaky_drivers", "--out", str(tmp_path / "out")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=tmp_path,
+            env=env,
+        )
+        try:
+            deadline = time.monotonic() + ENDS_WITHIN_S
+            while not report.exists():
+                assert time.monotonic() < deadline, f"no report {ENDS_WITHIN_S:g} s after certify started"
+                time.sleep(0.02)
+            running = processes_under(tmp_path, "--suite-process")
+            assert running == [], f"the report was in --out while the suite's process ({running}) still ran"
+        finally:
+            for pid in [proc.pid, *processes_under(tmp_path, "leaky-non-daemon-thread")]:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(10)
+
+
 def junit_errors(out: Path) -> dict[str, str]:
     """The JUnit report's error test cases in ``out``, by name, with their messages; checks the count."""
     suite = ET.parse(out / "certification.xml").getroot().find("testsuite")
@@ -585,10 +661,13 @@ class TestCertifyBadInput:
         config.write_text(f"{key} = {value}\n")
         assert f"{key} must be a number of seconds above 0" in self.run(capsys, "sim", "--config", str(config))
 
-    def test_driver_options_the_driver_refuses(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def test_driver_options_the_driver_refuses(self, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        """The suite's process refuses them as it builds the driver (certify's own builds none, so that no thread
+        a driver leaves can hold it): its message reaches certify's standard error."""
         config = tmp_path / "c.toml"
         config.write_text("[options]\ntopology = 'demo-pcie'\nstate_flie = 'x'\n")
-        assert "state_flie" in self.run(capsys, "sim", "--config", str(config))
+        assert main(["certify", "sim", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+        assert "state_flie" in capfd.readouterr().err
 
     def test_an_unknown_clause_in_the_expected_failures(
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]

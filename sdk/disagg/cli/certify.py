@@ -7,7 +7,10 @@ or language, which must serve DRIVER; certify cannot restart that process, so wi
 restart clauses (RESTART-BINDINGS, RESTART-FENCING, RESTART-ALLOCATIONS) are NOT TESTED.
 Either way the suite runs in a child process, in an environment that nothing outside the command line
 changes the run through (`suite_environment`), on certify's own ``sys.path``, and the verdict is read from the
-report it writes. SIGINT and SIGTERM are passed on to it (`_Interrupts`), and it ends with certify.
+report it writes. SIGINT and SIGTERM are passed on to it (`_Interrupts`), and it ends with certify. That process
+alone builds the driver (certify's own never does, so that no thread a driver leaves holds certify), and it ends
+with ``os._exit`` once the suite has run (`suite_process`); certify puts its reports in ``--out`` only after it
+has ended as its report says it should (`_judged`), so no report there claims a run that had not ended.
 
 Exit codes: 0 certified; 1 a clause failed, or the run did not finish (the driver could not be built, the run
 was interrupted, the suite's process ended without a report: the report says why, under ``incomplete``); 2 bad
@@ -24,6 +27,7 @@ import datetime
 import importlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import shutil
@@ -34,9 +38,10 @@ import tempfile
 import threading
 import time
 import tomllib
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 import grpc
@@ -50,7 +55,7 @@ from disagg.remote.address import check_address
 
 if TYPE_CHECKING:  # the testing modules need pytest, which certify imports only when it runs
     from disagg.plugins.manager import Plugins
-    from disagg.testing.report import Subject
+    from disagg.testing.report import Report, Subject
     from disagg.testing.state import Target
 
 EXIT_FOR = {"CERTIFIED": 0, "FAILED": 1, "NOT CERTIFIED": 3}
@@ -67,10 +72,14 @@ SUITE_INI = "pytest.ini"
 """The suite's pytest configuration, which its process writes into its scratch directory as the suite starts:
 a process that ends before writing it refused its input, and said why."""
 BOOTSTRAP = (
-    "import json, sys; sys.path[:] = json.loads(sys.argv.pop(1)); from disagg.cli.main import main; sys.exit(main())"
+    "import json, sys; sys.path[:] = json.loads(sys.argv.pop(1)); from disagg.cli.certify import suite_process; "
+    "suite_process()"
 )
 """What the suite's process runs (``python -P -c``): certify again on certify's own ``sys.path``, as the console
 script does, with no folder put first (``-m`` would put the working directory there)."""
+SUITE_REPORT = "report"
+"""The folder of the suite's scratch directory that its process writes the reports into: certify moves them to
+``--out`` once that process has ended."""
 PR_SET_PDEATHSIG = 1
 """prctl(2): the signal Linux sends a process when the thread that started it ends."""
 NO_RESTART = (
@@ -172,8 +181,9 @@ def _built(driver: str, fabric: object) -> Fabric:
 
 def cmd_certify(args: argparse.Namespace) -> int:
     """Check the input, then run the suite in a child process (`_supervise`) that runs this command again with
-    ``--suite-process``: the child skips the checks and runs pytest in its own process, where a driver may end
-    the process (``os._exit(0)``) without deciding the exit status."""
+    ``--suite-process``: the child builds the driver once (a configuration error it raises is bad input) and runs
+    pytest in its own process, where a driver may end the process (``os._exit(0)``) or leave threads running
+    without deciding the exit status or holding certify."""
     if args.suite_process:
         _stop_on_signals()
         if args.suite_parent:
@@ -222,6 +232,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     )
     with scratch as tmp:
         work = Path(tmp)
+        before = frozenset(threading.enumerate())  # what runs before the driver is built is not the driver's
         if args.remote:
             address = check_address(args.remote, field="remote")
             fabric_name, driver = served(address)
@@ -252,8 +263,8 @@ def cmd_certify(args: argparse.Namespace) -> int:
             def factory() -> Fabric:
                 return _built(args.driver, spec.factory(fabric_name, chosen))
 
-            if not args.suite_process:
-                try:  # a configuration error is bad input, reported before the suite runs
+            if args.suite_process:
+                try:  # a configuration error is bad input, reported before the suite starts
                     watched(
                         "building the fabric (fabric_factory) and closing it",
                         lambda: factory().close(),
@@ -263,12 +274,11 @@ def cmd_certify(args: argparse.Namespace) -> int:
                 except ConfigError:
                     raise
                 except Exception as exc:  # the driver cannot be built: no clause can run, so nothing is certified
-                    _probe_out(out)
-                    return _unfinished(
-                        args,
-                        f"the driver could not be built: {type(exc).__name__}: {exc}",
-                        subject_of(args.driver, spec.plugin, plugins),
+                    why = f"the driver could not be built: {type(exc).__name__}: {exc}"
+                    _unfinished_report(args, why, subject_of(args.driver, spec.plugin, plugins)).write(
+                        work / SUITE_REPORT
                     )
+                    return 1
 
             target = Target(
                 factory,
@@ -280,7 +290,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
             subject = attrs.evolve(subject_of(args.driver, spec.plugin, plugins), fabric=fabric_name)
         if args.suite_process:
             try:
-                return _run_suite(args, work, target, subject)
+                return _run_suite(args, work, target, subject, before)
             finally:
                 if args.suite_scratch and os.getppid() != args.suite_parent:  # certify ended: no one else will
                     shutil.rmtree(work, ignore_errors=True)
@@ -288,13 +298,16 @@ def cmd_certify(args: argparse.Namespace) -> int:
     return _supervise(args, subject)
 
 
-def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Subject) -> int:
-    """Run the suite in this process (the one `_supervise` started), writing the reports; what the parent reads
-    is the reports, not this exit status."""
+def _run_suite(
+    args: argparse.Namespace, work: Path, target: Target, subject: Subject, before: frozenset[threading.Thread]
+) -> int:
+    """Run the suite in this process (the one `_supervise` started), writing the reports into ``work``; what the
+    parent reads is the reports, and this exit status only to tell that the process ended as they say. The
+    threads not in ``before`` that still run after every fabric was closed are left behind by the driver."""
     import pytest
 
-    from disagg.testing.report import Report
-    from disagg.testing.state import REPORT, SUBJECT, TARGET
+    from disagg.testing.harness import threads_left, threads_leftovers
+    from disagg.testing.state import LEFTOVERS, REPORT, SUBJECT, TARGET, WATCHDOG
 
     captured: list[Report] = []
 
@@ -311,6 +324,18 @@ def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Su
             report = session.config.stash.get(REPORT, None)
             if report is not None:
                 captured.append(report)
+
+    class ThreadsLeft:
+        """Adds the threads the driver left running to what the clean-up clause finds left behind, before the
+        report is made: only after a run that finished (an interrupted one has not closed every fabric yet), and
+        in which no call was abandoned (its thread may still be at work, and the clause is NOT TESTED)."""
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+            config = session.config
+            finished = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+            if finished and LEFTOVERS in config.stash and not config.stash[WATCHDOG].abandoned():
+                config.stash[LEFTOVERS].extend(threads_leftovers(threads_left(before)))
 
     ini = work / SUITE_INI
     ini.write_text("[pytest]\n")
@@ -334,11 +359,11 @@ def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Su
         str(work),
         "-q" if not args.verbose else "-v",
         "--disagg-report",
-        str(Path(args.out).resolve()),
+        str((work / SUITE_REPORT).resolve()),
     ]
     if args.expected_failures:
         argv += ["--disagg-expected-failures", str(Path(args.expected_failures).resolve())]
-    code = pytest.main(argv, plugins=[Setup()])
+    code = pytest.main(argv, plugins=[Setup(), ThreadsLeft()])
     if not captured:
         print(f"disagg: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 2 if code == pytest.ExitCode.USAGE_ERROR else 1
@@ -346,9 +371,7 @@ def _run_suite(args: argparse.Namespace, work: Path, target: Target, subject: Su
 
 
 def _supervise(args: argparse.Namespace, subject: Subject) -> int:
-    """Run the suite in a child process and judge by the report it writes: a driver that ends that process
-    (``os._exit``, a crash) leaves no report, and the run is reported unfinished, whatever the exit status. An
-    interrupted run is unfinished, whatever the report says."""
+    """Run the suite in a child process and judge by the report it writes (`_judged`)."""
     scratch = Path(tempfile.mkdtemp(prefix="disagg-certify-"))
     path = json.dumps([entry for entry in sys.path if isinstance(entry, str)])  # the only entries imports use
     argv = [sys.executable, "-P", "-c", BOOTSTRAP, path, "certify", args.driver, "--suite-process"]
@@ -368,29 +391,39 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
     try:
         with _Interrupts.passed_on() as interrupts:
             code = interrupts.wait(subprocess.Popen(argv, env=suite_environment(os.environ)))
-        started = (scratch / SUITE_INI).exists()
+        return _judged(args, subject, code, scratch, interrupts.received)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _judged(args: argparse.Namespace, subject: Subject, code: int, scratch: Path, received: list[int]) -> int:
+    """Judge a run by the report its process wrote in ``scratch``, now that the process ended with ``code``, and
+    put the reports in ``--out``: a driver that ends the process (``os._exit``, a crash) leaves no report, and the
+    run is reported unfinished, whatever the exit status; so is one whose process did not end with the status
+    its report calls for (it ended otherwise after it wrote it), and an interrupted run, whatever the report
+    says."""
+    written = scratch / SUITE_REPORT
     try:
-        report = json.loads((Path(args.out) / "certification.json").read_text())
+        report = json.loads((written / "certification.json").read_text())
     except (OSError, ValueError):
         report = None
     ended = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-    if interrupts.received:
-        interrupted = f"certify was interrupted ({signal.Signals(interrupts.received[0]).name})"
+    if received:
+        interrupted = f"certify was interrupted ({signal.Signals(received[0]).name})"
         if report is None:
             return _unfinished(
                 args, f"{interrupted}, and the suite's process {ended} before it wrote a report", subject
             )
         if not report["incomplete"]:  # it finished as the signal came: it may not pass for a finished run
             return _unfinished(args, f"{interrupted} as the suite finished", subject)
+        _publish(written, Path(args.out))
         print(
             f"disagg: error: {interrupted}: {report['incomplete']}; {report['verdict']}, reports in {args.out}",
             file=sys.stderr,
         )
         return 1
     if report is None:
-        if code == 2 and not started:  # it refused its input before the suite started, and said why
+        if code == 2 and not (scratch / SUITE_INI).exists():  # it refused its input before the suite started
             return 2
         return _unfinished(
             args,
@@ -398,6 +431,12 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
             "exit(), a crash?)",
             subject,
         )
+    expected = 1 if report["incomplete"] else EXIT_FOR[report["verdict"]]
+    if code != expected:
+        return _unfinished(
+            args, f"the suite's process {ended} after it wrote a report that called for status {expected}", subject
+        )
+    _publish(written, Path(args.out))
     if report["incomplete"]:
         print(f"disagg: error: {report['incomplete']}; {report['verdict']}, reports in {args.out}", file=sys.stderr)
         return 1
@@ -406,7 +445,19 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
         f"certify {args.driver}: {report['verdict']} ({counts['PASS']} pass, {counts['FAIL']} fail, "
         f"{counts['NOT TESTED']} not tested); reports in {args.out}"
     )
-    return EXIT_FOR[report["verdict"]]
+    return expected
+
+
+def _publish(written: Path, out: Path) -> None:
+    """Put the reports the suite's process wrote into ``written`` in ``out``, each whole (written beside it, then
+    renamed over it), the JSON report last: a reader that finds it finds the others of the same run."""
+    from disagg.testing.report import FILES
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in sorted(FILES, key=lambda name: name.endswith(".json")):
+        partial = out / f".{name}.partial"
+        shutil.copyfile(written / name, partial)
+        os.replace(partial, out / name)
 
 
 @attrs.define
@@ -562,8 +613,17 @@ def subject_of(driver: str, plugin: str, plugins: Plugins) -> Subject:
 
 
 def _unfinished(args: argparse.Namespace, why: str, subject: Subject) -> int:
-    """The driver raised as it was built, or the suite's process ended without a report: write a report of an
-    unfinished run (every clause NOT TESTED, ``why`` under ``incomplete``) and exit 1."""
+    """The suite's process ended without a report, or not as its report says: write a report of an unfinished
+    run (`_unfinished_report`) in ``--out`` and exit 1."""
+    report = _unfinished_report(args, why, subject)
+    report.write(Path(args.out))
+    print(f"disagg: error: {why}; {report.verdict}, reports in {args.out}", file=sys.stderr)
+    return 1
+
+
+def _unfinished_report(args: argparse.Namespace, why: str, subject: Subject) -> Report:
+    """The report of a run that did not finish (the driver raised as it was built, its process ended early):
+    every clause NOT TESTED, and ``why`` under ``incomplete``."""
     from disagg.testing.clauses import CLAUSES
     from disagg.testing.expected import read_expected_failures
     from disagg.testing.plugin import CLEANUP
@@ -572,10 +632,31 @@ def _unfinished(args: argparse.Namespace, why: str, subject: Subject) -> int:
     expected = read_expected_failures(Path(args.expected_failures)) if args.expected_failures else ()
     cleanup = ClauseResult(CLAUSES[CLEANUP], NOT_TESTED, "no test ran")
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    report = Report(subject, clause_results({}, expected, cleanup), expected, started, incomplete=why)
-    report.write(Path(args.out))
-    print(f"disagg: error: {why}; {report.verdict}, reports in {args.out}", file=sys.stderr)
-    return 1
+    return Report(subject, clause_results({}, expected, cleanup), expected, started, incomplete=why)
+
+
+def suite_process() -> NoReturn:
+    """The suite's process (`BOOTSTRAP`): the ``disagg`` command line, which runs certify with
+    ``--suite-process``, then the end of the process at once, with the exit status it returned. Python's own exit
+    would wait for every thread that is not a daemon, and a driver's (one it left running after close) may
+    never end: the run is over, its report written, and what is printed is flushed first."""
+    from disagg.cli.main import main
+
+    code = 1
+    try:
+        code = main()
+    except SystemExit as exc:  # the parser's refusal, which it printed
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):  # the run is over: no signal may stop its end half-way
+            signal.signal(signum, signal.SIG_IGN)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

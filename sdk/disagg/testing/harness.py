@@ -7,9 +7,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TypeVar
 
 import attrs
@@ -31,6 +32,11 @@ connect."""
 RESTART_TIMEOUT_S = 180.0
 """How long restarting the driver may take: ``disagg certify --restart-command`` gives the command 60 s and the
 reconnection 60 s more."""
+THREADS_END_S = 3.0
+"""How long after the last fabric was closed the threads its driver started have to end (`threads_left`): a
+thread that polls a stop flag once a second ends well within it."""
+WORKER_THREAD = "disagg-conformance"
+"""How the name of every thread the suite starts for a driver call begins (`watched`): not the driver's."""
 
 FabricFactory = Callable[[], Fabric]
 """Builds the fabric under test; called again after a restart, it must reach the same (persisted) state."""
@@ -134,7 +140,7 @@ def watched(
         except BaseException as exc:  # handed to the caller's thread, KeyboardInterrupt included
             failure.append(exc)
 
-    worker = threading.Thread(target=run, name=f"disagg-conformance {what}", daemon=True)
+    worker = threading.Thread(target=run, name=f"{WORKER_THREAD} {what}", daemon=True)
     worker.start()
     limit = timeout_s + grace_s
     worker.join(limit)
@@ -221,6 +227,46 @@ class Leftover:
 
 
 NOT_SDK = "only disagg.errors may escape a driver"
+
+
+def threads_left(before: Collection[threading.Thread], *, wait_s: float = THREADS_END_S) -> list[threading.Thread]:
+    """The threads that were not alive in ``before`` (taken before the driver was first built) and still run
+    ``wait_s`` after the last fabric was closed: what the driver left running. Daemon or not, such a thread
+    polls or writes to hardware nobody owns any more, and one that is not a daemon holds the process at its
+    exit. The threads the SDK starts for a fabric (the remote client's, gRPC's) end when it is closed, within the
+    wait; the suite's own call threads (`watched`) are not counted, nor threads that Python did not start (a C
+    library's, seen as dummies), which cannot be joined or seen to end."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [
+            t
+            for t in threading.enumerate()
+            if t not in before
+            and t.is_alive()
+            and not t.name.startswith(WORKER_THREAD)
+            and not isinstance(t, threading._DummyThread)
+        ]
+        remaining = deadline - time.monotonic()
+        if not left or remaining <= 0:
+            return left
+        left[0].join(min(remaining, 0.05))
+
+
+def threads_leftovers(threads: Sequence[threading.Thread]) -> list[Leftover]:
+    """One `Leftover` per kind of thread in ``threads`` (`threads_left`): those whose names differ only by a
+    number (``Thread-7 (poll)``, one per fabric built) are counted together."""
+    kinds: dict[tuple[str, bool], list[str]] = {}
+    for t in threads:
+        kinds.setdefault((re.sub(r"\d+", "#", t.name), t.daemon), []).append(t.name)
+    return [
+        Leftover(
+            "after the last test",
+            f"{f'{len(names)} threads like' if len(names) > 1 else 'thread'} {names[0]!r} "
+            f"({'daemon' if daemon else 'not daemon'}) still running {THREADS_END_S:g} s after every fabric was "
+            "closed",
+        )
+        for (_, daemon), names in kinds.items()
+    ]
 
 
 class WatchedPool:
