@@ -23,15 +23,16 @@ from disagg.errors import (
     DeviceBusyError,
     FabricUnavailableError,
     NotFoundError,
+    StaleEpochError,
     UnknownDeviceError,
     UnknownHostError,
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, EventHandler, Fabric, Subscription
-from disagg.model import Allocation, Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Topology
+from disagg.model import Allocation, Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Health, Topology
 from disagg.plugins import DriverRegistry
 from disagg_sim.dispatch import EventDispatcher
-from disagg_sim.fabric import SIM_CAPABILITIES, SimFabric, SimPool
+from disagg_sim.fabric import SIM_CAPABILITIES, SimDevice, SimFabric, SimPool
 from disagg_sim.generator import generate_topology
 from disagg_sim.options import parse_options
 from disagg_sim.state import SimState
@@ -742,3 +743,315 @@ class UnscopedPools(SimFabric):
 
 BROKEN["broken-unscoped-switches-and-pools"] = (UnscopedSwitchesAndPools, "DISC-SCOPED-IDS")
 BROKEN["broken-unscoped-pools"] = (UnscopedPools, "DISC-SCOPED-IDS")
+
+
+class UnbindIgnoresHost(SimFabric):
+    """Unbinds a device from whichever host holds it, whatever host the unbind names (a vendor hot-remove keyed
+    on the port alone): the rollback of a bind to one host takes the device from the host that holds it."""
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            holder = self._bindings.get(binding.device) if isinstance(binding.device, str) else None
+        if holder is not None and isinstance(binding.host, str) and binding.host:
+            binding = Binding(binding.device, holder)
+        super().unbind(binding, ctx)
+
+
+class BindingsHideFailed(SimFabric):
+    """`bindings()` leaves out a device that has failed, though its host still holds it: the composer never
+    unbinds it, and the ledger and the hardware part ways."""
+
+    def bindings(self) -> Sequence[Binding]:
+        with self._lock:
+            failed = set(self._failed)
+        return tuple(b for b in super().bindings() if b.device not in failed)
+
+
+class BindingsStaleHost(SimFabric):
+    """`bindings()` reports each device on the host of its first bind (a stale cache), though it was moved."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._first: dict[str, str] = {}
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        got = super().bind(device, host, ctx)
+        with self._lock:
+            self._first.setdefault(device, host)
+        return got
+
+    def bindings(self) -> Sequence[Binding]:
+        with self._lock:
+            first = dict(self._first)
+        return tuple(Binding(b.device, first.get(b.device, b.host)) for b in super().bindings())
+
+
+def _last_renamed(topology: Topology, local: str) -> Topology:
+    """``topology`` with its last device (by id, a pool's device in the generated fabrics, so that no clause
+    but discovery's picks it) renamed ``<fabric>/<local>``, wherever it is named."""
+    last = max(topology.devices, key=lambda d: d.id).id
+    new = f"{topology.fabric}/{local}"
+    return attrs.evolve(
+        topology,
+        devices=tuple(attrs.evolve(d, id=new) if d.id == last else d for d in topology.devices),
+        pools=tuple(attrs.evolve(p, device=new) if p.device == last else p for p in topology.pools),
+    )
+
+
+class DeviceIdTooLong(SimFabric):
+    """Reports a device whose id is 305 characters long: the driver protocol carries ids of at most 256, so the
+    device can be discovered but never named in a request."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(_last_renamed(topology, "x" * 300), **options)
+
+
+class DeviceIdWithTab(SimFabric):
+    """Reports a device whose id holds a tab."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(_last_renamed(topology, "zz\tbad"), **options)
+
+
+class _RewritesHealthEvents(EventDispatcher):
+    """Posts, for each DEVICE_HEALTH event, what ``rewrite`` makes of it."""
+
+    def __init__(self, rewrite: Callable[[FabricEvent], list[FabricEvent]]) -> None:
+        super().__init__()
+        self._rewrite = rewrite
+
+    def post(self, event: FabricEvent) -> None:
+        for each in self._rewrite(event) if event.kind is FabricEventKind.DEVICE_HEALTH else [event]:
+            super().post(each)
+
+
+class _HealthEventsRewritten(SimFabric):
+    """The sim, with each health event replaced by what `rewrite` makes of it."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._events = _RewritesHealthEvents(self.rewrite)
+
+    def rewrite(self, event: FabricEvent) -> list[FabricEvent]:
+        raise NotImplementedError
+
+
+class FailureSaysOk(_HealthEventsRewritten):
+    """A device failure is reported as a DEVICE_HEALTH event with health OK: the composer never moves work off
+    the device."""
+
+    def rewrite(self, event: FabricEvent) -> list[FabricEvent]:
+        return [attrs.evolve(event, health=Health.OK)]
+
+
+class FailureWithoutHealth(_HealthEventsRewritten):
+    """A device failure is reported as a DEVICE_HEALTH event with no health."""
+
+    def rewrite(self, event: FabricEvent) -> list[FabricEvent]:
+        return [attrs.evolve(event, health=None)]
+
+
+class FailureOfAnotherFabric(_HealthEventsRewritten):
+    """Health events name another fabric: the composer files them under it, or drops them."""
+
+    def rewrite(self, event: FabricEvent) -> list[FabricEvent]:
+        return [attrs.evolve(event, fabric="some-other-fabric")]
+
+
+class FailureOfGhosts(_HealthEventsRewritten):
+    """Every health event is followed by one for a device that does not exist."""
+
+    def rewrite(self, event: FabricEvent) -> list[FabricEvent]:
+        return [event, attrs.evolve(event, subject=f"{self.name}/no-such-device")]
+
+
+class PoolEpochSeparate(SimFabric):
+    """Pools keep their own highest epoch, in memory, apart from the fabric's: a bind or the new leader's
+    announcement does not fence a deposed manager's allocate or release, nor does anything after a restart."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        self._pool_epoch = 0
+        self._in_pool = threading.local()
+        super().__init__(topology, **options)
+
+    def _mutate(self, ctx: CallContext, key: tuple[str, ...], prepare: Any, **kw: Any) -> Any:
+        self._in_pool.on = key[0] == "allocation"
+        try:
+            return super()._mutate(ctx, key, prepare, **kw)
+        finally:
+            self._in_pool.on = False
+
+    def _fence(self, ctx: CallContext) -> None:
+        if not getattr(self._in_pool, "on", False):
+            super()._fence(ctx)
+            return
+        if ctx.epoch < self._pool_epoch:
+            raise StaleEpochError(f"pool epoch {ctx.epoch} is older than {self._pool_epoch}")
+        self._pool_epoch = ctx.epoch
+
+
+class RepeatBeforeFence(SimFabric):
+    """A bind that repeats a binding the device has returns it without looking at the epoch: a deposed manager
+    is told its bind holds."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        with self._lock:
+            if isinstance(device, str) and self._bindings.get(device) == host:
+                return Binding(device, host)
+        return super().bind(device, host, ctx)
+
+
+SLOW_BIND_S = 1.5
+"""How long a bind of `SlowBindIgnoresDeadline` takes."""
+
+
+class SlowBindIgnoresDeadline(SimFabric):
+    """Looks at the deadline only as a bind starts, which then takes `SLOW_BIND_S` and succeeds whatever the
+    deadline: a caller that gave up is told nothing, and the device is bound to no one's knowledge."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        ctx.check_deadline()
+        with self._lock:
+            repeat = isinstance(device, str) and self._bindings.get(device) == host
+        if not repeat:
+            time.sleep(SLOW_BIND_S)
+        return super().bind(device, host, attrs.evolve(ctx, deadline=None))
+
+
+class _ForAnotherHostPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        fabric = self._fabric
+        with fabric._lock:
+            switch = fabric._device(self._info.device).switch
+            reaching = [h for h in sorted(fabric._hosts) if fabric._reaches(h, switch)]
+        if host in reaching and len(reaching) > 1:
+            host = reaching[(reaching.index(host) + 1) % len(reaching)]
+        return super().allocate(allocation_id, host, amount_bytes, ctx)
+
+
+class AllocatesForAnotherHost(SimFabric):
+    """Carves memory for the next host that reaches the pool, not the one asked: one host's memory is mapped
+    into another."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _ForAnotherHostPool)
+
+
+class _UnroundedPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        got = super().allocate(allocation_id, host, amount_bytes, ctx)
+        return attrs.evolve(got, amount_bytes=amount_bytes)
+
+
+class AllocateReturnsUnrounded(SimFabric):
+    """Carves whole blocks but answers an allocation of the amount asked: the caller records less than the
+    pool holds."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _UnroundedPool)
+
+
+class _UnknownHostKeyErrorPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        self._fabric._hosts[host]  # a KeyError for an unknown host, as a bare dict lookup raises
+        return super().allocate(allocation_id, host, amount_bytes, ctx)
+
+
+class AllocateUnknownHostKeyError(SimFabric):
+    """An allocate for a host the fabric does not have raises KeyError, not UnknownHostError."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _UnknownHostKeyErrorPool)
+
+
+class PoolUnknownKeyError(SimFabric):
+    """`Fabric.pool` of an id the fabric does not have raises KeyError, not NotFoundError."""
+
+    def pool(self, pool: str) -> SimPool:
+        return self._pools[pool]
+
+
+class DeviceUnknownKeyError(SimFabric):
+    """`Fabric.device` of an id the fabric does not have raises KeyError, not UnknownDeviceError."""
+
+    def device(self, device: str) -> SimDevice:
+        self._device_index[device]  # a KeyError for an unknown device
+        return super().device(device)
+
+
+class _AnyIdPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        return super().allocate(allocation_id or "anon", host, amount_bytes, ctx)
+
+
+class AllocateEmptyId(SimFabric):
+    """An allocate with an empty allocation id carves (under ``anon``) instead of raising InvalidRequestError."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _AnyIdPool)
+
+
+class _ReachBlindPool(SimPool):
+    def _check_can_carve(self, host: str) -> None:
+        return None
+
+
+class AllocateIgnoresReach(SimFabric):
+    """Carves for a host that no working path joins to the pool, and for a failed pool device, instead of
+    raising HostUnreachableError."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _ReachBlindPool)
+
+
+BROKEN.update(
+    {
+        "broken-unbind-ignores-host": (UnbindIgnoresHost, "UNBIND-OTHER-HOST"),
+        "broken-bindings-hide-failed": (BindingsHideFailed, "BINDINGS-REPORTED"),
+        "broken-bindings-stale-host": (BindingsStaleHost, "BINDINGS-REPORTED"),
+        "broken-id-too-long": (DeviceIdTooLong, "DISC-WELL-FORMED"),
+        "broken-id-with-tab": (DeviceIdWithTab, "DISC-WELL-FORMED"),
+        "broken-failure-says-ok": (FailureSaysOk, "EVENT-FAILURE-REPORTED"),
+        "broken-failure-without-health": (FailureWithoutHealth, "EVENT-FAILURE-REPORTED"),
+        "broken-failure-of-another-fabric": (FailureOfAnotherFabric, "EVENT-FAILURE-REPORTED"),
+        "broken-failure-of-ghosts": (FailureOfGhosts, "EVENT-FAILURE-REPORTED"),
+        "broken-pool-epoch-separate": (PoolEpochSeparate, "FENCE-STALE-EPOCH"),
+        "broken-repeat-before-fence": (RepeatBeforeFence, "FENCE-STALE-EPOCH"),
+        "broken-slow-bind-ignores-deadline": (SlowBindIgnoresDeadline, "DEADLINE-DURING-CALL"),
+        "broken-allocates-for-another-host": (AllocatesForAnotherHost, "CARVE-CONSERVES"),
+        "broken-allocate-returns-unrounded": (AllocateReturnsUnrounded, "CARVE-CONSERVES"),
+        "broken-allocate-unknown-host-keyerror": (AllocateUnknownHostKeyError, "CARVE-UNKNOWN-HOST"),
+        "broken-pool-unknown-keyerror": (PoolUnknownKeyError, "ERR-UNKNOWN-POOL"),
+        "broken-device-unknown-keyerror": (DeviceUnknownKeyError, "ERR-UNKNOWN-DEVICE-HANDLE"),
+        "broken-allocate-empty-id": (AllocateEmptyId, "CARVE-INVALID-ID"),
+        "broken-allocate-ignores-reach": (AllocateIgnoresReach, "CARVE-HOST-UNREACHABLE"),
+    }
+)
+ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
+REASONS: dict[str, str] = {
+    "broken-unbind-ignores-host": "an unbind of an absent binding (one naming another host) does nothing",
+    "broken-bindings-hide-failed": "a failed device is still held by its host until it is unbound",
+    "broken-bindings-stale-host": "not the binding the hardware holds",
+    "broken-id-too-long": "a device id of 305 characters",
+    "broken-id-with-tab": "every id is 1 to 256 printable characters without whitespace",
+    "broken-failure-says-ok": "reported with health OK, not FAILED",
+    "broken-failure-without-health": "reported with health None, not FAILED",
+    "broken-failure-of-another-fabric": "names fabric 'some-other-fabric', not 'cert'",
+    "broken-failure-of-ghosts": "'cert/no-such-device', a device that discovery does not report",
+    "broken-pool-epoch-separate": "a driver keeps one highest epoch",
+    "broken-repeat-before-fence": "even on a call that would change nothing",
+    "broken-slow-bind-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
+    "broken-allocates-for-another-host": "a pool carves for the host asked",
+    "broken-allocate-returns-unrounded": "the allocation returned is the one the pool holds",
+    "broken-allocate-unknown-host-keyerror": "raised KeyError",
+    "broken-pool-unknown-keyerror": "raised KeyError",
+    "broken-device-unknown-keyerror": "raised KeyError",
+    "broken-allocate-empty-id": "raise InvalidRequestError for an allocation id or host that is not a non-empty",
+    "broken-allocate-ignores-reach": "not HostUnreachableError",
+}
+"""Driver name: words the reason of the clause its defect breaks must hold, which name the rule it breaks."""

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from broken_drivers import ALSO_BROKEN, BROKEN
+from broken_drivers import ALSO_BROKEN, BROKEN, REASONS
 from conformance_helpers import certify
 
 
@@ -40,6 +40,10 @@ class TestBrokenDrivers:
         assert statuses(report)[clause] == "FAIL", f"{driver} was not caught by {clause}; failed: {failures(report)}"
         for also in ALSO_BROKEN.get(driver, ()):
             assert statuses(report)[also] == "FAIL", f"{driver} was not caught by {also}; failed: {failures(report)}"
+        # Since 1.6 the reason names the rule of the contract that the defect breaks.
+        assert REASONS.get(driver, "") in failures(report)[clause], (
+            f"{driver}: {clause} says {failures(report)[clause]!r}"
+        )
 
     def test_sim_is_certified(self, tmp_path: Path) -> None:
         result, report = certify_broken("sim", tmp_path)

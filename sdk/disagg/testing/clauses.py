@@ -39,7 +39,9 @@ _ALL = (
     Clause(
         "DISC-WELL-FORMED",
         "Every discovered device has the id `<fabric>/<local id>`, a kind the driver declares, and names only "
-        "switches, hosts and pools that discovery also reports; a driver that reports pools declares carve.",
+        "switches, hosts and pools that discovery also reports; every device, host, switch and pool id is 1 to 256 "
+        "printable characters without whitespace (`disagg.interfaces.check_id`); a driver that reports pools "
+        "declares carve.",
     ),
     Clause("DISC-STABLE", "Two discoveries report the same device ids with the same serials."),
     Clause("DISC-UNIQUE-SERIALS", "No two devices of a fabric share a serial."),
@@ -67,6 +69,20 @@ _ALL = (
         frozenset({Feature.BIND, Feature.UNBIND}),
     ),
     Clause(
+        "UNBIND-OTHER-HOST",
+        "Unbinding a bound device from a host it is not bound to, another host of the fabric or one the fabric "
+        "does not have, succeeds as already unbound and leaves the device bound to its host.",
+        frozenset({Feature.BIND, Feature.UNBIND}),
+        needs="a free device",
+    ),
+    Clause(
+        "BINDINGS-REPORTED",
+        "bindings() reports what the hardware holds: a bound device that then fails is still reported bound to its "
+        "host and can be unbound, and a device unbound from one host and bound to another is reported on the second.",
+        frozenset({Feature.BIND, Feature.UNBIND}),
+        needs="a free device that two hosts reach (the move), fault injection (the failure)",
+    ),
+    Clause(
         "BIND-FAILED-LEAVES-NOTHING",
         "A bind that fails leaves the device unbound, and the next bind of it succeeds.",
         frozenset({Feature.BIND, Feature.FAULT_INJECTION}),
@@ -75,6 +91,20 @@ _ALL = (
         "ERR-UNKNOWN-DEVICE",
         "Binding a device the fabric does not have raises UnknownDeviceError (gRPC NOT_FOUND, reason UNKNOWN_DEVICE).",
         frozenset({Feature.BIND}),
+    ),
+    Clause(
+        "ERR-UNKNOWN-DEVICE-HANDLE",
+        "Asking for the handle of a device the fabric does not have (`Fabric.device`) raises UnknownDeviceError "
+        "(gRPC NOT_FOUND, reason UNKNOWN_DEVICE), or UnsupportedError from a fabric that gives no device handles "
+        "at all.",
+        needs="a device (to learn whether the fabric gives handles)",
+    ),
+    Clause(
+        "ERR-UNKNOWN-POOL",
+        "Asking for a pool the fabric does not have (`Fabric.pool`) raises NotFoundError (gRPC NOT_FOUND), at once "
+        "or at the first allocate through the handle it gives, and carves nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a host",
     ),
     Clause(
         "ERR-INVALID-ID",
@@ -132,6 +162,13 @@ _ALL = (
         needs="a free device (unbind tested when declared)",
     ),
     Clause(
+        "DEADLINE-DURING-CALL",
+        "A bind made with a deadline half a second away returns by its deadline or raises DeadlineExceededError: "
+        "it never answers success once its deadline has passed.",
+        frozenset({Feature.BIND}),
+        needs="a free device",
+    ),
+    Clause(
         "CARVE-DEADLINE-PASSED",
         "An allocate or release that would change something, made once its deadline has passed, raises "
         "DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason DEADLINE_EXCEEDED) and changes nothing.",
@@ -154,7 +191,8 @@ _ALL = (
     Clause(
         "CARVE-CONSERVES",
         "Allocating takes exactly the rounded-up amount from the pool's free capacity and releasing gives all of "
-        "it back.",
+        "it back; the allocation returned is the one the pool then holds, for the host asked and of the rounded-up "
+        "amount.",
         frozenset({Feature.CARVE}),
         needs="a pool",
     ),
@@ -178,6 +216,27 @@ _ALL = (
         "INVALID_ARGUMENT, reason INVALID_REQUEST) and carves nothing.",
         frozenset({Feature.CARVE}),
         needs="a pool",
+    ),
+    Clause(
+        "CARVE-INVALID-ID",
+        "An allocate given an allocation id or a host, or a release given an allocation id, that is empty or not a "
+        "string raises InvalidRequestError (gRPC INVALID_ARGUMENT, reason INVALID_REQUEST) and changes nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-UNKNOWN-HOST",
+        "Allocating for a host the fabric does not have raises UnknownHostError (gRPC NOT_FOUND, reason "
+        "UNKNOWN_HOST) and carves nothing.",
+        frozenset({Feature.CARVE}),
+        needs="a pool",
+    ),
+    Clause(
+        "CARVE-HOST-UNREACHABLE",
+        "Allocating for a host that no working path joins to the pool's device raises HostUnreachableError (gRPC "
+        "FAILED_PRECONDITION, reason HOST_UNREACHABLE) and carves nothing.",
+        frozenset({Feature.CARVE, Feature.FAULT_INJECTION}),
+        needs="a pool that some host cannot reach, or a link fault injection can take down",
     ),
     Clause(
         "CARVE-NO-OVERLAP",
@@ -207,8 +266,9 @@ _ALL = (
     ),
     Clause(
         "EVENT-FAILURE-REPORTED",
-        "A device failure is reported to subscribers as a DEVICE_HEALTH event for that device within the "
-        "declared event latency.",
+        "A device failure is reported to subscribers as a DEVICE_HEALTH event for that device, with health FAILED "
+        "and the fabric's name, within the declared event latency; no DEVICE_HEALTH event names a device that "
+        "discovery does not report.",
         frozenset({Feature.HEALTH_EVENTS, Feature.FAULT_INJECTION}),
     ),
     Clause(
@@ -239,12 +299,13 @@ _ALL = (
     Clause(
         "CLEANUP-NOTHING-LEFT",
         "After every test, passed or failed, the suite has unbound and released everything it bound or carved, "
-        "and the driver confirms it.",
+        "and the driver confirms it; and no thread the driver started, daemon or not, still runs 3 s after its "
+        "last fabric was closed (checked by disagg certify).",
     ),
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.5"
+SUITE_VERSION = "1.6"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
 accepts raises it. ``docs/conformance.md`` says what each version added."""
 

@@ -27,17 +27,20 @@ from disagg.errors import (
     DisaggError,
     HostUnreachableError,
     InvalidRequestError,
+    NotFoundError,
     StaleEpochError,
     UnknownDeviceError,
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import CallContext, Fabric, FaultInjection
-from disagg.model import Binding, Capabilities, FabricEventKind, Feature, Health, PoolInfo
+from disagg.interfaces import CallContext, Fabric, FaultInjection, check_id
+from disagg.interfaces.fabric import MAX_ID
+from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Health, PoolInfo, Topology
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
 from disagg.testing.harness import (
     BUILD_TIMEOUT_S,
+    NOT_SDK,
     RESTART_TIMEOUT_S,
     WATCHDOG_GRACE_S,
     CallTimedOut,
@@ -72,13 +75,48 @@ they fail."""
 _ID_RULE = "bind and unbind raise InvalidRequestError for a device or host that is not a non-empty string"
 """The contract's rule on malformed ids (`Fabric.unbind`, docs/driver-interface.md), quoted by ERR-INVALID-ID."""
 MALFORMED_IDS: tuple[Any, ...] = ("", 7)
-"""What ERR-INVALID-ID passes for a device or a host id: an empty string, and a value that is not a string."""
+"""What ERR-INVALID-ID and CARVE-INVALID-ID pass for an id: an empty string, and a value that is not a string."""
+_CARVE_ID_RULE = (
+    "Pool.allocate and Pool.release raise InvalidRequestError for an allocation id or host that is not a non-empty "
+    "string"
+)
+"""The contract's rule on malformed ids in pools (`Pool.allocate`, `Pool.release`), quoted by CARVE-INVALID-ID."""
+_UNKNOWN_RULE = "an id that does not exist in the fabric raises UnknownDeviceError, UnknownHostError or NotFoundError"
+"""The contract's error table on unknown ids (docs/driver-interface.md), quoted by the clauses of unknown ids."""
+SHORT_DEADLINE_S = 0.5
+"""How far away the deadline of DEADLINE-DURING-CALL's bind is."""
+LATE_SLACK_S = 0.5
+"""How long after its deadline DEADLINE-DURING-CALL lets a bind's success arrive before it calls it late: the
+time between the driver's return and the suite's clock reading, on a loaded machine."""
 
 
 def _scoped(item: str, fabric: str) -> bool:
     """Whether ``item`` is a fabric-scoped id of ``fabric``: ``<fabric>/<local id>``, as device ids are."""
     prefix, _, local = item.partition("/")
     return prefix == fabric and _LOCAL_ID.match(local) is not None
+
+
+def _assert_ids(topology: Topology) -> None:
+    """Every id ``topology`` reports is one (`check_id`: 1 to 256 printable characters without whitespace): the
+    driver protocol carries no other, and the fabric manager refuses any other in a request, so a device with
+    a longer id, or one with a tab in it, could be discovered but never bound."""
+    named = (
+        ("device", [d.id for d in topology.devices]),
+        ("host", [h.id for h in topology.hosts]),
+        ("switch", [s.id for s in topology.switches]),
+        ("pool", [p.id for p in topology.pools]),
+    )
+    for what, ids in named:
+        for item in ids:
+            try:
+                check_id(item, what)
+            except InvalidRequestError:
+                shown = f"{item[:64]}..." if isinstance(item, str) and len(item) > 64 else item
+                size = f" of {len(item)} characters" if isinstance(item, str) else ""
+                raise AssertionError(
+                    f"discovery reports a {what} id{size}, {shown!r}, that is not an id: every id is 1 to {MAX_ID} "
+                    "printable characters without whitespace (disagg.interfaces.check_id)"
+                ) from None
 
 
 def _skip(reason: str) -> NoReturn:
@@ -101,18 +139,76 @@ def _one_free(view: View, *, min_hosts: int = 1) -> DeviceInfo:
     return free[0]
 
 
+def _cut_off(tracker: Tracker, view: View, dev: DeviceInfo) -> str:
+    """A host that reaches ``dev`` in ``view``, cut off from it by taking down every link it has (a host may hang
+    off more than one switch); the links come back at clean-up. Not tested without fault injection."""
+    faults = tracker.faults()
+    host = view.hosts_reaching(dev)[0]
+    links = {(lk.a, lk.b) for lk in view.topology.links if host in (lk.a, lk.b) and lk.up}
+    if faults is None or not links:
+        _skip(f"every host reaches {dev.id} and no link can be taken down to cut one off")
+    for a, b in sorted(links):
+        tracker.read(f"set_link({a}, {b}, False)", functools.partial(faults.set_link, a, b, False))
+        tracker.on_cleanup(functools.partial(faults.set_link, a, b, True))
+    if dev.switch in tracker.view().reach.get(host, frozenset()):
+        _skip(f"host {host} still reaches {dev.id} with its links down, by the driver's own topology")
+    return host
+
+
+_ANNOUNCEMENT = "a new leader's announcement (an unbind of <fabric>/disagg-fence)"
+
+
+def _fence_of(tracker: Tracker) -> tuple[str, str]:
+    """The binding whose unbind announces a new fabric manager's epoch: a no-op that fences (docs/ha.md)."""
+    return f"{tracker.fabric.name}/disagg-fence", "disagg-fence"
+
+
+def _expect_pool_fenced(tracker: Tracker, info: PoolInfo, host: str, *, stale: int, seen: int, via: str) -> None:
+    """An allocate in, and a release of ``conformance-fenced`` from, pool ``info`` with epoch ``stale`` raise
+    StaleEpochError and change nothing: ``seen``, newer, came through ``via``, another call than the pool's. A
+    driver keeps one highest epoch, not one per pool or per kind of call, or a deposed manager still carves."""
+    pool = tracker.pool(info.id)
+    free, held = pool.free_bytes(), _allocation_ids(pool)
+    rule = (
+        f"a driver keeps one highest epoch ({seen}, seen in {via}) and refuses an older one on every call, "
+        "allocate and release included"
+    )
+    _expect_error(
+        lambda: tracker.allocate(info.id, "conformance-stale", host, info.capacity.block_bytes, epoch=stale),
+        StaleEpochError,
+        f"allocate in {info.id} with epoch {stale}",
+        rule,
+    )
+    _expect_error(
+        lambda: tracker.release(info.id, "conformance-fenced", epoch=stale),
+        StaleEpochError,
+        f"release of conformance-fenced in {info.id} with epoch {stale}",
+        rule,
+    )
+    now = (pool.free_bytes(), _allocation_ids(pool))
+    assert now == (free, held), f"a pool call with epoch {stale}, older than {seen} seen in {via}, took effect"
+
+
 def _bindings_of(tracker: Tracker, device: str) -> list[Binding]:
     return [b for b in tracker.bindings() if b.device == device]
 
 
 def _expect_error(call: Callable[[], object], error: type[DisaggError], what: str, rule: str) -> None:
-    """``call`` must raise ``error``, as the contract's ``rule`` (quoted in the failure) says."""
+    """``call`` must raise ``error``, as the contract's ``rule`` (quoted in the failure) says; any other exception
+    a driver raises fails with both rules named (a Python exception, a KeyError from a lookup, breaks the rule
+    that only disagg errors escape). A call the watchdog gave up on stays `CallTimedOut`."""
     try:
         got = call()
     except error:
         return
     except DisaggError as exc:
         raise AssertionError(f"the {what} raised {type(exc).__name__}, not {error.__name__}: {rule}") from exc
+    except CallTimedOut:
+        raise
+    except Exception as exc:
+        raise AssertionError(
+            f"the {what} raised {type(exc).__name__}: {exc} ({NOT_SDK}), not {error.__name__}: {rule}"
+        ) from exc
     raise AssertionError(f"the {what} succeeded ({got!r}), not {error.__name__}: {rule}")
 
 
@@ -132,6 +228,30 @@ def _collecting(tracker: Tracker) -> Iterator[list[tuple[float, object]]]:
         yield seen
     finally:
         tracker.read("cancel() of a subscription", sub.cancel)
+
+
+def _health_of(event: object, device: str) -> Health | None:
+    """The health a DEVICE_HEALTH ``event`` reports for ``device``; None for any other event."""
+    if getattr(event, "kind", None) is FabricEventKind.DEVICE_HEALTH and getattr(event, "subject", None) == device:
+        health: Health | None = getattr(event, "health", None)
+        return health
+    return None
+
+
+def _assert_events_of(fabric: str, events: list[FabricEvent], topology: Topology) -> None:
+    """Every event names ``fabric`` and every DEVICE_HEALTH event a device that discovery reports: the composer
+    files an event under the fabric it names, and looks its subject up among that fabric's devices."""
+    devices = {d.id for d in topology.devices}
+    for event in events:
+        assert event.fabric == fabric, (
+            f"a {event.kind.value} event for {event.subject} names fabric {event.fabric!r}, not {fabric!r}: an "
+            "event names the fabric it comes from"
+        )
+        if event.kind is FabricEventKind.DEVICE_HEALTH:
+            assert event.subject in devices, (
+                f"a DEVICE_HEALTH event names {event.subject!r}, a device that discovery does not report: every "
+                "health event is for a device of the fabric"
+            )
 
 
 def _expect_unsupported(call: Callable[[], object], what: str, feature: str) -> None:
@@ -262,6 +382,7 @@ class FabricConformance:
         hosts = {h.id for h in topo.hosts}
         devices = {d.id: d for d in topo.devices}
         assert len(devices) == len(topo.devices), "a device id is reported twice"
+        _assert_ids(topo)
         for dev in topo.devices:
             assert _scoped(dev.id, fabric.name), f"device id {dev.id!r} is not {fabric.name}/<id>"
             assert dev.fabric == fabric.name, f"device {dev.id} names fabric {dev.fabric!r}"
@@ -389,6 +510,25 @@ class FabricConformance:
         tracker.unbind(dev.id, "conformance-no-such-host")
         assert tracker.bind(dev.id, host) == Binding(dev.id, host)
 
+    @clause("UNBIND-OTHER-HOST")
+    def test_unbind_from_another_host(self, tracker: Tracker) -> None:
+        """An unbind names the binding it takes away: the composer's rollback of a bind to one host, or a deposed
+        manager's clean-up, must not take a device from the host that holds it. Another host that reaches the
+        device is tried first, as the likeliest mistake."""
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        reaching = [h for h in view.hosts_reaching(dev) if h != host]
+        others = reaching or sorted(h.id for h in view.topology.hosts if h.id != host)
+        tracker.bind(dev.id, host)
+        for other in (*others[:1], "conformance-no-such-host"):
+            tracker.unbind(dev.id, other)
+            now = _bindings_of(tracker, dev.id)
+            assert now == [Binding(dev.id, host)], (
+                f"an unbind of {dev.id} from {other}, while it was bound to {host}, left bindings {now!r}: an unbind "
+                "of an absent binding (one naming another host) does nothing, and leaves the device bound to its host"
+            )
+
     @clause("BIND-FAILED-LEAVES-NOTHING")
     def test_a_failed_bind_leaves_nothing(self, tracker: Tracker) -> None:
         faults = _injected(tracker)
@@ -411,6 +551,48 @@ class FabricConformance:
             _skip("the fabric has no host")
         with pytest.raises(UnknownDeviceError):
             tracker.bind(f"{tracker.fabric.name}/conformance-no-such-device", host[0])
+
+    @clause("ERR-UNKNOWN-DEVICE-HANDLE")
+    def test_handle_of_an_unknown_device(self, tracker: Tracker) -> None:
+        """`Fabric.device` "raises `UnknownDeviceError`"; a fabric that gives no handles raises `UnsupportedError`
+        for every device, the one it has first of all, and then for an unknown one too."""
+        devices = sorted(d.id for d in tracker.discover().devices)
+        if not devices:
+            _skip("the fabric has no device")
+        fabric = tracker.fabric
+        expected: type[DisaggError] = UnknownDeviceError
+        rule = _UNKNOWN_RULE
+        try:
+            tracker.read(f"device({devices[0]})", lambda: fabric.device(devices[0]))
+        except UnsupportedError:
+            expected = UnsupportedError
+            rule = f"a fabric that gives no device handles (device({devices[0]!r}) raised UnsupportedError) gives none"
+        unknown = f"{fabric.name}/conformance-no-such-device"
+        _expect_error(
+            lambda: tracker.read(f"device({unknown})", lambda: fabric.device(unknown)),
+            expected,
+            f"device({unknown!r}) (a device the fabric does not have)",
+            rule,
+        )
+
+    @clause("ERR-UNKNOWN-POOL")
+    def test_unknown_pool(self, tracker: Tracker) -> None:
+        """`Fabric.pool` "raises `NotFoundError`"; a client of a driver elsewhere may hand out a handle for the
+        driver to judge, which then refuses the first call through it."""
+        hosts = sorted(h.id for h in tracker.discover().hosts)
+        if not hosts:
+            _skip("the fabric has no host")
+        fabric = tracker.fabric
+        unknown = f"{fabric.name}/conformance-no-such-pool"
+        ctx = tracker.ctx()
+        _expect_error(
+            lambda: tracker.call(
+                f"allocate in {unknown}", lambda: fabric.pool(unknown).allocate("conformance-no-pool", hosts[0], 1, ctx)
+            ),
+            NotFoundError,
+            f"pool({unknown!r}) (a pool the fabric does not have), or an allocate through it",
+            _UNKNOWN_RULE,
+        )
 
     @clause("ERR-INVALID-ID")
     def test_ids_that_are_not_non_empty_strings(self, tracker: Tracker, capabilities: Capabilities) -> None:
@@ -482,21 +664,47 @@ class FabricConformance:
         if pairs:
             dev, host = pairs[0][0], pairs[0][1]
         else:
-            # Cut one host off: take down every link it has (a host may hang off more than one switch).
-            faults = tracker.faults()
             dev = _one_free(view)
-            host = view.hosts_reaching(dev)[0]
-            links = {(lk.a, lk.b) for lk in view.topology.links if host in (lk.a, lk.b) and lk.up}
-            if faults is None or not links:
-                _skip("every host reaches every device and no link can be taken down to cut one off")
-            for a, b in sorted(links):
-                tracker.read(f"set_link({a}, {b}, False)", functools.partial(faults.set_link, a, b, False))
-                tracker.on_cleanup(functools.partial(faults.set_link, a, b, True))
-            if dev.switch in tracker.view().reach.get(host, frozenset()):
-                _skip(f"host {host} still reaches {dev.id} with its links down, by the driver's own topology")
+            host = _cut_off(tracker, view, dev)
         with pytest.raises(HostUnreachableError):
             tracker.bind(dev.id, host)
         assert _bindings_of(tracker, dev.id) == []
+
+    @clause("BINDINGS-REPORTED")
+    def test_a_failed_device_stays_bound(self, tracker: Tracker) -> None:
+        """Truth: `bindings()` reports what the hardware holds, and a host still holds a device that failed; the
+        composer moves the work off it, then unbinds it ("a failed or unreachable device can still be unbound").
+        After ERR-DEVICE-FAILED, which fails a device first of all."""
+        faults = _injected(tracker)
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        tracker.bind(dev.id, host)
+        tracker.read(f"fail_device({dev.id})", lambda: faults.fail_device(dev.id, "conformance: injected failure"))
+        tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
+        now = _bindings_of(tracker, dev.id)
+        assert now == [Binding(dev.id, host)], (
+            f"{dev.id}, bound to {host}, failed, and bindings() then reports {now!r}: bindings() reports what the "
+            "hardware holds, and a failed device is still held by its host until it is unbound"
+        )
+        tracker.unbind(dev.id, host)
+        now = _bindings_of(tracker, dev.id)
+        assert now == [], f"an unbind of {dev.id}, failed, from {host} left bindings {now!r}"
+
+    @clause("BINDINGS-REPORTED")
+    def test_a_device_moved_to_another_host(self, tracker: Tracker) -> None:
+        """Truth: a binding is reported on the host that holds the device now, not on one that held it before."""
+        view = tracker.view()
+        dev = _one_free(view, min_hosts=2)
+        first, second = view.hosts_reaching(dev)[:2]
+        tracker.bind(dev.id, first)
+        tracker.unbind(dev.id, first)
+        tracker.bind(dev.id, second)
+        now = _bindings_of(tracker, dev.id)
+        assert now == [Binding(dev.id, second)], (
+            f"{dev.id}, bound to {first}, unbound, then bound to {second}: bindings() reports {now!r}, not the "
+            "binding the hardware holds"
+        )
 
     @clause("FENCE-STALE-EPOCH")
     def test_stale_epoch(self, tracker: Tracker, epochs: Epochs) -> None:
@@ -508,6 +716,13 @@ class FabricConformance:
         new = epochs.advance()
         host = view.hosts_reaching(kept)[0]
         tracker.bind(kept.id, host, epoch=new)
+        _expect_error(
+            lambda: tracker.bind(kept.id, host, epoch=new - 1),
+            StaleEpochError,
+            f"repeat of the bind of {kept.id} to {host}, which holds it, with epoch {new - 1}",
+            f"an epoch older than the highest seen ({new}) is refused before anything else, even on a call that "
+            "would change nothing",
+        )
         with pytest.raises(StaleEpochError):
             tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=new - 1)
         assert _bindings_of(tracker, refused.id) == [], "a bind with a stale epoch bound the device"
@@ -523,7 +738,7 @@ class FabricConformance:
         assert _bindings_of(tracker, refused.id) == []
         # An unbind of nothing changes nothing, yet fences too: it is how a new leader announces its epoch.
         announced = epochs.advance()
-        tracker.unbind(f"{tracker.fabric.name}/disagg-fence", "disagg-fence", epoch=announced)
+        tracker.unbind(*_fence_of(tracker), epoch=announced)
         with pytest.raises(StaleEpochError):
             tracker.bind(refused.id, view.hosts_reaching(refused)[0], epoch=newer)
         assert _bindings_of(tracker, refused.id) == []
@@ -542,6 +757,19 @@ class FabricConformance:
         with pytest.raises(StaleEpochError):
             tracker.release(info.id, "conformance-fenced", epoch=new - 1)
         assert pool.free_bytes() == before - info.capacity.block_bytes, "a stale pool call took effect"
+        # One highest epoch per driver: an epoch that arrives through a bind, or through a new leader's
+        # announcement (an unbind), fences the pools as well.
+        view = tracker.view()
+        latest = new
+        free = view.free_devices()
+        if free:
+            dev, to = free[0], view.hosts_reaching(free[0])[0]
+            latest = epochs.advance()
+            tracker.bind(dev.id, to, epoch=latest)
+            _expect_pool_fenced(tracker, info, host, stale=new, seen=latest, via=f"the bind of {dev.id}")
+        announced = epochs.advance()
+        tracker.unbind(*_fence_of(tracker), epoch=announced)
+        _expect_pool_fenced(tracker, info, host, stale=latest, seen=announced, via=_ANNOUNCEMENT)
 
     @clause("CARVE-STALE-EPOCH")
     def test_stale_epoch_on_allocate_and_release(self, tracker: Tracker, epochs: Epochs) -> None:
@@ -580,6 +808,9 @@ class FabricConformance:
             f"remembers the highest epoch seen ({newer}), even from a call that then fails",
         )
         assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "a stale release took effect"
+        announced = epochs.advance()
+        tracker.unbind(*_fence_of(tracker), epoch=announced)
+        _expect_pool_fenced(tracker, info, host, stale=newer, seen=announced, via=_ANNOUNCEMENT)
 
     @staticmethod
     def _expired(tracker: Tracker) -> CallContext:
@@ -614,6 +845,32 @@ class FabricConformance:
             _DEADLINE_RULE,
         )
         assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)], "an unbind made after its deadline unbound"
+
+    @clause("DEADLINE-DURING-CALL")
+    def test_bind_that_runs_past_its_deadline(self, tracker: Tracker) -> None:
+        """The deadline rule while a call works: a driver that blocks checks the deadline as it waits, and raises
+        DeadlineExceededError rather than answer success to a caller that gave up on it (the composer has moved
+        on, and the device is bound to no one's knowledge). The time of the answer is read on the thread that
+        made the call, as it returns; `LATE_SLACK_S` more is allowed for a loaded machine."""
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        fabric = tracker.fabric
+        tracker.on_cleanup(functools.partial(tracker.unbind, dev.id, host))
+        ctx = CallContext.with_timeout(SHORT_DEADLINE_S, epoch=tracker.epochs.current, request_id="conformance")
+        assert ctx.deadline is not None
+
+        def bind() -> float:
+            fabric.bind(dev.id, host, ctx)
+            return time.monotonic()
+
+        what = f"bind of {dev.id} to {host}, with a deadline {SHORT_DEADLINE_S:g} s away"
+        try:
+            answered = tracker.call(what, bind)
+        except DeadlineExceededError:
+            return
+        late = answered - ctx.deadline
+        assert late <= LATE_SLACK_S, f"the {what}, succeeded {late:.2f} s after its deadline: {_DEADLINE_RULE}"
 
     @clause("CARVE-DEADLINE-PASSED")
     def test_allocate_and_release_after_their_deadline(self, tracker: Tracker) -> None:
@@ -711,9 +968,22 @@ class FabricConformance:
         before = pool.free_bytes()
         if before < 3 * block:
             _skip(f"pool {info.id} has fewer than three free blocks")
-        tracker.allocate(info.id, "conformance-conserve-a", host, block)
-        tracker.allocate(info.id, "conformance-conserve-b", host, block + 1)
+        returned = [
+            tracker.allocate(info.id, "conformance-conserve-a", host, block),
+            tracker.allocate(info.id, "conformance-conserve-b", host, block + 1),
+        ]
         assert pool.free_bytes() == before - 3 * block, "allocating did not take the rounded-up amount"
+        held = {a.id: a for a in pool.allocations()}
+        for got, (asked, amount) in zip(returned, ((block, block), (block + 1, 2 * block)), strict=True):
+            now = held.get(got.id)
+            assert now is not None and now.host == host and now.amount_bytes == amount, (
+                f"an allocate of {asked} bytes for {host} returned {got.id}, and {info.id} holds {now!r}, not an "
+                f"allocation of {amount} bytes for {host}: a pool carves for the host asked, in whole blocks"
+            )
+            assert got == now, (
+                f"an allocate of {asked} bytes for {host} returned {got!r}, but {info.id} holds {now!r}: the "
+                "allocation returned is the one the pool holds"
+            )
         tracker.release(info.id, "conformance-conserve-a")
         tracker.release(info.id, "conformance-conserve-b")
         assert pool.free_bytes() == before, "releasing did not give back all that was taken"
@@ -772,6 +1042,78 @@ class FabricConformance:
                 "Pool.allocate of an amount that is not positive raises InvalidRequestError",
             )
         assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "an allocate of no capacity carved"
+
+    @clause("CARVE-INVALID-ID")
+    def test_allocate_and_release_of_ids_that_are_not_non_empty_strings(self, tracker: Tracker) -> None:
+        """`Pool.allocate` raises `InvalidRequestError` for "an id that is not one", and `Pool.release` "for an id
+        that is not one": taken as a name (``""`` carved as some default id), it gives a host memory that no
+        record can name again."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        before = (pool.free_bytes(), _allocation_ids(pool))
+        for n, bad in enumerate(MALFORMED_IDS):
+            _expect_error(
+                functools.partial(tracker.allocate, info.id, bad, host, block),
+                InvalidRequestError,
+                f"allocate of allocation id {bad!r} in {info.id}",
+                _CARVE_ID_RULE,
+            )
+            _expect_error(
+                functools.partial(tracker.allocate, info.id, f"conformance-invalid-host-{n}", bad, block),
+                InvalidRequestError,
+                f"allocate in {info.id} for host {bad!r}",
+                _CARVE_ID_RULE,
+            )
+            _expect_error(
+                functools.partial(tracker.release, info.id, bad),
+                InvalidRequestError,
+                f"release of allocation id {bad!r} in {info.id}",
+                _CARVE_ID_RULE,
+            )
+        after = (pool.free_bytes(), _allocation_ids(pool))
+        assert after == before, f"calls with malformed ids changed {info.id}: {before!r} before, {after!r} after"
+
+    @clause("CARVE-UNKNOWN-HOST")
+    def test_allocate_for_an_unknown_host(self, tracker: Tracker) -> None:
+        """`Pool.allocate` raises `UnknownHostError`, as `Fabric.bind` does for a host the fabric does not have."""
+        info, _ = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        before = (pool.free_bytes(), _allocation_ids(pool))
+        _expect_error(
+            lambda: tracker.allocate(
+                info.id, "conformance-unknown-host", "conformance-no-such-host", info.capacity.block_bytes
+            ),
+            UnknownHostError,
+            f"allocate in {info.id} for host 'conformance-no-such-host' (a host the fabric does not have)",
+            _UNKNOWN_RULE,
+        )
+        assert (pool.free_bytes(), _allocation_ids(pool)) == before, "an allocate for an unknown host carved"
+
+    @clause("CARVE-HOST-UNREACHABLE")
+    def test_allocate_for_an_unreachable_host(self, tracker: Tracker) -> None:
+        """`Pool.allocate` raises `HostUnreachableError`: memory carved for a host that no path joins to the pool
+        is memory that host can never use, and no other host gets."""
+        view = tracker.view()
+        pools = self._pools_reached(view)
+        if not pools:
+            _skip("the fabric has no healthy pool that a host reaches")
+        devices = {d.id: d for d in view.topology.devices}
+        found = [(p, h) for p, _ in pools for h in view.hosts_not_reaching(devices[p.device])]
+        if found:
+            info, host = found[0]
+        else:
+            info = pools[0][0]
+            host = _cut_off(tracker, view, devices[info.device])
+        pool = tracker.pool(info.id)
+        before = (pool.free_bytes(), _allocation_ids(pool))
+        _expect_error(
+            lambda: tracker.allocate(info.id, "conformance-unreachable", host, info.capacity.block_bytes),
+            HostUnreachableError,
+            f"allocate in {info.id} for {host}, which no working path joins to {info.device}",
+            "HostUnreachableError when no path over links that are up joins host and device",
+        )
+        assert (pool.free_bytes(), _allocation_ids(pool)) == before, "an allocate for an unreachable host carved"
 
     @clause("CARVE-NO-OVERLAP")
     def test_extents_never_overlap(self, tracker: Tracker) -> None:
@@ -844,7 +1186,11 @@ class FabricConformance:
 
     @clause("EVENT-FAILURE-REPORTED")
     def test_device_failure_is_reported(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """The composer moves work off a device when it hears it FAILED, from the fabric it belongs to: an event
+        that says OK or no health, names another fabric, or names a device that does not exist, moves nothing
+        (or the wrong thing)."""
         faults = _injected(tracker)
+        fabric = tracker.fabric
         dev = _one_free(tracker.view())
         declared = capabilities.event_latency_s
         limit = min(declared, self.event_wait_max_s) + EVENT_GRACE_S
@@ -860,16 +1206,26 @@ class FabricConformance:
 
             def reported() -> float | None:
                 for at, event in list(seen):
-                    kind, subject = getattr(event, "kind", None), getattr(event, "subject", None)
-                    if kind is FabricEventKind.DEVICE_HEALTH and subject == dev.id:
+                    if _health_of(event, dev.id) is Health.FAILED:
                         return at - start
                 return None
 
             while reported() is None and time.monotonic() - start < limit:
                 time.sleep(0.01)
+            # What the driver sends right after the failure (one more event, for another device) is judged too.
+            settle = min(EVENT_GRACE_S, max(0.0, start + limit - time.monotonic()))
+            time.sleep(settle)
+        events = [event for _, event in seen if isinstance(event, FabricEvent)]
         took = reported()
-        assert took is not None, f"no DEVICE_HEALTH event for {dev.id} within {limit:.2f}s{capped}"
+        if took is None:
+            said = [e.health for e in events if e.kind is FabricEventKind.DEVICE_HEALTH and e.subject == dev.id]
+            assert not said, (
+                f"the failure of {dev.id} was reported with health {', '.join(str(h and h.value) for h in said)}, "
+                "not FAILED: a DEVICE_HEALTH event for a failure says FAILED, which is what the composer acts on"
+            )
+            raise AssertionError(f"no DEVICE_HEALTH event for {dev.id} within {limit:.2f}s{capped}")
         assert took <= limit, f"the failure of {dev.id} was reported after {took:.2f}s (declared {limit:.2f}s){capped}"
+        _assert_events_of(fabric.name, events, tracker.discover())
 
     # ------------------------------------------------------------------ sanitize
 
@@ -920,18 +1276,33 @@ class FabricConformance:
 
     @clause("RESTART-FENCING")
     def test_restart_keeps_the_epoch(self, tracker: Tracker, restart: Restart, epochs: Epochs) -> None:
-        """The epoch a new manager announced before the driver restarted still fences the deposed one after."""
-        fence = (f"{tracker.fabric.name}/disagg-fence", "disagg-fence")
+        """The epoch a new manager announced before the driver restarted still fences the deposed one after, in
+        every call: a bind when bind is declared, an allocate when carve is (a driver that keeps its pools' epoch
+        apart from the fabric's, and only in memory, forgets it there)."""
+        fence = _fence_of(tracker)
         announced = epochs.advance()
         tracker.unbind(*fence, epoch=announced)
         tracker.restart(restart)
         deposed = announced - 1
         view = tracker.view()
-        free = view.free_devices() if tracker.capabilities().supports(Feature.BIND) else []
+        caps = tracker.capabilities()
+        free = view.free_devices() if caps.supports(Feature.BIND) else []
         if free:
             dev, host = free[0], view.hosts_reaching(free[0])[0]
             _expect_stale(lambda: tracker.bind(dev.id, host, epoch=deposed), f"bind of {dev.id}", deposed, announced)
             assert _bindings_of(tracker, dev.id) == [], "after a restart, a bind with a deposed epoch bound"
+        pools = self._pools_reached(view) if caps.supports(Feature.CARVE) else []
+        if pools:
+            info, (to, *_) = pools[0]
+            pool = tracker.pool(info.id)
+            held = (pool.free_bytes(), _allocation_ids(pool))
+            _expect_stale(
+                lambda: tracker.allocate(info.id, "conformance-deposed", to, info.capacity.block_bytes, epoch=deposed),
+                f"allocate in {info.id}",
+                deposed,
+                announced,
+            )
+            assert (pool.free_bytes(), _allocation_ids(pool)) == held, "after a restart, a deposed allocate carved"
         _expect_stale(
             lambda: tracker.unbind(*fence, epoch=deposed), "unbind (an epoch announcement)", deposed, announced
         )

@@ -35,7 +35,7 @@ from disagg.errors import (
     outcome_is_unknown,
     outcome_unknown,
 )
-from disagg.interfaces import CallContext, Pool
+from disagg.interfaces import CallContext, Pool, check_id
 from disagg.model import CXL_DC_BLOCK_BYTES, Allocation, Capacity, Extent, PoolInfo, PoolKind
 
 from disagg_qemu_cxl.command import backend_props, device_props, host_dir, lsa_file, memory_file
@@ -60,11 +60,6 @@ UNDO_TIMEOUT_S = 1.0
 
 def unrecorded_id(host: str, device: str) -> str:
     return f"{UNRECORDED}:{host}:{device}"
-
-
-def _check_id(allocation_id: object) -> None:
-    if not isinstance(allocation_id, str) or not allocation_id:
-        raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
 
 
 def first_fit(used: Sequence[tuple[int, int]], size: int, total: int) -> tuple[tuple[int, int], ...] | None:
@@ -238,7 +233,8 @@ class QemuCxlPool(Pool):
             self._ledger.fence(ctx)
             if isinstance(amount_bytes, bool) or not isinstance(amount_bytes, int) or amount_bytes <= 0:
                 raise InvalidRequestError(f"amount must be a positive number of bytes, not {amount_bytes!r}")
-            _check_id(allocation_id)
+            check_id(allocation_id, "allocation_id")
+            check_id(host, "host")
             if allocation_id.startswith(f"{UNRECORDED}:"):
                 raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
             size = self._capacity.round_up(amount_bytes)
@@ -380,7 +376,7 @@ class QemuCxlPool(Pool):
         with ctx.hold(self._lock, "the fabric"):
             self._check_open()
             self._ledger.fence(ctx)
-            _check_id(allocation_id)
+            check_id(allocation_id, "allocation_id")
             record = self._ledger.state.record(allocation_id)
             if record is None:
                 with until(ctx.deadline):  # its host's view, read within the caller's deadline

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from disagg.errors import ConflictError, DeviceBusyError, FabricUnavailableError, InvalidRequestError
-from disagg.interfaces import CallContext, Pool
+from disagg.interfaces import CallContext, Pool, check_id
 from disagg.model import Allocation, Health
 
 from disagg_cxl_switch.driver.client import CommandFailedError
@@ -27,10 +27,13 @@ def admit(
     device: str,
     ctx: CallContext,
 ) -> tuple[int, int]:
-    """Fence; refuse an amount that is not positive, an unknown or unreachable host, a failed ``device`` (the
-    pool's). The host's VCS id and the amount rounded up to whole blocks. The device is checked before the pool's
-    geometry is read, which a device failed since the driver started may not have given yet."""
+    """Fence; refuse an allocation id or host that is not an id (`check_id`), an amount that is not positive, an
+    unknown or unreachable host, a failed ``device`` (the pool's). The host's VCS id and the amount rounded up to
+    whole blocks. The device is checked before the pool's geometry is read, which a device failed since the
+    driver started may not have given yet."""
     fabric.state.fence(ctx.epoch)
+    check_id(allocation_id, "allocation_id")
+    check_id(host, "host")
     if amount_bytes <= 0:
         raise InvalidRequestError(f"allocation {allocation_id}: amount {amount_bytes} is not positive")
     vcs = fabric.check_host(host)

@@ -30,7 +30,7 @@ from disagg.errors import (
     outcome_is_unknown,
     outcome_unknown,
 )
-from disagg.interfaces import CallContext, Pool
+from disagg.interfaces import CallContext, Pool, check_id
 from disagg.model import MLD_MAX_LOGICAL_DEVICES, Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
@@ -396,8 +396,10 @@ class MLDPool(Pool):
         self._fabric.state.forget_ld(self._port, ld)
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
-        """Free each LD of the allocation; an id with none does nothing."""
+        """Free each LD of the allocation; an id with none does nothing, one that is not an id (`check_id`) is
+        refused."""
         self._fabric.state.fence(ctx.epoch)
+        check_id(allocation_id, "allocation_id")
         with ctx.hold(self._fabric.vppb_lock, "the switch"):
             snap = self._snapshot(ctx)
             self._prune(snap)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 from disagg.errors import CapacityExhaustedError, FabricUnavailableError
-from disagg.interfaces import CallContext, Pool
+from disagg.interfaces import CallContext, Pool, check_id
 from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
@@ -170,6 +170,7 @@ class DCDPool(Pool):
         released the id's name is dropped, or every allocation ever made would stay in the state file; a release
         that fails keeps it, and its retry finds any extent left by the id's own tag all the same."""
         self._fabric.state.fence(ctx.epoch)
+        check_id(allocation_id, "allocation_id")
         own_tag = allocation_tag(allocation_id)
         with ctx.hold(self._lock, "the switch"):
             for allocation, tag in self._tagged(ctx):
