@@ -7,6 +7,9 @@ options and the certification fabric of `broken_drivers`.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.process
+import signal
 import threading
 import time
 from typing import Any
@@ -62,10 +65,31 @@ class StopsItsThreadAtClose(_Polling):
         super().close()
 
 
+def _monitor() -> None:
+    """A child process that watches the hardware (here: waits) until it is ended, by SIGTERM as a monitor is."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler the parent (certify's suite) set
+    time.sleep(LEAK_S)
+
+
+class LeavesADaemonicChildProcess(SimFabric):
+    """Starts a daemonic child process (a hardware monitor) with the first fabric built, and leaves it to Python's
+    exit, which ends a process's daemonic children (`multiprocessing`'s exit handler)."""
+
+    monitor: multiprocessing.process.BaseProcess | None = None
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        if LeavesADaemonicChildProcess.monitor is None:
+            monitor = multiprocessing.get_context("fork").Process(target=_monitor, daemon=True)
+            monitor.start()
+            LeavesADaemonicChildProcess.monitor = monitor
+
+
 LEAKY: dict[str, type[SimFabric]] = {
     "leaky-non-daemon-thread": LeavesNonDaemonThread,
     "leaky-daemon-thread": LeavesDaemonThread,
     "leaky-stops-its-thread": StopsItsThreadAtClose,
+    "leaky-daemonic-child-process": LeavesADaemonicChildProcess,
 }
 
 

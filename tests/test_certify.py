@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,10 +20,12 @@ from typing import Any
 import disagg.testing
 import pytest
 from conformance_helpers import CERTIFY_TIMEOUT_S, SIM_OPTIONS, ServedDriver, certify, certify_env
-from disagg.cli.certify import STOP_WAIT_S
+from disagg.cli.certify import STOP_WAIT_S, _publish
 from disagg.cli.main import main
+from disagg.errors import DisaggError
 from disagg.testing import CLAUSES
 from disagg.testing.certify_run import processes_under, run_certify
+from disagg.testing.report import FILES
 from leaky_drivers import POLLER
 from process_helpers import ChildOutput
 
@@ -362,6 +365,12 @@ class TestThreadsLeftRunning:
         assert cleanup["status"] == "FAIL", cleanup
         assert f"threads like {POLLER!r} (daemon) still running" in cleanup["reason"], cleanup["reason"]
         assert report["verdict"] == "FAILED" and code == 1
+
+    def test_a_daemonic_child_process_ends_with_the_run(self, tmp_path: Path) -> None:
+        """The suite's process ended with ``os._exit``, skipping the exit handlers, and multiprocessing's among
+        them: the driver's daemonic child process was left running, reparented to init, after certify ended."""
+        code, report = self.run(tmp_path, "leaky-daemonic-child-process")
+        assert report["verdict"] == "CERTIFIED" and code == 0, report["verdict"]
 
     def test_a_thread_that_ends_soon_after_close_is_not_left_behind(self, tmp_path: Path) -> None:
         _, report = self.run(tmp_path, "leaky-stops-its-thread")
@@ -907,3 +916,22 @@ class TestTheSuitesProcess:
         assert "importing 'refuses_in_the_suite' failed: RuntimeError: no licence for the suite" in run.stderr
         assert "did the driver end the process" not in run.stderr
         assert run.report is None
+
+
+class TestReportsThatCannotBePublished:
+    def test_a_run_whose_out_went_away_keeps_its_reports(self, tmp_path: Path) -> None:
+        """An --out replaced by a file while the suite ran ended certify in a FileExistsError traceback, and the
+        finished run's reports went with its scratch directory."""
+        written = tmp_path / "written"
+        written.mkdir()
+        for name in FILES:
+            (written / name).write_text(name)
+        out = tmp_path / "out"
+        out.write_text("not a folder")
+        with pytest.raises(DisaggError, match=r"--out .*out: cannot write the reports there") as info:
+            _publish(written, out)
+        kept = Path(info.value.message.rsplit(" are in ", 1)[1])
+        try:
+            assert sorted(p.name for p in kept.iterdir()) == sorted(FILES)
+        finally:
+            shutil.rmtree(kept)

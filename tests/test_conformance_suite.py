@@ -206,6 +206,61 @@ class TestCleanup:
         assert statuses(report)["UNBIND-IDEMPOTENT"][0] == "FAIL"
 
 
+class TestDeviceHandlesForSomeKinds:
+    """A fabric that gives handles for some kinds of device only, and answers an unknown id with
+    UnknownDeviceError as the contract says, was failed by ERR-UNKNOWN-DEVICE-HANDLE: asked for the first device's
+    handle (a GPU, refused), the clause took the fabric for one that gives none and wanted UnsupportedError."""
+
+    def test_certified(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            from disagg.errors import UnsupportedError
+
+            class NoGpuHandles(Plain):
+                def device(self, device):
+                    handle = self.inner.device(device)  # UnknownDeviceError for an unknown id
+                    if handle.describe().kind.value == "gpu":
+                        raise UnsupportedError(f"no handle for GPU {device}")
+                    return handle
+
+            class TestNoGpuHandles(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: NoGpuHandles(create_fabric("f", opts))
+            """,
+            "-k",
+            "unknown_device",
+        )
+        assert statuses(report)["ERR-UNKNOWN-DEVICE-HANDLE"][0] == "PASS", proc.stdout[-3000:]
+
+
+class TestABindPastItsDeadline:
+    """DEADLINE-DURING-CALL binds with a context of its own: that bind was not among those the clean-up undoes and
+    checks, so a driver that kept it bound (its unbind doing nothing) passed the clean-up clause."""
+
+    def test_its_bind_is_checked_at_clean_up(self, tmp_path: Path) -> None:
+        proc, report = run_suite(
+            tmp_path,
+            """
+            class Sticky(Plain):
+                def unbind(self, binding, ctx):
+                    return None
+
+            class TestSticky(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: Sticky(create_fabric("f", opts))
+            """,
+            "-k",
+            "past_its_deadline",
+        )
+        status, reason = statuses(report)["CLEANUP-NOTHING-LEFT"]
+        assert status == "FAIL" and "test_bind_that_runs_past_its_deadline" in reason, proc.stdout[-3000:]
+
+
 class TestDeclaredFeatures:
     """What a driver does not declare it must refuse, and what it reports it must declare."""
 

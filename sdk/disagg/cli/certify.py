@@ -21,6 +21,7 @@ lists clauses (every failure was expected).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import datetime
@@ -48,7 +49,7 @@ import grpc
 
 from disagg.driver.v1 import fabric_driver_pb2 as dpb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as dpb_grpc
-from disagg.errors import ConfigError, FabricUnavailableError, PluginError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError, PluginError
 from disagg.interfaces import Fabric
 from disagg.plugins import load_plugins
 from disagg.remote.address import check_address
@@ -77,6 +78,8 @@ BOOTSTRAP = (
 )
 """What the suite's process runs (``python -P -c``): certify again on certify's own ``sys.path``, as the console
 script does, with no folder put first (``-m`` would put the working directory there)."""
+EXIT_HANDLERS_S = 5.0
+"""How long the suite's process gives the exit handlers (`atexit`) before it ends (`suite_process`)."""
 SUITE_REPORT = "report"
 """The folder of the suite's scratch directory that its process writes the reports into: certify moves them to
 ``--out`` once that process has ended."""
@@ -453,11 +456,19 @@ def _publish(written: Path, out: Path) -> None:
     renamed over it), the JSON report last: a reader that finds it finds the others of the same run."""
     from disagg.testing.report import FILES
 
-    out.mkdir(parents=True, exist_ok=True)
-    for name in sorted(FILES, key=lambda name: name.endswith(".json")):
-        partial = out / f".{name}.partial"
-        shutil.copyfile(written / name, partial)
-        os.replace(partial, out / name)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in sorted(FILES, key=lambda name: name.endswith(".json")):
+            partial = out / f".{name}.partial"
+            shutil.copyfile(written / name, partial)
+            os.replace(partial, out / name)
+    except OSError as exc:  # ``out`` went away or filled up while the suite ran: the run is not to be lost
+        kept = Path(tempfile.mkdtemp(prefix="disagg-certification-"))
+        for name in FILES:
+            shutil.copyfile(written / name, kept / name)
+        raise DisaggError(
+            f"--out {out}: cannot write the reports there ({exc}); this run's reports are in {kept}"
+        ) from None
 
 
 @attrs.define
@@ -639,7 +650,9 @@ def suite_process() -> NoReturn:
     """The suite's process (`BOOTSTRAP`): the ``disagg`` command line, which runs certify with
     ``--suite-process``, then the end of the process at once, with the exit status it returned. Python's own exit
     would wait for every thread that is not a daemon, and a driver's (one it left running after close) may
-    never end: the run is over, its report written, and what is printed is flushed first."""
+    never end: the run is over, its report written, and what is printed is flushed first. The exit handlers
+    (`atexit`: multiprocessing's, which ends a driver's daemonic child processes, and a library's clean-up) still
+    run, for at most `EXIT_HANDLERS_S`, in a thread of their own, so that one that hangs cannot hold the end."""
     from disagg.cli.main import main
 
     code = 1
@@ -652,6 +665,9 @@ def suite_process() -> NoReturn:
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # the run is over: no signal may stop its end half-way
             signal.signal(signum, signal.SIG_IGN)
+        handlers = threading.Thread(target=atexit._run_exitfuncs, name="disagg-certify-exit", daemon=True)
+        handlers.start()
+        handlers.join(EXIT_HANDLERS_S)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):

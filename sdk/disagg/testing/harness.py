@@ -371,10 +371,15 @@ class Tracker:
         return View.answered(self.discover(), self.bindings())
 
     def bind(self, device: str, host: str, *, epoch: int | None = None) -> Binding:
-        with self._lock:
-            self._binds[(device, host)] = None
+        self.attempting_bind(device, host)
         fabric, ctx = self.fabric, self.ctx(epoch)
         return self.call(f"bind of {device} to {host}", lambda: fabric.bind(device, host, ctx))
+
+    def attempting_bind(self, device: str, host: str) -> None:
+        """Count a bind a test makes itself (with a context of its own) among those the clean-up undoes and
+        checks, as `bind` counts its own."""
+        with self._lock:
+            self._binds[(device, host)] = None
 
     def unbind(self, device: str, host: str, *, epoch: int | None = None) -> None:
         fabric, ctx = self.fabric, self.ctx(epoch)
