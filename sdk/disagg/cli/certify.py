@@ -394,7 +394,8 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
     try:
         with _Interrupts.passed_on() as interrupts:
             code = interrupts.wait(subprocess.Popen(argv, env=suite_environment(os.environ)))
-        return _judged(args, subject, code, scratch, interrupts.received)
+            # Judged and published with the signals still taken: one now would leave half the reports in --out.
+            return _judged(args, subject, code, scratch, list(interrupts.received))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
