@@ -182,23 +182,27 @@ class TestAHostOnTwoSwitches:
         assert found["ERR-HOST-UNREACHABLE"] == ("PASS", ""), proc.stdout[-3000:]
 
 
+STICKY = """
+class Sticky(Plain):
+    def unbind(self, binding, ctx):
+        return None
+
+class TestSticky(FabricConformance):
+    @pytest.fixture
+    def fabric_factory(self, tmp_path):
+        opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+        return lambda: Sticky(create_fabric("f", opts))
+"""
+"""A driver author's test module for a driver whose unbind does nothing: what a test bound stays bound."""
+
+
 class TestCleanup:
     """What a test left bound is found by the driver's own answer, fails the clean-up clause and the run."""
 
     def test_a_driver_whose_unbind_does_nothing(self, tmp_path: Path) -> None:
         proc, report = run_suite(
             tmp_path,
-            """
-            class Sticky(Plain):
-                def unbind(self, binding, ctx):
-                    return None
-
-            class TestSticky(FabricConformance):
-                @pytest.fixture
-                def fabric_factory(self, tmp_path):
-                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
-                    return lambda: Sticky(create_fabric("f", opts))
-            """,
+            STICKY,
         )
         assert proc.returncode == 1
         status, reason = statuses(report)["CLEANUP-NOTHING-LEFT"]
@@ -243,17 +247,7 @@ class TestABindPastItsDeadline:
     def test_its_bind_is_checked_at_clean_up(self, tmp_path: Path) -> None:
         proc, report = run_suite(
             tmp_path,
-            """
-            class Sticky(Plain):
-                def unbind(self, binding, ctx):
-                    return None
-
-            class TestSticky(FabricConformance):
-                @pytest.fixture
-                def fabric_factory(self, tmp_path):
-                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
-                    return lambda: Sticky(create_fabric("f", opts))
-            """,
+            STICKY,
             "-k",
             "past_its_deadline",
         )
