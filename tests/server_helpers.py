@@ -8,6 +8,9 @@ UNKNOWN: the fabric manager must always answer with a code a client can act on.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -438,3 +441,25 @@ address = "unix:{socket}"
 """
 """The configuration of a `disagg serve` child on the demo rack, in memory, on one unix socket: ``delay`` is
 pcie0's bind delay, ``socket`` the path."""
+
+
+def serve_child(
+    tmp_path: Path,
+    config: Path,
+    *extra: str,
+    script: str | None = None,
+    script_args: tuple[str, ...] = (),
+    stdout: int = subprocess.PIPE,
+) -> subprocess.Popen[str]:
+    """``disagg serve --config CONFIG EXTRA...`` in a child process, its state directory under ``tmp_path``: run
+    as ``python -m disagg.cli.main``, or by ``script`` (``python -c``: a program that patches something and then
+    runs the command line it is given after ``script_args``). Standard error is piped, standard output as told."""
+    launcher = ["-m", "disagg.cli.main"] if script is None else ["-c", script, *script_args]
+    return subprocess.Popen(
+        [sys.executable, *launcher, "serve", "--config", str(config), *extra],
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
+    )

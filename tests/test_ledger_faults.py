@@ -8,8 +8,6 @@ import os
 import random
 import shutil
 import sqlite3
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.model import Composition, CompositionState, DeviceKind, ResourceRequest, Selector, SelectorOp
 from disagg.store import SqliteStore
 from disagg.store.sqlite import APPLICATION_ID, IN_PLACE_CHECK_S, SCHEMA_VERSION
-from server_helpers import WAIT_S, compose_request
+from server_helpers import WAIT_S, compose_request, serve_child
 
 PAGE = 4096
 """SQLite's page size, as the ledger is made."""
@@ -307,14 +305,7 @@ class TestALedgerToMendWhileServing:
             '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n\n'
             f'[[listener]]\naddress = "unix:{sock}"\n'
         )
-        child = subprocess.Popen(
-            [sys.executable, "-c", DAMAGED_AT_COMMIT, str(marker), "serve", "--config", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
-        )
+        child = serve_child(tmp_path, config, script=DAMAGED_AT_COMMIT, script_args=(str(marker),))
         try:
             assert child.stdout is not None
             assert child.stdout.readline().startswith("serving on")

@@ -6,11 +6,9 @@ it listens."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from disagg.server.runtime import ServerStoppedError
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import SimFabric, load_topology
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_helpers import WAIT_S, fails, guarded_channel, socket_path, stream_fails
+from server_helpers import WAIT_S, fails, guarded_channel, serve_child, socket_path, stream_fails
 from test_server_lifecycle import EVERY_UNARY_CALL
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -142,14 +140,7 @@ address = "unix:{socket}"
 def serve(tmp_path: Path, port: int, ledger: str = 'ledger = "memory"') -> subprocess.Popen[str]:
     config = tmp_path / "disagg.toml"
     config.write_text(SILENT_REMOTE.format(ledger=ledger, port=port, socket=socket_path(tmp_path)))
-    return subprocess.Popen(
-        [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
-    )
+    return serve_child(tmp_path, config, stdout=subprocess.DEVNULL)
 
 
 class TestServeWhileARemoteFabricConnects:

@@ -22,7 +22,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from server_helpers import SERVE_CONFIG, WAIT_S, compose_request, guarded_channel, serving, wait_until
+from server_helpers import SERVE_CONFIG, WAIT_S, compose_request, guarded_channel, serve_child, serving, wait_until
 
 START_S = 30.0
 """The longest a child process may take to import everything and start serving."""
@@ -37,15 +37,7 @@ class Serve:
         self.socket = tmp_path / "fm.sock"
         config = tmp_path / "disagg.toml"
         config.write_text(SERVE_CONFIG.format(delay=delay, socket=self.socket) if config_text is None else config_text)
-        env = {**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), *extra],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
+        self.proc = serve_child(tmp_path, config, *extra)
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []
         assert self.proc.stdout is not None and self.proc.stderr is not None

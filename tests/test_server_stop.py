@@ -3,11 +3,9 @@ after winning the lead), reconciling, finishing a change; and what a failed star
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -29,7 +27,16 @@ from disagg.server import FabricManagerServer
 from disagg.server.runtime import ServerStoppedError
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import SimFabric, load_topology
-from server_helpers import SERVE_CONFIG, WAIT_S, GatedBind, compose_request, serving, socket_path, wait_until
+from server_helpers import (
+    SERVE_CONFIG,
+    WAIT_S,
+    GatedBind,
+    compose_request,
+    serve_child,
+    serving,
+    socket_path,
+    wait_until,
+)
 
 PROMPT_S = 2.5
 """The longest a stop with a short grace may take while the composer is busy: the least it waits for it
@@ -372,14 +379,7 @@ class TestServeSignals:
         sock = socket_path(tmp_path)
         config = tmp_path / "disagg.toml"
         config.write_text(SERVE_CONFIG.format(delay=0, socket=sock))
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, "serve", "--config", str(config)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
-        )
+        child = serve_child(tmp_path, config, script=CHILD, stdout=subprocess.DEVNULL)
         lines: list[str] = []
 
         def read() -> None:
@@ -444,14 +444,7 @@ class TestServePastItsGrace:
         sock = socket_path(tmp_path)
         config = tmp_path / "disagg.toml"
         config.write_text(SLOW_BIND.format(delay=20, socket=sock))
-        child = subprocess.Popen(
-            [sys.executable, "-c", PAST_GRACE, "serve", "--config", str(config), "--grace", "0.5"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "DISAGG_STATE_DIR": str(tmp_path / "state")},
-        )
+        child = serve_child(tmp_path, config, "--grace", "0.5", script=PAST_GRACE)
         lines: list[str] = []
         assert child.stdout is not None and child.stderr is not None
         errors = child.stderr
