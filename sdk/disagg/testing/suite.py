@@ -131,6 +131,12 @@ def _injected(tracker: Tracker) -> FaultInjection:
     return faults
 
 
+def _fail_device(tracker: Tracker, faults: FaultInjection, device: str) -> None:
+    """Fail ``device`` by fault injection, repaired at the test's clean-up."""
+    tracker.read(f"fail_device({device})", lambda: faults.fail_device(device, "conformance: injected failure"))
+    tracker.on_cleanup(functools.partial(faults.repair_device, device))
+
+
 def _one_free(view: View, *, min_hosts: int = 1) -> DeviceInfo:
     free = view.free_devices(min_hosts=min_hosts)
     if not free:
@@ -650,8 +656,7 @@ class FabricConformance:
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
-        tracker.read(f"fail_device({dev.id})", lambda: faults.fail_device(dev.id, "conformance: injected failure"))
-        tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
+        _fail_device(tracker, faults, dev.id)
         _expect_error(
             lambda: tracker.bind(dev.id, host),
             DeviceBusyError,
@@ -683,8 +688,7 @@ class FabricConformance:
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
         tracker.bind(dev.id, host)
-        tracker.read(f"fail_device({dev.id})", lambda: faults.fail_device(dev.id, "conformance: injected failure"))
-        tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
+        _fail_device(tracker, faults, dev.id)
         now = _bindings_of(tracker, dev.id)
         assert now == [Binding(dev.id, host)], (
             f"{dev.id}, bound to {host}, failed, and bindings() then reports {now!r}: bindings() reports what the "
@@ -1204,8 +1208,7 @@ class FabricConformance:
         )
         with _collecting(tracker) as seen:
             start = time.monotonic()
-            tracker.read(f"fail_device({dev.id})", lambda: faults.fail_device(dev.id, "conformance: injected failure"))
-            tracker.on_cleanup(functools.partial(faults.repair_device, dev.id))
+            _fail_device(tracker, faults, dev.id)
 
             def reported() -> float | None:
                 for at, event in list(seen):
