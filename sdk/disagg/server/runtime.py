@@ -679,15 +679,16 @@ class FabricManagerServer:
         or the `FabricUnavailableError` its cancelled composer start raised."""
         deadline = time.monotonic() + (grace or 0.0)
         with self._lock:
-            if self._state in ("stopping", "stopped", "new"):
-                if self._state == "new":
-                    self._closing_composer = True
-                    if self._built is not None:
-                        self.composer.close()
-                    self._composer_closed.set()
-                    self._state = "stopped"
-                return
-            self._state = "stopping"
+            never_started = self._state == "new"
+            ended = self._state in ("stopping", "stopped")
+            if never_started:
+                self._state = "stopped"
+            elif not ended:
+                self._state = "stopping"
+        if never_started:
+            self._close_once()
+        if never_started or ended:
+            return
         log.info("stopping: calls in flight have %s s to finish", grace)
         self._ticking.set()  # the timer starts no reconcile during the grace, and a campaign ends
         self.health.end_watches()
