@@ -103,12 +103,17 @@ def _not_a_ledger(db: sqlite3.Connection) -> str:
     return ""
 
 
-def _newer_schema(db: sqlite3.Connection) -> int:
-    """The schema version of a ledger a newer disagg wrote (its layout is past `SCHEMA_VERSION`), else 0; read
-    without writing anything."""
+def _marks(db: sqlite3.Connection) -> tuple[int, int]:
+    """The file's ``application_id`` and ``user_version``, read without writing anything."""
     ((application,),) = db.execute("PRAGMA application_id")
     ((version,),) = db.execute("PRAGMA user_version")
-    return int(version) if application == APPLICATION_ID and version > SCHEMA_VERSION else 0
+    return int(application), int(version)
+
+
+def _newer_schema(db: sqlite3.Connection) -> int:
+    """The schema version of a ledger a newer disagg wrote (its layout is past `SCHEMA_VERSION`), else 0."""
+    application, version = _marks(db)
+    return version if application == APPLICATION_ID and version > SCHEMA_VERSION else 0
 
 
 def _damage(db: sqlite3.Connection) -> str:
@@ -160,9 +165,7 @@ def _refuse_as_found(db: sqlite3.Connection, path: Path) -> None:
 def _stamp(db: sqlite3.Connection) -> None:
     """Mark a new ledger, or one written before versions were kept (the same layout), with `APPLICATION_ID` and
     `SCHEMA_VERSION`; a ledger marked already is not written."""
-    ((application,),) = db.execute("PRAGMA application_id")
-    ((version,),) = db.execute("PRAGMA user_version")
-    if (application, version) != (APPLICATION_ID, SCHEMA_VERSION):
+    if _marks(db) != (APPLICATION_ID, SCHEMA_VERSION):
         db.executescript(f"PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {SCHEMA_VERSION};")
 
 
