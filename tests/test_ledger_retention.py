@@ -58,25 +58,11 @@ class TestPruningAcrossRestarts:
             kept = [e.revision for e in store.events_after(0, 10 * retention)]
         assert kept == list(range(revision - retention + 1, revision + 1))
 
-    def test_request_ids(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        retention = 10
-        monkeypatch.setattr(sqlite_store, "REQUEST_RETENTION", retention)
-        ledger = tmp_path / "l.db"
-        put = 0
-        for _ in range(LIVES):
-            with _life(ledger) as store:
-                for _ in range(PER_LIFE):
-                    put += 1
-                    store.put_request(RequestRecord(f"r{put}", "f", "{}", float(put)))
-        assert _rows(ledger, "requests") < 2 * retention
-        with _life(ledger) as store:
-            kept = [r.id for r in store.load().requests]
-        assert kept == [f"r{n}" for n in range(put - retention + 1, put + 1)]
-
-    def test_request_ids_kept_by_when_written(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    @pytest.mark.parametrize("step_back_s", [0.0, 3_600.0], ids=["steady-clock", "clock-stepped-back"])
+    def test_request_ids(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step_back_s: float) -> None:
         """The newest answers are those written last, whatever the wall clock said: kept by their time, the answers
-        recorded after the clock was stepped back were the ones forgotten at a restart (and their ids accepted for
-        other requests), while older ones were kept."""
+        recorded after the clock was stepped back (each lifetime's clock ``step_back_s`` behind the last's) were
+        the ones forgotten at a restart, and their ids accepted for other requests, while older ones were kept."""
         retention = 10
         monkeypatch.setattr(sqlite_store, "REQUEST_RETENTION", retention)
         ledger = tmp_path / "l.db"
@@ -85,8 +71,8 @@ class TestPruningAcrossRestarts:
             with _life(ledger) as store:
                 for _ in range(PER_LIFE):
                     put += 1
-                    stepped_back = 3_600.0 * life  # each lifetime's clock an hour behind the last's
-                    store.put_request(RequestRecord(f"r{put}", "f", "{}", 1e9 + put - stepped_back))
+                    store.put_request(RequestRecord(f"r{put}", "f", "{}", 1e9 + put - step_back_s * life))
+        assert _rows(ledger, "requests") < 2 * retention
         with _life(ledger) as store:
             kept = [r.id for r in store.load().requests]
         assert kept == [f"r{n}" for n in range(put - retention + 1, put + 1)]
