@@ -151,12 +151,16 @@ class LoopRun:
         self._future: asyncio.Future[Any] | None = None
         self.ended: Done | None = None
 
-    def start(self) -> Done | asyncio.Future[Any]:
-        """Take the steps that need no waiting; returns how the change ended, or a future of its result."""
+    def start(self, future: asyncio.Future[Any] | None = None) -> Done | asyncio.Future[Any]:
+        """Take the steps that need no waiting; returns how the change ended, or a future of its result. Given a
+        ``future`` (one its caller awaits already), the change settles that one, however it ends, unless it is
+        done (cancelled) by then."""
         self._resume(None, None)
         if self.ended is not None:
+            if future is not None:
+                self._settle(future)
             return self.ended
-        self._future = self._loop.create_future()
+        self._future = future if future is not None else self._loop.create_future()
         return self._future
 
     def _resume(self, value: Any, error: Exception | None) -> None:
@@ -212,14 +216,20 @@ class LoopRun:
         """The change ended as ``done``; ``failure``: its writes could not be made durable, which is the answer
         then."""
         self.ended = done if failure is None else Done(error=failure)
-        future = self._future
-        if future is not None and not future.done():
-            if self.ended.error is not None:
-                future.set_exception(self.ended.error)
-            else:
-                future.set_result(self.ended.value)
+        if self._future is not None:
+            self._settle(self._future)
         if self.on_end is not None:
             self.on_end()
+
+    def _settle(self, future: asyncio.Future[Any]) -> None:
+        """Give ``future`` how the change ended, unless it is done (its caller cancelled it)."""
+        assert self.ended is not None
+        if future.done():
+            return
+        if self.ended.error is not None:
+            future.set_exception(self.ended.error)
+        else:
+            future.set_result(self.ended.value)
 
 
 async def run_async(steps: Steps[T], store: Store, threads: Executor) -> T:

@@ -3,11 +3,12 @@
 Compose, UpdateComposition and Decompose run on the event loop as the composer's steps
 (`disagg.composer.steps.LoopRun`): a change that waits for its ledger commit holds no thread, which is what lets
 a Python server answer Compose at close to the rate of a no-op call (docs/protocol.md has the measurements),
-and many updates queued on one composition no longer hold a worker thread each. Driver calls that may block go to
-threads of their own, and waits for another change of the same composition to others again, so that a change
-holding a composition always gets a thread for its driver calls. A change runs to its end even when its caller
-goes away (a cancelled call, a deadline): the composer never stops a change midway, and the server waits for
-the changes in flight when it stops.
+and many updates queued on one composition no longer hold a worker thread each. A change that arrives while the
+ledger commits a group waits for that commit and starts with the others that arrived meanwhile (`_run`). Driver
+calls that may block go to threads of their own, and waits for another change of the same composition to others
+again, so that a change holding a composition always gets a thread for its driver calls. A change runs to its end
+even when its caller goes away (a cancelled call, a deadline): the composer never stops a change midway, and the
+server waits for the changes in flight when it stops.
 
 The other RPCs are the same handlers as the thread-pool servicer (`FabricManagerServicer`), run in the worker
 threads: listings read 100,000 devices and would stall the loop, and the driver interface is synchronous.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -29,6 +30,7 @@ import grpc.aio
 
 from disagg.composer import steps
 from disagg.composer.steps import Steps
+from disagg.errors import DisaggError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.context import ThreadedContext
@@ -75,6 +77,9 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self.waits = waits or self._own(WAIT_THREADS, "disagg-wait")
         """The waits of the changes on the loop for another change of their composition, or for an answer."""
         self._running: set[steps.LoopRun] = set()
+        self._held: list[tuple[Callable[[], Steps[Any]], asyncio.Future[Any]]] = []
+        """Changes that arrived while the ledger committed a group, in order: they start when it ends."""
+        self._holding = False
 
     def _own(self, workers: int, name: str) -> ThreadPoolExecutor:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
@@ -86,50 +91,86 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         for pool in self._owned:
             pool.shutdown(wait=False)
 
-    def _start(self, change: Steps[T]) -> steps.Done | asyncio.Future[T]:
+    def _start(self, change: Steps[T], future: asyncio.Future[T] | None = None) -> steps.Done | asyncio.Future[T]:
         """Run a change to its end (`steps.LoopRun`): how it ended, or the future of its answer. What needs no
         waiting runs here at once (on the in-memory ledger with the sim, all of it); the rest is resumed by
         callbacks on this loop. A cancelled call stops waiting; the change does not stop. It runs in a context of
         its own, as the change keeps context variables (the ledger's record of its writes, the request id it
-        answers). Not a coroutine itself: a Compose awaits the future directly, one coroutine fewer per call."""
+        answers). Not a coroutine itself: a Compose awaits the future directly, one coroutine fewer per call.
+        ``future``: the one to settle with the answer (`steps.LoopRun.start`)."""
         store = self.servicer.composer.store
         run = steps.LoopRun(change, store, self.drivers, contextvars.copy_context(), waits=self.waits)
-        outcome = run.start()
+        outcome = run.start(future)
         if isinstance(outcome, steps.Done):
             return outcome
         self._running.add(run)
         run.on_end = lambda: self._running.discard(run)
         return outcome
 
+    async def _run(self, change: Callable[[], Steps[T]]) -> T:
+        """The answer of the change ``change()`` makes, run by `_start`. A change that arrives while the ledger
+        commits a group of writes is held until that commit ends, and then started with the others that arrived
+        meanwhile, one after another in one callback (`Store.when_committed`): its first write would have waited
+        for the next commit anyway, and the composer's work for a group, run back to back, finds its code and
+        data in the processor's caches, where a change run alone between gRPC's work for other calls finds them
+        evicted. That is most of what a durable Compose costs the loop (docs/benchmarks.md). A change whose
+        caller goes away while it is held is never started."""
+        if self._join_group():
+            future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            self._held.append((change, future))
+            return await future
+        outcome = self._start(change())
+        return outcome.result() if isinstance(outcome, steps.Done) else await outcome
+
+    def _join_group(self) -> bool:
+        """Whether a change arriving now is to be held for the commit in flight (see `_run`)."""
+        if self._holding:
+            return True
+        store = self.servicer.composer.store
+        try:
+            if not store.when_committed(self._start_held):
+                return False
+        except DisaggError:  # the ledger failed: the change meets its error itself, as it would have
+            return False
+        self._holding = True
+        return True
+
+    def _start_held(self, failure: Exception | None) -> None:
+        """The commit the held changes waited for has ended (``failure``: it failed, which each of them meets when
+        it writes): start them, in the order they came."""
+        self._holding = False
+        held, self._held = self._held, []
+        for change, future in held:
+            if future.done():  # its caller went away: nothing of it was started
+                continue
+            try:
+                self._start(change(), future)
+            except Exception as exc:  # the request was refused before the change began
+                future.set_exception(exc)
+
     async def drain(self, timeout: float) -> int:
-        """Wait up to ``timeout`` seconds for the changes in flight (the server stops next); returns how many
-        still run."""
+        """Wait up to ``timeout`` seconds for the changes in flight, and those held to start (the server stops
+        next); returns how many still run or wait."""
         deadline = asyncio.get_running_loop().time() + max(timeout, 0.0)
-        while self._running and asyncio.get_running_loop().time() < deadline:
+        while (self._running or self._held) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        return len(self._running)
+        return len(self._running) + len(self._held)
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
-        change = self.servicer.compose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        outcome = self._start(change)
-        result = outcome.result() if isinstance(outcome, steps.Done) else await outcome
+        call = ThreadedContext(context, asyncio.get_running_loop())
+        result = await self._run(lambda: self.servicer.compose_change(request, call))
         return self.servicer.compose_response(result)
 
     async def UpdateComposition(
         self, request: fm.UpdateCompositionRequest, context: Context
     ) -> fm.UpdateCompositionResponse:
-        change = self.servicer.recompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        outcome = self._start(change)
-        comp = outcome.result() if isinstance(outcome, steps.Done) else await outcome
+        call = ThreadedContext(context, asyncio.get_running_loop())
+        comp = await self._run(lambda: self.servicer.recompose_change(request, call))
         return self.servicer.recompose_response(comp)
 
     async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
-        change = self.servicer.decompose_change(request, ThreadedContext(context, asyncio.get_running_loop()))
-        outcome = self._start(change)
-        if isinstance(outcome, steps.Done):
-            outcome.result()
-        else:
-            await outcome
+        call = ThreadedContext(context, asyncio.get_running_loop())
+        await self._run(lambda: self.servicer.decompose_change(request, call))
         return fm.DecomposeResponse()
 
     async def WatchEvents(

@@ -173,6 +173,15 @@ class Store(abc.ABC):
         self.sync()
         return False
 
+    def when_committed(self, callback: Callable[[Exception | None], None]) -> bool:
+        """For a caller on the running event loop: returns False when no write of anyone's waits for a commit,
+        else True, and calls ``callback`` on the loop once every write queued so far is durable (with None) or
+        cannot be (with the error). A server starts the changes that arrive meanwhile together then
+        (`disagg.server.aio`): their first writes would wait for the next commit anyway, and run back to back
+        the composer's code and data stay in the processor's caches. The default, whose writes are durable when
+        they return, has nothing in flight."""
+        return False
+
     def await_event(self, revision: int) -> None:
         """Wait until the event of ``revision``, and every one before it, is durable. An event watch sends
         only such events: one that a crash could still take back would leave its watcher, after the restart,

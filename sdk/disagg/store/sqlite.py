@@ -524,6 +524,11 @@ class SqliteStore(Store):
         with self._lock:
             return self._queue_waiter(self._mine(), (asyncio.get_running_loop(), callback))
 
+    def when_committed(self, callback: Synced) -> bool:
+        """See `Store.when_committed`: a waiter for the last write queued, whoever queued it."""
+        with self._lock:
+            return self._queue_waiter(self._queued, (asyncio.get_running_loop(), callback))
+
     def _wait_for(self, target: int) -> None:
         """Wait until the writes up to sequence number ``target`` are on disk."""
         woken = threading.Lock()
