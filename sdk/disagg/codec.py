@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import json
 import math
-import operator
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -106,32 +105,102 @@ def _tuple_of(cls: Any) -> Any:
     return None
 
 
-def _optional_record(cls: Any) -> Callable[[Any], Any]:
-    inner = _records.get_unstructure_hook(_optional_of(cls))
-    if inner is cattrs.fns.identity:
-        return cattrs.fns.identity
-    return lambda value: None if value is None else inner(value)
-
-
-def _tuple_record(cls: Any) -> Callable[[Any], Any]:
-    inner = _records.get_unstructure_hook(_tuple_of(cls))
-    if inner is cattrs.fns.identity:
-        return cattrs.fns.identity
-    return lambda values: list(map(inner, values))
-
-
 _records = _converter.copy()
 _records.register_unstructure_hook(float, lambda value: value if math.isfinite(value) else _NotFinite(value))
-# Calls were most of a record's cost (a composition being composed took about 30 of them), and a durable Compose
-# writes four records on the event loop. So a record leaves to orjson what it writes itself (a tuple as an array,
-# an optional scalar), which the code cattrs generates then reads in place instead of calling a hook, and takes an
-# enum's value from the member (``_value_``) in C rather than through `Enum.value`, a Python property.
-_records.register_unstructure_hook_func(_is_enum, operator.attrgetter("_value_"))
-_records.register_unstructure_hook_factory(lambda cls: _optional_of(cls) is not None, _optional_record)
-_records.register_unstructure_hook_factory(lambda cls: _tuple_of(cls) is not None, _tuple_record)
 _RECORD = json.JSONEncoder(separators=(",", ":"))
-_record_hooks: dict[type, Callable[[Any], Any]] = {}
-"""Each model class's record function, looked up once rather than dispatched on every record."""
+
+
+class _RecordSource:
+    """The source of one class's record function, which builds the data cattrs' ``_records`` would in a single
+    call. Calls were most of a record's cost (a composition being composed took about 15 of them, one per hook of
+    a field, tuple or optional value), and a durable Compose writes four records on the event loop. So an attrs
+    class is written as a dict in field order, a tuple of values that need no hook is left to orjson (which writes
+    it as an array), other tuples are built by a loop, an optional value is tested in place, an enum gives its
+    ``_value_`` and a float is checked finite (else it becomes `_NotFinite`, which orjson refuses) without a call
+    to a Python function. Any other type takes its cattrs hook, as before."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.names: dict[str, Any] = {"_isfinite": math.isfinite, "_NotFinite": _NotFinite}
+        self._temps = 0
+        self._open: set[type] = set()
+        """The classes being written: a class that holds itself takes its cattrs hook inside itself."""
+
+    def temp(self, indent: int, value: str) -> str:
+        """A new local name, set to ``value``."""
+        self._temps += 1
+        name = f"v{self._temps}"
+        self.lines.append(f"{'    ' * indent}{name} = {value}")
+        return name
+
+    def named(self, indent: int, value: str) -> str:
+        """``value`` if it is a name, else a new local name set to it: read once, used more than once."""
+        return value if value.isidentifier() else self.temp(indent, value)
+
+    def value(self, cls: Any, src: str, indent: int) -> str:
+        """An expression of the record data of ``src``, a value of type ``cls``; it may need lines added first."""
+        if attrs.has(cls) and cls not in self._open and cls is not _NotFinite:
+            return self._attrs(cls, self.named(indent, src), indent)
+        if _is_enum(cls):
+            return f"{src}._value_"
+        if cls is float:
+            src = self.named(indent, src)
+            return f"({src} if _isfinite({src}) else _NotFinite({src}))"
+        if _optional_of(cls) is not None:
+            return self._optional(_optional_of(cls), src, indent)
+        if _tuple_of(cls) is not None:
+            return self._tuple(_tuple_of(cls), src, indent)
+        hook = _records.get_unstructure_hook(cls)
+        if hook is cattrs.fns.identity:
+            return src
+        name = f"hook{len(self.names)}"
+        self.names[name] = hook
+        return f"{name}({src})"
+
+    def _attrs(self, cls: type, src: str, indent: int) -> str:
+        self._open.add(cls)
+        types = typing.get_type_hints(cls)
+        items = [f"{a.name!r}: {self.value(types[a.name], f'{src}.{a.name}', indent)}" for a in attrs.fields(cls)]
+        self._open.discard(cls)
+        return "{" + ", ".join(items) + "}"
+
+    def _optional(self, cls: Any, src: str, indent: int) -> str:
+        start = len(self.lines)
+        value = self.temp(indent, src)
+        self.lines.append(f"{'    ' * indent}if {value} is not None:")
+        inner = self.value(cls, value, indent + 1)
+        if inner == value:  # nothing to do but write it: orjson does
+            del self.lines[start:]
+            return src
+        self.lines.append(f"{'    ' * (indent + 1)}{value} = {inner}")
+        return value
+
+    def _tuple(self, cls: Any, src: str, indent: int) -> str:
+        start = len(self.lines)
+        items = self.temp(indent, "[]")
+        self._temps += 1
+        item = f"v{self._temps}"
+        self.lines.append(f"{'    ' * indent}for {item} in {src}:")
+        inner = self.value(cls, item, indent + 1)
+        if inner == item:  # an array of the values as they are: orjson writes the tuple as one
+            del self.lines[start:]
+            return src
+        self.lines.append(f"{'    ' * (indent + 1)}{items}.append({inner})")
+        return items
+
+
+def _record_function(cls: type) -> Callable[[Any], Any]:
+    """The function that turns a ``cls`` into the data of its record (see `_RecordSource`)."""
+    source = _RecordSource()
+    result = source.value(cls, "value", 1)
+    text = "\n".join([f"def record_{cls.__name__}(value):", *source.lines, f"    return {result}"])
+    namespace = dict(source.names)
+    exec(compile(text, f"<record of {cls.__module__}.{cls.__qualname__}>", "exec"), namespace)
+    return typing.cast(Callable[[Any], Any], namespace[f"record_{cls.__name__}"])
+
+
+_record_functions: dict[type, Callable[[Any], Any]] = {}
+"""Each model class's record function, made at its first record."""
 
 
 def _refuse(value: Any) -> Any:
@@ -145,11 +214,11 @@ def record(value: Any) -> str:
     record holding one (a selector's value may be any float) is written by the standard encoder instead, as
     ``Infinity``, which `loads` reads back."""
     cls = type(value)
-    hook = _record_hooks.get(cls)
-    if hook is None:
-        hook = _record_hooks[cls] = _records.get_unstructure_hook(cls)
+    function = _record_functions.get(cls)
+    if function is None:
+        function = _record_functions[cls] = _record_function(cls)
     try:
-        return orjson.dumps(hook(value), default=_refuse).decode()
+        return orjson.dumps(function(value), default=_refuse).decode()
     except TypeError:
         return _RECORD.encode(to_data(value))
 

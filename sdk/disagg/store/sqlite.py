@@ -361,7 +361,8 @@ class SqliteStore(Store):
             write(self._batch, *args)
             self._queued += 1
             _last_queued.set((self, self._queued))
-            if self._idle:
+            if self._idle:  # once: the writes queued before the committer wakes need not notify it again
+                self._idle = False
                 self._cond.notify()
 
     def _commit_loop(self) -> None:
