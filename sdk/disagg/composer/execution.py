@@ -113,29 +113,38 @@ class Executor:
         carved: list[tuple[str, str, str]] = []
         allocations: list[Allocation] = []
         fabric = ""
-        # The step in progress, as the rollback would undo it.
-        trying: tuple[list[tuple[str, Binding]], list[tuple[str, str, str]]] = ([], [])
+        # The step in progress (in ``fabric``), kept as it comes: only a rollback turns it into what to undo.
+        trying: DevicePick | MemoryStep | None = None
         try:
             for fabric, pick in devices:
-                trying = ([(fabric, Binding(pick.device, host))], [])
+                trying = pick
                 bound.append((fabric, self._fabric(fabric).bind(pick.device, host, self.context(deadline))))
-                trying = ([], [])
+                trying = None
                 failpoints.hit(f"{stage}.after_bind")
             for step in memory:
                 fabric = step.fabric
-                trying = ([], [(step.fabric, step.pick.pool, step.allocation_id)])
+                trying = step
                 pool = self._fabric(step.fabric).pool(step.pick.pool)
                 allocation = pool.allocate(step.allocation_id, host, step.pick.amount_bytes, self.context(deadline))
                 carved.append((step.fabric, step.pick.pool, step.allocation_id))
                 allocations.append(allocation)
-                trying = ([], [])
+                trying = None
                 failpoints.hit(f"{stage}.after_allocate")
         except Exception as exc:
             error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
-            doubtful = self.undo(*trying, stage="rollback") if in_doubt(exc) else Leftovers()
+            doubtful = self._undo_step(fabric, host, trying) if in_doubt(exc) else Leftovers()
             leftovers = self.undo(bound, carved, stage="rollback")
             raise ExecutionFailedError(error, doubtful.ids + leftovers.ids) from exc
         return tuple(allocations)
+
+    def _undo_step(self, fabric: str, host: str, step: DevicePick | MemoryStep | None) -> Leftovers:
+        """Roll back the step of `apply` in doubt: the bind of ``step`` to ``host`` in ``fabric``, or its
+        allocation; nothing when it is None (the failure came between steps)."""
+        if isinstance(step, MemoryStep):
+            return self.undo([], [(step.fabric, step.pick.pool, step.allocation_id)], stage="rollback")
+        if step is not None:
+            return self.undo([(fabric, Binding(step.device, host))], [], stage="rollback")
+        return Leftovers()
 
     def undo(
         self,
