@@ -181,6 +181,9 @@ class Inventory:
         self.host_free: dict[str, dict[DeviceKind, int]] = {h: defaultdict(int) for h in self.hosts}
         self.free_hosts: list[tuple[int, int, str]] = []
         """(cores, memory, id) of every host no composition holds, sorted: smallest first."""
+        self._offered_at = 0
+        """Where in `free_hosts` `hosts_from` found the host it offered last: `claim_host` looks there first, since
+        a Compose claims the host that placement chose, and searches only if another host is there now."""
 
         merged: dict[str, dict[str, int]] = defaultdict(dict)
         for topo in topologies:
@@ -278,7 +281,7 @@ class Inventory:
             return
         if current is not None:
             raise ValueError(f"device {device} is held by {current}, not free for {owner}")
-        if self.is_free(device):
+        if device in self.bucket_of:  # `_set_free` leaves a device that is not free as it is
             self._set_free(device, False)
         self.owner[device] = owner
 
@@ -320,11 +323,21 @@ class Inventory:
             return
         if current is not None:
             raise ValueError(f"host {host} is held by {current}")
-        h = self.hosts[host]
-        at, free = _find(self.free_hosts, (h.cores, h.memory_bytes, h.id))
-        if free:
+        at = self._free_host_at(host)
+        if at is not None:
             del self.free_hosts[at]
         self.host_owner[host] = owner
+
+    def _free_host_at(self, host: str) -> int | None:
+        """Where ``host`` is in `free_hosts`, or None if it is not free: per Compose, where `hosts_from` offered
+        it, which is checked before a search."""
+        free = self.free_hosts
+        at = self._offered_at
+        if at < len(free) and free[at][2] == host:
+            return at
+        h = self.hosts[host]
+        at, present = _find(free, (h.cores, h.memory_bytes, h.id))
+        return at if present else None
 
     def release_host(self, host: str) -> None:
         if self.host_owner.pop(host, None) is not None and host in self.hosts:
@@ -356,6 +369,7 @@ class Inventory:
         for at in range(bisect_left(free, (min_cores, -1, "")), len(free)):
             _cores, memory, host_id = free[at]
             if memory >= min_memory:
+                self._offered_at = at
                 yield self.hosts[host_id]
 
     def latency(self, host: str, device: Device) -> int | None:

@@ -161,6 +161,9 @@ class Placer:
         self.inv = inventory
         self.policy = policy
         self._match_cache: dict[tuple[Selector, ...], dict[int, bool]] = {}
+        self._last_group: dict[int, DeviceGroup] = {}
+        """Per bucket, the group `_groups` last made of it, offered again while its free count and latency are
+        the same: one a bucket, so that most groups of a Compose are not made anew."""
 
     def check(self, request: CompositionRequest) -> None:
         self.check_lines(request.resources)
@@ -276,8 +279,13 @@ class Placer:
         return ""
 
     def _precheck(self, host: str, need: Mapping[DeviceKind, int]) -> bool:
+        """Whether ``host`` reaches enough free devices of each kind ``need`` asks: per candidate host, so a
+        plain loop, which makes no generator."""
         free = self.inv.host_free.get(host, {})
-        return all(free.get(kind, 0) >= n for kind, n in need.items())
+        for kind, n in need.items():  # noqa: SIM110 (all() over a generator costs one per candidate host)
+            if free.get(kind, 0) < n:
+                return False
+        return True
 
     def try_host(self, host: str, lines: Sequence[Line], named: LineNames = request_lines) -> tuple[Plan | None, str]:
         """Place ``lines`` for ``host``; no device or pool bytes serve two lines.
@@ -440,6 +448,7 @@ class Placer:
         matches = self._matcher(r.selectors) if r.selectors else None
         by_switch_kind = self.inv.by_switch_kind
         kind = r.kind
+        last = self._last_group
         for lat_sw, sw in self.inv.reach.get(host, ()):
             if limit is not None and lat_sw > limit:
                 break
@@ -450,7 +459,10 @@ class Placer:
                 lat = lat_sw + b.exemplar.link_latency_ns
                 if free <= 0 or (limit is not None and lat > limit) or (matches is not None and not matches(b)):
                     continue
-                groups.append(DeviceGroup(b.key, sw, lat, free, b.exemplar.failure_domains))
+                g = last.get(b.key)
+                if g is None or g.free != free or g.latency_ns != lat:
+                    g = last[b.key] = DeviceGroup(b.key, sw, lat, free, b.exemplar.failure_domains)
+                groups.append(g)
         return groups
 
     def _switches(self, groups: Sequence[DeviceGroup], r: ResourceRequest, pin: Pin) -> Iterator[str]:
