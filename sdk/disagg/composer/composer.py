@@ -2436,40 +2436,53 @@ class FabricComposer(Composer):
     def _standing_why(self, comp: Composition) -> str:
         """Why `_standing` is DEGRADED, as its message; empty when it is COMPOSED. Every path that settles a
         composition judges it by this one rule, so that none undoes another's verdict."""
-        why = [f"the hardware no longer holds {', '.join(comp.missing)}"] if comp.missing else []
-        reach = self._inv.reach_map.get(comp.host, {})
+        return self._why(comp.host, comp.devices, comp.allocations, comp.missing)
+
+    def _why(
+        self, host: str, devices: Sequence[DevicePick], allocations: Sequence[Allocation], missing: Sequence[str]
+    ) -> str:
+        """`_standing_why` of a composition with these fields (`_set_standing` judges one before making it)."""
+        why = [f"the hardware no longer holds {', '.join(missing)}"] if missing else []
+        reach = self._inv.reach_map.get(host, {})
         away = [
             p.device
-            for p in comp.devices
+            for p in devices
             if (dev := self._inv.devices.get(p.device)) is not None
             and dev.health is Health.OK
             and dev.switch not in reach
         ]
         cut_off = {  # memory too: a pool whose switch the host no longer reaches, named once
             a.pool: None
-            for a in comp.allocations
+            for a in allocations
             if (pool := self._inv.pools.get(a.pool)) is not None
             and pool.device.health is Health.OK
             and pool.device.switch not in reach
         }
         away += [f"pool {p}" for p in cut_off]
         why += [f"unreachable: {', '.join(away)}"] if away else []
-        sick = [p.device for p in self._unhealthy(comp)] + self._sick_memory(comp)
+        sick = [p.device for p in self._unhealthy_of(devices)] + self._sick_of(allocations)
         why += [f"unhealthy: {', '.join(sick)}"] if sick else []
         return "; ".join(why)
 
     def _set_standing(self, comp: Composition, **changes: Any) -> Composition:
         """`_set` ``changes`` with the state the result stands at and the message that says why, so that no
         change leaves a DEGRADED composition's reason behind once it is COMPOSED, nor the other way round. Under
-        the lock."""
-        why = self._standing_why(revise(comp, **changes))
+        the lock. Judged from the fields the result will have, without making it twice (per Compose)."""
+        get = changes.get
+        why = self._why(
+            get("host", comp.host),
+            get("devices", comp.devices),
+            get("allocations", comp.allocations),
+            get("missing", comp.missing),
+        )
         state = CompositionState.DEGRADED if why else CompositionState.COMPOSED
         return self._set(comp, state=state, message=why, **changes)
 
     def _unhealthy(self, comp: Composition) -> list[DevicePick]:
-        return [
-            p for p in comp.devices if (dev := self._inv.devices.get(p.device)) is None or dev.health is not Health.OK
-        ]
+        return self._unhealthy_of(comp.devices)
+
+    def _unhealthy_of(self, devices: Sequence[DevicePick]) -> list[DevicePick]:
+        return [p for p in devices if (dev := self._inv.devices.get(p.device)) is None or dev.health is not Health.OK]
 
     def _sick_pool(self, pool: str) -> bool:
         """Whether the device backing ``pool`` is not healthy: the memory carved from it is at risk."""
@@ -2480,7 +2493,10 @@ class FabricComposer(Composer):
         """The ids of ``comp``'s allocations whose pool is not healthy (`_sick_pool`), or no longer reported by
         discovery (as a device that is not is unhealthy, `_unhealthy`). Healing cannot replace them: memory in
         use is not moved."""
-        return [a.id for a in comp.allocations if a.pool not in self._inv.pools or self._sick_pool(a.pool)]
+        return self._sick_of(comp.allocations)
+
+    def _sick_of(self, allocations: Sequence[Allocation]) -> list[str]:
+        return [a.id for a in allocations if a.pool not in self._inv.pools or self._sick_pool(a.pool)]
 
     def _on_fabric_event(self, event: FabricEvent) -> None:
         with self._lock:

@@ -139,6 +139,7 @@ class LoopRun:
         on_end: Callable[[], None] | None = None,
         *,
         waits: Executor | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._steps = steps
         self._store = store
@@ -147,7 +148,7 @@ class LoopRun:
         self._context = context
         self.on_end = on_end
         """Called once the change has ended."""
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop or asyncio.get_running_loop()  # the running one: given, it saves a getpid() a change
         self._future: asyncio.Future[Any] | None = None
         self.ended: Done | None = None
 
@@ -173,11 +174,11 @@ class LoopRun:
             value, error = None, None
             try:
                 if isinstance(step, Done):
-                    if not run(self._store.when_synced, functools.partial(self._end, step)):
+                    if not run(self._store.when_synced, functools.partial(self._end, step), self._loop):
                         self._end(step, None)
                     return
                 if isinstance(step, Durable):
-                    if run(self._store.when_synced, self._durable):
+                    if run(self._store.when_synced, self._durable, self._loop):
                         return
                 elif isinstance(step, Call):
                     if step.blocking:

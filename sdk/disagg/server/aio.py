@@ -91,15 +91,17 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         for pool in self._owned:
             pool.shutdown(wait=False)
 
-    def _start(self, change: Steps[T], future: asyncio.Future[T] | None = None) -> steps.Done | asyncio.Future[T]:
+    def _start(
+        self, change: Steps[T], loop: asyncio.AbstractEventLoop, future: asyncio.Future[T] | None = None
+    ) -> steps.Done | asyncio.Future[T]:
         """Run a change to its end (`steps.LoopRun`): how it ended, or the future of its answer. What needs no
         waiting runs here at once (on the in-memory ledger with the sim, all of it); the rest is resumed by
         callbacks on this loop. A cancelled call stops waiting; the change does not stop. It runs in a context of
         its own, as the change keeps context variables (the ledger's record of its writes, the request id it
         answers). Not a coroutine itself: a Compose awaits the future directly, one coroutine fewer per call.
-        ``future``: the one to settle with the answer (`steps.LoopRun.start`)."""
+        ``loop``: the running loop; ``future``: the one to settle with the answer (`steps.LoopRun.start`)."""
         store = self.servicer.composer.store
-        run = steps.LoopRun(change, store, self.drivers, contextvars.copy_context(), waits=self.waits)
+        run = steps.LoopRun(change, store, self.drivers, contextvars.copy_context(), waits=self.waits, loop=loop)
         outcome = run.start(future)
         if isinstance(outcome, steps.Done):
             return outcome
@@ -107,28 +109,29 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         run.on_end = lambda: self._running.discard(run)
         return outcome
 
-    async def _run(self, change: Callable[[], Steps[T]]) -> T:
+    async def _run(self, change: Callable[[], Steps[T]], loop: asyncio.AbstractEventLoop) -> T:
         """The answer of the change ``change()`` makes, run by `_start`. A change that arrives while the ledger
         commits a group of writes is held until that commit ends, and then started with the others that arrived
         meanwhile, one after another in one callback (`Store.when_committed`): its first write would have waited
         for the next commit anyway, and the composer's work for a group, run back to back, finds its code and
         data in the processor's caches, where a change run alone between gRPC's work for other calls finds them
         evicted. That is most of what a durable Compose costs the loop (docs/benchmarks.md). A change whose
-        caller goes away while it is held is never started."""
-        if self._join_group():
-            future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        caller goes away while it is held is never started. ``loop`` is the running loop, passed down rather than
+        asked for again: on Python 3.11 `asyncio.get_running_loop` makes a getpid() system call each time."""
+        if self._join_group(loop):
+            future: asyncio.Future[T] = loop.create_future()
             self._held.append((change, future))
             return await future
-        outcome = self._start(change())
+        outcome = self._start(change(), loop)
         return outcome.result() if isinstance(outcome, steps.Done) else await outcome
 
-    def _join_group(self) -> bool:
+    def _join_group(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether a change arriving now is to be held for the commit in flight (see `_run`)."""
         if self._holding:
             return True
         store = self.servicer.composer.store
         try:
-            if not store.when_committed(self._start_held):
+            if not store.when_committed(self._start_held, loop):
                 return False
         except DisaggError:  # the ledger failed: the change meets its error itself, as it would have
             return False
@@ -140,11 +143,12 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         it writes): start them, in the order they came."""
         self._holding = False
         held, self._held = self._held, []
+        loop = asyncio.get_running_loop()
         for change, future in held:
             if future.done():  # its caller went away: nothing of it was started
                 continue
             try:
-                self._start(change(), future)
+                self._start(change(), loop, future)
             except Exception as exc:  # the request was refused before the change began
                 future.set_exception(exc)
 
@@ -157,20 +161,23 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return len(self._running) + len(self._held)
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
-        call = ThreadedContext(context, asyncio.get_running_loop())
-        result = await self._run(lambda: self.servicer.compose_change(request, call))
+        loop = asyncio.get_running_loop()
+        call = ThreadedContext(context, loop)
+        result = await self._run(lambda: self.servicer.compose_change(request, call), loop)
         return self.servicer.compose_response(result)
 
     async def UpdateComposition(
         self, request: fm.UpdateCompositionRequest, context: Context
     ) -> fm.UpdateCompositionResponse:
-        call = ThreadedContext(context, asyncio.get_running_loop())
-        comp = await self._run(lambda: self.servicer.recompose_change(request, call))
+        loop = asyncio.get_running_loop()
+        call = ThreadedContext(context, loop)
+        comp = await self._run(lambda: self.servicer.recompose_change(request, call), loop)
         return self.servicer.recompose_response(comp)
 
     async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
-        call = ThreadedContext(context, asyncio.get_running_loop())
-        await self._run(lambda: self.servicer.decompose_change(request, call))
+        loop = asyncio.get_running_loop()
+        call = ThreadedContext(context, loop)
+        await self._run(lambda: self.servicer.decompose_change(request, call), loop)
         return fm.DecomposeResponse()
 
     async def WatchEvents(

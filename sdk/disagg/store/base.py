@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
@@ -165,21 +166,26 @@ class Store(abc.ABC):
         `when_synced`."""
         self.sync()
 
-    def when_synced(self, callback: Callable[[Exception | None], None]) -> bool:
+    def when_synced(
+        self, callback: Callable[[Exception | None], None], loop: asyncio.AbstractEventLoop | None = None
+    ) -> bool:
         """`synced` as a callback, for a caller on the running event loop that waits without a task of its own
         (`disagg.composer.steps.LoopRun`): returns False when every write of this caller is durable already,
         else True, and calls ``callback`` on the loop once they are (with None) or cannot be (with the error).
-        Raises at once when the store can no longer make writes durable."""
+        Raises at once when the store can no longer make writes durable. ``loop``: the running loop, when the
+        caller has it (on Python 3.11 asking for it costs a system call)."""
         self.sync()
         return False
 
-    def when_committed(self, callback: Callable[[Exception | None], None]) -> bool:
+    def when_committed(
+        self, callback: Callable[[Exception | None], None], loop: asyncio.AbstractEventLoop | None = None
+    ) -> bool:
         """For a caller on the running event loop: returns False when no write of anyone's waits for a commit,
         else True, and calls ``callback`` on the loop once every write queued so far is durable (with None) or
         cannot be (with the error). A server starts the changes that arrive meanwhile together then
         (`disagg.server.aio`): their first writes would wait for the next commit anyway, and run back to back
         the composer's code and data stay in the processor's caches. The default, whose writes are durable when
-        they return, has nothing in flight."""
+        they return, has nothing in flight. ``loop`` as for `when_synced`."""
         return False
 
     def await_event(self, revision: int) -> None:

@@ -520,15 +520,17 @@ class SqliteStore(Store):
         if self.when_synced(lambda failure: _settle(future, failure)):
             await future
 
-    def when_synced(self, callback: Synced) -> bool:
+    def when_synced(self, callback: Synced, loop: asyncio.AbstractEventLoop | None = None) -> bool:
         """See `Store.when_synced`: the committer calls the loop once per commit, for all its waiters there."""
+        waiter = (loop or asyncio.get_running_loop(), callback)
         with self._lock:
-            return self._queue_waiter(self._mine(), (asyncio.get_running_loop(), callback))
+            return self._queue_waiter(self._mine(), waiter)
 
-    def when_committed(self, callback: Synced) -> bool:
+    def when_committed(self, callback: Synced, loop: asyncio.AbstractEventLoop | None = None) -> bool:
         """See `Store.when_committed`: a waiter for the last write queued, whoever queued it."""
+        waiter = (loop or asyncio.get_running_loop(), callback)
         with self._lock:
-            return self._queue_waiter(self._queued, (asyncio.get_running_loop(), callback))
+            return self._queue_waiter(self._queued, waiter)
 
     def _wait_for(self, target: int) -> None:
         """Wait until the writes up to sequence number ``target`` are on disk."""
