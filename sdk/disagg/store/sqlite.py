@@ -31,7 +31,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -220,6 +220,31 @@ PRUNE_EVERY = 1_000
 step is counted from the revisions on disk, not from this process's appends, so that a server that restarts
 often still prunes."""
 
+COMMITTER_NICE_ENV = "DISAGG_COMMITTER_NICE"
+COMMITTER_NICE = 10
+"""How many steps of niceness below its process the committer thread runs (Linux schedules each thread on its
+own), unless ``$DISAGG_COMMITTER_NICE`` says otherwise (0 to 19; 0 runs it level with the rest). When it and the
+threads that serve calls (the event loop, gRPC's poller) want a core at the same moment, they go first: a commit
+waits a little longer, and the calls that fill the next commit are not held up behind it (docs/benchmarks.md has
+the measurements). It still takes every idle core, and at 10 steps about a tenth of a contended one, so a busy
+machine slows its commits rather than stopping them."""
+
+
+def committer_nice(env: Mapping[str, str] | None = None) -> int:
+    """The committer's niceness below its process, as ``$DISAGG_COMMITTER_NICE`` sets it; `ConfigError` for a value
+    that is not a whole number from 0 to 19."""
+    text = (os.environ if env is None else env).get(COMMITTER_NICE_ENV, "").strip()
+    if not text:
+        return COMMITTER_NICE
+    if not text.isdigit() or int(text) > 19:
+        raise ConfigError(
+            f"${COMMITTER_NICE_ENV} is {text!r}: it is how many steps of niceness (0 to 19) the ledger's committer "
+            "runs below its process",
+            field=COMMITTER_NICE_ENV,
+        )
+    return int(text)
+
+
 IN_PLACE_CHECK_S = 1.0
 """How often an idle committer checks that the ledger was not removed or replaced (`_check_in_place`)."""
 
@@ -242,6 +267,18 @@ request one more commit."""
 Synced = Callable[[Exception | None], None]
 Waiter: TypeAlias = "threading.Lock | tuple[asyncio.AbstractEventLoop, Synced]"
 """A thread's lock, released by the commit it waits for, or a loop and the callback it calls there."""
+
+
+def _run_below(steps: int) -> None:
+    """Lower this thread's priority by ``steps`` of niceness (to 19 at most), where the system schedules threads one
+    by one (Linux); elsewhere, or where it is refused, leave it as it is."""
+    if not steps:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+    except (AttributeError, OSError):
+        return
 
 
 def _call_back(callbacks: list[Synced], failure: Exception | None) -> None:
@@ -273,6 +310,8 @@ class SqliteStore(Store):
     def __init__(self, path: str | Path, *, event_retention: int = EVENT_RETENTION) -> None:
         self.path = Path(path)
         self._retention = check_event_retention(event_retention)
+        self._nice = committer_nice()
+        """Steps of niceness the committer runs below the process (`COMMITTER_NICE`)."""
         if str(path) == MEMORY:
             raise ConfigError(MEMORY_REFUSED, field="state.path")
         if self.path.is_dir():  # SQLite says "unable to open database file", after a lock file was made beside it
@@ -369,6 +408,7 @@ class SqliteStore(Store):
         """Commit each group queued, having checked that the ledger is still in place (`_check_in_place`); while
         there is nothing to commit, check that every `IN_PLACE_CHECK_S`, so that a server that writes nothing is
         stopped too (its next change would be lost, and a second server may start beside it meanwhile)."""
+        _run_below(self._nice)
         while True:
             with self._lock:
                 if not self._batch and not self._closing:
