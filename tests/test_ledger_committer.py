@@ -55,7 +55,7 @@ def test_the_variable_sets_how_far_below(ledger: Path, monkeypatch: pytest.Monke
         store.close()
 
 
-@pytest.mark.parametrize("value", ["-1", "20", "1.5", "low", "+5"])
+@pytest.mark.parametrize("value", ["-1", "20", "1.5", "low", "+5", "\u00b2", "\u2460"])
 def test_another_value_is_refused_before_the_ledger_is_opened(
     ledger: Path, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:

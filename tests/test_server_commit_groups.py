@@ -189,6 +189,19 @@ class TestHeldForTheCommitInFlight:
 
         assert asyncio.run(main()) == (2, 0)
 
+    def test_drain_does_not_count_a_held_change_whose_caller_went_away(self, served: _Served) -> None:
+        async def main() -> int:
+            async with served.commit_in_flight() as first:
+                gone = served.compose("gone")
+                await asyncio.sleep(0.02)
+                gone.cancel()
+                await asyncio.sleep(0)
+                waiting = await served.serving.drain(0)
+            await first
+            return waiting
+
+        assert asyncio.run(main()) == 1
+
 
 class TestWhenCommitted:
     def test_calls_back_once_every_queued_write_is_durable_whoever_queued_it(self, tmp_path: Path) -> None:

@@ -156,9 +156,13 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         """Wait up to ``timeout`` seconds for the changes in flight, and those held to start (the server stops
         next); returns how many still run or wait."""
         deadline = asyncio.get_running_loop().time() + max(timeout, 0.0)
-        while (self._running or self._held) and asyncio.get_running_loop().time() < deadline:
+        while self._in_flight() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        return len(self._running) + len(self._held)
+        return self._in_flight()
+
+    def _in_flight(self) -> int:
+        """The changes that run, and those held that will start (a held change whose caller went away will not)."""
+        return len(self._running) + sum(1 for _, future in self._held if not future.done())
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
         loop = asyncio.get_running_loop()

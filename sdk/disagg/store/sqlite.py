@@ -236,7 +236,7 @@ def committer_nice(env: Mapping[str, str] | None = None) -> int:
     text = (os.environ if env is None else env).get(COMMITTER_NICE_ENV, "").strip()
     if not text:
         return COMMITTER_NICE
-    if not text.isdigit() or int(text) > 19:
+    if not (text.isascii() and text.isdigit()) or int(text) > 19:
         raise ConfigError(
             f"${COMMITTER_NICE_ENV} is {text!r}: it is how many steps of niceness (0 to 19) the ledger's committer "
             "runs below its process",
