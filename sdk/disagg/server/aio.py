@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,10 +34,11 @@ from disagg.composer.steps import Steps
 from disagg.errors import DisaggError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.server.context import ThreadedContext
+from disagg.server.context import RpcContext, ThreadedContext
 from disagg.server.servicer import FabricManagerServicer
 
 T = TypeVar("T")
+R = TypeVar("R")
 DRAIN_POLL_S = 0.01
 """How often `drain` looks whether the changes in flight have ended."""
 DRIVER_THREADS = 32
@@ -109,15 +111,18 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         run.on_end = lambda: self._running.discard(run)
         return outcome
 
-    async def _run(self, change: Callable[[], Steps[T]], loop: asyncio.AbstractEventLoop) -> T:
-        """The answer of the change ``change()`` makes, run by `_start`. A change that arrives while the ledger
-        commits a group of writes is held until that commit ends, and then started with the others that arrived
-        meanwhile, one after another in one callback (`Store.when_committed`): its first write would have waited
-        for the next commit anyway, and the composer's work for a group, run back to back, finds its code and
-        data in the processor's caches, where a change run alone between gRPC's work for other calls finds them
-        evicted. That is most of what a durable Compose costs the loop (docs/benchmarks.md). A change whose
-        caller goes away while it is held is never started. ``loop`` is the running loop, passed down rather than
-        asked for again: on Python 3.11 `asyncio.get_running_loop` makes a getpid() system call each time."""
+    async def _run(self, change_of: Callable[[R, RpcContext], Steps[T]], request: R, context: Context) -> T:
+        """The answer of the change ``change_of(request, call)`` makes (``call``: the call's context as a thread
+        sees it), run by `_start`. A change that arrives while the ledger commits a group of writes is held until
+        that commit ends, and then started with the others that arrived meanwhile, one after another in one
+        callback (`Store.when_committed`): its first write would have waited for the next commit anyway, and the
+        composer's work for a group, run back to back, finds its code and data in the processor's caches, where a
+        change run alone between gRPC's work for other calls finds them evicted. That is most of what a durable
+        Compose costs the loop (docs/benchmarks.md). A change whose caller goes away while it is held is never
+        started. The running loop is passed down rather than asked for again: on Python 3.11
+        `asyncio.get_running_loop` makes a getpid() system call each time."""
+        loop = asyncio.get_running_loop()
+        change = functools.partial(change_of, request, ThreadedContext(context, loop))
         if self._join_group(loop):
             future: asyncio.Future[T] = loop.create_future()
             self._held.append((change, future))
@@ -165,23 +170,17 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return len(self._running) + sum(1 for _, future in self._held if not future.done())
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
-        loop = asyncio.get_running_loop()
-        call = ThreadedContext(context, loop)
-        result = await self._run(lambda: self.servicer.compose_change(request, call), loop)
+        result = await self._run(self.servicer.compose_change, request, context)
         return self.servicer.compose_response(result)
 
     async def UpdateComposition(
         self, request: fm.UpdateCompositionRequest, context: Context
     ) -> fm.UpdateCompositionResponse:
-        loop = asyncio.get_running_loop()
-        call = ThreadedContext(context, loop)
-        comp = await self._run(lambda: self.servicer.recompose_change(request, call), loop)
+        comp = await self._run(self.servicer.recompose_change, request, context)
         return self.servicer.recompose_response(comp)
 
     async def Decompose(self, request: fm.DecomposeRequest, context: Context) -> fm.DecomposeResponse:
-        loop = asyncio.get_running_loop()
-        call = ThreadedContext(context, loop)
-        await self._run(lambda: self.servicer.decompose_change(request, call), loop)
+        await self._run(self.servicer.decompose_change, request, context)
         return fm.DecomposeResponse()
 
     async def WatchEvents(
