@@ -935,3 +935,49 @@ class TestReportsThatCannotBePublished:
             assert sorted(p.name for p in kept.iterdir()) == sorted(FILES)
         finally:
             shutil.rmtree(kept)
+
+
+class TestAnInterruptWhosePrintingFails:
+    def test_the_report_still_says_the_run_did_not_finish(self, tmp_path: Path) -> None:
+        """A second Ctrl-C that lands in the middle of a frame leaves it without a line number, and pytest's own
+        printing of the interrupt then fails: pytest finished the session with exit status OK, and the report said
+        only that some clauses had no test (the suite's plugin now notes the interrupt before pytest prints it).
+        The failing printing is stood in for by a plugin that raises as pytest's did."""
+        (tmp_path / "test_one.py").write_text(
+            "import pytest\n\n"
+            "@pytest.mark.disagg_clause('DISC-WELL-FORMED')\n"
+            "def test_interrupted():\n"
+            "    raise KeyboardInterrupt\n"
+        )
+        (tmp_path / "printing_fails.py").write_text(
+            "import pytest\n\n"
+            "@pytest.hookimpl(trylast=True)\n"
+            "def pytest_keyboard_interrupt(excinfo):\n"
+            "    raise TypeError(\"unsupported operand type(s) for -: 'NoneType' and 'int'\")\n"
+        )
+        env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "disagg.testing.plugin",
+                "-p",
+                "printing_fails",
+                "-p",
+                "no:cacheprovider",
+                "--disagg-report",
+                str(tmp_path / "out"),
+                str(tmp_path / "test_one.py"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        report = json.loads((tmp_path / "out" / FILES[0]).read_text())
+        assert report["incomplete"] == "the run did not finish (pytest exit status 2)", run.stdout + run.stderr
+        assert run.returncode != 0

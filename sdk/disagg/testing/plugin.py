@@ -42,6 +42,7 @@ _EXPECTED = pytest.StashKey[tuple[str, ...]]()
 _CLAUSE_OF = pytest.StashKey[dict[str, str]]()
 _OUTCOMES = pytest.StashKey[dict[str, dict[str, list[pytest.TestReport]]]]()
 _STARTED = pytest.StashKey[tuple[str, float]]()
+_INTERRUPTED = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -94,6 +95,13 @@ class _Collector:
             self.config.stash[_CLAUSE_OF][item.nodeid] = clause_id
             if clause_id in expected:  # judged per clause (`ClauseResult.of`): one of its tests failing is enough
                 item.add_marker(pytest.mark.xfail(strict=False, reason=f"expected failure: {clause_id}"))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        """Note the interrupt before pytest's reporter renders it: when that rendering fails (a second signal that
+        lands in the middle of a frame leaves it without a line number), pytest finishes the session with its exit
+        status still OK, and the report would not say that the run was cut short."""
+        self.config.stash[_INTERRUPTED] = True
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         clause_id = self.config.stash[_CLAUSE_OF].get(report.nodeid)
@@ -186,7 +194,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not config.stash[_CLAUSE_OF]:
         return
     report = build_report(config)
-    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+    finished = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+    if exitstatus in finished and config.stash.get(_INTERRUPTED, False):
+        exitstatus = pytest.ExitCode.INTERRUPTED
+    if exitstatus not in finished:
         report = attrs.evolve(report, incomplete=f"the run did not finish (pytest exit status {int(exitstatus)})")
     config.stash[REPORT] = report
     out = config.getoption("disagg_report")
