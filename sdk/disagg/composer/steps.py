@@ -219,8 +219,9 @@ class LoopRun:
         self.ended = done if failure is None else Done(error=failure)
         if self._future is not None:
             self._settle(self._future)
-        if self.on_end is not None:
-            self.on_end()
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     def _settle(self, future: asyncio.Future[Any]) -> None:
         """Give ``future`` how the change ended, unless it is done (its caller cancelled it)."""

@@ -429,14 +429,19 @@ class SqliteStore(Store):
                     woken = self._wake(None)
                 _call_loops(woken, self._failed())
                 return
-            if not batch:
-                continue
-            committed = batch.keys(EVENTS)
-            with self._lock:
-                self._durable = upto
-                self._queued_events = [e for e in self._queued_events if e.revision not in committed]
-                woken = self._wake(upto)
-            _call_loops(woken, None)
+            if batch:
+                self._committed(batch, upto)
+
+    def _committed(self, batch: Batch, upto: int) -> None:
+        """``batch``, the writes queued up to ``upto``, is durable: call back whoever waited for them. A method of
+        its own, so that the waiters' callbacks (and the changes they resume) are not kept alive by the committer's
+        locals while it waits for the next group."""
+        committed = batch.keys(EVENTS)
+        with self._lock:
+            self._durable = upto
+            self._queued_events = [e for e in self._queued_events if e.revision not in committed]
+            woken = self._wake(upto)
+        _call_loops(woken, None)
 
     def _commit(self, batch: Batch) -> None:
         """``batch`` in one transaction: all of it or, when a statement fails, none."""
