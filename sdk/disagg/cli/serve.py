@@ -35,6 +35,7 @@ from disagg.config import Config, build_composer, load_config
 from disagg.errors import ConfigError
 from disagg.plugins import Plugins, load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
+from disagg.server.collector import tune_for_serving
 from disagg.server.loop import event_loop_factory
 from disagg.store import ownership
 from disagg.store.sqlite import MEMORY
@@ -112,6 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--grace must be a number of seconds >= 0", field="grace")
     listeners = _listeners(args, config)  # before any fabric is built
     event_loop_factory()  # and $DISAGG_EVENT_LOOP, also before any fabric is built
+    tune_for_serving()
     with _Signals() as signals:
         try:
             return _serve(args, config, plugins, listeners, signals)
