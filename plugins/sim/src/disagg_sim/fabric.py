@@ -90,6 +90,10 @@ SIM_CAPABILITIES = Capabilities(
 
 T = TypeVar("T")
 
+_FAILED = Health.FAILED
+"""`Health.FAILED`, tested per Compose: a member looked up on its enum class costs a call to the metaclass's
+``__getattr__`` (Python 3.11), a module global does not."""
+
 
 def _nothing() -> None:
     return None
@@ -268,10 +272,15 @@ class SimFabric(Fabric, FaultInjection):
             return tuple(Binding(device=d, host=h) for d, h in self._bindings.items())
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        ids = self._unchecked(device, host)
+
         def prepare() -> _Change[Binding]:
-            info = self._device(device)
-            self._host(host)
-            binding = Binding(device=device, host=host)
+            if ids is _NO_IDS:  # per Compose: the topology names both (`_unchecked`), so neither lookup can fail
+                info = self._devices[self._device_index[device]]
+            else:
+                info = self._device(device)
+                self._host(host)
+            binding = Binding(device, host)
             current = self._bindings.get(device)
             if current == host:
                 return _Change(binding)
@@ -289,15 +298,17 @@ class SimFabric(Fabric, FaultInjection):
 
             def commit() -> None:
                 self._bindings[device] = host
+                if self._store is not None:  # per Compose: in memory alone, `_persist` would change nothing here
 
-                def undo() -> None:
-                    del self._bindings[device]
+                    def undo() -> None:
+                        del self._bindings[device]
 
-                self._persist(undo)
+                    self._persist(undo)
 
-            return _Change(binding, commit, begin=lambda: self._take_flaky(device), verify=verify)
+            # Per Compose: positional arguments, cheaper than keywords (abort, begin, verify).
+            return _Change(binding, commit, _nothing, lambda: self._take_flaky(device), verify)
 
-        return self._mutate(ctx, ("device", device), prepare, ids=self._unchecked(device, host))
+        return self._mutate(ctx, ("device", device), prepare, ids=ids)
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         device, host = binding.device, binding.host
@@ -443,7 +454,7 @@ class SimFabric(Fabric, FaultInjection):
         timed: bool = True,
     ) -> T:
         """Run a mutating call: check the epoch (a newer one is remembered even if the call then fails) and the
-        ``ids`` (field name to value), wait for other work on ``key``, check the epoch again, validate, and
+        ``ids`` (field name to value), wait for other work on ``key`` (then check the epoch again), validate, and
         answer at once if nothing changes. Otherwise check that the deadline leaves time for ``bind_delay_s``
         (when ``timed``), sleep it without the lock, verify again what may have changed meanwhile, and commit;
         a newer epoch seen during the sleep refuses the commit, so that nothing of a fenced-off manager lands
@@ -451,15 +462,13 @@ class SimFabric(Fabric, FaultInjection):
         delay = self._delay if timed else 0.0
         with self._lock:
             self._fence(ctx)
-            for field, value in ids.items():
-                check_id(value, field)
-            while key in self._busy:
-                remaining = ctx.remaining()
-                if remaining is not None and remaining <= 0:
-                    raise DeadlineExceededError(f"fabric {self._name}: the deadline passed waiting for {key[-1]}")
-                self._idle.wait(remaining)
-            ctx.check_deadline()
-            self._fence(ctx)
+            if ids:  # per Compose: a bind of ids the topology names has none
+                for field, value in ids.items():
+                    check_id(value, field)
+            if key in self._busy:
+                self._wait_idle(ctx, key)
+            else:
+                ctx.check_deadline()
             change = prepare()
             if change.commit is None:
                 return change.result
@@ -499,6 +508,19 @@ class SimFabric(Fabric, FaultInjection):
                 raise
             change.commit()
         return change.result
+
+    def _wait_idle(self, ctx: CallContext, key: tuple[str, ...]) -> None:
+        """Wait for the other work on ``key`` to end, then check the deadline and the epoch again: a newer epoch
+        may have come while the lock was released. `_mutate` calls this only when it must wait; otherwise it
+        held the lock since it checked the epoch, which cannot have changed, and checks the deadline alone (per
+        Compose, a call fewer)."""
+        while key in self._busy:
+            remaining = ctx.remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceededError(f"fabric {self._name}: the deadline passed waiting for {key[-1]}")
+            self._idle.wait(remaining)
+        ctx.check_deadline()
+        self._fence(ctx)
 
     def _unchecked(self, device: str, host: str) -> Mapping[str, object]:
         """The ids of a bind or unbind that `_mutate` must check: none when the topology names both, as its ids
@@ -577,7 +599,9 @@ class SimFabric(Fabric, FaultInjection):
         return changes
 
     def _check_healthy(self, device: str, refusal: str) -> None:
-        if self._device(device).health is Health.FAILED:
+        """Refuse an operation on ``device``, one the topology names, if it has FAILED. Per Compose: the device
+        is read from the index directly, as `_device` would find it."""
+        if self._devices[self._device_index[device]].health is _FAILED:
             raise DeviceBusyError(f"device {device} has FAILED{self._reason(device)} and {refusal}")
 
     def _device(self, device: str) -> DeviceInfo:
@@ -631,10 +655,15 @@ class SimFabric(Fabric, FaultInjection):
         return reach
 
     def _reaches(self, host: str, switch: str) -> bool:
-        """Whether ``host`` reaches ``switch`` over links that are up."""
+        """Whether ``host`` reaches ``switch`` over links that are up. Per Compose: a switch's reach is read from
+        the cache here, and built by `_switch_reach` only when missing."""
         for neighbour, index in self._adjacency.get(host, ()):
-            if self._links[index].up and neighbour not in self._hosts and switch in self._switch_reach(neighbour):
-                return True
+            if self._links[index].up and neighbour not in self._hosts:
+                reach = self._reach.get(neighbour)
+                if reach is None:
+                    reach = self._switch_reach(neighbour)
+                if switch in reach:
+                    return True
         return False
 
     def _check_reach(self, host: str, device: DeviceInfo) -> None:
