@@ -11,7 +11,7 @@ import contextlib
 import math
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from disagg.errors import InvalidRequestError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
@@ -87,6 +87,12 @@ ANY_TEXT_KEYS = frozenset({"compositions"})
 MAX_TTL_S = MAX_RESERVATION_TTL_S
 MAX_REMOVE = 1024
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+MAX_REMEMBERED = 1_024
+"""How many resource lines, and how many host requests, are remembered as read (`_remember`)."""
+MAX_REMEMBERED_BYTES = 256
+"""The longest encoding of a resource line or a host request that is remembered: a few selectors. A longer one
+(many selectors, long values, unknown fields) is read each time, so that what is remembered stays small."""
+V = TypeVar("V")
 
 OP_TO_WIRE = {
     SelectorOp.EQ: fm.SELECTOR_OP_EQ,
@@ -199,14 +205,19 @@ def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: Ho
     proto fields as it was read; one about to be sent is checked whole (`check_request_values`). Not where an
     answer is read: a composition made before the limits (or through the Python API, which takes any) must
     still be listed and read by every client."""
-    selectors = [(f"{field}[{n}].selectors", line.selectors) for n, line in enumerate(lines) if line.selectors]
+    for n, line in enumerate(lines):
+        if line.selectors:
+            _check_values(line.selectors, f"{field}[{n}].selectors")
     if host is not None and host.selectors:
-        selectors.append(("host.selectors", host.selectors))
-    for parent, values in selectors:
-        for m, sel in enumerate(values):
-            why = selector_value_refusal(sel.value)
-            if why:
-                raise InvalidRequestError(f"{parent}[{m}].value: {why}", field=f"{parent}[{m}].value")
+        _check_values(host.selectors, "host.selectors")
+
+
+def _check_values(selectors: Sequence[Selector], parent: str) -> None:
+    """`check_selector_values` for the selectors of the request field ``parent``."""
+    for m, sel in enumerate(selectors):
+        why = selector_value_refusal(sel.value)
+        if why:
+            raise InvalidRequestError(f"{parent}[{m}].value: {why}", field=f"{parent}[{m}].value")
 
 
 def check_request_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
@@ -218,6 +229,23 @@ def check_request_values(lines: Sequence[ResourceRequest], field: str, host: Hos
         where, why = refusal
         raise InvalidRequestError(f"{where}: {why}", field=where)
     check_selector_values(lines, field, host)
+
+
+_LINES_READ: dict[bytes, ResourceRequest] = {}
+_HOSTS_READ: dict[bytes, HostRequest] = {}
+
+
+def _remember(read: dict[bytes, V], encoding: bytes, value: V) -> V:
+    """``value``, a valid message read from ``encoding``, remembered in ``read``: the same bytes read the same (the
+    field's path names only an error), and a model value is immutable, so one read serves every request that
+    sends them. Clients send a few kinds of lines and hosts again and again, and reading one costs a Compose
+    more than finding its bytes, mostly in building the model's frozen value. At most `MAX_REMEMBERED` are
+    remembered, then all are forgotten at once (as `disagg.composer.placement.Placer` forgets its matches)."""
+    if len(encoding) <= MAX_REMEMBERED_BYTES:
+        if len(read) >= MAX_REMEMBERED:
+            read.clear()
+        read[encoding] = value
+    return value
 
 
 def _selectors_from_wire(msgs: Sequence[fm.Selector], parent: str, *, resource: bool) -> tuple[Selector, ...]:
@@ -255,6 +283,14 @@ def resource_into(msg: fm.ResourceRequest, r: ResourceRequest) -> None:
 
 
 def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
+    """The resource line ``msg``, the request field ``field``; one sent before is found by its bytes (`_remember`,
+    per Compose)."""
+    encoding = msg.SerializeToString()
+    line = _LINES_READ.get(encoding)
+    return line if line is not None else _remember(_LINES_READ, encoding, _resource_from_wire(msg, field))
+
+
+def _resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
     affinity = Affinity.NONE
     if msg.affinity != fm.AFFINITY_UNSPECIFIED:
         affinity = enum_from_wire(AFFINITY_FROM_WIRE, msg.affinity, f"{field}.affinity", "affinity")
@@ -281,11 +317,16 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
 def resources_from_wire(
     msgs: Sequence[fm.ResourceRequest], field: str, *, required: bool
 ) -> tuple[ResourceRequest, ...]:
-    if required and not msgs:
+    """The resource lines of the request field ``field``, read by index: iterating a repeated field of protobuf's
+    messages ends on an IndexError raised and caught, which costs more than reading a line (per Compose)."""
+    count = len(msgs)
+    if required and not count:
         raise InvalidRequestError(f"{field}: at least one resource is needed", field=field)
-    if len(msgs) > MAX_RESOURCES:
+    if count > MAX_RESOURCES:
         raise InvalidRequestError(f"{field}: at most {MAX_RESOURCES} resources", field=field)
-    return tuple(resource_from_wire(r, f"{field}[{n}]") for n, r in enumerate(msgs))
+    if count == 1:  # most requests: no list to build
+        return (resource_from_wire(msgs[0], f"{field}[0]"),)
+    return tuple([resource_from_wire(msgs[n], f"{field}[{n}]") for n in range(count)])
 
 
 def host_request_to_wire(h: HostRequest) -> fm.HostRequest:
@@ -300,6 +341,14 @@ def host_request_to_wire(h: HostRequest) -> fm.HostRequest:
 
 
 def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequest:
+    """The host request ``msg``, the request field ``field``; one sent before is found by its bytes (`_remember`,
+    per Compose)."""
+    encoding = msg.SerializeToString()
+    host = _HOSTS_READ.get(encoding)
+    return host if host is not None else _remember(_HOSTS_READ, encoding, _host_request_from_wire(msg, field))
+
+
+def _host_request_from_wire(msg: fm.HostRequest, field: str) -> HostRequest:
     if msg.name:
         check_driver_id(msg.name, f"{field}.name")
     return HostRequest(
@@ -350,7 +399,7 @@ def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
     resources = resources_from_wire(msg.resources, "resources", required=True)
     host = host_request_from_wire(msg.host)
     check_selector_values(resources, "resources", host)
-    return CompositionRequest(name=check_name(msg.name, "name"), resources=resources, host=host)
+    return CompositionRequest(check_name(msg.name, "name"), resources, host)
 
 
 def plan_to_wire(plan: Plan) -> fm.Plan:
@@ -366,9 +415,10 @@ def plan_into(msg: fm.Plan, plan: Plan) -> None:
     add_device = msg.devices.add
     for p in plan.devices:
         add_device(device=p.device, resource=p.resource, latency_ns=p.latency_ns)
-    add_memory = msg.memory.add
-    for m in plan.memory:
-        add_memory(pool=m.pool, amount_bytes=m.amount_bytes, resource=m.resource, latency_ns=m.latency_ns)
+    if plan.memory:  # reading a repeated field costs as much as adding to it: only when there is memory to add
+        add_memory = msg.memory.add
+        for m in plan.memory:
+            add_memory(pool=m.pool, amount_bytes=m.amount_bytes, resource=m.resource, latency_ns=m.latency_ns)
 
 
 def plan_from_wire(msg: fm.Plan) -> Plan:
@@ -401,7 +451,8 @@ def composition_into(msg: fm.Composition, c: Composition) -> None:
         msg.allocations.extend([allocation_to_wire(a) for a in c.allocations])
     msg.generation = c.generation
     msg.etag = c.etag
-    msg.message = c.message
+    if c.message:  # proto3's default, as in `resource_into`
+        msg.message = c.message
 
 
 def composition_from_wire(msg: fm.Composition) -> Composition:
