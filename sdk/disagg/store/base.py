@@ -6,7 +6,7 @@ import abc
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import attrs
@@ -195,15 +195,14 @@ class Store(abc.ABC):
         raises `FabricUnavailableError` when the events cannot be made durable."""
         return None
 
-    @contextlib.contextmanager
-    def asynchronous_commit(self) -> Iterator[None]:
+    def asynchronous_commit(self) -> contextlib.AbstractContextManager[None]:
         """Writes made inside are committed with the next group as usual, but this caller's `sync` (and
         `synced`, `when_synced`) does not wait for them: it waits for what the caller wrote before, and for
         what it writes after (commits keep queue order, so those cover these too). For writes that recovery
         rebuilds from the hardware if a crash loses them, such as a new composition's COMPOSED record once
         every binding of its durable plan is made. A store whose writes are durable when they return (the
         default) has nothing to leave out."""
-        yield
+        return contextlib.nullcontext()
 
     @property
     def failure(self) -> str:

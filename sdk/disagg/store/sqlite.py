@@ -31,7 +31,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -297,6 +297,20 @@ def _call_loops(loops: dict[asyncio.AbstractEventLoop, list[Synced]], failure: E
             loop.call_soon_threadsafe(_call_back, callbacks, failure)
 
 
+class _LastQueuedKept:
+    """Puts the caller's last queued write back as it was on entry, on exit: `SqliteStore.asynchronous_commit`. A
+    class, not a generator under `contextlib.contextmanager`, which costs three times as much per use (a Python
+    ``__init__``, two resumptions and a StopIteration): a durable Compose enters one on the event loop."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        self._before = _last_queued.get((None, 0))
+
+    def __exit__(self, *exc_info: object) -> None:
+        _last_queued.set(self._before)
+
+
 def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
     if future.done():
         return
@@ -353,8 +367,11 @@ class SqliteStore(Store):
         self._db = db
         self._newest_event = int(newest)
         self._oldest_event = self._newest_event + 1 if oldest is None else int(oldest)
-        """The oldest revision the log may hold on disk: the next prune is due once `PRUNE_EVERY` revisions
-        from it (or the retention, if smaller) are past the retention."""
+        """The oldest revision the log may hold on disk: the next prune is due once `_prune_step` revisions from it
+        are past the retention."""
+        self._prune_step = min(PRUNE_EVERY, self._retention)
+        """Revisions past the retention between two prunes of the log: `PRUNE_EVERY`, or the retention if smaller
+        (taken once, not at each of the two appends of a durable Compose)."""
         self._request_rows = int(requests)
         """At least the rows of the requests table (a put that replaces a row counts as one more): its prune
         is due when they reach twice the retention."""
@@ -383,9 +400,12 @@ class SqliteStore(Store):
 
     # ----------------------------------------------------------------- the committer
 
-    def _enqueue(self, write: Callable[..., None], *args: Any, event: Event | None = None) -> None:
-        """Queue ``write(batch, *args)`` (applied to the batch the next commit takes) as this caller's latest
-        write; with the ``event`` it appends, refuse a revision not above the newest (here, not in the
+    def _enqueue(
+        self, write: Callable[..., None], table: Table | None = None, value: Any = None, event: Event | None = None
+    ) -> None:
+        """Queue ``write(batch, table, value)``, a write of a table's row or key such as `Batch.put`, or without a
+        table ``write(batch)``, a write of its own (applied to the batch the next commit takes) as this caller's
+        latest write; with the ``event`` it appends, refuse a revision not above the newest (here, not in the
         committer: one bad statement must not fail a whole group of commits)."""
         with self._lock:
             if self._failure is not None:
@@ -397,7 +417,10 @@ class SqliteStore(Store):
                     raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
                 self._newest_event = event.revision
                 self._queued_events.append(event)
-            write(self._batch, *args)
+            if table is None:
+                write(self._batch)
+            else:
+                write(self._batch, table, value)
             self._queued += 1
             _last_queued.set((self, self._queued))
             if self._idle:  # once: the writes queued before the committer wakes need not notify it again
@@ -536,14 +559,9 @@ class SqliteStore(Store):
         (groups commit in queue order); raises `FabricUnavailableError` if it cannot be."""
         self._wait_for(self._mine())
 
-    @contextlib.contextmanager
-    def asynchronous_commit(self) -> Iterator[None]:
+    def asynchronous_commit(self) -> contextlib.AbstractContextManager[None]:
         """See `Store.asynchronous_commit`: the caller's last queued write is put back as it was before."""
-        before = _last_queued.get((None, 0))
-        try:
-            yield
-        finally:
-            _last_queued.set(before)
+        return _LastQueuedKept()
 
     def await_event(self, revision: int) -> None:
         """See `Store.await_event`. Events are queued in revision order and committed in queue order: while
@@ -650,8 +668,9 @@ class SqliteStore(Store):
 
     # ----------------------------------------------------------------- writes (queued)
 
-    # A write is queued as a function of the batch and its arguments, not as a closure: a durable Compose
-    # queues four, on the event loop.
+    # A write is queued as a function of the batch, its table and its row or key, not as a closure, and called
+    # with them as they are, not unpacked from a tuple of arguments (which Python 3.11 calls through C): a durable
+    # Compose queues four, on the event loop.
 
     def put_composition(self, composition: Composition) -> None:
         self._enqueue(Batch.put, COMPOSITIONS, (composition.id, codec.record(composition)))
@@ -678,14 +697,14 @@ class SqliteStore(Store):
         self._enqueue(Batch.delete, QUARANTINES, quarantine_key(pool, allocation_id))
 
     def put_request(self, record: RequestRecord) -> None:
-        self._enqueue(self._put_request, (record.id, record.fingerprint, record.answer, record.at))
+        self._enqueue(self._put_request, REQUESTS, (record.id, record.fingerprint, record.answer, record.at))
 
-    def _put_request(self, batch: Batch, row: tuple[str, str, str, float]) -> None:
+    def _put_request(self, batch: Batch, table: Table, row: tuple[str, str, str, float]) -> None:
         """Queue a request's row, and the prune that forgets the oldest once the table may hold twice the
         retention: now and then, not on every put, and counted from the rows found at open, so that a server
         that restarts often still prunes. The oldest are those written first (a row's ``rowid``: a put replaces
         the row under a larger one), not those of the earliest ``at``, which a step of the wall clock reorders."""
-        batch.put(REQUESTS, row)
+        batch.put(table, row)
         self._request_rows += 1
         if self._request_rows >= 2 * REQUEST_RETENTION:
             batch.prune(
@@ -700,14 +719,14 @@ class SqliteStore(Store):
         self._enqueue(Batch.delete, REQUESTS, request_id)
 
     def append_event(self, event: Event) -> None:
-        self._enqueue(self._append, (event.revision, codec.record(event)), event=event)
+        self._enqueue(self._append, EVENTS, (event.revision, codec.record(event)), event)
 
-    def _append(self, batch: Batch, row: tuple[int, str]) -> None:
+    def _append(self, batch: Batch, table: Table, row: tuple[int, str]) -> None:
         """Queue an event's row, and the prune that keeps the log to its retention once a step of revisions
         is due: decided from the revisions, so that it does not matter how many of them this process wrote."""
-        batch.put(EVENTS, row)
+        batch.put(table, row)
         cutoff = row[0] - self._retention  # events at or below it are past the retention
-        if cutoff - self._oldest_event + 1 >= min(PRUNE_EVERY, self._retention):
+        if cutoff - self._oldest_event + 1 >= self._prune_step:
             batch.prune(("DELETE FROM events WHERE revision <= ?", (cutoff,)))
             self._oldest_event = cutoff + 1
 
