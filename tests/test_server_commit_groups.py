@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import contextvars
 import gc
-import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +33,7 @@ from disagg.server.aio import AsyncFabricManagerServicer
 from disagg.server.servicer import FabricManagerServicer
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import create_fabric
+from server_helpers import wait_until
 
 
 class _Call:
@@ -91,18 +91,12 @@ def served(tmp_path: Path) -> Iterator[_Served]:
 
 def _settled(store: SqliteStore) -> None:
     """Wait until the committer has made durable everything queued (the composer's start writes too)."""
-    deadline = time.monotonic() + 10
-    while store._durable < store._queued:
-        assert time.monotonic() < deadline, "the ledger never committed what was queued"
-        time.sleep(0.005)
+    wait_until(lambda: store._durable >= store._queued, "the ledger to commit what was queued", 10)
 
 
 def _idle(store: SqliteStore) -> None:
     """Wait until the committer waits for more writes (it has called back every waiter of the last group)."""
-    deadline = time.monotonic() + 10
-    while not store._idle:
-        assert time.monotonic() < deadline, "the committer never went idle"
-        time.sleep(0.005)
+    wait_until(lambda: store._idle, "the committer to go idle", 10)
 
 
 async def _until(condition: Any, what: str) -> None:
