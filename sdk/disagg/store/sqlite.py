@@ -2,10 +2,12 @@
 
 Commits are grouped. A write is queued and returns at once; one committer thread applies everything queued
 in one transaction, so that concurrent requests share one fsync instead of paying one each, and folds the
-group into a statement or two per table (`disagg.store.batch` says why). `sync` waits until the caller's own
-writes are on disk (and so everything queued before them): the composer calls it before a driver call that
-the ledger must already know of (write-ahead), and before it answers; `synced` (a coroutine) and
-`when_synced` (a callback) do the same on an event loop without blocking it. Each waiter is woken once, by
+group into one statement, or a statement or two per table (`disagg.store.batch` says why and when). A group
+of one statement is a transaction of its own, which takes the write lock as it starts, as BEGIN IMMEDIATE
+does. `sync` waits until the caller's own writes are on disk (and so everything queued before them): the
+composer calls it before a driver call that the ledger must already know of (write-ahead), and before it
+answers; `synced` (a coroutine) and `when_synced` (a callback) do the same on an event loop without blocking
+it. Each waiter is woken once, by
 the commit that holds its last write. Reads see the queued writes as well: `load` waits for everything
 queued, and `events_after` adds the queued events to what the database holds.
 
@@ -52,7 +54,7 @@ from disagg.store.base import (
     quarantine_of,
     undecodable,
 )
-from disagg.store.batch import Batch, Table
+from disagg.store.batch import Batch, Table, WriteView
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS compositions (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
@@ -257,6 +259,8 @@ REQUESTS = Table("requests", "id", 4)
 CORDONS = Table("cordons", "device", 1)
 QUARANTINES = Table("quarantines", "allocation", 1)
 """A quarantined allocation is one column, its pool and id as a JSON array (`quarantine_key`)."""
+WRITES = WriteView((COMPOSITIONS, RESERVATIONS, EVENTS, REQUESTS, CORDONS, QUARANTINES))
+"""The ledger's row writes as one statement (`disagg.store.batch`), created in each connection's temporary schema."""
 
 _last_queued: contextvars.ContextVar[tuple[object, int]] = contextvars.ContextVar("disagg_ledger_last_queued")
 """The ledger and sequence number of the last write this thread or asyncio task queued: what its `sync`
@@ -355,6 +359,7 @@ class SqliteStore(Store):
             db.execute("PRAGMA synchronous=FULL")
             db.executescript(SCHEMA)
             _stamp(db)
+            db.executescript(WRITES.script())
             (oldest, newest) = db.execute("SELECT MIN(revision), COALESCE(MAX(revision), 0) FROM events").fetchone()
             (requests,) = db.execute("SELECT COUNT(*) FROM requests").fetchone()
         except (OSError, sqlite3.Error, ConfigError) as exc:  # nothing of it stays open, and the ledger is let go
@@ -467,8 +472,14 @@ class SqliteStore(Store):
         _call_loops(woken, None)
 
     def _commit(self, batch: Batch) -> None:
-        """``batch`` in one transaction: all of it or, when a statement fails, none."""
+        """``batch`` in one transaction: all of it or, when a statement fails, none. Row writes alone (the usual
+        group) are one statement (`WRITES`) in a transaction of its own, which takes the write lock as it starts,
+        as BEGIN IMMEDIATE does: SQLite runs it and its commit with the GIL let go once, not once a statement."""
+        statement = WRITES.statement(batch)
         with self._db_lock:
+            if statement is not None:
+                self._db.execute(*statement)
+                return
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for sql, params in batch.statements():
