@@ -122,6 +122,28 @@ class TestHeldForTheCommitInFlight:
         assert {a.composition.state for a in answers} == {fm.COMPOSITION_STATE_COMPOSED}
         assert {c.state for c in served.comp.compositions()} == {CompositionState.COMPOSED}
 
+    def test_the_answers_of_the_commit_go_out_before_the_held_changes_start(self, served: _Served) -> None:
+        """The commit that ends resumes the change it held the plan of, and that change answers on the loop's
+        next turn; the held changes start after it, not in the same callback, so the answer is not kept waiting
+        while the loop runs the whole group."""
+
+        async def first_answer() -> set[str]:
+            await served.serving.Compose(_request("first"), CALL)
+            return served.names()  # what had started when the first answer was ready to go out
+
+        async def main() -> set[str]:
+            with served.store._db_lock:
+                first = asyncio.ensure_future(first_answer())
+                await _until(lambda: "first" in served.names(), "the first Compose started")
+                later = [served.compose(n) for n in ("second", "third")]
+                await asyncio.sleep(0.05)
+            seen = await asyncio.wait_for(first, 10)
+            await asyncio.wait_for(asyncio.gather(*later), 10)
+            return seen
+
+        assert asyncio.run(main()) == {"first"}
+        assert served.names() == {"first", "second", "third"}
+
     def test_nothing_is_held_when_no_commit_is_in_flight(self, served: _Served) -> None:
         async def main() -> None:
             with served.store._db_lock:
