@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from disagg.config import build_composer, parse_config
 from disagg.errors import ConfigError
 from disagg.model import Composition, CompositionState
 from disagg.store import SqliteStore
@@ -64,6 +65,24 @@ def test_another_value_is_refused_before_the_ledger_is_opened(
         SqliteStore(ledger)
     assert refused.value.field == COMMITTER_NICE_ENV
     assert not ledger.exists(), "the ledger was created for a store that was refused"
+
+
+def test_a_configured_ledger_names_the_variable_not_the_ledgers_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal reaches `disagg serve` through the configuration, which names its own settings: the variable is
+    not one of them, so the error is the variable's alone."""
+    monkeypatch.setenv(COMMITTER_NICE_ENV, "low")
+    doc = {
+        "state": {"ledger": "sqlite", "path": str(tmp_path / "ledger.db")},
+        "fabric": [{"name": "pcie0", "driver": "sim", "options": {"topology": "demo-pcie"}}],
+    }
+    with pytest.raises(ConfigError) as refused:
+        build_composer(parse_config(doc, "disagg.toml", {}))
+    assert refused.value.field == COMMITTER_NICE_ENV
+    assert refused.value.message.startswith(f"${COMMITTER_NICE_ENV} is 'low'")
+    assert "[state] path" not in refused.value.message
+    assert not (tmp_path / "ledger.db").exists()
 
 
 def test_a_process_already_near_19_puts_its_committer_at_19(tmp_path: Path) -> None:

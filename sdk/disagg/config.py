@@ -342,7 +342,7 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
         except BaseException as exc:
             for f in fabrics.values():
                 f.close()
-            if isinstance(exc, ConfigError):  # the ledger's path is a setting of this file: say which
+            if isinstance(exc, ConfigError) and exc.field == "state.path":  # a setting of this file: say which
                 raise ConfigError(
                     f"{config.source}: [state] path: {exc.message}", field="state.path", metadata=exc.metadata
                 ) from exc
