@@ -7,9 +7,8 @@ of one statement is a transaction of its own, which takes the write lock as it s
 does. `sync` waits until the caller's own writes are on disk (and so everything queued before them): the
 composer calls it before a driver call that the ledger must already know of (write-ahead), and before it
 answers; `synced` (a coroutine) and `when_synced` (a callback) do the same on an event loop without blocking
-it. Each waiter is woken once, by
-the commit that holds its last write. Reads see the queued writes as well: `load` waits for everything
-queued, and `events_after` adds the queued events to what the database holds.
+it. Each waiter is woken once, by the commit that holds its last write. Reads see the queued writes as well:
+`load` waits for everything queued, and `events_after` adds the queued events to what the database holds.
 
 Records are stored as JSON documents of the model values, so the schema follows the model without migrations
 of every field. The file says which layout it holds (`SCHEMA_VERSION`), so that a newer layout is refused with
