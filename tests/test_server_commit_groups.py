@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import gc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,10 +68,13 @@ class _Served:
         return asyncio.ensure_future(self.serving.Compose(_request(name, count), CALL))
 
     @contextlib.asynccontextmanager
-    async def commit_in_flight(self) -> AsyncIterator[asyncio.Future[fm.ComposeResponse]]:
-        """Hold the committer with the plan of a first Compose ("first") in flight; yields its answer to come."""
+    async def commit_in_flight(
+        self, first_call: Coroutine[Any, Any, Any] | None = None
+    ) -> AsyncIterator[asyncio.Future[Any]]:
+        """Hold the committer with the plan of a first Compose ("first") in flight; yields its answer to come.
+        ``first_call``: a coroutine that makes that Compose, when the test wants more of it than its answer."""
         with self.store._db_lock:
-            first = self.compose("first")
+            first = asyncio.ensure_future(first_call) if first_call is not None else self.compose("first")
             await _until(lambda: "first" in self.names(), "the first Compose started")
             yield first
 
@@ -132,12 +135,10 @@ class TestHeldForTheCommitInFlight:
             return served.names()  # what had started when the first answer was ready to go out
 
         async def main() -> set[str]:
-            with served.store._db_lock:
-                first = asyncio.ensure_future(first_answer())
-                await _until(lambda: "first" in served.names(), "the first Compose started")
+            async with served.commit_in_flight(first_answer()) as first:
                 later = [served.compose(n) for n in ("second", "third")]
                 await asyncio.sleep(0.05)
-            seen = await asyncio.wait_for(first, 10)
+            seen: set[str] = await asyncio.wait_for(first, 10)
             await asyncio.wait_for(asyncio.gather(*later), 10)
             return seen
 
