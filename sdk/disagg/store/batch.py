@@ -24,9 +24,12 @@ import attrs
 
 Statement = tuple[str, tuple[Any, ...]]
 
+MAX_PARAMETERS: Final = 999
+"""SQLite's limit of bound parameters per statement before 3.32, the lowest a linked SQLite may have."""
+
 ROWS_PER_STATEMENT = 200
-"""At most this many rows per INSERT or DELETE, so that a statement stays under SQLite's limit of bound
-parameters (999 before 3.32) for the widest table (4 columns)."""
+"""At most this many rows per INSERT or DELETE, so that a statement stays under `MAX_PARAMETERS` for the widest
+table (4 columns)."""
 
 
 @attrs.frozen(eq=False)
@@ -108,10 +111,6 @@ class Batch:
 def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
     for start in range(0, len(items), ROWS_PER_STATEMENT):
         yield items[start : start + ROWS_PER_STATEMENT]
-
-
-MAX_PARAMETERS: Final = 999
-"""SQLite's limit of bound parameters per statement before 3.32, the lowest a linked SQLite may have."""
 
 
 class WriteView:
