@@ -17,7 +17,16 @@ import pytest
 from disagg.cli.main import main
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.model import Composition, CompositionState, DeviceKind, ResourceRequest, Selector, SelectorOp
+from disagg.model import (
+    Composition,
+    CompositionState,
+    DeviceKind,
+    Event,
+    EventType,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+)
 from disagg.store import SqliteStore
 from disagg.store.sqlite import APPLICATION_ID, IN_PLACE_CHECK_S, SCHEMA_VERSION
 from server_helpers import WAIT_S, compose_request, serve_child
@@ -28,10 +37,12 @@ FAILED_WITHIN_S = 10 * IN_PLACE_CHECK_S
 """A bound on the wait for an idle store to find its file gone (it checks every `IN_PLACE_CHECK_S`)."""
 
 
-def _composition(cid: str) -> Composition:
-    """A composition whose record nests values (a resource line, a selector), as a served one does."""
+def _composition(cid: str, name_bytes: int = 0) -> Composition:
+    """A composition whose record nests values (a resource line, a selector), as a served one does; its name
+    padded to ``name_bytes``, for a record larger than a page."""
     line = ResourceRequest(DeviceKind.GPU, count=1, selectors=(Selector("model", SelectorOp.EQ, "H200"),))
-    return Composition(id=cid, name=f"name-{cid}", host="h1", state=CompositionState.COMPOSED, resources=(line,))
+    name = f"name-{cid}".ljust(name_bytes, "x")
+    return Composition(id=cid, name=name, host="h1", state=CompositionState.COMPOSED, resources=(line,))
 
 
 def _ledger(path: Path, compositions: int = 200) -> Path:
@@ -106,6 +117,26 @@ class TestADamagedLedger:
         with pytest.raises(FabricUnavailableError, match="cannot be written"):
             store.sync()
         assert not store.needs_operator
+
+    @pytest.mark.parametrize("prunes", [False, True], ids=["one-statement", "begin-immediate"])
+    def test_a_full_disk_is_named(self, tmp_path: Path, prunes: bool) -> None:
+        """SQLite rolls a transaction back itself when the disk is full: under BEGIN IMMEDIATE (a group that
+        prunes the event log) the ROLLBACK that followed failed ("no transaction is active"), and every waiter
+        was told that instead of the full disk."""
+        store = SqliteStore(tmp_path / "ledger.db", event_retention=1 if prunes else 1000)
+        try:
+            store.append_event(Event(1, EventType.COMPOSITION_CREATED, "c0"))
+            store.sync()
+            with store._db_lock:  # a disk with one page left; and the writes below go in one group
+                ((pages,),) = store._db.execute("PRAGMA page_count")
+                store._db.execute(f"PRAGMA max_page_count = {pages + 1}")
+                store.put_composition(_composition("big", name_bytes=20_000))
+                store.append_event(Event(2, EventType.COMPOSITION_CREATED, "big"))
+            with pytest.raises(FabricUnavailableError, match=r"cannot be written: .*database or disk is full"):
+                store.sync()
+            assert not store.needs_operator  # the machine's trouble, which a restart may get past
+        finally:
+            store.close()
 
 
 def _wait_for_failure(store: SqliteStore) -> str:

@@ -484,7 +484,12 @@ class SqliteStore(Store):
                 for sql, params in batch.statements():
                     self._db.execute(sql, params)
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # SQLite rolls the transaction back itself on a full disk, an I/O error or a lack of memory; a
+                # ROLLBACK then fails, and its error would hide the one that says what happened. The store fails
+                # on that one and commits nothing more, so a ROLLBACK that fails too changes nothing.
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
 
