@@ -195,6 +195,26 @@ class TestALedgerRemovedWhileOpen:
         shutil.rmtree(store.path.parent)
         assert "was removed or replaced" in _wait_for_failure(store)
 
+    def test_the_write_ahead_log_removed_is_found(self, store: SqliteStore) -> None:
+        """As an operator's restore that removes ``ledger.db-wal`` before stopping the server: SQLite goes on
+        writing to the file removed, which holds every commit since the last checkpoint, and a crash loses them
+        all. Nothing more is acknowledged into it."""
+        store.put_composition(_composition("before"))
+        store.sync()
+        wal = store.path.with_name("ledger.db-wal")
+        wal.unlink()
+        store.put_composition(_composition("after"))
+        with pytest.raises(FabricUnavailableError, match=rf"write-ahead log {wal} was removed or replaced"):
+            store.sync()
+        assert "lost when this process stops" in store.failure
+        assert store.needs_operator
+
+    def test_an_idle_store_finds_its_write_ahead_log_replaced(self, store: SqliteStore) -> None:
+        wal = store.path.with_name("ledger.db-wal")
+        wal.unlink()
+        wal.touch()
+        assert "write-ahead log" in _wait_for_failure(store)
+
     def test_the_lock_file_removed_is_found(self, store: SqliteStore) -> None:
         lock = store.path.with_name("ledger.db.lock")
         lock.unlink()
