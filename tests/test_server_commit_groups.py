@@ -216,6 +216,27 @@ class TestHeldForTheCommitInFlight:
 
         assert asyncio.run(main()) == (2, 0)
 
+    def test_a_loop_closed_before_its_commit_ended_holds_nothing_on_the_next(self, served: _Served) -> None:
+        """An embedder that serves with one `asyncio.run` after another: the commit could not call back the loop
+        that held a group once it had closed, and every change on the next loop was held for ever."""
+
+        async def first_loop() -> None:
+            async with served.commit_in_flight() as first:
+                held = served.compose("held")
+                await asyncio.sleep(0.02)
+                held.cancel()
+                first.cancel()
+
+        asyncio.run(first_loop())
+        _settled(served.store)
+
+        async def next_loop() -> str:
+            answer = await asyncio.wait_for(served.compose("later"), 10)
+            return answer.composition.name
+
+        assert asyncio.run(next_loop()) == "later"
+        assert "held" not in served.names()
+
     def test_drain_does_not_count_a_held_change_whose_caller_went_away(self, served: _Served) -> None:
         async def main() -> int:
             async with served.commit_in_flight() as first:

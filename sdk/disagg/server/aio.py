@@ -81,7 +81,8 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self._running: set[steps.LoopRun] = set()
         self._held: list[tuple[Callable[[], Steps[Any]], asyncio.Future[Any]]] = []
         """Changes that arrived while the ledger committed a group, in order: they start when it ends."""
-        self._holding = False
+        self._holding: asyncio.AbstractEventLoop | None = None
+        """The loop whose changes are held for the commit in flight, if any (`_join_group`)."""
 
     def _own(self, workers: int, name: str) -> ThreadPoolExecutor:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
@@ -131,16 +132,23 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return outcome.result() if isinstance(outcome, steps.Done) else await outcome
 
     def _join_group(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Whether a change arriving now is to be held for the commit in flight (see `_run`)."""
-        if self._holding:
-            return True
+        """Whether a change arriving now is to be held for the commit in flight (see `_run`). The group belongs
+        to the loop that holds it: a change on another loop starts at once, and once that loop is closed (an
+        embedder's `asyncio.run` that ended before the commit did, which then cannot call it back) its group,
+        which nobody awaits any more, is dropped, instead of holding every later change for ever."""
+        if self._holding is not None:
+            if self._holding is loop:
+                return True
+            if not self._holding.is_closed():
+                return False
+            self._holding, self._held = None, []
         store = self.servicer.composer.store
         try:
             if not store.when_committed(self._start_held, loop):
                 return False
         except DisaggError:  # the ledger failed: the change meets its error itself, as it would have
             return False
-        self._holding = True
+        self._holding = loop
         return True
 
     def _start_held(self, failure: Exception | None) -> None:
@@ -153,7 +161,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     def _start_group(self, failure: Exception | None) -> None:
         """Start the held changes, in the order they came (`_start_held`)."""
-        self._holding = False
+        self._holding = None
         held, self._held = self._held, []
         loop = asyncio.get_running_loop()
         for change, future in held:
