@@ -402,6 +402,19 @@ def set_serving(server: FabricManagerServer, serving: bool) -> None:
         server.servicer.mark_unready(STANDBY)
 
 
+class OpenCall:
+    """What the asyncio servicer's changes read of a gRPC call, called directly: no deadline, still open."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def done(self) -> bool:
+        return False
+
+
+OPEN_CALL: Any = OpenCall()
+
+
 class FakeContext:
     """Just what `watch_events` asks of a grpc context."""
 

@@ -33,26 +33,14 @@ from disagg.server.aio import AsyncFabricManagerServicer
 from disagg.server.servicer import FabricManagerServicer
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import create_fabric
+from server_helpers import OPEN_CALL as CALL
 from server_helpers import wait_until
-
-
-class _Call:
-    """What the servicer reads of a gRPC call here: no deadline, still open."""
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def done(self) -> bool:
-        return False
 
 
 def _request(name: str, count: int = 1) -> fm.ComposeRequest:
     return fm.ComposeRequest(
         name=name, mode=fm.COMPOSE_MODE_APPLY, resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=count)]
     )
-
-
-CALL: Any = _Call()
 
 
 @attrs.frozen

@@ -8,7 +8,9 @@ ledger commits a group waits for that commit and starts with the others that arr
 calls that may block go to threads of their own, and waits for another change of the same composition to others
 again, so that a change holding a composition always gets a thread for its driver calls. A change runs to its end
 even when its caller goes away (a cancelled call, a deadline): the composer never stops a change midway, and the
-server waits for the changes in flight when it stops.
+server waits for the changes in flight when it stops. On a ledger whose writes may wait (`Store.writes_block`:
+etcd's, each a round trip to the cluster, retried while a member stalls) each change runs in a worker thread
+instead: on the loop one stalled write stopped every call, health checks included.
 
 The other RPCs are the same handlers as the thread-pool servicer (`FabricManagerServicer`), run in the worker
 threads: listings read 100,000 devices and would stall the loop, and the driver interface is synchronous.
@@ -36,6 +38,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.context import RpcContext, ThreadedContext
 from disagg.server.servicer import FabricManagerServicer
+from disagg.store import Store
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -45,6 +48,10 @@ DRIVER_THREADS = 32
 WAIT_THREADS = 128
 """Waits hold a thread each until the change they wait for ends or their timeout passes."""
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def _run_steps(change: Callable[[], Steps[T]], store: Store) -> T:
+    return steps.run(change(), store)
 
 
 def _threaded(name: str) -> Any:
@@ -83,6 +90,8 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         """Changes that arrived while the ledger committed a group, in order: they start when it ends."""
         self._holding: asyncio.AbstractEventLoop | None = None
         """The loop whose changes are held for the commit in flight, if any (`_join_group`)."""
+        self._threaded: set[asyncio.Future[Any]] = set()
+        """The changes that run in worker threads (`_in_thread`), until they end."""
 
     def _own(self, workers: int, name: str) -> ThreadPoolExecutor:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
@@ -124,12 +133,26 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         `asyncio.get_running_loop` makes a getpid() system call each time."""
         loop = asyncio.get_running_loop()
         change = functools.partial(change_of, request, ThreadedContext(context, loop))
+        store = self.servicer.composer.store
+        if store.writes_block:
+            return await self._in_thread(change, store, loop)
         if self._join_group(loop):
             future: asyncio.Future[T] = loop.create_future()
             self._held.append((change, future))
             return await future
         outcome = self._start(change(), loop)
         return outcome.result() if isinstance(outcome, steps.Done) else await outcome
+
+    async def _in_thread(self, change: Callable[[], Steps[T]], store: Store, loop: asyncio.AbstractEventLoop) -> T:
+        """Run the change ``change()`` makes to its end in a worker thread (`steps.run`), for a ledger whose writes
+        may wait (`Store.writes_block`: etcd's round trips), which would stop the loop and every call it serves
+        meanwhile. In a copy of the call's context variables, as a change on the loop is. As there, it runs to
+        its end when its caller goes away, and `drain` waits for it."""
+        run = functools.partial(contextvars.copy_context().run, _run_steps, change, store)
+        future: asyncio.Future[T] = loop.run_in_executor(self.threads, run)
+        self._threaded.add(future)
+        future.add_done_callback(self._threaded.discard)
+        return await asyncio.shield(future)
 
     def _join_group(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether a change arriving now is to be held for the commit in flight (see `_run`). The group belongs
@@ -182,7 +205,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     def _in_flight(self) -> int:
         """The changes that run, and those held that will start (a held change whose caller went away will not)."""
-        return len(self._running) + sum(1 for _, future in self._held if not future.done())
+        return len(self._running) + len(self._threaded) + sum(1 for _, future in self._held if not future.done())
 
     async def Compose(self, request: fm.ComposeRequest, context: Context) -> fm.ComposeResponse:
         result = await self._run(self.servicer.compose_change, request, context)

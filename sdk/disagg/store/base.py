@@ -205,6 +205,15 @@ class Store(abc.ABC):
         return contextlib.nullcontext()
 
     @property
+    def writes_block(self) -> bool:
+        """Whether a write may wait: on the network, another process or a disk (etcd's round trips, retried for
+        its patience). True unless the store knows better. A store whose writes return at once (in memory, or
+        queued for a committer thread) answers False, and the fabric manager's server then runs the changes that
+        write on its event loop; otherwise each change runs in a worker thread, so that a write that waits does not
+        stop every other call the loop serves, health checks included."""
+        return True
+
+    @property
     def failure(self) -> str:
         """Why this store can no longer make any write durable (its every write is refused from then on), or
         empty. A store that fails only the call that met the error (the default) is never failed as a whole;

@@ -21,6 +21,11 @@ class MemoryStore(Store):
         self._quarantined: dict[tuple[str, str], None] = {}
         self._retention = check_event_retention(event_retention)
 
+    @property
+    def writes_block(self) -> bool:
+        """See `Store.writes_block`: a write is a dictionary's."""
+        return False
+
     def load(self) -> LedgerState:
         with self._lock:
             return LedgerState(

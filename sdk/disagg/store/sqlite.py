@@ -567,6 +567,12 @@ class SqliteStore(Store):
         return True
 
     @property
+    def writes_block(self) -> bool:
+        """See `Store.writes_block`: a write is queued for the committer, which a change waits for (`when_synced`)
+        without blocking."""
+        return False
+
+    @property
     def failure(self) -> str:
         """See `Store.failure`: a commit that failed fails every write after it. Read without the lock (it is
         set once, and every RPC asks)."""

@@ -1,0 +1,121 @@
+"""A ledger whose writes may wait (etcd's: a round trip each, retried while a member stalls) does not stop the
+asyncio server's event loop.
+
+The asyncio servicer runs Compose, UpdateComposition and Decompose on its event loop, the ledger's writes
+included. The SQLite ledger queues a write for its committer and returns; the etcd ledger makes the round trip
+then and there. On the loop, one etcd member that stalled (a slow disk, a pause, a partition) stopped every call
+the server answers, health checks included, for the write's patience. Such a change now runs in a worker thread
+(`Store.writes_block`), to its end even if its caller goes away, and the server's drain waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from composer_helpers import composer
+from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.server.aio import AsyncFabricManagerServicer
+from disagg.server.servicer import FabricManagerServicer
+from disagg.store import EtcdStore, MemoryStore, SqliteStore
+from disagg_sim import create_fabric
+from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member
+from server_helpers import OPEN_CALL, compose_request
+
+STALL_S = 1.0
+"""How long etcd stalls: within the store's write patience, so the write gets through once it is back."""
+TICK_S = 0.01
+LOOP_STOPPED_S = 0.5
+"""A gap between the loop's ticks this long means the loop was stopped (a tick is 10 ms)."""
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    yield from one_etcd_member(tmp_path_factory)
+
+
+@pytest.fixture
+def serving(etcd: EtcdCluster) -> Iterator[AsyncFabricManagerServicer]:
+    store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), timeout_s=0.5, write_patience_s=3 * STALL_S, unfenced=True)
+    with (
+        ThreadPoolExecutor(4) as threads,
+        composer({"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"})}, store=store) as comp,
+    ):
+        servicer = FabricManagerServicer(comp)
+        servicer.mark_ready()
+        served = AsyncFabricManagerServicer(servicer, threads)
+        yield served
+        served.close()
+
+
+def _compose(serving: AsyncFabricManagerServicer, name: str) -> asyncio.Future[fm.ComposeResponse]:
+    return asyncio.ensure_future(serving.Compose(compose_request(name), OPEN_CALL))
+
+
+def _stall(etcd: EtcdCluster) -> Any:
+    process = etcd.members[0].process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    return process
+
+
+async def _longest_stop(during: asyncio.Future[Any], until: float) -> float:
+    """The longest the loop went without running this coroutine's ticks, until ``until`` (monotonic)."""
+    longest, last = 0.0, time.monotonic()
+    while time.monotonic() < until and not during.done():
+        await asyncio.sleep(TICK_S)
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+    return longest
+
+
+def test_a_stalled_etcd_write_does_not_stop_the_event_loop(
+    serving: AsyncFabricManagerServicer, etcd: EtcdCluster
+) -> None:
+    async def main() -> tuple[float, fm.ComposeResponse]:
+        process = _stall(etcd)
+        try:
+            compose = _compose(serving, "while-etcd-stalls")
+            longest = await _longest_stop(compose, time.monotonic() + STALL_S)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        return longest, await asyncio.wait_for(compose, 10)
+
+    longest, answer = asyncio.run(main())
+    assert longest < LOOP_STOPPED_S, f"the event loop stood still {longest:.2f} s while etcd stalled"
+    assert answer.composition.state == fm.COMPOSITION_STATE_COMPOSED
+
+
+def test_drain_waits_for_a_change_in_a_worker_thread_whose_caller_went_away(
+    serving: AsyncFabricManagerServicer, etcd: EtcdCluster
+) -> None:
+    async def main() -> tuple[int, int]:
+        process = _stall(etcd)
+        try:
+            compose = _compose(serving, "caller-goes-away")
+            await asyncio.sleep(0.2)
+            compose.cancel()
+            waiting = await serving.drain(0)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        return waiting, await serving.drain(10)
+
+    assert asyncio.run(main()) == (1, 0)
+    names = {c.name for c in serving.servicer.composer.compositions()}
+    assert names == {"caller-goes-away"}, "the change stopped midway when its caller went away"
+
+
+def test_which_ledgers_writes_wait(tmp_path: Path, etcd: EtcdCluster) -> None:
+    sqlite = SqliteStore(tmp_path / "ledger.db")
+    remote = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), unfenced=True)
+    try:
+        assert [s.writes_block for s in (MemoryStore(), sqlite, remote)] == [False, False, True]
+    finally:
+        sqlite.close()
+        remote.close()
