@@ -84,8 +84,14 @@ class Flaky(fm_grpc.FabricManagerServiceServicer):
         self, request: fm.GetCompositionRequest, context: grpc.ServicerContext
     ) -> fm.GetCompositionResponse:
         self.calls["GetComposition"] = self.calls.get("GetComposition", 0) + 1
-        context.abort_with_status(to_status(NotFoundError("composition", request.id)))
-        raise AssertionError("abort returns never")
+        found = self.composer.find(request.id) if request.id in self._known() else None
+        if found is None:
+            context.abort_with_status(to_status(NotFoundError("composition", request.id)))
+            raise AssertionError("abort returns never")
+        return fm.GetCompositionResponse(composition=composition_to_wire(found))
+
+    def _known(self) -> set[str]:
+        return {key for c in self.composer.compositions() for key in (c.id, c.name)}
 
     def UpdateComposition(  # noqa: N802
         self, request: fm.UpdateCompositionRequest, context: grpc.ServicerContext
@@ -143,6 +149,17 @@ class Flaky(fm_grpc.FabricManagerServiceServicer):
         self.watch_started.set()
         if self.failures < 0:  # a stream that stays open until the client cancels it (at most 10 s)
             self.watch_cancelled.wait(10)
+
+
+class DecomposesThenLosesTheAnswer(Flaky):
+    """Decomposes on the real composer, and loses the first answer on the way back."""
+
+    def __init__(self, composer: FabricComposer) -> None:
+        super().__init__(composer, failures=1)
+
+    def Decompose(self, request: fm.DecomposeRequest, context: grpc.ServicerContext) -> fm.DecomposeResponse:  # noqa: N802
+        self.composer.decompose(request.id)
+        return super().Decompose(request, context)
 
 
 @pytest.fixture
@@ -261,11 +278,34 @@ class TestRetriesOverGrpc:
             client.topologies()
         assert servicer.calls["GetTopology"] == FAST.max_attempts
 
-    def test_decompose_is_retried(self, serve: Any) -> None:
+    def test_decompose_is_retried(self, serve: Any, composer: FabricComposer) -> None:
+        comp = composer.compose(parse_request("job", ["gpu x1"])).composition
+        assert comp is not None
+        servicer, address = serve()
+        with FabricManagerClient(address, retries=FAST) as client:
+            client.decompose(comp.id)
+        assert servicer.calls["Decompose"] == 3
+
+    def test_decompose_of_an_unknown_composition_sends_none(self, serve: Any) -> None:
         servicer, address = serve()
         with FabricManagerClient(address, retries=FAST) as client:
             client.decompose("c-1")
-        assert servicer.calls["Decompose"] == 3
+        assert "Decompose" not in servicer.calls
+
+    def test_a_decompose_by_name_retried_decomposes_only_the_composition_named_at_the_call(
+        self, serve: Any, composer: FabricComposer
+    ) -> None:
+        """Its first answer lost, the retry went by name again: had another client composed a new composition
+        under that name meanwhile, the retry decomposed that one too."""
+        asked = composer.compose(parse_request("job", ["gpu x1"])).composition
+        assert asked is not None
+        servicer, address = serve(DecomposesThenLosesTheAnswer(composer))
+        remade = []
+        with FabricManagerClient(address, retries=FAST) as client:
+            client._sleep = lambda _: remade.append(composer.compose(parse_request("job", ["gpu x1"])).composition)
+            client.decompose("job")
+        assert servicer.calls["Decompose"] == 2 and len(remade) == 1
+        assert [c.id for c in composer.compositions()] == [remade[0].id]
 
     def test_reservation_calls_are_retried(self, serve: Any) -> None:
         servicer, address = serve()

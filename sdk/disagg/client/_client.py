@@ -17,7 +17,7 @@ from disagg.client._retry import RetryPolicy, call_with_retry
 from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.composer.composer import check_expected_etag
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, UnsupportedError
+from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError, UnsupportedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -594,8 +594,14 @@ class FabricManagerClient:
         return composition_from_wire(resp.composition)
 
     def decompose(self, composition_id: str) -> None:
-        """Unbind and release everything of a composition. Idempotent: an unknown id is not an error."""
-        self._call(lambda t: self._stub.Decompose(fm.DecomposeRequest(id=composition_id), timeout=t), idempotent=True)
+        """Unbind and release everything of a composition, given its id or its name. Idempotent: an unknown one is
+        not an error. The composition is looked up first and decomposed by its id: a Decompose by name retried
+        after its answer was lost would decompose a composition another client made under that name meanwhile."""
+        try:
+            found = self.get(composition_id).id
+        except NotFoundError:
+            return
+        self._call(lambda t: self._stub.Decompose(fm.DecomposeRequest(id=found), timeout=t), idempotent=True)
 
     # ----------------------------------------------------------------- reservations
 
