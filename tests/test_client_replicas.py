@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -224,6 +225,45 @@ class TestTakeover:
         client = FabricManagerClient(f"{replicas[0].addresses[0]},127.0.0.1:1", timeout_s=1)
         with client, pytest.raises(DeadlineExceededError):
             client.compositions()
+
+    def test_a_call_rides_through_a_leader_whose_ledger_failed(self) -> None:
+        """Such a leader answers UNAVAILABLE at once while its health still says SERVING, until its next tick (up
+        to `TICK_S`): the client's attempts were all spent on it, about 0.75 s of pauses in all, and the call
+        failed with most of its deadline left instead of following the lead to the next replica."""
+        store = _FailingStore()
+        standby = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
+        leader = FabricManagerServer(
+            FabricComposer(rack(), store=store),
+            ["127.0.0.1:0"],
+            on_failed=lambda _: threading.Timer(0.5, set_serving, (standby, True)).start(),
+        )
+        ticked = threading.Event()
+        tick = leader.composer.tick
+        leader.composer.tick = lambda: (tick(), ticked.set())  # type: ignore[method-assign]
+        leader.start()
+        standby.start()
+        set_serving(standby, False)
+        try:
+            with FabricManagerClient(f"{leader.addresses[0]},{standby.addresses[0]}", timeout_s=20) as client:
+                client._rng = random.Random(3)  # pauses that add up to well under a second in five attempts
+                client.compositions()
+                ticked.clear()
+                assert ticked.wait(WAIT_S)
+                store.failed = "the disk went away"  # just after a tick: SERVING for about a second more
+                assert client.compositions() == []
+        finally:
+            leader.stop(0)
+            standby.stop(0)
+
+
+class _FailingStore(MemoryStore):
+    """A ledger that fails as a test says."""
+
+    failed = ""
+
+    @property
+    def failure(self) -> str:
+        return self.failed
 
 
 @pytest.fixture(name="replicas")

@@ -235,6 +235,11 @@ class TestCallWithRetry:
         attempts, sleeps = self._run([grpc.StatusCode.UNAVAILABLE] * 10)
         assert attempts == FAST.max_attempts and len(sleeps) == FAST.max_attempts - 1
 
+    def test_until_the_deadline_the_attempts_are_not_counted(self) -> None:
+        """A client of several replicas: one that just lost the lead answers UNAVAILABLE at once for a while."""
+        attempts, sleeps = self._run([grpc.StatusCode.UNAVAILABLE] * 10, until_deadline=True)
+        assert attempts == 11 and len(sleeps) == 10
+
     @pytest.mark.parametrize(
         "code",
         [grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL],

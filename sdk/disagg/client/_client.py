@@ -325,6 +325,7 @@ class FabricManagerClient:
                 policy=self.retries,
                 retryable=idempotent,
                 timeout_s=self.timeout_s,
+                until_deadline=self._replicas,
                 sleep=self._sleep,
                 rng=self._rng,
             )
@@ -704,7 +705,8 @@ class EventStream(Iterator[Event]):
         if self._closed or self._client.closed:
             self.close()
             raise StopIteration from None
-        if not self._resume or exc.code() not in WATCH_BREAKS or failures >= self._client.retries.max_attempts:
+        spent = failures >= self._client.retries.max_attempts and not self._client._replicas  # as `_call`'s retries
+        if not self._resume or exc.code() not in WATCH_BREAKS or spent:
             self.close()
             raise self._client._error(exc) from None
         self._client._sleep(self._client.retries.backoff(failures, self._client._rng))

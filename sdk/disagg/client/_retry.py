@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -58,6 +59,7 @@ def call_with_retry(
     policy: RetryPolicy,
     retryable: bool,
     timeout_s: float,
+    until_deadline: bool = False,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     rng: random.Random | None = None,
@@ -65,10 +67,13 @@ def call_with_retry(
     """Run ``attempt(remaining_s)`` until it succeeds, fails with a code that is not retried, runs out of
     attempts, or the next pause would pass the deadline ``timeout_s`` from now; the last error propagates.
 
-    ``retryable`` is False for calls that are not safe to repeat: they get exactly one attempt.
+    ``retryable`` is False for calls that are not safe to repeat: they get exactly one attempt. ``until_deadline``:
+    the policy's ``max_attempts`` does not bound them, the deadline alone does (a client of several replicas, for
+    which a replica that just lost the lead or its ledger answers UNAVAILABLE at once until its health check says
+    so, up to a second, and the attempts would run out long before the next leader serves).
     """
     deadline = clock() + timeout_s
-    attempts = policy.max_attempts if retryable else 1
+    attempts = (sys.maxsize if until_deadline else policy.max_attempts) if retryable else 1
     n = 0
     while True:
         n += 1
