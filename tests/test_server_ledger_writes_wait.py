@@ -4,8 +4,9 @@ asyncio server's event loop.
 The asyncio servicer runs Compose, UpdateComposition and Decompose on its event loop, the ledger's writes
 included. The SQLite ledger queues a write for its committer and returns; the etcd ledger makes the round trip
 then and there. On the loop, one etcd member that stalled (a slow disk, a pause, a partition) stopped every call
-the server answers, health checks included, for the write's patience. Such a change now runs in a worker thread
-(`Store.writes_block`), to its end even if its caller goes away, and the server's drain waits for it.
+the server answers, health checks included, for the write's patience. Such a change now runs in a thread of
+its own (`Store.writes_block`), not one of the RPCs' workers, to its end even if its caller goes away, and the
+server's drain waits for it.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from typing import Any
 import pytest
 from composer_helpers import composer
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.requestlang import parse_request
 from disagg.server.aio import AsyncFabricManagerServicer
+from disagg.server.runtime import WORKERS
 from disagg.server.servicer import FabricManagerServicer
 from disagg.store import EtcdStore, MemoryStore, SqliteStore
 from disagg_sim import create_fabric
 from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member
-from server_helpers import OPEN_CALL, compose_request
+from server_helpers import OPEN_CALL, compose_request, gpu, slow_rack
 
+BIND_S = 1.0
+"""How long a bind takes where a test needs a slow one."""
 STALL_S = 1.0
 """How long etcd stalls: within the store's write patience, so the write gets through once it is back."""
 TICK_S = 0.01
@@ -109,6 +114,36 @@ def test_drain_waits_for_a_change_in_a_worker_thread_whose_caller_went_away(
     assert asyncio.run(main()) == (1, 0)
     names = {c.name for c in serving.servicer.composer.compositions()}
     assert names == {"caller-goes-away"}, "the change stopped midway when its caller went away"
+
+
+def test_changes_waiting_for_a_composition_hold_no_rpc_worker(etcd: EtcdCluster) -> None:
+    """Run in the RPCs' workers, changes queued behind a slow one of the same composition took every worker, and
+    a read of another composition waited for the slow change to end."""
+    store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), unfenced=True)
+    with (
+        ThreadPoolExecutor(WORKERS) as threads,
+        composer(slow_rack(BIND_S), store=store) as comp,
+    ):
+        busy = comp.compose(parse_request("busy", ["gpu x1"])).composition
+        other = comp.compose(parse_request("other", ["gpu x1"])).composition
+        assert busy is not None and other is not None
+        servicer = FabricManagerServicer(comp)
+        servicer.mark_ready()
+        serving = AsyncFabricManagerServicer(servicer, threads)
+
+        async def main() -> float:
+            grow = fm.UpdateCompositionRequest(id=busy.id, add=[gpu()], etag=busy.etag)
+            updates = [asyncio.ensure_future(serving.UpdateComposition(grow, OPEN_CALL)) for _ in range(WORKERS)]
+            await asyncio.sleep(BIND_S / 4)  # the first binds, the others wait for it
+            started = time.monotonic()
+            await serving.GetComposition(fm.GetCompositionRequest(id=other.id), OPEN_CALL)
+            took = time.monotonic() - started
+            await asyncio.gather(*updates, return_exceptions=True)
+            return took
+
+        took = asyncio.run(main())
+        serving.close()
+    assert took < BIND_S / 2, f"a read of another composition waited {took:.2f} s for a worker"
 
 
 def test_which_ledgers_writes_wait(tmp_path: Path, etcd: EtcdCluster) -> None:

@@ -84,7 +84,9 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self.drivers = drivers or self._own(DRIVER_THREADS, "disagg-driver")
         """The blocking driver calls of the changes on the loop: never short of a thread, whatever waits."""
         self.waits = waits or self._own(WAIT_THREADS, "disagg-wait")
-        """The waits of the changes on the loop for another change of their composition, or for an answer."""
+        """The waits of the changes on the loop for another change of their composition, or for an answer; and the
+        changes themselves on a ledger whose writes may wait (`_in_thread`): not the RPCs' workers, which a change
+        waiting for its composition would hold from listings and watches."""
         self._running: set[steps.LoopRun] = set()
         self._held: list[tuple[Callable[[], Steps[Any]], asyncio.Future[Any]]] = []
         """Changes that arrived while the ledger committed a group, in order: they start when it ends."""
@@ -144,12 +146,12 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         return outcome.result() if isinstance(outcome, steps.Done) else await outcome
 
     async def _in_thread(self, change: Callable[[], Steps[T]], store: Store, loop: asyncio.AbstractEventLoop) -> T:
-        """Run the change ``change()`` makes to its end in a worker thread (`steps.run`), for a ledger whose writes
-        may wait (`Store.writes_block`: etcd's round trips), which would stop the loop and every call it serves
-        meanwhile. In a copy of the call's context variables, as a change on the loop is. As there, it runs to
-        its end when its caller goes away, and `drain` waits for it."""
+        """Run the change ``change()`` makes to its end in a thread of ``waits`` (`steps.run`), for a ledger whose
+        writes may wait (`Store.writes_block`: etcd's round trips), which would stop the loop and every call it
+        serves meanwhile. In a copy of the call's context variables, as a change on the loop is. As there, it runs
+        to its end when its caller goes away, and `drain` waits for it."""
         run = functools.partial(contextvars.copy_context().run, _run_steps, change, store)
-        future: asyncio.Future[T] = loop.run_in_executor(self.threads, run)
+        future: asyncio.Future[T] = loop.run_in_executor(self.waits, run)
         self._threaded.add(future)
         future.add_done_callback(self._threaded.discard)
         return await asyncio.shield(future)
