@@ -6,7 +6,8 @@ included. The SQLite ledger queues a write for its committer and returns; the et
 then and there. On the loop, one etcd member that stalled (a slow disk, a pause, a partition) stopped every call
 the server answers, health checks included, for the write's patience. Such a change now runs in a thread of
 its own (`Store.writes_block`), not one of the RPCs' workers, to its end even if its caller goes away, and the
-server's drain waits for it.
+server's drain waits for it. A read that waited behind a write that then failed is refused, not answered from
+what the ledger never took.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from composer_helpers import composer
+from composer_helpers import composer, rack
+from disagg.errors import FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.requestlang import parse_request
 from disagg.server.aio import AsyncFabricManagerServicer
@@ -29,7 +31,7 @@ from disagg.server.servicer import FabricManagerServicer
 from disagg.store import EtcdStore, MemoryStore, SqliteStore
 from disagg_sim import create_fabric
 from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member
-from server_helpers import OPEN_CALL, compose_request, gpu, slow_rack
+from server_helpers import OPEN_CALL, WAIT_S, compose_request, gpu, slow_rack
 
 BIND_S = 1.0
 """How long a bind takes where a test needs a slow one."""
@@ -144,6 +146,30 @@ def test_changes_waiting_for_a_composition_hold_no_rpc_worker(etcd: EtcdCluster)
         took = asyncio.run(main())
         serving.close()
     assert took < BIND_S / 2, f"a read of another composition waited {took:.2f} s for a worker"
+
+
+def test_a_read_behind_a_write_that_failed_is_refused(etcd: EtcdCluster) -> None:
+    """A read waits for the composer's lock behind a change, which changes memory before its write; the write
+    failed (no member answered within its patience), and the read was answered from memory that the ledger, and
+    so the next leader, never held."""
+    store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), timeout_s=0.2, write_patience_s=0.8, unfenced=True)
+    with composer(rack(), store=store) as comp:
+        job = comp.compose(parse_request("job", ["gpu x1"])).composition
+        assert job is not None
+        servicer = FabricManagerServicer(comp)
+        servicer.mark_ready()
+        process = _stall(etcd)
+        try:
+            with ThreadPoolExecutor(1) as thread:
+                decompose = thread.submit(servicer.Decompose, fm.DecomposeRequest(id=job.id), OPEN_CALL)
+                time.sleep(0.2)  # the decompose holds the composer's lock, its first write in flight
+                with pytest.raises(FabricUnavailableError, match="ledger"):
+                    servicer.ListCompositions(fm.ListCompositionsRequest(), OPEN_CALL)
+                with pytest.raises(FabricUnavailableError):
+                    decompose.result(WAIT_S)
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert store.failure
 
 
 def test_which_ledgers_writes_wait(tmp_path: Path, etcd: EtcdCluster) -> None:

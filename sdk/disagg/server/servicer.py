@@ -88,14 +88,17 @@ def _unary(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], 
 
 
 def _read(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], R]:
-    """A read's handler, answered from memory: only if this replica still surely leads once it has read, since
-    it may have been paused meanwhile. Not for changes: one that took effect must not be answered UNAVAILABLE."""
+    """A read's handler, answered from memory: only if, once it has read, this replica still surely leads (it may
+    have been paused meanwhile) and its ledger has not failed. A read waits for the composer's lock behind a
+    change, which changes memory before its write: when that write fails (an etcd that no member answered for its
+    patience), memory holds what the ledger never took, and the next leader does not. Not for changes: one that
+    took effect must not be answered UNAVAILABLE."""
 
     @functools.wraps(fn)
     def rpc(self: S, request: Q, context: RpcContext) -> R:
         self.check_ready()
         answer = fn(self, request, context)
-        self.check_lead()
+        self.check_ready()
         return answer
 
     return rpc
