@@ -9,7 +9,7 @@ calls that may block go to threads of their own, and waits for another change of
 again, so that a change holding a composition always gets a thread for its driver calls. A change runs to its end
 even when its caller goes away (a cancelled call, a deadline): the composer never stops a change midway, and the
 server waits for the changes in flight when it stops. On a ledger whose writes may wait (`Store.writes_block`:
-etcd's, each a round trip to the cluster, retried while a member stalls) each change runs in a worker thread
+etcd's, each a round trip to the cluster, retried while a member stalls) each change runs in a thread of its own
 instead: on the loop one stalled write stopped every call, health checks included.
 
 The other RPCs are the same handlers as the thread-pool servicer (`FabricManagerServicer`), run in the worker
@@ -93,7 +93,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self._holding: asyncio.AbstractEventLoop | None = None
         """The loop whose changes are held for the commit in flight, if any (`_join_group`)."""
         self._threaded: set[asyncio.Future[Any]] = set()
-        """The changes that run in worker threads (`_in_thread`), until they end."""
+        """The changes that run in threads of ``waits`` (`_in_thread`), until they end."""
 
     def _own(self, workers: int, name: str) -> ThreadPoolExecutor:
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
