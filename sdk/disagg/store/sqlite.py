@@ -178,10 +178,10 @@ def _identity(path: str | Path) -> tuple[int, int]:
 
 def _wal_identity(wal: str) -> tuple[int, int] | None:
     """`_identity` of the ledger's write-ahead log, which SQLite keeps (and never replaces) while a connection is
-    open in WAL mode; None where there is none (a file system on which SQLite refused WAL)."""
+    open in WAL mode; None where there is none (a file system on which SQLite refused WAL, or one removed)."""
     try:
         return _identity(wal)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -522,18 +522,13 @@ class SqliteStore(Store):
                 "it: put the ledger back, or restore it from a backup, before restarting (a start on a new file "
                 "finds none of its compositions)"
             )
-        if self._wal is not None:
-            try:
-                moved = _identity(self._wal_path) != self._wal
-            except (FileNotFoundError, NotADirectoryError):
-                moved = True
-            if moved:
-                raise LedgerMovedError(
-                    f"the ledger's write-ahead log {self.path}-wal was removed or replaced while this fabric "
-                    "manager used it: what it committed since the ledger's last checkpoint is only in the file "
-                    "removed, and is lost when this process stops. Stop it before removing the ledger's files; at "
-                    "the restart, reconciliation reports the bindings the ledger no longer records"
-                )
+        if self._wal is not None and _wal_identity(self._wal_path) != self._wal:
+            raise LedgerMovedError(
+                f"the ledger's write-ahead log {self.path}-wal was removed or replaced while this fabric "
+                "manager used it: what it committed since the ledger's last checkpoint is only in the file "
+                "removed, and is lost when this process stops. Stop it before removing the ledger's files; at "
+                "the restart, reconciliation reports the bindings the ledger no longer records"
+            )
         if not ownership.in_place(self._owner):
             raise LedgerMovedError(
                 f"the ledger's lock file {self._owner} was removed or replaced while this fabric manager used it: "
