@@ -138,7 +138,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         store = self.servicer.composer.store
         if store.writes_block:
             return await self._in_thread(change, store, loop)
-        if self._join_group(loop):
+        if self._join_group(loop, store):
             future: asyncio.Future[T] = loop.create_future()
             self._held.append((change, future))
             return await future
@@ -156,7 +156,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         future.add_done_callback(self._threaded.discard)
         return await asyncio.shield(future)
 
-    def _join_group(self, loop: asyncio.AbstractEventLoop) -> bool:
+    def _join_group(self, loop: asyncio.AbstractEventLoop, store: Store) -> bool:
         """Whether a change arriving now is to be held for the commit in flight (see `_run`). The group belongs
         to the loop that holds it: a change on another loop starts at once, and once that loop is closed (an
         embedder's `asyncio.run` that ended before the commit did, which then cannot call it back) its group,
@@ -167,7 +167,6 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             if not self._holding.is_closed():
                 return False
             self._holding, self._held = None, []
-        store = self.servicer.composer.store
         try:
             if not store.when_committed(self._start_held, loop):
                 return False
