@@ -209,8 +209,8 @@ class Store(abc.ABC):
         """Whether a write may wait: on the network, another process or a disk (etcd's round trips, retried for
         its patience). True unless the store knows better. A store whose writes return at once (in memory, or
         queued for a committer thread) answers False, and the fabric manager's server then runs the changes that
-        write on its event loop; otherwise each change runs in a worker thread, so that a write that waits does not
-        stop every other call the loop serves, health checks included."""
+        write on its event loop; otherwise each change runs in a thread of its own, so that a write that waits does
+        not stop every other call the loop serves, health checks included."""
         return True
 
     @property
