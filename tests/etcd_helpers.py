@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+import etcd3gw
 import pytest
 import requests
 
@@ -203,3 +204,20 @@ def one_etcd_member(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCl
 def fresh_prefix() -> str:
     """A key prefix no other test uses."""
     return f"/test/{uuid.uuid4().hex}/"
+
+
+def raw_client(endpoint: str) -> etcd3gw.Etcd3Client:
+    """A client of its own for the member at ``endpoint`` (``HOST:PORT``): what etcd holds, read or written past
+    the store under test."""
+    host, port = endpoint.rsplit(":", 1)
+    return etcd3gw.client(host=host, port=int(port), timeout=5.0, api_path="/v3/")
+
+
+def take_lead(endpoint: str, key: str) -> int:
+    """Take the leader key as a new leader would (a create revision above every earlier one); its create revision,
+    the fencing epoch."""
+    client = raw_client(endpoint)
+    client.delete(key)
+    client.put(key, uuid.uuid4().hex)
+    ((_, meta),) = client.get(key, metadata=True)
+    return int(meta["create_revision"])

@@ -13,12 +13,10 @@ import http.server
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import etcd3gw
 import pytest
 import requests
 from disagg import codec
@@ -27,7 +25,7 @@ from disagg.model import Composition, CompositionState
 from disagg.store import EtcdStore
 from disagg.store import etcd as etcd_store
 from disagg.store.etcd import LeadershipLostError, request_timeout
-from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member, start_etcd_cluster
+from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member, raw_client, start_etcd_cluster, take_lead
 
 TTL_S = 3
 TIMEOUT_S = request_timeout(TTL_S)
@@ -148,25 +146,11 @@ def proxies(etcd_one: EtcdCluster) -> Iterator[Callable[[], _Proxy]]:
         proxy.close()
 
 
-def _raw(endpoint: str) -> etcd3gw.Etcd3Client:
-    host, port = endpoint.rsplit(":", 1)
-    return etcd3gw.client(host=host, port=int(port), timeout=5.0, api_path="/v3/")
-
-
-def _lead(endpoint: str, key: str) -> int:
-    """Take the leader key as a new leader would (a create revision above every earlier one); its revision."""
-    client = _raw(endpoint)
-    client.delete(key)
-    client.put(key, uuid.uuid4().hex)
-    ((_, meta),) = client.get(key, metadata=True)
-    return int(meta["create_revision"])
-
-
 def _fenced(endpoints: list[str], prefix: str, on_deposed: Callable[[], None] | None = None) -> EtcdStore:
     """A store fenced on ``{prefix}leader`` as a leading replica's is, loaded as the composer does on start."""
     store = EtcdStore(endpoints, prefix=prefix, timeout_s=TIMEOUT_S)
     key = f"{prefix}leader"
-    store.fence(key, _lead(endpoints[-1], key), on_deposed)
+    store.fence(key, take_lead(endpoints[-1], key), on_deposed)
     store.load()
     return store
 
@@ -178,7 +162,7 @@ def _set(proxies: list[_Proxy], mode: str) -> None:
 
 def _held(endpoint: str, prefix: str, cid: str) -> Composition | None:
     """The composition as etcd holds it, read by a client of its own."""
-    values = _raw(endpoint).get(f"{prefix}compositions/{cid}")
+    values = raw_client(endpoint).get(f"{prefix}compositions/{cid}")
     return codec.loads(values[0], Composition) if values else None
 
 
@@ -247,7 +231,7 @@ class TestLateCopies:
         store = _fenced([dying.endpoint, member], prefix, lambda: deposed.append(True))
 
         def another_leads() -> None:
-            _lead(member, f"{prefix}leader")
+            take_lead(member, f"{prefix}leader")
 
         try:
             dying.on_forwarded = another_leads
@@ -361,7 +345,7 @@ class TestFencedFirst:
             assert info.value.reason == "LEDGER_NOT_FENCED" and not info.value.retryable
             assert "fenced" in store.failure
             assert store.load().compositions == ()  # reads go on
-            assert _raw(etcd_one.endpoints[0]).get_prefix(prefix) == []
+            assert raw_client(etcd_one.endpoints[0]).get_prefix(prefix) == []
         finally:
             store.close()
 
@@ -395,7 +379,7 @@ class TestDamagedRecords:
         store = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
         try:
             store.put_composition(_composition("c0"))
-            _raw(etcd_one.endpoints[0]).put(f"{prefix}{kind}/bad", value)
+            raw_client(etcd_one.endpoints[0]).put(f"{prefix}{kind}/bad", value)
             with pytest.raises(ConfigError, match="restore it from a backup") as refused:
                 store.load()
             assert f"{prefix}{kind}/bad" in refused.value.message and refused.value.field == "state.prefix"

@@ -205,6 +205,65 @@ class TestEvents:
         assert dict(loaded.data) == {"old": "a", "new": "b"}
 
 
+def _atomic_held(store: Store) -> tuple[dict[str, int], list[int]]:
+    """The compositions' generations and the event revisions the store holds, once its writes are durable."""
+    state = store.load()
+    return {c.id: c.generation for c in state.compositions}, [e.revision for e in store.events_after(0)]
+
+
+class TestAtomic:
+    """`Store.atomic`, as every ledger keeps it (tests/test_ledger_atomic.py has the composer's use of it)."""
+
+    def test_the_writes_of_a_block_are_all_held_after_it(self, store: Store) -> None:
+        with store.atomic():
+            store.put_composition(_composition("c1"))
+            store.append_event(_event(1))
+            store.put_composition(_composition("c2"))
+            store.append_event(_event(2))
+        assert _atomic_held(store) == ({"c1": 1, "c2": 1}, [1, 2])
+
+    def test_a_nested_block_joins_the_outer_one(self, store: Store) -> None:
+        with store.atomic():
+            store.put_composition(_composition("c1"))
+            with store.atomic():
+                store.append_event(_event(1))
+            store.put_composition(_composition("c1", 2))
+        assert _atomic_held(store) == ({"c1": 2}, [1])
+
+    def test_a_block_left_on_an_error_writes_what_came_before_it(self, store: Store) -> None:
+        with pytest.raises(RuntimeError, match="the caller's"), store.atomic():
+            store.put_composition(_composition("c1"))
+            store.append_event(_event(1))
+            raise RuntimeError("the caller's")
+        assert _atomic_held(store) == ({"c1": 1}, [1])
+
+    @pytest.mark.parametrize("last", ["put", "delete"])
+    def test_the_last_write_of_a_record_in_a_block_is_the_one_held(self, store: Store, last: str) -> None:
+        """etcd refuses a transaction that names a key twice: the block keeps the last write of each key."""
+        store.put_composition(_composition("c1"))
+        with store.atomic():
+            store.put_composition(_composition("c1", 2))
+            store.delete_composition("c1")
+            if last == "put":
+                store.put_composition(_composition("c1", 3))
+        assert _atomic_held(store) == ({"c1": 3} if last == "put" else {}, [])
+
+    @pytest.mark.parametrize("ledger", ["sqlite", "etcd"])
+    def test_a_closed_store_refuses_the_write_where_it_is_made(
+        self, ledger: str, tmp_path: Path, request: pytest.FixtureRequest
+    ) -> None:
+        """Inside the block too, not as it ends: the composer changes nothing in memory for a refused write."""
+        store: Store
+        if ledger == "sqlite":
+            store = SqliteStore(tmp_path / "ledger.db")
+        else:
+            cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+            store = EtcdStore(cluster.endpoints, prefix=fresh_prefix(), unfenced=True)
+        store.close()
+        with store.atomic(), pytest.raises(FabricUnavailableError, match="closed"):
+            store.put_composition(_composition("c1"))
+
+
 class TestMemoryStore:
     """MemoryStore keeps only the newest ``event_retention`` events, and last_revision still counts all."""
 

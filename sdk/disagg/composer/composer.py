@@ -30,6 +30,7 @@ from disagg.composer import requests, steps
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep, driver_error
 from disagg.composer.hardware import HardwareView
 from disagg.composer.index import Inventory, Repeat, repeated_ids, reported_ids
+from disagg.composer.ledgerlock import LedgerLock
 from disagg.composer.placement import Line, Pin, Placer, added_lines, describe_line
 from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
 from disagg.errors import (
@@ -302,7 +303,8 @@ class FabricComposer(Composer):
         `date -s`) must neither hold one for longer nor expire all at once. A test that injects only ``clock``
         moves both."""
         self._new_id = new_id or _random_id
-        self._lock = threading.RLock()
+        self._lock = LedgerLock(self.store, self._settle_events)
+        """Each outermost hold writes to the ledger in one transaction (`LedgerLock`)."""
         self._compositions: dict[str, Composition] = {}
         self._reservations: dict[str, Reservation] = {}
         self._reservation_deadlines: dict[str, float] = {}
@@ -311,6 +313,8 @@ class FabricComposer(Composer):
         """Per composition an apply in flight is making of a reservation, that reservation's deadline: an apply
         undone gives it back for the rest of that time (`_give_back`)."""
         self._listeners: list[EventListener] = []
+        self._unheard: list[Event] = []
+        """The events of the lock's hold, told to the listeners once the ledger took them (`_settle_events`)."""
         self._subscriptions: list[Subscription] = []
         self._revision = 0
         self._revision_time = 0.0
@@ -1245,12 +1249,24 @@ class FabricComposer(Composer):
         event = Event(self._revision, type_, subject, message, self.clock(), data)
         self._revision_time = event.time
         self.store.append_event(event)
-        for listener in list(self._listeners):
-            try:
-                listener(event)
-            except Exception:
-                log.exception("event listener failed")
+        if self._lock.depth:
+            self._unheard.append(event)
+        else:  # not under the lock: a hold of its own
+            with self._lock:
+                self._unheard.append(event)
         return event
+
+    def _settle_events(self, taken: bool) -> None:
+        """The lock's hold ends, and the ledger took its writes (``taken``) or refused them: tell the listeners of
+        its events, or of none, which the ledger does not hold."""
+        events, self._unheard = self._unheard, []
+        if taken:
+            for event in events:
+                for listener in list(self._listeners):
+                    try:
+                        listener(event)
+                    except Exception:
+                        log.exception("event listener failed")
 
     def _quarantine_memory(
         self, carved: dict[tuple[str, str], Allocation], recorded: set[tuple[str, str]], read: set[str]
@@ -1294,7 +1310,8 @@ class FabricComposer(Composer):
         return changes
 
     def add_listener(self, listener: EventListener) -> Callable[[], None]:
-        """Call ``listener`` for every new event, under the composer's lock: it must not block."""
+        """Call ``listener`` for every new event, under the composer's lock, once the ledger took the writes of the
+        change that made it (`LedgerLock`): it must not block."""
         with self._lock:
             self._listeners.append(listener)
 
@@ -1693,7 +1710,7 @@ class FabricComposer(Composer):
         its record need not be waited for. Should the ledger refuse the record (it failed), the id is forgotten
         as `_unanswered` does: its retries would otherwise wait for an answer that never comes."""
         try:
-            with self._lock, self.store.asynchronous_commit() if found_again else contextlib.nullcontext():
+            with self.store.asynchronous_commit() if found_again else contextlib.nullcontext(), self._lock:
                 self._answered(request_id, fp, answer, _ANSWERED if found_again else done)
         except BaseException:
             self._unanswered(request_id, seed, done)
@@ -1914,7 +1931,7 @@ class FabricComposer(Composer):
         # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
         # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
         # One commit to wait for per Compose instead of two (docs/durability.md).
-        with self._lock, self.store.asynchronous_commit():
+        with self.store.asynchronous_commit(), self._lock:
             # A device that failed while the binds ran was reported to a composition not yet COMPOSED, which took
             # its reason (`_say_meanwhile`): its record as it is now is judged.
             comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)

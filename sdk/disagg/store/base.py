@@ -195,6 +195,17 @@ class Store(abc.ABC):
         raises `FabricUnavailableError` when the events cannot be made durable."""
         return None
 
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
+        """The writes this thread makes inside are made durable together, in one transaction, as it leaves: all of
+        them or, should that fail, none. A composition's record and the event that tells of its change are one
+        such group: written apart, a crash or a lost lead between the two leaves the record without its event,
+        and a watcher never learns of the change. Leaving on an error writes what was written before it, as
+        writes made outside would have been. A write refused at once (the store failed, or was closed) is
+        refused where it is made; one that fails in the transaction raises as the block is left. Nested, the
+        inner block joins the outer one. The default, whose every write is durable alone when it returns and a
+        crash cannot split, writes each as it is made."""
+        return contextlib.nullcontext()
+
     def asynchronous_commit(self) -> contextlib.AbstractContextManager[None]:
         """Writes made inside are committed with the next group as usual, but this caller's `sync` (and
         `synced`, `when_synced`) does not wait for them: it waits for what the caller wrote before, and for

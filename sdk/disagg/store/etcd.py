@@ -8,8 +8,9 @@ Event keys carry the revision zero-padded, so etcd's key order is revision order
 read from the key after ``revision`` (or after the retention's cut), with a limit. No read sorts on the server:
 etcd (3.4 and later) answers a sorted range, even one with a limit, by reading the whole range first.
 
-Writes are transactions of one record each (an append and its prune of old events are one; forgetting old
-request ids deletes up to `TXN_OPS` keys in one). When a prune is due is decided from what etcd holds (read
+A write is a transaction of its own (an append with its prune of old events; forgetting old request ids deletes
+up to `TXN_OPS` keys in one), or, inside `atomic`, part of the one transaction its block commits as it ends: the
+composer writes a change's record and its event so. When a prune is due is decided from what etcd holds (read
 once, at the first use, then followed through this process's writes), not from a count of this process's
 writes, so that a ledger whose leader changes or restarts often still prunes. After `fence`, each
 transaction succeeds only if the leader key still has the leader's ``create_revision``, so a replica that lost
@@ -34,6 +35,8 @@ outlives and the ledger must too. Needs etcd 3.4 or later (the ``/v3/`` gateway)
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -153,6 +156,14 @@ def put_op(key: bytes, value: str) -> dict[str, Any]:
     return {"request_put": {"key": _b64(key), "value": _b64(value.encode())}}
 
 
+def delete_op(key: bytes, end: bytes | None = None) -> dict[str, Any]:
+    """A transaction's delete of ``key``, or of the keys from it up to ``end``."""
+    op: dict[str, Any] = {"key": _b64(key)}
+    if end is not None:
+        op["range_end"] = _b64(end)
+    return {"request_delete_range": op}
+
+
 def created_at(key: str, create_revision: int) -> dict[str, Any]:
     """A compare of an etcd transaction: ``key`` still has ``create_revision``, as the leader key of one lead."""
     return {"key": _b64(key.encode()), "target": "CREATE", "result": "EQUAL", "create_revision": create_revision}
@@ -256,6 +267,8 @@ class EtcdStore(Store):
         self._log: tuple[int, int] | None = None
         """The oldest revision the log may hold in etcd and the newest it holds, read at the first use (`_log_ends`)
         and followed through appends and prunes; guarded by `_state_lock`."""
+        self._atomic = _AtomicTxn()
+        """Per thread, the transaction `atomic` gathers (None outside it)."""
         self._request_keys: int | None = None
         """At least the keys under ``requests/`` (a put that replaces one counts as one more), counted at the first
         put: their prune is due when they reach twice the retention. Guarded by `_write_lock`."""
@@ -496,12 +509,6 @@ class EtcdStore(Store):
             self._failure = exc.message
             raise
 
-    def _delete(self, key: bytes, end: bytes | None = None) -> dict[str, Any]:
-        op: dict[str, Any] = {"key": _b64(key)}
-        if end is not None:
-            op["range_end"] = _b64(end)
-        return {"request_delete_range": op}
-
     # ----------------------------------------------------------------- the ledger
 
     def load(self) -> LedgerState:
@@ -593,51 +600,51 @@ class EtcdStore(Store):
             raise undecodable(self._where, f"the record {key!r}", exc, "state.prefix") from exc
 
     def put_composition(self, composition: Composition) -> None:
-        with self._write_lock:
-            self._commit([put_op(self._key(COMPOSITIONS, composition.id), codec.record(composition))])
+        self._write(lambda txn: txn.put(self._key(COMPOSITIONS, composition.id), codec.record(composition)))
 
     def delete_composition(self, composition_id: str) -> None:
-        with self._write_lock:
-            self._commit([self._delete(self._key(COMPOSITIONS, composition_id))])
+        self._write(lambda txn: txn.delete(self._key(COMPOSITIONS, composition_id)))
 
     def put_reservation(self, reservation: Reservation) -> None:
-        with self._write_lock:
-            self._commit([put_op(self._key(RESERVATIONS, reservation.id), codec.record(reservation))])
+        self._write(lambda txn: txn.put(self._key(RESERVATIONS, reservation.id), codec.record(reservation)))
 
     def delete_reservation(self, reservation_id: str) -> None:
-        with self._write_lock:
-            self._commit([self._delete(self._key(RESERVATIONS, reservation_id))])
+        self._write(lambda txn: txn.delete(self._key(RESERVATIONS, reservation_id)))
 
     def put_cordon(self, device: str) -> None:
-        with self._write_lock:
-            self._commit([put_op(self._key(CORDONS, device), device)])
+        self._write(lambda txn: txn.put(self._key(CORDONS, device), device))
 
     def delete_cordon(self, device: str) -> None:
-        with self._write_lock:
-            self._commit([self._delete(self._key(CORDONS, device))])
+        self._write(lambda txn: txn.delete(self._key(CORDONS, device)))
 
     def put_quarantine(self, pool: str, allocation_id: str) -> None:
         key = quarantine_key(pool, allocation_id)
-        with self._write_lock:
-            self._commit([put_op(self._key(QUARANTINES, key), key)])
+        self._write(lambda txn: txn.put(self._key(QUARANTINES, key), key))
 
     def delete_quarantine(self, pool: str, allocation_id: str) -> None:
-        with self._write_lock:
-            self._commit([self._delete(self._key(QUARANTINES, quarantine_key(pool, allocation_id)))])
+        key = quarantine_key(pool, allocation_id)
+        self._write(lambda txn: txn.delete(self._key(QUARANTINES, key)))
 
     def put_request(self, record: RequestRecord) -> None:
         """Write the request's key, and forget the oldest once etcd may hold twice the retention: now and then,
         not on every put, and counted from the keys found at the first put, so that a leader that restarts
         often still forgets."""
-        with self._write_lock:
-            keys = self._read_for_write(self._count_requests)
-            self._commit([put_op(self._key(REQUESTS, record.id), codec.record(record))])
-            self._request_keys = keys + 1
-            if self._request_keys >= 2 * REQUEST_RETENTION:
-                self._request_keys = self._forget_old_requests()
+
+        def put(txn: _Txn) -> None:
+            self._read_for_write(self._count_requests)
+            txn.put(self._key(REQUESTS, record.id), codec.record(record))
+            txn.after(self._request_put)
+
+        self._write(put)
+
+    def _request_put(self) -> None:
+        """A request's key is in etcd: count it, and forget the oldest when due. Holding `_write_lock`."""
+        self._request_keys = (self._request_keys or 0) + 1
+        if self._request_keys >= 2 * REQUEST_RETENTION:
+            self._request_keys = self._forget_old_requests()
 
     def _count_requests(self) -> int:
-        """`_request_keys`, counted in etcd the first time. Call it holding `_write_lock`."""
+        """`_request_keys`, counted in etcd the first time."""
         if self._request_keys is None:
             start, end = self._bounds(REQUESTS)
             self._request_keys = int(self._range(start, end, count_only=True).get("count", 0))
@@ -645,34 +652,79 @@ class EtcdStore(Store):
 
     def _forget_old_requests(self) -> int:
         """Delete every request id but the newest `REQUEST_RETENTION` (by etcd's mod revision, as `load`); the
-        keys left."""
+        keys left. Holding `_write_lock`."""
         kvs = sorted(
             self._read_for_write(lambda: list(self._scan(REQUESTS, 0, keys_only=True))),
             key=lambda kv: int(kv["mod_revision"]),
         )
         old = [_unb64(kv["key"]) for kv in kvs[: max(0, len(kvs) - REQUEST_RETENTION)]]
         for i in range(0, len(old), TXN_OPS):
-            self._commit([self._delete(key) for key in old[i : i + TXN_OPS]])
+            self._commit([delete_op(key) for key in old[i : i + TXN_OPS]])
         return len(kvs) - len(old)
 
     def delete_request(self, request_id: str) -> None:
-        with self._write_lock:
-            self._commit([self._delete(self._key(REQUESTS, request_id))])
+        self._write(lambda txn: txn.delete(self._key(REQUESTS, request_id)))
 
     def append_event(self, event: Event) -> None:
         """Write the event's key, in one transaction with the prune that keeps the log to its retention once a
         step of revisions is due: decided from the revisions, so that it does not matter how many of them this
         process wrote."""
-        with self._write_lock:
-            oldest, _ = self._read_for_write(self._known_log)
-            ops = [put_op(self._event_key(event.revision), codec.record(event))]
+
+        def append(txn: _Txn) -> None:
+            oldest = txn.log_oldest if txn.log_oldest is not None else self._read_for_write(self._known_log)[0]
+            txn.put(self._event_key(event.revision), codec.record(event))
             cutoff = event.revision - self._retention  # events at or below it are past the retention
             if cutoff - oldest + 1 >= min(PRUNE_EVERY, self._retention):
                 start, _ = self._bounds(EVENTS)
-                ops.append(self._delete(start, self._event_key(cutoff + 1)))
+                txn.delete(start, self._event_key(cutoff + 1))  # a later prune in the group replaces this one
                 oldest = cutoff + 1
-            self._commit(ops)
-            self._appended(oldest, event.revision)
+            txn.log_oldest = oldest
+            txn.after(functools.partial(self._appended, oldest, event.revision))
+
+        self._write(append)
+
+    def _write(self, make: Callable[[_Txn], None]) -> None:
+        """A write: ``make`` adds its operations to a transaction. Inside `atomic` to this thread's, written as the
+        block ends; otherwise to one of its own, written now. Under `_write_lock`, so that a prune sees no write
+        of this process between its read and its deletes."""
+        txn = self._atomic.txn
+        with self._write_lock:
+            if txn is not None:
+                self._refuse_writes()
+                make(txn)
+                return
+            txn = _Txn()
+            make(txn)
+            self._write_txn(txn)
+
+    def _write_txn(self, txn: _Txn) -> None:
+        """Commit ``txn`` and then call what follows it (`_Txn.after`); holding `_write_lock`. More operations than
+        etcd takes in one transaction (`TXN_OPS` at a time; a reconcile that quarantines many devices at once) are
+        written in order, in several."""
+        ops = list(txn.ops.values())
+        for i in range(0, len(ops), TXN_OPS):
+            self._commit(ops[i : i + TXN_OPS])
+        for after in txn.followers:
+            after()
+
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
+        """See `Store.atomic`: the writes are gathered into one etcd transaction, committed as the block ends."""
+        return self._in_one_txn()
+
+    @contextlib.contextmanager
+    def _in_one_txn(self) -> Iterator[None]:
+        held = self._atomic
+        if held.txn is not None:
+            yield
+            return
+        txn = held.txn = _Txn()
+        try:
+            yield
+        finally:
+            held.txn = None
+            if txn.ops:
+                with self._write_lock:
+                    self._write_txn(txn)
 
     def _appended(self, oldest: int, revision: int) -> None:
         """Follow an append of ``revision`` (and its prune, which left ``oldest``) in the known log."""
@@ -703,6 +755,35 @@ class EtcdStore(Store):
         """Refuse every later write, then close the connections (a request made after would open new ones)."""
         self._closed = True
         self._session.close()
+
+
+class _Txn:
+    """The operations of one etcd transaction being gathered, one per key (a later write of a key replaces the
+    earlier, as etcd refuses a transaction that names a key twice), and what follows its commit."""
+
+    __slots__ = ("followers", "log_oldest", "ops")
+
+    def __init__(self) -> None:
+        self.ops: dict[bytes, dict[str, Any]] = {}
+        self.followers: list[Callable[[], None]] = []
+        self.log_oldest: int | None = None
+        """The oldest revision the event log will hold once this transaction's prune, if any, is done."""
+
+    def put(self, key: bytes, value: str) -> None:
+        self.ops.pop(key, None)  # the key's place is where it was last written
+        self.ops[key] = put_op(key, value)
+
+    def delete(self, key: bytes, end: bytes | None = None) -> None:
+        self.ops.pop(key, None)
+        self.ops[key] = delete_op(key, end)
+
+    def after(self, follow: Callable[[], None]) -> None:
+        """Call ``follow`` once the transaction is committed, holding the store's write lock."""
+        self.followers.append(follow)
+
+
+class _AtomicTxn(threading.local):
+    txn: _Txn | None = None
 
 
 def describe_error(exc: BaseException) -> str:

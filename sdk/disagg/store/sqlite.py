@@ -4,7 +4,8 @@ Commits are grouped. A write is queued and returns at once; one committer thread
 in one transaction, so that concurrent requests share one fsync instead of paying one each, and folds the
 group into one statement, or a statement or two per table (`disagg.store.batch` says why and when). A group
 of one statement is a transaction of its own, which takes the write lock as it starts, as BEGIN IMMEDIATE
-does. `sync` waits until the caller's own writes are on disk (and so everything queued before them): the
+does. The writes of an `atomic` block are queued as one, as it ends, so that no commit takes part of them.
+`sync` waits until the caller's own writes are on disk (and so everything queued before them): the
 composer calls it before a driver call that the ledger must already know of (write-ahead), and before it
 answers; `synced` (a coroutine) and `when_synced` (a callback) do the same on an event loop without blocking
 it. Each waiter is woken once, by the commit that holds its last write. Reads see the queued writes as well:
@@ -309,6 +310,42 @@ def _call_loops(loops: dict[asyncio.AbstractEventLoop, list[Synced]], failure: E
             loop.call_soon_threadsafe(_call_back, callbacks, failure)
 
 
+_Held: TypeAlias = "tuple[Callable[..., None], Table | None, Any, Event | None]"
+"""A write held by `SqliteStore.atomic`: the arguments of `SqliteStore._enqueue`."""
+
+
+class _AtomicWrites(threading.local):
+    """Per thread, the writes `SqliteStore.atomic` holds (None outside a block), and how deep its blocks nest."""
+
+    writes: list[_Held] | None = None
+    depth = 0
+
+
+class _Atomic:
+    """`SqliteStore.atomic`, one per store and used by every thread (its state is the thread's `_AtomicWrites`):
+    the outermost block holds the thread's writes, and queues them as it ends. The composer enters one at every
+    hold of its lock, two per durable Compose, so it is made once rather than at each."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        held = self._store._atomic
+        if not held.depth:
+            held.writes = []
+        held.depth += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        held = self._store._atomic
+        held.depth -= 1
+        if not held.depth:
+            writes, held.writes = held.writes, None
+            if writes:
+                self._store._enqueue_group(writes)
+
+
 class _LastQueuedKept:
     """Puts the caller's last queued write back as it was on entry, on exit: `SqliteStore.asynchronous_commit`. A
     class, not a generator under `contextlib.contextmanager`, which costs three times as much per use (a Python
@@ -411,6 +448,8 @@ class SqliteStore(Store):
         """Sequence number of the last write on disk."""
         self._failure: BaseException | None = None
         self._closing = False
+        self._atomic = _AtomicWrites()
+        self._atomic_block = _Atomic(self)
         self._committer = threading.Thread(target=self._commit_loop, name="disagg-ledger", daemon=True)
         self._committer.start()
 
@@ -423,25 +462,52 @@ class SqliteStore(Store):
         table ``write(batch)``, a write of its own (applied to the batch the next commit takes) as this caller's
         latest write; with the ``event`` it appends, refuse a revision not above the newest (here, not in the
         committer: one bad statement must not fail a whole group of commits)."""
+        held = self._atomic.writes
+        if held is not None:  # inside `atomic`: queued with the rest of the group as it ends
+            if self._failure is not None or self._closing:
+                self._refuse_if_failed()
+            held.append((write, table, value, event))
+        else:
+            self._enqueue_group([(write, table, value, event)])
+
+    def _refuse_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failed()
+        if self._closing:
+            raise FabricUnavailableError(f"the ledger at {self.path} is closed")
+
+    def _enqueue_group(self, writes: list[_Held]) -> None:
+        """Queue ``writes`` (one, or those an `atomic` block held) as one write, this caller's latest: a commit
+        takes all of them or none. Their events are checked before any of it is queued, so that one refused
+        leaves nothing of the group queued."""
         with self._lock:
-            if self._failure is not None:
-                raise self._failed()
-            if self._closing:
-                raise FabricUnavailableError(f"the ledger at {self.path} is closed")
-            if event is not None:
-                if event.revision <= self._newest_event:
-                    raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {self._newest_event}")
-                self._newest_event = event.revision
-                self._queued_events.append(event)
-            if table is None:
-                write(self._batch)
-            else:
-                write(self._batch, table, value)
+            if self._failure is not None or self._closing:
+                self._refuse_if_failed()
+            newest = self._newest_event
+            for _, _, _, event in writes:
+                if event is not None:
+                    if event.revision <= newest:
+                        raise sqlite3.IntegrityError(f"event revision {event.revision} is not above {newest}")
+                    newest = event.revision
+            self._newest_event = newest
+            batch = self._batch
+            for write, table, value, event in writes:
+                if event is not None:
+                    self._queued_events.append(event)
+                if table is None:
+                    write(batch)
+                else:
+                    write(batch, table, value)
             self._queued += 1
             _last_queued.set((self, self._queued))
             if self._idle:  # once: the writes queued before the committer wakes need not notify it again
                 self._idle = False
                 self._cond.notify()
+
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
+        """See `Store.atomic`: the writes are held in this thread and queued as one as the block ends, so that the
+        committer, which takes whatever is queued when it starts a commit, never takes part of them."""
+        return self._atomic_block
 
     def _commit_loop(self) -> None:
         """Commit each group queued, having checked that the ledger is still in place (`_check_in_place`); while

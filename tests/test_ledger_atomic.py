@@ -1,0 +1,232 @@
+"""The composer's changes written as one ledger transaction a step (`Store.atomic`, whose contract every ledger
+keeps in tests/test_store.py): a composition's record and the event that tells of its change are durable together
+or not at all.
+
+Written one by one, a lead lost between the record and its event (etcd's writes were a transaction each) or a
+commit taken between them (SQLite's committer takes whatever is queued) left the ledger with the record and not
+the event: a watcher that resumes from a revision never learnt of the change, and saw the composition COMPOSED
+for ever while the ledger held it DECOMPOSING. Against a real etcd member (`etcd_helpers`; skipped without etcd,
+failed on CI) and real SQLite files.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from composer_helpers import composer, rack
+from disagg import codec
+from disagg.model import Composition, CompositionState, Event, EventType
+from disagg.requestlang import parse_request
+from disagg.store import EtcdStore, SqliteStore, Store
+from disagg.store import etcd as etcd_store
+from disagg.store.etcd import LeadershipLostError
+from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member, raw_client, take_lead
+
+REQUEST = parse_request("job", ["host cores>=8", "gpu x2 model=H200"])
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    yield from one_etcd_member(tmp_path_factory)
+
+
+def _composition(cid: str, generation: int = 1) -> Composition:
+    return Composition(
+        id=cid, name=f"name-{cid}", host="h1", state=CompositionState.COMPOSED, resources=(), generation=generation
+    )
+
+
+def _event(revision: int, subject: str = "c1") -> Event:
+    return Event(revision, EventType.COMPOSITION_UPDATED, subject, f"event {revision}", float(revision), {})
+
+
+def _held(store: Store) -> tuple[dict[str, int], list[int]]:
+    """The compositions' generations and the event revisions the store holds, once its writes are durable."""
+    state = store.load()
+    return {c.id: c.generation for c in state.compositions}, [e.revision for e in store.events_after(0)]
+
+
+class TestSqlite:
+    def test_the_committer_takes_none_of_a_block_before_it_ends(self, tmp_path: Path) -> None:
+        """Whatever is queued is committed (``load`` waits for that) while the block is open: the file holds
+        nothing of it; once it ends, all of it."""
+        path = tmp_path / "ledger.db"
+        store = SqliteStore(path)
+        reader = sqlite3.connect(path)
+        try:
+            with store.atomic():
+                store.put_composition(_composition("c1"))
+                store.load()  # every write queued so far is committed
+                assert reader.execute("SELECT count(*) FROM compositions").fetchone() == (0,)
+                store.append_event(_event(1))
+            store.load()
+            assert reader.execute("SELECT count(*) FROM compositions").fetchone() == (1,)
+            assert reader.execute("SELECT revision FROM events").fetchall() == [(1,)]
+        finally:
+            reader.close()
+            store.close()
+
+    def test_a_refused_event_leaves_nothing_of_its_block(self, tmp_path: Path) -> None:
+        """An event not above the newest (a composer that reloaded a ledger it was not given) is refused as the
+        block ends, and the record written beside it is not queued either."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        try:
+            store.append_event(_event(5))
+            with pytest.raises(sqlite3.IntegrityError, match="revision 5 is not above 5"), store.atomic():
+                store.put_composition(_composition("c1"))
+                store.append_event(_event(5))
+            assert _held(store) == ({}, [5])
+        finally:
+            store.close()
+
+
+class TestEtcd:
+    def test_a_block_is_one_transaction(self, etcd: EtcdCluster) -> None:
+        prefix = fresh_prefix()
+        store = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        try:
+            with store.atomic():
+                store.put_composition(_composition("c1"))
+                store.append_event(_event(1))
+                store.put_cordon("pcie0/g0")
+            kvs = raw_client(etcd.endpoints[0]).get_prefix(prefix)
+            revisions = {int(meta["mod_revision"]) for _, meta in kvs}
+            assert len(kvs) == 4  # the three records and the sequence key
+            assert len(revisions) == 1
+        finally:
+            store.close()
+
+    def test_a_block_larger_than_a_transaction_is_written_whole(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """etcd takes up to 128 operations in one transaction (its --max-txn-ops): a reconcile that quarantines
+        more devices at once is written in several, in order."""
+        monkeypatch.setattr(etcd_store, "TXN_OPS", 3)
+        store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), unfenced=True)
+        try:
+            with store.atomic():
+                for n in range(8):
+                    store.put_cordon(f"pcie0/g{n}")
+            assert store.load().cordons == tuple(sorted(f"pcie0/g{n}" for n in range(8)))
+        finally:
+            store.close()
+
+    def test_a_block_refused_for_a_lost_lead_writes_none_of_it(self, etcd: EtcdCluster) -> None:
+        prefix = fresh_prefix()
+        key = f"{prefix}leader"
+        store = EtcdStore(etcd.endpoints, prefix=prefix)
+        store.fence(key, take_lead(etcd.endpoints[0], key))
+        try:
+            store.put_composition(_composition("c1"))
+            with pytest.raises(LeadershipLostError), store.atomic():
+                store.put_composition(_composition("c1", 2))
+                take_lead(etcd.endpoints[0], key)
+                store.append_event(_event(1))
+            reader = EtcdStore(etcd.endpoints, prefix=prefix)
+            assert _held(reader) == ({"c1": 1}, [])
+            reader.close()
+        finally:
+            store.close()
+
+
+class _DeposedAtTheEvent(EtcdStore):
+    """A leader's ledger that loses the lead just before its next event is written, as a replica paused (or cut
+    off) between a change's record and its event would."""
+
+    leader_key = ""
+    depose_at_event = False
+
+    def append_event(self, event: Event) -> None:
+        if self.depose_at_event:
+            self.depose_at_event = False
+            take_lead(self.endpoints[0], self.leader_key)
+        super().append_event(event)
+
+
+class _CommittedBeforeTheEvent(SqliteStore):
+    """A ledger whose committer takes everything queued just before each event is queued, and which keeps what the
+    file then holds, as a crash at that instant would leave it: the compositions' states, and the events."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.seen: list[tuple[dict[str, CompositionState], list[Event]]] = []
+
+    def append_event(self, event: Event) -> None:
+        self.load()  # waits until everything queued is committed
+        reader = sqlite3.connect(self.path)
+        try:
+            comps = [codec.loads(d, Composition) for (d,) in reader.execute("SELECT doc FROM compositions")]
+            events = [codec.loads(d, Event) for (d,) in reader.execute("SELECT doc FROM events")]
+        finally:
+            reader.close()
+        self.seen.append(({c.id: c.state for c in comps}, events))
+        super().append_event(event)
+
+
+def _untold(comps: dict[str, CompositionState], events: list[Event]) -> list[str]:
+    """The compositions whose state on disk no event on disk tells of: one a watcher would never learn of."""
+    told = {(e.subject, e.data.get("new")) for e in events if e.type is EventType.COMPOSITION_STATE_CHANGED}
+    told |= {(e.subject, CompositionState.COMPOSING.value) for e in events if e.type is EventType.COMPOSITION_CREATED}
+    return [f"{cid} {state.value}" for cid, state in comps.items() if (cid, state.value) not in told]
+
+
+class TestTheComposersChanges:
+    """A change's record and its event, through the composer's lock (`disagg.composer.ledgerlock`)."""
+
+    def test_a_decompose_that_lost_the_lead_leaves_the_record_as_its_events_tell(self, etcd: EtcdCluster) -> None:
+        prefix = fresh_prefix()
+        key = f"{prefix}leader"
+        store = _DeposedAtTheEvent(etcd.endpoints, prefix=prefix)
+        store.leader_key = key
+        store.fence(key, take_lead(etcd.endpoints[0], key))
+        comp = composer(rack(), store=store)
+        heard: list[Event] = []
+        try:
+            made = comp.compose(REQUEST).composition
+            assert made is not None
+            revision = comp.revision
+            comp.add_listener(heard.append)
+            store.depose_at_event = True
+            with pytest.raises(LeadershipLostError):
+                comp.decompose(made.id)
+            reader = EtcdStore(etcd.endpoints, prefix=prefix)
+            try:
+                held = {c.id: c.state for c in reader.load().compositions}
+                assert held == {made.id: CompositionState.COMPOSED}, "the record changed without its event"
+                assert [e.revision for e in reader.events_after(revision)] == []
+            finally:
+                reader.close()
+            assert heard == [], "a listener heard of an event the ledger does not hold"
+        finally:
+            comp.close()
+            store.close()
+
+    def test_a_commit_between_a_record_and_its_event_is_not_made(self, tmp_path: Path) -> None:
+        """At every event a compose and a decompose write, what the file holds then has an event for each
+        composition's state."""
+        store = _CommittedBeforeTheEvent(tmp_path / "ledger.db")
+        comp = composer(rack(), store=store)
+        try:
+            made = comp.compose(REQUEST).composition
+            assert made is not None
+            comp.decompose(made.id)
+            assert len(store.seen) >= 4
+            assert [_untold(*seen) for seen in store.seen] == [[]] * len(store.seen)
+        finally:
+            comp.close()
+            store.close()
+
+    def test_a_listener_hears_an_event_once_the_ledger_holds_it(self, etcd: EtcdCluster) -> None:
+        store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), unfenced=True)
+        comp = composer(rack(), store=store)
+        found: list[bool] = []
+        try:
+            comp.add_listener(lambda event: found.append(bool(store.events_after(event.revision - 1, 1))))
+            comp.compose(REQUEST)
+            assert found and all(found)
+        finally:
+            comp.close()
+            store.close()
