@@ -12,8 +12,6 @@ import contextvars
 import functools
 import itertools
 import logging
-import os
-import random
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +27,7 @@ from disagg import failpoints
 from disagg.composer import requests, steps
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep, driver_error
 from disagg.composer.hardware import HardwareView
+from disagg.composer.ids import IdMaker
 from disagg.composer.index import Inventory, Repeat, repeated_ids, reported_ids
 from disagg.composer.ledgerlock import LedgerLock
 from disagg.composer.placement import Line, Pin, Placer, added_lines, describe_line
@@ -85,17 +84,13 @@ from disagg.store.base import UNDECODABLE, undecodable
 log = logging.getLogger("disagg.composer")
 
 EventListener = Callable[[Event], None]
-_ID_RANDOM = random.Random(int.from_bytes(os.urandom(16), "big"))
+FRESH_ID_TRIES = 100
+"""Ids made for one new record before giving up, should every one be in use (an id maker that repeats itself)."""
 _ASKING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("disagg_request", default=None)
 """The request id and digest of the change this thread or asyncio task is running (`_once`)."""
 _RETRYING_RECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("disagg_retrying_recorded", default=False)
 """Set while a request id known only from a composition record runs again (`_seed_requests`): its change was
 carried out before, so the change must find its work and answer with it, never carry it out again."""
-
-
-def _random_id(prefix: str) -> str:
-    """``c-`` or ``r-`` and 48 random bits: unique in practice, and ten times cheaper than a uuid4 per compose."""
-    return f"{prefix}-{_ID_RANDOM.getrandbits(48):012x}"
 
 
 APPLY_FINGERPRINT_TTL_S = 60.0
@@ -302,7 +297,7 @@ class FabricComposer(Composer):
         """What a reservation expires by within this run (`_reservation_deadlines`): a step of the wall clock (NTP,
         `date -s`) must neither hold one for longer nor expire all at once. A test that injects only ``clock``
         moves both."""
-        self._new_id = new_id or _random_id
+        self._new_id = new_id or IdMaker()
         self._lock = LedgerLock(self.store, self._settle_events)
         """Each outermost hold writes to the ledger in one transaction (`LedgerLock`)."""
         self._compositions: dict[str, Composition] = {}
@@ -1807,7 +1802,9 @@ class FabricComposer(Composer):
                 return ComposeResult(mode, plan)
             if mode is ComposeMode.RESERVE:
                 expires = self.clock() + reservation_ttl_s
-                res = Reservation(self._new_id("r"), request, plan, expires, *self._request_mark())
+                res = Reservation(
+                    self._fresh_id("r", self._reservations), request, plan, expires, *self._request_mark()
+                )
                 self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
@@ -1854,8 +1851,17 @@ class FabricComposer(Composer):
             return None
         return next((c for c in self._compositions.values() if _finished_by(c, request_id, fp)), None)
 
+    def _fresh_id(self, prefix: str, held: Mapping[str, object]) -> str:
+        """A new id (``new_id``) that no record in ``held`` has: a second record under one id would replace the
+        first in the ledger. Under the lock."""
+        for _ in range(FRESH_ID_TRIES):
+            made = self._new_id(prefix)
+            if made not in held:
+                return made
+        raise RuntimeError(f"the composer's id maker gave {FRESH_ID_TRIES} ids in a row that are in use")
+
     def _begin(self, request: CompositionRequest, plan: Plan, reservation: Reservation | None = None) -> Composition:
-        comp_id = self._new_id("c")
+        comp_id = self._fresh_id("c", self._compositions)
         request_id, fp = self._request_mark()
         comp = Composition(
             id=comp_id,
