@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from composer_helpers import composer, rack
 from disagg import codec
+from disagg.interfaces import CallContext
 from disagg.model import Composition, CompositionState, Event, EventType
 from disagg.requestlang import parse_request
 from disagg.store import EtcdStore, SqliteStore, Store
@@ -131,6 +132,36 @@ class TestEtcd:
         finally:
             store.close()
 
+    def test_a_prune_in_a_block_drops_the_events_put_before_it(self, etcd: EtcdCluster) -> None:
+        """With a retention of one event, the second event of a block prunes the first, put in the same
+        transaction: etcd refuses a transaction that puts a key its delete range covers, which failed the store."""
+        store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), unfenced=True, event_retention=1)
+        try:
+            store.append_event(_event(1))
+            with store.atomic():
+                store.append_event(_event(2))
+                store.append_event(_event(3))
+            assert store.failure == ""
+            assert [e.revision for e in store.events_after(0)] == [3]
+        finally:
+            store.close()
+
+    def test_a_reconcile_that_quarantines_two_bindings_keeps_the_log_to_its_retention(self, etcd: EtcdCluster) -> None:
+        """Two bindings no composition records: one hold of the reconcile reports both, two events that a log of
+        one event's retention prunes within the hold."""
+        fabrics = rack()
+        store = EtcdStore(etcd.endpoints, prefix=fresh_prefix(), unfenced=True, event_retention=1)
+        comp = composer(fabrics, store=store)
+        try:
+            for device in ("pcie0/gpu-b8", "pcie0/gpu-b9"):
+                fabrics["pcie0"].bind(device, "h4", CallContext(epoch=0))
+            comp.reconcile()
+            assert store.failure == ""
+            assert [e.type for e in store.events_after(0)] == [EventType.BINDING_QUARANTINED]
+        finally:
+            comp.close()
+            store.close()
+
 
 class _DeposedAtTheEvent(EtcdStore):
     """A leader's ledger that loses the lead just before its next event is written, as a replica paused (or cut
@@ -227,6 +258,29 @@ class TestTheComposersChanges:
             comp.add_listener(lambda event: found.append(bool(store.events_after(event.revision - 1, 1))))
             comp.compose(REQUEST)
             assert found and all(found)
+        finally:
+            comp.close()
+            store.close()
+
+    def test_a_change_a_listener_makes_is_heard_at_once(self, tmp_path: Path) -> None:
+        """A listener that changes something (here, cordons a device when a composition is COMPOSED, the last hold of
+        the Compose): its event is told as the hold that told the listener ends, not held back until a later one."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        comp = composer(rack(), store=store)
+        heard: list[EventType] = []
+
+        def cordon_once(event: Event) -> None:
+            if event.type is EventType.COMPOSITION_STATE_CHANGED and event.data["new"] == "COMPOSED":
+                comp.cordon("pcie0/gpu-b9")
+
+        try:
+            comp.add_listener(cordon_once)
+            comp.add_listener(lambda event: heard.append(event.type))
+            comp.compose(REQUEST)
+            assert EventType.DEVICE_CORDONED in heard
+            assert heard.index(EventType.COMPOSITION_STATE_CHANGED) < heard.index(EventType.DEVICE_CORDONED)
+            store.sync()
+            assert store.load().cordons == ("pcie0/gpu-b9",)
         finally:
             comp.close()
             store.close()

@@ -1255,13 +1255,14 @@ class FabricComposer(Composer):
         """The lock's hold ends, and the ledger took its writes (``taken``) or refused them: tell the listeners of
         its events, or of none, which the ledger does not hold."""
         events, self._unheard = self._unheard, []
-        if taken:
+        while taken and events:
             for event in events:
                 for listener in list(self._listeners):
                     try:
                         listener(event)
                     except Exception:
                         log.exception("event listener failed")
+            events, self._unheard = self._unheard, []  # a listener's own change: written as it was made
 
     def _quarantine_memory(
         self, carved: dict[tuple[str, str], Allocation], recorded: set[tuple[str, str]], read: set[str]

@@ -774,6 +774,12 @@ class _Txn:
         self.ops[key] = put_op(key, value)
 
     def delete(self, key: bytes, end: bytes | None = None) -> None:
+        """Delete ``key``, or the keys from it up to ``end``. A range drops what was gathered inside it: the range
+        would delete it, and etcd refuses a transaction that puts a key its delete range covers. (The store's one
+        range, the prune of old events, lies below every key put after it.)"""
+        if end is not None:
+            for inside in [k for k in self.ops if key <= k < end]:
+                del self.ops[inside]
         self.ops.pop(key, None)
         self.ops[key] = delete_op(key, end)
 
