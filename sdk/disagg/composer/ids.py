@@ -6,9 +6,9 @@ up within it. A ledger indexes its records by id, and SQLite's index took each n
 again when composed, on a random page of the index: a commit of a dozen Composes wrote 26 pages to the
 write-ahead log, 13 with neighbouring ids (docs/benchmarks.md). A run is a maker's life, or 2**24 ids; it starts
 at a random count in its lower half. Two makers (two processes, or one after the other) share a run's upper
-bits once in 2**24, and then overlap only if their counts meet; the composer also never gives an id that a
-record it holds has (`FabricComposer._fresh_id`). Random ids of 48 bits, as before, met a pair that collided
-once in about 2**24 ids made in all.
+bits once in 2**24, and then overlap only if their counts meet (48 random bits an id would make a pair of equal
+ids likely after about 2**24 ids in all); the composer also never gives an id that a record it holds has
+(`FabricComposer._fresh_id`).
 """
 
 from __future__ import annotations
