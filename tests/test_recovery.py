@@ -2178,3 +2178,44 @@ class TestLeaderAnnouncesItsEpoch:
 
 def free_gpu_of(fabric: SimFabric) -> str:
     return next(d.id for d in fabric.discover().devices if d.kind is DeviceKind.GPU)
+
+
+class TestAFailedCompositionStaysFailed:
+    """A compose whose rollback was refused is FAILED, and keeps the pending change that names what it may still
+    hold; its client was told it failed. A restart leaves it so, whatever the hardware holds by then, until a
+    decompose releases it (docs/durability.md)."""
+
+    def test_a_restart_does_not_finish_it(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        first = opened(tmp_path)
+        pcie = first.fabrics["pcie0"]
+        bind = pcie.bind
+        bound: list[str] = []
+
+        def answer_lost_at_the_second(device: str, host: str, ctx: CallContext) -> Binding:
+            bound.append(device)
+            made = bind(device, host, ctx)
+            if len(bound) == 2:  # bound, and its answer lost: the hardware holds the whole plan
+                raise FabricUnavailableError("connection broke", metadata={OUTCOME: OUTCOME_UNKNOWN})
+            return made
+
+        def refused(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "bind", answer_lost_at_the_second)
+        monkeypatch.setattr(pcie, "unbind", refused)
+        with pytest.raises(FabricUnavailableError):
+            first.compose(parse_request("job", ["host h1", "gpu x2"]), request_id="r1")
+        failed = first.find("job")
+        assert failed.state is CompositionState.FAILED and failed.pending is not None
+        monkeypatch.undo()
+        first.close()
+        again = opened(tmp_path)
+        try:
+            after = again.find("job")
+            assert (after.state, after.message, after.pending) == (failed.state, failed.message, failed.pending)
+            left = {d.device for d in failed.pending.devices}
+            assert left <= set(again.holders()), "what the rollback left is kept out of placement"
+            again.decompose(after.id)
+            assert not left & set(again.holders())
+        finally:
+            again.close()

@@ -4,13 +4,15 @@ watches from the listing's revision (docs/protocol.md, "Revisions: list, then wa
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
 from composer_helpers import composer, rack
 from disagg.composer import FabricComposer, steps
 from disagg.errors import DisaggError
-from disagg.model import ComposeMode, Event, EventType, Reservation
+from disagg.model import ComposeMode, Event, EventType, Health, Reservation
 from disagg.requestlang import parse_request
 
 JOB = parse_request("job", ["host memory>=512GiB", "gpu x2", "cxl-memory 512GiB"])
@@ -100,4 +102,30 @@ class TestAnUndoneApply:
         assert comp.reservations() == [] and comp.compositions() == [] and mirrored(listed, events) == set()
         (released,) = [e for e in events if e.subject == res.id]
         assert released.type is EventType.RESERVATION_RELEASED and set(released.data) == {"composition"}
+        comp.close()
+
+    def test_a_device_that_failed_while_its_apply_ran_ends_it(self) -> None:
+        """The failure found no reservation to release (the apply had taken it), and the apply, undone on that
+        device, gives back none: held again, it could not be applied, and would keep its host and devices out of
+        placement until its time ran out."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = reserved(comp)
+        listed, revision = comp.snapshot(comp.reservations)
+        sick = res.plan.devices[1].device
+        applying = comp.apply_steps(res.id)
+        assert isinstance(next(applying), steps.Durable)  # taken: its composition made, nothing bound yet
+        failing = threading.Thread(target=fabrics["pcie0"].fail_device, args=(sick, "died during the apply"))
+        failing.start()  # its report waits for the apply, which holds the composition
+        deadline = time.monotonic() + 5
+        while comp.device(sick).health is Health.OK and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(DisaggError):
+            steps.run(applying, comp.store)
+        failing.join(5)
+        events = comp.events(revision)
+        assert comp.reservations() == [] and comp.compositions() == [] and mirrored(listed, events) == set()
+        assert not {p.device for p in res.plan.devices} & set(comp.holders())
+        (released,) = [e for e in events if e.subject == res.id and e.type is EventType.RESERVATION_RELEASED][-1:]
+        assert "not healthy" in released.message
         comp.close()

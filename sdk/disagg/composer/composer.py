@@ -566,6 +566,10 @@ class FabricComposer(Composer):
                     self.decompose(comp.id)
                 except DisaggError as exc:
                     log.error("could not finish the decompose of %s: %s", comp.id, exc.message)
+            elif comp.state is CompositionState.FAILED:
+                # Its pending change names what a refused rollback left: it stays claimed, the composition FAILED,
+                # until a decompose releases it (docs/durability.md), however the hardware stands now.
+                continue
             elif comp.pending is not None or comp.state is CompositionState.COMPOSING:
                 try:
                     self._held(comp.id, functools.partial(self._recover_one, comp, hardware))
@@ -1254,6 +1258,8 @@ class FabricComposer(Composer):
     def _settle_events(self, taken: bool) -> None:
         """The lock's hold ends, and the ledger took its writes (``taken``) or refused them: tell the listeners of
         its events, or of none, which the ledger does not hold."""
+        if not self._unheard:
+            return
         events, self._unheard = self._unheard, []
         while taken and events:
             for event in events:
@@ -1424,16 +1430,20 @@ class FabricComposer(Composer):
         Returns how many; under the lock."""
         dropped = 0
         for res in [r for r in self._reservations.values() if only is None or r.id == only]:
-            bad = [
-                p.device
-                for p in res.plan.devices
-                if (dev := self._inv.devices.get(p.device)) is not None and dev.health is not Health.OK
-            ] + sorted({m.pool for m in res.plan.memory if self._sick_pool(m.pool)})
-            if bad:
-                because = f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy"
+            because = self._unhealthy_in(res.plan)
+            if because:
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED, because)
                 dropped += 1
         return dropped
+
+    def _unhealthy_in(self, plan: Plan) -> str:
+        """What of ``plan`` (its devices, its pools) is not healthy, or empty; under the lock."""
+        bad = [
+            p.device
+            for p in plan.devices
+            if (dev := self._inv.devices.get(p.device)) is not None and dev.health is not Health.OK
+        ] + sorted({m.pool for m in plan.memory if self._sick_pool(m.pool)})
+        return f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy" if bad else ""
 
     @_durably
     def tick(self) -> None:
@@ -2003,6 +2013,14 @@ class FabricComposer(Composer):
         )
         if not free:  # what it held is another's now (a restart found the hardware otherwise): it cannot be held
             self._emit(EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back")
+            return
+        # A device of it failed while the apply ran (the failure found no reservation to release then): it could
+        # not be applied again, and would hold its host and devices until its time ran out.
+        sick = self._unhealthy_in(res.plan)
+        if sick:
+            self._emit(
+                EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back: {sick}"
+            )
             return
         self._hold_reservation(res, deadline)
         self._emit(
