@@ -2219,3 +2219,42 @@ class TestAFailedCompositionStaysFailed:
             assert not left & set(again.holders())
         finally:
             again.close()
+
+
+class TestAnUpdateThatLeftPartsBound:
+    """An update adds a line and removes a device that will not unbind: the device stays part of the composition,
+    and the error saying so is the request's answer, since the line was added. A crash right after the record's
+    commit (`recompose.after_commit`) lost that answer, written in a later commit, and the record carries no
+    request id (only a change that fully happened is found by it): the retry after the restart added the line
+    again."""
+
+    def test_its_retry_after_a_crash_adds_nothing(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x2"]), request_id="q").composition
+        assert job is not None
+        stuck = job.device_ids[0]
+        pcie = first.fabrics["pcie0"]
+        unbind = pcie.unbind
+
+        def refuse_stuck(binding: Binding, ctx: CallContext) -> None:
+            if binding.device == stuck:
+                raise FabricUnavailableError(f"{stuck} will not unbind")
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(pcie, "unbind", refuse_stuck)
+        add = parse_request("job", ["gpu x1"]).resources
+        held = crash_at(monkeypatch, first, "recompose.after_commit")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose("job", add=add, remove=[stuck], request_id="u1")
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            grown = again.find("job")
+            assert len(grown.devices) == 3 and stuck in grown.device_ids
+            with pytest.raises(DisaggError, match=f"could not remove {stuck}"):
+                again.recompose("job", add=add, remove=[stuck], request_id="u1")
+            assert again.find("job").devices == grown.devices
+        finally:
+            again.close()
+            held.release()
+            first.close()

@@ -174,6 +174,22 @@ def _durably(method: C) -> C:
     return cast(C, durable)
 
 
+def _left_bound(comp_id: str, leftovers: Leftovers) -> DisaggError:
+    """The error of a removal from ``comp_id`` that left ``leftovers`` part of it."""
+    names = ", ".join(leftovers.ids)
+    metadata = {"composition": comp_id, "bound": ",".join(leftovers.ids)}
+    if leftovers.timed_out:
+        return DeadlineExceededError(
+            f"the deadline stopped the removal of {names} from {comp_id}: they are still part of it; remove them "
+            "again to retry",
+            metadata=metadata,
+        )
+    return DisaggError(
+        f"could not remove {names} from {comp_id}: they are still part of it; remove them again to retry",
+        metadata=metadata,
+    )
+
+
 def _composed(answer: object) -> bool:
     """A Compose that made a composition: the composition carries its request id and digest, so a retry after
     a restart finds it (`FabricComposer._made_by_request`) even when the answer's own record was lost."""
@@ -2263,26 +2279,13 @@ class FabricComposer(Composer):
                 added = _parts(len(plan.devices), len(new_allocs))
                 self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {added}", etag=comp.etag)
         leftovers = Leftovers()
+        error: DisaggError | None = None
         if remove:
-            comp, leftovers = yield from self._remove(comp, deadline, mark)
+            comp, leftovers, error = yield from self._remove(comp, deadline, mark, added=bool(add))
         yield DURABLE
         failpoints.hit("recompose.after_commit")
-        if not leftovers:
+        if error is None:
             return comp
-        names = ", ".join(leftovers.ids)
-        metadata = {"composition": comp.id, "bound": ",".join(leftovers.ids)}
-        error: DisaggError
-        if leftovers.timed_out:
-            error = DeadlineExceededError(
-                f"the deadline stopped the removal of {names} from {comp.id}: they are still part of it; "
-                "remove them again to retry",
-                metadata=metadata,
-            )
-        else:
-            error = DisaggError(
-                f"could not remove {names} from {comp.id}: they are still part of it; remove them again to retry",
-                metadata=metadata,
-            )
         if add or len(leftovers.ids) < len(set(remove)):
             raise _SettledError(error)
         raise error
@@ -2317,11 +2320,14 @@ class FabricComposer(Composer):
         return PendingChange(ChangeKind.REMOVE, picks, allocs, None, *self._request_mark())
 
     def _remove(
-        self, comp: Composition, deadline: float | None, mark: Mapping[str, str]
-    ) -> Steps[tuple[Composition, Leftovers]]:
+        self, comp: Composition, deadline: float | None, mark: Mapping[str, str], *, added: bool
+    ) -> Steps[tuple[Composition, Leftovers, DisaggError | None]]:
         """Unbind and release what ``comp``'s pending removal names, once that is durable; what could not be
-        undone stays part of the composition. The record of the result carries ``mark`` (the request id and
-        digest) when nothing was left."""
+        undone stays part of the composition, and the error that says so is returned. The record of the result
+        carries ``mark`` (the request id and digest) when nothing was left. When something was left and the change
+        still did something (it ``added``, or the removal took some of its parts), that error is the request's
+        answer, written with the record in one transaction: a crash between the two would leave the
+        request id unknown to the record and to the answers, and a retry would add the lines again."""
         assert comp.pending is not None and comp.pending.kind is ChangeKind.REMOVE
         picks, allocs = comp.pending.devices, comp.pending.allocations
         yield DURABLE
@@ -2337,7 +2343,13 @@ class FabricComposer(Composer):
             comp = self._without(now, gone_devices, gone_allocs, **(mark if not leftovers else {}))
             removed = _parts(len(gone_devices), len(gone_allocs))
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {removed}", etag=comp.etag)
-            return comp, leftovers
+            if not leftovers:
+                return comp, leftovers, None
+            error = _left_bound(comp.id, leftovers)
+            entry = self._requests.get(mark.get("request_id", ""))
+            if entry is not None and (added or len(leftovers.ids) < len(picks) + len(allocs)):
+                self._answered(mark["request_id"], mark["request_fingerprint"], _SettledError(error), entry[2])
+            return comp, leftovers, error
 
     def _without(
         self, comp: Composition, devices: set[str], allocs: Sequence[Allocation], **changes: str
