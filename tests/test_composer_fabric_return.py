@@ -336,3 +336,47 @@ class TestANeverStartedComposer:
             assert again.find("job").state is CompositionState.COMPOSED
         finally:
             again.close()
+
+
+class _Hanging(Returning):
+    """An unreachable fabric whose driver does not refuse at once but hangs, until its timeout, at every call."""
+
+    hang_s = 0.0
+
+    def _answer(self) -> None:
+        if not self.reachable:
+            self.entered.set()
+            self.gate.wait(self.hang_s)
+        super()._answer()
+
+
+class TestAFabricThatHangs:
+    """Trying an unreachable fabric again whose driver hangs holds up nothing else: the composer's lock is not
+    held while it is asked, so a device that fails on another fabric meanwhile degrades its composition within
+    a second, as it must."""
+
+    def test_a_failure_elsewhere_is_judged_while_it_is_asked(self, tmp_path: Path) -> None:
+        hardware = on_disk(tmp_path)
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        comp = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        try:
+            job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+            assert job is not None
+            cxl.hang_s = 30.0
+            cxl.entered.clear()
+            retrying = threading.Thread(target=comp.retry_unreachable, daemon=True)
+            retrying.start()
+            assert cxl.entered.wait(5), "the retry never asked cxl0"
+            failing = threading.Thread(target=hardware["pcie0"].fail_device, args=(job.device_ids[0], "xid 79"))
+            failing.start()
+            failing.join(1.0)
+            judged_in_time = not failing.is_alive()  # the report is judged in the thread that makes it
+            cxl.gate.set()  # the hang ends (its timeout), unanswered
+            retrying.join(5)
+            failing.join(5)
+            assert judged_in_time, "the report of the failure waited for the retry of cxl0"
+            assert comp.find("job").state is CompositionState.DEGRADED
+        finally:
+            cxl.gate.set()
+            comp.close()

@@ -539,15 +539,31 @@ class FabricComposer(Composer):
         that cannot be reached then is told when it answers again (`retry_unreachable`)."""
         self._announce_epoch(self.fabrics)
 
+    def _fence(self, name: str, ctx: CallContext) -> None:
+        """Tell fabric ``name`` this manager's epoch, where it fences (an unbind of its fence binding)."""
+        fabric = self.fabrics[name]
+        if fabric.capabilities().supports(Feature.FENCING):
+            fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
+
+    def _answers(self, name: str) -> bool:
+        """Whether fabric ``name``, unreachable, takes the epoch and answers a discovery now. Asked outside the
+        lock, before a rebuild under it: a driver that hangs until its timeout would otherwise hold every change
+        and every report of a failure elsewhere for that long (a failure is to degrade its compositions within a
+        second)."""
+        try:
+            self._fence(name, self._context())
+            self.fabrics[name].discover()
+        except Exception:  # a driver's bug too: it stays unreachable, as `_discover_all` counts it
+            return False
+        return True
+
     def _announce_epoch(self, names: Iterable[str]) -> None:
         """Announce the epoch to ``names``; one that does not take it is remembered (`_unannounced`) and counts
         as unreachable until it does: a deposed manager's older epoch would be accepted there meanwhile."""
         ctx = self._context()
         for name in names:
-            fabric = self.fabrics[name]
             try:
-                if fabric.capabilities().supports(Feature.FENCING):
-                    fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
+                self._fence(name, ctx)
             except DisaggError as exc:
                 log.warning("could not announce epoch %d to fabric %s: %s", self.epoch, name, exc.message)
                 self._unannounced.add(name)
@@ -1168,6 +1184,10 @@ class FabricComposer(Composer):
         its compositions (recovery, then COMPOSED or DEGRADED as the hardware holds them) and reconcile. Returns
         whether any answered. A server calls it on a timer."""
         self._check_started()
+        with self._lock:
+            unreachable, returned = sorted(self._unreachable), bool(self._returned)
+        if not returned and not any(self._answers(name) for name in unreachable):
+            return False
         with self._lock:
             if not self._unreachable and not self._returned:
                 return False
