@@ -380,3 +380,29 @@ class TestAFabricThatHangs:
         finally:
             cxl.gate.set()
             comp.close()
+
+    def test_a_link_event_elsewhere_does_not_ask_it(self, tmp_path: Path) -> None:
+        """A link that goes down on another fabric rebuilds the index under the lock: it is judged with the
+        hanging fabric counted empty still, not asked again there (the timer asks it, without the lock)."""
+        hardware = on_disk(tmp_path)
+        hardware["cxl0"].close()
+        cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+        comp = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+        try:
+            job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+            assert job is not None
+            cxl.hang_s = 30.0
+            cxl.entered.clear()
+            switch = comp.device(job.device_ids[0]).switch
+            link = next(x for x in hardware["pcie0"].discover().links if switch in (x.a, x.b))
+            down = threading.Thread(target=hardware["pcie0"].set_link, args=(link.a, link.b, False))
+            down.start()
+            down.join(1.0)
+            judged_in_time = not down.is_alive()
+            cxl.gate.set()
+            down.join(5)
+            assert judged_in_time and not cxl.entered.is_set(), "the link's rebuild asked the hanging fabric"
+            assert comp.find("job").state is CompositionState.DEGRADED
+        finally:
+            cxl.gate.set()
+            comp.close()

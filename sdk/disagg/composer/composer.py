@@ -989,12 +989,13 @@ class FabricComposer(Composer):
             request_id=self._request_mark()[0],
         )
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, retry: set[str] | None = None) -> None:
         """Build a fresh index from discovery and take the ledger's claims again. What an unreachable fabric
         holds is not in the index and is claimed once it answers (its next rebuild). Should anything fail, the
-        index before stays: a half-built one would offer what others hold."""
+        index before stays: a half-built one would offer what others hold. ``retry``: the unreachable fabrics
+        asked again (None: all), as `_discover_all`."""
         before = self._inv, self._placer
-        self._inv = self._index(self._discover_all())
+        self._inv = self._index(self._discover_all(retry))
         self._placer = Placer(self._inv, self.policy)
         try:
             self._claim_all()
@@ -1069,15 +1070,20 @@ class FabricComposer(Composer):
             if alloc.pool in self._inv.pools:
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
 
-    def _discover_all(self) -> list[Topology]:
+    def _discover_all(self, retry: set[str] | None = None) -> list[Topology]:
         """Every fabric's topology; one that cannot be reached counts as empty and is remembered as
         unreachable (its compositions become UNKNOWN, `retry_unreachable` tries it again). When no fabric
-        answers at all, the first error is raised: there is nothing to serve."""
+        answers at all, the first error is raised: there is nothing to serve. ``retry``: the unreachable fabrics
+        to ask again (None: all); the others count as empty still, unasked: a rebuild runs under the lock, and a
+        driver that hangs until its timeout would hold every change and report meanwhile."""
         topologies: list[Topology] = []
         first: DisaggError | None = None
         for name, fabric in self.fabrics.items():
             if self._early is not None:  # starting, under the lock: a server stopping stops it (`cancel_start`)
                 self._stop_if_closing()
+            if retry is not None and name in self._unreachable and name not in retry:
+                topologies.append(Topology(fabric=name))
+                continue
             if name in self._unannounced or name in self._unreachable:
                 # Told before anything else reaches it: a deposed manager may still try.
                 self._announce_epoch([name])
@@ -2585,7 +2591,7 @@ class FabricComposer(Composer):
             affected = self._health_changed(event.fabric, event.subject, event.health, event.message)
             return affected if self.auto_heal and event.health is not Health.OK else []
         with self._lock:
-            self._rebuild()
+            self._rebuild(retry={event.fabric})  # the others are the timer's to ask, without the lock
             self._mark_unknown()
             self._emit(
                 EventType.LINK_STATE_CHANGED
