@@ -6,7 +6,7 @@ again. A composer that was never started refuses what needs its ledger."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -350,59 +350,62 @@ class _Hanging(Returning):
         super()._answer()
 
 
+@attrs.frozen
+class _HangingRack:
+    composer: FabricComposer
+    pcie: SimFabric
+    cxl: _Hanging
+    job: Composition
+
+
+@pytest.fixture
+def hanging(tmp_path: Path) -> Iterator[_HangingRack]:
+    """A composer whose cxl0 was unreachable at start-up, and whose driver now hangs for 30 s (until the test lets
+    it go) at every call, with a composition ``job`` on pcie0."""
+    hardware = on_disk(tmp_path)
+    hardware["cxl0"].close()
+    cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
+    comp = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+    try:
+        job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        cxl.hang_s = 30.0
+        cxl.entered.clear()
+        yield _HangingRack(comp, hardware["pcie0"], cxl, job)
+    finally:
+        cxl.gate.set()
+        comp.close()
+
+
 class TestAFabricThatHangs:
     """Trying an unreachable fabric again whose driver hangs holds up nothing else: the composer's lock is not
     held while it is asked, so a device that fails on another fabric meanwhile degrades its composition within
     a second, as it must."""
 
-    def test_a_failure_elsewhere_is_judged_while_it_is_asked(self, tmp_path: Path) -> None:
-        hardware = on_disk(tmp_path)
-        hardware["cxl0"].close()
-        cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
-        comp = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
-        try:
-            job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
-            assert job is not None
-            cxl.hang_s = 30.0
-            cxl.entered.clear()
-            retrying = threading.Thread(target=comp.retry_unreachable, daemon=True)
-            retrying.start()
-            assert cxl.entered.wait(5), "the retry never asked cxl0"
-            failing = threading.Thread(target=hardware["pcie0"].fail_device, args=(job.device_ids[0], "xid 79"))
-            failing.start()
-            failing.join(1.0)
-            judged_in_time = not failing.is_alive()  # the report is judged in the thread that makes it
-            cxl.gate.set()  # the hang ends (its timeout), unanswered
-            retrying.join(5)
-            failing.join(5)
-            assert judged_in_time, "the report of the failure waited for the retry of cxl0"
-            assert comp.find("job").state is CompositionState.DEGRADED
-        finally:
-            cxl.gate.set()
-            comp.close()
+    def test_a_failure_elsewhere_is_judged_while_it_is_asked(self, hanging: _HangingRack) -> None:
+        retrying = threading.Thread(target=hanging.composer.retry_unreachable, daemon=True)
+        retrying.start()
+        assert hanging.cxl.entered.wait(5), "the retry never asked cxl0"
+        failing = threading.Thread(target=hanging.pcie.fail_device, args=(hanging.job.device_ids[0], "xid 79"))
+        failing.start()
+        failing.join(1.0)
+        judged_in_time = not failing.is_alive()  # the report is judged in the thread that makes it
+        hanging.cxl.gate.set()  # the hang ends (its timeout), unanswered
+        retrying.join(5)
+        failing.join(5)
+        assert judged_in_time, "the report of the failure waited for the retry of cxl0"
+        assert hanging.composer.find("job").state is CompositionState.DEGRADED
 
-    def test_a_link_event_elsewhere_does_not_ask_it(self, tmp_path: Path) -> None:
+    def test_a_link_event_elsewhere_does_not_ask_it(self, hanging: _HangingRack) -> None:
         """A link that goes down on another fabric rebuilds the index under the lock: it is judged with the
         hanging fabric counted empty still, not asked again there (the timer asks it, without the lock)."""
-        hardware = on_disk(tmp_path)
-        hardware["cxl0"].close()
-        cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
-        comp = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
-        try:
-            job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
-            assert job is not None
-            cxl.hang_s = 30.0
-            cxl.entered.clear()
-            switch = comp.device(job.device_ids[0]).switch
-            link = next(x for x in hardware["pcie0"].discover().links if switch in (x.a, x.b))
-            down = threading.Thread(target=hardware["pcie0"].set_link, args=(link.a, link.b, False))
-            down.start()
-            down.join(1.0)
-            judged_in_time = not down.is_alive()
-            cxl.gate.set()
-            down.join(5)
-            assert judged_in_time and not cxl.entered.is_set(), "the link's rebuild asked the hanging fabric"
-            assert comp.find("job").state is CompositionState.DEGRADED
-        finally:
-            cxl.gate.set()
-            comp.close()
+        switch = hanging.composer.device(hanging.job.device_ids[0]).switch
+        link = next(x for x in hanging.pcie.discover().links if switch in (x.a, x.b))
+        down = threading.Thread(target=hanging.pcie.set_link, args=(link.a, link.b, False))
+        down.start()
+        down.join(1.0)
+        judged_in_time = not down.is_alive()
+        hanging.cxl.gate.set()
+        down.join(5)
+        assert judged_in_time and not hanging.cxl.entered.is_set(), "the link's rebuild asked the hanging fabric"
+        assert hanging.composer.find("job").state is CompositionState.DEGRADED
