@@ -2304,16 +2304,13 @@ class FabricComposer(Composer):
             if add:
                 added = _parts(len(plan.devices), len(new_allocs))
                 self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {added}", etag=comp.etag)
-        leftovers = Leftovers()
-        error: DisaggError | None = None
+        error: Exception | None = None
         if remove:
-            comp, leftovers, error = yield from self._remove(comp, deadline, mark, added=bool(add))
+            comp, error = yield from self._remove(comp, deadline, mark, added=bool(add))
         yield DURABLE
         failpoints.hit("recompose.after_commit")
         if error is None:
             return comp
-        if add or len(leftovers.ids) < len(set(remove)):
-            raise _SettledError(error)
         raise error
 
     @staticmethod
@@ -2347,13 +2344,14 @@ class FabricComposer(Composer):
 
     def _remove(
         self, comp: Composition, deadline: float | None, mark: Mapping[str, str], *, added: bool
-    ) -> Steps[tuple[Composition, Leftovers, DisaggError | None]]:
+    ) -> Steps[tuple[Composition, Exception | None]]:
         """Unbind and release what ``comp``'s pending removal names, once that is durable; what could not be
-        undone stays part of the composition, and the error that says so is returned. The record of the result
-        carries ``mark`` (the request id and digest) when nothing was left. When something was left and the change
-        still did something (it ``added``, or the removal took some of its parts), that error is the request's
-        answer, written with the record in one transaction: a crash between the two would leave the
-        request id unknown to the record and to the answers, and a retry would add the lines again."""
+        undone stays part of the composition, and the error that says so is returned (None when nothing was
+        left). The record of the result carries ``mark`` (the request id and digest) when nothing was left. When
+        something was left and the change still did something (it ``added``, or the removal took some of its
+        parts), the error is the request's answer, returned as `_SettledError` and written with the record in one
+        transaction: a crash between the two would leave the request id unknown to the record and to the answers,
+        and a retry would add the lines again."""
         assert comp.pending is not None and comp.pending.kind is ChangeKind.REMOVE
         picks, allocs = comp.pending.devices, comp.pending.allocations
         yield DURABLE
@@ -2370,12 +2368,15 @@ class FabricComposer(Composer):
             removed = _parts(len(gone_devices), len(gone_allocs))
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {removed}", etag=comp.etag)
             if not leftovers:
-                return comp, leftovers, None
+                return comp, None
             error = _left_bound(comp.id, leftovers)
+            if not added and len(leftovers.ids) == len(picks) + len(allocs):
+                return comp, error  # nothing happened: a retry runs again
+            settled = _SettledError(error)
             entry = self._requests.get(mark.get("request_id", ""))
-            if entry is not None and (added or len(leftovers.ids) < len(picks) + len(allocs)):
-                self._answered(mark["request_id"], mark["request_fingerprint"], _SettledError(error), entry[2])
-            return comp, leftovers, error
+            if entry is not None:
+                self._answered(mark["request_id"], mark["request_fingerprint"], settled, entry[2])
+            return comp, settled
 
     def _without(
         self, comp: Composition, devices: set[str], allocs: Sequence[Allocation], **changes: str
