@@ -14,10 +14,12 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from composer_helpers import composer, rack
 from disagg import codec
+from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg.model import Composition, CompositionState, Event, EventType
 from disagg.requestlang import parse_request
@@ -160,6 +162,115 @@ class TestEtcd:
             assert [e.type for e in store.events_after(0)] == [EventType.BINDING_QUARANTINED]
         finally:
             comp.close()
+            store.close()
+
+
+def _deposed_before(store: EtcdStore, etcd: EtcdCluster, key: str, commit: int) -> None:
+    """Make ``store`` lose the lead just before its ``commit``-th transaction from now (1: the next)."""
+    made = store._commit
+    calls = 0
+
+    def deposing(ops: list[dict[str, Any]]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == commit:
+            take_lead(etcd.endpoints[0], key)
+        made(ops)
+
+    store._commit = deposing  # type: ignore[method-assign]
+
+
+def _staged_keys(etcd: EtcdCluster, prefix: str) -> list[str]:
+    kvs = raw_client(etcd.endpoints[0]).get_prefix(f"{prefix}staged")
+    return sorted(meta["key"].decode() for _, meta in kvs)
+
+
+def _cordons_in_etcd(etcd: EtcdCluster, prefix: str) -> int:
+    return len(raw_client(etcd.endpoints[0]).get_prefix(f"{prefix}cordons/"))
+
+
+class TestEtcdBlocksLargerThanATransaction:
+    """A block of more operations than etcd takes in one transaction (`TXN_OPS`; 128 by default, and a fabric
+    that goes away marks each of its compositions UNKNOWN in one block) is written in several. Written straight
+    into its keys, a leader that lost the lead between two of them left the first written and the rest not: the
+    next leader loaded half a block, a record without its event among it. Staged first, it is finished by the
+    next leader as it loads, or, if its staging did not end, never seen."""
+
+    @pytest.fixture(autouse=True)
+    def small_transactions(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(etcd_store, "TXN_OPS", 3)  # staged blocks apply one operation a transaction
+
+    def _leader(self, etcd: EtcdCluster, prefix: str) -> EtcdStore:
+        store = EtcdStore(etcd.endpoints, prefix=prefix)
+        store.fence(f"{prefix}leader", take_lead(etcd.endpoints[0], f"{prefix}leader"))
+        return store
+
+    def _cut_short(self, etcd: EtcdCluster, prefix: str, commit: int, cordons: int = 9) -> None:
+        """A leader that writes ``cordons`` cordons in one block and loses the lead before its ``commit``-th
+        transaction."""
+        old = self._leader(etcd, prefix)
+        _deposed_before(old, etcd, f"{prefix}leader", commit)
+        with pytest.raises(LeadershipLostError), old.atomic():
+            for n in range(cordons):
+                old.put_cordon(f"pcie0/g{n}")
+        old.close()
+
+    def test_a_block_cut_short_by_a_lost_lead_is_finished_by_the_next_leader(self, etcd: EtcdCluster) -> None:
+        prefix = fresh_prefix()
+        self._cut_short(etcd, prefix, commit=3)  # staged, then one of the nine cordons applied
+        left = _cordons_in_etcd(etcd, prefix), _staged_keys(etcd, prefix)
+        new = self._leader(etcd, prefix)
+        try:
+            assert new.load().cordons == tuple(f"pcie0/g{n}" for n in range(9))
+            assert left == (1, [f"{prefix}staged", f"{prefix}staged/000000"])
+            assert _staged_keys(etcd, prefix) == []
+        finally:
+            new.close()
+
+    def test_only_a_writer_loads_past_a_staged_block(self, etcd: EtcdCluster) -> None:
+        """A store that may not write (not fenced, and not made a single writer) cannot finish the block, and would
+        read half of it: refused, without failing the store."""
+        prefix = fresh_prefix()
+        self._cut_short(etcd, prefix, commit=2)
+        standby = EtcdStore(etcd.endpoints, prefix=prefix)
+        try:
+            with pytest.raises(FabricUnavailableError, match="staged and did not finish"):
+                standby.load()
+            assert standby.failure == ""
+        finally:
+            standby.close()
+
+    def test_a_block_whose_staging_was_cut_short_is_none_of_it(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Staged in parts, the key that names them put with the last: parts without it are ignored, and the next
+        staged block replaces and then deletes them."""
+        monkeypatch.setattr(etcd_store, "STAGE_PART_BYTES", 200)
+        prefix = fresh_prefix()
+        self._cut_short(etcd, prefix, commit=2)  # the first part staged, not the rest
+        assert _staged_keys(etcd, prefix) == [f"{prefix}staged/000000"]
+
+        new = self._leader(etcd, prefix)
+        try:
+            assert new.load().cordons == ()
+            with new.atomic():
+                for n in range(4):
+                    new.put_composition(_composition(f"c{n}"))
+            assert _held(new) == ({f"c{n}": 1 for n in range(4)}, [])
+            assert _staged_keys(etcd, prefix) == []
+        finally:
+            new.close()
+
+    def test_a_damaged_staged_block_is_refused_naming_it(self, etcd: EtcdCluster) -> None:
+        prefix = fresh_prefix()
+        raw_client(etcd.endpoints[0]).put(f"{prefix}staged", '{"parts": 2}')
+        raw_client(etcd.endpoints[0]).put(f"{prefix}staged/000000", "[")
+        store = self._leader(etcd, prefix)
+        try:
+            with pytest.raises(ConfigError, match="staged block") as refused:
+                store.load()
+            assert "1 of its 2 parts" in str(refused.value)
+        finally:
             store.close()
 
 

@@ -10,13 +10,18 @@ etcd (3.4 and later) answers a sorted range, even one with a limit, by reading t
 
 A write is a transaction of its own (an append with its prune of old events; forgetting old request ids deletes
 up to `TXN_OPS` keys in one), or, inside `atomic`, part of the one transaction its block commits as it ends: the
-composer writes a change's record and its event so. When a prune is due is decided from what etcd holds (read
-once, at the first use, then followed through this process's writes), not from a count of this process's
-writes, so that a ledger whose leader changes or restarts often still prunes. After `fence`, each
-transaction succeeds only if the leader key still has the leader's ``create_revision``, so a replica that lost
-the lead, even one that was paused and does not know it yet, writes nothing and gets `LeadershipLostError`.
-A store takes no write before `fence` unless it was made ``unfenced`` (a single writer: a tool, a test): the
-ledger is the replicas', and a writer with no lead would write beside the leader's.
+composer writes a change's record and its event so. A block of more operations than etcd takes in one transaction
+(a fabric that goes away marks each of its compositions UNKNOWN in one block) is staged first, as one record, and
+then applied in several; a writer that stops between them leaves it staged, and the next `load` finishes it, so
+that a new leader finds the whole block or none of it (`_write_staged`).
+
+When a prune is due is decided from what etcd holds (read once, at the first use, then followed through this
+process's writes), not from a count of this process's writes, so that a ledger whose leader changes or restarts
+often still prunes. After `fence`, each transaction succeeds only if the leader key still has the leader's
+``create_revision``, so a replica that lost the lead, even one that was paused and does not know it yet, writes
+nothing and gets `LeadershipLostError`. A store takes no write before `fence` unless it was made ``unfenced`` (a
+single writer: a tool, a test): the ledger is the replicas', and a writer with no lead would write beside the
+leader's.
 
 Every transaction is also ordered: it succeeds only if ``{prefix}sequence`` still has the mod revision that this
 process last saw (learnt at `load`, else before the first write), and it puts a token of its own there. A write
@@ -80,7 +85,13 @@ step is counted from the revisions in etcd, not from this process's appends, so 
 PAGE = 500
 """Keys per range read: a load of many records is several bounded answers, not one huge one."""
 TXN_OPS = 100
-"""Deletes per transaction when old request ids are forgotten: etcd refuses more than 128 by default."""
+"""Operations per transaction, besides the sequence and the fence: etcd refuses more than 128 by default (its
+``--max-txn-ops``). A block with more is staged (`STAGED`); old request ids are forgotten this many at a time."""
+STAGED = "staged"
+"""The key (under the prefix) that names a staged block while it is applied; its parts are under ``staged/``."""
+STAGE_PART_BYTES = 512 * 1024
+"""The largest part of a staged block: etcd refuses a request above 1.5 MiB by default (``--max-request-bytes``),
+and a part is base64-encoded once more on its way there."""
 API_PATH = "/v3/"
 """The gateway's path in etcd 3.4 and later; fixed, so no call waits for a version discovery first."""
 SEQUENCE = "sequence"
@@ -253,6 +264,7 @@ class EtcdStore(Store):
         """The compare of every write once `fence` was called."""
         self._fence_revision = 0
         self._sequence_key = self._key_prefix + SEQUENCE.encode()
+        self._staged_key = self._key_prefix + STAGED.encode()
         self._sequence: int | None = None
         """The sequence key's mod revision as this process last saw it (0: absent; None: to be read before the
         next write). Guarded by `_write_lock`."""
@@ -512,6 +524,7 @@ class EtcdStore(Store):
     # ----------------------------------------------------------------- the ledger
 
     def load(self) -> LedgerState:
+        self._finish_staged()
         revision = self._snapshot()
         comps = tuple(self._decoded(kv, Composition) for kv in self._scan(COMPOSITIONS, revision))
         res = tuple(self._decoded(kv, Reservation) for kv in self._scan(RESERVATIONS, revision))
@@ -699,13 +712,69 @@ class EtcdStore(Store):
 
     def _write_txn(self, txn: _Txn) -> None:
         """Commit ``txn`` and then call what follows it (`_Txn.after`); holding `_write_lock`. More operations than
-        etcd takes in one transaction (`TXN_OPS` at a time; a reconcile that quarantines many devices at once) are
-        written in order, in several."""
+        etcd takes in one transaction (`TXN_OPS`; a fabric gone away with many compositions) are staged first."""
         ops = list(txn.ops.values())
-        for i in range(0, len(ops), TXN_OPS):
-            self._commit(ops[i : i + TXN_OPS])
+        if len(ops) > TXN_OPS:
+            self._write_staged(ops)
+        elif ops:
+            self._commit(ops)
         for after in txn.followers:
             after()
+
+    def _write_staged(self, ops: list[dict[str, Any]]) -> None:
+        """Write ``ops``, more than one transaction takes, so that a reader finds all of them or none: put them
+        under `STAGED` first (in parts of `STAGE_PART_BYTES`, the key that names the parts put with the last, so
+        that parts without it are ignored), then apply them `TXN_OPS` at a time, the last transaction deleting
+        the staged block. A store that fails between leaves the block staged: the next `load` applies it before it
+        reads (`_finish_staged`), and every operation in it is a put or a delete, which a second application
+        leaves as the first did. Holding `_write_lock`."""
+        text = json.dumps(ops)
+        parts = [text[i : i + STAGE_PART_BYTES] for i in range(0, len(text), STAGE_PART_BYTES)]
+        for index, part in enumerate(parts):
+            staged = [put_op(self._key(STAGED, f"{index:06d}"), part)]
+            if index == len(parts) - 1:
+                staged.append(put_op(self._staged_key, json.dumps({"parts": len(parts)})))
+            self._commit(staged)
+        self._apply_staged(ops)
+
+    def _apply_staged(self, ops: list[dict[str, Any]]) -> None:
+        """Apply a staged block's ``ops`` in order, the last transaction deleting the block. Holding `_write_lock`."""
+        start, end = self._bounds(STAGED)
+        done = [delete_op(self._staged_key), delete_op(start, end)]
+        size = max(1, TXN_OPS - len(done))
+        chunks = [ops[i : i + size] for i in range(0, len(ops), size)] or [[]]
+        for chunk in chunks[:-1]:
+            self._commit(chunk)
+        self._commit(chunks[-1] + done)
+
+    def _finish_staged(self) -> None:
+        """Apply the block a writer staged and did not finish (`_write_staged`), if any: a leader does, as it loads,
+        before it reads or writes anything else."""
+        revision = self._snapshot()
+        kvs = self._range(self._staged_key, b"", revision=revision).get("kvs", [])
+        if not kvs:
+            return
+        if self._fence is None and not self.unfenced:
+            raise FabricUnavailableError(
+                f"the etcd ledger under {self.prefix} holds a block of writes that its last writer staged and did "
+                "not finish: the replica that leads finishes it as it loads, and nothing else can read the ledger "
+                "whole before then",
+                metadata={"prefix": self.prefix},
+            )
+        what = f"the staged block {self._staged_key.decode(errors='replace')!r}"
+        try:
+            count = int(json.loads(_unb64(kvs[0]["value"]))["parts"])
+            parts = [_unb64(kv["value"]).decode() for kv in self._scan(STAGED, revision)][:count]
+            if len(parts) != count:
+                raise ValueError(f"{len(parts)} of its {count} parts are there")
+            ops = json.loads("".join(parts))
+            if not isinstance(ops, list):
+                raise ValueError("its parts do not hold a list of operations")
+        except UNDECODABLE as exc:
+            raise undecodable(self._where, what, exc, "state.prefix") from exc
+        log.warning("finishing a block of %d ledger writes that the last writer staged and did not finish", len(ops))
+        with self._write_lock:
+            self._apply_staged(ops)
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """See `Store.atomic`: the writes are gathered into one etcd transaction, committed as the block ends."""
