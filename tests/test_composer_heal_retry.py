@@ -33,6 +33,9 @@ class HeldBinds(SimFabric):
         self.hold_after: int | None = None
         self.refuse = False
         self.refused = 0
+        self.stuck: set[str] = set()
+        """Devices whose unbind is refused; counted in ``unbinds_refused``."""
+        self.unbinds_refused = 0
         self.binding = threading.Event()
         self._go = threading.Event()
 
@@ -49,6 +52,12 @@ class HeldBinds(SimFabric):
             self.refused += 1
             raise FabricUnavailableError(f"bind of {device} refused")
         return super().bind(device, host, ctx)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if binding.device in self.stuck:
+            self.unbinds_refused += 1
+            raise FabricUnavailableError(f"unbind of {binding.device} refused")
+        super().unbind(binding, ctx)
 
 
 @pytest.fixture
@@ -221,6 +230,31 @@ class TestAHealWhoseBindsFail:
         assert pcie0.refused == 2 and comp.get(job).etag == etag
         pcie0.refuse = False
         assert comp.heal(job).state is CompositionState.COMPOSED
+
+
+class TestAHealWhoseUnbindIsRefused:
+    def test_passes_back_off(self, pcie0: HeldBinds) -> None:
+        """The spare bound, the failed device's unbind refused: the heal undoes the spare and fails. It was not
+        remembered as failed (only a failed bind was), and every reconcile pass tried it again with the same
+        inputs: a bind, a refused unbind and an unbind of the spare, and three records with a new etag each time."""
+        comp = started(pcie0, auto_heal=True)
+        job = comp.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert job is not None
+        pcie0.stuck.add(job.device_ids[0])
+        pcie0.fail_device(job.device_ids[0], "xid 79")
+        assert comp.wait_for_heals(WAIT_S) and pcie0.unbinds_refused == 1
+        after = comp.get(job.id)
+        assert after.state is CompositionState.DEGRADED and after.pending is None
+        tried, etags = [], [after.etag]
+        for _ in range(6):
+            comp.reconcile()
+            tried.append(pcie0.unbinds_refused)
+            etags.append(comp.get(job.id).etag)
+        assert tried == [1, 2, 2, 2, 2, 3]  # as a heal whose binds fail
+        revised = [n for n in range(6) if etags[n + 1] != etags[n]]
+        assert revised == [1, 5]  # by the two tries only
+        pcie0.stuck.clear()
+        assert comp.heal(job.id).state is CompositionState.COMPOSED
 
 
 class TestAHealBesideAChangeToRecover:

@@ -1085,8 +1085,74 @@ class TestReconcile:
             "device's own management, then uncordon it"
         ]
         composer.fabrics["pcie0"].unbind(Binding(device, "h2"), CallContext(epoch=composer.epoch))
-        assert composer.reconcile() == 0 and composer.is_cordoned(device)
+        assert composer.reconcile() == 1  # the quarantine is forgotten, as the hardware no longer binds it
+        assert composer.is_cordoned(device) and composer.reconcile() == 0
         composer.close()
+
+    def test_a_quarantined_device_bound_again_is_reported_with_its_new_host(self, tmp_path: Path) -> None:
+        """Unbound and bound to another host while it stays cordoned, the device was not reported again: the only
+        report named the host it had left, and the operator who unbinds it there leaves the stray binding."""
+        composer = opened(tmp_path)
+        device, ctx = free_gpu(composer), CallContext(epoch=composer.epoch)
+        hardware = composer.fabrics["pcie0"]
+        hardware.bind(device, "h2", ctx)
+        assert composer.reconcile() == 1
+        hardware.unbind(Binding(device, "h2"), ctx)
+        hardware.bind(device, "h1", ctx)
+        assert composer.reconcile() == 1
+        said = [e.data["host"] for e in composer.events(0, 100) if e.type is EventType.BINDING_QUARANTINED]
+        assert said == ["h2", "h1"]
+        assert composer.reconcile() == 0
+        composer.close()
+        again = opened(tmp_path)  # the ledger holds the second quarantine: a restart does not report it again
+        assert again.reconcile() == 0 and again.is_cordoned(device)
+        assert [e.data["host"] for e in again.events(0, 100) if e.type is EventType.BINDING_QUARANTINED] == said
+        again.close()
+
+    def test_a_memory_quarantine_is_kept_while_its_pool_is_left_out_of_the_topology(self, tmp_path: Path) -> None:
+        """A fabric whose report leaves a pool out (the appliance's controller restarting, say) has that pool
+        read by no reconcile; its quarantine was taken for memory the hardware freed: forgotten, in the ledger
+        too, and reported again, and once the pool was back placement offered the stray's bytes, which the
+        hardware still held."""
+        pcie0 = create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "pcie0.json")})
+        composer = FabricComposer(
+            {"pcie0": pcie0, "cxl0": Hiding(tmp_path)}, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False
+        )
+        composer.start()
+        cxl = composer.fabrics["cxl0"]
+        assert isinstance(cxl, Hiding)
+        free = pool_free(composer)
+        cxl.pool("cxl0/mem0").allocate("stray", "h1", 64 * GiB, CallContext(epoch=composer.epoch))
+        assert composer.reconcile() == 1
+        cxl.hidden = {"cxl0/mem0"}
+        cxl.rebuild_now()
+        assert "cxl0/mem0" not in {p.pool for p in composer.usage()[1]}
+        assert composer.reconcile() == 0
+        assert ("cxl0/mem0", "stray") in composer.store.load().quarantined
+        cxl.hidden = set()
+        cxl.rebuild_now()
+        assert pool_free(composer) == free - 64 * GiB
+        assert composer.reconcile() == 0
+        assert events_of(composer, EventType.ALLOCATION_QUARANTINED) == ["stray"]
+        composer.close()
+
+
+class Hiding(SimFabric):
+    """The demo CXL fabric, on the state file `fabrics` gives it, whose discovery leaves out the pools ``hidden``."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+        self.hidden: set[str] = set()
+
+    def discover(self) -> Topology:
+        found = super().discover()
+        return attrs.evolve(found, pools=tuple(p for p in found.pools if p.id not in self.hidden))
+
+    def rebuild_now(self) -> None:
+        """Have the composer rebuild its index (and so discover again): a link down and up."""
+        link = super().discover().links[0]
+        self.set_link(link.a, link.b, False)
+        self.set_link(link.a, link.b, True)
 
 
 class ReconcileMidway:

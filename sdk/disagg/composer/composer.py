@@ -350,8 +350,10 @@ class FabricComposer(Composer):
         (`_check_started`)."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
-        self._quarantined: set[str] = set()
-        """Devices reconciliation found bound with no record; cordoned and reported once."""
+        self._quarantined: dict[str, str] = {}
+        """Devices reconciliation found bound with no record, with the host each was bound to as last reported
+        (empty: reported before a restart, whose ledger record names no host); cordoned, and reported once a
+        host."""
         self._quarantined_memory: set[tuple[str, str]] = set()
         """(pool, allocation id) carved with no record: reported once, and durably (the ledger keeps it), so that a
         restart does not report it again."""
@@ -403,7 +405,7 @@ class FabricComposer(Composer):
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
             self._cordoned = set(state.cordons)
-            self._quarantined = {item for pool, item in state.quarantined if pool == _BINDING}
+            self._quarantined = {item: "" for pool, item in state.quarantined if pool == _BINDING}
             self._quarantined_memory = {q for q in state.quarantined if q[0] != _BINDING}
             for record in state.requests:
                 try:
@@ -735,7 +737,7 @@ class FabricComposer(Composer):
             # One counted unreachable has no pools in the index: read, it would seem to hold no memory at all.
             away = set(self._unreachable)
         try:
-            bound, carved, read = self._read_hardware(pools, away)
+            bound, carved, read, pools_read = self._read_hardware(pools, away)
         except BaseException:
             with self._lock:
                 self._unwatch(watch)
@@ -750,9 +752,9 @@ class FabricComposer(Composer):
                     len(watch.devices),
                     len(watch.allocations),
                 )
-            changes = self._quarantine_bindings(bound, watch.devices)
+            changes = self._quarantine_bindings(bound, watch.devices, read)
             recorded = {(a.pool, a.id) for c in self._compositions.values() for a in _holdings(c)[1]}
-            changes += self._quarantine_memory(carved, recorded | watch.allocations, read)
+            changes += self._quarantine_memory(carved, recorded | watch.allocations, pools_read)
             changes += self._drop_unhealthy_reservations()
             judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions)
             changes += judged
@@ -765,14 +767,16 @@ class FabricComposer(Composer):
 
     def _read_hardware(
         self, pools: Mapping[str, Sequence[str]], away: set[str]
-    ) -> tuple[dict[str, str], dict[tuple[str, str], Allocation], set[str]]:
+    ) -> tuple[dict[str, str], dict[tuple[str, str], Allocation], set[str], set[str]]:
         """For `reconcile`, outside the lock: every binding (device -> host) and every allocation of ``pools``
-        (by pool and id) of the fabrics but ``away``, and the fabrics read whole. One that cannot be read is
-        left out, and the log says why."""
+        (by pool and id) of the fabrics but ``away``, the fabrics read whole, and the pools read (those of
+        ``pools`` in them: a pool the index no longer has, its fabric's report having left it out, is not). One
+        that cannot be read is left out, and the log says why."""
         hardware = HardwareView(self.fabrics)
         bound: dict[str, str] = {}
         carved: dict[tuple[str, str], Allocation] = {}
         read: set[str] = set()
+        pools_read: set[str] = set()
         for name in self.fabrics:
             if name in away:
                 continue
@@ -784,21 +788,37 @@ class FabricComposer(Composer):
                 log.warning("reconcile: cannot read fabric %s: %s", name, exc.message)
                 continue
             read.add(name)
-        return bound, carved, read
+            pools_read.update(pools.get(name, ()))
+        return bound, carved, read, pools_read
 
-    def _quarantine_bindings(self, bound: Mapping[str, str], aside: set[str]) -> int:
+    def _quarantine_bindings(self, bound: Mapping[str, str], aside: set[str], read: set[str]) -> int:
         """Quarantine each binding ``bound`` (as `reconcile` read it) holds that no composition records, but
-        those of ``aside``, touched by a change while it was read; returns how many it reported. Under the
-        lock."""
+        those of ``aside``, touched by a change while it was read; returns how many it reported or forgot. A
+        quarantined device found bound to another host than the one reported is reported again, with that host:
+        the report is what an operator unbinds by. One its fabric (of ``read``) no longer binds is forgotten, as
+        memory the hardware freed is, and bound again it is a new quarantine; its cordon stays, for an operator
+        to lift. Under the lock."""
         expected = {p.device: c.host for c in self._compositions.values() for p in _holdings(c)[0]}
         changes = 0
+        for device in sorted(self._quarantined):
+            if device in bound or device in aside or self._fabric_of(device) not in read:
+                continue
+            del self._quarantined[device]
+            self.store.delete_quarantine(_BINDING, device)
+            log.info("quarantined device %s is no longer bound on the hardware; it stays cordoned", device)
+            changes += 1
         for device, host in sorted(bound.items()):
-            if expected.get(device) == host or device in self._quarantined or device in aside:
+            reported = self._quarantined.get(device)
+            if expected.get(device) == host or reported == host or device in aside:
+                continue
+            if reported == "":  # reported before a restart, to the host it is bound to now as far as is known
+                self._quarantined[device] = host
                 continue
             # Kept in the ledger as a quarantine, apart from the cordon: one an operator had made would
             # otherwise pass for a quarantine reported before a restart, and this one go unreported.
-            self._quarantined.add(device)
-            self.store.put_quarantine(_BINDING, device)
+            self._quarantined[device] = host
+            if reported is None:
+                self.store.put_quarantine(_BINDING, device)
             if device not in self._cordoned:
                 self._cordoned.add(device)
                 self.store.put_cordon(device)
@@ -1313,12 +1333,13 @@ class FabricComposer(Composer):
             events, self._unheard = self._unheard, []  # a listener's own change: written as it was made
 
     def _quarantine_memory(
-        self, carved: dict[tuple[str, str], Allocation], recorded: set[tuple[str, str]], read: set[str]
+        self, carved: dict[tuple[str, str], Allocation], recorded: set[tuple[str, str]], pools_read: set[str]
     ) -> int:
         """Keep memory the hardware has carved and no composition records out of placement, reporting each once
         (an `ALLOCATION_QUARANTINED` event, and a ledger record so that a restart does not report it again); give
-        it back to placement once the hardware no longer holds it. Returns how many it reported or gave back.
-        Under the lock."""
+        it back to placement once the hardware no longer holds it, as read from its pool (``pools_read``): a pool
+        its fabric's report left out is not read, and its quarantine is kept, for a rebuild to claim again when
+        the pool is back. Returns how many it reported or gave back. Under the lock."""
         changes = 0
         for key, alloc in sorted(carved.items()):
             if key in recorded or key in self._strays:
@@ -1342,7 +1363,7 @@ class FabricComposer(Composer):
             )
             changes += 1
         for key in sorted(self._quarantined_memory):
-            if key in carved or self._fabric_of_pool(key[0]) not in read:
+            if key in carved or key[0] not in pools_read:
                 continue
             self._quarantined_memory.discard(key)
             self.store.delete_quarantine(*key)
@@ -2161,8 +2182,7 @@ class FabricComposer(Composer):
             dev = self.device(device_id)
             if device_id in self._cordoned:
                 self._cordoned.discard(device_id)
-                if device_id in self._quarantined:
-                    self._quarantined.discard(device_id)
+                if self._quarantined.pop(device_id, None) is not None:
                     self.store.delete_quarantine(_BINDING, device_id)
                 self._inv.uncordon(device_id)
                 self.store.delete_cordon(device_id)
@@ -2740,7 +2760,6 @@ class FabricComposer(Composer):
         failpoints.hit("heal.before_commit")
         replaced = {b.device: n for b, n in zip(bad, plan.devices, strict=True)}
         with self._lock:
-            self._failed_heals.pop(comp.id, None)
             # As a recompose does: the replacements join the composition in the record that plans the removal
             # of the failed devices, on disk before the first unbind. A crash after it finishes the removal and
             # keeps the replacements; the pending ADD alone would be undone, the failed devices already unbound.
@@ -2766,7 +2785,10 @@ class FabricComposer(Composer):
                 healed = ", ".join(f"{old} -> {new.device}" for old, new in done.items())
                 self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
             if not undo:
+                self._failed_heals.pop(comp.id, None)
                 comp = self._set_standing(comp)
+            else:  # as a failed bind: tried again with the same inputs, the unbind would most likely be refused again
+                self._note_failed_heal(comp.id, inputs)
         self.store.sync()
         kept: set[str] = set()
         if undo:
