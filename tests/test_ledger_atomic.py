@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from composer_helpers import composer, rack
 from disagg import codec
@@ -272,6 +273,81 @@ class TestEtcdBlocksLargerThanATransaction:
             assert "1 of its 2 parts" in str(refused.value)
         finally:
             store.close()
+
+
+def _large(cid: str) -> Composition:
+    """A record of about 20 KB: a composition of many resources."""
+    return attrs.evolve(_composition(cid), message="m" * 20_000)
+
+
+class TestEtcdBlocksLargerThanARequest:
+    """etcd refuses a request above 1.5 MiB by default (``--max-request-bytes``) as well as one of more than 128
+    operations."""
+
+    def test_a_block_of_many_large_records_is_written_whole(self, etcd: EtcdCluster) -> None:
+        """101 records of 20 KB: its transactions were cut by count alone, each about 2 MB, which etcd refused; the
+        block staged, every next leader's load met the same refusal as it finished it, and none could start."""
+        prefix = fresh_prefix()
+        store = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        try:
+            with store.atomic():
+                for n in range(101):
+                    store.put_composition(_large(f"c{n}"))
+            assert store.failure == ""
+            assert len(store.load().compositions) == 101
+            assert _staged_keys(etcd, prefix) == []
+        finally:
+            store.close()
+
+    def test_a_record_larger_than_a_request_fails_the_store_and_stages_nothing(self, etcd: EtcdCluster) -> None:
+        prefix = fresh_prefix()
+        store = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        try:
+            with pytest.raises(FabricUnavailableError, match="more than etcd takes in one transaction"):
+                with store.atomic():
+                    store.put_composition(_composition("c0"))
+                    store.put_composition(attrs.evolve(_composition("c1"), message="m" * 2_000_000))
+            assert "more than etcd takes" in store.failure
+        finally:
+            store.close()
+        again = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        try:
+            assert again.load().compositions == () and _staged_keys(etcd, prefix) == []
+        finally:
+            again.close()
+
+
+class TestEtcdAStagedBlockLeftBehind:
+    def test_the_next_writer_finishes_it_before_staging_its_own(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A writer that did not load first (a single writer: a tool) staged its own block over the parts of one
+        left behind, and its last transaction deleted them: the block left behind stayed half applied."""
+        monkeypatch.setattr(etcd_store, "TXN_OPS", 3)
+        prefix = fresh_prefix()
+        first = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        made, calls = first._commit, 0
+
+        def failing(ops: list[dict[str, Any]]) -> None:  # staged, one cordon applied, then etcd stops answering
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise FabricUnavailableError("no etcd endpoint answered")
+            made(ops)
+
+        first._commit = failing  # type: ignore[method-assign]
+        with pytest.raises(FabricUnavailableError), first.atomic():
+            for n in range(9):
+                first.put_cordon(f"a/g{n}")
+        first.close()
+        second = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        try:
+            with second.atomic():
+                for n in range(4):
+                    second.put_cordon(f"b/g{n}")
+            assert second.load().cordons == tuple([f"a/g{n}" for n in range(9)] + [f"b/g{n}" for n in range(4)])
+        finally:
+            second.close()
 
 
 class _DeposedAtTheEvent(EtcdStore):

@@ -87,6 +87,9 @@ PAGE = 500
 TXN_OPS = 100
 """Operations per transaction, besides the sequence and the fence: etcd refuses more than 128 by default (its
 ``--max-txn-ops``). A block with more is staged (`STAGED`); old request ids are forgotten this many at a time."""
+TXN_BYTES = 1024 * 1024
+"""The operations' bytes per transaction, at most: etcd refuses a request above 1.5 MiB by default
+(``--max-request-bytes``). A block with more is staged (`STAGED`)."""
 STAGED = "staged"
 """The key (under the prefix) that names a staged block while it is applied; its parts are under ``staged/``."""
 STAGE_PART_BYTES = 512 * 1024
@@ -173,6 +176,12 @@ def delete_op(key: bytes, end: bytes | None = None) -> dict[str, Any]:
     if end is not None:
         op["range_end"] = _b64(end)
     return {"request_delete_range": op}
+
+
+def _op_bytes(op: dict[str, Any]) -> int:
+    """About what ``op``, a put or a delete of a transaction, adds to its request (its base64 key and value)."""
+    (body,) = op.values()
+    return 64 + sum(len(value) for value in body.values() if isinstance(value, str))
 
 
 def created_at(key: str, create_revision: int) -> dict[str, Any]:
@@ -711,10 +720,11 @@ class EtcdStore(Store):
             self._write_txn(txn)
 
     def _write_txn(self, txn: _Txn) -> None:
-        """Commit ``txn`` and then call what follows it (`_Txn.after`); holding `_write_lock`. More operations than
-        etcd takes in one transaction (`TXN_OPS`; a fabric gone away with many compositions) are staged first."""
+        """Commit ``txn`` and then call what follows it (`_Txn.after`); holding `_write_lock`. More operations or
+        bytes than etcd takes in one transaction (`TXN_OPS`, `TXN_BYTES`; a fabric gone away with many
+        compositions) are staged first."""
         ops = list(txn.ops.values())
-        if len(ops) > TXN_OPS:
+        if len(ops) > TXN_OPS or sum(map(_op_bytes, ops)) > TXN_BYTES:
             self._write_staged(ops)
         elif ops:
             self._commit(ops)
@@ -724,10 +734,13 @@ class EtcdStore(Store):
     def _write_staged(self, ops: list[dict[str, Any]]) -> None:
         """Write ``ops``, more than one transaction takes, so that a reader finds all of them or none: put them
         under `STAGED` first (in parts of `STAGE_PART_BYTES`, the key that names the parts put with the last, so
-        that parts without it are ignored), then apply them `TXN_OPS` at a time, the last transaction deleting
-        the staged block. A store that fails between leaves the block staged: the next `load` applies it before it
-        reads (`_finish_staged`), and every operation in it is a put or a delete, which a second application
-        leaves as the first did. Holding `_write_lock`."""
+        that parts without it are ignored), then apply them in transactions etcd takes (`_chunks`), the last
+        deleting the staged block. A store that fails between leaves the block staged: the next `load` applies it
+        before it reads (`_finish_staged`), and every operation in it is a put or a delete, which a second
+        application leaves as the first did. A block that another writer left staged is finished first: this one
+        would replace its parts, and then delete them. Holding `_write_lock`."""
+        chunks = self._chunks(ops)  # before anything is staged: a block that no transaction can take is not
+        self._finish_staged_locked()
         text = json.dumps(ops)
         parts = [text[i : i + STAGE_PART_BYTES] for i in range(0, len(text), STAGE_PART_BYTES)]
         for index, part in enumerate(parts):
@@ -735,21 +748,43 @@ class EtcdStore(Store):
             if index == len(parts) - 1:
                 staged.append(put_op(self._staged_key, json.dumps({"parts": len(parts)})))
             self._commit(staged)
-        self._apply_staged(ops)
+        self._apply_staged(chunks)
 
-    def _apply_staged(self, ops: list[dict[str, Any]]) -> None:
-        """Apply a staged block's ``ops`` in order, the last transaction deleting the block. Holding `_write_lock`."""
+    def _chunks(self, ops: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """``ops`` in order, in transactions etcd takes: at most `TXN_OPS` less the two that delete a staged block,
+        and `TXN_BYTES`. An operation larger than that fails the store, as etcd's refusal of it would."""
+        chunks: list[list[dict[str, Any]]] = [[]]
+        size = 0
+        for op in ops:
+            length = _op_bytes(op)
+            if length > TXN_BYTES:
+                self._failure = (
+                    f"a ledger record of {length} bytes is more than etcd takes in one transaction ({TXN_BYTES})"
+                )
+                raise FabricUnavailableError(self._failure, metadata={"prefix": self.prefix})
+            if chunks[-1] and (len(chunks[-1]) >= TXN_OPS - 2 or size + length > TXN_BYTES):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(op)
+            size += length
+        return chunks
+
+    def _apply_staged(self, chunks: list[list[dict[str, Any]]]) -> None:
+        """Apply a staged block's operations, ``chunks`` a transaction each, the last transaction deleting the
+        block. Holding `_write_lock`."""
         start, end = self._bounds(STAGED)
-        done = [delete_op(self._staged_key), delete_op(start, end)]
-        size = max(1, TXN_OPS - len(done))
-        chunks = [ops[i : i + size] for i in range(0, len(ops), size)] or [[]]
         for chunk in chunks[:-1]:
             self._commit(chunk)
-        self._commit(chunks[-1] + done)
+        self._commit([*chunks[-1], delete_op(self._staged_key), delete_op(start, end)])
 
     def _finish_staged(self) -> None:
         """Apply the block a writer staged and did not finish (`_write_staged`), if any: a leader does, as it loads,
         before it reads or writes anything else."""
+        with self._write_lock:
+            self._finish_staged_locked()
+
+    def _finish_staged_locked(self) -> None:
+        """`_finish_staged`, holding `_write_lock`."""
         revision = self._snapshot()
         kvs = self._range(self._staged_key, b"", revision=revision).get("kvs", [])
         if not kvs:
@@ -773,8 +808,7 @@ class EtcdStore(Store):
         except UNDECODABLE as exc:
             raise undecodable(self._where, what, exc, "state.prefix") from exc
         log.warning("finishing a block of %d ledger writes that the last writer staged and did not finish", len(ops))
-        with self._write_lock:
-            self._apply_staged(ops)
+        self._apply_staged(self._chunks(ops))
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """See `Store.atomic`: the writes are gathered into one etcd transaction, committed as the block ends."""
