@@ -339,15 +339,33 @@ class TestANeverStartedComposer:
 
 
 class _Hanging(Returning):
-    """An unreachable fabric whose driver does not refuse at once but hangs, until its timeout, at every call."""
+    """An unreachable fabric whose driver does not refuse at once but hangs, until its timeout, at every call;
+    with ``hang_after``, a reachable one that answers that many discoveries and then hangs at its next call; with
+    ``listing_hangs``, one that hangs when its bindings or allocations are listed."""
 
     hang_s = 0.0
+    hang_after: int | None = None
+    listing_hangs = False
 
     def _answer(self) -> None:
-        if not self.reachable:
-            self.entered.set()
-            self.gate.wait(self.hang_s)
+        if not self.reachable or self.hang_after == 0:
+            self._hang()
         super()._answer()
+
+    def _hang(self) -> None:
+        self.entered.set()
+        self.gate.wait(self.hang_s)
+
+    def read(self) -> None:
+        if self.listing_hangs:
+            self._hang()
+        super().read()
+
+    def discover(self) -> Topology:
+        topology = super().discover()
+        if self.hang_after:
+            self.hang_after -= 1
+        return topology
 
 
 @attrs.frozen
@@ -358,23 +376,37 @@ class _HangingRack:
     job: Composition
 
 
+    def close(self) -> None:
+        self.cxl.gate.set()
+        self.composer.close()
+
+
+def _hanging_rack(tmp: Path) -> _HangingRack:
+    """A composer on the ledger and hardware of ``tmp`` whose cxl0 was unreachable at start-up, and whose driver
+    now hangs for 30 s (until the test lets it go) at every call, with a composition ``job`` on pcie0 (host h2)."""
+    hardware = on_disk(tmp)
+    hardware["cxl0"].close()
+    cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+    comp = composer(hardware, store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
+    try:
+        job = comp.compose(parse_request("job", ["host h2", "gpu x1"])).composition
+        assert job is not None
+    except BaseException:
+        comp.close()
+        raise
+    cxl.hang_s = 30.0
+    cxl.entered.clear()
+    return _HangingRack(comp, hardware["pcie0"], cxl, job)
+
+
 @pytest.fixture
 def hanging(tmp_path: Path) -> Iterator[_HangingRack]:
-    """A composer whose cxl0 was unreachable at start-up, and whose driver now hangs for 30 s (until the test lets
-    it go) at every call, with a composition ``job`` on pcie0."""
-    hardware = on_disk(tmp_path)
-    hardware["cxl0"].close()
-    cxl = hardware["cxl0"] = _Hanging(load_topology("cxl0", "demo-cxl"), state_file=tmp_path / "cxl0.json")
-    comp = composer(hardware, store=SqliteStore(tmp_path / "ledger.db"), auto_heal=False)
+    """`_hanging_rack` on a first run."""
+    rack_ = _hanging_rack(tmp_path)
     try:
-        job = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
-        assert job is not None
-        cxl.hang_s = 30.0
-        cxl.entered.clear()
-        yield _HangingRack(comp, hardware["pcie0"], cxl, job)
+        yield rack_
     finally:
-        cxl.gate.set()
-        comp.close()
+        rack_.close()
 
 
 class TestAFabricThatHangs:
@@ -395,6 +427,36 @@ class TestAFabricThatHangs:
         failing.join(5)
         assert judged_in_time, "the report of the failure waited for the retry of cxl0"
         assert hanging.composer.find("job").state is CompositionState.DEGRADED
+
+    @pytest.mark.parametrize("hangs_at", ["discovery", "listing"])
+    def test_one_that_answers_and_then_hangs_holds_up_nothing(
+        self, tmp_path: Path, hangs_at: str, request: pytest.FixtureRequest
+    ) -> None:
+        """cxl0 answers the retry's discovery, and then hangs: at its next call (which was the rebuild's
+        discovery, asking it again), or when its allocations are listed to settle the composition ``mem`` that
+        carves memory there, UNKNOWN meanwhile. Both ran under the lock."""
+        first_run(tmp_path, "mem")
+        rack_ = _hanging_rack(tmp_path)
+        request.addfinalizer(rack_.close)
+        assert rack_.composer.find("mem").state is CompositionState.UNKNOWN
+        rack_.cxl.reachable = True
+        if hangs_at == "discovery":
+            rack_.cxl.hang_after = 1
+        else:
+            rack_.cxl.listing_hangs = True
+        retrying = threading.Thread(target=rack_.composer.retry_unreachable, daemon=True)
+        retrying.start()
+        assert rack_.cxl.entered.wait(5), "cxl0 never hung"
+        failing = threading.Thread(target=rack_.pcie.fail_device, args=(rack_.job.device_ids[0], "xid 79"))
+        failing.start()
+        failing.join(1.0)
+        judged_in_time = not failing.is_alive()
+        rack_.cxl.gate.set()
+        retrying.join(5)
+        failing.join(5)
+        assert judged_in_time, f"the report of the failure waited for cxl0's {hangs_at}"
+        assert rack_.composer.find("job").state is CompositionState.DEGRADED
+        assert rack_.composer.find("mem").state is CompositionState.COMPOSED
 
     def test_a_link_event_elsewhere_does_not_ask_it(self, hanging: _HangingRack) -> None:
         """A link that goes down on another fabric rebuilds the index under the lock: it is judged with the

@@ -547,17 +547,16 @@ class FabricComposer(Composer):
         if fabric.capabilities().supports(Feature.FENCING):
             fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
 
-    def _answers(self, name: str) -> bool:
-        """Whether fabric ``name``, unreachable, takes the epoch and answers a discovery now. Asked outside the
-        lock, before a rebuild under it: a driver that hangs until its timeout would otherwise hold every change
-        and every report of a failure elsewhere for that long (a failure is to degrade its compositions within a
-        second)."""
+    def _answers(self, name: str) -> Topology | None:
+        """The topology fabric ``name``, unreachable, discovers now, having taken the epoch; None if it does not
+        answer. Asked outside the lock, and the rebuild under it takes this answer rather than asking again: a
+        driver that hangs until its timeout would otherwise hold every change and every report of a failure
+        elsewhere for that long (a failure is to degrade its compositions within a second)."""
         try:
             self._fence(name, self._context())
-            self.fabrics[name].discover()
+            return self.fabrics[name].discover()
         except Exception:  # a driver's bug too: it stays unreachable, as `_discover_all` counts it
-            return False
-        return True
+            return None
 
     def _announce_epoch(self, names: Iterable[str]) -> None:
         """Announce the epoch to ``names``; one that does not take it is remembered (`_unannounced`) and counts
@@ -1009,13 +1008,13 @@ class FabricComposer(Composer):
             request_id=self._request_mark()[0],
         )
 
-    def _rebuild(self, retry: set[str] | None = None) -> None:
+    def _rebuild(self, retry: set[str] | None = None, answered: Mapping[str, Topology] | None = None) -> None:
         """Build a fresh index from discovery and take the ledger's claims again. What an unreachable fabric
         holds is not in the index and is claimed once it answers (its next rebuild). Should anything fail, the
-        index before stays: a half-built one would offer what others hold. ``retry``: the unreachable fabrics
-        asked again (None: all), as `_discover_all`."""
+        index before stays: a half-built one would offer what others hold. ``retry`` and ``answered``: as
+        `_discover_all`."""
         before = self._inv, self._placer
-        self._inv = self._index(self._discover_all(retry))
+        self._inv = self._index(self._discover_all(retry, answered or {}))
         self._placer = Placer(self._inv, self.policy)
         try:
             self._claim_all()
@@ -1090,12 +1089,16 @@ class FabricComposer(Composer):
             if alloc.pool in self._inv.pools:
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
 
-    def _discover_all(self, retry: set[str] | None = None) -> list[Topology]:
+    def _discover_all(
+        self, retry: set[str] | None = None, answered: Mapping[str, Topology] | None = None
+    ) -> list[Topology]:
         """Every fabric's topology; one that cannot be reached counts as empty and is remembered as
         unreachable (its compositions become UNKNOWN, `retry_unreachable` tries it again). When no fabric
         answers at all, the first error is raised: there is nothing to serve. ``retry``: the unreachable fabrics
         to ask again (None: all); the others count as empty still, unasked: a rebuild runs under the lock, and a
-        driver that hangs until its timeout would hold every change and report meanwhile."""
+        driver that hangs until its timeout would hold every change and report meanwhile. ``answered``: what
+        unreachable fabrics answered just before, outside the lock, having taken the epoch (`_answers`), taken
+        as their discovery instead of asking them again."""
         topologies: list[Topology] = []
         first: DisaggError | None = None
         for name, fabric in self.fabrics.items():
@@ -1103,6 +1106,12 @@ class FabricComposer(Composer):
                 self._stop_if_closing()
             if retry is not None and name in self._unreachable and name not in retry:
                 topologies.append(Topology(fabric=name))
+                continue
+            if answered and name in answered and name in self._unreachable:
+                self._unannounced.discard(name)
+                topologies.append(answered[name])
+                self._returned.add(name)
+                self._unreachable.discard(name)
                 continue
             if name in self._unannounced or name in self._unreachable:
                 # Told before anything else reaches it: a deposed manager may still try.
@@ -1170,7 +1179,7 @@ class FabricComposer(Composer):
         elif comp.message != why:
             self._set(comp, message=why)
 
-    def _settle_known(self) -> set[str]:
+    def _settle_known(self, hardware: HardwareView | None = None) -> set[str]:
         """UNKNOWN compositions whose every fabric answers go back to the state they had before, for recovery
         to go on from (a DECOMPOSING one is finished, a change in flight finished or undone, a FAILED one stays
         FAILED); one that stood, with no change in flight, is judged against the hardware first (`_lost_on`), so
@@ -1178,7 +1187,7 @@ class FabricComposer(Composer):
         stays UNKNOWN, for the next `retry_unreachable`. Returns the ids settled. Under the lock. A record
         written as UNKNOWN before the state was kept counts as COMPOSED."""
         settled: set[str] = set()
-        hardware = HardwareView(self.fabrics)
+        hardware = hardware or HardwareView(self.fabrics)
         for comp in list(self._compositions.values()):
             if comp.state is not CompositionState.UNKNOWN or self._touches_unreachable(comp):
                 continue
@@ -1212,24 +1221,42 @@ class FabricComposer(Composer):
         self._check_started()
         with self._lock:
             unreachable, returned = sorted(self._unreachable), bool(self._returned)
-        if not returned and not any(self._answers(name) for name in unreachable):
+            wanted = self._unknown_hardware()
+        answered = {name: found for name in unreachable if (found := self._answers(name)) is not None}
+        if not returned and not answered:
             return False
+        # What settling the UNKNOWN compositions judges, read before the lock as the fabrics were asked, so that a
+        # driver that answers and then hangs holds up nothing else either.
+        hardware = HardwareView(self.fabrics)
+        away = set(unreachable) - set(answered)
+        hardware.read_ahead(wanted[0] - away, {key for key in wanted[1] if key[0] not in away})
         with self._lock:
             if not self._unreachable and not self._returned:
                 return False
             if self._unreachable:
-                self._rebuild()  # tells a fabric that answers the epoch first (`_discover_all`)
+                self._rebuild(set(answered), answered)  # those that did not answer stay as they are
                 self._mark_unknown()  # one this rebuild found gone, or set aside
             back, self._returned = self._returned - self._unreachable, set()
             if not back:
                 return False
             log.info("fabric %s answers again", ", ".join(sorted(back)))
-            settle = self._settle_known()
+            settle = self._settle_known(hardware)
         self._recover(settle)
         self.reconcile()
         if self.auto_heal:  # failures reported while they were UNKNOWN healed nothing, and reconcile heals only its own
             self._heal_all(sorted(settle))
         return True
+
+    def _unknown_hardware(self) -> tuple[set[str], set[tuple[str, str]]]:
+        """The fabrics whose bindings, and the pools (fabric and pool) whose allocations, settling the UNKNOWN
+        compositions reads (`_lost_on`). Under the lock."""
+        fabrics: set[str] = set()
+        pools: set[tuple[str, str]] = set()
+        for comp in self._compositions.values():
+            if comp.state is CompositionState.UNKNOWN:
+                fabrics.update(self._fabric_of(p.device) for p in comp.devices)
+                pools.update((self._fabric_of_pool(a.pool), a.pool) for a in comp.allocations)
+        return fabrics, pools
 
     def _claim_composition(self, comp: Composition) -> None:
         """Claim the host and whatever the composition may hold (`_holdings`) in a freshly built index."""

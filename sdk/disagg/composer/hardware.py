@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from disagg.composer.execution import driver_error
@@ -34,10 +34,14 @@ class HardwareView:
         self._fabrics = fabrics
         self._bound: dict[str, dict[str, str]] = {}
         self._carved: dict[tuple[str, str], dict[str, Allocation]] = {}
+        self._failed: dict[str | tuple[str, str], DisaggError] = {}
+        """The reads `read_ahead` found failing, by fabric (its bindings) or fabric and pool: not asked again."""
 
     def bound(self, fabric: str) -> Mapping[str, str]:
         """Device -> host, for every binding ``fabric`` holds."""
         if fabric not in self._bound:
+            if fabric in self._failed:
+                raise self._failed[fabric]
             source = self._fabrics[fabric]
             self._bound[fabric] = _read(fabric, lambda: {b.device: b.host for b in source.bindings()})
         return self._bound[fabric]
@@ -46,9 +50,26 @@ class HardwareView:
         """Allocation id -> allocation, for every allocation carved from ``pool`` of ``fabric``."""
         key = (fabric, pool)
         if key not in self._carved:
+            if key in self._failed:
+                raise self._failed[key]
             source = self._fabrics[fabric]
             self._carved[key] = _read(fabric, lambda: {a.id: a for a in source.pool(pool).allocations()})
         return self._carved[key]
+
+    def read_ahead(self, fabrics: Iterable[str], pools: Iterable[tuple[str, str]]) -> None:
+        """Read now the bindings of ``fabrics`` and the allocations of ``pools`` (fabric and pool), which a pass
+        judges later under the composer's lock: a driver that hangs then holds up nothing else. A read that fails
+        fails the same way when the pass asks for it, without asking the driver again."""
+        for fabric in fabrics:
+            try:
+                self.bound(fabric)
+            except DisaggError as exc:
+                self._failed[fabric] = exc
+        for key in pools:
+            try:
+                self.carved(*key)
+            except DisaggError as exc:
+                self._failed[key] = exc
 
     def holds(
         self, host: str, devices: Sequence[tuple[str, str]], allocations: Sequence[tuple[str, Allocation]]
