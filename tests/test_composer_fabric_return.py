@@ -409,23 +409,29 @@ def hanging(tmp_path: Path) -> Iterator[_HangingRack]:
         rack_.close()
 
 
+def _judged_while_retrying(rack_: _HangingRack) -> bool:
+    """Whether a failure of ``job``'s GPU, reported while `retry_unreachable` waits on the hanging cxl0, is judged
+    within a second (in the thread that reports it); the hang then ends (its timeout), and both are waited for."""
+    retrying = threading.Thread(target=rack_.composer.retry_unreachable, daemon=True)
+    retrying.start()
+    assert rack_.cxl.entered.wait(5), "cxl0 was never asked"
+    failing = threading.Thread(target=rack_.pcie.fail_device, args=(rack_.job.device_ids[0], "xid 79"))
+    failing.start()
+    failing.join(1.0)
+    judged_in_time = not failing.is_alive()
+    rack_.cxl.gate.set()
+    retrying.join(5)
+    failing.join(5)
+    return judged_in_time
+
+
 class TestAFabricThatHangs:
     """Trying an unreachable fabric again whose driver hangs holds up nothing else: the composer's lock is not
     held while it is asked, so a device that fails on another fabric meanwhile degrades its composition within
     a second, as it must."""
 
     def test_a_failure_elsewhere_is_judged_while_it_is_asked(self, hanging: _HangingRack) -> None:
-        retrying = threading.Thread(target=hanging.composer.retry_unreachable, daemon=True)
-        retrying.start()
-        assert hanging.cxl.entered.wait(5), "the retry never asked cxl0"
-        failing = threading.Thread(target=hanging.pcie.fail_device, args=(hanging.job.device_ids[0], "xid 79"))
-        failing.start()
-        failing.join(1.0)
-        judged_in_time = not failing.is_alive()  # the report is judged in the thread that makes it
-        hanging.cxl.gate.set()  # the hang ends (its timeout), unanswered
-        retrying.join(5)
-        failing.join(5)
-        assert judged_in_time, "the report of the failure waited for the retry of cxl0"
+        assert _judged_while_retrying(hanging), "the report of the failure waited for the retry of cxl0"
         assert hanging.composer.find("job").state is CompositionState.DEGRADED
 
     @pytest.mark.parametrize("hangs_at", ["discovery", "listing"])
@@ -444,17 +450,7 @@ class TestAFabricThatHangs:
             rack_.cxl.hang_after = 1
         else:
             rack_.cxl.listing_hangs = True
-        retrying = threading.Thread(target=rack_.composer.retry_unreachable, daemon=True)
-        retrying.start()
-        assert rack_.cxl.entered.wait(5), "cxl0 never hung"
-        failing = threading.Thread(target=rack_.pcie.fail_device, args=(rack_.job.device_ids[0], "xid 79"))
-        failing.start()
-        failing.join(1.0)
-        judged_in_time = not failing.is_alive()
-        rack_.cxl.gate.set()
-        retrying.join(5)
-        failing.join(5)
-        assert judged_in_time, f"the report of the failure waited for cxl0's {hangs_at}"
+        assert _judged_while_retrying(rack_), f"the report of the failure waited for cxl0's {hangs_at}"
         assert rack_.composer.find("job").state is CompositionState.DEGRADED
         assert rack_.composer.find("mem").state is CompositionState.COMPOSED
 

@@ -303,10 +303,10 @@ class TestEtcdBlocksLargerThanARequest:
         prefix = fresh_prefix()
         store = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
         try:
-            with pytest.raises(FabricUnavailableError, match="more than etcd takes in one transaction"):
-                with store.atomic():
-                    store.put_composition(_composition("c0"))
-                    store.put_composition(attrs.evolve(_composition("c1"), message="m" * 2_000_000))
+            too_large = attrs.evolve(_composition("c1"), message="m" * 2_000_000)
+            with pytest.raises(FabricUnavailableError, match="more than etcd takes in one transaction"), store.atomic():
+                store.put_composition(_composition("c0"))
+                store.put_composition(too_large)
             assert "more than etcd takes" in store.failure
         finally:
             store.close()
