@@ -375,7 +375,6 @@ class _HangingRack:
     cxl: _Hanging
     job: Composition
 
-
     def close(self) -> None:
         self.cxl.gate.set()
         self.composer.close()
