@@ -18,7 +18,7 @@ from disagg.errors import (
     RequestIdReusedError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Composition, CompositionState
+from disagg.model import Binding, ComposeMode, Composition, CompositionState
 from disagg.requestlang import parse_request, parse_resource
 from disagg_sim import SimFabric, create_fabric, load_topology
 from server_helpers import Churn, cordons, replay
@@ -112,6 +112,16 @@ class TestRecomposeRequestId:
         with pytest.raises(RequestIdReusedError):
             comp.recompose(request_id="u-1", **other)  # type: ignore[arg-type]
         assert len(comp.get("grow").devices) == 3
+
+    def test_a_reservation_s_time_to_live_is_one_number_however_written(self) -> None:
+        """Through the Python API a retry with ``60`` of a RESERVE sent with ``60.0`` (the default) was another
+        request, refused as a reused id."""
+        comp = composer()
+        request = parse_request("held", ["gpu x1"])
+        first = comp.compose(request, ComposeMode.RESERVE, request_id="r-1").reservation
+        assert comp.compose(request, ComposeMode.RESERVE, reservation_ttl_s=60, request_id="r-1").reservation == first
+        with pytest.raises(RequestIdReusedError):
+            comp.compose(request, ComposeMode.RESERVE, reservation_ttl_s=61, request_id="r-1")
 
     def test_ids_are_shared_with_compose(self) -> None:
         comp = composer()

@@ -1185,6 +1185,26 @@ class ReconcileMidway:
         return self.changes[0]
 
 
+class TestReconcilesRacingEachOther:
+    def test_a_binding_one_pass_quarantined_is_not_undone_by_another(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A pass that read pcie0 before a stray binding was made judged after another pass had quarantined it:
+        from what it read, the binding was gone, and it forgot the quarantine, which the next pass reported
+        again."""
+        composer = opened(tmp_path)
+        device, ctx = free_gpu(composer), CallContext(epoch=composer.epoch)
+        midway = ReconcileMidway(composer, monkeypatch)
+        midway.start()
+        composer.fabrics["pcie0"].bind(device, "h2", ctx)
+        assert composer.reconcile() == 1
+        assert midway.finish() == 0
+        assert composer.reconcile() == 0
+        assert events_of(composer, EventType.BINDING_QUARANTINED) == [device]
+        assert ("", device) in composer.store.load().quarantined  # a binding's quarantine: no pool
+        composer.close()
+
+
 class TestReconcileRacingAHeal:
     """A heal that undoes its replacement puts the composition back as it was, with no event: a pass that read
     the replacement bound, judged after the undo, took it for an orphan, quarantined and cordoned it."""

@@ -804,6 +804,7 @@ class FabricComposer(Composer):
                 continue
             del self._quarantined[device]
             self.store.delete_quarantine(_BINDING, device)
+            self._note_quarantined(device)
             log.info("quarantined device %s is no longer bound on the hardware; it stays cordoned", device)
             changes += 1
         for device, host in sorted(bound.items()):
@@ -816,6 +817,7 @@ class FabricComposer(Composer):
             # Kept in the ledger as a quarantine, apart from the cordon: one an operator had made would
             # otherwise pass for a quarantine reported before a restart, and this one go unreported.
             self._quarantined[device] = host
+            self._note_quarantined(device)
             if reported is None:
                 self.store.put_quarantine(_BINDING, device)
             if device not in self._cordoned:
@@ -832,6 +834,16 @@ class FabricComposer(Composer):
             )
             changes += 1
         return changes
+
+    def _note_quarantined(self, device: str = "", allocation: tuple[str, str] | None = None) -> None:
+        """Tell each other reconcile reading the hardware now that this pass quarantined, or forgot the quarantine
+        of, ``device`` or ``allocation``: judged from what it read before, it would undo this pass's verdict, and
+        report it again at the next. Under the lock."""
+        for watch in self._watches:
+            if device:
+                watch.devices.add(device)
+            if allocation is not None:
+                watch.allocations.add(allocation)
 
     def _judge_standing(
         self,
@@ -1380,6 +1392,7 @@ class FabricComposer(Composer):
                 continue  # reported before a restart
             self._quarantined_memory.add(key)
             self.store.put_quarantine(*key)
+            self._note_quarantined(allocation=key)
             self._emit(
                 EventType.ALLOCATION_QUARANTINED,
                 alloc.id,
@@ -1390,10 +1403,11 @@ class FabricComposer(Composer):
             )
             changes += 1
         for key in sorted(self._quarantined_memory):
-            if key in carved or key[0] not in pools_read:
+            if key in carved or key in recorded or key[0] not in pools_read:
                 continue
             self._quarantined_memory.discard(key)
             self.store.delete_quarantine(*key)
+            self._note_quarantined(allocation=key)
             freed = self._strays.pop(key, None)
             if freed is not None and freed.pool in self._inv.pools:
                 self._inv.release_memory(freed.pool, freed.amount_bytes)
@@ -1688,7 +1702,9 @@ class FabricComposer(Composer):
         if mode is ComposeMode.PREVIEW:  # nothing to make once; the id stays free for a change (docs/protocol.md)
             request_id = None
         if mode is not ComposeMode.APPLY:
-            fingerprint: object = (request, mode, reservation_ttl_s)
+            # One time to live however it is written: 60 and 60.0 are the same request (the wire's is a double).
+            ttl = float(reservation_ttl_s) if type(reservation_ttl_s) is int else reservation_ttl_s
+            fingerprint: object = (request, mode, ttl)
             recorded_before: object | None = None
         else:  # the time to live means nothing to an APPLY: a retry with another one is the same request
             fingerprint = (request, mode, APPLY_FINGERPRINT_TTL_S)
