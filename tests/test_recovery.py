@@ -2314,12 +2314,13 @@ class TestAnUpdateThatLeftPartsBound:
     request id (only a change that fully happened is found by it): the retry after the restart added the line
     again."""
 
-    def test_its_retry_after_a_crash_adds_nothing(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        first = opened(tmp_path)
-        job = first.compose(parse_request("job", ["host h1", "gpu x2"]), request_id="q").composition
+    @staticmethod
+    def stuck_gpu(composer: FabricComposer, monkeypatch: pytest.MonkeyPatch, request_id: str | None = None) -> str:
+        """Compose ``job`` (two GPUs on h1), and have pcie0 refuse to unbind the first; that GPU."""
+        job = composer.compose(parse_request("job", ["host h1", "gpu x2"]), request_id=request_id).composition
         assert job is not None
         stuck = job.device_ids[0]
-        pcie = first.fabrics["pcie0"]
+        pcie = composer.fabrics["pcie0"]
         unbind = pcie.unbind
 
         def refuse_stuck(binding: Binding, ctx: CallContext) -> None:
@@ -2328,6 +2329,11 @@ class TestAnUpdateThatLeftPartsBound:
             unbind(binding, ctx)
 
         monkeypatch.setattr(pcie, "unbind", refuse_stuck)
+        return stuck
+
+    def test_its_retry_after_a_crash_adds_nothing(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        first = opened(tmp_path)
+        stuck = self.stuck_gpu(first, monkeypatch, "q")
         add = parse_request("job", ["gpu x1"]).resources
         held = crash_at(monkeypatch, first, "recompose.after_commit")
         with pytest.raises(KeyboardInterrupt):
@@ -2344,3 +2350,17 @@ class TestAnUpdateThatLeftPartsBound:
             again.close()
             held.release()
             first.close()
+
+    def test_its_answer_is_written_once(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """With the record, in its transaction; the call wrote the same row again as it ended."""
+        composer = opened(tmp_path)
+        stuck = self.stuck_gpu(composer, monkeypatch)
+        written: list[str] = []
+        put_request = composer.store.put_request
+        monkeypatch.setattr(
+            composer.store, "put_request", lambda record: (written.append(record.id), put_request(record))
+        )
+        with pytest.raises(DisaggError, match=f"could not remove {stuck}"):
+            composer.recompose("job", add=parse_request("job", ["gpu x1"]).resources, remove=[stuck], request_id="u1")
+        assert written == ["u1"]
+        composer.close()

@@ -128,6 +128,8 @@ class _SettledError(Exception):
     def __init__(self, error: DisaggError) -> None:
         super().__init__(error.message)
         self.error = error
+        self.recorded = False
+        """Written as the answer already, in the transaction of the change's own record (`_remove`)."""
 
 
 def _again(error: DisaggError) -> DisaggError:
@@ -1781,7 +1783,8 @@ class FabricComposer(Composer):
         try:
             answer = yield from run()
         except _SettledError as settled:
-            self._answer(request_id, fp, settled, seed, done)
+            if not settled.recorded:
+                self._answer(request_id, fp, settled, seed, done)
             yield from self._answer_durably(request_id, seed, done)
             raise settled.error from None
         except BaseException:
@@ -2439,6 +2442,7 @@ class FabricComposer(Composer):
             entry = self._requests.get(mark.get("request_id", ""))
             if entry is not None:
                 self._answered(mark["request_id"], mark["request_fingerprint"], settled, entry[2])
+                settled.recorded = True
             return comp, settled
 
     def _without(
