@@ -6,7 +6,7 @@ again. A composer that was never started refuses what needs its ledger."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from disagg.model import (
 )
 from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
-from disagg_sim import SimFabric, load_topology
+from disagg_sim import SimFabric, create_fabric, load_topology
 
 GiB = 1 << 30
 WAIT_S = 10.0
@@ -249,6 +249,86 @@ class TestRecoveryWhenAFabricAnswersAgain:
             assert {p.pool: p.free_bytes for p in composer.usage()[1]}[extra.pool] == total - carved
         finally:
             composer.close()
+
+
+class _AnswersThen(Returning):
+    """A returning fabric that runs ``then`` once, right after a discovery made its answer: what happens between
+    the retry's probe, outside the lock, and the rebuild under it."""
+
+    then: Callable[[_AnswersThen], None] | None = None
+
+    def discover(self) -> Topology:
+        found = super().discover()
+        then, self.then = self.then, None
+        if then is not None:
+            then(self)
+        return found
+
+
+def _cxl_answers_then(tmp: Path, then: Callable[[_AnswersThen], None]) -> FabricComposer:
+    """A composer on ``tmp`` whose cxl0 was away at start-up and now answers, running ``then`` after its probe."""
+    hardware = on_disk(tmp)
+    hardware["cxl0"].close()
+    cxl = hardware["cxl0"] = _AnswersThen(load_topology("cxl0", "demo-cxl"), state_file=tmp / "cxl0.json")
+    comp = composer(hardware, store=SqliteStore(tmp / "ledger.db"), auto_heal=False)
+    cxl.reachable, cxl.then = True, then
+    return comp
+
+
+class TestWhatAFabricSaysAfterItsProbe:
+    """The rebuild takes what a returning fabric answered its probe, outside the lock; what it says after that is
+    newer, and wins."""
+
+    def test_a_device_that_fails_meanwhile_degrades_its_composition(self, tmp_path: Path) -> None:
+        (mem,) = first_run(tmp_path, "mem")
+        pool = next(p for p in load_topology("cxl0", "demo-cxl").pools if p.id == mem.allocations[0].pool)
+        comp = _cxl_answers_then(tmp_path, lambda cxl: cxl.fail_device(pool.device, "dead"))
+        try:
+            assert not comp.retry_unreachable()  # its answer is older than the failure: asked again next time
+            assert comp.find("mem").state is CompositionState.UNKNOWN
+            assert comp.retry_unreachable()
+            assert comp.find("mem").state is CompositionState.DEGRADED
+        finally:
+            comp.close()
+
+    def test_a_fabric_gone_again_meanwhile_stays_unreachable(self, tmp_path: Path) -> None:
+        """Its link event rebuilt the index, and found it away again: the retry counted it back, from its probe."""
+        first_run(tmp_path, "mem")
+        link = load_topology("cxl0", "demo-cxl").links[0]
+
+        def gone(cxl: _AnswersThen) -> None:
+            cxl.reachable = False
+            cxl.set_link(link.a, link.b, False)
+
+        comp = _cxl_answers_then(tmp_path, gone)
+        try:
+            assert not comp.retry_unreachable()
+            assert comp.find("mem").state is CompositionState.UNKNOWN
+            assert "cxl0" not in {t.fabric for t in comp.topologies() if t.devices}
+        finally:
+            comp.close()
+
+    def test_a_composition_on_a_fabric_no_longer_loaded_waits_apart(self, tmp_path: Path) -> None:
+        """Its hardware was read ahead too, from a fabric the configuration does not load: a KeyError every retry,
+        and the returning fabric's compositions were never settled."""
+        ledger = tmp_path / "ledger.db"
+        hardware = on_disk(tmp_path)
+        hardware.pop("cxl0").close()
+        hardware["cxl1"] = create_fabric("cxl1", {"topology": "demo-cxl", "state_file": str(tmp_path / "cxl1.json")})
+        first = composer(hardware, store=SqliteStore(ledger), auto_heal=False)
+        assert first.compose(parse_request("old", ["host h1", "cxl-memory 8GiB"])).composition is not None
+        first.close()
+        second = composer(on_disk(tmp_path), store=SqliteStore(ledger), auto_heal=False)  # cxl1 no longer loaded
+        assert second.compose(parse_request("mem", ["host h2", "cxl-memory 8GiB"])).composition is not None
+        second.close()
+        comp = _cxl_answers_then(tmp_path, lambda cxl: None)
+        try:
+            assert comp.find("mem").state is CompositionState.UNKNOWN
+            assert comp.retry_unreachable()
+            assert comp.find("mem").state is CompositionState.COMPOSED
+            assert comp.find("old").state is CompositionState.UNKNOWN
+        finally:
+            comp.close()
 
 
 class TestAFabricNoLongerLoaded:

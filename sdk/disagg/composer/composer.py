@@ -352,6 +352,9 @@ class FabricComposer(Composer):
         (`_check_started`)."""
         self._busy: dict[str, threading.Lock] = {}
         """Per composition, held by the change in flight (`_held`)."""
+        self._heard: dict[str, int] = {}
+        """Per fabric, the events heard from it and the discoveries that asked it, counted: an answer it gave
+        before the last of them is older than what the index took from it (`retry_unreachable`)."""
         self._quarantined: dict[str, str] = {}
         """Devices reconciliation found bound with no record, with the host each was bound to as last reported
         (empty: reported before a restart, whose ledger record names no host); cordoned, and reported once a
@@ -1127,6 +1130,7 @@ class FabricComposer(Composer):
                 self._returned.add(name)
                 self._unreachable.discard(name)
                 continue
+            self._heard[name] = self._heard.get(name, 0) + 1
             if name in self._unannounced or name in self._unreachable:
                 # Told before anything else reaches it: a deposed manager may still try.
                 self._announce_epoch([name])
@@ -1236,6 +1240,7 @@ class FabricComposer(Composer):
         with self._lock:
             unreachable, returned = sorted(self._unreachable), bool(self._returned)
             wanted = self._unknown_hardware()
+            heard = dict(self._heard)
         answered = {name: found for name in unreachable if (found := self._answers(name)) is not None}
         if not returned and not answered:
             return False
@@ -1247,6 +1252,9 @@ class FabricComposer(Composer):
         with self._lock:
             if not self._unreachable and not self._returned:
                 return False
+            # A fabric heard from since it answered (an event, a rebuild that asked it: a device that failed, or
+            # the fabric gone again) is left as that left it: its answer is older, and the next retry asks again.
+            answered = {name: found for name, found in answered.items() if self._heard.get(name) == heard.get(name)}
             if self._unreachable:
                 self._rebuild(set(answered), answered)  # those that did not answer stay as they are
                 self._mark_unknown()  # one this rebuild found gone, or set aside
@@ -1270,7 +1278,8 @@ class FabricComposer(Composer):
             if comp.state is CompositionState.UNKNOWN:
                 fabrics.update(self._fabric_of(p.device) for p in comp.devices)
                 pools.update((self._fabric_of_pool(a.pool), a.pool) for a in comp.allocations)
-        return fabrics, pools
+        loaded = set(self.fabrics)  # one the configuration no longer loads is never read: its compositions wait
+        return fabrics & loaded, {key for key in pools if key[0] in loaded}
 
     def _claim_composition(self, comp: Composition) -> None:
         """Claim the host and whatever the composition may hold (`_holdings`) in a freshly built index."""
@@ -2648,6 +2657,7 @@ class FabricComposer(Composer):
 
     def _on_fabric_event(self, event: FabricEvent) -> None:
         with self._lock:
+            self._heard[event.fabric] = self._heard.get(event.fabric, 0) + 1
             if self._early is not None:  # starting: applied once the ledger and the index are built
                 self._early.append(event)
                 return

@@ -62,12 +62,14 @@ class HardwareView:
         fails the same way when the pass asks for it, without asking the driver again."""
         for fabric in fabrics:
             try:
-                self.bound(fabric)
+                if fabric in self._fabrics:
+                    self.bound(fabric)
             except DisaggError as exc:
                 self._failed[fabric] = exc
         for key in pools:
             try:
-                self.carved(*key)
+                if key[0] in self._fabrics:
+                    self.carved(*key)
             except DisaggError as exc:
                 self._failed[key] = exc
 
