@@ -10,10 +10,10 @@ etcd (3.4 and later) answers a sorted range, even one with a limit, by reading t
 
 A write is a transaction of its own (an append with its prune of old events; forgetting old request ids deletes
 up to `TXN_OPS` keys in one), or, inside `atomic`, part of the one transaction its block commits as it ends: the
-composer writes a change's record and its event so. A block of more operations than etcd takes in one transaction
-(a fabric that goes away marks each of its compositions UNKNOWN in one block) is staged first, as one record, and
-then applied in several; a writer that stops between them leaves it staged, and the next `load` finishes it, so
-that a new leader finds the whole block or none of it (`_write_staged`).
+composer writes a change's record and its event so. A block of more operations or bytes than etcd takes in one
+transaction (a fabric that goes away marks each of its compositions UNKNOWN in one block) is staged first, as one
+record, and then applied in several; a writer that stops between them leaves it staged, and the next `load`
+finishes it, so that a new leader finds the whole block or none of it (`_write_staged`).
 
 When a prune is due is decided from what etcd holds (read once, at the first use, then followed through this
 process's writes), not from a count of this process's writes, so that a ledger whose leader changes or restarts
