@@ -299,3 +299,26 @@ class TestFingerprintsOfAnEarlierRelease:
         comp = composer(comp.fabrics, store=store)
         again = comp.compose(request, reservation_ttl_s=30.0, request_id="q").composition
         assert again is not None and again.id == made and len(comp.compositions()) == 1
+
+
+class TestACompositionsLines:
+    """An update's ``add`` was held to 64 lines, and nothing held the lines a composition gathers: an update that
+    took one past gRPC's 4 MiB was made, and its answer refused by the client as too large (RESOURCE_EXHAUSTED, which
+    reads as nothing done: a retry added the lines again), and every later listing failed for every client."""
+
+    @staticmethod
+    def line() -> fm.ResourceRequest:
+        """A line at the request limits' largest: 32 selectors, each comparing with 256 characters."""
+        selector = fm.Selector(key="media", op=fm.SELECTOR_OP_NE, value=pb.AttributeValue(string_value="x" * 256))
+        return fm.ResourceRequest(kind=pb.DEVICE_KIND_CXL_MEMORY, amount_bytes=1, selectors=[selector] * 32)
+
+    def test_an_update_past_64_lines_is_refused_and_changes_nothing(self, served: Served) -> None:
+        made = served.stub.Compose(compose_request("big", self.line())).composition
+        grown = served.stub.UpdateComposition(fm.UpdateCompositionRequest(id="big", add=[self.line()] * 63))
+        assert len(grown.composition.resources) == 64
+        failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id="big", add=[self.line()]))
+        assert (failed.code, failed.fields) == (grpc.StatusCode.INVALID_ARGUMENT, ("add",))
+        assert "has 64 resource lines, and a composition has at most 64" in failed.message
+        after = served.stub.GetComposition(fm.GetCompositionRequest(id=made.id)).composition
+        assert after.etag == grown.composition.etag and len(after.resources) == 64
+        assert len(served.stub.ListCompositions(fm.ListCompositionsRequest()).compositions) == 1

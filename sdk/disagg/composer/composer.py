@@ -76,7 +76,7 @@ from disagg.model import (
     Topology,
     id_name_refusal,
 )
-from disagg.model.composition import revise
+from disagg.model.composition import MAX_RESOURCE_LINES, revise
 from disagg.policies import BestFit
 from disagg.store import MemoryStore, RequestRecord, Store
 from disagg.store.base import UNDECODABLE, undecodable
@@ -2331,6 +2331,12 @@ class FabricComposer(Composer):
                 )
             self._check_removal(comp, remove, bool(add))
             base = len(comp.resources)
+            if add and base + len(add) > MAX_RESOURCE_LINES:
+                raise InvalidRequestError(
+                    f"add: composition {comp.id} has {base} resource lines, and a composition has at most "
+                    f"{MAX_RESOURCE_LINES} (a removal keeps its line): compose a new one with the lines it needs",
+                    field="add",
+                )
             lines: list[Line] = [(base + i, r, Pin()) for i, r in enumerate(add)]
             self._placer.check_lines(add, "add")
             plan = Plan(comp.host)

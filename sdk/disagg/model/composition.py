@@ -72,6 +72,10 @@ MAX_LATENCY_NS = 2**64 - 1
 """The largest latency bound, in nanoseconds: the wire's ``uint64 max_latency_ns``."""
 SELECTOR_INT_RANGE = range(-(2**63), 2**63)
 """The whole numbers a selector may compare with: the wire's ``int64 int_value``."""
+MAX_RESOURCE_LINES = 64
+"""The resource lines of a request, and of a composition that updates add lines to: with every line at its largest,
+a composition read on the wire stays far within gRPC's 4 MiB (an update that grew it past that was made, and its
+answer refused by the client as too large)."""
 MAX_SELECTOR_TEXT = 256
 """The longest text a selector may compare with, in characters. With the wire's other limits it keeps the largest
 valid Compose well under gRPC's default 4 MiB message cap, which a client in another language cannot raise on the

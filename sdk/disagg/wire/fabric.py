@@ -44,6 +44,7 @@ from disagg.model import (
 )
 from disagg.model.composition import (
     MAX_LATENCY_NS,
+    MAX_RESOURCE_LINES,
     MAX_SELECTOR_TEXT,
     SELECTOR_INT_RANGE,
     request_limit_refusal,
@@ -66,7 +67,7 @@ from disagg.wire.types import (
 if TYPE_CHECKING:
     from disagg.composer import KindUsage
 
-MAX_RESOURCES = 64
+MAX_RESOURCES = MAX_RESOURCE_LINES
 MAX_SELECTORS = 32
 MAX_SELECTOR_VALUE = MAX_SELECTOR_TEXT
 MAX_NAME = 63
