@@ -2081,7 +2081,9 @@ class FabricComposer(Composer):
             return False
         left = ", ".join(failed.leftovers)
         self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"could not undo {left}: {failed.error.message}")
-        self._set(comp, state=CompositionState.FAILED, message=f"rollback incomplete: {failed.error.message}")
+        # Named in the message: what the rollback left is in the pending change, which is not on the wire.
+        why = f"rollback incomplete: {left} still held (the change failed: {failed.error.message})"
+        self._set(comp, state=CompositionState.FAILED, message=why)
         return True
 
     def _fail_addition(
