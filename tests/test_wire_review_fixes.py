@@ -322,3 +322,40 @@ class TestACompositionsLines:
         after = served.stub.GetComposition(fm.GetCompositionRequest(id=made.id)).composition
         assert after.etag == grown.composition.etag and len(after.resources) == 64
         assert len(served.stub.ListCompositions(fm.ListCompositionsRequest()).compositions) == 1
+
+
+class TestTheWrongKindOfKey:
+    """A key that names a live reservation given to Decompose, or a reservation's name or a composition given to
+    ReleaseReservation, was answered as an unknown id is, done, and nothing was released: the reservation held its
+    plan until its time to live ran out (up to a day)."""
+
+    @pytest.mark.parametrize(
+        ("call", "key", "said"),
+        [
+            ("Decompose", "id", "is reservation {res}, not a composition id"),
+            ("Decompose", "job", "names reservation {res}, not a composition id"),
+            ("ReleaseReservation", "job", "names reservation {res}, not a reservation id: ReleaseReservation takes"),
+        ],
+    )
+    def test_a_reservation_s_is_refused_naming_it(self, served: Served, call: str, key: str, said: str) -> None:
+        reserve = compose_request("job", gpu(1), mode=fm.COMPOSE_MODE_RESERVE, reservation_ttl_s=86_400)
+        res = served.stub.Compose(reserve).reservation.id
+        request = (fm.DecomposeRequest if call == "Decompose" else fm.ReleaseReservationRequest)(
+            id=res if key == "id" else key
+        )
+        failed = fails(getattr(served.stub, call), request)
+        assert (failed.code, failed.fields) == (grpc.StatusCode.INVALID_ARGUMENT, ("id",))
+        assert said.format(res=res) in failed.message
+        assert [r.id for r in served.stub.ListReservations(fm.ListReservationsRequest()).reservations] == [res]
+
+    def test_a_composition_given_to_release_reservation_is_refused(self, served: Served) -> None:
+        made = served.stub.Compose(compose_request("job", gpu(1))).composition
+        for key in (made.id, "job"):
+            failed = fails(served.stub.ReleaseReservation, fm.ReleaseReservationRequest(id=key))
+            assert failed.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"composition {made.id}, not a reservation id: Decompose releases" in failed.message
+        assert served.stub.GetComposition(fm.GetCompositionRequest(id=made.id)).composition.state == made.state
+
+    def test_unknown_ids_still_succeed(self, served: Served) -> None:
+        served.stub.Decompose(fm.DecomposeRequest(id="c-000000000000"))
+        served.stub.ReleaseReservation(fm.ReleaseReservationRequest(id="r-000000000000"))

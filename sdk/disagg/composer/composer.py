@@ -1581,6 +1581,7 @@ class FabricComposer(Composer):
             if res is not None:
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED)
                 return
+            self._refuse_other_kind(reservation_id, "reservation")
             applying = next(
                 (
                     c
@@ -2152,6 +2153,26 @@ class FabricComposer(Composer):
 
     # ----------------------------------------------------------------- queries
 
+    def _refuse_other_kind(self, key: str, wanted: str) -> None:
+        """Refuse ``key``, given to release a ``wanted`` ("composition" or "reservation") that it does not name,
+        when it names something live of the other kind, or a reservation by its name: answered as an unknown id
+        is (done), the call released nothing, and the reservation held its plan until its time to live ran out.
+        Under the lock."""
+        named = self._names.get(key, "")
+        res = self._reservations.get(key) or self._reservations.get(named)
+        comp = self._compositions.get(key) or self._compositions.get(named)
+        if wanted == "composition" and res is not None:
+            why = f"is reservation {res.id}" if key == res.id else f"names reservation {res.id}"
+            hint = "ReleaseReservation gives its plan back (by its id), and Compose with its reservation_id applies it"
+        elif wanted == "reservation" and res is not None:
+            why, hint = f"names reservation {res.id}", "ReleaseReservation takes its id"
+        elif wanted == "reservation" and comp is not None:
+            why = f"is composition {comp.id}" if key == comp.id else f"names composition {comp.id}"
+            hint = "Decompose releases what it holds"
+        else:
+            return
+        raise InvalidRequestError(f"{key!r} {why}, not a {wanted} id: {hint}", field="id")
+
     def find(self, key: str) -> Composition:
         """A composition by id or by name."""
         with self._lock:
@@ -2533,6 +2554,7 @@ class FabricComposer(Composer):
             try:
                 comp = self.find(composition_id)
             except NotFoundError:
+                self._refuse_other_kind(composition_id, "composition")
                 return
             away = self._away(comp)
             if away:
