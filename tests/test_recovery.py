@@ -1782,6 +1782,46 @@ def _refuse_rollback(pcie: Fabric, monkeypatch: pytest.MonkeyPatch) -> list[str]
     return calls
 
 
+class TestARequestWhoseRollbackFailed:
+    """A change whose binds failed and whose rollback the driver refused left part of it on the hardware, in a
+    FAILED composition: it changed something, so its error is its request's answer. Its request id was forgotten
+    instead, as for a failure that changed nothing, and a retry ran again: refused, for a Compose, as a name
+    taken, and for an update as a FAILED composition, not the first answer."""
+
+    def test_a_compose_s_retry_gets_the_first_answer_across_a_restart(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        composer = opened(tmp_path)
+        _refuse_rollback(composer.fabrics["pcie0"], monkeypatch)
+        request = parse_request("job", ["host h1", "gpu x2"])
+        with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+            composer.compose(request, request_id="q1")
+        assert composer.find("job").state is CompositionState.FAILED
+        with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+            composer.compose(request, request_id="q1")
+        composer.close()
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+                again.compose(request, request_id="q1")
+            assert [c.state for c in again.compositions()] == [CompositionState.FAILED]
+        finally:
+            again.close()
+
+    def test_an_update_s_retry_gets_the_first_answer(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        composer = opened(tmp_path)
+        job = composer.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        _refuse_rollback(composer.fabrics["pcie0"], monkeypatch)
+        add = parse_request("job", ["gpu x2"]).resources
+        for _ in range(2):
+            with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+                composer.recompose("job", add=add, request_id="u1")
+        assert composer.find("job").state is CompositionState.FAILED
+        composer.close()
+
+
 class TestWhatARollbackLeftIsReleased:
     """What a failed rollback leaves on the hardware stays with its composition, which is FAILED, and a
     decompose releases it: none of it is left carved or bound, nor held in the index."""

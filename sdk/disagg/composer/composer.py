@@ -2061,8 +2061,8 @@ class FabricComposer(Composer):
             )
         except ExecutionFailedError as failed:
             with self._lock:
-                self._fail_new(comp, plan, failed)
-            raise failed.error from None
+                answer = self._failed_answer(failed, self._fail_new(comp, plan, failed), *self._request_mark())
+            raise answer from None
         failpoints.hit("compose.before_commit")
         # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
         # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
@@ -2073,6 +2073,25 @@ class FabricComposer(Composer):
             comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
         failpoints.hit("compose.after_commit")
         return comp
+
+    def _failed_answer(self, failed: ExecutionFailedError, left: bool, request_id: str, fp: str) -> Exception:
+        """What a change whose driver calls failed raises: the error, or, when its rollback ``left`` part of it
+        on the hardware (its composition FAILED), the error as the answer of its request (``request_id``,
+        digest ``fp``), written in this hold, with the FAILED record: it changed something, so a retry gets
+        this answer rather than running again (the name taken by what it left). Under the lock."""
+        if not left:
+            return failed.error
+        return self._settled(failed.error, request_id, fp)
+
+    def _settled(self, error: DisaggError, request_id: str, fp: str) -> _SettledError:
+        """``error`` as the answer of ``request_id`` (digest ``fp``), written in this hold when the request is
+        being answered (`_once`), as `_SettledError`. Under the lock."""
+        settled = _SettledError(error)
+        entry = self._requests.get(request_id) if request_id else None
+        if entry is not None:
+            self._answered(request_id, fp, settled, entry[2])
+            settled.recorded = True
+        return settled
 
     def _rollback_incomplete(self, comp: Composition, failed: ExecutionFailedError) -> bool:
         """When the rollback of a failed addition left part of it on the hardware, the composition is FAILED,
@@ -2089,29 +2108,35 @@ class FabricComposer(Composer):
 
     def _fail_addition(
         self, comp: Composition, plan: Plan, failed: ExecutionFailedError, state: CompositionState
-    ) -> None:
+    ) -> bool:
         """An addition to a live composition (recompose, heal) failed: the composition goes back to ``state``,
-        or is FAILED when the rollback was incomplete. Under the lock. A standing ``state`` is judged again
+        or is FAILED when the rollback was incomplete (then True). Under the lock. A standing ``state`` is judged again
         (`_set_standing`): a device may have failed while the composition was COMPOSING, which no event judged.
         Judged as it stood (a heal's, which never leaves DEGRADED), it is put back with its etag: clients saw
         nothing change (`_heal`)."""
-        if not self._rollback_incomplete(comp, failed):
-            self._unclaim_plan(plan, host=False)
-            why = self._standing_why(comp)
-            if state not in _STANDING:
-                self._set(comp, state=state, pending=None)
-            elif (comp.state, comp.message) == (CompositionState.DEGRADED if why else CompositionState.COMPOSED, why):
-                self._record(revise(comp, pending=None))
-            else:
-                self._set_standing(comp, pending=None)
+        if self._rollback_incomplete(comp, failed):
+            return True
+        self._unclaim_plan(plan, host=False)
+        why = self._standing_why(comp)
+        if state not in _STANDING:
+            self._set(comp, state=state, pending=None)
+        elif (comp.state, comp.message) == (CompositionState.DEGRADED if why else CompositionState.COMPOSED, why):
+            self._record(revise(comp, pending=None))
+        else:
+            self._set_standing(comp, pending=None)
+        return False
 
-    def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> None:
+    def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> bool:
+        """A new composition's binds failed: it is forgotten, or FAILED when its rollback was incomplete (then
+        True). Under the lock."""
         # As it is now: a release while it ran took its reservation out, a failure gave it its reason.
         now = self._compositions.get(comp.id, comp)
-        if not self._rollback_incomplete(now, failed):
-            self._unclaim_plan(plan)
-            self._forget(now, f"rolled back: {failed.error.message}")
-            self._give_back(now.id, now.pending)
+        if self._rollback_incomplete(now, failed):
+            return True
+        self._unclaim_plan(plan)
+        self._forget(now, f"rolled back: {failed.error.message}")
+        self._give_back(now.id, now.pending)
+        return False
 
     def _give_back(self, comp_id: str, change: PendingChange | None) -> None:
         """Give the reservation an undone apply (that made ``comp_id``) took back, for the rest of its time to
@@ -2383,8 +2408,9 @@ class FabricComposer(Composer):
             )
         except ExecutionFailedError as failed:
             with self._lock:  # its record as it is now: a failure meanwhile gave it its reason (`_say_meanwhile`)
-                self._fail_addition(self._compositions[comp.id], plan, failed, previous_state)
-            raise failed.error from None
+                left = self._fail_addition(self._compositions[comp.id], plan, failed, previous_state)
+                answer = self._failed_answer(failed, left, request_id, fp)
+            raise answer from None
         failpoints.hit("recompose.before_commit")
         # Only a change that fully happened is found again by its request id: a failed one may be retried.
         mark = {"request_id": request_id, "request_fingerprint": fp} if request_id else {}
@@ -2476,12 +2502,7 @@ class FabricComposer(Composer):
             error = _left_bound(comp.id, leftovers)
             if not added and len(leftovers.ids) == len(picks) + len(allocs):
                 return comp, error  # nothing happened: a retry runs again
-            settled = _SettledError(error)
-            entry = self._requests.get(mark.get("request_id", ""))
-            if entry is not None:
-                self._answered(mark["request_id"], mark["request_fingerprint"], settled, entry[2])
-                settled.recorded = True
-            return comp, settled
+            return comp, self._settled(error, mark.get("request_id", ""), mark.get("request_fingerprint", ""))
 
     def _without(
         self, comp: Composition, devices: set[str], allocs: Sequence[Allocation], **changes: str
