@@ -2304,6 +2304,29 @@ class TestLeaderAnnouncesItsEpoch:
         assert list(hardware["pcie0"].bindings()) == []
         composer.close()
 
+    def test_a_driver_that_fails_unexpectedly_waits_and_the_others_are_served(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A driver that raises what no driver may (a bug) as it is told the epoch: the announce let it through,
+        the new leader's start failed, it gave up the lead, and every replica after it did the same."""
+        hardware = fabrics(tmp_path)
+
+        def reset(binding: Binding, ctx: CallContext) -> None:
+            raise ConnectionResetError("the socket to the switch was reset")
+
+        monkeypatch.setattr(hardware["pcie0"], "unbind", reset)
+        composer = FabricComposer(hardware, store=SqliteStore(tmp_path / "ledger.db"), epoch=7)
+        try:
+            composer.fence_drivers()
+            composer.start()
+            assert [t.fabric for t in composer.topologies() if t.devices] == ["cxl0"]
+            assert composer.compose(parse_request("job", ["cxl-memory 8GiB"])).composition is not None
+            monkeypatch.undo()
+            assert composer.retry_unreachable()  # told the epoch once it answers, then served
+            assert any(d.fabric == "pcie0" for d in composer.devices())
+        finally:
+            composer.close()
+
 
 def free_gpu_of(fabric: SimFabric) -> str:
     return next(d.id for d in fabric.discover().devices if d.kind is DeviceKind.GPU)

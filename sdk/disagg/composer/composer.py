@@ -570,7 +570,8 @@ class FabricComposer(Composer):
         for name in names:
             try:
                 self._fence(name, ctx)
-            except DisaggError as exc:
+            except Exception as raised:  # a driver's bug too: that fabric waits, the others are served
+                exc = raised if isinstance(raised, DisaggError) else driver_error(name, raised)
                 log.warning("could not announce epoch %d to fabric %s: %s", self.epoch, name, exc.message)
                 self._unannounced.add(name)
             else:
