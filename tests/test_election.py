@@ -22,11 +22,12 @@ from disagg.client import NO_RETRY, FabricManagerClient
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1.fabric_manager_pb2_grpc import FabricManagerServiceStub
 from disagg.ha import Leadership, election
 from disagg.interfaces import CallContext
-from disagg.model import Binding
+from disagg.model import Binding, Topology
 from disagg.requestlang import parse_request
-from disagg.server import FabricManagerServer, FabricManagerServicer
+from disagg.server import FabricManagerServer, FabricManagerServicer, runtime
 from disagg.store.etcd import EtcdStore
 from etcd3gw.exceptions import ConnectionTimeoutError
 from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
@@ -448,6 +449,96 @@ class TestDeposed:
             go_on.set()
             server.stop(0)
             usurper.resign()
+
+
+class TestADeposedReplica:
+    """A replica that lost the lead stopped answering (NOT_SERVING, every call UNAVAILABLE) and went on otherwise:
+    its open event watches stayed open and silent, so their clients never moved to the new leader, and its timer
+    went on, calling the drivers with the epoch the new leader had replaced."""
+
+    @staticmethod
+    def deposed(etcd: EtcdCluster, leadership: Leadership, lost: threading.Event) -> Leadership:
+        """Take the lead from ``leadership`` as a new leader would; the new leader's, once the old one knows."""
+        host, port = etcd.endpoints[0].rsplit(":", 1)
+        etcd3gw.client(host=host, port=int(port)).delete(leadership.key)  # as if its lease had run out
+        usurper = Leadership(etcd.endpoints, "new", ttl_s=30)
+        assert usurper.campaign() > leadership.epoch
+        assert lost.wait(WAIT_S), "the old replica did not step down"
+        return usurper
+
+    def test_its_event_watches_end_saying_so(self, etcd: EtcdCluster) -> None:
+        leadership, serving, lost = Leadership(etcd.endpoints, "old", ttl_s=TTL_S), threading.Event(), threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/deposed-watch/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+            on_lost=lost.set,  # an embedder that keeps the server, NOT_SERVING, rather than stopping it
+        )
+        server.start()
+        usurper: Leadership | None = None
+        try:
+            assert serving.wait(WAIT_S)
+            channel = grpc.insecure_channel(server.addresses[0])
+            stream = FabricManagerServiceStub(channel).WatchEvents(fm.WatchEventsRequest(), timeout=WAIT_S)
+            usurper = self.deposed(etcd, leadership, lost)
+            with pytest.raises(grpc.RpcError) as ended:
+                next(stream)
+            assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "lost the lead" in (ended.value.details() or "")
+            assert "watch again from revision" in (ended.value.details() or "")
+            channel.close()
+        finally:
+            server.stop(0)
+            if usurper is not None:
+                usurper.resign()
+
+    def test_its_timer_calls_no_driver(self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+        """pcie0 did not answer as the new leader took over, so it was not told the new epoch; when it answered
+        again, the deposed replica's retry told it the old one, and could recover, reconcile and heal there."""
+        monkeypatch.setattr(runtime, "RETRY_UNREACHABLE_S", 0.2)
+        fabrics = rack()
+        pcie = fabrics["pcie0"]
+        down = threading.Event()
+        calls: list[int] = []
+        discover, unbind = pcie.discover, pcie.unbind
+
+        def answering_discover() -> Topology:
+            if down.is_set():
+                raise FabricUnavailableError("pcie0 does not answer")
+            return discover()
+
+        def answering_unbind(binding: Binding, ctx: CallContext) -> None:
+            if down.is_set():
+                raise FabricUnavailableError("pcie0 does not answer")
+            calls.append(ctx.epoch)
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(pcie, "discover", answering_discover)
+        monkeypatch.setattr(pcie, "unbind", answering_unbind)
+        leadership, serving, lost = Leadership(etcd.endpoints, "old", ttl_s=TTL_S), threading.Event(), threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(fabrics, store=EtcdStore(etcd.endpoints, prefix="/deposed-timer/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+            on_lost=lost.set,
+            tick_s=0.05,
+        )
+        down.set()  # unreachable as the old replica took the lead, and still as the new one takes it
+        server.start()
+        usurper: Leadership | None = None
+        try:
+            assert serving.wait(WAIT_S)
+            usurper = self.deposed(etcd, leadership, lost)
+            calls.clear()
+            down.clear()
+            time.sleep(1.0)  # five retries' worth of the timer
+            assert calls == [], f"the deposed replica (epoch {leadership.epoch}) called pcie0 with epochs {calls}"
+        finally:
+            server.stop(0)
+            if usurper is not None:
+                usurper.resign()
 
 
 class TestStartFailure:

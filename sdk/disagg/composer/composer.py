@@ -442,6 +442,16 @@ class FabricComposer(Composer):
         composer is to be closed after."""
         self._closing = True
 
+    def stand_down(self) -> None:
+        """Act on nothing of its own accord any more, for a server that stopped serving (another replica leads, or
+        the ledger failed): no fabric's event is applied (a heal one started would call the drivers with an epoch
+        a new leader replaced), no heal starts, and a `start` running stops at its next step. Its fabrics and its
+        ledger stay open until `close`."""
+        self.cancel_start()
+        subscriptions, self._subscriptions = self._subscriptions, []
+        for sub in subscriptions:
+            sub.cancel()
+
     def _stop_if_closing(self) -> None:
         if self._closing:
             raise FabricUnavailableError("the composer was closed while it started")

@@ -573,9 +573,16 @@ class FabricManagerServer:
         self._on_lost()
 
     def _stop_serving(self, why: str, said: str) -> None:
-        """NOT_SERVING, and every RPC UNAVAILABLE saying ``why``; ``said`` goes to the log."""
+        """NOT_SERVING, and every RPC UNAVAILABLE saying ``why``, an open event watch too (it ends, for its client
+        to watch again where another replica serves); and nothing more done of this replica's own accord: its
+        timer stops (a reconcile, a retry of a fabric and a reservation's expiry write, and call the drivers with
+        an epoch another leader replaced), and no fabric's event is applied (`FabricComposer.stand_down`).
+        ``said`` goes to the log."""
         self.servicer.mark_unready(why)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer.stop(why)
+        self._ticking.set()
+        self.composer.stand_down()
         log.critical("%s", said)
 
     async def _listen(self) -> list[str]:

@@ -29,7 +29,7 @@ from disagg.model import Capabilities, ComposeMode, Composition, Device, Health,
 from disagg.server.context import RpcContext
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
-from disagg.server.watch import Watches, watch_events
+from disagg.server.watch import SHUTTING_DOWN, Watches, watch_events
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
@@ -198,9 +198,10 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         if self.lead is not None and not self.lead():
             raise FabricUnavailableError(LOST_LEAD)
 
-    def stop(self) -> None:
-        """End every event watch with UNAVAILABLE and refuse new ones; the server stops next."""
-        self.watches.stop()
+    def stop(self, why: str = SHUTTING_DOWN) -> None:
+        """End every event watch with UNAVAILABLE saying ``why``, and refuse new ones: the server stops next, or
+        stops serving (another replica leads)."""
+        self.watches.stop(why)
 
     # ----------------------------------------------------------------- inventory
 

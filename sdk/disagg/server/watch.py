@@ -44,7 +44,7 @@ class EventBuffer:
         self._events: collections.deque[Event] = collections.deque()
         self._overflowed = False
         self._ended = False
-        self._stopping = False
+        self._stopping = ""
 
     def offer(self, event: Event) -> None:
         """Called by the composer under its lock."""
@@ -57,8 +57,8 @@ class EventBuffer:
                 self._events.append(event)
             self._cond.notify()
 
-    def end(self, *, stopping: bool = False) -> None:
-        """Wake the watcher for the last time: its call ended, or the server is stopping."""
+    def end(self, *, stopping: str = "") -> None:
+        """Wake the watcher for the last time: its call ended, or the server stops serving (``stopping``: why)."""
         with self._cond:
             self._ended = True
             self._stopping = self._stopping or stopping
@@ -79,8 +79,13 @@ class EventBuffer:
         return self._ended
 
     @property
-    def stopping(self) -> bool:
+    def stopping(self) -> str:
+        """Why the server stopped serving the watch; empty while it serves it."""
         return self._stopping
+
+
+SHUTTING_DOWN = "the fabric manager is shutting down"
+"""Why a watch ends, or is refused, when its server stops."""
 
 
 class Watches:
@@ -91,12 +96,12 @@ class Watches:
         self.limit = limit
         self._lock = threading.Lock()
         self._open: set[EventBuffer] = set()
-        self._stopping = False
+        self._stopping = ""
 
     def open(self, capacity: int) -> EventBuffer:
         with self._lock:
             if self._stopping:
-                raise FabricUnavailableError("the fabric manager is shutting down")
+                raise FabricUnavailableError(self._stopping)
             if len(self._open) >= self.limit:
                 raise OverloadedError(
                     f"the fabric manager serves at most {self.limit} event watches at once; retry later",
@@ -110,13 +115,13 @@ class Watches:
         with self._lock:
             self._open.discard(buffer)
 
-    def stop(self) -> None:
-        """End every open watch (with UNAVAILABLE) and refuse new ones."""
+    def stop(self, why: str = SHUTTING_DOWN) -> None:
+        """End every open watch (with UNAVAILABLE saying ``why``) and refuse new ones."""
         with self._lock:
-            self._stopping = True
+            self._stopping = self._stopping or why
             buffers = list(self._open)
         for buffer in buffers:
-            buffer.end(stopping=True)
+            buffer.end(stopping=self._stopping)
 
     def __len__(self) -> int:
         with self._lock:
@@ -173,8 +178,7 @@ def watch_events(
                 cursor = event.revision
         if buffer.stopping:
             raise FabricUnavailableError(
-                f"the fabric manager is shutting down; watch again from revision {cursor}",
-                metadata={"revision": str(cursor)},
+                f"{buffer.stopping}; watch again from revision {cursor}", metadata={"revision": str(cursor)}
             )
     finally:
         remove()
