@@ -321,6 +321,33 @@ class TestResign:
             stalled.send_signal(signal.SIGCONT)
             standby.resign()
 
+    def test_a_resign_during_a_campaign_leaves_no_leader_key(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The stop landed between a campaign's refresh of its lease and its create of the leader key: the create
+        went out on no lease, a key that never ran out, and no replica could lead again."""
+        standby = Leadership(etcd.endpoints, "stopping", ttl_s=TTL_S)
+        client = etcd_client(etcd)
+        client.put(standby.key, "another")
+        assert standby._attempt() == 0  # another leads: the standby keeps its lease for the next try
+        client.delete(standby.key)  # the leader is gone
+        refresh = etcd3gw.Lease.refresh
+
+        def refreshed_then_stopped(lease: etcd3gw.Lease) -> int:
+            ttl: int = refresh(lease)
+            standby.resign()  # SIGTERM, as the refresh's answer came back
+            return ttl
+
+        monkeypatch.setattr(etcd3gw.Lease, "refresh", refreshed_then_stopped)
+        assert standby.campaign() == 0
+        monkeypatch.undo()
+        assert client.get(standby.key) == []
+        winner = Leadership(etcd.endpoints, "next", ttl_s=TTL_S)
+        thread, won = campaign_in_thread(winner)
+        thread.join(WAIT_S)
+        assert won and won[0] > 0, "no replica could lead after the resign"
+        winner.resign()
+
     def test_a_lease_that_ran_out_is_not_revoked_on_every_member(
         self, etcd: EtcdCluster, caplog: pytest.LogCaptureFixture
     ) -> None:

@@ -108,6 +108,10 @@ class Leadership:
         """While leading: until when (`lease_clock`) no other replica can lead, the last refresh etcd took (sent
         then) plus the time to live."""
         self._lease: etcd3gw.Lease | None = None
+        self._lease_lock = threading.Lock()
+        """Held while `_attempt` creates the key on its lease, and while `resign` takes the lease to revoke: a
+        resign that landed between an attempt's refresh and its create left a key on no lease, which never ran
+        out, and no replica could lead again."""
         self._keeper: threading.Thread | None = None
         self._next = 0
         self._clients: dict[int, etcd3gw.Etcd3Client] = {}
@@ -165,13 +169,18 @@ class Leadership:
         client = self._client()
         fresh = time.monotonic()  # the lease lives at least the time to live from here
         fresh_lease = lease_clock()
-        if self._lease is not None:
-            self._lease.client = client
-        if self._lease is None or self._lease.refresh() <= 0:
-            self._lease = client.lease(self.ttl_s)
-        client.create(self.key, self.identity, lease=self._lease)
+        lease = self._lease
+        if lease is not None:
+            lease.client = client
+        if lease is None or lease.refresh() <= 0:
+            lease = client.lease(self.ttl_s)
+        with self._lease_lock:
+            if self._stop.is_set():  # resigned meanwhile: it revoked the lease it found, and this one runs out
+                return 0
+            self._lease = lease
+            client.create(self.key, self.identity, lease=lease)
         held = client.get(self.key, metadata=True)
-        if not held or int(held[0][1].get("lease", 0)) != self._lease.id:
+        if not held or int(held[0][1].get("lease", 0)) != lease.id:
             return 0
         self.create_revision = int(held[0][1]["create_revision"])
         base = self._settle_base(client)
@@ -179,7 +188,7 @@ class Leadership:
             return 0
         self.epoch = base + self.create_revision
         self._valid_until = fresh_lease + self.ttl_s
-        log.info("leading with epoch %d (lease %s)", self.epoch, self._lease.id)
+        log.info("leading with epoch %d (lease %s)", self.epoch, lease.id)
         self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
         self._keeper.start()
         return self.epoch
@@ -266,8 +275,9 @@ class Leadership:
     def resign(self) -> None:
         """Give the lead up (revoke the lease, which deletes the key) so a standby takes over at once; each member
         is asked in turn until one takes it, since a dead one would leave the standby the whole time to live."""
-        self._stop.set()
-        lease, self._lease = self._lease, None  # revoked once: a second resign (a stop after one) asks nothing
+        with self._lease_lock:  # after an attempt's create, whose key this revokes, or before it, which stops it
+            self._stop.set()
+            lease, self._lease = self._lease, None  # revoked once: a second resign (a stop after one) asks nothing
         if lease is not None:
             for _ in self._endpoints:
                 try:
