@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 import pytest
 from disagg import codec, failpoints
-from disagg.composer import FabricComposer
+from disagg.composer import FabricComposer, requests
 from disagg.errors import (
     OUTCOME,
     OUTCOME_UNKNOWN,
@@ -35,6 +35,7 @@ from disagg.errors import (
     RequestAnswerLostError,
     RequestIdReusedError,
     StaleEpochError,
+    UnknownDeviceError,
 )
 from disagg.interfaces import CallContext, EventHandler, Fabric, Subscription
 from disagg.model import (
@@ -54,6 +55,7 @@ from disagg.model import (
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import MemoryStore, SqliteStore
+from disagg.wire.errors import to_status
 from disagg_sim import SimFabric, create_fabric, load_topology
 from disagg_sim.fabric import SimPool
 from remote_helpers import served
@@ -405,6 +407,99 @@ class TestRequestIdsKnownFromRecords:
         retried = again.compose(held, ComposeMode.RESERVE, reservation_ttl_s=600, request_id="A").reservation
         assert made is not None and answered is not None and retried == answered
         again.close()
+
+
+class TestAnswersAfterARestart:
+    """What a request id's answer is after a restart, where the ledger holds it, or only the record of the change
+    it made."""
+
+    def test_a_reservation_that_ran_out_while_none_ran_still_tells_its_id(self, tmp_path: Path) -> None:
+        """A crash lost a RESERVE's answer, and its reservation ran out before the next start: that start expired it
+        before it read the request ids off the records, and the id was free for any request."""
+        now = [1_000.0]
+        first = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), clock=lambda: now[0])
+        first.start()
+        first.compose(parse_request("held", ["gpu x1"]), ComposeMode.RESERVE, reservation_ttl_s=30, request_id="A")
+        first.close()
+        lose_answers(tmp_path)
+        now[0] += 60.0
+        again = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"), clock=lambda: now[0])
+        again.start()
+        try:
+            assert again.reservations() == []
+            with pytest.raises(RequestIdReusedError):
+                again.compose(parse_request("other", ["gpu x2"]), ComposeMode.RESERVE, request_id="A")
+        finally:
+            again.close()
+
+    def test_an_id_answered_on_its_retry_is_forgotten_as_the_newest(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Known from its record only (its answer lost), an id answered on its retry after a restart kept its
+        place, first in memory: it was the first forgotten, though its answer was the ledger's newest, and a
+        retry then ran again."""
+        first = opened(tmp_path)
+        first.compose(parse_request("old", ["gpu x1"]), request_id="L1")
+        held = parse_request("held", ["gpu x1"])
+        made = first.compose(held, ComposeMode.RESERVE, reservation_ttl_s=600, request_id="A").reservation
+        first.close()
+        with sqlite3.connect(tmp_path / "ledger.db") as db:  # a crash lost A's answer, and kept L1's
+            db.execute("DELETE FROM requests WHERE id = 'A'")
+        monkeypatch.setattr("disagg.composer.composer.REQUEST_ID_MEMORY", 2)
+        again = opened(tmp_path)
+        try:
+            assert again.compose(held, ComposeMode.RESERVE, reservation_ttl_s=600, request_id="A").reservation == made
+            again.compose(parse_request("new", ["gpu x1"]), request_id="N1")
+            assert made is not None
+            again.release_reservation(made.id)
+            retried = again.compose(held, ComposeMode.RESERVE, reservation_ttl_s=600, request_id="A").reservation
+            assert retried == made
+        finally:
+            again.close()
+
+    def test_an_error_of_a_class_of_its_own_keeps_its_kind(self) -> None:
+        """A driver's or a store's own error class (the etcd ledger's `LeadershipLostError`) was read back as the
+        bare `DisaggError`: UNKNOWN on the wire instead of UNAVAILABLE."""
+
+        class SwitchGoneError(FabricUnavailableError):
+            pass
+
+        answer = requests.decode(requests.encode(SwitchGoneError("the switch went away", metadata={"f": "x"})))
+        assert type(answer) is FabricUnavailableError
+        assert (answer.message, answer.metadata) == ("the switch went away", {"f": "x"})
+        assert to_status(answer).code == to_status(SwitchGoneError("the switch went away")).code
+
+    def test_an_error_answer_keeps_what_it_names(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """An error read back from the ledger lacked what its class holds besides the message (a missing device's
+        id): the server could not tell the retry's status from it."""
+        composer = opened(tmp_path)
+        pcie = composer.fabrics["pcie0"]
+        bind, calls = pcie.bind, []
+
+        def second_bind_lost(device: str, host: str, ctx: CallContext) -> Binding:
+            calls.append(device)
+            if len(calls) == 2:
+                raise UnknownDeviceError(device, f"device {device} vanished")
+            return bind(device, host, ctx)
+
+        def unbind_refused(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "bind", second_bind_lost)
+        monkeypatch.setattr(pcie, "unbind", unbind_refused)
+        request = parse_request("job", ["host h1", "gpu x2"])
+        with pytest.raises(UnknownDeviceError) as first:
+            composer.compose(request, request_id="q1")
+        composer.close()
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            with pytest.raises(UnknownDeviceError) as retried:
+                again.compose(request, request_id="q1")
+            assert (retried.value.resource_type, retried.value.name) == ("device", calls[1])
+            assert to_status(retried.value).code == to_status(first.value).code
+        finally:
+            again.close()
 
 
 class TestRestoringABackup:

@@ -423,6 +423,9 @@ class FabricComposer(Composer):
             self._stop_if_closing()
             self._mark_unknown()
             self._settle_known()
+            # Before expiry: a reservation that ran out while no fabric manager ran still tells its request id, whose
+            # answer a crash may have lost (`_seed_requests`).
+            self._seed_from(list(self._reservations.values()))
             self._expire_locked()
             self._loaded = True
         later: tuple[Callable[[], object], ...] = (
@@ -1781,6 +1784,7 @@ class FabricComposer(Composer):
                     # the change finds its own work there and answers with it (`_made_by_request`).
                     done = threading.Event()
                     self._requests[request_id] = (fp, None, done)
+                    self._requests.move_to_end(request_id)  # a seed taken over is the newest now, as its answer
                     self._forget_oldest_requests()
                     break
             seen, result, done = entry
@@ -1883,12 +1887,15 @@ class FabricComposer(Composer):
         and before its answer's lost that answer, and the same id with another request must still be refused, not
         carried out as a new change."""
         with self._lock:
-            made: list[Composition | Reservation] = [*self._compositions.values(), *self._reservations.values()]
-            for record in made:
-                if record.request_id and record.request_id not in self._requests:
-                    self._requests[record.request_id] = (record.request_fingerprint, _RECORDED, _ANSWERED)
-                    # Oldest first: new requests push a seed out of memory before an answer the ledger holds.
-                    self._requests.move_to_end(record.request_id, last=False)
+            self._seed_from([*self._compositions.values(), *self._reservations.values()])
+
+    def _seed_from(self, made: Sequence[Composition | Reservation]) -> None:
+        """`_seed_requests` from the records ``made``; under the lock."""
+        for record in made:
+            if record.request_id and record.request_id not in self._requests:
+                self._requests[record.request_id] = (record.request_fingerprint, _RECORDED, _ANSWERED)
+                # Oldest first: new requests push a seed out of memory before an answer the ledger holds.
+                self._requests.move_to_end(record.request_id, last=False)
 
     def _check_not_done_before(self) -> None:
         """Refuse to carry out again the change of a retried request id that the ledger knows from a composition
@@ -1912,6 +1919,7 @@ class FabricComposer(Composer):
         assert isinstance(value, ComposeResult | Composition | DisaggError)
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
         self._requests[request_id] = (fp, answer, done)
+        self._requests.move_to_end(request_id)  # memory forgets in the order the ledger answered
 
     def _request_mark(self) -> tuple[str, str]:
         """The request id and digest of the call this thread is running, or empty strings."""

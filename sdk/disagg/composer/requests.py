@@ -24,16 +24,26 @@ def digest(request: object) -> str:
     return hashlib.sha256(codec.dumps(request).encode()).hexdigest()
 
 
+def _known_class(error: DisaggError) -> type[DisaggError]:
+    """The class of ``error``, or the nearest of its bases that `disagg.errors` defines: a driver's or a store's
+    own error class (`LeadershipLostError`) is decoded as what it is a kind of, its reason and status kept."""
+    ours = {name: value for name, value in vars(errors).items() if isinstance(value, type)}
+    return next((cls for cls in type(error).__mro__ if ours.get(cls.__name__) is cls), DisaggError)
+
+
 def encode(answer: Answer) -> str:
-    """A first answer as a ledger document: a compose result, a composition, or the error a retry gets."""
+    """A first answer as a ledger document: a compose result, a composition, or the error a retry gets (with
+    what its class holds besides the message: the field of an invalid request, the resource of a missing one)."""
     doc: dict[str, Any]
     if isinstance(answer, DisaggError):
         doc = {
-            "error": type(answer).__name__,
+            "error": _known_class(answer).__name__,
             "message": answer.message,
             "metadata": dict(answer.metadata),
             "field": getattr(answer, "field", ""),
         }
+        if isinstance(answer, errors.NotFoundError):
+            doc["resource"] = [answer.resource_type, answer.name]
     elif isinstance(answer, ComposeResult):
         doc = {"compose": codec.to_data(answer)}
     else:
@@ -54,6 +64,9 @@ def decode(text: str) -> Answer:
         cls = DisaggError
     error = cls.__new__(cls)
     DisaggError.__init__(error, str(doc["message"]), metadata=doc.get("metadata") or {})
-    if doc.get("field"):
-        error.field = str(doc["field"])  # type: ignore[attr-defined]
+    if isinstance(error, errors.InvalidRequestError):  # an answer an earlier release wrote may lack what follows
+        error.field = str(doc.get("field") or "")
+    if isinstance(error, errors.NotFoundError):
+        resource_type, name = doc.get("resource") or ("", "")
+        error.resource_type, error.name = str(resource_type), str(name)
     return error
