@@ -275,3 +275,29 @@ class TestSynced:
                 await asyncio.wait_for(store.synced(), 1)
 
         asyncio.run(main())
+
+
+class TestTwoLedgersInOneProcess:
+    def test_sync_waits_for_this_ledger_s_write_after_one_to_another(self, tmp_path: Path) -> None:
+        """The last write a caller queued was kept for all ledgers at once: after a write to a second ledger,
+        `sync` of the first returned before the first's write was on disk."""
+        first, second = SqliteStore(tmp_path / "first.db"), SqliteStore(tmp_path / "second.db")
+        gate = threading.Event()
+        commit = first._commit
+
+        def slow(batch: object) -> None:  # the first ledger's commit (its fsync) takes a while
+            gate.wait(10)
+            commit(batch)  # type: ignore[arg-type]
+
+        first._commit = slow  # type: ignore[method-assign]
+        try:
+            first.put_composition(_composition("c1"))
+            second.put_composition(_composition("c2"))
+            timer = threading.Timer(0.2, gate.set)
+            timer.start()
+            first.sync()
+            assert "c1" in _on_disk(tmp_path / "first.db")
+        finally:
+            gate.set()
+            first.close()
+            second.close()

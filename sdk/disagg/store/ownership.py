@@ -62,6 +62,14 @@ def hold(ledger: Path) -> Path:
         return key
 
 
+def share(key: Path) -> Path:
+    """One more share of the hold ``key`` names (this process holds it: `hold` returned it), for `let_go`."""
+    with _lock:
+        owner, count = _held[key]
+        _held[key] = (owner, count + 1)
+    return key
+
+
 def in_place(key: Path) -> bool:
     """Whether the lock file at ``key`` (held by this process) is still the one it locked. One removed (with the
     ledger's directory) or replaced holds no lock: another process would lock the new file and open the ledger

@@ -271,11 +271,6 @@ QUARANTINES = Table("quarantines", "allocation", 1)
 WRITES = WriteView((COMPOSITIONS, RESERVATIONS, EVENTS, REQUESTS, CORDONS, QUARANTINES))
 """The ledger's row writes as one statement (`disagg.store.batch`), created in each connection's temporary schema."""
 
-_last_queued: contextvars.ContextVar[tuple[object, int]] = contextvars.ContextVar("disagg_ledger_last_queued")
-"""The ledger and sequence number of the last write this thread or asyncio task queued: what its `sync`
-waits for. Writes other callers queue later are theirs to wait for; waiting for them too would cost a
-request one more commit."""
-
 
 Synced = Callable[[Exception | None], None]
 Waiter: TypeAlias = "threading.Lock | tuple[asyncio.AbstractEventLoop, Synced]"
@@ -351,13 +346,16 @@ class _LastQueuedKept:
     class, not a generator under `contextlib.contextmanager`, which costs three times as much per use (a Python
     ``__init__``, two resumptions and a StopIteration): a durable Compose enters one on the event loop."""
 
-    __slots__ = ("_before",)
+    __slots__ = ("_before", "_last_queued")
+
+    def __init__(self, last_queued: contextvars.ContextVar[int]) -> None:
+        self._last_queued = last_queued
 
     def __enter__(self) -> None:
-        self._before = _last_queued.get((None, 0))
+        self._before = self._last_queued.get()
 
     def __exit__(self, *exc_info: object) -> None:
-        _last_queued.set(self._before)
+        self._last_queued.set(self._before)
 
 
 def _settle(future: asyncio.Future[None], failure: Exception | None) -> None:
@@ -385,7 +383,7 @@ class SqliteStore(Store):
             )
         try:
             make_directories(self.path.parent)
-            _make_private(self.path)
+            _make_private(Path(os.path.realpath(self.path)))  # the file a symlink names: its owner's alone too
         except OSError as exc:
             raise _open_error(self.path, exc) from exc
         try:
@@ -444,10 +442,16 @@ class SqliteStore(Store):
         self._queued_events: list[Event] = []
         self._queued = 0
         """Sequence number of the last write queued."""
+        self._last_queued: contextvars.ContextVar[int] = contextvars.ContextVar(f"disagg_ledger_{id(self)}", default=0)
+        """The sequence number of the last write the thread or asyncio task queued in this ledger: what its `sync`
+        waits for. Writes other callers queue later are theirs to wait for; waiting for them too would cost a
+        request one more commit. One variable per ledger: a write to another ledger is no write to this one."""
         self._durable = 0
         """Sequence number of the last write on disk."""
         self._failure: BaseException | None = None
         self._closing = False
+        self._db_closed = False
+        """Under `_db_lock`: the connection is closed (`close`)."""
         self._atomic = _AtomicWrites()
         self._atomic_block = _Atomic(self)
         self._committer = threading.Thread(target=self._commit_loop, name="disagg-ledger", daemon=True)
@@ -499,7 +503,7 @@ class SqliteStore(Store):
                 else:
                     write(batch, table, value)
             self._queued += 1
-            _last_queued.set((self, self._queued))
+            self._last_queued.set(self._queued)
             if self._idle:  # once: the writes queued before the committer wakes need not notify it again
                 self._idle = False
                 self._cond.notify()
@@ -668,7 +672,7 @@ class SqliteStore(Store):
 
     def asynchronous_commit(self) -> contextlib.AbstractContextManager[None]:
         """See `Store.asynchronous_commit`: the caller's last queued write is put back as it was before."""
-        return _LastQueuedKept()
+        return _LastQueuedKept(self._last_queued)
 
     def await_event(self, revision: int) -> None:
         """See `Store.await_event`. Events are queued in revision order and committed in queue order: while
@@ -681,8 +685,7 @@ class SqliteStore(Store):
 
     def _mine(self) -> int:
         """The sequence number of the last write this caller queued in this ledger (0: none)."""
-        ledger, last = _last_queued.get((None, 0))
-        return last if ledger is self else 0
+        return self._last_queued.get()
 
     async def synced(self) -> None:
         """`sync` on an event loop: the task awaits the commit; the committer wakes the loop once per commit."""
@@ -727,9 +730,16 @@ class SqliteStore(Store):
                 f"the ledger at {self.path} cannot be read ({exc}): restore it from a backup", field="state.path"
             ) from exc
 
+    def _refuse_if_closed(self) -> None:
+        """Refuse a read of a closed ledger as what it is, not as the damage SQLite's error would read as (a watch
+        that reads as its server stops). Holding `_db_lock`."""
+        if self._db_closed:
+            raise FabricUnavailableError(f"the ledger at {self.path} is closed")
+
     def _read_all(self) -> LedgerState:
         """Every record; one that does not decode is `undecodable`, naming its table and key."""
         with self._db_lock:
+            self._refuse_if_closed()
             comps = tuple(
                 decoded(d, Composition, self.path, f"compositions record {i!r}")
                 for i, d in self._db.execute("SELECT id, doc FROM compositions")
@@ -765,6 +775,7 @@ class SqliteStore(Store):
             revision = max(revision, self._newest_event - self._retention)
             queued = [e for e in self._queued_events if e.revision > revision]
         with self._db_lock:
+            self._refuse_if_closed()
             rows = self._db.execute(
                 "SELECT doc FROM events WHERE revision > ? ORDER BY revision LIMIT ?", (revision, limit)
             ).fetchall()
@@ -842,7 +853,7 @@ class SqliteStore(Store):
         process ends, however it ends). A server that stops while a driver call still runs holds it: a fabric
         manager that opened the ledger meanwhile would undo the change that call is making, and the call would
         then land on the hardware behind its back. Call it before `close`."""
-        key = ownership.hold(self.path)  # this process holds it already: one more share of that hold
+        key = ownership.share(self._owner)  # the lock this store holds, not one named anew from a working directory
         return functools.partial(ownership.let_go, key)
 
     def close(self) -> None:
@@ -854,4 +865,5 @@ class SqliteStore(Store):
         self._committer.join()
         with self._db_lock:
             self._db.close()
+            self._db_closed = True
         ownership.let_go(self._owner)  # with the last store of this process, another fabric manager may open it
