@@ -22,6 +22,7 @@ from disagg.client import NO_RETRY, FabricManagerClient
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import types_pb2 as pb
 from disagg.fabric.v1.fabric_manager_pb2_grpc import FabricManagerServiceStub
 from disagg.ha import Leadership, election
 from disagg.interfaces import CallContext
@@ -33,7 +34,7 @@ from etcd3gw.exceptions import ConnectionTimeoutError
 from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
-from server_helpers import FakeContext
+from server_helpers import OPEN_CALL, FakeContext
 
 TTL_S = 2
 WAIT_S = 10.0
@@ -300,6 +301,22 @@ class TestReadLease:
         checks = iter([True, False])
         with pytest.raises(FabricUnavailableError, match="lost the lead"):
             servicer.ListCompositions(fm.ListCompositionsRequest(), FakeContext())
+
+    def test_a_preview_is_a_read(self) -> None:
+        """A PREVIEW places from memory and changes nothing: it was answered with the plan although the lease ran
+        out as it placed (another replica may have taken the devices it names since). An APPLY is a change."""
+        servicer = FabricManagerServicer(composer(rack()))
+        servicer.mark_ready()
+        request = fm.ComposeRequest(
+            name="job", resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=1)], mode=fm.COMPOSE_MODE_PREVIEW
+        )
+        checks = iter([True, False])
+        servicer.lead = lambda: next(checks)
+        with pytest.raises(FabricUnavailableError, match="lost the lead"):
+            servicer.Compose(request, OPEN_CALL)
+        request.mode = fm.COMPOSE_MODE_APPLY
+        checks = iter([True, False])
+        assert servicer.Compose(request, OPEN_CALL).composition.name == "job"
 
 
 class TestResign:

@@ -350,8 +350,11 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             deadline=deadline,
         )
 
-    @staticmethod
-    def compose_response(result: ComposeResult) -> fm.ComposeResponse:
+    def compose_response(self, result: ComposeResult) -> fm.ComposeResponse:
+        """The answer of a Compose that ended as ``result``. A PREVIEW is a read, answered from memory: only if this
+        replica still leads once it has placed (`_read`)."""
+        if result.mode is ComposeMode.PREVIEW:
+            self.check_ready()
         response = fm.ComposeResponse(mode=MODE_TO_WIRE[result.mode])
         plan = response.plan  # read once: each read of a sub-message costs as much as setting a field
         plan.SetInParent()  # present even when empty, as before
