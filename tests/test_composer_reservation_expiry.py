@@ -126,3 +126,34 @@ class TestARestart:
         assert held_after(again, clocks, TTL_S - 21) == [res.id]
         assert held_after(again, clocks, 1) == []
         again.close()
+
+    def test_a_wall_clock_behind_holds_it_no_longer_than_the_longest_time_to_live(self, tmp_path: Path) -> None:
+        """Its ``expires_at`` read against a wall clock three days behind: a 60 s reservation was held three days."""
+        clocks = Clocks()
+        first = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        res = reserved(first)
+        first.close()
+        clocks.steady = 0.0
+        clocks.step(-3 * 24 * HOUR_S)
+        again = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        try:
+            assert again.reservations() == [res]
+            assert held_after(again, clocks, 24 * HOUR_S + 1) == []
+            assert again.holders() == {}
+        finally:
+            again.close()
+
+
+class TestAReleaseAfterItsTime:
+    def test_it_is_told_as_expired(self) -> None:
+        """Released after its time to live, before the timer's tick expired it: told as released."""
+        clocks = Clocks()
+        comp = started(clocks)
+        try:
+            res = reserved(comp)
+            clocks.passes(TTL_S + 0.5)
+            comp.release_reservation(res.id)
+            ended = [e.type for e in comp.events(0, 1000) if e.subject == res.id]
+            assert ended == [EventType.RESERVATION_CREATED, EventType.RESERVATION_EXPIRED]
+        finally:
+            comp.close()

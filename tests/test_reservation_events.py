@@ -7,13 +7,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+import attrs
 import pytest
 from composer_helpers import composer, rack
+from disagg import failpoints
 from disagg.composer import FabricComposer, steps
 from disagg.errors import DisaggError
-from disagg.model import ComposeMode, Event, EventType, Health, Reservation
+from disagg.model import ComposeMode, Event, EventType, Health, Reservation, Topology
 from disagg.requestlang import parse_request
+from disagg.store import SqliteStore
+from disagg_sim import SimFabric
 
 JOB = parse_request("job", ["host memory>=512GiB", "gpu x2", "cxl-memory 512GiB"])
 ENDED = (EventType.RESERVATION_EXPIRED, EventType.RESERVATION_RELEASED)
@@ -129,3 +134,67 @@ class TestAnUndoneApply:
         (released,) = [e for e in events if e.subject == res.id and e.type is EventType.RESERVATION_RELEASED][-1:]
         assert "not healthy" in released.message
         comp.close()
+
+
+def _without(fabric: SimFabric, *, host: str = "", device: str = "") -> None:
+    """Have ``fabric``'s discovery leave out ``host`` (and its links) or ``device``, as after they were taken out."""
+    found = fabric.discover
+
+    def discover() -> Topology:
+        t = found()
+        return attrs.evolve(
+            t,
+            hosts=tuple(h for h in t.hosts if h.id != host),
+            links=tuple(x for x in t.links if host not in (x.a, x.b)),
+            devices=tuple(d for d in t.devices if d.id != device),
+        )
+
+    fabric.discover = discover  # type: ignore[method-assign]
+
+
+class TestWhatAReservationHoldsLeftTheTopology:
+    def test_a_reservation_whose_device_is_no_longer_reported_is_released(self, tmp_path: Path) -> None:
+        """Its fabric answers, without the device: the reservation could never be applied, and held its host, its
+        other devices and its name for up to a day, its apply refused as if the fabric could not be reached."""
+        first = composer(rack(), store=SqliteStore(tmp_path / "ledger.db"))
+        res = reserved(first)
+        first.close()
+        fabrics = rack()
+        _without(fabrics["pcie0"], device=res.plan.devices[0].device)
+        again = composer(fabrics, store=SqliteStore(tmp_path / "ledger.db"))
+        try:
+            assert again.reservations() == [] and again.holders() == {}
+            (released,) = [e for e in again.events() if e.type is EventType.RESERVATION_RELEASED]
+            assert released.message.endswith(f"{res.plan.devices[0].device} is no longer reported")
+        finally:
+            again.close()
+
+    def test_an_apply_undone_at_a_restart_whose_host_is_gone_gives_nothing_back(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A crash cut an apply short; at the restart its host was no longer reported, and giving the reservation
+        back claimed a host the index lacked: KeyError, and the fabric manager did not start."""
+        first = composer(rack(pcie0={"state_file": str(tmp_path / "pcie0.json")}), store=SqliteStore(tmp_path / "l.db"))
+        res = first.compose(parse_request("r", ["host h1", "gpu x2"]), ComposeMode.RESERVE).reservation
+        assert res is not None
+
+        def crash(point: str) -> None:
+            if point == "compose.after_bind":
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(failpoints, "hit", crash)
+        with pytest.raises(KeyboardInterrupt):
+            first.apply_reservation(res.id)
+        first.close()
+        monkeypatch.undo()
+        fabrics = rack(pcie0={"state_file": str(tmp_path / "pcie0.json")})
+        for fabric in fabrics.values():
+            _without(fabric, host="h1")
+        again = composer(fabrics, store=SqliteStore(tmp_path / "l.db"))
+        try:
+            assert again.compositions() == [] and again.reservations() == []
+            assert [b for b in fabrics["pcie0"].bindings() if b.host == "h1"] == []
+            ended = [e.type for e in again.events() if e.subject == res.id]
+            assert ended[-1] is EventType.RESERVATION_RELEASED
+        finally:
+            again.close()

@@ -1531,8 +1531,9 @@ class FabricComposer(Composer):
     def _deadline_from_record(self, res: Reservation) -> float:
         """The instant of ``monotonic`` at which ``res``, read from the ledger (at start, or given back by a
         recovery), expires: what is left of its wall-clock time to live, counted from now. Within the run that
-        follows, the wall clock no longer counts."""
-        return self.monotonic() + (res.expires_at - self.clock())
+        follows, the wall clock no longer counts. Never more than the longest time to live a reservation has: a
+        wall clock set back since (a restart with the clock behind) would otherwise hold it for that much longer."""
+        return self.monotonic() + min(res.expires_at - self.clock(), MAX_RESERVATION_TTL_S)
 
     def _hold_reservation(self, res: Reservation, deadline: float) -> None:
         """Hold ``res`` until ``deadline`` (of ``monotonic``): its plan claimed, its name taken, its record
@@ -1566,13 +1567,25 @@ class FabricComposer(Composer):
         return dropped
 
     def _unhealthy_in(self, plan: Plan) -> str:
-        """What of ``plan`` (its devices, its pools) is not healthy, or empty; under the lock."""
-        bad = [
-            p.device
-            for p in plan.devices
-            if (dev := self._inv.devices.get(p.device)) is not None and dev.health is not Health.OK
-        ] + sorted({m.pool for m in plan.memory if self._sick_pool(m.pool)})
-        return f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} not healthy" if bad else ""
+        """What of ``plan`` (its devices, its pools) is not healthy, or no longer reported by its fabric, which
+        answers; empty when nothing is. A part on a fabric that cannot be reached now is neither: it may come back
+        as it was. Under the lock."""
+        sick: list[str] = []
+        gone: list[str] = []
+        for pick in plan.devices:
+            dev = self._inv.devices.get(pick.device)
+            if dev is None and self._fabric_of(pick.device) not in self._unreachable:
+                gone.append(pick.device)
+            elif dev is not None and dev.health is not Health.OK:
+                sick.append(pick.device)
+        for pool in sorted({m.pool for m in plan.memory}):
+            if pool not in self._inv.pools and self._fabric_of_pool(pool) not in self._unreachable:
+                gone.append(f"pool {pool}")
+            elif self._sick_pool(pool):
+                sick.append(pool)
+        said = [f"{', '.join(sick)} {'is' if len(sick) == 1 else 'are'} not healthy"] if sick else []
+        said += [f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} no longer reported"] if gone else []
+        return "; ".join(said)
 
     @_durably
     def tick(self) -> None:
@@ -1591,6 +1604,7 @@ class FabricComposer(Composer):
         and should it be undone the reservation is not held again (its record says so, for recovery too)."""
         self._check_started()
         with self._lock:
+            self._expire_locked()  # one whose time ran out before the timer's tick expired, not released
             res = self._reservations.get(reservation_id)
             if res is not None:
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED)
@@ -2172,6 +2186,7 @@ class FabricComposer(Composer):
         inv = self._inv
         free = (
             res.request.name not in self._names
+            and res.plan.host in inv.hosts  # one no longer reported cannot be held (a restart found it gone)
             and inv.host_owner.get(res.plan.host) is None
             and all(inv.owner.get(p.device) is None for p in res.plan.devices)
             and all(m.pool in inv.pools and inv.pools[m.pool].free_bytes >= m.amount_bytes for m in res.plan.memory)
