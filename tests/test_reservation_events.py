@@ -15,6 +15,7 @@ from composer_helpers import composer, rack
 from disagg import failpoints
 from disagg.composer import FabricComposer, steps
 from disagg.errors import DisaggError
+from disagg.interfaces import CallContext
 from disagg.model import ComposeMode, Event, EventType, Health, Reservation, Topology
 from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
@@ -198,3 +199,20 @@ class TestWhatAReservationHoldsLeftTheTopology:
             assert ended[-1] is EventType.RESERVATION_RELEASED
         finally:
             again.close()
+
+
+class TestAReservedDeviceBoundOutside:
+    def test_its_reservation_is_released_as_the_binding_is_quarantined(self) -> None:
+        """Bound by hand to another host, the device was quarantined and cordoned, and the reservation kept it:
+        every apply failed on the binding and gave the reservation back, until its time to live ran out."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = reserved(comp)
+        device = res.plan.devices[0].device
+        fabrics["pcie0"].bind(device, "h4", CallContext(epoch=comp.epoch))
+        assert comp.reconcile() == 2  # the quarantine, and the reservation released
+        assert comp.reservations() == [] and comp.is_cordoned(device)
+        (released,) = [e for e in comp.events() if e.type is EventType.RESERVATION_RELEASED]
+        assert released.message.endswith(f"{device} is bound to h4 on the hardware")
+        assert comp.reconcile() == 0
+        comp.close()

@@ -837,6 +837,12 @@ class FabricComposer(Composer):
             # otherwise pass for a quarantine reported before a restart, and this one go unreported.
             self._quarantined[device] = host
             self._note_quarantined(device)
+            res = self._reservations.get(self._inv.owner.get(device) or "")
+            if res is not None:  # its apply would fail on this binding, and the reservation be held for nothing
+                self._drop_reservation(
+                    res, EventType.RESERVATION_RELEASED, f"{device} is bound to {host} on the hardware"
+                )
+                changes += 1
             if reported is None:
                 self.store.put_quarantine(_BINDING, device)
             if device not in self._cordoned:
