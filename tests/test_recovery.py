@@ -261,12 +261,26 @@ class TestAnswersACrashLost:
         again.close()
 
 
+AGAIN = pytest.mark.parametrize("restart", [False, True], ids=["then", "then-a-restart"])
+"""The retry in the same run, or after another restart: the id was known from its record in memory only, and once
+the record no longer named it, the next restart forgot it, and the retry was carried out again."""
+
+
+def reopened(tmp: Path, composer: FabricComposer, restart: bool) -> FabricComposer:
+    """``composer``, or when ``restart`` one opened on ``tmp`` once it is closed."""
+    if not restart:
+        return composer
+    composer.close()
+    return opened(tmp)
+
+
 class TestAnswersACrashLostThenChanged:
     """A retry whose answer a crash lost, after the composition its change made was decomposed or changed by
     another request: the first answer cannot be given, and the change is refused rather than carried out again
     (a compose composed a second composition, a recompose added again)."""
 
-    def test_compose_then_decompose(self, tmp_path: Path) -> None:
+    @AGAIN
+    def test_compose_then_decompose(self, tmp_path: Path, restart: bool) -> None:
         first = opened(tmp_path)
         made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
         assert made is not None
@@ -274,6 +288,7 @@ class TestAnswersACrashLostThenChanged:
         lose_answers(tmp_path)
         again = opened(tmp_path)
         again.decompose(made.id)
+        again = reopened(tmp_path, again, restart)
         for _ in range(2):
             with pytest.raises(RequestAnswerLostError, match="'Z' was carried out before a restart") as refused:
                 again.compose(parse_request("a", ["gpu x1"]), request_id="Z")
@@ -283,7 +298,8 @@ class TestAnswersACrashLostThenChanged:
             again.compose(parse_request("b", ["gpu x1"]), request_id="Z")
         again.close()
 
-    def test_recompose_then_another_change(self, tmp_path: Path) -> None:
+    @AGAIN
+    def test_recompose_then_another_change(self, tmp_path: Path, restart: bool) -> None:
         first = opened(tmp_path)
         comp = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
         assert comp is not None
@@ -293,12 +309,14 @@ class TestAnswersACrashLostThenChanged:
         lose_answers(tmp_path)
         again = opened(tmp_path)
         changed = again.recompose(comp.id, add=parse_request("x", ["nic x1"]).resources, request_id="S")
+        again = reopened(tmp_path, again, restart)
         with pytest.raises(RequestAnswerLostError):
             again.recompose(comp.id, add=gpu, request_id="R")
         assert again.get(comp.id).device_ids == changed.device_ids and len(changed.devices) == 3
         again.close()
 
-    def test_reserve_then_release(self, tmp_path: Path) -> None:
+    @AGAIN
+    def test_reserve_then_release(self, tmp_path: Path, restart: bool) -> None:
         first = opened(tmp_path)
         request = parse_request("held", ["gpu x1"])
         res = first.compose(request, ComposeMode.RESERVE, request_id="RES-1").reservation
@@ -307,6 +325,7 @@ class TestAnswersACrashLostThenChanged:
         lose_answers(tmp_path)
         again = opened(tmp_path)
         again.release_reservation(res.id)
+        again = reopened(tmp_path, again, restart)
         with pytest.raises(RequestAnswerLostError):
             again.compose(request, ComposeMode.RESERVE, request_id="RES-1")
         assert again.reservations() == [] and again.holders() == {}
@@ -320,6 +339,59 @@ class TestAnswersACrashLostThenChanged:
             again.apply_reservation(reservation.id, request_id="APPLY-1")
         assert again.compositions() == []
         again.close()
+
+
+class TestTheRequestOfAChangeARestartFinished:
+    def test_a_compose_finished_by_recovery_keeps_its_answer(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Finished because the hardware held all of it, its answer, which the crash lost, was not written: once it
+        was decomposed and the fabric manager restarted again, a retry composed a second composition."""
+        first = opened(tmp_path)
+        held = crash_at(monkeypatch, first, "compose.after_commit")
+        request = parse_request("job", ["host h1", "gpu x2"])
+        with pytest.raises(KeyboardInterrupt):
+            first.compose(request, request_id="Z")
+        monkeypatch.undo()
+        middle = opened(tmp_path)
+        try:
+            made = middle.find("job")
+            middle.decompose(made.id)
+        finally:
+            middle.close()
+        again = opened(tmp_path)
+        try:
+            answer = again.compose(request, request_id="Z").composition
+            assert answer is not None and answer.id == made.id and again.compositions() == []
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+    def test_a_removal_finished_by_recovery_names_its_request(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Its record kept naming the request before it, whose retry was then answered with the composition as
+        this change left it."""
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x2"]), request_id="Z").composition
+        assert job is not None
+        held = crash_at(monkeypatch, first, "recompose.during_release")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose(
+                job.id, add=parse_request("x", ["nic x1"]).resources, remove=[job.device_ids[0]], request_id="R"
+            )
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            changed = again.find("job")
+            assert changed.pending is None and job.device_ids[0] not in changed.device_ids
+            assert changed.request_id == "R"
+            assert again.compose(parse_request("job", ["host h1", "gpu x2"]), request_id="Z").composition == job
+        finally:
+            again.close()
+            held.release()
+            first.close()
 
 
 def apply_cut_off(

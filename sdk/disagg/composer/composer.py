@@ -696,7 +696,10 @@ class FabricComposer(Composer):
             for alloc in held:
                 if alloc.pool in self._inv.pools:
                     self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
-            self._set_standing(comp, allocations=held, pending=None)
+            done = self._set_standing(comp, allocations=held, pending=None)
+            if change.request_id and change.request_id not in self._requests:  # the answer the crash lost
+                result = ComposeResult(ComposeMode.APPLY, self._plan_of(done), composition=done)
+                self._answered(change.request_id, change.fingerprint, result)
         return True
 
     def _recover_change(self, comp: Composition, change: PendingChange) -> None:
@@ -727,7 +730,11 @@ class FabricComposer(Composer):
                 else:
                     self._set(comp, state=change.restore, pending=None)
                 return
-            comp = self._without(comp, {p.device for p in change.devices}, change.allocations)
+            # Finished as the change would have finished it, the record naming its request (a heal's names none).
+            mark = {"request_id": change.request_id, "request_fingerprint": change.fingerprint}
+            comp = self._without(
+                comp, {p.device for p in change.devices}, change.allocations, **(mark if change.request_id else {})
+            )
             if change.request_id:
                 self._answered(change.request_id, change.fingerprint, comp)  # finished: a retry gets it
 
@@ -1353,6 +1360,7 @@ class FabricComposer(Composer):
     def _forget(self, comp: Composition, why: str) -> None:
         """Delete a composition whose claims are given back, and say so; under the lock."""
         self._note_touched(self._compositions.pop(comp.id), comp)
+        self._lose_seed(comp)
         self._names.pop(comp.name, None)
         self.store.delete_composition(comp.id)
         self._emit(EventType.COMPOSITION_DELETED, comp.id, why)
@@ -1486,9 +1494,27 @@ class FabricComposer(Composer):
 
     def _record(self, comp: Composition) -> None:
         """Keep ``comp`` as its composition's record, in memory and in the ledger; under the lock."""
-        self._note_touched(self._compositions.get(comp.id), comp)
+        before = self._compositions.get(comp.id)
+        self._note_touched(before, comp)
+        if before is not None and before.request_id != comp.request_id:
+            self._lose_seed(before)
         self._compositions[comp.id] = comp
         self.store.put_composition(comp)
+
+    def _lose_seed(self, record: Composition | Reservation) -> None:
+        """``record``, all that told of its request id (a seed: a crash lost its answer, `_seed_requests`), is
+        replaced or deleted: the id's answer becomes `RequestAnswerLostError`, in the ledger, so that a retry after
+        another restart is refused still rather than carried out again. Under the lock."""
+        entry = self._requests.get(record.request_id) if record.request_id else None
+        if entry is None or entry[1] is not _RECORDED:
+            return
+        lost = RequestAnswerLostError(
+            f"request id {record.request_id!r} was carried out before a restart that lost its answer, and what it "
+            "made has since been decomposed, released or changed by another request: it is not carried out again; "
+            "read the composition, and use a new request id for anything left",
+            metadata={"request_id": record.request_id},
+        )
+        self._answered(record.request_id, entry[0], _SettledError(lost))
 
     def _unwatch(self, watch: _Touched) -> None:
         """Stop noting changes for ``watch``, this reconcile's own: by identity, for another running at once may
@@ -1552,6 +1578,7 @@ class FabricComposer(Composer):
 
     def _drop_reservation(self, res: Reservation, why: EventType, because: str = "") -> None:
         self._unclaim_plan(res.plan)
+        self._lose_seed(res)
         del self._reservations[res.id]
         del self._reservation_deadlines[res.id]
         self._names.pop(res.request.name, None)
@@ -1685,6 +1712,7 @@ class FabricComposer(Composer):
                     "reserved, retry once the fabric answers",
                     metadata={"reservation": res.id},
                 )
+            self._lose_seed(res)
             del self._reservations[res.id]
             expires = self._reservation_deadlines.pop(res.id)
             self._names.pop(res.request.name, None)
