@@ -3,11 +3,13 @@ duplicate; OUT_OF_RANGE for a revision the log no longer holds; watches end when
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import sqlite3
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,13 @@ from composer_helpers import composer
 from disagg.client import FabricManagerClient
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.server.aio import AsyncFabricManagerServicer
+from disagg.server.servicer import FabricManagerServicer
 from disagg.server.watch import Watches, watch_events
 from disagg.store import MemoryStore, SqliteStore
 from disagg_sim import create_fabric
 from server_helpers import (
+    OPEN_CALL,
     WAIT_S,
     FakeContext,
     Served,
@@ -382,3 +387,66 @@ class TestWatchFromAListing:
         """Before the first event there is no event to name: revision 0, time 0, and a watch of the whole log."""
         response = served.stub.ListCompositions(fm.ListCompositionsRequest(), timeout=WAIT_S)
         assert (response.revision, response.revision_time) == (0, 0.0)
+
+
+class _StoppedAsItOpens(FakeContext):
+    """The server stops (`Watches.stop`) just after the watch took its slot, before it read the log."""
+
+    def __init__(self, watches: Watches) -> None:
+        super().__init__()
+        self.watches = watches
+
+    def add_callback(self, callback: Any) -> bool:
+        self.watches.stop()
+        return super().add_callback(callback)
+
+
+class TestAWatchEndedEarly:
+    def test_one_stopped_before_it_sent_anything_resumes_where_it_began(self) -> None:
+        """A watch from 0 stopped before it read the log said to watch again from the newest revision: a client
+        that did so never saw the events before it."""
+        comp = composer()
+        for n in range(5):
+            (comp.cordon if n % 2 == 0 else comp.uncordon)("pcie0/gpu-a0")
+        watches = Watches(4)
+        sent = []
+        with pytest.raises(FabricUnavailableError) as stopped:
+            for event in watch_events(comp, 0, _StoppedAsItOpens(watches), watches):  # type: ignore[arg-type]
+                sent.append(event.revision)
+        assert sent == [] and stopped.value.metadata["revision"] == "0"
+        comp.close()
+
+    def test_a_cancelled_watch_closes_without_the_event_loop_waiting_for_the_composer(self) -> None:
+        """Closing a watch stops its listening, under the composer's lock, which a change may hold through a ledger
+        write that waits (etcd's): closed on the event loop, it stood the loop still, every call with it."""
+        comp = composer()
+        comp.cordon("pcie0/gpu-a0")
+        servicer = FabricManagerServicer(comp)
+        servicer.mark_ready()
+        threads = ThreadPoolExecutor(4)
+        aio = AsyncFabricManagerServicer(servicer, threads)
+        held, release, gave_up = threading.Event(), threading.Event(), threading.Event()
+
+        def change_holding_the_lock() -> None:
+            with comp._lock:
+                held.set()
+                if not release.wait(WAIT_S):
+                    gave_up.set()  # still holding the lock: whoever waited for it gets it only after this
+
+        async def cancel_while_held() -> bool:
+            stream = aio.WatchEvents(fm.WatchEventsRequest(after_revision=0), OPEN_CALL)
+            assert (await stream.__anext__()).event.revision == 1
+            holder.start()
+            assert held.wait(WAIT_S)
+            await stream.aclose()  # the client went away
+            return not gave_up.is_set()
+
+        holder = threading.Thread(target=change_holding_the_lock)
+        try:
+            assert asyncio.run(cancel_while_held()), "the loop waited for the composer's lock to close the watch"
+        finally:
+            release.set()
+            holder.join(WAIT_S)
+            threads.shutdown(wait=True)
+            aio.close()
+            comp.close()

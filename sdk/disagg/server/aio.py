@@ -238,12 +238,14 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
                     return
                 yield response
         finally:
+            # Closed in a worker thread: closing ends the watch, which takes the composer's lock to stop listening,
+            # and a change may hold that lock through a ledger write that waits (etcd's): the loop would stand still.
             close = getattr(events, "close", None)
             if close is not None:
                 if waiting is None or waiting.done():
-                    close()
+                    self.threads.submit(close)
                 else:  # cancelled while a thread waits for events: it wakes as the call ends, then close
-                    waiting.add_done_callback(lambda _: close())
+                    waiting.add_done_callback(lambda _: self.threads.submit(close))
 
     # The RPCs whose handlers run in a worker thread.
     GetTopology = _threaded("GetTopology")

@@ -156,8 +156,10 @@ def watch_events(
     try:
         context.add_callback(buffer.end)
         cursor = yield from _replay(composer, after, buffer, first=after == 0)
-        if cursor == 0:
-            cursor = newest  # nothing retained at all: the next event follows the newest revision
+        if cursor == 0 and not buffer.ended:
+            # Nothing retained at all: the next event follows the newest revision. A watch stopped before it read
+            # the log says to watch again from where it began, not past what it never sent.
+            cursor = newest
         while not buffer.ended:
             events, overflowed = buffer.take(POLL_S)
             if buffer.stopping:
