@@ -99,6 +99,9 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if mode == "unavailable":
             self._answer(503, b'{"error":"etcdserver: no leader","code":14}')
             return
+        if mode == "busy":  # its apply loop lags its log: the request is not proposed
+            self._answer(429, b'{"error":"etcdserver: too many requests","code":8}')
+            return
         if mode == "hold":
             proxy._release.wait(WAIT_S)
         answer = proxy.forward(self.path, body)
@@ -284,6 +287,22 @@ class TestPatience:
             _set(members, "unavailable")
             threading.Timer(1.0, _set, args=(members, "pass")).start()
             assert [c.id for c in store.load().compositions] == ["c1"]  # reads wait too
+        finally:
+            store.close()
+
+    def test_a_write_waits_out_a_member_that_lags(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str
+    ) -> None:
+        """etcd answered "too many requests" (429) for a moment, the request not proposed: the write failed, and
+        the store with it, for good."""
+        member = proxies()
+        store = _fenced([member.endpoint], prefix)
+        try:
+            _set([member], "busy")
+            threading.Timer(0.5, _set, args=([member], "pass")).start()
+            store.put_composition(_composition("c1"))
+            assert store.failure == ""
+            assert _held(etcd_one.endpoints[0], prefix, "c1") == _composition("c1")
         finally:
             store.close()
 

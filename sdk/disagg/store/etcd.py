@@ -178,6 +178,16 @@ def delete_op(key: bytes, end: bytes | None = None) -> dict[str, Any]:
     return {"request_delete_range": op}
 
 
+TOO_MANY_REQUESTS = "etcdserver: too many requests"
+"""What etcd answers (HTTP 429) while its apply loop lags its log: the request was not proposed, so it is sent
+again within the patience, as to a member that does not answer. (A message too large is a 429 too, with another
+text: that one fails.)"""
+
+
+def _too_many_requests(answer: requests.Response) -> bool:
+    return answer.status_code == requests.codes.too_many_requests and TOO_MANY_REQUESTS in answer.text
+
+
 def _op_bytes(op: dict[str, Any]) -> int:
     """About what ``op``, a put or a delete of a transaction, adds to its request (its base64 key and value)."""
     (body,) = op.values()
@@ -390,7 +400,7 @@ class EtcdStore(Store):
             raise ConnectionTimeoutError(str(exc)) from exc
         except requests.ConnectionError as exc:
             raise ConnectionFailedError(str(exc)) from exc
-        if answer.status_code == requests.codes.service_unavailable:
+        if answer.status_code == requests.codes.service_unavailable or _too_many_requests(answer):
             raise ConnectionFailedError(answer.text, answer.reason)
         if answer.status_code in (requests.codes.request_timeout, requests.codes.gateway_timeout):
             raise ConnectionTimeoutError(answer.text, answer.reason)
