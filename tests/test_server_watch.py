@@ -450,3 +450,27 @@ class TestAWatchEndedEarly:
             threads.shutdown(wait=True)
             aio.close()
             comp.close()
+
+    def test_one_cancelled_after_the_workers_stopped_is_closed_still(self) -> None:
+        """The server stopping: its worker threads gone, the watch is closed where it ends, its listener removed."""
+        comp = composer()
+        comp.cordon("pcie0/gpu-a0")
+        servicer = FabricManagerServicer(comp)
+        servicer.mark_ready()
+        threads = ThreadPoolExecutor(2)
+        aio = AsyncFabricManagerServicer(servicer, threads)
+
+        async def cancel_after_the_workers() -> int:
+            stream = aio.WatchEvents(fm.WatchEventsRequest(after_revision=0), OPEN_CALL)
+            assert (await stream.__anext__()).event.revision == 1
+            threads.shutdown(wait=True)
+            listening = len(comp._listeners)
+            await stream.aclose()
+            return listening
+
+        try:
+            listening = asyncio.run(cancel_after_the_workers())
+            assert listening == 1 and comp._listeners == []
+        finally:
+            aio.close()
+            comp.close()

@@ -243,9 +243,16 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             close = getattr(events, "close", None)
             if close is not None:
                 if waiting is None or waiting.done():
-                    self.threads.submit(close)
+                    self._close_in_thread(close)
                 else:  # cancelled while a thread waits for events: it wakes as the call ends, then close
-                    waiting.add_done_callback(lambda _: self.threads.submit(close))
+                    waiting.add_done_callback(lambda _: self._close_in_thread(close))
+
+    def _close_in_thread(self, close: Callable[[], object]) -> None:
+        """Call ``close`` in a worker thread; here if the workers are gone (the server stopped: nothing waits)."""
+        try:
+            self.threads.submit(close)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            close()
 
     # The RPCs whose handlers run in a worker thread.
     GetTopology = _threaded("GetTopology")
