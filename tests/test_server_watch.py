@@ -17,6 +17,7 @@ import grpc
 import pytest
 from composer_helpers import composer
 from disagg.client import FabricManagerClient
+from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server.aio import AsyncFabricManagerServicer
@@ -416,15 +417,26 @@ class TestAWatchEndedEarly:
         assert sent == [] and stopped.value.metadata["revision"] == "0"
         comp.close()
 
-    def test_a_cancelled_watch_closes_without_the_event_loop_waiting_for_the_composer(self) -> None:
-        """Closing a watch stops its listening, under the composer's lock, which a change may hold through a ledger
-        write that waits (etcd's): closed on the event loop, it stood the loop still, every call with it."""
+    @pytest.fixture
+    def on_a_loop(self) -> Iterator[tuple[FabricComposer, AsyncFabricManagerServicer, ThreadPoolExecutor]]:
+        """A composer with one event (a cordon), served by the asyncio servicer on worker threads of its own."""
         comp = composer()
         comp.cordon("pcie0/gpu-a0")
         servicer = FabricManagerServicer(comp)
         servicer.mark_ready()
         threads = ThreadPoolExecutor(4)
         aio = AsyncFabricManagerServicer(servicer, threads)
+        yield comp, aio, threads
+        threads.shutdown(wait=True)
+        aio.close()
+        comp.close()
+
+    def test_a_cancelled_watch_closes_without_the_event_loop_waiting_for_the_composer(
+        self, on_a_loop: tuple[FabricComposer, AsyncFabricManagerServicer, ThreadPoolExecutor]
+    ) -> None:
+        """Closing a watch stops its listening, under the composer's lock, which a change may hold through a ledger
+        write that waits (etcd's): closed on the event loop, it stood the loop still, every call with it."""
+        comp, aio, _ = on_a_loop
         held, release, gave_up = threading.Event(), threading.Event(), threading.Event()
 
         def change_holding_the_lock() -> None:
@@ -447,18 +459,12 @@ class TestAWatchEndedEarly:
         finally:
             release.set()
             holder.join(WAIT_S)
-            threads.shutdown(wait=True)
-            aio.close()
-            comp.close()
 
-    def test_one_cancelled_after_the_workers_stopped_is_closed_still(self) -> None:
+    def test_one_cancelled_after_the_workers_stopped_is_closed_still(
+        self, on_a_loop: tuple[FabricComposer, AsyncFabricManagerServicer, ThreadPoolExecutor]
+    ) -> None:
         """The server stopping: its worker threads gone, the watch is closed where it ends, its listener removed."""
-        comp = composer()
-        comp.cordon("pcie0/gpu-a0")
-        servicer = FabricManagerServicer(comp)
-        servicer.mark_ready()
-        threads = ThreadPoolExecutor(2)
-        aio = AsyncFabricManagerServicer(servicer, threads)
+        comp, aio, threads = on_a_loop
 
         async def cancel_after_the_workers() -> int:
             stream = aio.WatchEvents(fm.WatchEventsRequest(after_revision=0), OPEN_CALL)
@@ -468,9 +474,5 @@ class TestAWatchEndedEarly:
             await stream.aclose()
             return listening
 
-        try:
-            listening = asyncio.run(cancel_after_the_workers())
-            assert listening == 1 and comp._listeners == []
-        finally:
-            aio.close()
-            comp.close()
+        listening = asyncio.run(cancel_after_the_workers())
+        assert listening == 1 and comp._listeners == []
