@@ -216,3 +216,36 @@ class TestAReservedDeviceBoundOutside:
         assert released.message.endswith(f"{device} is bound to h4 on the hardware")
         assert comp.reconcile() == 0
         comp.close()
+
+
+class TestAReservedDeviceARebuildFoundUnhealthy:
+    """A device found unhealthy, or removed, by a rebuild (a link or device event, a fabric answering again)
+    rather than by its health event: its reservation was released only at the next reconcile, within a minute,
+    and an apply meanwhile bound the device."""
+
+    def test_a_device_event_s_rebuild_releases_it(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = reserved(comp)
+        gone = res.plan.devices[0].device
+        _without(fabrics["pcie0"], device=gone)
+        link = fabrics["pcie0"].discover().links[0]
+        fabrics["pcie0"].set_link(link.a, link.b, False)  # an event, and its rebuild
+        assert comp.reservations() == []
+        (released,) = [e for e in comp.events() if e.type is EventType.RESERVATION_RELEASED]
+        assert released.message.endswith(f"{gone} is no longer reported")
+        comp.close()
+
+    def test_an_apply_meanwhile_releases_it_and_binds_nothing(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = reserved(comp)
+        sick = res.plan.devices[0].device
+        with comp._lock:  # as a rebuild's discovery found it, with no event
+            comp._inv.set_health(sick, Health.FAILED)
+        for _ in range(2):  # a retry gets the first answer
+            with pytest.raises(DisaggError, match=f"was released: {sick} is not healthy"):
+                comp.apply_reservation(res.id, request_id="A")
+        assert comp.reservations() == [] and comp.compositions() == []
+        assert fabrics["pcie0"].bindings() == ()
+        comp.close()

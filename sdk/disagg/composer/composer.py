@@ -1705,6 +1705,11 @@ class FabricComposer(Composer):
                     reservation_id,
                     f"reservation {reservation_id!r} expired, was released or never existed",
                 )
+            sick = self._unhealthy_in(res.plan)
+            if sick:  # found by a rebuild since, before a reconcile released it: it can never be applied
+                self._drop_reservation(res, EventType.RESERVATION_RELEASED, sick)
+                released = NotFoundError("reservation", res.id, f"reservation {res.id!r} was released: {sick}")
+                raise self._settled(released, *self._request_mark())
             away = self._out_of_reach(res.plan)
             if away:
                 raise FabricUnavailableError(
@@ -2790,6 +2795,7 @@ class FabricComposer(Composer):
         with self._lock:
             self._rebuild(retry={event.fabric})  # the others are the timer's to ask, without the lock
             self._mark_unknown()
+            self._drop_unhealthy_reservations()  # a device removed, or found unhealthy by the rebuild
             self._emit(
                 EventType.LINK_STATE_CHANGED
                 if event.kind in (FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP)
