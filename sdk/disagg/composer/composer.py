@@ -192,6 +192,11 @@ def _left_bound(comp_id: str, leftovers: Leftovers) -> DisaggError:
     )
 
 
+def _request_fields(request_id: str, fp: str) -> dict[str, str]:
+    """A composition record's fields that name the request of the change that finished on it (none without one)."""
+    return {"request_id": request_id, "request_fingerprint": fp} if request_id else {}
+
+
 def _composed(answer: object) -> bool:
     """A Compose that made a composition: the composition carries its request id and digest, so a retry after
     a restart finds it (`FabricComposer._made_by_request`) even when the answer's own record was lost."""
@@ -731,10 +736,8 @@ class FabricComposer(Composer):
                     self._set(comp, state=change.restore, pending=None)
                 return
             # Finished as the change would have finished it, the record naming its request (a heal's names none).
-            mark = {"request_id": change.request_id, "request_fingerprint": change.fingerprint}
-            comp = self._without(
-                comp, {p.device for p in change.devices}, change.allocations, **(mark if change.request_id else {})
-            )
+            mark = _request_fields(change.request_id, change.fingerprint)
+            comp = self._without(comp, {p.device for p in change.devices}, change.allocations, **mark)
             if change.request_id:
                 self._answered(change.request_id, change.fingerprint, comp)  # finished: a retry gets it
 
@@ -1298,15 +1301,15 @@ class FabricComposer(Composer):
 
     def _unknown_hardware(self) -> tuple[set[str], set[tuple[str, str]]]:
         """The fabrics whose bindings, and the pools (fabric and pool) whose allocations, settling the UNKNOWN
-        compositions reads (`_lost_on`). Under the lock."""
+        compositions reads (`_lost_on`), a fabric the configuration no longer loads among them (`read_ahead` reads
+        none such, and its compositions wait). Under the lock."""
         fabrics: set[str] = set()
         pools: set[tuple[str, str]] = set()
         for comp in self._compositions.values():
             if comp.state is CompositionState.UNKNOWN:
                 fabrics.update(self._fabric_of(p.device) for p in comp.devices)
                 pools.update((self._fabric_of_pool(a.pool), a.pool) for a in comp.allocations)
-        loaded = set(self.fabrics)  # one the configuration no longer loads is never read: its compositions wait
-        return fabrics & loaded, {key for key in pools if key[0] in loaded}
+        return fabrics, pools
 
     def _claim_composition(self, comp: Composition) -> None:
         """Claim the host and whatever the composition may hold (`_holdings`) in a freshly built index."""
@@ -2486,7 +2489,7 @@ class FabricComposer(Composer):
             raise answer from None
         failpoints.hit("recompose.before_commit")
         # Only a change that fully happened is found again by its request id: a failed one may be retried.
-        mark = {"request_id": request_id, "request_fingerprint": fp} if request_id else {}
+        mark = _request_fields(request_id, fp)
         with self._lock:
             comp = self._compositions[comp.id]  # as it is now, as above
             # The additions go into one record with what follows them, the removal's plan or the end of the

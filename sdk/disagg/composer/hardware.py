@@ -59,7 +59,8 @@ class HardwareView:
     def read_ahead(self, fabrics: Iterable[str], pools: Iterable[tuple[str, str]]) -> None:
         """Read now the bindings of ``fabrics`` and the allocations of ``pools`` (fabric and pool), which a pass
         judges later under the composer's lock: a driver that hangs then holds up nothing else. A read that fails
-        fails the same way when the pass asks for it, without asking the driver again."""
+        fails the same way when the pass asks for it, without asking the driver again. A fabric the view was not
+        made with (one the configuration no longer loads) is not read."""
         for fabric in fabrics:
             try:
                 if fabric in self._fabrics:
