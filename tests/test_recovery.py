@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
+import grpc
 import pytest
 from disagg import codec, failpoints
 from disagg.composer import FabricComposer, requests
@@ -34,6 +35,7 @@ from disagg.errors import (
     NotFoundError,
     RequestAnswerLostError,
     RequestIdReusedError,
+    RollbackIncompleteError,
     StaleEpochError,
     UnknownDeviceError,
 )
@@ -541,9 +543,18 @@ class TestAnswersAfterARestart:
         assert (answer.message, answer.metadata) == ("the switch went away", {"f": "x"})
         assert to_status(answer).code == to_status(SwitchGoneError("the switch went away")).code
 
-    def test_an_error_answer_keeps_what_it_names(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_an_error_answer_keeps_what_it_names(self) -> None:
         """An error read back from the ledger lacked what its class holds besides the message (a missing device's
         id): the server could not tell the retry's status from it."""
+        first = UnknownDeviceError("pcie0/gpu-a1", "device pcie0/gpu-a1 vanished")
+        answer = requests.decode(requests.encode(first))
+        assert isinstance(answer, UnknownDeviceError)
+        assert (answer.resource_type, answer.name) == ("device", "pcie0/gpu-a1")
+        assert to_status(answer).code == to_status(first).code
+
+    def test_a_rollback_s_answer_keeps_what_it_names(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The answer of a change whose rollback was refused names the composition, what it still holds and the
+        error that failed the change, after a restart as before."""
         composer = opened(tmp_path)
         pcie = composer.fabrics["pcie0"]
         bind, calls = pcie.bind, []
@@ -560,16 +571,19 @@ class TestAnswersAfterARestart:
         monkeypatch.setattr(pcie, "bind", second_bind_lost)
         monkeypatch.setattr(pcie, "unbind", unbind_refused)
         request = parse_request("job", ["host h1", "gpu x2"])
-        with pytest.raises(UnknownDeviceError) as first:
+        with pytest.raises(RollbackIncompleteError) as first:
             composer.compose(request, request_id="q1")
+        job = composer.find("job")
         composer.close()
         monkeypatch.undo()
+        assert first.value.metadata == {"composition": job.id, "bound": calls[0], "cause": "UNKNOWN_DEVICE"}
+        assert f"device {calls[1]} vanished" in first.value.message
         again = opened(tmp_path)
         try:
-            with pytest.raises(UnknownDeviceError) as retried:
+            with pytest.raises(RollbackIncompleteError) as retried:
                 again.compose(request, request_id="q1")
-            assert (retried.value.resource_type, retried.value.name) == ("device", calls[1])
-            assert to_status(retried.value).code == to_status(first.value).code
+            assert (retried.value.message, retried.value.metadata) == (first.value.message, first.value.metadata)
+            assert to_status(retried.value).code == to_status(first.value).code == grpc.StatusCode.ABORTED
         finally:
             again.close()
 
@@ -1961,16 +1975,16 @@ class TestARequestWhoseRollbackFailed:
         composer = opened(tmp_path)
         _refuse_rollback(composer.fabrics["pcie0"], monkeypatch)
         request = parse_request("job", ["host h1", "gpu x2"])
-        with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+        with pytest.raises(RollbackIncompleteError, match="the switch stopped answering"):
             composer.compose(request, request_id="q1")
         assert composer.find("job").state is CompositionState.FAILED
-        with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+        with pytest.raises(RollbackIncompleteError, match="the switch stopped answering"):
             composer.compose(request, request_id="q1")
         composer.close()
         monkeypatch.undo()
         again = opened(tmp_path)
         try:
-            with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+            with pytest.raises(RollbackIncompleteError, match="the switch stopped answering"):
                 again.compose(request, request_id="q1")
             assert [c.state for c in again.compositions()] == [CompositionState.FAILED]
         finally:
@@ -1983,7 +1997,7 @@ class TestARequestWhoseRollbackFailed:
         _refuse_rollback(composer.fabrics["pcie0"], monkeypatch)
         add = parse_request("job", ["gpu x2"]).resources
         for _ in range(2):
-            with pytest.raises(FabricUnavailableError, match="the switch stopped answering"):
+            with pytest.raises(RollbackIncompleteError, match="the switch stopped answering"):
                 composer.recompose("job", add=add, request_id="u1")
         assert composer.find("job").state is CompositionState.FAILED
         composer.close()
@@ -2080,7 +2094,7 @@ class TestWhatARollbackLeftIsReleased:
 
         monkeypatch.setattr(SimPool, "allocate", answer_lost)
         monkeypatch.setattr(SimPool, "release", release_fails_once)
-        with pytest.raises(FabricUnavailableError):
+        with pytest.raises(RollbackIncompleteError):
             composer.recompose(comp.id, add=[parse_resource("cxl-memory 8GiB")])
         cxl = composer.fabrics["cxl0"]
         carved = [a.id for p in cxl.discover().pools for a in cxl.pool(p.id).allocations()]
@@ -2124,7 +2138,7 @@ class TestWhatARollbackLeftIsReleased:
         pcie = composer.fabrics["pcie0"]
         bind, unbind = pcie.bind, pcie.unbind
         calls = _refuse_rollback(pcie, monkeypatch)
-        with pytest.raises(FabricUnavailableError):
+        with pytest.raises(RollbackIncompleteError):
             composer.recompose("job", add=parse_request("job", ["gpu x2"]).resources)
         left = calls[0]
         failed = composer.find("job")
@@ -2160,7 +2174,7 @@ class TestWhatARollbackLeftIsReleased:
         pcie = first.fabrics["pcie0"]
         bind, unbind = pcie.bind, pcie.unbind
         _refuse_rollback(pcie, monkeypatch)
-        with pytest.raises(FabricUnavailableError):
+        with pytest.raises(RollbackIncompleteError):
             first.recompose("job", add=parse_request("job", ["gpu x2"]).resources)
         monkeypatch.setattr(pcie, "bind", bind)
         monkeypatch.setattr(pcie, "unbind", unbind)
@@ -2522,7 +2536,7 @@ class TestAFailedCompositionStaysFailed:
 
         monkeypatch.setattr(pcie, "bind", answer_lost_at_the_second)
         monkeypatch.setattr(pcie, "unbind", refused)
-        with pytest.raises(FabricUnavailableError):
+        with pytest.raises(RollbackIncompleteError):
             first.compose(parse_request("job", ["host h1", "gpu x2"]), request_id="r1")
         failed = first.find("job")
         assert failed.state is CompositionState.FAILED and failed.pending is not None

@@ -15,13 +15,15 @@ from typing import Any
 import grpc
 import pytest
 from composer_helpers import rack
-from disagg.errors import FabricUnavailableError
+from disagg.client import FabricManagerClient, RetryPolicy
+from disagg.errors import FabricUnavailableError, RollbackIncompleteError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Event
+from disagg.model import Binding, CompositionState, Event
+from disagg.requestlang import parse_request
 from disagg.store import SqliteStore
-from disagg.wire.fabric import STATE_FROM_WIRE, event_from_wire
+from disagg.wire.fabric import STATE_FROM_WIRE, compose_request_to_wire, event_from_wire
 from disagg_sim import SimFabric, create_fabric, load_topology
 from server_helpers import (
     WAIT_S,
@@ -314,6 +316,59 @@ class TestCompose:
         assert codes.count(grpc.StatusCode.OK) == 1
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 31
         assert list(served.bindings()) == [gpus[0]]
+
+
+class SwitchGoneMidway(SimFabric):
+    """A sim fabric whose switch stops answering after its first bind: every later bind and unbind fails, so
+    the rollback of a change that bound one device and failed on the next is refused."""
+
+    binds = 0
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        self.binds += 1
+        if self.binds > 1:
+            raise FabricUnavailableError("the switch stopped answering")
+        return super().bind(device, host, ctx)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        raise FabricUnavailableError("the switch stopped answering")
+
+
+class TestAChangeWhoseRollbackWasRefused:
+    """Its answer was the driver's error, UNAVAILABLE, which says that nothing changed and invites a retry: a
+    client retried it with the same request id until its attempts ran out, getting the remembered answer each
+    time, and then reported the fabric unavailable, though a FAILED composition holds what the change left."""
+
+    def test_it_is_aborted_naming_what_is_left_and_is_not_retried(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        pcie = SwitchGoneMidway(load_topology("pcie0", "demo-pcie"))
+        fabrics = {"pcie0": pcie, "cxl0": create_fabric("cxl0", {"topology": "demo-cxl"})}
+        with serving(socket_path(tmp_path), fabrics) as running:
+            asked: list[str | None] = []
+            compose_steps = running.composer.compose_steps
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                asked.append(kwargs.get("request_id"))
+                return compose_steps(*args, **kwargs)
+
+            monkeypatch.setattr(running.composer, "compose_steps", counted)
+            retries = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
+            request = parse_request("job", ["host h1", "gpu x2"])
+            with (
+                FabricManagerClient(running.address, retries=retries) as client,
+                pytest.raises(RollbackIncompleteError) as refused,
+            ):
+                client.compose(request, request_id="r1")
+            job = running.composer.find("job")
+            assert job.state is CompositionState.FAILED
+            held = [b.device for b in pcie.bindings()]
+            named = {k: refused.value.metadata.get(k) for k in ("composition", "bound", "cause")}
+            assert named == {"composition": job.id, "bound": held[0], "cause": "FABRIC_UNAVAILABLE"}
+            assert len(held) == 1 and len(asked) == 1
+            status = fails(running.stub.Compose, compose_request_to_wire(request, request_id="r1"))
+            assert (status.code, status.reason) == (grpc.StatusCode.ABORTED, "ROLLBACK_INCOMPLETE")
+            assert status.metadata == named
 
 
 class TestGetComposition:

@@ -125,6 +125,14 @@ class RequestAnswerLostError(ConflictError):
     reason = "REQUEST_ANSWER_LOST"
 
 
+class RollbackIncompleteError(DisaggError):
+    """A change failed, and undoing it left part of it on the hardware (``metadata["bound"]``): its composition
+    (``metadata["composition"]``) is FAILED and holds what is left until a decompose releases it. Not retryable:
+    unlike the driver's error it stands for, the change did something."""
+
+    reason = "ROLLBACK_INCOMPLETE"
+
+
 class RevisionCompactedError(DisaggError):
     """An event revision older than the retention window was asked for; resume from a newer one."""
 
@@ -201,6 +209,7 @@ __all__ = [
     "PluginError",
     "RequestIdReusedError",
     "RevisionCompactedError",
+    "RollbackIncompleteError",
     "StaleEpochError",
     "UnknownDeviceError",
     "UnknownHostError",

@@ -44,6 +44,7 @@ from disagg.errors import (
     NotFoundError,
     RequestAnswerLostError,
     RequestIdReusedError,
+    RollbackIncompleteError,
 )
 from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription
 from disagg.interfaces.placement import PlacementPolicy
@@ -2136,7 +2137,8 @@ class FabricComposer(Composer):
             )
         except ExecutionFailedError as failed:
             with self._lock:
-                answer = self._failed_answer(failed, self._fail_new(comp, plan, failed), *self._request_mark())
+                left = self._fail_new(comp, plan, failed)
+                answer = self._failed_answer(comp.id, failed, left, *self._request_mark())
             raise answer from None
         failpoints.hit("compose.before_commit")
         # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
@@ -2149,14 +2151,25 @@ class FabricComposer(Composer):
         failpoints.hit("compose.after_commit")
         return comp
 
-    def _failed_answer(self, failed: ExecutionFailedError, left: bool, request_id: str, fp: str) -> Exception:
-        """What a change whose driver calls failed raises: the error, or, when its rollback ``left`` part of it
-        on the hardware (its composition FAILED), the error as the answer of its request (``request_id``,
-        digest ``fp``), written in this hold, with the FAILED record: it changed something, so a retry gets
-        this answer rather than running again (the name taken by what it left). Under the lock."""
+    def _failed_answer(
+        self, comp_id: str, failed: ExecutionFailedError, left: bool, request_id: str, fp: str
+    ) -> Exception:
+        """What a change to ``comp_id`` whose driver calls failed raises: the error, or, when its rollback
+        ``left`` part of it on the hardware (the composition FAILED), `RollbackIncompleteError` naming what is
+        left, as the answer of its request (``request_id``, digest ``fp``), written in this hold, with the FAILED
+        record: it changed something, so a retry gets this answer rather than running again (the name taken by
+        what it left), and it is not the driver's error, which may say "retry" (UNAVAILABLE: a client would
+        retry it until its deadline, getting this answer each time). Under the lock."""
         if not left:
             return failed.error
-        return self._settled(failed.error, request_id, fp)
+        error = failed.error
+        held = ", ".join(failed.leftovers)
+        incomplete = RollbackIncompleteError(
+            f"{error.message}; undoing the change left {held} held by {comp_id}, which is FAILED: decompose it "
+            "to release them",
+            metadata={"composition": comp_id, "bound": ",".join(failed.leftovers), "cause": error.reason},
+        )
+        return self._settled(incomplete, request_id, fp)
 
     def _settled(self, error: DisaggError, request_id: str, fp: str) -> _SettledError:
         """``error`` as the answer of ``request_id`` (digest ``fp``), written in this hold when the request is
@@ -2485,7 +2498,7 @@ class FabricComposer(Composer):
         except ExecutionFailedError as failed:
             with self._lock:  # its record as it is now: a failure meanwhile gave it its reason (`_say_meanwhile`)
                 left = self._fail_addition(self._compositions[comp.id], plan, failed, previous_state)
-                answer = self._failed_answer(failed, left, request_id, fp)
+                answer = self._failed_answer(comp.id, failed, left, request_id, fp)
             raise answer from None
         failpoints.hit("recompose.before_commit")
         # Only a change that fully happened is found again by its request id: a failed one may be retried.

@@ -51,6 +51,7 @@ _CODES: tuple[tuple[type[e.DisaggError], grpc.StatusCode], ...] = (
     (e.FabricUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (e.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (e.RevisionCompactedError, grpc.StatusCode.OUT_OF_RANGE),
+    (e.RollbackIncompleteError, grpc.StatusCode.ABORTED),
 )
 
 
