@@ -17,6 +17,7 @@ from disagg.errors import (
     DeadlineExceededError,
     DeviceBusyError,
     FabricUnavailableError,
+    StaleEpochError,
     UnsupportedError,
 )
 from disagg.interfaces import CallContext
@@ -234,6 +235,43 @@ class TestLifetime:
             create_fabric("sw", {"state_dir": str(switch_dir), "gpus": 1})
         assert raised.value.field == "state_dir"
         assert not process.running(switch_dir)
+
+
+class TestAnEpochThatCannotBeSaved:
+    """The highest epoch was raised in memory before it was written: a save that failed (a full or failing disk)
+    raised the OSError itself, not an SDK error, and the announcement's retry, finding the epoch in memory, wrote
+    nothing, so a restarted driver took a deposed manager's older epoch again."""
+
+    FENCE = Binding("sw/disagg-fence", "disagg-fence")
+
+    def test_it_is_unavailable_and_its_retry_saves_it(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path
+    ) -> None:
+        first = make_switch()
+        first.bind("sw/port2", "h0", fresh_ctx())  # epoch 1, saved; a binding keeps the emulator up
+        blocker = switch_dir / "driver-state.tmp"  # the save's temporary file cannot be written
+        blocker.mkdir()
+        with pytest.raises(FabricUnavailableError, match=r"driver-state\.json cannot be written"):
+            first.unbind(self.FENCE, CallContext.with_timeout(30.0, epoch=5))
+        blocker.rmdir()
+        first.unbind(self.FENCE, CallContext.with_timeout(30.0, epoch=5))  # the announcement retried
+        first.close()
+        again = make_switch()
+        with pytest.raises(StaleEpochError):
+            again.bind("sw/port3", "h1", CallContext.with_timeout(30.0, epoch=4))
+        assert again.bindings() == [Binding("sw/port2", "h0")]
+
+    def test_an_epoch_not_saved_is_not_taken(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path
+    ) -> None:
+        """Until its save succeeds a newer epoch fences nothing: the manager that announced it was told it failed."""
+        fabric = make_switch()
+        fabric.bind("sw/port2", "h0", fresh_ctx())
+        (switch_dir / "driver-state.tmp").mkdir()
+        with pytest.raises(FabricUnavailableError):
+            fabric.unbind(self.FENCE, CallContext.with_timeout(30.0, epoch=5))
+        fabric.unbind(Binding("sw/port2", "h0"), fresh_ctx())  # epoch 1, which 5 would have fenced
+        assert fabric.bindings() == []
 
 
 MLD_ONLY = {"gpus": 2, "nvme": 0, "ld_count": 4, "mld_capacity_gib": 4, "dc_capacity_gib": 0}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from disagg.errors import ConfigError, StaleEpochError
+from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 
 
 def allocation_tag(allocation_id: str) -> bytes:
@@ -58,14 +58,31 @@ class DriverState:
                     field="state_dir",
                 ) from None
 
-    def _save(self) -> None:
+    def _save(self, epoch: int, tags: dict[str, str], lds: dict[str, LDRecord]) -> None:
+        """Write ``epoch``, ``tags`` and ``lds`` as the state, durably (the file and its directory synced), before
+        the caller takes them into memory: a state that could not be saved is not taken, so the call that needed
+        it fails and its retry saves it again. An epoch held in memory only would be forgotten by a restart,
+        and a deposed manager's older one accepted again."""
         if self._path is None:
             return
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_suffix(".tmp")
-        lds = {key: attrs.asdict(record) for key, record in self._lds.items()}
-        tmp.write_text(json.dumps({"epoch": self._epoch, "tags": self._tags, "lds": lds}, sort_keys=True))
-        os.replace(tmp, self._path)
+        body = {"epoch": epoch, "tags": tags, "lds": {key: attrs.asdict(record) for key, record in lds.items()}}
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._path.with_suffix(".tmp")
+            with tmp.open("w") as out:
+                out.write(json.dumps(body, sort_keys=True))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self._path)
+            directory = os.open(self._path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as exc:
+            raise FabricUnavailableError(
+                f"the driver state {self._path} cannot be written ({exc}); nothing was changed: retry once it can"
+            ) from exc
 
     def fence(self, epoch: int) -> None:
         """Remember ``epoch`` if it is the highest yet; refuse an older one before anything is touched."""
@@ -73,15 +90,16 @@ class DriverState:
             if epoch < self._epoch:
                 raise StaleEpochError(f"epoch {epoch} is older than {self._epoch}, already seen by this switch")
             if epoch > self._epoch:
+                self._save(epoch, self._tags, self._lds)
                 self._epoch = epoch
-                self._save()
 
     def name_tag(self, allocation_id: str) -> bytes:
         tag = allocation_tag(allocation_id)
         with self._lock:
             if self._tags.get(tag.hex()) != allocation_id:
-                self._tags[tag.hex()] = allocation_id
-                self._save()
+                tags = {**self._tags, tag.hex(): allocation_id}
+                self._save(self._epoch, tags, self._lds)
+                self._tags = tags
         return tag
 
     def forget_tag(self, allocation_id: str) -> None:
@@ -89,8 +107,9 @@ class DriverState:
         key = allocation_tag(allocation_id).hex()
         with self._lock:
             if self._tags.get(key) == allocation_id:
-                del self._tags[key]
-                self._save()
+                tags = {k: v for k, v in self._tags.items() if k != key}
+                self._save(self._epoch, tags, self._lds)
+                self._tags = tags
 
     def allocation_of(self, tag: bytes) -> str:
         """The allocation id a tag stands for; a tag the driver did not set is shown as ``tag-<hex>``."""
@@ -102,8 +121,9 @@ class DriverState:
         key, record = f"{port}/{ld}", LDRecord(allocation_id, vcs)
         with self._lock:
             if self._lds.get(key) != record:
-                self._lds[key] = record
-                self._save()
+                lds = {**self._lds, key: record}
+                self._save(self._epoch, self._tags, lds)
+                self._lds = lds
 
     def ld_record(self, port: int, ld: int) -> LDRecord | None:
         """What an LD was last carved for, or None."""
@@ -113,8 +133,10 @@ class DriverState:
     def forget_ld(self, port: int, ld: int) -> None:
         key = f"{port}/{ld}"
         with self._lock:
-            if self._lds.pop(key, None) is not None:
-                self._save()
+            if key in self._lds:
+                lds = {k: v for k, v in self._lds.items() if k != key}
+                self._save(self._epoch, self._tags, lds)
+                self._lds = lds
 
 
 def _parse(data: Any) -> tuple[int, dict[str, str], dict[str, LDRecord]]:
