@@ -52,3 +52,25 @@ def claim(fabric: str, driver: str, state_dir: Path) -> IO[bytes]:
             f"fabric {fabric!r}: another {driver} driver holds {state_dir}; one driver per state_dir"
         )
     return owner
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Replace the file at ``path`` with ``text`` so that a crash leaves the old file or the new one, and once this
+    returns the new one survives a power loss: written beside it, synced, renamed over it, and its directory
+    synced. Raises OSError; the file beside it is removed on failure."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise

@@ -249,7 +249,7 @@ class TestAnEpochThatCannotBeSaved:
     ) -> None:
         first = make_switch()
         first.bind("sw/port2", "h0", fresh_ctx())  # epoch 1, saved; a binding keeps the emulator up
-        blocker = switch_dir / "driver-state.tmp"  # the save's temporary file cannot be written
+        blocker = switch_dir / "driver-state.json.tmp"  # the save's temporary file cannot be written
         blocker.mkdir()
         with pytest.raises(FabricUnavailableError, match=r"driver-state\.json cannot be written"):
             first.unbind(self.FENCE, CallContext.with_timeout(30.0, epoch=5))
@@ -267,7 +267,7 @@ class TestAnEpochThatCannotBeSaved:
         """Until its save succeeds a newer epoch fences nothing: the manager that announced it was told it failed."""
         fabric = make_switch()
         fabric.bind("sw/port2", "h0", fresh_ctx())
-        (switch_dir / "driver-state.tmp").mkdir()
+        (switch_dir / "driver-state.json.tmp").mkdir()
         with pytest.raises(FabricUnavailableError):
             fabric.unbind(self.FENCE, CallContext.with_timeout(30.0, epoch=5))
         fabric.unbind(Binding("sw/port2", "h0"), fresh_ctx())  # epoch 1, which 5 would have fenced

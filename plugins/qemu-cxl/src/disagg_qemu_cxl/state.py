@@ -8,14 +8,13 @@ file, never half of one. QMP discovery stays the truth for what a host holds; th
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import attrs
 from disagg.errors import FabricUnavailableError
+from disagg.statedir import write_durably
 
 FIRST_SERIAL = 0x1000
 STATE_VERSION = 1
@@ -131,19 +130,7 @@ class StateFile:
             "next_sn": state.next_sn,
             "allocations": {r.allocation: r.to_json() for r in sorted(state.records, key=lambda r: r.allocation)},
         }
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            with open(tmp, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_durably(self.path, json.dumps(doc, indent=1))
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise FabricUnavailableError(f"cannot write the qemu-cxl state file {self.path}: {exc}") from None

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
 import attrs
 from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
+from disagg.statedir import write_durably
 
 
 def allocation_tag(allocation_id: str) -> bytes:
@@ -68,17 +68,7 @@ class DriverState:
         body = {"epoch": epoch, "tags": tags, "lds": {key: attrs.asdict(record) for key, record in lds.items()}}
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._path.with_suffix(".tmp")
-            with tmp.open("w") as out:
-                out.write(json.dumps(body, sort_keys=True))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self._path)
-            directory = os.open(self._path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            write_durably(self._path, json.dumps(body, sort_keys=True))
         except OSError as exc:
             raise FabricUnavailableError(
                 f"the driver state {self._path} cannot be written ({exc}); nothing was changed: retry once it can"
