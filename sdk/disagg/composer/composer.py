@@ -122,6 +122,21 @@ def _finished_by(comp: Composition, request_id: str, fp: str) -> bool:
     return comp.request_id == request_id and comp.request_fingerprint == fp and comp.pending is None
 
 
+NAMED_MEANWHILE_TRIES = 8
+"""How often a change whose key named nothing, and then a composition it did not hold, looks it up again
+(`FabricComposer._holding`): each time a compose took the name and was decomposed again meanwhile."""
+
+
+class _Unheld(str):
+    """A change's key that named no composition as the change began (`FabricComposer._holding`)."""
+
+    __slots__ = ()
+
+
+class _NamedMeanwhileError(Exception):
+    """A change's key named no composition as it began, and names one it does not hold now (`_find_held`)."""
+
+
 class _SettledError(Exception):
     """Raised through `FabricComposer._once` by a call that failed after it had changed something: its request
     id keeps ``error`` as the answer, so that a retry raises it again instead of repeating what was done."""
@@ -506,16 +521,26 @@ class FabricComposer(Composer):
         driver calls included, so that concurrent changes of one composition end as some serial order would.
         ``change`` is given the id the key named when the change began: a name may name another composition by
         the time the lock is taken (the first decomposed and a new one composed under its name), which this lock
-        does not hold. A key that names no composition is not held: ``change`` answers for it. Raises
+        does not hold. A key that names no composition is not held: ``change`` is given it as `_Unheld` and
+        answers for it, unless a compose takes the name before the change looks it up (`_find_held`): the change
+        then starts again, holding that composition, so that it waits for the compose instead of changing a
+        composition whose binds are under way. Raises
         `ConflictError` when another change holds it for longer than the call timeout, and
         `DeadlineExceededError`, with nothing changed, when the caller's ``deadline`` (a ``time.monotonic()``
         instant) passes first: a change whose caller has gone would only fail its driver calls, roll back and
         leave a newer etag and events behind, refusing other clients' guarded updates for nothing."""
-        with self._lock:
-            comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
-            lock = self._busy.setdefault(comp.id, threading.Lock()) if comp is not None else None
-        if comp is None or lock is None:
-            return (yield from change(key))
+        for _ in range(NAMED_MEANWHILE_TRIES):
+            with self._lock:
+                comp = self._compositions.get(key) or self._compositions.get(self._names.get(key, ""))
+                lock = self._busy.setdefault(comp.id, threading.Lock()) if comp is not None else None
+            if comp is not None and lock is not None:
+                break
+            try:
+                return (yield from change(_Unheld(key)))
+            except _NamedMeanwhileError:
+                continue  # a compose took the name since: held, as any composition, before it is changed
+        else:
+            raise ConflictError(f"{key} was composed and decomposed again while this change waited for it; retry")
         wait = self.call_timeout_s if deadline is None else min(self.call_timeout_s, deadline - time.monotonic())
         if not (yield Acquire(lock, max(0.0, wait))):
             if deadline is not None and time.monotonic() >= deadline:
@@ -530,6 +555,15 @@ class FabricComposer(Composer):
             return (yield from change(comp.id))
         finally:
             self._let_go(comp.id, lock)
+
+    def _find_held(self, target: str) -> Composition:
+        """The composition a change run by `_holding` is given (``target``), looked up as it starts: NotFoundError
+        when there is none, and `_NamedMeanwhileError`, before anything is changed, when ``target`` named nothing as
+        the change began and names a composition now, which this change does not hold. Under the lock."""
+        comp = self.find(target)
+        if isinstance(target, _Unheld):
+            raise _NamedMeanwhileError(comp.id)
+        return comp
 
     async def run_async(self, change: Steps[T], threads: ThreadPool) -> T:
         """Run a change (`compose_steps`, `decompose_steps`) on the running event loop: it waits for the ledger
@@ -2452,7 +2486,7 @@ class FabricComposer(Composer):
             raise InvalidRequestError("a recomposition needs something to add or remove")
         request_id, fp = self._request_mark()
         with self._lock:
-            comp = self.find(composition_id)
+            comp = self._find_held(composition_id)
             if request_id and _finished_by(comp, request_id, fp):
                 return comp  # this very change finished before a crash lost its answer
             self._check_not_done_before()
@@ -2662,7 +2696,7 @@ class FabricComposer(Composer):
     def _decompose(self, composition_id: str, deadline: float | None) -> Steps[None]:
         with self._lock:
             try:
-                comp = self.find(composition_id)
+                comp = self._find_held(composition_id)
             except NotFoundError:
                 self._refuse_other_kind(composition_id, "composition")
                 return
@@ -2925,7 +2959,7 @@ class FabricComposer(Composer):
 
     def _heal(self, composition_id: str) -> Composition:
         with self._lock:
-            comp = self.find(composition_id)
+            comp = self._find_held(composition_id)
             if comp.state is not CompositionState.DEGRADED or comp.pending is not None:
                 return comp  # a change a crash left half made is recovery's (`_recover`): it would be overwritten
             bad = self._unhealthy(comp)
