@@ -125,6 +125,14 @@ class IgnoresEpoch(SimFabric):
             super()._fence(ctx)
 
 
+class SanitizeIgnoresEpoch(SimFabric):
+    """Refuses an older fencing epoch everywhere but in sanitize, which takes the newest as its own: a deposed
+    fabric manager can still erase a device its successor is handing out."""
+
+    def _sanitize(self, device: str, ctx: CallContext) -> None:
+        super()._sanitize(device, attrs.evolve(ctx, epoch=max(ctx.epoch, self.epoch)))
+
+
 class BindIgnoresEpoch(SimFabric):
     """Refuses an older fencing epoch everywhere but in bind, which takes the newest as its own: one of the
     two tests of FENCE-STALE-EPOCH fails, the pool's passes."""
@@ -607,6 +615,7 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-wrong-error": (WrongError, "ERR-UNKNOWN-DEVICE"),
     "broken-ignores-epoch": (IgnoresEpoch, "FENCE-STALE-EPOCH"),
     "broken-bind-ignores-epoch": (BindIgnoresEpoch, "FENCE-STALE-EPOCH"),
+    "broken-sanitize-ignores-epoch": (SanitizeIgnoresEpoch, "SANITIZE-STALE-EPOCH"),
     "broken-overlapping-extents": (OverlappingExtents, "CARVE-NO-OVERLAP"),
     "broken-forgets-bindings": (ForgetsBindings, "RESTART-BINDINGS"),
     "broken-silent-failures": (SilentFailures, "EVENT-FAILURE-REPORTED"),
@@ -1034,6 +1043,7 @@ BROKEN.update(
 )
 ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
 REASONS: dict[str, str] = {
+    "broken-sanitize-ignores-epoch": "is refused before anything is erased",
     "broken-unbind-ignores-host": "an unbind of an absent binding (one naming another host) does nothing",
     "broken-bindings-hide-failed": "a failed device is still held by its host until it is unbound",
     "broken-bindings-stale-host": "not the binding the hardware holds",

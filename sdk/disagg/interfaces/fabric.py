@@ -71,7 +71,8 @@ class Device(abc.ABC):
         """Erase what the last host left (CXL sanitize, NVMe format); only with the SANITIZE feature.
 
         Blocks until done or until ``ctx.deadline``. Idempotent. A device still bound or carved is refused
-        with `DeviceBusyError`.
+        with `DeviceBusyError`; an epoch older than the highest seen, with `StaleEpochError` (it is a mutating
+        call, fenced as bind is).
         """
         raise UnsupportedError(f"device {self.id} cannot be sanitized")
 

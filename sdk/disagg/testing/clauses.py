@@ -278,6 +278,12 @@ _ALL = (
         frozenset({Feature.BIND, Feature.UNBIND, Feature.SANITIZE}),
     ),
     Clause(
+        "SANITIZE-STALE-EPOCH",
+        "A sanitize with a fencing epoch older than one the driver has seen, through a bind or a new leader's "
+        "announcement, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason STALE_EPOCH) and erases nothing.",
+        frozenset({Feature.SANITIZE, Feature.FENCING}),
+    ),
+    Clause(
         "RESTART-BINDINGS",
         "A restarted driver reports the same devices and the same bindings as before the restart.",
         frozenset({Feature.BIND}),
@@ -305,7 +311,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.6"
+SUITE_VERSION = "1.7"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
 accepts raises it. ``docs/conformance.md`` says what each version added."""
 

@@ -401,8 +401,8 @@ class Tracker:
         fabric, ctx = self.fabric, self.ctx(epoch)
         self.call(f"release of {allocation} in {pool}", lambda: fabric.pool(pool).release(allocation, ctx))
 
-    def sanitize(self, device: str) -> None:
-        fabric, ctx = self.fabric, self.ctx()
+    def sanitize(self, device: str, *, epoch: int | None = None) -> None:
+        fabric, ctx = self.fabric, self.ctx(epoch)
         self.call(f"sanitize of {device}", lambda: fabric.device(device).sanitize(ctx))
 
     def faults(self) -> FaultInjection | None:

@@ -1248,6 +1248,29 @@ class FabricConformance:
         tracker.sanitize(dev.id)
         assert tracker.bind(dev.id, host) == Binding(dev.id, host), "a sanitized device could not be bound again"
 
+    @clause("SANITIZE-STALE-EPOCH")
+    def test_sanitize_with_a_stale_epoch(self, tracker: Tracker, epochs: Epochs, capabilities: Capabilities) -> None:
+        """Sanitize erases a device: a deposed manager's must not erase one its successor is handing out."""
+        dev = _one_free(tracker.view())
+        new = epochs.advance()
+        tracker.sanitize(dev.id, epoch=new)
+        _expect_error(
+            lambda: tracker.sanitize(dev.id, epoch=new - 1),
+            StaleEpochError,
+            f"sanitize of {dev.id} with epoch {new - 1}",
+            f"an epoch older than the highest seen ({new}) is refused before anything is erased",
+        )
+        if not capabilities.supports(Feature.UNBIND):
+            return  # no announcement to make
+        announced = epochs.advance()
+        tracker.unbind(*_fence_of(tracker), epoch=announced)
+        _expect_error(
+            lambda: tracker.sanitize(dev.id, epoch=new),
+            StaleEpochError,
+            f"sanitize of {dev.id} with epoch {new}, after a new leader announced {announced}",
+            "a driver keeps one highest epoch for all its calls: an announcement (an unbind) fences sanitize too",
+        )
+
     # ------------------------------------------------------------------ restart
 
     @clause("RESTART-BINDINGS")
