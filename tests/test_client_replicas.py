@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from composer_helpers import rack
-from disagg.client import FabricManagerClient
+from disagg.client import NO_RETRY, FabricManagerClient
 from disagg.client.replicas import KEEPALIVE, SERVICE_CONFIG, replica_target
 from disagg.composer import FabricComposer
 from disagg.errors import DeadlineExceededError, FabricUnavailableError, InvalidRequestError
@@ -24,7 +24,7 @@ from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer
 from disagg.store import MemoryStore
 from process_helpers import ChildOutput
-from server_helpers import WAIT_S, replicas, set_serving
+from server_helpers import WAIT_S, replicas, set_serving, slow_rack
 
 
 class TestReplicaTarget:
@@ -217,6 +217,65 @@ class TestTakeover:
         client = FabricManagerClient(f"{replicas[0].addresses[0]},{down}", timeout_s=1.5)
         with client, pytest.raises(FabricUnavailableError, match=r"no replica .* served within 1.5s"):
             client.compositions()
+
+    @pytest.mark.parametrize("replicas_are", ["down", "standbys"])
+    def test_a_change_no_replica_took_says_it_was_not_made(
+        self, replicas: list[FabricManagerServer], replicas_are: str
+    ) -> None:
+        """A change over several replicas waits for one that serves: one none served until its deadline never
+        left the client, yet it said "an attempt got no answer, so the change may have been made"."""
+        for server in replicas:
+            set_serving(server, False)
+        address = "127.0.0.1:1,127.0.0.1:2" if replicas_are == "down" else ",".join(s.addresses[0] for s in replicas)
+        client = FabricManagerClient(address, timeout_s=1.0)
+        with client, pytest.raises(FabricUnavailableError, match=r"no replica .* served within 1s") as refused:
+            client.compose(parse_request("job", ["gpu x1"]), request_id="r1")
+        assert "nothing was sent, so the change was not made" in refused.value.message
+        assert refused.value.metadata["request_id"] == "r1"
+        assert all(s.composer.compositions() == [] for s in replicas)
+
+    def test_retries_turned_off_are_off(
+        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """`NO_RETRY` over several replicas repeated the call until its whole deadline had passed."""
+        calls: list[str] = []
+
+        def refuse(request: object, context: object) -> None:
+            calls.append("ListCompositions")
+            raise FabricUnavailableError("a driver cannot be reached")
+
+        for server in replicas:
+            monkeypatch.setattr(server.servicer, "ListCompositions", refuse)
+        address = ",".join(s.addresses[0] for s in replicas)
+        client = FabricManagerClient(address, timeout_s=3.0, retries=NO_RETRY)
+        with client, pytest.raises(FabricUnavailableError, match="a driver cannot be reached"):
+            client.compositions()
+        assert calls == ["ListCompositions"]
+
+    def test_a_decompose_keeps_to_one_deadline(self) -> None:
+        """`decompose` is two calls, a lookup and the Decompose by id, and each took the whole `timeout_s`: a lookup
+        that rode through most of a takeover was followed by a Decompose with a deadline of its own."""
+        slow = FabricManagerServer(FabricComposer(slow_rack(1.5), store=MemoryStore()), ["127.0.0.1:0"])
+        other = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
+        slow.start()
+        other.start()
+        try:
+            comp = slow.composer.compose(parse_request("job", ["gpu x1"])).composition
+            assert comp is not None
+            set_serving(slow, False)
+            set_serving(other, False)
+            takeover = threading.Timer(2.4, set_serving, (slow, True))  # within the deadline, with 0.6 s left
+            with FabricManagerClient(f"{slow.addresses[0]},{other.addresses[0]}", timeout_s=3.0) as client:
+                started = time.monotonic()
+                takeover.start()
+                with pytest.raises(DeadlineExceededError):
+                    client.decompose(comp.id)  # its unbind takes 1.5 s
+                took = time.monotonic() - started
+            assert took < 3.0 + 0.5, f"decompose took {took:.1f}s with timeout_s=3"
+        finally:
+            takeover.cancel()
+            slow.stop(0)
+            other.stop(0)
 
     def test_a_slow_answer_is_not_taken_for_no_replica(
         self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch

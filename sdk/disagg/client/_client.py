@@ -129,6 +129,10 @@ class _ClientClosedError(Exception):
     """`FabricManagerClient.close` came before or during an attempt of a call: it ends the call's retries."""
 
 
+class _NoReplicaServedError(Exception):
+    """No replica served until an attempt's deadline, and the attempt was not sent (`FabricManagerClient._call`)."""
+
+
 def _status(msg: pb.Device) -> DeviceStatus:
     return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
 
@@ -244,11 +248,14 @@ class FabricManagerClient:
                 metadata={"address": self.address},
             )
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and self._replicas and not self._serving():
-            return FabricUnavailableError(
-                f"no replica at {self.address} served within {self.timeout_s:g}s: each is down or a standby",
-                metadata={"address": self.address},
-            )
+            return self._none_served()
         return from_rpc_error(exc)
+
+    def _none_served(self) -> FabricUnavailableError:
+        return FabricUnavailableError(
+            f"no replica at {self.address} served within {self.timeout_s:g}s: each is down or a standby",
+            metadata={"address": self.address},
+        )
 
     def _not_sent(self, exc: grpc.RpcError) -> bool:
         """Whether the failed attempt ``exc`` never left the client: gRPC found no connection to send it on. Told
@@ -261,11 +268,12 @@ class FabricManagerClient:
             and (exc.details() or "").startswith(NOT_CONNECTED)
         )
 
-    def _serving(self) -> bool:
-        """Whether the channel reaches a serving replica: it says so within a few milliseconds when it does."""
+    def _serving(self, wait_s: float = READY_CHECK_S) -> bool:
+        """Whether the channel reaches a serving replica within ``wait_s``: it says so within a few milliseconds
+        when it does."""
         ready = grpc.channel_ready_future(self._channel)
         try:
-            ready.result(timeout=READY_CHECK_S)
+            ready.result(timeout=wait_s)
             return True
         except grpc.FutureTimeoutError:
             return False
@@ -286,16 +294,25 @@ class FabricManagerClient:
             seen.add(resp.next_page_token)
             request.page_token = resp.next_page_token
 
-    def _call(self, rpc: Callable[[float], T], *, idempotent: bool, request_id: str = "") -> T:
+    def _call(
+        self, rpc: Callable[[float], T], *, idempotent: bool, request_id: str = "", deadline: float | None = None
+    ) -> T:
         """``rpc`` with the retry policy; a failure raises its SDK error. A change sent with a ``request_id``
         names it in the error's metadata, and when no server answered it (its deadline passed on this side, or
         the server could not be reached after it may have been sent) the error says so: the change may have
         been made, and the same call with that request id gets its answer. When no attempt left the client (no
         connection to the server could be made), the error says the change was not made instead.
 
+        Over several replicas a call waits for one that serves, and a change's attempt is sent only once the
+        channel says one does: an attempt none served until its deadline was not sent, which the error says too.
+
+        ``deadline`` (a ``time.monotonic()`` instant) bounds the call and its retries instead of `timeout_s` from
+        now: a method of several calls keeps to one deadline.
+
         A client closed meanwhile (from another thread, during a pause between attempts or an attempt itself)
         raises `FabricUnavailableError`, as a call on a closed client does, never gRPC's ``ValueError``."""
         self._check_open()
+        timeout_s = self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         unanswered = False  # an attempt ended without the server's answer, after it may have reached it
         sent = False  # an attempt left the client
 
@@ -303,6 +320,8 @@ class FabricManagerClient:
             nonlocal unanswered, sent
             if self.closed:
                 raise _ClientClosedError
+            if request_id and self._replicas and not self._serving(timeout):
+                raise _NoReplicaServedError
             try:
                 return rpc(timeout)
             except ValueError:  # "Cannot invoke RPC on closed channel!": closed since the check above
@@ -324,7 +343,7 @@ class FabricManagerClient:
                 attempt,
                 policy=self.retries,
                 retryable=idempotent,
-                timeout_s=self.timeout_s,
+                timeout_s=timeout_s,
                 until_deadline=self._replicas,
                 sleep=self._sleep,
                 rng=self._rng,
@@ -332,6 +351,8 @@ class FabricManagerClient:
         except _ClientClosedError:
             error: DisaggError = self._closed_error()
             in_doubt = unanswered
+        except _NoReplicaServedError:
+            error, in_doubt = self._none_served(), unanswered
         except grpc.RpcError as exc:
             error = self._error(exc)
             # Unknown unless the last answer settles it: a refusal of the retry by a server that did not take it
@@ -598,11 +619,16 @@ class FabricManagerClient:
         """Unbind and release everything of a composition, given its id or its name. Idempotent: an unknown one is
         not an error. The composition is looked up first and decomposed by its id: a Decompose by name retried
         after its answer was lost would decompose a composition another client made under that name meanwhile."""
+        deadline = time.monotonic() + self.timeout_s  # one for both calls: "each call's deadline"
+        lookup = fm.GetCompositionRequest(id=composition_id)
         try:
-            found = self.get(composition_id).id
+            found = self._call(
+                lambda t: self._stub.GetComposition(lookup, timeout=t), idempotent=True, deadline=deadline
+            )
         except NotFoundError:
             return
-        self._call(lambda t: self._stub.Decompose(fm.DecomposeRequest(id=found), timeout=t), idempotent=True)
+        request = fm.DecomposeRequest(id=found.composition.id)
+        self._call(lambda t: self._stub.Decompose(request, timeout=t), idempotent=True, deadline=deadline)
 
     # ----------------------------------------------------------------- reservations
 
@@ -705,7 +731,8 @@ class EventStream(Iterator[Event]):
         if self._closed or self._client.closed:
             self.close()
             raise StopIteration from None
-        spent = failures >= self._client.retries.max_attempts and not self._client._replicas  # as `_call`'s retries
+        retries = self._client.retries.max_attempts
+        spent = failures >= retries and not (self._client._replicas and retries > 1)  # as `_call`'s retries
         if not self._resume or exc.code() not in WATCH_BREAKS or spent:
             self.close()
             raise self._client._error(exc) from None

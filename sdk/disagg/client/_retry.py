@@ -68,12 +68,13 @@ def call_with_retry(
     attempts, or the next pause would pass the deadline ``timeout_s`` from now; the last error propagates.
 
     ``retryable`` is False for calls that are not safe to repeat: they get exactly one attempt. ``until_deadline``:
-    the policy's ``max_attempts`` does not bound them, the deadline alone does (a client of several replicas, for
+    unless the policy turns retries off (``max_attempts=1``), its ``max_attempts`` does not bound them, the deadline
+    alone does (a client of several replicas, for
     which a replica that just lost the lead or its ledger answers UNAVAILABLE at once until its health check says
     so, up to a second, and the attempts would run out long before the next leader serves).
     """
     deadline = clock() + timeout_s
-    attempts = (sys.maxsize if until_deadline else policy.max_attempts) if retryable else 1
+    attempts = (sys.maxsize if until_deadline and policy.max_attempts > 1 else policy.max_attempts) if retryable else 1
     n = 0
     while True:
         n += 1
