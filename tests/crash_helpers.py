@@ -120,11 +120,12 @@ ROLLBACK_GPUS = 3
 ROLLBACK_HITS = ROLLBACK_GPUS - 1
 """How often the rollback of a rollback setup's change passes rollback.during_release."""
 
-RECOVERY_HITS = {"compose.after_bind@3": 4, "recompose.during_release@1": 1}
-"""Workload failpoints (at a hit) that leave a change interrupted, and how often the recovery of it at the next
-start passes recovery.during_release. At compose.after_bind@3 (the first bind of b0, with a0 composed, grown and
-shrunk) recovery undoes b0: it releases both allocations and unbinds both GPUs, made or not. At
-recompose.during_release@1 (the GPU removed from a0 unbound) it finishes the removal, unbinding the GPU again."""
+RECOVERY_HITS = {"compose.after_bind@3": 4, "recompose.during_release@1": 1, "decompose.during_release@1": 1}
+"""Workload failpoints (at a hit) that leave a change interrupted, and how often (at least) the recovery of it at
+the next start passes recovery.during_release. At compose.after_bind@3 (the first bind of b0, with a0 composed,
+grown and shrunk) recovery undoes b0: it releases both allocations and unbinds both GPUs, made or not. At
+recompose.during_release@1 (the GPU removed from a0 unbound) it finishes the removal, unbinding the GPU again. At
+decompose.during_release@1 (the first release of a decompose) it finishes the decompose, releasing again."""
 
 QUARANTINE_EVENTS = ("BindingQuarantined", "AllocationQuarantined")
 """The ledger's event types for hardware that reconciliation found with no record and set aside."""

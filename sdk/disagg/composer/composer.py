@@ -654,8 +654,9 @@ class FabricComposer(Composer):
                 # First: a FAILED composition keeps the pending ADD its refused rollback left, and is decomposed
                 # with it (`_holdings`); undone as an interrupted change, it would stand again, half released.
                 log.warning("finishing the decompose of %s that a restart interrupted", comp.id)
+                finish = self._holding(comp.id, lambda target: self._decompose(target, None, stage="recovery"))
                 try:
-                    self.decompose(comp.id)
+                    steps.run(finish, self.store)
                 except DisaggError as exc:
                     log.error("could not finish the decompose of %s: %s", comp.id, exc.message)
             elif comp.state is CompositionState.FAILED:
@@ -2693,7 +2694,9 @@ class FabricComposer(Composer):
         self._check_started()
         return self._holding(composition_id, lambda target: self._decompose(target, deadline), deadline)
 
-    def _decompose(self, composition_id: str, deadline: float | None) -> Steps[None]:
+    def _decompose(self, composition_id: str, deadline: float | None, *, stage: str = "decompose") -> Steps[None]:
+        """Decompose ``composition_id``; its releases are ``stage``'s (`failpoints`): recovery's when it finishes a
+        decompose a crash interrupted."""
         with self._lock:
             try:
                 comp = self._find_held(composition_id)
@@ -2713,7 +2716,7 @@ class FabricComposer(Composer):
         picks, allocs = _holdings(comp)
         fabrics = [self._fabric_of(p.device) for p in picks] + [self._fabric_of_pool(a.pool) for a in allocs]
         leftovers: Leftovers = yield self._driver_call(
-            lambda: self._release(comp.host, picks, allocs, deadline, stage="decompose"), fabrics
+            lambda: self._release(comp.host, picks, allocs, deadline, stage=stage), fabrics
         )
         failpoints.hit("decompose.before_commit")
         with self._lock:
