@@ -11,6 +11,7 @@ failed on CI) and real SQLite files.
 
 from __future__ import annotations
 
+import signal
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -348,6 +349,31 @@ class TestEtcdAStagedBlockLeftBehind:
             assert second.load().cordons == tuple([f"a/g{n}" for n in range(9)] + [f"b/g{n}" for n in range(4)])
         finally:
             second.close()
+
+    def test_a_writer_that_cannot_look_for_one_fails(self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Before staging, a writer reads whether a block is left staged. That read, when no member answered it,
+        failed the block but not the store, as every other first read of a write does (`_read_for_write`): the
+        composer had changed its memory for a block etcd never got, and the ledger took the writes after it."""
+        monkeypatch.setattr(etcd_store, "TXN_OPS", 3)  # a block of five cordons is staged
+        prefix = fresh_prefix()
+        store = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True, timeout_s=0.25, write_patience_s=0.5)
+        try:
+            store.put_cordon("before")
+            proc = etcd.members[0].process
+            assert proc is not None
+            proc.send_signal(signal.SIGSTOP)  # the only member stops answering
+            try:
+                with pytest.raises(FabricUnavailableError, match="no etcd endpoint answered"), store.atomic():
+                    for n in range(5):
+                        store.put_cordon(f"g{n}")
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            assert "no etcd endpoint answered" in store.failure
+            with pytest.raises(FabricUnavailableError):
+                store.put_cordon("after")
+            assert _cordons_in_etcd(etcd, prefix) == 1
+        finally:
+            store.close()
 
 
 class _DeposedAtTheEvent(EtcdStore):

@@ -56,7 +56,7 @@ import requests
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
 from disagg import codec
-from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError, InvalidRequestError
 from disagg.model import Composition, Event, Reservation
 from disagg.store.base import (
     REQUEST_RETENTION,
@@ -750,7 +750,11 @@ class EtcdStore(Store):
         application leaves as the first did. A block that another writer left staged is finished first: this one
         would replace its parts, and then delete them. Holding `_write_lock`."""
         chunks = self._chunks(ops)  # before anything is staged: a block that no transaction can take is not
-        self._finish_staged_locked()
+        try:
+            self._read_for_write(self._finish_staged_locked)
+        except DisaggError as exc:  # one left staged that cannot be read back stops the writes too
+            self._failure = self._failure or exc.message
+            raise
         text = json.dumps(ops)
         parts = [text[i : i + STAGE_PART_BYTES] for i in range(0, len(text), STAGE_PART_BYTES)]
         for index, part in enumerate(parts):
