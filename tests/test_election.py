@@ -673,6 +673,28 @@ class TestEpochBase:
         finally:
             server.stop(0)
 
+    def test_a_damaged_base_is_told_and_the_lead_given_up(self, etcd: EtcdCluster) -> None:
+        """A base that is not a whole number raised a bare ValueError in the server's campaign thread: the replica
+        neither served, nor said why, nor gave up the leader key it had made, and so did every replica after it."""
+        etcd_client(etcd).put("/damaged-base/leader.epoch-base", "48,213")
+        leadership = Leadership(etcd.endpoints, "damaged", key="/damaged-base/leader", ttl_s=30)
+        failed: list[Exception] = []
+        told = threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/damaged-base/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_start_failed=lambda error: (failed.append(error), told.set()),
+        )
+        try:
+            server.start()
+            assert told.wait(WAIT_S), "the failed start was not told"
+            assert isinstance(failed[0], ConfigError) and failed[0].field == "state.epoch_base"
+            assert "'48,213', not a whole number of epochs" in failed[0].message
+            assert etcd_client(etcd).get(leadership.key) == [], "the lead was kept after the start failed"
+        finally:
+            server.stop(0)
+
     def test_a_negative_base(self) -> None:
         with pytest.raises(ConfigError, match="epoch base must be 0 or more"):
             Leadership(["127.0.0.1:2379"], "x", epoch_base=-1)

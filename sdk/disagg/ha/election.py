@@ -201,7 +201,16 @@ class Leadership:
         """The epoch base in etcd, raised first to `epoch_base` if that is higher, in one transaction that holds
         only while the leader key is still this replica's (None when it is not)."""
         stored = client.get(self.base_key)
-        base = int(stored[0]) if stored else 0
+        raw = stored[0] if stored else b"0"
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        if not (text.isascii() and text.isdigit()):
+            raise ConfigError(
+                f"the epoch base {self.base_key!r} in etcd holds {text!r}, not a whole number of epochs: put the "
+                "highest epoch a replica of this cluster led with there (docs/ha.md), or set [state] epoch_base to "
+                "it and delete the key",
+                field="state.epoch_base",
+            )
+        base = int(text)
         if self.epoch_base <= base:
             return base
         txn = {

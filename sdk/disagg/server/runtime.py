@@ -491,7 +491,14 @@ class FabricManagerServer:
         step down (NOT_SERVING, every RPC UNAVAILABLE, `on_lost`) the moment the lead is lost, during the
         composer's start too. A start that fails otherwise gives the lead up (`_fail_start`)."""
         assert self.leadership is not None
-        epoch = self.leadership.campaign(self._ticking)
+        try:
+            epoch = self.leadership.campaign(self._ticking)
+        except Exception as exc:  # a damaged epoch base in etcd, a bug: the leader key may be this replica's
+            if not self._stopped():
+                if not isinstance(exc, DisaggError):
+                    log.exception("the campaign for the lead failed")
+                self._fail_start(exc)
+            return
         if not epoch or not self._use_composer("start"):
             return
         threading.Thread(target=self._watch_lead, name="disagg-lead", daemon=True).start()
