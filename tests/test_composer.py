@@ -41,7 +41,7 @@ from disagg.errors import (
     StaleEpochError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import ComposeMode, CompositionState, DeviceKind, EventType, Health
+from disagg.model import Binding, ComposeMode, CompositionState, DeviceKind, EventType, Health
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
@@ -200,6 +200,30 @@ class TestRollback:
         assert "driver bug" not in " ".join(e.message for e in comp.events())
         assert "driver bug" in caplog.text
         assert hardware_bindings(fabrics) == {}
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise OSError("the handle is closed")
+
+
+class BindsThenFailsUnprintably(SimFabric):
+    """A driver with a bug: its bind binds, then raises an exception whose repr fails."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        super().bind(device, host, ctx)
+        raise RuntimeError(_Unprintable())
+
+
+class TestADriverBugThatCannotBePrinted:
+    def test_it_is_rolled_back_as_any_other(self) -> None:
+        """Its incident's log line failed to print it: that OSError left the compose, the rollback undid nothing,
+        and the GPU stayed bound with no composition."""
+        fabrics = serve({"pcie0": BindsThenFailsUnprintably(load_topology("pcie0", "demo-pcie"))})
+        comp = composer(fabrics)
+        with pytest.raises(DriverError, match=r"fabric 'pcie0'.*RuntimeError"):
+            comp.compose(parse_request("job", ["gpu x1"]))
+        assert hardware_bindings(fabrics) == {} and comp.compositions() == []
 
 
 class TestReservations:

@@ -67,6 +67,21 @@ class BindsThenFails(Plain):
         raise RuntimeError("a bug after the hardware bound")
 
 
+class _Unprintable:
+    """A vendor's handle whose repr asks the hardware, which has just failed."""
+
+    def __repr__(self) -> str:
+        raise OSError("the handle is closed: /dev/bmc-secret")
+
+
+class BindsThenFailsUnprintably(Plain):
+    """A driver with a bug: its bind binds, then raises an exception whose repr fails."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        self.inner.bind(device, host, ctx)
+        raise RuntimeError(_Unprintable())
+
+
 class HeldBind(Plain):
     """Hardware that cannot be interrupted: a bind checks its deadline, then works ``hold_s`` and binds whatever
     the deadline says by then. ``started`` and ``finished`` are set as a bind begins and ends."""
@@ -488,6 +503,22 @@ class TestErrors:
                 with pytest.raises(ExecutionFailedError):
                     executor.apply("h2", [("pcie0", DevicePick("pcie0/gpu-a1", 0, 0))], [])
                 assert sim.bindings() == (Binding(GPU, "h1"),)
+            finally:
+                remote.close()
+
+    def test_a_driver_bug_that_cannot_be_printed_is_undone_too(self) -> None:
+        """Its incident's log line failed to print it, and the service's fallback answered an InternalError of the
+        service's own, with no unknown outcome: the rollback left the GPU bound."""
+        sim = pcie()
+        with served(BindsThenFailsUnprintably(sim)) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                executor = Executor({"pcie0": remote}, lambda deadline: CTX)
+                with pytest.raises(ExecutionFailedError) as failed:
+                    executor.apply("h1", [("pcie0", DevicePick(GPU, 0, 0))], [])
+                assert isinstance(failed.value.error, DriverError) and "RuntimeError" in failed.value.error.message
+                assert "secret" not in failed.value.error.message
+                assert sim.bindings() == ()
             finally:
                 remote.close()
 

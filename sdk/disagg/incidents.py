@@ -15,3 +15,12 @@ def log_incident(logger: logging.Logger, exc: BaseException, what: str) -> str:
     incident = uuid.uuid4().hex[:12]
     logger.error("incident %s: %s", incident, what, exc_info=exc)
     return incident
+
+
+def described(exc: BaseException) -> str:
+    """``repr(exc)`` for a log line, or its type's name when that repr fails: an exception may hold an object whose
+    repr asks the hardware that just failed, and the failure to describe it must not replace the failure itself."""
+    try:
+        return repr(exc)
+    except Exception:
+        return f"{type(exc).__name__} (whose repr failed)"

@@ -16,7 +16,7 @@ from disagg.errors import (
     NotFoundError,
     outcome_is_unknown,
 )
-from disagg.incidents import log_incident
+from disagg.incidents import described, log_incident
 from disagg.interfaces import CallContext, Fabric
 from disagg.model import Allocation, Binding, DevicePick, MemoryPick
 
@@ -56,7 +56,7 @@ class ExecutionFailedError(Exception):
 def driver_error(fabric: str, exc: Exception) -> DriverError:
     """The SDK error for an exception a driver should never have raised; its text goes to the log only, under
     an incident id that the error names."""
-    incident = log_incident(log, exc, f"fabric {fabric}: the driver raised {exc!r}, not an SDK error")
+    incident = log_incident(log, exc, f"fabric {fabric}: the driver raised {described(exc)}, not an SDK error")
     return DriverError(
         f"fabric {fabric!r}: the driver failed unexpectedly ({type(exc).__name__}); "
         f"incident {incident} in the fabric manager's log",

@@ -26,7 +26,7 @@ import attrs
 
 from disagg.composer.index import Bucket, Inventory, PoolState
 from disagg.errors import DisaggError, InvalidRequestError, NoFitError, PluginError, UnknownHostError
-from disagg.incidents import log_incident
+from disagg.incidents import described, log_incident
 from disagg.interfaces.placement import DeviceGroup, PlacementPolicy, PoolCandidate
 from disagg.model import (
     Affinity,
@@ -346,7 +346,7 @@ class Placer:
     def _refuse(self, method: str, exc: Exception) -> PluginError:
         """The error for a policy that raised: its text goes to the log only, under an incident id."""
         name = self.policy.name or type(self.policy).__name__
-        incident = log_incident(log, exc, f"placement policy {name!r} raised {exc!r} in {method}")
+        incident = log_incident(log, exc, f"placement policy {name!r} raised {described(exc)} in {method}")
         return PluginError(
             f"placement policy {name!r} failed in {method} ({type(exc).__name__}); incident {incident} in the "
             "fabric manager's log; nothing was placed",

@@ -43,7 +43,7 @@ from disagg.errors import (
     FabricUnavailableError,
     UnsupportedError,
 )
-from disagg.incidents import log_incident
+from disagg.incidents import described, log_incident
 from disagg.interfaces import CallContext, Fabric, FaultInjection
 from disagg.model import Topology
 from disagg.remote.address import check_address, unix_path
@@ -90,7 +90,7 @@ def _answer(context: grpc.ServicerContext, exc: Exception, fabric: str, method: 
     if isinstance(exc, _RefusalError):
         context.abort(exc.code, exc.message)
     if not isinstance(exc, DisaggError):
-        incident = log_incident(log, exc, f"{method} of fabric {fabric} raised {exc!r}")
+        incident = log_incident(log, exc, f"{method} of fabric {fabric} raised {described(exc)}")
         # Not an answer: the call may have changed the hardware before it raised, so the caller must treat it as
         # in doubt and undo it, as it does with a driver in its own process (`execution.in_doubt`).
         exc = DriverError(
