@@ -12,14 +12,16 @@ from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
+from disagg.composer import FabricComposer
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import EventHandler, Fabric, FaultInjection, Subscription
-from disagg.model import Device, FabricEvent, FabricEventKind, Health, Topology
+from disagg.model import CompositionState, Device, FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg.remote.watch import EventCall
+from disagg.requestlang import parse_request
 from disagg.wire.driver import EVENT_SEQUENCE_KEY, metadata_value
 from disagg_sim import SimFabric
 from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served, stub_for
@@ -181,6 +183,34 @@ class TestRestart:
             remote.close()
             server.stop(grace=0)
 
+    @pytest.mark.parametrize("how", ["down", "gone", "host-gone"])
+    def test_a_path_cut_while_the_driver_was_down_degrades_what_used_it(self, socket_dir: str, how: str) -> None:
+        """The driver came back re-cabled: the link to the GPU's chassis down (told before too), gone from the
+        topology, or its host unplugged with its links. A link gone was not told, so the composition stayed
+        COMPOSED on a path that no longer exists, and placement offered the devices behind it."""
+        address = f"unix:{socket_dir}/pcie0.sock"
+        first = pcie()
+        server = DriverServer(first, address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        composer = FabricComposer({"pcie0": remote}, epoch=1)
+        try:
+            composer.fence_drivers()
+            composer.start()
+            comp = composer.compose(parse_request("job", ["host h1", "gpu x1 model=H200"])).composition
+            assert comp is not None and composer.device(comp.device_ids[0]).switch == "pcie0/chassis-a"
+            topology = first.discover()
+            server.stop(grace=0)
+            second = SimFabric(_recabled(topology, how))
+            second._bindings.update(first._bindings)  # the hardware kept its bindings, whatever the path now
+            server = DriverServer(second, address, driver="sim").start()
+            assert eventually(lambda: composer.get(comp.id).state is CompositionState.DEGRADED, 8.0), composer.get(
+                comp.id
+            )
+        finally:
+            composer.close()
+            remote.close()
+            server.stop(grace=0)
+
     def test_calls_fail_cleanly_while_the_driver_is_down(self, socket_dir: str) -> None:
         address = f"unix:{socket_dir}/pcie0.sock"
         server = DriverServer(pcie(), address, driver="sim").start()
@@ -192,6 +222,17 @@ class TestRestart:
                 remote.bindings()
         finally:
             remote.close()
+
+
+def _recabled(topology: Topology, how: str) -> Topology:
+    """``topology`` with the link from top-a to chassis-a down (``down``) or gone (``gone``), or with host h1 and its
+    links gone (``host-gone``)."""
+    if how == "host-gone":
+        links = tuple(link for link in topology.links if "h1" not in (link.a, link.b))
+        return attrs.evolve(topology, hosts=tuple(h for h in topology.hosts if h.id != "h1"), links=links)
+    cut = ("pcie0/top-a", "pcie0/chassis-a")
+    kept = [link for link in topology.links if (link.a, link.b) != cut or how == "down"]
+    return attrs.evolve(topology, links=tuple(attrs.evolve(k, up=False) if (k.a, k.b) == cut else k for k in kept))
 
 
 class Hiding(Plain):

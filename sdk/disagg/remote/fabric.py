@@ -204,7 +204,8 @@ class _Snapshot:
         return True
 
     def changes(self, fabric: str, now: _Snapshot, why: str) -> list[FabricEvent]:
-        """Events that take this snapshot to ``now``: removed and added devices, health, then links."""
+        """Events that take this snapshot to ``now``: removed and added devices, health, then links, those that
+        are gone (re-cabled while the driver was down, a host unplugged) as down."""
         out = [
             FabricEvent(fabric, FabricEventKind.DEVICE_REMOVED, d, message=why)
             for d in self.health
@@ -218,11 +219,18 @@ class _Snapshot:
                     out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
             elif old is not health:
                 out.append(FabricEvent(fabric, FabricEventKind.DEVICE_HEALTH, device, health=health, message=why))
+        added = {e.subject for e in out if e.kind is FabricEventKind.DEVICE_ADDED}
         for key, (subject, up) in now.links.items():
             known = self.links.get(key)
-            if known is not None and known[1] is not up:  # a link that is new came with its device
+            if known is None:  # new: up unless it came with a device added, whose event tells it
+                if up and not added.intersection(key):
+                    out.append(FabricEvent(fabric, FabricEventKind.LINK_UP, subject, message=why))
+            elif known[1] is not up:
                 kind = FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN
                 out.append(FabricEvent(fabric, kind, subject, message=why))
+        for key, (subject, up) in self.links.items():
+            if key not in now.links and up:  # gone (re-cabled, a host unplugged): no path passes it any more
+                out.append(FabricEvent(fabric, FabricEventKind.LINK_DOWN, subject, message=why))
         return out
 
 
