@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -123,6 +124,20 @@ class TestSubscriptions:
         pcie.subscribe(seen)
         pcie.fail_device(GPU)
         assert len(seen.events) == 1
+
+    def test_a_handler_that_raises_a_base_exception_does_not_stop_the_others(self, pcie: SimFabric) -> None:
+        """A CancelledError (not an Exception) from one handler left the others without the event, for good: it
+        was off the queue. It still reaches the caller, once the others have the event."""
+
+        def cancelled(event: FabricEvent) -> None:
+            raise asyncio.CancelledError
+
+        seen = Recorder()
+        pcie.subscribe(cancelled)
+        pcie.subscribe(seen)
+        with pytest.raises(asyncio.CancelledError):
+            pcie.fail_device(GPU)
+        assert [e.subject for e in seen.events] == [GPU]
 
     def test_a_handler_may_call_back_into_the_fabric(self, pcie: SimFabric, ctx: CallContext) -> None:
         binding = pcie.bind(GPU, "h1", ctx)

@@ -130,6 +130,15 @@ class TestPersistence:
         fabric.bind(GPU, "h1", CallContext(epoch=1))
         assert list(pcie(path).bindings()) == [Binding(GPU, "h1")]
 
+    def test_another_state_file_s_temporary_file_is_left_alone(self, tmp_path: Path) -> None:
+        """The state files ``pcie.json`` and ``pcie.json.7000000`` in one directory: opening the first removed the
+        second's temporary file while its writer was saving (`.pcie.json.` begins both, and 7000000, no running
+        pid, was taken for the first's writer), and that writer's save then failed."""
+        other = tmp_path / f".pcie.json.7000000.{os.getpid()}.abc.tmp"
+        other.write_text("{}")
+        pcie(tmp_path / "pcie.json")
+        assert other.exists()
+
     def test_a_failed_save_changes_nothing(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         fabric = pcie(tmp_path / "pcie.json")
         fabric.bind(GPU, "h1", CallContext(epoch=1))

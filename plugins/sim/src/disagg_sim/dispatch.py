@@ -76,12 +76,24 @@ class EventDispatcher:
                         if not self._queue:
                             return
                         event, subs = self._queue.popleft()
-                    for sub in subs:
-                        if not sub.active:
-                            continue
-                        try:
-                            sub.handler(event)
-                        except Exception:
-                            log.exception("event handler %r failed on %s", sub.handler, event)
+                    self._tell(event, subs)
             finally:
                 self._delivering_thread = None
+
+    @staticmethod
+    def _tell(event: FabricEvent, subs: tuple[_Subscription, ...]) -> None:
+        """Give ``event`` to each subscriber still active. One that raises is logged; one that raises what is not
+        an `Exception` (a CancelledError, an interrupt) is raised again once the others have the event, which is
+        off the queue: they would never get it."""
+        stopped: BaseException | None = None
+        for sub in subs:
+            if not sub.active:
+                continue
+            try:
+                sub.handler(event)
+            except Exception:
+                log.exception("event handler %r failed on %s", sub.handler, event)
+            except BaseException as exc:
+                stopped = stopped or exc
+        if stopped is not None:
+            raise stopped

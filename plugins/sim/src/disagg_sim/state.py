@@ -113,14 +113,17 @@ class StateFile:
 
     def _sweep(self) -> None:
         """Remove the temporary files of writers that are no longer running (killed between writing one and
-        renaming it). A file whose name holds no pid, or the pid of a live process, is left alone."""
+        renaming it). A file whose name holds no pid, the pid of a live process, or is another state file's (one
+        named as this one and more), is left alone."""
         try:
             names = [n for n in os.listdir(self.path.parent) if n.startswith(self._tmp_prefix) and n.endswith(".tmp")]
         except OSError:
             return
         for name in names:
-            pid = name[len(self._tmp_prefix) :].split(".", 1)[0]
-            if pid.isdigit() and not _running(int(pid)):
+            # Exactly `<pid>.<random>.tmp` (mkstemp's random part holds no dot): `.rack.7.123.x.tmp` is the file of
+            # the state file `rack.7`, whose writer may be running, not one of `rack`'s by a pid 7.
+            parts = name[len(self._tmp_prefix) :].split(".")
+            if len(parts) == 3 and parts[0].isdigit() and not _running(int(parts[0])):
                 (self.path.parent / name).unlink(missing_ok=True)
 
     def _error(self, message: str) -> ConfigError:
