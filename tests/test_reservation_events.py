@@ -218,6 +218,39 @@ class TestAReservedDeviceBoundOutside:
         comp.close()
 
 
+class TestReservedMemoryCarvedOutside:
+    def test_its_reservation_is_released_as_the_memory_is_quarantined(self) -> None:
+        """Carved on the hardware for another host, the memory was quarantined and claimed, and the reservation
+        kept the whole pool's worth: its apply could only fail (CapacityExhaustedError), and it held its host
+        until then, while a second reconcile said all was well."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        asked = parse_request("r", ["host h1", "cxl-memory 3840GiB"])  # nearly all of both 2 TiB pools
+        res = comp.compose(asked, ComposeMode.RESERVE, reservation_ttl_s=600).reservation
+        assert res is not None
+        pool = max(res.plan.memory, key=lambda m: m.amount_bytes).pool
+        fabrics["cxl0"].pool(pool).allocate("by-hand", "h2", 512 << 30, CallContext(epoch=comp.epoch))
+        assert comp.reconcile() == 2  # the quarantine, and the reservation released
+        assert comp.reservations() == []
+        (released,) = [e for e in comp.events() if e.type is EventType.RESERVATION_RELEASED]
+        assert f"pool {pool} has less free on the hardware than it holds" in released.message
+        assert comp.reconcile() == 0
+        made = comp.compose(parse_request("r2", ["host h1", "cxl-memory 1024GiB"])).composition
+        assert made is not None and made.host == "h1"
+        comp.close()
+
+    def test_one_that_still_fits_is_kept(self) -> None:
+        fabrics = rack()
+        comp = composer(fabrics)
+        res = comp.compose(parse_request("r", ["host h1", "cxl-memory 64GiB"]), ComposeMode.RESERVE).reservation
+        assert res is not None
+        pool = res.plan.memory[0].pool
+        fabrics["cxl0"].pool(pool).allocate("by-hand", "h2", 512 << 30, CallContext(epoch=comp.epoch))
+        assert comp.reconcile() == 1  # the quarantine only
+        assert [r.id for r in comp.reservations()] == [res.id]
+        comp.close()
+
+
 class TestAReservedDeviceARebuildFoundUnhealthy:
     """A device found unhealthy, or removed, by a rebuild (a link or device event, a fabric answering again)
     rather than by its health event: its reservation was released only at the next reconcile, within a minute,

@@ -1480,6 +1480,7 @@ class FabricComposer(Composer):
                 host=alloc.host,
             )
             changes += 1
+        changes += self._release_overdrawn_reservations()
         for key in sorted(self._quarantined_memory):
             if key in carved or key in recorded or key[0] not in pools_read:
                 continue
@@ -1492,6 +1493,32 @@ class FabricComposer(Composer):
             log.info("pool %s: quarantined allocation %s is no longer on the hardware; given back", *key)
             changes += 1
         return changes
+
+    def _overdrawn(self, pool: str) -> bool:
+        """Whether the claims on ``pool`` hold more than it has: bytes, or an MLD's logical devices."""
+        state = self._inv.pools.get(pool)
+        return state is not None and (state.excess_bytes > 0 or (state.free_lds is not None and state.free_lds < 0))
+
+    def _release_overdrawn_reservations(self) -> int:
+        """Release the reservations that hold memory of a pool whose claims now hold more than it has (the hardware
+        carved some of it for what no composition records), the one that would hold longest first, until none is:
+        an apply could only fail, and the reservation would keep its host and devices from placement for nothing,
+        as one whose device the hardware bound for another host would (`_quarantine_bindings`). Returns how many.
+        Under the lock."""
+        released = 0
+        holding = [r for r in self._reservations.values() if any(self._overdrawn(m.pool) for m in r.plan.memory)]
+        for res in sorted(holding, key=lambda r: (-self._reservation_deadlines[r.id], r.id)):
+            short = sorted({m.pool for m in res.plan.memory if self._overdrawn(m.pool)})
+            if not short:
+                continue
+            self._drop_reservation(
+                res,
+                EventType.RESERVATION_RELEASED,
+                f"pool {', '.join(short)} has less free on the hardware than it holds: memory was carved there for "
+                "what no composition records",
+            )
+            released += 1
+        return released
 
     def add_listener(self, listener: EventListener) -> Callable[[], None]:
         """Call ``listener`` for every new event, under the composer's lock, once the ledger took the writes of the
