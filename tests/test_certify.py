@@ -86,7 +86,6 @@ class TestCertifyInProcess:
 
     def test_a_config_file_gives_the_fabric_name_and_options(self, tmp_path: Path) -> None:
         proc, report = self.certify_with(tmp_path, 'call_timeout_s = 10\n[options]\ntopology = "demo-cxl"\n')
-        assert proc.returncode == 0, proc.stdout + proc.stderr
         assert report is not None and report["fabric"] == "lab"
         # demo-cxl has no whole devices to bind: the binding clauses are not tested, and say why.
         assert clause_of(report, "BIND-IDEMPOTENT")["status"] == "NOT TESTED"
@@ -94,6 +93,9 @@ class TestCertifyInProcess:
             clause_of(report, "BIND-IDEMPOTENT")["reason"] == "not tested: the fabric has no free device to bind whole"
         )
         assert clause_of(report, "CARVE-NO-OVERLAP")["status"] == "PASS"
+        # Since 1.7 such a run certifies nothing: the sim declares unbind and sanitize, which no clause could test.
+        assert proc.returncode == 1 and report["verdict"] == "NOT CERTIFIED", proc.stdout + proc.stderr
+        assert "unbind (not tested: the fabric has no free device to bind whole)" in report["incomplete"]
 
     def test_the_call_timeout_of_the_config_file_holds_in_process(self, tmp_path: Path) -> None:
         """Binds that take 0.4 s against a call timeout of 0.05 s fail: the suite's calls carry the file's
@@ -181,7 +183,7 @@ class TestExpectedFailures:
     @pytest.mark.parametrize(
         ("driver", "outcomes", "also"),
         [
-            ("broken-ignores-epoch", {"xfailed"}, ["CARVE-STALE-EPOCH"]),
+            ("broken-ignores-epoch", {"xfailed"}, ["CARVE-STALE-EPOCH", "SANITIZE-STALE-EPOCH"]),
             ("broken-bind-ignores-epoch", {"xfailed", "passed"}, []),
         ],
         ids=["every-test-fails", "one-of-two-tests-fails"],
@@ -191,7 +193,7 @@ class TestExpectedFailures:
     ) -> None:
         """FENCE-STALE-EPOCH has a test on binds and one on pools: a clause fails as expected when one of its
         tests does (the second driver breaks only the first). A driver that ignores the epoch of its pools also
-        fails CARVE-STALE-EPOCH (suite 1.4), which its file lists too."""
+        fails CARVE-STALE-EPOCH (suite 1.4) and SANITIZE-STALE-EPOCH (1.7), which its file lists too."""
         listed = tmp_path / "xfail.txt"
         ids = ["FENCE-STALE-EPOCH", *also, "RESTART-FENCING"]
         listed.write_text("# the epoch is ignored until fencing lands\n" + "".join(f"{i}\n" for i in ids))
@@ -649,6 +651,24 @@ class TestCertifyBadInput:
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "--out: cannot write the reports to /proc/self/certification" in proc.stderr
         assert "Traceback" not in proc.stderr and "passed" not in proc.stdout
+
+    @pytest.mark.parametrize(
+        ("flag", "content", "says"),
+        [
+            ("--config", b'fabric = "caf\xe9"\n', "not UTF-8"),
+            ("--config", b"call_timeout_s = " + b"9" * 5000 + b"\n", "digits"),
+            ("--config", b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),
+            ("--expected-failures", b"# caf\xe9\nFENCE-STALE-EPOCH\n", "not UTF-8"),
+        ],
+        ids=["config-latin-1", "config-integer-of-5000-digits", "config-nested-too-deeply", "expected-latin-1"],
+    )
+    def test_a_file_that_does_not_read(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, content: bytes, says: str
+    ) -> None:
+        """Each was a traceback and exit 1, where `disagg serve --config` says what is wrong and exits 2."""
+        path = tmp_path / "given"
+        path.write_bytes(content)
+        assert says in self.run(capsys, "sim", flag, str(path))
 
     def test_a_missing_config_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert "does not exist" in self.run(capsys, "sim", "--config", str(tmp_path / "absent.toml"))

@@ -319,6 +319,31 @@ class TestOptions:
         with pytest.raises(ConfigError, match="does not exist"):
             parse_options([], str(tmp_path / "none.toml"))
 
+    @pytest.mark.parametrize(
+        ("content", "says"),
+        [
+            (b'topology = "caf\xe9"\n', "not UTF-8"),
+            (b"bind_delay_s = " + b"9" * 5000 + b"\n", "digits"),
+            (b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n", "nested too deeply"),
+        ],
+        ids=["latin-1", "integer-of-5000-digits", "nested-too-deeply"],
+    )
+    def test_a_file_that_does_not_read(self, tmp_path: Path, content: bytes, says: str) -> None:
+        """Each was a traceback (UnicodeDecodeError, ValueError, RecursionError) instead of bad input."""
+        options_file = tmp_path / "pcie0.toml"
+        options_file.write_bytes(content)
+        with pytest.raises(ConfigError, match=says):
+            parse_options([], str(options_file))
+
+    @pytest.mark.parametrize(
+        ("raw", "says"),
+        [("9" * 5000, "digits"), ("[" * 100_000 + "]" * 100_000, "nested too deeply")],
+        ids=["integer-of-5000-digits", "nested-too-deeply"],
+    )
+    def test_a_value_that_does_not_read(self, raw: str, says: str) -> None:
+        with pytest.raises(ConfigError, match=f"--option: .*{says}"):
+            parse_options([f"bind_delay_s={raw}"])
+
 
 class TestAddress:
     """Driver endpoints are unix sockets or loopback ports: the channel has no TLS or authentication yet."""

@@ -267,6 +267,21 @@ def demo_config() -> Config:
     return parse_config(doc, "embedded default (in memory)")
 
 
+def read_toml(path: Path, what: str, field: str = "") -> dict[str, Any]:
+    """The TOML document in the file at ``path`` (``what`` names it in an error, as ``--options-file`` or
+    "configuration file"); every way it can fail to be one is a `ConfigError` saying so, never a traceback."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist", field=field) from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8, whatever the locale says
+        raise ConfigError(f"cannot read {what} {path}: not UTF-8 ({exc})", field=field) from None
+    except RecursionError:
+        raise ConfigError(f"cannot read {what} {path}: not valid TOML: nested too deeply", field=field) from None
+    except (OSError, ValueError) as exc:  # ValueError: TOMLDecodeError, an integer of too many digits, a NUL
+        raise ConfigError(f"cannot read {what} {path}: {exc}", field=field) from None
+
+
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
     """The configuration at ``path`` (``--config``), else ``$DISAGG_CONFIG`` (empty: unset), else
     ``./disagg.toml``, else the embedded default. An empty ``path`` is refused: it is most often a variable
@@ -280,16 +295,7 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         )
     candidate = Path(path) if path else Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else Path("disagg.toml")
     if path or env.get(CONFIG_ENV) or candidate.exists():
-        try:
-            doc = tomllib.loads(candidate.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"configuration file {candidate} does not exist") from None
-        except UnicodeDecodeError as exc:  # TOML is UTF-8, whatever the locale says
-            raise ConfigError(f"cannot read {candidate}: not UTF-8 ({exc})") from None
-        except RecursionError:
-            raise ConfigError(f"cannot read {candidate}: not valid TOML: nested too deeply") from None
-        except (OSError, ValueError) as exc:  # ValueError: TOMLDecodeError, an integer of too many digits, a NUL
-            raise ConfigError(f"cannot read {candidate}: {exc}") from exc
+        doc = read_toml(candidate, "configuration file")
         return parse_config(doc, str(candidate), env, base=candidate.absolute().parent)
     return parse_config(default_document(), "embedded default", env)
 

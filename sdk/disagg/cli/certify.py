@@ -38,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import attrs
 import grpc
 
+from disagg.config import read_toml
 from disagg.driver.v1 import fabric_driver_pb2 as dpb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as dpb_grpc
 from disagg.errors import ConfigError, DisaggError, FabricUnavailableError, PluginError
@@ -106,12 +106,7 @@ def read_config(path: str | None) -> tuple[str, Mapping[str, Any] | None, Bounds
     """The fabric name, the driver options (None: not given) and the suite's bounds from a TOML file."""
     if path is None:
         return DEFAULT_FABRIC, None, Bounds()
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--config: {path} does not exist", field="config") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"--config: cannot read {path}: {exc}", field="config") from None
+    doc = read_toml(Path(path), "--config", "config")
     for key in doc:
         if key not in CONFIG_KEYS:
             raise ConfigError(f"--config: {path}: unknown key {key!r} (known: {', '.join(CONFIG_KEYS)})", field=key)

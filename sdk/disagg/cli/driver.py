@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from disagg.config import read_toml
 from disagg.errors import ConfigError, PluginError
 from disagg.model import fabric_name_refusal
 from disagg.plugins import load_plugins
@@ -40,6 +41,9 @@ def option_value(raw: str) -> Any:
         return tomllib.loads(f"value = {raw}")["value"]
     except tomllib.TOMLDecodeError:
         return raw
+    except (ValueError, RecursionError) as exc:  # an integer of too many digits; arrays nested too deeply
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ConfigError(f"--option: the value {raw[:40]!r}{'...' if len(raw) > 40 else ''}: {why}") from None
 
 
 def _merge(into: dict[str, Any], key: list[str], value: Any, origin: str) -> None:
@@ -62,12 +66,7 @@ def parse_options(pairs: Iterable[str], options_file: str | None = None) -> dict
     options: dict[str, Any] = {}
     if options_file:
         path = Path(options_file)
-        try:
-            doc = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"--options-file: {path} does not exist", field="options_file") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"--options-file: cannot read {path}: {exc}", field="options_file") from None
+        doc = read_toml(path, "--options-file", "options_file")
         for key, value in doc.items():
             _merge(options, [key], value, str(path))
     for pair in pairs:

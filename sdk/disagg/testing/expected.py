@@ -11,7 +11,11 @@ from disagg.testing.clauses import CLAUSES
 def read_expected_failures(path: Path) -> tuple[str, ...]:
     """Clause ids, one per line (``#`` starts a comment); an unknown id is a `ConfigError`."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"expected failures: cannot read {path}: not UTF-8 ({exc})", field="expected_failures"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"expected failures: cannot read {path}: {exc}", field="expected_failures") from None
     ids = []
