@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import http.server
+import os
 import shutil
 import signal
 import socket
@@ -341,6 +342,16 @@ class TestSqliteStore:
             SqliteStore(tmp_path)
         assert str(tmp_path / "ledger.db") in info.value.message
         assert not (tmp_path.parent / f"{tmp_path.name}.lock").exists()
+
+    def test_path_is_a_pipe(self, tmp_path: Path) -> None:
+        """A FIFO (or a device) was opened and failed as "disk I/O error; is its disk full or failing?", exit 1 for a
+        supervisor to restart, where it is a setting: refused as one, before a lock file is made beside it."""
+        fifo = tmp_path / "ledger.db"
+        os.mkfifo(fifo)
+        with pytest.raises(ConfigError, match="is not a regular file") as info:
+            SqliteStore(fifo)
+        assert info.value.field == "state.path"
+        assert not (tmp_path / "ledger.db.lock").exists()
 
     def test_not_a_database(self, tmp_path: Path) -> None:
         path = tmp_path / "ledger.db"

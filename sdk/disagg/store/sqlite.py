@@ -381,6 +381,12 @@ class SqliteStore(Store):
                 f"{self.path / 'ledger.db'}",
                 field="state.path",
             )
+        if self.path.exists() and not self.path.is_file():  # SQLite says "disk I/O error": a failing disk
+            raise ConfigError(
+                f"the ledger's path {self.path} is not a regular file (a device, a pipe or a socket): give the "
+                "ledger's file",
+                field="state.path",
+            )
         try:
             make_directories(self.path.parent)
             _make_private(Path(os.path.realpath(self.path)))  # the file a symlink names: its owner's alone too
