@@ -316,6 +316,13 @@ class TestListeners:
             parse_listener(f"127.0.0.1:{port}")
         assert info.value.field == "listen"
 
+    @pytest.mark.parametrize("address", ["http://127.0.0.1:50051", "grpc://localhost:50051", "dns:///[::1]:5"])
+    def test_a_url(self, address: str) -> None:
+        """Its scheme's colon was taken for an IPv6 address's: "write an IPv6 address in brackets"."""
+        with pytest.raises(ConfigError, match="give host:port or unix:/path/to/socket, not a URL") as info:
+            parse_listener(address)
+        assert info.value.field == "listen"
+
     def test_unix_path_too_long(self) -> None:
         with pytest.raises(ConfigError, match="at most 107 bytes"):
             parse_listener("unix:/" + "d" * 120)

@@ -71,6 +71,8 @@ def parse_listener(address: str, *, allow_remote: bool = False) -> Listener:
         if len(raw.encode()) > MAX_UNIX_PATH:
             raise ConfigError(f"listener {address!r}: a unix socket path is at most {MAX_UNIX_PATH} bytes", field=field)
         return Listener(address, address, unix_path=Path(raw))
+    if "://" in address:  # its scheme's colon would be taken for an IPv6 address's
+        raise ConfigError(f"listener {address!r}: give host:port or unix:/path/to/socket, not a URL", field=field)
     host, sep, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
