@@ -319,6 +319,14 @@ class TestErrors:
         assert (code, out) == (2, "")
         assert "--config is empty" in err
 
+    def test_recompose_takes_clauses_separated_as_compose_does(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """``--add "gpu x1; nic"`` was refused, blaming the count: "'x1;' is neither a count nor an amount"."""
+        assert cli(capsys, "compose", "job", "gpu x1")[0] == 0
+        code, _, err = cli(capsys, "recompose", "job", "--add", "gpu x1; nic")
+        assert code == 0, err
+        (job,) = json.loads(cli(capsys, "ls", "--json")[1])
+        assert [r["kind"] for r in job["resources"]] == ["gpu", "gpu", "nic"]
+
     def test_recompose_with_nothing_to_do_is_a_usage_error(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             main(["recompose", "job"])

@@ -269,7 +269,9 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
 
 def cmd_recompose(args: argparse.Namespace) -> int:
-    add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(args.add)]
+    # Clauses separated by ";", as compose takes them: one --add may give several.
+    clauses = [part.strip() for text in args.add for part in text.split(";") if part.strip()]
+    add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(clauses)]
     _check_request_id(args)
     with _composer(args) as composer:
         comp = composer.recompose(
@@ -484,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", metavar="ID", help=REQUEST_ID_HELP)
     p = add("recompose", cmd_recompose, "add resources to or remove devices from a composition")
     p.add_argument("composition", help="composition name or id")
-    p.add_argument("--add", action="append", default=[], help="a resource clause to add (repeatable)")
+    p.add_argument("--add", action="append", default=[], help="resource clauses to add, separated by ';' (repeatable)")
     p.add_argument("--remove", action="append", default=[], help="a device or allocation id to remove (repeatable)")
     p.add_argument("--etag", help="refuse unless the composition is still at this etag")
     p.add_argument("--request-id", metavar="ID", help=REQUEST_ID_HELP)
