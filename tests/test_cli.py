@@ -319,6 +319,16 @@ class TestErrors:
         assert (code, out) == (2, "")
         assert "--config is empty" in err
 
+    def test_config_before_the_command(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        """``disagg --config FILE ls`` took FILE for the command ("invalid choice"), where --server works there."""
+        config = tmp_path / "disagg.toml"
+        config.write_text('[[fabric]]\nname = "lab"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n')
+        code, out, err = cli(capsys, "--config", str(config), "topology")
+        assert code == 0, err
+        assert "lab" in out
+        code, _, err = cli(capsys, "--config", str(tmp_path / "absent.toml"), "ls")
+        assert code == 2 and "does not exist" in err
+
     def test_recompose_takes_clauses_separated_as_compose_does(self, capsys: pytest.CaptureFixture[str]) -> None:
         """``--add "gpu x1; nic"`` was refused, blaming the count: "'x1;' is neither a count nor an amount"."""
         assert cli(capsys, "compose", "job", "gpu x1")[0] == 0

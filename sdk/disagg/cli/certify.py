@@ -681,7 +681,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="ADDRESS",
         help="certify the FabricDriver endpoint at ADDRESS (unix:/path or 127.0.0.1:PORT)",
     )
-    p.add_argument("--config", metavar="FILE.toml", help="fabric (name), [options] (driver options), call_timeout_s")
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=argparse.SUPPRESS,
+        help="fabric (name), [options] (driver options), call_timeout_s",
+    )
     p.add_argument(
         "--out", default="certification", metavar="DIR", help="where the reports go (default: ./certification)"
     )

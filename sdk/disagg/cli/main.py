@@ -445,10 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument("--server", metavar="ADDRESS", default=argparse.SUPPRESS, help=server_help)
     remote.add_argument("--timeout", type=float, metavar="SECONDS", default=argparse.SUPPRESS, help=timeout_help)
+    config_help = "configuration file (default: $DISAGG_CONFIG, ./disagg.toml, built-in demo rack)"
+    parser.add_argument("--config", help=config_help)  # before the command too, as --server is
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--config", help="configuration file (default: $DISAGG_CONFIG, ./disagg.toml, built-in demo rack)"
-    )
+    common.add_argument("--config", default=argparse.SUPPRESS, help=config_help)
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
     sub = parser.add_subparsers(dest="command", required=True)
 
