@@ -294,6 +294,49 @@ class _HostBlindPool(SimPool):
         return super().allocate(allocation_id, host, amount_bytes, ctx)
 
 
+class _RepeatBeforeFencePool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        with self._fabric._lock:
+            existing = self._allocations.get(allocation_id) if isinstance(allocation_id, str) else None
+        repeat = existing is not None and existing.host == host and isinstance(amount_bytes, int) and amount_bytes > 0
+        if existing is not None and repeat and existing.amount_bytes == self.info().capacity.round_up(amount_bytes):
+            return existing
+        return super().allocate(allocation_id, host, amount_bytes, ctx)
+
+
+class AllocateRepeatBeforeFence(SimFabric):
+    """An allocate that repeats an allocation the pool holds returns it without looking at the epoch: a deposed
+    manager is told its memory is carved (the pool's `RepeatBeforeFence`)."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _RepeatBeforeFencePool)
+
+
+class _ReleaseOfNothingFreesPool(SimPool):
+    _freed: int
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        with self._fabric._lock:
+            held = isinstance(allocation_id, str) and allocation_id in self._allocations
+        super().release(allocation_id, ctx)
+        if not held:
+            with self._fabric._lock:
+                self._freed = getattr(self, "_freed", 0) + self._block
+
+    def free_bytes(self) -> int:
+        return super().free_bytes() + getattr(self, "_freed", 0)
+
+
+class ReleaseOfNothingFrees(SimFabric):
+    """A release of an allocation id the pool never held gives a block back: its free capacity overstates what
+    it can carve."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _ReleaseOfNothingFreesPool)
+
+
 class AllocationIgnoresHost(SimFabric):
     """An existing allocation id asked again for another host, with the same amount, returns the existing
     allocation instead of raising ConflictError: a second host is told it holds memory the first one holds."""
@@ -616,6 +659,8 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-ignores-epoch": (IgnoresEpoch, "FENCE-STALE-EPOCH"),
     "broken-bind-ignores-epoch": (BindIgnoresEpoch, "FENCE-STALE-EPOCH"),
     "broken-sanitize-ignores-epoch": (SanitizeIgnoresEpoch, "SANITIZE-STALE-EPOCH"),
+    "broken-allocate-repeat-before-fence": (AllocateRepeatBeforeFence, "CARVE-STALE-EPOCH"),
+    "broken-release-of-nothing-frees": (ReleaseOfNothingFrees, "CARVE-RELEASE-UNKNOWN"),
     "broken-overlapping-extents": (OverlappingExtents, "CARVE-NO-OVERLAP"),
     "broken-forgets-bindings": (ForgetsBindings, "RESTART-BINDINGS"),
     "broken-silent-failures": (SilentFailures, "EVENT-FAILURE-REPORTED"),
@@ -637,10 +682,38 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
 }
 """Driver name: (fabric class, the clause its defect breaks)."""
 ALSO_BROKEN: dict[str, tuple[str, ...]] = {
+    "broken-allocate-repeat-before-fence": ("FENCE-STALE-EPOCH",),
     "broken-carves-undeclared": ("UNDECLARED-UNSUPPORTED",),
     "broken-declares-unimplemented-faults": ("EVENT-FAILURE-REPORTED",),
 }
 """Driver name: the other clauses its defect breaks."""
+
+
+class NoHealthyDevice(BindNotIdempotent):
+    """Its bind is not idempotent, and it reports every device's health UNKNOWN (not polled yet): no device is one
+    the suite may bind, so no clause of bind could run."""
+
+    def discover(self) -> Topology:
+        found = super().discover()
+        devices = tuple(attrs.evolve(d, health=Health.UNKNOWN) for d in found.devices)
+        return attrs.evolve(found, devices=devices)
+
+
+class DeclaresNothing(SimFabric):
+    """Declares no feature and discovers an empty fabric."""
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    def discover(self) -> Topology:
+        return Topology(fabric=self.name)
+
+
+UNCERTIFIABLE: dict[str, tuple[Callable[..., Fabric], Capabilities]] = {
+    "sim-no-healthy-device": (NoHealthyDevice, SIM_CAPABILITIES),
+    "sim-declares-nothing": (DeclaresNothing, Capabilities()),
+}
+"""Drivers of which a run tests too little to certify: driver name: (fabric class, the capabilities it declares)."""
 OTHERS: dict[str, Callable[..., Fabric]] = {
     "broken-interrupted": InterruptedAtBind,
     "broken-hangs-at-first-bind": HangsAtFirstBind,
@@ -697,7 +770,7 @@ def disagg_register_drivers(registry: DriverRegistry) -> None:
             description=f"sim with a defect: {description}",
             certify_options=certify_options,
         )
-    for name, (cls, capabilities) in UNBROKEN.items():
+    for name, (cls, capabilities) in [*UNBROKEN.items(), *UNCERTIFIABLE.items()]:
         registry.add_driver(
             name,
             factory(cls),
@@ -1043,6 +1116,8 @@ BROKEN.update(
 )
 ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
 REASONS: dict[str, str] = {
+    "broken-allocate-repeat-before-fence": "even on a repeat that would change nothing",
+    "broken-release-of-nothing-frees": "the pool would carve memory it does not have",
     "broken-sanitize-ignores-epoch": "is refused before anything is erased",
     "broken-unbind-ignores-host": "an unbind of an absent binding (one naming another host) does nothing",
     "broken-bindings-hide-failed": "a failed device is still held by its host until it is unbound",

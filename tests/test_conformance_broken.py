@@ -45,6 +45,19 @@ class TestBrokenDrivers:
             f"{driver}: {clause} says {failures(report)[clause]!r}"
         )
 
+    @pytest.mark.parametrize(
+        ("driver", "says"),
+        [
+            ("sim-no-healthy-device", "unbind (not tested: the fabric has no free device to bind whole)"),
+            ("sim-declares-nothing", "declares neither bind nor carve"),
+        ],
+    )
+    def test_a_run_that_tests_too_little_certifies_nothing(self, driver: str, says: str, tmp_path: Path) -> None:
+        """Both were CERTIFIED: every clause of what they declare NOT TESTED, and nothing failed."""
+        result, report = certify_broken(driver, tmp_path)
+        assert report["verdict"] == "NOT CERTIFIED" and result.returncode != 0, (result.stdout, report["incomplete"])
+        assert says in report["incomplete"], report["incomplete"]
+
     def test_sim_is_certified(self, tmp_path: Path) -> None:
         result, report = certify_broken("sim", tmp_path)
         assert result.returncode == 0, (result.stdout, result.stderr)

@@ -20,7 +20,7 @@ import attrs
 import pytest
 
 from disagg.errors import ConfigError
-from disagg.model import Capabilities
+from disagg.model import Capabilities, Feature
 from disagg.testing.clauses import CLAUSES, MARKER
 from disagg.testing.expected import read_expected_failures
 from disagg.testing.harness import Epochs, Leftover, Watchdog
@@ -166,7 +166,7 @@ def build_report(config: pytest.Config) -> Report:
     elif untested:
         incomplete = f"{UNTESTED}: {', '.join(untested)} (deselected, or not collected)"
     else:
-        incomplete = ""
+        incomplete = _nothing_certified(results, subject.capabilities)
     return Report(subject, results, expected, started, time.monotonic() - t0, incomplete=incomplete)
 
 
@@ -183,6 +183,31 @@ def untested_clauses(results: Iterable[ClauseResult], capabilities: Capabilities
         and not r.tests
         and (capabilities is None or r.clause.applies(frozenset(capabilities.features)))
     ]
+
+
+USABLE = (Feature.BIND, Feature.CARVE)
+"""A driver declares at least one of these, or a composer can give a host nothing of its fabric."""
+
+
+def _nothing_certified(results: Iterable[ClauseResult], capabilities: Capabilities | None) -> str:
+    """Why a run whose clauses all ran, none failing, certifies nothing, or empty: a driver that declares neither
+    bind nor carve, or a declared feature every clause of which was NOT TESTED (no free healthy device to bind, no
+    pool a host reaches), since what is declared is tested, never skipped."""
+    results = list(results)
+    if capabilities is None or any(r.status == FAIL for r in results):  # a failure says more, and stops a run
+        return ""
+    declared = frozenset(capabilities.features)
+    if not declared & frozenset(USABLE):
+        return "the driver declares neither bind nor carve: it gives a composer nothing to certify"
+    left: list[str] = []
+    for feature in sorted(declared, key=lambda f: f.value):
+        testing = [r for r in results if feature in r.clause.requires and r.clause.applies(declared)]
+        if testing and all(r.status == NOT_TESTED for r in testing):
+            why = next((r.reason for r in testing if r.reason), "")
+            left.append(f"{feature.value} ({why})" if why else feature.value)
+    if not left:
+        return ""
+    return f"no clause of these declared features could be tested: {'; '.join(left)}"
 
 
 def _listed(leftovers: list[Leftover]) -> str:

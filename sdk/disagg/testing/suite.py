@@ -186,6 +186,12 @@ def _expect_pool_fenced(tracker: Tracker, info: PoolInfo, host: str, *, stale: i
         rule,
     )
     _expect_error(
+        lambda: tracker.allocate(info.id, "conformance-fenced", host, info.capacity.block_bytes, epoch=stale),
+        StaleEpochError,
+        f"repeat of the allocate of conformance-fenced in {info.id}, which holds it, with epoch {stale}",
+        f"{rule}, a repeat that would change nothing too",
+    )
+    _expect_error(
         lambda: tracker.release(info.id, "conformance-fenced", epoch=stale),
         StaleEpochError,
         f"release of conformance-fenced in {info.id} with epoch {stale}",
@@ -799,6 +805,12 @@ class FabricConformance:
             stale,
         )
         _expect_error(
+            lambda: tracker.allocate(info.id, "conformance-fenced", host, block, epoch=new - 1),
+            StaleEpochError,
+            f"repeat of the allocate of conformance-fenced in {info.id}, which holds it, with epoch {new - 1}",
+            f"{stale}, before anything else, even on a repeat that would change nothing",
+        )
+        _expect_error(
             lambda: tracker.release(info.id, "conformance-fenced", epoch=new - 1),
             StaleEpochError,
             f"release of conformance-fenced with epoch {new - 1}",
@@ -1167,8 +1179,13 @@ class FabricConformance:
         info, _ = self._pool(tracker)
         pool = tracker.pool(info.id)
         before = sorted(pool.allocations(), key=lambda a: a.id)
+        free = pool.free_bytes()
         tracker.release(info.id, "conformance-no-such-allocation")
         assert sorted(pool.allocations(), key=lambda a: a.id) == before
+        assert pool.free_bytes() == free, (
+            f"releasing an allocation {info.id} does not hold changed its free capacity from {free} to "
+            f"{pool.free_bytes()} bytes: the pool would carve memory it does not have"
+        )
 
     @clause("CARVE-RELEASE-IDEMPOTENT")
     def test_release_is_idempotent(self, tracker: Tracker) -> None:
