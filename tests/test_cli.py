@@ -11,9 +11,11 @@ import sqlite3
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
+from disagg.cli import entry
 from disagg.cli.demo import run_demo
 from disagg.cli.main import main
 
@@ -364,6 +366,31 @@ name = "pcie0"
 driver = "sim"
 options = { topology = "demo-pcie", state_file = "{state_dir}/sim-pcie0.json", bind_delay_s = 20.0 }
 """
+
+
+class _InterruptedLoading:
+    """A finder that stops the import of the command line as Ctrl-C would while it loads."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "disagg.cli.main":
+            raise KeyboardInterrupt
+
+
+class TestInterruptedWhileStarting:
+    def test_it_is_said_not_a_traceback(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Ctrl-C in the third of a second the command line takes to load (grpc, the composer) was a traceback
+        and a death by SIGINT, where a moment later it is "disagg: interrupted" and exit 130."""
+        monkeypatch.delitem(sys.modules, "disagg.cli.main")
+        monkeypatch.setattr(sys, "meta_path", [_InterruptedLoading(), *sys.meta_path])
+        assert entry.main(["ls"]) == 130
+        assert capsys.readouterr().err == "disagg: interrupted while starting: nothing was done\n"
+
+    def test_the_console_script_is_the_entry(self) -> None:
+        project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+        assert project["project"]["scripts"]["disagg"] == "disagg.cli.entry:main"
+        assert entry.main(["plugins"]) == 0
 
 
 class TestInterrupted:
