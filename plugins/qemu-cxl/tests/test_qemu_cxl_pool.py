@@ -23,13 +23,15 @@ from qemu_cxl_helpers import GiB, MiB, RawQMP, qemu_pid
 POOL = "qc/cxl-pool"
 
 
-def hand_add(state_dir: Path, host: str, port: int, sn: int, name: str) -> None:
-    """device_add a Type-3 behind the driver's back, on the auxiliary QMP monitor."""
+def hand_add(state_dir: Path, host: str, port: int, sn: int, name: str, *, with_id: bool = True) -> None:
+    """device_add a Type-3 behind the driver's back, on the auxiliary QMP monitor (without an id: QEMU keeps it
+    under /machine/peripheral-anon)."""
     with RawQMP(state_dir, host) as qmp:
         qmp.execute("object-add", **{"qom-type": "memory-backend-ram", "id": f"{name}-m", "size": 256 * MiB})
         qmp.execute("object-add", **{"qom-type": "memory-backend-ram", "id": f"{name}-l", "size": MiB})
+        named = {"id": name} if with_id else {}
         qmp.execute(
-            "device_add", driver="cxl-type3", id=name, bus=f"dsp{port}", addr="0", sn=sn,
+            "device_add", driver="cxl-type3", **named, bus=f"dsp{port}", addr="0", sn=sn,
             memdev=f"{name}-m", lsa=f"{name}-l",
         )  # fmt: skip
 
@@ -178,6 +180,21 @@ class TestDrift:
             pool.release("unrecorded:h1:foreign", ctx)
         with pytest.raises(FabricUnavailableError, match="did not make"):
             pool.release("b", ctx)  # a restart would silently drop the foreign device
+        assert len(pool.allocations()) == 3, "a refused release changed something"
+
+    def test_a_device_added_without_an_id(self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext) -> None:
+        """QEMU keeps it apart (/machine/peripheral-anon), where the driver did not look: it was not reported, its
+        port was taken for free (every allocate on the host then failed, as retryable), and a release on the host
+        restarted QEMU without it, its memory gone."""
+        pool = fabric.pool(POOL)
+        pool.allocate("a", "h1", 256 * MiB, ctx)  # dsp0
+        hand_add(state_dir, "h1", 1, 0x9000, "stray", with_id=False)
+        held = {a.id: a.amount_bytes for a in pool.allocations()}
+        (anonymous,) = [i for i in held if i.startswith("unrecorded:h1:anon-")]
+        assert held == {"a": 256 * MiB, anonymous: 256 * MiB}
+        pool.allocate("b", "h1", 256 * MiB, ctx)  # on dsp2: dsp1 is the stray's
+        with pytest.raises(FabricUnavailableError, match="did not make"):
+            pool.release("a", ctx)  # a restart would silently drop the stray
         assert len(pool.allocations()) == 3, "a refused release changed something"
 
     def test_releasing_a_device_whose_record_was_lost(

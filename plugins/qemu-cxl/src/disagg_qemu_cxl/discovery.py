@@ -75,17 +75,28 @@ def walk(monitor: Monitor) -> HostView:
         raise FabricUnavailableError(f"cannot read the CXL topology of host {monitor.name}: {exc}") from None
 
 
+PERIPHERAL = "/machine/peripheral"
+"""Where QEMU keeps the devices added with an id."""
+ANONYMOUS = "/machine/peripheral-anon"
+"""Where it keeps those added without one (by an operator on the auxiliary monitor): they hold a port and memory
+too, and are reported, as a Type-3 the state file does not name is, as ``anon-<QOM name>``, which no id QEMU
+takes can be (an id holds no brackets)."""
+
+
 def _walk(monitor: Monitor) -> HostView:
-    children = monitor.execute("qom-list", {"path": "/machine/peripheral"})
+    children = monitor.execute("qom-list", {"path": PERIPHERAL})
     ports: set[int] = set()
-    type3: list[str] = []
+    type3: list[tuple[str, str]] = []
     for child in children:
         kind = child["type"]
         if kind == "child<cxl-downstream>" and (m := _PORT.match(child["name"])):
             ports.add(int(m.group(1)))
         elif kind == "child<cxl-type3>":
-            type3.append(child["name"])
-    devices = tuple(_type3(monitor, name) for name in sorted(type3))
+            type3.append((child["name"], f"{PERIPHERAL}/{child['name']}"))
+    for child in _anonymous(monitor):
+        if child["type"] == "child<cxl-type3>":
+            type3.append((f"anon-{child['name']}", f"{ANONYMOUS}/{child['name']}"))
+    devices = tuple(_type3(monitor, name, path) for name, path in sorted(type3))
     objects = frozenset(o["name"] for o in monitor.execute("qom-list", {"path": "/objects"}))
     return HostView(ports=frozenset(ports), devices=devices, objects=objects)
 
@@ -94,8 +105,16 @@ def _get(monitor: Monitor, path: str, prop: str) -> object:
     return monitor.execute("qom-get", {"path": path, "property": prop})
 
 
-def _type3(monitor: Monitor, name: str) -> Type3:
-    path = f"/machine/peripheral/{name}"
+def _anonymous(monitor: Monitor) -> list[dict[str, str]]:
+    """The devices QEMU holds that were added without an id; none while it has made no such container."""
+    try:
+        found: list[dict[str, str]] = monitor.execute("qom-list", {"path": ANONYMOUS})
+    except QMPCommandError:
+        return []
+    return found
+
+
+def _type3(monitor: Monitor, name: str, path: str) -> Type3:
     bus = str(_get(monitor, path, "parent_bus"))
     parent = bus.rstrip("/").split("/")[-2] if bus.count("/") >= 2 else bus
     m = _PORT.match(parent)
