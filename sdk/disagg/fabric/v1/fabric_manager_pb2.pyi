@@ -105,8 +105,8 @@ class _CompositionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Comp
     COMPOSITION_STATE_DECOMPOSING: _CompositionState.ValueType  # 4
     COMPOSITION_STATE_FAILED: _CompositionState.ValueType  # 5
     COMPOSITION_STATE_UNKNOWN: _CompositionState.ValueType  # 6
-    """A driver it uses could not be reached since the fabric manager started: its devices are neither trusted
-    nor released; it returns to COMPOSED or DEGRADED once the driver answers.
+    """A driver it uses could not be reached, since the fabric manager started or since it stopped answering: its
+    devices are neither trusted nor released; it returns to COMPOSED or DEGRADED once the driver answers.
     """
 
 class CompositionState(_CompositionState, metaclass=_CompositionStateEnumTypeWrapper):
@@ -119,8 +119,8 @@ COMPOSITION_STATE_DEGRADED: CompositionState.ValueType  # 3
 COMPOSITION_STATE_DECOMPOSING: CompositionState.ValueType  # 4
 COMPOSITION_STATE_FAILED: CompositionState.ValueType  # 5
 COMPOSITION_STATE_UNKNOWN: CompositionState.ValueType  # 6
-"""A driver it uses could not be reached since the fabric manager started: its devices are neither trusted
-nor released; it returns to COMPOSED or DEGRADED once the driver answers.
+"""A driver it uses could not be reached, since the fabric manager started or since it stopped answering: its
+devices are neither trusted nor released; it returns to COMPOSED or DEGRADED once the driver answers.
 """
 Global___CompositionState: _TypeAlias = CompositionState  # noqa: Y015
 
@@ -361,7 +361,9 @@ Global___ListPoolsRequest: _TypeAlias = ListPoolsRequest  # noqa: Y015
 
 @_typing.final
 class KindUsage(_message.Message):
-    """Devices of one kind in all, free, in use and not healthy."""
+    """Devices of one kind in all, free, in use and not healthy; a device that backs a carved pool is counted with
+    its pool (PoolUsage), not here.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
