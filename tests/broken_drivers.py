@@ -650,6 +650,21 @@ class BindWithoutUnbind(SimFabric):
             raise UnsupportedError("this fabric cannot hot-remove a device")
 
 
+class _NotCancelled(Subscription):
+    def __init__(self, inner: Subscription) -> None:
+        self.inner = inner
+
+    def cancel(self) -> None:
+        return None
+
+
+class CancelDoesNothing(SimFabric):
+    """A subscription's cancel() does nothing: the handler goes on hearing every event."""
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        return _NotCancelled(super().subscribe(handler))
+
+
 BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-bind-not-idempotent": (BindNotIdempotent, "BIND-IDEMPOTENT"),
     "broken-unbind-not-idempotent": (UnbindNotIdempotent, "UNBIND-IDEMPOTENT"),
@@ -661,6 +676,7 @@ BROKEN: dict[str, tuple[Callable[..., Fabric], str]] = {
     "broken-sanitize-ignores-epoch": (SanitizeIgnoresEpoch, "SANITIZE-STALE-EPOCH"),
     "broken-allocate-repeat-before-fence": (AllocateRepeatBeforeFence, "CARVE-STALE-EPOCH"),
     "broken-release-of-nothing-frees": (ReleaseOfNothingFrees, "CARVE-RELEASE-UNKNOWN"),
+    "broken-cancel-does-nothing": (CancelDoesNothing, "EVENT-CANCEL-STOPS"),
     "broken-overlapping-extents": (OverlappingExtents, "CARVE-NO-OVERLAP"),
     "broken-forgets-bindings": (ForgetsBindings, "RESTART-BINDINGS"),
     "broken-silent-failures": (SilentFailures, "EVENT-FAILURE-REPORTED"),
@@ -1116,6 +1132,7 @@ BROKEN.update(
 )
 ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
 REASONS: dict[str, str] = {
+    "broken-cancel-does-nothing": "once cancelled, a handler is called no more",
     "broken-allocate-repeat-before-fence": "even on a repeat that would change nothing",
     "broken-release-of-nothing-frees": "the pool would carve memory it does not have",
     "broken-sanitize-ignores-epoch": "is refused before anything is erased",

@@ -272,6 +272,12 @@ _ALL = (
         frozenset({Feature.HEALTH_EVENTS, Feature.FAULT_INJECTION}),
     ),
     Clause(
+        "EVENT-CANCEL-STOPS",
+        "Once Subscription.cancel() has returned, its handler is called no more: a device failure reported to the "
+        "other subscribers does not reach it.",
+        frozenset({Feature.HEALTH_EVENTS, Feature.FAULT_INJECTION}),
+    ),
+    Clause(
         "SANITIZE-BEFORE-REUSE",
         "A device that is not bound can be sanitized (idempotently), and sanitizing a bound device raises "
         "DeviceBusyError.",

@@ -1250,6 +1250,30 @@ class FabricConformance:
         assert took <= limit, f"the failure of {dev.id} was reported after {took:.2f}s (declared {limit:.2f}s){capped}"
         _assert_events_of(fabric.name, events, tracker.discover())
 
+    @clause("EVENT-CANCEL-STOPS")
+    def test_a_cancelled_subscription_hears_nothing(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """A subscription the composer cancelled (a fabric closed, a listener gone) that still hears events leaks
+        its handler and tells a change twice once the composer subscribes again."""
+        faults = _injected(tracker)
+        fabric = tracker.fabric
+        dev = _one_free(tracker.view())
+        heard: list[object] = []
+        sub = tracker.read("subscribe()", lambda: fabric.subscribe(heard.append))
+        tracker.read("cancel() of a subscription", sub.cancel)
+        limit = min(capabilities.event_latency_s, self.event_wait_max_s) + EVENT_GRACE_S
+        with _collecting(tracker) as seen:
+            start = time.monotonic()
+            _fail_device(tracker, faults, dev.id)
+            while not any(_health_of(e, dev.id) is Health.FAILED for _, e in list(seen)):
+                if time.monotonic() - start > limit:
+                    _skip(f"the failure of {dev.id} was not reported within {limit:.2f}s (EVENT-FAILURE-REPORTED)")
+                time.sleep(0.01)
+            time.sleep(EVENT_GRACE_S)  # what the driver tells right after, to every handler it still holds
+        assert not heard, (
+            f"a cancelled subscription's handler was called {len(heard)} time(s) after cancel() returned, with "
+            f"{heard[0]!r}: once cancelled, a handler is called no more"
+        )
+
     # ------------------------------------------------------------------ sanitize
 
     @clause("SANITIZE-BEFORE-REUSE")
