@@ -16,10 +16,17 @@ from pathlib import Path
 
 import pytest
 from composer_helpers import rack
-from disagg.client import NO_RETRY, FabricManagerClient
+from disagg.client import NO_RETRY, FabricManagerClient, RetryPolicy
 from disagg.client.replicas import KEEPALIVE, SERVICE_CONFIG, replica_target
 from disagg.composer import FabricComposer
-from disagg.errors import DeadlineExceededError, FabricUnavailableError, InvalidRequestError
+from disagg.errors import (
+    NOT_SERVING,
+    SERVING,
+    DeadlineExceededError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    answered_not_serving,
+)
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer
 from disagg.store import MemoryStore
@@ -251,6 +258,34 @@ class TestTakeover:
         with client, pytest.raises(FabricUnavailableError, match="a driver cannot be reached"):
             client.compositions()
         assert calls == ["ListCompositions"]
+
+    def test_a_driver_that_cannot_be_reached_is_retried_as_the_policy_says(
+        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The leader's own answer, which another replica would give too, was retried until the whole deadline
+        (30 s by default) had passed, as a standby's is; with one address the policy's five attempts."""
+        calls: list[str] = []
+
+        def unreachable(request: object, context: object) -> None:
+            calls.append("ListCompositions")
+            raise FabricUnavailableError("the switch of pcie0 does not answer")
+
+        for server in replicas:
+            monkeypatch.setattr(server.servicer, "ListCompositions", unreachable)
+        policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)
+        address = ",".join(s.addresses[0] for s in replicas)
+        client = FabricManagerClient(address, timeout_s=20.0, retries=policy)
+        started = time.monotonic()
+        with client, pytest.raises(FabricUnavailableError, match="does not answer"):
+            client.compositions()
+        assert calls == ["ListCompositions"] * 3 and time.monotonic() - started < 10
+
+    def test_a_replica_that_does_not_serve_says_so(self, replicas: list[FabricManagerServer]) -> None:
+        set_serving(replicas[0], False)
+        client = FabricManagerClient(replicas[0].addresses[0], retries=NO_RETRY)
+        with client, pytest.raises(FabricUnavailableError) as refused:
+            client.compositions()
+        assert refused.value.metadata[SERVING] == NOT_SERVING and answered_not_serving(refused.value)
 
     def test_a_decompose_keeps_to_one_deadline(self) -> None:
         """`decompose` is two calls, a lookup and the Decompose by id, and each took the whole `timeout_s`: a lookup

@@ -237,8 +237,16 @@ class TestCallWithRetry:
 
     def test_until_the_deadline_the_attempts_are_not_counted(self) -> None:
         """A client of several replicas: one that just lost the lead answers UNAVAILABLE at once for a while."""
-        attempts, sleeps = self._run([grpc.StatusCode.UNAVAILABLE] * 10, until_deadline=True)
+        attempts, sleeps = self._run([grpc.StatusCode.UNAVAILABLE] * 10, until_deadline=lambda exc: True)
         assert attempts == 11 and len(sleeps) == 10
+
+    def test_only_the_failures_said_so_are_not_counted(self) -> None:
+        """A driver that cannot be reached is the leader's own answer, which another replica would give too: it
+        counts as an attempt, where a replica that does not serve does not."""
+        failures = [grpc.StatusCode.UNAVAILABLE] * 10
+        elsewhere = iter([True, True, True, False, False, False, False, False, False, False])
+        attempts, _ = self._run(failures, until_deadline=lambda exc: next(elsewhere))
+        assert attempts == 3 + FAST.max_attempts
 
     @pytest.mark.parametrize(
         "code",

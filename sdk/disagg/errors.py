@@ -14,6 +14,12 @@ OUTCOME = "outcome"
 to `OUTCOME_UNKNOWN` when the answer was lost (the connection broke, the deadline passed on the way), so that
 the composer undoes the call too when it rolls back."""
 OUTCOME_UNKNOWN = "unknown"
+SERVING = "serving"
+"""Metadata key of a `FabricUnavailableError` answered by a fabric manager that does not serve now (starting,
+stopping, a standby, a replica that lost the lead or whose ledger failed): `NOT_SERVING`. Another replica may
+serve, so a client of several retries such an answer until its deadline; a driver that cannot be reached (no
+such key) it retries only as its retry policy allows."""
+NOT_SERVING = "false"
 
 
 class DisaggError(Exception):
@@ -214,6 +220,8 @@ __all__ = [
     "UnknownDeviceError",
     "UnknownHostError",
     "UnsupportedError",
+    "answered_not_serving",
+    "not_serving",
     "outcome_unknown",
 ]
 
@@ -232,3 +240,13 @@ def outcome_unknown(error: E) -> E:
 def outcome_is_unknown(error: DisaggError) -> bool:
     """Whether ``error`` was marked by `outcome_unknown`: the call it answers may have changed the hardware."""
     return error.metadata.get(OUTCOME) == OUTCOME_UNKNOWN
+
+
+def not_serving(message: str, metadata: Mapping[str, str] | None = None) -> FabricUnavailableError:
+    """The answer of a fabric manager that does not serve now, marked `NOT_SERVING`."""
+    return FabricUnavailableError(message, metadata={**(metadata or {}), SERVING: NOT_SERVING})
+
+
+def answered_not_serving(error: DisaggError) -> bool:
+    """Whether ``error`` is a fabric manager's answer that it does not serve now (`not_serving`)."""
+    return error.metadata.get(SERVING) == NOT_SERVING

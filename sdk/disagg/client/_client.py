@@ -17,7 +17,14 @@ from disagg.client._retry import RetryPolicy, call_with_retry
 from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.composer.composer import check_expected_etag
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError, UnsupportedError
+from disagg.errors import (
+    DisaggError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    UnsupportedError,
+    answered_not_serving,
+)
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -257,6 +264,13 @@ class FabricManagerClient:
             metadata={"address": self.address},
         )
 
+    @staticmethod
+    def _serves_elsewhere(exc: grpc.RpcError) -> bool:
+        """Whether the failed attempt ``exc`` may be answered by another replica: none was reached (no server's
+        status), or the one reached said it does not serve now (`disagg.errors.not_serving`). A driver that
+        cannot be reached is the leader's answer, and another replica's would be the same."""
+        return server_status(exc) is None or answered_not_serving(from_rpc_error(exc))
+
     def _not_sent(self, exc: grpc.RpcError) -> bool:
         """Whether the failed attempt ``exc`` never left the client: gRPC found no connection to send it on. Told
         only on the client's own channel, where nothing else fails a call that was sent with that message (a
@@ -344,7 +358,7 @@ class FabricManagerClient:
                 policy=self.retries,
                 retryable=idempotent,
                 timeout_s=timeout_s,
-                until_deadline=self._replicas,
+                until_deadline=self._serves_elsewhere if self._replicas else None,
                 sleep=self._sleep,
                 rng=self._rng,
             )
@@ -732,7 +746,8 @@ class EventStream(Iterator[Event]):
             self.close()
             raise StopIteration from None
         retries = self._client.retries.max_attempts
-        spent = failures >= retries and not (self._client._replicas and retries > 1)  # as `_call`'s retries
+        elsewhere = self._client._replicas and retries > 1 and self._client._serves_elsewhere(exc)
+        spent = failures >= retries and not elsewhere  # as `_call`'s retries
         if not self._resume or exc.code() not in WATCH_BREAKS or spent:
             self.close()
             raise self._client._error(exc) from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -59,7 +58,7 @@ def call_with_retry(
     policy: RetryPolicy,
     retryable: bool,
     timeout_s: float,
-    until_deadline: bool = False,
+    until_deadline: Callable[[grpc.RpcError], bool] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     rng: random.Random | None = None,
@@ -67,21 +66,26 @@ def call_with_retry(
     """Run ``attempt(remaining_s)`` until it succeeds, fails with a code that is not retried, runs out of
     attempts, or the next pause would pass the deadline ``timeout_s`` from now; the last error propagates.
 
-    ``retryable`` is False for calls that are not safe to repeat: they get exactly one attempt. ``until_deadline``:
-    unless the policy turns retries off (``max_attempts=1``), its ``max_attempts`` does not bound them, the deadline
-    alone does (a client of several replicas, for
-    which a replica that just lost the lead or its ledger answers UNAVAILABLE at once until its health check says
-    so, up to a second, and the attempts would run out long before the next leader serves).
+    ``retryable`` is False for calls that are not safe to repeat: they get exactly one attempt. ``until_deadline``
+    says of a failure whether the deadline alone bounds its retries, not the policy's ``max_attempts`` (unless the
+    policy turns retries off, ``max_attempts=1``): a client of several replicas, for which a replica that just
+    lost the lead or its ledger answers UNAVAILABLE at once until its health check says so, up to a second, and
+    the attempts would run out long before the next leader serves. Only the other failures count as attempts.
     """
     deadline = clock() + timeout_s
-    attempts = (sys.maxsize if until_deadline and policy.max_attempts > 1 else policy.max_attempts) if retryable else 1
+    attempts = policy.max_attempts if retryable else 1
+    counted = 0
     n = 0
     while True:
         n += 1
         try:
             return attempt(max(deadline - clock(), 0.0))
         except grpc.RpcError as exc:
-            if n >= attempts or exc.code() not in RETRYABLE_CODES:
+            if exc.code() not in RETRYABLE_CODES:
+                raise
+            unbounded = until_deadline is not None and attempts > 1 and until_deadline(exc)
+            counted += 0 if unbounded else 1
+            if counted >= attempts:
                 raise
             pause = policy.backoff(n, rng)
             if clock() + pause >= deadline:

@@ -55,7 +55,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, DisaggError, FabricUnavailableError
+from disagg.errors import ConfigError, DisaggError, FabricUnavailableError, not_serving
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import Fabric
@@ -233,7 +233,7 @@ class _Forwarded(fm_grpc.FabricManagerServiceServicer):
     def target(self) -> AsyncFabricManagerServicer:
         built = self._server._built
         if built is None:
-            raise FabricUnavailableError(STARTING)
+            raise not_serving(STARTING)
         return built[2]
 
     GetTopology = _forward("GetTopology")

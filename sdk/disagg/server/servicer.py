@@ -20,7 +20,7 @@ import attrs
 
 from disagg.composer import FabricComposer, KindUsage, PoolUsage, steps
 from disagg.composer.steps import Steps
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NotFoundError
+from disagg.errors import DisaggError, InvalidRequestError, NotFoundError, not_serving
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -186,17 +186,17 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     def check_ready(self) -> None:
         if not self._ready.is_set():
-            raise FabricUnavailableError(self._why_not)
+            raise not_serving(self._why_not)
         failure = self.composer.store.failure
         if failure:  # from the failed commit on, not from the server's next tick: a retry must not run meanwhile
-            raise FabricUnavailableError(ledger_failed(failure))
+            raise not_serving(ledger_failed(failure))
         self.check_lead()
 
     def check_lead(self) -> None:
         """UNAVAILABLE once this replica may no longer lead (its lease ran out unrefreshed, or it lost the lead),
         from that moment on, not from when the server notices and steps down."""
         if self.lead is not None and not self.lead():
-            raise FabricUnavailableError(LOST_LEAD)
+            raise not_serving(LOST_LEAD)
 
     def stop(self, why: str = SHUTTING_DOWN) -> None:
         """End every event watch with UNAVAILABLE saying ``why``, and refuse new ones: the server stops next, or

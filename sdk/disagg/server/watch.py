@@ -25,7 +25,12 @@ import threading
 from collections.abc import Generator
 
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError, InvalidRequestError, OverloadedError, RevisionCompactedError
+from disagg.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    RevisionCompactedError,
+    not_serving,
+)
 from disagg.model import Event
 from disagg.server.context import RpcContext
 
@@ -101,7 +106,7 @@ class Watches:
     def open(self, capacity: int) -> EventBuffer:
         with self._lock:
             if self._stopping:
-                raise FabricUnavailableError(self._stopping)
+                raise not_serving(self._stopping)
             if len(self._open) >= self.limit:
                 raise OverloadedError(
                     f"the fabric manager serves at most {self.limit} event watches at once; retry later",
@@ -179,9 +184,7 @@ def watch_events(
                 yield event
                 cursor = event.revision
         if buffer.stopping:
-            raise FabricUnavailableError(
-                f"{buffer.stopping}; watch again from revision {cursor}", metadata={"revision": str(cursor)}
-            )
+            raise not_serving(f"{buffer.stopping}; watch again from revision {cursor}", {"revision": str(cursor)})
     finally:
         remove()
         watches.close(buffer)
