@@ -241,29 +241,9 @@ class TestTakeover:
         assert refused.value.metadata["request_id"] == "r1"
         assert all(s.composer.compositions() == [] for s in replicas)
 
-    def test_retries_turned_off_are_off(
-        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """`NO_RETRY` over several replicas repeated the call until its whole deadline had passed."""
-        calls: list[str] = []
-
-        def refuse(request: object, context: object) -> None:
-            calls.append("ListCompositions")
-            raise FabricUnavailableError("a driver cannot be reached")
-
-        for server in replicas:
-            monkeypatch.setattr(server.servicer, "ListCompositions", refuse)
-        address = ",".join(s.addresses[0] for s in replicas)
-        client = FabricManagerClient(address, timeout_s=3.0, retries=NO_RETRY)
-        with client, pytest.raises(FabricUnavailableError, match="a driver cannot be reached"):
-            client.compositions()
-        assert calls == ["ListCompositions"]
-
-    def test_a_driver_that_cannot_be_reached_is_retried_as_the_policy_says(
-        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """The leader's own answer, which another replica would give too, was retried until the whole deadline
-        (30 s by default) had passed, as a standby's is; with one address the policy's five attempts."""
+    @staticmethod
+    def _drivers_unreachable(replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """Every replica's ListCompositions answers that a driver cannot be reached; returns the calls made."""
         calls: list[str] = []
 
         def unreachable(request: object, context: object) -> None:
@@ -272,6 +252,25 @@ class TestTakeover:
 
         for server in replicas:
             monkeypatch.setattr(server.servicer, "ListCompositions", unreachable)
+        return calls
+
+    def test_retries_turned_off_are_off(
+        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """`NO_RETRY` over several replicas repeated the call until its whole deadline had passed."""
+        calls = self._drivers_unreachable(replicas, monkeypatch)
+        address = ",".join(s.addresses[0] for s in replicas)
+        client = FabricManagerClient(address, timeout_s=3.0, retries=NO_RETRY)
+        with client, pytest.raises(FabricUnavailableError, match="does not answer"):
+            client.compositions()
+        assert calls == ["ListCompositions"]
+
+    def test_a_driver_that_cannot_be_reached_is_retried_as_the_policy_says(
+        self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The leader's own answer, which another replica would give too, was retried until the whole deadline
+        (30 s by default) had passed, as a standby's is; with one address the policy's five attempts."""
+        calls = self._drivers_unreachable(replicas, monkeypatch)
         policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)
         address = ",".join(s.addresses[0] for s in replicas)
         client = FabricManagerClient(address, timeout_s=20.0, retries=policy)
