@@ -274,10 +274,9 @@ class TestTakeover:
         policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02)
         address = ",".join(s.addresses[0] for s in replicas)
         client = FabricManagerClient(address, timeout_s=20.0, retries=policy)
-        started = time.monotonic()
         with client, pytest.raises(FabricUnavailableError, match="does not answer"):
             client.compositions()
-        assert calls == ["ListCompositions"] * 3 and time.monotonic() - started < 10
+        assert calls == ["ListCompositions"] * 3
 
     def test_a_replica_that_does_not_serve_says_so(self, replicas: list[FabricManagerServer]) -> None:
         set_serving(replicas[0], False)
