@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -104,11 +105,14 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
 
 
 def compose_request(name: str) -> fm.ComposeRequest:
+    """The benchmark's Compose, as `disagg.client` sends it: with a request id of its own (a fresh uuid4), as every
+    client should send with a change (docs/protocol.md), and which makes the fabric manager keep its answer."""
     return fm.ComposeRequest(
         name=name,
         host=fm.HostRequest(min_cores=32),
         resources=[fm.ResourceRequest(kind=pb.DEVICE_KIND_GPU, count=1)],
         mode=fm.COMPOSE_MODE_APPLY,
+        request_id=uuid.uuid4().hex,
     )
 
 

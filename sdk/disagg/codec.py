@@ -216,18 +216,36 @@ def _refuse(value: Any) -> Any:
     raise TypeError(f"{value!r} has no JSON number")
 
 
+def _record_function_of(cls: type) -> Callable[[Any], Any]:
+    function = _record_functions.get(cls)
+    if function is None:
+        function = _record_functions[cls] = _record_function(cls)
+    return function
+
+
+def record_data(value: Any) -> Any:
+    """The data `record` writes of ``value``: a model value, an enum, a scalar, or a tuple of them (what a request's
+    fingerprint is). Equal to `to_data` of it, but for a float JSON has no number for, which it leaves as a value
+    orjson refuses, so that a caller falls back to the standard encoder."""
+    if type(value) is tuple:
+        return [record_data(item) for item in value]
+    if isinstance(value, enum.Enum):
+        return value._value_
+    if attrs.has(type(value)):
+        return _record_function_of(type(value))(value)
+    if type(value) is float and not math.isfinite(value):
+        return _NotFinite(value)
+    return value
+
+
 def record(value: Any) -> str:
     """A model value as a ledger record, which `loads` reads back: `dumps` without sorting the keys (they come
     in field order). orjson writes it: a durable Compose writes four records while it holds the event loop, and
     the standard encoder took a tenth of the loop's time there. orjson writes an infinite float as null, so a
     record holding one (a selector's value may be any float) is written by the standard encoder instead, as
     ``Infinity``, which `loads` reads back."""
-    cls = type(value)
-    function = _record_functions.get(cls)
-    if function is None:
-        function = _record_functions[cls] = _record_function(cls)
     try:
-        return orjson.dumps(function(value), default=_refuse).decode()
+        return orjson.dumps(_record_function_of(type(value))(value), default=_refuse).decode()
     except TypeError:
         return _RECORD.encode(to_data(value))
 

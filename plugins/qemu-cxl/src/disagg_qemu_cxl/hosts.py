@@ -280,7 +280,7 @@ class HostProcess:
             with contextlib.suppress(Exception):
                 self.monitor.execute("quit", timeout=2.0)
         self.monitor.disconnect()
-        if pid is not None:
+        if pid is not None and self._still_ours(pid):
             if _wait_gone(pid, self._child, STOP_TIMEOUT_S):
                 _DETACHED.pop(pid, None)
             else:
@@ -290,9 +290,15 @@ class HostProcess:
     def kill(self) -> None:
         pid = self.pid
         self.monitor.disconnect()
-        if pid is not None:
+        if pid is not None and self._still_ours(pid):
             _terminate(pid, self._child)
         self._forget()
+
+    def _still_ours(self, pid: int) -> bool:
+        """Whether ``pid`` is still this host's QEMU: one this driver started cannot have been reused while the
+        driver holds its process (its exit is not reaped yet); an adopted one may have died since, and its pid
+        gone to another process, which must not be signalled."""
+        return self._child is not None or _ours(pid, self.dir)
 
     def _forget(self) -> None:
         self.pid, self._child = None, None
