@@ -136,6 +136,10 @@ class _ClientClosedError(Exception):
     """`FabricManagerClient.close` came before or during an attempt of a call: it ends the call's retries."""
 
 
+def _nothing(state: grpc.ChannelConnectivity) -> None:
+    """A subscription's callback that only asks the channel to connect (`FabricManagerClient._serving`)."""
+
+
 class _NoReplicaServedError(Exception):
     """No replica served until an attempt's deadline, and the attempt was not sent (`FabricManagerClient._call`)."""
 
@@ -218,12 +222,22 @@ class FabricManagerClient:
         self._sleep: Callable[[float], None] = time.sleep
         self.closed = False
         """`close` was called."""
+        self._connectivity = threading.Condition()
+        self._state: grpc.ChannelConnectivity | None = None
+        """The channel's state, over several replicas: READY while one serves. Watched by one subscription for
+        the client's life, not asked of the channel at each call: a subscription made and dropped at each call
+        started gRPC's connectivity thread again and again, and one that started as the client closed failed
+        in that thread (a closed channel)."""
+        if self._replicas:
+            self._channel.subscribe(self._on_connectivity, try_to_connect=True)
 
     # ----------------------------------------------------------------- life cycle
 
     def close(self) -> None:
         """Close the channel; calls and watches in flight are cancelled, and later calls refused."""
         self.closed = True
+        with self._connectivity:
+            self._connectivity.notify_all()
         self._channel.close()
 
     def _check_open(self) -> None:
@@ -282,17 +296,24 @@ class FabricManagerClient:
             and (exc.details() or "").startswith(NOT_CONNECTED)
         )
 
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        with self._connectivity:
+            self._state = state
+            self._connectivity.notify_all()
+
     def _serving(self, wait_s: float = READY_CHECK_S) -> bool:
-        """Whether the channel reaches a serving replica within ``wait_s``: it says so within a few milliseconds
-        when it does."""
-        ready = grpc.channel_ready_future(self._channel)
-        try:
-            ready.result(timeout=wait_s)
-            return True
-        except grpc.FutureTimeoutError:
-            return False
-        finally:
-            ready.cancel()
+        """Whether the channel reaches a serving replica within ``wait_s`` (over several replicas only): it says so
+        within a few milliseconds when it does."""
+        with self._connectivity:
+            idle = self._state is grpc.ChannelConnectivity.IDLE
+        if idle and not self.closed:  # gone idle after a quiet spell: a call would connect it, a wait does not
+            self._channel.subscribe(_nothing, try_to_connect=True)  # the running watch connects it, no new one
+            self._channel.unsubscribe(_nothing)
+        with self._connectivity:
+            ready = self._connectivity.wait_for(
+                lambda: self.closed or self._state is grpc.ChannelConnectivity.READY, timeout=wait_s
+            )
+            return ready and not self.closed
 
     def _pages(self, rpc: Callable[[float], P], request: _PageRequest) -> tuple[list[P], Revision]:
         """Every page of a listing (``rpc`` reads ``request``, whose token this advances) and the lowest
