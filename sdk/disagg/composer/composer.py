@@ -1938,7 +1938,8 @@ class FabricComposer(Composer):
             _ASKING.reset(asking)
             _RETRYING_RECORDED.reset(retrying)
         if found_again(answer):
-            self._answer(request_id, fp, answer, seed, done, found_again=True)
+            if self._requests.get(request_id, (None, None))[1] is None:  # not given by the change (`_bind_new`)
+                self._answer(request_id, fp, answer, seed, done, found_again=True)
             done.set()
         else:
             self._answer(request_id, fp, answer, seed, done)
@@ -2210,6 +2211,9 @@ class FabricComposer(Composer):
             # A device that failed while the binds ran was reported to a composition not yet COMPOSED, which took
             # its reason (`_say_meanwhile`): its record as it is now is judged.
             comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
+            request_id, fp = self._request_mark()
+            if request_id:  # its answer with its record, in one hold (`_once` finds it given)
+                self._answered(request_id, fp, ComposeResult(ComposeMode.APPLY, plan, composition=comp))
         failpoints.hit("compose.after_commit")
         return comp
 
