@@ -120,11 +120,14 @@ async def timed(
     clients: int, seconds: float, max_calls: int, call: Callable[[int, int], Awaitable[float]]
 ) -> tuple[list[float], float, int]:
     """Run ``clients`` loops of ``call`` until ``seconds`` pass or ``max_calls`` have started (never more, since
-    each Compose holds a host): the latencies in µs, the steady window (from the start until the first client
-    stops starting calls: after it, fewer than ``clients`` calls are in flight) and the calls ended within it;
-    when no call ended within it, the whole time and every call."""
+    each Compose holds a host): the latencies in µs, the steady window and the calls ended within it. The window
+    runs from the moment every client has had its first answer (before it, the first calls of all the clients,
+    started together, are in flight, and none ends for a latency: counted from the start, the slower call lost
+    more of its window) until the first client stops starting calls (after it, fewer than ``clients`` calls are
+    in flight). When no call ended within it, the whole time and every call."""
     latencies: list[float] = []
     ended: list[float] = []
+    first_answers: list[float] = []
     started = 0
     steady_until = 0.0
     stop_at = time.monotonic() + seconds
@@ -136,15 +139,18 @@ async def timed(
             started += 1
             latencies.append(await call(w, n))
             ended.append(time.monotonic())
+            if n == 0:
+                first_answers.append(ended[-1])
             n += 1
         steady_until = steady_until or time.monotonic()
 
     start = time.monotonic()
     await asyncio.gather(*(worker(w) for w in range(clients)))
-    in_window = sum(1 for t in ended if t <= steady_until)
+    steady_from = max(first_answers) if len(first_answers) == clients else start
+    in_window = sum(1 for t in ended if steady_from < t <= steady_until)
     if not in_window:  # fewer calls allowed than clients (a small fabric): all of them, over the whole time
         return latencies, time.monotonic() - start, len(latencies)
-    return latencies, steady_until - start, in_window
+    return latencies, steady_until - steady_from, in_window
 
 
 Reading = tuple[float, float, float, float, dict[str, float], dict[str, float]]
