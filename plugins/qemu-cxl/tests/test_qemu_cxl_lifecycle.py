@@ -179,6 +179,29 @@ class TestAdoption:
         assert dev["port"] == "dsp0", "the recorded Type-3 was not cold-plugged again on its port"
         assert [a.id for a in fabric.pool(POOL).allocations()] == ["kept"]
 
+    def test_a_pid_an_adopted_qemu_left_is_not_signalled(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
+    ) -> None:
+        """An adopted QEMU (no process handle of this driver's) that died, and whose pid another process then took:
+        stopping the host signalled that process, SIGTERM then SIGKILL. The stranger here takes the pid's place by
+        the host's record of it, as a reused pid would."""
+        run_driver_and_kill(state_dir, options(state_dir, stop_hosts_on_close=False))
+        fabric = make_fabric()
+        host = fabric.hosts["h1"]
+        assert host.adopted and host.pid is not None
+        os.kill(host.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while alive(host.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            host.pid = stranger.pid
+            host.stop()
+            assert stranger.poll() is None, "stopping the host killed a process that is not its QEMU"
+        finally:
+            stranger.kill()
+            stranger.wait()
+
     def test_a_host_renamed_with_allocations_is_not_reaped(
         self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
     ) -> None:
