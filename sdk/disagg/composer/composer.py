@@ -2080,7 +2080,7 @@ class FabricComposer(Composer):
             comp = self._begin(request, plan)
         yield DURABLE  # write-ahead: the ledger knows the plan before any driver call
         failpoints.hit("compose.after_reserve")
-        composition = yield from self._execute(comp, plan, deadline)
+        composition = yield from self._execute(comp, plan, deadline, with_answer=True)
         return ComposeResult(mode, plan, composition=composition)
 
     def _made_by_request(self, request: CompositionRequest) -> Composition | None:
@@ -2185,13 +2185,18 @@ class FabricComposer(Composer):
         """The binds of ``picks`` with their fabrics, found as `_memory_steps` finds its pools'."""
         return [(self._fabric_of(p.device), p) for p in picks]
 
-    def _execute(self, comp: Composition, plan: Plan, deadline: float | None = None) -> Steps[Composition]:
+    def _execute(
+        self, comp: Composition, plan: Plan, deadline: float | None = None, *, with_answer: bool = False
+    ) -> Steps[Composition]:
         try:
-            return (yield from self._bind_new(comp, plan, deadline))
+            return (yield from self._bind_new(comp, plan, deadline, with_answer))
         finally:
             self._let_go(comp.id, self._busy[comp.id])
 
-    def _bind_new(self, comp: Composition, plan: Plan, deadline: float | None) -> Steps[Composition]:
+    def _bind_new(self, comp: Composition, plan: Plan, deadline: float | None, with_answer: bool) -> Steps[Composition]:
+        """Bind and carve a new composition's ``plan``, and record it COMPOSED; ``with_answer`` (a Compose, whose
+        answer a retry may have once the composition is recorded: `_composed`), its request id's answer too, in
+        the same hold."""
         devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
         try:
             allocations = yield self._driver_call(
@@ -2212,7 +2217,7 @@ class FabricComposer(Composer):
             # its reason (`_say_meanwhile`): its record as it is now is judged.
             comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
             request_id, fp = self._request_mark()
-            if request_id:  # its answer with its record, in one hold (`_once` finds it given)
+            if with_answer and request_id:  # its answer with its record, in one hold (`_once` finds it given)
                 self._answered(request_id, fp, ComposeResult(ComposeMode.APPLY, plan, composition=comp))
         failpoints.hit("compose.after_commit")
         return comp
