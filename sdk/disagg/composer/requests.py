@@ -11,8 +11,6 @@ import hashlib
 import json
 from typing import Any
 
-import orjson
-
 from disagg import codec, errors
 from disagg.errors import DisaggError
 from disagg.interfaces import ComposeResult
@@ -49,29 +47,20 @@ def _known_class(error: DisaggError) -> type[DisaggError]:
 def encode(answer: Answer) -> str:
     """A first answer as a ledger document: a compose result, a composition, or the error a retry gets (with
     what its class holds besides the message: the field of an invalid request, the resource of a missing one)."""
-    doc: dict[str, Any]
-    if isinstance(answer, DisaggError):
-        doc = {
-            "error": _known_class(answer).__name__,
-            "message": answer.message,
-            "metadata": dict(answer.metadata),
-            "field": getattr(answer, "field", ""),
-        }
-        if isinstance(answer, errors.NotFoundError):
-            doc["resource"] = [answer.resource_type, answer.name]
-    else:
-        # Written by the records' fast path (`codec.record`), as it is read back by `json.loads` whatever writes it;
-        # a value orjson refuses (an infinite float) takes the standard encoder, which writes it as Infinity.
+    if not isinstance(answer, DisaggError):
+        # Its record (`codec.record`, orjson, or the standard encoder for an infinite float), read back by
+        # `json.loads` as any other document.
         key = "compose" if isinstance(answer, ComposeResult) else "composition"
-        try:
-            return orjson.dumps({key: codec.record_data(answer)}, default=_refuse).decode()
-        except TypeError:
-            doc = {key: codec.to_data(answer)}
+        return f'{{"{key}":{codec.record(answer)}}}'
+    doc: dict[str, Any] = {
+        "error": _known_class(answer).__name__,
+        "message": answer.message,
+        "metadata": dict(answer.metadata),
+        "field": getattr(answer, "field", ""),
+    }
+    if isinstance(answer, errors.NotFoundError):
+        doc["resource"] = [answer.resource_type, answer.name]
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
-
-
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"{value!r} has no JSON number")
 
 
 def decode(text: str) -> Answer:
