@@ -278,11 +278,13 @@ class FabricManagerClient:
             metadata={"address": self.address},
         )
 
-    @staticmethod
-    def _serves_elsewhere(exc: grpc.RpcError) -> bool:
-        """Whether the failed attempt ``exc`` may be answered by another replica: none was reached (no server's
+    def _until_deadline(self, exc: grpc.RpcError) -> bool:
+        """Whether the deadline alone, not the policy's attempts, bounds the retries after the failure ``exc``: over
+        several replicas (retries not turned off), when another replica may answer: none was reached (no server's
         status), or the one reached said it does not serve now (`disagg.errors.not_serving`). A driver that
         cannot be reached is the leader's answer, and another replica's would be the same."""
+        if not self._replicas or self.retries.max_attempts <= 1:
+            return False
         return server_status(exc) is None or answered_not_serving(from_rpc_error(exc))
 
     def _not_sent(self, exc: grpc.RpcError) -> bool:
@@ -379,7 +381,7 @@ class FabricManagerClient:
                 policy=self.retries,
                 retryable=idempotent,
                 timeout_s=timeout_s,
-                until_deadline=self._serves_elsewhere if self._replicas else None,
+                until_deadline=self._until_deadline,
                 sleep=self._sleep,
                 rng=self._rng,
             )
@@ -766,9 +768,7 @@ class EventStream(Iterator[Event]):
         if self._closed or self._client.closed:
             self.close()
             raise StopIteration from None
-        retries = self._client.retries.max_attempts
-        elsewhere = self._client._replicas and retries > 1 and self._client._serves_elsewhere(exc)
-        spent = failures >= retries and not elsewhere  # as `_call`'s retries
+        spent = failures >= self._client.retries.max_attempts and not self._client._until_deadline(exc)  # as `_call`'s
         if not self._resume or exc.code() not in WATCH_BREAKS or spent:
             self.close()
             raise self._client._error(exc) from None
