@@ -185,7 +185,7 @@ def untested_clauses(results: Iterable[ClauseResult], capabilities: Capabilities
     ]
 
 
-USABLE = (Feature.BIND, Feature.CARVE)
+USABLE = frozenset({Feature.BIND, Feature.CARVE})
 """A driver declares at least one of these, or a composer can give a host nothing of its fabric."""
 
 
@@ -197,7 +197,7 @@ def _nothing_certified(results: Iterable[ClauseResult], capabilities: Capabiliti
     if capabilities is None or any(r.status == FAIL for r in results):  # a failure says more, and stops a run
         return ""
     declared = frozenset(capabilities.features)
-    if not declared & frozenset(USABLE):
+    if not declared & USABLE:
         return "the driver declares neither bind nor carve: it gives a composer nothing to certify"
     left: list[str] = []
     for feature in sorted(declared, key=lambda f: f.value):
