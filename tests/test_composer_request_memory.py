@@ -32,7 +32,7 @@ class TestAnIdInFlight:
         waits = next(retry)
         assert isinstance(waits, steps.Until)
         made = running.run(steps.run, first, comp.store).composition
-        assert waits.event.is_set()
+        assert waits.latch.is_set()
         try:
             retry.send(True)
         except StopIteration as stop:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from composer_helpers import composer, compositions_on_disk, hardware_bindings, ledger_bindings, rack
 from disagg.composer import FabricComposer, steps
-from disagg.composer.steps import DURABLE, Acquire, Call, Steps, Until
+from disagg.composer.steps import DURABLE, Acquire, Call, Latch, Steps, Until
 from disagg.errors import ConflictError, NoFitError
 from disagg.model import ComposeMode, Composition, CompositionState, Event, EventType
 from disagg.requestlang import parse_request
@@ -30,7 +30,7 @@ class _DriverSaidNoError(Exception):
     pass
 
 
-def _change(log: list[Any], lock: threading.Lock, event: threading.Event) -> Steps[str]:
+def _change(log: list[Any], lock: threading.Lock, event: Latch) -> Steps[str]:
     log.append("start")
     yield DURABLE
     log.append(("blocking", (yield Call(lambda: threading.current_thread().name, blocking=True))))
@@ -55,7 +55,7 @@ class TestRunners:
         log: list[Any] = []
         lock = threading.Lock()
         lock.acquire()  # held elsewhere: the acquire times out
-        assert steps.run(_change(log, lock, threading.Event()), MemoryStore()) == "done"
+        assert steps.run(_change(log, lock, Latch()), MemoryStore()) == "done"
         me = threading.current_thread().name
         assert log == [
             "start",
@@ -68,7 +68,7 @@ class TestRunners:
 
     def test_run_async_hands_blocking_steps_to_threads(self, threads: ThreadPoolExecutor) -> None:
         log: list[Any] = []
-        event = threading.Event()
+        event = Latch()
         event.set()
 
         async def main() -> tuple[str, str]:
@@ -135,7 +135,7 @@ class TestLoopRun:
 
     def test_a_change_that_never_waits_ends_in_start(self, threads: ThreadPoolExecutor) -> None:
         log: list[Any] = []
-        event = threading.Event()
+        event = Latch()
         event.set()
 
         async def main() -> Any:
@@ -155,7 +155,7 @@ class TestLoopRun:
     def test_waits_at_the_first_step_that_must_and_goes_on_from_there(
         self, stop: str, threads: ThreadPoolExecutor
     ) -> None:
-        lock, event = threading.Lock(), threading.Event()
+        lock, event = threading.Lock(), Latch()
         blocking = stop == "blocking call"
         if stop != "unset event":
             event.set()
@@ -249,7 +249,7 @@ class TestLoopRun:
             store.close()
 
     def test_cancelling_the_wait_does_not_stop_the_change(self, threads: ThreadPoolExecutor) -> None:
-        event = threading.Event()
+        event = Latch()
         log: list[str] = []
 
         def change() -> Steps[str]:
@@ -274,7 +274,7 @@ class TestLoopRun:
         assert run.ended is not None and run.ended.result() == "done"
 
 
-def _change_without_blocking_calls(log: list[Any], event: threading.Event) -> Steps[str]:
+def _change_without_blocking_calls(log: list[Any], event: Latch) -> Steps[str]:
     log.append("start")
     yield DURABLE
     log.append(("inline", (yield Call(lambda: threading.current_thread().name, blocking=False))))
@@ -436,3 +436,42 @@ class TestDriverCallsCarryTheRequestId:
 
         asyncio.run(main())
         assert seen == ["req-8"]
+
+
+class TestLatch:
+    """A request id's retries wait on a `Latch`, which makes its Event only once somebody waits."""
+
+    def test_a_set_latch_answers_at_once(self) -> None:
+        latch = Latch()
+        assert not latch.is_set()
+        latch.set()
+        assert latch.is_set() and latch.wait(0) and latch.wait(None)
+
+    def test_an_unset_latch_waits_its_timeout_out(self) -> None:
+        assert Latch().wait(0.01) is False
+
+    def test_a_waiter_is_woken_when_it_is_set(self) -> None:
+        latch = Latch()
+        threading.Timer(0.05, latch.set).start()
+        assert latch.wait(5)
+
+    def test_a_set_racing_the_first_wait_is_never_missed(self) -> None:
+        """Each round sets a latch while several threads start waiting on it: the set lands before, during or
+        after a waiter makes the latch's Event. A set it missed would leave that waiter for its whole timeout."""
+        for _ in range(300):
+            latch = Latch()
+            start = threading.Barrier(4)
+            seen: list[bool] = []
+
+            def waiter(latch: Latch = latch, start: threading.Barrier = start, seen: list[bool] = seen) -> None:
+                start.wait()
+                seen.append(latch.wait(10))
+
+            waiters = [threading.Thread(target=waiter) for _ in range(3)]
+            for thread in waiters:
+                thread.start()
+            start.wait()
+            latch.set()
+            for thread in waiters:
+                thread.join(10)
+            assert seen == [True, True, True]

@@ -112,7 +112,7 @@ _RECORDED = object()
 """The answer of a request id known only from the composition record its change left (`_seed_requests`)."""
 
 
-_ANSWERED = threading.Event()
+_ANSWERED = steps.Latch()
 """What a request id with a known answer waits on: nothing, it is set (one for all of them)."""
 _ANSWERED.set()
 
@@ -388,7 +388,7 @@ class FabricComposer(Composer):
         index, again after every rebuild) until the hardware frees them."""
         self._names: dict[str, str] = {}
         """Name to the id of the composition or reservation that holds it; names are unique among both."""
-        self._requests: OrderedDict[str, tuple[str, object, threading.Event]] = OrderedDict()
+        self._requests: OrderedDict[str, tuple[str, object, steps.Latch]] = OrderedDict()
         """Request id to (digest of the request, first answer or None while running, set when answered)."""
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
@@ -1901,7 +1901,7 @@ class FabricComposer(Composer):
                 if entry is None or (seed is not None and entry[0] == fp):
                     # New, or known only from the record of the change it made (`_seed_requests`): run it, and
                     # the change finds its own work there and answers with it (`_made_by_request`).
-                    done = threading.Event()
+                    done = steps.Latch()
                     self._requests[request_id] = (fp, None, done)
                     self._requests.move_to_end(request_id)  # a seed taken over is the newest now, as its answer
                     self._forget_oldest_requests()
@@ -1961,8 +1961,8 @@ class FabricComposer(Composer):
         request_id: str,
         fp: str,
         answer: object,
-        seed: tuple[str, object, threading.Event] | None,
-        done: threading.Event,
+        seed: tuple[str, object, steps.Latch] | None,
+        done: steps.Latch,
         *,
         found_again: bool = False,
     ) -> None:
@@ -1977,7 +1977,7 @@ class FabricComposer(Composer):
             raise
 
     def _answer_durably(
-        self, request_id: str, seed: tuple[str, object, threading.Event] | None, done: threading.Event
+        self, request_id: str, seed: tuple[str, object, steps.Latch] | None, done: steps.Latch
     ) -> Steps[None]:
         """Wait until the first answer to ``request_id`` is on disk, then let its retries have it. Should it never
         get there (the ledger failed), the id is forgotten (or its seed kept) instead: a retry is not given an
@@ -1989,9 +1989,7 @@ class FabricComposer(Composer):
             raise
         done.set()
 
-    def _unanswered(
-        self, request_id: str, seed: tuple[str, object, threading.Event] | None, done: threading.Event
-    ) -> None:
+    def _unanswered(self, request_id: str, seed: tuple[str, object, steps.Latch] | None, done: steps.Latch) -> None:
         """The call of ``request_id`` ended without an answer to keep: a retry runs again, or, for an id known
         from a composition record, still finds that record's change (another request under it is refused)."""
         with self._lock:
@@ -2031,7 +2029,7 @@ class FabricComposer(Composer):
                 metadata={"request_id": request_id},
             )
 
-    def _answered(self, request_id: str, fp: str, answer: object, done: threading.Event = _ANSWERED) -> None:
+    def _answered(self, request_id: str, fp: str, answer: object, done: steps.Latch = _ANSWERED) -> None:
         """Remember the first answer to ``request_id``, in memory and in the ledger; call under the lock. A retry
         gets it once ``done`` is set: by the call that answers, once its answer is durable (`_once`). The record
         is queued first: refused, it leaves the entry as it was."""
