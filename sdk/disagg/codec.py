@@ -110,7 +110,43 @@ _records.register_unstructure_hook(float, lambda value: value if math.isfinite(v
 _RECORD = json.JSONEncoder(separators=(",", ":"))
 
 
-class _RecordSource:
+class GeneratedSource:
+    """The source of a function generated for one class (its record, its canonical text): lines that set local
+    names, each part of the result one of them, and the globals the lines use."""
+
+    def __init__(self, names: dict[str, Any]) -> None:
+        self.lines: list[str] = []
+        self.names = names
+        self._temps = 0
+        self._open: set[type] = set()
+        """The classes being written: a class that holds itself takes its cattrs hook inside itself."""
+
+    def local(self) -> str:
+        """A new local name."""
+        self._temps += 1
+        return f"v{self._temps}"
+
+    def temp(self, indent: int, value: str) -> str:
+        """A new local name, set to ``value``."""
+        name = self.local()
+        self.lines.append(f"{'    ' * indent}{name} = {value}")
+        return name
+
+    def named(self, indent: int, value: str) -> str:
+        """``value`` if it is a name, else a new local name set to it: read once, used more than once."""
+        return value if value.isidentifier() else self.temp(indent, value)
+
+    def function(self, what: str, cls: type, result: str) -> Callable[[Any], Any]:
+        """The function of one argument, ``value`` (a ``cls``): the lines, then ``return result``; ``what`` it
+        makes names it in a traceback."""
+        name = f"{what}_{cls.__name__}"
+        text = "\n".join([f"def {name}(value):", *self.lines, f"    return {result}"])
+        namespace = dict(self.names)
+        exec(compile(text, f"<{what} of {cls.__module__}.{cls.__qualname__}>", "exec"), namespace)
+        return typing.cast(Callable[[Any], Any], namespace[name])
+
+
+class _RecordSource(GeneratedSource):
     """The source of one class's record function, which builds the data cattrs' ``_records`` would in a single
     call. Calls were most of a record's cost (a composition being composed took about 15 of them, one per hook of
     a field, tuple or optional value), and a durable Compose writes four records on the event loop. So an attrs
@@ -122,26 +158,7 @@ class _RecordSource:
     takes its cattrs hook, as before."""
 
     def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.names: dict[str, Any] = {
-            "_isfinite": math.isfinite,
-            "_NotFinite": _NotFinite,
-            "_MappingProxyType": MappingProxyType,
-        }
-        self._temps = 0
-        self._open: set[type] = set()
-        """The classes being written: a class that holds itself takes its cattrs hook inside itself."""
-
-    def temp(self, indent: int, value: str) -> str:
-        """A new local name, set to ``value``."""
-        self._temps += 1
-        name = f"v{self._temps}"
-        self.lines.append(f"{'    ' * indent}{name} = {value}")
-        return name
-
-    def named(self, indent: int, value: str) -> str:
-        """``value`` if it is a name, else a new local name set to it: read once, used more than once."""
-        return value if value.isidentifier() else self.temp(indent, value)
+        super().__init__({"_isfinite": math.isfinite, "_NotFinite": _NotFinite, "_MappingProxyType": MappingProxyType})
 
     def value(self, cls: Any, src: str, indent: int) -> str:
         """An expression of the record data of ``src``, a value of type ``cls``; it may need lines added first."""
@@ -187,8 +204,7 @@ class _RecordSource:
     def _tuple(self, cls: Any, src: str, indent: int) -> str:
         start = len(self.lines)
         items = self.temp(indent, "[]")
-        self._temps += 1
-        item = f"v{self._temps}"
+        item = self.local()
         self.lines.append(f"{'    ' * indent}for {item} in {src}:")
         inner = self.value(cls, item, indent + 1)
         if inner == item:  # an array of the values as they are: orjson writes the tuple as one
@@ -201,11 +217,7 @@ class _RecordSource:
 def _record_function(cls: type) -> Callable[[Any], Any]:
     """The function that turns a ``cls`` into the data of its record (see `_RecordSource`)."""
     source = _RecordSource()
-    result = source.value(cls, "value", 1)
-    text = "\n".join([f"def record_{cls.__name__}(value):", *source.lines, f"    return {result}"])
-    namespace = dict(source.names)
-    exec(compile(text, f"<record of {cls.__module__}.{cls.__qualname__}>", "exec"), namespace)
-    return typing.cast(Callable[[Any], Any], namespace[f"record_{cls.__name__}"])
+    return source.function("record", cls, source.value(cls, "value", 1))
 
 
 _record_functions: dict[type, Callable[[Any], Any]] = {}
@@ -221,21 +233,6 @@ def _record_function_of(cls: type) -> Callable[[Any], Any]:
     if function is None:
         function = _record_functions[cls] = _record_function(cls)
     return function
-
-
-def record_data(value: Any) -> Any:
-    """The data `record` writes of ``value``: a model value, an enum, a scalar, or a tuple of them (what a request's
-    fingerprint is). Equal to `to_data` of it, but for a float JSON has no number for, which it leaves as a value
-    orjson refuses, so that a caller falls back to the standard encoder."""
-    if type(value) is tuple:
-        return [record_data(item) for item in value]
-    if isinstance(value, enum.Enum):
-        return value._value_
-    if attrs.has(type(value)):
-        return _record_function_of(type(value))(value)
-    if type(value) is float and not math.isfinite(value):
-        return _NotFinite(value)
-    return value
 
 
 def record(value: Any) -> str:

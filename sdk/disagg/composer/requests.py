@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from disagg import codec, errors
+from disagg import canonical, codec, errors
 from disagg.errors import DisaggError
 from disagg.interfaces import ComposeResult
 from disagg.model import Composition
@@ -19,19 +19,12 @@ from disagg.model import Composition
 Answer = ComposeResult | Composition | DisaggError
 
 
-_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
-"""`codec.dumps`'s encoder: orjson's text differs from it (``0.00001`` for ``1e-05``, how it escapes some
-characters), and a digest must never change."""
-
-
 def digest(request: object) -> str:
     """The sha256 of the request's canonical JSON (`codec.dumps`), which the ledger keeps and a retry after an
-    upgrade is compared by, so it never changes. Its data is built by the records' fast path
-    (`codec.record_data`, equal to `codec.to_data` of it): a durable Compose with a request id digests its request
-    on the event loop, where cattrs' conversion was a tenth of its work. A float JSON has no number for takes
-    `codec.dumps` itself."""
+    upgrade is compared by, so it never changes. `canonical.text` writes that text without cattrs: a durable
+    Compose with a request id digests its request on the event loop. What it cannot write, `codec.dumps` does."""
     try:
-        text = _CANONICAL.encode(codec.record_data(request))
+        text = canonical.text(request)
     except TypeError:
         text = codec.dumps(request)
     return hashlib.sha256(text.encode()).hexdigest()
