@@ -14,8 +14,8 @@ import attrs
 import pytest
 from disagg.composer import FabricComposer
 from disagg.driver.v1 import fabric_driver_pb2 as pb
-from disagg.errors import FabricUnavailableError
-from disagg.interfaces import EventHandler, Fabric, FaultInjection, Subscription
+from disagg.errors import FabricUnavailableError, StaleEpochError
+from disagg.interfaces import CallContext, EventHandler, Fabric, FaultInjection, Subscription
 from disagg.model import CompositionState, Device, FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
@@ -180,6 +180,28 @@ class TestRestart:
             remote.fail_device("pcie0/gpu-b4")
             assert seen.events[-1].subject == "pcie0/gpu-b4"
         finally:
+            remote.close()
+            server.stop(grace=0)
+
+    def test_a_driver_restarted_without_state_takes_the_leader_s_epoch_as_it_reconnects(self, socket_dir: str) -> None:
+        """A driver that keeps no state knows no epoch after a restart: a deposed manager's older epoch was taken
+        until the leader's next change reached it. The leader's watcher tells the driver its epoch again as it
+        reconnects, before anything else, so the older one is refused from then on."""
+        address = f"unix:{socket_dir}/pcie0.sock"
+        server = DriverServer(pcie(), address, driver="sim").start()
+        remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
+        composer = FabricComposer({"pcie0": remote}, epoch=7)
+        try:
+            composer.fence_drivers()
+            composer.start()
+            server.stop(grace=0)
+            fresh = pcie()
+            server = DriverServer(fresh, address, driver="sim").start()
+            assert eventually(lambda: fresh.epoch == 7, 8.0), fresh.epoch
+            with pytest.raises(StaleEpochError):
+                fresh.bind("pcie0/gpu-a0", "h1", CallContext(epoch=6))
+        finally:
+            composer.close()
             remote.close()
             server.stop(grace=0)
 

@@ -46,7 +46,7 @@ from disagg.errors import (
     RequestIdReusedError,
     RollbackIncompleteError,
 )
-from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription
+from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription, epoch_announcement
 from disagg.interfaces.placement import PlacementPolicy
 from disagg.model import (
     MAX_RESERVATION_TTL_S,
@@ -603,7 +603,7 @@ class FabricComposer(Composer):
         """Tell fabric ``name`` this manager's epoch, where it fences (an unbind of its fence binding)."""
         fabric = self.fabrics[name]
         if fabric.capabilities().supports(Feature.FENCING):
-            fabric.unbind(Binding(f"{name}/disagg-fence", "disagg-fence"), ctx)
+            fabric.unbind(epoch_announcement(name), ctx)
 
     def _answers(self, name: str) -> Topology | None:
         """The topology fabric ``name``, unreachable, discovers now, having taken the epoch; None if it does not

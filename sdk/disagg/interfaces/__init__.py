@@ -1,7 +1,7 @@
 """The abstract interfaces: `Fabric`, `Pool` and `Device` for drivers, `Composer` for clients."""
 
 from disagg.interfaces.composer import Composer, ComposeResult
-from disagg.interfaces.context import CallContext
+from disagg.interfaces.context import CallContext, epoch_announcement
 from disagg.interfaces.fabric import Device, EventHandler, Fabric, Pool, Subscription, check_id
 from disagg.interfaces.faults import FaultInjection
 
@@ -16,4 +16,5 @@ __all__ = [
     "Pool",
     "Subscription",
     "check_id",
+    "epoch_announcement",
 ]

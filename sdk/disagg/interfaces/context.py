@@ -10,6 +10,7 @@ from typing import Protocol
 import attrs
 
 from disagg.errors import DeadlineExceededError
+from disagg.model import Binding
 
 
 class Lock(Protocol):
@@ -62,3 +63,9 @@ class CallContext:
             yield
         finally:
             lock.release()
+
+
+def epoch_announcement(fabric: str) -> Binding:
+    """The binding whose unbind tells a fencing driver of ``fabric`` an epoch and changes nothing: no such binding
+    exists, and a driver remembers the highest epoch of every mutating call it receives, one it refuses too."""
+    return Binding(f"{fabric}/disagg-fence", "disagg-fence")

@@ -48,12 +48,14 @@ from disagg.errors import (
     UnknownDeviceError,
 )
 from disagg.interfaces import CallContext, Device, EventHandler, Fabric, FaultInjection, Pool, Subscription
+from disagg.interfaces.context import epoch_announcement
 from disagg.model import (
     Allocation,
     Binding,
     Capabilities,
     FabricEvent,
     FabricEventKind,
+    Feature,
     Health,
     PoolInfo,
     Topology,
@@ -288,6 +290,8 @@ class RemoteFabric(Fabric, FaultInjection):
         """How many times a call found the channel without a connection (`_lost_connection`)."""
         self._checked_at: int | None = None
         """`_disconnections` when the endpoint last answered which fabric it serves (`_served_here`)."""
+        self._epoch = 0
+        """The highest epoch of a mutating call made through this fabric, told again on reconnecting (`_resync`)."""
         self._metadata = ((wire.FABRIC_KEY, wire.fabric_to_metadata(name)),)
         self._late_calls = False
         """Whether the endpoint judges a call whose deadline passed (`wire.LATE_CALLS_KEY`); else it is refused
@@ -537,6 +541,9 @@ class RemoteFabric(Fabric, FaultInjection):
         """Make the call on an endpoint that serves this fabric (`_served_here`), within ``ctx``'s deadline; one
         that passed is sent for the driver to refuse (`wire.DEADLINE_PASSED_KEY`)."""
         self._served_here(self._timeout(ctx)[0])
+        if ctx is not None and ctx.epoch > self._epoch:
+            with self._lock:
+                self._epoch = max(self._epoch, ctx.epoch)
         timeout, passed = self._timeout(ctx)  # again: the check may have taken a round trip of the time left
         metadata: tuple[tuple[str, str], ...] = self._metadata
         if passed is not None:
@@ -657,6 +664,7 @@ class RemoteFabric(Fabric, FaultInjection):
             self._resyncing = True
             before = self._snapshot if self._snapshot is not None else self._discovered
         try:
+            self._tell_epoch()
             self._invalidate()
             topology, _, window = self._discover()
             now = _Snapshot.of(topology)
@@ -681,6 +689,26 @@ class RemoteFabric(Fabric, FaultInjection):
         finally:
             with self._lock:
                 self._resyncing = False
+
+    def _tell_epoch(self) -> None:
+        """Tell the driver connected to anew the highest epoch sent to this fabric before, first of all: one that
+        restarted without saved state knows none, and would take a deposed manager's older epoch until this
+        manager's next change reached it. A refusal (a newer manager told it first) is this manager's next call's
+        to meet; it is logged here, as is a driver that does not answer (the resync that follows fails too)."""
+        with self._lock:
+            epoch, capabilities = self._epoch, self._capabilities
+        if not epoch or capabilities is None or not capabilities.supports(Feature.FENCING):
+            return
+        try:
+            self.unbind(epoch_announcement(self._name), CallContext.with_timeout(self.call_timeout_s, epoch=epoch))
+        except DisaggError as exc:
+            log.warning(
+                "fabric %s: could not tell the driver at %s epoch %d again: %s",
+                self._name,
+                self.address,
+                epoch,
+                exc.message,
+            )
 
     def _published(self) -> tuple[str, int] | None:
         """The driver's instance and count of events published so far, from the initial metadata of a watch
