@@ -7,6 +7,8 @@ The composer's two clocks are injected: ``wall`` plays `time.time`, ``steady`` `
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -155,5 +157,34 @@ class TestAReleaseAfterItsTime:
             comp.release_reservation(res.id)
             ended = [e.type for e in comp.events(0, 1000) if e.subject == res.id]
             assert ended == [EventType.RESERVATION_CREATED, EventType.RESERVATION_EXPIRED]
+        finally:
+            comp.close()
+
+
+class TestAReadThatExpiresAReservation:
+    """Listing reservations, or previewing, first expires those whose time ran out, which writes to the ledger:
+    like every call that writes, it answers once that is on disk, so that what it said holds after a crash."""
+
+    @pytest.mark.parametrize("read", ["reservations", "preview"])
+    def test_answers_once_the_expiry_is_durable(self, tmp_path: Path, read: str) -> None:
+        clocks = Clocks()
+        store = SqliteStore(tmp_path / "ledger.db")
+        comp = started(clocks, store=store)
+        try:
+            res = reserved(comp)
+            clocks.passes(TTL_S + 1)
+            on_disk: list[set[str]] = []
+
+            def answer() -> None:
+                comp.reservations() if read == "reservations" else comp.preview(JOB)
+                with sqlite3.connect(store.path) as db:
+                    on_disk.append({rid for (rid,) in db.execute("SELECT id FROM reservations")})
+
+            reader = threading.Thread(target=answer)
+            with store._db_lock:  # the committer cannot commit while this is held
+                reader.start()
+                reader.join(0.3)
+            reader.join(10)
+            assert on_disk == [set()], f"answered with {res.id} expired in memory and still on disk"
         finally:
             comp.close()

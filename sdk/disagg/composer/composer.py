@@ -1692,6 +1692,7 @@ class FabricComposer(Composer):
         with self._lock:
             self._expire_locked()
 
+    @_durably
     def reservations(self) -> Sequence[Reservation]:
         with self._lock:
             self._expire_locked()
@@ -1810,6 +1811,7 @@ class FabricComposer(Composer):
         if holder is not None:
             raise AlreadyExistsError(f"the name {name!r} is taken by {holder}", metadata={"holder": holder})
 
+    @_durably
     def preview(self, request: CompositionRequest) -> Plan:
         with self._lock:
             self._expire_locked()
