@@ -50,20 +50,20 @@ def before_first_call(change: steps.Steps[T], hook: Callable[[], None]) -> steps
 
 
 class Silenced:
-    """Makes one sim fabric stop answering discovery and has another report a link event, so that the composer
-    rebuilds its index without it; `answer` brings it back."""
+    """Makes one sim fabric stop answering discovery and report a link event of its own (a fabric event asks only
+    its own fabric again), so that the composer rebuilds its index without it; `answer` brings it back."""
 
-    def __init__(self, fabrics: dict[str, SimFabric], silent: str, reporter: str, monkeypatch: pytest.MonkeyPatch):
-        self.fabrics, self.silent, self.reporter, self.monkeypatch = fabrics, silent, reporter, monkeypatch
+    def __init__(self, fabrics: dict[str, SimFabric], silent: str, monkeypatch: pytest.MonkeyPatch):
+        self.fabrics, self.silent, self.monkeypatch = fabrics, silent, monkeypatch
 
     def __call__(self) -> None:
         def down() -> Topology:
             raise FabricUnavailableError(f"fabric {self.silent}: the manager does not answer")
 
-        self.monkeypatch.setattr(self.fabrics[self.silent], "discover", down)
-        reporter = self.fabrics[self.reporter]
-        link = next(link for link in reporter.discover().links if "h1" not in (link.a, link.b))
-        reporter.set_link(link.a, link.b, False)  # any fabric event rebuilds the index
+        fabric = self.fabrics[self.silent]
+        link = next(link for link in fabric.discover().links if "h1" not in (link.a, link.b))
+        self.monkeypatch.setattr(fabric, "discover", down)
+        fabric.set_link(link.a, link.b, False)  # its event rebuilds the index, which finds it silent
 
     def answer(self, comp: FabricComposer) -> None:
         self.monkeypatch.undo()
@@ -94,7 +94,7 @@ class TestAFabricThatStopsAnsweringDuringARemoval:
     def test_a_removal_keeps_the_memory_it_could_not_release(self, monkeypatch: pytest.MonkeyPatch) -> None:
         fabrics, comp, c = with_memory()
         alloc = c.allocations[0]
-        silence = Silenced(fabrics, "cxl0", "pcie0", monkeypatch)
+        silence = Silenced(fabrics, "cxl0", monkeypatch)
         change = comp.recompose_steps(c.id, remove=[alloc.id])
         with pytest.raises(DisaggError, match=f"could not remove {alloc.id} from {c.id}") as failed:
             steps.run(before_first_call(change, silence), comp.store)
@@ -112,7 +112,7 @@ class TestAFabricThatStopsAnsweringDuringARemoval:
     def test_a_change_that_added_reports_the_removal_left(self, monkeypatch: pytest.MonkeyPatch) -> None:
         fabrics, comp, c = with_memory()
         alloc = c.allocations[0]
-        silence = Silenced(fabrics, "cxl0", "pcie0", monkeypatch)
+        silence = Silenced(fabrics, "cxl0", monkeypatch)
         change = comp.recompose_steps(c.id, add=[parse_resource("nic")], remove=[alloc.id])
         with pytest.raises(DisaggError) as failed:
             steps.run(before_first_call(change, silence), comp.store)
@@ -126,7 +126,7 @@ class TestAFabricThatStopsAnsweringDuringARemoval:
     def test_a_decompose_keeps_the_memory_it_could_not_release(self, monkeypatch: pytest.MonkeyPatch) -> None:
         fabrics, comp, c = with_memory()
         alloc = c.allocations[0]
-        silence = Silenced(fabrics, "cxl0", "pcie0", monkeypatch)
+        silence = Silenced(fabrics, "cxl0", monkeypatch)
         with pytest.raises(DisaggError, match=f"decompose of {c.id} left {alloc.id} bound") as failed:
             steps.run(before_first_call(comp.decompose_steps(c.id), silence), comp.store)
         assert failed.value.metadata["bound"] == alloc.id
@@ -146,7 +146,7 @@ class TestAFabricThatStopsAnsweringDuringARemoval:
         assert c is not None
         failed_gpu = c.device_ids[0]
         fabrics["pcie0"].fail_device(failed_gpu)
-        silence = Silenced(fabrics, "pcie0", "cxl0", monkeypatch)
+        silence = Silenced(fabrics, "pcie0", monkeypatch)
         pcie = fabrics["pcie0"]
         real_bind = pcie.bind
 

@@ -23,6 +23,7 @@ from disagg.model import (
     Composition,
     CompositionState,
     EventType,
+    Health,
     PendingChange,
     PoolInfo,
     Topology,
@@ -546,3 +547,94 @@ class TestAFabricThatHangs:
         down.join(5)
         assert judged_in_time and not hanging.cxl.entered.is_set(), "the link's rebuild asked the hanging fabric"
         assert hanging.composer.find("job").state is CompositionState.DEGRADED
+
+
+class _SlowToDiscover(Returning):
+    """A reachable fabric whose discovery, once ``hangs`` is set, waits for ``gate`` (up to 30 s, the stand-in
+    for a walk of real hardware or a driver that hangs until its timeout), saying so by ``entered``."""
+
+    reachable = True
+    hangs = False
+
+    def discover(self) -> Topology:
+        if self.hangs:
+            self.entered.set()
+            self.gate.wait(30.0)
+        return super().discover()
+
+
+def _composed(tmp: Path, pcie: SimFabric, cxl: SimFabric) -> tuple[FabricComposer, Composition]:
+    """A started composer of ``pcie`` and ``cxl`` on a ledger in ``tmp``, and its composition ``job`` of a GPU."""
+    comp = FabricComposer({"pcie0": pcie, "cxl0": cxl}, store=SqliteStore(tmp / "l.db"), auto_heal=False)
+    comp.start()
+    job = comp.compose(parse_request("job", ["gpu x1"])).composition
+    assert job is not None
+    return comp, job
+
+
+def _ran(target: Callable[..., Any], *args: Any) -> list[Any]:
+    """Run ``target(*args)`` in a thread for up to `WAIT_S`: its answer, in a list, once it has one."""
+    answers: list[Any] = []
+    thread = threading.Thread(target=lambda: answers.append(target(*args)), daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    return answers
+
+
+def _degraded_within_a_second(comp: FabricComposer, fabric: SimFabric, job: Composition) -> bool:
+    """Whether a failure of ``job``'s device on ``fabric`` is judged within a second, in the thread that reports
+    it, and leaves ``job`` DEGRADED."""
+    failing = threading.Thread(target=fabric.fail_device, args=(job.device_ids[0], "xid 79"), daemon=True)
+    failing.start()
+    failing.join(1.0)
+    return not failing.is_alive() and comp.find("job").state is CompositionState.DEGRADED
+
+
+class TestAFailureIsNotHeldBehindAnotherFabricsDiscovery:
+    """An event of one fabric (a link down, a device added) and the return of an unreachable one rebuild the
+    index under the composer's lock; they asked every reachable fabric to discover again there, so one slow
+    discovery held every failure report, of every fabric, for as long. Now only the fabric that changed is asked:
+    a failure elsewhere degrades its composition within a second while the slow one would still be walking."""
+
+    def test_while_a_link_event_of_the_gpu_s_fabric_is_applied(self, tmp_path: Path) -> None:
+        pcie = create_fabric("pcie0", {"topology": "demo-pcie"})
+        slow = _SlowToDiscover(load_topology("cxl0", "demo-cxl"))
+        comp, job = _composed(tmp_path, pcie, slow)
+        try:
+            slow.hangs = True
+            link = pcie.discover().links[0]
+            _ran(pcie.set_link, link.a, link.b, False)
+            assert not slow.entered.is_set(), "the link event of pcie0 asked cxl0 to discover again"
+            assert _degraded_within_a_second(comp, pcie, job)
+        finally:
+            slow.gate.set()
+            comp.close()
+
+    def test_while_a_fabric_that_answers_again_is_settled(self, tmp_path: Path) -> None:
+        pcie = _SlowToDiscover(load_topology("pcie0", "demo-pcie"))
+        cxl = Returning(load_topology("cxl0", "demo-cxl"))
+        comp, job = _composed(tmp_path, pcie, cxl)
+        try:
+            cxl.reachable = True
+            pcie.hangs = True
+            assert _ran(comp.retry_unreachable) == [True], "cxl0 was not taken back"
+            assert not pcie.entered.is_set(), "cxl0's return asked pcie0 to discover again"
+            assert _degraded_within_a_second(comp, pcie, job)
+        finally:
+            pcie.gate.set()
+            comp.close()
+
+    def test_a_rebuild_keeps_the_health_events_told_since_the_last_discovery(self, tmp_path: Path) -> None:
+        """What the index keeps of a fabric not asked is its last discovery with the health its events reported
+        since: a link event of cxl0 must not bring pcie0's failed GPU back as healthy."""
+        pcie = create_fabric("pcie0", {"topology": "demo-pcie"})
+        cxl = create_fabric("cxl0", {"topology": "demo-cxl"})
+        comp, job = _composed(tmp_path, pcie, cxl)
+        try:
+            pcie.fail_device(job.device_ids[0], "xid 79")
+            link = cxl.discover().links[0]
+            cxl.set_link(link.a, link.b, False)
+            assert comp.find("job").state is CompositionState.DEGRADED
+            assert comp.device(job.device_ids[0]).health is Health.FAILED
+        finally:
+            comp.close()

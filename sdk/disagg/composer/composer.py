@@ -1091,13 +1091,18 @@ class FabricComposer(Composer):
             request_id=self._request_mark()[0],
         )
 
-    def _rebuild(self, retry: set[str] | None = None, answered: Mapping[str, Topology] | None = None) -> None:
+    def _rebuild(
+        self,
+        retry: set[str] | None = None,
+        answered: Mapping[str, Topology] | None = None,
+        asked: set[str] | None = None,
+    ) -> None:
         """Build a fresh index from discovery and take the ledger's claims again. What an unreachable fabric
         holds is not in the index and is claimed once it answers (its next rebuild). Should anything fail, the
-        index before stays: a half-built one would offer what others hold. ``retry`` and ``answered``: as
-        `_discover_all`."""
+        index before stays: a half-built one would offer what others hold. ``retry``, ``answered`` and
+        ``asked``: as `_discover_all`."""
         before = self._inv, self._placer
-        self._inv = self._index(self._discover_all(retry, answered or {}))
+        self._inv = self._index(self._discover_all(retry, answered or {}, asked))
         self._placer = Placer(self._inv, self.policy)
         try:
             self._claim_all()
@@ -1173,7 +1178,10 @@ class FabricComposer(Composer):
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
 
     def _discover_all(
-        self, retry: set[str] | None = None, answered: Mapping[str, Topology] | None = None
+        self,
+        retry: set[str] | None = None,
+        answered: Mapping[str, Topology] | None = None,
+        asked: set[str] | None = None,
     ) -> list[Topology]:
         """Every fabric's topology; one that cannot be reached counts as empty and is remembered as
         unreachable (its compositions become UNKNOWN, `retry_unreachable` tries it again). When no fabric
@@ -1181,7 +1189,11 @@ class FabricComposer(Composer):
         to ask again (None: all); the others count as empty still, unasked: a rebuild runs under the lock, and a
         driver that hangs until its timeout would hold every change and report meanwhile. ``answered``: what
         unreachable fabrics answered just before, outside the lock, having taken the epoch (`_answers`), taken
-        as their discovery instead of asking them again."""
+        as their discovery instead of asking them again. ``asked``: the reachable fabrics to ask (None: all);
+        the others keep the topology the index has of them, with the health their events gave its devices
+        since (`_as_indexed`), for the same reason: an event of one fabric, or another's return, asked every
+        fabric under the lock, and one slow discovery (a walk of real hardware takes seconds) held every failure
+        report of every fabric for as long, where a failure is to degrade its compositions within a second."""
         topologies: list[Topology] = []
         first: DisaggError | None = None
         for name, fabric in self.fabrics.items():
@@ -1189,6 +1201,14 @@ class FabricComposer(Composer):
                 self._stop_if_closing()
             if retry is not None and name in self._unreachable and name not in retry:
                 topologies.append(Topology(fabric=name))
+                continue
+            if (
+                asked is not None
+                and name not in asked
+                and name not in self._unreachable
+                and name in self._inv.topologies
+            ):
+                topologies.append(self._as_indexed(name))
                 continue
             if answered and name in answered and name in self._unreachable:
                 self._unannounced.discard(name)
@@ -1218,6 +1238,13 @@ class FabricComposer(Composer):
         if first is not None and len(self._unreachable) == len(self.fabrics):
             raise first
         return topologies
+
+    def _as_indexed(self, name: str) -> Topology:
+        """Fabric ``name``'s topology as the index has it: as last discovered, its devices as the index holds them
+        now (the health their events reported since). Under the lock."""
+        topology = self._inv.topologies[name]
+        devices = self._inv.devices
+        return attrs.evolve(topology, devices=tuple(devices.get(d.id, d) for d in topology.devices))
 
     def _fabrics_of(self, comp: Composition) -> set[str]:
         """The fabrics of whatever ``comp`` may hold (`_holdings`)."""
@@ -1322,7 +1349,8 @@ class FabricComposer(Composer):
             # the fabric gone again) is left as that left it: its answer is older, and the next retry asks again.
             answered = {name: found for name, found in answered.items() if self._heard.get(name) == heard.get(name)}
             if self._unreachable:
-                self._rebuild(set(answered), answered)  # those that did not answer stay as they are
+                # Those that did not answer stay as they are; those that are reachable are not asked again.
+                self._rebuild(set(answered), answered, asked=set())
                 self._mark_unknown()  # one this rebuild found gone, or set aside
             back, self._returned = self._returned - self._unreachable, set()
             if not back:
@@ -2882,7 +2910,9 @@ class FabricComposer(Composer):
             affected = self._health_changed(event.fabric, event.subject, event.health, event.message)
             return affected if self.auto_heal and event.health is not Health.OK else []
         with self._lock:
-            self._rebuild(retry={event.fabric})  # the others are the timer's to ask, without the lock
+            # The event's fabric alone is asked: the unreachable others are the timer's to ask, without the lock,
+            # and the reachable others told of every change of theirs by events of their own.
+            self._rebuild(retry={event.fabric}, asked={event.fabric})
             self._mark_unknown()
             self._drop_unhealthy_reservations()  # a device removed, or found unhealthy by the rebuild
             self._emit(
