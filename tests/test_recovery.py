@@ -318,6 +318,41 @@ class TestAnswersACrashLostThenChanged:
         again.close()
 
     @AGAIN
+    def test_compose_then_a_change_without_an_id(self, tmp_path: Path, restart: bool) -> None:
+        """Another request changes the composition and sends no request id: its record then names no request,
+        and the retry is refused, not answered with a composition it did not make (two GPUs for "gpu x1")."""
+        first = opened(tmp_path)
+        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
+        assert made is not None
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        grown = again.recompose(made.id, add=parse_request("x", ["gpu x1"]).resources)
+        again = reopened(tmp_path, again, restart)
+        with pytest.raises(RequestAnswerLostError):
+            again.compose(parse_request("a", ["gpu x1"]), request_id="Z")
+        assert again.get(made.id).device_ids == grown.device_ids and len(grown.devices) == 2
+        again.close()
+
+    @AGAIN
+    def test_compose_then_a_heal(self, tmp_path: Path, restart: bool) -> None:
+        """A heal replaces the composition's device: the retry is refused, not answered with a device its
+        Compose never had."""
+        first = opened(tmp_path)
+        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
+        assert made is not None
+        first.close()
+        lose_answers(tmp_path)
+        again = opened(tmp_path)
+        again.fabrics["pcie0"].fail_device(made.device_ids[0], "xid 79")  # type: ignore[attr-defined]
+        healed = again.heal(made.id)
+        assert healed.device_ids != made.device_ids
+        again = reopened(tmp_path, again, restart)
+        with pytest.raises(RequestAnswerLostError):
+            again.compose(parse_request("a", ["gpu x1"]), request_id="Z")
+        again.close()
+
+    @AGAIN
     def test_reserve_then_release(self, tmp_path: Path, restart: bool) -> None:
         first = opened(tmp_path)
         request = parse_request("held", ["gpu x1"])

@@ -209,8 +209,10 @@ def _left_bound(comp_id: str, leftovers: Leftovers) -> DisaggError:
 
 
 def _request_fields(request_id: str, fp: str) -> dict[str, str]:
-    """A composition record's fields that name the request of the change that finished on it (none without one)."""
-    return {"request_id": request_id, "request_fingerprint": fp} if request_id else {}
+    """A composition record's fields that name the request of the change that finished on it; empty for a change
+    without one (a heal too), so that the record no longer names an earlier request, whose retry, its answer lost,
+    would take this change's work for its own (`_finished_by`) rather than be refused as lost."""
+    return {"request_id": request_id, "request_fingerprint": fp}
 
 
 def _composed(answer: object) -> bool:
@@ -3066,7 +3068,9 @@ class FabricComposer(Composer):
             # keeps the replacements; the pending ADD alone would be undone, the failed devices already unbound.
             now = self._compositions[comp.id]
             devices = tuple(q for p in now.devices for q in ((p, replaced[p.device]) if p.device in replaced else (p,)))
-            comp = self._set(now, devices=devices, pending=PendingChange(ChangeKind.REMOVE, tuple(bad)))
+            comp = self._set(
+                now, devices=devices, pending=PendingChange(ChangeKind.REMOVE, tuple(bad)), **_request_fields("", "")
+            )
         self.store.sync()
         stuck = set(self._release(comp.host, bad, [], stage="heal").ids)
         done = {old: new for old, new in replaced.items() if old not in stuck}
