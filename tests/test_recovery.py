@@ -276,6 +276,17 @@ def reopened(tmp: Path, composer: FabricComposer, restart: bool) -> FabricCompos
     return opened(tmp)
 
 
+def composed_then_answer_lost(tmp: Path) -> tuple[Composition, FabricComposer]:
+    """Composition ``a`` (a GPU) composed under request id Z, whose answer a crash then lost, and a composer
+    opened on ``tmp`` after it."""
+    first = opened(tmp)
+    made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
+    assert made is not None
+    first.close()
+    lose_answers(tmp)
+    return made, opened(tmp)
+
+
 class TestAnswersACrashLostThenChanged:
     """A retry whose answer a crash lost, after the composition its change made was decomposed or changed by
     another request: the first answer cannot be given, and the change is refused rather than carried out again
@@ -283,12 +294,7 @@ class TestAnswersACrashLostThenChanged:
 
     @AGAIN
     def test_compose_then_decompose(self, tmp_path: Path, restart: bool) -> None:
-        first = opened(tmp_path)
-        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
-        assert made is not None
-        first.close()
-        lose_answers(tmp_path)
-        again = opened(tmp_path)
+        made, again = composed_then_answer_lost(tmp_path)
         again.decompose(made.id)
         again = reopened(tmp_path, again, restart)
         for _ in range(2):
@@ -321,12 +327,7 @@ class TestAnswersACrashLostThenChanged:
     def test_compose_then_a_change_without_an_id(self, tmp_path: Path, restart: bool) -> None:
         """Another request changes the composition and sends no request id: its record then names no request,
         and the retry is refused, not answered with a composition it did not make (two GPUs for "gpu x1")."""
-        first = opened(tmp_path)
-        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
-        assert made is not None
-        first.close()
-        lose_answers(tmp_path)
-        again = opened(tmp_path)
+        made, again = composed_then_answer_lost(tmp_path)
         grown = again.recompose(made.id, add=parse_request("x", ["gpu x1"]).resources)
         again = reopened(tmp_path, again, restart)
         with pytest.raises(RequestAnswerLostError):
@@ -338,12 +339,7 @@ class TestAnswersACrashLostThenChanged:
     def test_compose_then_a_heal(self, tmp_path: Path, restart: bool) -> None:
         """A heal replaces the composition's device: the retry is refused, not answered with a device its
         Compose never had."""
-        first = opened(tmp_path)
-        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
-        assert made is not None
-        first.close()
-        lose_answers(tmp_path)
-        again = opened(tmp_path)
+        made, again = composed_then_answer_lost(tmp_path)
         again.fabrics["pcie0"].fail_device(made.device_ids[0], "xid 79")  # type: ignore[attr-defined]
         healed = again.heal(made.id)
         assert healed.device_ids != made.device_ids
