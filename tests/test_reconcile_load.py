@@ -122,6 +122,28 @@ class TestAPassUnderTraffic:
         after = comp.get(job.id)
         assert after.state is CompositionState.DEGRADED and after.missing == job.device_ids
 
+    def test_an_uncordon_during_the_read_is_not_undone(self) -> None:
+        """The operator does what a quarantine says (unbinds the device on the hardware, then uncordons it) while
+        a pass reads the bindings, before the unbind: judged by that read, the pass quarantined and cordoned the
+        device again, and told of a binding that no longer existed."""
+        fabrics = rack_with_slow_listing()
+        comp = composer(fabrics, auto_heal=False)
+        pcie = fabrics["pcie0"]
+        stray = free_gpu(comp)
+        ctx = CallContext(epoch=comp.epoch)
+        pcie.bind(stray, "h2", ctx)
+        assert comp.reconcile() == 1 and quarantined(comp) == [stray]
+
+        def cleared() -> None:
+            pcie.unbind(Binding(stray, "h2"), ctx)
+            comp.uncordon(stray)
+
+        pcie.after = cleared
+        comp.reconcile()
+        assert not comp.is_cordoned(stray), "the pass undid the operator's uncordon"
+        assert quarantined(comp) == [stray]
+        assert comp.reconcile() == 0 and not comp.is_cordoned(stray)
+
     def test_a_reconcile_during_another_reconcile(self) -> None:
         """Two passes at once (an SDK caller's beside the server's timer): the one that ended first took the other's
         watch out of the list as an equal one (both empty), and the other's judgement then failed with ValueError,

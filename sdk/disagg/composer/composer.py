@@ -2477,6 +2477,9 @@ class FabricComposer(Composer):
                 self._cordoned.discard(device_id)
                 if self._quarantined.pop(device_id, None) is not None:
                     self.store.delete_quarantine(_BINDING, device_id)
+                # A pass reading the hardware now may have read the binding the operator has just undone: judged
+                # from that read, it would quarantine and cordon the device again. It leaves it to the next pass.
+                self._note_quarantined(device_id)
                 self._inv.uncordon(device_id)
                 self.store.delete_cordon(device_id)
                 self._emit(EventType.DEVICE_UNCORDONED, device_id)
