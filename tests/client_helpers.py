@@ -7,7 +7,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,26 @@ def server_env(tmp_path: Path, extra: Mapping[str, str] | None = None) -> dict[s
     env["DISAGG_STATE_DIR"] = str(tmp_path / "state")
     env.update(extra or {})
     return env
+
+
+def cli_against(tmp_path: Path, address: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """A runner of the installed command (``python -m disagg.cli.main ARGS``) with ``$DISAGG_SERVER`` at
+    ``address``, its own state directory (``<tmp_path>/cli``, which a remote command never makes) and at most
+    60 s a command; each call returns the finished process."""
+    env = server_env(tmp_path, {"DISAGG_SERVER": address, "DISAGG_STATE_DIR": str(tmp_path / "cli")})
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    return run
 
 
 @contextmanager

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from disagg.testing.selection import deselect_undeclared
 from disagg_sim.fabric import SIM_CAPABILITIES
 from hypothesis import HealthCheck, settings
+from server_helpers import Served, serving
 
 settings.register_profile(
     "disagg",
@@ -41,3 +43,24 @@ def alibaba_trace() -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     return directory
+
+
+@pytest.fixture(params=["local", "server"])
+def served(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served | None]:
+    """For a command-line test run twice: None for the local composer on its own ledger (and sim state files),
+    else a fabric manager in this process (`where` gives the arguments that pick it). A module may define its own."""
+    monkeypatch.setenv("DISAGG_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("DISAGG_CONFIG", raising=False)
+    monkeypatch.delenv("DISAGG_SERVER", raising=False)
+    monkeypatch.chdir(tmp_path)
+    if request.param == "local":
+        yield None
+        return
+    with serving(tmp_path / "fm.sock") as running:
+        yield running
+
+
+@pytest.fixture
+def where(served: Served | None) -> list[str]:
+    """The command-line arguments that pick `served`'s backend."""
+    return [] if served is None else ["--server", served.address]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,26 +15,6 @@ from disagg.cli.backend import RemoteBackend
 from disagg.cli.main import main
 from disagg.composer.composer import FabricComposer
 from server_helpers import Served, serving
-
-
-@pytest.fixture(params=["local", "server"])
-def served(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served | None]:
-    """None for the local composer on its own ledger, else a fabric manager in this process."""
-    monkeypatch.setenv("DISAGG_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("DISAGG_CONFIG", raising=False)
-    monkeypatch.delenv("DISAGG_SERVER", raising=False)
-    monkeypatch.chdir(tmp_path)
-    if request.param == "local":
-        yield None
-        return
-    with serving(tmp_path / "fm.sock") as running:
-        yield running
-
-
-@pytest.fixture
-def where(served: Served | None) -> list[str]:
-    """The arguments that pick the backend."""
-    return [] if served is None else ["--server", served.address]
 
 
 def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from client_helpers import disagg_serve, server_env
+from client_helpers import cli_against, disagg_serve
 from disagg import codec
 from disagg.cli import main as cli_main
 from disagg.cli.backend import RemoteBackend, server_address
@@ -362,18 +360,7 @@ class TestAgainstDisaggServe:
 
     def test_compose_ls_decompose(self, tmp_path: Path) -> None:
         with disagg_serve(tmp_path) as address:
-            env = server_env(tmp_path, {"DISAGG_SERVER": address, "DISAGG_STATE_DIR": str(tmp_path / "cli")})
-
-            def run(*args: str) -> subprocess.CompletedProcess[str]:
-                return subprocess.run(
-                    [sys.executable, "-m", "disagg.cli.main", *args],
-                    env=env,
-                    cwd=tmp_path,
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                    check=False,
-                )
+            run = cli_against(tmp_path, address)
 
             composed = run("compose", "e2e", "gpu x2 model=H200", "--json")
             assert composed.returncode == 0, composed.stderr

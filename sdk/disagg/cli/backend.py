@@ -33,7 +33,19 @@ from disagg.wire.fabric import check_id
 
 SERVER_ENV = "DISAGG_SERVER"
 REMOTE_COMMANDS = frozenset(
-    {"compose", "recompose", "ls", "decompose", "reservations", "apply", "release", "devices", "topology"}
+    {
+        "compose",
+        "recompose",
+        "ls",
+        "decompose",
+        "reservations",
+        "apply",
+        "release",
+        "devices",
+        "topology",
+        "cordon",
+        "uncordon",
+    }
 )
 """The commands that can drive a remote fabric manager; the others always run locally."""
 
@@ -54,6 +66,10 @@ class Backend(Protocol):
     def owner_of(self, device_id: str) -> str | None: ...
 
     def is_cordoned(self, device_id: str) -> bool: ...
+
+    def cordon(self, device_id: str) -> Device: ...
+
+    def uncordon(self, device_id: str) -> Device: ...
 
     def compose(
         self,
@@ -118,6 +134,18 @@ class RemoteBackend(FabricManagerClient):
         if device_id in self._cordoned:
             return self._cordoned[device_id]
         return super().is_cordoned(device_id)
+
+    def cordon(self, device_id: str) -> Device:
+        """The client's, and `is_cordoned` then answers from what it did, not from the listing before it."""
+        device = super().cordon(device_id)
+        self._cordoned[device_id] = True
+        return device
+
+    def uncordon(self, device_id: str) -> Device:
+        """The client's, and `is_cordoned` then answers from what it did, not from the listing before it."""
+        device = super().uncordon(device_id)
+        self._cordoned[device_id] = False
+        return device
 
     def find(self, key: str) -> Composition:
         """As the composer's: a key that cannot be an id names no composition (the server refuses it as invalid

@@ -402,6 +402,40 @@ def cmd_release(args: argparse.Namespace) -> int:
         return 0
 
 
+def cmd_cordon(args: argparse.Namespace) -> int:
+    return _cordons(args, cordon=True)
+
+
+def cmd_uncordon(args: argparse.Namespace) -> int:
+    return _cordons(args, cordon=False)
+
+
+def _cordons(args: argparse.Namespace, *, cordon: bool) -> int:
+    """``cordon`` or ``uncordon`` each device given (the composer's, idempotent: one cordoned already is fine);
+    ``uncordon`` lifts a quarantine too, as the `BindingQuarantined` event tells the operator to."""
+    verb = "cordoned" if cordon else "uncordoned"
+    with _composer(args) as composer:
+        # Every id is looked up before any device is changed, as `decompose` and `release` do: a mistyped id refuses
+        # the command whole, instead of stopping it midway with the ids after it silently not tried. One listing,
+        # not one call per id; and an id that cannot be one ("a b") is not found with --server as locally, instead of
+        # refused by the server as bad input (exit 2).
+        known = {d.id for d in composer.devices()}
+        missing = [key for key in dict.fromkeys(args.devices) if key not in known]
+        if missing:
+            names = ", ".join(repr(m) for m in missing)
+            raise NotFoundError("device", missing[0], f"device {names} not found; nothing was {verb}")
+        change = composer.cordon if cordon else composer.uncordon
+        changed = []
+        for key in dict.fromkeys(args.devices):  # each once: the second would change nothing
+            change(key)
+            changed.append(key)
+            if not args.json:
+                print(f"{verb} {key}")
+        if args.json:
+            print(json.dumps({verb: changed}))
+        return 0
+
+
 def _memory(text: str) -> str:
     """``--memory``: a size with its unit (``256MiB``), kept as written; anything else is refused, a count
     (``x8``, ``8``) included: on the resource line it becomes, that asks for whole memory devices. So is a
@@ -500,6 +534,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("release", cmd_release, "give reservations' devices and names back")
     p.add_argument("reservations", nargs="+", metavar="RESERVATION", help="reservation id (r-...)")
     p.add_argument("--ignore-missing", action="store_true", help="an unknown reservation is not an error")
+    p = add("cordon", cmd_cordon, "keep devices out of placement (a composition that holds one keeps it)")
+    p.add_argument("devices", nargs="+", metavar="DEVICE", help="device id (as devices lists it)")
+    p = add("uncordon", cmd_uncordon, "offer cordoned devices to placement again, lifting a quarantine")
+    p.add_argument("devices", nargs="+", metavar="DEVICE", help="device id (as devices lists it)")
     serve_cli.register(add)
     driver_cli.register(sub)
     certify_cli.register(sub)
@@ -568,7 +606,8 @@ def _run(args: argparse.Namespace) -> int:
 
 CHANGES = frozenset({"compose", "recompose", "decompose", "apply"})
 """The commands that change compositions: an interrupt may leave one half made. (``release`` changes
-reservations, each at once and whole: an interrupt leaves some released, which `_interrupted` says.)"""
+reservations, each at once and whole: an interrupt leaves some released, which `_interrupted` says; so do
+``cordon`` and ``uncordon``, of devices.)"""
 
 
 def _interrupted(args: argparse.Namespace) -> str:
@@ -578,7 +617,7 @@ def _interrupted(args: argparse.Namespace) -> str:
     subject = next(
         (
             value
-            for key in ("name", "composition", "compositions", "reservation", "reservations")
+            for key in ("name", "composition", "compositions", "reservation", "reservations", "devices")
             if (value := getattr(args, key, None))
         ),
         None,
@@ -591,6 +630,13 @@ def _interrupted(args: argparse.Namespace) -> str:
         return (
             f"{what}: {given}, and the others may be too; run the same command with --ignore-missing to release the "
             "rest (releasing is idempotent), or reservations to see what is held"
+        )
+    if args.command in ("cordon", "uncordon"):
+        verb = f"{args.command}ed"
+        given = f"some may be {verb} already" if args.json else f"those printed as {verb} are"
+        return (
+            f"{what}: {given}, and the others may be too; run the same command again to {args.command} the rest "
+            f"({args.command}ing is idempotent), or devices to see which are cordoned"
         )
     if args.command not in CHANGES or getattr(args, "preview", False):
         return f"{what} (it changes nothing)" if args.command in CHANGES else what
