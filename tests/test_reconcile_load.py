@@ -17,7 +17,7 @@ from disagg.composer import FabricComposer
 from disagg.composer.hardware import HardwareView
 from disagg.errors import DriverError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, CompositionState, DeviceKind, EventType, Topology
+from disagg.model import Allocation, Binding, CompositionState, DeviceKind, EventType, Topology
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
@@ -164,6 +164,15 @@ class TestAllocationHeldOtherwise:
     def test_it_degrades_the_composition(self, host: str, size: int) -> None:
         """Only the id was looked up: memory carved again for another host, or smaller, passed for the
         composition's own, which stayed COMPOSED."""
+        comp, alloc = self.held_otherwise(host, size)
+        after = comp.find("job")
+        assert after.state is CompositionState.DEGRADED and after.missing == (alloc.id,)
+        assert after.message == f"the hardware no longer holds {alloc.id}"
+
+    @staticmethod
+    def held_otherwise(host: str, size: int) -> tuple[FabricComposer, Allocation]:
+        """A composition ``job`` of 8 GiB for h1 whose allocation the hardware then holds, under its id, for
+        ``host`` at ``size``, after a pass."""
         comp = composer(auto_heal=False)
         ctx = CallContext(epoch=comp.epoch)
         job = comp.compose(parse_request("job", ["host h1", "cxl-memory 8GiB"])).composition
@@ -173,9 +182,33 @@ class TestAllocationHeldOtherwise:
         pool.release(alloc.id, ctx)
         pool.allocate(alloc.id, host, size, ctx)
         assert comp.reconcile() == 1
-        after = comp.get(job.id)
-        assert after.state is CompositionState.DEGRADED and after.missing == (alloc.id,)
-        assert after.message == f"the hardware no longer holds {alloc.id}"
+        return comp, alloc
+
+    @pytest.mark.parametrize(("host", "size"), [("h2", 16 * GiB), ("h1", 16 * GiB), ("h2", 4 * GiB)])
+    def test_a_decompose_does_not_release_it(self, host: str, size: int) -> None:
+        """Released by its id, it freed memory the hardware had carved for another host (or at another size)
+        silently: it is kept, and quarantined and reported as memory no composition records."""
+        comp, alloc = self.held_otherwise(host, size)
+        comp.decompose("job")
+        held = comp.fabrics["cxl0"].pool(alloc.pool).allocations()
+        assert [(a.id, a.host, a.amount_bytes) for a in held] == [(alloc.id, host, size)]
+        assert [e.subject for e in comp.events() if e.type is EventType.ALLOCATION_QUARANTINED] == [alloc.id]
+        assert comp.reconcile() == 0
+
+    @pytest.mark.parametrize(("host", "size"), [("h2", 16 * GiB), ("h1", 16 * GiB)])
+    def test_placement_counts_what_the_hardware_holds(self, host: str, size: int) -> None:
+        """The index claimed the recorded 8 GiB where the hardware holds 16: placement offered memory the pool
+        does not have."""
+        comp, alloc = self.held_otherwise(host, size)
+        pool = comp.fabrics["cxl0"].pool(alloc.pool)
+
+        def free_on_the_hardware() -> int:
+            return pool.info().capacity.total_bytes - sum(a.amount_bytes for a in pool.allocations())
+
+        assert {p.pool: p.free_bytes for p in comp.usage()[1]}[alloc.pool] == free_on_the_hardware()
+        comp.decompose("job")
+        assert comp.reconcile() == 0
+        assert {p.pool: p.free_bytes for p in comp.usage()[1]}[alloc.pool] == free_on_the_hardware()
         assert comp.reconcile() == 0
 
 

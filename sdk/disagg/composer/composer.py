@@ -388,6 +388,11 @@ class FabricComposer(Composer):
         self._strays: dict[tuple[str, str], Allocation] = {}
         """The quarantined allocations the hardware holds now, by (pool, id): kept out of placement (claimed in the
         index, again after every rebuild) until the hardware frees them."""
+        self._held_otherwise: dict[tuple[str, str], tuple[Allocation, int]] = {}
+        """The allocations a composition records that the hardware holds under the same id for another host or at
+        another size, as the last pass read them, by (pool, id): the hardware's allocation, and the bytes of it
+        claimed in the index beyond the record's (again after every rebuild). A release by the id would free
+        memory that is not the composition's: `_release` quarantines it instead."""
         self._names: dict[str, str] = {}
         """Name to the id of the composition or reservation that holds it; names are unique among both."""
         self._requests: OrderedDict[str, tuple[str, object, steps.Latch]] = OrderedDict()
@@ -819,8 +824,11 @@ class FabricComposer(Composer):
                     len(watch.allocations),
                 )
             changes = self._quarantine_bindings(bound, watch.devices, read)
-            recorded = {(a.pool, a.id) for c in self._compositions.values() for a in _holdings(c)[1]}
-            changes += self._quarantine_memory(carved, recorded | watch.allocations, pools_read)
+            recorded_as = {
+                (a.pool, a.id): (c.host, a.amount_bytes) for c in self._compositions.values() for a in _holdings(c)[1]
+            }
+            changes += self._quarantine_memory(carved, set(recorded_as) | watch.allocations, pools_read)
+            self._note_held_otherwise(carved, recorded_as, watch.allocations, pools_read)
             changes += self._drop_unhealthy_reservations()
             judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions)
             changes += judged
@@ -1178,6 +1186,9 @@ class FabricComposer(Composer):
         for alloc in self._strays.values():
             if alloc.pool in self._inv.pools:
                 self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+        for alloc, extra in self._held_otherwise.values():
+            if alloc.pool in self._inv.pools:
+                self._inv.claim_memory(alloc.pool, extra)
 
     def _discover_all(
         self,
@@ -1489,27 +1500,8 @@ class FabricComposer(Composer):
         the pool is back. Returns how many it reported or gave back. Under the lock."""
         changes = 0
         for key, alloc in sorted(carved.items()):
-            if key in recorded or key in self._strays:
-                continue
-            if alloc.pool in self._inv.pools:
-                # It may be more than the index has free (a ledger restored from a backup still records memory
-                # the hardware freed): the claim leaves none free, and the pass degrades the composition.
-                self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
-            self._strays[key] = alloc  # only once claimed: a rebuild claims the strays again
-            if key in self._quarantined_memory:
-                continue  # reported before a restart
-            self._quarantined_memory.add(key)
-            self.store.put_quarantine(*key)
-            self._note_quarantined(allocation=key)
-            self._emit(
-                EventType.ALLOCATION_QUARANTINED,
-                alloc.id,
-                f"{alloc.amount_bytes} bytes of pool {alloc.pool} carved for {alloc.host} on the hardware, "
-                "but no composition records them; kept out of placement until the hardware frees them",
-                pool=alloc.pool,
-                host=alloc.host,
-            )
-            changes += 1
+            if key not in recorded and key not in self._strays:
+                changes += self._quarantine_stray(key, alloc)
         changes += self._release_overdrawn_reservations()
         for key in sorted(self._quarantined_memory):
             if key in carved or key in recorded or key[0] not in pools_read:
@@ -1523,6 +1515,82 @@ class FabricComposer(Composer):
             log.info("pool %s: quarantined allocation %s is no longer on the hardware; given back", *key)
             changes += 1
         return changes
+
+    def _quarantine_stray(self, key: tuple[str, str], alloc: Allocation) -> bool:
+        """Keep ``alloc`` (by pool and id), which the hardware holds and no composition records, out of placement,
+        and report it unless it was before a restart; returns whether it reported it. Under the lock."""
+        if alloc.pool in self._inv.pools:
+            # It may be more than the index has free (a ledger restored from a backup still records memory the
+            # hardware freed): the claim leaves none free, and the pass degrades the composition.
+            self._inv.claim_memory(alloc.pool, alloc.amount_bytes)
+        self._strays[key] = alloc  # only once claimed: a rebuild claims the strays again
+        if key in self._quarantined_memory:
+            return False  # reported before a restart
+        self._quarantined_memory.add(key)
+        self.store.put_quarantine(*key)
+        self._note_quarantined(allocation=key)
+        self._emit(
+            EventType.ALLOCATION_QUARANTINED,
+            alloc.id,
+            f"{alloc.amount_bytes} bytes of pool {alloc.pool} carved for {alloc.host} on the hardware, "
+            "but no composition records them; kept out of placement until the hardware frees them",
+            pool=alloc.pool,
+            host=alloc.host,
+        )
+        return True
+
+    def _note_held_otherwise(
+        self,
+        carved: Mapping[tuple[str, str], Allocation],
+        recorded_as: Mapping[tuple[str, str], tuple[str, int]],
+        aside: set[tuple[str, str]],
+        pools_read: set[str],
+    ) -> None:
+        """Remember the allocations compositions record (``recorded_as``: host and bytes by pool and id) that the
+        hardware (``carved``, of ``pools_read``) holds under the same id for another host or at another size
+        (`_held_otherwise`), claiming in the index what it holds beyond the record, and forget those it no
+        longer holds so; those of ``aside`` (touched by a change while the hardware was read) wait for the next
+        pass. The composition is DEGRADED by the pass (`_judge_standing`). Under the lock."""
+        for key, alloc in sorted(carved.items()):
+            want = recorded_as.get(key)
+            if want is None or key in aside or (alloc.host, alloc.amount_bytes) == want:
+                continue
+            extra = max(0, alloc.amount_bytes - want[1])
+            if self._held_otherwise.get(key) == (alloc, extra):
+                continue
+            self._forget_held_otherwise(key)
+            if alloc.pool in self._inv.pools:
+                self._inv.claim_memory(alloc.pool, extra)
+            self._held_otherwise[key] = (alloc, extra)
+            log.warning(
+                "pool %s: allocation %s is carved for %s (%d bytes) on the hardware, not as its composition records "
+                "it (%s, %d bytes): it is never released for the composition",
+                alloc.pool,
+                alloc.id,
+                alloc.host,
+                alloc.amount_bytes,
+                *want,
+            )
+        for key in sorted(self._held_otherwise):
+            hardware = carved.get(key)
+            still = (
+                hardware is not None
+                and key in recorded_as
+                and (hardware.host, hardware.amount_bytes) != recorded_as[key]
+            )
+            if key[0] in pools_read and key not in aside and not still:
+                self._forget_held_otherwise(key)
+
+    def _forget_held_otherwise(self, key: tuple[str, str]) -> Allocation | None:
+        """Forget `_held_otherwise`'s ``key``, giving its extra claim back; returns the hardware's allocation it
+        held. Under the lock."""
+        held = self._held_otherwise.pop(key, None)
+        if held is None:
+            return None
+        alloc, extra = held
+        if alloc.pool in self._inv.pools:
+            self._inv.release_memory(alloc.pool, extra)
+        return alloc
 
     def _overdrawn(self, pool: str) -> bool:
         """Whether the claims on ``pool`` hold more than it has: bytes, or an MLD's logical devices."""
@@ -2733,6 +2801,7 @@ class FabricComposer(Composer):
         keeps it until that fabric answers (a removal of it reports it bound, as one a driver refused)."""
         with self._lock:
             away = set(self._unreachable)
+            allocs = [a for a in allocs if not self._kept_held_otherwise(a)]
             carved = [(self._fabric_of_pool(a.pool), a.pool, a.id) for a in allocs]
             bound = [(self._fabric_of(p.device), Binding(p.device, host)) for p in picks]
         left = self._executor.undo(
@@ -2748,6 +2817,21 @@ class FabricComposer(Composer):
             log.warning("fabric %s cannot be reached: %s left held", ", ".join(fabrics), ", ".join(untried))
         held = {*left.ids, *untried}
         return Leftovers(tuple(part for _, part in newest_first if part in held), left.timed_out)
+
+    def _kept_held_otherwise(self, alloc: Allocation) -> bool:
+        """Whether ``alloc``, about to be released, is one the hardware holds under its id for another host or at
+        another size (`_held_otherwise`): then it is not released, which would free memory that is not its
+        composition's, but quarantined and reported now as memory no composition records (the composition lets
+        it go). Under the lock."""
+        key = (alloc.pool, alloc.id)
+        held = self._forget_held_otherwise(key)
+        if held is None:
+            return False
+        log.warning(
+            "pool %s: not releasing %s, which the hardware holds for %s: quarantined", alloc.pool, alloc.id, held.host
+        )
+        self._quarantine_stray(key, held)
+        return True
 
     def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
         """See `Composer.decompose`; driver calls stop at ``deadline``, a ``time.monotonic()`` instant.
