@@ -18,7 +18,7 @@ from composer_helpers import hardware_bindings
 from disagg.client import FabricManagerClient, RetryPolicy
 from disagg.client._retry import call_with_retry
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError, NotFoundError
+from disagg.errors import FabricUnavailableError, NotFoundError, OverloadedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.model import ComposeMode, EventType, ResourceRequest
@@ -52,6 +52,17 @@ class FakeRpcError(grpc.RpcError):
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()
+
+
+class ServerRpcError(FakeRpcError):
+    """A call's failure as a server answered it, with its status details (`disagg.wire.errors.to_status`)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, Any], ...]) -> None:
+        super().__init__(code, details)
+        self._trailing = trailing
+
+    def trailing_metadata(self) -> tuple[tuple[str, Any], ...]:  # type: ignore[override]
+        return self._trailing
 
 
 class Flaky(fm_grpc.FabricManagerServiceServicer):
@@ -447,6 +458,25 @@ class TestNotSent:
         with client, pytest.raises(FabricUnavailableError) as info:
             client._call(rpc, idempotent=True, request_id="K1")
         assert "may have been made" in info.value.message and self.NOT_MADE not in info.value.message
+
+    def test_a_refusal_that_settles_nothing_keeps_the_outcome_unknown(self, tmp_path: Path) -> None:
+        """The first attempt lost its connection after it was sent; the retry was refused as OVERLOADED, which a
+        server answers before it looks the request id up: the first may have been made all the same."""
+        client = FabricManagerClient(f"unix:{tmp_path}/nobody.sock", timeout_s=5, retries=FAST)
+        overloaded = to_status(OverloadedError("the fabric manager is at its limit of concurrent work; retry later"))
+        errors = iter(
+            [
+                FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"),
+                ServerRpcError(overloaded.code, overloaded.details, overloaded.trailing_metadata),
+            ]
+        )
+
+        def rpc(timeout: float) -> None:
+            raise next(errors)
+
+        with client, pytest.raises(OverloadedError) as info:
+            client._call(rpc, idempotent=True, request_id="K1")
+        assert "may have been made" in info.value.message and info.value.metadata["request_id"] == "K1"
 
     def test_a_channel_passed_in_is_not_judged(self, tmp_path: Path) -> None:
         """A channel passed in may carry a service config whose retries fail a sent call with the same message:

@@ -22,6 +22,7 @@ from disagg.errors import (
     FabricUnavailableError,
     InvalidRequestError,
     NotFoundError,
+    OverloadedError,
     UnsupportedError,
     answered_not_serving,
 )
@@ -150,6 +151,8 @@ def _status(msg: pb.Device) -> DeviceStatus:
 
 _OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 """Codes a call can end with, without a server's answer, after its request may have reached the server."""
+_NOT_TAKEN = frozenset({OverloadedError.reason})
+"""Reasons of a server's refusal given before it looks a request id up: they settle nothing of an earlier attempt."""
 MAX_TIMEOUT_S = 365 * 86_400.0
 """The longest ``timeout_s``, a year. From about 9.2e9 s on gRPC's deadline overflows, and every call then failed
 at once as DEADLINE_EXCEEDED, saying a change may have been made."""
@@ -393,8 +396,8 @@ class FabricManagerClient:
         except grpc.RpcError as exc:
             error = self._error(exc)
             # Unknown unless the last answer settles it: a refusal of the retry by a server that did not take it
-            # (a standby, the server going down) does not say what became of an earlier attempt.
-            in_doubt = unanswered and exc.code() in _OUTCOME_UNKNOWN
+            # (a standby, the server going down, one shedding load) does not say what became of an earlier attempt.
+            in_doubt = unanswered and (exc.code() in _OUTCOME_UNKNOWN or error.reason in _NOT_TAKEN)
         if not request_id:
             raise error from None
         error.metadata.setdefault("request_id", request_id)
