@@ -18,7 +18,7 @@ from disagg.composer import FabricComposer
 from disagg.errors import DisaggError
 from disagg.model import ComposeMode, EventType, Reservation
 from disagg.requestlang import parse_request
-from disagg.store import SqliteStore, Store
+from disagg.store import MemoryStore, SqliteStore, Store
 
 JOB = parse_request("job", ["gpu x2"])
 TTL_S = 60.0
@@ -187,4 +187,36 @@ class TestAReadThatExpiresAReservation:
             reader.join(10)
             assert on_disk == [set()], f"answered with {res.id} expired in memory and still on disk"
         finally:
+            comp.close()
+
+    def test_a_snapshot_of_them_waits_outside_the_composer_s_lock(self) -> None:
+        """ListReservations reads them in a `snapshot`, under the composer's lock: the listing's wait for the
+        ledger ran under it, and every change and listing waited for that commit (an etcd round trip)."""
+
+        class GatedSync(MemoryStore):
+            def __init__(self) -> None:
+                super().__init__()
+                self.armed, self.entered, self.gate = False, threading.Event(), threading.Event()
+
+            def sync(self) -> None:
+                if self.armed:
+                    self.entered.set()
+                    self.gate.wait(10)
+
+        store = GatedSync()
+        comp = started(Clocks(), store=store)
+        try:
+            reserved(comp)
+            store.armed = True
+            lister = threading.Thread(target=lambda: comp.snapshot(comp.reservations))
+            lister.start()
+            if store.entered.wait(1):  # the listing waits for the ledger: others must not wait for it
+                other = threading.Thread(target=comp.devices)
+                other.start()
+                other.join(5)
+                assert not other.is_alive(), "a listing waited for the ledger holding the composer's lock"
+            store.gate.set()
+            lister.join(10)
+        finally:
+            store.gate.set()
             comp.close()

@@ -180,14 +180,17 @@ C = TypeVar("C", bound=Callable[..., Any])
 
 def _durably(method: C) -> C:
     """Answer only once everything the call wrote to the ledger is durable (the ledger may group commits). A
-    change run as steps needs none: `steps.run` answers so itself."""
+    change run as steps needs none: `steps.run` answers so itself. Called inside a hold of the composer's lock
+    (a query that `snapshot` reads), it does not wait: the hold's writes are queued only as it ends, and every
+    change would wait meanwhile; the holder waits (`snapshot` for the revision it answers with)."""
 
     @functools.wraps(method)
     def durable(self: FabricComposer, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.store.sync()
+            if not self._lock.held_here():
+                self.store.sync()
 
     return cast(C, durable)
 

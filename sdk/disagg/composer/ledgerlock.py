@@ -23,7 +23,7 @@ class LedgerLock:
     """A re-entrant lock over ``store``: the writes of each outermost hold are one `Store.atomic` block. As that
     ends, ``settled(taken)`` is called, still holding the lock: whether the ledger took the hold's writes."""
 
-    __slots__ = ("_atomic", "_lock", "_settled", "_store", "depth")
+    __slots__ = ("_atomic", "_lock", "_owner", "_settled", "_store", "depth")
 
     def __init__(self, store: Store, settled: Callable[[bool], None]) -> None:
         self._lock = threading.RLock()
@@ -34,16 +34,25 @@ class LedgerLock:
         thread that holds the lock: read by code that holds it or would (the composer changes nothing without it),
         it tells whether that code runs inside a hold."""
         self._atomic: contextlib.AbstractContextManager[None] | None = None
+        self._owner: int | None = None
+        """The thread that holds the lock (`held_here`), None while nobody does."""
+
+    def held_here(self) -> bool:
+        """Whether the calling thread holds the lock: its writes so far are queued only as its outermost hold
+        ends, so a wait for them to be durable (`Store.sync`) belongs after that, never inside it."""
+        return self._owner == threading.get_ident()
 
     def __enter__(self) -> None:
         self._lock.acquire()
         self.depth += 1
         if self.depth == 1:
+            self._owner = threading.get_ident()
             try:
                 atomic = self._store.atomic()
                 atomic.__enter__()
             except BaseException:
                 self.depth -= 1
+                self._owner = None
                 self._lock.release()
                 raise
             self._atomic = atomic
@@ -63,4 +72,6 @@ class LedgerLock:
                 self._settled(True)
         finally:
             self.depth -= 1
+            if not self.depth:
+                self._owner = None
             self._lock.release()
