@@ -638,3 +638,40 @@ class TestAFailureIsNotHeldBehindAnotherFabricsDiscovery:
             assert comp.device(job.device_ids[0]).health is Health.FAILED
         finally:
             comp.close()
+
+
+class TestAFabricThatStopsAnswering:
+    """A driver that stops answering sends no event to say so, and an event of another fabric no longer asks it
+    again: the reconcile pass, which cannot read its hardware, finds it silent too, and counts it unreachable."""
+
+    @staticmethod
+    def with_memory(tmp: Path) -> tuple[FabricComposer, Returning]:
+        """A composer with ``job`` (a GPU on pcie0) and ``mem`` (memory of cxl0, which answers until told not to)."""
+        cxl = Returning(load_topology("cxl0", "demo-cxl"))
+        cxl.reachable = True
+        comp, _ = _composed(tmp, create_fabric("pcie0", {"topology": "demo-pcie"}), cxl)
+        assert comp.compose(parse_request("mem", ["host h2", "cxl-memory 8GiB"])).composition is not None
+        return comp, cxl
+
+    def test_its_compositions_are_unknown_until_it_answers_again(self, tmp_path: Path) -> None:
+        comp, cxl = self.with_memory(tmp_path)
+        try:
+            cxl.reachable = False
+            assert comp.reconcile() == 1
+            assert comp.find("mem").state is CompositionState.UNKNOWN
+            assert comp.find("job").state is CompositionState.COMPOSED  # on pcie0 alone
+            assert comp.reconcile() == 0
+            cxl.reachable = True
+            assert comp.retry_unreachable() is True
+            assert comp.find("mem").state is CompositionState.COMPOSED
+        finally:
+            comp.close()
+
+    def test_one_whose_listing_fails_but_which_answers_discovery_is_left_as_it_was(self, tmp_path: Path) -> None:
+        comp, cxl = self.with_memory(tmp_path)
+        try:
+            cxl.unreadable = True
+            assert comp.reconcile() == 0
+            assert comp.find("mem").state is CompositionState.COMPOSED
+        finally:
+            comp.close()

@@ -205,6 +205,29 @@ class TestRestart:
             remote.close()
             server.stop(grace=0)
 
+    def test_a_driver_that_stops_is_counted_unreachable_by_the_next_pass(self, socket_dir: str) -> None:
+        """A driver that stops sends no event: an event of another fabric no longer asks it again, and the pass
+        that cannot read it finds it silent, its compositions UNKNOWN until it answers again."""
+        address = f"unix:{socket_dir}/cxl0.sock"
+        sim = cxl()
+        server = DriverServer(sim, address, driver="sim").start()
+        remote = RemoteFabric("cxl0", address, connect_timeout_s=5, call_timeout_s=2)
+        composer = FabricComposer({"pcie0": pcie(), "cxl0": remote}, epoch=1)
+        try:
+            composer.fence_drivers()
+            composer.start()
+            assert composer.compose(parse_request("mem", ["host h1", "cxl-memory 8GiB"])).composition is not None
+            server.stop(grace=0)
+            assert composer.reconcile() == 1
+            assert composer.find("mem").state is CompositionState.UNKNOWN
+            server = DriverServer(sim, address, driver="sim").start()
+            assert eventually(composer.retry_unreachable, 8.0)
+            assert composer.find("mem").state is CompositionState.COMPOSED
+        finally:
+            composer.close()
+            remote.close()
+            server.stop(grace=0)
+
     @pytest.mark.parametrize("how", ["down", "gone", "host-gone"])
     def test_a_path_cut_while_the_driver_was_down_degrades_what_used_it(self, socket_dir: str, how: str) -> None:
         """The driver came back re-cabled: the link to the GPU's chassis down (told before too), gone from the

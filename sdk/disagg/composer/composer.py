@@ -812,12 +812,14 @@ class FabricComposer(Composer):
             away = set(self._unreachable)
         try:
             bound, carved, read, pools_read = self._read_hardware(pools, away)
+            lost = {name for name in self.fabrics if name not in away and name not in read and self._silent(name)}
         except BaseException:
             with self._lock:
                 self._unwatch(watch)
             raise
         with self._lock:
             self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
+            lost_now = self._lose(lost)
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -826,7 +828,7 @@ class FabricComposer(Composer):
                     len(watch.devices),
                     len(watch.allocations),
                 )
-            changes = self._quarantine_bindings(bound, watch.devices, read)
+            changes = lost_now + self._quarantine_bindings(bound, watch.devices, read)
             recorded_as = {
                 (a.pool, a.id): (c.host, a.amount_bytes) for c in self._compositions.values() for a in _holdings(c)[1]
             }
@@ -841,6 +843,29 @@ class FabricComposer(Composer):
             # be one now). A heal that still finds none changes nothing, so a converged system stays as it is.
             changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
         return changes
+
+    def _silent(self, name: str) -> bool:
+        """Whether fabric ``name``, whose hardware a pass could not read, does not answer discovery either (its
+        driver stopped: a driver that dies sends no event to say so). Outside the lock."""
+        try:
+            self.fabrics[name].discover()
+        except Exception:  # a driver's bug too: it cannot be used
+            return True
+        return False
+
+    def _lose(self, names: set[str]) -> int:
+        """Count the fabrics of ``names`` that answered before as unreachable (`_silent`): their compositions
+        become UNKNOWN, their devices leave the index, and `retry_unreachable` asks them again, as at start-up.
+        Nothing else tells of a driver that stopped: an event asks only its own fabric (`_apply_event`). Returns
+        how many. Under the lock."""
+        fresh = sorted(name for name in names if name not in self._unreachable)
+        for name in fresh:
+            log.warning("fabric %s cannot be reached any more; its compositions are UNKNOWN", name)
+        if fresh:
+            self._unreachable.update(fresh)
+            self._rebuild(retry=set(), asked=set())
+            self._mark_unknown()
+        return len(fresh)
 
     def _read_hardware(
         self, pools: Mapping[str, Sequence[str]], away: set[str]
