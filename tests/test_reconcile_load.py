@@ -195,6 +195,18 @@ class TestAllocationHeldOtherwise:
         assert [e.subject for e in comp.events() if e.type is EventType.ALLOCATION_QUARANTINED] == [alloc.id]
         assert comp.reconcile() == 0
 
+    def test_one_the_hardware_holds_as_recorded_again_is_released(self) -> None:
+        """Carved right again by hand (h1, 8 GiB) after the pass that saw it held otherwise: the decompose judges
+        what the hardware holds as it releases, not what that pass saw, and the memory is the composition's."""
+        comp, alloc = self.held_otherwise("h2", 16 * GiB)
+        ctx = CallContext(epoch=comp.epoch)
+        pool = comp.fabrics["cxl0"].pool(alloc.pool)
+        pool.release(alloc.id, ctx)
+        pool.allocate(alloc.id, "h1", 8 * GiB, ctx)
+        comp.decompose("job")
+        assert not pool.allocations()
+        assert not [e for e in comp.events() if e.type is EventType.ALLOCATION_QUARANTINED]
+
     @pytest.mark.parametrize(("host", "size"), [("h2", 16 * GiB), ("h1", 16 * GiB)])
     def test_placement_counts_what_the_hardware_holds(self, host: str, size: int) -> None:
         """The index claimed the recorded 8 GiB where the hardware holds 16: placement offered memory the pool

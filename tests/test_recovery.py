@@ -427,6 +427,37 @@ class TestTheRequestOfAChangeARestartFinished:
             first.close()
 
 
+class TestMemoryHeldOtherwiseAcrossACrash:
+    def test_a_restart_that_finishes_the_decompose_keeps_it(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The hardware holds the composition's memory under its id for another host; the process dies while its
+        decompose releases, and the restart finishes the decompose before any pass has looked: it released the
+        other host's memory by the id. It reads the pool as it releases, and quarantines it instead."""
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x1", "cxl-memory 8GiB"])).composition
+        assert job is not None
+        (alloc,) = job.allocations
+        ctx = CallContext(epoch=first.epoch)
+        pool = first.fabrics["cxl0"].pool(alloc.pool)
+        pool.release(alloc.id, ctx)
+        pool.allocate(alloc.id, "h2", 16 * GiB, ctx)
+        held = crash_at(monkeypatch, first, "decompose.during_release")
+        with pytest.raises(KeyboardInterrupt):
+            first.decompose(job.id)
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            assert again.compositions() == []
+            kept = again.fabrics["cxl0"].pool(alloc.pool).allocations()
+            assert [(a.id, a.host, a.amount_bytes) for a in kept] == [(alloc.id, "h2", 16 * GiB)]
+            assert events_of(again, EventType.ALLOCATION_QUARANTINED) == [alloc.id]
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+
 def apply_cut_off(
     tmp: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -2829,7 +2829,10 @@ class FabricComposer(Composer):
         keeps it until that fabric answers (a removal of it reports it bound, as one a driver refused)."""
         with self._lock:
             away = set(self._unreachable)
-            allocs = [a for a in allocs if not self._kept_held_otherwise(a)]
+            pools = {a.pool: self._fabric_of_pool(a.pool) for a in allocs}
+        now = self._held_now(pools, away)
+        with self._lock:
+            allocs = [a for a in allocs if not self._kept_held_otherwise(a, now)]
             carved = [(self._fabric_of_pool(a.pool), a.pool, a.id) for a in allocs]
             bound = [(self._fabric_of(p.device), Binding(p.device, host)) for p in picks]
         left = self._executor.undo(
@@ -2843,22 +2846,41 @@ class FabricComposer(Composer):
         if untried:
             fabrics = sorted({fabric for fabric, _ in newest_first if fabric in away})
             log.warning("fabric %s cannot be reached: %s left held", ", ".join(fabrics), ", ".join(untried))
-        held = {*left.ids, *untried}
-        return Leftovers(tuple(part for _, part in newest_first if part in held), left.timed_out)
+        still = {*left.ids, *untried}
+        return Leftovers(tuple(part for _, part in newest_first if part in still), left.timed_out)
 
-    def _kept_held_otherwise(self, alloc: Allocation) -> bool:
-        """Whether ``alloc``, about to be released, is one the hardware holds under its id for another host or at
-        another size (`_held_otherwise`): then it is not released, which would free memory that is not its
-        composition's, but quarantined and reported now as memory no composition records (the composition lets
-        it go). Under the lock."""
+    def _held_now(self, pools: Mapping[str, str], away: set[str]) -> dict[tuple[str, str], Allocation] | None:
+        """What the hardware holds in ``pools`` (pool -> fabric) now, by pool and id, read before a release: None
+        when a pool cannot be read (the release then judges by the last pass, `_held_otherwise`). Outside the
+        lock."""
+        held: dict[tuple[str, str], Allocation] = {}
+        for pool, fabric in pools.items():
+            if fabric in away:
+                continue
+            try:
+                held.update(((a.pool, a.id), a) for a in self.fabrics[fabric].pool(pool).allocations())
+            except Exception:  # a driver's bug too: the release meets it, or is refused, as before
+                return None
+        return held
+
+    def _kept_held_otherwise(self, alloc: Allocation, held: Mapping[tuple[str, str], Allocation] | None) -> bool:
+        """Whether ``alloc``, about to be released, is held on the hardware under its id for another host or at
+        another size: as ``held`` (`_held_now`) shows it, or as the last pass saw it (`_held_otherwise`) when the
+        pool could not be read. Then it is not released, which would free memory that is not its composition's,
+        but quarantined and reported now as memory no composition records (the composition lets it go). Under
+        the lock."""
         key = (alloc.pool, alloc.id)
-        held = self._forget_held_otherwise(key)
-        if held is None:
+        noted = self._forget_held_otherwise(key)
+        hardware = noted if held is None else held.get(key)
+        if hardware is None or (hardware.host, hardware.amount_bytes) == (alloc.host, alloc.amount_bytes):
             return False
         log.warning(
-            "pool %s: not releasing %s, which the hardware holds for %s: quarantined", alloc.pool, alloc.id, held.host
+            "pool %s: not releasing %s, which the hardware holds for %s: quarantined",
+            alloc.pool,
+            alloc.id,
+            hardware.host,
         )
-        self._quarantine_stray(key, held)
+        self._quarantine_stray(key, hardware)
         return True
 
     def decompose(self, composition_id: str, *, deadline: float | None = None) -> None:
