@@ -58,6 +58,37 @@ class TestPorts:
         (ours,) = [v for k, v in found.items() if k != "foreign"]
         assert ours["port"] == "dsp1"
 
+    @pytest.mark.parametrize("with_id", [True, False])
+    def test_a_port_held_by_another_kind_of_device_is_skipped(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, with_id: bool
+    ) -> None:
+        """An operator's device that is not a Type-3 on dsp0 (with an id, or without one: QEMU keeps those apart):
+        only Type-3s were counted, so every allocation on the host picked dsp0 again and QEMU refused it."""
+        with RawQMP(state_dir, "h2") as qmp:
+            qmp.execute(
+                "device_add", driver="virtio-rng-pci", bus="dsp0", addr="0", **({"id": "rng0"} if with_id else {})
+            )
+        fabric.pool(POOL).allocate("a", "h2", 256 * MiB, ctx)
+        with RawQMP(state_dir, "h2") as qmp:
+            assert {v["port"] for v in qmp.type3().values()} == {"dsp1"}
+        with pytest.raises(CapacityExhaustedError, match="no free CXL downstream port"):
+            fabric.pool(POOL).allocate("b", "h2", 256 * MiB, ctx)
+
+    def test_a_refusal_of_the_type3_is_not_retryable(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """QEMU refusing the Type-3 (here a device the walk did not see, on the port it chose) was
+        FabricUnavailableError, UNAVAILABLE on the wire, which says "retry": a client retried a refusal that a
+        retry meets again. It is a conflict with the machine's state, and nothing is left of the attempt."""
+        monkeypatch.setattr("disagg_qemu_cxl.discovery._port_of", lambda monitor, path: None)
+        with RawQMP(state_dir, "h2") as qmp:
+            qmp.execute("device_add", driver="virtio-rng-pci", id="rng0", bus="dsp0", addr="0")
+        pool = fabric.pool(POOL)
+        with pytest.raises(ConflictError, match="refused the Type-3") as refused:
+            pool.allocate("a", "h2", 256 * MiB, ctx)
+        assert not refused.value.retryable and not isinstance(refused.value, FabricUnavailableError)
+        assert not pool.allocations()
+
 
 class TestUniqueness:
     """Serials and backend ids never repeat, even when the state file's counter is wound back."""

@@ -38,6 +38,9 @@ class HostView:
     objects: frozenset[str]
     """The ids under ``/objects``: a backend id is never reusable in a running QEMU, not even after its
     device is gone (7.2 keeps it "in use")."""
+    occupied: frozenset[int] = frozenset()
+    """The downstream ports a device that is not a Type-3 sits on (an operator's, through the auxiliary
+    monitor): QEMU refuses a Type-3 there, so they are not free."""
 
     def on_port(self, port: int) -> list[Type3]:
         return [d for d in self.devices if d.port == port]
@@ -87,18 +90,40 @@ def _walk(monitor: Monitor) -> HostView:
     children = monitor.execute("qom-list", {"path": PERIPHERAL})
     ports: set[int] = set()
     type3: list[tuple[str, str]] = []
+    others: list[str] = []
     for child in children:
         kind = child["type"]
         if kind == "child<cxl-downstream>" and (m := _PORT.match(child["name"])):
             ports.add(int(m.group(1)))
         elif kind == "child<cxl-type3>":
             type3.append((child["name"], f"{PERIPHERAL}/{child['name']}"))
+        elif kind.startswith("child<"):
+            others.append(f"{PERIPHERAL}/{child['name']}")
     for child in _anonymous(monitor):
         if child["type"] == "child<cxl-type3>":
             type3.append((f"anon-{child['name']}", f"{ANONYMOUS}/{child['name']}"))
+        elif child["type"].startswith("child<"):
+            others.append(f"{ANONYMOUS}/{child['name']}")
     devices = tuple(_type3(monitor, name, path) for name, path in sorted(type3))
     objects = frozenset(o["name"] for o in monitor.execute("qom-list", {"path": "/objects"}))
-    return HostView(ports=frozenset(ports), devices=devices, objects=objects)
+    occupied = frozenset(port for path in others if (port := _port_of(monitor, path)) is not None)
+    return HostView(ports=frozenset(ports), devices=devices, objects=objects, occupied=occupied & frozenset(ports))
+
+
+def _port_of(monitor: Monitor, path: str) -> int | None:
+    """The downstream port the device at ``path`` sits on, if any (its ``parent_bus`` is the port's bus); None for
+    one on another bus, or that has none."""
+    try:
+        bus = str(_get(monitor, path, "parent_bus"))
+    except QMPCommandError:
+        return None
+    m = _PORT.match(_bus_owner(bus))
+    return int(m.group(1)) if m else None
+
+
+def _bus_owner(bus: str) -> str:
+    """The name of the device whose bus ``bus`` (a QOM path) is: its last but one part."""
+    return bus.rstrip("/").split("/")[-2] if bus.count("/") >= 2 else bus
 
 
 def _get(monitor: Monitor, path: str, prop: str) -> object:
@@ -115,8 +140,7 @@ def _anonymous(monitor: Monitor) -> list[dict[str, str]]:
 
 
 def _type3(monitor: Monitor, name: str, path: str) -> Type3:
-    bus = str(_get(monitor, path, "parent_bus"))
-    parent = bus.rstrip("/").split("/")[-2] if bus.count("/") >= 2 else bus
+    parent = _bus_owner(str(_get(monitor, path, "parent_bus")))
     m = _PORT.match(parent)
     memdev = ""
     for prop in ("memdev", "volatile-memdev", "persistent-memdev"):

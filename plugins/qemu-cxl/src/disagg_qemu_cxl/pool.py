@@ -294,11 +294,11 @@ class QemuCxlPool(Pool):
         if size > free:
             raise CapacityExhaustedError(f"pool {self.id} has {free} bytes free, {size} were asked for")
         view = views[host]
-        taken = {d.port for d in view.devices}
+        taken = {d.port for d in view.devices} | view.occupied
         ports = sorted(p for p in view.ports if p not in taken)
         if not ports:
             raise CapacityExhaustedError(
-                f"host {host} has no free CXL downstream port (all {len(view.ports)} hold a Type-3)"
+                f"host {host} has no free CXL downstream port (all {len(view.ports)} hold a device)"
             )
         serials = {d.sn for v in views.values() for d in v.devices} | {r.sn for r in state.records}
         objects = set().union(*(v.objects for v in views.values()))
@@ -324,7 +324,7 @@ class QemuCxlPool(Pool):
         """Whether a record whose device QEMU does not hold can still be completed as recorded (its blocks may lie
         past the end of a pool made smaller since)."""
         view = views[record.host]
-        if record.port not in view.ports or view.on_port(record.port):
+        if record.port not in view.ports or view.on_port(record.port) or record.port in view.occupied:
             return False
         if any(o + n > self._capacity.total_bytes for o, n in record.extents):
             return False
@@ -348,9 +348,10 @@ class QemuCxlPool(Pool):
             device_sent = True
             process.monitor.execute("device_add", device_props(record))
         except QMPCommandError as exc:
+            # A refusal for the machine's state, which a retry meets again: not UNAVAILABLE, which says "retry".
             self._undo(process, added)
             self._forget(record)
-            raise FabricUnavailableError(f"QEMU of host {record.host} refused the Type-3: {exc}") from None
+            raise ConflictError(f"QEMU of host {record.host} refused the Type-3: {exc}") from None
         except DisaggError as exc:
             if device_sent and outcome_is_unknown(exc):
                 raise
