@@ -16,14 +16,14 @@ from disagg.composer import FabricComposer
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import FabricUnavailableError, StaleEpochError
 from disagg.interfaces import CallContext, EventHandler, Fabric, FaultInjection, Subscription
-from disagg.model import CompositionState, Device, FabricEvent, FabricEventKind, Health, Topology
+from disagg.model import Binding, CompositionState, Device, FabricEvent, FabricEventKind, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg.remote.watch import EventCall
 from disagg.requestlang import parse_request
 from disagg.wire.driver import EVENT_SEQUENCE_KEY, metadata_value
-from disagg_sim import SimFabric
+from disagg_sim import SimFabric, load_topology
 from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served, stub_for
 
 WAIT_S = 10.0
@@ -183,10 +183,14 @@ class TestRestart:
             remote.close()
             server.stop(grace=0)
 
-    def test_a_driver_restarted_without_state_takes_the_leader_s_epoch_as_it_reconnects(self, socket_dir: str) -> None:
+    @pytest.mark.parametrize("first_telling", ["taken", "lost"])
+    def test_a_driver_restarted_without_state_takes_the_leader_s_epoch_as_it_reconnects(
+        self, socket_dir: str, first_telling: str
+    ) -> None:
         """A driver that keeps no state knows no epoch after a restart: a deposed manager's older epoch was taken
         until the leader's next change reached it. The leader's watcher tells the driver its epoch again as it
-        reconnects, before anything else, so the older one is refused from then on."""
+        reconnects, before anything else, so the older one is refused from then on. A telling that does not reach
+        the driver (a timeout) fails the resync, which is tried again, telling it first: it went on without."""
         address = f"unix:{socket_dir}/pcie0.sock"
         server = DriverServer(pcie(), address, driver="sim").start()
         remote = RemoteFabric("pcie0", address, connect_timeout_s=5)
@@ -195,7 +199,7 @@ class TestRestart:
             composer.fence_drivers()
             composer.start()
             server.stop(grace=0)
-            fresh = pcie()
+            fresh = pcie() if first_telling == "taken" else _LosesTheFirstUnbind(load_topology("pcie0", "demo-pcie"))
             server = DriverServer(fresh, address, driver="sim").start()
             assert eventually(lambda: fresh.epoch == 7, 8.0), fresh.epoch
             with pytest.raises(StaleEpochError):
@@ -267,6 +271,18 @@ class TestRestart:
                 remote.bindings()
         finally:
             remote.close()
+
+
+class _LosesTheFirstUnbind(SimFabric):
+    """A sim fabric whose first unbind fails before it reaches the fabric, as a call that timed out."""
+
+    refused = False
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if not self.refused:
+            self.refused = True
+            raise FabricUnavailableError(f"fabric {self.name}: the call timed out")
+        super().unbind(binding, ctx)
 
 
 def _recabled(topology: Topology, how: str) -> Topology:

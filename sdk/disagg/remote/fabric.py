@@ -45,6 +45,7 @@ from disagg.errors import (
     FabricUnavailableError,
     InvalidRequestError,
     NotFoundError,
+    StaleEpochError,
     UnknownDeviceError,
 )
 from disagg.interfaces import CallContext, Device, EventHandler, Fabric, FaultInjection, Pool, Subscription
@@ -694,20 +695,17 @@ class RemoteFabric(Fabric, FaultInjection):
         """Tell the driver connected to anew the highest epoch sent to this fabric before, first of all: one that
         restarted without saved state knows none, and would take a deposed manager's older epoch until this
         manager's next change reached it. A refusal (a newer manager told it first) is this manager's next call's
-        to meet; it is logged here, as is a driver that does not answer (the resync that follows fails too)."""
+        to meet, and is logged here; any other failure fails the resync, which is tried again, telling it first
+        again: a resync that went on would leave the driver untold while its events flowed."""
         with self._lock:
             epoch, capabilities = self._epoch, self._capabilities
         if not epoch or capabilities is None or not capabilities.supports(Feature.FENCING):
             return
         try:
             self.unbind(epoch_announcement(self._name), CallContext.with_timeout(self.call_timeout_s, epoch=epoch))
-        except DisaggError as exc:
+        except StaleEpochError as exc:
             log.warning(
-                "fabric %s: could not tell the driver at %s epoch %d again: %s",
-                self._name,
-                self.address,
-                epoch,
-                exc.message,
+                "fabric %s: the driver at %s refused epoch %d: %s", self._name, self.address, epoch, exc.message
             )
 
     def _published(self) -> tuple[str, int] | None:
