@@ -4,6 +4,7 @@ cannot start says why."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -275,6 +276,35 @@ class TestStartFailure:
         with pytest.raises(KeyboardInterrupt):
             make_fabric()
         assert running_in(state_dir) == []
+
+    def test_a_driver_that_dies_before_the_pidfile_leaves_no_qemu_behind(
+        self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The driver died right after starting QEMU, before QEMU wrote its pidfile (slow on a busy machine): the
+        next driver found no pidfile and started a second QEMU beside the first, which nobody owned or reaped,
+        holding its memory; talking to the first's socket, it took that QEMU for its own."""
+        real = subprocess.Popen
+        first: list[subprocess.Popen[bytes]] = []
+
+        def dies_after_popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+            child = real(*args, **kwargs)  # type: ignore[call-overload]
+            os.kill(child.pid, signal.SIGSTOP)  # not yet at its pidfile
+            first.append(child)
+            raise KeyboardInterrupt  # as a kill of the driver: nothing of it runs on
+
+        monkeypatch.setattr(subprocess, "Popen", dies_after_popen)
+        with pytest.raises(KeyboardInterrupt):
+            make_fabric(hosts=[{"name": "h1", "ports": 2, "memory": "256M"}])
+        monkeypatch.undo()
+        try:
+            assert running_in(state_dir) == [first[0].pid]
+            fabric = make_fabric(hosts=[{"name": "h1", "ports": 2, "memory": "256M"}])
+            fabric.pool("qc/cxl-pool").allocations()
+            assert running_in(state_dir) == [qemu_pid(state_dir, "h1")] != [first[0].pid]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first[0].pid, signal.SIGKILL)
+            first[0].wait()
 
 
 class TestOneDriverPerStateDir:

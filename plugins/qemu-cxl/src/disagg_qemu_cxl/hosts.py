@@ -71,6 +71,18 @@ def _ours(pid: int, directory: Path) -> bool:
     return (b"-name", directory.name.encode()) in pairs and (b"-pidfile", PIDFILE.encode()) in pairs
 
 
+def _unowned(directory: Path, but: int | None = None) -> list[int]:
+    """The QEMUs of this host (`_ours`) other than ``but``, found by their process, not their pidfile: one that a
+    driver started and died before it wrote the pidfile, which no later start would otherwise see, and which would
+    outlive it holding its memory."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != but and _ours(int(entry.name), directory):
+                found.append(int(entry.name))
+    return found
+
+
 def _read_pid(directory: Path) -> int | None:
     try:
         return int((directory / PIDFILE).read_text().strip())
@@ -215,6 +227,13 @@ class HostProcess:
     def start(self, records: Sequence[Record]) -> None:
         exe = find_qemu(self.qemu)
         make_directories(self.dir)
+        # Called when no pidfile names a QEMU of this host that runs: one that runs all the same was started by a
+        # driver that died before QEMU wrote the pidfile. It never answered a call and holds only what the records
+        # cold-plug, which the new one cold-plugs again: it is stopped, not left to run beside it.
+        for pid in _unowned(self.dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid, None, STOP_TIMEOUT_S)
         for name in (QMP_SOCKET, AUX_SOCKET, PIDFILE):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
@@ -252,7 +271,7 @@ class HostProcess:
                 raise FabricUnavailableError(
                     f"QEMU for host {self.name} exited with {child.returncode} at start: {self.log_tail()}"
                 )
-            if (self.dir / QMP_SOCKET).exists():
+            if (self.dir / QMP_SOCKET).exists() and _read_pid(self.dir) == child.pid:  # its own socket, no other's
                 try:
                     self.monitor.connect(self.dir / QMP_SOCKET, timeout=RECONNECT_TIMEOUT_S)
                     return
@@ -301,9 +320,12 @@ class HostProcess:
         return self._child is not None or _ours(pid, self.dir)
 
     def _forget(self) -> None:
-        self.pid, self._child = None, None
-        with contextlib.suppress(FileNotFoundError):
-            (self.dir / PIDFILE).unlink()
+        """Forget this host's QEMU, and its pidfile unless that names another QEMU that runs."""
+        pid, self.pid, self._child = self.pid, None, None
+        named = _read_pid(self.dir)
+        if named is None or named == pid or not _ours(named, self.dir):
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / PIDFILE).unlink()
 
     def restart(self, records: Sequence[Record]) -> None:
         """Stop this QEMU and start a new one with exactly ``records`` cold-plugged."""
