@@ -13,7 +13,7 @@ import pytest
 from cxl_switch_served import ServedSwitch, command_of
 from cxl_switch_wire import ld_units
 from disagg.composer.execution import in_doubt
-from disagg.errors import DeviceBusyError, DisaggError, FabricUnavailableError
+from disagg.errors import DeviceBusyError, DisaggError, FabricUnavailableError, InvalidRequestError
 from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg_cxl_switch import CCIMessage
@@ -113,6 +113,20 @@ def test_an_ld_the_peer_bound_after_the_drivers_read_is_retried(bench: Bench) ->
     retried = pool.allocate("a", "h0", GIB, ctx())
     assert sorted((a.id, a.host) for a in pool.allocations()) == [("a", "h0"), ("ld-0", "h1")]
     assert retried.amount_bytes == GIB
+
+
+@pytest.mark.parametrize("named", ["ld-0", "tag-" + "ab" * 16])
+def test_an_id_of_the_form_the_peer_s_memory_is_listed_by_is_refused(bench: Bench, named: str) -> None:
+    """The pool lists an LD the peer bound as ``ld-<n>`` (a tag it did not set as ``tag-<hex>``): an allocation
+    under that id was taken for the peer's memory, answered without a carve, and its release freed the peer's."""
+    bench.peer.call(Opcode.BIND_VPPB, BindVPPBRequest(H1_VCS, 0, MLD_PORT, 0))
+    pool = bench.fabric.pool(f"f/mld-port{MLD_PORT}")
+    before = sorted((a.id, a.host) for a in pool.allocations())
+    assert before == [("ld-0", "h1")]
+    with pytest.raises(InvalidRequestError, match="choose another id") as refused:
+        pool.allocate(named, "h1", GIB, ctx())
+    assert refused.value.field == "allocation_id"
+    assert sorted((a.id, a.host) for a in pool.allocations()) == before
 
 
 def bind_gpu(bench: Bench) -> object:

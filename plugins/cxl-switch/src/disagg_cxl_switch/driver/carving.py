@@ -4,6 +4,7 @@ device refused."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,12 @@ from disagg_cxl_switch.driver.client import CommandFailedError
 
 if TYPE_CHECKING:
     from disagg_cxl_switch.driver.fabric import CxlSwitchFabric
+
+
+UNRECORDED = re.compile(r"ld-[0-9]+|tag-[0-9a-f]{32}")
+"""The names the pools list memory by that the driver holds no record of (an LD bound by another manager, a
+tag it did not set): an allocation id of one of these forms would be taken for that memory, by an allocate that
+then carved nothing and by a release that freed it."""
 
 
 def admit(
@@ -33,6 +40,12 @@ def admit(
     driver started may not have given yet."""
     fabric.state.fence(ctx.epoch)
     check_id(allocation_id, "allocation_id")
+    if UNRECORDED.fullmatch(allocation_id):
+        raise InvalidRequestError(
+            f"allocation id {allocation_id!r} has the form this driver names memory by that it holds no record of "
+            "(ld-<n>, tag-<32 hex digits>): another manager's, say; choose another id",
+            field="allocation_id",
+        )
     check_id(host, "host")
     if amount_bytes <= 0:
         raise InvalidRequestError(f"allocation {allocation_id}: amount {amount_bytes} is not positive")
