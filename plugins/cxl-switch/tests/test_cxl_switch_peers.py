@@ -26,13 +26,17 @@ from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
     LDAllocation,
     Opcode,
+    SetDCRegionConfigRequest,
     SetLDAllocationsRequest,
     UnbindOption,
     UnbindVPPBRequest,
 )
 
+MIB = 1 << 20
 H1_VCS = 1
 GPU_PORT, OTHER_GPU_PORT, MLD_PORT = 2, 3, 4
+DCD_PORT = 4
+"""Where the DCD sits on a switch without an MLD."""
 
 
 def ctx() -> CallContext:
@@ -127,6 +131,29 @@ def test_an_id_of_the_form_the_peer_s_memory_is_listed_by_is_refused(bench: Benc
         pool.allocate(named, "h1", GIB, ctx())
     assert refused.value.field == "allocation_id"
     assert sorted((a.id, a.host) for a in pool.allocations()) == before
+
+
+def test_a_dc_region_the_peer_reconfigured_is_read_again(tmp_path: Path) -> None:
+    """The peer sets the DCD's empty region to 256 MiB blocks after the driver read its 2 MiB ones: the driver kept
+    rounding to 2 MiB, and the DCD refused every add with Invalid Input, which the driver answers as retryable, for
+    good. The refusal makes it read the regions again, and the retry it invites carves."""
+    state = default_topology(gpus=2, ld_count=0, dc_capacity=GIB, dc_regions=1)
+    served = ServedSwitch(Switch(state, bind_delay=0.0), tmp_path / "s.sock")
+    fabric = create_fabric("f", {"address": served.address, "gpus": 2})
+    peer = CCIClient(served.address)
+    try:
+        pool = fabric.pool(f"f/dcd-port{DCD_PORT}")
+        assert pool.info().capacity.block_bytes == 2 * MIB
+        peer.tunnel(DCD_PORT, Opcode.SET_DC_REGION_CONFIG, SetDCRegionConfigRequest(0, 256 * MIB))
+        with pytest.raises(FabricUnavailableError) as refused:
+            pool.allocate("m", "h0", 2 * MIB, ctx())
+        assert refused.value.retryable
+        assert pool.allocate("m", "h0", 2 * MIB, ctx()).amount_bytes == 256 * MIB
+        assert pool.info().capacity.block_bytes == 256 * MIB
+    finally:
+        fabric.close()
+        peer.close()
+        served.close()
 
 
 def bind_gpu(bench: Bench) -> object:

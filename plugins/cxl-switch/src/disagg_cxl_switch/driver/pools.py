@@ -151,6 +151,11 @@ class DCDPool(Pool):
                     if exc.return_code == ReturnCode.RESOURCES_EXHAUSTED:
                         continue
                     self._fabric.state.forget_tag(allocation_id)  # refused: no extent carries the tag
+                    if exc.return_code == ReturnCode.INVALID_INPUT:
+                        # The regions may have changed since they were read (another fabric manager's Set DC
+                        # Region Config, its block size): read them again for the retry this error invites, which
+                        # would otherwise round to the old block size and be refused the same way for good.
+                        self._read = None
                     raise tunnel_error(exc, f"allocation {allocation_id}") from None
                 return next(a for a in self._held(ctx) if a.id == allocation_id)
             self._fabric.state.forget_tag(allocation_id)
