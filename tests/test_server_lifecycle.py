@@ -17,13 +17,14 @@ import grpc
 import pytest
 from composer_helpers import rack
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, FabricUnavailableError
+from disagg.errors import ConfigError, FabricUnavailableError, answered_not_serving
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.model import CompositionState, EventType, Topology
 from disagg.server import SERVICE_NAME, FabricManagerServer, parse_listener
 from disagg.store import MemoryStore, SqliteStore
+from disagg.wire.errors import from_rpc_error
 from disagg_sim import SimFabric, load_topology
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -462,9 +463,13 @@ class TestLedgerFailure:
             with pytest.raises(grpc.RpcError) as info:
                 compose(channel)
             assert info.value.code() is grpc.StatusCode.UNAVAILABLE and "disk is full" in (info.value.details() or "")
+            # The call that met the failure says, as every later one, that this server does not serve: a client
+            # of several replicas retries it until its deadline, for another to answer.
+            assert answered_not_serving(from_rpc_error(info.value)), "the call that met the failure lacks the mark"
             with pytest.raises(grpc.RpcError) as retried:  # at once, before the server's next tick
                 compose(channel)
             assert retried.value.code() is grpc.StatusCode.UNAVAILABLE, "a retry was told the name is taken"
+            assert answered_not_serving(from_rpc_error(retried.value))
             assert stopped.wait(5), "the server went on serving"
             assert "disk is full" in failed[0]
             assert health_of(channel) == health_pb2.HealthCheckResponse.NOT_SERVING

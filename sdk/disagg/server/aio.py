@@ -33,7 +33,7 @@ import grpc.aio
 
 from disagg.composer import steps
 from disagg.composer.steps import Steps
-from disagg.errors import DisaggError
+from disagg.errors import DisaggError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.context import RpcContext, ThreadedContext
@@ -136,14 +136,18 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         loop = asyncio.get_running_loop()
         change = functools.partial(change_of, request, ThreadedContext(context, loop))
         store = self.servicer.composer.store
-        if store.writes_block:
-            return await self._in_thread(change, store, loop)
-        if self._join_group(loop, store):
-            future: asyncio.Future[T] = loop.create_future()
-            self._held.append((change, future))
-            return await future
-        outcome = self._start(change(), loop)
-        return outcome.result() if isinstance(outcome, steps.Done) else await outcome
+        try:
+            if store.writes_block:
+                return await self._in_thread(change, store, loop)
+            if self._join_group(loop, store):
+                future: asyncio.Future[T] = loop.create_future()
+                self._held.append((change, future))
+                return await future
+            outcome = self._start(change(), loop)
+            return outcome.result() if isinstance(outcome, steps.Done) else await outcome
+        except FabricUnavailableError as exc:
+            self.servicer.mark_if_not_serving(exc)
+            raise
 
     async def _in_thread(self, change: Callable[[], Steps[T]], store: Store, loop: asyncio.AbstractEventLoop) -> T:
         """Run the change ``change()`` makes to its end in a thread of ``waits`` (`steps.run`), for a ledger whose

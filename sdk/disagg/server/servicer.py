@@ -20,7 +20,15 @@ import attrs
 
 from disagg.composer import FabricComposer, KindUsage, PoolUsage, steps
 from disagg.composer.steps import Steps
-from disagg.errors import DisaggError, InvalidRequestError, NotFoundError, not_serving
+from disagg.errors import (
+    NOT_SERVING,
+    SERVING,
+    DisaggError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    not_serving,
+)
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -82,7 +90,11 @@ def _unary(fn: Callable[[S, Q, RpcContext], R]) -> Callable[[S, Q, RpcContext], 
     @functools.wraps(fn)
     def rpc(self: S, request: Q, context: RpcContext) -> R:
         self.check_ready()
-        return fn(self, request, context)
+        try:
+            return fn(self, request, context)
+        except FabricUnavailableError as exc:
+            self.mark_if_not_serving(exc)
+            raise
 
     return rpc
 
@@ -191,6 +203,18 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         if failure:  # from the failed commit on, not from the server's next tick: a retry must not run meanwhile
             raise not_serving(ledger_failed(failure))
         self.check_lead()
+
+    def mark_if_not_serving(self, error: FabricUnavailableError) -> None:
+        """Mark ``error``, which a change ended with, `NOT_SERVING` when this replica no longer serves now (its
+        ledger failed during the change, it lost the lead): as every later call is, so that a client of several
+        replicas retries it until its deadline, for another replica to answer, not only as often as its policy
+        retries a driver that could not be reached. An error that is no "retry" (a driver's bug) is left alone."""
+        if not error.retryable:
+            return
+        try:
+            self.check_ready()
+        except FabricUnavailableError:
+            error.metadata = {**error.metadata, SERVING: NOT_SERVING}  # a dict of its own: never a remembered one
 
     def check_lead(self) -> None:
         """UNAVAILABLE once this replica may no longer lead (its lease ran out unrefreshed, or it lost the lead),
