@@ -427,6 +427,59 @@ class TestTheRequestOfAChangeARestartFinished:
             first.close()
 
 
+class TestALostAnswerThenAChangeACrashInterrupted:
+    """A Compose's answer a crash lost, then a change of its composition that another crash interrupts: the next
+    start's recovery finished that change before it took the request id from the composition's record, which then
+    no longer named it, so the id was forgotten and its retry composed a second time (or was refused as a name
+    taken). The id is taken before recovery: the retry is refused as lost, or answered with what it made."""
+
+    @pytest.mark.parametrize(
+        ("change", "point", "hit"),
+        [
+            ("decompose", "decompose.during_release", 1),
+            ("decompose", "decompose.during_release", 3),
+            ("decompose", "decompose.before_commit", 1),
+            ("remove", "recompose.during_release", 1),
+            ("remove", "recompose.before_commit", 1),
+            ("add", "recompose.before_commit", 1),
+        ],
+    )
+    def test_its_retry_is_not_carried_out_again(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, point: str, hit: int
+    ) -> None:
+        request = parse_request("job", ["host h1", "gpu x2", "cxl-memory 8GiB"])
+        first = opened(tmp_path)
+        job = first.compose(request, request_id="R1").composition
+        assert job is not None
+        first.close()
+        lose_answers(tmp_path)
+        second = opened(tmp_path)
+        held = crash_at(monkeypatch, second, point, hit)
+        with pytest.raises(KeyboardInterrupt):
+            if change == "decompose":
+                second.decompose(job.id)
+            elif change == "remove":
+                second.recompose(job.id, remove=(job.device_ids[0],))
+            else:
+                second.recompose(job.id, add=parse_request("x", ["gpu x1"]).resources)
+        monkeypatch.undo()
+        third = opened(tmp_path)
+        try:
+            before = ([(c.id, c.device_ids) for c in third.compositions()], third.fabrics["pcie0"].bindings())
+            try:
+                answered = third.compose(request, request_id="R1").composition
+            except RequestAnswerLostError:
+                answered = None
+            # An undone change leaves the record as it was but for its generation: the same composition.
+            assert answered is None or (answered.id, answered.device_ids) == (job.id, job.device_ids)
+            after = ([(c.id, c.device_ids) for c in third.compositions()], third.fabrics["pcie0"].bindings())
+            assert after == before, "the retry of R1 was carried out again"
+        finally:
+            third.close()
+            held.release()
+            second.close()
+
+
 class TestMemoryHeldOtherwiseAcrossACrash:
     def test_a_restart_that_finishes_the_decompose_keeps_it(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -224,6 +224,11 @@ def _composed(answer: object) -> bool:
     return isinstance(answer, ComposeResult) and answer.mode is ComposeMode.APPLY and answer.composition is not None
 
 
+def _being_made(comp: Composition) -> bool:
+    """Whether ``comp`` is a new composition whose compose is in flight, or was when a crash interrupted it."""
+    return comp.pending is not None and comp.pending.kind is ChangeKind.ADD and comp.pending.restore is None
+
+
 def _pending_extras(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
     """What the composition's change in flight names beyond the composition's own devices and memory: an ADD's
     additions (a REMOVE names only what is its own)."""
@@ -457,6 +462,11 @@ class FabricComposer(Composer):
             # Before expiry: a reservation that ran out while no fabric manager ran still tells its request id, whose
             # answer a crash may have lost (`_seed_requests`).
             self._seed_from(list(self._reservations.values()))
+            # Before recovery: a composition's record that names a finished change may be all that tells of its
+            # request id; should recovery delete or replace it (finish a decompose or a removal), the id turns into
+            # REQUEST_ANSWER_LOST (`_lose_seed`) rather than be forgotten, and its retry carried out again. One being
+            # made names its own change, which recovery finishes and answers, or undoes.
+            self._seed_from([c for c in self._compositions.values() if not _being_made(c)])
             self._expire_locked()
             self._loaded = True
         later: tuple[Callable[[], object], ...] = (
