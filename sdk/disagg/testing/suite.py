@@ -33,7 +33,7 @@ from disagg.errors import (
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import CallContext, Fabric, FaultInjection, check_id
+from disagg.interfaces import CallContext, Fabric, FaultInjection, check_id, epoch_announcement
 from disagg.interfaces.fabric import MAX_ID
 from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Health, PoolInfo, Topology
 from disagg.model import Device as DeviceInfo
@@ -165,8 +165,10 @@ _ANNOUNCEMENT = "a new leader's announcement (an unbind of <fabric>/disagg-fence
 
 
 def _fence_of(tracker: Tracker) -> tuple[str, str]:
-    """The binding whose unbind announces a new fabric manager's epoch: a no-op that fences (docs/ha.md)."""
-    return f"{tracker.fabric.name}/disagg-fence", "disagg-fence"
+    """The binding whose unbind announces a new fabric manager's epoch (`epoch_announcement`): a no-op that fences
+    (docs/ha.md)."""
+    fence = epoch_announcement(tracker.fabric.name)
+    return fence.device, fence.host
 
 
 def _expect_pool_fenced(tracker: Tracker, info: PoolInfo, host: str, *, stale: int, seen: int, via: str) -> None:
