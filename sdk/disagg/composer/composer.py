@@ -1589,10 +1589,15 @@ class FabricComposer(Composer):
         (`_held_otherwise`), claiming in the index what it holds beyond the record, and forget those it no
         longer holds so; those of ``aside`` (touched by a change while the hardware was read) wait for the next
         pass. The composition is DEGRADED by the pass (`_judge_standing`). Under the lock."""
-        for key, alloc in sorted(carved.items()):
-            want = recorded_as.get(key)
-            if want is None or key in aside or (alloc.host, alloc.amount_bytes) == want:
+        otherwise = {
+            key: alloc
+            for key, alloc in carved.items()
+            if key in recorded_as and (alloc.host, alloc.amount_bytes) != recorded_as[key]
+        }
+        for key, alloc in sorted(otherwise.items()):
+            if key in aside:
                 continue
+            want = recorded_as[key]
             extra = max(0, alloc.amount_bytes - want[1])
             if self._held_otherwise.get(key) == (alloc, extra):
                 continue
@@ -1610,13 +1615,7 @@ class FabricComposer(Composer):
                 *want,
             )
         for key in sorted(self._held_otherwise):
-            hardware = carved.get(key)
-            still = (
-                hardware is not None
-                and key in recorded_as
-                and (hardware.host, hardware.amount_bytes) != recorded_as[key]
-            )
-            if key[0] in pools_read and key not in aside and not still:
+            if key[0] in pools_read and key not in aside and key not in otherwise:
                 self._forget_held_otherwise(key)
 
     def _forget_held_otherwise(self, key: tuple[str, str]) -> Allocation | None:
