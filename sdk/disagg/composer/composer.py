@@ -804,7 +804,9 @@ class FabricComposer(Composer):
         A binding or allocation that no composition records is quarantined (the device cordoned, the memory
         kept out of placement) and reported, never silently removed; a composition whose device or memory the
         hardware no longer holds, or whose device discovery reports unhealthy, becomes DEGRADED (with auto-heal,
-        one whose only trouble is unhealthy devices is then healed). Compositions with a change in flight are
+        one whose only trouble is unhealthy devices is then healed). A fabric whose driver sends no health events
+        (`_tells_health`) is discovered again, outside the lock, and the health it reports applied as its events
+        would have (`_take_health`). Compositions with a change in flight are
         left alone, and so are fabrics that cannot be read now. What a change touched while the hardware was read
         (its composition, the devices and memory its record held before or after) is set aside for the next pass
         (`_Touched`), so that a change racing with the read is never mistaken for an orphan or a loss, while
@@ -820,9 +822,15 @@ class FabricComposer(Composer):
                 pools.setdefault(entry.info.fabric, []).append(entry.info.id)
             # One counted unreachable has no pools in the index: read, it would seem to hold no memory at all.
             away = set(self._unreachable)
+            heard = dict(self._heard)
         try:
             bound, carved, read, pools_read = self._read_hardware(pools, away)
-            lost = {name for name in self.fabrics if name not in away and name not in read and self._silent(name)}
+            # Discovered: one not read, to tell a driver that stopped from a listing that failed; and one that
+            # tells no failure, to learn its devices' health. One that does not answer counts as unreachable.
+            unheard = {name for name in self.fabrics if name not in away and not self._tells_health(name)}
+            asked = [name for name in self.fabrics if name not in away and (name not in read or name in unheard)]
+            found = {name: topology for name in asked if (topology := self._discovered(name)) is not None}
+            lost = set(asked) - set(found)
         except BaseException:
             with self._lock:
                 self._unwatch(watch)
@@ -830,6 +838,7 @@ class FabricComposer(Composer):
         with self._lock:
             self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
             lost_now = self._lose(lost)
+            told, sickened = self._take_health({n: t for n, t in found.items() if n in unheard}, heard)
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -838,7 +847,7 @@ class FabricComposer(Composer):
                     len(watch.devices),
                     len(watch.allocations),
                 )
-            changes = lost_now + self._quarantine_bindings(bound, watch.devices, read)
+            changes = lost_now + told + self._quarantine_bindings(bound, watch.devices, read)
             recorded_as = {
                 (a.pool, a.id): (c.host, a.amount_bytes) for c in self._compositions.values() for a in _holdings(c)[1]
             }
@@ -847,6 +856,9 @@ class FabricComposer(Composer):
             changes += self._drop_unhealthy_reservations()
             judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions)
             changes += judged
+            # Healed as after the event that would have told it: at once, with no back-off.
+            degraded.update(sickened)
+            healable += [c for c in dict.fromkeys(sickened) if c not in healable]
         if self.auto_heal:
             # Every composition that healing can mend: one degraded by this pass, one whose device failed while no
             # composer ran, and one whose heal found no replacement before (a device freed or repaired since may
@@ -854,17 +866,47 @@ class FabricComposer(Composer):
             changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
         return changes
 
-    def _silent(self, name: str) -> bool:
-        """Whether fabric ``name``, whose hardware a pass could not read, does not answer discovery either (its
-        driver stopped: a driver that dies sends no event to say so). Outside the lock."""
+    def _tells_health(self, name: str) -> bool:
+        """Whether fabric ``name``'s driver declares HEALTH_EVENTS: its events are the source of its devices'
+        health, and a pass need not discover it again to learn it. One that cannot say is asked (`_discovered`).
+        Outside the lock."""
         try:
-            self.fabrics[name].discover()
+            return self.fabrics[name].capabilities().supports(Feature.HEALTH_EVENTS)
+        except Exception:  # a driver's bug too: its discovery tells whether it can be used
+            return False
+
+    def _discovered(self, name: str) -> Topology | None:
+        """What fabric ``name`` discovers now for a pass; None when it does not answer (a driver that dies sends
+        no event to say so). Outside the lock."""
+        try:
+            return self.fabrics[name].discover()
         except Exception:  # a driver's bug too: it cannot be used
-            return True
-        return False
+            return None
+
+    def _take_health(self, found: Mapping[str, Topology], heard: Mapping[str, int]) -> tuple[int, list[str]]:
+        """Apply the health of each device that ``found`` (what a pass discovered of fabrics that send no health
+        events) reports otherwise than the index, as a DEVICE_HEALTH event of it would (`_health_changed`): a
+        failure such a fabric does not tell is otherwise seen only at its next event, return or restart. Returns
+        how many devices changed, and the compositions a failure leaves to heal. A fabric unreachable now, or
+        heard from since the pass began (``heard``: an event, a rebuild that asked it), is left as that left it:
+        this answer may be older. Under the lock."""
+        changed, sickened = 0, []
+        for name, topology in found.items():
+            if name in self._unreachable or self._heard.get(name) != heard.get(name):
+                continue
+            for device in topology.devices:
+                known = self._inv.devices.get(device.id)
+                if known is None or known.fabric != name or known.health is device.health:
+                    continue
+                changed += 1
+                why = f"reconciliation found it {device.health.value}; fabric {name} sends no health events"
+                affected = self._health_changed(name, device.id, device.health, why)
+                if device.health is not Health.OK:
+                    sickened += affected
+        return changed, sickened
 
     def _lose(self, names: set[str]) -> int:
-        """Count the fabrics of ``names`` that answered before as unreachable (`_silent`): their compositions
+        """Count the fabrics of ``names`` that answered before as unreachable (`_discovered`): their compositions
         become UNKNOWN, their devices leave the index, and `retry_unreachable` asks them again, as at start-up.
         Nothing else tells of a driver that stopped: an event asks only its own fabric (`_apply_event`). Returns
         how many. Under the lock."""
