@@ -169,6 +169,24 @@ class DriverError(FabricUnavailableError):
     retryable = False
 
 
+class LeadershipLostError(FabricUnavailableError):
+    """A ledger write was refused because the leader key is no longer this replica's: another replica leads
+    now. Nothing was written, unless an earlier copy of this write whose answer was lost landed while this
+    replica led and the new leader wrote since (the new leader loaded it); the call may succeed on the replica
+    that leads. The etcd ledger raises it; it is defined here so that a client rebuilds it without etcd's
+    modules."""
+
+    reason = "LEADERSHIP_LOST"
+
+
+class LedgerNotFencedError(FabricUnavailableError):
+    """A write to a store that was neither fenced nor made ``unfenced``: the etcd ledger is the replicas', and
+    only the one that leads may write it. Defined here, as `LeadershipLostError` is."""
+
+    reason = "LEDGER_NOT_FENCED"
+    retryable = False
+
+
 class DeadlineExceededError(DisaggError):
     """The call's deadline passed before it finished; its effect is unknown until the next discovery."""
 
@@ -209,6 +227,8 @@ __all__ = [
     "HostUnreachableError",
     "InternalError",
     "InvalidRequestError",
+    "LeadershipLostError",
+    "LedgerNotFencedError",
     "NoFitError",
     "NotFoundError",
     "OverloadedError",

@@ -56,7 +56,14 @@ import requests
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 
 from disagg import codec
-from disagg.errors import ConfigError, DisaggError, FabricUnavailableError, InvalidRequestError
+from disagg.errors import (
+    ConfigError,
+    DisaggError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    LeadershipLostError,
+    LedgerNotFencedError,
+)
 from disagg.model import Composition, Event, Reservation
 from disagg.store.base import (
     REQUEST_RETENTION,
@@ -138,23 +145,6 @@ def write_patience(lease_ttl_s: float) -> float:
     election after a member's death, short enough to end within the leader's lease, after which the lead may
     be lost anyway."""
     return PATIENCE_REQUESTS * request_timeout(lease_ttl_s)
-
-
-class LeadershipLostError(FabricUnavailableError):
-    """A ledger write was refused because the leader key is no longer this replica's: another replica leads
-    now. Nothing was written, unless an earlier copy of this write whose answer was lost landed while this
-    replica led and the new leader wrote since (the new leader loaded it); the call may succeed on the replica
-    that leads."""
-
-    reason = "LEADERSHIP_LOST"
-
-
-class LedgerNotFencedError(FabricUnavailableError):
-    """A write to a store that was neither fenced nor made ``unfenced``: the etcd ledger is the replicas', and
-    only the one that leads may write it."""
-
-    reason = "LEDGER_NOT_FENCED"
-    retryable = False
 
 
 def _b64(data: bytes) -> str:

@@ -8,7 +8,7 @@ Every error carries an ``ErrorInfo`` (domain ``disagg``, the SDK's stable reason
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import grpc
 from google.protobuf import any_pb2
@@ -157,13 +157,39 @@ def to_status(error: e.DisaggError) -> grpc.Status:
     return result
 
 
-def _subclasses(cls: type[e.DisaggError]) -> Iterator[type[e.DisaggError]]:
-    yield cls
-    for sub in cls.__subclasses__():
-        yield from _subclasses(sub)
-
-
-_BY_REASON = {cls.reason: cls for cls in _subclasses(e.DisaggError)}
+REBUILT: tuple[type[e.DisaggError], ...] = (
+    e.DisaggError,
+    e.InvalidRequestError,
+    e.ConfigError,
+    e.NotFoundError,
+    e.UnknownDeviceError,
+    e.UnknownHostError,
+    e.DeviceBusyError,
+    e.HostUnreachableError,
+    e.StaleEpochError,
+    e.NoFitError,
+    e.CapacityExhaustedError,
+    e.ConflictError,
+    e.AlreadyExistsError,
+    e.RequestIdReusedError,
+    e.RequestAnswerLostError,
+    e.RollbackIncompleteError,
+    e.RevisionCompactedError,
+    e.UnsupportedError,
+    e.FabricUnavailableError,
+    e.DriverError,
+    e.LeadershipLostError,
+    e.LedgerNotFencedError,
+    e.DeadlineExceededError,
+    e.OverloadedError,
+    e.InternalError,
+    e.PluginError,
+)
+"""Every error a status's reason names, each rebuilt as itself (`from_rpc_error`): listed, not found among the
+subclasses of `DisaggError`, which are those some module imported, so that a client that never imports the etcd
+ledger rebuilds its `LeadershipLostError` all the same, and a plugin's own class that keeps its base's reason
+takes nothing from the base. A class whose reason is not here comes back as the class of its status code."""
+_BY_REASON = {cls.reason: cls for cls in REBUILT}
 _BY_CODE = {code: cls for cls, code in reversed(_CODES)}
 
 
