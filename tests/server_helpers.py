@@ -22,7 +22,7 @@ import grpc
 import pytest
 from composer_helpers import hardware_bindings, rack
 from disagg.composer import FabricComposer
-from disagg.errors import DisaggError
+from disagg.errors import DisaggError, InvalidRequestError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
@@ -233,6 +233,23 @@ def socket_path(tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ test fabrics
+
+
+REFUSED_ID = "has the form this driver names memory by that it holds no record of"
+
+
+def refuse_allocation_ids(fabric: Fabric, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every pool of ``fabric`` refuse each allocation id as cxl-switch refuses ``ld-<n>``: as an invalid
+    ``allocation_id``, which the composer made, not the client. Returns the ids it was asked for."""
+    asked: list[str] = []
+
+    def refuse(allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Any:
+        asked.append(allocation_id)
+        raise InvalidRequestError(f"allocation id {allocation_id!r} {REFUSED_ID}", field="allocation_id")
+
+    for pool in fabric.discover().pools:
+        monkeypatch.setattr(fabric.pool(pool.id), "allocate", refuse)
+    return asked
 
 
 class SecretBind(SimFabric):

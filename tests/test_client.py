@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from composer_helpers import hardware_allocations, rack
 from disagg.client import MAX_TIMEOUT_S, FabricManagerClient, RetryPolicy
 from disagg.client import _client as client_module
 from disagg.composer import FabricComposer
@@ -50,11 +51,13 @@ from disagg.requestlang import parse_request, parse_resource
 from disagg.wire.errors import from_rpc_error, to_status
 from disagg_sim import SimFabric, create_fabric
 from server_helpers import (
+    REFUSED_ID,
     Churn,
     SecretBind,
     Served,
     cordons,
     gpu,
+    refuse_allocation_ids,
     replay,
     serving,
     serving_servicer,
@@ -438,6 +441,25 @@ class TestErrors:
             with client, pytest.raises(DriverError) as info:
                 client.compose(parse_request("bug", ["gpu"]))
             assert "secret" not in info.value.message and running.composer.compositions() == []
+
+    def test_a_driver_refusing_an_argument_the_composer_made_is_no_invalid_request(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A driver's InvalidRequestError about an allocation id (the composer's, not the client's) arrived as
+        INVALID_ARGUMENT naming a field the client's request does not have: "fix your request", though it was
+        valid. It is the DriverError of that fabric, with the driver's words, not retried, all rolled back."""
+        fabrics = rack()
+        asked = refuse_allocation_ids(fabrics["cxl0"], monkeypatch)
+        with serving(socket_path(tmp_path), fabrics) as running:
+            client = FabricManagerClient(running.address, timeout_s=10, retries=FAST)
+            with client, pytest.raises(DisaggError) as info:
+                client.compose(parse_request("mem", ["gpu", "cxl-memory 512GiB"]))
+            assert running.composer.compositions() == [] and running.bindings() == {}
+        assert type(info.value) is DriverError and not info.value.retryable
+        assert "fabric 'cxl0'" in info.value.message and REFUSED_ID in info.value.message
+        named = {"fabric": "cxl0", "argument": "allocation_id", "cause": "INVALID_REQUEST"}
+        assert named.items() <= info.value.metadata.items()
+        assert len(asked) == 1 and hardware_allocations(fabrics) == {}
 
     @pytest.mark.parametrize(
         "address", ["", " unix:/x", "INFO\n127.0.0.1:1", "127.0.0.1", "127.0.0.1:", "127.0.0.1:-1", "127.0.0.1:abc"]

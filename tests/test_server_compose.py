@@ -26,6 +26,7 @@ from disagg.store import SqliteStore
 from disagg.wire.fabric import STATE_FROM_WIRE, compose_request_to_wire, event_from_wire
 from disagg_sim import SimFabric, create_fabric, load_topology
 from server_helpers import (
+    REFUSED_ID,
     WAIT_S,
     Churn,
     SecretBind,
@@ -34,6 +35,7 @@ from server_helpers import (
     fails,
     failure_of,
     gpu,
+    refuse_allocation_ids,
     replay,
     serving,
     sim,
@@ -294,6 +296,19 @@ class TestCompose:
             assert nothing_left(served)
             assert all("secret text" not in e.message for e in served.composer.events())
         assert "secret text" in caplog.text
+
+    def test_a_driver_refusing_an_argument_the_composer_made_is_internal(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """INVALID_ARGUMENT with a field violation on ``allocation_id``, which no ComposeRequest has, told the
+        client to fix a request that was valid."""
+        fabrics = rack()
+        refuse_allocation_ids(fabrics["cxl0"], monkeypatch)
+        with serving(socket_path(tmp_path), fabrics) as served:
+            failed = fails(served.stub.Compose, compose_request("mem", gpu(1), MEMORY))
+            assert failed.code is grpc.StatusCode.INTERNAL and failed.reason == "DRIVER_ERROR"
+            assert failed.fields == () and "cxl0" in failed.message and REFUSED_ID in failed.message
+            assert nothing_left(served)
 
     def test_32_concurrent_composes_for_the_last_free_device(self, served: Served) -> None:
         gpus = [d.id for d in served.composer.devices() if d.kind.value == "gpu"]

@@ -159,10 +159,11 @@ class FabricUnavailableError(DisaggError):
 
 
 class DriverError(FabricUnavailableError):
-    """A driver raised an exception that is not an SDK error (a bug in the driver); the call was rolled back.
+    """A driver raised an exception that is not an SDK error (a bug in the driver), or refused as invalid an
+    argument the composer made (the two disagree); the call was rolled back, and a gRPC client sees INTERNAL.
 
-    The message names the fabric and the exception's type only; its text goes to the fabric manager's log, and
-    a gRPC client sees INTERNAL.
+    The message names the fabric and the exception's type only, its text going to the fabric manager's log; or
+    the fabric and the driver's refusal, an SDK error's message, meant for the caller.
     """
 
     reason = "DRIVER_ERROR"

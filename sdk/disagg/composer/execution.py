@@ -13,6 +13,7 @@ from disagg.errors import (
     DisaggError,
     DriverError,
     FabricUnavailableError,
+    InvalidRequestError,
     NotFoundError,
     outcome_is_unknown,
 )
@@ -62,6 +63,26 @@ def driver_error(fabric: str, exc: Exception) -> DriverError:
         f"incident {incident} in the fabric manager's log",
         metadata={"fabric": fabric, "incident": incident},
     )
+
+
+def refused_argument(fabric: str, exc: InvalidRequestError) -> DriverError:
+    """The SDK error for a driver's refusal of an argument of its call: the composer made every one (a device
+    or allocation id, the host it placed on), so the caller's request is not what is wrong, and INVALID_ARGUMENT,
+    which tells a client to change it and never retry, would name a field it does not have. The composer and
+    the driver disagree, a bug of one of them: INTERNAL, keeping the driver's words, which an SDK error's
+    message is meant for a caller to read."""
+    what = f"the {exc.field} the composer gave it" if exc.field else "an argument the composer gave it"
+    return DriverError(
+        f"fabric {fabric!r} refused {what}: {exc.message}",
+        metadata={**exc.metadata, "fabric": fabric, "argument": exc.field, "cause": exc.reason},
+    )
+
+
+def answer_of(fabric: str, exc: Exception) -> DisaggError:
+    """What a driver call on ``fabric`` that raised ``exc`` answers the composer's caller."""
+    if isinstance(exc, InvalidRequestError):
+        return refused_argument(fabric, exc)
+    return exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
 
 
 def in_doubt(exc: Exception) -> bool:
@@ -131,7 +152,7 @@ class Executor:
                 trying = None
                 failpoints.hit(f"{stage}.after_allocate")
         except Exception as exc:
-            error = exc if isinstance(exc, DisaggError) else driver_error(fabric, exc)
+            error = answer_of(fabric, exc)
             doubtful = self._undo_step(fabric, host, trying) if in_doubt(exc) else Leftovers()
             leftovers = self.undo(bound, carved, stage="rollback")
             raise ExecutionFailedError(error, doubtful.ids + leftovers.ids) from exc
