@@ -31,8 +31,9 @@ def digest(request: object) -> str:
 
 
 def _known_class(error: DisaggError) -> type[DisaggError]:
-    """The class of ``error``, or the nearest of its bases that `disagg.errors` defines: a driver's or a store's
-    own error class (`LeadershipLostError`) is decoded as what it is a kind of, its reason and status kept."""
+    """The class of ``error``, or the nearest of its bases that `disagg.errors` defines: a driver's own error class
+    (cxl-switch's `CommandFailedError`) is written as that base, and a retry after a restart gets the base's reason
+    and status, since no other module's classes are known when the answer is read back."""
     ours = {name: value for name, value in vars(errors).items() if isinstance(value, type)}
     return next((cls for cls in type(error).__mro__ if ours.get(cls.__name__) is cls), DisaggError)
 
