@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cxl_switch_client import emulator_process
+from cxl_switch_client import Client, SocketTransport, emulator_process
 from disagg.errors import (
     CapacityExhaustedError,
     ConfigError,
@@ -23,7 +23,8 @@ from disagg.errors import (
 from disagg.interfaces import CallContext
 from disagg.model import Binding, FabricEvent, Health, PoolKind
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
-from disagg_cxl_switch.emulator.vendor import InjectSurpriseRemovalRequest, VendorOpcode
+from disagg_cxl_switch.emulator.vendor import InjectLinkDownRequest, InjectSurpriseRemovalRequest, VendorOpcode
+from disagg_cxl_switch.returncodes import ReturnCode
 
 
 def fresh_ctx() -> CallContext:
@@ -339,6 +340,35 @@ class TestEvents:
         wait_until(lambda: len(seen) >= 2)
         assert [e.health for e in seen] == [Health.FAILED, Health.OK]
         assert raised == seen
+
+    def test_events_after_the_switch_restarted(self, tmp_path: Path) -> None:
+        """A restarted emulator numbers its event records from 1 again: the poller, still past the old numbers,
+        read none of them, so a device that failed after a switch restart never reached the subscribers."""
+        sock = tmp_path / "e.sock"
+        args = ("--gpus", "2", "--dc-capacity-gib", "0", "--ld-count", "0")
+        seen: list[FabricEvent] = []
+        with emulator_process(sock, *args) as first:
+            fabric = create_fabric("ext", {"address": f"unix:{sock}", "gpus": 2})
+            fabric.subscribe(seen.append)
+            for _ in range(3):
+                fabric.fail_device("ext/port2")
+                fabric.repair_device("ext/port2")
+            wait_until(lambda: len(seen) >= 6)
+        first.wait(5.0)
+        sock.unlink()  # a killed emulator leaves its socket behind
+        try:
+            before = list(seen)
+            with emulator_process(sock, *args):
+                operator = SocketTransport(sock)  # an operator's own client: the driver's may not be back yet
+                try:
+                    injected = Client(operator).call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(3))
+                finally:
+                    operator.close()
+                assert injected.return_code == ReturnCode.SUCCESS
+                wait_until(lambda: any(e.subject == "ext/port3" for e in seen[len(before) :]))
+                assert [(e.subject, e.health) for e in seen[len(before) :]] == [("ext/port3", Health.FAILED)]
+        finally:
+            fabric.close()
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:

@@ -135,6 +135,9 @@ class CCIClient:
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder()
         self._tag = 0
+        self.connections = 0
+        """How many connections were made: one more than the last read means the switch was reached anew (it may
+        have restarted meanwhile)."""
 
     def _connect(self, timeout: float) -> socket.socket:
         if self._sock is None:
@@ -147,6 +150,7 @@ class CCIClient:
                 raise FabricUnavailableError(f"cannot reach the CXL switch at {self.address}: {exc}") from None
             self._sock = sock
             self._decoder = FrameDecoder()
+            self.connections += 1
         return self._sock
 
     def _drop(self) -> None:

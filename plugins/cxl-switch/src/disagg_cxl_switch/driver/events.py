@@ -4,7 +4,9 @@ and hands each record, in order, to the fabric, which turns it into `FabricEvent
 Polling rather than a notification because the FM API has none over this transport; the interval is well inside
 the driver's declared event latency. The poller has its own connection, so a long Bind vPPB never delays it.
 The log is bounded: records dropped before they were read (its oldest record past the poller's place) are a gap,
-logged, after which the fabric is asked to `resync` from the switch's state, until it has.
+logged, after which the fabric is asked to `resync` from the switch's state, until it has. A restarted switch
+numbers its records from 1 again: a next sequence number below the poller's place starts it over from the
+switch's oldest record, and any new connection has the state read as after a gap (see `EventPoller._read`).
 """
 
 from __future__ import annotations
@@ -51,27 +53,54 @@ class EventPoller:
     def _run(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_S):
             try:
-                raw = self._client.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(self._next, 0xFF))
-                response = GetEventRecordsResponse.decode(raw)
+                response = self._read()
+                if response.next_sequence < self._next:
+                    self._restarted(response)
+                    response = self._read()
             except (DisaggError, ValueError):
                 continue  # the switch is away; the next poll tries again
-            if response.oldest_sequence > self._next:
-                log.warning(
-                    "cxl-switch: the switch's event log dropped records %d to %d before they were read; the devices' "
-                    "health is read from the switch instead",
-                    self._next,
-                    response.oldest_sequence - 1,
-                )
-                self._behind = True
-            for record in response.records:
-                self._next = record.sequence + 1
-                try:
-                    self._deliver(record)
-                except Exception:  # a subscriber's handler: the poller must outlive it, or every later event is lost
-                    log.exception("cxl-switch: delivering event record %d failed", record.sequence)
-            self._next = max(self._next, response.oldest_sequence)
+            self._take(response)
             if self._behind:
                 self._catch_up()
+
+    def _read(self) -> GetEventRecordsResponse:
+        """The records from the poller's place. Read on a new connection, the switch may have restarted since the
+        last read and already numbered past that place anew, which no number shows: its state is read too."""
+        connections = self._client.connections
+        raw = self._client.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(self._next, 0xFF))
+        response = GetEventRecordsResponse.decode(raw)
+        if connections and self._client.connections != connections:
+            self._behind = True
+        return response
+
+    def _restarted(self, response: GetEventRecordsResponse) -> None:
+        """A switch whose next record is below the poller's place was restarted (a running one never reuses a
+        number): every record it holds is new, and what its restart changed has no record."""
+        log.warning(
+            "cxl-switch: the switch's event log starts again at %d (the switch restarted); its records are read "
+            "from there and the devices' health from the switch",
+            response.oldest_sequence,
+        )
+        self._next = response.oldest_sequence
+        self._behind = True
+
+    def _take(self, response: GetEventRecordsResponse) -> None:
+        """Deliver the records read, after noting a gap before them."""
+        if response.oldest_sequence > self._next:
+            log.warning(
+                "cxl-switch: the switch's event log dropped records %d to %d before they were read; the devices' "
+                "health is read from the switch instead",
+                self._next,
+                response.oldest_sequence - 1,
+            )
+            self._behind = True
+        for record in response.records:
+            self._next = record.sequence + 1
+            try:
+                self._deliver(record)
+            except Exception:  # a subscriber's handler: the poller must outlive it, or every later event is lost
+                log.exception("cxl-switch: delivering event record %d failed", record.sequence)
+        self._next = max(self._next, response.oldest_sequence)
 
     def _catch_up(self) -> None:
         """Resync after a gap, once the records the log still held are delivered (the state read is newer)."""
