@@ -24,10 +24,16 @@ from disagg_cxl_switch.emulator.state import GIB
 from disagg_cxl_switch.emulator.vendor import VendorOpcode
 from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
+    GetDCRegionExtentListsRequest,
+    InitiateDCAddRequest,
+    InitiateDCReleaseRequest,
     LDAllocation,
     Opcode,
+    RemovalPolicy,
+    SelectionPolicy,
     SetDCRegionConfigRequest,
     SetLDAllocationsRequest,
+    TunnelManagementCommandRequest,
     UnbindOption,
     UnbindVPPBRequest,
 )
@@ -37,6 +43,9 @@ H1_VCS = 1
 GPU_PORT, OTHER_GPU_PORT, MLD_PORT = 2, 3, 4
 DCD_PORT = 4
 """Where the DCD sits on a switch without an MLD."""
+
+TAGS = [i.to_bytes(16, "little") for i in range(1, 66)]
+"""Tags of the peer's 65 extents: one more than a page."""
 
 
 def ctx() -> CallContext:
@@ -154,6 +163,74 @@ def test_a_dc_region_the_peer_reconfigured_is_read_again(tmp_path: Path) -> None
         fabric.close()
         peer.close()
         served.close()
+
+
+class TestExtentListPaging:
+    """A host's extent list longer than one read (64 extents) is paged by starting index, while the peer adds or
+    releases extents. The DCD returns the list's generation number with each page."""
+
+    @pytest.fixture
+    def dcd(self, tmp_path: Path) -> Iterator[tuple[ServedSwitch, CxlSwitchFabric, CCIClient]]:
+        """A switch whose DCD's host 0 holds 65 extents of 2 MiB, tags 1 to 65, added by the peer."""
+        state = default_topology(gpus=2, ld_count=0, dc_capacity=GIB, dc_regions=1)
+        served = ServedSwitch(Switch(state, bind_delay=0.0), tmp_path / "s.sock")
+        fabric = create_fabric("f", {"address": served.address, "gpus": 2})
+        peer = CCIClient(served.address)
+        try:
+            for tag in TAGS:
+                add = InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, tag)
+                peer.tunnel(DCD_PORT, Opcode.INITIATE_DC_ADD, add)
+            yield served, fabric, peer
+        finally:
+            fabric.close()
+            peer.close()
+            served.close()
+
+    @pytest.mark.parametrize("released", [1, 2])
+    def test_a_list_changed_between_pages_is_read_again(
+        self, dcd: tuple[ServedSwitch, CxlSwitchFabric, CCIClient], released: int
+    ) -> None:
+        """The peer releases the first extents once the driver has read the first page. The second page, from
+        index 64 of the shorter list, was empty (one released: the pool listed it as held and lost the last
+        extent) or refused (two: the pool was unavailable). The list is read again from the start."""
+        served, fabric, peer = dcd
+        armed = threading.Event()
+        armed.set()
+
+        def peer_releases(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+            if command_of(request) == Opcode.GET_DC_REGION_EXTENT_LISTS and armed.is_set():
+                armed.clear()
+                for tag in TAGS[:released]:
+                    release = InitiateDCReleaseRequest(0, RemovalPolicy.TAG_BASED, 2 * MIB, tag)
+                    peer.tunnel(DCD_PORT, Opcode.INITIATE_DC_RELEASE, release)
+            return response
+
+        served.respond = peer_releases
+        listed = fabric.pool(f"f/dcd-port{DCD_PORT}").allocations()
+        assert not armed.is_set()
+        assert sorted(a.id for a in listed) == sorted(f"tag-{tag.hex()}" for tag in TAGS[released:])
+
+    def test_a_list_that_keeps_changing_is_unavailable(
+        self, dcd: tuple[ServedSwitch, CxlSwitchFabric, CCIClient]
+    ) -> None:
+        """The peer adds an extent after every first page: the reads from the start are bounded, then the call
+        fails, retryable, saying why."""
+        served, fabric, peer = dcd
+        more = iter(range(66, 100))
+
+        def peer_adds(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+            if command_of(request) == Opcode.GET_DC_REGION_EXTENT_LISTS:
+                inner = TunnelManagementCommandRequest.decode(request.payload).command
+                if GetDCRegionExtentListsRequest.decode(inner.payload).starting_extent_index == 0:
+                    tag = next(more).to_bytes(16, "little")
+                    add = InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, tag)
+                    peer.tunnel(DCD_PORT, Opcode.INITIATE_DC_ADD, add)
+            return response
+
+        served.respond = peer_adds
+        with pytest.raises(FabricUnavailableError, match="changed between its pages 3 times") as raised:
+            fabric.pool(f"f/dcd-port{DCD_PORT}").allocations()
+        assert raised.value.retryable
 
 
 def bind_gpu(bench: Bench) -> object:

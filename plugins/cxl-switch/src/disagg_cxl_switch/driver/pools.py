@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from disagg_cxl_switch.driver.fabric import CxlSwitchFabric
 
 _EXTENTS_PER_READ = 64
+_LIST_READS = 3
+"""How many times a host's extent list is read from the start when it changes between pages, before giving up."""
 
 
 @attrs.frozen
@@ -104,14 +106,41 @@ class DCDPool(Pool):
             raise tunnel_error(exc, f"pool {self._id}") from None
 
     def _extents(self, host_id: int, ctx: CallContext | None) -> list[tuple[int, int, bytes]]:
+        """The host's extents, from pages of one version of its list (see `_extent_list`)."""
+        for _ in range(_LIST_READS):
+            extents = self._extent_list(host_id, ctx)
+            if extents is not None:
+                return extents
+        raise FabricUnavailableError(
+            f"pool {self._id}: the extent list of DCD host {host_id} changed between its pages {_LIST_READS} times "
+            "in a row (another fabric manager is adding or releasing capacity); try again"
+        )
+
+    def _extent_list(self, host_id: int, ctx: CallContext | None) -> list[tuple[int, int, bytes]] | None:
+        """The host's extent list read page by page, or None if its generation number changed between two pages:
+        the list changed meanwhile, and the pages, of two versions of it, would miss an extent or hold one twice."""
         got: list[tuple[int, int, bytes]] = []
+        generation: int | None = None
         while True:
-            request = GetDCRegionExtentListsRequest(host_id, _EXTENTS_PER_READ, len(got))
-            raw = self._tunnel(Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
-            response = decode(GetDCRegionExtentListsResponse.decode, raw)
+            response = self._extent_page(host_id, len(got), ctx)
+            if response is None or generation not in (None, response.extent_list_generation_number):
+                return None
+            generation = response.extent_list_generation_number
             got += [(e.start_dpa, e.length, e.tag) for e in response.extents]
             if not response.extents or len(got) >= response.total_extents:
                 return got
+
+    def _extent_page(self, host_id: int, start: int, ctx: CallContext | None) -> GetDCRegionExtentListsResponse | None:
+        """The host's extents from index ``start``; None when a page past the first is refused with Invalid Input:
+        the list shrank below ``start`` since the page before."""
+        request = GetDCRegionExtentListsRequest(host_id, _EXTENTS_PER_READ, start)
+        try:
+            raw = self._fabric.client.tunnel(self._port, Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
+        except CommandFailedError as exc:
+            if start and exc.return_code == ReturnCode.INVALID_INPUT:
+                return None
+            raise tunnel_error(exc, f"pool {self._id}") from None
+        return decode(GetDCRegionExtentListsResponse.decode, raw)
 
     def _tagged(self, ctx: CallContext | None = None) -> list[tuple[Allocation, bytes]]:
         """Each host's extents grouped by tag, as allocations named from the tags, with their tags."""
