@@ -42,6 +42,8 @@ class _Unheard(SimFabric):
         self.discoveries = 0
         self.then: Callable[[], None] | None = None
         """Run once, after the next discovery has its answer and before it returns it."""
+        self.before_failing: Callable[[], None] | None = None
+        """Run once, at the next discovery, which then fails."""
 
     def capabilities(self) -> Capabilities:
         sim = super().capabilities()
@@ -58,6 +60,10 @@ class _Unheard(SimFabric):
 
     def discover(self) -> Topology:
         self.discoveries += 1
+        failing, self.before_failing = self.before_failing, None
+        if failing is not None:
+            failing()
+            raise FabricUnavailableError(f"fabric {self.name}: the walk of the hardware timed out")
         if self.gone:
             raise FabricUnavailableError(f"fabric {self.name}: the walk of the hardware timed out")
         topology = super().discover()
@@ -183,6 +189,20 @@ class TestADiscoveryThatFailsInThePass:
         pcie.fail_device(gpu, "xid 79")
         assert comp.retry_unreachable() is True
         assert comp.find("job").state is CompositionState.DEGRADED
+
+    def test_one_that_answered_an_event_meanwhile_stays_reachable(self, job: Any) -> None:
+        """The pass's failed discovery is older than the event's, which answered: the fabric is not lost."""
+        comp, pcie, _ = job
+        link = pcie.discover().links[-1]
+
+        def told_and_answered() -> None:
+            pcie.set_link(link.a, link.b, False)  # an event of pcie0: its rebuild asks pcie0, which answers
+            pcie.set_link(link.a, link.b, True)
+
+        pcie.before_failing = told_and_answered
+        comp.reconcile()
+        assert comp.find("job").state is CompositionState.COMPOSED
+        assert comp.reconcile() == 0
 
 
 class TestAnAnswerOlderThanAnEvent:

@@ -837,7 +837,7 @@ class FabricComposer(Composer):
             raise
         with self._lock:
             self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
-            lost_now = self._lose(lost)
+            lost_now = self._lose(lost, heard)
             told, sickened = self._take_health({n: t for n, t in found.items() if n in unheard}, heard)
             if watch.compositions:
                 log.debug(
@@ -905,12 +905,15 @@ class FabricComposer(Composer):
                     sickened += affected
         return changed, sickened
 
-    def _lose(self, names: set[str]) -> int:
+    def _lose(self, names: set[str], heard: Mapping[str, int]) -> int:
         """Count the fabrics of ``names`` that answered before as unreachable (`_discovered`): their compositions
         become UNKNOWN, their devices leave the index, and `retry_unreachable` asks them again, as at start-up.
-        Nothing else tells of a driver that stopped: an event asks only its own fabric (`_apply_event`). Returns
-        how many. Under the lock."""
-        fresh = sorted(name for name in names if name not in self._unreachable)
+        Nothing else tells of a driver that stopped: an event asks only its own fabric (`_apply_event`). One heard
+        from since the pass began (``heard``: an event, a rebuild that asked it) is left as that left it: the
+        pass's failed discovery is older. Returns how many. Under the lock."""
+        fresh = sorted(
+            name for name in names if name not in self._unreachable and self._heard.get(name) == heard.get(name)
+        )
         for name in fresh:
             log.warning("fabric %s cannot be reached any more; its compositions are UNKNOWN", name)
         if fresh:
