@@ -223,3 +223,35 @@ class TestAnAnswerOlderThanAnEvent:
         comp.reconcile()
         assert comp.device(gpu).health is Health.OK
         assert comp.find("job").state is CompositionState.COMPOSED
+
+
+class _CountedScans(dict[str, Any]):
+    """The index's pools, counting each walk of the whole table."""
+
+    scans = 0
+
+    def items(self) -> Any:
+        _CountedScans.scans += 1
+        return super().items()
+
+    def values(self) -> Any:
+        _CountedScans.scans += 1
+        return super().values()
+
+
+class TestManyFailuresInOnePass:
+    """A pass applies every failure it finds under one hold of the lock: a device's own pools are found by its
+    switch, not by walking every pool of every fabric once per device."""
+
+    def test_the_pools_are_not_walked_per_failed_device(self, job: Any) -> None:
+        comp, pcie, _ = job
+        gpus = [d.id for d in comp.devices() if d.fabric == "pcie0" and comp.owner_of(d.id) is None]
+        comp._inv.pools = _CountedScans(comp._inv.pools)
+        _CountedScans.scans = 0
+        assert comp.reconcile() == 0
+        converged = _CountedScans.scans
+        for device in gpus:
+            pcie.fail_device(device, "enclosure power lost")
+        _CountedScans.scans = 0
+        assert comp.reconcile() == len(gpus) > 1
+        assert _CountedScans.scans <= converged + 1

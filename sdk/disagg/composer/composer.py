@@ -3179,7 +3179,8 @@ class FabricComposer(Composer):
             if owner in self._reservations and health is not Health.OK:
                 self._drop_unhealthy_reservations(owner)
                 return []
-            pools = {p for p, state in self._inv.pools.items() if state.device.id == device}
+            # Those of its switch alone: a pass that finds thousands failed applies each under one hold.
+            pools = {s.info.id for s in self._inv.pools_by_switch.get(old.switch, ()) if s.device.id == device}
             if pools and health is not Health.OK:
                 self._drop_unhealthy_reservations()
             users = (
