@@ -36,6 +36,8 @@ class _Unheard(SimFabric):
 
     declares = False
     gone = False
+    unlisted = False
+    """Its bindings cannot be read either: the pass reads none of its hardware."""
 
     def __init__(self, topology: Topology, **options: Any) -> None:
         super().__init__(topology, **options)
@@ -57,6 +59,11 @@ class _Unheard(SimFabric):
                 handler(event)
 
         return super().subscribe(told)
+
+    def bindings(self) -> Any:
+        if self.unlisted:
+            raise FabricUnavailableError(f"fabric {self.name}: the switch does not answer")
+        return super().bindings()
 
     def discover(self) -> Topology:
         self.discoveries += 1
@@ -177,15 +184,28 @@ class TestAFabricWithHealthEvents:
 
 
 class TestADiscoveryThatFailsInThePass:
-    """A fabric without health events whose discovery fails in the pass counts as unreachable, as one whose
-    hardware the pass cannot read and which does not answer discovery does."""
+    """A fabric without health events whose discovery fails in a pass that read its hardware is left as it was,
+    its health learnt at the next pass; one whose hardware the pass could not read either counts as unreachable."""
+
+    def test_one_whose_hardware_was_read_is_left_as_it_was(self, job: Any, caplog: pytest.LogCaptureFixture) -> None:
+        comp, pcie, gpu = job
+        pcie.gone = True
+        pcie.fail_device(gpu, "xid 79")
+        before = comp.revision
+        assert comp.reconcile() == 0
+        assert comp.revision == before
+        assert comp.find("job").state is CompositionState.COMPOSED
+        assert "fabric pcie0 was read but not discovered" in caplog.text
+        pcie.gone = False
+        assert comp.reconcile() >= 1
+        assert comp.find("job").state is CompositionState.DEGRADED
 
     def test_its_compositions_are_unknown_until_it_answers_again(self, job: Any) -> None:
         comp, pcie, gpu = job
-        pcie.gone = True
+        pcie.gone = pcie.unlisted = True
         assert comp.reconcile() == 1
         assert comp.find("job").state is CompositionState.UNKNOWN
-        pcie.gone = False
+        pcie.gone = pcie.unlisted = False
         pcie.fail_device(gpu, "xid 79")
         assert comp.retry_unreachable() is True
         assert comp.find("job").state is CompositionState.DEGRADED
@@ -199,8 +219,10 @@ class TestADiscoveryThatFailsInThePass:
             pcie.set_link(link.a, link.b, False)  # an event of pcie0: its rebuild asks pcie0, which answers
             pcie.set_link(link.a, link.b, True)
 
+        pcie.unlisted = True  # the pass reads none of it: only its discovery could tell it answers
         pcie.before_failing = told_and_answered
         comp.reconcile()
+        pcie.unlisted = False
         assert comp.find("job").state is CompositionState.COMPOSED
         assert comp.reconcile() == 0
 

@@ -826,11 +826,13 @@ class FabricComposer(Composer):
         try:
             bound, carved, read, pools_read = self._read_hardware(pools, away)
             # Discovered: one not read, to tell a driver that stopped from a listing that failed; and one that
-            # tells no failure, to learn its devices' health. One that does not answer counts as unreachable.
+            # tells no failure, to learn its devices' health. One that answers neither counts as unreachable; one
+            # whose hardware was read answers this pass, and only its health waits for the next (`_unlearnt`).
             unheard = {name for name in self.fabrics if name not in away and not self._tells_health(name)}
             asked = [name for name in self.fabrics if name not in away and (name not in read or name in unheard)]
             found = {name: topology for name in asked if (topology := self._discovered(name)) is not None}
-            lost = set(asked) - set(found)
+            lost = {name for name in asked if name not in found and name not in read}
+            self._unlearnt(name for name in asked if name not in found and name in read)
         except BaseException:
             with self._lock:
                 self._unwatch(watch)
@@ -882,6 +884,18 @@ class FabricComposer(Composer):
             return self.fabrics[name].discover()
         except Exception:  # a driver's bug too: it cannot be used
             return None
+
+    @staticmethod
+    def _unlearnt(names: Iterable[str]) -> None:
+        """Say that the fabrics ``names``, whose hardware a pass read, did not answer its discovery: their bindings
+        and memory were judged, and their devices' health is learnt at the next pass that discovers them. Counted
+        unreachable instead, a transient failure of a walk that a listing outlived would make their compositions
+        UNKNOWN and back, with records and events each way."""
+        for name in names:
+            log.warning(
+                "reconcile: fabric %s was read but not discovered; its devices' health is asked again at the next pass",
+                name,
+            )
 
     def _take_health(self, found: Mapping[str, Topology], heard: Mapping[str, int]) -> tuple[int, list[str]]:
         """Apply the health of each device that ``found`` (what a pass discovered of fabrics that send no health
