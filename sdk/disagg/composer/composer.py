@@ -832,6 +832,7 @@ class FabricComposer(Composer):
             asked = [name for name in self.fabrics if name not in away and (name not in read or name in unheard)]
             found = {name: topology for name in asked if (topology := self._discovered(name)) is not None}
             lost = {name for name in asked if name not in found and name not in read}
+            reported = self._health_reported({name: t for name, t in found.items() if name in unheard})
             self._unlearnt(name for name in asked if name not in found and name in read)
         except BaseException:
             with self._lock:
@@ -840,7 +841,7 @@ class FabricComposer(Composer):
         with self._lock:
             self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
             lost_now = self._lose(lost, heard)
-            told, sickened = self._take_health({n: t for n, t in found.items() if n in unheard}, heard)
+            told, sickened = self._take_health(reported, heard)
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -897,18 +898,29 @@ class FabricComposer(Composer):
                 name,
             )
 
-    def _take_health(self, found: Mapping[str, Topology], heard: Mapping[str, int]) -> tuple[int, list[str]]:
-        """Apply the health of each device that ``found`` (what a pass discovered of fabrics that send no health
-        events) reports otherwise than the index, as a DEVICE_HEALTH event of it would (`_health_changed`): a
-        failure such a fabric does not tell is otherwise seen only at its next event, return or restart. Returns
-        how many devices changed, and the compositions a failure leaves to heal. A fabric unreachable now, or
-        heard from since the pass began (``heard``: an event, a rebuild that asked it), is left as that left it:
-        this answer may be older. Under the lock."""
+    def _health_reported(self, found: Mapping[str, Topology]) -> dict[str, list[Device]]:
+        """By fabric, the devices whose health ``found`` (what a pass discovered of fabrics that send no health
+        events) reports otherwise than the index: compared outside the lock, which a fabric of 100,000 devices
+        would hold for milliseconds on every pass, and compared again under it (`_take_health`). A device whose
+        index entry changed meanwhile was told by an event of its fabric, which that compares too."""
+        devices = self._inv.devices
+        return {
+            name: [d for d in topology.devices if (known := devices.get(d.id)) is None or known.health is not d.health]
+            for name, topology in found.items()
+        }
+
+    def _take_health(self, reported: Mapping[str, Sequence[Device]], heard: Mapping[str, int]) -> tuple[int, list[str]]:
+        """Apply the health of each device of ``reported`` (`_health_reported`) that the index holds otherwise,
+        as a DEVICE_HEALTH event of it would (`_health_changed`): a failure such a fabric does not tell is
+        otherwise seen only at its next event, return or restart. Returns how many devices changed, and the
+        compositions a failure leaves to heal. A fabric unreachable now, or heard from since the pass began
+        (``heard``: an event, a rebuild that asked it), is left as that left it: this answer may be older. Under
+        the lock."""
         changed, sickened = 0, []
-        for name, topology in found.items():
+        for name, devices in reported.items():
             if name in self._unreachable or self._heard.get(name) != heard.get(name):
                 continue
-            for device in topology.devices:
+            for device in devices:
                 known = self._inv.devices.get(device.id)
                 if known is None or known.fabric != name or known.health is device.health:
                     continue
