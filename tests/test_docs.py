@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import re
 import subprocess
@@ -185,3 +187,104 @@ class TestConformanceDocs:
         text = (ROOT / "docs" / "conformance.md").read_text()
         documented = re.findall(r"^\| `([A-Z-]+)` \| (.*?) \| ", text, flags=re.MULTILINE)
         assert documented == [(c.id, c.statement) for c in CLAUSES.values()]
+
+
+def _doc(name: str) -> str:
+    return (ROOT / "docs" / name).read_text()
+
+
+def _help_options(*command: str) -> set[str]:
+    """The options ``disagg COMMAND --help`` lists, the top level's included: what the parser accepts."""
+    from disagg.cli.main import build_parser
+
+    def listed(argv: list[str]) -> set[str]:
+        with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+            build_parser().parse_args(argv)
+        return set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*|-[a-z])\b", out.getvalue()))
+
+    return listed(["--help"]) | listed([*command, "--help"])
+
+
+def _command_rows() -> list[tuple[str, str]]:
+    """docs/cli.md's table of commands: each row's command words (``bench placement``) and the whole row."""
+    lines = [line for line in _doc("cli.md").splitlines() if line.startswith("| `disagg ")]
+    commands = [re.match(r"\| `disagg ([a-z][a-z-]*(?: [a-z][a-z-]*)*)[` ]", line) for line in lines]
+    assert len(lines) > 10 and all(commands)
+    return [(found.group(1), line) for found, line in zip(commands, lines, strict=True) if found]
+
+
+class TestCliDocs:
+    """Every option docs/cli.md names in a command's row is one that command takes, and the commands `--server`
+    applies to are the ones the docs list, in cli.md and in client.md."""
+
+    @pytest.mark.parametrize(("command", "row"), _command_rows(), ids=[c for c, _ in _command_rows()])
+    def test_options_exist(self, command: str, row: str) -> None:
+        accepted = _help_options(*command.split())
+        named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", row))
+        assert named - accepted == set(), f"docs/cli.md names options `disagg {command}` does not take"
+
+    def test_commands_table_is_complete(self) -> None:
+        from disagg.cli.main import build_parser
+
+        with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
+            build_parser().parse_args(["--help"])
+        commands = set(re.search(r"\{([a-z,-]+)\}", out.getvalue()).group(1).split(","))  # type: ignore[union-attr]
+        assert commands == {c.split()[0] for c, _ in _command_rows()}
+
+    @pytest.mark.parametrize(
+        ("doc", "sentence"),
+        [
+            ("cli.md", r"`--server ADDRESS`.*?makes (.*?) drive"),
+            ("client.md", r"`disagg --server ADDRESS`.*?makes (.*?) use"),
+        ],
+    )
+    def test_remote_commands(self, doc: str, sentence: str) -> None:
+        from disagg.cli.backend import REMOTE_COMMANDS
+
+        listed = re.search(sentence, _doc(doc), flags=re.S).group(1)  # type: ignore[union-attr]
+        assert set(re.findall(r"`([a-z-]+)`", listed)) == REMOTE_COMMANDS, f"docs/{doc} lists other commands"
+
+
+USER_DOCS = ("README.md", "docs/cli.md", "docs/configuration.md", "docs/client.md", "docs/protocol.md", "docs/ha.md")
+
+
+class TestEnvironmentDocs:
+    """Every environment variable the user-facing docs name is one the code reads."""
+
+    @pytest.mark.parametrize("doc", USER_DOCS)
+    def test_variables_are_read(self, doc: str) -> None:
+        named = set(re.findall(r"\bDISAGG_[A-Z_]*[A-Z]\b", (ROOT / doc).read_text()))
+        code = "\n".join(p.read_text() for base in ("sdk", "plugins") for p in (ROOT / base).rglob("*.py"))
+        read = set(re.findall(r"[\"']\$?(DISAGG_[A-Z_]*[A-Z])[\"']", code))
+        assert named - read == set(), f"{doc} names variables no code reads"
+
+
+def _error_rows(doc: str) -> list[tuple[str, str, str | None]]:
+    """The gRPC code, SDK error class and reason of each error a table of ``doc`` names."""
+    rows = re.findall(r"^\| ([A-Z_]+) \| (.*?) \|", _doc(doc), flags=re.M)
+    assert rows
+    return [
+        (code, cls, reason or None)
+        for code, cell in rows
+        for cls, reason in re.findall(r"`(\w+Error)`(?: \(`([A-Z_]+)`)?", cell)
+    ]
+
+
+class TestErrorDocs:
+    """The error tables of docs/protocol.md and docs/client.md give each SDK error the gRPC code and reason the
+    server answers it with, and protocol.md's lists every error a status can carry."""
+
+    @pytest.mark.parametrize("doc", ["protocol.md", "client.md"])
+    def test_codes_and_reasons(self, doc: str) -> None:
+        from disagg import errors
+        from disagg.wire.errors import build, to_status
+
+        for code, name, reason in _error_rows(doc):
+            cls = getattr(errors, name)
+            assert to_status(build(cls, "m")).code.name == code, f"docs/{doc}: {name} is not {code}"
+            assert reason in (None, cls.reason), f"docs/{doc}: {name}'s reason is {cls.reason}, not {reason}"
+
+    def test_every_rebuilt_error_is_listed(self) -> None:
+        from disagg.wire.errors import REBUILT
+
+        assert {name for _, name, _ in _error_rows("protocol.md")} == {cls.__name__ for cls in REBUILT}
