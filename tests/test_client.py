@@ -542,6 +542,24 @@ class TestErrors:
         error = from_rpc_error(TooLarge())
         assert type(error) is DisaggError and "larger than max" in error.message
 
+    def test_aborted_without_the_servers_details_is_no_rollback_left_behind(self) -> None:
+        """An ABORTED that no disagg server sent (a proxy's, or gRPC's own) was read as `RollbackIncompleteError`,
+        which tells a client to decompose the composition its metadata names: it names none, and nothing was
+        left. The server's own ABORTED always carries its reason."""
+
+        class Aborted(grpc.RpcError):  # type: ignore[misc]
+            def code(self) -> grpc.StatusCode:
+                return grpc.StatusCode.ABORTED
+
+            def details(self) -> str:
+                return "stream reset by the proxy"
+
+            def trailing_metadata(self) -> tuple[()]:
+                return ()
+
+        error = from_rpc_error(Aborted())
+        assert type(error) is DisaggError and error.message == "ABORTED: stream reset by the proxy"
+
     def test_every_compose_sends_a_mode(self, served: Served) -> None:
         sent: list[fm.ComposeRequest] = []
 

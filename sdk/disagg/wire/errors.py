@@ -233,6 +233,8 @@ def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
             cls = e.FabricUnavailableError
         elif code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own (a message over its size limit): the
             cls = e.DisaggError  # server's refusals (no fit, a full pool, too many watches) carry their reason
+        elif code is grpc.StatusCode.ABORTED:  # a proxy's: the server's rollback left behind names what it left
+            cls = e.DisaggError
         else:
             cls = _BY_CODE.get(code, e.DisaggError)
         message = f"{code.name}: {message}" if cls is e.DisaggError else message
