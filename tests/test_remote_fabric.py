@@ -142,6 +142,42 @@ class HeldAllocate(Plain):
         return HeldPool(self.inner.pool(pool), self.hold_s, self.finished)
 
 
+class AnswersAnotherBinding(Plain):
+    """A driver with a bug: its bind binds, then answers a binding of another host (or, sent as an empty
+    message, none at all)."""
+
+    def __init__(self, inner: SimFabric, answer: Binding) -> None:
+        super().__init__(inner)
+        self.answer = answer
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        self.inner.bind(device, host, ctx)
+        return self.answer
+
+
+class AnswersAnotherAllocationPool(HeldPool):
+    """A pool that carves, then answers ``answer`` instead of what it carved."""
+
+    def __init__(self, inner: Pool, answer: Allocation) -> None:
+        super().__init__(inner, 0.0, threading.Event())
+        self.answer = answer
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        super().allocate(allocation_id, host, amount_bytes, ctx)
+        return self.answer
+
+
+class AnswersAnotherAllocation(Plain):
+    """A driver with a bug: its pools answer an allocation that is not the one asked for."""
+
+    def __init__(self, inner: SimFabric, answer: Allocation) -> None:
+        super().__init__(inner)
+        self.answer = answer
+
+    def pool(self, pool: str) -> Pool:
+        return AnswersAnotherAllocationPool(self.inner.pool(pool), self.answer)
+
+
 GPU = "pcie0/gpu-a0"
 CTX = CallContext(epoch=1)
 
@@ -606,6 +642,64 @@ class TestAnUndoAfterALostAnswer:
                 assert sim.bindings() == ()
             finally:
                 binding.join(10)
+                remote.close()
+
+
+class TestAnAnswerThatIsNotTheCall:
+    """A driver that carried a call out but answered something else (another host's binding, another
+    allocation id, an empty message): the composer recorded that answer, and later released or unbound what the
+    driver never held, while what it did hold stayed with no composition."""
+
+    @pytest.mark.parametrize(
+        "answer", [Binding(GPU, "h2"), Binding("pcie0/gpu-a1", "h1"), Binding("", "")], ids=["host", "device", "empty"]
+    )
+    def test_a_bind_answered_for_another_binding_is_undone(self, answer: Binding) -> None:
+        sim = pcie()
+        with served(AnswersAnotherBinding(sim, answer)) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                executor = Executor({"pcie0": remote}, lambda deadline: CallContext(epoch=1, deadline=deadline))
+                with pytest.raises(ExecutionFailedError) as failed:
+                    executor.apply("h1", [("pcie0", DevicePick(GPU, 0, 0))], [])
+                assert isinstance(failed.value.error, DriverError)
+                assert "answered a bind" in failed.value.error.message
+                assert failed.value.leftovers == ()
+                assert sim.bindings() == ()
+            finally:
+                remote.close()
+
+    @pytest.mark.parametrize(
+        "answer",
+        [
+            Allocation("a2", "cxl0/mem0", "h1", 1 << 30),
+            Allocation("a1", "cxl0/mem1", "h1", 1 << 30),
+            Allocation("a1", "cxl0/mem0", "h2", 1 << 30),
+            Allocation("a1", "cxl0/mem0", "h1", 1 << 20),
+            Allocation("", "", "", 0),
+        ],
+        ids=["id", "pool", "host", "less", "empty"],
+    )
+    def test_an_allocation_answered_for_another_is_undone(self, answer: Allocation) -> None:
+        sim = cxl()
+        with served(AnswersAnotherAllocation(sim, answer)) as server:
+            remote = RemoteFabric("cxl0", server.address)
+            try:
+                with pytest.raises(DriverError, match="answered an allocation") as info:
+                    remote.pool("cxl0/mem0").allocate("a1", "h1", 1 << 30, CallContext(epoch=1))
+                assert in_doubt(info.value)
+                remote.pool("cxl0/mem0").release("a1", CallContext(epoch=1))
+                assert list(sim.pool("cxl0/mem0").allocations()) == []
+            finally:
+                remote.close()
+
+    def test_an_allocation_rounded_up_is_the_one_asked_for(self) -> None:
+        sim = cxl()
+        with served(sim) as server:
+            remote = RemoteFabric("cxl0", server.address)
+            try:
+                carved = remote.pool("cxl0/mem0").allocate("a1", "h1", 1, CallContext(epoch=1))
+                assert (carved.id, carved.host) == ("a1", "h1") and carved.amount_bytes >= 1
+            finally:
                 remote.close()
 
 

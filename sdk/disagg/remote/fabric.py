@@ -429,7 +429,13 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         answer = self._call(self._stub.Bind, wire.bind_request_to_wire(device, host, ctx), ctx)
-        return binding_from_wire(answer.binding) if answer.HasField("binding") else Binding(device, host)
+        asked = Binding(device, host)
+        if not answer.HasField("binding"):
+            return asked
+        binding = binding_from_wire(answer.binding)
+        if binding != asked:
+            raise self._not_asked("a bind", f"{binding.device!r} to {binding.host!r}", f"{device!r} to {host!r}")
+        return binding
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
         self._call(self._stub.Unbind, wire.unbind_request_to_wire(binding, ctx), ctx)
@@ -592,6 +598,15 @@ class RemoteFabric(Fabric, FaultInjection):
             )
         return build(
             type(error), f"fabric {self._name!r} (driver remote at {self.address}): {error.message}", metadata=unknown
+        )
+
+    def _not_asked(self, call: str, answered: str, asked: str) -> DriverError:
+        """A driver's answer that is not what the call asked for (another binding, another allocation, an empty
+        message): the call may have changed the hardware, and the caller would record what it does not hold, so
+        its outcome is unknown and the composer undoes what it asked for."""
+        return DriverError(
+            f"fabric {self._name!r}: the driver at {self.address} answered {call} of {asked} with {answered}",
+            metadata={OUTCOME: OUTCOME_UNKNOWN},
         )
 
     def _read(self, convert: Callable[[], T], what: str) -> T:
@@ -781,7 +796,15 @@ class RemotePool(Pool):
         fabric = self._fabric
         request = wire.allocate_request_to_wire(self.id, allocation_id, host, amount_bytes, ctx)
         answer = fabric._call(fabric._stub.Allocate, request, ctx)
-        return allocation_from_wire(answer.allocation)
+        carved = allocation_from_wire(answer.allocation)
+        asked = (allocation_id, self.id, host)
+        if (carved.id, carved.pool, carved.host) != asked or carved.amount_bytes < amount_bytes:
+            raise fabric._not_asked(
+                "an allocation",
+                f"{carved.id!r} of pool {carved.pool!r}, {carved.amount_bytes} bytes for {carved.host!r}",
+                f"{allocation_id!r} of pool {self.id!r}, {amount_bytes} bytes for {host!r}",
+            )
+        return carved
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         fabric = self._fabric
