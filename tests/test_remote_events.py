@@ -894,3 +894,58 @@ class TestALazyFabricsFirstStream:
             remote.close()
             if server is not None:
                 server.stop(grace=0)
+
+
+class Muffled(Hiding):
+    """A driver whose hardware changes without an event of its own: only what it `publish`es is streamed (a
+    driver in another language, whose event may be malformed or name no fabric)."""
+
+    def subscribe(self, handler: EventHandler) -> Subscription:
+        self.handlers.append(handler)
+        return self.inner.subscribe(lambda event: None)
+
+
+class TestAnEventTheStreamCannotTell:
+    """An event that does not decode was skipped, and one that names no fabric (or another) reached the composer,
+    which ignored it as another fabric's: either way a device that failed was never noticed."""
+
+    GPU = "pcie0/gpu-a0"
+
+    def _failed_silently(self, event: FabricEvent, socket_dir: str) -> list[FabricEvent]:
+        """The events the remote fabric delivers after its driver's device failed and ``event`` was streamed."""
+        sim = pcie()
+        driver = Muffled(sim)
+        with watched(driver, socket_dir) as running:
+            sim.fail_device(self.GPU, "ECC")
+            driver.publish(event)
+            assert eventually(lambda: any(e.subject == self.GPU for e in running.seen.events), WAIT_S)
+            return [e for e in running.seen.events if isinstance(e, FabricEvent)]
+
+    def test_a_malformed_event_is_rediscovered(self, socket_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+        malformed = FabricEvent("pcie0", FabricEventKind.DEVICE_HEALTH, self.GPU, health=None)
+        with caplog.at_level(logging.WARNING, "disagg.remote"):
+            seen = self._failed_silently(malformed, socket_dir)
+        assert seen == [
+            FabricEvent(
+                "pcie0",
+                FabricEventKind.DEVICE_HEALTH,
+                self.GPU,
+                health=Health.FAILED,
+                message=seen[0].message,
+            )
+        ]
+        assert "malformed event" in caplog.text
+
+    def test_an_event_that_names_no_fabric_is_the_fabric_s(self, socket_dir: str) -> None:
+        event = FabricEvent("", FabricEventKind.DEVICE_HEALTH, self.GPU, health=Health.FAILED, message="ECC")
+        seen = self._failed_silently(event, socket_dir)
+        assert seen == [attrs.evolve(event, fabric="pcie0")]
+
+    def test_an_event_that_names_another_fabric_is_rediscovered(
+        self, socket_dir: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        event = FabricEvent("pcie1", FabricEventKind.DEVICE_HEALTH, self.GPU, health=Health.FAILED, message="ECC")
+        with caplog.at_level(logging.WARNING, "disagg.remote"):
+            seen = self._failed_silently(event, socket_dir)
+        assert [(e.fabric, e.subject, e.health) for e in seen] == [("pcie0", self.GPU, Health.FAILED)]
+        assert "'pcie1'" in caplog.text

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+import attrs
 import grpc
 
 from disagg.driver.v1 import fabric_driver_pb2 as pb
@@ -202,12 +203,10 @@ class EventWatcher:
                 self._state.notify_all()
             for response in call:
                 number += 1  # the stream brings every event published after it registered, in order
-                try:
-                    event = wire.fabric_event_from_wire(response.event)
-                except InvalidRequestError as exc:
-                    log.warning("the driver sent a malformed event, skipped: %s", exc.message)
-                else:
-                    self._deliver(event, (instance, number) if numbered is not None else None)
+                event = self._event(response.event)
+                if event is None:
+                    break  # watched again: the new stream's resync rediscovers what the event meant to tell
+                self._deliver(event, (instance, number) if numbered is not None else None)
                 with self._state:
                     self._seen += 1
                     self._state.notify_all()
@@ -226,6 +225,25 @@ class EventWatcher:
             if not connected:
                 self._give_up(attempt)
         return connected
+
+    def _event(self, msg: pb.FabricEvent) -> FabricEvent | None:
+        """A stream event as this fabric's (a driver may leave its fabric unnamed: the stream is of this one);
+        None for one that does not decode or names another fabric. Skipping it would lose the change it tells,
+        so the stream is left for a new one, whose resync rediscovers the fabric."""
+        try:
+            event = wire.fabric_event_from_wire(msg)
+        except InvalidRequestError as exc:
+            why = exc.message
+        else:
+            if event.fabric in ("", self._name):
+                return attrs.evolve(event, fabric=self._name)
+            why = f"it names fabric {event.fabric!r}, not {self._name!r}"
+        log.warning(
+            "fabric %s: the driver sent a malformed event (%s); watching again to rediscover what changed",
+            self._name,
+            why,
+        )
+        return None
 
     def _give_up(self, attempt: int) -> None:
         """Attempt number ``attempt`` did not connect: a waiter for events stops waiting."""
