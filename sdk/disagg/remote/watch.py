@@ -235,7 +235,9 @@ class EventWatcher:
         except InvalidRequestError as exc:
             why = exc.message
         else:
-            if event.fabric in ("", self._name):
+            if event.fabric == self._name:
+                return event
+            if not event.fabric:
                 return attrs.evolve(event, fabric=self._name)
             why = f"it names fabric {event.fabric!r}, not {self._name!r}"
         log.warning(
