@@ -1,9 +1,12 @@
 """Changes of a live composition on the sim rack: a removal, decompose or heal whose fabric stops answering while
-it runs, the refusal and the events of a recompose, and the etag guard of the Python API."""
+it runs, the refusal and the events of a recompose, the etag guard of the Python API, and the etags a recompose
+rolled back leaves valid."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar, cast
 
 import attrs
@@ -17,11 +20,19 @@ from composer_helpers import (
     rack,
 )
 from disagg.composer import FabricComposer, steps
-from disagg.errors import DisaggError, FabricUnavailableError, InvalidRequestError, NoFitError, NotFoundError
+from disagg.errors import (
+    ConflictError,
+    DisaggError,
+    FabricUnavailableError,
+    InvalidRequestError,
+    NoFitError,
+    NotFoundError,
+)
 from disagg.interfaces import CallContext
-from disagg.model import Allocation, Binding, Composition, CompositionState, EventType, Topology
+from disagg.model import Allocation, Binding, Composition, CompositionState, EventType, Health, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.requestlang import parse_request, parse_resource
+from disagg.store import SqliteStore
 from disagg_sim import SimFabric, create_fabric, load_topology
 from disagg_sim.fabric import SimPool
 from remote_helpers import Plain, eventually
@@ -319,3 +330,121 @@ class TestEmptyEtag:
             steps.run(comp.recompose_steps(c.id, add=[parse_resource("nic")], expected_etag=""), comp.store)
         assert comp.get(c.id) == c and comp.revision == revision
         assert len(comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=None).devices) == 2
+
+
+def one_gpu(fabrics: dict[str, SimFabric] | None = None, **kwargs: object) -> tuple[FabricComposer, Composition]:
+    comp = composer(fabrics if fabrics is not None else rack(), auto_heal=False, **kwargs)
+    c = comp.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+    assert c is not None
+    return comp, c
+
+
+class TestARecomposeRolledBackCompletely:
+    """A recompose whose binds fail and are all undone leaves the composition as it was, and the etag it had
+    before the change guards an update again: the retry of that change (UNAVAILABLE invites one, with the same
+    request id and etag), or another client's change read before it. It was refused as stale, the record having
+    been rewritten on the way (COMPOSING, then back). An etag read while the change ran is never valid again."""
+
+    def test_its_retry_with_the_same_request_id_and_etag_runs(self) -> None:
+        fabrics = rack()
+        comp, c = one_gpu(fabrics)
+        fabrics["pcie0"].flaky_bind(None, 1)
+        nic = [parse_resource("nic")]
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=nic, expected_etag=c.etag, request_id="r1")
+        assert comp.get(c.id).device_ids == c.device_ids
+        grown = comp.recompose(c.id, add=nic, expected_etag=c.etag, request_id="r1")
+        assert len(grown.devices) == 2 and set(hardware_bindings(fabrics)) == set(grown.device_ids)
+        assert comp.recompose(c.id, add=nic, expected_etag=c.etag, request_id="r1") == grown
+
+    def test_another_client_holding_the_etag_read_before_may_change_it(self) -> None:
+        fabrics = rack()
+        comp, c = one_gpu(fabrics)
+        fabrics["pcie0"].flaky_bind(None, 1)
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag)
+        assert len(comp.recompose(c.id, add=[parse_resource("nvme")], expected_etag=c.etag).devices) == 2
+
+    def test_so_may_the_reader_of_the_record_it_left_and_each_retry_that_fails_again(self) -> None:
+        fabrics = rack()
+        comp, c = one_gpu(fabrics)
+        fabrics["pcie0"].flaky_bind(None, 2)
+        nic = [parse_resource("nic")]
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=nic, expected_etag=c.etag, request_id="r1")
+        left = comp.get(c.id)
+        assert left.generation > c.generation  # the generation a client sees never goes back
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=nic, expected_etag=c.etag, request_id="r1")
+        comp.recompose(c.id, add=nic, expected_etag=left.etag)
+        with pytest.raises(ConflictError):
+            comp.recompose(c.id, add=nic, expected_etag=c.etag, request_id="r1")
+
+    def test_an_etag_read_while_the_change_ran_is_refused(self) -> None:
+        fabrics = rack()
+        comp, c = one_gpu(fabrics)
+        fabrics["pcie0"].flaky_bind(None, 1)
+        seen: list[Composition] = []
+        change = comp.recompose_steps(c.id, add=[parse_resource("nic")], expected_etag=c.etag)
+        with pytest.raises(FabricUnavailableError):
+            steps.run(before_first_call(change, lambda: seen.append(comp.get(c.id))), comp.store)
+        assert seen[0].state is CompositionState.COMPOSING
+        with pytest.raises(ConflictError, match="not " + re.escape(seen[0].etag)):
+            comp.recompose(c.id, add=[parse_resource("nvme")], expected_etag=seen[0].etag)
+        comp.recompose(c.id, add=[parse_resource("nvme")])
+        for stale in (seen[0].etag, c.etag):
+            with pytest.raises(ConflictError):
+                comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stale)
+
+    def test_one_that_left_the_composition_otherwise_keeps_no_old_etag(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A device failed while the change ran: the composition came back DEGRADED, which is not as it was."""
+        fabrics = rack()
+        comp, c = one_gpu(fabrics)
+
+        def bind(device: str, host: str, ctx: CallContext) -> None:
+            fabrics["pcie0"].fail_device(c.device_ids[0])
+            eventually(lambda: comp.device(c.device_ids[0]).health is not Health.OK)
+            raise FabricUnavailableError("switch busy")
+
+        monkeypatch.setattr(fabrics["pcie0"], "bind", bind)
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag, request_id="r1")
+        assert comp.get(c.id).state is CompositionState.DEGRADED
+        monkeypatch.undo()
+        with pytest.raises(ConflictError):
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag, request_id="r1")
+
+    def test_the_etag_before_it_holds_after_a_restart(self, tmp_path: Path) -> None:
+        states = {name: {"state_file": tmp_path / f"{name}.json"} for name in ("pcie0", "cxl0")}
+        fabrics = rack(**states)
+        first, c = one_gpu(fabrics, store=SqliteStore(tmp_path / "ledger.db"))
+        fabrics["pcie0"].flaky_bind(None, 1)
+        with pytest.raises(FabricUnavailableError):
+            first.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag, request_id="r1")
+        first.close()
+        for fabric in fabrics.values():
+            fabric.close()
+        again = composer(rack(**states), store=SqliteStore(tmp_path / "ledger.db"))
+        try:
+            grown = again.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag, request_id="r1")
+            assert len(grown.devices) == 2
+        finally:
+            again.close()
+
+    def test_so_does_a_removal_that_removed_nothing(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Its driver refused the unbind and the composition kept the device, as it was: "remove it again"."""
+        fabrics = rack()
+        comp = composer(fabrics, auto_heal=False)
+        c = comp.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert c is not None
+
+        def unbind(binding: Binding, ctx: CallContext) -> None:
+            monkeypatch.undo()
+            raise FabricUnavailableError("the switch does not answer")
+
+        monkeypatch.setattr(fabrics["pcie0"], "unbind", unbind)
+        gone = [c.device_ids[0]]
+        with pytest.raises(DisaggError, match="could not remove"):
+            comp.recompose(c.id, remove=gone, expected_etag=c.etag, request_id="r1")
+        assert comp.get(c.id).device_ids == c.device_ids
+        assert comp.recompose(c.id, remove=gone, expected_etag=c.etag, request_id="r1").device_ids == c.device_ids[1:]

@@ -21,7 +21,7 @@ from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext
 from disagg.model import Binding, CompositionState, Event
-from disagg.requestlang import parse_request
+from disagg.requestlang import parse_request, parse_resource
 from disagg.store import SqliteStore
 from disagg.wire.fabric import STATE_FROM_WIRE, compose_request_to_wire, event_from_wire
 from disagg_sim import SimFabric, create_fabric, load_topology
@@ -384,6 +384,36 @@ class TestAChangeWhoseRollbackWasRefused:
             status = fails(running.stub.Compose, compose_request_to_wire(request, request_id="r1"))
             assert (status.code, status.reason) == (grpc.StatusCode.ABORTED, "ROLLBACK_INCOMPLETE")
             assert status.metadata == named
+
+
+class TestARecomposeWhoseBindWasUnavailable:
+    """The client retries the UNAVAILABLE of a recompose whose binds were all undone with the same request id
+    and etag, and the retry runs: the composition is as it was, at the etag the request names. It was refused as
+    stale (FAILED_PRECONDITION), the failed attempt having moved the etag, for a change that never happened."""
+
+    def test_the_clients_retry_makes_the_change(self, tmp_path: Path) -> None:
+        fabrics = rack()
+        with serving(socket_path(tmp_path), fabrics) as running:
+            retries = RetryPolicy(max_attempts=3, initial_backoff_s=0.001, max_backoff_s=0.01)
+            with FabricManagerClient(running.address, retries=retries) as client:
+                job = client.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+                assert job is not None
+                fabrics["pcie0"].flaky_bind(None, 1)
+                grown = client.recompose(job.id, add=[parse_resource("nic")], expected_etag=job.etag)
+            assert len(grown.devices) == 2 and set(running.bindings()) == set(grown.device_ids)
+
+    def test_a_retry_over_the_wire_with_the_same_request_id_and_etag_runs(self, tmp_path: Path) -> None:
+        """As a client in another language sends it, following the protocol's advice for UNAVAILABLE."""
+        fabrics = rack()
+        with serving(socket_path(tmp_path), fabrics) as running:
+            job = running.stub.Compose(compose_request("job", gpu(1))).composition
+            fabrics["pcie0"].flaky_bind(None, 1)
+            update = fm.UpdateCompositionRequest(id=job.id, add=[gpu(1)], etag=job.etag, request_id="r1")
+            failed = fails(running.stub.UpdateComposition, update)
+            assert (failed.code, failed.reason) == (grpc.StatusCode.UNAVAILABLE, "FABRIC_UNAVAILABLE")
+            grown = running.stub.UpdateComposition(update).composition
+            assert len(grown.devices) == 2 and grown.generation > job.generation
+            assert running.stub.UpdateComposition(update).composition == grown
 
 
 class TestGetComposition:

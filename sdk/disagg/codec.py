@@ -52,7 +52,15 @@ def _without(cls: type, *fields: str) -> None:
     _public.register_unstructure_hook(cls, cattrs.gen.make_dict_unstructure_fn(cls, _public, **omitted))
 
 
-_without(Composition, "pending", "request_id", "request_fingerprint", "before_unknown", "missing")
+_without(
+    Composition,
+    "pending",
+    "request_id",
+    "request_fingerprint",
+    "before_unknown",
+    "missing",
+    "equivalent_generations",
+)
 _without(Reservation, "request_id", "request_fingerprint")
 
 

@@ -127,6 +127,11 @@ NAMED_MEANWHILE_TRIES = 8
 (`FabricComposer._holding`): each time a compose took the name and was decomposed again meanwhile."""
 
 
+EQUIVALENT_GENERATIONS_KEPT = 16
+"""How many earlier generations a record that changes rolled back left as they were keeps valid etags of (the
+newest): a client that holds an older one is refused as stale, and reads the composition again."""
+
+
 class _Unheld(str):
     """A change's key that named no composition as the change began (`FabricComposer._holding`)."""
 
@@ -1801,7 +1806,11 @@ class FabricComposer(Composer):
                 if comp is not None:
                     watch.add(comp)
 
-    def _set(self, comp: Composition, **changes: object) -> Composition:
+    def _set(self, comp: Composition, restoring: Composition | None = None, /, **changes: object) -> Composition:
+        """Record ``comp`` with ``changes`` at a new generation, and tell watchers. Under the lock. A change rolled
+        back completely passes the record it began from as ``restoring``: when the new record equals it, the etags
+        that held for it hold for the new one too (`Composition.equivalent_generations`); any other change ends
+        them."""
         if (
             changes.get("before_unknown", comp.before_unknown) is not None
             and changes.get("state", comp.state) is not CompositionState.UNKNOWN
@@ -1810,7 +1819,10 @@ class FabricComposer(Composer):
         # Past the record as it is now too: a change that ends from the record it began with (a recovery) after
         # a failure gave it its reason meanwhile (`_say_meanwhile`) must not reuse that record's etag.
         now = self._compositions.get(comp.id, comp)
-        new = revise(comp, generation=max(comp.generation, now.generation) + 1, **changes)
+        new = revise(comp, generation=max(comp.generation, now.generation) + 1, equivalent_generations=(), **changes)
+        if restoring is not None and revise(new, generation=restoring.generation) == restoring:
+            held = (*restoring.equivalent_generations, restoring.generation)[-EQUIVALENT_GENERATIONS_KEPT:]
+            new = revise(new, equivalent_generations=held)
         self._record(new)
         if new.state is not comp.state:
             before, after = comp.state.value, new.state.value
@@ -2472,13 +2484,19 @@ class FabricComposer(Composer):
         return True
 
     def _fail_addition(
-        self, comp: Composition, plan: Plan, failed: ExecutionFailedError, state: CompositionState
+        self,
+        comp: Composition,
+        plan: Plan,
+        failed: ExecutionFailedError,
+        state: CompositionState,
+        before: Composition | None = None,
     ) -> bool:
         """An addition to a live composition (recompose, heal) failed: the composition goes back to ``state``,
         or is FAILED when the rollback was incomplete (then True). Under the lock. A standing ``state`` is judged again
         (`_set_standing`): a device may have failed while the composition was COMPOSING, which no event judged.
         Judged as it stood (a heal's, which never leaves DEGRADED), it is put back with its etag: clients saw
-        nothing change (`_heal`)."""
+        nothing change (`_heal`). Back as it was ``before`` the change (a recompose's), the etag it had then holds
+        again, for the change's retry and for the clients that read it (`_set`)."""
         if self._rollback_incomplete(comp, failed):
             return True
         self._unclaim_plan(plan, host=False)
@@ -2488,7 +2506,7 @@ class FabricComposer(Composer):
         elif (comp.state, comp.message) == (CompositionState.DEGRADED if why else CompositionState.COMPOSED, why):
             self._record(revise(comp, pending=None))
         else:
-            self._set_standing(comp, pending=None)
+            self._set_standing(comp, before, pending=None)
         return False
 
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> bool:
@@ -2736,7 +2754,7 @@ class FabricComposer(Composer):
             if request_id and _finished_by(comp, request_id, fp):
                 return comp  # this very change finished before a crash lost its answer
             self._check_not_done_before()
-            if expected_etag is not None and expected_etag != comp.etag:
+            if expected_etag is not None and not comp.holds_etag(expected_etag):
                 raise ConflictError(
                     f"composition {comp.id} is at {comp.etag}, not {expected_etag}",
                     metadata={"etag": comp.etag, "subject": comp.id},
@@ -2763,7 +2781,7 @@ class FabricComposer(Composer):
                     raise NoFitError(why)
                 plan = found
                 self._claim_plan(plan, comp.id, host=False)
-            previous_state = comp.state
+            previous_state, before = comp.state, comp
             start = self._next_alloc_index(comp)
             adding = self._adding(comp.id, plan, restore=previous_state, start=start) if lines else None
             comp = self._set(comp, state=CompositionState.COMPOSING, pending=adding)
@@ -2777,7 +2795,7 @@ class FabricComposer(Composer):
             )
         except ExecutionFailedError as failed:
             with self._lock:  # its record as it is now: a failure meanwhile gave it its reason (`_say_meanwhile`)
-                left = self._fail_addition(self._compositions[comp.id], plan, failed, previous_state)
+                left = self._fail_addition(self._compositions[comp.id], plan, failed, previous_state, before)
                 answer = self._failed_answer(comp.id, failed, left, request_id, fp)
             raise answer from None
         failpoints.hit("recompose.before_commit")
@@ -2805,7 +2823,7 @@ class FabricComposer(Composer):
                 self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {added}", etag=comp.etag)
         error: Exception | None = None
         if remove:
-            comp, error = yield from self._remove(comp, deadline, mark, added=bool(add))
+            comp, error = yield from self._remove(comp, deadline, mark, added=bool(add), before=before)
         yield DURABLE
         failpoints.hit("recompose.after_commit")
         if error is None:
@@ -2842,7 +2860,13 @@ class FabricComposer(Composer):
         return PendingChange(ChangeKind.REMOVE, picks, allocs, None, *self._request_mark())
 
     def _remove(
-        self, comp: Composition, deadline: float | None, mark: Mapping[str, str], *, added: bool
+        self,
+        comp: Composition,
+        deadline: float | None,
+        mark: Mapping[str, str],
+        *,
+        added: bool,
+        before: Composition | None = None,
     ) -> Steps[tuple[Composition, Exception | None]]:
         """Unbind and release what ``comp``'s pending removal names, once that is durable; what could not be
         undone stays part of the composition, and the error that says so is returned (None when nothing was
@@ -2850,7 +2874,8 @@ class FabricComposer(Composer):
         something was left and the change still did something (it ``added``, or the removal took some of its
         parts), the error is the request's answer, returned as `_SettledError` and written with the record in one
         transaction: a crash between the two would leave the request id unknown to the record and to the answers,
-        and a retry would add the lines again."""
+        and a retry would add the lines again. A change that did nothing and left the composition as it was
+        ``before`` it began leaves the etag it had then valid, for its retry (`_set`)."""
         assert comp.pending is not None and comp.pending.kind is ChangeKind.REMOVE
         picks, allocs = comp.pending.devices, comp.pending.allocations
         yield DURABLE
@@ -2859,25 +2884,33 @@ class FabricComposer(Composer):
         leftovers: Leftovers = yield self._driver_call(
             lambda: self._release(host, picks, allocs, deadline, stage="recompose"), fabrics
         )
+        nothing_done = not added and len(leftovers.ids) == len(picks) + len(allocs)
         with self._lock:
             gone_devices = {p.device for p in picks} - set(leftovers.ids)
             gone_allocs = [a for a in allocs if a.id not in leftovers.ids]
             now = self._compositions[comp.id]  # a failure meanwhile gave it its reason (`_say_meanwhile`)
-            comp = self._without(now, gone_devices, gone_allocs, **(mark if not leftovers else {}))
+            restoring = before if nothing_done else None
+            comp = self._without(now, gone_devices, gone_allocs, restoring, **(mark if not leftovers else {}))
             removed = _parts(len(gone_devices), len(gone_allocs))
             self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"removed {removed}", etag=comp.etag)
             if not leftovers:
                 return comp, None
             error = _left_bound(comp.id, leftovers)
-            if not added and len(leftovers.ids) == len(picks) + len(allocs):
+            if nothing_done:
                 return comp, error  # nothing happened: a retry runs again
             return comp, self._settled(error, mark.get("request_id", ""), mark.get("request_fingerprint", ""))
 
     def _without(
-        self, comp: Composition, devices: set[str], allocs: Sequence[Allocation], **changes: str
+        self,
+        comp: Composition,
+        devices: set[str],
+        allocs: Sequence[Allocation],
+        restoring: Composition | None = None,
+        /,
+        **changes: str,
     ) -> Composition:
         """``comp`` without ``devices`` and ``allocs``, which the hardware no longer holds, and with the state
-        its devices' health gives it and ``changes``, in one record; under the lock."""
+        its devices' health gives it and ``changes``, in one record; under the lock. ``restoring``: see `_set`."""
         for device in devices:
             self._inv.release_device(device)
         for alloc in allocs:
@@ -2885,6 +2918,7 @@ class FabricComposer(Composer):
         gone = {a.id for a in allocs} | devices
         return self._set_standing(
             comp,
+            restoring,
             devices=tuple(p for p in comp.devices if p.device not in gone),
             allocations=tuple(a for a in comp.allocations if a.id not in gone),
             missing=tuple(m for m in comp.missing if m not in gone),
@@ -3081,7 +3115,7 @@ class FabricComposer(Composer):
         why += [f"unhealthy: {', '.join(sick)}"] if sick else []
         return "; ".join(why)
 
-    def _set_standing(self, comp: Composition, **changes: Any) -> Composition:
+    def _set_standing(self, comp: Composition, restoring: Composition | None = None, /, **changes: Any) -> Composition:
         """`_set` ``changes`` with the state the result stands at and the message that says why, so that no
         change leaves a DEGRADED composition's reason behind once it is COMPOSED, nor the other way round. Under
         the lock. Judged from the fields the result will have, without making it twice (per Compose)."""
@@ -3093,7 +3127,7 @@ class FabricComposer(Composer):
             get("missing", comp.missing),
         )
         state = CompositionState.DEGRADED if why else CompositionState.COMPOSED
-        return self._set(comp, state=state, message=why, **changes)
+        return self._set(comp, restoring, state=state, message=why, **changes)
 
     def _unhealthy(self, comp: Composition) -> list[DevicePick]:
         return self._unhealthy_of(comp.devices)

@@ -419,16 +419,30 @@ class Composition:
     """The device and allocation ids reconciliation found the hardware no longer holds (ledger bookkeeping):
     it stays DEGRADED while it names any, whatever device health says, until the hardware holds them again or
     a recompose removes them. Neither an event nor a heal can tell that they came back."""
+    equivalent_generations: tuple[int, ...] = attrs.field(default=(), eq=False)
+    """The earlier generations this record equals (ledger bookkeeping): changes begun from them were rolled back
+    completely, so their etags guard an update still (`holds_etag`). Never those of the records written while
+    the changes ran; the next change of the composition empties it."""
 
     @property
     def etag(self) -> str:
         """A weak etag of the composition's id and generation: the id too, so that a composition decomposed and
         composed again under the same name (at the same generation) does not match an etag read before."""
-        return f'W/"{self.id}.{self.generation}"'
+        return _etag(self.id, self.generation)
+
+    def holds_etag(self, etag: str) -> bool:
+        """Whether an update guarded by ``etag`` may change this record: its own etag, or that of an earlier
+        generation it equals (`equivalent_generations`), which a client read before a change that failed and was
+        undone, and which its retry with the same request id sends again."""
+        return etag == self.etag or any(etag == _etag(self.id, g) for g in self.equivalent_generations)
 
     @property
     def device_ids(self) -> tuple[str, ...]:
         return tuple(p.device for p in self.devices)
+
+
+def _etag(comp_id: str, generation: int) -> str:
+    return f'W/"{comp_id}.{generation}"'
 
 
 MAX_RESERVATION_TTL_S = 86_400.0
