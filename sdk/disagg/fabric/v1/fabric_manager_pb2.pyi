@@ -948,7 +948,10 @@ class UpdateCompositionRequest(_message.Message):
     id: _builtins.str
     """A composition id or name."""
     etag: _builtins.str
-    """Refuse unless the composition is still at this etag; empty for no guard."""
+    """Refuse unless the composition is still at this etag, or at a record equal to the one it named (a change
+    whose driver calls were all undone leaves the etag it began from valid until the next change, so that its
+    retry with the same etag runs); empty for no guard.
+    """
     request_id: _builtins.str
     """Client-chosen id (1-128 characters) that makes a retried UpdateComposition safe: a request with this
     request_id and the same id, add, remove and etag returns the first answer and changes nothing again; one
