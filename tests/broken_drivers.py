@@ -10,6 +10,7 @@ domains, each with GPUs that its four hosts reach and the other domains' hosts d
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -1016,6 +1017,74 @@ class SlowBindIgnoresDeadline(SimFabric):
         return super().bind(device, host, attrs.evolve(ctx, deadline=None))
 
 
+class SlowUnbindIgnoresDeadline(SimFabric):
+    """Looks at the deadline only as an unbind starts; the hot-remove of a bound device then takes `SLOW_BIND_S`
+    and succeeds whatever the deadline: the caller, who gave up, holds the device in doubt while it is free."""
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        ctx.check_deadline()
+        with self._lock:
+            bound = isinstance(binding.device, str) and self._bindings.get(binding.device) == binding.host
+        if bound:
+            time.sleep(SLOW_BIND_S)
+        super().unbind(binding, attrs.evolve(ctx, deadline=None))
+
+
+class _SlowAllocatePool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        ctx.check_deadline()
+        if allocation_id not in {a.id for a in self.allocations()}:
+            time.sleep(SLOW_BIND_S)
+        return super().allocate(allocation_id, host, amount_bytes, attrs.evolve(ctx, deadline=None))
+
+
+class SlowAllocateIgnoresDeadline(SimFabric):
+    """Looks at the deadline only as an allocate starts, which then takes `SLOW_BIND_S` and carves whatever the
+    deadline: memory is carved for a caller that gave up on it."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _SlowAllocatePool)
+
+
+class _SlowReleasePool(SimPool):
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        ctx.check_deadline()
+        if allocation_id in {a.id for a in self.allocations()}:
+            time.sleep(SLOW_BIND_S)
+        super().release(allocation_id, attrs.evolve(ctx, deadline=None))
+
+
+class SlowReleaseIgnoresDeadline(SimFabric):
+    """Looks at the deadline only as a release starts, which then takes `SLOW_BIND_S` and frees whatever the
+    deadline: the caller, who gave up, still counts the memory as held."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _SlowReleasePool)
+
+
+HELPER = ("sleep", "60")
+"""The helper process (an emulator, a vendor daemon) that `LeavesItsHelperRunning` starts with every fabric."""
+
+
+class LeavesItsHelperRunning(SimFabric):
+    """Starts a helper process with every fabric built and leaves it running when the fabric is closed: the
+    emulator of a closed fabric runs on, and a fabric manager that reopens its fabrics piles them up."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self.helper = subprocess.Popen(HELPER, stdin=subprocess.DEVNULL)
+
+
+class StopsItsHelperAtClose(LeavesItsHelperRunning):
+    """Not broken: close() asks its helper to end (SIGTERM) and does not wait for it, which ends soon after."""
+
+    def close(self) -> None:
+        self.helper.terminate()
+        super().close()
+
+
 class _ForAnotherHostPool(SimPool):
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         fabric = self._fabric
@@ -1121,6 +1190,10 @@ BROKEN.update(
         "broken-pool-epoch-separate": (PoolEpochSeparate, "FENCE-STALE-EPOCH"),
         "broken-repeat-before-fence": (RepeatBeforeFence, "FENCE-STALE-EPOCH"),
         "broken-slow-bind-ignores-deadline": (SlowBindIgnoresDeadline, "DEADLINE-DURING-CALL"),
+        "broken-slow-unbind-ignores-deadline": (SlowUnbindIgnoresDeadline, "DEADLINE-DURING-UNBIND"),
+        "broken-slow-allocate-ignores-deadline": (SlowAllocateIgnoresDeadline, "CARVE-DEADLINE-DURING-CALL"),
+        "broken-slow-release-ignores-deadline": (SlowReleaseIgnoresDeadline, "CARVE-DEADLINE-DURING-CALL"),
+        "broken-leaves-its-helper-running": (LeavesItsHelperRunning, "CLOSE-NO-CHILDREN"),
         "broken-allocates-for-another-host": (AllocatesForAnotherHost, "CARVE-CONSERVES"),
         "broken-allocate-returns-unrounded": (AllocateReturnsUnrounded, "CARVE-CONSERVES"),
         "broken-allocate-unknown-host-keyerror": (AllocateUnknownHostKeyError, "CARVE-UNKNOWN-HOST"),
@@ -1131,6 +1204,7 @@ BROKEN.update(
     }
 )
 ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
+UNBROKEN["sim-stops-its-helper-at-close"] = (StopsItsHelperAtClose, SIM_CAPABILITIES)
 REASONS: dict[str, str] = {
     "broken-cancel-does-nothing": "once cancelled, a handler is called no more",
     "broken-allocate-repeat-before-fence": "even on a repeat that would change nothing",
@@ -1148,6 +1222,10 @@ REASONS: dict[str, str] = {
     "broken-pool-epoch-separate": "a driver keeps one highest epoch",
     "broken-repeat-before-fence": "even on a call that would change nothing",
     "broken-slow-bind-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
+    "broken-slow-unbind-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
+    "broken-slow-allocate-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
+    "broken-slow-release-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
+    "broken-leaves-its-helper-running": "'sleep 60'",
     "broken-allocates-for-another-host": "a pool carves for the host asked",
     "broken-allocate-returns-unrounded": "the allocation returned is the one the pool holds",
     "broken-allocate-unknown-host-keyerror": "raised KeyError",

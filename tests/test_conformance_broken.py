@@ -3,13 +3,26 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from broken_drivers import ALSO_BROKEN, BROKEN, REASONS
+from broken_drivers import ALSO_BROKEN, BROKEN, HELPER, REASONS
 from conformance_helpers import certify
+from disagg.testing.certify_run import processes_under
+
+
+@pytest.fixture(autouse=True)
+def _no_helper_left(tmp_path: Path) -> Iterator[None]:
+    """End the helper processes a driver of the run left behind (`broken_drivers.LeavesItsHelperRunning`): they
+    run in the run's directory, orphaned once the suite's process has exited."""
+    yield
+    for pid in processes_under(tmp_path, HELPER[0]):
+        os.kill(pid, signal.SIGKILL)
 
 
 def certify_broken(driver: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -63,6 +76,8 @@ class TestBrokenDrivers:
         assert result.returncode == 0, (result.stdout, result.stderr)
         assert report["verdict"] == "CERTIFIED"
         assert failures(report) == {}
+        new_in_1_8 = ("DEADLINE-DURING-UNBIND", "CARVE-DEADLINE-DURING-CALL", "CLOSE-NO-CHILDREN")
+        assert {c: statuses(report).get(c) for c in new_in_1_8} == dict.fromkeys(new_in_1_8, "PASS")
 
     def test_a_clean_up_that_raises_a_non_disagg_exception_is_named(self, tmp_path: Path) -> None:
         """An unbind that raises RuntimeError at clean-up stopped the clean-up and its check, and nothing was
@@ -93,6 +108,14 @@ class TestUnbrokenDrivers:
         assert report["verdict"] == "CERTIFIED"
         assert statuses(report)["CARVE-STALE-EPOCH"] == "PASS"
         assert statuses(report)["FENCE-STALE-EPOCH"] == "NOT TESTED"
+
+    def test_a_driver_that_ends_its_helper_at_close(self, tmp_path: Path) -> None:
+        """Its close() sends the helper SIGTERM without waiting: the helper ends soon after, within the wait of
+        CLOSE-NO-CHILDREN, and is not held against it."""
+        result, report = certify_broken("sim-stops-its-helper-at-close", tmp_path)
+        assert result.returncode == 0, (result.stdout, result.stderr, failures(report))
+        assert report["verdict"] == "CERTIFIED"
+        assert statuses(report)["CLOSE-NO-CHILDREN"] == "PASS"
 
 
 class TestUnscopedSwitchAndPoolIds:

@@ -169,11 +169,26 @@ _ALL = (
         needs="a free device",
     ),
     Clause(
+        "DEADLINE-DURING-UNBIND",
+        "An unbind of a bound device made with a deadline half a second away returns by its deadline or raises "
+        "DeadlineExceededError: it never answers success once its deadline has passed.",
+        frozenset({Feature.BIND, Feature.UNBIND}),
+        needs="a free device",
+    ),
+    Clause(
         "CARVE-DEADLINE-PASSED",
         "An allocate or release that would change something, made once its deadline has passed, raises "
         "DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason DEADLINE_EXCEEDED) and changes nothing.",
         frozenset({Feature.CARVE}),
         needs="a pool with 2 free blocks",
+    ),
+    Clause(
+        "CARVE-DEADLINE-DURING-CALL",
+        "An allocate, and a release of an allocation the pool holds, made with a deadline half a second away "
+        "return by their deadline or raise DeadlineExceededError: neither answers success once its deadline has "
+        "passed.",
+        frozenset({Feature.CARVE}),
+        needs="a pool with a free block",
     ),
     Clause(
         "CONC-PARALLEL-BINDS",
@@ -309,6 +324,13 @@ _ALL = (
         needs="a way to restart the driver",
     ),
     Clause(
+        "CLOSE-NO-CHILDREN",
+        "A fabric built, discovered and closed leaves no process it started running: every process started under "
+        "the suite's process while the fabric was open has ended 3 s after close() returned (checked where /proc "
+        "is; a remote driver's own process is not the suite's, and only its client is checked).",
+        needs="/proc (Linux)",
+    ),
+    Clause(
         "CLEANUP-NOTHING-LEFT",
         "After every test, passed or failed, the suite has unbound and released everything it bound or carved, "
         "and the driver confirms it; and no thread the driver started, daemon or not, still runs 3 s after its "
@@ -317,7 +339,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.7"
+SUITE_VERSION = "1.8"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
 accepts raises it. ``docs/conformance.md`` says what each version added."""
 

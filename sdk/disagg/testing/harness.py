@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import attrs
@@ -35,6 +37,9 @@ reconnection 60 s more."""
 THREADS_END_S = 3.0
 """How long after the last fabric was closed the threads its driver started have to end (`threads_left`): a
 thread that polls a stop flag once a second ends well within it."""
+CHILDREN_END_S = 3.0
+"""How long after close() the processes a fabric started have to end (`children_left`): one that close() sends
+SIGTERM, or tells to quit, ends well within it."""
 WORKER_THREAD = "disagg-conformance"
 """How the name of every thread the suite starts for a driver call begins (`watched`): not the driver's."""
 
@@ -252,6 +257,57 @@ def threads_left(before: Collection[threading.Thread], *, wait_s: float = THREAD
         left[0].join(min(remaining, 0.05))
 
 
+def descendants() -> dict[tuple[int, int], str] | None:
+    """The processes running under this one (its children, theirs, ...), keyed by pid and start time (a reused
+    pid is another process), each with its command line; None where there is no /proc to read them from. A
+    zombie (ended, not yet reaped) has ended, and one that left the tree (a daemon that forked twice, reparented
+    to init) is not seen."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return None
+    parents: dict[int, list[int]] = {}
+    started: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended as it was read
+        if fields[0] in ("Z", "X"):
+            continue
+        pid = int(entry.name)
+        parents.setdefault(int(fields[1]), []).append(pid)
+        started[pid] = int(fields[19])
+    found: dict[tuple[int, int], str] = {}
+    todo = list(parents.get(os.getpid(), ()))
+    while todo:
+        pid = todo.pop()
+        found[(pid, started[pid])] = _command_line(pid)
+        todo += parents.get(pid, ())
+    return found
+
+
+def _command_line(pid: int) -> str:
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    except OSError:
+        return "?"
+    return " ".join(w.decode(errors="replace") for w in words)
+
+
+def children_left(before: Collection[tuple[int, int]], *, wait_s: float = CHILDREN_END_S) -> list[str]:
+    """The processes under this one that were not in ``before`` (`descendants`, taken before the fabric was
+    built) and still run ``wait_s`` after it was closed, each as ``pid N 'command line'``: what the driver
+    left running."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [f"pid {pid} {cmd!r}" for (pid, t), cmd in (descendants() or {}).items() if (pid, t) not in before]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
 def threads_leftovers(threads: Sequence[threading.Thread]) -> list[Leftover]:
     """One `Leftover` per kind of thread in ``threads`` (`threads_left`): those whose names differ only by a
     number (``Thread-7 (poll)``, one per fabric built) are counted together."""
@@ -390,12 +446,17 @@ class Tracker:
         return WatchedPool(self, self.read(f"pool({pool})", lambda: fabric.pool(pool)))
 
     def allocate(self, pool: str, allocation: str, host: str, amount: int, *, epoch: int | None = None) -> Allocation:
-        with self._lock:
-            self._allocations[(pool, allocation)] = None
+        self.attempting_allocation(pool, allocation)
         fabric, ctx = self.fabric, self.ctx(epoch)
         return self.call(
             f"allocate of {allocation} in {pool}", lambda: fabric.pool(pool).allocate(allocation, host, amount, ctx)
         )
+
+    def attempting_allocation(self, pool: str, allocation: str) -> None:
+        """Count an allocate a test makes itself (with a context of its own) among those the clean-up releases and
+        checks, as `allocate` counts its own."""
+        with self._lock:
+            self._allocations[(pool, allocation)] = None
 
     def release(self, pool: str, allocation: str, *, epoch: int | None = None) -> None:
         fabric, ctx = self.fabric, self.ctx(epoch)

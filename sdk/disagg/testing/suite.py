@@ -40,6 +40,7 @@ from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
 from disagg.testing.harness import (
     BUILD_TIMEOUT_S,
+    CHILDREN_END_S,
     NOT_SDK,
     RESTART_TIMEOUT_S,
     WATCHDOG_GRACE_S,
@@ -50,6 +51,8 @@ from disagg.testing.harness import (
     Tracker,
     View,
     WatchedPool,
+    children_left,
+    descendants,
     reopening,
     run_together,
 )
@@ -84,10 +87,11 @@ _CARVE_ID_RULE = (
 _UNKNOWN_RULE = "an id that does not exist in the fabric raises UnknownDeviceError, UnknownHostError or NotFoundError"
 """The contract's error table on unknown ids (docs/driver-interface.md), quoted by the clauses of unknown ids."""
 SHORT_DEADLINE_S = 0.5
-"""How far away the deadline of DEADLINE-DURING-CALL's bind is."""
+"""How far away the deadline is of the calls of DEADLINE-DURING-CALL, DEADLINE-DURING-UNBIND and
+CARVE-DEADLINE-DURING-CALL."""
 LATE_SLACK_S = 0.5
-"""How long after its deadline DEADLINE-DURING-CALL lets a bind's success arrive before it calls it late: the
-time between the driver's return and the suite's clock reading, on a loaded machine."""
+"""How long after its deadline those clauses let a call's success arrive before they call it late: the time
+between the driver's return and the suite's clock reading, on a loaded machine."""
 
 
 def _scoped(item: str, fabric: str) -> bool:
@@ -327,6 +331,13 @@ class FabricConformance:
 
     @pytest.fixture
     def tracker(self, fabric_factory: FabricFactory, request: pytest.FixtureRequest) -> Iterator[Tracker]:
+        with self._tracking(fabric_factory, request) as tracker:
+            yield tracker
+
+    @contextlib.contextmanager
+    def _tracking(self, fabric_factory: FabricFactory, request: pytest.FixtureRequest) -> Iterator[Tracker]:
+        """A `Tracker` on a fabric built for the test, cleaned up and closed as the test ends: the ``tracker``
+        fixture, and the test of CLOSE-NO-CHILDREN, which looks at what runs before the fabric is built."""
         config = request.config
         if EPOCHS not in config.stash:
             raise pytest.UsageError(
@@ -867,31 +878,47 @@ class FabricConformance:
         )
         assert _bindings_of(tracker, dev.id) == [Binding(dev.id, host)], "an unbind made after its deadline unbound"
 
-    @clause("DEADLINE-DURING-CALL")
-    def test_bind_that_runs_past_its_deadline(self, tracker: Tracker) -> None:
+    @staticmethod
+    def _in_time(tracker: Tracker, what: str, call: Callable[[CallContext], object]) -> None:
         """The deadline rule while a call works: a driver that blocks checks the deadline as it waits, and raises
         DeadlineExceededError rather than answer success to a caller that gave up on it (the composer has moved
-        on, and the device is bound to no one's knowledge). The time of the answer is read on the thread that
-        made the call, as it returns; `LATE_SLACK_S` more is allowed for a loaded machine."""
+        on, and holds what the call changed in doubt). ``call`` is made with a deadline `SHORT_DEADLINE_S` away;
+        the time of its answer is read on the thread that made it, as it returns, and `LATE_SLACK_S` more is
+        allowed for a loaded machine."""
+        ctx = CallContext.with_timeout(SHORT_DEADLINE_S, epoch=tracker.epochs.current, request_id="conformance")
+        assert ctx.deadline is not None
+
+        def timed() -> float:
+            call(ctx)
+            return time.monotonic()
+
+        what = f"{what}, with a deadline {SHORT_DEADLINE_S:g} s away"
+        try:
+            answered = tracker.call(what, timed)
+        except DeadlineExceededError:
+            return
+        late = answered - ctx.deadline
+        assert late <= LATE_SLACK_S, f"the {what}, succeeded {late:.2f} s after its deadline: {_DEADLINE_RULE}"
+
+    @clause("DEADLINE-DURING-CALL")
+    def test_bind_that_runs_past_its_deadline(self, tracker: Tracker) -> None:
+        """A bind that succeeds late leaves the device bound to no one's knowledge (`_in_time`)."""
         view = tracker.view()
         dev = _one_free(view)
         host = view.hosts_reaching(dev)[0]
         fabric = tracker.fabric
         tracker.attempting_bind(dev.id, host)  # undone and checked at clean-up, as the suite's other binds
-        ctx = CallContext.with_timeout(SHORT_DEADLINE_S, epoch=tracker.epochs.current, request_id="conformance")
-        assert ctx.deadline is not None
+        self._in_time(tracker, f"bind of {dev.id} to {host}", lambda ctx: fabric.bind(dev.id, host, ctx))
 
-        def bind() -> float:
-            fabric.bind(dev.id, host, ctx)
-            return time.monotonic()
-
-        what = f"bind of {dev.id} to {host}, with a deadline {SHORT_DEADLINE_S:g} s away"
-        try:
-            answered = tracker.call(what, bind)
-        except DeadlineExceededError:
-            return
-        late = answered - ctx.deadline
-        assert late <= LATE_SLACK_S, f"the {what}, succeeded {late:.2f} s after its deadline: {_DEADLINE_RULE}"
+    @clause("DEADLINE-DURING-UNBIND")
+    def test_unbind_that_runs_past_its_deadline(self, tracker: Tracker) -> None:
+        """An unbind that succeeds late frees a device its caller still holds bound, in doubt (`_in_time`)."""
+        view = tracker.view()
+        dev = _one_free(view)
+        host = view.hosts_reaching(dev)[0]
+        fabric = tracker.fabric
+        tracker.bind(dev.id, host)
+        self._in_time(tracker, f"unbind of {dev.id} from {host}", lambda ctx: fabric.unbind(Binding(dev.id, host), ctx))
 
     @clause("CARVE-DEADLINE-PASSED")
     def test_allocate_and_release_after_their_deadline(self, tracker: Tracker) -> None:
@@ -927,6 +954,28 @@ class FabricConformance:
             _DEADLINE_RULE,
         )
         assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "a call made after its deadline took effect"
+
+    @clause("CARVE-DEADLINE-DURING-CALL")
+    def test_allocate_and_release_that_run_past_their_deadline(self, tracker: Tracker) -> None:
+        """An allocate that succeeds late carves memory for a caller that gave up on it; a release that succeeds
+        late frees memory its caller still counts as held (`_in_time`). The release is of an allocation the pool
+        holds, whatever the allocate answered."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        if pool.free_bytes() < block:
+            _skip(f"pool {info.id} has no free block")
+        fabric, allocation = tracker.fabric, "conformance-deadline-during"
+        tracker.attempting_allocation(info.id, allocation)  # released and checked at clean-up
+        self._in_time(
+            tracker,
+            f"allocate of {allocation} in {info.id}",
+            lambda ctx: fabric.pool(info.id).allocate(allocation, host, block, ctx),
+        )
+        tracker.allocate(info.id, allocation, host, block)
+        self._in_time(
+            tracker, f"release of {allocation} in {info.id}", lambda ctx: fabric.pool(info.id).release(allocation, ctx)
+        )
 
     # ------------------------------------------------------------------ concurrency
 
@@ -1377,6 +1426,25 @@ class FabricConformance:
             assert (pool.free_bytes(), _allocation_ids(pool)) == held, "after a restart, a deposed allocate carved"
         _expect_stale(
             lambda: tracker.unbind(*fence, epoch=deposed), "unbind (an epoch announcement)", deposed, announced
+        )
+
+    # ------------------------------------------------------------------ close
+
+    @clause("CLOSE-NO-CHILDREN")
+    def test_close_leaves_no_child_process(self, fabric_factory: FabricFactory, request: pytest.FixtureRequest) -> None:
+        """An emulator, QEMU or helper process that a driver starts is its to end when the fabric closes: one
+        left running holds the hardware (or its emulation) that no fabric owns, and a fabric manager that
+        reopens its fabrics piles them up. What runs under the suite's process is read before the fabric is
+        built, so that what earlier tests left (a driver's process-wide helper) is not counted."""
+        before = descendants()
+        if before is None:
+            _skip("there is no /proc to list the processes the driver started")
+        with self._tracking(fabric_factory, request) as tracker:
+            tracker.view()
+        left = children_left(before)
+        assert not left, (
+            f"{', '.join(left[:5])} still running {CHILDREN_END_S:g} s after the fabric that started it was closed: "
+            "close() ends every process the driver started (or certify with options that have it end them)"
         )
 
 
