@@ -296,13 +296,22 @@ def _command_line(pid: int) -> str:
     return " ".join(w.decode(errors="replace") for w in words)
 
 
+COMMAND_SHOWN = 80
+"""How much of a left process's command line a failed CLOSE-NO-CHILDREN shows."""
+
+
+def _shown(command: str) -> str:
+    return command if len(command) <= COMMAND_SHOWN else f"{command[: COMMAND_SHOWN - 3]}..."
+
+
 def children_left(before: Collection[tuple[int, int]], *, wait_s: float = CHILDREN_END_S) -> list[str]:
     """The processes under this one that were not in ``before`` (`descendants`, taken before the fabric was
-    built) and still run ``wait_s`` after it was closed, each as ``pid N 'command line'``: what the driver
-    left running."""
+    built) and still run ``wait_s`` after it was closed, each as ``pid N 'command line'`` (its first
+    `COMMAND_SHOWN` characters: QEMU's run to thousands): what the driver left running."""
     deadline = time.monotonic() + wait_s
     while True:
-        left = [f"pid {pid} {cmd!r}" for (pid, t), cmd in (descendants() or {}).items() if (pid, t) not in before]
+        now = descendants() or {}
+        left = [f"pid {pid} {_shown(cmd)!r}" for (pid, t), cmd in now.items() if (pid, t) not in before]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
