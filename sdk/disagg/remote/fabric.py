@@ -425,7 +425,7 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def bindings(self) -> Sequence[Binding]:
         answer = self._call(self._stub.ListBindings, pb.ListBindingsRequest(), None)
-        return tuple(binding_from_wire(b) for b in answer.bindings)
+        return self._read(lambda: wire.bindings_from_wire(answer.bindings), "bindings")
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
         answer = self._call(self._stub.Bind, wire.bind_request_to_wire(device, host, ctx), ctx)
@@ -788,7 +788,7 @@ class RemotePool(Pool):
     def allocations(self) -> Sequence[Allocation]:
         fabric = self._fabric
         answer = fabric._call(fabric._stub.ListAllocations, pb.ListAllocationsRequest(pool=self.id), None)
-        return tuple(allocation_from_wire(a) for a in answer.allocations)
+        return fabric._read(lambda: wire.allocations_from_wire(answer.allocations, self.id), "allocations")
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """An amount of 0 is sent, for the driver to refuse; a negative one is refused here (the wire cannot

@@ -22,19 +22,20 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote
 
 import attrs
 
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
+from disagg.fabric.v1 import types_pb2
 from disagg.interfaces import CallContext, FaultInjection
 from disagg.interfaces.fabric import MAX_ID as INTERFACE_MAX_ID
 from disagg.interfaces.fabric import check_id as interface_check_id
-from disagg.model import Binding, FabricEvent, FabricEventKind, Health
+from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health
 from disagg.wire.deadlines import NO_DEADLINE_S
-from disagg.wire.types import HEALTH_TO_WIRE, enum_from_wire, health_from_wire
+from disagg.wire.types import HEALTH_TO_WIRE, allocation_from_wire, binding_from_wire, enum_from_wire, health_from_wire
 
 MAX_ID = INTERFACE_MAX_ID
 MAX_REQUEST_ID = 128
@@ -231,6 +232,45 @@ def fabric_event_from_wire(msg: pb.FabricEvent, field: str = "event") -> FabricE
     if not msg.subject:
         raise InvalidRequestError(f"{field}.subject: an event names its device or link", field=f"{field}.subject")
     return FabricEvent(fabric=msg.fabric, kind=kind, subject=msg.subject, health=health, message=msg.message)
+
+
+def bindings_from_wire(msgs: Iterable[types_pb2.Binding]) -> tuple[Binding, ...]:
+    """A ListBindings answer, held to the driver interface's contract: each binding names a device and a host by
+    id, and a device once (bound elsewhere, a bind is refused). Reconciliation judges the hardware by it: a
+    binding of no device would be quarantined, and a device listed twice seem bound to the last host listed."""
+    bindings = tuple(binding_from_wire(msg) for msg in msgs)
+    seen: set[str] = set()
+    for n, binding in enumerate(bindings):
+        check_id(binding.device, f"bindings[{n}].device")
+        check_id(binding.host, f"bindings[{n}].host")
+        if binding.device in seen:
+            field = f"bindings[{n}].device"
+            raise InvalidRequestError(f"{field}: device {binding.device!r} is listed twice", field=field)
+        seen.add(binding.device)
+    return bindings
+
+
+def allocations_from_wire(msgs: Iterable[types_pb2.Allocation], pool: str) -> tuple[Allocation, ...]:
+    """A ListAllocations answer of ``pool``, held to the driver interface's contract: each allocation is the
+    pool's, names its id and host by id, holds at least a byte (an allocation of none is refused), and an id is
+    listed once (it makes an allocate's retry idempotent). Reconciliation judges the memory by it: another pool's
+    allocation, or one of no bytes, would make the composition that holds it seem to have lost it."""
+    allocations = tuple(allocation_from_wire(msg) for msg in msgs)
+    seen: set[str] = set()
+    for n, allocation in enumerate(allocations):
+        field = f"allocations[{n}]"
+        check_id(allocation.id, f"{field}.id")
+        check_id(allocation.host, f"{field}.host")
+        if allocation.pool != pool:
+            raise InvalidRequestError(
+                f"{field}.pool: {allocation.pool!r}, listed as an allocation of pool {pool!r}", field=f"{field}.pool"
+            )
+        if allocation.amount_bytes <= 0:
+            raise InvalidRequestError(f"{field}.amount_bytes: an allocation holds bytes", field=f"{field}.amount_bytes")
+        if allocation.id in seen:
+            raise InvalidRequestError(f"{field}.id: {allocation.id!r} is listed twice", field=f"{field}.id")
+        seen.add(allocation.id)
+    return allocations
 
 
 def event_sequence(value: str) -> tuple[str, int] | None:
