@@ -20,7 +20,7 @@ from disagg.model import Binding, CompositionState, Device, FabricEvent, FabricE
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
-from disagg.remote.watch import EventCall
+from disagg.remote.watch import BACKOFF_MAX_S, BACKOFF_MIN_S, MALFORMED_QUIET_S, EventCall, MalformedBackoff
 from disagg.requestlang import parse_request
 from disagg.wire.driver import EVENT_SEQUENCE_KEY, metadata_value
 from disagg_sim import SimFabric, load_topology
@@ -949,3 +949,53 @@ class TestAnEventTheStreamCannotTell:
             seen = self._failed_silently(event, socket_dir)
         assert [(e.fabric, e.subject, e.health) for e in seen] == [("pcie0", self.GPU, Health.FAILED)]
         assert "'pcie1'" in caplog.text
+
+
+class Babbling(Muffled):
+    """A driver in another language whose every event is malformed, published nonstop (`babble`); it counts its
+    discoveries, each of which a watcher's new stream asks for."""
+
+    MALFORMED = FabricEvent("pcie0", FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", health=None)
+
+    def __init__(self, inner: SimFabric) -> None:
+        super().__init__(inner)
+        self.discoveries = 0
+        self.lock = threading.Lock()
+
+    def discover(self) -> Topology:
+        with self.lock:
+            self.discoveries += 1
+        return super().discover()
+
+    def babble(self, for_s: float) -> None:
+        """Publish a malformed event every 10 ms for ``for_s`` seconds."""
+        deadline = time.monotonic() + for_s
+        while time.monotonic() < deadline:
+            self.publish(self.MALFORMED)
+            time.sleep(0.01)
+
+
+class TestADriverThatSendsOnlyMalformedEvents:
+    """Each malformed event left the stream for a new one 50 ms later, whose resync discovered the whole fabric
+    again: some twenty discoveries a second for as long as the driver went on, on a 100,000-device fabric too."""
+
+    BABBLE_S = 4.0
+    MOST = 15
+    """Discoveries over `BABBLE_S` at most: the waits double from 50 ms to 2 s, seven new streams; at 50 ms each
+    (and a connection and a discovery per stream, however loaded the machine) it was some forty or more."""
+
+    def test_its_new_streams_wait_longer_each_time(self, socket_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+        driver = Babbling(pcie())
+        with caplog.at_level(logging.WARNING, "disagg.remote"), watched(driver, socket_dir):
+            before = driver.discoveries
+            driver.babble(self.BABBLE_S)
+            discoveries = driver.discoveries - before
+        assert 1 <= discoveries <= self.MOST, discoveries
+        assert "malformed event" in caplog.text
+
+    def test_the_wait_doubles_up_to_the_longest_and_starts_over_after_a_quiet_while(self) -> None:
+        backoff = MalformedBackoff()
+        waits = [backoff.next(float(n)) for n in range(8)]
+        assert waits[:3] == [BACKOFF_MIN_S, 2 * BACKOFF_MIN_S, 4 * BACKOFF_MIN_S]
+        assert waits[-1] == BACKOFF_MAX_S
+        assert backoff.next(7.0 + MALFORMED_QUIET_S) == BACKOFF_MIN_S

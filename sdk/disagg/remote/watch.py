@@ -4,7 +4,10 @@ The thread opens the stream, waits for its initial metadata (the driver has then
 delivers each event to the fabric's handlers, in order. When the stream breaks (the driver restarted, or
 dropped a watcher that fell behind) it reconnects with a bounded exponential backoff; since the service
 cannot replay what was missed, the first thing it does after reconnecting is ask the fabric to `resync`,
-which rediscovers and reports the differences as events. Only then is the watcher connected.
+which rediscovers and reports the differences as events. Only then is the watcher connected. A stream left for
+a malformed event is followed by a new one after a wait that doubles with each such stream
+(`MalformedBackoff`): a driver that sends nothing else would otherwise have the whole fabric rediscovered
+twenty times a second.
 
 Events are counted against the number the driver sends in the stream's initial metadata, so that
 `wait_for` can tell when every event published up to a given number has been handled, and each event is
@@ -20,7 +23,9 @@ composer no longer hears of failures.
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +46,37 @@ BACKOFF_MAX_S = 2.0
 JOIN_TIMEOUT_S = 5.0
 WARN_EVERY_S = 60.0
 """The least time between two warnings that the watcher gets no events."""
+MALFORMED_QUIET_S = 30.0
+"""How long without a malformed event before the wait after one is `BACKOFF_MIN_S` again."""
+
+
+class _Ending(enum.Enum):
+    """How one stream of `EventWatcher._watch_once` ended."""
+
+    UNCONNECTED = "unconnected"
+    """Refused, or its resync failed: no event came."""
+    ENDED = "ended"
+    """It broke or ended after connecting."""
+    MALFORMED = "malformed"
+    """Left for a malformed event (`EventWatcher._event`)."""
+
+
+@attrs.define
+class MalformedBackoff:
+    """The wait before a new stream after one was left for a malformed event: `BACKOFF_MIN_S` after a quiet
+    `MALFORMED_QUIET_S`, else twice the last, up to `BACKOFF_MAX_S`. Each new stream rediscovers the whole
+    fabric; a well-formed event between two malformed ones does not reset it, or a driver that sends both would
+    keep the rediscoveries as frequent."""
+
+    delay_s: float = 0.0
+    last: float = -math.inf
+    """When the last malformed event left a stream (``time.monotonic()``)."""
+
+    def next(self, now: float) -> float:
+        quiet = now - self.last >= MALFORMED_QUIET_S
+        self.delay_s = BACKOFF_MIN_S if quiet else min(self.delay_s * 2, BACKOFF_MAX_S)
+        self.last = now
+        return self.delay_s
 
 
 class EventCall(Protocol):
@@ -151,24 +187,28 @@ class EventWatcher:
 
     def _run(self) -> None:
         backoff = BACKOFF_MIN_S
+        malformed = MalformedBackoff()
         first = True
         while True:
             with self._state:
                 if self._stopping:
                     return
+            ending = _Ending.UNCONNECTED
             try:
-                if self._watch_once(first):
-                    first = False
-                    backoff = BACKOFF_MIN_S
+                ending = self._watch_once(first)
             except Exception:  # a handler's bug must not end the watcher
                 log.exception("the event watcher failed; watching again")
+            if ending is not _Ending.UNCONNECTED:
+                first = False
+                backoff = BACKOFF_MIN_S
+            wait = malformed.next(time.monotonic()) if ending is _Ending.MALFORMED else backoff
             with self._state:
-                if self._state.wait_for(lambda: self._stopping or self._hurry, backoff) and self._stopping:
+                if self._state.wait_for(lambda: self._stopping or self._hurry, wait) and self._stopping:
                     return
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    def _watch_once(self, first: bool) -> bool:
-        """Open one stream and deliver from it until it ends; True when it was connected at all."""
+    def _watch_once(self, first: bool) -> _Ending:
+        """Open one stream and deliver from it until it ends; how it ended."""
         with self._state:
             self._attempts += 1
             attempt = self._attempts
@@ -181,14 +221,15 @@ class EventWatcher:
         with self._state:
             if self._stopping:
                 call.cancel()
-                return False
+                return _Ending.UNCONNECTED
             self._call = call
         connected = False
+        ending = _Ending.UNCONNECTED
         try:
             header = wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY)
             if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
                 self._no_events(f"the driver refused the event stream ({call.code()}: {call.details()})")
-                return False
+                return _Ending.UNCONNECTED
             numbered = wire.event_sequence(header)
             sequence = numbered or ("", 0)
             instance, number = sequence
@@ -201,11 +242,13 @@ class EventWatcher:
                 self._synced = resync
                 self._connected = connected = True
                 self._state.notify_all()
+            ending = _Ending.ENDED
             for response in call:
                 number += 1  # the stream brings every event published after it registered, in order
                 event = self._event(response.event)
-                if event is None:
-                    break  # watched again: the new stream's resync rediscovers what the event meant to tell
+                if event is None:  # watched again: the new stream's resync rediscovers what the event meant to tell
+                    ending = _Ending.MALFORMED
+                    break
                 self._deliver(event, (instance, number) if numbered is not None else None)
                 with self._state:
                     self._seen += 1
@@ -224,7 +267,7 @@ class EventWatcher:
             call.cancel()
             if not connected:
                 self._give_up(attempt)
-        return connected
+        return ending
 
     def _event(self, msg: pb.FabricEvent) -> FabricEvent | None:
         """A stream event as this fabric's (a driver may leave its fabric unnamed: the stream is of this one);
