@@ -173,3 +173,15 @@ def test_a_well_formed_listing_is_read() -> None:
             assert remote.bindings() == tuple(sim.bindings())
         finally:
             remote.close()
+
+
+def test_an_allocation_that_names_no_pool_is_the_asked_pools() -> None:
+    """A driver in another language may leave an allocation's pool unset: the listing is of the pool asked for, as
+    a stream's event that names no fabric is the stream's."""
+    driver = Garbling(cxl(), garble_memory=lambda listed: [attrs.evolve(a, pool="") for a in listed])
+    with composed(driver, ["cxl-memory 8GiB"]) as (composer, remote, composition_id):
+        (held,) = composer.get(composition_id).allocations
+        driver.on = True
+        assert [(a.id, a.pool) for a in remote.pool(held.pool).allocations()] == [(held.id, held.pool)]
+        assert composer.reconcile() == 0
+        assert composer.get(composition_id).state is CompositionState.COMPOSED

@@ -252,10 +252,13 @@ def bindings_from_wire(msgs: Iterable[types_pb2.Binding]) -> tuple[Binding, ...]
 
 def allocations_from_wire(msgs: Iterable[types_pb2.Allocation], pool: str) -> tuple[Allocation, ...]:
     """A ListAllocations answer of ``pool``, held to the driver interface's contract: each allocation is the
-    pool's, names its id and host by id, holds at least a byte (an allocation of none is refused), and an id is
+    pool's (one that names no pool is: the listing is of this one, as an event that names no fabric is the
+    stream's), names its id and host by id, holds at least a byte (an allocation of none is refused), and an id is
     listed once (it makes an allocate's retry idempotent). Reconciliation judges the memory by it: another pool's
     allocation, or one of no bytes, would make the composition that holds it seem to have lost it."""
-    allocations = tuple(allocation_from_wire(msg) for msg in msgs)
+    allocations = tuple(
+        attrs.evolve(a, pool=pool) if not a.pool else a for a in (allocation_from_wire(msg) for msg in msgs)
+    )
     seen: set[str] = set()
     for n, allocation in enumerate(allocations):
         field = f"allocations[{n}]"
