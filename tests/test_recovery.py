@@ -60,7 +60,7 @@ from disagg.store import MemoryStore, SqliteStore
 from disagg.wire.errors import to_status
 from disagg_sim import SimFabric, create_fabric, load_topology
 from disagg_sim.fabric import SimPool
-from remote_helpers import served
+from remote_helpers import eventually, served
 
 GiB = 1 << 30
 WAIT_S = 10.0
@@ -533,6 +533,73 @@ def apply_cut_off(
     first.close()
     monkeypatch.undo()
     return res, opened(tmp)
+
+
+class TestARecomposeACrashInterrupted:
+    """A recompose that a crash cut off after its binds is undone at the restart, and the composition is as it was:
+    the etags that held for it before the change hold again, for the retry of the change with the same request id
+    and etag, as after a rollback without a crash. Only the new etag held, and the retry was refused as stale."""
+
+    def test_its_retry_with_the_etag_before_runs(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        first.fabrics["pcie0"].flaky_bind(None, 1)
+        with pytest.raises(FabricUnavailableError):
+            first.recompose(job.id, add=[parse_resource("nic")], expected_etag=job.etag)
+        left = first.get(job.id)
+        gpu = parse_request("x", ["gpu x1"]).resources
+        held = crash_at(monkeypatch, first, "recompose.before_commit")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose(job.id, add=gpu, expected_etag=left.etag, request_id="R")
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            assert again.get(job.id).device_ids == job.device_ids
+            assert len(again.fabrics["pcie0"].bindings()) == 1
+            grown = again.recompose(job.id, add=gpu, expected_etag=left.etag, request_id="R")
+            assert len(grown.devices) == 2
+            with pytest.raises(ConflictError):
+                again.recompose(job.id, add=[parse_resource("nic")], expected_etag=job.etag)
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
+    def test_one_a_failure_wrote_meanwhile_keeps_only_its_new_etag(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The composition was DEGRADED as the change began, and its device was repaired while it bound: after
+        the restart it is COMPOSED, which it was not at the etag the change began from."""
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        sick = job.device_ids[0]
+        first.fabrics["pcie0"].fail_device(sick, "hot")
+        assert eventually(lambda: first.get(job.id).state is CompositionState.DEGRADED)
+        degraded = first.get(job.id)
+        sim = first.fabrics["pcie0"]
+        bind = sim.bind
+
+        def repairing(device: str, host: str, ctx: CallContext) -> Binding:
+            sim.repair_device(sick)
+            assert eventually(lambda: first.get(job.id).message == "")
+            return bind(device, host, ctx)
+
+        monkeypatch.setattr(sim, "bind", repairing)
+        held = crash_at(monkeypatch, first, "recompose.before_commit")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose(job.id, add=[parse_resource("nic")], expected_etag=degraded.etag, request_id="R")
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            assert again.get(job.id).state is CompositionState.COMPOSED
+            with pytest.raises(ConflictError):
+                again.recompose(job.id, add=[parse_resource("nic")], expected_etag=degraded.etag, request_id="R")
+        finally:
+            again.close()
+            held.release()
+            first.close()
 
 
 class TestAnApplyACrashInterrupted:

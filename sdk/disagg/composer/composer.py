@@ -122,6 +122,19 @@ def _finished_by(comp: Composition, request_id: str, fp: str) -> bool:
     return comp.request_id == request_id and comp.request_fingerprint == fp and comp.pending is None
 
 
+def _began_from(comp: Composition, change: PendingChange) -> Composition | None:
+    """The record an addition to a live composition that recovery undoes began from, rebuilt from ``comp``, the
+    COMPOSING record the change wrote as it began (one generation past it): its state was ``change.restore`` and
+    the rest as it is. None when the change kept no generations, or anything wrote the record since (a failure
+    gave it its reason, `FabricComposer._say_meanwhile`): that may have changed the state to return to and the
+    message, and what it began from is not known."""
+    held = change.generations_before
+    if not held or comp.state is not CompositionState.COMPOSING or comp.generation != held[-1] + 1:
+        return None
+    assert change.restore is not None
+    return revise(comp, state=change.restore, generation=held[-1], pending=None, equivalent_generations=held[:-1])
+
+
 NAMED_MEANWHILE_TRIES = 8
 """How often a change whose key named nothing, and then a composition it did not hold, looks it up again
 (`FabricComposer._holding`): each time a compose took the name and was decomposed again meanwhile."""
@@ -792,7 +805,7 @@ class FabricComposer(Composer):
                 # A standing composition is judged again, as `_fail_addition` does: a device may have failed
                 # while the change ran or no manager did, which no event judged.
                 if change.restore in _STANDING:
-                    self._set_standing(comp, pending=None)
+                    self._set_standing(comp, _began_from(comp, change), pending=None)
                 else:
                     self._set(comp, state=change.restore, pending=None)
                 return
@@ -2384,13 +2397,16 @@ class FabricComposer(Composer):
         restore: CompositionState | None,
         start: int = 0,
         reservation: Reservation | None = None,
+        before: Composition | None = None,
     ) -> PendingChange:
-        """The record of binding ``plan``, written before the first driver call (see `PendingChange`)."""
+        """The record of binding ``plan``, written before the first driver call (see `PendingChange`); for an
+        addition to ``before``, with the generations whose etags it held."""
         planned = tuple(
             Allocation(s.allocation_id, s.pick.pool, plan.host, s.pick.amount_bytes)
             for s in self._memory_steps(comp_id, plan, start)
         )
-        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark(), reservation)
+        held = () if before is None else (*before.equivalent_generations, before.generation)
+        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark(), reservation, held)
 
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
         """The allocations of ``plan``; read outside the lock too, so the fabric is found whether or not a
@@ -2783,7 +2799,7 @@ class FabricComposer(Composer):
                 self._claim_plan(plan, comp.id, host=False)
             previous_state, before = comp.state, comp
             start = self._next_alloc_index(comp)
-            adding = self._adding(comp.id, plan, restore=previous_state, start=start) if lines else None
+            adding = self._adding(comp.id, plan, restore=previous_state, start=start, before=comp) if lines else None
             comp = self._set(comp, state=CompositionState.COMPOSING, pending=adding)
             devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan, start=start)
         yield DURABLE

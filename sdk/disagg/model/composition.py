@@ -377,6 +377,10 @@ class PendingChange:
     reservation: Reservation | None = None
     """The reservation an apply took: an apply that is undone (it failed, or a crash interrupted it) gives it
     back, for the rest of its time to live."""
+    generations_before: tuple[int, ...] = ()
+    """An addition to a live composition (a recompose's): the generations whose etags held for its record as it
+    began (`Composition.holds_etag`), its own last. Recovery that undoes it, the record as the change wrote it,
+    leaves the composition as it was, and they hold again (`Composition.equivalent_generations`)."""
 
 
 @attrs.frozen
