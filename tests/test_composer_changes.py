@@ -448,3 +448,21 @@ class TestARecomposeRolledBackCompletely:
             comp.recompose(c.id, remove=gone, expected_etag=c.etag, request_id="r1")
         assert comp.get(c.id).device_ids == c.device_ids
         assert comp.recompose(c.id, remove=gone, expected_etag=c.etag, request_id="r1").device_ids == c.device_ids[1:]
+
+    def test_so_does_one_whose_heal_found_no_replacement(self) -> None:
+        """DEGRADED with the heal's "no replacement" after its reason: the rollback wrote the reason alone, a message
+        the composition did not have before, and the retry was refused as stale."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert c is not None
+        fabrics["pcie0"].fail_device(c.device_ids[3])
+        assert comp.wait_for_heals(10.0)
+        stuck = comp.get(c.id)
+        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
+        fabrics["pcie0"].flaky_bind(None, 1)
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
+        assert (comp.get(c.id).state, comp.get(c.id).message) == (stuck.state, stuck.message)
+        grown = comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
+        assert len(grown.devices) == len(c.devices) + 1

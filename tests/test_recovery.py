@@ -566,6 +566,36 @@ class TestARecomposeACrashInterrupted:
             held.release()
             first.close()
 
+    def test_so_does_one_whose_heal_found_no_replacement(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """DEGRADED with the heal's "no replacement" after its reason: recovery wrote the reason alone, a message
+        the composition did not have before the change."""
+
+        def healing() -> FabricComposer:
+            composer = FabricComposer(fabrics(tmp_path), store=SqliteStore(tmp_path / "ledger.db"))
+            composer.start()
+            return composer
+
+        first = healing()
+        job = first.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert job is not None
+        first.fabrics["pcie0"].fail_device(job.device_ids[3], "hot")
+        assert first.wait_for_heals(10.0)
+        stuck = first.get(job.id)
+        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
+        held = crash_at(monkeypatch, first, "recompose.before_commit")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose(job.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="R")
+        monkeypatch.undo()
+        again = healing()
+        try:
+            assert (again.get(job.id).state, again.get(job.id).message) == (stuck.state, stuck.message)
+            grown = again.recompose(job.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="R")
+            assert len(grown.devices) == len(job.devices) + 1
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
     def test_one_a_failure_wrote_meanwhile_keeps_only_its_new_etag(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -805,7 +805,7 @@ class FabricComposer(Composer):
                 # A standing composition is judged again, as `_fail_addition` does: a device may have failed
                 # while the change ran or no manager did, which no event judged.
                 if change.restore in _STANDING:
-                    self._set_standing(comp, _began_from(comp, change), pending=None)
+                    self._set_standing(comp, _began_from(comp, change), message=comp.message, pending=None)
                 else:
                     self._set(comp, state=change.restore, pending=None)
                 return
@@ -2522,7 +2522,7 @@ class FabricComposer(Composer):
         elif (comp.state, comp.message) == (CompositionState.DEGRADED if why else CompositionState.COMPOSED, why):
             self._record(revise(comp, pending=None))
         else:
-            self._set_standing(comp, before, pending=None)
+            self._set_standing(comp, before, message=comp.message, pending=None)
         return False
 
     def _fail_new(self, comp: Composition, plan: Plan, failed: ExecutionFailedError) -> bool:
@@ -3134,7 +3134,9 @@ class FabricComposer(Composer):
     def _set_standing(self, comp: Composition, restoring: Composition | None = None, /, **changes: Any) -> Composition:
         """`_set` ``changes`` with the state the result stands at and the message that says why, so that no
         change leaves a DEGRADED composition's reason behind once it is COMPOSED, nor the other way round. Under
-        the lock. Judged from the fields the result will have, without making it twice (per Compose)."""
+        the lock. Judged from the fields the result will have, without making it twice (per Compose). A ``message``
+        given (a rolled-back change's, the one it had) is kept when it says that reason first, with what a heal
+        found after it, as `_reassess` keeps it: the composition is as it was."""
         get = changes.get
         why = self._why(
             get("host", comp.host),
@@ -3143,7 +3145,9 @@ class FabricComposer(Composer):
             get("missing", comp.missing),
         )
         state = CompositionState.DEGRADED if why else CompositionState.COMPOSED
-        return self._set(comp, restoring, state=state, message=why, **changes)
+        given = changes.pop("message", why)
+        message = given if given == why or (why and given.startswith(f"{why}; ")) else why
+        return self._set(comp, restoring, state=state, message=message, **changes)
 
     def _unhealthy(self, comp: Composition) -> list[DevicePick]:
         return self._unhealthy_of(comp.devices)
