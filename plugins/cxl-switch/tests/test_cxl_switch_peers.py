@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 from cxl_switch_served import ServedSwitch, command_of
 from cxl_switch_wire import ld_units
@@ -34,9 +35,11 @@ from disagg_cxl_switch.fmapi import (
     SetDCRegionConfigRequest,
     SetLDAllocationsRequest,
     TunnelManagementCommandRequest,
+    TunnelManagementCommandResponse,
     UnbindOption,
     UnbindVPPBRequest,
 )
+from disagg_cxl_switch.returncodes import ReturnCode
 
 MIB = 1 << 20
 H1_VCS = 1
@@ -231,6 +234,31 @@ class TestExtentListPaging:
         with pytest.raises(FabricUnavailableError, match="changed between its pages 3 times") as raised:
             fabric.pool(f"f/dcd-port{DCD_PORT}").allocations()
         assert raised.value.retryable
+
+    def test_a_later_page_refused_of_an_unchanged_list_is_that_refusal(
+        self, dcd: tuple[ServedSwitch, CxlSwitchFabric, CCIClient]
+    ) -> None:
+        """The DCD refuses every page past the first with Invalid Input while the list stays as it was (the same
+        generation number on each first page): it did not shrink, so the pool's error is the DCD's refusal, not a
+        list "changed between its pages" by another fabric manager that nothing changed."""
+        served, fabric, _ = dcd
+        firsts: list[int] = []
+
+        def refuse_later_pages(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+            if command_of(request) != Opcode.GET_DC_REGION_EXTENT_LISTS:
+                return response
+            inner = TunnelManagementCommandRequest.decode(request.payload).command
+            if GetDCRegionExtentListsRequest.decode(inner.payload).starting_extent_index == 0:
+                firsts.append(1)
+                return response
+            refused = inner.response(ReturnCode.INVALID_INPUT)
+            return attrs.evolve(response, payload=TunnelManagementCommandResponse(refused).encode())
+
+        served.respond = refuse_later_pages
+        with pytest.raises(FabricUnavailableError, match="INVALID_INPUT") as raised:
+            fabric.pool(f"f/dcd-port{DCD_PORT}").allocations()
+        assert "changed between its pages" not in raised.value.message
+        assert len(firsts) == 2, "the list was read again after it was seen unchanged"
 
 
 def bind_gpu(bench: Bench) -> object:

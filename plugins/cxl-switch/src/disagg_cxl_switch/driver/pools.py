@@ -54,6 +54,14 @@ class _Geometry:
     info: PoolInfo
 
 
+@attrs.frozen
+class _Refused:
+    """A page past the first of a host's extent list, of generation ``generation``, refused with Invalid Input."""
+
+    generation: int
+    error: CommandFailedError
+
+
 class DCDPool(Pool):
     def __init__(self, fabric: CxlSwitchFabric, port: int) -> None:
         self._fabric = fabric
@@ -107,38 +115,51 @@ class DCDPool(Pool):
 
     def _extents(self, host_id: int, ctx: CallContext | None) -> list[tuple[int, int, bytes]]:
         """The host's extents, from pages of one version of its list (see `_extent_list`)."""
+        refused: _Refused | None = None
         for _ in range(_LIST_READS):
-            extents = self._extent_list(host_id, ctx)
-            if extents is not None:
+            extents = self._extent_list(host_id, ctx, refused)
+            if isinstance(extents, list):
                 return extents
+            refused = extents
         raise FabricUnavailableError(
             f"pool {self._id}: the extent list of DCD host {host_id} changed between its pages {_LIST_READS} times "
             "in a row (another fabric manager is adding or releasing capacity); try again"
         )
 
-    def _extent_list(self, host_id: int, ctx: CallContext | None) -> list[tuple[int, int, bytes]] | None:
-        """The host's extent list read page by page, or None if its generation number changed between two pages:
-        the list changed meanwhile, and the pages, of two versions of it, would miss an extent or hold one twice."""
+    def _extent_list(
+        self, host_id: int, ctx: CallContext | None, refused: _Refused | None
+    ) -> list[tuple[int, int, bytes]] | _Refused | None:
+        """The host's extent list read page by page; None if its generation number changed between two pages (the
+        list changed meanwhile, and the pages, of two versions of it, would miss an extent or hold one twice), or
+        the refusal of a page past the first, taken for the list shrinking below its start. If the list read
+        after such a refusal is of the refused one's generation, it did not change: that refusal is raised."""
         got: list[tuple[int, int, bytes]] = []
         generation: int | None = None
         while True:
-            response = self._extent_page(host_id, len(got), ctx)
-            if response is None or generation not in (None, response.extent_list_generation_number):
+            page = self._extent_page(host_id, len(got), ctx)
+            if isinstance(page, CommandFailedError):
+                assert generation is not None  # a first page refused is raised by `_extent_page`
+                return _Refused(generation, page)
+            if generation is None and refused is not None and page.extent_list_generation_number == refused.generation:
+                raise tunnel_error(refused.error, f"pool {self._id}") from None
+            if generation not in (None, page.extent_list_generation_number):
                 return None
-            generation = response.extent_list_generation_number
-            got += [(e.start_dpa, e.length, e.tag) for e in response.extents]
-            if not response.extents or len(got) >= response.total_extents:
+            generation = page.extent_list_generation_number
+            got += [(e.start_dpa, e.length, e.tag) for e in page.extents]
+            if not page.extents or len(got) >= page.total_extents:
                 return got
 
-    def _extent_page(self, host_id: int, start: int, ctx: CallContext | None) -> GetDCRegionExtentListsResponse | None:
-        """The host's extents from index ``start``; None when a page past the first is refused with Invalid Input:
-        the list shrank below ``start`` since the page before."""
+    def _extent_page(
+        self, host_id: int, start: int, ctx: CallContext | None
+    ) -> GetDCRegionExtentListsResponse | CommandFailedError:
+        """The host's extents from index ``start``; the refusal itself when a page past the first is refused with
+        Invalid Input, as when the list shrank below ``start`` since the page before."""
         request = GetDCRegionExtentListsRequest(host_id, _EXTENTS_PER_READ, start)
         try:
             raw = self._fabric.client.tunnel(self._port, Opcode.GET_DC_REGION_EXTENT_LISTS, request, ctx)
         except CommandFailedError as exc:
             if start and exc.return_code == ReturnCode.INVALID_INPUT:
-                return None
+                return exc
             raise tunnel_error(exc, f"pool {self._id}") from None
         return decode(GetDCRegionExtentListsResponse.decode, raw)
 
