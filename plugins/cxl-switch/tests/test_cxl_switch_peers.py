@@ -13,10 +13,12 @@ import attrs
 import pytest
 from cxl_switch_served import ServedSwitch, command_of
 from cxl_switch_wire import ld_units
+from disagg.composer import FabricComposer
 from disagg.composer.execution import in_doubt
 from disagg.errors import DeviceBusyError, DisaggError, FabricUnavailableError, InvalidRequestError
 from disagg.interfaces import CallContext
 from disagg.model import Binding
+from disagg.requestlang import parse_request
 from disagg_cxl_switch import CCIMessage
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric
 from disagg_cxl_switch.driver.client import CCIClient, CommandFailedError
@@ -259,6 +261,43 @@ class TestExtentListPaging:
             fabric.pool(f"f/dcd-port{DCD_PORT}").allocations()
         assert "changed between its pages" not in raised.value.message
         assert len(firsts) == 2, "the list was read again after it was seen unchanged"
+
+    def test_an_added_extent_whose_list_cannot_be_read_back_is_released(
+        self, dcd: tuple[ServedSwitch, CxlSwitchFabric, CCIClient]
+    ) -> None:
+        """The DCD adds the composer's extent; then the peer adds one after each first page of the read back, so
+        the list never reads whole and the pool raises. The add happened: an error that says the call changed
+        nothing left the extent carved, and the composer, which undoes only what may have happened, never
+        released it (the next pass quarantined it as memory no composition records)."""
+        served, fabric, peer = dcd
+        more = iter(range(66, 69))
+        added = threading.Event()
+
+        def peer_adds_after_the_add(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+            opcode = command_of(request)
+            if opcode == Opcode.INITIATE_DC_ADD and response.return_code == ReturnCode.SUCCESS:
+                added.set()
+            elif opcode == Opcode.GET_DC_REGION_EXTENT_LISTS and added.is_set():
+                inner = TunnelManagementCommandRequest.decode(request.payload).command
+                if GetDCRegionExtentListsRequest.decode(inner.payload).starting_extent_index == 0:
+                    tag = next(more, None)
+                    if tag is not None:
+                        add = InitiateDCAddRequest(0, SelectionPolicy.FREE, 0, 2 * MIB, tag.to_bytes(16, "little"))
+                        peer.tunnel(DCD_PORT, Opcode.INITIATE_DC_ADD, add)
+            return response
+
+        comp = FabricComposer({"f": fabric}, auto_heal=False)
+        comp.start()
+        try:
+            served.respond = peer_adds_after_the_add
+            with pytest.raises(FabricUnavailableError, match="changed between its pages"):
+                comp.compose(parse_request("m", ["host h0", "cxl-memory 2MiB"]))
+            assert added.is_set() and next(more, None) is None
+            listed = fabric.pool(f"f/dcd-port{DCD_PORT}").allocations()
+            assert all(a.id.startswith("tag-") for a in listed), "the composition's extent is left on the switch"
+            assert comp.compositions() == []
+        finally:
+            comp.close()
 
 
 def bind_gpu(bench: Bench) -> object:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
-from disagg.errors import CapacityExhaustedError, FabricUnavailableError
+from disagg.errors import CapacityExhaustedError, DisaggError, FabricUnavailableError, outcome_unknown
 from disagg.interfaces import CallContext, Pool, check_id
 from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
 
@@ -207,9 +207,24 @@ class DCDPool(Pool):
                         # would otherwise round to the old block size and be refused the same way for good.
                         self._read = None
                     raise tunnel_error(exc, f"allocation {allocation_id}") from None
-                return next(a for a in self._held(ctx) if a.id == allocation_id)
+                return self._read_back(allocation_id, ctx)
             self._fabric.state.forget_tag(allocation_id)
         raise CapacityExhaustedError(f"pool {self._id} has no region with {amount} bytes free for {allocation_id}")
+
+    def _read_back(self, allocation_id: str, ctx: CallContext) -> Allocation:
+        """The allocation just added, read from the extent lists. The add happened: a read that fails (the list
+        still changing, the switch away) or misses it leaves the outcome unknown, so the caller's rollback
+        releases its tag."""
+        try:
+            held = self._held(ctx)
+        except DisaggError as exc:
+            raise outcome_unknown(exc) from None
+        for allocation in held:
+            if allocation.id == allocation_id:
+                return allocation
+        raise outcome_unknown(
+            FabricUnavailableError(f"allocation {allocation_id}: its extents, added, are not in the DCD's lists")
+        )
 
     def _release_tag(self, allocation: Allocation, tag: bytes, ctx: CallContext) -> None:
         host_id = self._fabric.hosts()[allocation.host]
