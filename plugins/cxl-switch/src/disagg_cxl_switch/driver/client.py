@@ -125,6 +125,18 @@ def _seconds_left(ctx: CallContext | None) -> float:
     return IO_TIMEOUT_S if left is None else min(IO_TIMEOUT_S, left)
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the switch closed ``sock`` while it was idle (its end of file, or an error, is waiting): a request
+    sent on it would fail with a broken pipe, though a restarted switch answers on a new connection."""
+    sock.settimeout(0.0)  # a look, not a wait: a live idle connection has nothing to read
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 class CCIClient:
     """FM API requests by payload object; `tunnel` reaches the MLD's and DCD's command sets through 5300h."""
 
@@ -140,6 +152,8 @@ class CCIClient:
         have restarted meanwhile)."""
 
     def _connect(self, timeout: float) -> socket.socket:
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self._drop()  # the switch went away while the connection was idle; it may be back (restarted)
         if self._sock is None:
             sock = socket.socket(self._family, socket.SOCK_STREAM)
             sock.settimeout(timeout)
