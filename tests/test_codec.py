@@ -277,7 +277,7 @@ class TestRoundTrip:
         canonical `dumps`."""
         text = codec.record(value)
         assert codec.loads(text, type(value)) == value
-        assert json.loads(text) == json.loads(codec.dumps(value))
+        assert json.loads(text) == _unset_left_out(json.loads(codec.dumps(value)))
 
     @given(devices)
     def test_ledger_record_of_any_device(self, device: Device) -> None:
@@ -346,6 +346,39 @@ class TestToData:
 
     def test_dumps_sorts_keys(self) -> None:
         assert codec.dumps(Extent(5, 6)) == '{"length":6,"offset":5}'
+
+
+WRITTEN_WHEN_SET = ("equivalent_generations", "generations_before")
+
+
+def _unset_left_out(data: Any) -> Any:
+    """``data`` without the fields of `WRITTEN_WHEN_SET` that hold nothing, as a ledger record leaves them out."""
+    if isinstance(data, dict):
+        return {k: _unset_left_out(v) for k, v in data.items() if not (k in WRITTEN_WHEN_SET and not v)}
+    if isinstance(data, list):
+        return [_unset_left_out(v) for v in data]
+    return data
+
+
+class TestFieldsWrittenWhenSet:
+    """A rolled-back change's etags (`Composition.equivalent_generations`, `PendingChange.generations_before`) are
+    left out of a record while empty, by both of its encoders: the release before refuses a field it does not
+    know, and reads every record written without them."""
+
+    @pytest.mark.parametrize("selector", [1.5, math.inf], ids=["orjson", "standard-encoder"])
+    def test_left_out_while_empty_and_read_back_when_set(self, selector: float) -> None:
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("j", SelectorOp.NE, selector),))
+        pending = PendingChange(ChangeKind.ADD, (), (), CompositionState.COMPOSED)
+        comp = Composition("c1", "c", "h1", CompositionState.COMPOSING, (line,), pending=pending)
+        text = codec.record(comp)
+        assert "equivalent_generations" not in text and "generations_before" not in text
+        assert codec.load_record(text, Composition) == comp
+        kept = attrs.evolve(
+            comp, equivalent_generations=(3, 4), pending=attrs.evolve(pending, generations_before=(3, 4))
+        )
+        read = codec.load_record(codec.record(kept), Composition)
+        assert read.equivalent_generations == (3, 4) and read.pending is not None
+        assert read.pending.generations_before == (3, 4)
 
 
 class TestRequestValuesALedgerMayHold:

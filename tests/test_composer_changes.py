@@ -4,7 +4,9 @@ rolled back leaves valid."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar, cast
@@ -466,3 +468,39 @@ class TestARecomposeRolledBackCompletely:
         assert (comp.get(c.id).state, comp.get(c.id).message) == (stuck.state, stuck.message)
         grown = comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
         assert len(grown.devices) == len(c.devices) + 1
+
+
+class TestTheLedgerARollbackLeaves:
+    """The fields that keep a rolled-back change's etags (`equivalent_generations`, a pending addition's
+    `generations_before`) are written only when set: the release before knew neither, and refuses a record that
+    names a field it does not know, so a ledger in which no change was ever undone must stay one it reads (a
+    replica not yet upgraded may lead during a rolling upgrade)."""
+
+    @staticmethod
+    def _records(path: Path) -> str:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return "\n".join(row[0] for row in db.execute("SELECT doc FROM compositions"))
+
+    def test_none_is_written_while_no_change_was_undone(self, tmp_path: Path) -> None:
+        fabrics = rack()
+        comp, c = one_gpu(fabrics, store=SqliteStore(tmp_path / "l.db"))
+        grown = comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag)
+        comp.recompose(grown.id, remove=[grown.device_ids[-1]], expected_etag=grown.etag)
+        comp.close()
+        text = self._records(tmp_path / "l.db")
+        assert '"generation"' in text
+        assert "equivalent_generations" not in text and "generations_before" not in text
+
+    def test_a_change_undone_writes_them_and_they_load_back(self, tmp_path: Path) -> None:
+        fabrics = rack()
+        comp, c = one_gpu(fabrics, store=SqliteStore(tmp_path / "l.db"))
+        fabrics["pcie0"].flaky_bind(None, 1)
+        with pytest.raises(FabricUnavailableError):
+            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=c.etag)
+        comp.close()
+        assert "equivalent_generations" in self._records(tmp_path / "l.db")
+        again = composer(fabrics, store=SqliteStore(tmp_path / "l.db"), auto_heal=False)
+        try:
+            assert again.get(c.id).holds_etag(c.etag)
+        finally:
+            again.close()

@@ -17,7 +17,7 @@ import cattrs.fns
 import cattrs.gen
 import orjson
 
-from disagg.model import AttributeValue, Composition, Reservation
+from disagg.model import AttributeValue, Composition, PendingChange, Reservation
 
 T = TypeVar("T")
 
@@ -113,8 +113,28 @@ def _tuple_of(cls: Any) -> Any:
     return None
 
 
+_WRITTEN_WHEN_SET: dict[type, tuple[str, ...]] = {
+    PendingChange: ("generations_before",),  # before Composition, which holds one: its hook is made with this one's
+    Composition: ("equivalent_generations",),
+}
+"""Ledger-only fields a record leaves out while they hold their empty default: the release before knew none of
+them and refuses a record that names a field it does not know (`load_record`), so a ledger in which no change was
+ever undone stays one that release reads (a replica not yet upgraded may lead during a rolling upgrade)."""
+
+
+def _leaving_out_unset(converter: cattrs.Converter) -> cattrs.Converter:
+    """``converter``, writing each of `_WRITTEN_WHEN_SET` only when set."""
+    for cls, fields in _WRITTEN_WHEN_SET.items():
+        when_set: dict[str, Any] = {name: cattrs.gen.override(omit_if_default=True) for name in fields}
+        converter.register_unstructure_hook(cls, cattrs.gen.make_dict_unstructure_fn(cls, converter, **when_set))
+    return converter
+
+
 _records = _converter.copy()
 _records.register_unstructure_hook(float, lambda value: value if math.isfinite(value) else _NotFinite(value))
+_leaving_out_unset(_records)
+_record_data = _leaving_out_unset(_converter.copy())
+"""The data of a record the standard encoder writes (one that holds an infinite float, `record`)."""
 _RECORD = json.JSONEncoder(separators=(",", ":"))
 
 
@@ -194,9 +214,21 @@ class _RecordSource(GeneratedSource):
     def _attrs(self, cls: type, src: str, indent: int) -> str:
         self._open.add(cls)
         types = typing.get_type_hints(cls)
-        items = [f"{a.name!r}: {self.value(types[a.name], f'{src}.{a.name}', indent)}" for a in attrs.fields(cls)]
+        when_set = _WRITTEN_WHEN_SET.get(cls, ())
+        items = [
+            f"{a.name!r}: {self.value(types[a.name], f'{src}.{a.name}', indent)}"
+            for a in attrs.fields(cls)
+            if a.name not in when_set
+        ]
+        data = "{" + ", ".join(items) + "}"
+        if when_set:  # each written only when set (`_WRITTEN_WHEN_SET`)
+            data = self.temp(indent, data)
+            for name in when_set:
+                self.lines.append(f"{'    ' * indent}if {src}.{name}:")
+                inner = self.value(types[name], f"{src}.{name}", indent + 1)
+                self.lines.append(f"{'    ' * (indent + 1)}{data}[{name!r}] = {inner}")
         self._open.discard(cls)
-        return "{" + ", ".join(items) + "}"
+        return data
 
     def _optional(self, cls: Any, src: str, indent: int) -> str:
         start = len(self.lines)
@@ -252,7 +284,7 @@ def record(value: Any) -> str:
     try:
         return orjson.dumps(_record_function_of(type(value))(value), default=_refuse).decode()
     except TypeError:
-        return _RECORD.encode(to_data(value))
+        return _RECORD.encode(_record_data.unstructure(value))
 
 
 def loads(text: str | bytes, cls: type[T]) -> T:
