@@ -491,3 +491,73 @@ class TestFaultInjectionIsWhatADriverDeclares:
         finally:
             declared.fabric.close()
             undeclared.fabric.close()
+
+
+class TestProcessesNotLeftByClose:
+    """CLOSE-NO-CHILDREN holds against a driver only what its fabric started and left running: not a helper the
+    driver shares between its fabrics (started with the first, whichever test builds it), nor a process that
+    something else in the suite's process starts after the fabric was closed."""
+
+    def test_a_helper_shared_by_every_fabric_started_in_the_clause(self, tmp_path: Path) -> None:
+        """The clause run first (alone, or in a random order) built the driver's first fabric, which started the
+        helper the driver keeps for the process's life: it was held against the clause."""
+        proc, report = run_suite(
+            tmp_path,
+            """
+            import atexit
+            import subprocess
+
+            SHARED: list[subprocess.Popen[bytes]] = []
+
+            class SharesAHelper(Plain):
+                def __init__(self, inner):
+                    super().__init__(inner)
+                    if not SHARED:
+                        SHARED.append(subprocess.Popen(["sleep", "30"]))
+                        atexit.register(SHARED[0].kill)
+
+            class TestShared(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: SharesAHelper(create_fabric("f", opts))
+            """,
+            "-k",
+            "close_leaves",
+        )
+        assert statuses(report)["CLOSE-NO-CHILDREN"] == ("PASS", ""), proc.stdout[-3000:]
+
+    def test_processes_another_thread_starts_after_close(self, tmp_path: Path) -> None:
+        """A thread of the suite's process that runs short commands one after another (a CI plugin's, a
+        monitor's) always had one running that was not there before the fabric was built: the clause waited
+        3 s for them to end and failed the driver."""
+        proc, report = run_suite(
+            tmp_path,
+            """
+            import subprocess
+            import threading
+            import time
+
+            def monitor():
+                running = []
+                while True:  # a command a tenth of a second, each running a second: ten always run
+                    running = [p for p in running if p.poll() is None] + [subprocess.Popen(["sleep", "1"])]
+                    time.sleep(0.1)
+
+            threading.Thread(target=monitor, daemon=True).start()
+
+            class ClosesInAQuarterSecond(Plain):
+                def close(self):
+                    time.sleep(0.25)  # joins its poller
+                    self.inner.close()
+
+            class TestMonitored(FabricConformance):
+                @pytest.fixture
+                def fabric_factory(self, tmp_path):
+                    opts = {"topology": "demo-pcie", "state_file": str(tmp_path / "s.json")}
+                    return lambda: ClosesInAQuarterSecond(create_fabric("f", opts))
+            """,
+            "-k",
+            "close_leaves",
+        )
+        assert statuses(report)["CLOSE-NO-CHILDREN"] == ("PASS", ""), proc.stdout[-3000:]

@@ -11,7 +11,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -304,14 +304,16 @@ def _shown(command: str) -> str:
     return command if len(command) <= COMMAND_SHOWN else f"{command[: COMMAND_SHOWN - 3]}..."
 
 
-def children_left(before: Collection[tuple[int, int]], *, wait_s: float = CHILDREN_END_S) -> list[str]:
-    """The processes under this one that were not in ``before`` (`descendants`, taken before the fabric was
-    built) and still run ``wait_s`` after it was closed, each as ``pid N 'command line'`` (its first
-    `COMMAND_SHOWN` characters: QEMU's run to thousands): what the driver left running."""
+def children_left(started: Mapping[tuple[int, int], str], *, wait_s: float = CHILDREN_END_S) -> list[str]:
+    """Of ``started`` (the processes under this one as a fabric closed that were not there before it was built:
+    `descendants` then, less `descendants` before), those still running ``wait_s`` later, each as
+    ``pid N 'command line'`` (its first `COMMAND_SHOWN` characters: QEMU's run to thousands): what the driver
+    left running. A process started after the fabric closed is not its (another thread of this process, a CI
+    plugin's, may start one at any time), nor is one that ended while it was open."""
     deadline = time.monotonic() + wait_s
     while True:
         now = descendants() or {}
-        left = [f"pid {pid} {_shown(cmd)!r}" for (pid, t), cmd in now.items() if (pid, t) not in before]
+        left = [f"pid {pid} {_shown(cmd)!r}" for (pid, t), cmd in started.items() if (pid, t) in now]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)

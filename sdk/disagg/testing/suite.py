@@ -1434,14 +1434,19 @@ class FabricConformance:
     def test_close_leaves_no_child_process(self, fabric_factory: FabricFactory, request: pytest.FixtureRequest) -> None:
         """An emulator, QEMU or helper process that a driver starts is its to end when the fabric closes: one
         left running holds the hardware (or its emulation) that no fabric owns, and a fabric manager that
-        reopens its fabrics piles them up. What runs under the suite's process is read before the fabric is
-        built, so that what earlier tests left (a driver's process-wide helper) is not counted."""
-        before = descendants()
-        if before is None:
+        reopens its fabrics piles them up. A fabric is built and closed first, and what runs then is not
+        counted: a helper the driver starts with its first fabric and shares between them all (as what earlier
+        tests left), whichever test builds that first fabric. Of the processes that appeared while the judged
+        fabric was open, those still running as it closed are its, and must end."""
+        if descendants() is None:
             _skip("there is no /proc to list the processes the driver started")
         with self._tracking(fabric_factory, request) as tracker:
             tracker.view()
-        left = children_left(before)
+        before = descendants() or {}
+        with self._tracking(fabric_factory, request) as tracker:
+            tracker.view()
+        started = {p: command for p, command in (descendants() or {}).items() if p not in before}
+        left = children_left(started)
         assert not left, (
             f"{', '.join(left[:5])} still running {CHILDREN_END_S:g} s after the fabric that started it was closed: "
             "close() ends every process the driver started (or certify with options that have it end them)"
