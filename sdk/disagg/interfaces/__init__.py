@@ -2,7 +2,16 @@
 
 from disagg.interfaces.composer import Composer, ComposeResult
 from disagg.interfaces.context import CallContext, epoch_announcement
-from disagg.interfaces.fabric import Device, EventHandler, Fabric, Pool, Subscription, check_id
+from disagg.interfaces.fabric import (
+    Device,
+    EventHandler,
+    Fabric,
+    Pool,
+    Subscription,
+    check_allocations,
+    check_bindings,
+    check_id,
+)
 from disagg.interfaces.faults import FaultInjection
 
 __all__ = [
@@ -15,6 +24,8 @@ __all__ = [
     "FaultInjection",
     "Pool",
     "Subscription",
+    "check_allocations",
+    "check_bindings",
     "check_id",
     "epoch_announcement",
 ]

@@ -9,7 +9,7 @@ measurements). A driver that prefers asyncio inside runs its own loop in a threa
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from disagg.errors import InvalidRequestError, UnsupportedError
 from disagg.interfaces.context import CallContext
@@ -44,6 +44,49 @@ def check_id(value: object, field: str) -> str:
             field=field,
         )
     return value
+
+
+def check_bindings(bindings: Iterable[Binding]) -> tuple[Binding, ...]:
+    """``bindings`` if they keep the contract of `Fabric.bindings`: each names a device and a host by id
+    (`check_id`), and a device once (bound elsewhere, a bind is refused); else `InvalidRequestError` naming the
+    entry. Reconciliation judges the hardware by them: a binding of no device would be quarantined, and a device
+    listed twice seem bound to the last host listed. The remote client holds a driver's answer to it, and the
+    conformance clause LIST-WELL-FORMED an in-process driver's."""
+    listed = tuple(bindings)
+    seen: set[str] = set()
+    for n, binding in enumerate(listed):
+        check_id(binding.device, f"bindings[{n}].device")
+        check_id(binding.host, f"bindings[{n}].host")
+        if binding.device in seen:
+            field = f"bindings[{n}].device"
+            raise InvalidRequestError(f"{field}: device {binding.device!r} is listed twice", field=field)
+        seen.add(binding.device)
+    return listed
+
+
+def check_allocations(allocations: Iterable[Allocation], pool: str) -> tuple[Allocation, ...]:
+    """``allocations`` if they keep the contract of `Pool.allocations` of ``pool``: each is the pool's, names its id
+    and host by id (`check_id`), holds at least a byte (an allocation of none is refused), and an id is listed
+    once (it makes an allocate's retry idempotent); else `InvalidRequestError` naming the entry. Reconciliation
+    judges the memory by them: another pool's allocation, or one of no bytes, would make the composition that
+    holds it seem to have lost it. The remote client holds a driver's answer to it, and the conformance clause
+    LIST-WELL-FORMED an in-process driver's."""
+    listed = tuple(allocations)
+    seen: set[str] = set()
+    for n, allocation in enumerate(listed):
+        field = f"allocations[{n}]"
+        check_id(allocation.id, f"{field}.id")
+        check_id(allocation.host, f"{field}.host")
+        if allocation.pool != pool:
+            raise InvalidRequestError(
+                f"{field}.pool: {allocation.pool!r}, listed as an allocation of pool {pool!r}", field=f"{field}.pool"
+            )
+        if allocation.amount_bytes <= 0:
+            raise InvalidRequestError(f"{field}.amount_bytes: an allocation holds bytes", field=f"{field}.amount_bytes")
+        if allocation.id in seen:
+            raise InvalidRequestError(f"{field}.id: {allocation.id!r} is listed twice", field=f"{field}.id")
+        seen.add(allocation.id)
+    return listed
 
 
 class Subscription(abc.ABC):

@@ -30,7 +30,7 @@ import attrs
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.errors import CapacityExhaustedError, InvalidRequestError, StaleEpochError
 from disagg.fabric.v1 import types_pb2
-from disagg.interfaces import CallContext, FaultInjection
+from disagg.interfaces import CallContext, FaultInjection, check_allocations, check_bindings
 from disagg.interfaces.fabric import MAX_ID as INTERFACE_MAX_ID
 from disagg.interfaces.fabric import check_id as interface_check_id
 from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health
@@ -235,45 +235,17 @@ def fabric_event_from_wire(msg: pb.FabricEvent, field: str = "event") -> FabricE
 
 
 def bindings_from_wire(msgs: Iterable[types_pb2.Binding]) -> tuple[Binding, ...]:
-    """A ListBindings answer, held to the driver interface's contract: each binding names a device and a host by
-    id, and a device once (bound elsewhere, a bind is refused). Reconciliation judges the hardware by it: a
-    binding of no device would be quarantined, and a device listed twice seem bound to the last host listed."""
-    bindings = tuple(binding_from_wire(msg) for msg in msgs)
-    seen: set[str] = set()
-    for n, binding in enumerate(bindings):
-        check_id(binding.device, f"bindings[{n}].device")
-        check_id(binding.host, f"bindings[{n}].host")
-        if binding.device in seen:
-            field = f"bindings[{n}].device"
-            raise InvalidRequestError(f"{field}: device {binding.device!r} is listed twice", field=field)
-        seen.add(binding.device)
-    return bindings
+    """A ListBindings answer, held to the driver interface's contract (`disagg.interfaces.check_bindings`)."""
+    return check_bindings(binding_from_wire(msg) for msg in msgs)
 
 
 def allocations_from_wire(msgs: Iterable[types_pb2.Allocation], pool: str) -> tuple[Allocation, ...]:
-    """A ListAllocations answer of ``pool``, held to the driver interface's contract: each allocation is the
-    pool's (one that names no pool is: the listing is of this one, as an event that names no fabric is the
-    stream's), names its id and host by id, holds at least a byte (an allocation of none is refused), and an id is
-    listed once (it makes an allocate's retry idempotent). Reconciliation judges the memory by it: another pool's
-    allocation, or one of no bytes, would make the composition that holds it seem to have lost it."""
-    allocations = tuple(
-        attrs.evolve(a, pool=pool) if not a.pool else a for a in (allocation_from_wire(msg) for msg in msgs)
+    """A ListAllocations answer of ``pool``, held to the driver interface's contract
+    (`disagg.interfaces.check_allocations`); one that names no pool is the pool's (the listing is of this one, as
+    an event that names no fabric is the stream's)."""
+    return check_allocations(
+        (attrs.evolve(a, pool=pool) if not a.pool else a for a in (allocation_from_wire(msg) for msg in msgs)), pool
     )
-    seen: set[str] = set()
-    for n, allocation in enumerate(allocations):
-        field = f"allocations[{n}]"
-        check_id(allocation.id, f"{field}.id")
-        check_id(allocation.host, f"{field}.host")
-        if allocation.pool != pool:
-            raise InvalidRequestError(
-                f"{field}.pool: {allocation.pool!r}, listed as an allocation of pool {pool!r}", field=f"{field}.pool"
-            )
-        if allocation.amount_bytes <= 0:
-            raise InvalidRequestError(f"{field}.amount_bytes: an allocation holds bytes", field=f"{field}.amount_bytes")
-        if allocation.id in seen:
-            raise InvalidRequestError(f"{field}.id: {allocation.id!r} is listed twice", field=f"{field}.id")
-        seen.add(allocation.id)
-    return allocations
 
 
 def event_sequence(value: str) -> tuple[str, int] | None:
