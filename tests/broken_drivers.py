@@ -1085,6 +1085,31 @@ class StopsItsHelperAtClose(LeavesItsHelperRunning):
         super().close()
 
 
+class ListsAPortBoundToNothing(SimFabric):
+    """Lists, beside each host's bindings, a binding of no device (id "") for the host: the port's vPPB as the
+    switch reports it, not a device. Reconciliation quarantines a binding of a device it does not know."""
+
+    def bindings(self) -> Sequence[Binding]:
+        held = tuple(super().bindings())
+        return held + tuple(Binding("", host) for host in sorted({b.host for b in held}))
+
+
+class _ListsTheSwitchsAllocationsPool(SimPool):
+    def allocations(self) -> Sequence[Allocation]:
+        with self._fabric._lock:
+            pools = list(self._fabric._pools.values())
+        return tuple(a for pool in pools for a in SimPool.allocations(pool))
+
+
+class ListsOtherPoolsAllocations(SimFabric):
+    """Each pool lists the allocations of every pool of the fabric, as a switch's table holds them: the
+    composition that holds one seems to have lost it from its own pool and to hold memory of another."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _ListsTheSwitchsAllocationsPool)
+
+
 class _ForAnotherHostPool(SimPool):
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         fabric = self._fabric
@@ -1194,6 +1219,8 @@ BROKEN.update(
         "broken-slow-allocate-ignores-deadline": (SlowAllocateIgnoresDeadline, "CARVE-DEADLINE-DURING-CALL"),
         "broken-slow-release-ignores-deadline": (SlowReleaseIgnoresDeadline, "CARVE-DEADLINE-DURING-CALL"),
         "broken-leaves-its-helper-running": (LeavesItsHelperRunning, "CLOSE-NO-CHILDREN"),
+        "broken-lists-a-port-bound-to-nothing": (ListsAPortBoundToNothing, "LIST-WELL-FORMED"),
+        "broken-lists-other-pools-allocations": (ListsOtherPoolsAllocations, "LIST-WELL-FORMED"),
         "broken-allocates-for-another-host": (AllocatesForAnotherHost, "CARVE-CONSERVES"),
         "broken-allocate-returns-unrounded": (AllocateReturnsUnrounded, "CARVE-CONSERVES"),
         "broken-allocate-unknown-host-keyerror": (AllocateUnknownHostKeyError, "CARVE-UNKNOWN-HOST"),
@@ -1226,6 +1253,8 @@ REASONS: dict[str, str] = {
     "broken-slow-allocate-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
     "broken-slow-release-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
     "broken-leaves-its-helper-running": "'sleep 60'",
+    "broken-lists-a-port-bound-to-nothing": ".device: an id must be a non-empty string",
+    "broken-lists-other-pools-allocations": "listed as an allocation of pool",
     "broken-allocates-for-another-host": "a pool carves for the host asked",
     "broken-allocate-returns-unrounded": "the allocation returned is the one the pool holds",
     "broken-allocate-unknown-host-keyerror": "raised KeyError",

@@ -78,6 +78,7 @@ class TestBrokenDrivers:
         assert failures(report) == {}
         new_in_1_8 = ("DEADLINE-DURING-UNBIND", "CARVE-DEADLINE-DURING-CALL", "CLOSE-NO-CHILDREN")
         assert {c: statuses(report).get(c) for c in new_in_1_8} == dict.fromkeys(new_in_1_8, "PASS")
+        assert statuses(report)["LIST-WELL-FORMED"] == "PASS"  # new in 1.9
 
     def test_a_clean_up_that_raises_a_non_disagg_exception_is_named(self, tmp_path: Path) -> None:
         """An unbind that raises RuntimeError at clean-up stopped the clean-up and its check, and nothing was

@@ -83,6 +83,15 @@ _ALL = (
         needs="a free device that two hosts reach (the move), fault injection (the failure)",
     ),
     Clause(
+        "LIST-WELL-FORMED",
+        "After binds of two devices and an allocation in each of two pools, bindings() lists each binding by a "
+        "device id and a host id and each device once, and each pool's allocations() lists only that pool's "
+        "allocations, each by an allocation id and a host id, of at least one byte, and each id once "
+        "(`disagg.interfaces.check_bindings` and `check_allocations`, which the remote client holds a driver's "
+        "listings to).",
+        needs="bind or carve; a free device or a pool a host reaches (two of each tried)",
+    ),
+    Clause(
         "BIND-FAILED-LEAVES-NOTHING",
         "A bind that fails leaves the device unbound, and the next bind of it succeeds.",
         frozenset({Feature.BIND, Feature.FAULT_INJECTION}),

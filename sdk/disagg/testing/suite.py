@@ -33,7 +33,15 @@ from disagg.errors import (
     UnknownHostError,
     UnsupportedError,
 )
-from disagg.interfaces import CallContext, Fabric, FaultInjection, check_id, epoch_announcement
+from disagg.interfaces import (
+    CallContext,
+    Fabric,
+    FaultInjection,
+    check_allocations,
+    check_bindings,
+    check_id,
+    epoch_announcement,
+)
 from disagg.interfaces.fabric import MAX_ID
 from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Health, PoolInfo, Topology
 from disagg.model import Device as DeviceInfo
@@ -731,6 +739,36 @@ class FabricConformance:
             f"{dev.id}, bound to {first}, unbound, then bound to {second}: bindings() reports {now!r}, not the "
             "binding the hardware holds"
         )
+
+    @clause("LIST-WELL-FORMED")
+    def test_listings_are_well_formed(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """Reconciliation judges the hardware by bindings() and a pool's allocations(): a binding of no device is
+        quarantined, a device listed twice seems bound to the last host listed, and another pool's allocation or
+        one of no bytes makes the composition that holds it seem to have lost it. The remote client refuses such
+        a listing from a driver in another process; an in-process driver's is held to the same checks here, once
+        it holds something (two devices bound, on two hosts where a device has two, and a block in each of two
+        pools)."""
+        view = tracker.view()
+        held: list[str] = []
+        if capabilities.supports(Feature.BIND):
+            for n, dev in enumerate(view.free_devices()[:2]):
+                hosts = view.hosts_reaching(dev)
+                tracker.bind(dev.id, hosts[n % len(hosts)])
+                held.append(dev.id)
+        pools: list[str] = []
+        if capabilities.supports(Feature.CARVE):
+            for info, hosts in self._pools_reached(view)[:2]:
+                block = info.capacity.block_bytes
+                if tracker.pool(info.id).free_bytes() >= block:
+                    tracker.allocate(info.id, "conformance-listed", hosts[0], block)
+                    pools.append(info.id)
+        if not held and not pools:
+            _skip("the driver could bind no device and carve no pool (no free device, no pool with a free block)")
+        after = f"after the binds of {', '.join(held) or 'nothing'} and allocates in {', '.join(pools) or 'nothing'}"
+        _well_listed("bindings()", after, lambda: check_bindings(tracker.bindings()))
+        for pool in pools:
+            listed = tracker.pool(pool).allocations()
+            _well_listed(f"{pool}'s allocations()", after, functools.partial(check_allocations, listed, pool))
 
     @clause("FENCE-STALE-EPOCH")
     def test_stale_epoch(self, tracker: Tracker, epochs: Epochs) -> None:
@@ -1451,6 +1489,17 @@ class FabricConformance:
             f"{', '.join(left[:5])} still running {CHILDREN_END_S:g} s after the fabric that started it was closed: "
             "close() ends every process the driver started (or certify with options that have it end them)"
         )
+
+
+def _well_listed(what: str, after: str, check: Callable[[], object]) -> None:
+    """``check`` of a listing, an `InvalidRequestError` it raises told as the clause's failure."""
+    try:
+        check()
+    except InvalidRequestError as exc:
+        raise AssertionError(
+            f"{what} breaks the driver contract: {exc.message} ({after}); reconciliation judges the fabric by it, "
+            "and the remote client refuses such a listing"
+        ) from None
 
 
 def _expect_stale(call: Callable[[], object], what: str, deposed: int, announced: int) -> None:
