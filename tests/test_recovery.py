@@ -596,6 +596,30 @@ class TestARecomposeACrashInterrupted:
             held.release()
             first.close()
 
+    def test_a_removal_cut_off_before_its_first_unbind_is_found_by_its_retry(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A removal alone wrote the composition COMPOSING with no pending change before it wrote its plan: a crash
+        between the two left a record that recovery could only judge anew, at a new generation, so the retry with
+        the same request id and the etag it began from was refused as stale, for a change that never began."""
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x2"])).composition
+        assert job is not None
+        gone = job.device_ids[0]
+        held = crash_at(monkeypatch, first, "recompose.before_commit")
+        with pytest.raises(KeyboardInterrupt):
+            first.recompose(job.id, remove=(gone,), expected_etag=job.etag, request_id="R")
+        monkeypatch.undo()
+        again = opened(tmp_path)
+        try:
+            shrunk = again.recompose(job.id, remove=(gone,), expected_etag=job.etag, request_id="R")
+            assert shrunk.device_ids == job.device_ids[1:]
+            assert [b.device for b in again.fabrics["pcie0"].bindings()] == list(shrunk.device_ids)
+        finally:
+            again.close()
+            held.release()
+            first.close()
+
     def test_one_a_failure_wrote_meanwhile_keeps_only_its_new_etag(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -727,7 +727,7 @@ class FabricComposer(Composer):
         if change is not None:
             self._recover_change(comp, change)
             return
-        # A recompose between its steps: nothing was in flight on the hardware.
+        # Nothing was in flight on the hardware: a removal alone cut off before its plan, by an older release.
         with self._lock:
             self._set_standing(comp)
 
@@ -2799,8 +2799,15 @@ class FabricComposer(Composer):
                 self._claim_plan(plan, comp.id, host=False)
             previous_state, before = comp.state, comp
             start = self._next_alloc_index(comp)
-            adding = self._adding(comp.id, plan, restore=previous_state, start=start, before=comp) if lines else None
-            comp = self._set(comp, state=CompositionState.COMPOSING, pending=adding)
+            # A removal alone writes its plan at once: a record COMPOSING with nothing pending, left by a crash,
+            # would be judged anew by recovery, at a new generation, and the retry of a change that never began
+            # refused as stale. Its plan on disk, recovery finishes it, and the retry finds its work.
+            first = (
+                self._adding(comp.id, plan, restore=previous_state, start=start, before=comp)
+                if lines
+                else self._removal(comp, set(remove))
+            )
+            comp = self._set(comp, state=CompositionState.COMPOSING, pending=first)
             devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan, start=start)
         yield DURABLE
         host = comp.host
@@ -2829,11 +2836,12 @@ class FabricComposer(Composer):
                 "pending": None,
             }
             grown = attrs.evolve(comp, **changes)  # type: ignore[arg-type]
-            if remove:
+            if add and remove:
                 changes["pending"] = self._removal(grown, set(remove))
                 comp = self._set(comp, **changes)
-            else:
+            elif add:
                 comp = self._set_standing(comp, **changes, **mark)
+            # A removal alone wrote its plan as it began: nothing to record before its first unbind.
             if add:
                 added = _parts(len(plan.devices), len(new_allocs))
                 self._emit(EventType.COMPOSITION_UPDATED, comp.id, f"added {added}", etag=comp.etag)
