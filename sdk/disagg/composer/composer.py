@@ -80,7 +80,7 @@ from disagg.model import (
 from disagg.model.composition import MAX_RESOURCE_LINES, revise
 from disagg.policies import BestFit
 from disagg.store import MemoryStore, RequestRecord, Store
-from disagg.store.base import UNDECODABLE, undecodable
+from disagg.store.base import REQUEST_RETENTION, UNDECODABLE, undecodable
 
 log = logging.getLogger("disagg.composer")
 
@@ -103,8 +103,9 @@ same digest; one recorded with another time to live is matched through `FabricCo
 
 
 T = TypeVar("T")
-REQUEST_ID_MEMORY = 10_000
-"""How many request ids the composer remembers in memory (the ledger keeps as many)."""
+REQUEST_ID_MEMORY = REQUEST_RETENTION
+"""How many request ids the composer remembers in memory: as many as the ledger keeps, since a retry is looked up
+in memory only, and an id the ledger holds but memory forgot would be carried out again."""
 _STANDING = (CompositionState.COMPOSED, CompositionState.DEGRADED)
 _BINDING = ""
 """The pool of a quarantine record that is a binding no composition records (its item the device), not memory."""
