@@ -538,7 +538,8 @@ class EtcdStore(Store):
         comps = tuple(self._decoded(kv, Composition) for kv in self._scan(COMPOSITIONS, revision))
         res = tuple(self._decoded(kv, Reservation) for kv in self._scan(RESERVATIONS, revision))
         # Oldest first in the order they were written (their mod revisions, whichever replica wrote them), as
-        # MemoryStore keeps them; SqliteStore's order by answer time agrees while the clocks do.
+        # MemoryStore and SqliteStore (by rowid) keep them, never in the order of the client-chosen ids. Answers
+        # written in one transaction (one hold of the composer) share a revision and are equally new: key order.
         kvs = sorted(self._scan(REQUESTS, revision), key=lambda kv: int(kv["mod_revision"]))
         requests_ = tuple(self._decoded(kv, RequestRecord) for kv in kvs[-REQUEST_RETENTION:])
         cordons = tuple(sorted(self._text(kv) for kv in self._scan(CORDONS, revision)))
