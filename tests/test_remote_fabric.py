@@ -692,6 +692,18 @@ class TestAnAnswerThatIsNotTheCall:
             finally:
                 remote.close()
 
+    def test_an_allocation_answered_without_its_pool_is_the_asked_pools(self) -> None:
+        """A driver in another language may leave the answer's pool unset, as a listing may (`allocations_from_wire`):
+        refused, every allocate such a driver made was undone."""
+        sim = cxl()
+        with served(AnswersAnotherAllocation(sim, Allocation("a1", "", "h1", 1 << 30))) as server:
+            remote = RemoteFabric("cxl0", server.address)
+            try:
+                carved = remote.pool("cxl0/mem0").allocate("a1", "h1", 1 << 30, CallContext(epoch=1))
+                assert (carved.id, carved.pool, carved.host) == ("a1", "cxl0/mem0", "h1")
+            finally:
+                remote.close()
+
     def test_an_allocation_rounded_up_is_the_one_asked_for(self) -> None:
         sim = cxl()
         with served(sim) as server:

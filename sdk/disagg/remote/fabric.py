@@ -797,6 +797,8 @@ class RemotePool(Pool):
         request = wire.allocate_request_to_wire(self.id, allocation_id, host, amount_bytes, ctx)
         answer = fabric._call(fabric._stub.Allocate, request, ctx)
         carved = allocation_from_wire(answer.allocation)
+        if not carved.pool:  # left unset, as in a listing (`wire.allocations_from_wire`): the pool asked
+            carved = attrs.evolve(carved, pool=self.id)
         asked = (allocation_id, self.id, host)
         if (carved.id, carved.pool, carved.host) != asked or carved.amount_bytes < amount_bytes:
             raise fabric._not_asked(
