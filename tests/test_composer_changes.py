@@ -469,6 +469,30 @@ class TestARecomposeRolledBackCompletely:
         grown = comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
         assert len(grown.devices) == len(c.devices) + 1
 
+    def test_so_does_a_removal_that_removed_nothing_from_it(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The same for a removal whose unbind failed: it wrote the reason alone too."""
+        fabrics = rack()
+        comp = composer(fabrics)
+        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert c is not None
+        fabrics["pcie0"].fail_device(c.device_ids[3])
+        assert comp.wait_for_heals(10.0)
+        stuck = comp.get(c.id)
+        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
+
+        def unbind(binding: Binding, ctx: CallContext) -> None:
+            monkeypatch.undo()
+            raise FabricUnavailableError("the switch does not answer")
+
+        monkeypatch.setattr(fabrics["pcie0"], "unbind", unbind)
+        gone = [c.device_ids[0]]
+        with pytest.raises(DisaggError, match="could not remove"):
+            comp.recompose(c.id, remove=gone, expected_etag=stuck.etag, request_id="r1")
+        after = comp.get(c.id)
+        assert (after.device_ids, after.state, after.message) == (stuck.device_ids, stuck.state, stuck.message)
+        retried = comp.recompose(c.id, remove=gone, expected_etag=stuck.etag, request_id="r1")
+        assert retried.device_ids == stuck.device_ids[1:]
+
 
 class TestTheLedgerARollbackLeaves:
     """The fields that keep a rolled-back change's etags (`equivalent_generations`, a pending addition's

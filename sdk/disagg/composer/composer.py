@@ -2935,7 +2935,11 @@ class FabricComposer(Composer):
         **changes: str,
     ) -> Composition:
         """``comp`` without ``devices`` and ``allocs``, which the hardware no longer holds, and with the state
-        its devices' health gives it and ``changes``, in one record; under the lock. ``restoring``: see `_set`."""
+        its devices' health gives it and ``changes``, in one record; under the lock. ``restoring``: see `_set`; a
+        removal that removed nothing keeps the message too (a heal's note after the reason), or the record would
+        not be as it was."""
+        if restoring is not None:
+            changes.setdefault("message", comp.message)
         for device in devices:
             self._inv.release_device(device)
         for alloc in allocs:
