@@ -433,18 +433,33 @@ class TestARecomposeRolledBackCompletely:
         finally:
             again.close()
 
+    @staticmethod
+    def _unbind_refused_once(fabric: SimFabric, monkeypatch: pytest.MonkeyPatch) -> None:
+        def unbind(binding: Binding, ctx: CallContext) -> None:
+            monkeypatch.undo()
+            raise FabricUnavailableError("the switch does not answer")
+
+        monkeypatch.setattr(fabric, "unbind", unbind)
+
+    @staticmethod
+    def _without_a_replacement(fabrics: dict[str, SimFabric]) -> tuple[FabricComposer, Composition]:
+        """A composition DEGRADED with the heal's "no replacement" after its reason."""
+        comp = composer(fabrics)
+        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
+        assert c is not None
+        fabrics["pcie0"].fail_device(c.device_ids[3])
+        assert comp.wait_for_heals(10.0)
+        stuck = comp.get(c.id)
+        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
+        return comp, stuck
+
     def test_so_does_a_removal_that_removed_nothing(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Its driver refused the unbind and the composition kept the device, as it was: "remove it again"."""
         fabrics = rack()
         comp = composer(fabrics, auto_heal=False)
         c = comp.compose(parse_request("job", ["host h1", "gpu x2"])).composition
         assert c is not None
-
-        def unbind(binding: Binding, ctx: CallContext) -> None:
-            monkeypatch.undo()
-            raise FabricUnavailableError("the switch does not answer")
-
-        monkeypatch.setattr(fabrics["pcie0"], "unbind", unbind)
+        self._unbind_refused_once(fabrics["pcie0"], monkeypatch)
         gone = [c.device_ids[0]]
         with pytest.raises(DisaggError, match="could not remove"):
             comp.recompose(c.id, remove=gone, expected_etag=c.etag, request_id="r1")
@@ -455,42 +470,25 @@ class TestARecomposeRolledBackCompletely:
         """DEGRADED with the heal's "no replacement" after its reason: the rollback wrote the reason alone, a message
         the composition did not have before, and the retry was refused as stale."""
         fabrics = rack()
-        comp = composer(fabrics)
-        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
-        assert c is not None
-        fabrics["pcie0"].fail_device(c.device_ids[3])
-        assert comp.wait_for_heals(10.0)
-        stuck = comp.get(c.id)
-        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
+        comp, stuck = self._without_a_replacement(fabrics)
         fabrics["pcie0"].flaky_bind(None, 1)
         with pytest.raises(FabricUnavailableError):
-            comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
-        assert (comp.get(c.id).state, comp.get(c.id).message) == (stuck.state, stuck.message)
-        grown = comp.recompose(c.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
-        assert len(grown.devices) == len(c.devices) + 1
+            comp.recompose(stuck.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
+        assert (comp.get(stuck.id).state, comp.get(stuck.id).message) == (stuck.state, stuck.message)
+        grown = comp.recompose(stuck.id, add=[parse_resource("nic")], expected_etag=stuck.etag, request_id="r1")
+        assert len(grown.devices) == len(stuck.devices) + 1
 
     def test_so_does_a_removal_that_removed_nothing_from_it(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """The same for a removal whose unbind failed: it wrote the reason alone too."""
         fabrics = rack()
-        comp = composer(fabrics)
-        c = comp.compose(parse_request("all-a", ["host h1", "gpu x10 model=H200 same-switch"])).composition
-        assert c is not None
-        fabrics["pcie0"].fail_device(c.device_ids[3])
-        assert comp.wait_for_heals(10.0)
-        stuck = comp.get(c.id)
-        assert stuck.state is CompositionState.DEGRADED and "no replacement" in stuck.message
-
-        def unbind(binding: Binding, ctx: CallContext) -> None:
-            monkeypatch.undo()
-            raise FabricUnavailableError("the switch does not answer")
-
-        monkeypatch.setattr(fabrics["pcie0"], "unbind", unbind)
-        gone = [c.device_ids[0]]
+        comp, stuck = self._without_a_replacement(fabrics)
+        self._unbind_refused_once(fabrics["pcie0"], monkeypatch)
+        gone = [stuck.device_ids[0]]
         with pytest.raises(DisaggError, match="could not remove"):
-            comp.recompose(c.id, remove=gone, expected_etag=stuck.etag, request_id="r1")
-        after = comp.get(c.id)
+            comp.recompose(stuck.id, remove=gone, expected_etag=stuck.etag, request_id="r1")
+        after = comp.get(stuck.id)
         assert (after.device_ids, after.state, after.message) == (stuck.device_ids, stuck.state, stuck.message)
-        retried = comp.recompose(c.id, remove=gone, expected_etag=stuck.etag, request_id="r1")
+        retried = comp.recompose(stuck.id, remove=gone, expected_etag=stuck.etag, request_id="r1")
         assert retried.device_ids == stuck.device_ids[1:]
 
 
