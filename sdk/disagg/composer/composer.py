@@ -651,9 +651,9 @@ class FabricComposer(Composer):
         elsewhere for that long (a failure is to degrade its compositions within a second)."""
         try:
             self._fence(name, self._context())
-            return self.fabrics[name].discover()
         except Exception:  # a driver's bug too: it stays unreachable, as `_discover_all` counts it
             return None
+        return self._discovered(name)
 
     def _announce_epoch(self, names: Iterable[str]) -> None:
         """Announce the epoch to ``names``; one that does not take it is remembered (`_unannounced`) and counts
@@ -898,8 +898,8 @@ class FabricComposer(Composer):
             return False
 
     def _discovered(self, name: str) -> Topology | None:
-        """What fabric ``name`` discovers now for a pass; None when it does not answer (a driver that dies sends
-        no event to say so). Outside the lock."""
+        """What fabric ``name`` discovers now (for a pass, or a retry of one unreachable, `_answers`); None when it
+        does not answer (a driver that dies sends no event to say so). Outside the lock."""
         try:
             return self.fabrics[name].discover()
         except Exception:  # a driver's bug too: it cannot be used
@@ -1835,8 +1835,7 @@ class FabricComposer(Composer):
         now = self._compositions.get(comp.id, comp)
         new = revise(comp, generation=max(comp.generation, now.generation) + 1, equivalent_generations=(), **changes)
         if restoring is not None and revise(new, generation=restoring.generation) == restoring:
-            held = (*restoring.equivalent_generations, restoring.generation)[-EQUIVALENT_GENERATIONS_KEPT:]
-            new = revise(new, equivalent_generations=held)
+            new = revise(new, equivalent_generations=restoring.etag_generations[-EQUIVALENT_GENERATIONS_KEPT:])
         self._record(new)
         if new.state is not comp.state:
             before, after = comp.state.value, new.state.value
@@ -2406,7 +2405,7 @@ class FabricComposer(Composer):
             Allocation(s.allocation_id, s.pick.pool, plan.host, s.pick.amount_bytes)
             for s in self._memory_steps(comp_id, plan, start)
         )
-        held = () if before is None else (*before.equivalent_generations, before.generation)
+        held = () if before is None else before.etag_generations
         return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark(), reservation, held)
 
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:

@@ -434,6 +434,12 @@ class Composition:
         composed again under the same name (at the same generation) does not match an etag read before."""
         return _etag(self.id, self.generation)
 
+    @property
+    def etag_generations(self) -> tuple[int, ...]:
+        """The generations whose etags guard an update of this record (`holds_etag`), its own last: what a change
+        begun from it, undone completely, leaves valid again."""
+        return (*self.equivalent_generations, self.generation)
+
     def holds_etag(self, etag: str) -> bool:
         """Whether an update guarded by ``etag`` may change this record: its own etag, or that of an earlier
         generation it equals (`equivalent_generations`), which a client read before a change that failed and was
