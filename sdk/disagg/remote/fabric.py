@@ -66,7 +66,7 @@ from disagg.remote.watch import EventCall, EventWatcher
 from disagg.wire import driver as wire
 from disagg.wire.deadlines import remaining_of
 from disagg.wire.errors import build, from_rpc_error, server_status
-from disagg.wire.types import allocation_from_wire, binding_from_wire, capabilities_from_wire, topology_from_wire
+from disagg.wire.types import binding_from_wire, capabilities_from_wire, topology_from_wire
 
 log = logging.getLogger("disagg.remote")
 
@@ -796,9 +796,7 @@ class RemotePool(Pool):
         fabric = self._fabric
         request = wire.allocate_request_to_wire(self.id, allocation_id, host, amount_bytes, ctx)
         answer = fabric._call(fabric._stub.Allocate, request, ctx)
-        carved = allocation_from_wire(answer.allocation)
-        if not carved.pool:  # left unset, as in a listing (`wire.allocations_from_wire`): the pool asked
-            carved = attrs.evolve(carved, pool=self.id)
+        carved = wire.pool_allocation_from_wire(answer.allocation, self.id)
         asked = (allocation_id, self.id, host)
         if (carved.id, carved.pool, carved.host) != asked or carved.amount_bytes < amount_bytes:
             raise fabric._not_asked(

@@ -239,13 +239,17 @@ def bindings_from_wire(msgs: Iterable[types_pb2.Binding]) -> tuple[Binding, ...]
     return check_bindings(binding_from_wire(msg) for msg in msgs)
 
 
+def pool_allocation_from_wire(msg: types_pb2.Allocation, pool: str) -> Allocation:
+    """An allocation a driver answered for ``pool`` (an Allocate's, a listing's); one that names no pool is the
+    pool's, as an event that names no fabric is the stream's: a driver in another language may leave it unset."""
+    allocation = allocation_from_wire(msg)
+    return allocation if allocation.pool else attrs.evolve(allocation, pool=pool)
+
+
 def allocations_from_wire(msgs: Iterable[types_pb2.Allocation], pool: str) -> tuple[Allocation, ...]:
-    """A ListAllocations answer of ``pool``, held to the driver interface's contract
-    (`disagg.interfaces.check_allocations`); one that names no pool is the pool's (the listing is of this one, as
-    an event that names no fabric is the stream's)."""
-    return check_allocations(
-        (attrs.evolve(a, pool=pool) if not a.pool else a for a in (allocation_from_wire(msg) for msg in msgs)), pool
-    )
+    """A ListAllocations answer of ``pool`` (`pool_allocation_from_wire`), held to the driver interface's contract
+    (`disagg.interfaces.check_allocations`)."""
+    return check_allocations((pool_allocation_from_wire(msg, pool) for msg in msgs), pool)
 
 
 def event_sequence(value: str) -> tuple[str, int] | None:
