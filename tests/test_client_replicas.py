@@ -310,6 +310,31 @@ class TestTakeover:
             slow.stop(0)
             other.stop(0)
 
+    def test_a_change_keeps_to_its_deadline_after_waiting_for_a_replica(self) -> None:
+        """A change with a request id waits for a serving replica before it is sent, and was then sent with the
+        whole time left before that wait: a takeover 2.4 s into a 3 s deadline gave the Compose 3 s more."""
+        slow = FabricManagerServer(FabricComposer(slow_rack(1.5), store=MemoryStore()), ["127.0.0.1:0"])
+        other = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
+        slow.start()
+        other.start()
+        try:
+            set_serving(slow, False)
+            set_serving(other, False)
+            takeover = threading.Timer(2.4, set_serving, (slow, True))  # within the deadline, with 0.6 s left
+            with FabricManagerClient(f"{slow.addresses[0]},{other.addresses[0]}", timeout_s=3.0) as client:
+                started = time.monotonic()
+                takeover.start()
+                with pytest.raises(DeadlineExceededError) as refused:
+                    client.compose(parse_request("job", ["gpu x1"]), request_id="r1")  # its bind takes 1.5 s
+                took = time.monotonic() - started
+            assert took < 3.0 + 0.5, f"compose took {took:.1f}s with timeout_s=3"
+            assert refused.value.metadata["request_id"] == "r1"
+            assert slow.composer.compositions() == []
+        finally:
+            takeover.cancel()
+            slow.stop(0)
+            other.stop(0)
+
     def test_a_slow_answer_is_not_taken_for_no_replica(
         self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -358,12 +358,13 @@ class FabricManagerClient:
 
         def attempt(timeout: float) -> T:
             nonlocal unanswered, sent
+            ends = time.monotonic() + timeout  # a wait for a serving replica is part of the attempt's time
             if self.closed:
                 raise _ClientClosedError
             if request_id and self._replicas and not self._serving(timeout):
                 raise _NoReplicaServedError
             try:
-                return rpc(timeout)
+                return rpc(max(ends - time.monotonic(), 0.0))
             except ValueError:  # "Cannot invoke RPC on closed channel!": closed since the check above
                 if self.closed:
                     raise _ClientClosedError from None
