@@ -335,6 +335,24 @@ class TestTakeover:
             slow.stop(0)
             other.stop(0)
 
+    def test_a_change_waiting_for_a_replica_ends_when_the_client_closes(
+        self, replicas: list[FabricManagerServer]
+    ) -> None:
+        """Closed from another thread while a change waited for a serving replica, the call said that no replica
+        served within its whole deadline, 20 s, of which it had waited half a second."""
+        for server in replicas:
+            set_serving(server, False)
+        client = FabricManagerClient(",".join(s.addresses[0] for s in replicas), timeout_s=20)
+        closer = threading.Timer(0.5, client.close)
+        closer.start()
+        started = time.monotonic()
+        with client, pytest.raises(FabricUnavailableError, match="is closed") as refused:
+            client.compose(parse_request("job", ["gpu x1"]), request_id="r1")
+        assert time.monotonic() - started < 5
+        assert "no replica" not in refused.value.message
+        assert "nothing was sent, so the change was not made" in refused.value.message
+        assert refused.value.metadata["request_id"] == "r1"
+
     def test_a_slow_answer_is_not_taken_for_no_replica(
         self, replicas: list[FabricManagerServer], monkeypatch: pytest.MonkeyPatch
     ) -> None:

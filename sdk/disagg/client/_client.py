@@ -362,7 +362,7 @@ class FabricManagerClient:
             if self.closed:
                 raise _ClientClosedError
             if request_id and self._replicas and not self._serving(timeout):
-                raise _NoReplicaServedError
+                raise _ClientClosedError if self.closed else _NoReplicaServedError  # close() ends the wait too
             try:
                 return rpc(max(ends - time.monotonic(), 0.0))
             except ValueError:  # "Cannot invoke RPC on closed channel!": closed since the check above
