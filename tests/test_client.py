@@ -226,6 +226,23 @@ class TestCompositions:
         with pytest.raises(NotFoundError):
             client.get("gone")
 
+    @pytest.mark.parametrize("by", ["id", "name"])
+    def test_decompose_of_a_reservation_is_refused(
+        self, client: FabricManagerClient, composer: FabricComposer, by: str
+    ) -> None:
+        """As the composer and the server refuse it: the client looked the composition up, found none and
+        returned, so the caller took the reservation's devices for released while they stayed held."""
+        held = client.compose(parse_request("held", ["gpu x1"]), ComposeMode.RESERVE).reservation
+        assert held is not None
+        key = held.id if by == "id" else "held"
+        with pytest.raises(InvalidRequestError):
+            composer.decompose(key)
+        with pytest.raises(InvalidRequestError, match=f"reservation {held.id}.*release_reservation") as refused:
+            client.decompose(key)
+        assert refused.value.field == "id"
+        assert [r.id for r in client.reservations()] == [held.id]
+        client.decompose("never-made")  # an unknown one is still no error
+
     def test_recompose_request_id(self, client: FabricManagerClient, composer: FabricComposer) -> None:
         comp = client.compose(parse_request("grow", ["gpu x1"])).composition
         assert comp is not None

@@ -320,13 +320,16 @@ class FabricManagerClient:
             )
             return ready and not self.closed
 
-    def _pages(self, rpc: Callable[[float], P], request: _PageRequest) -> tuple[list[P], Revision]:
+    def _pages(
+        self, rpc: Callable[[float], P], request: _PageRequest, *, deadline: float | None = None
+    ) -> tuple[list[P], Revision]:
         """Every page of a listing (``rpc`` reads ``request``, whose token this advances) and the lowest
-        revision among them, the first page's: a watch from it misses no change made while paging."""
+        revision among them, the first page's: a watch from it misses no change made while paging. Each page
+        is a call of its own, with `timeout_s`, unless ``deadline`` bounds them all."""
         pages: list[P] = []
         seen: set[str] = set()
         while True:
-            resp = self._call(rpc, idempotent=True)
+            resp = self._call(rpc, idempotent=True, deadline=deadline)
             pages.append(resp)
             if not resp.next_page_token or resp.next_page_token in seen:
                 first = min(pages, key=lambda p: p.revision)
@@ -659,17 +662,37 @@ class FabricManagerClient:
     def decompose(self, composition_id: str) -> None:
         """Unbind and release everything of a composition, given its id or its name. Idempotent: an unknown one is
         not an error. The composition is looked up first and decomposed by its id: a Decompose by name retried
-        after its answer was lost would decompose a composition another client made under that name meanwhile."""
-        deadline = time.monotonic() + self.timeout_s  # one for both calls: "each call's deadline"
+        after its answer was lost would decompose a composition another client made under that name meanwhile.
+
+        A live reservation's id or name is refused (`InvalidRequestError`), as the composer and the server refuse
+        it: taken for an unknown composition, it read as released while it held its plan."""
+        deadline = time.monotonic() + self.timeout_s  # one for every call: "each call's deadline"
         lookup = fm.GetCompositionRequest(id=composition_id)
         try:
             found = self._call(
                 lambda t: self._stub.GetComposition(lookup, timeout=t), idempotent=True, deadline=deadline
             )
         except NotFoundError:
+            self._refuse_reservation(composition_id, deadline)
             return
         request = fm.DecomposeRequest(id=found.composition.id)
         self._call(lambda t: self._stub.Decompose(request, timeout=t), idempotent=True, deadline=deadline)
+
+    def _refuse_reservation(self, key: str, deadline: float) -> None:
+        """Refuse ``key``, given to `decompose`, when it names a live reservation (by its id or its name) rather
+        than a composition. Read from the listing, not sent as a Decompose: one by name could meet a composition
+        that an apply of the reservation made meanwhile."""
+        request = fm.ListReservationsRequest(page_size=PAGE_SIZE)
+        pages, _ = self._pages(lambda t: self._stub.ListReservations(request, timeout=t), request, deadline=deadline)
+        for resp in pages:
+            for held in resp.reservations:
+                if key in (held.id, held.name):
+                    why = f"is reservation {held.id}" if key == held.id else f"names reservation {held.id}"
+                    raise InvalidRequestError(
+                        f"{key!r} {why}, not a composition: release_reservation({held.id!r}) gives its plan back, "
+                        "and apply_reservation binds it",
+                        field="id",
+                    )
 
     # ----------------------------------------------------------------- reservations
 
