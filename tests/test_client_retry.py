@@ -6,6 +6,7 @@ import contextlib
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -504,6 +505,23 @@ class TestWatchResumption:
         assert revisions == list(range(1, total + 1))
         assert servicer.watch_requests == [0, 3]
 
+    def test_close_ends_the_pause_before_a_reopen(self, serve: Any, composer: FabricComposer) -> None:
+        """`EventStream.close` from another thread, while the watch paused to reopen, ended iteration only once
+        the pause was over: up to ``max_backoff_s``, here 20 s."""
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+        _, address = serve(Flaky(composer, failures=0))  # its first stream breaks after three events
+        patient = RetryPolicy(max_attempts=3, initial_backoff_s=20.0, max_backoff_s=20.0)
+        with FabricManagerClient(address, retries=patient) as client:
+            client._rng = Longest()
+            stream = client.watch()
+            assert [next(stream).revision for _ in range(3)] == [1, 2, 3]
+            closer = threading.Timer(0.5, stream.close)
+            closer.start()
+            started = time.monotonic()
+            assert list(stream) == []
+            assert time.monotonic() - started < 5.0
+
     def test_close_cancels_the_stream(self, serve: Any, composer: FabricComposer) -> None:
         composer.compose(parse_request("j", ["gpu"]))
         total = len(composer.events())
@@ -526,6 +544,13 @@ class TestWatchResumption:
             assert not reader.is_alive()
         assert seen == [total]
         assert servicer.watch_cancelled.wait(10)
+
+
+class Longest(random.Random):
+    """Pauses as long as the policy allows, every time."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
 
 
 class Stalling(Flaky):

@@ -222,10 +222,11 @@ class FabricManagerClient:
         self._channel = channel
         self._stub = fm_grpc.FabricManagerServiceStub(self._channel)
         self._rng = random.Random()
-        self._sleep: Callable[[float], None] = time.sleep
+        self._sleep: Callable[[float], None] = self._pause
         self.closed = False
         """`close` was called."""
         self._connectivity = threading.Condition()
+        """Notified when the channel's state changes, the client closes or a watch of it closes."""
         self._state: grpc.ChannelConnectivity | None = None
         """The channel's state, over several replicas: READY while one serves. Watched by one subscription for
         the client's life, not asked of the channel at each call: a subscription made and dropped at each call
@@ -239,9 +240,19 @@ class FabricManagerClient:
     def close(self) -> None:
         """Close the channel; calls and watches in flight are cancelled, and later calls refused."""
         self.closed = True
+        self._wake()
+        self._channel.close()
+
+    def _pause(self, seconds: float, *, ended: Callable[[], bool] = lambda: False) -> None:
+        """A pause between attempts, cut short by `close` (or by ``ended`` turning true, when notified): a call or
+        watch that the close ends then ends at once, not after a pause of up to ``max_backoff_s``."""
+        with self._connectivity:
+            self._connectivity.wait_for(lambda: self.closed or ended(), timeout=seconds)
+
+    def _wake(self) -> None:
+        """Wake the pauses (`_pause`) to look at what ends them again."""
         with self._connectivity:
             self._connectivity.notify_all()
-        self._channel.close()
 
     def _check_open(self) -> None:
         if self.closed:  # gRPC raises a ValueError on a closed channel
@@ -799,7 +810,7 @@ class EventStream(Iterator[Event]):
         if not self._resume or exc.code() not in WATCH_BREAKS or spent:
             self.close()
             raise self._client._error(exc) from None
-        self._client._sleep(self._client.retries.backoff(failures, self._client._rng))
+        self._client._pause(self._client.retries.backoff(failures, self._client._rng), ended=lambda: self._closed)
         self._reopen()
 
     def _deliver(self, msg: fm.Event) -> Event:
@@ -828,6 +839,7 @@ class EventStream(Iterator[Event]):
         with self._lock:
             self._closed = True
             self._call.cancel()
+        self._client._wake()  # a pause before a reopen ends now
 
     def __enter__(self) -> Self:
         return self
