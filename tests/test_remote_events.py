@@ -22,6 +22,7 @@ from disagg.remote.fabric import _Snapshot
 from disagg.remote.feed import DEFAULT_MAX_STREAMS as MAX_STREAMS
 from disagg.remote.watch import BACKOFF_MAX_S, BACKOFF_MIN_S, MALFORMED_QUIET_S, EventCall, MalformedBackoff
 from disagg.requestlang import parse_request
+from disagg.wire import driver as wire
 from disagg.wire.driver import EVENT_SEQUENCE_KEY, metadata_value
 from disagg_sim import SimFabric, load_topology
 from remote_helpers import Plain, Recorder, cxl, eventually, pcie, served, stub_for
@@ -949,6 +950,43 @@ class TestAnEventTheStreamCannotTell:
             seen = self._failed_silently(event, socket_dir)
         assert [(e.fabric, e.subject, e.health) for e in seen] == [("pcie0", self.GPU, Health.FAILED)]
         assert "'pcie1'" in caplog.text
+
+
+class TestResyncRequired:
+    """A driver's RESYNC_REQUIRED reaches a remote fabric's handlers as it was sent, each time: it tells no state a
+    repeat could duplicate. A manager older than the kind cannot decode it: it leaves the stream as for any
+    malformed event, and the new stream's resync rediscovers what changed; events flow again after it."""
+
+    GPU = "pcie0/gpu-a0"
+    RESYNC = FabricEvent("pcie0", FabricEventKind.RESYNC_REQUIRED, "pcie0/top-a", message="the switch restarted")
+
+    def test_it_is_delivered_as_sent_each_time(self, socket_dir: str) -> None:
+        driver = Muffled(pcie())
+        with watched(driver, socket_dir) as running:
+            driver.publish(self.RESYNC)
+            driver.publish(self.RESYNC)
+            assert eventually(lambda: len(running.seen.events) == 2, WAIT_S)
+            assert running.seen.events == [self.RESYNC, self.RESYNC]
+
+    def test_an_older_manager_rediscovers_instead(
+        self, socket_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        older = {n: k for n, k in wire.EVENT_KIND_FROM_WIRE.items() if k is not FabricEventKind.RESYNC_REQUIRED}
+        monkeypatch.setattr(wire, "EVENT_KIND_FROM_WIRE", older)
+        sim = pcie()
+        driver = Muffled(sim)
+        with caplog.at_level(logging.WARNING, "disagg.remote"), watched(driver, socket_dir) as running:
+            sim.fail_device(self.GPU, "ECC")  # streamed by no event of its own
+            driver.publish(self.RESYNC)
+            assert eventually(lambda: len(running.seen.events) == 1, WAIT_S)
+            driver.publish(FabricEvent("pcie0", FabricEventKind.LINK_DOWN, "pcie0/top-b|pcie0/chassis-b"))
+            assert eventually(lambda: len(running.seen.events) == 2, WAIT_S)
+            seen = [(e.kind, e.subject) for e in running.seen.events if isinstance(e, FabricEvent)]
+        assert seen == [
+            (FabricEventKind.DEVICE_HEALTH, self.GPU),
+            (FabricEventKind.LINK_DOWN, "pcie0/top-b|pcie0/chassis-b"),
+        ]
+        assert f"{pb.FABRIC_EVENT_KIND_RESYNC_REQUIRED} is not a valid fabric event kind" in caplog.text
 
 
 class Babbling(Muffled):

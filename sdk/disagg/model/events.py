@@ -11,13 +11,19 @@ from disagg.model.devices import Health, _freeze_labels
 
 
 class FabricEventKind(ModelEnum):
-    """What a driver reports, after CXL event records (hot plug, surprise removal, link down)."""
+    """What a driver reports, after CXL event records (hot plug, surprise removal, link down).
+
+    RESYNC_REQUIRED says that the fabric's state may have changed behind the manager (its switch or management
+    endpoint restarted, losing bindings and allocations, with no record of each): the manager reads the whole
+    fabric again at once. Its subject names what restarted (a switch id, else the fabric); it carries no health.
+    """
 
     DEVICE_HEALTH = "device-health"
     DEVICE_ADDED = "device-added"
     DEVICE_REMOVED = "device-removed"
     LINK_DOWN = "link-down"
     LINK_UP = "link-up"
+    RESYNC_REQUIRED = "resync-required"
 
 
 @attrs.frozen

@@ -32,6 +32,12 @@ class _FabricEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Fabri
     FABRIC_EVENT_KIND_DEVICE_REMOVED: _FabricEventKind.ValueType  # 3
     FABRIC_EVENT_KIND_LINK_DOWN: _FabricEventKind.ValueType  # 4
     FABRIC_EVENT_KIND_LINK_UP: _FabricEventKind.ValueType  # 5
+    FABRIC_EVENT_KIND_RESYNC_REQUIRED: _FabricEventKind.ValueType  # 6
+    """The fabric's state may have changed behind the manager (its switch or management endpoint restarted and
+    lost bindings and allocations): read its devices, bindings and allocations again now. Subject: what
+    restarted (a switch id, else the fabric). A manager older than this value cannot decode it: it leaves the
+    stream as for any malformed event, and the new stream's resync rediscovers the fabric's devices.
+    """
 
 class FabricEventKind(_FabricEventKind, metaclass=_FabricEventKindEnumTypeWrapper):
     """What a driver reports, after CXL event records."""
@@ -42,6 +48,12 @@ FABRIC_EVENT_KIND_DEVICE_ADDED: FabricEventKind.ValueType  # 2
 FABRIC_EVENT_KIND_DEVICE_REMOVED: FabricEventKind.ValueType  # 3
 FABRIC_EVENT_KIND_LINK_DOWN: FabricEventKind.ValueType  # 4
 FABRIC_EVENT_KIND_LINK_UP: FabricEventKind.ValueType  # 5
+FABRIC_EVENT_KIND_RESYNC_REQUIRED: FabricEventKind.ValueType  # 6
+"""The fabric's state may have changed behind the manager (its switch or management endpoint restarted and
+lost bindings and allocations): read its devices, bindings and allocations again now. Subject: what
+restarted (a switch id, else the fabric). A manager older than this value cannot decode it: it leaves the
+stream as for any malformed event, and the new stream's resync rediscovers the fabric's devices.
+"""
 Global___FabricEventKind: _TypeAlias = FabricEventKind  # noqa: Y015
 
 class _FaultKind:
