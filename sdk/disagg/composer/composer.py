@@ -832,6 +832,37 @@ class FabricComposer(Composer):
         everything else is judged: on a busy fabric manager every pass still judges. A second pass over a
         converged system changes nothing.
         """
+        changes, healable, degraded = self._reconcile_pass()
+        if self.auto_heal:
+            # Every composition that healing can mend: one degraded by this pass, one whose device failed while no
+            # composer ran, and one whose heal found no replacement before (a device freed or repaired since may
+            # be one now). A heal that still finds none changes nothing, so a converged system stays as it is.
+            changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
+        return changes
+
+    @_durably
+    def _resync(self, event: FabricEvent) -> None:
+        """Reconcile ``event``'s fabric alone, at once (its driver says its state may have changed behind the
+        manager: RESYNC_REQUIRED), its devices' health read with its bindings and allocations. Run on the thread
+        that delivers the fabric's events, before the next: a health event after it must find the lost bindings
+        missing already, or it would stand their composition COMPOSED again. The heal it leaves runs beside the
+        events (`_heal_soon`), as a failure event's does."""
+        if self._closing:
+            return
+        why = f"fabric {event.fabric} asked to be read again ({event.message or event.subject})"
+        log.info("%s; reconciling it now", why)
+        try:
+            _, healable, degraded = self._reconcile_pass(frozenset({event.fabric}), why)
+        except DisaggError as exc:  # the ledger failed: nothing can be judged now, nor made durable
+            log.warning("fabric %s was not read again on its resync event: %s", event.fabric, exc.message)
+            return
+        if self.auto_heal:
+            self._heal_soon(healable, retry=lambda c: c not in degraded and self._started)
+
+    def _reconcile_pass(self, only: frozenset[str] | None = None, why: str = "") -> tuple[int, list[str], set[str]]:
+        """`reconcile` without its heals, of the fabrics ``only`` (every one when None), whose devices' health it
+        then discovers whatever their driver declares (``why`` says so in the health events); returns how many
+        things it changed, the compositions a heal can mend (those of ``only``), and those it degraded."""
         self._check_started()
         with self._lock:
             watch = _Touched()  # from now until the judgement, every change of a composition notes what it touches
@@ -840,14 +871,16 @@ class FabricComposer(Composer):
             for entry in self._inv.pools.values():
                 pools.setdefault(entry.info.fabric, []).append(entry.info.id)
             # One counted unreachable has no pools in the index: read, it would seem to hold no memory at all.
-            away = set(self._unreachable)
+            away = set(self._unreachable) | (set(self.fabrics) - only if only is not None else set())
             heard = dict(self._heard)
         try:
             bound, carved, read, pools_read = self._read_hardware(pools, away)
             # Discovered: one not read, to tell a driver that stopped from a listing that failed; and one that
             # tells no failure, to learn its devices' health. One that answers neither counts as unreachable; one
             # whose hardware was read answers this pass, and only its health waits for the next (`_unlearnt`).
-            unheard = {name for name in self.fabrics if name not in away and not self._tells_health(name)}
+            unheard = {
+                name for name in self.fabrics if name not in away and (only is not None or not self._tells_health(name))
+            }
             asked = [name for name in self.fabrics if name not in away and (name not in read or name in unheard)]
             found = {name: topology for name in asked if (topology := self._discovered(name)) is not None}
             lost = {name for name in asked if name not in found and name not in read}
@@ -860,7 +893,6 @@ class FabricComposer(Composer):
         with self._lock:
             self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
             lost_now = self._lose(lost, heard)
-            told, sickened = self._take_health(reported, heard)
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -869,7 +901,7 @@ class FabricComposer(Composer):
                     len(watch.devices),
                     len(watch.allocations),
                 )
-            changes = lost_now + told + self._quarantine_bindings(bound, watch.devices, read)
+            changes = lost_now + self._quarantine_bindings(bound, watch.devices, read)
             recorded_as = {
                 (a.pool, a.id): (c.host, a.amount_bytes) for c in self._compositions.values() for a in _holdings(c)[1]
             }
@@ -877,16 +909,16 @@ class FabricComposer(Composer):
             self._note_held_otherwise(carved, recorded_as, watch.allocations, pools_read)
             changes += self._drop_unhealthy_reservations()
             judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions)
-            changes += judged
+            # After the judgement: a device healthy again whose binding is lost leaves its composition DEGRADED,
+            # never COMPOSED on the way.
+            told, sickened = self._take_health(reported, heard, why)
+            changes += judged + told
             # Healed as after the event that would have told it: at once, with no back-off.
             degraded.update(sickened)
             healable += [c for c in dict.fromkeys(sickened) if c not in healable]
-        if self.auto_heal:
-            # Every composition that healing can mend: one degraded by this pass, one whose device failed while no
-            # composer ran, and one whose heal found no replacement before (a device freed or repaired since may
-            # be one now). A heal that still finds none changes nothing, so a converged system stays as it is.
-            changes += self._heal_all(healable, retry=lambda c: c not in degraded and self._started)
-        return changes
+            if only is not None:
+                healable = [c for c in healable if self._on_fabrics(c, read)]
+        return changes, healable, degraded
 
     def _tells_health(self, name: str) -> bool:
         """Whether fabric ``name``'s driver declares HEALTH_EVENTS: its events are the source of its devices'
@@ -928,7 +960,9 @@ class FabricComposer(Composer):
             for name, topology in found.items()
         }
 
-    def _take_health(self, reported: Mapping[str, Sequence[Device]], heard: Mapping[str, int]) -> tuple[int, list[str]]:
+    def _take_health(
+        self, reported: Mapping[str, Sequence[Device]], heard: Mapping[str, int], why: str = ""
+    ) -> tuple[int, list[str]]:
         """Apply the health of each device of ``reported`` (`_health_reported`) that the index holds otherwise,
         as a DEVICE_HEALTH event of it would (`_health_changed`): a failure such a fabric does not tell is
         otherwise seen only at its next event, return or restart. Returns how many devices changed, and the
@@ -944,8 +978,9 @@ class FabricComposer(Composer):
                 if known is None or known.fabric != name or known.health is device.health:
                     continue
                 changed += 1
-                why = f"reconciliation found it {device.health.value}; fabric {name} sends no health events"
-                affected = self._health_changed(name, device.id, device.health, why)
+                because = why or f"fabric {name} sends no health events"
+                said = f"reconciliation found it {device.health.value}; {because}"
+                affected = self._health_changed(name, device.id, device.health, said)
                 if device.health is not Health.OK:
                     sickened += affected
         return changed, sickened
@@ -1093,14 +1128,22 @@ class FabricComposer(Composer):
                 healable.append(now.id)
         return changes, degraded, healable
 
-    def _heal_soon(self, composition_ids: list[str]) -> None:
-        """Heal after a failure event: at once when no fabric's calls wait, else in a thread of the composer's
-        own. A heal binds and may wait for a busy composition: on the thread that delivers a fabric's events it
-        held up that fabric's next failures, which must degrade their compositions within a second."""
+    def _on_fabrics(self, comp_id: str, fabrics: set[str]) -> bool:
+        """Whether composition ``comp_id`` holds a device or memory of one of ``fabrics``. Under the lock."""
+        comp = self._compositions.get(comp_id)
+        devices, allocations = _holdings(comp) if comp is not None else ([], [])
+        return any(self._fabric_of(p.device) in fabrics for p in devices) or any(
+            self._fabric_of_pool(a.pool) in fabrics for a in allocations
+        )
+
+    def _heal_soon(self, composition_ids: list[str], retry: Callable[[str], bool] = lambda _: False) -> None:
+        """Heal after a failure event (`_heal_all`): at once when no fabric's calls wait, else in a thread of the
+        composer's own. A heal binds and may wait for a busy composition: on the thread that delivers a fabric's
+        events it held up that fabric's next failures, which must degrade their compositions within a second."""
         if not composition_ids:
             return
         if not any(f.calls_block for f in self.fabrics.values()):
-            self._heal_all(composition_ids)
+            self._heal_all(composition_ids, retry)
             return
         with self._lock:
             if self._closing:  # the next start-up heals what this one could not
@@ -1108,7 +1151,7 @@ class FabricComposer(Composer):
                 return
             if self._healer is None:
                 self._healer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disagg-heal")
-            heal = self._healer.submit(self._heal_all, composition_ids)
+            heal = self._healer.submit(self._heal_all, composition_ids, retry)
             self._heals.add(heal)
         heal.add_done_callback(self._heal_ended)
 
@@ -3191,6 +3234,9 @@ class FabricComposer(Composer):
 
     def _apply_event(self, event: FabricEvent) -> list[str]:
         """Apply one fabric event; returns the compositions it leaves to heal (auto-heal, a device failed)."""
+        if event.kind is FabricEventKind.RESYNC_REQUIRED:
+            self._resync(event)
+            return []
         if event.kind is FabricEventKind.DEVICE_HEALTH and event.health is not None:
             affected = self._health_changed(event.fabric, event.subject, event.health, event.message)
             return affected if self.auto_heal and event.health is not Health.OK else []

@@ -1,0 +1,123 @@
+"""A driver's RESYNC_REQUIRED event (its fabric's state may have changed behind the manager) has the composer
+run the reconcile pass for that fabric at once, on the event: what the hardware lost is DEGRADED before the
+event's delivery returns, no other fabric is read, and a converged fabric changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from composer_helpers import Served, composer
+from disagg.interfaces import CallContext
+from disagg.model import Binding, CompositionState, EventType, FabricEvent, FabricEventKind, Health
+from disagg.requestlang import parse_request
+from disagg_sim import SimFabric, load_topology
+from remote_helpers import eventually
+
+RESTARTED = "the switch restarted"
+
+
+class Counted(SimFabric):
+    """A sim fabric that counts its listings (what a reconcile pass reads) and can report any event."""
+
+    listings = 0
+
+    def bindings(self) -> Sequence[Binding]:
+        self.listings += 1
+        return super().bindings()
+
+    def report(self, event: FabricEvent) -> None:
+        self._events.post(event)
+        self._events.deliver()
+
+    def lose_bindings(self) -> None:
+        """What a restart does to the hardware: every binding is gone, and no event says so."""
+        for binding in self.bindings():
+            self.unbind(binding, CallContext(epoch=self.epoch))
+
+    def repair_silently(self, device: str) -> None:
+        """A device healthy again after the restart, which no event tells."""
+        with self._lock:
+            self._set_health(device, Health.OK, None)
+
+    def resync_required(self) -> None:
+        self.report(FabricEvent(self.name, FabricEventKind.RESYNC_REQUIRED, f"{self.name}/top-a", message=RESTARTED))
+
+
+def rack() -> tuple[Counted, Counted]:
+    return Counted(load_topology("pcie0", "demo-pcie")), Counted(load_topology("cxl0", "demo-cxl"))
+
+
+class TestAResyncEvent:
+    """The event reconciles its own fabric at once, and only it."""
+
+    def test_degrades_what_the_fabric_lost_at_once(self) -> None:
+        pcie, cxl = rack()
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=False)
+        try:
+            live = comp.compose(parse_request("live", ["host h1", "gpu x2"])).composition
+            assert live is not None and live.state is CompositionState.COMPOSED
+            pcie.lose_bindings()
+            read_before = pcie.listings, cxl.listings
+            pcie.resync_required()
+            degraded = comp.get(live.id)
+            assert degraded.state is CompositionState.DEGRADED
+            assert set(degraded.missing) == set(live.device_ids)
+            assert (pcie.listings, cxl.listings) == (read_before[0] + 1, read_before[1]), "cxl0 was read too"
+            assert comp.reconcile() == 0
+        finally:
+            comp.close()
+
+    def test_a_converged_fabric_changes_nothing(self) -> None:
+        pcie, cxl = rack()
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=False)
+        try:
+            live = comp.compose(parse_request("live", ["host h1", "gpu x2"])).composition
+            assert live is not None
+            seen = comp.revision
+            pcie.resync_required()
+            assert comp.events(seen) == []
+            assert comp.get(live.id) == live
+        finally:
+            comp.close()
+
+    def test_the_health_the_fabric_reports_is_read_too_and_never_composed_between(self) -> None:
+        """A device failed before the restart and healthy after it, its binding lost: the pass reads the health
+        with the bindings, so the composition never stands COMPOSED on its way to DEGRADED."""
+        pcie, cxl = rack()
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=False)
+        try:
+            live = comp.compose(parse_request("live", ["host h1", "gpu x1"])).composition
+            assert live is not None
+            gpu = live.device_ids[0]
+            pcie.fail_device(gpu)
+            assert comp.get(live.id).state is CompositionState.DEGRADED
+            seen = comp.revision
+            pcie.repair_silently(gpu)
+            pcie.lose_bindings()
+            pcie.resync_required()
+            assert comp.device(gpu).health is Health.OK
+            now = comp.get(live.id)
+            assert now.state is CompositionState.DEGRADED and now.missing == (gpu,)
+            states = [e.data["new"] for e in comp.events(seen) if e.type is EventType.COMPOSITION_STATE_CHANGED]
+            assert CompositionState.COMPOSED.value not in states
+        finally:
+            comp.close()
+
+
+class TestAResyncEventOverTheWire:
+    """A remote driver's event does it too, within a second, with no pass of the test's own."""
+
+    def test_degrades_what_the_fabric_lost_within_a_second(self) -> None:
+        pcie, cxl = rack()
+        served = Served("unix")
+        comp = composer(served({"pcie0": pcie, "cxl0": cxl}), auto_heal=False)
+        try:
+            live = comp.compose(parse_request("live", ["host h1", "gpu x2"])).composition
+            assert live is not None
+            pcie.lose_bindings()
+            pcie.resync_required()
+            assert eventually(lambda: comp.get(live.id).state is CompositionState.DEGRADED, 1.0)
+            assert set(comp.get(live.id).missing) == set(live.device_ids)
+        finally:
+            comp.close()
+            served.close()
