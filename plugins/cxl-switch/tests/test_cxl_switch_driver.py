@@ -21,7 +21,7 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext
-from disagg.model import Binding, FabricEvent, Health, PoolKind
+from disagg.model import Binding, FabricEvent, FabricEventKind, Health, PoolKind
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric, process
 from disagg_cxl_switch.emulator.vendor import InjectLinkDownRequest, InjectSurpriseRemovalRequest, VendorOpcode
 from disagg_cxl_switch.returncodes import ReturnCode
@@ -343,7 +343,8 @@ class TestEvents:
 
     def test_events_after_the_switch_restarted(self, tmp_path: Path) -> None:
         """A restarted emulator numbers its event records from 1 again: the poller, still past the old numbers,
-        read none of them, so a device that failed after a switch restart never reached the subscribers."""
+        read none of them, so a device that failed after a switch restart never reached the subscribers. The
+        restart itself is told first (RESYNC_REQUIRED): it lost the switch's bindings with no record."""
         sock = tmp_path / "e.sock"
         args = ("--gpus", "2", "--dc-capacity-gib", "0", "--ld-count", "0")
         seen: list[FabricEvent] = []
@@ -366,7 +367,10 @@ class TestEvents:
                     operator.close()
                 assert injected.return_code == ReturnCode.SUCCESS
                 wait_until(lambda: any(e.subject == "ext/port3" for e in seen[len(before) :]))
-                assert [(e.subject, e.health) for e in seen[len(before) :]] == [("ext/port3", Health.FAILED)]
+                assert [(e.kind, e.subject, e.health) for e in seen[len(before) :]] == [
+                    (FabricEventKind.RESYNC_REQUIRED, "ext/switch0", None),  # before any record of the new switch
+                    (FabricEventKind.DEVICE_HEALTH, "ext/port3", Health.FAILED),
+                ]
         finally:
             fabric.close()
 

@@ -1,10 +1,12 @@
 """The emulated switch restarted under live compositions, with the composer on a SQLite ledger: a restarted switch
-holds no binding and no allocation. The next pass degrades what it lost, naming it, and quarantines nothing; a
-heal does not bring lost devices back (docs/durability.md); a decompose then leaves nothing behind, and a new
-Compose carves the capacity the restart freed."""
+holds no binding and no allocation. The driver reports the restart (RESYNC_REQUIRED), and the pass it runs at
+once degrades what the switch lost, naming it, and quarantines nothing; a heal does not bring lost devices back
+(docs/durability.md); a decompose then leaves nothing behind, and a new Compose carves the capacity the restart
+freed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from cxl_switch_client import emulator_process
 from cxl_switch_wire import dc_extent_bytes, held_vppbs
 from disagg.composer import FabricComposer
-from disagg.model import CompositionState, EventType
+from disagg.model import Composition, CompositionState, EventType
 from disagg.requestlang import parse_request
 from disagg.store.sqlite import SqliteStore
 from disagg_cxl_switch.driver import CxlSwitchFabric, create_fabric
@@ -77,7 +79,7 @@ def test_a_restarted_switch_degrades_what_it_lost_and_gives_it_back_on_decompose
     rack.restart_switch()
     seen = comp.revision
 
-    assert comp.reconcile() == 1
+    _degraded_within(comp, live.id, 1.0)  # by the pass the driver's RESYNC_REQUIRED runs, not the test's
     comp.wait_for_heals(5.0)
     degraded = comp.get(live.id)
     assert degraded.state is CompositionState.DEGRADED
@@ -105,3 +107,56 @@ def test_a_restarted_switch_degrades_what_it_lost_and_gives_it_back_on_decompose
     assert again is not None and again.state is CompositionState.COMPOSED
     assert comp.reconcile() == 0
     assert comp.get(again.id).state is CompositionState.COMPOSED
+
+
+def _degraded_within(comp: FabricComposer, comp_id: str, seconds: float) -> Composition:
+    """The composition once DEGRADED, waiting up to ``seconds`` for it, with no reconcile pass of the caller's."""
+    deadline = time.monotonic() + seconds
+    while (now := comp.get(comp_id)).state is not CompositionState.DEGRADED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return now
+
+
+def _states_since(comp: FabricComposer, comp_id: str, revision: int) -> list[str]:
+    return [
+        e.data["new"]
+        for e in comp.events(revision)
+        if e.type is EventType.COMPOSITION_STATE_CHANGED and e.subject == comp_id
+    ]
+
+
+def test_a_restarted_switch_has_what_it_lost_degraded_within_a_second(rack: Rack) -> None:
+    """The driver reports the restart (RESYNC_REQUIRED) and the composer reads the switch at once: the lost
+    composition stood COMPOSED until the next periodic pass, up to a minute later."""
+    comp = rack.composer
+    live = comp.compose(LIVE).composition
+    assert live is not None
+    lost = {*live.device_ids, *(a.id for a in live.allocations)}
+    seen = comp.revision
+    rack.restart_switch()
+
+    degraded = _degraded_within(comp, live.id, 1.0)
+    assert degraded.state is CompositionState.DEGRADED
+    assert set(degraded.missing) == lost
+    assert _states_since(comp, live.id, seen) == [CompositionState.DEGRADED.value]
+    assert comp.reconcile() == 0
+
+
+def test_a_device_failed_before_the_restart_is_never_composed_again_after_it(rack: Rack) -> None:
+    """The restart brings the failed device's port up: its health-OK event made the composition COMPOSED though
+    the restart had unbound it."""
+    comp = rack.composer
+    live = comp.compose(LIVE).composition
+    assert live is not None
+    rack.switch.fail_device(live.device_ids[0], "ECC")
+    comp.wait_for_heals(5.0)
+    before = comp.get(live.id)  # DEGRADED, or healed (auto-heal) by another GPU
+    seen = comp.revision
+    rack.restart_switch()
+
+    degraded = _degraded_within(comp, live.id, 1.0)
+    assert degraded.state is CompositionState.DEGRADED
+    assert set(degraded.missing) == {*before.device_ids, *(a.id for a in before.allocations)}
+    time.sleep(0.2)  # the events the switch's restart brings after it
+    assert CompositionState.COMPOSED.value not in _states_since(comp, live.id, seen)
+    assert comp.get(live.id).state is CompositionState.DEGRADED

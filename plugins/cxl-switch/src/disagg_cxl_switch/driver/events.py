@@ -7,6 +7,9 @@ The log is bounded: records dropped before they were read (its oldest record pas
 logged, after which the fabric is asked to `resync` from the switch's state, until it has. A restarted switch
 numbers its records from 1 again: a next sequence number below the poller's place starts it over from the
 switch's oldest record, and any new connection has the state read as after a gap (see `EventPoller._read`).
+Either may be a restart, which lost the switch's bindings and allocations with no record: the fabric is told so
+(``restarted``) before the records read then are delivered, so that a port's link up among them cannot stand a
+composition whose binding the restart lost as whole before the fabric manager has read the switch again.
 """
 
 from __future__ import annotations
@@ -38,14 +41,19 @@ class EventPoller:
         first_sequence: int,
         deliver: Callable[[EventRecord], None],
         resync: Callable[[], None],
+        restarted: Callable[[], None],
     ) -> None:
         """``deliver`` takes each record in order; ``resync`` (raising `DisaggError` when the switch cannot be read,
-        to be called again after the next poll) tells subscribers what the records lost in a gap would have."""
+        to be called again after the next poll) tells subscribers what the records lost in a gap would have;
+        ``restarted`` tells them that the switch may have restarted (reached anew, or numbering anew)."""
         self._client = CCIClient(address)
         self._next = first_sequence
         self._deliver = deliver
         self._resync = resync
+        self._on_restart = restarted
         self._behind = False
+        self._anew = False
+        """Whether the switch may have restarted since the last poll delivered: reached anew, or numbering anew."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"cxl-switch-events {address}", daemon=True)
         self._thread.start()
@@ -59,6 +67,9 @@ class EventPoller:
                     response = self._read()
             except (DisaggError, ValueError):
                 continue  # the switch is away; the next poll tries again
+            if self._anew:
+                self._anew = False
+                self._on_restart()
             self._take(response)
             if self._behind:
                 self._catch_up()
@@ -70,7 +81,7 @@ class EventPoller:
         raw = self._client.call(VendorOpcode.GET_EVENT_RECORDS, GetEventRecordsRequest(self._next, 0xFF))
         response = GetEventRecordsResponse.decode(raw)
         if connections and self._client.connections != connections:
-            self._behind = True
+            self._behind = self._anew = True
         return response
 
     def _restarted(self, response: GetEventRecordsResponse) -> None:
@@ -82,7 +93,7 @@ class EventPoller:
             response.oldest_sequence,
         )
         self._next = response.oldest_sequence
-        self._behind = True
+        self._behind = self._anew = True
 
     def _take(self, response: GetEventRecordsResponse) -> None:
         """Deliver the records read, after noting a gap before them."""

@@ -145,7 +145,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 process.stop(state_dir)  # started for a fabric that cannot be built; one adopted holds bindings
             self._let_go()
             raise
-        self._poller = EventPoller(self._address, first, self._on_record, self._resync)
+        self._poller = EventPoller(self._address, first, self._on_record, self._resync, self._restarted)
         self._closed = False
 
     def _let_go(self) -> None:
@@ -402,6 +402,13 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._publish([FabricEvent(self._name, kind, device, None, what)])
             kind = FabricEventKind.DEVICE_HEALTH
         self._publish([FabricEvent(self._name, kind, device, health, f"port {record.port_id}: {what}")])
+
+    def _restarted(self) -> None:
+        """The switch may have restarted (the poller reached it anew): RESYNC_REQUIRED, since the restart lost its
+        bindings and allocations and no record tells of them. The poller sends it before the records it read then
+        and the health its resync reads (a port up again), which must not stand a lost composition as whole."""
+        why = "the switch was reached anew and may have restarted, losing its bindings and allocations"
+        self._publish([FabricEvent(self._name, FabricEventKind.RESYNC_REQUIRED, self._view.switch_id, None, why)])
 
     def _resync(self) -> None:
         """After the event log dropped records unread: each device's health read from its port, published where it
