@@ -332,3 +332,13 @@ class TestPrivateDirectories:
             os.umask(old)
         for made in (state_dir, host_dir(state_dir, "h1")):
             assert made.stat().st_mode & 0o777 == 0o750, made
+
+
+def test_an_adopted_qemu_stopped_on_close_is_reaped(make_fabric: Callable[..., QemuCxlFabric]) -> None:
+    """QEMUs this process started, left running by one fabric and adopted by the next in the same process, are
+    still its children: stopping them must reap them, or each stays a zombie for as long as the process runs."""
+    first = make_fabric(stop_hosts_on_close=False)
+    pids = [p.pid for p in first.hosts.values()]
+    first.close()
+    make_fabric().close()
+    assert all(pid is not None and not Path(f"/proc/{pid}").exists() for pid in pids), "a stopped QEMU is a zombie"

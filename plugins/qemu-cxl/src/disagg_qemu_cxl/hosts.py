@@ -315,9 +315,10 @@ class HostProcess:
 
     def _still_ours(self, pid: int) -> bool:
         """Whether ``pid`` is still this host's QEMU: one this driver started cannot have been reused while the
-        driver holds its process (its exit is not reaped yet); an adopted one may have died since, and its pid
-        gone to another process, which must not be signalled."""
-        return self._child is not None or _ours(pid, self.dir)
+        driver holds its process (its exit is not reaped yet), nor can one it started and let go of, then adopted
+        (`_DETACHED`), which must still be reaped once it has exited; any other adopted one may have died since,
+        and its pid gone to another process, which must not be signalled."""
+        return self._child is not None or pid in _DETACHED or _ours(pid, self.dir)
 
     def _forget(self) -> None:
         """Forget this host's QEMU, and its pidfile unless that names another QEMU that runs."""
