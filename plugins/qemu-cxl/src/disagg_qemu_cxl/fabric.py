@@ -180,9 +180,8 @@ class QemuCxlFabric(Fabric):
         return QEMU_CXL_CAPABILITIES
 
     def discover(self) -> Topology:
-        with self._lock:
-            self._check_open()
-            return self._topology(self._pool.views())
+        self._check_open()
+        return self._topology(self._pool.views())
 
     def _topology(self, views: dict[str, HostView]) -> Topology:
         fabric = self._name
@@ -261,13 +260,13 @@ class QemuCxlFabric(Fabric):
     def stop_hosts(self) -> None:
         """Quit every host's QEMU (their Type-3 devices go with them; the backend files and the state file
         stay, so the next start cold-plugs them again)."""
-        with self._lock:
+        with self._pool.every_host(), self._lock:
             self._check_open()
             for process in self._hosts.values():
                 process.stop()
 
     def close(self) -> None:
-        with self._lock:
+        with self._pool.every_host(), self._lock:
             if self._closed:
                 return
             self._closed = True

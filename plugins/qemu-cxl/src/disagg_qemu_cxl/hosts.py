@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -152,6 +153,8 @@ class HostProcess:
         self.pid: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
         self.adopted = False
+        self.lock = threading.RLock()
+        """Held by the call that uses this host's QEMU: calls on one host take turns, calls on others do not wait."""
 
     def digest(self) -> str:
         """The options this host's QEMU runs with: its command line without the cold-plugged devices."""

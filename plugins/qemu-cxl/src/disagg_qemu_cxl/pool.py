@@ -10,16 +10,21 @@ A record whose device QEMU does not hold (the driver crashed before device_add, 
 nothing: neither reported nor counted, only remembered so that a retry can complete it and a release forget it.
 A host whose QEMU died is started again from its records when a call next needs it; a host that cannot be read
 (dead, or hung) does not stop allocations on the others (its records count as held meanwhile).
+
+Calls on one host take turns on that host's lock (`HostProcess.lock`), so a hung QEMU holds up only the calls on
+its host; the state file's updates take turns on the fabric's lock, which is never held while QEMU works.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 from disagg.errors import (
@@ -44,6 +49,7 @@ from disagg_qemu_cxl.hosts import HostProcess
 from disagg_qemu_cxl.qmp import QMPCommandError, until, within
 from disagg_qemu_cxl.state import Record, State, StateFile
 
+T = TypeVar("T")
 UNRECORDED = "unrecorded"
 """Prefix of the allocation id reported for a Type-3 that QEMU holds but the state file does not name."""
 _OURS = re.compile(r"^cxl-t3-([0-9a-f]+)$")
@@ -127,6 +133,14 @@ class QemuCxlPool(Pool):
         with self._lock:
             self._ledger.close()
 
+    @contextlib.contextmanager
+    def every_host(self) -> Iterator[None]:
+        """Hold every host, in one order, so that no call uses a QEMU meanwhile (stopping them, closing)."""
+        with contextlib.ExitStack() as held:
+            for name in sorted(self._hosts):
+                held.enter_context(self._hosts[name].lock)
+            yield
+
     def _check_open(self) -> None:
         if self._ledger.closed:
             raise FabricUnavailableError(f"fabric {self._fabric} is closed")
@@ -148,12 +162,32 @@ class QemuCxlPool(Pool):
     # ------------------------------------------------------------------ reading the hardware
 
     def views(self) -> dict[str, HostView]:
-        """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError. No
-        deadline bounds these calls, so a host is read by a `_peek`: one that hung holds the fabric's lock for
-        `VIEW_TIMEOUT_S`, not for 10 s per QMP call, and is disconnected rather than asked again."""
-        with self._lock:
+        """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError."""
+        self._check_open()
+        return {name: self._reading(name, lambda view: view) for name in sorted(self._hosts)}
+
+    def _reading(self, host: str, read: Callable[[HostView], T]) -> T:
+        """``read`` of ``host``'s view, holding the host against other calls on it meanwhile. No deadline bounds
+        these reads, so the host is read by a `_peek`: one that hung holds up the calls on it for
+        `VIEW_TIMEOUT_S`, not for 10 s per QMP call, and is disconnected rather than asked again. A host that
+        another call holds for as long (waiting on its hung QEMU) is FabricUnavailableError too."""
+        process = self._hosts[host]
+        if not process.lock.acquire(timeout=VIEW_TIMEOUT_S):
+            raise FabricUnavailableError(f"host {host} was busy with another call for {VIEW_TIMEOUT_S:g} s")
+        try:
             self._check_open()
-            return {name: self._view(name, peek=VIEW_TIMEOUT_S) for name in self._hosts}
+            return read(self._view(host, peek=VIEW_TIMEOUT_S))
+        finally:
+            process.lock.release()
+
+    @contextlib.contextmanager
+    def _holding(self, host: str, ctx: CallContext) -> Iterator[HostProcess]:
+        """Hold ``host`` for a call that changes it, waiting no longer than the caller's deadline; calls on other
+        hosts go on meanwhile (the ledger is shared: its updates take turns on the fabric's lock)."""
+        process = self._hosts[host]
+        with ctx.hold(process.lock, f"host {host}"):
+            self._check_open()
+            yield process
 
     def _view(self, host: str, *, peek: float | None = None) -> HostView:
         """``host``'s view, its QEMU started again first (its records cold-plugged) if it died; read by `_peek`
@@ -185,29 +219,42 @@ class QemuCxlPool(Pool):
     def _note_plugged(self, host: str, view: HostView) -> None:
         """Mark plugged the records whose device ``host`` holds though their hot-add was not seen to end (its
         answer was lost, yet it happened): a later start of the host plugs them again."""
-        found = [r for r in self._ledger.state.on_host(host) if not r.plugged and view.device(r.device) is not None]
-        if found:
-            state = self._ledger.state
-            for record in found:
-                state = state.with_record(attrs.evolve(record, plugged=True))
-            self._ledger.save(state)
+        with self._lock:
+            found = [r for r in self._ledger.state.on_host(host) if not r.plugged and view.device(r.device)]
+            if found:
+                state = self._ledger.state
+                for record in found:
+                    state = state.with_record(attrs.evolve(record, plugged=True))
+                self._ledger.save(state)
 
-    def _readable(self, host: str) -> dict[str, HostView]:
-        """``host``'s view and those of the other hosts that answer: a dead, broken or hung one must not stop
-        allocations elsewhere (`_held` counts its records instead). Another host is read by a `_peek`: one
-        that hung is skipped by the next calls until a call that needs it reconnects; the caller's deadline
+    def _readable(self, host: str, held: contextlib.ExitStack) -> dict[str, HostView]:
+        """``host``'s view and those of the other hosts that answer: a dead, broken, hung or busy one must not
+        stop allocations elsewhere (`_held` counts its records instead). Another host is read only if no other
+        call holds it, and stays held (in ``held``) until the plan is written, so that what was read of it is
+        still so when the pool is carved; a call in flight there counts by its records. It is read by a `_peek`:
+        one that hung is skipped by the next calls until a call that needs it reconnects; the caller's deadline
         passing is raised, as by every other QMP call of `_allocate`."""
         views = {host: self._view(host)}
-        for name, process in self._hosts.items():
-            if name == host or not process.alive():
+        for name, process in sorted(self._hosts.items()):
+            if name == host or not process.lock.acquire(blocking=False):
                 continue
-            with contextlib.suppress(FabricUnavailableError):
-                views[name] = self._peek(name)
+            held.callback(process.lock.release)
+            if process.alive():
+                with contextlib.suppress(FabricUnavailableError):
+                    views[name] = self._peek(name)
         return views
 
     def allocations(self) -> Sequence[Allocation]:
-        with self._lock:
-            return self._allocations(self.views())
+        """Read host by host, each with the records of that moment, so that a device released meanwhile is not
+        reported as unrecorded."""
+        self._check_open()
+        out: list[Allocation] = []
+        for name in sorted(self._hosts):
+            out += self._reading(name, functools.partial(self._allocations_on, name))
+        return out
+
+    def _allocations_on(self, host: str, view: HostView) -> list[Allocation]:
+        return self._allocations({host: view})
 
     def _allocations(self, views: Mapping[str, HostView]) -> list[Allocation]:
         """QEMU is the truth: a record without its device is not held; a device without a record is reported
@@ -238,46 +285,54 @@ class QemuCxlPool(Pool):
             if allocation_id.startswith(f"{UNRECORDED}:"):
                 raise InvalidRequestError(f"invalid allocation id {allocation_id!r}", field="allocation_id")
             size = self._capacity.round_up(amount_bytes)
-            process = self._hosts.get(host)
-            record = self._ledger.state.record(allocation_id)
-            if record is not None and (record.host != host or record.size != size):
-                raise ConflictError(
-                    f"allocation {allocation_id} exists for {record.size} bytes on host {record.host}, "
-                    f"not {size} bytes on host {host}"
-                )
-            if process is None:
+            self._recorded(allocation_id, host, size)
+            if host not in self._hosts:
                 raise UnknownHostError(host, f"host {host!r} is not configured in fabric {self._fabric!r}")
+        with self._holding(host, ctx) as process:
             ctx.check_deadline()
             with until(ctx.deadline):
-                return self._allocate(allocation_id, host, size, record, process)
+                return self._allocate(allocation_id, host, size, process)
 
-    def _allocate(
-        self, allocation_id: str, host: str, size: int, record: Record | None, process: HostProcess
-    ) -> Allocation:
+    def _recorded(self, allocation_id: str, host: str, size: int) -> Record | None:
+        """The record of ``allocation_id``, if any: ConflictError if it is another allocation than the one asked
+        for. Under the fabric's lock."""
+        record = self._ledger.state.record(allocation_id)
+        if record is not None and (record.host != host or record.size != size):
+            raise ConflictError(
+                f"allocation {allocation_id} exists for {record.size} bytes on host {record.host}, "
+                f"not {size} bytes on host {host}"
+            )
+        return record
+
+    def _allocate(self, allocation_id: str, host: str, size: int, process: HostProcess) -> Allocation:
         """`allocate` once its arguments are checked; every QMP call here is bounded by the caller's deadline. A
         device_add whose answer is lost leaves the record (the error says the outcome is unknown): a retry of the
         same id completes it, a release forgets it. Once device_add has answered, QEMU holds the memory: a later
         failure (writing the state file) is outcome-unknown too, so that the composer releases it."""
-        views = self._readable(host)
-        if record is not None:
-            present = views[host].device(record.device) is not None
-            if record.releasing and present:
-                raise ConflictError(f"allocation {allocation_id} is being released; release it again first")
-            if present:
-                return self._allocation(record)
-            if record.releasing or not self._fits(record, views):
-                self._forget(record)  # released by a restart that crashed before forgetting it, or its port,
-                record = None  # blocks or capacity (which a record without its device does not hold) taken since
-        fresh = record is None  # this call writes the intent, so a failure before device_add removes it
-        if record is None:
-            record = attrs.evolve(self._plan(allocation_id, host, size, views), plugged=False)
-            self._ledger.save(
-                attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
-            )  # the intent first: a crash after device_add then leaves a named device, never an orphan
+        with contextlib.ExitStack() as held:
+            views = self._readable(host, held)
+            with self._lock:  # the record again: another call on another host may have made it meanwhile
+                record = self._recorded(allocation_id, host, size)
+                if record is not None:
+                    present = views[host].device(record.device) is not None
+                    if record.releasing and present:
+                        raise ConflictError(f"allocation {allocation_id} is being released; release it again first")
+                    if present:
+                        return self._allocation(record)
+                    if record.releasing or not self._fits(record, views):
+                        self._forget(record)  # released by a restart that crashed before forgetting it, or its
+                        record = None  # port, blocks or capacity (which a record without its device does not hold)
+                fresh = record is None  # this call writes the intent, so a failure before device_add removes it
+                if record is None:
+                    record = attrs.evolve(self._plan(allocation_id, host, size, views), plugged=False)
+                    self._ledger.save(
+                        attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
+                    )  # the intent first: a crash after device_add then leaves a named device, never an orphan
         self._hot_add(process, record, views[host], fresh)
         if not record.plugged:
             try:
-                self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, plugged=True)))
+                with self._lock:
+                    self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, plugged=True)))
             except DisaggError as exc:  # QEMU holds the device, which the intent names: the composer releases it
                 raise outcome_unknown(exc) from None
         return self._allocation(record)
@@ -379,28 +434,42 @@ class QemuCxlPool(Pool):
             self._ledger.fence(ctx)
             check_id(allocation_id, "allocation_id")
             record = self._ledger.state.record(allocation_id)
+            host = record.host if record is not None else self._unrecorded_host(allocation_id)
+            if record is not None and host not in self._hosts:
+                self._forget(record)
+                return
+        if host is None:
+            return
+        with self._holding(host, ctx) as process:
+            record = self._ledger.state.record(allocation_id)
             if record is None:
                 with until(ctx.deadline):  # its host's view, read within the caller's deadline
                     record = self._adopt_unrecorded(allocation_id)
                 if record is None:
                     return
-            process = self._hosts.get(record.host)
-            if process is None:
-                self._forget(record)
-                return
+            if record.host != host:
+                raise ConflictError(f"allocation {allocation_id} was made again on host {record.host} meanwhile")
             with until(ctx.deadline):  # the restart below, once begun, finishes whatever the deadline
                 view = self._view(record.host)
             if view.device(record.device) is None:
                 self._forget(record)
                 return
             ctx.check_deadline()
-            keep = self._keep(record, view)
-            self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, releasing=True)))
+            with self._lock:
+                keep = self._keep(record, view)
+                self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, releasing=True)))
             try:  # from here the device may be gone (the old QEMU too: the next call starts the host again)
                 self._restart(process, record, keep)
                 self._forget(record)
             except DisaggError as exc:
                 raise outcome_unknown(exc) from None
+
+    def _unrecorded_host(self, allocation_id: str) -> str | None:
+        """The configured host an ``unrecorded:<host>:<device>`` id names, or None."""
+        parts = allocation_id.split(":")
+        if len(parts) != 3 or parts[0] != UNRECORDED or parts[1] not in self._hosts:
+            return None
+        return parts[1]
 
     def _restart(self, process: HostProcess, leaving: Record, keep: Sequence[Record]) -> None:
         """Restart the host without ``leaving``; check that the new QEMU holds exactly ``keep``, where it was."""
@@ -445,28 +514,31 @@ class QemuCxlPool(Pool):
         spans = [e for r in self._ledger.state.records for e in r.extents]
         extents = first_fit(spans, dev.size, self._capacity.total_bytes) or ()
         record = attrs.evolve(probe, extents=extents, volatile=volatile)
-        self._ledger.save(self._ledger.state.with_record(record))
+        with self._lock:
+            self._ledger.save(self._ledger.state.with_record(record))
         return record
 
     def _adopt_unrecorded(self, allocation_id: str) -> Record | None:
         """The record of the device an ``unrecorded:`` id names, made now; None when there is nothing to release.
         A device that a record names is reported under that record's id only: an ``unrecorded:`` id for it is
         made up, and releasing it would take the recorded allocation's device and data."""
-        parts = allocation_id.split(":")
-        if len(parts) != 3 or parts[0] != UNRECORDED or parts[1] not in self._hosts:
+        host = self._unrecorded_host(allocation_id)
+        if host is None:
             return None
-        if any(r.device == parts[2] for r in self._ledger.state.on_host(parts[1])):
+        device = allocation_id.rsplit(":", 1)[1]
+        if any(r.device == device for r in self._ledger.state.on_host(host)):
             return None
-        dev = self._view(parts[1]).device(parts[2])
+        dev = self._view(host).device(device)
         if dev is None:
             return None
-        record = self._record_of(parts[1], dev)
+        record = self._record_of(host, dev)
         if record is None:
-            raise FabricUnavailableError(f"{parts[2]} on host {parts[1]} was not made by this driver; not released")
+            raise FabricUnavailableError(f"{device} on host {host} was not made by this driver; not released")
         return record
 
     def _forget(self, record: Record) -> None:
-        self._ledger.save(self._ledger.state.without(record.allocation))
+        with self._lock:
+            self._ledger.save(self._ledger.state.without(record.allocation))
         self._remove_files(record)
 
     def _remove_files(self, record: Record) -> None:
