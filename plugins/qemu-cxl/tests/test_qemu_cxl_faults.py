@@ -268,6 +268,31 @@ class TestDeadHost:
         assert dev["port"] == "dsp0" and dev["size"] == kept.amount_bytes
         assert {h.id for h in fabric.discover().hosts} == {"h1", "h2"}
 
+    def test_dying_mid_call_says_so(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """QEMU dies as the allocate goes to add the device: the error names the host and says that its QEMU
+        exited, with its last output, not qemu.qmp's "QMPClient is disconnecting" (and changed nothing)."""
+        pid = qemu_pid(state_dir, "h2")
+        assert pid is not None
+        original = Monitor.execute
+
+        def execute(self: Monitor, name: str, arguments: dict[str, Any] | None = None, **kw: Any) -> Any:
+            if name == "device_add":
+                os.kill(pid, signal.SIGKILL)
+                wait_gone(pid)
+                time.sleep(0.1)  # the monitor sees its connection closed
+            return original(self, name, arguments, **kw)
+
+        monkeypatch.setattr(Monitor, "execute", execute)
+        with pytest.raises(FabricUnavailableError) as info:
+            fabric.pool(POOL).allocate("a", "h2", 256 * MiB, ctx)
+        monkeypatch.undo()
+        assert not in_doubt(info.value)
+        message = str(info.value)
+        assert f"QEMU of host h2 (pid {pid}) exited" in message and "QMPClient" not in message, message
+        assert fabric.pool(POOL).allocate("a", "h2", 256 * MiB, ctx).host == "h2"
+
     def test_a_failed_restart_in_release_is_in_doubt_and_heals(
         self, make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, tmp_path: Path, ctx: CallContext
     ) -> None:

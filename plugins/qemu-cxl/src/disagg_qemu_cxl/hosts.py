@@ -149,7 +149,7 @@ class HostProcess:
         self.name = host.name
         self.dir = host_dir(state_dir, host.name)
         self.fmw_bytes = fmw_bytes
-        self.monitor = Monitor(loop, host.name)
+        self.monitor = Monitor(loop, host.name, self.why_lost)
         self.pid: int | None = None
         self._child: subprocess.Popen[bytes] | None = None
         self.adopted = False
@@ -287,6 +287,18 @@ class HostProcess:
                     f"QEMU for host {self.name} did not answer QMP within {START_TIMEOUT_S:g}s: {self.log_tail()}"
                 )
             time.sleep(0.005)
+
+    def why_lost(self) -> str:
+        """Whether this host's QEMU still runs, for an error about a lost QMP connection; if it exited, how, and
+        its last output (an assertion, a hardware error)."""
+        pid = self.pid
+        if pid is None:
+            return f"QEMU of host {self.name} is not running"
+        if _ours(pid, self.dir):
+            return f"QEMU of host {self.name} (pid {pid}) still runs"
+        code = self._child.poll() if self._child is not None else None
+        how = f" with {code}" if code is not None else ""
+        return f"QEMU of host {self.name} (pid {pid}) exited{how}: {self.log_tail()}"
 
     def log_tail(self, lines: int = 8) -> str:
         try:

@@ -16,7 +16,7 @@ import contextvars
 import os
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -126,10 +126,13 @@ def socket_address(path: Path) -> tuple[str, int | None]:
 class Monitor:
     """One QMP connection to one QEMU, with blocking calls."""
 
-    def __init__(self, loop: Loop, name: str) -> None:
+    def __init__(self, loop: Loop, name: str, why_lost: Callable[[], str] = lambda: "") -> None:
         self._loop = loop
         self.name = name
         self._client: QMPClient | None = None
+        self._why_lost = why_lost
+        """What became of the peer once the connection is lost (its QEMU exited, with its last output): what a
+        user needs, where qemu.qmp only says that its client is disconnecting."""
 
     def connect(self, path: Path, timeout: float) -> None:
         """Connect within ``timeout``, or the deadline in force (`until`) when that comes first."""
@@ -163,8 +166,10 @@ class Monitor:
             return self._loop.run(asyncio.wait_for(client.execute(command, arguments), timeout), timeout + 1.0)
         except ExecuteError as exc:
             raise QMPCommandError(command, exc.error_class, str(exc)) from None
-        except StateError as exc:  # refused before sending: the connection was lost earlier
-            raise FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}") from None
+        except StateError:  # refused before sending: the connection was lost earlier
+            raise FabricUnavailableError(
+                f"QMP {command} was not sent to {self.name}: the connection was lost; {self._why_lost()}"
+            ) from None
         except (TimeoutError, concurrent.futures.TimeoutError) as exc:
             if by_deadline:
                 lost: DisaggError = DeadlineExceededError(
@@ -174,7 +179,10 @@ class Monitor:
                 lost = FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}")
             raise self._sent(command, lost) from None
         except (QMPError, OSError, EOFError) as exc:
-            raise self._sent(command, FabricUnavailableError(f"QMP {command} to {self.name} failed: {exc!r}")) from None
+            lost = FabricUnavailableError(
+                f"QMP {command} to {self.name} got no answer: the connection was lost ({exc!r}); {self._why_lost()}"
+            )
+            raise self._sent(command, lost) from None
 
     @staticmethod
     def _sent(command: str, exc: E) -> E:
