@@ -8,8 +8,11 @@ from collections.abc import Iterable
 import attrs
 from disagg_cxl_switch.driver.client import CCIClient
 from disagg_cxl_switch.fmapi import (
+    DCRegionConfig,
     GetDCRegionExtentListsRequest,
     GetDCRegionExtentListsResponse,
+    GetHostDCRegionConfigRequest,
+    GetHostDCRegionConfigResponse,
     GetLDAllocationsRequest,
     GetLDAllocationsResponse,
     GetVirtualCxlSwitchInfoRequest,
@@ -63,3 +66,23 @@ def dc_extent_bytes(address: str, dcd_port: int, host_id: int) -> int:
     finally:
         client.close()
     return sum(e.length for e in GetDCRegionExtentListsResponse.decode(raw).extents)
+
+
+def dc_extents(address: str, dcd_port: int, host_id: int) -> list[tuple[int, int, bytes]]:
+    """The host's DC extents (start DPA, length, tag), from its first 64 (Get DC Region Extent Lists)."""
+    client = CCIClient(address)
+    try:
+        raw = client.tunnel(dcd_port, Opcode.GET_DC_REGION_EXTENT_LISTS, GetDCRegionExtentListsRequest(host_id, 64, 0))
+    finally:
+        client.close()
+    return [(e.start_dpa, e.length, e.tag) for e in GetDCRegionExtentListsResponse.decode(raw).extents]
+
+
+def dc_regions(address: str, dcd_port: int, host_id: int) -> tuple[DCRegionConfig, ...]:
+    """The DCD's regions as the host sees them (Get Host DC Region Configuration)."""
+    client = CCIClient(address)
+    try:
+        raw = client.tunnel(dcd_port, Opcode.GET_HOST_DC_REGION_CONFIG, GetHostDCRegionConfigRequest(host_id))
+    finally:
+        client.close()
+    return GetHostDCRegionConfigResponse.decode(raw).regions

@@ -95,9 +95,14 @@ def test_a_restarted_switch_degrades_what_it_lost_and_gives_it_back_on_decompose
     assert comp.compositions() == []
     ports = rack.ports()
     assert held_vppbs(rack.switch.address, [0, 1]) == []
-    assert [rack.switch.pool(p.id).allocations() for p in rack.switch.discover().pools] == [[], []]
+    assert [rack.switch.pool(p.id).allocations() for p in rack.switch.discover().pools] == [[], [], []]
     assert dc_extent_bytes(rack.switch.address, ports["dcd"], 0) == 0
-    assert rack.free_bytes() == {f"sw/mld-port{ports['mld']}": 4 * GIB, f"sw/dcd-port{ports['dcd']}": GIB}
+    dcd = f"sw/dcd-port{ports['dcd']}"  # the emulator's two DC regions, a pool each
+    assert rack.free_bytes() == {
+        f"sw/mld-port{ports['mld']}": 4 * GIB,
+        f"{dcd}-region0": GIB // 2,
+        f"{dcd}-region1": GIB // 2,
+    }
 
     again = comp.compose(
         parse_request(

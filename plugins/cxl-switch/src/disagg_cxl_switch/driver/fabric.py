@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from disagg.errors import (
     CapacityExhaustedError,
@@ -38,6 +38,7 @@ from disagg.model import (
     FabricEventKind,
     Feature,
     Health,
+    PoolInfo,
     Topology,
 )
 from disagg.statedir import claim
@@ -49,7 +50,7 @@ from disagg_cxl_switch.driver.events import EventPoller, next_sequence
 from disagg_cxl_switch.driver.layout import PortView, SwitchView
 from disagg_cxl_switch.driver.mld_pool import MLDPool
 from disagg_cxl_switch.driver.options import Options
-from disagg_cxl_switch.driver.pools import DCDPool
+from disagg_cxl_switch.driver.pools import DCD
 from disagg_cxl_switch.driver.state import DriverState
 from disagg_cxl_switch.emulator.events import EventRecord, EventType
 from disagg_cxl_switch.emulator.vendor import (
@@ -133,11 +134,8 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         self._told: dict[str, Health] = {}  # each device's health as last published
         try:
             self._view = SwitchView.read(self._client, name, options)
-            self._pools: dict[int, Pool] = {}
-            if self._view.dcd_port is not None:
-                self._pools[self._view.dcd_port] = DCDPool(self, self._view.dcd_port)
-            if self._view.mld_port is not None:
-                self._pools[self._view.mld_port] = MLDPool(self, self._view.mld_port)
+            self._dcd = None if self._view.dcd_port is None else DCD(self, self._view.dcd_port)
+            self._mld = None if self._view.mld_port is None else MLDPool(self, self._view.mld_port)
             first = next_sequence(self._client)
         except BaseException:
             self._client.close()
@@ -253,11 +251,21 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         return CXL_SWITCH_CAPABILITIES
 
     def discover(self) -> Topology:
-        infos = {}
-        for port, pool in self._pools.items():
+        infos: dict[int, list[PoolInfo]] = {}
+        for port, pools in self._carvers():
             with contextlib.suppress(FabricUnavailableError):  # its device failed before it was ever read
-                infos[port] = pool.info()
+                infos[port] = [pool.info() for pool in pools()]
         return self._view.topology(self._client, self._links_down, infos)
+
+    def _carvers(self) -> list[tuple[int, Callable[[], Sequence[Pool]]]]:
+        """The port of each device carved through pools, and how to get the pools discovery reports of it."""
+        carvers: list[tuple[int, Callable[[], Sequence[Pool]]]] = []
+        if self._dcd is not None and self._view.dcd_port is not None:
+            carvers.append((self._view.dcd_port, self._dcd.pools))
+        if self._mld is not None and self._view.mld_port is not None:
+            mld = self._mld
+            carvers.append((self._view.mld_port, lambda: [mld]))
+        return carvers
 
     def bindings(self) -> Sequence[Binding]:
         return [Binding(self._view.device_of[port], host) for host, _, port in self._view.bound(self._client)]
@@ -355,7 +363,9 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             time.sleep(cci.POLL_INTERVAL_S)
 
     def pool(self, pool: str) -> Pool:
-        found = next((p for p in self._pools.values() if p.id == pool), None)
+        found: Pool | None = self._mld if self._mld is not None and self._mld.id == pool else None
+        if found is None and self._dcd is not None:
+            found = self._dcd.find(pool)
         if found is None:
             raise NotFoundError("pool", pool)
         return found
@@ -503,7 +513,9 @@ class CxlSwitchFabric(Fabric, FaultInjection):
     def _idle(self) -> bool:
         """Whether the switch is read to hold no binding and no allocation; False when it cannot be read."""
         try:
-            return not self.bindings() and not any(p.allocations() for p in self._pools.values())
+            carving: list[Pool] = [] if self._mld is None else [self._mld]
+            carving += [] if self._dcd is None else self._dcd.every_pool()
+            return not self.bindings() and not any(p.allocations() for p in carving)
         except DisaggError as exc:
             log.warning(
                 "cxl-switch %s: the emulator in %s is left running: whether it holds bindings or allocations "

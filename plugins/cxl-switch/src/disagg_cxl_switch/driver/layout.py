@@ -16,6 +16,7 @@ import attrs
 from disagg.errors import ConfigError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg.model import (
+    Capacity,
     Device,
     DeviceKind,
     Health,
@@ -188,16 +189,17 @@ class SwitchView:
                         return vppb_id
         return None
 
-    def topology(self, client: CCIClient, links_down: set[str], pools: dict[int, PoolInfo]) -> Topology:
+    def topology(self, client: CCIClient, links_down: set[str], pools: dict[int, list[PoolInfo]]) -> Topology:
         """The fabric now; ``pools`` are the pools that can be described now, by the port of the device they
-        carve. A pool whose failed device has not yet given its geometry is left out (the composer then counts
-        its memory as out of reach); its device is listed, failed and without capacity."""
+        carve (a DCD of several regions, one per region), the device's capacity their sum. A pool whose failed
+        device has not yet given its geometry is left out (the composer then counts its memory as out of
+        reach); its device is listed, failed and without capacity."""
         states = self.read_ports(client)
         carves = {port: kind for kind, port in (("dcd", self.dcd_port), ("mld", self.mld_port)) if port is not None}
         devices = []
         for port, kind in sorted(self.kind_of.items()):
             view = states[port]
-            pool = pools.get(port)
+            carved = pools.get(port)
             pool_kind = carves.get(port)
             model = _MODELS[kind] if pool_kind is None else f"emulated CXL Type-3 {pool_kind.upper()}"
             attributes: dict[str, int | str] = {"port": port}
@@ -214,7 +216,7 @@ class SwitchView:
                     switch=self.switch_id,
                     link_latency_ns=DEVICE_LINK_LATENCY_NS,
                     attributes=attributes,
-                    capacity=pool.capacity if pool is not None else None,
+                    capacity=_capacity_of(carved) if carved else None,
                     health=view.health,
                 )
             )
@@ -226,8 +228,13 @@ class SwitchView:
             for p in sorted(self.kind_of)
         )
         switch = Switch(self.switch_id, self.fabric, SwitchKind.CXL, "disagg", "emulated CXL switch", ports)
-        infos = tuple(pools[p] for p in sorted(pools))
+        infos = tuple(info for p in sorted(pools) for info in pools[p])
         return Topology(self.fabric, hosts, (switch,), tuple(devices), links, infos)
+
+
+def _capacity_of(pools: list[PoolInfo]) -> Capacity:
+    """A device's capacity: all its pools hold, in the largest of their blocks."""
+    return Capacity(sum(p.capacity.total_bytes for p in pools), max(p.capacity.block_bytes for p in pools))
 
 
 def _configuration_state(port: PortInfo) -> int:

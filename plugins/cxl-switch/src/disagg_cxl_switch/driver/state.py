@@ -8,6 +8,9 @@ the id it came from is kept here, recorded before the extents are added so that 
 them, and dropped once they are released. An LD carries no tag at all, so its allocation id is kept here too,
 with the VCS of the host it is carved for, recorded before its allocation is set: the LD is the allocation's
 only while it is unbound or bound to that VCS (another manager may bind it to another host meanwhile).
+
+A tag carved by the pool of one DC region also records that pool (``regions``): a tag without one is the
+device's pool's, as every tag the release before recorded is, when a DCD of several regions was one pool.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 from disagg.statedir import write_durably
 
 
-def allocation_tag(allocation_id: str) -> bytes:
-    return hashlib.sha256(allocation_id.encode()).digest()[:16]
+def allocation_tag(allocation_id: str, region_pool: str | None = None) -> bytes:
+    """The tag of the allocation's extents: of the id alone in the device's pool, as always; of the pool and the
+    id in one region's pool, so that two region pools of a DCD (whose extent lists are the hosts', not the
+    regions') may each hold an allocation of the same id, as any two pools may."""
+    named = allocation_id if region_pool is None else f"{region_pool} {allocation_id}"
+    return hashlib.sha256(named.encode()).digest()[:16]
 
 
 @attrs.frozen
@@ -47,9 +54,12 @@ class DriverState:
         self._epoch = 0
         self._tags: dict[str, str] = {}
         self._lds: dict[str, LDRecord] = {}
+        self._regions: dict[str, str] = {}
         if self._path is not None and self._path.exists():
             try:
-                self._epoch, self._tags, self._lds = _parse(json.loads(self._path.read_text()))
+                data = json.loads(self._path.read_text())
+                self._epoch, self._tags, self._lds = _parse(data)
+                self._regions = _regions(data)
             except (OSError, ValueError) as exc:
                 raise ConfigError(
                     f"the driver state {self._path} cannot be read ({exc}); restore it, or move it away to start "
@@ -58,14 +68,21 @@ class DriverState:
                     field="state_dir",
                 ) from None
 
-    def _save(self, epoch: int, tags: dict[str, str], lds: dict[str, LDRecord]) -> None:
-        """Write ``epoch``, ``tags`` and ``lds`` as the state, durably (the file and its directory synced), before
-        the caller takes them into memory: a state that could not be saved is not taken, so the call that needed
-        it fails and its retry saves it again. An epoch held in memory only would be forgotten by a restart,
-        and a deposed manager's older one accepted again."""
+    def _save(
+        self, epoch: int, tags: dict[str, str], lds: dict[str, LDRecord], regions: dict[str, str] | None = None
+    ) -> None:
+        """Write ``epoch``, ``tags``, ``lds`` and ``regions`` (None: as they are) as the state, durably (the file
+        and its directory synced), before the caller takes them into memory: a state that could not be saved is
+        not taken, so the call that needed it fails and its retry saves it again. An epoch held in memory only
+        would be forgotten by a restart, and a deposed manager's older one accepted again."""
         if self._path is None:
             return
-        body = {"epoch": epoch, "tags": tags, "lds": {key: attrs.asdict(record) for key, record in lds.items()}}
+        body = {
+            "epoch": epoch,
+            "tags": tags,
+            "lds": {key: attrs.asdict(record) for key, record in lds.items()},
+            "regions": self._regions if regions is None else regions,
+        }
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             write_durably(self._path, json.dumps(body, sort_keys=True))
@@ -83,28 +100,50 @@ class DriverState:
                 self._save(epoch, self._tags, self._lds)
                 self._epoch = epoch
 
-    def name_tag(self, allocation_id: str) -> bytes:
-        tag = allocation_tag(allocation_id)
+    def name_tag(self, allocation_id: str, region_pool: str | None = None) -> bytes:
+        """The allocation's tag, recorded with the id and, when one region's pool carves it, that pool."""
+        tag = allocation_tag(allocation_id, region_pool)
+        key = tag.hex()
         with self._lock:
-            if self._tags.get(tag.hex()) != allocation_id:
-                tags = {**self._tags, tag.hex(): allocation_id}
-                self._save(self._epoch, tags, self._lds)
-                self._tags = tags
+            if self._tags.get(key) != allocation_id or self._regions.get(key) != region_pool:
+                tags = {**self._tags, key: allocation_id}
+                regions = {k: v for k, v in self._regions.items() if k != key}
+                if region_pool is not None:
+                    regions[key] = region_pool
+                self._save(self._epoch, tags, self._lds, regions)
+                self._tags, self._regions = tags, regions
         return tag
 
-    def forget_tag(self, allocation_id: str) -> None:
+    def forget_tag(self, allocation_id: str, region_pool: str | None = None) -> None:
         """Drop the name of an allocation that the switch refused or released (no extent carries its tag)."""
-        key = allocation_tag(allocation_id).hex()
+        key = allocation_tag(allocation_id, region_pool).hex()
         with self._lock:
             if self._tags.get(key) == allocation_id:
                 tags = {k: v for k, v in self._tags.items() if k != key}
-                self._save(self._epoch, tags, self._lds)
-                self._tags = tags
+                regions = {k: v for k, v in self._regions.items() if k != key}
+                self._save(self._epoch, tags, self._lds, regions)
+                self._tags, self._regions = tags, regions
 
     def allocation_of(self, tag: bytes) -> str:
         """The allocation id a tag stands for; a tag the driver did not set is shown as ``tag-<hex>``."""
         with self._lock:
             return self._tags.get(tag.hex(), f"tag-{tag.hex()}")
+
+    def region_pool_of(self, tag: bytes) -> str | None:
+        """The pool of one DC region that carved the tag's extents; None for the device's pool, or a tag the
+        driver did not set."""
+        with self._lock:
+            return self._regions.get(tag.hex())
+
+    def has_tags_without_region(self) -> bool:
+        """Whether a tag is recorded without the pool of one region: the device's pool's."""
+        with self._lock:
+            return any(key not in self._regions for key in self._tags)
+
+    def recorded(self, tag: bytes) -> bool:
+        """Whether the driver set the tag (it knows its allocation id)."""
+        with self._lock:
+            return tag.hex() in self._tags
 
     def name_ld(self, port: int, ld: int, allocation_id: str, vcs: int) -> None:
         """Record that LD ``ld`` of the MLD on ``port`` is being carved for ``allocation_id`` on VCS ``vcs``."""
@@ -143,6 +182,14 @@ def _parse(data: Any) -> tuple[int, dict[str, str], dict[str, LDRecord]]:
     if not isinstance(lds, dict):
         raise ValueError("lds is not an object of LD records")
     return epoch, dict(tags), {key: _ld_record(value) for key, value in lds.items()}
+
+
+def _regions(data: dict[str, Any]) -> dict[str, str]:
+    """The region pools of a state file's tags; none in a file the release before wrote."""
+    regions = data.get("regions", {})
+    if not isinstance(regions, dict) or not all(isinstance(v, str) for v in regions.values()):
+        raise ValueError("regions is not an object of pool ids")
+    return dict(regions)
 
 
 def _ld_record(value: Any) -> LDRecord:
