@@ -310,6 +310,24 @@ class TestErrors:
         assert err.startswith("disagg: error: ") and "an etag is never empty" in err
         assert len(json.loads(cli(capsys, "ls", "--json")[1])[0]["devices"]) == 1
 
+    @pytest.mark.parametrize(
+        ("clauses", "quoted"),
+        [
+            (("gpu", "x2"), "'gpu x2'"),
+            (("gpu x1", "nic", "model=CX7"), "'nic model=CX7'"),
+            (("cxl-memory", "512GiB"), "'cxl-memory 512GiB'"),
+        ],
+    )
+    def test_a_clause_split_into_words_says_to_quote_it(
+        self, capsys: pytest.CaptureFixture[str], clauses: tuple[str, ...], quoted: str
+    ) -> None:
+        """``disagg compose job gpu x2``, the clause unquoted, said only that x2 is an unknown device kind: each
+        argument is a clause, so the error says to quote the clause whole; nothing is composed."""
+        code, out, err = cli(capsys, "compose", "job", *clauses)
+        assert (code, out) == (2, "")
+        assert err.startswith("disagg: error: ") and f"each clause is one argument: quote it whole, {quoted}" in err
+        assert cli(capsys, "ls", "--json")[1].strip() == "[]"
+
     @pytest.mark.parametrize("command", [["ls"], ["demo", "--fabric", "sim"]])
     def test_an_empty_config_is_bad_input(
         self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str]

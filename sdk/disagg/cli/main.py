@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tomllib
 import uuid
@@ -219,7 +220,30 @@ def _request(args: argparse.Namespace) -> CompositionRequest:
         return request_from_document(doc)
     if not args.name:
         raise InvalidRequestError("give a composition name and its resources, or --file", field="name")
-    return parse_request(args.name, args.clauses)
+    try:
+        return parse_request(args.name, args.clauses)
+    except InvalidRequestError as exc:
+        hint = _quote_hint(args.clauses, exc.field)
+        if not hint:
+            raise
+        raise InvalidRequestError(f"{exc.message}; {hint}", field=exc.field, metadata=exc.metadata) from None
+
+
+_CLAUSE_FIELD = re.compile(r"clauses\[(\d+)\]")
+
+
+def _quote_hint(clauses: Sequence[str], field: str) -> str:
+    """How to mend a clause the shell split into words (``compose job gpu x2``): each argument is a clause, so a
+    lone word after another is refused as a device kind, which says nothing of the quotes left out. Empty when
+    the refused argument is no lone word after another (or ``;`` separates clauses, and so numbers them apart)."""
+    found = _CLAUSE_FIELD.fullmatch(field)
+    if found is None or any(";" in clause for clause in clauses):
+        return ""
+    parts = [clause.strip() for clause in clauses if clause.strip()]
+    n = int(found.group(1))
+    if not 1 <= n < len(parts) or len(parts[n].split()) != 1 or parts[n] == "host":
+        return ""
+    return f"each clause is one argument: quote it whole, '{parts[n - 1]} {parts[n]}'"
 
 
 def _check_request_id(args: argparse.Namespace) -> None:
