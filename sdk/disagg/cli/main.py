@@ -293,6 +293,11 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
 
 def cmd_recompose(args: argparse.Namespace) -> int:
+    if args.etag == "":  # most often ``--etag "$ETAG"`` with ETAG unset; refused here in the command line's words
+        raise InvalidRequestError(
+            "--etag is empty: an etag is never empty (was it a variable left unset?); leave --etag out for no guard",
+            field="etag",
+        )
     # Clauses separated by ";", as compose takes them: one --add may give several.
     clauses = [part.strip() for text in args.add for part in text.split(";") if part.strip()]
     add = [parse_resource(a, field=f"add[{n}]") for n, a in enumerate(clauses)]
