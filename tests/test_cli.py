@@ -337,6 +337,16 @@ class TestErrors:
         assert "--etag is empty" in err and "leave --etag out" in err
         assert "expected_etag" not in err and "None" not in err
 
+    def test_a_missing_config_named_by_the_environment_says_so(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    ) -> None:
+        """A $DISAGG_CONFIG left over in the environment named a file that is gone: the error spoke of a
+        configuration file the command line never named, without saying where it came from."""
+        monkeypatch.setenv("DISAGG_CONFIG", str(tmp_path / "gone.toml"))
+        code, out, err = cli(capsys, "ls")
+        assert (code, out) == (2, "")
+        assert f"configuration file {tmp_path / 'gone.toml'} (from $DISAGG_CONFIG) does not exist" in err
+
     @pytest.mark.parametrize("command", [["ls"], ["demo", "--fabric", "sim"]])
     def test_an_empty_config_is_bad_input(
         self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str]

@@ -267,19 +267,21 @@ def demo_config() -> Config:
     return parse_config(doc, "embedded default (in memory)")
 
 
-def read_toml(path: Path, what: str, field: str = "") -> dict[str, Any]:
+def read_toml(path: Path, what: str, field: str = "", *, named_by: str = "") -> dict[str, Any]:
     """The TOML document in the file at ``path`` (``what`` names it in an error, as ``--options-file`` or
-    "configuration file"); every way it can fail to be one is a `ConfigError` saying so, never a traceback."""
+    "configuration file", and ``named_by`` where its path came from when the command line did not give it);
+    every way it can fail to be one is a `ConfigError` saying so, never a traceback."""
+    named = f"{what} {path}" + (f" (from {named_by})" if named_by else "")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist", field=field) from None
+        raise ConfigError(f"{named} does not exist", field=field) from None
     except UnicodeDecodeError as exc:  # TOML is UTF-8, whatever the locale says
-        raise ConfigError(f"cannot read {what} {path}: not UTF-8 ({exc})", field=field) from None
+        raise ConfigError(f"cannot read {named}: not UTF-8 ({exc})", field=field) from None
     except RecursionError:
-        raise ConfigError(f"cannot read {what} {path}: not valid TOML: nested too deeply", field=field) from None
+        raise ConfigError(f"cannot read {named}: not valid TOML: nested too deeply", field=field) from None
     except (OSError, ValueError) as exc:  # ValueError: TOMLDecodeError, an integer of too many digits, a NUL
-        raise ConfigError(f"cannot read {what} {path}: {exc}", field=field) from None
+        raise ConfigError(f"cannot read {named}: {exc}", field=field) from None
 
 
 def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
@@ -295,7 +297,9 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
         )
     candidate = Path(path) if path else Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else Path("disagg.toml")
     if path or env.get(CONFIG_ENV) or candidate.exists():
-        doc = read_toml(candidate, "configuration file")
+        # A path from the environment is said to be one: a variable left set names a file the command line did not.
+        named_by = "" if path or not env.get(CONFIG_ENV) else f"${CONFIG_ENV}"
+        doc = read_toml(candidate, "configuration file", named_by=named_by)
         return parse_config(doc, str(candidate), env, base=candidate.absolute().parent)
     return parse_config(default_document(), "embedded default", env)
 
