@@ -347,6 +347,22 @@ class TestErrors:
         assert (code, out) == (2, "")
         assert f"configuration file {tmp_path / 'gone.toml'} (from $DISAGG_CONFIG) does not exist" in err
 
+    @pytest.mark.parametrize("command", [["ls"], ["serve", "--listen", "127.0.0.1:0"]])
+    def test_an_etcd_endpoint_given_as_a_url_names_the_file_and_key(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
+    ) -> None:
+        """``endpoints = ["http://127.0.0.1:2379"]``, as etcdctl writes them, was refused only by ``serve``, as it
+        built its election, in words that named neither the file nor ``[state] endpoints``."""
+        config = tmp_path / "disagg.toml"
+        config.write_text(
+            '[state]\nledger = "etcd"\nendpoints = ["127.0.0.1:2379", "http://127.0.0.1:2479"]\n'
+            '[[fabric]]\nname = "lab"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
+        )
+        code, out, err = cli(capsys, "--config", str(config), *command)
+        assert (code, out) == (2, "")
+        assert f"disagg: error: {config}: [state] endpoints: etcd endpoint 'http://127.0.0.1:2479'" in err
+        assert "without the scheme (127.0.0.1:2479)" in err
+
     @pytest.mark.parametrize("command", [["ls"], ["demo", "--fabric", "sim"]])
     def test_an_empty_config_is_bad_input(
         self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str]

@@ -250,6 +250,8 @@ class TestValueErrors:
         [
             ("ledger = 'etcd'", "state.endpoints", "needs endpoints"),
             ("ledger = 'etcd'\nendpoints = '127.0.0.1:2379'", "state.endpoints", "a list of HOST:PORT"),
+            ("ledger = 'etcd'\nendpoints = ['127.0.0.1']", "state.endpoints", "[state] endpoints: etcd endpoint"),
+            ("ledger = 'etcd'\nendpoints = ['https://etcd:2379']", "state.endpoints", "without the scheme (etcd:2379)"),
             ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nprefix = 'disagg'", "state.prefix", "start and end"),
             ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nlease_ttl_s = 1", "state.lease_ttl_s", "from 2 to 60"),
             ("ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']\nepoch_base = -1", "state.epoch_base", "from 0"),

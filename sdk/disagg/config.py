@@ -128,6 +128,18 @@ def _known(table: Mapping[str, Any], allowed: set[str], where: str, source: str,
         raise ConfigError(f"{source}: unknown keys in {where}: {', '.join(unknown)}", field=field)
 
 
+def _check_endpoints(endpoints: list[str], source: str) -> None:
+    """Hold each etcd endpoint to HOST:PORT as the file is read, naming the file and the key: the ledger, which
+    reads them once ``serve`` builds its election, says neither."""
+    from disagg.store.etcd import parse_endpoint
+
+    for endpoint in endpoints:
+        try:
+            parse_endpoint(endpoint)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: [state] endpoints: {exc.message}", field="state.endpoints") from None
+
+
 def parse_config(
     doc: Mapping[str, Any], source: str, environ: Mapping[str, str] | None = None, *, base: Path | None = None
 ) -> Config:
@@ -170,6 +182,8 @@ def parse_config(
         raise ConfigError(
             f'{source}: [state] ledger = "etcd" needs endpoints = ["HOST:PORT", ...]', field="state.endpoints"
         )
+    if ledger == "etcd":
+        _check_endpoints(endpoints, source)
     prefix = state.get("prefix", "/disagg/")
     if not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.endswith("/"):
         raise ConfigError(f"{source}: [state] prefix must start and end with '/'", field="state.prefix")

@@ -212,6 +212,12 @@ def parse_endpoint(address: object) -> tuple[str, int]:
     """``HOST:PORT`` (an IPv6 host in brackets) as (host, port)."""
     if not isinstance(address, str):
         raise ConfigError(f"etcd endpoint {address!r} is not a HOST:PORT string", field="state.endpoints")
+    _, url, rest = address.partition("://")
+    if url and rest:  # as etcdctl and etcd's own settings write them
+        raise ConfigError(
+            f"etcd endpoint {address!r} is not HOST:PORT: give it without the scheme ({rest.rstrip('/')})",
+            field="state.endpoints",
+        )
     host, sep, port = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
