@@ -142,6 +142,15 @@ class TestRefusals:
         assert files_under(tmp_path) == ["notes.txt"]
         assert (tmp_path / "notes.txt").read_text() == "mine"
 
+    def test_an_empty_folder_name(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``--dir "$DIR"`` with DIR unset wrote into ./disagg-NAME, a folder the command line never named."""
+        monkeypatch.chdir(tmp_path)
+        assert main(["new-driver", "acme", "--dir", ""]) == 2
+        assert "--dir is empty" in capsys.readouterr().err
+        assert files_under(tmp_path) == []
+
     def test_a_file_in_the_way(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (tmp_path / "disagg-acme").write_text("")
         assert main(["new-driver", "acme", "--dir", str(tmp_path / "disagg-acme")]) == 2

@@ -174,6 +174,7 @@ class TestServe:
             (["sim", "--name", "x", "--option", "bogus", "--listen", "127.0.0.1:0"], "give KEY=VALUE"),
             (["sim", "--name", "a/b", "--listen", "127.0.0.1:0"], "a fabric name has no '/'"),
             (["sim", "--name", "pc ie", "--listen", "127.0.0.1:0"], "a fabric name has no '/', space"),
+            (["sim", "--name", "x", "--options-file", "", "--listen", "127.0.0.1:0"], "--options-file is empty"),
         ],
     )
     def test_bad_input_exits_2(self, capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:

@@ -64,6 +64,11 @@ def _merge(into: dict[str, Any], key: list[str], value: Any, origin: str) -> Non
 def parse_options(pairs: Iterable[str], options_file: str | None = None) -> dict[str, Any]:
     """The driver options: the file's table, then each ``KEY=VALUE`` over it. Raises `ConfigError`."""
     options: dict[str, Any] = {}
+    if options_file == "":  # most often ``--options-file "$FILE"`` with FILE unset: serving without it would hide that
+        raise ConfigError(
+            "--options-file is empty: give the options file's path (was it a variable left unset?), or leave it out",
+            field="options_file",
+        )
     if options_file:
         path = Path(options_file)
         doc = read_toml(path, "--options-file", "options_file")

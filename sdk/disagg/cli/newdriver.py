@@ -147,7 +147,13 @@ def write_package(name: str, target: Path) -> list[Path]:
 
 def cmd_new_driver(args: argparse.Namespace) -> int:
     name = check_name(args.name)
-    target = Path(args.dir) if args.dir else Path(f"disagg-{name}")
+    if args.dir == "":  # most often ``--dir "$DIR"`` with DIR unset: ./disagg-NAME is a folder it never named
+        raise ConfigError(
+            f"--dir is empty: give the folder to write into (was it a variable left unset?), or leave --dir out to "
+            f"write into ./disagg-{name}",
+            field="dir",
+        )
+    target = Path(args.dir) if args.dir is not None else Path(f"disagg-{name}")
     _check_target(target)
     _check_free(name)
     write_package(name, target)
