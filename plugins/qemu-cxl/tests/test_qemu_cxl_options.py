@@ -20,6 +20,15 @@ def valid(**extra: Any) -> dict[str, Any]:
     return base
 
 
+def boot_files(directory: Path, *names: str) -> list[str]:
+    """Files for a host to boot (kernel, initrd): they must exist when the options are read."""
+    paths = [directory / name for name in names]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\0")
+    return [str(p) for p in paths]
+
+
 class TestParseOptions:
     """Valid options parse to their values and defaults; each invalid one names itself and the fabric."""
 
@@ -31,8 +40,9 @@ class TestParseOptions:
         assert opts.stop_hosts_on_close is False
         assert opts.hosts == (HostOptions("h1", ports=4, memory="1G"),)
 
-    def test_a_booting_host(self) -> None:
-        host = {"name": "g", "kernel": "/k", "initrd": "/i", "append": "console=ttyS0", "serial": ["file:/c.log"]}
+    def test_a_booting_host(self, tmp_path: Path) -> None:
+        kernel, initrd = boot_files(tmp_path, "k", "i")
+        host = {"name": "g", "kernel": kernel, "initrd": initrd, "append": "console=ttyS0", "serial": ["file:/c.log"]}
         (h,) = parse_options("f", valid(hosts=[host])).hosts
         assert h.boots and h.serial == ("file:/c.log",) and h.append == "console=ttyS0"
 
@@ -48,6 +58,7 @@ class TestParseOptions:
     def test_relative_files_are_the_callers(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """QEMU opens them from the host's directory; a relative path means the caller's, as state_dir does."""
         monkeypatch.chdir(tmp_path)
+        boot_files(tmp_path, "vmlinuz", "boot/initrd.img")
         host = {"name": "g", "kernel": "vmlinuz", "initrd": "boot/initrd.img", "append": "console=ttyS0"}
         (h,) = parse_options("f", valid(state_dir="state", hosts=[host])).hosts
         assert (h.kernel, h.initrd, h.append) == (
@@ -99,6 +110,34 @@ class TestParseOptions:
             parse_options("f", options)
         assert info.value.field == option
         assert "fabric 'f' (driver qemu-cxl)" in info.value.message and repr(option) in info.value.message
+
+
+class TestBootFiles:
+    """A kernel or initrd that QEMU could not open is a ConfigError naming it when the options are read, not a
+    host that fails at every start (FabricUnavailableError, which tells a client to retry)."""
+
+    @pytest.mark.parametrize("option", ["kernel", "initrd"])
+    def test_a_missing_file(self, tmp_path: Path, option: str) -> None:
+        host = dict(zip(("kernel", "initrd"), boot_files(tmp_path, "vmlinuz", "initrd.img"), strict=True))
+        host[option] = str(tmp_path / "gone")
+        with pytest.raises(ConfigError) as info:
+            parse_options("f", valid(hosts=[{"name": "h1"}, {"name": "g", **host}]))
+        assert info.value.field == f"hosts[1].{option}"
+        assert f"option 'hosts[1].{option}'" in info.value.message
+        assert f"{tmp_path / 'gone'}" in info.value.message and "no such file" in info.value.message
+
+    def test_a_directory(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError) as info:
+            parse_options("f", valid(hosts=[{"name": "g", "kernel": str(tmp_path)}]))
+        assert info.value.field == "hosts[0].kernel" and "is not a file" in info.value.message
+
+    def test_create_fabric_starts_nothing(self, tmp_path: Path) -> None:
+        """The fabric is refused before any QEMU is started."""
+        state = tmp_path / "state"
+        with pytest.raises(ConfigError) as info:
+            create_fabric("f", valid(state_dir=str(state), hosts=[{"name": "g", "kernel": str(tmp_path / "k")}]))
+        assert info.value.field == "hosts[0].kernel"
+        assert not (state / "hosts").exists()
 
 
 class TestPoolBytesLimit:

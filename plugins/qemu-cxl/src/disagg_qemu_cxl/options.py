@@ -194,7 +194,25 @@ def _host(table: object, bad: Any) -> HostOptions:
         texts[key] = str(Path(value).resolve()) if value and key != "append" else value
     if (texts["initrd"] or texts["append"]) and not texts["kernel"]:
         raise bad("kernel", "is required when initrd or append is given")
+    for key in ("kernel", "initrd"):
+        problem = _unopenable(Path(texts[key])) if texts[key] else None
+        if problem:
+            raise bad(key, problem)
     serial = table.get("serial", [])
     if not isinstance(serial, list | tuple) or not all(isinstance(s, str) and s for s in serial):
         raise bad("serial", f"must be a list of -serial values such as 'file:/x/console.log', not {serial!r}")
     return HostOptions(name=name, ports=ports, memory=memory, serial=tuple(serial), **texts)
+
+
+def _unopenable(path: Path) -> str | None:
+    """Why QEMU could not open the kernel or initrd ``path``, if it could not. Checked with the options: QEMU
+    would exit at every start of the host, which a caller takes for a fabric to retry (UNAVAILABLE)."""
+    if not path.exists():
+        return f"no such file: {path}"
+    if not path.is_file():
+        return f"{path} is not a file QEMU can boot"
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as exc:
+        return f"QEMU could not open {path}: {exc.strerror}"
+    return None
