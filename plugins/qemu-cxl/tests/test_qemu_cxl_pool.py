@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import resource
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from disagg.errors import (
 )
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric
-from disagg_qemu_cxl.command import host_dir
+from disagg_qemu_cxl.command import host_dir, memory_file
+from disagg_qemu_cxl.state import FIRST_SERIAL, Record
 from qemu_cxl_helpers import GiB, MiB, RawQMP, qemu_pid
 
 POOL = "qc/cxl-pool"
@@ -88,6 +90,67 @@ class TestPorts:
             pool.allocate("a", "h2", 256 * MiB, ctx)
         assert not refused.value.retryable and not isinstance(refused.value, FabricUnavailableError)
         assert not pool.allocations()
+
+
+def address_space_of(pid: int) -> int:
+    """The bytes of address space process ``pid`` maps now (VmSize)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:"))
+
+
+@pytest.fixture
+def squeezed_h2(fabric: QemuCxlFabric, state_dir: Path) -> Iterator[int]:
+    """h2's QEMU with 128 MiB of address space to spare (its soft RLIMIT_AS): mapping a larger backend fails
+    ENOMEM, as on a host short of memory. Lifted again at the end; yields the QEMU's pid."""
+    pid = qemu_pid(state_dir, "h2")
+    assert pid is not None
+    limits = resource.prlimit(pid, resource.RLIMIT_AS)
+    squeezed = address_space_of(pid) + 128 * MiB
+    resource.prlimit(pid, resource.RLIMIT_AS, (squeezed, limits[1]))
+    yield pid
+    resource.prlimit(pid, resource.RLIMIT_AS, limits)
+
+
+class TestRefusals:
+    """QEMU refusing a hot-add is told apart by its reason: a host short of memory for the backend is capacity, a
+    host whose directory cannot hold the backend file is unavailable, and neither leaves anything held."""
+
+    def test_a_host_short_of_memory_is_capacity(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, squeezed_h2: int
+    ) -> None:
+        """QEMU cannot map the backend (``unable to map backing store for guest RAM: Cannot allocate memory``):
+        not a conflict with the machine's state, which a retry meets again, but too little room on the host, which
+        may pass. Once it has, the same allocation succeeds."""
+        pool = fabric.pool(POOL)
+        with pytest.raises(CapacityExhaustedError, match="host h2 has no room for the 512 MiB backend") as info:
+            pool.allocate("a", "h2", 512 * MiB, ctx)
+        assert "Cannot allocate memory" in info.value.message
+        assert not pool.allocations() and not fabric.pool(POOL).allocations()
+        with RawQMP(state_dir, "h2") as qmp:
+            objects = {o["name"] for o in qmp.execute("qom-list", path="/objects")}
+        assert not {o for o in objects if o.startswith("cxl-")}, "a backend of the refused hot-add is held"
+        assert not list(host_dir(state_dir, "h2").glob("*.img")), "a backend file of the refused hot-add is left"
+        hard = resource.prlimit(squeezed_h2, resource.RLIMIT_AS)[1]
+        resource.prlimit(squeezed_h2, resource.RLIMIT_AS, (hard, hard))
+        assert pool.allocate("a", "h2", 512 * MiB, ctx).amount_bytes == 512 * MiB
+
+    def test_a_backend_file_the_host_cannot_open_is_unavailable(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext
+    ) -> None:
+        """The host's directory cannot hold the backend file (here its name leads under a regular file: ``can't
+        open backing store ... Not a directory``; a removed or read-only directory alike): the operator's to mend,
+        and the host cannot be used meanwhile, so FabricUnavailableError naming the file, not a conflict."""
+        backend = host_dir(state_dir, "h2") / memory_file(Record("a", "h2", 0, FIRST_SERIAL, 256 * MiB, ()))
+        backend.symlink_to(host_dir(state_dir, "h2") / "qemu.pid" / "x")
+        pool = fabric.pool(POOL)
+        with pytest.raises(FabricUnavailableError, match="cannot open the backend file") as info:
+            pool.allocate("a", "h2", 256 * MiB, ctx)
+        assert "Not a directory" in info.value.message and backend.name in info.value.message
+        assert not pool.allocations()
+        with RawQMP(state_dir, "h2") as qmp:
+            assert not qmp.type3()
+        backend.unlink(missing_ok=True)
+        assert pool.allocate("a", "h2", 256 * MiB, ctx).amount_bytes == 256 * MiB
 
 
 class TestUniqueness:

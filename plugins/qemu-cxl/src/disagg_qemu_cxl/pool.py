@@ -18,7 +18,9 @@ its host; the state file's updates take turns on the fabric's lock, which is nev
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import os
 import re
 import threading
 import time
@@ -62,6 +64,10 @@ the allocations): a full read takes tens of milliseconds, so one that takes long
 for a loaded machine."""
 UNDO_TIMEOUT_S = 1.0
 """How long deleting the backends of a hot-add that failed may take, whatever the caller's deadline."""
+_NO_ROOM = frozenset(os.strerror(e) for e in (errno.ENOMEM, errno.ENOSPC, errno.EDQUOT))
+"""The ends of QEMU's refusals (``...: <strerror>``) that say the host lacks the memory or disk for a backend."""
+_BACKEND_FILE = "can't open backing store"
+"""How QEMU 7.2 begins refusing a memory-backend-file it cannot open (``...: Not a directory``)."""
 
 
 def unrecorded_id(host: str, device: str) -> str:
@@ -403,10 +409,9 @@ class QemuCxlPool(Pool):
             device_sent = True
             process.monitor.execute("device_add", device_props(record))
         except QMPCommandError as exc:
-            # A refusal for the machine's state, which a retry meets again: not UNAVAILABLE, which says "retry".
             self._undo(process, added)
             self._forget(record)
-            raise ConflictError(f"QEMU of host {record.host} refused the Type-3: {exc}") from None
+            raise self._refusal(record, exc) from None
         except DisaggError as exc:
             if device_sent and outcome_is_unknown(exc):
                 raise
@@ -415,6 +420,23 @@ class QemuCxlPool(Pool):
             if fresh:
                 self._forget(record)
             raise
+
+    def _refusal(self, record: Record, exc: QMPCommandError) -> DisaggError:
+        """The error for QEMU refusing a hot-add, by its reason (QEMU answers GenericError to all): too little
+        memory or disk on the host is capacity, which may pass; a backend file the host's directory cannot hold
+        is the operator's to mend, and the host unusable meanwhile; anything else is a conflict with the
+        machine's state, which a retry meets again (not UNAVAILABLE, which says "retry")."""
+        if exc.desc.rsplit(": ", 1)[-1] in _NO_ROOM:
+            return CapacityExhaustedError(
+                f"host {record.host} has no room for the {record.size // 1024**2} MiB backend of allocation "
+                f"{record.allocation}: its QEMU answered {exc.desc!r}; nothing was added"
+            )
+        if exc.desc.startswith(_BACKEND_FILE):
+            return FabricUnavailableError(
+                f"QEMU of host {record.host} cannot open the backend file of allocation {record.allocation} in "
+                f"{host_dir(self._state_dir, record.host)}: {exc.desc}; nothing was added"
+            )
+        return ConflictError(f"QEMU of host {record.host} refused the Type-3: {exc}")
 
     @staticmethod
     def _undo(process: HostProcess, backends: Sequence[str]) -> None:
