@@ -3,18 +3,21 @@ others, and a call in flight on one host still counts against the pool that the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from disagg.errors import CapacityExhaustedError, DeadlineExceededError
 from disagg.interfaces import CallContext
-from disagg_qemu_cxl import QemuCxlFabric
+from disagg_qemu_cxl import QemuCxlFabric, pool
 from disagg_qemu_cxl.qmp import Monitor
+from disagg_qemu_cxl.state import State
 from qemu_cxl_helpers import GiB, MiB, qemu_pid
 
 POOL = "qc/cxl-pool"
@@ -91,3 +94,91 @@ def test_a_call_in_flight_counts_against_the_pool(
         waiter.join()
     monkeypatch.undo()
     assert sum(a.amount_bytes for a in pool.allocations()) <= 2 * GiB
+
+
+class WatchedLock:
+    """The fabric's lock, setting ``contended`` when a call has to wait for it."""
+
+    def __init__(self, lock: Any, contended: threading.Event) -> None:
+        self._lock = lock
+        self._contended = contended
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        self._contended.set()
+        return bool(self._lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def overlapping(state: State) -> list[tuple[str, str]]:
+    records = state.records
+    return [
+        (a.allocation, b.allocation)
+        for i, a in enumerate(records)
+        for b in records[i + 1 :]
+        if any(o < p + m and p < o + n for o, n in a.extents for p, m in b.extents)
+    ]
+
+
+def test_adopting_an_unrecorded_device_plans_its_blocks_under_the_fabric_lock(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Releasing ``unrecorded:h2:<device>`` first records the device, with blocks of the pool. They were planned
+    outside the fabric's lock: an allocate on h1 (not held up by h2's lock) planned and saved the same blocks
+    meanwhile, and the state file then held two records on them. Here the allocate runs while the blocks are
+    planned, and the release goes on once it has finished or waits for the fabric's lock."""
+    first = make_fabric(stop_hosts_on_close=False)
+    first.pool(POOL).allocate("b", "h2", 256 * MiB, CallContext.with_timeout(30.0, epoch=1))
+    first.close()
+    state_file = state_dir / "state.json"
+    doc = json.loads(state_file.read_text())
+    device = f"cxl-t3-{doc['allocations'].pop('b')['sn']:x}"  # a lost state file entry
+    state_file.write_text(json.dumps(doc))
+    fabric = make_fabric()
+    carve = fabric.pool(POOL)
+    ledger = fabric._ledger
+    saved: list[State] = []
+    save = ledger.save
+
+    def saving(state: State) -> None:
+        saved.append(state)
+        save(state)
+
+    monkeypatch.setattr(ledger, "save", saving)
+    turn = threading.Event()
+    monkeypatch.setattr(carve, "_lock", WatchedLock(carve._lock, turn))
+    errors: list[Exception] = []
+
+    def allocate() -> None:
+        try:
+            carve.allocate("a", "h1", 256 * MiB, CallContext.with_timeout(30.0, epoch=1))
+        except Exception as exc:
+            errors.append(exc)
+        finally:
+            turn.set()
+
+    other = threading.Thread(target=allocate)
+    first_fit = pool.first_fit
+
+    def planning(used: Sequence[tuple[int, int]], size: int, total: int) -> Any:
+        if threading.current_thread() is not other and not other.is_alive() and not turn.is_set():
+            other.start()
+            assert turn.wait(30.0), "the allocate on h1 neither finished nor waited for the fabric's lock"
+        return first_fit(used, size, total)
+
+    monkeypatch.setattr(pool, "first_fit", planning)
+    carve.release(f"unrecorded:h2:{device}", CallContext.with_timeout(30.0, epoch=1))
+    other.join(30.0)
+    assert not other.is_alive() and not errors
+    assert any(r.allocation == f"unrecorded:h2:{device}" for s in saved for r in s.records), "nothing was adopted"
+    assert not [pair for s in saved for pair in overlapping(s)]
+    assert [a.id for a in carve.allocations()] == ["a"]

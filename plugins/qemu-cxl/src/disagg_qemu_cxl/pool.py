@@ -525,7 +525,9 @@ class QemuCxlPool(Pool):
 
     def _record_of(self, host: str, dev: Type3) -> Record | None:
         """A record for a device that follows the driver's naming but lost its state file entry (a crash between
-        device_add and the state write cannot cause this; a lost state file can). Saved, so its id is stable."""
+        device_add and the state write cannot cause this; a lost state file can). Saved, so its id is stable; its
+        blocks are planned under the fabric's lock too, so that an allocate on another host cannot take them
+        between the plan and the save."""
         m = _OURS.match(dev.id)
         if m is None or dev.port is None or int(m.group(1), 16) != dev.sn:
             return None
@@ -533,10 +535,10 @@ class QemuCxlPool(Pool):
         if dev.memdev != probe.memdev or not (host_dir(self._state_dir, host) / memory_file(probe)).exists():
             return None
         volatile = not (host_dir(self._state_dir, host) / lsa_file(probe)).exists()
-        spans = [e for r in self._ledger.state.records for e in r.extents]
-        extents = first_fit(spans, dev.size, self._capacity.total_bytes) or ()
-        record = attrs.evolve(probe, extents=extents, volatile=volatile)
         with self._lock:
+            spans = [e for r in self._ledger.state.records for e in r.extents]
+            extents = first_fit(spans, dev.size, self._capacity.total_bytes) or ()
+            record = attrs.evolve(probe, extents=extents, volatile=volatile)
             self._ledger.save(self._ledger.state.with_record(record))
         return record
 
