@@ -1,4 +1,4 @@
-"""The client's retries: only UNAVAILABLE, only calls safe to repeat, bounded in attempts and time; watch resumes."""
+"""The client's retries: as the server marks its errors, only calls safe to repeat, bounded; watch resumes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,15 @@ from composer_helpers import hardware_bindings
 from disagg.client import FabricManagerClient, RetryPolicy
 from disagg.client._retry import call_with_retry
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError, NotFoundError, OverloadedError
+from disagg.errors import (
+    CapacityExhaustedError,
+    DisaggError,
+    FabricUnavailableError,
+    LedgerNotFencedError,
+    NoFitError,
+    NotFoundError,
+    OverloadedError,
+)
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.model import ComposeMode, EventType, ResourceRequest
@@ -33,6 +42,8 @@ from disagg.wire.fabric import (
     plan_to_wire,
     resources_from_wire,
 )
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01)
 
@@ -221,7 +232,7 @@ class TestRetryPolicy:
 
 
 class TestCallWithRetry:
-    """`call_with_retry` repeats UNAVAILABLE only, only when allowed, and never sleeps past the deadline."""
+    """`call_with_retry` repeats only what may be retried, only when allowed, and never sleeps past the deadline."""
 
     def _run(self, errors: list[grpc.StatusCode], **kwargs: Any) -> tuple[int, list[float]]:
         attempts: list[float] = []
@@ -461,14 +472,14 @@ class TestNotSent:
         assert "may have been made" in info.value.message and self.NOT_MADE not in info.value.message
 
     def test_a_refusal_that_settles_nothing_keeps_the_outcome_unknown(self, tmp_path: Path) -> None:
-        """The first attempt lost its connection after it was sent; the retry was refused as OVERLOADED, which a
+        """The first attempt lost its connection after it was sent; the retries were refused as OVERLOADED, which a
         server answers before it looks the request id up: the first may have been made all the same."""
         client = FabricManagerClient(f"unix:{tmp_path}/nobody.sock", timeout_s=5, retries=FAST)
         overloaded = to_status(OverloadedError("the fabric manager is at its limit of concurrent work; retry later"))
         errors = iter(
             [
                 FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"),
-                ServerRpcError(overloaded.code, overloaded.details, overloaded.trailing_metadata),
+                *[ServerRpcError(overloaded.code, overloaded.details, overloaded.trailing_metadata)] * 10,
             ]
         )
 
@@ -640,3 +651,102 @@ class TestCloseDuringACall:
         client._stub.WatchEvents = closing  # type: ignore[method-assign]
         with pytest.raises(FabricUnavailableError, match="is closed"):
             client.watch()
+
+
+def refusal(error: DisaggError, retry_delay_s: float | None = None) -> grpc.Status:
+    """The status a server ends a call with for ``error``, with a ``google.rpc.RetryInfo`` when given a delay."""
+    status = to_status(error)
+    if retry_delay_s is None:
+        return status
+    rich = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"])
+    info = error_details_pb2.RetryInfo()
+    info.retry_delay.FromTimedelta(timedelta(seconds=retry_delay_s))
+    rich.details.add().Pack(info)
+    with_delay: grpc.Status = rpc_status.to_status(rich)
+    return with_delay
+
+
+class Refusing(Flaky):
+    """Answers GetTopology with each of ``refusals`` in turn, then answers; the first WatchEvents breaks off
+    (`Flaky`), the second is refused with each of ``watch_refusals`` in turn."""
+
+    def __init__(
+        self, composer: FabricComposer, refusals: list[grpc.Status], watch_refusals: list[grpc.Status] = ()
+    ) -> None:
+        super().__init__(composer, failures=0)
+        self.refusals = list(refusals)
+        self.watch_refusals = list(watch_refusals)
+        self.times: list[float] = []
+
+    def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:  # noqa: N802
+        self.times.append(time.monotonic())
+        if self.refusals:
+            context.abort_with_status(self.refusals.pop(0))
+        return fm.GetTopologyResponse()
+
+    def WatchEvents(  # noqa: N802
+        self, request: fm.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[fm.WatchEventsResponse]:
+        if self.watch_requests and self.watch_refusals:
+            self.watch_requests.append(request.after_revision)
+            context.abort_with_status(self.watch_refusals.pop(0))
+        yield from super().WatchEvents(request, context)
+
+
+class TestTheServersRetryableMark:
+    """The client retries what the server marks retryable (its reason's ``retryable``), not every UNAVAILABLE,
+    and a refusal for load (OVERLOADED) too, within the call's deadline; never a refusal no retry can change."""
+
+    def test_an_unavailable_marked_not_retryable_gets_one_attempt(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(LedgerNotFencedError("never fenced"))] * 10))
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(LedgerNotFencedError):
+            client.topologies()
+        assert len(servicer.times) == 1
+
+    def test_overloaded_is_retried(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(OverloadedError("too many watches"))] * 2))
+        with FabricManagerClient(address, retries=FAST) as client:
+            assert client.topologies() == []
+        assert len(servicer.times) == 3
+
+    def test_overloaded_attempts_are_bounded(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(OverloadedError("too many watches"))] * 10))
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(OverloadedError):
+            client.topologies()
+        assert len(servicer.times) == FAST.max_attempts
+
+    @pytest.mark.parametrize("error", [CapacityExhaustedError("the last free device"), NoFitError("no host")])
+    def test_exhausted_capacity_is_not_retried(self, serve: Any, composer: FabricComposer, error: DisaggError) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(error)] * 10))
+        with FabricManagerClient(address, retries=FAST) as client, pytest.raises(type(error)):
+            client.topologies()
+        assert len(servicer.times) == 1
+
+    def test_the_servers_retry_delay_is_waited(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(OverloadedError("busy"), retry_delay_s=0.3)]))
+        with FabricManagerClient(address, retries=FAST) as client:
+            assert client.topologies() == []
+        assert len(servicer.times) == 2 and servicer.times[1] - servicer.times[0] >= 0.3
+
+    def test_a_retry_delay_past_the_deadline_ends_the_call_at_once(self, serve: Any, composer: FabricComposer) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(OverloadedError("busy"), retry_delay_s=60)]))
+        started = time.monotonic()
+        with FabricManagerClient(address, timeout_s=5, retries=FAST) as client, pytest.raises(OverloadedError):
+            client.topologies()
+        assert len(servicer.times) == 1 and time.monotonic() - started < 2.5
+
+    def test_a_watch_reopen_that_meets_the_limit_of_watches_tries_again(
+        self, serve: Any, composer: FabricComposer
+    ) -> None:
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+            composer.decompose(f"j{n}")
+        total = len(composer.events())
+        overloaded = refusal(OverloadedError("at most 16 watches are served at once"))
+        servicer, address = serve(Refusing(composer, [], watch_refusals=[overloaded, overloaded]))
+        with FabricManagerClient(address, retries=FAST) as client:
+            stream = client.watch()
+            revisions = [next(stream).revision for _ in range(total)]
+            stream.close()
+        assert revisions == list(range(1, total + 1))
+        assert servicer.watch_requests == [0, 3, 3, 3]

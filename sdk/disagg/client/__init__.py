@@ -8,7 +8,7 @@ from the server's error details, so that ``except NoFitError`` works as it does 
 """
 
 from disagg.client._client import MAX_TIMEOUT_S, DeviceStatus, EventStream, FabricInfo, FabricManagerClient
-from disagg.client._retry import NO_RETRY, RETRYABLE_CODES, RetryPolicy
+from disagg.client._retry import NO_RETRY, RETRYABLE_CODES, RetryPolicy, may_retry
 
 __all__ = [
     "MAX_TIMEOUT_S",
@@ -19,4 +19,5 @@ __all__ = [
     "FabricInfo",
     "FabricManagerClient",
     "RetryPolicy",
+    "may_retry",
 ]

@@ -13,7 +13,7 @@ from typing import Protocol, Self, TypeVar
 import attrs
 import grpc
 
-from disagg.client._retry import RetryPolicy, call_with_retry
+from disagg.client._retry import RetryPolicy, call_with_retry, may_retry
 from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.composer.composer import check_expected_etag
@@ -175,8 +175,9 @@ class FabricManagerClient:
 
     ``timeout_s`` is each call's deadline, retries included, at most `MAX_TIMEOUT_S` (a year). Calls that are
     safe to repeat (reads, Decompose, Cordon/Uncordon, ReleaseReservation, and Compose or UpdateComposition with
-    a request id) are retried on UNAVAILABLE as ``retries`` says; others get one attempt. Thread-safe; use it as
-    a context manager or call `close`.
+    a request id) are retried, as ``retries`` says, on UNAVAILABLE and on the server's OVERLOADED, unless the
+    server marks its error not retryable (`disagg.client.may_retry`); others get one attempt. Thread-safe; use it
+    as a context manager or call `close`.
 
     Each listing has an ``*_at`` twin that also answers the event revision it was read at (`compositions_at`,
     `reservations_at`, `devices_at`, `device_statuses_at`, `topologies_at`, `usage_at`): `watch` from that
@@ -755,10 +756,12 @@ class FabricManagerClient:
         return call
 
 
-WATCH_BREAKS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-"""How a watch the client did not end may break off and be reopened: UNAVAILABLE (the server stopped, the
-connection broke), or CANCELLED from the server's side (a server, or a proxy between, that cancels the call). A
-CANCELLED after the stream or the client was closed is the client's own, and ends iteration instead."""
+def _watch_broke(exc: grpc.RpcError) -> bool:
+    """Whether a watch the client did not end broke off with ``exc`` and may be reopened: a failure a call would
+    retry (`may_retry`: the server stopped, the connection broke, or a reopen met the server's limit of watches,
+    OVERLOADED), or CANCELLED from the server's side (a server, or a proxy between, that cancels the call). A
+    CANCELLED after the stream or the client was closed is the client's own, and ends iteration instead."""
+    return exc.code() is grpc.StatusCode.CANCELLED or may_retry(exc)
 
 
 class EventStream(Iterator[Event]):
@@ -807,10 +810,11 @@ class EventStream(Iterator[Event]):
             self.close()
             raise StopIteration from None
         spent = failures >= self._client.retries.max_attempts and not self._client._until_deadline(exc)  # as `_call`'s
-        if not self._resume or exc.code() not in WATCH_BREAKS or spent:
+        if not self._resume or not _watch_broke(exc) or spent:
             self.close()
             raise self._client._error(exc) from None
-        self._client._pause(self._client.retries.backoff(failures, self._client._rng), ended=lambda: self._closed)
+        pause = self._client.retries.pause(failures, exc, self._client._rng)
+        self._client._pause(pause, ended=lambda: self._closed)
         self._reopen()
 
     def _deliver(self, msg: fm.Event) -> Event:

@@ -10,10 +10,29 @@ from typing import TypeVar
 import attrs
 import grpc
 
+from disagg.errors import answered_not_serving
+from disagg.wire.errors import from_rpc_error, retry_delay_s, server_status
+
 T = TypeVar("T")
 
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
-"""Only UNAVAILABLE is retried: the server (or a driver behind it) could not be reached and changed nothing."""
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""The codes a failure may be retried with (`may_retry`): UNAVAILABLE, the server (or a driver behind it) could
+not be reached and changed nothing; RESOURCE_EXHAUSTED, only when the server marks it retryable (OVERLOADED, at a
+limit of concurrent work), never a placement's or a pool's (NO_FIT, CAPACITY_EXHAUSTED)."""
+
+
+def may_retry(exc: grpc.RpcError) -> bool:
+    """Whether the failure ``exc`` may be retried: its code is one of `RETRYABLE_CODES`, and the server, where it
+    answered, marks its error retryable (the ``retryable`` of the SDK error its reason names: a
+    `LedgerNotFencedError` is UNAVAILABLE and no retry changes it), or says it does not serve now (another replica
+    may). gRPC's own UNAVAILABLE (no server reached) is retried; its own RESOURCE_EXHAUSTED (a message over a size
+    limit) is not."""
+    if exc.code() not in RETRYABLE_CODES:
+        return False
+    if server_status(exc) is None:
+        return exc.code() is grpc.StatusCode.UNAVAILABLE
+    error = from_rpc_error(exc)
+    return error.retryable or answered_not_serving(error)
 
 
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
@@ -25,8 +44,9 @@ def _positive(instance: object, attribute: attrs.Attribute[float], value: float)
 class RetryPolicy:
     """Exponential backoff with full jitter, bounded by ``max_attempts`` and by the call's deadline.
 
-    Attempt ``n`` (from 1) that fails with UNAVAILABLE is followed by a pause drawn uniformly from
-    ``[0, min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))]``; no pause runs past the deadline.
+    Attempt ``n`` (from 1) whose failure may be retried (`may_retry`) is followed by a pause drawn uniformly from
+    ``[0, min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))]``, or by the delay the server asked for
+    (a ``google.rpc.RetryInfo``); no pause runs past the deadline.
     ``RetryPolicy(max_attempts=1)`` never retries.
     """
 
@@ -48,6 +68,12 @@ class RetryPolicy:
         """A jittered pause after failed attempt ``attempt``."""
         return (rng or random).uniform(0.0, self.backoff_cap(attempt))
 
+    def pause(self, attempt: int, exc: grpc.RpcError, rng: random.Random | None = None) -> float:
+        """The pause after failed attempt ``attempt`` that failed with ``exc``: the delay the server asked for,
+        where it asked one (it knows when its load will have passed), else `backoff`."""
+        asked = retry_delay_s(exc)
+        return self.backoff(attempt, rng) if asked is None else asked
+
 
 NO_RETRY = RetryPolicy(max_attempts=1)
 
@@ -63,8 +89,9 @@ def call_with_retry(
     sleep: Callable[[float], None] = time.sleep,
     rng: random.Random | None = None,
 ) -> T:
-    """Run ``attempt(remaining_s)`` until it succeeds, fails with a code that is not retried, runs out of
-    attempts, or the next pause would pass the deadline ``timeout_s`` from now; the last error propagates.
+    """Run ``attempt(remaining_s)`` until it succeeds, fails with an error that is not retried (`may_retry`), runs
+    out of attempts, or the next pause (`RetryPolicy.pause`) would pass the deadline ``timeout_s`` from now; the
+    last error propagates.
 
     ``retryable`` is False for calls that are not safe to repeat: they get exactly one attempt. ``until_deadline``
     says of a failure whether the deadline alone bounds its retries, not the policy's ``max_attempts`` (unless the
@@ -81,13 +108,13 @@ def call_with_retry(
         try:
             return attempt(max(deadline - clock(), 0.0))
         except grpc.RpcError as exc:
-            if exc.code() not in RETRYABLE_CODES:
+            if not may_retry(exc):
                 raise
             unbounded = until_deadline is not None and attempts > 1 and until_deadline(exc)
             counted += 0 if unbounded else 1
             if counted >= attempts:
                 raise
-            pause = policy.backoff(n, rng)
+            pause = policy.pause(n, exc, rng)
             if clock() + pause >= deadline:
                 raise
             sleep(pause)

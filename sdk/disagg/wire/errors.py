@@ -204,6 +204,19 @@ def server_status(error: grpc.RpcError) -> status_pb2.Status | None:
     return found
 
 
+def retry_delay_s(error: grpc.RpcError) -> float | None:
+    """How long the server asked the client to wait before trying again (a ``google.rpc.RetryInfo`` among its
+    status's details), in seconds, or None when it asked nothing."""
+    status = server_status(error)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            delay: float = info.retry_delay.ToTimedelta().total_seconds()
+            return max(delay, 0.0)
+    return None
+
+
 def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
     """The SDK error a failed call stands for, rebuilt from its ErrorInfo reason, else from its code."""
     code: grpc.StatusCode = error.code()
