@@ -758,6 +758,82 @@ class TestRequestsTheWireCannotCarry:
         assert client.get(made.id).devices == made.devices
 
 
+class TestArgumentsOfTheWrongType:
+    """An argument of the wrong type (a float revision, a bool, a number for an id, a string for a count) is refused
+    with `InvalidRequestError` naming the argument, before anything is sent: it raised protobuf's TypeError or a
+    KeyError, and a bool was taken as the number 1."""
+
+    CALLS: tuple[tuple[str, Any, str], ...] = (
+        ("watch", lambda c: c.watch(after_revision=1.5), "after_revision"),
+        ("watch", lambda c: c.watch(after_revision=True), "after_revision"),
+        ("watch", lambda c: c.watch(after_revision="3"), "after_revision"),
+        ("get", lambda c: c.get(5), "composition_id"),
+        ("device", lambda c: c.device(5), "device_id"),
+        ("device_status", lambda c: c.device_status(None), "device_id"),
+        ("cordon", lambda c: c.cordon(5), "device_id"),
+        ("uncordon", lambda c: c.uncordon(5), "device_id"),
+        ("release_reservation", lambda c: c.release_reservation(5), "reservation_id"),
+        ("decompose", lambda c: c.decompose(5), "composition_id"),
+        ("apply_reservation", lambda c: c.apply_reservation(5), "reservation_id"),
+        ("compose", lambda c: c.compose(parse_request("j", ["gpu"]), "apply"), "mode"),
+        ("compose", lambda c: c.compose(parse_request("j", ["gpu"]), request_id=5), "request_id"),
+        (
+            "compose",
+            lambda c: c.compose(parse_request("j", ["gpu"]), ComposeMode.RESERVE, reservation_ttl_s="60"),
+            "reservation_ttl_s",
+        ),
+        (
+            "compose",
+            lambda c: c.compose(parse_request("j", ["gpu"]), ComposeMode.RESERVE, reservation_ttl_s=True),
+            "reservation_ttl_s",
+        ),
+        ("recompose", lambda c: c.recompose(5, remove=["d"]), "composition_id"),
+        ("recompose", lambda c: c.recompose("j", remove="gpu-0"), "remove"),
+        ("recompose", lambda c: c.recompose("j", remove=[1]), "remove[0]"),
+        ("recompose", lambda c: c.recompose("j", remove=["d"], expected_etag=5), "expected_etag"),
+        ("recompose", lambda c: c.recompose("j", remove=["d"], request_id=5), "request_id"),
+        ("devices", lambda c: c.devices(kind="gpu"), "kind"),
+        ("devices", lambda c: c.devices(health="ok"), "health"),
+        ("devices", lambda c: c.devices(fabric=3), "fabric"),
+    )
+
+    @pytest.mark.parametrize(
+        ("method", "call", "field"), CALLS, ids=[f"{m}-{f}-{n}" for n, (m, _, f) in enumerate(CALLS)]
+    )
+    def test_refused_naming_the_argument(
+        self, client: FabricManagerClient, composer: FabricComposer, method: str, call: Any, field: str
+    ) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            call(client)
+        assert info.value.field == field and field.split("[", maxsplit=1)[0] in info.value.message
+        assert composer.compositions() == [] and composer.reservations() == []
+
+    @pytest.mark.parametrize(
+        ("kwargs", "field"),
+        [
+            ({"timeout_s": "30"}, "timeout_s"),
+            ({"timeout_s": True}, "timeout_s"),
+            ({"retries": 3}, "retries"),
+            ({"retries": 0}, "retries"),
+        ],
+    )
+    def test_client_options(self, served: Served, kwargs: dict[str, Any], field: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            FabricManagerClient(served.address, **kwargs)
+        assert info.value.field == field and field in info.value.message
+
+    def test_an_address_that_is_no_text(self) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            FabricManagerClient(50051)  # type: ignore[arg-type]
+        assert info.value.field == "address"
+
+    def test_a_revision_is_still_taken(self, client: FabricManagerClient, composer: FabricComposer) -> None:
+        client.compose(parse_request("w", ["gpu"]))
+        _, revision = client.compositions_at()
+        with client.watch(after_revision=revision - 1) as events:
+            assert next(events).revision == revision
+
+
 class TestWatch:
     """The event log from a revision, then live events, in order; closing the stream cancels it."""
 

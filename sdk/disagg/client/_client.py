@@ -13,6 +13,7 @@ from typing import Protocol, Self, TypeVar
 import attrs
 import grpc
 
+from disagg.client import _args as args
 from disagg.client._retry import RetryPolicy, call_with_retry, may_retry
 from disagg.client.replicas import KEEPALIVE, replica_target
 from disagg.composer import KindUsage, PoolUsage
@@ -197,6 +198,13 @@ class FabricManagerClient:
         retries: RetryPolicy | None = None,
         channel: grpc.Channel | None = None,
     ) -> None:
+        address = args.text(address, "address")
+        timeout_s = args.seconds(timeout_s, "timeout_s")
+        if retries is not None and not isinstance(retries, RetryPolicy):
+            raise InvalidRequestError(
+                f"retries must be a RetryPolicy (RetryPolicy(max_attempts=N), or NO_RETRY), not {retries!r}",
+                field="retries",
+            )
         spaced = any(c.isspace() for c in address) and not address.startswith("unix:")  # a path may hold spaces
         if not address or spaced or not address.isprintable():
             raise InvalidRequestError(f"{address!r} is not a server address", field="address")
@@ -462,6 +470,9 @@ class FabricManagerClient:
         free_only: bool = False,
     ) -> tuple[list[DeviceStatus], Revision]:
         """`device_statuses`, and the event revision they were read at (the first page's, when there are more)."""
+        kind = args.optional_member(kind, DeviceKind, "kind")
+        health = args.optional_member(health, Health, "health")
+        fabric = args.optional_text(fabric, "fabric")
         request = fm.ListDevicesRequest(
             kind=KIND_TO_WIRE[kind] if kind is not None else pb.DEVICE_KIND_UNSPECIFIED,
             fabric=fabric or "",
@@ -498,6 +509,7 @@ class FabricManagerClient:
 
     def device_status(self, device_id: str) -> DeviceStatus:
         """One device with its holder and cordon. Raises `NotFoundError` for an unknown id."""
+        device_id = args.text(device_id, "device_id")
         resp = self._call(lambda t: self._stub.GetDevice(fm.GetDeviceRequest(id=device_id), timeout=t), idempotent=True)
         return _status(resp.device)
 
@@ -531,6 +543,7 @@ class FabricManagerClient:
 
     def cordon(self, device_id: str) -> Device:
         """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
+        device_id = args.text(device_id, "device_id")
         resp = self._call(
             lambda t: self._stub.CordonDevice(fm.CordonDeviceRequest(id=device_id), timeout=t), idempotent=True
         )
@@ -538,6 +551,7 @@ class FabricManagerClient:
 
     def uncordon(self, device_id: str) -> Device:
         """Offer a cordoned device to placement again. Idempotent."""
+        device_id = args.text(device_id, "device_id")
         resp = self._call(
             lambda t: self._stub.UncordonDevice(fm.UncordonDeviceRequest(id=device_id), timeout=t),
             idempotent=True,
@@ -577,6 +591,10 @@ class FabricManagerClient:
         APPLY and RESERVE carry a request id, a fresh uuid4 unless one is given, so that the server binds once
         however often the call is retried; ``request_id=""`` sends none, and such a call is never retried.
         """
+        mode = args.member(mode, ComposeMode, "mode")
+        reservation_ttl_s = args.seconds(reservation_ttl_s, "reservation_ttl_s")
+        request_id = args.optional_text(request_id, "request_id")
+        reservation_id = args.optional_text(reservation_id, "reservation_id")
         if request is None and not reservation_id:
             raise InvalidRequestError("give a request, or a reservation id to apply", field="request")
         if reservation_id and mode is not ComposeMode.APPLY:
@@ -611,6 +629,7 @@ class FabricManagerClient:
 
     def apply_reservation(self, reservation_id: str, *, request_id: str | None = None) -> Composition:
         """Bind a reserved plan. Raises `NotFoundError` when it expired or never existed."""
+        reservation_id = args.text(reservation_id, "reservation_id")
         comp = self.compose(None, ComposeMode.APPLY, reservation_id=reservation_id, request_id=request_id).composition
         if comp is None:
             raise DisaggError(f"the server answered the apply of reservation {reservation_id} with no composition")
@@ -618,6 +637,7 @@ class FabricManagerClient:
 
     def get(self, composition_id: str) -> Composition:
         """A composition by id or name. Raises `NotFoundError` for an unknown one."""
+        composition_id = args.text(composition_id, "composition_id")
         resp = self._call(
             lambda t: self._stub.GetComposition(fm.GetCompositionRequest(id=composition_id), timeout=t),
             idempotent=True,
@@ -655,6 +675,10 @@ class FabricManagerClient:
         once however often the call is retried on UNAVAILABLE; ``request_id=""`` sends none, and such a call
         gets one attempt.
         """
+        composition_id = args.text(composition_id, "composition_id")
+        remove = args.texts(remove, "remove")
+        expected_etag = args.optional_text(expected_etag, "expected_etag")
+        request_id = args.optional_text(request_id, "request_id")
         check_expected_etag(expected_etag)
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -662,7 +686,7 @@ class FabricManagerClient:
         msg = fm.UpdateCompositionRequest(
             id=composition_id,
             add=[resource_to_wire(r) for r in add],
-            remove=list(remove),
+            remove=remove,
             etag=expected_etag or "",
             request_id=request_id,
         )
@@ -678,6 +702,7 @@ class FabricManagerClient:
 
         A live reservation's id or name is refused (`InvalidRequestError`), as the composer and the server refuse
         it: taken for an unknown composition, it read as released while it held its plan."""
+        composition_id = args.text(composition_id, "composition_id")
         deadline = time.monotonic() + self.timeout_s  # one for every call: "each call's deadline"
         lookup = fm.GetCompositionRequest(id=composition_id)
         try:
@@ -725,6 +750,7 @@ class FabricManagerClient:
     def release_reservation(self, reservation_id: str) -> None:
         """Give a reservation's plan back. Idempotent: an unknown (expired, applied, released) id is not an
         error."""
+        reservation_id = args.text(reservation_id, "reservation_id")
         self._call(
             lambda t: self._stub.ReleaseReservation(fm.ReleaseReservationRequest(id=reservation_id), timeout=t),
             idempotent=True,
@@ -740,6 +766,7 @@ class FabricManagerClient:
         cancels it. With ``resume``, a stream broken by UNAVAILABLE is reopened from the last revision seen,
         as the retry policy allows, so no event is lost or repeated.
         """
+        after_revision = args.whole(after_revision, "after_revision")
         if not 0 <= after_revision < 1 << 64:
             raise InvalidRequestError("after_revision is a revision: 0 to 2**64 - 1", field="after_revision")
         return EventStream(self, after_revision, resume=resume)

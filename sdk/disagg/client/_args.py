@@ -1,0 +1,61 @@
+"""Checks of the client's arguments, made before a message is built: an argument of the wrong type is refused as
+`InvalidRequestError` naming it, where protobuf raised a bare TypeError (or took ``True`` for 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+from typing import TypeVar
+
+from disagg.errors import InvalidRequestError
+
+E = TypeVar("E", bound=Enum)
+
+
+def _refuse(name: str, wanted: str, value: object) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} must be {wanted}, not {type(value).__name__} {value!r}", field=name)
+
+
+def text(value: object, name: str) -> str:
+    """``value``, an id, name or other string argument called ``name``."""
+    if not isinstance(value, str):
+        raise _refuse(name, "a string", value)
+    return value
+
+
+def optional_text(value: object, name: str) -> str | None:
+    """``value``, a string argument called ``name`` that may be left out (None)."""
+    return None if value is None else text(value, name)
+
+
+def texts(values: Iterable[object], name: str) -> list[str]:
+    """``values``, a sequence of strings called ``name``: a string itself is refused, not read as its letters."""
+    if isinstance(values, str | bytes):
+        raise _refuse(name, "a sequence of strings", values)
+    return [text(value, f"{name}[{n}]") for n, value in enumerate(values)]
+
+
+def whole(value: object, name: str) -> int:
+    """``value``, an integer argument called ``name`` (a `disagg.model.Revision` is one); a bool is not."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _refuse(name, "an integer", value)
+    return value
+
+
+def seconds(value: object, name: str) -> float:
+    """``value``, a number of seconds called ``name``; a bool is not one. Its range is the caller's to check."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _refuse(name, "a number of seconds", value)
+    return value
+
+
+def member(value: object, kind: type[E], name: str) -> E:
+    """``value``, a member of the enum ``kind`` called ``name`` (``DeviceKind.GPU``, not ``"gpu"``)."""
+    if not isinstance(value, kind):
+        raise _refuse(name, f"a {kind.__name__}", value)
+    return value
+
+
+def optional_member(value: object, kind: type[E], name: str) -> E | None:
+    """``value``, a member of ``kind`` or None (no filter)."""
+    return None if value is None else member(value, kind, name)
