@@ -815,6 +815,9 @@ class TestArgumentsOfTheWrongType:
             ({"timeout_s": True}, "timeout_s"),
             ({"retries": 3}, "retries"),
             ({"retries": 0}, "retries"),
+            ({"keepalive_s": "2"}, "keepalive_s"),
+            ({"keepalive_s": 0}, "keepalive_s"),
+            ({"keepalive_s": math.inf}, "keepalive_s"),
         ],
     )
     def test_client_options(self, served: Served, kwargs: dict[str, Any], field: str) -> None:

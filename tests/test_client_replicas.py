@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from composer_helpers import rack
 from disagg.client import NO_RETRY, FabricManagerClient, RetryPolicy
-from disagg.client.replicas import KEEPALIVE, SERVICE_CONFIG, replica_target
+from disagg.client.replicas import SERVICE_CONFIG, replica_target
 from disagg.composer import FabricComposer
 from disagg.errors import (
     NOT_SERVING,
@@ -47,7 +47,7 @@ class TestReplicaTarget:
     def test_a_list(self) -> None:
         assert replica_target("127.0.0.1:1, 127.0.0.2:2") == (
             "ipv4:127.0.0.1:1,127.0.0.2:2",
-            (("grpc.service_config", SERVICE_CONFIG), *KEEPALIVE),
+            (("grpc.service_config", SERVICE_CONFIG),),
         )
         assert replica_target("[::1]:1,[::1]:2")[0] == "ipv6:[::1]:1,[::1]:2"
 
@@ -132,7 +132,7 @@ class GrantedLead:
 
 
 PINGS_NOTICE_S = 6.0
-"""Longer than a ping's interval and its timeout together (`KEEPALIVE`: 2 s and 2 s)."""
+"""Longer than a ping's interval and its timeout together (`KEEPALIVE_S` and `PING_TIMEOUT_S`: 2 s and 2 s)."""
 
 
 class TestTakeover:

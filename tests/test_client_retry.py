@@ -750,3 +750,58 @@ class TestTheServersRetryableMark:
             stream.close()
         assert revisions == list(range(1, total + 1))
         assert servicer.watch_requests == [0, 3, 3, 3]
+
+
+class Peers(Flaky):
+    """Records the peer (the client's end of the connection) of each GetTopology."""
+
+    def __init__(self, composer: FabricComposer) -> None:
+        super().__init__(composer, failures=-1)
+        self.peers: list[str] = []
+
+    def GetTopology(self, request: fm.GetTopologyRequest, context: grpc.ServicerContext) -> fm.GetTopologyResponse:  # noqa: N802
+        self.peers.append(context.peer())
+        return fm.GetTopologyResponse()
+
+
+@contextlib.contextmanager
+def default_policy_server(servicer: Flaky) -> Iterator[str]:
+    """A grpcio server with gRPC's default ping policy (pings 5 minutes apart, none without a call, two strikes),
+    as a server or proxy not set up for the fabric manager has, on TCP so that each connection has its own peer."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    fm_grpc.add_FabricManagerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+STRIKES_S = 7.5
+"""Longer than three of the client's pings 2 s apart: a default-policy server closes the connection at the third
+(GOAWAY too_many_pings)."""
+
+
+class TestPingsAgainstAServerOfDefaultPolicy:
+    """The client pings only while a call is open, and ``keepalive_s=None`` not at all: a server or proxy of gRPC's
+    default ping policy closed the connection of a client that pinged every 2 s with nothing open."""
+
+    def test_an_idle_connection_is_kept(self, composer: FabricComposer) -> None:
+        servicer = Peers(composer)
+        with default_policy_server(servicer) as address, FabricManagerClient(address, retries=FAST) as client:
+            client.topologies()
+            time.sleep(STRIKES_S)
+            client.topologies()
+        assert len(servicer.peers) == 2 and servicer.peers[0] == servicer.peers[1]
+
+    def test_without_pings_a_silent_watch_is_kept(self, composer: FabricComposer) -> None:
+        servicer = Peers(composer)
+        with (
+            default_policy_server(servicer) as address,
+            FabricManagerClient(address, retries=FAST, keepalive_s=None) as client,
+            client.watch(),
+        ):
+            assert servicer.watch_started.wait(10)
+            time.sleep(STRIKES_S)
+            assert not servicer.watch_cancelled.is_set()

@@ -15,7 +15,7 @@ import grpc
 
 from disagg.client import _args as args
 from disagg.client._retry import RetryPolicy, call_with_retry, may_retry
-from disagg.client.replicas import KEEPALIVE, replica_target
+from disagg.client.replicas import KEEPALIVE_S, keepalive, replica_target
 from disagg.composer import KindUsage, PoolUsage
 from disagg.composer.composer import check_expected_etag
 from disagg.errors import (
@@ -80,9 +80,6 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.max_reconnect_backoff_ms", 2000),
     # A topology of 100,000 devices is about 27 MB in one answer; gRPC's default refuses more than 4 MiB.
     ("grpc.max_receive_message_length", 1 << 30),
-    # A single server that stops answering without closing the connection (paused, half open) ends a watch
-    # within seconds, as with replicas, rather than never.
-    *KEEPALIVE,
 )
 
 
@@ -157,6 +154,8 @@ _NOT_TAKEN = frozenset({OverloadedError.reason})
 MAX_TIMEOUT_S = 365 * 86_400.0
 """The longest ``timeout_s``, a year. From about 9.2e9 s on gRPC's deadline overflows, and every call then failed
 at once as DEADLINE_EXCEEDED, saying a change may have been made."""
+MAX_KEEPALIVE_S = 2.0**31 / 1000
+"""gRPC takes a ping interval in milliseconds, as a 32-bit int: ``keepalive_s`` is less than this (about 24 days)."""
 READY_CHECK_S = 0.2
 """How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
 NOT_CONNECTED = "failed to connect to all addresses"
@@ -186,8 +185,14 @@ class FabricManagerClient:
     that carries the time of its event: a watch from it sends that time, so that a log reset or restored since
     is refused (`RevisionCompactedError`) instead of followed past the changes it lost.
 
+    ``keepalive_s`` is how often the client pings the server while a call is open (none on an idle connection),
+    so that a server that stops answering without closing the connection is dropped within seconds: a watch ends
+    (and reopens) instead of waiting forever, and over several replicas the channel leaves a hung one. None sends
+    no pings, for a server or proxy that takes pings at most 5 minutes apart (gRPC's default policy) and would
+    close the connection of a call open longer than 6 s.
+
     ``channel`` replaces the plaintext channel the client opens by default (for TLS or interceptors); the client
-    closes it.
+    closes it, and ``keepalive_s`` is the channel's to set.
     """
 
     def __init__(
@@ -197,6 +202,7 @@ class FabricManagerClient:
         timeout_s: float = 30.0,
         retries: RetryPolicy | None = None,
         channel: grpc.Channel | None = None,
+        keepalive_s: float | None = KEEPALIVE_S,
     ) -> None:
         address = args.text(address, "address")
         timeout_s = args.seconds(timeout_s, "timeout_s")
@@ -204,6 +210,12 @@ class FabricManagerClient:
             raise InvalidRequestError(
                 f"retries must be a RetryPolicy (RetryPolicy(max_attempts=N), or NO_RETRY), not {retries!r}",
                 field="retries",
+            )
+        if keepalive_s is not None and not 0 < args.seconds(keepalive_s, "keepalive_s") < MAX_KEEPALIVE_S:
+            raise InvalidRequestError(
+                f"keepalive_s must be above 0 and below {MAX_KEEPALIVE_S:g} seconds, or None for no pings, "
+                f"not {keepalive_s!r}",
+                field="keepalive_s",
             )
         spaced = any(c.isspace() for c in address) and not address.startswith("unix:")  # a path may hold spaces
         if not address or spaced or not address.isprintable():
@@ -226,7 +238,7 @@ class FabricManagerClient:
         """The channel is the client's: no service config retries a call that was sent."""
         if channel is None:
             target, extra = replica_target(address)
-            channel = grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, *extra))
+            channel = grpc.insecure_channel(target, options=(*CHANNEL_OPTIONS, *extra, *keepalive(keepalive_s)))
             self._replicas = bool(extra)
         self._channel = channel
         self._stub = fm_grpc.FabricManagerServiceStub(self._channel)

@@ -29,18 +29,35 @@ from a dead leader: its lease has to run out first) waits for one up to its dead
 once, so that a client rides through a takeover."""
 
 
-KEEPALIVE: tuple[tuple[str, int], ...] = (
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.http2.ping_timeout_ms", 2000),  # what gRPC's core enforces now, rather than the keepalive timeout
-    ("grpc.http2.min_time_between_pings_ms", 2000),  # or pings without data go 5 minutes apart
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
-"""Pings every 2 s, each answered within 2 s: a replica that stops answering without closing its connections
-(a paused or hung process, a host gone without a reset) is dropped within about 4 s. Its health watch would
-otherwise still say SERVING, and calls sent to it would wait out their deadlines while another replica leads.
-The fabric manager's server accepts pings this often (`disagg.server.runtime`)."""
+KEEPALIVE_S = 2.0
+"""How often the client pings a connection while a call is open on it, by default (``keepalive_s``). Each ping is
+answered within `PING_TIMEOUT_S` or the connection is dropped: a replica that stops answering without closing its
+connections (a paused or hung process, a host gone without a reset) is dropped within about 4 s. Its health watch,
+a call open on the connection all along, would otherwise still say SERVING, and calls sent to it would wait out
+their deadlines while another replica leads; with one address, a watch would wait forever. The fabric manager's
+server accepts pings this often (`disagg.server.runtime`); a server or proxy of gRPC's default policy takes one in
+5 minutes, and answers more with GOAWAY (too_many_pings) once a call has been open for 6 s."""
+PING_TIMEOUT_S = 2.0
+
+
+def keepalive(seconds: float | None) -> tuple[tuple[str, int], ...]:
+    """The channel options of pings every ``seconds`` while a call is open, never on an idle connection (which a
+    server of gRPC's default policy answers with GOAWAY at the third ping); None sends none."""
+    if seconds is None:
+        return ()
+    ping_ms, answer_ms = round(seconds * 1000), round(PING_TIMEOUT_S * 1000)
+    return (
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", answer_ms),
+        ("grpc.http2.ping_timeout_ms", answer_ms),  # what gRPC's core enforces now, rather than the keepalive timeout
+        ("grpc.http2.min_time_between_pings_ms", ping_ms),  # or pings without data go 5 minutes apart
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    )
+
+
+KEEPALIVE = keepalive(KEEPALIVE_S)
+"""The default pings' channel options."""
 
 
 SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:")
@@ -50,8 +67,9 @@ gRPC judges what follows them."""
 
 def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]]:
     """The channel target and options for ``address``: one address as it is; ``IP:PORT,IP:PORT,...`` as a
-    health-checked round-robin over the replicas. Raises `InvalidRequestError` for a list that names hosts
-    rather than IP addresses (gRPC resolves a list of literal addresses only)."""
+    health-checked round-robin over the replicas (the client adds its pings, `keepalive`, to either). Raises
+    `InvalidRequestError` for a list that names hosts rather than IP addresses (gRPC resolves a list of literal
+    addresses only)."""
     if "," not in address:
         if address.startswith("unix:"):
             _check_unix(address)
@@ -82,7 +100,7 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
             raise InvalidRequestError(f"{address!r} mixes IPv4 and IPv6 replicas", field="address")
         family = this
         hosts.append(f"{host}:{port}" if ip.version == 4 else f"[{host}]:{port}")
-    return f"{family}:{','.join(hosts)}", (("grpc.service_config", SERVICE_CONFIG), *KEEPALIVE)
+    return f"{family}:{','.join(hosts)}", (("grpc.service_config", SERVICE_CONFIG),)
 
 
 def _check_unix(address: str) -> None:
