@@ -3,6 +3,7 @@ moves; a list of replicas that gRPC cannot resolve is refused with a clear error
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import random
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -406,3 +408,21 @@ def _replicas() -> Iterator[list[FabricManagerServer]]:
     """Two fabric managers on loopback, both serving."""
     with replicas() as servers:
         yield servers
+
+
+class TestADroppedClient:
+    """A client of several replicas dropped without `close` is collected: its subscription to the channel's
+    state held the client (a bound method of it), and gRPC's polling thread held the subscription, so the client,
+    its channel and that thread lived as long as the process."""
+
+    def test_is_collected(self, replicas: list[FabricManagerServer]) -> None:
+        client = FabricManagerClient(f"{replicas[0].addresses[0]},127.0.0.1:1", timeout_s=5)
+        client.compositions()
+        dropped = weakref.ref(client)
+        del client
+        for _ in range(10):
+            gc.collect()
+            if dropped() is None:
+                break
+            time.sleep(0.1)
+        assert dropped() is None

@@ -7,6 +7,7 @@ import random
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, Self, TypeVar
 
@@ -135,6 +136,20 @@ class _ClientClosedError(Exception):
     """`FabricManagerClient.close` came before or during an attempt of a call: it ends the call's retries."""
 
 
+def _connectivity_watch(client: FabricManagerClient) -> Callable[[grpc.ChannelConnectivity], None]:
+    """The subscription of ``client`` to its channel's state, holding the client weakly: gRPC's polling thread holds
+    the subscription, and a bound method of the client kept a client dropped without `close`, its channel and the
+    thread for the life of the process. Once the client is collected, its finalizer closes the channel."""
+    held = weakref.ref(client)
+
+    def changed(state: grpc.ChannelConnectivity) -> None:
+        found = held()
+        if found is not None:
+            found._on_connectivity(state)
+
+    return changed
+
+
 def _nothing(state: grpc.ChannelConnectivity) -> None:
     """A subscription's callback that only asks the channel to connect (`FabricManagerClient._serving`)."""
 
@@ -253,8 +268,11 @@ class FabricManagerClient:
         the client's life, not asked of the channel at each call: a subscription made and dropped at each call
         started gRPC's connectivity thread again and again, and one that started as the client closed failed
         in that thread (a closed channel)."""
+        self._finalizer = weakref.finalize(self, self._channel.close)
+        """Closes the channel of a client collected without `close`."""
+        self._finalizer.atexit = False
         if self._replicas:
-            self._channel.subscribe(self._on_connectivity, try_to_connect=True)
+            self._channel.subscribe(_connectivity_watch(self), try_to_connect=True)
 
     # ----------------------------------------------------------------- life cycle
 
@@ -262,7 +280,7 @@ class FabricManagerClient:
         """Close the channel; calls and watches in flight are cancelled, and later calls refused."""
         self.closed = True
         self._wake()
-        self._channel.close()
+        self._finalizer()
 
     def _pause(self, seconds: float, *, ended: Callable[[], bool] = lambda: False) -> None:
         """A pause between attempts, cut short by `close` (or by ``ended`` turning true, when notified): a call or
