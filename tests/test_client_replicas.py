@@ -3,6 +3,7 @@ moves; a list of replicas that gRPC cannot resolve is refused with a clear error
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -287,55 +288,33 @@ class TestTakeover:
             client.compositions()
         assert refused.value.metadata[SERVING] == NOT_SERVING and answered_not_serving(refused.value)
 
-    def test_a_decompose_keeps_to_one_deadline(self) -> None:
+    def test_a_decompose_keeps_to_one_deadline(self, unserved: tuple[FabricManagerServer, FabricManagerServer]) -> None:
         """`decompose` is two calls, a lookup and the Decompose by id, and each took the whole `timeout_s`: a lookup
         that rode through most of a takeover was followed by a Decompose with a deadline of its own."""
-        slow = FabricManagerServer(FabricComposer(slow_rack(1.5), store=MemoryStore()), ["127.0.0.1:0"])
-        other = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
-        slow.start()
-        other.start()
-        try:
-            comp = slow.composer.compose(parse_request("job", ["gpu x1"])).composition
-            assert comp is not None
-            set_serving(slow, False)
-            set_serving(other, False)
-            takeover = threading.Timer(2.4, set_serving, (slow, True))  # within the deadline, with 0.6 s left
-            with FabricManagerClient(f"{slow.addresses[0]},{other.addresses[0]}", timeout_s=3.0) as client:
-                started = time.monotonic()
-                takeover.start()
-                with pytest.raises(DeadlineExceededError):
-                    client.decompose(comp.id)  # its unbind takes 1.5 s
-                took = time.monotonic() - started
-            assert took < 3.0 + 0.5, f"decompose took {took:.1f}s with timeout_s=3"
-        finally:
-            takeover.cancel()
-            slow.stop(0)
-            other.stop(0)
+        slow, other = unserved
+        comp = slow.composer.compose(parse_request("job", ["gpu x1"])).composition
+        assert comp is not None
+        with _taken_over_late(slow, other) as client:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                client.decompose(comp.id)  # its unbind takes 1.5 s
+            took = time.monotonic() - started
+        assert took < 3.0 + 0.5, f"decompose took {took:.1f}s with timeout_s=3"
 
-    def test_a_change_keeps_to_its_deadline_after_waiting_for_a_replica(self) -> None:
+    def test_a_change_keeps_to_its_deadline_after_waiting_for_a_replica(
+        self, unserved: tuple[FabricManagerServer, FabricManagerServer]
+    ) -> None:
         """A change with a request id waits for a serving replica before it is sent, and was then sent with the
         whole time left before that wait: a takeover 2.4 s into a 3 s deadline gave the Compose 3 s more."""
-        slow = FabricManagerServer(FabricComposer(slow_rack(1.5), store=MemoryStore()), ["127.0.0.1:0"])
-        other = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
-        slow.start()
-        other.start()
-        try:
-            set_serving(slow, False)
-            set_serving(other, False)
-            takeover = threading.Timer(2.4, set_serving, (slow, True))  # within the deadline, with 0.6 s left
-            with FabricManagerClient(f"{slow.addresses[0]},{other.addresses[0]}", timeout_s=3.0) as client:
-                started = time.monotonic()
-                takeover.start()
-                with pytest.raises(DeadlineExceededError) as refused:
-                    client.compose(parse_request("job", ["gpu x1"]), request_id="r1")  # its bind takes 1.5 s
-                took = time.monotonic() - started
-            assert took < 3.0 + 0.5, f"compose took {took:.1f}s with timeout_s=3"
-            assert refused.value.metadata["request_id"] == "r1"
-            assert slow.composer.compositions() == []
-        finally:
-            takeover.cancel()
-            slow.stop(0)
-            other.stop(0)
+        slow, other = unserved
+        with _taken_over_late(slow, other) as client:
+            started = time.monotonic()
+            with pytest.raises(DeadlineExceededError) as refused:
+                client.compose(parse_request("job", ["gpu x1"]), request_id="r1")  # its bind takes 1.5 s
+            took = time.monotonic() - started
+        assert took < 3.0 + 0.5, f"compose took {took:.1f}s with timeout_s=3"
+        assert refused.value.metadata["request_id"] == "r1"
+        assert slow.composer.compositions() == []
 
     def test_a_change_waiting_for_a_replica_ends_when_the_client_closes(
         self, replicas: list[FabricManagerServer]
@@ -401,6 +380,34 @@ class _FailingStore(MemoryStore):
     @property
     def failure(self) -> str:
         return self.failed
+
+
+@pytest.fixture(name="unserved")
+def _unserved() -> Iterator[tuple[FabricManagerServer, FabricManagerServer]]:
+    """Two fabric managers on loopback, both serving: the first binds in 1.5 s."""
+    slow = FabricManagerServer(FabricComposer(slow_rack(1.5), store=MemoryStore()), ["127.0.0.1:0"])
+    other = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
+    slow.start()
+    other.start()
+    try:
+        yield slow, other
+    finally:
+        slow.stop(0)
+        other.stop(0)
+
+
+@contextlib.contextmanager
+def _taken_over_late(slow: FabricManagerServer, other: FabricManagerServer) -> Iterator[FabricManagerClient]:
+    """A client of both, with a deadline of 3 s, while neither serves until ``slow`` takes over 2.4 s in."""
+    set_serving(slow, False)
+    set_serving(other, False)
+    takeover = threading.Timer(2.4, set_serving, (slow, True))
+    try:
+        with FabricManagerClient(f"{slow.addresses[0]},{other.addresses[0]}", timeout_s=3.0) as client:
+            takeover.start()
+            yield client
+    finally:
+        takeover.cancel()
 
 
 @pytest.fixture(name="replicas")
