@@ -268,6 +268,14 @@ class TestErrors:
         assert (code, out) == (2, "") and "reservation time to live must be above 0 and at most 86400" in err
         assert cli(capsys, "compose", "r", "gpu x1")[0] == 0
 
+    @pytest.mark.parametrize("ttl", ["nan", "-1", "1e6"])
+    def test_a_refused_reserve_time_names_reserve(self, capsys: pytest.CaptureFixture[str], ttl: str) -> None:
+        """The refusal was in the composer's words, which name no flag (and the server's named
+        reservation_ttl_s, a field of the protocol the command line has not)."""
+        code, out, err = cli(capsys, "compose", "r", "gpu x1", "--reserve", ttl)
+        assert (code, out) == (2, "") and err.startswith(f"disagg: error: --reserve {float(ttl):g}: ")
+        assert "at most 86400 seconds" in err and "0 for the default" in err
+
     def test_name_taken_and_nothing_changes(self, capsys: pytest.CaptureFixture[str]) -> None:
         assert cli(capsys, "compose", "a", "gpu x1")[0] == 0
         code, _, err = cli(capsys, "compose", "a", "gpu x1")

@@ -107,7 +107,7 @@ class TestExitCodes:
             (("compose", "x", "host h9", "gpu"), 4, "h9"),
             (("decompose", "nothing"), 4, "composition 'nothing' not found"),
             (("recompose", "nothing", "--add", "gpu"), 4, "not found"),
-            (("compose", "x", "gpu", "--reserve", "1000000"), 2, "reservation_ttl_s"),
+            (("compose", "x", "gpu", "--reserve", "1000000"), 2, "--reserve 1e+06: the reservation time to live"),
         ],
     )
     def test_exit_codes(

@@ -35,7 +35,15 @@ from disagg.errors import (
     NotFoundError,
     outcome_is_unknown,
 )
-from disagg.model import ComposeMode, CompositionRequest, DeviceKind, Reservation, format_size, parse_size
+from disagg.model import (
+    MAX_RESERVATION_TTL_S,
+    ComposeMode,
+    CompositionRequest,
+    DeviceKind,
+    Reservation,
+    format_size,
+    parse_size,
+)
 from disagg.plugins import load_plugins
 from disagg.requestlang import bare_amount_refusal, parse_request, parse_resource, request_from_document
 from disagg.wire.errors import build
@@ -262,15 +270,34 @@ def _request_id(args: argparse.Namespace) -> str | None:
     return request_id
 
 
+DEFAULT_RESERVE_S = 60.0
+"""How long ``compose --reserve 0`` holds the plan: the protocol's default, which its 0 stands for."""
+
+
+def _reserve_s(given: float | None) -> float:
+    """``--reserve``, checked here so that the refusal names the flag: the composer's names none, and a server's
+    names ``reservation_ttl_s``, a field of the protocol that the command line has not."""
+    if not given:
+        return DEFAULT_RESERVE_S
+    if not 0 < given <= MAX_RESERVATION_TTL_S:  # NaN too: it would never expire
+        raise InvalidRequestError(
+            f"--reserve {given:g}: the reservation time to live must be above 0 and at most "
+            f"{MAX_RESERVATION_TTL_S:g} seconds (0 for the default, {DEFAULT_RESERVE_S:g})",
+            field="reserve",
+        )
+    return given
+
+
 def cmd_compose(args: argparse.Namespace) -> int:
     request = _request(args)
+    reserve_s = _reserve_s(args.reserve)
     _check_request_id(args)
     mode = (
         ComposeMode.PREVIEW if args.preview else ComposeMode.RESERVE if args.reserve is not None else ComposeMode.APPLY
     )
     with _composer(args) as composer:
         request_id = None if mode is ComposeMode.PREVIEW and args.request_id is None else _request_id(args)
-        result = composer.compose(request, mode, reservation_ttl_s=args.reserve or 60.0, request_id=request_id)
+        result = composer.compose(request, mode, reservation_ttl_s=reserve_s, request_id=request_id)
         if args.json:
             render.emit_json(result)
             return 0
