@@ -608,6 +608,25 @@ class TestADriverThatCannotBeBuilt:
         assert run.report is None and "option 'address' is required" in run.stderr
 
 
+def earlier_reports(out: Path) -> dict[str, str]:
+    """Reports as an earlier run left them in ``out``."""
+    out.mkdir()
+    for name in FILES:
+        (out / name).write_text(f"CERTIFIED ({name})")
+    return {name: f"CERTIFIED ({name})" for name in FILES}
+
+
+def kept_reports(said: str, out: Path) -> dict[str, str]:
+    """The reports in the folder that certify's error output says it moved those of ``out`` to."""
+    lead = f"the reports an earlier run left in {out} are kept in "
+    assert lead in said, said
+    kept = Path(said.split(lead, 1)[1].split(maxsplit=1)[0])
+    try:
+        return {path.name: path.read_text() for path in kept.iterdir()}
+    finally:
+        shutil.rmtree(kept)
+
+
 class TestCertifyBadInput:
     """Every mistake on certify's command line is refused with exit 2 and a message that names it, before the
     suite runs."""
@@ -629,6 +648,45 @@ class TestCertifyBadInput:
             (out / name).write_text("CERTIFIED")
         assert "no driver 'nope' is installed" in self.run(capsys, "nope", "--out", str(out))
         assert list(out.iterdir()) == []
+
+    @pytest.mark.parametrize(
+        ("refused", "says"),
+        [
+            (("nope",), "no driver 'nope' is installed"),
+            (("sim", "--restart-command", "true"), "only with --remote"),
+            (("sim", "--config", "absent.toml"), "does not exist"),
+            (("sim", "--expected-failures", "absent.txt"), "absent.txt"),
+            (("sim", "--plugin", "no_such_module"), "cannot import 'no_such_module'"),
+        ],
+        ids=["driver", "restart-command", "config", "expected-failures", "plugin"],
+    )
+    def test_a_refused_run_keeps_the_earlier_reports_out_of_out(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str],
+        refused: tuple[str, ...],
+        says: str,
+    ) -> None:
+        """A typo removed the last certification for good: the reports leave --out (a CI job must not take them
+        for this run's) for a folder the error names, whole."""
+        monkeypatch.chdir(tmp_path)
+        earlier = earlier_reports(tmp_path / "out")
+        said = self.run(capsys, *refused, "--out", str(tmp_path / "out"))
+        assert says in said and list((tmp_path / "out").iterdir()) == []
+        assert kept_reports(said, tmp_path / "out") == earlier
+
+    def test_a_config_error_of_the_driver_keeps_the_earlier_reports_out_of_out(
+        self, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    ) -> None:
+        """The suite's process refuses the options as it builds the driver: bad input too, found later."""
+        config = tmp_path / "c.toml"
+        config.write_text("[options]\ntopology = 'demo-pcie'\nstate_flie = 'x'\n")
+        earlier = earlier_reports(tmp_path / "out")
+        assert main(["certify", "sim", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+        said = capfd.readouterr().err
+        assert "state_flie" in said and list((tmp_path / "out").iterdir()) == []
+        assert kept_reports(said, tmp_path / "out") == earlier
 
     @pytest.mark.parametrize("where", ["a-file", "a-file/reports"])
     def test_an_out_that_cannot_be_a_folder(

@@ -178,6 +178,43 @@ def _built(driver: str, fabric: object) -> Fabric:
 
 
 def cmd_certify(args: argparse.Namespace) -> int:
+    """Set the reports an earlier run left in ``--out`` aside (`_set_aside`), then certify (`_certify`): a run
+    refused as bad input says where they are, whoever refused it (certify or the suite's process); any other run
+    removes them."""
+    if args.suite_process:
+        return _certify(args)
+    _needs_pytest()
+    out = Path(args.out)
+    earlier = _set_aside(out)
+    if earlier is None:
+        return _certify(args)
+    try:
+        code = _certify(args)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc.message}; {_kept(out, earlier)}", field=exc.field) from None
+    except BaseException:
+        print(f"disagg: {_kept(out, earlier)}", file=sys.stderr)
+        raise
+    if code == 2:
+        print(f"disagg: {_kept(out, earlier)}", file=sys.stderr)
+    else:
+        shutil.rmtree(earlier, ignore_errors=True)
+    return code
+
+
+def _needs_pytest() -> None:
+    """Say that pytest is missing before anything runs (the suite and its reports need it)."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"disagg certify needs pytest ({exc}): pip install 'disagg[testing]'") from None
+
+
+def _kept(out: Path, earlier: Path) -> str:
+    return f"the reports an earlier run left in {out} are kept in {earlier}"
+
+
+def _certify(args: argparse.Namespace) -> int:
     """Check the input, then run the suite in a child process (`_supervise`) that runs this command again with
     ``--suite-process``: the child builds the driver once (a configuration error it raises is bad input) and runs
     pytest in its own process, where a driver may end the process (``os._exit(0)``) or leave threads running
@@ -198,8 +235,6 @@ def cmd_certify(args: argparse.Namespace) -> int:
     from disagg.remote.fabric import RemoteFabric
 
     out = Path(args.out)
-    if not args.suite_process:
-        _clear_reports(out)
     if args.restart_command and not args.remote:
         raise ConfigError("--restart-command applies only with --remote", field="restart_command")
     if args.expected_failures:
@@ -584,15 +619,23 @@ def suite_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _clear_reports(out: Path) -> None:
-    """Remove the reports an earlier run left in ``out``, so that none outlives this run, whatever becomes of it."""
+def _set_aside(out: Path) -> Path | None:
+    """Move the reports an earlier run left in ``out`` to a folder of their own (None: there were none), so that
+    none outlives this run, whatever becomes of it, and none is lost to a run refused as bad input."""
     from disagg.testing.report import FILES
 
-    for name in FILES:
-        try:
-            (out / name).unlink(missing_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--out: cannot write the reports to {out}: {exc.strerror or exc}", field="out") from None
+    found = [out / name for name in FILES if (out / name).exists()]
+    if not found:
+        return None
+    earlier = Path(tempfile.mkdtemp(prefix="disagg-certification-earlier-"))
+    try:
+        for path in found:
+            shutil.move(path, earlier / path.name)
+    except OSError as exc:
+        raise ConfigError(
+            f"--out: cannot write the reports to {out}: {exc.strerror or exc}; {_kept(out, earlier)}", field="out"
+        ) from None
+    return earlier
 
 
 def _probe_out(out: Path) -> None:
