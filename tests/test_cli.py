@@ -173,6 +173,21 @@ class TestCommands:
         assert "disagg-sim" in out and "best-fit" in out and "fault-injection" in out
 
 
+class TestThePrivateLedger:
+    """The ledger holds the fabric's state: a file disagg makes is its owner's alone, and one that exists is
+    closed to other users as it is opened (an older disagg, a copy or a restore left it 0644); its group keeps
+    what the owner gave it, as a ledger shared with a group is so on purpose."""
+
+    @pytest.mark.parametrize(("found", "left"), [(0o644, 0o640), (0o666, 0o660), (0o660, 0o660), (0o600, 0o600)])
+    def test_an_existing_ledger(
+        self, capsys: pytest.CaptureFixture[str], state_dir: Path, found: int, left: int
+    ) -> None:
+        assert cli(capsys, "compose", "a", "gpu x1")[0] == 0
+        (state_dir / "ledger.db").chmod(found)
+        assert cli(capsys, "ls")[0] == 0
+        assert (state_dir / "ledger.db").stat().st_mode & 0o777 == left
+
+
 class TestErrors:
     """Every mistake a user can make gets a clear message and its own exit code; nothing changes."""
 

@@ -71,6 +71,25 @@ class TestPrivateFiles:
         finally:
             store.close()
 
+    def test_a_ledger_left_open_to_others_is_closed_to_them(self, tmp_path: Path) -> None:
+        """With the write-ahead log and shared memory a crash left, which SQLite gives the ledger's mode. The
+        group keeps its access, given on purpose."""
+        ledger = tmp_path / "ledger.db"
+        SqliteStore(ledger).close()
+        ledger.chmod(0o664)
+        for left in ("ledger.db-wal", "ledger.db-shm"):
+            (tmp_path / left).write_bytes(b"")
+            (tmp_path / left).chmod(0o644)
+        store = SqliteStore(ledger)
+        try:
+            assert [mode(tmp_path / name) for name in ("ledger.db", "ledger.db-wal", "ledger.db-shm")] == [
+                0o660,
+                0o660,
+                0o660,
+            ]
+        finally:
+            store.close()
+
     def test_an_open_lock_file_is_closed_to_others(self, tmp_path: Path) -> None:
         """One made by an older version, or by hand, is closed to others as it is next locked."""
         lock = tmp_path / "ledger.db.lock"

@@ -32,6 +32,7 @@ import heapq
 import logging
 import os
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -219,9 +220,30 @@ MEMORY_REFUSED = (
 
 def _make_private(path: Path) -> None:
     """Create the ledger's file for its owner alone if it is missing: SQLite would make it with the umask's mode
-    (0o666 under umask 000), and its WAL and shared-memory files take the mode of the database's."""
-    with contextlib.suppress(FileExistsError):
+    (0o666 under umask 000), and its WAL and shared-memory files take the mode of the database's (SQLite sets
+    it on those a crash left, too). One that exists is closed to other users (`_close_to_others`)."""
+    try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        _close_to_others(path)
+
+
+def _close_to_others(file: Path) -> None:
+    """Take other users' access to ``file`` away, if it has any (an older disagg, a copy or a restore left it
+    0o644), and say so; its group keeps what its owner gave it, as a ledger shared with a group is so on
+    purpose. A file this user does not own is left as it is, with a warning."""
+    try:
+        found = stat.S_IMODE(file.stat().st_mode)
+    except FileNotFoundError:
+        return
+    if not found & 0o007:
+        return
+    try:
+        os.chmod(file, found & ~0o007)
+    except PermissionError:
+        log.warning("the ledger's file %s is open to other users (%04o), and not this user's to close", file, found)
+        return
+    log.warning("the ledger's file %s was open to other users (%04o): now %04o", file, found, found & ~0o007)
 
 
 EVENT_RETENTION = 100_000
