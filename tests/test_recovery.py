@@ -1678,7 +1678,7 @@ class TestReconcileRacingAHeal:
 
 
 class TestFailpointSetting:
-    """DISAGG_FAILPOINTS names known failpoints only, and a mistake stops `disagg serve` before it starts."""
+    """DISAGG_FAILPOINTS names known failpoints only, and a mistake stops every command before it starts."""
 
     def test_parse(self) -> None:
         assert failpoints.parse("compose.after_bind@2, decompose.before_commit") == {
@@ -1707,6 +1707,24 @@ class TestFailpointSetting:
         )
         assert proc.returncode == 2
         assert "no failpoint 'compose.before_comit'" in proc.stderr
+
+    @pytest.mark.parametrize("command", [("compose", "job", "gpu x1"), ("ls",), ("plugins",)])
+    def test_every_command_refuses_a_misspelt_failpoint(self, tmp_path: Path, command: tuple[str, ...]) -> None:
+        """A local compose runs the composer's failpoints too: it ran with none armed, so a crash test that
+        drives the command line passed without a crash, and ``ls`` took the setting as silently."""
+        env = {**os.environ, failpoints.ENV: "garbage", "DISAGG_STATE_DIR": str(tmp_path)}
+        env.pop("DISAGG_CONFIG", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "disagg.cli.main", *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+        assert proc.stderr.startswith("disagg: error: DISAGG_FAILPOINTS: no failpoint 'garbage' (known: ")
+        assert not (tmp_path / "ledger.db").exists()
 
 
 class FenceRefused(SimFabric):

@@ -5,7 +5,8 @@ left half done.
 
 They are armed only by the test setting ``DISAGG_FAILPOINTS``: a comma-separated list of ``NAME`` (kill at
 the first hit) or ``NAME@N`` (kill at the N-th hit). Unset, `hit` costs one dict lookup. An unknown name is
-a `ConfigError` when `disagg serve` starts (`check`), so a misspelt failpoint cannot make a crash test pass vacuously.
+a `ConfigError` when any `disagg` command starts (`check`), so a misspelt failpoint cannot make a crash test
+pass vacuously.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ _active, _error = _from_env()
 
 
 def check() -> None:
-    """Raise the `ConfigError` of a bad ``DISAGG_FAILPOINTS``; `disagg serve` calls it before it starts."""
+    """Raise the `ConfigError` of a bad ``DISAGG_FAILPOINTS``; every `disagg` command calls it before it starts."""
     if _error is not None:
         raise _error
 

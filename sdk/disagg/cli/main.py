@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from disagg import __version__, codec
+from disagg import __version__, codec, failpoints
 from disagg.cli import bench as bench_cli
 from disagg.cli import certify as certify_cli
 from disagg.cli import driver as driver_cli
@@ -641,9 +641,12 @@ def _reader_gone() -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The command, with its errors and an interrupt turned into their messages and exit codes."""
+    """The command, with its errors and an interrupt turned into their messages and exit codes. A bad
+    ``$DISAGG_FAILPOINTS`` stops every command, not only ``serve``: a local compose runs the composer's failpoints
+    too, and one misspelt would let a crash test pass without a crash."""
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        failpoints.check()
         return func(args)
     except DisaggError as exc:
         print(f"disagg: error: {exc.message}", file=sys.stderr)
