@@ -386,6 +386,15 @@ class TestErrors:
         assert f"disagg: error: {config}: [state] endpoints: etcd endpoint 'http://127.0.0.1:2479'" in err
         assert "without the scheme (127.0.0.1:2479)" in err
 
+    def test_a_fabric_without_a_name(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        """It said "a fabric name is 1 to 63 characters, not None": Python's word for the name it did not find."""
+        config = tmp_path / "disagg.toml"
+        config.write_text('[[fabric]]\ndriver = "sim"\n')
+        code, out, err = cli(capsys, "--config", str(config), "ls")
+        assert (code, out) == (2, "")
+        assert f"disagg: error: {config}: [[fabric]] #1 has no name: give it one (name = " in err
+        assert "None" not in err
+
     @pytest.mark.parametrize("command", [["ls"], ["demo", "--fabric", "sim"]])
     def test_an_empty_config_is_bad_input(
         self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: list[str]

@@ -21,6 +21,7 @@ import attrs
 
 from disagg.errors import ConfigError, PluginError
 from disagg.model import fabric_name_refusal
+from disagg.model.devices import MAX_FABRIC_NAME
 
 if TYPE_CHECKING:
     from disagg.composer import FabricComposer
@@ -231,6 +232,11 @@ def parse_config(
             raise ConfigError(f"{source}: {where} must be a table", field="fabric")
         _known(fab, {"name", "driver", "options"}, where, source, f"fabric[{n}]")
         name, driver, options = fab.get("name"), fab.get("driver"), fab.get("options", {})
+        if name is None:
+            raise ConfigError(
+                f'{source}: {where} has no name: give it one (name = "pcie0"), 1 to {MAX_FABRIC_NAME} characters',
+                field=f"fabric[{n}].name",
+            )
         refused = fabric_name_refusal(name)
         if refused is not None or not isinstance(name, str):
             raise ConfigError(f"{source}: {where} needs a name: {refused}", field=f"fabric[{n}].name")
