@@ -386,6 +386,21 @@ class TestErrors:
         assert f"disagg: error: {config}: [state] endpoints: etcd endpoint 'http://127.0.0.1:2479'" in err
         assert "without the scheme (127.0.0.1:2479)" in err
 
+    @pytest.mark.parametrize("config", [None, '[[fabric]]\nname = "lab"\ndriver = "sim"\n'])
+    def test_a_state_dir_that_is_a_file(
+        self, capsys: pytest.CaptureFixture[str], state_dir: Path, tmp_path: Path, config: str | None
+    ) -> None:
+        """It said that a driver could not make the directory of its state file: File exists, naming a path
+        under the file, and not where that path came from."""
+        state_dir.write_text("")
+        given = []
+        if config is not None:
+            (tmp_path / "disagg.toml").write_text(config)
+            given = ["--config", str(tmp_path / "disagg.toml")]
+        code, out, err = cli(capsys, *given, "ls")
+        assert (code, out) == (2, "")
+        assert f"$DISAGG_STATE_DIR: {state_dir} is a file, not a directory" in err
+
     def test_a_fabric_without_a_name(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         """It said "a fabric name is 1 to 63 characters, not None": Python's word for the name it did not find."""
         config = tmp_path / "disagg.toml"

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,17 +81,34 @@ def state_dir(environ: Mapping[str, str] | None = None) -> Path:
     return (Path(base) / "disagg").absolute()
 
 
+def _state_dir_used(environ: Mapping[str, str] | None) -> Path:
+    """`state_dir`, as something is put in it: refused when it is there and is not a directory, naming where it
+    came from (the ledger and the drivers' state files under it failed with "File exists", naming a path under
+    it and not the variable)."""
+    sdir = state_dir(environ)
+    if sdir.exists() and not sdir.is_dir():
+        env = os.environ if environ is None else environ
+        origin = next((f"${name}" for name in (STATE_DIR_ENV, "XDG_STATE_HOME") if env.get(name)), "the default")
+        raise ConfigError(
+            f"{origin}: {sdir} is a file, not a directory: the state directory (the ledger, the drivers' state) "
+            "must be a directory, or a path where one can be made",
+            field=STATE_DIR_ENV,
+        )
+    return sdir
+
+
 _MISSPELT = re.compile(r"\{[^{}]*state[^{}]*\}", flags=re.IGNORECASE)
 """A word in braces that means ``{state_dir}`` but is not it (``{statedir}``, ``{STATE_DIR}``). Other braces
 are left alone: a kernel command line may hold them."""
 
 
-def _expand(value: Any, sdir: Path, source: str) -> Any:
+def _expand(value: Any, sdir: Callable[[], Path], source: str) -> Any:
+    """``value`` with ``{state_dir}`` replaced, the directory asked for (``sdir``) only where it is used."""
     if isinstance(value, str):
         unknown = _MISSPELT.search(value.replace("{state_dir}", ""))
         if unknown:  # it would make a new, empty ledger in a folder of that name
             raise ConfigError(f"{source}: {value!r}: {unknown.group(0)} is no placeholder (there is {{state_dir}})")
-        return value.replace("{state_dir}", str(sdir))
+        return value.replace("{state_dir}", str(sdir())) if "{state_dir}" in value else value
     if isinstance(value, Mapping):
         return {k: _expand(v, sdir, source) for k, v in value.items()}
     if isinstance(value, list):
@@ -149,7 +166,7 @@ def parse_config(
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{source}: a configuration is a table of sections, not {type(doc).__name__}")
     try:
-        doc = _expand(doc, state_dir(environ), source)
+        doc = _expand(doc, lambda: _state_dir_used(environ), source)
     except RecursionError:  # only a document built in Python: TOML this deep is refused as it is read
         raise ConfigError(f"{source}: nested too deeply") from None
     _known(doc, {"state", "composer", "fabric", "listener"}, "the top level", source)
@@ -167,7 +184,7 @@ def parse_config(
                 f'{" (the default)" if "ledger" not in state else ""}: set ledger = "{ledgers[0]}" or remove {key}',
                 field=f"state.{key}",
             )
-    path = state.get("path", str(state_dir(environ) / "ledger.db"))
+    path = state["path"] if "path" in state else str(_state_dir_used(environ) / "ledger.db")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{source}: [state] path must be the ledger file's path, as text", field="state.path")
     if "\0" in path:  # TOML lets a string hold one; no file name can
