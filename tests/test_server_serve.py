@@ -272,6 +272,13 @@ class TestServeRefusals:
         assert "':memory:' would keep the ledger in memory" in capsys.readouterr().err
         assert not (tmp_path / ":memory:.lock").exists()
 
+    def test_a_socket_in_a_directory_that_takes_no_file(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """It said that x.sock.lock did not exist: a file the user never named, made beside the socket."""
+        assert main(["serve", "--listen", "unix:/proc/x.sock"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot prepare the unix socket /proc/x.sock: no file can be made in its directory /proc (" in err
+        assert "x.sock.lock" not in err
+
     def test_a_port_in_other_digits(self, capsys: pytest.CaptureFixture[str]) -> None:
         """It ended in a ValueError's traceback."""
         assert main(["serve", "--listen", "127.0.0.1:²"]) == 2

@@ -64,11 +64,14 @@ def prepare_unix_socket(path: Path) -> IO[bytes]:
     refused = unix_path_refusal(str(path))
     if refused:  # before anything is made or removed: gRPC would unlink and bind the path it decoded
         raise ConfigError(f"cannot listen on the unix socket {path}: {refused}", field="listen")
+    lock = path.with_name(path.name + ".lock")
     try:
         make_directories(path.parent)
-        claim = try_lock(path.with_name(path.name + ".lock"))
+        claim = try_lock(lock)
     except OSError as exc:
-        raise ConfigError(f"cannot prepare the unix socket {path}: {exc}", field="listen") from exc
+        raise ConfigError(
+            f"cannot prepare the unix socket {path}: {_claim_refusal(lock, exc)}", field="listen"
+        ) from exc
     if claim is None:
         raise ConfigError(f"another server is already listening on {path}", field="listen")
     try:
@@ -77,6 +80,14 @@ def prepare_unix_socket(path: Path) -> IO[bytes]:
         claim.close()
         raise
     return claim
+
+
+def _claim_refusal(lock: Path, exc: OSError) -> str:
+    """Why the claim on a socket's path could not be taken: a lock file that is not there was to be made in the
+    socket's directory, which is what to name (the user never named the lock file)."""
+    if exc.filename == str(lock) and not lock.exists():
+        return f"no file can be made in its directory {lock.parent} ({exc.strerror})"
+    return str(exc)
 
 
 def bind_unix_socket(path: Path, bind: Callable[[], T], mode: int = SOCKET_MODE_MASK) -> T:
