@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,14 +17,15 @@ from typing import Any
 import grpc
 import pytest
 from composer_helpers import composer
-from disagg.client import FabricManagerClient
+from disagg.client import FabricManagerClient, RetryPolicy
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server.aio import AsyncFabricManagerServicer
 from disagg.server.servicer import FabricManagerServicer
-from disagg.server.watch import Watches, watch_events
+from disagg.server.watch import WATCH_RETRY_S, Watches, watch_events
 from disagg.store import MemoryStore, SqliteStore
+from disagg.wire.errors import retry_delay_s
 from disagg_sim import create_fabric
 from server_helpers import (
     OPEN_CALL,
@@ -151,6 +153,28 @@ class TestWatchEvents:
             finally:
                 for stream in open_streams:
                     stream.cancel()
+
+    def test_a_watch_over_the_limit_is_told_when_to_retry(self, tmp_path: Path) -> None:
+        """The refusal carries a ``google.rpc.RetryInfo`` of `WATCH_RETRY_S` to twice that, which the client waits
+        before it opens the watch again, rather than its own backoff of milliseconds: at the limit, a hundred
+        clients retrying at once would each be refused again."""
+        with serving(socket_path(tmp_path), max_watches=1) as served:
+            churn(served, 1)
+            held = watch(served)
+            assert take(held, 1) == [1]
+            with pytest.raises(grpc.RpcError) as info:
+                next(watch(served))
+            asked = retry_delay_s(info.value)
+            assert asked is not None and WATCH_RETRY_S <= asked <= 2 * WATCH_RETRY_S
+            quick = RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.001)
+            with FabricManagerClient(served.address, timeout_s=WAIT_S, retries=quick) as client:
+                started = time.monotonic()
+                stream = client.watch()
+                threading.Timer(0.1, held.cancel).start()
+                assert next(stream).revision == 1
+                waited = time.monotonic() - started
+                stream.close()
+            assert WATCH_RETRY_S <= waited < WAIT_S
 
     def test_cancel_releases_the_watch(self, served: Served) -> None:
         churn(served, 1)

@@ -196,10 +196,18 @@ class DeadlineExceededError(DisaggError):
 
 
 class OverloadedError(DisaggError):
-    """The fabric manager is at a limit of concurrent work (such as open event watches); retry later."""
+    """The fabric manager is at a limit of concurrent work (such as open event watches); retry later, after
+    ``retry_delay_s`` when it is given (sent as a ``google.rpc.RetryInfo``)."""
 
     reason = "OVERLOADED"
     retryable = True
+    retry_delay_s: float | None = None
+
+    def __init__(
+        self, message: str, *, metadata: Mapping[str, str] | None = None, retry_delay_s: float | None = None
+    ) -> None:
+        super().__init__(message, metadata=metadata)
+        self.retry_delay_s = retry_delay_s
 
 
 class InternalError(DisaggError):

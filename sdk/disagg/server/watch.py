@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import math
+import random
 import threading
 from collections.abc import Generator
 
@@ -38,6 +39,10 @@ LOG_PAGE = 1000
 """Events read from the log at once."""
 POLL_S = 1.0
 """The longest a watcher sleeps before it looks at its call again."""
+WATCH_RETRY_S = 1.0
+"""A watch refused at the limit asks its client to wait this long to twice it (`OverloadedError.retry_delay_s`)
+before it tries again: a slot frees only as a watcher leaves, which a retry within milliseconds would not see, and
+the jitter spreads the clients refused together so that they do not all come back at once."""
 
 
 class EventBuffer:
@@ -108,9 +113,11 @@ class Watches:
             if self._stopping:
                 raise not_serving(self._stopping)
             if len(self._open) >= self.limit:
+                delay = WATCH_RETRY_S * (1 + random.random())
                 raise OverloadedError(
-                    f"the fabric manager serves at most {self.limit} event watches at once; retry later",
+                    f"the fabric manager serves at most {self.limit} event watches at once; retry in {delay:.1f} s",
                     metadata={"limit": str(self.limit)},
+                    retry_delay_s=delay,
                 )
             buffer = EventBuffer(capacity)
             self._open.add(buffer)

@@ -2,13 +2,15 @@
 
 Every error carries an ``ErrorInfo`` (domain ``disagg``, the SDK's stable reason, metadata); invalid input adds
 ``BadRequest`` field violations, unknown resources ``ResourceInfo``, failed preconditions
-``PreconditionFailure``. A client rebuilds the same SDK error type from the reason, so code that catches
+``PreconditionFailure``, a refusal for load that says when to retry (`OverloadedError.retry_delay_s`)
+``RetryInfo``. A client rebuilds the same SDK error type from the reason, so code that catches
 `NoFitError` works the same against a remote fabric manager or driver as in process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 
 import grpc
 from google.protobuf import any_pb2
@@ -121,6 +123,10 @@ def _rich_status(
     if isinstance(error, e.NotFoundError):
         name = _cut(error.name, FIELD_BYTES)
         details.append(_pack(error_details_pb2.ResourceInfo(resource_type=error.resource_type, resource_name=name)))
+    if isinstance(error, e.OverloadedError) and error.retry_delay_s is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromTimedelta(timedelta(seconds=error.retry_delay_s))
+        details.append(_pack(info))
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         violation_pf = error_details_pb2.PreconditionFailure.Violation(
             type=error.reason, subject=_cut(metadata.get("subject", ""), FIELD_BYTES), description=message
@@ -251,7 +257,10 @@ def from_rpc_error(error: grpc.RpcError) -> e.DisaggError:
         else:
             cls = _BY_CODE.get(code, e.DisaggError)
         message = f"{code.name}: {message}" if cls is e.DisaggError else message
-    return build(cls, message, metadata=metadata, field=field, resource=resource)
+    rebuilt = build(cls, message, metadata=metadata, field=field, resource=resource)
+    if isinstance(rebuilt, e.OverloadedError):
+        rebuilt.retry_delay_s = retry_delay_s(error)
+    return rebuilt
 
 
 def build(
