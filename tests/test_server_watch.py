@@ -21,6 +21,7 @@ from disagg.client import FabricManagerClient, RetryPolicy
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
+from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.aio import AsyncFabricManagerServicer
 from disagg.server.servicer import FabricManagerServicer
 from disagg.server.watch import WATCH_RETRY_S, Watches, watch_events
@@ -198,6 +199,34 @@ class TestWatchEvents:
         finally:
             stopper.join(WAIT_S)
         assert not stopper.is_alive()
+
+
+class TestSlowWatcher:
+    """A watcher that stops reading keeps no slot: once a send has waited `watch_stall_s`, its watch ends and the
+    client, when it reads again, gets what was sent and then OVERLOADED saying where to resume."""
+
+    def test_a_stalled_watch_frees_its_slot_and_is_told(self, tmp_path: Path) -> None:
+        with serving(socket_path(tmp_path), max_watches=1) as served:
+            served.server.servicer.watch_stall_s = 0.5
+            churn(served, 3000)  # more than the connection's flow-control window holds
+            # No bandwidth probing: the window stays at its first 64 KiB, as for a client that does not read.
+            with grpc.insecure_channel(served.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+                stalled = fm_grpc.FabricManagerServiceStub(channel).WatchEvents(
+                    fm.WatchEventsRequest(), timeout=WAIT_S * 3
+                )
+                assert take(stalled, 1) == [1]
+                wait_until(lambda: len(served.server.servicer.watches) == 0, "the stalled watch to be dropped")
+                other = watch(served, after=2999)
+                assert take(other, 1) == [3000]
+                other.cancel()
+                read = [1]
+                with pytest.raises(grpc.RpcError) as info:
+                    for msg in stalled:
+                        read.append(msg.event.revision)
+                failed = failure_of(info.value)
+                assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "OVERLOADED"
+                assert read == list(range(1, len(read) + 1)) and len(read) < 3000
+                assert failed.metadata["revision"] == str(read[-1]) and f"revision {read[-1]}" in failed.message
 
 
 class TestWatchBuffer:

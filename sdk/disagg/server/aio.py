@@ -33,7 +33,7 @@ import grpc.aio
 
 from disagg.composer import steps
 from disagg.composer.steps import Steps
-from disagg.errors import DisaggError, FabricUnavailableError
+from disagg.errors import DisaggError, FabricUnavailableError, OverloadedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.context import RpcContext, ThreadedContext
@@ -48,6 +48,15 @@ DRIVER_THREADS = 32
 WAIT_THREADS = 128
 """Waits hold a thread each until the change they wait for ends or their timeout passes."""
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def stalled_watch(stall_s: float, revision: int) -> OverloadedError:
+    """The end of a watch whose client read nothing for ``stall_s`` seconds after the event at ``revision``."""
+    return OverloadedError(
+        f"this watch was ended: its client read none of the events sent for {stall_s:g} s, and the fabric manager "
+        f"holds no watch for a client that does not read; watch again from revision {revision}",
+        metadata={"revision": str(revision)},
+    )
 
 
 def _run_steps(change: Callable[[], Steps[T]], store: Store) -> T:
@@ -229,10 +238,15 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     async def WatchEvents(
         self, request: fm.WatchEventsRequest, context: Context
     ) -> AsyncIterator[fm.WatchEventsResponse]:
-        """The thread-pool servicer's watch, each next event taken in a worker thread."""
+        """The thread-pool servicer's watch, each next event taken in a worker thread. A send that waits longer than
+        the servicer's ``watch_stall_s`` (a client that stopped reading, its flow-control window full) ends the
+        watch there and then, freeing its slot and its listener (`_stalled`); the call ends with OVERLOADED once
+        that send goes out."""
         loop = asyncio.get_running_loop()
         events: Iterator[fm.WatchEventsResponse] = self.servicer.WatchEvents(request, ThreadedContext(context, loop))
+        close = getattr(events, "close", None)
         waiting: asyncio.Future[fm.WatchEventsResponse | None] | None = None
+        dropped: list[bool] = []
         try:
             while True:
                 waiting = loop.run_in_executor(self.threads, next, events, None)
@@ -240,16 +254,28 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
                 waiting = None
                 if response is None:
                     return
-                yield response
+                timer = loop.call_later(self.servicer.watch_stall_s, self._stalled, close, dropped)
+                try:
+                    yield response
+                finally:
+                    timer.cancel()
+                if dropped:
+                    raise stalled_watch(self.servicer.watch_stall_s, response.event.revision)
         finally:
             # Closed in a worker thread: closing ends the watch, which takes the composer's lock to stop listening,
             # and a change may hold that lock through a ledger write that waits (etcd's): the loop would stand still.
-            close = getattr(events, "close", None)
-            if close is not None:
+            if close is not None and not dropped:
                 if waiting is None or waiting.done():
                     self._close_in_thread(close)
                 else:  # cancelled while a thread waits for events: it wakes as the call ends, then close
                     waiting.add_done_callback(lambda _: self._close_in_thread(close))
+
+    def _stalled(self, close: Callable[[], object] | None, dropped: list[bool]) -> None:
+        """A watch's send waited too long: end the watch now (its generator is idle between events), not when the
+        client reads again, which may be never while its connection answers pings."""
+        dropped.append(True)
+        if close is not None:
+            self._close_in_thread(close)
 
     def _close_in_thread(self, close: Callable[[], object]) -> None:
         """Call ``close`` in a worker thread; here if the workers are gone (the server stopped: nothing waits)."""

@@ -37,7 +37,7 @@ from disagg.model import Capabilities, ComposeMode, Composition, Device, Health,
 from disagg.server.context import RpcContext
 from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.paging import page
-from disagg.server.watch import SHUTTING_DOWN, Watches, watch_events
+from disagg.server.watch import SHUTTING_DOWN, WATCH_STALL_S, Watches, watch_events
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
@@ -174,9 +174,13 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         *,
         max_watches: int = 16,
         watch_buffer: int = 1024,
+        watch_stall_s: float = WATCH_STALL_S,
     ) -> None:
         self.composer = composer
         self.watches = Watches(max_watches)
+        self.watch_stall_s = watch_stall_s
+        """How long the asyncio server waits for one event's send before it ends the watch (a client that does not
+        read), freeing its slot."""
         self._drivers = by_fabric(drivers)
         self._watch_buffer = watch_buffer
         self._ready = threading.Event()

@@ -39,6 +39,10 @@ LOG_PAGE = 1000
 """Events read from the log at once."""
 POLL_S = 1.0
 """The longest a watcher sleeps before it looks at its call again."""
+WATCH_STALL_S = 30.0
+"""How long one event's send may wait for a client that does not read (its flow-control window full) before its
+watch is ended and its slot freed. A paused or vanished client is caught sooner by keepalive (15 s); this catches
+one whose connection answers pings but whose code stopped reading."""
 WATCH_RETRY_S = 1.0
 """A watch refused at the limit asks its client to wait this long to twice it (`OverloadedError.retry_delay_s`)
 before it tries again: a slot frees only as a watcher leaves, which a retry within milliseconds would not see, and
