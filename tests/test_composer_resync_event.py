@@ -121,3 +121,25 @@ class TestAResyncEventOverTheWire:
         finally:
             comp.close()
             served.close()
+
+    def test_a_failure_after_the_resync_is_still_told(self) -> None:
+        """The resync's pass learnt a device healthy again that the stream last told FAILED: the device's next
+        failure is told all the same, not dropped as a copy of what the handlers were told before the resync."""
+        pcie, cxl = rack()
+        served = Served("unix")
+        comp = composer(served({"pcie0": pcie, "cxl0": cxl}), auto_heal=False)
+        try:
+            live = comp.compose(parse_request("live", ["host h1", "gpu x1"])).composition
+            assert live is not None
+            gpu = live.device_ids[0]
+            pcie.fail_device(gpu)
+            assert eventually(lambda: comp.get(live.id).state is CompositionState.DEGRADED, 1.0)
+            pcie.repair_silently(gpu)
+            pcie.resync_required()
+            assert eventually(lambda: comp.get(live.id).state is CompositionState.COMPOSED, 1.0)
+            pcie.fail_device(gpu)
+            assert eventually(lambda: comp.get(live.id).state is CompositionState.DEGRADED, 1.0)
+            assert comp.device(gpu).health is Health.FAILED
+        finally:
+            comp.close()
+            served.close()

@@ -749,9 +749,32 @@ class RemoteFabric(Fabric, FaultInjection):
         """Hand a stream event, numbered ``number`` by the driver, to the handlers, unless it tells them
         nothing new."""
         self._invalidate()
-        if self._snapshot is not None and not self._snapshot.apply(event, number):
+        if event.kind is FabricEventKind.RESYNC_REQUIRED:
+            self._rebase_health()
+        elif self._snapshot is not None and not self._snapshot.apply(event, number):
             return
         self._notify(event)
+
+    def _rebase_health(self) -> None:
+        """Before a RESYNC_REQUIRED reaches the handlers, which read the fabric again (the composer its devices'
+        health too, from this discovery while it is cached): the health the snapshot holds of each device becomes
+        this discovery's. Left as the stream last told it, a device told FAILED that the handlers then read
+        healthy would have its next failure dropped as telling them nothing new. A discovery that fails leaves
+        it: the handlers' would fail too, and learn nothing."""
+        with self._lock:
+            snapshot = self._snapshot
+        if snapshot is None:
+            return
+        try:
+            topology = self._discover()[0]
+        except DisaggError as exc:
+            log.warning("fabric %s: cannot read the devices' health on its resync event: %s", self._name, exc.message)
+            return
+        found = {d.id: d.health for d in topology.devices}
+        health = {device: found.get(device, told) for device, told in snapshot.health.items()}
+        with self._lock:
+            if self._snapshot is snapshot:
+                self._snapshot = attrs.evolve(snapshot, health=health)
 
     def _notify(self, event: FabricEvent) -> None:
         with self._lock:
