@@ -10,6 +10,7 @@ from typing import TypeVar
 from disagg.errors import InvalidRequestError
 
 E = TypeVar("E", bound=Enum)
+T = TypeVar("T")
 
 
 def _refuse(name: str, wanted: str, value: object) -> InvalidRequestError:
@@ -28,11 +29,26 @@ def optional_text(value: object, name: str) -> str | None:
     return None if value is None else text(value, name)
 
 
-def texts(values: Iterable[object], name: str) -> list[str]:
+def texts(values: object, name: str) -> list[str]:
     """``values``, a sequence of strings called ``name``: a string itself is refused, not read as its letters."""
-    if isinstance(values, str | bytes):
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
         raise _refuse(name, "a sequence of strings", values)
     return [text(value, f"{name}[{n}]") for n, value in enumerate(values)]
+
+
+def instance(value: object, kind: type[T], name: str, made_by: str) -> T:
+    """``value``, a ``kind`` called ``name``; ``made_by`` says what makes one (a string is no request: the
+    client does not parse the request language)."""
+    if not isinstance(value, kind):
+        raise _refuse(name, f"a {kind.__name__} ({made_by} makes one)", value)
+    return value
+
+
+def instances(values: object, kind: type[T], name: str, made_by: str) -> list[T]:
+    """``values``, a sequence of ``kind`` called ``name`` (`instance`); a string is refused whole."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise _refuse(name, f"a sequence of {kind.__name__} ({made_by} makes each)", values)
+    return [instance(value, kind, f"{name}[{n}]", made_by) for n, value in enumerate(values)]
 
 
 def whole(value: object, name: str) -> int:

@@ -171,6 +171,9 @@ MAX_TIMEOUT_S = 365 * 86_400.0
 at once as DEADLINE_EXCEEDED, saying a change may have been made."""
 MAX_KEEPALIVE_S = 2.0**31 / 1000
 """gRPC takes a ping interval in milliseconds, as a 32-bit int: ``keepalive_s`` is less than this (about 24 days)."""
+_MAKES_REQUEST = "disagg.requestlang.parse_request(name, ['gpu x2'])"
+_MAKES_RESOURCE = "disagg.requestlang.parse_resource('gpu x2')"
+"""What makes the request objects the client sends: it does not parse the request language's text."""
 READY_CHECK_S = 0.2
 """How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
 NOT_CONNECTED = "failed to connect to all addresses"
@@ -625,6 +628,8 @@ class FabricManagerClient:
         reservation_ttl_s = args.seconds(reservation_ttl_s, "reservation_ttl_s")
         request_id = args.optional_text(request_id, "request_id")
         reservation_id = args.optional_text(reservation_id, "reservation_id")
+        if request is not None:
+            request = args.instance(request, CompositionRequest, "request", _MAKES_REQUEST)
         if request is None and not reservation_id:
             raise InvalidRequestError("give a request, or a reservation id to apply", field="request")
         if reservation_id and mode is not ComposeMode.APPLY:
@@ -706,6 +711,7 @@ class FabricManagerClient:
         gets one attempt.
         """
         composition_id = args.text(composition_id, "composition_id")
+        add = args.instances(add, ResourceRequest, "add", _MAKES_RESOURCE)
         remove = args.texts(remove, "remove")
         expected_etag = args.optional_text(expected_etag, "expected_etag")
         request_id = args.optional_text(request_id, "request_id")
