@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from composer_helpers import Served, composer
+from disagg.errors import FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg.model import Binding, CompositionState, EventType, FabricEvent, FabricEventKind, Health
 from disagg.requestlang import parse_request
@@ -20,9 +21,13 @@ class Counted(SimFabric):
     """A sim fabric that counts its listings (what a reconcile pass reads) and can report any event."""
 
     listings = 0
+    unlisted = False
+    """Its bindings cannot be read (the switch does not answer that listing)."""
 
     def bindings(self) -> Sequence[Binding]:
         self.listings += 1
+        if self.unlisted:
+            raise FabricUnavailableError(f"fabric {self.name}: the listing of bindings timed out")
         return super().bindings()
 
     def report(self, event: FabricEvent) -> None:
@@ -38,6 +43,11 @@ class Counted(SimFabric):
         """A device healthy again after the restart, which no event tells."""
         with self._lock:
             self._set_health(device, Health.OK, None)
+
+    def fail_silently(self, device: str) -> None:
+        """A device failed during the restart, which no event tells."""
+        with self._lock:
+            self._set_health(device, Health.FAILED, "")
 
     def resync_required(self) -> None:
         self.report(FabricEvent(self.name, FabricEventKind.RESYNC_REQUIRED, f"{self.name}/top-a", message=RESTARTED))
@@ -100,6 +110,25 @@ class TestAResyncEvent:
             assert now.state is CompositionState.DEGRADED and now.missing == (gpu,)
             states = [e.data["new"] for e in comp.events(seen) if e.type is EventType.COMPOSITION_STATE_CHANGED]
             assert CompositionState.COMPOSED.value not in states
+        finally:
+            comp.close()
+
+    def test_a_failure_it_finds_is_healed_though_the_bindings_cannot_be_read(self) -> None:
+        """Its discovery finds a device failed while its bindings' listing fails: the composition is healed at
+        once, as after the failure's own event, not left DEGRADED until the next timed pass."""
+        pcie, cxl = rack()
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=True)
+        try:
+            live = comp.compose(parse_request("live", ["host h1", "gpu x1"])).composition
+            assert live is not None
+            gpu = live.device_ids[0]
+            pcie.fail_silently(gpu)
+            pcie.unlisted = True
+            pcie.resync_required()
+            comp.wait_for_heals(5.0)
+            assert comp.device(gpu).health is Health.FAILED
+            healed = comp.get(live.id)
+            assert healed.state is CompositionState.COMPOSED and gpu not in healed.device_ids
         finally:
             comp.close()
 

@@ -916,8 +916,8 @@ class FabricComposer(Composer):
             # Healed as after the event that would have told it: at once, with no back-off.
             degraded.update(sickened)
             healable += [c for c in dict.fromkeys(sickened) if c not in healable]
-            if only is not None:
-                healable = [c for c in healable if self._on_fabrics(c, read)]
+            if only is not None:  # asked, whether or not its hardware could be read: its health was discovered
+                healable = [c for c in healable if self._on_fabrics(c, only)]
         return changes, healable, degraded
 
     def _tells_health(self, name: str) -> bool:
@@ -1128,7 +1128,7 @@ class FabricComposer(Composer):
                 healable.append(now.id)
         return changes, degraded, healable
 
-    def _on_fabrics(self, comp_id: str, fabrics: set[str]) -> bool:
+    def _on_fabrics(self, comp_id: str, fabrics: frozenset[str]) -> bool:
         """Whether composition ``comp_id`` holds a device or memory of one of ``fabrics``. Under the lock."""
         comp = self._compositions.get(comp_id)
         devices, allocations = _holdings(comp) if comp is not None else ([], [])
