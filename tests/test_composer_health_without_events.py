@@ -139,6 +139,26 @@ class TestASilentFailure:
         assert comp.reconcile() == 0
         assert comp.revision == settled
 
+    def test_a_recovery_that_no_heal_could_meet_is_one_change(self, tmp_path: Path) -> None:
+        """With auto-heal, a device repaired after its heal found no replacement: the pass restores its
+        composition, one change. The heal, chosen by the health the index held before the pass applied the
+        repair, ran too and counted the restored composition as healed: two."""
+        comp, pcie = _started(tmp_path, auto_heal=True)
+        try:
+            gpu = _compose(comp, "job", "host h1", "gpu x1").device_ids[0]
+            for device in comp.devices():
+                if device.kind.value == "gpu" and device.id != gpu:
+                    comp.cordon(device.id)  # no replacement to heal with
+            pcie.fail_device(gpu, "xid 79")
+            assert comp.reconcile() == 1
+            assert comp.find("job").state is CompositionState.DEGRADED
+            pcie.repair_device(gpu)
+            assert comp.reconcile() == 1
+            assert comp.find("job").state is CompositionState.COMPOSED
+            assert comp.reconcile() == 0
+        finally:
+            comp.close()
+
     def test_auto_heal_replaces_the_device(self, tmp_path: Path) -> None:
         comp, pcie = _started(tmp_path, auto_heal=True)
         try:

@@ -913,6 +913,8 @@ class FabricComposer(Composer):
             # never COMPOSED on the way.
             told, sickened = self._take_health(reported, heard, why)
             changes += judged + told
+            # Chosen by the health the index held before: one this pass found repaired has nothing left to heal.
+            healable = [c for c in healable if (now := self._compositions.get(c)) is not None and self._unhealthy(now)]
             # Healed as after the event that would have told it: at once, with no back-off.
             degraded.update(sickened)
             healable += [c for c in dict.fromkeys(sickened) if c not in healable]
