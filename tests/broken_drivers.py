@@ -1232,6 +1232,21 @@ BROKEN.update(
 )
 ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
 UNBROKEN["sim-stops-its-helper-at-close"] = (StopsItsHelperAtClose, SIM_CAPABILITIES)
+WITHOUT_FAULTS = attrs.evolve(SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.FAULT_INJECTION})
+
+
+class SilentWithoutFaultInjection(SilentFailures):
+    """Declares health events but not fault injection, and, as `SilentFailures`, never reports a failure: the
+    composer, told that events bring its devices' health, stops reading it from discovery, and a failed device
+    keeps its compositions HEALTHY."""
+
+    def capabilities(self) -> Capabilities:
+        return WITHOUT_FAULTS
+
+
+UNCERTIFIABLE["broken-silent-without-fault-injection"] = (SilentWithoutFaultInjection, WITHOUT_FAULTS)
+
+
 REASONS: dict[str, str] = {
     "broken-cancel-does-nothing": "once cancelled, a handler is called no more",
     "broken-allocate-repeat-before-fence": "even on a repeat that would change nothing",

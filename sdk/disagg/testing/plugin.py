@@ -192,7 +192,8 @@ USABLE = frozenset({Feature.BIND, Feature.CARVE})
 def _nothing_certified(results: Iterable[ClauseResult], capabilities: Capabilities | None) -> str:
     """Why a run whose clauses all ran, none failing, certifies nothing, or empty: a driver that declares neither
     bind nor carve, or a declared feature every clause of which was NOT TESTED (no free healthy device to bind, no
-    pool a host reaches), since what is declared is tested, never skipped."""
+    pool a host reaches) or needs a feature the driver does not declare (health-events without fault-injection),
+    since what is declared is tested, never skipped."""
     results = list(results)
     if capabilities is None or any(r.status == FAIL for r in results):  # a failure says more, and stops a run
         return ""
@@ -201,13 +202,23 @@ def _nothing_certified(results: Iterable[ClauseResult], capabilities: Capabiliti
         return "the driver declares neither bind nor carve: it gives a composer nothing to certify"
     left: list[str] = []
     for feature in sorted(declared, key=lambda f: f.value):
-        testing = [r for r in results if feature in r.clause.requires and r.clause.applies(declared)]
-        if testing and all(r.status == NOT_TESTED for r in testing):
+        requiring = [r for r in results if feature in r.clause.requires]
+        testing = [r for r in requiring if r.clause.applies(declared)]
+        if requiring and not testing:
+            left.append(f"{feature.value} ({_needs_undeclared(requiring, declared)})")
+        elif testing and all(r.status == NOT_TESTED for r in testing):
             why = next((r.reason for r in testing if r.reason), "")
             left.append(f"{feature.value} ({why})" if why else feature.value)
     if not left:
         return ""
     return f"no clause of these declared features could be tested: {'; '.join(left)}"
+
+
+def _needs_undeclared(requiring: Iterable[ClauseResult], declared: frozenset[Feature]) -> str:
+    """Why no clause of a declared feature applies: the features its clauses need that the driver does not
+    declare."""
+    missing = sorted({f.value for r in requiring for f in r.clause.requires - declared})
+    return f"every clause of it needs {' or '.join(missing)} too, which the driver does not declare"
 
 
 def _listed(leftovers: list[Leftover]) -> str:
