@@ -30,7 +30,17 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, EventHandler, Fabric, Subscription
-from disagg.model import Allocation, Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Health, Topology
+from disagg.model import (
+    Allocation,
+    Binding,
+    Capabilities,
+    FabricEvent,
+    FabricEventKind,
+    Feature,
+    Health,
+    PoolInfo,
+    Topology,
+)
 from disagg.plugins import DriverRegistry
 from disagg_sim.dispatch import EventDispatcher
 from disagg_sim.fabric import SIM_CAPABILITIES, SimDevice, SimFabric, SimPool
@@ -1232,6 +1242,38 @@ BROKEN.update(
 )
 ALSO_BROKEN["broken-pool-epoch-separate"] = ("CARVE-STALE-EPOCH", "RESTART-FENCING")
 UNBROKEN["sim-stops-its-helper-at-close"] = (StopsItsHelperAtClose, SIM_CAPABILITIES)
+
+
+def _overstated(info: PoolInfo) -> PoolInfo:
+    """``info`` with twice its capacity: the half past what the device has is a region it never carves."""
+    return attrs.evolve(info, capacity=attrs.evolve(info.capacity, total_bytes=2 * info.capacity.total_bytes))
+
+
+class _OverstatedPool(SimPool):
+    def info(self) -> PoolInfo:
+        return _overstated(super().info())
+
+    def free_bytes(self) -> int:
+        return super().free_bytes() + super().info().capacity.total_bytes
+
+
+class OverstatesCapacity(SimFabric):
+    """Reports each pool with twice the capacity it can carve (a region the device keeps for itself counted in),
+    in discovery and as free capacity: an allocation beyond what it has still raises CapacityExhaustedError, but
+    the composer places memory on what is reported, and its allocate fails."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _OverstatedPool)
+
+    def discover(self) -> Topology:
+        found = super().discover()
+        return attrs.evolve(found, pools=tuple(_overstated(p) for p in found.pools))
+
+
+BROKEN["broken-overstates-capacity"] = (OverstatesCapacity, "CARVE-FREE-CARVABLE")
+
+
 WITHOUT_FAULTS = attrs.evolve(SIM_CAPABILITIES, features=SIM_CAPABILITIES.features - {Feature.FAULT_INJECTION})
 
 
@@ -1277,5 +1319,6 @@ REASONS: dict[str, str] = {
     "broken-device-unknown-keyerror": "raised KeyError",
     "broken-allocate-empty-id": "raise InvalidRequestError for an allocation id or host that is not a non-empty",
     "broken-allocate-ignores-reach": "not HostUnreachableError",
+    "broken-overstates-capacity": "a pool offers only what it can carve",
 }
 """Driver name: words the reason of the clause its defect breaks must hold, which name the rule it breaks."""

@@ -276,6 +276,13 @@ _ALL = (
         needs="a pool",
     ),
     Clause(
+        "CARVE-FREE-CARVABLE",
+        "A pool offers only what it can carve: holding no allocation, its free capacity is the capacity discovery "
+        "reports, and one allocation of all of it, for a host that reaches the pool, succeeds and leaves none free.",
+        frozenset({Feature.CARVE}),
+        needs="a pool that holds no allocation",
+    ),
+    Clause(
         "CARVE-RELEASE-UNKNOWN",
         "Releasing an allocation id the pool does not hold raises nothing and changes nothing.",
         frozenset({Feature.CARVE}),

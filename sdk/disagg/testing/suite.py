@@ -78,6 +78,8 @@ declares an hour and never reports would otherwise hold the run for an hour."""
 RACE_SLACK_S = 1.0
 """How much longer than the watchdog `run_together` waits for its racers, for thread start-up."""
 _LOCAL_ID = re.compile(r"^[^/\s]+$")
+_OFFERS_RULE = "a pool offers only what it can carve, and the composer places memory on what it reports"
+"""The rule CARVE-FREE-CARVABLE quotes in its reasons."""
 _DEADLINE_RULE = (
     "a call that would run past its deadline raises DeadlineExceededError and changes nothing it can avoid changing"
 )
@@ -1262,6 +1264,32 @@ class FabricConformance:
             tracker.allocate(info.id, "conformance-too-big", host, before + info.capacity.block_bytes)
         assert pool.free_bytes() == before
         assert {a.id for a in pool.allocations()} == held
+
+    @clause("CARVE-FREE-CARVABLE")
+    def test_free_capacity_can_be_carved(self, tracker: Tracker) -> None:
+        """The composer places memory on the capacity discovery reports, and CARVE-EXHAUSTED cannot tell a pool
+        that overstates it: an allocation beyond what it really has is refused either way. A pool that offers
+        more than it can carve has the allocate of a plan that fits refused. Judged on an empty pool only, whose
+        free capacity is not fragmented (an MLD carves one contiguous range per allocation)."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        if _allocation_ids(pool):
+            _skip(f"pool {info.id} holds allocations: its free capacity may be fragmented")
+        total, free = info.capacity.total_bytes, pool.free_bytes()
+        assert free == total, (
+            f"{info.id} holds no allocation and has {free} bytes free, but discovery reports {total}: {_OFFERS_RULE}"
+        )
+        if free < info.capacity.block_bytes:
+            _skip(f"pool {info.id} has no free block")
+        try:
+            got = tracker.allocate(info.id, "conformance-all-free", host, free)
+        except CapacityExhaustedError as e:
+            raise AssertionError(
+                f"an allocate of the {free} bytes {info.id} has free, for {host}, raised {e!r}: {_OFFERS_RULE}"
+            ) from e
+        assert got.amount_bytes == free, f"an allocate of the {free} bytes {info.id} has free carved {got!r}"
+        left = pool.free_bytes()
+        assert left == 0, f"after an allocation of all its {free} free bytes, {info.id} has {left} bytes free"
 
     @clause("CARVE-RELEASE-UNKNOWN")
     def test_release_of_unknown_allocation(self, tracker: Tracker) -> None:
