@@ -1289,6 +1289,17 @@ class SilentWithoutFaultInjection(SilentFailures):
 UNCERTIFIABLE["broken-silent-without-fault-injection"] = (SilentWithoutFaultInjection, WITHOUT_FAULTS)
 
 
+class DiscoveryHidesFailures(SimFabric):
+    """Discovery reports every device OK (an inventory read once and cached), though a failed one is refused
+    and its failure sent as an event: a composer that reads health from discovery never moves work off it."""
+
+    def discover(self) -> Topology:
+        found = super().discover()
+        return attrs.evolve(found, devices=tuple(attrs.evolve(d, health=Health.OK) for d in found.devices))
+
+
+BROKEN["broken-discovery-hides-failures"] = (DiscoveryHidesFailures, "DISC-HEALTH-REPORTED")
+
 REASONS: dict[str, str] = {
     "broken-cancel-does-nothing": "once cancelled, a handler is called no more",
     "broken-allocate-repeat-before-fence": "even on a repeat that would change nothing",
@@ -1320,5 +1331,6 @@ REASONS: dict[str, str] = {
     "broken-allocate-empty-id": "raise InvalidRequestError for an allocation id or host that is not a non-empty",
     "broken-allocate-ignores-reach": "not HostUnreachableError",
     "broken-overstates-capacity": "a pool offers only what it can carve",
+    "broken-discovery-hides-failures": "a failed device FAILED",
 }
 """Driver name: words the reason of the clause its defect breaks must hold, which name the rule it breaks."""

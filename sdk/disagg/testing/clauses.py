@@ -296,6 +296,13 @@ _ALL = (
         needs="a pool",
     ),
     Clause(
+        "DISC-HEALTH-REPORTED",
+        "A device that has failed is reported by discovery with health FAILED, within the declared event latency "
+        "(at most a minute).",
+        frozenset({Feature.FAULT_INJECTION}),
+        needs="a fabric object that implements `FaultInjection`; a free device",
+    ),
+    Clause(
         "EVENT-FAILURE-REPORTED",
         "A device failure is reported to subscribers as a DEVICE_HEALTH event for that device, with health FAILED "
         "and the fabric's name, within the declared event latency; no DEVICE_HEALTH event names a device that "

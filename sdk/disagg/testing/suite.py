@@ -1325,6 +1325,28 @@ class FabricConformance:
 
     # ------------------------------------------------------------------ events
 
+    @clause("DISC-HEALTH-REPORTED")
+    def test_a_failed_device_is_discovered_failed(self, tracker: Tracker, capabilities: Capabilities) -> None:
+        """Discovery is where the composer reads the health of a fabric whose driver sends no events, and what
+        it reconciles with after a restart: a driver that reports a failed device OK there (a cached inventory)
+        keeps the compositions on it HEALTHY, and gives the device to the next one."""
+        faults = _injected(tracker)
+        dev = _one_free(tracker.view())
+        limit = min(capabilities.event_latency_s, self.event_wait_max_s) + EVENT_GRACE_S
+        _fail_device(tracker, faults, dev.id)
+        start = time.monotonic()
+        while True:
+            found = {d.id: d for d in tracker.discover().devices}.get(dev.id)
+            health = found.health if found is not None else None
+            if health is Health.FAILED or time.monotonic() - start > limit:
+                break
+            time.sleep(0.05)
+        assert health is Health.FAILED, (
+            f"{dev.id} failed (fail_device), and discovery still reports it with health "
+            f"{health.value if health else None} after {limit:.2f} s: discovery reports what the hardware is now, "
+            "a failed device FAILED"
+        )
+
     @clause("EVENT-FAILURE-REPORTED")
     def test_device_failure_is_reported(self, tracker: Tracker, capabilities: Capabilities) -> None:
         """The composer moves work off a device when it hears it FAILED, from the fabric it belongs to: an event
