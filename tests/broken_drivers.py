@@ -1289,6 +1289,40 @@ class SilentWithoutFaultInjection(SilentFailures):
 UNCERTIFIABLE["broken-silent-without-fault-injection"] = (SilentWithoutFaultInjection, WITHOUT_FAULTS)
 
 
+class StaleNoopUnbind(SimFabric):
+    """An unbind of a binding that does not exist answers success whatever its epoch: it looks at the epoch only
+    when there is something to unbind, so a deposed manager is told its unbind is done."""
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            absent = self._bindings.get(binding.device) != binding.host
+            stale = ctx.epoch < self._epoch
+        if not (absent and stale):
+            super().unbind(binding, ctx)
+
+
+class _StaleNoopReleasePool(SimPool):
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        with self._fabric._lock:
+            absent = allocation_id not in self._allocations
+            stale = ctx.epoch < self._fabric._epoch
+        if not (absent and stale):
+            super().release(allocation_id, ctx)
+
+
+class StaleNoopRelease(SimFabric):
+    """A release of an allocation the pool does not hold answers success whatever its epoch: its pools look at
+    the epoch only when there is something to release."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _StaleNoopReleasePool)
+
+
+BROKEN["broken-stale-noop-unbind"] = (StaleNoopUnbind, "FENCE-STALE-EPOCH")
+BROKEN["broken-stale-noop-release"] = (StaleNoopRelease, "CARVE-STALE-EPOCH")
+
+
 class DiscoveryHidesFailures(SimFabric):
     """Discovery reports every device OK (an inventory read once and cached), though a failed one is refused
     and its failure sent as an event: a composer that reads health from discovery never moves work off it."""
@@ -1331,6 +1365,8 @@ REASONS: dict[str, str] = {
     "broken-allocate-empty-id": "raise InvalidRequestError for an allocation id or host that is not a non-empty",
     "broken-allocate-ignores-reach": "not HostUnreachableError",
     "broken-overstates-capacity": "a pool offers only what it can carve",
+    "broken-stale-noop-unbind": "even on a call that would change nothing",
+    "broken-stale-noop-release": "even on a call that would change nothing",
     "broken-discovery-hides-failures": "a failed device FAILED",
 }
 """Driver name: words the reason of the clause its defect breaks must hold, which name the rule it breaks."""

@@ -795,6 +795,13 @@ class FabricConformance:
         with pytest.raises(StaleEpochError):
             tracker.unbind(kept.id, host, epoch=new - 1)
         assert _bindings_of(tracker, kept.id) == [Binding(kept.id, host)], "a stale unbind took effect"
+        _expect_error(
+            lambda: tracker.unbind(*_fence_of(tracker), epoch=new - 1),
+            StaleEpochError,
+            f"unbind of a binding that does not exist, with epoch {new - 1}",
+            f"an epoch older than the highest seen ({new}) is refused before anything else, even on a call that "
+            "would change nothing",
+        )
         # The first word of a new manager fences the old one, even when that call itself fails.
         newer = epochs.advance()
         with pytest.raises(UnknownDeviceError):
@@ -868,6 +875,12 @@ class FabricConformance:
             StaleEpochError,
             f"release of conformance-fenced with epoch {new - 1}",
             stale,
+        )
+        _expect_error(
+            lambda: tracker.release(info.id, "conformance-no-such-allocation", epoch=new - 1),
+            StaleEpochError,
+            f"release of conformance-no-such-allocation, which {info.id} does not hold, with epoch {new - 1}",
+            f"{stale}, even on a call that would change nothing",
         )
         assert (pool.free_bytes(), _allocation_ids(pool)) == (free, held), "a stale pool call took effect"
         newer = epochs.advance()
