@@ -13,7 +13,7 @@ import attrs
 import pytest
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError
-from disagg.interfaces import EventHandler, Subscription
+from disagg.interfaces import CallContext, EventHandler, Subscription
 from disagg.model import (
     Capabilities,
     Composition,
@@ -185,6 +185,47 @@ class TestASilentFailure:
             assert comp.reconcile() == 0
         finally:
             comp.close()
+
+
+class TestALostBindingWithAHealthChange:
+    """A pass that finds a composition's device both unbound and of another health writes one verdict of the
+    composition, said with the health it found: not one worded with the health before, then another."""
+
+    def test_a_device_unbound_and_failed_is_one_change(self, job: Any) -> None:
+        comp, pcie, gpu = job
+        _unbind_silently(pcie, gpu)
+        pcie.fail_device(gpu, "xid 79")
+        before = comp.revision
+        comp.reconcile()
+        found = comp.find("job")
+        assert found.state is CompositionState.DEGRADED and found.missing == (gpu,)
+        assert found.message == f"the hardware no longer holds {gpu}; unhealthy: {gpu}"
+        assert _told_of(comp, before, found.id) == [EventType.COMPOSITION_STATE_CHANGED]
+
+    def test_a_device_unbound_and_repaired_is_one_change(self, job: Any) -> None:
+        comp, pcie, gpu = job
+        pcie.fail_device(gpu, "xid 79")
+        comp.reconcile()
+        assert comp.find("job").state is CompositionState.DEGRADED
+        _unbind_silently(pcie, gpu)
+        pcie.repair_device(gpu)
+        before = comp.revision
+        comp.reconcile()
+        found = comp.find("job")
+        assert found.state is CompositionState.DEGRADED and found.missing == (gpu,)
+        assert found.message == f"the hardware no longer holds {gpu}"
+        assert _told_of(comp, before, found.id) == [EventType.COMPOSITION_UPDATED]
+
+
+def _unbind_silently(fabric: SimFabric, device: str) -> None:
+    """What a switch's restart does to a binding: gone, and no event says so."""
+    binding = next(b for b in fabric.bindings() if b.device == device)
+    fabric.unbind(binding, CallContext(epoch=fabric.epoch))
+
+
+def _told_of(comp: FabricComposer, after: int, comp_id: str) -> list[EventType]:
+    """The events about composition ``comp_id`` since revision ``after``."""
+    return [e.type for e in comp.events(after, 10_000) if e.subject == comp_id]
 
 
 class TestAFabricWithHealthEvents:

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Executor as ThreadPool
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
@@ -893,6 +893,9 @@ class FabricComposer(Composer):
         with self._lock:
             self._unwatch(watch)  # under the lock the judgement holds: no change comes in between
             lost_now = self._lose(lost, heard)
+            # Recorded before the judgement, which then words each verdict with it, and the compositions a health
+            # touched held to it after: one verdict a composition, never COMPOSED on the way to DEGRADED.
+            told, sickened, touched = self._take_health(reported, heard, why)
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -908,13 +911,11 @@ class FabricComposer(Composer):
             changes += self._quarantine_memory(carved, set(recorded_as) | watch.allocations, pools_read)
             self._note_held_otherwise(carved, recorded_as, watch.allocations, pools_read)
             changes += self._drop_unhealthy_reservations()
-            judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions)
-            # After the judgement: a device healthy again whose binding is lost leaves its composition DEGRADED,
-            # never COMPOSED on the way.
-            told, sickened = self._take_health(reported, heard, why)
+            judged, degraded, healable = self._judge_standing(bound, carved, read, watch.compositions, touched)
+            for comp_id in touched:  # what the judgement left: a change in flight, a race with the read, a reason more
+                if (comp := self._compositions.get(comp_id)) is not None:
+                    self._reassess(comp)
             changes += judged + told
-            # Chosen by the health the index held before: one this pass found repaired has nothing left to heal.
-            healable = [c for c in healable if (now := self._compositions.get(c)) is not None and self._unhealthy(now)]
             # Healed as after the event that would have told it: at once, with no back-off.
             degraded.update(sickened)
             healable += [c for c in dict.fromkeys(sickened) if c not in healable]
@@ -964,14 +965,15 @@ class FabricComposer(Composer):
 
     def _take_health(
         self, reported: Mapping[str, Sequence[Device]], heard: Mapping[str, int], why: str = ""
-    ) -> tuple[int, list[str]]:
-        """Apply the health of each device of ``reported`` (`_health_reported`) that the index holds otherwise,
-        as a DEVICE_HEALTH event of it would (`_health_changed`): a failure such a fabric does not tell is
-        otherwise seen only at its next event, return or restart. Returns how many devices changed, and the
-        compositions a failure leaves to heal. A fabric unreachable now, or heard from since the pass began
+    ) -> tuple[int, list[str], list[str]]:
+        """Record the health of each device of ``reported`` (`_health_reported`) that the index holds otherwise,
+        as a DEVICE_HEALTH event of it would (`_record_health`): a failure such a fabric does not tell is
+        otherwise seen only at its next event, return or restart. Its compositions are left for the pass to judge
+        with it (`_reassess`). Returns how many devices changed, the compositions a failure leaves to heal, and
+        every composition a change touches. A fabric unreachable now, or heard from since the pass began
         (``heard``: an event, a rebuild that asked it), is left as that left it: this answer may be older. Under
         the lock."""
-        changed, sickened = 0, []
+        changed, sickened, touched = 0, [], []
         for name, devices in reported.items():
             if name in self._unreachable or self._heard.get(name) != heard.get(name):
                 continue
@@ -982,10 +984,11 @@ class FabricComposer(Composer):
                 changed += 1
                 because = why or f"fabric {name} sends no health events"
                 said = f"reconciliation found it {device.health.value}; {because}"
-                affected = self._health_changed(name, device.id, device.health, said)
+                affected = self._record_health(name, device.id, device.health, said)
+                touched += affected
                 if device.health is not Health.OK:
                     sickened += affected
-        return changed, sickened
+        return changed, sickened, list(dict.fromkeys(touched))
 
     def _lose(self, names: set[str], heard: Mapping[str, int]) -> int:
         """Count the fabrics of ``names`` that answered before as unreachable (`_discovered`): their compositions
@@ -1097,11 +1100,13 @@ class FabricComposer(Composer):
         carved: Mapping[tuple[str, str], Allocation],
         read: set[str],
         aside: set[str],
+        told: Collection[str] = (),
     ) -> tuple[int, set[str], list[str]]:
         """Hold each standing composition with no change in flight against what `reconcile` read of the fabrics
         ``read``, but those of ``aside``, changed while it was read: what the hardware no longer holds, or holds
-        for another host or at another size, is missing. Returns how many it changed, those it degraded, and
-        those a heal can mend. Under the lock."""
+        for another host or at another size, is missing. Returns how many it changed (one of ``told``, whose
+        device's health the pass recorded, only for what it lost or got back: its health is counted with the
+        device), those it degraded, and those a heal can mend. Under the lock."""
         changes = 0
         degraded: set[str] = set()
         healable: list[str] = []
@@ -1122,7 +1127,7 @@ class FabricComposer(Composer):
             if set(lost) != set(comp.missing) or self._standing(comp) is not comp.state:
                 # Unhealthy too: a device that failed while the fabric manager was down sent no event.
                 now = self._set_standing(comp, missing=tuple(lost))
-                changes += 1
+                changes += 1 if set(lost) != set(comp.missing) or comp.id not in told else 0
                 if now.state is CompositionState.DEGRADED:
                     degraded.add(now.id)
             if self._unhealthy(now) and not now.missing and not self._sick_memory(now):
@@ -3301,9 +3306,18 @@ class FabricComposer(Composer):
             self._set(comp, message=comp.message if said else why, pending=pending)
 
     def _health_changed(self, fabric: str, device: str, health: Health, message: str) -> list[str]:
-        """Record a device's health, as ``fabric`` reports it; degrade or restore the compositions using it.
-        Returns their ids. A fabric reports only on its own devices: one set aside for repeating another's id
-        (`_index`) must not fail or repair the other's device of that id."""
+        """Record a device's health, as ``fabric`` reports it (`_record_health`); degrade or restore the
+        compositions using it. Returns their ids."""
+        with self._lock:
+            affected = self._record_health(fabric, device, health, message)
+            for comp_id in affected:
+                self._reassess(self._compositions[comp_id])
+            return affected
+
+    def _record_health(self, fabric: str, device: str, health: Health, message: str) -> list[str]:
+        """Record a device's health, as ``fabric`` reports it, and say so; returns the compositions using it,
+        for the caller to judge. A fabric reports only on its own devices: one set aside for repeating another's
+        id (`_index`) must not fail or repair the other's device of that id. Under the lock."""
         with self._lock:
             known = self._inv.devices.get(device)
             if known is not None and known.fabric != fabric:
@@ -3329,8 +3343,6 @@ class FabricComposer(Composer):
                 else []
             )
             comp = self._compositions.get(owner) if owner else None
-            for each in users + ([comp] if comp is not None else []):
-                self._reassess(each)
             return [c.id for c in users] + ([comp.id] if comp is not None else [])
 
     def heal(self, composition_id: str) -> Composition:
