@@ -4,17 +4,30 @@ event's delivery returns, no other fabric is read, and a converged fabric change
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 from composer_helpers import Served, composer
+from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import CallContext
-from disagg.model import Binding, CompositionState, EventType, FabricEvent, FabricEventKind, Health
+from disagg.model import (
+    Binding,
+    Composition,
+    CompositionState,
+    EventType,
+    FabricEvent,
+    FabricEventKind,
+    Health,
+    Topology,
+)
 from disagg.requestlang import parse_request
 from disagg_sim import SimFabric, load_topology
 from remote_helpers import eventually
 
 RESTARTED = "the switch restarted"
+HANG_S = 5.0
 
 
 class Counted(SimFabric):
@@ -23,10 +36,21 @@ class Counted(SimFabric):
     listings = 0
     unlisted = False
     """Its bindings cannot be read (the switch does not answer that listing)."""
+    down = False
+    """Its manager answers neither a discovery nor a listing."""
+    hangs: threading.Event | None = None
+    """While it is down, a discovery waits for this (up to `HANG_S`) before it fails: a driver that hangs."""
+
+    def discover(self) -> Topology:
+        if self.down:
+            if self.hangs is not None:
+                self.hangs.wait(HANG_S)
+            raise FabricUnavailableError(f"fabric {self.name}: the manager does not answer")
+        return super().discover()
 
     def bindings(self) -> Sequence[Binding]:
         self.listings += 1
-        if self.unlisted:
+        if self.unlisted or self.down:
             raise FabricUnavailableError(f"fabric {self.name}: the listing of bindings timed out")
         return super().bindings()
 
@@ -133,6 +157,61 @@ class TestAResyncEvent:
             comp.close()
 
 
+class TestAResyncOfAFabricCountedUnreachable:
+    """The fabric's word that it is back settles its UNKNOWN compositions against its hardware at once, before
+    the event's delivery returns, with no retry of the test's own; another fabric still away, whose driver
+    hangs, is not asked and holds up nothing."""
+
+    def test_settles_its_compositions_at_once_though_another_hangs(self) -> None:
+        pcie, cxl = rack()
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=False)
+        try:
+            kept, lost = _away_then_back(comp, pcie, cxl)
+            cxl.hangs = threading.Event()  # asked again now, its driver would hang
+            started = time.monotonic()
+            pcie.resync_required()
+            assert time.monotonic() - started < 1.0, "the resync waited for cxl0, which hangs"
+            assert comp.get(kept.id).state is CompositionState.COMPOSED
+            now = comp.get(lost.id)
+            assert now.state is CompositionState.DEGRADED and now.missing == lost.device_ids
+        finally:
+            if cxl.hangs is not None:
+                cxl.hangs.set()
+            comp.close()
+
+    def test_a_failure_it_finds_is_healed(self) -> None:
+        pcie, cxl = rack()
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=True)
+        try:
+            kept, _ = _away_then_back(comp, pcie, cxl)
+            gpu = kept.device_ids[0]
+            pcie.fail_silently(gpu)
+            pcie.resync_required()
+            comp.wait_for_heals(5.0)
+            healed = comp.get(kept.id)
+            assert healed.state is CompositionState.COMPOSED and gpu not in healed.device_ids
+        finally:
+            comp.close()
+
+
+def _away_then_back(comp: FabricComposer, pcie: Counted, cxl: Counted) -> tuple[Composition, Composition]:
+    """Compose two GPUs' compositions on pcie0; a timed pass finds pcie0 and cxl0 down (their compositions
+    UNKNOWN); pcie0 answers again, one binding lost meanwhile. Returns the one it kept, and the one it lost."""
+    kept = comp.compose(parse_request("kept", ["host h1", "gpu x1"])).composition
+    lost = comp.compose(parse_request("lost", ["host h2", "gpu x1"])).composition
+    assert kept is not None and lost is not None
+    pcie.down = cxl.down = True
+
+    def unknown() -> bool:  # a remote fabric answers its discovery from its cache for up to a second
+        comp.reconcile()
+        return comp.get(kept.id).state is CompositionState.UNKNOWN
+
+    assert eventually(unknown, 3.0)
+    pcie.down = False
+    pcie.unbind(Binding(lost.device_ids[0], "h2"), CallContext(epoch=pcie.epoch))
+    return kept, lost
+
+
 class TestAResyncEventOverTheWire:
     """A remote driver's event does it too, within a second, with no pass of the test's own."""
 
@@ -169,6 +248,20 @@ class TestAResyncEventOverTheWire:
             pcie.fail_device(gpu)
             assert eventually(lambda: comp.get(live.id).state is CompositionState.DEGRADED, 1.0)
             assert comp.device(gpu).health is Health.FAILED
+        finally:
+            comp.close()
+            served.close()
+
+    def test_a_fabric_counted_unreachable_settles_within_a_second(self) -> None:
+        pcie, cxl = rack()
+        served = Served("unix")
+        comp = composer(served({"pcie0": pcie, "cxl0": cxl}), auto_heal=False)
+        try:
+            kept, lost = _away_then_back(comp, pcie, cxl)
+            pcie.resync_required()
+            assert eventually(lambda: comp.get(kept.id).state is CompositionState.COMPOSED, 1.0)
+            now = comp.get(lost.id)
+            assert now.state is CompositionState.DEGRADED and now.missing == lost.device_ids
         finally:
             comp.close()
             served.close()

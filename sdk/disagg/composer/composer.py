@@ -852,12 +852,25 @@ class FabricComposer(Composer):
         why = f"fabric {event.fabric} asked to be read again ({event.message or event.subject})"
         log.info("%s; reconciling it now", why)
         try:
+            settled = self._bring_back(event.fabric) if self._counted_away(event.fabric) else None
             _, healable, degraded = self._reconcile_pass(frozenset({event.fabric}), why)
         except DisaggError as exc:  # the ledger failed: nothing can be judged now, nor made durable
             log.warning("fabric %s was not read again on its resync event: %s", event.fabric, exc.message)
             return
         if self.auto_heal:
-            self._heal_soon(healable, retry=lambda c: c not in degraded and self._started)
+            # What it settled as `retry_unreachable` heals it: failures told while UNKNOWN healed nothing.
+            back = sorted(settled or ())
+            self._heal_soon(
+                list(dict.fromkeys(healable + back)),
+                retry=lambda c: c not in degraded and c not in back and self._started,
+            )
+
+    def _counted_away(self, name: str) -> bool:
+        """Whether fabric ``name`` counts unreachable, or answered again at a rebuild whose compositions
+        `retry_unreachable` has not settled yet: a reconcile pass skips the one and judges none of the other's
+        UNKNOWN compositions."""
+        with self._lock:
+            return name in self._unreachable or name in self._returned
 
     def _reconcile_pass(self, only: frozenset[str] | None = None, why: str = "") -> tuple[int, list[str], set[str]]:
         """`reconcile` without its heals, of the fabrics ``only`` (every one when None), whose devices' health it
@@ -1520,22 +1533,35 @@ class FabricComposer(Composer):
         """Try the unreachable fabrics again (a set-aside one too, `_index`); when one answers, rebuild, settle
         its compositions (recovery, then COMPOSED or DEGRADED as the hardware holds them) and reconcile. Returns
         whether any answered. A server calls it on a timer."""
+        settled = self._bring_back()
+        if settled is None:
+            return False
+        self.reconcile()
+        if self.auto_heal:  # failures reported while they were UNKNOWN healed nothing, and reconcile heals only its own
+            self._heal_all(sorted(settled))
+        return True
+
+    def _bring_back(self, only: str = "") -> set[str] | None:
+        """`retry_unreachable` up to its reconcile, asking fabric ``only`` alone when given: the other unreachable
+        ones, whose drivers may hang until their timeout, are not asked, nor is their hardware read. Returns the
+        compositions it settled and recovered, or None when no fabric answered again."""
         self._check_started()
         with self._lock:
-            unreachable, returned = sorted(self._unreachable), bool(self._returned)
+            gone = set(self._unreachable)
+            unreachable, returned = sorted(n for n in gone if not only or n == only), bool(self._returned)
             wanted = self._unknown_hardware()
             heard = dict(self._heard)
         answered = {name: found for name in unreachable if (found := self._answers(name)) is not None}
         if not returned and not answered:
-            return False
+            return None
         # What settling the UNKNOWN compositions judges, read before the lock as the fabrics were asked, so that a
         # driver that answers and then hangs holds up nothing else either.
         hardware = HardwareView(self.fabrics)
-        away = set(unreachable) - set(answered)
+        away = gone - set(answered)
         hardware.read_ahead(wanted[0] - away, {key for key in wanted[1] if key[0] not in away})
         with self._lock:
             if not self._unreachable and not self._returned:
-                return False
+                return None
             # A fabric heard from since it answered (an event, a rebuild that asked it: a device that failed, or
             # the fabric gone again) is left as that left it: its answer is older, and the next retry asks again.
             answered = {name: found for name, found in answered.items() if self._heard.get(name) == heard.get(name)}
@@ -1545,14 +1571,11 @@ class FabricComposer(Composer):
                 self._mark_unknown()  # one this rebuild found gone, or set aside
             back, self._returned = self._returned - self._unreachable, set()
             if not back:
-                return False
+                return None
             log.info("fabric %s answers again", ", ".join(sorted(back)))
             settle = self._settle_known(hardware)
         self._recover(settle)
-        self.reconcile()
-        if self.auto_heal:  # failures reported while they were UNKNOWN healed nothing, and reconcile heals only its own
-            self._heal_all(sorted(settle))
-        return True
+        return settle
 
     def _unknown_hardware(self) -> tuple[set[str], set[tuple[str, str]]]:
         """The fabrics whose bindings, and the pools (fabric and pool) whose allocations, settling the UNKNOWN
