@@ -3341,32 +3341,31 @@ class FabricComposer(Composer):
         """Record a device's health, as ``fabric`` reports it, and say so; returns the compositions using it,
         for the caller to judge. A fabric reports only on its own devices: one set aside for repeating another's
         id (`_index`) must not fail or repair the other's device of that id. Under the lock."""
-        with self._lock:
-            known = self._inv.devices.get(device)
-            if known is not None and known.fabric != fabric:
-                log.warning(
-                    "ignored fabric %s's health report on device %s, which is fabric %s's", fabric, device, known.fabric
-                )
-                return []
-            old = self._inv.set_health(device, health)
-            if old is None or old.health is health:
-                return []
-            self._emit(EventType.DEVICE_HEALTH_CHANGED, device, message, old=old.health.value, new=health.value)
-            owner = self._inv.owner.get(device)
-            if owner in self._reservations and health is not Health.OK:
-                self._drop_unhealthy_reservations(owner)
-                return []
-            # Those of its switch alone: a pass that finds thousands failed applies each under one hold.
-            pools = {s.info.id for s in self._inv.pools_by_switch.get(old.switch, ()) if s.device.id == device}
-            if pools and health is not Health.OK:
-                self._drop_unhealthy_reservations()
-            users = (
-                [c for c in self._compositions.values() if any(a.pool in pools for a in _holdings(c)[1])]
-                if pools  # a device behind no pool (most are) is used by its owner alone: no scan
-                else []
+        known = self._inv.devices.get(device)
+        if known is not None and known.fabric != fabric:
+            log.warning(
+                "ignored fabric %s's health report on device %s, which is fabric %s's", fabric, device, known.fabric
             )
-            comp = self._compositions.get(owner) if owner else None
-            return [c.id for c in users] + ([comp.id] if comp is not None else [])
+            return []
+        old = self._inv.set_health(device, health)
+        if old is None or old.health is health:
+            return []
+        self._emit(EventType.DEVICE_HEALTH_CHANGED, device, message, old=old.health.value, new=health.value)
+        owner = self._inv.owner.get(device)
+        if owner in self._reservations and health is not Health.OK:
+            self._drop_unhealthy_reservations(owner)
+            return []
+        # Those of its switch alone: a pass that finds thousands failed applies each under one hold.
+        pools = {s.info.id for s in self._inv.pools_by_switch.get(old.switch, ()) if s.device.id == device}
+        if pools and health is not Health.OK:
+            self._drop_unhealthy_reservations()
+        users = (
+            [c for c in self._compositions.values() if any(a.pool in pools for a in _holdings(c)[1])]
+            if pools  # a device behind no pool (most are) is used by its owner alone: no scan
+            else []
+        )
+        comp = self._compositions.get(owner) if owner else None
+        return [c.id for c in users] + ([comp.id] if comp is not None else [])
 
     def heal(self, composition_id: str) -> Composition:
         """Replace each unhealthy device of a composition with one that meets the same request line."""
