@@ -349,6 +349,9 @@ class _EndedCall:
         self.aborted.append(code)
         raise grpc.aio.InternalError("Failed execute_batch")
 
+    async def write(self, message: Any) -> None:
+        raise grpc.aio.InternalError("Failed execute_batch")
+
 
 class TestAStatusForACallThatEnded:
     """A handler that failed on a call gRPC had ended meanwhile (its deadline passed as it started) had its status
@@ -371,12 +374,27 @@ class TestAStatusForACallThatEnded:
             context = _EndedCall()
 
             async def call(guarded: Any = guarded, streaming: bool = streaming, context: Any = context) -> None:
-                if streaming:
-                    async for _ in guarded.unary_stream(b"", context):
-                        pass
-                else:
-                    await guarded.unary_unary(b"", context)
+                # A guarded stream is a coroutine that writes its responses itself (`_write`).
+                await (guarded.unary_stream if streaming else guarded.unary_unary)(b"", context)
 
             with pytest.raises(asyncio.CancelledError):
                 asyncio.run(call())
             assert context.aborted == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+    def test_a_send_refused_ends_the_stream_as_cancelled_and_closes_it(self) -> None:
+        """A response that cannot be sent (its client went away while the send waited) ends the call as a
+        cancelled one, not with grpcio's ERROR traceback, and the handler's generator is closed there and then."""
+        closed: list[bool] = []
+
+        async def streams(request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                while True:
+                    yield b"event"
+            finally:
+                closed.append(True)
+
+        guarded = _wrap_async("/x/Stream", grpc.unary_stream_rpc_method_handler(streams))
+        context = _EndedCall()
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(guarded.unary_stream(b"", context))
+        assert closed == [True] and context.aborted == []

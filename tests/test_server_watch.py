@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import sqlite3
 import threading
@@ -227,6 +228,35 @@ class TestSlowWatcher:
                 assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "OVERLOADED"
                 assert read == list(range(1, len(read) + 1)) and len(read) < 3000
                 assert failed.metadata["revision"] == str(read[-1]) and f"revision {read[-1]}" in failed.message
+
+
+class TestAWatchItsClientLeft:
+    """A client that goes away while a send of its watch waits is an ordinary end of the call: the watch closes,
+    and the server logs no error for it (grpcio logged ExecuteBatchError with a traceback)."""
+
+    def test_a_client_gone_mid_send_logs_no_error(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        with serving(socket_path(tmp_path)) as served:
+            churn(served, 3000)  # more than the connection's flow-control window holds: a send waits
+            sending: list[int] = []
+            store = served.composer.store
+            monkeypatch.setattr(store, "await_event", sending.append)  # in memory: each is held already
+            channel = grpc.insecure_channel(served.address, options=[("grpc.http2.bdp_probe", 0)])
+            stream = fm_grpc.FabricManagerServiceStub(channel).WatchEvents(fm.WatchEventsRequest(), timeout=WAIT_S)
+            assert take(stream, 1) == [1]
+            wait_until(lambda: _stopped_sending(sending), "a send of the watch to wait for its client")
+            channel.close()
+            wait_until(lambda: len(served.server.servicer.watches) == 0, "the watch of the client gone to close")
+        errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+        assert errors == []
+
+
+def _stopped_sending(sending: list[int], still_s: float = 0.3) -> bool:
+    """Whether a watch that sent the revisions ``sending`` stands still, short of the last: a send waits."""
+    before = len(sending)
+    time.sleep(still_s)
+    return 0 < len(sending) == before and sending[-1] < 3000
 
 
 class TestWatchBuffer:

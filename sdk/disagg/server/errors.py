@@ -172,18 +172,30 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], status: grpc.Statu
         raise asyncio.CancelledError from exc
 
 
+async def _write(context: grpc.aio.ServicerContext[Any, Any], response: Any) -> None:
+    """Send ``response``. A send gRPC refuses (`grpc.aio.InternalError`: its batch failed) finds the call ended while
+    it waited, its client gone or its deadline passed: the handler ends as a cancelled call, as in `_abort`. grpcio,
+    writing an async generator's responses itself, logged that failure as an ERROR with a traceback whenever it
+    came before grpcio saw the client leave: a client that closed a watch the server was still sending to."""
+    try:
+        await context.write(response)
+    except grpc.aio.InternalError as exc:
+        raise asyncio.CancelledError from exc
+
+
 def _guard_async(method: str, behavior: Behavior, *, client_streams: bool = False) -> Behavior:
     """``behavior`` (a coroutine or async generator function) with every error turned into its status; a
-    handler's own ``context.abort`` passes through. Anything else is left as it is."""
+    handler's own ``context.abort`` passes through. Anything else is left as it is. An async generator's responses
+    are sent here (`_write`), and the generator is closed as soon as its call ends."""
     if inspect.isasyncgenfunction(behavior):
 
-        async def guarded_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        async def guarded_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
             responses = None
             try:
                 request = _each_decoded_async(request) if client_streams else _decoded(request)
                 responses = behavior(request, context)
                 async for response in responses:
-                    yield response
+                    await _write(context, response)
                 return
             except grpc.aio.AbortError:
                 raise
@@ -212,7 +224,8 @@ def _guard_async(method: str, behavior: Behavior, *, client_streams: bool = Fals
 
 
 class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
-    """`ErrorInterceptor` for grpcio's asyncio server: wraps every coroutine and async generator handler.
+    """`ErrorInterceptor` for grpcio's asyncio server: wraps every coroutine and async generator handler (an async
+    generator's wrapper is a coroutine that writes its responses, `_write`).
 
     The wrapped handler of each method is kept: the asyncio server asks the interceptor on every call, and
     building the handler again each time cost a no-op call about a tenth of its time (measured with
