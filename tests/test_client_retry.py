@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import socket
 import threading
@@ -24,6 +25,7 @@ from disagg.errors import (
     CapacityExhaustedError,
     DisaggError,
     FabricUnavailableError,
+    InvalidRequestError,
     LedgerNotFencedError,
     NoFitError,
     NotFoundError,
@@ -227,8 +229,31 @@ class TestRetryPolicy:
 
     @pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"initial_backoff_s": 0}, {"multiplier": -1}])
     def test_refuses_nonsense(self, kwargs: dict[str, float]) -> None:
-        with pytest.raises(ValueError):
+        with pytest.raises(InvalidRequestError):
             RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {"max_attempts": "3"},
+            {"max_attempts": 2.5},
+            {"max_attempts": True},
+            {"max_attempts": None},
+            {"initial_backoff_s": "0.1"},
+            {"initial_backoff_s": math.nan},
+            {"max_backoff_s": math.inf},
+            {"max_backoff_s": False},
+            {"multiplier": "2"},
+            {"multiplier": math.nan},
+        ],
+    )
+    def test_a_setting_of_the_wrong_type_or_no_number_is_refused_naming_it(self, kwargs: dict[str, object]) -> None:
+        """A string, a fraction of an attempt, a bool or NaN was taken (NaN made every pause NaN, which
+        ``time.sleep`` refuses mid-call), or refused with a bare TypeError from a comparison."""
+        (name,) = kwargs
+        with pytest.raises(InvalidRequestError) as info:
+            RetryPolicy(**kwargs)  # type: ignore[arg-type]
+        assert info.value.field == name and name in info.value.message
 
 
 class TestCallWithRetry:

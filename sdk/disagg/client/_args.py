@@ -58,11 +58,17 @@ def whole(value: object, name: str) -> int:
     return value
 
 
-def seconds(value: object, name: str) -> float:
-    """``value``, a number of seconds called ``name``; a bool is not one. Its range is the caller's to check."""
+def number(value: object, name: str, wanted: str = "a number") -> float:
+    """``value``, a real number called ``name`` (``wanted`` says of what); a bool is not one. Its range is the
+    caller's to check."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _refuse(name, "a number of seconds", value)
+        raise _refuse(name, wanted, value)
     return value
+
+
+def seconds(value: object, name: str) -> float:
+    """``value``, a number of seconds called ``name`` (`number`)."""
+    return number(value, name, "a number of seconds")
 
 
 def member(value: object, kind: type[E], name: str) -> E:

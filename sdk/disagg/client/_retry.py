@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -10,7 +11,8 @@ from typing import TypeVar
 import attrs
 import grpc
 
-from disagg.errors import answered_not_serving
+from disagg.client import _args as args
+from disagg.errors import InvalidRequestError, answered_not_serving
 from disagg.wire.errors import from_rpc_error, retry_delay_s, server_status
 
 T = TypeVar("T")
@@ -35,9 +37,23 @@ def may_retry(exc: grpc.RpcError) -> bool:
     return error.retryable or answered_not_serving(error)
 
 
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, not {value}")
+def _positive(wanted: str) -> Callable[[object, attrs.Attribute[float], object], None]:
+    """A validator of a finite number above 0, ``wanted`` saying of what: NaN made every pause NaN, which
+    ``time.sleep`` refused in the middle of a call, and a string failed a comparison with a bare TypeError."""
+
+    def check(instance: object, attribute: attrs.Attribute[float], value: object) -> None:
+        if not 0 < args.number(value, attribute.name, wanted) < math.inf:
+            raise InvalidRequestError(
+                f"{attribute.name} must be above 0 and finite, not {value!r}", field=attribute.name
+            )
+
+    return check
+
+
+def _attempts(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    """A whole number of attempts, at least 1: a fraction or a string is no count of attempts."""
+    if args.whole(value, attribute.name) < 1:
+        raise InvalidRequestError(f"{attribute.name} must be at least 1, not {value!r}", field=attribute.name)
 
 
 @attrs.frozen
@@ -47,18 +63,14 @@ class RetryPolicy:
     Attempt ``n`` (from 1) whose failure may be retried (`may_retry`) is followed by a pause drawn uniformly from
     ``[0, min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))]``, or by the delay the server asked for
     (a ``google.rpc.RetryInfo``); no pause runs past the deadline.
-    ``RetryPolicy(max_attempts=1)`` never retries.
+    ``RetryPolicy(max_attempts=1)`` never retries. A setting of the wrong type or out of range is refused as
+    `InvalidRequestError` naming it.
     """
 
-    max_attempts: int = attrs.field(default=5)
-    initial_backoff_s: float = attrs.field(default=0.1, validator=_positive)
-    max_backoff_s: float = attrs.field(default=2.0, validator=_positive)
-    multiplier: float = attrs.field(default=2.0, validator=_positive)
-
-    @max_attempts.validator
-    def _check_attempts(self, attribute: attrs.Attribute[int], value: int) -> None:
-        if value < 1:
-            raise ValueError(f"max_attempts must be at least 1, not {value}")
+    max_attempts: int = attrs.field(default=5, validator=_attempts)
+    initial_backoff_s: float = attrs.field(default=0.1, validator=_positive("a number of seconds"))
+    max_backoff_s: float = attrs.field(default=2.0, validator=_positive("a number of seconds"))
+    multiplier: float = attrs.field(default=2.0, validator=_positive("a number"))
 
     def backoff_cap(self, attempt: int) -> float:
         """The longest pause after failed attempt ``attempt`` (counted from 1)."""
