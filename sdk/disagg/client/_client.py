@@ -169,8 +169,11 @@ _NOT_TAKEN = frozenset({OverloadedError.reason})
 MAX_TIMEOUT_S = 365 * 86_400.0
 """The longest ``timeout_s``, a year. From about 9.2e9 s on gRPC's deadline overflows, and every call then failed
 at once as DEADLINE_EXCEEDED, saying a change may have been made."""
-MAX_KEEPALIVE_S = 2.0**31 / 1000
-"""gRPC takes a ping interval in milliseconds, as a 32-bit int: ``keepalive_s`` is less than this (about 24 days)."""
+MIN_KEEPALIVE_S = 0.001
+"""gRPC takes a ping interval in whole milliseconds: a ``keepalive_s`` under one rounded to 0."""
+MAX_KEEPALIVE_S = (2**31 - 1) / 1000
+"""And as a 32-bit int: ``keepalive_s`` is at most this (about 24 days); one that rounded past it failed gRPC's
+conversion with an OverflowError."""
 _MAKES_REQUEST = "disagg.requestlang.parse_request(name, ['gpu x2'])"
 _MAKES_RESOURCE = "disagg.requestlang.parse_resource('gpu x2')"
 """What makes the request objects the client sends: it does not parse the request language's text."""
@@ -229,10 +232,13 @@ class FabricManagerClient:
                 f"retries must be a RetryPolicy (RetryPolicy(max_attempts=N), or NO_RETRY), not {retries!r}",
                 field="retries",
             )
-        if keepalive_s is not None and not 0 < args.seconds(keepalive_s, "keepalive_s") < MAX_KEEPALIVE_S:
+        if (
+            keepalive_s is not None
+            and not MIN_KEEPALIVE_S <= args.seconds(keepalive_s, "keepalive_s") <= MAX_KEEPALIVE_S
+        ):
             raise InvalidRequestError(
-                f"keepalive_s must be above 0 and below {MAX_KEEPALIVE_S:g} seconds, or None for no pings, "
-                f"not {keepalive_s!r}",
+                f"keepalive_s must be from {MIN_KEEPALIVE_S:g} to {MAX_KEEPALIVE_S:.3f} seconds (gRPC counts whole "
+                f"milliseconds, in 32 bits), or None for no pings, not {keepalive_s!r}",
                 field="keepalive_s",
             )
         spaced = any(c.isspace() for c in address) and not address.startswith("unix:")  # a path may hold spaces
