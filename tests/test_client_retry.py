@@ -558,6 +558,24 @@ class TestWatchResumption:
             assert list(stream) == []
             assert time.monotonic() - started < 5.0
 
+    def test_the_pause_before_a_reopen_is_the_clients(self, serve: Any, composer: FabricComposer) -> None:
+        """The pause before a reopen goes through the client's pause (``_sleep``), as a call's pause between
+        attempts does: it bypassed it, so a test that replaced the pause waited the real one."""
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+        _, address = serve(Flaky(composer, failures=0))  # its first stream breaks after three events
+        patient = RetryPolicy(max_attempts=3, initial_backoff_s=20.0, max_backoff_s=20.0)
+        paused: list[float] = []
+        with FabricManagerClient(address, retries=patient) as client:
+            client._rng = Longest()
+            client._sleep = lambda seconds, **_: paused.append(seconds)
+            stream = client.watch()
+            started = time.monotonic()
+            assert [next(stream).revision for _ in range(4)] == [1, 2, 3, 4]
+            stream.close()
+            assert time.monotonic() - started < 5.0
+        assert paused == [20.0]
+
     def test_close_cancels_the_stream(self, serve: Any, composer: FabricComposer) -> None:
         composer.compose(parse_request("j", ["gpu"]))
         total = len(composer.events())

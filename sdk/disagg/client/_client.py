@@ -132,6 +132,12 @@ class _StreamCall(Protocol):
     def cancel(self) -> bool: ...
 
 
+class _Pause(Protocol):
+    """A pause of ``seconds``, cut short by ``ended`` turning true (when the client is woken, `_wake`)."""
+
+    def __call__(self, seconds: float, *, ended: Callable[[], bool] = ...) -> None: ...
+
+
 class _ClientClosedError(Exception):
     """`FabricManagerClient.close` came before or during an attempt of a call: it ends the call's retries."""
 
@@ -267,7 +273,8 @@ class FabricManagerClient:
         self._channel = channel
         self._stub = fm_grpc.FabricManagerServiceStub(self._channel)
         self._rng = random.Random()
-        self._sleep: Callable[[float], None] = self._pause
+        self._sleep: _Pause = self._pause
+        """Every pause of the client: between a call's attempts and before a watch's reopen."""
         self.closed = False
         """`close` was called."""
         self._connectivity = threading.Condition()
@@ -883,7 +890,7 @@ class EventStream(Iterator[Event]):
             self.close()
             raise self._client._error(exc) from None
         pause = self._client.retries.pause(failures, exc, self._client._rng)
-        self._client._pause(pause, ended=lambda: self._closed)
+        self._client._sleep(pause, ended=lambda: self._closed)
         self._reopen()
 
     def _deliver(self, msg: fm.Event) -> Event:
