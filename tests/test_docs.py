@@ -327,3 +327,28 @@ class TestRemoteExamples:
                 assert len(fm.devices()) == 30
         finally:
             exec(compile(stop, "docs/protocol.md", "exec"), names)
+
+
+class TestEventKindDocs:
+    """Every kind of `FabricEvent` a driver sends is named in the driver contract and in the tutorial's events
+    section, and remote-drivers.md gives each wire kind it names the number the .proto gives it."""
+
+    @pytest.mark.parametrize("doc", ["driver-interface.md", "driver-tutorial.md"])
+    def test_every_kind_is_named(self, doc: str) -> None:
+        from disagg.model import FabricEventKind
+
+        text = _doc(doc)
+        if doc == "driver-tutorial.md":
+            text = text.split("## 6. Events", 1)[1].split("\n## ", 1)[0]
+        missing = [kind.name for kind in FabricEventKind if f"`{kind.name}`" not in text]
+        assert missing == [], f"docs/{doc} does not name the event kinds {missing}"
+
+    def test_wire_numbers(self) -> None:
+        from disagg.driver.v1 import fabric_driver_pb2
+        from disagg.model import FabricEventKind
+
+        wire = dict(fabric_driver_pb2.FabricEventKind.items())
+        assert {f"FABRIC_EVENT_KIND_{kind.name}" for kind in FabricEventKind} <= set(wire)
+        named = re.findall(r"`(FABRIC_EVENT_KIND_[A-Z_]+)` \((\d+)\)", _doc("remote-drivers.md"))
+        assert named
+        assert [(name, wire.get(name)) for name, _ in named] == [(name, int(number)) for name, number in named]
