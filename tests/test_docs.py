@@ -352,3 +352,22 @@ class TestEventKindDocs:
         named = re.findall(r"`(FABRIC_EVENT_KIND_[A-Z_]+)` \((\d+)\)", _doc("remote-drivers.md"))
         assert named
         assert [(name, wire.get(name)) for name, _ in named] == [(name, int(number)) for name, number in named]
+
+
+class TestSuiteVersionDocs:
+    """The suite version docs/conformance.md states is `SUITE_VERSION`, its list of what each version added
+    starts with it, and every "suite N" another page quotes is a version that list has."""
+
+    def _versions(self) -> list[str]:
+        return re.findall(r"^- (\d+\.\d+): ", _doc("conformance.md"), flags=re.M)
+
+    def test_stated_version(self) -> None:
+        from disagg.testing import SUITE_VERSION
+
+        assert re.search(r"^Suite version: (\S+)\. ", _doc("conformance.md"), flags=re.M).group(1) == SUITE_VERSION  # type: ignore[union-attr]
+        assert self._versions()[0] == SUITE_VERSION
+
+    @pytest.mark.parametrize("doc", ["driver-interface.md", "driver-tutorial.md", "remote-drivers.md"])
+    def test_quoted_versions_exist(self, doc: str) -> None:
+        quoted = set(re.findall(r"\b(?:suite|conformance) (\d+\.\d+)\b", _doc(doc)))
+        assert quoted - set(self._versions()) == set(), f"docs/{doc} quotes suite versions that do not exist"
