@@ -371,3 +371,43 @@ class TestSuiteVersionDocs:
     def test_quoted_versions_exist(self, doc: str) -> None:
         quoted = set(re.findall(r"\b(?:suite|conformance) (\d+\.\d+)\b", _doc(doc)))
         assert quoted - set(self._versions()) == set(), f"docs/{doc} quotes suite versions that do not exist"
+
+
+def _flat(doc: str) -> str:
+    """``doc`` with its line breaks and runs of spaces as single spaces, so a phrase may wrap."""
+    return " ".join((ROOT / doc).read_text().split())
+
+
+def _documented_values() -> list[tuple[str, str]]:
+    """Phrases of the docs that quote a default or a limit, built from the code's value."""
+    from disagg.client import MAX_TIMEOUT_S, RetryPolicy
+    from disagg.client.replicas import KEEPALIVE_S, PING_TIMEOUT_S
+    from disagg.server import runtime
+    from disagg.server.watch import WATCH_RETRY_S, WATCH_STALL_S
+
+    return [
+        ("docs/client.md", f"`{RetryPolicy()!r}` is the default"),
+        ("docs/client.md", f"every `keepalive_s` ({KEEPALIVE_S:g} s by default)"),
+        ("docs/client.md", f"a year, {MAX_TIMEOUT_S:.0f}"),
+        ("docs/client.md", f"such as its {runtime.MAX_WATCHES} watches"),
+        ("docs/cli.md", f"at most a year, {MAX_TIMEOUT_S:.0f}"),
+        ("docs/ha.md", f"pings each replica every {KEEPALIVE_S:g} s"),
+        ("docs/ha.md", f"goes unanswered for {PING_TIMEOUT_S:g} s"),
+        ("docs/protocol.md", f"at most {runtime.MAX_WATCHES} are served at once"),
+        ("docs/protocol.md", f"watches are capped ({runtime.MAX_WATCHES})"),
+        ("docs/protocol.md", f"Once one send has waited {WATCH_STALL_S:g} s (the servicer's `watch_stall_s`)"),
+        ("docs/protocol.md", f"a watch whose client read nothing for {WATCH_STALL_S:g} s"),
+        ("docs/protocol.md", f"wait {WATCH_RETRY_S:g} to {2 * WATCH_RETRY_S:g} s"),
+        ("docs/protocol.md", f"pings a connection that has sent nothing for {runtime.KEEPALIVE_S:g} s"),
+        ("docs/protocol.md", f"not answered within {runtime.KEEPALIVE_TIMEOUT_S:g} s"),
+        ("docs/protocol.md", f"`--grace` seconds (default {runtime.GRACE_S:g})"),
+        ("docs/protocol.md", f"in one of {runtime.WORKERS} worker threads"),
+    ]
+
+
+class TestDocumentedValues:
+    """The defaults and limits the user docs quote (retries, pings, watches, the grace) are the code's."""
+
+    @pytest.mark.parametrize(("doc", "phrase"), _documented_values(), ids=[p for _, p in _documented_values()])
+    def test_value(self, doc: str, phrase: str) -> None:
+        assert phrase in _flat(doc), f"{doc} does not say {phrase!r}"

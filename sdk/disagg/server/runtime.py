@@ -108,7 +108,7 @@ def server_options(
     return [
         # SO_REUSEPORT off: a second server on a taken port must fail, not share it silently.
         ("grpc.so_reuseport", 0),
-        # Clients of several replicas ping every 2 s to notice a replica that stopped answering
+        # The Python client pings every 2 s while a call is open, to notice a server that stopped answering
         # (`disagg.client.replicas.KEEPALIVE`); by default a server takes pings 5 minutes apart and closes the
         # connection of a client that pings more often.
         ("grpc.http2.min_ping_interval_without_data_ms", 1000),
