@@ -29,8 +29,10 @@ class FabricManagerServiceStub:
     """The northbound fabric-manager service: inventory, composition (after Redfish's CompositionService) and
     an ordered, resumable event stream. Errors are gRPC status codes with google.rpc details:
     INVALID_ARGUMENT (BadRequest field violations), NOT_FOUND (ResourceInfo), ALREADY_EXISTS,
-    FAILED_PRECONDITION (PreconditionFailure: stale etag, wrong state), ABORTED, RESOURCE_EXHAUSTED (no fit,
-    with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
+    FAILED_PRECONDITION (PreconditionFailure: stale etag, wrong state), ABORTED, RESOURCE_EXHAUSTED (no fit or no
+    capacity, not retried; or OVERLOADED, at a limit of concurrent work, retried after the RetryInfo delay it
+    carries), UNAVAILABLE (a driver cannot be reached; retry unless the reason is one a retry cannot change,
+    such as LEDGER_NOT_FENCED), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
 
@@ -126,8 +128,10 @@ class FabricManagerServiceServicer:
     """The northbound fabric-manager service: inventory, composition (after Redfish's CompositionService) and
     an ordered, resumable event stream. Errors are gRPC status codes with google.rpc details:
     INVALID_ARGUMENT (BadRequest field violations), NOT_FOUND (ResourceInfo), ALREADY_EXISTS,
-    FAILED_PRECONDITION (PreconditionFailure: stale etag, wrong state), ABORTED, RESOURCE_EXHAUSTED (no fit,
-    with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
+    FAILED_PRECONDITION (PreconditionFailure: stale etag, wrong state), ABORTED, RESOURCE_EXHAUSTED (no fit or no
+    capacity, not retried; or OVERLOADED, at a limit of concurrent work, retried after the RetryInfo delay it
+    carries), UNAVAILABLE (a driver cannot be reached; retry unless the reason is one a retry cannot change,
+    such as LEDGER_NOT_FENCED), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
 
@@ -345,8 +349,10 @@ class FabricManagerService:
     """The northbound fabric-manager service: inventory, composition (after Redfish's CompositionService) and
     an ordered, resumable event stream. Errors are gRPC status codes with google.rpc details:
     INVALID_ARGUMENT (BadRequest field violations), NOT_FOUND (ResourceInfo), ALREADY_EXISTS,
-    FAILED_PRECONDITION (PreconditionFailure: stale etag, wrong state), ABORTED, RESOURCE_EXHAUSTED (no fit,
-    with the reason), UNAVAILABLE (a driver cannot be reached; retry), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
+    FAILED_PRECONDITION (PreconditionFailure: stale etag, wrong state), ABORTED, RESOURCE_EXHAUSTED (no fit or no
+    capacity, not retried; or OVERLOADED, at a limit of concurrent work, retried after the RetryInfo delay it
+    carries), UNAVAILABLE (a driver cannot be reached; retry unless the reason is one a retry cannot change,
+    such as LEDGER_NOT_FENCED), DEADLINE_EXCEEDED, OUT_OF_RANGE (an event
     revision older than the retention window) and INTERNAL (never with the exception's text). Every error
     carries an ErrorInfo whose reason is the SDK's stable error reason (for example NO_FIT, DEVICE_BUSY).
 
