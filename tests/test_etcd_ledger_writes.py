@@ -20,11 +20,14 @@ from typing import Any
 import pytest
 import requests
 from disagg import codec
+from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError
-from disagg.model import Composition, CompositionState
+from disagg.model import Composition, CompositionRequest, CompositionState
+from disagg.requestlang import parse_resource
 from disagg.store import EtcdStore
 from disagg.store import etcd as etcd_store
 from disagg.store.etcd import LeadershipLostError, request_timeout
+from disagg_sim import create_fabric
 from etcd_helpers import EtcdCluster, fresh_prefix, one_etcd_member, raw_client, start_etcd_cluster, take_lead
 
 TTL_S = 3
@@ -414,3 +417,27 @@ class TestClosed:
         store.close()
         with pytest.raises(FabricUnavailableError, match="is closed"):
             store.put_composition(_composition("c1"))
+
+
+class TestRecordSize:
+    """etcd limits a request's raw bytes (``--max-request-bytes``, 1.5 MiB by default), and the gateway carries
+    them base64-encoded: a record is measured as etcd measures it."""
+
+    GPUS = 7000
+    """About 900 kB of record: base64, 1.2 MB, which the ledger took for etcd's measure and refused."""
+
+    def test_a_composition_etcd_takes_is_written(self, etcd_one: EtcdCluster, prefix: str) -> None:
+        """A composition of 7000 GPUs failed the ledger, and so stopped the leader, though etcd takes it."""
+        generate = {"devices": self.GPUS + 50, "hosts_per_domain": 2, "gpus_per_chassis": self.GPUS + 10}
+        store = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
+        composer = FabricComposer({"pcie0": create_fabric("pcie0", {"generate": generate})}, store=store)
+        try:
+            composer.start()
+            result = composer.compose(CompositionRequest("big", (parse_resource(f"gpu x{self.GPUS}"),)))
+            assert store.failure == ""
+            reader = EtcdStore(etcd_one.endpoints, prefix=prefix)
+            (held,) = reader.load().compositions
+            reader.close()
+            assert held == result.composition and len(held.devices) == self.GPUS
+        finally:
+            composer.close()
