@@ -21,8 +21,8 @@ import pytest
 import requests
 from disagg import codec
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError, FabricUnavailableError
-from disagg.model import Composition, CompositionRequest, CompositionState
+from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
+from disagg.model import ComposeMode, Composition, CompositionRequest, CompositionState
 from disagg.requestlang import parse_resource
 from disagg.store import EtcdStore
 from disagg.store import etcd as etcd_store
@@ -425,12 +425,17 @@ class TestRecordSize:
 
     GPUS = 7000
     """About 900 kB of record: base64, 1.2 MB, which the ledger took for etcd's measure and refused."""
+    TOO_MANY = 16_000
+    """Records of 1.3 MB (the composition) to 2 MB (while it binds): more than etcd takes in one request."""
+
+    def _composer(self, etcd: EtcdCluster, prefix: str, gpus: int) -> tuple[FabricComposer, EtcdStore]:
+        generate = {"devices": gpus + 50, "hosts_per_domain": 2, "gpus_per_chassis": gpus + 10}
+        store = EtcdStore(etcd.endpoints, prefix=prefix, unfenced=True)
+        return FabricComposer({"pcie0": create_fabric("pcie0", {"generate": generate})}, store=store), store
 
     def test_a_composition_etcd_takes_is_written(self, etcd_one: EtcdCluster, prefix: str) -> None:
         """A composition of 7000 GPUs failed the ledger, and so stopped the leader, though etcd takes it."""
-        generate = {"devices": self.GPUS + 50, "hosts_per_domain": 2, "gpus_per_chassis": self.GPUS + 10}
-        store = EtcdStore(etcd_one.endpoints, prefix=prefix, unfenced=True)
-        composer = FabricComposer({"pcie0": create_fabric("pcie0", {"generate": generate})}, store=store)
+        composer, store = self._composer(etcd_one, prefix, self.GPUS)
         try:
             composer.start()
             result = composer.compose(CompositionRequest("big", (parse_resource(f"gpu x{self.GPUS}"),)))
@@ -439,5 +444,59 @@ class TestRecordSize:
             (held,) = reader.load().compositions
             reader.close()
             assert held == result.composition and len(held.devices) == self.GPUS
+        finally:
+            composer.close()
+
+    def test_a_composition_too_large_for_etcd_is_refused_and_the_ledger_goes_on(
+        self, etcd_one: EtcdCluster, prefix: str
+    ) -> None:
+        """Its first record failed the ledger, which stopped the leader, and the client's retry of the request
+        stopped each replica that took the lead after it: it is refused as it is planned, before anything is
+        claimed, bound or written, and the ledger takes the next change."""
+        composer, store = self._composer(etcd_one, prefix, self.TOO_MANY)
+        try:
+            composer.start()
+            big = CompositionRequest("big", (parse_resource(f"gpu x{self.TOO_MANY}"),))
+            with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
+                composer.compose(big, request_id="r-big")
+            assert refused.value.field == "resources" and not refused.value.retryable
+            assert store.failure == "" and not composer.fabrics["pcie0"].bindings()
+            small = composer.compose(CompositionRequest("small", (parse_resource("gpu x2"),)), request_id="r-small")
+            assert [c.id for c in store.load().compositions] == [small.composition.id]
+        finally:
+            composer.close()
+
+    def test_a_recomposition_too_large_for_etcd_is_refused_and_the_ledger_goes_on(
+        self, etcd_one: EtcdCluster, prefix: str
+    ) -> None:
+        """An addition that grows a composition past what etcd takes in one record is refused as planned too."""
+        composer, store = self._composer(etcd_one, prefix, self.TOO_MANY)
+        try:
+            composer.start()
+            small = composer.compose(CompositionRequest("small", (parse_resource("gpu x2"),)), request_id="r-small")
+            cid = small.composition.id
+            more = (parse_resource(f"gpu x{self.TOO_MANY - 2}"),)
+            with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+                composer.recompose(cid, add=more, request_id="r-grow")
+            assert store.failure == "" and len(composer.fabrics["pcie0"].bindings()) == 2
+            grown = composer.recompose(cid, add=(parse_resource("gpu x1"),), request_id="r-one")
+            assert store.load().compositions == (grown,)
+        finally:
+            composer.close()
+
+    def test_a_reservation_too_large_for_etcd_is_refused_and_the_ledger_goes_on(
+        self, etcd_one: EtcdCluster, prefix: str
+    ) -> None:
+        """A reservation's record holds its plan: one past what etcd takes failed the ledger as a composition did."""
+        composer, store = self._composer(etcd_one, prefix, self.TOO_MANY)
+        try:
+            composer.start()
+            big = CompositionRequest("big", (parse_resource(f"gpu x{self.TOO_MANY}"),))
+            with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+                composer.compose(big, ComposeMode.RESERVE, request_id="r-big")
+            small = CompositionRequest("small", (parse_resource("gpu x2"),))
+            held = composer.compose(small, ComposeMode.RESERVE, request_id="r-small").reservation
+            assert store.failure == "" and held is not None
+            assert [r.id for r in store.load().reservations] == [held.id]
         finally:
             composer.close()

@@ -23,7 +23,7 @@ from typing import Any, TypeVar, cast
 
 import attrs
 
-from disagg import failpoints
+from disagg import codec, failpoints
 from disagg.composer import requests, steps
 from disagg.composer.execution import ExecutionFailedError, Executor, Leftovers, MemoryStep, driver_error
 from disagg.composer.hardware import HardwareView
@@ -2378,6 +2378,7 @@ class FabricComposer(Composer):
                 res = Reservation(
                     self._fresh_id("r", self._reservations), request, plan, expires, *self._request_mark()
                 )
+                self._check_records_fit(request.name, plan, (res,), ComposeResult(mode, plan, reservation=res))
                 self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
@@ -2447,6 +2448,11 @@ class FabricComposer(Composer):
             request_id=request_id,
             request_fingerprint=fp,
         )
+        planned = comp.pending.allocations if comp.pending is not None else ()
+        after = attrs.evolve(comp, state=CompositionState.COMPOSED, allocations=planned, pending=None)
+        self._check_records_fit(
+            comp.name, plan, (comp, after), ComposeResult(ComposeMode.APPLY, plan, composition=after)
+        )
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
         held.acquire()  # new, so free: the compose holds it until _execute ends
@@ -2461,6 +2467,26 @@ class FabricComposer(Composer):
         self._names[comp.name] = comp.id
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
+
+    def _check_records_fit(
+        self, name: str, plan: Plan, records: tuple[Composition | Reservation, ...], answer: ComposeResult | Composition
+    ) -> None:
+        """Refuse a change of ``name`` to hold ``plan`` when the ledger could not take one of its ``records`` or
+        its request's ``answer`` (`Store.record_limit`). Checked before anything is claimed, bound or written: the
+        ledger fails as a whole on a record it cannot take, which stops the server, and a client's retry of the
+        request stopped the next replica to lead in turn. Under the lock."""
+        limit = self.store.record_limit
+        if limit is None:
+            return
+        request = RequestRecord(*self._request_mark(), requests.encode(answer), 0.0)
+        size = max(len(codec.record(record).encode()) for record in (*records, request))
+        if size > limit:
+            raise InvalidRequestError(
+                f"{name!r} would hold {len(plan.devices)} more devices and {len(plan.memory)} more allocations in a "
+                f"record of about {size} bytes, more than the etcd ledger holds in one record ({limit}): ask for "
+                "fewer in one composition",
+                field="resources",
+            )
 
     def _adding(
         self,
@@ -2869,6 +2895,16 @@ class FabricComposer(Composer):
                 if found is None:
                     raise NoFitError(why)
                 plan = found
+                adding = self._adding(
+                    comp.id, plan, restore=comp.state, start=self._next_alloc_index(comp), before=comp
+                )
+                grown = attrs.evolve(
+                    comp,
+                    resources=comp.resources + add,
+                    devices=comp.devices + plan.devices,
+                    allocations=comp.allocations + adding.allocations,
+                )
+                self._check_records_fit(comp.name, plan, (attrs.evolve(comp, pending=adding), grown), grown)
                 self._claim_plan(plan, comp.id, host=False)
             previous_state, before = comp.state, comp
             start = self._next_alloc_index(comp)

@@ -225,6 +225,13 @@ class Store(abc.ABC):
         return True
 
     @property
+    def record_limit(self) -> int | None:
+        """The most bytes one record may take (its JSON document), or None for no limit. A ledger that has one
+        (etcd's, one transaction) fails as a whole on a record past it, so the composer refuses a change whose
+        records would be, before it claims anything."""
+        return None
+
+    @property
     def failure(self) -> str:
         """Why this store can no longer make any write durable (its every write is refused from then on), or
         empty. A store that fails only the call that met the error (the default) is never failed as a whole;

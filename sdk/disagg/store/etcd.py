@@ -98,6 +98,8 @@ TXN_BYTES = 1024 * 1024
 """The operations' bytes per transaction, at most, as etcd counts them (raw, not the gateway's base64): etcd
 refuses a request above 1.5 MiB by default (``--max-request-bytes``), and this leaves room for the sequence, the
 fence and the framing. A block with more is staged (`STAGED`)."""
+RECORD_KEY_ROOM = 1024
+"""Bytes of a transaction's `TXN_BYTES` left to a record's key and its operation (`record_limit`)."""
 STAGED = "staged"
 """The key (under the prefix) that names a staged block while it is applied; its parts are under ``staged/``."""
 STAGE_PART_BYTES = 512 * 1024
@@ -333,6 +335,11 @@ class EtcdStore(Store):
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
             self._on_deposed = on_deposed or (lambda: None)
+
+    @property
+    def record_limit(self) -> int:
+        """See `Store.record_limit`: what one transaction takes (`TXN_BYTES`), less room for the record's key."""
+        return TXN_BYTES - RECORD_KEY_ROOM
 
     @property
     def failure(self) -> str:
