@@ -500,3 +500,42 @@ class TestRecordSize:
             assert [r.id for r in store.load().reservations] == [held.id]
         finally:
             composer.close()
+
+
+class TestCompaction:
+    """A replica taking the lead reads the ledger at one revision, page after page; an operator's `etcdctl
+    compact` of the current revision (their runbook's, or on an etcd that other programs write too) between two
+    pages failed that start, and the replica exited."""
+
+    def test_a_load_outlives_a_compaction_between_its_pages(
+        self, tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        cluster = start_etcd_cluster(tmp_path)
+        endpoint = cluster.endpoints[0]
+        monkeypatch.setattr(etcd_store, "PAGE", 2)
+        store = EtcdStore(cluster.endpoints, prefix=prefix, unfenced=True)
+        try:
+            for n in range(5):
+                store.put_composition(_composition(f"c{n}"))
+            pinned_range = store._range
+            compacted: list[int] = []
+
+            def compact_after_the_first_page(start: bytes, end: bytes, **kw: Any) -> Any:
+                answer = pinned_range(start, end, **kw)
+                if (
+                    kw.get("limit") and kw.get("revision") and not compacted
+                ):  # another program writes, the operator compacts
+                    raw_client(endpoint).put("/elsewhere", "x")
+                    ((_, meta),) = raw_client(endpoint).get("/elsewhere", metadata=True)
+                    compacted.append(int(meta["mod_revision"]))
+                    url = f"http://{endpoint}/v3/kv/compaction"
+                    requests.post(url, json={"revision": compacted[0], "physical": True}, timeout=5).raise_for_status()
+                return answer
+
+            monkeypatch.setattr(store, "_range", compact_after_the_first_page)
+            loaded = store.load()
+            assert compacted and [c.id for c in loaded.compositions] == [f"c{n}" for n in range(5)]
+            store.put_composition(_composition("c5"))  # and it writes on, ordered after what it loaded
+        finally:
+            store.close()
+            cluster.stop()

@@ -105,6 +105,9 @@ STAGED = "staged"
 STAGE_PART_BYTES = 512 * 1024
 """The largest part of a staged block: etcd refuses a request above 1.5 MiB by default (``--max-request-bytes``),
 and a part is base64-encoded once more on its way there."""
+COMPACTED = "required revision has been compacted"
+"""etcd's refusal of a read at a revision that a compaction removed (`load` reads again at a newer one)."""
+LOAD_TRIES = 3
 API_PATH = "/v3/"
 """The gateway's path in etcd 3.4 and later; fixed, so no call waits for a version discovery first."""
 SEQUENCE = "sequence"
@@ -549,8 +552,22 @@ class EtcdStore(Store):
     # ----------------------------------------------------------------- the ledger
 
     def load(self) -> LedgerState:
+        """The ledger as it stands at one etcd revision. A compaction past that revision while the pages are
+        read (an operator's ``etcdctl compact`` of the latest revision, on an etcd other programs write too) is
+        no failure: the ledger is read again at the revision then, up to `LOAD_TRIES` times."""
         self._finish_staged()
-        revision = self._snapshot()
+        tries = 1
+        while True:
+            revision = self._snapshot()
+            try:
+                return self._load_at(revision)
+            except FabricUnavailableError as exc:
+                if COMPACTED not in exc.message or tries == LOAD_TRIES:
+                    raise
+            log.warning("etcd compacted revision %d while the ledger was read there; reading it again", revision)
+            tries += 1
+
+    def _load_at(self, revision: int) -> LedgerState:
         comps = tuple(self._decoded(kv, Composition) for kv in self._scan(COMPOSITIONS, revision))
         res = tuple(self._decoded(kv, Reservation) for kv in self._scan(RESERVATIONS, revision))
         # Oldest first in the order they were written (their mod revisions, whichever replica wrote them), as
