@@ -2378,7 +2378,9 @@ class FabricComposer(Composer):
                 res = Reservation(
                     self._fresh_id("r", self._reservations), request, plan, expires, *self._request_mark()
                 )
-                self._check_records_fit(request.name, plan, (res,), ComposeResult(mode, plan, reservation=res))
+                self._check_records_fit(
+                    request.name, plan, lambda: ((res,), ComposeResult(mode, plan, reservation=res))
+                )
                 self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
@@ -2448,11 +2450,7 @@ class FabricComposer(Composer):
             request_id=request_id,
             request_fingerprint=fp,
         )
-        planned = comp.pending.allocations if comp.pending is not None else ()
-        after = attrs.evolve(comp, state=CompositionState.COMPOSED, allocations=planned, pending=None)
-        self._check_records_fit(
-            comp.name, plan, (comp, after), ComposeResult(ComposeMode.APPLY, plan, composition=after)
-        )
+        self._check_records_fit(comp.name, plan, lambda: self._new_records(comp, plan))
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
         held.acquire()  # new, so free: the compose holds it until _execute ends
@@ -2468,16 +2466,42 @@ class FabricComposer(Composer):
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
 
+    @staticmethod
+    def _new_records(comp: Composition, plan: Plan) -> tuple[tuple[Composition, ...], ComposeResult]:
+        """The records a new composition ``comp`` writes (COMPOSING, then COMPOSED) and its Compose's answer."""
+        planned = comp.pending.allocations if comp.pending is not None else ()
+        after = attrs.evolve(comp, state=CompositionState.COMPOSED, allocations=planned, pending=None)
+        return (comp, after), ComposeResult(ComposeMode.APPLY, plan, composition=after)
+
+    def _grown_records(
+        self, comp: Composition, plan: Plan, add: Sequence[ResourceRequest]
+    ) -> tuple[tuple[Composition, ...], Composition]:
+        """The records a recompose that adds ``plan`` (for the lines ``add``) to ``comp`` writes, its pending
+        addition and the composition grown, and its answer, the grown composition. Under the lock."""
+        adding = self._adding(comp.id, plan, restore=comp.state, start=self._next_alloc_index(comp), before=comp)
+        grown = attrs.evolve(
+            comp,
+            resources=comp.resources + tuple(add),
+            devices=comp.devices + plan.devices,
+            allocations=comp.allocations + adding.allocations,
+        )
+        return (attrs.evolve(comp, pending=adding), grown), grown
+
     def _check_records_fit(
-        self, name: str, plan: Plan, records: tuple[Composition | Reservation, ...], answer: ComposeResult | Composition
+        self,
+        name: str,
+        plan: Plan,
+        made: Callable[[], tuple[tuple[Composition | Reservation, ...], ComposeResult | Composition]],
     ) -> None:
-        """Refuse a change of ``name`` to hold ``plan`` when the ledger could not take one of its ``records`` or
-        its request's ``answer`` (`Store.record_limit`). Checked before anything is claimed, bound or written: the
-        ledger fails as a whole on a record it cannot take, which stops the server, and a client's retry of the
-        request stopped the next replica to lead in turn. Under the lock."""
+        """Refuse a change of ``name`` to hold ``plan`` when the ledger could not take one of the records
+        ``made()`` gives, or its request's answer, which it gives with them (`Store.record_limit`). Checked before
+        anything is claimed, bound or written: the ledger fails as a whole on a record it cannot take, which stops
+        the server, and a client's retry of the request stopped the next replica to lead in turn. A ledger without
+        a limit (SQLite, memory) has nothing made to measure. Under the lock."""
         limit = self.store.record_limit
         if limit is None:
             return
+        records, answer = made()
         request = RequestRecord(*self._request_mark(), requests.encode(answer), 0.0)
         size = max(len(codec.record(record).encode()) for record in (*records, request))
         if size > limit:
@@ -2895,16 +2919,7 @@ class FabricComposer(Composer):
                 if found is None:
                     raise NoFitError(why)
                 plan = found
-                adding = self._adding(
-                    comp.id, plan, restore=comp.state, start=self._next_alloc_index(comp), before=comp
-                )
-                grown = attrs.evolve(
-                    comp,
-                    resources=comp.resources + add,
-                    devices=comp.devices + plan.devices,
-                    allocations=comp.allocations + adding.allocations,
-                )
-                self._check_records_fit(comp.name, plan, (attrs.evolve(comp, pending=adding), grown), grown)
+                self._check_records_fit(comp.name, plan, functools.partial(self._grown_records, comp, plan, add))
                 self._claim_plan(plan, comp.id, host=False)
             previous_state, before = comp.state, comp
             start = self._next_alloc_index(comp)
