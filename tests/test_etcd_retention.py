@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import etcd3gw
 import pytest
-from disagg.errors import ConfigError, FabricUnavailableError
+import requests
+from composer_helpers import composer
+from disagg.composer import FabricComposer
+from disagg.errors import ConfigError, FabricUnavailableError, RevisionCompactedError
+from disagg.server.watch import Watches, watch_events
 from disagg.store import EtcdStore, MemoryStore
 from disagg.store import etcd as etcd_store
 from disagg.store.base import RequestRecord
-from etcd_helpers import EtcdCluster, free_ports, fresh_prefix, one_etcd_member
-from retention_helpers import assert_same_log, assert_watch_refused_as_on_memory, event
+from etcd_helpers import EtcdCluster, free_ports, fresh_prefix, one_etcd_member, raw_client
+from retention_helpers import GPU, assert_same_log, assert_watch_refused_as_on_memory, event
+from server_helpers import FakeContext
 
 LIVES = 20
 """Leader lifetimes in a restart test, each shorter than a prune step."""
@@ -142,3 +148,80 @@ class TestFirstReadOfAWrite:
             assert "no etcd endpoint answered" in store.failure
         finally:
             store.close()
+
+
+def _changes(comp: FabricComposer, count: int) -> None:
+    """``count`` events, one per change."""
+    for n in range(count):
+        (comp.cordon if n % 2 == 0 else comp.uncordon)(GPU)
+
+
+def _compact_after_the_first_page(
+    store: EtcdStore, cluster: EtcdCluster, monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None]
+) -> list[int]:
+    """Once ``store`` has read a first page, call ``meanwhile``, then have etcd compact its latest revision, as an
+    operator's ``etcdctl compact`` (or etcd's auto-compaction) does; the revision compacted, once it is."""
+    endpoint = cluster.endpoints[0]
+    read = store._range
+    compacted: list[int] = []
+
+    def compact_after_a_page(start: bytes, end: bytes, **kw: Any) -> Any:
+        answer = read(start, end, **kw)
+        if kw.get("limit", 0) > 1 and not compacted:
+            compacted.append(0)
+            meanwhile()
+            client = raw_client(endpoint)
+            try:
+                client.put("/elsewhere", "x")  # another program writes
+                ((_, meta),) = client.get("/elsewhere", metadata=True)
+            finally:
+                client.session.close()
+            compacted[0] = int(meta["mod_revision"])
+            url = f"http://{endpoint}/v3/kv/compaction"
+            requests.post(url, json={"revision": compacted[0], "physical": True}, timeout=5).raise_for_status()
+        return answer
+
+    monkeypatch.setattr(store, "_range", compact_after_a_page)
+    return compacted
+
+
+class TestCompactionBetweenPages:
+    """A watch catching up over several pages of the log outlives a compaction of etcd between two of them,
+    with no event missed or sent twice; events pruned meanwhile end it as the retention says (OUT_OF_RANGE)."""
+
+    def test_a_watch_catches_up(self, cluster: EtcdCluster, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(etcd_store, "PAGE", 2)
+        store = EtcdStore(cluster.endpoints, prefix=prefix, unfenced=True)
+        comp = composer(store=store)
+        context = FakeContext()
+        try:
+            _changes(comp, 7)
+            comp.store.sync()
+            compacted = _compact_after_the_first_page(store, cluster, monkeypatch, lambda: None)
+            watch = watch_events(comp, 0, context, Watches(4))  # type: ignore[arg-type]
+            sent = [next(watch).revision for _ in range(comp.revision)]
+            assert compacted[0] and sent == list(range(1, comp.revision + 1))
+        finally:
+            context.cancel()
+            comp.close()
+
+    def test_events_pruned_meanwhile_end_the_watch(
+        self, cluster: EtcdCluster, prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The watch after 1 read 2 and 3; 6 changes later the log holds 8 to 12 only: 4 to 7 are gone."""
+        monkeypatch.setattr(etcd_store, "PAGE", 2)
+        monkeypatch.setattr(etcd_store, "PRUNE_EVERY", 1)
+        store = EtcdStore(cluster.endpoints, prefix=prefix, unfenced=True, event_retention=5)
+        comp = composer(store=store)
+        context = FakeContext()
+        try:
+            _changes(comp, 6)
+            comp.store.sync()
+            compacted = _compact_after_the_first_page(store, cluster, monkeypatch, lambda: _changes(comp, 6))
+            with pytest.raises(RevisionCompactedError, match="events 2 to 7 are no longer retained; the oldest is 8"):
+                next(watch_events(comp, 1, context, Watches(4)))  # type: ignore[arg-type]
+            assert compacted[0]
+            assert [e.revision for e in store.events_after(1)] == [8, 9, 10, 11, 12]
+        finally:
+            context.cancel()
+            comp.close()

@@ -106,7 +106,8 @@ STAGE_PART_BYTES = 512 * 1024
 """The largest part of a staged block: etcd refuses a request above 1.5 MiB by default (``--max-request-bytes``),
 and a part is base64-encoded once more on its way there."""
 COMPACTED = "required revision has been compacted"
-"""etcd's refusal of a read at a revision that a compaction removed (`load` reads again at a newer one)."""
+"""etcd's refusal of a read at a revision that a compaction removed (`load` reads again at a newer one,
+`events_after` reads on at the current one)."""
 LOAD_TRIES = 3
 API_PATH = "/v3/"
 """The gateway's path in etcd 3.4 and later; fixed, so no call waits for a version discovery first."""
@@ -876,21 +877,43 @@ class EtcdStore(Store):
     def events_after(self, revision: int, limit: int = 1000) -> Sequence[Event]:
         """The events after ``revision`` within the retention (the newest revision minus it), as the other
         ledgers serve them: keys a prune has yet to delete are not served, so that a watch is refused at the
-        same revision whichever ledger holds the log."""
+        same revision whichever ledger holds the log.
+
+        Later pages read the log as the first one saw it, unless etcd compacts that revision meanwhile: they
+        then read on at the current one (`_events_page`), where a prune may have deleted the events after the
+        last one read. The answer never holds such a hole: it is then the log as it is now, from after that
+        hole, whose first event a watch finds beyond the one it needs (OUT_OF_RANGE), as on any ledger."""
         _, newest = self._known_log()
         events: list[Event] = []
         start = self._event_key(max(revision, newest - self._retention, -1) + 1)
         _, end = self._bounds(EVENTS)
         at = 0
         while len(events) < limit:
-            answer = self._range(start, end, limit=min(PAGE, limit - len(events)), revision=at)
+            answer, at = self._events_page(start, end, min(PAGE, limit - len(events)), at)
             kvs = answer.get("kvs", [])
-            events.extend(codec.loads(_unb64(kv["value"]), Event) for kv in kvs)
+            page = [codec.loads(_unb64(kv["value"]), Event) for kv in kvs]
+            if events and page and page[0].revision != events[-1].revision + 1:
+                events = []  # pruned since the last one read: serving those would skip the hole silently
+            events.extend(page)
             if not answer.get("more") or not kvs:
                 break
-            at = int(answer["header"]["revision"])  # later pages read the log as the first one saw it
             start = _unb64(kvs[-1]["key"]) + b"\0"
         return events
+
+    def _events_page(self, start: bytes, end: bytes, limit: int, at: int) -> tuple[Mapping[str, Any], int]:
+        """A page of the event log from ``start``, read at etcd revision ``at`` (0: the current one), and the
+        revision it was read at. A compaction of ``at`` (an operator's ``etcdctl compact``, or etcd's
+        auto-compaction) has it read at the current revision instead, which no compaction can have passed, so
+        a watch far behind catches up however often etcd compacts."""
+        try:
+            answer = self._range(start, end, limit=limit, revision=at)
+        except FabricUnavailableError as exc:
+            if not at or COMPACTED not in exc.message:
+                raise
+            log.info("etcd compacted revision %d while the event log was read there; reading on at the current one", at)
+            answer = self._range(start, end, limit=limit)
+            at = 0
+        return answer, at or int(answer["header"]["revision"])
 
     def close(self) -> None:
         """Refuse every later write, then close the connections (a request made after would open new ones)."""
