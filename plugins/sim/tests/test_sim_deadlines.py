@@ -129,6 +129,40 @@ class TestDeadlines:
         assert list(fabric.bindings()) == [Binding(GPU, "h1")]
 
 
+class TestASleepThatOverruns:
+    """The delay fits the deadline, but the sleep runs past it (a loaded machine wakes the thread late): the call
+    raises DeadlineExceededError and changes nothing, never answering success once the deadline has passed."""
+
+    @pytest.fixture(autouse=True)
+    def late_wakeup(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        sleep = time.sleep
+        monkeypatch.setattr(time, "sleep", lambda seconds: sleep(seconds + DELAY))
+
+    def test_bind(self, slow: SimFabric) -> None:
+        with pytest.raises(DeadlineExceededError, match="passed while"):
+            slow.bind(GPU, "h1", CallContext.with_timeout(DELAY * 1.5, epoch=1))
+        assert slow.bindings() == ()
+        slow.bind(GPU, "h1", CallContext(epoch=1))  # nothing left busy
+        assert list(slow.bindings()) == [Binding(GPU, "h1")]
+
+    def test_unbind(self, slow: SimFabric) -> None:
+        binding = slow.bind(GPU, "h1", CallContext(epoch=1))
+        with pytest.raises(DeadlineExceededError, match="passed while"):
+            slow.unbind(binding, CallContext.with_timeout(DELAY * 1.5, epoch=1))
+        assert list(slow.bindings()) == [binding]
+
+    def test_allocate_and_release(self, slow_cxl: SimFabric) -> None:
+        pool = slow_cxl.pool("cxl/mem0")
+        with pytest.raises(DeadlineExceededError, match="passed while"):
+            pool.allocate("a", "h1", GIB, CallContext.with_timeout(DELAY * 1.5, epoch=1))
+        assert pool.allocations() == ()
+        assert pool.free_bytes() == pool.info().capacity.total_bytes
+        pool.allocate("a", "h1", GIB, CallContext(epoch=1))
+        with pytest.raises(DeadlineExceededError, match="passed while"):
+            pool.release("a", CallContext.with_timeout(DELAY * 1.5, epoch=1))
+        assert [a.id for a in pool.allocations()] == ["a"]
+
+
 class TestNoOpsAnswerAtOnce:
     """A call that changes nothing takes no simulated time, so a deadline shorter than the delay is no reason
     to refuse it; the epoch it carries is remembered all the same."""

@@ -154,7 +154,9 @@ class SimFabric(Fabric, FaultInjection):
     - With ``bind_delay_s``, a call that would change something and whose deadline leaves less than the
       delay fails with `DeadlineExceededError` at once, having changed nothing; one that changes nothing
       answers at once. A bind or allocate checks the device's health and the host's path to it again
-      before it commits, so a device failed or a link taken down during the delay fails it.
+      before it commits, so a device failed or a link taken down during the delay fails it; a sleep that
+      overruns the deadline (a thread woken late) fails the call with `DeadlineExceededError`, having changed
+      nothing.
     - With ``state_file``, the state is loaded at construction and saved after every change; a save that
       fails undoes the change (but not a newer epoch) and raises `FabricUnavailableError`.
     """
@@ -458,7 +460,8 @@ class SimFabric(Fabric, FaultInjection):
         answer at once if nothing changes. Otherwise check that the deadline leaves time for ``bind_delay_s``
         (when ``timed``), sleep it without the lock, verify again what may have changed meanwhile, and commit;
         a newer epoch seen during the sleep refuses the commit, so that nothing of a fenced-off manager lands
-        after the new one read the hardware. Takes the lock itself."""
+        after the new one read the hardware, and so does a deadline the sleep overran (a thread woken late), so
+        that no success is answered once the caller has given up. Takes the lock itself."""
         delay = self._delay if timed else 0.0
         with self._lock:
             self._fence(ctx)
@@ -500,6 +503,11 @@ class SimFabric(Fabric, FaultInjection):
                 raise StaleEpochError(
                     f"fabric {self._name}: epoch {ctx.epoch} was fenced off by {self._epoch} while the call ran; "
                     "nothing was changed"
+                )
+            if ctx.deadline is not None and time.monotonic() >= ctx.deadline:
+                change.abort()
+                raise DeadlineExceededError(
+                    f"fabric {self._name}: the deadline passed while the call ran (woken late); nothing was changed"
                 )
             try:
                 change.verify()
