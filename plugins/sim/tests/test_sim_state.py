@@ -393,6 +393,19 @@ class TestBadStateFiles:
         with pytest.raises(ConfigError, match=r"allocation 'b' in pool 'cxl/mem0': blocks .* are not free"):
             cxl(path)
 
+    @pytest.mark.parametrize("bad_id", ["a b", "", "x" * 257, "a\nb"], ids=["space", "empty", "too-long", "newline"])
+    def test_an_allocation_id_that_is_not_an_id(self, tmp_path: Path, bad_id: str) -> None:
+        """Loaded, it would be listed (a listing `check_allocations` refuses) and could never be released: every
+        release of it is refused as malformed."""
+        path = tmp_path / "s.json"
+        cxl(path).pool("cxl/mem0").allocate("a", "h1", GIB, CallContext(epoch=1))
+        data = json.loads(path.read_text())
+        data["allocations"][0]["id"] = bad_id
+        path.write_text(json.dumps(data))
+        with pytest.raises(ConfigError, match=r"is corrupt \(allocations\[0\]\.id: .*\); delete it") as info:
+            cxl(path)
+        assert info.value.field == "state_file"
+
     @pytest.mark.parametrize(
         ("health", "message"),
         [

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, InvalidRequestError
+from disagg.interfaces import check_id
 from disagg.model import Allocation, Extent, Health
 
 FORMAT_1 = "disagg-sim-state/1"
@@ -173,6 +174,15 @@ def _str(value: object, what: str) -> str:
     return value
 
 
+def _id(value: object, what: str) -> str:
+    """An id as the fabric's calls take it (`check_id`): one that is not would be listed, and every release of it
+    refused as malformed, so that it could never be given back."""
+    try:
+        return check_id(value, what)
+    except InvalidRequestError as exc:
+        raise ValueError(exc.message) from None
+
+
 def _int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TypeError(f"{what} must be a non-negative integer, not {value!r}")
@@ -204,7 +214,7 @@ def _decode(data: object) -> SimState:
             extents.append(Extent(_int(offset, "extent offset"), _int(length, "extent length")))
         allocations.append(
             Allocation(
-                id=_str(item["id"], "allocation id"),
+                id=_id(item["id"], f"allocations[{i}].id"),
                 pool=_str(item["pool"], "allocation pool"),
                 host=_str(item["host"], "allocation host"),
                 amount_bytes=_int(item["amount_bytes"], "allocation amount_bytes"),
