@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -270,6 +271,36 @@ class TestFencing:
         pcie.bind(GPU, "h1", CallContext(epoch=3))
         with pytest.raises(StaleEpochError):
             pcie.bind("pcie/ghost", "nobody", CallContext(epoch=1))
+
+
+class TestMalformedEpoch:
+    """An epoch that is not an integer is refused with InvalidRequestError, as the driver protocol refuses it,
+    and never remembered: compared, one that is not a number raised a TypeError, which no driver may raise, and
+    a float or a bool was saved to the state file, which then no longer loaded."""
+
+    @pytest.mark.parametrize("bad", ["3", 2.5, True, None], ids=["text", "float", "bool", "none"])
+    def test_every_mutating_call(self, cxl: SimFabric, bad: Any) -> None:
+        pool = cxl.pool("cxl/mem0")
+        calls: list[Callable[[CallContext], object]] = [
+            lambda ctx: cxl.bind("cxl/cxlmem0", "h1", ctx),
+            lambda ctx: cxl.unbind(Binding("cxl/cxlmem0", "h1"), ctx),
+            lambda ctx: pool.allocate("a", "h1", 1 << 30, ctx),
+            lambda ctx: pool.release("a", ctx),
+            lambda ctx: cxl.device("cxl/cxlmem0").sanitize(ctx),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidRequestError, match="epoch: give an integer") as info:
+                call(CallContext(epoch=bad))
+            assert info.value.field == "epoch"
+        assert cxl.epoch == 0 and cxl.bindings() == () and pool.allocations() == ()
+
+    def test_the_state_file_still_loads(self, tmp_path: Path) -> None:
+        path = tmp_path / "s.json"
+        fabric = SimFabric(load_topology("pcie", "demo-pcie"), state_file=path)
+        fabric.bind(GPU, "h1", CallContext(epoch=2))
+        with pytest.raises(InvalidRequestError):
+            fabric.bind("pcie/gpu-a1", "h1", CallContext(epoch=2.5))  # type: ignore[arg-type]
+        assert SimFabric(load_topology("pcie", "demo-pcie"), state_file=path).epoch == 2
 
 
 BAD_IDS = [pytest.param(7, id="int"), pytest.param(b"x", id="bytes"), pytest.param("", id="empty")]

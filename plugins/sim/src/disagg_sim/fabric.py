@@ -144,7 +144,8 @@ class SimFabric(Fabric, FaultInjection):
     - A device that backs a pool is carved through the pool and cannot be bound whole (`DeviceBusyError`),
       nor can a FAILED device be bound or carved.
     - An id (device, host, allocation, pool, link end) that is not a non-empty string is refused with
-      `InvalidRequestError` by every call, after the fencing check.
+      `InvalidRequestError` by every call, after the fencing check; so is an epoch that is not an integer, as
+      the driver protocol refuses it, and it is not remembered.
     - `unbind` and `Pool.release` raise only that, `StaleEpochError`, `FabricUnavailableError` and
       `DeadlineExceededError`; a binding or allocation that does not exist, including one naming an unknown
       device or host, is already released.
@@ -464,7 +465,8 @@ class SimFabric(Fabric, FaultInjection):
         that no success is answered once the caller has given up. Takes the lock itself."""
         delay = self._delay if timed else 0.0
         with self._lock:
-            self._fence(ctx)
+            if ctx.epoch != self._epoch or self._epoch_unsaved:  # per Compose: the epoch seen already, no call
+                self._fence(ctx)
             if ids:  # per Compose: a bind of ids the topology names has none
                 for field, value in ids.items():
                     check_id(value, field)
@@ -550,13 +552,18 @@ class SimFabric(Fabric, FaultInjection):
     def _fence(self, ctx: CallContext) -> None:
         """Refuse an older epoch; remember a newer one in memory even if saving it fails, and try that save
         again on the next call that carries it, so that a fence announcement is never reported as done while
-        a restart would forget it."""
+        a restart would forget it. An epoch that is not an integer is refused, as the driver protocol refuses
+        it: compared, one that is not a number raised a TypeError, and a float or a bool, saved, made the state
+        file unreadable. `_mutate` calls this only for an epoch other than the one seen (per Compose, a call
+        fewer); one equal to it changes nothing."""
+        if isinstance(ctx.epoch, bool) or not isinstance(ctx.epoch, int):
+            raise InvalidRequestError(f"epoch: give an integer, not {ctx.epoch!r}", field="epoch")
         if ctx.epoch < self._epoch:
             raise StaleEpochError(
                 f"fabric {self._name}: epoch {ctx.epoch} is older than {self._epoch}, the highest seen; "
                 "a newer fabric manager is active"
             )
-        if ctx.epoch > self._epoch or (ctx.epoch == self._epoch and self._epoch_unsaved):
+        if ctx.epoch > self._epoch or self._epoch_unsaved:
             self._epoch = ctx.epoch
             self._epoch_unsaved = True
             self._persist(None)
