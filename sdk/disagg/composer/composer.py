@@ -2099,11 +2099,10 @@ class FabricComposer(Composer):
         try:
             yield DURABLE
             failpoints.hit("compose.after_reserve")
-            composition = yield from self._execute(comp, res.plan, deadline)
+            return (yield from self._execute(comp, res.plan, deadline))
         finally:
             with self._lock:
                 self._applying_deadlines.pop(comp.id, None)
-        return ComposeResult(ComposeMode.APPLY, res.plan, composition=composition)
 
     # ----------------------------------------------------------------- compose
 
@@ -2387,8 +2386,7 @@ class FabricComposer(Composer):
             comp = self._begin(request, plan)
         yield DURABLE  # write-ahead: the ledger knows the plan before any driver call
         failpoints.hit("compose.after_reserve")
-        composition = yield from self._execute(comp, plan, deadline, with_answer=True)
-        return ComposeResult(mode, plan, composition=composition)
+        return (yield from self._execute(comp, plan, deadline, with_answer=True))
 
     def _made_by_request(self, request: CompositionRequest) -> Composition | None:
         """The finished composition that this thread's request id already made, when its answer was lost (a
@@ -2544,16 +2542,18 @@ class FabricComposer(Composer):
 
     def _execute(
         self, comp: Composition, plan: Plan, deadline: float | None = None, *, with_answer: bool = False
-    ) -> Steps[Composition]:
+    ) -> Steps[ComposeResult]:
         try:
             return (yield from self._bind_new(comp, plan, deadline, with_answer))
         finally:
             self._let_go(comp.id, self._busy[comp.id])
 
-    def _bind_new(self, comp: Composition, plan: Plan, deadline: float | None, with_answer: bool) -> Steps[Composition]:
+    def _bind_new(
+        self, comp: Composition, plan: Plan, deadline: float | None, with_answer: bool
+    ) -> Steps[ComposeResult]:
         """Bind and carve a new composition's ``plan``, and record it COMPOSED; ``with_answer`` (a Compose, whose
         answer a retry may have once the composition is recorded: `_composed`), its request id's answer too, in
-        the same hold."""
+        the same hold. Returns the APPLY's answer, made once: the one recorded is the one returned."""
         devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
         try:
             allocations = yield self._driver_call(
@@ -2563,8 +2563,8 @@ class FabricComposer(Composer):
         except ExecutionFailedError as failed:
             with self._lock:
                 left = self._fail_new(comp, plan, failed)
-                answer = self._failed_answer(comp.id, failed, left, *self._request_mark())
-            raise answer from None
+                error = self._failed_answer(comp.id, failed, left, *self._request_mark())
+            raise error from None
         failpoints.hit("compose.before_commit")
         # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
         # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
@@ -2573,11 +2573,12 @@ class FabricComposer(Composer):
             # A device that failed while the binds ran was reported to a composition not yet COMPOSED, which took
             # its reason (`_say_meanwhile`): its record as it is now is judged.
             comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
+            answer = ComposeResult(ComposeMode.APPLY, plan, composition=comp)
             request_id, fp = self._request_mark()
             if with_answer and request_id:  # its answer with its record, in one hold (`_once` finds it given)
-                self._answered(request_id, fp, ComposeResult(ComposeMode.APPLY, plan, composition=comp))
+                self._answered(request_id, fp, answer)
         failpoints.hit("compose.after_commit")
-        return comp
+        return answer
 
     def _failed_answer(
         self, comp_id: str, failed: ExecutionFailedError, left: bool, request_id: str, fp: str
