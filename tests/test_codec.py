@@ -10,6 +10,7 @@ import attrs
 import cattrs
 import pytest
 from disagg import codec
+from disagg.interfaces import ComposeResult
 from disagg.model import (
     CXL_DC_BLOCK_BYTES,
     Affinity,
@@ -18,6 +19,7 @@ from disagg.model import (
     Capabilities,
     Capacity,
     ChangeKind,
+    ComposeMode,
     Composition,
     CompositionRequest,
     CompositionState,
@@ -406,3 +408,31 @@ class TestRequestValuesALedgerMayHold:
         )
         held = Reservation("r1", request, Plan("h1"), 1.0)
         assert codec.loads(codec.record(held), Reservation) == held
+
+
+class TestAnswerRecords:
+    """A Compose's answer, recorded in the hold that recorded its composition, embeds that composition's record as
+    written: the same text as an answer built afresh, and the same values read back, an infinite float included."""
+
+    @staticmethod
+    def _answer_after_its_composition(comp: Composition) -> tuple[str, str]:
+        answer = ComposeResult(ComposeMode.APPLY, PLAN, composition=comp)
+        codec.record(attrs.evolve(comp, id="c-other"))  # another composition recorded last: built afresh
+        fresh = codec.record(answer)
+        codec.record(comp)
+        return fresh, codec.record(answer)
+
+    def test_the_same_text_as_built_afresh(self) -> None:
+        pending = PendingChange(ChangeKind.ADD, PLAN.devices, (), request_id="q1", fingerprint="f" * 64)
+        comp = Composition("c1", "inference", "h1", CompositionState.COMPOSED, REQUEST.resources, pending=pending)
+        fresh, embedded = self._answer_after_its_composition(comp)
+        assert embedded == fresh
+        assert codec.loads(embedded, ComposeResult) == ComposeResult(ComposeMode.APPLY, PLAN, composition=comp)
+
+    def test_an_infinite_selector_value_reads_back(self) -> None:
+        line = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("score", SelectorOp.GE, math.inf),))
+        comp = Composition("c1", "c", "h1", CompositionState.COMPOSED, (line,))
+        fresh, embedded = self._answer_after_its_composition(comp)
+        assert json.loads(embedded) == json.loads(fresh)
+        read = codec.loads(embedded, ComposeResult).composition
+        assert read is not None and read.resources[0].selectors[0].value == math.inf

@@ -190,6 +190,9 @@ class _RecordSource(GeneratedSource):
 
     def value(self, cls: Any, src: str, indent: int) -> str:
         """An expression of the record data of ``src``, a value of type ``cls``; it may need lines added first."""
+        if cls is Composition and self._open:  # inside an answer: the text its change just recorded, if it is
+            self.names["_embedded"] = _embedded
+            return f"_embedded({src})"
         if attrs.has(cls) and cls not in self._open and cls is not _NotFinite:
             return self._attrs(cls, self.named(indent, src), indent)
         if _is_enum(cls):
@@ -275,16 +278,35 @@ def _record_function_of(cls: type) -> Callable[[Any], Any]:
     return function
 
 
+_last_composition: tuple[Composition | None, str] = (None, "")
+"""The composition `record` wrote last, and its text: a change records a composition and then, in the same hold,
+the answer that carries it (a Compose's), which embeds that text (`_embedded`) rather than building it again.
+One tuple, so that a thread reads both halves of the same write."""
+
+
+def _embedded(comp: Composition) -> Any:
+    """The record data of ``comp`` inside another record: the text `record` wrote of this very composition
+    (frozen, so the text still holds), or its data."""
+    last, text = _last_composition
+    if last is comp:
+        return orjson.Fragment(text)
+    return _record_function_of(Composition)(comp)
+
+
 def record(value: Any) -> str:
     """A model value as a ledger record, which `loads` reads back: `dumps` without sorting the keys (they come
     in field order). orjson writes it: a durable Compose writes four records while it holds the event loop, and
     the standard encoder took a tenth of the loop's time there. orjson writes an infinite float as null, so a
     record holding one (a selector's value may be any float) is written by the standard encoder instead, as
     ``Infinity``, which `loads` reads back."""
+    global _last_composition
     try:
-        return orjson.dumps(_record_function_of(type(value))(value), default=_refuse).decode()
+        text = orjson.dumps(_record_function_of(type(value))(value), default=_refuse).decode()
     except TypeError:
-        return _RECORD.encode(_record_data.unstructure(value))
+        text = _RECORD.encode(_record_data.unstructure(value))
+    if type(value) is Composition:
+        _last_composition = (value, text)
+    return text
 
 
 def loads(text: str | bytes, cls: type[T]) -> T:
