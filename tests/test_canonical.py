@@ -5,6 +5,7 @@ strings beyond ASCII, control characters, lone surrogates)."""
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 from typing import Any
@@ -74,3 +75,20 @@ def test_a_value_it_cannot_write_is_refused_and_digested_by_codec() -> None:
     with pytest.raises(TypeError):
         canonical.text(request)
     assert requests.digest(request) == hashlib.sha256(codec.dumps(request).encode()).hexdigest()
+
+
+class _Plain(enum.Enum):
+    TEXT = "text"
+    NUMBER = 2
+
+
+class _Bits(enum.Flag):
+    READ = 1
+    WRITE = 2
+
+
+@pytest.mark.parametrize("value", [ComposeMode.APPLY, _Plain.TEXT, _Plain.NUMBER, _Bits.READ, _Bits.READ | _Bits.WRITE])
+def test_an_enum_is_its_value_each_time(value: enum.Enum) -> None:
+    """An enum is written as its value, the first time and once its members' texts are kept (a Flag's
+    combination of members, which is no member, too)."""
+    assert [canonical.text(value), canonical.text(value)] == [codec.dumps(value)] * 2

@@ -32,9 +32,10 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def _float(value: float) -> str:
-    """A float as the standard encoder writes it (``allow_nan``, as `codec.dumps` leaves it)."""
+    """A float, of type float itself, as the standard encoder writes it (``allow_nan``, as `codec.dumps` leaves
+    it): its repr, which is ``float.__repr__`` since no subclass has its own."""
     if math.isfinite(value):
-        return float.__repr__(value)
+        return repr(value)
     return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
 
 
@@ -44,7 +45,7 @@ def scalar(value: Any) -> str:
     if kind is str:
         return encode_basestring_ascii(value)
     if kind is int:
-        return int.__repr__(value)
+        return repr(value)
     if kind is float:
         return _float(value)
     if value is None:
@@ -59,17 +60,27 @@ def _of_scalars(cls: Any) -> bool:
     return typing.get_origin(cls) in (typing.Union, types.UnionType) and set(typing.get_args(cls)) <= _SCALARS
 
 
+def _member_texts(cls: type[enum.Enum]) -> dict[enum.Enum, str]:
+    """The text of each member of ``cls``: an enum is written as its value."""
+    return {member: scalar(member._value_) for member in cls}
+
+
 class _Source(GeneratedSource):
     """The source of one class's text function. Each part of the text is a local name; an attrs class is an
     f-string of its fields' names, an optional value and a tuple take a few lines each."""
 
     def __init__(self) -> None:
-        super().__init__({"_string": encode_basestring_ascii, "_scalar": scalar, "_int": int.__repr__})
+        super().__init__({"_string": encode_basestring_ascii, "_scalar": scalar})
 
     def text(self, cls: Any, src: str, indent: int) -> str:
         """A local name holding the text of ``src``, a value of type ``cls``; lines that set it are added."""
         if attrs.has(cls) and cls not in self._open:
             return self._attrs(cls, self.named(indent, src), indent)
+        if _is_enum(cls) and not issubclass(cls, enum.Flag):  # each member's text, looked up (a Flag's may be none)
+            texts = f"texts{len(self.names)}"
+            self.names[texts] = _member_texts(cls)
+            value = self.named(indent, src)
+            return self.temp(indent, f"{texts}.get({value}) or _scalar({value}._value_)")
         if _is_enum(cls):
             kinds = {type(member.value) for member in cls}
             return self._scalar(f"{src}._value_", indent, kinds.pop() if len(kinds) == 1 else None)
@@ -90,7 +101,8 @@ class _Source(GeneratedSource):
         if expected is str:
             return self.temp(indent, f"_string({value}) if type({value}) is str else _scalar({value})")
         if expected is int:
-            return self.temp(indent, f"_int({value}) if type({value}) is int else _scalar({value})")
+            # An int's format with no spec is its repr, written in place (no call, as ``int.__repr__`` was).
+            return self.temp(indent, f"f'{{{value}}}' if type({value}) is int else _scalar({value})")
         return self.temp(indent, f"_scalar({value})")
 
     def _attrs(self, cls: type, src: str, indent: int) -> str:
@@ -126,8 +138,9 @@ def _function(cls: type) -> Callable[[Any], str]:
     return source.function("canonical_text", cls, source.text(cls, "value", 1))
 
 
-_functions: dict[type, Callable[[Any], str]] = {}
-"""Each model class's text function, made at its first use."""
+_functions: dict[type, Callable[[Any], str]] = {str: encode_basestring_ascii, int: repr, float: _float}
+"""Each model class's text function, made at its first use; an enum's is a lookup of its members' texts, and the
+scalars of a fingerprint (its mode's time to live) are written without the checks below."""
 
 
 def text(value: Any) -> str:
@@ -139,11 +152,14 @@ def text(value: Any) -> str:
     if function is not None:
         return function(value)
     if kind is tuple or kind is list:
-        return "[" + ",".join([text(item) for item in value]) + "]"
+        return f"[{','.join([text(item) for item in value])}]"
     if kind in _SCALARS:
         return scalar(value)
     if isinstance(value, enum.Enum):
-        return scalar(value._value_)
+        if issubclass(kind, enum.Flag):  # a combination of members is no member
+            return scalar(value._value_)
+        function = _functions[kind] = _member_texts(kind).__getitem__
+        return function(value)
     if attrs.has(kind):
         function = _functions[kind] = _function(kind)
         return function(value)
