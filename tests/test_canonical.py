@@ -14,7 +14,16 @@ import attrs
 import pytest
 from disagg import canonical, codec
 from disagg.composer import requests
-from disagg.model import ComposeMode, CompositionRequest, DeviceKind, Plan, ResourceRequest, Selector, SelectorOp
+from disagg.model import (
+    ComposeMode,
+    CompositionRequest,
+    DeviceKind,
+    HostRequest,
+    Plan,
+    ResourceRequest,
+    Selector,
+    SelectorOp,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from test_codec import EXAMPLES, composition_requests, devices
@@ -92,3 +101,21 @@ def test_an_enum_is_its_value_each_time(value: enum.Enum) -> None:
     """An enum is written as its value, the first time and once its members' texts are kept (a Flag's
     combination of members, which is no member, too)."""
     assert [canonical.text(value), canonical.text(value)] == [codec.dumps(value)] * 2
+
+
+def test_lines_and_hosts_sent_again_are_written_as_they_are() -> None:
+    """The wire layer reads the same bytes as the same line and host, whose text is then remembered: requests
+    that share them, alternate with others, or differ from them only in a field are each written as they are."""
+    gpu, memory = ResourceRequest(DeviceKind.GPU, count=1), ResourceRequest(DeviceKind.CXL_MEMORY, amount_bytes=1 << 30)
+    host = HostRequest(min_cores=32)
+    sent = [
+        CompositionRequest("a", (gpu,), host),
+        CompositionRequest("b", (gpu,), host),
+        CompositionRequest("c", (memory, gpu), HostRequest(min_cores=16)),
+        CompositionRequest("d", (attrs.evolve(gpu, count=2),), host),
+        CompositionRequest("e", (gpu,), host),
+    ]
+    for request in sent:
+        assert canonical.text((request, ComposeMode.APPLY, 86400.0)) == codec.dumps(
+            (request, ComposeMode.APPLY, 86400.0)
+        )

@@ -25,6 +25,7 @@ import attrs
 import cattrs.fns
 
 from disagg.codec import GeneratedSource, _converter, _is_enum, _optional_of, _tuple_of
+from disagg.model import HostRequest, ResourceRequest
 
 _STANDARD = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 """`codec.dumps`'s encoder."""
@@ -74,6 +75,10 @@ class _Source(GeneratedSource):
 
     def text(self, cls: Any, src: str, indent: int) -> str:
         """A local name holding the text of ``src``, a value of type ``cls``; lines that set it are added."""
+        if cls in _REMEMBERED and self._open:
+            remembered = f"remembered{len(self.names)}"
+            self.names[remembered] = _remembered(_function(cls))
+            return self.temp(indent, f"{remembered}({src})")
         if attrs.has(cls) and cls not in self._open:
             return self._attrs(cls, self.named(indent, src), indent)
         if _is_enum(cls) and not issubclass(cls, enum.Flag):  # each member's text, looked up (a Flag's may be none)
@@ -130,6 +135,28 @@ class _Source(GeneratedSource):
         self.lines.append(f"{'    ' * indent}for {item} in {src}:")
         self.lines.append(f"{'    ' * (indent + 1)}{items}.append({self.text(cls, item, indent + 1)})")
         return self.temp(indent, f"'[' + ','.join({items}) + ']'")
+
+
+_REMEMBERED = frozenset({ResourceRequest, HostRequest})
+"""Parts of a request whose text is remembered for the next request (`_remembered`): the wire layer reads the same
+bytes as the very same value (`disagg.wire.fabric`), and clients send a few kinds of lines and hosts again and
+again."""
+
+
+def _remembered(function: Callable[[Any], str]) -> Callable[[Any], str]:
+    """``function``, remembering the value it last wrote and its text: the same value again (by identity: a model
+    value is immutable) is not written again. One tuple, so that a thread reads both halves of the same write."""
+    last: tuple[object, str] = (None, "")
+
+    def text(value: Any) -> str:
+        nonlocal last
+        seen, written = last
+        if seen is not value:
+            written = function(value)
+            last = (value, written)
+        return written
+
+    return text
 
 
 def _function(cls: type) -> Callable[[Any], str]:
