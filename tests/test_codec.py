@@ -436,3 +436,15 @@ class TestAnswerRecords:
         assert json.loads(embedded) == json.loads(fresh)
         read = codec.loads(embedded, ComposeResult).composition
         assert read is not None and read.resources[0].selectors[0].value == math.inf
+
+    def test_records_sharing_a_line_are_written_as_they_are(self) -> None:
+        """A line recorded before (the wire layer reads the same bytes as the same line) is written from its
+        remembered text: records that share it, alternate with another, or hold an infinite float, are each the
+        text of one built with a line of their own."""
+        gpu = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("model", SelectorOp.EQ, "H200"),))
+        infinite = ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("score", SelectorOp.GE, math.inf),))
+        for n, line in enumerate([gpu, gpu, REQUEST.resources[1], infinite, infinite, gpu]):
+            comp = Composition(f"c{n}", "c", "h1", CompositionState.COMPOSED, (line,))
+            afresh = codec.record(attrs.evolve(comp, resources=(attrs.evolve(line),)))
+            assert [codec.record(comp), codec.record(comp)] == [afresh, afresh]
+            assert codec.loads(afresh, Composition) == comp

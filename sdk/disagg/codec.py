@@ -17,7 +17,7 @@ import cattrs.fns
 import cattrs.gen
 import orjson
 
-from disagg.model import AttributeValue, Composition, PendingChange, Reservation
+from disagg.model import AttributeValue, Composition, PendingChange, Reservation, ResourceRequest
 
 T = TypeVar("T")
 
@@ -193,6 +193,10 @@ class _RecordSource(GeneratedSource):
         if cls is Composition and self._open:  # inside an answer: the text its change just recorded, if it is
             self.names["_embedded"] = _embedded
             return f"_embedded({src})"
+        if cls is ResourceRequest and self._open:  # a request's line, most often the very one recorded before
+            line = f"line{len(self.names)}"
+            self.names[line] = _remembered_record(_record_function(cls))
+            return f"{line}({src})"
         if attrs.has(cls) and cls not in self._open and cls is not _NotFinite:
             return self._attrs(cls, self.named(indent, src), indent)
         if _is_enum(cls):
@@ -291,6 +295,28 @@ def _embedded(comp: Composition) -> Any:
     if last is comp:
         return orjson.Fragment(text)
     return _record_function_of(Composition)(comp)
+
+
+def _remembered_record(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``function``, a record function, remembering the value it last wrote as its text (`orjson.Fragment`): the
+    same value again (by identity: a model value is immutable) is not built again. The wire layer reads the same
+    bytes as the same line, so the records of a change carry the lines of the request before them. A value orjson
+    cannot write (an infinite float) is left as its data, for `record` to write otherwise."""
+    last: tuple[object, Any] = (None, None)
+
+    def data(value: Any) -> Any:
+        nonlocal last
+        seen, written = last
+        if seen is not value:
+            made = function(value)
+            try:
+                written = orjson.Fragment(orjson.dumps(made, default=_refuse))
+            except TypeError:
+                return made
+            last = (value, written)
+        return written
+
+    return data
 
 
 def record(value: Any) -> str:
