@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from disagg.errors import CapacityExhaustedError, ConfigError, DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
-from disagg_qemu_cxl import QemuCxlFabric, create_fabric
+from disagg_qemu_cxl import QemuCxlFabric, create_fabric, hosts
 from disagg_qemu_cxl.command import host_dir
 from disagg_qemu_cxl.qmp import Monitor
 from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, options, qemu_pid, require_qemu
@@ -345,3 +345,19 @@ def test_an_adopted_qemu_stopped_on_close_is_reaped(make_fabric: Callable[..., Q
     first.close()
     make_fabric().close()
     assert all(pid is not None and not Path(f"/proc/{pid}").exists() for pid in pids), "a stopped QEMU is a zombie"
+
+
+class TestALetGoQemuReaped:
+    """A QEMU this process let go of (`hosts._DETACHED`) and later reaped while it waited for it to go (a new start
+    stopping an unowned one) stayed listed: its pid, once the system gave it to another process (pids wrap in a
+    long run), was then taken for that QEMU, waited for as gone at once and counted as this driver's to signal."""
+
+    def test_leaves_the_list_once_reaped(self) -> None:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        hosts._DETACHED[child.pid] = child
+        try:
+            assert hosts._wait_gone(child.pid, None, 10.0)
+            assert child.pid not in hosts._DETACHED
+        finally:
+            hosts._DETACHED.pop(child.pid, None)
+            child.wait()

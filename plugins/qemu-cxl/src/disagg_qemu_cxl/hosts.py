@@ -99,10 +99,14 @@ def running_pid(directory: Path) -> int | None:
 
 
 def _wait_gone(pid: int, child: subprocess.Popen[bytes] | None, timeout: float) -> bool:
+    """Whether ``pid`` is gone within ``timeout`` seconds, reaped if it is our child (``child``, or one let go
+    of, `_DETACHED`, which then leaves it: its pid may be another process's next)."""
     child = child or _DETACHED.get(pid)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if child is not None and child.poll() is not None:
+            if _DETACHED.get(pid) is child:
+                del _DETACHED[pid]
             return True
         if child is None and not _alive(pid):
             return True
