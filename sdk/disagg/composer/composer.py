@@ -2471,16 +2471,16 @@ class FabricComposer(Composer):
         after = attrs.evolve(comp, state=CompositionState.COMPOSED, allocations=planned, pending=None)
         return (comp, after), ComposeResult(ComposeMode.APPLY, plan, composition=after)
 
+    @staticmethod
     def _grown_records(
-        self, comp: Composition, plan: Plan, add: Sequence[ResourceRequest]
+        comp: Composition, add: Sequence[ResourceRequest], adding: PendingChange
     ) -> tuple[tuple[Composition, ...], Composition]:
-        """The records a recompose that adds ``plan`` (for the lines ``add``) to ``comp`` writes, its pending
-        addition and the composition grown, and its answer, the grown composition. Under the lock."""
-        adding = self._adding(comp.id, plan, restore=comp.state, start=self._next_alloc_index(comp), before=comp)
+        """The records a recompose that adds the lines ``add`` to ``comp`` writes, its pending addition
+        ``adding`` and the composition grown, and its answer, the grown composition."""
         grown = attrs.evolve(
             comp,
             resources=comp.resources + tuple(add),
-            devices=comp.devices + plan.devices,
+            devices=comp.devices + adding.devices,
             allocations=comp.allocations + adding.allocations,
         )
         return (attrs.evolve(comp, pending=adding), grown), grown
@@ -2915,23 +2915,21 @@ class FabricComposer(Composer):
             lines: list[Line] = [(base + i, r, Pin()) for i, r in enumerate(add)]
             self._placer.check_lines(add, "add")
             plan = Plan(comp.host)
+            previous_state, before = comp.state, comp
+            start = self._next_alloc_index(comp)
             if lines:
                 found, why = self._placer.try_host(comp.host, lines, added_lines(base))
                 if found is None:
                     raise NoFitError(why)
                 plan = found
-                self._check_records_fit(comp.name, plan, functools.partial(self._grown_records, comp, plan, add))
+                first = self._adding(comp.id, plan, restore=previous_state, start=start, before=comp)
+                self._check_records_fit(comp.name, plan, functools.partial(self._grown_records, comp, add, first))
                 self._claim_plan(plan, comp.id, host=False)
-            previous_state, before = comp.state, comp
-            start = self._next_alloc_index(comp)
-            # A removal alone writes its plan at once: a record COMPOSING with nothing pending, left by a crash,
-            # would be judged anew by recovery, at a new generation, and the retry of a change that never began
-            # refused as stale. Its plan on disk, recovery finishes it, and the retry finds its work.
-            first = (
-                self._adding(comp.id, plan, restore=previous_state, start=start, before=comp)
-                if lines
-                else self._removal(comp, set(remove))
-            )
+            else:
+                # A removal alone writes its plan at once: a record COMPOSING with nothing pending, left by a
+                # crash, would be judged anew by recovery, at a new generation, and the retry of a change that
+                # never began refused as stale. Its plan on disk, recovery finishes it, and the retry finds its work.
+                first = self._removal(comp, set(remove))
             comp = self._set(comp, state=CompositionState.COMPOSING, pending=first)
             devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan, start=start)
         yield DURABLE
