@@ -18,7 +18,7 @@ from typing import Any
 
 from disagg.composer import FabricComposer
 from disagg.interfaces import CallContext, Fabric, Pool
-from disagg.model import Allocation, Composition
+from disagg.model import Allocation, Composition, PoolInfo
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.store import SqliteStore, Store
 from disagg_sim import SimFabric, create_fabric
@@ -134,28 +134,38 @@ def ledger_allocations(comp: FabricComposer) -> dict[str, Allocation]:
     return {a.id: a for c in comp.compositions() for a in c.allocations}
 
 
-class FailingPool(Pool):
-    """A pool that refuses every allocation: a CXL appliance whose manager is down."""
+class ForwardingPool(Pool):
+    """A pool that hands every call to ``inner``: the base of a test's pool that changes one or two of them."""
 
-    def __init__(self, inner: Pool, error: Exception) -> None:
+    def __init__(self, inner: Pool) -> None:
         self.inner = inner
-        self.error = error
 
     @property
     def id(self) -> str:
         return self.inner.id
 
-    def info(self) -> Any:
+    def info(self) -> PoolInfo:
         return self.inner.info()
 
     def allocations(self) -> Sequence[Allocation]:
         return self.inner.allocations()
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        raise self.error
+        return self.inner.allocate(allocation_id, host, amount_bytes, ctx)
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         self.inner.release(allocation_id, ctx)
+
+
+class FailingPool(ForwardingPool):
+    """A pool that refuses every allocation: a CXL appliance whose manager is down."""
+
+    def __init__(self, inner: Pool, error: Exception) -> None:
+        super().__init__(inner)
+        self.error = error
+
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        raise self.error
 
 
 class BrokenPools(SimFabric):

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 import pytest
-from composer_helpers import composer, hardware_allocations, hardware_bindings, rack
+from composer_helpers import ForwardingPool, composer, hardware_allocations, hardware_bindings, rack
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import CallContext, Pool
@@ -25,7 +25,6 @@ from disagg.model import (
     EventType,
     Health,
     PendingChange,
-    PoolInfo,
     Topology,
 )
 from disagg.requestlang import parse_request
@@ -36,25 +35,16 @@ GiB = 1 << 30
 WAIT_S = 10.0
 
 
-class GatedPool(Pool):
+class GatedPool(ForwardingPool):
     """A sim pool whose first release waits for its fabric's ``gate`` (bounded), saying so by ``entered``."""
 
     def __init__(self, fabric: Returning, inner: Pool) -> None:
-        self.fabric, self.inner = fabric, inner
-
-    @property
-    def id(self) -> str:
-        return self.inner.id
-
-    def info(self) -> PoolInfo:
-        return self.inner.info()
+        super().__init__(inner)
+        self.fabric = fabric
 
     def allocations(self) -> Sequence[Allocation]:
         self.fabric.read()
         return self.inner.allocations()
-
-    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        return self.inner.allocate(allocation_id, host, amount_bytes, ctx)
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
         if self.fabric.gated and not self.fabric.entered.is_set():

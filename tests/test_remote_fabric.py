@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 import grpc
 import pytest
+from composer_helpers import ForwardingPool
 from disagg.composer import FabricComposer
 from disagg.composer.execution import ExecutionFailedError, Executor, in_doubt
 from disagg.errors import (
@@ -38,7 +39,7 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Health, PoolInfo
+from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Health
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import connected
 from disagg.remote.plugin import create_fabric
@@ -102,21 +103,12 @@ class HeldBind(Plain):
             self.finished.set()
 
 
-class HeldPool(Pool):
+class HeldPool(ForwardingPool):
     """A pool whose allocate, like `HeldBind`'s bind, works ``hold_s`` past its deadline check."""
 
     def __init__(self, inner: Pool, hold_s: float, finished: threading.Event) -> None:
-        self.inner, self.hold_s, self.finished = inner, hold_s, finished
-
-    @property
-    def id(self) -> str:
-        return self.inner.id
-
-    def info(self) -> PoolInfo:
-        return self.inner.info()
-
-    def allocations(self) -> tuple[Allocation, ...]:
-        return tuple(self.inner.allocations())
+        super().__init__(inner)
+        self.hold_s, self.finished = hold_s, finished
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         try:
@@ -125,9 +117,6 @@ class HeldPool(Pool):
             return self.inner.allocate(allocation_id, host, amount_bytes, CallContext(epoch=ctx.epoch))
         finally:
             self.finished.set()
-
-    def release(self, allocation_id: str, ctx: CallContext) -> None:
-        self.inner.release(allocation_id, ctx)
 
 
 class HeldAllocate(Plain):

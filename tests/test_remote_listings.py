@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import pytest
+from composer_helpers import ForwardingPool
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Binding, CompositionState, EventType, PoolInfo
+from disagg.model import Allocation, Binding, CompositionState, EventType
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
 from disagg_sim import SimFabric
@@ -23,29 +24,16 @@ Garble = Callable[[list[Binding]], list[Binding]]
 GarbleMemory = Callable[[list[Allocation]], list[Allocation]]
 
 
-class GarbledPool(Pool):
+class GarbledPool(ForwardingPool):
     """A pool whose listing goes through ``garble`` while ``on``."""
 
     def __init__(self, inner: Pool, driver: Garbling) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.driver = driver
-
-    @property
-    def id(self) -> str:
-        return self.inner.id
-
-    def info(self) -> PoolInfo:
-        return self.inner.info()
 
     def allocations(self) -> Sequence[Allocation]:
         listed = list(self.inner.allocations())
         return self.driver.garble_memory(listed) if self.driver.on else listed
-
-    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        return self.inner.allocate(allocation_id, host, amount_bytes, ctx)
-
-    def release(self, allocation_id: str, ctx: CallContext) -> None:
-        self.inner.release(allocation_id, ctx)
 
 
 class Garbling(Plain):
