@@ -6,10 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, ConflictError
 from disagg_qemu_cxl import create_fabric, parse_options
 from disagg_qemu_cxl.command import command_line
+from disagg_qemu_cxl.hosts import HostProcess
 from disagg_qemu_cxl.options import HostOptions, memory_bytes
+from disagg_qemu_cxl.qmp import Loop
 from disagg_qemu_cxl.state import Record
 from qemu_cxl_helpers import GiB, MiB
 
@@ -138,6 +140,50 @@ class TestBootFiles:
             create_fabric("f", valid(state_dir=str(state), hosts=[{"name": "g", "kernel": str(tmp_path / "k")}]))
         assert info.value.field == "hosts[0].kernel"
         assert not (state / "hosts").exists()
+
+    @pytest.mark.parametrize("option", ["kernel", "initrd"])
+    def test_a_file_gone_since_fails_the_start_for_good(self, tmp_path: Path, option: str) -> None:
+        """A boot file removed after the options were read (the next start of the host, after a crash or by a
+        release): QEMU exited at every start, and the call failed with FabricUnavailableError, UNAVAILABLE, which
+        a client retries for ever. The start is refused before QEMU runs, naming the file; not retryable. (The
+        QEMU here is a script that notes it was run and exits as QEMU does.)"""
+        ran = tmp_path / "qemu-ran"
+        qemu = tmp_path / "qemu-system-x86_64"
+        qemu.write_text(f"#!/bin/sh\ntouch {ran}\necho 'qemu: could not load kernel' >&2\nexit 1\n")
+        qemu.chmod(0o755)
+        kernel, initrd = boot_files(tmp_path, "vmlinuz", "initrd.img")
+        host = parse_options("f", valid(hosts=[{"name": "g", "kernel": kernel, "initrd": initrd}])).hosts[0]
+        gone = Path(kernel if option == "kernel" else initrd)
+        gone.unlink()
+        loop = Loop("f")
+        try:
+            process = HostProcess(str(qemu), host, tmp_path / "state", GiB, loop)
+            with pytest.raises(ConflictError) as info:
+                process.start([])
+        finally:
+            loop.close()
+        assert not info.value.retryable
+        assert str(gone) in info.value.message and "no such file" in info.value.message
+        assert "host 'g'" in info.value.message and f"{option} option" in info.value.message
+        assert not ran.exists(), "QEMU was run with a boot file that is gone"
+
+    def test_a_restart_that_could_not_boot_leaves_the_qemu_running(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A release restarts the host: with its kernel gone, the running QEMU (and its guest) is not stopped."""
+        (kernel,) = boot_files(tmp_path, "vmlinuz")
+        host = parse_options("f", valid(hosts=[{"name": "g", "kernel": kernel}])).hosts[0]
+        Path(kernel).unlink()
+        stopped: list[str] = []
+        loop = Loop("f")
+        try:
+            process = HostProcess("qemu-system-x86_64", host, tmp_path / "state", GiB, loop)
+            monkeypatch.setattr(process, "stop", lambda: stopped.append("stop"))
+            with pytest.raises(ConflictError, match="kernel option names a file it cannot boot"):
+                process.restart([])
+        finally:
+            loop.close()
+        assert not stopped
 
 
 class TestPoolBytesLimit:

@@ -22,11 +22,11 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from disagg.errors import ConfigError, DeadlineExceededError, DisaggError, FabricUnavailableError
+from disagg.errors import ConfigError, ConflictError, DeadlineExceededError, DisaggError, FabricUnavailableError
 from disagg.statedir import make_directories
 
 from disagg_qemu_cxl.command import AUX_SOCKET, LOG, PIDFILE, QMP_SOCKET, command_line, host_dir
-from disagg_qemu_cxl.options import HostOptions
+from disagg_qemu_cxl.options import HostOptions, unopenable
 from disagg_qemu_cxl.qmp import Loop, Monitor, bounded
 from disagg_qemu_cxl.state import Record
 
@@ -233,6 +233,7 @@ class HostProcess:
 
     def start(self, records: Sequence[Record]) -> None:
         exe = find_qemu(self.qemu)
+        self.check_boot_files()
         make_directories(self.dir)
         # Called when no pidfile names a QEMU of this host that runs: one that runs all the same was started by a
         # driver that died before QEMU wrote the pidfile. It never answered a call and holds only what the records
@@ -266,6 +267,18 @@ class HostProcess:
             with contextlib.suppress(DisaggError):
                 self.kill()
             raise
+
+    def check_boot_files(self) -> None:
+        """Refuse to start a QEMU whose kernel or initrd has gone (or become unreadable) since the options were
+        read: it would exit at once, and at every start after, as FabricUnavailableError, which a client retries
+        for ever. A ConflictError (FAILED_PRECONDITION) names the file, the operator's to restore."""
+        for option, path in (("kernel", self.options.kernel), ("initrd", self.options.initrd)):
+            problem = unopenable(Path(path)) if path else None
+            if problem:
+                raise ConflictError(
+                    f"QEMU of host {self.name!r} cannot start: its {option} option names a file it cannot boot "
+                    f"({problem}); restore the file, or change the host's {option} option and restart the driver"
+                )
 
     def _await_qmp(self, child: subprocess.Popen[bytes]) -> None:
         """Return once the new QEMU answers QMP; FabricUnavailableError if it exits or stays silent instead, or
@@ -348,7 +361,9 @@ class HostProcess:
                 (self.dir / PIDFILE).unlink()
 
     def restart(self, records: Sequence[Record]) -> None:
-        """Stop this QEMU and start a new one with exactly ``records`` cold-plugged."""
+        """Stop this QEMU and start a new one with exactly ``records`` cold-plugged; not stopped if the new one
+        could not boot (`check_boot_files`)."""
+        self.check_boot_files()
         self.stop()
         self.start(records)
 

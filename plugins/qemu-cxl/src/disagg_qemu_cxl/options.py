@@ -195,7 +195,7 @@ def _host(table: object, bad: Any) -> HostOptions:
     if (texts["initrd"] or texts["append"]) and not texts["kernel"]:
         raise bad("kernel", "is required when initrd or append is given")
     for key in ("kernel", "initrd"):
-        problem = _unopenable(Path(texts[key])) if texts[key] else None
+        problem = unopenable(Path(texts[key])) if texts[key] else None
         if problem:
             raise bad(key, problem)
     serial = table.get("serial", [])
@@ -204,9 +204,10 @@ def _host(table: object, bad: Any) -> HostOptions:
     return HostOptions(name=name, ports=ports, memory=memory, serial=tuple(serial), **texts)
 
 
-def _unopenable(path: Path) -> str | None:
-    """Why QEMU could not open the kernel or initrd ``path``, if it could not. Checked with the options: QEMU
-    would exit at every start of the host, which a caller takes for a fabric to retry (UNAVAILABLE)."""
+def unopenable(path: Path) -> str | None:
+    """Why QEMU could not open the kernel or initrd ``path``, if it could not. Checked with the options, and again
+    before each start of the host (`HostProcess.start`): QEMU would exit at every start, which a caller takes for
+    a fabric to retry (UNAVAILABLE)."""
     if not path.exists():
         return f"no such file: {path}"
     if not path.is_file():

@@ -477,6 +477,7 @@ class QemuCxlPool(Pool):
                 self._forget(record)
                 return
             ctx.check_deadline()
+            process.check_boot_files()  # a restart that could not boot is refused before anything changes
             with self._lock:
                 keep = self._keep(record, view)
                 self._ledger.save(self._ledger.state.with_record(attrs.evolve(record, releasing=True)))
