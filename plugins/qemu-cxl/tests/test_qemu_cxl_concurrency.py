@@ -3,12 +3,13 @@ others, and a call in flight on one host still counts against the pool that the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,11 @@ import pytest
 from disagg.errors import CapacityExhaustedError, DeadlineExceededError
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric, pool
+from disagg_qemu_cxl.hosts import HostProcess
 from disagg_qemu_cxl.qmp import Monitor
 from disagg_qemu_cxl.state import State
 from qemu_cxl_helpers import GiB, MiB, qemu_pid
+from test_qemu_cxl_pool import hand_add
 
 POOL = "qc/cxl-pool"
 
@@ -182,3 +185,64 @@ def test_adopting_an_unrecorded_device_plans_its_blocks_under_the_fabric_lock(
     assert any(r.allocation == f"unrecorded:h2:{device}" for s in saved for r in s.records), "nothing was adopted"
     assert not [pair for s in saved for pair in overlapping(s)]
     assert [a.id for a in carve.allocations()] == ["a"]
+
+
+@contextlib.contextmanager
+def busy(process: HostProcess) -> Iterator[None]:
+    """``process``'s host held by another call (a thread that takes its lock) until the block ends."""
+    taken, done = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with process.lock:
+            taken.set()
+            done.wait(30.0)
+
+    holder = threading.Thread(target=call)
+    holder.start()
+    try:
+        assert taken.wait(5.0)
+        yield
+    finally:
+        done.set()
+        holder.join(5.0)
+
+
+def test_a_busy_hosts_unrecorded_device_counts_against_the_pool(fabric: QemuCxlFabric, state_dir: Path) -> None:
+    """A Type-3 on h2 that the state file does not name holds 256 MiB of the 2 GiB pool. An allocate on h1 while
+    another call held h2 counted h2's records only, not that device, and carved the whole pool: 2.25 GiB promised.
+    What h2 was last seen to hold counts while it cannot be read."""
+    hand_add(state_dir, "h2", 0, 0x9000, "foreign")
+    carve = fabric.pool(POOL)
+    assert [a.id for a in carve.allocations()] == ["unrecorded:h2:foreign"]
+    with busy(fabric.hosts["h2"]), pytest.raises(CapacityExhaustedError, match="1879048192 bytes free"):
+        carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+    assert sum(a.amount_bytes for a in carve.allocations()) <= 2 * GiB
+
+
+def test_an_adopted_hosts_unrecorded_device_counts_before_it_is_read(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path
+) -> None:
+    """The same on a host adopted by a driver that has not read it since (a fabric manager restarted): the device
+    is seen as the host is adopted."""
+    first = make_fabric(stop_hosts_on_close=False)
+    hand_add(state_dir, "h2", 0, 0x9000, "foreign")
+    first.close()
+    fabric = make_fabric()
+    carve = fabric.pool(POOL)
+    with busy(fabric.hosts["h2"]), pytest.raises(CapacityExhaustedError, match="1879048192 bytes free"):
+        carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+    assert sum(a.amount_bytes for a in carve.allocations()) <= 2 * GiB
+
+
+def test_a_dead_hosts_unrecorded_device_holds_nothing(fabric: QemuCxlFabric, state_dir: Path) -> None:
+    """The device went with h2's QEMU (killed): a start cold-plugs only the records, so the whole pool is free."""
+    hand_add(state_dir, "h2", 0, 0x9000, "foreign")
+    carve = fabric.pool(POOL)
+    assert [a.id for a in carve.allocations()] == ["unrecorded:h2:foreign"]
+    pid = qemu_pid(state_dir, "h2")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while fabric.hosts["h2"].running_pid() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1)).amount_bytes == 2 * GiB

@@ -157,6 +157,7 @@ class QemuCxlFabric(Fabric):
             features=lambda: self._features,
             state_dir=options.state_dir,
         )
+        self._pool.read_adopted([name for name, process in self._hosts.items() if process.adopted])
 
     def _check_open(self) -> None:
         if self._closed:

@@ -134,6 +134,9 @@ class QemuCxlPool(Pool):
         self._ledger = ledger
         self._lock = lock
         self._features = features
+        self._seen: dict[str, tuple[Type3, ...]] = {}
+        """The Type-3s each host held when last read: while it cannot be read (another call holds it, or its QEMU
+        does not answer), those that no record names still count against the pool (`_held`)."""
 
     def close(self) -> None:
         with self._lock:
@@ -166,6 +169,14 @@ class QemuCxlPool(Pool):
         )
 
     # ------------------------------------------------------------------ reading the hardware
+
+    def read_adopted(self, hosts: Sequence[str]) -> None:
+        """Read the adopted ``hosts`` once, so that what they hold beyond the records (a Type-3 added behind the
+        driver's back) counts against the pool before any call has read them. One that cannot be read now is
+        left to the next call that needs it."""
+        for host in hosts:
+            with contextlib.suppress(DisaggError):
+                self._reading(host, lambda view: view)
 
     def views(self) -> dict[str, HostView]:
         """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError."""
@@ -201,6 +212,7 @@ class QemuCxlPool(Pool):
         process = self._hosts[host]
         process.revive(self._ledger.state.cold_plugged(host))
         view = self._peek(host, peek) if peek is not None else walk(process.monitor)
+        self._seen[host] = view.devices
         self._note_plugged(host, view)
         return view
 
@@ -213,7 +225,9 @@ class QemuCxlPool(Pool):
         peek_bound = True
         try:
             with within(seconds) as peek_bound:
-                return walk(process.monitor)
+                view = walk(process.monitor)
+            self._seen[host] = view.devices
+            return view
         except DeadlineExceededError:
             if not peek_bound:
                 raise
@@ -239,7 +253,8 @@ class QemuCxlPool(Pool):
         call holds it, and stays held (in ``held``) until the plan is written, so that what was read of it is
         still so when the pool is carved; a call in flight there counts by its records. It is read by a `_peek`:
         one that hung is skipped by the next calls until a call that needs it reconnects; the caller's deadline
-        passing is raised, as by every other QMP call of `_allocate`."""
+        passing is raised, as by every other QMP call of `_allocate`. One whose QEMU is gone holds only its
+        records, which a start cold-plugs again."""
         views = {host: self._view(host)}
         for name, process in sorted(self._hosts.items()):
             if name == host or not process.lock.acquire(blocking=False):
@@ -248,6 +263,8 @@ class QemuCxlPool(Pool):
             if process.alive():
                 with contextlib.suppress(FabricUnavailableError):
                     views[name] = self._peek(name)
+            elif process.running_pid() is None:
+                self._seen.pop(name, None)  # its QEMU is gone, and what no record names went with it
         return views
 
     def allocations(self) -> Sequence[Allocation]:
@@ -374,12 +391,22 @@ class QemuCxlPool(Pool):
         return attrs.evolve(record, extents=extents)
 
     def _held(self, views: Mapping[str, HostView]) -> tuple[list[tuple[int, int]], int]:
-        """The extents and bytes that hold the pool, as `allocations` reports them on the hosts read, plus every
-        record of a host not read (unreachable now): what it holds is unknown."""
+        """The extents and bytes that hold the pool, as `allocations` reports them on the hosts read, plus, for a
+        host not read (busy or unreachable now), whose holdings are unknown, every record and the Type-3s it was
+        last seen to hold that no record names."""
+        records = self._ledger.state.records
         held = self._allocations(views)
-        unread = [r for r in self._ledger.state.records if r.host not in views]
+        unread = [r for r in records if r.host not in views]
+        named = {(r.host, r.device) for r in records}
+        unrecorded = [
+            d.size
+            for host, devices in self._seen.items()
+            if host not in views
+            for d in devices
+            if (host, d.id) not in named
+        ]
         spans = [(e.offset, e.length) for a in held for e in a.extents] + [e for r in unread for e in r.extents]
-        return spans, sum(a.amount_bytes for a in held) + sum(r.size for r in unread)
+        return spans, sum(a.amount_bytes for a in held) + sum(r.size for r in unread) + sum(unrecorded)
 
     def _fits(self, record: Record, views: Mapping[str, HostView]) -> bool:
         """Whether a record whose device QEMU does not hold can still be completed as recorded (its blocks may lie
@@ -498,6 +525,7 @@ class QemuCxlPool(Pool):
         """Restart the host without ``leaving``; check that the new QEMU holds exactly ``keep``, where it was."""
         process.restart(keep)
         after = walk(process.monitor)
+        self._seen[leaving.host] = after.devices
         if after.device(leaving.device) is not None:
             raise FabricUnavailableError(f"the restarted QEMU of host {leaving.host} still holds {leaving.device}")
         for other in keep:
