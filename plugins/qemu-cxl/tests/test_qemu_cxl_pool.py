@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from disagg.errors import (
 )
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric
-from disagg_qemu_cxl.command import host_dir, memory_file
+from disagg_qemu_cxl.command import LSA_BYTES, host_dir, memory_file
 from disagg_qemu_cxl.state import FIRST_SERIAL, Record
 from qemu_cxl_helpers import GiB, MiB, RawQMP, qemu_pid
 
@@ -151,6 +152,72 @@ class TestRefusals:
             assert not qmp.type3()
         backend.unlink(missing_ok=True)
         assert pool.allocate("a", "h2", 256 * MiB, ctx).amount_bytes == 256 * MiB
+
+
+@pytest.fixture
+def disk_free(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """Set the bytes free (to unprivileged users too) that statvfs reports for the file system of ``state_dir``:
+    only that reading is made up; QEMU and the files are real."""
+    real, free = os.statvfs, [0]
+    root = state_dir.resolve()
+
+    def statvfs(path: int | str | os.PathLike[str]) -> os.statvfs_result:
+        result = real(path)
+        if isinstance(path, int) or not Path(path).resolve().is_relative_to(root):
+            return result
+        fields = list(result)
+        fields[3] = fields[4] = free[0] // result.f_frsize  # f_bfree, f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    return lambda n: free.__setitem__(0, n)
+
+
+class TestDiskSpace:
+    """Backend files are sparse (QEMU only sizes them), so a hot-add succeeded on a file system too full to hold
+    them, and the guest met the full disk later: SIGBUS on a page of the memory that could not be written. The
+    driver refuses such a hot-add as capacity, before QEMU is touched, counting the backend files made before
+    and not yet filled as promised."""
+
+    def test_too_little_free_space_is_capacity(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, disk_free: Callable[[int], None]
+    ) -> None:
+        disk_free(300 * MiB)
+        pool = fabric.pool(POOL)
+        with pytest.raises(CapacityExhaustedError) as info:
+            pool.allocate("a", "h2", 512 * MiB, ctx)
+        message = info.value.message
+        assert str(host_dir(state_dir.resolve(), "h2")) in message, message
+        assert f"{300 * MiB} bytes free" in message and f"{512 * MiB + LSA_BYTES} bytes" in message, message
+        assert not pool.allocations() and fabric._ledger.state.record("a") is None
+        assert not list(host_dir(state_dir, "h2").glob("*.img")), "a backend file of the refused hot-add is left"
+        with RawQMP(state_dir, "h2") as qmp:
+            assert not {o["name"] for o in qmp.execute("qom-list", path="/objects") if o["name"].startswith("cxl-")}
+        disk_free(513 * MiB)
+        assert pool.allocate("a", "h2", 512 * MiB, ctx).amount_bytes == 512 * MiB
+
+    def test_backends_not_yet_filled_are_promised(
+        self, fabric: QemuCxlFabric, state_dir: Path, ctx: CallContext, disk_free: Callable[[int], None]
+    ) -> None:
+        """h2's 512 MiB backend holds no block yet: the 700 MiB free are hers but 187 MiB, too few for 256 MiB
+        more on h1. Once 80 MiB of it are written and 100 MiB are freed elsewhere (720 MiB free), 287 MiB are left:
+        the blocks written are not counted again as promised."""
+        disk_free(700 * MiB)
+        pool = fabric.pool(POOL)
+        pool.allocate("a", "h2", 512 * MiB, ctx)
+        with pytest.raises(CapacityExhaustedError, match=f"{513 * MiB} of them promised") as info:
+            pool.allocate("b", "h1", 256 * MiB, ctx)
+        assert str(host_dir(state_dir.resolve(), "h1")) in info.value.message
+        assert [a.id for a in pool.allocations()] == ["a"]
+        record = fabric._ledger.state.record("a")
+        assert record is not None
+        with open(host_dir(state_dir, "h2") / memory_file(record), "r+b") as backend:
+            for _ in range(80):
+                backend.write(b"\1" * MiB)
+            backend.flush()
+            os.fsync(backend.fileno())
+        disk_free(720 * MiB)
+        assert pool.allocate("b", "h1", 256 * MiB, ctx).amount_bytes == 256 * MiB
 
 
 class TestUniqueness:

@@ -45,7 +45,7 @@ from disagg.errors import (
 from disagg.interfaces import CallContext, Pool, check_id
 from disagg.model import CXL_DC_BLOCK_BYTES, Allocation, Capacity, Extent, PoolInfo, PoolKind
 
-from disagg_qemu_cxl.command import backend_props, device_props, host_dir, lsa_file, memory_file
+from disagg_qemu_cxl.command import LSA_BYTES, backend_props, device_props, host_dir, lsa_file, memory_file
 from disagg_qemu_cxl.discovery import Features, HostView, Type3, walk
 from disagg_qemu_cxl.hosts import HostProcess
 from disagg_qemu_cxl.qmp import QMPCommandError, until, within
@@ -68,6 +68,11 @@ _NO_ROOM = frozenset(os.strerror(e) for e in (errno.ENOMEM, errno.ENOSPC, errno.
 """The ends of QEMU's refusals (``...: <strerror>``) that say the host lacks the memory or disk for a backend."""
 _BACKEND_FILE = "can't open backing store"
 """How QEMU 7.2 begins refusing a memory-backend-file it cannot open (``...: Not a directory``)."""
+
+
+def backend_files(record: Record) -> list[tuple[str, int]]:
+    """The backend files of ``record`` (in its host's directory) and the bytes each holds once filled."""
+    return [(memory_file(record), record.size)] + ([] if record.volatile else [(lsa_file(record), LSA_BYTES)])
 
 
 def unrecorded_id(host: str, device: str) -> str:
@@ -348,6 +353,8 @@ class QemuCxlPool(Pool):
                 fresh = record is None  # this call writes the intent, so a failure before device_add removes it
                 if record is None:
                     record = attrs.evolve(self._plan(allocation_id, host, size, views), plugged=False)
+                self._check_room(record)
+                if fresh:
                     self._ledger.save(
                         attrs.evolve(self._ledger.state.with_record(record), next_sn=record.sn + 1)
                     )  # the intent first: a crash after device_add then leaves a named device, never an orphan
@@ -419,6 +426,51 @@ class QemuCxlPool(Pool):
         spans, used = self._held(views)
         overlaps = any(o < a + n and a < o + m for o, m in record.extents for a, n in spans)
         return not overlaps and used + record.size <= self._capacity.total_bytes
+
+    def _check_room(self, record: Record) -> None:
+        """Refuse a hot-add whose backend files the file system of its host's directory could not hold once
+        filled: QEMU only sizes them (they are sparse), so a full disk surfaces later, in the guest (SIGBUS). The
+        holes of every other record's backend files on that file system are promised already; a record's files
+        not made yet are promised in full (an allocation in flight on another host). Under the fabric's lock, so
+        that two allocations never promise the same free space. A directory that cannot be read is left to
+        QEMU's own refusal (`_refusal`)."""
+        directory = host_dir(self._state_dir, record.host)
+        try:
+            device = directory.stat().st_dev
+            fs = os.statvfs(directory)
+        except OSError:
+            return
+        free = fs.f_bavail * fs.f_frsize
+        promised = sum(
+            self._unfilled(other, device)
+            for other in self._ledger.state.records
+            if other.allocation != record.allocation
+        )
+        need = sum(n for _, n in backend_files(record))
+        if need > free - promised:
+            raise CapacityExhaustedError(
+                f"host {record.host}'s directory {directory} has {free} bytes free on its file system, {promised} of "
+                f"them promised to backend files not yet filled, and allocation {record.allocation} needs {need} bytes "
+                f"({record.size // 1024**2} MiB and its label storage area): free space there, or allocate less; "
+                "nothing was added"
+            )
+
+    def _unfilled(self, record: Record, device: int) -> int:
+        """The bytes ``record``'s backend files may still take on file system ``device``: their holes."""
+        directory = host_dir(self._state_dir, record.host)
+        try:
+            if directory.stat().st_dev != device:
+                return 0
+        except OSError:
+            return 0
+        unfilled = 0
+        for name, size in backend_files(record):
+            try:
+                filled = (directory / name).stat().st_blocks * 512
+            except OSError:
+                filled = 0
+            unfilled += max(0, size - filled)
+        return unfilled
 
     def _hot_add(self, process: HostProcess, record: Record, view: HostView, fresh: bool) -> None:
         """object-add the backends, then device_add the Type-3. Only a device_add whose answer was lost may have
