@@ -141,7 +141,8 @@ class QemuCxlPool(Pool):
         self._features = features
         self._seen: dict[str, tuple[Type3, ...]] = {}
         """The Type-3s each host held when last read: while it cannot be read (another call holds it, or its QEMU
-        does not answer), those that no record names still count against the pool (`_held`)."""
+        does not answer), those that no record names still count against the pool (`_held`). Written under the
+        host's lock, not the fabric's: a reader takes a copy of its items, which CPython makes in one step."""
 
     def close(self) -> None:
         with self._lock:
@@ -407,7 +408,7 @@ class QemuCxlPool(Pool):
         named = {(r.host, r.device) for r in records}
         unrecorded = [
             d.size
-            for host, devices in self._seen.items()
+            for host, devices in list(self._seen.items())
             if host not in views
             for d in devices
             if (host, d.id) not in named
