@@ -117,4 +117,4 @@ class TestDomains:
         except subprocess.TimeoutExpired:
             pytest.fail("generate_topology still ran after 15 s")
         assert "ValueError: devices, and the devices of one domain" in run.stderr
-        assert "are at most 10000000" in run.stderr
+        assert "are at most 1000000" in run.stderr

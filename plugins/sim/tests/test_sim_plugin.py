@@ -113,18 +113,18 @@ class TestOptions:
     @pytest.mark.parametrize(
         ("generate", "option", "message"),
         [
-            pytest.param({"hosts_per_domain": 10**12}, "generate.hosts_per_domain", "at most 10000000", id="hosts"),
-            pytest.param({"gpus_per_chassis": 10**12}, "generate.gpus_per_chassis", "at most 10000000", id="gpus"),
+            pytest.param({"hosts_per_domain": 10**12}, "generate.hosts_per_domain", "at most 1000000", id="hosts"),
+            pytest.param({"gpus_per_chassis": 10**12}, "generate.gpus_per_chassis", "at most 1000000", id="gpus"),
             pytest.param(
                 {"hosts_per_domain": 10**6, "gpus_per_chassis": 100},
                 "generate.gpus_per_chassis",
-                "a domain of 1000000 hosts and 100 GPUs per chassis holds 52000001 devices; at most 10000000",
+                "a domain of 1000000 hosts and 100 GPUs per chassis holds 52000001 devices; at most 1000000",
                 id="domain",
             ),
             pytest.param(
-                {"hosts_per_domain": 5 * 10**6},
+                {"hosts_per_domain": 200_000},
                 "generate.hosts_per_domain",
-                "a domain of 5000000 hosts and 10 GPUs per chassis holds 35000001 devices; at most 10000000",
+                "a domain of 200000 hosts and 10 GPUs per chassis holds 1400001 devices; at most 1000000",
                 id="domain-of-default-gpus",
             ),
         ],
@@ -136,6 +136,20 @@ class TestOptions:
             parse_options("rack1", {"generate": {"devices": 10, **generate}})
         assert info.value.field == option
         assert message in info.value.message
+
+    @pytest.mark.parametrize("devices", [1_000_001, 10_000_000], ids=["one-more", "the-bound-before"])
+    def test_more_devices_than_memory_allows(self, devices: int) -> None:
+        """At about 2 kB a device (the simulator's and the fabric manager's index), the bound before, 10,000,000,
+        took some 16 GB: a typo took the machine down. The refusal names the option, the bound and why."""
+        with pytest.raises(ConfigError) as info:
+            parse_options("rack1", {"generate": {"devices": devices}})
+        assert info.value.field == "generate.devices"
+        assert f"must be at most 1000000, not {devices}" in info.value.message
+        assert "of memory" in info.value.message
+
+    def test_the_benchmarks_size_is_taken(self) -> None:
+        generate = parse_options("rack1", {"generate": {"devices": 100_000}}).generate
+        assert generate is not None and generate.devices == 100_000
 
     def test_good_options(self, tmp_path: Path) -> None:
         opts = parse_options(

@@ -453,7 +453,7 @@ class TestBounds:
         except subprocess.TimeoutExpired:
             pytest.fail("parse_topology still ran after 15 s")
         assert "ConfigError" in run.stderr
-        assert "field 'count' must be at most 10000000, not 1000000000" in run.stderr
+        assert "field 'count' must be at most 1000000, not 1000000000" in run.stderr
 
 
 class TestLoading:

@@ -49,9 +49,14 @@ DEVICE_LATENCY_NS = 100
 CXL_LATENCY_NS = 150
 LINK_BANDWIDTH_GBPS = 504.0
 CXL_CAPACITY_BYTES = 2 * TIB
-MAX_GENERATED_DEVICES = 10_000_000
+MAX_GENERATED_DEVICES = 1_000_000
 """The most devices a generated fabric asks for, and the most one of its domains holds (a domain is built whole,
-however few devices are asked for)."""
+however few devices are asked for); also the most one ``[[devices]]`` entry of a topology file makes. A device
+takes about 2 kB (`DEVICE_MEMORY_BYTES`), so this is about 2 GB: ten times the benchmarks' largest fabric, and a
+typo (the bound before, 10,000,000, took some 16 GB) cannot take a machine's memory."""
+DEVICE_MEMORY_BYTES = 2_000
+"""About the memory one generated device takes in a ``disagg serve`` process: 1.4 kB in the simulator (its
+topology and index) and 0.5 kB in the fabric manager's index, measured by RSS at 100,000 devices."""
 
 
 def domain_size(*, hosts_per_domain: int = 8, gpus_per_chassis: int = 10) -> int:

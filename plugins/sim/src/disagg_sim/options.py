@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from disagg.errors import ConfigError
 
-from disagg_sim.generator import MAX_GENERATED_DEVICES, domain_size
+from disagg_sim.generator import DEVICE_MEMORY_BYTES, MAX_GENERATED_DEVICES, domain_size
 
 OPTIONS = ("topology", "generate", "state_file", "bind_delay_s")
 GENERATE_OPTIONS = ("devices", "hosts_per_domain", "gpus_per_chassis", "seed")
@@ -42,6 +42,12 @@ class SimOptions:
     generate: GenerateOptions | None = None
     state_file: Path | None = None
     bind_delay_s: float = 0.0
+
+
+def _gigabytes(amount: int) -> str:
+    """``amount`` bytes in GB, for a message: one decimal place below 10 GB."""
+    gb = amount / 1e9
+    return f"{gb:.1f} GB" if gb < 10 else f"{gb:.0f} GB"
 
 
 def parse_options(fabric: str, options: Mapping[str, Any]) -> SimOptions:
@@ -89,6 +95,14 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> SimOptions:
                 raise bad(name, f"must be an integer, not {item!r}")
             if key != "seed" and item < 1:
                 raise bad(name, f"must be at least 1, not {item}")
+            if key == "devices" and item > MAX_GENERATED_DEVICES:
+                raise bad(
+                    name,
+                    f"must be at most {MAX_GENERATED_DEVICES}, not {item}: a simulated device takes about "
+                    f"{DEVICE_MEMORY_BYTES // 1000} kB of memory ({item}: about "
+                    f"{_gigabytes(item * DEVICE_MEMORY_BYTES)}), and the bound keeps a mistyped count from "
+                    "exhausting the machine's",
+                )
             if key != "seed" and item > MAX_GENERATED_DEVICES:
                 raise bad(name, f"must be at most {MAX_GENERATED_DEVICES}, not {item}")
             values[key] = item
