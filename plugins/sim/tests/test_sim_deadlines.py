@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from disagg.errors import (
@@ -18,6 +19,7 @@ from disagg.errors import (
 from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg_sim import SimFabric, load_topology, parse_topology
+from disagg_sim.state import SimState
 from sim_helpers import GIB, SMALL
 
 DELAY = 0.1
@@ -127,6 +129,53 @@ class TestDeadlines:
         assert time.monotonic() - start < 0.25
         first.join()
         assert list(fabric.bindings()) == [Binding(GPU, "h1")]
+
+
+class TestWaitingForTheLock:
+    """A call waits for the fabric's lock no longer than its deadline: behind a slow call holding it (a save of the
+    state file on a slow disk), it raises DeadlineExceededError when the deadline passes, having changed nothing,
+    rather than waiting for the lock past it."""
+
+    SAVE_S = 0.6
+
+    @pytest.fixture
+    def slow_disk(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimFabric:
+        fabric = SimFabric(parse_topology("t", SMALL), state_file=tmp_path / "state.json")
+        store = fabric._store
+        assert store is not None
+        save = store.save
+
+        def slow_save(state: SimState) -> None:
+            time.sleep(self.SAVE_S)
+            save(state)
+
+        monkeypatch.setattr(store, "save", slow_save)
+        return fabric
+
+    @pytest.mark.parametrize("call", ["bind", "unbind", "allocate", "release"])
+    def test_behind_a_slow_save(self, slow_disk: SimFabric, call: str) -> None:
+        pool = slow_disk.pool("t/dcd")
+        calls: dict[str, Callable[[CallContext], object]] = {
+            "bind": lambda ctx: slow_disk.bind("t/gpu0", "h1", ctx),
+            "unbind": lambda ctx: slow_disk.unbind(Binding("t/gpu1", "h1"), ctx),
+            "allocate": lambda ctx: pool.allocate("a", "h1", GIB, ctx),
+            "release": lambda ctx: pool.release("b", ctx),
+        }
+        slow_disk.bind("t/gpu1", "h1", CallContext(epoch=1))
+        pool.allocate("b", "h1", GIB, CallContext(epoch=1))
+        before = (slow_disk.bindings(), pool.allocations())
+        holder = threading.Thread(target=slow_disk.fail_device, args=("t/gpu2",))  # saves under the lock
+        holder.start()
+        time.sleep(self.SAVE_S / 6)
+        start = time.monotonic()
+        try:
+            with pytest.raises(DeadlineExceededError, match="deadline passed waiting for the fabric"):
+                calls[call](CallContext.with_timeout(0.1, epoch=1))
+            waited = time.monotonic() - start
+        finally:
+            holder.join()
+        assert waited < self.SAVE_S / 2, f"waited {waited:.3f}s for a deadline 0.1s away"
+        assert (slow_disk.bindings(), pool.allocations()) == before
 
 
 class TestASleepThatOverruns:

@@ -160,6 +160,8 @@ class SimFabric(Fabric, FaultInjection):
       nothing.
     - With ``state_file``, the state is loaded at construction and saved after every change; a save that
       fails undoes the change (but not a newer epoch) and raises `FabricUnavailableError`.
+    - A mutating call waits for the fabric's lock (held by another call's save, say) no longer than its
+      deadline, then raises `DeadlineExceededError`, having changed nothing.
     """
 
     def __init__(
@@ -462,9 +464,20 @@ class SimFabric(Fabric, FaultInjection):
         (when ``timed``), sleep it without the lock, verify again what may have changed meanwhile, and commit;
         a newer epoch seen during the sleep refuses the commit, so that nothing of a fenced-off manager lands
         after the new one read the hardware, and so does a deadline the sleep overran (a thread woken late), so
-        that no success is answered once the caller has given up. Takes the lock itself."""
+        that no success is answered once the caller has given up. Takes the lock itself, waiting for it no longer
+        than the deadline: a call holding it for long (a save of the state file on a slow disk) must not keep
+        another past its deadline; giving up changes nothing, and remembers no epoch (the call never reached the
+        fabric's state)."""
         delay = self._delay if timed else 0.0
-        with self._lock:
+        deadline = ctx.deadline
+        if deadline is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)):
+            raise DeadlineExceededError(
+                f"fabric {self._name}: the deadline passed waiting for the fabric, held by another call; "
+                "nothing was changed"
+            )
+        try:
             if ctx.epoch != self._epoch or self._epoch_unsaved:  # per Compose: the epoch seen already, no call
                 self._fence(ctx)
             if ids:  # per Compose: a bind of ids the topology names has none
@@ -491,6 +504,8 @@ class SimFabric(Fabric, FaultInjection):
                 change.commit()
                 return change.result
             self._busy.add(key)
+        finally:
+            self._lock.release()
         try:
             time.sleep(delay)
         except BaseException:
