@@ -78,6 +78,20 @@ class TestDelay:
         assert slow.bind(GPU, "h1", ctx) == Binding(GPU, "h1")  # waited, then found it bound: a repeat
         first.join()
 
+    def test_an_injected_bind_failure_takes_the_delay(self, slow: SimFabric) -> None:
+        """A real device fails a hot-add after the time one takes: so does a bind failed by fault injection, holding
+        the device meanwhile, and it changes nothing."""
+        slow.flaky_bind(GPU, 1)
+        first, outcome = in_background(lambda: slow.bind(GPU, "h1", CallContext(epoch=1)))
+        start = time.monotonic()
+        time.sleep(DELAY / 5)
+        assert first.is_alive(), "the injected failure answered at once"
+        assert slow.bind(GPU, "h2", CallContext(epoch=1)) == Binding(GPU, "h2")  # waited for the failing bind
+        first.join()
+        assert time.monotonic() - start >= DELAY * 0.8
+        assert isinstance(outcome.get("error"), FabricUnavailableError), outcome
+        assert list(slow.bindings()) == [Binding(GPU, "h2")]
+
     def test_negative_delay_is_refused(self) -> None:
         with pytest.raises(ConfigError, match="bind_delay_s"):
             SimFabric(load_topology("pcie", "demo-pcie"), bind_delay_s=-1)

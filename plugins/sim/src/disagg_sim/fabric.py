@@ -119,7 +119,9 @@ class _Change(Generic[T]):
     changes nothing), ``abort`` to undo what validation reserved if the operation never commits.
 
     ``begin`` runs once the call is known to go ahead (its deadline allows it), so that an injected fault is
-    not used up by a call refused for its deadline. ``verify`` runs under the lock just before a commit that
+    not used up by a call refused for its deadline; an error it raises (an injected fault) is the hardware's
+    answer, given once ``bind_delay_s`` has passed with the subject held busy, as a real device fails a hot-add
+    after the time one takes. ``verify`` runs under the lock just before a commit that
     follows a sleep, repeating the checks of what may have changed meanwhile (health, links) with the errors
     the immediate path raises.
 
@@ -157,7 +159,8 @@ class SimFabric(Fabric, FaultInjection):
       answers at once. A bind or allocate checks the device's health and the host's path to it again
       before it commits, so a device failed or a link taken down during the delay fails it; a sleep that
       overruns the deadline (a thread woken late) fails the call with `DeadlineExceededError`, having changed
-      nothing.
+      nothing. A bind failed by fault injection (`flaky_bind`) fails once the delay has passed, as a device
+      fails a hot-add after the time one takes.
     - With ``state_file``, the state is loaded at construction and saved after every change; a save that
       fails undoes the change (but not a newer epoch) and raises `FabricUnavailableError`.
     - A mutating call waits for the fabric's lock (held by another call's save, say) no longer than its
@@ -490,13 +493,19 @@ class SimFabric(Fabric, FaultInjection):
             change = prepare()
             if change.commit is None:
                 return change.result
+            failure: Exception | None = None
             try:
                 remaining = ctx.remaining() if delay else None
                 if remaining is not None and remaining < delay:
                     raise DeadlineExceededError(
                         f"fabric {self._name}: the call takes {delay:.3f}s but its deadline is {remaining:.3f}s away"
                     )
-                change.begin()
+                try:
+                    change.begin()
+                except Exception as exc:
+                    if not delay:
+                        raise
+                    failure = exc  # raised once the delay has passed, as hardware fails after the time it takes
             except BaseException:
                 change.abort()
                 raise
@@ -515,6 +524,9 @@ class SimFabric(Fabric, FaultInjection):
             raise
         with self._lock:
             self._release_key(key)
+            if failure is not None:
+                change.abort()
+                raise failure
             if ctx.epoch < self._epoch:
                 change.abort()
                 raise StaleEpochError(
