@@ -294,6 +294,26 @@ class TestMalformedEpoch:
             assert info.value.field == "epoch"
         assert cxl.epoch == 0 and cxl.bindings() == () and pool.allocations() == ()
 
+    def test_an_epoch_the_wire_cannot_carry(self, cxl: SimFabric) -> None:
+        """The wire carries a uint64 epoch, and the remote path refuses one above 2**64 - 1 with this error: in
+        process it was accepted and remembered, fencing off every epoch a manager can send over the wire."""
+        pool = cxl.pool("cxl/mem0")
+        calls: list[Callable[[CallContext], object]] = [
+            lambda ctx: cxl.bind("cxl/cxlmem0", "h1", ctx),
+            lambda ctx: cxl.unbind(Binding("cxl/cxlmem0", "h1"), ctx),
+            lambda ctx: pool.allocate("a", "h1", 1 << 30, ctx),
+            lambda ctx: pool.release("a", ctx),
+            lambda ctx: cxl.device("cxl/cxlmem0").sanitize(ctx),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidRequestError) as info:
+                call(CallContext(epoch=2**64))
+            assert info.value.message == f"epoch: at most {2**64 - 1}, not {2**64}"
+            assert info.value.field == "epoch"
+        assert cxl.epoch == 0 and cxl.bindings() == () and pool.allocations() == ()
+        pool.allocate("a", "h1", 1 << 30, CallContext(epoch=2**64 - 1))
+        assert cxl.epoch == 2**64 - 1
+
     def test_the_state_file_still_loads(self, tmp_path: Path) -> None:
         path = tmp_path / "s.json"
         fabric = SimFabric(load_topology("pcie", "demo-pcie"), state_file=path)

@@ -90,6 +90,10 @@ SIM_CAPABILITIES = Capabilities(
 
 T = TypeVar("T")
 
+MAX_EPOCH = 2**64 - 1
+"""The largest fencing epoch: the driver protocol carries a ``uint64``, and the remote path refuses a larger one
+(`InvalidRequestError`); remembered in process, it would fence off every epoch a manager can send."""
+
 _FAILED = Health.FAILED
 """`Health.FAILED`, tested per Compose: a member looked up on its enum class costs a call to the metaclass's
 ``__getattr__`` (Python 3.11), a module global does not."""
@@ -146,8 +150,9 @@ class SimFabric(Fabric, FaultInjection):
     - A device that backs a pool is carved through the pool and cannot be bound whole (`DeviceBusyError`),
       nor can a FAILED device be bound or carved.
     - An id (device, host, allocation, pool, link end) that is not a non-empty string is refused with
-      `InvalidRequestError` by every call, after the fencing check; so is an epoch that is not an integer, as
-      the driver protocol refuses it, and it is not remembered.
+      `InvalidRequestError` by every call, after the fencing check; so is an epoch that is not an integer, or
+      one above 2**64 - 1 (`MAX_EPOCH`, the wire's ``uint64``), as the driver protocol refuses it, and it is
+      not remembered.
     - `unbind` and `Pool.release` raise only that, `StaleEpochError`, `FabricUnavailableError` and
       `DeadlineExceededError`; a binding or allocation that does not exist, including one naming an unknown
       device or host, is already released.
@@ -581,10 +586,12 @@ class SimFabric(Fabric, FaultInjection):
         again on the next call that carries it, so that a fence announcement is never reported as done while
         a restart would forget it. An epoch that is not an integer is refused, as the driver protocol refuses
         it: compared, one that is not a number raised a TypeError, and a float or a bool, saved, made the state
-        file unreadable. `_mutate` calls this only for an epoch other than the one seen (per Compose, a call
-        fewer); one equal to it changes nothing."""
+        file unreadable; so is one above `MAX_EPOCH`, with the error the wire gives it. `_mutate` calls this only
+        for an epoch other than the one seen (per Compose, a call fewer); one equal to it changes nothing."""
         if isinstance(ctx.epoch, bool) or not isinstance(ctx.epoch, int):
             raise InvalidRequestError(f"epoch: give an integer, not {ctx.epoch!r}", field="epoch")
+        if ctx.epoch > MAX_EPOCH:
+            raise InvalidRequestError(f"epoch: at most {MAX_EPOCH}, not {ctx.epoch}", field="epoch")
         if ctx.epoch < self._epoch:
             raise StaleEpochError(
                 f"fabric {self._name}: epoch {ctx.epoch} is older than {self._epoch}, the highest seen; "
