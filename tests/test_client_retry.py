@@ -18,7 +18,7 @@ import grpc
 import pytest
 from composer_helpers import composer as build_composer
 from composer_helpers import hardware_bindings
-from disagg.client import FabricManagerClient, RetryPolicy
+from disagg.client import MAX_TIMEOUT_S, NO_RETRY, FabricManagerClient, RetryPolicy
 from disagg.client._retry import call_with_retry
 from disagg.composer import FabricComposer
 from disagg.errors import (
@@ -227,7 +227,9 @@ class TestRetryPolicy:
         assert all(0 <= p <= policy.backoff_cap(3) for p in pauses)
         assert len(set(pauses)) > 100
 
-    @pytest.mark.parametrize("kwargs", [{"max_attempts": 0}, {"initial_backoff_s": 0}, {"multiplier": -1}])
+    @pytest.mark.parametrize(
+        "kwargs", [{"max_attempts": 0}, {"initial_backoff_s": 0}, {"multiplier": -1}, {"max_retry_delay_s": -1}]
+    )
     def test_refuses_nonsense(self, kwargs: dict[str, float]) -> None:
         with pytest.raises(InvalidRequestError):
             RetryPolicy(**kwargs)  # type: ignore[arg-type]
@@ -245,6 +247,9 @@ class TestRetryPolicy:
             {"max_backoff_s": False},
             {"multiplier": "2"},
             {"multiplier": math.nan},
+            {"max_retry_delay_s": math.nan},
+            {"max_retry_delay_s": math.inf},
+            {"max_retry_delay_s": "10"},
         ],
     )
     def test_a_setting_of_the_wrong_type_or_no_number_is_refused_naming_it(self, kwargs: dict[str, object]) -> None:
@@ -793,6 +798,111 @@ class TestTheServersRetryableMark:
             stream.close()
         assert revisions == list(range(1, total + 1))
         assert servicer.watch_requests == [0, 3, 3, 3]
+
+
+def delayed(error: DisaggError, seconds: int, nanos: int = 0) -> grpc.Status:
+    """``error``'s status with a ``google.rpc.RetryInfo`` of ``seconds`` and ``nanos`` as given, even ones no valid
+    duration holds (negative, nanos out of range, seconds past what a ``timedelta`` holds)."""
+    status = to_status(error)
+    rich = status_pb2.Status.FromString(dict(status.trailing_metadata)["grpc-status-details-bin"])
+    info = error_details_pb2.RetryInfo()
+    info.retry_delay.seconds, info.retry_delay.nanos = seconds, nanos
+    rich.details.add().Pack(info)
+    with_delay: grpc.Status = rpc_status.to_status(rich)
+    return with_delay
+
+
+THREE_DAYS = 3 * 24 * 3600
+MALFORMED_DELAYS = [
+    pytest.param(-5, 0, id="negative"),
+    pytest.param(0, -1, id="negative-nanos"),
+    pytest.param(1, 2_000_000_000, id="nanos-out-of-range"),
+    pytest.param(1 << 62, 0, id="past-a-duration"),
+]
+
+
+class TestTheServersRetryDelayIsBounded:
+    """The delay a server's ``RetryInfo`` asks for is waited at most the policy's ``max_retry_delay_s``: a server
+    (or a bug, or a man in the middle) that said "retry in 3 days" stalled a watch's reopen for 3 days, and a call
+    whose deadline is further off as long. One that is no delay (negative, out of range) is not taken: the policy's
+    own backoff is."""
+
+    def test_a_watch_reopen_waits_at_most_the_policys_bound(self, serve: Any, composer: FabricComposer) -> None:
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+        total = len(composer.events())
+        three_days = refusal(OverloadedError("busy"), retry_delay_s=THREE_DAYS)
+        servicer, address = serve(Refusing(composer, [], watch_refusals=[three_days]))
+        bounded = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01, max_retry_delay_s=0.3)
+        started = time.monotonic()
+        with FabricManagerClient(address, retries=bounded) as client:
+            stream = client.watch()
+            revisions = [next(stream).revision for _ in range(total)]
+            stream.close()
+        assert revisions == list(range(1, total + 1))
+        assert servicer.watch_requests == [0, 3, 3]
+        assert 0.3 <= time.monotonic() - started < 5.0
+
+    def test_by_default_a_watch_reopen_waits_at_most_10_s(self, serve: Any, composer: FabricComposer) -> None:
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+        total = len(composer.events())
+        three_days = refusal(OverloadedError("busy"), retry_delay_s=THREE_DAYS)
+        _, address = serve(Refusing(composer, [], watch_refusals=[three_days]))
+        paused: list[float] = []
+        with FabricManagerClient(address) as client:
+            client._rng = Longest()
+            client._sleep = lambda seconds, **_: paused.append(seconds)
+            stream = client.watch()
+            assert [next(stream).revision for _ in range(total)] == list(range(1, total + 1))
+            stream.close()
+        assert RetryPolicy().max_retry_delay_s == 10.0
+        assert paused == [RetryPolicy().backoff_cap(1), 10.0]  # the break (UNAVAILABLE), then the refusal
+
+    def test_a_call_whose_deadline_is_a_year_off_waits_at_most_the_policys_bound(
+        self, serve: Any, composer: FabricComposer
+    ) -> None:
+        servicer, address = serve(Refusing(composer, [refusal(OverloadedError("busy"), retry_delay_s=THREE_DAYS)]))
+        bounded = RetryPolicy(max_attempts=4, initial_backoff_s=0.001, max_backoff_s=0.01, max_retry_delay_s=0.3)
+        with FabricManagerClient(address, timeout_s=MAX_TIMEOUT_S, retries=bounded) as client:
+            assert client.topologies() == []
+        assert len(servicer.times) == 2 and 0.3 <= servicer.times[1] - servicer.times[0] < 5.0
+
+    @pytest.mark.parametrize(("seconds", "nanos"), MALFORMED_DELAYS)
+    def test_a_delay_that_is_none_gets_the_policys_backoff(
+        self, serve: Any, composer: FabricComposer, seconds: int, nanos: int
+    ) -> None:
+        """A negative delay was taken as 0 (an attempt at once), and one past what a ``timedelta`` holds raised a
+        bare OverflowError out of the call."""
+        servicer, address = serve(Refusing(composer, [delayed(OverloadedError("busy"), seconds, nanos)]))
+        paused: list[float] = []
+        with FabricManagerClient(address, retries=FAST) as client:
+            client._rng = Longest()
+            client._sleep = lambda seconds, **_: paused.append(seconds)
+            assert client.topologies() == []
+        assert len(servicer.times) == 2 and paused == [FAST.backoff_cap(1)]
+
+    @pytest.mark.parametrize(("seconds", "nanos"), MALFORMED_DELAYS)
+    def test_a_refusal_whose_delay_is_none_says_it_asked_none(
+        self, serve: Any, composer: FabricComposer, seconds: int, nanos: int
+    ) -> None:
+        _, address = serve(Refusing(composer, [delayed(OverloadedError("busy"), seconds, nanos)]))
+        with FabricManagerClient(address, retries=NO_RETRY) as client, pytest.raises(OverloadedError) as info:
+            client.topologies()
+        assert info.value.retry_delay_s is None
+
+    def test_a_watch_reopen_refused_with_a_delay_past_a_duration_gets_the_policys_backoff(
+        self, serve: Any, composer: FabricComposer
+    ) -> None:
+        for n in range(3):
+            composer.compose(parse_request(f"j{n}", ["gpu"]))
+        total = len(composer.events())
+        servicer, address = serve(Refusing(composer, [], watch_refusals=[delayed(OverloadedError("busy"), 1 << 62)]))
+        with FabricManagerClient(address, retries=FAST) as client:
+            stream = client.watch()
+            assert [next(stream).revision for _ in range(total)] == list(range(1, total + 1))
+            stream.close()
+        assert servicer.watch_requests == [0, 3, 3]
 
 
 class Peers(Flaky):

@@ -388,6 +388,7 @@ def _documented_values() -> list[tuple[str, str]]:
     return [
         ("docs/client.md", f"`{RetryPolicy()!r}` is the default"),
         ("docs/client.md", f"every `keepalive_s` ({KEEPALIVE_S:g} s by default"),
+        ("docs/protocol.md", f"`RetryPolicy.max_retry_delay_s`, {RetryPolicy().max_retry_delay_s:g} s by default"),
         ("docs/client.md", f"a year, {MAX_TIMEOUT_S:.0f}"),
         ("docs/client.md", f"such as its {runtime.MAX_WATCHES} watches"),
         ("docs/cli.md", f"at most a year, {MAX_TIMEOUT_S:.0f}"),

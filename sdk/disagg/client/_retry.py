@@ -17,6 +17,9 @@ from disagg.wire.errors import from_rpc_error, retry_delay_s, server_status
 
 T = TypeVar("T")
 
+MAX_RETRY_DELAY_S = 10.0
+"""`RetryPolicy.max_retry_delay_s` by default: the fabric manager asks for 1 to 2 s (a watch refused at its limit)."""
+
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 """The codes a failure may be retried with (`may_retry`): UNAVAILABLE, the server (or a driver behind it) could
 not be reached and changed nothing; RESOURCE_EXHAUSTED, only when the server marks it retryable (OVERLOADED, at a
@@ -62,7 +65,7 @@ class RetryPolicy:
 
     Attempt ``n`` (from 1) whose failure may be retried (`may_retry`) is followed by a pause drawn uniformly from
     ``[0, min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))]``, or by the delay the server asked for
-    (a ``google.rpc.RetryInfo``); no pause runs past the deadline.
+    (a ``google.rpc.RetryInfo``), at most ``max_retry_delay_s``; no pause runs past the deadline.
     ``RetryPolicy(max_attempts=1)`` never retries. A setting of the wrong type or out of range is refused as
     `InvalidRequestError` naming it.
     """
@@ -71,6 +74,9 @@ class RetryPolicy:
     initial_backoff_s: float = attrs.field(default=0.1, validator=_positive("a number of seconds"))
     max_backoff_s: float = attrs.field(default=2.0, validator=_positive("a number of seconds"))
     multiplier: float = attrs.field(default=2.0, validator=_positive("a number"))
+    max_retry_delay_s: float = attrs.field(default=MAX_RETRY_DELAY_S, validator=_positive("a number of seconds"))
+    """The longest the client waits when a server asks for a delay: one that asked for days (a bug, a man in the
+    middle) stalled a watch's reopen, or a call of a far deadline, that long."""
 
     def backoff_cap(self, attempt: int) -> float:
         """The longest pause after failed attempt ``attempt`` (counted from 1)."""
@@ -82,9 +88,10 @@ class RetryPolicy:
 
     def pause(self, attempt: int, exc: grpc.RpcError, rng: random.Random | None = None) -> float:
         """The pause after failed attempt ``attempt`` that failed with ``exc``: the delay the server asked for,
-        where it asked one (it knows when its load will have passed), else `backoff`."""
+        where it asked one (it knows when its load will have passed), at most ``max_retry_delay_s``, else
+        `backoff`."""
         asked = retry_delay_s(exc)
-        return self.backoff(attempt, rng) if asked is None else asked
+        return self.backoff(attempt, rng) if asked is None else min(asked, self.max_retry_delay_s)
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)

@@ -210,16 +210,26 @@ def server_status(error: grpc.RpcError) -> status_pb2.Status | None:
     return found
 
 
+_MAX_DURATION_S = 315_576_000_000
+"""The longest ``google.protobuf.Duration``, in whole seconds: 10,000 years."""
+
+
 def retry_delay_s(error: grpc.RpcError) -> float | None:
     """How long the server asked the client to wait before trying again (a ``google.rpc.RetryInfo`` among its
-    status's details), in seconds, or None when it asked nothing."""
+    status's details), in seconds, or None when it asked nothing, or nothing that is a delay: a negative duration,
+    or one out of a ``google.protobuf.Duration``'s range (its ``timedelta`` overflowed on seconds past about 2.7
+    million years, a bare OverflowError out of the call). How long the client waits is its own to bound
+    (`disagg.client.RetryPolicy.max_retry_delay_s`)."""
     status = server_status(error)
     for detail in status.details if status is not None else ():
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
-            delay: float = info.retry_delay.ToTimedelta().total_seconds()
-            return max(delay, 0.0)
+            seconds: int = info.retry_delay.seconds
+            nanos: int = info.retry_delay.nanos
+            if not 0 <= seconds <= _MAX_DURATION_S or not 0 <= nanos < 1_000_000_000:
+                return None
+            return seconds + nanos / 1e9
     return None
 
 
