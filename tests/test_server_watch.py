@@ -23,7 +23,9 @@ from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError, RevisionCompactedError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.server import ErrorInterceptor
 from disagg.server.aio import AsyncFabricManagerServicer
+from disagg.server.runtime import SERVER_OPTIONS
 from disagg.server.servicer import FabricManagerServicer
 from disagg.server.watch import WATCH_RETRY_S, Watches, watch_events
 from disagg.store import MemoryStore, SqliteStore
@@ -228,6 +230,81 @@ class TestSlowWatcher:
                 assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "OVERLOADED"
                 assert read == list(range(1, len(read) + 1)) and len(read) < 3000
                 assert failed.metadata["revision"] == str(read[-1]) and f"revision {read[-1]}" in failed.message
+
+
+@contextlib.contextmanager
+def embedded(tmp_path: Path, servicer: FabricManagerServicer) -> Iterator[str]:
+    """``servicer`` on a thread-pool server as docs/protocol.md embeds it; yields its address."""
+    server = grpc.server(ThreadPoolExecutor(4), interceptors=[ErrorInterceptor()], options=SERVER_OPTIONS)
+    fm_grpc.add_FabricManagerServiceServicer_to_server(servicer, server)
+    address = f"unix:{socket_path(tmp_path)}"
+    server.add_insecure_port(address)
+    server.start()
+    servicer.mark_ready()
+    try:
+        yield address
+    finally:
+        servicer.stop()
+        server.stop(0).wait(WAIT_S)
+
+
+class TestSlowWatcherOnAThreadPoolServer:
+    """On a thread-pool server (the servicer embedded, docs/protocol.md) a watcher that stops reading keeps neither
+    its slot nor its worker thread: once a send has waited `watch_stall_s` the call is cancelled (grpcio's worker
+    waits in that send until the client reads, and no status gets past the events queued before it), and the Python
+    client resumes from the last event it read. It held both for as long as the client's connection lived."""
+
+    def test_a_stalled_watch_frees_its_slot_and_its_thread(self, tmp_path: Path) -> None:
+        comp = composer()
+        servicer = FabricManagerServicer(comp, max_watches=1, watch_stall_s=0.5)
+        try:
+            for n in range(3000):  # more than the connection's flow-control window holds
+                device = GPUS[(n // 2) % len(GPUS)]
+                (comp.cordon if n % 2 == 0 else comp.uncordon)(device)
+            with (
+                embedded(tmp_path, servicer) as address,
+                grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)]) as channel,
+            ):
+                stalled = fm_grpc.FabricManagerServiceStub(channel).WatchEvents(
+                    fm.WatchEventsRequest(), timeout=WAIT_S * 3
+                )
+                assert take(stalled, 1) == [1]
+                wait_until(lambda: len(servicer.watches) == 0, "the stalled watch to be dropped")
+                with grpc.insecure_channel(address) as other_channel:
+                    other = fm_grpc.FabricManagerServiceStub(other_channel).WatchEvents(
+                        fm.WatchEventsRequest(after_revision=2999), timeout=WAIT_S
+                    )
+                    assert take(other, 1) == [3000]
+                    other.cancel()
+                read = [1]
+                with pytest.raises(grpc.RpcError) as info:
+                    for msg in stalled:
+                        read.append(msg.event.revision)
+                assert info.value.code() is grpc.StatusCode.CANCELLED
+                assert read == list(range(1, len(read) + 1)) and len(read) < 3000
+        finally:
+            comp.close()
+
+    def test_the_client_resumes_a_watch_cancelled_for_a_stall(self, tmp_path: Path) -> None:
+        comp = composer()
+        servicer = FabricManagerServicer(comp, max_watches=1, watch_stall_s=0.5)
+        try:
+            for n in range(3000):
+                device = GPUS[(n // 2) % len(GPUS)]
+                (comp.cordon if n % 2 == 0 else comp.uncordon)(device)
+            fast = RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05)
+            with embedded(tmp_path, servicer) as address:
+                # No bandwidth probing: the window stays at its first 64 KiB, as for a client that does not read.
+                channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+                with FabricManagerClient(address, retries=fast, channel=channel) as client:
+                    stream = client.watch()
+                    assert next(stream).revision == 1
+                    wait_until(lambda: len(servicer.watches) == 0, "the stalled watch to be dropped")
+                    revisions = [event.revision for _, event in zip(range(2999), stream, strict=False)]
+                    stream.close()
+            assert revisions == list(range(2, 3001))
+        finally:
+            comp.close()
 
 
 class TestAWatchItsClientLeft:

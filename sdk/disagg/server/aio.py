@@ -33,11 +33,12 @@ import grpc.aio
 
 from disagg.composer import steps
 from disagg.composer.steps import Steps
-from disagg.errors import DisaggError, FabricUnavailableError, OverloadedError
+from disagg.errors import DisaggError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.context import RpcContext, ThreadedContext
 from disagg.server.servicer import FabricManagerServicer
+from disagg.server.watch import stalled_watch
 from disagg.store import Store
 
 T = TypeVar("T")
@@ -48,15 +49,6 @@ DRIVER_THREADS = 32
 WAIT_THREADS = 128
 """Waits hold a thread each until the change they wait for ends or their timeout passes."""
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-def stalled_watch(stall_s: float, revision: int) -> OverloadedError:
-    """The end of a watch whose client read nothing for ``stall_s`` seconds after the event at ``revision``."""
-    return OverloadedError(
-        f"this watch was ended: its client read none of the events sent for {stall_s:g} s, and the fabric manager "
-        f"holds no watch for a client that does not read; watch again from revision {revision}",
-        metadata={"revision": str(revision)},
-    )
 
 
 def _run_steps(change: Callable[[], Steps[T]], store: Store) -> T:
@@ -243,7 +235,9 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         watch there and then, freeing its slot and its listener (`_stalled`); the call ends with OVERLOADED once
         that send goes out."""
         loop = asyncio.get_running_loop()
-        events: Iterator[fm.WatchEventsResponse] = self.servicer.WatchEvents(request, ThreadedContext(context, loop))
+        events: Iterator[fm.WatchEventsResponse] = self.servicer.watch_responses(
+            request, ThreadedContext(context, loop)
+        )
         close = getattr(events, "close", None)
         waiting: asyncio.Future[fm.WatchEventsResponse | None] | None = None
         dropped: list[bool] = []

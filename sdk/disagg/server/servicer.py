@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
 import attrs
+import grpc
 
 from disagg.composer import FabricComposer, KindUsage, PoolUsage, steps
 from disagg.composer.steps import Steps
@@ -36,8 +38,9 @@ from disagg.interfaces import ComposeResult
 from disagg.model import Capabilities, ComposeMode, Composition, Device, Health, Topology
 from disagg.server.context import RpcContext
 from disagg.server.drivers import FabricDriver, by_fabric
+from disagg.server.errors import log
 from disagg.server.paging import page
-from disagg.server.watch import SHUTTING_DOWN, WATCH_STALL_S, Watches, watch_events
+from disagg.server.watch import SHUTTING_DOWN, WATCH_STALL_S, Watches, stalled_watch, watch_events
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
@@ -164,6 +167,56 @@ class _Paging:
         return found, page_token_to_wire(self.collection, last) if last is not None else ""
 
 
+class SendStall:
+    """Calls ``stalled`` (in a thread of its own) once one send has waited ``stall_s``: between `sending` and
+    `sent`. The thread waits without waking while no send is pending, and wakes at most once per ``stall_s``
+    while they follow one another."""
+
+    def __init__(self, stall_s: float, stalled: Callable[[], None]) -> None:
+        self._stall_s = stall_s
+        self._stalled = stalled
+        self._cond = threading.Condition()
+        self._since: float | None = None
+        self._idle = False
+        self._done = False
+        self._fired = False
+        threading.Thread(target=self._run, name="disagg-watch-stall", daemon=True).start()
+
+    def sending(self) -> None:
+        with self._cond:
+            self._since = time.monotonic()
+            if self._idle:
+                self._cond.notify()
+
+    def sent(self) -> bool:
+        """The send ended; whether it waited too long (``stalled`` was called, or is being called)."""
+        with self._cond:
+            self._since = None
+            return self._fired
+
+    def close(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._done:
+                if self._since is None:
+                    self._idle = True
+                    self._cond.wait()
+                    self._idle = False
+                    continue
+                left = self._since + self._stall_s - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._fired = True
+                break
+        if self._fired:
+            self._stalled()
+
+
 class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
     """Serves one composer. ``drivers`` says which driver and plugin serve each fabric (for ListDrivers)."""
 
@@ -179,8 +232,8 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         self.composer = composer
         self.watches = Watches(max_watches)
         self.watch_stall_s = watch_stall_s
-        """How long the asyncio server waits for one event's send before it ends the watch (a client that does not
-        read), freeing its slot."""
+        """How long one event's send may wait before the watch is ended (a client that does not read), freeing
+        its slot (and, on a thread-pool server, its worker: `WatchEvents`)."""
         self._drivers = by_fabric(drivers)
         self._watch_buffer = watch_buffer
         self._ready = threading.Event()
@@ -470,8 +523,36 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     # ----------------------------------------------------------------- events
 
+    def WatchEvents(
+        self, request: fm.WatchEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[fm.WatchEventsResponse]:
+        """The watch on a thread-pool server (the servicer embedded). grpcio's worker sends each event and waits,
+        out of this generator's reach, until the client takes it: a client that stopped reading (its flow-control
+        window full) held the worker and the watch's slot for as long as its connection lived. Once one send has
+        waited ``watch_stall_s`` the call is cancelled (`SendStall`), the one end grpcio gives a call whose send
+        waits (a status would wait behind the events queued before it); the client sees CANCELLED, which the
+        Python client resumes from. The asyncio server serves `watch_responses` and ends such a watch with
+        OVERLOADED itself."""
+        sent = request.after_revision
+
+        def stalled() -> None:
+            log.warning("%s", stalled_watch(self.watch_stall_s, sent).message)
+            context.cancel()
+
+        stall = SendStall(self.watch_stall_s, stalled)
+        try:
+            for response in self.watch_responses(request, context):
+                stall.sending()
+                yield response
+                if stall.sent():
+                    return
+                sent = response.event.revision
+        finally:
+            stall.close()
+
     @_stream
-    def WatchEvents(self, request: fm.WatchEventsRequest, context: RpcContext) -> Iterator[fm.WatchEventsResponse]:
+    def watch_responses(self, request: fm.WatchEventsRequest, context: RpcContext) -> Iterator[fm.WatchEventsResponse]:
+        """The events of a watch as the RPC sends them, until the call ends (`watch_events`)."""
         events = watch_events(
             self.composer,
             request.after_revision,

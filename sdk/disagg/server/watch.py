@@ -98,6 +98,15 @@ class EventBuffer:
         return self._stopping
 
 
+def stalled_watch(stall_s: float, revision: int) -> OverloadedError:
+    """The end of a watch whose client read nothing for ``stall_s`` seconds after the event at ``revision``."""
+    return OverloadedError(
+        f"this watch was ended: its client read none of the events sent for {stall_s:g} s, and the fabric manager "
+        f"holds no watch for a client that does not read; watch again from revision {revision}",
+        metadata={"revision": str(revision)},
+    )
+
+
 SHUTTING_DOWN = "the fabric manager is shutting down"
 """Why a watch ends, or is refused, when its server stops."""
 
