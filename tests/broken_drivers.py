@@ -39,6 +39,7 @@ from disagg.model import (
     Feature,
     Health,
     PoolInfo,
+    PoolKind,
     Topology,
 )
 from disagg.plugins import DriverRegistry
@@ -1370,3 +1371,143 @@ REASONS: dict[str, str] = {
     "broken-discovery-hides-failures": "a failed device FAILED",
 }
 """Driver name: words the reason of the clause its defect breaks must hold, which name the rule it breaks."""
+
+
+class SanitizeIgnoresDeadline(SimFabric):
+    """Sanitize never looks at its deadline: one made after its caller gave up still erases the device, and
+    answers success."""
+
+    def _sanitize(self, device: str, ctx: CallContext) -> None:
+        super()._sanitize(device, attrs.evolve(ctx, deadline=None))
+
+
+class SlowSanitizeIgnoresDeadline(SimFabric):
+    """Looks at the deadline only as a sanitize starts, which then takes `SLOW_BIND_S` and succeeds whatever the
+    deadline: the caller, who gave up, holds the device in doubt, erased or not."""
+
+    def _sanitize(self, device: str, ctx: CallContext) -> None:
+        ctx.check_deadline()
+        time.sleep(SLOW_BIND_S)
+        super()._sanitize(device, attrs.evolve(ctx, deadline=None))
+
+
+class _RacyAllocatePool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        with self._fabric._lock:
+            known = allocation_id in self._allocations
+        if known:
+            return super().allocate(allocation_id, host, amount_bytes, ctx)
+        time.sleep(RACE_WINDOW_S)  # the slow carve, made without looking at the id again
+        carved = super().allocate(f"{allocation_id}.{threading.get_ident()}", host, amount_bytes, ctx)
+        with self._fabric._lock:
+            del self._allocations[carved.id]
+            carved = attrs.evolve(carved, id=allocation_id)
+            self._allocations[allocation_id] = carved  # the record of an earlier carve of the id is overwritten
+            self._fabric._persist(lambda: None)
+        return carved
+
+
+class RacyAllocate(SimFabric):
+    """An allocate of an id the pool does not hold carves without looking at the id again once its slow carve
+    is done: a retry racing its first call carves a second time, and the first carve's memory is lost to
+    every host."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _RacyAllocatePool)
+
+
+MLD_LDS = 4
+"""The logical devices of each pool of `MldPools`: fewer than the racing allocations of CARVE-NO-OVERLAP (ten),
+which an MLD of four cannot hold, so `MldPools` keeps one pool a DCD for that clause to carve from."""
+
+
+def _mlds(topology: Topology, logical_devices: int) -> Topology:
+    """``topology`` with every pool but the first (in id order, the one the suite's carving clauses use) an MLD
+    of ``logical_devices``."""
+    first = min(p.id for p in topology.pools)
+    pools = tuple(
+        p if p.id == first else attrs.evolve(p, kind=PoolKind.MLD, logical_devices=logical_devices)
+        for p in topology.pools
+    )
+    return attrs.evolve(topology, pools=pools)
+
+
+class MldPools(SimFabric):
+    """Not broken: the sim with its pools (but the first, a DCD) MLDs of `MLD_LDS` logical devices, each of which
+    holds one allocation."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(_mlds(topology, MLD_LDS), **options)
+
+
+def _carving_as(fabric: SimFabric, change: Callable[[PoolInfo], PoolInfo]) -> None:
+    """Make each MLD of ``fabric`` carve as ``change`` makes its record (a sim pool carves by its own record, and
+    discovery reports the topology's): what it reports and what it carves part ways."""
+    for pool in fabric._pools.values():
+        if pool._info.kind is PoolKind.MLD:
+            pool._info = change(pool._info)
+
+
+class MldCarvesPastItsLds(MldPools):
+    """Reports its MLDs with `MLD_LDS` logical devices but carves them as extents, any number of allocations: a
+    driver that holds more allocations than the MLD has LDs has not bound each to an LD."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _carving_as(self, lambda info: attrs.evolve(info, kind=PoolKind.DCD, logical_devices=0))
+
+
+class MldOverstatesItsLds(MldPools):
+    """Reports its MLDs with `MLD_LDS` logical devices but carves only half as many allocations from each (the
+    LD Count read where the LDs a host may use were meant): the composer offers a pool whose LDs are all used,
+    and the allocates of plans that fit are refused."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _carving_as(self, lambda info: attrs.evolve(info, logical_devices=MLD_LDS // 2))
+
+
+MLD_TOO_MANY_LDS = 17
+"""The logical devices `MldOfTooManyLds` reports: one more than CXL lets an MLD have."""
+
+
+def _too_many_lds(info: PoolInfo) -> PoolInfo:
+    """``info`` with `MLD_TOO_MANY_LDS` logical devices when it is an MLD, which `PoolInfo` refuses to be built
+    with: as a driver reports it that builds its own record of a pool, or reads one back unchecked."""
+    if info.kind is PoolKind.MLD:
+        info = attrs.evolve(info)
+        object.__setattr__(info, "logical_devices", MLD_TOO_MANY_LDS)
+    return info
+
+
+class MldOfTooManyLds(MldPools):
+    """Reports its MLDs with 17 logical devices, and carves 17 allocations from each: more than CXL lets an MLD
+    expose (Get LD Info's LD Count is 1 to 16)."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _carving_as(self, _too_many_lds)
+
+    def discover(self) -> Topology:
+        found = super().discover()
+        return attrs.evolve(found, pools=tuple(_too_many_lds(p) for p in found.pools))
+
+
+BROKEN["broken-sanitize-ignores-deadline"] = (SanitizeIgnoresDeadline, "SANITIZE-DEADLINE")
+BROKEN["broken-slow-sanitize-ignores-deadline"] = (SlowSanitizeIgnoresDeadline, "SANITIZE-DEADLINE")
+BROKEN["broken-racy-allocate"] = (RacyAllocate, "CARVE-RACE-SAME-ID")
+BROKEN["broken-mld-carves-past-its-lds"] = (MldCarvesPastItsLds, "CARVE-MLD-LOGICAL-DEVICES")
+BROKEN["broken-mld-overstates-its-lds"] = (MldOverstatesItsLds, "CARVE-MLD-LOGICAL-DEVICES")
+BROKEN["broken-mld-of-too-many-lds"] = (MldOfTooManyLds, "CARVE-MLD-LOGICAL-DEVICES")
+UNBROKEN["sim-mld-pools"] = (MldPools, SIM_CAPABILITIES)
+REASONS.update(
+    {
+        "broken-sanitize-ignores-deadline": "a call that would run past its deadline raises",
+        "broken-slow-sanitize-ignores-deadline": "s after its deadline: a call that would run past its deadline raises",
+        "broken-racy-allocate": "a retried call never doubles an effect",
+        "broken-mld-carves-past-its-lds": "an MLD holds one allocation per logical device",
+        "broken-mld-overstates-its-lds": "an MLD holds one allocation per logical device",
+        "broken-mld-of-too-many-lds": "an MLD has 1 to 16",
+    }
+)

@@ -81,6 +81,10 @@ class TestBrokenDrivers:
         new_in_1_8 = ("DEADLINE-DURING-UNBIND", "CARVE-DEADLINE-DURING-CALL", "CLOSE-NO-CHILDREN")
         assert {c: statuses(report).get(c) for c in new_in_1_8} == dict.fromkeys(new_in_1_8, "PASS")
         assert statuses(report)["LIST-WELL-FORMED"] == "PASS"  # new in 1.9
+        assert {c: statuses(report)[c] for c in ("SANITIZE-DEADLINE", "CARVE-RACE-SAME-ID")} == dict.fromkeys(
+            ("SANITIZE-DEADLINE", "CARVE-RACE-SAME-ID"), "PASS"
+        )  # new in 1.11
+        assert statuses(report)["CARVE-MLD-LOGICAL-DEVICES"] == "NOT TESTED"  # its pools are DCDs
 
     def test_a_clean_up_that_raises_a_non_disagg_exception_is_named(self, tmp_path: Path) -> None:
         """An unbind that raises RuntimeError at clean-up stopped the clean-up and its check, and nothing was
@@ -111,6 +115,13 @@ class TestUnbrokenDrivers:
         assert report["verdict"] == "CERTIFIED"
         assert statuses(report)["CARVE-STALE-EPOCH"] == "PASS"
         assert statuses(report)["FENCE-STALE-EPOCH"] == "NOT TESTED"
+
+    def test_a_driver_whose_pools_are_mlds(self, tmp_path: Path) -> None:
+        """Its MLDs of four logical devices carve one allocation for each, and refuse a fifth."""
+        result, report = certify_broken("sim-mld-pools", tmp_path)
+        assert result.returncode == 0, (result.stdout, result.stderr, failures(report))
+        assert report["verdict"] == "CERTIFIED"
+        assert statuses(report)["CARVE-MLD-LOGICAL-DEVICES"] == "PASS"
 
     def test_a_driver_that_ends_its_helper_at_close(self, tmp_path: Path) -> None:
         """Its close() sends the helper SIGTERM without waiting: the helper ends soon after, within the wait of

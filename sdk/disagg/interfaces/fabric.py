@@ -125,7 +125,8 @@ class Pool(abc.ABC):
 
     Allocation ids are chosen by the caller. ``allocate`` with an id that exists for the same host and
     amount returns the existing allocation and carves nothing more; with a different host or amount it
-    raises `ConflictError`. ``release`` of an unknown id does nothing. Extents never overlap, and every
+    raises `ConflictError`, also when the calls race (a retry made before the first call answered): an id is
+    carved once. ``release`` of an unknown id does nothing. Extents never overlap, and every
     allocation is a whole number of ``info().capacity.block_bytes``.
     """
 

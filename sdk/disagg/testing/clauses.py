@@ -228,6 +228,15 @@ _ALL = (
         needs="a pool",
     ),
     Clause(
+        "CARVE-RACE-SAME-ID",
+        "Allocates of one allocation id made at the same moment from several threads carve it once: when all ask "
+        "for the same host and amount (a retry racing its first call) each returns the same allocation, when they "
+        "ask for two amounts those of one return it and the others raise ConflictError, and the pool's free "
+        "capacity falls by that one allocation's amount.",
+        frozenset({Feature.CARVE}),
+        needs="a pool with 3 free blocks",
+    ),
+    Clause(
         "CARVE-CONFLICT",
         "Allocating an existing allocation id again for another host, with the same amount, raises ConflictError "
         "(gRPC FAILED_PRECONDITION, reason CONFLICT) and leaves the allocation as it was.",
@@ -283,6 +292,15 @@ _ALL = (
         needs="a pool that holds no allocation",
     ),
     Clause(
+        "CARVE-MLD-LOGICAL-DEVICES",
+        "Discovery reports every MLD pool with 1 to 16 logical devices (0 when it does not report its LD Count), "
+        "and an MLD holds one allocation per logical device: holding none, it carves one allocation for each "
+        "logical device it reports, for a host that reaches it, and one more raises CapacityExhaustedError and "
+        "carves nothing (one that does not report its count carves at most 16).",
+        frozenset({Feature.CARVE}),
+        needs="an MLD pool that holds no allocation, with a free block for each logical device and one more",
+    ),
+    Clause(
         "CARVE-RELEASE-UNKNOWN",
         "Releasing an allocation id the pool does not hold raises nothing and changes nothing.",
         frozenset({Feature.CARVE}),
@@ -328,6 +346,14 @@ _ALL = (
         frozenset({Feature.SANITIZE, Feature.FENCING}),
     ),
     Clause(
+        "SANITIZE-DEADLINE",
+        "A sanitize made once its deadline has passed raises DeadlineExceededError (gRPC DEADLINE_EXCEEDED, reason "
+        "DEADLINE_EXCEEDED), and one made with a deadline half a second away returns by its deadline or raises "
+        "DeadlineExceededError: it never answers success once its deadline has passed.",
+        frozenset({Feature.SANITIZE}),
+        needs="a free device",
+    ),
+    Clause(
         "RESTART-BINDINGS",
         "A restarted driver reports the same devices and the same bindings as before the restart.",
         frozenset({Feature.BIND}),
@@ -362,7 +388,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.10"
+SUITE_VERSION = "1.11"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
 accepts raises it. ``docs/conformance.md`` says what each version added."""
 

@@ -43,7 +43,18 @@ from disagg.interfaces import (
     epoch_announcement,
 )
 from disagg.interfaces.fabric import MAX_ID
-from disagg.model import Binding, Capabilities, FabricEvent, FabricEventKind, Feature, Health, PoolInfo, Topology
+from disagg.model import (
+    MLD_MAX_LOGICAL_DEVICES,
+    Binding,
+    Capabilities,
+    FabricEvent,
+    FabricEventKind,
+    Feature,
+    Health,
+    PoolInfo,
+    PoolKind,
+    Topology,
+)
 from disagg.model import Device as DeviceInfo
 from disagg.testing.clauses import CLAUSES, MARKER, clause
 from disagg.testing.harness import (
@@ -96,9 +107,19 @@ _CARVE_ID_RULE = (
 """The contract's rule on malformed ids in pools (`Pool.allocate`, `Pool.release`), quoted by CARVE-INVALID-ID."""
 _UNKNOWN_RULE = "an id that does not exist in the fabric raises UnknownDeviceError, UnknownHostError or NotFoundError"
 """The contract's error table on unknown ids (docs/driver-interface.md), quoted by the clauses of unknown ids."""
+_RACE_RULE = (
+    "an allocation id is carved once: a retried call never doubles an effect, and an allocate of an id that exists "
+    "returns it for the same host and amount and raises ConflictError for another"
+)
+"""The contract's idempotency rule (`Pool`, docs/driver-interface.md), quoted by CARVE-RACE-SAME-ID."""
+_LD_RULE = (
+    "an MLD holds one allocation per logical device, and the composer offers it while it counts one free "
+    "(PoolInfo.ld_count)"
+)
+"""The rule of `PoolInfo.logical_devices` (docs/driver-tutorial.md), quoted by CARVE-MLD-LOGICAL-DEVICES."""
 SHORT_DEADLINE_S = 0.5
-"""How far away the deadline is of the calls of DEADLINE-DURING-CALL, DEADLINE-DURING-UNBIND and
-CARVE-DEADLINE-DURING-CALL."""
+"""How far away the deadline is of the calls of DEADLINE-DURING-CALL, DEADLINE-DURING-UNBIND,
+CARVE-DEADLINE-DURING-CALL and SANITIZE-DEADLINE."""
 LATE_SLACK_S = 0.5
 """How long after its deadline those clauses let a call's success arrive before they call it late: the time
 between the driver's return and the suite's clock reading, on a loaded machine."""
@@ -1127,6 +1148,65 @@ class FabricConformance:
             tracker.allocate(info.id, "conformance-idem", host, 2 * block)
         assert pool.free_bytes() == free
 
+    @clause("CARVE-RACE-SAME-ID")
+    def test_racing_allocates_of_one_id(self, tracker: Tracker) -> None:
+        """`Pool`: an allocate of an id that exists for the same host and amount returns it and carves nothing more,
+        with another amount it raises ConflictError; and any method may be called from several threads at once.
+        A retry that races its first call (the composer's, after a lost answer) is such a call: a driver that
+        carves it a second time lists the id once, and the memory of the other carve is lost to every host."""
+        info, host = self._pool(tracker)
+        pool = tracker.pool(info.id)
+        block = info.capacity.block_bytes
+        before = pool.free_bytes()
+        if before < 3 * block:
+            _skip(f"pool {info.id} has fewer than three free blocks")
+        same = "conformance-race-same"
+        results = run_together(
+            [functools.partial(tracker.allocate, info.id, same, host, block) for _ in range(RACERS)],
+            timeout_s=self._racing_s,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert not failed, (
+            f"of {RACERS} allocates of {same} for {host} with {block} bytes made at once, one raised {failed[0]!r}: "
+            f"{_RACE_RULE}"
+        )
+        held = {a.id: a for a in pool.allocations()}.get(same)
+        assert held is not None, f"{RACERS} allocates of {same} made at once all succeeded, and {info.id} holds none"
+        taken = before - pool.free_bytes()
+        assert taken == held.amount_bytes, (
+            f"{RACERS} allocates of {same} for {host} with {block} bytes made at once took {taken} bytes from "
+            f"{info.id}, which holds {held.amount_bytes} for it: {_RACE_RULE}"
+        )
+        differing = [r for r in results if r != held]
+        assert not differing, (
+            f"of {RACERS} allocates of {same} made at once, one returned {differing[0]!r}, but {info.id} holds "
+            f"{held!r}: {_RACE_RULE}"
+        )
+        mixed, free = "conformance-race-amounts", pool.free_bytes()
+        amounts = [block if n % 2 else 2 * block for n in range(RACERS)]
+        results = run_together(
+            [functools.partial(tracker.allocate, info.id, mixed, host, amount) for amount in amounts],
+            timeout_s=self._racing_s,
+        )
+        won = {a.id: a for a in pool.allocations()}.get(mixed)
+        assert won is not None, f"of allocates of {mixed} for {block} and {2 * block} bytes made at once, none won"
+        for amount, result in zip(amounts, results, strict=True):
+            if amount == won.amount_bytes:
+                assert result == won, (
+                    f"an allocate of {mixed} for {amount} bytes, the amount that won a race with allocates of "
+                    f"another, gave {result!r}, but {info.id} holds {won!r}: {_RACE_RULE}"
+                )
+            else:
+                assert isinstance(result, ConflictError), (
+                    f"an allocate of {mixed} for {amount} bytes, racing allocates of it for {won.amount_bytes} "
+                    f"bytes that won, gave {result!r}, not ConflictError: {_RACE_RULE}"
+                )
+        taken = free - pool.free_bytes()
+        assert taken == won.amount_bytes, (
+            f"allocates of {mixed} for {block} and {2 * block} bytes made at once took {taken} bytes from {info.id}, "
+            f"which holds {won.amount_bytes} for it: {_RACE_RULE}"
+        )
+
     @clause("CARVE-CONFLICT")
     def test_allocate_of_an_existing_id_for_another_host(self, tracker: Tracker) -> None:
         """`Pool`: "``allocate`` with an id that exists ... with a different host or amount raises
@@ -1304,6 +1384,49 @@ class FabricConformance:
         left = pool.free_bytes()
         assert left == 0, f"after an allocation of all its {free} free bytes, {info.id} has {left} bytes free"
 
+    @clause("CARVE-MLD-LOGICAL-DEVICES")
+    def test_an_mld_holds_one_allocation_per_logical_device(self, tracker: Tracker) -> None:
+        """The composer offers an MLD only while it counts a logical device free (`PoolInfo.ld_count`): an MLD that
+        reports more LDs than it carves has the allocates of plans that fit refused, and one that carves more
+        allocations than it reports LDs (or reports more LDs than CXL lets an MLD have) has not given each its
+        LD. Judged on an empty MLD with room for one block more than it has LDs, so that only an LD can run out."""
+        view = tracker.view()
+        for found in view.topology.pools:
+            if found.kind is PoolKind.MLD:
+                assert 0 <= found.logical_devices <= MLD_MAX_LOGICAL_DEVICES, (
+                    f"discovery reports pool {found.id}, an MLD, with {found.logical_devices} logical devices: an "
+                    f"MLD has 1 to {MLD_MAX_LOGICAL_DEVICES} (Get LD Info's LD Count), 0 when not reported"
+                )
+        mlds = [(p, hosts) for p, hosts in self._pools_reached(view) if p.kind is PoolKind.MLD]
+        if not mlds:
+            _skip("the fabric has no healthy MLD pool that a host reaches")
+        for info, hosts in mlds:
+            pool, lds, block = tracker.pool(info.id), info.ld_count or 0, info.capacity.block_bytes
+            if not _allocation_ids(pool) and pool.free_bytes() >= (lds + 1) * block:
+                host = hosts[0]
+                break
+        else:
+            _skip("no MLD pool that a host reaches holds no allocation and has a free block for each LD and one more")
+        reported = f"{lds} logical devices" if info.logical_devices else f"no LD Count (read as {lds})"
+        for n in range(lds + 1):
+            free, held = pool.free_bytes(), _allocation_ids(pool)
+            try:
+                got = tracker.allocate(info.id, f"conformance-ld-{n}", host, block)
+            except CapacityExhaustedError as e:
+                if n < lds and info.logical_devices:
+                    raise AssertionError(
+                        f"{info.id} reports {reported}, and refused allocation {n + 1} of one block for {host} "
+                        f"with {n} held and {free} bytes free ({e}): {_LD_RULE}"
+                    ) from e
+                now = (pool.free_bytes(), _allocation_ids(pool))
+                assert now == (free, held), f"an allocate in {info.id} refused with CapacityExhaustedError carved"
+                return
+            if n == lds:
+                raise AssertionError(
+                    f"{info.id} reports {reported}, holds one allocation for each, and carved one more: {got!r}: "
+                    f"{_LD_RULE}"
+                )
+
     @clause("CARVE-RELEASE-UNKNOWN")
     def test_release_of_unknown_allocation(self, tracker: Tracker) -> None:
         info, _ = self._pool(tracker)
@@ -1463,6 +1586,26 @@ class FabricConformance:
             f"sanitize of {dev.id} with epoch {new}, after a new leader announced {announced}",
             "a driver keeps one highest epoch for all its calls: an announcement (an unbind) fences sanitize too",
         )
+
+    @clause("SANITIZE-DEADLINE")
+    def test_sanitize_after_its_deadline(self, tracker: Tracker) -> None:
+        """`Device.sanitize` "blocks until done or until ``ctx.deadline``": the deadline rule, as bind keeps it
+        (DEADLINE-PASSED). A sanitize made once its caller gave up erases a device the caller holds in doubt."""
+        dev = _one_free(tracker.view())
+        fabric, late = tracker.fabric, self._expired(tracker)
+        _expect_error(
+            lambda: tracker.call(f"sanitize of {dev.id}", lambda: fabric.device(dev.id).sanitize(late)),
+            DeadlineExceededError,
+            f"sanitize of {dev.id}, made a second after its deadline",
+            _DEADLINE_RULE,
+        )
+
+    @clause("SANITIZE-DEADLINE")
+    def test_sanitize_that_runs_past_its_deadline(self, tracker: Tracker) -> None:
+        """A sanitize that succeeds late tells a caller that gave up on it that the device is erased (`_in_time`)."""
+        dev = _one_free(tracker.view())
+        fabric = tracker.fabric
+        self._in_time(tracker, f"sanitize of {dev.id}", lambda ctx: fabric.device(dev.id).sanitize(ctx))
 
     # ------------------------------------------------------------------ restart
 
