@@ -123,6 +123,17 @@ class TestUnbrokenDrivers:
         assert report["verdict"] == "CERTIFIED"
         assert statuses(report)["CARVE-MLD-LOGICAL-DEVICES"] == "PASS"
 
+    def test_a_driver_whose_pools_are_all_small_mlds(self, tmp_path: Path) -> None:
+        """Its first pool, the one the carving clauses judge, is an MLD of two logical devices: a clause that holds
+        more allocations at once than that is not tested on it, rather than failed; those that hold two are."""
+        result, report = certify_broken("sim-only-small-mlds", tmp_path)
+        assert result.returncode == 0, (result.stdout, result.stderr, failures(report))
+        assert report["verdict"] == "CERTIFIED"
+        found = statuses(report)
+        assert found["CARVE-NO-OVERLAP"] == "NOT TESTED"
+        for held_two in ("CARVE-CONSERVES", "CARVE-RACE-SAME-ID", "CARVE-MLD-LOGICAL-DEVICES"):
+            assert found[held_two] == "PASS", held_two
+
     def test_a_driver_that_ends_its_helper_at_close(self, tmp_path: Path) -> None:
         """Its close() sends the helper SIGTERM without waiting: the helper ends soon after, within the wait of
         CLOSE-NO-CHILDREN, and is not held against it."""

@@ -1097,16 +1097,26 @@ class FabricConformance:
                 found.append((info, view.hosts_reaching(dev)))
         return found
 
-    def _pool(self, tracker: Tracker) -> tuple[PoolInfo, str]:
+    def _pool(self, tracker: Tracker, holds: int = 1) -> tuple[PoolInfo, str]:
+        """The first healthy pool a host reaches that can hold ``holds`` more allocations at once, and that host. An
+        MLD holds one allocation per logical device (`PoolInfo.ld_count`): a clause that holds more than an MLD
+        has LDs free judges another pool, and skips when there is none, rather than failing a correct driver
+        whose first pool is a small MLD."""
         pools = self._pools_reached(tracker.view())
         if not pools:
             _skip("the fabric has no healthy pool that a host reaches")
-        info, hosts = pools[0]
-        return info, hosts[0]
+        for info, hosts in pools:
+            lds = info.ld_count
+            if lds is None or lds - len(_allocation_ids(tracker.pool(info.id))) >= holds:
+                return info, hosts[0]
+        _skip(
+            f"no healthy pool that a host reaches can hold {holds} more allocations at once (each is an MLD with "
+            "fewer logical devices free)"
+        )
 
     @clause("CARVE-CONSERVES")
     def test_allocate_and_release_conserve_capacity(self, tracker: Tracker) -> None:
-        info, host = self._pool(tracker)
+        info, host = self._pool(tracker, holds=2)
         pool = tracker.pool(info.id)
         block = info.capacity.block_bytes
         before = pool.free_bytes()
@@ -1154,7 +1164,7 @@ class FabricConformance:
         with another amount it raises ConflictError; and any method may be called from several threads at once.
         A retry that races its first call (the composer's, after a lost answer) is such a call: a driver that
         carves it a second time lists the id once, and the memory of the other carve is lost to every host."""
-        info, host = self._pool(tracker)
+        info, host = self._pool(tracker, holds=2)
         pool = tracker.pool(info.id)
         block = info.capacity.block_bytes
         before = pool.free_bytes()
@@ -1320,7 +1330,7 @@ class FabricConformance:
 
     @clause("CARVE-NO-OVERLAP")
     def test_extents_never_overlap(self, tracker: Tracker) -> None:
-        info, host = self._pool(tracker)
+        info, host = self._pool(tracker, holds=1 + RACERS)
         pool = tracker.pool(info.id)
         block = info.capacity.block_bytes
         if pool.free_bytes() < (2 + RACERS) * block:
