@@ -539,3 +539,49 @@ class TestCompaction:
         finally:
             store.close()
             cluster.stop()
+
+    def test_a_load_outlives_a_compaction_between_the_pages_of_a_staged_block(
+        self, tmp_path: Path, prefix: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A block left staged is read back before the ledger, at a revision of its own, page after page: a
+        compaction between two of its pages failed the start of the replica taking the lead, before the load's
+        own reading again could."""
+        cluster = start_etcd_cluster(tmp_path)
+        endpoint = cluster.endpoints[0]
+        monkeypatch.setattr(etcd_store, "PAGE", 2)
+        monkeypatch.setattr(etcd_store, "TXN_OPS", 3)
+        monkeypatch.setattr(etcd_store, "STAGE_PART_BYTES", 200)
+        first = EtcdStore(cluster.endpoints, prefix=prefix, unfenced=True)
+        second = EtcdStore(cluster.endpoints, prefix=prefix, unfenced=True)
+        try:
+
+            def stopped(chunks: list[list[dict[str, Any]]]) -> None:  # staged, then etcd stops answering
+                raise FabricUnavailableError("no etcd endpoint answered")
+
+            monkeypatch.setattr(first, "_apply_staged", stopped)
+            with pytest.raises(FabricUnavailableError), first.atomic():
+                for n in range(9):
+                    first.put_cordon(f"pcie0/g{n}")
+            parts = raw_client(endpoint).get_prefix(f"{prefix}staged/")
+            assert len(parts) > 2  # more than a page of parts
+            pinned_range = second._range
+            compacted: list[int] = []
+
+            def compact_after_the_first_staged_page(start: bytes, end: bytes, **kw: Any) -> Any:
+                answer = pinned_range(start, end, **kw)
+                if kw.get("limit") and kw.get("revision") and b"staged/" in start and not compacted:
+                    raw_client(endpoint).put("/elsewhere", "x")
+                    ((_, meta),) = raw_client(endpoint).get("/elsewhere", metadata=True)
+                    compacted.append(int(meta["mod_revision"]))
+                    url = f"http://{endpoint}/v3/kv/compaction"
+                    requests.post(url, json={"revision": compacted[0], "physical": True}, timeout=5).raise_for_status()
+                return answer
+
+            monkeypatch.setattr(second, "_range", compact_after_the_first_staged_page)
+            loaded = second.load()
+            assert compacted and loaded.cordons == tuple(f"pcie0/g{n}" for n in range(9))
+            assert second.failure == "" and not raw_client(endpoint).get_prefix(f"{prefix}staged")
+        finally:
+            first.close()
+            second.close()
+            cluster.stop()

@@ -557,15 +557,20 @@ class EtcdStore(Store):
         read (an operator's ``etcdctl compact`` of the latest revision, on an etcd other programs write too) is
         no failure: the ledger is read again at the revision then, up to `LOAD_TRIES` times."""
         self._finish_staged()
+        return self._at_one_revision(self._load_at, "the ledger")
+
+    def _at_one_revision(self, read: Callable[[int], T], what: str) -> T:
+        """``read`` of ``what`` at the current revision, read again whole at the revision then when etcd compacts
+        that one before its last page is read, up to `LOAD_TRIES` times: its pages are one state of etcd or none."""
         tries = 1
         while True:
             revision = self._snapshot()
             try:
-                return self._load_at(revision)
+                return read(revision)
             except FabricUnavailableError as exc:
                 if COMPACTED not in exc.message or tries == LOAD_TRIES:
                     raise
-            log.warning("etcd compacted revision %d while the ledger was read there; reading it again", revision)
+            log.warning("etcd compacted revision %d while %s was read there; reading it again", revision, what)
             tries += 1
 
     def _load_at(self, revision: int) -> LedgerState:
@@ -823,11 +828,20 @@ class EtcdStore(Store):
             self._finish_staged_locked()
 
     def _finish_staged_locked(self) -> None:
-        """`_finish_staged`, holding `_write_lock`."""
-        revision = self._snapshot()
+        """`_finish_staged`, holding `_write_lock`. The block is read at one revision, and again at a newer one when
+        etcd compacts it between the block's pages (`_at_one_revision`): a compaction there failed a leader's start,
+        before its load could read again, and a writer's block, which failed the store."""
+        ops = self._at_one_revision(self._staged_ops, "a staged block")
+        if ops is None:
+            return
+        log.warning("finishing a block of %d ledger writes that the last writer staged and did not finish", len(ops))
+        self._apply_staged(self._chunks(ops))
+
+    def _staged_ops(self, revision: int) -> list[dict[str, Any]] | None:
+        """The operations of the block left staged, as etcd held them at ``revision``; None if there is none."""
         kvs = self._range(self._staged_key, b"", revision=revision).get("kvs", [])
         if not kvs:
-            return
+            return None
         if self._fence is None and not self.unfenced:
             raise FabricUnavailableError(
                 f"the etcd ledger under {self.prefix} holds a block of writes that its last writer staged and did "
@@ -841,13 +855,12 @@ class EtcdStore(Store):
             parts = [_unb64(kv["value"]).decode() for kv in self._scan(STAGED, revision)][:count]
             if len(parts) != count:
                 raise ValueError(f"{len(parts)} of its {count} parts are there")
-            ops = json.loads("".join(parts))
+            ops: list[dict[str, Any]] = json.loads("".join(parts))
             if not isinstance(ops, list):
                 raise ValueError("its parts do not hold a list of operations")
         except UNDECODABLE as exc:
             raise undecodable(self._where, what, exc, "state.prefix") from exc
-        log.warning("finishing a block of %d ledger writes that the last writer staged and did not finish", len(ops))
-        self._apply_staged(self._chunks(ops))
+        return ops
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """See `Store.atomic`: the writes are gathered into one etcd transaction, committed as the block ends."""
