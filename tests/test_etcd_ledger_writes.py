@@ -484,6 +484,30 @@ class TestRecordSize:
         finally:
             composer.close()
 
+    def test_a_removal_whose_pending_record_is_too_large_for_etcd_is_refused_and_the_ledger_goes_on(
+        self, etcd_one: EtcdCluster, prefix: str
+    ) -> None:
+        """A removal's first record names what it removes beside all the composition holds: removing most of a
+        composition grown to what etcd takes (composed, then as much added) wrote a record it does not, which
+        failed the ledger and stopped the leader."""
+        half = 6000
+        composer, store = self._composer(etcd_one, prefix, 2 * half)
+        try:
+            composer.start()
+            gpus = (parse_resource(f"gpu x{half}"),)
+            first = composer.compose(CompositionRequest("big", gpus)).composition
+            assert first is not None
+            big = composer.recompose(first.id, add=gpus)
+            assert store.failure == "" and len(big.devices) == 2 * half
+            with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
+                composer.recompose(big.id, remove=big.device_ids[1:], request_id="r-shrink")
+            assert refused.value.field == "remove" and store.failure == ""
+            assert len(composer.fabrics["pcie0"].bindings()) == 2 * half
+            shrunk = composer.recompose(big.id, remove=big.device_ids[:2], request_id="r-two")
+            assert store.failure == "" and store.load().compositions == (shrunk,)
+        finally:
+            composer.close()
+
     def test_a_reservation_too_large_for_etcd_is_refused_and_the_ledger_goes_on(
         self, etcd_one: EtcdCluster, prefix: str
     ) -> None:

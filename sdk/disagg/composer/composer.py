@@ -237,6 +237,12 @@ def _request_fields(request_id: str, fp: str) -> dict[str, str]:
     return {"request_id": request_id, "request_fingerprint": fp}
 
 
+def _beside(devices: Sequence[DevicePick], replaced: Mapping[str, DevicePick]) -> tuple[DevicePick, ...]:
+    """``devices`` with each one ``replaced`` names followed by its replacement: a heal's composition between
+    binding the replacements and unbinding the devices they replace."""
+    return tuple(q for p in devices for q in ((p, replaced[p.device]) if p.device in replaced else (p,)))
+
+
 def _composed(answer: object) -> bool:
     """A Compose that made a composition: the composition carries its request id and digest, so a retry after
     a restart finds it (`FabricComposer._made_by_request`) even when the answer's own record was lost."""
@@ -2088,13 +2094,15 @@ class FabricComposer(Composer):
                     "reserved, retry once the fabric answers",
                     metadata={"reservation": res.id},
                 )
+            # Refused while the reservation still stands: it stays reserved, the ledger as it was.
+            comp = self._composing(res.request, res.plan, res)
             self._lose_seed(res)
             del self._reservations[res.id]
             expires = self._reservation_deadlines.pop(res.id)
             self._names.pop(res.request.name, None)
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
-            comp = self._begin(res.request, res.plan, reservation=res)
+            comp = self._begin(comp, res.plan, reservation=res)
             self._applying_deadlines[comp.id] = expires
         try:
             yield DURABLE
@@ -2377,13 +2385,11 @@ class FabricComposer(Composer):
                 res = Reservation(
                     self._fresh_id("r", self._reservations), request, plan, expires, *self._request_mark()
                 )
-                self._check_records_fit(
-                    request.name, plan, lambda: ((res,), ComposeResult(mode, plan, reservation=res))
-                )
+                self._check_records_fit(request.name, plan, functools.partial(self._reserved_records, res, mode))
                 self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
                 return ComposeResult(mode, plan, reservation=res)
-            comp = self._begin(request, plan)
+            comp = self._begin(self._composing(request, plan), plan)
         yield DURABLE  # write-ahead: the ledger knows the plan before any driver call
         failpoints.hit("compose.after_reserve")
         return (yield from self._execute(comp, plan, deadline, with_answer=True))
@@ -2434,10 +2440,21 @@ class FabricComposer(Composer):
                 return made
         raise RuntimeError(f"the composer's id maker gave {FRESH_ID_TRIES} ids in a row that are in use")
 
-    def _begin(self, request: CompositionRequest, plan: Plan, reservation: Reservation | None = None) -> Composition:
-        comp_id = self._fresh_id("c", self._compositions)
+    def _composing(
+        self, request: CompositionRequest, plan: Plan, reservation: Reservation | None = None
+    ) -> Composition:
+        """The first record of a new composition of ``request`` by ``plan``, refused when the ledger could not take
+        it or what follows it (`_check_records_fit`); neither claimed nor written (`_begin`). Under the lock."""
+        comp = self._new_composition(self._fresh_id("c", self._compositions), request, plan, reservation)
+        self._check_records_fit(comp.name, plan, lambda: self._new_records(comp, plan))
+        return comp
+
+    def _new_composition(
+        self, comp_id: str, request: CompositionRequest, plan: Plan, reservation: Reservation | None
+    ) -> Composition:
+        """A new composition ``comp_id``, COMPOSING, with ``plan`` (from ``reservation``, if one) pending."""
         request_id, fp = self._request_mark()
-        comp = Composition(
+        return Composition(
             id=comp_id,
             name=request.name,
             host=plan.host,
@@ -2448,7 +2465,9 @@ class FabricComposer(Composer):
             request_id=request_id,
             request_fingerprint=fp,
         )
-        self._check_records_fit(comp.name, plan, lambda: self._new_records(comp, plan))
+
+    def _begin(self, comp: Composition, plan: Plan, reservation: Reservation | None = None) -> Composition:
+        """Claim ``plan`` for the new composition ``comp`` (`_composing`) and record it. Under the lock."""
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
         held.acquire()  # new, so free: the compose holds it until _execute ends
@@ -2464,6 +2483,16 @@ class FabricComposer(Composer):
         self._emit(EventType.COMPOSITION_CREATED, comp.id, f"{comp.name!r} on {comp.host}", host=comp.host)
         return comp
 
+    def _reserved_records(
+        self, res: Reservation, mode: ComposeMode
+    ) -> tuple[tuple[Composition | Reservation, ...], ComposeResult]:
+        """The records a reservation ``res`` writes, and those its apply writes (a composition whose first record
+        carries the reservation, `_new_records`), and its Compose's answer: a reservation that fits and whose apply
+        does not could never be applied."""
+        placeholder = "c" + res.id[1:]  # as long as the composition's id: the apply makes it
+        applying, _ = self._new_records(self._new_composition(placeholder, res.request, res.plan, res), res.plan)
+        return (res, *applying), ComposeResult(mode, res.plan, reservation=res)
+
     @staticmethod
     def _new_records(comp: Composition, plan: Plan) -> tuple[tuple[Composition, ...], ComposeResult]:
         """The records a new composition ``comp`` writes (COMPOSING, then COMPOSED) and its Compose's answer."""
@@ -2471,44 +2500,99 @@ class FabricComposer(Composer):
         after = attrs.evolve(comp, state=CompositionState.COMPOSED, allocations=planned, pending=None)
         return (comp, after), ComposeResult(ComposeMode.APPLY, plan, composition=after)
 
-    @staticmethod
-    def _grown_records(
-        comp: Composition, add: Sequence[ResourceRequest], adding: PendingChange
+    def _changed_records(
+        self, comp: Composition, add: Sequence[ResourceRequest], adding: PendingChange | None, remove: Collection[str]
     ) -> tuple[tuple[Composition, ...], Composition]:
-        """The records a recompose that adds the lines ``add`` to ``comp`` writes, its pending addition
-        ``adding`` and the composition grown, and its answer, the grown composition."""
-        grown = attrs.evolve(
-            comp,
-            resources=comp.resources + tuple(add),
-            devices=comp.devices + adding.devices,
-            allocations=comp.allocations + adding.allocations,
+        """The records a recompose of ``comp`` writes, and its answer: its pending addition ``adding`` of the lines
+        ``add``, and the composition grown, with the pending removal of what ``remove`` names, if any; the answer
+        is the composition without it. A pending removal names what it removes beside all the composition holds,
+        so a removal grows the record it begins with too. Each at the state and generation it is written at."""
+        records: list[Composition] = []
+        grown = attrs.evolve(comp, state=CompositionState.COMPOSING, generation=comp.generation + 1)
+        if adding is not None:
+            records.append(attrs.evolve(grown, pending=adding))
+            grown = attrs.evolve(
+                grown,
+                generation=grown.generation + 1,
+                resources=comp.resources + tuple(add),
+                devices=comp.devices + adding.devices,
+                allocations=comp.allocations + adding.allocations,
+            )
+        request_id, fp = self._request_mark()
+        done = attrs.evolve(grown, state=comp.state, request_id=request_id, request_fingerprint=fp)
+        if not remove:
+            return (*records, done), done
+        records.append(attrs.evolve(grown, pending=self._removal(grown, set(remove))))
+        devices = tuple(p for p in grown.devices if p.device not in remove)
+        allocations = tuple(a for a in grown.allocations if a.id not in remove)
+        return tuple(records), attrs.evolve(
+            done, generation=done.generation + 1, devices=devices, allocations=allocations
         )
-        return (attrs.evolve(comp, pending=adding), grown), grown
+
+    @staticmethod
+    def _healed_records(
+        comp: Composition, bad: Sequence[DevicePick], adding: PendingChange
+    ) -> tuple[tuple[Composition, ...], None]:
+        """The records a heal of ``comp`` writes as it binds the replacements ``adding`` of ``bad`` (paired in
+        order) and as it unbinds ``bad``, at the generation that one is written at: each names both, the second
+        twice (its devices hold the failed ones beside their replacements until they are unbound). It answers no
+        request."""
+        replaced = {p.device: n for p, n in zip(bad, adding.devices, strict=True)}
+        devices = _beside(comp.devices, replaced)
+        removing = PendingChange(ChangeKind.REMOVE, tuple(bad))
+        unbinding = revise(
+            comp, generation=comp.generation + 1, devices=devices, pending=removing, **_request_fields("", "")
+        )
+        return (attrs.evolve(comp, pending=adding), unbinding), None
+
+    def _past_limit(
+        self,
+        made: Callable[
+            [], tuple[Sequence[Composition | Reservation], ComposeResult | Composition | DisaggError | None]
+        ],
+    ) -> tuple[int, int] | None:
+        """The size of the largest of the records ``made()`` gives, with the answer to this thread's request
+        (`RequestRecord`) when it gives one, and the ledger's `Store.record_limit`, when that record is larger;
+        else None. A ledger without a limit (SQLite, memory) has nothing made to measure. Under the lock."""
+        limit = self.store.record_limit
+        if limit is None:
+            return None
+        records, answer = made()
+        every: list[Composition | Reservation | RequestRecord] = list(records)
+        if answer is not None:
+            every.append(RequestRecord(*self._request_mark(), requests.encode(answer), 0.0))
+        size = max(len(codec.record(record).encode()) for record in every)
+        return (size, limit) if size > limit else None
 
     def _check_records_fit(
         self,
         name: str,
         plan: Plan,
-        made: Callable[[], tuple[tuple[Composition | Reservation, ...], ComposeResult | Composition]],
+        made: Callable[[], tuple[Sequence[Composition | Reservation], ComposeResult | Composition]],
+        removing: int = 0,
     ) -> None:
-        """Refuse a change of ``name`` to hold ``plan`` when the ledger could not take one of the records
-        ``made()`` gives, or its request's answer, which it gives with them (`Store.record_limit`). Checked before
-        anything is claimed, bound or written: the ledger fails as a whole on a record it cannot take, which stops
-        the server, and a client's retry of the request stopped the next replica to lead in turn. A ledger without
-        a limit (SQLite, memory) has nothing made to measure. Under the lock."""
-        limit = self.store.record_limit
-        if limit is None:
+        """Refuse a change of ``name`` to hold ``plan``, and to remove ``removing`` of its parts, when the ledger
+        could not take one of the records ``made()`` gives, or its request's answer, which it gives with them
+        (`_past_limit`). Checked before anything is claimed, bound or written: the ledger fails as a whole on a
+        record it cannot take, which stops the server, and a client's retry of the request stopped the next
+        replica to lead in turn. Under the lock."""
+        past = self._past_limit(made)
+        if past is None:
             return
-        records, answer = made()
-        request = RequestRecord(*self._request_mark(), requests.encode(answer), 0.0)
-        size = max(len(codec.record(record).encode()) for record in (*records, request))
-        if size > limit:
-            raise InvalidRequestError(
-                f"{name!r} would hold {len(plan.devices)} more devices and {len(plan.memory)} more allocations in a "
-                f"record of about {size} bytes, more than the etcd ledger holds in one record ({limit}): ask for "
-                "fewer in one composition",
-                field="resources",
-            )
+        size, limit = past
+        if plan.devices or plan.memory or not removing:
+            change = f"hold {len(plan.devices)} more devices and {len(plan.memory)} more allocations"
+            ask, field = "ask for fewer in one composition", "resources"
+            if removing:
+                change += f", and name the {removing} parts it removes,"
+        else:
+            change = f"name the {removing} parts it removes beside all it holds"
+            ask, field = "remove fewer at a time", "remove"
+        raise InvalidRequestError(
+            f"{name!r} would {change} in a record of about {size} bytes, more than the etcd ledger holds in one "
+            f"record ({limit}): {ask}",
+            field=field,
+        )
 
     def _adding(
         self,
@@ -2923,13 +3007,16 @@ class FabricComposer(Composer):
                     raise NoFitError(why)
                 plan = found
                 first = self._adding(comp.id, plan, restore=previous_state, start=start, before=comp)
-                self._check_records_fit(comp.name, plan, functools.partial(self._grown_records, comp, add, first))
+                measured = functools.partial(self._changed_records, comp, add, first, remove)
+                self._check_records_fit(comp.name, plan, measured, len(remove))
                 self._claim_plan(plan, comp.id, host=False)
             else:
                 # A removal alone writes its plan at once: a record COMPOSING with nothing pending, left by a
                 # crash, would be judged anew by recovery, at a new generation, and the retry of a change that
                 # never began refused as stale. Its plan on disk, recovery finishes it, and the retry finds its work.
                 first = self._removal(comp, set(remove))
+                measured = functools.partial(self._changed_records, comp, (), None, remove)
+                self._check_records_fit(comp.name, plan, measured, len(remove))
             comp = self._set(comp, state=CompositionState.COMPOSING, pending=first)
             devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan, start=start)
         yield DURABLE
@@ -3444,6 +3531,16 @@ class FabricComposer(Composer):
             lines.append((resource, attrs.evolve(r, count=len(failed)), Pin(switch=switch, used_domains=used)))
         return [p for failed in by_line.values() for p in failed], lines
 
+    def _not_healed(self, comp: Composition, why: str, told: str = "") -> NoFitError:
+        """The error of a heal of ``comp`` left undone for ``why`` (told the caller as ``told``, if given), which
+        the composition, DEGRADED, says after its reason (`_reassess` keeps that up to date), with an event. Said
+        again, it changes nothing: every reconcile tries the heal again, and a restart must not revise its etag.
+        A record too large for the ledger with it is not written: the reason alone stands. Under the lock."""
+        message = f"{self._standing_why(comp)}; no replacement: {why}"
+        if message != comp.message and self._past_limit(lambda: ((revise(comp, message=message),), None)) is None:
+            self._set(comp, message=message)
+        return NoFitError(f"cannot heal {comp.id}: {told or why}")
+
     def _heal(self, composition_id: str) -> Composition:
         with self._lock:
             comp = self._find_held(composition_id)
@@ -3455,18 +3552,21 @@ class FabricComposer(Composer):
             bad, lines = self._replacement_lines(comp, bad)
             plan, why = self._placer.try_host(comp.host, lines)
             if plan is None:
-                # After the reason it is DEGRADED, which `_reassess` keeps up to date. Said again, it changes
-                # nothing: every reconcile tries the heal again, and a restart must not revise its etag.
-                message = f"{self._standing_why(comp)}; no replacement: {why}"
-                if message != comp.message:
-                    self._set(comp, message=message)
-                raise NoFitError(f"cannot heal {comp.id}: {why}")
+                raise self._not_healed(comp, why)
+            adding = self._adding(comp.id, plan, restore=comp.state)
+            past = self._past_limit(functools.partial(self._healed_records, comp, bad, adding))
+            if past is not None:  # nobody asked for it: no client to refuse, the ledger must not fail on it
+                why = (
+                    f"its record with {len(bad)} replacements would be{{}} more than the etcd ledger holds in one "
+                    f"record ({past[1]} bytes): recompose it smaller, or decompose it"
+                )
+                raise self._not_healed(comp, why.format(""), why.format(f" about {past[0]} bytes,"))
             inputs = self._heal_inputs(comp, bad)  # before the claim takes the spares out of the free ones
             self._claim_plan(plan, comp.id, host=False)
             # The change in flight is the ledger's bookkeeping, not on the wire (`Composition.pending`): written
             # alone it keeps the etag, so that a heal whose binds fail leaves the composition as clients saw it
             # (`_fail_addition`), and a reconcile trying it again does not make their etags stale.
-            comp = revise(comp, pending=self._adding(comp.id, plan, restore=comp.state))
+            comp = revise(comp, pending=adding)
             self._record(comp)
         self.store.sync()
         try:
@@ -3483,9 +3583,11 @@ class FabricComposer(Composer):
             # of the failed devices, on disk before the first unbind. A crash after it finishes the removal and
             # keeps the replacements; the pending ADD alone would be undone, the failed devices already unbound.
             now = self._compositions[comp.id]
-            devices = tuple(q for p in now.devices for q in ((p, replaced[p.device]) if p.device in replaced else (p,)))
             comp = self._set(
-                now, devices=devices, pending=PendingChange(ChangeKind.REMOVE, tuple(bad)), **_request_fields("", "")
+                now,
+                devices=_beside(now.devices, replaced),
+                pending=PendingChange(ChangeKind.REMOVE, tuple(bad)),
+                **_request_fields("", ""),
             )
         self.store.sync()
         stuck = set(self._release(comp.host, bad, [], stage="heal").ids)

@@ -1,0 +1,207 @@
+"""Changes that grow a record past what the ledger takes in one (`Store.record_limit`, etcd's transaction) are
+refused before anything is bound, not written: a record the ledger cannot take fails it as a whole, which stops
+the leader, and the next leader met the same record again.
+
+A compose, and an addition, were measured; a removal (its pending change names what it removes beside all the
+composition holds), a reservation's apply (its first record carries the reservation) and a heal (its records
+name the failed devices and their replacements) were not. In memory, with a small limit
+(`LimitedStore`); against etcd, its own limit, in tests/test_etcd_ledger_writes.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from composer_helpers import composer, hardware_bindings, rack
+from disagg import codec
+from disagg.composer import FabricComposer
+from disagg.errors import InvalidRequestError, NoFitError
+from disagg.model import ComposeMode, Composition, CompositionState, EventType, Reservation
+from disagg.requestlang import parse_request, parse_resource
+from disagg.store import MemoryStore, RequestRecord
+
+
+class LimitedStore(MemoryStore):
+    """An in-memory ledger that limits a record's size as etcd's does (``limit``, None: none), and keeps what
+    it was given past the limit (``oversized``), which etcd's would have failed on, and the size of every
+    record it was given (``sizes``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limit: int | None = None
+        self.oversized: list[str] = []
+        self.sizes: list[int] = []
+
+    @property
+    def record_limit(self) -> int | None:
+        return self.limit
+
+    def _measure(self, record: Composition | Reservation | RequestRecord) -> None:
+        text = codec.record(record)
+        self.sizes.append(len(text.encode()))
+        if self.limit is not None and len(text.encode()) > self.limit:
+            self.oversized.append(text)
+
+    def put_composition(self, composition: Composition) -> None:
+        self._measure(composition)
+        super().put_composition(composition)
+
+    def put_reservation(self, reservation: Reservation) -> None:
+        self._measure(reservation)
+        super().put_reservation(reservation)
+
+    def put_request(self, record: RequestRecord) -> None:
+        self._measure(record)
+        super().put_request(record)
+
+
+def size(record: Composition | Reservation) -> int:
+    return len(codec.record(record).encode())
+
+
+MARGIN = 32
+"""Bytes a record of one run may differ by from the same of another: its ids are random, a reservation's
+expiry a float, whose text is not always as long."""
+
+
+def largest_written(setup: Callable[[FabricComposer, dict[str, Any]], Any], change: Callable[[Any], object]) -> int:
+    """The size of the largest record ``change`` writes, on a composer of its own without a limit, after
+    ``setup`` (the composer and its fabrics) made what ``change`` is given, less `MARGIN`: a limit of it has the
+    ledger take every other record of it, and not that one."""
+    store, fabrics = LimitedStore(), rack()
+    comp = composer(fabrics, store=store, auto_heal=False)
+    subject = setup(comp, fabrics)
+    store.sizes.clear()
+    change(subject)
+    return max(store.sizes) - MARGIN
+
+
+@pytest.fixture
+def store() -> LimitedStore:
+    return LimitedStore()
+
+
+def eight_gpus(comp: FabricComposer) -> Composition:
+    made = comp.compose(parse_request("job", ["host h1", "gpu x8"]), request_id="r-job").composition
+    assert made is not None
+    return made
+
+
+def six_failed(comp: FabricComposer, fabrics: dict[str, Any]) -> tuple[FabricComposer, Composition]:
+    job = eight_gpus(comp)
+    for device in job.device_ids[:6]:
+        fabrics["pcie0"].fail_device(device, "ECC")
+    return comp, comp.get(job.id)
+
+
+class TestAHeal:
+    def test_a_heal_whose_records_the_ledger_cannot_take_is_left_undone_saying_why(self, store: LimitedStore) -> None:
+        """Nobody asked for it: the composition stays DEGRADED, says why after its reason, with an event, and
+        nothing is bound; the ledger goes on."""
+        limit = largest_written(six_failed, lambda made: made[0].heal(made[1].id))
+        fabrics = rack()
+        comp = composer(fabrics, store=store, auto_heal=False)
+        _, degraded = six_failed(comp, fabrics)
+        assert degraded.state is CompositionState.DEGRADED
+        store.limit = limit
+        bound = hardware_bindings(fabrics)
+        with pytest.raises(NoFitError, match="more than the etcd ledger holds in one record") as refused:
+            comp.heal(degraded.id)
+        assert store.oversized == [] and store.failure == ""
+        assert hardware_bindings(fabrics) == bound and comp.holders() == {d: degraded.id for d in degraded.device_ids}
+        now = comp.get(degraded.id)
+        assert now.state is CompositionState.DEGRADED and now.pending is None
+        assert now.message.startswith(degraded.message)
+        assert "record with 6 replacements would be more than" in now.message
+        said = [e for e in comp.events(0, 1000) if e.type is EventType.COMPOSITION_UPDATED]
+        assert said[-1].message == now.message and said[-1].subject == degraded.id
+        assert refused.value.message.startswith(f"cannot heal {degraded.id}: its record")
+        assert " bytes, more than" in refused.value.message
+        with pytest.raises(NoFitError):
+            comp.heal(degraded.id)  # tried again, as every reconcile does: nothing new said
+        assert comp.get(degraded.id).generation == now.generation
+        store.limit = None
+        healed = comp.heal(degraded.id)
+        assert healed.state is CompositionState.COMPOSED and not set(degraded.device_ids[:6]) & set(healed.device_ids)
+
+
+class TestARemoval:
+    def test_a_removal_whose_pending_record_the_ledger_cannot_take_is_refused(self, store: LimitedStore) -> None:
+        limit = largest_written(
+            lambda comp, _: (comp, eight_gpus(comp)),
+            lambda m: m[0].recompose(m[1].id, remove=m[1].device_ids[:6], request_id="r-shrink"),
+        )
+        fabrics = rack()
+        comp = composer(fabrics, store=store)
+        job = eight_gpus(comp)
+        store.limit = limit
+        bound = hardware_bindings(fabrics)
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
+            comp.recompose(job.id, remove=job.device_ids[:6], request_id="r-shrink")
+        assert refused.value.field == "remove" and "remove fewer at a time" in refused.value.message
+        assert store.oversized == [] and hardware_bindings(fabrics) == bound
+        assert comp.get(job.id) == job and comp.get(job.id).pending is None
+        shrunk = comp.recompose(job.id, remove=job.device_ids[:1], request_id="r-one")
+        assert shrunk.device_ids == job.device_ids[1:] and store.oversized == []
+
+    def test_an_addition_with_a_removal_whose_record_the_ledger_cannot_take_is_refused(
+        self, store: LimitedStore
+    ) -> None:
+        """The grown composition with its pending removal is one record: measured without the removal, it fit."""
+        more = (parse_resource("gpu x1"),)
+        limit = largest_written(
+            lambda comp, _: (comp, eight_gpus(comp)),
+            lambda m: m[0].recompose(m[1].id, add=more, remove=m[1].device_ids[:7], request_id="r-swap"),
+        )
+        fabrics = rack()
+        comp = composer(fabrics, store=store)
+        job = eight_gpus(comp)
+        store.limit = limit
+        bound = hardware_bindings(fabrics)
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+            comp.recompose(job.id, add=more, remove=job.device_ids[:7], request_id="r-swap")
+        assert store.oversized == [] and hardware_bindings(fabrics) == bound and comp.get(job.id) == job
+
+
+def reserved(comp: FabricComposer, fabrics: object = None) -> tuple[FabricComposer, Reservation]:
+    res = comp.compose(parse_request("job", ["host h1", "gpu x8"]), ComposeMode.RESERVE, request_id="r-res")
+    assert res.reservation is not None
+    return comp, res.reservation
+
+
+def applied(made: tuple[FabricComposer, Reservation]) -> Composition:
+    """The apply of a reservation `reserved` made, under a request id as long as the reservation's: what a
+    reservation measures of its apply's records it measures with its own (the apply's is not known yet)."""
+    return made[0].apply_reservation(made[1].id, request_id="r-app")
+
+
+class TestAnApply:
+    def test_a_reservation_whose_apply_the_ledger_cannot_take_is_refused_as_it_is_reserved(
+        self, store: LimitedStore
+    ) -> None:
+        """The apply's first record carries the reservation beside the composition: the reservation and its
+        answer fit, its apply never could."""
+        store.limit = largest_written(reserved, applied)
+        comp = composer(store=store)
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+            reserved(comp)
+        assert store.oversized == [] and comp.reservations() == [] and comp.holders() == {}
+
+    def test_an_apply_the_ledger_cannot_take_leaves_the_reservation_standing(self, store: LimitedStore) -> None:
+        """Refused, it had let the reservation go first: gone from memory, its devices free, while the ledger
+        held it still."""
+        limit = largest_written(reserved, applied)
+        fabrics = rack()
+        comp = composer(fabrics, store=store)
+        _, res = reserved(comp)
+        store.limit = limit  # lowered since: as a reservation at the edge meets the mark of its apply
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+            applied((comp, res))
+        assert store.oversized == [] and hardware_bindings(fabrics) == {}
+        assert comp.reservations() == [res] and store.load().reservations == (res,)
+        assert comp.holders() == {p.device: res.id for p in res.plan.devices}
+        store.limit = None
+        made = applied((comp, res))
+        assert made.device_ids == tuple(p.device for p in res.plan.devices)
