@@ -91,17 +91,28 @@ def opened(tmp: Path) -> FabricComposer:
 def crash_at(monkeypatch: pytest.MonkeyPatch, composer: FabricComposer, name: str, hit: int = 1) -> threading.Lock:
     """Have ``composer``'s process "die" at the ``hit``-th pass of failpoint ``name``: its ledger commits nothing
     queued from then on (the committer waits for the lock this returns, held by then) and the call raises
-    KeyboardInterrupt. Release the lock only once the composer opened after it is closed."""
+    KeyboardInterrupt. Release the lock only once the composer opened after it is closed. The thread that dies
+    waits for nothing after: its change ends waiting for the writes it made (`steps.run`), which a committer the
+    crash holds would never commit, so that wait raises KeyboardInterrupt too."""
     store = composer.store
     assert isinstance(store, SqliteStore)
     held = store._db_lock
     hits: list[str] = []
+    wait_for = store._wait_for
 
     def crash(point: str) -> None:
         if point == name:
             hits.append(point)
             if len(hits) == hit:
                 held.acquire()
+                dead = threading.get_ident()
+
+                def no_wait(target: int) -> None:
+                    if threading.get_ident() == dead:
+                        raise KeyboardInterrupt
+                    wait_for(target)
+
+                monkeypatch.setattr(store, "_wait_for", no_wait)
                 raise KeyboardInterrupt
 
     monkeypatch.setattr(failpoints, "hit", crash)
@@ -653,6 +664,58 @@ class TestARecomposeACrashInterrupted:
         finally:
             again.close()
             held.release()
+            first.close()
+
+
+class TestTheCrashHelper:
+    """`crash_at` stands for a process that dies: nothing it queued commits afterwards, and nothing of it waits."""
+
+    def test_a_crash_while_the_ledger_lags_waits_for_nothing(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The change queued a write it did not wait for (the composition DEGRADED by a health event its driver
+        call caused) just before the failpoint; the committer, lagging, had not committed it. The blocking
+        runner waits, as the change ends, for the writes the change made: that wait, on a committer the crash
+        holds, never ended (seen in CI on a loaded machine)."""
+        first = opened(tmp_path)
+        job = first.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+        assert job is not None
+        store = first.store
+        assert isinstance(store, SqliteStore)
+        commit = store._commit
+
+        def lagging(batch: object) -> None:
+            time.sleep(0.3)
+            commit(batch)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(store, "_commit", lagging)
+        sim = first.fabrics["pcie0"]
+        bind = sim.bind
+
+        def failing_another(device: str, host: str, ctx: CallContext) -> Binding:
+            sim.fail_device(job.device_ids[0], "hot")
+            return bind(device, host, ctx)
+
+        monkeypatch.setattr(sim, "bind", failing_another)
+        held = crash_at(monkeypatch, first, "recompose.before_commit")
+        done: list[BaseException] = []
+
+        def recompose() -> None:
+            try:
+                first.recompose(job.id, add=[parse_resource("nic")], expected_etag=job.etag)
+            except BaseException as exc:
+                done.append(exc)
+
+        worker = threading.Thread(target=recompose, daemon=True)
+        worker.start()
+        worker.join(10)
+        try:
+            assert not worker.is_alive(), "the crashed change still waits for the ledger"
+            assert [type(e) for e in done] == [KeyboardInterrupt]
+        finally:
+            monkeypatch.undo()
+            held.release()
+            worker.join(10)
             first.close()
 
 
