@@ -718,6 +718,17 @@ class TestRequestsTheWireCannotCarry:
                 HostRequest(selectors=(Selector("k", SelectorOp.EQ, -(2**63) - 1),)),
                 "host.selectors[0].value",
             ),
+            (
+                ResourceRequest(DeviceKind.GPU, 1, selectors=(Selector("model", SelectorOp.EQ, "H\udcff"),)),
+                HostRequest(),
+                "resources[0].selectors[0].value",
+            ),
+            (
+                ResourceRequest(DeviceKind.GPU, 1),
+                HostRequest(selectors=(Selector("rack", SelectorOp.EQ, "\ud800"),)),
+                "host.selectors[0].value",
+            ),
+            (ResourceRequest(DeviceKind.GPU, 1), HostRequest(name="h\udcff"), "host.name"),
         ],
     )
     def test_compose(

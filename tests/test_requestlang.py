@@ -983,3 +983,54 @@ class TestDocumentKeysAreText:
         with pytest.raises(InvalidRequestError, match="is not a field name") as info:
             request_from_document(doc)
         assert info.value.field == field
+
+
+class TestTextTheWireCannotCarry:
+    """Text the wire cannot carry was taken: a lone surrogate (a byte that is not UTF-8 on a command line, a
+    ``\\ud800`` escape in a JSON file) in a selector's value or the host's name made the Python client raise a
+    bare UnicodeEncodeError, and the local composer answered NoFitError or UnknownHostError for it."""
+
+    @pytest.mark.parametrize(
+        ("clauses", "field"),
+        [
+            (["gpu model=\udcff"], "clauses[0]"),
+            (["host rack=a\ud800", "gpu"], "clauses[0]"),
+            (["host h1 model=\udcff", "gpu"], "clauses[0]"),
+            (["gpu", "nvme x1 model=\udcff"], "clauses[1]"),
+        ],
+    )
+    def test_text(self, clauses: list[str], field: str) -> None:
+        with pytest.raises(InvalidRequestError, match="not UTF-8") as info:
+            parse_request("t", clauses)
+        assert info.value.field == field
+
+    @pytest.mark.parametrize(
+        ("doc", "field"),
+        [
+            ({"resource": [{"kind": "gpu", "selectors": ["model=\ud800"]}]}, "resource[0]"),
+            ({"host": {"selectors": ["rack=\ud800"]}, "resource": [{"kind": "gpu"}]}, "host"),
+        ],
+    )
+    def test_documents(self, doc: dict[str, Any], field: str) -> None:
+        with pytest.raises(InvalidRequestError, match="not UTF-8") as info:
+            request_from_document({"name": "t", **doc})
+        assert info.value.field == field
+
+
+class TestAHostNameIsAnId:
+    """A host's name is an id as drivers report them and the server reads them (1 to 256 printable characters
+    without spaces): one with a space, a control character or thousands of characters was taken, and the local
+    composer answered UnknownHostError (exit 4) where a server refused the request (exit 2)."""
+
+    @pytest.mark.parametrize("name", ["h\x00", "h\x1b[1m", "h 3", "h" * 257, "host\xa0h3", "h\udcff"])
+    def test_refused(self, name: str) -> None:
+        with pytest.raises(InvalidRequestError, match="a host name is 1 to 256 printable characters") as info:
+            parse_request("t", [f"host {shlex.quote(name)}", "gpu"])
+        assert info.value.field == "clauses[0]"
+        with pytest.raises(InvalidRequestError, match="a host name is 1 to 256") as info:
+            request_from_document({"name": "t", "host": {"name": name}, "resource": [{"kind": "gpu"}]})
+        assert info.value.field == "host.name"
+
+    @pytest.mark.parametrize("name", ["h3", "h" * 256, "rack1/node-é"])
+    def test_taken(self, name: str) -> None:
+        assert parse_host(f"host {name}").name == name

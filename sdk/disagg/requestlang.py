@@ -17,6 +17,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
 from disagg.errors import InvalidRequestError
+from disagg.interfaces.fabric import MAX_ID, id_text
 from disagg.model import (
     SELECTOR_KEY,
     Affinity,
@@ -146,6 +147,8 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
     name: str | None = None
     if tokens and not _CLAUSE.match(tokens[0]):  # only the first word may name the host: later, it is a typo
         name, tokens = tokens[0], tokens[1:]
+    if name is not None:
+        _check_host_name(name, field)
     cores = memory = 0
     selectors = []
     seen: set[str] = set()
@@ -164,6 +167,17 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
         else:
             cores = value
     return _host(name, cores, memory, tuple(selectors), field)
+
+
+def _check_host_name(name: str, field: str) -> None:
+    """Refuse a host name that is no host's id (`disagg.interfaces.check_id`: 1 to `MAX_ID` printable characters
+    without spaces), as a server refuses it: the local composer answered that no fabric has such a host."""
+    if not 0 < len(name) <= MAX_ID or not id_text(name):
+        raise InvalidRequestError(
+            f"{name[:64]!r}: a host name is 1 to {MAX_ID} printable characters without spaces, as drivers name "
+            "hosts (disagg topology lists them)",
+            field=field,
+        )
 
 
 def _host(name: str | None, cores: int, memory: int, selectors: tuple[Selector, ...], field: str) -> HostRequest:
@@ -412,6 +426,8 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
     name = doc.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         raise InvalidRequestError(f"host.name must name a host, not {name!r}", field="host.name")
+    if name is not None:
+        _check_host_name(name, "host.name")
     selectors = _selectors_from_document(doc.get("selectors", []), "host.selectors", resource=False)
     for n, sel in enumerate(selectors):
         if sel.key in ("cores", "memory"):

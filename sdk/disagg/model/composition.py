@@ -240,9 +240,25 @@ def selector_value_refusal(value: AttributeValue) -> str:
     return ""
 
 
+def text_refusal(value: str) -> str:
+    """Why ``value`` is no text a request may hold (empty when it may): one holding a lone surrogate, which is no
+    UTF-8, and so nothing the wire carries. Python reads a command line's bytes that are not UTF-8 as such, and
+    JSON writes one as ``\\ud800``; building the message raised a bare UnicodeEncodeError."""
+    if value.isascii():
+        return ""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"{value[:64]!r} holds {value[exc.start]!r}, which is not UTF-8 (a byte a terminal or file in another "
+            "encoding gave?): write it as UTF-8 text"
+        )
+    return ""
+
+
 def _selectors_refusal(selectors: tuple[Selector, ...]) -> tuple[str, str] | None:
     for n, sel in enumerate(selectors):
-        why = selector_value_refusal(sel.value)
+        why = selector_value_refusal(sel.value) or (text_refusal(sel.value) if isinstance(sel.value, str) else "")
         if why:
             return f"selectors[{n}].value", why
     return None
@@ -267,6 +283,10 @@ def resource_limit_refusal(line: ResourceRequest) -> tuple[str, str] | None:
 def host_limit_refusal(host: HostRequest) -> tuple[str, str] | None:
     """The field of ``host`` (``min_cores``, ``selectors[0].value``) that a request may not hold, and why; None
     when it may. See `request_limit_refusal`."""
+    if isinstance(host.name, str):
+        why = text_refusal(host.name)
+        if why:
+            return "name", why
     for name, value, most, what in (
         ("min_cores", host.min_cores, MAX_COUNT, "a minimum of cores"),
         ("min_memory_bytes", host.min_memory_bytes, MAX_BYTES, "a minimum of memory in bytes"),
