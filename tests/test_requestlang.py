@@ -1034,3 +1034,42 @@ class TestAHostNameIsAnId:
     @pytest.mark.parametrize("name", ["h3", "h" * 256, "rack1/node-é"])
     def test_taken(self, name: str) -> None:
         assert parse_host(f"host {name}").name == name
+
+
+class TestANumberOfTooManyDigits:
+    """A number longer than Python reads as an int (4300 digits) in a latency, a size or a selector was refused
+    with Python's own message, which tells the user to call ``sys.set_int_max_str_digits()``; the refusal says
+    the number is too large, and names it by its length."""
+
+    @pytest.mark.parametrize(
+        "clause",
+        [
+            "gpu latency<=" + "9" * 5000 + "ns",
+            "gpu latency<" + "9" * 5000 + ".5us",
+            "gpu gpu_memory>=" + "9" * 5000 + "GiB",
+            "gpu gpu_memory>=1." + "0" * 5000 + "GiB",
+            "gpu score>=" + "9" * 5000,
+            "gpu score<=-" + "9" * 5000,
+            "host memory>=" + "9" * 5000 + "GiB",
+            "host cores>=" + "9" * 5000,
+        ],
+    )
+    def test_text(self, clause: str) -> None:
+        with pytest.raises(InvalidRequestError, match=r"5,00[0-9] digits") as info:
+            parse_request("t", [clause, "nvme"])
+        assert "set_int_max_str_digits" not in info.value.message
+        assert info.value.field == "clauses[0]"
+
+    @pytest.mark.parametrize(
+        ("doc", "field"),
+        [
+            ({"resource": [{"kind": "gpu", "max_latency": "9" * 5000 + "ns"}]}, "resource[0].max_latency"),
+            ({"resource": [{"kind": "cxl-memory", "amount": "9" * 5000 + "GiB"}]}, "resource[0].amount"),
+            ({"host": {"min_memory": "9" * 5000 + "GiB"}, "resource": [{"kind": "gpu"}]}, "host.min_memory"),
+        ],
+    )
+    def test_documents(self, doc: dict[str, Any], field: str) -> None:
+        with pytest.raises(InvalidRequestError, match="5,000 digits") as info:
+            request_from_document({"name": "t", **doc})
+        assert "set_int_max_str_digits" not in info.value.message
+        assert info.value.field == field

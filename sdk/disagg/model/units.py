@@ -22,11 +22,22 @@ _LATENCY_UNITS = {"": 1, "ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000}
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Zµ]*)\s*$")
 
 
+def _too_long(number: str, what: str) -> ValueError:
+    """The refusal of ``number``, of more digits than `int` reads (`sys.get_int_max_str_digits`, 4300): Python's
+    own message tells the user to raise that limit."""
+    digits = sum(c.isdigit() for c in number)
+    return ValueError(f"{what} {number[:12]}... has {digits:,} digits, more than any {what} needs: write it in fewer")
+
+
 def _whole(number: str, factor: int, text: object, what: str) -> int:
     """``number`` times ``factor`` exactly (no float rounding), or ValueError if it is not whole."""
     whole, _, frac = number.partition(".")
     scale = int(10 ** len(frac))
-    value, rest = divmod((int(whole) * scale + int(frac or "0")) * factor, scale)
+    try:
+        parts = int(whole) * scale + int(frac or "0")
+    except ValueError:
+        raise _too_long(number, what) from None
+    value, rest = divmod(parts * factor, scale)
     if rest:
         raise ValueError(f"{what} {text!r} is not a whole number of {'bytes' if what == 'size' else 'ns'}")
     return value
@@ -83,7 +94,10 @@ def parse_attribute_value(text: str) -> str | int | float | bool:
     if low in ("true", "false"):
         return low == "true"
     if re.fullmatch(r"-?\d+", raw):
-        return int(raw)
+        try:
+            return int(raw)
+        except ValueError:
+            raise _too_long(raw, "number") from None
     if re.fullmatch(r"-?\d+\.\d*", raw):
         return float(raw)
     if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
