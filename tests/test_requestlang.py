@@ -1073,3 +1073,25 @@ class TestANumberOfTooManyDigits:
             request_from_document({"name": "t", **doc})
         assert "set_int_max_str_digits" not in info.value.message
         assert info.value.field == field
+
+
+class TestNoNumberThatIsNotFinite:
+    """``gpu_memory>=inf`` or ``score<nan`` was text, which no number is ordered with: the selector matched no
+    device, silently. Unquoted under an ordering operator it is refused, as the number it looks like would be;
+    quoted, it is that text."""
+
+    @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "+inf", "Infinity", "-Infinity"])
+    @pytest.mark.parametrize("op", [">=", "<=", ">", "<"])
+    def test_refused(self, value: str, op: str) -> None:
+        with pytest.raises(InvalidRequestError, match="not a number a device can have") as info:
+            parse_request("t", [f"gpu score{op}{value}"])
+        assert info.value.field == "clauses[0]"
+        assert f"""score{op}'"{value}"'""" in info.value.message
+        with pytest.raises(InvalidRequestError, match="not a number a device can have") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "gpu", "selectors": [f"score{op}{value}"]}]})
+        assert info.value.field == "resource[0].selectors[0]"
+        assert f'score{op}"{value}"' in info.value.message
+
+    @pytest.mark.parametrize("selector", ["score>='\"inf\"'", "model=nan", "model!=inf", "score>=info", "x<nano"])
+    def test_text_is_taken(self, selector: str) -> None:
+        parse_request("t", [f"gpu {selector}"])

@@ -38,6 +38,7 @@ from disagg.model.composition import MAX_COUNT, host_limit_refusal, resource_lim
 
 _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
+_ORDERS = frozenset(SelectorOp) - {SelectorOp.EQ, SelectorOp.NE}
 _COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
 _BARE_DECIMAL = re.compile(r"\d+\.\d+")
 """``512.0``: a number with a point and no unit."""
@@ -49,6 +50,9 @@ _OTHER_NUMBER = re.compile(
 )
 """A number in a notation the language does not read (``8e10``, ``0x10``, ``1_000``, ``+5``, ``.5``): read as
 text, it would compare with no number and match nothing, silently."""
+_NOT_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", flags=re.IGNORECASE)
+"""``inf`` or ``nan``, which reads as a number in other languages: here it is text, which no number is ordered
+with, so that ``gpu_memory>=inf`` matched nothing, silently."""
 _OPERATOR_TYPOS = {"==": "=", "=>": ">=", "=<": "<=", "<>": "!=", "=!": "!=", "!==": "!=", ">==": ">=", "<==": "<="}
 """Operators as other languages write them, read by `_CLAUSE` as an operator and a value that starts with the
 rest, and what this language writes for each."""
@@ -64,11 +68,17 @@ def parse_selector(text: str, field: str = "selector", *, clause: bool = False) 
     key, op, value = _selector_parts(text, field, clause=clause)
     if isinstance(value, str) and _OTHER_NUMBER.fullmatch(value) and text.strip().endswith(value):  # not quoted
         raise InvalidRequestError(_other_number(text, key, op.value, value, clause=clause), field=field)
+    if isinstance(value, str) and op in _ORDERS and _NOT_FINITE.fullmatch(value) and text.strip().endswith(value):
+        raise InvalidRequestError(
+            f"{text!r}: {value!r} is not a number a device can have (a selector orders finite numbers); to compare "
+            f"with the text {value!r}, quote it: {_quoted(key, op.value, value, clause=clause)}",
+            field=field,
+        )
     why = selector_value_refusal(value)
     if why:
         raise InvalidRequestError(f"{text!r}: {why}", field=field)
     selector = Selector(key, op, value)
-    if isinstance(value, str) and op not in (SelectorOp.EQ, SelectorOp.NE) and _CLIPPED_SIZE.fullmatch(value):
+    if isinstance(value, str) and op in _ORDERS and _CLIPPED_SIZE.fullmatch(value):
         # As text it would be compared with the attribute's bytes and match nothing, silently.
         unit = f"{value}B" if value[-1] in "iI" else f"{value}B or {value}iB"
         raise InvalidRequestError(f"{text!r}: a size needs its unit in full, {unit}", field=field)
@@ -97,8 +107,7 @@ def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, Select
 def _other_number(text: str, key: str, op: str, value: str, *, clause: bool) -> str:
     """Why ``8e10`` is refused, with the number it means written as the language reads numbers (when it is one
     of reasonable length), and how to compare with it as text instead: quoted."""
-    quoted = f'"{value}"'
-    written = f"{key}{op}{shlex.quote(quoted) if clause else quoted}"
+    written = _quoted(key, op, value, clause=clause)
     plain = value.replace("_", "")
     meant = ""
     try:
@@ -116,6 +125,13 @@ def _other_number(text: str, key: str, op: str, value: str, *, clause: bool) -> 
         f"{text!r}: {value!r} is not a number the request language reads ({hint}, or a size such as 80GB); "
         f"to compare with the text {value!r}, quote it: {written}"
     )
+
+
+def _quoted(key: str, op: str, value: str, *, clause: bool) -> str:
+    """The selector that compares ``key`` with the text ``value``: quoted, and in a text clause, whose own quotes
+    come off as it is split into words, quoted again."""
+    quoted = f'"{value}"'
+    return f"{key}{op}{shlex.quote(quoted) if clause else quoted}"
 
 
 def _operator_typo(text: str, key: str, op: str, value: str, *, clause: bool) -> str:
