@@ -1095,3 +1095,40 @@ class TestNoNumberThatIsNotFinite:
     @pytest.mark.parametrize("selector", ["score>='\"inf\"'", "model=nan", "model!=inf", "score>=info", "x<nano"])
     def test_text_is_taken(self, selector: str) -> None:
         parse_request("t", [f"gpu {selector}"])
+
+
+class TestTheWiresCountsAndLengths:
+    """A request of more resource lines (64) or selectors on a line or the host (32), or a selector key longer
+    (63 characters), than a server reads was taken by the request language, so that the local composer composed
+    what a server refuses."""
+
+    def test_lines(self) -> None:
+        assert len(parse_request("t", ["nvme"] * 64).resources) == 64
+        with pytest.raises(InvalidRequestError, match="at most 64 resource lines, not 65") as info:
+            parse_request("t", ["nvme"] * 65)
+        assert info.value.field == "resources"
+        with pytest.raises(InvalidRequestError, match="at most 64 resource lines") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "nvme"}] * 65})
+        assert info.value.field == "resources"
+
+    def test_selectors(self) -> None:
+        many = " ".join(f"k{n}=1" for n in range(33))
+        assert len(parse_resource("gpu " + many.rsplit(" ", 1)[0]).selectors) == 32
+        with pytest.raises(InvalidRequestError, match="at most 32 selectors, not 33") as info:
+            parse_request("t", ["gpu " + many])
+        assert info.value.field == "clauses[0]"
+        with pytest.raises(InvalidRequestError, match="at most 32 selectors, not 33") as info:
+            parse_request("t", ["host " + many, "gpu"])
+        assert info.value.field == "clauses[0]"
+        with pytest.raises(InvalidRequestError, match="at most 32 selectors") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "gpu", "selectors": many.split()}]})
+        assert info.value.field == "resource[0]"
+
+    def test_key(self) -> None:
+        assert parse_selector("k" * 63 + "=1").key == "k" * 63
+        with pytest.raises(InvalidRequestError, match="at most 63 characters") as info:
+            parse_request("t", ["gpu " + "k" * 64 + "=1"])
+        assert info.value.field == "clauses[0]"
+        with pytest.raises(InvalidRequestError, match="at most 63 characters") as info:
+            parse_request("t", ["host " + "k" * 64 + "=1", "gpu"])
+        assert info.value.field == "clauses[0]"

@@ -34,7 +34,14 @@ from disagg.model import (
     selector_refusal,
     spread_refusal,
 )
-from disagg.model.composition import MAX_COUNT, host_limit_refusal, resource_limit_refusal, selector_value_refusal
+from disagg.model.composition import (
+    MAX_COUNT,
+    MAX_RESOURCE_LINES,
+    MAX_SELECTOR_KEY,
+    host_limit_refusal,
+    resource_limit_refusal,
+    selector_value_refusal,
+)
 
 _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
@@ -94,6 +101,10 @@ def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, Select
     if not match:
         raise InvalidRequestError(f"{text!r} is not a selector (write key=value, key>=value, ...)", field=field)
     key, op, value = match.groups()
+    if len(key) > MAX_SELECTOR_KEY:
+        raise InvalidRequestError(
+            f"{key[:16]}...: a selector's key is at most {MAX_SELECTOR_KEY} characters, not {len(key)}", field=field
+        )
     if value[0] in "=<>!":
         # ``model==H200`` would compare with the text "=H200" and match nothing, silently.
         raise InvalidRequestError(_operator_typo(text, key, op, value, clause=clause), field=field)
@@ -382,6 +393,12 @@ def _request(name: str, resources: Sequence[ResourceRequest], host: HostRequest)
         )
     if not resources:
         raise InvalidRequestError("a composition needs at least one resource", field="resources")
+    if len(resources) > MAX_RESOURCE_LINES:  # as a server refuses it
+        raise InvalidRequestError(
+            f"a composition has at most {MAX_RESOURCE_LINES} resource lines, not {len(resources)}: give a line a "
+            "count (gpu x8) rather than repeating it",
+            field="resources",
+        )
     return CompositionRequest(name=name, resources=tuple(resources), host=host)
 
 

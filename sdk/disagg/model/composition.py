@@ -76,6 +76,10 @@ MAX_RESOURCE_LINES = 64
 """The resource lines of a request, and of a composition that updates add lines to: with every line at its largest,
 a composition read on the wire stays far within gRPC's 4 MiB (an update that grew it past that was made, and its
 answer refused by the client as too large)."""
+MAX_SELECTORS = 32
+"""The selectors of a resource line, or of the host, a request may give."""
+MAX_SELECTOR_KEY = 63
+"""The longest key a selector may test, in characters: a label or attribute name."""
 MAX_SELECTOR_TEXT = 256
 """The longest text a selector may compare with, in characters. With the wire's other limits it keeps the largest
 valid Compose well under gRPC's default 4 MiB message cap, which a client in another language cannot raise on the
@@ -257,6 +261,8 @@ def text_refusal(value: str) -> str:
 
 
 def _selectors_refusal(selectors: tuple[Selector, ...]) -> tuple[str, str] | None:
+    if len(selectors) > MAX_SELECTORS:
+        return "selectors", f"at most {MAX_SELECTORS} selectors, not {len(selectors)}"
     for n, sel in enumerate(selectors):
         why = selector_value_refusal(sel.value) or (text_refusal(sel.value) if isinstance(sel.value, str) else "")
         if why:

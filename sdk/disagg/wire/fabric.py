@@ -45,7 +45,9 @@ from disagg.model import (
 from disagg.model.composition import (
     MAX_LATENCY_NS,
     MAX_RESOURCE_LINES,
+    MAX_SELECTOR_KEY,
     MAX_SELECTOR_TEXT,
+    MAX_SELECTORS,
     SELECTOR_INT_RANGE,
     request_limit_refusal,
     selector_value_refusal,
@@ -68,7 +70,6 @@ if TYPE_CHECKING:
     from disagg.composer import KindUsage
 
 MAX_RESOURCES = MAX_RESOURCE_LINES
-MAX_SELECTORS = 32
 MAX_SELECTOR_VALUE = MAX_SELECTOR_TEXT
 MAX_NAME = 63
 MAX_OWN_ID = 128
@@ -188,9 +189,9 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
     refuse it (`disagg.model.selector_refusal`). (Its value is held to a request's limits by
     `check_selector_values`: an answer may hold one a request may not, a number that is not finite or a longer
     string, made through the Python API or by an earlier version.)"""
-    if not msg.key or len(msg.key) > MAX_NAME:
+    if not msg.key or len(msg.key) > MAX_SELECTOR_KEY:
         raise InvalidRequestError(
-            f"{field}.key: a selector needs a key of 1 to {MAX_NAME} characters", field=f"{field}.key"
+            f"{field}.key: a selector needs a key of 1 to {MAX_SELECTOR_KEY} characters", field=f"{field}.key"
         )
     refusal = selector_refusal(msg.key, resource=resource)
     if refusal:
