@@ -729,6 +729,11 @@ class TestRequestsTheWireCannotCarry:
                 "host.selectors[0].value",
             ),
             (ResourceRequest(DeviceKind.GPU, 1), HostRequest(name="h\udcff"), "host.name"),
+            (
+                ResourceRequest(DeviceKind.GPU, 1),
+                HostRequest(selectors=tuple(Selector(f"k{n}", SelectorOp.EQ, 1) for n in range(33))),
+                "host.selectors",
+            ),
         ],
     )
     def test_compose(
