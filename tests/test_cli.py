@@ -236,6 +236,26 @@ class TestErrors:
         assert cli(capsys, "ls", "--json")[1].strip() == "[]"
 
     @pytest.mark.parametrize(
+        ("content", "key"),
+        [
+            ('{"name": "a", "resource": [{"kind": "gpu"}], "name": "b"}', "name"),
+            ('{"name": "a", "resource": [{"kind": "gpu", "count": 1, "count": 8}]}', "count"),
+            ('{"name": "a", "host": {"name": "h1", "name": "h2"}, "resource": [{"kind": "gpu"}]}', "name"),
+        ],
+    )
+    def test_a_json_request_file_with_a_key_twice(
+        self, capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, key: str
+    ) -> None:
+        """A key given twice in a JSON request file was taken, the last silently winning (TOML refuses it)."""
+        path = tmp_path / "request.json"
+        path.write_text(content)
+        code, out, err = cli(capsys, "compose", "--file", str(path))
+        assert (code, out) == (2, "")
+        assert err.startswith(f"disagg: error: cannot read request file {path}: ")
+        assert f"{key!r} is given twice" in err
+        assert cli(capsys, "ls", "--json")[1].strip() == "[]"
+
+    @pytest.mark.parametrize(
         ("name", "content"),
         [
             ("deep.json", "[" * 100_000 + "]" * 100_000),

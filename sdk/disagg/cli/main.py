@@ -16,6 +16,7 @@ import tomllib
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from disagg import __version__, codec, failpoints
 from disagg.cli import bench as bench_cli
@@ -204,12 +205,27 @@ def cmd_devices(args: argparse.Namespace) -> int:
         return 0
 
 
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once: ``json`` lets the last of two silently win, where TOML
+    refuses the file."""
+    doc: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise ValueError(f"{key!r} is given twice in one object: give it once")
+        doc[key] = value
+    return doc
+
+
 def _request(args: argparse.Namespace) -> CompositionRequest:
     if args.file:
         path = Path(args.file)
         try:
-            text = path.read_text()
-            doc = json.loads(text) if path.suffix.lower() == ".json" else tomllib.loads(text)
+            text = path.read_text(encoding="utf-8")  # as TOML and JSON are, whatever the locale says
+            doc = (
+                json.loads(text, object_pairs_hook=_once_each)
+                if path.suffix.lower() == ".json"
+                else tomllib.loads(text)
+            )
         except FileNotFoundError:
             raise InvalidRequestError(f"request file {path} does not exist", field="file") from None
         except (OSError, ValueError) as exc:
