@@ -30,6 +30,8 @@ from disagg.requestlang import (
     parse_value,
     request_from_document,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 KiB, MiB, GiB, TiB = (1 << 10), (1 << 20), (1 << 30), (1 << 40)
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "request-language.md"
@@ -1132,3 +1134,29 @@ class TestTheWiresCountsAndLengths:
         with pytest.raises(InvalidRequestError, match="at most 63 characters") as info:
             parse_request("t", ["host " + "k" * 64 + "=1", "gpu"])
         assert info.value.field == "clauses[0]"
+
+
+_WORDS = st.sampled_from(
+    (
+        *("host", "gpu", "cxl-memory", "x8", "512GiB", "cores>=", "memory>=", "model=", "latency<=", "spread="),
+        *("same-switch", "=", "<", ">", "!", "'", '"', ";", " ", "\\", "1e400", "nan", "-1", "0x10", "9" * 30),
+        *("\x00", "\udcff", "é"),
+    )
+)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.lists(st.one_of(_WORDS, st.text(max_size=4)), max_size=8).map("".join), min_size=1, max_size=3))
+def test_any_text_is_a_request_or_its_refusal(clauses: list[str]) -> None:
+    """Whatever is typed, the request language answers with a request or an `InvalidRequestError`, never another
+    exception; a request it makes holds only text the wire can carry."""
+    try:
+        request = parse_request("t", clauses)
+    except InvalidRequestError:
+        return
+    assert request_limit_refusal(request.resources, request.host) is None
+    texts = [request.host.name or ""]
+    texts += [s.value for s in request.host.selectors if isinstance(s.value, str)]
+    texts += [s.value for line in request.resources for s in line.selectors if isinstance(s.value, str)]
+    for text in texts:
+        text.encode("utf-8")  # raises on a lone surrogate
