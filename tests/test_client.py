@@ -818,6 +818,11 @@ class TestArgumentsOfTheWrongType:
         ("devices", lambda c: c.devices(kind="gpu"), "kind"),
         ("devices", lambda c: c.devices(health="ok"), "health"),
         ("devices", lambda c: c.devices(fabric=3), "fabric"),
+        ("get", lambda c: c.get("c-\ud800"), "composition_id"),
+        ("decompose", lambda c: c.decompose("job\udcff"), "composition_id"),
+        ("device", lambda c: c.device("gpu-\ud800"), "device_id"),
+        ("recompose", lambda c: c.recompose("j", remove=["gpu-\ud800"]), "remove[0]"),
+        ("compose", lambda c: c.compose(parse_request("j", ["gpu"]), request_id="r-\ud800"), "request_id"),
     )
 
     @pytest.mark.parametrize(

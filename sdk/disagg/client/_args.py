@@ -8,6 +8,7 @@ from enum import Enum
 from typing import TypeVar
 
 from disagg.errors import InvalidRequestError
+from disagg.model.composition import text_refusal
 
 E = TypeVar("E", bound=Enum)
 T = TypeVar("T")
@@ -18,9 +19,14 @@ def _refuse(name: str, wanted: str, value: object) -> InvalidRequestError:
 
 
 def text(value: object, name: str) -> str:
-    """``value``, an id, name or other string argument called ``name``."""
+    """``value``, an id, name or other string argument called ``name``: a string the wire can carry, so not one
+    holding a lone surrogate (Python's reading of bytes that are not UTF-8), on which protobuf raised a bare
+    UnicodeEncodeError."""
     if not isinstance(value, str):
         raise _refuse(name, "a string", value)
+    why = text_refusal(value)
+    if why:
+        raise InvalidRequestError(f"{name}: {why}", field=name)
     return value
 
 
