@@ -1160,3 +1160,27 @@ def test_any_text_is_a_request_or_its_refusal(clauses: list[str]) -> None:
     texts += [s.value for line in request.resources for s in line.selectors if isinstance(s.value, str)]
     for text in texts:
         text.encode("utf-8")  # raises on a lone surrogate
+
+
+class TestDigitsAreAscii:
+    """A number is written in the digits 0-9: other scripts' digits (Arabic-Indic, fullwidth) were read as numbers
+    by ``\\d`` and ``int``, so ``gpu x`` and an Arabic-Indic three asked for three GPUs, and a request pasted from
+    a document with lookalike digits was carried out as another number than the one its reader saw."""
+
+    @pytest.mark.parametrize(
+        "text", ["gpu x\u0663", "gpu x\uff13", "cxl-memory \u0668GiB", "gpu x1 gpu_memory>=\u0668\u0660GB"]
+    )
+    def test_a_line_is_refused(self, text: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_resource(text)
+        assert "\u0663" in info.value.message or "\uff13" in info.value.message or "\u0668" in info.value.message
+
+    def test_a_host_minimum_is_refused(self) -> None:
+        with pytest.raises(InvalidRequestError, match="cores"):
+            parse_request("j", ["host cores>=\u0663\u0662", "gpu"])
+
+    def test_a_selector_value_in_other_digits_is_refused_unless_quoted(self) -> None:
+        with pytest.raises(InvalidRequestError, match="quote it"):
+            parse_resource("gpu model=\u0663")
+        quoted = parse_resource("gpu model='\"\u0663\"'")
+        assert quoted.selectors[0].value == "\u0663"

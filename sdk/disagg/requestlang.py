@@ -46,17 +46,20 @@ from disagg.model.composition import (
 _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
 _ORDERS = frozenset(SelectorOp) - {SelectorOp.EQ, SelectorOp.NE}
-_COUNT = re.compile(r"^(?:x|\*)?(\d+)$")
-_BARE_DECIMAL = re.compile(r"\d+\.\d+")
+_COUNT = re.compile(r"^(?:x|\*)?(\d+)$", flags=re.ASCII)
+_BARE_DECIMAL = re.compile(r"\d+\.\d+", flags=re.ASCII)
 """``512.0``: a number with a point and no unit."""
 T = TypeVar("T")
-_CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]i?", flags=re.IGNORECASE)
+_CLIPPED_SIZE = re.compile(r"\d+(\.\d+)?\s*[KMGTP]i?", flags=re.IGNORECASE | re.ASCII)
 """``80G`` or ``80Gi``: a size whose B was left out."""
 _OTHER_NUMBER = re.compile(
     r"[+-]?(?:0x[0-9a-f_]+|0o[0-7_]+|0b[01_]+|(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:e[+-]?\d+)?)", flags=re.IGNORECASE
 )
 """A number in a notation the language does not read (``8e10``, ``0x10``, ``1_000``, ``+5``, ``.5``): read as
 text, it would compare with no number and match nothing, silently."""
+_OTHER_DIGIT = re.compile(r"[+-]?(?![0-9])\d")
+"""A value that begins with a digit of another script (Arabic-Indic, fullwidth): the language reads numbers in 0-9
+only, so read as text it would compare with no number and match nothing, silently."""
 _NOT_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", flags=re.IGNORECASE)
 """``inf`` or ``nan``, which reads as a number in other languages: here it is text, which no number is ordered
 with, so that ``gpu_memory>=inf`` matched nothing, silently."""
@@ -75,6 +78,13 @@ def parse_selector(text: str, field: str = "selector", *, clause: bool = False) 
     key, op, value = _selector_parts(text, field, clause=clause)
     if isinstance(value, str) and _OTHER_NUMBER.fullmatch(value) and text.strip().endswith(value):  # not quoted
         raise InvalidRequestError(_other_number(text, key, op.value, value, clause=clause), field=field)
+    if isinstance(value, str) and _OTHER_DIGIT.match(value) and text.strip().endswith(value):  # not quoted
+        raise InvalidRequestError(
+            f"{text!r}: {value!r} begins with a digit other than 0-9, which the request language does not read as a "
+            f"number (write it in 0-9); to compare with the text {value!r}, quote it: "
+            f"{_quoted(key, op.value, value, clause=clause)}",
+            field=field,
+        )
     if isinstance(value, str) and op in _ORDERS and _NOT_FINITE.fullmatch(value) and text.strip().endswith(value):
         raise InvalidRequestError(
             f"{text!r}: {value!r} is not a number a device can have (a selector orders finite numbers); to compare "

@@ -19,7 +19,7 @@ _SIZE_UNITS = {
     "pb": 10**15,
 }
 _LATENCY_UNITS = {"": 1, "ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000}
-_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Zµ]*)\s*$")
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Zµ]*)\s*$", flags=re.ASCII)
 
 
 def _too_long(number: str, what: str) -> ValueError:
@@ -93,13 +93,13 @@ def parse_attribute_value(text: str) -> str | int | float | bool:
     low = raw.lower()
     if low in ("true", "false"):
         return low == "true"
-    if re.fullmatch(r"-?\d+", raw):
+    if re.fullmatch(r"-?\d+", raw, flags=re.ASCII):
         try:
             return int(raw)
         except ValueError:
             raise _too_long(raw, "number") from None
-    if re.fullmatch(r"-?\d+\.\d*", raw):
+    if re.fullmatch(r"-?\d+\.\d*", raw, flags=re.ASCII):
         return float(raw)
-    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE):
+    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGTP]i?B", raw, flags=re.IGNORECASE | re.ASCII):
         return parse_size(raw)
     return raw
