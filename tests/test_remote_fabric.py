@@ -39,7 +39,7 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Health
+from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Extent, Health
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import connected
 from disagg.remote.plugin import create_fabric
@@ -665,8 +665,11 @@ class TestAnAnswerThatIsNotTheCall:
             Allocation("a1", "cxl0/mem0", "h2", 1 << 30),
             Allocation("a1", "cxl0/mem0", "h1", 1 << 20),
             Allocation("", "", "", 0),
+            Allocation("a1", "cxl0/mem0", "h1", 2**64 - 1),
+            Allocation("a1", "cxl0/mem0", "h1", 1 << 30, (Extent(2**41 - (1 << 29), 1 << 30),)),
+            Allocation("a1", "cxl0/mem0", "h1", 1 << 30, (Extent(0, 1 << 29), Extent(1 << 28, 1 << 29))),
         ],
-        ids=["id", "pool", "host", "less", "empty"],
+        ids=["id", "pool", "host", "less", "empty", "more-than-the-pool", "extent-beyond-the-pool", "extents-overlap"],
     )
     def test_an_allocation_answered_for_another_is_undone(self, answer: Allocation) -> None:
         sim = cxl()

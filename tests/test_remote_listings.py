@@ -14,7 +14,7 @@ from composer_helpers import ForwardingPool
 from disagg.composer import FabricComposer
 from disagg.errors import FabricUnavailableError
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Binding, CompositionState, EventType
+from disagg.model import Allocation, Binding, CompositionState, EventType, Extent
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
 from disagg_sim import SimFabric
@@ -128,10 +128,48 @@ def _id_twice(listed: list[Allocation]) -> list[Allocation]:
     return [*listed, *(attrs.evolve(a, host="h-other") for a in listed)]
 
 
+def _more_than_the_pool(listed: list[Allocation]) -> list[Allocation]:
+    return [attrs.evolve(a, amount_bytes=2**64 - 1, extents=()) for a in listed]
+
+
+def _more_than_the_pool_together(listed: list[Allocation]) -> list[Allocation]:
+    """Three allocations of a TiB each, without extents, from a pool of 2 TiB."""
+    return [attrs.evolve(a, id=f"{a.id}-{n}", amount_bytes=1 << 40, extents=()) for a in listed for n in range(3)]
+
+
+def _extent_beyond_the_pool(listed: list[Allocation]) -> list[Allocation]:
+    return [attrs.evolve(a, extents=(Extent(2**63, a.amount_bytes),)) for a in listed]
+
+
+def _extents_overlap(listed: list[Allocation]) -> list[Allocation]:
+    """Another allocation carved over the very extents of the first."""
+    return [*listed, *(attrs.evolve(a, id=f"{a.id}-over", host="h-other") for a in listed)]
+
+
 @pytest.mark.parametrize(
     "garble",
-    [_id_emptied, _host_of_memory_emptied, _another_pool, _no_bytes, _id_twice],
-    ids=["empty-id", "empty-host", "another-pool", "no-bytes", "id-twice"],
+    [
+        _id_emptied,
+        _host_of_memory_emptied,
+        _another_pool,
+        _no_bytes,
+        _id_twice,
+        _more_than_the_pool,
+        _more_than_the_pool_together,
+        _extent_beyond_the_pool,
+        _extents_overlap,
+    ],
+    ids=[
+        "empty-id",
+        "empty-host",
+        "another-pool",
+        "no-bytes",
+        "id-twice",
+        "more-than-the-pool",
+        "more-than-the-pool-together",
+        "extent-beyond-the-pool",
+        "extents-overlap",
+    ],
 )
 def test_a_malformed_listing_of_allocations_is_not_judged(
     garble: GarbleMemory, caplog: pytest.LogCaptureFixture

@@ -811,7 +811,10 @@ class RemotePool(Pool):
     def allocations(self) -> Sequence[Allocation]:
         fabric = self._fabric
         answer = fabric._call(fabric._stub.ListAllocations, pb.ListAllocationsRequest(pool=self.id), None)
-        return fabric._read(lambda: wire.allocations_from_wire(answer.allocations, self.id), "allocations")
+        return fabric._read(
+            lambda: wire.check_within(wire.allocations_from_wire(answer.allocations, self.id), self._info),
+            "allocations",
+        )
 
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
         """An amount of 0 is sent, for the driver to refuse; a negative one is refused here (the wire cannot
@@ -827,6 +830,10 @@ class RemotePool(Pool):
                 f"{carved.id!r} of pool {carved.pool!r}, {carved.amount_bytes} bytes for {carved.host!r}",
                 f"{allocation_id!r} of pool {self.id!r}, {amount_bytes} bytes for {host!r}",
             )
+        try:
+            wire.check_within((carved,), self._info)
+        except InvalidRequestError as exc:
+            raise fabric._not_asked("an allocation", exc.message, f"{allocation_id!r} of pool {self.id!r}") from None
         return carved
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:

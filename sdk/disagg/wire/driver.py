@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from urllib.parse import quote, unquote
@@ -33,7 +34,7 @@ from disagg.fabric.v1 import types_pb2
 from disagg.interfaces import CallContext, FaultInjection, check_allocations, check_bindings
 from disagg.interfaces.fabric import MAX_ID as INTERFACE_MAX_ID
 from disagg.interfaces.fabric import check_id as interface_check_id
-from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health
+from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health, PoolInfo
 from disagg.wire.deadlines import NO_DEADLINE_S
 from disagg.wire.types import HEALTH_TO_WIRE, allocation_from_wire, binding_from_wire, enum_from_wire, health_from_wire
 
@@ -251,6 +252,44 @@ def allocations_from_wire(msgs: Iterable[types_pb2.Allocation], pool: str) -> tu
     """A ListAllocations answer of ``pool`` (`pool_allocation_from_wire`), held to the driver interface's contract
     (`disagg.interfaces.check_allocations`)."""
     return check_allocations((pool_allocation_from_wire(msg, pool) for msg in msgs), pool)
+
+
+def check_within(allocations: Sequence[Allocation], pool: PoolInfo | None) -> tuple[Allocation, ...]:
+    """``allocations`` if a driver's answer of them fits ``pool`` (as discovered; None when discovery did not list
+    it: nothing to hold them to): none holds more bytes than the pool, all together no more either, and their
+    extents lie within the pool and overlap none other, as the conformance clause CARVE-NO-OVERLAP asks; else
+    `InvalidRequestError` naming the entry. The composer records an allocation's bytes as the hardware's and
+    claims them in its index: an allocation of 16 EiB left a pool of 2 TiB full for good."""
+    if pool is None:
+        return tuple(allocations)
+    total = pool.capacity.total_bytes
+    spans: list[tuple[int, int, str]] = []
+    held = 0
+    for n, allocation in enumerate(allocations):
+        field = f"allocations[{n}]"
+        if allocation.amount_bytes > total:
+            raise InvalidRequestError(
+                f"{field}.amount_bytes: {allocation.amount_bytes} bytes, more than pool {pool.id!r} holds ({total})",
+                field=f"{field}.amount_bytes",
+            )
+        held += allocation.amount_bytes
+        for m, extent in enumerate(allocation.extents):
+            if extent.end > total:
+                raise InvalidRequestError(
+                    f"{field}.extents[{m}]: {extent.offset}+{extent.length} lies beyond pool {pool.id!r} ({total} "
+                    "bytes)",
+                    field=f"{field}.extents[{m}]",
+                )
+            if extent.length:
+                spans.append((extent.offset, extent.end, f"{field}.extents[{m}]"))
+    if held > total:
+        raise InvalidRequestError(
+            f"allocations: {held} bytes in all, more than pool {pool.id!r} holds ({total})", field="allocations"
+        )
+    for (_, end, first), (start, _, second) in itertools.pairwise(sorted(spans)):
+        if start < end:
+            raise InvalidRequestError(f"{second}: it overlaps {first}", field=second)
+    return tuple(allocations)
 
 
 def event_sequence(value: str) -> tuple[str, int] | None:
