@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import shutil
 import tempfile
 import threading
@@ -39,7 +40,8 @@ from disagg.errors import (
     UnsupportedError,
 )
 from disagg.interfaces import CallContext, Pool
-from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Extent, Health
+from disagg.interfaces.fabric import MAX_ID
+from disagg.model import Allocation, Binding, DeviceKind, DevicePick, Extent, Health, Link, Topology
 from disagg.remote import DriverServer, RemoteFabric
 from disagg.remote.fabric import connected
 from disagg.remote.plugin import create_fabric
@@ -168,6 +170,8 @@ class AnswersAnotherAllocation(Plain):
 
 
 GPU = "pcie0/gpu-a0"
+LINKS = len(pcie().discover().links)
+"""How many links the demo PCIe fabric has."""
 CTX = CallContext(epoch=1)
 
 
@@ -631,6 +635,57 @@ class TestAnUndoAfterALostAnswer:
                 assert sim.bindings() == ()
             finally:
                 binding.join(10)
+                remote.close()
+
+
+class GarbledDiscovery(Plain):
+    """A driver with a bug: its discovery goes through ``garble``."""
+
+    def __init__(self, inner: SimFabric, garble: Callable[[Topology], Topology]) -> None:
+        super().__init__(inner)
+        self.garble = garble
+
+    def discover(self) -> Topology:
+        return self.garble(self.inner.discover())
+
+
+def _first_device(topology: Topology, **changes: Any) -> Topology:
+    return attrs.evolve(topology, devices=(attrs.evolve(topology.devices[0], **changes), *topology.devices[1:]))
+
+
+class TestAMalformedDiscovery:
+    """A discovery naming a device, host, switch, pool or link end by an id the driver service refuses in every
+    request (empty, longer than `MAX_ID`, with a space) is the driver's bug: the composer placed such a device, and
+    every compose that picked it failed at the bind."""
+
+    @pytest.mark.parametrize(
+        ("garble", "field"),
+        [
+            (lambda t: _first_device(t, id=""), "topology.devices[0].id"),
+            (lambda t: _first_device(t, id="pcie0/" + "x" * MAX_ID), "topology.devices[0].id"),
+            (
+                lambda t: attrs.evolve(t, hosts=(attrs.evolve(t.hosts[0], id="h 1"), *t.hosts[1:])),
+                "topology.hosts[0].id",
+            ),
+            (lambda t: attrs.evolve(t, switches=(attrs.evolve(t.switches[0], id=""),)), "topology.switches[0].id"),
+            (lambda t: attrs.evolve(t, links=(*t.links, Link("", "h1", 0))), f"topology.links[{LINKS}].a"),
+        ],
+        ids=["empty-device", "long-device", "host-with-a-space", "empty-switch", "empty-link-end"],
+    )
+    def test_it_is_refused_naming_the_entry(self, garble: Callable[[Topology], Topology], field: str) -> None:
+        sim = pcie()
+        with served(GarbledDiscovery(sim, garble)) as server:
+            remote = RemoteFabric("pcie0", server.address, connect_timeout_s=0.5)  # subscribing waits it in vain
+            composer = FabricComposer({"pcie0": remote, "cxl0": cxl()}, epoch=1)
+            try:
+                with pytest.raises(FabricUnavailableError, match=f"malformed topology: {re.escape(field)}"):
+                    remote.discover()
+                composer.start()  # the other fabric is served; this one is unreachable, its devices offered none
+                with pytest.raises(NoFitError):
+                    composer.compose(parse_request("job", ["gpu x1"]))
+                assert sim.bindings() == ()
+            finally:
+                composer.close()
                 remote.close()
 
 

@@ -638,7 +638,7 @@ class RemoteFabric(Fabric, FaultInjection):
                 pb.DiscoverRequest(), timeout=self.call_timeout_s, metadata=self._metadata
             )
         published = wire.event_sequence(wire.metadata_value(call.trailing_metadata(), wire.EVENT_SEQUENCE_KEY))
-        topology = self._read(lambda: topology_from_wire(answer.topology), "topology")
+        topology = self._read(lambda: wire.check_topology(topology_from_wire(answer.topology)), "topology")
         if topology.fabric != self._name:  # another driver answers at the address now (a swapped unit or socket)
             raise self._another_fabric(topology.fabric)
         index = {d.id: d for d in topology.devices}

@@ -34,7 +34,7 @@ from disagg.fabric.v1 import types_pb2
 from disagg.interfaces import CallContext, FaultInjection, check_allocations, check_bindings
 from disagg.interfaces.fabric import MAX_ID as INTERFACE_MAX_ID
 from disagg.interfaces.fabric import check_id as interface_check_id
-from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health, PoolInfo
+from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health, PoolInfo, Topology
 from disagg.wire.deadlines import NO_DEADLINE_S
 from disagg.wire.types import HEALTH_TO_WIRE, allocation_from_wire, binding_from_wire, enum_from_wire, health_from_wire
 
@@ -252,6 +252,23 @@ def allocations_from_wire(msgs: Iterable[types_pb2.Allocation], pool: str) -> tu
     """A ListAllocations answer of ``pool`` (`pool_allocation_from_wire`), held to the driver interface's contract
     (`disagg.interfaces.check_allocations`)."""
     return check_allocations((pool_allocation_from_wire(msg, pool) for msg in msgs), pool)
+
+
+def check_topology(topology: Topology, field: str = "topology") -> Topology:
+    """``topology`` if every device, host, switch and pool, each pool's device and each link's ends are named by an
+    id (`check_id`): the service refuses any other in every request, so the composer would place a device it can
+    never bind. Else `InvalidRequestError` naming the entry."""
+    named = (
+        *((f"devices[{n}].id", d.id) for n, d in enumerate(topology.devices)),
+        *((f"hosts[{n}].id", h.id) for n, h in enumerate(topology.hosts)),
+        *((f"switches[{n}].id", s.id) for n, s in enumerate(topology.switches)),
+        *((f"pools[{n}].id", p.id) for n, p in enumerate(topology.pools)),
+        *((f"pools[{n}].device", p.device) for n, p in enumerate(topology.pools)),
+        *((f"links[{n}].{end}", getattr(link, end)) for n, link in enumerate(topology.links) for end in "ab"),
+    )
+    for where, value in named:
+        check_id(value, f"{field}.{where}")
+    return topology
 
 
 def check_within(allocations: Sequence[Allocation], pool: PoolInfo | None) -> tuple[Allocation, ...]:
