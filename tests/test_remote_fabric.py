@@ -32,8 +32,11 @@ from disagg.errors import (
     FabricUnavailableError,
     HostUnreachableError,
     InvalidRequestError,
+    LeadershipLostError,
     NoFitError,
     NotFoundError,
+    OverloadedError,
+    RequestIdReusedError,
     StaleEpochError,
     UnknownDeviceError,
     UnknownHostError,
@@ -506,6 +509,35 @@ class TestErrors:
                 remote.discover()
         finally:
             remote.close()
+
+    @pytest.mark.parametrize(
+        "raised",
+        [
+            LeadershipLostError("lost the lead"),
+            RequestIdReusedError("request id 'r' was used for another request"),
+            NoFitError("nothing fits"),
+            OverloadedError("too busy"),
+        ],
+        ids=lambda e: type(e).__name__,
+    )
+    def test_an_error_no_driver_raises_is_the_drivers_bug(self, raised: DisaggError) -> None:
+        """An error that is the fabric manager's own, raised by a driver, was rebuilt as itself: a bind answered
+        LEADERSHIP_LOST told the composer's caller that the fabric manager had lost its lead, and its client went
+        to look for another replica. It is a DriverError naming the reason, in doubt as a crashed call's is."""
+
+        class Raising(Plain):
+            def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+                raise raised
+
+        with served(Raising(pcie())) as server:
+            remote = RemoteFabric("pcie0", server.address)
+            try:
+                with pytest.raises(DriverError) as info:
+                    remote.bind(GPU, "h1", CTX)
+                assert type(info.value) is DriverError and raised.reason in info.value.message
+                assert info.value.metadata[OUTCOME] == OUTCOME_UNKNOWN
+            finally:
+                remote.close()
 
     def test_driver_bug_is_a_driver_error_without_its_text(self) -> None:
         with served(Secretive(pcie())) as server:

@@ -38,15 +38,21 @@ from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import (
     OUTCOME,
     OUTCOME_UNKNOWN,
+    CapacityExhaustedError,
     ConfigError,
+    ConflictError,
     DeadlineExceededError,
+    DeviceBusyError,
     DisaggError,
     DriverError,
     FabricUnavailableError,
+    HostUnreachableError,
     InvalidRequestError,
     NotFoundError,
     StaleEpochError,
     UnknownDeviceError,
+    UnknownHostError,
+    UnsupportedError,
 )
 from disagg.interfaces import CallContext, Device, EventHandler, Fabric, FaultInjection, Pool, Subscription
 from disagg.interfaces.context import epoch_announcement
@@ -69,6 +75,27 @@ from disagg.wire.errors import build, from_rpc_error, server_status
 from disagg.wire.types import binding_from_wire, capabilities_from_wire, topology_from_wire
 
 log = logging.getLogger("disagg.remote")
+
+DRIVER_ERRORS: frozenset[type[DisaggError]] = frozenset(
+    {
+        DisaggError,
+        DriverError,
+        UnknownDeviceError,
+        UnknownHostError,
+        NotFoundError,
+        DeviceBusyError,
+        HostUnreachableError,
+        StaleEpochError,
+        CapacityExhaustedError,
+        ConflictError,
+        InvalidRequestError,
+        UnsupportedError,
+        FabricUnavailableError,
+        DeadlineExceededError,
+    }
+)
+"""The errors a driver raises (docs/driver-interface.md), as the driver service sends them; an unknown reason comes
+back as the class of its code, among these, or as `DisaggError`."""
 
 DEFAULT_CALL_TIMEOUT_S = 30.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
@@ -578,10 +605,19 @@ class RemoteFabric(Fabric, FaultInjection):
 
     def _error(self, exc: grpc.RpcError) -> DisaggError:
         """The SDK error for a failed call, as the driver raised it; a failure of the transport, or a crash of
-        a driver that sent no SDK error, names the endpoint."""
+        a driver that sent no SDK error, names the endpoint. An error no driver raises (the fabric manager's own:
+        a lead lost, a request id reused, no fit; `DRIVER_ERRORS`) is the driver's bug, in doubt as one that
+        crashed: rebuilt as itself, it would tell the composer's caller that the fabric manager lost its lead or
+        refused its request."""
         error = from_rpc_error(exc)
         if not isinstance(exc, grpc.Call) or server_status(exc) is not None:
-            return error
+            if type(error) in DRIVER_ERRORS:
+                return error
+            return DriverError(
+                f"fabric {self._name!r}: the driver at {self.address} failed with {error.reason} ({error.message}), "
+                "an error no driver raises (docs/driver-interface.md, Errors a driver raises)",
+                metadata={OUTCOME: OUTCOME_UNKNOWN},
+            )
         code = exc.code()
         if code is grpc.StatusCode.UNAVAILABLE:
             self._lost_connection()  # the channel may not know yet
