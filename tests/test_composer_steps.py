@@ -210,6 +210,54 @@ class TestLoopRun:
         finally:
             store.close()
 
+    def test_the_loop_ends_a_change_as_the_blocking_runner_does(self, threads: ThreadPoolExecutor) -> None:
+        """`LoopRun` resumes a change through its generator's ``send`` and ``throw`` directly: a return, an error
+        raised, an error thrown in and caught, and one thrown in and answered with another end as `run` ends."""
+
+        def fails() -> Any:
+            raise _DriverSaidNoError("no")
+
+        def at_once() -> Steps[str]:
+            return "at once"
+            yield DURABLE  # a generator
+
+        def raises_first() -> Steps[str]:
+            raise ValueError("before any step")
+            yield DURABLE
+
+        def catches() -> Steps[str]:
+            try:
+                yield Call(fails, blocking=False)
+            except _DriverSaidNoError as exc:
+                return f"caught {exc}"
+            return "not reached"
+
+        def answers_with_another() -> Steps[str]:
+            try:
+                yield Call(fails, blocking=False)
+            except _DriverSaidNoError:
+                raise KeyError("another") from None
+            return "not reached"
+
+        def returns_none() -> Steps[None]:
+            yield Call(lambda: 1, blocking=False)
+
+        def outcome(result: Any) -> tuple[str, str]:
+            try:
+                return "value", repr(result())
+            except Exception as exc:
+                return type(exc).__name__, str(exc)
+
+        async def on_loop(change: Any) -> Any:
+            done = steps.LoopRun(change(), MemoryStore(), threads, contextvars.copy_context()).start()
+            assert isinstance(done, steps.Done)
+            return done
+
+        for change in (at_once, raises_first, catches, answers_with_another, returns_none):
+            blocking = outcome(lambda c=change: steps.run(c(), MemoryStore()))  # type: ignore[misc]
+            assert outcome(asyncio.run(on_loop(change)).result) == blocking, change.__name__
+        assert outcome(asyncio.run(on_loop(catches)).result) == ("value", "'caught no'")
+
     def test_an_error_ends_it_with_the_error(self, threads: ThreadPoolExecutor) -> None:
         def change() -> Steps[None]:
             yield Call(lambda: (_ for _ in ()).throw(_DriverSaidNoError("no")), blocking=False)

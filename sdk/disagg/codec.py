@@ -326,11 +326,13 @@ def record(value: Any) -> str:
     record holding one (a selector's value may be any float) is written by the standard encoder instead, as
     ``Infinity``, which `loads` reads back."""
     global _last_composition
+    cls = type(value)
+    function = _record_functions.get(cls) or _record_function_of(cls)  # a frame fewer once made
     try:
-        text = orjson.dumps(_record_function_of(type(value))(value), default=_refuse).decode()
+        text = orjson.dumps(function(value), default=_refuse).decode()
     except TypeError:
         text = _RECORD.encode(_record_data.unstructure(value))
-    if type(value) is Composition:
+    if cls is Composition:
         _last_composition = (value, text)
     return text
 

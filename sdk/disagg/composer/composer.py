@@ -87,8 +87,11 @@ log = logging.getLogger("disagg.composer")
 EventListener = Callable[[Event], None]
 FRESH_ID_TRIES = 100
 """Ids made for one new record before giving up, should every one be in use (an id maker that repeats itself)."""
-_ASKING: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("disagg_request", default=None)
-"""The request id and digest of the change this thread or asyncio task is running (`_once`)."""
+_ASKING: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVar("disagg_request", default=("", ""))
+"""The request id and digest of the change this thread or asyncio task is running (`_once`), or empty strings. Read
+as ``_ASKING.get()`` where it is needed, six times a Compose: a method of the composer around it was a frame each."""
+_STATE_VALUE = {state: state.value for state in CompositionState}
+"""Each state's text, for the event that tells of a change of state: `Enum.value` is a Python property, two frames."""
 _RETRYING_RECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("disagg_retrying_recorded", default=False)
 """Set while a request id known only from a composition record runs again (`_seed_requests`): its change was
 carried out before, so the change must find its work and answer with it, never carry it out again."""
@@ -1295,7 +1298,7 @@ class FabricComposer(Composer):
         return CallContext(
             epoch=self.epoch,
             deadline=deadline if deadline is not None and deadline < limit else limit,
-            request_id=self._request_mark()[0],
+            request_id=_ASKING.get()[0],
         )
 
     def _rebuild(
@@ -1865,7 +1868,8 @@ class FabricComposer(Composer):
     def _record(self, comp: Composition) -> None:
         """Keep ``comp`` as its composition's record, in memory and in the ledger; under the lock."""
         before = self._compositions.get(comp.id)
-        self._note_touched(before, comp)
+        if self._watches:  # a reconcile reads the hardware now: rare, and a call less a record when none does
+            self._note_touched(before, comp)
         if before is not None and before.request_id != comp.request_id:
             self._lose_seed(before)
         self._compositions[comp.id] = comp
@@ -1917,7 +1921,7 @@ class FabricComposer(Composer):
             new = revise(new, equivalent_generations=restoring.etag_generations[-EQUIVALENT_GENERATIONS_KEPT:])
         self._record(new)
         if new.state is not comp.state:
-            before, after = comp.state.value, new.state.value
+            before, after = _STATE_VALUE[comp.state], _STATE_VALUE[new.state]
             self._emit(
                 EventType.COMPOSITION_STATE_CHANGED,
                 new.id,
@@ -2086,7 +2090,7 @@ class FabricComposer(Composer):
             if sick:  # found by a rebuild since, before a reconcile released it: it can never be applied
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED, sick)
                 released = NotFoundError("reservation", res.id, f"reservation {res.id!r} was released: {sick}")
-                raise self._settled(released, *self._request_mark())
+                raise self._settled(released, *_ASKING.get())
             away = self._out_of_reach(res.plan)
             if away:
                 raise FabricUnavailableError(
@@ -2334,7 +2338,7 @@ class FabricComposer(Composer):
         crash lost its answer, and the composition has been decomposed or changed by another request since.
         Call where the change would otherwise start, under the lock, once it has not found its own work."""
         if _RETRYING_RECORDED.get():
-            request_id, _ = self._request_mark()
+            request_id, _ = _ASKING.get()
             raise RequestAnswerLostError(
                 f"request id {request_id!r} was carried out before a restart that lost its answer, and its "
                 "composition has since been decomposed or changed by another request (or is being changed now): "
@@ -2351,11 +2355,6 @@ class FabricComposer(Composer):
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
         self._requests[request_id] = (fp, answer, done)
         self._requests.move_to_end(request_id)  # memory forgets in the order the ledger answered
-
-    def _request_mark(self) -> tuple[str, str]:
-        """The request id and digest of the call this thread is running, or empty strings."""
-        mark = _ASKING.get()
-        return mark if mark is not None else ("", "")
 
     def _compose(
         self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
@@ -2383,7 +2382,7 @@ class FabricComposer(Composer):
             if mode is ComposeMode.RESERVE:
                 expires = self.clock() + reservation_ttl_s
                 res = Reservation(
-                    self._fresh_id("r", self._reservations), request, plan, expires, *self._request_mark()
+                    self._fresh_id("r", self._reservations), request, plan, expires, *_ASKING.get()
                 )
                 self._check_records_fit(request.name, plan, functools.partial(self._reserved_records, res, mode))
                 self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
@@ -2397,7 +2396,7 @@ class FabricComposer(Composer):
     def _made_by_request(self, request: CompositionRequest) -> Composition | None:
         """The finished composition that this thread's request id already made, when its answer was lost (a
         crash after the commit and before the answer was recorded)."""
-        request_id, fp = self._request_mark()
+        request_id, fp = _ASKING.get()
         comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
         return comp if comp is not None and _finished_by(comp, request_id, fp) else None
 
@@ -2419,14 +2418,14 @@ class FabricComposer(Composer):
 
     def _reserved_by_request(self, request: CompositionRequest) -> Reservation | None:
         """The reservation that this thread's request id already made, when its answer was lost."""
-        request_id, fp = self._request_mark()
+        request_id, fp = _ASKING.get()
         res = self._reservations.get(self._names.get(request.name, "")) if request_id else None
         return res if res is not None and (res.request_id, res.request_fingerprint) == (request_id, fp) else None
 
     def _made_by_mark(self) -> Composition | None:
         """The finished composition that this thread's request id made (an apply, which has no name to look it
         up by once its reservation is gone). Looks at every composition: only on the way to a refusal."""
-        request_id, fp = self._request_mark()
+        request_id, fp = _ASKING.get()
         if not request_id:
             return None
         return next((c for c in self._compositions.values() if _finished_by(c, request_id, fp)), None)
@@ -2453,7 +2452,7 @@ class FabricComposer(Composer):
         self, comp_id: str, request: CompositionRequest, plan: Plan, reservation: Reservation | None
     ) -> Composition:
         """A new composition ``comp_id``, COMPOSING, with ``plan`` (from ``reservation``, if one) pending."""
-        request_id, fp = self._request_mark()
+        request_id, fp = _ASKING.get()
         return Composition(
             id=comp_id,
             name=request.name,
@@ -2518,7 +2517,7 @@ class FabricComposer(Composer):
                 devices=comp.devices + adding.devices,
                 allocations=comp.allocations + adding.allocations,
             )
-        request_id, fp = self._request_mark()
+        request_id, fp = _ASKING.get()
         done = attrs.evolve(grown, state=comp.state, request_id=request_id, request_fingerprint=fp)
         if not remove:
             return (*records, done), done
@@ -2560,7 +2559,7 @@ class FabricComposer(Composer):
         records, answer = made()
         every: list[Composition | Reservation | RequestRecord] = list(records)
         if answer is not None:
-            every.append(RequestRecord(*self._request_mark(), requests.encode(answer), 0.0))
+            every.append(RequestRecord(*_ASKING.get(), requests.encode(answer), 0.0))
         size = max(len(codec.record(record).encode()) for record in every)
         return (size, limit) if size > limit else None
 
@@ -2611,7 +2610,7 @@ class FabricComposer(Composer):
             for s in self._memory_steps(comp_id, plan, start)
         )
         held = () if before is None else before.etag_generations
-        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *self._request_mark(), reservation, held)
+        return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *_ASKING.get(), reservation, held)
 
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
         """The allocations of ``plan``; read outside the lock too, so the fabric is found whether or not a
@@ -2647,7 +2646,7 @@ class FabricComposer(Composer):
         except ExecutionFailedError as failed:
             with self._lock:
                 left = self._fail_new(comp, plan, failed)
-                error = self._failed_answer(comp.id, failed, left, *self._request_mark())
+                error = self._failed_answer(comp.id, failed, left, *_ASKING.get())
             raise error from None
         failpoints.hit("compose.before_commit")
         # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
@@ -2658,7 +2657,7 @@ class FabricComposer(Composer):
             # its reason (`_say_meanwhile`): its record as it is now is judged.
             comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
             answer = ComposeResult(ComposeMode.APPLY, plan, composition=comp)
-            request_id, fp = self._request_mark()
+            request_id, fp = _ASKING.get()
             if with_answer and request_id:  # its answer with its record, in one hold (`_once` finds it given)
                 self._answered(request_id, fp, answer)
         failpoints.hit("compose.after_commit")
@@ -2972,7 +2971,7 @@ class FabricComposer(Composer):
     ) -> Steps[Composition]:
         if not add and not remove:
             raise InvalidRequestError("a recomposition needs something to add or remove")
-        request_id, fp = self._request_mark()
+        request_id, fp = _ASKING.get()
         with self._lock:
             comp = self._find_held(composition_id)
             if request_id and _finished_by(comp, request_id, fp):
@@ -3091,7 +3090,7 @@ class FabricComposer(Composer):
         """The record of removing what ``remove`` names from ``comp``, written before the first driver call."""
         picks = tuple(p for p in comp.devices if p.device in remove)
         allocs = tuple(a for a in comp.allocations if a.id in remove)
-        return PendingChange(ChangeKind.REMOVE, picks, allocs, None, *self._request_mark())
+        return PendingChange(ChangeKind.REMOVE, picks, allocs, None, *_ASKING.get())
 
     def _remove(
         self,

@@ -202,9 +202,14 @@ class LoopRun:
 
     def _resume(self, value: Any, error: Exception | None) -> None:
         run = self._context.run
+        change = self._steps
         while True:
+            # The change resumed in its context directly, not through `_advance`: a Python frame fewer per step.
+            step: Step | Done
             try:
-                step = run(_advance, self._steps, value, error)
+                step = run(change.send, value) if error is None else run(change.throw, error)
+            except StopIteration as stop:
+                step = Done(stop.value)
             except Exception as exc:
                 step = Done(error=exc)
             value, error = None, None
