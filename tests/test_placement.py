@@ -1245,3 +1245,19 @@ class TestPolicyAnswers:
         assert "secret-detail" not in error.message
         assert (error.reason, error.retryable, error.metadata["policy"]) == ("PLUGIN_ERROR", False, policy.name)
         assert f"incident {error.metadata['incident']}" in caplog.text and "secret-detail" in caplog.text
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.sampled_from(["sw1", "sw2", "sw10"]), st.integers(0, 3), st.integers(0, 3)),
+        max_size=8,
+    )
+)
+def test_best_fit_orders_groups_fullest_first_then_nearest_switch_and_key(
+    fields: list[tuple[int, str, int, int]],
+) -> None:
+    """Best-fit sorts by an attrgetter made once rather than a lambda per group: the same order, ties included."""
+    groups = [DeviceGroup(key, switch, latency, free, {}) for key, switch, latency, free in fields]
+    expected = sorted(groups, key=lambda g: (g.free, g.latency_ns, g.switch, g.key))
+    assert list(BestFit().order_groups(groups)) == expected
+    assert [id(g) for g in BestFit().order_groups(groups)] == [id(g) for g in expected]

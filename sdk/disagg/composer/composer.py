@@ -2615,6 +2615,8 @@ class FabricComposer(Composer):
     def _memory_steps(self, comp_id: str, plan: Plan, start: int = 0) -> list[MemoryStep]:
         """The allocations of ``plan``; read outside the lock too, so the fabric is found whether or not a
         rebuild since dropped the pool from the index (its fabric gone away meanwhile)."""
+        if not plan.memory:  # most plans: no list comprehension's frame, twice a Compose
+            return []
         return [
             MemoryStep(f"{comp_id}-m{start + n}", self._fabric_of_pool(m.pool), m) for n, m in enumerate(plan.memory)
         ]
