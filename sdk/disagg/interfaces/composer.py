@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import attrs
 
 from disagg.model import ComposeMode, Composition, CompositionRequest, Plan, Reservation, ResourceRequest
+from disagg.model._quick import quick_init
 
 
+@quick_init
 @attrs.frozen
 class ComposeResult:
     """What `Composer.compose` answers: the plan always; a reservation for RESERVE; a composition for APPLY."""

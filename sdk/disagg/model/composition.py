@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from disagg.model._enum import ModelEnum
+from disagg.model._quick import quick_init
 from disagg.model.devices import AttributeValue, DeviceKind
 
 
@@ -348,6 +349,7 @@ class CompositionState(ModelEnum):
     """A driver it uses has not answered since the fabric manager started: nothing of it is released."""
 
 
+@quick_init
 @attrs.frozen
 class DevicePick:
     """A device chosen for a resource request, with the fabric latency from the host."""
@@ -367,6 +369,7 @@ class MemoryPick:
     latency_ns: int
 
 
+@quick_init
 @attrs.frozen
 class Plan:
     """The outcome of placement: a host and what to bind or carve for it, in execution order."""
@@ -383,6 +386,7 @@ class ChangeKind(ModelEnum):
     """Devices being unbound and memory released from a composition: finished after a crash."""
 
 
+@quick_init
 @attrs.frozen
 class PendingChange:
     """A change to a composition's hardware that was started and not yet recorded as done.
@@ -418,6 +422,7 @@ class PriorState:
     message: str = ""
 
 
+@quick_init
 @attrs.frozen
 class Composition:
     """A composed system: a host with devices bound and memory carved.

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import attrs
 
 from disagg.model._enum import ModelEnum
+from disagg.model._quick import quick_init
 from disagg.model.devices import Health, _freeze_labels
 
 
@@ -59,6 +60,7 @@ class EventType(ModelEnum):
     ALLOCATION_QUARANTINED = "AllocationQuarantined"
 
 
+@quick_init
 @attrs.frozen
 class Event:
     """One entry of the event log. ``revision`` is strictly increasing; watchers resume from it."""

@@ -15,6 +15,7 @@ from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
 from disagg import codec
 from disagg.errors import ConfigError
 from disagg.model import Composition, Event, Reservation
+from disagg.model._quick import quick_init
 
 REQUEST_RETENTION = 10_000
 """Request ids remembered, newest first: a retry is expected within minutes, not after ten thousand others."""
@@ -72,6 +73,7 @@ def check_event_retention(value: int) -> int:
     return value
 
 
+@quick_init
 @attrs.frozen
 class RequestRecord:
     """The first answer to a request id: a retry with the same ``fingerprint`` gets ``answer`` back.
