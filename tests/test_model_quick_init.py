@@ -8,17 +8,24 @@ from typing import Any
 
 import attrs
 import pytest
+from disagg.composer.steps import Call, Done
 from disagg.interfaces.composer import ComposeResult
+from disagg.interfaces.context import CallContext
+from disagg.interfaces.placement import DeviceGroup
 from disagg.model import (
+    Binding,
     ChangeKind,
     ComposeMode,
     Composition,
+    CompositionRequest,
     CompositionState,
+    DeviceKind,
     DevicePick,
     Event,
     EventType,
     PendingChange,
     Plan,
+    ResourceRequest,
 )
 from disagg.model._quick import GENERATED, quick_init
 from disagg.store.base import RequestRecord
@@ -42,6 +49,15 @@ CASES: list[tuple[type, tuple[Any, ...], dict[str, Any]]] = [
     (ComposeResult, (ComposeMode.APPLY, PLAN), {"composition": COMP}),
     (ComposeResult, (ComposeMode.PREVIEW, PLAN), {}),
     (RequestRecord, ("r1", "fp", "{}", 2.5), {}),
+    (Binding, ("sim/g0", "h1"), {}),
+    (CompositionRequest, ("n", (ResourceRequest(DeviceKind.GPU, 1),)), {}),
+    (DeviceGroup, (1, "sw1", 100, 3, {"rack": "r1"}), {}),
+    (CallContext, (), {}),
+    (CallContext, (4, 2.5, "r1"), {}),
+    (Call, (print,), {}),
+    (Call, (print, False), {}),
+    (Done, (), {}),
+    (Done, (None, ValueError("no")), {}),
 ]
 
 
@@ -67,6 +83,11 @@ def test_a_quick_init_makes_what_attrs_makes(cls: type, args: tuple[Any, ...], k
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         setattr(quick, first, getattr(quick, first))
     assert attrs.evolve(quick) == quick
+
+
+def test_a_post_init_still_checks() -> None:
+    with pytest.raises(ValueError, match="needs a name"):
+        CompositionRequest("", (ResourceRequest(DeviceKind.GPU, 1),))
 
 
 def test_a_missing_argument_is_refused_as_by_attrs() -> None:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import attrs
 
+from disagg.model._quick import quick_init
 from disagg.store import Store
 
 T = TypeVar("T")
@@ -30,6 +31,7 @@ class Durable:
     """Wait until the ledger holds every write this change made so far (write-ahead, or before answering)."""
 
 
+@quick_init
 @attrs.frozen
 class Call:
     """Driver calls. ``blocking``: they may wait on hardware, I/O or other threads (see `Fabric.calls_block`),
@@ -104,6 +106,7 @@ def finished(value: T) -> Steps[T]:
     yield  # a generator, never reached
 
 
+@quick_init
 @attrs.frozen
 class Done:
     """A change that has ended, with its value or the error it raised."""

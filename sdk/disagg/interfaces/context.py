@@ -11,6 +11,7 @@ import attrs
 
 from disagg.errors import DeadlineExceededError
 from disagg.model import Binding
+from disagg.model._quick import quick_init
 
 
 class Lock(Protocol):
@@ -21,6 +22,7 @@ class Lock(Protocol):
     def release(self) -> None: ...
 
 
+@quick_init
 @attrs.frozen
 class CallContext:
     """Passed to every mutating call of a `Fabric` or `Pool`.

@@ -12,7 +12,10 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from disagg.model._quick import quick_init
 
+
+@quick_init
 @attrs.frozen
 class DeviceGroup:
     """Free, interchangeable devices on one switch, ``latency_ns`` from the host."""

@@ -15,6 +15,7 @@ from disagg.model._quick import quick_init
 from disagg.model.devices import AttributeValue, DeviceKind
 
 
+@quick_init
 @attrs.frozen
 class Binding:
     """A whole device bound to a host (a vPPB bound to a port, in CXL FM API terms)."""
@@ -207,6 +208,7 @@ class HostRequest:
     selectors: tuple[Selector, ...] = ()
 
 
+@quick_init
 @attrs.frozen
 class CompositionRequest:
     """What a client asks for: one host and the resources to bind to it, all or nothing."""
