@@ -946,11 +946,13 @@ class FabricComposer(Composer):
         return changes, healable, degraded
 
     def _tells_health(self, name: str) -> bool:
-        """Whether fabric ``name``'s driver declares HEALTH_EVENTS: its events are the source of its devices'
-        health, and a pass need not discover it again to learn it. One that cannot say is asked (`_discovered`).
-        Outside the lock."""
+        """Whether fabric ``name``'s driver declares HEALTH_EVENTS and its events are heard now
+        (`Fabric.events_heard`: a remote driver's event stream is open): its events are the source of its
+        devices' health, and a pass need not discover it again to learn it. One that cannot say is asked
+        (`_discovered`). Outside the lock."""
         try:
-            return self.fabrics[name].capabilities().supports(Feature.HEALTH_EVENTS)
+            fabric = self.fabrics[name]
+            return fabric.capabilities().supports(Feature.HEALTH_EVENTS) and fabric.events_heard
         except Exception:  # a driver's bug too: its discovery tells whether it can be used
             return False
 

@@ -201,6 +201,14 @@ class Fabric(abc.ABC):
         handing them to a thread and back."""
         return True
 
+    @property
+    def events_heard(self) -> bool:
+        """Whether the driver's events reach its subscribers now. True unless the driver knows better: a driver out
+        of process (`disagg.remote`) answers False while its event stream is not open. The composer then takes
+        no failure as told by events, whatever HEALTH_EVENTS says: it discovers the fabric's health on each pass,
+        as it does a fabric that does not declare them."""
+        return True
+
     @abc.abstractmethod
     def capabilities(self) -> Capabilities: ...
 

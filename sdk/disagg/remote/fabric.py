@@ -13,7 +13,8 @@ The composer cannot tell it from an in-process driver:
   and a driver that failed unexpectedly (INTERNAL) is a `DriverError`, as the composer reports an unexpected
   exception of an in-process driver;
 - `subscribe` delivers events in order from one watcher thread (`disagg.remote.watch`), which reconnects
-  when the stream breaks and reports what changed meanwhile;
+  when the stream breaks (or its headers do not come within the call timeout) and reports what changed
+  meanwhile; while no stream is open, `events_heard` is False and the composer discovers the fabric's health;
 - a fault injected through it returns once its events have been handled, when the driver numbers its
   events (see `disagg.wire.driver`), as the simulator delivers them before it returns.
 
@@ -439,6 +440,15 @@ class RemoteFabric(Fabric, FaultInjection):
     def capabilities(self) -> Capabilities:
         return self._served_here(self.call_timeout_s)
 
+    @property
+    def events_heard(self) -> bool:
+        """Whether a watch stream is open (`subscribe`): while none is (not yet opened, broken, refused, or its
+        headers never came), the driver's events reach no handler, whatever it declares, and the composer
+        discovers the fabric's health on each pass instead."""
+        with self._lock:
+            watcher = self._watcher
+        return watcher is not None and watcher.connected
+
     def discover(self) -> Topology:
         topology = self._discover()[0]
         # No stream has told anything yet: its first resync starts from this, unless it already took what it
@@ -496,7 +506,14 @@ class RemoteFabric(Fabric, FaultInjection):
                 raise FabricUnavailableError(f"fabric {self._name!r} (driver remote) is closed")
             self._handlers.append(subscription)
             if self._watcher is None:
-                self._watcher = EventWatcher(self._name, self._open_stream, self._resync, self._deliver)
+                self._watcher = EventWatcher(
+                    self._name,
+                    self._open_stream,
+                    self._resync,
+                    self._deliver,
+                    address=self.address,
+                    headers_within_s=self.call_timeout_s,
+                )
             watcher = self._watcher
         never_answered = self._capabilities is None
         if never_answered or watcher.on_watcher_thread():

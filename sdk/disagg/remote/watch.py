@@ -1,7 +1,10 @@
 """The client side of WatchFabricEvents: one thread per remote fabric keeps a stream open and delivers events.
 
 The thread opens the stream, waits for its initial metadata (the driver has then registered it), and
-delivers each event to the fabric's handlers, in order. When the stream breaks (the driver restarted, or
+delivers each event to the fabric's handlers, in order. It waits for that metadata ``headers_within_s`` at most
+(the fabric's call timeout), then cancels the stream and watches again, as after one refused: a driver that
+hangs before it sends them (a deadlock, a grpc-go handler that sends nothing before its first event) held the
+watcher on that stream for ever, while no event could come. When the stream breaks (the driver restarted, or
 dropped a watcher that fell behind) it reconnects with a bounded exponential backoff; since the service
 cannot replay what was missed, the first thing it does after reconnecting is ask the fabric to `resync`,
 which rediscovers and reports the differences as events. Only then is the watcher connected. A stream left for
@@ -16,9 +19,9 @@ fabric can tell the events published before its resync's discovery was answered 
 out the backoff: it has the watcher try at once, and gives up as soon as an attempt begun after it fails to
 connect (the driver refused the stream, or the resync failed), since no event can come then.
 
-A watcher that cannot get events (every resync fails, or the driver refuses every stream) says so at WARNING,
-at most once every `WARN_EVERY_S`: the fabric's calls may still work, so nothing else would show that the
-composer no longer hears of failures.
+A watcher that cannot get events (every resync fails, or the driver refuses every stream or sends no headers on
+it) says so at WARNING, at most once every `WARN_EVERY_S`: the fabric's calls may still work, so nothing else
+would show that the composer no longer hears of failures.
 """
 
 from __future__ import annotations
@@ -112,8 +115,13 @@ class EventWatcher:
         open_stream: Callable[[], EventCall],
         resync: Callable[[bool], None],
         deliver: Callable[[FabricEvent, tuple[str, int] | None], None],
+        *,
+        address: str,
+        headers_within_s: float,
     ) -> None:
         self._name = name
+        self._address = address
+        self._headers_within_s = headers_within_s
         self._open_stream = open_stream
         self._resync = resync
         self._deliver = deliver
@@ -138,6 +146,7 @@ class EventWatcher:
 
     @property
     def connected(self) -> bool:
+        """Whether a stream is open and resynchronised: only then do the handlers hear the driver's events."""
         with self._state:
             return self._connected
 
@@ -226,9 +235,24 @@ class EventWatcher:
         connected = False
         ending = _Ending.UNCONNECTED
         try:
-            header = wire.metadata_value(call.initial_metadata(), wire.EVENT_SEQUENCE_KEY)
+            metadata, late = self._headers(call)
+            with self._state:
+                if self._stopping:  # cancelled by `stop`, not refused
+                    return _Ending.UNCONNECTED
+            if late:
+                self._no_events(
+                    f"the driver at {self._address} sent no headers on its event stream within "
+                    f"{self._headers_within_s:g}s (the fabric's call_timeout_s), so the stream was given up: a driver "
+                    "must send a WatchFabricEvents stream's headers at once, before its first event (a grpc-go "
+                    "driver calls stream.SendHeader first: grpc-go holds them until the first event otherwise; "
+                    "docs/remote-drivers.md)"
+                )
+                return _Ending.UNCONNECTED
+            header = wire.metadata_value(metadata, wire.EVENT_SEQUENCE_KEY)
             if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
-                self._no_events(f"the driver refused the event stream ({call.code()}: {call.details()})")
+                self._no_events(
+                    f"the driver at {self._address} refused the event stream ({call.code()}: {call.details()})"
+                )
                 return _Ending.UNCONNECTED
             numbered = wire.event_sequence(header)
             sequence = numbered or ("", 0)
@@ -268,6 +292,25 @@ class EventWatcher:
             if not connected:
                 self._give_up(attempt)
         return ending
+
+    def _headers(self, call: EventCall) -> tuple[Sequence[tuple[str, str | bytes]] | None, bool]:
+        """The stream's initial metadata, and whether ``headers_within_s`` passed first: the call is then
+        cancelled. grpcio's wait for them takes no timeout, and a driver that hangs before it sends them (a
+        deadlock, a grpc-go handler that sends nothing until its first event) held the watcher for ever."""
+        late = threading.Event()
+
+        def give_up() -> None:
+            late.set()
+            call.cancel()
+
+        timer = threading.Timer(self._headers_within_s, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            metadata = call.initial_metadata()
+        finally:
+            timer.cancel()
+        return metadata, late.is_set()
 
     def _event(self, msg: pb.FabricEvent) -> FabricEvent | None:
         """A stream event as this fabric's (a driver may leave its fabric unnamed: the stream is of this one);

@@ -1,0 +1,121 @@
+"""A driver whose WatchFabricEvents hangs before it sends the stream's headers (a deadlock in the driver, a grpc-go
+server that holds them until the first event, a proxy that buffers): the watcher waited for them for ever, said
+so once at subscribe and never again, and the composer went on taking the fabric's health as its events told it,
+while no event could come. Now the wait is bounded by the fabric's ``call_timeout_s``: the attempt is cancelled,
+a warning says what the driver must do, the watcher tries again with its backoff, and until a stream is open the
+fabric's events are not heard (`Fabric.events_heard`), so each reconciliation pass discovers its health."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from disagg.composer import FabricComposer
+from disagg.driver.v1 import fabric_driver_pb2 as pb
+from disagg.model import CompositionState, FabricEventKind, Health
+from disagg.remote import RemoteFabric
+from disagg.remote.service import FabricDriverServicer
+from disagg.requestlang import parse_request
+from disagg_sim import SimFabric
+from remote_helpers import Recorder, eventually, pcie, serving_bare
+
+WAIT_S = 10.0
+HEADERS_S = 0.5
+"""The remote fabric's call timeout in these tests: how long the watcher waits for a stream's headers."""
+
+
+class Tongueless(FabricDriverServicer):
+    """The SDK's servicer, but while ``hanging`` is set its WatchFabricEvents sends nothing, headers included,
+    until the client goes away (`WAIT_S` at most); it counts the streams it held so."""
+
+    def __init__(self, fabric: SimFabric) -> None:
+        super().__init__(fabric, driver="sim")
+        self.hanging = threading.Event()
+        self.hanging.set()
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def WatchFabricEvents(  # noqa: N802
+        self, request: pb.WatchFabricEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchFabricEventsResponse]:
+        if self.hanging.is_set():
+            with self._lock:
+                self.held += 1
+            deadline = time.monotonic() + WAIT_S
+            while context.is_active() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return
+        yield from super().WatchFabricEvents(request, context)
+
+
+def _remote(address: str, call_timeout_s: float = HEADERS_S) -> RemoteFabric:
+    return RemoteFabric("pcie0", address, call_timeout_s=call_timeout_s, connect_timeout_s=HEADERS_S)
+
+
+class TestAStreamWithoutHeaders:
+    def test_is_given_up_with_a_warning_and_watched_again(self, caplog: pytest.LogCaptureFixture) -> None:
+        sim = pcie()
+        driver = Tongueless(sim)
+        with serving_bare(driver) as address, caplog.at_level(logging.WARNING, logger="disagg.remote"):
+            remote = _remote(address)
+            try:
+                seen = Recorder()
+                remote.subscribe(seen)
+                assert eventually(lambda: driver.held >= 3, WAIT_S), driver.held  # it was held on the first for ever
+                assert not remote.events_heard
+                driver.hanging.clear()  # the driver mended: the next attempt connects, and events flow
+                assert eventually(lambda: remote.events_heard, WAIT_S)
+                remote.fail_device("pcie0/gpu-a0", "ECC")
+                assert eventually(lambda: len(seen.events) == 1, WAIT_S)
+                assert [(e.kind, e.subject, e.health) for e in seen.events] == [
+                    (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", Health.FAILED)
+                ]
+            finally:
+                remote.close()
+        warnings = [r.getMessage() for r in caplog.records if "headers" in r.getMessage()]
+        assert len(warnings) == 1, warnings  # at most once a minute, as any stream that gives no events
+        assert f"the driver at {address}" in warnings[0]
+        assert f"within {HEADERS_S:g}s" in warnings[0]
+        assert "at once" in warnings[0] and "SendHeader" in warnings[0]
+        assert "no events are delivered" in warnings[0]
+
+    def test_closing_while_it_hangs_says_nothing_of_a_refusal(self, caplog: pytest.LogCaptureFixture) -> None:
+        """close() cancelled the call, which the watcher then logged as 'the driver refused the event stream
+        (CANCELLED)'."""
+        driver = Tongueless(pcie())
+        with serving_bare(driver) as address, caplog.at_level(logging.DEBUG, logger="disagg.remote"):
+            remote = _remote(address, call_timeout_s=WAIT_S)
+            try:
+                remote.subscribe(Recorder())
+                assert eventually(lambda: driver.held == 1, WAIT_S)
+            finally:
+                started = time.monotonic()
+                remote.close()
+                assert time.monotonic() - started < WAIT_S / 2
+        assert not [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+
+
+class TestTheComposerWhileNoStreamIsOpen:
+    def test_a_failure_is_found_by_the_pass(self) -> None:
+        """The driver declares HEALTH_EVENTS, so the pass trusted its events for its devices' health and did not
+        discover it: a device that failed while the stream hung left its composition COMPOSED."""
+        sim = pcie()
+        driver = Tongueless(sim)
+        with serving_bare(driver) as address:
+            remote = _remote(address)
+            composer = FabricComposer({"pcie0": remote}, epoch=1, auto_heal=False)
+            try:
+                composer.fence_drivers()
+                composer.start()
+                comp = composer.compose(parse_request("job", ["host h1", "gpu x1"])).composition
+                assert comp is not None
+                sim.fail_device(comp.device_ids[0], "ECC")  # no stream carries its event
+                composer.reconcile()
+                assert composer.get(comp.id).state is CompositionState.DEGRADED
+            finally:
+                composer.close()
+                remote.close()
