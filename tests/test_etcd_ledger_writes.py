@@ -38,6 +38,28 @@ PATIENCE_S = 5 * TIMEOUT_S
 WAIT_S = 10.0
 
 
+def _compact_after_a_page(
+    monkeypatch: pytest.MonkeyPatch, store: EtcdStore, endpoint: str, under: bytes = b""
+) -> list[int]:
+    """Have ``store``'s first read of a page at a pinned revision (of keys under ``under``) be followed by another
+    program's write and the operator's compaction at that write's revision; the list gets the revision compacted."""
+    pinned_range = store._range
+    compacted: list[int] = []
+
+    def compact_after_the_page(start: bytes, end: bytes, **kw: Any) -> Any:
+        answer = pinned_range(start, end, **kw)
+        if kw.get("limit") and kw.get("revision") and under in start and not compacted:
+            raw_client(endpoint).put("/elsewhere", "x")
+            ((_, meta),) = raw_client(endpoint).get("/elsewhere", metadata=True)
+            compacted.append(int(meta["mod_revision"]))
+            url = f"http://{endpoint}/v3/kv/compaction"
+            requests.post(url, json={"revision": compacted[0], "physical": True}, timeout=5).raise_for_status()
+        return answer
+
+    monkeypatch.setattr(store, "_range", compact_after_the_page)
+    return compacted
+
+
 def _composition(cid: str, generation: int = 1) -> Composition:
     return Composition(
         id=cid, name=f"name-{cid}", host="h1", state=CompositionState.COMPOSED, resources=(), generation=generation
@@ -541,22 +563,7 @@ class TestCompaction:
         try:
             for n in range(5):
                 store.put_composition(_composition(f"c{n}"))
-            pinned_range = store._range
-            compacted: list[int] = []
-
-            def compact_after_the_first_page(start: bytes, end: bytes, **kw: Any) -> Any:
-                answer = pinned_range(start, end, **kw)
-                if (
-                    kw.get("limit") and kw.get("revision") and not compacted
-                ):  # another program writes, the operator compacts
-                    raw_client(endpoint).put("/elsewhere", "x")
-                    ((_, meta),) = raw_client(endpoint).get("/elsewhere", metadata=True)
-                    compacted.append(int(meta["mod_revision"]))
-                    url = f"http://{endpoint}/v3/kv/compaction"
-                    requests.post(url, json={"revision": compacted[0], "physical": True}, timeout=5).raise_for_status()
-                return answer
-
-            monkeypatch.setattr(store, "_range", compact_after_the_first_page)
+            compacted = _compact_after_a_page(monkeypatch, store, endpoint)
             loaded = store.load()
             assert compacted and [c.id for c in loaded.compositions] == [f"c{n}" for n in range(5)]
             store.put_composition(_composition("c5"))  # and it writes on, ordered after what it loaded
@@ -588,20 +595,7 @@ class TestCompaction:
                     first.put_cordon(f"pcie0/g{n}")
             parts = raw_client(endpoint).get_prefix(f"{prefix}staged/")
             assert len(parts) > 2  # more than a page of parts
-            pinned_range = second._range
-            compacted: list[int] = []
-
-            def compact_after_the_first_staged_page(start: bytes, end: bytes, **kw: Any) -> Any:
-                answer = pinned_range(start, end, **kw)
-                if kw.get("limit") and kw.get("revision") and b"staged/" in start and not compacted:
-                    raw_client(endpoint).put("/elsewhere", "x")
-                    ((_, meta),) = raw_client(endpoint).get("/elsewhere", metadata=True)
-                    compacted.append(int(meta["mod_revision"]))
-                    url = f"http://{endpoint}/v3/kv/compaction"
-                    requests.post(url, json={"revision": compacted[0], "physical": True}, timeout=5).raise_for_status()
-                return answer
-
-            monkeypatch.setattr(second, "_range", compact_after_the_first_staged_page)
+            compacted = _compact_after_a_page(monkeypatch, second, endpoint, b"staged/")
             loaded = second.load()
             assert compacted and loaded.cordons == tuple(f"pcie0/g{n}" for n in range(9))
             assert second.failure == "" and not raw_client(endpoint).get_prefix(f"{prefix}staged")

@@ -273,6 +273,18 @@ class TestFencing:
             pcie.bind("pcie/ghost", "nobody", CallContext(epoch=1))
 
 
+def _mutating_calls(cxl: SimFabric) -> list[Callable[[CallContext], object]]:
+    """Every call of ``cxl`` that carries an epoch, each on the fabric's one CXL device and pool."""
+    pool = cxl.pool("cxl/mem0")
+    return [
+        lambda ctx: cxl.bind("cxl/cxlmem0", "h1", ctx),
+        lambda ctx: cxl.unbind(Binding("cxl/cxlmem0", "h1"), ctx),
+        lambda ctx: pool.allocate("a", "h1", 1 << 30, ctx),
+        lambda ctx: pool.release("a", ctx),
+        lambda ctx: cxl.device("cxl/cxlmem0").sanitize(ctx),
+    ]
+
+
 class TestMalformedEpoch:
     """An epoch that is not an integer is refused with InvalidRequestError, as the driver protocol refuses it,
     and never remembered: compared, one that is not a number raised a TypeError, which no driver may raise, and
@@ -281,14 +293,7 @@ class TestMalformedEpoch:
     @pytest.mark.parametrize("bad", ["3", 2.5, True, None], ids=["text", "float", "bool", "none"])
     def test_every_mutating_call(self, cxl: SimFabric, bad: Any) -> None:
         pool = cxl.pool("cxl/mem0")
-        calls: list[Callable[[CallContext], object]] = [
-            lambda ctx: cxl.bind("cxl/cxlmem0", "h1", ctx),
-            lambda ctx: cxl.unbind(Binding("cxl/cxlmem0", "h1"), ctx),
-            lambda ctx: pool.allocate("a", "h1", 1 << 30, ctx),
-            lambda ctx: pool.release("a", ctx),
-            lambda ctx: cxl.device("cxl/cxlmem0").sanitize(ctx),
-        ]
-        for call in calls:
+        for call in _mutating_calls(cxl):
             with pytest.raises(InvalidRequestError, match="epoch: give an integer") as info:
                 call(CallContext(epoch=bad))
             assert info.value.field == "epoch"
@@ -298,14 +303,7 @@ class TestMalformedEpoch:
         """The wire carries a uint64 epoch, and the remote path refuses one above 2**64 - 1 with this error: in
         process it was accepted and remembered, fencing off every epoch a manager can send over the wire."""
         pool = cxl.pool("cxl/mem0")
-        calls: list[Callable[[CallContext], object]] = [
-            lambda ctx: cxl.bind("cxl/cxlmem0", "h1", ctx),
-            lambda ctx: cxl.unbind(Binding("cxl/cxlmem0", "h1"), ctx),
-            lambda ctx: pool.allocate("a", "h1", 1 << 30, ctx),
-            lambda ctx: pool.release("a", ctx),
-            lambda ctx: cxl.device("cxl/cxlmem0").sanitize(ctx),
-        ]
-        for call in calls:
+        for call in _mutating_calls(cxl):
             with pytest.raises(InvalidRequestError) as info:
                 call(CallContext(epoch=2**64))
             assert info.value.message == f"epoch: at most {2**64 - 1}, not {2**64}"

@@ -2383,9 +2383,7 @@ class FabricComposer(Composer):
                 return ComposeResult(mode, plan)
             if mode is ComposeMode.RESERVE:
                 expires = self.clock() + reservation_ttl_s
-                res = Reservation(
-                    self._fresh_id("r", self._reservations), request, plan, expires, *_ASKING.get()
-                )
+                res = Reservation(self._fresh_id("r", self._reservations), request, plan, expires, *_ASKING.get())
                 self._check_records_fit(request.name, plan, functools.partial(self._reserved_records, res, mode))
                 self._hold_reservation(res, self.monotonic() + reservation_ttl_s)
                 self._emit(EventType.RESERVATION_CREATED, res.id, f"for {request.name!r}", host=plan.host)
