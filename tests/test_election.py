@@ -250,6 +250,9 @@ class TestReadLease:
                 assert leadership._lease is not None
                 hung = threading.Event()
                 monkeypatch.setattr(leadership._lease, "refresh", lambda: hung.wait(WAIT_S) and 0)
+                # The step-down that follows within half a second (the next test) is held off: the read lease alone
+                # is tested here.
+                monkeypatch.setattr(leadership, "deposed", lambda why: None)
                 time.sleep(TTL_S + 0.5)
                 assert not leadership.lost.is_set(), "the keeper found the lead lost: this tests the gap before"
                 with pytest.raises(FabricUnavailableError, match="lost the lead"):
@@ -258,6 +261,57 @@ class TestReadLease:
                     client.compose(parse_request("late", ["gpu x1"]))
                 hung.set()
         finally:
+            server.stop(0)
+
+    def test_a_leader_whose_keeper_hangs_steps_down_when_its_lease_runs_out(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The keeper's refresh hangs (a resolver that does not answer in a partition: a request's timeout does not
+        bound it): only the keeper set the lead lost, so the replica refused every call but reported SERVING, kept
+        its timer calling the drivers with its replaced epoch, and never exited to come back as a standby, for as
+        long as the keeper hung. It steps down once its lease has run out by its own clock, and its timer does
+        nothing from that moment."""
+        monkeypatch.setattr(runtime, "RETRY_UNREACHABLE_S", 0.05)
+        leadership = Leadership(etcd.endpoints, "hung", ttl_s=TTL_S)
+        serving, lost = threading.Event(), threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/hung-keeper/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+            on_lost=lost.set,
+            tick_s=0.05,
+        )
+        server.start()
+        hung = threading.Event()
+        try:
+            assert serving.wait(WAIT_S)
+            unled: list[str] = []
+            for name in ("tick", "retry_unreachable", "reconcile"):
+                acting = getattr(server.composer, name)
+
+                def checked(*args: object, name: str = name, acting: object = acting) -> object:
+                    if not leadership.leading():
+                        unled.append(name)
+                    return acting(*args)  # type: ignore[operator]
+
+                monkeypatch.setattr(server.composer, name, checked)
+            deposed = leadership.deposed
+
+            def slow_to_step_down(why: str) -> None:
+                time.sleep(0.3)  # the timer ticks meanwhile, every 0.05 s
+                deposed(why)
+
+            monkeypatch.setattr(leadership, "deposed", slow_to_step_down)
+            assert leadership._lease is not None
+            monkeypatch.setattr(leadership._lease, "refresh", lambda: hung.wait(4 * WAIT_S) and 0)
+            assert lost.wait(TTL_S + 2.0), "the replica whose lease ran out never stepped down"
+            assert not hung.is_set()
+            health = HealthStub(grpc.insecure_channel(server.addresses[0]))
+            assert health.Check(HealthCheckRequest(), timeout=1).status == HealthCheckResponse.NOT_SERVING
+            assert unled == [], f"the timer acted after the lease ran out: {sorted(set(unled))}"
+        finally:
+            hung.set()
             server.stop(0)
 
     def test_a_leader_answers_reads_while_its_lease_is_refreshed(self, etcd: EtcdCluster) -> None:

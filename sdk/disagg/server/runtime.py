@@ -529,17 +529,27 @@ class FabricManagerServer:
             return
         self._serve()
 
+    def _leads(self) -> bool:
+        """Whether this server may act of its own accord now: no leadership, or one whose lease has not run out."""
+        lead = self.servicer.lead
+        return lead is None or lead()
+
     def _stopped(self) -> bool:
         with self._lock:
             return self._state in ("stopping", "stopped")
 
     def _watch_lead(self) -> None:
         """From the lead's win on, through the composer's start: step down once the lead is lost, unless the
-        server is stopping (a lead given up by the stop is no news)."""
+        server is stopping (a lead given up by the stop is no news). A lease that ran out by this replica's clock
+        with no refresh taken loses it too: only the lease keeper would say so otherwise, and one that hangs (a
+        resolver that does not answer in a partition) left the replica reporting SERVING and never exiting."""
         assert self.leadership is not None
+        leading = getattr(self.leadership, "leading", None)
         while not self.leadership.lost.wait(0.5):
             if self._ticking.is_set() or self._lead_ended:
                 return
+            if leading is not None and not leading():
+                self.leadership.deposed("its lease ran out with no refresh taken; another replica may lead now")
         if not self._stopped():
             self._step_down()
 
@@ -662,6 +672,8 @@ class FabricManagerServer:
             if failure:
                 self._fail_stop(failure)
                 return
+            if not self._leads():  # its lease ran out unrefreshed: `_watch_lead` steps down, and a driver the
+                continue  # new leader could not tell yet would take this replica's replaced epoch meanwhile
             try:
                 self.composer.tick()
             except Exception:
