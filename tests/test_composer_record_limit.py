@@ -160,8 +160,27 @@ class TestARemoval:
         job = eight_gpus(comp)
         store.limit = limit
         bound = hardware_bindings(fabrics)
-        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
             comp.recompose(job.id, add=more, remove=job.device_ids[:7], request_id="r-swap")
+        assert refused.value.field == "add"
+        assert store.oversized == [] and hardware_bindings(fabrics) == bound and comp.get(job.id) == job
+
+
+class TestAnAddition:
+    def test_an_addition_the_ledger_cannot_take_is_refused_naming_the_field_add(self, store: LimitedStore) -> None:
+        """A Recompose's lines are its field ``add``: the refusal named ``resources``, which it has not."""
+        more = (parse_resource("gpu x2"),)
+        limit = largest_written(
+            lambda comp, _: (comp, eight_gpus(comp)), lambda m: m[0].recompose(m[1].id, add=more, request_id="r-grow")
+        )
+        fabrics = rack()
+        comp = composer(fabrics, store=store)
+        job = eight_gpus(comp)
+        store.limit = limit
+        bound = hardware_bindings(fabrics)
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
+            comp.recompose(job.id, add=more, request_id="r-grow")
+        assert refused.value.field == "add" and "ask for fewer in one composition" in refused.value.message
         assert store.oversized == [] and hardware_bindings(fabrics) == bound and comp.get(job.id) == job
 
 

@@ -498,8 +498,9 @@ class TestRecordSize:
             small = composer.compose(CompositionRequest("small", (parse_resource("gpu x2"),)), request_id="r-small")
             cid = small.composition.id
             more = (parse_resource(f"gpu x{self.TOO_MANY - 2}"),)
-            with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record"):
+            with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
                 composer.recompose(cid, add=more, request_id="r-grow")
+            assert refused.value.field == "add"
             assert store.failure == "" and len(composer.fabrics["pcie0"].bindings()) == 2
             grown = composer.recompose(cid, add=(parse_resource("gpu x1"),), request_id="r-one")
             assert store.load().compositions == (grown,)

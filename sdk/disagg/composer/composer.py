@@ -2569,19 +2569,21 @@ class FabricComposer(Composer):
         plan: Plan,
         made: Callable[[], tuple[Sequence[Composition | Reservation], ComposeResult | Composition]],
         removing: int = 0,
+        adding: str = "resources",
     ) -> None:
         """Refuse a change of ``name`` to hold ``plan``, and to remove ``removing`` of its parts, when the ledger
         could not take one of the records ``made()`` gives, or its request's answer, which it gives with them
         (`_past_limit`). Checked before anything is claimed, bound or written: the ledger fails as a whole on a
         record it cannot take, which stops the server, and a client's retry of the request stopped the next
-        replica to lead in turn. Under the lock."""
+        replica to lead in turn. Refused, an addition names the request's field ``adding`` (a Compose's
+        ``resources``, a Recompose's ``add``), a removal alone ``remove``. Under the lock."""
         past = self._past_limit(made)
         if past is None:
             return
         size, limit = past
         if plan.devices or plan.memory or not removing:
             change = f"hold {len(plan.devices)} more devices and {len(plan.memory)} more allocations"
-            ask, field = "ask for fewer in one composition", "resources"
+            ask, field = "ask for fewer in one composition", adding
             if removing:
                 change += f", and name the {removing} parts it removes,"
         else:
@@ -3009,7 +3011,7 @@ class FabricComposer(Composer):
                 plan = found
                 first = self._adding(comp.id, plan, restore=previous_state, start=start, before=comp)
                 measured = functools.partial(self._changed_records, comp, add, first, remove)
-                self._check_records_fit(comp.name, plan, measured, len(remove))
+                self._check_records_fit(comp.name, plan, measured, len(remove), adding="add")
                 self._claim_plan(plan, comp.id, host=False)
             else:
                 # A removal alone writes its plan at once: a record COMPOSING with nothing pending, left by a
