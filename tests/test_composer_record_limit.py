@@ -10,17 +10,30 @@ name the failed devices and their replacements) were not. In memory, with a smal
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 from composer_helpers import composer, hardware_bindings, rack
 from disagg import codec
 from disagg.composer import FabricComposer
-from disagg.errors import InvalidRequestError, NoFitError
-from disagg.model import ComposeMode, Composition, CompositionState, EventType, Reservation
+from disagg.errors import FabricUnavailableError, InvalidRequestError, NoFitError
+from disagg.interfaces import CallContext
+from disagg.model import (
+    Binding,
+    ComposeMode,
+    Composition,
+    CompositionState,
+    Event,
+    EventType,
+    Reservation,
+    Topology,
+)
+from disagg.model.composition import revise
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import MemoryStore, RequestRecord
+from disagg_sim import SimFabric
+from disagg_sim.generator import generate_topology
 
 
 class LimitedStore(MemoryStore):
@@ -38,7 +51,7 @@ class LimitedStore(MemoryStore):
     def record_limit(self) -> int | None:
         return self.limit
 
-    def _measure(self, record: Composition | Reservation | RequestRecord) -> None:
+    def _measure(self, record: Composition | Reservation | RequestRecord | Event) -> None:
         text = codec.record(record)
         self.sizes.append(len(text.encode()))
         if self.limit is not None and len(text.encode()) > self.limit:
@@ -55,6 +68,10 @@ class LimitedStore(MemoryStore):
     def put_request(self, record: RequestRecord) -> None:
         self._measure(record)
         super().put_request(record)
+
+    def append_event(self, event: Event) -> None:
+        self._measure(event)
+        super().append_event(event)
 
 
 def size(record: Composition | Reservation) -> int:
@@ -224,3 +241,94 @@ class TestAnApply:
         store.limit = None
         made = applied((comp, res))
         assert made.device_ids == tuple(p.device for p in res.plan.devices)
+
+
+class Down(SimFabric):
+    """A generated sim fabric whose management stops answering while ``down`` is set."""
+
+    down = False
+
+    def discover(self) -> Topology:
+        if self.down:
+            raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
+        return super().discover()
+
+    def bindings(self) -> Sequence[Binding]:
+        if self.down:
+            raise FabricUnavailableError(f"fabric {self.name}: the appliance manager does not answer")
+        return super().bindings()
+
+
+GPUS = 40
+
+
+def large(store: LimitedStore, step: int = GPUS) -> tuple[FabricComposer, Down, Composition]:
+    """A composer on a fabric of a few hundred GPUs, with a composition of `GPUS` of them: composed of ``step``,
+    then grown by ``step`` at a time (each addition's pending change names only what it adds); the largest the
+    ledger took when it refuses a step."""
+    fabric = Down(generate_topology("pcie0", devices=200, gpus_per_chassis=64))
+    comp = composer({"pcie0": fabric}, store=store, auto_heal=False)
+    made = comp.compose(parse_request("job", ["host d0000-h0", f"gpu x{step}"]), request_id="r-job").composition
+    assert made is not None
+    more = (parse_resource(f"gpu x{step}"),)
+    while len(made.devices) < GPUS:
+        try:
+            made = comp.recompose(made.id, add=more, request_id=f"r-{len(made.devices)}")
+        except InvalidRequestError as error:
+            assert "more than the etcd ledger holds" in error.message
+            break
+    return comp, fabric, made
+
+
+def lose(fabric: Down, job: Composition, unbound: int, failed: int) -> None:
+    """The hardware drops the first ``unbound`` devices of ``job`` behind the composer's back, and the last
+    ``failed`` fail (the sim's fault injection, which sends each device's health event)."""
+    for device in job.device_ids[:unbound]:
+        fabric.unbind(Binding(device, job.host), CallContext(epoch=1 << 40))
+    for device in job.device_ids[len(job.device_ids) - failed :]:
+        fabric.fail_device(device, "ECC")
+
+
+class TestWhatTheHardwareReports:
+    """A reconcile and a device's failure write what the hardware reports into a composition's record: what it
+    no longer holds (`Composition.missing`) and why it is DEGRADED, the state it had before UNKNOWN. Named in
+    full, every failed device of a large composition grew its record past what the ledger takes, and failed it."""
+
+    def test_a_large_composition_whose_devices_fail_says_so_in_counts_within_the_limit(
+        self, store: LimitedStore
+    ) -> None:
+        comp, fabric, job = large(store)
+        store.limit = size(revise(job, missing=job.device_ids)) + 400
+        lose(fabric, job, unbound=20, failed=30)
+        comp.reconcile()
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(job.id)
+        assert now.state is CompositionState.DEGRADED and len(now.missing) == 20
+        shown = ", ".join(job.device_ids[:5])
+        assert now.message.startswith(f"the hardware no longer holds {shown} and 15 more; unhealthy: ")
+        assert now.message.endswith(" and 25 more")
+        told = [e for e in comp.events(0, 10_000) if e.type is EventType.DEVICE_HEALTH_CHANGED]
+        assert sorted(e.subject for e in told) == sorted(job.device_ids[10:])  # each named in the event log
+        comp.reconcile()  # said once: a second pass changes nothing
+        assert comp.get(job.id).generation == now.generation
+
+    def test_what_a_reconcile_may_write_fits_in_every_composition_the_ledger_took(self) -> None:
+        """A composition is measured as it grows with room for all of it missing and its reasons: at every limit,
+        what the ledger took takes every device lost and failed, and its fabric away (UNKNOWN, keeping its
+        reason)."""
+        unlimited = LimitedStore()
+        large(unlimited, step=4)
+        grown = []
+        for limit in range(max(unlimited.sizes), max(unlimited.sizes) + 4000, 250):
+            store = LimitedStore()
+            store.limit = limit
+            comp, fabric, job = large(store, step=4)
+            grown.append(len(job.devices))
+            lose(fabric, job, unbound=len(job.devices) // 2, failed=len(job.devices))
+            comp.reconcile()
+            assert comp.get(job.id).state is CompositionState.DEGRADED
+            fabric.down = True
+            comp.reconcile()
+            assert comp.get(job.id).state is CompositionState.UNKNOWN
+            assert store.oversized == [] and store.failure == "", limit
+        assert min(grown) < GPUS == max(grown)  # some limits refused an addition

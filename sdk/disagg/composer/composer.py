@@ -218,8 +218,8 @@ def _durably(method: C) -> C:
 
 
 def _left_bound(comp_id: str, leftovers: Leftovers) -> DisaggError:
-    """The error of a removal from ``comp_id`` that left ``leftovers`` part of it."""
-    names = ", ".join(leftovers.ids)
+    """The error of a removal from ``comp_id`` that left ``leftovers`` part of it (all in its metadata)."""
+    names = _named(leftovers.ids)
     metadata = {"composition": comp_id, "bound": ",".join(leftovers.ids)}
     if leftovers.timed_out:
         return DeadlineExceededError(
@@ -304,6 +304,14 @@ class _Touched:
 
 
 HEAL_RETRY_MAX_S = 600.0
+NAMED = 5
+"""The most ids (devices, allocations, pools, fabrics) of one list that a message kept in a record names, then
+how many more (`_named`): a composition's message, an event's, a request's stored answer. Named in full, the
+failed or missing devices of a large composition grew its record past what the etcd ledger takes in one
+(`Store.record_limit`), which failed the ledger and stopped the leader. Each device's own event names it."""
+TEXT_KEPT = 1024
+"""The most characters of a driver's own text (a fault event's message, an error's) that a record or an event
+keeps (`_clipped`), as the driver protocol bounds the message of a fault it injects."""
 """The longest a reconcile waits before it tries again a heal whose binds failed with the same inputs."""
 
 
@@ -334,6 +342,18 @@ def _parts(devices: int, allocations: int) -> str:
     allocation", "1 allocation"; "nothing" when a removal left everything held."""
     counts = ((devices, "device"), (allocations, "allocation"))
     return " and ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts if n) or "nothing"
+
+
+def _named(ids: Sequence[str]) -> str:
+    """``ids`` as a message kept in a record names them: the first `NAMED`, then how many more."""
+    if len(ids) <= NAMED:
+        return ", ".join(ids)
+    return f"{', '.join(ids[:NAMED])} and {len(ids) - NAMED} more"
+
+
+def _clipped(text: str) -> str:
+    """A driver's ``text`` as a record or an event keeps it: its first `TEXT_KEPT` characters."""
+    return text if len(text) <= TEXT_KEPT else f"{text[:TEXT_KEPT]}... ({len(text) - TEXT_KEPT} characters more)"
 
 
 def _waited_past(comp_id: str) -> DeadlineExceededError:
@@ -797,7 +817,8 @@ class FabricComposer(Composer):
         leftovers = self._release(comp.host, change.devices, change.allocations, stage="recovery")
         with self._lock:
             if leftovers:
-                names = ", ".join(leftovers.ids)
+                names = _named(leftovers.ids)
+                log.warning("after a restart, could not %s %s of %s", verb, ", ".join(leftovers.ids), comp.id)
                 self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"after a restart, could not {verb} {names}")
                 self._set(comp, state=CompositionState.FAILED, message=f"interrupted change: {names} still held")
                 return
@@ -1477,7 +1498,7 @@ class FabricComposer(Composer):
     def _why_away(self, fabrics: Sequence[str]) -> str:
         """Why ``fabrics`` (`_away`) cannot be used now, for an UNKNOWN composition's message and a refusal."""
         unreachable = [f for f in fabrics if f in self.fabrics and f not in self._set_aside]
-        why = [f"fabric {', '.join(unreachable)} cannot be reached"] if unreachable else []
+        why = [f"fabric {_named(unreachable)} cannot be reached"] if unreachable else []
         why += [f"fabric {f} is set aside: {self._set_aside[f]}" for f in fabrics if f in self._set_aside]
         why += [f"fabric {f} is not loaded (not in the configuration)" for f in fabrics if f not in self.fabrics]
         return "; ".join(why)
@@ -1823,7 +1844,7 @@ class FabricComposer(Composer):
             self._drop_reservation(
                 res,
                 EventType.RESERVATION_RELEASED,
-                f"pool {', '.join(short)} has less free on the hardware than it holds: memory was carved there for "
+                f"pool {_named(short)} has less free on the hardware than it holds: memory was carved there for "
                 "what no composition records",
             )
             released += 1
@@ -1998,8 +2019,8 @@ class FabricComposer(Composer):
                 gone.append(f"pool {pool}")
             elif self._sick_pool(pool):
                 sick.append(pool)
-        said = [f"{', '.join(sick)} {'is' if len(sick) == 1 else 'are'} not healthy"] if sick else []
-        said += [f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} no longer reported"] if gone else []
+        said = [f"{_named(sick)} {'is' if len(sick) == 1 else 'are'} not healthy"] if sick else []
+        said += [f"{_named(gone)} {'is' if len(gone) == 1 else 'are'} no longer reported"] if gone else []
         return "; ".join(said)
 
     @_durably
@@ -2549,19 +2570,42 @@ class FabricComposer(Composer):
         made: Callable[
             [], tuple[Sequence[Composition | Reservation], ComposeResult | Composition | DisaggError | None]
         ],
+        grown: bool = False,
     ) -> tuple[int, int] | None:
         """The size of the largest of the records ``made()`` gives, with the answer to this thread's request
         (`RequestRecord`) when it gives one, and the ledger's `Store.record_limit`, when that record is larger;
-        else None. A ledger without a limit (SQLite, memory) has nothing made to measure. Under the lock."""
+        else None. A ledger without a limit (SQLite, memory) has nothing made to measure. Under the lock. A change
+        that ``grown`` a composition has the composition it leaves (its answer's too) measured as a reconcile may
+        make it (`_grown`): what the hardware reports is written into a record nobody can refuse."""
         limit = self.store.record_limit
         if limit is None:
             return None
         records, answer = made()
         every: list[Composition | Reservation | RequestRecord] = list(records)
+        if grown:
+            left = answer.composition if isinstance(answer, ComposeResult) else answer
+            if isinstance(left, Composition) and left not in every:
+                every.append(left)
+            every = [self._grown(r) if isinstance(r, Composition) and r.pending is None else r for r in every]
         if answer is not None:
             every.append(RequestRecord(*_ASKING.get(), requests.encode(answer), 0.0))
         size = max(len(codec.record(record).encode()) for record in every)
         return (size, limit) if size > limit else None
+
+    def _grown(self, comp: Composition) -> Composition:
+        """``comp`` as the hardware's reports may make it: all it holds missing, each part of it named as missing,
+        unreachable and unhealthy at once (the longest of its ids named, `_named`), that reason kept as the state
+        before UNKNOWN too, all of it on a fabric that cannot be reached. No larger record tells of its parts."""
+        ids = [*comp.device_ids, *(a.id for a in comp.allocations)]
+        parts = sorted([*ids, *(f"pool {a.pool}" for a in comp.allocations)], key=len, reverse=True)
+        why = "; ".join(
+            f"{said} {_named(parts)}" for said in ("the hardware no longer holds", "unreachable:", "unhealthy:")
+        )
+        away = f"fabric {_named(sorted(self._fabrics_of(comp), key=len, reverse=True))} cannot be reached"
+        why = max(why, away, key=len)
+        return revise(
+            comp, state=CompositionState.DEGRADED, message=why, before_unknown=PriorState(comp.state, why), missing=ids
+        )
 
     def _check_records_fit(
         self,
@@ -2573,11 +2617,12 @@ class FabricComposer(Composer):
     ) -> None:
         """Refuse a change of ``name`` to hold ``plan``, and to remove ``removing`` of its parts, when the ledger
         could not take one of the records ``made()`` gives, or its request's answer, which it gives with them
-        (`_past_limit`). Checked before anything is claimed, bound or written: the ledger fails as a whole on a
-        record it cannot take, which stops the server, and a client's retry of the request stopped the next
-        replica to lead in turn. Refused, an addition names the request's field ``adding`` (a Compose's
-        ``resources``, a Recompose's ``add``), a removal alone ``remove``. Under the lock."""
-        past = self._past_limit(made)
+        (`_past_limit`, the composition grown by ``plan`` measured as a reconcile may make it). Checked before
+        anything is claimed, bound or written: the ledger fails as a whole on a record it cannot take, which stops
+        the server, and a client's retry of the request stopped the next replica to lead in turn. Refused, an
+        addition names the request's field ``adding`` (a Compose's ``resources``, a Recompose's ``add``), a removal
+        alone ``remove``. Under the lock."""
+        past = self._past_limit(made, grown=bool(plan.devices or plan.memory))
         if past is None:
             return
         size, limit = past
@@ -2679,10 +2724,10 @@ class FabricComposer(Composer):
         if not left:
             return failed.error
         error = failed.error
-        held = ", ".join(failed.leftovers)
+        held = _named(failed.leftovers)
         incomplete = RollbackIncompleteError(
-            f"{error.message}; undoing the change left {held} held by {comp_id}, which is FAILED: decompose it "
-            "to release them",
+            f"{_clipped(error.message)}; undoing the change left {held} held by {comp_id}, which is FAILED: "
+            "decompose it to release them",
             metadata={"composition": comp_id, "bound": ",".join(failed.leftovers), "cause": error.reason},
         )
         return self._settled(incomplete, request_id, fp)
@@ -2703,10 +2748,11 @@ class FabricComposer(Composer):
         did. Under the lock."""
         if not failed.leftovers:
             return False
-        left = ", ".join(failed.leftovers)
-        self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"could not undo {left}: {failed.error.message}")
+        left, cause = _named(failed.leftovers), _clipped(failed.error.message)
+        log.warning("could not undo %s of %s", ", ".join(failed.leftovers), comp.id)
+        self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"could not undo {left}: {cause}")
         # Named in the message: what the rollback left is in the pending change, which is not on the wire.
-        why = f"rollback incomplete: {left} still held (the change failed: {failed.error.message})"
+        why = f"rollback incomplete: {left} still held (the change failed: {cause})"
         self._set(comp, state=CompositionState.FAILED, message=why)
         return True
 
@@ -2744,7 +2790,7 @@ class FabricComposer(Composer):
         if self._rollback_incomplete(now, failed):
             return True
         self._unclaim_plan(plan)
-        self._forget(now, f"rolled back: {failed.error.message}")
+        self._forget(now, f"rolled back: {_clipped(failed.error.message)}")
         self._give_back(now.id, now.pending)
         return False
 
@@ -3279,7 +3325,7 @@ class FabricComposer(Composer):
         failpoints.hit("decompose.before_commit")
         with self._lock:
             if leftovers:
-                names = ", ".join(leftovers.ids)
+                names = _named(leftovers.ids)
                 self._keep_only(
                     comp, picks, allocs, set(leftovers.ids), f"could not release {names}; decompose again to retry"
                 )
@@ -3334,7 +3380,7 @@ class FabricComposer(Composer):
         self, host: str, devices: Sequence[DevicePick], allocations: Sequence[Allocation], missing: Sequence[str]
     ) -> str:
         """`_standing_why` of a composition with these fields (`_set_standing` judges one before making it)."""
-        why = [f"the hardware no longer holds {', '.join(missing)}"] if missing else []
+        why = [f"the hardware no longer holds {_named(missing)}"] if missing else []
         reach = self._inv.reach_map.get(host, {})
         away = [
             p.device
@@ -3351,9 +3397,9 @@ class FabricComposer(Composer):
             and pool.device.switch not in reach
         }
         away += [f"pool {p}" for p in cut_off]
-        why += [f"unreachable: {', '.join(away)}"] if away else []
+        why += [f"unreachable: {_named(away)}"] if away else []
         sick = [p.device for p in self._unhealthy_of(devices)] + self._sick_of(allocations)
-        why += [f"unhealthy: {', '.join(sick)}"] if sick else []
+        why += [f"unhealthy: {_named(sick)}"] if sick else []
         return "; ".join(why)
 
     def _set_standing(self, comp: Composition, restoring: Composition | None = None, /, **changes: Any) -> Composition:
@@ -3422,8 +3468,8 @@ class FabricComposer(Composer):
                 else EventType.DEVICE_ADDED
                 if event.kind is FabricEventKind.DEVICE_ADDED
                 else EventType.DEVICE_REMOVED,
-                event.subject,
-                event.message,
+                _clipped(event.subject),
+                _clipped(event.message),
                 fabric=event.fabric,
             )
             for comp in list(self._compositions.values()):
@@ -3490,7 +3536,7 @@ class FabricComposer(Composer):
         old = self._inv.set_health(device, health)
         if old is None or old.health is health:
             return []
-        self._emit(EventType.DEVICE_HEALTH_CHANGED, device, message, old=old.health.value, new=health.value)
+        self._emit(EventType.DEVICE_HEALTH_CHANGED, device, _clipped(message), old=old.health.value, new=health.value)
         owner = self._inv.owner.get(device)
         if owner in self._reservations and health is not Health.OK:
             self._drop_unhealthy_reservations(owner)
@@ -3608,7 +3654,7 @@ class FabricComposer(Composer):
             pending = PendingChange(ChangeKind.REMOVE, tuple(undo)) if undo else None
             comp = self._set(now, devices=devices, missing=missing, pending=pending)
             if done:
-                healed = ", ".join(f"{old} -> {new.device}" for old, new in done.items())
+                healed = _named([f"{old} -> {new.device}" for old, new in done.items()])
                 self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
             if not undo:
                 self._failed_heals.pop(comp.id, None)
@@ -3625,7 +3671,7 @@ class FabricComposer(Composer):
             self.store.sync()
         failpoints.hit("heal.after_commit")
         if stuck:
-            names = ", ".join(sorted(stuck))
+            names = _named(sorted(stuck))
             raise DisaggError(
                 f"could not unbind {names} from {comp.host}: kept in composition {comp.id}, which stays "
                 f"{comp.state.value}; heal again, or decompose it",
