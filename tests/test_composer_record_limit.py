@@ -4,8 +4,10 @@ the leader, and the next leader met the same record again.
 
 A compose, and an addition, were measured; a removal (its pending change names what it removes beside all the
 composition holds), a reservation's apply (its first record carries the reservation) and a heal (its records
-name the failed devices and their replacements) were not. In memory, with a small limit
-(`LimitedStore`); against etcd, its own limit, in tests/test_etcd_ledger_writes.py.
+name the failed devices and their replacements) were not. What the composer writes of its own accord into a
+record that a change left at the edge (a device's failure while a removal runs) is left out when the ledger
+would not take it. In memory, with a small limit (`LimitedStore`); against etcd, its own limit, in
+tests/test_etcd_ledger_writes.py.
 """
 
 from __future__ import annotations
@@ -332,3 +334,41 @@ class TestWhatTheHardwareReports:
             assert comp.get(job.id).state is CompositionState.UNKNOWN
             assert store.oversized == [] and store.failure == "", limit
         assert min(grown) < GPUS == max(grown)  # some limits refused an addition
+
+
+class TestWhatTheComposerSaysOfItsOwnAccord:
+    """A record a change left within a few hundred bytes of the limit (a removal's first one names what it
+    removes beside all the composition holds; a new composition's, its plan beside its devices) took what the
+    composer says of it meanwhile as it came: the reason of a device that failed, and failed the ledger. The state
+    is written still, the words left out."""
+
+    def test_a_device_that_fails_while_a_removal_unbinds_is_not_said_in_a_record_at_the_edge(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        unlimited = LimitedStore()
+        comp, _, job = large(unlimited)
+        unlimited.sizes.clear()
+        comp.recompose(job.id, remove=job.device_ids[:30], request_id="r-shrink")
+        comp, fabric, job = large(store)
+        store.limit = max(unlimited.sizes) + MARGIN  # the removal's first record, at the edge: taken
+        failing = job.device_ids[-5:]
+        unbind, seen = fabric.unbind, []
+
+        def failing_meanwhile(binding: Binding, ctx: CallContext) -> None:
+            if not seen:
+                now = comp.get(job.id)
+                said = revise(now, message=f"unhealthy: {', '.join(failing)}")
+                assert now.state is CompositionState.COMPOSING and size(now) <= store.limit < size(said)
+                for device in failing:
+                    fabric.fail_device(device, "ECC")
+                seen.append(comp.get(job.id))
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(fabric, "unbind", failing_meanwhile)
+        shrunk = comp.recompose(job.id, remove=job.device_ids[:30], request_id="r-shrink")
+        assert store.oversized == [] and store.failure == ""
+        assert seen[0].state is CompositionState.COMPOSING and seen[0].pending is not None
+        told = [e.subject for e in comp.events(0, 10_000) if e.type is EventType.DEVICE_HEALTH_CHANGED]
+        assert told == list(failing)  # each named in its own event
+        assert shrunk.device_ids == job.device_ids[30:] and shrunk.state is CompositionState.DEGRADED
+        assert shrunk.message == f"unhealthy: {', '.join(failing)}"  # said as the change ends, in a smaller record

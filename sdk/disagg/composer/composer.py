@@ -1926,6 +1926,15 @@ class FabricComposer(Composer):
                 if comp is not None:
                     watch.add(comp)
 
+    def _fits(self, comp: Composition, **changes: object) -> bool:
+        """Whether the ledger takes ``comp`` with ``changes`` as `_set` writes it (`_past_limit`): what the
+        composer says of its own accord (a reason, a note, a driver's text) into a record a change may have left
+        at the edge of what the ledger takes is measured first, for a record the ledger cannot take fails it as a
+        whole and stops the leader. Under the lock."""
+        now = self._compositions.get(comp.id, comp)
+        new = revise(comp, generation=max(comp.generation, now.generation) + 1, **changes)
+        return self._past_limit(lambda: ((new,), None)) is None
+
     def _set(self, comp: Composition, restoring: Composition | None = None, /, **changes: object) -> Composition:
         """Record ``comp`` with ``changes`` at a new generation, and tell watchers. Under the lock. A change rolled
         back completely passes the record it began from as ``restoring``: when the new record equals it, the etags
@@ -3502,8 +3511,10 @@ class FabricComposer(Composer):
         message, and have its change return to DEGRADED should it be undone: a device that fails while a
         recompose binds for seconds is seen within one, not when the change ends. The change goes on; as it
         ends it reads the record again and judges it (`_set_standing`, `_fail_addition`). What the change is
-        adding counts too (`_holdings`): a device it bound a moment ago may be the one that failed. Under the
-        lock."""
+        adding counts too (`_holdings`): a device it bound a moment ago may be the one that failed. A reason the
+        ledger would not take in the record (`_fits`: a removal's names what it removes beside all the composition
+        holds, and may be at the edge) is left out: the state to return to is written still, the change says why
+        as it ends, in a smaller record, and each device's own event names it. Under the lock."""
         devices, allocations = _holdings(comp)
         why = self._standing_why(revise(comp, devices=tuple(devices), allocations=tuple(allocations)))
         said = comp.message == why or (bool(why) and comp.message.startswith(f"{why}; "))
@@ -3511,8 +3522,9 @@ class FabricComposer(Composer):
         if pending is not None and pending.restore in _STANDING:
             back = CompositionState.DEGRADED if why else CompositionState.COMPOSED
             pending = attrs.evolve(pending, restore=back)
-        if not said or pending != comp.pending:
-            self._set(comp, message=comp.message if said else why, pending=pending)
+        message = comp.message if said or not self._fits(comp, message=why, pending=pending) else why
+        if message != comp.message or pending != comp.pending:
+            self._set(comp, message=message, pending=pending)
 
     def _health_changed(self, fabric: str, device: str, health: Health, message: str) -> list[str]:
         """Record a device's health, as ``fabric`` reports it (`_record_health`); degrade or restore the
@@ -3586,7 +3598,7 @@ class FabricComposer(Composer):
         again, it changes nothing: every reconcile tries the heal again, and a restart must not revise its etag.
         A record too large for the ledger with it is not written: the reason alone stands. Under the lock."""
         message = f"{self._standing_why(comp)}; no replacement: {why}"
-        if message != comp.message and self._past_limit(lambda: ((revise(comp, message=message),), None)) is None:
+        if message != comp.message and self._fits(comp, message=message):
             self._set(comp, message=message)
         return NoFitError(f"cannot heal {comp.id}: {told or why}")
 
