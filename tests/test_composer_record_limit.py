@@ -5,13 +5,14 @@ the leader, and the next leader met the same record again.
 A compose, and an addition, were measured; a removal (its pending change names what it removes beside all the
 composition holds), a reservation's apply (its first record carries the reservation) and a heal (its records
 name the failed devices and their replacements) were not. What the composer writes of its own accord into a
-record that a change left at the edge (a device's failure while a removal runs) is left out when the ledger
-would not take it. In memory, with a small limit (`LimitedStore`); against etcd, its own limit, in
-tests/test_etcd_ledger_writes.py.
+record that a change left at the edge (a device's failure while a removal runs, a rollback's failure with the
+driver's text) is left out, or said shorter, when the ledger would not take it. In memory, with a small limit
+(`LimitedStore`); against etcd, its own limit, in tests/test_etcd_ledger_writes.py.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 from composer_helpers import composer, hardware_bindings, rack
 from disagg import codec
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError, InvalidRequestError, NoFitError
+from disagg.errors import FabricUnavailableError, InvalidRequestError, NoFitError, RollbackIncompleteError
 from disagg.interfaces import CallContext
 from disagg.model import (
     Binding,
@@ -339,8 +340,8 @@ class TestWhatTheHardwareReports:
 class TestWhatTheComposerSaysOfItsOwnAccord:
     """A record a change left within a few hundred bytes of the limit (a removal's first one names what it
     removes beside all the composition holds; a new composition's, its plan beside its devices) took what the
-    composer says of it meanwhile as it came: the reason of a device that failed, and failed the ledger. The state
-    is written still, the words left out."""
+    composer says of it meanwhile as it came: the reason of a device that failed, a rollback's failure with the
+    driver's text (up to 1 KB), and failed the ledger. The state is written still, the words left out or shorter."""
 
     def test_a_device_that_fails_while_a_removal_unbinds_is_not_said_in_a_record_at_the_edge(
         self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
@@ -372,3 +373,42 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
         assert told == list(failing)  # each named in its own event
         assert shrunk.device_ids == job.device_ids[30:] and shrunk.state is CompositionState.DEGRADED
         assert shrunk.message == f"unhealthy: {', '.join(failing)}"  # said as the change ends, in a smaller record
+
+    def test_a_rollback_that_fails_says_so_without_the_driver_s_text_in_a_record_at_the_edge(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        fabrics = rack()
+        comp = composer(fabrics, store=store, auto_heal=False)
+        request = parse_request("job", ["host h1", "gpu x8"])
+        store.limit = 1
+        with pytest.raises(InvalidRequestError) as refused:
+            comp.compose(request, request_id="r-job")
+        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+        assert found is not None
+        store.limit = int(found[1]) + MARGIN  # the least the compose is taken at: its records at the edge
+        pcie = fabrics["pcie0"]
+        bind, binds = pcie.bind, []
+        cause = "the switch stopped answering: " + "the port's firmware logged a fault; " * 40
+
+        def last_bind_fails(device: str, host: str, ctx: CallContext) -> Binding:
+            binds.append(device)
+            if len(binds) == 8:
+                raise FabricUnavailableError(cause)
+            return bind(device, host, ctx)
+
+        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "bind", last_bind_fails)
+        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        with pytest.raises(RollbackIncompleteError) as failed:
+            comp.compose(request, request_id="r-job")
+        assert store.oversized == [] and store.failure == ""
+        assert "the port's firmware logged a fault" in failed.value.message  # the caller is told the cause
+        now = comp.find("job")
+        assert now.state is CompositionState.FAILED and now.pending is not None  # what it left, for a decompose
+        bound = failed.value.metadata["bound"].split(",")
+        assert sorted(bound) == sorted(binds[:7])
+        assert now.message == f"rollback incomplete: {', '.join(bound[:5])} and 2 more still held"
+        said = [e for e in comp.events(0, 1000) if e.type is EventType.ROLLBACK_INCOMPLETE]
+        assert [e.subject for e in said] == [now.id] and "the port's firmware logged a fault" in said[0].message

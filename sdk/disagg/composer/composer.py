@@ -2754,14 +2754,19 @@ class FabricComposer(Composer):
     def _rollback_incomplete(self, comp: Composition, failed: ExecutionFailedError) -> bool:
         """When the rollback of a failed addition left part of it on the hardware, the composition is FAILED,
         keeping the pending change that names those parts, so that a decompose releases them; returns whether it
-        did. Under the lock."""
+        did. Its message leaves out the driver's text (up to `TEXT_KEPT`), then what is held, when the ledger would
+        not take it in the record (`_fits`: the pending change may have left it at the edge); its event and the
+        request's answer say it all. Said with nothing, it is no larger than the record it follows (FAILED is
+        shorter than COMPOSING, DEGRADED or COMPOSED). Under the lock."""
         if not failed.leftovers:
             return False
         left, cause = _named(failed.leftovers), _clipped(failed.error.message)
         log.warning("could not undo %s of %s", ", ".join(failed.leftovers), comp.id)
         self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"could not undo {left}: {cause}")
         # Named in the message: what the rollback left is in the pending change, which is not on the wire.
-        why = f"rollback incomplete: {left} still held (the change failed: {cause})"
+        held = f"rollback incomplete: {left} still held"
+        told = (f"{held} (the change failed: {cause})", held, "rollback incomplete")
+        why = next((m for m in told if self._fits(comp, state=CompositionState.FAILED, message=m)), "")
         self._set(comp, state=CompositionState.FAILED, message=why)
         return True
 
