@@ -20,7 +20,14 @@ import pytest
 from composer_helpers import composer, hardware_bindings, rack
 from disagg import codec
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError, InvalidRequestError, NoFitError, RollbackIncompleteError
+from disagg.composer import composer as composer_module
+from disagg.errors import (
+    FabricUnavailableError,
+    InvalidRequestError,
+    NoFitError,
+    RollbackIncompleteError,
+    outcome_unknown,
+)
 from disagg.interfaces import CallContext
 from disagg.model import (
     Binding,
@@ -377,6 +384,10 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
     def test_a_rollback_that_fails_says_so_without_the_driver_s_text_in_a_record_at_the_edge(
         self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
+        # The compose is measured with room for a failure in the driver's longest words (`_failed_as`); this
+        # measures it with none, as a record that an older release or a crash left at the edge would be, so
+        # that the words do not fit when the failure comes: the write's own fallback is what is tested.
+        monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
         fabrics = rack()
         comp = composer(fabrics, store=store, auto_heal=False)
         request = parse_request("job", ["host h1", "gpu x8"])
@@ -412,3 +423,46 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
         assert now.message == f"rollback incomplete: {', '.join(bound[:5])} and 2 more still held"
         said = [e for e in comp.events(0, 1000) if e.type is EventType.ROLLBACK_INCOMPLETE]
         assert [e.subject for e in said] == [now.id] and "the port's firmware logged a fault" in said[0].message
+
+
+class Stuck(SimFabric):
+    """A sim fabric whose binds, while ``stuck``, fail with a driver's long message, their outcome unknown, and
+    whose unbinds then fail too: a rollback incomplete, told in the driver's own words."""
+
+    stuck = False
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if self.stuck:
+            raise outcome_unknown(FabricUnavailableError(f"fabric {self.name}: " + "the switch said no; " * 200))
+        return super().bind(device, host, ctx)
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if self.stuck:
+            raise FabricUnavailableError(f"fabric {self.name}: the switch does not answer")
+        super().unbind(binding, ctx)
+
+
+class TestAFailure:
+    def test_a_failed_change_in_the_drivers_words_fits_in_a_composition_the_ledger_took(
+        self, store: LimitedStore
+    ) -> None:
+        """A change that fails, its rollback incomplete, writes the driver's text (`TEXT_KEPT` characters of it)
+        into the composition's record, which nobody can refuse: a composition is measured with room for it. It
+        was measured with room for its parts' reasons only, and a failure's record at the edge failed the ledger."""
+        fabric = Stuck(generate_topology("pcie0", devices=200, gpus_per_chassis=64))
+        comp = composer({"pcie0": fabric}, store=store, auto_heal=False)
+        job = comp.compose(parse_request("job", ["host d0000-h0", "gpu x1"]), request_id="r-job").composition
+        assert job is not None
+        more = (parse_resource("gpu x1"),)
+        store.limit = max(store.sizes) + 200  # every record of the compose fits, and its addition's as it succeeds
+        fabric.stuck = True
+        bound = hardware_bindings({"pcie0": fabric})
+        with pytest.raises(InvalidRequestError, match="more than the etcd ledger holds in one record") as refused:
+            comp.recompose(job.id, add=more, request_id="r-grow")
+        assert refused.value.field == "add"
+        assert store.oversized == [] and store.failure == "" and hardware_bindings({"pcie0": fabric}) == bound
+        assert comp.get(job.id) == job
+        store.limit = None  # with room for it, it fails as the driver says, its record and answer written
+        with pytest.raises(RollbackIncompleteError):
+            comp.recompose(job.id, add=more, request_id="r-grow")
+        assert comp.get(job.id).state is CompositionState.FAILED

@@ -356,6 +356,43 @@ def _clipped(text: str) -> str:
     return text if len(text) <= TEXT_KEPT else f"{text[:TEXT_KEPT]}... ({len(text) - TEXT_KEPT} characters more)"
 
 
+_LONGEST_CLIPPED = f"{'x' * TEXT_KEPT}... ({10**12} characters more)"
+"""A driver's text as long as `_clipped` keeps any: what a change's failure is measured with (`_failed_as`)."""
+
+
+def _incomplete_why(left: str, cause: str) -> str:
+    """A composition's message once a change's rollback left ``left`` (`_named`) on the hardware, ``cause`` the
+    driver's text (`_clipped`)."""
+    return f"rollback incomplete: {left} still held (the change failed: {cause})"
+
+
+def _incomplete_error(comp_id: str, cause: str, reason: str, leftovers: Sequence[str]) -> RollbackIncompleteError:
+    """The answer of a change to ``comp_id`` whose rollback left ``leftovers``, its driver's error the ``reason``
+    and the text ``cause`` (`_clipped`)."""
+    return RollbackIncompleteError(
+        f"{cause}; undoing the change left {_named(leftovers)} held by {comp_id}, which is FAILED: decompose it to "
+        "release them",
+        metadata={"composition": comp_id, "bound": ",".join(leftovers), "cause": reason},
+    )
+
+
+def _longest_parts(comp: Composition) -> list[str]:
+    """The ids of what ``comp`` holds and what its pending change names, the longest first."""
+    pending = comp.pending
+    ids = [*comp.device_ids, *(a.id for a in comp.allocations)]
+    if pending is not None:
+        ids += [p.device for p in pending.devices] + [a.id for a in pending.allocations]
+    return sorted(dict.fromkeys(ids), key=len, reverse=True)
+
+
+def _failed_answer_of(comp: Composition) -> RollbackIncompleteError:
+    """The answer of the change ``comp`` records in flight when it fails as `FabricComposer._failed_as` leaves it:
+    every part it adds left."""
+    pending = comp.pending
+    left = [] if pending is None else [p.device for p in pending.devices] + [a.id for a in pending.allocations]
+    return _incomplete_error(comp.id, _LONGEST_CLIPPED, "DRIVER_ERROR", left)
+
+
 def _waited_past(comp_id: str) -> DeadlineExceededError:
     return DeadlineExceededError(
         f"the deadline passed while this change waited for another change of composition {comp_id}; nothing was "
@@ -2595,11 +2632,24 @@ class FabricComposer(Composer):
             left = answer.composition if isinstance(answer, ComposeResult) else answer
             if isinstance(left, Composition) and left not in every:
                 every.append(left)
+            adding = [r for r in every if isinstance(r, Composition) and r.pending is not None]
             every = [self._grown(r) if isinstance(r, Composition) and r.pending is None else r for r in every]
+            every += [self._failed_as(r) for r in adding]
+            if answer is not None:
+                every += [RequestRecord(*_ASKING.get(), requests.encode(_failed_answer_of(r)), 0.0) for r in adding]
         if answer is not None:
             every.append(RequestRecord(*_ASKING.get(), requests.encode(answer), 0.0))
         size = max(len(codec.record(record).encode()) for record in every)
         return (size, limit) if size > limit else None
+
+    @staticmethod
+    def _failed_as(comp: Composition) -> Composition:
+        """``comp``, a record of a change in flight, as the change's failure may leave it: FAILED, its rollback
+        incomplete, every part of it named as left (the longest, `_named`), in as many of the driver's words as
+        a record keeps (`_clipped`): written after the hardware changed, it cannot be refused then."""
+        return revise(
+            comp, state=CompositionState.FAILED, message=_incomplete_why(_named(_longest_parts(comp)), _LONGEST_CLIPPED)
+        )
 
     def _grown(self, comp: Composition) -> Composition:
         """``comp`` as the hardware's reports may make it: all it holds missing, each part of it named as missing,
@@ -2733,12 +2783,7 @@ class FabricComposer(Composer):
         if not left:
             return failed.error
         error = failed.error
-        held = _named(failed.leftovers)
-        incomplete = RollbackIncompleteError(
-            f"{_clipped(error.message)}; undoing the change left {held} held by {comp_id}, which is FAILED: "
-            "decompose it to release them",
-            metadata={"composition": comp_id, "bound": ",".join(failed.leftovers), "cause": error.reason},
-        )
+        incomplete = _incomplete_error(comp_id, _clipped(error.message), error.reason, failed.leftovers)
         return self._settled(incomplete, request_id, fp)
 
     def _settled(self, error: DisaggError, request_id: str, fp: str) -> _SettledError:
@@ -2765,7 +2810,7 @@ class FabricComposer(Composer):
         self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"could not undo {left}: {cause}")
         # Named in the message: what the rollback left is in the pending change, which is not on the wire.
         held = f"rollback incomplete: {left} still held"
-        told = (f"{held} (the change failed: {cause})", held, "rollback incomplete")
+        told = (_incomplete_why(left, cause), held, "rollback incomplete")
         why = next((m for m in told if self._fits(comp, state=CompositionState.FAILED, message=m)), "")
         self._set(comp, state=CompositionState.FAILED, message=why)
         return True
