@@ -3,7 +3,7 @@
 `etcd_binary` finds the executable, or skips the test saying what to install (fails it on CI, where etcd must be
 there). `start_etcd_cluster` waits, at most 20 s, until every member answers a linearizable read, so a test
 starts with a leader elected. Elections are fast (50 ms heartbeats, 500 ms election timeout) so that a test
-which kills a member waits well under a second for the next leader.
+which kills a member waits well under a second for the next leader; a test of a slow cluster gives its own.
 """
 
 from __future__ import annotations
@@ -127,7 +127,13 @@ class EtcdCluster:
         return "\n".join(parts)
 
 
-def start_etcd_cluster(tmp_path: Path, members: int = 1) -> EtcdCluster:
+def start_etcd_cluster(
+    tmp_path: Path,
+    members: int = 1,
+    *,
+    heartbeat_ms: int = HEARTBEAT_MS,
+    election_timeout_ms: int = ELECTION_TIMEOUT_MS,
+) -> EtcdCluster:
     """Start ``members`` (1 or 3) etcd processes as one new cluster and wait until each one answers."""
     if members not in (1, 3):
         raise ValueError(f"an etcd test cluster has 1 or 3 members, not {members}")
@@ -156,8 +162,8 @@ def start_etcd_cluster(tmp_path: Path, members: int = 1) -> EtcdCluster:
                 f"--initial-cluster={initial}",
                 "--initial-cluster-state=new",
                 f"--initial-cluster-token={token}",
-                f"--heartbeat-interval={HEARTBEAT_MS}",
-                f"--election-timeout={ELECTION_TIMEOUT_MS}",
+                f"--heartbeat-interval={heartbeat_ms}",
+                f"--election-timeout={election_timeout_ms}",
                 "--logger=zap",
                 "--log-level=warn",
             ]
