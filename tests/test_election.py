@@ -31,7 +31,7 @@ from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer, FabricManagerServicer, runtime
 from disagg.store.etcd import EtcdStore
 from etcd3gw.exceptions import ConnectionTimeoutError
-from etcd_helpers import EtcdCluster, etcd_binary, free_ports, start_etcd_cluster
+from etcd_helpers import EtcdCluster, etcd_binary, free_ports, fresh_prefix, start_etcd_cluster
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 from server_helpers import OPEN_CALL, FakeContext
@@ -752,3 +752,73 @@ class TestEpochBase:
     def test_a_negative_base(self) -> None:
         with pytest.raises(ConfigError, match="epoch base must be 0 or more"):
             Leadership(["127.0.0.1:2379"], "x", epoch_base=-1)
+
+
+SLOW_HEARTBEAT_MS = 100
+SLOW_ELECTION_MS = 6000
+GRANTED_S = 9
+"""What etcd grants a lease asked for less under `SLOW_ELECTION_MS`: 1.5 times its election timeout."""
+
+
+@pytest.fixture(scope="class")
+def slow_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One etcd member with a 6 s election timeout, shared by the class's tests (each on a key of its own)."""
+    etcd_binary()
+    cluster = start_etcd_cluster(
+        tmp_path_factory.mktemp("slow-etcd"), heartbeat_ms=SLOW_HEARTBEAT_MS, election_timeout_ms=SLOW_ELECTION_MS
+    )
+    try:
+        yield cluster
+    finally:
+        for member in cluster.members:
+            if member.process is not None and member.process.poll() is None:
+                member.process.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
+class TestGrantedLease:
+    """etcd grants no lease less than 1.5 times its election timeout, whatever was asked, and says what it
+    granted: the replica counts its refreshes, its read lease and its step-down from that, and says once that a
+    dead leader holds the lead longer than ``lease_ttl_s``."""
+
+    def test_a_longer_lease_is_told_once(self, slow_etcd: EtcdCluster, caplog: pytest.LogCaptureFixture) -> None:
+        caplog.set_level(logging.WARNING, logger="disagg.ha")
+        key = f"{fresh_prefix()}leader"
+        standby = Leadership(slow_etcd.endpoints, "standby", key=key, ttl_s=TTL_S)
+        client = etcd_client(slow_etcd)
+        client.put(key, "another")
+        try:
+            assert standby._attempt() == 0
+            assert standby._lease is not None
+            standby._lease.revoke()  # ran out: the next attempt is granted another
+            assert standby._attempt() == 0
+            client.delete(key)
+            assert standby.campaign() > 0
+        finally:
+            standby.resign()
+        told = [r.getMessage() for r in caplog.records if r.name == "disagg.ha" and r.levelno == logging.WARNING]
+        assert len(told) == 1, told
+        assert f"{GRANTED_S} s to live, not the {TTL_S} s asked ([state] lease_ttl_s)" in told[0]
+        assert "--election-timeout" in told[0] and f"a dead leader holds the lead {GRANTED_S} s" in told[0]
+
+    def test_the_leader_counts_the_lease_granted(self, slow_etcd: EtcdCluster) -> None:
+        """etcd stops answering for longer than the lease asked, less than the lease granted: nobody else can lead
+        meanwhile. The replica counted the time it asked: it stopped answering reads and gave the lead up, though
+        etcd kept it for it."""
+        leadership = Leadership(slow_etcd.endpoints, "leader", key=f"{fresh_prefix()}leader", ttl_s=TTL_S)
+        stalled = slow_etcd.members[0].process
+        assert stalled is not None
+        try:
+            assert leadership.campaign() > 0
+            stalled.send_signal(signal.SIGSTOP)
+            try:
+                until = time.monotonic() + TTL_S + 2.0
+                while time.monotonic() < until:
+                    assert leadership.leading(), "a leader whose lease etcd keeps stopped answering reads"
+                    time.sleep(0.1)
+            finally:
+                stalled.send_signal(signal.SIGCONT)
+            assert not leadership.lost.wait(GRANTED_S / 3 + 1.0), "a leader whose lease etcd keeps gave the lead up"
+            assert leadership.leading()
+        finally:
+            leadership.resign()

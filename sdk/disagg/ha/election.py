@@ -23,6 +23,11 @@ answers from the local clock: no other replica can lead before the lease, counte
 has run out. A replica that was paused past it (a stopped process, a stalled VM) answers nothing from memory
 once it runs again, even before its keeper has found the lead lost.
 
+etcd grants no lease less than about 1.5 times its election timeout (``--election-timeout``), in whole seconds,
+and answers the grant and every refresh with the time to live it gave: the replica counts all of the above
+from that answer, not from the time asked (``lease_ttl_s``), and says once when it is longer, since a dead
+leader then holds the lead longer than the configuration says.
+
 A campaign keeps its lease when etcd does not answer; only a refresh that says the lease ran out replaces it.
 The create may have landed with its answer lost, and the leader key, bound to that lease, would shut every
 replica out until the lease ran out: the next attempt finds the key bound to its lease and leads, its epoch
@@ -91,6 +96,11 @@ class Leadership:
         self.identity = identity
         self.key = key
         self.ttl_s = ttl_s
+        """The lease's time to live asked of etcd."""
+        self.granted_ttl_s = ttl_s
+        """The time to live etcd gave the current lease, by its last answer: what refreshes, the read lease and the
+        step-down are counted from (`_refreshed`)."""
+        self._told_granted = False
         self.timeout_s = min(timeout_s, request_timeout(ttl_s))
         """Each request to etcd: a sixth of the time to live at most, so that the keeper tries other members."""
         if epoch_base < 0:
@@ -151,7 +161,7 @@ class Leadership:
                 )
                 self._rotate()
                 silent = time.monotonic() - answered
-                if not told and silent >= SILENT_TTLS * self.ttl_s:
+                if not told and silent >= SILENT_TTLS * self.granted_ttl_s:
                     told = True
                     log.error(
                         "no etcd member has answered for %.0f s (%s): this replica cannot lead until one does; "
@@ -172,8 +182,8 @@ class Leadership:
         lease = self._lease
         if lease is not None:
             lease.client = client
-        if lease is None or lease.refresh() <= 0:
-            lease = client.lease(self.ttl_s)
+        if lease is None or not self._refreshed(lease.refresh()):
+            lease = self._grant(client)
         with self._lease_lock:
             if self._stop.is_set():  # resigned meanwhile: it revoked the lease it found, and this one runs out
                 return 0
@@ -187,11 +197,38 @@ class Leadership:
         if base is None:  # the key was lost between the create and the base: campaign again
             return 0
         self.epoch = base + self.create_revision
-        self._valid_until = fresh_lease + self.ttl_s
+        self._valid_until = fresh_lease + self.granted_ttl_s
         log.info("leading with epoch %d (lease %s)", self.epoch, lease.id)
         self._keeper = threading.Thread(target=self._keep, args=(fresh,), name="disagg-lease", daemon=True)
         self._keeper.start()
         return self.epoch
+
+    def _grant(self, client: etcd3gw.Etcd3Client) -> etcd3gw.Lease:
+        """A new lease of `ttl_s` asked, its time to live as granted (`etcd3gw.Etcd3Client.lease` drops it)."""
+        answer = client.post(client.get_url("/lease/grant"), json={"TTL": self.ttl_s, "ID": 0})
+        lease = etcd3gw.Lease(int(answer["ID"]), client=client)
+        self._refreshed(int(answer.get("TTL", self.ttl_s)))
+        if self.granted_ttl_s > self.ttl_s and not self._told_granted:
+            self._told_granted = True
+            log.warning(
+                "etcd granted the leader lease %d s to live, not the %d s asked ([state] lease_ttl_s): etcd gives "
+                "no lease less than 1.5 times its --election-timeout, so a dead leader holds the lead %d s and a "
+                "standby takes over that much later; give etcd an --election-timeout of %d ms or less",
+                self.granted_ttl_s,
+                self.ttl_s,
+                self.granted_ttl_s,
+                self.ttl_s * 2000 // 3,
+            )
+        return lease
+
+    def _refreshed(self, ttl: int) -> bool:
+        """Take etcd's answer to a grant or refresh: the lease's time to live from now, or 0 or less if it ran
+        out. etcd may give more than `ttl_s`, never less: counting the time asked would give up a lead etcd
+        still keeps, and a server that gave less would have this replica lead past its lease."""
+        if ttl <= 0:
+            return False
+        self.granted_ttl_s = ttl
+        return True
 
     @property
     def base_key(self) -> str:
@@ -241,21 +278,21 @@ class Leadership:
         """Refresh the lease every third of its time to live; return when the lead is lost or given up."""
         lease = self._lease  # `resign` lets go of it while this thread may still run
         assert lease is not None
-        deadline = fresh + self.ttl_s
-        due = fresh + self.ttl_s / 3
+        deadline = fresh + self.granted_ttl_s
+        due = fresh + self.granted_ttl_s / 3
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent, sent_lease = time.monotonic(), lease_clock()
             try:
                 client = self._client()
                 lease.client = client  # a lease is an id: any member refreshes it
-                if lease.refresh() <= 0:
+                if not self._refreshed(lease.refresh()):
                     break
                 held = client.get(self.key, metadata=True)
                 if not held or int(held[0][1]["create_revision"]) != self.create_revision:
                     break
-                deadline = sent + self.ttl_s
-                self._valid_until = sent_lease + self.ttl_s
-                due = sent + self.ttl_s / 3
+                deadline = sent + self.granted_ttl_s
+                self._valid_until = sent_lease + self.granted_ttl_s
+                due = sent + self.granted_ttl_s / 3
             except _CONNECTION_ERRORS as exc:
                 log.warning(
                     "lease refresh: etcd at %s did not answer (%s); trying the next member",
@@ -304,6 +341,6 @@ class Leadership:
                     )
                     self._rotate()
             else:
-                log.warning("no member revoked the lease; it expires in %d s", self.ttl_s)
+                log.warning("no member revoked the lease; it expires in %d s", self.granted_ttl_s)
         if self._keeper is not None:
-            self._keeper.join(self.ttl_s)
+            self._keeper.join(self.granted_ttl_s)
