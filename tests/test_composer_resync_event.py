@@ -8,17 +8,22 @@ import threading
 import time
 from collections.abc import Sequence
 
+import attrs
+import pytest
 from composer_helpers import Served, composer
 from disagg.composer import FabricComposer
-from disagg.errors import FabricUnavailableError
+from disagg.errors import FabricUnavailableError, NoFitError
 from disagg.interfaces import CallContext
 from disagg.model import (
     Binding,
+    Capabilities,
+    Capacity,
     Composition,
     CompositionState,
     EventType,
     FabricEvent,
     FabricEventKind,
+    Feature,
     Health,
     Topology,
 )
@@ -265,3 +270,91 @@ class TestAResyncEventOverTheWire:
         finally:
             comp.close()
             served.close()
+
+
+TIB = 1 << 40
+MEM0 = "cxl0/mem0"
+AB = (("a", "h1"), ("b", "h2"))
+
+
+class HeldApart(Counted):
+    """A sim fabric whose pool mem0 reports ``held_apart`` bytes less than it has, as a DCD's region pool does
+    while an allocation of an older release's device pool holds some of it (docs/cxl-fm-api.md); ``tells_health``
+    False declares no HEALTH_EVENTS, so that every reconcile pass discovers it."""
+
+    held_apart = 0
+    tells_health = True
+
+    def capabilities(self) -> Capabilities:
+        caps = super().capabilities()
+        return caps if self.tells_health else attrs.evolve(caps, features=caps.features - {Feature.HEALTH_EVENTS})
+
+    def discover(self) -> Topology:
+        topology = super().discover()
+        return attrs.evolve(
+            topology,
+            pools=tuple(
+                attrs.evolve(p, capacity=Capacity(p.capacity.total_bytes - self.held_apart, p.capacity.block_bytes))
+                if p.id == MEM0
+                else p
+                for p in topology.pools
+            ),
+        )
+
+
+def _pools(comp: FabricComposer) -> dict[str, tuple[int, int]]:
+    """Each pool's capacity and the bytes claims hold in it, as the composer's index has them."""
+    return {p.pool: (p.total_bytes, p.total_bytes - p.free_bytes) for p in comp.usage()[1]}
+
+
+class TestAPoolCapacityChanged:
+    """A pool whose capacity the fabric reports otherwise now (bytes held apart given back) is taken at the
+    fabric's resync, and by a reconcile pass that discovers the fabric: the compositions and what they hold are
+    kept as they were, and the capacity freed is placed at once."""
+
+    def test_a_resync_offers_what_the_pool_has_now(self) -> None:
+        pcie = Counted(load_topology("pcie0", "demo-pcie"))
+        cxl = HeldApart(load_topology("cxl0", "demo-cxl"))
+        cxl.held_apart = TIB
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, auto_heal=False)
+        try:
+            held = [comp.compose(parse_request(n, [f"host {h}", "cxl-memory 768GiB"])).composition for n, h in AB]
+            assert len(held) == 2 and {a.pool for c in held for a in c.allocations} == {MEM0, "cxl0/mem1"}
+            before = _pools(comp)
+            assert before[MEM0][0] == TIB
+            with pytest.raises(NoFitError):
+                comp.preview(parse_request("big", ["host h3", "cxl-memory 2TiB"]))
+            seen = comp.revision
+            cxl.held_apart = 0
+            cxl.resync_required()
+            after = _pools(comp)
+            assert after[MEM0] == (2 * TIB, before[MEM0][1])
+            assert after["cxl0/mem1"] == before["cxl0/mem1"]
+            assert [comp.get(c.id) for c in held] == held
+            assert comp.events(seen) == []
+            big = comp.compose(parse_request("big", ["host h3", "cxl-memory 2TiB"])).composition
+            assert big is not None and big.state is CompositionState.COMPOSED
+            assert comp.reconcile() == 0
+        finally:
+            comp.close()
+
+    def test_a_pass_that_discovers_the_fabric_takes_it_too_and_keeps_the_claims_beyond_it(self) -> None:
+        """Of a fabric that sends no health events, every pass discovers it; a pool reported smaller than its
+        claims offers nothing, and gives them all back as it grows again."""
+        cxl = HeldApart(load_topology("cxl0", "demo-cxl"))
+        cxl.tells_health = False
+        comp = composer({"cxl0": cxl}, auto_heal=False)
+        try:
+            c = comp.compose(parse_request("a", ["host h1", "cxl-memory 2TiB"])).composition
+            assert c is not None and [a.pool for a in c.allocations] == [MEM0]
+            cxl.held_apart = TIB
+            comp.reconcile()
+            assert _pools(comp)[MEM0] == (TIB, TIB)  # all it has is claimed, and the claims beyond it kept
+            assert comp.get(c.id) == c
+            cxl.held_apart = 0
+            comp.reconcile()
+            assert _pools(comp)[MEM0] == (2 * TIB, 2 * TIB)
+            comp.decompose(c.id)
+            assert _pools(comp)[MEM0] == (2 * TIB, 0)
+        finally:
+            comp.close()

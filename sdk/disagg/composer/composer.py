@@ -70,6 +70,7 @@ from disagg.model import (
     MemoryPick,
     PendingChange,
     Plan,
+    PoolInfo,
     PriorState,
     Reservation,
     ResourceRequest,
@@ -892,7 +893,8 @@ class FabricComposer(Composer):
         hardware no longer holds, or whose device discovery reports unhealthy, becomes DEGRADED (with auto-heal,
         one whose only trouble is unhealthy devices is then healed). A fabric whose driver sends no health events
         (`_tells_health`) is discovered again, outside the lock, and the health it reports applied as its events
-        would have (`_take_health`). Compositions with a change in flight are
+        would have (`_take_health`), and the pools' capacities it reports taken (`_take_pools`). Compositions
+        with a change in flight are
         left alone, and so are fabrics that cannot be read now. What a change touched while the hardware was read
         (its composition, the devices and memory its record held before or after) is set aside for the next pass
         (`_Touched`), so that a change racing with the read is never mistaken for an orphan or a loss, while
@@ -910,7 +912,8 @@ class FabricComposer(Composer):
     @_durably
     def _resync(self, event: FabricEvent) -> None:
         """Reconcile ``event``'s fabric alone, at once (its driver says its state may have changed behind the
-        manager: RESYNC_REQUIRED), its devices' health read with its bindings and allocations. Run on the thread
+        manager: RESYNC_REQUIRED), its devices' health and pools' capacities (`_take_pools`) read with its
+        bindings and allocations. Run on the thread
         that delivers the fabric's events, before the next: a health event after it must find the lost bindings
         missing already, or it would stand their composition COMPOSED again. The heal it leaves runs beside the
         events (`_heal_soon`), as a failure event's does."""
@@ -976,6 +979,8 @@ class FabricComposer(Composer):
             # Recorded before the judgement, which then words each verdict with it, and the compositions a health
             # touched held to it after: one verdict a composition, never COMPOSED on the way to DEGRADED.
             told, sickened, touched = self._take_health(reported, heard, why)
+            # Before the memory is judged, which then releases the reservations of a pool that shrank below them.
+            resized = self._take_pools(found, heard)
             if watch.compositions:
                 log.debug(
                     "reconcile: %d compositions (%d devices, %d allocations) changed while the hardware was read; "
@@ -984,7 +989,7 @@ class FabricComposer(Composer):
                     len(watch.devices),
                     len(watch.allocations),
                 )
-            changes = lost_now + self._quarantine_bindings(bound, watch.devices, read)
+            changes = lost_now + resized + self._quarantine_bindings(bound, watch.devices, read)
             recorded_as = {
                 (a.pool, a.id): (c.host, a.amount_bytes) for c in self._compositions.values() for a in _holdings(c)[1]
             }
@@ -1071,6 +1076,42 @@ class FabricComposer(Composer):
                 if device.health is not Health.OK:
                     sickened += affected
         return changed, sickened, list(dict.fromkeys(touched))
+
+    def _take_pools(self, found: Mapping[str, Topology], heard: Mapping[str, int]) -> int:
+        """Take the capacity of each pool that ``found`` (what a pass discovered) reports otherwise than the index,
+        as a rebuild would, with every claim on it kept exactly (`Inventory.resize_pool`): a fabric's pool may
+        give back bytes held apart (a DCD's region pool once an older release's allocation in it is released,
+        docs/cxl-fm-api.md), and a rebuild comes only with a device or link event. The index's topology of the
+        fabric takes it too, or a rebuild for another fabric's event would index the old one again. A pool the
+        index lacks, or of another device, kind or fabric now, waits for a rebuild; so does one that left the
+        report. Skipped as in `_take_health` for a fabric unreachable or heard from since the pass began.
+        Returns how many pools changed. Under the lock."""
+        changed = 0
+        for name, topology in found.items():
+            indexed = self._inv.topologies.get(name)
+            if indexed is None or name in self._unreachable or self._heard.get(name) != heard.get(name):
+                continue
+            taken: dict[str, PoolInfo] = {}
+            for pool in topology.pools:
+                state = self._inv.pools.get(pool.id)
+                if state is None or state.info == pool:
+                    continue
+                was = state.info
+                if (was.fabric, was.device, was.kind) != (pool.fabric, pool.device, pool.kind):
+                    continue
+                self._inv.resize_pool(pool)
+                taken[pool.id] = pool
+                log.info(
+                    "reconcile: pool %s reports %d bytes (%d before); its claims are kept",
+                    pool.id,
+                    pool.capacity.total_bytes,
+                    was.capacity.total_bytes,
+                )
+            if taken:
+                pools = tuple(taken.get(p.id, p) for p in indexed.pools)
+                self._inv.topologies[name] = attrs.evolve(indexed, pools=pools)
+                changed += len(taken)
+        return changed
 
     def _lose(self, names: set[str], heard: Mapping[str, int]) -> int:
         """Count the fabrics of ``names`` that answered before as unreachable (`_discovered`): their compositions

@@ -317,6 +317,19 @@ class Inventory:
             if state.free_lds is not None and lds is not None:
                 state.free_lds = min(lds, state.free_lds + 1)
 
+    def resize_pool(self, info: PoolInfo) -> None:
+        """Take the description a pool's fabric reports now (its capacity, block size or logical devices changed),
+        its claims kept exactly: what they hold is free no more, and what they hold beyond the new capacity is
+        kept as ``excess_bytes`` (and an MLD's logical devices may go below zero), as `claim_memory` keeps it."""
+        state = self.pools[info.id]
+        held = state.info.capacity.total_bytes - state.free_bytes + state.excess_bytes
+        total = info.capacity.total_bytes
+        state.free_bytes, state.excess_bytes = max(0, total - held), max(0, held - total)
+        before, after = state.info.ld_count, info.ld_count
+        if state.free_lds is not None and before is not None and after is not None:
+            state.free_lds += after - before
+        state.info = info
+
     def claim_host(self, host: str, owner: str) -> None:
         current = self.host_owner.get(host)
         if current == owner:

@@ -15,8 +15,9 @@ class FabricEventKind(ModelEnum):
     """What a driver reports, after CXL event records (hot plug, surprise removal, link down).
 
     RESYNC_REQUIRED says that the fabric's state may have changed behind the manager (its switch or management
-    endpoint restarted, losing bindings and allocations, with no record of each): the manager reads the whole
-    fabric again at once. Its subject names what restarted (a switch id, else the fabric); it carries no health.
+    endpoint restarted, losing bindings and allocations, with no record of each; a pool's capacity changed):
+    the manager reads the whole fabric again at once, its pools' capacities too. Its subject names what
+    restarted or changed (a switch or device id, else the fabric); it carries no health.
     """
 
     DEVICE_HEALTH = "device-health"
