@@ -7,6 +7,7 @@ pool id; and the device-level id a release before named multi-region allocations
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +17,16 @@ from cxl_switch_wire import dc_extent_bytes, dc_extents, dc_regions
 from disagg.composer import FabricComposer
 from disagg.errors import CapacityExhaustedError
 from disagg.interfaces import CallContext
-from disagg.model import Capacity, CompositionState, EventType, PoolInfo, PoolKind, Topology
+from disagg.model import (
+    Capacity,
+    CompositionState,
+    EventType,
+    FabricEvent,
+    FabricEventKind,
+    PoolInfo,
+    PoolKind,
+    Topology,
+)
 from disagg.requestlang import parse_request
 from disagg.store.sqlite import SqliteStore
 from disagg.testing import FabricConformance
@@ -143,6 +153,34 @@ def test_the_device_pool_id_still_lists_and_releases_a_multi_region_dcd(
     assert {p.id: p.capacity.total_bytes for p in switch.discover().pools} == {region0: GIB, region1: GIB}
 
 
+def test_the_release_of_the_device_pools_last_allocation_asks_for_a_resync(
+    make_switch: Callable[..., CxlSwitchFabric],
+) -> None:
+    """Its regions' pools report more from then on, which a manager that read them before would never offer: the
+    driver says so once, when the last of the device pool's allocations is released, and not for another."""
+    switch = _two_regions(make_switch)
+    device_pool = f"sw/dcd-port{_dcd_port(switch)}"
+    region0 = f"{device_pool}-region0"
+    heard: list[FabricEvent] = []
+    switch.subscribe(heard.append)
+    for name in ("old1", "old2"):
+        switch.pool(device_pool).allocate(name, "h2", 256 * MIB, _ctx())
+    switch.pool(region0).allocate("new", "h1", 256 * MIB, _ctx())
+    switch.pool(device_pool).release("old1", _ctx())
+    switch.pool(region0).release("new", _ctx())
+    time.sleep(0.2)  # four polls of the event log
+    assert heard == []
+    switch.pool(device_pool).release("old2", _ctx())
+    switch.pool(device_pool).release("old2", _ctx())  # a retry: nothing listed, nothing said again
+    deadline = time.monotonic() + 2.0
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    dcd = next(d.id for d in switch.discover().devices if d.attributes.get("pool_kind") == "dcd")
+    assert [(e.kind, e.subject, e.health) for e in heard] == [(FabricEventKind.RESYNC_REQUIRED, dcd, None)]
+    assert "regions' pools report their whole capacity again" in heard[0].message
+
+
 def _as_the_release_before(switch: CxlSwitchFabric) -> Callable[[], Topology]:
     """``switch.discover`` as the release before had it: the DCD one pool under the device's id, of every region."""
     discover, device_pool = switch.discover, f"sw/dcd-port{_dcd_port(switch)}"
@@ -178,6 +216,44 @@ def test_a_composition_the_release_before_recorded_is_found_and_released(
         assert EventType.ALLOCATION_QUARANTINED not in {e.type for e in upgraded.events()}
         upgraded.decompose(composed.id)
         assert dc_extent_bytes(switch.address, _dcd_port(switch), switch.hosts()["h1"]) == 0
+    finally:
+        upgraded.close()
+
+
+def _region_totals(composer: FabricComposer) -> dict[str, int]:
+    """Each DCD pool's capacity as the composer's index has it."""
+    return {p.pool: p.total_bytes for p in composer.usage()[1] if "dcd" in p.pool}
+
+
+def test_the_capacity_a_legacy_allocation_frees_is_offered_at_once(
+    make_switch: Callable[..., CxlSwitchFabric], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A composition the release before recorded under the device's pool holds 512 MiB of region 0, which region
+    0's pool reports less; once it is decomposed, the driver says so (RESYNC_REQUIRED) and the composer takes the
+    regions' capacities again: the whole 2 GiB is placed without a restart or another event."""
+    switch = _two_regions(make_switch)
+    with monkeypatch.context() as before:
+        before.setattr(switch, "discover", _as_the_release_before(switch))
+        old = FabricComposer({"sw": switch}, store=SqliteStore(tmp_path / "ledger.db"))
+        old.start()
+        composed = old.compose(parse_request("old", ["host h1", "cxl-memory 512MiB pool_kind=dcd"])).composition
+        old.close()
+    assert composed is not None
+    switch = _two_regions(make_switch)  # the upgraded manager's driver
+    upgraded = FabricComposer({"sw": switch}, store=SqliteStore(tmp_path / "ledger.db"))
+    upgraded.start()
+    try:
+        region0, region1 = (f"sw/dcd-port{_dcd_port(switch)}-region{r}" for r in (0, 1))
+        assert _region_totals(upgraded)[region0] == 512 * MIB
+        upgraded.decompose(composed.id)
+        deadline = time.monotonic() + 5.0  # the driver's event latency is 0.5 s
+        while {p: _region_totals(upgraded)[p] for p in (region0, region1)} != {region0: GIB, region1: GIB}:
+            assert time.monotonic() < deadline, f"the index still has {_region_totals(upgraded)}"
+            time.sleep(0.05)
+        c = upgraded.compose(parse_request("all", ["host h2", "cxl-memory 2GiB pool_kind=dcd"])).composition
+        assert c is not None and c.state is CompositionState.COMPOSED
+        assert sum(a.amount_bytes for a in c.allocations) == 2 * GIB
+        assert upgraded.reconcile() == 0
     finally:
         upgraded.close()
 

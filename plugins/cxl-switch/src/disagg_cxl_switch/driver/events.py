@@ -42,11 +42,15 @@ class EventPoller:
         deliver: Callable[[EventRecord], None],
         resync: Callable[[], None],
         restarted: Callable[[], None],
+        *,
+        queued: Callable[[], None],
     ) -> None:
         """``deliver`` takes each record in order; ``resync`` (raising `DisaggError` when the switch cannot be read,
         to be called again after the next poll) tells subscribers what the records lost in a gap would have;
-        ``restarted`` tells them that the switch may have restarted (reached anew, or numbering anew)."""
+        ``restarted`` tells them that the switch may have restarted (reached anew, or numbering anew); ``queued``
+        publishes, before each poll, the events the driver's calls queued for this thread."""
         self._client = CCIClient(address)
+        self._publish_queued = queued
         self._next = first_sequence
         self._deliver = deliver
         self._resync = resync
@@ -60,6 +64,7 @@ class EventPoller:
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_INTERVAL_S):
+            self._publish_queued()  # whether or not the switch answers the poll
             try:
                 response = self._read()
                 if response.next_sequence < self._next:

@@ -132,6 +132,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         self._links_down: set[str] = set()
         self._flaky: dict[str | None, int] = {}
         self._told: dict[str, Health] = {}  # each device's health as last published
+        self._queued: list[FabricEvent] = []  # for the poller's thread to publish (`publish_soon`)
         try:
             self._view = SwitchView.read(self._client, name, options)
             self._dcd = None if self._view.dcd_port is None else DCD(self, self._view.dcd_port)
@@ -143,7 +144,9 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 process.stop(state_dir)  # started for a fabric that cannot be built; one adopted holds bindings
             self._let_go()
             raise
-        self._poller = EventPoller(self._address, first, self._on_record, self._resync, self._restarted)
+        self._poller = EventPoller(
+            self._address, first, self._on_record, self._resync, self._restarted, queued=self._publish_queued
+        )
         self._closed = False
 
     def _let_go(self) -> None:
@@ -395,6 +398,19 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                     handler(event)
                 except Exception:  # one subscriber's failure is no other's
                     log.exception("cxl-switch: an event handler failed on %s", event)
+
+    def publish_soon(self, event: FabricEvent) -> None:
+        """Have the poller's thread publish ``event`` before its next poll, in order with the switch's own events:
+        a subscriber's handler is never run inside the driver call that caused it (a composer's reads the
+        fabric again, which that call may still hold)."""
+        with self._lock:
+            self._queued.append(event)
+
+    def _publish_queued(self) -> None:
+        with self._lock:
+            queued, self._queued = self._queued, []
+        if queued:
+            self._publish(queued)
 
     def _on_record(self, record: EventRecord) -> None:
         port = self._view.dcd_port if record.event_type is EventType.EXTENT_POISONED else record.port_id

@@ -28,7 +28,7 @@ from disagg.errors import (
     outcome_unknown,
 )
 from disagg.interfaces import CallContext, Pool, check_id
-from disagg.model import Allocation, Capacity, Extent, Health, PoolInfo, PoolKind
+from disagg.model import Allocation, Capacity, Extent, FabricEvent, FabricEventKind, Health, PoolInfo, PoolKind
 
 from disagg_cxl_switch.driver.carving import admit, already_held, tunnel_error
 from disagg_cxl_switch.driver.client import CommandFailedError, Encodable, decode
@@ -380,7 +380,24 @@ class DCDPool(Pool):
         check_id(allocation_id, "allocation_id")
         own_tag = allocation_tag(allocation_id, self._carver)
         with ctx.hold(self._lock, "the switch"):
-            for allocation, tag in self._tagged(ctx):
+            listed = self._tagged(ctx)
+            released = 0
+            for allocation, tag in listed:
                 if allocation.id == allocation_id or tag == own_tag:
                     self._release_tag(allocation, tag, ctx)
+                    released += 1
             self._fabric.state.forget_tag(allocation_id, self._carver)
+        if released and released == len(listed) and self._region is None and len(self._dcd.geometry().regions) > 1:
+            self._regions_whole_again()
+
+    def _regions_whole_again(self) -> None:
+        """The device's pool of a DCD of several regions listed its last allocation (one the release before
+        recorded), now released: discovery leaves it out, and its regions' pools report the bytes it held again,
+        which a manager that read them before would never offer. RESYNC_REQUIRED has it read the fabric again."""
+        why = (
+            f"the last allocation of pool {self._id}, recorded by the release before, was released: "
+            "its DC regions' pools report their whole capacity again"
+        )
+        self._fabric.publish_soon(
+            FabricEvent(self._fabric.name, FabricEventKind.RESYNC_REQUIRED, self._device, None, why)
+        )
