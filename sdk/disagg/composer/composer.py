@@ -253,6 +253,24 @@ def _composed(answer: object) -> bool:
     return isinstance(answer, ComposeResult) and answer.mode is ComposeMode.APPLY and answer.composition is not None
 
 
+def _declares_health_events(fabric: Fabric) -> bool:
+    """Whether ``fabric``'s driver declares HEALTH_EVENTS; one that cannot say does not (its discovery tells
+    whether it can be used)."""
+    try:
+        return fabric.capabilities().supports(Feature.HEALTH_EVENTS)
+    except Exception:  # a driver's bug too
+        return False
+
+
+def _heard(fabric: Fabric) -> bool:
+    """Whether ``fabric``'s events reach the composer now (`Fabric.events_heard`); one that cannot say is not
+    heard, and so is asked for its devices' health."""
+    try:
+        return fabric.events_heard
+    except Exception:  # a driver's bug too
+        return False
+
+
 def _being_made(comp: Composition) -> bool:
     """Whether ``comp`` is a new composition whose compose is in flight, or was when a crash interrupted it."""
     return comp.pending is not None and comp.pending.kind is ChangeKind.ADD and comp.pending.restore is None
@@ -935,6 +953,30 @@ class FabricComposer(Composer):
                 retry=lambda c: c not in degraded and c not in back and self._started,
             )
 
+    @_durably
+    def poll_unheard(self) -> int:
+        """Reconcile each fabric that declares HEALTH_EVENTS but whose events are not heard now (`Fabric.events_heard`:
+        a remote driver's event stream broken, refused, or without headers), those fabrics alone, as `_resync`
+        reconciles one: a failure its events would have told within a second is otherwise seen only at the next
+        reconcile pass. A server calls it on its timer, every few seconds; returns how many things it changed.
+        A fabric whose events are heard is not asked (they tell its failures), nor one that does not declare them
+        (every pass discovers it), nor one counted unreachable (`retry_unreachable` asks it). Once the stream is
+        open again, its watcher reports what changed meanwhile as events: nothing told while unheard is lost."""
+        names = frozenset(
+            name
+            for name, fabric in self.fabrics.items()
+            if not _heard(fabric) and _declares_health_events(fabric) and not self._counted_away(name)
+        )
+        if not names:
+            return 0
+        why = "its events are not heard now (its driver's event stream is not open)"
+        changes, healable, degraded = self._reconcile_pass(names, why)
+        if self.auto_heal:
+            # Only what it degraded, as after the events that would have told it: a heal that failed before is
+            # retried by the passes, whose back-off counts passes, and a poll every few seconds would shorten it.
+            changes += self._heal_all([c for c in healable if c in degraded])
+        return changes
+
     def _counted_away(self, name: str) -> bool:
         """Whether fabric ``name`` counts unreachable, or answered again at a rebuild whose compositions
         `retry_unreachable` has not settled yet: a reconcile pass skips the one and judges none of the other's
@@ -1013,11 +1055,8 @@ class FabricComposer(Composer):
         (`Fabric.events_heard`: a remote driver's event stream is open): its events are the source of its
         devices' health, and a pass need not discover it again to learn it. One that cannot say is asked
         (`_discovered`). Outside the lock."""
-        try:
-            fabric = self.fabrics[name]
-            return fabric.capabilities().supports(Feature.HEALTH_EVENTS) and fabric.events_heard
-        except Exception:  # a driver's bug too: its discovery tells whether it can be used
-            return False
+        fabric = self.fabrics[name]
+        return _declares_health_events(fabric) and _heard(fabric)
 
     def _discovered(self, name: str) -> Topology | None:
         """What fabric ``name`` discovers now (for a pass, or a retry of one unreachable, `_answers`); None when it

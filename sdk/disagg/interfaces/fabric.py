@@ -206,7 +206,8 @@ class Fabric(abc.ABC):
         """Whether the driver's events reach its subscribers now. True unless the driver knows better: a driver out
         of process (`disagg.remote`) answers False while its event stream is not open. The composer then takes
         no failure as told by events, whatever HEALTH_EVENTS says: it discovers the fabric's health on each pass,
-        as it does a fabric that does not declare them."""
+        as it does a fabric that does not declare them, and a serving fabric manager reconciles the fabric alone
+        every few seconds meanwhile (`FabricComposer.poll_unheard`)."""
         return True
 
     @abc.abstractmethod

@@ -79,7 +79,9 @@ MAX_WATCHES = 16
 GRACE_S = 10.0
 TICK_S = 1.0
 RETRY_UNREACHABLE_S = 5.0
-"""How often fabrics that could not be reached are tried again (their compositions are UNKNOWN meanwhile)."""
+"""How often fabrics that could not be reached are tried again (their compositions are UNKNOWN meanwhile), and
+fabrics that declare HEALTH_EVENTS but whose events are not heard now are reconciled, those alone
+(`FabricComposer.poll_unheard`): their failures would otherwise wait for the next reconcile, ``reconcile_s``."""
 RECONCILE_S = 60.0
 """How often a serving fabric manager holds its ledger against the hardware (it also does at start-up)."""
 UNWIND_S = 1.0
@@ -657,8 +659,10 @@ class FabricManagerServer:
                 self._claims.clear()
 
     def _tick(self) -> None:
-        """Expire reservations once a second, try unreachable fabrics again every few seconds, and reconcile
-        with the hardware every ``reconcile_s``, until the server stops."""
+        """Expire reservations once a second, try unreachable fabrics again and reconcile those whose events are
+        not heard every few seconds (`RETRY_UNREACHABLE_S`), and reconcile with the hardware every
+        ``reconcile_s``, until the server stops. The composer has no thread of its own for these: this one stops
+        with the lead, so a replica that lost it calls no driver."""
         try:
             self._ticks()
         finally:
@@ -684,6 +688,11 @@ class FabricManagerServer:
                     self.composer.retry_unreachable()
                 except Exception:
                     log.exception("trying the unreachable fabrics again failed")
+                if time.monotonic() < next_reconcile:  # a reconcile now discovers them anyway
+                    try:
+                        self.composer.poll_unheard()
+                    except Exception:
+                        log.exception("reconciling the fabrics whose events are not heard failed")
             if time.monotonic() >= next_reconcile:
                 next_reconcile = time.monotonic() + self._reconcile_s
                 try:
