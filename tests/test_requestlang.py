@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from disagg.errors import InvalidRequestError
 from disagg.model import (
@@ -1184,3 +1185,142 @@ class TestDigitsAreAscii:
             parse_resource("gpu model=\u0663")
         quoted = parse_resource("gpu model='\"\u0663\"'")
         assert quoted.selectors[0].value == "\u0663"
+
+
+class TestContradictorySelectors:
+    """Selectors on one key that no value can meet together (``model=a model=b``, ``gpu_memory>=80GB
+    gpu_memory<40GB``) were taken and then found no fit (NoFitError), which told the user the fabric lacked
+    devices; they are refused, naming both. A selector given twice alike asks the same once and is taken."""
+
+    @pytest.mark.parametrize(
+        ("clause", "first", "second"),
+        [
+            ("gpu model=a model=b", "model=a", "model=b"),
+            ("gpu x1 gpu_memory>=80GB gpu_memory<40GB", "gpu_memory>=80GB", "gpu_memory<40GB"),
+            ("gpu gpu_memory>=80GB gpu_memory<80GB", "gpu_memory>=80GB", "gpu_memory<80GB"),
+            ("gpu gpu_memory>80GiB gpu_memory<=80GiB", "gpu_memory>80GiB", "gpu_memory<=80GiB"),
+            ("gpu score<=2 score>=3", "score<=2", "score>=3"),
+            ("gpu score<1.5 score>1.5", "score<1.5", "score>1.5"),
+            ("gpu model=H200 model!=h200", "model=H200", "model!=h200"),
+            ("gpu score=4 score>8", "score=4", "score>8"),
+            ("gpu rack=r1 rack=1", "rack=r1", "rack=1"),
+            ("gpu score>=4 score<=abc", "score>=4", "score<=abc"),
+            ("host rack=r1 rack=r2", "rack=r1", "rack=r2"),
+            ("host cores>=8 score>=5 score<4", "score>=5", "score<4"),
+        ],
+    )
+    def test_text(self, clause: str, first: str, second: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request("t", ["nvme", clause])
+        assert info.value.field == "clauses[1]"
+        assert first in info.value.message and second in info.value.message
+
+    @pytest.mark.parametrize(
+        "clause",
+        [
+            "gpu model=a model=a",
+            "gpu model=H200 model=h200",
+            "gpu score>=4 score<=4",
+            "gpu score>=4 score<8 score>=6",
+            "gpu model!=a model!=b",
+            "gpu model=a model!=b",
+            "gpu gpu_memory>=80GB gpu_memory<80GiB",
+            "gpu rack!=1 rack=r1",
+            "host rack=r1 rack=r1",
+        ],
+    )
+    def test_what_can_be_met_is_taken(self, clause: str) -> None:
+        parse_request("t", ["nvme", clause])
+
+    def test_documents(self) -> None:
+        with pytest.raises(InvalidRequestError, match=r"model=a.*model=b") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "gpu", "selectors": ["model=a", "model=b"]}]})
+        assert info.value.field == "resource[0].selectors[1]"
+        doc = {"name": "t", "host": {"selectors": ["rack>=b", "rack<a"]}, "resource": [{"kind": "gpu"}]}
+        with pytest.raises(InvalidRequestError, match=r"rack>=b.*rack<a") as info:
+            request_from_document(doc)
+        assert info.value.field == "host.selectors[1]"
+
+    def test_one_rule_for_every_path(self) -> None:
+        """The wire and the Python client refuse them by the same rule, naming the second selector's field."""
+        line = ResourceRequest(
+            DeviceKind.GPU, 1, selectors=(Selector("k", SelectorOp.GE, 5), Selector("m", SelectorOp.EQ, "a"))
+        )
+        assert request_limit_refusal([line]) is None
+        line = attrs.evolve(line, selectors=(*line.selectors, Selector("k", SelectorOp.LT, 5)))
+        refusal = request_limit_refusal([line])
+        assert refusal is not None and refusal[0] == "resources[0].selectors[2]"
+        assert "k>=5" in refusal[1] and "k<5" in refusal[1]
+        host = HostRequest(selectors=(Selector("rack", SelectorOp.EQ, "r1"), Selector("rack", SelectorOp.NE, "R1")))
+        refusal = request_limit_refusal([], host)
+        assert refusal is not None and refusal[0] == "host.selectors[1]"
+
+
+class TestLongTextIsQuotedInPart:
+    """A refusal quoted the clause or token it refused whole, so that a token of 5000 characters made a message
+    of 5000 (and one, three times over); a refusal quotes the first 64 characters of what the user wrote."""
+
+    @pytest.mark.parametrize(
+        "clauses",
+        [
+            ["gpu model=" + "a" * 5000],
+            ["gpu gpu_memory>=" + "9" * 5000],
+            ["gpu label=<" + "a" * 5000],
+            ["gpu score>=1_" + "0" * 5000],
+            ["gpu score>=٣" + "3" * 5000],
+            ["gpu model='" + "a" * 5000],
+            ["cxl-memory " + "a" * 5000],
+            ["cxl-memory 512.0" + "0" * 5000],
+            ["gpu spread=" + "-" * 5000],
+            ["gpu serial=" + "a" * 5000],
+            ["gpu latency<=" + "a" * 5000],
+            ["gpu " + "a" * 5000],
+            ["host cores=" + "9" * 5000],
+            ["host cores>=" + "a" * 5000],
+            ["host memory>=" + "a" * 5000],
+            ["host h1", "host " + "h" * 5000],
+            ["gpu model=a model=" + "b" * 250],
+        ],
+    )
+    def test_text(self, clauses: list[str]) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request("t", [*clauses, "nvme"])
+        assert len(info.value.message) < 600, info.value.message
+
+    @pytest.mark.parametrize(
+        "doc",
+        [
+            {"name": "n" * 5000, "resource": [{"kind": "gpu"}]},
+            {"name": "t", "resource": [{"kind": "g" * 5000}]},
+            {"name": "t", "resource": [{"kind": "gpu", "affinity": "a" * 5000}]},
+            {"name": "t", "resource": [{"kind": "gpu", "max_latency": "a" * 5000}]},
+            {"name": "t", "resource": [{"kind": "cxl-memory", "amount": "a" * 5000}]},
+            {"name": "t", "resource": [{"kind": "gpu", "spread": "-" * 5000}]},
+            {"name": "t", "host": {"name": "h" * 5000}, "resource": [{"kind": "gpu"}]},
+            {"name": "t", "host": {"min_memory": "a" * 5000}, "resource": [{"kind": "gpu"}]},
+        ],
+    )
+    def test_documents(self, doc: dict[str, Any]) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            request_from_document(doc)
+        assert len(info.value.message) < 600, info.value.message
+
+
+class TestAnAmountTooLarge:
+    """An amount of thousands of digits was refused as "neither a count nor an amount", though it is an amount,
+    too large; it is refused as too large, naming the most a request may give."""
+
+    @pytest.mark.parametrize("digits", [21, 4000, 5000])
+    def test_text(self, digits: int) -> None:
+        with pytest.raises(InvalidRequestError, match=r"more than the most a request may give, 18446744073709551615"):
+            parse_request("t", ["cxl-memory " + "9" * digits + "GiB"])
+
+    def test_document(self) -> None:
+        with pytest.raises(InvalidRequestError, match=r"5,000 digits.*18446744073709551615") as info:
+            request_from_document({"name": "t", "resource": [{"kind": "cxl-memory", "amount": "9" * 5000 + "GiB"}]})
+        assert info.value.field == "resource[0].amount"
+
+    def test_at_the_bound(self) -> None:
+        assert parse_resource(f"cxl-memory {2**64 - 1}B").amount_bytes == 2**64 - 1
+        with pytest.raises(InvalidRequestError, match="18446744073709551615"):
+            parse_resource(f"cxl-memory {2**64}B")

@@ -64,6 +64,11 @@ def selector(key: str, value: str | int | float) -> fm.Selector:
     return fm.Selector(key=key, op=fm.SELECTOR_OP_EQ, value=pb.AttributeValue(**{which: value}))
 
 
+def ordered(key: str, op: int, value: int) -> fm.Selector:
+    """A selector of a whole number with the operator ``op``, unchecked."""
+    return fm.Selector(key=key, op=op, value=pb.AttributeValue(int_value=value))  # type: ignore[arg-type]
+
+
 def stuck_rack() -> tuple[dict[str, Any], StuckUnbind]:
     pcie = StuckUnbind(load_topology("pcie0", "demo-pcie"))
     pcie.stuck = set()
@@ -213,6 +218,25 @@ class TestCompose:
                 "resources[0].selectors[0].value",
             ),
             ({"host": fm.HostRequest(selectors=[selector("rack\x00", "r1")])}, "host.selectors[0].key"),
+            (
+                {"resources": [gpu(1, selectors=[selector("model", "a"), selector("model", "b")])]},
+                "resources[0].selectors[1]",
+            ),
+            (
+                {
+                    "resources": [
+                        gpu(
+                            1,
+                            selectors=[
+                                ordered("gpu_memory", fm.SELECTOR_OP_GE, 80),
+                                ordered("gpu_memory", fm.SELECTOR_OP_LT, 40),
+                            ],
+                        )
+                    ]
+                },
+                "resources[0].selectors[1]",
+            ),
+            ({"host": fm.HostRequest(selectors=[selector("rack", "r1"), selector("rack", "r2")])}, "host.selectors[1]"),
             ({"mode": 9}, "mode"),
             ({"mode": fm.COMPOSE_MODE_UNSPECIFIED}, "mode"),
             ({"reservation_ttl_s": -1.0}, "reservation_ttl_s"),
@@ -516,6 +540,10 @@ class TestUpdateComposition:
             ({"id": "c-1"}, "add"),
             ({"id": ""}, "id"),
             ({"id": "c-1", "add": [fm.ResourceRequest(count=1)]}, "add[0].kind"),
+            (
+                {"id": "c-1", "add": [gpu(1, selectors=[selector("model", "a"), selector("model", "b")])]},
+                "add[0].selectors[1]",
+            ),
             ({"id": "c-1", "remove": ["ok", ""]}, "remove[1]"),
             ({"id": "c-1", "remove": ["x"] * 1025}, "remove"),
             ({"id": "c-1", "remove": ["x"], "etag": "e" * 129}, "etag"),

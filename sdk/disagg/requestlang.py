@@ -35,13 +35,18 @@ from disagg.model import (
     spread_refusal,
 )
 from disagg.model.composition import (
+    MAX_BYTES,
     MAX_COUNT,
     MAX_RESOURCE_LINES,
     MAX_SELECTOR_KEY,
+    MAX_SELECTORS,
+    conflict_refusal,
     host_limit_refusal,
     resource_limit_refusal,
     selector_value_refusal,
+    selectors_conflict,
 )
+from disagg.model.units import shown
 
 _CLAUSE = re.compile(rf"^({SELECTOR_KEY.pattern})\s*(!=|>=|<=|=|>|<)\s*(.+)$")
 _OPS = {op.value: op for op in SelectorOp}
@@ -80,25 +85,25 @@ def parse_selector(text: str, field: str = "selector", *, clause: bool = False) 
         raise InvalidRequestError(_other_number(text, key, op.value, value, clause=clause), field=field)
     if isinstance(value, str) and _OTHER_DIGIT.match(value) and text.strip().endswith(value):  # not quoted
         raise InvalidRequestError(
-            f"{text!r}: {value!r} begins with a digit other than 0-9, which the request language does not read as a "
-            f"number (write it in 0-9); to compare with the text {value!r}, quote it: "
+            f"{shown(text)}: {shown(value)} begins with a digit other than 0-9, which the request language does not "
+            f"read as a number (write it in 0-9); to compare with the text {shown(value)}, quote it: "
             f"{_quoted(key, op.value, value, clause=clause)}",
             field=field,
         )
     if isinstance(value, str) and op in _ORDERS and _NOT_FINITE.fullmatch(value) and text.strip().endswith(value):
         raise InvalidRequestError(
-            f"{text!r}: {value!r} is not a number a device can have (a selector orders finite numbers); to compare "
-            f"with the text {value!r}, quote it: {_quoted(key, op.value, value, clause=clause)}",
+            f"{shown(text)}: {shown(value)} is not a number a device can have (a selector orders finite numbers); "
+            f"to compare with the text {shown(value)}, quote it: {_quoted(key, op.value, value, clause=clause)}",
             field=field,
         )
     why = selector_value_refusal(value)
     if why:
-        raise InvalidRequestError(f"{text!r}: {why}", field=field)
+        raise InvalidRequestError(f"{shown(text)}: {why}", field=field)
     selector = Selector(key, op, value)
     if isinstance(value, str) and op in _ORDERS and _CLIPPED_SIZE.fullmatch(value):
         # As text it would be compared with the attribute's bytes and match nothing, silently.
         unit = f"{value}B" if value[-1] in "iI" else f"{value}B or {value}iB"
-        raise InvalidRequestError(f"{text!r}: a size needs its unit in full, {unit}", field=field)
+        raise InvalidRequestError(f"{shown(text)}: a size needs its unit in full, {unit}", field=field)
     return selector
 
 
@@ -106,10 +111,10 @@ def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, Select
     """A selector's key, operator and value, the value not yet held to a selector's range: a host's ``cores``
     and ``memory`` minimums have their own."""
     if not isinstance(text, str):
-        raise InvalidRequestError(f"{text!r} is not a selector: write it as text, key=value", field=field)
+        raise InvalidRequestError(f"{shown(text)} is not a selector: write it as text, key=value", field=field)
     match = _CLAUSE.match(text.strip())
     if not match:
-        raise InvalidRequestError(f"{text!r} is not a selector (write key=value, key>=value, ...)", field=field)
+        raise InvalidRequestError(f"{shown(text)} is not a selector (write key=value, key>=value, ...)", field=field)
     key, op, value = match.groups()
     if len(key) > MAX_SELECTOR_KEY:
         raise InvalidRequestError(
@@ -121,7 +126,7 @@ def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, Select
     try:
         parsed = parse_value(value)
     except ValueError as exc:
-        raise InvalidRequestError(f"{text!r}: {exc}", field=field) from exc
+        raise InvalidRequestError(f"{shown(text)}: {exc}", field=field) from exc
     return key, _OPS[op], parsed
 
 
@@ -143,15 +148,15 @@ def _other_number(text: str, key: str, op: str, value: str, *, clause: bool) -> 
                 meant = format(number.normalize() if number == number.to_integral() else number, "f")
     hint = f"write {key}{op}{meant}" if meant and len(meant) <= 40 else "write it in digits, e.g. 1.5 or 80000000000"
     return (
-        f"{text!r}: {value!r} is not a number the request language reads ({hint}, or a size such as 80GB); "
-        f"to compare with the text {value!r}, quote it: {written}"
+        f"{shown(text)}: {shown(value)} is not a number the request language reads ({hint}, or a size such as 80GB); "
+        f"to compare with the text {shown(value)}, quote it: {written}"
     )
 
 
 def _quoted(key: str, op: str, value: str, *, clause: bool) -> str:
     """The selector that compares ``key`` with the text ``value``: quoted, and in a text clause, whose own quotes
     come off as it is split into words, quoted again."""
-    quoted = f'"{value}"'
+    quoted = f'"{value[:64]}..."' if len(value) > 64 else f'"{value}"'
     return f"{key}{op}{shlex.quote(quoted) if clause else quoted}"
 
 
@@ -162,17 +167,21 @@ def _operator_typo(text: str, key: str, op: str, value: str, *, clause: bool) ->
     rest = value.lstrip("=<>!")
     typed = op + value[: len(value) - len(rest)]
     meant = _OPERATOR_TYPOS.get(typed)
-    hint = f"write {key}{meant}{rest}" if meant else "the operators are =, !=, >=, <=, > and <"
+    hint = f"write {key}{meant}{rest[:64]}" if meant else "the operators are =, !=, >=, <=, > and <"
+    value = value if len(value) <= 64 else f"{value[:64]}..."
     quoted = f"'{value}'" if '"' in value else f'"{value}"'
     written = f"{key}{op}{shlex.quote(quoted)}" if clause else f"{key}{op}{quoted}"
-    return f"{text!r}: {typed!r} is not an operator ({hint}; to compare with the text {value!r}, quote it: {written})"
+    return (
+        f"{shown(text)}: {typed!r} is not an operator ({hint}; to compare with the text {shown(value)}, quote it: "
+        f"{written})"
+    )
 
 
 def _tokens(text: str, field: str) -> list[str]:
     try:
         return shlex.split(text)
     except ValueError as exc:
-        raise InvalidRequestError(f"cannot read {text!r}: {exc}", field=field) from exc
+        raise InvalidRequestError(f"cannot read {shown(text)}: {exc}", field=field) from exc
 
 
 def parse_host(text: str, field: str = "host") -> HostRequest:
@@ -187,22 +196,25 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
     if name is not None:
         _check_host_name(name, field)
     cores = memory = 0
-    selectors = []
+    selectors: list[Selector] = []
+    written: list[str] = []
     seen: set[str] = set()
     for tok in tokens:
         key, op, value = _selector_parts(tok, field, clause=True)
         if key not in ("cores", "memory"):
             selectors.append(parse_selector(tok, field, clause=True))
+            written.append(tok)
             continue
         if op is not SelectorOp.GE:
-            raise InvalidRequestError(f"{tok!r}: write {key}>=VALUE for a host minimum", field=field)
+            raise InvalidRequestError(f"{shown(tok)}: write {key}>=VALUE for a host minimum", field=field)
         _once(key, seen, tok, field)
         if key == "memory":
             memory = _size(value, tok, field)
         elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidRequestError(f"{tok!r}: cores must be a whole number", field=field)
+            raise InvalidRequestError(f"{shown(tok)}: cores must be a whole number", field=field)
         else:
             cores = value
+    _check_conflicts(selectors, written, lambda n: field)
     return _host(name, cores, memory, tuple(selectors), field)
 
 
@@ -211,7 +223,7 @@ def _check_host_name(name: str, field: str) -> None:
     without spaces), as a server refuses it: the local composer answered that no fabric has such a host."""
     if not 0 < len(name) <= MAX_ID or not id_text(name):
         raise InvalidRequestError(
-            f"{name[:64]!r}: a host name is 1 to {MAX_ID} printable characters without spaces, as drivers name "
+            f"{shown(name)}: a host name is 1 to {MAX_ID} printable characters without spaces, as drivers name "
             "hosts (disagg topology lists them)",
             field=field,
         )
@@ -229,14 +241,14 @@ def _host(name: str | None, cores: int, memory: int, selectors: tuple[Selector, 
 def _once(modifier: str, seen: set[str], token: str, field: str) -> None:
     """Refuse a modifier given twice in one clause (``spread=chassis spread=rack``): the last would silently win."""
     if modifier in seen:
-        raise InvalidRequestError(f"{token!r}: {modifier} is given twice in one clause; give it once", field=field)
+        raise InvalidRequestError(f"{shown(token)}: {modifier} is given twice in one clause; give it once", field=field)
     seen.add(modifier)
 
 
 def _size(value: AttributeValue, token: str, field: str) -> int:
     """A host's least memory; ``memory>=0`` is no minimum, as ``cores>=0`` and a document's ``min_memory = 0``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidRequestError(f"{token!r} is not a size (write e.g. 512GiB)", field=field)
+        raise InvalidRequestError(f"{shown(token)} is not a size (write e.g. 512GiB)", field=field)
     return value
 
 
@@ -255,13 +267,14 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
     affinity = Affinity.NONE
     spread: str | None = None
     selectors: list[Selector] = []
+    written: list[str] = []
     seen: set[str] = set()
     for tok in tokens[1:]:
         count_match = _COUNT.match(tok)
         if count_match and count is None and amount is None:
             count = _count(count_match.group(1), field)
             if count == 0:
-                raise InvalidRequestError(f"{tok!r}: a count must be at least 1", field=field)
+                raise InvalidRequestError(f"{shown(tok)}: a count must be at least 1", field=field)
         elif tok in ("same-switch", "affinity=same-switch"):
             _once("same-switch", seen, tok, field)
             affinity = Affinity.SAME_SWITCH
@@ -279,23 +292,28 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
             except ValueError as exc:
                 raise InvalidRequestError(str(exc), field=field) from exc
             if latency < 0:
-                raise InvalidRequestError(f"{tok!r}: no latency is below zero", field=field)
+                raise InvalidRequestError(f"{shown(tok)}: no latency is below zero", field=field)
         elif count is None and amount is None and not _CLAUSE.match(tok):
             why = bare_amount_refusal(tok)
             if why:
                 raise InvalidRequestError(why, field=field)
+            why = _amount_refusal(tok)
+            if why:
+                raise InvalidRequestError(f"{shown(tok)}: {why}", field=field)
             try:
                 amount = parse_size(tok)
             except ValueError as exc:
                 raise InvalidRequestError(
-                    f"{tok!r} is neither a count (x8) nor an amount (512GiB)", field=field
+                    f"{shown(tok)} is neither a count (x8) nor an amount (512GiB)", field=field
                 ) from exc
             if amount == 0:
-                raise InvalidRequestError(f"{tok!r}: an amount must be more than zero", field=field)
+                raise InvalidRequestError(f"{shown(tok)}: an amount must be more than zero", field=field)
         else:
             selectors.append(_selector(tok, field, clause=True))
+            written.append(tok)
     if count is None and amount is None:
         count = 1
+    _check_conflicts(selectors, written, lambda n: field)
     return _build(
         kind,
         count=count or 0,
@@ -306,6 +324,27 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
         spread=spread,
         field=field,
     )
+
+
+_AMOUNT = re.compile(r"\s*0*(\d*)(?:\.\d+)?\s*[a-z]*\s*", flags=re.IGNORECASE | re.ASCII)
+
+
+def _amount_refusal(text: object) -> str:
+    """Why ``text`` is an amount too large for the wire to carry, when its number has more digits than the most
+    (`MAX_BYTES`) has; else empty. Past 4300 digits `parse_size` cannot read it, and the text form answered that
+    it was no amount at all."""
+    match = _AMOUNT.fullmatch(text) if isinstance(text, str) else None
+    if match is None or len(match.group(1)) <= len(str(MAX_BYTES)):
+        return ""
+    return f"an amount of {len(match.group(1)):,} digits is more than the most a request may give, {MAX_BYTES} bytes"
+
+
+def _amount(text: Any) -> int:
+    """`parse_size`, an amount of more digits than the wire carries refused as too large (`_amount_refusal`)."""
+    why = _amount_refusal(text)
+    if why:
+        raise ValueError(why)
+    return parse_size(text)
 
 
 def _count(digits: str, field: str) -> int:
@@ -327,8 +366,8 @@ def bare_amount_refusal(text: str) -> str:
         return ""
     number = text.strip().rstrip("0").rstrip(".")
     return (
-        f"{text!r} has no unit: {number}GiB? (an amount of memory is written with its unit; a whole number alone "
-        "is a count of devices)"
+        f"{shown(text)} has no unit: {number[:64]}GiB? (an amount of memory is written with its unit; a whole number "
+        "alone is a count of devices)"
     )
 
 
@@ -345,7 +384,7 @@ def _selector(text: str, field: str, *, clause: bool = False) -> Selector:
     selector = parse_selector(text, field, clause=clause)
     refusal = selector_refusal(selector.key, resource=True)
     if refusal:
-        raise InvalidRequestError(f"{text!r}: {refusal}", field=field)
+        raise InvalidRequestError(f"{shown(text)}: {refusal}", field=field)
     return selector
 
 
@@ -387,7 +426,7 @@ def parse_request(name: str, clauses: Sequence[str]) -> CompositionRequest:
         field = f"clauses[{n}]"
         if part.split()[0] == "host":
             if host is not None:
-                raise InvalidRequestError(f"{part!r}: a request has one host clause", field=field)
+                raise InvalidRequestError(f"{shown(part)}: a request has one host clause", field=field)
             host = parse_host(part, field=field)
         else:
             resources.append(parse_resource(part, field=field))
@@ -397,7 +436,7 @@ def parse_request(name: str, clauses: Sequence[str]) -> CompositionRequest:
 def _request(name: str, resources: Sequence[ResourceRequest], host: HostRequest) -> CompositionRequest:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", name or ""):
         raise InvalidRequestError(
-            f"invalid composition name {name!r}: 1-63 letters, digits, '.', '_' or '-', "
+            f"invalid composition name {shown(name)}: 1-63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit",
             field="name",
         )
@@ -422,7 +461,7 @@ def request_from_document(doc: Any) -> CompositionRequest:
         raise InvalidRequestError(f"unknown request fields: {', '.join(sorted(unknown))}", field=sorted(unknown)[0])
     name = doc.get("name", "")
     if not isinstance(name, str):
-        raise InvalidRequestError(f"name must be text, not {name!r}", field="name")
+        raise InvalidRequestError(f"name must be text, not {shown(name)}", field="name")
     host_doc = doc.get("host", {})
     if isinstance(host_doc, str):
         host = parse_host(host_doc)
@@ -444,14 +483,27 @@ def _check_keys(doc: Mapping[Any, Any], field: str) -> None:
     TypeError."""
     for key in doc:
         if not isinstance(key, str):
-            raise InvalidRequestError(f"{key!r} is not a field name: a field of {field} is named by text", field=field)
+            raise InvalidRequestError(
+                f"{shown(key)} is not a field name: a field of {field} is named by text", field=field
+            )
 
 
 def _selectors_from_document(items: Any, field: str, *, resource: bool) -> tuple[Selector, ...]:
     if not isinstance(items, list):
         raise InvalidRequestError(f'{field} must be a list of selectors, e.g. ["model=H200"]', field=field)
     parse = _selector if resource else parse_selector
-    return tuple(parse(s, f"{field}[{n}]") for n, s in enumerate(items))
+    selectors = [parse(s, f"{field}[{n}]") for n, s in enumerate(items)]
+    _check_conflicts(selectors, items, lambda n: f"{field}[{n}]")
+    return tuple(selectors)
+
+
+def _check_conflicts(selectors: Sequence[Selector], written: Sequence[str], field: Callable[[int], str]) -> None:
+    """Refuse two selectors that contradict each other (`selectors_conflict`), named as the user wrote them;
+    ``field`` names the field of the later one by its index."""
+    conflict = selectors_conflict(selectors) if len(selectors) <= MAX_SELECTORS else None
+    if conflict is not None:
+        m, n, why = conflict
+        raise InvalidRequestError(conflict_refusal(written[m], written[n], why), field=field(n))
 
 
 def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
@@ -468,7 +520,7 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
         raise InvalidRequestError("min_cores must be a whole number", field="host.min_cores")
     name = doc.get("name")
     if name is not None and (not isinstance(name, str) or not name):
-        raise InvalidRequestError(f"host.name must name a host, not {name!r}", field="host.name")
+        raise InvalidRequestError(f"host.name must name a host, not {shown(name)}", field="host.name")
     if name is not None:
         _check_host_name(name, "host.name")
     selectors = _selectors_from_document(doc.get("selectors", []), "host.selectors", resource=False)
@@ -488,11 +540,11 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
     if unknown:
         raise InvalidRequestError(f"unknown resource fields: {', '.join(sorted(unknown))}", field=field)
     kind = _parsed(DeviceKind.parse, str(doc.get("kind", "")), f"{field}.kind")
-    amount = _parsed(parse_size, doc.get("amount", 0), f"{field}.amount")
+    amount = _parsed(_amount, doc.get("amount", 0), f"{field}.amount")
     latency = (
         None if doc.get("max_latency") is None else _parsed(parse_latency, doc["max_latency"], f"{field}.max_latency")
     )
-    affinity = _parsed(Affinity, doc.get("affinity", "none"), f"{field}.affinity")
+    affinity = _parsed(_affinity, doc.get("affinity", "none"), f"{field}.affinity")
     count = doc.get("count", 0 if "amount" in doc else 1)  # as in text, a line without either is one device
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise InvalidRequestError("count must be a whole number", field=f"{field}.count")
@@ -512,6 +564,14 @@ def _resource_from_document(doc: Any, field: str) -> ResourceRequest:
         spread=spread,
         field=field,
     )
+
+
+def _affinity(value: Any) -> Affinity:
+    """The affinity ``value`` names; the enum's own refusal quoted it whole."""
+    try:
+        return Affinity(value)
+    except ValueError:
+        raise ValueError(f"{shown(value)} is not a valid Affinity (none or same-switch)") from None
 
 
 def _parsed(parse: Callable[[Any], T], value: Any, field: str) -> T:

@@ -13,6 +13,7 @@ import attrs
 from disagg.model._enum import ModelEnum
 from disagg.model._quick import quick_init
 from disagg.model.devices import AttributeValue, DeviceKind
+from disagg.model.units import shown
 
 
 @quick_init
@@ -130,7 +131,7 @@ def spread_refusal(label: str) -> str | None:
     if FAILURE_DOMAIN_LABEL.fullmatch(label):
         return None
     return (
-        f"{label!r} is not a failure-domain label (1-63 letters, digits, '.', '_' or '-', starting with a letter "
+        f"{shown(label)} is not a failure-domain label (1-63 letters, digits, '.', '_' or '-', starting with a letter "
         "or digit)"
     )
 
@@ -153,7 +154,7 @@ def selector_refusal(key: str, *, resource: bool) -> str:
     model, the wire) refuses the same keys, so that a mistake is a refused request, never a request that cannot
     fit. ``resource``: the selector is on a resource line rather than on the host."""
     if not SELECTOR_KEY.fullmatch(key):
-        return f"{key!r} is not an attribute name (a letter or '_' first, then letters, digits, '_', '.', '-')"
+        return f"{shown(key)} is not an attribute name (a letter or '_' first, then letters, digits, '_', '.', '-')"
     if resource and key in RESOURCE_MODIFIERS:
         return RESOURCE_MODIFIERS[key]
     if resource and key in PER_DEVICE_KEYS:
@@ -238,8 +239,9 @@ def selector_value_refusal(value: AttributeValue) -> str:
             return f"a selector compares with text of at most {MAX_SELECTOR_TEXT} characters, not {len(value)}"
         return ""
     if isinstance(value, int) and value not in SELECTOR_INT_RANGE:
+        number = str(value) if value.bit_length() <= 256 else f"a number of {value.bit_length()} bits"
         return (
-            f"{value} is beyond the whole numbers a selector compares with, "
+            f"{number} is beyond the whole numbers a selector compares with, "
             f"{SELECTOR_INT_RANGE.start} to {SELECTOR_INT_RANGE.stop - 1}"
         )
     if isinstance(value, float) and not math.isfinite(value):
@@ -270,7 +272,72 @@ def _selectors_refusal(selectors: tuple[Selector, ...]) -> tuple[str, str] | Non
         why = selector_value_refusal(sel.value) or (text_refusal(sel.value) if isinstance(sel.value, str) else "")
         if why:
             return f"selectors[{n}].value", why
+    conflict = selectors_conflict(selectors)
+    if conflict is not None:
+        m, n, why = conflict
+        return f"selectors[{n}]", conflict_refusal(str(selectors[m]), str(selectors[n]), why)
     return None
+
+
+def _sort(value: AttributeValue) -> type:
+    """What a selector's value is compared as: text, a truth or a number, which never equal one another."""
+    return str if isinstance(value, str) else bool if isinstance(value, bool) else float
+
+
+def _same(a: AttributeValue, b: AttributeValue) -> bool:
+    """Whether an attribute equal to ``a`` is equal to ``b`` too, as `Selector.matches` compares them."""
+    if _sort(a) is not _sort(b):
+        return False
+    return a.lower() == b.lower() if isinstance(a, str) and isinstance(b, str) else a == b
+
+
+_LOWER = frozenset({SelectorOp.GE, SelectorOp.GT})
+
+
+def _contradiction(a: Selector, b: Selector) -> str:
+    """Why no attribute meets both ``a`` and ``b``, of one key (empty when one may): two values it cannot be at
+    once, a value and its own exclusion, or an empty range. Only what is so on its face: three selectors that
+    exclude every value together (``k>=1 k<=1 k!=1``) are left to find no fit."""
+    if SelectorOp.NE in (a.op, b.op):
+        if a.op is b.op or not _same(a.value, b.value):
+            return ""
+        return "one asks for the value the other excludes"
+    if _sort(a.value) is not _sort(b.value):
+        return "an attribute is text, a truth or a number, not two of them"
+    if a.op is SelectorOp.EQ and b.op is SelectorOp.EQ:
+        return "" if _same(a.value, b.value) else "an attribute has one value"
+    if SelectorOp.EQ in (a.op, b.op):
+        equal, other = (a, b) if a.op is SelectorOp.EQ else (b, a)
+        if isinstance(equal.value, str) or other.matches(equal.value):  # text: = ignores case, ordering does not
+            return ""
+        return "the value asked for is outside the range"
+    if (a.op in _LOWER) == (b.op in _LOWER):
+        return ""
+    low, high = (a, b) if a.op in _LOWER else (b, a)
+    least: Any = low.value
+    most: Any = high.value
+    strict = low.op is SelectorOp.GT or high.op is SelectorOp.LT
+    return "the range between them is empty" if most < least or (strict and most == least) else ""
+
+
+def selectors_conflict(selectors: Sequence[Selector]) -> tuple[int, int, str] | None:
+    """The first selector of ``selectors`` that contradicts an earlier one on its key: both indexes and why; None
+    when none does. Such a request can never fit: answered NoFitError, it read as a fabric short of devices. One
+    given twice alike (``model=a model=a``) asks the same as once, and is taken, as ``k>=1 k>=2`` is."""
+    if len(selectors) < 2:
+        return None
+    for n, later in enumerate(selectors):
+        for m in range(n):
+            if selectors[m].key == later.key:
+                why = _contradiction(selectors[m], later)
+                if why:
+                    return m, n, why
+    return None
+
+
+def conflict_refusal(earlier: str, later: str, why: str) -> str:
+    """The refusal of two contradictory selectors, named as written (``earlier``, ``later``)."""
+    return f"{shown(earlier)} and {shown(later)} contradict each other ({why}): no device could ever match both"
 
 
 def resource_limit_refusal(line: ResourceRequest) -> tuple[str, str] | None:
@@ -314,8 +381,9 @@ def request_limit_refusal(
     """The first field of a request's resource lines (named ``field``: ``resources``, or ``add`` for the lines a
     recompose adds) or host that a request may not hold, with why, as ``("resources[1].count", "...")``; None
     when every field may. A request's numbers are held to the proto fields that carry them (`MAX_COUNT`,
-    `MAX_BYTES`, `MAX_LATENCY_NS`, `SELECTOR_INT_RANGE`), and a selector's to finite ones, so that the local
-    composer and a server refuse the same requests.
+    `MAX_BYTES`, `MAX_LATENCY_NS`, `SELECTOR_INT_RANGE`), a selector's to finite ones, and two selectors that
+    contradict each other are refused (`selectors_conflict`), so that the local composer and a server refuse the
+    same requests.
 
     Checked where a request is read (the text and document forms, the wire) and where the Python client turns
     one into a message: never by the model classes, which the ledger rebuilds from what an earlier version

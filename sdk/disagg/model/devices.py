@@ -8,7 +8,7 @@ from types import MappingProxyType
 import attrs
 
 from disagg.model._enum import ModelEnum
-from disagg.model.units import parse_attribute_value
+from disagg.model.units import parse_attribute_value, shown
 
 AttributeValue = str | int | float | bool
 """An attribute is a scalar; selectors compare against it."""
@@ -37,7 +37,7 @@ class DeviceKind(ModelEnum):
             if kind.value == key:
                 return kind
         known = ", ".join(k.value for k in cls)
-        raise ValueError(f"unknown device kind {text!r}; known kinds: {known}")
+        raise ValueError(f"unknown device kind {shown(text)}; known kinds: {known}")
 
 
 class Health(ModelEnum):

@@ -22,6 +22,18 @@ _LATENCY_UNITS = {"": 1, "ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000}
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Zµ]*)\s*$", flags=re.ASCII)
 
 
+SHOWN = 64
+"""The characters of what a user wrote that a refusal quotes: a token of thousands made a message as long."""
+
+
+def shown(text: object) -> str:
+    """``text`` quoted as a refusal quotes what the user wrote: its first `SHOWN` characters, then ``...``."""
+    if isinstance(text, str) and len(text) > SHOWN:
+        return f"{text[:SHOWN]!r}..."
+    quoted = repr(text)
+    return quoted if len(quoted) <= SHOWN + 2 else f"{quoted[:SHOWN]}..."
+
+
 def _too_long(number: str, what: str) -> ValueError:
     """The refusal of ``number``, of more digits than `int` reads (`sys.get_int_max_str_digits`, 4300): Python's
     own message tells the user to raise that limit."""
@@ -39,13 +51,13 @@ def _whole(number: str, factor: int, text: object, what: str) -> int:
         raise _too_long(number, what) from None
     value, rest = divmod(parts * factor, scale)
     if rest:
-        raise ValueError(f"{what} {text!r} is not a whole number of {'bytes' if what == 'size' else 'ns'}")
+        raise ValueError(f"{what} {shown(text)} is not a whole number of {'bytes' if what == 'size' else 'ns'}")
     return value
 
 
 def _check_type(text: object, what: str) -> None:
     if isinstance(text, bool) or not isinstance(text, str | int):
-        raise ValueError(f"{what} must be a whole number or a string with a unit, not {text!r}")
+        raise ValueError(f"{what} must be a whole number or a string with a unit, not {shown(text)}")
 
 
 def parse_size(text: str | int) -> int:
@@ -57,7 +69,7 @@ def parse_size(text: str | int) -> int:
         return text
     match = _NUMBER.match(text)
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use a number with B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")
+        raise ValueError(f"not a size: {shown(text)} (use a number with B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")
     return _whole(match.group(1), _SIZE_UNITS[match.group(2).lower()], text, "size")
 
 
@@ -71,7 +83,7 @@ def parse_latency(text: str | int) -> int:
         return text
     match = _NUMBER.match(text)
     if not match or match.group(2).lower() not in _LATENCY_UNITS:
-        raise ValueError(f"not a latency: {text!r} (use a number with ns, us or ms)")
+        raise ValueError(f"not a latency: {shown(text)} (use a number with ns, us or ms)")
     return _whole(match.group(1), _LATENCY_UNITS[match.group(2).lower()], text, "latency")
 
 

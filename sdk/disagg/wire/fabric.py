@@ -49,8 +49,10 @@ from disagg.model.composition import (
     MAX_SELECTOR_TEXT,
     MAX_SELECTORS,
     SELECTOR_INT_RANGE,
+    conflict_refusal,
     request_limit_refusal,
     selector_value_refusal,
+    selectors_conflict,
 )
 from disagg.wire.types import (
     KIND_FROM_WIRE,
@@ -203,7 +205,8 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
 def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
     """Refuse, in a request read from the wire (a Compose's, the lines an UpdateComposition adds), a selector
     value a request may not hold (`selector_value_refusal`, as the text and document forms refuse it: a number
-    that is not finite, text longer than `MAX_SELECTOR_VALUE`). A request's other numbers were bounded by their
+    that is not finite, text longer than `MAX_SELECTOR_VALUE`) and two selectors that contradict each other
+    (`selectors_conflict`). A request's other numbers were bounded by their
     proto fields as it was read; one about to be sent is checked whole (`check_request_values`). Not where an
     answer is read: a composition made before the limits (or through the Python API, which takes any) must
     still be listed and read by every client."""
@@ -220,6 +223,11 @@ def _check_values(selectors: Sequence[Selector], parent: str) -> None:
         why = selector_value_refusal(sel.value)
         if why:
             raise InvalidRequestError(f"{parent}[{m}].value: {why}", field=f"{parent}[{m}].value")
+    conflict = selectors_conflict(selectors)
+    if conflict is not None:
+        m, n, why = conflict
+        refusal = conflict_refusal(str(selectors[m]), str(selectors[n]), why)
+        raise InvalidRequestError(f"{parent}[{n}]: {refusal}", field=f"{parent}[{n}]")
 
 
 def check_request_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
