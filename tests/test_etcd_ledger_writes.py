@@ -22,6 +22,7 @@ import requests
 from disagg import codec
 from disagg.composer import FabricComposer
 from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
+from disagg.ha import Leadership
 from disagg.model import ComposeMode, Composition, CompositionRequest, CompositionState
 from disagg.requestlang import parse_resource
 from disagg.store import EtcdStore
@@ -79,6 +80,8 @@ class _Proxy:
         self.late: list[dict[str, Any]] = []
         """etcd's answers to the writes held or swallowed, which the client never got."""
         self.forwarded = threading.Event()
+        self.requests: list[tuple[str, str]] = []
+        """Every request that reached the proxy: its method and path."""
         self.on_forwarded: Callable[[], None] = lambda: None
         self._release = threading.Event()
         self._lock = threading.Lock()
@@ -110,6 +113,10 @@ class _Proxy:
             f"http://{self.upstream}{path}", data=body, headers={"Content-Type": "application/json"}, timeout=WAIT_S
         )
 
+    def heard(self, method: str, path: str) -> None:
+        with self._lock:
+            self.requests.append((method, path))
+
     def close(self) -> None:
         self._release.set()
         self._server.shutdown()
@@ -117,8 +124,16 @@ class _Proxy:
 
 
 class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        """Passed on (etcd3gw asks ``/version`` before its first call unless given the API path)."""
+        proxy: _Proxy = self.server.proxy  # type: ignore[attr-defined]
+        proxy.heard("GET", self.path)
+        answer = requests.get(f"http://{proxy.upstream}{self.path}", timeout=WAIT_S)
+        self._answer(answer.status_code, answer.content)
+
     def do_POST(self) -> None:
         proxy: _Proxy = self.server.proxy  # type: ignore[attr-defined]
+        proxy.heard("POST", self.path)
         body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
         mode = proxy.take(self.path)
         if mode == "unavailable":
@@ -374,6 +389,34 @@ class TestPatience:
             store.close()
         finally:
             cluster.stop()
+
+
+class TestNoVersionDiscovery:
+    """Every request to etcd goes to its ``/v3/`` gateway: the election's clients asked each member's ``/version``
+    before its first call, one more round trip to a member newly tried, in a failover too."""
+
+    def test_the_election_and_the_ledger_ask_no_version(
+        self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str
+    ) -> None:
+        member = proxies()
+        leadership = Leadership([member.endpoint], "leader", key=f"{prefix}leader", ttl_s=TTL_S)
+        stop = threading.Event()
+        timer = threading.Timer(WAIT_S, stop.set)
+        timer.start()
+        try:
+            assert leadership.campaign(stop)
+        finally:
+            timer.cancel()
+        store = EtcdStore([member.endpoint], prefix=prefix, timeout_s=TIMEOUT_S)
+        try:
+            store.fence(leadership.key, leadership.create_revision)
+            store.load()
+            store.put_composition(_composition("c1"))
+        finally:
+            leadership.resign()
+            store.close()
+        assert member.requests
+        assert [r for r in member.requests if r[0] != "POST" or not r[1].startswith("/v3/")] == []
 
 
 class TestFencedFirst:

@@ -47,7 +47,7 @@ import requests
 from etcd3gw.exceptions import Etcd3Exception
 
 from disagg.errors import ConfigError
-from disagg.store.etcd import created_at, describe_error, parse_endpoint, put_op, request_timeout
+from disagg.store.etcd import API_PATH, created_at, describe_error, parse_endpoint, put_op, request_timeout
 
 log = logging.getLogger("disagg.ha")
 
@@ -131,7 +131,9 @@ class Leadership:
         n = self._next % len(self._endpoints)
         if n not in self._clients:
             host, port = self._endpoints[n]
-            self._clients[n] = etcd3gw.client(host=host, port=port, timeout=self.timeout_s)
+            # The gateway's path fixed, as the ledger's: discovering it asked the member's /version first, one
+            # more round trip to each member newly tried, as in a failover.
+            self._clients[n] = etcd3gw.client(host=host, port=port, timeout=self.timeout_s, api_path=API_PATH)
         return self._clients[n]
 
     def _rotate(self) -> None:
