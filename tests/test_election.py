@@ -29,7 +29,7 @@ from disagg.interfaces import CallContext
 from disagg.model import Binding, Topology
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer, FabricManagerServicer, runtime
-from disagg.store.etcd import EtcdStore
+from disagg.store.etcd import EtcdStore, request_timeout, write_patience
 from etcd3gw.exceptions import ConnectionTimeoutError
 from etcd_helpers import EtcdCluster, etcd_binary, free_ports, fresh_prefix, start_etcd_cluster
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
@@ -822,3 +822,43 @@ class TestGrantedLease:
             assert leadership.leading()
         finally:
             leadership.resign()
+
+    def test_a_leaders_ledger_write_waits_while_the_lease_granted_holds(self, slow_etcd: EtcdCluster) -> None:
+        """etcd stops answering for longer than a call's patience counted from the lease asked (five sixths of
+        it), less than the lease granted: the leader's write waits and lands. It failed the ledger, and stopped
+        the leader (exit 1), though etcd kept its lease and its lead."""
+        prefix = fresh_prefix()
+        leadership = Leadership(slow_etcd.endpoints, "leader", key=f"{prefix}leader", ttl_s=TTL_S)
+        store = EtcdStore(  # as `build_composer` makes it for a lease_ttl_s of TTL_S
+            slow_etcd.endpoints,
+            prefix=prefix,
+            timeout_s=request_timeout(TTL_S),
+            write_patience_s=write_patience(TTL_S),
+        )
+        serving = threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=store),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+        )
+        stalled = slow_etcd.members[0].process
+        assert stalled is not None
+        server.start()
+        try:
+            assert serving.wait(WAIT_S)
+            stalled.send_signal(signal.SIGSTOP)
+            resume = threading.Timer(TTL_S + 1.0, stalled.send_signal, args=(signal.SIGCONT,))
+            resume.start()
+            try:
+                client = FabricManagerClient(server.addresses[0], retries=NO_RETRY)
+                with client:
+                    composition = client.compose(parse_request("waits", ["gpu x1"])).composition
+            finally:
+                resume.join()
+                stalled.send_signal(signal.SIGCONT)
+            assert composition.name == "waits"
+            assert store.failure == ""
+            assert leadership.leading()
+        finally:
+            server.stop(0)

@@ -9,6 +9,7 @@ answers 503 as members do during an election. Without etcd the tests are skipped
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import logging
 import threading
@@ -21,8 +22,10 @@ import pytest
 import requests
 from disagg import codec
 from disagg.composer import FabricComposer
+from disagg.config import build_composer, parse_config
 from disagg.errors import ConfigError, FabricUnavailableError, InvalidRequestError
 from disagg.ha import Leadership
+from disagg.ha.election import lease_clock
 from disagg.model import ComposeMode, Composition, CompositionRequest, CompositionState
 from disagg.requestlang import parse_resource
 from disagg.store import EtcdStore
@@ -387,6 +390,140 @@ class TestPatience:
             assert store.failure == ""
             assert [c.id for c in store.load().compositions] == [f"c{n}"]
             store.close()
+        finally:
+            cluster.stop()
+
+
+class TestPatienceFollowsTheLease:
+    """A fenced ledger's write is tried again for as long as the leader's lease, as etcd granted it, surely holds;
+    no longer. It was tried for five sixths of the lease asked: on an etcd that grants more (``--election-timeout``
+    of 2000 ms: 3 s for the 2 s asked), the election after the etcd leader's death outlasted the write, which failed
+    the ledger and stopped the leader (exit 1), though its lease, and its lead, held."""
+
+    SLOW_HEARTBEAT_MS = 100
+    SLOW_ELECTION_MS = 2000
+    ASKED_S = 2
+
+    def _serve_config(self, endpoints: list[str], prefix: str) -> EtcdStore:
+        """The ledger as `disagg serve` builds it from ``[state]`` (`build_composer`)."""
+        doc = {
+            "state": {"ledger": "etcd", "endpoints": endpoints, "prefix": prefix, "lease_ttl_s": self.ASKED_S},
+            "fabric": [{"name": "f", "driver": "sim", "options": {"generate": {"devices": 4}}}],
+        }
+        composer = build_composer(parse_config(doc, "test", {}))
+        store = composer.store
+        for fabric in composer.fabrics.values():
+            fabric.close()
+        assert isinstance(store, EtcdStore)
+        return store
+
+    def _lead(self, endpoints: list[str], prefix: str) -> tuple[Leadership, EtcdStore]:
+        """A replica that leads, its ledger fenced and loaded as the server does on winning the lead."""
+        leadership = Leadership(endpoints, "leader", key=f"{prefix}leader", ttl_s=self.ASKED_S)
+        stop = threading.Event()
+        timer = threading.Timer(WAIT_S, stop.set)
+        timer.start()
+        try:
+            assert leadership.campaign(stop)
+        finally:
+            timer.cancel()
+        assert leadership.granted_ttl_s == 3
+        store = self._serve_config(endpoints, prefix)
+        store.fence(
+            leadership.key,
+            leadership.create_revision,
+            lambda: leadership.deposed("refused"),
+            lease_left=leadership.lease_left,  # as the server fences it (`runtime`)
+        )
+        store.load()
+        return leadership, store
+
+    def test_a_write_waits_out_an_election_the_granted_lease_outlives(self, tmp_path: Path) -> None:
+        """Every member answers 503 for 2.2 s, as members do while a cluster with a 2 s election timeout elects
+        a leader: the lease granted (3 s) outlives it, and so must the write."""
+        cluster = start_etcd_cluster(
+            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
+        )
+        members = [_Proxy(e) for e in cluster.endpoints]
+        prefix = fresh_prefix()
+        try:
+            leadership, store = self._lead([m.endpoint for m in members], prefix)
+            try:
+                deadline = time.monotonic() + WAIT_S
+                while leadership._valid_until - lease_clock() < 2.8:  # just after a refresh: the lease holds 2.8 s
+                    assert time.monotonic() < deadline, "no refresh of the lease was taken"
+                    time.sleep(0.01)
+                _set(members, "unavailable")
+                back = threading.Timer(2.2, _set, args=(members, "pass"))
+                back.start()
+                started = time.monotonic()
+                store.put_composition(_composition("c1"))
+                assert 2.1 < time.monotonic() - started < 2.8
+                back.join()
+                assert store.failure == ""
+                assert leadership.leading()
+                assert _held(cluster.endpoints[0], prefix, "c1") == _composition("c1")
+            finally:
+                leadership.resign()
+                store.close()
+        finally:
+            for m in members:
+                m.close()
+            cluster.stop()
+
+    def test_the_write_ends_with_the_lease(self, tmp_path: Path) -> None:
+        """Members that never come back fail the write once the lease may have run out, not later: a write tried
+        past it would be a deposed leader's (which the fence refuses anyway)."""
+        cluster = start_etcd_cluster(
+            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
+        )
+        members = [_Proxy(e) for e in cluster.endpoints]
+        prefix = fresh_prefix()
+        try:
+            leadership, store = self._lead([m.endpoint for m in members], prefix)
+            try:
+                _set(members, "unavailable")
+                with pytest.raises(FabricUnavailableError, match="no etcd endpoint answered"):
+                    store.put_composition(_composition("c1"))
+                ended = lease_clock()
+                assert leadership._valid_until - 0.1 < ended < leadership._valid_until + TIMEOUT_S
+            finally:
+                leadership.resign()
+                store.close()
+        finally:
+            for m in members:
+                m.close()
+            cluster.stop()
+
+    def test_the_etcd_leader_dies_under_writes(self, tmp_path: Path) -> None:
+        """The etcd leader, one member of three with a 2 s election timeout, is killed while the fabric
+        manager's leader writes: the ledger fails only once the lease may have run out, never while the lead
+        holds."""
+        cluster = start_etcd_cluster(
+            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
+        )
+        endpoints = cluster.endpoints
+        prefix = fresh_prefix()
+        try:
+            status = [requests.post(f"http://{e}/v3/maintenance/status", json={}, timeout=2).json() for e in endpoints]
+            leader = next(i for i, s in enumerate(status) if s["header"]["member_id"] == status[0]["leader"])
+            order = [endpoints[leader]] + [e for i, e in enumerate(endpoints) if i != leader]  # writes go to it
+            leadership, store = self._lead(order, prefix)
+            try:
+                killer = threading.Timer(0.3, cluster.kill, args=(leader,))
+                killer.start()
+                ends = time.monotonic() + 5.0
+                n = 0
+                with contextlib.suppress(FabricUnavailableError):
+                    while time.monotonic() < ends:
+                        n += 1
+                        store.put_composition(_composition(f"c{n}"))
+                killer.join()
+                if store.failure:
+                    assert not leadership.leading(), f"the ledger failed while the lead held: {store.failure}"
+            finally:
+                leadership.resign()
+                store.close()
         finally:
             cluster.stop()
 

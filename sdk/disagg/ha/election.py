@@ -313,6 +313,13 @@ class Leadership:
             self.epoch > 0 and not self.lost.is_set() and not self._stop.is_set() and lease_clock() < self._valid_until
         )
 
+    def lease_left(self) -> float:
+        """Seconds from now during which no other replica can lead (`leading`'s bound), 0 once it may: how long
+        this leader's fenced ledger tries etcd for a call (`EtcdStore.fence`)."""
+        if self.epoch == 0 or self.lost.is_set() or self._stop.is_set():
+            return 0.0
+        return max(0.0, self._valid_until - lease_clock())
+
     def deposed(self, why: str) -> None:
         """Another replica leads, as this one learnt from etcd between two refreshes (a fenced ledger write was
         refused): the lead is lost now, not at the next refresh."""

@@ -514,6 +514,7 @@ class FabricManagerServer:
                         leadership.key,
                         leadership.create_revision,
                         lambda: leadership.deposed("the ledger refused a write: another leads"),
+                        lease_left=getattr(leadership, "lease_left", None),
                     )
                 # A leadership of another make without a read lease leaves reads unchecked, as before it had one.
                 self.servicer.lead = getattr(self.leadership, "leading", None)

@@ -32,9 +32,11 @@ write's own token means a copy sent earlier landed (the write is done); the lead
 replica leads; anything else means another writer changed the ledger, which fails the store.
 
 A call goes to the endpoint that answered last; one that cannot be reached or does not answer within
-``timeout_s`` is tried on the next, round after round with a backoff, for up to ``write_patience_s``: an etcd
-member's death costs an election (a second or two, when every member refuses or waits), which the lease
-outlives and the ledger must too. Needs etcd 3.4 or later (the ``/v3/`` gateway).
+``timeout_s`` is tried on the next, round after round with a backoff: an etcd member's death costs an election
+(a second or more, when every member refuses or waits), which the lease outlives and the ledger must too. A
+fenced store tries while the leader's lease, as etcd granted it, surely holds (the ``lease_left`` that `fence`
+was given), and no longer: past it the lead may be another's, whose ledger this is. Before `fence`, or without
+a lease, it tries for ``write_patience_s``. Needs etcd 3.4 or later (the ``/v3/`` gateway).
 """
 
 from __future__ import annotations
@@ -148,9 +150,9 @@ PATIENCE_REQUESTS = 5
 
 
 def write_patience(lease_ttl_s: float) -> float:
-    """How long a call keeps trying the members before the ledger fails: long enough to outlast an etcd
-    election after a member's death, short enough to end within the leader's lease, after which the lead may
-    be lost anyway."""
+    """How long a call keeps trying the members before the ledger fails, when no lease bounds it (`fence`):
+    five sixths of a lease of ``lease_ttl_s``. A leader's store is fenced with its lease, and tries for as long
+    as that lease, as etcd granted it, surely holds instead."""
     return PATIENCE_REQUESTS * request_timeout(lease_ttl_s)
 
 
@@ -242,7 +244,8 @@ class EtcdStore(Store):
 
     Each request waits ``timeout_s`` for a member; a call tries the members for ``write_patience_s`` in all
     (`PATIENCE_REQUESTS` times ``timeout_s`` unless given: `write_patience` of the lease when ``timeout_s`` is
-    its `request_timeout`). Writes are refused until `fence` unless ``unfenced`` (a single writer)."""
+    its `request_timeout`), or, once fenced with a lease, while that lease holds. Writes are refused until
+    `fence` unless ``unfenced`` (a single writer)."""
 
     def __init__(
         self,
@@ -300,6 +303,8 @@ class EtcdStore(Store):
         self._fence_key = ""
         self._fence_name = ""
         self._on_deposed: Callable[[], None] = lambda: None
+        self._lease_left: Callable[[], float] | None = None
+        """Set by `fence`: how long the leader's lease surely holds from now, which bounds a call's tries."""
         self._log: tuple[int, int] | None = None
         """The oldest revision the log may hold in etcd and the newest it holds, read at the first use (`_log_ends`)
         and followed through appends and prunes; guarded by `_state_lock`."""
@@ -323,10 +328,25 @@ class EtcdStore(Store):
 
     # ----------------------------------------------------------------- fencing
 
-    def fence(self, key: str, create_revision: int, on_deposed: Callable[[], None] | None = None) -> None:
+    def fence(
+        self,
+        key: str,
+        create_revision: int,
+        on_deposed: Callable[[], None] | None = None,
+        *,
+        lease_left: Callable[[], float] | None = None,
+    ) -> None:
         """From now on, write only while ``key`` (the leader key, outside the prefix) has ``create_revision``:
         the fencing epoch this replica got when it won the lead. ``on_deposed`` is called when a write is refused
-        for that reason: another replica leads, which this one learns then rather than at its next refresh."""
+        for that reason: another replica leads, which this one learns then rather than at its next refresh.
+
+        ``lease_left`` says how long from now the lead surely holds (`disagg.ha.Leadership.lease_left`, from the
+        lease etcd granted): a call then tries the members for that long, not for ``write_patience_s``, which is
+        counted from the lease asked. etcd may grant more (at least 1.5 times its ``--election-timeout``), and its
+        elections take as long: a write gave up while the lease, and the lead, still held, and failed the ledger.
+        No member is tried again past the lease (each is tried once, however little of it is left); a copy that
+        landed after it would be refused by the fence all the same, since another leader's key has another create
+        revision and a key that ran out with the lease has none."""
         if create_revision < 1:
             raise InvalidRequestError(
                 f"a fencing epoch is a key's create revision (1 or more), not {create_revision}",
@@ -339,6 +359,7 @@ class EtcdStore(Store):
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
             self._on_deposed = on_deposed or (lambda: None)
+            self._lease_left = lease_left
 
     @property
     def record_limit(self) -> int:
@@ -355,12 +376,20 @@ class EtcdStore(Store):
     def _call(self, what: str, path: str, payload: Mapping[str, Any]) -> Mapping[str, Any]:
         """POST ``payload`` to ``path`` on the current endpoint, then on each next one that cannot be reached
         (`_UNREACHABLE`: refused, timed out, 503), round after round with a backoff until `write_patience_s`
-        has passed (every member is tried once however short it is). Then a `FabricUnavailableError` names every
-        endpoint; any other refusal raises one naming that member at once."""
+        has passed, or, fenced with a lease, until the lease may have run out (every member is tried once however
+        short it is). Then a `FabricUnavailableError` names every endpoint; any other refusal raises one naming
+        that member at once."""
         with self._state_lock:
             first = self._current
         started = time.monotonic()
-        deadline = started + self.write_patience_s
+        lease_left = self._lease_left
+
+        def deadline() -> float:
+            """Read again each time: a refresh the lease keeper got taken meanwhile moves the lease on."""
+            if lease_left is None:
+                return started + self.write_patience_s
+            return time.monotonic() + lease_left()
+
         failures: dict[str, str] = {}
         pause = FIRST_BACKOFF_S
         attempt = 0
@@ -369,7 +398,7 @@ class EtcdStore(Store):
             endpoint = self.endpoints[index]
             timeout = self.timeout_s
             if attempt >= len(self._clients):
-                timeout = min(timeout, deadline - time.monotonic())
+                timeout = min(timeout, deadline() - time.monotonic())
                 if timeout < MIN_ATTEMPT_S:
                     break
             try:
@@ -380,9 +409,10 @@ class EtcdStore(Store):
                 if attempt < len(self._clients):
                     log.warning("etcd did not answer (%s: %s); trying the next endpoint", endpoint, failures[endpoint])
                 elif attempt % len(self._clients) == 0:
-                    if attempt == len(self._clients) and time.monotonic() < deadline:
-                        log.warning("no etcd endpoint answered; trying them again for %.1f s", self.write_patience_s)
-                    time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+                    left = deadline() - time.monotonic()
+                    if attempt == len(self._clients) and left > 0:
+                        log.warning("no etcd endpoint answered; trying them again for %.1f s", left)
+                    time.sleep(max(0.0, min(pause, left)))
                     pause = min(2 * pause, MAX_BACKOFF_S)
                 continue
             except Etcd3Exception as exc:
@@ -395,9 +425,10 @@ class EtcdStore(Store):
             if attempt >= len(self._clients):
                 log.info("etcd at %s answered after %.1f s", endpoint, time.monotonic() - started)
             return result
+        held = "" if lease_left is None else " (while the lead surely held)"
         raise FabricUnavailableError(
-            f"no etcd endpoint answered ({', '.join(self.endpoints)}) within {self.write_patience_s:.1f} s, so the "
-            f"ledger could not {what}: " + "; ".join(f"{e}: {why}" for e, why in failures.items()),
+            f"no etcd endpoint answered ({', '.join(self.endpoints)}) within {time.monotonic() - started:.1f} s"
+            f"{held}, so the ledger could not {what}: " + "; ".join(f"{e}: {why}" for e, why in failures.items()),
             metadata={"endpoints": ",".join(self.endpoints)},
         )
 
