@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import pytest
 from composer_helpers import composer, hardware_bindings, rack
 from disagg import codec
@@ -29,11 +30,13 @@ from disagg.errors import (
     outcome_unknown,
 )
 from disagg.interfaces import CallContext
+from disagg.interfaces.fabric import MAX_ID
 from disagg.model import (
     Binding,
     ComposeMode,
     Composition,
     CompositionState,
+    Device,
     Event,
     EventType,
     Reservation,
@@ -42,7 +45,7 @@ from disagg.model import (
 from disagg.model.composition import revise
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import MemoryStore, RequestRecord
-from disagg_sim import SimFabric
+from disagg_sim import SimFabric, load_topology
 from disagg_sim.generator import generate_topology
 
 
@@ -384,10 +387,12 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
     def test_a_rollback_that_fails_says_so_without_the_driver_s_text_in_a_record_at_the_edge(
         self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        # The compose is measured with room for a failure in the driver's longest words (`_failed_as`); this
-        # measures it with none, as a record that an older release or a crash left at the edge would be, so
-        # that the words do not fit when the failure comes: the write's own fallback is what is tested.
+        # The compose is measured with room for a failure in the driver's longest words (`_failed_as`), and for
+        # its fabric set aside for the longest id (`_grown`); this measures it with none, as a record that an
+        # older release or a crash left at the edge would be, so that the words do not fit when the failure
+        # comes: the write's own fallback is what is tested.
         monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
+        monkeypatch.setattr(composer_module, "_LONGEST_REPEATED", "")
         fabrics = rack()
         comp = composer(fabrics, store=store, auto_heal=False)
         request = parse_request("job", ["host h1", "gpu x8"])
@@ -466,3 +471,55 @@ class TestAFailure:
         with pytest.raises(RollbackIncompleteError):
             comp.recompose(job.id, add=more, request_id="r-grow")
         assert comp.get(job.id).state is CompositionState.FAILED
+
+
+class Borrowing(SimFabric):
+    """A demo sim fabric whose discovery also reports ``borrowed`` (ids another fabric may report too)."""
+
+    borrowed: tuple[Device, ...] = ()
+
+    def discover(self) -> Topology:
+        topology = super().discover()
+        return attrs.evolve(topology, devices=(*topology.devices, *self.borrowed))
+
+
+class TestAFabricSetAside:
+    def test_a_fabric_set_aside_for_a_long_id_is_said_within_what_the_composition_was_measured_with(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A fabric whose report repeats another's id is set aside and its compositions become UNKNOWN, each
+        saying why, the id in it (`MAX_ID` characters, each backslash written as four bytes): a composition was
+        measured with room for "fabric pcie0 cannot be reached" only, and a record at the edge failed the ledger."""
+        # Measured with no room for a failure's driver text (as `TestWhatTheComposerSaysOfItsOwnAccord` does),
+        # so that what a compose measures of the composition it leaves (`_grown`) decides its size.
+        monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
+        pcie = Borrowing(load_topology("pcie0", "demo-pcie"))
+        cxl = Borrowing(load_topology("cxl0", "demo-cxl"))
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, store=store, auto_heal=False)
+        request = parse_request("gpu", ["host h1", "gpu x1"])
+        store.limit = 1
+        with pytest.raises(InvalidRequestError) as refused:
+            comp.compose(request, request_id="r-gpu")
+        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+        assert found is not None
+        store.limit = int(found[1]) + MARGIN  # the least the compose is taken at
+        made = comp.compose(request, request_id="r-gpu").composition
+        assert made is not None
+        long_id = "cxl0/" + "\\" * (MAX_ID - 5)
+        taken = pcie.discover().devices[0]
+        pcie.borrowed = (attrs.evolve(taken, id=long_id),)
+        cxl.borrowed = (attrs.evolve(taken, id=long_id, switch="cxl0/cxl-top"),)
+        cxl.set_link("h4", "cxl-top", False)  # each event makes the composer discover its fabric again
+        pcie.set_link("h4", "top-b", False)
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(made.id)
+        assert now.state is CompositionState.UNKNOWN
+        said = f"it reports device id {long_id!r}, which fabric cxl0 reports too"
+        assert now.message == f"fabric pcie0 is set aside: {said}"
+
+    def test_fabrics_set_aside_are_named_with_why_five_at_most(self) -> None:
+        aside = [(f"f{n}", f"it reports device id 'f{n}/x', which fabric g reports too") for n in range(7)]
+        why = composer_module._away_why(["u0", "u1"], aside, ["gone"])
+        assert why.startswith("fabric u0, u1 cannot be reached; fabric f0 is set aside: it reports device id 'f0/x'")
+        assert "fabric f4 is set aside" in why and "f5" not in why
+        assert why.endswith("; 2 more fabrics are set aside; fabric gone is not loaded (not in the configuration)")

@@ -47,6 +47,7 @@ from disagg.errors import (
     RollbackIncompleteError,
 )
 from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription, epoch_announcement
+from disagg.interfaces.fabric import MAX_ID
 from disagg.interfaces.placement import PlacementPolicy
 from disagg.model import (
     MAX_RESERVATION_TTL_S,
@@ -377,6 +378,32 @@ def _clipped(text: str) -> str:
 
 _LONGEST_CLIPPED = f"{'x' * TEXT_KEPT}... ({10**12} characters more)"
 """A driver's text as long as `_clipped` keeps any: what a change's failure is measured with (`_failed_as`)."""
+
+
+_LONGEST_REPEATED = "\\" * MAX_ID
+"""An id as long as a record may name one that a fabric repeats (`_repeaters`): `MAX_ID` backslashes, each
+written as four bytes (``repr`` doubles it, the record escapes both); what a composition is measured with
+(`FabricComposer._grown`)."""
+
+
+def _away_why(unreachable: Sequence[str], aside: Sequence[tuple[str, str]], gone: Sequence[str]) -> str:
+    """Why fabrics cannot be used now (`FabricComposer._why_away`): those ``unreachable`` (`_named`), the first
+    `NAMED` of those set aside with why (``aside``), then how many more, and those not loaded (``gone``). Each
+    reason set aside may be some hundreds of bytes (it names an id): listed in full, a composition on many such
+    fabrics grew its record past what the etcd ledger takes."""
+    why = [f"fabric {_named(unreachable)} cannot be reached"] if unreachable else []
+    why += [f"fabric {f} is set aside: {reason}" for f, reason in aside[:NAMED]]
+    if len(aside) > NAMED:
+        why.append(f"{len(aside) - NAMED} more fabrics are set aside")
+    if gone:
+        why.append(f"fabric {_named(gone)} is not loaded (not in the configuration)")
+    return "; ".join(why)
+
+
+def _written_length(text: str) -> int:
+    """The bytes ``text`` takes in a record: its UTF-8, each backslash and quote escaped (ids hold no control
+    characters)."""
+    return len(text.encode()) + text.count("\\") + text.count('"')
 
 
 def _incomplete_why(left: str, cause: str) -> str:
@@ -1490,10 +1517,17 @@ class FabricComposer(Composer):
         for repeat in repeated_ids(topologies):
             reporters = list(dict.fromkeys(repeat.fabrics))
             for name in self._set_aside_for(repeat, reporters):
-                others = ", ".join(f for f in reporters if f != name)
+                others = _named([f for f in reporters if f != name])
                 also = f", which fabric {others} reports too" if others else " twice"
                 aside.setdefault(name, f"it reports {repeat.what} id {repeat.id!r}{also}")
         return aside
+
+    @property
+    def _longest_aside(self) -> str:
+        """The longest reason `_repeaters` gives a fabric set aside: `_LONGEST_REPEATED` as a switch's id, every
+        other fabric reporting it too, the longest named (`_named`)."""
+        others = sorted(self.fabrics, key=len, reverse=True)
+        return f"it reports switch id {_LONGEST_REPEATED!r}, which fabric {_named(others)} reports too"
 
     def _set_aside_for(self, repeat: Repeat, reporters: list[str]) -> set[str]:
         """Which of ``reporters`` (the fabrics that report ``repeat``'s id, once each) to set aside: one that
@@ -1615,10 +1649,9 @@ class FabricComposer(Composer):
     def _why_away(self, fabrics: Sequence[str]) -> str:
         """Why ``fabrics`` (`_away`) cannot be used now, for an UNKNOWN composition's message and a refusal."""
         unreachable = [f for f in fabrics if f in self.fabrics and f not in self._set_aside]
-        why = [f"fabric {_named(unreachable)} cannot be reached"] if unreachable else []
-        why += [f"fabric {f} is set aside: {self._set_aside[f]}" for f in fabrics if f in self._set_aside]
-        why += [f"fabric {f} is not loaded (not in the configuration)" for f in fabrics if f not in self.fabrics]
-        return "; ".join(why)
+        aside = [f for f in fabrics if f in self._set_aside]
+        gone = [f for f in fabrics if f not in self.fabrics]
+        return _away_why(unreachable, [(f, self._set_aside[f]) for f in aside], gone)
 
     def _mark_unknown(self) -> None:
         """Compositions on an unreachable fabric become UNKNOWN: neither trusted nor released. The state each
@@ -2740,8 +2773,9 @@ class FabricComposer(Composer):
         why = "; ".join(
             f"{said} {_named(parts)}" for said in ("the hardware no longer holds", "unreachable:", "unhealthy:")
         )
-        away = f"fabric {_named(sorted(self._fabrics_of(comp), key=len, reverse=True))} cannot be reached"
-        why = max(why, away, key=len)
+        fabrics = sorted(self._fabrics_of(comp), key=len, reverse=True)
+        away = _away_why(fabrics, [(f, self._longest_aside) for f in fabrics], fabrics)
+        why = max(why, away, key=_written_length)
         return revise(
             comp, state=CompositionState.DEGRADED, message=why, before_unknown=PriorState(comp.state, why), missing=ids
         )
