@@ -523,3 +523,40 @@ class TestAFabricSetAside:
         assert why.startswith("fabric u0, u1 cannot be reached; fabric f0 is set aside: it reports device id 'f0/x'")
         assert "fabric f4 is set aside" in why and "f5" not in why
         assert why.endswith("; 2 more fabrics are set aside; fabric gone is not loaded (not in the configuration)")
+
+
+class TestADeviceThatFailsDuringAHeal:
+    def test_its_reason_is_not_said_in_a_heal_s_record_at_the_edge(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A heal's records stay DEGRADED, the change in flight in them: a device that failed meanwhile was said
+        at once (`_reassess`), unmeasured, in the record that names the failed devices beside their replacements,
+        and a longer reason failed the ledger. It is said as the heal ends, in a smaller record."""
+        fabrics = rack()
+        comp = composer(fabrics, store=store, auto_heal=False)
+        job = eight_gpus(comp)
+        pcie = fabrics["pcie0"]
+        pcie.fail_device(job.device_ids[0], "ECC")
+        degraded = comp.get(job.id)
+        assert degraded.message == f"unhealthy: {job.device_ids[0]}"
+        unbind, seen = pcie.unbind, []
+
+        def failing_meanwhile(binding: Binding, ctx: CallContext) -> None:
+            if not seen:
+                now = comp.get(job.id)
+                assert now.state is CompositionState.DEGRADED and now.pending is not None
+                store.limit = size(now) + 8  # the heal's largest record, at the edge
+                pcie.fail_device(job.device_ids[1], "ECC")
+                seen.append(comp.get(job.id))
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(pcie, "unbind", failing_meanwhile)
+        healed = comp.heal(job.id)
+        assert store.oversized == [] and store.failure == ""
+        assert seen[0].message == degraded.message  # not said in the record at the edge
+        told = [e.subject for e in comp.events(0, 10_000) if e.type is EventType.DEVICE_HEALTH_CHANGED]
+        assert told == list(job.device_ids[:2])  # each named in its own event
+        assert job.device_ids[0] not in healed.device_ids and healed.state is CompositionState.DEGRADED
+        assert healed.message == f"unhealthy: {job.device_ids[1]}"  # said as the heal ends
+        comp.reconcile()  # said once: a pass writes nothing more
+        assert comp.get(job.id).generation == healed.generation

@@ -3652,17 +3652,26 @@ class FabricComposer(Composer):
     def _reassess(self, comp: Composition) -> None:
         """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now, and a
         DEGRADED one whose message no longer begins with why (a second device failed) says it again. One that a
-        change in flight holds COMPOSING is told at once too (`_say_meanwhile`)."""
+        change in flight holds COMPOSING is told at once too (`_say_meanwhile`). A heal's records stay DEGRADED
+        with the change in them (`pending`), measured with the message the heal began with: a longer reason, or
+        one the ledger would not take (`_fits`), is left out of them, the state written still; the heal says it
+        as it ends, in a smaller record (`_set_standing`), and each device's own event names it."""
         if comp.state is CompositionState.COMPOSING and self._changing(comp.id):
             self._say_meanwhile(comp)
             return
         if comp.state not in _STANDING:
             return
         why = self._standing_why(comp)
-        if (CompositionState.DEGRADED if why else CompositionState.COMPOSED) is not comp.state or (
-            why and comp.message != why and not comp.message.startswith(f"{why}; ")
+        state = CompositionState.DEGRADED if why else CompositionState.COMPOSED
+        if state is comp.state and (not why or comp.message == why or comp.message.startswith(f"{why}; ")):
+            return
+        if comp.pending is not None and (
+            _written_length(why) > _written_length(comp.message) or not self._fits(comp, state=state, message=why)
         ):
-            self._set_standing(comp)
+            if state is not comp.state:
+                self._set(comp, state=state)
+            return
+        self._set_standing(comp)
 
     def _changing(self, comp_id: str) -> bool:
         """Whether a change of the composition is in flight now (it holds the composition, `_holding`). A
