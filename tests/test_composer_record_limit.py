@@ -560,3 +560,56 @@ class TestADeviceThatFailsDuringAHeal:
         assert healed.message == f"unhealthy: {job.device_ids[1]}"  # said as the heal ends
         comp.reconcile()  # said once: a pass writes nothing more
         assert comp.get(job.id).generation == healed.generation
+
+
+def interrupted_removal(monkeypatch: pytest.MonkeyPatch) -> tuple[Composition, int]:
+    """The first record of a removal of six of `eight_gpus` (it names what it removes beside all the composition
+    holds), as a crash would leave it, and the least limit the removal is taken at (its records at the edge):
+    taken as the removal unbinds, on a composer of its own."""
+    fabrics, store = rack(), LimitedStore()
+    comp = composer(fabrics, store=store, auto_heal=False)
+    job = eight_gpus(comp)
+    store.limit = 1
+    with pytest.raises(InvalidRequestError) as refused:
+        comp.recompose(job.id, remove=job.device_ids[:6], request_id="r-shrink")
+    found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+    assert found is not None
+    store.limit = int(found[1]) + 8
+    unbind, seen = fabrics["pcie0"].unbind, []
+
+    def seeing(binding: Binding, ctx: CallContext) -> None:
+        seen.append(comp.get(job.id))
+        unbind(binding, ctx)
+
+    monkeypatch.setattr(fabrics["pcie0"], "unbind", seeing)
+    comp.recompose(job.id, remove=job.device_ids[:6], request_id="r-shrink")
+    monkeypatch.undo()
+    assert seen[0].state is CompositionState.COMPOSING and seen[0].pending is not None
+    return seen[0], store.limit
+
+
+class TestAnInterruptedChangeOnAFabricAway:
+    def test_it_becomes_unknown_in_a_record_the_ledger_takes(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A change a crash interrupted is left to recovery, which waits for its fabric: the record becomes
+        UNKNOWN meanwhile, with why and the message it had (before_unknown). Its record may be at the edge (a
+        removal's first), and the words failed the ledger; the state is written still, the words shorter."""
+        left, store.limit = interrupted_removal(monkeypatch)
+        store.put_composition(left)
+        pcie = Down(load_topology("pcie0", "demo-pcie"))
+        for device in left.device_ids:  # what the hardware holds as the crash left it: all still bound
+            pcie.bind(device, left.host, CallContext())
+        pcie.down = True
+        comp = composer({"pcie0": pcie, "cxl0": rack()["cxl0"]}, store=store, auto_heal=False)
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(left.id)
+        assert now.state is CompositionState.UNKNOWN and now.pending == left.pending
+        assert now.before_unknown is not None and now.before_unknown.state is CompositionState.COMPOSING
+        comp.reconcile()  # said once: a pass writes nothing more
+        assert comp.get(left.id).generation == now.generation
+        pcie.down = False
+        assert comp.retry_unreachable() is True  # recovery finishes the removal
+        done = comp.get(left.id)
+        assert done.state is CompositionState.COMPOSED and done.device_ids == left.device_ids[6:]
+        assert store.oversized == [] and store.failure == ""

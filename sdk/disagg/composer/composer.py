@@ -1664,17 +1664,22 @@ class FabricComposer(Composer):
 
     def _mark_unknown_one(self, comp: Composition) -> None:
         """``comp`` becomes UNKNOWN when a fabric of it cannot be used (`_away`), its message saying why; one
-        UNKNOWN already says why again when that changed (its fabric answers, but is now set aside)."""
+        UNKNOWN already says why again when that changed (its fabric answers, but is now set aside). A record a
+        change left (a crash's, `pending`) may be at the edge of what the ledger takes: why, then the message kept
+        to return to, are left out when the ledger would not take them (`_fits`); the state is written still, as
+        a change's records were measured with room for it (`_past_limit`)."""
         away = self._away(comp)
         if not away:
             return
         why = self._why_away(away)
         if comp.state is not CompositionState.UNKNOWN:
-            self._set(
-                comp, state=CompositionState.UNKNOWN, message=why, before_unknown=PriorState(comp.state, comp.message)
-            )
-        elif comp.message != why:
-            self._set(comp, message=why)
+            for message, prior in ((why, comp.message), ("", comp.message), ("", "")):
+                before = PriorState(comp.state, prior)
+                if self._fits(comp, state=CompositionState.UNKNOWN, message=message, before_unknown=before):
+                    break
+            self._set(comp, state=CompositionState.UNKNOWN, message=message, before_unknown=before)
+        elif comp.message != (message := why if self._fits(comp, message=why) else ""):
+            self._set(comp, message=message)
 
     def _settle_known(self, hardware: HardwareView | None = None) -> set[str]:
         """UNKNOWN compositions whose every fabric answers go back to the state they had before, for recovery
@@ -2741,6 +2746,11 @@ class FabricComposer(Composer):
             return None
         records, answer = made()
         every: list[Composition | Reservation | RequestRecord] = list(records)
+        every += [
+            self._unknown_as(r)
+            for r in records
+            if isinstance(r, Composition) and r.pending is not None and r.state is not CompositionState.UNKNOWN
+        ]
         if grown:
             left = answer.composition if isinstance(answer, ComposeResult) else answer
             if isinstance(left, Composition) and left not in every:
@@ -2754,6 +2764,14 @@ class FabricComposer(Composer):
             every.append(RequestRecord(*_ASKING.get(), requests.encode(answer), 0.0))
         size = max(len(codec.record(record).encode()) for record in every)
         return (size, limit) if size > limit else None
+
+    @staticmethod
+    def _unknown_as(comp: Composition) -> Composition:
+        """``comp``, a record of a change in flight, as UNKNOWN in the fewest words (`_mark_unknown_one`): a crash
+        may leave it for recovery while its fabric is away, and the state must be written then."""
+        return revise(
+            comp, state=CompositionState.UNKNOWN, message="", before_unknown=PriorState(comp.state, comp.message)
+        )
 
     @staticmethod
     def _failed_as(comp: Composition) -> Composition:
