@@ -613,3 +613,27 @@ class TestAnInterruptedChangeOnAFabricAway:
         done = comp.get(left.id)
         assert done.state is CompositionState.COMPOSED and done.device_ids == left.device_ids[6:]
         assert store.oversized == [] and store.failure == ""
+
+    def test_its_recovery_that_leaves_parts_bound_fails_it_in_a_record_the_ledger_takes(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Recovery that cannot unbind what a removal a crash interrupted removes makes the record FAILED, the
+        change kept for a decompose, saying what is still held: in a record at the edge, the words failed the
+        ledger. The state is written still, the words shorter; the event and the log name them."""
+        left, store.limit = interrupted_removal(monkeypatch)
+        store.put_composition(left)
+        pcie = SimFabric(load_topology("pcie0", "demo-pcie"))
+        for device in left.device_ids:  # what the hardware holds as the crash left it: all still bound
+            pcie.bind(device, left.host, CallContext())
+
+        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        comp = composer({"pcie0": pcie, "cxl0": rack()["cxl0"]}, store=store, auto_heal=False)
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(left.id)
+        assert now.state is CompositionState.FAILED and now.pending == left.pending
+        said = [e for e in comp.events(0, 1000) if e.type is EventType.ROLLBACK_INCOMPLETE]
+        assert [e.subject for e in said] == [left.id] and left.device_ids[1] in said[0].message
+        assert now.message == ""  # at the edge, no room for words: the event names what is held

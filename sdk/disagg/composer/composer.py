@@ -903,7 +903,16 @@ class FabricComposer(Composer):
                 names = _named(leftovers.ids)
                 log.warning("after a restart, could not %s %s of %s", verb, ", ".join(leftovers.ids), comp.id)
                 self._emit(EventType.ROLLBACK_INCOMPLETE, comp.id, f"after a restart, could not {verb} {names}")
-                self._set(comp, state=CompositionState.FAILED, message=f"interrupted change: {names} still held")
+                # The record holds the change, and may be at the edge of what the ledger takes (a removal's
+                # first): the words shorter, or none, when it would not take them (`_fits`, which measures it as
+                # UNKNOWN too); FAILED is written either way, no longer than the record the crash left.
+                counted = f"interrupted change: {len(leftovers.ids)} parts still held"
+                for message in (f"interrupted change: {names} still held", counted):
+                    if self._fits(comp, state=CompositionState.FAILED, message=message):
+                        break
+                else:
+                    message = ""
+                self._set(comp, state=CompositionState.FAILED, message=message)
                 return
             if change.kind is ChangeKind.ADD and change.request_id:
                 self._requests.pop(change.request_id, None)  # undone: a retry runs again
