@@ -637,3 +637,31 @@ class TestAnInterruptedChangeOnAFabricAway:
         said = [e for e in comp.events(0, 1000) if e.type is EventType.ROLLBACK_INCOMPLETE]
         assert [e.subject for e in said] == [left.id] and left.device_ids[1] in said[0].message
         assert now.message == ""  # at the edge, no room for words: the event names what is held
+
+
+class TestADecomposeOfAFailedComposition:
+    def test_it_is_decomposing_in_a_record_the_ledger_takes(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """FAILED becomes DECOMPOSING, five bytes longer, the message kept: a FAILED record at the edge (as an
+        older release, or a limit lowered since, left it) failed the ledger. The state is written still, the
+        message left out; the decompose finishes."""
+        left, _ = interrupted_removal(monkeypatch)
+        store.put_composition(left)
+        pcie = SimFabric(load_topology("pcie0", "demo-pcie"))
+        for device in left.device_ids:  # what the hardware holds as the crash left it: all still bound
+            pcie.bind(device, left.host, CallContext())
+        unbind = pcie.unbind
+
+        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(pcie, "unbind", unbind_fails)
+        comp = composer({"pcie0": pcie, "cxl0": rack()["cxl0"]}, store=store, auto_heal=False)
+        failed = comp.get(left.id)
+        assert failed.state is CompositionState.FAILED and failed.message.startswith("interrupted change: ")
+        store.limit = size(failed) + 2
+        monkeypatch.setattr(pcie, "unbind", unbind)
+        comp.decompose(failed.id)
+        assert store.oversized == [] and store.failure == ""
+        assert comp.compositions() == [] and hardware_bindings({"pcie0": pcie}) == {}

@@ -2777,10 +2777,10 @@ class FabricComposer(Composer):
     @staticmethod
     def _unknown_as(comp: Composition) -> Composition:
         """``comp``, a record of a change in flight, as UNKNOWN in the fewest words (`_mark_unknown_one`): a crash
-        may leave it for recovery while its fabric is away, and the state must be written then."""
-        return revise(
-            comp, state=CompositionState.UNKNOWN, message="", before_unknown=PriorState(comp.state, comp.message)
-        )
+        may leave it for recovery while its fabric is away, and the state must be written then. The state kept
+        before is the longest there is (DECOMPOSING), so that the room covers a FAILED record's decompose too."""
+        prior = PriorState(CompositionState.DECOMPOSING, comp.message)
+        return revise(comp, state=CompositionState.UNKNOWN, message="", before_unknown=prior)
 
     @staticmethod
     def _failed_as(comp: Composition) -> Composition:
@@ -3515,7 +3515,10 @@ class FabricComposer(Composer):
                     "be decomposed once the fabric is served again",
                     metadata={"composition": comp.id},
                 )
-            comp = self._set(comp, state=CompositionState.DECOMPOSING)
+            # Five bytes longer than FAILED: a FAILED record at the edge of what the ledger takes leaves its
+            # message out (`_fits`); the state is written either way, measured as a change's records are.
+            fits = self._fits(comp, state=CompositionState.DECOMPOSING)
+            comp = self._set(comp, state=CompositionState.DECOMPOSING, message=comp.message if fits else "")
         yield DURABLE
         picks, allocs = _holdings(comp)
         fabrics = [self._fabric_of(p.device) for p in picks] + [self._fabric_of_pool(a.pool) for a in allocs]
