@@ -3683,9 +3683,10 @@ class FabricComposer(Composer):
         """A standing composition (COMPOSED or DEGRADED) goes to the state `_standing` gives it now, and a
         DEGRADED one whose message no longer begins with why (a second device failed) says it again. One that a
         change in flight holds COMPOSING is told at once too (`_say_meanwhile`). A heal's records stay DEGRADED
-        with the change in them (`pending`), measured with the message the heal began with: a longer reason, or
-        one the ledger would not take (`_fits`), is left out of them, the state written still; the heal says it
-        as it ends, in a smaller record (`_set_standing`), and each device's own event names it."""
+        with the change in them (`pending`), measured with the message the heal began with: on a ledger with a
+        record limit, a longer reason, or one it would not take (`_fits`), is left out of them, the state written
+        still; the heal says it as it ends, in a smaller record (`_set_standing`), and each device's own event
+        names it."""
         if comp.state is CompositionState.COMPOSING and self._changing(comp.id):
             self._say_meanwhile(comp)
             return
@@ -3695,8 +3696,11 @@ class FabricComposer(Composer):
         state = CompositionState.DEGRADED if why else CompositionState.COMPOSED
         if state is comp.state and (not why or comp.message == why or comp.message.startswith(f"{why}; ")):
             return
-        if comp.pending is not None and (
-            _written_length(why) > _written_length(comp.message) or not self._fits(comp, state=state, message=why)
+        limited = self.store.record_limit is not None  # a ledger without a limit takes the reason as it comes
+        if (
+            limited
+            and comp.pending is not None
+            and (_written_length(why) > _written_length(comp.message) or not self._fits(comp, state=state, message=why))
         ):
             if state is not comp.state:
                 self._set(comp, state=state)
