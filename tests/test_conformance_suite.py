@@ -470,6 +470,27 @@ class TestDeselectUndeclared:
         deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver")  # type: ignore[arg-type]
         assert deselected == [bind_mine] and items == kept
 
+    def test_clauses_whose_hardware_the_fabric_lacks(self, tmp_path: Path) -> None:
+        """A fabric under test without an MLD would skip CARVE-MLD-LOGICAL-DEVICES, which a CI run that must
+        skip nothing cannot have: named in ``lacking``, it is deselected under the directory alone."""
+        deselected: list[Any] = []
+        config = types.SimpleNamespace(
+            hook=types.SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items))  # noqa: PLW0108 (called with items=)
+        )
+        mine, other = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
+        mld_mine = self._Item(mine, "CARVE-MLD-LOGICAL-DEVICES")
+        items: list[Any] = [
+            mld_mine,
+            self._Item(mine, "CARVE-CONSERVES"),
+            self._Item(other, "CARVE-MLD-LOGICAL-DEVICES"),
+        ]
+        kept = list(items[1:])
+        lacking = {"CARVE-MLD-LOGICAL-DEVICES": "no MLD"}
+        deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver", lacking=lacking)  # type: ignore[arg-type]
+        assert deselected == [mld_mine] and items == kept
+        with pytest.raises(ValueError, match="CARVE-NO-SUCH"):
+            deselect_undeclared(config, items, {Feature.CARVE}, tmp_path, lacking={"CARVE-NO-SUCH": "renamed"})  # type: ignore[arg-type]
+
 
 class TestFaultInjectionIsWhatADriverDeclares:
     """The suite injects faults only into a driver that declares fault injection: a fabric object that has the
