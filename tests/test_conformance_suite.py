@@ -453,11 +453,16 @@ class TestDeselectUndeclared:
             mark: pytest.Mark = getattr(pytest.mark, MARKER)(self.clause).mark
             return mark
 
-    def test_only_undeclared_clauses_under_the_directory(self, tmp_path: Path) -> None:
-        deselected: list[Any] = []
-        config = types.SimpleNamespace(
+    @staticmethod
+    def _recording(deselected: list[Any]) -> Any:
+        """A pytest config whose deselect hook adds the items it is given to ``deselected``."""
+        return types.SimpleNamespace(
             hook=types.SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items))  # noqa: PLW0108 (called with items=)
         )
+
+    def test_only_undeclared_clauses_under_the_directory(self, tmp_path: Path) -> None:
+        deselected: list[Any] = []
+        config = self._recording(deselected)
         mine, other = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
         bind_mine = self._Item(mine, "BIND-IDEMPOTENT")
         items: list[Any] = [
@@ -474,9 +479,7 @@ class TestDeselectUndeclared:
         """A fabric under test without an MLD would skip CARVE-MLD-LOGICAL-DEVICES, which a CI run that must
         skip nothing cannot have: named in ``lacking``, it is deselected under the directory alone."""
         deselected: list[Any] = []
-        config = types.SimpleNamespace(
-            hook=types.SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items))  # noqa: PLW0108 (called with items=)
-        )
+        config = self._recording(deselected)
         mine, other = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
         mld_mine = self._Item(mine, "CARVE-MLD-LOGICAL-DEVICES")
         items: list[Any] = [

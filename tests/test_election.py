@@ -40,10 +40,8 @@ TTL_S = 2
 WAIT_S = 10.0
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    etcd_binary()
-    cluster = start_etcd_cluster(tmp_path, members=3)
+def _stopped_at_the_end(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
+    """Yield ``cluster``, then stop it, its members that a test paused (SIGSTOP) woken first."""
     try:
         yield cluster
     finally:
@@ -51,6 +49,13 @@ def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
             if member.process is not None and member.process.poll() is None:
                 member.process.send_signal(signal.SIGCONT)
         cluster.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    etcd_binary()
+    cluster = start_etcd_cluster(tmp_path, members=3)
+    yield from _stopped_at_the_end(cluster)
 
 
 def campaign_in_thread(leadership: Leadership) -> tuple[threading.Thread, list[int]]:
@@ -767,13 +772,7 @@ def slow_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]
     cluster = start_etcd_cluster(
         tmp_path_factory.mktemp("slow-etcd"), heartbeat_ms=SLOW_HEARTBEAT_MS, election_timeout_ms=SLOW_ELECTION_MS
     )
-    try:
-        yield cluster
-    finally:
-        for member in cluster.members:
-            if member.process is not None and member.process.poll() is None:
-                member.process.send_signal(signal.SIGCONT)
-        cluster.stop()
+    yield from _stopped_at_the_end(cluster)
 
 
 class TestGrantedLease:

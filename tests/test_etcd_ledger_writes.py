@@ -42,6 +42,18 @@ PATIENCE_S = 5 * TIMEOUT_S
 WAIT_S = 10.0
 
 
+def _campaigned(leadership: Leadership) -> Leadership:
+    """``leadership``, having won its campaign within `WAIT_S` (the test fails otherwise)."""
+    stop = threading.Event()
+    timer = threading.Timer(WAIT_S, stop.set)
+    timer.start()
+    try:
+        assert leadership.campaign(stop)
+    finally:
+        timer.cancel()
+    return leadership
+
+
 def _compact_after_a_page(
     monkeypatch: pytest.MonkeyPatch, store: EtcdStore, endpoint: str, under: bytes = b""
 ) -> list[int]:
@@ -404,6 +416,12 @@ class TestPatienceFollowsTheLease:
     SLOW_ELECTION_MS = 2000
     ASKED_S = 2
 
+    def _slow_cluster(self, tmp_path: Path) -> EtcdCluster:
+        """Three members whose elections take 2 s and more: etcd grants 3 s for the 2 s asked."""
+        return start_etcd_cluster(
+            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
+        )
+
     def _serve_config(self, endpoints: list[str], prefix: str) -> EtcdStore:
         """The ledger as `disagg serve` builds it from ``[state]`` (`build_composer`)."""
         doc = {
@@ -419,14 +437,7 @@ class TestPatienceFollowsTheLease:
 
     def _lead(self, endpoints: list[str], prefix: str) -> tuple[Leadership, EtcdStore]:
         """A replica that leads, its ledger fenced and loaded as the server does on winning the lead."""
-        leadership = Leadership(endpoints, "leader", key=f"{prefix}leader", ttl_s=self.ASKED_S)
-        stop = threading.Event()
-        timer = threading.Timer(WAIT_S, stop.set)
-        timer.start()
-        try:
-            assert leadership.campaign(stop)
-        finally:
-            timer.cancel()
+        leadership = _campaigned(Leadership(endpoints, "leader", key=f"{prefix}leader", ttl_s=self.ASKED_S))
         assert leadership.granted_ttl_s == 3
         store = self._serve_config(endpoints, prefix)
         store.fence(
@@ -441,9 +452,7 @@ class TestPatienceFollowsTheLease:
     def test_a_write_waits_out_an_election_the_granted_lease_outlives(self, tmp_path: Path) -> None:
         """Every member answers 503 for 2.2 s, as members do while a cluster with a 2 s election timeout elects
         a leader: the lease granted (3 s) outlives it, and so must the write."""
-        cluster = start_etcd_cluster(
-            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
-        )
+        cluster = self._slow_cluster(tmp_path)
         members = [_Proxy(e) for e in cluster.endpoints]
         prefix = fresh_prefix()
         try:
@@ -474,9 +483,7 @@ class TestPatienceFollowsTheLease:
     def test_the_write_ends_with_the_lease(self, tmp_path: Path) -> None:
         """Members that never come back fail the write once the lease may have run out, not later: a write tried
         past it would be a deposed leader's (which the fence refuses anyway)."""
-        cluster = start_etcd_cluster(
-            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
-        )
+        cluster = self._slow_cluster(tmp_path)
         members = [_Proxy(e) for e in cluster.endpoints]
         prefix = fresh_prefix()
         try:
@@ -499,9 +506,7 @@ class TestPatienceFollowsTheLease:
         """The etcd leader, one member of three with a 2 s election timeout, is killed while the fabric
         manager's leader writes: the ledger fails only once the lease may have run out, never while the lead
         holds."""
-        cluster = start_etcd_cluster(
-            tmp_path, members=3, heartbeat_ms=self.SLOW_HEARTBEAT_MS, election_timeout_ms=self.SLOW_ELECTION_MS
-        )
+        cluster = self._slow_cluster(tmp_path)
         endpoints = cluster.endpoints
         prefix = fresh_prefix()
         try:
@@ -536,14 +541,7 @@ class TestNoVersionDiscovery:
         self, etcd_one: EtcdCluster, proxies: Callable[[], _Proxy], prefix: str
     ) -> None:
         member = proxies()
-        leadership = Leadership([member.endpoint], "leader", key=f"{prefix}leader", ttl_s=TTL_S)
-        stop = threading.Event()
-        timer = threading.Timer(WAIT_S, stop.set)
-        timer.start()
-        try:
-            assert leadership.campaign(stop)
-        finally:
-            timer.cancel()
+        leadership = _campaigned(Leadership([member.endpoint], "leader", key=f"{prefix}leader", ttl_s=TTL_S))
         store = EtcdStore([member.endpoint], prefix=prefix, timeout_s=TIMEOUT_S)
         try:
             store.fence(leadership.key, leadership.create_revision)

@@ -19,6 +19,7 @@ from disagg.errors import CapacityExhaustedError
 from disagg.interfaces import CallContext
 from disagg.model import (
     Capacity,
+    Composition,
     CompositionState,
     EventType,
     FabricEvent,
@@ -194,17 +195,26 @@ def _as_the_release_before(switch: CxlSwitchFabric) -> Callable[[], Topology]:
     return discovered
 
 
+def _composed_by_the_release_before(
+    switch: CxlSwitchFabric, ledger: Path, monkeypatch: pytest.MonkeyPatch
+) -> Composition | None:
+    """512 MiB of DCD memory for h1 composed, into ``ledger``, by a manager that saw ``switch`` as the release
+    before listed it: one pool for the whole device."""
+    with monkeypatch.context() as before:
+        before.setattr(switch, "discover", _as_the_release_before(switch))
+        old = FabricComposer({"sw": switch}, store=SqliteStore(ledger))
+        old.start()
+        composed = old.compose(parse_request("old", ["host h1", "cxl-memory 512MiB pool_kind=dcd"])).composition
+        old.close()
+    return composed
+
+
 def test_a_composition_the_release_before_recorded_is_found_and_released(
     make_switch: Callable[..., CxlSwitchFabric], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     switch = _two_regions(make_switch)
     device_pool = f"sw/dcd-port{_dcd_port(switch)}"
-    with monkeypatch.context() as before:
-        before.setattr(switch, "discover", _as_the_release_before(switch))
-        old = FabricComposer({"sw": switch}, store=SqliteStore(tmp_path / "ledger.db"))
-        old.start()
-        composed = old.compose(parse_request("old", ["host h1", "cxl-memory 512MiB pool_kind=dcd"])).composition
-        old.close()
+    composed = _composed_by_the_release_before(switch, tmp_path / "ledger.db", monkeypatch)
     assert composed is not None and [a.pool for a in composed.allocations] == [device_pool]
     upgraded = FabricComposer({"sw": switch}, store=SqliteStore(tmp_path / "ledger.db"))
     upgraded.start()
@@ -232,12 +242,7 @@ def test_the_capacity_a_legacy_allocation_frees_is_offered_at_once(
     0's pool reports less; once it is decomposed, the driver says so (RESYNC_REQUIRED) and the composer takes the
     regions' capacities again: the whole 2 GiB is placed without a restart or another event."""
     switch = _two_regions(make_switch)
-    with monkeypatch.context() as before:
-        before.setattr(switch, "discover", _as_the_release_before(switch))
-        old = FabricComposer({"sw": switch}, store=SqliteStore(tmp_path / "ledger.db"))
-        old.start()
-        composed = old.compose(parse_request("old", ["host h1", "cxl-memory 512MiB pool_kind=dcd"])).composition
-        old.close()
+    composed = _composed_by_the_release_before(switch, tmp_path / "ledger.db", monkeypatch)
     assert composed is not None
     switch = _two_regions(make_switch)  # the upgraded manager's driver
     upgraded = FabricComposer({"sw": switch}, store=SqliteStore(tmp_path / "ledger.db"))
