@@ -940,6 +940,39 @@ class TestAnInterruptedRun:
             assert STOP_WAIT_S - 1 < time.monotonic() - second < STOP_WAIT_S + 10
         assert list((tmp_path / "tmp").glob("disagg-certify-*")) == []
 
+    def test_an_interrupt_a_finaliser_swallowed_still_stops_the_run(self, tmp_path: Path) -> None:
+        """The suite's process raises KeyboardInterrupt on the first signal and ignores later ones (certify bounds
+        the clean-up); one that lands in a finaliser (``__del__``, a weakref callback) is printed and swallowed by
+        Python, and the suite ran every later clause while certify waited `INTERRUPT_WAIT_S` (CI: "certify still
+        runs 20 s after it was interrupted"). The run now stops after the test it was in, as interrupted."""
+        ran = tmp_path / "ran"
+        (tmp_path / "test_swallowed.py").write_text(
+            "import os, signal, time\n"
+            "class Finalised:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        time.sleep(1)\n"
+            "def test_first():\n"
+            "    Finalised()\n"
+            f"def test_second():\n    open({str(ran)!r}, 'w').close()\n"
+        )
+        (tmp_path / "pytest.ini").write_text("[pytest]\n")
+        script = (
+            "import sys, pytest\n"
+            "from disagg.cli.certify import _stop_on_signals\n"
+            "_stop_on_signals()\n"
+            "plugins = ['-p', 'disagg.testing.plugin', '-p', 'no:cacheprovider', '-p', 'no:randomly']\n"
+            "sys.exit(pytest.main([*plugins, 'test_swallowed.py']))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+        )
+        said = done.stdout + done.stderr
+        assert "Exception ignored" in said and "KeyboardInterrupt" in said, said  # swallowed where the test put it
+        assert not ran.exists(), done.stdout
+        assert done.returncode == pytest.ExitCode.INTERRUPTED, done.stdout + done.stderr
+        assert "certify was interrupted" in done.stdout, done.stdout
+
 
 class TestTheSuitesProcess:
     """The suite's process imports what certify imports, and a refusal of its input there is bad input."""

@@ -576,12 +576,15 @@ def _stop_on_signals() -> None:
     them on, bounds it). A SIGINT that certify ignores (and so this process, which inherits that) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         return
+    from disagg.testing.interrupt import request_stop  # here, not in the handler: certify runs without pytest too
+
     stopping = False
 
     def stop(signum: int, frame: object) -> None:
         nonlocal stopping
         if not stopping:
             stopping = True
+            request_stop(f"certify was interrupted ({signal.Signals(signum).name})")
             raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -13,7 +13,7 @@ import datetime
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from pathlib import Path
 
 import attrs
@@ -24,6 +24,7 @@ from disagg.model import Capabilities, Feature
 from disagg.testing.clauses import CLAUSES, MARKER
 from disagg.testing.expected import read_expected_failures
 from disagg.testing.harness import Epochs, Leftover, Watchdog
+from disagg.testing.interrupt import stop_requested
 from disagg.testing.report import (
     FAIL,
     FAILED,
@@ -102,6 +103,19 @@ class _Collector:
         lands in the middle of a frame leaves it without a line number), pytest finishes the session with its exit
         status still OK, and the report would not say that the run was cut short."""
         self.config.stash[_INTERRUPTED] = True
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        """Stop the run after this test when its process was interrupted (`disagg.testing.interrupt`), although
+        the KeyboardInterrupt was lost (raised in a finaliser, which Python only prints)."""
+        try:
+            return (yield)
+        finally:
+            why = stop_requested()
+            if why:
+                item.session.shouldstop = why
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         clause_id = self.config.stash[_CLAUSE_OF].get(report.nodeid)
