@@ -16,8 +16,8 @@ from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import DisaggError
 from disagg.interfaces import CallContext, Device, EventHandler, Fabric, Pool, Subscription
-from disagg.model import Binding, Capabilities, Topology
-from disagg.remote import DriverServer
+from disagg.model import Binding, Capabilities, FabricEventKind, Health, Topology
+from disagg.remote import DriverServer, RemoteFabric
 from disagg.wire import driver as wire
 from disagg.wire.errors import to_status
 from disagg.wire.types import allocation_to_wire, binding_to_wire, capabilities_to_wire, topology_to_wire
@@ -206,3 +206,22 @@ class Recorder:
     def __call__(self, event: object) -> None:
         with self.lock:
             self.events.append(event)
+
+
+def told_after_a_hang(
+    remote: RemoteFabric, hang: threading.Event, streams: Callable[[], int], timeout: float, *, heard: bool | None
+) -> None:
+    """Subscribe to ``remote`` while its driver hangs each event stream (``hang`` set; ``streams`` counts them):
+    once the watcher has given up two of them (``heard``, if not None: what `events_heard` says meanwhile), mend
+    the driver and check that a device failure injected then is told, once."""
+    seen = Recorder()
+    remote.subscribe(seen)
+    assert eventually(lambda: streams() >= 3, timeout), streams()  # it was held on the first for ever
+    assert heard is None or remote.events_heard is heard
+    hang.clear()  # mended: the next stream carries events
+    assert eventually(lambda: remote.events_heard, timeout)
+    remote.fail_device("pcie0/gpu-a0", "ECC")
+    assert eventually(lambda: len(seen.events) == 1, timeout)
+    assert [(e.kind, e.subject, e.health) for e in seen.events] == [
+        (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", Health.FAILED)
+    ]

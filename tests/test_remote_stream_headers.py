@@ -17,14 +17,14 @@ import grpc
 import pytest
 from disagg.composer import FabricComposer
 from disagg.driver.v1 import fabric_driver_pb2 as pb
-from disagg.model import CompositionState, EventType, FabricEventKind, Health
+from disagg.model import CompositionState, EventType
 from disagg.remote import RemoteFabric
 from disagg.remote.service import FabricDriverServicer
 from disagg.requestlang import parse_request
 from disagg.server import runtime
 from disagg.server.runtime import FabricManagerServer
 from disagg_sim import SimFabric
-from remote_helpers import Recorder, eventually, pcie, serving_bare
+from remote_helpers import Recorder, eventually, pcie, serving_bare, told_after_a_hang
 
 WAIT_S = 10.0
 HEADERS_S = 0.5
@@ -88,17 +88,7 @@ class TestAStreamWithoutHeaders:
         with serving_bare(driver) as address, caplog.at_level(logging.WARNING, logger="disagg.remote"):
             remote = _remote(address)
             try:
-                seen = Recorder()
-                remote.subscribe(seen)
-                assert eventually(lambda: driver.held >= 3, WAIT_S), driver.held  # it was held on the first for ever
-                assert not remote.events_heard
-                driver.hanging.clear()  # the driver mended: the next attempt connects, and events flow
-                assert eventually(lambda: remote.events_heard, WAIT_S)
-                remote.fail_device("pcie0/gpu-a0", "ECC")
-                assert eventually(lambda: len(seen.events) == 1, WAIT_S)
-                assert [(e.kind, e.subject, e.health) for e in seen.events] == [
-                    (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", Health.FAILED)
-                ]
+                told_after_a_hang(remote, driver.hanging, lambda: driver.held, WAIT_S, heard=False)
             finally:
                 remote.close()
         warnings = [r.getMessage() for r in caplog.records if "headers" in r.getMessage()]

@@ -100,6 +100,8 @@ back as the class of its code, among these, or as `DisaggError`."""
 
 DEFAULT_CALL_TIMEOUT_S = 30.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_EVENT_HEARTBEAT_S = 5.0
+"""How often the event stream asks the driver for a heartbeat while no event comes (`watch.HEARTBEATS_MISSED`)."""
 DISCOVER_TTL_S = 1.0
 FAULT_EVENTS_WAIT_S = 5.0
 """The longest a fault injection waits for its events to be handled."""
@@ -292,12 +294,15 @@ class RemoteFabric(Fabric, FaultInjection):
         *,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        event_heartbeat_s: float = DEFAULT_EVENT_HEARTBEAT_S,
         lazy: bool = False,
     ) -> None:
         self._name = name
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.event_heartbeat_s = event_heartbeat_s
+        """The heartbeat interval asked of the driver's event stream (0: none); see `DEFAULT_EVENT_HEARTBEAT_S`."""
         self._lock = threading.Lock()
         self._closed = False
         self._handlers: list[_Subscription] = []
@@ -718,7 +723,8 @@ class RemoteFabric(Fabric, FaultInjection):
     def _open_stream(self) -> EventCall:
         # grpcio's streaming call is also a `grpc.Future` (``done``), which its type stubs do not say.
         self._reconnecting()  # the resync that follows asks which fabric is served, if this connects anew
-        return cast(EventCall, self._stub.WatchFabricEvents(pb.WatchFabricEventsRequest(), metadata=self._metadata))
+        request = pb.WatchFabricEventsRequest(heartbeat_ms=round(self.event_heartbeat_s * 1000))
+        return cast(EventCall, self._stub.WatchFabricEvents(request, metadata=self._metadata))
 
     def _resync(self, first: bool) -> None:
         """After (re)connecting: rediscover; tell the handlers what changed while disconnected or, on the first

@@ -17,10 +17,16 @@ from disagg.errors import ConfigError
 from disagg.model import Capabilities
 from disagg.plugins.registry import DriverRegistry
 from disagg.remote.address import check_address
-from disagg.remote.fabric import DEFAULT_CALL_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S, RemoteFabric
+from disagg.remote.fabric import (
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_EVENT_HEARTBEAT_S,
+    RemoteFabric,
+)
+from disagg.wire.driver import MAX_HEARTBEAT_MS, MIN_HEARTBEAT_MS
 
 NAME = "remote"
-OPTIONS = ("address", "call_timeout_s", "connect_timeout_s")
+OPTIONS = ("address", "call_timeout_s", "connect_timeout_s", "event_heartbeat_s")
 DESCRIPTION = (
     "a fabric served by a driver in another process or language over disagg.driver.v1.FabricDriverService "
     "(`disagg driver serve`); its capabilities are whatever the remote driver declares"
@@ -35,6 +41,19 @@ def _seconds(name: str, options: Mapping[str, Any], option: str, default: float)
         raise ConfigError(
             f"fabric {name!r} (driver remote): option {option!r}: must be a number of seconds above 0, not {value!r}",
             field=option,
+        )
+    return float(value)
+
+
+def _heartbeat(name: str, options: Mapping[str, Any]) -> float:
+    value = options.get("event_heartbeat_s", DEFAULT_EVENT_HEARTBEAT_S)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not (value == 0 or MIN_HEARTBEAT_MS <= value * 1000 <= MAX_HEARTBEAT_MS):
+        raise ConfigError(
+            f"fabric {name!r} (driver remote): option 'event_heartbeat_s': must be 0 (ask the driver for no "
+            f"heartbeats) or a number of seconds from {MIN_HEARTBEAT_MS / 1000:g} to {MAX_HEARTBEAT_MS // 1000}, "
+            f"not {value!r}",
+            field="event_heartbeat_s",
         )
     return float(value)
 
@@ -66,6 +85,7 @@ def create_fabric(name: str, options: Mapping[str, Any]) -> RemoteFabric:
         address,
         call_timeout_s=_seconds(name, options, "call_timeout_s", DEFAULT_CALL_TIMEOUT_S),
         connect_timeout_s=_seconds(name, options, "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
+        event_heartbeat_s=_heartbeat(name, options),
         lazy=True,
     )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -318,14 +319,22 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
             stream = self.feed.open()
         except TooManyStreamsError as exc:
             raise _RefusalError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"fabric {self.fabric.name}: {exc}") from None
+        beat_ms = wire.heartbeat_interval_ms(request.heartbeat_ms)
         try:
             context.add_callback(stream.close)  # wakes the loop below as soon as the client goes away
-            context.send_initial_metadata(((wire.EVENT_SEQUENCE_KEY, f"{self.feed.instance}:{stream.start}"),))
+            sequence = (wire.EVENT_SEQUENCE_KEY, f"{self.feed.instance}:{stream.start}")
+            heartbeat = ((wire.HEARTBEAT_KEY, str(beat_ms)),) if beat_ms else ()
+            context.send_initial_metadata((sequence, *heartbeat))
+            beat_s = beat_ms / 1000 if beat_ms else math.inf
+            next_beat = time.monotonic() + beat_s
             while True:
-                item = stream.get(POLL_S)
+                item = stream.get(min(POLL_S, max(0.0, next_beat - time.monotonic())))
                 if item is None:
                     if not context.is_active():
                         return
+                    if time.monotonic() >= next_beat:  # nothing sent for an interval: say it still watches
+                        next_beat = time.monotonic() + beat_s
+                        yield pb.WatchFabricEventsResponse()
                 elif item is Signal.END:
                     return
                 elif item is Signal.OVERFLOW:
@@ -335,6 +344,7 @@ class FabricDriverServicer(pb_grpc.FabricDriverServiceServicer):
                         "watch again and rediscover",
                     )
                 else:
+                    next_beat = time.monotonic() + beat_s
                     yield pb.WatchFabricEventsResponse(event=wire.fabric_event_to_wire(item))
         finally:
             self.feed.close(stream)

@@ -51,6 +51,8 @@ WARN_EVERY_S = 60.0
 """The least time between two warnings that the watcher gets no events."""
 MALFORMED_QUIET_S = 30.0
 """How long without a malformed event before the wait after one is `BACKOFF_MIN_S` again."""
+HEARTBEATS_MISSED = 3
+"""A stream whose driver promised heartbeats is given up after this many intervals without a message."""
 
 
 class _Ending(enum.Enum):
@@ -80,6 +82,35 @@ class MalformedBackoff:
         self.delay_s = BACKOFF_MIN_S if quiet else min(self.delay_s * 2, BACKOFF_MAX_S)
         self.last = now
         return self.delay_s
+
+
+class _Silence:
+    """Cancels a stream that has carried nothing for ``limit_s``: its driver promised a heartbeat at least every
+    ``limit_s`` / `HEARTBEATS_MISSED`, so it is hung (or the path to it is), and no failure it sees is told. A
+    thread of its own while the stream is read, since reading it blocks without a timeout."""
+
+    def __init__(self, call: EventCall, limit_s: float, name: str) -> None:
+        self._call = call
+        self.limit_s = limit_s
+        self._last = time.monotonic()
+        self._ended = threading.Event()
+        self.broke = False
+        """Whether it cancelled the stream."""
+        self._thread = threading.Thread(target=self._run, name=f"silence-{name}", daemon=True)
+        self._thread.start()
+
+    def heard(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._ended.set()
+
+    def _run(self) -> None:
+        while not self._ended.wait(max(self._last + self.limit_s - time.monotonic(), 0.0)):
+            if time.monotonic() - self._last >= self.limit_s:
+                self.broke = True
+                self._call.cancel()
+                return
 
 
 class EventCall(Protocol):
@@ -234,6 +265,7 @@ class EventWatcher:
             self._call = call
         connected = False
         ending = _Ending.UNCONNECTED
+        silence: _Silence | None = None
         try:
             metadata, late = self._headers(call)
             with self._state:
@@ -267,7 +299,13 @@ class EventWatcher:
                 self._connected = connected = True
                 self._state.notify_all()
             ending = _Ending.ENDED
+            promised = wire.heartbeat_promised(wire.metadata_value(metadata, wire.HEARTBEAT_KEY))
+            silence = _Silence(call, promised * HEARTBEATS_MISSED, self._name) if promised else None
             for response in call:
+                if silence is not None:
+                    silence.heard()
+                if not response.HasField("event"):  # a heartbeat: the driver still watches
+                    continue
                 number += 1  # the stream brings every event published after it registered, in order
                 event = self._event(response.event)
                 if event is None:  # watched again: the new stream's resync rediscovers what the event meant to tell
@@ -279,11 +317,20 @@ class EventWatcher:
                     self._state.notify_all()
             log.debug("the event stream ended; watching again")
         except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            log.debug("the event stream broke (%s); watching again", code)
+            if silence is not None and silence.broke:
+                self._no_events(
+                    f"the driver at {self._address} sent nothing on its event stream for {silence.limit_s:g}s, though "
+                    f"it promised a heartbeat every {silence.limit_s / HEARTBEATS_MISSED:g}s: it may be hung, so the "
+                    "stream was given up"
+                )
+            else:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                log.debug("the event stream broke (%s); watching again", code)
         except DisaggError as exc:
             self._no_events(f"resynchronising after connecting failed ({exc.message})")
         finally:
+            if silence is not None:
+                silence.stop()
             with self._state:
                 self._connected = False
                 self._call = None

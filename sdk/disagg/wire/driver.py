@@ -63,6 +63,15 @@ LATE_CALLS_KEY = "disagg-late-calls"
 does not say so (one written before the key, or in another language that reads no metadata) takes a call's gRPC
 timeout for its deadline and would carry out a late call, so the client refuses such a call itself."""
 LATE_CALLS_JUDGED = "judged"
+HEARTBEAT_KEY = "disagg-heartbeat-ms"
+"""Initial metadata of a WatchFabricEvents stream: the driver sends a heartbeat (a response without an event)
+whenever the stream has carried nothing for this many milliseconds, as the request's ``heartbeat_ms`` asked (or
+longer). Absent: it sends none, and the stream's silence tells nothing."""
+MIN_HEARTBEAT_MS = 100
+"""The shortest interval the SDK's service keeps, whatever a request asks: a heartbeat costs the driver a wake-up."""
+MAX_HEARTBEAT_MS = 3_600_000
+"""The longest interval a client takes from a driver's metadata; a longer one, or one that does not parse, is
+no promise, and the stream's silence is not timed."""
 _UNENCODED = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 """What a metadata value carries as it is: printable ASCII but ``%`` (gRPC's ``grpc-message`` rule)."""
 
@@ -315,6 +324,20 @@ def event_sequence(value: str) -> tuple[str, int] | None:
     if not sep or not instance or not (count.isascii() and count.isdigit()):
         return None
     return instance, int(count)
+
+
+def heartbeat_interval_ms(asked: int) -> int:
+    """The interval a driver keeps for a stream whose request asked ``asked`` milliseconds; 0: no heartbeats."""
+    return max(asked, MIN_HEARTBEAT_MS) if asked > 0 else 0
+
+
+def heartbeat_promised(value: str) -> float | None:
+    """The heartbeat interval in seconds that `HEARTBEAT_KEY` metadata promises; None when absent, malformed, 0 or
+    above `MAX_HEARTBEAT_MS`."""
+    if not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_HEARTBEAT_MS)):
+        return None
+    ms = int(value)
+    return ms / 1000 if 0 < ms <= MAX_HEARTBEAT_MS else None
 
 
 def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str:

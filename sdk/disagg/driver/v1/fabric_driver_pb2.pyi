@@ -474,12 +474,22 @@ Global___SanitizeDeviceResponse: _TypeAlias = SanitizeDeviceResponse  # noqa: Y0
 class WatchFabricEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    HEARTBEAT_MS_FIELD_NUMBER: _builtins.int
+    heartbeat_ms: _builtins.int
+    """Send a heartbeat (a WatchFabricEventsResponse without an event) whenever the stream has carried nothing for
+    this many milliseconds; 0: send none. A driver that does so says so in the stream's initial metadata
+    (disagg-heartbeat-ms: the interval it keeps, which may be longer than asked), and the fabric manager then
+    gives up a stream silent for three intervals: a driver hung after its headers would otherwise go unnoticed.
+    A driver that ignores this field sends no such metadata, and its silence is not timed.
+    """
     def __init__(
         self,
+        *,
+        heartbeat_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_ms", b"heartbeat_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -526,7 +536,9 @@ class WatchFabricEventsResponse(_message.Message):
 
     EVENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def event(self) -> Global___FabricEvent: ...
+    def event(self) -> Global___FabricEvent:
+        """Unset in a heartbeat (see WatchFabricEventsRequest.heartbeat_ms)."""
+
     def __init__(
         self,
         *,

@@ -1,0 +1,170 @@
+"""Heartbeats on a remote driver's event stream. A driver that sent a stream's headers and then hung (a deadlock
+in its event path, a proxy that stopped forwarding) was not noticed: the stream stayed open, `events_heard` stayed
+True, and the composer took the fabric's health from events that could no longer come. The fabric now asks the
+driver for a heartbeat while no event comes (``event_heartbeat_s``); a driver that promises them in the stream's
+metadata and then sends nothing for three intervals has its stream given up, with a warning, and watched again."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from disagg.driver.v1 import fabric_driver_pb2 as pb
+from disagg.errors import ConfigError
+from disagg.model import Health
+from disagg.remote import RemoteFabric
+from disagg.remote.plugin import create_fabric
+from disagg.remote.service import FabricDriverServicer
+from disagg.wire import driver as wire
+from disagg_sim import SimFabric
+from remote_helpers import Recorder, eventually, pcie, serving_bare, stub_for, told_after_a_hang
+
+WAIT_S = 10.0
+BEAT_S = 0.2
+
+
+class Hushed(FabricDriverServicer):
+    """The SDK's servicer, but while ``hushed`` is set a WatchFabricEvents stream sends its headers (promising
+    the heartbeats asked) and then nothing, until the client goes away (`WAIT_S` at most): a driver hung after its
+    headers. ``promise`` False: it promises none, as a driver older than heartbeats."""
+
+    def __init__(self, fabric: SimFabric, *, promise: bool = True) -> None:
+        super().__init__(fabric, driver="sim")
+        self.promise = promise
+        self.hushed = threading.Event()
+        self.hushed.set()
+        self.streams = 0
+        self._lock = threading.Lock()
+
+    def WatchFabricEvents(  # noqa: N802
+        self, request: pb.WatchFabricEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchFabricEventsResponse]:
+        with self._lock:
+            self.streams += 1
+        if not self.hushed.is_set():
+            yield from super().WatchFabricEvents(request, context)
+            return
+        sequence = (wire.EVENT_SEQUENCE_KEY, f"{self.feed.instance}:{self.feed.published}")
+        promised = ((wire.HEARTBEAT_KEY, str(request.heartbeat_ms)),) if self.promise and request.heartbeat_ms else ()
+        context.send_initial_metadata((sequence, *promised))
+        deadline = time.monotonic() + WAIT_S
+        while context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _remote(address: str, heartbeat_s: float = BEAT_S) -> RemoteFabric:
+    return RemoteFabric(
+        "pcie0", address, call_timeout_s=WAIT_S, connect_timeout_s=WAIT_S, event_heartbeat_s=heartbeat_s
+    )
+
+
+class TestADriverHungAfterItsHeaders:
+    def test_its_stream_is_given_up_with_a_warning_and_watched_again(self, caplog: pytest.LogCaptureFixture) -> None:
+        sim = pcie()
+        driver = Hushed(sim)
+        with serving_bare(driver) as address, caplog.at_level(logging.WARNING, logger="disagg.remote"):
+            remote = _remote(address)
+            try:
+                told_after_a_hang(remote, driver.hushed, lambda: driver.streams, WAIT_S, heard=None)
+            finally:
+                remote.close()
+        warnings = [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+        assert len(warnings) == 1, warnings  # at most once a minute, as any stream that gives no events
+        assert f"the driver at {address} sent nothing on its event stream for {3 * BEAT_S:g}s" in warnings[0]
+        assert f"a heartbeat every {BEAT_S:g}s" in warnings[0] and "no events are delivered" in warnings[0]
+
+    def test_events_are_not_heard_once_it_is_given_up(self) -> None:
+        driver = Hushed(pcie())
+        with serving_bare(driver) as address:
+            remote = _remote(address, heartbeat_s=1.0)
+            try:
+                remote.subscribe(Recorder())
+                assert eventually(lambda: remote.events_heard, WAIT_S)  # its headers came: it is connected
+                assert eventually(lambda: not remote.events_heard, WAIT_S)  # three silent seconds later, no more
+            finally:
+                remote.close()
+
+
+class TestADriverThatPromisesNoHeartbeat:
+    def test_its_silence_is_not_timed(self) -> None:
+        """A driver older than heartbeats ignores the request's field and sends no metadata for it: its quiet
+        stream is as good as before."""
+        driver = Hushed(pcie(), promise=False)
+        with serving_bare(driver) as address:
+            remote = _remote(address)
+            try:
+                remote.subscribe(Recorder())
+                assert eventually(lambda: remote.events_heard, WAIT_S)
+                time.sleep(8 * BEAT_S)
+                assert remote.events_heard and driver.streams == 1
+            finally:
+                remote.close()
+
+
+class TestTheService:
+    @staticmethod
+    def _first(address: str, heartbeat_ms: int, within_s: float) -> tuple[str, list[pb.WatchFabricEventsResponse]]:
+        """The heartbeat metadata of a stream asked ``heartbeat_ms``, and what it sent within ``within_s``."""
+        with stub_for(address) as stub:
+            call = stub.WatchFabricEvents(pb.WatchFabricEventsRequest(heartbeat_ms=heartbeat_ms), timeout=within_s)
+            got: list[pb.WatchFabricEventsResponse] = []
+            with pytest.raises(grpc.RpcError) as ended:
+                got.extend(call)
+            assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            return wire.metadata_value(call.initial_metadata(), wire.HEARTBEAT_KEY), got
+
+    def test_sends_heartbeats_when_asked_and_promises_them(self) -> None:
+        driver = FabricDriverServicer(pcie(), driver="sim")
+        with serving_bare(driver) as address:
+            promised, got = self._first(address, 150, 1.0)
+        assert promised == "150"
+        assert 3 <= len(got) <= 7, got  # every 150 ms for a second, however the machine is loaded
+        assert not any(r.HasField("event") for r in got)
+
+    def test_keeps_at_least_its_shortest_interval(self) -> None:
+        driver = FabricDriverServicer(pcie(), driver="sim")
+        with serving_bare(driver) as address:
+            promised, got = self._first(address, 1, 0.5)
+        assert promised == str(wire.MIN_HEARTBEAT_MS)
+        assert len(got) <= 5, got
+
+    def test_sends_none_and_promises_none_when_not_asked(self) -> None:
+        driver = FabricDriverServicer(pcie(), driver="sim")
+        with serving_bare(driver) as address:
+            promised, got = self._first(address, 0, 0.6)
+        assert (promised, got) == ("", [])
+
+    def test_an_event_is_not_counted_with_the_heartbeats(self) -> None:
+        """Heartbeats carry no event number: a fault's event, waited for by its number, is still delivered once
+        and the wait still ends on it."""
+        sim = pcie()
+        with serving_bare(FabricDriverServicer(sim, driver="sim")) as address:
+            remote = _remote(address, heartbeat_s=0.1)
+            try:
+                seen = Recorder()
+                remote.subscribe(seen)
+                time.sleep(0.5)  # several heartbeats
+                remote.fail_device("pcie0/gpu-a0", "ECC")  # waits for its event by number
+                assert [(e.subject, e.health) for e in seen.events] == [("pcie0/gpu-a0", Health.FAILED)]
+            finally:
+                remote.close()
+
+
+class TestTheOption:
+    @pytest.mark.parametrize("value", [-1, 0.05, 3601, float("nan"), True, "5"])
+    def test_out_of_range_is_refused_naming_it(self, value: object) -> None:
+        with pytest.raises(ConfigError) as refused:
+            create_fabric("pcie0", {"address": "127.0.0.1:1", "event_heartbeat_s": value})
+        assert refused.value.field == "event_heartbeat_s"
+        assert "option 'event_heartbeat_s': must be 0" in refused.value.message and repr(value) in refused.value.message
+
+    def test_zero_asks_for_none(self) -> None:
+        remote = create_fabric("pcie0", {"address": "127.0.0.1:1", "event_heartbeat_s": 0, "connect_timeout_s": 0.1})
+        try:
+            assert remote.event_heartbeat_s == 0
+        finally:
+            remote.close()
