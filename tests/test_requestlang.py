@@ -22,7 +22,12 @@ from disagg.model import (
     Selector,
     SelectorOp,
 )
-from disagg.model.composition import MAX_SELECTOR_TEXT, request_limit_refusal, selector_value_refusal
+from disagg.model.composition import (
+    MAX_SELECTOR_TEXT,
+    request_limit_refusal,
+    selector_value_refusal,
+    selectors_conflict,
+)
 from disagg.requestlang import (
     parse_host,
     parse_request,
@@ -1324,3 +1329,100 @@ class TestAnAmountTooLarge:
         assert parse_resource(f"cxl-memory {2**64 - 1}B").amount_bytes == 2**64 - 1
         with pytest.raises(InvalidRequestError, match="18446744073709551615"):
             parse_resource(f"cxl-memory {2**64}B")
+
+
+class TestSelectorsNoValueMeets:
+    """Only pairs of selectors on one key were judged, so that three that no value meets together (``score>=1
+    score<=1 score!=1``) were taken and found no fit, and a pair that a value does meet (``score>=1 score!=1``)
+    was refused; and a text ``=`` was never held to a text range (``vendor=acme vendor>zeta``). The values every
+    selector of a key admits are worked out whole, and the fewest selectors that leave none are named."""
+
+    @pytest.mark.parametrize(
+        ("clause", "named", "left_out"),
+        [
+            ("gpu model>=1 model<=1 model!=1", ["model>=1", "model<=1", "model!=1"], []),
+            ("gpu score>1 score<=5 score>=5 score!=5.0", ["score<=5", "score>=5", "score!=5.0"], ["score>1"]),
+            ("gpu flag>=false flag!=false flag!=true", ["flag>=false", "flag!=false", "flag!=true"], []),
+            ("gpu model=ab model>aZ model<aa", ["model=ab", "model>aZ", "model<aa"], []),
+            ("host rack>=r1 rack<=r1 rack!=R1", ["rack>=r1", "rack<=r1", "rack!=R1"], []),
+        ],
+    )
+    def test_text(self, clause: str, named: list[str], left_out: list[str]) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request("t", ["nvme", clause])
+        assert info.value.field == "clauses[1]"
+        assert all(repr(sel) in info.value.message for sel in named), info.value.message
+        assert not any(repr(sel) in info.value.message for sel in left_out), info.value.message
+
+    @pytest.mark.parametrize(
+        ("clause", "first", "second"),
+        [
+            ("gpu vendor=acme vendor>zeta", "vendor=acme", "vendor>zeta"),
+            ("gpu vendor>=zeta vendor=acme", "vendor>=zeta", "vendor=acme"),
+            ("gpu vendor=zz vendor<Z", "vendor=zz", "vendor<Z"),
+            ("gpu flag>true", "flag>true", ""),
+            ("gpu name<'\"\"'", 'name<""', ""),
+        ],
+    )
+    def test_text_equal_and_text_range(self, clause: str, first: str, second: str) -> None:
+        with pytest.raises(InvalidRequestError) as info:
+            parse_request("t", [clause])
+        assert first in info.value.message and second in info.value.message
+
+    @pytest.mark.parametrize(
+        "clause",
+        [
+            "gpu score>=1 score!=1",
+            "gpu score<=1 score!=1",
+            "gpu score>=1 score<=2 score!=1 score!=2",
+            "gpu score>=1 score<=1 score!=2",
+            "gpu flag>=false flag!=false",
+            "gpu model!=a model!=b model!=c",
+            "gpu model>=a model<=a model!=b",
+            "gpu vendor=Zeta vendor<zeta",
+            "gpu vendor=zeta vendor>=ZETA vendor<=zeta",
+            "gpu vendor=k vendor>z",  # KELVIN SIGN, U+212A, is a k to = and above z in order
+            "gpu name=\u03b1\u03c2 name>=\u0391\u03a3 name<=\u0391\u03a3",  # ΑΣ lowers to ας, a final sigma
+            "gpu name=i\u0307 name>=\u0130 name<=\u0130",  # İ lowers to two characters, i and a dot above
+            "gpu vendor=acme vendor!=2 vendor!=true",
+        ],
+    )
+    def test_what_a_value_meets_is_taken(self, clause: str) -> None:
+        parse_request("t", [clause])
+
+    VALUES = st.sampled_from([0, 1, 2, 1.5, 1.0, False, True, "", "a", "A", "b", "ab", "aB", "k", "z", "\u212a"])
+    WITNESSES = (0, 0.5, 1, 1.25, 1.5, 1.75, 2, 2.5, -1, False, True, "", "a", "A", "aa", "aZ", "ab", "Ab", "AB")
+
+    @given(st.lists(st.tuples(st.sampled_from(list(SelectorOp)), VALUES), min_size=1, max_size=5))
+    @settings(max_examples=400, deadline=None)
+    def test_never_refuses_what_a_value_meets(self, tests: list[tuple[SelectorOp, Any]]) -> None:
+        """Selectors that some value meets (as `Selector.matches` compares, the device without the attribute
+        too) are never refused: the rule is sound."""
+        selectors = [Selector("k", op, value) for op, value in tests]
+        witnesses = (None, *self.WITNESSES, "B", "K", "\u212a", "b", "ba", "zz")
+        if any(all(sel.matches(value) for sel in selectors) for value in witnesses):
+            assert selectors_conflict(selectors) is None
+
+    def test_documents(self) -> None:
+        doc = {"name": "t", "resource": [{"kind": "gpu", "selectors": ["k>=1", "m=a", "k<=1", "k!=1"]}]}
+        with pytest.raises(InvalidRequestError, match=r"'k>=1', 'k<=1' and 'k!=1'") as info:
+            request_from_document(doc)
+        assert info.value.field == "resource[0].selectors[3]"
+
+    def test_one_rule_for_every_path(self) -> None:
+        line = ResourceRequest(
+            DeviceKind.GPU,
+            1,
+            selectors=(
+                Selector("k", SelectorOp.GE, 1),
+                Selector("k", SelectorOp.LE, 1),
+                Selector("k", SelectorOp.NE, 1),
+            ),
+        )
+        refusal = request_limit_refusal([line])
+        assert refusal is not None and refusal[0] == "resources[0].selectors[2]"
+        assert all(text in refusal[1] for text in ("k>=1", "k<=1", "k!=1"))
+        host = HostRequest(selectors=(Selector("v", SelectorOp.EQ, "acme"), Selector("v", SelectorOp.GT, "zeta")))
+        refusal = request_limit_refusal([], host)
+        assert refusal is not None and refusal[0] == "host.selectors[1]"
+

@@ -237,6 +237,34 @@ class TestCompose:
                 "resources[0].selectors[1]",
             ),
             ({"host": fm.HostRequest(selectors=[selector("rack", "r1"), selector("rack", "r2")])}, "host.selectors[1]"),
+            (
+                {
+                    "resources": [
+                        gpu(
+                            1,
+                            selectors=[
+                                ordered("score", fm.SELECTOR_OP_GE, 1),
+                                ordered("score", fm.SELECTOR_OP_LE, 1),
+                                ordered("score", fm.SELECTOR_OP_NE, 1),
+                            ],
+                        )
+                    ]
+                },
+                "resources[0].selectors[2]",
+            ),
+            (
+                {
+                    "host": fm.HostRequest(
+                        selectors=[
+                            selector("vendor", "acme"),
+                            fm.Selector(
+                                key="vendor", op=fm.SELECTOR_OP_GT, value=pb.AttributeValue(string_value="zeta")
+                            ),
+                        ]
+                    )
+                },
+                "host.selectors[1]",
+            ),
             ({"mode": 9}, "mode"),
             ({"mode": fm.COMPOSE_MODE_UNSPECIFIED}, "mode"),
             ({"reservation_ttl_s": -1.0}, "reservation_ttl_s"),

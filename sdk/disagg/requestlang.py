@@ -498,12 +498,12 @@ def _selectors_from_document(items: Any, field: str, *, resource: bool) -> tuple
 
 
 def _check_conflicts(selectors: Sequence[Selector], written: Sequence[str], field: Callable[[int], str]) -> None:
-    """Refuse two selectors that contradict each other (`selectors_conflict`), named as the user wrote them;
-    ``field`` names the field of the later one by its index."""
+    """Refuse selectors that no value meets together (`selectors_conflict`), named as the user wrote them;
+    ``field`` names the field of the last of them by its index."""
     conflict = selectors_conflict(selectors) if len(selectors) <= MAX_SELECTORS else None
     if conflict is not None:
-        m, n, why = conflict
-        raise InvalidRequestError(conflict_refusal(written[m], written[n], why), field=field(n))
+        chosen, why = conflict
+        raise InvalidRequestError(conflict_refusal([written[m] for m in chosen], why), field=field(chosen[-1]))
 
 
 def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:

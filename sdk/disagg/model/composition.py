@@ -13,6 +13,7 @@ import attrs
 from disagg.model._enum import ModelEnum
 from disagg.model._quick import quick_init
 from disagg.model.devices import AttributeValue, DeviceKind
+from disagg.model.textcase import spelled_within
 from disagg.model.units import shown
 
 
@@ -274,8 +275,8 @@ def _selectors_refusal(selectors: tuple[Selector, ...]) -> tuple[str, str] | Non
             return f"selectors[{n}].value", why
     conflict = selectors_conflict(selectors)
     if conflict is not None:
-        m, n, why = conflict
-        return f"selectors[{n}]", conflict_refusal(str(selectors[m]), str(selectors[n]), why)
+        chosen, why = conflict
+        return f"selectors[{chosen[-1]}]", conflict_refusal([str(selectors[m]) for m in chosen], why)
     return None
 
 
@@ -292,52 +293,94 @@ def _same(a: AttributeValue, b: AttributeValue) -> bool:
 
 
 _LOWER = frozenset({SelectorOp.GE, SelectorOp.GT})
+_UPPER = frozenset({SelectorOp.LE, SelectorOp.LT})
+_STRICT = frozenset({SelectorOp.GT, SelectorOp.LT})
+Bound = tuple[Any, bool]
+"""A range's end, as `textcase.Bound`: the value, and whether the range stops short of it."""
 
 
-def _contradiction(a: Selector, b: Selector) -> str:
-    """Why no attribute meets both ``a`` and ``b``, of one key (empty when one may): two values it cannot be at
-    once, a value and its own exclusion, or an empty range. Only what is so on its face: three selectors that
-    exclude every value together (``k>=1 k<=1 k!=1``) are left to find no fit."""
-    if SelectorOp.NE in (a.op, b.op):
-        if a.op is b.op or not _same(a.value, b.value):
-            return ""
-        return "one asks for the value the other excludes"
-    if _sort(a.value) is not _sort(b.value):
-        return "an attribute is text, a truth or a number, not two of them"
-    if a.op is SelectorOp.EQ and b.op is SelectorOp.EQ:
-        return "" if _same(a.value, b.value) else "an attribute has one value"
-    if SelectorOp.EQ in (a.op, b.op):
-        equal, other = (a, b) if a.op is SelectorOp.EQ else (b, a)
-        if isinstance(equal.value, str) or other.matches(equal.value):  # text: = ignores case, ordering does not
-            return ""
-        return "the value asked for is outside the range"
-    if (a.op in _LOWER) == (b.op in _LOWER):
-        return ""
-    low, high = (a, b) if a.op in _LOWER else (b, a)
-    least: Any = low.value
-    most: Any = high.value
-    strict = low.op is SelectorOp.GT or high.op is SelectorOp.LT
-    return "the range between them is empty" if most < least or (strict and most == least) else ""
-
-
-def selectors_conflict(selectors: Sequence[Selector]) -> tuple[int, int, str] | None:
-    """The first selector of ``selectors`` that contradicts an earlier one on its key: both indexes and why; None
-    when none does. Such a request can never fit: answered NoFitError, it read as a fabric short of devices. One
-    given twice alike (``model=a model=a``) asks the same as once, and is taken, as ``k>=1 k>=2`` is."""
-    if len(selectors) < 2:
+def _bound(selectors: Sequence[Selector], ops: frozenset[SelectorOp], tightest: Callable[..., Any]) -> Bound | None:
+    """The tightest end the selectors of ``ops`` give a range, strict if one of them stops short of it."""
+    ends = [(sel.value, sel.op in _STRICT) for sel in selectors if sel.op in ops]
+    if not ends:
         return None
+    value = tightest(end for end, _ in ends)
+    return value, any(strict for end, strict in ends if end == value)
+
+
+def _within(value: Any, low: Bound | None, high: Bound | None) -> bool:
+    """Whether ``value`` lies above ``low`` and below ``high`` (None: no end)."""
+    if low is not None and (value < low[0] or (low[1] and value == low[0])):
+        return False
+    return high is None or not (value > high[0] or (high[1] and value == high[0]))
+
+
+def _unmet(selectors: Sequence[Selector]) -> str:
+    """Why no attribute meets every one of ``selectors``, all of one key (empty when one may). The values each
+    admits are intersected: numbers as the real line (an attribute may be a decimal), truths as false and true,
+    text as every string (ordered as written, equal without regard to case). Sound rather than complete: a range
+    with no value but for points (``k>1 k<1.0000000000000002``) is left to find no fit, never a request refused that
+    a device could meet."""
+    musts = [sel for sel in selectors if sel.op is not SelectorOp.NE]
+    if not musts:
+        return ""  # a device without the attribute meets every !=
+    sort = _sort(musts[0].value)
+    if any(_sort(sel.value) is not sort for sel in musts):
+        return "an attribute is text, a truth or a number, not two of them"
+    excluded = [sel.value for sel in selectors if sel.op is SelectorOp.NE]
+    low, high = _bound(musts, _LOWER, max), _bound(musts, _UPPER, min)
+    if sort is str and low is None:
+        low = "", False  # no text is below the empty one
+    equal = [sel.value for sel in musts if sel.op is SelectorOp.EQ]
+    if equal:
+        if any(not _same(equal[0], value) for value in equal):
+            return "an attribute has one value"
+        if _excluded(equal[0], excluded):
+            return "the value asked for is excluded"
+        inside = spelled_within(equal[0], low, high) if isinstance(equal[0], str) else _within(equal[0], low, high)
+        return "" if inside else "the value asked for is outside the range"
+    if sort is bool:
+        left: list[Any] = [value for value in (False, True) if _within(value, low, high)]
+    elif low is None or high is None or low[0] < high[0]:
+        return ""  # infinitely many values, which exclusions cannot all take
+    else:
+        left = [low[0]] if low[0] == high[0] and not (low[1] or high[1]) else []
+    if not left:
+        return "no value is within the range"
+    return "every value the range leaves is excluded" if all(_excluded(v, excluded) for v in left) else ""
+
+
+def _excluded(value: AttributeValue, excluded: Sequence[AttributeValue]) -> bool:
+    """Whether a selector's ``!=`` of one of ``excluded`` refuses an attribute equal to ``value``."""
+    return any(_same(value, other) for other in excluded)
+
+
+def selectors_conflict(selectors: Sequence[Selector]) -> tuple[tuple[int, ...], str] | None:
+    """Selectors of ``selectors``, all on one key, that no value meets together (`_unmet`), none of them
+    needless, by their indexes (the last the one after which no value does), and why; None when every key can
+    be met. Such a request can never fit: answered NoFitError, it read as a fabric short of devices. One given
+    twice alike (``model=a model=a``) asks the same as once, and is taken, as ``k>=1 k>=2`` is."""
     for n, later in enumerate(selectors):
-        for m in range(n):
-            if selectors[m].key == later.key:
-                why = _contradiction(selectors[m], later)
-                if why:
-                    return m, n, why
+        chosen = [m for m in range(n + 1) if selectors[m].key == later.key]
+        if not _unmet([selectors[m] for m in chosen]):
+            continue
+        for m in chosen[:-1]:  # each earlier one left out that is not needed to leave no value
+            rest = [k for k in chosen if k != m]
+            if _unmet([selectors[k] for k in rest]):
+                chosen = rest
+        return tuple(chosen), _unmet([selectors[k] for k in chosen])
     return None
 
 
-def conflict_refusal(earlier: str, later: str, why: str) -> str:
-    """The refusal of two contradictory selectors, named as written (``earlier``, ``later``)."""
-    return f"{shown(earlier)} and {shown(later)} contradict each other ({why}): no device could ever match both"
+def conflict_refusal(written: Sequence[str], why: str) -> str:
+    """The refusal of selectors that no value meets together, named as written."""
+    names = [shown(text) for text in written]
+    if len(names) == 1:
+        return f"{names[0]} can never be met ({why}): no device could ever match it"
+    if len(names) == 2:
+        return f"{names[0]} and {names[1]} contradict each other ({why}): no device could ever match both"
+    listed = f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"{listed} contradict one another ({why}): no device could ever match them all"
 
 
 def resource_limit_refusal(line: ResourceRequest) -> tuple[str, str] | None:
@@ -381,8 +424,8 @@ def request_limit_refusal(
     """The first field of a request's resource lines (named ``field``: ``resources``, or ``add`` for the lines a
     recompose adds) or host that a request may not hold, with why, as ``("resources[1].count", "...")``; None
     when every field may. A request's numbers are held to the proto fields that carry them (`MAX_COUNT`,
-    `MAX_BYTES`, `MAX_LATENCY_NS`, `SELECTOR_INT_RANGE`), a selector's to finite ones, and two selectors that
-    contradict each other are refused (`selectors_conflict`), so that the local composer and a server refuse the
+    `MAX_BYTES`, `MAX_LATENCY_NS`, `SELECTOR_INT_RANGE`), a selector's to finite ones, and selectors that
+    no value meets together are refused (`selectors_conflict`), so that the local composer and a server refuse the
     same requests.
 
     Checked where a request is read (the text and document forms, the wire) and where the Python client turns

@@ -205,7 +205,7 @@ def selector_from_wire(msg: fm.Selector, field: str, *, resource: bool = False) 
 def check_selector_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:
     """Refuse, in a request read from the wire (a Compose's, the lines an UpdateComposition adds), a selector
     value a request may not hold (`selector_value_refusal`, as the text and document forms refuse it: a number
-    that is not finite, text longer than `MAX_SELECTOR_VALUE`) and two selectors that contradict each other
+    that is not finite, text longer than `MAX_SELECTOR_VALUE`) and selectors that no value meets together
     (`selectors_conflict`). A request's other numbers were bounded by their
     proto fields as it was read; one about to be sent is checked whole (`check_request_values`). Not where an
     answer is read: a composition made before the limits (or through the Python API, which takes any) must
@@ -225,9 +225,9 @@ def _check_values(selectors: Sequence[Selector], parent: str) -> None:
             raise InvalidRequestError(f"{parent}[{m}].value: {why}", field=f"{parent}[{m}].value")
     conflict = selectors_conflict(selectors)
     if conflict is not None:
-        m, n, why = conflict
-        refusal = conflict_refusal(str(selectors[m]), str(selectors[n]), why)
-        raise InvalidRequestError(f"{parent}[{n}]: {refusal}", field=f"{parent}[{n}]")
+        chosen, why = conflict
+        refusal = conflict_refusal([str(selectors[m]) for m in chosen], why)
+        raise InvalidRequestError(f"{parent}[{chosen[-1]}]: {refusal}", field=f"{parent}[{chosen[-1]}]")
 
 
 def check_request_values(lines: Sequence[ResourceRequest], field: str, host: HostRequest | None = None) -> None:

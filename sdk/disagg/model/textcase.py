@@ -1,0 +1,89 @@
+"""Whether text equal to a selector's ``=`` value lies within a text range.
+
+A selector's ``=`` compares text without regard to case (``str.lower``), while ``<`` and ``>`` order it as
+written: ``vendor=acme`` is met by ``ACME`` and ``Acme`` too, so whether it can meet ``vendor>zeta`` depends on
+every spelling that lowers to ``acme``, some of them other scripts' letters (KELVIN SIGN lowers to ``k``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+Bound = tuple[str, bool]
+"""A range's end: the text, and whether the range stops short of it (``<``, ``>``)."""
+
+
+@functools.cache
+def _spellings() -> dict[str, tuple[str, ...]]:
+    """Each text some other character lowers to, and those characters. Built on first use, from every code
+    point (a quarter of a second), so that no spelling is missed: one missed could refuse a request it meets."""
+    found: dict[str, list[str]] = {"ς": ["Σ"]}  # lowers to ς at the end of a word: str.lower's one context rule
+    for point in range(sys.maxunicode + 1):
+        char = chr(point)
+        lowered = char.lower()
+        if lowered != char:
+            found.setdefault(lowered, []).append(char)
+    return {lowered: tuple(chars) for lowered, chars in found.items()}
+
+
+def _steps(target: str, at: int) -> list[tuple[int, str]]:
+    """The characters a spelling of ``target`` may have next, where ``target[at:]`` is still to be spelled, and
+    how far each goes into it (a character may lower to two: İ to i̇)."""
+    steps = []
+    for length in range(1, max(map(len, _spellings())) + 1):
+        piece = target[at : at + length]
+        if len(piece) < length:
+            break
+        if length == 1 and piece.lower() == piece:
+            steps.append((length, piece))
+        steps.extend((length, char) for char in _spellings().get(piece, ()))
+    return steps
+
+
+def spelled_within(text: str, low: Bound | None, high: Bound | None) -> bool:
+    """Whether some text that lowers to ``text.lower()`` lies above ``low`` and below ``high`` (None: no end).
+
+    A walk through the spellings one character at a time, remembering only whether what it has written so far
+    is still each end's beginning (tight): once above ``low`` and below ``high``, any rest will do."""
+    target = text.lower()
+    done = [False] * len(target) + [True]  # whether a spelling can finish from here
+    for at in range(len(target) - 1, -1, -1):
+        done[at] = any(done[at + length] for length, _ in _steps(target, at))
+    todo = [(0, 0, low is not None, high is not None)]
+    seen = set(todo)
+    while todo:
+        at, written, low_tight, high_tight = todo.pop()
+        if not done[at]:
+            continue
+        if not low_tight and not high_tight:
+            return True
+        if at == len(target) and _ends_within(written, low if low_tight else None, high if high_tight else None):
+            return True
+        for length, char in _steps(target, at):
+            state = _next(char, written, low if low_tight else None, high if high_tight else None)
+            if state is not None and (at + length, written + 1, *state) not in seen:
+                seen.add((at + length, written + 1, *state))
+                todo.append((at + length, written + 1, *state))
+    return False
+
+
+def _ends_within(written: int, low: Bound | None, high: Bound | None) -> bool:
+    """Whether a spelling of ``written`` characters that is each given end's beginning lies within them."""
+    if low is not None and (written < len(low[0]) or low[1]):  # below low, or equal to an end it stops short of
+        return False
+    return high is None or written < len(high[0]) or not high[1]
+
+
+def _next(char: str, written: int, low: Bound | None, high: Bound | None) -> tuple[bool, bool] | None:
+    """Whether each end is still tight after ``char`` is written at ``written``; None: past an end."""
+    low_tight = high_tight = False
+    if low is not None and written < len(low[0]):  # written all of low's text, a spelling is above it
+        if char < low[0][written]:
+            return None
+        low_tight = char == low[0][written]
+    if high is not None:
+        if written == len(high[0]) or char > high[0][written]:
+            return None
+        high_tight = char == high[0][written]
+    return low_tight, high_tight
