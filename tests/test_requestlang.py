@@ -1426,3 +1426,46 @@ class TestSelectorsNoValueMeets:
         refusal = request_limit_refusal([], host)
         assert refusal is not None and refusal[0] == "host.selectors[1]"
 
+
+class TestASelectorNumberOfThousandsOfDigits:
+    """A selector's whole number or size of thousands of digits was refused as longer than any number needs,
+    where one of thirty digits, or an amount of thousands, names the bound; it names the bound too."""
+
+    INT64 = r"-9223372036854775808 to 9223372036854775807"
+
+    @pytest.mark.parametrize(
+        "clause",
+        [
+            "gpu gpu_memory>=" + "9" * 5000 + "GB",
+            "gpu gpu_memory<" + "9" * 5000 + ".5GiB",
+            "gpu score>=" + "9" * 5000,
+            "gpu score<=-" + "9" * 5000,
+            "host rack=" + "9" * 5000,
+        ],
+    )
+    def test_text(self, clause: str) -> None:
+        with pytest.raises(InvalidRequestError, match=r"5,000 digits is beyond .*" + self.INT64) as info:
+            parse_request("t", [clause, "nvme"])
+        assert info.value.field == "clauses[0]"
+
+    def test_document(self) -> None:
+        doc = {"name": "t", "resource": [{"kind": "gpu", "selectors": ["gpu_memory>=" + "9" * 5000 + "GiB"]}]}
+        with pytest.raises(InvalidRequestError, match=self.INT64) as info:
+            request_from_document(doc)
+        assert info.value.field == "resource[0].selectors[0]"
+
+    @pytest.mark.parametrize(
+        ("clause", "bound"),
+        [("host memory>=" + "9" * 5000 + "GiB", "18446744073709551615"), ("host cores>=" + "9" * 5000, "4294967295")],
+    )
+    def test_a_host_minimum_names_its_bound(self, clause: str, bound: str) -> None:
+        with pytest.raises(
+            InvalidRequestError, match=r"5,000 digits is more than the most a request may give, " + bound
+        ):
+            parse_request("t", [clause, "nvme"])
+
+    def test_a_document_min_memory_names_its_bound(self) -> None:
+        doc = {"name": "t", "host": {"min_memory": "9" * 5000 + "GiB"}, "resource": [{"kind": "gpu"}]}
+        with pytest.raises(InvalidRequestError, match=r"5,000 digits.*18446744073709551615") as info:
+            request_from_document(doc)
+        assert info.value.field == "host.min_memory"

@@ -40,6 +40,7 @@ from disagg.model.composition import (
     MAX_RESOURCE_LINES,
     MAX_SELECTOR_KEY,
     MAX_SELECTORS,
+    SELECTOR_INT_RANGE,
     conflict_refusal,
     host_limit_refusal,
     resource_limit_refusal,
@@ -107,9 +108,11 @@ def parse_selector(text: str, field: str = "selector", *, clause: bool = False) 
     return selector
 
 
-def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, SelectorOp, AttributeValue]:
+def _selector_parts(
+    text: str, field: str, *, clause: bool, host: bool = False
+) -> tuple[str, SelectorOp, AttributeValue]:
     """A selector's key, operator and value, the value not yet held to a selector's range: a host's ``cores``
-    and ``memory`` minimums have their own."""
+    and ``memory`` minimums (``host``: the clause is a host's) have their own."""
     if not isinstance(text, str):
         raise InvalidRequestError(f"{shown(text)} is not a selector: write it as text, key=value", field=field)
     match = _CLAUSE.match(text.strip())
@@ -123,6 +126,9 @@ def _selector_parts(text: str, field: str, *, clause: bool) -> tuple[str, Select
     if value[0] in "=<>!":
         # ``model==H200`` would compare with the text "=H200" and match nothing, silently.
         raise InvalidRequestError(_operator_typo(text, key, op, value, clause=clause), field=field)
+    why = _digits_refusal(value, key if host and key in ("cores", "memory") else "")
+    if why:
+        raise InvalidRequestError(f"{shown(text)}: {why}", field=field)
     try:
         parsed = parse_value(value)
     except ValueError as exc:
@@ -200,7 +206,7 @@ def parse_host(text: str, field: str = "host") -> HostRequest:
     written: list[str] = []
     seen: set[str] = set()
     for tok in tokens:
-        key, op, value = _selector_parts(tok, field, clause=True)
+        key, op, value = _selector_parts(tok, field, clause=True, host=True)
         if key not in ("cores", "memory"):
             selectors.append(parse_selector(tok, field, clause=True))
             written.append(tok)
@@ -329,22 +335,46 @@ def parse_resource(text: str, field: str = "resource") -> ResourceRequest:
 _AMOUNT = re.compile(r"\s*0*(\d*)(?:\.\d+)?\s*[a-z]*\s*", flags=re.IGNORECASE | re.ASCII)
 
 
-def _amount_refusal(text: object) -> str:
-    """Why ``text`` is an amount too large for the wire to carry, when its number has more digits than the most
-    (`MAX_BYTES`) has; else empty. Past 4300 digits `parse_size` cannot read it, and the text form answered that
-    it was no amount at all."""
+def _amount_refusal(text: object, what: str = "an amount") -> str:
+    """Why ``text`` is an amount (or ``what`` else of bytes) too large for the wire to carry, when its number has
+    more digits than the most (`MAX_BYTES`) has; else empty. Past 4300 digits `parse_size` cannot read it, and
+    the text form answered that it was no amount at all."""
     match = _AMOUNT.fullmatch(text) if isinstance(text, str) else None
     if match is None or len(match.group(1)) <= len(str(MAX_BYTES)):
         return ""
-    return f"an amount of {len(match.group(1)):,} digits is more than the most a request may give, {MAX_BYTES} bytes"
+    return f"{what} of {len(match.group(1)):,} digits is more than the most a request may give, {MAX_BYTES} bytes"
 
 
-def _amount(text: Any) -> int:
+def _amount(text: Any, what: str = "an amount") -> int:
     """`parse_size`, an amount of more digits than the wire carries refused as too large (`_amount_refusal`)."""
-    why = _amount_refusal(text)
+    why = _amount_refusal(text, what)
     if why:
         raise ValueError(why)
     return parse_size(text)
+
+
+_WHOLE = re.compile(r"-?0*(\d+)|0*(\d+)(?:\.\d+)?\s*[KMGTP]i?B", flags=re.IGNORECASE | re.ASCII)
+"""A value `parse_value` reads as a whole number: digits, or a size with its unit (in bytes)."""
+
+
+def _digits_refusal(value: str, minimum: str) -> str:
+    """Why ``value`` is refused, when it is a whole number of more digits than the most it may be has (a host's
+    ``cores`` or ``memory``, named by ``minimum``; else a selector's int64), naming that most; else empty. Past
+    4300 digits `int` cannot read it, and the refusal said only that it was long, as no amount's does."""
+    if minimum == "memory":
+        return _amount_refusal(value, "a minimum of memory")
+    match = _WHOLE.fullmatch(value.strip())
+    if match is None:
+        return ""
+    digits = len(match.group(1) or match.group(2))
+    if minimum == "cores" and match.group(1) and digits > len(str(MAX_COUNT)):
+        return f"a minimum of cores of {digits:,} digits is more than the most a request may give, {MAX_COUNT}"
+    if minimum or digits <= len(str(SELECTOR_INT_RANGE.stop)):
+        return ""
+    return (
+        f"{'a size' if match.group(2) else 'a number'} of {digits:,} digits is beyond the whole numbers a selector "
+        f"compares with, {SELECTOR_INT_RANGE.start} to {SELECTOR_INT_RANGE.stop - 1}"
+    )
 
 
 def _count(digits: str, field: str) -> int:
@@ -512,7 +542,7 @@ def _host_from_document(doc: Mapping[str, Any]) -> HostRequest:
     if unknown:
         raise InvalidRequestError(f"unknown host fields: {', '.join(sorted(unknown))}", field="host")
     try:
-        memory = parse_size(doc.get("min_memory", 0))
+        memory = _amount(doc.get("min_memory", 0), "a minimum of memory")
     except ValueError as exc:
         raise InvalidRequestError(str(exc), field="host.min_memory") from exc
     cores = doc.get("min_cores", 0)
