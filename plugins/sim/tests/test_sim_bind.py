@@ -164,6 +164,15 @@ class TestBindErrors:
         with pytest.raises(InvalidRequestError):
             pcie.flaky_bind(GPU, -1)
 
+    @pytest.mark.parametrize("device", [GPU, None])
+    def test_flaky_bind_takes_at_most_what_the_wire_carries(self, pcie: SimFabric, device: str | None) -> None:
+        """In process it took any count, where over the wire more than 1,000,000 is refused: a test that passed
+        against the sim failed against the same sim out of process."""
+        with pytest.raises(InvalidRequestError, match=r"^failures: at most 1000000$") as info:
+            pcie.flaky_bind(device, 1_000_001)
+        assert info.value.field == "failures"
+        pcie.flaky_bind(device, 1_000_000)
+
 
 class TestUnbind:
     """unbind removes a binding; an absent binding is already unbound and not an error."""

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import abc
 
+MAX_FAULT_COUNT = 1_000_000
+"""The most binds `FaultInjection.flaky_bind` fails: the driver protocol's count, which a driver's service refuses
+beyond it, so that an in-process fabric refuses the same (``failures: at most 1000000``)."""
+
 
 class FaultInjection(abc.ABC):
     @abc.abstractmethod
@@ -27,4 +31,4 @@ class FaultInjection(abc.ABC):
     @abc.abstractmethod
     def flaky_bind(self, device: str | None, failures: int) -> None:
         """Make the next ``failures`` binds (of ``device``, or of any device when None) raise
-        `FabricUnavailableError` without binding."""
+        `FabricUnavailableError` without binding; more than `MAX_FAULT_COUNT` is an `InvalidRequestError`."""

@@ -34,6 +34,7 @@ from disagg.fabric.v1 import types_pb2
 from disagg.interfaces import CallContext, FaultInjection, check_allocations, check_bindings
 from disagg.interfaces.fabric import MAX_ID as INTERFACE_MAX_ID
 from disagg.interfaces.fabric import check_id as interface_check_id
+from disagg.interfaces.faults import MAX_FAULT_COUNT as INTERFACE_MAX_FAULT_COUNT
 from disagg.model import Allocation, Binding, FabricEvent, FabricEventKind, Health, PoolInfo, Topology
 from disagg.wire.deadlines import NO_DEADLINE_S
 from disagg.wire.types import HEALTH_TO_WIRE, allocation_from_wire, binding_from_wire, enum_from_wire, health_from_wire
@@ -45,7 +46,7 @@ MAX_UINT64 = 2**64 - 1
 REQUEST_ID_DIGEST = 16
 """Hex digits of the SHA-256 digest that ends a request id cut to fit (`request_id_to_wire`)."""
 MAX_MESSAGE = 1024
-MAX_FAULT_COUNT = 1_000_000
+MAX_FAULT_COUNT = INTERFACE_MAX_FAULT_COUNT
 
 EVENT_SEQUENCE_KEY = "disagg-event-sequence"
 """Metadata key: ``<stream instance>:<events published>`` (see the module docstring)."""

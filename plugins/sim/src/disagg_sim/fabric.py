@@ -46,6 +46,7 @@ from disagg.interfaces import (
     Subscription,
     check_id,
 )
+from disagg.interfaces.faults import MAX_FAULT_COUNT
 from disagg.model import (
     Allocation,
     Binding,
@@ -418,12 +419,15 @@ class SimFabric(Fabric, FaultInjection):
 
     def flaky_bind(self, device: str | None, failures: int) -> None:
         """The next ``failures`` binds of ``device`` (of any device when None) fail; 0 clears. Replaces, not adds.
+        At most `MAX_FAULT_COUNT`, as the driver protocol takes.
 
         Only a bind that would otherwise change the hardware counts: a repeat of an existing binding, or a bind
         refused for another reason (busy, failed, unreachable), neither fails nor uses up a failure.
         """
         if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
             raise InvalidRequestError("failures must be an integer >= 0", field="failures")
+        if failures > MAX_FAULT_COUNT:  # as over the wire
+            raise InvalidRequestError(f"failures: at most {MAX_FAULT_COUNT}", field="failures")
         if device is not None:
             check_id(device, "device")
         with self._lock:
