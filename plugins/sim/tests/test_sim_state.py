@@ -363,6 +363,18 @@ class TestBadStateFiles:
         with pytest.raises(ConfigError, match=r"is corrupt .*bindings must be an object"):
             pcie(path)
 
+    def test_an_epoch_beyond_the_wire(self, tmp_path: Path) -> None:
+        """A release before took any epoch in process and saved it: such a file loaded, and the fabric refused
+        every call after, as no epoch a manager sends (a uint64) is as new."""
+        path = tmp_path / "s.json"
+        state = {"format": "disagg-sim-state/1", "fabric": "pcie", "epoch": 2**64}
+        path.write_text(json.dumps(state))
+        with pytest.raises(ConfigError, match=r"s\.json holds epoch 18446744073709551616, .*delete") as info:
+            pcie(path)
+        assert info.value.field == "state_file" and "18446744073709551615" in info.value.message
+        path.write_text(json.dumps({**state, "epoch": 2**64 - 1}))
+        assert pcie(path).epoch == 2**64 - 1
+
     def test_unknown_format(self, tmp_path: Path) -> None:
         path = tmp_path / "s.json"
         path.write_text(json.dumps({"format": "something-else", "fabric": "pcie"}))

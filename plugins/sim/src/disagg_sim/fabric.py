@@ -70,7 +70,7 @@ from disagg.model import Device as DeviceInfo
 
 from disagg_sim.carving import BlockAllocator
 from disagg_sim.dispatch import EventDispatcher
-from disagg_sim.state import SimState, StateFile
+from disagg_sim.state import MAX_EPOCH, SimState, StateFile
 
 SIM_CAPABILITIES = Capabilities(
     kinds=frozenset(DeviceKind),
@@ -90,10 +90,6 @@ SIM_CAPABILITIES = Capabilities(
 """Every device kind and every feature; events are delivered before the call that caused them returns."""
 
 T = TypeVar("T")
-
-MAX_EPOCH = 2**64 - 1
-"""The largest fencing epoch: the driver protocol carries a ``uint64``, and the remote path refuses a larger one
-(`InvalidRequestError`); remembered in process, it would fence off every epoch a manager can send."""
 
 _FAILED = Health.FAILED
 """`Health.FAILED`, tested per Compose: a member looked up on its enum class costs a call to the metaclass's

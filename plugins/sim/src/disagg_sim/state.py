@@ -34,6 +34,9 @@ FORMAT = "disagg-sim-state/2"
 repaired one): a /1 reader would ignore ``health`` and bring it back unhealthy, so the name differs. Otherwise
 a state is written as /1, which the previous version reads too (a process not yet upgraded, or a rollback)."""
 READABLE_FORMATS = (FORMAT_1, FORMAT)
+MAX_EPOCH = 2**64 - 1
+"""The largest fencing epoch: the driver protocol carries a ``uint64``, and the remote path refuses a larger one
+(`InvalidRequestError`); remembered in process, it would fence off every epoch a manager can send."""
 
 
 @attrs.frozen
@@ -78,9 +81,16 @@ class StateFile:
                 "is not valid JSON (nested too deeply); delete it to start from a powered-on fabric"
             ) from None
         try:
-            return _decode(data)
+            state = _decode(data)
         except (KeyError, TypeError, ValueError) as exc:
             raise self._error(f"is corrupt ({exc}); delete it to start from a powered-on fabric") from None
+        if state.epoch > MAX_EPOCH:  # taken in process by a release before, and saved
+            raise self._error(
+                f"holds epoch {state.epoch}, more than {MAX_EPOCH}, the most a fabric manager can send, so that "
+                f"every call would be fenced off: set its epoch to the manager's (at most {MAX_EPOCH}), or delete "
+                "it to start from a powered-on fabric"
+            )
+        return state
 
     def save(self, state: SimState) -> None:
         """Write ``state`` atomically and durably. Errors propagate (OSError, or TypeError for a value JSON
