@@ -115,6 +115,13 @@ class TestCompose:
         assert served.bindings() == {p.device: comp.host for p in comp.devices}
         assert sum(a.amount_bytes for a in comp.allocations) == 2**39
 
+    def test_selectors_a_value_meets_together_are_taken(self, served: Served) -> None:
+        """``pcie_gen>=4 pcie_gen!=4`` was refused as two selectors no value meets, though PCIe 5 meets them."""
+        ops = (fm.SELECTOR_OP_GE, fm.SELECTOR_OP_NE, fm.SELECTOR_OP_LE)
+        line = gpu(1, selectors=[ordered("pcie_gen", op, gen) for op, gen in zip(ops, (4, 4, 5), strict=True)])
+        comp = served.stub.Compose(compose_request("gen5", line)).composition
+        assert comp.state == fm.COMPOSITION_STATE_COMPOSED and len(comp.devices) == 1
+
     def test_unspecified_mode_is_refused(self, served: Served) -> None:
         failed = fails(served.stub.Compose, compose_request("u", mode=fm.COMPOSE_MODE_UNSPECIFIED))
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("mode",)
