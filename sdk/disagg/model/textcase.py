@@ -27,11 +27,17 @@ def _spellings() -> dict[str, tuple[str, ...]]:
     return {lowered: tuple(chars) for lowered, chars in found.items()}
 
 
+@functools.cache
+def _longest() -> int:
+    """The most characters one character lowers to."""
+    return max(map(len, _spellings()))
+
+
 def _steps(target: str, at: int) -> list[tuple[int, str]]:
     """The characters a spelling of ``target`` may have next, where ``target[at:]`` is still to be spelled, and
     how far each goes into it (a character may lower to two: İ to i̇)."""
     steps = []
-    for length in range(1, max(map(len, _spellings())) + 1):
+    for length in range(1, _longest() + 1):
         piece = target[at : at + length]
         if len(piece) < length:
             break
@@ -41,6 +47,7 @@ def _steps(target: str, at: int) -> list[tuple[int, str]]:
     return steps
 
 
+@functools.lru_cache(maxsize=256)
 def spelled_within(text: str, low: Bound | None, high: Bound | None) -> bool:
     """Whether some text that lowers to ``text.lower()`` lies above ``low`` and below ``high`` (None: no end).
 
