@@ -89,6 +89,32 @@ class TestADriverHungAfterItsHeaders:
                 remote.close()
 
 
+class TestASlowHandler:
+    def test_does_not_make_the_driver_look_hung(self, caplog: pytest.LogCaptureFixture) -> None:
+        """The watcher reads no message while a handler runs: a handler that took three intervals had the
+        stream given up, and the fabric rediscovered, although the driver's heartbeats were waiting to be read."""
+        driver = Hushed(pcie())
+        driver.hushed.clear()
+        handled = threading.Event()
+
+        def slow(event: object) -> None:
+            time.sleep(6 * BEAT_S)
+            handled.set()
+
+        with serving_bare(driver) as address, caplog.at_level(logging.WARNING, logger="disagg.remote"):
+            remote = _remote(address)
+            try:
+                remote.subscribe(slow)
+                assert eventually(lambda: remote.events_heard, WAIT_S)
+                driver.fabric.fail_device("pcie0/gpu-a0", "ECC")
+                assert handled.wait(WAIT_S)
+                time.sleep(2 * BEAT_S)
+                assert driver.streams == 1 and remote.events_heard
+            finally:
+                remote.close()
+        assert not [r.getMessage() for r in caplog.records if "heartbeat" in r.getMessage()]
+
+
 class TestADriverThatPromisesNoHeartbeat:
     def test_its_silence_is_not_timed(self) -> None:
         """A driver older than heartbeats ignores the request's field and sends no metadata for it: its quiet

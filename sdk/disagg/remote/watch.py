@@ -102,11 +102,16 @@ class _Silence:
     def heard(self) -> None:
         self._last = time.monotonic()
 
+    def hold(self) -> None:
+        """Time nothing until `heard` again: the watcher is handing an event on, and reads no message meanwhile
+        (a handler that waits long must not make the driver look hung)."""
+        self._last = math.inf
+
     def stop(self) -> None:
         self._ended.set()
 
     def _run(self) -> None:
-        while not self._ended.wait(max(self._last + self.limit_s - time.monotonic(), 0.0)):
+        while not self._ended.wait(min(max(self._last + self.limit_s - time.monotonic(), 0.0), self.limit_s)):
             if time.monotonic() - self._last >= self.limit_s:
                 self.broke = True
                 self._call.cancel()
@@ -311,7 +316,11 @@ class EventWatcher:
                 if event is None:  # watched again: the new stream's resync rediscovers what the event meant to tell
                     ending = _Ending.MALFORMED
                     break
+                if silence is not None:
+                    silence.hold()
                 self._deliver(event, (instance, number) if numbered is not None else None)
+                if silence is not None:
+                    silence.heard()
                 with self._state:
                     self._seen += 1
                     self._state.notify_all()
