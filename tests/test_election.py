@@ -474,6 +474,52 @@ class TestDeposed:
             server.stop(0)
             usurper.resign()
 
+    def test_a_write_no_member_answers_until_the_lease_ends_loses_the_lead(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """No etcd member answers (a partition): a write tries them while the lease surely holds, and then gives
+        up. That failed the ledger (`on_failed`: `disagg serve` exits 1, "restart it once the ledger can be
+        written") whenever the timer saw it before the step-down saw the lease run out. It ends the lead, saying
+        why, and the ledger does not fail."""
+        leadership = Leadership(etcd.endpoints, "cut-off", ttl_s=TTL_S)
+        serving, lost = threading.Event(), threading.Event()
+        failed: list[str] = []
+        server = FabricManagerServer(
+            FabricComposer(
+                rack(), store=EtcdStore(etcd.endpoints, prefix="/cut-off/", timeout_s=request_timeout(TTL_S))
+            ),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+            on_lost=lost.set,
+            on_failed=failed.append,
+            tick_s=0.05,
+        )
+        server.start()
+        try:
+            assert serving.wait(WAIT_S)
+            deposed = leadership.deposed
+
+            def slow_to_step_down(why: str) -> None:
+                time.sleep(0.3)  # the timer ticks meanwhile, every 0.05 s
+                deposed(why)
+
+            monkeypatch.setattr(leadership, "deposed", slow_to_step_down)
+            for member in etcd.members:
+                assert member.process is not None
+                member.process.send_signal(signal.SIGSTOP)
+            client = FabricManagerClient(server.addresses[0], retries=NO_RETRY)
+            with client, pytest.raises(FabricUnavailableError):
+                client.compose(parse_request("cut-off", ["gpu x1"]))
+            assert lost.wait(WAIT_S), "the replica whose write outlasted its lease did not step down"
+            time.sleep(0.3)  # six ticks of the timer
+            assert failed == [], "a write cut off by the end of the lease failed the ledger"
+            assert server.composer.store.failure == ""
+            said = [r.getMessage() for r in wait_for_records(caplog, logging.CRITICAL, 1)]
+            assert said and said[0].startswith(f"lost the lead (epoch {leadership.epoch}): "), said
+        finally:
+            server.stop(0)
+
     def test_stopped_while_it_starts_after_winning(self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
         """A replica stopped while its composer starts after it won the lead does not go on to serve."""
         served: list[list[str]] = []

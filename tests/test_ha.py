@@ -2,7 +2,8 @@
 process, and two `disagg serve` replicas sharing them. Killing the active replica mid-load hands the lead to
 the standby within 10 seconds; every acknowledged composition is still there; the old replica's epoch is
 refused by the driver; a client given both addresses follows the lead on its own. A replica whose start fails
-after it won the lead says why and exits as a replica without etcd does."""
+after it won the lead says why and exits as a replica without etcd does; one whose write no etcd member answers
+exits as a lost lead."""
 
 from __future__ import annotations
 
@@ -202,3 +203,41 @@ class TestStartFailure:
         assert code == 2, said  # a ledger to restore from a backup, as SQLite's route exits
         assert "disagg: error: the ledger at etcd" in said and "restore it from a backup" in said, said
         assert "lost the lead" not in said and "Traceback" not in said, said
+
+
+class TestLeaseEndsMidWrite:
+    """A ledger write that no etcd member answers until the leader's lease may have run out ends as a lost lead:
+    exit 3, saying so. It failed the ledger instead (exit 1, "restart it once the ledger can be written") when the
+    server's timer saw the write give up before the step-down saw the lease run out."""
+
+    def test_no_etcd_member_answers_a_write(self, tmp_path: Path) -> None:
+        etcd_binary()
+        etcd = start_etcd_cluster(tmp_path / "etcd", members=3)
+        members = [m.process for m in etcd.members if m.process is not None]
+        try:
+            endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
+            config = tmp_path / "disagg.toml"
+            config.write_text(
+                f'[state]\nledger = "etcd"\nendpoints = [{endpoints}]\nprefix = "/mid-write/"\nlease_ttl_s = 2\n\n'
+                '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
+            )
+            replica = Replica(config, free_ports(1)[0], tmp_path / "state")
+            try:
+                assert replica.output.wait_for(r"^serving on ", START_S), replica.output.text
+                for member in members:  # a partition: no member answers the leader any more
+                    member.send_signal(signal.SIGSTOP)
+                client = FabricManagerClient(replica.address, timeout_s=TAKEOVER_S, retries=NO_RETRY)
+                with client, pytest.raises(FabricUnavailableError):
+                    client.compose(parse_request("cut-off", ["gpu x1"]))
+                assert replica.output.wait_ended(START_S), replica.output.text
+                code = replica.proc.wait(10)
+            finally:
+                replica.stop()
+        finally:
+            for member in members:
+                member.send_signal(signal.SIGCONT)
+            etcd.stop()
+        said = replica.output.text
+        assert code == 3, said
+        assert "lost the lead (epoch" in said and "this replica lost the lead" in said, said
+        assert "restart it once the ledger can be written" not in said, said

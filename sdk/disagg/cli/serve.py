@@ -8,8 +8,9 @@ process ends without waiting for them (`_end_past_grace`). A signal before it se
 built, discovered and the ledger read) ends the start: exit 0, or 130 for SIGINT.
 
 With ``[state] ledger = "etcd"`` it is one replica of several: it prints ``standby on ADDRESS`` once
-listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lead. A start that fails after
-winning the lead (a ledger record that does not decode, etcd or the fabrics out of reach) is reported as one
+listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lead, as when etcd does not answer
+before its lease may have run out. A start that fails after winning the lead (a ledger record that does not
+decode, a request etcd refuses, the fabrics out of reach) is reported as one
 without etcd is, with its error's message and exit code (2 for a configuration or ledger to restore), once the
 lead is given up for another replica to try.
 """

@@ -513,7 +513,7 @@ class FabricManagerServer:
                     fence(
                         leadership.key,
                         leadership.create_revision,
-                        lambda: leadership.deposed("the ledger refused a write: another leads"),
+                        leadership.deposed,
                         lease_left=getattr(leadership, "lease_left", None),
                     )
                 # A leadership of another make without a read lease leaves reads unchecked, as before it had one.

@@ -35,8 +35,9 @@ A call goes to the endpoint that answered last; one that cannot be reached or do
 ``timeout_s`` is tried on the next, round after round with a backoff: an etcd member's death costs an election
 (a second or more, when every member refuses or waits), which the lease outlives and the ledger must too. A
 fenced store tries while the leader's lease, as etcd granted it, surely holds (the ``lease_left`` that `fence`
-was given), and no longer: past it the lead may be another's, whose ledger this is. Before `fence`, or without
-a lease, it tries for ``write_patience_s``. Needs etcd 3.4 or later (the ``/v3/`` gateway).
+was given), and no longer: past it the lead may be another's, whose ledger this is, so a call no member
+answered by then loses the lead (`LeadershipLostError`), not the ledger. Before `fence`, or without a lease, it
+tries for ``write_patience_s``. Needs etcd 3.4 or later (the ``/v3/`` gateway).
 """
 
 from __future__ import annotations
@@ -302,7 +303,10 @@ class EtcdStore(Store):
         self._closed = False
         self._fence_key = ""
         self._fence_name = ""
-        self._on_deposed: Callable[[], None] = lambda: None
+        self._on_deposed: Callable[[str], None] = lambda why: None
+        self._deposed = ""
+        """Why a call found the lead lost when its lease may have run out (`_call`): from then on the store takes no
+        writes, each refused as a lost lead."""
         self._lease_left: Callable[[], float] | None = None
         """Set by `fence`: how long the leader's lease surely holds from now, which bounds a call's tries."""
         self._log: tuple[int, int] | None = None
@@ -332,13 +336,14 @@ class EtcdStore(Store):
         self,
         key: str,
         create_revision: int,
-        on_deposed: Callable[[], None] | None = None,
+        on_deposed: Callable[[str], None] | None = None,
         *,
         lease_left: Callable[[], float] | None = None,
     ) -> None:
         """From now on, write only while ``key`` (the leader key, outside the prefix) has ``create_revision``:
-        the fencing epoch this replica got when it won the lead. ``on_deposed`` is called when a write is refused
-        for that reason: another replica leads, which this one learns then rather than at its next refresh.
+        the fencing epoch this replica got when it won the lead. ``on_deposed`` is called, with why, when a write is
+        refused for that reason (another replica leads, which this one learns then rather than at its next
+        refresh), or when no member answered a call before the lease may have run out.
 
         ``lease_left`` says how long from now the lead surely holds (`disagg.ha.Leadership.lease_left`, from the
         lease etcd granted): a call then tries the members for that long, not for ``write_patience_s``, which is
@@ -346,7 +351,8 @@ class EtcdStore(Store):
         elections take as long: a write gave up while the lease, and the lead, still held, and failed the ledger.
         No member is tried again past the lease (each is tried once, however little of it is left); a copy that
         landed after it would be refused by the fence all the same, since another leader's key has another create
-        revision and a key that ran out with the lease has none."""
+        revision and a key that ran out with the lease has none. A call that no member answered by then ends the
+        lead, not the ledger: `LeadershipLostError`, and every later write is refused so."""
         if create_revision < 1:
             raise InvalidRequestError(
                 f"a fencing epoch is a key's create revision (1 or more), not {create_revision}",
@@ -358,7 +364,7 @@ class EtcdStore(Store):
             self._sequence = None  # learnt anew (`load`, else the next write): the last leader may have moved it
             self._fence_key = key
             self._fence_name = f"{key} at create revision {create_revision}"
-            self._on_deposed = on_deposed or (lambda: None)
+            self._on_deposed = on_deposed or (lambda why: None)
             self._lease_left = lease_left
 
     @property
@@ -377,8 +383,8 @@ class EtcdStore(Store):
         """POST ``payload`` to ``path`` on the current endpoint, then on each next one that cannot be reached
         (`_UNREACHABLE`: refused, timed out, 503), round after round with a backoff until `write_patience_s`
         has passed, or, fenced with a lease, until the lease may have run out (every member is tried once however
-        short it is). Then a `FabricUnavailableError` names every endpoint; any other refusal raises one naming
-        that member at once."""
+        short it is). Then a `FabricUnavailableError` names every endpoint, a `LeadershipLostError` when the lease
+        bounded the tries (`_lose_lead`); any other refusal raises one naming that member at once."""
         with self._state_lock:
             first = self._current
         started = time.monotonic()
@@ -425,12 +431,29 @@ class EtcdStore(Store):
             if attempt >= len(self._clients):
                 log.info("etcd at %s answered after %.1f s", endpoint, time.monotonic() - started)
             return result
-        held = "" if lease_left is None else " (while the lead surely held)"
-        raise FabricUnavailableError(
+        unanswered = (
             f"no etcd endpoint answered ({', '.join(self.endpoints)}) within {time.monotonic() - started:.1f} s"
-            f"{held}, so the ledger could not {what}: " + "; ".join(f"{e}: {why}" for e, why in failures.items()),
-            metadata={"endpoints": ",".join(self.endpoints)},
         )
+        causes = "; ".join(f"{e}: {why}" for e, why in failures.items())
+        if lease_left is not None:
+            self._lose_lead(f"{unanswered}, while its lease surely held; it may have run out since")
+            raise LeadershipLostError(
+                f"{unanswered}, so the ledger could not {what} while this replica surely led: its lease may have run "
+                f"out, and another replica may lead now: {causes}",
+                metadata={"endpoints": ",".join(self.endpoints)},
+            )
+        raise FabricUnavailableError(
+            f"{unanswered}, so the ledger could not {what}: {causes}", metadata={"endpoints": ",".join(self.endpoints)}
+        )
+
+    def _lose_lead(self, why: str) -> None:
+        """A call was not answered before the leader's lease may have run out: whether a write landed is unknown,
+        and another replica may lead, so the lead ends (``on_deposed``) before the call fails, and no later write
+        is sent. A lost lead, not a failed ledger: the replica steps down and comes back as a standby."""
+        with self._state_lock:
+            first, self._deposed = not self._deposed, self._deposed or why
+        if first:
+            self._on_deposed(why)
 
     def _post(self, index: int, path: str, payload: Mapping[str, Any], timeout: float) -> Mapping[str, Any]:
         """One request to one member, waiting ``timeout`` at most; etcd3gw's errors, as its own post raises them
@@ -494,8 +517,9 @@ class EtcdStore(Store):
 
     def _commit(self, ops: list[dict[str, Any]]) -> None:
         """One transaction of ``ops``, ordered after this process's last write (the module's docstring); fenced,
-        it raises `LeadershipLostError` and changes nothing when the leader key is no longer this replica's.
-        Call it holding `_write_lock`.
+        it raises `LeadershipLostError` and changes nothing when the leader key is no longer this replica's, and
+        raises it too when no member answered before the lease may have run out (`_lose_lead`). Call it holding
+        `_write_lock`.
 
         A write that fails otherwise (no member answers within the patience, or etcd refuses it: out of space;
         or another writer moved the sequence) fails the store as a whole (`failure`), and every later write is
@@ -515,6 +539,8 @@ class EtcdStore(Store):
         }
         try:
             answer = self._call("write", "/kv/txn", txn)
+        except LeadershipLostError:
+            raise  # the lead is lost, not the ledger (`_lose_lead`)
         except FabricUnavailableError as exc:
             self._failure = exc.message
             raise
@@ -536,7 +562,7 @@ class EtcdStore(Store):
         if self._fence is not None:
             leader = responses[1][0] if len(responses) > 1 and responses[1] else {}
             if int(leader.get("create_revision", 0)) != self._fence_revision:
-                self._on_deposed()
+                self._on_deposed(f"the ledger refused a write: the leader key is no longer {self._fence_name}")
                 raise LeadershipLostError(
                     f"the ledger refused a write: another replica leads now (the leader key is no longer "
                     f"{self._fence_name})",
@@ -557,6 +583,11 @@ class EtcdStore(Store):
     def _refuse_if_failed(self) -> None:
         if self._failure:
             raise FabricUnavailableError(f"the ledger on etcd failed earlier and takes no more writes: {self._failure}")
+        if self._deposed:
+            raise LeadershipLostError(
+                f"this replica may no longer lead and its ledger takes no more writes: {self._deposed}",
+                metadata={"leader_key": self._fence_key},
+            )
 
     def _refuse_writes(self) -> None:
         """Refuse a write of a failed or closed store, and of one neither fenced nor made ``unfenced`` (which
@@ -577,6 +608,8 @@ class EtcdStore(Store):
         self._refuse_writes()
         try:
             return read()
+        except LeadershipLostError:
+            raise
         except FabricUnavailableError as exc:
             self._failure = exc.message
             raise
@@ -813,6 +846,8 @@ class EtcdStore(Store):
         chunks = self._chunks(ops)  # before anything is staged: a block that no transaction can take is not
         try:
             self._read_for_write(self._finish_staged_locked)
+        except LeadershipLostError:
+            raise
         except DisaggError as exc:  # one left staged that cannot be read back stops the writes too
             self._failure = self._failure or exc.message
             raise
