@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import etcd3gw
 import grpc
@@ -26,7 +27,7 @@ from disagg.fabric.v1 import types_pb2 as pb
 from disagg.fabric.v1.fabric_manager_pb2_grpc import FabricManagerServiceStub
 from disagg.ha import Leadership, election
 from disagg.interfaces import CallContext
-from disagg.model import Binding, Topology
+from disagg.model import Binding, CompositionState, Topology
 from disagg.requestlang import parse_request
 from disagg.server import FabricManagerServer, FabricManagerServicer, runtime
 from disagg.store.etcd import EtcdStore, request_timeout, write_patience
@@ -86,9 +87,16 @@ def leading_server(
 ) -> tuple[FabricManagerServer, threading.Event]:
     """A started server on the demo rack and an etcd ledger under ``prefix``, campaigning with ``leadership``;
     the event is set once it serves."""
+    return leading_server_of(etcd, leadership, prefix, rack())
+
+
+def leading_server_of(
+    etcd: EtcdCluster, leadership: Leadership, prefix: str, fabrics: dict[str, Any]
+) -> tuple[FabricManagerServer, threading.Event]:
+    """`leading_server` on ``fabrics``."""
     serving = threading.Event()
     server = FabricManagerServer(
-        FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix=prefix)),
+        FabricComposer(fabrics, store=EtcdStore(etcd.endpoints, prefix=prefix)),
         ["127.0.0.1:0"],
         leadership=leadership,
         on_serving=lambda addresses: serving.set(),
@@ -315,6 +323,91 @@ class TestReadLease:
             health = HealthStub(grpc.insecure_channel(server.addresses[0]))
             assert health.Check(HealthCheckRequest(), timeout=1).status == HealthCheckResponse.NOT_SERVING
             assert unled == [], f"the timer acted after the lease ran out: {sorted(set(unled))}"
+        finally:
+            hung.set()
+            server.stop(0)
+
+    def test_a_heal_does_not_start_once_the_lease_may_have_run_out(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A device fails in the half second before the step-down, when by this replica's clock its lease may
+        have run out (its keeper hung): the heal its event started bound a replacement, with an epoch a new leader
+        may have replaced, which a driver without FENCING takes. The heal does not start, saying why; the
+        composition stays DEGRADED for the leader to heal."""
+        fabrics = rack()
+        leadership = Leadership(etcd.endpoints, "hung", ttl_s=30)
+        server, serving = leading_server_of(etcd, leadership, "/late-heal/", fabrics)
+        hung = threading.Event()
+        try:
+            assert serving.wait(WAIT_S)
+            made = server.composer.compose(parse_request("job", ["gpu x1"])).composition
+            assert made is not None
+            assert leadership._lease is not None
+            monkeypatch.setattr(leadership._lease, "refresh", lambda: hung.wait(4 * WAIT_S) and 0)
+            monkeypatch.setattr(leadership, "deposed", lambda why: None)  # the step-down held off: the window before
+            ran_out = election.lease_clock() + 31
+            monkeypatch.setattr(election, "lease_clock", lambda: ran_out)
+            assert not leadership.leading()
+            binds: list[str] = []
+            pcie = fabrics["pcie0"]
+            bind = pcie.bind
+            monkeypatch.setattr(pcie, "bind", lambda device, *args: (binds.append(device), bind(device, *args))[1])
+            caplog.set_level(logging.WARNING, logger="disagg.composer")
+            pcie.fail_device(made.devices[0].device, "ECC storm")
+            assert server.composer.wait_for_heals(WAIT_S)
+            assert binds == [], "a heal started after the lease may have run out"
+            assert server.composer.get(made.id).state is CompositionState.DEGRADED
+            said = [r.getMessage() for r in caplog.records if r.name == "disagg.composer"]
+            assert any(f"not healing {made.id}" in m and "lease" in m for m in said), said
+        finally:
+            hung.set()
+            server.stop(0)
+
+    def test_the_timer_starts_nothing_once_the_lease_may_have_run_out(
+        self, etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The lease runs out, by this replica's clock, while the timer tries the unreachable fabrics (a driver's
+        connect timeout): the reconcile due in the same tick started all the same, its heals and releases calling
+        the drivers with a replaced epoch. Each of the timer's steps is checked as it starts."""
+        monkeypatch.setattr(runtime, "RETRY_UNREACHABLE_S", 0.05)
+        leadership = Leadership(etcd.endpoints, "slow-tick", ttl_s=30)
+        serving = threading.Event()
+        server = FabricManagerServer(
+            FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/slow-tick/")),
+            ["127.0.0.1:0"],
+            leadership=leadership,
+            on_serving=lambda addresses: serving.set(),
+            tick_s=0.05,
+            reconcile_s=0.05,
+        )
+        server.start()
+        hung = threading.Event()
+        try:
+            assert serving.wait(WAIT_S)
+            assert leadership._lease is not None
+            monkeypatch.setattr(leadership._lease, "refresh", lambda: hung.wait(4 * WAIT_S) and 0)
+            monkeypatch.setattr(leadership, "deposed", lambda why: None)  # the step-down held off: the window before
+            ran_out: list[float] = []
+            clock = election.lease_clock
+            monkeypatch.setattr(election, "lease_clock", lambda: clock() + (31 if ran_out else 0))
+            unled: list[str] = []
+            retried = threading.Event()
+            for name in ("tick", "poll_unheard", "reconcile", "retry_unreachable"):
+                acting = getattr(server.composer, name)
+
+                def checked(*args: object, name: str = name, acting: object = acting) -> object:
+                    if not leadership.leading():
+                        unled.append(name)
+                    answer = acting(*args)  # type: ignore[operator]
+                    if name == "retry_unreachable":
+                        ran_out.append(clock())  # the lease runs out as it returns
+                        retried.set()
+                    return answer
+
+                monkeypatch.setattr(server.composer, name, checked)
+            assert retried.wait(WAIT_S)
+            time.sleep(0.3)  # six ticks
+            assert unled == [], f"the timer started work after the lease may have run out: {sorted(set(unled))}"
         finally:
             hung.set()
             server.stop(0)

@@ -549,6 +549,10 @@ class FabricComposer(Composer):
         `start` running stops at its next step (`_stop_if_closing`)."""
         self._early: list[FabricEvent] | None = None
         """While `start` runs: the fabric events that came meanwhile, in order, applied as it ends."""
+        self.lead: Callable[[], bool] | None = None
+        """With high availability, once leading: whether this replica surely still leads (`Leadership.leading`),
+        asked before each heal it starts of its own accord (`_heal_all`). Its driver calls carry an epoch that a
+        new leader may have replaced once the lease may have run out, and a driver without FENCING takes them."""
 
     # ----------------------------------------------------------------- life cycle
 
@@ -1376,9 +1380,18 @@ class FabricComposer(Composer):
         """Heal each composition (auto-heal); one that cannot be healed now stays DEGRADED, and says why. Returns
         how many were healed. A heal tried again (``retry``) that still finds no replacement is logged at debug
         level only: its composition says so already, and a reconcile tries it on every pass. One whose binds
-        failed is not tried again with the same inputs until its back-off passes (`_heal_waits`)."""
+        failed is not tried again with the same inputs until its back-off passes (`_heal_waits`). None starts once
+        this replica may no longer lead (`lead`)."""
         healed = 0
-        for comp_id in composition_ids:
+        ids = list(composition_ids)
+        for n, comp_id in enumerate(ids):
+            if self.lead is not None and not self.lead():
+                log.warning(
+                    "not healing %s: this replica's lease may have run out by its clock, and another replica may "
+                    "lead now; the leader heals them",
+                    ", ".join(ids[n:]),
+                )
+                break
             if retry(comp_id) and self._heal_waits(comp_id):
                 log.debug("not healing %s again yet: its binds failed with the same failed devices and spares", comp_id)
                 continue

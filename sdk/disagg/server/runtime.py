@@ -518,6 +518,7 @@ class FabricManagerServer:
                     )
                 # A leadership of another make without a read lease leaves reads unchecked, as before it had one.
                 self.servicer.lead = getattr(self.leadership, "leading", None)
+                self.composer.lead = self.servicer.lead  # and the heals the composer starts of its own accord
                 log.info("leading with fencing epoch %d: starting the composer", epoch)
                 self.composer.fence_drivers()
                 self.composer.start()
@@ -677,32 +678,30 @@ class FabricManagerServer:
             if failure:
                 self._fail_stop(failure)
                 return
-            if not self._leads():  # its lease ran out unrefreshed: `_watch_lead` steps down, and a driver the
-                continue  # new leader could not tell yet would take this replica's replaced epoch meanwhile
-            try:
-                self.composer.tick()
-            except Exception:
-                log.exception("expiring reservations failed")
+            self._act(self.composer.tick, "expiring reservations failed")
             if time.monotonic() >= next_retry:
                 next_retry = time.monotonic() + RETRY_UNREACHABLE_S
-                try:
-                    self.composer.retry_unreachable()
-                except Exception:
-                    log.exception("trying the unreachable fabrics again failed")
+                self._act(self.composer.retry_unreachable, "trying the unreachable fabrics again failed")
                 if time.monotonic() < next_reconcile:  # a reconcile now discovers them anyway
-                    try:
-                        self.composer.poll_unheard()
-                    except Exception:
-                        log.exception("reconciling the fabrics whose events are not heard failed")
+                    self._act(self.composer.poll_unheard, "reconciling the fabrics whose events are not heard failed")
             if time.monotonic() >= next_reconcile:
                 next_reconcile = time.monotonic() + self._reconcile_s
-                try:
-                    changed = self.composer.reconcile()
-                except Exception:
-                    log.exception("reconciling with the hardware failed")
-                else:
-                    if changed:
-                        log.warning("reconciliation changed %d things; the event log has them", changed)
+                changed = self._act(self.composer.reconcile, "reconciling with the hardware failed")
+                if changed:
+                    log.warning("reconciliation changed %d things; the event log has them", changed)
+
+    def _act(self, step: Callable[[], T], failed: str) -> T | None:
+        """One step of the timer, started only while this server may act of its own accord (`_leads`), checked as
+        each starts: a step before it may take seconds (a driver's connect timeout), and a lease that ran out
+        unrefreshed meanwhile leaves `_watch_lead` to step down, while a driver the new leader could not tell yet
+        would take this replica's replaced epoch. None when it did not run or failed (logged as ``failed``)."""
+        if not self._leads():
+            return None
+        try:
+            return step()
+        except Exception:
+            log.exception("%s", failed)
+            return None
 
     def stop(self, grace: float | None = GRACE_S) -> None:
         """Health NOT_SERVING, end the watches, refuse new calls, wait up to ``grace`` seconds for the calls in
