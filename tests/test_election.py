@@ -25,7 +25,7 @@ from disagg.errors import ConfigError, FabricUnavailableError, StaleEpochError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.fabric.v1.fabric_manager_pb2_grpc import FabricManagerServiceStub
-from disagg.ha import Leadership, election
+from disagg.ha import Leadership, election, timeouts
 from disagg.interfaces import CallContext
 from disagg.model import Binding, CompositionState, Topology
 from disagg.requestlang import parse_request
@@ -1000,3 +1000,44 @@ class TestGrantedLease:
             assert leadership.leading()
         finally:
             server.stop(0)
+
+
+class TestElectionTimeoutRead:
+    """etcd's election timeout is read from a member's command line (``/debug/vars``), the one place it shows, and
+    only when it was given there: otherwise nothing is warned, and the rule is said at info level."""
+
+    @pytest.mark.parametrize(
+        ("cmdline", "expected"),
+        [
+            (["etcd", "--election-timeout=2000"], 2000),
+            (["etcd", "--election-timeout", "1500"], 1500),
+            (["etcd", "-election-timeout=3000"], 3000),
+            (["etcd", "--heartbeat-interval=100"], None),
+            (["etcd", "--election-timeout"], None),
+            (["etcd", "--election-timeout=2s"], None),
+            ("etcd --election-timeout=2000", None),
+        ],
+    )
+    def test_the_command_line(self, cmdline: object, expected: int | None) -> None:
+        assert timeouts.election_timeout_ms(cmdline) == expected
+
+    def test_no_member_answers(self, caplog: pytest.LogCaptureFixture) -> None:
+        caplog.set_level(logging.INFO, logger="disagg.ha")
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(2)]
+        timeouts.advise(endpoints, 3, 0.5)
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "disagg.ha"]
+        assert len(said) == 1 and said[0][0] == logging.INFO, said
+        assert "could not read etcd's --election-timeout" in said[0][1] and "(1000 ms)" in said[0][1], said
+
+    def test_a_member_given_more_than_a_third(self, slow_etcd: EtcdCluster, caplog: pytest.LogCaptureFixture) -> None:
+        """The 6 s election timeout of `slow_etcd` against a 10 s lease: the election timeout to give, or the lease
+        to set, three election timeouts rounded up to whole seconds."""
+        caplog.set_level(logging.INFO, logger="disagg.ha")
+        timeouts.advise(slow_etcd.endpoints, 10, 0.5)
+        said = [r.getMessage() for r in caplog.records if r.name == "disagg.ha"]
+        assert len(said) == 1, said
+        assert f"--election-timeout of {SLOW_ELECTION_MS} ms (at {slow_etcd.endpoints[0]})" in said[0], said
+        assert "lease_ttl_s of 10 s" in said[0] and "3333 ms or less, or set lease_ttl_s = 18" in said[0], said
+        caplog.clear()
+        timeouts.advise(slow_etcd.endpoints, 18, 0.5)
+        assert [r for r in caplog.records if r.name == "disagg.ha"] == [], "a lease of three election timeouts"

@@ -3,7 +3,8 @@ process, and two `disagg serve` replicas sharing them. Killing the active replic
 the standby within 10 seconds; every acknowledged composition is still there; the old replica's epoch is
 refused by the driver; a client given both addresses follows the lead on its own. A replica whose start fails
 after it won the lead says why and exits as a replica without etcd does; one whose write no etcd member answers
-exits as a lost lead."""
+exits as a lost lead; one on an etcd whose election timeout is more than a third of its lease says so as it
+starts."""
 
 from __future__ import annotations
 
@@ -241,3 +242,40 @@ class TestLeaseEndsMidWrite:
         assert code == 3, said
         assert "lost the lead (epoch" in said and "this replica lost the lead" in said, said
         assert "restart it once the ledger can be written" not in said, said
+
+
+class TestElectionTimeoutAdvice:
+    """An etcd whose election timeout is more than a third of ``lease_ttl_s`` may take longer to elect a leader,
+    after its leader's death, than the lease lasts, which costs the fabric manager's leader its lead: `disagg serve`
+    says so once as it starts, naming both figures and what to set."""
+
+    def _started(self, tmp_path: Path, election_timeout_ms: int) -> str:
+        """What `disagg serve` on a one-member etcd with ``election_timeout_ms`` said until it served."""
+        etcd_binary()
+        etcd = start_etcd_cluster(tmp_path / "etcd", heartbeat_ms=100, election_timeout_ms=election_timeout_ms)
+        try:
+            config = tmp_path / "disagg.toml"
+            config.write_text(
+                f'[state]\nledger = "etcd"\nendpoints = ["{etcd.endpoints[0]}"]\nprefix = "/advice/"\n'
+                'lease_ttl_s = 4\n\n[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
+            )
+            replica = Replica(config, free_ports(1)[0], tmp_path / "state")
+            try:
+                assert replica.output.wait_for(r"^serving on ", START_S), replica.output.text
+                replica.output.wait_for(r"etcd's --election-timeout", 2.0)
+            finally:
+                replica.stop()
+        finally:
+            etcd.stop()
+        return replica.output.text
+
+    def test_an_election_timeout_above_a_third_of_the_lease(self, tmp_path: Path) -> None:
+        said = self._started(tmp_path, 2000)
+        told = [line for line in said.splitlines() if "--election-timeout" in line and "WARNING" in line]
+        assert len(told) == 1, said
+        assert "--election-timeout of 2000 ms" in told[0] and "lease_ttl_s of 4 s" in told[0], told
+        assert "1333 ms or less" in told[0] and "lease_ttl_s = 6" in told[0], told
+
+    def test_an_election_timeout_within_a_third_of_the_lease(self, tmp_path: Path) -> None:
+        said = self._started(tmp_path, 1000)
+        assert "--election-timeout" not in said, said

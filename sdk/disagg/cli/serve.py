@@ -12,7 +12,8 @@ listening, ``serving on ADDRESS`` once it leads, and exits 3 if it loses the lea
 before its lease may have run out. A start that fails after winning the lead (a ledger record that does not
 decode, a request etcd refuses, the fabrics out of reach) is reported as one
 without etcd is, with its error's message and exit code (2 for a configuration or ledger to restore), once the
-lead is given up for another replica to try.
+lead is given up for another replica to try. As it starts it warns once when etcd's election timeout, where a
+member's command line shows it, is more than a third of ``lease_ttl_s`` (`disagg.ha.timeouts`).
 """
 
 from __future__ import annotations
@@ -153,7 +154,16 @@ def _leadership(config: Config, listeners: list[str]) -> Leadership | None:
     if config.ledger != "etcd":
         return None
     from disagg.ha import Leadership
+    from disagg.ha.timeouts import advise
+    from disagg.store.etcd import request_timeout
 
+    # Read beside the start, which an etcd out of reach would hold up for each member's request timeout.
+    threading.Thread(
+        target=advise,
+        args=(config.etcd_endpoints, config.lease_ttl_s, request_timeout(config.lease_ttl_s)),
+        name="disagg-etcd-advice",
+        daemon=True,
+    ).start()
     local = [f.name for f in config.fabrics if f.driver != "remote"]
     if local:
         log.warning(
