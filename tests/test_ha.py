@@ -86,6 +86,18 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]
         etcd.stop()
 
 
+def _replica_alone(tmp_path: Path, endpoints: list[str], prefix: str, lease_ttl_s: int = 3) -> Replica:
+    """One `disagg serve` replica on etcd at ``endpoints``, with the demo PCIe rack in its process (no other replica
+    shares it)."""
+    quoted = ", ".join(f'"{e}"' for e in endpoints)
+    config = tmp_path / "disagg.toml"
+    config.write_text(
+        f'[state]\nledger = "etcd"\nendpoints = [{quoted}]\nprefix = "{prefix}"\nlease_ttl_s = {lease_ttl_s}\n\n'
+        '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
+    )
+    return Replica(config, free_ports(1)[0], tmp_path / "state")
+
+
 def _leader(replicas: list[Replica], timeout: float) -> Replica:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -187,12 +199,7 @@ class TestStartFailure:
         try:
             host, port = etcd.endpoints[0].rsplit(":", 1)
             etcd3gw.client(host=host, port=int(port)).put("/damaged/compositions/x", "{not json")
-            config = tmp_path / "disagg.toml"
-            config.write_text(
-                f'[state]\nledger = "etcd"\nendpoints = ["{etcd.endpoints[0]}"]\nprefix = "/damaged/"\n\n'
-                '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
-            )
-            replica = Replica(config, free_ports(1)[0], tmp_path / "state")
+            replica = _replica_alone(tmp_path, etcd.endpoints[:1], "/damaged/")
             try:
                 assert replica.output.wait_ended(START_S), replica.output.text
                 code = replica.proc.wait(10)
@@ -216,13 +223,7 @@ class TestLeaseEndsMidWrite:
         etcd = start_etcd_cluster(tmp_path / "etcd", members=3)
         members = [m.process for m in etcd.members if m.process is not None]
         try:
-            endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
-            config = tmp_path / "disagg.toml"
-            config.write_text(
-                f'[state]\nledger = "etcd"\nendpoints = [{endpoints}]\nprefix = "/mid-write/"\nlease_ttl_s = 2\n\n'
-                '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
-            )
-            replica = Replica(config, free_ports(1)[0], tmp_path / "state")
+            replica = _replica_alone(tmp_path, etcd.endpoints, "/mid-write/", lease_ttl_s=2)
             try:
                 assert replica.output.wait_for(r"^serving on ", START_S), replica.output.text
                 for member in members:  # a partition: no member answers the leader any more
@@ -254,12 +255,7 @@ class TestElectionTimeoutAdvice:
         etcd_binary()
         etcd = start_etcd_cluster(tmp_path / "etcd", heartbeat_ms=100, election_timeout_ms=election_timeout_ms)
         try:
-            config = tmp_path / "disagg.toml"
-            config.write_text(
-                f'[state]\nledger = "etcd"\nendpoints = ["{etcd.endpoints[0]}"]\nprefix = "/advice/"\n'
-                'lease_ttl_s = 4\n\n[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
-            )
-            replica = Replica(config, free_ports(1)[0], tmp_path / "state")
+            replica = _replica_alone(tmp_path, etcd.endpoints, "/advice/", lease_ttl_s=4)
             try:
                 assert replica.output.wait_for(r"^serving on ", START_S), replica.output.text
                 replica.output.wait_for(r"etcd's --election-timeout", 2.0)
