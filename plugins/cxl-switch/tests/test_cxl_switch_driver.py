@@ -3,10 +3,11 @@ adoption of a running emulator by a restarted driver, and the emulator's lifetim
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -344,35 +345,73 @@ class TestEvents:
     def test_events_after_the_switch_restarted(self, tmp_path: Path) -> None:
         """A restarted emulator numbers its event records from 1 again: the poller, still past the old numbers,
         read none of them, so a device that failed after a switch restart never reached the subscribers. The
-        restart itself is told first (RESYNC_REQUIRED): it lost the switch's bindings with no record."""
-        sock = tmp_path / "e.sock"
-        args = ("--gpus", "2", "--dc-capacity-gib", "0", "--ld-count", "0")
-        seen: list[FabricEvent] = []
-        with emulator_process(sock, *args) as first:
-            fabric = create_fabric("ext", {"address": f"unix:{sock}", "gpus": 2})
-            fabric.subscribe(seen.append)
-            for _ in range(3):
-                fabric.fail_device("ext/port2")
-                fabric.repair_device("ext/port2")
-            wait_until(lambda: len(seen) >= 6)
-        first.wait(5.0)
-        sock.unlink()  # a killed emulator leaves its socket behind
-        try:
-            before = list(seen)
-            with emulator_process(sock, *args):
-                operator = SocketTransport(sock)  # an operator's own client: the driver's may not be back yet
-                try:
-                    injected = Client(operator).call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(3))
-                finally:
-                    operator.close()
-                assert injected.return_code == ReturnCode.SUCCESS
-                wait_until(lambda: any(e.subject == "ext/port3" for e in seen[len(before) :]))
-                assert [(e.kind, e.subject, e.health) for e in seen[len(before) :]] == [
+        restart itself is told first (RESYNC_REQUIRED): it lost the switch's bindings with no record. The new
+        emulator is out of the poller's reach until its device failed: reached before, its ports' read would tell
+        port3's health, never told, ahead of the failure (`test_a_failure_after_the_restart_was_read`)."""
+        with switch_gone(tmp_path) as seen:
+            hidden = tmp_path / "new.sock"
+            with emulator_process(hidden, *RESTARTED_ARGS):
+                fail_port3(hidden)
+                hidden.rename(tmp_path / "e.sock")  # only now can the poller reach the new switch
+                wait_until(lambda: any(e.subject == "ext/port3" for e in seen))
+                assert [(e.kind, e.subject, e.health) for e in seen] == [
                     (FabricEventKind.RESYNC_REQUIRED, "ext/switch0", None),  # before any record of the new switch
                     (FabricEventKind.DEVICE_HEALTH, "ext/port3", Health.FAILED),
                 ]
-        finally:
-            fabric.close()
+                assert seen[-1].message == "port 3: link down"  # its record, read from the new switch's first
+
+    def test_a_failure_after_the_restart_was_read(self, tmp_path: Path) -> None:
+        """A device that fails once the poller has read the restarted switch (RESYNC_REQUIRED, then the ports'
+        health where none was told) is told by its record, last: the poller's place is the new switch's."""
+        with switch_gone(tmp_path) as seen:
+            sock = tmp_path / "e.sock"
+            with emulator_process(sock, *RESTARTED_ARGS):
+                wait_until(lambda: any(e.subject == "ext/port3" for e in seen))  # the ports read
+                fail_port3(sock)
+                wait_until(lambda: bool(seen) and seen[-1].health is Health.FAILED)
+                assert [(e.kind, e.subject, e.health) for e in seen] == [
+                    (FabricEventKind.RESYNC_REQUIRED, "ext/switch0", None),
+                    (FabricEventKind.DEVICE_HEALTH, "ext/port3", Health.OK),  # never told before the restart
+                    (FabricEventKind.DEVICE_HEALTH, "ext/port3", Health.FAILED),
+                ]
+                assert seen[-1].message == "port 3: link down"
+
+
+RESTARTED_ARGS = ("--gpus", "2", "--dc-capacity-gib", "0", "--ld-count", "0")
+
+
+@contextlib.contextmanager
+def switch_gone(tmp_path: Path) -> Iterator[list[FabricEvent]]:
+    """A fabric on the emulator at ``tmp_path/e.sock``, whose poller read six records of port2 (failed and
+    repaired three times), that emulator then killed and its socket gone; yields the events the fabric
+    publishes from then on, and closes it at the end."""
+    sock = tmp_path / "e.sock"
+    seen: list[FabricEvent] = []
+    with emulator_process(sock, *RESTARTED_ARGS) as first:
+        fabric = create_fabric("ext", {"address": f"unix:{sock}", "gpus": 2})
+        fabric.subscribe(seen.append)
+        for _ in range(3):
+            fabric.fail_device("ext/port2")
+            fabric.repair_device("ext/port2")
+        wait_until(lambda: len(seen) >= 6)
+    first.wait(5.0)
+    sock.unlink()  # a killed emulator leaves its socket behind
+    try:
+        after: list[FabricEvent] = []
+        fabric.subscribe(after.append)
+        yield after
+    finally:
+        fabric.close()
+
+
+def fail_port3(sock: Path) -> None:
+    """Inject Link Down on port 3 through an operator's own client (the driver's may not be back yet)."""
+    operator = SocketTransport(sock)
+    try:
+        injected = Client(operator).call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(3))
+    finally:
+        operator.close()
+    assert injected.return_code == ReturnCode.SUCCESS
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float = 5.0) -> None:
