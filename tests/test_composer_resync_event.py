@@ -4,9 +4,10 @@ event's delivery returns, no other fabric is read, and a converged fabric change
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 import pytest
@@ -307,6 +308,13 @@ def _pools(comp: FabricComposer) -> dict[str, tuple[int, int]]:
     return {p.pool: (p.total_bytes, p.total_bytes - p.free_bytes) for p in comp.usage()[1]}
 
 
+def composed_then_converged(comp: FabricComposer, host: str, amount: str) -> None:
+    """A Compose of ``amount`` of memory for ``host`` is COMPOSED, and a reconcile pass after it changes nothing."""
+    big = comp.compose(parse_request("big", [f"host {host}", f"cxl-memory {amount}"])).composition
+    assert big is not None and big.state is CompositionState.COMPOSED
+    assert comp.reconcile() == 0
+
+
 class TestAPoolCapacityChanged:
     """A pool whose capacity the fabric reports otherwise now (bytes held apart given back) is taken at the
     fabric's resync, and by a reconcile pass that discovers the fabric: the compositions and what they hold are
@@ -332,9 +340,7 @@ class TestAPoolCapacityChanged:
             assert after["cxl0/mem1"] == before["cxl0/mem1"]
             assert [comp.get(c.id) for c in held] == held
             assert comp.events(seen) == []
-            big = comp.compose(parse_request("big", ["host h3", "cxl-memory 2TiB"])).composition
-            assert big is not None and big.state is CompositionState.COMPOSED
-            assert comp.reconcile() == 0
+            composed_then_converged(comp, "h3", "2TiB")
         finally:
             comp.close()
 
@@ -358,3 +364,74 @@ class TestAPoolCapacityChanged:
             assert _pools(comp)[MEM0] == (2 * TIB, 0)
         finally:
             comp.close()
+
+
+LEGACY = "cxl0/mem0-whole"
+MORE = "cxl0/mem0-more"
+
+
+class Reported(HeldApart):
+    """`HeldApart` whose report also holds, while ``legacy``, a pool of mem0's device of no capacity, as a DCD of
+    several regions reports the device's pool while it lists an older release's allocations; while ``more``, a
+    pool of 1 TiB of that device (a region added); and leaves out the pools of ``hidden``."""
+
+    legacy = False
+    more = False
+    hidden: frozenset[str] = frozenset()
+
+    def discover(self) -> Topology:
+        topology = super().discover()
+        mem0 = next(p for p in topology.pools if p.id == MEM0)
+        pools = [p for p in topology.pools if p.id not in self.hidden]
+        pools += [attrs.evolve(mem0, id=LEGACY, capacity=Capacity(0, mem0.capacity.block_bytes))] if self.legacy else []
+        pools += [attrs.evolve(mem0, id=MORE, capacity=Capacity(TIB, mem0.capacity.block_bytes))] if self.more else []
+        return attrs.evolve(topology, pools=tuple(pools))
+
+
+@contextlib.contextmanager
+def composing(cxl: Reported) -> Iterator[FabricComposer]:
+    """A composer of ``cxl`` alone, without auto-heal, closed at the end."""
+    comp = composer({"cxl0": cxl}, auto_heal=False)
+    try:
+        yield comp
+    finally:
+        comp.close()
+
+
+class TestAPoolGoneOrNew:
+    """At the fabric's resync, a pool gone from its report that holds no claim leaves the index, and a pool new to
+    it that no record names enters it: placement is offered what the fabric reports at once, and nothing stale."""
+
+    def test_the_device_pool_of_an_older_release_leaves_as_its_region_grows(self) -> None:
+        cxl = Reported(load_topology("cxl0", "demo-cxl"))
+        cxl.held_apart, cxl.legacy = TIB, True
+        with composing(cxl) as comp:
+            assert _pools(comp)[LEGACY] == (0, 0)
+            seen = comp.revision
+            cxl.held_apart, cxl.legacy = 0, False
+            cxl.resync_required()
+            assert _pools(comp) == {MEM0: (2 * TIB, 0), "cxl0/mem1": (2 * TIB, 0)}
+            assert comp.events(seen) == []
+            composed_then_converged(comp, "h1", "4TiB")
+
+    def test_a_pool_gone_that_holds_a_claim_stays_with_it(self) -> None:
+        """Its compositions keep what they hold; they find it missing once the hardware no longer lists it."""
+        cxl = Reported(load_topology("cxl0", "demo-cxl"))
+        with composing(cxl) as comp:
+            held = [comp.compose(parse_request(n, [f"host {h}", "cxl-memory 1536GiB"])).composition for n, h in AB]
+            assert len(held) == 2 and {a.pool for c in held for a in c.allocations} == {MEM0, "cxl0/mem1"}
+            cxl.hidden = frozenset({"cxl0/mem1"})
+            cxl.resync_required()
+            assert _pools(comp)["cxl0/mem1"] == (2 * TIB, 1536 << 30)
+            assert [comp.get(c.id) for c in held] == held
+
+    def test_a_pool_new_to_the_report_is_placed_at_once(self) -> None:
+        cxl = Reported(load_topology("cxl0", "demo-cxl"))
+        with composing(cxl) as comp:
+            with pytest.raises(NoFitError):
+                comp.preview(parse_request("big", ["host h1", "cxl-memory 5TiB"]))
+            cxl.more = True
+            cxl.resync_required()
+            assert _pools(comp)[MORE] == (TIB, 0)
+            plan = comp.preview(parse_request("big", ["host h1", "cxl-memory 5TiB"]))
+            assert {m.pool for m in plan.memory} == {MEM0, "cxl0/mem1", MORE}

@@ -1157,40 +1157,81 @@ class FabricComposer(Composer):
         return changed, sickened, list(dict.fromkeys(touched))
 
     def _take_pools(self, found: Mapping[str, Topology], heard: Mapping[str, int]) -> int:
-        """Take the capacity of each pool that ``found`` (what a pass discovered) reports otherwise than the index,
-        as a rebuild would, with every claim on it kept exactly (`Inventory.resize_pool`): a fabric's pool may
-        give back bytes held apart (a DCD's region pool once an older release's allocation in it is released,
-        docs/cxl-fm-api.md), and a rebuild comes only with a device or link event. The index's topology of the
-        fabric takes it too, or a rebuild for another fabric's event would index the old one again. A pool the
-        index lacks, or of another device, kind or fabric now, waits for a rebuild; so does one that left the
-        report. Skipped as in `_take_health` for a fabric unreachable or heard from since the pass began.
-        Returns how many pools changed. Under the lock."""
+        """Take the pools that ``found`` (what a pass discovered) reports otherwise than the index, as a rebuild
+        would, every claim kept: a pool of another capacity is resized (`Inventory.resize_pool`), one gone from
+        the report that holds no claim leaves the index, and one new to it that no record names (`_recorded_pools`)
+        enters it, of a device indexed as carved. A fabric's pools may change so (a cxl-switch DCD's region pools
+        give back the bytes of an older release's device pool, which leaves its report with the last allocation
+        in it, docs/cxl-fm-api.md), and a rebuild comes only with a device or link event. The index's topology
+        of the fabric takes them too, or a rebuild for another fabric's event would index the old one again. A
+        pool of another device, kind or fabric now waits for a rebuild; so do one gone that holds a claim (its
+        compositions find its memory missing once the hardware no longer lists it) and one new that a record
+        names (a rebuild claims it, and the next pass reads it). Skipped as in `_take_health` for a fabric
+        unreachable or heard from since the pass began. Returns how many pools changed. Under the lock."""
         changed = 0
+        named = self._recorded_pools()
         for name, topology in found.items():
             indexed = self._inv.topologies.get(name)
             if indexed is None or name in self._unreachable or self._heard.get(name) != heard.get(name):
                 continue
-            taken: dict[str, PoolInfo] = {}
+            taken = self._resized(topology)
+            reported = {pool.id for pool in topology.pools}
+            gone = {
+                pool.id
+                for pool in indexed.pools
+                if pool.id not in reported
+                and pool.id in self._inv.pools
+                and pool.id not in named
+                and self._inv.unclaimed(pool.id)
+            }
+            for pool_id in sorted(gone):
+                self._inv.drop_pool(pool_id)
+                log.info("reconcile: pool %s is no longer reported and holds nothing; it is offered no more", pool_id)
+            new = []
             for pool in topology.pools:
-                state = self._inv.pools.get(pool.id)
-                if state is None or state.info == pool:
-                    continue
-                was = state.info
-                if (was.fabric, was.device, was.kind) != (pool.fabric, pool.device, pool.kind):
-                    continue
-                self._inv.resize_pool(pool)
-                taken[pool.id] = pool
-                log.info(
-                    "reconcile: pool %s reports %d bytes (%d before); its claims are kept",
-                    pool.id,
-                    pool.capacity.total_bytes,
-                    was.capacity.total_bytes,
-                )
-            if taken:
-                pools = tuple(taken.get(p.id, p) for p in indexed.pools)
+                if pool.id not in named and pool.fabric == name and self._inv.add_pool(pool):
+                    new.append(pool)
+                    log.info(
+                        "reconcile: pool %s is reported with %d bytes; it is offered",
+                        pool.id,
+                        pool.capacity.total_bytes,
+                    )
+            if taken or gone or new:
+                pools = (*(taken.get(p.id, p) for p in indexed.pools if p.id not in gone), *new)
                 self._inv.topologies[name] = attrs.evolve(indexed, pools=pools)
-                changed += len(taken)
+                changed += len(taken) + len(gone) + len(new)
         return changed
+
+    def _resized(self, topology: Topology) -> dict[str, PoolInfo]:
+        """Resize each pool of the index that ``topology`` reports with another description of the same device,
+        kind and fabric, its claims kept (`Inventory.resize_pool`); returns those, by id. Under the lock."""
+        taken: dict[str, PoolInfo] = {}
+        for pool in topology.pools:
+            state = self._inv.pools.get(pool.id)
+            if state is None or state.info == pool:
+                continue
+            was = state.info
+            if (was.fabric, was.device, was.kind) != (pool.fabric, pool.device, pool.kind):
+                continue
+            self._inv.resize_pool(pool)
+            taken[pool.id] = pool
+            log.info(
+                "reconcile: pool %s reports %d bytes (%d before); its claims are kept",
+                pool.id,
+                pool.capacity.total_bytes,
+                was.capacity.total_bytes,
+            )
+        return taken
+
+    def _recorded_pools(self) -> set[str]:
+        """The pools that a record names memory in, as a build claims it (`_claim_all`): a composition's and its
+        change in flight's, a reservation's plan, quarantined memory, and memory held beyond its record. Under
+        the lock."""
+        pools = {a.pool for comp in self._compositions.values() for a in _holdings(comp)[1]}
+        pools.update(m.pool for res in self._reservations.values() for m in res.plan.memory)
+        pools.update(a.pool for a in self._strays.values())
+        pools.update(a.pool for a, _ in self._held_otherwise.values())
+        return pools
 
     def _lose(self, names: set[str], heard: Mapping[str, int]) -> int:
         """Count the fabrics of ``names`` that answered before as unreachable (`_discovered`): their compositions

@@ -227,9 +227,7 @@ class Inventory:
                 if pool.id in pool_reporter:  # a second pool of the id would hide the first, and carve from it
                     raise _reported_twice("pool", pool.id, pool_reporter[pool.id], topo.fabric)
                 pool_reporter[pool.id] = topo.fabric
-                state = PoolState(pool, dev, pool.capacity.total_bytes, pool.ld_count)
-                self.pools[pool.id] = state
-                self.pools_by_switch[dev.switch].append(state)
+                self._add_pool(pool, dev)
         self.free_hosts = sorted((h.cores, h.memory_bytes, h.id) for h in self.hosts.values())
         self._free_counts: dict[str, list[dict[DeviceKind, int]]] = {
             sw: [self.host_free[h] for h in hosts] for sw, hosts in self.switch_hosts.items()
@@ -329,6 +327,35 @@ class Inventory:
         if state.free_lds is not None and before is not None and after is not None:
             state.free_lds += after - before
         state.info = info
+
+    def _add_pool(self, info: PoolInfo, device: Device) -> None:
+        state = PoolState(info, device, info.capacity.total_bytes, info.ld_count)
+        self.pools[info.id] = state
+        self.pools_by_switch[device.switch].append(state)
+
+    def add_pool(self, info: PoolInfo) -> bool:
+        """Index a pool that its fabric reports now and the index lacks, with all it has free; returns whether it
+        did. Only of a device indexed as carved (in no bucket): a device bound whole until now becomes carved at
+        the next build, which takes it out of its bucket."""
+        device = self.devices.get(info.device)
+        if device is None or device.fabric != info.fabric or info.id in self.pools or info.device in self.bucket_of:
+            return False
+        self._add_pool(info, device)
+        return True
+
+    def unclaimed(self, pool: str) -> bool:
+        """Whether no claim holds anything of ``pool``: all its bytes and logical devices free, none beyond."""
+        state = self.pools[pool]
+        info = state.info
+        return (
+            state.free_bytes == info.capacity.total_bytes and not state.excess_bytes and state.free_lds == info.ld_count
+        )
+
+    def drop_pool(self, pool: str) -> None:
+        """Take out of the index a pool that its fabric no longer reports; the caller checks it is `unclaimed`."""
+        state = self.pools.pop(pool)
+        on_switch = self.pools_by_switch[state.device.switch]
+        on_switch[:] = [s for s in on_switch if s is not state]
 
     def claim_host(self, host: str, owner: str) -> None:
         current = self.host_owner.get(host)
