@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disagg.errors import CapacityExhaustedError, DeadlineExceededError
+from disagg.errors import CapacityExhaustedError, DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric, pool
 from disagg_qemu_cxl.hosts import HostProcess
@@ -232,6 +232,43 @@ def test_an_adopted_hosts_unrecorded_device_counts_before_it_is_read(
     with busy(fabric.hosts["h2"]), pytest.raises(CapacityExhaustedError, match="1879048192 bytes free"):
         carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
     assert sum(a.amount_bytes for a in carve.allocations()) <= 2 * GiB
+
+
+def test_an_adopted_host_not_read_at_start_is_read_before_the_pool_is_carved(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h2's QEMU, adopted with a Type-3 no record names, hangs as the driver starts, so its read then fails. An
+    allocate on h1 counted h2's records only and carved the whole 2 GiB pool beside that device. While h2 still
+    hangs, or another call holds it, the allocate is refused (retryable, naming h2); once h2 answers, it is read
+    first, and its device counts."""
+    first = make_fabric(stop_hosts_on_close=False)
+    hand_add(state_dir, "h2", 0, 0x9000, "foreign")
+    first.close()
+    monkeypatch.setattr(pool, "VIEW_TIMEOUT_S", 0.5)  # the read at the start gives up on h2 sooner
+    read_adopted = pool.QemuCxlPool.read_adopted
+    hung: list[int] = []
+
+    def hanging(self: pool.QemuCxlPool, hosts: Sequence[str]) -> None:
+        hung.append(stopped(state_dir, "h2"))
+        read_adopted(self, hosts)
+
+    monkeypatch.setattr(pool.QemuCxlPool, "read_adopted", hanging)
+    try:
+        fabric = make_fabric()
+        carve = fabric.pool(POOL)
+        with pytest.raises(FabricUnavailableError, match="host h2") as info:
+            carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+        assert "unknown" in info.value.message and info.value.retryable, info.value.message
+    finally:
+        for pid in hung:
+            os.kill(pid, signal.SIGCONT)
+    with busy(fabric.hosts["h2"]), pytest.raises(FabricUnavailableError, match="host h2"):
+        carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+    assert fabric._ledger.state.record("a") is None
+    with pytest.raises(CapacityExhaustedError, match="1879048192 bytes free"):
+        carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+    assert carve.allocate("a", "h1", 1792 * MiB, CallContext.with_timeout(10.0, epoch=1)).amount_bytes == 1792 * MiB
+    assert sum(a.amount_bytes for a in carve.allocations()) == 2 * GiB
 
 
 def test_a_dead_hosts_unrecorded_device_holds_nothing(fabric: QemuCxlFabric, state_dir: Path) -> None:

@@ -220,16 +220,21 @@ class HostProcess:
         """Make sure QEMU runs and answers: reconnect the monitor to a QEMU that runs, or start one again with
         ``records`` cold-plugged (as at the fabric's start) when it is gone: it crashed, or a restart failed. Both
         waits end at the deadline in force (`qmp.until`), with DeadlineExceededError."""
-        if self.alive():
-            return
-        self.monitor.disconnect()
-        if self.pid is not None and _ours(self.pid, self.dir):
-            self.monitor.connect(self.dir / QMP_SOCKET, timeout=RECONNECT_TIMEOUT_S)
+        if self.alive() or self.reconnect():
             return
         if self._child is not None:
             self._child.poll()
         self._forget()
         self.start(records)
+
+    def reconnect(self) -> bool:
+        """Connect the monitor again to this host's QEMU if it still runs (within `RECONNECT_TIMEOUT_S`, or the
+        deadline in force); False, and nothing started, when it is gone."""
+        self.monitor.disconnect()
+        if self.pid is None or not _ours(self.pid, self.dir):
+            return False
+        self.monitor.connect(self.dir / QMP_SOCKET, timeout=RECONNECT_TIMEOUT_S)
+        return True
 
     def start(self, records: Sequence[Record]) -> None:
         exe = find_qemu(self.qemu)

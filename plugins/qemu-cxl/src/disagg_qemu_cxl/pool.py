@@ -143,6 +143,10 @@ class QemuCxlPool(Pool):
         """The Type-3s each host held when last read: while it cannot be read (another call holds it, or its QEMU
         does not answer), those that no record names still count against the pool (`_held`). Written under the
         host's lock, not the fabric's: a reader takes a copy of its items, which CPython makes in one step."""
+        self._unread: set[str] = set()
+        """The adopted hosts not read since the driver started (`read_adopted` failed): what they hold beyond the
+        records is unknown, so nothing is carved from the pool beside them (`_first_read`). Written under the
+        host's lock, like `_seen`."""
 
     def close(self) -> None:
         with self._lock:
@@ -179,10 +183,12 @@ class QemuCxlPool(Pool):
     def read_adopted(self, hosts: Sequence[str]) -> None:
         """Read the adopted ``hosts`` once, so that what they hold beyond the records (a Type-3 added behind the
         driver's back) counts against the pool before any call has read them. One that cannot be read now is
-        left to the next call that needs it."""
+        left to the next call that needs it, and no allocate carves the pool until one has (`_unread`)."""
         for host in hosts:
-            with contextlib.suppress(DisaggError):
+            try:
                 self._reading(host, lambda view: view)
+            except DisaggError:
+                self._unread.add(host)
 
     def views(self) -> dict[str, HostView]:
         """Every host's view; a host that cannot be read, even started again, is FabricUnavailableError."""
@@ -218,7 +224,7 @@ class QemuCxlPool(Pool):
         process = self._hosts[host]
         process.revive(self._ledger.state.cold_plugged(host))
         view = self._peek(host, peek) if peek is not None else walk(process.monitor)
-        self._seen[host] = view.devices
+        self._saw(host, view.devices)
         self._note_plugged(host, view)
         return view
 
@@ -232,7 +238,7 @@ class QemuCxlPool(Pool):
         try:
             with within(seconds) as peek_bound:
                 view = walk(process.monitor)
-            self._seen[host] = view.devices
+            self._saw(host, view.devices)
             return view
         except DeadlineExceededError:
             if not peek_bound:
@@ -241,6 +247,41 @@ class QemuCxlPool(Pool):
             raise FabricUnavailableError(
                 f"QEMU of host {host} did not answer within {seconds:g} s (hung?); disconnected from it"
             ) from None
+
+    def _saw(self, host: str, devices: tuple[Type3, ...]) -> None:
+        """``host`` was read (or found gone: no devices), holding ``devices``; under the host's lock."""
+        self._seen[host] = devices
+        self._unread.discard(host)
+
+    def _first_read(self, host: str) -> HostView | None:
+        """The view of an adopted host not read since the driver started (`_unread`), or None if its QEMU is gone
+        (what no record names went with it). An allocate on another host cannot count it by its records alone,
+        so a host that cannot be read now (hung, its monitor lost and not regained within `PEEK_TIMEOUT_S`)
+        refuses the allocate rather than let it promise what that host may hold."""
+        process = self._hosts[host]
+        own = True
+        try:
+            if not process.alive():
+                with within(PEEK_TIMEOUT_S) as own:
+                    if not process.reconnect():
+                        self._saw(host, ())
+                        return None
+            return self._peek(host)
+        except DeadlineExceededError:
+            if not own:
+                raise
+            process.monitor.disconnect()
+            raise self._unknown(
+                host, f"its QEMU did not answer a new QMP connection within {PEEK_TIMEOUT_S:g} s (hung?)"
+            ) from None
+        except FabricUnavailableError as exc:
+            raise self._unknown(host, exc.message) from None
+
+    def _unknown(self, host: str, why: str) -> FabricUnavailableError:
+        return FabricUnavailableError(
+            f"host {host} has not been read since the driver adopted its QEMU, so what it holds beyond the records "
+            f"is unknown, and nothing is carved from pool {self.id} until it is ({why}); retry once it answers"
+        )
 
     def _note_plugged(self, host: str, view: HostView) -> None:
         """Mark plugged the records whose device ``host`` holds though their hot-add was not seen to end (its
@@ -260,17 +301,25 @@ class QemuCxlPool(Pool):
         still so when the pool is carved; a call in flight there counts by its records. It is read by a `_peek`:
         one that hung is skipped by the next calls until a call that needs it reconnects; the caller's deadline
         passing is raised, as by every other QMP call of `_allocate`. One whose QEMU is gone holds only its
-        records, which a start cold-plugs again."""
+        records, which a start cold-plugs again. An adopted host not read since the driver started is read first,
+        or refuses the allocate (`_first_read`): it may hold more than its records."""
         views = {host: self._view(host)}
         for name, process in sorted(self._hosts.items()):
-            if name == host or not process.lock.acquire(blocking=False):
+            if name == host:
+                continue
+            if not process.lock.acquire(blocking=False):
+                if name in self._unread:
+                    raise self._unknown(name, "another call holds it")
                 continue
             held.callback(process.lock.release)
-            if process.alive():
+            if name in self._unread:
+                if (view := self._first_read(name)) is not None:
+                    views[name] = view
+            elif process.alive():
                 with contextlib.suppress(FabricUnavailableError):
                     views[name] = self._peek(name)
             elif process.running_pid() is None:
-                self._seen.pop(name, None)  # its QEMU is gone, and what no record names went with it
+                self._saw(name, ())  # its QEMU is gone, and what no record names went with it
         return views
 
     def allocations(self) -> Sequence[Allocation]:
@@ -578,7 +627,7 @@ class QemuCxlPool(Pool):
         """Restart the host without ``leaving``; check that the new QEMU holds exactly ``keep``, where it was."""
         process.restart(keep)
         after = walk(process.monitor)
-        self._seen[leaving.host] = after.devices
+        self._saw(leaving.host, after.devices)
         if after.device(leaving.device) is not None:
             raise FabricUnavailableError(f"the restarted QEMU of host {leaving.host} still holds {leaving.device}")
         for other in keep:
