@@ -219,6 +219,51 @@ class TestDiskSpace:
         disk_free(720 * MiB)
         assert pool.allocate("b", "h1", 256 * MiB, ctx).amount_bytes == 256 * MiB
 
+    def test_a_retry_needs_only_what_its_backend_files_lack(
+        self,
+        make_fabric: Callable[..., QemuCxlFabric],
+        state_dir: Path,
+        ctx: CallContext,
+        disk_free: Callable[[int], None],
+    ) -> None:
+        """The hot-add of ``a`` lost its answer, yet QEMU added the device and the guest wrote 200 MiB of it; its
+        QEMU then stopped before a call saw the device. The retry reuses the backend files, so it needs their holes
+        free, 57 MiB, not the whole 257 MiB that the 200 MiB written already hold."""
+        disk_free(GiB)
+        first = make_fabric()
+        first.pool(POOL).allocate("a", "h2", 256 * MiB, ctx)
+        record = first._ledger.state.record("a")
+        assert record is not None
+        backend = host_dir(state_dir, "h2") / memory_file(record)
+        with open(backend, "r+b") as data:
+            for _ in range(200):
+                data.write(b"\1" * MiB)
+            data.flush()
+            os.fsync(data.fileno())
+        first.close()
+        state_file = state_dir / "state.json"
+        doc = json.loads(state_file.read_text())
+        doc["allocations"]["a"]["plugged"] = False
+        state_file.write_text(json.dumps(doc))
+        pool = make_fabric().pool(POOL)
+        assert pool.allocations() == []
+        lacking = (
+            256 * MiB
+            + LSA_BYTES
+            - sum(f.stat().st_blocks * 512 for f in host_dir(state_dir, "h2").glob(f"*-{record.sn:x}.img"))
+        )
+        assert lacking <= 57 * MiB
+        disk_free(lacking - MiB)
+        with pytest.raises(CapacityExhaustedError, match=f"needs {lacking} bytes"):
+            pool.allocate("a", "h2", 256 * MiB, ctx)
+        disk_free(lacking)
+        assert pool.allocate("a", "h2", 256 * MiB, ctx).amount_bytes == 256 * MiB
+        with RawQMP(state_dir, "h2") as qmp:
+            (dev,) = qmp.type3().values()
+        assert dev["sn"] == record.sn
+        with open(backend, "rb") as data:
+            assert all(data.read(MiB) == b"\1" * MiB for _ in range(200)), "the retry lost the data written"
+
 
 class TestUniqueness:
     """Serials and backend ids never repeat, even when the state file's counter is wound back."""

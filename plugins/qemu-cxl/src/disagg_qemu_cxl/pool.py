@@ -481,9 +481,10 @@ class QemuCxlPool(Pool):
         """Refuse a hot-add whose backend files the file system of its host's directory could not hold once
         filled: QEMU only sizes them (they are sparse), so a full disk surfaces later, in the guest (SIGBUS). The
         holes of every other record's backend files on that file system are promised already; a record's files
-        not made yet are promised in full (an allocation in flight on another host). Under the fabric's lock, so
-        that two allocations never promise the same free space. A directory that cannot be read is left to
-        QEMU's own refusal (`_refusal`)."""
+        not made yet are promised in full (an allocation in flight on another host). The hot-add needs the holes
+        of its own files too: all of them when they are new, less what they hold already when a retry finds them
+        (QEMU opens them again as they are). Under the fabric's lock, so that two allocations never promise the
+        same free space. A directory that cannot be read is left to QEMU's own refusal (`_refusal`)."""
         directory = host_dir(self._state_dir, record.host)
         try:
             device = directory.stat().st_dev
@@ -496,13 +497,15 @@ class QemuCxlPool(Pool):
             for other in self._ledger.state.records
             if other.allocation != record.allocation
         )
-        need = sum(n for _, n in backend_files(record))
+        need = self._unfilled(record, device)
         if need > free - promised:
+            held = sum(n for _, n in backend_files(record)) - need
             raise CapacityExhaustedError(
                 f"host {record.host}'s directory {directory} has {free} bytes free on its file system, {promised} of "
                 f"them promised to backend files not yet filled, and allocation {record.allocation} needs {need} bytes "
-                f"({record.size // 1024**2} MiB and its label storage area): free space there, or allocate less; "
-                "nothing was added"
+                f"({record.size // 1024**2} MiB and its label storage area"
+                + (f", less the {held} bytes its backend files hold already" if held else "")
+                + "): free space there, or allocate less; nothing was added"
             )
 
     def _unfilled(self, record: Record, device: int) -> int:
