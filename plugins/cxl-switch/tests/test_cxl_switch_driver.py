@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,58 @@ class TestEvents:
         wait_until(lambda: len(seen) >= 2)
         assert [e.health for e in seen] == [Health.FAILED, Health.OK]
         assert raised == seen
+
+    def test_a_link_event_waits_for_the_handler_before_it(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
+        """set_link's LINK_DOWN is told on the poller's thread once the handler running there returns: told inside
+        set_link, it ran beside that handler, ahead of the events the poller had still to tell."""
+        fabric = make_switch()
+        entered, release = threading.Event(), threading.Event()
+        seen: list[tuple[FabricEventKind, str]] = []
+        threads: set[threading.Thread] = set()
+
+        def handler(event: FabricEvent) -> None:
+            seen.append((event.kind, event.subject))
+            threads.add(threading.current_thread())
+            if event.kind is FabricEventKind.DEVICE_HEALTH:
+                entered.set()
+                release.wait(5.0)
+
+        fabric.subscribe(handler)
+        fabric.fail_device("sw/port2")
+        assert entered.wait(5.0), "the failure was never told"
+        try:
+            fabric.set_link("h0", "sw/switch0", False)
+            assert seen == [(FabricEventKind.DEVICE_HEALTH, "sw/port2")], "told inside set_link"
+        finally:
+            release.set()
+        wait_until(lambda: len(seen) >= 2)
+        assert seen == [(FabricEventKind.DEVICE_HEALTH, "sw/port2"), (FabricEventKind.LINK_DOWN, "h0|sw/switch0")]
+        assert threading.current_thread() not in threads
+
+    def test_link_events_in_the_order_the_link_changed(
+        self, make_switch: Callable[..., CxlSwitchFabric], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A set_link up that runs while the link's down is being told (before its handlers ran) is told after it:
+        told in the order set_link's calls ended, the link's last event was LINK_DOWN while it was up."""
+        fabric = make_switch()
+        seen: list[FabricEventKind] = []
+        fabric.subscribe(lambda event: seen.append(event.kind))
+        publish, raced = fabric._publish, threading.Event()
+
+        def up_meanwhile(events: Sequence[FabricEvent], *args: object, **kwargs: object) -> None:
+            if not raced.is_set() and any(e.kind is FabricEventKind.LINK_DOWN for e in events):
+                raced.set()
+                other = threading.Thread(target=fabric.set_link, args=("h0", "sw/switch0", True))
+                other.start()
+                other.join(5.0)
+            publish(events, *args, **kwargs)
+
+        monkeypatch.setattr(fabric, "_publish", up_meanwhile)
+        fabric.set_link("h0", "sw/switch0", False)
+        wait_until(lambda: len(seen) >= 2)
+        assert raced.is_set()
+        assert all(link.up for link in fabric.discover().links if "h0" in (link.a, link.b))
+        assert seen == [FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP]
 
     def test_events_after_the_switch_restarted(self, tmp_path: Path) -> None:
         """A restarted emulator numbers its event records from 1 again: the poller, still past the old numbers,

@@ -387,6 +387,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 self._subs.remove(sub)
 
     def _publish(self, events: Sequence[FabricEvent]) -> None:
+        """Run the handlers on ``events``; only on the poller's thread, the one ordered path (calls queue theirs)."""
         with self._lock:
             handlers = [s.handler for s in self._subs]
             for event in events:
@@ -485,16 +486,16 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._client.call(Opcode.PHYSICAL_PORT_CONTROL, PhysicalPortControlRequest(port, PortOpcode.RESET_PPB))
 
     def set_link(self, a: str, b: str, up: bool) -> None:
-        """A host's link to the switch is taken out of service in the driver: the emulator has no USP fault."""
+        """A host's link to the switch is taken out of service in the driver: the emulator has no USP fault. Its
+        LINK_DOWN or LINK_UP is published by the poller's thread, as `publish_soon` does."""
         host = a if b == self._view.switch_id else b if a == self._view.switch_id else None
         if host is None or host not in self._view.vcs_of:
             raise NotFoundError("link", f"{a}|{b}")
-        with self._lock:
-            changed = (host in self._links_down) == up
-            (self._links_down.discard if up else self._links_down.add)(host)
-        if changed:
-            kind = FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN
-            self._publish([FabricEvent(self._name, kind, f"{a}|{b}")])
+        kind = FabricEventKind.LINK_UP if up else FabricEventKind.LINK_DOWN
+        with self._lock:  # queued as it changes: two calls at once are told in the order the link changed
+            if (host in self._links_down) == up:
+                (self._links_down.discard if up else self._links_down.add)(host)
+                self._queued.append(FabricEvent(self._name, kind, f"{a}|{b}"))
 
     def flaky_bind(self, device: str | None, failures: int) -> None:
         """Arm Inject Bind Failure before each of the next ``failures`` binds (of ``device``, or of any)."""
