@@ -29,7 +29,12 @@ from disagg_cxl_switch.driver.client import CCIClient
 from disagg_cxl_switch.emulator import Switch, default_topology
 from disagg_cxl_switch.emulator.background import BACKGROUND_OPERATION_STATUS
 from disagg_cxl_switch.emulator.state import GIB, MIB
-from disagg_cxl_switch.emulator.vendor import InjectLinkDownRequest, VendorOpcode
+from disagg_cxl_switch.emulator.vendor import (
+    GetEventRecordsRequest,
+    GetEventRecordsResponse,
+    InjectLinkDownRequest,
+    VendorOpcode,
+)
 from disagg_cxl_switch.fmapi import (
     BindVPPBRequest,
     GetPhysicalPortStateResponse,
@@ -61,14 +66,21 @@ class Bench:
     on it, and the peer fabric manager's client."""
 
     def __init__(self, folder: Path, *, event_capacity: int = 256, state_dir: Path | None = None) -> None:
-        state = default_topology(gpus=2, ld_count=4, mld_capacity=4 * GIB, dc_capacity=GIB, dc_regions=1)
-        switch = Switch(state, bind_delay=0.0, event_capacity=event_capacity)
-        self.served = ServedSwitch(switch, folder / "s.sock")
+        self._event_capacity = event_capacity
+        self.served = ServedSwitch(self._switch(), folder / "s.sock")
         self.peer = CCIClient(self.served.address)
         options: dict[str, object] = {"address": self.served.address, "gpus": 2}
         if state_dir is not None:
             options["state_dir"] = str(state_dir)
         self.fabric: CxlSwitchFabric = create_fabric("f", options)
+
+    def _switch(self) -> Switch:
+        state = default_topology(gpus=2, ld_count=4, mld_capacity=4 * GIB, dc_capacity=GIB, dc_regions=1)
+        return Switch(state, bind_delay=0.0, event_capacity=self._event_capacity)
+
+    def restart(self) -> None:
+        """Serve a new switch in the old one's place, as a restarted emulator: its log numbers from 1 again."""
+        self.served.switch = self._switch()
 
     def pool(self, pool_id: str) -> Pool:
         return self.fabric.pool(pool_id)
@@ -362,17 +374,109 @@ class TestEventLogGap:
             bench.fabric.subscribe(seen.append)
             with caplog.at_level(logging.WARNING, logger="disagg.cxl_switch"), held_event_polls(bench):
                 bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU_PORT))  # lost in the gap
-                for _ in range(3):  # a burst on the other GPU that wraps the log
-                    bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(OTHER_GPU_PORT))
-                    bench.peer.call(
-                        Opcode.PHYSICAL_PORT_CONTROL, PhysicalPortControlRequest(OTHER_GPU_PORT, PortOpcode.RESET_PPB)
-                    )
+                wrap_the_log(bench)
             wait_until(lambda: ("f/port2", Health.FAILED) in [(e.subject, e.health) for e in seen])
             assert "dropped records" in caplog.text
             last = {e.subject: e.health for e in seen}
             assert last["f/port3"] is Health.OK
         finally:
             bench.close()
+
+    def test_a_failure_the_ports_read_told_is_not_told_again_by_its_record(self, tmp_path: Path) -> None:
+        """A device that fails between the poller's read of the log after a gap and its read of the ports is told
+        FAILED by that read; its record, read at the next poll, tells the same change and is not told again (it
+        was: FAILED twice). The health told last is still the switch's: the repair that follows is told."""
+        bench = Bench(tmp_path, event_capacity=4)
+        try:
+            seen: list[FabricEvent] = []
+            bench.fabric.subscribe(seen.append)
+            bench.respond(fails_after_the_gap_is_read(bench))
+            port2_failed_once_then_repaired(bench, seen)
+        finally:
+            bench.close()
+
+    def test_after_a_restart_too(self, tmp_path: Path) -> None:
+        """The same, the ports read because the switch restarted (its log numbers from 1 again)."""
+        bench = Bench(tmp_path)
+        try:
+            seen: list[FabricEvent] = []
+            bench.fabric.subscribe(seen.append)
+            bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(OTHER_GPU_PORT))  # its place past 1
+            wait_until(lambda: bool(seen))
+            bench.respond(fails_after_the_restart_is_read(bench))
+            bench.restart()
+            port2_failed_once_then_repaired(bench, seen)
+        finally:
+            bench.close()
+
+
+def port2_failed_once_then_repaired(bench: Bench, seen: list[FabricEvent]) -> None:
+    """Repair port 2 once its failure, read from the ports, was told, and fail it again: port 2's events are that
+    failure and the two records after its own, nothing between (a later failure is told)."""
+
+    def port2() -> list[tuple[Health | None, str]]:
+        return [(e.health, e.message) for e in seen if e.subject == "f/port2"]
+
+    wait_until(lambda: len(port2()) >= 1)
+    bench.peer.call(Opcode.PHYSICAL_PORT_CONTROL, PhysicalPortControlRequest(GPU_PORT, PortOpcode.RESET_PPB))
+    wait_until(lambda: len(port2()) >= 2)
+    bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU_PORT))
+    wait_until(lambda: len(port2()) >= 3)
+    assert port2() == [
+        (Health.FAILED, "port 2: FAILED, read after the event log dropped records"),
+        (Health.OK, "port 2: link up"),
+        (Health.FAILED, "port 2: link down"),
+    ]
+
+
+def wrap_the_log(bench: Bench) -> None:
+    """A burst on the other GPU (link down and up, three times): six records, past a log of four."""
+    for _ in range(3):
+        bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(OTHER_GPU_PORT))
+        bench.peer.call(Opcode.PHYSICAL_PORT_CONTROL, PhysicalPortControlRequest(OTHER_GPU_PORT, PortOpcode.RESET_PPB))
+
+
+def fails_after_the_gap_is_read(bench: Bench) -> Respond:
+    """Answer the poller's next read of the log, then wrap the log with a burst on the other GPU; once the read
+    that finds the gap is answered, fail the GPU on port 2, before the poller reads the ports."""
+    burst = threading.Event()
+    failed = threading.Event()
+
+    def respond(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+        if request.opcode != VendorOpcode.GET_EVENT_RECORDS or failed.is_set():
+            return response
+        if not burst.is_set():
+            burst.set()
+            wrap_the_log(bench)
+        elif GetEventRecordsResponse.decode(response.payload).oldest_sequence > (
+            GetEventRecordsRequest.decode(request.payload).first_sequence
+        ):
+            failed.set()
+            bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU_PORT))
+        return response
+
+    return respond
+
+
+def fails_after_the_restart_is_read(bench: Bench) -> Respond:
+    """Once the poller's read of a restarted switch from its first record is answered, fail the GPU on port 2,
+    before the poller reads the ports."""
+    restarted = threading.Event()
+    failed = threading.Event()
+
+    def respond(request: CCIMessage, response: CCIMessage) -> CCIMessage:
+        if request.opcode != VendorOpcode.GET_EVENT_RECORDS or failed.is_set():
+            return response
+        if restarted.is_set():
+            failed.set()
+            bench.peer.call(VendorOpcode.INJECT_LINK_DOWN, InjectLinkDownRequest(GPU_PORT))
+        elif GetEventRecordsResponse.decode(response.payload).next_sequence < (
+            GetEventRecordsRequest.decode(request.payload).first_sequence
+        ):
+            restarted.set()  # the poller reads again from the new switch's oldest record
+        return response
+
+    return respond
 
 
 @contextlib.contextmanager

@@ -132,6 +132,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         self._links_down: set[str] = set()
         self._flaky: dict[str | None, int] = {}
         self._told: dict[str, Health] = {}  # each device's health as last published
+        self._read_told: dict[str, Health] = {}  # told by the ports' read, no record of it since (poller's thread)
         self._queued: list[FabricEvent] = []  # for the poller's thread to publish (`publish_soon`)
         try:
             self._view = SwitchView.read(self._client, name, options)
@@ -414,10 +415,14 @@ class CxlSwitchFabric(Fabric, FaultInjection):
             self._publish(queued)
 
     def _on_record(self, record: EventRecord) -> None:
+        """Publish what a record tells. The first record of a device after a read of the ports told its health
+        (`_resync`) may be the change that read saw: when it tells the same health it is not published again, which
+        leaves the health told last as it was (a later change has a record of its own)."""
         port = self._view.dcd_port if record.event_type is EventType.EXTENT_POISONED else record.port_id
         device = self._view.device_of.get(port) if port is not None else None
         if device is None:
             return
+        read = self._read_told.pop(device, None)
         kind, health, what = {
             EventType.HOT_ADD: (FabricEventKind.DEVICE_ADDED, Health.OK, "hot-added"),
             EventType.SURPRISE_REMOVAL: (FabricEventKind.DEVICE_HEALTH, Health.FAILED, "surprise removal"),
@@ -428,6 +433,9 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         if kind is FabricEventKind.DEVICE_ADDED and self.port_view(record.port_id).health is Health.OK:
             self._publish([FabricEvent(self._name, kind, device, None, what)])
             kind = FabricEventKind.DEVICE_HEALTH
+        if kind is FabricEventKind.DEVICE_HEALTH and health is read:
+            log.debug("cxl-switch: record %d (%s) of %s was told by the ports' read", record.sequence, what, device)
+            return
         self._publish([FabricEvent(self._name, kind, device, health, f"port {record.port_id}: {what}")])
 
     def _restarted(self) -> None:
@@ -435,6 +443,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
         bindings and allocations and no record tells of them. The poller sends it before the records it read then
         and the health its resync reads (a port up again), which must not stand a lost composition as whole."""
         why = "the switch was reached anew and may have restarted, losing its bindings and allocations"
+        self._read_told.clear()  # a restarted switch's records are none of those the last read saw
         self._publish([FabricEvent(self._name, FabricEventKind.RESYNC_REQUIRED, self._view.switch_id, None, why)])
 
     def _resync(self) -> None:
@@ -452,6 +461,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                 continue
             why = f"port {port}: {health.value}, read after the event log dropped records"
             events.append(FabricEvent(self._name, FabricEventKind.DEVICE_HEALTH, device, health, why))
+            self._read_told[device] = health
         self._publish(events)
 
     # ------------------------------------------------------------------ FaultInjection
