@@ -23,6 +23,8 @@ from disagg import codec
 from disagg.composer import FabricComposer
 from disagg.composer import composer as composer_module
 from disagg.errors import (
+    ConflictError,
+    DisaggError,
     FabricUnavailableError,
     InvalidRequestError,
     NoFitError,
@@ -665,3 +667,67 @@ class TestADecomposeOfAFailedComposition:
         comp.decompose(failed.id)
         assert store.oversized == [] and store.failure == ""
         assert comp.compositions() == [] and hardware_bindings({"pcie0": pcie}) == {}
+
+    def test_one_without_words_at_the_edge_is_decomposing_in_a_record_the_ledger_takes(
+        self, store: LimitedStore
+    ) -> None:
+        """A FAILED record with no message to leave out, exactly at the limit (an older release's): DECOMPOSING,
+        five bytes longer, went past it. The decompose leaves out the request id too, which a composition going
+        away needs no more, and finishes."""
+        fabrics = rack()
+        comp, failed = failed_at_the_edge(fabrics, store, request_id="r-job")
+        comp.decompose(failed.id)
+        assert store.oversized == [] and store.failure == ""
+        assert comp.compositions() == [] and hardware_bindings(fabrics) == {}
+
+    def test_one_whose_release_fails_stays_failed_in_a_record_the_ledger_takes(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """What it could not release is said in its record when the ledger takes it there, as any other
+        message; the error names it."""
+        fabrics = rack()
+        comp, failed = failed_at_the_edge(fabrics, store, request_id="r-job")
+
+        def unbind_fails(binding: Binding, ctx: CallContext) -> None:
+            raise FabricUnavailableError("the switch stopped answering")
+
+        monkeypatch.setattr(fabrics["pcie0"], "unbind", unbind_fails)
+        with pytest.raises(DisaggError, match=r"left .* bound; it is FAILED: decompose again") as left:
+            comp.decompose(failed.id)
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(failed.id)
+        assert now.state is CompositionState.FAILED and now.device_ids == failed.device_ids
+        assert now.message == ""  # no room at the edge: the error names what is held
+        assert left.value.metadata["composition"] == failed.id
+        monkeypatch.undo()
+        comp.decompose(failed.id)
+        assert comp.compositions() == [] and hardware_bindings(fabrics) == {} and store.oversized == []
+
+    def test_one_with_nothing_to_leave_out_is_refused_unchanged(self, store: LimitedStore) -> None:
+        """No message nor request id to leave out: the ledger cannot take it DECOMPOSING, and the decompose is
+        refused saying so, nothing released or written."""
+        fabrics = rack()
+        comp, failed = failed_at_the_edge(fabrics, store, request_id="")
+        bound = hardware_bindings(fabrics)
+        with pytest.raises(ConflictError, match="more than the etcd ledger holds in one record") as refused:
+            comp.decompose(failed.id)
+        assert f"composition {failed.id} cannot be decomposed" in refused.value.message
+        assert store.oversized == [] and store.failure == ""
+        assert comp.get(failed.id) == failed and hardware_bindings(fabrics) == bound
+
+
+def failed_at_the_edge(
+    fabrics: dict[str, Any], store: LimitedStore, request_id: str
+) -> tuple[FabricComposer, Composition]:
+    """A composition of `eight_gpus` that an older release left FAILED without a message, its record exactly at
+    the limit, on a composer started from that ledger."""
+    made = composer(fabrics, auto_heal=False).compose(
+        parse_request("job", ["host h1", "gpu x8"]), request_id=request_id or None
+    )
+    assert made.composition is not None
+    failed = revise(made.composition, state=CompositionState.FAILED, message="")
+    store.put_composition(failed)
+    comp = composer(fabrics, store=store, auto_heal=False)
+    assert comp.get(failed.id).state is CompositionState.FAILED
+    store.limit = size(failed)
+    return comp, comp.get(failed.id)

@@ -3569,10 +3569,7 @@ class FabricComposer(Composer):
                     "be decomposed once the fabric is served again",
                     metadata={"composition": comp.id},
                 )
-            # Five bytes longer than FAILED: a FAILED record at the edge of what the ledger takes leaves its
-            # message out (`_fits`); the state is written either way, measured as a change's records are.
-            fits = self._fits(comp, state=CompositionState.DECOMPOSING)
-            comp = self._set(comp, state=CompositionState.DECOMPOSING, message=comp.message if fits else "")
+            comp = self._set(comp, state=CompositionState.DECOMPOSING, **self._decomposing(comp))
         yield DURABLE
         picks, allocs = _holdings(comp)
         fabrics = [self._fabric_of(p.device) for p in picks] + [self._fabric_of_pool(a.pool) for a in allocs]
@@ -3600,25 +3597,45 @@ class FabricComposer(Composer):
             self._unclaim_composition(comp)
             self._forget(comp, f"{comp.name!r} decomposed")
 
+    def _decomposing(self, comp: Composition) -> dict[str, object]:
+        """What ``comp`` leaves out as it becomes DECOMPOSING, five bytes longer than FAILED, when the ledger would
+        not take it whole (`_fits`): its message, then the bookkeeping a composition going away needs no more (the
+        request id of its last change, what the hardware no longer held). A FAILED record an older release left at
+        the edge, with no message to leave out, went past the limit and failed the ledger. Refused when even that
+        would not fit, nothing changed. Under the lock."""
+        state = CompositionState.DECOMPOSING
+        less: list[dict[str, object]] = [{}, {"message": ""}, {"message": "", "missing": (), **_request_fields("", "")}]
+        for left_out in less:
+            if self._fits(comp, state=state, **left_out):
+                return left_out
+        now = revise(comp, state=state, generation=comp.generation + 1, **left_out)
+        raise ConflictError(
+            f"composition {comp.id} cannot be decomposed: as DECOMPOSING its record would be about "
+            f"{len(codec.record(now).encode())} bytes, more than the etcd ledger holds in one record "
+            f"({self.store.record_limit}); nothing was changed: release what it holds on the hardware by hand, "
+            "then delete its record from the ledger",
+            metadata={"subject": comp.id},
+        )
+
     def _keep_only(
         self, comp: Composition, picks: Sequence[DevicePick], allocs: Sequence[Allocation], kept: set[str], why: str
     ) -> None:
         """A decompose left ``kept`` (device and allocation ids) on the hardware: the composition is FAILED
-        holding just those, and what was released goes back to placement. Under the lock."""
+        holding just those, saying ``why`` when the ledger takes it in the record (`_fits`: its DECOMPOSING record
+        may be at the edge), and what was released goes back to placement. Under the lock."""
         for pick in picks:
             if pick.device not in kept:
                 self._inv.release_device(pick.device)
         for alloc in allocs:
             if alloc.id not in kept:
                 self._inv.release_memory(alloc.pool, alloc.amount_bytes)
-        self._set(
-            comp,
-            state=CompositionState.FAILED,
-            devices=tuple(p for p in picks if p.device in kept),
-            allocations=tuple(a for a in allocs if a.id in kept),
-            pending=None,
-            message=why,
-        )
+        changes: dict[str, object] = {
+            "state": CompositionState.FAILED,
+            "devices": tuple(p for p in picks if p.device in kept),
+            "allocations": tuple(a for a in allocs if a.id in kept),
+            "pending": None,
+        }
+        self._set(comp, message=why if self._fits(comp, message=why, **changes) else "", **changes)
 
     # ----------------------------------------------------------------- health
 
