@@ -563,6 +563,41 @@ class TestADeviceThatFailsDuringAHeal:
         comp.reconcile()  # said once: a pass writes nothing more
         assert comp.get(job.id).generation == healed.generation
 
+    @pytest.mark.parametrize("room", [64, 8])
+    def test_a_heal_that_undoes_a_replacement_says_it_with_the_undo_when_the_ledger_takes_it(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch, room: int
+    ) -> None:
+        """The failed device cannot be unbound, so its replacement is undone: the record of the undo said the
+        reason the heal's records left out only as the undo ended. Said with it when the ledger takes it there
+        (``room`` 64); else left out still (8), and said as the undo ends."""
+        fabrics = rack()
+        comp = composer(fabrics, store=store, auto_heal=False)
+        job = eight_gpus(comp)
+        pcie = fabrics["pcie0"]
+        pcie.fail_device(job.device_ids[0], "ECC")
+        degraded = comp.get(job.id)
+        unbind, seen = pcie.unbind, []
+        both = f"unhealthy: {job.device_ids[0]}, {job.device_ids[1]}"
+
+        def stuck_failing_meanwhile(binding: Binding, ctx: CallContext) -> None:
+            now = comp.get(job.id)
+            seen.append(now)
+            if binding.device == job.device_ids[0]:
+                store.limit = size(now) + room  # the heal's largest record, at the edge
+                pcie.fail_device(job.device_ids[1], "ECC")
+                raise FabricUnavailableError("the switch stopped answering")
+            unbind(binding, ctx)
+
+        monkeypatch.setattr(pcie, "unbind", stuck_failing_meanwhile)
+        with pytest.raises(DisaggError, match=f"could not unbind {job.device_ids[0]}"):
+            comp.heal(job.id)
+        assert store.oversized == [] and store.failure == ""
+        heal, undo = seen
+        assert heal.message == degraded.message and undo.pending is not None  # longer: not said in the heal's
+        assert undo.message == (both if room == 64 else degraded.message)
+        now = comp.get(job.id)
+        assert now.device_ids == job.device_ids and now.message == both
+
 
 def interrupted_removal(monkeypatch: pytest.MonkeyPatch) -> tuple[Composition, int]:
     """The first record of a removal of six of `eight_gpus` (it names what it removes beside all the composition

@@ -3880,6 +3880,15 @@ class FabricComposer(Composer):
             self._set(comp, message=message)
         return NoFitError(f"cannot heal {comp.id}: {told or why}")
 
+    def _undo_said(self, comp: Composition, changes: Mapping[str, object]) -> dict[str, str]:
+        """The message of the record that undoes a heal's replacements, ``comp`` with ``changes``: the reason it
+        stands DEGRADED for now (`_standing_why`, in as few words as `_named` gives), which the heal's records may
+        have left out, when the ledger takes it there (`_fits`); else none, and the undo says it as it ends. It was
+        said only then. Under the lock."""
+        why = self._standing_why(revise(comp, **changes))
+        said = comp.message == why or comp.message.startswith(f"{why}; ")
+        return {"message": why} if why and not said and self._fits(comp, message=why, **changes) else {}
+
     def _heal(self, composition_id: str) -> Composition:
         with self._lock:
             comp = self._find_held(composition_id)
@@ -3942,7 +3951,8 @@ class FabricComposer(Composer):
             missing = tuple(m for m in now.missing if m not in done)  # a replaced device is no longer missed
             devices = tuple(p for p in now.devices if p.device not in done)
             pending = PendingChange(ChangeKind.REMOVE, tuple(undo)) if undo else None
-            comp = self._set(now, devices=devices, missing=missing, pending=pending)
+            changes: dict[str, object] = {"devices": devices, "missing": missing, "pending": pending}
+            comp = self._set(now, **changes, **(self._undo_said(now, changes) if undo else {}))
             if done:
                 healed = _named([f"{old} -> {new.device}" for old, new in done.items()])
                 self._emit(EventType.COMPOSITION_HEALED, comp.id, healed)
