@@ -39,6 +39,7 @@ from disagg.model import (
     Composition,
     CompositionState,
     Device,
+    DeviceKind,
     Event,
     EventType,
     Reservation,
@@ -425,9 +426,10 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
         assert "the port's firmware logged a fault" in failed.value.message  # the caller is told the cause
         now = comp.find("job")
         assert now.state is CompositionState.FAILED and now.pending is not None  # what it left, for a decompose
-        bound = failed.value.metadata["bound"].split(",")
-        assert sorted(bound) == sorted(binds[:7])
-        assert now.message == f"rollback incomplete: {', '.join(bound[:5])} and 2 more still held"
+        listed, more = failed.value.metadata["bound"].split(" and ")  # five of the seven, as the message says
+        bound = listed.split(",")
+        assert len(set(bound) & set(binds[:7])) == 5 and more == "2 more"
+        assert now.message == f"rollback incomplete: {', '.join(bound)} and 2 more still held"
         said = [e for e in comp.events(0, 1000) if e.type is EventType.ROLLBACK_INCOMPLETE]
         assert [e.subject for e in said] == [now.id] and "the port's firmware logged a fault" in said[0].message
 
@@ -766,3 +768,60 @@ def failed_at_the_edge(
     assert comp.get(failed.id).state is CompositionState.FAILED
     store.limit = size(failed)
     return comp, comp.get(failed.id)
+
+
+BACKSLASHES = "\\" * (MAX_ID - 9)
+
+
+class StuckUnbinds(SimFabric):
+    """The demo PCIe fabric, each GPU's id `MAX_ID` characters long, most of them backslashes (each written as
+    four bytes in a request's answer, which is a document within its record); its unbind of a device in
+    ``stuck`` fails."""
+
+    def __init__(self) -> None:
+        topology = load_topology("pcie0", "demo-pcie")
+        devices = tuple(
+            attrs.evolve(d, id=f"pcie0/{BACKSLASHES}{n:03d}") if d.kind is DeviceKind.GPU else d
+            for n, d in enumerate(topology.devices)
+        )
+        super().__init__(attrs.evolve(topology, devices=devices))
+        self.stuck: set[str] = set()
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        if binding.device in self.stuck:
+            raise FabricUnavailableError("the switch stopped answering")
+        super().unbind(binding, ctx)
+
+
+class TestARequestsAnswer:
+    @pytest.mark.parametrize(("gpus", "removed"), [(16, 15), (6, 5)])
+    def test_a_removal_that_left_parts_bound_answers_in_a_record_the_ledger_takes(
+        self, store: LimitedStore, gpus: int, removed: int
+    ) -> None:
+        """Its answer, kept for its retries, named every part left in its metadata beside the first five in its
+        message: larger than the records of the removal, which the ledger took at the edge, it failed the ledger.
+        It names the first five, then how many more, as the message does (the composition's record names all),
+        and a removal is measured with the longest answer it may leave."""
+        pcie = StuckUnbinds()
+        comp = composer({"pcie0": pcie, "cxl0": rack()["cxl0"]}, store=store, auto_heal=False)
+        job = comp.compose(parse_request("job", ["host h1", f"gpu x{gpus}"]), request_id="r-job").composition
+        assert job is not None
+        remove = job.device_ids[:removed]
+        store.limit = 1
+        with pytest.raises(InvalidRequestError) as refused:
+            comp.recompose(job.id, remove=remove, request_id="r-shrink")
+        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+        assert found is not None
+        store.limit = int(found[1]) + MARGIN  # the least the removal is taken at: its records at the edge
+        pcie.stuck = set(remove[1:])
+        with pytest.raises(DisaggError, match="could not remove") as left:
+            comp.recompose(job.id, remove=remove, request_id="r-shrink")
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(job.id)
+        assert now.device_ids == job.device_ids[1:]  # the composition names every part left
+        held, _, more = left.value.metadata["bound"].partition(" and ")
+        assert len(set(held.split(",")) & set(remove[1:])) == min(5, removed - 1)
+        assert more == ("9 more" if removed > 6 else "")
+        with pytest.raises(DisaggError) as again:  # its retry gets the answer kept
+            comp.recompose(job.id, remove=remove, request_id="r-shrink")
+        assert again.value.metadata == left.value.metadata

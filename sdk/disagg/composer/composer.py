@@ -222,7 +222,7 @@ def _durably(method: C) -> C:
 def _left_bound(comp_id: str, leftovers: Leftovers) -> DisaggError:
     """The error of a removal from ``comp_id`` that left ``leftovers`` part of it (all in its metadata)."""
     names = _named(leftovers.ids)
-    metadata = {"composition": comp_id, "bound": ",".join(leftovers.ids)}
+    metadata = {"composition": comp_id, "bound": _listed(leftovers.ids)}
     if leftovers.timed_out:
         return DeadlineExceededError(
             f"the deadline stopped the removal of {names} from {comp_id}: they are still part of it; remove them "
@@ -275,6 +275,11 @@ def _heard(fabric: Fabric) -> bool:
 def _being_made(comp: Composition) -> bool:
     """Whether ``comp`` is a new composition whose compose is in flight, or was when a crash interrupted it."""
     return comp.pending is not None and comp.pending.kind is ChangeKind.ADD and comp.pending.restore is None
+
+
+def _removing(comp: Composition) -> bool:
+    """Whether ``comp`` records a removal in flight."""
+    return comp.pending is not None and comp.pending.kind is ChangeKind.REMOVE
 
 
 def _pending_extras(comp: Composition) -> tuple[list[DevicePick], list[Allocation]]:
@@ -364,11 +369,20 @@ def _parts(devices: int, allocations: int) -> str:
     return " and ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts if n) or "nothing"
 
 
-def _named(ids: Sequence[str]) -> str:
-    """``ids`` as a message kept in a record names them: the first `NAMED`, then how many more."""
+def _named(ids: Sequence[str], separator: str = ", ") -> str:
+    """``ids`` as a message kept in a record names them: the first `NAMED`, then how many more. An error's
+    metadata lists them so too, separated by commas alone (`_listed`)."""
     if len(ids) <= NAMED:
-        return ", ".join(ids)
-    return f"{', '.join(ids[:NAMED])} and {len(ids) - NAMED} more"
+        return separator.join(ids)
+    return f"{separator.join(ids[:NAMED])} and {len(ids) - NAMED} more"
+
+
+def _listed(ids: Sequence[str]) -> str:
+    """``ids`` as an error's ``metadata["bound"]`` lists them (`_named`, comma-separated): the error may be a
+    request's answer, kept in a record of its own for its retries, and listed in full the parts a removal of a
+    large composition left grew it past what the etcd ledger takes in one (`Store.record_limit`). The
+    composition's record names them all."""
+    return _named(ids, ",")
 
 
 def _clipped(text: str) -> str:
@@ -418,7 +432,7 @@ def _incomplete_error(comp_id: str, cause: str, reason: str, leftovers: Sequence
     return RollbackIncompleteError(
         f"{cause}; undoing the change left {_named(leftovers)} held by {comp_id}, which is FAILED: decompose it to "
         "release them",
-        metadata={"composition": comp_id, "bound": ",".join(leftovers), "cause": reason},
+        metadata={"composition": comp_id, "bound": _listed(leftovers), "cause": reason},
     )
 
 
@@ -429,6 +443,15 @@ def _longest_parts(comp: Composition) -> list[str]:
     if pending is not None:
         ids += [p.device for p in pending.devices] + [a.id for a in pending.allocations]
     return sorted(dict.fromkeys(ids), key=len, reverse=True)
+
+
+def _left_answer_of(comp: Composition) -> DisaggError:
+    """The longest answer of the removal ``comp`` records in flight when it leaves parts bound (`_left_bound`):
+    stopped by the deadline, every part it removes left, the longest first."""
+    assert comp.pending is not None
+    pending = comp.pending
+    ids = sorted([*(p.device for p in pending.devices), *(a.id for a in pending.allocations)], key=_written_length)
+    return _left_bound(comp.id, Leftovers(tuple(reversed(ids)), timed_out=True))
 
 
 def _failed_answer_of(comp: Composition) -> RollbackIncompleteError:
@@ -2825,6 +2848,8 @@ class FabricComposer(Composer):
                 every += [RequestRecord(*_ASKING.get(), requests.encode(_failed_answer_of(r)), 0.0) for r in adding]
         if answer is not None:
             every.append(RequestRecord(*_ASKING.get(), requests.encode(answer), 0.0))
+            removing = [r for r in records if isinstance(r, Composition) and _removing(r)]
+            every += [RequestRecord(*_ASKING.get(), requests.encode(_left_answer_of(r)), 0.0) for r in removing]
         size = max(len(codec.record(record).encode()) for record in every)
         return (size, limit) if size > limit else None
 
@@ -3583,7 +3608,7 @@ class FabricComposer(Composer):
                 self._keep_only(
                     comp, picks, allocs, set(leftovers.ids), f"could not release {names}; decompose again to retry"
                 )
-                metadata = {"composition": comp.id, "bound": ",".join(leftovers.ids)}
+                metadata = {"composition": comp.id, "bound": _listed(leftovers.ids)}
                 if leftovers.timed_out:
                     raise DeadlineExceededError(
                         f"the deadline stopped the decompose of {comp.id} with {names} still bound; it is FAILED: "
@@ -3975,7 +4000,7 @@ class FabricComposer(Composer):
             raise DisaggError(
                 f"could not unbind {names} from {comp.host}: kept in composition {comp.id}, which stays "
                 f"{comp.state.value}; heal again, or decompose it",
-                metadata={"composition": comp.id, "bound": ",".join(sorted(stuck | kept))},
+                metadata={"composition": comp.id, "bound": _listed(sorted(stuck | kept))},
             )
         return comp
 
