@@ -46,6 +46,7 @@ from disagg.model import (
     Topology,
 )
 from disagg.model.composition import revise
+from disagg.model.devices import MAX_FABRIC_NAME
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import MemoryStore, RequestRecord
 from disagg_sim import SimFabric, load_topology
@@ -332,10 +333,15 @@ class TestWhatTheHardwareReports:
         """A composition is measured as it grows with room for all of it missing and its reasons: at every limit,
         what the ledger took takes every device lost and failed, and its fabric away (UNKNOWN, keeping its
         reason)."""
-        unlimited = LimitedStore()
-        large(unlimited, step=4)
+        first = LimitedStore()
+        first.limit = 1
+        with pytest.raises(InvalidRequestError) as refused:
+            large(first, step=4)
+        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+        assert found is not None
+        least = int(found[1])  # the least its first compose is taken at
         grown = []
-        for limit in range(max(unlimited.sizes), max(unlimited.sizes) + 4000, 250):
+        for limit in range(least, least + 5000, 250):
             store = LimitedStore()
             store.limit = limit
             comp, fabric, job = large(store, step=4)
@@ -395,7 +401,7 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
         # older release or a crash left at the edge would be, so that the words do not fit when the failure
         # comes: the write's own fallback is what is tested.
         monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
-        monkeypatch.setattr(composer_module, "_LONGEST_REPEATED", "")
+        monkeypatch.setattr(composer_module, "_LONGEST_ASIDE", "")
         fabrics = rack()
         comp = composer(fabrics, store=store, auto_heal=False)
         request = parse_request("job", ["host h1", "gpu x8"])
@@ -477,6 +483,10 @@ class TestAFailure:
         assert comp.get(job.id).state is CompositionState.FAILED
 
 
+LONGEST_CHARACTER = "\U0001d4b3"
+"""A printable character of four bytes in UTF-8: as many as a record writes one in (a backslash takes two)."""
+
+
 class Borrowing(SimFabric):
     """A demo sim fabric whose discovery also reports ``borrowed`` (ids another fabric may report too)."""
 
@@ -520,6 +530,54 @@ class TestAFabricSetAside:
         assert now.state is CompositionState.UNKNOWN
         said = f"it reports device id {long_id!r}, which fabric cxl0 reports too"
         assert now.message == f"fabric pcie0 is set aside: {said}"
+
+    def test_a_fabric_set_aside_by_one_configured_since_is_said_within_what_the_composition_was_measured_with(
+        self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The reason names the other fabrics that report the id, one of them configured after the composition was
+        measured, its name as long as a fabric's may be written (`MAX_FABRIC_NAME` characters of four bytes each):
+        it is said in full, in a record the ledger takes."""
+        monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
+        pcie = Borrowing(load_topology("pcie0", "demo-pcie"))
+        cxl = Borrowing(load_topology("cxl0", "demo-cxl"))
+        comp = composer({"pcie0": pcie, "cxl0": cxl}, store=store, auto_heal=False)
+        request = parse_request("gpu", ["host h1", "gpu x1"])
+        store.limit = 1
+        with pytest.raises(InvalidRequestError) as refused:
+            comp.compose(request, request_id="r-gpu")
+        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+        assert found is not None
+        store.limit = int(found[1]) + MARGIN  # the least the compose is taken at
+        made = comp.compose(request, request_id="r-gpu").composition
+        assert made is not None
+        comp.close()
+        later = LONGEST_CHARACTER * MAX_FABRIC_NAME  # configured since, as long a name as a record writes
+        other = Borrowing(load_topology(later, "demo-cxl"))
+        comp = composer({"pcie0": pcie, "cxl0": cxl, later: other}, store=store, auto_heal=False)
+        long_id = "cxl0/" + "\\" * (MAX_ID - 5)
+        taken = pcie.discover().devices[0]
+        pcie.borrowed = (attrs.evolve(taken, id=long_id),)
+        other.borrowed = (attrs.evolve(taken, id=long_id, switch=f"{later}/cxl-top"),)
+        other.set_link("h4", "cxl-top", False)  # each event makes the composer discover its fabric again
+        pcie.set_link("h4", "top-b", False)  # the newcomer to the id is set aside
+        assert store.oversized == [] and store.failure == ""
+        now = comp.get(made.id)
+        assert now.state is CompositionState.UNKNOWN
+        said = f"it reports device id {long_id!r}, which fabric {later} reports too"
+        assert now.message == f"fabric pcie0 is set aside: {said}"
+
+    def test_the_room_for_a_reason_holds_the_names_of_fabrics_configured_later(self) -> None:
+        """A composition is measured with room for its fabrics set aside in the longest reason there is
+        (`_LONGEST_ASIDE`): it named the fabrics configured then, and those configured later, with longer names
+        (`MAX_FABRIC_NAME` characters of four bytes each), gave a longer one."""
+        comp = composer(auto_heal=False)
+        switch = comp.topologies()[0].switches[0]
+        later = [f"{n}{LONGEST_CHARACTER * (MAX_FABRIC_NAME - 1)}" for n in range(7)]
+        topologies = [Topology(fabric=f, switches=(attrs.evolve(switch, id="\\" * MAX_ID, fabric=f),)) for f in later]
+        given = comp._repeaters(topologies).values()
+        assert len(given) == len(later)
+        longest = max(composer_module._written_length(why) for why in given)
+        assert composer_module._written_length(composer_module._LONGEST_ASIDE) >= longest
 
     def test_fabrics_set_aside_are_named_with_why_five_at_most(self) -> None:
         aside = [(f"f{n}", f"it reports device id 'f{n}/x', which fabric g reports too") for n in range(7)]

@@ -698,7 +698,7 @@ class TestRecordSize:
         """A removal's first record names what it removes beside all the composition holds: removing most of a
         composition grown to what etcd takes (composed, then as much added) wrote a record it does not, which
         failed the ledger and stopped the leader."""
-        half = 5990
+        half = 5975
         composer, store = self._composer(etcd_one, prefix, 2 * half)
         try:
             composer.start()

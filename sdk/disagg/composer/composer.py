@@ -80,6 +80,7 @@ from disagg.model import (
     id_name_refusal,
 )
 from disagg.model.composition import MAX_RESOURCE_LINES, revise
+from disagg.model.devices import MAX_FABRIC_NAME
 from disagg.policies import BestFit
 from disagg.store import MemoryStore, RequestRecord, Store
 from disagg.store.base import REQUEST_RETENTION, UNDECODABLE, undecodable
@@ -398,6 +399,20 @@ _LONGEST_REPEATED = "\\" * MAX_ID
 """An id as long as a record may name one that a fabric repeats (`_repeaters`): `MAX_ID` backslashes, each
 written as four bytes (``repr`` doubles it, the record escapes both); what a composition is measured with
 (`FabricComposer._grown`)."""
+
+
+_LONGEST_FABRIC = "\U0001d4b3" * MAX_FABRIC_NAME
+"""A fabric name as long as a record may write one: `MAX_FABRIC_NAME` characters of four bytes each."""
+
+
+_LONGEST_ASIDE = (
+    f"it reports switch id {_LONGEST_REPEATED!r}, which fabric {', '.join([_LONGEST_FABRIC] * NAMED)} and "
+    f"{10**12} more reports too"
+)
+"""The longest reason `FabricComposer._repeaters` may give a fabric set aside: `_LONGEST_REPEATED` as a switch's
+id, other fabrics reporting it too (`_named`), of names as long as any (`_LONGEST_FABRIC`), what a composition is
+measured with (`FabricComposer._grown`). It named the fabrics configured then: one configured later, with a longer
+name, gave a longer reason than a composition had room for."""
 
 
 def _away_why(unreachable: Sequence[str], aside: Sequence[tuple[str, str]], gone: Sequence[str]) -> str:
@@ -1607,13 +1622,6 @@ class FabricComposer(Composer):
                 also = f", which fabric {others} reports too" if others else " twice"
                 aside.setdefault(name, f"it reports {repeat.what} id {repeat.id!r}{also}")
         return aside
-
-    @property
-    def _longest_aside(self) -> str:
-        """The longest reason `_repeaters` gives a fabric set aside: `_LONGEST_REPEATED` as a switch's id, every
-        other fabric reporting it too, the longest named (`_named`)."""
-        others = sorted(self.fabrics, key=len, reverse=True)
-        return f"it reports switch id {_LONGEST_REPEATED!r}, which fabric {_named(others)} reports too"
 
     def _set_aside_for(self, repeat: Repeat, reporters: list[str]) -> set[str]:
         """Which of ``reporters`` (the fabrics that report ``repeat``'s id, once each) to set aside: one that
@@ -2880,7 +2888,7 @@ class FabricComposer(Composer):
             f"{said} {_named(parts)}" for said in ("the hardware no longer holds", "unreachable:", "unhealthy:")
         )
         fabrics = sorted(self._fabrics_of(comp), key=len, reverse=True)
-        away = _away_why(fabrics, [(f, self._longest_aside) for f in fabrics], fabrics)
+        away = _away_why(fabrics, [(f, _LONGEST_ASIDE) for f in fabrics], fabrics)
         why = max(why, away, key=_written_length)
         return revise(
             comp, state=CompositionState.DEGRADED, message=why, before_unknown=PriorState(comp.state, why), missing=ids
