@@ -112,6 +112,17 @@ def largest_written(setup: Callable[[FabricComposer, dict[str, Any]], Any], chan
     return max(store.sizes) - MARGIN
 
 
+def least_taken(store: LimitedStore, change: Callable[[], object]) -> int:
+    """The least limit ``store`` takes the records of ``change`` at: the size it is refused with at a limit of one
+    byte, refused before it writes anything."""
+    store.limit = 1
+    with pytest.raises(InvalidRequestError) as refused:
+        change()
+    found = re.search(r"a record of about (\d+) bytes", refused.value.message)
+    assert found is not None
+    return int(found[1])
+
+
 @pytest.fixture
 def store() -> LimitedStore:
     return LimitedStore()
@@ -334,12 +345,7 @@ class TestWhatTheHardwareReports:
         what the ledger took takes every device lost and failed, and its fabric away (UNKNOWN, keeping its
         reason)."""
         first = LimitedStore()
-        first.limit = 1
-        with pytest.raises(InvalidRequestError) as refused:
-            large(first, step=4)
-        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
-        assert found is not None
-        least = int(found[1])  # the least its first compose is taken at
+        least = least_taken(first, lambda: large(first, step=4))  # the least its first compose is taken at
         grown = []
         for limit in range(least, least + 5000, 250):
             store = LimitedStore()
@@ -405,12 +411,8 @@ class TestWhatTheComposerSaysOfItsOwnAccord:
         fabrics = rack()
         comp = composer(fabrics, store=store, auto_heal=False)
         request = parse_request("job", ["host h1", "gpu x8"])
-        store.limit = 1
-        with pytest.raises(InvalidRequestError) as refused:
-            comp.compose(request, request_id="r-job")
-        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
-        assert found is not None
-        store.limit = int(found[1]) + MARGIN  # the least the compose is taken at: its records at the edge
+        # the least the compose is taken at: its records at the edge
+        store.limit = least_taken(store, lambda: comp.compose(request, request_id="r-job")) + MARGIN
         pcie = fabrics["pcie0"]
         bind, binds = pcie.bind, []
         cause = "the switch stopped answering: " + "the port's firmware logged a fault; " * 40
@@ -497,6 +499,23 @@ class Borrowing(SimFabric):
         return attrs.evolve(topology, devices=(*topology.devices, *self.borrowed))
 
 
+def composed_at_the_edge(
+    store: LimitedStore, monkeypatch: pytest.MonkeyPatch
+) -> tuple[FabricComposer, Borrowing, Borrowing, Composition]:
+    """A composition of one GPU on the demo rack of `Borrowing` fabrics, at the least limit its compose is taken
+    at. Measured with no room for a failure's driver text (as `TestWhatTheComposerSaysOfItsOwnAccord` does), so
+    that what a compose measures of the composition it leaves (`_grown`) decides its size."""
+    monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
+    pcie = Borrowing(load_topology("pcie0", "demo-pcie"))
+    cxl = Borrowing(load_topology("cxl0", "demo-cxl"))
+    comp = composer({"pcie0": pcie, "cxl0": cxl}, store=store, auto_heal=False)
+    request = parse_request("gpu", ["host h1", "gpu x1"])
+    store.limit = least_taken(store, lambda: comp.compose(request, request_id="r-gpu")) + MARGIN
+    made = comp.compose(request, request_id="r-gpu").composition
+    assert made is not None
+    return comp, pcie, cxl, made
+
+
 class TestAFabricSetAside:
     def test_a_fabric_set_aside_for_a_long_id_is_said_within_what_the_composition_was_measured_with(
         self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
@@ -504,21 +523,7 @@ class TestAFabricSetAside:
         """A fabric whose report repeats another's id is set aside and its compositions become UNKNOWN, each
         saying why, the id in it (`MAX_ID` characters, each backslash written as four bytes): a composition was
         measured with room for "fabric pcie0 cannot be reached" only, and a record at the edge failed the ledger."""
-        # Measured with no room for a failure's driver text (as `TestWhatTheComposerSaysOfItsOwnAccord` does),
-        # so that what a compose measures of the composition it leaves (`_grown`) decides its size.
-        monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
-        pcie = Borrowing(load_topology("pcie0", "demo-pcie"))
-        cxl = Borrowing(load_topology("cxl0", "demo-cxl"))
-        comp = composer({"pcie0": pcie, "cxl0": cxl}, store=store, auto_heal=False)
-        request = parse_request("gpu", ["host h1", "gpu x1"])
-        store.limit = 1
-        with pytest.raises(InvalidRequestError) as refused:
-            comp.compose(request, request_id="r-gpu")
-        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
-        assert found is not None
-        store.limit = int(found[1]) + MARGIN  # the least the compose is taken at
-        made = comp.compose(request, request_id="r-gpu").composition
-        assert made is not None
+        comp, pcie, cxl, made = composed_at_the_edge(store, monkeypatch)
         long_id = "cxl0/" + "\\" * (MAX_ID - 5)
         taken = pcie.discover().devices[0]
         pcie.borrowed = (attrs.evolve(taken, id=long_id),)
@@ -537,19 +542,7 @@ class TestAFabricSetAside:
         """The reason names the other fabrics that report the id, one of them configured after the composition was
         measured, its name as long as a fabric's may be written (`MAX_FABRIC_NAME` characters of four bytes each):
         it is said in full, in a record the ledger takes."""
-        monkeypatch.setattr(composer_module, "_LONGEST_CLIPPED", "")
-        pcie = Borrowing(load_topology("pcie0", "demo-pcie"))
-        cxl = Borrowing(load_topology("cxl0", "demo-cxl"))
-        comp = composer({"pcie0": pcie, "cxl0": cxl}, store=store, auto_heal=False)
-        request = parse_request("gpu", ["host h1", "gpu x1"])
-        store.limit = 1
-        with pytest.raises(InvalidRequestError) as refused:
-            comp.compose(request, request_id="r-gpu")
-        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
-        assert found is not None
-        store.limit = int(found[1]) + MARGIN  # the least the compose is taken at
-        made = comp.compose(request, request_id="r-gpu").composition
-        assert made is not None
+        comp, pcie, cxl, made = composed_at_the_edge(store, monkeypatch)
         comp.close()
         later = LONGEST_CHARACTER * MAX_FABRIC_NAME  # configured since, as long a name as a record writes
         other = Borrowing(load_topology(later, "demo-cxl"))
@@ -587,6 +580,15 @@ class TestAFabricSetAside:
         assert why.endswith("; 2 more fabrics are set aside; fabric gone is not loaded (not in the configuration)")
 
 
+def one_failed(store: LimitedStore) -> tuple[FabricComposer, Any, Composition]:
+    """A composer on the demo rack and `eight_gpus`, the first of them failed: what a heal replaces."""
+    fabrics = rack()
+    comp = composer(fabrics, store=store, auto_heal=False)
+    job = eight_gpus(comp)
+    fabrics["pcie0"].fail_device(job.device_ids[0], "ECC")
+    return comp, fabrics["pcie0"], job
+
+
 class TestADeviceThatFailsDuringAHeal:
     def test_its_reason_is_not_said_in_a_heal_s_record_at_the_edge(
         self, store: LimitedStore, monkeypatch: pytest.MonkeyPatch
@@ -594,11 +596,7 @@ class TestADeviceThatFailsDuringAHeal:
         """A heal's records stay DEGRADED, the change in flight in them: a device that failed meanwhile was said
         at once (`_reassess`), unmeasured, in the record that names the failed devices beside their replacements,
         and a longer reason failed the ledger. It is said as the heal ends, in a smaller record."""
-        fabrics = rack()
-        comp = composer(fabrics, store=store, auto_heal=False)
-        job = eight_gpus(comp)
-        pcie = fabrics["pcie0"]
-        pcie.fail_device(job.device_ids[0], "ECC")
+        comp, pcie, job = one_failed(store)
         degraded = comp.get(job.id)
         assert degraded.message == f"unhealthy: {job.device_ids[0]}"
         unbind, seen = pcie.unbind, []
@@ -630,11 +628,7 @@ class TestADeviceThatFailsDuringAHeal:
         """The failed device cannot be unbound, so its replacement is undone: the record of the undo said the
         reason the heal's records left out only as the undo ended. Said with it when the ledger takes it there
         (``room`` 64); else left out still (8), and said as the undo ends."""
-        fabrics = rack()
-        comp = composer(fabrics, store=store, auto_heal=False)
-        job = eight_gpus(comp)
-        pcie = fabrics["pcie0"]
-        pcie.fail_device(job.device_ids[0], "ECC")
+        comp, pcie, job = one_failed(store)
         degraded = comp.get(job.id)
         unbind, seen = pcie.unbind, []
         both = f"unhealthy: {job.device_ids[0]}, {job.device_ids[1]}"
@@ -666,12 +660,9 @@ def interrupted_removal(monkeypatch: pytest.MonkeyPatch) -> tuple[Composition, i
     fabrics, store = rack(), LimitedStore()
     comp = composer(fabrics, store=store, auto_heal=False)
     job = eight_gpus(comp)
-    store.limit = 1
-    with pytest.raises(InvalidRequestError) as refused:
-        comp.recompose(job.id, remove=job.device_ids[:6], request_id="r-shrink")
-    found = re.search(r"a record of about (\d+) bytes", refused.value.message)
-    assert found is not None
-    store.limit = int(found[1]) + 8
+    store.limit = (
+        least_taken(store, lambda: comp.recompose(job.id, remove=job.device_ids[:6], request_id="r-shrink")) + 8
+    )
     unbind, seen = fabrics["pcie0"].unbind, []
 
     def seeing(binding: Binding, ctx: CallContext) -> None:
@@ -865,12 +856,8 @@ class TestARequestsAnswer:
         job = comp.compose(parse_request("job", ["host h1", f"gpu x{gpus}"]), request_id="r-job").composition
         assert job is not None
         remove = job.device_ids[:removed]
-        store.limit = 1
-        with pytest.raises(InvalidRequestError) as refused:
-            comp.recompose(job.id, remove=remove, request_id="r-shrink")
-        found = re.search(r"a record of about (\d+) bytes", refused.value.message)
-        assert found is not None
-        store.limit = int(found[1]) + MARGIN  # the least the removal is taken at: its records at the edge
+        # the least the removal is taken at: its records at the edge
+        store.limit = least_taken(store, lambda: comp.recompose(job.id, remove=remove, request_id="r-shrink")) + MARGIN
         pcie.stuck = set(remove[1:])
         with pytest.raises(DisaggError, match="could not remove") as left:
             comp.recompose(job.id, remove=remove, request_id="r-shrink")
