@@ -428,6 +428,9 @@ class OpenCall:
     def done(self) -> bool:
         return False
 
+    async def send_initial_metadata(self, initial_metadata: Any) -> None:
+        """A watch tells its client it is served (`disagg.wire.fabric.WATCH_OPEN`): there is no client here."""
+
 
 OPEN_CALL: Any = OpenCall()
 

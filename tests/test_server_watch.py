@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import shutil
 import sqlite3
 import threading
@@ -30,6 +31,7 @@ from disagg.server.servicer import FabricManagerServicer
 from disagg.server.watch import WATCH_RETRY_S, Watches, watch_events
 from disagg.store import MemoryStore, SqliteStore
 from disagg.wire.errors import retry_delay_s
+from disagg.wire.fabric import WATCH_OPEN
 from disagg_sim import create_fabric
 from server_helpers import (
     OPEN_CALL,
@@ -56,9 +58,13 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 def churn(served: Served, count: int) -> None:
     """Make ``count`` events (cordons and uncordons)."""
+    churn_composer(served.composer, count)
+
+
+def churn_composer(comp: FabricComposer, count: int) -> None:
     for n in range(count):
         device = GPUS[(n // 2) % len(GPUS)]
-        (served.composer.cordon if n % 2 == 0 else served.composer.uncordon)(device)
+        (comp.cordon if n % 2 == 0 else comp.uncordon)(device)
 
 
 def take(stream: Any, count: int) -> list[int]:
@@ -246,6 +252,35 @@ def embedded(tmp_path: Path, servicer: FabricManagerServicer) -> Iterator[str]:
     finally:
         servicer.stop()
         server.stop(0).wait(WAIT_S)
+
+
+class TestAServedWatchIsTold:
+    """The server tells a client its watch is served (`WATCH_OPEN` in the initial metadata) before any event, so that
+    a client can tell the break of a served watch from a failed reopen; a watch it refuses is not told so."""
+
+    def _told(self, stub: fm_grpc.FabricManagerServiceStub, after: int) -> bool:
+        call = stub.WatchEvents(fm.WatchEventsRequest(after_revision=after), timeout=WAIT_S)
+        try:
+            return WATCH_OPEN in (call.initial_metadata() or ())
+        finally:
+            call.cancel()
+
+    def test_on_the_asyncio_server(self, served: Served) -> None:
+        churn(served, 2)
+        assert self._told(served.stub, 2)  # at the newest revision: no event to send yet
+        assert not self._told(served.stub, 9)  # ahead of the log: refused
+
+    def test_on_a_thread_pool_server(self, tmp_path: Path) -> None:
+        comp = composer()
+        servicer = FabricManagerServicer(comp)
+        try:
+            churn_composer(comp, 2)
+            with embedded(tmp_path, servicer) as address, grpc.insecure_channel(address) as channel:
+                stub = fm_grpc.FabricManagerServiceStub(channel)
+                assert self._told(stub, 2)
+                assert not self._told(stub, 9)
+        finally:
+            comp.close()
 
 
 class TestSlowWatcherOnAThreadPoolServer:
@@ -498,6 +533,44 @@ class TestWatchAcrossARestart:
             stream.close()
             client.close()
 
+    def test_a_quiet_watch_outlives_more_restarts_than_its_attempts(self, tmp_path: Path) -> None:
+        """A watch that sees no event while its server restarts again and again, coming back each time: the
+        breaks were counted in a row, as a call's failed attempts are, and the restart that made them the
+        policy's ``max_attempts`` ended the watch with UNAVAILABLE, though each reopen was served. A break of a
+        watch the server had opened is the first of a new row."""
+        ledger = tmp_path / "l.db"
+        policy = RetryPolicy(max_attempts=4, initial_backoff_s=0.4, max_backoff_s=0.4, multiplier=1.0)
+        got: list[object] = []
+
+        def read(stream: Any) -> None:
+            try:
+                got.append(next(stream).revision)
+            except Exception as exc:  # what ended the watch is what the test reports
+                got.append(exc)
+
+        with serving(socket_path(tmp_path), store=SqliteStore(ledger)) as first:
+            churn(first, 1)
+            client = FabricManagerClient(first.address, timeout_s=WAIT_S, retries=policy)
+            client._rng = _Longest()  # each restart's pause covers the server's downtime: the break alone counts
+            stream = client.watch(1)
+            reader = threading.Thread(target=read, args=(stream,))
+            reader.start()
+            wait_until(lambda: len(first.server.servicer.watches) == 1, "the watch to open")
+        try:
+            for restart in range(policy.max_attempts + 1):
+                with serving(socket_path(tmp_path), store=SqliteStore(ledger)) as again:
+                    wait_until(lambda: len(again.server.servicer.watches) == 1 or bool(got), "the watch to reopen")
+                    assert got == [], f"ended at restart {restart + 1}"
+            with serving(socket_path(tmp_path), store=SqliteStore(ledger)) as last:
+                wait_until(lambda: len(last.server.servicer.watches) == 1 or bool(got), "the watch to reopen")
+                last.composer.uncordon(GPUS[0])
+                reader.join(WAIT_S)
+            assert got == [2]
+        finally:
+            stream.close()
+            reader.join(WAIT_S)
+            client.close()
+
     @pytest.mark.parametrize("when", [float("nan"), float("inf"), -1.0])
     def test_a_time_that_is_no_time_is_refused(self, served: Served, when: float) -> None:
         churn(served, 2)
@@ -548,6 +621,13 @@ class TestWatchFromAListing:
         """Before the first event there is no event to name: revision 0, time 0, and a watch of the whole log."""
         response = served.stub.ListCompositions(fm.ListCompositionsRequest(), timeout=WAIT_S)
         assert (response.revision, response.revision_time) == (0, 0.0)
+
+
+class _Longest(random.Random):
+    """Pauses as long as the policy allows, every time."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
 
 
 class _StoppedAsItOpens(FakeContext):

@@ -49,6 +49,7 @@ from disagg.model import (
 from disagg.wire.errors import build, from_rpc_error, server_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
+    WATCH_OPEN,
     check_request_values,
     compose_mode_from_wire,
     compose_request_to_wire,
@@ -840,6 +841,14 @@ def _watch_broke(exc: grpc.RpcError) -> bool:
     return exc.code() is grpc.StatusCode.CANCELLED or may_retry(exc)
 
 
+def _was_served(exc: grpc.RpcError) -> bool:
+    """Whether the watch that broke off with ``exc`` had been served: its server said so as it opened it
+    (`WATCH_OPEN`). Its break is then the first of a new row, not one more failed attempt to reopen it: counted
+    with the breaks before it, a quiet watch ended once its server had restarted ``max_attempts`` times."""
+    initial_metadata = getattr(exc, "initial_metadata", None)  # the call's own error; grpcio's, a grpc.Call too
+    return callable(initial_metadata) and WATCH_OPEN in (initial_metadata() or ())
+
+
 class EventStream(Iterator[Event]):
     """An iterator over a watch of the event log; `close` cancels it, and iteration then ends."""
 
@@ -870,7 +879,7 @@ class EventStream(Iterator[Event]):
                 self.close()
                 raise
             except grpc.RpcError as exc:
-                failures += 1
+                failures = 1 if _was_served(exc) else failures + 1
                 self._recover(exc, failures)
                 continue
             if msg.event.revision <= self.last_revision:

@@ -9,6 +9,7 @@ callback when it ends (an event watch wakes up then); `ThreadedContext` gives it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -21,6 +22,12 @@ class RpcContext(Protocol):
     def is_active(self) -> bool: ...
 
     def add_callback(self, callback: Callable[[], None]) -> bool: ...
+
+    def send_initial_metadata(self, initial_metadata: tuple[tuple[str, str], ...]) -> None: ...
+
+
+METADATA_WAIT_S = 5.0
+"""The longest a handler's thread waits for its call's initial metadata to go out (the loop runs it at once)."""
 
 
 class ThreadedContext:
@@ -48,3 +55,14 @@ class ThreadedContext:
 
         self._loop.call_soon_threadsafe(register)
         return True
+
+    def send_initial_metadata(self, initial_metadata: tuple[tuple[str, str], ...]) -> None:
+        """Send the call's initial metadata now, before its first response, and wait until it is sent: a response
+        the call sends first would carry the empty metadata grpcio sends with it. Advisory: a call that ended
+        meanwhile (or a loop that stopped) sends nothing, which is not an error."""
+        try:
+            sent = asyncio.run_coroutine_threadsafe(self._context.send_initial_metadata(initial_metadata), self._loop)
+        except RuntimeError:  # the loop is closed: the call is over
+            return
+        with contextlib.suppress(Exception):
+            sent.result(METADATA_WAIT_S)

@@ -11,6 +11,7 @@ event revision together (`FabricComposer.snapshot`) and converts it to messages 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -44,6 +45,7 @@ from disagg.server.watch import SHUTTING_DOWN, WATCH_STALL_S, Watches, stalled_w
 from disagg.wire.deadlines import deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
+    WATCH_OPEN,
     check_driver_id,
     check_id,
     check_selector_values,
@@ -165,6 +167,12 @@ class _Paging:
         """This page of ``items`` (sorted by ``key``) and the token of the next ("" on the last page)."""
         found, last = page(items, key, after=self.after, size=self.size, keep=keep)
         return found, page_token_to_wire(self.collection, last) if last is not None else ""
+
+
+def _watch_opened(context: RpcContext) -> None:
+    """Tell the client its watch is served (`WATCH_OPEN`). A call that ended meanwhile is told nothing."""
+    with contextlib.suppress(grpc.RpcError, ValueError):  # grpcio's refusals once the call is over
+        context.send_initial_metadata((WATCH_OPEN,))
 
 
 class SendStall:
@@ -560,6 +568,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             self.watches,
             capacity=self._watch_buffer,
             after_time=request.after_time,
+            opened=functools.partial(_watch_opened, context),
         )
         try:
             for event in events:

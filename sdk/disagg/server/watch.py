@@ -23,7 +23,7 @@ import collections
 import math
 import random
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 from disagg.composer import FabricComposer
 from disagg.errors import (
@@ -161,10 +161,12 @@ def watch_events(
     *,
     capacity: int = 1024,
     after_time: float = 0.0,
+    opened: Callable[[], None] | None = None,
 ) -> Generator[Event, None, None]:
     """Events with a revision above ``after`` (0: the whole retained log), then live ones, until the call
     ends. Raises `RevisionCompactedError` for a gap, or for a log reset since the event at ``after`` (of time
-    ``after_time``, when known) was read, and `FabricUnavailableError` when the server stops."""
+    ``after_time``, when known) was read, and `FabricUnavailableError` when the server stops. ``opened`` is
+    called once the watch is served (checked, and holding its slot), before it reads the log."""
     if not math.isfinite(after_time) or after_time < 0:
         raise InvalidRequestError(f"after_time: a time in seconds, 0 or more, not {after_time!r}", field="after_time")
     newest = composer.revision
@@ -180,6 +182,8 @@ def watch_events(
     remove = composer.add_listener(buffer.offer)
     try:
         context.add_callback(buffer.end)
+        if opened is not None:
+            opened()
         cursor = yield from _replay(composer, after, buffer, first=after == 0)
         if cursor == 0 and not buffer.ended:
             # Nothing retained at all: the next event follows the newest revision. A watch stopped before it read

@@ -90,6 +90,10 @@ ANY_TEXT_KEYS = frozenset({"compositions"})
 """The listings whose keys may be any non-empty text (`MAX_PAGE_TOKEN`)."""
 MAX_TTL_S = MAX_RESERVATION_TTL_S
 MAX_REMOVE = 1024
+WATCH_OPEN = ("disagg-watch", "open")
+"""The initial metadata a server sends as it opens a watch, before the log's events: a client whose watch breaks
+after it knows the watch was served, and counts the break as the first of a new row of failures, not as one more
+failed attempt to reopen it (a quiet watch, its server restarted more times than the retry policy's attempts)."""
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 MAX_REMEMBERED = 1_024
 """How many resource lines, and how many host requests, are remembered as read (`_remember`)."""
