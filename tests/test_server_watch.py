@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
 import shutil
@@ -699,6 +700,34 @@ class TestAWatchEndedEarly:
         finally:
             release.set()
             holder.join(WAIT_S)
+
+    def test_one_cancelled_as_the_server_stops_leaves_no_error_unread(
+        self, on_a_loop: tuple[FabricComposer, AsyncFabricManagerServicer, ThreadPoolExecutor]
+    ) -> None:
+        """The client went away while a worker waited for the next event, and the server stopped before that
+        worker woke: the watch ended there with UNAVAILABLE, which nobody read, and asyncio logged "Future
+        exception was never retrieved" with its traceback, an error in the log of a clean stop."""
+        _, aio, _ = on_a_loop
+
+        async def cancel_then_stop() -> list[str]:
+            told: list[str] = []
+            asyncio.get_running_loop().set_exception_handler(lambda _, context: told.append(context["message"]))
+            stream = aio.WatchEvents(fm.WatchEventsRequest(after_revision=0), OPEN_CALL)
+            assert (await stream.__anext__()).event.revision == 1
+            waiting = asyncio.ensure_future(stream.__anext__())  # a worker waits for a live event
+            await asyncio.sleep(0.1)
+            waiting.cancel()  # the client went away
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            aio.servicer.stop()
+            while len(aio.servicer.watches):  # the worker woke, and the watch ended
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # its close, called back on the loop, has run
+            del waiting, stream
+            gc.collect()
+            return told
+
+        assert "Future exception was never retrieved" not in asyncio.run(cancel_then_stop())
 
     def test_one_cancelled_after_the_workers_stopped_is_closed_still(
         self, on_a_loop: tuple[FabricComposer, AsyncFabricManagerServicer, ThreadPoolExecutor]

@@ -262,7 +262,15 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
                 if waiting is None or waiting.done():
                     self._close_in_thread(close)
                 else:  # cancelled while a thread waits for events: it wakes as the call ends, then close
-                    waiting.add_done_callback(lambda _: self._close_in_thread(close))
+                    waiting.add_done_callback(functools.partial(self._close_after, close))
+
+    def _close_after(self, close: Callable[[], object], waited: asyncio.Future[Any]) -> None:
+        """Close a watch whose call was cancelled once the event its thread waited for came (`waited`). How that
+        wait ended is read, and dropped: the watch may have ended meanwhile (UNAVAILABLE, the server stopping),
+        and its client, gone, is told nothing; unread, asyncio logged it as an error with its traceback."""
+        if not waited.cancelled():
+            waited.exception()
+        self._close_in_thread(close)
 
     def _stalled(self, close: Callable[[], object] | None, dropped: list[bool]) -> None:
         """A watch's send waited too long: end the watch now (its generator is idle between events), not when the
