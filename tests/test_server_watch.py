@@ -400,6 +400,15 @@ class TestWatchBuffer:
         with pytest.raises(RevisionCompactedError, match="events 2 to 8 are no longer retained"):
             list(events)
 
+    def test_one_event_no_longer_retained_is_named_as_one(self) -> None:
+        """A watch one event short of the retained log was told "events 5 to 5 are no longer retained"."""
+        comp = composer(store=MemoryStore(event_retention=5))
+        churn_composer(comp, 10)
+        with pytest.raises(RevisionCompactedError) as refused:
+            next(watch_events(comp, 4, FakeContext(), Watches(4)))  # type: ignore[arg-type]
+        assert refused.value.message.startswith("event 5 is no longer retained; the oldest is 6:")
+        comp.close()
+
     def test_stopping_ends_watches_and_refuses_new_ones(self) -> None:
         comp = composer()
         watches = Watches(4)

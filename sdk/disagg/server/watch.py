@@ -237,9 +237,14 @@ def _replay(
         batch = composer.events(cursor, LOG_PAGE)
         for event in batch:
             if not first and event.revision != cursor + 1:
+                lost = (
+                    f"event {cursor + 1} is"
+                    if event.revision == cursor + 2
+                    else f"events {cursor + 1} to {event.revision - 1} are"
+                )
                 raise RevisionCompactedError(
-                    f"events {cursor + 1} to {event.revision - 1} are no longer retained; the oldest is "
-                    f"{event.revision}: list again and watch from the current revision",
+                    f"{lost} no longer retained; the oldest is {event.revision}: list again and watch from the "
+                    "current revision",
                     metadata={"oldest": str(event.revision), "after": str(cursor)},
                 )
             first = False
