@@ -5,13 +5,17 @@ first call is still running; and a PREVIEW, which changes nothing, neither looks
 from __future__ import annotations
 
 import contextvars
+import pathlib
 
 import pytest
 from composer_helpers import composer
 from disagg.composer import steps
-from disagg.errors import RequestIdReusedError
+from disagg.errors import NoFitError, RequestIdReusedError
 from disagg.model import ComposeMode
 from disagg.requestlang import parse_request
+from disagg.store import MemoryStore, SqliteStore
+from disagg.store import memory as memory_store
+from disagg.store import sqlite as sqlite_store
 
 JOB = parse_request("job", ["gpu x2"])
 
@@ -66,4 +70,29 @@ class TestAPreviewsRequestId:
         assert comp.compose(other, ComposeMode.PREVIEW, request_id="Q").plan is not None
         made = comp.compose(other, ComposeMode.RESERVE, request_id="Q").reservation
         assert made is not None and made.request_id == "Q"  # kept, the id would be REQUEST_ID_REUSED
+        comp.close()
+
+
+class TestARequestThatFails:
+    """A request that fails keeps no answer, in memory or in the ledger: it pushes out none the ledger keeps, or
+    a retry of that one, whose answer the ledger still holds (and a restart would give), ran again."""
+
+    @pytest.mark.parametrize("ledger", ["memory", "sqlite"])
+    def test_it_pushes_out_no_answer(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, ledger: str
+    ) -> None:
+        monkeypatch.setattr("disagg.composer.composer.REQUEST_ID_MEMORY", 2)
+        monkeypatch.setattr(memory_store, "REQUEST_RETENTION", 2)
+        monkeypatch.setattr(sqlite_store, "REQUEST_RETENTION", 2)
+        store = MemoryStore() if ledger == "memory" else SqliteStore(tmp_path / "ledger.db")
+        comp = composer(store=store)
+        first = comp.compose(JOB, request_id="A").composition
+        assert first is not None
+        comp.decompose(first.id)
+        comp.compose(parse_request("b", ["gpu x1"]), request_id="B")
+        with pytest.raises(NoFitError):
+            comp.compose(parse_request("huge", ["gpu x100"]), request_id="F")
+        retried = comp.compose(JOB, request_id="A").composition
+        assert retried is not None and retried.id == first.id, "the retry composed again"
+        assert [c.name for c in comp.compositions()] == ["b"]
         comp.close()

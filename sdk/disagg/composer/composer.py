@@ -574,6 +574,9 @@ class FabricComposer(Composer):
         """Name to the id of the composition or reservation that holds it; names are unique among both."""
         self._requests: OrderedDict[str, tuple[str, object, steps.Latch]] = OrderedDict()
         """Request id to (digest of the request, first answer or None while running, set when answered)."""
+        self._requests_running = 0
+        """How many of `_requests` are still running (no answer): the ledger holds none of them, so they take no
+        place among the answers memory keeps (`_forget_oldest_requests`)."""
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
@@ -2502,7 +2505,7 @@ class FabricComposer(Composer):
                     done = steps.Latch()
                     self._requests[request_id] = (fp, None, done)
                     self._requests.move_to_end(request_id)  # a seed taken over is the newest now, as its answer
-                    self._forget_oldest_requests()
+                    self._requests_running += 1
                     break
             seen, result, done = entry
             if seen != fp:
@@ -2545,10 +2548,12 @@ class FabricComposer(Composer):
         return answer
 
     def _forget_oldest_requests(self) -> None:
-        """Forget the oldest answered request ids beyond `REQUEST_ID_MEMORY`; under the lock. An id whose first
+        """Forget the oldest answered request ids beyond `REQUEST_ID_MEMORY`, as the ledger gains an answer and
+        drops its oldest; under the lock. Ids still running are not counted: one that fails leaves no answer, and
+        had it pushed one out, the ledger would still hold that answer while its retry ran again. An id whose first
         call is still running (its ``done`` unset) is kept however old: forgotten, its retry would run as a new
         request beside it, and be refused for the name its own first call holds."""
-        excess = len(self._requests) - REQUEST_ID_MEMORY
+        excess = len(self._requests) - self._requests_running - REQUEST_ID_MEMORY
         if excess > 0:
             answered = (request_id for request_id, (_, _, done) in self._requests.items() if done.is_set())
             for request_id in list(itertools.islice(answered, excess)):
@@ -2591,6 +2596,8 @@ class FabricComposer(Composer):
         """The call of ``request_id`` ended without an answer to keep: a retry runs again, or, for an id known
         from a composition record, still finds that record's change (another request under it is refused)."""
         with self._lock:
+            if self._requests.get(request_id, (None, ""))[1] is None:
+                self._requests_running -= 1
             if seed is not None:
                 self._requests[request_id] = seed
             else:
@@ -2634,8 +2641,11 @@ class FabricComposer(Composer):
         value = answer.error if isinstance(answer, _SettledError) else answer
         assert isinstance(value, ComposeResult | Composition | DisaggError)
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
+        if self._requests.get(request_id, (None, ""))[1] is None:
+            self._requests_running -= 1
         self._requests[request_id] = (fp, answer, done)
         self._requests.move_to_end(request_id)  # memory forgets in the order the ledger answered
+        self._forget_oldest_requests()
 
     def _compose(
         self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
