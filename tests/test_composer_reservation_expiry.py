@@ -145,6 +145,44 @@ class TestARestart:
         finally:
             again.close()
 
+    @pytest.mark.parametrize("behind_s", [3 * 24 * HOUR_S, HOUR_S])
+    def test_a_wall_clock_behind_holds_it_no_longer_than_its_own_time_to_live(
+        self, tmp_path: Path, behind_s: float
+    ) -> None:
+        """A restart (a failover to a replica) whose wall clock is behind the ledger's newest event: the clock
+        went back, and the reservation's ``expires_at`` against it held a 60 s reservation for up to a day. What
+        is left is counted from that event instead, never longer than the reservation's own time to live."""
+        clocks = Clocks()
+        first = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        res = reserved(first)
+        clocks.passes(10)
+        first.close()
+        clocks.steady = 0.0
+        clocks.step(-behind_s)
+        again = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        try:
+            assert again.reservations() == [res]
+            assert held_after(again, clocks, TTL_S) == []
+            assert again.holders() == {}
+        finally:
+            again.close()
+
+    def test_a_wall_clock_ahead_of_the_ledger_counts_from_itself(self, tmp_path: Path) -> None:
+        """The newest event bounds what is left only when the clock is behind it: time that passed while no
+        fabric manager ran counts, as before."""
+        clocks = Clocks()
+        first = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        res = reserved(first)
+        first.close()
+        clocks.passes(30)
+        clocks.steady = 0.0
+        again = started(clocks, store=SqliteStore(tmp_path / "ledger.db"))
+        try:
+            assert held_after(again, clocks, TTL_S - 31) == [res.id]
+            assert held_after(again, clocks, 1) == []
+        finally:
+            again.close()
+
 
 class TestAReleaseAfterItsTime:
     def test_it_is_told_as_expired(self) -> None:

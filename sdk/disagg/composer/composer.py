@@ -532,6 +532,10 @@ class FabricComposer(Composer):
         self._revision = 0
         self._revision_time = 0.0
         """The time of the event at ``_revision`` (`snapshot` answers it with the revision)."""
+        self._ledger_time = 0.0
+        """The time of the newest event the ledger held at start, which an earlier run's clock wrote: a wall clock
+        behind it now went back (or that run's was ahead), and what is left of a reservation is counted from it
+        (`_deadline_from_record`)."""
         self._watches: list[_Touched] = []
         """One per reconcile reading the hardware now: every change to a composition's record, with an event or
         without (a rollback puts a composition back silently), notes there what it touched (`_note_touched`)."""
@@ -616,6 +620,7 @@ class FabricComposer(Composer):
             self._revision = state.last_revision
             newest = self.store.events_after(state.last_revision - 1, 1) if state.last_revision else []
             self._revision_time = newest[0].time if newest and newest[0].revision == state.last_revision else 0.0
+            self._ledger_time = self._revision_time
             self._compositions = {c.id: c for c in state.compositions}
             self._reservations = {r.id: r for r in state.reservations}
             self._reservation_deadlines = {r.id: self._deadline_from_record(r) for r in state.reservations}
@@ -2226,10 +2231,13 @@ class FabricComposer(Composer):
 
     def _deadline_from_record(self, res: Reservation) -> float:
         """The instant of ``monotonic`` at which ``res``, read from the ledger (at start, or given back by a
-        recovery), expires: what is left of its wall-clock time to live, counted from now. Within the run that
-        follows, the wall clock no longer counts. Never more than the longest time to live a reservation has: a
-        wall clock set back since (a restart with the clock behind) would otherwise hold it for that much longer."""
-        return self.monotonic() + min(res.expires_at - self.clock(), MAX_RESERVATION_TTL_S)
+        recovery), expires: what is left of its wall-clock time to live, counted from now, or from the ledger's
+        newest event when the wall clock is behind that (set back since, or a failover to a replica whose clock
+        is behind): counted from now, a 60 s reservation was held for as long as the clock was behind, up to a
+        day. Its making was an event, so what is left is then at most its own time to live. Within the run that
+        follows, the wall clock no longer counts. Never more than the longest time to live a reservation has."""
+        now = max(self.clock(), self._ledger_time)
+        return self.monotonic() + min(res.expires_at - now, MAX_RESERVATION_TTL_S)
 
     def _hold_reservation(self, res: Reservation, deadline: float) -> None:
         """Hold ``res`` until ``deadline`` (of ``monotonic``): its plan claimed, its name taken, its record
