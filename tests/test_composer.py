@@ -253,7 +253,7 @@ class TestReservations:
         kinds, _ = comp.usage()
         assert next(k for k in kinds if k.kind.value == "gpu").free == 20
         assert EventType.RESERVATION_EXPIRED in events_of(comp)
-        with pytest.raises(NotFoundError, match="expired, was released or never existed"):
+        with pytest.raises(NotFoundError, match="expired: its time to live ran out; reserve again"):
             comp.apply_reservation(res.id)
 
     def test_a_failed_apply_gives_the_reservation_back(self) -> None:
@@ -311,7 +311,7 @@ class TestReservations:
         assert comp.reservations() == [] and comp.holders() == {}
         (released,) = [e for e in comp.events(0, 1000) if e.type is EventType.RESERVATION_RELEASED]
         assert released.subject == res.id and released.message.endswith(f"{failed} is not healthy")
-        with pytest.raises(NotFoundError, match="expired, was released or never existed"):
+        with pytest.raises(NotFoundError, match=f"was released: {failed} is not healthy; reserve again"):
             comp.apply_reservation(res.id)
         again = comp.compose(parse_request("r", ["host h1", "gpu x2"])).composition
         assert again is not None and failed not in again.device_ids

@@ -109,6 +109,8 @@ same digest; one recorded with another time to live is matched through `FabricCo
 
 
 T = TypeVar("T")
+ENDED_RESERVATION_MEMORY = 1_000
+"""How many ended reservations the composer remembers the end of, newest kept, to say it to a late apply."""
 REQUEST_ID_MEMORY = REQUEST_RETENTION
 """How many request ids the composer remembers in memory: as many as the ledger keeps, since a retry is looked up
 in memory only, and an id the ledger holds but memory forgot would be carried out again."""
@@ -118,6 +120,9 @@ _BINDING = ""
 _RECORDED = object()
 """The answer of a request id known only from the composition record its change left (`_seed_requests`)."""
 
+
+_ENDED_BY_TIME = "expired: its time to live ran out; reserve again"
+"""How a reservation that expired ended, as a late apply is told (`FabricComposer._end_of`)."""
 
 _ANSWERED = steps.Latch()
 """What a request id with a known answer waits on: nothing, it is set (one for all of them)."""
@@ -522,6 +527,8 @@ class FabricComposer(Composer):
         self._reservations: dict[str, Reservation] = {}
         self._reservation_deadlines: dict[str, float] = {}
         """Per reservation held, the instant of ``monotonic`` at which it expires."""
+        self._ended_reservations: OrderedDict[str, str] = OrderedDict()
+        """Per reservation that ended in this run, how (`_end_of`): an apply of it is refused saying so."""
         self._applying_deadlines: dict[str, float] = {}
         """Per composition an apply in flight is making of a reservation, that reservation's deadline: an apply
         undone gives it back for the rest of that time (`_give_back`)."""
@@ -2243,12 +2250,24 @@ class FabricComposer(Composer):
         """Hold ``res`` until ``deadline`` (of ``monotonic``): its plan claimed, its name taken, its record
         written; under the lock."""
         self._claim_plan(res.plan, res.id)
+        self._ended_reservations.pop(res.id, None)  # held again: an apply undone gave it back
         self._reservations[res.id] = res
         self._reservation_deadlines[res.id] = deadline
         self._names[res.request.name] = res.id
         self.store.put_reservation(res)
 
+    def _end_of(self, reservation_id: str, how: str) -> None:
+        """Remember how the reservation ``reservation_id`` ended ("was released: why; reserve again"), for an
+        apply that comes after (`_not_held`); the newest `ENDED_RESERVATION_MEMORY` are kept. Under the lock."""
+        self._ended_reservations[reservation_id] = how
+        self._ended_reservations.move_to_end(reservation_id)
+        if len(self._ended_reservations) > ENDED_RESERVATION_MEMORY:
+            self._ended_reservations.popitem(last=False)
+
     def _drop_reservation(self, res: Reservation, why: EventType, because: str = "") -> None:
+        expired = why is EventType.RESERVATION_EXPIRED
+        released = "was released" + (f": {because}" if because else "") + "; reserve again"
+        self._end_of(res.id, _ENDED_BY_TIME if expired else released)
         self._unclaim_plan(res.plan)
         self._lose_seed(res)
         del self._reservations[res.id]
@@ -2331,6 +2350,10 @@ class FabricComposer(Composer):
                 # undone now gives nothing back, so what they hold stays true.
                 kept = revise(applying, pending=attrs.evolve(applying.pending, reservation=None))
                 self._record(kept)
+                self._end_of(
+                    reservation_id,
+                    f"was released while its apply as {kept.id} ran, which holds its plan unless it failed",
+                )
                 log.info(
                     "reservation %s released while it was being applied as %s: should the apply be undone, it is "
                     "not held again",
@@ -2373,11 +2396,7 @@ class FabricComposer(Composer):
                 if made is not None:  # this very apply finished before a crash lost its answer
                     return ComposeResult(ComposeMode.APPLY, self._plan_of(made), composition=made)
                 self._check_not_done_before()
-                raise NotFoundError(
-                    "reservation",
-                    reservation_id,
-                    f"reservation {reservation_id!r} expired, was released or never existed",
-                )
+                raise self._not_held(reservation_id)
             sick = self._unhealthy_in(res.plan)
             if sick:  # found by a rebuild since, before a reconcile released it: it can never be applied
                 self._drop_reservation(res, EventType.RESERVATION_RELEASED, sick)
@@ -2398,6 +2417,7 @@ class FabricComposer(Composer):
             self._names.pop(res.request.name, None)
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
+            self._end_of(res.id, f"was applied as {comp.id}: read it, or retry that apply with its request id")
             comp = self._begin(comp, res.plan, reservation=res)
             self._applying_deadlines[comp.id] = expires
         try:
@@ -2407,6 +2427,12 @@ class FabricComposer(Composer):
         finally:
             with self._lock:
                 self._applying_deadlines.pop(comp.id, None)
+
+    def _not_held(self, reservation_id: str) -> NotFoundError:
+        """The refusal of an apply of a reservation that is not held: how it ended, where this run saw it end (an
+        apply under another request id, whose client may not have had its answer, names the composition)."""
+        how = self._ended_reservations.get(reservation_id, "expired, was released or never existed")
+        return NotFoundError("reservation", reservation_id, f"reservation {reservation_id!r} {how}")
 
     # ----------------------------------------------------------------- compose
 
@@ -3109,6 +3135,7 @@ class FabricComposer(Composer):
         if deadline is None:  # a recovery's: the apply was taken in an earlier run
             deadline = self._deadline_from_record(res)
         if deadline <= self.monotonic():
+            self._end_of(res.id, _ENDED_BY_TIME)
             self._emit(EventType.RESERVATION_EXPIRED, res.id, f"reservation for {res.request.name!r} given back")
             return
         inv = self._inv
@@ -3120,12 +3147,14 @@ class FabricComposer(Composer):
             and all(m.pool in inv.pools and inv.pools[m.pool].free_bytes >= m.amount_bytes for m in res.plan.memory)
         )
         if not free:  # what it held is another's now (a restart found the hardware otherwise): it cannot be held
+            self._end_of(res.id, "was released: its apply was undone, and what it held is taken now; reserve again")
             self._emit(EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back")
             return
         # A device of it failed while the apply ran (the failure found no reservation to release then): it could
         # not be applied again, and would hold its host and devices until its time ran out.
         sick = self._unhealthy_in(res.plan)
         if sick:
+            self._end_of(res.id, f"was released: {sick}; reserve again")
             self._emit(
                 EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back: {sick}"
             )
