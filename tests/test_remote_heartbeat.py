@@ -88,6 +88,28 @@ class TestADriverHungAfterItsHeaders:
             finally:
                 remote.close()
 
+    def test_events_stay_unheard_while_it_stays_hung(self) -> None:
+        """Each new stream of a driver still hung sends its headers at once: taken as open at once, its events
+        were heard for three intervals out of every three and a backoff, and the composer left the fabric's
+        health to events that could not come. After a stream given up for silence, the next is open only from
+        its first message."""
+        driver = Hushed(pcie())
+        with serving_bare(driver) as address:
+            remote = _remote(address)
+            try:
+                remote.subscribe(Recorder())
+                assert eventually(lambda: driver.streams >= 2, WAIT_S)  # the first was given up
+                heard = []
+                deadline = time.monotonic() + 8 * BEAT_S
+                while time.monotonic() < deadline:
+                    heard.append(remote.events_heard)
+                    time.sleep(0.02)
+                assert driver.streams >= 3 and not any(heard), (driver.streams, heard.count(True))
+                driver.hushed.clear()  # mended: the next stream's first heartbeat opens it
+                assert eventually(lambda: remote.events_heard, WAIT_S)
+            finally:
+                remote.close()
+
 
 class TestASlowHandler:
     def test_does_not_make_the_driver_look_hung(self, caplog: pytest.LogCaptureFixture) -> None:

@@ -10,7 +10,9 @@ cannot replay what was missed, the first thing it does after reconnecting is ask
 which rediscovers and reports the differences as events. Only then is the watcher connected. A stream left for
 a malformed event is followed by a new one after a wait that doubles with each such stream
 (`MalformedBackoff`): a driver that sends nothing else would otherwise have the whole fabric rediscovered
-twenty times a second.
+twenty times a second. A stream whose driver promised heartbeats and went silent is given up (`_Silence`), and
+the next is connected only from its first message: each new stream of a driver still hung sends its headers at
+once, and taken as connected at once it had the driver's events heard most of the time.
 
 Events are counted against the number the driver sends in the stream's initial metadata, so that
 `wait_for` can tell when every event published up to a given number has been handled, and each event is
@@ -177,6 +179,9 @@ class EventWatcher:
         self._next_warning = 0.0
         self._unwarned = 0
         self._call: EventCall | None = None
+        self._doubted = False
+        """The last stream was given up for silence: the next, if it promises heartbeats, is open only from its
+        first message (the watcher's thread's alone)."""
         self._thread = threading.Thread(target=self._run, name=f"watch-{name}", daemon=True)
         self._thread.start()
 
@@ -294,6 +299,7 @@ class EventWatcher:
             numbered = wire.event_sequence(header)
             sequence = numbered or ("", 0)
             instance, number = sequence
+            promised = wire.heartbeat_promised(wire.metadata_value(metadata, wire.HEARTBEAT_KEY))
             with self._state:
                 self._resyncs += 1
                 resync = self._resyncs
@@ -301,14 +307,20 @@ class EventWatcher:
             with self._state:  # only now: a waiter must not return before the resync's events are handled
                 self._instance, self._seen = sequence
                 self._synced = resync
-                self._connected = connected = True
+                if not (self._doubted and promised):
+                    self._connected = connected = True
+                    ending = _Ending.ENDED
                 self._state.notify_all()
-            ending = _Ending.ENDED
-            promised = wire.heartbeat_promised(wire.metadata_value(metadata, wire.HEARTBEAT_KEY))
             silence = _Silence(call, promised * HEARTBEATS_MISSED, self._name) if promised else None
             for response in call:
                 if silence is not None:
                     silence.heard()
+                if not connected:  # a driver given up for silence speaks again: its events are heard from now
+                    self._doubted = False
+                    with self._state:
+                        self._connected = connected = True
+                        self._state.notify_all()
+                    ending = _Ending.ENDED
                 if not response.HasField("event"):  # a heartbeat: the driver still watches
                     continue
                 number += 1  # the stream brings every event published after it registered, in order
@@ -327,6 +339,7 @@ class EventWatcher:
             log.debug("the event stream ended; watching again")
         except grpc.RpcError as exc:
             if silence is not None and silence.broke:
+                self._doubted = True
                 self._no_events(
                     f"the driver at {self._address} sent nothing on its event stream for {silence.limit_s:g}s, though "
                     f"it promised a heartbeat every {silence.limit_s / HEARTBEATS_MISSED:g}s: it may be hung, so the "
