@@ -447,10 +447,10 @@ class RemoteFabric(Fabric, FaultInjection):
 
     @property
     def events_heard(self) -> bool:
-        """Whether a watch stream is open (`subscribe`): while none is (not yet opened, broken, refused, or its
-        headers never came), the driver's events reach no handler, whatever it declares, and the composer
-        discovers the fabric's health on each pass instead, and every few seconds on a serving fabric manager's
-        timer (`FabricComposer.poll_unheard`)."""
+        """Whether a watch stream is open (`subscribe`): while none is (not yet opened, broken, refused, its
+        headers never came, or silent after one given up for its driver's missed heartbeats), the driver's events
+        reach no handler, whatever it declares, and the composer discovers the fabric's health on each pass
+        instead, and every few seconds on a serving fabric manager's timer (`FabricComposer.poll_unheard`)."""
         with self._lock:
             watcher = self._watcher
         return watcher is not None and watcher.connected
