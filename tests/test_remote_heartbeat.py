@@ -110,6 +110,23 @@ class TestADriverHungAfterItsHeaders:
             finally:
                 remote.close()
 
+    def test_a_driver_then_promising_none_is_heard_at_once(self) -> None:
+        """Replaced by a driver older than heartbeats, its quiet stream is open from its headers: waiting for a
+        first message that no event brings would leave it unheard for ever."""
+        driver = Hushed(pcie())
+        with serving_bare(driver) as address:
+            remote = _remote(address)
+            try:
+                remote.subscribe(Recorder())
+                assert eventually(lambda: driver.streams >= 2, WAIT_S)  # the first was given up
+                driver.promise = False
+                assert eventually(lambda: remote.events_heard, WAIT_S)
+                streams = driver.streams
+                time.sleep(8 * BEAT_S)
+                assert remote.events_heard and driver.streams == streams
+            finally:
+                remote.close()
+
 
 class TestASlowHandler:
     def test_does_not_make_the_driver_look_hung(self, caplog: pytest.LogCaptureFixture) -> None:
