@@ -6,6 +6,7 @@ metadata and then sends nothing for three intervals has its stream given up, wit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -62,6 +63,19 @@ def _remote(address: str, heartbeat_s: float = BEAT_S) -> RemoteFabric:
     )
 
 
+@contextlib.contextmanager
+def _past_a_stream_given_up(driver: Hushed) -> Iterator[RemoteFabric]:
+    """A fabric watching ``driver`` (hushed) once it has given up a first stream of it for silence."""
+    with serving_bare(driver) as address:
+        remote = _remote(address)
+        try:
+            remote.subscribe(Recorder())
+            assert eventually(lambda: driver.streams >= 2, WAIT_S)
+            yield remote
+        finally:
+            remote.close()
+
+
 class TestADriverHungAfterItsHeaders:
     def test_its_stream_is_given_up_with_a_warning_and_watched_again(self, caplog: pytest.LogCaptureFixture) -> None:
         sim = pcie()
@@ -94,38 +108,26 @@ class TestADriverHungAfterItsHeaders:
         health to events that could not come. After a stream given up for silence, the next is open only from
         its first message."""
         driver = Hushed(pcie())
-        with serving_bare(driver) as address:
-            remote = _remote(address)
-            try:
-                remote.subscribe(Recorder())
-                assert eventually(lambda: driver.streams >= 2, WAIT_S)  # the first was given up
-                heard = []
-                deadline = time.monotonic() + 8 * BEAT_S
-                while time.monotonic() < deadline:
-                    heard.append(remote.events_heard)
-                    time.sleep(0.02)
-                assert driver.streams >= 3 and not any(heard), (driver.streams, heard.count(True))
-                driver.hushed.clear()  # mended: the next stream's first heartbeat opens it
-                assert eventually(lambda: remote.events_heard, WAIT_S)
-            finally:
-                remote.close()
+        with _past_a_stream_given_up(driver) as remote:
+            heard = []
+            deadline = time.monotonic() + 8 * BEAT_S
+            while time.monotonic() < deadline:
+                heard.append(remote.events_heard)
+                time.sleep(0.02)
+            assert driver.streams >= 3 and not any(heard), (driver.streams, heard.count(True))
+            driver.hushed.clear()  # mended: the next stream's first heartbeat opens it
+            assert eventually(lambda: remote.events_heard, WAIT_S)
 
     def test_a_driver_then_promising_none_is_heard_at_once(self) -> None:
         """Replaced by a driver older than heartbeats, its quiet stream is open from its headers: waiting for a
         first message that no event brings would leave it unheard for ever."""
         driver = Hushed(pcie())
-        with serving_bare(driver) as address:
-            remote = _remote(address)
-            try:
-                remote.subscribe(Recorder())
-                assert eventually(lambda: driver.streams >= 2, WAIT_S)  # the first was given up
-                driver.promise = False
-                assert eventually(lambda: remote.events_heard, WAIT_S)
-                streams = driver.streams
-                time.sleep(8 * BEAT_S)
-                assert remote.events_heard and driver.streams == streams
-            finally:
-                remote.close()
+        with _past_a_stream_given_up(driver) as remote:
+            driver.promise = False
+            assert eventually(lambda: remote.events_heard, WAIT_S)
+            streams = driver.streams
+            time.sleep(8 * BEAT_S)
+            assert remote.events_heard and driver.streams == streams
 
 
 class TestASlowHandler:
