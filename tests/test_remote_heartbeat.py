@@ -36,6 +36,8 @@ class Hushed(FabricDriverServicer):
     def __init__(self, fabric: SimFabric, *, promise: bool = True) -> None:
         super().__init__(fabric, driver="sim")
         self.promise = promise
+        self.promise_ms: int | None = None
+        """The interval it promises, whatever was asked; None: what was asked."""
         self.hushed = threading.Event()
         self.hushed.set()
         self.streams = 0
@@ -50,7 +52,8 @@ class Hushed(FabricDriverServicer):
             yield from super().WatchFabricEvents(request, context)
             return
         sequence = (wire.EVENT_SEQUENCE_KEY, f"{self.feed.instance}:{self.feed.published}")
-        promised = ((wire.HEARTBEAT_KEY, str(request.heartbeat_ms)),) if self.promise and request.heartbeat_ms else ()
+        promise_ms = self.promise_ms if self.promise_ms is not None else request.heartbeat_ms
+        promised = ((wire.HEARTBEAT_KEY, str(promise_ms)),) if self.promise and promise_ms else ()
         context.send_initial_metadata((sequence, *promised))
         deadline = time.monotonic() + WAIT_S
         while context.is_active() and time.monotonic() < deadline:
@@ -71,6 +74,22 @@ def _past_a_stream_given_up(driver: Hushed) -> Iterator[RemoteFabric]:
         try:
             remote.subscribe(Recorder())
             assert eventually(lambda: driver.streams >= 2, WAIT_S)
+            yield remote
+        finally:
+            remote.close()
+
+
+@contextlib.contextmanager
+def kept_quiet(driver: Hushed, heartbeat_s: float, quiet_s: float) -> Iterator[RemoteFabric]:
+    """A fabric asking ``heartbeat_s`` of ``driver``, subscribed: its stream, quiet for ``quiet_s``, is still the
+    first and still heard; yields the fabric, closed after."""
+    with serving_bare(driver) as address:
+        remote = _remote(address, heartbeat_s=heartbeat_s)
+        try:
+            remote.subscribe(Recorder())
+            assert eventually(lambda: remote.events_heard, WAIT_S)
+            time.sleep(quiet_s)
+            assert driver.streams == 1 and remote.events_heard
             yield remote
         finally:
             remote.close()
@@ -160,16 +179,25 @@ class TestADriverThatPromisesNoHeartbeat:
     def test_its_silence_is_not_timed(self) -> None:
         """A driver older than heartbeats ignores the request's field and sends no metadata for it: its quiet
         stream is as good as before."""
-        driver = Hushed(pcie(), promise=False)
-        with serving_bare(driver) as address:
-            remote = _remote(address)
-            try:
-                remote.subscribe(Recorder())
-                assert eventually(lambda: remote.events_heard, WAIT_S)
-                time.sleep(8 * BEAT_S)
-                assert remote.events_heard and driver.streams == 1
-            finally:
-                remote.close()
+        with kept_quiet(Hushed(pcie(), promise=False), heartbeat_s=BEAT_S, quiet_s=8 * BEAT_S):
+            pass
+
+
+class TestAPromiseThatBreaksTheContract:
+    """A driver may keep a longer interval than asked, never a shorter one, and none when none was asked: a client
+    that timed silence by a shorter promise gave up streams its own request allowed to be quiet."""
+
+    def test_a_shorter_interval_than_asked_is_timed_by_the_one_asked(self) -> None:
+        driver = Hushed(pcie())
+        driver.promise_ms = 100
+        with kept_quiet(driver, heartbeat_s=1.0, quiet_s=1.5):  # fifteen promised intervals, half of 3 asked
+            assert eventually(lambda: driver.streams >= 2, WAIT_S)  # three asked intervals: given up
+
+    def test_one_made_when_none_was_asked_is_not_timed(self) -> None:
+        driver = Hushed(pcie())
+        driver.promise_ms = 100
+        with kept_quiet(driver, heartbeat_s=0, quiet_s=1.0):
+            pass
 
 
 class TestTheService:
@@ -198,6 +226,12 @@ class TestTheService:
             promised, got = self._first(address, 1, 0.5)
         assert promised == str(wire.MIN_HEARTBEAT_MS)
         assert len(got) <= 5, got
+
+    def test_promises_at_most_what_a_client_takes(self) -> None:
+        driver = FabricDriverServicer(pcie(), driver="sim")
+        with serving_bare(driver) as address:
+            promised, got = self._first(address, 2**32 - 1, 0.3)
+        assert (promised, got) == (str(wire.MAX_HEARTBEAT_MS), [])
 
     def test_sends_none_and_promises_none_when_not_asked(self) -> None:
         driver = FabricDriverServicer(pcie(), driver="sim")
@@ -228,6 +262,14 @@ class TestTheOption:
             create_fabric("pcie0", {"address": "127.0.0.1:1", "event_heartbeat_s": value})
         assert refused.value.field == "event_heartbeat_s"
         assert "option 'event_heartbeat_s': must be 0" in refused.value.message and repr(value) in refused.value.message
+
+    @pytest.mark.parametrize("value", [-1, 0.05, 5000, float("inf")])
+    def test_out_of_range_is_refused_by_the_fabric_too(self, value: float) -> None:
+        """Built directly, the fabric took any value, and a stream's request then failed to encode, logged with
+        its traceback on every attempt."""
+        with pytest.raises(ConfigError) as refused:
+            RemoteFabric("pcie0", "127.0.0.1:1", connect_timeout_s=0.1, lazy=True, event_heartbeat_s=value)
+        assert refused.value.field == "event_heartbeat_s" and repr(value) in refused.value.message
 
     def test_zero_asks_for_none(self) -> None:
         remote = create_fabric("pcie0", {"address": "127.0.0.1:1", "event_heartbeat_s": 0, "connect_timeout_s": 0.1})

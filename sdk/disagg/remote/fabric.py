@@ -301,6 +301,13 @@ class RemoteFabric(Fabric, FaultInjection):
         self.address = address
         self.call_timeout_s = call_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        if not wire.heartbeat_valid(event_heartbeat_s):
+            raise ConfigError(
+                f"fabric {name!r} (driver remote): event_heartbeat_s must be 0 (ask the driver for no heartbeats) or "
+                f"a number of seconds from {wire.MIN_HEARTBEAT_MS / 1000:g} to {wire.MAX_HEARTBEAT_MS // 1000}, not "
+                f"{event_heartbeat_s!r}",
+                field="event_heartbeat_s",
+            )
         self.event_heartbeat_s = event_heartbeat_s
         """The heartbeat interval asked of the driver's event stream (0: none); see `DEFAULT_EVENT_HEARTBEAT_S`."""
         self._lock = threading.Lock()
@@ -519,6 +526,7 @@ class RemoteFabric(Fabric, FaultInjection):
                     self._deliver,
                     address=self.address,
                     headers_within_s=self.call_timeout_s,
+                    heartbeat_s=self.event_heartbeat_s,
                 )
             watcher = self._watcher
         never_answered = self._capabilities is None

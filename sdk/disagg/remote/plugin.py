@@ -23,7 +23,7 @@ from disagg.remote.fabric import (
     DEFAULT_EVENT_HEARTBEAT_S,
     RemoteFabric,
 )
-from disagg.wire.driver import MAX_HEARTBEAT_MS, MIN_HEARTBEAT_MS
+from disagg.wire.driver import MAX_HEARTBEAT_MS, MIN_HEARTBEAT_MS, heartbeat_valid
 
 NAME = "remote"
 OPTIONS = ("address", "call_timeout_s", "connect_timeout_s", "event_heartbeat_s")
@@ -47,8 +47,7 @@ def _seconds(name: str, options: Mapping[str, Any], option: str, default: float)
 
 def _heartbeat(name: str, options: Mapping[str, Any]) -> float:
     value = options.get("event_heartbeat_s", DEFAULT_EVENT_HEARTBEAT_S)
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not number or not (value == 0 or MIN_HEARTBEAT_MS <= value * 1000 <= MAX_HEARTBEAT_MS):
+    if not heartbeat_valid(value):
         raise ConfigError(
             f"fabric {name!r} (driver remote): option 'event_heartbeat_s': must be 0 (ask the driver for no "
             f"heartbeats) or a number of seconds from {MIN_HEARTBEAT_MS / 1000:g} to {MAX_HEARTBEAT_MS // 1000}, "

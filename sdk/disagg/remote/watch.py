@@ -156,10 +156,13 @@ class EventWatcher:
         *,
         address: str,
         headers_within_s: float,
+        heartbeat_s: float = 0.0,
     ) -> None:
         self._name = name
         self._address = address
         self._headers_within_s = headers_within_s
+        self._heartbeat_s = heartbeat_s
+        """The heartbeat interval the streams ask for (0: none): silence is timed only when asked and promised."""
         self._open_stream = open_stream
         self._resync = resync
         self._deliver = deliver
@@ -299,7 +302,7 @@ class EventWatcher:
             numbered = wire.event_sequence(header)
             sequence = numbered or ("", 0)
             instance, number = sequence
-            promised = wire.heartbeat_promised(wire.metadata_value(metadata, wire.HEARTBEAT_KEY))
+            promised = self._beat(wire.heartbeat_promised(wire.metadata_value(metadata, wire.HEARTBEAT_KEY)))
             with self._state:
                 self._resyncs += 1
                 resync = self._resyncs
@@ -361,6 +364,11 @@ class EventWatcher:
             if not connected:
                 self._give_up(attempt)
         return ending
+
+    def _beat(self, promised: float | None) -> float | None:
+        """The interval a stream's silence is timed by: the driver's promise, never shorter than what was asked (a
+        driver may only lengthen it), and none when nothing was asked (a promise then breaks the contract)."""
+        return max(promised, self._heartbeat_s) if promised and self._heartbeat_s > 0 else None
 
     def _headers(self, call: EventCall) -> tuple[Sequence[tuple[str, str | bytes]] | None, bool]:
         """The stream's initial metadata, and whether ``headers_within_s`` passed first: the call is then

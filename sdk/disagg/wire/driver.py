@@ -328,8 +328,17 @@ def event_sequence(value: str) -> tuple[str, int] | None:
 
 
 def heartbeat_interval_ms(asked: int) -> int:
-    """The interval a driver keeps for a stream whose request asked ``asked`` milliseconds; 0: no heartbeats."""
-    return max(asked, MIN_HEARTBEAT_MS) if asked > 0 else 0
+    """The interval a driver keeps for a stream whose request asked ``asked`` milliseconds; 0: no heartbeats. At
+    most `MAX_HEARTBEAT_MS`, which a client takes as a promise."""
+    return min(max(asked, MIN_HEARTBEAT_MS), MAX_HEARTBEAT_MS) if asked > 0 else 0
+
+
+def heartbeat_valid(seconds: object) -> bool:
+    """Whether ``seconds`` is a heartbeat interval a client may ask for: 0 (none), or `MIN_HEARTBEAT_MS` to
+    `MAX_HEARTBEAT_MS` in seconds."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return False
+    return seconds == 0 or MIN_HEARTBEAT_MS <= seconds * 1000 <= MAX_HEARTBEAT_MS
 
 
 def heartbeat_promised(value: str) -> float | None:
