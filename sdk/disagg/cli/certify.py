@@ -183,6 +183,7 @@ def cmd_certify(args: argparse.Namespace) -> int:
     removes them."""
     if args.suite_process:
         return _certify(args)
+    _refuse_empty(args)
     _needs_pytest()
     out = Path(args.out)
     earlier = _set_aside(out)
@@ -200,6 +201,30 @@ def cmd_certify(args: argparse.Namespace) -> int:
     else:
         shutil.rmtree(earlier, ignore_errors=True)
     return code
+
+
+EMPTY_MEANS = {
+    "remote": "leave --remote out to certify the installed driver in this process",
+    "out": "leave --out out to write them into ./certification",
+    "config": "leave --config out for the driver's own certification fabric",
+    "expected_failures": "leave --expected-failures out to expect none",
+    "restart_command": "leave --restart-command out to leave restarts untested",
+    "plugin": "leave --plugin out to load the installed plugins only",
+}
+"""What leaving out each of certify's options does, said when one is given empty."""
+
+
+def _refuse_empty(args: argparse.Namespace) -> None:
+    """Refuse an option given empty, most often ``--remote "$ADDR"`` with ADDR unset: ``--remote ""`` certified the
+    installed driver in process instead of the endpoint, and ``--out ""`` wrote the reports into the working
+    folder, both with exit 0."""
+    for key, instead in EMPTY_MEANS.items():
+        value = getattr(args, key, None)
+        if value == "" or (isinstance(value, list) and "" in value):
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is empty (was it a variable left unset?): give its value, or {instead}", field=key
+            )
 
 
 def _needs_pytest() -> None:
