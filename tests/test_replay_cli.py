@@ -312,6 +312,24 @@ class TestBenchPlacement:
         assert main(args) == 2
         assert capsys.readouterr().err.startswith("disagg: error: cannot write the report into /proc: ")
 
+    @pytest.mark.usefixtures("no_replay")
+    @pytest.mark.parametrize(
+        "flag", ["--shared", "--report-dir", "--control-plane-dir", "--nodes", "--pods", "--policies"]
+    )
+    def test_an_empty_value(
+        self, shared: Path, flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """Most often ``--report-dir "$DIR"`` with DIR unset: ``--report-dir ""`` ran the study to write the report
+        into the working folder, ``--control-plane-dir ""`` read it for figures, ``--shared ""`` fell back to the
+        default directory, and ``--nodes ""`` said " not found". Refused before the replay, nothing written."""
+        work = shared.parent / "work"
+        work.mkdir()
+        monkeypatch.chdir(work)
+        assert main(self.args(shared, flag, "")) == 2
+        said = capsys.readouterr().err
+        assert said.startswith(f"disagg: error: {flag} is empty (was it a variable left unset?)"), said
+        assert list(work.iterdir()) == [] and not (shared.parent / "out").exists()
+
     def test_negative_seed(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(self.args(shared, "--seeds=-1,2")) == 2
         assert capsys.readouterr().err == "disagg: error: a seed must be 0 or more, got -1\n"

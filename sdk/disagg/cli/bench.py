@@ -39,7 +39,30 @@ def _seeds(text: str) -> tuple[int, ...]:
     return values
 
 
+EMPTY_MEANS = {
+    "shared": "leave --shared out for $DISAGG_SHARED_DIR, else ../shared",
+    "nodes": "leave --nodes out for the trace's own node list",
+    "pods": "leave --pods out for the trace's own pod list",
+    "policies": "leave --policies out for every sharing policy",
+    "report_dir": f"leave --report-dir out to write into ./{DEFAULT_REPORT_DIR}",
+    "control_plane_dir": f"leave --control-plane-dir out to read ./{DEFAULT_CONTROL_PLANE_DIR}",
+}
+"""What leaving out each option that names a file, a directory or policies does, said when one is given empty."""
+
+
+def _refuse_empty(args: argparse.Namespace) -> None:
+    """Refuse an option given empty, most often ``--report-dir "$DIR"`` with DIR unset: ``--report-dir ""`` ran the
+    whole study to write the report into the working folder, and ``--shared ""`` read the default directory."""
+    for key, instead in EMPTY_MEANS.items():
+        if getattr(args, key) == "":
+            flag = "--" + key.replace("_", "-")
+            raise InvalidRequestError(
+                f"{flag} is empty (was it a variable left unset?): give its value, or {instead}", field=key
+            )
+
+
 def cmd_placement(args: argparse.Namespace) -> int:
+    _refuse_empty(args)
     try:
         from disagg.replay.report import write_report
     except ImportError as e:
