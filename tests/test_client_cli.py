@@ -188,6 +188,18 @@ class TestExitCodes:
         assert cli(capsys, "--server", served.address, "decompose", "--ignore-missing", "old job", "job")[0] == 0
         assert served.composer.compositions() == []
 
+    @pytest.mark.parametrize("key", ["old job", "j" * 200, "caf\udce9"], ids=["space", "200-characters", "not-utf-8"])
+    def test_recompose_of_a_name_that_cannot_be_an_id_is_not_found_as_locally(
+        self, capsys: pytest.CaptureFixture[str], served: Served, key: str
+    ) -> None:
+        """Against a server it was invalid input (exit 2) saying "id: give an id of 1 to 128 printable characters",
+        a field the command line has not, where the local composer says not found (exit 4)."""
+        for where in ((), ("--server", served.address)):
+            code, out, err = cli(capsys, *where, "recompose", key, "--add", "gpu")
+            assert (code, out) == (4, ""), (where, err)
+            assert err == f"disagg: error: composition {key!r} not found\n", where
+        assert served.composer.compositions() == []
+
     def test_unreachable_server(self, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         code, out, err = cli(capsys, "--server", f"unix:{tmp_path}/nobody.sock", "ls")
         assert code == 1 and out == ""
