@@ -235,6 +235,18 @@ class TestErrors:
         assert err.startswith("disagg: error: ") and message in err
         assert cli(capsys, "ls", "--json")[1].strip() == "[]"
 
+    @pytest.mark.parametrize("clauses", [(), ("gpu x1",)], ids=["alone", "with-clauses"])
+    def test_an_empty_request_file_path(self, capsys: pytest.CaptureFixture[str], clauses: tuple[str, ...]) -> None:
+        """Most often ``--file "$REQUEST"`` with REQUEST unset: ``--file ""`` was dropped, so that the clauses
+        composed without a word (exit 0), and alone it said "a composition needs at least one resource"."""
+        code, out, err = cli(capsys, "compose", "y", *clauses, "--file", "")
+        assert (code, out) == (2, "")
+        assert err == (
+            "disagg: error: --file is empty: give the request file's path (was it a variable left unset?), or "
+            "leave --file out and give the resources as clauses\n"
+        )
+        assert cli(capsys, "ls", "--json")[1].strip() == "[]"
+
     @pytest.mark.parametrize(
         ("content", "key"),
         [

@@ -217,6 +217,12 @@ def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _request(args: argparse.Namespace) -> CompositionRequest:
+    if args.file == "":  # most often ``--file "$REQUEST"`` with REQUEST unset: the clauses alone composed
+        raise InvalidRequestError(
+            "--file is empty: give the request file's path (was it a variable left unset?), or leave --file out and "
+            "give the resources as clauses",
+            field="file",
+        )
     if args.file:
         path = Path(args.file)
         try:
