@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 from disagg.client import FabricManagerClient
 from disagg.client.replicas import replica_target
@@ -155,24 +155,14 @@ class RemoteBackend(FabricManagerClient):
         except InvalidRequestError:
             raise NotFoundError("composition", key) from None
 
-    def recompose(
-        self,
-        composition_id: str,
-        *,
-        add: Sequence[ResourceRequest] = (),
-        remove: Sequence[str] = (),
-        expected_etag: str | None = None,
-        request_id: str | None = None,
-    ) -> Composition:
+    def recompose(self, composition_id: str, **given: Any) -> Composition:
         """As the composer's: a key that cannot be an id names no composition (the server refused ``recompose 'old
         job'`` as invalid input, exit 2, naming its field ``id``, where the local composer finds none, exit 4)."""
         try:
             check_id(composition_id, "composition_id")
         except InvalidRequestError:
             raise NotFoundError("composition", composition_id) from None
-        return super().recompose(
-            composition_id, add=add, remove=remove, expected_etag=expected_etag, request_id=request_id
-        )
+        return super().recompose(composition_id, **given)
 
     def apply_reservation(self, reservation_id: str, *, request_id: str | None = None) -> Composition:
         """As the composer's: an id that cannot be one names no reservation (the server refuses it as invalid
