@@ -54,11 +54,16 @@ def qemu_pid(state_dir: Path, host: str) -> int | None:
 
 
 def alive(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter in /proc (T: stopped, Z: a zombie), None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+        return None
+    return stat.rsplit(")", 1)[-1].split()[0]
 
 
 def kill_left_over(state_dir: Path) -> list[str]:

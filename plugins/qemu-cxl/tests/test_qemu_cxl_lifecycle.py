@@ -18,9 +18,9 @@ import pytest
 from disagg.errors import CapacityExhaustedError, ConfigError, DeadlineExceededError, FabricUnavailableError
 from disagg.interfaces import CallContext
 from disagg_qemu_cxl import QemuCxlFabric, create_fabric, hosts
-from disagg_qemu_cxl.command import host_dir
+from disagg_qemu_cxl.command import PIDFILE, host_dir
 from disagg_qemu_cxl.qmp import Monitor
-from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, options, qemu_pid, require_qemu
+from qemu_cxl_helpers import GiB, MiB, RawQMP, alive, options, process_state, qemu_pid, require_qemu
 
 POOL = "qc/cxl-pool"
 
@@ -291,7 +291,15 @@ class TestStartFailure:
 
         def dies_after_popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
             child = real(*args, **kwargs)  # type: ignore[call-overload]
-            os.kill(child.pid, signal.SIGSTOP)  # not yet at its pidfile
+            os.kill(child.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10.0
+            while process_state(child.pid) != "T":
+                assert time.monotonic() < deadline, "QEMU did not stop"
+                time.sleep(0.001)
+            # Not yet at its pidfile: on a loaded machine QEMU may have written it before the stop, and the next
+            # driver then adopted it and waited on its monitor; removed, the state is the one this test is about.
+            with contextlib.suppress(FileNotFoundError):
+                (host_dir(state_dir, "h1") / PIDFILE).unlink()
             first.append(child)
             raise KeyboardInterrupt  # as a kill of the driver: nothing of it runs on
 
