@@ -13,6 +13,7 @@ from disagg.interfaces import CallContext
 from disagg.model import Binding, ComposeMode
 from disagg.requestlang import parse_request, parse_resource
 from disagg_sim import SimFabric, create_fabric, load_topology
+from server_helpers import wait_until
 
 TWO_GPUS = parse_request("job", ["gpu x2"])
 
@@ -92,7 +93,7 @@ class TestAWaitPastTheDeadline:
         assert made is not None
         first = threading.Thread(target=lambda: comp.recompose(made.id, add=[parse_resource("gpu x1")]))
         first.start()
-        time.sleep(0.2)  # the first holds the composition, binding for 0.6 s
+        wait_until(lambda: comp.get(made.id).pending is not None, "the first change to hold the composition")
         with pytest.raises(DeadlineExceededError, match="waited for another change"):
             if second == "recompose":
                 comp.recompose(made.id, add=[parse_resource("gpu x1")], deadline=time.monotonic() + 0.1)
