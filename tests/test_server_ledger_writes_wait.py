@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +149,7 @@ def test_changes_waiting_for_a_composition_hold_no_rpc_worker(etcd: EtcdCluster)
     assert took < BIND_S / 2, f"a read of another composition waited {took:.2f} s for a worker"
 
 
-def test_a_read_behind_a_write_that_failed_is_refused(etcd: EtcdCluster) -> None:
+def test_a_read_behind_a_write_that_failed_is_refused(etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """A read waits for the composer's lock behind a change, which changes memory before its write; the write
     failed (no member answered within its patience), and the read was answered from memory that the ledger, and
     so the next leader, never held."""
@@ -158,11 +159,18 @@ def test_a_read_behind_a_write_that_failed_is_refused(etcd: EtcdCluster) -> None
         assert job is not None
         servicer = FabricManagerServicer(comp)
         servicer.mark_ready()
+        writing, commit = threading.Event(), store._commit
+
+        def noted(ops: list[dict[str, Any]]) -> None:
+            writing.set()
+            commit(ops)
+
+        monkeypatch.setattr(store, "_commit", noted)
         process = _stall(etcd)
         try:
             with ThreadPoolExecutor(1) as thread:
                 decompose = thread.submit(servicer.Decompose, fm.DecomposeRequest(id=job.id), OPEN_CALL)
-                time.sleep(0.2)  # the decompose holds the composer's lock, its first write in flight
+                assert writing.wait(WAIT_S)  # the decompose holds the composer's lock, its first write in flight
                 with pytest.raises(FabricUnavailableError, match="ledger"):
                     servicer.ListCompositions(fm.ListCompositionsRequest(), OPEN_CALL)
                 with pytest.raises(FabricUnavailableError):
