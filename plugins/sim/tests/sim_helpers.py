@@ -1,6 +1,12 @@
-"""Test data shared by the sim tests (a uniquely named module: test directories share one import namespace)."""
+"""Test data and helpers shared by the sim tests (a uniquely named module: test directories share one import
+namespace)."""
 
 from __future__ import annotations
+
+import threading
+import time
+
+from disagg_sim import SimFabric
 
 SMALL = """
 description = "a small fabric for tests"
@@ -82,3 +88,13 @@ block_size = "16MiB"
 MIB = 1 << 20
 GIB = 1 << 30
 TIB = 1 << 40
+
+
+def in_its_delay(fabric: SimFabric, caller: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Wait until the call of ``fabric`` that ``caller`` makes has validated and sleeps its delay, or ``caller``
+    ended (the call answered at once): a fixed wait was too short when the thread was scheduled late (a loaded
+    machine), and what the test did meanwhile came first."""
+    deadline = time.monotonic() + timeout_s
+    while not fabric._busy and caller.is_alive():
+        assert time.monotonic() < deadline, f"no call of {fabric.name} began within {timeout_s:g} s"
+        time.sleep(0.001)

@@ -23,6 +23,7 @@ from disagg.interfaces import CallContext, Fabric, FaultInjection
 from disagg.interfaces import Device as DeviceHandle
 from disagg.model import Binding, DeviceKind, Feature, Health
 from disagg_sim import SIM_CAPABILITIES, SimFabric, load_topology
+from sim_helpers import in_its_delay
 
 GPU = "pcie/gpu-a0"
 
@@ -246,7 +247,7 @@ class TestFencing:
         slow.bind("pcie/gpu-a1", "h1", CallContext(epoch=5))
         worker = threading.Thread(target=old_bind)
         worker.start()
-        time.sleep(0.1)
+        in_its_delay(slow, worker)
         slow.bind("pcie/gpu-a2", "h2", CallContext(epoch=6))
         worker.join(5.0)
         assert len(failed) == 1 and isinstance(failed[0], StaleEpochError)

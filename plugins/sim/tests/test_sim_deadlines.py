@@ -20,7 +20,7 @@ from disagg.interfaces import CallContext
 from disagg.model import Binding
 from disagg_sim import SimFabric, load_topology, parse_topology
 from disagg_sim.state import SimState
-from sim_helpers import GIB, SMALL
+from sim_helpers import GIB, SMALL, in_its_delay
 
 DELAY = 0.1
 GPU = "pcie/gpu-a0"
@@ -84,7 +84,7 @@ class TestDelay:
         slow.flaky_bind(GPU, 1)
         first, outcome = in_background(lambda: slow.bind(GPU, "h1", CallContext(epoch=1)))
         start = time.monotonic()
-        time.sleep(DELAY / 5)
+        in_its_delay(slow, first)
         assert first.is_alive(), "the injected failure answered at once"
         assert slow.bind(GPU, "h2", CallContext(epoch=1)) == Binding(GPU, "h2")  # waited for the failing bind
         first.join()
