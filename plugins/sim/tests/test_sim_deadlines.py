@@ -153,13 +153,19 @@ class TestWaitingForTheLock:
     SAVE_S = 0.6
 
     @pytest.fixture
-    def slow_disk(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimFabric:
+    def saving(self) -> threading.Event:
+        """Set as a slow save begins: the fabric's lock is held until it ends."""
+        return threading.Event()
+
+    @pytest.fixture
+    def slow_disk(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saving: threading.Event) -> SimFabric:
         fabric = SimFabric(parse_topology("t", SMALL), state_file=tmp_path / "state.json")
         store = fabric._store
         assert store is not None
         save = store.save
 
         def slow_save(state: SimState) -> None:
+            saving.set()
             time.sleep(self.SAVE_S)
             save(state)
 
@@ -167,7 +173,7 @@ class TestWaitingForTheLock:
         return fabric
 
     @pytest.mark.parametrize("call", ["bind", "unbind", "allocate", "release"])
-    def test_behind_a_slow_save(self, slow_disk: SimFabric, call: str) -> None:
+    def test_behind_a_slow_save(self, slow_disk: SimFabric, saving: threading.Event, call: str) -> None:
         pool = slow_disk.pool("t/dcd")
         calls: dict[str, Callable[[CallContext], object]] = {
             "bind": lambda ctx: slow_disk.bind("t/gpu0", "h1", ctx),
@@ -178,9 +184,10 @@ class TestWaitingForTheLock:
         slow_disk.bind("t/gpu1", "h1", CallContext(epoch=1))
         pool.allocate("b", "h1", GIB, CallContext(epoch=1))
         before = (slow_disk.bindings(), pool.allocations())
+        saving.clear()  # set by the saves above
         holder = threading.Thread(target=slow_disk.fail_device, args=("t/gpu2",))  # saves under the lock
         holder.start()
-        time.sleep(self.SAVE_S / 6)
+        assert saving.wait(10.0)
         start = time.monotonic()
         try:
             with pytest.raises(DeadlineExceededError, match="deadline passed waiting for the fabric"):
