@@ -66,8 +66,19 @@ def driver_process(socket_dir: Path) -> Iterator[tuple[subprocess.Popen[str], st
 
 @pytest.fixture
 def slow_driver_process(socket_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """The same, with each bind taking 3 seconds."""
-    yield from _driver_process(socket_dir, "--option", "bind_delay_s=3")
+    """The same, with each bind taking 3 seconds, and its state in ``socket_dir``/sim.json (`SLOW_STATE`): a call
+    with a new epoch saves it there before its delay."""
+    yield from _driver_process(
+        socket_dir, "--option", "bind_delay_s=3", "--option", f"state_file={socket_dir / SLOW_STATE}"
+    )
+
+
+SLOW_STATE = "sim.json"
+
+
+def _saved_epoch(state: Path) -> int:
+    """The epoch the sim saved in ``state`` (written whole, by a rename), 0 before its first save."""
+    return int(json.loads(state.read_text())["epoch"]) if state.exists() else 0
 
 
 def _driver_process(socket_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
@@ -129,7 +140,9 @@ class TestServe:
         assert process.wait(timeout=SERVE_TIMEOUT_S) == 0
         assert not Path(address.removeprefix("unix:")).exists()
 
-    def test_sigterm_lets_a_bind_in_flight_finish(self, slow_driver_process: tuple[subprocess.Popen[str], str]) -> None:
+    def test_sigterm_lets_a_bind_in_flight_finish(
+        self, slow_driver_process: tuple[subprocess.Popen[str], str], socket_dir: Path
+    ) -> None:
         """A bind of 3 s in flight at SIGTERM: it was cut off after 2 s with an unknown outcome while its effect
         still landed, and after a restart reconciliation cordoned the device."""
         process, address = slow_driver_process
@@ -144,7 +157,10 @@ class TestServe:
 
         binding = threading.Thread(target=bind)
         binding.start()
-        time.sleep(0.5)  # the bind is in flight
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while _saved_epoch(socket_dir / SLOW_STATE) != 1:  # the bind's, saved before its delay: it is in flight
+            assert time.monotonic() < deadline, "the bind never reached the driver"
+            time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
         binding.join(SERVE_TIMEOUT_S)
         remote.close()
