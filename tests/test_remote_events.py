@@ -576,6 +576,24 @@ class TestAResyncThatKeepsFailing:
         assert "no events are delivered" in warnings[0] and "now serves fabric 'cxl0'" in warnings[0]
 
 
+class TestADriverThatRestarts:
+    def test_its_refusals_meanwhile_hide_no_other_warning(
+        self, socket_dir: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Down while it restarted, the driver refused the stream, and that warning took the one a minute: that it
+        then served another fabric, which no event of this one can come from, was said at debug level only."""
+        with watched(pcie(), socket_dir) as running, caplog.at_level(logging.WARNING, logger="disagg.remote"):
+            running.stop()
+            down = "refused the event stream (StatusCode.UNAVAILABLE: failed to connect"
+            assert eventually(lambda: any(down in w for w in _remote_warnings(caplog)), WAIT_S)
+            running.start(cxl())
+            served = "now serves fabric 'cxl0'"
+            assert eventually(lambda: any(served in w for w in _remote_warnings(caplog)), WAIT_S)
+            time.sleep(1.0)  # more refusals and failed resyncs: each cause is still said once a minute
+        warnings = _remote_warnings(caplog)
+        assert [sum(down in w for w in warnings), sum(served in w for w in warnings)] == [1, 1], warnings
+
+
 def _remote_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "disagg.remote"]
 

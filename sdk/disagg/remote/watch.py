@@ -22,8 +22,8 @@ out the backoff: it has the watcher try at once, and gives up as soon as an atte
 connect (the driver refused the stream, or the resync failed), since no event can come then.
 
 A watcher that cannot get events (every resync fails, or the driver refuses every stream or sends no headers on
-it) says so at WARNING, at most once every `WARN_EVERY_S`: the fabric's calls may still work, so nothing else
-would show that the composer no longer hears of failures.
+it) says so at WARNING, at most once every `WARN_EVERY_S` for each cause: the fabric's calls may still work, so
+nothing else would show that the composer no longer hears of failures.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ WARN_EVERY_S = 60.0
 """The least time between two warnings that the watcher gets no events."""
 MALFORMED_QUIET_S = 30.0
 """How long without a malformed event before the wait after one is `BACKOFF_MIN_S` again."""
+NOT_CONNECTED = "failed to connect"
+"""What grpcio's details of a call say when no connection could be made: the driver is down (restarting), a cause
+of its own, whose warnings must not hide one the driver answers with once it is back."""
 HEARTBEATS_MISSED = 3
 """A stream whose driver promised heartbeats is given up after this many intervals without a message."""
 
@@ -179,8 +182,9 @@ class EventWatcher:
         self._failed = 0
         self._hurry = False
         """A waiter wants the next attempt now, not after the backoff."""
-        self._next_warning = 0.0
-        self._unwarned = 0
+        self._next_warning: dict[str, float] = {}
+        """By cause (`_no_events`): when its next warning may be logged."""
+        self._unwarned: dict[str, int] = {}
         self._call: EventCall | None = None
         self._doubted = False
         """The last stream was given up for silence: the next, if it promises heartbeats, is open only from its
@@ -290,13 +294,15 @@ class EventWatcher:
                     f"{self._headers_within_s:g}s (the fabric's call_timeout_s), so the stream was given up: a driver "
                     "must send a WatchFabricEvents stream's headers at once, before its first event (a grpc-go "
                     "driver calls stream.SendHeader first: grpc-go holds them until the first event otherwise; "
-                    "docs/remote-drivers.md)"
+                    "docs/remote-drivers.md)",
+                    "headers",
                 )
                 return _Ending.UNCONNECTED
             header = wire.metadata_value(metadata, wire.EVENT_SEQUENCE_KEY)
             if call.done():  # refused at once (the driver's cap on streams, a stopping server): not connected
                 self._no_events(
-                    f"the driver at {self._address} refused the event stream ({call.code()}: {call.details()})"
+                    f"the driver at {self._address} refused the event stream ({call.code()}: {call.details()})",
+                    "down" if NOT_CONNECTED in (call.details() or "") else "refused",
                 )
                 return _Ending.UNCONNECTED
             numbered = wire.event_sequence(header)
@@ -346,13 +352,14 @@ class EventWatcher:
                 self._no_events(
                     f"the driver at {self._address} sent nothing on its event stream for {silence.limit_s:g}s, though "
                     f"it promised a heartbeat every {silence.limit_s / HEARTBEATS_MISSED:g}s: it may be hung, so the "
-                    "stream was given up"
+                    "stream was given up",
+                    "silent",
                 )
             else:
                 code = exc.code() if isinstance(exc, grpc.Call) else None
                 log.debug("the event stream broke (%s); watching again", code)
         except DisaggError as exc:
-            self._no_events(f"resynchronising after connecting failed ({exc.message})")
+            self._no_events(f"resynchronising after connecting failed ({exc.message})", "resync")
         finally:
             if silence is not None:
                 silence.stop()
@@ -416,16 +423,18 @@ class EventWatcher:
             self._failed = attempt
             self._state.notify_all()
 
-    def _no_events(self, why: str) -> None:
-        """Log that a stream was opened but gives no events: at WARNING at most once every `WARN_EVERY_S`."""
+    def _no_events(self, why: str, cause: str) -> None:
+        """Log that a stream was opened but gives no events: at WARNING at most once every `WARN_EVERY_S` for each
+        ``cause`` (a driver down while it restarts, refusing, must not hide for a minute that it then serves another
+        fabric, which the resync says)."""
         now = time.monotonic()
-        if now < self._next_warning:
-            self._unwarned += 1
+        if now < self._next_warning.get(cause, 0.0):
+            self._unwarned[cause] = self._unwarned.get(cause, 0) + 1
             log.debug("fabric %s: %s; watching again", self._name, why)
             return
-        since = f" ({self._unwarned} more times since the last warning)" if self._unwarned else ""
-        self._next_warning = now + WARN_EVERY_S
-        self._unwarned = 0
+        unwarned = self._unwarned.pop(cause, 0)
+        since = f" ({unwarned} more times since the last warning)" if unwarned else ""
+        self._next_warning[cause] = now + WARN_EVERY_S
         log.warning(
             "fabric %s: %s; no events are delivered until it succeeds (retrying every %gs at most)%s",
             self._name,
