@@ -330,6 +330,13 @@ class TestBenchPlacement:
         assert said.startswith(f"disagg: error: {flag} is empty (was it a variable left unset?)"), said
         assert list(work.iterdir()) == [] and not (shared.parent / "out").exists()
 
+    @pytest.mark.parametrize("policies", ["best-fit,,fgd", "fgd,", ",fgd"])
+    def test_an_empty_policy_name(self, shared: Path, policies: str, capsys: pytest.CaptureFixture[str]) -> None:
+        """It said "no sharing policy  (known: ...)", naming nothing."""
+        assert main(self.args(shared, f"--policies={policies}")) == 2
+        said = capsys.readouterr().err
+        assert said.startswith(f"disagg: error: --policies {policies!r} names an empty policy"), said
+
     def test_negative_seed(self, shared: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert main(self.args(shared, "--seeds=-1,2")) == 2
         assert capsys.readouterr().err == "disagg: error: a seed must be 0 or more, got -1\n"

@@ -284,9 +284,13 @@ class TestServeRefusals:
         assert main(["serve", "--listen", "127.0.0.1:²"]) == 2
         assert "expected host:port" in capsys.readouterr().err
 
-    def test_negative_grace(self, capsys: pytest.CaptureFixture[str]) -> None:
-        assert main(["serve", "--listen", "127.0.0.1:0", "--grace", "-1"]) == 2
-        assert "--grace" in capsys.readouterr().err
+    @pytest.mark.parametrize(("grace", "shown"), [("-1", "-1.0"), ("nan", "nan"), ("inf", "inf")])
+    def test_a_grace_out_of_range_is_refused_naming_it(
+        self, capsys: pytest.CaptureFixture[str], grace: str, shown: str
+    ) -> None:
+        """The refusal did not say what was given (a NaN from a variable's arithmetic read as a bare rule)."""
+        assert main(["serve", "--listen", "127.0.0.1:0", "--grace", grace]) == 2
+        assert f"--grace must be a number of seconds, 0 or more, not {shown}" in capsys.readouterr().err
 
     def test_empty_config(self, tmp_path: Path) -> None:
         """``--config "$CFG"`` with CFG unset served the embedded demo rack on ~/.local/state instead."""

@@ -81,13 +81,20 @@ def cmd_placement(args: argparse.Namespace) -> int:
     missing = missing_trace_reason(directory, (args.nodes, args.pods), origin=shared_origin(shared))
     if missing:
         raise InvalidRequestError(missing, field="shared")
+    policies = tuple(args.policies.split(","))
+    if "" in policies:
+        raise InvalidRequestError(
+            f"--policies {args.policies!r} names an empty policy (two commas in a row, or one at an end): give "
+            "sharing policies by name, separated by single commas",
+            field="policies",
+        )
     study = Study(
         trace_dir=directory,
         nodes=args.nodes,
         pods=args.pods,
         seeds=args.seeds,
         ks=args.k,
-        policies=tuple(args.policies.split(",")),
+        policies=policies,
         provision=not args.no_provision,
         workers=args.workers,
     )

@@ -112,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     plugins = load_plugins()
     if not 0 <= args.grace < math.inf:
-        raise ConfigError("--grace must be a number of seconds >= 0", field="grace")
+        raise ConfigError(f"--grace must be a number of seconds, 0 or more, not {args.grace!r}", field="grace")
     listeners = _listeners(args, config)  # before any fabric is built
     event_loop_factory()  # and $DISAGG_EVENT_LOOP, also before any fabric is built
     tune_for_serving()
