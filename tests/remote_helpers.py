@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import tempfile
 import threading
@@ -12,6 +13,7 @@ from concurrent import futures
 from typing import NoReturn
 
 import grpc
+import pytest
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import DisaggError
@@ -209,19 +211,37 @@ class Recorder:
 
 
 def told_after_a_hang(
-    remote: RemoteFabric, hang: threading.Event, streams: Callable[[], int], timeout: float, *, heard: bool | None
-) -> None:
-    """Subscribe to ``remote`` while its driver hangs each event stream (``hang`` set; ``streams`` counts them):
-    once the watcher has given up two of them (``heard``, if not None: what `events_heard` says meanwhile), mend
-    the driver and check that a device failure injected then is told, once."""
-    seen = Recorder()
-    remote.subscribe(seen)
-    assert eventually(lambda: streams() >= 3, timeout), streams()  # it was held on the first for ever
-    assert heard is None or remote.events_heard is heard
-    hang.clear()  # mended: the next stream carries events
-    assert eventually(lambda: remote.events_heard, timeout)
-    remote.fail_device("pcie0/gpu-a0", "ECC")
-    assert eventually(lambda: len(seen.events) == 1, timeout)
-    assert [(e.kind, e.subject, e.health) for e in seen.events] == [
-        (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", Health.FAILED)
-    ]
+    servicer: pb_grpc.FabricDriverServiceServicer,
+    connect: Callable[[str], RemoteFabric],
+    hang: threading.Event,
+    streams: Callable[[], int],
+    *,
+    timeout: float,
+    heard: bool | None,
+    caplog: pytest.LogCaptureFixture,
+    warned: str,
+) -> tuple[str, str]:
+    """Serve ``servicer`` and subscribe to the fabric ``connect`` makes of its address while the driver hangs each
+    event stream (``hang`` set; ``streams`` counts them): once the watcher has given up two of them (``heard``, if
+    not None: what `events_heard` says meanwhile), mend the driver and check that a device failure injected then is
+    told, once. Returns the address and the one warning that says ``warned``: at most one a minute, as for any
+    stream that gives no events."""
+    with serving_bare(servicer) as address, caplog.at_level(logging.WARNING, logger="disagg.remote"):
+        remote = connect(address)
+        try:
+            seen = Recorder()
+            remote.subscribe(seen)
+            assert eventually(lambda: streams() >= 3, timeout), streams()  # it was held on the first for ever
+            assert heard is None or remote.events_heard is heard
+            hang.clear()  # mended: the next stream carries events
+            assert eventually(lambda: remote.events_heard, timeout)
+            remote.fail_device("pcie0/gpu-a0", "ECC")
+            assert eventually(lambda: len(seen.events) == 1, timeout)
+            assert [(e.kind, e.subject, e.health) for e in seen.events] == [
+                (FabricEventKind.DEVICE_HEALTH, "pcie0/gpu-a0", Health.FAILED)
+            ]
+        finally:
+            remote.close()
+    warnings = [r.getMessage() for r in caplog.records if warned in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    return address, warnings[0]

@@ -460,39 +460,35 @@ class TestDeselectUndeclared:
             hook=types.SimpleNamespace(pytest_deselected=lambda items: deselected.extend(items))  # noqa: PLW0108 (called with items=)
         )
 
-    def test_only_undeclared_clauses_under_the_directory(self, tmp_path: Path) -> None:
+    def _deselecting(
+        self, tmp_path: Path, mine: list[str | None], other: str, lacking: dict[str, str] | None = None
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """`deselect_undeclared` for a CARVE driver under ``tmp_path``/driver over items of the clauses ``mine``
+        there and one of ``other`` elsewhere: what it deselected, the items before, and those it kept."""
         deselected: list[Any] = []
+        here, elsewhere = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
+        items: list[Any] = [*(self._Item(here, clause) for clause in mine), self._Item(elsewhere, other)]
+        before = list(items)
         config = self._recording(deselected)
-        mine, other = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
-        bind_mine = self._Item(mine, "BIND-IDEMPOTENT")
-        items: list[Any] = [
-            bind_mine,
-            self._Item(mine, "DISC-STABLE"),
-            self._Item(mine, None),
-            self._Item(other, "BIND-IDEMPOTENT"),
-        ]
-        kept = list(items[1:])
-        deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver")  # type: ignore[arg-type]
-        assert deselected == [bind_mine] and items == kept
+        deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver", lacking=lacking)  # type: ignore[arg-type]
+        return deselected, before, items
+
+    def test_only_undeclared_clauses_under_the_directory(self, tmp_path: Path) -> None:
+        deselected, before, kept = self._deselecting(
+            tmp_path, ["BIND-IDEMPOTENT", "DISC-STABLE", None], other="BIND-IDEMPOTENT"
+        )
+        assert deselected == [before[0]] and kept == before[1:]
 
     def test_clauses_whose_hardware_the_fabric_lacks(self, tmp_path: Path) -> None:
         """A fabric under test without an MLD would skip CARVE-MLD-LOGICAL-DEVICES, which a CI run that must
         skip nothing cannot have: named in ``lacking``, it is deselected under the directory alone."""
-        deselected: list[Any] = []
-        config = self._recording(deselected)
-        mine, other = tmp_path / "driver" / "test_x.py", tmp_path / "elsewhere" / "test_y.py"
-        mld_mine = self._Item(mine, "CARVE-MLD-LOGICAL-DEVICES")
-        items: list[Any] = [
-            mld_mine,
-            self._Item(mine, "CARVE-CONSERVES"),
-            self._Item(other, "CARVE-MLD-LOGICAL-DEVICES"),
-        ]
-        kept = list(items[1:])
-        lacking = {"CARVE-MLD-LOGICAL-DEVICES": "no MLD"}
-        deselect_undeclared(config, items, {Feature.CARVE}, tmp_path / "driver", lacking=lacking)  # type: ignore[arg-type]
-        assert deselected == [mld_mine] and items == kept
+        mld = "CARVE-MLD-LOGICAL-DEVICES"
+        deselected, before, kept = self._deselecting(
+            tmp_path, [mld, "CARVE-CONSERVES"], other=mld, lacking={mld: "no MLD"}
+        )
+        assert deselected == [before[0]] and kept == before[1:]
         with pytest.raises(ValueError, match="CARVE-NO-SUCH"):
-            deselect_undeclared(config, items, {Feature.CARVE}, tmp_path, lacking={"CARVE-NO-SUCH": "renamed"})  # type: ignore[arg-type]
+            self._deselecting(tmp_path, [mld], other=mld, lacking={"CARVE-NO-SUCH": "renamed"})
 
 
 class TestFaultInjectionIsWhatADriverDeclares:

@@ -83,20 +83,21 @@ def _remote(address: str, call_timeout_s: float = HEADERS_S) -> RemoteFabric:
 
 class TestAStreamWithoutHeaders:
     def test_is_given_up_with_a_warning_and_watched_again(self, caplog: pytest.LogCaptureFixture) -> None:
-        sim = pcie()
-        driver = Tongueless(sim)
-        with serving_bare(driver) as address, caplog.at_level(logging.WARNING, logger="disagg.remote"):
-            remote = _remote(address)
-            try:
-                told_after_a_hang(remote, driver.hanging, lambda: driver.held, WAIT_S, heard=False)
-            finally:
-                remote.close()
-        warnings = [r.getMessage() for r in caplog.records if "headers" in r.getMessage()]
-        assert len(warnings) == 1, warnings  # at most once a minute, as any stream that gives no events
-        assert f"the driver at {address}" in warnings[0]
-        assert f"within {HEADERS_S:g}s" in warnings[0]
-        assert "at once" in warnings[0] and "SendHeader" in warnings[0]
-        assert "no events are delivered" in warnings[0]
+        driver = Tongueless(pcie())
+        address, warning = told_after_a_hang(
+            driver,
+            _remote,
+            driver.hanging,
+            lambda: driver.held,
+            timeout=WAIT_S,
+            heard=False,
+            caplog=caplog,
+            warned="headers",
+        )
+        assert f"the driver at {address}" in warning
+        assert f"within {HEADERS_S:g}s" in warning
+        assert "at once" in warning and "SendHeader" in warning
+        assert "no events are delivered" in warning
 
     def test_closing_while_it_hangs_says_nothing_of_a_refusal(self, caplog: pytest.LogCaptureFixture) -> None:
         """close() cancelled the call, which the watcher then logged as 'the driver refused the event stream
