@@ -303,9 +303,9 @@ class RemoteFabric(Fabric, FaultInjection):
         self.connect_timeout_s = connect_timeout_s
         if not wire.heartbeat_valid(event_heartbeat_s):
             raise ConfigError(
-                f"fabric {name!r} (driver remote): event_heartbeat_s must be 0 (ask the driver for no heartbeats) or "
-                f"a number of seconds from {wire.MIN_HEARTBEAT_MS / 1000:g} to {wire.MAX_HEARTBEAT_MS // 1000}, not "
-                f"{event_heartbeat_s!r}",
+                f"fabric {name!r} (driver remote): option 'event_heartbeat_s': must be 0 (ask the driver for no "
+                f"heartbeats) or a number of seconds from {wire.MIN_HEARTBEAT_MS / 1000:g} to "
+                f"{wire.MAX_HEARTBEAT_MS // 1000}, not {event_heartbeat_s!r}",
                 field="event_heartbeat_s",
             )
         self.event_heartbeat_s = event_heartbeat_s

@@ -23,7 +23,6 @@ from disagg.remote.fabric import (
     DEFAULT_EVENT_HEARTBEAT_S,
     RemoteFabric,
 )
-from disagg.wire.driver import MAX_HEARTBEAT_MS, MIN_HEARTBEAT_MS, heartbeat_valid
 
 NAME = "remote"
 OPTIONS = ("address", "call_timeout_s", "connect_timeout_s", "event_heartbeat_s")
@@ -41,18 +40,6 @@ def _seconds(name: str, options: Mapping[str, Any], option: str, default: float)
         raise ConfigError(
             f"fabric {name!r} (driver remote): option {option!r}: must be a number of seconds above 0, not {value!r}",
             field=option,
-        )
-    return float(value)
-
-
-def _heartbeat(name: str, options: Mapping[str, Any]) -> float:
-    value = options.get("event_heartbeat_s", DEFAULT_EVENT_HEARTBEAT_S)
-    if not heartbeat_valid(value):
-        raise ConfigError(
-            f"fabric {name!r} (driver remote): option 'event_heartbeat_s': must be 0 (ask the driver for no "
-            f"heartbeats) or a number of seconds from {MIN_HEARTBEAT_MS / 1000:g} to {MAX_HEARTBEAT_MS // 1000}, "
-            f"not {value!r}",
-            field="event_heartbeat_s",
         )
     return float(value)
 
@@ -84,7 +71,7 @@ def create_fabric(name: str, options: Mapping[str, Any]) -> RemoteFabric:
         address,
         call_timeout_s=_seconds(name, options, "call_timeout_s", DEFAULT_CALL_TIMEOUT_S),
         connect_timeout_s=_seconds(name, options, "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
-        event_heartbeat_s=_heartbeat(name, options),
+        event_heartbeat_s=options.get("event_heartbeat_s", DEFAULT_EVENT_HEARTBEAT_S),  # checked there
         lazy=True,
     )
 
