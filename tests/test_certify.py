@@ -870,11 +870,11 @@ class TestAnInterruptedRun:
     @staticmethod
     @contextlib.contextmanager
     def running(
-        tmp_path: Path, bind_delay_s: float = 0.5, settle_s: float = 0.0
+        tmp_path: Path, bind_delay_s: float = 0.5, settle_s: float = 0.0, ready: str = r" PASSED"
     ) -> Iterator[tuple[subprocess.Popen[str], ChildOutput, list[int]]]:
         """``certify sim -v`` on binds that take ``bind_delay_s`` (0.5 s: the suite takes half a minute), ``settle_s``
-        after its first test passed: certify's process, its output and the pids under it. Whatever of them still
-        runs after the test is killed."""
+        after it printed ``ready`` (its first test passed): certify's process, its output and the pids under it.
+        Whatever of them still runs after the test is killed."""
         config = tmp_path / "slow.toml"
         config.write_text(
             f'call_timeout_s = 60\n[options]\nstate_file = "{tmp_path / "state.json"}"\n'
@@ -901,7 +901,7 @@ class TestAnInterruptedRun:
         pids: list[int] = []
         try:
             output = ChildOutput(proc)
-            output.wait_ready(r" PASSED", 60, "disagg certify")
+            output.wait_ready(ready, 60, "disagg certify")
             time.sleep(settle_s)
             pids = descendants(proc.pid)
             assert pids, "certify started no process for the suite"
@@ -941,8 +941,11 @@ class TestAnInterruptedRun:
 
     def test_a_second_interrupt_stops_the_suite_after_its_clean_up(self, tmp_path: Path) -> None:
         """A second Ctrl-C SIGKILLed the suite's process at once: its driver's clean-up and the removal of its
-        scratch directory never ran. Now it gets SIGTERM, and time to clean up."""
-        with self.running(tmp_path) as (proc, output, pids):
+        scratch directory never ran. Now it gets SIGTERM, and time to clean up. The first lands as the next test
+        starts with a bind (half a second), so that its clean-up (an unbind, as long) is under way when the second
+        comes; in a test with nothing to clean up the suite may end first, and the second then reaches certify
+        after it judged the run (`TestInterruptedWhileExiting` in test_cli.py)."""
+        with self.running(tmp_path, ready=r"::test_bind_is_idempotent PASSED") as (proc, output, pids):
             proc.send_signal(signal.SIGINT)
             time.sleep(0.5)
             proc.send_signal(signal.SIGINT)

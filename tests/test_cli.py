@@ -521,8 +521,37 @@ class TestInterruptedWhileStarting:
 
     def test_the_console_script_is_the_entry(self) -> None:
         project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-        assert project["project"]["scripts"]["disagg"] == "disagg.cli.entry:main"
+        assert project["project"]["scripts"]["disagg"] == "disagg.cli.entry:script"
         assert entry.main(["plugins"]) == 0
+
+
+class TestInterruptedWhileExiting:
+    """A Ctrl-C that came while ``disagg`` exited after its command (the interpreter's exit takes a while) killed
+    it by SIGINT: CI saw ``disagg certify`` killed where it had judged the run and written its reports."""
+
+    SCRIPT = (
+        "import os, signal, sys, time\n"
+        "from disagg.cli import entry\n"
+        "code = entry.script()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(0.2)\n"
+        "sys.exit(code)\n"
+    )
+
+    @pytest.mark.parametrize(("argv", "status"), [(["plugins"], 0), (["decompose", "c-nosuch"], 4)])
+    def test_the_command_keeps_its_status(self, tmp_path: Path, argv: list[str], status: int) -> None:
+        env = {**os.environ, "DISAGG_STATE_DIR": str(tmp_path)}
+        done = subprocess.run(
+            [sys.executable, "-c", self.SCRIPT, *argv], capture_output=True, text=True, env=env, timeout=60, check=False
+        )
+        assert done.returncode == status, done.stderr
+        assert "KeyboardInterrupt" not in done.stderr and "interrupted" not in done.stderr, done.stderr
+
+    def test_an_interrupt_before_the_end_still_interrupts(self) -> None:
+        """`finished` only acts once the command has returned: in a process that calls `main`, Ctrl-C still
+        interrupts."""
+        assert entry.main(["plugins"]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 class TestInterrupted:

@@ -446,13 +446,14 @@ def _supervise(args: argparse.Namespace, subject: Subject) -> int:
         argv += ["--plugin", module]
     if args.verbose:
         argv.append("-v")
-    try:
-        with _Interrupts.passed_on() as interrupts:
+    with _Interrupts.passed_on() as interrupts:
+        # Judged, published and cleaned up with the signals still taken: one now would leave half the reports in
+        # --out, or the scratch directory behind, and turn a run certify has judged into "interrupted".
+        try:
             code = interrupts.wait(subprocess.Popen(argv, env=suite_environment(os.environ)))
-            # Judged and published with the signals still taken: one now would leave half the reports in --out.
             return _judged(args, subject, code, scratch, list(interrupts.received))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _judged(args: argparse.Namespace, subject: Subject, code: int, scratch: Path, received: list[int]) -> int:

@@ -736,4 +736,6 @@ def _interrupted(args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from disagg.cli.entry import finished
+
+    sys.exit(finished(main()))
