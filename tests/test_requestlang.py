@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from disagg.model import (
     ResourceRequest,
     Selector,
     SelectorOp,
+    textcase,
 )
 from disagg.model.composition import (
     MAX_SELECTOR_TEXT,
@@ -1379,6 +1381,15 @@ class TestSelectorsNoValueMeets:
     )
     def test_what_a_value_meets_is_taken(self, clause: str) -> None:
         parse_request("t", [clause])
+
+    def test_the_spellings_are_every_code_points(self) -> None:
+        """The table of what lowers to what, built a block of code points at a time, holds what a walk of every
+        code point finds (one missed spelling could refuse a request a device meets)."""
+        every: dict[str, list[str]] = {"\u03c2": ["\u03a3"]}
+        for point in range(sys.maxunicode + 1):
+            if chr(point).lower() != chr(point):
+                every.setdefault(chr(point).lower(), []).append(chr(point))
+        assert textcase._spellings() == {lowered: tuple(chars) for lowered, chars in every.items()}
 
     VALUES = st.sampled_from([0, 1, 2, 1.5, 1.0, False, True, "", "a", "A", "b", "ab", "aB", "k", "z", "\u212a"])
     WITNESSES = (0, 0.5, 1, 1.25, 1.5, 1.75, 2, 2.5, -1, False, True, "", "a", "A", "aa", "aZ", "ab", "Ab", "AB")

@@ -14,16 +14,26 @@ Bound = tuple[str, bool]
 """A range's end: the text, and whether the range stops short of it (``<``, ``>``)."""
 
 
+_BLOCK = 64
+"""Code points looked at together: a block that lowers to itself (most: scripts without case, unassigned) is
+passed over with one call, which makes the table a third of the time it takes point by point."""
+
+
 @functools.cache
 def _spellings() -> dict[str, tuple[str, ...]]:
     """Each text some other character lowers to, and those characters. Built on first use, from every code
-    point (a quarter of a second), so that no spelling is missed: one missed could refuse a request it meets."""
+    point (about a tenth of a second), so that no spelling is missed: one missed could refuse a request it
+    meets."""
     found: dict[str, list[str]] = {"ς": ["Σ"]}  # lowers to ς at the end of a word: str.lower's one context rule
-    for point in range(sys.maxunicode + 1):
-        char = chr(point)
-        lowered = char.lower()
-        if lowered != char:
-            found.setdefault(lowered, []).append(char)
+    every = "".join(map(chr, range(sys.maxunicode + 1)))
+    for start in range(0, len(every), _BLOCK):
+        block = every[start : start + _BLOCK]
+        if block.lower() == block:
+            continue
+        for char in block:
+            lowered = char.lower()
+            if lowered != char:
+                found.setdefault(lowered, []).append(char)
     return {lowered: tuple(chars) for lowered, chars in found.items()}
 
 
