@@ -7,6 +7,7 @@ every spelling that lowers to ``acme``, some of them other scripts' letters (KEL
 
 from __future__ import annotations
 
+import array
 import functools
 import sys
 
@@ -15,17 +16,19 @@ Bound = tuple[str, bool]
 
 
 _BLOCK = 64
-"""Code points looked at together: a block that lowers to itself (most: scripts without case, unassigned) is
-passed over with one call, which makes the table a third of the time it takes point by point."""
+"""Code points looked at together: a block that lowers to itself (all but about 60 of 17,408: scripts without
+case, unassigned points) is passed over with one call."""
 
 
 @functools.cache
 def _spellings() -> dict[str, tuple[str, ...]]:
     """Each text some other character lowers to, and those characters. Built on first use, from every code
-    point (about a tenth of a second), so that no spelling is missed: one missed could refuse a request it
-    meets."""
+    point, so that no spelling is missed: one missed could refuse a request it meets. The text of every code
+    point is decoded from their numbers at once, and lowered a block at a time (50 ms, against 120 ms point by
+    point)."""
     found: dict[str, list[str]] = {"ς": ["Σ"]}  # lowers to ς at the end of a word: str.lower's one context rule
-    every = "".join(map(chr, range(sys.maxunicode + 1)))
+    codec = "utf-32-le" if sys.byteorder == "little" else "utf-32-be"
+    every = array.array("I", range(sys.maxunicode + 1)).tobytes().decode(codec, "surrogatepass")
     for start in range(0, len(every), _BLOCK):
         block = every[start : start + _BLOCK]
         if block.lower() == block:
