@@ -395,6 +395,16 @@ class TestEvents:
         assert all(link.up for link in fabric.discover().links if "h0" in (link.a, link.b))
         assert seen == [FabricEventKind.LINK_DOWN, FabricEventKind.LINK_UP]
 
+    def test_a_link_change_just_before_close_is_told(self, make_switch: Callable[..., CxlSwitchFabric]) -> None:
+        """set_link's LINK_DOWN queued just before close is told before close returns: the poller stopped between
+        two polls and left it queued, so a subscriber never heard of the link's last change."""
+        fabric = make_switch()
+        seen: list[tuple[FabricEventKind, str]] = []
+        fabric.subscribe(lambda event: seen.append((event.kind, event.subject)))
+        fabric.set_link("h0", "sw/switch0", False)
+        fabric.close()
+        assert seen == [(FabricEventKind.LINK_DOWN, "h0|sw/switch0")]
+
     def test_events_after_the_switch_restarted(self, tmp_path: Path) -> None:
         """A restarted emulator numbers its event records from 1 again: the poller, still past the old numbers,
         read none of them, so a device that failed after a switch restart never reached the subscribers. The

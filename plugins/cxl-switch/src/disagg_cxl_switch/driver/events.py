@@ -25,6 +25,8 @@ from disagg_cxl_switch.emulator.events import EventRecord
 from disagg_cxl_switch.emulator.vendor import GetEventRecordsRequest, GetEventRecordsResponse, VendorOpcode
 
 POLL_INTERVAL_S = 0.05
+STOP_TIMEOUT_S = 2.0
+"""How long `EventPoller.stop` waits for the poller's thread to end (a handler running, a read of the switch)."""
 log = logging.getLogger("disagg.cxl_switch")
 
 
@@ -78,6 +80,7 @@ class EventPoller:
             self._take(response)
             if self._behind:
                 self._catch_up()
+        self._publish_queued()  # queued before `stop`: a subscriber hears the last change a call made
 
     def _read(self) -> GetEventRecordsResponse:
         """The records from the poller's place. Read on a new connection, the switch may have restarted since the
@@ -128,7 +131,10 @@ class EventPoller:
         self._behind = False
 
     def stop(self) -> None:
+        """Stop polling, once the events queued before now are published on the poller's thread, in order, within
+        `STOP_TIMEOUT_S`: behind a handler that takes longer, or a read of a switch that does not answer, they are
+        published after this returns, still in order."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=STOP_TIMEOUT_S)
         self._client.close()

@@ -402,9 +402,10 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                     log.exception("cxl-switch: an event handler failed on %s", event)
 
     def publish_soon(self, event: FabricEvent) -> None:
-        """Have the poller's thread publish ``event`` before its next poll, in order with the switch's own events:
-        a subscriber's handler is never run inside the driver call that caused it (a composer's reads the
-        fabric again, which that call may still hold)."""
+        """Have the poller's thread publish ``event`` before its next poll, so before the records that poll reads
+        (even one the switch logged just before this call: within one poll interval the two sources are not
+        ordered): a subscriber's handler is never run inside the driver call that caused it (a composer's reads
+        the fabric again, which that call may still hold)."""
         with self._lock:
             self._queued.append(event)
 
@@ -523,9 +524,10 @@ class CxlSwitchFabric(Fabric, FaultInjection):
     # ------------------------------------------------------------------ close
 
     def close(self) -> None:
-        """Stop the poller; stop an emulator this driver runs if asked to, or if the switch is read to hold
-        nothing. A switch that cannot be read (a pool's device failed, the emulator not answering) may hold
-        bindings or carved memory, which stopping it would lose: it is left running, and the log says why."""
+        """Stop the poller, once it has published the events calls queued (a link's last change: `EventPoller.stop`);
+        stop an emulator this driver runs if asked to, or if the switch is read to hold nothing. A switch that
+        cannot be read (a pool's device failed, the emulator not answering) may hold bindings or carved memory,
+        which stopping it would lose: it is left running, and the log says why."""
         if self._closed:
             return
         self._closed = True
