@@ -240,11 +240,13 @@ def test_an_adopted_host_not_read_at_start_is_read_before_the_pool_is_carved(
     """h2's QEMU, adopted with a Type-3 no record names, hangs as the driver starts, so its read then fails. An
     allocate on h1 counted h2's records only and carved the whole 2 GiB pool beside that device. While h2 still
     hangs, or another call holds it, the allocate is refused (retryable, naming h2); once h2 answers, it is read
-    first, and its device counts."""
+    first, and its device counts (each allocate tries h2: how long a failed try is remembered is
+    `test_a_hung_adopted_host_is_not_tried_by_every_allocate`'s)."""
     first = make_fabric(stop_hosts_on_close=False)
     hand_add(state_dir, "h2", 0, 0x9000, "foreign")
     first.close()
     monkeypatch.setattr(pool, "VIEW_TIMEOUT_S", 0.5)  # the read at the start gives up on h2 sooner
+    monkeypatch.setattr(pool, "UNREAD_RETRY_S", 0.0)
     read_adopted = pool.QemuCxlPool.read_adopted
     hung: list[int] = []
 
@@ -269,6 +271,68 @@ def test_an_adopted_host_not_read_at_start_is_read_before_the_pool_is_carved(
         carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
     assert carve.allocate("a", "h1", 1792 * MiB, CallContext.with_timeout(10.0, epoch=1)).amount_bytes == 1792 * MiB
     assert sum(a.amount_bytes for a in carve.allocations()) == 2 * GiB
+
+
+def test_a_hung_adopted_host_is_not_tried_by_every_allocate(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h2, adopted with a Type-3 no record names and hung as the driver starts, was tried again by every allocate
+    on h1 (a new QMP connection that times out in 1 s), each refused after that second for as long as h2 hung. A
+    failed try is remembered for `UNREAD_RETRY_S`: the allocates meanwhile are refused at once, for the same
+    reason, with nothing sent to h2; the first one after it tries h2 again, reads it once it answers, and counts
+    its device."""
+    first = make_fabric(stop_hosts_on_close=False)
+    hand_add(state_dir, "h2", 0, 0x9000, "foreign")
+    first.close()
+    monkeypatch.setattr(pool, "VIEW_TIMEOUT_S", 0.5)  # the read at the start gives up on h2 sooner
+    monkeypatch.setattr(pool, "UNREAD_RETRY_S", 600.0)  # no allocate below outlives it, however slow the machine
+    read_adopted = pool.QemuCxlPool.read_adopted
+    hung: list[int] = []
+
+    def hanging(self: pool.QemuCxlPool, hosts: Sequence[str]) -> None:
+        hung.append(stopped(state_dir, "h2"))
+        read_adopted(self, hosts)
+
+    monkeypatch.setattr(pool.QemuCxlPool, "read_adopted", hanging)
+    tries: list[str] = []  # what was sent to h2's QEMU: a connection or a command
+    connect, execute = Monitor.connect, Monitor.execute
+
+    def connecting(self: Monitor, *args: Any, **kwargs: Any) -> None:
+        if self.name == "h2":
+            tries.append("connect")
+        connect(self, *args, **kwargs)
+
+    def executing(self: Monitor, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self.name == "h2":
+            tries.append(name)
+        return execute(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Monitor, "connect", connecting)
+    monkeypatch.setattr(Monitor, "execute", executing)
+    try:
+        fabric = make_fabric()
+        carve = fabric.pool(POOL)
+        tries.clear()
+        refusals = []
+        for _ in range(3):
+            with pytest.raises(FabricUnavailableError, match="host h2") as info:
+                carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+            refusals.append(info.value)
+        assert tries == ["connect"], "an allocate tried h2 again while it was remembered to hang"
+        assert len(refusals) == 3
+        assert all(e.retryable and "did not answer a new QMP connection" in e.message for e in refusals)
+        assert "not tried again for" in refusals[-1].message, refusals[-1].message
+    finally:
+        for pid in hung:
+            os.kill(pid, signal.SIGCONT)
+    with pytest.raises(FabricUnavailableError, match="host h2"):
+        carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+    assert tries == ["connect"], "h2 answers again, but the failed try is remembered"
+    monkeypatch.setattr(pool, "UNREAD_RETRY_S", 0.0)  # the failed try is now older than that
+    with pytest.raises(CapacityExhaustedError, match="1879048192 bytes free"):
+        carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
+    assert tries[:2] == ["connect", "connect"] and len(tries) > 2, f"h2 not tried again and read: {tries}"
+    assert fabric._ledger.state.record("a") is None
 
 
 def test_a_dead_hosts_unrecorded_device_holds_nothing(fabric: QemuCxlFabric, state_dir: Path) -> None:

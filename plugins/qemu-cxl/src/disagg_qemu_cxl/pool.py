@@ -58,6 +58,9 @@ _OURS = re.compile(r"^cxl-t3-([0-9a-f]+)$")
 PEEK_TIMEOUT_S = 1.0
 """How long another host's view may take when an allocate can do without it (`_readable`): a host that takes
 longer is taken for hung (`QemuCxlPool._peek`)."""
+UNREAD_RETRY_S = 5.0
+"""How long an adopted host not yet read whose try failed (`_first_read`) is not tried again: the allocates on
+other hosts meanwhile are refused at once, for the same reason, instead of each waiting a second or two on it."""
 VIEW_TIMEOUT_S = 5.0
 """How long a host's view may take in a read that has no deadline of its own (`QemuCxlPool.views`: discovery,
 the allocations): a full read takes tens of milliseconds, so one that takes longer is taken for hung, with room
@@ -147,6 +150,9 @@ class QemuCxlPool(Pool):
         """The adopted hosts not read since the driver started (`read_adopted` failed): what they hold beyond the
         records is unknown, so nothing is carved from the pool beside them (`_first_read`). Written under the
         host's lock, like `_seen`."""
+        self._failed: dict[str, tuple[float, str]] = {}
+        """Of the `_unread` hosts, those whose last try failed: when (``time.monotonic()``) and why, so that none
+        is tried again for `UNREAD_RETRY_S` (`_first_read`). Written under the host's lock, like `_unread`."""
 
     def close(self) -> None:
         with self._lock:
@@ -252,12 +258,18 @@ class QemuCxlPool(Pool):
         """``host`` was read (or found gone: no devices), holding ``devices``; under the host's lock."""
         self._seen[host] = devices
         self._unread.discard(host)
+        self._failed.pop(host, None)
 
     def _first_read(self, host: str) -> HostView | None:
         """The view of an adopted host not read since the driver started (`_unread`), or None if its QEMU is gone
         (what no record names went with it). An allocate on another host cannot count it by its records alone,
         so a host that cannot be read now (hung, its monitor lost and not regained within `PEEK_TIMEOUT_S`)
-        refuses the allocate rather than let it promise what that host may hold."""
+        refuses the allocate rather than let it promise what that host may hold. A failed try is not made again
+        for `UNREAD_RETRY_S`: a host that stays hung would cost every allocate meanwhile its wait."""
+        failed = self._failed.get(host)
+        if failed is not None and (ago := time.monotonic() - failed[0]) < UNREAD_RETRY_S:
+            left = UNREAD_RETRY_S - ago
+            raise self._unknown(host, f"{failed[1]}, when tried {ago:.1f} s ago; not tried again for {left:.1f} s")
         process = self._hosts[host]
         own = True
         try:
@@ -271,11 +283,11 @@ class QemuCxlPool(Pool):
             if not own:
                 raise
             process.monitor.disconnect()
-            raise self._unknown(
-                host, f"its QEMU did not answer a new QMP connection within {PEEK_TIMEOUT_S:g} s (hung?)"
-            ) from None
+            why = f"its QEMU did not answer a new QMP connection within {PEEK_TIMEOUT_S:g} s (hung?)"
         except FabricUnavailableError as exc:
-            raise self._unknown(host, exc.message) from None
+            why = exc.message
+        self._failed[host] = (time.monotonic(), why)
+        raise self._unknown(host, why)
 
     def _unknown(self, host: str, why: str) -> FabricUnavailableError:
         return FabricUnavailableError(
