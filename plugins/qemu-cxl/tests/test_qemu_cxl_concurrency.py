@@ -234,19 +234,16 @@ def test_an_adopted_hosts_unrecorded_device_counts_before_it_is_read(
     assert sum(a.amount_bytes for a in carve.allocations()) <= 2 * GiB
 
 
-def test_an_adopted_host_not_read_at_start_is_read_before_the_pool_is_carved(
+@contextlib.contextmanager
+def hung_at_start(
     make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """h2's QEMU, adopted with a Type-3 no record names, hangs as the driver starts, so its read then fails. An
-    allocate on h1 counted h2's records only and carved the whole 2 GiB pool beside that device. While h2 still
-    hangs, or another call holds it, the allocate is refused (retryable, naming h2); once h2 answers, it is read
-    first, and its device counts (each allocate tries h2: how long a failed try is remembered is
-    `test_a_hung_adopted_host_is_not_tried_by_every_allocate`'s)."""
+) -> Iterator[QemuCxlFabric]:
+    """A fabric that adopted h2's QEMU, which holds a Type-3 no record names and hangs (SIGSTOP) as the driver
+    starts, so that its read then fails; h2 goes on (SIGCONT) as the block ends."""
     first = make_fabric(stop_hosts_on_close=False)
     hand_add(state_dir, "h2", 0, 0x9000, "foreign")
     first.close()
     monkeypatch.setattr(pool, "VIEW_TIMEOUT_S", 0.5)  # the read at the start gives up on h2 sooner
-    monkeypatch.setattr(pool, "UNREAD_RETRY_S", 0.0)
     read_adopted = pool.QemuCxlPool.read_adopted
     hung: list[int] = []
 
@@ -256,14 +253,26 @@ def test_an_adopted_host_not_read_at_start_is_read_before_the_pool_is_carved(
 
     monkeypatch.setattr(pool.QemuCxlPool, "read_adopted", hanging)
     try:
-        fabric = make_fabric()
+        yield make_fabric()
+    finally:
+        for pid in hung:
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_an_adopted_host_not_read_at_start_is_read_before_the_pool_is_carved(
+    make_fabric: Callable[..., QemuCxlFabric], state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """h2's QEMU, adopted with a Type-3 no record names, hangs as the driver starts, so its read then fails. An
+    allocate on h1 counted h2's records only and carved the whole 2 GiB pool beside that device. While h2 still
+    hangs, or another call holds it, the allocate is refused (retryable, naming h2); once h2 answers, it is read
+    first, and its device counts (each allocate tries h2: how long a failed try is remembered is
+    `test_a_hung_adopted_host_is_not_tried_by_every_allocate`'s)."""
+    monkeypatch.setattr(pool, "UNREAD_RETRY_S", 0.0)
+    with hung_at_start(make_fabric, state_dir, monkeypatch) as fabric:
         carve = fabric.pool(POOL)
         with pytest.raises(FabricUnavailableError, match="host h2") as info:
             carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
         assert "unknown" in info.value.message and info.value.retryable, info.value.message
-    finally:
-        for pid in hung:
-            os.kill(pid, signal.SIGCONT)
     with busy(fabric.hosts["h2"]), pytest.raises(FabricUnavailableError, match="host h2"):
         carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
     assert fabric._ledger.state.record("a") is None
@@ -281,20 +290,8 @@ def test_a_hung_adopted_host_is_not_tried_by_every_allocate(
     failed try is remembered for `UNREAD_RETRY_S`: the allocates meanwhile are refused at once, for the same
     reason, with nothing sent to h2; the first one after it tries h2 again, reads it once it answers, and counts
     its device."""
-    first = make_fabric(stop_hosts_on_close=False)
-    hand_add(state_dir, "h2", 0, 0x9000, "foreign")
-    first.close()
-    monkeypatch.setattr(pool, "VIEW_TIMEOUT_S", 0.5)  # the read at the start gives up on h2 sooner
     monkeypatch.setattr(pool, "UNREAD_RETRY_S", 600.0)  # no allocate below outlives it, however slow the machine
-    read_adopted = pool.QemuCxlPool.read_adopted
-    hung: list[int] = []
-
-    def hanging(self: pool.QemuCxlPool, hosts: Sequence[str]) -> None:
-        hung.append(stopped(state_dir, "h2"))
-        read_adopted(self, hosts)
-
-    monkeypatch.setattr(pool.QemuCxlPool, "read_adopted", hanging)
-    tries: list[str] = []  # what was sent to h2's QEMU: a connection or a command
+    tries: list[str] = []  # what was sent to h2's QEMU since the driver started: a connection or a command
     connect, execute = Monitor.connect, Monitor.execute
 
     def connecting(self: Monitor, *args: Any, **kwargs: Any) -> None:
@@ -307,24 +304,18 @@ def test_a_hung_adopted_host_is_not_tried_by_every_allocate(
             tries.append(name)
         return execute(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(Monitor, "connect", connecting)
-    monkeypatch.setattr(Monitor, "execute", executing)
-    try:
-        fabric = make_fabric()
+    refusals = []
+    with hung_at_start(make_fabric, state_dir, monkeypatch) as fabric:
+        monkeypatch.setattr(Monitor, "connect", connecting)
+        monkeypatch.setattr(Monitor, "execute", executing)
         carve = fabric.pool(POOL)
-        tries.clear()
-        refusals = []
         for _ in range(3):
             with pytest.raises(FabricUnavailableError, match="host h2") as info:
                 carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
             refusals.append(info.value)
         assert tries == ["connect"], "an allocate tried h2 again while it was remembered to hang"
-        assert len(refusals) == 3
-        assert all(e.retryable and "did not answer a new QMP connection" in e.message for e in refusals)
-        assert "not tried again for" in refusals[-1].message, refusals[-1].message
-    finally:
-        for pid in hung:
-            os.kill(pid, signal.SIGCONT)
+    assert all(e.retryable and "did not answer a new QMP connection" in e.message for e in refusals)
+    assert "not tried again for" in refusals[-1].message, refusals[-1].message
     with pytest.raises(FabricUnavailableError, match="host h2"):
         carve.allocate("a", "h1", 2 * GiB, CallContext.with_timeout(10.0, epoch=1))
     assert tries == ["connect"], "h2 answers again, but the failed try is remembered"
