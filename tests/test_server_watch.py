@@ -588,6 +588,84 @@ class TestWatchAcrossARestart:
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("after_time",)
 
 
+RETAINED = 4
+"""The event retention of the ledgers of `TestAResumeAtTheEdgeOfTheRetention`."""
+
+
+def retaining(tmp_path: Path, ledger: str, name: str) -> SqliteStore | MemoryStore:
+    """A ledger that keeps the newest `RETAINED` events: a new in-memory one, or a new SQLite file ``name``."""
+    if ledger == "memory":
+        return MemoryStore(event_retention=RETAINED)
+    return SqliteStore(tmp_path / f"{name}.db", event_retention=RETAINED)
+
+
+def resume(after: int, after_time: float) -> fm.WatchEventsRequest:
+    return fm.WatchEventsRequest(after_revision=after, after_time=after_time)
+
+
+@pytest.mark.parametrize("ledger", ["sqlite", "memory"])
+class TestAResumeAtTheEdgeOfTheRetention:
+    """A log that keeps the newest 4 events: after 9, it serves 6 to 9. A resume from 5 has no gap, but the log
+    no longer holds event 5 to hold the client's time against: over a reset log it went on with the new log's
+    events as if they followed the client's."""
+
+    @pytest.mark.parametrize("after", [4, 5, 6, 9])
+    def test_a_resume_over_a_reset_is_refused(self, tmp_path: Path, ledger: str, after: int) -> None:
+        """From below the oldest retained (a gap), just below it, the oldest itself and the newest."""
+        first_log = MemoryStore() if ledger == "memory" else SqliteStore(tmp_path / "first.db")
+        with serving(socket_path(tmp_path), store=first_log) as first:
+            churn(first, 9)
+            seen = first.composer.events(after - 1, 1)[0]
+        with serving(socket_path(tmp_path), store=retaining(tmp_path, ledger, "second")) as second:
+            churn(second, 9)
+            assert second.composer.events(0, 1)[0].revision == 6
+            failed = stream_fails(second.stub.WatchEvents, resume(after, seen.time))
+        assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.reason == "REVISION_COMPACTED"
+
+    def test_a_resume_from_the_oldest_retained_goes_on(self, tmp_path: Path, ledger: str) -> None:
+        with serving(socket_path(tmp_path), store=retaining(tmp_path, ledger, "l")) as served:
+            churn(served, 9)
+            oldest = served.composer.events(0, 1)[0]
+            stream = served.stub.WatchEvents(resume(oldest.revision, oldest.time), timeout=WAIT_S)
+            try:
+                assert take(stream, 3) == [7, 8, 9]
+            finally:
+                stream.cancel()
+
+    def test_a_resume_from_the_newest_goes_on(self, tmp_path: Path, ledger: str) -> None:
+        with serving(socket_path(tmp_path), store=retaining(tmp_path, ledger, "l")) as served:
+            churn(served, 9)
+            newest = served.composer.events(8, 1)[0]
+            stream = served.stub.WatchEvents(resume(9, newest.time), timeout=WAIT_S)
+            try:
+                churn(served, 1)
+                assert take(stream, 1) == [10]
+            finally:
+                stream.cancel()
+
+    def test_a_resume_from_just_below_the_oldest_retained(self, tmp_path: Path, ledger: str) -> None:
+        """With its time, it cannot be told from one over a reset log, and is refused the same way, naming the
+        oldest event retained; without one (not checked), it goes on with no gap."""
+        with serving(socket_path(tmp_path), store=retaining(tmp_path, ledger, "l")) as served:
+            churn(served, 5)
+            fifth = served.composer.events(4, 1)[0]
+            churn(served, 4)
+            failed = stream_fails(served.stub.WatchEvents, resume(5, fifth.time))
+            assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.reason == "REVISION_COMPACTED"
+            assert failed.metadata["oldest"] == "6"
+            stream = served.stub.WatchEvents(resume(5, 0.0), timeout=WAIT_S)
+            try:
+                assert take(stream, 4) == [6, 7, 8, 9]
+            finally:
+                stream.cancel()
+
+    def test_a_resume_from_further_below_is_refused(self, tmp_path: Path, ledger: str) -> None:
+        with serving(socket_path(tmp_path), store=retaining(tmp_path, ledger, "l")) as served:
+            churn(served, 9)
+            failed = stream_fails(served.stub.WatchEvents, resume(4, 0.0))
+            assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.metadata["oldest"] == "6"
+
+
 class TestWatchFromAListing:
     """A listing's revision carries the time of its event (`revision_time`), which a watch from it sends."""
 

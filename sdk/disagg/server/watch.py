@@ -217,9 +217,18 @@ def watch_events(
 def _check_same_log(composer: FabricComposer, after: int, after_time: float, newest: int) -> None:
     """Refuse a resume whose event at ``after`` the log now holds with another time: the log was reset (an
     in-memory ledger restarted) or restored from a backup since, and its revisions name other events, which a
-    resume from ``after`` would skip. An event no longer retained cannot be compared, and is not refused here."""
+    resume from ``after`` would skip. One whose event is just past the retention is refused too: it cannot be
+    compared, and the log shows no gap after it (`_replay`). One further past is the gap's to refuse."""
     held = composer.events(after - 1, 1)
-    if held and held[0].revision == after and held[0].time != after_time:
+    if not held:  # the newest event, counted a moment before the ledger holds it: nothing to compare yet
+        return
+    if held[0].revision == after + 1:
+        raise RevisionCompactedError(
+            f"event {after} is no longer retained (the oldest is {after + 1}), so whether the event log was reset "
+            f"or restored since it was read cannot be told: list again and watch from {newest}",
+            metadata={"oldest": str(after + 1), "after": str(after)},
+        )
+    if held[0].revision == after and held[0].time != after_time:
         raise RevisionCompactedError(
             f"the event log was reset or restored since revision {after} was read (its event there is another "
             f"one now): list again and watch from {newest}",
