@@ -5,6 +5,7 @@ again. A composer that was never started refuses what needs its ledger."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from disagg.model import (
     Composition,
     CompositionState,
     EventType,
+    FabricEvent,
+    FabricEventKind,
     Health,
     PendingChange,
     Topology,
@@ -238,6 +241,42 @@ class TestRecoveryWhenAFabricAnswersAgain:
             assert job.device_ids[0] not in hardware_bindings(composer.fabrics)
             total = next(p.capacity.total_bytes for p in cxl.discover().pools if p.id == extra.pool)
             assert {p.pool: p.free_bytes for p in composer.usage()[1]}[extra.pool] == total - carved
+        finally:
+            composer.close()
+
+
+def resync_required(fabric: SimFabric) -> None:
+    """``fabric``'s driver asks to be read again (RESYNC_REQUIRED): it is back, and its state may have changed."""
+    fabric._events.post(FabricEvent(fabric.name, FabricEventKind.RESYNC_REQUIRED, fabric.name, message="back"))
+    fabric._events.deliver()
+
+
+class TestAResyncOnAReplicaThatMayNoLongerLead:
+    """A replica whose lease may have run out by its clock (`FabricComposer.lead`), in the half second before it
+    steps down, gets a resync event from a fabric it counts unreachable: bringing the fabric back recovered the
+    interrupted changes there, releasing memory with an epoch a new leader may have replaced (which a driver
+    without FENCING takes), where the timer's retry of that fabric does not start. The fabric stays counted
+    away, for the leader; a replica that leads brings it back on the same event."""
+
+    def test_the_recovery_of_its_compositions_waits_for_the_leader(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        _, extra = left_mid_recompose(tmp_path)
+        composer, cxl = with_cxl_away(tmp_path)
+        leads = False
+        composer.lead = lambda: leads
+        try:
+            cxl.reachable = True
+            caplog.set_level(logging.WARNING, logger="disagg.composer")
+            resync_required(cxl)
+            assert extra.id in hardware_allocations(composer.fabrics), "released with no lease"
+            assert composer.find("job").state is CompositionState.UNKNOWN
+            said = [r.getMessage() for r in caplog.records if r.name == "disagg.composer"]
+            assert any("not bringing fabric cxl0 back" in m and "lease" in m for m in said), said
+            leads = True
+            resync_required(cxl)
+            assert extra.id not in hardware_allocations(composer.fabrics)
+            assert composer.find("job").state is CompositionState.COMPOSED
         finally:
             composer.close()
 

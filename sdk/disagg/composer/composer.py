@@ -603,8 +603,10 @@ class FabricComposer(Composer):
         """While `start` runs: the fabric events that came meanwhile, in order, applied as it ends."""
         self.lead: Callable[[], bool] | None = None
         """With high availability, once leading: whether this replica surely still leads (`Leadership.leading`),
-        asked before each heal it starts of its own accord (`_heal_all`). Its driver calls carry an epoch that a
-        new leader may have replaced once the lease may have run out, and a driver without FENCING takes them."""
+        asked before each heal it starts of its own accord (`_heal_all`), and before a resync event brings back a
+        fabric counted unreachable (`_resync`), which recovers the changes interrupted there. Its driver calls
+        carry an epoch that a new leader may have replaced once the lease may have run out, and a driver without
+        FENCING takes them."""
 
     # ----------------------------------------------------------------- life cycle
 
@@ -1033,7 +1035,9 @@ class FabricComposer(Composer):
         why = f"fabric {event.fabric} asked to be read again ({event.message or event.subject})"
         log.info("%s; reconciling it now", why)
         try:
-            settled = self._bring_back(event.fabric) if self._counted_away(event.fabric) else None
+            settled = None
+            if self._counted_away(event.fabric) and self._back_now(event):
+                settled = self._bring_back(event.fabric)
             _, healable, degraded = self._reconcile_pass(frozenset({event.fabric}), why)
         except DisaggError as exc:  # the ledger failed: nothing can be judged now, nor made durable
             log.warning("fabric %s was not read again on its resync event: %s", event.fabric, exc.message)
@@ -1069,6 +1073,22 @@ class FabricComposer(Composer):
             # retried by the passes, whose back-off counts passes, and a poll every few seconds would shorten it.
             changes += self._heal_all([c for c in healable if c in degraded])
         return changes
+
+    def _back_now(self, event: FabricEvent) -> bool:
+        """Whether ``event``'s fabric, counted unreachable, is brought back now: not once this replica may no
+        longer lead (`lead`), as the timer's retry of it would not start; the leader's brings it back."""
+        if self._leads():
+            return True
+        log.warning(
+            "not bringing fabric %s back on its resync event: this replica's lease may have run out by its clock, "
+            "and another replica may lead now; the leader recovers its compositions",
+            event.fabric,
+        )
+        return False
+
+    def _leads(self) -> bool:
+        """Whether this replica may act of its own accord: no high availability, or a lease surely held (`lead`)."""
+        return self.lead is None or self.lead()
 
     def _counted_away(self, name: str) -> bool:
         """Whether fabric ``name`` counts unreachable, or answered again at a rebuild whose compositions
@@ -1479,7 +1499,7 @@ class FabricComposer(Composer):
         healed = 0
         ids = list(composition_ids)
         for n, comp_id in enumerate(ids):
-            if self.lead is not None and not self.lead():
+            if not self._leads():
                 log.warning(
                     "not healing %s: this replica's lease may have run out by its clock, and another replica may "
                     "lead now; the leader heals them",
