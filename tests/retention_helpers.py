@@ -38,3 +38,28 @@ def assert_watch_refused_as_on_memory(store: Store) -> None:
             context.cancel()
         finally:
             comp.close()
+
+
+def assert_timed_resume_at_the_edge_refused_as_on_memory(store: Store) -> None:
+    """The newest 5 of 12 events are 8 to 12: a resume after 7 with event 7's time cannot be held against the
+    log, which no longer holds 7 (from a log reset since, it would show no gap either), and is refused on
+    ``store`` (of retention 5) as on the in-memory ledger; without a time it goes on at 8."""
+    for ledger in (MemoryStore(event_retention=5), store):
+        comp = composer(store=ledger)
+        context = FakeContext()
+        try:
+            for n in range(12):
+                (comp.cordon if n % 2 == 0 else comp.uncordon)(GPU)
+                if n == 6:
+                    seventh = comp.events(6, 1)[0]
+            comp.store.sync()
+            with pytest.raises(RevisionCompactedError, match=r"event 7 is no longer retained \(the oldest is 8\)"):
+                next(watch_events(comp, 7, context, Watches(4), after_time=seventh.time))  # type: ignore[arg-type]
+            untimed = watch_events(comp, 7, context, Watches(4))  # type: ignore[arg-type]
+            try:
+                assert next(untimed).revision == 8
+            finally:
+                untimed.close()
+        finally:
+            context.cancel()
+            comp.close()

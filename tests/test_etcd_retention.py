@@ -20,7 +20,13 @@ from disagg.store import EtcdStore, MemoryStore
 from disagg.store import etcd as etcd_store
 from disagg.store.base import RequestRecord
 from etcd_helpers import EtcdCluster, free_ports, fresh_prefix, one_etcd_member, raw_client
-from retention_helpers import GPU, assert_same_log, assert_watch_refused_as_on_memory, event
+from retention_helpers import (
+    GPU,
+    assert_same_log,
+    assert_timed_resume_at_the_edge_refused_as_on_memory,
+    assert_watch_refused_as_on_memory,
+    event,
+)
 from server_helpers import FakeContext
 
 LIVES = 20
@@ -119,6 +125,11 @@ class TestRetentionBoundary:
 
     def test_watch_refused_as_on_memory(self, cluster: EtcdCluster, prefix: str) -> None:
         assert_watch_refused_as_on_memory(EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5, unfenced=True))
+
+    def test_timed_resume_at_the_edge_refused_as_on_memory(self, cluster: EtcdCluster, prefix: str) -> None:
+        assert_timed_resume_at_the_edge_refused_as_on_memory(
+            EtcdStore(cluster.endpoints, prefix=prefix, event_retention=5, unfenced=True)
+        )
 
 
 class TestRetentionAtLeastOne:

@@ -14,7 +14,12 @@ from disagg.errors import ConfigError
 from disagg.store import MemoryStore, SqliteStore
 from disagg.store import sqlite as sqlite_store
 from disagg.store.base import RequestRecord
-from retention_helpers import assert_same_log, assert_watch_refused_as_on_memory, event
+from retention_helpers import (
+    assert_same_log,
+    assert_timed_resume_at_the_edge_refused_as_on_memory,
+    assert_watch_refused_as_on_memory,
+    event,
+)
 
 LIVES = 20
 """Server lifetimes in a restart test, each shorter than a prune step."""
@@ -98,6 +103,9 @@ class TestRetentionBoundary:
 
     def test_watch_refused_as_on_memory(self, tmp_path: Path) -> None:
         assert_watch_refused_as_on_memory(SqliteStore(tmp_path / "l.db", event_retention=5))
+
+    def test_timed_resume_at_the_edge_refused_as_on_memory(self, tmp_path: Path) -> None:
+        assert_timed_resume_at_the_edge_refused_as_on_memory(SqliteStore(tmp_path / "l.db", event_retention=5))
 
 
 class TestRetentionAtLeastOne:
