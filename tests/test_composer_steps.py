@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -523,3 +525,45 @@ class TestLatch:
             for thread in waiters:
                 thread.join(10)
             assert seen == [True, True, True]
+
+
+class TestAnAbandonedChange:
+    """A change whose generator is never resumed (its loop stopped while a driver call waited in a thread) is
+    closed by the garbage collector, in whatever context collects it: it ends quietly and still forgets its
+    request id, so that a retry runs again rather than wait for an answer that never comes."""
+
+    def test_closed_outside_its_context(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        comp = composer(rack(pcie0={"bind_delay_s": 0.001}))
+        in_bind, go_on = threading.Event(), threading.Event()
+        pcie = comp.fabrics["pcie0"]
+        bind = pcie.bind
+
+        def held(*args: Any) -> Any:
+            in_bind.set()
+            go_on.wait(10)
+            return bind(*args)
+
+        pcie.bind = held  # type: ignore[method-assign]
+        ignored: list[Any] = []
+        monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+        threads = ThreadPoolExecutor(1)
+
+        async def begin(change: Steps[Any]) -> asyncio.Future[Any]:
+            waiting = asyncio.ensure_future(comp.run_async(change, threads))
+            while not in_bind.is_set():
+                await asyncio.sleep(0.005)
+            return waiting
+
+        loop = asyncio.new_event_loop()
+        waiting = loop.run_until_complete(
+            begin(comp.compose_steps(parse_request("gone", ["gpu x1"]), request_id="gone-1"))
+        )
+        assert "gone-1" in comp._requests
+        loop.close()  # the bind's thread can no longer hand the change back
+        go_on.set()
+        threads.shutdown(wait=True)
+        del waiting, loop
+        gc.collect()
+        assert [f"{u.exc_type.__name__}: {u.exc_value}" for u in ignored] == []
+        assert "gone-1" not in comp._requests
+        comp.close()

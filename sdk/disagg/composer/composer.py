@@ -2590,8 +2590,14 @@ class FabricComposer(Composer):
             self._unanswered(request_id, seed, done)
             raise
         finally:
-            _ASKING.reset(asking)
-            _RETRYING_RECORDED.reset(retrying)
+            try:
+                _ASKING.reset(asking)
+                _RETRYING_RECORDED.reset(retrying)
+            except ValueError:
+                # Closed in another context: an abandoned change (its loop stopped while a step waited) that
+                # the garbage collector ends where it collects it. Its own context is gone with it; that one's
+                # variables are not this change's to reset.
+                pass
         if found_again(answer):
             if self._requests.get(request_id, (None, None))[1] is None:  # not given by the change (`_bind_new`)
                 self._answer(request_id, fp, answer, seed, done, found_again=True)
