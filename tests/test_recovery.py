@@ -57,6 +57,7 @@ from disagg.model import (
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request, parse_resource
 from disagg.store import MemoryStore, SqliteStore
+from disagg.store.base import REQUEST_RETENTION
 from disagg.wire.errors import to_status
 from disagg_sim import SimFabric, create_fabric, load_topology
 from disagg_sim.fabric import SimPool
@@ -381,6 +382,41 @@ class TestAnswersACrashLostThenChanged:
         again.decompose(applied.id)
         with pytest.raises(RequestAnswerLostError):
             again.apply_reservation(reservation.id, request_id="APPLY-1")
+        assert again.compositions() == []
+        again.close()
+
+
+def push_answers_out(tmp: Path) -> None:
+    """Write `REQUEST_RETENTION` newer answers into the ledger at ``tmp``, as a busy fabric manager's requests
+    do: the older answers are no longer among those it keeps, as normal operation drops them."""
+    answer = requests.encode(NotFoundError("composition", "x"))
+    with sqlite3.connect(tmp / "ledger.db") as db:
+        db.executemany(
+            "INSERT INTO requests (id, fingerprint, answer, at) VALUES (?, ?, ?, ?)",
+            ((f"newer-{n}", "f", answer, 0.0) for n in range(REQUEST_RETENTION)),
+        )
+
+
+class TestAnswersPushedOutThenChanged:
+    """A request id whose answer newer ones pushed out of the ledger is known after a restart from the record
+    its change left, as one whose answer a crash lost: once that record no longer names it, the retry is
+    refused, saying that the answer is no longer kept rather than that a crash lost it."""
+
+    @AGAIN
+    def test_compose_then_decompose(self, tmp_path: Path, restart: bool) -> None:
+        first = opened(tmp_path)
+        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
+        assert made is not None
+        first.close()
+        push_answers_out(tmp_path)
+        again = opened(tmp_path)
+        again.decompose(made.id)
+        again = reopened(tmp_path, again, restart)
+        with pytest.raises(RequestAnswerLostError) as refused:
+            again.compose(parse_request("a", ["gpu x1"]), request_id="Z")
+        assert "restart" not in refused.value.message and "newer request ids pushed it out" in refused.value.message
+        assert f"the newest {REQUEST_RETENTION:,} " in refused.value.message
+        assert refused.value.metadata == {"request_id": "Z"}
         assert again.compositions() == []
         again.close()
 

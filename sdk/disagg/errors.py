@@ -124,9 +124,10 @@ class RequestIdReusedError(AlreadyExistsError):
 
 
 class RequestAnswerLostError(ConflictError):
-    """A retried request id whose change finished before a crash that lost its answer, and whose composition has
-    changed since (decomposed, or changed by another request): the first answer cannot be given, and the change
-    is not made again."""
+    """A retried request id whose answer the ledger no longer holds (a crash lost it just after the change, or
+    newer request ids pushed it out, the message says which may have), known from the record its change left,
+    and whose composition has changed since (decomposed, or changed by another request): the first answer
+    cannot be given, and the change is not made again."""
 
     reason = "REQUEST_ANSWER_LOST"
 

@@ -588,6 +588,9 @@ class FabricComposer(Composer):
         self._requests_running = 0
         """How many of `_requests` are still running (no answer): the ledger holds none of them, so they take no
         place among the answers memory keeps (`_forget_oldest_requests`)."""
+        self._answers_pushed_out = False
+        """Whether the ledger held as many answers as it keeps when this composer started: an id known then only
+        from a record (`_seed_requests`) may have had its answer pushed out by newer ones, not lost in a crash."""
         self._inv = Inventory([])
         self._placer = Placer(self._inv, self.policy)
         self._executor = Executor(self.fabrics, self._context)
@@ -645,6 +648,7 @@ class FabricComposer(Composer):
                     raise undecodable("", f"the answer to request id {record.id!r}", exc) from exc
                 value = _SettledError(answer) if isinstance(answer, DisaggError) else answer
                 self._requests[record.id] = (record.fingerprint, value, _ANSWERED)
+            self._answers_pushed_out = len(state.requests) >= REQUEST_RETENTION
             self._rebuild()  # stops between two fabrics when closing (`_discover_all`)
             self._stop_if_closing()
             self._mark_unknown()
@@ -2183,19 +2187,34 @@ class FabricComposer(Composer):
         self.store.put_composition(comp)
 
     def _lose_seed(self, record: Composition | Reservation) -> None:
-        """``record``, all that told of its request id (a seed: a crash lost its answer, `_seed_requests`), is
-        replaced or deleted: the id's answer becomes `RequestAnswerLostError`, in the ledger, so that a retry after
-        another restart is refused still rather than carried out again. Under the lock."""
+        """``record``, all that told of its request id (a seed: a crash lost its answer, or newer ones pushed it out
+        of the ledger, `_seed_requests`), is replaced or deleted: the id's answer becomes `RequestAnswerLostError`,
+        in the ledger, so that a retry after another restart is refused still rather than carried out again. Under
+        the lock."""
         entry = self._requests.get(record.request_id) if record.request_id else None
         if entry is None or entry[1] is not _RECORDED:
             return
-        lost = RequestAnswerLostError(
-            f"request id {record.request_id!r} was carried out before a restart that lost its answer, and what it "
-            "made has since been decomposed, released or changed by another request: it is not carried out again; "
-            "read the composition, and use a new request id for anything left",
-            metadata={"request_id": record.request_id},
+        lost = self._answer_lost(
+            record.request_id, "what it made has since been decomposed, released or changed by another request"
         )
         self._answered(record.request_id, entry[0], _SettledError(lost))
+
+    def _answer_lost(self, request_id: str, since: str) -> RequestAnswerLostError:
+        """The refusal of ``request_id``, known only from a record (`_seed_requests`) that ``since`` says no
+        longer names its change. With the ledger's answers full when it started, newer ones may have pushed that
+        answer out, as normal operation does: the refusal does not blame a crash then."""
+        if self._answers_pushed_out:
+            why = (
+                f"request id {request_id!r} has no answer among those of the newest {REQUEST_RETENTION:,} request "
+                "ids the ledger keeps (newer request ids pushed it out, unless a crash lost it just after its change)"
+            )
+        else:
+            why = f"request id {request_id!r} was carried out before a restart that lost its answer"
+        return RequestAnswerLostError(
+            f"{why}, and {since}: it is not carried out again; read the composition, and use a new request id for "
+            "anything left",
+            metadata={"request_id": request_id},
+        )
 
     def _unwatch(self, watch: _Touched) -> None:
         """Stop noting changes for ``watch``, this reconcile's own: by identity, for another running at once may
@@ -2687,11 +2706,9 @@ class FabricComposer(Composer):
         Call where the change would otherwise start, under the lock, once it has not found its own work."""
         if _RETRYING_RECORDED.get():
             request_id, _ = _ASKING.get()
-            raise RequestAnswerLostError(
-                f"request id {request_id!r} was carried out before a restart that lost its answer, and its "
-                "composition has since been decomposed or changed by another request (or is being changed now): "
-                "it is not carried out again; read the composition, and use a new request id for anything left",
-                metadata={"request_id": request_id},
+            raise self._answer_lost(
+                request_id,
+                "its composition has since been decomposed or changed by another request (or is being changed now)",
             )
 
     def _answered(self, request_id: str, fp: str, answer: object, done: steps.Latch = _ANSWERED) -> None:
