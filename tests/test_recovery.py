@@ -776,6 +776,8 @@ class TestAnApplyACrashInterrupted:
         assert again.compositions() == [] and again.reservations() == [] and again.holders() == {}
         assert again.fabrics["pcie0"].bindings() == ()
         assert events_of(again, EventType.RESERVATION_RELEASED) == [res.id]
+        with pytest.raises(NotFoundError, match=r"was released while its apply as c-\w+ ran, which holds its plan"):
+            again.apply_reservation(res.id, request_id="APPLY-2")  # how it ended, as the run it ended in said
         again.close()
 
 

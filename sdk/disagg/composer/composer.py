@@ -111,6 +111,9 @@ same digest; one recorded with another time to live is matched through `FabricCo
 T = TypeVar("T")
 ENDED_RESERVATION_MEMORY = 1_000
 """How many ended reservations the composer remembers the end of, newest kept, to say it to a late apply."""
+ENDED_RESERVATION_EVENTS = 10_000
+"""How many of the ledger's newest events a start reads for how reservations ended (`FabricComposer._recall_ends`):
+the end of one older than those is no longer told after a restart."""
 REQUEST_ID_MEMORY = REQUEST_RETENTION
 """How many request ids the composer remembers in memory: as many as the ledger keeps, since a retry is looked up
 in memory only, and an id the ledger holds but memory forgot would be carried out again."""
@@ -123,6 +126,32 @@ _RECORDED = object()
 
 _ENDED_BY_TIME = "expired: its time to live ran out; reserve again"
 """How a reservation that expired ended, as a late apply is told (`FabricComposer._end_of`)."""
+
+
+def _applied_as(comp_id: str) -> str:
+    """How a reservation applied as ``comp_id`` ended, as a late apply is told."""
+    return f"was applied as {comp_id}: read it, or retry that apply with its request id"
+
+
+def _released_while_applied(comp_id: str) -> str:
+    """How a reservation released while its apply (as ``comp_id``) ran ended, as a late apply is told."""
+    return f"was released while its apply as {comp_id} ran, which holds its plan unless it failed"
+
+
+def _ended_by(event: Event) -> str | None:
+    """How the reservation ``event`` ended tells, as the run that emitted it told a late apply (`_end_of`), or
+    None for an event that ends none. The reason of a release is what its message says after the name (a name
+    holds no space)."""
+    if event.type is EventType.RESERVATION_EXPIRED:
+        return _ENDED_BY_TIME
+    if event.type is not EventType.RESERVATION_RELEASED:
+        return None
+    applied = event.data.get("composition")
+    if applied:
+        return _applied_as(applied)
+    because = event.message.partition(" given back")[2]
+    return f"was released{because if because.startswith(': ') else ''}; reserve again"
+
 
 _ANSWERED = steps.Latch()
 """What a request id with a known answer waits on: nothing, it is set (one for all of them)."""
@@ -636,6 +665,7 @@ class FabricComposer(Composer):
             self._compositions = {c.id: c for c in state.compositions}
             self._reservations = {r.id: r for r in state.reservations}
             self._reservation_deadlines = {r.id: self._deadline_from_record(r) for r in state.reservations}
+            self._recall_ends()
             self._names = {c.name: c.id for c in state.compositions}
             self._names.update({r.request.name: r.id for r in state.reservations})
             self._cordoned = set(state.cordons)
@@ -2295,6 +2325,33 @@ class FabricComposer(Composer):
         self._names[res.request.name] = res.id
         self.store.put_reservation(res)
 
+    def _recall_ends(self) -> None:
+        """Remember how the reservations the ledger's newest events (`ENDED_RESERVATION_EVENTS`) tell of ended, as
+        the runs that saw them end did: a late apply after a restart is told so too. At start, under the lock. A
+        release while the apply of it ran leaves no event of its own: the apply's composition tells it, rolled back
+        with no later event of the reservation (held again, expired, released), or its record's apply interrupted
+        by a restart naming no reservation any more; one that stands reads as applied."""
+        applied: dict[str, str] = {}  # composition id: the reservation applied as it
+        after = max(0, self._revision - ENDED_RESERVATION_EVENTS)
+        for event in self.store.events_after(after, ENDED_RESERVATION_EVENTS):
+            how = _ended_by(event)
+            if how is not None:
+                self._end_of(event.subject, how)
+                if comp_id := event.data.get("composition"):
+                    applied[comp_id] = event.subject
+            elif event.type is EventType.RESERVATION_CREATED:  # held again: an apply undone gave it back
+                self._ended_reservations.pop(event.subject, None)
+            elif (
+                event.type is EventType.COMPOSITION_DELETED
+                and (res_id := applied.pop(event.subject, ""))
+                and event.message.startswith("rolled back")  # not applied after all (decomposed: it was)
+            ):
+                self._end_of(res_id, _released_while_applied(event.subject))
+        for comp_id, res_id in applied.items():
+            comp = self._compositions.get(comp_id)
+            if comp is not None and comp.pending is not None and comp.pending.reservation is None:
+                self._end_of(res_id, _released_while_applied(comp_id))
+
     def _end_of(self, reservation_id: str, how: str) -> None:
         """Remember how the reservation ``reservation_id`` ended ("was released: why; reserve again"), for an
         apply that comes after (`_not_held`); the newest `ENDED_RESERVATION_MEMORY` are kept. Under the lock."""
@@ -2389,10 +2446,7 @@ class FabricComposer(Composer):
                 # undone now gives nothing back, so what they hold stays true.
                 kept = revise(applying, pending=attrs.evolve(applying.pending, reservation=None))
                 self._record(kept)
-                self._end_of(
-                    reservation_id,
-                    f"was released while its apply as {kept.id} ran, which holds its plan unless it failed",
-                )
+                self._end_of(reservation_id, _released_while_applied(kept.id))
                 log.info(
                     "reservation %s released while it was being applied as %s: should the apply be undone, it is "
                     "not held again",
@@ -2456,7 +2510,7 @@ class FabricComposer(Composer):
             self._names.pop(res.request.name, None)
             self.store.delete_reservation(res.id)
             self._unclaim_plan(res.plan)
-            self._end_of(res.id, f"was applied as {comp.id}: read it, or retry that apply with its request id")
+            self._end_of(res.id, _applied_as(comp.id))
             comp = self._begin(comp, res.plan, reservation=res)
             self._applying_deadlines[comp.id] = expires
         try:
@@ -3190,8 +3244,11 @@ class FabricComposer(Composer):
             and all(m.pool in inv.pools and inv.pools[m.pool].free_bytes >= m.amount_bytes for m in res.plan.memory)
         )
         if not free:  # what it held is another's now (a restart found the hardware otherwise): it cannot be held
-            self._end_of(res.id, "was released: its apply was undone, and what it held is taken now; reserve again")
-            self._emit(EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back")
+            taken = "its apply was undone, and what it held is taken now"
+            self._end_of(res.id, f"was released: {taken}; reserve again")
+            self._emit(
+                EventType.RESERVATION_RELEASED, res.id, f"reservation for {res.request.name!r} given back: {taken}"
+            )
             return
         # A device of it failed while the apply ran (the failure found no reservation to release then): it could
         # not be applied again, and would hold its host and devices until its time ran out.
