@@ -288,14 +288,16 @@ def reopened(tmp: Path, composer: FabricComposer, restart: bool) -> FabricCompos
     return opened(tmp)
 
 
-def composed_then_answer_lost(tmp: Path) -> tuple[Composition, FabricComposer]:
-    """Composition ``a`` (a GPU) composed under request id Z, whose answer a crash then lost, and a composer
-    opened on ``tmp`` after it."""
+def composed_then_answer_lost(
+    tmp: Path, lose: Callable[[Path], None] = lose_answers
+) -> tuple[Composition, FabricComposer]:
+    """Composition ``a`` (a GPU) composed under request id Z, whose answer a crash then lost (or ``lose``
+    took out of the ledger otherwise), and a composer opened on ``tmp`` after it."""
     first = opened(tmp)
     made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
     assert made is not None
     first.close()
-    lose_answers(tmp)
+    lose(tmp)
     return made, opened(tmp)
 
 
@@ -404,12 +406,7 @@ class TestAnswersPushedOutThenChanged:
 
     @AGAIN
     def test_compose_then_decompose(self, tmp_path: Path, restart: bool) -> None:
-        first = opened(tmp_path)
-        made = first.compose(parse_request("a", ["gpu x1"]), request_id="Z").composition
-        assert made is not None
-        first.close()
-        push_answers_out(tmp_path)
-        again = opened(tmp_path)
+        made, again = composed_then_answer_lost(tmp_path, push_answers_out)
         again.decompose(made.id)
         again = reopened(tmp_path, again, restart)
         with pytest.raises(RequestAnswerLostError) as refused:
