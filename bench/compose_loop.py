@@ -11,7 +11,8 @@ counts is the cost of the calls alone, start-up excluded, which is how docs/benc
 
 (the loop is the main thread, the first file; its total for 1,000 less that for 200, over 800). ``--profile``
 writes a cProfile of the measured calls instead, for their call counts. Each Compose holds a host, so
-``--calls`` plus the ``--warm-up`` calls (200) must stay within the fabric's hosts (1,400 at 10,000 devices).
+``--calls`` plus the ``--warm-up`` calls (200) must stay within the fabric's hosts (1,400 at 10,000 devices);
+more are refused before the fabric is built.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from disagg.server.loop import event_loop_factory
 from disagg.server.servicer import FabricManagerServicer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpc_compose import compose_request  # the same request as the gRPC benchmark
+from grpc_compose import compose_capacity, compose_request  # the same request and fabric as the gRPC benchmark
 
 CLIENTS = 32
+DEVICES_STEP = 1_000
+"""The granularity of the --devices the refusal of too many Composes suggests."""
 
 
 class _Call:
@@ -76,6 +79,31 @@ async def _measure(servicer: AsyncFabricManagerServicer, calls: int, warm_up: in
     return (time.thread_time() - started) / calls
 
 
+def devices_for(composes: int, devices: int, holds: int) -> int:
+    """The fewest devices, in `DEVICES_STEP`, whose generated fabric holds ``composes``: guessed from what
+    ``devices`` hold (hosts grow with devices), then counted."""
+    guess = -(-composes * devices // max(holds, 1))
+    more = max(DEVICES_STEP, -(-guess // DEVICES_STEP) * DEVICES_STEP)
+    while compose_capacity(more) < composes:
+        more += DEVICES_STEP
+    return more
+
+
+def check_room(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before the fabric is built, more Composes than its hosts hold: the calls ran until a NoFitError."""
+    if args.devices < 1 or args.calls < 1 or args.warm_up < 0:
+        parser.error("--devices and --calls must be 1 or more, --warm-up 0 or more")
+    composes = args.calls + args.warm_up
+    holds = compose_capacity(args.devices)
+    if composes > holds:
+        more = devices_for(composes, args.devices, holds)
+        parser.error(
+            f"--calls {args.calls} and --warm-up {args.warm_up} make {composes} Composes, but a fabric of --devices "
+            f"{args.devices} holds {holds} (one a host with 32 cores or more): give --devices {more} (it holds "
+            f"{compose_capacity(more)}), or fewer --calls"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=10_000)
@@ -84,6 +112,7 @@ def main() -> None:
     parser.add_argument("--ledger", choices=("memory", "sqlite"), default="sqlite")
     parser.add_argument("--profile", type=Path, help="write a cProfile of the measured calls here")
     args = parser.parse_args()
+    check_room(parser, args)
     with tempfile.TemporaryDirectory() as state:
         doc = {
             "state": {"ledger": args.ledger, "path": os.path.join(state, "ledger.db")},

@@ -177,6 +177,28 @@ class TestComposeLoopTool:
         assert done.returncode == 0, done.stderr
         assert re.fullmatch(rf"40 Composes, {ledger} ledger, 1000 devices: \d+\.\d µs of loop CPU each\n", done.stdout)
 
+    def test_more_composes_than_hosts_refused(
+        self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """Each Compose holds a host: more calls and warm-up than the fabric has hosts for are refused before the
+        fabric is built, naming the --devices that would do (they ran until a NoFitError traceback)."""
+        import runpy
+
+        main = runpy.run_path(str(ROOT / "bench" / "compose_loop.py"), run_name="bench")["main"]
+
+        def build_composer(config: object) -> None:
+            raise AssertionError("the fabric was built for more Composes than it holds")
+
+        monkeypatch.setitem(main.__globals__, "build_composer", build_composer)
+        monkeypatch.setattr(sys, "argv", ["compose_loop.py", "--devices", "1000", "--calls", "100", "--warm-up", "50"])
+        with pytest.raises(SystemExit) as exit_info:
+            main()
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.endswith(
+            "error: --calls 100 and --warm-up 50 make 150 Composes, but a fabric of --devices 1000 holds 144 (one a "
+            "host with 32 cores or more): give --devices 2000 (it holds 280), or fewer --calls\n"
+        )
+
 
 class TestConformanceDocs:
     """docs/conformance.md lists every clause of the suite with its exact statement, and nothing else."""
