@@ -23,6 +23,7 @@ from disagg.store import MemoryStore, SqliteStore, Store
 JOB = parse_request("job", ["gpu x2"])
 TTL_S = 60.0
 HOUR_S = 3600.0
+WAIT_S = 10.0
 
 
 class Clocks:
@@ -232,6 +233,9 @@ class TestAReadThatExpiresAReservation:
         ledger ran under it, and every change and listing waited for that commit (an etcd round trip)."""
 
         class GatedSync(MemoryStore):
+            """Each wait for the ledger, the durable call's (`sync`) and the snapshot's (`await_event`), held at the
+            gate once armed: the first comes under the composer's lock, or outside it."""
+
             def __init__(self) -> None:
                 super().__init__()
                 self.armed, self.entered, self.gate = False, threading.Event(), threading.Event()
@@ -241,6 +245,9 @@ class TestAReadThatExpiresAReservation:
                     self.entered.set()
                     self.gate.wait(10)
 
+            def await_event(self, revision: int) -> None:
+                self.sync()
+
         store = GatedSync()
         comp = started(Clocks(), store=store)
         try:
@@ -248,11 +255,12 @@ class TestAReadThatExpiresAReservation:
             store.armed = True
             lister = threading.Thread(target=lambda: comp.snapshot(comp.reservations))
             lister.start()
-            if store.entered.wait(1):  # the listing waits for the ledger: others must not wait for it
-                other = threading.Thread(target=comp.devices)
-                other.start()
-                other.join(5)
-                assert not other.is_alive(), "a listing waited for the ledger holding the composer's lock"
+            # The listing waits for the ledger: others must not wait for it.
+            assert store.entered.wait(WAIT_S), "the listing did not wait for the ledger"
+            other = threading.Thread(target=comp.devices)
+            other.start()
+            other.join(5)
+            assert not other.is_alive(), "a listing waited for the ledger holding the composer's lock"
             store.gate.set()
             lister.join(10)
         finally:
