@@ -617,14 +617,15 @@ class TestDeposed:
         """A replica stopped while its composer starts after it won the lead does not go on to serve."""
         served: list[list[str]] = []
         composer = FabricComposer(rack(), store=EtcdStore(etcd.endpoints, prefix="/stopped/"))
-        starting = threading.Event()
+        starting, go_on = threading.Event(), threading.Event()
         start = composer.start
-
+        starter: list[threading.Thread] = []  # the replica's thread that starts the composer, and then serves
         started: list[bool] = []
 
         def slow_start() -> None:
+            starter.append(threading.current_thread())
             starting.set()
-            time.sleep(1.0)
+            go_on.wait(WAIT_S)  # until the stop has come
             try:
                 start()  # the stop cancelled it: it raises, having opened nothing more
             finally:
@@ -643,7 +644,9 @@ class TestDeposed:
         server.start()
         assert starting.wait(WAIT_S)
         server.stop(0)
-        time.sleep(1.5)  # past the composer's start
+        go_on.set()
+        starter[0].join(WAIT_S)  # past the composer's start, and whatever the replica did after it
+        assert not starter[0].is_alive(), "the replica's start did not end after the stop"
         assert not served, "a stopped replica went on to serve"
         assert closed[-1:] == ["started"], "what the start opened after the stop was left open"
         server.stop(0)
