@@ -30,6 +30,20 @@ from process_helpers import ChildOutput
 
 TAKEOVER_S = 10.0
 START_S = 60.0
+ADVISED = "^test: etcd's election timeout was read$"
+ADVICE_HOOK = (
+    "import sys\n"
+    "from disagg.ha import timeouts\n"
+    "advise = timeouts.advise\n\n"
+    "def advised(*args, **kwargs):\n"
+    "    try:\n"
+    "        advise(*args, **kwargs)\n"
+    "    finally:\n"
+    '        print("test: etcd\'s election timeout was read", file=sys.stderr, flush=True)\n\n'
+    "timeouts.advise = advised\n"
+)
+"""A replica's ``sitecustomize``: says `ADVISED` once `disagg.ha.timeouts.advise` has returned, after what it logged
+(on the same stream), so that a test knows whether it warned."""
 MAX_JOBS = 70
 """Compositions the load may make at most: the fabric has 80 hosts, and each takes one."""
 
@@ -37,14 +51,18 @@ MAX_JOBS = 70
 class Replica:
     """One `disagg serve` process, whose output is read as it comes (`ChildOutput`)."""
 
-    def __init__(self, config: Path, port: int, state: Path) -> None:
+    def __init__(self, config: Path, port: int, state: Path, path: Path | None = None) -> None:
+        """``path``, when given, goes before the PYTHONPATH (a ``sitecustomize`` there runs as the process starts)."""
         self.address = f"127.0.0.1:{port}"
+        env = {**os.environ, "DISAGG_STATE_DIR": str(state)}
+        if path is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", self.address],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "DISAGG_STATE_DIR": str(state)},
+            env=env,
         )
         self.output = ChildOutput(self.proc)
 
@@ -86,16 +104,18 @@ def cluster(tmp_path: Path) -> Iterator[tuple[ServedDriver, list[Replica], str]]
         etcd.stop()
 
 
-def _replica_alone(tmp_path: Path, endpoints: list[str], prefix: str, lease_ttl_s: int = 3) -> Replica:
+def _replica_alone(
+    tmp_path: Path, endpoints: list[str], prefix: str, lease_ttl_s: int = 3, path: Path | None = None
+) -> Replica:
     """One `disagg serve` replica on etcd at ``endpoints``, with the demo PCIe rack in its process (no other replica
-    shares it)."""
+    shares it); ``path`` as `Replica` takes it."""
     quoted = ", ".join(f'"{e}"' for e in endpoints)
     config = tmp_path / "disagg.toml"
     config.write_text(
         f'[state]\nledger = "etcd"\nendpoints = [{quoted}]\nprefix = "{prefix}"\nlease_ttl_s = {lease_ttl_s}\n\n'
         '[[fabric]]\nname = "pcie0"\ndriver = "sim"\noptions = { topology = "demo-pcie" }\n'
     )
-    return Replica(config, free_ports(1)[0], tmp_path / "state")
+    return Replica(config, free_ports(1)[0], tmp_path / "state", path)
 
 
 def _leader(replicas: list[Replica], timeout: float) -> Replica:
@@ -251,14 +271,22 @@ class TestElectionTimeoutAdvice:
     says so once as it starts, naming both figures and what to set."""
 
     def _started(self, tmp_path: Path, election_timeout_ms: int) -> str:
-        """What `disagg serve` on a one-member etcd with ``election_timeout_ms`` said until it served."""
+        """What `disagg serve` on a one-member etcd with ``election_timeout_ms`` said until it served and had read
+        etcd's election timeout, which it does beside its start (maybe after serving, or saying nothing): a
+        ``sitecustomize`` in the replica says when `advise` has returned (`ADVISED`)."""
         etcd_binary()
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(ADVICE_HOOK)
         etcd = start_etcd_cluster(tmp_path / "etcd", heartbeat_ms=100, election_timeout_ms=election_timeout_ms)
         try:
-            replica = _replica_alone(tmp_path, etcd.endpoints, "/advice/", lease_ttl_s=4)
+            replica = _replica_alone(tmp_path, etcd.endpoints, "/advice/", lease_ttl_s=4, path=hook)
             try:
                 assert replica.output.wait_for(r"^serving on ", START_S), replica.output.text
-                replica.output.wait_for(r"etcd's --election-timeout", 2.0)
+                read = replica.output.wait_for(ADVISED, START_S)
+                assert read, (
+                    f"no read of etcd's --election-timeout {START_S:.0f} s after serving: {replica.output.text}"
+                )
             finally:
                 replica.stop()
         finally:
