@@ -46,6 +46,8 @@ class TestReplicaTarget:
         assert replica_target("[::1]:50051") == ("[::1]:50051", ())
         assert replica_target("unix-abstract:disagg") == ("unix-abstract:disagg", ())  # was "a port is 0 to 65535"
         assert replica_target("127.0.0.1:50051") == ("127.0.0.1:50051", ())
+        assert replica_target("dns:///fm.example:50051") == ("dns:///fm.example:50051", ())
+        assert replica_target("DNS:///127.0.0.1:50051") == ("DNS:///127.0.0.1:50051", ())  # gRPC takes any case
 
     def test_a_list(self) -> None:
         assert replica_target("127.0.0.1:1, 127.0.0.2:2") == (
@@ -71,6 +73,9 @@ class TestReplicaTarget:
             ("[::1", "IPv6 host in brackets"),
             ("h]:1", "IPv6 host in brackets"),
             ("::1:50051", "IPv6 host in brackets"),  # gRPC reads it as a misformatted name: "cannot reach"
+            ("http://127.0.0.1:50051", "not a URL"),  # "cannot reach": gRPC looked the whole URL up as a name
+            ("grpc://fm.example:50051", "not a URL"),
+            ("tcp://10.0.0.1:50051", "not a URL"),
         ],
     )
     def test_mistakes(self, address: str, says: str) -> None:

@@ -60,9 +60,10 @@ KEEPALIVE = keepalive(KEEPALIVE_S)
 """The default pings' channel options."""
 
 
-SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:")
+SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:", "xds:", "google-c2p:")
 """gRPC's name schemes other than ``unix:`` taken as they are (``dns:///host:port``, ``unix-abstract:name``):
-gRPC judges what follows them."""
+gRPC judges what follows them. Another ``SCHEME://`` (``http://``, ``grpc://``) is refused: gRPC looked the whole
+URL up as a host name, which read as a server that is down."""
 
 
 def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]]:
@@ -73,6 +74,10 @@ def replica_target(address: str) -> tuple[str, tuple[tuple[str, str | int], ...]
     if "," not in address:
         if address.startswith("unix:"):
             _check_unix(address)
+        elif "://" in address and not address.lower().startswith(SCHEMES):  # gRPC takes a scheme in any case
+            raise InvalidRequestError(
+                f"{address!r}: give HOST:PORT or unix:/path/to/socket, not a URL", field="address"
+            )
         elif ":" in address and "://" not in address and not address.startswith(SCHEMES):
             host, _, port = address.rpartition(":")  # HOST:PORT: gRPC would take a missing or bad port as 443
             if port_from_text(port) is None:
