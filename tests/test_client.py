@@ -678,6 +678,18 @@ class TestErrors:
         with pytest.raises(InvalidRequestError):
             client.compose(None, ComposeMode.RESERVE, reservation_id="r-1")
 
+    @pytest.mark.parametrize("mode", [ComposeMode.RESERVE, ComposeMode.APPLY])
+    @pytest.mark.parametrize("ttl", [0, 0.0, -0.0])
+    def test_a_reservation_time_to_live_of_zero_is_refused_as_in_process(
+        self, client: FabricManagerClient, composer: FabricComposer, mode: ComposeMode, ttl: float
+    ) -> None:
+        """The wire's 0 means 60 s: a RESERVE asked to hold its plan 0 s held it for a minute, where the composer
+        refuses 0 (in every mode)."""
+        with pytest.raises(InvalidRequestError) as info:
+            client.compose(parse_request("held", ["gpu"]), mode, reservation_ttl_s=ttl)
+        assert info.value.field == "reservation_ttl_s" and "above 0" in info.value.message
+        assert composer.reservations() == [] and composer.compositions() == []
+
     def test_a_reservation_is_applied_without_a_request(self, client: FabricManagerClient) -> None:
         """The reservation holds its own request: one given with it would be ignored, so it is refused."""
         held = client.compose(parse_request("held", ["gpu"]), ComposeMode.RESERVE).reservation
@@ -818,6 +830,9 @@ class TestArgumentsOfTheWrongType:
         ("devices", lambda c: c.devices(kind="gpu"), "kind"),
         ("devices", lambda c: c.devices(health="ok"), "health"),
         ("devices", lambda c: c.devices(fabric=3), "fabric"),
+        ("devices", lambda c: c.devices(free_only="yes"), "free_only"),  # protobuf's bare TypeError
+        ("device_statuses", lambda c: c.device_statuses(free_only=None), "free_only"),
+        ("watch", lambda c: c.watch(resume="no"), "resume"),  # taken as true: the watch resumed
         ("get", lambda c: c.get("c-\ud800"), "composition_id"),
         ("decompose", lambda c: c.decompose("job\udcff"), "composition_id"),
         ("device", lambda c: c.device("gpu-\ud800"), "device_id"),

@@ -64,6 +64,14 @@ def whole(value: object, name: str) -> int:
     return value
 
 
+def flag(value: object, name: str) -> bool:
+    """``value``, a switch called ``name``: True or False. A string was taken for true ("no" too), or raised
+    protobuf's bare TypeError."""
+    if not isinstance(value, bool):
+        raise _refuse(name, "True or False", value)
+    return value
+
+
 def number(value: object, name: str, wanted: str = "a number") -> float:
     """``value``, a real number called ``name`` (``wanted`` says of what); a bool is not one. Its range is the
     caller's to check."""

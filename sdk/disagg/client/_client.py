@@ -33,6 +33,7 @@ from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import ComposeResult
 from disagg.model import (
+    MAX_RESERVATION_TTL_S,
     Capabilities,
     ComposeMode,
     Composition,
@@ -520,6 +521,7 @@ class FabricManagerClient:
         kind = args.optional_member(kind, DeviceKind, "kind")
         health = args.optional_member(health, Health, "health")
         fabric = args.optional_text(fabric, "fabric")
+        free_only = args.flag(free_only, "free_only")
         request = fm.ListDevicesRequest(
             kind=KIND_TO_WIRE[kind] if kind is not None else pb.DEVICE_KIND_UNSPECIFIED,
             fabric=fabric or "",
@@ -640,6 +642,12 @@ class FabricManagerClient:
         """
         mode = args.member(mode, ComposeMode, "mode")
         reservation_ttl_s = args.seconds(reservation_ttl_s, "reservation_ttl_s")
+        if not 0 < reservation_ttl_s <= MAX_RESERVATION_TTL_S:  # the wire's 0 is 60 s; the composer refuses it
+            raise InvalidRequestError(
+                f"the reservation time to live must be above 0 and at most {MAX_RESERVATION_TTL_S:g} seconds, "
+                f"not {reservation_ttl_s!r}",
+                field="reservation_ttl_s",
+            )
         request_id = args.optional_text(request_id, "request_id")
         reservation_id = args.optional_text(reservation_id, "reservation_id")
         if request is not None:
@@ -817,6 +825,7 @@ class FabricManagerClient:
         as the retry policy allows, so no event is lost or repeated.
         """
         after_revision = args.whole(after_revision, "after_revision")
+        resume = args.flag(resume, "resume")
         if not 0 <= after_revision < 1 << 64:
             raise InvalidRequestError("after_revision is a revision: 0 to 2**64 - 1", field="after_revision")
         return EventStream(self, after_revision, resume=resume)
