@@ -32,6 +32,7 @@ from disagg.errors import (
 )
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
+from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import CallContext, FaultInjection
 from disagg.model import (
     Binding,
@@ -989,6 +990,51 @@ class TestWatch:
 
 UNKNOWN_EVENT_TYPE = 999
 """An event type a newer server might send."""
+
+
+class TestANewerServersAnswer:
+    """An answer holding an enum value this release does not know (a newer server's device kind or composition
+    state) raised the wire's InvalidRequestError, "fix your request": after a Compose that was made, without its
+    request id, so that a caller who retried with a fresh one composed twice."""
+
+    def test_a_change_made_names_its_request_id(self, tmp_path: Path) -> None:
+        server = NewerServer()
+        with (
+            serving_servicer(socket_path(tmp_path), server) as address,
+            FabricManagerClient(address, timeout_s=10, retries=FAST) as client,
+            pytest.raises(UnsupportedError, match="upgrade the client") as info,
+        ):
+            client.compose(parse_request("job", ["gpu"]), request_id="K1")
+        assert "was made" in info.value.message and "request_id='K1'" in info.value.message
+        assert info.value.metadata["request_id"] == "K1" and info.value.metadata["field"] == "composition.state"
+        assert server.composed == ["K1"]
+
+    def test_a_read(self, tmp_path: Path) -> None:
+        with (
+            serving_servicer(socket_path(tmp_path), NewerServer()) as address,
+            FabricManagerClient(address, timeout_s=10, retries=FAST) as client,
+            pytest.raises(UnsupportedError, match="upgrade the client") as info,
+        ):
+            client.devices()
+        assert "request_id" not in info.value.metadata and "kind" in info.value.metadata["field"]
+
+
+class NewerServer(fm_grpc.FabricManagerServiceServicer):
+    """Answers a Compose (recording its request id) with a composition in a state, and a listing with a device of
+    a kind, that this release does not know."""
+
+    def __init__(self) -> None:
+        self.composed: list[str] = []
+
+    def Compose(self, request: fm.ComposeRequest, context: grpc.ServicerContext) -> fm.ComposeResponse:  # noqa: N802
+        self.composed.append(request.request_id)
+        made = fm.Composition(id="c-000000000001", name=request.name, state=999, etag="e1")
+        return fm.ComposeResponse(mode=request.mode, composition=made)
+
+    def ListDevices(  # noqa: N802
+        self, request: fm.ListDevicesRequest, context: grpc.ServicerContext
+    ) -> fm.ListDevicesResponse:
+        return fm.ListDevicesResponse(devices=[pb.Device(id="pcie0/dpu-0", fabric="pcie0", kind=999)])
 
 
 def churn_cordons(composer: FabricComposer, times: int) -> None:

@@ -166,6 +166,25 @@ class _NoReplicaServedError(Exception):
     """No replica served until an attempt's deadline, and the attempt was not sent (`FabricManagerClient._call`)."""
 
 
+def _read(convert: Callable[[], T], request_id: str = "") -> T:
+    """The model of a server's answer, read by ``convert``. A value this release does not know (a newer server's
+    device kind or composition state) is `UnsupportedError`, not the wire's `InvalidRequestError`, which told the
+    caller to fix a request that was valid; for a change, whose answer says it was made, naming its request id."""
+    try:
+        return convert()
+    except InvalidRequestError as exc:
+        metadata = {"field": exc.field}
+        made = ""
+        if request_id:
+            metadata["request_id"] = request_id
+            made = f"; the change was made (request_id={request_id!r}): do not make it again"
+        raise UnsupportedError(
+            f"the fabric manager's answer holds what this client does not know ({exc.message}), as a server newer "
+            f"than this disagg release sends{made}; upgrade the client",
+            metadata=metadata,
+        ) from None
+
+
 def _status(msg: pb.Device) -> DeviceStatus:
     return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
 
@@ -495,7 +514,7 @@ class FabricManagerClient:
     def topologies_at(self) -> tuple[list[Topology], Revision]:
         """`topologies`, and the event revision they were read at."""
         resp = self._call(lambda t: self._stub.GetTopology(fm.GetTopologyRequest(), timeout=t), idempotent=True)
-        topologies = [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)]
+        topologies = _read(lambda: [topology_from_wire(f, f"fabrics[{n}]") for n, f in enumerate(resp.fabrics)])
         return topologies, Revision(resp.revision, resp.revision_time)
 
     def device_statuses(
@@ -530,7 +549,7 @@ class FabricManagerClient:
             page_size=PAGE_SIZE,
         )
         pages, revision = self._pages(lambda t: self._stub.ListDevices(request, timeout=t), request)
-        return [_status(d) for resp in pages for d in resp.devices], revision
+        return _read(lambda: [_status(d) for resp in pages for d in resp.devices]), revision
 
     def devices_at(
         self,
@@ -560,7 +579,7 @@ class FabricManagerClient:
         """One device with its holder and cordon. Raises `NotFoundError` for an unknown id."""
         device_id = args.text(device_id, "device_id")
         resp = self._call(lambda t: self._stub.GetDevice(fm.GetDeviceRequest(id=device_id), timeout=t), idempotent=True)
-        return _status(resp.device)
+        return _read(lambda: _status(resp.device))
 
     def device(self, device_id: str) -> Device:
         """One device. Raises `NotFoundError` for an unknown id."""
@@ -580,15 +599,7 @@ class FabricManagerClient:
     def usage_at(self) -> tuple[tuple[list[KindUsage], list[PoolUsage]], Revision]:
         """`usage`, and the event revision it was read at: ``(kinds, pools), revision = fm.usage_at()``."""
         resp = self._call(lambda t: self._stub.ListPools(fm.ListPoolsRequest(), timeout=t), idempotent=True)
-        kinds = [
-            KindUsage(kind_from_wire(k.kind, f"kinds[{n}].kind"), k.total, k.free, k.used, k.unhealthy)
-            for n, k in enumerate(resp.kinds)
-        ]
-        pools = []
-        for n, p in enumerate(resp.pools):
-            info = pool_info_from_wire(p.pool, f"pools[{n}].pool")
-            pools.append(PoolUsage(info.id, info.device, info.capacity.total_bytes, p.free_bytes))
-        return (kinds, pools), Revision(resp.revision, resp.revision_time)
+        return _read(lambda: _usage(resp)), Revision(resp.revision, resp.revision_time)
 
     def cordon(self, device_id: str) -> Device:
         """Keep a device out of placement; a composition that holds it keeps it. Idempotent."""
@@ -596,7 +607,7 @@ class FabricManagerClient:
         resp = self._call(
             lambda t: self._stub.CordonDevice(fm.CordonDeviceRequest(id=device_id), timeout=t), idempotent=True
         )
-        return device_from_wire(resp.device)
+        return _read(lambda: device_from_wire(resp.device))
 
     def uncordon(self, device_id: str) -> Device:
         """Offer a cordoned device to placement again. Idempotent."""
@@ -605,22 +616,24 @@ class FabricManagerClient:
             lambda t: self._stub.UncordonDevice(fm.UncordonDeviceRequest(id=device_id), timeout=t),
             idempotent=True,
         )
-        return device_from_wire(resp.device)
+        return _read(lambda: device_from_wire(resp.device))
 
     def drivers(self) -> list[FabricInfo]:
         """The loaded fabrics, their drivers and declared capabilities."""
         resp = self._call(lambda t: self._stub.ListDrivers(fm.ListDriversRequest(), timeout=t), idempotent=True)
-        return [
-            FabricInfo(
-                f.name,
-                f.driver,
-                f.plugin,
-                f.distribution,
-                f.version,
-                capabilities_from_wire(f.capabilities, f"fabrics[{n}].capabilities"),
-            )
-            for n, f in enumerate(resp.fabrics)
-        ]
+        return _read(
+            lambda: [
+                FabricInfo(
+                    f.name,
+                    f.driver,
+                    f.plugin,
+                    f.distribution,
+                    f.version,
+                    capabilities_from_wire(f.capabilities, f"fabrics[{n}].capabilities"),
+                )
+                for n, f in enumerate(resp.fabrics)
+            ]
+        )
 
     # ----------------------------------------------------------------- compositions
 
@@ -673,11 +686,14 @@ class FabricManagerClient:
         safe = mode is ComposeMode.PREVIEW or bool(request_id)
         changes = "" if mode is ComposeMode.PREVIEW else request_id  # a preview changes nothing, whatever its id
         resp = self._call(lambda t: self._stub.Compose(msg, timeout=t), idempotent=safe, request_id=changes)
-        return ComposeResult(
-            compose_mode_from_wire(resp.mode),
-            plan_from_wire(resp.plan),
-            composition=composition_from_wire(resp.composition) if resp.HasField("composition") else None,
-            reservation=reservation_from_wire(resp.reservation) if resp.HasField("reservation") else None,
+        return _read(
+            lambda: ComposeResult(
+                compose_mode_from_wire(resp.mode),
+                plan_from_wire(resp.plan),
+                composition=composition_from_wire(resp.composition) if resp.HasField("composition") else None,
+                reservation=reservation_from_wire(resp.reservation) if resp.HasField("reservation") else None,
+            ),
+            changes,
         )
 
     def preview(self, request: CompositionRequest) -> ComposeResult:
@@ -699,7 +715,7 @@ class FabricManagerClient:
             lambda t: self._stub.GetComposition(fm.GetCompositionRequest(id=composition_id), timeout=t),
             idempotent=True,
         )
-        return composition_from_wire(resp.composition)
+        return _read(lambda: composition_from_wire(resp.composition))
 
     def compositions(self) -> list[Composition]:
         """Every composition, in name order; every page is fetched."""
@@ -713,7 +729,7 @@ class FabricManagerClient:
         """
         request = fm.ListCompositionsRequest(page_size=PAGE_SIZE)
         pages, revision = self._pages(lambda t: self._stub.ListCompositions(request, timeout=t), request)
-        return [composition_from_wire(c) for resp in pages for c in resp.compositions], revision
+        return _read(lambda: [composition_from_wire(c) for resp in pages for c in resp.compositions]), revision
 
     def recompose(
         self,
@@ -751,7 +767,7 @@ class FabricManagerClient:
         resp = self._call(
             lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=bool(request_id), request_id=request_id
         )
-        return composition_from_wire(resp.composition)
+        return _read(lambda: composition_from_wire(resp.composition), request_id)
 
     def decompose(self, composition_id: str) -> None:
         """Unbind and release everything of a composition, given its id or its name. Idempotent: an unknown one is
@@ -800,9 +816,13 @@ class FabricManagerClient:
         """`reservations`, and the event revision they were read at (the first page's, when there are more)."""
         request = fm.ListReservationsRequest(page_size=PAGE_SIZE)
         pages, revision = self._pages(lambda t: self._stub.ListReservations(request, timeout=t), request)
-        found = [
-            reservation_from_wire(r, f"reservations[{n}]") for resp in pages for n, r in enumerate(resp.reservations)
-        ]
+        found = _read(
+            lambda: [
+                reservation_from_wire(r, f"reservations[{n}]")
+                for resp in pages
+                for n, r in enumerate(resp.reservations)
+            ]
+        )
         return found, revision
 
     def release_reservation(self, reservation_id: str) -> None:
@@ -840,6 +860,18 @@ class FabricManagerClient:
                 raise self._closed_error() from None
             raise
         return call
+
+
+def _usage(resp: fm.ListPoolsResponse) -> tuple[list[KindUsage], list[PoolUsage]]:
+    kinds = [
+        KindUsage(kind_from_wire(k.kind, f"kinds[{n}].kind"), k.total, k.free, k.used, k.unhealthy)
+        for n, k in enumerate(resp.kinds)
+    ]
+    pools = []
+    for n, p in enumerate(resp.pools):
+        info = pool_info_from_wire(p.pool, f"pools[{n}].pool")
+        pools.append(PoolUsage(info.id, info.device, info.capacity.total_bytes, p.free_bytes))
+    return kinds, pools
 
 
 def _watch_broke(exc: grpc.RpcError) -> bool:
