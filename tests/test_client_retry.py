@@ -220,6 +220,22 @@ class TestRetryPolicy:
         policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=1.0, multiplier=2.0)
         assert [policy.backoff_cap(n) for n in (1, 2, 3, 4, 5, 6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
 
+    def test_a_cap_past_a_floats_range_is_the_longest_backoff(self) -> None:
+        """``multiplier ** (n - 1)`` raised OverflowError from attempt 1,025 on (2.0 by default): a watch given many
+        attempts to outlive a long outage ended with it after some 17 minutes of failed reopens."""
+        policy = RetryPolicy(max_attempts=10_000)
+        assert [policy.backoff_cap(n) for n in (1_024, 1_025, 10_000)] == [2.0, 2.0, 2.0]
+
+    def test_a_watch_and_a_call_past_a_floats_range_keep_retrying(self, tmp_path: Path) -> None:
+        """The same, quickly: a multiplier whose third power overflows ended the call and the watch with a bare
+        OverflowError at their third failure, rather than their last error once the attempts were spent."""
+        retries = RetryPolicy(max_attempts=6, initial_backoff_s=0.001, max_backoff_s=0.01, multiplier=1e200)
+        with FabricManagerClient(f"unix:{tmp_path}/nobody.sock", timeout_s=10, retries=retries) as client:
+            with pytest.raises(FabricUnavailableError, match="cannot reach"):
+                client.compositions()
+            with pytest.raises(FabricUnavailableError, match="cannot reach"), client.watch() as events:
+                next(events)
+
     def test_jitter_stays_below_the_cap(self) -> None:
         policy = RetryPolicy()
         rng = random.Random(7)

@@ -79,8 +79,14 @@ class RetryPolicy:
     middle) stalled a watch's reopen, or a call of a far deadline, that long."""
 
     def backoff_cap(self, attempt: int) -> float:
-        """The longest pause after failed attempt ``attempt`` (counted from 1)."""
-        return min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
+        """The longest pause after failed attempt ``attempt`` (counted from 1). A growth past a float's range is
+        past the cap: the power raised OverflowError (from attempt 1,025 by default), which ended a call or a
+        watch that many attempts in."""
+        try:
+            grown = self.initial_backoff_s * self.multiplier ** (attempt - 1)
+        except OverflowError:
+            return self.max_backoff_s
+        return min(self.max_backoff_s, grown)
 
     def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
         """A jittered pause after failed attempt ``attempt``."""
