@@ -864,6 +864,7 @@ class TestArgumentsOfTheWrongType:
             ({"keepalive_s": math.inf}, "keepalive_s"),
             ({"keepalive_s": 0.0004}, "keepalive_s"),  # gRPC's whole milliseconds: 0, no interval
             ({"keepalive_s": 2147483.6479}, "keepalive_s"),  # 2**31 ms, past gRPC's 32-bit int
+            ({"channel": "127.0.0.1:50051"}, "channel"),  # AttributeError 'unary_unary' at the first call
         ],
     )
     def test_client_options(self, served: Served, kwargs: dict[str, Any], field: str) -> None:

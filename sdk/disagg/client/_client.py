@@ -259,6 +259,12 @@ class FabricManagerClient:
                 f"retries must be a RetryPolicy (RetryPolicy(max_attempts=N), or NO_RETRY), not {retries!r}",
                 field="retries",
             )
+        if channel is not None and not isinstance(channel, grpc.Channel):
+            raise InvalidRequestError(
+                f"channel must be a grpc.Channel (grpc.secure_channel(...)), or None for the client's own, "
+                f"not {type(channel).__name__} {channel!r}",
+                field="channel",
+            )
         if (
             keepalive_s is not None
             and not MIN_KEEPALIVE_S <= args.seconds(keepalive_s, "keepalive_s") <= MAX_KEEPALIVE_S
