@@ -519,9 +519,12 @@ class TestNotSent:
 
     def test_a_refusal_that_settles_nothing_keeps_the_outcome_unknown(self, tmp_path: Path) -> None:
         """The first attempt lost its connection after it was sent; the retries were refused as OVERLOADED, which a
-        server answers before it looks the request id up: the first may have been made all the same."""
+        server answers before it looks the request id up: the first may have been made all the same. The error
+        keeps what it carries: rebuilt from its class, message and metadata, its retry_delay_s was None."""
         client = FabricManagerClient(f"unix:{tmp_path}/nobody.sock", timeout_s=5, retries=FAST)
-        overloaded = to_status(OverloadedError("the fabric manager is at its limit of concurrent work; retry later"))
+        overloaded = to_status(
+            OverloadedError("the fabric manager is at its limit of concurrent work; retry later", retry_delay_s=0.01)
+        )
         errors = iter(
             [
                 FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)"),
@@ -535,6 +538,7 @@ class TestNotSent:
         with client, pytest.raises(OverloadedError) as info:
             client._call(rpc, idempotent=True, request_id="K1")
         assert "may have been made" in info.value.message and info.value.metadata["request_id"] == "K1"
+        assert info.value.retry_delay_s == 0.01
 
     def test_a_channel_passed_in_is_not_judged(self, tmp_path: Path) -> None:
         """A channel passed in may carry a service config whose retries fail a sent call with the same message:

@@ -47,7 +47,7 @@ from disagg.model import (
     Revision,
     Topology,
 )
-from disagg.wire.errors import build, from_rpc_error, server_status
+from disagg.wire.errors import from_rpc_error, server_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
     WATCH_OPEN,
@@ -164,6 +164,13 @@ def _nothing(state: grpc.ChannelConnectivity) -> None:
 
 class _NoReplicaServedError(Exception):
     """No replica served until an attempt's deadline, and the attempt was not sent (`FabricManagerClient._call`)."""
+
+
+def _amend(error: DisaggError, more: str) -> None:
+    """Add ``more`` to the message of ``error``, made for this call: rebuilt from its class, message and metadata, it
+    lost what else it carried (an `OverloadedError`'s ``retry_delay_s``)."""
+    error.message = f"{error.message}; {more}"
+    error.args = (error.message,)
 
 
 def _read(convert: Callable[[], T], request_id: str = "") -> T:
@@ -499,16 +506,13 @@ class FabricManagerClient:
             raise error from None
         error.metadata.setdefault("request_id", request_id)
         if in_doubt:
-            error = build(
-                type(error),
-                f"{error.message}; an attempt got no answer, so the change may have been made: the same call "
+            _amend(
+                error,
+                "an attempt got no answer, so the change may have been made: the same call "
                 f"with request_id={request_id!r} gets its outcome",
-                metadata=error.metadata,
             )
         elif not sent:
-            error = build(
-                type(error), f"{error.message}; nothing was sent, so the change was not made", metadata=error.metadata
-            )
+            _amend(error, "nothing was sent, so the change was not made")
         raise error from None
 
     # ----------------------------------------------------------------- inventory
