@@ -787,6 +787,14 @@ class TestRequestsTheWireCannotCarry:
         assert client.get(made.id).devices == made.devices
 
 
+GPU = ResourceRequest(DeviceKind.GPU, 1)
+
+
+def by_hand(*lines: Any) -> CompositionRequest:
+    """A request made without the request language, as a program may make one."""
+    return CompositionRequest("j", lines)
+
+
 class TestArgumentsOfTheWrongType:
     """An argument of the wrong type (a float revision, a bool, a number for an id, a string for a count) is refused
     with `InvalidRequestError` naming the argument, before anything is sent: it raised protobuf's TypeError or a
@@ -831,6 +839,15 @@ class TestArgumentsOfTheWrongType:
         ("devices", lambda c: c.devices(kind="gpu"), "kind"),
         ("devices", lambda c: c.devices(health="ok"), "health"),
         ("devices", lambda c: c.devices(fabric=3), "fabric"),
+        # A request made by hand with a part of the wrong type: a bare KeyError, TypeError or AttributeError.
+        ("compose", lambda c: c.compose(by_hand(ResourceRequest("gpu", 1)), ComposeMode.PREVIEW), "resources[0]"),
+        ("compose", lambda c: c.compose(by_hand(GPU, ResourceRequest(DeviceKind.GPU, True))), "resources[1]"),
+        ("compose", lambda c: c.compose(by_hand(ResourceRequest(DeviceKind.GPU, 1.5))), "resources[0]"),
+        ("compose", lambda c: c.compose(by_hand(ResourceRequest(DeviceKind.GPU, 1, selectors="x"))), "resources[0]"),
+        ("compose", lambda c: c.compose(CompositionRequest(5, (GPU,))), "name"),  # type: ignore[arg-type]
+        ("compose", lambda c: c.compose(CompositionRequest("j", (GPU,), host=None)), "host"),  # type: ignore[arg-type]
+        ("compose", lambda c: c.compose(CompositionRequest("j", 5)), "resources"),  # type: ignore[arg-type]
+        ("recompose", lambda c: c.recompose("j", add=[GPU, ResourceRequest("gpu", 1)]), "add[1]"),
         ("devices", lambda c: c.devices(free_only="yes"), "free_only"),  # protobuf's bare TypeError
         ("device_statuses", lambda c: c.device_statuses(free_only=None), "free_only"),
         ("watch", lambda c: c.watch(resume="no"), "resume"),  # taken as true: the watch resumed

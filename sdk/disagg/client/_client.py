@@ -9,6 +9,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Protocol, Self, TypeVar
 
 import attrs
@@ -56,6 +57,7 @@ from disagg.wire.fabric import (
     compose_request_to_wire,
     composition_from_wire,
     event_from_wire,
+    host_request_to_wire,
     plan_from_wire,
     reservation_from_wire,
     resource_to_wire,
@@ -171,6 +173,38 @@ def _amend(error: DisaggError, more: str) -> None:
     lost what else it carried (an `OverloadedError`'s ``retry_delay_s``)."""
     error.message = f"{error.message}; {more}"
     error.args = (error.message,)
+
+
+_WRONG_TYPE = (TypeError, ValueError, KeyError, AttributeError)
+"""What building a message raised, bare, for a part of a request made by hand with a value of the wrong type (a kind
+``"gpu"``, a count ``True`` or ``1.5``, a host None): protobuf's errors and the model's own."""
+
+
+def _built(build: Callable[[], T], parts: Callable[[], Iterator[tuple[str, Callable[[], object]]]], makes: str) -> T:
+    """``build()``, the message of a request the caller made; when it fails for a value of the wrong type, an
+    `InvalidRequestError` naming the first of ``parts`` (each a name and the building of that part alone) that
+    fails too, ``makes`` saying what makes a valid one."""
+    try:
+        return build()
+    except _WRONG_TYPE as exc:
+        where, why = "request", exc
+        try:
+            for name, part in parts():
+                where = name
+                part()
+        except _WRONG_TYPE as found:
+            why = found
+        raise InvalidRequestError(
+            f"{where}: a value of the wrong type ({type(why).__name__}: {why}); {makes} makes a valid one",
+            field=where,
+        ) from None
+
+
+def _lines(lines: Sequence[ResourceRequest], field: str) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The parts of ``lines``, named ``field`` (`_built`): each line, checked and built alone."""
+    for n, line in enumerate(lines):
+        yield f"{field}[{n}]", partial(check_request_values, [line], field)
+        yield f"{field}[{n}]", partial(resource_to_wire, line)
 
 
 def _read(convert: Callable[[], T], request_id: str = "") -> T:
@@ -688,8 +722,19 @@ class FabricManagerClient:
             request_id = uuid.uuid4().hex
         request_id = request_id or ""
         if request is not None:
-            check_request_values(request.resources, "resources", request.host)  # as the server would, not a crash
-            msg = compose_request_to_wire(request, mode, reservation_ttl_s=reservation_ttl_s, request_id=request_id)
+            given = request
+
+            def build() -> fm.ComposeRequest:
+                check_request_values(given.resources, "resources", given.host)  # as the server would, not a crash
+                return compose_request_to_wire(given, mode, reservation_ttl_s=reservation_ttl_s, request_id=request_id)
+
+            def parts() -> Iterator[tuple[str, Callable[[], object]]]:
+                yield "name", lambda: fm.ComposeRequest(name=given.name)
+                yield "host", lambda: host_request_to_wire(given.host)
+                yield "resources", lambda: None  # named while it is iterated: it may be no sequence at all
+                yield from _lines(given.resources, "resources")
+
+            msg = _built(build, parts, _MAKES_REQUEST)
         else:
             msg = fm.ComposeRequest(mode=MODE_TO_WIRE[mode], request_id=request_id)
         msg.reservation_id = reservation_id or ""
@@ -766,14 +811,18 @@ class FabricManagerClient:
         check_expected_etag(expected_etag)
         if request_id is None:
             request_id = uuid.uuid4().hex
-        check_request_values(add, "add")
-        msg = fm.UpdateCompositionRequest(
-            id=composition_id,
-            add=[resource_to_wire(r) for r in add],
-            remove=remove,
-            etag=expected_etag or "",
-            request_id=request_id,
-        )
+
+        def build() -> fm.UpdateCompositionRequest:
+            check_request_values(add, "add")
+            return fm.UpdateCompositionRequest(
+                id=composition_id,
+                add=[resource_to_wire(r) for r in add],
+                remove=remove,
+                etag=expected_etag or "",
+                request_id=request_id,
+            )
+
+        msg = _built(build, lambda: _lines(add, "add"), _MAKES_RESOURCE)
         resp = self._call(
             lambda t: self._stub.UpdateComposition(msg, timeout=t), idempotent=bool(request_id), request_id=request_id
         )
