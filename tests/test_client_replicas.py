@@ -147,6 +147,12 @@ class TestTakeover:
     """While no replica serves (the leader died and the standby waits for its lease to run out), a call waits
     for one up to its deadline instead of failing at once."""
 
+    def test_a_list_spaced_after_its_commas(self, replicas: list[FabricManagerServer]) -> None:
+        """`replica_target` takes it, and the CLI checks ``--server`` with it; the client refused it first, "is not a
+        server address", not saying why."""
+        with FabricManagerClient(f"{replicas[0].addresses[0]}, {replicas[1].addresses[0]}", timeout_s=5) as client:
+            assert client.compositions() == []
+
     def test_a_call_waits_for_a_replica_to_serve(self, replicas: list[FabricManagerServer]) -> None:
         a, _ = replicas
         a.composer.compose(parse_request("on-a", ["gpu x1"]))

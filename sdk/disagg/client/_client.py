@@ -315,7 +315,8 @@ class FabricManagerClient:
                 f"milliseconds, in 32 bits), or None for no pings, not {keepalive_s!r}",
                 field="keepalive_s",
             )
-        spaced = any(c.isspace() for c in address) and not address.startswith("unix:")  # a path may hold spaces
+        # A path may hold spaces, and a list of replicas may be spaced after its commas (`replica_target` strips them).
+        spaced = any(c.isspace() for c in address) and not address.startswith("unix:") and "," not in address
         if not address or spaced or not address.isprintable():
             raise InvalidRequestError(f"{address!r} is not a server address", field="address")
         if not 0 < timeout_s < math.inf:  # NaN too: every call failed at once as DEADLINE_EXCEEDED
