@@ -487,6 +487,19 @@ class TestErrors:
         with pytest.raises(InvalidRequestError):
             FabricManagerClient(address)
 
+    @pytest.mark.parametrize("address", ["dns:///", "ipv4:fm.example", "ipv6:10.0.0.1:1"])
+    def test_a_target_of_grpcs_scheme_it_cannot_make_a_channel_to(self, address: str) -> None:
+        """Taken as gRPC's to judge, it failed every call as a plain DisaggError "UNKNOWN: Failed to create
+        channel", which names no argument; a change's did not say it was not made."""
+        with FabricManagerClient(address, timeout_s=5, retries=FAST) as client:
+            with pytest.raises(InvalidRequestError, match="not a target gRPC can use") as info:
+                client.compositions()
+            assert info.value.field == "address" and address in info.value.message
+            with pytest.raises(InvalidRequestError, match="nothing was sent, so the change was not made"):
+                client.compose(parse_request("job", ["gpu"]))
+            with pytest.raises(InvalidRequestError, match="not a target gRPC can use"), client.watch() as events:
+                next(events)
+
     @pytest.mark.parametrize("timeout", [0.0, -1.0, math.inf, math.nan])
     def test_a_timeout_that_is_not_a_positive_number(self, timeout: float) -> None:
         """An infinite or NaN one failed every call at once as DEADLINE_EXCEEDED, saying a change may have been

@@ -226,6 +226,11 @@ def _read(convert: Callable[[], T], request_id: str = "") -> T:
         ) from None
 
 
+def _no_channel(exc: grpc.RpcError) -> bool:
+    """Whether gRPC failed the call ``exc`` for want of a channel to its target (`NO_CHANNEL`)."""
+    return exc.code() is grpc.StatusCode.UNKNOWN and server_status(exc) is None and NO_CHANNEL in (exc.details() or "")
+
+
 def _status(msg: pb.Device) -> DeviceStatus:
     return DeviceStatus(device_from_wire(msg), msg.held_by or None, msg.cordoned)
 
@@ -245,6 +250,9 @@ conversion with an OverflowError."""
 _MAKES_REQUEST = "disagg.requestlang.parse_request(name, ['gpu x2'])"
 _MAKES_RESOURCE = "disagg.requestlang.parse_resource('gpu x2')"
 """What makes the request objects the client sends: it does not parse the request language's text."""
+NO_CHANNEL = "Failed to create channel"
+"""How gRPC fails every call (UNKNOWN) on a target of one of its schemes that it cannot make a channel to
+(``dns:///``, ``ipv4:fm.example``): the call never left the client, and the address is what is wrong."""
 READY_CHECK_S = 0.2
 """How long a timed-out call of a client of several replicas looks for a serving one before saying none serves."""
 NOT_CONNECTED = "failed to connect to all addresses"
@@ -401,6 +409,11 @@ class FabricManagerClient:
         so does a deadline that passed while no replica served (the call waited for one)."""
         if server_status(exc) is not None:
             return from_rpc_error(exc)
+        if _no_channel(exc):
+            return InvalidRequestError(
+                f"{self.address!r} is not a target gRPC can use: {exc.details()}; give HOST:PORT or unix:/path",
+                field="address",
+            )
         if exc.code() is grpc.StatusCode.UNAVAILABLE:
             return FabricUnavailableError(
                 f"cannot reach the fabric manager at {self.address}: {exc.details() or 'unavailable'}",
@@ -429,7 +442,7 @@ class FabricManagerClient:
         """Whether the failed attempt ``exc`` never left the client: gRPC found no connection to send it on. Told
         only on the client's own channel, where nothing else fails a call that was sent with that message (a
         channel passed in may carry a service config whose retries do)."""
-        return (
+        return _no_channel(exc) or (
             self._own_channel
             and exc.code() is grpc.StatusCode.UNAVAILABLE
             and server_status(exc) is None
