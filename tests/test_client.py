@@ -852,6 +852,8 @@ class TestArgumentsOfTheWrongType:
         ("devices", lambda c: c.devices(kind="gpu"), "kind"),
         ("devices", lambda c: c.devices(health="ok"), "health"),
         ("devices", lambda c: c.devices(fabric=3), "fabric"),
+        ("devices", lambda c: c.devices(fabric=""), "fabric"),  # a name left unset: every fabric's devices came
+        ("device_statuses", lambda c: c.device_statuses(fabric=""), "fabric"),
         # A request made by hand with a part of the wrong type: a bare KeyError, TypeError or AttributeError.
         ("compose", lambda c: c.compose(by_hand(ResourceRequest("gpu", 1)), ComposeMode.PREVIEW), "resources[0]"),
         ("compose", lambda c: c.compose(by_hand(GPU, ResourceRequest(DeviceKind.GPU, True))), "resources[1]"),

@@ -598,6 +598,10 @@ class FabricManagerClient:
         kind = args.optional_member(kind, DeviceKind, "kind")
         health = args.optional_member(health, Health, "health")
         fabric = args.optional_text(fabric, "fabric")
+        if fabric == "":  # the wire's "no filter": a name left unset would list every fabric's devices
+            raise InvalidRequestError(
+                "fabric: give a fabric's name, or None for every fabric's devices", field="fabric"
+            )
         free_only = args.flag(free_only, "free_only")
         request = fm.ListDevicesRequest(
             kind=KIND_TO_WIRE[kind] if kind is not None else pb.DEVICE_KIND_UNSPECIFIED,
