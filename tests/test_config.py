@@ -264,6 +264,20 @@ class TestValueErrors:
         assert error.field == field and says in error.message
 
     @pytest.mark.parametrize(
+        "endpoint",
+        ["etcd?1:2379", "etcd#1:2379", "root@etcd:2379", "etcd%31:2379", "etcd\\u0000:2379", "[zz]:2379", "éetcd:2379"],
+    )
+    def test_an_endpoint_the_client_would_misread(self, tmp_path: Path, endpoint: str) -> None:
+        """Passed on as a URL's authority, it reached another endpoint: 'etcd?1:2379' was etcd on port 80 and
+        'root@etcd:2379' was etcd:2379, so a replica could run on another etcd than the one written."""
+        error = _error(tmp_path, MINIMAL + f'[state]\nledger = "etcd"\nendpoints = ["{endpoint}"]\n')
+        assert error.field == "state.endpoints"
+        assert "[state] endpoints: etcd endpoint" in error.message
+        assert "a host name (letters, digits, '.', '-', '_'), an IPv4 address or an IPv6 address in brackets" in (
+            error.message
+        )
+
+    @pytest.mark.parametrize(
         ("state", "key", "ledger"),
         [
             ("endpoints = ['127.0.0.1:2379']", "endpoints", "etcd"),

@@ -45,9 +45,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import ipaddress
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -83,6 +85,8 @@ from disagg.store.base import (
 from disagg.wire.sockets import port_from_text
 
 log = logging.getLogger("disagg.store")
+_HOST_NAME = re.compile(r"[A-Za-z0-9._-]+")
+"""An endpoint's host when not in brackets: a host name or an IPv4 address, and nothing a URL reads as syntax."""
 
 T = TypeVar("T")
 
@@ -233,11 +237,25 @@ def parse_endpoint(address: object) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    bad_host = not host or any(c in host for c in "/[] \t") or (":" in host and not address.startswith("["))
+        bad_host = not _is_ipv6(host)
+    else:  # the client puts it in a URL, which reads '?', '#', '@' and '%' as syntax: 'a?b:1' was a:80
+        bad_host = _HOST_NAME.fullmatch(host) is None
     number = port_from_text(port)
     if not sep or bad_host or not number:
-        raise ConfigError(f"etcd endpoint {address!r} is not HOST:PORT", field="state.endpoints")
+        raise ConfigError(
+            f"etcd endpoint {address!r} is not HOST:PORT: HOST is a host name (letters, digits, '.', '-', '_'), an "
+            "IPv4 address or an IPv6 address in brackets ([::1]:2379)",
+            field="state.endpoints",
+        )
     return host, number
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return "%" not in host  # a zone, which the client would read as a URL's escape
 
 
 class EtcdStore(Store):
