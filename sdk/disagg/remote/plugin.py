@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from disagg import hookimpl
+from disagg.config import MAX_CALL_TIMEOUT_S
 from disagg.errors import ConfigError
 from disagg.model import Capabilities
 from disagg.plugins.registry import DriverRegistry
@@ -35,10 +36,18 @@ CAPABILITIES = Capabilities()
 
 
 def _seconds(name: str, options: Mapping[str, Any], option: str, default: float) -> float:
+    """A timeout of at most a day, as ``[composer] call_timeout_s``: the fabric waits on threading primitives,
+    which overflow beyond `threading.TIMEOUT_MAX` (1e10 s gave tracebacks and a driver counted out of reach)."""
     value = options.get(option, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_CALL_TIMEOUT_S
+    ):
         raise ConfigError(
-            f"fabric {name!r} (driver remote): option {option!r}: must be a number of seconds above 0, not {value!r}",
+            f"fabric {name!r} (driver remote): option {option!r}: must be a number of seconds above 0 and at most "
+            f"{MAX_CALL_TIMEOUT_S:.0f} (a day), not {value!r}",
             field=option,
         )
     return float(value)
