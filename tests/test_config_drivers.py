@@ -27,6 +27,50 @@ class TestRemote:
     def test_a_timeout_over_a_day(self, tmp_path: Path, option: str, value: str) -> None:
         """Taken, 1e10 s overflowed the threads' waits: tracebacks, and the driver, answering, was counted out of
         reach ("Deadline Exceeded")."""
-        error = _build_error(tmp_path, f'driver = "remote"\noptions = {{ address = "127.0.0.1:1", {option} = {value} }}')
+        error = _build_error(
+            tmp_path, f'driver = "remote"\noptions = {{ address = "127.0.0.1:1", {option} = {value} }}'
+        )
         assert error.field == option
         assert f"option {option!r}: must be a number of seconds above 0 and at most 86400 (a day)" in error.message
+
+
+class TestNul:
+    """TOML lets a string hold a NUL; no path, address or command-line word can."""
+
+    @pytest.mark.parametrize(
+        ("fabric", "field"),
+        [
+            ('driver = "cxl-switch"\noptions = { state_dir = "{tmp}/s\\u0000" }', "state_dir"),
+            ('driver = "cxl-switch"\noptions = { address = "unix:{tmp}/s\\u0000.sock" }', "address"),
+            ('driver = "qemu-cxl"\noptions = { state_dir = "{tmp}/q\\u0000", hosts = [{ name = "h" }] }', "state_dir"),
+            (
+                'driver = "qemu-cxl"\n'
+                'options = { state_dir = "{tmp}/q", hosts = [{ name = "h", kernel = "/k\\u0000" }] }',
+                "hosts[0].kernel",
+            ),
+            (
+                'driver = "qemu-cxl"\n'
+                'options = { state_dir = "{tmp}/q", hosts = [{ name = "h", kernel = "{k}", initrd = "/i\\u0000" }] }',
+                "hosts[0].initrd",
+            ),
+            (
+                'driver = "qemu-cxl"\n'
+                'options = { state_dir = "{tmp}/q", hosts = [{ name = "h", kernel = "{k}", append = "a\\u0000" }] }',
+                "hosts[0].append",
+            ),
+            (
+                'driver = "qemu-cxl"\n'
+                'options = { state_dir = "{tmp}/q", hosts = [{ name = "h", serial = ["file:/s\\u0000"] }] }',
+                "hosts[0].serial",
+            ),
+        ],
+        ids=["switch-state_dir", "switch-address", "qemu-state_dir", "kernel", "initrd", "append", "serial"],
+    )
+    def test_refused_naming_the_option(self, tmp_path: Path, fabric: str, field: str) -> None:
+        """It was a ValueError traceback ("embedded null byte"), or, in a switch's address, a switch out of reach."""
+        kernel = tmp_path / "vmlinuz"
+        kernel.write_bytes(b"")
+        error = _build_error(tmp_path, fabric.replace("{tmp}", str(tmp_path)).replace("{k}", str(kernel)))
+        assert error.field == field
+        assert "must not hold a NUL character" in error.message
+        assert not list(tmp_path.glob("q/hosts/*"))

@@ -34,6 +34,8 @@ file nor the file system binds first: backends are sparse and ext4 (4 KiB blocks
 DEFAULT_PORTS = 4
 MAX_PORTS = 32
 """Downstream ports per switch: QEMU's RSS grows faster than linearly past a few tens of CXL devices."""
+NUL = "must not hold a NUL character"
+"""TOML lets a string hold one; no path or word of QEMU's command line can (it was a ValueError traceback)."""
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _MEMORY = re.compile(r"^(?=.*[1-9])(?:[0-9]+|[0-9]+\.[0-9]+(?=[KMGTkmgt]))[KMGTkmgt]?$")
 """Guest RAM as QEMU's -m takes it: MiB, or a K, M, G or T suffix; a fraction only with a suffix."""
@@ -89,6 +91,8 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> QemuCxlOptions:
 
     if "state_dir" not in options:
         raise bad("state_dir", "is required: a directory for QMP sockets, pidfiles, memory backends and state")
+    if isinstance(options["state_dir"], str) and "\0" in options["state_dir"]:
+        raise bad("state_dir", NUL)
     state_dir = _path(options["state_dir"])
     if state_dir is None:
         raise bad("state_dir", f"must be a directory path, not {options['state_dir']!r}")
@@ -190,6 +194,8 @@ def _host(table: object, bad: Any) -> HostOptions:
             value = os.fspath(value)
         if not isinstance(value, str):
             raise bad(key, f"must be a string, not {value!r}")
+        if "\0" in value:
+            raise bad(key, NUL)
         # A file QEMU opens from the host's directory: a relative one is the caller's, as state_dir is.
         texts[key] = str(Path(value).resolve()) if value and key != "append" else value
     if (texts["initrd"] or texts["append"]) and not texts["kernel"]:
@@ -201,6 +207,8 @@ def _host(table: object, bad: Any) -> HostOptions:
     serial = table.get("serial", [])
     if not isinstance(serial, list | tuple) or not all(isinstance(s, str) and s for s in serial):
         raise bad("serial", f"must be a list of -serial values such as 'file:/x/console.log', not {serial!r}")
+    if any("\0" in s for s in serial):
+        raise bad("serial", NUL)
     return HostOptions(name=name, ports=ports, memory=memory, serial=tuple(serial), **texts)
 
 

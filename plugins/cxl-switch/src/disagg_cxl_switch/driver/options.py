@@ -79,6 +79,9 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
     address, state_dir = options.get("address"), options.get("state_dir")
     if address is None and state_dir is None:
         raise bad("address", "give address (a running emulator) or state_dir (to start one)")
+    for key in ("address", "state_dir"):  # TOML lets a string hold one; no path can
+        if isinstance(options.get(key), str) and "\0" in options[key]:
+            raise bad(key, f"{key} must not hold a NUL character")
     if address is not None:
         if not isinstance(address, str):
             raise bad("address", "address must be a string")
