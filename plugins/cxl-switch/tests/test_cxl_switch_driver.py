@@ -133,6 +133,28 @@ class TestLifetime:
         again = make_switch()
         assert again.bindings() == [Binding("sw/port2", "h0")]
 
+    def test_an_emulator_started_with_other_options_is_not_adopted(
+        self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path
+    ) -> None:
+        """Adopted, the options configured since were silently not applied: the switch kept its 4 GPUs and 1 NVMe
+        drive, and its fourth GPU was listed as an NVMe drive. It is refused naming what differs, and left
+        running with its bindings."""
+        first = make_switch()
+        first.bind("sw/port2", "h0", fresh_ctx())
+        first.close()
+        pid = process.read_pid(switch_dir)
+        with pytest.raises(ConfigError, match=r"fabric 'sw' \(driver cxl-switch\): ") as raised:
+            make_switch(gpus=3, nvme=2, bind_delay_ms=5)
+        assert raised.value.field == "bind_delay_ms"
+        assert (
+            f"the CXL switch emulator running in {switch_dir} (pid {pid}) was started with other options than those "
+            "configured now (bind_delay_ms 20, not 5; gpus 4, not 3; nvme 1, not 2)"
+        ) in raised.value.message
+        assert f"kill {pid}" in raised.value.message
+        assert process.running(switch_dir) and process.read_pid(switch_dir) == pid
+        again = make_switch(bind_delay_ms=20)
+        assert again.bindings() == [Binding("sw/port2", "h0")]
+
     def test_an_emulator_of_a_revision_read_alike_is_adopted(
         self, make_switch: Callable[..., CxlSwitchFabric], switch_dir: Path, caplog: pytest.LogCaptureFixture
     ) -> None:

@@ -122,6 +122,7 @@ class CxlSwitchFabric(Fabric, FaultInjection):
                     launched = True
                 else:
                     process.check_revision(state_dir)  # one of another version would be misread
+                    process.check_options(state_dir, options.emulator_flags())
                 self._started = True
         except BaseException:
             self._let_go()  # or a retry in this process would be told another driver holds the state_dir

@@ -111,6 +111,57 @@ def check_revision(state_dir: Path) -> None:
     )
 
 
+def check_options(state_dir: Path, flags: list[str]) -> None:
+    """Refuse, with `ConfigError`, to adopt the running emulator of ``state_dir`` when it was started with other
+    ``flags`` (`Options.emulator_flags`) than those configured now: adopted, they were silently not applied, and
+    a port was read as holding what ``gpus``, ``nvme`` and ``nics`` say now, not what it holds. It is left
+    running, as by `check_revision`; one whose command line cannot be read is adopted."""
+    pid = read_pid(state_dir)
+    started = _started_flags(pid) if pid is not None else None
+    if pid is None or started is None:
+        return
+    differ = [(k, started[k], v) for k, v in _flag_values(flags).items() if k in started and not _same(started[k], v)]
+    if not differ:
+        return
+    said = "; ".join(f"{key} {_shown(was)}, not {_shown(now)}" for key, was, now in differ)
+    raise ConfigError(
+        f"the CXL switch emulator running in {state_dir} (pid {pid}) was started with other options than those "
+        f"configured now ({said}): restore them, or release what it holds (bindings, allocations) with them, whose "
+        f"close then stops it, or stop it with `kill {pid}`, losing its bindings and allocations, to start one "
+        "with the options configured now",
+        field=differ[0][0],
+    )
+
+
+def _started_flags(pid: int) -> dict[str, str] | None:
+    """The options the emulator ``pid`` was started with, from its command line (after ``--listen ADDRESS``)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "disagg_cxl_switch.emulator" not in words:
+        return None
+    return _flag_values(words[words.index("disagg_cxl_switch.emulator") + 1 :])
+
+
+def _flag_values(words: list[str]) -> dict[str, str]:
+    """``--bind-delay-ms 20.0`` as ``{"bind_delay_ms": "20.0"}``; ``--listen`` is where, not an option."""
+    pairs = zip(words[::2], words[1::2], strict=False)
+    return {flag[2:].replace("-", "_"): value for flag, value in pairs if flag.startswith("--") and flag != "--listen"}
+
+
+def _same(was: str, now: str) -> bool:
+    try:
+        return float(was) == float(now)
+    except ValueError:
+        return was == now
+
+
+def _shown(value: str) -> str:
+    """``20.0`` as ``20``: as an operator writes it."""
+    return value.removesuffix(".0")
+
+
 def socket_path(state_dir: Path) -> Path:
     """``state_dir/switch.sock``; when that is too long for a unix socket (about 108 bytes), a name in /tmp
     derived from the state directory, so that a restarted driver finds the same socket."""
