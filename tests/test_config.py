@@ -487,6 +487,17 @@ class TestBuildErrors:
         assert info.value.field == "state.path"
         assert info.value.message.startswith(f"{tmp_path / 'disagg.toml'}: [state] path: cannot open the ledger")
 
+    def test_a_driver_not_installed(self, tmp_path: Path) -> None:
+        """It named neither the fabric nor the key, and its field was empty."""
+        text = MINIMAL + "options = { topology = 'demo-pcie' }\n[[fabric]]\nname = 'f1'\ndriver = 'simm'\n"
+        config = _load_text(tmp_path, text)
+        with pytest.raises(ConfigError) as info:
+            build_composer(config, ledger="memory")
+        assert info.value.field == "fabric[1].driver"
+        assert info.value.message.startswith(
+            f"{tmp_path / 'disagg.toml'}: [[fabric]] #2 ('f1') driver: no driver 'simm' is installed (installed: "
+        )
+
     def test_bad_driver_option(self, tmp_path: Path) -> None:
         config = _load_text(tmp_path, MINIMAL + "options = { bogus = 1 }\n")
         with pytest.raises(ConfigError) as info:

@@ -352,10 +352,18 @@ def build_composer(config: Config, *, ledger: str | None = None, plugins: Plugin
         policy = loaded.policy(config.policy)
     except PluginError as exc:
         raise ConfigError(f"{config.source}: [composer] policy: {exc.message}", field="composer.policy") from exc
+    specs = []
+    for n, fab in enumerate(config.fabrics):  # every driver found before any fabric is built (a QEMU started)
+        try:
+            specs.append(loaded.driver(fab.driver))
+        except PluginError as exc:
+            raise ConfigError(
+                f"{config.source}: [[fabric]] #{n + 1} ({fab.name!r}) driver: {exc.message}",
+                field=f"fabric[{n}].driver",
+            ) from exc
     fabrics = {}
     try:
-        for fab in config.fabrics:
-            spec = loaded.driver(fab.driver)
+        for fab, spec in zip(config.fabrics, specs, strict=True):
             fabrics[fab.name] = spec.factory(fab.name, fab.options)
     except PluginError as exc:
         for f in fabrics.values():
