@@ -427,6 +427,14 @@ class TestValueErrors:
         assert error.field == "listener[1].address"
         assert "[[listener]] #2 needs an address" in error.message
 
+    def test_a_listener_given_twice(self, tmp_path: Path) -> None:
+        """Only `disagg serve` refused it, as it bound, naming neither the file nor the table."""
+        error = _error(
+            tmp_path, MINIMAL + "".join(f"[[listener]]\naddress = '{a}'\n" for a in ("a:1", "unix:/s", "a:1"))
+        )
+        assert error.field == "listener[2].address"
+        assert "[[listener]] #3 address 'a:1' is #1's too: give each address once" in error.message
+
 
 class TestParseConfig:
     """parse_config validates an already parsed document and names the given source in errors."""

@@ -265,7 +265,7 @@ def parse_config(
         if not isinstance(options, Mapping):
             raise ConfigError(f"{source}: options of fabric {name!r} must be a table", field=f"fabric[{n}].options")
         fabrics.append(FabricConfig(name, driver, dict(options)))
-    listeners = []
+    listeners: list[str] = []
     listener_docs = doc.get("listener", [])
     if not isinstance(listener_docs, list):
         raise ConfigError(f"{source}: [[listener]] must be a list of tables", field="listener")
@@ -273,6 +273,12 @@ def parse_config(
         if not isinstance(lis, Mapping) or not isinstance(lis.get("address"), str) or not lis["address"]:
             raise ConfigError(f"{source}: [[listener]] #{n + 1} needs an address", field=f"listener[{n}].address")
         _known(lis, {"address"}, f"[[listener]] #{n + 1}", source, f"listener[{n}]")
+        if lis["address"] in listeners:
+            raise ConfigError(
+                f"{source}: [[listener]] #{n + 1} address {lis['address']!r} is "
+                f"#{listeners.index(lis['address']) + 1}'s too: give each address once",
+                field=f"listener[{n}].address",
+            )
         listeners.append(lis["address"])
     return Config(
         fabrics=tuple(fabrics),
