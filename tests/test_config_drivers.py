@@ -74,3 +74,16 @@ class TestNul:
         assert error.field == field
         assert "must not hold a NUL character" in error.message
         assert not list(tmp_path.glob("q/hosts/*"))
+
+
+class TestQemuCxl:
+    def test_a_state_dir_that_cannot_be_made(self, tmp_path: Path) -> None:
+        """It was a FabricUnavailableError (exit 1, as for hardware out of reach) naming neither the option nor the
+        file, for a setting of the file."""
+        (tmp_path / "file").write_text("")
+        error = _build_error(
+            tmp_path,
+            f'driver = "qemu-cxl"\noptions = {{ state_dir = "{tmp_path}/file/q", hosts = [{{ name = "h" }}] }}',
+        )
+        assert error.field == "state_dir"
+        assert f"(driver qemu-cxl): state_dir {tmp_path}/file/q cannot be used: " in error.message

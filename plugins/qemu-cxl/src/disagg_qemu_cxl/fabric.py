@@ -117,9 +117,10 @@ class QemuCxlFabric(Fabric):
         find_qemu(options.qemu)
         try:
             make_directories(options.state_dir)  # closed to other users: it holds the memory backends
-        except OSError as exc:
-            raise FabricUnavailableError(
-                f"fabric {name!r}: cannot create state_dir {options.state_dir}: {exc}"
+        except OSError as exc:  # a setting to mend, as `claim` says of one it cannot lock
+            raise ConfigError(
+                f"fabric {name!r} (driver qemu-cxl): state_dir {options.state_dir} cannot be used: {exc}",
+                field="state_dir",
             ) from None
         self._lock = threading.RLock()
         self._closed = False
