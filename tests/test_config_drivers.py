@@ -63,8 +63,13 @@ class TestNul:
                 'options = { state_dir = "{tmp}/q", hosts = [{ name = "h", serial = ["file:/s\\u0000"] }] }',
                 "hosts[0].serial",
             ),
+            (
+                'driver = "qemu-cxl"\n'
+                'options = { state_dir = "{tmp}/q", qemu = "/bin/q\\u0000", hosts = [{ name = "h" }] }',
+                "qemu",
+            ),
         ],
-        ids=["switch-state_dir", "switch-address", "qemu-state_dir", "kernel", "initrd", "append", "serial"],
+        ids=["switch-state_dir", "switch-address", "qemu-state_dir", "kernel", "initrd", "append", "serial", "qemu"],
     )
     def test_refused_naming_the_option(self, tmp_path: Path, fabric: str, field: str) -> None:
         """It was a ValueError traceback ("embedded null byte"), or, in a switch's address, a switch out of reach."""

@@ -114,6 +114,8 @@ def parse_options(fabric: str, options: Mapping[str, Any]) -> QemuCxlOptions:
         qemu = os.fspath(qemu)
     if not isinstance(qemu, str) or not qemu:
         raise bad("qemu", f"must be the name or path of qemu-system-x86_64, not {qemu!r}")
+    if "\0" in qemu:
+        raise bad("qemu", NUL)
     if os.sep in qemu:
         # QEMU is run from the host's directory: a relative path is the caller's. Not resolved, so that a link
         # to a multi-call binary keeps its name.
