@@ -186,6 +186,18 @@ class TestFileErrors:
         assert str(path) in info.value.message
         assert "not UTF-8" in info.value.message
 
+    def test_a_byte_order_mark(self, tmp_path: Path) -> None:
+        """As some Windows editors save UTF-8: it was "Invalid statement (at line 1, column 1)", of a first line
+        that looks right."""
+        path = tmp_path / "bom.toml"
+        path.write_bytes(b"\xef\xbb\xbf" + MINIMAL.encode())
+        with pytest.raises(ConfigError) as info:
+            load_config(path, environ={})
+        assert info.value.message == (
+            f"cannot read configuration file {path}: it starts with a byte order mark (U+FEFF), which TOML does not "
+            "allow: save it as UTF-8 without one"
+        )
+
     @pytest.mark.parametrize(
         "text",
         ["a = " + "[" * 3000 + "]" * 3000, "a = " + "{ b = " * 3000 + "1" + " }" * 3000],

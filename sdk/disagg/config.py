@@ -316,7 +316,15 @@ def read_toml(path: Path, what: str, field: str = "", *, named_by: str = "") -> 
     every way it can fail to be one is a `ConfigError` saying so, never a traceback."""
     named = f"{what} {path}" + (f" (from {named_by})" if named_by else "")
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        # tomllib said "Invalid statement (at line 1, column 1)" of a first line that looks right
+        if text.startswith("\ufeff"):
+            raise ConfigError(
+                f"cannot read {named}: it starts with a byte order mark (U+FEFF), which TOML does not allow: save it "
+                "as UTF-8 without one",
+                field=field,
+            )
+        return tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{named} does not exist", field=field) from None
     except UnicodeDecodeError as exc:  # TOML is UTF-8, whatever the locale says
