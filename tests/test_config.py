@@ -570,6 +570,16 @@ class TestLedgerPath:
         config = load_config(path, environ={"DISAGG_STATE_DIR": "st"})
         assert config.ledger_path == str(cwd / "st" / "l.db")
 
+    @pytest.mark.parametrize("state", ["ledger = 'memory'", "ledger = 'etcd'\nendpoints = ['127.0.0.1:2379']"])
+    def test_a_state_dir_that_is_a_file_where_nothing_uses_it(self, tmp_path: Path, state: str) -> None:
+        """Refused as the default ledger's directory, which only the SQLite ledger uses: a replica on etcd whose
+        drivers are remote did not start, for a setting it does not read."""
+        blocker = tmp_path / "state-file"
+        blocker.write_text("")
+        path = _write(tmp_path / "disagg.toml", MINIMAL + f"[state]\n{state}\n")
+        config = load_config(path, environ={"DISAGG_STATE_DIR": str(blocker)})
+        assert config.fabrics[0].name == "f0"
+
     def test_memory_is_refused(self, cwd: Path, tmp_path: Path) -> None:
         """SQLite kept it in memory: a ledger lost at exit, with a lock file named ``:memory:.lock`` beside it."""
         config = _load_text(tmp_path, SQLITE_RACK + "[state]\npath = ':memory:'\n")

@@ -184,7 +184,10 @@ def parse_config(
                 f'{" (the default)" if "ledger" not in state else ""}: set ledger = "{ledgers[0]}" or remove {key}',
                 field=f"state.{key}",
             )
-    path = state["path"] if "path" in state else str(_state_dir_used(environ) / "ledger.db")
+    if "path" in state:
+        path = state["path"]
+    else:  # the default, checked only where the ledger uses it: the memory and etcd ledgers write no file
+        path = str((_state_dir_used(environ) if ledger == "sqlite" else state_dir(environ)) / "ledger.db")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{source}: [state] path must be the ledger file's path, as text", field="state.path")
     if "\0" in path:  # TOML lets a string hold one; no file name can
