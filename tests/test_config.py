@@ -447,6 +447,19 @@ class TestValueErrors:
         assert error.field == "listener[2].address"
         assert "[[listener]] #3 address 'a:1' is #1's too: give each address once" in error.message
 
+    @pytest.mark.parametrize(("key", "second"), [("state_file", "{d}/s.json"), ("state_dir", "{d}/x/../st")])
+    def test_a_state_given_to_two_fabrics(self, tmp_path: Path, key: str, second: str) -> None:
+        """Two sim fabrics on one state_file each saved over the other's bindings, and the first then refused to
+        start ("saved by fabric 'b'"); the file is refused as it is read, naming both fabrics."""
+        first = f"{tmp_path}/s.json" if key == "state_file" else f"{tmp_path}/st"
+        doc = "".join(
+            f"[[fabric]]\nname = '{name}'\ndriver = 'sim'\n[fabric.options]\n{key} = '{path}'\n"
+            for name, path in (("a", first), ("b", second.format(d=tmp_path)))
+        )
+        error = _error(tmp_path, doc)
+        assert error.field == f"fabric[1].options.{key}"
+        assert f"fabric 'b' {key} {second.format(d=tmp_path)!r} is fabric 'a''s too: " in error.message
+
 
 class TestParseConfig:
     """parse_config validates an already parsed document and names the given source in errors."""

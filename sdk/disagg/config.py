@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 CONFIG_ENV = "DISAGG_CONFIG"
 STATE_DIR_ENV = "DISAGG_STATE_DIR"
 LEDGERS = ("sqlite", "memory", "etcd")
+STATE_OPTIONS = ("state_file", "state_dir")
+"""The driver options that name where a fabric keeps its own state (the sim's file, the qemu-cxl and cxl-switch
+drivers' directory): no two fabrics may name the same one."""
 MAX_CALL_TIMEOUT_S = 86_400.0
 """The longest ``call_timeout_s``: a day. A change that waits on a busy composition waits on threading primitives,
 which overflow beyond `threading.TIMEOUT_MAX`; no driver call needs longer."""
@@ -246,6 +249,7 @@ def parse_config(
         raise ConfigError(f"{source}: at least one [[fabric]] is needed", field="fabric")
     fabrics = []
     seen: set[str] = set()
+    states: dict[tuple[str, str], str] = {}  # (option, the path it names, resolved): the fabric that gave it
     for n, fab in enumerate(fabrics_doc):
         where = f"[[fabric]] #{n + 1}"
         if not isinstance(fab, Mapping):
@@ -267,6 +271,16 @@ def parse_config(
             raise ConfigError(f"{source}: fabric {name!r} needs a driver", field=f"fabric[{n}].driver")
         if not isinstance(options, Mapping):
             raise ConfigError(f"{source}: options of fabric {name!r} must be a table", field=f"fabric[{n}].options")
+        for key in STATE_OPTIONS:
+            value = options.get(key)
+            if isinstance(value, str) and value and "\0" not in value:
+                other = states.setdefault((key, os.path.realpath(value)), name)
+                if other != name:
+                    raise ConfigError(
+                        f"{source}: fabric {name!r} {key} {value!r} is fabric {other!r}'s too: each saves its "
+                        "state there over the other's, losing its bindings; give each fabric its own",
+                        field=f"fabric[{n}].options.{key}",
+                    )
         fabrics.append(FabricConfig(name, driver, dict(options)))
     listeners: list[str] = []
     listener_docs = doc.get("listener", [])
