@@ -9,6 +9,7 @@ domains, each with GPUs that its four hosts reach and the other domains' hosts d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import threading
@@ -1520,3 +1521,120 @@ REASONS.update(
         "broken-mld-of-too-many-lds": "an MLD has 1 to 16",
     }
 )
+
+
+class StartsAHotplugHelperAtItsFirstBind(SimFabric):
+    """Starts a hot-plug helper process (a vendor daemon) at its first bind, and leaves it running when the fabric
+    is closed: a fabric that only discovered starts none, and each fabric that bound leaves one behind."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self.hotplug: subprocess.Popen[bytes] | None = None
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        if self.hotplug is None:
+            self.hotplug = subprocess.Popen(HELPER, stdin=subprocess.DEVNULL)
+        return super().bind(device, host, ctx)
+
+
+class _ForgetsItsExtentsPool(SimPool):
+    """Reads its allocations back at a restart, and counts its free capacity from them, but claims none of their
+    blocks: its carver starts empty, and carves the blocks they hold again."""
+
+    _unclaimed: set[str]
+
+    def _restore(self, allocation: Allocation) -> None:
+        if not hasattr(self, "_unclaimed"):  # made a pool of this class by `_pools_as`, not built as one
+            self._unclaimed = set()
+        if allocation.id in self._allocations:
+            raise ValueError("duplicate allocation id")
+        self._allocations[allocation.id] = allocation
+        self._unclaimed.add(allocation.id)
+
+    def free_bytes(self) -> int:
+        with self._fabric._lock:
+            held = getattr(self, "_unclaimed", set())
+            unclaimed = sum(self._allocations[a].amount_bytes for a in held if a in self._allocations)
+            return self._carver.free_blocks * self._block - unclaimed
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        with self._fabric._lock:
+            if allocation_id in getattr(self, "_unclaimed", set()) and allocation_id in self._allocations:
+                self._unclaimed.discard(allocation_id)
+                for extent in self._allocations[allocation_id].extents:
+                    with contextlib.suppress(ValueError):  # what it carved again over them is lost to both
+                        self._carver.claim(extent.offset // self._block, extent.length // self._block)
+        super().release(allocation_id, ctx)
+
+
+class ForgetsItsExtentsOnRestart(SimFabric):
+    """After a restart each pool lists the allocations it held and the free capacity left, but carves the next
+    allocation over their blocks: one host's memory is mapped into another's."""
+
+    def _restore(self, state: SimState) -> None:
+        _pools_as(self, _ForgetsItsExtentsPool)
+        super()._restore(state)
+
+
+class SanitizeEpochApartFromBinds(SimFabric):
+    """Sanitize keeps its own highest epoch, fed by sanitizes and by unbinds (a new leader's announcement among
+    them) but not by binds: a deposed manager's sanitize erases a device after its successor's first bind."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        self._sanitize_epoch = self._epoch
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            self._sanitize_epoch = max(self._sanitize_epoch, ctx.epoch)
+        super().unbind(binding, ctx)
+
+    def _sanitize(self, device: str, ctx: CallContext) -> None:
+        with self._lock:
+            if ctx.epoch < self._sanitize_epoch:
+                raise StaleEpochError(f"epoch {ctx.epoch} is older than {self._sanitize_epoch}, the highest seen")
+            self._sanitize_epoch = ctx.epoch
+        super()._sanitize(device, attrs.evolve(ctx, epoch=max(ctx.epoch, self.epoch)))
+
+
+BROKEN["broken-hotplug-helper-left-running"] = (StartsAHotplugHelperAtItsFirstBind, "CLOSE-NO-CHILDREN")
+BROKEN["broken-forgets-its-extents-on-restart"] = (ForgetsItsExtentsOnRestart, "RESTART-ALLOCATIONS")
+BROKEN["broken-sanitize-epoch-apart-from-binds"] = (SanitizeEpochApartFromBinds, "SANITIZE-STALE-EPOCH")
+REASONS.update(
+    {
+        "broken-hotplug-helper-left-running": "close() ends every process the driver started",
+        "broken-forgets-its-extents-on-restart": "a restarted driver still holds what it carved, and carves around it",
+        "broken-sanitize-epoch-apart-from-binds": "a bind fences sanitize too",
+    }
+)
+
+
+class ForgetsWhoHoldsOnRestart(SimFabric):
+    """After a restart it lists the bindings it read back, but its bind does not look at them: a device bound
+    before the restart is bound again to the next host asked, and taken from the one that holds it."""
+
+    def _restore(self, state: SimState) -> None:
+        super()._restore(state)
+        self._listed = dict(self._bindings)
+        self._bindings.clear()
+
+    def _held(self) -> dict[str, str]:
+        return {**getattr(self, "_listed", {}), **self._bindings}
+
+    def bindings(self) -> Sequence[Binding]:
+        with self._lock:
+            return tuple(Binding(device=d, host=h) for d, h in self._held().items())
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        with self._lock:
+            listed = getattr(self, "_listed", {})
+            if listed.get(binding.device) == binding.host and binding.device not in self._bindings:
+                self._bindings[binding.device] = listed.pop(binding.device)  # unbound as one it holds
+        super().unbind(binding, ctx)
+
+    def _snapshot(self) -> SimState:
+        return attrs.evolve(super()._snapshot(), bindings=self._held())
+
+
+BROKEN["broken-forgets-who-holds-on-restart"] = (ForgetsWhoHoldsOnRestart, "RESTART-BINDINGS")
+REASONS["broken-forgets-who-holds-on-restart"] = "a restarted driver still holds the bindings it lists"

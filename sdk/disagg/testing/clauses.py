@@ -341,8 +341,9 @@ _ALL = (
     ),
     Clause(
         "SANITIZE-STALE-EPOCH",
-        "A sanitize with a fencing epoch older than one the driver has seen, through a bind or a new leader's "
-        "announcement, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason STALE_EPOCH) and erases nothing.",
+        "A sanitize with a fencing epoch older than one the driver has seen, through a sanitize, a bind or a new "
+        "leader's announcement, raises StaleEpochError (gRPC FAILED_PRECONDITION, reason STALE_EPOCH) and erases "
+        "nothing.",
         frozenset({Feature.SANITIZE, Feature.FENCING}),
     ),
     Clause(
@@ -355,13 +356,15 @@ _ALL = (
     ),
     Clause(
         "RESTART-BINDINGS",
-        "A restarted driver reports the same devices and the same bindings as before the restart.",
+        "A restarted driver reports the same devices and the same bindings as before the restart, and holds them: a "
+        "bind of a device bound before the restart to another host raises DeviceBusyError and leaves it bound.",
         frozenset({Feature.BIND}),
         needs="a way to restart the driver",
     ),
     Clause(
         "RESTART-ALLOCATIONS",
-        "A restarted driver reports the same allocations of a pool, and the same free capacity, as before the restart.",
+        "A restarted driver reports the same allocations of a pool, and the same free capacity, as before the restart, "
+        "and carves the next allocation around them: its extents overlap none of theirs.",
         frozenset({Feature.CARVE}),
         needs="a way to restart the driver; a pool",
     ),
@@ -374,7 +377,8 @@ _ALL = (
     ),
     Clause(
         "CLOSE-NO-CHILDREN",
-        "A fabric built, discovered and closed leaves no process it started running: every process started under "
+        "A fabric built, discovered, used (a device bound and unbound, a block carved and released, as declared) "
+        "and closed leaves no process it started running: every process started under "
         "the suite's process while the fabric was open has ended 3 s after close() returned (checked where /proc "
         "is; a remote driver's own process is not the suite's, and only its client is checked).",
         needs="/proc (Linux)",
@@ -388,7 +392,7 @@ _ALL = (
 )
 
 CLAUSES: dict[str, Clause] = {c.id: c for c in _ALL}
-SUITE_VERSION = "1.11"
+SUITE_VERSION = "1.12"
 """The suite's version, in every report: a new clause, a changed statement, or a change in what the suite
 accepts raises it. ``docs/conformance.md`` says what each version added."""
 

@@ -1577,7 +1577,8 @@ class FabricConformance:
     @clause("SANITIZE-STALE-EPOCH")
     def test_sanitize_with_a_stale_epoch(self, tracker: Tracker, epochs: Epochs, capabilities: Capabilities) -> None:
         """Sanitize erases a device: a deposed manager's must not erase one its successor is handing out."""
-        dev = _one_free(tracker.view())
+        view = tracker.view()
+        dev = _one_free(view)
         new = epochs.advance()
         tracker.sanitize(dev.id, epoch=new)
         _expect_error(
@@ -1586,14 +1587,25 @@ class FabricConformance:
             f"sanitize of {dev.id} with epoch {new - 1}",
             f"an epoch older than the highest seen ({new}) is refused before anything is erased",
         )
+        latest = new
+        other = [d for d in view.free_devices() if d.id != dev.id]
+        if capabilities.supports(Feature.BIND) and other:
+            latest = epochs.advance()
+            tracker.bind(other[0].id, view.hosts_reaching(other[0])[0], epoch=latest)
+            _expect_error(
+                lambda: tracker.sanitize(dev.id, epoch=new),
+                StaleEpochError,
+                f"sanitize of {dev.id} with epoch {new}, after a bind of {other[0].id} with epoch {latest}",
+                "a driver keeps one highest epoch for all its calls: a bind fences sanitize too",
+            )
         if not capabilities.supports(Feature.UNBIND):
             return  # no announcement to make
         announced = epochs.advance()
         tracker.unbind(*_fence_of(tracker), epoch=announced)
         _expect_error(
-            lambda: tracker.sanitize(dev.id, epoch=new),
+            lambda: tracker.sanitize(dev.id, epoch=latest),
             StaleEpochError,
-            f"sanitize of {dev.id} with epoch {new}, after a new leader announced {announced}",
+            f"sanitize of {dev.id} with epoch {latest}, after a new leader announced {announced}",
             "a driver keeps one highest epoch for all its calls: an announcement (an unbind) fences sanitize too",
         )
 
@@ -1621,20 +1633,36 @@ class FabricConformance:
 
     @clause("RESTART-BINDINGS")
     def test_restart_keeps_bindings(self, tracker: Tracker, restart: Restart) -> None:
+        """Identity and truth across restarts, for bindings: a restarted driver that lists a binding but binds the
+        device again to the next host asked (its bind reads a table the restart emptied) takes it from the host
+        that holds it. A device that two hosts reach is taken, when there is one, to try that."""
         view = tracker.view()
-        dev = _one_free(view)
-        host = view.hosts_reaching(dev)[0]
-        tracker.bind(dev.id, host)
+        shared = view.free_devices(min_hosts=2)
+        dev = shared[0] if shared else _one_free(view)
+        host, *others = view.hosts_reaching(dev)
+        dev_id = dev.id
+        tracker.bind(dev_id, host)
         before = set(tracker.bindings())
         devices = {d.id: d.serial for d in view.topology.devices}
         tracker.restart(restart)
         assert set(tracker.bindings()) == before, "the restarted driver reports other bindings"
         assert {d.id: d.serial for d in tracker.discover().devices} == devices, "the restarted driver's devices differ"
+        if not others:
+            return
+        _expect_error(
+            lambda: tracker.bind(dev_id, others[0]),
+            DeviceBusyError,
+            f"bind of {dev_id}, bound to {host} before the restart and listed so after it, to {others[0]}",
+            "a restarted driver still holds the bindings it lists: a device bound to another host is busy",
+        )
+        now = _bindings_of(tracker, dev_id)
+        assert now == [Binding(dev_id, host)], f"after a restart, a refused bind of {dev_id} left bindings {now!r}"
 
     @clause("RESTART-ALLOCATIONS")
     def test_restart_keeps_allocations(self, tracker: Tracker, restart: Restart) -> None:
         """Identity and truth across restarts, for carved memory: a restarted driver that reports a pool empty
-        while hosts still use its memory would have it carved again for others."""
+        while hosts still use its memory would have it carved again for others, and so would one that lists what
+        it held but carves the next allocation over it."""
         info, host = self._pool(tracker)
         pool = tracker.pool(info.id)
         block = info.capacity.block_bytes
@@ -1648,6 +1676,17 @@ class FabricConformance:
         assert after == before, f"after a restart {info.id} holds {after!r}, not {before!r}"
         now = pool.free_bytes()
         assert now == free, f"after a restart {info.id} has {now} bytes free, not {free}"
+        lds = info.ld_count
+        if now < block or (lds is not None and len(after) >= lds):  # no room for another: nothing to carve around
+            return
+        got = tracker.allocate(info.id, "conformance-restart-next", host, block)
+        held = [(e.offset, e.end, a.id) for a in before for e in a.extents]
+        overlapping = sorted({a for start, end, a in held for e in got.extents if e.offset < end and start < e.end})
+        assert not overlapping, (
+            f"after a restart {info.id} carved conformance-restart-next at {list(got.extents)!r}, over the blocks of "
+            f"{', '.join(overlapping)}, which it held before the restart and lists still: a restarted driver still "
+            "holds what it carved, and carves around it"
+        )
 
     @clause("RESTART-FENCING")
     def test_restart_keeps_the_epoch(self, tracker: Tracker, restart: Restart, epochs: Epochs) -> None:
@@ -1684,6 +1723,26 @@ class FabricConformance:
 
     # ------------------------------------------------------------------ close
 
+    def _use(self, tracker: Tracker) -> None:
+        """Discover the fabric, bind and unbind a free device (bind and unbind declared), and carve and release a
+        block (carve declared): what a fabric manager does with a fabric, so that a process a driver starts at
+        its first bind or allocate (a hot-plug helper) is started while the fabric is open, not only one it starts
+        as it is built."""
+        view = tracker.view()
+        caps = tracker.capabilities()
+        free = view.free_devices()
+        if caps.supports(Feature.BIND) and caps.supports(Feature.UNBIND) and free:
+            host = view.hosts_reaching(free[0])[0]
+            tracker.bind(free[0].id, host)
+            tracker.unbind(free[0].id, host)
+        pools = self._pools_reached(view) if caps.supports(Feature.CARVE) else []
+        if pools:
+            info, (host, *_) = pools[0]
+            pool, lds = tracker.pool(info.id), info.ld_count
+            if pool.free_bytes() >= info.capacity.block_bytes and (lds is None or len(pool.allocations()) < lds):
+                tracker.allocate(info.id, "conformance-close", host, info.capacity.block_bytes)
+                tracker.release(info.id, "conformance-close")
+
     @clause("CLOSE-NO-CHILDREN")
     def test_close_leaves_no_child_process(self, fabric_factory: FabricFactory, request: pytest.FixtureRequest) -> None:
         """An emulator, QEMU or helper process that a driver starts is its to end when the fabric closes: one
@@ -1695,10 +1754,10 @@ class FabricConformance:
         if descendants() is None:
             _skip("there is no /proc to list the processes the driver started")
         with self._tracking(fabric_factory, request) as tracker:
-            tracker.view()
+            self._use(tracker)
         before = descendants() or {}
         with self._tracking(fabric_factory, request) as tracker:
-            tracker.view()
+            self._use(tracker)
         started = {p: command for p, command in (descendants() or {}).items() if p not in before}
         left = children_left(started)
         assert not left, (
