@@ -189,6 +189,20 @@ class TestRollback:
             comp.compose(INFERENCE)
         assert hardware_bindings(fabrics) == {} and hardware_allocations(fabrics) == {}
 
+    def test_a_start_every_driver_refuses_the_epoch_of_says_why_and_what_to_do(self) -> None:
+        fabrics = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie"})}
+        newer = CallContext(epoch=7)
+        fabrics["pcie0"].bind("pcie0/gpu-b9", "h4", newer)
+        fabrics["pcie0"].unbind(fabrics["pcie0"].bindings()[0], newer)
+        comp = FabricComposer(fabrics, epoch=3)
+        comp.fence_drivers()  # as a replica that won the lead does
+        with pytest.raises(FabricUnavailableError) as info:
+            comp.start()
+        comp.close()
+        assert "fabric pcie0 has not taken epoch 3 yet: " in info.value.message
+        assert "epoch 3 is older than 7, the highest seen" in info.value.message
+        assert "set [state] epoch_base to that highest epoch" in info.value.message
+
     def test_unexpected_driver_exception_is_rolled_back_as_sdk_error(self, caplog: pytest.LogCaptureFixture) -> None:
         cxl = BrokenPools(load_topology("cxl0", "demo-cxl"))
         cxl.error = RuntimeError("driver bug")

@@ -45,6 +45,7 @@ from disagg.errors import (
     RequestAnswerLostError,
     RequestIdReusedError,
     RollbackIncompleteError,
+    StaleEpochError,
 )
 from disagg.interfaces import CallContext, Composer, ComposeResult, Fabric, Subscription, epoch_announcement
 from disagg.interfaces.fabric import MAX_ID
@@ -581,8 +582,9 @@ class FabricComposer(Composer):
         self._cordoned: set[str] = set()
         self._unreachable: set[str] = set()
         """Fabrics whose discovery failed; their compositions are UNKNOWN until they answer."""
-        self._unannounced: set[str] = set()
-        """Fabrics that did not take this manager's epoch when it was announced: unreachable until they do."""
+        self._unannounced: dict[str, str] = {}
+        """Fabrics that did not take this manager's epoch when it was announced, with why: unreachable until they
+        do."""
         self._returned: set[str] = set()
         """Fabrics that answered again at a rebuild whose compositions `retry_unreachable` has not settled yet."""
         self._set_aside: dict[str, str] = {}
@@ -870,9 +872,9 @@ class FabricComposer(Composer):
             except Exception as raised:  # a driver's bug too: that fabric waits, the others are served
                 exc = raised if isinstance(raised, DisaggError) else driver_error(name, raised)
                 log.warning("could not announce epoch %d to fabric %s: %s", self.epoch, name, exc.message)
-                self._unannounced.add(name)
+                self._unannounced[name] = _epoch_refused(exc)
             else:
-                self._unannounced.discard(name)
+                self._unannounced.pop(name, None)
 
     # ----------------------------------------------------------------- recovery and reconciliation
 
@@ -1761,7 +1763,7 @@ class FabricComposer(Composer):
                 topologies.append(self._as_indexed(name))
                 continue
             if answered and name in answered and name in self._unreachable:
-                self._unannounced.discard(name)
+                self._unannounced.pop(name, None)
                 topologies.append(answered[name])
                 self._returned.add(name)
                 self._unreachable.discard(name)
@@ -1772,7 +1774,9 @@ class FabricComposer(Composer):
                 self._announce_epoch([name])
             try:
                 if name in self._unannounced:
-                    raise FabricUnavailableError(f"fabric {name} has not taken epoch {self.epoch} yet")
+                    raise FabricUnavailableError(
+                        f"fabric {name} has not taken epoch {self.epoch} yet: {self._unannounced[name]}"
+                    )
                 topologies.append(fabric.discover())
             except Exception as raised:  # a driver's bug too: that fabric is unreachable, the others are served
                 exc = raised if isinstance(raised, DisaggError) else driver_error(name, raised)
@@ -4162,3 +4166,14 @@ class FabricComposer(Composer):
 
 def request_summary(request: CompositionRequest) -> str:
     return ", ".join(describe_line(r) for r in request.resources)
+
+
+def _epoch_refused(exc: DisaggError) -> str:
+    """Why a driver did not take the epoch, with what to do when its refusal may be the etcd cluster's, not
+    another replica's: a new or rebuilt cluster starts its epochs low again."""
+    if not isinstance(exc, StaleEpochError):
+        return exc.message
+    return (
+        f"{exc.message} (if no other fabric manager runs, as after a move to a new or rebuilt etcd cluster, set "
+        "[state] epoch_base to that highest epoch: see docs/ha.md)"
+    )
