@@ -22,9 +22,10 @@ import pytest
 from conformance_helpers import ServedDriver
 from disagg.client import NO_RETRY, FabricManagerClient
 from disagg.errors import FabricUnavailableError, StaleEpochError
-from disagg.interfaces import CallContext
+from disagg.interfaces import CallContext, epoch_announcement
 from disagg.remote import RemoteFabric
 from disagg.requestlang import parse_request
+from disagg_sim import create_fabric
 from etcd_helpers import etcd_binary, free_ports, start_etcd_cluster
 from process_helpers import ChildOutput
 
@@ -231,6 +232,48 @@ class TestStartFailure:
         assert code == 2, said  # a ledger to restore from a backup, as SQLite's route exits
         assert "disagg: error: the ledger at etcd" in said and "restore it from a backup" in said, said
         assert "lost the lead" not in said and "Traceback" not in said, said
+
+
+class TestANewEtcdCluster:
+    """The move to a new etcd cluster as docs/ha.md writes it: its leader's epoch is below the highest a driver saw,
+    so a replica exits 1 naming that epoch and `epoch_base`; with `epoch_base` set to it, a replica leads above it."""
+
+    def test_epoch_base_lets_a_replica_lead_again(self, tmp_path: Path) -> None:
+        etcd_binary()
+        state = tmp_path / "pcie0.json"
+        seen = 1 << 20  # the old cluster's last epoch, far above the new one's revisions
+        hardware = create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(state)})
+        hardware.unbind(epoch_announcement("pcie0"), CallContext(epoch=seen))
+        hardware.close()
+        etcd = start_etcd_cluster(tmp_path / "etcd")
+        try:
+            config = tmp_path / "disagg.toml"
+            refused = self._replica(config, etcd.endpoints, state, "")
+            try:
+                assert refused.output.wait_ended(START_S), refused.output.text
+                code = refused.proc.wait(10)
+            finally:
+                refused.stop()
+            said = refused.output.text
+            assert code == 1, said
+            assert f"is older than {seen}, the highest seen" in said and "set [state] epoch_base" in said, said
+            replica = self._replica(config, etcd.endpoints, state, f"epoch_base = {seen}\n")
+            try:
+                assert _leader([replica], START_S) is replica
+                assert replica.epoch() > seen
+            finally:
+                replica.stop()
+        finally:
+            etcd.stop()
+
+    @staticmethod
+    def _replica(config: Path, endpoints: list[str], state: Path, extra: str) -> Replica:
+        config.write_text(
+            f'[state]\nledger = "etcd"\nendpoints = ["{endpoints[0]}"]\nprefix = "/moved/"\nlease_ttl_s = 3\n{extra}\n'
+            f'[[fabric]]\nname = "pcie0"\ndriver = "sim"\n'
+            f'options = {{ topology = "demo-pcie", state_file = "{state}" }}\n'
+        )
+        return Replica(config, free_ports(1)[0], config.parent / "state")
 
 
 class TestLeaseEndsMidWrite:
