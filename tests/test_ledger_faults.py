@@ -206,8 +206,27 @@ class TestALedgerRemovedWhileOpen:
         store.put_composition(_composition("after"))
         with pytest.raises(FabricUnavailableError, match=rf"write-ahead log {wal} was removed or replaced"):
             store.sync()
-        assert "lost when this process stops" in store.failure
+        assert "killed first, it is lost" in store.failure
         assert store.needs_operator
+
+    def test_what_the_removed_log_held_is_kept_by_a_close(self, tmp_path: Path) -> None:
+        """SQLite checkpoints the log it still has open as the store closes: what was acknowledged before the log
+        was removed reaches the ledger then, and only a process killed first loses it. The message said it was
+        lost whenever the process stopped."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        store.put_composition(_composition("before"))
+        store.sync()
+        store.path.with_name("ledger.db-wal").unlink()
+        store.put_composition(_composition("after"))
+        with pytest.raises(FabricUnavailableError):
+            store.sync()
+        assert "reaches the ledger only as this process closes it" in store.failure
+        store.close()
+        reopened = SqliteStore(tmp_path / "ledger.db")
+        try:
+            assert [c.id for c in reopened.load().compositions] == ["before"]
+        finally:
+            reopened.close()
 
     def test_an_idle_store_finds_its_write_ahead_log_replaced(self, store: SqliteStore) -> None:
         wal = store.path.with_name("ledger.db-wal")

@@ -624,8 +624,9 @@ class SqliteStore(Store):
             raise LedgerMovedError(
                 f"the ledger's write-ahead log {self.path}-wal was removed or replaced while this fabric "
                 "manager used it: what it committed since the ledger's last checkpoint is only in the file "
-                "removed, and is lost when this process stops. Stop it before removing the ledger's files; at "
-                "the restart, reconciliation reports the bindings the ledger no longer records"
+                "removed, and reaches the ledger only as this process closes it (killed first, it is lost). Stop "
+                "it before removing the ledger's files; at the restart, reconciliation reports the bindings the "
+                "ledger no longer records"
             )
         if not ownership.in_place(self._owner):
             raise LedgerMovedError(
