@@ -67,6 +67,21 @@ class TestOptions:
             create_fabric("bad", options)
         assert raised.value.field == field
 
+    @pytest.mark.parametrize(
+        "key", ["ld_count", "mld_capacity_gib", "dc_capacity_gib", "dc_regions", "bind_delay_ms", "stop_emulator"]
+    )
+    @pytest.mark.parametrize("state_dir", [None, "/tmp/x"], ids=["address", "address+state_dir"])
+    def test_emulator_settings_refused_beside_address(self, key: str, state_dir: str | None) -> None:
+        """The emulator at ``address`` runs with its own settings: one written beside it would be ignored."""
+        values = {"bind_delay_ms": 20, "stop_emulator": "always", "dc_regions": 1}
+        options = {"address": "unix:/tmp/x.sock", key: values.get(key, 4)}
+        if state_dir is not None:
+            options["state_dir"] = state_dir
+        with pytest.raises(ConfigError, match=f"{key} applies to an emulator the driver starts") as raised:
+            create_fabric("bad", options)
+        assert raised.value.field == key
+        assert "state_dir" in raised.value.message
+
     def test_unreachable_address(self, tmp_path: Path) -> None:
         with pytest.raises(FabricUnavailableError):
             create_fabric("gone", {"address": f"unix:{tmp_path / 'none.sock'}"})

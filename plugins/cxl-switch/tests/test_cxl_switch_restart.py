@@ -35,7 +35,7 @@ class Rack:
         self._emulator = emulator_process(self.socket, *FLAGS)
         self._emulator.__enter__()
         options = {"address": f"unix:{self.socket}", "state_dir": str(folder / "sw"), "hosts": ["h1", "h2"]}
-        self.switch: CxlSwitchFabric = create_fabric("sw", {**options, **TOPOLOGY})
+        self.switch: CxlSwitchFabric = create_fabric("sw", {**options, "gpus": TOPOLOGY["gpus"], "nvme": 0})
         self.composer = FabricComposer(
             {"sw": self.switch}, store=SqliteStore(folder / "ledger.db"), auto_heal=auto_heal
         )

@@ -18,6 +18,9 @@ MAX_BIND_DELAY_MS = 60_000.0
 
 _EMULATOR_KEYS = ("gpus", "nvme", "nics", "ld_count", "mld_capacity_gib", "dc_capacity_gib", "dc_regions")
 _STOP = ("when-idle", "always")
+_STARTED_ONLY = ("ld_count", "mld_capacity_gib", "dc_capacity_gib", "dc_regions", "bind_delay_ms", "stop_emulator")
+"""Settings of an emulator the driver starts: the one at ``address`` runs with its own, so one written beside it
+would be ignored."""
 
 
 @attrs.frozen
@@ -89,6 +92,13 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Options:
             parse_address(address)
         except ValueError as exc:
             raise bad("address", str(exc)) from None
+        for key in _STARTED_ONLY:
+            if key in options:
+                raise bad(
+                    key,
+                    f"{key} applies to an emulator the driver starts (give state_dir without address); the one at "
+                    f"{address} runs with its own settings: remove {key}",
+                )
     if state_dir is not None and (not isinstance(state_dir, str) or not state_dir):
         raise bad("state_dir", "state_dir must be a path")
     hosts = options.get("hosts", 2)
