@@ -223,6 +223,17 @@ class TestConnect:
         assert address in info.value.message and "0.3s" in info.value.message
 
     @pytest.mark.parametrize("address", ["unix:/nonexistent/disagg/driver.sock", "127.0.0.1:9"])
+    @pytest.mark.parametrize("option", ["connect_timeout_s", "call_timeout_s"])
+    @pytest.mark.parametrize("seconds", [math.inf, 1e300, 1e10, 86_400.5, 0.0, math.nan])
+    def test_a_timeout_grpc_cannot_wait_is_refused(self, address: str, option: str, seconds: float) -> None:
+        """No timeout, as infinity or a huge number: grpcio failed the first call at once, and the refused
+        address was said to have had no driver answer "within 1e+300s"."""
+        with pytest.raises(ConfigError) as info:
+            RemoteFabric("pcie0", address, **{"connect_timeout_s": 0.3, "call_timeout_s": 0.3, option: seconds})
+        assert info.value.field == option
+        assert "at most 86400 (a day)" in info.value.message and "fabric 'pcie0'" in info.value.message
+
+    @pytest.mark.parametrize("address", ["unix:/nonexistent/disagg/driver.sock", "127.0.0.1:9"])
     def test_from_the_configuration_it_is_unreachable_until_it_answers(self, address: str) -> None:
         """The `remote` driver of a configuration: one driver down at start-up stopped the whole fabric manager
         (and with high availability every replica, in a loop); now its fabric is unreachable meanwhile."""

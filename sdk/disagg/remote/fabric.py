@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from typing import TypeVar, cast
 import attrs
 import grpc
 
+from disagg.config import MAX_CALL_TIMEOUT_S
 from disagg.driver.v1 import fabric_driver_pb2 as pb
 from disagg.driver.v1 import fabric_driver_pb2_grpc as pb_grpc
 from disagg.errors import (
@@ -276,6 +278,24 @@ class _Subscription(Subscription):
         self.fabric._unsubscribe(self)
 
 
+def _seconds(name: str, option: str, value: object) -> float:
+    """A timeout of at most a day, as ``[composer] call_timeout_s``: gRPC fails at once a call whose timeout it
+    cannot carry (1e10 s and more, infinity: a driver refusing the connection was said to have had "1e+300s"
+    to answer), and the fabric waits on threading primitives, which overflow beyond `threading.TIMEOUT_MAX`."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_CALL_TIMEOUT_S
+    ):
+        raise ConfigError(
+            f"fabric {name!r} (driver remote): option {option!r}: must be a number of seconds above 0 and at most "
+            f"{MAX_CALL_TIMEOUT_S:.0f} (a day), not {value!r}",
+            field=option,
+        )
+    return float(value)
+
+
 class RemoteFabric(Fabric, FaultInjection):
     """The fabric served at ``address`` (``unix:PATH`` or ``127.0.0.1:PORT``), configured as ``name``.
 
@@ -299,8 +319,8 @@ class RemoteFabric(Fabric, FaultInjection):
     ) -> None:
         self._name = name
         self.address = address
-        self.call_timeout_s = call_timeout_s
-        self.connect_timeout_s = connect_timeout_s
+        self.call_timeout_s = _seconds(name, "call_timeout_s", call_timeout_s)
+        self.connect_timeout_s = _seconds(name, "connect_timeout_s", connect_timeout_s)
         if not wire.heartbeat_valid(event_heartbeat_s):
             raise ConfigError(
                 f"fabric {name!r} (driver remote): option 'event_heartbeat_s': must be 0 (ask the driver for no "

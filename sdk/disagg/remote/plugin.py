@@ -8,12 +8,10 @@ description that says so, and each instance's `capabilities()` answers the remot
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from disagg import hookimpl
-from disagg.config import MAX_CALL_TIMEOUT_S
 from disagg.errors import ConfigError
 from disagg.model import Capabilities
 from disagg.plugins.registry import DriverRegistry
@@ -33,24 +31,6 @@ DESCRIPTION = (
 )
 CAPABILITIES = Capabilities()
 """Declared per instance by the remote driver, not by the type: see the module docstring."""
-
-
-def _seconds(name: str, options: Mapping[str, Any], option: str, default: float) -> float:
-    """A timeout of at most a day, as ``[composer] call_timeout_s``: the fabric waits on threading primitives,
-    which overflow beyond `threading.TIMEOUT_MAX` (1e10 s gave tracebacks and a driver counted out of reach)."""
-    value = options.get(option, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not 0 < value <= MAX_CALL_TIMEOUT_S
-    ):
-        raise ConfigError(
-            f"fabric {name!r} (driver remote): option {option!r}: must be a number of seconds above 0 and at most "
-            f"{MAX_CALL_TIMEOUT_S:.0f} (a day), not {value!r}",
-            field=option,
-        )
-    return float(value)
 
 
 def create_fabric(name: str, options: Mapping[str, Any]) -> RemoteFabric:
@@ -78,9 +58,9 @@ def create_fabric(name: str, options: Mapping[str, Any]) -> RemoteFabric:
     return RemoteFabric(
         name,
         address,
-        call_timeout_s=_seconds(name, options, "call_timeout_s", DEFAULT_CALL_TIMEOUT_S),
-        connect_timeout_s=_seconds(name, options, "connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
-        event_heartbeat_s=options.get("event_heartbeat_s", DEFAULT_EVENT_HEARTBEAT_S),  # checked there
+        call_timeout_s=options.get("call_timeout_s", DEFAULT_CALL_TIMEOUT_S),  # the three are checked there
+        connect_timeout_s=options.get("connect_timeout_s", DEFAULT_CONNECT_TIMEOUT_S),
+        event_heartbeat_s=options.get("event_heartbeat_s", DEFAULT_EVENT_HEARTBEAT_S),
         lazy=True,
     )
 
