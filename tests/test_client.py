@@ -680,7 +680,7 @@ class TestErrors:
         assert info.value.field == "remove[1]" and "pcie0/ghost, pcie0/other" in info.value.message
         assert client.get(comp.id).device_ids == comp.device_ids
 
-    @pytest.mark.parametrize("revision", [-1, 2**64])
+    @pytest.mark.parametrize("revision", [-1, 2**63, 2**64])
     def test_a_watch_from_no_revision_is_refused(self, client: FabricManagerClient, revision: int) -> None:
         with pytest.raises(InvalidRequestError) as info:
             client.watch(after_revision=revision)

@@ -147,6 +147,18 @@ class TestWatchEvents:
         assert failed.code is grpc.StatusCode.OUT_OF_RANGE and "ahead" in failed.message
         assert failed.metadata["newest"] == "2"
 
+    @pytest.mark.parametrize("revision", [2**63, 2**64 - 1])
+    def test_a_revision_no_ledger_can_hold_is_invalid(self, served: Served, revision: int) -> None:
+        """Past int64, which every ledger's revisions are: a bad number, not a reset log."""
+        churn(served, 2)
+        failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=revision))
+        assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("after_revision",)
+        assert str(revision) in failed.message and "reset" not in failed.message
+
+    def test_the_highest_revision_a_ledger_can_hold_is_ahead_of_the_log(self, served: Served) -> None:
+        failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=2**63 - 1))
+        assert failed.code is grpc.StatusCode.OUT_OF_RANGE and "ahead" in failed.message
+
     def test_too_many_watches_is_resource_exhausted(self, tmp_path: Path) -> None:
         with serving(socket_path(tmp_path), max_watches=2) as served:
             churn(served, 1)

@@ -48,6 +48,7 @@ from disagg.model import (
     Revision,
     Topology,
 )
+from disagg.model.events import MAX_REVISION
 from disagg.wire.errors import from_rpc_error, server_status
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
@@ -923,8 +924,8 @@ class FabricManagerClient:
         """
         after_revision = args.whole(after_revision, "after_revision")
         resume = args.flag(resume, "resume")
-        if not 0 <= after_revision < 1 << 64:
-            raise InvalidRequestError("after_revision is a revision: 0 to 2**64 - 1", field="after_revision")
+        if not 0 <= after_revision <= MAX_REVISION:
+            raise InvalidRequestError("after_revision is a revision: 0 to 2**63 - 1", field="after_revision")
         return EventStream(self, after_revision, resume=resume)
 
     def _open_watch(self, after_revision: int, after_time: float = 0.0) -> _StreamCall:

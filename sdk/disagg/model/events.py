@@ -61,6 +61,11 @@ class EventType(ModelEnum):
     ALLOCATION_QUARANTINED = "AllocationQuarantined"
 
 
+MAX_REVISION = 2**63 - 1
+"""The highest revision a ledger can hold: SQLite's and etcd's are int64. A watch from past it is a bad number
+(the wire's uint64 carries it), not a log that was reset."""
+
+
 @quick_init
 @attrs.frozen
 class Event:

@@ -14,7 +14,8 @@ resume with a gap.
 Revisions rise by exactly one per event, so a hole in what the log returns means the store no longer holds
 those events (the in-memory ledger keeps the newest N): the watch then ends with OUT_OF_RANGE
 (`RevisionCompactedError`) rather than skip silently. A revision ahead of the newest one (the log was reset,
-for example an in-memory ledger after a restart) is refused the same way.
+for example an in-memory ledger after a restart) is refused the same way; one past any a ledger can hold
+(`MAX_REVISION`) is INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from disagg.errors import (
     not_serving,
 )
 from disagg.model import Event
+from disagg.model.events import MAX_REVISION
 from disagg.server.context import RpcContext
 
 LOG_PAGE = 1000
@@ -169,6 +171,12 @@ def watch_events(
     called once the watch is served (checked, and holding its slot), before it reads the log."""
     if not math.isfinite(after_time) or after_time < 0:
         raise InvalidRequestError(f"after_time: a time in seconds, 0 or more, not {after_time!r}", field="after_time")
+    if after > MAX_REVISION:
+        raise InvalidRequestError(
+            f"after_revision: {after} is past any revision a ledger can hold (at most {MAX_REVISION}); watch from "
+            "a revision a listing or an event answered, or 0 for the whole retained log",
+            field="after_revision",
+        )
     newest = composer.revision
     if after > newest:
         raise RevisionCompactedError(
