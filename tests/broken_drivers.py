@@ -21,9 +21,12 @@ from typing import Any
 import attrs
 from disagg import hookimpl
 from disagg.errors import (
+    AlreadyExistsError,
     ConfigError,
+    ConflictError,
     DeviceBusyError,
     FabricUnavailableError,
+    InvalidRequestError,
     NotFoundError,
     StaleEpochError,
     UnknownDeviceError,
@@ -1638,3 +1641,92 @@ class ForgetsWhoHoldsOnRestart(SimFabric):
 
 BROKEN["broken-forgets-who-holds-on-restart"] = (ForgetsWhoHoldsOnRestart, "RESTART-BINDINGS")
 REASONS["broken-forgets-who-holds-on-restart"] = "a restarted driver still holds the bindings it lists"
+
+
+class UnknownPoolAsDevice(SimFabric):
+    """Answers a pool it does not have with UnknownDeviceError, not NotFoundError: its caller is told of an
+    unknown device (reason UNKNOWN_DEVICE) when it named a pool."""
+
+    def pool(self, pool: str) -> SimPool:
+        try:
+            return super().pool(pool)
+        except NotFoundError as exc:
+            raise UnknownDeviceError(pool, exc.message) from None
+
+
+class _ConflictAsAlreadyExistsPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        try:
+            return super().allocate(allocation_id, host, amount_bytes, ctx)
+        except ConflictError as exc:
+            raise AlreadyExistsError(exc.message) from None
+
+
+class ConflictAsAlreadyExists(SimFabric):
+    """Refuses an allocation id reused for another host or amount with AlreadyExistsError (reason ALREADY_EXISTS,
+    gRPC ALREADY_EXISTS), not ConflictError: a sibling the contract keeps for names and request ids."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _ConflictAsAlreadyExistsPool)
+
+
+def _as_config_error(exc: InvalidRequestError) -> InvalidRequestError:
+    """``exc`` as the ConfigError (reason INVALID_CONFIG) that a driver's options get."""
+    return ConfigError(exc.message, field=exc.field) if type(exc) is InvalidRequestError else exc
+
+
+class InvalidIdAsConfig(SimFabric):
+    """Refuses a malformed device or host id in a bind or unbind with ConfigError, as if a configuration were
+    wrong (reason INVALID_CONFIG), not InvalidRequestError."""
+
+    def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
+        try:
+            return super().bind(device, host, ctx)
+        except InvalidRequestError as exc:
+            raise _as_config_error(exc) from None
+
+    def unbind(self, binding: Binding, ctx: CallContext) -> None:
+        try:
+            super().unbind(binding, ctx)
+        except InvalidRequestError as exc:
+            raise _as_config_error(exc) from None
+
+
+class _InvalidAsConfigPool(SimPool):
+    def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
+        try:
+            return super().allocate(allocation_id, host, amount_bytes, ctx)
+        except InvalidRequestError as exc:
+            raise _as_config_error(exc) from None
+
+    def release(self, allocation_id: str, ctx: CallContext) -> None:
+        try:
+            super().release(allocation_id, ctx)
+        except InvalidRequestError as exc:
+            raise _as_config_error(exc) from None
+
+
+class CarveInvalidAsConfig(SimFabric):
+    """Refuses a malformed allocate or release (an id that is not one, an amount that is not positive) with
+    ConfigError, not InvalidRequestError."""
+
+    def __init__(self, topology: Topology, **options: Any) -> None:
+        super().__init__(topology, **options)
+        _pools_as(self, _InvalidAsConfigPool)
+
+
+BROKEN["broken-unknown-pool-as-device"] = (UnknownPoolAsDevice, "ERR-UNKNOWN-POOL")
+BROKEN["broken-conflict-as-already-exists"] = (ConflictAsAlreadyExists, "CARVE-CONFLICT")
+BROKEN["broken-invalid-id-as-config"] = (InvalidIdAsConfig, "ERR-INVALID-ID")
+BROKEN["broken-carve-invalid-as-config"] = (CarveInvalidAsConfig, "CARVE-INVALID-ID")
+ALSO_BROKEN["broken-conflict-as-already-exists"] = ("CARVE-IDEMPOTENT", "CARVE-RACE-SAME-ID")
+ALSO_BROKEN["broken-carve-invalid-as-config"] = ("CARVE-INVALID-AMOUNT",)
+REASONS.update(
+    {
+        "broken-unknown-pool-as-device": "raised UnknownDeviceError (reason UNKNOWN_DEVICE), not NotFoundError",
+        "broken-conflict-as-already-exists": "raised AlreadyExistsError (reason ALREADY_EXISTS), not ConflictError",
+        "broken-invalid-id-as-config": "raised ConfigError (reason INVALID_CONFIG), not InvalidRequestError",
+        "broken-carve-invalid-as-config": "raised ConfigError (reason INVALID_CONFIG), not InvalidRequestError",
+    }
+)

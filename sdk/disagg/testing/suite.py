@@ -247,12 +247,22 @@ def _expect_error(
 ) -> None:
     """``call`` must raise ``error`` (or one of them), as the contract's ``rule`` (quoted in the failure) says; any
     other exception a driver raises fails with both rules named (a Python exception, a KeyError from a lookup,
-    breaks the rule that only disagg errors escape). A call the watchdog gave up on stays `CallTimedOut`."""
-    wanted = " or ".join(e.__name__ for e in (error if isinstance(error, tuple) else (error,)))
+    breaks the rule that only disagg errors escape). A call the watchdog gave up on stays `CallTimedOut`.
+
+    The error must keep its class's reason: a subclass with another (`UnknownDeviceError` for `NotFoundError`,
+    `AlreadyExistsError` for `ConflictError`, `ConfigError` for `InvalidRequestError`) is another answer on the
+    wire and to the composer's caller, and fails; a driver's own subclass that keeps the reason passes."""
+    errors = error if isinstance(error, tuple) else (error,)
+    wanted = " or ".join(e.__name__ for e in errors)
     try:
         got = call()
-    except error:
-        return
+    except error as exc:
+        if any(isinstance(exc, e) and exc.reason == e.reason for e in errors):
+            return
+        raise AssertionError(
+            f"the {what} raised {type(exc).__name__} (reason {exc.reason}), not {wanted} "
+            f"(reason {' or '.join(e.reason for e in errors)}): {rule}"
+        ) from exc
     except DisaggError as exc:
         raise AssertionError(f"the {what} raised {type(exc).__name__}, not {wanted}: {rule}") from exc
     except CallTimedOut:
@@ -650,7 +660,8 @@ class FabricConformance:
             ),
             NotFoundError,
             f"pool({unknown!r}) (a pool the fabric does not have), or an allocate through it",
-            _UNKNOWN_RULE,
+            "Fabric.pool raises NotFoundError for a pool the fabric does not have: UnknownDeviceError and "
+            "UnknownHostError name a device or a host",
         )
 
     @clause("ERR-INVALID-ID")
@@ -1154,8 +1165,12 @@ class FabricConformance:
         for _ in range(REPEATS):
             assert tracker.allocate(info.id, "conformance-idem", host, block) == first
         assert pool.free_bytes() == free, "a repeated allocation carved more"
-        with pytest.raises(ConflictError):
-            tracker.allocate(info.id, "conformance-idem", host, 2 * block)
+        _expect_error(
+            lambda: tracker.allocate(info.id, "conformance-idem", host, 2 * block),
+            ConflictError,
+            f"allocate of conformance-idem (held with {block} bytes) for {2 * block} bytes",
+            "an allocation id reused for a different host or amount raises ConflictError",
+        )
         assert pool.free_bytes() == free
 
     @clause("CARVE-RACE-SAME-ID")
@@ -1207,7 +1222,7 @@ class FabricConformance:
                     f"another, gave {result!r}, but {info.id} holds {won!r}: {_RACE_RULE}"
                 )
             else:
-                assert isinstance(result, ConflictError), (
+                assert isinstance(result, ConflictError) and result.reason == ConflictError.reason, (
                     f"an allocate of {mixed} for {amount} bytes, racing allocates of it for {won.amount_bytes} "
                     f"bytes that won, gave {result!r}, not ConflictError: {_RACE_RULE}"
                 )
