@@ -14,7 +14,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1671,9 +1671,16 @@ class ConflictAsAlreadyExists(SimFabric):
         _pools_as(self, _ConflictAsAlreadyExistsPool)
 
 
-def _as_config_error(exc: InvalidRequestError) -> InvalidRequestError:
-    """``exc`` as the ConfigError (reason INVALID_CONFIG) that a driver's options get."""
-    return ConfigError(exc.message, field=exc.field) if type(exc) is InvalidRequestError else exc
+@contextlib.contextmanager
+def _invalid_as_config() -> Iterator[None]:
+    """An InvalidRequestError raised in the block as the ConfigError (reason INVALID_CONFIG) that a driver's options
+    get."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if type(exc) is not InvalidRequestError:
+            raise
+        raise ConfigError(exc.message, field=exc.field) from None
 
 
 class InvalidIdAsConfig(SimFabric):
@@ -1681,30 +1688,22 @@ class InvalidIdAsConfig(SimFabric):
     wrong (reason INVALID_CONFIG), not InvalidRequestError."""
 
     def bind(self, device: str, host: str, ctx: CallContext) -> Binding:
-        try:
+        with _invalid_as_config():
             return super().bind(device, host, ctx)
-        except InvalidRequestError as exc:
-            raise _as_config_error(exc) from None
 
     def unbind(self, binding: Binding, ctx: CallContext) -> None:
-        try:
+        with _invalid_as_config():
             super().unbind(binding, ctx)
-        except InvalidRequestError as exc:
-            raise _as_config_error(exc) from None
 
 
 class _InvalidAsConfigPool(SimPool):
     def allocate(self, allocation_id: str, host: str, amount_bytes: int, ctx: CallContext) -> Allocation:
-        try:
+        with _invalid_as_config():
             return super().allocate(allocation_id, host, amount_bytes, ctx)
-        except InvalidRequestError as exc:
-            raise _as_config_error(exc) from None
 
     def release(self, allocation_id: str, ctx: CallContext) -> None:
-        try:
+        with _invalid_as_config():
             super().release(allocation_id, ctx)
-        except InvalidRequestError as exc:
-            raise _as_config_error(exc) from None
 
 
 class CarveInvalidAsConfig(SimFabric):
