@@ -34,7 +34,6 @@ from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.fabric.v1 import types_pb2 as pb
 from disagg.interfaces import ComposeResult
 from disagg.model import (
-    MAX_RESERVATION_TTL_S,
     Capabilities,
     ComposeMode,
     Composition,
@@ -48,6 +47,7 @@ from disagg.model import (
     Revision,
     Topology,
 )
+from disagg.model.composition import reservation_ttl_refusal
 from disagg.model.events import MAX_REVISION
 from disagg.wire.errors import from_rpc_error, server_status
 from disagg.wire.fabric import (
@@ -718,12 +718,9 @@ class FabricManagerClient:
         """
         mode = args.member(mode, ComposeMode, "mode")
         reservation_ttl_s = args.seconds(reservation_ttl_s, "reservation_ttl_s")
-        if not 0 < reservation_ttl_s <= MAX_RESERVATION_TTL_S:  # the wire's 0 is 60 s; the composer refuses it
-            raise InvalidRequestError(
-                f"the reservation time to live must be above 0 and at most {MAX_RESERVATION_TTL_S:g} seconds, "
-                f"not {reservation_ttl_s!r}",
-                field="reservation_ttl_s",
-            )
+        refused = reservation_ttl_refusal(reservation_ttl_s)  # the wire's 0 is 60 s; the composer refuses it
+        if refused is not None:
+            raise InvalidRequestError(refused, field="reservation_ttl_s")
         request_id = args.optional_text(request_id, "request_id")
         reservation_id = args.optional_text(reservation_id, "reservation_id")
         if request is not None:

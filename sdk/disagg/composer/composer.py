@@ -80,7 +80,7 @@ from disagg.model import (
     Topology,
     id_name_refusal,
 )
-from disagg.model.composition import MAX_RESOURCE_LINES, revise
+from disagg.model.composition import MAX_RESOURCE_LINES, reservation_ttl_refusal, revise
 from disagg.model.devices import MAX_FABRIC_NAME
 from disagg.policies import BestFit
 from disagg.store import MemoryStore, RequestRecord, Store
@@ -2785,12 +2785,9 @@ class FabricComposer(Composer):
     def _compose(
         self, request: CompositionRequest, mode: ComposeMode, reservation_ttl_s: float, deadline: float | None
     ) -> Steps[ComposeResult]:
-        if not 0 < reservation_ttl_s <= MAX_RESERVATION_TTL_S:  # NaN too: it never expired
-            raise InvalidRequestError(
-                f"the reservation time to live must be above 0 and at most {MAX_RESERVATION_TTL_S:g} seconds, "
-                f"not {reservation_ttl_s!r}",
-                field="reservation_ttl_s",
-            )
+        refused = reservation_ttl_refusal(reservation_ttl_s)
+        if refused is not None:
+            raise InvalidRequestError(refused, field="reservation_ttl_s")
         with self._lock:
             self._expire_locked()
             made = self._made_by_request(request)

@@ -603,6 +603,15 @@ MAX_RESERVATION_TTL_S = 86_400.0
 """The longest a plan may be held: a day. A reservation holds a host and devices out of placement."""
 
 
+def reservation_ttl_refusal(seconds: float) -> str | None:
+    """Why ``seconds`` cannot be a reservation's time to live (NaN too: it would never expire), or None."""
+    if 0 < seconds <= MAX_RESERVATION_TTL_S:
+        return None
+    return (
+        f"the reservation time to live must be above 0 and at most {MAX_RESERVATION_TTL_S:g} seconds, not {seconds!r}"
+    )
+
+
 @attrs.frozen
 class Reservation:
     """A plan held for a time to live (Redfish ``CompositionReservation``)."""
