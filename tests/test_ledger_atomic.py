@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,34 @@ class TestSqlite:
                 store.put_composition(_composition("c1"))
                 store.append_event(_event(5))
             assert _held(store) == ({}, [5])
+        finally:
+            store.close()
+
+    def test_a_block_holds_only_its_own_threads_writes(self, tmp_path: Path) -> None:
+        """Each thread has blocks of its own (`_Blocks`, made as a thread first opens one): a write another thread
+        makes meanwhile, outside a block or in one of its own, is queued as that thread's, not held in this one."""
+        store = SqliteStore(tmp_path / "ledger.db")
+        opened, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with store.atomic():
+                store.put_composition(_composition("c1"))
+                opened.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            try:
+                assert opened.wait(10)
+                store.put_composition(_composition("c2"))
+                with store.atomic():
+                    store.put_composition(_composition("c3"))
+                assert _held(store) == ({"c2": 1, "c3": 1}, [])
+            finally:
+                release.set()
+                holder.join()
+            assert _held(store) == ({"c1": 1, "c2": 1, "c3": 1}, [])
         finally:
             store.close()
 
