@@ -737,9 +737,12 @@ class SqliteStore(Store):
 
     def when_synced(self, callback: Synced, loop: asyncio.AbstractEventLoop | None = None) -> bool:
         """See `Store.when_synced`: the committer calls the loop once per commit, for all its waiters there."""
+        target = self._last_queued.get()  # `_mine`, a frame fewer: twice a Compose
+        if self._durable >= target:  # on disk already (`_durable` only grows): no lock taken, no waiter made
+            return False
         waiter = (loop or asyncio.get_running_loop(), callback)
         with self._lock:
-            return self._queue_waiter(self._last_queued.get(), waiter)  # `_mine`, a frame fewer: twice a Compose
+            return self._queue_waiter(target, waiter)
 
     def when_committed(self, callback: Synced, loop: asyncio.AbstractEventLoop | None = None) -> bool:
         """See `Store.when_committed`: a waiter for the last write queued, whoever queued it."""
