@@ -114,6 +114,12 @@ class LedgerState:
     """(pool, allocation id) of memory that reconciliation found carved with no record and reported."""
 
 
+_NOTHING_HELD: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+"""The default `Store.atomic` and `Store.asynchronous_commit`, which do nothing: one for every block, since a
+`nullcontext` keeps no state (made for each, it cost the in-memory ledger a Python ``__init__`` at every hold of the
+composer's lock, three a Compose)."""
+
+
 class Store(abc.ABC):
     """Durable records of compositions, reservations and the event log. Implementations are thread-safe."""
 
@@ -206,7 +212,7 @@ class Store(abc.ABC):
         refused where it is made; one that fails in the transaction raises as the block is left. Nested, the
         inner block joins the outer one. The default, whose every write is durable alone when it returns and a
         crash cannot split, writes each as it is made."""
-        return contextlib.nullcontext()
+        return _NOTHING_HELD
 
     def asynchronous_commit(self) -> contextlib.AbstractContextManager[None]:
         """Writes made inside are committed with the next group as usual, but this caller's `sync` (and
@@ -215,7 +221,7 @@ class Store(abc.ABC):
         rebuilds from the hardware if a crash loses them, such as a new composition's COMPOSED record once
         every binding of its durable plan is made. A store whose writes are durable when they return (the
         default) has nothing to leave out."""
-        return contextlib.nullcontext()
+        return _NOTHING_HELD
 
     @property
     def writes_block(self) -> bool:
