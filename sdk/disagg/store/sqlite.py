@@ -506,7 +506,7 @@ class SqliteStore(Store):
         """Queue ``write(batch, table, value)``, a write of a table's row or key such as `Batch.put`, or without a
         table ``write(batch)``, a write of its own (applied to the batch the next commit takes) as this caller's
         latest write; with the ``event`` it appends, refuse a revision not above the newest (here, not in the
-        committer: one bad statement must not fail a whole group of commits)."""
+        committer: one bad statement must not fail a whole group of commits), and prune the log when due."""
         held = self._blocks.block.writes
         if held is not None:  # inside `atomic`: queued with the rest of the group as it ends
             if self._failure is not None or self._closing:
@@ -537,12 +537,16 @@ class SqliteStore(Store):
             self._newest_event = newest
             batch = self._batch
             for write, table, value, event in writes:
-                if event is not None:
-                    self._queued_events.append(event)
                 if table is None:
                     write(batch)
                 else:
                     write(batch, table, value)
+                if event is not None:  # its row is put; the prune that keeps the log to its retention, when due
+                    self._queued_events.append(event)
+                    cutoff = event.revision - self._retention  # events at or below it are past the retention
+                    if cutoff - self._oldest_event + 1 >= self._prune_step:
+                        batch.prune(("DELETE FROM events WHERE revision <= ?", (cutoff,)))
+                        self._oldest_event = cutoff + 1
             self._queued += 1
             self._last_queued.set(self._queued)
             if self._idle:  # once: the writes queued before the committer wakes need not notify it again
@@ -882,16 +886,7 @@ class SqliteStore(Store):
         self._enqueue(Batch.delete, REQUESTS, request_id)
 
     def append_event(self, event: Event) -> None:
-        self._enqueue(self._append, EVENTS, (event.revision, codec.record(event)), event)
-
-    def _append(self, batch: Batch, table: Table, row: tuple[int, str]) -> None:
-        """Queue an event's row, and the prune that keeps the log to its retention once a step of revisions
-        is due: decided from the revisions, so that it does not matter how many of them this process wrote."""
-        batch.put(table, row)
-        cutoff = row[0] - self._retention  # events at or below it are past the retention
-        if cutoff - self._oldest_event + 1 >= self._prune_step:
-            batch.prune(("DELETE FROM events WHERE revision <= ?", (cutoff,)))
-            self._oldest_event = cutoff + 1
+        self._enqueue(Batch.put, EVENTS, (event.revision, codec.record(event)), event)  # its prune: `_enqueue_group`
 
     def hold(self) -> Callable[[], None]:
         """Keep this process's claim on the ledger past `close`, until the function returned is called (or the
