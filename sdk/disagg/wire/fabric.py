@@ -10,7 +10,7 @@ import base64
 import contextlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from disagg.errors import InvalidRequestError, UnsupportedError
@@ -96,10 +96,12 @@ after it knows the watch was served, and counts the break as the first of a new 
 failed attempt to reopen it (a quiet watch, its server restarted more times than the retry policy's attempts)."""
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 MAX_REMEMBERED = 1_024
-"""How many resource lines, and how many host requests, are remembered as read (`_remember`)."""
+"""How many resource lines, host requests and Composes' lines with their hosts are remembered as read
+(`_remember`)."""
 MAX_REMEMBERED_BYTES = 256
-"""The longest encoding of a resource line or a host request that is remembered: a few selectors. A longer one
-(many selectors, long values, unknown fields) is read each time, so that what is remembered stays small."""
+"""The longest encoding of a resource line or a host request, or of a Compose's line and host together, that is
+remembered: a few selectors. A longer one (many selectors, long values, unknown fields) is read each time, so that
+what is remembered stays small."""
 V = TypeVar("V")
 
 OP_TO_WIRE = {
@@ -247,15 +249,19 @@ def check_request_values(lines: Sequence[ResourceRequest], field: str, host: Hos
 
 _LINES_READ: dict[bytes, ResourceRequest] = {}
 _HOSTS_READ: dict[bytes, HostRequest] = {}
+_PARTS_READ: dict[tuple[bytes, bytes], tuple[tuple[ResourceRequest, ...], HostRequest]] = {}
+"""A Compose's one resource line and its host, read and checked together, by their encodings
+(`compose_request_from_wire`)."""
+K = TypeVar("K", bound=Hashable)
 
 
-def _remember(read: dict[bytes, V], encoding: bytes, value: V) -> V:
-    """``value``, a valid message read from ``encoding``, remembered in ``read``: the same bytes read the same (the
-    field's path names only an error), and a model value is immutable, so one read serves every request that
-    sends them. Clients send a few kinds of lines and hosts again and again, and reading one costs a Compose
-    more than finding its bytes, mostly in building the model's frozen value. At most `MAX_REMEMBERED` are
+def _remember(read: dict[K, V], encoding: K, size: int, value: V) -> V:
+    """``value``, a valid message read from ``encoding`` (``size`` bytes), remembered in ``read``: the same bytes
+    read the same (the field's path names only an error), and a model value is immutable, so one read serves every
+    request that sends them. Clients send a few kinds of lines and hosts again and again, and reading one costs a
+    Compose more than finding its bytes, mostly in building the model's frozen value. At most `MAX_REMEMBERED` are
     remembered, then all are forgotten at once (as `disagg.composer.placement.Placer` forgets its matches)."""
-    if len(encoding) <= MAX_REMEMBERED_BYTES:
+    if size <= MAX_REMEMBERED_BYTES:
         if len(read) >= MAX_REMEMBERED:
             read.clear()
         read[encoding] = value
@@ -301,7 +307,9 @@ def resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
     per Compose)."""
     encoding = msg.SerializeToString()
     line = _LINES_READ.get(encoding)
-    return line if line is not None else _remember(_LINES_READ, encoding, _resource_from_wire(msg, field))
+    if line is not None:
+        return line
+    return _remember(_LINES_READ, encoding, len(encoding), _resource_from_wire(msg, field))
 
 
 def _resource_from_wire(msg: fm.ResourceRequest, field: str) -> ResourceRequest:
@@ -359,7 +367,9 @@ def host_request_from_wire(msg: fm.HostRequest, field: str = "host") -> HostRequ
     per Compose)."""
     encoding = msg.SerializeToString()
     host = _HOSTS_READ.get(encoding)
-    return host if host is not None else _remember(_HOSTS_READ, encoding, _host_request_from_wire(msg, field))
+    if host is not None:
+        return host
+    return _remember(_HOSTS_READ, encoding, len(encoding), _host_request_from_wire(msg, field))
 
 
 def _host_request_from_wire(msg: fm.HostRequest, field: str) -> HostRequest:
@@ -410,10 +420,27 @@ def ttl_from_wire(value: float) -> float:
 
 
 def compose_request_from_wire(msg: fm.ComposeRequest) -> CompositionRequest:
+    """The request of a Compose. One of a single resource line (most) whose line and host were read and checked
+    together before is found by their two encodings in one look-up (`_PARTS_READ`, as `_remember` says): the reads
+    and the selectors' check, which passed for those bytes, would find the same values and refuse nothing."""
+    lines = msg.resources
+    if len(lines) == 1:
+        key = (lines[0].SerializeToString(), msg.host.SerializeToString())
+        parts = _PARTS_READ.get(key)
+        if parts is None:
+            parts = _remember(_PARTS_READ, key, len(key[0]) + len(key[1]), _request_parts(msg))
+    else:
+        parts = _request_parts(msg)
+    resources, host = parts
+    return CompositionRequest(check_name(msg.name, "name"), resources, host)
+
+
+def _request_parts(msg: fm.ComposeRequest) -> tuple[tuple[ResourceRequest, ...], HostRequest]:
+    """A Compose's resource lines and host, read and checked (`check_selector_values`)."""
     resources = resources_from_wire(msg.resources, "resources", required=True)
     host = host_request_from_wire(msg.host)
     check_selector_values(resources, "resources", host)
-    return CompositionRequest(check_name(msg.name, "name"), resources, host)
+    return resources, host
 
 
 def plan_to_wire(plan: Plan) -> fm.Plan:
