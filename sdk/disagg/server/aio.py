@@ -36,10 +36,11 @@ from disagg.composer.steps import Steps
 from disagg.errors import DisaggError, FabricUnavailableError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.server.context import RpcContext, ThreadedContext
+from disagg.server.context import ThreadedContext
 from disagg.server.servicer import FabricManagerServicer
 from disagg.server.watch import stalled_watch
 from disagg.store import Store
+from disagg.wire.deadlines import Timed
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -121,21 +122,22 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         if isinstance(outcome, steps.Done):
             return outcome
         self._running.add(run)
-        run.on_end = lambda: self._running.discard(run)
+        run.on_end = functools.partial(self._running.discard, run)
         return outcome
 
-    async def _run(self, change_of: Callable[[R, RpcContext], Steps[T]], request: R, context: Context) -> T:
-        """The answer of the change ``change_of(request, call)`` makes (``call``: the call's context as a thread
-        sees it), run by `_start`. A change that arrives while the ledger commits a group of writes is held until
+    async def _run(self, change_of: Callable[[R, Timed], Steps[T]], request: R, context: Context) -> T:
+        """The answer of the change ``change_of(request, context)`` makes (given the call's own context: it reads
+        its deadline), run by `_start`. A change that arrives while the ledger commits a group of writes is held until
         that commit ends, and then started with the others that arrived meanwhile, one after another in one
         callback (`Store.when_committed`): its first write would have waited for the next commit anyway, and the
         composer's work for a group, run back to back, finds its code and data in the processor's caches, where a
         change run alone between gRPC's work for other calls finds them evicted. That is most of what a durable
         Compose costs the loop (docs/benchmarks.md). A change whose caller goes away while it is held is never
         started. The running loop is passed down rather than asked for again: on Python 3.11
-        `asyncio.get_running_loop` makes a getpid() system call each time."""
+        `asyncio.get_running_loop` makes a getpid() system call each time. Nor is a `ThreadedContext` made for the
+        change, an object per call: grpcio's asyncio context tells the deadline on any thread (`_in_thread`'s)."""
         loop = asyncio.get_running_loop()
-        change = functools.partial(change_of, request, ThreadedContext(context, loop))
+        change = functools.partial(change_of, request, context)
         store = self.servicer.composer.store
         try:
             if store.writes_block:

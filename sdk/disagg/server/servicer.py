@@ -42,7 +42,7 @@ from disagg.server.drivers import FabricDriver, by_fabric
 from disagg.server.errors import log
 from disagg.server.paging import page
 from disagg.server.watch import SHUTTING_DOWN, WATCH_STALL_S, Watches, stalled_watch, watch_events
-from disagg.wire.deadlines import deadline_of
+from disagg.wire.deadlines import Timed, deadline_of
 from disagg.wire.fabric import (
     MODE_TO_WIRE,
     WATCH_OPEN,
@@ -407,7 +407,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
 
     # ----------------------------------------------------------------- compositions
 
-    def compose_change(self, request: fm.ComposeRequest, context: RpcContext) -> Steps[ComposeResult]:
+    def compose_change(self, request: fm.ComposeRequest, context: Timed) -> Steps[ComposeResult]:
         """The change a Compose asks for, validated, as steps (run here by `Compose`, on the event loop by the
         asyncio server)."""
         self.check_ready()
@@ -474,7 +474,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
             revision_time=revision.time,
         )
 
-    def recompose_change(self, request: fm.UpdateCompositionRequest, context: RpcContext) -> Steps[Composition]:
+    def recompose_change(self, request: fm.UpdateCompositionRequest, context: Timed) -> Steps[Composition]:
         """The change an UpdateComposition asks for, validated, as steps (run here by `UpdateComposition`, on the
         event loop by the asyncio server)."""
         self.check_ready()
@@ -500,7 +500,7 @@ class FabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         comp = steps.run(self.recompose_change(request, context), self.composer.store)
         return self.recompose_response(comp)
 
-    def decompose_change(self, request: fm.DecomposeRequest, context: RpcContext) -> Steps[None]:
+    def decompose_change(self, request: fm.DecomposeRequest, context: Timed) -> Steps[None]:
         self.check_ready()
         return self.composer.decompose_steps(check_id(request.id, "id"), deadline=deadline_of(context))
 

@@ -14,11 +14,13 @@ A client treats a deadline further away than this as none too: grpcio fails at o
 1e10 seconds or more (it overflows), where an in-process driver simply never reaches such a deadline."""
 
 
-class _Timed(Protocol):
+class Timed(Protocol):
+    """A call's context as far as its deadline goes: grpcio's, sync or asyncio, and `disagg.server.context`'s."""
+
     def time_remaining(self) -> float | None: ...
 
 
-def deadline_of(context: _Timed) -> float | None:
+def deadline_of(context: Timed) -> float | None:
     """The ``time.monotonic()`` instant the client stops waiting at, or None when it set no deadline."""
     remaining = context.time_remaining()
     if remaining is None or remaining > NO_DEADLINE_S:
