@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import gc
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -237,6 +238,37 @@ class TestHeldForTheCommitInFlight:
             return waiting
 
         assert asyncio.run(main()) == 1
+
+    def test_a_change_started_or_held_is_given_its_calls_deadline(
+        self, served: _Served, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The change is given the call's own context (no `ThreadedContext`): a context that tells only the time
+        remaining is enough, and the composer gets the deadline it tells, whether the change started or was held."""
+        deadlines: list[float | None] = []
+        compose_steps = served.comp.compose_steps
+
+        def seen(*args: Any, deadline: float | None, **kwargs: Any) -> Any:
+            deadlines.append(deadline)
+            return compose_steps(*args, deadline=deadline, **kwargs)
+
+        class _Deadline:
+            def time_remaining(self) -> float:
+                return 30.0
+
+        monkeypatch.setattr(served.comp, "compose_steps", seen)
+        call: Any = _Deadline()
+
+        async def main() -> None:
+            async with served.commit_in_flight(served.serving.Compose(_request("first"), call)) as first:
+                held = asyncio.ensure_future(served.serving.Compose(_request("held"), call))
+                await asyncio.sleep(0.02)
+                assert served.names() == {"first"}
+            await asyncio.wait_for(asyncio.gather(first, held), 10)
+
+        before = time.monotonic()
+        asyncio.run(main())
+        assert len(deadlines) == 2
+        assert all(d is not None and before + 30 <= d <= time.monotonic() + 30 for d in deadlines)
 
 
 def _alive_runs() -> list[steps.LoopRun]:
