@@ -80,6 +80,10 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         waits: Executor | None = None,
     ) -> None:
         self.servicer = servicer
+        self._store = servicer.composer.store
+        self._writes_block = self._store.writes_block
+        """Read once, not per change: whether a ledger's writes may wait is a matter of its kind
+        (`Store.writes_block`, a property each store answers alike every time)."""
         self.threads = threads
         """The RPCs' handlers that run in threads (listings, cordons, reservations, watches)."""
         self._owned: list[ThreadPoolExecutor] = []
@@ -116,8 +120,7 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         its own, as the change keeps context variables (the ledger's record of its writes, the request id it
         answers). Not a coroutine itself: a Compose awaits the future directly, one coroutine fewer per call.
         ``loop``: the running loop; ``future``: the one to settle with the answer (`steps.LoopRun.start`)."""
-        store = self.servicer.composer.store
-        run = steps.LoopRun(change, store, self.drivers, contextvars.copy_context(), waits=self.waits, loop=loop)
+        run = steps.LoopRun(change, self._store, self.drivers, contextvars.copy_context(), waits=self.waits, loop=loop)
         outcome = run.start(future)
         if isinstance(outcome, steps.Done):
             return outcome
@@ -138,9 +141,9 @@ class AsyncFabricManagerServicer(fm_grpc.FabricManagerServiceServicer):
         change, an object per call: grpcio's asyncio context tells the deadline on any thread (`_in_thread`'s)."""
         loop = asyncio.get_running_loop()
         change = functools.partial(change_of, request, context)
-        store = self.servicer.composer.store
+        store = self._store
         try:
-            if store.writes_block:
+            if self._writes_block:
                 return await self._in_thread(change, store, loop)
             if self._join_group(loop, store):
                 future: asyncio.Future[T] = loop.create_future()
