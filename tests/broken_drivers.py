@@ -113,8 +113,9 @@ class RacyBind(SimFabric):
     """Bind checks that the device is free, lets go of the lock for the slow hot-add, then binds without
     looking again: racing binds to different hosts all succeed and the last one wins the device."""
 
-    def _take_flaky(self, device: str) -> None:
-        super()._take_flaky(device)  # the last check of a bind's validation; the commit follows it
+    def _check_healthy(self, device: str, refusal: str) -> None:
+        # A bind's check once it found the device free; the checks after it look at nothing a bind changes.
+        super()._check_healthy(device, refusal)
         self._lock.release()
         try:
             time.sleep(RACE_WINDOW_S)

@@ -159,6 +159,19 @@ class TestBindErrors:
         pcie.flaky_bind(GPU, 0)
         assert pcie.bind(GPU, "h1", ctx).host == "h1"
 
+    def test_no_fault_left_pending_once_used_up_or_cleared(self, pcie: SimFabric, ctx: CallContext) -> None:
+        """A bind makes no call to take a fault unless one is pending for its device or for any device: a fault
+        used up or cleared leaves no count behind, not even a zero, for a bind to take as pending."""
+        pcie.flaky_bind(GPU, 1)
+        pcie.flaky_bind("pcie/gpu-a1", 3)
+        pcie.flaky_bind("pcie/gpu-a1", 0)
+        pcie.flaky_bind(None, 1)
+        for _ in range(2):
+            with pytest.raises(FabricUnavailableError):
+                pcie.bind(GPU, "h1", ctx)
+        assert (pcie._flaky, pcie._flaky_any) == ({}, 0)
+        assert pcie.bind(GPU, "h1", ctx).host == "h1"
+
     def test_flaky_bind_checks_its_arguments(self, pcie: SimFabric) -> None:
         with pytest.raises(UnknownDeviceError):
             pcie.flaky_bind("pcie/nope", 1)

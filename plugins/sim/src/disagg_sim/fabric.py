@@ -302,10 +302,6 @@ class SimFabric(Fabric, FaultInjection):
                 raise DeviceBusyError(f"device {device} backs pool {pool}: carve memory from the pool instead")
             self._check_reach(host, info)
 
-            def verify() -> None:
-                self._check_healthy(device, "cannot be bound")
-                self._check_reach(host, info)
-
             def commit() -> None:
                 self._bindings[device] = host
                 if self._store is not None:  # per Compose: in memory alone, `_persist` would change nothing here
@@ -315,8 +311,20 @@ class SimFabric(Fabric, FaultInjection):
 
                     self._persist(undo)
 
+            # Per Compose no fault is pending and the bind does not sleep: no function is made to take a fault, nor
+            # to check again after the sleep. `_mutate` calls ``begin`` in this hold of the lock, so no fault can come
+            # in between.
+            begin = (lambda: self._take_flaky(device)) if self._flaky_any or device in self._flaky else _nothing
+            if self._delay:
+
+                def verify() -> None:
+                    self._check_healthy(device, "cannot be bound")
+                    self._check_reach(host, info)
+
+            else:
+                verify = _nothing
             # Per Compose: positional arguments, cheaper than keywords (abort, begin, verify).
-            return _Change(binding, commit, _nothing, lambda: self._take_flaky(device), verify)
+            return _Change(binding, commit, _nothing, begin, verify)
 
         return self._mutate(ctx, ("device", device), prepare, ids=ids)
 
