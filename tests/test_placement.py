@@ -976,6 +976,47 @@ class TestInventory:
         assert [h.id for h in inv.hosts_from(16, 129 * GiB)] == ["h2"]
 
 
+_SIZES = [
+    Host(f"h{n}", cores, memory * GiB)
+    for n, (cores, memory) in enumerate([(8, 64), (16, 128), (16, 256), (32, 64)] * 3)
+]
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["compose", "preview", "release"]),
+            st.sampled_from([0, 8, 9, 16, 32, 33]),
+            st.sampled_from([0, 64 * GiB, 65 * GiB, 256 * GiB]),
+        ),
+        max_size=30,
+    )
+)
+def test_hosts_from_where_the_last_host_was_offered_is_a_search(steps: list[tuple[str, int, int]]) -> None:
+    """`Inventory.hosts_from` starts where the host it offered last was when that is where the free hosts with
+    enough cores start: after any claims (of the host offered, as a Compose does, or of another) and releases, it
+    offers what filtering every free host offers."""
+    inv = Inventory(one_switch(0, hosts=_SIZES))
+    for step, cores, memory in steps:
+        if step == "release":
+            inv.release_host(min(inv.host_owner, default="h0"))
+        expected = sorted(
+            (h.cores, h.memory_bytes, h.id)
+            for h in inv.hosts.values()
+            if h.id not in inv.host_owner and h.cores >= cores and h.memory_bytes >= memory
+        )
+        offered = inv.hosts_from(cores, memory)
+        if step == "release":
+            assert [(h.cores, h.memory_bytes, h.id) for h in offered] == expected
+            continue
+        first = next(offered, None)
+        assert (first.cores, first.memory_bytes, first.id) == expected[0] if first else not expected
+        if first is not None and step == "compose":
+            inv.claim_host(first.id, "c1")
+        elif step == "preview":
+            assert [(h.cores, h.memory_bytes, h.id) for h in offered] == expected[1:]
+
+
 _CHANGES = st.lists(
     st.tuples(
         st.sampled_from(["claim", "release", "cordon", "uncordon", "fail", "heal"]),
