@@ -96,15 +96,6 @@ def describe_line(r: ResourceRequest) -> str:
     return what + describe_selectors(r.selectors)
 
 
-def _whole_devices(lines: Sequence[ResourceRequest]) -> dict[DeviceKind, int]:
-    """How many whole devices of each kind ``lines`` ask (amounts carved from pools aside)."""
-    need: dict[DeviceKind, int] = {}
-    for r in lines:
-        if not r.carved:
-            need[r.kind] = need.get(r.kind, 0) + r.count
-    return need
-
-
 def _family(r: ResourceRequest) -> tuple[DeviceKind, bool]:
     """Lines of one family draw on the same devices (one kind) or the same pools; other families never meet."""
     return r.kind, r.carved
@@ -112,6 +103,12 @@ def _family(r: ResourceRequest) -> tuple[DeviceKind, bool]:
 
 LineNames = Callable[[Sequence[int]], str]
 """How a refusal names some lines of a request, given their indices (`Line`'s first item)."""
+
+
+def _line_name(field: str, i: int) -> str:
+    """How a refusal of `Placer.check_lines` names line ``i`` of the request's ``field``: spelt out only for a
+    refusal, not for every line checked."""
+    return f"resource {i}" if field == "resources" else f"{field}[{i}]"
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -165,29 +162,32 @@ class Placer:
         """Per bucket, the group `_groups` last made of it, offered again while its free count and latency are
         the same: one a bucket, so that most groups of a Compose are not made anew."""
 
-    def check(self, request: CompositionRequest) -> None:
-        self.check_lines(request.resources)
-
     def check_lines(self, resources: Sequence[ResourceRequest], field: str = "resources") -> None:
         """Refuse lines no placement can honour, named as the request's ``field`` names them: ``resource 1`` of
         a Compose, ``add[1]`` of a recompose."""
         for i, r in enumerate(resources):
-            name = f"resource {i}" if field == "resources" else f"{field}[{i}]"
-            if r.carved and (r.spread or r.affinity is Affinity.SAME_SWITCH):
+            if (r.spread or r.affinity is Affinity.SAME_SWITCH) and r.carved:
                 raise InvalidRequestError(
-                    f"{name}: spread and same-switch choose among whole devices; an amount of memory is "
-                    "carved from pools, nearest first",
+                    f"{_line_name(field, i)}: spread and same-switch choose among whole devices; an amount of "
+                    "memory is carved from pools, nearest first",
                     field=f"{field}[{i}]",
                 )
             for sel in r.selectors:
                 refusal = selector_refusal(sel.key, resource=True)
                 if refusal:
-                    raise InvalidRequestError(f"{name}: {sel}: {refusal}", field=f"{field}[{i}].selectors")
+                    raise InvalidRequestError(
+                        f"{_line_name(field, i)}: {sel}: {refusal}", field=f"{field}[{i}].selectors"
+                    )
 
     def place(self, request: CompositionRequest, owner: str = "") -> Plan:
         """A plan for the whole request, or `NoFitError` saying which constraint failed and by how much."""
-        self.check(request)
-        lines = [(i, r, NO_PIN) for i, r in enumerate(request.resources)]
+        self.check_lines(request.resources)
+        lines: list[Line] = []
+        need: dict[DeviceKind, int] = {}  # the whole devices of each kind asked (amounts carved from pools aside)
+        for i, r in enumerate(request.resources):
+            lines.append((i, r, NO_PIN))
+            if not r.carved:
+                need[r.kind] = need.get(r.kind, 0) + r.count
         hr = request.host
         if hr.name:
             host = self.inv.hosts.get(hr.name)
@@ -206,7 +206,6 @@ class Placer:
         candidates = 0
         skipped = 0
         first_failure: Callable[[LineNames], str] | None = None
-        need = _whole_devices(request.resources)
         failed: set[tuple[tuple[int, str], ...]] = set()
         budget: _Budget | None = None  # made at the first miss: most requests fit the first host greedily
         for host in self._candidates(hr):
@@ -494,7 +493,7 @@ class Placer:
         The policy is asked and its answers checked inline (as `_ordered_groups` and `_offered` do): this is
         the hot path."""
         need = r.count
-        used = set(pin.used_domains)
+        used = pin.used_domains  # grows, as a new set, only under spread
         picks: list[DevicePick] = []
         try:
             ordered = self.policy.order_groups(groups)
@@ -525,7 +524,7 @@ class Placer:
             if len(chosen) < k:  # the policy listed this group twice
                 continue
             if r.spread:
-                used.add(g.failure_domains[r.spread])
+                used = used | {g.failure_domains[r.spread]}
             taken[g.key] = start + k
             for d in chosen:
                 picks.append(DevicePick(d, idx, g.latency_ns))
