@@ -241,7 +241,8 @@ class Inventory:
         if free and device in self.cordoned:
             return
         ids = bucket.free
-        at, present = _find(ids, device)
+        at = bisect_left(ids, device)  # `_find`, without its frame: per device a Compose claims
+        present = at < len(ids) and ids[at] == device
         if free == present:  # nothing changes, and the hosts' counts stay what the list holds
             return
         if free:
@@ -363,21 +364,16 @@ class Inventory:
             return
         if current is not None:
             raise ValueError(f"host {host} is held by {current}")
-        at = self._free_host_at(host)
-        if at is not None:
-            del self.free_hosts[at]
-        self.host_owner[host] = owner
-
-    def _free_host_at(self, host: str) -> int | None:
-        """Where ``host`` is in `free_hosts`, or None if it is not free: per Compose, where `hosts_from` offered
-        it, which is checked before a search."""
         free = self.free_hosts
-        at = self._offered_at
+        at = self._offered_at  # per Compose, where `hosts_from` offered the host: looked at before a search
         if at < len(free) and free[at][2] == host:
-            return at
-        h = self.hosts[host]
-        at, present = _find(free, (h.cores, h.memory_bytes, h.id))
-        return at if present else None
+            del free[at]
+        else:
+            h = self.hosts[host]
+            at, present = _find(free, (h.cores, h.memory_bytes, h.id))
+            if present:
+                del free[at]
+        self.host_owner[host] = owner
 
     def release_host(self, host: str) -> None:
         if self.host_owner.pop(host, None) is not None and host in self.hosts:
