@@ -1302,3 +1302,15 @@ def test_best_fit_orders_groups_fullest_first_then_nearest_switch_and_key(
     expected = sorted(groups, key=lambda g: (g.free, g.latency_ns, g.switch, g.key))
     assert list(BestFit().order_groups(groups)) == expected
     assert [id(g) for g in BestFit().order_groups(groups)] == [id(g) for g in expected]
+
+
+@pytest.mark.parametrize("amount", [-1, 0, 1])
+def test_a_line_is_carved_exactly_when_it_asks_bytes(amount: int) -> None:
+    """Placement reads a Compose's lines by ``amount_bytes`` where `ResourceRequest.carved` would cost a call:
+    the same, since no line holds a negative amount."""
+    try:
+        line = ResourceRequest(DeviceKind.CXL_MEMORY, count=0 if amount else 1, amount_bytes=amount)
+    except ValueError:
+        assert amount < 0
+        return
+    assert line.carved is bool(line.amount_bytes)

@@ -186,7 +186,7 @@ class Placer:
         need: dict[DeviceKind, int] = {}  # the whole devices of each kind asked (amounts carved from pools aside)
         for i, r in enumerate(request.resources):
             lines.append((i, r, NO_PIN))
-            if not r.carved:
+            if not r.amount_bytes:  # `r.carved` without its call: per line of a Compose
                 need[r.kind] = need.get(r.kind, 0) + r.count
         hr = request.host
         if hr.name:
@@ -322,7 +322,7 @@ class Placer:
         devices: list[DevicePick] = []
         memory: list[MemoryPick] = []
         for idx, r, pin in lines:
-            if r.carved:
+            if r.amount_bytes:  # `r.carved` without its call: per line of a Compose
                 carved = self._carve(host, idx, r, taken_pool, taken_lds)
                 if carved is None:
                     explain = functools.partial(self._explain_memory, host, r, tuple(memory))
