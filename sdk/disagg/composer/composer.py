@@ -2482,7 +2482,7 @@ class FabricComposer(Composer):
     ) -> Steps[ComposeResult]:
         """`apply_reserved` as steps, for `run_async`."""
         self._check_started()
-        return self._once(request_id, ("apply", reservation_id), lambda: self._apply(reservation_id, deadline))
+        return self._once(request_id, ("apply", reservation_id), self._apply(reservation_id, deadline))
 
     def _apply(self, reservation_id: str, deadline: float | None) -> Steps[ComposeResult]:
         with self._lock:
@@ -2520,7 +2520,7 @@ class FabricComposer(Composer):
         try:
             yield DURABLE
             failpoints.hit("compose.after_reserve")
-            return (yield from self._execute(comp, res.plan, deadline))
+            return (yield from self._bind_new(comp, res.plan, deadline))
         finally:
             with self._lock:
                 self._applying_deadlines.pop(comp.id, None)
@@ -2589,7 +2589,7 @@ class FabricComposer(Composer):
         return self._once(
             request_id,
             fingerprint,
-            lambda: self._compose(request, mode, reservation_ttl_s, deadline),
+            self._compose(request, mode, reservation_ttl_s, deadline),
             found_again=_composed,
             recorded_before=recorded_before,
         )
@@ -2598,15 +2598,17 @@ class FabricComposer(Composer):
         self,
         request_id: str | None,
         fingerprint: object,
-        run: Callable[[], Steps[T]],
+        run: Steps[T],
         *,
         found_again: Callable[[object], bool] = lambda answer: False,
         recorded_before: object | None = None,
     ) -> Steps[T]:
-        """Run ``run`` once per request id: a retry with the same fingerprint gets the first answer (waiting
-        for it while it is in progress, up to the call timeout, then `ConflictError`), another fingerprint
+        """Run the change ``run`` once per request id: a retry with the same fingerprint gets the first answer
+        (waiting for it while it is in progress, up to the call timeout, then `ConflictError`), another fingerprint
         `RequestIdReusedError`. A failure forgets the id, so that a retry runs again, unless ``run`` raised it
         as `_SettledError` (it failed after changing something): then the error is the answer a retry gets.
+        ``run`` is given as a generator not started (no closure to make it, a frame fewer): it starts only as the
+        first call of its id, and a retry answered otherwise drops it unstarted.
         Answers are written to the ledger, so a retry after a restart gets them too. An answer that
         ``found_again`` accepts (a retry after a restart finds it from the records of the change itself, as
         `_made_by_request` finds a composition) is given without waiting for its own record to be on disk.
@@ -2620,7 +2622,7 @@ class FabricComposer(Composer):
         own work by it after a crash (`_made_by_request`). It is digested only when the recorded one differs."""
         if request_id is None:
             try:
-                return (yield from run())
+                return (yield from run)
             except _SettledError as settled:
                 raise settled.error from None
         fp = requests.digest(fingerprint)
@@ -2657,7 +2659,7 @@ class FabricComposer(Composer):
         asking = _ASKING.set((request_id, fp))
         retrying = _RETRYING_RECORDED.set(seed is not None)
         try:
-            answer = yield from run()
+            answer = yield from run
         except _SettledError as settled:
             if not settled.recorded:
                 self._answer(request_id, fp, settled, seed, done)
@@ -2812,7 +2814,7 @@ class FabricComposer(Composer):
             comp = self._begin(self._composing(request, plan), plan)
         yield DURABLE  # write-ahead: the ledger knows the plan before any driver call
         failpoints.hit("compose.after_reserve")
-        return (yield from self._execute(comp, plan, deadline, with_answer=True))
+        return (yield from self._bind_new(comp, plan, deadline, with_answer=True))
 
     def _made_by_request(self, request: CompositionRequest) -> Composition | None:
         """The finished composition that this thread's request id already made, when its answer was lost (a
@@ -2890,7 +2892,7 @@ class FabricComposer(Composer):
         """Claim ``plan`` for the new composition ``comp`` (`_composing`) and record it. Under the lock."""
         self._claim_plan(plan, comp.id)
         held = self._busy[comp.id] = threading.Lock()
-        held.acquire()  # new, so free: the compose holds it until _execute ends
+        held.acquire()  # new, so free: the compose holds it until _bind_new ends
         self._record(comp)
         if reservation is not None:  # it left the listing: a client that watches from one learns so, and as what
             self._emit(
@@ -3101,45 +3103,42 @@ class FabricComposer(Composer):
         """The binds of ``picks`` with their fabrics, found as `_memory_steps` finds its pools'."""
         return [(self._fabric_of(p.device), p) for p in picks]
 
-    def _execute(
-        self, comp: Composition, plan: Plan, deadline: float | None = None, *, with_answer: bool = False
-    ) -> Steps[ComposeResult]:
-        try:
-            return (yield from self._bind_new(comp, plan, deadline, with_answer))
-        finally:
-            self._let_go(comp.id, self._busy[comp.id])
-
     def _bind_new(
-        self, comp: Composition, plan: Plan, deadline: float | None, with_answer: bool
+        self, comp: Composition, plan: Plan, deadline: float | None = None, *, with_answer: bool = False
     ) -> Steps[ComposeResult]:
         """Bind and carve a new composition's ``plan``, and record it COMPOSED; ``with_answer`` (a Compose, whose
         answer a retry may have once the composition is recorded: `_composed`), its request id's answer too, in
-        the same hold. Returns the APPLY's answer, made once: the one recorded is the one returned."""
-        devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
+        the same hold. Returns the APPLY's answer, made once: the one recorded is the one returned. Lets go of the
+        composition's lock (`_begin`) however it ends: here rather than in a change around it, a generator fewer
+        per Compose."""
         try:
-            allocations = yield self._driver_call(
-                lambda: self._executor.apply(comp.host, devices, memory, deadline=deadline, stage="compose"),
-                [f for f, _ in devices] + [m.fabric for m in memory],
-            )
-        except ExecutionFailedError as failed:
-            with self._lock:
-                left = self._fail_new(comp, plan, failed)
-                error = self._failed_answer(comp.id, failed, left, *_ASKING.get())
-            raise error from None
-        failpoints.hit("compose.before_commit")
-        # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
-        # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
-        # One commit to wait for per Compose instead of two (docs/durability.md).
-        with self.store.asynchronous_commit(), self._lock:
-            # A device that failed while the binds ran was reported to a composition not yet COMPOSED, which took
-            # its reason (`_say_meanwhile`): its record as it is now is judged.
-            comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
-            answer = ComposeResult(ComposeMode.APPLY, plan, composition=comp)
-            request_id, fp = _ASKING.get()
-            if with_answer and request_id:  # its answer with its record, in one hold (`_once` finds it given)
-                self._answered(request_id, fp, answer)
-        failpoints.hit("compose.after_commit")
-        return answer
+            devices, memory = self._device_steps(plan.devices), self._memory_steps(comp.id, plan)
+            try:
+                allocations = yield self._driver_call(
+                    lambda: self._executor.apply(comp.host, devices, memory, deadline=deadline, stage="compose"),
+                    [f for f, _ in devices] + [m.fabric for m in memory],
+                )
+            except ExecutionFailedError as failed:
+                with self._lock:
+                    left = self._fail_new(comp, plan, failed)
+                    error = self._failed_answer(comp.id, failed, left, *_ASKING.get())
+                raise error from None
+            failpoints.hit("compose.before_commit")
+            # The plan is durable and the hardware holds all of it: the answer need not wait for this record too,
+            # since recovery finishes a new composition that the hardware holds whole (`_finished_on_hardware`).
+            # One commit to wait for per Compose instead of two (docs/durability.md).
+            with self.store.asynchronous_commit(), self._lock:
+                # A device that failed while the binds ran was reported to a composition not yet COMPOSED, which
+                # took its reason (`_say_meanwhile`): its record as it is now is judged.
+                comp = self._set_standing(self._compositions[comp.id], allocations=allocations, pending=None)
+                answer = ComposeResult(ComposeMode.APPLY, plan, composition=comp)
+                request_id, fp = _ASKING.get()
+                if with_answer and request_id:  # its answer with its record, in one hold (`_once` finds it given)
+                    self._answered(request_id, fp, answer)
+            failpoints.hit("compose.after_commit")
+            return answer
+        finally:
+            self._let_go(comp.id, self._busy[comp.id])
 
     def _failed_answer(
         self, comp_id: str, failed: ExecutionFailedError, left: bool, request_id: str, fp: str
@@ -3439,7 +3438,7 @@ class FabricComposer(Composer):
         return self._once(
             request_id,
             ("recompose", composition_id, add, remove, expected_etag),
-            lambda: self._holding(
+            self._holding(
                 composition_id,
                 lambda target: self._recompose(target, add, remove, expected_etag, deadline),
                 deadline,
