@@ -3833,26 +3833,31 @@ class FabricComposer(Composer):
     def _why(
         self, host: str, devices: Sequence[DevicePick], allocations: Sequence[Allocation], missing: Sequence[str]
     ) -> str:
-        """`_standing_why` of a composition with these fields (`_set_standing` judges one before making it)."""
+        """`_standing_why` of a composition with these fields (`_set_standing` judges one before making it): a
+        device or pool that is not healthy (`_unhealthy_of`, `_sick_of`) is named unhealthy, a healthy one whose
+        switch the host no longer reaches unreachable. One pass over each, in loops rather than comprehensions: a
+        Compose judges its composition once, and each comprehension was a frame of its own."""
         why = [f"the hardware no longer holds {_named(missing)}"] if missing else []
-        reach = self._inv.reach_map.get(host, {})
-        away = [
-            p.device
-            for p in devices
-            if (dev := self._inv.devices.get(p.device)) is not None
-            and dev.health is Health.OK
-            and dev.switch not in reach
-        ]
-        cut_off = {  # memory too: a pool whose switch the host no longer reaches, named once
-            a.pool: None
-            for a in allocations
-            if (pool := self._inv.pools.get(a.pool)) is not None
-            and pool.device.health is Health.OK
-            and pool.device.switch not in reach
-        }
-        away += [f"pool {p}" for p in cut_off]
+        index = self._inv
+        reach = index.reach_map.get(host, {})
+        away: list[str] = []
+        sick: list[str] = []
+        for p in devices:
+            dev = index.devices.get(p.device)
+            if dev is None or dev.health is not Health.OK:
+                sick.append(p.device)
+            elif dev.switch not in reach:
+                away.append(p.device)
+        if allocations:
+            cut_off: dict[str, None] = {}  # memory too: a pool whose switch the host no longer reaches, named once
+            for a in allocations:
+                pool = index.pools.get(a.pool)
+                if pool is None or pool.device.health is not Health.OK:
+                    sick.append(a.id)
+                elif pool.device.switch not in reach:
+                    cut_off[a.pool] = None
+            away += [f"pool {p}" for p in cut_off]
         why += [f"unreachable: {_named(away)}"] if away else []
-        sick = [p.device for p in self._unhealthy_of(devices)] + self._sick_of(allocations)
         why += [f"unhealthy: {_named(sick)}"] if sick else []
         return "; ".join(why)
 
