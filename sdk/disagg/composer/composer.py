@@ -818,8 +818,14 @@ class FabricComposer(Composer):
         return await steps.run_async(change, self.store, threads)
 
     def _driver_call(self, fn: Callable[[], T], fabrics: Iterable[str]) -> Call:
-        """A step of driver calls on ``fabrics``: blocking unless every one of them says its calls never wait."""
-        return Call(fn, blocking=any(self.fabrics[f].calls_block for f in set(fabrics) if f in self.fabrics))
+        """A step of driver calls on ``fabrics``: blocking unless every one of them says its calls never wait. A
+        loop rather than `any` over a generator, whose frame every Compose made."""
+        known = self.fabrics
+        for name in fabrics:
+            fabric = known.get(name)
+            if fabric is not None and fabric.calls_block:
+                return Call(fn)
+        return Call(fn, blocking=False)
 
     def _let_go(self, comp_id: str, lock: threading.Lock) -> None:
         """Release a composition's lock, and forget it when the composition is gone. A composition that is
@@ -2305,6 +2311,8 @@ class FabricComposer(Composer):
     # ----------------------------------------------------------------- reservations
 
     def _expire_locked(self) -> None:
+        if not self._reservations:  # most calls: no clock read, no list comprehension's frame
+            return
         now = self.monotonic()
         for res in [r for r in self._reservations.values() if self._reservation_deadlines[r.id] <= now]:
             self._drop_reservation(res, EventType.RESERVATION_EXPIRED)
@@ -2793,11 +2801,10 @@ class FabricComposer(Composer):
         with self._lock:
             self._expire_locked()
             made = self._made_by_request(request)
-            if made is not None and mode is ComposeMode.APPLY:
+            if isinstance(made, Composition) and mode is ComposeMode.APPLY:
                 return ComposeResult(mode, self._plan_of(made), composition=made)
-            reserved = self._reserved_by_request(request)
-            if reserved is not None and mode is ComposeMode.RESERVE:
-                return ComposeResult(mode, reserved.plan, reservation=reserved)
+            if isinstance(made, Reservation) and mode is ComposeMode.RESERVE:
+                return ComposeResult(mode, made.plan, reservation=made)
             self._check_not_done_before()
             if mode is not ComposeMode.PREVIEW:
                 self._check_name(request.name)
@@ -2816,12 +2823,19 @@ class FabricComposer(Composer):
         failpoints.hit("compose.after_reserve")
         return (yield from self._bind_new(comp, plan, deadline, with_answer=True))
 
-    def _made_by_request(self, request: CompositionRequest) -> Composition | None:
-        """The finished composition that this thread's request id already made, when its answer was lost (a
-        crash after the commit and before the answer was recorded)."""
+    def _made_by_request(self, request: CompositionRequest) -> Composition | Reservation | None:
+        """The finished composition, or the reservation, that this thread's request id already made under
+        ``request``'s name, when its answer was lost (a crash after the commit and before the answer was
+        recorded). One look-up for both, a name holding one or the other: every Compose makes it."""
         request_id, fp = _ASKING.get()
-        comp = self._compositions.get(self._names.get(request.name, "")) if request_id else None
-        return comp if comp is not None and _finished_by(comp, request_id, fp) else None
+        holder = self._names.get(request.name) if request_id else None
+        if holder is None:
+            return None
+        comp = self._compositions.get(holder)
+        if comp is not None:
+            return comp if _finished_by(comp, request_id, fp) else None
+        res = self._reservations.get(holder)
+        return res if res is not None and (res.request_id, res.request_fingerprint) == (request_id, fp) else None
 
     def _plan_of(self, comp: Composition) -> Plan:
         """The plan a new composition was composed by, for a retry whose first answer a crash lost: its devices,
@@ -2838,12 +2852,6 @@ class FabricComposer(Composer):
                 latency = self._inv.latency(comp.host, pool.device) if pool is not None else None
                 memory.append(MemoryPick(alloc.pool, alloc.amount_bytes, index, latency or 0))
         return Plan(comp.host, comp.devices, tuple(memory))
-
-    def _reserved_by_request(self, request: CompositionRequest) -> Reservation | None:
-        """The reservation that this thread's request id already made, when its answer was lost."""
-        request_id, fp = _ASKING.get()
-        res = self._reservations.get(self._names.get(request.name, "")) if request_id else None
-        return res if res is not None and (res.request_id, res.request_fingerprint) == (request_id, fp) else None
 
     def _made_by_mark(self) -> Composition | None:
         """The finished composition that this thread's request id made (an apply, which has no name to look it
@@ -3053,6 +3061,8 @@ class FabricComposer(Composer):
         the server, and a client's retry of the request stopped the next replica to lead in turn. Refused, an
         addition names the request's field ``adding`` (a Compose's ``resources``, a Recompose's ``add``), a removal
         alone ``remove``. Under the lock."""
+        if self.store.record_limit is None:  # SQLite, memory: no limit to measure against (`_past_limit`)
+            return
         past = self._past_limit(made, grown=bool(plan.devices or plan.memory))
         if past is None:
             return
@@ -3083,10 +3093,12 @@ class FabricComposer(Composer):
     ) -> PendingChange:
         """The record of binding ``plan``, written before the first driver call (see `PendingChange`); for an
         addition to ``before``, with the generations whose etags it held."""
-        planned = tuple(
-            Allocation(s.allocation_id, s.pick.pool, plan.host, s.pick.amount_bytes)
-            for s in self._memory_steps(comp_id, plan, start)
-        )
+        planned: tuple[Allocation, ...] = ()
+        if plan.memory:  # most plans carve none: no generator's frame
+            planned = tuple(
+                Allocation(s.allocation_id, s.pick.pool, plan.host, s.pick.amount_bytes)
+                for s in self._memory_steps(comp_id, plan, start)
+            )
         held = () if before is None else before.etag_generations
         return PendingChange(ChangeKind.ADD, plan.devices, planned, restore, *_ASKING.get(), reservation, held)
 
