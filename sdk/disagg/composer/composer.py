@@ -2784,7 +2784,7 @@ class FabricComposer(Composer):
         gets it once ``done`` is set: by the call that answers, once its answer is durable (`_once`). The record
         is queued first: refused, it leaves the entry as it was."""
         value = answer.error if isinstance(answer, _SettledError) else answer
-        assert isinstance(value, ComposeResult | Composition | DisaggError)
+        assert isinstance(value, requests.Answer)  # its union made once: written out here, it was made every call
         self.store.put_request(RequestRecord(request_id, fp, requests.encode(value), self.clock()))
         if self._requests.get(request_id, (None, ""))[1] is None:
             self._requests_running -= 1
