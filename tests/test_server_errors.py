@@ -17,7 +17,7 @@ import pytest
 from disagg.errors import NoFitError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server import AsyncErrorInterceptor, ErrorInterceptor
-from disagg.server.errors import _wrap_async
+from disagg.server.errors import wrap_async
 from disagg.server.health import HealthService
 from disagg.server.loop import LoopThread
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -370,7 +370,7 @@ class TestAStatusForACallThatEnded:
             handler = (grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler)(
                 behavior
             )
-            guarded = _wrap_async(method, handler)
+            guarded = wrap_async(method, handler)
             context = _EndedCall()
 
             async def call(guarded: Any = guarded, streaming: bool = streaming, context: Any = context) -> None:
@@ -393,7 +393,7 @@ class TestAStatusForACallThatEnded:
             finally:
                 closed.append(True)
 
-        guarded = _wrap_async("/x/Stream", grpc.unary_stream_rpc_method_handler(streams))
+        guarded = wrap_async("/x/Stream", grpc.unary_stream_rpc_method_handler(streams))
         context = _EndedCall()
         with pytest.raises(asyncio.CancelledError):
             asyncio.run(guarded.unary_stream(b"", context))

@@ -39,6 +39,7 @@ from disagg.plugins import Plugins, load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
 from disagg.server.collector import tune_for_serving
 from disagg.server.loop import event_loop_factory
+from disagg.server.runtime import FRONT_ENDS
 from disagg.store import ownership
 from disagg.store.sqlite import MEMORY
 
@@ -247,6 +248,7 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
         on_lost=on_lost,
         on_failed=on_failed,
         on_start_failed=on_start_failed,
+        front_end=_front_end(args.front_end, config),
     )
     try:
         with _ledger_claimed(config):
@@ -265,6 +267,15 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
     code = _outcome(lost.is_set(), failed, needs_operator=needs_operator.is_set())
     _end_past_grace(server, code)
     return code
+
+
+def _front_end(asked: str, config: Config) -> str:
+    """Where gRPC's work runs (`disagg.server.runtime.FRONT_ENDS`): "auto" gives a durable ledger (SQLite, etcd) a
+    front end of its own, where a Compose waits for the disk and the hop's latency is lost in that wait, and keeps
+    the in-memory ledger, for tests and benchmarks of the composer's own latency, on one process."""
+    if asked != "auto":
+        return asked
+    return "inline" if config.ledger == "memory" else "process"
 
 
 def _outcome(lost: bool, failed: list[str], *, needs_operator: bool = False) -> int:
@@ -333,6 +344,13 @@ def register(add: AddCommand) -> None:
         default=GRACE_S,
         metavar="SECONDS",
         help=f"how long calls in flight may take to finish at shutdown (default {GRACE_S:g})",
+    )
+    p.add_argument(
+        "--front-end",
+        choices=("auto", *FRONT_ENDS),
+        default="auto",
+        help="run gRPC in a process of its own (process) or beside the composer (inline); auto: process unless the "
+        "ledger is in memory (default auto)",
     )
     p.add_argument(
         "--allow-remote",

@@ -246,11 +246,11 @@ class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
             pass
         handler = await continuation(handler_call_details)
         if handler is not None:
-            self._wrapped[method] = handler = _wrap_async(method, handler)
+            self._wrapped[method] = handler = wrap_async(method, handler)
         return handler
 
 
-def _wrap_async(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+def wrap_async(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     behavior = _behavior(handler)
     if behavior is None:
         return handler

@@ -5,6 +5,9 @@ calls live on the server's event loop, so `set` is thread-safe and hands each ch
 A Watch stream never ends by itself, so during a graceful shutdown it would hold the server until the grace
 period runs out: `end_watches` tells every watcher NOT_SERVING and then ends its stream with OK, so that it goes
 looking for another server at once. From then on every service stays NOT_SERVING.
+
+A gRPC front end in a process of its own (`disagg.server.front`) answers health there: `mirror_to` hands it every
+status as it is set, in the order set, and the end of the watches.
 """
 
 # ruff: noqa: N802  (the RPC methods carry the service's names, as grpcio calls them)
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import grpc.aio
@@ -42,6 +45,17 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         self._status: dict[str, int] = {}
         self._watchers: set[_Watcher] = set()
         self._ended = False
+        self._mirror: Callable[[str, int | None], None] | None = None
+
+    def mirror_to(self, mirror: Callable[[str, int | None], None]) -> None:
+        """Call ``mirror(service, status)`` with every status now and each set from now on, under this service's
+        lock, so in order (None: the watches ended); it must not block."""
+        with self._lock:
+            self._mirror = mirror
+            for service, status in self._status.items():
+                mirror(service, status)
+            if self._ended:
+                mirror("", None)
 
     def set(self, service: str, status: int) -> None:
         """Set a service's status (``""`` is the whole server) and tell its watchers; ignored after
@@ -50,6 +64,8 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             if self._ended:
                 return
             self._status[service] = status
+            if self._mirror is not None:
+                self._mirror(service, status)
             watchers = [w for w in self._watchers if w.service == service]
         for watcher in watchers:
             watcher.tell(status)
@@ -60,6 +76,8 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             self._ended = True
             for service in self._status:
                 self._status[service] = NOT_SERVING
+            if self._mirror is not None:
+                self._mirror("", None)
             watchers = list(self._watchers)
             self._watchers.clear()
         for watcher in watchers:
