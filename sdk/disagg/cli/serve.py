@@ -38,6 +38,7 @@ from disagg.errors import ConfigError
 from disagg.plugins import Plugins, load_plugins
 from disagg.server import GRACE_S, FabricManagerServer, fabric_drivers, parse_listener
 from disagg.server.collector import tune_for_serving
+from disagg.server.front import FRONT_END_GONE
 from disagg.server.loop import event_loop_factory
 from disagg.server.runtime import FRONT_ENDS
 from disagg.store import ownership
@@ -227,7 +228,7 @@ def _serve(args: argparse.Namespace, config: Config, plugins: Plugins, listeners
 
     def on_failed(failure: str) -> None:
         failed.append(failure)
-        if server.composer.store.needs_operator:
+        if failure != FRONT_END_GONE and server.composer.store.needs_operator:
             needs_operator.set()
         stop.set()
 
@@ -286,6 +287,13 @@ def _outcome(lost: bool, failed: list[str], *, needs_operator: bool = False) -> 
     if failed and needs_operator:  # the failure says what to mend
         print(f"disagg: error: {failed[0]}; it stopped serving", file=sys.stderr)
         return EXIT_NEEDS_OPERATOR
+    if failed and failed[0] == FRONT_END_GONE:
+        print(
+            f"disagg: error: {failed[0]}, so no client could reach this server; it stopped serving: restart it (it "
+            "recovers from the ledger and the hardware)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     if failed:
         print(
             f"disagg: error: {failed[0]}; it stopped serving: restart it once the ledger can be written (it "

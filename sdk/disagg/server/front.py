@@ -58,7 +58,7 @@ log = logging.getLogger("disagg.server")
 
 START_S = 60.0
 """The longest the front end may take to listen: an interpreter that imports grpcio takes well under a second."""
-GONE = "the fabric manager's gRPC front end is gone"
+FRONT_END_GONE = "the gRPC front end's process ended"
 
 
 class ServerStoppedError(RuntimeError):
@@ -357,8 +357,8 @@ class ProcessFrontEnd:
 
     def _lost(self, why: str) -> None:
         if self._listening and not self._stopping:
-            log.error("%s (%s): stopping", GONE, why)
-            self._on_lost(GONE)
+            log.error("%s (%s): stopping", FRONT_END_GONE, why)
+            self._on_lost(FRONT_END_GONE)
 
     async def stop(self, grace: float | None) -> None:
         """Stop the front end: it refuses new calls and gives those in flight ``grace`` seconds (None: none),
