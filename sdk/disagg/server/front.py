@@ -201,7 +201,9 @@ class ComposerLink(LinkProtocol):
             self._calls[call] = context
             context.task = self.loop.create_task(self._answer(method, payload[CALL_HEAD.size :], context, call))
         elif kind == CANCEL:
-            running = self._calls.get(call)
+            # Taken off here, not only as its task ends: a task cancelled before it first ran never runs its
+            # ``finally`` (a CANCEL that came in the same read as its CALL).
+            running = self._calls.pop(call, None)
             if running is not None:
                 running.cancel()
         elif kind == CREDIT:
