@@ -21,6 +21,8 @@ handlers, so a loop busy nearly all the time bounds Compose however many cores a
 that thread was ready to run but waited for a core (Linux's ``schedstat``) says what the rest of its time was: a
 loop that ran 70% of the time and waited 25% for a core had work all along, and lost the core to the client and
 the server's other threads, not to a lock or a commit.
+The server is `disagg serve`'s process and its children: with ``--front-end process`` (what ``auto`` gives
+``--ledger sqlite``), gRPC's loop runs in a child, and each row names the process of its busiest thread.
 
 Run: ``python bench/grpc_compose.py --out bench/out/grpc_compose.json`` (``tox -e bench`` does).
 """
@@ -65,12 +67,17 @@ options = {{ generate = {{ devices = {devices} }} }}
 STARTUP_TIMEOUT_S = 180.0
 
 
-def start_server(devices: int, tmp: Path, ledger: str = "memory") -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    devices: int, tmp: Path, ledger: str = "memory", front_end: str = "auto"
+) -> tuple[subprocess.Popen[str], str]:
     config = tmp / "disagg.toml"
     config.write_text(CONFIG.format(devices=devices, ledger=ledger))
     address = f"unix:{tmp / 'fm.sock'}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", address],
+        [
+            *(sys.executable, "-m", "disagg.cli.main", "serve", "--config", str(config), "--listen", address),
+            *("--front-end", front_end),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -153,15 +160,21 @@ async def timed(
     return latencies, steady_until - steady_from, in_window
 
 
-Reading = tuple[float, float, float, float, dict[str, float], dict[str, float]]
-Sample = tuple[float, float, float, float, float, float | None]
+Reading = tuple[float, float, float, float, dict[str, float], dict[str, float], dict[str, str]]
+Sample = tuple[float, float, float, float, float, float | None, str | None]
+
+FRONT_END_MODULE = "disagg.server.front_end"
+"""The module the front end's process runs (``disagg serve --front-end process``), by which the clock knows it."""
+FRONT_END, COMPOSER = "front end", "composer"
+"""The names of the server's processes: gRPC's child, and `disagg serve`'s own (gRPC's too with an inline front end)."""
 
 
 class CpuClock:
     """CPU time spent while calls run: the machine's (busy, from Linux's ``/proc/stat``), the server's, its busiest
     thread's and this client's. Per call, it says whether a throughput ratio is bound by the machine's cores (every
     core busy, so the ratio can be no better than the quotient of the CPU costs), by one server thread (its event
-    loop, busy most of the time while cores are idle) or by waiting. Without ``/proc``, None."""
+    loop, busy most of the time while cores are idle) or by waiting. The server is `disagg serve`'s process and its
+    descendants: with a front end in a process of its own, gRPC's work is in its child. Without ``/proc``, None."""
 
     TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
@@ -169,37 +182,100 @@ class CpuClock:
         self.server_pid = server_pid
 
     def read(self) -> Reading | None:
-        """(wall, machine busy, server, client) seconds, the server's CPU seconds by thread id, and by thread id
-        the seconds each waited for a core (only the threads whose ``schedstat`` could be read)."""
+        """(wall, machine busy, server, client) seconds, the server's CPU seconds by thread id, by thread id the
+        seconds each waited for a core (only the threads whose ``schedstat`` could be read), and by thread id the
+        process it belongs to (`FRONT_END` or `COMPOSER`)."""
         try:
             cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-            stat = Path(f"/proc/{self.server_pid}/stat").read_text()
-            threads, waits = self._threads()
+            server = self._busy(Path(f"/proc/{self.server_pid}/stat").read_text())
+            threads, waits, owners = self._threads(self.server_pid, COMPOSER)
         except OSError:
             return None
+        for pid in self._descendants():
+            try:
+                server += self._busy(Path(f"/proc/{pid}/stat").read_text())
+                found = self._threads(pid, self._role(pid))
+            except OSError:  # the process ended meanwhile
+                continue
+            threads.update(found[0])
+            waits.update(found[1])
+            owners.update(found[2])
         user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in cpu[:7])
         return (
             time.monotonic(),
             (user + nice + system + irq + softirq) * self.TICK_S,
-            self._busy(stat),
+            server,
             time.process_time(),
             threads,
             waits,
+            owners,
         )
 
-    def _threads(self) -> tuple[dict[str, float], dict[str, float]]:
-        tasks = Path(f"/proc/{self.server_pid}/task")
+    def front_end(self) -> str:
+        """Where the server runs gRPC, as `disagg serve --front-end` names it: ``process`` when one of its
+        descendants is the front end, else ``inline``."""
+        return "process" if any(self._role(pid) == FRONT_END for pid in self._descendants()) else "inline"
+
+    def _descendants(self) -> list[int]:
+        """The server's descendants' pids, from each thread's ``children`` (Linux 3.5 with ``CONFIG_PROC_CHILDREN``),
+        or else by each process's parent in ``/proc``; those that end meanwhile are left out."""
+        found: list[int] = []
+        parents = [self.server_pid]
+        while parents:
+            children = []
+            for pid in parents:
+                try:
+                    tasks = list(Path(f"/proc/{pid}/task").iterdir())
+                except OSError:
+                    continue
+                for task in tasks:
+                    try:
+                        children += [int(c) for c in (task / "children").read_text().split()]
+                    except OSError:  # a kernel without the file, or a thread that ended meanwhile
+                        return self._descendants_by_parent()
+            found += children
+            parents = children
+        return found
+
+    def _descendants_by_parent(self) -> list[int]:
+        """The server's descendants' pids, by the parent in each process's ``stat``: slower, for any kernel."""
+        parent_of = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                parent_of[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+        found, parents = [], {self.server_pid}
+        while parents:
+            parents = {pid for pid, parent in parent_of.items() if parent in parents}
+            found += sorted(parents)
+        return found
+
+    @staticmethod
+    def _role(pid: int) -> str:
+        """`FRONT_END` for a process that runs the front end's module, else `COMPOSER` (any other process under
+        `disagg serve` works for it)."""
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            return COMPOSER
+        return FRONT_END if FRONT_END_MODULE.encode() in argv else COMPOSER
+
+    @classmethod
+    def _threads(cls, pid: int, role: str) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
         threads, waits = {}, {}
-        for task in tasks.iterdir():
+        for task in Path(f"/proc/{pid}/task").iterdir():
             try:
-                threads[task.name] = self._busy((task / "stat").read_text())
+                threads[task.name] = cls._busy((task / "stat").read_text())
             except OSError:  # the thread ended meanwhile
                 continue
             try:  # on-CPU, run-queue wait (both in ns) and time slices; absent without the kernel's schedstats
                 waits[task.name] = int((task / "schedstat").read_text().split()[1]) / 1e9
             except (OSError, IndexError, ValueError):
                 continue
-        return threads, waits
+        return threads, waits, dict.fromkeys(threads, role)
 
     @classmethod
     def _busy(cls, stat: str) -> float:
@@ -210,16 +286,17 @@ class CpuClock:
     @staticmethod
     def spent(before: Reading, after: Reading) -> Sample:
         """What the time between two readings cost: (wall, machine, server, client, the server's busiest thread),
-        and how long that thread waited for a core (None when either reading lacks its wait)."""
+        how long that thread waited for a core (None when either reading lacks its wait) and its process's name
+        (None without threads)."""
         wall, machine, server, client = (b - a for a, b in zip(before[:4], after[:4], strict=True))
         ran = {tid: t - before[4].get(tid, 0.0) for tid, t in after[4].items()}
         if not ran:
-            return wall, machine, server, client, 0.0, None
+            return wall, machine, server, client, 0.0, None, None
         tid = max(ran, key=ran.__getitem__)
         waited = None
         if tid in after[5] and (tid in before[5] or tid not in before[4]):  # a thread new since `before` waited 0
             waited = after[5][tid] - before[5].get(tid, 0.0)
-        return wall, machine, server, client, ran[tid], waited
+        return wall, machine, server, client, ran[tid], waited, after[6].get(tid)
 
 
 TICKS_PER_BLOCK_MIN = 10
@@ -228,16 +305,23 @@ this many ticks per block, the per-call figures would be mostly rounding (a smal
 count none at all), so they are left out of the row rather than reported wrong."""
 
 
-def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
+THREAD_PROCESS = "server_busiest_thread_process"
+"""A row's key for the process of the server's busiest thread: `FRONT_END` or `COMPOSER`."""
+
+
+def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float | str]:
     """CPU per call over the blocks ``spent`` (each `CpuClock.spent` between two readings), the cores the machine
-    kept busy meanwhile, the share of the time the server's busiest thread ran and (where the kernel tells) the
-    share it waited for a core; none when the blocks are too short for the clock to count them."""
+    kept busy meanwhile, the share of the time the server's busiest thread ran, (where the kernel tells) the
+    share it waited for a core, and the process whose busiest threads ran longest over the blocks; none when the
+    blocks are too short for the clock to count them."""
     if not spent or not calls:
         return {}
-    wall, machine, server, client, busiest = (sum(sample[i] for sample in spent) for i in range(5))
+    wall, machine, server, client, busiest = (
+        sum(column) for column in zip(*(sample[:5] for sample in spent), strict=True)
+    )
     if machine < TICKS_PER_BLOCK_MIN * len(spent) * CpuClock.TICK_S:
         return {}
-    out = {
+    out: dict[str, float | str] = {
         "busy_cores": machine / wall,
         "machine_cpu_us_per_call": machine / calls * 1e6,
         "server_cpu_us_per_call": server / calls * 1e6,
@@ -248,6 +332,12 @@ def cpu_figures(spent: list[Sample], calls: int) -> dict[str, float]:
     waits = [sample[5] for sample in spent]
     if all(w is not None for w in waits):
         out[THREAD_WAITING] = sum(w for w in waits if w is not None) / wall
+    ran: dict[str, float] = {}
+    for sample in spent:
+        if sample[6] is not None:
+            ran[sample[6]] = ran.get(sample[6], 0.0) + sample[4]
+    if ran:
+        out[THREAD_PROCESS] = max(ran, key=ran.__getitem__)
     return out
 
 
@@ -325,7 +415,7 @@ async def blocks(
     compose: Callable[..., Any],
     *,
     clock: CpuClock,
-) -> tuple[dict[str, float], dict[str, float], list[float]]:
+) -> tuple[dict[str, float | str], dict[str, float | str], list[float]]:
     """No-op and Compose alternating in short blocks: both rows (with their CPU per call over all the blocks),
     and each block's Compose / no-op ratio: of median latency at one client, of throughput at more."""
     runs: dict[str, list[tuple[list[float], float, int]]] = {"noop": [], "compose": []}
@@ -387,12 +477,18 @@ def figures(rows: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         }
         for key in ("machine_cpu_us_per_call", "busy_cores", THREAD_BUSY, THREAD_WAITING)
     )
+    process = {
+        rpc: statistics.mode(row[THREAD_PROCESS] for row in found)
+        for rpc, found in measured.items()
+        if found and all(THREAD_PROCESS in row for row in found)
+    }
     return {
         "rows": rows,
         "machine_cpu_us_per_call_at_32_clients": cpu,
         "busy_cores_at_32_clients": busy,
         "server_busiest_thread_busy_at_32_clients": thread,
         "server_busiest_thread_waiting_for_cpu_at_32_clients": waiting,
+        "server_busiest_thread_process_at_32_clients": process,
         "machine_cpu_ratio_at_32_clients": cpu["noop"] / cpu["compose"] if len(cpu) == 2 else None,
         "compose_p50_over_noop_p50_at_1_client": latency_ratio,
         "compose_throughput_over_noop_at_32_clients": throughput_ratio,
@@ -411,12 +507,16 @@ def measure_size(devices: int, args: argparse.Namespace) -> dict[str, Any]:
     """Serve a fabric of ``devices`` devices, measure no-op against Compose on it, and stop the server."""
     max_calls = min(args.max_calls, compose_capacity(devices))
     with tempfile.TemporaryDirectory() as tmp:
-        proc, address = start_server(devices, Path(tmp), args.ledger)
+        proc, address = start_server(devices, Path(tmp), args.ledger, args.front_end)
         try:
-            rows = asyncio.run(measure(address, args.seconds, max_calls, args.rounds, CpuClock(proc.pid)))
+            clock = CpuClock(proc.pid)
+            front_end = clock.front_end()
+            if args.front_end not in ("auto", front_end):
+                raise RuntimeError(f"disagg serve --front-end {args.front_end} runs its front end {front_end}")
+            rows = asyncio.run(measure(address, args.seconds, max_calls, args.rounds, clock))
         finally:
             stop_server(proc)
-    return {"devices": devices, "max_calls_per_point": max_calls, **figures(rows, args.rounds)}
+    return {"devices": devices, "front_end": front_end, "max_calls_per_point": max_calls, **figures(rows, args.rounds)}
 
 
 def compose_capacity(devices: int) -> int:
@@ -445,7 +545,7 @@ def print_table(sizes: dict[str, dict[str, Any]]) -> None:
             print("| " + " | ".join(str(c) for c in cells) + " |")
     for devices, fig in sizes.items():
         print(
-            f"{devices} devices: Compose p50 / no-op p50 at 1 client, median of "
+            f"{devices} devices, front end {fig['front_end']}: Compose p50 / no-op p50 at 1 client, median of "
             f"{len(fig['latency_ratio_per_block_at_1_client'])} blocks: "
             f"{fig['compose_p50_over_noop_p50_at_1_client']:.2f} (target <= 1.5); "
             f"Compose / no-op throughput at 32 clients, median of "
@@ -455,13 +555,15 @@ def print_table(sizes: dict[str, dict[str, Any]]) -> None:
         cpu = fig["machine_cpu_us_per_call_at_32_clients"]
         if fig["machine_cpu_ratio_at_32_clients"] is not None:
             busy, thread = fig["busy_cores_at_32_clients"], fig["server_busiest_thread_busy_at_32_clients"]
+            processes = fig["server_busiest_thread_process_at_32_clients"]
+            whose = {rpc: f" (the {name}'s)" for rpc, name in processes.items()}
             print(
                 f"{devices} devices at 32 clients: machine CPU per call {cpu['noop']:.0f} µs for a no-op, "
                 f"{cpu['compose']:.0f} µs for a Compose (their ratio, {fig['machine_cpu_ratio_at_32_clients']:.2f}, "
                 f"bounds the throughput ratio when every core is busy); busy cores of {os.cpu_count()}: "
                 f"{busy['noop']:.2f} no-op, {busy['compose']:.2f} Compose; the server's busiest thread ran "
-                f"{thread['noop']:.0%} of the time for a no-op, {thread['compose']:.0%} for a Compose "
-                "(medians over the rounds)"
+                f"{thread['noop']:.0%} of the time for a no-op{whose.get('noop', '')}, {thread['compose']:.0%} for a "
+                f"Compose{whose.get('compose', '')} (medians over the rounds; front end {fig['front_end']})"
             )
             waiting = fig["server_busiest_thread_waiting_for_cpu_at_32_clients"]
             if len(waiting) == 2:
@@ -486,6 +588,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ledger", choices=("memory", "sqlite"), default="memory", help="sqlite: the durable default ledger"
     )
+    parser.add_argument(
+        "--front-end",
+        choices=("auto", "process", "inline"),
+        default="auto",
+        help="disagg serve --front-end: gRPC in a process of its own or beside the composer; auto: a process unless "
+        "the ledger is in memory (default auto)",
+    )
     args = parser.parse_args(argv)
     sizes = {str(devices): measure_size(devices, args) for devices in args.devices}
     largest = sizes[str(args.devices[-1])]
@@ -498,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": args.seconds,
             "rounds": args.rounds,
             "ledger": args.ledger,
+            "front_end": largest["front_end"],
+            "front_end_asked": args.front_end,
             "noop": "Health/Check",
             "event_loop": event_loop_name(),
         },

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import runpy
+import signal
 import statistics
 import subprocess
 import sys
@@ -439,6 +440,9 @@ class TestComposeBenchSizes:
         figures = json.loads(out.read_text())
         assert figures["settings"]["sizes"] == [200, 400]
         assert figures["settings"]["devices"] == 400
+        assert figures["settings"]["front_end_asked"] == "auto"
+        assert figures["settings"]["front_end"] == "inline"  # auto keeps the in-memory ledger on one process
+        assert {size["front_end"] for size in figures["sizes"].values()} == {"inline"}
         assert set(figures["sizes"]) == {"200", "400"}
         assert figures["rows"] == figures["sizes"]["400"]["rows"]
         for size in figures["sizes"].values():
@@ -456,6 +460,10 @@ class TestComposeBenchSizes:
                 assert all(row[key] > 0 for key in measured), row
                 waited = row.get("server_busiest_thread_waiting_for_cpu")
                 assert (waited is not None) == bool(measured), row
+                if measured:  # one process: the composer's runs gRPC too
+                    assert row["server_busiest_thread_process"] == "composer", row
+                else:
+                    assert "server_busiest_thread_process" not in row, row
                 assert waited is None or 0.0 <= waited <= 1.0, row
             ratio = size["machine_cpu_ratio_at_32_clients"]
             assert (ratio is not None) == (len(size["machine_cpu_us_per_call_at_32_clients"]) == 2)
@@ -493,20 +501,58 @@ class TestComposeBenchSizes:
         read.set()
         burner.join()
         assert before is not None and after is not None
-        wall, machine, server, client, busiest, waited = clock.spent(before, after)
+        wall, machine, server, client, busiest, waited, process = clock.spent(before, after)
         assert waited is not None and 0.0 <= waited <= wall
+        assert process == "composer"
         slack = 3 * clock.TICK_S
         assert client >= 0.3
         assert server >= 0.3 - slack
         assert 0.3 - slack <= busiest <= server + slack
         assert machine + steal >= server - slack
         assert wall >= server - slack
-        figures = bench["cpu_figures"]([(wall, machine, server, client, busiest, waited)], 100)
+        figures = bench["cpu_figures"]([(wall, machine, server, client, busiest, waited, process)], 100)
         assert figures["server_cpu_us_per_call"] == pytest.approx(server / 100 * 1e6)
         assert figures["busy_cores"] == pytest.approx(machine / wall)
         assert figures["server_busiest_thread_cpu_us_per_call"] == pytest.approx(busiest / 100 * 1e6)
         assert figures["server_busiest_thread_busy"] == pytest.approx(busiest / wall)
         assert figures["server_busiest_thread_waiting_for_cpu"] == pytest.approx(waited / wall)
+
+    def test_the_clock_counts_the_server_children(self) -> None:
+        """`disagg serve` runs gRPC in a child process (``--front-end process``): a child that burns 0.3 s of CPU
+        counts in the server's CPU, its thread is the busiest, and the clock names it the front end's, which it
+        knows by the module on its command line. Both ways of finding the children find it."""
+        bench = compose_bench_module()
+        burn = (
+            "import os, time\nstart = time.thread_time()\n"
+            "while time.thread_time() - start < 0.3: sum(range(1000))\n"
+            "print(os.getpid(), flush=True)\ntime.sleep(30)"
+        )
+        child = [sys.executable, "-c", burn, bench["FRONT_END_MODULE"]]
+        parent = subprocess.Popen(
+            [sys.executable, "-c", f"import subprocess\nsubprocess.run({child!r})"], stdout=subprocess.PIPE, text=True
+        )
+        clock = bench["CpuClock"](parent.pid)
+        child_pid = None
+        try:
+            before = clock.read()
+            assert parent.stdout is not None
+            child_pid = int(parent.stdout.readline())
+            after = clock.read()
+            front_end = clock.front_end()
+            assert clock._descendants() == clock._descendants_by_parent() == [child_pid]
+        finally:
+            if child_pid is not None:
+                os.kill(child_pid, signal.SIGKILL)
+            parent.kill()
+            parent.wait()
+        assert front_end == "process"
+        assert before is not None and after is not None
+        sample = clock.spent(before, after)
+        slack = 3 * clock.TICK_S
+        assert sample[2] >= 0.3 - slack, sample
+        assert 0.3 - slack <= sample[4] <= sample[2] + slack, sample
+        assert sample[6] == "front end", sample
+        assert bench["CpuClock"](os.getpid()).front_end() == "inline"
 
     def test_the_clock_sees_a_thread_wait_for_a_core(self) -> None:
         """A real wait: a process that computes on a core it shares with two others that compute too runs about a
@@ -528,45 +574,72 @@ class TestComposeBenchSizes:
                 proc.kill()
                 proc.wait()
         assert before is not None and after is not None
-        wall, _, _, _, ran, waited = clock.spent(before, after)
+        wall, _, _, _, ran, waited, _ = clock.spent(before, after)
         assert waited is not None
         assert waited / wall >= 0.45, (ran, waited, wall)
         assert ran / wall <= 0.55, (ran, waited, wall)
 
     def test_the_busiest_thread_is_the_one_that_ran_most_in_between(self) -> None:
         """Threads that began before the first reading count only what they ran since, and what they waited for a
-        core since; a thread that began in between counts all it ran and waited."""
+        core since; a thread that began in between counts all it ran and waited. The busiest thread is named by its
+        process."""
         spent = compose_bench_module()["CpuClock"].spent
-        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0, "2": 9.0}, {"1": 3.0, "2": 1.0})
-        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7, "2": 9.1, "3": 0.2}, {"1": 3.2, "2": 1.0, "3": 0.05})
-        assert spent(before, after) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.7, 0.2))
-        new_thread = (11.0, 101.5, 51.0, 5.2, {"3": 0.9}, {"3": 0.05})
-        assert spent(before, new_thread) == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.9, 0.05))
-        assert spent(before, (11.0, 101.5, 51.0, 5.2, {}, {}))[4:] == (0.0, None)
+        owners = {"1": "composer", "2": "composer", "3": "front end"}
+        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0, "2": 9.0}, {"1": 3.0, "2": 1.0}, owners)
+        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7, "2": 9.1, "3": 0.2}, {"1": 3.2, "2": 1.0, "3": 0.05}, owners)
+        assert spent(before, after)[:6] == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.7, 0.2))
+        assert spent(before, after)[6] == "composer"
+        new_thread = (11.0, 101.5, 51.0, 5.2, {"3": 0.9}, {"3": 0.05}, owners)
+        assert spent(before, new_thread)[:6] == pytest.approx((1.0, 1.5, 1.0, 0.2, 0.9, 0.05))
+        assert spent(before, new_thread)[6] == "front end"
+        assert spent(before, (11.0, 101.5, 51.0, 5.2, {}, {}, {}))[4:] == (0.0, None, None)
+
+    def test_a_row_names_the_process_whose_busiest_threads_ran_longest(self) -> None:
+        """Over a row's blocks, the busiest thread's process is the one whose busiest threads ran longest in all, not
+        the one that was busiest in most blocks; the figures at 32 clients take the most frequent over the rounds."""
+        bench = compose_bench_module()
+        tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
+        block = (0.5, least * tick, least * tick / 2, 0.01)
+        spent = [(*block, 0.1, None, "composer")] * 2 + [(*block, 0.3, None, "front end")]
+        row = bench["cpu_figures"](spent, 50)
+        assert row["server_busiest_thread_process"] == "front end"
+        assert "server_busiest_thread_process" not in bench["cpu_figures"]([(*block, 0.0, None, None)], 50)
+        rows = [
+            {"rpc": rpc, "clients": clients, "round": r, "block_ratios": [1.0]}
+            for r in range(3)
+            for rpc in ("noop", "compose")
+            for clients in (1, 32)
+        ]
+        names = ("front end", "composer", "front end", "composer", "composer", "front end")
+        for row, name in zip(rows[1::2], names, strict=True):
+            row.update(bench["cpu_figures"]([(*block, 0.3, None, name)], 50))
+        processes = bench["figures"](rows, 3)["server_busiest_thread_process_at_32_clients"]
+        assert processes == {"noop": "front end", "compose": "composer"}
 
     def test_a_wait_the_kernel_did_not_give_is_left_out(self) -> None:
         """Without the busiest thread's run-queue wait in both readings (a kernel without schedstats), its wait is
         None and the rows leave the figure out instead of counting zero."""
         bench = compose_bench_module()
         spent, cpu_figures = bench["CpuClock"].spent, bench["cpu_figures"]
-        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0}, {})
-        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7}, {"1": 3.2})
+        before = (10.0, 100.0, 50.0, 5.0, {"1": 40.0}, {}, {"1": "composer"})
+        after = (11.0, 101.5, 51.0, 5.2, {"1": 40.7}, {"1": 3.2}, {"1": "composer"})
         assert spent(before, after)[5] is None
         assert spent(after, before)[5] is None
         tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
-        measured = (0.5, least * tick, least * tick / 2, 0.01, least * tick / 4, 0.1)
+        measured = (0.5, least * tick, least * tick / 2, 0.01, least * tick / 4, 0.1, "composer")
         assert cpu_figures([measured] * 2, 50)["server_busiest_thread_waiting_for_cpu"] == pytest.approx(0.2)
-        assert "server_busiest_thread_waiting_for_cpu" not in cpu_figures([measured, (*measured[:5], None)], 50)
+        lacking = (*measured[:5], None, "composer")
+        assert "server_busiest_thread_waiting_for_cpu" not in cpu_figures([measured, lacking], 50)
 
     def test_cpu_figures_too_few_ticks_are_left_out(self) -> None:
         """A block shorter than the clock can count gives no CPU figures, never a zero that a ratio divides by."""
         bench = compose_bench_module()
         tick, least = bench["CpuClock"].TICK_S, bench["TICKS_PER_BLOCK_MIN"]
         cpu_figures = bench["cpu_figures"]
-        assert cpu_figures([(0.04, 0.0, 0.0, 0.01, 0.0, 0.0)] * 5, 25) == {}
-        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01, tick, 0.0)] * 5, 25) == {}
-        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1, 0.4, 0.1)], 0) == {}
-        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01, least * tick / 4, None)] * 5, 50)
+        assert cpu_figures([(0.04, 0.0, 0.0, 0.01, 0.0, 0.0, "composer")] * 5, 25) == {}
+        assert cpu_figures([(0.04, (least - 1) * tick, tick, 0.01, tick, 0.0, "composer")] * 5, 25) == {}
+        assert cpu_figures([], 25) == {} and cpu_figures([(1.0, 1.0, 0.5, 0.1, 0.4, 0.1, "composer")], 0) == {}
+        enough = cpu_figures([(0.5, least * tick, least * tick / 2, 0.01, least * tick / 4, None, "composer")] * 5, 50)
         assert enough["machine_cpu_us_per_call"] == pytest.approx(5 * least * tick / 50 * 1e6)
         assert enough["busy_cores"] == pytest.approx(least * tick / 0.5)
         assert enough["server_busiest_thread_busy"] == pytest.approx(least * tick / 4 / 0.5)
@@ -580,6 +653,29 @@ class TestComposeBenchSizes:
         assert unmeasured["machine_cpu_ratio_at_32_clients"] is None
         assert unmeasured["machine_cpu_us_per_call_at_32_clients"].keys() == {"noop"}
         assert unmeasured["server_busiest_thread_waiting_for_cpu_at_32_clients"] == {}
+
+    @pytest.mark.parametrize("front_end", ["process", "inline"])
+    def test_the_front_end_asked_for(self, tmp_path: Path, capsys: pytest.CaptureFixture[str], front_end: str) -> None:
+        """--front-end goes to disagg serve; the file and the summary say which ran, and with a front end in a
+        process the clock reads the threads of both processes, each named by its process."""
+        bench = compose_bench_module()
+        proc, _ = bench["start_server"](200, tmp_path, "sqlite", front_end)
+        try:
+            clock = bench["CpuClock"](proc.pid)
+            reading = clock.read()
+            assert clock.front_end() == front_end
+        finally:
+            bench["stop_server"](proc)
+        assert reading is not None
+        expected = {"front end", "composer"} if front_end == "process" else {"composer"}
+        assert set(reading[6].values()) == expected
+        assert set(reading[6]) == set(reading[4])
+        out = tmp_path / "grpc_compose.json"
+        argv = ["--ledger", "sqlite", "--front-end", front_end, "--devices", "200", "--seconds", "0.2", "--rounds", "1"]
+        assert bench["main"]([*argv, "--out", str(out)]) == 0
+        settings = json.loads(out.read_text())["settings"]
+        assert (settings["front_end"], settings["front_end_asked"]) == (front_end, front_end)
+        assert f"200 devices, front end {front_end}: " in capsys.readouterr().out
 
     def test_bad_device_counts(self, capsys: pytest.CaptureFixture[str]) -> None:
         main = compose_bench_module()["main"]
