@@ -386,6 +386,20 @@ class TestStoppedWhileStarting:
         assert not socket_path(tmp_path).exists()
 
 
+class TestFrontEndFailsToStart:
+    def test_said_as_such(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A front end that ends before it listens fails the start saying so, with its exit code: it was told as
+        a server stopped while it started, which no one had stopped."""
+        broken = tmp_path / "broken-python"
+        broken.write_text("#!/bin/sh\nexit 3\n")
+        broken.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(broken))
+        server = embedded(f"unix:{socket_path(tmp_path)}")
+        with pytest.raises(ConfigError, match=r"the gRPC front end did not start \(exit code 3\)"):
+            server.start()
+        assert not socket_path(tmp_path).exists()
+
+
 class TestStartedFromAThread:
     def test_the_front_end_outlives_the_thread_that_started_the_server(self, tmp_path: Path) -> None:
         """``PR_SET_PDEATHSIG`` fires when the thread that spawned the front end ends, not its process: the front

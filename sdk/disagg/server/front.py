@@ -332,8 +332,9 @@ class ProcessFrontEnd:
             listening = None
         if listening is None:
             why = self._link.why or f"it did not listen within {START_S:g} s"
+            stopped = self._stopping  # before `_end_process`, which sets it
             code = await self._end_process(0.0)
-            if self._stopping:
+            if stopped:
                 raise ServerStoppedError("the server was stopped while it started")
             raise ConfigError(f"the gRPC front end did not start (exit code {code}): {why}")
         if "failed" in listening:
