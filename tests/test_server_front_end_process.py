@@ -281,6 +281,26 @@ class TestSignals:
         assert claim is not None, "the socket's claim was kept"
         claim.close()
 
+    def test_signals_while_the_front_end_starts(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A Ctrl-C (or SIGTERM) sent to the process group as the front end starts is its parent's to act on, as
+        once it serves: it killed the front end, in the middle of its imports, with a traceback."""
+        slow = SlowStart(tmp_path, monkeypatch)
+        address = f"unix:{socket_path(tmp_path)}"
+        server = embedded(address)
+        try:
+            starter, outcome = start_in_thread(server)
+            front = slow.started()
+            os.kill(front, signal.SIGINT)
+            os.kill(front, signal.SIGTERM)
+            slow.go()
+            starter.join(START_S)
+            assert outcome == [[address]]
+            assert list_pools(address) == 2
+            assert alive(front)
+        finally:
+            server.stop(0)
+        assert not alive(front)
+
 
 class TestBindFailures:
     """A front end that cannot listen fails the start as one process would, and leaves nothing behind."""

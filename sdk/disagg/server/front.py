@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import grpc.aio
 from disagg.errors import ConfigError
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.server.errors import wrap_async
-from disagg.server.front_end import METHODS, SERVICE
+from disagg.server.front_end import METHODS, PARENTS_SIGNALS, SERVICE
 from disagg.server.link import (
     CALL,
     CALL_HEAD,
@@ -312,6 +313,9 @@ class ProcessFrontEnd:
             ],
             "options": [list(option) for option in self._options],
         }
+        # Started with Ctrl-C and SIGTERM blocked (a thread's mask is inherited) until it ignores them: one sent to
+        # the process group as it starts, before Python could ignore it, killed it with a traceback.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, PARENTS_SIGNALS)
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "disagg.server.front_end", json.dumps(spec)],
@@ -319,6 +323,7 @@ class ProcessFrontEnd:
                 stdin=subprocess.DEVNULL,
             )
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
         methods = linked_methods(service)
         _, self._link = await loop.connect_accepted_socket(lambda: ComposerLink(loop, methods, self._lost), mine)

@@ -64,6 +64,8 @@ SERVICE = fm.DESCRIPTOR.services_by_name["FabricManagerService"]
 METHODS = list(SERVICE.methods)
 """The service's methods; a call names its method by index in this list, the same in both processes."""
 PR_SET_PDEATHSIG = 1
+PARENTS_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+"""Ctrl-C and SIGTERM, which the parent acts on, for this process too (`main`)."""
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 Handler = Callable[[bytes, "grpc.aio.ServicerContext[bytes, bytes]"], Awaitable[Any]]
@@ -233,8 +235,9 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str]) -> None:
     spec = json.loads(argv[1])
     _die_with_parent(spec["parent"])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in PARENTS_SIGNALS:  # one that came as it started, blocked since (`ProcessFrontEnd.start`), drops
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PARENTS_SIGNALS)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(spec))
