@@ -34,30 +34,13 @@ from disagg.server.link import CALL, HEADER, MAX_FRAME
 from disagg.server.runtime import ServerStoppedError
 from disagg.store import MemoryStore
 from grpc_health.v1 import health_pb2
-from server_helpers import WAIT_S, serving, socket_path, wait_until
+from server_helpers import SERVE_CONFIG, WAIT_S, serving, socket_path, wait_until
 
 START_S = 30.0
 """The longest a ``disagg serve`` child may take to import everything and listen."""
 GONE_S = 5.0
 """The longest a front end may outlive the process that started it."""
 FRONT_END = "disagg.server.front_end"
-
-CONFIG = """
-[state]
-{ledger}
-
-[[fabric]]
-name = "pcie0"
-driver = "sim"
-options = {{ topology = "demo-pcie" }}
-
-[[fabric]]
-name = "cxl0"
-driver = "sim"
-options = {{ topology = "demo-cxl" }}
-"""
-"""The demo rack (`composer_helpers.rack`): two memory pools."""
-
 
 # ------------------------------------------------------------------------------------------ processes
 
@@ -106,9 +89,12 @@ def free_port() -> int:
 
 
 def write_config(tmp_path: Path, ledger: str) -> Path:
+    """The demo rack (two memory pools, as `composer_helpers.rack`), its ledger in ``ledger.db`` or in memory."""
     config = tmp_path / "disagg.toml"
-    state = 'ledger = "memory"' if ledger == "memory" else f'ledger = "sqlite"\npath = "{tmp_path / "ledger.db"}"'
-    config.write_text(CONFIG.format(ledger=state))
+    text = SERVE_CONFIG.format(delay=0, socket=socket_path(tmp_path))
+    if ledger == "sqlite":
+        text = text.replace('ledger = "memory"', f'ledger = "sqlite"\npath = "{tmp_path / "ledger.db"}"')
+    config.write_text(text)
     return config
 
 
