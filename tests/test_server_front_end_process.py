@@ -426,6 +426,26 @@ class TestStartedFromAThread:
             server.stop(0)
         assert front_ends(os.getpid()) == []
 
+    def test_the_front_end_ends_with_the_thread_that_spawned_it(self) -> None:
+        """What the test above guards against, and that ``PR_SET_PDEATHSIG`` is set: a front end spawned on a
+        thread that ends once it listens (it set the signal by then) is killed, its link still open (so not
+        by the link's end)."""
+        ours, theirs = socket.socketpair()
+        spawned: list[subprocess.Popen[bytes]] = []
+
+        def spawn() -> None:
+            spec = {"fd": theirs.fileno(), "parent": os.getpid(), "listeners": [], "options": []}
+            command = [sys.executable, "-m", FRONT_END, json.dumps(spec)]
+            spawned.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
+            assert ours.recv(HEADER.size)  # it listens (on nothing)
+
+        with ours, theirs:
+            ours.settimeout(START_S)
+            spawner = threading.Thread(target=spawn)
+            spawner.start()
+            spawner.join(START_S)
+            assert spawned[0].wait(WAIT_S) == -signal.SIGKILL
+
 
 # ------------------------------------------------------------------------------------------ the link
 
