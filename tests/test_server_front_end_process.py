@@ -24,7 +24,7 @@ from composer_helpers import rack
 from crash_helpers import ServeProcess
 from disagg.cli.serve import EXIT_FAILED
 from disagg.composer import FabricComposer
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, DisaggError
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.lockfile import try_lock
@@ -243,6 +243,50 @@ class TestFrontEndKilled:
         finally:
             server.stop(0)
         assert front_ends(os.getpid()) == []
+
+    def test_dying_while_the_composer_is_built(self, tmp_path: Path) -> None:
+        """A front end that dies before the server serves fails the start: the server never says SERVING, nor
+        calls ``on_serving``, and ``start`` says why."""
+        building = threading.Event()
+        go_on = threading.Event()
+        served: list[list[str]] = []
+        failures: list[str] = []
+
+        def build() -> FabricComposer:
+            building.set()
+            assert go_on.wait(WAIT_S), "the test did not let the build go on"
+            return FabricComposer(rack(), store=MemoryStore())
+
+        server = FabricManagerServer(
+            build,
+            [f"unix:{socket_path(tmp_path)}"],
+            front_end="process",
+            on_serving=served.append,
+            on_failed=failures.append,
+        )
+        starting = threading.Thread(target=lambda: _start_failure(server, failures))
+        try:
+            starting.start()
+            assert building.wait(WAIT_S), "the composer's build never began"
+            os.kill(the_front_end(os.getpid()), signal.SIGKILL)
+            wait_until(lambda: FRONT_END_GONE in failures, "on_failed to be told the front end ended")
+            go_on.set()
+            starting.join(WAIT_S)
+            assert not starting.is_alive(), "start did not return"
+        finally:
+            go_on.set()
+            server.stop(0)
+        assert f"{FRONT_END_GONE} while the server started: nothing was served" in failures
+        assert served == []
+        assert health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def _start_failure(server: FabricManagerServer, failures: list[str]) -> None:
+    """Start ``server``, adding what its start raised to ``failures``."""
+    try:
+        server.start()
+    except DisaggError as exc:
+        failures.append(exc.message)
 
 
 class TestSignals:

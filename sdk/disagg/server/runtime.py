@@ -326,6 +326,8 @@ class FabricManagerServer:
         self._loop: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._front: ProcessFrontEnd | None = None
+        self._front_failure: str | None = None
+        """Under ``_lock``: why the front end's process ended by itself; the server then never serves."""
         if isinstance(composer, FabricComposer):
             self._adopt(composer)
         self._claims: list[tuple[Path, IO[bytes]]] = []
@@ -415,6 +417,8 @@ class FabricManagerServer:
             finally:
                 self._let_go("start")
             if not self._serve():
+                if self._front_failure is not None:
+                    raise DisaggError(f"{self._front_failure} while the server started: nothing was served")
                 raise ServerStoppedError("the server was stopped while it started")
         except BaseException:
             self._abandon_start()
@@ -485,6 +489,8 @@ class FabricManagerServer:
         with self._lock:
             if self._state not in ("starting", "standby"):
                 return False
+            if self._front_failure is not None:
+                return False  # nothing would reach it: `_front_lost` said so
             if self.leadership is not None and self.leadership.lost.is_set():
                 return False  # lost while the composer started: `_watch_lead` steps down
             # Everything discovery built (100,000 devices and their index) lives as long as the server: keep it
@@ -658,6 +664,9 @@ class FabricManagerServer:
     def _front_lost(self, why: str) -> None:
         """The front end's process ended of itself (killed, out of memory): nothing reaches this server any more.
         Stop serving and say so (`on_failed`), in a thread: stopping waits for locks the loop must not wait on."""
+
+        with self._lock:
+            self._front_failure = why
 
         def fail() -> None:
             if self._built is not None:
