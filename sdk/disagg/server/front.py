@@ -59,6 +59,9 @@ log = logging.getLogger("disagg.server")
 
 START_S = 60.0
 """The longest the front end may take to listen: an interpreter that imports grpcio takes well under a second."""
+STOP_MARGIN_S = 5.0
+"""How much longer than the grace a stopping front end may take before it is killed: its stop only waits for the
+calls in flight, which the grace bounds."""
 FRONT_END_GONE = "the gRPC front end's process ended"
 
 
@@ -375,7 +378,7 @@ class ProcessFrontEnd:
         if self._link is not None and not self._link.closed and self._listening:
             self._link.send_json(STOP, 0, grace)
             try:
-                await asyncio.wait_for(asyncio.shield(self._link.stopped), (grace or 0.0) + START_S)
+                await asyncio.wait_for(asyncio.shield(self._link.stopped), (grace or 0.0) + STOP_MARGIN_S)
             except TimeoutError:
                 log.warning("the gRPC front end did not stop in time: killing it")
         await self._end_process(1.0)
