@@ -21,6 +21,7 @@ from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import Fabric
 from disagg.model import CompositionState
 from disagg.server import SERVICE_NAME, FabricManagerServer
+from disagg.server.runtime import ServerStoppedError
 from disagg.server.watch import WATCH_RETRY_S
 from disagg.store import MemoryStore, SqliteStore, Store
 from disagg.wire.errors import retry_delay_s
@@ -434,6 +435,32 @@ class TestHealthAndReflection:
             starter.join(WAIT_S)
             channel.close()
             server.stop(0)
+
+    def test_stopped_while_building(self, tmp_path: Path) -> None:
+        """As on one process (`test_serve_starting`): the start raises `ServerStoppedError`, the socket is gone, and
+        the composer built after the stop is closed."""
+        build = GatedBuild()
+        sock = socket_path(tmp_path)
+        server = FabricManagerServer(build, [f"unix:{sock}"], front_end="process")
+        outcome: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                server.start()
+            except BaseException as exc:
+                outcome.append(exc)
+
+        starter = threading.Thread(target=start)
+        starter.start()
+        try:
+            assert build.entered.wait(WAIT_S)
+            server.stop(0)
+            assert not sock.exists()
+        finally:
+            build.gate.set()
+            starter.join(WAIT_S)
+        assert len(outcome) == 1 and isinstance(outcome[0], ServerStoppedError), outcome
+        assert build.fabric.closed.wait(WAIT_S), "the composer built after the stop was not closed"
 
     def test_reflection_lists_the_services(self, served: Served) -> None:
         database = ProtoReflectionDescriptorDatabase(served.channel)

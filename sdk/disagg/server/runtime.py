@@ -360,7 +360,9 @@ class FabricManagerServer:
         )
         front, loop = self._front, self._loop
         if front is not None and loop is not None:
-            loop.call_soon(front.serve, self._built[2])
+            # RuntimeError: the loop is closed, the server stopped while it built (which `start` then says).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon(front.serve, self._built[2])
 
     def _part(self) -> tuple[FabricComposer, FabricManagerServicer, AsyncFabricManagerServicer]:
         if self._built is None:
