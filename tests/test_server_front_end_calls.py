@@ -46,6 +46,7 @@ from server_helpers import (
     wait_until,
 )
 from test_serve_starting import GatedBuild
+from test_server_lifecycle import EVERY_UNARY_CALL
 
 FRONT_ENDS = ("inline", "process")
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -147,9 +148,14 @@ class TestErrors:
             holder = stub.Compose(compose_request("taken")).composition.id
             taken, taken_trailer = refusal(stub.Compose, compose_request("taken"))
             assert taken.metadata["holder"] == holder
+            etag = stub.GetComposition(fm.GetCompositionRequest(id=holder)).composition.etag
+            stub.UpdateComposition(fm.UpdateCompositionRequest(id=holder, add=[gpu()]))
+            stale = fails(stub.UpdateComposition, fm.UpdateCompositionRequest(id=holder, add=[gpu()], etag=etag))
+            assert stale.preconditions == (("CONFLICT", holder),)
             return [
                 (taken.code, taken.reason, taken.message.replace(holder, "<id>")),
                 len(taken_trailer),
+                (stale.code, stale.reason, stale.message.replace(holder, "<id>").replace(etag, "<etag>")),
                 refusal(stub.GetDevice, fm.GetDeviceRequest(id="pcie0/gpu-nope")),
                 refusal(stub.Compose, compose_request("x", host=fm.HostRequest(name="h9"))),
                 refusal(stub.Compose, compose_request("bad", gpu(1, affinity=9))),
@@ -158,7 +164,8 @@ class TestErrors:
             ]
 
         answers = same_on_both(tmp_path, scenario)
-        (device, device_trailer), _, (bad, _), (big, _), _ = answers[2:]
+        (device, device_trailer), _, (bad, _), (big, _), _ = answers[3:]
+        assert answers[2][:2] == (grpc.StatusCode.FAILED_PRECONDITION, "CONFLICT")
         assert device.code is grpc.StatusCode.NOT_FOUND and device.resource == ("device", "pcie0/gpu-nope")
         assert [key for key, _ in device_trailer] == ["grpc-status-details-bin"]
         assert bad.code is grpc.StatusCode.INVALID_ARGUMENT and bad.fields == ("resources[0].affinity",)
@@ -415,7 +422,10 @@ class TestHealthAndReflection:
             )
             assert next(watch).status == NOT_SERVING
             stub = fm_grpc.FabricManagerServiceStub(channel)
-            starting = fails(stub.ListDevices, fm.ListDevicesRequest(), timeout=WAIT_S)
+            for method, request in EVERY_UNARY_CALL:
+                starting = fails(getattr(stub, method), request, timeout=WAIT_S)
+                assert starting.code is grpc.StatusCode.UNAVAILABLE and "starting" in starting.message, method
+            starting = stream_fails(stub.WatchEvents, fm.WatchEventsRequest())
             assert starting.code is grpc.StatusCode.UNAVAILABLE and "starting" in starting.message
             build.gate.set()
             starter.join(WAIT_S)
