@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 from disagg.composer import FabricComposer
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
@@ -96,11 +97,12 @@ class TestListeningWhileBuilding:
             channel.close()
             server.stop(0)
 
-    def test_stopped_while_building(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("front_end", ["inline", "process"])
+    def test_stopped_while_building(self, tmp_path: Path, front_end: str) -> None:
         """The stop does not wait for the build beyond its grace; the composer built after it is closed."""
         build = GatedBuild()
         sock = socket_path(tmp_path)
-        server = FabricManagerServer(build, [f"unix:{sock}"])
+        server = FabricManagerServer(build, [f"unix:{sock}"], front_end=front_end)
         outcome: list[BaseException] = []
 
         def start() -> None:

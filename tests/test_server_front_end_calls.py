@@ -4,6 +4,8 @@ composer's loop (``"inline"``), which each test compares with where the answer c
 
 The front end forwards every call as its bytes (`disagg.server.front_end`) and the composer's process answers it
 with the handlers grpcio would run (`disagg.server.front`): what a client sees must not tell the two apart.
+A stalled watch and one ended by a stop (test_server_watch), a graceful stop (test_server_lifecycle) and a stop
+while the composer builds (test_serve_starting) are tested with both front ends where they are tested inline.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
 from disagg.interfaces import Fabric
 from disagg.model import CompositionState
 from disagg.server import SERVICE_NAME, FabricManagerServer
-from disagg.server.runtime import ServerStoppedError
 from disagg.server.watch import WATCH_RETRY_S
 from disagg.store import MemoryStore, SqliteStore, Store
 from disagg.wire.errors import retry_delay_s
@@ -324,22 +325,6 @@ class TestWatchEvents:
 
         assert same_on_both(tmp_path, scenario) is grpc.StatusCode.DEADLINE_EXCEEDED
 
-    def test_a_stop_ends_the_watch_with_unavailable_within_its_grace(self, served: Served) -> None:
-        churn(served, 1)
-        stream = served.stub.WatchEvents(fm.WatchEventsRequest(), timeout=WAIT_S)
-        assert take(stream, 1) == [1]
-        stopper = threading.Thread(target=served.server.stop, args=(WAIT_S,))
-        started = time.monotonic()
-        stopper.start()
-        try:
-            with pytest.raises(grpc.RpcError) as info:
-                next(stream)
-            failed = failure_of(info.value)
-            assert failed.code is grpc.StatusCode.UNAVAILABLE and "revision 1" in failed.message
-        finally:
-            stopper.join(WAIT_S)
-        assert not stopper.is_alive() and time.monotonic() - started < WAIT_S / 2, "the stop waited out its grace"
-
     def test_refusals_are_those_inline_gives(self, tmp_path: Path) -> None:
         def scenario(served: Served) -> list[Any]:
             churn(served, 10)
@@ -373,30 +358,6 @@ class TestWatchEvents:
             assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "OVERLOADED"
             asked = retry_delay_s(info.value)
             assert asked is not None and WATCH_RETRY_S <= asked <= 2 * WATCH_RETRY_S
-
-    def test_a_stalled_watch_frees_its_slot_and_is_told(self, tmp_path: Path) -> None:
-        """As `test_server_watch.TestSlowWatcher` on one process: the front end passes a message on only as gRPC
-        takes it, so the composer's send waits for a client that stopped reading and the stall is caught there."""
-        with serving(socket_path(tmp_path), max_watches=1, front_end="process") as served:
-            served.server.servicer.watch_stall_s = 0.5
-            churn(served, 3000)  # more than the connection's flow-control window holds
-            with grpc.insecure_channel(served.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
-                stalled = fm_grpc.FabricManagerServiceStub(channel).WatchEvents(
-                    fm.WatchEventsRequest(), timeout=WAIT_S * 3
-                )
-                assert take(stalled, 1) == [1]
-                wait_until(lambda: len(served.server.servicer.watches) == 0, "the stalled watch to be dropped")
-                other = served.stub.WatchEvents(fm.WatchEventsRequest(after_revision=2999), timeout=WAIT_S)
-                assert take(other, 1) == [3000]
-                other.cancel()
-                read = [1]
-                with pytest.raises(grpc.RpcError) as info:
-                    for msg in stalled:
-                        read.append(msg.event.revision)
-                failed = failure_of(info.value)
-                assert failed.code is grpc.StatusCode.RESOURCE_EXHAUSTED and failed.reason == "OVERLOADED"
-                assert read == list(range(1, len(read) + 1)) and len(read) < 3000
-                assert failed.metadata["revision"] == str(read[-1]) and f"revision {read[-1]}" in failed.message
 
 
 def health_of(channel: grpc.Channel, service: str = "") -> int:
@@ -445,32 +406,6 @@ class TestHealthAndReflection:
             channel.close()
             server.stop(0)
 
-    def test_stopped_while_building(self, tmp_path: Path) -> None:
-        """As on one process (`test_serve_starting`): the start raises `ServerStoppedError`, the socket is gone, and
-        the composer built after the stop is closed."""
-        build = GatedBuild()
-        sock = socket_path(tmp_path)
-        server = FabricManagerServer(build, [f"unix:{sock}"], front_end="process")
-        outcome: list[BaseException] = []
-
-        def start() -> None:
-            try:
-                server.start()
-            except BaseException as exc:
-                outcome.append(exc)
-
-        starter = threading.Thread(target=start)
-        starter.start()
-        try:
-            assert build.entered.wait(WAIT_S)
-            server.stop(0)
-            assert not sock.exists()
-        finally:
-            build.gate.set()
-            starter.join(WAIT_S)
-        assert len(outcome) == 1 and isinstance(outcome[0], ServerStoppedError), outcome
-        assert build.fabric.closed.wait(WAIT_S), "the composer built after the stop was not closed"
-
     def test_reflection_lists_the_services(self, served: Served) -> None:
         database = ProtoReflectionDescriptorDatabase(served.channel)
         services = set(database.get_services())
@@ -508,38 +443,6 @@ class TestLargeAnswers:
 
 
 class TestGracefulStop:
-    def test_a_compose_in_flight_completes_and_new_calls_are_refused(self, tmp_path: Path) -> None:
-        with serving(socket_path(tmp_path), slow_rack(1.0), front_end="process") as served:
-            outcome: dict[str, Any] = {}
-
-            def compose() -> None:
-                try:
-                    outcome["reply"] = served.stub.Compose(compose_request("slow"), timeout=WAIT_S)
-                except grpc.RpcError as err:
-                    outcome["error"] = err.code()
-
-            composing = threading.Thread(target=compose)
-            composing.start()
-            wait_until(lambda: bool(served.composer.compositions()), "the compose to begin")
-            stopper = threading.Thread(target=served.server.stop, args=(WAIT_S,))
-            stopper.start()
-            try:
-
-                def refused() -> bool:
-                    try:
-                        served.stub.GetTopology(fm.GetTopologyRequest(), timeout=1.0)
-                    except grpc.RpcError as err:
-                        return err.code() is grpc.StatusCode.UNAVAILABLE
-                    return False
-
-                wait_until(refused, "new calls to be refused")
-                assert composing.is_alive(), "the compose in flight should still be running"
-            finally:
-                composing.join(WAIT_S)
-                stopper.join(WAIT_S)
-            assert "error" not in outcome and outcome["reply"].composition.state == fm.COMPOSITION_STATE_COMPOSED
-            assert not stopper.is_alive()
-
     def test_a_call_past_the_grace_is_ended_as_inline_ends_it(self, tmp_path: Path) -> None:
         """A Compose still binding when the grace runs out ends UNAVAILABLE for its client, with either front end;
         the stop takes the grace it was given."""

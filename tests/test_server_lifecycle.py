@@ -160,8 +160,9 @@ class TestReflection:
 class TestShutdown:
     """Stopping sets health NOT_SERVING first, refuses new calls with UNAVAILABLE, lets calls in flight finish."""
 
-    def test_graceful(self, tmp_path: Path) -> None:
-        with serving(socket_path(tmp_path), slow_rack(1.0)) as served:
+    @pytest.mark.parametrize("front_end", ["inline", "process"])
+    def test_graceful(self, tmp_path: Path, front_end: str) -> None:
+        with serving(socket_path(tmp_path), slow_rack(1.0), front_end=front_end) as served:
             health = health_pb2_grpc.HealthStub(served.channel).Watch(
                 health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=WAIT_S
             )

@@ -207,28 +207,35 @@ class TestWatchEvents:
         wait_until(lambda: len(served.server.servicer.watches) == 0, "the watch to close")
         churn(served, 1)  # the composer no longer calls the closed watch's buffer
 
-    def test_server_stop_ends_the_watch_with_unavailable(self, served: Served) -> None:
-        churn(served, 1)
-        stream = watch(served)
-        assert take(stream, 1) == [1]
-        stopper = threading.Thread(target=served.server.stop, args=(WAIT_S,))
-        stopper.start()
-        try:
-            with pytest.raises(grpc.RpcError) as info:
-                next(stream)
-            failed = failure_of(info.value)
-            assert failed.code is grpc.StatusCode.UNAVAILABLE and "revision 1" in failed.message
-        finally:
-            stopper.join(WAIT_S)
-        assert not stopper.is_alive()
+    @pytest.mark.parametrize("front_end", ["inline", "process"])
+    def test_server_stop_ends_the_watch_with_unavailable(self, tmp_path: Path, front_end: str) -> None:
+        """At once, not when the grace runs out, with either front end."""
+        with serving(socket_path(tmp_path), front_end=front_end) as served:
+            churn(served, 1)
+            stream = watch(served)
+            assert take(stream, 1) == [1]
+            stopper = threading.Thread(target=served.server.stop, args=(WAIT_S,))
+            started = time.monotonic()
+            stopper.start()
+            try:
+                with pytest.raises(grpc.RpcError) as info:
+                    next(stream)
+                failed = failure_of(info.value)
+                assert failed.code is grpc.StatusCode.UNAVAILABLE and "revision 1" in failed.message
+            finally:
+                stopper.join(WAIT_S)
+            assert not stopper.is_alive() and time.monotonic() - started < WAIT_S / 2, "the stop waited its grace"
 
 
 class TestSlowWatcher:
     """A watcher that stops reading keeps no slot: once a send has waited `watch_stall_s`, its watch ends and the
     client, when it reads again, gets what was sent and then OVERLOADED saying where to resume."""
 
-    def test_a_stalled_watch_frees_its_slot_and_is_told(self, tmp_path: Path) -> None:
-        with serving(socket_path(tmp_path), max_watches=1) as served:
+    @pytest.mark.parametrize("front_end", ["inline", "process"])
+    def test_a_stalled_watch_frees_its_slot_and_is_told(self, tmp_path: Path, front_end: str) -> None:
+        """With the front end in a process of its own too: it passes a message on only as gRPC takes it, so the
+        composer's send waits for a client that stopped reading, and the stall is caught there."""
+        with serving(socket_path(tmp_path), max_watches=1, front_end=front_end) as served:
             served.server.servicer.watch_stall_s = 0.5
             churn(served, 3000)  # more than the connection's flow-control window holds
             # No bandwidth probing: the window stays at its first 64 KiB, as for a client that does not read.
