@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import server_helpers
 from disagg.testing.selection import deselect_undeclared
 from disagg_sim.fabric import SIM_CAPABILITIES
 from hypothesis import HealthCheck, settings
-from server_helpers import Served, serving
+from server_helpers import FRONT_ENDS, Served, serving
 
 settings.register_profile(
     "disagg",
@@ -24,6 +25,25 @@ settings.load_profile("disagg")
 
 NO_MLD = {"CARVE-MLD-LOGICAL-DEVICES": "the sim's fabrics here have no MLD pool (test_conformance_broken.py has)"}
 """The clause whose hardware the sim fabrics under test lack; certified on MLD pools elsewhere."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that uses the ``front_end`` fixture runs once a front end (ids ``[inline]``, ``[process]``); one
+    marked ``inline_only("why")`` only inline: it looks into the grpc.aio server of the composer's process."""
+    if "front_end" not in metafunc.fixturenames:
+        return
+    inline_only = metafunc.definition.get_closest_marker("inline_only")
+    if inline_only is not None and not inline_only.args:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: inline_only needs the reason the test is inline only")
+    metafunc.parametrize("front_end", FRONT_ENDS[:1] if inline_only else FRONT_ENDS, indirect=True)
+
+
+@pytest.fixture
+def front_end(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The front end `server_helpers.serving` gives its server for this test; a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("front_end")``."""
+    monkeypatch.setattr(server_helpers, "FRONT_END", request.param)
+    return str(request.param)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -40,6 +40,11 @@ from grpc_status import rpc_status
 WAIT_S = 10.0
 """The longest any test waits for a server to do something."""
 
+FRONT_ENDS = ("inline", "process")
+FRONT_END = "inline"
+"""Where `serving` runs gRPC (`FabricManagerServer`'s ``front_end``): set for a test by the ``front_end`` fixture
+(tests/conftest.py), so that a module that uses it holds both front ends to the same behaviour."""
+
 
 class UnknownStatusError(AssertionError):
     pass
@@ -197,10 +202,12 @@ def serving(
     grace: float = 2.0,
     **server_options: Any,
 ) -> Iterator[Served]:
-    """A started server on ``unix:<socket>`` over the demo rack (or ``fabrics``); always stopped at the end."""
+    """A started server on ``unix:<socket>`` over the demo rack (or ``fabrics``), its gRPC where `FRONT_END` says
+    unless ``front_end`` is given; always stopped at the end."""
     fabrics = fabrics if fabrics is not None else rack()
     composer = FabricComposer(fabrics, store=store or MemoryStore())
     address = f"unix:{socket}"
+    server_options.setdefault("front_end", FRONT_END)
     server = FabricManagerServer(composer, [address], drivers=DRIVERS, **server_options)
     try:
         server.start()

@@ -44,6 +44,8 @@ from server_helpers import (
     wait_until,
 )
 
+pytestmark = pytest.mark.usefixtures("front_end")
+
 MEMORY = fm.ResourceRequest(kind=pb.DEVICE_KIND_CXL_MEMORY, amount_bytes=2**39)
 
 

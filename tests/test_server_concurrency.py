@@ -43,6 +43,8 @@ from server_helpers import (
     wait_until,
 )
 
+pytestmark = pytest.mark.usefixtures("front_end")
+
 GPUS = 3
 HOSTS = 4
 TOPOLOGY = (

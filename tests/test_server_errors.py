@@ -309,6 +309,7 @@ class TestUndecodableRequest:
             assert refused_undecodable(failure_of(info.value))
 
 
+@pytest.mark.usefixtures("front_end")
 class TestFabricManagerUndecodableRequest:
     """On `disagg serve`'s server, a Compose, a watch and a reflection stream that do not decode are
     INVALID_ARGUMENT."""
@@ -328,6 +329,16 @@ class TestFabricManagerUndecodableRequest:
             with pytest.raises(grpc.RpcError) as info:
                 next(answers)
             assert refused_undecodable(failure_of(info.value))
+
+    def test_health(self, tmp_path: Path) -> None:
+        """Health is answered beside the fabric-manager service (by the front end's process, when it has one)."""
+        check = health_pb2.HealthCheckRequest(service="abc").SerializeToString().replace(b"abc", b"a\xffc")
+        with serving(socket_path(tmp_path)) as served:
+            rpc = "/grpc.health.v1.Health"
+            with pytest.raises(grpc.RpcError) as info:
+                served.channel.unary_unary(f"{rpc}/Check")(check, timeout=WAIT_S)
+            assert refused_undecodable(failure_of(info.value))
+            assert refused_undecodable(stream_fails(served.channel.unary_stream(f"{rpc}/Watch"), check))
 
 
 class TestUnknownGuard:

@@ -26,6 +26,8 @@ from server_helpers import (
     socket_path,
 )
 
+pytestmark = pytest.mark.usefixtures("front_end")
+
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:

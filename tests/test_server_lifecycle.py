@@ -87,11 +87,13 @@ class TestStartup:
         protocol = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
         assert [m.name for m in methods if f"`{m.name}`" not in protocol] == []
 
-    def test_unavailable_until_started(self, tmp_path: Path) -> None:
+    def test_unavailable_until_started(self, tmp_path: Path, front_end: str) -> None:
         gated = GatedDiscovery(load_topology("pcie0", "demo-pcie"))
         gated.gate = threading.Event()
         address = f"unix:{socket_path(tmp_path)}"
-        server = FabricManagerServer(FabricComposer({"pcie0": gated}, store=MemoryStore()), [address])
+        server = FabricManagerServer(
+            FabricComposer({"pcie0": gated}, store=MemoryStore()), [address], front_end=front_end
+        )
         starter = threading.Thread(target=server.start)
         starter.start()
         channel = guarded_channel(address)
@@ -114,14 +116,16 @@ class TestStartup:
             channel.close()
             server.stop(0)
 
-    def test_failed_start_closes_everything(self, tmp_path: Path) -> None:
+    def test_failed_start_closes_everything(self, tmp_path: Path, front_end: str) -> None:
         class Unreachable(SimFabric):
             def discover(self) -> Topology:
                 raise FabricUnavailableError("switch management port does not answer")
 
         sock = socket_path(tmp_path)
         server = FabricManagerServer(
-            FabricComposer({"pcie0": Unreachable(load_topology("pcie0", "demo-pcie"))}), [f"unix:{sock}"]
+            FabricComposer({"pcie0": Unreachable(load_topology("pcie0", "demo-pcie"))}),
+            [f"unix:{sock}"],
+            front_end=front_end,
         )
         with pytest.raises(FabricUnavailableError, match="does not answer"):
             server.start()
@@ -131,6 +135,7 @@ class TestStartup:
             assert served.stub.ListPools(fm.ListPoolsRequest()).pools
 
 
+@pytest.mark.usefixtures("front_end")
 class TestHealth:
     """grpc.health.v1 answers SERVING for the server and the fabric-manager service once started."""
 
@@ -146,6 +151,7 @@ class TestHealth:
         assert info.value.code() is grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.usefixtures("front_end")
 class TestReflection:
     """Server reflection lists the fabric-manager and health services and serves their descriptors."""
 
@@ -157,6 +163,7 @@ class TestReflection:
         assert found.name == "disagg/fabric/v1/fabric_manager.proto"
 
 
+@pytest.mark.usefixtures("front_end")
 class TestShutdown:
     """Stopping sets health NOT_SERVING first, refuses new calls with UNAVAILABLE, lets calls in flight finish."""
 
@@ -267,11 +274,11 @@ class TestReservationTimer:
             assert failed.code is grpc.StatusCode.NOT_FOUND
 
 
-def started_under_umask(sock: Path, umask: int) -> FabricManagerServer:
+def started_under_umask(sock: Path, umask: int, front_end: str = "inline") -> FabricManagerServer:
     """A server on the demo rack listening on ``sock``, started while the process's umask is ``umask``."""
     old = os.umask(umask)
     try:
-        server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"])
+        server = FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"], front_end=front_end)
         server.start()
     finally:
         os.umask(old)
@@ -329,6 +336,7 @@ class TestListeners:
         with pytest.raises(ConfigError, match="at most 107 bytes"):
             parse_listener("unix:/" + "d" * 120)
 
+    @pytest.mark.usefixtures("front_end")
     def test_parent_created_and_stale_socket_replaced(self, tmp_path: Path) -> None:
         sock = tmp_path / "run" / "disagg" / "fm.sock"
         sock.parent.mkdir(parents=True)
@@ -341,17 +349,19 @@ class TestListeners:
             assert served.stub.ListPools(fm.ListPoolsRequest()).kinds
 
     @pytest.mark.parametrize(("umask", "socket_mode"), [(0o000, 0o660), (0o022, 0o640), (0o077, 0o600)])
-    def test_other_users_cannot_connect(self, tmp_path: Path, umask: int, socket_mode: int) -> None:
+    def test_other_users_cannot_connect(self, tmp_path: Path, umask: int, socket_mode: int, front_end: str) -> None:
         """The socket and the directories made for it followed the umask alone: under umask 000 both were 0o777,
         and any local user could compose and decompose through the unauthenticated channel."""
         sock = tmp_path / "made" / "fm.sock"
-        server = started_under_umask(sock, umask)
+        server = started_under_umask(sock, umask, front_end)
         try:
             assert stat.S_IMODE(sock.stat().st_mode) == socket_mode
             assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o750 & ~umask
         finally:
             server.stop(0)
 
+    @pytest.mark.usefixtures("front_end")
+    @pytest.mark.inline_only("it patches grpc.aio's Server in this process, where a process front end binds none")
     def test_no_moment_open_to_other_users(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """grpcio binds and listens as the port is added, before the server starts; the permissions were taken
         off after that, and a connection another user made in between was served once the server started."""
@@ -372,28 +382,28 @@ class TestListeners:
         finally:
             server.stop(0)
 
-    def test_live_socket_is_refused(self, tmp_path: Path) -> None:
+    def test_live_socket_is_refused(self, tmp_path: Path, front_end: str) -> None:
         sock = socket_path(tmp_path)
         with serving(sock), pytest.raises(ConfigError, match="another server is already listening"):
-            FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"]).start()
+            FabricManagerServer(FabricComposer(rack()), [f"unix:{sock}"], front_end=front_end).start()
 
-    def test_other_file_is_refused(self, tmp_path: Path) -> None:
+    def test_other_file_is_refused(self, tmp_path: Path, front_end: str) -> None:
         path = socket_path(tmp_path)
         path.write_text("not a socket")
         with pytest.raises(ConfigError, match="not a socket"):
-            FabricManagerServer(FabricComposer(rack()), [f"unix:{path}"]).start()
+            FabricManagerServer(FabricComposer(rack()), [f"unix:{path}"], front_end=front_end).start()
         assert path.read_text() == "not a socket"
 
-    def test_port_in_use_is_refused(self) -> None:
+    def test_port_in_use_is_refused(self, front_end: str) -> None:
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
             with pytest.raises(ConfigError, match="cannot listen"):
-                FabricManagerServer(FabricComposer(rack()), [f"127.0.0.1:{port}"]).start()
+                FabricManagerServer(FabricComposer(rack()), [f"127.0.0.1:{port}"], front_end=front_end).start()
 
-    def test_tcp_port_zero_reports_the_chosen_port(self) -> None:
-        server = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"])
+    def test_tcp_port_zero_reports_the_chosen_port(self, front_end: str) -> None:
+        server = FabricManagerServer(FabricComposer(rack(), store=MemoryStore()), ["127.0.0.1:0"], front_end=front_end)
         try:
             (address,) = server.start()
             host, port = address.rsplit(":", 1)
@@ -444,7 +454,7 @@ def compose(channel: grpc.Channel) -> fm.ComposeResponse:
 
 
 class TestLedgerFailure:
-    def test_a_ledger_that_cannot_be_written_stops_the_server(self, tmp_path: Path) -> None:
+    def test_a_ledger_that_cannot_be_written_stops_the_server(self, tmp_path: Path, front_end: str) -> None:
         """Once a commit fails the ledger refuses every write, and what callers were told may no longer be what
         the disk holds: the server stops serving and says why (for its supervisor to restart it, which recovers
         from the disk and the hardware) instead of serving on with compositions stuck half-made."""
@@ -456,6 +466,7 @@ class TestLedgerFailure:
             ["127.0.0.1:0"],
             tick_s=0.5,
             on_failed=lambda why: (failed.append(why), stopped.set()),
+            front_end=front_end,
         )
         server.start()
         try:

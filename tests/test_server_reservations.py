@@ -19,6 +19,9 @@ from server_helpers import Served, compose_request, fails, gpu, serving, socket_
 H200 = fm.Selector(key="model", op=fm.SELECTOR_OP_EQ, value=pb.AttributeValue(string_value="H200"))
 
 
+pytestmark = pytest.mark.usefixtures("front_end")
+
+
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
     """A server over the demo rack on a unix socket in the test's directory."""

@@ -43,6 +43,9 @@ PROMPT_S = 2.5
 (`disagg.server.runtime.UNWIND_S`, 1 s) and a margin. Waiting for the busy fabric instead takes `WAIT_S`."""
 
 
+pytestmark = pytest.mark.usefixtures("front_end")
+
+
 class HeldFabric(SimFabric):
     """A sim fabric that holds its discovery, or its reads of bindings once ``armed``, until ``gate`` is set
     (bounded by `WAIT_S`); ``entered`` says one is held, ``closed`` that it was closed, ``calls`` counts its
@@ -134,10 +137,12 @@ class TestStopWhileStarting:
     """A stop does not wait on a discovery beyond its grace; the thread that started the composer closes it once
     its start returns, and `start` then raises rather than report addresses of a server that was stopped."""
 
-    def test_start_raises_and_the_composer_closes_after_discovery(self, tmp_path: Path) -> None:
+    def test_start_raises_and_the_composer_closes_after_discovery(self, tmp_path: Path, front_end: str) -> None:
         fabric = HeldFabric(hold_discovery=True)
         sock = socket_path(tmp_path)
-        server = FabricManagerServer(FabricComposer({"pcie0": fabric}, store=MemoryStore()), [f"unix:{sock}"])
+        server = FabricManagerServer(
+            FabricComposer({"pcie0": fabric}, store=MemoryStore()), [f"unix:{sock}"], front_end=front_end
+        )
         took, outcome = stop_while_held(server, fabric)
         assert took < PROMPT_S, f"stop(0) waited {took:.1f} s for the discovery"
         assert "addresses" not in outcome, "start reported a server that had been stopped as serving"
@@ -146,13 +151,15 @@ class TestStopWhileStarting:
         assert fabric.closed.is_set()
         assert not sock.exists()
 
-    def test_the_fabrics_after_a_held_discovery_are_not_discovered(self, tmp_path: Path) -> None:
+    def test_the_fabrics_after_a_held_discovery_are_not_discovered(self, tmp_path: Path, front_end: str) -> None:
         """The start ends at the next fabric once a stop gave up on it: no discovery of the fabrics after the held
         one, no recovery or reconciliation (no read of bindings) once the held one answers."""
         held = HeldFabric(hold_discovery=True)
         after = HeldFabric(name="cxl0", topology="demo-cxl")
         server = FabricManagerServer(
-            FabricComposer({"pcie0": held, "cxl0": after}, store=MemoryStore()), [f"unix:{socket_path(tmp_path)}"]
+            FabricComposer({"pcie0": held, "cxl0": after}, store=MemoryStore()),
+            [f"unix:{socket_path(tmp_path)}"],
+            front_end=front_end,
         )
         _, outcome = stop_while_held(server, held)
         assert after.calls["discover"] == 0, "a fabric after the held one was discovered after the stop"
@@ -160,7 +167,7 @@ class TestStopWhileStarting:
         assert isinstance(outcome.get("error"), ServerStoppedError), outcome
         assert held.closed.is_set() and after.closed.is_set()
 
-    def test_a_replica_stopped_while_it_starts_after_winning_the_lead(self, tmp_path: Path) -> None:
+    def test_a_replica_stopped_while_it_starts_after_winning_the_lead(self, tmp_path: Path, front_end: str) -> None:
         fabric = HeldFabric(hold_discovery=True)
         sock = socket_path(tmp_path)
         composer = FabricComposer({"pcie0": fabric}, store=MemoryStore())
@@ -170,6 +177,7 @@ class TestStopWhileStarting:
             [f"unix:{sock}"],
             leadership=WonLead(),
             on_serving=served.append,
+            front_end=front_end,
         )
         try:
             assert server.start() == [f"unix:{sock}"]  # a standby; it wins the lead and starts the composer
@@ -200,14 +208,16 @@ class TestStopWhileReconciling:
                 fabric.gate.set()
             assert fabric.closed.wait(WAIT_S), "the composer was not closed once the reconcile returned"
 
-    def test_what_the_reconcile_finds_later_is_not_written(self, tmp_path: Path) -> None:
+    def test_what_the_reconcile_finds_later_is_not_written(self, tmp_path: Path, front_end: str) -> None:
         """The reconcile held on the hardware quarantines, once it returns, a binding the ledger lacks: it wrote
         that to the ledger after stop() had returned, beside a composer restarted on the same ledger in the
         same process, whose next write then failed on the event revision the old one had taken."""
         ledger = tmp_path / "ledger.db"
         fabric = HeldFabric()
         composer = FabricComposer({"pcie0": fabric}, store=SqliteStore(ledger))
-        server = FabricManagerServer(composer, [f"unix:{socket_path(tmp_path)}"], tick_s=0.02, reconcile_s=0.05)
+        server = FabricManagerServer(
+            composer, [f"unix:{socket_path(tmp_path)}"], tick_s=0.02, reconcile_s=0.05, front_end=front_end
+        )
         server.start()
         fabric.bind("pcie0/gpu-a0", "h1", CallContext(epoch=1))  # the reconcile finds it unrecorded
         fabric.armed.set()
@@ -291,12 +301,14 @@ class TestLedgerClaimPastStop:
     returns: the claim was let go as the stop closed the composer, so that a second fabric manager started at
     once, undid the interrupted compose, and then the old call's bind landed on the hardware unrecorded."""
 
-    def test_held_until_the_call_returns(self, tmp_path: Path) -> None:
+    def test_held_until_the_call_returns(self, tmp_path: Path, front_end: str) -> None:
         ledger = tmp_path / "ledger.db"
         gated = GatedBind(load_topology("pcie0", "demo-pcie"))
         gated.entered, gated.gate = threading.Event(), threading.Event()
         server = FabricManagerServer(
-            FabricComposer({"pcie0": gated}, store=SqliteStore(ledger)), [f"unix:{socket_path(tmp_path)}"]
+            FabricComposer({"pcie0": gated}, store=SqliteStore(ledger)),
+            [f"unix:{socket_path(tmp_path)}"],
+            front_end=front_end,
         )
         server.start()
         try:
@@ -333,14 +345,14 @@ class TestLedgerClaimPastStop:
 class TestFailedStart:
     """A start that fails to listen leaves no socket file behind and says why in words."""
 
-    def test_unix_socket_removed_and_port_in_use_named(self, tmp_path: Path) -> None:
+    def test_unix_socket_removed_and_port_in_use_named(self, tmp_path: Path, front_end: str) -> None:
         path = tmp_path / "fm.sock"
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
             server = FabricManagerServer(
-                FabricComposer(rack(), store=MemoryStore()), [f"unix:{path}", f"127.0.0.1:{port}"]
+                FabricComposer(rack(), store=MemoryStore()), [f"unix:{path}", f"127.0.0.1:{port}"], front_end=front_end
             )
             with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: .*already in use"):
                 server.start()
@@ -375,11 +387,11 @@ sys.exit(main(sys.argv[1:]))
 class TestServeSignals:
     """``disagg serve`` stopped by signals while it starts exits 0, however many signals come."""
 
-    def test_a_second_sigterm_during_the_clean_up(self, tmp_path: Path) -> None:
+    def test_a_second_sigterm_during_the_clean_up(self, tmp_path: Path, front_end: str) -> None:
         sock = socket_path(tmp_path)
         config = tmp_path / "disagg.toml"
         config.write_text(SERVE_CONFIG.format(delay=0, socket=sock))
-        child = serve_child(tmp_path, config, script=CHILD, stdout=subprocess.DEVNULL)
+        child = serve_child(tmp_path, config, "--front-end", front_end, script=CHILD, stdout=subprocess.DEVNULL)
         lines: list[str] = []
 
         def read() -> None:
@@ -440,11 +452,11 @@ class TestServePastItsGrace:
     close waited behind the call held the exit without end (the fabrics after it were never closed); a stop past
     the grace with a reconcile or a heal running closed none (a switch emulator to stop was left running)."""
 
-    def test_the_other_fabrics_close_and_the_exit_is_bounded(self, tmp_path: Path) -> None:
+    def test_the_other_fabrics_close_and_the_exit_is_bounded(self, tmp_path: Path, front_end: str) -> None:
         sock = socket_path(tmp_path)
         config = tmp_path / "disagg.toml"
         config.write_text(SLOW_BIND.format(delay=20, socket=sock))
-        child = serve_child(tmp_path, config, "--grace", "0.5", script=PAST_GRACE)
+        child = serve_child(tmp_path, config, "--grace", "0.5", "--front-end", front_end, script=PAST_GRACE)
         lines: list[str] = []
         assert child.stdout is not None and child.stderr is not None
         errors = child.stderr

@@ -77,6 +77,7 @@ def watch(served: Served, after: int = 0) -> Any:
     return served.stub.WatchEvents(fm.WatchEventsRequest(after_revision=after), timeout=WAIT_S)
 
 
+@pytest.mark.usefixtures("front_end")
 class TestWatchEvents:
     """WatchEvents sends the log after a revision, then live events, in revision order with no gap or duplicate."""
 
@@ -227,6 +228,7 @@ class TestWatchEvents:
             assert not stopper.is_alive() and time.monotonic() - started < WAIT_S / 2, "the stop waited its grace"
 
 
+@pytest.mark.usefixtures("front_end")
 class TestSlowWatcher:
     """A watcher that stops reading keeps no slot: once a send has waited `watch_stall_s`, its watch ends and the
     client, when it reads again, gets what was sent and then OVERLOADED saying where to resume."""
@@ -285,6 +287,7 @@ class TestAServedWatchIsTold:
         finally:
             call.cancel()
 
+    @pytest.mark.usefixtures("front_end")
     def test_on_the_asyncio_server(self, served: Served) -> None:
         churn(served, 2)
         assert self._told(served.stub, 2)  # at the newest revision: no event to send yet
@@ -362,6 +365,7 @@ class TestSlowWatcherOnAThreadPoolServer:
             comp.close()
 
 
+@pytest.mark.usefixtures("front_end")
 class TestAWatchItsClientLeft:
     """A client that goes away while a send of its watch waits is an ordinary end of the call: the watch closes,
     and the server logs no error for it (grpcio logged ExecuteBatchError with a traceback)."""
@@ -477,6 +481,7 @@ class TestWatchAcrossARestart:
             changer.join(WAIT_S)
             comp.close()
 
+    @pytest.mark.usefixtures("front_end")
     def test_resume_after_a_restart(self, tmp_path: Path) -> None:
         hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
         with serving(socket_path(tmp_path), hardware, store=SqliteStore(tmp_path / "l.db")) as served:
@@ -493,6 +498,7 @@ class TestWatchAcrossARestart:
             finally:
                 resumed.cancel()
 
+    @pytest.mark.usefixtures("front_end")
     def test_compacted_after_a_restart(self, tmp_path: Path) -> None:
         ledger = tmp_path / "l.db"
         hardware = {"pcie0": create_fabric("pcie0", {"topology": "demo-pcie", "state_file": str(tmp_path / "p.json")})}
@@ -509,6 +515,7 @@ class TestWatchAcrossARestart:
             assert failed.metadata["oldest"] == str(oldest)
 
     @pytest.mark.parametrize("ledger", ["sqlite", "memory"])
+    @pytest.mark.usefixtures("front_end")
     def test_a_resume_over_a_log_reset_since_is_refused(self, tmp_path: Path, ledger: str) -> None:
         """The ledger restored from a backup of revision 3 (as docs/durability.md describes), or an in-memory
         one restarted: once the new log passed the client's revision, the Python client's resume from 6 went
@@ -546,6 +553,7 @@ class TestWatchAcrossARestart:
             stream.close()
             client.close()
 
+    @pytest.mark.usefixtures("front_end")
     def test_a_resume_on_the_same_log_goes_on(self, tmp_path: Path) -> None:
         """The check compares the event the client saw with the one the log holds: on the same log, across a
         restart, the resume goes on with no gap and no duplicate."""
@@ -562,6 +570,7 @@ class TestWatchAcrossARestart:
             stream.close()
             client.close()
 
+    @pytest.mark.usefixtures("front_end")
     def test_a_quiet_watch_outlives_more_restarts_than_its_attempts(self, tmp_path: Path) -> None:
         """A watch that sees no event while its server restarts again and again, coming back each time: the
         breaks were counted in a row, as a call's failed attempts are, and the restart that made them the
@@ -601,6 +610,7 @@ class TestWatchAcrossARestart:
             client.close()
 
     @pytest.mark.parametrize("when", [float("nan"), float("inf"), -1.0])
+    @pytest.mark.usefixtures("front_end")
     def test_a_time_that_is_no_time_is_refused(self, served: Served, when: float) -> None:
         churn(served, 2)
         failed = stream_fails(served.stub.WatchEvents, fm.WatchEventsRequest(after_revision=1, after_time=when))
@@ -623,6 +633,7 @@ def resume(after: int, after_time: float) -> fm.WatchEventsRequest:
 
 
 @pytest.mark.parametrize("ledger", ["sqlite", "memory"])
+@pytest.mark.usefixtures("front_end")
 class TestAResumeAtTheEdgeOfTheRetention:
     """A log that keeps the newest 4 events: after 9, it serves 6 to 9. A resume from 5 has no gap, but the log
     no longer holds event 5 to hold the client's time against: over a reset log it went on with the new log's
@@ -685,6 +696,7 @@ class TestAResumeAtTheEdgeOfTheRetention:
             assert failed.code is grpc.StatusCode.OUT_OF_RANGE and failed.metadata["oldest"] == "6"
 
 
+@pytest.mark.usefixtures("front_end")
 class TestWatchFromAListing:
     """A listing's revision carries the time of its event (`revision_time`), which a watch from it sends."""
 

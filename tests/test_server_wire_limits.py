@@ -63,6 +63,7 @@ class TestSelectorValues:
             compose_request_from_wire(over)
         assert info.value.field == "resources[0].selectors[0].value"
 
+    @pytest.mark.usefixtures("front_end")
     def test_an_answer_holding_a_longer_one_is_read(self, served: Served) -> None:
         """The limit is a request's: a composition made with a longer string (through the Python API, or before
         the limit) was unreadable to every client, and one such record broke the whole listing."""
@@ -74,6 +75,7 @@ class TestSelectorValues:
             assert [c.name for c in client.compositions()] == ["long"]
         assert selector_from_wire(text_selector("x" * 300), "s", resource=True).value == "x" * 300
 
+    @pytest.mark.usefixtures("front_end")
     def test_an_update_adding_a_longer_one_is_refused(self, served: Served) -> None:
         made = served.composer.compose(CompositionRequest("c", (ResourceRequest(DeviceKind.GPU, 1),))).composition
         assert made is not None
@@ -81,6 +83,7 @@ class TestSelectorValues:
         failed = fails(served.stub.UpdateComposition, fm.UpdateCompositionRequest(id=made.id, add=[long]))
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("add[0].selectors[0].value",)
 
+    @pytest.mark.usefixtures("front_end")
     def test_over_the_wire(self, served: Served) -> None:
         long = text_selector("v" * (MAX_SELECTOR_VALUE + 1))
         failed = fails(served.stub.Compose, compose_request("a", gpu(), gpu(selectors=[text_selector("H200"), long])))
@@ -88,6 +91,7 @@ class TestSelectorValues:
         failed = fails(served.stub.Compose, compose_request("a", host=fm.HostRequest(selectors=[long])))
         assert failed.code is grpc.StatusCode.INVALID_ARGUMENT and failed.fields == ("host.selectors[0].value",)
 
+    @pytest.mark.usefixtures("front_end")
     def test_the_largest_valid_compose_fits_grpcs_message_cap(self, served: Served) -> None:
         """Every string at its longest, in four-byte characters where allowed: the server answers it with its
         own status (here no fit), not gRPC's detail-less RESOURCE_EXHAUSTED for a message over 4 MiB."""
@@ -101,6 +105,7 @@ class TestSelectorValues:
         failed = fails(served.stub.Compose, request)
         assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("host", WIDE * MAX_ID)
 
+    @pytest.mark.usefixtures("front_end")
     def test_the_largest_valid_update_fits_grpcs_message_cap(self, served: Served) -> None:
         """As for Compose, with every id to remove as long as a driver may report one (`MAX_ID`), in four-byte
         characters: the server answers with its own status (here no such composition)."""
@@ -118,6 +123,7 @@ class TestSelectorValues:
         assert failed.code is grpc.StatusCode.NOT_FOUND and failed.resource == ("composition", WIDE * 128)
 
 
+@pytest.mark.usefixtures("front_end")
 class TestRequestsOnly:
     """The limits on a request's numbers (finite selector numbers, and the ranges the fields carry) are a request's,
     refused on Compose and on UpdateComposition's added lines: an answer holding such a number (a composition made
@@ -165,6 +171,7 @@ class TestRequestsOnly:
         assert selector_from_wire(bad, "s", resource=True).value != 0  # read as it is, where an answer is
 
 
+@pytest.mark.usefixtures("front_end")
 class TestApplyingAReservation:
     """A reservation is applied alone: a name, host or resource lines sent with its id are refused, not ignored."""
 
@@ -201,6 +208,7 @@ def documented_codes(rpc: str) -> str:
     return row["codes"]
 
 
+@pytest.mark.usefixtures("front_end")
 class TestDocumentedCodes:
     """A refusal the server answers is among the codes protocol.md lists for its RPC."""
 
