@@ -654,7 +654,6 @@ class TestComposeBenchSizes:
         assert unmeasured["machine_cpu_us_per_call_at_32_clients"].keys() == {"noop"}
         assert unmeasured["server_busiest_thread_waiting_for_cpu_at_32_clients"] == {}
 
-    @pytest.mark.parametrize("front_end", ["process", "inline"])
     def test_the_front_end_asked_for(self, tmp_path: Path, capsys: pytest.CaptureFixture[str], front_end: str) -> None:
         """--front-end goes to disagg serve; the file and the summary say which ran, and with a front end in a
         process the clock reads the threads of both processes, each named by its process."""

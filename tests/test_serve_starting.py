@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import grpc
-import pytest
 from disagg.composer import FabricComposer
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
@@ -97,7 +96,6 @@ class TestListeningWhileBuilding:
             channel.close()
             server.stop(0)
 
-    @pytest.mark.parametrize("front_end", ["inline", "process"])
     def test_stopped_while_building(self, tmp_path: Path, front_end: str) -> None:
         """The stop does not wait for the build beyond its grace; the composer built after it is closed."""
         build = GatedBuild()

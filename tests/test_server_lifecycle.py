@@ -167,7 +167,6 @@ class TestReflection:
 class TestShutdown:
     """Stopping sets health NOT_SERVING first, refuses new calls with UNAVAILABLE, lets calls in flight finish."""
 
-    @pytest.mark.parametrize("front_end", ["inline", "process"])
     def test_graceful(self, tmp_path: Path, front_end: str) -> None:
         with serving(socket_path(tmp_path), slow_rack(1.0), front_end=front_end) as served:
             health = health_pb2_grpc.HealthStub(served.channel).Watch(

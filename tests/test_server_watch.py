@@ -208,7 +208,6 @@ class TestWatchEvents:
         wait_until(lambda: len(served.server.servicer.watches) == 0, "the watch to close")
         churn(served, 1)  # the composer no longer calls the closed watch's buffer
 
-    @pytest.mark.parametrize("front_end", ["inline", "process"])
     def test_server_stop_ends_the_watch_with_unavailable(self, tmp_path: Path, front_end: str) -> None:
         """At once, not when the grace runs out, with either front end."""
         with serving(socket_path(tmp_path), front_end=front_end) as served:
@@ -233,7 +232,6 @@ class TestSlowWatcher:
     """A watcher that stops reading keeps no slot: once a send has waited `watch_stall_s`, its watch ends and the
     client, when it reads again, gets what was sent and then OVERLOADED saying where to resume."""
 
-    @pytest.mark.parametrize("front_end", ["inline", "process"])
     def test_a_stalled_watch_frees_its_slot_and_is_told(self, tmp_path: Path, front_end: str) -> None:
         """With the front end in a process of its own too: it passes a message on only as gRPC takes it, so the
         composer's send waits for a client that stopped reading, and the stall is caught there."""
