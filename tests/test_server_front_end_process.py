@@ -33,7 +33,7 @@ from disagg.server.front import FRONT_END_GONE, ComposerLink
 from disagg.server.link import CALL, HEADER, MAX_FRAME
 from disagg.server.runtime import ServerStoppedError
 from disagg.store import MemoryStore
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_helpers import SERVE_CONFIG, WAIT_S, serving, socket_path, wait_until
 
 START_S = 30.0
@@ -287,6 +287,31 @@ def _start_failure(server: FabricManagerServer, failures: list[str]) -> None:
         server.start()
     except DisaggError as exc:
         failures.append(exc.message)
+
+
+class TestComposerPaused:
+    """A composer's process that stops answering (SIGSTOP, a hung loop) while its front end runs on: the front end
+    still answers a client's pings, so its health must say so, or the client's round robin kept sending every
+    other call there to wait out its deadline (`test_client_replicas`)."""
+
+    def test_health_says_not_serving_until_it_answers_again(self, tmp_path: Path, serve: list[ServeProcess]) -> None:
+        address = f"unix:{socket_path(tmp_path)}"
+        child = started(serve, tmp_path, address)
+
+        def status() -> int:
+            with grpc.insecure_channel(address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                return int(stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=WAIT_S).status)
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        child.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, "NOT_SERVING", timeout=6.0)
+        finally:
+            child.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, "SERVING again")
+        assert list_pools(address) == 2
+        child.stop_cleanly("the server paused a while")
 
 
 class TestSignals:
