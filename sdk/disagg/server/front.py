@@ -43,6 +43,8 @@ from disagg.server.link import (
     HEALTH,
     LISTENING,
     MESSAGE,
+    PING,
+    PONG,
     REPLY,
     STOP,
     STOPPED,
@@ -214,6 +216,8 @@ class ComposerLink(LinkProtocol):
             running = self._calls.get(call)
             if running is not None:
                 running.credit(COUNT.unpack(payload)[0])
+        elif kind == PING:
+            self.send(PONG, 0)
         elif kind == LISTENING:
             if not self.listening.done():
                 self.listening.set_result(json.loads(payload))

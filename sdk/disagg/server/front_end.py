@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
 from disagg.server.errors import wrap_async
-from disagg.server.health import HealthService
+from disagg.server.health import NOT_SERVING, HealthService
 from disagg.server.link import (
     CALL,
     CALL_HEAD,
@@ -47,6 +47,8 @@ from disagg.server.link import (
     HEALTH,
     LISTENING,
     MESSAGE,
+    PING,
+    PONG,
     REPLY,
     STOP,
     STOPPED,
@@ -68,6 +70,13 @@ PR_SET_PDEATHSIG = 1
 PARENTS_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 """Ctrl-C and SIGTERM, which the parent acts on, for this process too (`main`)."""
 CODES = {code.value[0]: code for code in grpc.StatusCode}
+HEARTBEAT_S = 1.0
+"""How often the front end asks whether the composer's loop still runs (`PING`)."""
+UNANSWERED_BEATS = 3
+"""Pings left unanswered after which health says NOT_SERVING until the composer answers again: this process still
+answers a client's keepalive pings, so only health tells a client with other replicas not to wait for one that
+stopped (SIGSTOP, a hung loop), within about the time those pings took to notice on one process. Counted in beats,
+not seconds, so that a pause of both processes (Ctrl-Z) is not taken for one of the composer's alone."""
 
 Handler = Callable[[bytes, "grpc.aio.ServicerContext[bytes, bytes]"], Awaitable[Any]]
 
@@ -82,6 +91,9 @@ class FrontLink(LinkProtocol):
         self._streams: dict[int, asyncio.Queue[tuple[int, bytes]]] = {}
         self.health = HealthService()
         self.stop_asked: asyncio.Future[float | None] = loop.create_future()
+        self._mirrored: dict[str, int] = {}
+        """What the composer's process set, said again once it answers after `UNANSWERED_BEATS`."""
+        self._unanswered = 0
 
     def _open(self, index: int, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> int:
         self._next = call = (self._next + 1) & 0xFFFFFFFF or 1
@@ -161,12 +173,35 @@ class FrontLink(LinkProtocol):
             if status is None:
                 self.health.end_watches()
             else:
-                self.health.set(service, status)
+                self._mirrored[service] = status
+                if self._unanswered <= UNANSWERED_BEATS:  # else NOT_SERVING until it answers (`beat`)
+                    self.health.set(service, status)
+        elif kind == PONG:
+            if self._unanswered > UNANSWERED_BEATS:
+                log.warning("the composer's process answers again: health as it sets it")
+                for service, status in self._mirrored.items():
+                    self.health.set(service, status)
+            self._unanswered = 0
         elif kind == STOP:
             if not self.stop_asked.done():
                 self.stop_asked.set_result(json.loads(payload))
         else:
             raise LinkBrokenError(f"frame kind {kind} from the composer's process")
+
+    def beat(self) -> None:
+        """Ping the composer's process every `HEARTBEAT_S`; NOT_SERVING after `UNANSWERED_BEATS` unanswered."""
+        if self.closed:
+            return
+        if self._unanswered == UNANSWERED_BEATS:
+            log.warning(
+                "the composer's process has not answered for %g s: NOT_SERVING until it does",
+                HEARTBEAT_S * UNANSWERED_BEATS,
+            )
+            for service in self._mirrored:
+                self.health.set(service, NOT_SERVING)
+        self._unanswered += 1
+        self.send(PING, 0)
+        self.loop.call_later(HEARTBEAT_S, self.beat)
 
     def lost(self, why: str) -> None:
         """The composer's process is gone (or asked this one to end and closed the link): end now. Its clients'
@@ -238,6 +273,7 @@ async def serve(spec: dict[str, Any]) -> None:
             return
     await server.start()
     link.send_json(LISTENING, 0, {"ports": ports})
+    link.beat()
     gc.collect()
     gc.freeze()
     grace = await link.stop_asked

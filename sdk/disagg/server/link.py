@@ -7,8 +7,9 @@ front end. Control frames (listening, health, stop) are rare and carry JSON.
 
 Front end to composer: `CALL` (method index, absolute deadline on the monotonic clock, request bytes), `CANCEL`
 (the client went away or its deadline passed), `CREDIT` (a stream's messages the front end has sent on, so that a
-watch's send waits for its client as it does on one process), `LISTENING` and `STOPPED`. Composer to front end:
-`REPLY`, `MESSAGE`, `HEADERS` (initial metadata), `END` (a status with its trailing metadata), `HEALTH`, `STOP`.
+watch's send waits for its client as it does on one process), `LISTENING`, `STOPPED` and `PING`. Composer to front
+end: `REPLY`, `MESSAGE`, `HEADERS` (initial metadata), `END` (a status with its trailing metadata), `HEALTH`, `STOP`
+and `PONG`, the answer to a `PING`, which tells the front end that the composer's loop still runs.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ MAX_FRAME = 1 << 30
 """Larger than any message gRPC lets through (its receive limit is 4 MiB unless raised): a frame that claims
 more is a broken link."""
 
-CALL, CANCEL, CREDIT, LISTENING, STOPPED = 1, 2, 3, 4, 5
-REPLY, MESSAGE, HEADERS, END, HEALTH, STOP = 16, 17, 18, 19, 20, 21
+CALL, CANCEL, CREDIT, LISTENING, STOPPED, PING = 1, 2, 3, 4, 5, 6
+REPLY, MESSAGE, HEADERS, END, HEALTH, STOP, PONG = 16, 17, 18, 19, 20, 21, 22
 
 STREAM_CREDIT = 8
 """The messages a stream may send ahead of what the front end has passed on to gRPC."""
