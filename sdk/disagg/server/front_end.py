@@ -96,7 +96,12 @@ class FrontLink(LinkProtocol):
         self._unanswered = 0
 
     def _open(self, index: int, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> int:
-        self._next = call = (self._next + 1) & 0xFFFFFFFF or 1
+        call = self._next
+        while True:  # an id comes round again after 2**32 calls: a watch may hold it still
+            call = (call + 1) & 0xFFFFFFFF or 1
+            if call not in self._unary and call not in self._streams:
+                break
+        self._next = call
         head = CALL_HEAD.pack(index, deadline_of(context.time_remaining(), time.monotonic()))
         self.send(CALL, call, head + request)
         return call
