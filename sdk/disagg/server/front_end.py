@@ -120,7 +120,10 @@ class FrontLink(LinkProtocol):
             if kind == REPLY:
                 return payload
             code, details, trailing = read_end(payload)
-            await context.abort(CODES[code], details, trailing)
+            try:
+                await context.abort(CODES[code], details, trailing)
+            except grpc.aio.InternalError as exc:  # gone meanwhile: as `disagg.server.errors` ends it, cancelled
+                raise asyncio.CancelledError from exc
             raise AssertionError("abort returned")  # pragma: no cover - grpcio's abort raises
 
         return forward
