@@ -74,6 +74,19 @@ class ServerStoppedError(RuntimeError):
 class LinkedContext:
     """What a handler in the composer's process asks of a call the front end forwarded."""
 
+    __slots__ = (
+        "_call",
+        "_callbacks",
+        "_cancelled",
+        "_code",
+        "_credit",
+        "_credited",
+        "_deadline",
+        "_done",
+        "_link",
+        "task",
+    )
+
     def __init__(self, link: ComposerLink, call: int, deadline: float, streaming: bool) -> None:
         self._link = link
         self._call = call
@@ -149,6 +162,8 @@ class LinkedContext:
 
 class _SerializingContext(LinkedContext):
     """A stream's context: its handler writes response messages, sent as their bytes."""
+
+    __slots__ = ("_serialize",)
 
     def __init__(self, link: ComposerLink, call: int, deadline: float, serialize: Callable[[Any], bytes]) -> None:
         super().__init__(link, call, deadline, True)
@@ -238,7 +253,10 @@ class ComposerLink(LinkProtocol):
         except grpc.aio.AbortError:
             pass  # the END went out with the abort
         except asyncio.CancelledError:
-            pass  # cancelled from the front end, which ended the call
+            # Cancelled from the front end, which ended the call; anything else (this loop closing) ends it as
+            # cancelled here, or the client would wait out its deadline.
+            if not context.cancelled() and not context.done():
+                self.send(END, call, end_payload(grpc.StatusCode.CANCELLED.value[0], "the call was cancelled", ()))
         except Exception:
             log.exception("a forwarded call failed outside its handler's error mapping")
             if not context.done():
