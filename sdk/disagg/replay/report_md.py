@@ -158,8 +158,9 @@ def control_markdown(control: Mapping[str, Mapping[str, Any]]) -> list[str]:
             "CPU at 32 clients, the whole machine's per call (client, server and kernel) and the cores it kept busy. "
             "When every core is busy, the throughput ratio can be no better than the CPU ratio; when some stay "
             "idle, calls wait on something else (a commit, the interpreter's lock). The last columns are the shares "
-            "of the time the server's busiest thread, its event loop, ran and waited for a core: together near all "
-            "of it, the loop had work all along and bounds the calls.",
+            "of the time the server's busiest thread (an event loop: the composer's, or with the SQLite ledger "
+            "possibly gRPC's front end, a process of its own) ran and waited for a core: together near all of it, "
+            "that loop had work all along and bounds the calls.",
             "",
             *_table(
                 [

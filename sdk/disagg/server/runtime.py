@@ -98,8 +98,8 @@ HEALING = "a heal (auto-heal replacing a failed device)"
 FRONT_ENDS = ("inline", "process")
 """Where gRPC's own work runs: on this process's event loop beside the composer's ("inline"), or in a process of
 its own that forwards every call here ("process", `disagg.server.front`): on two cores a durable Compose at 32
-clients then runs at about 0.6 of a no-op call's rate instead of 0.5, for about 0.2 of a no-op call's latency
-more at one client (docs/benchmarks.md)."""
+clients then ran at 0.50-0.62 of a no-op call's rate (0.60 typically) where one process gave 0.44-0.50, for about
+0.2 of a no-op call's latency more at one client (docs/benchmarks.md, 2026-12-07)."""
 
 
 KEEPALIVE_S = 10.0
