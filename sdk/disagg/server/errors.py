@@ -250,6 +250,35 @@ class AsyncErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class _Registered:
+    """Stands for a server to generated code's ``add_...Servicer_to_server``: keeps the handlers it registers."""
+
+    service = ""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # the same handlers come to `add_registered_method_handlers`
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def guarded_handlers(
+    add: Callable[[Any, Any], None], servicer: object
+) -> tuple[str, dict[str, grpc.RpcMethodHandler[Any, Any]]]:
+    """The service name and the handlers generated code's ``add`` (``add_...Servicer_to_server``) registers for
+    ``servicer``, each wrapped once as `AsyncErrorInterceptor` wraps it at its first call: for a process that
+    serves them without the interceptor (the gRPC front end, `disagg.server.front_end`) or runs them itself (the
+    composer's side of its link, `disagg.server.front`)."""
+    registered = _Registered()
+    add(servicer, registered)
+    return registered.service, {
+        name: wrap_async(f"/{registered.service}/{name}", handler) for name, handler in registered.handlers.items()
+    }
+
+
 def wrap_async(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     behavior = _behavior(handler)
     if behavior is None:

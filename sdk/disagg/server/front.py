@@ -30,8 +30,9 @@ import grpc.aio
 
 from disagg.errors import ConfigError
 from disagg.fabric.v1 import fabric_manager_pb2_grpc as fm_grpc
-from disagg.server.errors import wrap_async
-from disagg.server.front_end import METHODS, PARENTS_SIGNALS, SERVICE
+from disagg.server.errors import guarded_handlers
+from disagg.server.front_end import METHODS, PARENTS_SIGNALS
+from disagg.server.health import HealthService
 from disagg.server.link import (
     CALL,
     CALL_HEAD,
@@ -78,7 +79,6 @@ class LinkedContext:
         "_call",
         "_callbacks",
         "_cancelled",
-        "_code",
         "_credit",
         "_credited",
         "_deadline",
@@ -94,7 +94,6 @@ class LinkedContext:
         self._done = False
         self._cancelled = False
         self._callbacks: list[Callable[[Any], None]] = []
-        self._code: grpc.StatusCode | None = None
         self._credit = STREAM_CREDIT if streaming else 0
         self._credited: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None
@@ -109,9 +108,6 @@ class LinkedContext:
 
     def cancelled(self) -> bool:
         return self._cancelled
-
-    def code(self) -> grpc.StatusCode | None:
-        return self._code
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         if self._done:
@@ -154,7 +150,6 @@ class LinkedContext:
         self._link.send(MESSAGE, self._call, message)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Metadata = ()) -> None:
-        self._code = code
         self._link.send(END, self._call, end_payload(code.value[0], details, trailing_metadata))
         self.finish()
         raise grpc.aio.AbortError(f"aborted with {code.name}")
@@ -283,29 +278,11 @@ class ComposerLink(LinkProtocol):
         self._on_lost(why)
 
 
-class _Capture:
-    """Takes the handlers the generated code registers on a server."""
-
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass
-
-    def add_registered_method_handlers(
-        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
-    ) -> None:
-        self.handlers = dict(handlers)
-
-
 def linked_methods(service: fm_grpc.FabricManagerServiceServicer) -> list[LinkedMethod]:
     """``service``'s handlers in `METHODS` order, each wrapped by the error mapping the server's interceptor
-    applies (`disagg.server.errors.wrap_async`)."""
-    capture = _Capture()
-    fm_grpc.add_FabricManagerServiceServicer_to_server(service, cast(Any, capture))
-    return [
-        LinkedMethod.of(wrap_async(f"/{SERVICE.full_name}/{method.name}", capture.handlers[method.name]))
-        for method in METHODS
-    ]
+    applies (`disagg.server.errors.guarded_handlers`)."""
+    _, handlers = guarded_handlers(fm_grpc.add_FabricManagerServiceServicer_to_server, service)
+    return [LinkedMethod.of(handlers[method.name]) for method in METHODS]
 
 
 class ProcessFrontEnd:
@@ -321,12 +298,12 @@ class ProcessFrontEnd:
         self._link: ComposerLink | None = None
         self._stopping = False
         self._listening = False
-        self._health: dict[str, int] = {}
-        self._health_ended = False
 
-    async def start(self, service: fm_grpc.FabricManagerServiceServicer) -> list[int] | tuple[int, str]:
-        """Start the front end and wait until it listens: the port bound for each listener, or the index of the
-        listener it could not bind with why."""
+    async def start(
+        self, service: fm_grpc.FabricManagerServiceServicer, health: HealthService
+    ) -> list[int] | tuple[int, str]:
+        """Start the front end, ``health`` mirrored to it from then on, and wait until it listens: the port bound for
+        each listener, or the index of the listener it could not bind with why."""
         loop = asyncio.get_running_loop()
         mine, theirs = socket.socketpair()
         spec = {
@@ -352,10 +329,12 @@ class ProcessFrontEnd:
             theirs.close()
         methods = linked_methods(service)
         _, self._link = await loop.connect_accepted_socket(lambda: ComposerLink(loop, methods, self._lost), mine)
-        for name, status in self._health.items():
-            self._link.health(name, status)
-        if self._health_ended:
-            self._link.health("", None)
+        link = self._link
+
+        def mirror(service: str, status: int | None) -> None:  # from any thread, in the order set
+            loop.call_soon_threadsafe(link.health, service, status)
+
+        health.mirror_to(mirror)
         try:
             listening = await asyncio.wait_for(asyncio.shield(self._link.listening), START_S)
         except TimeoutError:
@@ -378,15 +357,6 @@ class ProcessFrontEnd:
         instead of `_Forwarded`'s look-up at every call (a coroutine less a call). On the loop's thread."""
         if self._link is not None:
             self._link.serve(linked_methods(service))
-
-    def set_health(self, service: str, status: int | None) -> None:
-        """Mirror a health status (None: the watches end) to the front end; on the loop's thread."""
-        if status is None:
-            self._health_ended = True
-        else:
-            self._health[service] = status
-        if self._link is not None:
-            self._link.health(service, status)
 
     def _lost(self, why: str) -> None:
         if self._listening and not self._stopping:

@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from disagg.fabric.v1 import fabric_manager_pb2 as fm
-from disagg.server.errors import wrap_async
+from disagg.server.errors import guarded_handlers
 from disagg.server.health import NOT_SERVING, HealthService
 from disagg.server.link import (
     CALL,
@@ -230,26 +230,6 @@ def _handlers(link: FrontLink) -> dict[str, grpc.RpcMethodHandler[bytes, bytes]]
     return handlers
 
 
-class _Guarded:
-    """Registers on ``server`` the handlers generated code adds, each wrapped by the error mapping grpcio's server
-    applies on one process (`disagg.server.errors.AsyncErrorInterceptor`): health and reflection answer a request
-    that does not decode INVALID_ARGUMENT there, not UNKNOWN. Wrapped once, with no interceptor asked at every
-    forwarded call."""
-
-    def __init__(self, server: grpc.aio.Server) -> None:
-        self._server = server
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass  # made again below from the wrapped handlers
-
-    def add_registered_method_handlers(
-        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
-    ) -> None:
-        wrapped = {name: wrap_async(f"/{service}/{name}", handler) for name, handler in handlers.items()}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, wrapped),))
-        self._server.add_registered_method_handlers(service, wrapped)
-
-
 def _bind(server: grpc.aio.Server, listener: dict[str, Any]) -> int:
     target: str = listener["target"]
     if listener["unix_path"] is not None:  # closed to other users, as on one process
@@ -266,10 +246,16 @@ async def serve(spec: dict[str, Any]) -> None:
     handlers = _handlers(link)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
-    guarded: Any = _Guarded(server)
-    health_pb2_grpc.add_HealthServicer_to_server(link.health, guarded)
+    # Health and reflection through the error mapping of one process (a request that does not decode is
+    # INVALID_ARGUMENT, not UNKNOWN), wrapped once: no interceptor asked at every forwarded call.
     names = (SERVICE.full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(names), guarded)
+    for add, servicer in (
+        (health_pb2_grpc.add_HealthServicer_to_server, link.health),
+        (reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.aio.ReflectionServicer(names)),
+    ):
+        service, guarded = guarded_handlers(add, servicer)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, guarded),))
+        server.add_registered_method_handlers(service, guarded)
     ports: list[int] = []
     for index, listener in enumerate(spec["listeners"]):
         try:

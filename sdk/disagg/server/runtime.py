@@ -644,17 +644,11 @@ class FabricManagerServer:
     async def _listen_in_process(self) -> list[str]:
         """Start the gRPC front end in a process of its own (`disagg.server.front`), health mirrored to it, and
         claim the unix sockets it listens on: the claims stay with this process, whose death frees them."""
-        loop = asyncio.get_running_loop()
         front = self._front = ProcessFrontEnd(self._listeners, SERVER_OPTIONS, self._front_lost)
-
-        def mirror(service: str, status: int | None) -> None:
-            loop.call_soon_threadsafe(front.set_health, service, status)
-
-        self.health.mirror_to(mirror)
         for listener in self._listeners:
             if listener.unix_path is not None:
                 self._claims.append((listener.unix_path, prepare_unix_socket(listener.unix_path)))
-        bound = await front.start(self.aio_servicer if self._build is None else _Forwarded(self))
+        bound = await front.start(self.aio_servicer if self._build is None else _Forwarded(self), self.health)
         if isinstance(bound, tuple):
             index, why = bound
             listener = self._listeners[index]
