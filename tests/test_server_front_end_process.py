@@ -189,6 +189,15 @@ class TestWhichFrontEnd:
         assert "auto" in child.output and "inline" in child.output and "process" in child.output
         assert not socket_path(tmp_path).exists()
 
+    def test_an_embedder_s_unknown_front_end_is_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(ConfigError) as info:
+            FabricManagerServer(
+                FabricComposer(rack(), store=MemoryStore()), [f"unix:{socket_path(tmp_path)}"], front_end="bogus"
+            )
+        assert info.value.message == "front_end is 'bogus': give one of inline, process"
+        assert info.value.field == "front_end"
+        assert not socket_path(tmp_path).exists()
+
 
 class TestParentKilled:
     """A ``disagg serve`` killed (the crash tests SIGKILL it) takes its front end with it: no orphan keeps its
